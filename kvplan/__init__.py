@@ -1,0 +1,77 @@
+"""kvplan: the layer between an LLM scheduler and its attention kernels.
+
+* storage  -- KV cache byte formats, allocation, ``store_kv_cache`` / ``load_paged_kv_cache``,
+  block load plans and the index ops (``kvplan.ops``);
+* planning -- scheduler state -> every tensor the attention kernels need (``kvplan.plan``);
+* backends -- attention metadata and paged-attention kernels (``kvplan.backends``);
+* engine   -- scheduler, model runner, sampler: ``kvplan.LLM`` and ``kvplan generate``.
+
+Names are imported lazily so that ``import kvplan`` stays cheap (the CLI starts fast).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # storage: formats and allocation
+    "KVCacheFormat": "kvplan.formats",
+    "V41_FORMAT": "kvplan.formats",
+    "V41_FP4_FORMAT": "kvplan.formats",
+    "FP4_INDEX_KV_FORMAT": "kvplan.formats",
+    "FP8_FLOAT32_SF_INDEX_KV_FORMAT": "kvplan.formats",
+    "MXFP8_INDEX_KV_FORMAT": "kvplan.formats",
+    "SUPPORTED_KV_CACHE_FORMATS": "kvplan.formats",
+    "bf16_format": "kvplan.formats",
+    "alloc_kv_cache": "kvplan.formats",
+    "split_kv_cache": "kvplan.formats",
+    "resolve_kv_cache_layout": "kvplan.formats",
+    # storage: store / load / load plans
+    "store_kv_cache": "kvplan.ops.store",
+    "load_paged_kv_cache": "kvplan.ops.load",
+    "BlockLoadPlanBuilder": "kvplan.load_plan",
+    "validate_load_plan": "kvplan.load_plan",
+    # engine
+    "LLM": "kvplan.engine.llm",
+    "SamplingParams": "kvplan.engine.sampling",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvplan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvplan.engine.llm import LLM
+    from kvplan.engine.sampling import SamplingParams
+    from kvplan.formats import (
+        FP4_INDEX_KV_FORMAT,
+        FP8_FLOAT32_SF_INDEX_KV_FORMAT,
+        MXFP8_INDEX_KV_FORMAT,
+        SUPPORTED_KV_CACHE_FORMATS,
+        V41_FORMAT,
+        V41_FP4_FORMAT,
+        KVCacheFormat,
+        alloc_kv_cache,
+        bf16_format,
+        resolve_kv_cache_layout,
+        split_kv_cache,
+    )
+    from kvplan.load_plan import BlockLoadPlanBuilder, validate_load_plan
+    from kvplan.ops.load import load_paged_kv_cache
+    from kvplan.ops.store import store_kv_cache

@@ -1,0 +1,23 @@
+"""Dispatch rule for ops: CUDA tensors run the Triton kernel, CPU tensors the torch path.
+
+Tests call each op's ``*_triton`` entry point directly on CPU tensors with
+``TRITON_INTERPRET=1`` (set by ``tests/conftest.py`` when there is no GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the Triton kernel should run for tensors on ``t``'s device."""
+    if t.is_cuda:
+        return True
+    return os.environ.get("KVPLAN_FORCE_TRITON", "") == "1"
+
+
+def triton_interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"

@@ -1,0 +1,20 @@
+"""Shared test setup: the Triton interpreter on CPU-only machines and the ``gpu`` marker."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before any @triton.jit function is created (at import of kvplan.ops.*).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
