@@ -24,12 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvplan", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, add_help=False)
         p.set_defaults(_module=module_name)
         # Arguments are registered lazily: only the chosen subcommand's module is imported.
     args, rest = parser.parse_known_args(argv)
     module = importlib.import_module(args._module)
-    sub_parser = argparse.ArgumentParser(prog=f"kvplan {args.command}")
+    sub_parser = argparse.ArgumentParser(
+        prog=f"kvplan {args.command}", description=_COMMANDS[args.command][1]
+    )
     module.add_arguments(sub_parser)
     sub_args = sub_parser.parse_args(rest)
     return int(module.run(sub_args) or 0)
