@@ -1,0 +1,236 @@
+"""Batch extraction (O(n_seq) host work), input validation and the ``out=`` emitter.
+
+The vectorized builders (``prompt.py``, ``decode.py``) and the on-device decode path start from
+:func:`extract_batch`, which validates every sequence (``ValueError`` naming the sequence, the
+field and the value, before anything is written) and gathers per-sequence facts into numpy
+arrays. :class:`Emitter` turns the computed numpy arrays into tensors: freshly allocated (pinned
+and copied ``non_blocking`` when the target device is CUDA), or written into the prefixes of
+capture-size ``out=`` buffers after every buffer's shape and dtype was checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvplan._checks import INT32_MAX, check_int32
+from kvplan.plan.common import exclusive_cumsum
+from kvplan.plan.config import MetadataConfig
+from kvplan.plan.sequence import SequenceMetadata
+
+
+@dataclass
+class BatchArrays:
+    """Per-sequence facts (numpy int64 ``[n]`` unless noted) and the row -> sequence map.
+
+    ``bt_flat`` concatenates every sequence's first ``num_blocks[i]`` block ids (at the
+    smallest ratio); sequence ``i``'s table starts at ``bt_off[i]``. ``row_seq``, ``row_j``,
+    ``row_pos`` are ``[total_q]``: owning sequence, local query index, absolute position.
+    """
+
+    seqlen_q: np.ndarray
+    seqlen_k: np.ndarray
+    q_start: np.ndarray
+    state_id: np.ndarray
+    is_placeholder: np.ndarray  # bool [n]
+    valid_start: np.ndarray
+    num_blocks: np.ndarray
+    cu_q: np.ndarray  # [n + 1]
+    cu_k: np.ndarray  # [n + 1]
+    bt_flat: np.ndarray
+    bt_off: np.ndarray  # [n + 1]
+    row_seq: np.ndarray
+    row_j: np.ndarray
+    row_pos: np.ndarray
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqlen_q)
+
+    @property
+    def total_q(self) -> int:
+        return int(self.cu_q[-1])
+
+
+def _bad(i: int, field: str, value: object, why: str) -> ValueError:
+    return ValueError(f"seqs[{i}].{field} = {value!r}: {why}")
+
+
+def validate_sequence(i: int, s: SequenceMetadata, cfg: MetadataConfig, is_prompt: bool) -> None:
+    """Per-sequence checks (everything but the block-id range, checked in bulk)."""
+    sq, sk = s.seqlen_q, s.seqlen_k
+    if isinstance(sq, bool) or not isinstance(sq, int | np.integer) or sq < 1:
+        raise _bad(i, "seqlen_q", sq, "must be an int >= 1")
+    if isinstance(sk, bool) or not isinstance(sk, int | np.integer) or sk < sq:
+        raise _bad(i, "seqlen_k", sk, f"must be an int >= seqlen_q = {sq}")
+    if sk > cfg.max_model_len:
+        raise _bad(i, "seqlen_k", sk, f"exceeds max_model_len = {cfg.max_model_len}")
+    n_draft = len(s.draft_tokens)
+    if is_prompt:
+        if n_draft:
+            raise _bad(i, "draft_tokens", list(s.draft_tokens), "draft tokens on a prompt")
+        if len(s.token_ids) < sk:
+            raise _bad(i, "token_ids", f"<{len(s.token_ids)} ids>", f"needs >= seqlen_k = {sk}")
+    else:
+        if sq != 1 + n_draft:
+            raise _bad(i, "seqlen_q", sq, f"decode needs 1 + len(draft_tokens) = {1 + n_draft}")
+        if len(s.token_ids) != sk - sq + 1:
+            raise _bad(
+                i, "token_ids", f"<{len(s.token_ids)} ids>", f"decode needs {sk - sq + 1} ids"
+            )
+        if sq - 1 + cfg.window_size > cfg.swa_block_size:
+            raise _bad(
+                i,
+                "seqlen_q",
+                sq,
+                f"window_size {cfg.window_size} + {sq - 1} drafts do not fit the SWA ring "
+                f"(swa_block_size = {cfg.swa_block_size})",
+            )
+    vs = s.swa_valid_start
+    if isinstance(vs, bool) or not isinstance(vs, int | np.integer) or not 0 <= vs <= sk - sq:
+        raise _bad(i, "swa_valid_start", vs, f"must be in [0, q_start = {sk - sq}]")
+    sid = s.state_id
+    if isinstance(sid, bool) or not isinstance(sid, int | np.integer) or sid < 0:
+        raise _bad(i, "state_id", sid, "must be an int >= 0")
+    if cfg.num_state_slots is not None and sid >= cfg.num_state_slots:
+        raise _bad(i, "state_id", sid, f"out of range [0, {cfg.num_state_slots})")
+    if (sid + 1) * cfg.swa_block_size - 1 > INT32_MAX:
+        raise _bad(i, "state_id", sid, "state_id * swa_block_size overflows int32")
+    need = cfg.num_blocks_for(sk)
+    if len(s.block_table) < need:
+        raise _bad(
+            i, "block_table", f"<{len(s.block_table)} blocks>", f"seqlen_k = {sk} needs {need}"
+        )
+
+
+def extract_batch(
+    seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, *, is_prompt: bool
+) -> BatchArrays:
+    """Validate ``seqs`` and gather their facts (one Python pass over the sequences)."""
+    if not isinstance(cfg, MetadataConfig):
+        raise TypeError(f"config must be a MetadataConfig, got {type(cfg).__name__}")
+    if len(seqs) == 0:
+        raise ValueError("seqs is empty: a step needs at least one sequence")
+    n = len(seqs)
+    sq = np.empty(n, dtype=np.int64)
+    sk = np.empty(n, dtype=np.int64)
+    sid = np.empty(n, dtype=np.int64)
+    vs = np.empty(n, dtype=np.int64)
+    ph = np.empty(n, dtype=bool)
+    nb = np.empty(n, dtype=np.int64)
+    tables = []
+    for i, s in enumerate(seqs):
+        if not isinstance(s, SequenceMetadata):
+            raise TypeError(f"seqs[{i}] must be a SequenceMetadata, got {type(s).__name__}")
+        validate_sequence(i, s, cfg, is_prompt)
+        sq[i], sk[i], sid[i], vs[i], ph[i] = (
+            s.seqlen_q,
+            s.seqlen_k,
+            s.state_id,
+            s.swa_valid_start,
+            s.is_placeholder,
+        )
+        need = cfg.num_blocks_for(int(s.seqlen_k))
+        nb[i] = need
+        tables.append(np.asarray(s.block_table[:need], dtype=np.int64))
+    bt_flat = np.concatenate(tables) if tables else np.zeros(0, dtype=np.int64)
+    if len(bt_flat):
+        lo, hi = int(bt_flat.min()), int(bt_flat.max())
+        if lo < 0:
+            i = int(np.searchsorted(np.cumsum(nb), np.flatnonzero(bt_flat < 0)[0], side="right"))
+            raise _bad(i, "block_table", lo, "holds a negative block id")
+        if cfg.num_kv_blocks is not None and hi >= cfg.num_kv_blocks:
+            i = int(np.searchsorted(np.cumsum(nb), np.flatnonzero(bt_flat == hi)[0], side="right"))
+            raise _bad(i, "block_table", hi, f"block id out of range [0, {cfg.num_kv_blocks})")
+        check_int32("block id * block_size", (hi + 1) * cfg.block_size - 1)
+    cu_q = exclusive_cumsum(sq)
+    total_q = int(cu_q[-1])
+    check_int32("total_q", total_q)
+    cu_k = exclusive_cumsum(sk)
+    check_int32("cu_seqlens_k[-1]", int(cu_k[-1]))
+    row_seq = np.repeat(np.arange(n, dtype=np.int64), sq)
+    row_j = np.arange(total_q, dtype=np.int64) - cu_q[:-1][row_seq]
+    q_start = sk - sq
+    return BatchArrays(
+        seqlen_q=sq,
+        seqlen_k=sk,
+        q_start=q_start,
+        state_id=sid,
+        is_placeholder=ph,
+        valid_start=vs,
+        num_blocks=nb,
+        cu_q=cu_q,
+        cu_k=cu_k,
+        bt_flat=bt_flat,
+        bt_off=exclusive_cumsum(nb),
+        row_seq=row_seq,
+        row_j=row_j,
+        row_pos=q_start[row_seq] + row_j,
+    )
+
+
+_NP_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
+
+
+class Emitter:
+    """Collects ``(field, key, numpy array, dtype)`` and writes them as tensors in one pass.
+
+    ``finish(meta)`` first checks every ``out`` buffer (``out[field]`` or ``out[field][key]``:
+    a tensor on ``device`` with the same dtype and trailing shape and at least as many rows),
+    then writes. With ``out`` the field becomes the prefix view ``buf[:rows]`` of the buffer
+    (CUDA-graph safe: same storage every step); without it a new tensor is allocated, pinned
+    and copied ``non_blocking`` when ``device`` is CUDA (the pinned source is private to that
+    copy).
+    """
+
+    def __init__(self, device: torch.device, out: dict | None) -> None:
+        self.device = device
+        self.out = out
+        self.items: list[tuple[str, str | None, np.ndarray, torch.dtype]] = []
+
+    def add(self, field: str, arr: np.ndarray, dtype: torch.dtype, key: str | None = None):
+        self.items.append((field, key, arr, dtype))
+
+    def _buffer(self, field: str, key: str | None, arr: np.ndarray, dtype: torch.dtype):
+        label = field if key is None else f"{field}[{key!r}]"
+        if field not in self.out:
+            raise ValueError(f"out is missing field {field!r}")
+        buf = self.out[field]
+        if key is not None:
+            if not isinstance(buf, dict) or key not in buf:
+                raise ValueError(f"out[{field!r}] must be a dict holding key {key!r}")
+            buf = buf[key]
+        if not isinstance(buf, torch.Tensor):
+            raise TypeError(f"out {label} must be a torch.Tensor, got {type(buf).__name__}")
+        if buf.dtype != dtype:
+            raise TypeError(f"out {label} must have dtype {dtype}, got {buf.dtype}")
+        if tuple(buf.shape[1:]) != tuple(arr.shape[1:]) or buf.shape[0] < arr.shape[0]:
+            raise ValueError(
+                f"out {label} has shape {tuple(buf.shape)}; needs [>= {arr.shape[0]}"
+                f"{''.join(', ' + str(d) for d in arr.shape[1:])}]"
+            )
+        if buf.device.type != self.device.type:
+            raise ValueError(f"out {label} is on {buf.device}, expected {self.device}")
+        return buf
+
+    def finish(self, meta) -> None:
+        bufs = [self._buffer(f, k, a, d) for f, k, a, d in self.items] if self.out else None
+        cuda = self.device.type == "cuda"
+        for idx, (field, key, arr, dtype) in enumerate(self.items):
+            src = torch.from_numpy(np.ascontiguousarray(arr, dtype=_NP_DTYPES[dtype]))
+            if bufs is not None:
+                if cuda:
+                    src = src.pin_memory()
+                t = bufs[idx][: arr.shape[0]]
+                t.copy_(src, non_blocking=cuda)
+            elif cuda:
+                t = src.pin_memory().to(self.device, non_blocking=True)
+            else:
+                t = src
+            if key is None:
+                setattr(meta, field, t)
+            else:
+                getattr(meta, field)[key] = t

@@ -1,0 +1,135 @@
+"""Formulas shared by every planning path, each in exactly one place.
+
+Everything here works on Python ints and on numpy int arrays alike (elementwise), so the
+vectorized builders, the per-token references and the on-device path use the same definitions.
+
+Glossary: ``q_start = seqlen_k - seqlen_q`` (first query position of a sequence), ``p`` an
+absolute query position, ``W`` the window, ``r`` a compression ratio.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import numpy as np
+
+IntLike = TypeVar("IntLike", int, np.ndarray)
+
+
+def compressed_kv_len(seqlen_k: IntLike, ratio: int) -> IntLike:
+    """Rows a sequence occupies in the loaded compressed buffer of ``ratio``.
+
+    ``max(1, seqlen_k // ratio)``: the complete compression groups, but at least one row (a
+    zero-filled row for a sequence with no complete group), so that ``cu_compressed_seqlens``
+    is strictly increasing. The ONE owner of this formula: the compressed load plan
+    (``load_segments_ca``), ``cu_compressed_seqlens`` / ``total_k_compressed``, the ``ks``
+    base of sparse ratios and the ``kv_ca_index_offset_len`` base of dense ratios all call it.
+    """
+    if isinstance(seqlen_k, np.ndarray):
+        return np.maximum(1, seqlen_k // ratio)
+    return max(1, seqlen_k // ratio)
+
+
+def num_complete_groups(seqlen_k: IntLike, ratio: int) -> IntLike:
+    """Compressed tokens that exist after ``seqlen_k`` raw tokens: ``seqlen_k // ratio``.
+
+    Also the number of compressed tokens visible to a query at ``p`` when called with
+    ``p + 1`` (DESIGN.md: tokens ``j = 0 .. (p + 1) // r - 1``).
+    """
+    return seqlen_k // ratio
+
+
+def num_new_compressed(seqlen_q: IntLike, seqlen_k: IntLike, ratio: int) -> tuple:
+    """``(valid, rows)`` of the compressed tokens a prompt chunk completes.
+
+    ``valid = seqlen_k // r - q_start // r`` groups end inside ``[q_start, seqlen_k)``;
+    ``rows = max(1, valid)`` rows of ``positions_c`` / ``slot_mapping_store_ca`` are emitted
+    (a filler row ``0 / -1`` keeps every sequence at least one row for the compressor).
+    """
+    valid = seqlen_k // ratio - (seqlen_k - seqlen_q) // ratio
+    rows = np.maximum(1, valid) if isinstance(valid, np.ndarray) else max(1, valid)
+    return valid, rows
+
+
+def completes_group(pos: IntLike, ratio: int):
+    """True where raw position ``pos`` is the last token of a compression group."""
+    return (pos + 1) % ratio == 0
+
+
+def paged_slot(block_ids: IntLike, index: IntLike, tokens_per_block: int) -> IntLike:
+    """Slot of logical entry ``index`` whose block is ``block_ids`` (= ``table[index // tpb]``).
+
+    ``slot = block * tpb + index % tpb``; the caller has already looked ``block_ids`` up.
+    """
+    return block_ids * tokens_per_block + index % tokens_per_block
+
+
+def ring_slot(state_id: IntLike, pos: IntLike, swa_block_size: int) -> IntLike:
+    """SWA ring slot of raw position ``pos``: ``state_id * swa_block_size + pos % swa_block_size``."""
+    return state_id * swa_block_size + pos % swa_block_size
+
+
+def swa_stores(seqlen_q: IntLike, j: IntLike, swa_block_size: int):
+    """True where local query row ``j`` is among the chunk's last ``swa_block_size`` rows.
+
+    Earlier rows would be overwritten in the ring by later rows of the same chunk, so they get
+    slot ``-1`` in ``slot_mapping_store_swa``.
+    """
+    return seqlen_q - j <= swa_block_size
+
+
+def swa_visible_lo(pos: IntLike, window_size: int, valid_start: IntLike) -> IntLike:
+    """Lowest raw position the sliding window of a query at ``pos`` sees.
+
+    ``clamp(max(pos - W + 1, valid_start), 0, pos + 1)`` (DESIGN.md); the visible keys are
+    ``lo .. pos``; ``lo == pos + 1`` would mean none (not reachable for validated input, where
+    ``valid_start <= q_start <= pos``).
+    """
+    if isinstance(pos, np.ndarray) or isinstance(valid_start, np.ndarray):
+        lo = np.maximum(pos - window_size + 1, valid_start)
+        return np.minimum(np.maximum(lo, 0), pos + 1)
+    return min(max(pos - window_size + 1, valid_start, 0), pos + 1)
+
+
+def swa_pivots(
+    pos: IntLike,
+    j: IntLike,
+    q_start: IntLike,
+    valid_start: IntLike,
+    window_size: int,
+    sec1_start: IntLike,
+    sec2_start: IntLike,
+    extra_lo: IntLike | None = None,
+) -> tuple:
+    """The prompt SWA pivots ``(P0, P1, P2, P3)`` of a query row (see ``prompt.py``).
+
+    The concatenated buffer holds, per sequence, a history section of ``W`` rows for absolute
+    positions ``[q_start - W, q_start)`` starting at ``sec1_start``, and the current chunk
+    (position ``q_start + k`` at ``sec2_start + k``). The row's visible set ``lo .. pos``
+    becomes ``P1`` history rows from ``P0`` and ``P3`` chunk rows from ``P2``::
+
+        history  [q_start-W ............ q_start)   chunk [q_start ...... pos]
+                          |-- P1 rows --|                 |-- P3 rows --|
+                          P0                              P2
+
+    ``extra_lo`` is one more lower bound (YoCo's rectangle start); ``None`` for none.
+    """
+    lo = swa_visible_lo(pos, window_size, valid_start)
+    if extra_lo is not None:
+        lo = np.minimum(np.maximum(lo, extra_lo), pos + 1)
+    sec1_lo = np.minimum(lo, q_start)
+    start_slot = sec1_lo - (q_start - window_size)
+    k_lo = np.maximum(lo - q_start, 0)
+    return (
+        sec1_start + start_slot,
+        window_size - start_slot,
+        sec2_start + k_lo,
+        j - k_lo + 1,
+    )
+
+
+def exclusive_cumsum(lengths: np.ndarray) -> np.ndarray:
+    """``[0, l0, l0 + l1, ...]`` (length ``n + 1``) as int64."""
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out

@@ -1,0 +1,55 @@
+"""prepare_decode: a worked example by hand (random batches vs the reference below)."""
+
+import numpy as np
+import torch
+
+from kvplan.plan import MetadataConfig, SequenceMetadata, prepare_decode
+
+CFG = MetadataConfig(
+    block_size=4,
+    dense_ratios=(2,),
+    sparse_ratios=(2, 4),
+    window_size=4,
+    swa_block_size=6,
+    max_model_len=64,
+    max_num_blocks=32,
+    max_ngram_size=3,
+    pad_token_id=-7,
+)
+
+
+def _t(x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def test_worked_example():
+    s = SequenceMetadata(
+        seqlen_q=2,
+        seqlen_k=7,
+        block_table=[5, 9, 3, 4],
+        state_id=1,
+        token_ids=list(range(10, 16)),
+        draft_tokens=[99],
+        compressed_token_ids=[100, 101, 102],
+        lookup_table=np.arange(200) + 1000,
+        image_positions=[4],
+    )
+    m = prepare_decode([s], CFG)
+    assert torch.equal(m.positions, _t([5, 6]))
+    assert torch.equal(m.input_ids, _t([15, 99]))
+    # image token at 4: position 5 sees itself only, position 6 sees 6 (draft 99) and 5
+    assert torch.equal(m.ngram_token_ids, _t([[1015, -7, -7], [1099, 1015, -7]]))
+    assert torch.equal(m.context_lens, _t([6, 7]))
+    assert torch.equal(m.klen["2"], _t([3, 3]))
+    assert torch.equal(m.klen["4"], _t([1, 1]))
+    assert torch.equal(m.slot_mapping_store_swa, _t([6 + 5, 6 + 0]))
+    assert torch.equal(m.kv_swa_index_offset_len, _t([[6 + 2, 4], [6 + 3, 4]]))
+    assert torch.equal(m.positions_c["2"], _t([4, 0]))
+    assert torch.equal(m.slot_mapping_store_ca["2"], _t([9 * 2 + 0, -1]))
+    assert torch.equal(m.slot_mapping_store_ca["4"], _t([-1, -1]))
+    assert torch.equal(m.kv_ca_index_offset_len["2"], _t([[0, 3], [32 * 2, 3]]))
+    assert torch.equal(m.block_tables[:, :2], _t([[5, 9], [5, 9]]))
+    assert torch.equal(m.cu_seqlens_q, _t([0, 2]))
+    assert torch.equal(m.cu_seqlens_k, _t([0, 7]))
+    assert torch.equal(m.query_indices, _t([0, 0]))
+    assert m.valid_token_mask.tolist() == [True, True]
