@@ -1,0 +1,403 @@
+"""Paged attention that reads KV through a flat page table (decode with split-K, varlen prefill).
+
+Page table (shared by the ragged and block-offsets backends)::
+
+    page_ids   int32 flat   [ 7  3  9 | 4 12 | ... ]        ragged: paged_kv_indices
+    page_start int32 [B]    [ 0,       3,      ... ]        ragged: paged_kv_indptr[:-1]
+                                                            block offsets: b * row_stride
+    key position p of sequence b  ->  block page_ids[page_start[b] + p // block_size],
+                                      row   p % block_size
+
+Caches are ``[num_blocks, block_size, Hkv, D]`` (NHD within a block; any block/token/head
+strides, unit stride on D). Only the pages that hold visible keys are read: a sequence of
+``kv_len`` keys uses ``ceil(kv_len / block_size)`` pages (so a reserved speculative page past
+the logical length is never touched), and pages wholly before a sliding window are skipped.
+
+Visibility: query i of sequence b (``q_len_b`` queries) sits at absolute position
+``p = kv_lens[b] - q_len_b + i`` -- its own K/V is already in the cache -- and sees keys
+``max(0, p - W + 1) .. p`` (``W = sliding_window``; ``None`` = unbounded). A query that sees
+no key (``kv_lens[b] == 0`` in decode) gets an all-zero output row.
+
+Entry points (op convention): ``paged_attention_{decode,prefill}`` dispatch (CUDA -> Triton,
+CPU -> torch); ``*_triton`` launch the kernels (also on CPU under ``TRITON_INTERPRET=1``);
+``*_torch`` are the vectorized padded-batch torch paths; ``paged_attention_ref`` is the
+per-query loop used by tests. fp8 caches are not read here: dequantize them first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvplan._checks import INT32_MAX, check_range, check_same_device, check_tensor
+from kvplan.ops import _paged_attention_kernels as _k
+from kvplan.ops._dispatch import use_triton
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_attention_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_ids: torch.Tensor,
+    page_start: torch.Tensor,
+    kv_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor | None,
+    check_values: bool,
+) -> int:
+    """Validate the arguments of either op and return the window as an int (NO_WINDOW = none)."""
+    check_tensor("q", q, dtype=FLOAT_DTYPES, ndim=3)
+    check_tensor("k_cache", k_cache, dtype=q.dtype, ndim=4)
+    check_tensor("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride on head_dim, got strides {t.stride()}")
+    check_tensor("page_ids", page_ids, dtype=torch.int32, ndim=1)
+    check_tensor("kv_lens", kv_lens, dtype=torch.int32, ndim=1)
+    batch = kv_lens.shape[0]
+    check_tensor("page_start", page_start, dtype=torch.int32, shape=(batch,))
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, page_ids=page_ids)
+    tensors.update(page_start=page_start, kv_lens=kv_lens)
+    if cu_seqlens_q is not None:
+        check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(batch + 1,))
+        tensors["cu_seqlens_q"] = cu_seqlens_q
+    elif q.shape[0] != batch:
+        raise ValueError(f"q has {q.shape[0]} rows but kv_lens has {batch} sequences")
+    if out is not None:
+        check_tensor("out", out, dtype=q.dtype, shape=tuple(q.shape))
+        if out.stride(-1) != 1:
+            raise ValueError(f"out must have unit stride on head_dim, got strides {out.stride()}")
+        tensors["out"] = out
+    check_same_device(**tensors)
+    if not (isinstance(scale, float | int) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if page_ids.numel() > INT32_MAX:
+        raise ValueError(f"page_ids has {page_ids.numel()} entries, more than int32 can index")
+    if check_values and batch > 0:
+        _check_values(q, k_cache, page_ids, page_start, kv_lens, cu_seqlens_q)
+    return _k.NO_WINDOW if sliding_window is None else min(sliding_window, _k.NO_WINDOW)
+
+
+def _check_values(q, k_cache, page_ids, page_start, kv_lens, cu_seqlens_q) -> None:
+    """Range checks that need the values (one device sync on CUDA)."""
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    check_range("kv_lens", kv_lens, 0, 2**30)
+    check_range("page_start", page_start, 0, max(page_ids.numel(), 1) + 1)
+    pages = (kv_lens.long() + block_size - 1) // block_size
+    end = page_start.long() + pages
+    if int((end > page_ids.numel()).sum()):
+        b = int(torch.nonzero(end > page_ids.numel())[0])
+        raise ValueError(
+            f"sequence {b} needs page_ids[{int(page_start[b])}:{int(end[b])}] but page_ids has "
+            f"{page_ids.numel()} entries"
+        )
+    check_range("page_ids", page_ids, 0, num_blocks)
+    if cu_seqlens_q is not None:
+        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        if int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != q.shape[0]:
+            raise ValueError(
+                f"cu_seqlens_q must run from 0 to {q.shape[0]} (q rows), got "
+                f"{int(cu_seqlens_q[0])} .. {int(cu_seqlens_q[-1])}"
+            )
+        check_range("cu_seqlens_q differences", q_lens, 0, 2**31 - 1)
+        if int((q_lens > kv_lens).sum()):
+            b = int(torch.nonzero(q_lens > kv_lens)[0])
+            raise ValueError(
+                f"sequence {b} has {int(q_lens[b])} queries but kv_lens[{b}] = {int(kv_lens[b])}"
+                " (the new tokens' KV must already be in the cache)"
+            )
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
+    """Split-K factor for decode: enough programs to fill ~2 waves, >= 256 keys per split."""
+    programs = max(batch * num_kv_heads, 1)
+    splits = -(-2 * num_sms // programs)
+    return max(1, min(splits, max_kv_len // 256, 64))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------------
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_ids: torch.Tensor,
+    page_start: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_kv_len: int | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """One query per sequence at position ``kv_lens[b] - 1`` attends over its paged KV.
+
+    Args:
+        q: ``[B, H, D]`` bf16/fp16/fp32 (any row/head strides).
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, same dtype and device as q;
+            ``H % Hkv == 0`` (GQA); D a power of two in [16, 256].
+        page_ids: int32 flat page table; page_start: int32 ``[B]``; kv_lens: int32 ``[B]`` keys
+            per sequence including the new token (0 gives a zero output row).
+        scale: softmax scale (usually ``D ** -0.5``). sliding_window: W or None.
+        out: optional ``[B, H, D]`` destination (written in place, CUDA-graph friendly).
+        num_splits: split-K factor (Triton only); None picks one from ``max_kv_len`` (a host
+            int; when None too it is estimated as ``page_ids.numel() // B * block_size``, so
+            there is no device sync).
+        check: value-range checks (one device sync on CUDA); pass False on a hot path.
+
+    Returns ``out`` (or a new tensor) ``[B, H, D]`` in q's dtype.
+
+    Example (block_size 4, sequence 0 holds 6 keys in blocks 7 and 3)::
+
+        page_ids = [7, 3, 9, 4], page_start = [0, 2], kv_lens = [6, 5]
+        keys of sequence 0: positions 0-3 in block 7, positions 4-5 in block 3 (rows 0-1)
+    """
+    if use_triton(q):
+        return paged_attention_decode_triton(
+            q, k_cache, v_cache, page_ids, page_start, kv_lens, scale=scale,
+            sliding_window=sliding_window, out=out, num_splits=num_splits,
+            max_kv_len=max_kv_len, check=check,
+        )  # fmt: skip
+    return paged_attention_decode_torch(
+        q, k_cache, v_cache, page_ids, page_start, kv_lens, scale=scale,
+        sliding_window=sliding_window, out=out, check=check,
+    )  # fmt: skip
+
+
+def paged_attention_decode_triton(
+    q, k_cache, v_cache, page_ids, page_start, kv_lens, *, scale, sliding_window=None, out=None,
+    num_splits=None, max_kv_len=None, check=True, tile_n=64, num_warps=4, num_stages=2,
+):  # fmt: skip
+    """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`."""
+    window = _check_attention_inputs(
+        q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
+        check,
+    )  # fmt: skip
+    batch, num_kv_heads = q.shape[0], k_cache.shape[2]
+    if num_splits is None:
+        if max_kv_len is None:
+            max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]
+        if sliding_window is not None:
+            max_kv_len = min(max_kv_len, sliding_window)
+        num_splits = default_num_splits(batch, num_kv_heads, max_kv_len, _num_sms(q.device))
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits must be an int in [1, 1024], got {num_splits!r}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return _k.launch_decode(
+        q, k_cache, v_cache, page_ids, page_start, kv_lens, out, scale=float(scale),
+        window=window, num_splits=num_splits, tile_n=tile_n, num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+
+
+def paged_attention_decode_torch(
+    q, k_cache, v_cache, page_ids, page_start, kv_lens, *, scale, sliding_window=None, out=None,
+    check=True,
+):  # fmt: skip
+    """Vectorized torch decode; same contract as :func:`paged_attention_decode`."""
+    _check_attention_inputs(
+        q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
+        check,
+    )  # fmt: skip
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return _attention_torch(
+        q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale, sliding_window,
+        out,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill (varlen causal; also decode rows with several query tokens)
+# ---------------------------------------------------------------------------------------------
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_ids: torch.Tensor,
+    page_start: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """Varlen causal attention of ``q`` over paged KV (chunked prefill, speculative rows).
+
+    Args:
+        q: ``[T, H, D]``; rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` are sequence b's
+            queries, the last ``q_len_b`` positions of its ``kv_lens[b]`` keys.
+        cu_seqlens_q: int32 ``[B + 1]``, 0 .. T. Other arguments as in decode.
+        max_q_len: host bound on every ``q_len_b`` (sizes the Triton grid; the default T is
+            always safe). A bound that is too small leaves rows unwritten; ``check`` catches it.
+
+    Returns ``out`` (or a new tensor) ``[T, H, D]``.
+
+    Example (chunked prefill over cached history): a sequence with 10 cached tokens and a
+    4-token chunk has ``kv_lens = 14``, ``q_len = 4``; its queries sit at positions 10..13,
+    and query 10 sees keys 0..10.
+    """
+    if use_triton(q):
+        return paged_attention_prefill_triton(
+            q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale=scale,
+            sliding_window=sliding_window, out=out, max_q_len=max_q_len, check=check,
+        )  # fmt: skip
+    return paged_attention_prefill_torch(
+        q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale=scale,
+        sliding_window=sliding_window, out=out, check=check,
+    )  # fmt: skip
+
+
+def paged_attention_prefill_triton(
+    q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, *, scale,
+    sliding_window=None, out=None, max_q_len=None, check=True, tile_m=64, tile_n=64,
+    num_warps=4, num_stages=2,
+):  # fmt: skip
+    """Triton varlen prefill; same contract as :func:`paged_attention_prefill`."""
+    window = _check_attention_inputs(
+        q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
+        out, check,
+    )  # fmt: skip
+    if max_q_len is None:
+        max_q_len = q.shape[0]
+    elif (
+        check and kv_lens.numel() and int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) > max_q_len
+    ):
+        raise ValueError(f"max_q_len = {max_q_len} is below the longest query run")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return _k.launch_prefill(
+        q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, out,
+        scale=float(scale), window=window, max_q_len=max_q_len, tile_m=tile_m, tile_n=tile_n,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+
+
+def paged_attention_prefill_torch(
+    q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, *, scale,
+    sliding_window=None, out=None, check=True,
+):  # fmt: skip
+    """Vectorized torch prefill; same contract as :func:`paged_attention_prefill`."""
+    _check_attention_inputs(
+        q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
+        out, check,
+    )  # fmt: skip
+    return _attention_torch(
+        q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale, sliding_window,
+        out,
+    )  # fmt: skip
+
+
+def _attention_torch(
+    q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale, window, out
+):
+    """Padded-batch attention in fp32: gather every sequence's keys, mask, softmax, scatter."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    batch = kv_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if batch == 0 or num_tokens == 0:
+        return out
+    dev = q.device
+    cu = cu_seqlens_q.long()
+    q_lens, kv = cu[1:] - cu[:-1], kv_lens.long()  # [B]
+    max_q, max_kv = int(q_lens.max()), int(kv.max())
+    qi = torch.arange(max_q, device=dev)
+    q_ok = qi[None, :] < q_lens[:, None]  # [B, Qm]
+    q_rows = torch.where(q_ok, cu[:-1, None] + qi[None, :], 0)  # [B, Qm]
+    q_pos = kv[:, None] - q_lens[:, None] + qi[None, :]  # [B, Qm]
+    kj = torch.arange(max_kv, device=dev)
+    k_ok = kj[None, :] < kv[:, None]  # [B, Lk]
+    slot = torch.where(k_ok, page_start.long()[:, None] + kj[None, :] // block_size, 0)
+    blocks = torch.where(k_ok, page_ids.long()[slot], 0)  # [B, Lk]
+    rows = (kj % block_size).expand(batch, max_kv)
+    visible = k_ok[:, None, :] & q_ok[:, :, None] & (kj[None, None, :] <= q_pos[:, :, None])
+    if window is not None:
+        visible &= kj[None, None, :] > q_pos[:, :, None] - window  # [B, Qm, Lk]
+    # Slots no query sees (before the window) may hold anything, NaN included: zero them.
+    used = visible.any(1)[:, :, None, None]  # [B, Lk, 1, 1]
+    k = torch.where(used, k_cache[blocks, rows].float(), 0.0)  # [B, Lk, Hkv, D]
+    v = torch.where(used, v_cache[blocks, rows].float(), 0.0)
+    qq = q[q_rows].float().view(batch, max_q, num_kv_heads, group, head_dim)
+    s = torch.einsum("bqhgd,bjhd->bhgqj", qq, k) * scale  # [B, Hkv, G, Qm, Lk]
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    den = p.sum(-1, keepdim=True)
+    o = torch.einsum("bhgqj,bjhd->bqhgd", p / torch.where(den > 0, den, 1.0), v)
+    out[q_rows[q_ok]] = o.reshape(batch, max_q, num_heads, head_dim)[q_ok].to(out.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference (tests only)
+# ---------------------------------------------------------------------------------------------
+
+
+def paged_attention_ref(
+    q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, *, scale,
+    sliding_window=None,
+):  # fmt: skip
+    """Per-query loop in float64; ``cu_seqlens_q=None`` means decode (one query per sequence).
+
+    For each query it lists the visible key positions, looks every one up in the page table,
+    and takes a plain softmax. Returns ``[T, H, D]`` in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    batch = len(kv_lens)
+    cu = list(range(batch + 1)) if cu_seqlens_q is None else [int(c) for c in cu_seqlens_q]
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        q_len, kv_len = cu[b + 1] - cu[b], int(kv_lens[b])
+        for i in range(q_len):
+            pos = kv_len - q_len + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            keys, vals = [], []
+            for j in range(lo, pos + 1):
+                block = int(page_ids[int(page_start[b]) + j // block_size])
+                keys.append(k_cache[block, j % block_size].double())  # [Hkv, D]
+                vals.append(v_cache[block, j % block_size].double())
+            if not keys:
+                continue
+            kk = torch.stack(keys).repeat_interleave(group, dim=1)  # [n, H, D]
+            vv = torch.stack(vals).repeat_interleave(group, dim=1)
+            qq = q[cu[b] + i].double()  # [H, D]
+            w = torch.softmax(torch.einsum("hd,nhd->hn", qq, kk) * scale, dim=-1)
+            out[cu[b] + i] = torch.einsum("hn,nhd->hd", w, vv)
+    return out.to(q.dtype)

@@ -1,0 +1,323 @@
+"""Paged attention: Triton (interpreter on CPU, compiled on GPU) == torch path == reference.
+
+Every case builds a random, shuffled page table (block 0 reserved as padding), fills every
+cache slot that no visible key occupies with NaN (so a kernel that reads a reserved page, a
+slot past the logical length or a page before the sliding window poisons its output), and
+compares against the per-query float64 reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvplan.ops.paged_attention import (
+    default_num_splits,
+    paged_attention_decode,
+    paged_attention_decode_torch,
+    paged_attention_decode_triton,
+    paged_attention_prefill,
+    paged_attention_prefill_torch,
+    paged_attention_prefill_triton,
+    paged_attention_ref,
+)
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # [T, H, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+    page_ids: torch.Tensor  # int32 flat
+    page_start: torch.Tensor  # int32 [B]
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
+    kv_lens: torch.Tensor  # int32 [B]
+    scale: float
+    window: int | None
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.page_ids, self.page_start)
+
+    def ref(self, decode: bool) -> torch.Tensor:
+        return paged_attention_ref(
+            *self.args(), None if decode else self.cu_seqlens_q, self.kv_lens,
+            scale=self.scale, sliding_window=self.window,
+        )  # fmt: skip
+
+
+def make_case(
+    seed: int,
+    kv_lens: list[int],
+    q_lens: list[int],
+    *,
+    num_kv_heads: int = 2,
+    group: int = 2,
+    head_dim: int = 16,
+    block_size: int = 4,
+    window: int | None = None,
+    layout: str = "ragged",
+    reserve: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    pad_block_stride: int = 0,
+) -> Case:
+    """Random case. ``reserve`` extra pages per sequence are mapped past the logical length."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(kv_lens)
+    pages = [-(-n // block_size) + reserve for n in kv_lens]
+    num_blocks = sum(pages) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 never used
+    tables = [perm[sum(pages[:b]) : sum(pages[: b + 1])] for b in range(batch)]
+    if layout == "ragged":
+        page_ids = [i for t in tables for i in t]
+        page_start = [sum(pages[:b]) for b in range(batch)]
+    else:  # block offsets: fixed-width rows padded with block 0
+        width = max(pages) + 2
+        page_ids = [i for t in tables for i in t + [0] * (width - len(t))]
+        page_start = [b * width for b in range(batch)]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    kv = torch.full(
+        (2, num_blocks, block_size + pad_block_stride, num_kv_heads, head_dim), math.nan
+    )
+    for b in range(batch):
+        q_len, kv_len = q_lens[b], kv_lens[b]
+        first = max(0, kv_len - q_len - (window - 1)) if window else 0  # earliest visible key
+        for j in range(first, kv_len):
+            blk, row = tables[b][j // block_size], j % block_size
+            kv[:, blk, row] = torch.randn(2, num_kv_heads, head_dim, generator=gen)
+    kv = kv.to(dtype)[:, :, :block_size]  # padded block stride -> non-contiguous view
+    assert kv.shape[1:] == shape
+    num_heads = num_kv_heads * group
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    i32 = dict(dtype=torch.int32, device=device)
+    return Case(
+        q.to(device), kv[0].to(device), kv[1].to(device),
+        torch.tensor(page_ids, **i32), torch.tensor(page_start, **i32),
+        torch.tensor(cu, **i32), torch.tensor(kv_lens, **i32),
+        head_dim**-0.5, window,
+    )  # fmt: skip
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-5, rtol: float = 0.0):
+    assert torch.isfinite(got).all(), "output holds NaN/inf: a kernel read an unused slot"
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=atol, rtol=rtol)
+
+
+# --- Triton under the interpreter (fp32, tiny grids) -----------------------------------------
+
+DECODE_CASES = [
+    # (seed, kv_lens, group, block_size, window, layout, num_splits, tile_n)
+    (0, [1, 7, 13], 1, 4, None, "ragged", 1, 16),
+    (1, [5, 33, 18], 4, 8, None, "offsets", 3, 16),
+    (2, [40, 9, 0], 8, 4, 11, "ragged", 2, 16),
+    (3, [29, 2, 17], 4, 16, 5, "offsets", 1, 32),
+]
+
+
+@pytest.mark.parametrize("seed,kv_lens,group,block_size,window,layout,splits,tile_n", DECODE_CASES)
+def test_decode_triton_matches_ref(
+    seed, kv_lens, group, block_size, window, layout, splits, tile_n
+):
+    c = make_case(seed, kv_lens, [1] * len(kv_lens), group=group, block_size=block_size,
+                  window=window, layout=layout)  # fmt: skip
+    got = paged_attention_decode_triton(
+        *c.args(), c.kv_lens, scale=c.scale, sliding_window=window, num_splits=splits,
+        tile_n=tile_n,
+    )  # fmt: skip
+    want = c.ref(decode=True)
+    assert_close(got, want)
+    if 0 in kv_lens:  # no visible key -> zero row
+        assert not got[kv_lens.index(0)].any()
+
+
+PREFILL_CASES = [
+    # (seed, kv_lens, q_lens, group, block_size, window): fresh prefill, chunked prefill over
+    # cached history, speculative decode rows (q_len 3), plain decode rows (q_len 1).
+    (10, [9, 14, 3], [9, 4, 1], 1, 4, None),
+    (11, [21, 6, 11], [3, 6, 1], 4, 8, None),
+    (12, [17, 12], [7, 3], 8, 4, 6),
+    (13, [5, 26, 1], [2, 10, 1], 4, 16, 4),
+]
+
+
+@pytest.mark.parametrize("seed,kv_lens,q_lens,group,block_size,window", PREFILL_CASES)
+def test_prefill_triton_matches_ref(seed, kv_lens, q_lens, group, block_size, window):
+    c = make_case(seed, kv_lens, q_lens, group=group, block_size=block_size, window=window,
+                  layout="offsets" if seed % 2 else "ragged")  # fmt: skip
+    got = paged_attention_prefill_triton(
+        *c.args(), c.cu_seqlens_q, c.kv_lens, scale=c.scale, sliding_window=window,
+        max_q_len=max(q_lens), tile_m=16, tile_n=16,
+    )  # fmt: skip
+    assert_close(got, c.ref(decode=False))
+
+
+def test_triton_reads_strided_cache_view():
+    """Block stride larger than block_size * Hkv * D (a padded allocation viewed as NHD)."""
+    c = make_case(20, [6, 11], [2, 1], group=2, pad_block_stride=3)
+    assert not c.k_cache.is_contiguous()
+    got = paged_attention_prefill_triton(
+        *c.args(), c.cu_seqlens_q, c.kv_lens, scale=c.scale, tile_m=16, tile_n=16
+    )
+    assert_close(got, c.ref(decode=False))
+
+
+# --- torch path (many random cases, still fast) ----------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_torch_paths_match_ref(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    batch = int(torch.randint(1, 5, (), generator=gen))
+    kv_lens = torch.randint(1, 40, (batch,), generator=gen).tolist()
+    q_lens = [int(torch.randint(1, n + 1, (), generator=gen)) for n in kv_lens]
+    group = [1, 4, 8][seed % 3]
+    window = [None, 1, 7][seed % 3 - 1]
+    c = make_case(seed, kv_lens, q_lens, group=group, block_size=[1, 4, 16][seed % 3],
+                  window=window, layout=["ragged", "offsets"][seed % 2], head_dim=32)  # fmt: skip
+    got = paged_attention_prefill_torch(
+        *c.args(), c.cu_seqlens_q, c.kv_lens, scale=c.scale, sliding_window=window
+    )
+    assert_close(got, c.ref(decode=False))
+    d = make_case(seed, kv_lens, [1] * batch, group=group, window=window, layout="ragged")
+    got = paged_attention_decode_torch(*d.args(), d.kv_lens, scale=d.scale, sliding_window=window)
+    assert_close(got, d.ref(decode=True))
+
+
+def test_dispatch_on_cpu_is_torch_path_and_out_is_written_in_place():
+    c = make_case(30, [5, 12], [1, 1], group=4)
+    out = torch.empty_like(c.q)
+    res = paged_attention_decode(*c.args(), c.kv_lens, scale=c.scale, out=out)
+    assert res is out
+    assert torch.equal(out, paged_attention_decode_torch(*c.args(), c.kv_lens, scale=c.scale))
+    p = make_case(31, [5, 12], [5, 2], group=4)
+    out = torch.empty_like(p.q)
+    res = paged_attention_prefill(*p.args(), p.cu_seqlens_q, p.kv_lens, scale=p.scale, out=out)
+    assert res is out
+    assert_close(out, p.ref(decode=False))
+
+
+def test_ragged_and_block_offset_encodings_give_identical_outputs():
+    """Same seed -> same blocks and data; only the page-table encoding differs."""
+    kw = dict(group=4, block_size=4, window=None)
+    a = make_case(40, [13, 3, 8], [4, 1, 2], layout="ragged", **kw)
+    b = make_case(40, [13, 3, 8], [4, 1, 2], layout="offsets", **kw)
+    assert not torch.equal(a.page_start, b.page_start)
+    outs = [
+        paged_attention_prefill_torch(*c.args(), c.cu_seqlens_q, c.kv_lens, scale=c.scale)
+        for c in (a, b)
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_default_num_splits():
+    assert default_num_splits(64, 8, 4096, 132) == 1
+    assert default_num_splits(4, 8, 4096, 132) == 9
+    assert default_num_splits(1, 1, 300, 132) == 1  # >= 256 keys per split
+    assert default_num_splits(1, 1, 10**6, 132) == 64
+
+
+# --- caller errors ---------------------------------------------------------------------------
+
+
+def _bad(c: Case, **changes):
+    args = dict(q=c.q, k_cache=c.k_cache, v_cache=c.v_cache, page_ids=c.page_ids,
+                page_start=c.page_start, cu_seqlens_q=c.cu_seqlens_q, kv_lens=c.kv_lens)  # fmt: skip
+    args.update(changes)
+    return paged_attention_prefill(**args, scale=c.scale)
+
+
+@pytest.mark.parametrize(
+    "change,err,match",
+    [
+        (lambda c: dict(page_ids=c.page_ids.long()), TypeError, "page_ids"),
+        (lambda c: dict(q=c.q.double()), TypeError, "q"),
+        (lambda c: dict(k_cache=c.k_cache.half()), TypeError, "k_cache"),
+        (lambda c: dict(q=c.q[:, :3]), ValueError, "num_heads 3"),
+        (lambda c: dict(kv_lens=c.kv_lens[:1]), ValueError, "page_start"),
+        (lambda c: dict(page_ids=c.page_ids + 1000), ValueError, "page_ids"),
+        (lambda c: dict(kv_lens=c.kv_lens + 100), ValueError, "needs page_ids"),
+        (lambda c: dict(cu_seqlens_q=c.cu_seqlens_q * 2), ValueError, "cu_seqlens_q"),
+        (lambda c: dict(kv_lens=c.kv_lens - 4), ValueError, "queries but kv_lens"),
+    ],
+)
+def test_caller_errors_name_the_field(change, err, match):
+    c = make_case(50, [6, 9], [3, 3], group=2)
+    with pytest.raises(err, match=match):
+        _bad(c, **change(c))
+
+
+def test_scalar_argument_errors():
+    c = make_case(51, [6], [1])
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention_decode(*c.args(), c.kv_lens, scale=c.scale, sliding_window=0)
+    with pytest.raises(ValueError, match="scale"):
+        paged_attention_decode(*c.args(), c.kv_lens, scale=float("nan"))
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention_decode_triton(*c.args(), c.kv_lens, scale=c.scale, num_splits=0)
+
+
+# --- GPU (bf16 within 1e-2 relative; fp32 within 1e-5) ---------------------------------------
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "group,window,splits", [(1, None, 1), (4, None, 7), (8, 100, 3), (4, None, None)]
+)
+def test_decode_gpu(group, window, splits):
+    gen = torch.Generator().manual_seed(group)
+    kv_lens = torch.randint(1, 1200, (24,), generator=gen).tolist() + [1, 16, 17, 0]
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        c = make_case(group, kv_lens, [1] * len(kv_lens), num_kv_heads=4, group=group,
+                      head_dim=128, block_size=16, window=window, dtype=dtype, device="cuda")  # fmt: skip
+        got = paged_attention_decode(*c.args(), c.kv_lens, scale=c.scale, sliding_window=window,
+                                     num_splits=splits)  # fmt: skip
+        assert torch.isfinite(got).all()
+        want = paged_attention_decode_torch(*c.args(), c.kv_lens, scale=c.scale,
+                                            sliding_window=window)  # fmt: skip
+        assert _rel_err(got, want) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group,window,block_size", [(1, None, 16), (4, 64, 32), (8, None, 8)])
+def test_prefill_gpu(group, window, block_size):
+    gen = torch.Generator().manual_seed(7 + group)
+    kv_lens = torch.randint(1, 700, (10,), generator=gen).tolist() + [1, 300, 300]
+    q_lens = [int(torch.randint(1, n + 1, (), generator=gen)) for n in kv_lens[:-3]] + [1, 3, 300]
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        c = make_case(group, kv_lens, q_lens, num_kv_heads=2, group=group, head_dim=64,
+                      block_size=block_size, window=window, dtype=dtype, device="cuda",
+                      layout="offsets")  # fmt: skip
+        got = paged_attention_prefill(*c.args(), c.cu_seqlens_q, c.kv_lens, scale=c.scale,
+                                      sliding_window=window)  # fmt: skip
+        assert torch.isfinite(got).all()
+        want = paged_attention_prefill_torch(*c.args(), c.cu_seqlens_q, c.kv_lens,
+                                             scale=c.scale, sliding_window=window)  # fmt: skip
+        assert _rel_err(got, want) < tol
+
+
+@pytest.mark.gpu
+def test_gpu_small_cases_match_ref_and_cuda_graph_replay():
+    c = make_case(60, [1, 7, 13, 40], [1, 1, 1, 1], group=4, head_dim=32, device="cuda")
+    want = c.ref(decode=True)
+    assert_close(paged_attention_decode(*c.args(), c.kv_lens, scale=c.scale, num_splits=2), want)
+    out = torch.zeros_like(c.q)
+    run = lambda: paged_attention_decode(*c.args(), c.kv_lens, scale=c.scale, out=out,  # noqa: E731
+                                         num_splits=2, check=False)  # fmt: skip
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, want)
