@@ -1,0 +1,148 @@
+"""Block tables -> the batch formats kernels read, and the staging rule for async copies.
+
+The manager keeps, per pool, a table ``tables[pool, row, j]`` (int32) = the j-th block of the
+sequence stored in ``row`` (one row per (request, beam)), zero past the row's allocated count,
+so padding is block 0 for free. This module turns a batch of rows into:
+
+* ``per_seq_table``   -- ``[n, width]`` int32, padded with block 0;
+* ``flat_block_ids``  -- the rows' first ``num_blocks[i]`` entries concatenated (ragged page
+  table indices);
+* ``BlockOffsetsStager`` -- the 4-D block-offset table ``[num_pools, max_batch, 2,
+  max_blocks_per_seq]`` (index 0 of dim 2 = K, 1 = V). K and V live in separate tensors indexed
+  by the same block id, so both entries hold the block id itself.
+
+Staging rule (seed 001): the persistent host buffer ``host_block_offsets`` is filled in place
+and stays for synchronous CPU readers (it keeps ``max_batch`` rows across calls); every async
+host-to-device copy reads a *private* pinned snapshot of the rows it needs. Reusing the
+persistent buffer as the copy source is a hazard: when the CPU runs one step ahead it refills
+the buffer before the previous step's queued copy has executed, and the kernel then reads
+the next batch's blocks. ``tests/cache/test_block_offsets.py`` shows that hazard and its fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvplan._checks import check_tensor
+
+CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def per_seq_table(table: np.ndarray, rows: np.ndarray, width: int) -> np.ndarray:
+    """``table[rows, :width]`` as a fresh C-contiguous int32 array ``[len(rows), width]``."""
+    return np.ascontiguousarray(table[rows, :width])
+
+
+def flat_block_ids(table: np.ndarray, rows: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
+    """Concatenate ``table[rows[i], :num_blocks[i]]`` over i into one int32 array.
+
+    Example::
+
+        table = [[5, 6, 7, 0],        rows = [1, 0], num_blocks = [1, 3]
+                 [9, 8, 0, 0]]   ->   [9, 5, 6, 7]
+    """
+    if rows.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    width = int(num_blocks.max())
+    sub = table[rows, :width]  # [n, width]
+    mask = np.arange(width, dtype=np.int64)[None, :] < num_blocks[:, None]
+    return sub[mask]
+
+
+def expand_batch_rows(
+    rows_per_request: list[list[int]], beam_width: int, num_contexts: int, *, cross: bool
+) -> np.ndarray:
+    """Table rows of the batch's sequences in order (seed 001 row rules).
+
+    Context requests contribute one row (beam 0: they have not forked yet). Generation
+    requests contribute ``beam_width`` rows: their beams' own rows for self attention, or
+    their single cross-attention row repeated ``beam_width`` times (all beams of a request
+    read the same encoder K/V, like ``repeat_interleave``).
+
+    Example: rows ``[[3], [4, 7], [5, 6]]``, beam_width 2, num_contexts 1 ->
+    ``[3, 4, 7, 5, 6]`` (self) or ``[3, 4, 4, 5, 5]`` (cross).
+    """
+    out = [r[0] for r in rows_per_request[:num_contexts]]
+    for rows in rows_per_request[num_contexts:]:
+        if cross:
+            out.extend([rows[0]] * beam_width)
+        else:
+            out.extend(rows[:beam_width])
+    return np.asarray(out, dtype=np.int64)
+
+
+def default_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src, non_blocking=True)``: async when src is pinned and dst is on a GPU."""
+    dst.copy_(src, non_blocking=True)
+
+
+class BlockOffsetsStager:
+    """Owns the persistent host block-offset buffer and stages private snapshots from it.
+
+    Args:
+        num_pools, max_batch, max_blocks_per_seq: the buffer shape is
+            ``[num_pools, max_batch, 2, max_blocks_per_seq]`` int32 (CPU, pinned when CUDA is
+            available).
+    """
+
+    def __init__(self, num_pools: int, max_batch: int, max_blocks_per_seq: int) -> None:
+        self.shape = (num_pools, max_batch, 2, max_blocks_per_seq)
+        self.pin = torch.cuda.is_available()
+        self.host_block_offsets = torch.zeros(self.shape, dtype=torch.int32, pin_memory=self.pin)
+        self._host_np = self.host_block_offsets.numpy()  # shares memory
+        # Columns that may hold nonzero entries anywhere in the buffer (monotone).
+        self._dirty_width = 0
+
+    def fill(self, tables: np.ndarray, seq_rows: np.ndarray, num_allocated: np.ndarray) -> None:
+        """Write ``tables[:, seq_rows]`` into buffer rows ``[0, len(seq_rows))`` for K and V.
+
+        ``tables``: ``[num_pools, rows, max_blocks_per_seq]`` int32; ``num_allocated[r]``: the
+        allocated count of table row r. Columns past a row's count are written as 0 (up to
+        the widest column ever written), so the buffer holds exact rows for every reader.
+        """
+        n = seq_rows.size
+        if n > self.shape[1]:
+            raise ValueError(f"num_seqs = {n} exceeds the buffer's max_batch = {self.shape[1]}")
+        width = int(num_allocated[seq_rows].max()) if n else 0
+        fill_width = max(width, self._dirty_width)
+        self._dirty_width = fill_width
+        if n == 0 or fill_width == 0:
+            return
+        host = self._host_np
+        host[:, :n, 0, :fill_width] = tables[:, seq_rows, :fill_width]
+        host[:, :n, 1, :fill_width] = host[:, :n, 0, :fill_width]
+
+    def snapshot(self, num_rows: int, width: int) -> torch.Tensor:
+        """A private (pinned when possible) copy of ``host_block_offsets[:, :num_rows, :, :width]``.
+
+        Nothing else ever writes it, so an async copy reading it cannot see a later batch.
+        """
+        snap = torch.empty(
+            (self.shape[0], num_rows, 2, width), dtype=torch.int32, pin_memory=self.pin
+        )
+        snap.copy_(self.host_block_offsets[:, :num_rows, :, :width])
+        return snap
+
+    def copy_to(
+        self, dst: torch.Tensor, num_rows: int, width: int, copy_fn: CopyFn | None = None
+    ) -> torch.Tensor:
+        """Copy rows ``[0, num_rows)``, columns ``[0, width)`` into ``dst`` through a snapshot.
+
+        ``dst``: int32 ``[num_pools, >= num_rows, 2, max_blocks_per_seq]`` on any device.
+        Columns ``>= width`` of ``dst`` are left as they were. Returns the snapshot (the copy's
+        source), which callers may keep alive until the copy completes.
+        """
+        check_tensor("dst", dst, dtype=torch.int32, ndim=4)
+        if (dst.shape[0], dst.shape[2], dst.shape[3]) != (self.shape[0], 2, self.shape[3]):
+            raise ValueError(
+                f"dst must have shape ({self.shape[0]}, max_batch, 2, {self.shape[3]}), "
+                f"got {tuple(dst.shape)}"
+            )
+        if num_rows > dst.shape[1]:
+            raise ValueError(f"num_seqs = {num_rows} exceeds dst's max_batch = {dst.shape[1]}")
+        snap = self.snapshot(num_rows, width)
+        (copy_fn or default_copy)(dst[:, :num_rows, :, :width], snap)
+        return snap

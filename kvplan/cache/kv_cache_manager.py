@@ -1,0 +1,544 @@
+"""KV cache manager: per-request block bookkeeping over one block pool per window size.
+
+Integers and numpy only (the block-offset staging in ``copy_batch_block_offsets`` is the one
+place a torch tensor is touched, in ``block_offsets.py``).
+
+Vocabulary
+----------
+* *logical* length ``num_tokens(rid)``: tokens that count as the sequence (prompt, then every
+  ``extend``); ``num_logical_blocks = ceil(num_tokens / block_size)``.
+* *reserved* blocks: allocated past the logical blocks by ``reserve`` (speculative appends
+  need them addressable); ``get_block_ids`` returns logical and reserved blocks together.
+* *committed* tokens: tokens whose K/V is written, announced by ``commit_tokens``; only full
+  committed blocks are hashed for prefix reuse (a block whose K/V is not written yet must not
+  be found by another request).
+* one *pool* per distinct sliding-window size (VSWA); every pool holds the whole sequence
+  (full-length tables), ``layer_to_pool[layer]`` picks a layer's pool.
+* beams: the prompt's full blocks are shared by all beams (one reference per beam); the
+  prompt's partial last block and all later blocks are per beam. Only beam 0's partial prompt
+  block is written by the context step; ``beam_fork_copies`` lists the copies that give the
+  other beams that content.
+* cross attention: ``num_encoder_tokens > 0`` gives the request its own encoder blocks in every
+  pool, shared by its beams.
+
+Running out of blocks (or state slots) returns ``AllocationResult(ok=False, ...)`` and changes
+nothing; caller errors (unknown id, double free, a sequence longer than
+``max_blocks_per_seq`` blocks) raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from kvplan.cache import block_offsets as bo
+from kvplan.cache._requests import RequestTable
+from kvplan.cache.block_pool import BlockPool, hash_block_tokens
+
+
+class AllocationResult(NamedTuple):
+    """Outcome of ``add_request`` / ``extend`` / ``reserve``.
+
+    ``ok``: everything was allocated. ``num_cached_tokens``: prompt tokens reused from the
+    prefix cache (a multiple of block_size, < len(prompt); 0 for extend/reserve).
+    ``num_missing_blocks``: when not ok, blocks missing in the pool shortest of blocks (free
+    that many and retry). ``reason``: "" | "blocks" | "state_slots".
+    ``missing_per_pool``: blocks missing per pool.
+    """
+
+    ok: bool
+    num_cached_tokens: int = 0
+    num_missing_blocks: int = 0
+    reason: str = ""
+    missing_per_pool: tuple[int, ...] = ()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager(RequestTable):
+    """Block bookkeeping for a paged KV cache.
+
+    Args:
+        num_blocks: blocks per pool including the padding block 0 (an int, or one per pool).
+        block_size: tokens per block.
+        max_blocks_per_seq: width of every block table (longest sequence in blocks).
+        window_sizes: the distinct sliding-window sizes, one pool each (None = full attention).
+        layer_to_pool: ``layer -> pool index`` (sequence or mapping); None maps every layer to
+            pool 0 and is only allowed with one pool.
+        enable_prefix_caching: reuse full blocks of identical prompt prefixes.
+        num_state_slots: per-request state slots (SWA ring buffers); 0 = none.
+        max_beam_width: largest beam width a request may ask for.
+
+    Example::
+
+        m = KVCacheManager(num_blocks=8, block_size=4, max_blocks_per_seq=4)
+        m.add_request("a", [1, 2, 3, 4, 5])   # AllocationResult(ok=True, ...)
+        m.get_block_ids("a")                  # [1, 2]
+        m.extend("a", 4)                      # 9 tokens -> blocks [1, 2, 3]
+    """
+
+    def __init__(
+        self,
+        num_blocks: int | Sequence[int],
+        block_size: int,
+        *,
+        max_blocks_per_seq: int,
+        window_sizes: Sequence[int | None] = (None,),
+        layer_to_pool: Sequence[int] | Mapping[int, int] | None = None,
+        enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
+        max_beam_width: int = 1,
+    ) -> None:
+        window_sizes = tuple(window_sizes)
+        if not window_sizes:
+            raise ValueError("window_sizes must name at least one pool")
+        if len(set(window_sizes)) != len(window_sizes):
+            raise ValueError(f"window_sizes must be distinct (one pool each), got {window_sizes}")
+        for w in window_sizes:
+            if w is not None and (not isinstance(w, int) or w < 1):
+                raise ValueError(f"window_sizes entries must be None or ints >= 1, got {w!r}")
+        num_pools = len(window_sizes)
+        if isinstance(num_blocks, int):
+            num_blocks = (num_blocks,) * num_pools
+        num_blocks = tuple(num_blocks)
+        if len(num_blocks) != num_pools:
+            raise ValueError(f"num_blocks has {len(num_blocks)} entries for {num_pools} pools")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if not isinstance(max_blocks_per_seq, int) or max_blocks_per_seq < 1:
+            raise ValueError(f"max_blocks_per_seq must be an int >= 1, got {max_blocks_per_seq!r}")
+        if max_beam_width < 1:
+            raise ValueError(f"max_beam_width must be >= 1, got {max_beam_width}")
+        if num_state_slots < 0:
+            raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_seq_len = max_blocks_per_seq * block_size
+        self.window_sizes = window_sizes
+        self.num_pools = num_pools
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_beam_width = max_beam_width
+        self.num_state_slots = num_state_slots
+        self.pools = [BlockPool(n, enable_prefix_caching=enable_prefix_caching) for n in num_blocks]
+        self.layer_to_pool = self._check_layer_map(layer_to_pool)
+        super().__init__(num_pools, max_blocks_per_seq, num_state_slots)
+        self._stagers: dict[tuple[bool, int], bo.BlockOffsetsStager] = {}
+
+    @classmethod
+    def from_layer_windows(
+        cls,
+        num_blocks: int | Sequence[int],
+        block_size: int,
+        layer_windows: Sequence[int | None],
+        **kwargs,
+    ) -> KVCacheManager:
+        """One pool per distinct window of ``layer_windows`` (in first-seen order)."""
+        windows: list[int | None] = []
+        for w in layer_windows:
+            if w not in windows:
+                windows.append(w)
+        layer_to_pool = [windows.index(w) for w in layer_windows]
+        return cls(
+            num_blocks, block_size, window_sizes=windows, layer_to_pool=layer_to_pool, **kwargs
+        )
+
+    def _check_layer_map(self, layer_to_pool) -> dict[int, int] | None:
+        if layer_to_pool is None:
+            if self.num_pools != 1:
+                raise ValueError(f"layer_to_pool is required with {self.num_pools} pools")
+            return None
+        items = (
+            layer_to_pool.items()
+            if isinstance(layer_to_pool, Mapping)
+            else enumerate(layer_to_pool)
+        )
+        out = {}
+        for layer, pool in items:
+            if not 0 <= pool < self.num_pools:
+                raise ValueError(f"layer_to_pool[{layer}] = {pool} outside [0, {self.num_pools})")
+            out[int(layer)] = int(pool)
+        return out
+
+    def pool_for_layer(self, layer_idx: int | None) -> int:
+        """Pool index of ``layer_idx`` (None -> pool 0)."""
+        if layer_idx is None or self.layer_to_pool is None:
+            return 0
+        try:
+            return self.layer_to_pool[layer_idx]
+        except KeyError:
+            raise ValueError(f"layer_idx {layer_idx} has no pool in layer_to_pool") from None
+
+    # ------------------------------------------------------------------ capacity queries
+    def num_free_blocks(self, pool: int = 0) -> int:
+        return self.pools[self._check_pool(pool)].num_free_blocks
+
+    def can_allocate(self, num_tokens: int, pool: int = 0) -> bool:
+        """Whether a new single-beam sequence of ``num_tokens`` tokens fits in ``pool`` now."""
+        return _cdiv(num_tokens, self.block_size) <= self.num_free_blocks(pool)
+
+    def _check_pool(self, pool: int) -> int:
+        if not 0 <= pool < self.num_pools:
+            raise ValueError(f"pool {pool} outside [0, {self.num_pools})")
+        return pool
+
+    def _check_len(self, name: str, num_tokens: int) -> int:
+        num_blocks = _cdiv(num_tokens, self.block_size)
+        if num_blocks > self.max_blocks_per_seq:
+            raise ValueError(
+                f"{name} = {num_tokens} tokens needs {num_blocks} blocks, more than "
+                f"max_blocks_per_seq = {self.max_blocks_per_seq}"
+            )
+        return num_blocks
+
+    def _shortfall(self, need: Sequence[int]) -> AllocationResult | None:
+        missing = tuple(max(0, n - p.num_free_blocks) for n, p in zip(need, self.pools))
+        if any(missing):
+            return AllocationResult(False, 0, max(missing), "blocks", missing)
+        return None
+
+    # ------------------------------------------------------------------ lifecycle
+    def add_request(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        *,
+        beam_width: int = 1,
+        num_encoder_tokens: int = 0,
+    ) -> AllocationResult:
+        """Allocate blocks for the whole prompt, reusing cached full prefix blocks.
+
+        The logical length becomes ``len(prompt_token_ids)``. Reused blocks count as
+        committed; the caller computes only tokens ``[num_cached_tokens, len(prompt))``.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already active")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
+        if not 1 <= beam_width <= self.max_beam_width:
+            raise ValueError(f"beam_width = {beam_width} outside [1, {self.max_beam_width}]")
+        if num_encoder_tokens < 0:
+            raise ValueError(f"num_encoder_tokens must be >= 0, got {num_encoder_tokens}")
+        bs = self.block_size
+        num_prompt = len(prompt)
+        self._check_len("len(prompt_token_ids)", num_prompt)
+        num_cross = self._check_len("num_encoder_tokens", num_encoder_tokens)
+        cacheable = self.enable_prefix_caching and num_encoder_tokens == 0
+        hits = self._match_prefix(prompt) if cacheable else ([], [])
+        num_hits = len(hits[0])
+        num_full = num_prompt // bs
+        has_tail = num_prompt % bs != 0
+        need = []
+        for p, pool in enumerate(self.pools):
+            hit_blocks = {blocks[p] for blocks in hits[1]}
+            num_free_hits = sum(pool.is_free(b) for b in hit_blocks)
+            need.append((num_full - num_hits) + beam_width * has_tail + num_cross + num_free_hits)
+        short = self._shortfall(need)
+        if short is not None:
+            return short
+        if self.num_state_slots and not self._free_slots:
+            return AllocationResult(False, 0, 0, "state_slots", (0,) * self.num_pools)
+
+        req = self._new_request(request_id, prompt, beam_width, num_encoder_tokens, cacheable)
+        for p, pool in enumerate(self.pools):
+            shared = [blocks[p] for blocks in hits[1]]
+            pool.touch(shared * beam_width)
+            fresh = pool.allocate(num_full - num_hits)
+            pool.touch(fresh * (beam_width - 1))
+            shared += fresh
+            for beam in range(beam_width):
+                tail = pool.allocate(1) if has_tail else []
+                self._set_blocks(p, req.rows[beam], shared + tail)
+            if num_cross:
+                self._set_cross_blocks(p, req.rows[0], pool.allocate(num_cross))
+        req.committed = prompt[: num_hits * bs]
+        req.hashes = list(hits[0])
+        return AllocationResult(True, num_hits * bs)
+
+    def _match_prefix(self, prompt: list[int]) -> tuple[list[bytes], list[list[int]]]:
+        """Longest run of cached full blocks (in every pool), leaving >= 1 token to compute."""
+        bs = self.block_size
+        hashes: list[bytes] = []
+        blocks: list[list[int]] = []
+        parent = None
+        for b in range((len(prompt) - 1) // bs):
+            parent = hash_block_tokens(parent, prompt[b * bs : (b + 1) * bs])
+            found = [pool.lookup(parent) for pool in self.pools]
+            if any(x is None for x in found):
+                break
+            hashes.append(parent)
+            blocks.append(found)
+        return hashes, blocks
+
+    def extend(self, request_id: Hashable, num_tokens: int) -> AllocationResult:
+        """Grow the logical length by ``num_tokens`` (every beam), allocating as needed."""
+        req = self._get(request_id)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        result = self._grow_to(req, req.num_tokens + num_tokens, "num_tokens")
+        if result.ok:
+            req.num_tokens += num_tokens
+        return result
+
+    def reserve(self, request_id: Hashable, num_extra_tokens: int) -> AllocationResult:
+        """Make blocks exist for ``num_extra_tokens`` past the logical length (every beam).
+
+        The logical length does not change: the new blocks are *reserved* (addressable for
+        speculative appends; not part of the sequence until ``extend`` covers them).
+        """
+        req = self._get(request_id)
+        if num_extra_tokens < 0:
+            raise ValueError(f"num_extra_tokens must be >= 0, got {num_extra_tokens}")
+        return self._grow_to(
+            req, req.num_tokens + num_extra_tokens, "num_tokens + num_extra_tokens"
+        )
+
+    def _grow_to(self, req, total_tokens: int, name: str) -> AllocationResult:
+        want = self._check_len(name, total_tokens)
+        have = int(self._num_allocated[req.rows[0]])
+        extra = max(0, want - have)
+        if extra == 0:
+            return AllocationResult(True)
+        short = self._shortfall([extra * req.beam_width] * self.num_pools)
+        if short is not None:
+            return short
+        for row in req.rows:
+            self._append_blocks(row, [pool.allocate(extra) for pool in self.pools])
+        return AllocationResult(True)
+
+    def rewind(self, request_id: Hashable, num_tokens: int) -> None:
+        """Shrink the logical length by ``num_tokens`` (rejected draft tokens).
+
+        Their blocks stay allocated (now reserved). Committed tokens cannot be rewound.
+        """
+        req = self._get(request_id)
+        if not 0 <= num_tokens <= req.num_tokens - len(req.committed):
+            raise ValueError(
+                f"rewind num_tokens = {num_tokens} outside [0, "
+                f"{req.num_tokens - len(req.committed)}] (uncommitted tokens of {request_id!r})"
+            )
+        req.num_tokens -= num_tokens
+
+    def release_reserved(self, request_id: Hashable) -> int:
+        """Free every block past the logical blocks (all beams); returns blocks freed per beam."""
+        req = self._get(request_id)
+        keep = _cdiv(req.num_tokens, self.block_size)
+        have = int(self._num_allocated[req.rows[0]])
+        for row in req.rows:
+            for pool, removed in zip(self.pools, self._truncate_blocks(row, keep)):
+                pool.free(removed[::-1])
+        return max(0, have - keep)
+
+    def commit_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Record that the K/V of ``token_ids`` is written; they follow the committed prefix.
+
+        Pass prompt tokens chunk by chunk as prefill computes them (they must equal the
+        prompt), then each generated token once its K/V is written. Committed tokens never
+        exceed the logical length. Full committed blocks get hashed for prefix reuse (for
+        beam_width > 1 only the shared prompt blocks; none for cross-attention requests).
+        """
+        req = self._get(request_id)
+        token_ids = [int(t) for t in token_ids]
+        start = len(req.committed)
+        end = start + len(token_ids)
+        if end > req.num_tokens:
+            raise ValueError(
+                f"request {request_id!r}: committing {len(token_ids)} tokens after {start} "
+                f"exceeds the logical length {req.num_tokens}"
+            )
+        overlap = req.prompt[start:end]
+        if token_ids[: len(overlap)] != overlap:
+            raise ValueError(
+                f"request {request_id!r}: committed tokens at [{start}, {end}) differ from "
+                "the prompt"
+            )
+        req.committed.extend(token_ids)
+        if req.cacheable:
+            self._hash_committed(req)
+
+    def free(self, request_id: Hashable) -> None:
+        """Release every block of the request (tail blocks first, so prefixes stay cached)."""
+        req = self._get(request_id)
+        for row in req.rows:
+            for pool, removed in zip(self.pools, self._truncate_blocks(row, 0)):
+                pool.free(removed[::-1])
+        for pool, cross in zip(self.pools, self._take_cross_blocks(req.rows[0])):
+            pool.free(cross[::-1])
+        self._drop_request(request_id)
+
+    def _hash_committed(self, req) -> None:
+        """Hash every committed full block not hashed yet and offer it to the prefix cache."""
+        bs = self.block_size
+        limit = len(req.committed) // bs
+        if req.beam_width > 1:
+            limit = min(limit, len(req.prompt) // bs)  # later blocks differ per beam
+        row = req.rows[0]
+        for b in range(len(req.hashes), limit):
+            parent = req.hashes[-1] if req.hashes else None
+            h = hash_block_tokens(parent, req.committed[b * bs : (b + 1) * bs])
+            for p, pool in enumerate(self.pools):
+                pool.cache_block(int(self._tables[p, row, b]), h)
+            req.hashes.append(h)
+
+    def beam_fork_copies(self, request_id: Hashable) -> list[tuple[int, int, int]]:
+        """``(pool, src_block, dst_block)`` copies giving beams 1.. the prompt's partial block.
+
+        The context step writes the partial last prompt block of beam 0 only; copy it into
+        each other beam's own block (all layers) before their first generation step.
+        """
+        req = self._get(request_id)
+        num_prompt = len(req.prompt)
+        if req.beam_width == 1 or num_prompt % self.block_size == 0:
+            return []
+        j = num_prompt // self.block_size
+        src_row = req.rows[0]
+        return [
+            (p, int(self._tables[p, src_row, j]), int(self._tables[p, row, j]))
+            for p in range(self.num_pools)
+            for row in req.rows[1:]
+        ]
+
+    # ------------------------------------------------------------------ batch views
+    def get_block_ids_per_seq(
+        self,
+        request_ids: Sequence[Hashable],
+        pool: int = 0,
+        *,
+        beams: Sequence[int] | None = None,
+        width: int | None = None,
+    ) -> np.ndarray:
+        """Block tables ``[n, width]`` int32 (width defaults to max_blocks_per_seq), padded
+        with block 0. ``beams[i]`` (default 0) picks the beam of ``request_ids[i]``."""
+        rows = self._seq_rows(request_ids, beams)
+        width = self.max_blocks_per_seq if width is None else width
+        if not 0 <= width <= self.max_blocks_per_seq:
+            raise ValueError(f"width = {width} outside [0, {self.max_blocks_per_seq}]")
+        return bo.per_seq_table(self._tables[self._check_pool(pool)], rows, width)
+
+    def get_batch_cache_indices(
+        self,
+        request_ids: Sequence[Hashable],
+        layer_idx: int | None = None,
+        num_blocks_per_seq: Sequence[int] | None = None,
+        *,
+        beams: Sequence[int] | None = None,
+    ) -> list[list[int]]:
+        """Per-sequence block-id lists of ``layer_idx``'s pool (all allocated blocks, or the
+        first ``num_blocks_per_seq[i]`` of each)."""
+        rows = self._seq_rows(request_ids, beams)
+        counts = self._counts(rows, num_blocks_per_seq)
+        table = self._tables[self.pool_for_layer(layer_idx)]
+        return [table[r, :c].tolist() for r, c in zip(rows.tolist(), counts.tolist())]
+
+    def get_batch_cache_indices_flat(
+        self,
+        request_ids: Sequence[Hashable],
+        num_blocks_per_seq: Sequence[int] | None = None,
+        layer_idx: int | None = None,
+        *,
+        beams: Sequence[int] | None = None,
+    ) -> np.ndarray:
+        """``get_batch_cache_indices`` concatenated into one int32 array (ragged indices)."""
+        rows = self._seq_rows(request_ids, beams)
+        counts = self._counts(rows, num_blocks_per_seq)
+        return bo.flat_block_ids(self._tables[self.pool_for_layer(layer_idx)], rows, counts)
+
+    def _counts(self, rows: np.ndarray, num_blocks_per_seq) -> np.ndarray:
+        allocated = self._num_allocated[rows]
+        if num_blocks_per_seq is None:
+            return allocated
+        counts = np.asarray(num_blocks_per_seq, dtype=np.int32).reshape(-1)
+        if counts.shape != rows.shape:
+            raise ValueError(
+                f"num_blocks_per_seq has {counts.size} entries for {rows.size} sequences"
+            )
+        bad = np.flatnonzero((counts < 0) | (counts > allocated))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"num_blocks_per_seq[{i}] = {int(counts[i])} outside [0, {int(allocated[i])}] "
+                "(allocated blocks)"
+            )
+        return counts
+
+    def fill_host_block_offsets(
+        self,
+        request_ids: Sequence[Hashable],
+        beam_width: int,
+        num_contexts: int,
+        num_seqs: int,
+        *,
+        max_batch: int,
+        cross: bool = False,
+    ):
+        """Fill the persistent host buffer ``[num_pools, max_batch, 2, max_blocks_per_seq]``
+        for this batch and return its stager (``.host_block_offsets`` is the buffer)."""
+        num_gen = len(request_ids) - num_contexts
+        if not 0 <= num_contexts <= len(request_ids):
+            raise ValueError(f"num_contexts = {num_contexts} outside [0, {len(request_ids)}]")
+        expected = num_contexts + num_gen * beam_width
+        if num_seqs != expected:
+            raise ValueError(
+                f"{'cross ' if cross else ''}block offsets expect {expected} rows "
+                f"({num_contexts} context + {num_gen} x beam {beam_width}), got num_seqs = {num_seqs}"
+            )
+        reqs = [self._get(r) for r in request_ids]
+        if not cross:
+            for req, rid in zip(reqs[num_contexts:], request_ids[num_contexts:]):
+                if req.beam_width != beam_width:
+                    raise ValueError(
+                        f"request {rid!r} has beam_width {req.beam_width}, batch says {beam_width}"
+                    )
+        seq_rows = bo.expand_batch_rows(
+            [r.rows for r in reqs], beam_width, num_contexts, cross=cross
+        )
+        key = (cross, max_batch)
+        stager = self._stagers.get(key)
+        if stager is None:
+            stager = bo.BlockOffsetsStager(self.num_pools, max_batch, self.max_blocks_per_seq)
+            self._stagers[key] = stager
+        tables, counts = (
+            (self._cross, self._num_cross) if cross else (self._tables, self._num_allocated)
+        )
+        stager.fill(tables, seq_rows, counts)
+        return stager
+
+    def copy_batch_block_offsets(
+        self,
+        dst,
+        request_ids: Sequence[Hashable],
+        beam_width: int,
+        num_contexts: int,
+        num_seqs: int,
+        *,
+        cross: bool = False,
+        max_blocks: int | None = None,
+        copy_fn: bo.CopyFn | None = None,
+    ):
+        """Write this batch's block-offset rows into ``dst`` (seed 001 rules, staging rule).
+
+        ``dst``: int32 ``[num_pools, max_batch, 2, max_blocks_per_seq]`` (any device). Rows
+        ``[0, num_seqs)``: context requests one row each, generation requests ``beam_width``
+        rows each (cross: the request's encoder row repeated). ``max_blocks`` caps the copied
+        width (only valid when nothing advances lengths on the device); None copies the full
+        width. The persistent host buffer is refilled in place; the copy reads a private pinned
+        snapshot (returned). ``copy_fn(dst_view, src)`` defaults to a non_blocking copy_.
+        """
+        stager = self.fill_host_block_offsets(
+            request_ids, beam_width, num_contexts, num_seqs, max_batch=dst.shape[1], cross=cross
+        )
+        width = self.max_blocks_per_seq
+        if max_blocks is not None:
+            width = min(max(int(max_blocks), 1), self.max_blocks_per_seq)
+        return stager.copy_to(dst, num_seqs, width, copy_fn)
+
+    def host_block_offsets(self, max_batch: int, *, cross: bool = False):
+        """The persistent host buffer of ``(cross, max_batch)`` (for synchronous readers)."""
+        stager = self._stagers.get((cross, max_batch))
+        if stager is None:
+            raise ValueError(f"no block offsets were filled for max_batch = {max_batch}")
+        return stager.host_block_offsets

@@ -1,0 +1,217 @@
+"""Per-layer K and V cache tensors addressed by the manager's block ids.
+
+Layouts (``H`` = num_kv_heads, ``D`` = head_dim, slot = block * block_size + offset):
+
+* ``"bf16"``: ``k_cache(layer)`` / ``v_cache(layer)`` are bfloat16 ``[num_blocks, block_size,
+  H, D]`` views of a uint8 cache from ``kvplan.alloc_kv_cache(..., bf16_format(H * D))`` (the
+  raw cache is ``raw_k_cache(layer)``).
+* ``"fp16"`` / ``"fp32"``: plain ``[num_blocks, block_size, H, D]`` tensors of that dtype.
+* ``"fp8"``: uint8 ``[num_blocks, block_size, 1, bytes_per_token]`` caches of the format
+  ``layout`` = e4m3 x (H * D), one UE8M0 scale per 32 values, token-interleaved, cast on
+  load. Every head's D values are whole scale groups (``D % 32 == 0``), so one token's
+  record is H per-head records laid end to end. ``read_blocks`` dequantizes to bfloat16.
+
+Caches are zero-initialized so the padding block 0 (and unwritten slots) reads as zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvplan._checks import check_int32, check_range, check_tensor
+
+_PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KV_FORMATS = ("bf16", "fp16", "fp32", "fp8")
+
+
+class KVCacheTensors:
+    """K and V caches for ``num_layers`` layers.
+
+    Args:
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim: cache geometry
+            (``num_blocks`` includes the padding block 0).
+        kv_format: ``"bf16"`` | ``"fp16"`` | ``"fp32"`` | ``"fp8"``.
+        device: where the caches live (default CPU).
+
+    Example::
+
+        kv = KVCacheTensors(2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=64)
+        kv.store(0, k, v, torch.tensor([4, 5, -1]))   # k, v: [3, 2, 64]; row 2 skipped
+        kv.k_cache(0)[1, 0]                            # == k[0] (slot 4 = block 1, offset 0)
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        kv_format: str = "bf16",
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+        if kv_format == "fp8" and head_dim % 32:
+            raise ValueError(f"kv_format 'fp8' needs head_dim % 32 == 0, got head_dim {head_dim}")
+        check_int32("num_blocks * block_size", num_blocks * block_size)
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.kv_format = kv_format
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.layout = self._make_layout()
+        self._raw: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self._alloc(), self._alloc()) for _ in range(num_layers)
+        ]
+        self._views = [(self._typed(k), self._typed(v)) for k, v in self._raw]
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def is_quantized(self) -> bool:
+        return self.kv_format == "fp8"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype of the values read back (fp8 dequantizes to bfloat16)."""
+        return torch.bfloat16 if self.kv_format == "fp8" else _PLAIN_DTYPES[self.kv_format]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K cache (see the module docstring for its shape and dtype)."""
+        return self._views[self._check_layer(layer)][0]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self._views[self._check_layer(layer)][1]
+
+    def raw_k_cache(self, layer: int) -> torch.Tensor:
+        """The allocation behind ``k_cache`` (uint8 for bf16 and fp8)."""
+        return self._raw[self._check_layer(layer)][0]
+
+    def raw_v_cache(self, layer: int) -> torch.Tensor:
+        return self._raw[self._check_layer(layer)][1]
+
+    # ------------------------------------------------------------------ store / read
+    def store(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        check: bool = True,
+    ) -> None:
+        """Write ``k[i]``, ``v[i]`` (``[T, H, D]``, any float dtype) at ``slot_mapping[i]``.
+
+        ``slot_mapping``: int32/int64 ``[T]`` on the caches' device; ``-1`` skips the row.
+        Values are cast to the cache dtype (round to nearest even); fp8 goes through
+        ``kvplan.store_kv_cache`` (UE8M0 group scales). ``check`` validates the slot range
+        (one reduction; a device sync on CUDA).
+        """
+        self._check_layer(layer)
+        t = slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor) else None
+        shape = (t, self.num_kv_heads, self.head_dim)
+        check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), ndim=1)
+        check_tensor("k", k, shape=shape, device=self.device)
+        check_tensor("v", v, shape=shape, device=self.device)
+        check_tensor("slot_mapping", slot_mapping, device=self.device)
+        if check:
+            check_range("slot_mapping", slot_mapping, -1, self.num_slots)
+        if self.kv_format == "fp8":
+            from kvplan import store_kv_cache
+
+            raw_k, raw_v = self._raw[layer]
+            hd = self.num_kv_heads * self.head_dim
+            store_kv_cache(
+                k.reshape(t, hd).to(torch.bfloat16), raw_k, slot_mapping, layout=self.layout
+            )
+            store_kv_cache(
+                v.reshape(t, hd).to(torch.bfloat16), raw_v, slot_mapping, layout=self.layout
+            )
+            return
+        k_cache, v_cache = self._views[layer]
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+        v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+    def read_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the listed blocks in compute dtype: ``[n, block_size, H, D]`` each.
+
+        ``block_ids``: int ``[n]`` on the caches' device. fp8 values are dequantized
+        (value * 2^(scale_byte - 127) per 32-value group) to bfloat16.
+        """
+        check_tensor("block_ids", block_ids, dtype=(torch.int32, torch.int64), ndim=1)
+        check_range("block_ids", block_ids, 0, self.num_blocks)
+        idx = block_ids.long()
+        k_cache, v_cache = self.k_cache(layer), self.v_cache(layer)
+        if self.kv_format != "fp8":
+            return k_cache[idx], v_cache[idx]
+        return self._dequant(k_cache[idx]), self._dequant(v_cache[idx])
+
+    # ------------------------------------------------------------------ internals
+    def _make_layout(self):
+        from kvplan.formats import KVCacheFormat, bf16_format
+
+        hd = self.num_kv_heads * self.head_dim
+        if self.kv_format == "bf16":
+            return bf16_format(hd)
+        if self.kv_format == "fp8":
+            return KVCacheFormat(
+                quantized_dtype="e4m3",
+                quantized_elements=hd,
+                elements_per_sf=32,
+                bf16_elements=0,
+                do_cast=True,
+                sf_format="ue8m0",
+                note=f"kvplan fp8 KV: e4m3 x{hd} (per-head records), UE8M0 per 32",
+                token_interleaved=True,
+            )
+        return None
+
+    def _alloc(self) -> torch.Tensor:
+        if self.layout is None:
+            shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+            return torch.zeros(shape, dtype=_PLAIN_DTYPES[self.kv_format], device=self.device)
+        from kvplan.formats import alloc_kv_cache
+
+        raw = alloc_kv_cache(self.num_blocks, self.block_size, self.layout, device=self.device)
+        # alloc_kv_cache leaves the bytes uninitialized; zero the whole storage (padding too).
+        torch.as_strided(raw, (raw.untyped_storage().nbytes(),), (1,), 0).zero_()
+        return raw
+
+    def _typed(self, raw: torch.Tensor) -> torch.Tensor:
+        if self.kv_format != "bf16":
+            return raw
+        # raw: uint8 [N, bs, 1, 2*H*D] -> bfloat16 [N, bs, 1, H*D] -> [N, bs, H, D]
+        return raw.view(torch.bfloat16).squeeze(2).unflatten(-1, (self.num_kv_heads, self.head_dim))
+
+    def _dequant(self, raw: torch.Tensor) -> torch.Tensor:
+        # raw: uint8 [n, bs, 1, bytes_per_token] token-interleaved: H*D e4m3 bytes, H*D/32 exps
+        from kvplan.formats import split_kv_cache
+
+        values, scales = split_kv_cache(raw, self.layout)  # [n, bs, HD] e4m3, [n, bs, HD/32] u8
+        scale = torch.exp2(scales.float() - 127.0).repeat_interleave(32, dim=-1)
+        out = values.float() * scale  # [n, bs, HD]
+        return out.to(torch.bfloat16).unflatten(-1, (self.num_kv_heads, self.head_dim))
+
+    def _check_layer(self, layer: int) -> int:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
+        return layer

@@ -1,0 +1,71 @@
+"""KVCacheTensors: shapes, dtypes, store by slot (with -1 skips) against a per-token loop."""
+
+import pytest
+import torch
+
+from kvplan.cache import KVCacheTensors
+
+
+def store_ref(cache, x, slots, block_size):
+    """Per-token loop: the obviously-correct store."""
+    out = cache.clone()
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            out[s // block_size, s % block_size] = x[i].to(out.dtype)
+    return out
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp16", "fp32"])
+def test_store_matches_loop(kv_format):
+    g = torch.Generator().manual_seed(0)
+    kv = KVCacheTensors(
+        2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=16, kv_format=kv_format
+    )
+    assert kv.k_cache(1).shape == (6, 4, 2, 16) and kv.k_cache(1).dtype == kv.dtype
+    assert not kv.is_quantized
+    slots = torch.tensor([4, 23, -1, 5, 12, -1, 7], dtype=torch.int32)
+    k = torch.randn(7, 2, 16, generator=g)
+    v = torch.randn(7, 2, 16, generator=g)
+    want_k = store_ref(kv.k_cache(1), k, slots, 4)
+    want_v = store_ref(kv.v_cache(1), v, slots, 4)
+    kv.store(1, k, v, slots)
+    assert torch.equal(kv.k_cache(1), want_k) and torch.equal(kv.v_cache(1), want_v)
+    assert not kv.k_cache(0).any()  # other layers untouched
+    assert not kv.k_cache(1)[0].any()  # padding block untouched
+    kb, vb = kv.read_blocks(1, torch.tensor([1, 5]))
+    assert torch.equal(kb, want_k[[1, 5]]) and torch.equal(vb, want_v[[1, 5]])
+
+
+def test_bf16_is_a_view_of_the_alloc_kv_cache_buffer():
+    kv = KVCacheTensors(1, num_blocks=3, block_size=2, num_kv_heads=1, head_dim=8)
+    raw = kv.raw_k_cache(0)
+    assert raw.dtype == torch.uint8 and raw.shape == (3, 2, 1, 16)
+    assert kv.layout.bf16_elements == 8
+    kv.k_cache(0)[2, 1, 0, 3] = 1.5
+    assert raw.view(torch.bfloat16)[2, 1, 0, 3].item() == 1.5
+
+
+def test_bad_arguments():
+    kv = KVCacheTensors(1, num_blocks=3, block_size=2, num_kv_heads=1, head_dim=8, kv_format="fp32")
+    k = torch.zeros(2, 1, 8)
+    with pytest.raises(ValueError, match="slot_mapping holds 6"):
+        kv.store(0, k, k, torch.tensor([0, 6]))
+    with pytest.raises(TypeError, match="slot_mapping"):
+        kv.store(0, k, k, torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="k must have shape"):
+        kv.store(0, torch.zeros(2, 2, 8), k, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="layer"):
+        kv.k_cache(1)
+    with pytest.raises(ValueError, match="kv_format"):
+        KVCacheTensors(1, 3, 2, 1, 8, kv_format="int4")
+    with pytest.raises(ValueError, match="head_dim % 32"):
+        KVCacheTensors(1, 3, 2, 1, 48, kv_format="fp8")
+
+
+def test_fp8_layout():
+    kv = KVCacheTensors(1, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=64, kv_format="fp8")
+    assert kv.is_quantized and kv.dtype == torch.bfloat16
+    assert kv.layout.quantized_elements == 128 and kv.layout.bytes_per_token == 132
+    assert kv.k_cache(0).dtype == torch.uint8 and kv.k_cache(0).shape == (3, 4, 1, 132)
+    k, _ = kv.read_blocks(0, torch.tensor([0, 2]))
+    assert k.shape == (2, 4, 2, 64) and not k.any()
