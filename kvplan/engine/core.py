@@ -1,0 +1,154 @@
+"""Engine core: schedule -> run -> sample -> update, one round trip per step.
+
+After the model runs, the host receives one token per sampling row (one device->host copy)
+and updates each request: it commits the K/V it just wrote (``commit_tokens``, which hashes
+full blocks for prefix reuse), appends the sampled token(s) and checks the stop rules. A
+speculative-verification row accepts the matching drafts (`accept_drafts`) and grows its
+logical length over them (``extend``); rejected drafts stay in reserved blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvplan.engine.request import Request
+from kvplan.engine.runner import ModelRunner
+from kvplan.engine.sampler import sample
+from kvplan.engine.sampling import SamplingParams
+from kvplan.engine.scheduler import Scheduler
+from kvplan.engine.speculative import accept_drafts
+
+
+class EngineCore:
+    """Owns the requests, the scheduler and the runner.
+
+    Args:
+        scheduler: a `Scheduler` over the KV cache manager.
+        runner: a `ModelRunner`.
+        eos_token_ids: tokens that end a request unless ``ignore_eos``.
+        decode_text: ``f(token_ids) -> str`` for stop strings (None: no detokenizer).
+        max_model_len: longest ``prompt + max_tokens`` a request may ask for.
+        seed: seed of the generator used by requests without their own seed.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        decode_text: Callable[[list[int]], str] | None = None,
+        max_model_len: int,
+        seed: int = 0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.decode_text = decode_text
+        self.max_model_len = max_model_len
+        self.device = runner.device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.requests: dict[int, Request] = {}
+        self._next_id = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt_token_ids is empty")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        req = Request(self._next_id, ids, params, gen)
+        self._next_id += 1
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        return req
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now and free its blocks (no-op when it already finished)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"unknown request id {request_id}")
+        if not req.finished:
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that got new tokens or finished."""
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(
+                    "no request could be scheduled: the KV pool is too small for the next "
+                    "waiting request"
+                )
+            return []
+        logits, inputs = self.runner.execute(sched)
+        params: list[SamplingParams] = []
+        gens: list[torch.Generator | None] = []
+        for s, sl in zip(sched.seqs, inputs.row_slices):
+            n = sl.stop - sl.start
+            params.extend([s.request.params] * n)
+            gens.extend([s.request.generator] * n)
+        tokens = sample(logits, params, gens, self.generator).tolist() if params else []
+        self.num_steps += 1
+
+        touched: list[Request] = []
+        manager = self.scheduler.manager
+        for s, sl in zip(sched.seqs, inputs.row_slices):
+            req = s.request
+            rid = req.request_id
+            start = req.num_computed_tokens
+            if s.is_prefill:
+                manager.commit_tokens(rid, req.all_token_ids[start : start + s.num_query_tokens])
+                req.num_computed_tokens += s.num_query_tokens
+                new = tokens[sl]
+            elif s.drafts:
+                new = accept_drafts(s.drafts, tokens[sl])
+                accepted = len(new) - 1
+                req.num_draft_tokens_proposed += len(s.drafts)
+                req.num_draft_tokens_accepted += accepted
+                manager.extend(rid, accepted)
+                manager.commit_tokens(rid, [req.all_token_ids[-1], *s.drafts[:accepted]])
+                req.num_computed_tokens += 1 + accepted
+            else:
+                manager.commit_tokens(rid, [req.all_token_ids[-1]])
+                req.num_computed_tokens += 1
+                new = tokens[sl]
+            for t in new:
+                self._append(req, t)
+                if req.finished:
+                    break
+            if new:
+                touched.append(req)
+        return touched
+
+    def _append(self, req: Request, token: int) -> None:
+        req.output_token_ids.append(token)
+        p = req.params
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif p.stop_strings and self.decode_text is not None:
+            text = self.decode_text(req.output_token_ids)
+            cuts = [text.find(s) for s in p.stop_strings]
+            cuts = [c for c in cuts if c >= 0]
+            if cuts:
+                req.stop_text_len = min(cuts)
+                reason = "stop"
+        if reason is None and len(req.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(req, reason)

