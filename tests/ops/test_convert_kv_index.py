@@ -1,0 +1,110 @@
+"""convert_kv_index: reference == torch == Triton, in place and with out=."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvplan.ops import convert_kv_index
+from kvplan.ops.convert_kv_index import (
+    convert_kv_index_ref,
+    convert_kv_index_torch,
+    convert_kv_index_triton,
+)
+
+
+def random_case(rng, rows, k, block_size, max_blocks=6):
+    tables = rng.integers(0, 1000, size=(rows, max_blocks))
+    topk = rng.integers(0, max_blocks * block_size, size=(rows, k))
+    topk[rng.random((rows, k)) < 0.2] = -1
+    ctx = rng.integers(0, k + 3, size=rows)
+    # positions past the context may hold garbage the op must not read
+    past = np.arange(k)[None, :] >= ctx[:, None]
+    topk[past] = rng.integers(-50, 10**6, size=int(past.sum()))
+    return (
+        torch.tensor(topk, dtype=torch.int32),
+        torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(ctx, dtype=torch.int32),
+    )
+
+
+def test_docstring_example():
+    topk = torch.tensor([[5, 0, -1, 6]], dtype=torch.int32)
+    bt = torch.tensor([[7, 2]], dtype=torch.int32)
+    res = convert_kv_index(topk, bt, torch.tensor([3], dtype=torch.int32), 4)
+    assert res is topk  # in place
+    assert topk.tolist() == [[9, 28, -1, -1]]
+
+
+@pytest.mark.parametrize("rows, k, block_size", [(1, 1, 1), (9, 17, 4), (5, 1500, 16), (3, 8, 33)])
+def test_matches_reference_in_place(rows, k, block_size):
+    rng = np.random.default_rng(rows * k + block_size)
+    topk, bt, ctx = random_case(rng, rows, k, block_size)
+    want = convert_kv_index_ref(topk, bt, ctx, block_size)
+    for fn in (convert_kv_index_torch, convert_kv_index_triton):
+        t = topk.clone()
+        assert fn(t, bt, ctx, block_size) is t
+        assert torch.equal(t, want)
+
+
+@pytest.mark.parametrize(
+    "fn", [convert_kv_index_torch, convert_kv_index_triton], ids=["torch", "triton"]
+)
+def test_out_and_strided(fn):
+    rng = np.random.default_rng(11)
+    topk, bt, ctx = random_case(rng, 4, 6, 8)
+    wide = torch.zeros(4, 10, dtype=torch.int32)
+    wide[:, 2:8] = topk
+    view = wide[:, 2:8]  # row stride 10
+    bt_big = torch.cat([bt, torch.full((2, bt.shape[1]), -5, dtype=torch.int32)])  # extra rows
+    buf = torch.full((6, 6), 3, dtype=torch.int32)
+    res = fn(view, bt_big, ctx, 8, out=buf)
+    assert res.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:4], convert_kv_index_ref(topk, bt, ctx, 8))
+    assert (buf[4:] == 3).all()
+    assert torch.equal(view, topk)  # input untouched when out is given
+    empty = torch.zeros(0, 6, dtype=torch.int32)
+    assert fn(empty, bt, torch.zeros(0, dtype=torch.int32), 8).shape == (0, 6)
+
+
+def test_errors():
+    topk = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    bt = torch.tensor([[4, 5]], dtype=torch.int32)
+    ctx = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(TypeError, match="topk_idxs"):
+        convert_kv_index(topk.long(), bt, ctx, 2)
+    with pytest.raises(TypeError, match="block_tables"):
+        convert_kv_index(topk, bt.long(), ctx, 2)
+    with pytest.raises(ValueError, match="context_lens"):
+        convert_kv_index(topk, bt, ctx[:0], 2)
+    with pytest.raises(ValueError, match="block_tables has 1 rows"):
+        convert_kv_index(torch.zeros(2, 3, dtype=torch.int32), bt, ctx.repeat(2), 2)
+    with pytest.raises(ValueError, match="block_size"):
+        convert_kv_index(topk, bt, ctx, 0)
+    with pytest.raises(ValueError, match=r"topk_idxs\[0, 1\] = 2"):
+        convert_kv_index(topk, bt, ctx, 1)  # index 3 outside [-1, 2)
+    with pytest.raises(ValueError, match=r"topk_idxs\[0, 0\] = -4"):
+        convert_kv_index(torch.tensor([[-4]], dtype=torch.int32), bt, ctx[:1], 2)
+    with pytest.raises(ValueError, match="block id -1"):
+        convert_kv_index(topk.clone(), torch.tensor([[4, -1]], dtype=torch.int32), ctx, 2)
+    with pytest.raises(ValueError, match="int32"):
+        convert_kv_index(topk.clone(), torch.tensor([[2**30, 0]], dtype=torch.int32), ctx, 4)
+    with pytest.raises(ValueError, match="context_lens holds -1"):
+        convert_kv_index(topk, bt, torch.tensor([-1], dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="context_lens"):
+        convert_kv_index(topk, bt, ctx.to("meta"), 2)
+    assert topk.tolist() == [[1, 2, 3]]  # rejected calls leave the input unchanged
+    # the bad index sits past the context length: not converted, not checked
+    short = torch.tensor([[1, 0, 3]], dtype=torch.int32)
+    ok = convert_kv_index(short, bt, torch.tensor([2], dtype=torch.int32), 1)
+    assert ok.tolist() == [[5, 4, -1]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, k, block_size", [(1, 1, 1), (4099, 2048, 16), (7, 5000, 64)])
+def test_gpu_bit_exact(rows, k, block_size):
+    rng = np.random.default_rng(rows + k)
+    topk, bt, ctx = random_case(rng, rows, k, block_size, max_blocks=400)
+    want = convert_kv_index_torch(topk.clone(), bt, ctx, block_size)
+    t = topk.cuda()
+    convert_kv_index(t, bt.cuda(), ctx.cuda(), block_size)
+    assert torch.equal(t.cpu(), want)
