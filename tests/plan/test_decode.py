@@ -1,9 +1,13 @@
-"""prepare_decode: a worked example by hand (random batches vs the reference below)."""
+"""prepare_decode: a worked example by hand, and random batches == the per-token reference."""
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from plan_cases import assert_fields_equal, random_config, random_decode_batch
 
 from kvplan.plan import MetadataConfig, SequenceMetadata, prepare_decode
+from kvplan.plan.reference import reference_decode
 
 CFG = MetadataConfig(
     block_size=4,
@@ -53,3 +57,14 @@ def test_worked_example():
     assert torch.equal(m.cu_seqlens_k, _t([0, 7]))
     assert torch.equal(m.query_indices, _t([0, 0]))
     assert m.valid_token_mask.tolist() == [True, True]
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_decode_matches_reference(seed):
+    rng = np.random.default_rng(seed)
+    cfg = random_config(rng)
+    seqs = random_decode_batch(rng, cfg)
+    meta = prepare_decode(seqs, cfg)
+    prefix = [cfg.num_blocks_for(s.seqlen_k) for s in seqs for _ in range(s.seqlen_q)]
+    assert_fields_equal(meta, reference_decode(seqs, cfg), block_table_prefix=prefix)
