@@ -1,0 +1,76 @@
+"""Attention backends: the metadata contract and three kernel formats (seed 001).
+
+``get_backend(name)`` returns the backend class; ``backend.Metadata`` is its metadata class:
+
+* ``"vanilla"``       -- gather paged K/V into contiguous NHD, torch SDPA (the anchor);
+* ``"ragged"``        -- FlashInfer-style ragged page table (indices / indptr / last_page_len);
+* ``"block_offsets"`` -- TensorRT-LLM-style block-offset table
+  ``[num_pools, max_batch, 2, max_blocks_per_seq]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvplan.backends.base import AttentionBackend
+from kvplan.backends.metadata import AttentionMetadata
+from kvplan.backends.sparse import (
+    SparseMetadataParams,
+    SparseRuntimeParams,
+    use_sparse_attention,
+)
+
+# name -> (module, backend class)
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "vanilla": ("kvplan.backends.vanilla", "VanillaAttention"),
+    "ragged": ("kvplan.backends.ragged", "RaggedAttention"),
+    "block_offsets": ("kvplan.backends.block_offsets", "BlockOffsetsAttention"),
+}
+BACKEND_NAMES = tuple(_BACKENDS)
+
+_LAZY: dict[str, str] = {
+    "VanillaAttention": "kvplan.backends.vanilla",
+    "VanillaAttentionMetadata": "kvplan.backends.vanilla",
+    "RaggedAttention": "kvplan.backends.ragged",
+    "RaggedAttentionMetadata": "kvplan.backends.ragged",
+    "BlockOffsetsAttention": "kvplan.backends.block_offsets",
+    "BlockOffsetsAttentionMetadata": "kvplan.backends.block_offsets",
+}
+
+
+def get_backend(name: str) -> type[AttentionBackend]:
+    """The backend class called ``name`` (one of ``BACKEND_NAMES``)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvplan.backends' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "BACKEND_NAMES",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "BlockOffsetsAttention",
+    "BlockOffsetsAttentionMetadata",
+    "RaggedAttention",
+    "RaggedAttentionMetadata",
+    "SparseMetadataParams",
+    "SparseRuntimeParams",
+    "VanillaAttention",
+    "VanillaAttentionMetadata",
+    "get_backend",
+    "use_sparse_attention",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvplan.backends.block_offsets import BlockOffsetsAttention, BlockOffsetsAttentionMetadata
+    from kvplan.backends.ragged import RaggedAttention, RaggedAttentionMetadata
+    from kvplan.backends.vanilla import VanillaAttention, VanillaAttentionMetadata

@@ -1,0 +1,137 @@
+"""Every read of the KV cache manager that the backends make, in one place.
+
+The metadata never owns block tables between steps; each ``prepare()`` asks the manager for
+the rows of this batch's sequences (``request_ids`` + beam expansion) through these helpers,
+and then derives every kernel format from the same host table with numpy. That shared source
+is why the three encodings (vanilla lists, ragged page table, block offsets) name the same
+blocks by construction, and ``tests/backends`` checks it directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def num_pools(manager: Any) -> int:
+    """Number of block pools (one per distinct sliding-window size, VSWA)."""
+    return int(manager.num_pools)
+
+
+def pool_of_layer(manager: Any, layer_idx: int) -> int:
+    """Pool holding layer ``layer_idx``'s blocks (``layer_to_pool``; pool 0 when unmapped)."""
+    if manager is None:
+        return 0
+    return int(manager.pool_for_layer(layer_idx))
+
+
+def block_size_of(manager: Any) -> int:
+    return int(manager.block_size)
+
+
+def batch_block_table(
+    manager: Any,
+    request_ids: list[int],
+    *,
+    pool: int,
+    beam_width: int,
+    num_contexts: int,
+    cross: bool,
+    width: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Block table of the batch's sequences and their allocated block counts.
+
+    Args:
+        width: table columns to fetch (default the manager's ``max_blocks_per_seq``); counts
+            are only exact up to ``width``.
+
+    Returns:
+        table: int32 ``[num_seqs, width]`` (host), block 0 past each row's allocated blocks.
+            Context requests give one row (beam 0: they have not forked yet); generation
+            requests give ``beam_width`` rows (their beams' own rows, or for cross attention
+            the request's single encoder row repeated, ``repeat_interleave``-style).
+        num_allocated: int32 ``[num_seqs]``, allocated blocks of each row (reserved included,
+            capped at ``width``). The manager never hands out block 0 and pads every row with
+            it, so this is the count of nonzero entries.
+    """
+    max_width = int(manager.max_blocks_per_seq)
+    width = max_width if width is None else min(int(width), max_width)
+    num_gen = len(request_ids) - num_contexts
+    if cross:
+        lists = [manager.get_cross_block_ids(rid, pool) for rid in request_ids]
+        reps = [1] * num_contexts + [beam_width] * num_gen
+        table = np.zeros((len(lists), width), np.int32)
+        for i, ids in enumerate(lists):
+            ids = ids[:width]
+            table[i, : len(ids)] = ids
+        table = np.repeat(table, reps, axis=0)
+    elif beam_width == 1:
+        table = manager.get_block_ids_per_seq(request_ids, pool, width=width)
+    else:
+        seq_ids = list(request_ids[:num_contexts])
+        beams = [0] * num_contexts
+        for rid in request_ids[num_contexts:]:
+            seq_ids.extend([rid] * beam_width)
+            beams.extend(range(beam_width))
+        table = manager.get_block_ids_per_seq(seq_ids, pool, beams=beams, width=width)
+    table = np.asarray(table, dtype=np.int32)
+    return table, np.count_nonzero(table, axis=1).astype(np.int32)
+
+
+def new_token_slots(
+    table: np.ndarray, cached: np.ndarray, new_lens: np.ndarray, block_size: int
+) -> np.ndarray:
+    """Cache slot of every new K/V token, sequence by sequence (host, int64 ``[sum(new_lens)]``).
+
+    Token i of sequence b sits at position ``p = cached[b] + i`` and goes to slot
+    ``table[b, p // block_size] * block_size + p % block_size``.
+
+    Raises ValueError when a token would land past the table or in the padding block 0
+    (the manager did not allocate a block for it).
+
+    Example (block_size 4)::
+
+        table = [[7, 3], [5, 0]], cached = [3, 0], new_lens = [2, 1]
+        positions = [3, 4, 0]  ->  slots = [7*4+3, 3*4+0, 5*4+0] = [31, 12, 20]
+    """
+    total = int(new_lens.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    n = new_lens.size
+    rows = np.repeat(np.arange(n), new_lens)
+    starts = np.cumsum(new_lens) - new_lens
+    pos = np.arange(total) - np.repeat(starts, new_lens) + np.repeat(cached, new_lens)
+    col = pos // block_size
+    if int(col.max()) >= table.shape[1]:
+        bad = int(rows[np.argmax(col)])
+        raise ValueError(
+            f"sequence {bad} writes position {int(pos.max())}, past max_blocks_per_seq="
+            f"{table.shape[1]} blocks of {block_size}"
+        )
+    blocks = table[rows, col].astype(np.int64)
+    if not blocks.all():
+        bad = int(rows[np.argmin(blocks != 0)])
+        raise ValueError(
+            f"sequence {bad} writes a token into an unallocated block (block 0); allocate "
+            "it with KVCacheManager.extend/reserve before prepare()"
+        )
+    return blocks * block_size + pos % block_size
+
+
+def logical_num_blocks(kv_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """Blocks that hold committed history: ``ceil(kv_lens / block_size)`` (int32)."""
+    return ((kv_lens.astype(np.int64) + block_size - 1) // block_size).astype(np.int32)
+
+
+def check_allocated(
+    num_needed: np.ndarray, num_allocated: np.ndarray, what: str = "kv_lens"
+) -> None:
+    """Every row must own the blocks its lengths need."""
+    short = num_needed > num_allocated
+    if short.any():
+        b = int(np.argmax(short))
+        raise ValueError(
+            f"sequence {b} needs {int(num_needed[b])} blocks for its {what} but the manager "
+            f"holds {int(num_allocated[b])}"
+        )

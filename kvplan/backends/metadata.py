@@ -1,0 +1,348 @@
+"""The attention-metadata contract shared by every backend (seed 001, "AttentionMetadata").
+
+One ``AttentionMetadata`` object is the only hand-off between the scheduler/engine and the
+attention layers of one forward step. Its fields fall in three groups:
+
+* capacity, fixed at construction: ``max_num_requests``, ``max_num_tokens``,
+  ``max_num_sequences`` (rows after beam expansion). Every device buffer is allocated once at
+  capacity and written in place, so CUDA graphs that recorded its address stay valid.
+* per-step shape: ``seq_lens`` (query tokens of each sequence this step; a CPU tensor and a
+  device copy written in place), ``num_contexts`` (context/prefill sequences come first),
+  ``beam_width`` (generation requests expand to that many rows). The derived counts
+  ``num_seqs``, ``num_generations``, ``num_ctx_tokens``, ``num_tokens`` are computed in the
+  setters (host values only), so the forward pass never has to sync or compute a
+  data-dependent shape.
+* the KV ledger: ``kv_cache_manager`` + ``request_ids`` (the keys to ask it for blocks; the
+  metadata never owns a block table between steps), ``num_cached_tokens_per_seq`` (tokens
+  already in the cache before this step), ``prompt_lens``, ``kv_cache`` (a ``KVCacheTensors``)
+  and ``layer_windows``.
+
+Cross attention is encoded by object identity: ``seq_lens_kv`` returns the very ``seq_lens``
+object unless a separate tensor was assigned, and ``is_cross`` is ``seq_lens is not
+seq_lens_kv``. For cross attention ``seq_lens_kv[b]`` is the number of encoder tokens written
+this step (all of them on a context row, 0 on a generation row); the attended length is always
+``kv_lens = num_cached_tokens_per_seq + seq_lens_kv``, for self and cross attention alike.
+
+Row layout of a batch with ``num_contexts = 2``, two generation requests and ``beam_width = 2``::
+
+    request_ids  = [r0, r1, r2, r3]
+    rows (seqs)  =  r0  r1  r2.b0  r2.b1  r3.b0  r3.b1      num_seqs = 2 + 2 * 2 = 6
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvplan.backends.sparse import SparseMetadataParams, SparseRuntimeParams
+from kvplan.backends.staging import host_empty, use_pinned
+
+IntArrayLike = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
+    """Host copy of an integer vector as a 1-D int32 numpy array; rejects negatives/overflow."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+        if value.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor (host values), got {value.device}")
+        arr = value.numpy()
+    else:
+        arr = np.asarray(value)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            raise ValueError(f"{name} holds {lo}; lengths must be >= 0")
+        if hi > 2**31 - 1:
+            raise ValueError(f"{name} holds {hi}, which overflows int32")
+    return arr.astype(np.int32, copy=True)
+
+
+def exclusive_cumsum(lens: np.ndarray) -> np.ndarray:
+    """``[0, l0, l0 + l1, ...]`` as int32 ``[n + 1]`` (overflow-checked)."""
+    out = np.zeros(lens.size + 1, np.int64)
+    np.cumsum(lens, out=out[1:])
+    if out[-1] > 2**31 - 1:
+        raise ValueError(f"total length {int(out[-1])} overflows int32")
+    return out.astype(np.int32)
+
+
+class AttentionMetadata:
+    """Per-step attention metadata; subclasses' ``prepare()`` build their kernel formats.
+
+    Args:
+        max_num_requests: most requests in one batch (rows of request-indexed buffers).
+        max_num_tokens: most query tokens in one step.
+        max_num_sequences: most sequences (rows after beam expansion); default
+            ``max_num_requests``.
+        kv_cache_manager: a ``kvplan.cache.KVCacheManager`` (or ``None``: context-only batches
+            without a cache, e.g. an encoder).
+        kv_cache: a ``kvplan.cache.KVCacheTensors`` the layers store into and read from.
+        layer_windows: per-layer sliding window (``None`` = full attention), used when the
+            backend object has no window of its own.
+        device: where the device copies live (default: ``kv_cache``'s device, else CPU).
+        is_cuda_graph: this object feeds a captured CUDA graph (buffers must never move).
+        sparse_metadata_params: ``None`` for dense attention (see ``kvplan.backends.sparse``).
+
+    Example::
+
+        md = VanillaAttentionMetadata(max_num_requests=8, max_num_tokens=256,
+                                      kv_cache_manager=mgr, kv_cache=kv)
+        md.request_ids = [7, 9]
+        md.num_contexts = 1
+        md.seq_lens = [5, 1]                 # 5 prompt tokens, 1 decode token
+        md.num_cached_tokens_per_seq = [0, 12]
+        md.prepare()                         # host math + staged H2D copies
+        out = backend.forward(q, k, v, md)   # q: [6, H, D]
+    """
+
+    def __init__(
+        self,
+        *,
+        max_num_requests: int,
+        max_num_tokens: int,
+        max_num_sequences: int | None = None,
+        kv_cache_manager: Any = None,
+        kv_cache: Any = None,
+        layer_windows: Sequence[int | None] | None = None,
+        device: torch.device | str | None = None,
+        is_cuda_graph: bool = False,
+        sparse_metadata_params: SparseMetadataParams | None = None,
+    ) -> None:
+        if max_num_sequences is None:
+            max_num_sequences = max_num_requests
+        for name, val in (
+            ("max_num_requests", max_num_requests),
+            ("max_num_tokens", max_num_tokens),
+            ("max_num_sequences", max_num_sequences),
+        ):
+            if not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if max_num_sequences < max_num_requests:
+            raise ValueError(
+                f"max_num_sequences ({max_num_sequences}) must be >= max_num_requests "
+                f"({max_num_requests})"
+            )
+        self.max_num_requests = max_num_requests
+        self.max_num_tokens = max_num_tokens
+        self.max_num_sequences = max_num_sequences
+        self.kv_cache_manager = kv_cache_manager
+        self.kv_cache = kv_cache
+        self.layer_windows = None if layer_windows is None else tuple(layer_windows)
+        if device is None:
+            device = getattr(kv_cache, "device", None) or "cpu"
+        self.device = torch.device(device)
+        self.is_cuda_graph = is_cuda_graph
+        self.pinned = use_pinned(self.device)
+        self.sparse_metadata_params = sparse_metadata_params
+        self.sparse_runtime_params = SparseRuntimeParams()
+
+        # per-step ledger (plain host values)
+        self.request_ids: list[int] = []
+        self.prompt_lens: list[int] | None = None
+        self.num_cached_tokens_per_seq: IntArrayLike | None = None
+        self.beam_width = 1
+        # derived host values, rebuilt by on_update() / prepare()
+        self._seq_lens: torch.Tensor | None = None
+        self._seq_lens_np = np.zeros(0, np.int32)
+        self._seq_lens_kv: torch.Tensor | None = None
+        self._seq_lens_kv_np: np.ndarray | None = None
+        self._num_contexts = 0
+        self._num_seqs = 0
+        self._num_generations = 0
+        self._num_ctx_tokens = 0
+        self._num_tokens = 0
+        self._num_kv_tokens = 0
+        self.prepared = False
+        self.kv_lens_np = np.zeros(0, np.int32)
+        self.cached_np = np.zeros(0, np.int32)
+        # device copy of seq_lens, allocated once at capacity and written in place
+        self._seq_lens_gpu = torch.zeros(max_num_sequences, dtype=torch.int32, device=self.device)
+
+    # ---------------------------------------------------------------- per-step shape
+    @property
+    def seq_lens(self) -> torch.Tensor | None:
+        """Query tokens of each sequence this step: int32 CPU tensor ``[num_seqs]``."""
+        return self._seq_lens
+
+    @seq_lens.setter
+    def seq_lens(self, value: IntArrayLike) -> None:
+        arr = as_int32_array("seq_lens", value)
+        if arr.size > self.max_num_sequences:
+            raise ValueError(
+                f"seq_lens has {arr.size} sequences, more than max_num_sequences="
+                f"{self.max_num_sequences}"
+            )
+        # A fresh (pinned) host tensor per assignment: it is the private source of the async
+        # copy below, so a later assignment can never overwrite it while the copy is queued.
+        host = host_empty(arr.size, torch.int32, self.pinned)
+        host.numpy()[:] = arr
+        self._seq_lens = host
+        self._seq_lens_np = arr
+        # In place, never reallocated: a captured graph keeps reading the same address.
+        self._seq_lens_gpu[: arr.size].copy_(host, non_blocking=True)
+        self.on_update()
+
+    @property
+    def seq_lens_gpu(self) -> torch.Tensor:
+        """Device copy of ``seq_lens``: int32 ``[num_seqs]`` view of a capacity buffer."""
+        return self._seq_lens_gpu[: self._num_seqs]
+
+    # the seed's name for the same tensor
+    seq_lens_cuda = seq_lens_gpu
+
+    @property
+    def seq_lens_kv(self) -> torch.Tensor | None:
+        """KV tokens written this step per sequence; the ``seq_lens`` object itself unless set."""
+        return self._seq_lens if self._seq_lens_kv is None else self._seq_lens_kv
+
+    @seq_lens_kv.setter
+    def seq_lens_kv(self, value: IntArrayLike | None) -> None:
+        if value is None:
+            self._seq_lens_kv, self._seq_lens_kv_np = None, None
+        else:
+            arr = as_int32_array("seq_lens_kv", value)
+            self._seq_lens_kv = torch.from_numpy(arr)
+            self._seq_lens_kv_np = arr
+        self.on_update()
+
+    @property
+    def seq_lens_kv_np(self) -> np.ndarray:
+        return self._seq_lens_np if self._seq_lens_kv_np is None else self._seq_lens_kv_np
+
+    @property
+    def is_cross(self) -> bool:
+        """Cross attention iff ``seq_lens_kv`` is a different object from ``seq_lens``."""
+        return self.seq_lens is not self.seq_lens_kv
+
+    @property
+    def num_contexts(self) -> int:
+        return self._num_contexts
+
+    @num_contexts.setter
+    def num_contexts(self, value: int) -> None:
+        if not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"num_contexts must be an int >= 0, got {value!r}")
+        self._num_contexts = int(value)
+        self.on_update()
+
+    def on_update(self) -> None:
+        """Recompute the derived counts from host values (called by every shape setter)."""
+        self.prepared = False
+        lens = self._seq_lens_np
+        self._num_seqs = int(lens.size)
+        # (num_contexts may exceed the row count between two setter calls; prepare() checks)
+        self._num_ctx_tokens = int(lens[: self._num_contexts].sum())
+        self._num_generations = max(0, int(lens.size) - self._num_contexts)
+        self._num_tokens = int(lens.sum())
+        self._num_kv_tokens = int(self.seq_lens_kv_np.sum())
+
+    @property
+    def num_seqs(self) -> int:
+        return self._num_seqs
+
+    @property
+    def num_generations(self) -> int:
+        """Generation rows (after beam expansion)."""
+        return self._num_generations
+
+    @property
+    def num_ctx_tokens(self) -> int:
+        return self._num_ctx_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens this step (rows of q). Deviation from the seed: never the KV count."""
+        return self._num_tokens
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """New K/V rows this step (rows of k and v); equals ``num_tokens`` unless cross."""
+        return self._num_kv_tokens
+
+    # ---------------------------------------------------------------- prepare
+    def prepare(self) -> None:
+        """Build this step's kernel format: shared host math, then the backend's own part.
+
+        Must run after the last change of a per-step field and before the layers' forward.
+        """
+        self.prepared = False
+        self._prepare_common()
+        self._prepare_backend()
+        self.prepared = True
+
+    def _prepare_backend(self) -> None:
+        """The backend-specific part of ``prepare()`` (subclasses override)."""
+
+    def slot_mapping(self, pool: int = 0) -> torch.Tensor:
+        """Cache slots of this step's new K/V tokens in ``pool``: int64 ``[num_kv_tokens]``."""
+        raise NotImplementedError(f"{type(self).__name__} has no slot mapping")
+
+    def _prepare_common(self) -> None:
+        """Validate the step and do the host length math every backend shares.
+
+        Sets ``cached_np`` and ``kv_lens_np`` (int32 ``[num_seqs]``, host), ``num_requests``,
+        and ``seq_request_index`` / ``seq_beam_index`` (the request and beam of each row).
+        """
+        n = self._num_seqs
+        nc = self._num_contexts
+        if self._seq_lens is None:
+            raise ValueError("seq_lens must be set before prepare()")
+        if nc > n:
+            raise ValueError(f"num_contexts={nc} exceeds the number of sequences {n}")
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an int >= 1, got {self.beam_width!r}")
+        if self.seq_lens_kv_np.size != n:
+            raise ValueError(f"seq_lens_kv has {self.seq_lens_kv_np.size} entries, expected {n}")
+        if self._num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"this step has {self._num_tokens} tokens, more than max_num_tokens="
+                f"{self.max_num_tokens}"
+            )
+        num_gen_requests, rem = divmod(n - nc, self.beam_width)
+        if rem:
+            raise ValueError(
+                f"{n - nc} generation rows are not a multiple of beam_width={self.beam_width}"
+            )
+        num_requests = nc + num_gen_requests
+        if (self.kv_cache_manager is not None or self.request_ids) and len(
+            self.request_ids
+        ) != num_requests:
+            raise ValueError(
+                f"request_ids has {len(self.request_ids)} entries, expected num_contexts + "
+                f"generation rows / beam_width = {num_requests}"
+            )
+        if num_requests > self.max_num_requests:
+            raise ValueError(
+                f"{num_requests} requests exceed max_num_requests={self.max_num_requests}"
+            )
+        if self.num_cached_tokens_per_seq is None:
+            cached = np.zeros(n, np.int32)
+        else:
+            cached = as_int32_array("num_cached_tokens_per_seq", self.num_cached_tokens_per_seq)
+            if cached.size != n:
+                raise ValueError(
+                    f"num_cached_tokens_per_seq has {cached.size} entries, expected {n}"
+                )
+        if self.kv_cache_manager is None and cached.any():
+            raise ValueError("num_cached_tokens_per_seq must be 0 without a kv_cache_manager")
+        self.num_requests = num_requests
+        self.cached_np = cached
+        self.kv_lens_np = cached + self.seq_lens_kv_np
+        self.cu_seqlens_q_np = exclusive_cumsum(self._seq_lens_np)
+        self.cu_seqlens_kv_np = exclusive_cumsum(self.seq_lens_kv_np)
+        rows = np.arange(n, dtype=np.int64)
+        self.seq_request_index = np.where(rows < nc, rows, nc + (rows - nc) // self.beam_width)
+        self.seq_beam_index = np.where(rows < nc, 0, (rows - nc) % self.beam_width)
+
+    def prepare_encoder_only(self) -> None:
+        """Setup for a forward without a KV cache; defaults to the full ``prepare()``."""
+        self.prepare()

@@ -1,0 +1,105 @@
+"""Host -> device staging for metadata buffers (seed 001: the async-copy source rule).
+
+Rule: a persistent host buffer may be read by synchronous CPU readers, but the source of every
+``non_blocking`` host-to-device copy is a private, freshly allocated (pinned) snapshot. With an
+overlap scheduler the CPU prepares step t+1 while step t's copy may still be queued; if that
+copy read the persistent buffer it would pick up step t+1's values.
+
+``DeviceArena`` packs many small int32 device buffers into one allocation at fixed offsets
+(capacity-sized, so their addresses never change and CUDA graphs can record them) and fills
+the used ones with ONE pinned snapshot + ONE async copy per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+
+def use_pinned(device: torch.device) -> bool:
+    """Pinned host memory only pays off (and only exists) when copying to a CUDA device."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def host_empty(n: int | tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """A fresh host tensor, pinned when ``pinned`` (the caching host allocator recycles it
+    only after the copies that read it have completed)."""
+    return torch.empty(n, dtype=dtype, pin_memory=pinned)
+
+
+class DeviceArena:
+    """Named int32 device buffers at fixed offsets of one allocation.
+
+    Args:
+        capacities: field name -> number of int32 elements reserved for it (order = layout;
+            put the fields whose used length varies most at the end).
+        device: where the buffers live.
+
+    ``view(name)`` is a capacity-sized int32 view that never moves. ``stage(values)`` writes
+    every given array to the start of its field through one private host snapshot and one
+    ``non_blocking`` copy of the arena prefix that covers them; fields not given in a step
+    hold unspecified values afterwards (each step must stage every field it relies on).
+
+    Example::
+
+        arena = DeviceArena({"indptr": 9, "indices": 64}, device)
+        arena.stage({"indptr": np.array([0, 3, 5], np.int32), "indices": ids})
+        arena.view("indptr")[:3]   # tensor([0, 3, 5], dtype=torch.int32)
+    """
+
+    def __init__(self, capacities: Mapping[str, int], device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.pinned = use_pinned(self.device)
+        self.offsets: dict[str, int] = {}
+        self.capacities = dict(capacities)
+        total = 0
+        for name, cap in self.capacities.items():
+            if cap < 0:
+                raise ValueError(f"capacity of {name} must be >= 0, got {cap}")
+            self.offsets[name] = total
+            total += int(cap)
+        if total > 2**31 - 1:
+            raise ValueError(f"arena of {total} int32 elements overflows int32 offsets")
+        self.buffer = torch.zeros(max(total, 1), dtype=torch.int32, device=self.device)
+        self._views = {
+            name: self.buffer[off : off + self.capacities[name]]
+            for name, off in self.offsets.items()
+        }
+        self.last_snapshot: torch.Tensor | None = None
+
+    def view(self, name: str) -> torch.Tensor:
+        return self._views[name]
+
+    def stage(self, values: Mapping[str, np.ndarray]) -> None:
+        end = 0
+        for name, arr in values.items():
+            if arr.size > self.capacities[name]:
+                raise ValueError(
+                    f"{name} needs {arr.size} entries, more than its capacity "
+                    f"{self.capacities[name]}"
+                )
+            end = max(end, self.offsets[name] + arr.size)
+        if end == 0:
+            return
+        snapshot = host_empty(end, torch.int32, self.pinned)
+        host = snapshot.numpy()
+        for name, arr in values.items():
+            off = self.offsets[name]
+            host[off : off + arr.size] = arr
+        self.buffer[:end].copy_(snapshot, non_blocking=True)
+        # Kept only for inspection; the allocator already protects it until the copy is done.
+        self.last_snapshot = snapshot
+
+
+def to_device(
+    arr: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """A new device tensor holding ``arr``, copied asynchronously from a private snapshot."""
+    device = torch.device(device)
+    snapshot = host_empty(arr.shape, dtype, use_pinned(device))
+    snapshot.numpy()[...] = arr
+    if device.type == "cpu":
+        return snapshot
+    return snapshot.to(device, non_blocking=True)

@@ -1,0 +1,188 @@
+"""Vanilla backend: gather each sequence's paged K/V into contiguous NHD, then torch SDPA.
+
+The correctness anchor (seed 001): no paged kernel, no page table; ``prepare()`` only asks the
+manager for each sequence's block ids (``block_ids_per_seq``) and the slots of this step's new
+tokens. ``forward`` stores K/V, then per sequence gathers ``kv_lens[b]`` tokens from the pool
+into a contiguous ``[kv_len, Hkv, D]`` tensor (token-major, NHD) and runs
+``scaled_dot_product_attention`` with an explicit boolean mask (causal + sliding window; none
+for cross attention). Slow by design, obviously correct.
+
+It also carries the sparse path: when ``use_sparse_attention`` says a layer is sparse, keys
+outside the blocks listed in ``metadata.sparse_runtime_params`` are masked out as well.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvplan.backends.base import AttentionBackend
+from kvplan.backends.ledger import (
+    batch_block_table,
+    block_size_of,
+    check_allocated,
+    logical_num_blocks,
+    new_token_slots,
+    num_pools,
+)
+from kvplan.backends.metadata import AttentionMetadata
+from kvplan.backends.sparse import use_sparse_attention
+from kvplan.backends.staging import to_device
+
+
+class VanillaAttentionMetadata(AttentionMetadata):
+    """Metadata for the vanilla backend (KV layout NHD).
+
+    After ``prepare()``:
+        block_ids_per_seq: per pool, host int32 ``[num_seqs, width]`` (width = the batch's
+            most logical blocks; block 0 pads), and ``block_ids_per_seq_gpu`` its device copy.
+        num_blocks_np: host int32 ``[num_seqs]``, logical blocks ``ceil(kv_lens / block_size)``.
+    """
+
+    kv_layout = "NHD"
+
+    def _prepare_backend(self) -> None:
+        self.block_ids_per_seq: list[np.ndarray] = []
+        self.block_ids_per_seq_gpu: list[torch.Tensor] = []
+        self._slots_gpu: list[torch.Tensor] = []
+        self.sparse_blocks: list[np.ndarray] | None = None
+        manager = self.kv_cache_manager
+        if manager is None:
+            if self.num_generations:
+                raise ValueError(
+                    "without a kv_cache_manager only context-only batches are supported, got "
+                    f"{self.num_generations} generation rows"
+                )
+            return
+        bs = block_size_of(manager)
+        nb = logical_num_blocks(self.kv_lens_np, bs)
+        self.num_blocks_np = nb
+        width = int(nb.max()) if nb.size else 0
+        for pool in range(num_pools(manager)):
+            table, counts = batch_block_table(
+                manager,
+                self.request_ids,
+                pool=pool,
+                beam_width=self.beam_width,
+                num_contexts=self.num_contexts,
+                cross=self.is_cross,
+            )
+            check_allocated(nb, counts)
+            slots = new_token_slots(table, self.cached_np, self.seq_lens_kv_np, bs)
+            ids = np.ascontiguousarray(table[:, :width])
+            self.block_ids_per_seq.append(ids)
+            self.block_ids_per_seq_gpu.append(to_device(ids, self.device))
+            self._slots_gpu.append(to_device(slots, self.device, torch.int64))
+        if use_sparse_attention(self.sparse_metadata_params):
+            self.sparse_blocks = self._sparse_block_masks(width)
+
+    def _sparse_block_masks(self, width: int) -> list[np.ndarray] | None:
+        """Per sequence, the logical blocks the sparse selection keeps (host bool masks)."""
+        rt = self.sparse_runtime_params
+        if rt.sparse_kv_indices is None or rt.sparse_kv_offsets is None:
+            return None
+        idx = rt.sparse_kv_indices.cpu().numpy()
+        off = rt.sparse_kv_offsets.cpu().numpy()
+        if off.size != self.num_seqs + 1:
+            raise ValueError(
+                f"sparse_kv_offsets has {off.size} entries, expected num_seqs + 1 = "
+                f"{self.num_seqs + 1}"
+            )
+        masks = []
+        for b in range(self.num_seqs):
+            sel = idx[off[b] : off[b + 1]]
+            if sel.size and (sel.min() < 0 or sel.max() >= max(width, 1)):
+                raise ValueError(
+                    f"sparse_kv_indices of sequence {b} hold a block outside [0, {width})"
+                )
+            m = np.zeros(width, bool)
+            m[sel] = True
+            masks.append(m)
+        return masks
+
+    def slot_mapping(self, pool: int = 0) -> torch.Tensor:
+        return self._slots_gpu[pool]
+
+
+def gather_paged_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` logical tokens of one sequence as contiguous NHD.
+
+    Args:
+        cache: ``[num_blocks, block_size, Hkv, D]`` K or V cache of one layer.
+        block_ids: int32 ``[>= ceil(num_tokens / block_size)]`` the sequence's blocks in order.
+    Returns: ``[num_tokens, Hkv, D]`` (a copy).
+    """
+    bs = cache.shape[1]
+    nb = -(-num_tokens // bs)
+    blocks = cache.index_select(0, block_ids[:nb].long())  # [nb, bs, Hkv, D]
+    return blocks.reshape(nb * bs, *cache.shape[2:])[:num_tokens]
+
+
+def visibility_mask(
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Bool ``[q_len, kv_len]``: query i (position ``kv_len - q_len + i``) sees key j."""
+    keys = torch.arange(kv_len, device=device)[None, :]
+    if not causal:
+        return torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    mask = keys <= pos
+    if window is not None:
+        mask &= keys > pos - window
+    return mask
+
+
+class VanillaAttention(AttentionBackend):
+    """Gather + SDPA, one sequence at a time (see the module docstring)."""
+
+    name = "vanilla"
+    Metadata = VanillaAttentionMetadata
+
+    def _attend(self, q, k, v, metadata, pool, out):
+        md: VanillaAttentionMetadata = metadata
+        window = self.window(md)
+        causal = not md.is_cross
+        groups = self.num_heads // self.num_kv_heads
+        sparse = self.uses_sparse(md) and md.sparse_blocks is not None
+        cu_q = md.cu_seqlens_q_np
+        cu_kv = md.cu_seqlens_kv_np
+        if md.kv_cache_manager is not None:
+            k_cache = md.kv_cache.k_cache(self.layer_idx)
+            v_cache = md.kv_cache.v_cache(self.layer_idx)
+            table = md.block_ids_per_seq_gpu[pool]
+            bs = md.kv_cache.block_size
+        for b in range(md.num_seqs):
+            q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
+            if q1 == q0:
+                continue
+            kv_len = int(md.kv_lens_np[b])
+            if kv_len == 0:
+                raise ValueError(f"sequence {b} has queries but no keys (kv_lens = 0)")
+            if md.kv_cache_manager is None:
+                k_b = k[cu_kv[b] : cu_kv[b + 1]]
+                v_b = v[cu_kv[b] : cu_kv[b + 1]]
+            elif md.kv_cache.is_quantized:  # dequantize the sequence's blocks (fp8 -> bf16)
+                nb = -(-kv_len // bs)
+                k_b, v_b = md.kv_cache.read_blocks(self.layer_idx, table[b, :nb])
+                k_b = k_b.reshape(nb * bs, *k_b.shape[2:])[:kv_len]
+                v_b = v_b.reshape(nb * bs, *v_b.shape[2:])[:kv_len]
+            else:
+                k_b = gather_paged_kv(k_cache, table[b], kv_len)
+                v_b = gather_paged_kv(v_cache, table[b], kv_len)
+            mask = visibility_mask(q1 - q0, kv_len, causal=causal, window=window, device=q.device)
+            if sparse:
+                keep = torch.from_numpy(md.sparse_blocks[b]).to(q.device)
+                mask = mask & keep.repeat_interleave(bs)[:kv_len][None, :]
+            # [H, q_len, D] x [H, kv_len, D]
+            qh = q[q0:q1].transpose(0, 1)
+            kh = k_b.to(q.dtype).repeat_interleave(groups, dim=1).transpose(0, 1)
+            vh = v_b.to(q.dtype).repeat_interleave(groups, dim=1).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
+            out[q0:q1] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,262 @@
+"""Random batches for the backend tests, and a dense reference computed independently.
+
+A ``Scenario`` owns a real ``KVCacheManager`` and ``KVCacheTensors`` whose history was written
+by the test itself (per-token loop over ``get_block_ids``), the true K/V of every sequence
+(``history[layer][row]``, float64), this step's q/k/v, and the per-step metadata fields. The
+reference attends with a per-query loop in float64 over exactly the visible positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvplan.cache.kv_cache_manager import KVCacheManager
+from kvplan.cache.kv_tensors import KVCacheTensors
+
+
+@dataclass
+class SeqSpec:
+    """One row of the batch before beam expansion."""
+
+    cached: int  # tokens already in the cache
+    q_len: int  # query tokens this step
+    context: bool
+    reserve_extra: int = 0  # extra reserved (uncommitted) tokens past this step's tokens
+
+
+@dataclass
+class Scenario:
+    manager: KVCacheManager
+    kv: KVCacheTensors
+    layer_windows: list[int | None]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    request_ids: list[int]
+    num_contexts: int
+    beam_width: int
+    seq_lens: list[int]
+    cached: list[int]
+    prompt_lens: list[int]
+    q: torch.Tensor
+    k: dict[int, torch.Tensor]
+    v: dict[int, torch.Tensor]
+    # history[layer][row] = (K [kv_len, Hkv, D], V) float64 incl. this step's new tokens
+    history: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    cross: bool = False
+    seq_lens_kv: list[int] | None = None
+
+
+def write_slots(manager, kv, layer, block_ids, positions, k_rows, v_rows) -> None:
+    """Test-side store: slot of position p = block_ids[p // bs] * bs + p % bs."""
+    bs = manager.block_size
+    slots = [block_ids[p // bs] * bs + p % bs for p in positions]
+    kv.store(layer, k_rows, v_rows, torch.tensor(slots, dtype=torch.int64))
+
+
+def _manager_and_cache(gen, layer_windows, num_heads, num_kv_heads, head_dim, block_size,
+                       num_blocks, max_blocks_per_seq, kv_format, beam_width, device):  # fmt: skip
+    windows: list[int | None] = []
+    for w in layer_windows:
+        if w not in windows:
+            windows.append(w)
+    manager = KVCacheManager(
+        num_blocks,
+        block_size,
+        max_blocks_per_seq=max_blocks_per_seq,
+        window_sizes=windows,
+        layer_to_pool=[windows.index(w) for w in layer_windows],
+        enable_prefix_caching=False,
+        max_beam_width=beam_width,
+    )
+    kv = KVCacheTensors(
+        len(layer_windows), num_blocks, block_size, num_kv_heads, head_dim,
+        kv_format=kv_format, device=device,
+    )  # fmt: skip
+    # Garbage everywhere, so a read of an unwritten or reserved slot changes the output.
+    for layer in range(len(layer_windows)):
+        for c in (kv.k_cache(layer), kv.v_cache(layer)):
+            if not kv.is_quantized:
+                c.copy_((torch.randn(c.shape, generator=gen) * 50).to(c.dtype))
+    return manager, kv
+
+
+def make_scenario(
+    seed: int,
+    specs: list[SeqSpec],
+    *,
+    beam_width: int = 1,
+    cross: bool = False,
+    layer_windows: tuple[int | None, ...] = (None,),
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    block_size: int = 4,
+    num_blocks: int = 200,
+    max_blocks_per_seq: int = 24,
+    kv_format: str = "fp32",
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> Scenario:
+    """Build a batch: context specs first, then generation specs (each expands to beams).
+
+    Self attention: a context row is a prompt chunk ``[cached, cached + q_len)`` (the prompt may
+    continue past it); a generation row has ``cached`` committed tokens, this step's first token
+    from ``extend`` and any further (speculative) tokens plus ``reserve_extra`` from
+    ``reserve``. Beams share the prompt's history and own everything after it.
+
+    Cross attention (``cross=True``): ``cached`` is the encoder length E; a context row writes
+    its E encoder tokens this step (``seq_lens_kv = E``), a generation row only reads them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    manager, kv = _manager_and_cache(
+        gen, layer_windows, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+        max_blocks_per_seq, kv_format, beam_width, device,
+    )  # fmt: skip
+    num_layers = len(layer_windows)
+    specs = sorted(specs, key=lambda s: not s.context)
+    num_contexts = sum(s.context for s in specs)
+    hkv, d = num_kv_heads, head_dim
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(torch.float64)
+
+    history: dict[int, list] = {layer: [] for layer in range(num_layers)}
+    new_k: dict[int, list] = {layer: [] for layer in range(num_layers)}
+    new_v: dict[int, list] = {layer: [] for layer in range(num_layers)}
+    request_ids, seq_lens, seq_lens_kv, cached, prompt_lens = [], [], [], [], []
+    for rid, spec in enumerate(specs):
+        rows = 1 if spec.context else beam_width
+        if cross:
+            enc = spec.cached
+            prompt_len = spec.q_len if spec.context else 3
+            prompt = torch.randint(0, 1000, (prompt_len,), generator=gen).tolist()
+            assert manager.add_request(
+                rid, prompt, beam_width=beam_width, num_encoder_tokens=enc
+            ).ok
+        else:
+            total = spec.cached + spec.q_len
+            if spec.context:
+                prompt_len = total + int(torch.randint(0, 3, (1,), generator=gen))
+            else:
+                prompt_len = max(1, spec.cached - 3)
+            prompt = torch.randint(0, 1000, (prompt_len,), generator=gen).tolist()
+            assert manager.add_request(rid, prompt, beam_width=beam_width).ok
+            if not spec.context:
+                assert manager.extend(rid, spec.cached - prompt_len + 1).ok
+                assert manager.reserve(rid, spec.q_len - 1 + spec.reserve_extra).ok
+            elif spec.reserve_extra:
+                assert manager.reserve(rid, prompt_len - total + spec.reserve_extra).ok
+        request_ids.append(rid)
+        for layer in range(num_layers):
+            pool = manager.pool_for_layer(layer)
+            if cross:
+                ek, ev = rnd(spec.cached, hkv, d), rnd(spec.cached, hkv, d)
+                ids = manager.get_cross_block_ids(rid, pool)
+                if not spec.context:  # encoder K/V written by an earlier step
+                    write_slots(manager, kv, layer, ids, range(enc), ek.to(dtype), ev.to(dtype))
+                else:
+                    new_k[layer].append(ek)
+                    new_v[layer].append(ev)
+                history[layer].extend([(ek, ev)] * rows)
+                continue
+            shared_k, shared_v = rnd(prompt_len, hkv, d), rnd(prompt_len, hkv, d)
+            for beam in range(rows):
+                ids = manager.get_block_ids(rid, pool, beam=beam)
+                own = max(total - prompt_len, 0)
+                hk = torch.cat([shared_k[:total], rnd(own, hkv, d)])
+                hv = torch.cat([shared_v[:total], rnd(own, hkv, d)])
+                pos = range(spec.cached)
+                write_slots(
+                    manager,
+                    kv,
+                    layer,
+                    ids,
+                    pos,
+                    hk[: spec.cached].to(dtype),
+                    hv[: spec.cached].to(dtype),
+                )
+                history[layer].append((hk, hv))
+                new_k[layer].append(hk[spec.cached : total])
+                new_v[layer].append(hv[spec.cached : total])
+        for _ in range(rows):
+            seq_lens.append(spec.q_len)
+            cached.append(0 if cross and spec.context else spec.cached)
+            seq_lens_kv.append(spec.cached if cross and spec.context else 0)
+            prompt_lens.append(prompt_len)
+    q = torch.randn(sum(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
+
+    def cat(parts):
+        if not parts:
+            return torch.zeros(0, hkv, d, dtype=dtype, device=device)
+        return torch.cat(parts).to(dtype).to(device)
+
+    sc = Scenario(
+        manager, kv, list(layer_windows), num_heads, num_kv_heads, head_dim, request_ids,
+        num_contexts, beam_width, seq_lens, cached, prompt_lens, q.to(device),
+        {layer: cat(new_k[layer]) for layer in range(num_layers)},
+        {layer: cat(new_v[layer]) for layer in range(num_layers)},
+        history, cross=cross, seq_lens_kv=seq_lens_kv if cross else None,
+    )  # fmt: skip
+    return sc
+
+
+def random_specs(seed: int, *, num_ctx: int, num_gen: int, max_cached: int = 40,
+                 spec_rows: bool = False) -> list[SeqSpec]:  # fmt: skip
+    """Mixed batch: context chunks (some over cached history) and decode rows."""
+    rng = np.random.default_rng(seed)
+    specs = []
+    for _ in range(num_ctx):
+        cached = int(rng.integers(0, max_cached)) if rng.random() < 0.5 else 0
+        specs.append(SeqSpec(cached, int(rng.integers(1, 12)), True))
+    for _ in range(num_gen):
+        q_len = int(rng.integers(2, 5)) if spec_rows and rng.random() < 0.6 else 1
+        extra = int(rng.integers(0, 9)) if spec_rows else 0
+        specs.append(SeqSpec(int(rng.integers(4, max_cached)), q_len, False, extra))
+    return specs
+
+
+def fill_metadata(md, sc: Scenario) -> None:
+    md.request_ids = list(sc.request_ids)
+    md.beam_width = sc.beam_width
+    md.num_contexts = sc.num_contexts
+    md.seq_lens = sc.seq_lens
+    md.num_cached_tokens_per_seq = sc.cached
+    md.prompt_lens = sc.prompt_lens
+    if sc.seq_lens_kv is not None:
+        md.seq_lens_kv = sc.seq_lens_kv
+
+
+def reference_attention(sc: Scenario, layer: int, window: int | None, scale: float | None = None):
+    """Dense per-query float64 reference: ``[num_tokens, H, D]``."""
+    h, hkv, d = sc.num_heads, sc.num_kv_heads, sc.head_dim
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    q = sc.q.to(torch.float64).cpu()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    t = 0
+    for row, q_len in enumerate(sc.seq_lens):
+        kk, vv = sc.history[layer][row]
+        kv_len = kk.shape[0]
+        for i in range(q_len):
+            p = kv_len - q_len + i
+            if sc.cross:
+                visible = list(range(kv_len))
+            else:
+                lo = 0 if window is None else max(0, p - window + 1)
+                visible = list(range(lo, p + 1))
+            for head in range(h):
+                g = head // (h // hkv)
+                s = torch.stack([q[t, head] @ kk[j, g] for j in visible]) * scale
+                w = torch.softmax(s, 0)
+                out[t, head] = sum(w[n] * vv[j, g] for n, j in enumerate(visible))
+            t += 1
+    return out
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0):
+    a = actual.detach().to(torch.float64).cpu()
+    torch.testing.assert_close(a, expected, atol=atol, rtol=rtol)

@@ -1,0 +1,151 @@
+"""The AttentionMetadata contract: capacity, per-step shape, derived counts, ledger checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from backends_testlib import SeqSpec, fill_metadata, make_scenario
+
+from kvplan.backends import AttentionMetadata, VanillaAttentionMetadata, get_backend
+from kvplan.backends.ledger import new_token_slots
+from kvplan.backends.staging import DeviceArena
+
+
+def test_derived_counts_follow_every_setter():
+    md = AttentionMetadata(max_num_requests=4, max_num_tokens=64)
+    md.seq_lens = [5, 3, 1, 1]
+    md.num_contexts = 2
+    assert (md.num_seqs, md.num_generations, md.num_ctx_tokens, md.num_tokens) == (4, 2, 8, 10)
+    md.seq_lens = torch.tensor([7, 1, 1], dtype=torch.int32)
+    assert (md.num_seqs, md.num_generations, md.num_ctx_tokens, md.num_tokens) == (3, 1, 8, 9)
+    md.num_contexts = 0
+    assert (md.num_generations, md.num_ctx_tokens) == (3, 0)
+    assert md.num_kv_tokens == 9
+
+
+def test_seq_lens_device_copy_is_written_in_place():
+    md = AttentionMetadata(max_num_requests=4, max_num_tokens=64, is_cuda_graph=True)
+    md.seq_lens = [3, 1]
+    ptr = md.seq_lens_gpu.data_ptr()
+    md.seq_lens = [2, 5]
+    assert md.seq_lens_gpu.data_ptr() == ptr
+    assert md.seq_lens_cuda.tolist() == [2, 5]
+    first = md.seq_lens
+    md.seq_lens = [4, 4]
+    assert first.tolist() == [2, 5], "each assignment gets a private host tensor"
+
+
+def test_is_cross_is_object_identity():
+    md = AttentionMetadata(max_num_requests=4, max_num_tokens=64)
+    md.seq_lens = [3, 1]
+    assert md.seq_lens_kv is md.seq_lens and not md.is_cross
+    md.seq_lens_kv = [3, 1]  # equal values, different object: still cross
+    assert md.is_cross and md.num_kv_tokens == 4
+    md.seq_lens_kv = None
+    assert not md.is_cross
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "exc"),
+    [
+        ("seq_lens", [1, -2], ValueError),
+        ("seq_lens", [1.5], TypeError),
+        ("seq_lens", [[1, 2]], ValueError),
+        ("seq_lens", [1] * 9, ValueError),
+        ("num_contexts", -1, ValueError),
+    ],
+)
+def test_setter_validation(field, value, exc):
+    md = AttentionMetadata(max_num_requests=4, max_num_tokens=64, max_num_sequences=8)
+    with pytest.raises(exc, match=field):
+        setattr(md, field, value)
+
+
+def test_capacity_validation():
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        AttentionMetadata(max_num_requests=4, max_num_tokens=0)
+    with pytest.raises(ValueError, match="max_num_sequences"):
+        AttentionMetadata(max_num_requests=4, max_num_tokens=8, max_num_sequences=2)
+    md = AttentionMetadata(max_num_requests=4, max_num_tokens=8)
+    md.seq_lens = [5, 5]
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        md.prepare()
+
+
+def test_prepare_checks_the_ledger():
+    sc = make_scenario(0, [SeqSpec(0, 5, True), SeqSpec(9, 1, False)])
+    md = VanillaAttentionMetadata(
+        max_num_requests=4, max_num_tokens=64, kv_cache_manager=sc.manager, kv_cache=sc.kv
+    )
+    fill_metadata(md, sc)
+    md.request_ids = [0]
+    with pytest.raises(ValueError, match="request_ids"):
+        md.prepare()
+    fill_metadata(md, sc)
+    md.num_contexts = 3
+    with pytest.raises(ValueError, match="num_contexts"):
+        md.prepare()
+    fill_metadata(md, sc)
+    md.num_cached_tokens_per_seq = [0, 40]  # past the allocated blocks
+    with pytest.raises(ValueError, match="blocks"):
+        md.prepare()
+    fill_metadata(md, sc)
+    md.beam_width = 2
+    with pytest.raises(ValueError, match="beam_width"):
+        md.prepare()
+    fill_metadata(md, sc)
+    md.prepare()
+    assert md.prepared
+    md.seq_lens = sc.seq_lens
+    assert not md.prepared, "a shape change invalidates prepare()"
+    attn = get_backend("vanilla")(0, 4, 2, 16)
+    with pytest.raises(ValueError, match="prepare"):
+        attn.forward(sc.q, sc.k[0], sc.v[0], md)
+    md.prepare()
+    with pytest.raises(ValueError, match="q must have shape"):
+        attn.forward(sc.q[1:], sc.k[0], sc.v[0], md)
+    base_md = AttentionMetadata(max_num_requests=4, max_num_tokens=64)
+    with pytest.raises(TypeError, match="VanillaAttentionMetadata"):
+        attn.forward(sc.q, sc.k[0], sc.v[0], base_md)
+
+
+def test_backend_ctor_validation_and_names():
+    with pytest.raises(ValueError, match="multiple"):
+        get_backend("vanilla")(0, 6, 4, 16)
+    with pytest.raises(ValueError, match="sliding_window"):
+        get_backend("vanilla")(0, 4, 2, 16, sliding_window=0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        get_backend("flash")
+    assert get_backend("vanilla").name == "vanilla"
+
+
+def test_new_token_slots_against_a_loop():
+    rng = np.random.default_rng(0)
+    bs = 4
+    table = rng.integers(1, 50, size=(5, 6)).astype(np.int32)
+    cached = rng.integers(0, 12, size=5).astype(np.int32)
+    new = rng.integers(0, 8, size=5).astype(np.int32)
+    want = [
+        int(table[b, p // bs]) * bs + p % bs
+        for b in range(5)
+        for p in range(cached[b], cached[b] + new[b])
+    ]
+    assert new_token_slots(table, cached, new, bs).tolist() == want
+    table[2, :] = 0
+    new[2] = 1
+    with pytest.raises(ValueError, match="unallocated"):
+        new_token_slots(table, cached, new, bs)
+
+
+def test_arena_stages_through_a_private_snapshot():
+    arena = DeviceArena({"a": 4, "b": 8}, torch.device("cpu"))
+    ptr = arena.view("b").data_ptr()
+    arena.stage({"a": np.array([1, 2], np.int32), "b": np.array([7, 8, 9], np.int32)})
+    snap = arena.last_snapshot
+    assert arena.view("a")[:2].tolist() == [1, 2] and arena.view("b")[:3].tolist() == [7, 8, 9]
+    arena.stage({"a": np.array([5], np.int32)})
+    assert snap.tolist()[:2] == [1, 2], "a later stage never writes an earlier snapshot"
+    assert arena.view("b").data_ptr() == ptr
+    with pytest.raises(ValueError, match="capacity"):
+        arena.stage({"a": np.zeros(5, np.int32)})
