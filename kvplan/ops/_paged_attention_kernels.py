@@ -288,7 +288,8 @@ def _prefill_kernel(
     INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0)
-    tile = tl.program_id(1)
+    # Launch the last (longest causal) row tiles first so that the short ones fill the tail.
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
     kvh = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + b)
     q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start

@@ -1,0 +1,284 @@
+"""Paged attention benchmark: decode KV bandwidth vs a device copy, and a prefill case.
+
+Decode (default: batch 64 x 4096 context, bf16, 32 query heads / 8 KV heads x 128, block 32,
+shuffled page table): KV bytes read per second by the Triton decode kernel, as a ratio to a
+device-to-device copy of the same number of bytes measured in the same run (the copy moves
+2N bytes -- N read + N written -- and both ratios are reported), next to torch SDPA on
+pre-gathered contiguous KV and "gather + SDPA" (what the vanilla backend does). A small
+sweep over (num_splits, tile_n, num_warps, num_stages) is recorded too; every swept config's
+output is checked against SDPA.
+
+Prefill: 4 fresh prompts x 4096 tokens (causal), same heads; Triton varlen prefill vs SDPA.
+
+GPU:  PYTHONPATH=. python3 bench/bench_paged_attention.py --out results.json
+CPU:  PYTHONPATH=. python3 bench/bench_paged_attention.py --quick   (interpreter, tiny sizes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before kvplan.ops is imported
+
+import torch.nn.functional as F  # noqa: E402
+
+from kvplan.ops.paged_attention import (  # noqa: E402
+    paged_attention_decode_triton,
+    paged_attention_prefill_triton,
+)
+
+
+def timed(fn, reps: int, warmup: int) -> float:
+    """Median seconds per call (CUDA events around each call on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_paged(batch, kv_len, num_kv_heads, head_dim, block_size, dtype, device, gen):
+    """Random cache with a shuffled block-offsets page table (block 0 kept as padding)."""
+    pages = -(-kv_len // block_size)
+    num_blocks = batch * pages + 1
+    k_cache = torch.randn(
+        num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype
+    )
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks - 1, generator=gen).to(device) + 1
+    table = perm.view(batch, pages).to(torch.int32)
+    page_start = torch.arange(batch, device=device, dtype=torch.int32) * pages
+    kv_lens = torch.full((batch,), kv_len, device=device, dtype=torch.int32)
+    return k_cache, v_cache, table, page_start, kv_lens
+
+
+def gather(cache, table, kv_len):
+    """[num_blocks, bs, Hkv, D] + [B, pages] -> contiguous [B, Hkv, kv_len, D]."""
+    g = cache[table.long()].flatten(1, 2)[:, :kv_len]  # [B, L, Hkv, D]
+    return g.transpose(1, 2).contiguous()
+
+
+def sdpa(q, k, v, causal):
+    try:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    except (TypeError, RuntimeError):
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def rel_err(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def bench_decode(args, device, dtype, gen):
+    B, L, Hkv, D, H = args.batch, args.context, args.kv_heads, args.head_dim, args.heads
+    k_cache, v_cache, table, page_start, kv_lens = make_paged(
+        B, L, Hkv, D, args.block_size, dtype, device, gen
+    )
+    page_ids = table.flatten()
+    q = torch.randn(B, H, D, device=device, dtype=dtype)
+    scale = D**-0.5
+    kv_bytes = 2 * B * L * Hkv * D * k_cache.element_size()
+    reps, warm = args.reps, args.warmup
+
+    src = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t_copy = timed(lambda: dst.copy_(src), reps, warm)
+
+    k_c, v_c = gather(k_cache, table, L), gather(v_cache, table, L)  # [B, Hkv, L, D]
+    q4 = q[:, :, None, :]  # [B, H, 1, D]
+    ref = sdpa(q4, k_c, v_c, False)[:, :, 0]
+    t_sdpa = timed(lambda: sdpa(q4, k_c, v_c, False), reps, warm)
+    t_gather_sdpa = timed(
+        lambda: sdpa(q4, gather(k_cache, table, L), gather(v_cache, table, L), False), reps, warm
+    )
+
+    def run(**kw):
+        return paged_attention_decode_triton(
+            q, k_cache, v_cache, page_ids, page_start, kv_lens, scale=scale, max_kv_len=L,
+            check=False, **kw,
+        )  # fmt: skip
+
+    default_err = rel_err(run(), ref)
+    t_default = timed(run, reps, warm)
+    sweep = []
+    for cfg in args.decode_sweep:
+        splits, tile_n, warps, stages = cfg
+        kw = dict(num_splits=splits, tile_n=tile_n, num_warps=warps, num_stages=stages)
+        try:
+            err = rel_err(run(**kw), ref)
+            t = timed(lambda kw=kw: run(**kw), reps, warm)
+        except Exception as exc:  # a config that does not compile is recorded, not fatal
+            sweep.append(dict(config=kw, error=repr(exc)[:200]))
+            continue
+        sweep.append(dict(config=kw, seconds=t, kv_read_GBps=kv_bytes / t / 1e9, rel_err=err))
+    ok = [s for s in sweep if "seconds" in s and s["rel_err"] < 1e-2]
+    best = min(ok, key=lambda s: s["seconds"]) if ok else None
+    copy_total = 2 * kv_bytes / t_copy
+    res = dict(
+        shape=dict(
+            batch=B,
+            context=L,
+            heads=H,
+            kv_heads=Hkv,
+            head_dim=D,
+            block_size=args.block_size,
+            dtype=str(dtype),
+        ),  # fmt: skip
+        kv_bytes=kv_bytes,
+        copy=dict(seconds=t_copy, read_GBps=kv_bytes / t_copy / 1e9, total_GBps=copy_total / 1e9),
+        sdpa_contiguous=dict(seconds=t_sdpa, kv_read_GBps=kv_bytes / t_sdpa / 1e9),
+        gather_sdpa=dict(seconds=t_gather_sdpa, kv_read_GBps=kv_bytes / t_gather_sdpa / 1e9),
+        triton_default=dict(
+            seconds=t_default, kv_read_GBps=kv_bytes / t_default / 1e9, rel_err=default_err
+        ),  # fmt: skip
+        triton_best=best,
+        sweep=sweep,
+    )
+    for name in ("triton_default", "sdpa_contiguous", "gather_sdpa"):
+        res[name]["ratio_to_copy_total"] = res[name]["kv_read_GBps"] * 1e9 / copy_total
+        res[name]["ratio_to_copy_read"] = res[name]["kv_read_GBps"] / res["copy"]["read_GBps"]
+    if best is not None:
+        best["ratio_to_copy_total"] = best["kv_read_GBps"] * 1e9 / copy_total
+        best["ratio_to_copy_read"] = best["kv_read_GBps"] / res["copy"]["read_GBps"]
+    return res
+
+
+def bench_prefill(args, device, dtype, gen):
+    B, L, Hkv, D, H = args.prefill_batch, args.prefill_len, args.kv_heads, args.head_dim, args.heads
+    k_cache, v_cache, table, page_start, kv_lens = make_paged(
+        B, L, Hkv, D, args.block_size, dtype, device, gen
+    )
+    q = torch.randn(B * L, H, D, device=device, dtype=dtype)
+    cu = torch.arange(B + 1, device=device, dtype=torch.int32) * L
+    scale = D**-0.5
+    flops = 4 * D * H * B * L * (L + 1) / 2  # QK^T and PV over the causal triangle
+    k_c, v_c = gather(k_cache, table, L), gather(v_cache, table, L)
+    q4 = q.view(B, L, H, D).transpose(1, 2)
+    ref = sdpa(q4, k_c, v_c, True).transpose(1, 2).reshape(B * L, H, D)
+    t_sdpa = timed(lambda: sdpa(q4, k_c, v_c, True), args.reps, args.warmup)
+
+    def run(**kw):
+        return paged_attention_prefill_triton(
+            q, k_cache, v_cache, table.flatten(), page_start, cu, kv_lens, scale=scale,
+            max_q_len=L, check=False, **kw,
+        )  # fmt: skip
+
+    sweep = []
+    for tile_m, tile_n, warps, stages in args.prefill_sweep:
+        kw = dict(tile_m=tile_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
+        try:
+            err = rel_err(run(**kw), ref)
+            t = timed(lambda kw=kw: run(**kw), args.reps, args.warmup)
+        except Exception as exc:
+            sweep.append(dict(config=kw, error=repr(exc)[:200]))
+            continue
+        sweep.append(dict(config=kw, seconds=t, tflops=flops / t / 1e12, rel_err=err))
+    default_err = rel_err(run(), ref)
+    t_default = timed(run, args.reps, args.warmup)
+    return dict(
+        shape=dict(batch=B, q_len=L, kv_len=L, heads=H, kv_heads=Hkv, head_dim=D, dtype=str(dtype)),
+        flops=flops,
+        sdpa_contiguous=dict(seconds=t_sdpa, tflops=flops / t_sdpa / 1e12),
+        triton_default=dict(
+            seconds=t_default,
+            tflops=flops / t_default / 1e12,
+            rel_err=default_err,
+            ratio_to_sdpa=t_sdpa / t_default,
+        ),  # fmt: skip
+        sweep=sweep,
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="write the JSON record here")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (CPU interpreter)")
+    p.add_argument("--no-sweep", action="store_true")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.quick or not cuda:
+        sizes = dict(batch=2, context=100, heads=4, kv_heads=2, head_dim=16, block_size=16,
+                     prefill_batch=1, prefill_len=40, reps=2, warmup=1)  # fmt: skip
+        decode_sweep = [(2, 32, 4, 2)]
+        prefill_sweep = [(16, 16, 4, 2)]
+    else:
+        sizes = dict(batch=64, context=4096, heads=32, kv_heads=8, head_dim=128, block_size=32,
+                     prefill_batch=4, prefill_len=4096, reps=30, warmup=5)  # fmt: skip
+        decode_sweep = [(s, n, 4, st) for s in (1, 2, 4, 8) for n in (64, 128) for st in (2, 3)]
+        decode_sweep += [(2, 64, 8, 3), (4, 128, 8, 3)]
+        prefill_sweep = [(m, n, w, st) for m, n in ((64, 64), (128, 64), (128, 32))
+                         for w, st in ((4, 2), (8, 3))]  # fmt: skip
+    for key, val in sizes.items():
+        setattr(args, key, val)
+    args.decode_sweep = [] if args.no_sweep else decode_sweep
+    args.prefill_sweep = [] if args.no_sweep else prefill_sweep
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    record = dict(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name() if cuda else "cpu (triton interpreter)",
+        command="PYTHONPATH=. python3 " + " ".join(sys.argv),
+        torch=torch.__version__,
+    )
+    record["decode"] = dec = bench_decode(args, device, dtype, gen)
+    _write(args.out, record)  # keep the decode figures even if the prefill part is cut short
+    record["prefill"] = pre = bench_prefill(args, device, dtype, gen)
+    _write(args.out, record)
+    c = dec["copy"]
+    print(f"decode  B={args.batch} L={args.context} H={args.heads}/{args.kv_heads}x{args.head_dim}"
+          f"  KV {dec['kv_bytes'] / 2**20:.0f} MiB")  # fmt: skip
+    print(f"  {'path':<22}{'ms':>9}{'KV GB/s':>10}{'/copy(r+w)':>12}{'/copy(read)':>12}")
+    print(f"  {'d2d copy':<22}{c['seconds'] * 1e3:9.3f}{c['total_GBps']:10.0f}{'(r+w)':>12}"
+          f"{c['read_GBps']:12.0f}")  # fmt: skip
+    rows = [("triton (default)", dec["triton_default"]), ("triton (best sweep)", dec["triton_best"]),
+            ("sdpa contiguous", dec["sdpa_contiguous"]), ("gather + sdpa", dec["gather_sdpa"])]  # fmt: skip
+    for name, r in rows:
+        if r:
+            print(f"  {name:<22}{r['seconds'] * 1e3:9.3f}{r['kv_read_GBps']:10.0f}"
+                  f"{r['ratio_to_copy_total']:12.2f}{r['ratio_to_copy_read']:12.2f}")  # fmt: skip
+    if dec["triton_best"]:
+        print(f"  best config: {dec['triton_best']['config']}")
+    t, s = pre["triton_default"], pre["sdpa_contiguous"]
+    print(f"prefill B={args.prefill_batch} x {args.prefill_len} causal: triton {t['seconds'] * 1e3:.3f} ms"
+          f" ({t['tflops']:.0f} TFLOP/s), sdpa {s['seconds'] * 1e3:.3f} ms ({s['tflops']:.0f} TFLOP/s),"
+          f" sdpa/triton time {t['ratio_to_sdpa']:.2f}")  # fmt: skip
+    for sw in pre["sweep"]:
+        if "seconds" in sw:
+            print(f"  prefill {sw['config']}: {sw['seconds'] * 1e3:.3f} ms err {sw['rel_err']:.1e}")
+    return 0
+
+
+def _write(path: str | None, record: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
