@@ -1,0 +1,202 @@
+"""prepare_decode_on_device equals the eager prepare_decode field by field.
+
+CPU: torch path and the Triton kernels under the interpreter (tiny batches). GPU (marked):
+the kernels on CUDA, and a CUDA graph captured at a large batch and replayed with a smaller
+one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvplan.plan.config import MetadataConfig
+from kvplan.plan.decode import prepare_decode
+from kvplan.plan.decode_device import (
+    make_decode_device_out,
+    prepare_decode_on_device,
+    stack_rows,
+)
+from kvplan.plan.sequence import SequenceMetadata
+
+PER_TOKEN = (
+    "positions", "input_ids", "gate_force_random", "valid_token_mask", "query_indices",
+    "state_block_idx", "slot_mapping_store_swa", "context_lens", "kv_swa_index_offset_len",
+    "ngram_token_ids",
+)  # fmt: skip
+PER_SEQ = ("seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
+PER_RATIO = ("positions_c", "slot_mapping_store_ca", "klen", "kv_ca_index_offset_len")
+SCALARS = ("is_prompt", "num_seqs", "total_q", "max_seqlen_q", "max_seqlen_k")
+
+
+def make_config(device="cpu", **kw) -> MetadataConfig:
+    base = dict(
+        block_size=16, dense_ratios=(4, 16), sparse_ratios=(4, 8), window_size=8,
+        swa_block_size=12, max_model_len=512, max_num_blocks=40, num_kv_blocks=64,
+        num_state_slots=16, force_load_balance=True, device=device,
+    )  # fmt: skip
+    base.update(kw)
+    return MetadataConfig(**base)
+
+
+def random_decode_batch(rng, cfg: MetadataConfig, n_seq: int, max_draft: int = 2):
+    seqs = []
+    for _ in range(n_seq):
+        n_draft = int(rng.integers(0, max_draft + 1))
+        sq = 1 + n_draft
+        sk = int(rng.integers(sq, cfg.max_model_len + 1))
+        q_start = sk - sq
+        nb = cfg.num_blocks_for(sk)
+        table = rng.integers(0, cfg.num_kv_blocks, nb + int(rng.integers(0, 3)))
+        seqs.append(
+            SequenceMetadata(
+                seqlen_q=sq,
+                seqlen_k=sk,
+                block_table=table,
+                state_id=int(rng.integers(0, cfg.num_state_slots)),
+                token_ids=rng.integers(0, 1000, q_start + 1).tolist(),
+                is_placeholder=bool(rng.random() < 0.2),
+                swa_valid_start=int(rng.integers(0, q_start + 1)) if rng.random() < 0.4 else 0,
+                draft_tokens=rng.integers(0, 1000, n_draft).tolist(),
+            )
+        )
+    return seqs
+
+
+def assert_same_decode(got, want):
+    for name in SCALARS:
+        assert getattr(got, name) == getattr(want, name), name
+    for name in PER_TOKEN + PER_SEQ:
+        a, b = getattr(got, name), getattr(want, name)
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.shape, b.shape)
+        assert torch.equal(a.cpu(), b.cpu()), name
+    for name in PER_RATIO:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.keys() == b.keys(), name
+        for k in b:
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, (name, k)
+            assert torch.equal(a[k].cpu(), b[k].cpu()), (name, k)
+    # block_tables: only each row's first num_blocks columns are defined
+    bt_a, bt_b = got.block_tables.cpu(), want.block_tables.cpu()
+    assert bt_a.shape == bt_b.shape and bt_a.dtype == bt_b.dtype
+    ends = (want.seqlens_k.cpu().long() // 4 + 3) // 4  # num_blocks_for at min ratio 4, tpb 4
+    rows = torch.repeat_interleave(ends, want.seqlens_q.cpu().long())
+    cols = torch.arange(bt_a.shape[1])
+    defined = cols[None, :] < rows[:, None]
+    assert torch.equal(bt_a[defined], bt_b[defined])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_torch_path_equals_eager(seed):
+    rng = np.random.default_rng(seed)
+    cfg = make_config(max_ngram_size=2 if seed % 2 else 0)
+    seqs = random_decode_batch(rng, cfg, int(rng.integers(1, 12)))
+    if cfg.max_ngram_size:
+        for s in seqs:
+            s.compressed_token_ids = [t % 50 for t in s.token_ids[: len(s.token_ids) // 2]]
+            s.lookup_table = np.arange(1000) % 50
+    assert_same_decode(
+        prepare_decode_on_device(seqs, cfg, backend="torch"), prepare_decode(seqs, cfg)
+    )
+
+
+@pytest.mark.parametrize("seed", [10, 11])
+def test_triton_interpreter_equals_eager(seed):
+    rng = np.random.default_rng(seed)
+    cfg = make_config()
+    seqs = random_decode_batch(rng, cfg, 3)
+    assert_same_decode(
+        prepare_decode_on_device(seqs, cfg, backend="triton"), prepare_decode(seqs, cfg)
+    )
+
+
+def test_out_buffers_are_written_in_place_and_reused():
+    rng = np.random.default_rng(5)
+    cfg = make_config()
+    out = make_decode_device_out(cfg, max_num_seqs=8, max_total_q=24, max_seqlen_q=3)
+    big = random_decode_batch(rng, cfg, 8)
+    small = random_decode_batch(rng, cfg, 3)
+    for seqs in (big, small):
+        got = prepare_decode_on_device(seqs, cfg, out=out, backend="triton")
+        assert_same_decode(got, prepare_decode(seqs, cfg))
+        assert got.positions.data_ptr() == out["positions"].data_ptr()
+        for field in ("positions_c", "klen", "kv_ca_index_offset_len"):
+            for k, row in getattr(got, field).items():
+                assert row.data_ptr() == out[field][k].data_ptr(), (field, k)
+    # rows of the same stacked buffer: one storage, equal strides
+    rows = list(got.positions_c.values())
+    assert len({r.untyped_storage().data_ptr() for r in rows}) == 1
+    assert len({r.stride() for r in rows}) == 1
+
+
+def test_stack_rows_rejects_separate_tensors():
+    rows = {"4": torch.zeros(8, dtype=torch.int32), "8": torch.zeros(8, dtype=torch.int32)}
+    with pytest.raises(ValueError, match="positions_c"):
+        stack_rows("positions_c", rows, ("4", "8"), 4, (), "cpu")
+    stacked = torch.zeros(2, 8, dtype=torch.int32)
+    view = stack_rows("positions_c", {"4": stacked[0], "8": stacked[1]}, ("4", "8"), 4, (), "cpu")
+    assert view.shape == (2, 8) and view.data_ptr() == stacked.data_ptr()
+    with pytest.raises(ValueError, match="shape"):
+        stack_rows("klen", {"4": stacked[0][:2], "8": stacked[1][:2]}, ("4", "8"), 4, (), "cpu")
+    with pytest.raises(TypeError, match="dtype"):
+        stack_rows("klen", {"4": stacked[0].long()}, ("4",), 4, (), "cpu")
+
+
+def _seq(**kw):
+    base = dict(seqlen_q=2, seqlen_k=40, block_table=list(range(1, 4)), state_id=1,
+                token_ids=list(range(39)), draft_tokens=[5])  # fmt: skip
+    base.update(kw)
+    return SequenceMetadata(**base)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"seqlen_q": 3, "seqlen_k": 2, "token_ids": [], "draft_tokens": [1, 2]}, "seqlen_k"),
+        ({"block_table": [1]}, "block_table"),
+        ({"block_table": [1, 2, 99]}, "block_table = 99"),
+        ({"block_table": [1, -2, 3]}, "block_table = -2"),
+        ({"state_id": 16}, "state_id"),
+        ({"draft_tokens": []}, "seqlen_q"),
+        ({"token_ids": list(range(10))}, "token_ids"),
+        ({"swa_valid_start": 39}, "swa_valid_start"),
+        ({"seqlen_q": 2.0}, "seqlen_q"),
+    ],
+)
+def test_bad_input_raises_before_writing(kw, match):
+    cfg = make_config()
+    out = make_decode_device_out(cfg, max_num_seqs=4, max_total_q=8, max_seqlen_q=3)
+    before = out["decode_inputs"].clone()
+    with pytest.raises((ValueError, TypeError), match=match):
+        prepare_decode_on_device([_seq(), _seq(**kw)], cfg, out=out)
+    assert torch.equal(out["decode_inputs"], before)
+
+
+def test_bad_out_buffers():
+    cfg = make_config()
+    seqs = [_seq(), _seq()]
+    out = make_decode_device_out(cfg, max_num_seqs=1, max_total_q=8, max_seqlen_q=3)
+    with pytest.raises(ValueError, match="sequences"):
+        prepare_decode_on_device(seqs, cfg, out=out)
+    out = make_decode_device_out(cfg, max_num_seqs=4, max_total_q=8, max_seqlen_q=3)
+    out["context_lens"] = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(TypeError, match="context_lens"):
+        prepare_decode_on_device(seqs, cfg, out=out)
+    out = make_decode_device_out(cfg, max_num_seqs=4, max_total_q=8, max_seqlen_q=3)
+    out["kv_swa_index_offset_len"] = torch.zeros(8, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv_swa_index_offset_len"):
+        prepare_decode_on_device(seqs, cfg, out=out)
+    with pytest.raises(ValueError, match="make_decode_device_out"):
+        prepare_decode_on_device(seqs, cfg, out={"positions": torch.zeros(8)})
+
+
+def test_int32_overflow_of_decode_ca_offsets():
+    cfg = make_config(block_size=1024, dense_ratios=(1,), sparse_ratios=(), max_model_len=2**21,
+                      max_num_blocks=2**11, num_kv_blocks=None)  # fmt: skip
+    seqs = [_seq(block_table=[1], seqlen_k=40) for _ in range(600)]
+    with pytest.raises(ValueError, match="overflows int32"):
+        prepare_decode_on_device(seqs, cfg)
