@@ -36,17 +36,19 @@ def _kv_index_cat_kernel(
     r64 = r.to(tl.int64)[:, None]
     rmask = (r < rows)[:, None]
     tile = tl.program_id(1)
+    # Distinct names per branch: Triton merges names bound in both branches, which requires
+    # equal types, and the two tiles have different widths.
     if tile < num_tiles_l:  # left table: plain copy
-        c = (tile * TILE_CL + tl.arange(0, TILE_CL))[None, :]
-        mask = rmask & (c < width_l)
-        val = tl.load(l_ptr + r64 * stride_l + c, mask=mask)
-        tl.store(out_ptr + r64 * stride_o + c, val, mask=mask)
+        cl = (tile * TILE_CL + tl.arange(0, TILE_CL))[None, :]
+        mask_l = rmask & (cl < width_l)
+        left = tl.load(l_ptr + r64 * stride_l + cl, mask=mask_l)
+        tl.store(out_ptr + r64 * stride_o + cl, left, mask=mask_l)
     else:  # right table: shift visible entries by ca_base
-        c = ((tile - num_tiles_l) * TILE_CR + tl.arange(0, TILE_CR))[None, :]
-        mask = rmask & (c < width_r)
-        val = tl.load(r_ptr + r64 * stride_r + c, mask=mask)
-        val = tl.where(val != -1, val + ca_base, -1)
-        tl.store(out_ptr + r64 * stride_o + width_l + c, val, mask=mask)
+        cr = ((tile - num_tiles_l) * TILE_CR + tl.arange(0, TILE_CR))[None, :]
+        mask_r = rmask & (cr < width_r)
+        right = tl.load(r_ptr + r64 * stride_r + cr, mask=mask_r)
+        right = tl.where(right != -1, right + ca_base, -1)
+        tl.store(out_ptr + r64 * stride_o + width_l + cr, right, mask=mask_r)
 
 
 def _check_table(name: str, t: torch.Tensor) -> torch.Tensor:
