@@ -3,9 +3,11 @@
 import numpy as np
 import pytest
 import torch
+import triton
 
 from kvplan.ops import expand_kv_ca_index, expand_kv_ca_index_decode, kv_ca_index_width
 from kvplan.ops.kv_ca_index import (
+    _expand_kv_ca_kernel,
     expand_kv_ca_index_decode_ref,
     expand_kv_ca_index_decode_torch,
     expand_kv_ca_index_decode_triton,
@@ -13,6 +15,7 @@ from kvplan.ops.kv_ca_index import (
     expand_kv_ca_index_torch,
     expand_kv_ca_index_triton,
 )
+from kvplan.ops.swa_index import index_tiles
 
 
 def test_width():
@@ -143,6 +146,33 @@ def test_errors():
     # unused right part of a row may hold garbage
     ok = expand_kv_ca_index_decode(ol, torch.tensor([[1, 2, -9]], dtype=torch.int32), 8, 2, 8)
     assert ok[0, :5].tolist() == [4, 5, 6, 7, 8]
+
+
+def compile_sm90(kernel, **constexprs):
+    """Compile a kernel for sm_90 (H100/H200) on any machine: the interpreter does not run
+    Triton's type checks (e.g. equal types for names bound in both branches of an ``if``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(90)
+    except Exception as e:  # noqa: BLE001 - no CUDA toolchain in this Triton install
+        pytest.skip(f"no ptxas: {e}")
+    fn = JITFunction(kernel.fn)  # the interpreter wraps the raw function
+    sig = {n: "constexpr" if n in constexprs else "*i32" if n.endswith("_ptr") else "i32"
+           for n in fn.arg_names}  # fmt: skip
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                   target=GPUTarget("cuda", 90, 32))  # fmt: skip
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("rows, width", [(32768, 2048), (5, 128)])
+def test_kernel_compiles_for_sm90(rows, width, paged):
+    tile_r, tile_c = index_tiles(rows, width)
+    compile_sm90(_expand_kv_ca_kernel, PAGED=paged, TILE_R=tile_r, TILE_C=tile_c)
 
 
 @pytest.mark.gpu
