@@ -41,6 +41,7 @@ class RequestTable:
         self._free_rows = list(range(rows - 1, -1, -1))  # pop() hands out row 0 first
         self._requests: dict[Hashable, Request] = {}
         self._free_slots = list(range(num_state_slots - 1, -1, -1))
+        self._num_multi_beam = 0  # active requests with beam_width > 1
 
     # ------------------------------------------------------------------ queries
     def has_request(self, request_id: Hashable) -> bool:
@@ -129,10 +130,12 @@ class RequestTable:
         slot = self._free_slots.pop() if self.num_state_slots else None
         req = Request(prompt, beam_width, rows, len(prompt), num_encoder_tokens, cacheable, slot)
         self._requests[request_id] = req
+        self._num_multi_beam += beam_width > 1
         return req
 
     def _drop_request(self, request_id: Hashable) -> None:
         req = self._requests.pop(request_id)
+        self._num_multi_beam -= req.beam_width > 1
         self._free_rows.extend(reversed(req.rows))
         if req.state_slot is not None:
             self._free_slots.append(req.state_slot)

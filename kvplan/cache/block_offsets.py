@@ -75,8 +75,12 @@ def expand_batch_rows(
 
 
 def default_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src, non_blocking=True)``: async when src is pinned and dst is on a GPU."""
-    dst.copy_(src, non_blocking=True)
+    """``dst.copy_(src, non_blocking=True)``: async when src is pinned and dst is on a GPU
+    (a CPU ``dst`` is written synchronously through numpy)."""
+    if dst.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src, non_blocking=True)
 
 
 class BlockOffsetsStager:
@@ -123,7 +127,9 @@ class BlockOffsetsStager:
         snap = torch.empty(
             (self.shape[0], num_rows, 2, width), dtype=torch.int32, pin_memory=self.pin
         )
-        snap.copy_(self.host_block_offsets[:, :num_rows, :, :width])
+        # numpy copy: a small torch CPU copy_ may spread over threads and stall when cores
+        # are busy; this is one memcpy per row.
+        np.copyto(snap.numpy(), self._host_np[:, :num_rows, :, :width])
         return snap
 
     def copy_to(

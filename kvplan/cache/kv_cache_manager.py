@@ -486,16 +486,23 @@ class KVCacheManager(RequestTable):
                 f"{'cross ' if cross else ''}block offsets expect {expected} rows "
                 f"({num_contexts} context + {num_gen} x beam {beam_width}), got num_seqs = {num_seqs}"
             )
-        reqs = [self._get(r) for r in request_ids]
-        if not cross:
-            for req, rid in zip(reqs[num_contexts:], request_ids[num_contexts:]):
-                if req.beam_width != beam_width:
+        try:
+            rows_of = [self._requests[r].rows for r in request_ids]
+        except (KeyError, TypeError):
+            for r in request_ids:
+                self._get(r)
+            raise
+        if not cross and (beam_width > 1 or self._num_multi_beam):
+            for rid in request_ids[num_contexts:]:
+                if self._requests[rid].beam_width != beam_width:
                     raise ValueError(
-                        f"request {rid!r} has beam_width {req.beam_width}, batch says {beam_width}"
+                        f"request {rid!r} has beam_width {self._requests[rid].beam_width}, "
+                        f"the batch says {beam_width}"
                     )
-        seq_rows = bo.expand_batch_rows(
-            [r.rows for r in reqs], beam_width, num_contexts, cross=cross
-        )
+        if beam_width == 1:
+            seq_rows = np.fromiter((r[0] for r in rows_of), np.int64, len(rows_of))
+        else:
+            seq_rows = bo.expand_batch_rows(rows_of, beam_width, num_contexts, cross=cross)
         key = (cross, max_batch)
         stager = self._stagers.get(key)
         if stager is None:

@@ -149,3 +149,215 @@ def test_batch_views_agree():
         m.get_batch_cache_indices_flat(ids, [5, 1, 1])
     with pytest.raises(ValueError, match="unknown request id"):
         m.get_block_ids_per_seq(["a", "nope"])
+
+
+def test_beams_share_full_prompt_blocks_only():
+    m = make(num_blocks=32, max_beam_width=4)
+    r = m.add_request("a", list(range(9)), beam_width=3)  # 2 full blocks + a partial one
+    assert r.ok
+    assert [m.get_block_ids("a", beam=b) for b in range(3)] == [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+    assert m.pools[0].ref_count(1) == 3 and m.pools[0].ref_count(3) == 1
+    assert m.beam_fork_copies("a") == [(0, 3, 4), (0, 3, 5)]
+    m.extend("a", 3)  # 12 tokens: still 3 blocks per beam
+    m.extend("a", 1)  # 13 tokens: one more block per beam
+    assert [m.get_block_ids("a", beam=b)[3] for b in range(3)] == [6, 7, 8]
+    assert m.get_block_ids_per_seq(["a", "a"], beams=[2, 0])[:, :4].tolist() == [
+        [1, 2, 5, 8],
+        [1, 2, 3, 6],
+    ]
+    m.free("a")
+    assert m.num_free_blocks() == 31
+    with pytest.raises(ValueError, match="beam_width"):
+        m.add_request("b", [1], beam_width=5)
+    m.add_request("c", list(range(8)), beam_width=2)  # no partial block: nothing to copy
+    assert m.beam_fork_copies("c") == []
+    with pytest.raises(ValueError, match="beam 2"):
+        m.get_block_ids("c", beam=2)
+
+
+def test_beam_out_of_blocks_counts_every_beam():
+    m = make(num_blocks=6, max_beam_width=2)  # 5 usable
+    m.add_request("a", list(range(6)), beam_width=2)  # shared [1], tails 2, 3
+    r = m.extend("a", 4)  # 10 tokens: 3 blocks per beam -> 1 more each, 2 free
+    assert r.ok
+    r = m.extend("a", 4)  # 14 tokens: 4 blocks per beam -> 2 needed, 0 free
+    assert r == AllocationResult(False, 0, 2, "blocks", (2,))
+
+
+def test_cross_blocks_shared_by_beams():
+    m = make(num_blocks=32, max_beam_width=2)
+    m.add_request("a", [1, 2, 3], beam_width=2, num_encoder_tokens=10)
+    assert m.get_cross_block_ids("a") == [3, 4, 5]
+    assert m.get_block_ids("a", beam=0) == [1] and m.get_block_ids("a", beam=1) == [2]
+    m.commit_tokens("a", [1, 2, 3])
+    assert m.pools[0].num_cached_blocks == 0  # cross-attention requests are never cached
+    m.free("a")
+    assert m.num_free_blocks() == 31
+    m.add_request("b", [1])
+    assert m.get_cross_block_ids("b") == []
+
+
+def test_vswa_pools_and_layer_map():
+    m = KVCacheManager.from_layer_windows([16, 8], 4, [None, 64, None, 64], max_blocks_per_seq=4)
+    assert m.num_pools == 2 and m.window_sizes == (None, 64)
+    assert [m.pool_for_layer(i) for i in range(4)] == [0, 1, 0, 1]
+    m.add_request("x", [9] * 4)
+    m.add_request("a", list(range(6)))
+    assert m.get_block_ids("a", pool=0) == [2, 3] and m.get_block_ids("a", pool=1) == [2, 3]
+    assert m.get_batch_cache_indices(["a"], layer_idx=3) == [[2, 3]]
+    r = m.extend("a", 10)  # 16 tokens: 4 blocks; pool 1 has 7 usable, 3 used -> fits
+    assert r.ok and m.num_free_blocks(1) == 2 and m.num_free_blocks(0) == 10
+    r = m.add_request("b", list(range(9)))  # 3 blocks: pool 1 short by 1
+    assert r == AllocationResult(False, 0, 1, "blocks", (0, 1))
+    assert m.num_free_blocks(0) == 10  # nothing taken from pool 0 either
+    with pytest.raises(ValueError, match="layer_idx 7"):
+        m.pool_for_layer(7)
+    with pytest.raises(ValueError, match="layer_to_pool is required"):
+        KVCacheManager(8, 4, max_blocks_per_seq=2, window_sizes=(None, 8))
+    with pytest.raises(ValueError, match="distinct"):
+        KVCacheManager(8, 4, max_blocks_per_seq=2, window_sizes=(8, 8), layer_to_pool=[0])
+
+
+def test_vswa_prefix_hit_needs_every_pool():
+    m = KVCacheManager(
+        [16, 4], 2, max_blocks_per_seq=4, window_sizes=(None, 4), layer_to_pool=[0, 1]
+    )
+    m.add_request("a", [1, 2, 3])  # blocks [1, 2] in both pools
+    m.commit_tokens("a", [1, 2, 3])
+    m.free("a")
+    m.add_request("fill", [7] * 6)  # pool 1 (3 usable blocks) must evict block 1's hash
+    assert m.get_block_ids("fill", pool=0) == [2, 3, 4]
+    assert m.get_block_ids("fill", pool=1) == [2, 3, 1]
+    m.free("fill")
+    assert m.pools[0].num_cached_blocks == 1 and m.pools[1].num_cached_blocks == 0
+    assert m.add_request("b", [1, 2, 3]).num_cached_tokens == 0
+    m.commit_tokens("b", [1, 2, 3])
+    # pool 0 keeps its older copy (block 1), pool 1 now caches b's block: a hit again
+    r = m.add_request("c", [1, 2, 9])
+    assert r.num_cached_tokens == 2
+    assert m.get_block_ids("c", pool=0)[0] == 1
+    assert m.get_block_ids("c", pool=1)[0] == m.get_block_ids("b", pool=1)[0]
+
+
+def test_state_slots():
+    m = make(num_state_slots=2)
+    m.add_request("a", [1])
+    m.add_request("b", [1])
+    assert (m.get_state_slot("a"), m.get_state_slot("b")) == (0, 1)
+    r = m.add_request("c", [1])
+    assert (r.ok, r.reason) == (False, "state_slots") and not m.has_request("c")
+    free_before = m.num_free_blocks()
+    assert free_before == 13
+    m.free("a")
+    assert m.add_request("c", [1]).ok and m.get_state_slot("c") == 0
+    m0 = make()
+    m0.add_request("z", [1])
+    with pytest.raises(ValueError, match="num_state_slots = 0"):
+        m0.get_state_slot("z")
+
+
+def test_rows_grow_past_initial_capacity():
+    m = make(num_blocks=400, max_blocks_per_seq=2)
+    for i in range(150):
+        assert m.add_request(i, [i, i + 1, i + 2, i + 3, i + 4]).ok
+    table = m.get_block_ids_per_seq(list(range(150)))
+    assert table[:, :2].tolist() == [[2 * i + 1, 2 * i + 2] for i in range(150)]
+
+
+def check_invariants(m):
+    """Ref counts equal the references held by active requests; free list = unreferenced."""
+    from collections import Counter
+
+    for p, pool in enumerate(m.pools):
+        refs = Counter()
+        for rid, req in m._requests.items():
+            for b in range(req.beam_width):
+                ids = m.get_block_ids(rid, p, beam=b)
+                assert len(ids) >= -(-req.num_tokens // m.block_size)
+                refs.update(ids)
+            refs.update(m.get_cross_block_ids(rid, p))
+        assert 0 not in refs
+        for blk in range(1, pool.num_blocks):
+            assert pool.ref_count(blk) == refs[blk], (p, blk)
+            assert pool.is_free(blk) == (refs[blk] == 0), (p, blk)
+        rows = [r for req in m._requests.values() for r in req.rows]
+        for row in rows:  # padding past the allocated count is block 0
+            assert not m._tables[p, row, m._num_allocated[row] :].any()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_operations_keep_kv_content_consistent(seed):
+    """Simulate K/V writes into a fake cache: a prefix hit must find exactly the prompt's
+    tokens in the reused blocks, and no active request's written tokens are ever lost."""
+    rng = np.random.default_rng(seed)
+    bs = 4
+    m = KVCacheManager(
+        [24, 20],
+        bs,
+        max_blocks_per_seq=8,
+        window_sizes=(None, 8),
+        layer_to_pool=[0, 1],
+        max_beam_width=2,
+    )
+    content = [{} for _ in m.pools]  # pool -> {(block, offset): token}
+    tokens = {}  # request -> its token list (prompt, then generated)
+    bases = [list(rng.integers(0, 50, 12)) for _ in range(3)]
+    next_id = 0
+    num_hits = 0
+
+    def slot_of(rid, p, pos):
+        return (m.get_block_ids(rid, p)[pos // bs], pos % bs)
+
+    for _ in range(400):
+        op = rng.choice(["add", "commit", "extend", "reserve", "rewind", "release", "free"])
+        active = list(tokens)
+        if op == "add" or not active:
+            base = bases[rng.integers(3)]
+            prompt = base[: rng.integers(1, 13)] + list(rng.integers(0, 50, rng.integers(0, 6)))
+            rid = next_id
+            next_id += 1
+            r = m.add_request(rid, prompt, beam_width=int(rng.integers(1, 3)))
+            if r.ok:
+                tokens[rid] = list(prompt)
+                assert r.num_cached_tokens % bs == 0 and r.num_cached_tokens < len(prompt)
+                num_hits += r.num_cached_tokens > 0
+                for pos in range(r.num_cached_tokens):
+                    for p in range(2):
+                        assert content[p][slot_of(rid, p, pos)] == prompt[pos]
+            else:
+                assert r.reason == "blocks" and not m.has_request(rid)
+            continue
+        rid = active[rng.integers(len(active))]
+        n_tok, n_com = m.num_tokens(rid), m.num_committed_tokens(rid)
+        if op == "commit" and n_tok > n_com:
+            k = int(rng.integers(1, n_tok - n_com + 1))
+            while len(tokens[rid]) < n_com + k:
+                tokens[rid].append(int(rng.integers(0, 50)))
+            for pos in range(n_com, n_com + k):
+                for p in range(2):
+                    content[p][slot_of(rid, p, pos)] = tokens[rid][pos]
+            m.commit_tokens(rid, tokens[rid][n_com : n_com + k])
+        elif op == "extend":
+            n = int(rng.integers(0, 6))
+            if n_tok + n <= m.max_seq_len:
+                r = m.extend(rid, n)
+                assert m.num_tokens(rid) == n_tok + n * r.ok
+        elif op == "reserve":
+            n = int(rng.integers(0, 6))
+            if n_tok + n <= m.max_seq_len:
+                m.reserve(rid, n)
+                assert m.num_tokens(rid) == n_tok
+        elif op == "rewind" and n_tok > n_com:
+            m.rewind(rid, int(rng.integers(0, n_tok - n_com + 1)))
+            del tokens[rid][max(m.num_tokens(rid), len(m._get(rid).prompt)) :]
+        elif op == "release":
+            m.release_reserved(rid)
+        elif op == "free":
+            m.free(rid)
+            del tokens[rid]
+        check_invariants(m)
+        for other in tokens:  # written tokens of active requests are intact
+            for pos in range(m.num_committed_tokens(other)):
+                for p in range(2):
+                    assert content[p][slot_of(other, p, pos)] == tokens[other][pos]
+    assert num_hits > 0  # the run exercised prefix reuse
