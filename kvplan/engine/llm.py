@@ -215,8 +215,10 @@ class LLM:
                 self.engine.step()
             new = req.output_token_ids[sent_tokens:]
             text = self._text(req)
+            if not req.finished:
+                text = text.rstrip("\ufffd")  # hold back an incomplete multi-byte character
             if new or req.finished:
-                delta = text[len(sent_text) :] if text.startswith(sent_text) else text
+                delta = text[len(sent_text) :] if text.startswith(sent_text) else ""
                 yield StreamDelta(list(new), delta, req.finished, req.finish_reason)
                 sent_tokens += len(new)
                 sent_text = text

