@@ -137,3 +137,22 @@ def test_gpu_bit_exact(rows, k, block_size):
     t = topk.cuda()
     convert_kv_index(t, bt.cuda(), ctx.cuda(), block_size)
     assert torch.equal(t.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_in_place():
+    rng = np.random.default_rng(10)
+    topk, bt, ctx = random_case(rng, 32, 256, 16, max_blocks=40)
+    t, bt_gpu, ctx_gpu = topk.cuda(), bt.cuda(), ctx.cuda()
+    convert_kv_index(t.clone(), bt_gpu, ctx_gpu, 16, check=False)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        convert_kv_index(t, bt_gpu, ctx_gpu, 16, check=False)
+    new_topk, new_bt, new_ctx = random_case(rng, 32, 256, 16, max_blocks=40)
+    t.copy_(new_topk)
+    bt_gpu.copy_(new_bt)
+    ctx_gpu.copy_(new_ctx)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(t.cpu(), convert_kv_index_ref(new_topk, new_bt, new_ctx, 16))

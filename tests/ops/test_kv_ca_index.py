@@ -187,3 +187,24 @@ def test_gpu_bit_exact(rows, max_len, flat):
     want = expand_kv_ca_index_decode_torch(ol, bt, 64, 4, max_len)
     got = expand_kv_ca_index_decode(ol.cuda(), bt.cuda(), 64, 4, max_len)
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_reads_new_inputs():
+    rng = np.random.default_rng(9)
+    rows, max_len = 48, 300
+    ol, bt = random_decode(rng, rows, max_len, 16, True)
+    ol, bt = ol.cuda(), bt.cuda()
+    out = torch.empty(rows + 5, kv_ca_index_width(max_len), dtype=torch.int32, device="cuda")
+    expand_kv_ca_index_decode(ol, bt, 64, 4, max_len, out=out, check=False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        expand_kv_ca_index_decode(ol, bt, 64, 4, max_len, out=out, check=False)
+    new_ol, new_bt = random_decode(rng, rows, max_len, 16, True)
+    ol.copy_(new_ol)
+    bt.copy_(new_bt)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = expand_kv_ca_index_decode_ref(new_ol, new_bt, 64, 4, max_len)
+    assert torch.equal(out[:rows].cpu(), want)

@@ -196,3 +196,28 @@ def test_gpu_bit_exact(rows, window):
     buf = torch.full((rows + 3, window), 9, dtype=torch.int32, device="cuda")
     expand_swa_index_decode(ol.cuda(), window, ring, out=buf)
     assert torch.equal(buf[:rows].cpu(), want) and (buf[rows:] == 9).all()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_reads_new_inputs():
+    """Captured once with check=False and out=, replayed after the inputs change in place."""
+    rng = np.random.default_rng(8)
+    window, ring, rows = 128, 160, 64
+    piv = random_pivots(rng, rows, window).cuda()
+    ol = random_offset_len(rng, rows, window, ring).cuda()
+    out_p = torch.empty(rows + 8, window, dtype=torch.int32, device="cuda")
+    out_d = torch.empty(rows + 8, window, dtype=torch.int32, device="cuda")
+    expand_swa_index(piv, window, out=out_p, check=False)  # compile before capture
+    expand_swa_index_decode(ol, window, ring, out=out_d, check=False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        expand_swa_index(piv, window, out=out_p, check=False)
+        expand_swa_index_decode(ol, window, ring, out=out_d, check=False)
+    new_piv, new_ol = random_pivots(rng, rows, window), random_offset_len(rng, rows, window, ring)
+    piv.copy_(new_piv)
+    ol.copy_(new_ol)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_p[:rows].cpu(), expand_swa_index_ref(new_piv, window))
+    assert torch.equal(out_d[:rows].cpu(), expand_swa_index_decode_ref(new_ol, window, ring))
