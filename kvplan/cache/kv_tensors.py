@@ -119,9 +119,10 @@ class KVCacheTensors:
         """Write ``k[i]``, ``v[i]`` (``[T, H, D]``, any float dtype) at ``slot_mapping[i]``.
 
         ``slot_mapping``: int32/int64 ``[T]`` on the caches' device; ``-1`` skips the row.
-        Values are cast to the cache dtype (round to nearest even); fp8 goes through
-        ``kvplan.store_kv_cache`` (UE8M0 group scales). ``check`` validates the slot range
-        (one reduction; a device sync on CUDA).
+        Values are cast to the cache dtype (round to nearest even). bf16 and fp8 go through
+        ``kvplan.store_kv_cache`` (Triton on CUDA; fp8 with UE8M0 scales per 32 values);
+        fp16/fp32 use a torch scatter (its boolean mask syncs on CUDA). ``check`` validates
+        the slot range (one reduction; a device sync on CUDA).
         """
         self._check_layer(layer)
         t = slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor) else None
@@ -132,17 +133,13 @@ class KVCacheTensors:
         check_tensor("slot_mapping", slot_mapping, device=self.device)
         if check:
             check_range("slot_mapping", slot_mapping, -1, self.num_slots)
-        if self.kv_format == "fp8":
+        if self.layout is not None:  # bf16 and fp8: the storage layer's store (Triton on CUDA)
             from kvplan import store_kv_cache
 
             raw_k, raw_v = self._raw[layer]
-            hd = self.num_kv_heads * self.head_dim
-            store_kv_cache(
-                k.reshape(t, hd).to(torch.bfloat16), raw_k, slot_mapping, layout=self.layout
-            )
-            store_kv_cache(
-                v.reshape(t, hd).to(torch.bfloat16), raw_v, slot_mapping, layout=self.layout
-            )
+            slots = slot_mapping.to(torch.int32)
+            for x, raw in ((k, raw_k), (v, raw_v)):
+                store_kv_cache(x.to(torch.bfloat16), raw, slots, layout=self.layout, check=False)
             return
         k_cache, v_cache = self._views[layer]
         keep = slot_mapping >= 0
@@ -203,13 +200,15 @@ class KVCacheTensors:
         return raw.view(torch.bfloat16).squeeze(2).unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def _dequant(self, raw: torch.Tensor) -> torch.Tensor:
-        # raw: uint8 [n, bs, 1, bytes_per_token] token-interleaved: H*D e4m3 bytes, H*D/32 exps
-        from kvplan.formats import split_kv_cache
+        # raw: uint8 [n, bs, 1, bytes_per_token], token-interleaved records:
+        # H*D e4m3 value bytes, then H*D/32 UE8M0 exponent bytes
+        from kvplan import quant
 
-        values, scales = split_kv_cache(raw, self.layout)  # [n, bs, HD] e4m3, [n, bs, HD/32] u8
-        scale = torch.exp2(scales.float() - 127.0).repeat_interleave(32, dim=-1)
-        out = values.float() * scale  # [n, bs, HD]
-        return out.to(torch.bfloat16).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        n, bs = raw.shape[0], raw.shape[1]
+        hd = self.num_kv_heads * self.head_dim
+        records = raw.reshape(n * bs, -1)  # [n*bs, bytes_per_token]
+        out = quant.dequantize(records[:, :hd], records[:, hd:], self.layout)  # [n*bs, HD] bf16
+        return out.view(n, bs, self.num_kv_heads, self.head_dim)
 
     def _check_layer(self, layer: int) -> int:
         if not 0 <= layer < self.num_layers:

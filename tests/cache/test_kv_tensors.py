@@ -69,3 +69,52 @@ def test_fp8_layout():
     assert kv.k_cache(0).dtype == torch.uint8 and kv.k_cache(0).shape == (3, 4, 1, 132)
     k, _ = kv.read_blocks(0, torch.tensor([0, 2]))
     assert k.shape == (2, 4, 2, 64) and not k.any()
+
+
+def test_fp8_store_and_read_match_the_quantization_reference():
+    from kvplan import quant
+
+    g = torch.Generator().manual_seed(1)
+    kv = KVCacheTensors(2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=32, kv_format="fp8")
+    # heads with very different magnitudes: per-head groups keep each head's own scale
+    k = torch.randn(5, 2, 32, generator=g) * torch.tensor([1e-3, 50.0])[None, :, None]
+    v = torch.randn(5, 2, 32, generator=g)
+    slots = torch.tensor([5, 6, -1, 15, 4], dtype=torch.int64)
+    kv.store(1, k, v, slots)
+    blocks = torch.tensor([1, 3])
+    k_read, v_read = kv.read_blocks(1, blocks)  # [2, 4, 2, 32] bf16
+    for x, read in ((k, k_read), (v, v_read)):
+        flat = x.to(torch.bfloat16).reshape(5, 64)
+        want = quant.dequantize(*quant.quantize(flat, kv.layout), kv.layout).view(5, 2, 32)
+        for i, s in enumerate(slots.tolist()):
+            if s < 0:
+                continue
+            b = [1, 3].index(s // 4)
+            assert torch.equal(read[b, s % 4], want[i])
+        rel = (read[0, 0] - x[4]).abs().max() / x[4].abs().max()
+        assert rel < 0.1  # e4m3 keeps ~2 significant digits
+    assert not kv.k_cache(0).any() and not kv.k_cache(1)[0].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp16", "fp8"])
+def test_gpu_store_equals_cpu_store(kv_format):
+    g = torch.Generator().manual_seed(2)
+    caches = [
+        KVCacheTensors(1, 8, 16, 4, 64, kv_format=kv_format, device=dev) for dev in ("cpu", "cuda")
+    ]
+    k = torch.randn(40, 4, 64, generator=g)
+    v = torch.randn(40, 4, 64, generator=g)
+    slots = torch.randperm(8 * 16, generator=g)[:40].to(torch.int32)
+    slots[::7] = -1
+    for kv in caches:
+        kv.store(0, k.to(kv.device), v.to(kv.device), slots.to(kv.device))
+    cpu, gpu = caches
+    assert torch.equal(
+        cpu.raw_k_cache(0).view(torch.uint8).flatten(),
+        gpu.raw_k_cache(0).cpu().view(torch.uint8).flatten(),
+    )
+    assert torch.equal(
+        cpu.raw_v_cache(0).view(torch.uint8).flatten(),
+        gpu.raw_v_cache(0).cpu().view(torch.uint8).flatten(),
+    )
