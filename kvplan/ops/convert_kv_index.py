@@ -130,8 +130,9 @@ def convert_kv_index_torch(
     x = topk_idxs.long()  # a copy, so writing res in place is safe
     col = torch.arange(k, device=x.device)[None, :]
     valid = (col < context_lens[:, None]) & (x != -1)
-    blk = torch.where(valid, x // block_size, 0)
-    phys = torch.gather(block_tables[:rows].long(), 1, blk)
+    table = torch.nn.functional.pad(block_tables[:rows].long(), (0, 1))  # [rows, M + 1]
+    blk = torch.where(valid, x // block_size, 0).clamp(0, table.shape[1] - 1)
+    phys = torch.gather(table, 1, blk)
     res.copy_(torch.where(valid, phys * block_size + x % block_size, -1))
     return res
 

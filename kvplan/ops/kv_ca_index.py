@@ -238,11 +238,14 @@ def expand_kv_ca_index_decode_torch(
     offset, length = offset_len[:, 0:1].long(), offset_len[:, 1:2].long()  # [rows, 1]
     visible = col < length  # [rows, width]
     pos = torch.where(visible, offset + col, 0)
-    blk = pos // tpb
+    # One zero column past the end keeps hidden columns' lookups in range (even for a table
+    # without columns); with check=True visible ones are known to be inside the table.
     if block_tables.dim() == 2:
-        phys = torch.gather(block_tables[:rows].long(), 1, blk.clamp(max=block_tables.shape[1] - 1))
+        table = torch.nn.functional.pad(block_tables[:rows].long(), (0, 1))  # [rows, M + 1]
+        phys = torch.gather(table, 1, (pos // tpb).clamp(0, table.shape[1] - 1))
     else:
-        phys = block_tables.long()[blk.clamp(max=block_tables.shape[0] - 1)]
+        table = torch.nn.functional.pad(block_tables.long(), (0, 1))  # [n + 1]
+        phys = table[(pos // tpb).clamp(0, table.shape[0] - 1)]
     neg = torch.full((), -1, dtype=torch.int32, device=res.device)
     torch.where(visible, (phys * tpb + pos % tpb).to(torch.int32), neg, out=res)
     return res

@@ -102,6 +102,16 @@ def test_errors():
     assert ok.tolist() == [[5, 4, -1]]
 
 
+@pytest.mark.parametrize(
+    "fn", [convert_kv_index_torch, convert_kv_index_triton], ids=["torch", "triton"]
+)
+def test_nothing_to_convert_with_empty_table(fn):
+    topk = torch.tensor([[-1, -1], [7, 8]], dtype=torch.int32)  # row 1: past its context
+    ctx = torch.tensor([2, 0], dtype=torch.int32)
+    got = fn(topk, torch.zeros(2, 0, dtype=torch.int32), ctx, 4)
+    assert got.tolist() == [[-1, -1], [-1, -1]]
+
+
 def compile_sm90(kernel, **constexprs):
     """Compile a kernel for sm_90 (H100/H200) on any machine: the interpreter does not run
     Triton's type checks (e.g. equal types for names bound in both branches of an ``if``)."""

@@ -148,6 +148,17 @@ def test_errors():
     assert ok[0, :5].tolist() == [4, 5, 6, 7, 8]
 
 
+@pytest.mark.parametrize(
+    "fn", [expand_kv_ca_index_decode_torch, expand_kv_ca_index_decode_triton],
+    ids=["torch", "triton"],
+)  # fmt: skip
+def test_decode_empty_rows_and_table(fn):
+    """Rows of length 0 read no block entry, even from a table without columns."""
+    ol = torch.tensor([[0, 0], [5, 0]], dtype=torch.int32)
+    for bt in (torch.zeros(2, 0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)):
+        assert (fn(ol, bt, 8, 2, 4) == -1).all()
+
+
 def compile_sm90(kernel, **constexprs):
     """Compile a kernel for sm_90 (H100/H200) on any machine: the interpreter does not run
     Triton's type checks (e.g. equal types for names bound in both branches of an ``if``)."""
