@@ -150,7 +150,7 @@ def make_scenario(
                 assert manager.extend(rid, spec.cached - prompt_len + 1).ok
                 assert manager.reserve(rid, spec.q_len - 1 + spec.reserve_extra).ok
             elif spec.reserve_extra:
-                assert manager.reserve(rid, prompt_len - total + spec.reserve_extra).ok
+                assert manager.reserve(rid, max(0, total + spec.reserve_extra - prompt_len)).ok
         request_ids.append(rid)
         for layer in range(num_layers):
             pool = manager.pool_for_layer(layer)

@@ -21,11 +21,13 @@ from backends_testlib import (
 
 from kvplan.backends import get_backend
 
-BACKENDS = ["vanilla"]
+BACKENDS = ["vanilla", "ragged", "block_offsets"]
 
 
 def run_layers(name, sc, *, window_from_backend=True, **md_kwargs):
     backend_cls = get_backend(name)
+    if name != "vanilla":
+        md_kwargs.setdefault("check_kernel_inputs", True)
     md = backend_cls.Metadata(
         max_num_requests=16,
         max_num_tokens=256,
@@ -57,13 +59,36 @@ def test_mixed_batch_matches_reference(name, seed):
         assert_close(outs[layer], reference_attention(sc, layer, window), atol=1e-5)
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-def test_speculative_rows_with_reserved_blocks(name):
+SPEC_VARIANTS = [
+    ("vanilla", {}),
+    ("ragged", {}),
+    ("ragged", {"use_full_generation_page_table": True}),
+    ("block_offsets", {}),
+    ("block_offsets", {"num_extra_kv_tokens": 2, "enable_block_id_tables": True}),
+    ("block_offsets", {"is_spec_decoding_enabled": True, "enable_block_id_tables": True}),
+]
+
+
+@pytest.mark.parametrize(("name", "md_kwargs"), SPEC_VARIANTS)
+def test_speculative_rows_with_reserved_blocks(name, md_kwargs):
+    """Reserved slots past each row hold garbage; attention must stop at the logical length."""
     specs = random_specs(5, num_ctx=2, num_gen=5, spec_rows=True)
-    assert any(s.q_len > 1 for s in specs) and any(s.reserve_extra for s in specs)
+    for s in specs:
+        s.reserve_extra = max(s.reserve_extra, 2)
+    assert any(s.q_len > 1 for s in specs) and any(s.reserve_extra > 4 for s in specs)
     sc = make_scenario(5, specs, num_heads=8, num_kv_heads=2)
-    _, outs = run_layers(name, sc)
+    md, outs = run_layers(name, sc, **md_kwargs)
     assert_close(outs[0], reference_attention(sc, 0, None), atol=1e-5)
+    if md_kwargs.get("use_full_generation_page_table"):
+        nc = md.num_contexts
+        assert (md.num_blocks_np[nc:] > md.logical_num_blocks_np[nc:]).any()
+        assert (md.num_blocks_np[:nc] == md.logical_num_blocks_np[:nc]).all()
+    if name == "block_offsets":
+        bs = sc.manager.block_size
+        full = md_kwargs.get("num_extra_kv_tokens") or md_kwargs.get("is_spec_decoding_enabled")
+        want = sc.manager.max_blocks_per_seq if full else -(-int(md.kv_lens.max()) // bs)
+        assert md.copied_width == want
+        assert md.block_id_tables_valid == bool(md_kwargs.get("enable_block_id_tables"))
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -7,7 +7,12 @@ import pytest
 import torch
 from backends_testlib import SeqSpec, fill_metadata, make_scenario
 
-from kvplan.backends import AttentionMetadata, VanillaAttentionMetadata, get_backend
+from kvplan.backends import (
+    BACKEND_NAMES,
+    AttentionMetadata,
+    VanillaAttentionMetadata,
+    get_backend,
+)
 from kvplan.backends.ledger import new_token_slots
 from kvplan.backends.staging import DeviceArena
 
@@ -108,6 +113,8 @@ def test_prepare_checks_the_ledger():
     base_md = AttentionMetadata(max_num_requests=4, max_num_tokens=64)
     with pytest.raises(TypeError, match="VanillaAttentionMetadata"):
         attn.forward(sc.q, sc.k[0], sc.v[0], base_md)
+    with pytest.raises(TypeError, match="RaggedAttentionMetadata"):
+        get_backend("ragged")(0, 4, 2, 16).forward(sc.q, sc.k[0], sc.v[0], md)
 
 
 def test_backend_ctor_validation_and_names():
@@ -117,7 +124,9 @@ def test_backend_ctor_validation_and_names():
         get_backend("vanilla")(0, 4, 2, 16, sliding_window=0)
     with pytest.raises(ValueError, match="backend must be one of"):
         get_backend("flash")
-    assert get_backend("vanilla").name == "vanilla"
+    for name in BACKEND_NAMES:
+        assert get_backend(name).name == name
+        assert get_backend(name).Metadata.__name__.endswith("AttentionMetadata")
 
 
 def test_new_token_slots_against_a_loop():

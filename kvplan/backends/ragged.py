@@ -1,0 +1,314 @@
+"""Ragged page-table backend (FlashInfer-style): indices / indptr / last_page_len.
+
+``prepare()`` turns the manager's block table into the three-piece ragged page table::
+
+    num_blocks        = [3, 1, 2]                     pages exposed per sequence
+    paged_kv_indices  = [7, 3, 9 | 4 | 12, 5]         flat, no holes
+    paged_kv_indptr   = [0, 3, 4, 6]                  sequence b: indices[indptr[b]:indptr[b+1]]
+    paged_kv_last_page_len = [2, 4, 1]                valid tokens in each last logical page
+
+plus ``qo_indptr`` (device cumsum of ``seq_lens`` into a preallocated buffer), separate
+``paged_kv_indptr_prefill`` (context rows) and ``paged_kv_indptr_decode`` (generation rows,
+relative to ``indptr[num_contexts]``), and ``batch_indices`` / ``positions`` of the new tokens
+(which sequence, which absolute position), from which the store slots are derived. All length
+math is numpy on the host (every consumer needs host values; a device computation would cost
+a sync per step); the device buffers are preallocated at capacity and filled by one staged copy.
+
+Addressable vs valid (seed 001): with ``use_full_generation_page_table`` the generation rows
+expose every reserved page (``max(logical, reserved)``) so a speculative append stays
+addressable across a page boundary, while attention and positions use the separate logical
+lengths ``kv_lens`` (``cached + seq_lens_kv``): the kernels are always given ``kv_lens``, never
+a length derived from the wider table.
+
+VSWA: one ``paged_kv_indices`` per pool (same ``num_blocks`` and indptr: every pool holds the
+whole sequence); a layer reads its pool's indices. ``check_page_table`` cross-checks
+logical blocks, exposed blocks and lengths after each ``prepare()``, reporting at most
+``page_table_check_budget`` problems (then staying quiet) instead of raising.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from kvplan.backends.base import AttentionBackend
+from kvplan.backends.ledger import batch_block_table, check_allocated, logical_num_blocks
+from kvplan.backends.metadata import AttentionMetadata, exclusive_cumsum
+from kvplan.backends.paged import PagedSegment, PagedView, attend_paged, layer_caches
+from kvplan.backends.staging import DeviceArena
+
+logger = logging.getLogger(__name__)
+
+
+def page_table_problems(
+    kv_lens: np.ndarray,
+    logical_nb: np.ndarray,
+    num_blocks: np.ndarray,
+    indptr: np.ndarray,
+    last_page_len: np.ndarray,
+    indices: np.ndarray,
+    block_size: int,
+) -> list[str]:
+    """Inconsistencies between the ragged page table and the lengths (empty when sound)."""
+    problems = []
+    if (num_blocks < logical_nb).any():
+        b = int(np.argmax(num_blocks < logical_nb))
+        problems.append(f"seq {b}: {num_blocks[b]} pages exposed < {logical_nb[b]} logical")
+    if not np.array_equal(np.diff(indptr), num_blocks):
+        problems.append("paged_kv_indptr differences != num_blocks")
+    if indices.size != int(indptr[-1]):
+        problems.append(f"{indices.size} indices but indptr ends at {int(indptr[-1])}")
+    rebuilt = np.where(logical_nb > 0, (logical_nb - 1) * block_size + last_page_len, 0)
+    if not np.array_equal(rebuilt, kv_lens):
+        b = int(np.argmax(rebuilt != kv_lens))
+        problems.append(f"seq {b}: pages + last_page_len give {rebuilt[b]} != kv_len {kv_lens[b]}")
+    if indices.size == int(indptr[-1]) and indices.size:
+        rows = np.repeat(np.arange(num_blocks.size), num_blocks)
+        col = np.arange(indices.size) - indptr[rows]
+        logical = col < logical_nb[rows]
+        if (indices[logical] == 0).any():
+            problems.append("a logical page is the padding block 0")
+    return problems
+
+
+class RaggedAttentionMetadata(AttentionMetadata):
+    """Ragged page-table metadata (see the module docstring).
+
+    Extra args:
+        use_full_generation_page_table: expose reserved pages of generation rows.
+        check_page_table: run the self-check after each ``prepare()``.
+        page_table_check_budget: most self-check reports this object emits.
+        check_kernel_inputs: let the kernels validate their inputs (a device sync; tests).
+
+    After ``prepare()`` (host, numpy int32): ``num_blocks_np``, ``logical_num_blocks_np``,
+    ``paged_kv_indices_np[pool]``, ``paged_kv_indptr_np``, ``paged_kv_last_page_len_np``,
+    ``batch_indices_np``, ``positions_np``. Device views (capacity buffers, stable addresses):
+    ``qo_indptr``, ``paged_kv_indices(pool)``, ``paged_kv_indptr``, ``paged_kv_indptr_prefill``,
+    ``paged_kv_indptr_decode``, ``paged_kv_last_page_len``, ``kv_lens``, ``batch_indices``,
+    ``positions``.
+    """
+
+    def __init__(
+        self,
+        *,
+        use_full_generation_page_table: bool = False,
+        check_page_table: bool = True,
+        page_table_check_budget: int = 8,
+        check_kernel_inputs: bool = False,
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.use_full_generation_page_table = use_full_generation_page_table
+        self.check_page_table = check_page_table
+        self.page_table_check_budget = page_table_check_budget
+        self.check_kernel_inputs = check_kernel_inputs
+        self.page_table_reports: list[str] = []
+        s, t = self.max_num_sequences, self.max_num_tokens
+        self.qo_indptr = torch.zeros(s + 1, dtype=torch.int32, device=self.device)
+        mgr = self.kv_cache_manager
+        self._num_pools = 1 if mgr is None else int(mgr.num_pools)
+        width = 0 if mgr is None else int(mgr.max_blocks_per_seq)
+        fields = {
+            "indptr": s + 1,
+            "indptr_decode": s + 1,
+            "qo_indptr_decode": s + 1,
+            "last_page_len": s,
+            "kv_lens": s,
+            "batch_indices": t,
+            "positions": t,
+            "tok_page_start": t,
+            "tok_kv_lens": t,
+        }
+        for p in range(self._num_pools):
+            fields[f"slots{p}"] = t
+        for p in range(self._num_pools):
+            fields[f"indices{p}"] = s * width
+        self.arena = DeviceArena(fields, self.device)
+        self._arange_tokens = torch.arange(t, dtype=torch.int32, device=self.device)
+
+    # device views -------------------------------------------------------------------
+    def paged_kv_indices(self, pool: int = 0) -> torch.Tensor:
+        return self.arena.view(f"indices{pool}")[: self._num_indices]
+
+    @property
+    def paged_kv_indptr(self) -> torch.Tensor:
+        return self.arena.view("indptr")[: self.num_seqs + 1]
+
+    @property
+    def paged_kv_indptr_prefill(self) -> torch.Tensor:
+        """Context rows' indptr: the first ``num_contexts + 1`` entries of ``paged_kv_indptr``."""
+        return self.arena.view("indptr")[: self.num_contexts + 1]
+
+    @property
+    def paged_kv_indptr_decode(self) -> torch.Tensor:
+        return self.arena.view("indptr_decode")[: self.num_generations + 1]
+
+    @property
+    def paged_kv_last_page_len(self) -> torch.Tensor:
+        return self.arena.view("last_page_len")[: self.num_seqs]
+
+    @property
+    def kv_lens(self) -> torch.Tensor:
+        """Logical KV lengths (device): what attention and positions use."""
+        return self.arena.view("kv_lens")[: self.num_seqs]
+
+    @property
+    def batch_indices(self) -> torch.Tensor:
+        return self.arena.view("batch_indices")[: self.num_kv_tokens]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.arena.view("positions")[: self.num_kv_tokens]
+
+    def slot_mapping(self, pool: int = 0) -> torch.Tensor:
+        return self.arena.view(f"slots{pool}")[: self.num_kv_tokens]
+
+    # prepare ------------------------------------------------------------------------
+    def _prepare_backend(self) -> None:
+        n, nc = self.num_seqs, self.num_contexts
+        torch.cumsum(self.seq_lens_gpu, 0, dtype=torch.int32, out=self.qo_indptr[1 : n + 1])
+        self._num_indices = 0
+        mgr = self.kv_cache_manager
+        if mgr is None:
+            if self.num_generations:
+                raise ValueError(
+                    "without a kv_cache_manager only context-only batches are supported "
+                    f"(num_generations == 0), got {self.num_generations}"
+                )
+            self.arena.stage({"kv_lens": self.kv_lens_np})
+            return
+        bs = int(mgr.block_size)
+        kv_lens = self.kv_lens_np
+        seq_lens_kv = self.seq_lens_kv_np
+        logical_nb = logical_num_blocks(kv_lens, bs)
+        full = self.use_full_generation_page_table and not self.is_cross
+        width = None if full else (int(logical_nb.max()) if n else 0)
+        tables = []
+        for pool in range(self._num_pools):
+            table, counts = batch_block_table(
+                mgr, self.request_ids, pool=pool, beam_width=self.beam_width,
+                num_contexts=nc, cross=self.is_cross, width=width,
+            )  # fmt: skip
+            check_allocated(logical_nb, counts)
+            tables.append(table)
+        if full:  # context rows stay logical; generation rows expose every reserved page
+            num_blocks = logical_nb.copy()
+            num_blocks[nc:] = np.maximum(logical_nb[nc:], counts[nc:])
+        else:
+            num_blocks = logical_nb
+        indptr = exclusive_cumsum(num_blocks)
+        cols = np.arange(tables[0].shape[1])[None, :] < num_blocks[:, None]
+        indices = [t[cols] for t in tables]  # row-major: sequence by sequence
+        last_page_len = (kv_lens - np.maximum(logical_nb - 1, 0) * bs).astype(np.int32)
+        # new K/V tokens: which sequence, which absolute position, which slot
+        rows = np.repeat(np.arange(n), seq_lens_kv)
+        positions = (
+            np.arange(rows.size) - self.cu_seqlens_kv_np[rows] + self.cached_np[rows]
+        ).astype(np.int32)
+        page = indptr[rows] + positions // bs
+        values = {
+            "indptr": indptr,
+            "indptr_decode": (indptr[nc:] - indptr[nc]).astype(np.int32),
+            "qo_indptr_decode": (self.cu_seqlens_q_np[nc:] - self.num_ctx_tokens).astype(np.int32),
+            "last_page_len": last_page_len,
+            "kv_lens": kv_lens,
+            "batch_indices": rows.astype(np.int32),
+            "positions": positions,
+        }
+        for p, idx in enumerate(indices):
+            values[f"slots{p}"] = (idx[page] * bs + positions % bs).astype(np.int32)
+        if self.is_cross:  # one decode "sequence" per query token
+            q_rows = np.repeat(np.arange(n), self._seq_lens_np)
+            values["tok_page_start"] = indptr[q_rows]
+            values["tok_kv_lens"] = kv_lens[q_rows]
+        for p, idx in enumerate(indices):  # variable-size fields last: shortest staged prefix
+            values[f"indices{p}"] = idx
+        self.arena.stage(values)
+        self._num_indices = int(indptr[-1])
+        self.num_blocks_np, self.logical_num_blocks_np = num_blocks, logical_nb
+        self.paged_kv_indices_np, self.paged_kv_indptr_np = indices, indptr
+        self.paged_kv_last_page_len_np = last_page_len
+        self.batch_indices_np, self.positions_np = rows.astype(np.int32), positions
+        if self.check_page_table:
+            self._self_check(bs)
+
+    def _self_check(self, block_size: int) -> None:
+        if self.page_table_check_budget <= 0:
+            return
+        problems = page_table_problems(
+            self.kv_lens_np, self.logical_num_blocks_np, self.num_blocks_np,
+            self.paged_kv_indptr_np, self.paged_kv_last_page_len_np, self.paged_kv_indices_np[0],
+            block_size,
+        )  # fmt: skip
+        for msg in problems[: self.page_table_check_budget]:
+            self.page_table_check_budget -= 1
+            self.page_table_reports.append(msg)
+            logger.warning("ragged page table self-check: %s", msg)
+
+    # kernel view --------------------------------------------------------------------
+    def paged_view(self, pool: int) -> PagedView:
+        n, nc, ng = self.num_seqs, self.num_contexts, self.num_generations
+        indices = self.paged_kv_indices(pool)
+        kv_lens = self.kv_lens
+        q_lens = self._seq_lens_np
+        max_kv = int(self.kv_lens_np.max()) if n else 0
+        if self.is_cross:
+            t = self.num_tokens
+            seg = PagedSegment(
+                indices, self.arena.view("tok_page_start")[:t],
+                self.arena.view("tok_kv_lens")[:t], None, t, 1, max_kv,
+            )  # fmt: skip
+            return PagedView(seg, None, cross=True)
+        ctx = gen = None
+        if nc:
+            ctx = PagedSegment(
+                indices, self.paged_kv_indptr[:nc], kv_lens[:nc], self.qo_indptr[: nc + 1],
+                self.num_ctx_tokens, int(q_lens[:nc].max()), max_kv,
+            )  # fmt: skip
+        if ng:
+            # the decode segment's pages start at indptr[nc]; its own indptr is relative
+            gen_ids = indices[int(self.paged_kv_indptr_np[nc]) :]
+            max_q = int(q_lens[nc:].max())
+            cu = self.arena.view("qo_indptr_decode")[: ng + 1] if max_q > 1 else None
+            gen = PagedSegment(
+                gen_ids, self.paged_kv_indptr_decode[:ng], kv_lens[nc:n], cu,
+                self.num_tokens - self.num_ctx_tokens, max_q, max_kv,
+            )  # fmt: skip
+        return PagedView(ctx, gen)
+
+
+class RaggedAttention(AttentionBackend):
+    """Paged kernels reading the ragged page table (see the module docstring)."""
+
+    name = "ragged"
+    Metadata = RaggedAttentionMetadata
+
+    def _attend(self, q, k, v, metadata, pool, out):
+        md: RaggedAttentionMetadata = metadata
+        if md.kv_cache_manager is None:
+            return attend_without_cache(self, q, k, v, md, out)
+        k_cache, v_cache = layer_caches(md.kv_cache, self.layer_idx)
+        view = md.paged_view(pool)
+        return attend_paged(
+            q, k_cache, v_cache, view, out, scale=self.scale, window=self.window(md),
+            check=md.check_kernel_inputs,
+        )  # fmt: skip
+
+
+def attend_without_cache(backend: AttentionBackend, q, k, v, md, out):
+    """Context-only batch without a KV cache: the new K/V rows are the pages (block size 1).
+
+    ``k`` ``[T, Hkv, D]`` viewed as ``[T, 1, Hkv, D]`` is a cache of T one-token pages whose
+    page ids are ``arange(T)``; sequence b's pages start at ``qo_indptr[b]``.
+    """
+    n = md.num_seqs
+    seg = PagedSegment(
+        md._arange_tokens, md.qo_indptr[:n], md.seq_lens_gpu, md.qo_indptr[: n + 1],
+        md.num_tokens, int(md._seq_lens_np.max()) if n else 0, int(md.kv_lens_np.max()) if n else 0,
+    )  # fmt: skip
+    return attend_paged(
+        q, k.unsqueeze(1), v.unsqueeze(1), PagedView(seg, None), out,
+        scale=backend.scale, window=backend.window(md), check=md.check_kernel_inputs,
+    )  # fmt: skip
