@@ -195,27 +195,39 @@ def _decode_args(offset_len, block_tables, block_size, ratio, max_len, out, chec
 
 
 def _check_tables(offset_len: torch.Tensor, block_tables: torch.Tensor, tpb: int) -> None:
-    """Every block entry a visible position reads is in the table, >= 0, and fits int32."""
+    """Every block entry a visible position reads is in the table, >= 0, and fits int32.
+
+    Works on the table flattened to 1-D (row ``r`` of a 2-D table starts at ``r * M``) with a
+    difference array marking the entries read, so the cost is O(rows + table size)."""
     rows = offset_len.shape[0]
-    table = block_tables[:rows] if block_tables.dim() == 2 else block_tables[None, :]
-    table = table.expand(rows, -1).to(torch.int64)  # [rows, M]
+    if block_tables.dim() == 2:
+        width = block_tables.shape[1]
+        flat = block_tables[:rows].reshape(-1).to(torch.int64)
+        base = torch.arange(rows, device=flat.device, dtype=torch.int64) * width
+    else:
+        width = block_tables.shape[0]
+        flat = block_tables.to(torch.int64)
+        base = torch.zeros(rows, device=flat.device, dtype=torch.int64)
     offset, length = offset_len.to(torch.int64).unbind(1)
-    first, last = offset // tpb, (offset + length - 1) // tpb
-    bad = (length > 0) & (last >= table.shape[1])
+    used = length > 0
+    first, last = offset // tpb, (offset + length - 1) // tpb  # blocks read, inclusive
+    bad = used & (last >= width)
     if bool(bad.any()):
         r = int(bad.nonzero()[0])
         raise ValueError(
             f"offset_len[{r}] = {offset_len[r].tolist()} reads block {int(last[r])} but "
-            f"block_tables rows have {table.shape[1]} entries"
+            f"block_tables rows have {width} entries"
         )
-    col = torch.arange(table.shape[1], device=table.device)[None, :]
-    read = (col >= first[:, None]) & (col <= last[:, None]) & (length[:, None] > 0)
-    if bool(read.any()):
-        entries = table[read]
-        lo, hi = int(entries.min()), int(entries.max())
-        if lo < 0:
-            raise ValueError(f"block_tables holds block id {lo} at a visible position")
-        check_int32("block_tables max slot", hi * tpb + tpb - 1)
+    if not bool(used.any()):
+        return
+    marks = torch.zeros(flat.numel() + 1, dtype=torch.int64, device=flat.device)
+    marks.index_add_(0, (base + first)[used], torch.ones_like(first[used]))
+    marks.index_add_(0, (base + last + 1)[used], -torch.ones_like(last[used]))
+    entries = flat[marks.cumsum(0)[:-1] > 0]
+    lo, hi = int(entries.min()), int(entries.max())
+    if lo < 0:
+        raise ValueError(f"block_tables holds block id {lo} at a visible position")
+    check_int32("block_tables max slot", hi * tpb + tpb - 1)
 
 
 def expand_kv_ca_index_decode_triton(

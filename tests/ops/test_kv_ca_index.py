@@ -143,6 +143,12 @@ def test_errors():
         expand_kv_ca_index_decode(ol, torch.tensor([[2**30, 1]], dtype=torch.int32), 8, 2, 8)
     with pytest.raises(ValueError, match="block_tables"):
         expand_kv_ca_index_decode(ol, bt.to("meta"), 8, 2, 8)
+    # flat table: only the entries read are checked
+    flat = torch.tensor([5, -1, 6, 7], dtype=torch.int32)
+    ok = expand_kv_ca_index_decode(torch.tensor([[0, 2], [4, 3]], dtype=torch.int32), flat, 4, 2, 4)
+    assert ok[:, :3].tolist() == [[10, 11, -1], [12, 13, 14]]
+    with pytest.raises(ValueError, match="block id -1"):
+        expand_kv_ca_index_decode(torch.tensor([[0, 2], [3, 1]], dtype=torch.int32), flat, 4, 2, 4)
     # unused right part of a row may hold garbage
     ok = expand_kv_ca_index_decode(ol, torch.tensor([[1, 2, -9]], dtype=torch.int32), 8, 2, 8)
     assert ok[0, :5].tolist() == [4, 5, 6, 7, 8]
