@@ -37,148 +37,147 @@ NO_WINDOW = 1 << 30
 
 @triton.jit
 def _attend_tile(
-    acc,
-    m_i,
-    l_i,
-    start,
-    q,
-    row_pos,
-    key_hi,
-    page_ptr,
-    k_ptr,
-    v_ptr,
-    stride_kb,
-    stride_kt,
-    stride_vb,
-    stride_vt,
-    block_size,
-    window,
-    qk_scale,
-    TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One online-softmax step over keys [start, start + TILE_N) (clipped at key_hi)."""
+    acc, m_i, l_i, start, q, row_pos, key_hi, page_ptr, k_ptr, v_ptr,
+    stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys [start, start + TILE_N).
+
+    ``MASKED`` tiles clip at ``key_hi`` and apply the causal / window mask per row; unmasked
+    tiles are known (by the caller) to lie wholly inside every row's visible range.
+    """
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = start + tl.arange(0, TILE_N)
     in_range = offs_n < key_hi
-    # One page-table lookup per key: tiles may straddle pages of any block_size.
-    page = tl.load(page_ptr + offs_n // block_size, mask=in_range, other=0).to(tl.int64)
-    row = (offs_n % block_size).to(tl.int64)
+    # One page-table lookup per key: tiles may straddle pages of any block size.
+    if MASKED:
+        page = tl.load(page_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0)
+    else:
+        page = tl.load(page_ptr + offs_n // BLOCK_SIZE)
+    page = page.to(tl.int64)
+    row = (offs_n % BLOCK_SIZE).to(tl.int64)
     k_rows = page * stride_kb + row * stride_kt  # [TILE_N]
-    k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    v_rows = page * stride_vb + row * stride_vt
+    if MASKED:
+        k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :])
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [TILE_M, TILE_N]
-    visible = (
-        in_range[None, :]
-        & (offs_n[None, :] <= row_pos[:, None])
-        & (offs_n[None, :] > row_pos[:, None] - window)
-    )
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        visible = (
+            in_range[None, :]
+            & (offs_n[None, :] <= row_pos[:, None])
+            & (offs_n[None, :] > row_pos[:, None] - window)
+        )
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v_rows = page * stride_vb + row * stride_vt
-    v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    if MASKED:
+        v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :])
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _attend_rows(
-    q,  # [TILE_M, HEAD_DIM] queries in the cache dtype
-    row_pos,  # [TILE_M] int32 absolute query positions (-1 = padding row, sees nothing)
-    key_lo,  # first key position to visit
-    key_hi,  # one past the last key position to visit
-    page_ptr,  # page_ids + page_start[b]
-    k_ptr,  # k_cache + kv_head * stride_kh
-    v_ptr,  # v_cache + kv_head * stride_vh
-    stride_kb,
-    stride_kt,
-    stride_vb,
-    stride_vt,
-    block_size,
-    window,
-    qk_scale,
-    TILE_M: tl.constexpr,
-    TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """Online-softmax attention of ``TILE_M`` query rows over keys [key_lo, key_hi).
-
-    Returns the unnormalized accumulator [TILE_M, HEAD_DIM] (fp32), the running maximum m
-    (log2 domain) and the running denominator l, both [TILE_M] fp32. The CPU interpreter
-    (numpy >= 2.4) cannot take a runtime tensor as a ``range`` bound, so there the same tile
-    step runs in a ``while`` loop; compiled kernels use the pipelined ``for`` loop.
-    """
-    m_i = tl.full([TILE_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([TILE_M], tl.float32)
-    acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
+def _attend_range(
+    acc, m_i, l_i, lo, hi, q, row_pos, page_ptr, k_ptr, v_ptr,
+    stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Tiles of keys [lo, hi). The CPU interpreter (numpy >= 2.4) cannot take a runtime tensor
+    as a ``range`` bound, so there the same step runs in a ``while`` loop; compiled kernels use
+    the pipelined ``for`` loop."""
     if INTERPRET:
-        start = key_lo
-        while start < key_hi:
+        start = lo
+        while start < hi:
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, start, q, row_pos, key_hi, page_ptr, k_ptr, v_ptr,
-                stride_kb, stride_kt, stride_vb, stride_vt, block_size, window, qk_scale,
-                TILE_N, HEAD_DIM, DOT_PRECISION,
+                acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr,
+                stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+                BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED,
             )  # fmt: skip
             start += TILE_N
     else:
-        for start in range(key_lo, key_hi, TILE_N):
+        for start in range(lo, hi, TILE_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, start, q, row_pos, key_hi, page_ptr, k_ptr, v_ptr,
-                stride_kb, stride_kt, stride_vb, stride_vt, block_size, window, qk_scale,
-                TILE_N, HEAD_DIM, DOT_PRECISION,
+                acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr,
+                stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+                BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED,
             )  # fmt: skip
     return acc, m_i, l_i
 
 
 @triton.jit
+def _attend_rows(
+    q, row_pos, pos_min, pos_max, key_lo, key_hi, page_ptr, k_ptr, v_ptr,
+    stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+    TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax attention of ``TILE_M`` query rows over keys [key_lo, key_hi).
+
+    q: [TILE_M, HEAD_DIM] in the cache dtype; row_pos: [TILE_M] int32 absolute positions
+    (-1 = padding row); pos_min / pos_max: the smallest / largest position of a real row;
+    page_ptr: page_ids + page_start[b]; k_ptr / v_ptr: cache + kv_head * head stride.
+    Keys [max(key_lo, pos_max - window + 1), pos_min] are visible to every real row, so whole
+    tiles there skip the mask; the head and tail of the range are masked.
+
+    Returns the unnormalized accumulator [TILE_M, HEAD_DIM] (fp32), the running maximum m
+    (log2 domain) and the running denominator l, both [TILE_M] fp32.
+    """
+    m_i = tl.full([TILE_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([TILE_M], tl.float32)
+    acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
+    full_lo = tl.minimum(tl.maximum(key_lo, pos_max - window + 1), key_hi)
+    full_hi = tl.maximum(tl.minimum(pos_min + 1, key_hi), full_lo)
+    full_hi = full_lo + (full_hi - full_lo) // TILE_N * TILE_N  # whole tiles only
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, key_lo, full_lo, q, row_pos, page_ptr, k_ptr, v_ptr,
+        stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, full_lo, full_hi, q, row_pos, page_ptr, k_ptr, v_ptr,
+        stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, False, INTERPRET,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, full_hi, key_hi, q, row_pos, page_ptr, k_ptr, v_ptr,
+        stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET,
+    )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _decode_kernel(
-    q_ptr,  # [B, H, D]
-    k_ptr,  # [num_blocks, block_size, Hkv, D] (strided)
-    v_ptr,
-    page_ids_ptr,  # int32 flat page table
-    page_start_ptr,  # int32 [B]
-    kv_lens_ptr,  # int32 [B]
-    out_ptr,  # [B, H, D] (used when SPLIT is False)
-    part_acc_ptr,  # fp32 [B, H, num_splits, D] (used when SPLIT is True)
-    part_m_ptr,  # fp32 [B, H, num_splits]
-    part_l_ptr,  # fp32 [B, H, num_splits]
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ob,
-    stride_oh,
-    group_size,
-    block_size,
-    window,
-    qk_scale,
-    num_splits,
-    TILE_M: tl.constexpr,
-    TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, page_ids_ptr, page_start_ptr, kv_lens_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_oh, group_size, window, qk_scale, num_splits,
+    TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
-):
+):  # fmt: skip
+    """Grid (B, Hkv, num_splits). q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D];
+    page_ids int32 flat, page_start / kv_lens int32 [B]; partials (SPLIT only): fp32
+    part_acc [B, H, S, D], part_m / part_l [B, H, S]."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(kv_lens_ptr + b)
     page_start = tl.load(page_start_ptr + b)
-    # The query sits at position kv_len - 1 and sees keys kv_len - window .. kv_len - 1.
+    # The query sits at position kv_len - 1 and sees keys kv_len - window .. kv_len - 1;
+    # split s takes the s-th chunk (a whole number of tiles) of that range.
     lo = tl.maximum(kv_len - window, 0)
     per_split = (kv_len - lo + num_splits - 1) // num_splits
     chunk = (per_split + TILE_N - 1) // TILE_N * TILE_N
-    key_lo = lo + split * chunk
+    key_lo = tl.minimum(lo + split * chunk, kv_len)
     key_hi = tl.minimum(key_lo + chunk, kv_len)
 
     offs_g = tl.arange(0, TILE_M)
@@ -189,33 +188,17 @@ def _decode_kernel(
     q = tl.load(q_ptr + q_off, mask=g_ok[:, None], other=0.0)
     row_pos = tl.where(g_ok, kv_len - 1, -1)
     acc, m_i, l_i = _attend_rows(
-        q,
-        row_pos,
-        key_lo,
-        key_hi,
-        page_ids_ptr + page_start,
-        k_ptr + kvh * stride_kh,
-        v_ptr + kvh * stride_vh,
-        stride_kb,
-        stride_kt,
-        stride_vb,
-        stride_vt,
-        block_size,
-        window,
-        qk_scale,
-        TILE_M,
-        TILE_N,
-        HEAD_DIM,
-        DOT_PRECISION,
-        INTERPRET,
-    )
+        q, row_pos, kv_len - 1, kv_len - 1, key_lo, key_hi, page_ids_ptr + page_start,
+        k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
+        stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+        TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET,
+    )  # fmt: skip
     if SPLIT:
-        # Partials: [B, H, S, D] and [B, H, S]; row index (b * H + head) * S + split.
-        H = tl.num_programs(1) * group_size
-        part_row = (b.to(tl.int64) * H + heads) * num_splits + split  # [TILE_M]
-        tl.store(
-            part_acc_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None]
-        )
+        # Partial row index (b * H + head) * S + split.
+        num_heads = tl.num_programs(1) * group_size
+        part_row = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # [TILE_M]
+        acc_off = part_row[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(part_acc_ptr + acc_off, acc, mask=g_ok[:, None])
         tl.store(part_m_ptr + part_row, m_i, mask=g_ok)
         tl.store(part_l_ptr + part_row, l_i, mask=g_ok)
     else:
@@ -226,17 +209,10 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_acc_ptr,  # fp32 [B, H, S, D]
-    part_m_ptr,  # fp32 [B, H, S]
-    part_l_ptr,  # fp32 [B, H, S]
-    out_ptr,  # [B, H, D]
-    stride_ob,
-    stride_oh,
-    num_heads,
-    num_splits,
-    SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Grid (B, H): merge the split partials (fp32 [B, H, S, D] and [B, H, S]) into out."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -245,11 +221,8 @@ def _combine_kernel(
     base = (b.to(tl.int64) * num_heads + h) * num_splits
     m = tl.load(part_m_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
     lsum = tl.load(part_l_ptr + base + offs_s, mask=s_ok, other=0.0)
-    acc = tl.load(
-        part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_ok[:, None],
-        other=0.0,
-    )
+    acc_off = (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+    acc = tl.load(part_acc_ptr + acc_off, mask=s_ok[:, None], other=0.0)
     w = tl.exp2(m - tl.max(m, 0))  # [SPLITS_PAD]; padding splits get weight 0
     den = tl.sum(w * lsum, 0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(den > 0, den, 1.0)
@@ -259,34 +232,15 @@ def _combine_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr,  # [T, H, D]
-    k_ptr,
-    v_ptr,
-    page_ids_ptr,
-    page_start_ptr,  # int32 [B]
-    cu_seqlens_q_ptr,  # int32 [B + 1]
-    kv_lens_ptr,  # int32 [B]
-    out_ptr,  # [T, H, D]
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    group_size,
-    block_size,
-    window,
-    qk_scale,
-    TILE_M: tl.constexpr,
-    TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, page_ids_ptr, page_start_ptr, cu_seqlens_q_ptr, kv_lens_ptr, out_ptr,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh, group_size, window, qk_scale,
+    TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Grid (B, num_row_tiles, Hkv). q/out: [T, H, D]; cu_seqlens_q int32 [B + 1]; the rest as
+    in ``_decode_kernel``. Row r of tile t is token (t * TILE_M + r) // group_size of the
+    sequence and query head kvh * group_size + (t * TILE_M + r) % group_size."""
     b = tl.program_id(0)
     # Launch the last (longest causal) row tiles first so that the short ones fill the tail.
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -315,26 +269,11 @@ def _prefill_kernel(
     q_off = t64[:, None] * stride_qt + h64[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
     acc, m_i, l_i = _attend_rows(
-        q,
-        row_pos,
-        key_lo,
-        key_hi,
-        page_ids_ptr + page_start,
-        k_ptr + kvh * stride_kh,
-        v_ptr + kvh * stride_vh,
-        stride_kb,
-        stride_kt,
-        stride_vb,
-        stride_vt,
-        block_size,
-        window,
-        qk_scale,
-        TILE_M,
-        TILE_N,
-        HEAD_DIM,
-        DOT_PRECISION,
-        INTERPRET,
-    )
+        q, row_pos, first_pos + tok_first, first_pos + tok_last, key_lo, key_hi,
+        page_ids_ptr + page_start, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
+        stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+        TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET,
+    )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t64[:, None] * stride_ot + h64[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -381,9 +320,9 @@ def launch_decode(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        group_size, k_cache.shape[1], window, scale * LOG2E, num_splits,
-        TILE_M=_group_tile(group_size), TILE_N=tile_n, HEAD_DIM=head_dim,
+        out.stride(0), out.stride(1), group_size, window, scale * LOG2E, num_splits,
+        TILE_M=_group_tile(group_size), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n,
+        HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -413,9 +352,8 @@ def launch_prefill(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        group_size, k_cache.shape[1], window, scale * LOG2E,
-        TILE_M=tile_m, TILE_N=tile_n, HEAD_DIM=head_dim,
+        out.stride(0), out.stride(1), group_size, window, scale * LOG2E,
+        TILE_M=tile_m, BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

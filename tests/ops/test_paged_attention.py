@@ -143,6 +143,9 @@ PREFILL_CASES = [
     (11, [21, 6, 11], [3, 6, 1], 4, 8, None),
     (12, [17, 12], [7, 3], 8, 4, 6),
     (13, [5, 26, 1], [2, 10, 1], 4, 16, 4),
+    # Long runs, so that whole unmasked tiles border the causal diagonal and the window start.
+    (14, [40, 45], [16, 40], 1, 8, None),
+    (15, [50, 33], [40, 20], 2, 4, 20),
 ]
 
 
