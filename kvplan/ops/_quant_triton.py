@@ -1,0 +1,115 @@
+"""Triton device functions for the quantization math of ``kvplan.quant``.
+
+Everything that rounds is done in integer arithmetic (or IEEE ``div_rn``), so the kernels match
+the torch path bit for bit both on the GPU and in the CPU interpreter (whose float casts to
+fp8/bf16 do not round correctly).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# scale-factor kinds (constexpr selectors)
+SF_UE8M0 = 0
+SF_E4M3 = 1
+SF_FP32 = 2
+SF_KIND = {"ue8m0": SF_UE8M0, "e4m3": SF_E4M3, "fp32": SF_FP32}
+
+
+@triton.jit
+def encode_minifloat(
+    x, MBITS: tl.constexpr, EMIN: tl.constexpr, SIGN_BIT: tl.constexpr, QMAX: tl.constexpr
+):
+    """fp32 ``x`` -> int32 codes of a 1-sign/E/MBITS minifloat, RNE, saturating at QMAX.
+
+    EMIN is the biased fp32 exponent of the format's smallest normal (121 for e4m3, 127 for
+    e2m1); the sign lands in bit SIGN_BIT.
+    """
+    a = tl.minimum(tl.abs(x), QMAX)
+    bits = a.to(tl.int32, bitcast=True)
+    exp = bits >> 23
+    mant = (bits & 0x7FFFFF) | 0x800000
+    normal = exp >= EMIN
+    shift = tl.where(normal, 23 - MBITS, tl.minimum(23 - MBITS + EMIN - exp, 25))
+    one = mant * 0 + 1
+    lsb = (mant >> shift) & 1
+    q = (mant + (one << (shift - 1)) - 1 + lsb) >> shift
+    code = tl.where(normal, ((exp - EMIN) << MBITS) + q, q)
+    sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+    return code | (sign << SIGN_BIT)
+
+
+@triton.jit
+def encode_e4m3(x):
+    return encode_minifloat(x, 3, 121, 7, 448.0)
+
+
+@triton.jit
+def encode_e2m1(x):
+    return encode_minifloat(x, 1, 127, 3, 6.0)
+
+
+@triton.jit
+def decode_e4m3(c):
+    """int32 e4m3 codes (0..255) -> fp32."""
+    sign = (c >> 7) & 1
+    exp = (c >> 3) & 15
+    mant = c & 7
+    normal = ((sign << 31) | ((exp + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
+    sub = mant.to(tl.float32) * 0.001953125  # mant * 2^-9
+    # set the sign bit directly: Triton negates as 0 - x, which loses negative zero
+    sub = (sub.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
+    return tl.where(exp > 0, normal, sub)
+
+
+@triton.jit
+def decode_e2m1(c):
+    """int32 e2m1 codes (0..15) -> fp32."""
+    sign = (c >> 3) & 1
+    exp = (c >> 1) & 3
+    mant = c & 1
+    normal = ((sign << 31) | ((exp + 126) << 23) | (mant << 22)).to(tl.float32, bitcast=True)
+    sub = mant.to(tl.float32) * 0.5
+    sub = (sub.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
+    return tl.where(exp > 0, normal, sub)
+
+
+@triton.jit
+def pow2(e):
+    """2^e as fp32 for int32 ``e`` in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def ue8m0_exponent(amax, QMAX: tl.constexpr):
+    """ceil(log2(max(amax, 1e-4) / QMAX)) as int32, exactly."""
+    s = tl.div_rn(tl.maximum(amax, 1e-4), amax * 0 + QMAX)
+    bits = s.to(tl.int32, bitcast=True)
+    return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def bf16_bits(x):
+    """fp32 -> the 16 bits of its round-to-nearest-even BF16 value, as int32 (0..65535)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@triton.jit
+def scale_multipliers(sbytes, SF: tl.constexpr):
+    """Scale bytes -> fp32 dequantization multipliers.
+
+    ``sbytes``: int32 ``[R, G]`` (ue8m0 / e4m3, one byte each) or ``[R, G, 4]`` (fp32,
+    little-endian bytes; the result drops the last axis).
+    """
+    if SF == 0:
+        return (sbytes << 23).to(tl.float32, bitcast=True)
+    elif SF == 1:
+        return decode_e4m3(sbytes)
+    else:
+        even, odd = tl.split(tl.reshape(sbytes, [sbytes.shape[0], sbytes.shape[1], 2, 2]))
+        b0, b2 = tl.split(even)
+        b1, b3 = tl.split(odd)
+        word = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+        return word.to(tl.float32, bitcast=True)

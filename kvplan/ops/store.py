@@ -1,0 +1,285 @@
+"""``store_kv_cache``: quantize BF16 K/V rows and scatter them into a paged cache by slot.
+
+``slot = block * block_size + offset``; slot -1 skips the row. CUDA tensors run the Triton
+kernel (``store_kv_cache_triton``), CPU tensors the vectorized torch path
+(``store_kv_cache_torch``); ``store_kv_cache_ref`` is the per-element reference for tests.
+Quantization follows :mod:`kvplan.quant` (bit-exact on every path).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from kvplan import quant
+from kvplan._checks import check_range, check_same_device, check_tensor
+from kvplan.formats import KVCacheFormat, resolve_kv_cache_layout, split_kv_cache
+from kvplan.ops._dispatch import use_triton
+
+
+class CacheGeometry(NamedTuple):
+    """Byte addressing of a cache (see ``kvplan.ops._store_kernels`` for the formulas)."""
+
+    num_blocks: int
+    block_size: int
+    block_stride: int
+    v_stride: int
+    s_block_off: int
+    s_stride: int
+    v_align: int  # power-of-two byte alignment of every value base (<= 16)
+    s_align: int  # same for scale bases
+    bytes_per_token: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def extent(self) -> int:
+        """Bytes from the first byte of block 0 to the last record byte of the last block."""
+        last = (self.num_blocks - 1) * self.block_stride
+        return last + self.block_size * self.bytes_per_token
+
+
+def pow2_alignment(*values: int, cap: int = 16) -> int:
+    """Largest power of two <= cap dividing every value."""
+    g = 0
+    for v in values:
+        g = math.gcd(g, v)
+    align = 1
+    while align < cap and g % (2 * align) == 0:
+        align *= 2
+    return align
+
+
+def cache_bytes(
+    kv_cache: torch.Tensor, layout: KVCacheFormat
+) -> tuple[torch.Tensor, CacheGeometry]:
+    """The cache as uint8 ``[num_blocks, block_size, 1, bytes_per_token]`` and its geometry."""
+    raw = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8)
+    num_blocks, block_size, _, bpt = raw.shape
+    vb, sb = layout.value_bytes, layout.sf_bytes
+    stride = raw.stride(0)
+    if layout.token_interleaved:
+        v_stride, s_off, s_stride = bpt, vb, bpt
+    else:
+        v_stride, s_off, s_stride = vb, block_size * vb, sb
+    geo = CacheGeometry(
+        num_blocks,
+        block_size,
+        stride,
+        v_stride,
+        s_off,
+        s_stride,
+        pow2_alignment(stride, v_stride),
+        pow2_alignment(stride, s_off, s_stride) if sb else 1,
+        bpt,
+    )
+    return raw, geo
+
+
+def flat_bytes(raw: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
+    """A 1-D uint8 alias of the cache starting at block 0 (torch paths index into it)."""
+    return torch.as_strided(raw, (geo.extent,), (1,), raw.storage_offset())
+
+
+def row_bases(slots: torch.Tensor, geo: CacheGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 byte offsets of the value and scale parts of each slot (slots must be >= 0)."""
+    slots = slots.long()
+    block, offset = slots // geo.block_size, slots % geo.block_size
+    vbase = block * geo.block_stride + offset * geo.v_stride
+    sbase = block * geo.block_stride + geo.s_block_off + offset * geo.s_stride
+    return vbase, sbase
+
+
+def _prepare(kv, kv_cache, slot_mapping, layout, check):
+    layout = resolve_kv_cache_layout(kv_cache, layout)
+    check_tensor("slot_mapping", slot_mapping, dtype=torch.int32, ndim=1)
+    check_tensor("kv", kv, dtype=torch.bfloat16)
+    check_same_device(kv_cache=kv_cache, kv=kv, slot_mapping=slot_mapping)
+    n = slot_mapping.shape[0]
+    if kv.dim() < 2 or kv.shape[0] != n:
+        raise ValueError(f"kv must have shape [n={n}, ..., elements], got {tuple(kv.shape)}")
+    elements = math.prod(kv.shape[1:])
+    if elements != layout.elements:
+        raise ValueError(
+            f"kv has {elements} elements per token (shape {tuple(kv.shape)}) but the cache "
+            f"layout {layout.note!r} stores {layout.elements}"
+        )
+    raw, geo = cache_bytes(kv_cache, layout)
+    if check and not _capturing(kv_cache):
+        check_range("slot_mapping", slot_mapping, -1, geo.num_slots)
+    x = kv.reshape(n, elements).contiguous()
+    return layout, raw, geo, x, slot_mapping.contiguous()
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def store_kv_cache(
+    kv: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    layout: KVCacheFormat | None = None,
+    check: bool = True,
+) -> None:
+    """Quantize ``kv`` and write token i into slot ``slot_mapping[i]`` of ``kv_cache``.
+
+    Args:
+        kv: bfloat16 ``[n, ..., elements]`` (trailing dims are flattened into one record).
+        kv_cache: the cache from :func:`kvplan.alloc_kv_cache` (uint8
+            ``[num_blocks, block_size, 1, bytes_per_token]``) or a bfloat16 plain cache.
+        slot_mapping: int32 ``[n]``, ``block * block_size + offset``; -1 skips the row.
+        layout: the cache format; inferred from the cache when ``None``.
+        check: verify slots lie in ``[-1, num_blocks * block_size)`` (one device sync; skipped
+            automatically during CUDA-graph capture; the kernel drops out-of-range slots anyway).
+
+    All tensors live on one device. ``n == 0`` is a no-op. A rejected call writes nothing. When
+    several rows share a slot, the torch and reference paths keep the first such row; the
+    Triton kernel keeps an unspecified one (such rows are padding by contract).
+
+    Example::
+
+        cache = alloc_kv_cache(4, 64, V41_FORMAT)            # [4, 64, 1, 528] uint8
+        kv = torch.randn(3, 512, dtype=torch.bfloat16)
+        store_kv_cache(kv, cache, torch.tensor([0, 65, -1], dtype=torch.int32))
+        # token 0 -> block 0 offset 0, token 1 -> block 1 offset 1, token 2 skipped
+    """
+    layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, check)
+    if x.shape[0] == 0:
+        return
+    if use_triton(raw):
+        _launch(x, raw, slots, layout, geo)
+    else:
+        _store_torch(x, raw, slots, layout, geo)
+
+
+def store_kv_cache_torch(kv, kv_cache, slot_mapping, *, layout=None) -> None:
+    """Vectorized torch path of :func:`store_kv_cache` (any device)."""
+    layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, True)
+    if x.shape[0]:
+        _store_torch(x, raw, slots, layout, geo)
+
+
+def store_kv_cache_triton(kv, kv_cache, slot_mapping, *, layout=None, config=None) -> None:
+    """Triton path of :func:`store_kv_cache` (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+
+    ``config`` overrides the launch parameters (``rows``, ``num_warps``) for benchmarks.
+    """
+    layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, True)
+    if x.shape[0]:
+        _launch(x, raw, slots, layout, geo, config)
+
+
+def _first_rows(slots: torch.Tensor) -> torch.Tensor:
+    """Indices of rows with slot >= 0, keeping only the first row of each repeated slot."""
+    rows = torch.nonzero(slots >= 0).flatten()
+    uniq, inverse = torch.unique(slots[rows], return_inverse=True)
+    first = torch.full((uniq.numel(),), slots.numel(), dtype=torch.long, device=slots.device)
+    first.scatter_reduce_(0, inverse, rows, reduce="amin")
+    return first
+
+
+def _store_torch(x, raw, slots, layout, geo) -> None:
+    rows = _first_rows(slots)
+    if rows.numel() == 0:
+        return
+    flat = flat_bytes(raw, geo)
+    vbase, sbase = row_bases(slots[rows], geo)
+    if layout.is_quantized:
+        values, scales = quant.quantize(x[rows], layout)
+        scale_cols = torch.arange(layout.sf_bytes, device=raw.device)
+        flat[sbase[:, None] + scale_cols] = scales
+    else:
+        values = x[rows].view(torch.uint8)
+    value_cols = torch.arange(layout.value_bytes, device=raw.device)
+    flat[vbase[:, None] + value_cols] = values
+
+
+def _launch(x, raw, slots, layout, geo, config=None) -> None:
+    from kvplan.ops import _store_kernels as k
+
+    n = x.shape[0]
+    config = config or {}
+    if layout.is_quantized:
+        elems = layout.quantized_elements
+        gs, g = layout.elements_per_sf, layout.num_scales
+        gs_p2, g_p2 = triton_next_pow2(gs), triton_next_pow2(g)
+        fp4 = layout.quantized_dtype == "e2m1"
+        rows = config.get("rows", max(1, min(16, 4096 // (g_p2 * gs_p2))))
+        k.store_quant_kernel[(triton_cdiv(n, rows),)](
+            x, slots, raw, n, geo.num_slots, geo.block_size, geo.block_stride,
+            geo.v_stride, geo.s_block_off, geo.s_stride,
+            E=elems, GS=gs, G=g, GS_P2=gs_p2, G_P2=g_p2,
+            GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2,
+            QB=layout.quantized_bytes, FP4=fp4, QMAX=6.0 if fp4 else 448.0,
+            SF=_SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
+            ROWS=rows, VALIGN=geo.v_align, SALIGN=geo.s_align,
+            num_warps=config.get("num_warps", 4),
+        )  # fmt: skip
+    else:
+        row_bytes = layout.value_bytes
+        cols = min(triton_next_pow2(row_bytes), 2048)
+        rows = config.get("rows", max(1, 4096 // cols))
+        k.scatter_rows_kernel[(triton_cdiv(n, rows),)](
+            x.view(torch.uint8), slots, raw, n, geo.num_slots, geo.block_size,
+            geo.block_stride, geo.v_stride,
+            ROW_BYTES=row_bytes, COLS=cols, ROWS=rows, VALIGN=geo.v_align,
+            SRC_ALIGN=pow2_alignment(row_bytes),
+            num_warps=config.get("num_warps", 4),
+        )  # fmt: skip
+
+
+_SF_KIND = {"ue8m0": 0, "e4m3": 1, "fp32": 2}
+
+
+def triton_next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def store_kv_cache_ref(
+    kv: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    layout: KVCacheFormat | None = None,
+) -> None:
+    """Per-token, per-element reference (tests only): scalar fp32 math, writes through the
+    value/scale views of :func:`kvplan.split_kv_cache`. Rows with slot -1 are skipped; of rows
+    sharing a slot the first one wins."""
+    layout = resolve_kv_cache_layout(kv_cache, layout)
+    values, scales = split_kv_cache(kv_cache, layout)
+    bs = kv_cache.shape[1]
+    rows = kv.reshape(kv.shape[0], -1)
+    written: set[int] = set()
+    for i in range(rows.shape[0]):
+        slot = int(slot_mapping[i])
+        if slot < 0 or slot in written:
+            continue
+        written.add(slot)
+        block, offset = divmod(slot, bs)
+        xs = [float(v) for v in rows[i].float()]
+        dst_v = values[block, offset].view(torch.uint8)
+        if not layout.is_quantized:
+            dst_v.copy_(rows[i].view(torch.uint8))
+            continue
+        codes, scale_bytes = [], []
+        per = layout.elements_per_sf
+        for g0 in range(0, len(xs), per):
+            c, s = quant.quantize_group_ref(xs[g0 : g0 + per], layout)
+            codes += c
+            scale_bytes += s
+        if layout.quantized_dtype == "e2m1":
+            codes = [codes[j] | (codes[j + 1] << 4) for j in range(0, len(codes), 2)]
+        dst_v.copy_(torch.tensor(codes, dtype=torch.uint8))
+        dst_s = scales[block, offset]
+        dst_s = dst_s if dst_s.dtype == torch.uint8 else dst_s.view(torch.uint8)
+        dst_s.copy_(torch.tensor([int(b) for b in scale_bytes], dtype=torch.uint8))

@@ -1,0 +1,216 @@
+"""Quantization math of the KV cache formats (vectorized torch), shared by the CPU paths of
+``store_kv_cache`` / ``load_paged_kv_cache``; the Triton kernels mirror it bit for bit.
+
+Semantics (they define the bytes; the GPU kernel must reproduce them exactly):
+
+* amax of a group is taken over the BF16 input values (as fp32); the last group of a token may
+  be shorter than ``elements_per_sf``.
+* UE8M0 scale: ``e = ceil(log2(max(amax, 1e-4) / QMAX))`` (fp32 division), QMAX = 448 (e4m3) or
+  6 (e2m1); ``value = RNE(x * 2^-e)`` in the target type (equal to ``x / 2^e``); the stored byte
+  is ``e + 127`` and dequantization multiplies by ``2^(byte - 127)``.
+* e4m3 scale (V41_FP4): ``sf = e4m3(min(max(amax, 6 * 2^-9) / 6, 448))``;
+  ``value = e2m1(x * (1 / sf))`` with ``1 / sf`` rounded to fp32 once, so store and load use the
+  same rounded scale; dequantization multiplies by ``sf``.
+* fp32 scale: ``sf = max(amax, 1e-4) / 448``; ``value = e4m3(x / sf)``; dequantization
+  multiplies by ``sf``.
+* Encoding rounds to nearest, ties to even, and saturates at +-QMAX (only reachable with the
+  e4m3 scale, whose rounding or the 448 clamp can leave ``x * (1 / sf)`` above 6). The sign is
+  kept, so a negative value that rounds to zero is stored as negative zero.
+* FP4 packs element 2i in the low nibble of byte i.
+* A cast load returns ``bf16(fp32(value) * fp32(scale))`` (one fp32 product, one RNE to BF16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvplan.formats import KVCacheFormat
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+AMAX_FLOOR = 1e-4
+E4M3_MIN_SUBNORMAL = 2.0**-9
+
+# (mantissa bits, biased fp32 exponent of the smallest normal, sign bit position, QMAX)
+_MINIFLOAT = {"e4m3": (3, 121, 7, E4M3_MAX), "e2m1": (1, 127, 3, E2M1_MAX)}
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def encode_minifloat(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Round fp32 ``x`` to e4m3 / e2m1 codes (RNE, saturating), as uint8 (e2m1: 0..15).
+
+    Integer arithmetic only: the fp32 mantissa (with its implicit bit) is shifted right with
+    round-half-to-even; below the smallest normal the shift grows so the quantum stays the
+    subnormal step (2^-9 for e4m3, 0.5 for e2m1).
+    """
+    mbits, emin, sign_bit, qmax = _MINIFLOAT[dtype]
+    x = x.float()
+    bits = x.abs().clamp(max=qmax).view(torch.int32)
+    exp = bits >> 23
+    mant = (bits & 0x7FFFFF) | 0x800000
+    normal = exp >= emin
+    shift = torch.where(normal, 23 - mbits, (23 - mbits + emin - exp).clamp(max=25))
+    lsb = (mant >> shift) & 1
+    q = (mant + (1 << (shift - 1)) - 1 + lsb) >> shift
+    code = torch.where(normal, ((exp - emin) << mbits) + q, q)
+    sign = (x.view(torch.int32) >> 31) & 1
+    return (code | (sign << sign_bit)).to(torch.uint8)
+
+
+def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 e4m3 codes -> fp32."""
+    return codes.view(torch.float8_e4m3fn).float()
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 e2m1 codes (0..15, one per byte) -> fp32."""
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    magnitude = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def ue8m0_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """``ceil(log2(max(amax, 1e-4) / qmax))`` as int32, exactly (from the fp32 bits)."""
+    s = amax.float().clamp(min=AMAX_FLOOR) / qmax
+    bits = s.view(torch.int32)
+    return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2^e as fp32 for int32 e in [-126, 127]."""
+    return ((exponent + 127) << 23).view(torch.float32)
+
+
+def _grouped(x: torch.Tensor, layout: KVCacheFormat) -> torch.Tensor:
+    """BF16 ``[n, elements]`` -> fp32 ``[n, num_scales, elements_per_sf]``, zero padded."""
+    n, elements = x.shape
+    padded = layout.num_scales * layout.elements_per_sf
+    xf = torch.nn.functional.pad(x.float(), (0, padded - elements))
+    return xf.view(n, layout.num_scales, layout.elements_per_sf)
+
+
+def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize BF16 ``x`` ``[n, elements]`` to the record bytes of ``layout``.
+
+    Returns ``(values, scales)``: uint8 ``[n, quantized_bytes]`` and uint8 ``[n, sf_bytes]``
+    (fp32 scales as their little-endian bytes).
+    """
+    assert layout.is_quantized, "quantize needs a quantized layout"
+    n = x.shape[0]
+    xg = _grouped(x, layout)  # [n, G, GS]
+    amax = xg.abs().amax(dim=-1)  # [n, G]
+    dtype = layout.quantized_dtype
+    if layout.sf_format == "ue8m0":
+        exp = ue8m0_exponent(amax, _MINIFLOAT[dtype][3])
+        codes = encode_minifloat(xg * pow2(-exp)[..., None], dtype)
+        scales = (exp + 127).to(torch.uint8)
+    elif layout.sf_format == "e4m3":
+        sf = (amax.clamp(min=E4M3_MIN_SUBNORMAL * E2M1_MAX) / E2M1_MAX).clamp(max=E4M3_MAX)
+        scales = encode_minifloat(sf, "e4m3")
+        inv = 1.0 / decode_e4m3(scales)
+        codes = encode_minifloat(xg * inv[..., None], dtype)
+    else:
+        sf = amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
+        codes = encode_minifloat(xg / sf[..., None], dtype)
+        scales = sf.contiguous().view(torch.uint8).view(n, -1)
+    codes = codes.view(n, -1)[:, : layout.quantized_elements]
+    if dtype == "e2m1":
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return codes.contiguous(), scales.contiguous().view(n, -1)
+
+
+def scale_factors(scales: torch.Tensor, layout: KVCacheFormat) -> torch.Tensor:
+    """Scale bytes uint8 ``[n, sf_bytes]`` -> fp32 multipliers ``[n, num_scales]``."""
+    if layout.sf_format == "ue8m0":
+        return (scales.to(torch.int32) << 23).view(torch.float32)
+    if layout.sf_format == "e4m3":
+        return decode_e4m3(scales)
+    return scales.contiguous().view(torch.float32)
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, layout: KVCacheFormat) -> torch.Tensor:
+    """Record bytes -> BF16 ``[n, elements]``: ``bf16(fp32(value) * fp32(scale))``."""
+    n = values.shape[0]
+    if layout.quantized_dtype == "e2m1":
+        pairs = torch.stack((values & 15, values >> 4), dim=-1).view(n, -1)
+        v = decode_e2m1(pairs)
+    else:
+        v = decode_e4m3(values)
+    sf = scale_factors(scales, layout)  # [n, G]
+    group = torch.arange(layout.quantized_elements, device=values.device)
+    group = group // layout.elements_per_sf
+    return (v * sf[:, group]).to(torch.bfloat16)
+
+
+# ---- scalar references (per element, obviously correct; tests only) ----
+
+
+def encode_e2m1_ref(v: float) -> int:
+    """Nearest e2m1 code by table search, ties to the even code, saturating, sign kept."""
+    a = min(abs(v), E2M1_MAX)
+    best = min(range(8), key=lambda c: (abs(_E2M1_VALUES[c] - a), c % 2))
+    negative = v < 0 or (v == 0 and str(v).startswith("-"))
+    return best | (8 if negative else 0)
+
+
+def encode_e4m3_ref(v: torch.Tensor) -> int:
+    """e4m3 code of one fp32 value through torch's own float8 conversion (after saturation)."""
+    return int(v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def quantize_group_ref(xs: list[float], layout: KVCacheFormat) -> tuple[list[int], list[int]]:
+    """One group of BF16 values (as Python floats) -> (element codes, scale bytes), scalar fp32
+    arithmetic through numpy. Codes are e4m3 bytes or e2m1 nibbles (not yet packed)."""
+    import numpy as np
+
+    f32 = np.float32
+    amax = f32(max(abs(v) for v in xs))
+    dtype = layout.quantized_dtype
+    qmax = f32(E2M1_MAX if dtype == "e2m1" else E4M3_MAX)
+
+    def encode(v: np.float32) -> int:
+        if dtype == "e2m1":
+            return encode_e2m1_ref(float(v))
+        return encode_e4m3_ref(torch.tensor(float(v), dtype=torch.float32))
+
+    if layout.sf_format == "ue8m0":
+        s = max(amax, f32(AMAX_FLOOR)) / qmax
+        mantissa, exponent = math.frexp(float(s))
+        e = exponent - 1 if mantissa == 0.5 else exponent
+        codes = [encode(f32(v) / f32(2.0**e)) for v in xs]
+        return codes, [e + 127]
+    if layout.sf_format == "e4m3":
+        s = min(max(amax, f32(E4M3_MIN_SUBNORMAL * E2M1_MAX)) / f32(E2M1_MAX), f32(E4M3_MAX))
+        code = encode_e4m3_ref(torch.tensor(float(s), dtype=torch.float32))
+        sf = f32(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).item())
+        inv = f32(1.0) / sf
+        return [encode(f32(v) * inv) for v in xs], [code]
+    sf = max(amax, f32(AMAX_FLOOR)) / f32(E4M3_MAX)
+    return [encode(f32(v) / sf) for v in xs], list(np.array([sf], dtype=np.float32).view(np.uint8))
+
+
+def dequantize_ref(vbytes: list[int], sbytes: list[int], layout: KVCacheFormat) -> torch.Tensor:
+    """One record's bytes -> BF16 ``[elements]``, element by element (tests only)."""
+    import struct
+
+    import numpy as np
+
+    f32 = np.float32
+    if layout.quantized_dtype == "e2m1":
+        codes = [c for b in vbytes for c in (b & 15, b >> 4)]
+        vals = [f32(_E2M1_VALUES[c & 7] * (-1.0 if c & 8 else 1.0)) for c in codes]
+    else:
+        as_fp8 = torch.tensor(vbytes, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        vals = [f32(v) for v in as_fp8.float().tolist()]
+    if layout.sf_format == "ue8m0":
+        scales = [f32(2.0 ** (b - 127)) for b in sbytes]
+    elif layout.sf_format == "e4m3":
+        as_fp8 = torch.tensor(sbytes, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        scales = [f32(v) for v in as_fp8.float().tolist()]
+    else:
+        scales = [f32(v) for v in struct.unpack(f"<{len(sbytes) // 4}f", bytes(sbytes))]
+    per = layout.elements_per_sf
+    prods = [vals[e] * scales[e // per] for e in range(len(vals))]
+    return torch.tensor(np.array(prods, dtype=np.float32)).to(torch.bfloat16)

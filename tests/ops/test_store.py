@@ -1,0 +1,177 @@
+"""store_kv_cache: Triton (interpreter on CPU, bit-exact on GPU), torch path and per-element
+reference write identical bytes for every format, and only the bytes of the named slots."""
+
+import pytest
+import torch
+
+from kvplan.formats import (
+    FP8_FLOAT32_SF_INDEX_KV_FORMAT,
+    SUPPORTED_KV_CACHE_FORMATS,
+    V41_FORMAT,
+    KVCacheFormat,
+    alloc_kv_cache,
+    bf16_format,
+)
+from kvplan.ops.store import (
+    store_kv_cache,
+    store_kv_cache_ref,
+    store_kv_cache_torch,
+    store_kv_cache_triton,
+)
+
+# what the engine uses besides the five named formats: FP8 over all heads, and plain BF16
+ENGINE_FP8 = KVCacheFormat("e4m3", 2 * 64, 32, 0, True, "ue8m0", "engine fp8 2x64", True)
+ODD_FORMATS = [
+    KVCacheFormat("e4m3", 40, 24, 0, True, "ue8m0", "partial last group", True),
+    KVCacheFormat("e2m1", 36, 10, 0, False, "fp32", "fp4 fp32 scales"),
+    KVCacheFormat("e2m1", 24, 6, 0, True, "e4m3", "fp4 e4m3 odd groups", True),
+    bf16_format(3),
+]
+ALL_FORMATS = [*SUPPORTED_KV_CACHE_FORMATS, ENGINE_FP8, bf16_format(24), *ODD_FORMATS]
+
+
+def _ids(f):
+    return f.note
+
+
+def _random_cache(layout, num_blocks, block_size, seed=0, device="cpu"):
+    """A cache whose backing storage (padding included) holds random bytes."""
+    cache = alloc_kv_cache(num_blocks, block_size, layout, device=device)
+    g = torch.Generator().manual_seed(seed)
+    storage = _storage(cache)
+    storage.copy_(torch.randint(0, 256, storage.shape, generator=g, dtype=torch.uint8))
+    return cache
+
+
+def _storage(cache):
+    return torch.as_strided(cache, (cache.shape[0], cache.stride(0)), (cache.stride(0), 1))
+
+
+def _random_kv(n, layout, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, layout.elements, generator=g)
+    x = x * torch.exp2(torch.empty(n, 1).uniform_(-8, 8, generator=g))
+    if n > 2:
+        x[1] = 0  # all-zero groups must give finite scales
+    return x.bfloat16()
+
+
+def _random_slots(n, num_slots, seed=0, num_skip=2):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_slots, generator=g)[:n].to(torch.int32)
+    slots[torch.randperm(n, generator=g)[:num_skip]] = -1
+    return slots
+
+
+@pytest.mark.parametrize("block_size", [4, 7])
+@pytest.mark.parametrize("layout", ALL_FORMATS, ids=_ids)
+def test_triton_torch_and_reference_write_the_same_bytes(layout, block_size):
+    n, num_blocks = 9, 3
+    kv = _random_kv(n, layout, seed=block_size)
+    slots = _random_slots(n, num_blocks * block_size, seed=block_size)
+    results = []
+    for fn in (store_kv_cache_ref, store_kv_cache_torch, store_kv_cache_triton):
+        cache = _random_cache(layout, num_blocks, block_size)
+        fn(kv, cache, slots, layout=layout)
+        results.append(_storage(cache).clone())
+    untouched = _storage(_random_cache(layout, num_blocks, block_size))
+    assert torch.equal(results[1], results[0])
+    assert torch.equal(results[2], results[0])
+    # only the records of written slots changed
+    bpt = layout.bytes_per_token
+    changed = results[0] != untouched
+    for slot in range(num_blocks * block_size):
+        block, off = divmod(slot, block_size)
+        if slot in slots.tolist():
+            continue
+        if layout.token_interleaved:
+            assert not changed[block, off * bpt : (off + 1) * bpt].any()
+    assert not changed[:, block_size * bpt :].any()  # block padding
+
+
+def test_public_entry_flattens_heads_and_skips_minus_one():
+    layout = ENGINE_FP8
+    kv = _random_kv(5, layout).view(5, 2, 64)
+    slots = torch.tensor([3, -1, 0, 9, -1], dtype=torch.int32)
+    a = _random_cache(layout, 3, 4)
+    b = _random_cache(layout, 3, 4)
+    store_kv_cache(kv, a, slots, layout=layout)
+    store_kv_cache_ref(kv.reshape(5, -1), b, slots, layout=layout)
+    assert torch.equal(_storage(a), _storage(b))
+
+
+def test_empty_input_is_a_no_op():
+    cache = _random_cache(V41_FORMAT, 2, 4)
+    before = _storage(cache).clone()
+    empty = torch.empty(0, 512, dtype=torch.bfloat16)
+    store_kv_cache(empty, cache, torch.empty(0, dtype=torch.int32))
+    store_kv_cache_triton(empty, cache, torch.empty(0, dtype=torch.int32))
+    assert torch.equal(_storage(cache), before)
+
+
+def test_shared_padding_slot_is_deterministic():
+    layout = V41_FORMAT
+    kv = _random_kv(4, layout)
+    slots = torch.tensor([0, 0, 5, 0], dtype=torch.int32)
+    outs = []
+    for fn in (store_kv_cache_ref, store_kv_cache_torch):
+        cache = _random_cache(layout, 2, 4)
+        fn(kv, cache, slots, layout=layout)
+        outs.append(_storage(cache).clone())
+    first_only = _random_cache(layout, 2, 4)
+    store_kv_cache_ref(kv[[0, 2]], first_only, torch.tensor([0, 5], dtype=torch.int32))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], _storage(first_only))
+
+
+def test_bfloat16_cache_is_a_plain_copy():
+    cache = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
+    kv = _random_kv(3, bf16_format(8))
+    store_kv_cache(kv, cache, torch.tensor([5, -1, 0], dtype=torch.int32))
+    assert torch.equal(cache[1, 1, 0], kv[0]) and torch.equal(cache[0, 0, 0], kv[2])
+    assert cache.view(-1, 8).count_nonzero(dim=1).gt(0).sum() == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(slots=[0, 8]), ValueError, "slot_mapping"),
+        (dict(slots=[-2, 0]), ValueError, "slot_mapping"),
+        (dict(slot_dtype=torch.int64), TypeError, "slot_mapping"),
+        (dict(kv_dtype=torch.float32), TypeError, "kv"),
+        (dict(elements=256), ValueError, "elements"),
+        (dict(rows=3), ValueError, "kv"),
+        (dict(layout=FP8_FLOAT32_SF_INDEX_KV_FORMAT), ValueError, "bytes per token"),
+        (dict(kv_device="meta"), ValueError, "kv"),
+    ],
+)
+def test_bad_input_raises_and_leaves_the_cache_unchanged(kwargs, exc, match):
+    cache = _random_cache(V41_FORMAT, 2, 4)
+    before = _storage(cache).clone()
+    slots = torch.tensor(kwargs.get("slots", [0, 5]), dtype=kwargs.get("slot_dtype", torch.int32))
+    kv = torch.randn(kwargs.get("rows", 2), kwargs.get("elements", 512))
+    kv = kv.to(kwargs.get("kv_dtype", torch.bfloat16)).to(kwargs.get("kv_device", "cpu"))
+    for fn in (store_kv_cache, store_kv_cache_triton):
+        with pytest.raises(exc, match=match):
+            fn(kv, cache, slots, layout=kwargs.get("layout"))
+    assert torch.equal(_storage(cache), before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [64, 133])
+@pytest.mark.parametrize("layout", ALL_FORMATS, ids=_ids)
+def test_gpu_triton_is_bit_exact_with_torch(layout, block_size):
+    num_blocks, n = 40, 2000
+    kv = _random_kv(n, layout, seed=7).cuda()
+    slots = _random_slots(n, num_blocks * block_size, seed=7, num_skip=100).cuda()
+    a = _random_cache(layout, num_blocks, block_size, device="cuda")
+    b = _random_cache(layout, num_blocks, block_size, device="cuda")
+    store_kv_cache(kv, a, slots, layout=layout)  # Triton on CUDA
+    store_kv_cache_torch(kv, b, slots, layout=layout)
+    assert torch.equal(_storage(a), _storage(b))
+    ref = _random_cache(layout, 3, 4)
+    s = torch.tensor([0, 5, -1, 11], dtype=torch.int32)
+    store_kv_cache_ref(kv[:4].cpu(), ref, s, layout=layout)
+    gpu = _random_cache(layout, 3, 4, device="cuda")
+    store_kv_cache(kv[:4], gpu, s.cuda(), layout=layout)
+    assert torch.equal(_storage(gpu).cpu(), _storage(ref))

@@ -1,0 +1,184 @@
+"""Quantization math: encoders against independent references, scale rules, group quantization
+against the scalar reference, and the Triton device functions against the torch ones."""
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kvplan import quant
+from kvplan.formats import SUPPORTED_KV_CACHE_FORMATS, KVCacheFormat
+from kvplan.ops import _quant_triton as qt
+
+E4M3_VALUES = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _probe_values(grid: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Representable values, exact midpoints (ties), points just off the midpoints, random
+    values over many binades, tiny values and values past QMAX; both signs."""
+    mids = (grid[1:] + grid[:-1]) / 2
+    eps = torch.finfo(torch.float32).eps
+    g = torch.Generator().manual_seed(0)
+    rand = torch.exp2(torch.empty(4000).uniform_(-14, math.log2(qmax) + 1, generator=g))
+    rand = rand * torch.empty(4000).uniform_(1, 2, generator=g)
+    special = torch.tensor([0.0, 1e-30, 1e-8, qmax, qmax * 1.03, qmax * 2, 1e30])
+    v = torch.cat([grid, mids, mids * (1 + 4 * eps), mids * (1 - 4 * eps), rand, special])
+    return torch.cat([v, -v])
+
+
+def test_encode_e4m3_matches_torch_float8_cast():
+    x = _probe_values(E4M3_VALUES, 448.0)
+    got = quant.encode_minifloat(x, "e4m3")
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(got, want)
+
+
+def test_encode_e2m1_matches_table_reference():
+    x = _probe_values(E2M1_VALUES, 6.0)
+    got = quant.encode_minifloat(x, "e2m1")
+    want = torch.tensor([quant.encode_e2m1_ref(float(v)) for v in x], dtype=torch.uint8)
+    assert torch.equal(got, want)
+    # ties go to the even code: 0.25 -> 0, 0.75 -> 1.0, 2.5 -> 2, 5 -> 4 (codes 0, 2, 4, 6)
+    ties = quant.encode_minifloat(torch.tensor([0.25, 0.75, 2.5, 5.0]), "e2m1")
+    assert ties.tolist() == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("dtype, grid", [("e4m3", E4M3_VALUES), ("e2m1", E2M1_VALUES)])
+def test_decode_inverts_encode_on_representable_values(dtype, grid):
+    values = torch.cat([grid, -grid])
+    codes = quant.encode_minifloat(values, dtype)
+    decode = quant.decode_e4m3 if dtype == "e4m3" else quant.decode_e2m1
+    back = decode(codes)
+    assert torch.equal(back, values)
+    assert torch.equal(torch.signbit(back), torch.signbit(values))  # negative zero survives
+
+
+def test_ue8m0_exponent_is_exact_ceil_log2():
+    g = torch.Generator().manual_seed(1)
+    amax = torch.exp2(torch.empty(2000).uniform_(-20, 30, generator=g))
+    amax = torch.cat([amax, torch.exp2(torch.arange(-10, 20).float()) * 448, torch.zeros(3)])
+    got = quant.ue8m0_exponent(amax, 448.0)
+    for a, e in zip(amax.tolist(), got.tolist(), strict=True):
+        s = float(torch.tensor(max(a, 1e-4), dtype=torch.float32) / torch.tensor(448.0))
+        assert 2.0 ** (e - 1) < s <= 2.0**e
+    assert got[-1] == math.ceil(math.log2(float(torch.tensor(1e-4)) / 448))
+
+
+EXTRA_FORMATS = [
+    KVCacheFormat("e4m3", 40, 24, 0, True, "ue8m0", "partial last group", True),
+    KVCacheFormat("e2m1", 36, 10, 0, False, "fp32", "fp4 with fp32 scales"),
+    KVCacheFormat("e2m1", 24, 6, 0, True, "e4m3", "fp4 e4m3 scales, odd groups", True),
+]
+
+
+def _groups_input(layout, n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, layout.elements, generator=g)
+    x = x * torch.exp2(torch.empty(n, 1).uniform_(-12, 12, generator=g))
+    x[0] = 0  # all-zero groups
+    x[1, : layout.elements // 2] = 0
+    x[2, 0] = -0.0
+    x[3] *= 1e4  # pushes the e4m3 scale of V41_FP4 to its 448 clamp
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize(
+    "layout", [*SUPPORTED_KV_CACHE_FORMATS, *EXTRA_FORMATS], ids=lambda f: f.note
+)
+def test_quantize_matches_scalar_reference(layout):
+    x = _groups_input(layout)
+    values, scales = quant.quantize(x, layout)
+    assert values.shape == (x.shape[0], layout.quantized_bytes)
+    assert scales.shape == (x.shape[0], layout.sf_bytes)
+    per = layout.elements_per_sf
+    for i in range(x.shape[0]):
+        xs = [float(v) for v in x[i].float()]
+        codes, sbytes = [], []
+        for g0 in range(0, len(xs), per):
+            c, s = quant.quantize_group_ref(xs[g0 : g0 + per], layout)
+            codes += c
+            sbytes += [int(b) for b in s]
+        if layout.quantized_dtype == "e2m1":
+            codes = [codes[j] | (codes[j + 1] << 4) for j in range(0, len(codes), 2)]
+        assert values[i].tolist() == codes, f"row {i}"
+        assert scales[i].tolist() == sbytes, f"row {i}"
+    back = quant.dequantize(values, scales, layout)
+    assert torch.isfinite(back.float()).all()
+    for i in range(x.shape[0]):
+        ref = quant.dequantize_ref(values[i].tolist(), scales[i].tolist(), layout)
+        assert torch.equal(back[i].view(torch.int16), ref.view(torch.int16))
+    assert (back[0] == 0).all()
+
+
+def test_scale_rules_on_known_groups():
+    # amax 448 -> exponent 0 (byte 127); amax 450 -> exponent 1
+    fmt = KVCacheFormat("e4m3", 2, 1, 0, False, "ue8m0", "tiny")
+    _, scales = quant.quantize(torch.tensor([[448.0, 450.0]]).bfloat16(), fmt)
+    assert scales.tolist() == [[127, 128]]
+    # e4m3 scale: amax 6 -> sf 1.0 (e4m3 code 0x38); amax 0 -> sf 2^-9 (code 1)
+    fp4 = KVCacheFormat("e2m1", 4, 2, 0, False, "e4m3", "tiny fp4")
+    values, scales = quant.quantize(torch.tensor([[6.0, -3.0, 0.0, 0.0]]).bfloat16(), fp4)
+    assert scales.tolist() == [[0x38, 0x01]]
+    assert values.tolist() == [[0x7 | (0xD << 4), 0]]  # 6 -> 7, -3 -> 8|5
+
+
+@triton.jit
+def _elementwise_kernel(x_ptr, c_ptr, n, OP: tl.constexpr, TILE: tl.constexpr):
+    i = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    m = i < n
+    if OP == 0:
+        x = tl.load(x_ptr + i, mask=m, other=0.0)
+        tl.store(c_ptr + i, qt.encode_e4m3(x), mask=m)
+    elif OP == 1:
+        x = tl.load(x_ptr + i, mask=m, other=0.0)
+        tl.store(c_ptr + i, qt.encode_e2m1(x), mask=m)
+    elif OP == 2:
+        x = tl.load(x_ptr + i, mask=m, other=0.0)
+        tl.store(c_ptr + i, qt.bf16_bits(x), mask=m)
+    elif OP == 3:
+        x = tl.load(x_ptr + i, mask=m, other=0.0)
+        tl.store(c_ptr + i, qt.ue8m0_exponent(x, 448.0), mask=m)
+    elif OP == 4:
+        c = tl.load(c_ptr + i, mask=m, other=0)
+        tl.store(x_ptr + i, qt.decode_e4m3(c), mask=m)
+    else:
+        c = tl.load(c_ptr + i, mask=m, other=0)
+        tl.store(x_ptr + i, qt.decode_e2m1(c), mask=m)
+
+
+def _run(op, x=None, codes=None):
+    n = (x if x is not None else codes).numel()
+    x = x if x is not None else torch.empty(n)
+    codes = codes if codes is not None else torch.empty(n, dtype=torch.int32)
+    _elementwise_kernel[(triton.cdiv(n, 1024),)](x, codes, n, OP=op, TILE=1024)
+    return x, codes
+
+
+def test_triton_device_functions_match_torch():
+    x = _probe_values(E4M3_VALUES, 448.0)
+    assert torch.equal(_run(0, x=x)[1], quant.encode_minifloat(x, "e4m3").int())
+    x2 = _probe_values(E2M1_VALUES, 6.0)
+    assert torch.equal(_run(1, x=x2)[1], quant.encode_minifloat(x2, "e2m1").int())
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(3000, generator=g) * torch.exp2(
+        torch.empty(3000).uniform_(-30, 30, generator=g)
+    )
+    y = torch.cat([y, torch.tensor([0.0, -0.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8])])
+    want_bf16 = y.to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    assert torch.equal(_run(2, x=y)[1], want_bf16)
+    amax = y.abs()
+    assert torch.equal(_run(3, x=amax)[1], quant.ue8m0_exponent(amax, 448.0))
+    codes = torch.arange(0, 256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3 NaN codes are never produced
+    back = _run(4, codes=codes)[0]
+    assert torch.equal(
+        back.view(torch.int32), quant.decode_e4m3(codes.to(torch.uint8)).view(torch.int32)
+    )
+    codes = torch.arange(0, 16, dtype=torch.int32)
+    back = _run(5, codes=codes)[0]
+    assert torch.equal(
+        back.view(torch.int32), quant.decode_e2m1(codes.to(torch.uint8)).view(torch.int32)
+    )
