@@ -90,6 +90,11 @@ class RequestTable:
         return len(self._free_slots)
 
     # ------------------------------------------------------------------ lookups
+    def _check_pool(self, pool: int) -> int:
+        if not 0 <= pool < self._tables.shape[0]:
+            raise ValueError(f"pool {pool} outside [0, {self._tables.shape[0]})")
+        return pool
+
     def _get(self, request_id: Hashable) -> Request:
         try:
             return self._requests[request_id]
@@ -107,18 +112,19 @@ class RequestTable:
     def _seq_rows(self, request_ids: Sequence[Hashable], beams: Sequence[int] | None) -> np.ndarray:
         """Table rows of the listed sequences, int64 ``[n]``."""
         reqs = self._requests
+        n = len(request_ids)
         try:
             if beams is None:
-                rows = [reqs[r].rows[0] for r in request_ids]
-            else:
-                if len(beams) != len(request_ids):
-                    raise ValueError(f"beams has {len(beams)} entries for {len(request_ids)} ids")
-                rows = [self._row(r, b) for r, b in zip(request_ids, beams)]
-        except (KeyError, TypeError):
-            for r in request_ids:
-                self._get(r)
+                return np.fromiter((reqs[r].rows[0] for r in request_ids), np.int64, n)
+            if len(beams) != n:
+                raise ValueError(f"beams has {len(beams)} entries for {n} request ids")
+            if min(beams, default=0) < 0:
+                raise IndexError
+            return np.fromiter((reqs[r].rows[b] for r, b in zip(request_ids, beams)), np.int64, n)
+        except (KeyError, TypeError, IndexError):
+            for i, r in enumerate(request_ids):  # slow path: name the offending entry
+                self._row(r, 0 if beams is None else beams[i])
             raise
-        return np.asarray(rows, dtype=np.int64)
 
     # ------------------------------------------------------------------ row management
     def _new_request(

@@ -7,6 +7,8 @@ so padding is block 0 for free. This module turns a batch of rows into:
 * ``per_seq_table``   -- ``[n, width]`` int32, padded with block 0;
 * ``flat_block_ids``  -- the rows' first ``num_blocks[i]`` entries concatenated (ragged page
   table indices);
+* ``BatchViews`` -- the manager's batch methods built on these (``get_block_ids_per_seq``,
+  ``get_batch_cache_indices[_flat]``, ``copy_batch_block_offsets``);
 * ``BlockOffsetsStager`` -- the 4-D block-offset table ``[num_pools, max_batch, 2,
   max_blocks_per_seq]`` (index 0 of dim 2 = K, 1 = V). K and V live in separate tensors indexed
   by the same block id, so both entries hold the block id itself.
@@ -21,7 +23,7 @@ the next batch's blocks. ``tests/cache/test_block_offsets.py`` shows that hazard
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -83,6 +85,20 @@ def default_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
 
 
+def check_block_offsets_dst(
+    dst: torch.Tensor, num_pools: int, max_blocks_per_seq: int, num_rows: int
+) -> None:
+    """``dst`` must be int32 ``[num_pools, >= num_rows, 2, max_blocks_per_seq]``."""
+    check_tensor("dst", dst, dtype=torch.int32, ndim=4)
+    if (dst.shape[0], dst.shape[2], dst.shape[3]) != (num_pools, 2, max_blocks_per_seq):
+        raise ValueError(
+            f"dst must have shape ({num_pools}, max_batch, 2, {max_blocks_per_seq}), "
+            f"got {tuple(dst.shape)}"
+        )
+    if num_rows > dst.shape[1]:
+        raise ValueError(f"num_seqs = {num_rows} exceeds dst's max_batch = {dst.shape[1]}")
+
+
 class BlockOffsetsStager:
     """Owns the persistent host block-offset buffer and stages private snapshots from it.
 
@@ -141,14 +157,160 @@ class BlockOffsetsStager:
         Columns ``>= width`` of ``dst`` are left as they were. Returns the snapshot (the copy's
         source), which callers may keep alive until the copy completes.
         """
-        check_tensor("dst", dst, dtype=torch.int32, ndim=4)
-        if (dst.shape[0], dst.shape[2], dst.shape[3]) != (self.shape[0], 2, self.shape[3]):
-            raise ValueError(
-                f"dst must have shape ({self.shape[0]}, max_batch, 2, {self.shape[3]}), "
-                f"got {tuple(dst.shape)}"
-            )
-        if num_rows > dst.shape[1]:
-            raise ValueError(f"num_seqs = {num_rows} exceeds dst's max_batch = {dst.shape[1]}")
+        check_block_offsets_dst(dst, self.shape[0], self.shape[3], num_rows)
         snap = self.snapshot(num_rows, width)
         (copy_fn or default_copy)(dst[:, :num_rows, :, :width], snap)
         return snap
+
+
+class BatchViews:
+    """Batch block tables and block offsets of ``KVCacheManager`` (a mixin over its tables:
+    ``_tables``, ``_cross``, ``_num_allocated``, ``_num_cross``, ``_requests``, ``_stagers``)."""
+
+    def get_block_ids_per_seq(
+        self,
+        request_ids: Sequence[Hashable],
+        pool: int = 0,
+        *,
+        beams: Sequence[int] | None = None,
+        width: int | None = None,
+    ) -> np.ndarray:
+        """Block tables ``[n, width]`` int32 (width defaults to max_blocks_per_seq), padded
+        with block 0. ``beams[i]`` (default 0) picks the beam of ``request_ids[i]``."""
+        rows = self._seq_rows(request_ids, beams)
+        width = self.max_blocks_per_seq if width is None else width
+        if not 0 <= width <= self.max_blocks_per_seq:
+            raise ValueError(f"width = {width} outside [0, {self.max_blocks_per_seq}]")
+        return per_seq_table(self._tables[self._check_pool(pool)], rows, width)
+
+    def get_batch_cache_indices(
+        self,
+        request_ids: Sequence[Hashable],
+        layer_idx: int | None = None,
+        num_blocks_per_seq: Sequence[int] | None = None,
+        *,
+        beams: Sequence[int] | None = None,
+    ) -> list[list[int]]:
+        """Per-sequence block-id lists of ``layer_idx``'s pool (all allocated blocks, or the
+        first ``num_blocks_per_seq[i]`` of each)."""
+        rows = self._seq_rows(request_ids, beams)
+        counts = self._counts(rows, num_blocks_per_seq)
+        table = self._tables[self.pool_for_layer(layer_idx)]
+        return [table[r, :c].tolist() for r, c in zip(rows.tolist(), counts.tolist())]
+
+    def get_batch_cache_indices_flat(
+        self,
+        request_ids: Sequence[Hashable],
+        num_blocks_per_seq: Sequence[int] | None = None,
+        layer_idx: int | None = None,
+        *,
+        beams: Sequence[int] | None = None,
+    ) -> np.ndarray:
+        """``get_batch_cache_indices`` concatenated into one int32 array (ragged indices)."""
+        rows = self._seq_rows(request_ids, beams)
+        counts = self._counts(rows, num_blocks_per_seq)
+        return flat_block_ids(self._tables[self.pool_for_layer(layer_idx)], rows, counts)
+
+    def _counts(self, rows: np.ndarray, num_blocks_per_seq) -> np.ndarray:
+        allocated = self._num_allocated[rows]
+        if num_blocks_per_seq is None:
+            return allocated
+        counts = np.asarray(num_blocks_per_seq, dtype=np.int32).reshape(-1)
+        if counts.shape != rows.shape:
+            raise ValueError(
+                f"num_blocks_per_seq has {counts.size} entries for {rows.size} sequences"
+            )
+        bad = np.flatnonzero((counts < 0) | (counts > allocated))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"num_blocks_per_seq[{i}] = {int(counts[i])} outside [0, {int(allocated[i])}] "
+                "(allocated blocks)"
+            )
+        return counts
+
+    def fill_host_block_offsets(
+        self,
+        request_ids: Sequence[Hashable],
+        beam_width: int,
+        num_contexts: int,
+        num_seqs: int,
+        *,
+        max_batch: int,
+        cross: bool = False,
+    ):
+        """Fill the persistent host buffer ``[num_pools, max_batch, 2, max_blocks_per_seq]``
+        for this batch and return its stager (``.host_block_offsets`` is the buffer)."""
+        num_gen = len(request_ids) - num_contexts
+        if not 0 <= num_contexts <= len(request_ids):
+            raise ValueError(f"num_contexts = {num_contexts} outside [0, {len(request_ids)}]")
+        expected = num_contexts + num_gen * beam_width
+        if num_seqs != expected:
+            raise ValueError(
+                f"{'cross ' if cross else ''}block offsets expect {expected} rows "
+                f"({num_contexts} context + {num_gen} x beam {beam_width}), got num_seqs = {num_seqs}"
+            )
+        try:
+            rows_of = [self._requests[r].rows for r in request_ids]
+        except (KeyError, TypeError):
+            for r in request_ids:
+                self._get(r)
+            raise
+        if not cross and (beam_width > 1 or self._num_multi_beam):
+            for rid in request_ids[num_contexts:]:
+                if self._requests[rid].beam_width != beam_width:
+                    raise ValueError(
+                        f"request {rid!r} has beam_width {self._requests[rid].beam_width}, "
+                        f"the batch says {beam_width}"
+                    )
+        if beam_width == 1:
+            seq_rows = np.fromiter((r[0] for r in rows_of), np.int64, len(rows_of))
+        else:
+            seq_rows = expand_batch_rows(rows_of, beam_width, num_contexts, cross=cross)
+        key = (cross, max_batch)
+        stager = self._stagers.get(key)
+        if stager is None:
+            stager = BlockOffsetsStager(self.num_pools, max_batch, self.max_blocks_per_seq)
+            self._stagers[key] = stager
+        tables, counts = (
+            (self._cross, self._num_cross) if cross else (self._tables, self._num_allocated)
+        )
+        stager.fill(tables, seq_rows, counts)
+        return stager
+
+    def copy_batch_block_offsets(
+        self,
+        dst,
+        request_ids: Sequence[Hashable],
+        beam_width: int,
+        num_contexts: int,
+        num_seqs: int,
+        *,
+        cross: bool = False,
+        max_blocks: int | None = None,
+        copy_fn: CopyFn | None = None,
+    ):
+        """Write this batch's block-offset rows into ``dst`` (seed 001 rules, staging rule).
+
+        ``dst``: int32 ``[num_pools, max_batch, 2, max_blocks_per_seq]`` (any device). Rows
+        ``[0, num_seqs)``: context requests one row each, generation requests ``beam_width``
+        rows each (cross: the request's encoder row repeated). ``max_blocks`` caps the copied
+        width (only valid when nothing advances lengths on the device); None copies the full
+        width. The persistent host buffer is refilled in place; the copy reads a private pinned
+        snapshot (returned). ``copy_fn(dst_view, src)`` defaults to a non_blocking copy_.
+        """
+        check_block_offsets_dst(dst, self.num_pools, self.max_blocks_per_seq, num_seqs)
+        stager = self.fill_host_block_offsets(
+            request_ids, beam_width, num_contexts, num_seqs, max_batch=dst.shape[1], cross=cross
+        )
+        width = self.max_blocks_per_seq
+        if max_blocks is not None:
+            width = min(max(int(max_blocks), 1), self.max_blocks_per_seq)
+        return stager.copy_to(dst, num_seqs, width, copy_fn)
+
+    def host_block_offsets(self, max_batch: int, *, cross: bool = False):
+        """The persistent host buffer of ``(cross, max_batch)`` (for synchronous readers)."""
+        stager = self._stagers.get((cross, max_batch))
+        if stager is None:
+            raise ValueError(f"no block offsets were filled for max_batch = {max_batch}")
+        return stager.host_block_offsets

@@ -180,3 +180,15 @@ def test_overwrite_hazard_with_a_real_non_blocking_copy():
     m.fill_host_block_offsets(step_t1, 1, 2, 2, max_batch=4)
     stream.synchronize()
     assert np.array_equal(dst[:, :2].cpu().numpy(), want_t)
+
+
+def test_bad_dst_is_rejected_before_the_host_buffer_changes():
+    m, step_t, step_t1 = two_batches()
+    dst = torch.zeros((1, 4, 2, 4), dtype=torch.int32)
+    m.copy_batch_block_offsets(dst, step_t, 1, 2, 2)
+    before = m.host_block_offsets(4).clone()
+    with pytest.raises(ValueError, match="dst must have shape"):
+        m.copy_batch_block_offsets(torch.zeros((1, 4, 2, 3), dtype=torch.int32), step_t1, 1, 2, 2)
+    with pytest.raises(ValueError, match="must be 4-D"):
+        m.copy_batch_block_offsets(torch.zeros(4, dtype=torch.int32), step_t1, 1, 2, 2)
+    assert torch.equal(m.host_block_offsets(4), before)

@@ -361,3 +361,17 @@ def test_random_operations_keep_kv_content_consistent(seed):
                 for p in range(2):
                     assert content[p][slot_of(other, p, pos)] == tokens[other][pos]
     assert num_hits > 0  # the run exercised prefix reuse
+
+
+def test_batch_beam_selection_errors():
+    m = make(max_beam_width=2)
+    m.add_request("a", [1, 2, 3], beam_width=2)
+    assert m.get_block_ids_per_seq(["a", "a"], beams=[1, 0])[:, 0].tolist() == [2, 1]
+    with pytest.raises(ValueError, match="beam 2 outside"):
+        m.get_block_ids_per_seq(["a"], beams=[2])
+    with pytest.raises(ValueError, match="beam -1 outside"):
+        m.get_batch_cache_indices_flat(["a"], beams=[-1])
+    with pytest.raises(ValueError, match="beams has 1 entries"):
+        m.get_batch_cache_indices(["a", "a"], beams=[0])
+    with pytest.raises(ValueError, match="unknown request id"):
+        m.get_batch_cache_indices([["unhashable"]])
