@@ -83,7 +83,7 @@ def swa_visible_lo(pos: IntLike, window_size: int, valid_start: IntLike) -> IntL
 
     ``clamp(max(pos - W + 1, valid_start), 0, pos + 1)`` (DESIGN.md); the visible keys are
     ``lo .. pos``; ``lo == pos + 1`` would mean none (not reachable for validated input, where
-    ``valid_start <= q_start <= pos``).
+    ``valid_start <= q_start <= pos``; YoCo's extra lower bound can reach it).
     """
     if isinstance(pos, np.ndarray) or isinstance(valid_start, np.ndarray):
         lo = np.maximum(pos - window_size + 1, valid_start)

@@ -183,5 +183,6 @@ class MetadataConfig:
         return -(-(seqlen_k // self.min_ratio) // tpb)
 
     def kv_ca_index_width(self, ratio: int) -> int:
-        """Columns of the expanded ``kv_ca_index[r]``: ``max_model_len // r`` rounded up to 128."""
-        return (self.max_model_len // ratio + 127) // 128 * 128
+        """Columns of the expanded ``kv_ca_index[r]``: ``max_model_len // r`` rounded up to a
+        multiple of 128 (at least 128), as ``kvplan.ops.kv_ca_index_width`` computes it."""
+        return max(1, -(-(self.max_model_len // ratio) // 128)) * 128

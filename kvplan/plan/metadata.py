@@ -128,15 +128,18 @@ class InputMetadata:
         for name in self.get_clean_list():
             setattr(self, name, {} if isinstance(getattr(self, name, None), dict) else None)
 
-    def compute_attn_info(self, config, out: dict | None = None) -> InputMetadata:
+    def compute_attn_info(
+        self, config, out: dict | None = None, *, check: bool = False
+    ) -> InputMetadata:
         """Expand the O(T) ranges into the O(T x width) index tensors (idempotent).
 
         Fills only empty fields; with ``out`` (capture-size buffers, see ``attn_info.py``) the
-        expansion writes their prefixes in place. Returns ``self``.
+        expansion writes their prefixes in place. ``check`` lets the index ops validate their
+        inputs (host syncs). Returns ``self``.
         """
         from kvplan.plan.attn_info import compute_attn_info
 
-        return compute_attn_info(self, config, out=out)
+        return compute_attn_info(self, config, out=out, check=check)
 
     # ---- views (delegations) ----------------------------------------------------------------
     def prepare_for_mirror_cp(self, *args: Any, **kwargs: Any) -> Any:

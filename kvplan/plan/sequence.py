@@ -32,7 +32,8 @@ class SequenceMetadata:
         is_placeholder: a filler sequence of an idle data-parallel rank: its rows get
             ``valid_token_mask = False`` and ``query_indices = 998244353`` and write no KV.
         swa_valid_start: SWA keys below this absolute position are invalid (zero-state replay):
-            they are zero-filled in the load plan and never visible.
+            they are zero-filled in the load plan and never visible (``0 <= swa_valid_start <=
+            q_start``: a replayed chunk starts at or after it).
         draft_tokens: speculative draft tokens (decode only): query rows ``1 ..`` of the step.
         compressed_token_ids: Engram compressed history; entry ``s`` is the compressed id of
             raw position ``s`` (``L = len(compressed_token_ids)`` positions are known).

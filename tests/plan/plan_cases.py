@@ -34,14 +34,16 @@ def random_config(rng: np.random.Generator, **overrides) -> MetadataConfig:
     return MetadataConfig(**kw)
 
 
-def _seq(rng, cfg, seqlen_q, seqlen_k, num_tokens, drafts, state_id) -> SequenceMetadata:
+def _seq(rng, cfg, seqlen_q, seqlen_k, num_tokens, drafts, state_id, blocks) -> SequenceMetadata:
+    """``blocks``: this batch's free block ids (a shuffled list, consumed: tables are disjoint)."""
     q_start = seqlen_k - seqlen_q
     need = cfg.num_blocks_for(seqlen_k)
+    table = [blocks.pop() for _ in range(need + int(rng.integers(0, 3)))]
     n_images = int(rng.integers(0, 3)) if rng.random() < 0.3 else 0
     return SequenceMetadata(
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
-        block_table=rng.permutation(np.arange(1, 4 * (need + 3)))[: need + int(rng.integers(0, 3))],
+        block_table=np.asarray(table, dtype=np.int64),
         state_id=state_id,
         token_ids=rng.integers(0, VOCAB, num_tokens),
         is_placeholder=bool(rng.random() < 0.15),
@@ -55,26 +57,28 @@ def _seq(rng, cfg, seqlen_q, seqlen_k, num_tokens, drafts, state_id) -> Sequence
 
 def random_prompt_batch(rng, cfg, n: int | None = None) -> list[SequenceMetadata]:
     n = int(rng.integers(1, 6)) if n is None else n
-    states = rng.permutation(64)
+    states, blocks = rng.permutation(64), list(rng.permutation(np.arange(1, 4096)))
     seqs = []
     for i in range(n):
         seqlen_k = int(rng.integers(1, cfg.max_model_len + 1))
         seqlen_q = int(rng.integers(1, seqlen_k + 1))
         extra = int(rng.integers(0, 3))
-        seqs.append(_seq(rng, cfg, seqlen_q, seqlen_k, seqlen_k + extra, 0, int(states[i])))
+        seqs.append(_seq(rng, cfg, seqlen_q, seqlen_k, seqlen_k + extra, 0, int(states[i]), blocks))
     return seqs
 
 
 def random_decode_batch(rng, cfg, n: int | None = None) -> list[SequenceMetadata]:
     n = int(rng.integers(1, 6)) if n is None else n
-    states = rng.permutation(64)
+    states, blocks = rng.permutation(64), list(rng.permutation(np.arange(1, 4096)))
     max_drafts = min(cfg.swa_block_size - cfg.window_size, 3)
     seqs = []
     for i in range(n):
         drafts = int(rng.integers(0, max_drafts + 1))
         seqlen_k = int(rng.integers(1 + drafts, cfg.max_model_len + 1))
         num_tokens = seqlen_k - drafts
-        seqs.append(_seq(rng, cfg, 1 + drafts, seqlen_k, num_tokens, drafts, int(states[i])))
+        seqs.append(
+            _seq(rng, cfg, 1 + drafts, seqlen_k, num_tokens, drafts, int(states[i]), blocks)
+        )
     return seqs
 
 
