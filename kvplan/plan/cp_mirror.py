@@ -22,16 +22,13 @@ because the compressor works on whole sequences in their original order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvplan.plan.common import compressed_kv_len, exclusive_cumsum
-from kvplan.plan.config import ratio_key
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
+from kvplan.plan.config import QUERY_INDEX_PLACEHOLDER, ratio_key
+from kvplan.plan.metadata import InputMetadata
 
 
 @dataclass(frozen=True)
@@ -149,3 +146,95 @@ def prepare_cp_mirror(
         ke=ke,
         cp_mirror_len=mlen,
     )
+
+
+def gather_rows(t: torch.Tensor, index: torch.Tensor, fill) -> torch.Tensor:
+    """``t[index]`` along dim 0 with ``fill`` where ``index == -1`` (index int32 on any device)."""
+    idx = index.to(device=t.device, dtype=torch.long)
+    pad = idx < 0
+    out = t[idx.clamp(min=0)]
+    if bool(pad.any()):
+        out[pad] = fill
+    return out
+
+
+def apply_mirror(view: InputMetadata, m: CpMirror, cp_size: int, cp_rank: int) -> None:
+    """Move the query-aligned fields of ``view`` to the mirror rows ``m`` (in place).
+
+    Gathered (pad rows get an inert value): ``positions`` (original kept as ``positions_cp``),
+    ``ngram_token_ids``, ``query_indices`` (998244353), ``kv_swa_full_index_pivots`` (zeros =
+    nothing visible), ``kv_ca_index_offset_len`` (length 0), the image mask (original kept as
+    ``images_seq_mask_full``); ``gate_force_random`` is kept and its mirror copy stored as
+    ``gate_force_random_cp``; ``valid_token_mask = (mirror_cp_index != -1) & valid[row]``
+    (placeholder rows stay invalid); ``ks``/``ke`` come from :func:`prepare_cp_mirror` (a model
+    without sparse ratios ran it with the dummy ratio 1 and gets none). Kept as they are:
+    ``input_ids``, cu_seqlens, load plans, write slots (the KV is all-gathered back to the
+    original layout before it is stored). Derived fields are cleared for ``compute_attn_info``.
+    """
+    idx = m.mirror_cp_index
+    view.positions_cp = view.positions
+    view.positions = gather_rows(view.positions, idx, 0)
+    if view.ngram_token_ids is not None:
+        view.ngram_token_ids = gather_rows(view.ngram_token_ids, idx, 0)
+    view.gate_force_random_cp = gather_rows(view.gate_force_random, idx, False)
+    view.valid_token_mask = gather_rows(view.valid_token_mask, idx, False)
+    view.query_indices = gather_rows(view.query_indices, idx, QUERY_INDEX_PLACEHOLDER)
+    if view.kv_swa_full_index_pivots is not None:
+        view.kv_swa_full_index_pivots = gather_rows(view.kv_swa_full_index_pivots, idx, 0)
+    view.kv_ca_index_offset_len = {
+        k: gather_rows(v, idx, 0) for k, v in view.kv_ca_index_offset_len.items()
+    }
+    images = getattr(view, "images_seq_mask", None)
+    if images is not None:
+        view.images_seq_mask_full = images
+        view.images_seq_mask = gather_rows(images, idx, False)
+    dev = view.positions.device
+    if view.ks:  # sparse model: the ratios of the kernel are the ks keys
+        view.ks = {k: m.ks[k].to(dev) for k in view.ks}
+        view.ke = {k: m.ke[k].to(dev) for k in view.ke}
+    view.mirror_cp_index = idx.to(dev)
+    view.mirror_cp_reverse_index = m.mirror_cp_reverse_index.to(dev)
+    view.cp_mirror_len = m.cp_mirror_len
+    view.cp_size, view.cp_rank = cp_size, cp_rank
+    view.clean()
+
+
+def kernel_ratios(meta: InputMetadata) -> tuple[int, ...]:
+    """Ratios handed to :func:`prepare_cp_mirror`: the sparse ratios (``ks`` keys) or, for a
+    pure-dense model, the dummy ``(1,)`` whose output is dropped (the mirror needs one)."""
+    return tuple(int(k) for k in meta.ks) or (1,)
+
+
+def prepare_for_mirror_cp(meta: InputMetadata, cp_size: int, cp_rank: int) -> InputMetadata:
+    """Rewrite a prompt ``meta`` into rank ``cp_rank``'s mirror layout, in place; returns it.
+
+    See :func:`apply_mirror` for which fields move. New fields: ``mirror_cp_index``
+    ``[cp_mirror_len]``, ``mirror_cp_reverse_index`` ``[total_q]``, ``cp_mirror_len``,
+    ``positions_cp``, ``gate_force_random_cp``, ``cp_size``, ``cp_rank``. ``total_q`` and
+    ``cu_seqlens_*`` keep describing the full step. YoCo fields must be filled BEFORE this call
+    (compact first, then CP: :func:`kvplan.plan.yoco.get_consumer_view` mirrors the compact
+    rows itself).
+    """
+    if not meta.is_prompt:
+        raise ValueError("prepare_for_mirror_cp needs prompt metadata (is_prompt = False)")
+    if getattr(meta, "mirror_cp_index", None) is not None:
+        raise ValueError("meta is already in the CP mirror layout (mirror_cp_index is set)")
+    m = prepare_cp_mirror(meta.cu_seqlens_q, meta.cu_seqlens_k, cp_size, cp_rank,
+                          kernel_ratios(meta))  # fmt: skip
+    apply_mirror(meta, m, cp_size, cp_rank)
+    return meta
+
+
+def zigzag_contrib(seqlen_q: np.ndarray, clip: np.ndarray, cp_size: int, cp_rank: int):
+    """Rows of rank ``cp_rank``'s full-mirror pieces at local index ``>= clip`` (per sequence).
+
+    For piece ``b`` of ``ps`` rows: ``max(min(ps * (b + 1), seqlen_q) - max(ps * b, clip), 0)``
+    summed over the rank's two pieces; the YoCo pad length is the max over ranks of the sum.
+    """
+    seqlen_q = np.asarray(seqlen_q, dtype=np.int64)
+    ps = cp_piece_size(seqlen_q, cp_size)
+    total = np.zeros_like(seqlen_q)
+    for b in (cp_rank, 2 * cp_size - 1 - cp_rank):
+        hi = np.minimum(ps * (b + 1), seqlen_q)
+        total += np.maximum(hi - np.maximum(ps * b, clip), 0)
+    return total
