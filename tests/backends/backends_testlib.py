@@ -58,6 +58,33 @@ def write_slots(manager, kv, layer, block_ids, positions, k_rows, v_rows) -> Non
     kv.store(layer, k_rows, v_rows, torch.tensor(slots, dtype=torch.int64))
 
 
+class RemappedPools:
+    """A real manager whose pools >= 1 name every block ``num_blocks - id`` (0 stays 0).
+
+    The real manager hands out the same ids in every pool; this view makes pools differ so a
+    test can tell which pool's table a backend read. Only the table accessors are remapped.
+    """
+
+    def __init__(self, manager: KVCacheManager, num_blocks: int) -> None:
+        self._m = manager
+        self._n = num_blocks
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def _map(self, ids, pool):
+        if pool == 0:
+            return ids
+        a = np.asarray(ids)
+        return np.where(a > 0, self._n - a, 0).astype(np.int32)
+
+    def get_block_ids(self, rid, pool=0, *, beam=0):
+        return np.asarray(self._map(self._m.get_block_ids(rid, pool, beam=beam), pool)).tolist()
+
+    def get_block_ids_per_seq(self, rids, pool=0, **kw):
+        return self._map(self._m.get_block_ids_per_seq(rids, pool, **kw), pool)
+
+
 def _manager_and_cache(gen, layer_windows, num_heads, num_kv_heads, head_dim, block_size,
                        num_blocks, max_blocks_per_seq, kv_format, beam_width, device):  # fmt: skip
     windows: list[int | None] = []
@@ -101,6 +128,7 @@ def make_scenario(
     kv_format: str = "fp32",
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    remap_pools: bool = False,
 ) -> Scenario:
     """Build a batch: context specs first, then generation specs (each expands to beams).
 
@@ -117,6 +145,8 @@ def make_scenario(
         gen, layer_windows, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
         max_blocks_per_seq, kv_format, beam_width, device,
     )  # fmt: skip
+    if remap_pools:
+        manager = RemappedPools(manager, num_blocks)
     num_layers = len(layer_windows)
     specs = sorted(specs, key=lambda s: not s.context)
     num_contexts = sum(s.context for s in specs)
