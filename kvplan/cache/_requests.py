@@ -70,7 +70,8 @@ class RequestTable:
         return self._get(request_id).beam_width
 
     def get_block_ids(self, request_id: Hashable, pool: int = 0, *, beam: int = 0) -> list[int]:
-        """All allocated blocks (logical and reserved) of one beam, in sequence order."""
+        """All allocated blocks (logical and reserved) of one beam, in sequence order
+        (block 0 where ``release_out_of_window`` freed a block)."""
         row = self._row(request_id, beam)
         return self._tables[self._check_pool(pool), row, : self._num_allocated[row]].tolist()
 

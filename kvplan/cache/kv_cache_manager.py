@@ -68,6 +68,11 @@ class KVCacheManager(RequestTable, bo.BatchViews):
         layer_to_pool: ``layer -> pool index`` (sequence or mapping); None maps every layer to
             pool 0 and is only allowed with one pool.
         enable_prefix_caching: reuse full blocks of identical prompt prefixes.
+        release_out_of_window: in pools with a window W, free a request's blocks that no
+            future query can see (every position < committed - W + 1) as tokens are
+            committed. Their table entries become block 0 (holes; ``num_allocated_blocks``
+            still counts them), so consumers must take counts from the manager, not from the
+            nonzero entries. Off by default.
         num_state_slots: per-request state slots (SWA ring buffers); 0 = none.
         max_beam_width: largest beam width a request may ask for.
 
@@ -90,6 +95,7 @@ class KVCacheManager(RequestTable, bo.BatchViews):
         enable_prefix_caching: bool = True,
         num_state_slots: int = 0,
         max_beam_width: int = 1,
+        release_out_of_window: bool = False,
     ) -> None:
         window_sizes = tuple(window_sizes)
         if not window_sizes:
@@ -119,6 +125,7 @@ class KVCacheManager(RequestTable, bo.BatchViews):
         self.window_sizes = window_sizes
         self.num_pools = num_pools
         self.enable_prefix_caching = enable_prefix_caching
+        self.release_out_of_window = release_out_of_window
         self.max_beam_width = max_beam_width
         self.num_state_slots = num_state_slots
         self.pools = [BlockPool(n, enable_prefix_caching=enable_prefix_caching) for n in num_blocks]
@@ -323,7 +330,7 @@ class KVCacheManager(RequestTable, bo.BatchViews):
         have = int(self._num_allocated[req.rows[0]])
         for row in req.rows:
             for pool, removed in zip(self.pools, self._truncate_blocks(row, keep)):
-                pool.free(removed[::-1])
+                pool.free([b for b in reversed(removed) if b])  # skip released holes
         return max(0, have - keep)
 
     def commit_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
@@ -352,13 +359,15 @@ class KVCacheManager(RequestTable, bo.BatchViews):
         req.committed.extend(token_ids)
         if req.cacheable:
             self._hash_committed(req)
+        if self.release_out_of_window:
+            self._release_out_of_window(req)
 
     def free(self, request_id: Hashable) -> None:
         """Release every block of the request (tail blocks first, so prefixes stay cached)."""
         req = self._get(request_id)
         for row in req.rows:
             for pool, removed in zip(self.pools, self._truncate_blocks(row, 0)):
-                pool.free(removed[::-1])
+                pool.free([b for b in reversed(removed) if b])  # skip released holes
         for pool, cross in zip(self.pools, self._take_cross_blocks(req.rows[0])):
             pool.free(cross[::-1])
         self._drop_request(request_id)
@@ -374,8 +383,28 @@ class KVCacheManager(RequestTable, bo.BatchViews):
             parent = req.hashes[-1] if req.hashes else None
             h = hash_block_tokens(parent, req.committed[b * bs : (b + 1) * bs])
             for p, pool in enumerate(self.pools):
-                pool.cache_block(int(self._tables[p, row, b]), h)
+                block = int(self._tables[p, row, b])
+                if block:  # 0: already released out of the window
+                    pool.cache_block(block, h)
             req.hashes.append(h)
+
+    def _release_out_of_window(self, req) -> None:
+        """Free the leading blocks of window pools that no future query can see.
+
+        Future queries sit at positions >= c = committed tokens and see keys >= p - W + 1, so
+        block b is dead once its last position (b + 1) * bs - 1 < c - W + 1.
+        """
+        bs = self.block_size
+        for p, (pool, window) in enumerate(zip(self.pools, self.window_sizes)):
+            if window is None:
+                continue
+            num_dead = max(0, len(req.committed) - window + 1) // bs
+            for row in req.rows:
+                dead = self._tables[p, row, :num_dead]
+                blocks = dead[dead != 0].tolist()
+                if blocks:
+                    pool.free(blocks[::-1])
+                    dead[:] = 0
 
     def beam_fork_copies(self, request_id: Hashable) -> list[tuple[int, int, int]]:
         """``(pool, src_block, dst_block)`` copies giving beams 1.. the prompt's partial block.

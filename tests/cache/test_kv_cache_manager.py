@@ -274,9 +274,10 @@ def check_invariants(m):
             for b in range(req.beam_width):
                 ids = m.get_block_ids(rid, p, beam=b)
                 assert len(ids) >= -(-req.num_tokens // m.block_size)
-                refs.update(ids)
+                if not m.release_out_of_window:
+                    assert 0 not in ids
+                refs.update(b for b in ids if b)
             refs.update(m.get_cross_block_ids(rid, p))
-        assert 0 not in refs
         for blk in range(1, pool.num_blocks):
             assert pool.ref_count(blk) == refs[blk], (p, blk)
             assert pool.is_free(blk) == (refs[blk] == 0), (p, blk)
@@ -285,8 +286,9 @@ def check_invariants(m):
             assert not m._tables[p, row, m._num_allocated[row] :].any()
 
 
+@pytest.mark.parametrize("release", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_operations_keep_kv_content_consistent(seed):
+def test_random_operations_keep_kv_content_consistent(seed, release):
     """Simulate K/V writes into a fake cache: a prefix hit must find exactly the prompt's
     tokens in the reused blocks, and no active request's written tokens are ever lost."""
     rng = np.random.default_rng(seed)
@@ -298,6 +300,7 @@ def test_random_operations_keep_kv_content_consistent(seed):
         window_sizes=(None, 8),
         layer_to_pool=[0, 1],
         max_beam_width=2,
+        release_out_of_window=release,
     )
     content = [{} for _ in m.pools]  # pool -> {(block, offset): token}
     tokens = {}  # request -> its token list (prompt, then generated)
@@ -357,8 +360,11 @@ def test_random_operations_keep_kv_content_consistent(seed):
             del tokens[rid]
         check_invariants(m)
         for other in tokens:  # written tokens of active requests are intact
-            for pos in range(m.num_committed_tokens(other)):
+            committed = m.num_committed_tokens(other)
+            for pos in range(committed):
                 for p in range(2):
+                    if p == 1 and release and pos < committed - 8 + 1:
+                        continue  # out of the window: may be released
                     assert content[p][slot_of(other, p, pos)] == tokens[other][pos]
     assert num_hits > 0  # the run exercised prefix reuse
 
@@ -375,3 +381,35 @@ def test_batch_beam_selection_errors():
         m.get_batch_cache_indices(["a", "a"], beams=[0])
     with pytest.raises(ValueError, match="unknown request id"):
         m.get_batch_cache_indices([["unhashable"]])
+
+
+def test_release_out_of_window_frees_dead_window_blocks():
+    m = KVCacheManager(
+        [32, 32],
+        4,
+        max_blocks_per_seq=8,
+        window_sizes=(None, 6),
+        layer_to_pool=[0, 1],
+        release_out_of_window=True,
+        max_beam_width=2,
+    )
+    prompt = list(range(13))
+    m.add_request("a", prompt, beam_width=2)  # 3 shared full blocks + a tail per beam
+    assert m.get_block_ids("a", pool=1, beam=0) == [1, 2, 3, 4]
+    m.commit_tokens("a", prompt[:8])  # queries from 8 on see keys >= 3: block 0 still live
+    assert m.get_block_ids("a", pool=1, beam=0) == [1, 2, 3, 4]
+    m.commit_tokens("a", prompt[8:9])  # from 9 on: keys >= 4, block 0 (positions 0-3) dead
+    assert m.get_block_ids("a", pool=1, beam=0) == [0, 2, 3, 4]
+    assert m.get_block_ids("a", pool=1, beam=1) == [0, 2, 3, 5]
+    assert m.pools[1].ref_count(1) == 0 and m.pools[1].is_free(1)
+    assert m.get_block_ids("a", pool=0) == [1, 2, 3, 4]  # full attention keeps everything
+    assert m.num_allocated_blocks("a") == 4
+    m.commit_tokens("a", prompt[9:])  # c = 13: keys >= 8 -> blocks 0, 1 dead
+    assert m.get_block_ids("a", pool=1, beam=1) == [0, 0, 3, 5]
+    flat = m.get_batch_cache_indices_flat(["a"], layer_idx=1)
+    assert flat.tolist() == [0, 0, 3, 4]
+    check_invariants(m)
+    m.free("a")  # holes are skipped
+    assert m.num_free_blocks(0) == m.num_free_blocks(1) == 31
+    # the released blocks kept their hashes: a new request reuses the whole chain
+    assert m.add_request("b", prompt).num_cached_tokens == 12
