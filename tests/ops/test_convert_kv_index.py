@@ -14,6 +14,13 @@ from kvplan.ops.convert_kv_index import (
 )
 from kvplan.ops.swa_index import index_tiles
 
+# Triton paths run on the GPU when there is one, else in the interpreter (tests/conftest.py).
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def dev(fn):
+    return TRITON_DEVICE if fn.__name__.endswith("_triton") else torch.device("cpu")
+
 
 def random_case(rng, rows, k, block_size, max_blocks=6):
     tables = rng.integers(0, 1000, size=(rows, max_blocks))
@@ -44,9 +51,10 @@ def test_matches_reference_in_place(rows, k, block_size):
     topk, bt, ctx = random_case(rng, rows, k, block_size)
     want = convert_kv_index_ref(topk, bt, ctx, block_size)
     for fn in (convert_kv_index_torch, convert_kv_index_triton):
-        t = topk.clone()
-        assert fn(t, bt, ctx, block_size) is t
-        assert torch.equal(t, want)
+        d = dev(fn)
+        t = topk.to(d, copy=True)
+        assert fn(t, bt.to(d), ctx.to(d), block_size) is t
+        assert torch.equal(t.cpu(), want)
 
 
 @pytest.mark.parametrize(
@@ -55,18 +63,20 @@ def test_matches_reference_in_place(rows, k, block_size):
 def test_out_and_strided(fn):
     rng = np.random.default_rng(11)
     topk, bt, ctx = random_case(rng, 4, 6, 8)
-    wide = torch.zeros(4, 10, dtype=torch.int32)
-    wide[:, 2:8] = topk
+    want = convert_kv_index_ref(topk, bt, ctx, 8)
+    d = dev(fn)
+    wide = torch.zeros(4, 10, dtype=torch.int32, device=d)
+    wide[:, 2:8] = topk.to(d)
     view = wide[:, 2:8]  # row stride 10
     bt_big = torch.cat([bt, torch.full((2, bt.shape[1]), -5, dtype=torch.int32)])  # extra rows
-    buf = torch.full((6, 6), 3, dtype=torch.int32)
-    res = fn(view, bt_big, ctx, 8, out=buf)
+    buf = torch.full((6, 6), 3, dtype=torch.int32, device=d)
+    res = fn(view, bt_big.to(d), ctx.to(d), 8, out=buf)
     assert res.data_ptr() == buf.data_ptr()
-    assert torch.equal(buf[:4], convert_kv_index_ref(topk, bt, ctx, 8))
+    assert torch.equal(buf[:4].cpu(), want)
     assert (buf[4:] == 3).all()
-    assert torch.equal(view, topk)  # input untouched when out is given
-    empty = torch.zeros(0, 6, dtype=torch.int32)
-    assert fn(empty, bt, torch.zeros(0, dtype=torch.int32), 8).shape == (0, 6)
+    assert torch.equal(view.cpu(), topk)  # input untouched when out is given
+    empty = torch.zeros(0, 6, dtype=torch.int32, device=d)
+    assert fn(empty, bt.to(d), torch.zeros(0, dtype=torch.int32, device=d), 8).shape == (0, 6)
 
 
 def test_errors():
@@ -106,9 +116,10 @@ def test_errors():
     "fn", [convert_kv_index_torch, convert_kv_index_triton], ids=["torch", "triton"]
 )
 def test_nothing_to_convert_with_empty_table(fn):
-    topk = torch.tensor([[-1, -1], [7, 8]], dtype=torch.int32)  # row 1: past its context
-    ctx = torch.tensor([2, 0], dtype=torch.int32)
-    got = fn(topk, torch.zeros(2, 0, dtype=torch.int32), ctx, 4)
+    d = dev(fn)
+    topk = torch.tensor([[-1, -1], [7, 8]], dtype=torch.int32, device=d)  # row 1: past context
+    ctx = torch.tensor([2, 0], dtype=torch.int32, device=d)
+    got = fn(topk, torch.zeros(2, 0, dtype=torch.int32, device=d), ctx, 4)
     assert got.tolist() == [[-1, -1], [-1, -1]]
 
 

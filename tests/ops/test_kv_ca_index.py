@@ -33,6 +33,14 @@ def test_docstring_example():
     assert expand_kv_ca_index(ol, 8)[0, :6].tolist() == [2, 3, 4, 5, -1, -1]
 
 
+# Triton paths run on the GPU when there is one, else in the interpreter (tests/conftest.py).
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def dev(fn):
+    return TRITON_DEVICE if fn.__name__.endswith("_triton") else torch.device("cpu")
+
+
 def random_offset_len(rng, rows, max_len, max_offset=5000):
     offset = rng.integers(0, max_offset, size=rows)
     length = rng.integers(0, max_len + 1, size=rows)
@@ -45,7 +53,7 @@ def test_prefill_matches_reference(rows, max_len):
     ol = random_offset_len(rng, rows, max_len)
     want = expand_kv_ca_index_ref(ol, max_len)
     assert torch.equal(expand_kv_ca_index_torch(ol, max_len), want)
-    assert torch.equal(expand_kv_ca_index_triton(ol, max_len), want)
+    assert torch.equal(expand_kv_ca_index_triton(ol.to(TRITON_DEVICE), max_len).cpu(), want)
 
 
 def random_decode(rng, rows, max_len, tpb, flat):
@@ -72,7 +80,9 @@ def test_decode_matches_reference(rows, max_len, block_size, ratio, flat):
     ol, bt = random_decode(rng, rows, max_len, block_size // ratio, flat)
     want = expand_kv_ca_index_decode_ref(ol, bt, block_size, ratio, max_len)
     assert torch.equal(expand_kv_ca_index_decode_torch(ol, bt, block_size, ratio, max_len), want)
-    assert torch.equal(expand_kv_ca_index_decode_triton(ol, bt, block_size, ratio, max_len), want)
+    ol, bt = ol.to(TRITON_DEVICE), bt.to(TRITON_DEVICE)
+    got = expand_kv_ca_index_decode_triton(ol, bt, block_size, ratio, max_len)
+    assert torch.equal(got.cpu(), want)
 
 
 def test_decode_slots_hold_the_positions():
@@ -84,7 +94,7 @@ def test_decode_slots_hold_the_positions():
         store[bt[0, p // tpb] * tpb + p % tpb] = p
     ol = torch.tensor([[0, 12], [3, 7]], dtype=torch.int32)
     for fn in (expand_kv_ca_index_decode_torch, expand_kv_ca_index_decode_triton):
-        idx = fn(ol, bt[[0, 0]], 8, 2, 12)
+        idx = fn(ol.to(dev(fn)), bt[[0, 0]].to(dev(fn)), 8, 2, 12).cpu()
         assert store[idx[0, :12].long()].tolist() == list(range(12))
         assert store[idx[1, :7].long()].tolist() == list(range(3, 10))
         assert (idx[1, 7:] == -1).all()
@@ -95,10 +105,10 @@ def test_decode_slots_hold_the_positions():
 )
 def test_out_leading_rows(fn):
     ol = random_offset_len(np.random.default_rng(2), 3, 200)
-    buf = torch.full((5, 256), 4, dtype=torch.int32)
-    res = fn(ol, 200, out=buf)
+    buf = torch.full((5, 256), 4, dtype=torch.int32, device=dev(fn))
+    res = fn(ol.to(dev(fn)), 200, out=buf)
     assert res.data_ptr() == buf.data_ptr() and res.shape == (3, 256)
-    assert torch.equal(buf[:3], expand_kv_ca_index_ref(ol, 200)) and (buf[3:] == 4).all()
+    assert torch.equal(buf[:3].cpu(), expand_kv_ca_index_ref(ol, 200)) and (buf[3:] == 4).all()
 
 
 @pytest.mark.parametrize(
@@ -107,9 +117,11 @@ def test_out_leading_rows(fn):
 )  # fmt: skip
 def test_decode_out_leading_rows(fn):
     ol, bt = random_decode(np.random.default_rng(3), 3, 50, 8, False)
-    buf = torch.full((4, 128), 4, dtype=torch.int32)
+    want = expand_kv_ca_index_decode_ref(ol, bt, 16, 2, 50)
+    ol, bt = ol.to(dev(fn)), bt.to(dev(fn))
+    buf = torch.full((4, 128), 4, dtype=torch.int32, device=dev(fn))
     fn(ol, bt, 16, 2, 50, out=buf)
-    assert torch.equal(buf[:3], expand_kv_ca_index_decode_ref(ol, bt, 16, 2, 50))
+    assert torch.equal(buf[:3].cpu(), want)
     assert (buf[3:] == 4).all()
     assert fn(ol[:0], bt, 16, 2, 50, out=buf).shape == (0, 128)
 
@@ -160,8 +172,9 @@ def test_errors():
 )  # fmt: skip
 def test_decode_empty_rows_and_table(fn):
     """Rows of length 0 read no block entry, even from a table without columns."""
-    ol = torch.tensor([[0, 0], [5, 0]], dtype=torch.int32)
-    for bt in (torch.zeros(2, 0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)):
+    ol = torch.tensor([[0, 0], [5, 0]], dtype=torch.int32, device=dev(fn))
+    for shape in ((2, 0), (0,)):
+        bt = torch.zeros(shape, dtype=torch.int32, device=dev(fn))
         assert (fn(ol, bt, 8, 2, 4) == -1).all()
 
 

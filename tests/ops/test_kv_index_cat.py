@@ -20,6 +20,14 @@ def random_table(rng, rows, width, hi=5000):
     return torch.tensor(t, dtype=torch.int32)
 
 
+# Triton paths run on the GPU when there is one, else in the interpreter (tests/conftest.py).
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def dev(fn):
+    return TRITON_DEVICE if fn.__name__.endswith("_triton") else torch.device("cpu")
+
+
 def test_docstring_example():
     swa = torch.tensor([[3, 4, -1]], dtype=torch.int32)
     ca = torch.tensor([[0, 2, -1, -1]], dtype=torch.int32)
@@ -38,18 +46,21 @@ def test_matches_reference(rows, wl, wr):
     want = kv_index_cat_ref(swa, ca, base)
     assert want.shape == (rows, wl + wr)
     assert torch.equal(kv_index_cat_torch(swa, ca, base), want)
-    assert torch.equal(kv_index_cat_triton(swa, ca, base), want)
+    got = kv_index_cat_triton(swa.to(TRITON_DEVICE), ca.to(TRITON_DEVICE), base)
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("fn", [kv_index_cat_torch, kv_index_cat_triton], ids=["torch", "triton"])
 def test_out_and_strided_inputs(fn):
     rng = np.random.default_rng(5)
     big = random_table(rng, 6, 20)
+    want = kv_index_cat_ref(big[:, 1:5], big[:, 8:19], 40)
+    big = big.to(dev(fn))
     swa, ca = big[:, 1:5], big[:, 8:19]  # views with row stride 20
-    buf = torch.full((9, 15), 123, dtype=torch.int32)
+    buf = torch.full((9, 15), 123, dtype=torch.int32, device=dev(fn))
     res = fn(swa, ca, 40, out=buf)
     assert res.data_ptr() == buf.data_ptr() and res.shape == (6, 15)
-    assert torch.equal(buf[:6], kv_index_cat_ref(swa, ca, 40))
+    assert torch.equal(buf[:6].cpu(), want)
     assert (buf[6:] == 123).all()
     assert fn(swa[:0], ca[:0], 40, out=buf).shape == (0, 15)
     assert (buf[6:] == 123).all()

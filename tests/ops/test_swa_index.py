@@ -34,6 +34,14 @@ def random_offset_len(rng, rows, window, ring, num_states=5):
     return torch.tensor(np.stack([state * ring + first, length], axis=1), dtype=torch.int32)
 
 
+# Triton paths run on the GPU when there is one, else in the interpreter (tests/conftest.py).
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def dev(fn):
+    return TRITON_DEVICE if fn.__name__.endswith("_triton") else torch.device("cpu")
+
+
 def test_docstring_examples():
     piv = torch.tensor([[10, 2, 40, 3]], dtype=torch.int32)
     assert expand_swa_index(piv, 6).tolist() == [[10, 11, 40, 41, 42, -1]]
@@ -51,7 +59,7 @@ def test_expand_swa_index_matches_reference(rows, window):
     piv = random_pivots(rng, rows, window)
     want = expand_swa_index_ref(piv, window)
     assert torch.equal(expand_swa_index_torch(piv, window), want)
-    assert torch.equal(expand_swa_index_triton(piv, window), want)
+    assert torch.equal(expand_swa_index_triton(piv.to(TRITON_DEVICE), window).cpu(), want)
 
 
 @pytest.mark.parametrize("rows, window, ring", [(1, 1, 1), (13, 7, 9), (9, 1500, 1500)])
@@ -60,7 +68,8 @@ def test_expand_swa_index_decode_matches_reference(rows, window, ring):
     ol = random_offset_len(rng, rows, window, ring)
     want = expand_swa_index_decode_ref(ol, window, ring)
     assert torch.equal(expand_swa_index_decode_torch(ol, window, ring), want)
-    assert torch.equal(expand_swa_index_decode_triton(ol, window, ring), want)
+    got = expand_swa_index_decode_triton(ol.to(TRITON_DEVICE), window, ring)
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("window, ring", [(4, 4), (4, 6), (8, 8)])
@@ -73,7 +82,7 @@ def test_decode_window_holds_the_last_positions(window, ring):
         rows.append([state * ring + (p - length + 1) % ring, length])
     ol = torch.tensor(rows, dtype=torch.int32)
     for fn in (expand_swa_index_decode_torch, expand_swa_index_decode_triton):
-        got = fn(ol, window, ring)
+        got = fn(ol.to(dev(fn)), window, ring)
         for p, row in zip(positions, got.tolist(), strict=True):
             visible = list(range(max(0, p - window + 1), p + 1))
             want = [state * ring + q % ring for q in visible]
@@ -86,10 +95,10 @@ def test_decode_window_holds_the_last_positions(window, ring):
 def test_out_writes_leading_rows_only(fn):
     rng = np.random.default_rng(0)
     piv = random_pivots(rng, 5, 12)
-    buf = torch.full((8, 12), 77, dtype=torch.int32)
-    res = fn(piv, 12, out=buf)
+    buf = torch.full((8, 12), 77, dtype=torch.int32, device=dev(fn))
+    res = fn(piv.to(dev(fn)), 12, out=buf)
     assert res.data_ptr() == buf.data_ptr() and res.shape == (5, 12)
-    assert torch.equal(buf[:5], expand_swa_index_ref(piv, 12))
+    assert torch.equal(buf[:5].cpu(), expand_swa_index_ref(piv, 12))
     assert (buf[5:] == 77).all()
 
 
@@ -98,11 +107,11 @@ def test_out_writes_leading_rows_only(fn):
 )
 def test_decode_out_and_empty(fn):
     ol = random_offset_len(np.random.default_rng(1), 3, 6, 8)
-    buf = torch.full((4, 6), 55, dtype=torch.int32)
-    fn(ol, 6, 8, out=buf)
-    assert torch.equal(buf[:3], expand_swa_index_decode_ref(ol, 6, 8))
+    buf = torch.full((4, 6), 55, dtype=torch.int32, device=dev(fn))
+    fn(ol.to(dev(fn)), 6, 8, out=buf)
+    assert torch.equal(buf[:3].cpu(), expand_swa_index_decode_ref(ol, 6, 8))
     assert (buf[3] == 55).all()
-    empty = fn(torch.zeros(0, 2, dtype=torch.int32), 6, 8, out=buf)
+    empty = fn(torch.zeros(0, 2, dtype=torch.int32, device=dev(fn)), 6, 8, out=buf)
     assert empty.shape == (0, 6) and (buf[3] == 55).all()
 
 
@@ -116,10 +125,10 @@ def test_strided_pivots_view():
     rng = np.random.default_rng(3)
     wide = torch.zeros(6, 9, dtype=torch.int32)
     wide[:, 2:6] = random_pivots(rng, 6, 10)
-    piv = wide[:, 2:6]
-    want = expand_swa_index_ref(piv.contiguous(), 10)
-    assert torch.equal(expand_swa_index_triton(piv, 10), want)
-    assert torch.equal(expand_swa_index_torch(piv, 10), want)
+    want = expand_swa_index_ref(wide[:, 2:6].contiguous(), 10)
+    assert torch.equal(expand_swa_index_torch(wide[:, 2:6], 10), want)
+    wide_dev = wide.to(TRITON_DEVICE)
+    assert torch.equal(expand_swa_index_triton(wide_dev[:, 2:6], 10).cpu(), want)
 
 
 def test_errors():
