@@ -106,6 +106,7 @@ class BlockLoadPlanBuilder:
         _check_int("num_tokens", num_tokens)
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        check_int32("total_k", self._total_k + num_tokens)  # before building the segments
         b = self.source_block_size
         num_full, rest = divmod(num_tokens, b)
         ends = np.full(num_full + (1 if rest else 0), b, dtype=np.int64)

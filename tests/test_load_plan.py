@@ -153,6 +153,8 @@ def test_total_k_overflow():
     b.append_zero_fill(2**31 - 1)
     with pytest.raises(ValueError, match="total_k"):
         b.append_segment(-1, 0, 1)
+    with pytest.raises(ValueError, match="total_k"):
+        BlockLoadPlanBuilder(1).append_zero_fill(2**31)  # rejected before 2**31 segments
     assert b.total_k == 2**31 - 1
 
 
