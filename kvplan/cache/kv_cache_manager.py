@@ -12,8 +12,9 @@ Vocabulary
 * *committed* tokens: tokens whose K/V is written, announced by ``commit_tokens``; only full
   committed blocks are hashed for prefix reuse (a block whose K/V is not written yet must not
   be found by another request).
-* one *pool* per distinct sliding-window size (VSWA); every pool holds the whole sequence
-  (full-length tables), ``layer_to_pool[layer]`` picks a layer's pool.
+* one *pool* per distinct sliding-window size (VSWA); ``layer_to_pool[layer]`` picks a
+  layer's pool. Every pool's table covers the whole sequence; with ``release_out_of_window``
+  a window pool frees the blocks no future query can see and leaves block 0 in their place.
 * beams: the prompt's full blocks are shared by all beams (one reference per beam); the
   prompt's partial last block and all later blocks are per beam. Only beam 0's partial prompt
   block is written by the context step; ``beam_fork_copies`` lists the copies that give the
@@ -31,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple
 
+from kvplan._checks import check_int32
 from kvplan.cache import block_offsets as bo
 from kvplan.cache._requests import RequestTable
 from kvplan.cache.block_pool import BlockPool, hash_block_tokens
@@ -119,6 +121,8 @@ class KVCacheManager(RequestTable, bo.BatchViews):
             raise ValueError(f"max_beam_width must be >= 1, got {max_beam_width}")
         if num_state_slots < 0:
             raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
+        for n in num_blocks:  # slots (block * block_size + offset) are int32
+            check_int32("num_blocks * block_size", n * block_size)
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_seq_len = max_blocks_per_seq * block_size

@@ -148,14 +148,18 @@ class KVCacheTensors:
         k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
         v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
 
-    def read_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_blocks(
+        self, layer: int, block_ids: torch.Tensor, *, check: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the listed blocks in compute dtype: ``[n, block_size, H, D]`` each.
 
         ``block_ids``: int ``[n]`` on the caches' device. fp8 values are dequantized
-        (value * 2^(scale_byte - 127) per 32-value group) to bfloat16.
+        (value * 2^(scale_byte - 127) per 32-value group) to bfloat16. ``check`` validates
+        the id range (one reduction; a device sync on CUDA).
         """
         check_tensor("block_ids", block_ids, dtype=(torch.int32, torch.int64), ndim=1)
-        check_range("block_ids", block_ids, 0, self.num_blocks)
+        if check:
+            check_range("block_ids", block_ids, 0, self.num_blocks)
         idx = block_ids.long()
         k_cache, v_cache = self.k_cache(layer), self.v_cache(layer)
         if self.kv_format != "fp8":

@@ -413,3 +413,16 @@ def test_release_out_of_window_frees_dead_window_blocks():
     assert m.num_free_blocks(0) == m.num_free_blocks(1) == 31
     # the released blocks kept their hashes: a new request reuses the whole chain
     assert m.add_request("b", prompt).num_cached_tokens == 12
+
+
+def test_constructor_checks():
+    with pytest.raises(ValueError, match="overflows int32"):
+        KVCacheManager(2**26, 64, max_blocks_per_seq=4)
+    with pytest.raises(ValueError, match="num_blocks has 1 entries for 2 pools"):
+        KVCacheManager([8], 4, max_blocks_per_seq=4, window_sizes=(None, 4), layer_to_pool=[0])
+    with pytest.raises(ValueError, match="layer_to_pool\\[1\\] = 2"):
+        KVCacheManager(8, 4, max_blocks_per_seq=4, window_sizes=(None, 4), layer_to_pool=[0, 2])
+    with pytest.raises(ValueError, match="block_size"):
+        KVCacheManager(8, 0, max_blocks_per_seq=4)
+    with pytest.raises(ValueError, match="window_sizes entries"):
+        KVCacheManager(8, 4, max_blocks_per_seq=4, window_sizes=(0,))

@@ -118,3 +118,9 @@ def test_gpu_store_equals_cpu_store(kv_format):
         cpu.raw_v_cache(0).view(torch.uint8).flatten(),
         gpu.raw_v_cache(0).cpu().view(torch.uint8).flatten(),
     )
+
+
+def test_read_blocks_checks_ids():
+    kv = KVCacheTensors(1, num_blocks=3, block_size=2, num_kv_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match="block_ids holds 3"):
+        kv.read_blocks(0, torch.tensor([0, 3]))
