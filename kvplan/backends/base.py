@@ -43,6 +43,8 @@ class AttentionBackend:
 
     name: ClassVar[str] = "base"
     Metadata: ClassVar[type[AttentionMetadata]] = AttentionMetadata
+    # whether _attend implements the sparse path chosen by use_sparse_attention
+    supports_sparse: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -129,6 +131,11 @@ class AttentionBackend:
     ) -> torch.Tensor:
         """Store this step's K/V into ``metadata.kv_cache`` (layer ``layer_idx``), then attend."""
         self._check_inputs(q, k, v, metadata)
+        if self.uses_sparse(metadata) and not self.supports_sparse:
+            raise NotImplementedError(
+                f"layer {self.layer_idx} is sparse (use_sparse_attention) but the {self.name!r} "
+                "backend has no sparse path; use 'vanilla' for sparse layers"
+            )
         pool = self.pool(metadata)
         if (
             metadata.kv_cache_manager is not None

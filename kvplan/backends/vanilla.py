@@ -77,24 +77,35 @@ class VanillaAttentionMetadata(AttentionMetadata):
         if use_sparse_attention(self.sparse_metadata_params):
             self.sparse_blocks = self._sparse_block_masks(width)
 
-    def _sparse_block_masks(self, width: int) -> list[np.ndarray] | None:
-        """Per sequence, the logical blocks the sparse selection keeps (host bool masks)."""
+    def _sparse_block_masks(self, width: int) -> list[np.ndarray]:
+        """Per sequence, the logical blocks the sparse selection keeps (host bool masks).
+
+        Reads ``sparse_runtime_params.sparse_kv_indices`` / ``sparse_kv_offsets`` (host int
+        tensors; a device tensor costs a sync here). Sparse layers without a selection are a
+        caller error, never a silent fall back to dense attention.
+        """
         rt = self.sparse_runtime_params
         if rt.sparse_kv_indices is None or rt.sparse_kv_offsets is None:
-            return None
+            raise ValueError(
+                "sparse_metadata_params makes some layers sparse, so "
+                "sparse_runtime_params.sparse_kv_indices and sparse_kv_offsets must be set"
+            )
         idx = rt.sparse_kv_indices.cpu().numpy()
         off = rt.sparse_kv_offsets.cpu().numpy()
-        if off.size != self.num_seqs + 1:
+        if off.size != self.num_seqs + 1 or off[0] != 0 or (np.diff(off) < 0).any():
             raise ValueError(
-                f"sparse_kv_offsets has {off.size} entries, expected num_seqs + 1 = "
-                f"{self.num_seqs + 1}"
+                f"sparse_kv_offsets must be {self.num_seqs + 1} nondecreasing offsets from 0, "
+                f"got {off.tolist()}"
             )
+        if int(off[-1]) > idx.size:
+            raise ValueError(f"sparse_kv_offsets end at {int(off[-1])} > {idx.size} indices")
         masks = []
         for b in range(self.num_seqs):
             sel = idx[off[b] : off[b + 1]]
-            if sel.size and (sel.min() < 0 or sel.max() >= max(width, 1)):
+            nb = int(self.num_blocks_np[b])
+            if sel.size and (sel.min() < 0 or sel.max() >= nb):
                 raise ValueError(
-                    f"sparse_kv_indices of sequence {b} hold a block outside [0, {width})"
+                    f"sparse_kv_indices of sequence {b} name a block outside [0, {nb})"
                 )
             m = np.zeros(width, bool)
             m[sel] = True
@@ -143,6 +154,7 @@ class VanillaAttention(AttentionBackend):
 
     name = "vanilla"
     Metadata = VanillaAttentionMetadata
+    supports_sparse = True
 
     def _attend(self, q, k, v, metadata, pool, out):
         md: VanillaAttentionMetadata = metadata

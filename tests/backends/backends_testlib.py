@@ -261,8 +261,17 @@ def fill_metadata(md, sc: Scenario) -> None:
         md.seq_lens_kv = sc.seq_lens_kv
 
 
-def reference_attention(sc: Scenario, layer: int, window: int | None, scale: float | None = None):
-    """Dense per-query float64 reference: ``[num_tokens, H, D]``."""
+def reference_attention(
+    sc: Scenario,
+    layer: int,
+    window: int | None,
+    scale: float | None = None,
+    selected_blocks: list[set[int]] | None = None,
+):
+    """Dense per-query float64 reference: ``[num_tokens, H, D]``.
+
+    ``selected_blocks[row]``: logical blocks a sparse selection keeps (None = all).
+    """
     h, hkv, d = sc.num_heads, sc.num_kv_heads, sc.head_dim
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q = sc.q.to(torch.float64).cpu()
@@ -278,11 +287,15 @@ def reference_attention(sc: Scenario, layer: int, window: int | None, scale: flo
             else:
                 lo = 0 if window is None else max(0, p - window + 1)
                 visible = list(range(lo, p + 1))
-            for head in range(h):
-                g = head // (h // hkv)
-                s = torch.stack([q[t, head] @ kk[j, g] for j in visible]) * scale
-                w = torch.softmax(s, 0)
-                out[t, head] = sum(w[n] * vv[j, g] for n, j in enumerate(visible))
+            if selected_blocks is not None:
+                bs = sc.manager.block_size
+                visible = [j for j in visible if j // bs in selected_blocks[row]]
+            idx = torch.tensor(visible, dtype=torch.long)
+            heads = torch.arange(h) // (h // hkv)  # KV head of each query head
+            k_vis = kk[idx][:, heads]  # [V, H, D]
+            v_vis = vv[idx][:, heads]
+            s = torch.einsum("hd,vhd->hv", q[t], k_vis) * scale
+            out[t] = torch.einsum("hv,vhd->hd", torch.softmax(s, dim=1), v_vis)
             t += 1
     return out
 
