@@ -8,13 +8,13 @@ Semantics (they define the bytes; the GPU kernel must reproduce them exactly):
 * UE8M0 scale: ``e = ceil(log2(max(amax, 1e-4) / QMAX))`` (fp32 division), QMAX = 448 (e4m3) or
   6 (e2m1); ``value = RNE(x * 2^-e)`` in the target type (equal to ``x / 2^e``); the stored byte
   is ``e + 127`` and dequantization multiplies by ``2^(byte - 127)``.
-* e4m3 scale (V41_FP4): ``sf = e4m3(min(max(amax, 6 * 2^-9) / 6, 448))``;
+* e4m3 scale (V41_FP4): ``sf = e4m3(min(max(amax, QMAX * 2^-9) / QMAX, 448))``;
   ``value = e2m1(x * (1 / sf))`` with ``1 / sf`` rounded to fp32 once, so store and load use the
   same rounded scale; dequantization multiplies by ``sf``.
-* fp32 scale: ``sf = max(amax, 1e-4) / 448``; ``value = e4m3(x / sf)``; dequantization
+* fp32 scale: ``sf = max(amax, 1e-4) / QMAX``; ``value = e4m3(x / sf)``; dequantization
   multiplies by ``sf``.
 * Encoding rounds to nearest, ties to even, and saturates at +-QMAX (only reachable with the
-  e4m3 scale, whose rounding or the 448 clamp can leave ``x * (1 / sf)`` above 6). The sign is
+  e4m3 scale, whose rounding or the 448 clamp can leave ``x * (1 / sf)`` above QMAX). The sign is
   kept, so a negative value that rounds to zero is stored as negative zero.
 * FP4 packs element 2i in the low nibble of byte i.
 * A cast load returns ``bf16(fp32(value) * fp32(scale))`` (one fp32 product, one RNE to BF16).
@@ -107,12 +107,13 @@ def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torc
         codes = encode_minifloat(xg * pow2(-exp)[..., None], dtype)
         scales = (exp + 127).to(torch.uint8)
     elif layout.sf_format == "e4m3":
-        sf = (amax.clamp(min=E4M3_MIN_SUBNORMAL * E2M1_MAX) / E2M1_MAX).clamp(max=E4M3_MAX)
+        qmax = _MINIFLOAT[dtype][3]
+        sf = (amax.clamp(min=E4M3_MIN_SUBNORMAL * qmax) / qmax).clamp(max=E4M3_MAX)
         scales = encode_minifloat(sf, "e4m3")
         inv = 1.0 / decode_e4m3(scales)
         codes = encode_minifloat(xg * inv[..., None], dtype)
     else:
-        sf = amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
+        sf = amax.clamp(min=AMAX_FLOOR) / _MINIFLOAT[dtype][3]
         codes = encode_minifloat(xg / sf[..., None], dtype)
         scales = sf.contiguous().view(torch.uint8).view(n, -1)
     codes = codes.view(n, -1)[:, : layout.quantized_elements]
@@ -182,12 +183,12 @@ def quantize_group_ref(xs: list[float], layout: KVCacheFormat) -> tuple[list[int
         codes = [encode(f32(v) / f32(2.0**e)) for v in xs]
         return codes, [e + 127]
     if layout.sf_format == "e4m3":
-        s = min(max(amax, f32(E4M3_MIN_SUBNORMAL * E2M1_MAX)) / f32(E2M1_MAX), f32(E4M3_MAX))
+        s = min(max(amax, f32(E4M3_MIN_SUBNORMAL) * qmax) / qmax, f32(E4M3_MAX))
         code = encode_e4m3_ref(torch.tensor(float(s), dtype=torch.float32))
         sf = f32(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).item())
         inv = f32(1.0) / sf
         return [encode(f32(v) * inv) for v in xs], [code]
-    sf = max(amax, f32(AMAX_FLOOR)) / f32(E4M3_MAX)
+    sf = max(amax, f32(AMAX_FLOOR)) / qmax
     return [encode(f32(v) / sf) for v in xs], list(np.array([sf], dtype=np.float32).view(np.uint8))
 
 

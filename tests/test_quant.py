@@ -71,6 +71,7 @@ EXTRA_FORMATS = [
     KVCacheFormat("e4m3", 40, 24, 0, True, "ue8m0", "partial last group", True),
     KVCacheFormat("e2m1", 36, 10, 0, False, "fp32", "fp4 with fp32 scales"),
     KVCacheFormat("e2m1", 24, 6, 0, True, "e4m3", "fp4 e4m3 scales, odd groups", True),
+    KVCacheFormat("e4m3", 48, 16, 0, False, "e4m3", "fp8 with e4m3 scales"),
 ]
 
 

@@ -82,13 +82,13 @@ def store_quant_kernel(
         q = x * pow2(-exp)[:, :, None]
         sbytes = exp + 127  # [ROWS, G_P2]
     elif SF == 1:
-        sf = tl.minimum(tl.div_rn(tl.maximum(amax, 0.01171875), amax * 0 + 6.0), 448.0)
+        sf = tl.minimum(tl.div_rn(tl.maximum(amax, QMAX * 0.001953125), amax * 0 + QMAX), 448.0)
         sbytes = encode_e4m3(sf)
         sf_val = decode_e4m3(sbytes)
         inv = tl.div_rn(sf_val * 0 + 1.0, sf_val)
         q = x * inv[:, :, None]
     else:
-        sf = tl.div_rn(tl.maximum(amax, 1e-4), amax * 0 + 448.0)
+        sf = tl.div_rn(tl.maximum(amax, 1e-4), amax * 0 + QMAX)
         q = tl.div_rn(x, tl.broadcast_to(sf[:, :, None], x.shape))
         bits = sf.to(tl.int32, bitcast=True)
         shifts = tl.arange(0, 4) * 8

@@ -25,6 +25,7 @@ ODD_FORMATS = [
     KVCacheFormat("e4m3", 40, 24, 0, True, "ue8m0", "partial last group", True),
     KVCacheFormat("e2m1", 36, 10, 0, False, "fp32", "fp4 fp32 scales"),
     KVCacheFormat("e2m1", 24, 6, 0, True, "e4m3", "fp4 e4m3 odd groups", True),
+    KVCacheFormat("e4m3", 48, 16, 0, False, "e4m3", "fp8 with e4m3 scales"),
     bf16_format(3),
 ]
 ALL_FORMATS = [*SUPPORTED_KV_CACHE_FORMATS, ENGINE_FP8, bf16_format(24), *ODD_FORMATS]

@@ -1,0 +1,151 @@
+"""Triton kernels of ``load_paged_kv_cache``.
+
+Grid ``(num_segments, cdiv(block_size, TILE_T))``: program (s, i) handles tokens
+``src_begin + i * TILE_T + [0, TILE_T)`` of segment s (those below ``src_end``). Byte addressing
+of the cache is the one of ``kvplan.ops._store_kernels``. A segment with ``src_block == -1``
+reads nothing and writes zeros. Rows outside the cache or the output are dropped (the host
+validates plans; the masks keep an unchecked call from touching memory it does not own).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3, scale_multipliers
+
+
+@triton.jit
+def _segment_rows(seg_ptr, num_blocks, block_size, total_k, TILE_T: tl.constexpr):
+    """(write mask, read mask, source block, token in block, destination row) per tile row."""
+    seg = tl.program_id(0).to(tl.int64)
+    src = tl.load(seg_ptr + seg * 4)
+    begin = tl.load(seg_ptr + seg * 4 + 1)
+    end = tl.load(seg_ptr + seg * 4 + 2)
+    dst = tl.load(seg_ptr + seg * 4 + 3)
+    t = begin + tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
+    dst_row = (dst + t - begin).to(tl.int64)
+    ok = (t >= 0) & (t < end) & (t < block_size) & (dst_row >= 0) & (dst_row < total_k)
+    ok = ok & (src >= -1) & (src < num_blocks)
+    read = ok & (src >= 0)
+    block = tl.maximum(src, 0).to(tl.int64)
+    t = tl.where(ok, t, 0).to(tl.int64)
+    return ok, read, block, t, dst_row
+
+
+@triton.jit
+def load_cast_kernel(
+    cache_ptr,  # uint8, block 0 of the cache
+    seg_ptr,  # int32 [num_segments, 4]
+    out_ptr,  # int16 view of the bf16 output [total_k, E] (row stride out_stride)
+    out_stride,
+    num_blocks,
+    block_size,
+    total_k,
+    block_stride,
+    v_stride,
+    s_block_off,
+    s_stride,
+    E: tl.constexpr,
+    GS: tl.constexpr,
+    G: tl.constexpr,
+    GS_P2: tl.constexpr,
+    G_P2: tl.constexpr,
+    GB: tl.constexpr,
+    GB_P2: tl.constexpr,
+    FP4: tl.constexpr,
+    SF: tl.constexpr,
+    SB: tl.constexpr,
+    TILE_T: tl.constexpr,
+    VALIGN: tl.constexpr,
+    SALIGN: tl.constexpr,
+    OALIGN: tl.constexpr,
+):
+    """Dequantize: out[dst] = bf16(fp32(value) * fp32(scale))."""
+    ok, read, block, t, dst = _segment_rows(seg_ptr, num_blocks, block_size, total_k, TILE_T)
+    vbase = tl.multiple_of(block * block_stride + t * v_stride, VALIGN)
+    sbase = tl.multiple_of(block * block_stride + s_block_off + t * s_stride, SALIGN)
+    g = tl.arange(0, G_P2)
+    if GB == GB_P2 and G == G_P2:
+        j = tl.arange(0, G_P2 * GB_P2)
+        vb = tl.load(cache_ptr + vbase[:, None] + j[None, :], mask=read[:, None], other=0)
+        vb = tl.reshape(vb, [TILE_T, G_P2, GB_P2]).to(tl.int32)
+    else:
+        b = tl.arange(0, GB_P2)
+        bidx = g[:, None] * GB + b[None, :]
+        bmask = (g[:, None] < G) & (b[None, :] < GB)
+        ptr = cache_ptr + vbase[:, None, None] + bidx[None, :, :]
+        vb = tl.load(ptr, mask=read[:, None, None] & bmask[None, :, :], other=0).to(tl.int32)
+    if FP4:
+        codes = tl.reshape(tl.join(vb & 15, vb >> 4), [TILE_T, G_P2, GS_P2])
+        vals = decode_e2m1(codes)
+    else:
+        vals = decode_e4m3(vb)
+    js = tl.arange(0, G_P2 * SB)
+    sb = tl.load(cache_ptr + sbase[:, None] + js[None, :], mask=read[:, None] & (js < G * SB)[None, :], other=0)  # fmt: skip
+    sb = sb.to(tl.int32)
+    if SB == 4:
+        sb = tl.reshape(sb, [TILE_T, G_P2, 4])
+    mult = scale_multipliers(sb, SF)  # [TILE_T, G_P2]
+    bits = bf16_bits(vals * mult[:, :, None]).to(tl.int16)  # [TILE_T, G_P2, GS_P2]
+    obase = tl.multiple_of(dst * out_stride, OALIGN)
+    if GS == GS_P2 and G == G_P2:
+        e = tl.arange(0, G_P2 * GS_P2)
+        flat = tl.reshape(bits, [TILE_T, G_P2 * GS_P2])
+        tl.store(out_ptr + obase[:, None] + e[None, :], flat, mask=ok[:, None])
+    else:
+        k = tl.arange(0, GS_P2)
+        elem = g[:, None] * GS + k[None, :]
+        emask = (g[:, None] < G) & (k[None, :] < GS) & (elem < E)
+        ptr = out_ptr + obase[:, None, None] + elem[None, :, :]
+        tl.store(ptr, bits, mask=ok[:, None, None] & emask[None, :, :])
+
+
+@triton.jit
+def load_raw_kernel(
+    cache_ptr,  # uint8, block 0 of the cache
+    seg_ptr,  # int32 [num_segments, 4]
+    outv_ptr,  # uint8 view of the values output, row stride outv_stride bytes
+    outv_stride,
+    outs_ptr,  # uint8 view of the scales output (unused without scales)
+    outs_stride,
+    num_blocks,
+    block_size,
+    total_k,
+    block_stride,
+    v_stride,
+    s_block_off,
+    s_stride,
+    VB: tl.constexpr,  # value bytes per token
+    VCOLS: tl.constexpr,  # power of two, value bytes per inner step
+    SB_IN: tl.constexpr,  # scale bytes per token in the cache (0: no scales)
+    SB_OUT: tl.constexpr,  # scale bytes per output row (zero padded, e.g. UE8M0 to int32s)
+    SCOLS: tl.constexpr,  # next power of two of SB_OUT
+    TILE_T: tl.constexpr,
+    VALIGN: tl.constexpr,
+    SALIGN: tl.constexpr,
+    OVALIGN: tl.constexpr,
+    OSALIGN: tl.constexpr,
+):
+    """Copy raw record bytes (index caches and BF16 caches) into contiguous outputs."""
+    ok, read, block, t, dst = _segment_rows(seg_ptr, num_blocks, block_size, total_k, TILE_T)
+    vbase = tl.multiple_of(block * block_stride + t * v_stride, VALIGN)
+    obase = tl.multiple_of(dst * outv_stride, OVALIGN)
+    for c0 in tl.static_range(0, VB, VCOLS):
+        j = c0 + tl.arange(0, VCOLS)
+        if VB % VCOLS == 0:
+            v = tl.load(cache_ptr + vbase[:, None] + j[None, :], mask=read[:, None], other=0)
+            tl.store(outv_ptr + obase[:, None] + j[None, :], v, mask=ok[:, None])
+        else:
+            cm = (j < VB)[None, :]
+            v = tl.load(cache_ptr + vbase[:, None] + j[None, :], mask=read[:, None] & cm, other=0)
+            tl.store(outv_ptr + obase[:, None] + j[None, :], v, mask=ok[:, None] & cm)
+    if SB_IN > 0:
+        sbase = tl.multiple_of(block * block_stride + s_block_off + t * s_stride, SALIGN)
+        osbase = tl.multiple_of(dst * outs_stride, OSALIGN)
+        j = tl.arange(0, SCOLS)
+        smask = read[:, None] & (j < SB_IN)[None, :]
+        s = tl.load(cache_ptr + sbase[:, None] + j[None, :], mask=smask, other=0)
+        tl.store(
+            outs_ptr + osbase[:, None] + j[None, :], s, mask=ok[:, None] & (j < SB_OUT)[None, :]
+        )

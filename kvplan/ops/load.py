@@ -1,0 +1,289 @@
+"""``load_paged_kv_cache``: gather block ranges of a paged cache into a contiguous buffer.
+
+A load plan is int32 ``[num_segments, 4]``, rows ``[src_block, src_begin, src_end,
+dst_offset]``: tokens ``src_begin .. src_end - 1`` of block ``src_block`` go to output rows
+``dst_offset ..``; ``src_block == -1`` writes zeros. Plans come from
+:class:`kvplan.BlockLoadPlanBuilder`. Example (block_size 4)::
+
+    segments = [[7, 2, 4, 0],    # block 7, tokens 2..3 -> rows 0..1
+                [-1, 0, 3, 2],   # three zero rows     -> rows 2..4
+                [3, 0, 4, 5]]    # block 3, tokens 0..3 -> rows 5..8   (total_k = 9)
+
+CUDA tensors run the Triton kernels of ``kvplan.ops._load_kernels``, CPU tensors the vectorized
+torch path; ``load_paged_kv_cache_ref`` is the per-element reference used by tests.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from kvplan import quant
+from kvplan._checks import check_int32, check_same_device, check_tensor
+from kvplan.formats import KVCacheFormat, resolve_kv_cache_layout, split_kv_cache
+from kvplan.load_plan import validate_load_plan
+from kvplan.ops._dispatch import use_triton
+from kvplan.ops.store import _SF_KIND, cache_bytes, flat_bytes, pow2_alignment, row_bases
+
+
+class LoadedIndexKV(NamedTuple):
+    """Raw output of an index-cache load (formats with ``do_cast=False``).
+
+    values: ``[total_k, value_bytes]`` float8_e4m3fn (e4m3) or float4_e2m1fn_x2 (e2m1, two
+        elements per byte).
+    scales: UE8M0 -> int32 ``[total_k, ceil(num_scales / 4)]`` (four exponent bytes per int32,
+        little-endian, zero padded); e4m3 -> float8_e4m3fn ``[total_k, num_scales]``;
+        fp32 -> float32 ``[total_k, num_scales]``. The last axis is dropped when it is 1.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+def _is_cast(layout: KVCacheFormat) -> bool:
+    """BF16 output: dequantizing formats and plain BF16 caches."""
+    return layout.do_cast or not layout.is_quantized
+
+
+def _scale_out_spec(layout: KVCacheFormat) -> tuple[torch.dtype, int, int]:
+    """(dtype, columns, bytes per row) of the scales output of an index load."""
+    if layout.sf_format == "ue8m0":
+        cols = -(-layout.num_scales // 4)
+        return torch.int32, cols, 4 * cols
+    if layout.sf_format == "e4m3":
+        return torch.float8_e4m3fn, layout.num_scales, layout.num_scales
+    return torch.float32, layout.num_scales, layout.sf_bytes
+
+
+def _alloc_out(layout: KVCacheFormat, total_k: int, device: torch.device):
+    if _is_cast(layout):
+        return torch.empty((total_k, layout.elements), dtype=torch.bfloat16, device=device)
+    vdtype = torch.float8_e4m3fn if layout.quantized_dtype == "e4m3" else torch.uint8
+    values = torch.empty((total_k, layout.quantized_bytes), dtype=vdtype, device=device)
+    if layout.quantized_dtype == "e2m1":
+        values = values.view(torch.float4_e2m1fn_x2)
+    sdtype, cols, _ = _scale_out_spec(layout)
+    shape = (total_k,) if cols == 1 else (total_k, cols)
+    return LoadedIndexKV(values, torch.empty(shape, dtype=sdtype, device=device))
+
+
+def _rows_view(name: str, t: object, total_k: int, width: int, dtypes, device) -> torch.Tensor:
+    """``t`` as a ``[total_k, width]`` view whose rows may be strided but whose last axis is
+    contiguous (``[total_k, 1, width]`` slices of a larger buffer are accepted)."""
+    check_tensor(name, t, dtype=dtypes, device=device)
+    if t.dim() == 0 or t.shape[0] != total_k or math.prod(t.shape[1:]) != width:
+        raise ValueError(f"{name} must hold [total_k={total_k}, {width}], got {tuple(t.shape)}")
+    try:
+        rows = t.view(total_k, width)
+    except RuntimeError:
+        rows = None
+    if rows is None or (width > 1 and rows.stride(1) != 1):
+        raise ValueError(
+            f"{name} rows must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})"
+        )
+    return rows
+
+
+def _byte_outputs(layout, out, total_k, device):
+    """Validate ``out`` and return (out, uint8 value rows, uint8 scale rows or None)."""
+    if _is_cast(layout):
+        rows = _rows_view("out", out, total_k, layout.elements, torch.bfloat16, device)
+        return out, rows, None
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError(f"out must be a (values, scales) pair for index format {layout.note!r}")
+    values, scales = out
+    vdtypes = (
+        (torch.float8_e4m3fn, torch.uint8)
+        if layout.quantized_dtype == "e4m3"
+        else (torch.float4_e2m1fn_x2, torch.uint8)
+    )
+    v = _rows_view("out.values", values, total_k, layout.quantized_bytes, vdtypes, device)
+    sdtype, cols, _ = _scale_out_spec(layout)
+    s = _rows_view("out.scales", scales, total_k, cols, sdtype, device)
+    return LoadedIndexKV(values, scales), v.view(torch.uint8), s.view(torch.uint8)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _prepare(kv_cache, load_segments, total_k, out, layout, check):
+    layout = resolve_kv_cache_layout(kv_cache, layout)
+    check_tensor("load_segments", load_segments, dtype=torch.int32, shape=(None, 4))
+    check_same_device(kv_cache=kv_cache, load_segments=load_segments)
+    if isinstance(total_k, bool) or not isinstance(total_k, int) or total_k < 0:
+        raise ValueError(f"total_k must be a non-negative int, got {total_k!r}")
+    check_int32("total_k", total_k)
+    raw, geo = cache_bytes(kv_cache, layout)
+    if check and not _capturing(kv_cache):
+        validate_load_plan(load_segments, total_k, geo.num_blocks, geo.block_size)
+    if out is None:
+        out = _alloc_out(layout, total_k, kv_cache.device)
+    out, vrows, srows = _byte_outputs(layout, out, total_k, kv_cache.device)
+    return layout, raw, geo, out, vrows, srows, load_segments.contiguous()
+
+
+def load_paged_kv_cache(
+    kv_cache: torch.Tensor,
+    load_segments: torch.Tensor,
+    total_k: int,
+    out: torch.Tensor | LoadedIndexKV | None = None,
+    *,
+    layout: KVCacheFormat | None = None,
+    check: bool = True,
+) -> torch.Tensor | LoadedIndexKV:
+    """Gather the rows named by ``load_segments`` into a contiguous ``[total_k, ...]`` buffer.
+
+    Args:
+        kv_cache: cache from :func:`kvplan.alloc_kv_cache` (or a bfloat16 plain cache).
+        load_segments: int32 ``[num_segments, 4]`` on the cache's device (module docstring).
+        total_k: output rows.
+        out: optional output written in place: bfloat16 ``[total_k, elements]`` (or any shape
+            ``[total_k, ...]`` with contiguous rows, e.g. a slice of a ``[N, 1, D]`` buffer)
+            for cast and BF16 formats, a ``(values, scales)`` pair shaped as in
+            :class:`LoadedIndexKV` for index formats. Rows not named by the plan are left
+            untouched; without ``out`` they are uninitialized (``torch.empty``).
+        layout: the cache format; inferred when ``None``.
+        check: validate the plan with :func:`kvplan.validate_load_plan` (ranges and overlapping
+            destinations; one host copy of the plan; skipped during CUDA-graph capture).
+
+    Returns ``out`` (or the new output): a BF16 tensor for ``do_cast`` and BF16 formats,
+    ``LoadedIndexKV(values, scales)`` for index formats. An empty plan launches nothing.
+    """
+    layout, raw, geo, out, vrows, srows, segs = _prepare(
+        kv_cache, load_segments, total_k, out, layout, check
+    )
+    if segs.shape[0] == 0 or total_k == 0:
+        return out
+    if use_triton(raw):
+        _launch(raw, segs, vrows, srows, layout, geo)
+    else:
+        _load_torch(raw, segs, vrows, srows, layout, geo)
+    return out
+
+
+def load_paged_kv_cache_torch(kv_cache, load_segments, total_k, out=None, *, layout=None):
+    """Vectorized torch path of :func:`load_paged_kv_cache` (any device)."""
+    layout, raw, geo, out, vrows, srows, segs = _prepare(
+        kv_cache, load_segments, total_k, out, layout, True
+    )
+    if segs.shape[0] and total_k:
+        _load_torch(raw, segs, vrows, srows, layout, geo)
+    return out
+
+
+def load_paged_kv_cache_triton(
+    kv_cache, load_segments, total_k, out=None, *, layout=None, config=None
+):
+    """Triton path of :func:`load_paged_kv_cache`; ``config`` (``tile_t``, ``num_warps``)
+    overrides the launch parameters for benchmarks."""
+    layout, raw, geo, out, vrows, srows, segs = _prepare(
+        kv_cache, load_segments, total_k, out, layout, True
+    )
+    if segs.shape[0] and total_k:
+        _launch(raw, segs, vrows, srows, layout, geo, config)
+    return out
+
+
+def _expand_plan(segs: torch.Tensor, block_size: int):
+    """Per output row: (source slot or -1, destination row), int64."""
+    src, begin, end, dst = segs.long().unbind(1)
+    length = (end - begin).clamp(min=0)
+    seg = torch.repeat_interleave(torch.arange(segs.shape[0], device=segs.device), length)
+    start = torch.cumsum(length, 0) - length
+    local = torch.arange(seg.numel(), device=segs.device) - start[seg]
+    slot = torch.where(src[seg] >= 0, src[seg] * block_size + begin[seg] + local, -1)
+    return slot, dst[seg] + local
+
+
+def _load_torch(raw, segs, vrows, srows, layout, geo) -> None:
+    slot, dst = _expand_plan(segs, geo.block_size)
+    read = slot >= 0
+    flat = flat_bytes(raw, geo)
+    vbase, sbase = row_bases(slot.clamp(min=0), geo)
+    vb = layout.value_bytes
+    values = flat[vbase[:, None] + torch.arange(vb, device=raw.device)]
+    values = torch.where(read[:, None], values, 0)
+    if not layout.is_quantized:
+        vrows.view(torch.uint8)[dst] = values
+        return
+    scales = flat[sbase[:, None] + torch.arange(layout.sf_bytes, device=raw.device)]
+    scales = torch.where(read[:, None], scales, 0)
+    if layout.do_cast:
+        vrows[dst] = quant.dequantize(values, scales, layout)
+        return
+    vrows[dst] = values
+    pad = srows.shape[1] - layout.sf_bytes
+    srows[dst] = torch.nn.functional.pad(scales, (0, pad))
+
+
+def _launch(raw, segs, vrows, srows, layout, geo, config=None) -> None:
+    from kvplan.ops import _load_kernels as k
+
+    config = config or {}
+    num_segments = segs.shape[0]
+    common = (geo.num_blocks, geo.block_size, vrows.shape[0], geo.block_stride, geo.v_stride,
+              geo.s_block_off, geo.s_stride)  # fmt: skip
+    if layout.is_quantized and layout.do_cast:
+        gs, g = layout.elements_per_sf, layout.num_scales
+        gs_p2, g_p2 = _next_pow2(gs), _next_pow2(g)
+        fp4 = layout.quantized_dtype == "e2m1"
+        tile = config.get("tile_t", min(_next_pow2(geo.block_size), max(1, 8192 // (g_p2 * gs_p2))))
+        out16 = vrows.view(torch.int16)
+        k.load_cast_kernel[(num_segments, -(-geo.block_size // tile))](
+            raw, segs, out16, out16.stride(0), *common,
+            E=layout.quantized_elements, GS=gs, G=g, GS_P2=gs_p2, G_P2=g_p2,
+            GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2, FP4=fp4,
+            SF=_SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
+            TILE_T=tile, VALIGN=geo.v_align, SALIGN=geo.s_align,
+            OALIGN=pow2_alignment(out16.stride(0), cap=8),
+            num_warps=config.get("num_warps", 8),
+        )  # fmt: skip
+        return
+    vbytes = vrows.view(torch.uint8)
+    vb = layout.value_bytes
+    vcols = min(_next_pow2(vb), 1024)
+    sbytes = srows if srows is not None else vbytes
+    sb_out = srows.shape[1] if srows is not None else 0
+    tile = config.get("tile_t", min(_next_pow2(geo.block_size), max(1, 8192 // vcols)))
+    k.load_raw_kernel[(num_segments, -(-geo.block_size // tile))](
+        raw, segs, vbytes, vbytes.stride(0), sbytes, sbytes.stride(0), *common,
+        VB=vb, VCOLS=vcols, SB_IN=layout.sf_bytes, SB_OUT=sb_out,
+        SCOLS=_next_pow2(max(sb_out, 1)), TILE_T=tile, VALIGN=geo.v_align,
+        SALIGN=geo.s_align, OVALIGN=pow2_alignment(vbytes.stride(0)),
+        OSALIGN=pow2_alignment(sbytes.stride(0)),
+        num_warps=config.get("num_warps", 4),
+    )  # fmt: skip
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def load_paged_kv_cache_ref(kv_cache, load_segments, total_k, *, layout=None):
+    """Per-token, per-element reference (tests only). Returns the BF16 rows for cast/BF16
+    formats, else ``(value bytes uint8 [total_k, value_bytes], scale bytes uint8
+    [total_k, sf_bytes])``; rows not named by the plan are zero."""
+    layout = resolve_kv_cache_layout(kv_cache, layout)
+    values, scales = split_kv_cache(kv_cache, layout)
+    cast = _is_cast(layout)
+    width = layout.elements if cast else layout.quantized_bytes
+    out = torch.zeros(total_k, width, dtype=torch.bfloat16 if cast else torch.uint8)
+    out_s = torch.zeros(total_k, layout.sf_bytes, dtype=torch.uint8)
+    for src, begin, end, dst in load_segments.tolist():
+        for i, t in enumerate(range(begin, end)):
+            if src < 0:
+                continue
+            if not layout.is_quantized:
+                out[dst + i] = values[src, t]
+                continue
+            vbytes = values[src, t].view(torch.uint8)
+            sbytes = scales[src, t].contiguous().view(torch.uint8)
+            if cast:
+                out[dst + i] = quant.dequantize_ref(vbytes.tolist(), sbytes.tolist(), layout)
+            else:
+                out[dst + i] = vbytes
+                out_s[dst + i] = sbytes
+    return out if cast else (out, out_s)
