@@ -40,7 +40,25 @@ _EXPORTS: dict[str, str] = {
     "SamplingParams": "kvplan.engine.sampling",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BlockLoadPlanBuilder",
+    "FP4_INDEX_KV_FORMAT",
+    "FP8_FLOAT32_SF_INDEX_KV_FORMAT",
+    "KVCacheFormat",
+    "LLM",
+    "MXFP8_INDEX_KV_FORMAT",
+    "SUPPORTED_KV_CACHE_FORMATS",
+    "SamplingParams",
+    "V41_FORMAT",
+    "V41_FP4_FORMAT",
+    "alloc_kv_cache",
+    "bf16_format",
+    "load_paged_kv_cache",
+    "resolve_kv_cache_layout",
+    "split_kv_cache",
+    "store_kv_cache",
+    "validate_load_plan",
+]
 
 
 def __getattr__(name: str) -> Any:
