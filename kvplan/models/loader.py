@@ -106,6 +106,8 @@ def _tokenizer_from_folder(folder: Path) -> Any | None:
 
 def resolve_source(model: str | ModelConfig | None) -> ModelSource:
     """Turn the ``model`` argument of `kvplan.LLM` into a `ModelSource`."""
+    if isinstance(model, ModelSource):
+        return model
     if isinstance(model, ModelConfig):
         return ModelSource("random", model, None, None)
     if model is None:

@@ -68,15 +68,21 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
+    gen_cfg = model.generation_config
+    saved = gen_cfg.eos_token_id
+    gen_cfg.eos_token_id = None  # run all max_new_tokens, like ignore_eos=True
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+    finally:
+        gen_cfg.eos_token_id = saved
+    assert out.shape[1] == width + max_new_tokens, "HF generate stopped early"
     return out[:, width:].tolist()
 
 

