@@ -7,7 +7,7 @@
 """
 
 from kvplan.cache.block_pool import PADDING_BLOCK_ID, BlockPool, hash_block_tokens
-from kvplan.cache.kv_cache_manager import AllocationResult, KVCacheManager
+from kvplan.cache.kv_cache_manager import AllocationResult, KVCacheManager, PrefixCacheStats
 
 __all__ = [
     "PADDING_BLOCK_ID",
@@ -15,6 +15,7 @@ __all__ = [
     "BlockPool",
     "KVCacheManager",
     "KVCacheTensors",
+    "PrefixCacheStats",
     "hash_block_tokens",
 ]
 

@@ -38,6 +38,18 @@ from kvplan.cache._requests import RequestTable
 from kvplan.cache.block_pool import BlockPool, hash_block_tokens
 
 
+class PrefixCacheStats(NamedTuple):
+    """Prompt tokens looked up in the prefix cache by successful ``add_request`` calls, and
+    how many of them were reused."""
+
+    num_queried_tokens: int
+    num_hit_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
 class AllocationResult(NamedTuple):
     """Outcome of ``add_request`` / ``extend`` / ``reserve``.
 
@@ -135,6 +147,8 @@ class KVCacheManager(RequestTable, bo.BatchViews):
         self.pools = [BlockPool(n, enable_prefix_caching=enable_prefix_caching) for n in num_blocks]
         self.layer_to_pool = self._check_layer_map(layer_to_pool)
         super().__init__(num_pools, max_blocks_per_seq, num_state_slots)
+        self._num_queried_tokens = 0
+        self._num_hit_tokens = 0
         self._stagers: dict[tuple[bool, int], bo.BlockOffsetsStager] = {}
 
     @classmethod
@@ -182,6 +196,15 @@ class KVCacheManager(RequestTable, bo.BatchViews):
             raise ValueError(f"layer_idx {layer_idx} has no pool in layer_to_pool") from None
 
     # ------------------------------------------------------------------ capacity queries
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self._num_queried_tokens, self._num_hit_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash. Blocks in use stay allocated; blocks completed by later
+        commits are hashed as usual."""
+        for pool in self.pools:
+            pool.reset_prefix_cache()
+
     def num_free_blocks(self, pool: int = 0) -> int:
         return self.pools[self._check_pool(pool)].num_free_blocks
 
@@ -261,6 +284,9 @@ class KVCacheManager(RequestTable, bo.BatchViews):
                 self._set_cross_blocks(p, req.rows[0], pool.allocate(num_cross))
         req.committed = prompt[: num_hits * bs]
         req.hashes = list(hits[0])
+        if cacheable:
+            self._num_queried_tokens += num_prompt
+            self._num_hit_tokens += num_hits * bs
         return AllocationResult(True, num_hits * bs)
 
     def _match_prefix(self, prompt: list[int]) -> tuple[list[bytes], list[list[int]]]:

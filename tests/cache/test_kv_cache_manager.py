@@ -68,6 +68,10 @@ def test_prefix_reuse_after_commit():
     m.commit_tokens("a", prompt[6:])
     r = m.add_request("d", prompt)
     assert r.num_cached_tokens == 8 and m.get_block_ids("d")[:2] == [1, 2]
+    stats = m.prefix_cache_stats()
+    assert stats == (10 + 10 + 11 + 10, 4 + 8) and stats.hit_rate == 12 / 41
+    m.reset_prefix_cache()
+    assert m.add_request("e", prompt).num_cached_tokens == 0
 
 
 def test_prefix_reuse_leaves_one_token_to_compute():
