@@ -55,7 +55,10 @@ def write_slots(manager, kv, layer, block_ids, positions, k_rows, v_rows) -> Non
     """Test-side store: slot of position p = block_ids[p // bs] * bs + p % bs."""
     bs = manager.block_size
     slots = [block_ids[p // bs] * bs + p % bs for p in positions]
-    kv.store(layer, k_rows, v_rows, torch.tensor(slots, dtype=torch.int64))
+    dev = kv.device
+    kv.store(
+        layer, k_rows.to(dev), v_rows.to(dev), torch.tensor(slots, dtype=torch.int64, device=dev)
+    )
 
 
 class RemappedPools:

@@ -1,0 +1,102 @@
+"""The paged backends through the Triton kernels: interpreter on CPU (tiny), bf16 on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backends_testlib import (
+    SeqSpec,
+    fill_metadata,
+    make_scenario,
+    random_specs,
+    reference_attention,
+)
+
+import kvplan.ops.paged_attention as pa
+from kvplan.backends import get_backend
+
+PAGED = ["ragged", "block_offsets"]
+
+
+def run(name, sc, layer=0, window=None, **kw):
+    cls = get_backend(name)
+    md = cls.Metadata(
+        max_num_requests=64, max_num_tokens=2048, max_num_sequences=128,
+        kv_cache_manager=sc.manager, kv_cache=sc.kv, device=sc.q.device, **kw,
+    )  # fmt: skip
+    fill_metadata(md, sc)
+    md.prepare()
+    attn = cls(layer, sc.num_heads, sc.num_kv_heads, sc.head_dim, sliding_window=window)
+    return attn.forward(sc.q, sc.k[layer], sc.v[layer], md)
+
+
+TINY = [
+    ([SeqSpec(5, 3, True), SeqSpec(6, 1, False), SeqSpec(3, 2, False, 3)], ["prefill"] * 2),
+    ([SeqSpec(9, 1, False), SeqSpec(2, 1, False)], ["decode"]),
+]
+
+
+@pytest.mark.parametrize("name", PAGED)
+@pytest.mark.parametrize(("specs", "kernels"), TINY)
+def test_triton_interpreter_tiny(name, specs, kernels, monkeypatch):
+    """Prefill, speculative and decode rows through the Triton kernels (fp32, interpreter)."""
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    calls = []
+    for fn in ("paged_attention_decode_triton", "paged_attention_prefill_triton"):
+        orig = getattr(pa, fn)
+        monkeypatch.setattr(pa, fn, lambda *a, _o=orig, _n=fn, **k: calls.append(_n) or _o(*a, **k))
+    sc = make_scenario(8, specs, num_heads=2, num_kv_heads=1, head_dim=16, max_blocks_per_seq=4)
+    out = run(name, sc, window=5)
+    torch.testing.assert_close(out.double(), reference_attention(sc, 0, 5), atol=1e-5, rtol=0)
+    assert calls == [f"paged_attention_{k}_triton" for k in kernels]
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a = actual.detach().double().cpu()
+    return float((a - expected).abs().max() / expected.abs().max())
+
+
+GPU_CASES = [
+    # (specs seed, beam_width, cross, layer_windows, metadata kwargs)
+    (0, 1, False, (None, 96), {}),
+    (1, 2, False, (None,), {}),
+    (2, 3, True, (None,), {}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["vanilla", *PAGED])
+@pytest.mark.parametrize(("seed", "beam", "cross", "windows", "kw"), GPU_CASES)
+def test_gpu_bf16_matches_reference(name, seed, beam, cross, windows, kw):
+    if cross:
+        specs = [SeqSpec(300, 40, True), SeqSpec(77, 1, False), SeqSpec(513, 1, False)]
+    else:
+        specs = random_specs(seed, num_ctx=3, num_gen=12, max_cached=700, spec_rows=seed == 0)
+    sc = make_scenario(
+        seed, specs, beam_width=beam, cross=cross, layer_windows=windows, num_heads=16,
+        num_kv_heads=4, head_dim=128, block_size=16, num_blocks=2048, max_blocks_per_seq=64,
+        kv_format="bf16", dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    for layer, window in enumerate(windows):
+        out = run(name, sc, layer, window, **kw)
+        torch.cuda.synchronize()
+        assert rel_err(out, reference_attention(sc, layer, window)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [("ragged", {"use_full_generation_page_table": True}),
+     ("block_offsets", {"num_extra_kv_tokens": 2, "enable_block_id_tables": True})],
+)  # fmt: skip
+def test_gpu_bf16_speculative_variants(name, kw):
+    specs = random_specs(4, num_ctx=2, num_gen=20, max_cached=500, spec_rows=True)
+    for s in specs:
+        s.reserve_extra = max(s.reserve_extra, 2)
+    sc = make_scenario(
+        4, specs, num_heads=32, num_kv_heads=8, head_dim=64, block_size=16, num_blocks=2048,
+        max_blocks_per_seq=64, kv_format="bf16", dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    out = run(name, sc, **kw)
+    torch.cuda.synchronize()
+    assert rel_err(out, reference_attention(sc, 0, None)) < 1e-2
