@@ -167,3 +167,74 @@ def test_recursive_copy():
 
 def test_ratio_key():
     assert ratio_key(4) == "4"
+
+
+def _decode_seqs(rng, cfg, n):
+    from kvplan.plan import SequenceMetadata
+
+    seqs = []
+    for i in range(n):
+        seqlen_k = int(rng.integers(1, cfg.max_model_len + 1))
+        table = np.arange(1 + 40 * i, 1 + 40 * i + cfg.num_blocks_for(seqlen_k))
+        seqs.append(SequenceMetadata(seqlen_q=1, seqlen_k=seqlen_k, block_table=table,
+                                     state_id=i, token_ids=np.zeros(seqlen_k)))  # fmt: skip
+    return seqs
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_then_replay_smaller_batch():
+    """Capture metadata -> expansion at 16 rows; replay after a 5-row step written in place."""
+    import dataclasses
+
+    rng = np.random.default_rng(0)
+    cpu_cfg = random_config(rng, dense_ratios=(2,), sparse_ratios=(2, 4), block_size=8)
+    cfg = dataclasses.replace(cpu_cfg, device="cuda")
+    big, small = _decode_seqs(rng, cfg, 16), _decode_seqs(rng, cfg, 5)
+    template = prepare_decode(big, cpu_cfg)
+    bufs = {k: (v.cuda() if isinstance(v, torch.Tensor) else {kk: vv.cuda() for kk, vv in v.items()})
+            for k, v in _capture_buffers(template, 16).items()}  # fmt: skip
+    derived = {
+        "kv_swa_index": torch.empty(16, cfg.window_size, dtype=torch.int32, device="cuda"),
+        "kv_ca_index": {
+            "2": torch.empty(16, cfg.kv_ca_index_width(2), dtype=torch.int32, device="cuda")
+        },  # fmt: skip
+        "kv_ca_index_len": {"2": torch.empty(16, dtype=torch.int32, device="cuda")},
+    }
+    meta = prepare_decode(big, cfg, out=bufs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles the kernels) outside the capture
+        meta.compute_attn_info(cfg, out=derived)
+    torch.cuda.current_stream().wait_stream(stream)
+    meta.clean()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        meta.compute_attn_info(cfg, out=derived)
+    step = prepare_decode(small, cfg, out=bufs)  # writes the first 5 rows in place
+    assert step.positions.data_ptr() == bufs["positions"].data_ptr()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = prepare_decode(small, cpu_cfg).compute_attn_info(cpu_cfg)
+    assert torch.equal(derived["kv_swa_index"][:5].cpu(), ref.kv_swa_index)
+    assert torch.equal(derived["kv_ca_index"]["2"][:5].cpu(), ref.kv_ca_index["2"])
+    assert torch.equal(derived["kv_ca_index_len"]["2"][:5].cpu(), ref.kv_ca_index_len["2"])
+
+
+@pytest.mark.gpu
+def test_gpu_builders_match_cpu():
+    import dataclasses
+
+    rng = np.random.default_rng(1)
+    cpu_cfg = random_config(rng, dense_ratios=(2,), sparse_ratios=(2, 4), block_size=8)
+    cfg = dataclasses.replace(cpu_cfg, device="cuda")
+    for make, build in (
+        (random_prompt_batch, prepare_prompt),
+        (random_decode_batch, prepare_decode),
+    ):
+        seqs = make(rng, cpu_cfg)
+        a = build(seqs, cfg).compute_attn_info(cfg, check=True)
+        b = build(seqs, cpu_cfg).compute_attn_info(cpu_cfg, check=True)
+        fa, fb = a.to_flatten_dict(), b.to_flatten_dict()
+        for k, v in fb.items():
+            if isinstance(v, torch.Tensor) and k != "block_tables":
+                assert fa[k].is_cuda and torch.equal(fa[k].cpu(), v), k
