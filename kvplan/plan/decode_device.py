@@ -46,6 +46,7 @@ from kvplan.plan.decode_kernels import (
     expand_block_tables,
     expand_block_tables_torch,
     expand_block_tables_triton,
+    ratio_table,
 )
 from kvplan.plan.metadata import InputMetadata
 from kvplan.plan.sequence import SequenceMetadata
@@ -62,9 +63,11 @@ class DecodeCapacity:
     total_q: int
     num_block_ids: int
     max_seqlen_q: int
+    num_ratios: int  # entries of the ratio table (>= 1)
 
     def packed_len(self) -> int:
-        return 3 * (self.num_seqs + 1) + 5 * self.num_seqs + self.total_q + self.num_block_ids
+        n = self.num_seqs
+        return 3 * (n + 1) + 5 * n + self.total_q + self.num_block_ids + self.num_ratios
 
 
 @dataclass
@@ -203,6 +206,7 @@ def make_decode_device_out(
         max_total_q,
         max_num_seqs * config.max_num_blocks,
         max_total_q if max_seqlen_q is None else max_seqlen_q,
+        len(ratio_table(_params(config))),
     )
     dev = config.torch_device
     q = max_total_q
@@ -305,7 +309,7 @@ def _sections(cap: DecodeCapacity) -> dict[str, tuple[int, int]]:
     n1, n = cap.num_seqs + 1, cap.num_seqs
     sizes = [("cu_q", n1), ("cu_k", n1), ("bt_off", n1), ("seqlen_q", n), ("seqlen_k", n)]
     sizes += [("state", n), ("placeholder", n), ("valid_start", n)]
-    sizes += [("input_ids", cap.total_q), ("bt", cap.num_block_ids)]
+    sizes += [("input_ids", cap.total_q), ("bt", cap.num_block_ids), ("ratios", cap.num_ratios)]
     out, off = {}, 0
     for name, size in sizes:
         out[name] = (off, size)
@@ -313,7 +317,7 @@ def _sections(cap: DecodeCapacity) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _pack(hb: HostDecodeBatch, cap: DecodeCapacity) -> np.ndarray:
+def _pack(hb: HostDecodeBatch, cap: DecodeCapacity, ratios: list[int]) -> np.ndarray:
     """The packed int32 host array (tails of the prefix sums repeat the totals)."""
     packed = np.zeros(cap.packed_len(), dtype=np.int32)
     sec = _sections(cap)
@@ -331,6 +335,7 @@ def _pack(hb: HostDecodeBatch, cap: DecodeCapacity) -> np.ndarray:
         ("valid_start", hb.valid_start),
         ("input_ids", hb.input_ids),
         ("bt", hb.bt_flat),
+        ("ratios", ratios),
     ):
         off = sec[name][0]
         packed[off : off + len(arr)] = arr
@@ -406,7 +411,8 @@ def stage_decode_on_device(
 
     # ---- all checks passed: write
     cuda = dev.type == "cuda"
-    src = torch.from_numpy(_pack(hb, cap))
+    prm = _params(config)
+    src = torch.from_numpy(_pack(hb, cap, ratio_table(prm)))
     packed = out["decode_inputs"][: cap.packed_len()]
     packed.copy_(src.pin_memory() if cuda else src, non_blocking=cuda)
     sec = {k: packed[o : o + s] for k, (o, s) in _sections(cap).items()}
@@ -432,7 +438,7 @@ def stage_decode_on_device(
     inputs = DecodeKernelInputs(
         cu_seqlens_q=sec["cu_q"], seqlens_k=sec["seqlen_k"], state_ids=sec["state"],
         is_placeholder=sec["placeholder"], swa_valid_start=sec["valid_start"],
-        block_tables_in=sec["bt"], block_tables_offsets=sec["bt_off"],
+        block_tables_in=sec["bt"], block_tables_offsets=sec["bt_off"], ratios=sec["ratios"],
         max_seqlen_q=cap.max_seqlen_q,
     )  # fmt: skip
     outputs = DecodeKernelOutputs(
@@ -442,7 +448,7 @@ def stage_decode_on_device(
         klen=stacks["klen"],
         kv_ca_index_offset_len=stacks["kv_ca_index_offset_len"],
     )
-    return StagedDecode(meta, inputs, outputs, out["block_tables"], _params(config))
+    return StagedDecode(meta, inputs, outputs, out["block_tables"], prm)
 
 
 def launch_decode_kernels(staged: StagedDecode, backend: str = "auto") -> None:

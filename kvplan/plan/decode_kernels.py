@@ -54,6 +54,7 @@ class DecodeKernelInputs:
     swa_valid_start: torch.Tensor  # [n_prog]
     block_tables_in: torch.Tensor  # [num_blocks_total]
     block_tables_offsets: torch.Tensor  # [n_prog + 1]
+    ratios: torch.Tensor  # [>= 1] ca ratios, then sparse ratios, then dense ratios
     max_seqlen_q: int  # upper bound of seqlen_q over the programs
 
 
@@ -89,6 +90,9 @@ class DecodeKernelParams:
     force_load_balance: bool
 
 
+_PLACEHOLDER = tl.constexpr(QUERY_INDEX_PLACEHOLDER)
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
@@ -97,7 +101,7 @@ def _next_pow2(x: int) -> int:
 @triton.jit
 def _decode_metadata_kernel(
     cu_q_ptr, seqlen_k_ptr, state_ptr, placeholder_ptr, valid_start_ptr, bt_ptr, bt_off_ptr,
-    ca_ratio_ptr, sparse_ratio_ptr, dense_ratio_ptr,
+    ratio_ptr,
     positions_ptr, valid_ptr, gate_ptr, qidx_ptr, ctx_ptr, swa_slot_ptr, state_idx_ptr,
     swa_ol_ptr, swa_ol_stride,
     pos_c_ptr, slot_ca_ptr, pos_c_rs, slot_ca_rs,
@@ -113,17 +117,18 @@ def _decode_metadata_kernel(
     valid = tl.load(placeholder_ptr + s) == 0
     valid_start = tl.load(valid_start_ptr + s)
     bt0 = tl.load(bt_off_ptr + s)
-    qidx = tl.where(valid, s, QUERY_INDEX_PLACEHOLDER)
+    qidx = tl.where(valid, s, _PLACEHOLDER)
     j = tl.arange(0, TILE_Q)  # TILE_Q >= max seqlen_q: decode rows fit one tile
     m = j < seqlen_q
     row = (q0 + j).to(tl.int64)
     p = seqlen_k - seqlen_q + j
+    zero = j * 0  # broadcasts per-sequence scalars over the row tile
     tl.store(positions_ptr + row, p, mask=m)
     tl.store(ctx_ptr + row, p + 1, mask=m)
-    tl.store(state_idx_ptr + row, tl.zeros_like(j) + state, mask=m)
-    tl.store(valid_ptr + row, (tl.zeros_like(j) == 0) & valid, mask=m)
-    tl.store(gate_ptr + row, (tl.zeros_like(j) + force_lb) != 0, mask=m)
-    tl.store(qidx_ptr + row, tl.zeros_like(j) + qidx, mask=m)
+    tl.store(state_idx_ptr + row, zero + state, mask=m)
+    tl.store(valid_ptr + row, (zero == 0) & valid, mask=m)
+    tl.store(gate_ptr + row, (zero + force_lb) != 0, mask=m)
+    tl.store(qidx_ptr + row, zero + qidx, mask=m)
     store_swa = valid & (seqlen_q - j <= swa_bs)
     tl.store(swa_slot_ptr + row, tl.where(store_swa, state * swa_bs + p % swa_bs, -1), mask=m)
     lo = tl.maximum(tl.maximum(p - window_size + 1, valid_start), 0)
@@ -131,7 +136,7 @@ def _decode_metadata_kernel(
     tl.store(swa_ol_ptr + row * swa_ol_stride, state * swa_bs + lo % swa_bs, mask=m)
     tl.store(swa_ol_ptr + row * swa_ol_stride + 1, p - lo + 1, mask=m)
     for k in tl.static_range(N_CA):
-        r = tl.load(ca_ratio_ptr + k)
+        r = tl.load(ratio_ptr + k)
         tpb = block_size // r
         c = p // r
         done = valid & ((p + 1) % r == 0)
@@ -140,10 +145,10 @@ def _decode_metadata_kernel(
         slot = tl.where(done, blk * tpb + c % tpb, -1)
         tl.store(slot_ca_ptr + k * slot_ca_rs + row, slot, mask=m)
     for k in tl.static_range(N_SPARSE):
-        r = tl.load(sparse_ratio_ptr + k)
+        r = tl.load(ratio_ptr + N_CA + k)
         tl.store(klen_ptr + k * klen_rs + row, (p + 1) // r, mask=m)
     for k in tl.static_range(N_DENSE):
-        r = tl.load(dense_ratio_ptr + k)
+        r = tl.load(ratio_ptr + N_CA + N_SPARSE + k)
         base = ca_ol_ptr + k * ca_ol_rs + row * ca_ol_stride
         tl.store(base, row * (max_num_blocks * (block_size // r)), mask=m)
         tl.store(base + 1, (p + 1) // r, mask=m)
@@ -168,10 +173,9 @@ def _expand_block_tables_kernel(
     tl.store(ptrs, tl.broadcast_to(vals[None, :], (TILE_Q, TILE_B)), mask=m)
 
 
-def _ratio_tensor(ratios: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    if not ratios:
-        return like  # never read: the static loop has zero trips
-    return torch.tensor(ratios, dtype=torch.int32).to(like.device, non_blocking=True)
+def ratio_table(prm: DecodeKernelParams) -> list[int]:
+    """Contents of ``DecodeKernelInputs.ratios`` (never empty, so the pointer is valid)."""
+    return [*prm.ca_ratios, *prm.sparse_ratios, *prm.dense_ratios] or [1]
 
 
 def decode_metadata_triton(
@@ -185,9 +189,7 @@ def decode_metadata_triton(
     tile_q = _next_pow2(max(inp.max_seqlen_q, 1))
     _decode_metadata_kernel[(n_prog,)](
         cq, inp.seqlens_k, inp.state_ids, inp.is_placeholder, inp.swa_valid_start,
-        inp.block_tables_in, inp.block_tables_offsets,
-        _ratio_tensor(prm.ca_ratios, cq), _ratio_tensor(prm.sparse_ratios, cq),
-        _ratio_tensor(prm.dense_ratios, cq),
+        inp.block_tables_in, inp.block_tables_offsets, inp.ratios,
         out.positions, out.valid_token_mask, out.gate_force_random, out.query_indices,
         out.context_lens, out.slot_mapping_store_swa, out.state_block_idx,
         out.kv_swa_index_offset_len, out.kv_swa_index_offset_len.stride(0),

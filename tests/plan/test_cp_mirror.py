@@ -93,3 +93,77 @@ def test_bad_lengths():
         prepare_cp_mirror([0, 5], [0, 4], 1, 0, ())
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         prepare_cp_mirror([1, 5], [0, 5], 1, 0, ())
+
+
+# ---- prepare_for_mirror_cp on prompt metadata ----------------------------------------------
+
+
+def _prompt(seed, **kw):
+    import copy
+
+    from plan_cases import random_config, random_prompt_batch
+
+    from kvplan.plan import prepare_prompt
+
+    rng = np.random.default_rng(seed)
+    cfg = random_config(rng, max_model_len=96, **kw)
+    seqs = random_prompt_batch(rng, cfg)
+    meta = prepare_prompt(seqs, cfg)
+    return cfg, seqs, meta, copy.deepcopy(meta)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_prepare_for_mirror_cp_fields(seed, cp_size):
+    cfg, seqs, full, meta = _prompt(300 + seed)
+    rank = seed % cp_size
+    out = meta.prepare_for_mirror_cp(cp_size, rank)
+    assert out is meta
+    idx = meta.mirror_cp_index.long()
+    valid = idx >= 0
+    g = idx.clamp(min=0)
+    # query-aligned fields move with their rows; originals kept where the design says so
+    assert torch.equal(meta.positions_cp, full.positions)
+    assert torch.equal(meta.positions[valid], full.positions[g][valid])
+    assert torch.equal(meta.query_indices[valid], full.query_indices[g][valid])
+    assert bool((meta.query_indices[~valid] == 998244353).all())
+    assert torch.equal(meta.valid_token_mask, valid & full.valid_token_mask[g])
+    assert torch.equal(meta.gate_force_random, full.gate_force_random)
+    assert torch.equal(meta.gate_force_random_cp[valid], full.gate_force_random[g][valid])
+    assert torch.equal(
+        meta.kv_swa_full_index_pivots[valid], full.kv_swa_full_index_pivots[g][valid]
+    )
+    for k, v in full.kv_ca_index_offset_len.items():
+        assert torch.equal(meta.kv_ca_index_offset_len[k][valid], v[g][valid])
+        assert bool((meta.kv_ca_index_offset_len[k][~valid][:, 1] == 0).all())
+    for k in full.ks:  # ks/ke recomputed from cu_seqlens equal the gathered full ones
+        assert torch.equal(meta.ks[k][valid], full.ks[k][g][valid])
+        assert torch.equal(meta.ke[k][valid], full.ke[k][g][valid])
+    if full.ngram_token_ids is not None:
+        assert torch.equal(meta.ngram_token_ids[valid], full.ngram_token_ids[g][valid])
+    for name in ("input_ids", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping_store_swa",
+                 "load_segments_swa"):  # fmt: skip
+        assert torch.equal(getattr(meta, name), getattr(full, name)), name
+    assert meta.total_q == full.total_q and meta.cp_mirror_len == len(idx)
+    assert meta.kv_swa_full_index is None and meta.kv_ca_index == {}
+    assert (meta.cp_size, meta.cp_rank) == (cp_size, rank)
+
+
+def test_image_mask_keeps_the_full_copy():
+    _, _, full, meta = _prompt(1)
+    mask = torch.arange(full.total_q) % 3 == 0
+    meta.images_seq_mask = mask
+    meta.prepare_for_mirror_cp(2, 1)
+    idx = meta.mirror_cp_index.long()
+    assert meta.images_seq_mask_full is mask
+    assert torch.equal(meta.images_seq_mask, torch.where(idx >= 0, mask[idx.clamp(min=0)], False))
+
+
+def test_mirror_cp_refuses_decode_and_double_mirror():
+    _, _, _, meta = _prompt(2)
+    meta.prepare_for_mirror_cp(2, 0)
+    with pytest.raises(ValueError, match="already"):
+        meta.prepare_for_mirror_cp(2, 1)
+    meta.is_prompt = False
+    with pytest.raises(ValueError, match="prompt"):
+        meta.prepare_for_mirror_cp(2, 1)

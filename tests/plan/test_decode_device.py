@@ -200,3 +200,121 @@ def test_int32_overflow_of_decode_ca_offsets():
     seqs = [_seq(block_table=[1], seqlen_k=40) for _ in range(600)]
     with pytest.raises(ValueError, match="overflows int32"):
         prepare_decode_on_device(seqs, cfg)
+
+
+def _compile_sm90(kernel, signature, constexprs):
+    """Compile for sm_90 on any machine: the interpreter skips Triton's type checks."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(90)
+    except Exception as e:  # noqa: BLE001 - no CUDA toolchain in this Triton install
+        pytest.skip(f"no ptxas: {e}")
+    fn = JITFunction(kernel.fn)  # the interpreter wraps the raw function
+    sig = {n: "constexpr" if n in constexprs else signature.get(n, "i32") for n in fn.arg_names}
+    triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
+    )
+
+
+@pytest.mark.parametrize(("n_ca", "n_sparse", "n_dense", "tile_q"), [(3, 2, 2, 4), (0, 0, 0, 1)])
+def test_kernels_compile_for_sm90(n_ca, n_sparse, n_dense, tile_q):
+    from kvplan.plan.decode_kernels import _decode_metadata_kernel, _expand_block_tables_kernel
+
+    sig = {n: "*i32" for n in JITArgs.metadata if n.endswith("_ptr")}
+    sig.update(valid_ptr="*i1", gate_ptr="*i1")
+    _compile_sm90(_decode_metadata_kernel, sig,
+                  dict(N_CA=n_ca, N_SPARSE=n_sparse, N_DENSE=n_dense, TILE_Q=tile_q))  # fmt: skip
+    sig = {n: "*i32" for n in JITArgs.expand if n.endswith("_ptr")}
+    _compile_sm90(_expand_block_tables_kernel, sig, dict(TILE_Q=tile_q, TILE_B=256))
+
+
+class JITArgs:
+    """Argument names of the two kernels (pointer names end in ``_ptr``)."""
+
+    from kvplan.plan.decode_kernels import _decode_metadata_kernel as _k1
+    from kvplan.plan.decode_kernels import _expand_block_tables_kernel as _k2
+
+    metadata = _k1.arg_names
+    expand = _k2.arg_names
+
+
+def test_replaying_the_big_launch_serves_a_smaller_batch():
+    """CPU counterpart of the CUDA-graph test: the launch staged for the capture batch, run
+    again after a smaller batch was staged into the same buffers, yields the smaller batch."""
+    from kvplan.plan.decode_device import launch_decode_kernels, stage_decode_on_device
+
+    rng = np.random.default_rng(21)
+    cfg = make_config()
+    out = make_decode_device_out(cfg, max_num_seqs=6, max_total_q=18, max_seqlen_q=3)
+    big = stage_decode_on_device(random_decode_batch(rng, cfg, 6), cfg, out=out)
+    launch_decode_kernels(big, "triton")
+    small_seqs = random_decode_batch(rng, cfg, 2)
+    small = stage_decode_on_device(small_seqs, cfg, out=out)
+    launch_decode_kernels(big, "triton")  # the "captured" launch
+    assert_same_decode(small.meta, prepare_decode(small_seqs, cfg))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("seed", "n_seq"), [(0, 1), (1, 7), (2, 256)])
+def test_gpu_kernels_equal_eager(seed, n_seq):
+    rng = np.random.default_rng(seed)
+    cfg = make_config(device="cuda", max_ngram_size=2)
+    seqs = random_decode_batch(rng, cfg, n_seq)
+    for s in seqs:
+        s.compressed_token_ids = [t % 50 for t in s.token_ids[: len(s.token_ids) // 2]]
+        s.lookup_table = np.arange(1000) % 50
+    got = prepare_decode_on_device(seqs, cfg)
+    torch.cuda.synchronize()
+    assert got.positions.is_cuda and got.klen["4"].is_cuda
+    assert_same_decode(got, prepare_decode(seqs, cfg))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_smaller_replay():
+    """Capture metadata kernels + compute_attn_info at 8 sequences; replay with 3."""
+    from kvplan.ops import kv_ca_index_width
+    from kvplan.plan.config import ratio_key
+    from kvplan.plan.decode_device import launch_decode_kernels, stage_decode_on_device
+
+    rng = np.random.default_rng(7)
+    cfg = make_config(device="cuda")
+    n_cap, q_cap = 8, 24
+    out = make_decode_device_out(cfg, max_num_seqs=n_cap, max_total_q=q_cap, max_seqlen_q=3)
+    attn_out = {
+        "kv_ca_index": {
+            ratio_key(r): torch.empty(q_cap, kv_ca_index_width(cfg.max_model_len // r),
+                                      dtype=torch.int32, device="cuda")
+            for r in cfg.dense_ratios
+        },
+        "kv_ca_index_len": {ratio_key(r): torch.empty(q_cap, dtype=torch.int32, device="cuda")
+                            for r in cfg.dense_ratios},
+        "kv_swa_index": torch.empty(q_cap, cfg.window_size, dtype=torch.int32, device="cuda"),
+    }  # fmt: skip
+    big_seqs = random_decode_batch(rng, cfg, n_cap, max_draft=2)
+    big = stage_decode_on_device(big_seqs, cfg, out=out)
+    launch_decode_kernels(big)  # warm-up: compile outside the capture
+    big.meta.compute_attn_info(cfg, out=attn_out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_decode_kernels(big)
+        big.meta.clean()
+        big.meta.compute_attn_info(cfg, out=attn_out)
+    for seqs in (random_decode_batch(rng, cfg, 3), big_seqs):
+        staged = stage_decode_on_device(seqs, cfg, out=out)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = prepare_decode(seqs, cfg)
+        assert_same_decode(staged.meta, want)
+        want.compute_attn_info(cfg)
+        t = want.total_q
+        assert torch.equal(attn_out["kv_swa_index"][:t], want.kv_swa_index)
+        for k, v in want.kv_ca_index.items():
+            assert torch.equal(attn_out["kv_ca_index"][k][:t], v), k
+            assert torch.equal(attn_out["kv_ca_index_len"][k][:t], want.kv_ca_index_len[k]), k
