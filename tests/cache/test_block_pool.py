@@ -100,3 +100,53 @@ def test_chained_hash_depends_on_prefix():
     assert h1[1] != h2[1]  # same second block, different first block
     assert h1[1] == hash_block_tokens(h1[0], [3, 4])
     assert len({*h1, *h2}) == 4
+
+
+def test_random_ops_against_a_list_model():
+    """The free list behaves like a plain list: pop from the front, uncached blocks pushed to
+    the front and cached ones to the back when their last reference goes."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    pool = BlockPool(9)
+    free = list(range(1, 9))
+    refs = {b: 0 for b in range(1, 9)}
+    hashes = {}  # block -> hash
+    for step in range(500):
+        op = rng.integers(4)
+        if op == 0:
+            n = int(rng.integers(0, 4))
+            got = pool.allocate(n)
+            if n > len(free):
+                assert got is None
+                continue
+            want, free = free[:n], free[n:]
+            for b in want:
+                hashes.pop(b, None)
+                refs[b] = 1
+            assert got == want
+        elif op == 1:
+            used = [b for b in refs if refs[b] > 0]
+            if used:
+                b = int(rng.choice(used))
+                pool.free([b])
+                refs[b] -= 1
+                if refs[b] == 0:
+                    free = free + [b] if b in hashes else [b] + free
+        elif op == 2:
+            used = [b for b in refs if refs[b] > 0 and b not in hashes]
+            if used:
+                b = int(rng.choice(used))
+                h = bytes([step % 256, step // 256])
+                assert pool.cache_block(b, h)
+                hashes[b] = h
+        else:
+            if hashes:
+                b = int(rng.choice(list(hashes)))
+                assert pool.lookup(hashes[b]) == b
+                pool.touch([b])
+                if refs[b] == 0:
+                    free.remove(b)
+                refs[b] += 1
+        assert pool.free_block_ids() == free
+        assert all(pool.ref_count(b) == refs[b] for b in refs)
