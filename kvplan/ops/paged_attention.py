@@ -192,7 +192,7 @@ def paged_attention_decode(
 
 def paged_attention_decode_triton(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, *, scale, sliding_window=None, out=None,
-    num_splits=None, max_kv_len=None, check=True, tile_n=64, num_warps=4, num_stages=2,
+    num_splits=None, max_kv_len=None, check=True, tile_n=64, num_warps=4, num_stages=3,
 ):  # fmt: skip
     """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`."""
     window = _check_attention_inputs(
