@@ -133,8 +133,11 @@ def bench_decode(args, device, dtype, gen):
             t = timed(lambda kw=kw: run(**kw), reps, warm)
         except Exception as exc:  # a config that does not compile is recorded, not fatal
             sweep.append(dict(config=kw, error=repr(exc)[:200]))
+            print(f"  decode {kw}: failed {exc!r:.200}", flush=True)
             continue
         sweep.append(dict(config=kw, seconds=t, kv_read_GBps=kv_bytes / t / 1e9, rel_err=err))
+        print(f"  decode {kw}: {t * 1e3:.3f} ms {kv_bytes / t / 1e9:.0f} GB/s err {err:.1e}",
+              flush=True)  # fmt: skip
     ok = [s for s in sweep if "seconds" in s and s["rel_err"] < 1e-2]
     best = min(ok, key=lambda s: s["seconds"]) if ok else None
     copy_total = 2 * kv_bytes / t_copy
@@ -233,7 +236,7 @@ def main(argv=None) -> int:
         # (num_splits, tile_n, num_warps, num_stages); each config costs a compile (~2-4 s).
         decode_sweep = [(s, 64, 4, 3) for s in (1, 2, 4, 8)]
         decode_sweep += [(2, 128, 4, 2), (4, 128, 4, 2), (2, 32, 4, 3), (4, 32, 4, 4)]
-        decode_sweep += [(4, 64, 8, 3), (2, 64, 4, 2)]
+        decode_sweep += [(4, 64, 8, 3), (1, 64, 4, 2), (2, 64, 4, 2), (1, 32, 4, 3)]
         prefill_sweep = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 2)]
     for key, val in sizes.items():
         setattr(args, key, val)

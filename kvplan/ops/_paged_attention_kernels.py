@@ -50,19 +50,26 @@ def _attend_tile(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = start + tl.arange(0, TILE_N)
     in_range = offs_n < key_hi
-    # One page-table lookup per key: tiles may straddle pages of any block size.
-    if MASKED:
-        page = tl.load(page_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0)
+    if MASKED or BLOCK_SIZE % TILE_N != 0:
+        # One page-table lookup per key: the tile may straddle pages.
+        if MASKED:
+            page = tl.load(page_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0)
+        else:
+            page = tl.load(page_ptr + offs_n // BLOCK_SIZE)
+        page = page.to(tl.int64)
+        row = (offs_n % BLOCK_SIZE).to(tl.int64)
+        k_tile = k_ptr + (page * stride_kb + row * stride_kt)[:, None] + offs_d[None, :]
+        v_tile = v_ptr + (page * stride_vb + row * stride_vt)[:, None] + offs_d[None, :]
     else:
-        page = tl.load(page_ptr + offs_n // BLOCK_SIZE)
-    page = page.to(tl.int64)
-    row = (offs_n % BLOCK_SIZE).to(tl.int64)
-    k_rows = page * stride_kb + row * stride_kt  # [TILE_N]
-    v_rows = page * stride_vb + row * stride_vt
+        # Unmasked tiles start at a multiple of TILE_N, so the tile sits inside one page.
+        page = tl.load(page_ptr + start // BLOCK_SIZE).to(tl.int64)
+        row = start % BLOCK_SIZE + tl.arange(0, TILE_N)
+        k_tile = k_ptr + page * stride_kb + row[:, None] * stride_kt + offs_d[None, :]
+        v_tile = v_ptr + page * stride_vb + row[:, None] * stride_vt + offs_d[None, :]
     if MASKED:
-        k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        k = tl.load(k_tile, mask=in_range[:, None], other=0.0)
     else:
-        k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :])
+        k = tl.load(k_tile)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [TILE_M, TILE_N]
     if MASKED:
         visible = (
@@ -76,9 +83,9 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
-        v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(v_tile, mask=in_range[:, None], other=0.0)
     else:
-        v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :])
+        v = tl.load(v_tile)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -125,7 +132,8 @@ def _attend_rows(
     (-1 = padding row); pos_min / pos_max: the smallest / largest position of a real row;
     page_ptr: page_ids + page_start[b]; k_ptr / v_ptr: cache + kv_head * head stride.
     Keys [max(key_lo, pos_max - window + 1), pos_min] are visible to every real row, so whole
-    tiles there skip the mask; the head and tail of the range are masked.
+    tiles there (starting at a multiple of TILE_N) skip the mask; the head and tail of the
+    range are masked.
 
     Returns the unnormalized accumulator [TILE_M, HEAD_DIM] (fp32), the running maximum m
     (log2 domain) and the running denominator l, both [TILE_M] fp32.
@@ -133,7 +141,8 @@ def _attend_rows(
     m_i = tl.full([TILE_M], -1.0e30, tl.float32)
     l_i = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
-    full_lo = tl.minimum(tl.maximum(key_lo, pos_max - window + 1), key_hi)
+    full_lo = tl.maximum(key_lo, pos_max - window + 1)
+    full_lo = tl.minimum((full_lo + TILE_N - 1) // TILE_N * TILE_N, key_hi)  # tile-aligned
     full_hi = tl.maximum(tl.minimum(pos_min + 1, key_hi), full_lo)
     full_hi = full_lo + (full_hi - full_lo) // TILE_N * TILE_N  # whole tiles only
     acc, m_i, l_i = _attend_range(

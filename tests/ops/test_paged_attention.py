@@ -117,6 +117,7 @@ DECODE_CASES = [
     (1, [5, 33, 18], 4, 8, None, "offsets", 3, 16),
     (2, [40, 9, 0], 8, 4, 11, "ragged", 2, 16),
     (3, [29, 2, 17], 4, 16, 5, "offsets", 1, 32),
+    (4, [70, 35], 2, 32, None, "ragged", 2, 16),  # tiles inside one page (scalar page lookup)
 ]
 
 
@@ -146,6 +147,7 @@ PREFILL_CASES = [
     # Long runs, so that whole unmasked tiles border the causal diagonal and the window start.
     (14, [40, 45], [16, 40], 1, 8, None),
     (15, [50, 33], [40, 20], 2, 4, 20),
+    (16, [70, 20], [30, 20], 4, 32, 45),
 ]
 
 
