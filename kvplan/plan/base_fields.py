@@ -18,13 +18,14 @@ from kvplan.plan.sequence import SequenceMetadata
 def gather_input_ids(seqs: Sequence[SequenceMetadata], is_prompt: bool) -> np.ndarray:
     """``input_ids`` [T] int64: prompt: ``token_ids[q_start:seqlen_k]``; decode: the last
     confirmed token ``token_ids[q_start]`` followed by the draft tokens."""
-    parts = []
+    if is_prompt:
+        parts = [s.token_ids[s.seqlen_k - s.seqlen_q : s.seqlen_k] for s in seqs]
+        return np.concatenate(parts).astype(np.int64, copy=False)
+    ids: list[int] = []
     for s in seqs:
-        if is_prompt:
-            parts.append(np.asarray(s.token_ids[s.seqlen_k - s.seqlen_q : s.seqlen_k]))
-        else:
-            parts.append(np.asarray([s.token_ids[-1], *s.draft_tokens]))
-    return np.concatenate(parts).astype(np.int64, copy=False)
+        ids.append(s.token_ids[-1])
+        ids.extend(s.draft_tokens)
+    return np.array(ids, dtype=np.int64)
 
 
 def _known_ids(s: SequenceMetadata, lo: int, hi: int, pad: int) -> tuple[np.ndarray, np.ndarray]:

@@ -106,44 +106,76 @@ def validate_sequence(i: int, s: SequenceMetadata, cfg: MetadataConfig, is_promp
         )
 
 
+def _ints(name: str, values: list) -> np.ndarray | None:
+    """``values`` as int64, or ``None`` when any entry is not an integer (slow path names it)."""
+    arr = np.asarray(values)
+    return arr.astype(np.int64, copy=False) if arr.dtype.kind in "iu" else None
+
+
 def extract_batch(
     seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, *, is_prompt: bool
 ) -> BatchArrays:
-    """Validate ``seqs`` and gather their facts (one Python pass over the sequences)."""
+    """Validate ``seqs`` and gather their facts.
+
+    The checks of :func:`validate_sequence` run vectorized over the batch; only when one fails
+    does the per-sequence loop run, to raise with the exact sequence, field and value.
+    Row arrays (``row_seq``, ``row_j``, ``row_pos``) are int32 (``total_q`` is checked).
+    """
     if not isinstance(cfg, MetadataConfig):
         raise TypeError(f"config must be a MetadataConfig, got {type(cfg).__name__}")
-    if len(seqs) == 0:
-        raise ValueError("seqs is empty: a step needs at least one sequence")
     n = len(seqs)
-    sq = np.empty(n, dtype=np.int64)
-    sk = np.empty(n, dtype=np.int64)
-    sid = np.empty(n, dtype=np.int64)
-    vs = np.empty(n, dtype=np.int64)
-    ph = np.empty(n, dtype=bool)
-    nb = np.empty(n, dtype=np.int64)
-    tables = []
+    if n == 0:
+        raise ValueError("seqs is empty: a step needs at least one sequence")
     for i, s in enumerate(seqs):
         if not isinstance(s, SequenceMetadata):
             raise TypeError(f"seqs[{i}] must be a SequenceMetadata, got {type(s).__name__}")
-        validate_sequence(i, s, cfg, is_prompt)
-        sq[i], sk[i], sid[i], vs[i], ph[i] = (
-            s.seqlen_q,
-            s.seqlen_k,
-            s.state_id,
-            s.swa_valid_start,
-            s.is_placeholder,
+    sq = _ints("seqlen_q", [s.seqlen_q for s in seqs])
+    sk = _ints("seqlen_k", [s.seqlen_k for s in seqs])
+    sid = _ints("state_id", [s.state_id for s in seqs])
+    vs = _ints("swa_valid_start", [s.swa_valid_start for s in seqs])
+    ph = np.array([bool(s.is_placeholder) for s in seqs])
+    n_tok = np.array([len(s.token_ids) for s in seqs])
+    n_draft = np.array([len(s.draft_tokens) for s in seqs])
+    n_bt = np.array([len(s.block_table) for s in seqs])
+    ok = sq is not None and sk is not None and sid is not None and vs is not None
+    if ok:
+        tpb = cfg.tokens_per_block(cfg.min_ratio)
+        nb = -(-(sk // cfg.min_ratio) // tpb)
+        ok = bool(
+            (sq >= 1).all()
+            and (sk >= sq).all()
+            and (sk <= cfg.max_model_len).all()
+            and (vs >= 0).all()
+            and (vs <= sk - sq).all()
+            and (sid >= 0).all()
+            and ((sid + 1) * cfg.swa_block_size - 1 <= INT32_MAX).all()
+            and (cfg.num_state_slots is None or (sid < cfg.num_state_slots).all())
+            and (n_bt >= nb).all()
         )
-        need = cfg.num_blocks_for(int(s.seqlen_k))
-        nb[i] = need
-        tables.append(np.asarray(s.block_table[:need], dtype=np.int64))
-    bt_flat = np.concatenate(tables) if tables else np.zeros(0, dtype=np.int64)
+        if is_prompt:
+            ok = ok and not n_draft.any() and bool((n_tok >= sk).all())
+        else:
+            ok = ok and bool(
+                (sq == 1 + n_draft).all()
+                and (n_tok == sk - sq + 1).all()
+                and (sq - 1 + cfg.window_size <= cfg.swa_block_size).all()
+            )
+    if not ok:
+        for i, s in enumerate(seqs):  # raises with the exact sequence, field and value
+            validate_sequence(i, s, cfg, is_prompt)
+        raise AssertionError("vectorized checks disagree with validate_sequence")
+    tables = [s.block_table[:k] for s, k in zip(seqs, nb.tolist())]
+    bt_flat = np.concatenate(tables).astype(np.int64, copy=False)
+    if bt_flat.dtype.kind not in "iu" and len(bt_flat):
+        raise TypeError(f"block_table entries must be integers, got dtype {bt_flat.dtype}")
+    bt_off = exclusive_cumsum(nb)
     if len(bt_flat):
         lo, hi = int(bt_flat.min()), int(bt_flat.max())
         if lo < 0:
-            i = int(np.searchsorted(np.cumsum(nb), np.flatnonzero(bt_flat < 0)[0], side="right"))
+            i = int(np.searchsorted(bt_off, np.flatnonzero(bt_flat < 0)[0], side="right")) - 1
             raise _bad(i, "block_table", lo, "holds a negative block id")
         if cfg.num_kv_blocks is not None and hi >= cfg.num_kv_blocks:
-            i = int(np.searchsorted(np.cumsum(nb), np.flatnonzero(bt_flat == hi)[0], side="right"))
+            i = int(np.searchsorted(bt_off, np.flatnonzero(bt_flat == hi)[0], side="right")) - 1
             raise _bad(i, "block_table", hi, f"block id out of range [0, {cfg.num_kv_blocks})")
         check_int32("block id * block_size", (hi + 1) * cfg.block_size - 1)
     cu_q = exclusive_cumsum(sq)
@@ -151,9 +183,11 @@ def extract_batch(
     check_int32("total_q", total_q)
     cu_k = exclusive_cumsum(sk)
     check_int32("cu_seqlens_k[-1]", int(cu_k[-1]))
-    row_seq = np.repeat(np.arange(n, dtype=np.int64), sq)
-    row_j = np.arange(total_q, dtype=np.int64) - cu_q[:-1][row_seq]
     q_start = sk - sq
+    row_seq = np.repeat(np.arange(n, dtype=np.int32), sq)
+    arange = np.arange(total_q, dtype=np.int32)
+    row_j = arange - np.repeat(cu_q[:-1].astype(np.int32), sq)
+    row_pos = arange + np.repeat((q_start - cu_q[:-1]).astype(np.int32), sq)
     return BatchArrays(
         seqlen_q=sq,
         seqlen_k=sk,
@@ -165,10 +199,10 @@ def extract_batch(
         cu_q=cu_q,
         cu_k=cu_k,
         bt_flat=bt_flat,
-        bt_off=exclusive_cumsum(nb),
+        bt_off=bt_off,
         row_seq=row_seq,
         row_j=row_j,
-        row_pos=q_start[row_seq] + row_j,
+        row_pos=row_pos,
     )
 
 

@@ -117,15 +117,31 @@ def swa_pivots(
     lo = swa_visible_lo(pos, window_size, valid_start)
     if extra_lo is not None:
         lo = np.minimum(np.maximum(lo, extra_lo), pos + 1)
-    sec1_lo = np.minimum(lo, q_start)
-    start_slot = sec1_lo - (q_start - window_size)
-    k_lo = np.maximum(lo - q_start, 0)
-    return (
-        sec1_start + start_slot,
-        window_size - start_slot,
-        sec2_start + k_lo,
-        j - k_lo + 1,
+    return tuple(
+        swa_pivots_rel(j, lo - q_start, window_size, sec1_start + window_size, sec2_start).T
     )
+
+
+def swa_pivots_rel(
+    j: np.ndarray, lo_rel: np.ndarray, window_size: int, sec1_end: np.ndarray, sec2_start
+) -> np.ndarray:
+    """The pivots formula, from the lowest visible position relative to ``q_start``.
+
+    ``lo_rel = lo - q_start`` (negative: the window reaches into the history section, which
+    ends at buffer row ``sec1_end``). Returns int32 ``[rows, 4]``::
+
+        P1 = max(-lo_rel, 0)        history rows     P0 = sec1_end - P1
+        k_lo = max(lo_rel, 0)       first chunk row  P2 = sec2_start + k_lo
+        P3 = j + 1 - k_lo           chunk rows (up to and including the query itself)
+    """
+    j = np.asarray(j)
+    out = np.empty((j.shape[0], 4), dtype=np.int32)
+    np.maximum(-lo_rel, 0, out=out[:, 1])
+    np.subtract(sec1_end, out[:, 1], out=out[:, 0])
+    k_lo = np.maximum(lo_rel, 0)
+    np.add(sec2_start, k_lo, out=out[:, 2])
+    np.subtract(j + 1, k_lo, out=out[:, 3])
+    return out
 
 
 def exclusive_cumsum(lengths: np.ndarray) -> np.ndarray:

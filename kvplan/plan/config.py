@@ -10,6 +10,7 @@ compression ratios of the compressed-attention ("ca") KV pools: a compressed tok
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -155,12 +156,12 @@ class MetadataConfig:
             )
 
     # ---- derived values -------------------------------------------------------------------
-    @property
+    @cached_property
     def ca_ratios(self) -> tuple[int, ...]:
         """Sorted union of dense and sparse ratios (every ratio with a compressed pool)."""
         return tuple(sorted(set(self.dense_ratios) | set(self.sparse_ratios)))
 
-    @property
+    @cached_property
     def min_ratio(self) -> int:
         """The ratio the block table is counted at (1 when the model has no compressed pool)."""
         return min(self.ca_ratios) if self.ca_ratios else 1

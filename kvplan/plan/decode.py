@@ -44,17 +44,21 @@ I32 = torch.int32
 
 
 def expand_block_tables(b: BatchArrays, max_num_blocks: int) -> np.ndarray:
-    """``block_tables`` [T, max_num_blocks] int32: row ``i`` starts with its sequence's
-    ``num_blocks`` block ids; later columns are left unwritten (arbitrary values)."""
-    total_q = b.total_q
-    out = np.empty((total_q, max_num_blocks), dtype=np.int32)
-    row_nb = b.num_blocks[b.row_seq]
-    cum = np.zeros(total_q + 1, dtype=np.int64)
-    np.cumsum(row_nb, out=cum[1:])
-    entry_row = np.repeat(np.arange(total_q, dtype=np.int64), row_nb)
-    col = np.arange(int(cum[-1]), dtype=np.int64) - cum[:-1][entry_row]
-    src = b.bt_off[:-1][b.row_seq][entry_row] + col
-    out.reshape(-1)[entry_row * max_num_blocks + col] = b.bt_flat[src]
+    """``block_tables`` int32 [T, max_num_blocks]: row ``i`` starts with its sequence's
+    ``num_blocks`` block ids; later columns are left unwritten (arbitrary values).
+
+    Built per sequence (``[n, width]``, ``width`` = the longest table) and repeated over each
+    sequence's rows; only the first ``width`` columns of the output are touched.
+    """
+    n = b.num_seqs
+    width = int(b.num_blocks.max()) if n else 0
+    per_seq = np.empty((n, width), dtype=np.int32)
+    if width:
+        col = np.arange(width)
+        mask = col[None, :] < b.num_blocks[:, None]
+        per_seq[mask] = b.bt_flat
+    out = np.empty((b.total_q, max_num_blocks), dtype=np.int32)
+    out[:, :width] = np.repeat(per_seq, b.seqlen_q, axis=0)
     return out
 
 

@@ -41,9 +41,7 @@ from kvplan.plan.common import (
     num_complete_groups,
     num_new_compressed,
     paged_slot,
-    ring_slot,
-    swa_pivots,
-    swa_stores,
+    swa_pivots_rel,
 )
 from kvplan.plan.config import MetadataConfig, ratio_key
 from kvplan.plan.metadata import InputMetadata
@@ -53,20 +51,28 @@ I32 = torch.int32
 
 
 def compressed_load_segments(b: BatchArrays, ratio: int, tpb: int, cu_ckv: np.ndarray):
-    """``load_segments_ca[r]`` [S, 4]: one segment per block of ``0 .. seqlen_k // r``, or one
-    zero row ``[-1, 0, 1, dst]`` for a sequence with no complete group. Equals
-    ``BlockLoadPlanBuilder(tpb)`` fed ``append_paged_range`` / ``append_zero_fill(1)``."""
-    nt = num_complete_groups(b.seqlen_k, ratio)
-    nseg = np.where(nt == 0, 1, -(-nt // tpb))
-    seg_seq = np.repeat(np.arange(b.num_seqs, dtype=np.int64), nseg)
-    seg_i = np.arange(int(nseg.sum()), dtype=np.int64) - exclusive_cumsum(nseg)[:-1][seg_seq]
-    seg_nt = nt[seg_seq]
-    zero = seg_nt == 0
-    src = b.bt_off[:-1][seg_seq] + seg_i
-    block = np.where(zero, -1, b.bt_flat[np.where(zero, 0, src)] if len(b.bt_flat) else -1)
-    end = np.where(zero, 1, np.minimum(tpb, seg_nt - seg_i * tpb))
-    dst = cu_ckv[:-1][seg_seq] + seg_i * tpb
-    return np.stack([block, np.zeros_like(end), end, dst], axis=1)
+    """``load_segments_ca[r]`` int32 [S, 4]: one segment per block of compressed tokens
+    ``0 .. seqlen_k // r``, or one zero row ``[-1, 0, 1, dst]`` for a sequence with no complete
+    group. Equals ``BlockLoadPlanBuilder(tpb)`` fed ``append_paged_range`` /
+    ``append_zero_fill(1)`` (tests hold them equal)."""
+    nt = num_complete_groups(b.seqlen_k, ratio)  # [n]
+    nseg = np.maximum(-(-nt // tpb), 1)
+    cu_seg = exclusive_cumsum(nseg)
+    total = int(cu_seg[-1])
+    idx = np.arange(total, dtype=np.int32)
+    seg = np.empty((total, 4), dtype=np.int32)
+    zero = nt == 0
+    # block ids: each sequence reads a prefix of its own table, contiguous in bt_flat
+    src_shift = np.where(zero, 0, b.bt_off[:-1]) - cu_seg[:-1]  # zero rows read entry 0
+    if len(b.bt_flat):
+        seg[:, 0] = b.bt_flat[idx + np.repeat(src_shift.astype(np.int32), nseg)]
+    seg[:, 1] = 0
+    seg[:, 2] = tpb
+    seg[:, 3] = idx * tpb + np.repeat((cu_ckv[:-1] - cu_seg[:-1] * tpb).astype(np.int32), nseg)
+    last = cu_seg[1:] - 1  # each sequence's last segment: the partial block
+    seg[last, 2] = np.where(zero, 1, nt - (nseg - 1) * tpb)
+    seg[last[zero], 0] = -1
+    return seg
 
 
 def swa_load_segments(b: BatchArrays, window: int, sbs: int) -> np.ndarray:
@@ -89,31 +95,39 @@ def swa_load_segments(b: BatchArrays, window: int, sbs: int) -> np.ndarray:
     ).reshape(-1, 4)
 
 
+def _rep(per_seq: np.ndarray, b: BatchArrays) -> np.ndarray:
+    """Per-sequence values repeated over each sequence's rows (int32 [T])."""
+    return np.repeat(per_seq.astype(np.int32), b.seqlen_q)
+
+
 def add_prompt_fields(em: Emitter, b: BatchArrays, cfg: MetadataConfig, meta) -> None:
-    """Every prompt-specific field (see the module docstring)."""
-    n, seq, pos, j = b.num_seqs, b.row_seq, b.row_pos, b.row_j
-    row_ph = b.is_placeholder[seq]
+    """Every prompt-specific field (see the module docstring). Row arrays are int32; the
+    per-sequence parts are computed on ``[n]`` arrays and repeated over the rows."""
+    n, pos, j, total_q = b.num_seqs, b.row_pos, b.row_j, b.total_q
     sbs, window = cfg.swa_block_size, cfg.window_size
-    check_int32("total_k_swa + total_q", n * window + b.total_q)
+    check_int32("total_k_swa + total_q", n * window + total_q)
+    ph = b.is_placeholder
 
     em.add("state_block_idx", b.state_id, I32)
-    stores = swa_stores(b.seqlen_q[seq], j, sbs) & ~row_ph
-    em.add(
-        "slot_mapping_store_swa", np.where(stores, ring_slot(b.state_id[seq], pos, sbs), -1), I32
-    )
+    # rows j >= seqlen_q - sbs store into the ring (swa_stores); placeholders store nothing
+    first_store = np.where(ph, b.seqlen_q, b.seqlen_q - sbs)
+    slot = pos % sbs + _rep(b.state_id * sbs, b)
+    slot[j < _rep(first_store, b)] = -1
+    em.add("slot_mapping_store_swa", slot, I32)
     meta.total_k_swa = n * window
     em.add("load_segments_swa", swa_load_segments(b, window, sbs), I32)
-    pivots = swa_pivots(
-        pos,
-        j,
-        b.q_start[seq],
-        b.valid_start[seq],
-        window,
-        seq * window,
-        n * window + b.cu_q[:-1][seq],
-    )
-    em.add("kv_swa_full_index_pivots", np.stack(pivots, 1), I32)
+    # swa_visible_lo(p) - q_start == max(j - W + 1, valid_start - q_start) for validated input
+    # (0 <= valid_start <= q_start), so the pivots need no per-row q_start
+    lo_rel = np.maximum(j - (window - 1), _rep(b.valid_start - b.q_start, b))
+    em.add(
+        "kv_swa_full_index_pivots",
+        swa_pivots_rel(j, lo_rel, window, _rep(np.arange(1, n + 1) * window, b),
+                       _rep(n * window + b.cu_q[:-1], b)),
+        I32,
+    )  # fmt: skip
 
+    visible_cache: dict[int, np.ndarray] = {}
+    context = pos + 1
     for r in cfg.ca_ratios:
         key, tpb = ratio_key(r), cfg.tokens_per_block(r)
         cu_ckv = exclusive_cumsum(compressed_kv_len(b.seqlen_k, r))
@@ -125,21 +139,28 @@ def add_prompt_fields(em: Emitter, b: BatchArrays, cfg: MetadataConfig, meta) ->
         valid, rows = num_new_compressed(b.seqlen_q, b.seqlen_k, r)
         cu_rows = exclusive_cumsum(rows)
         em.add("cu_compressed_seqlens_q", cu_rows, I32, key)
-        c_seq = np.repeat(np.arange(n, dtype=np.int64), rows)
-        k = np.arange(int(cu_rows[-1]), dtype=np.int64) - cu_rows[:-1][c_seq]
-        writes = (k < valid[c_seq]) & ~b.is_placeholder[c_seq]
-        jc = b.q_start[c_seq] // r + k
-        src = np.where(writes, b.bt_off[:-1][c_seq] + jc // tpb, 0)
-        blk = b.bt_flat[src] if len(b.bt_flat) else 0
+        valid = np.where(ph, 0, valid)
+        c_seq = np.repeat(np.arange(n, dtype=np.int32), rows)
+        k = np.arange(int(cu_rows[-1]), dtype=np.int32) - np.repeat(
+            cu_rows[:-1].astype(np.int32), rows
+        )
+        writes = k < np.repeat(valid.astype(np.int32), rows)
+        jc = k + np.repeat((b.q_start // r).astype(np.int32), rows)
+        src = np.where(writes, jc // tpb + b.bt_off[:-1].astype(np.int32)[c_seq], 0)
+        blk = b.bt_flat[src].astype(np.int32) if len(b.bt_flat) else np.int32(0)
         em.add("positions_c", np.where(writes, jc * r, 0), I32, key)
         em.add("slot_mapping_store_ca", np.where(writes, paged_slot(blk, jc, tpb), -1), I32, key)
-        row_base = cu_ckv[:-1][seq]
-        visible = num_complete_groups(pos + 1, r)
+        # keys: rows [ks, ks + (p + 1) // r) of the loaded compressed buffer
+        row_base = _rep(cu_ckv[:-1], b)
+        visible = visible_cache.setdefault(r, num_complete_groups(context, r))
         if r in cfg.sparse_ratios:
             em.add("ks", row_base, I32, key)
             em.add("ke", row_base + visible, I32, key)
         if r in cfg.dense_ratios:
-            em.add("kv_ca_index_offset_len", np.stack([row_base, visible], 1), I32, key)
+            off_len = np.empty((total_q, 2), dtype=np.int32)
+            off_len[:, 0] = row_base
+            off_len[:, 1] = visible
+            em.add("kv_ca_index_offset_len", off_len, I32, key)
 
 
 def prepare_prompt(
