@@ -106,7 +106,13 @@ def _check_values(q, k_cache, page_ids, page_start, kv_lens, cu_seqlens_q) -> No
             f"sequence {b} needs page_ids[{int(page_start[b])}:{int(end[b])}] but page_ids has "
             f"{page_ids.numel()} entries"
         )
-    check_range("page_ids", page_ids, 0, num_blocks)
+    # Only the entries some sequence reads must be block ids (a preallocated ragged buffer may
+    # hold anything past its used prefix): mark them with a difference array, O(n + B).
+    marks = torch.zeros(page_ids.numel() + 1, dtype=torch.int32, device=page_ids.device)
+    marks.index_add_(0, page_start.long(), torch.ones_like(page_start))
+    marks.index_add_(0, end, -torch.ones_like(page_start))
+    used = marks.cumsum(0)[:-1] > 0
+    check_range("page_ids (entries in use)", page_ids[used], 0, num_blocks)
     if cu_seqlens_q is not None:
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         if int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != q.shape[0]:

@@ -142,7 +142,7 @@ PREFILL_CASES = [
     # cached history, speculative decode rows (q_len 3), plain decode rows (q_len 1).
     (10, [9, 14, 3], [9, 4, 1], 1, 4, None),
     (11, [21, 6, 11], [3, 6, 1], 4, 8, None),
-    (12, [17, 12], [7, 3], 8, 4, 6),
+    (12, [17, 12, 5], [7, 3, 0], 8, 4, 6),  # a sequence with no queries this step
     (13, [5, 26, 1], [2, 10, 1], 4, 16, 4),
     # Long runs, so that whole unmasked tiles border the causal diagonal and the window start.
     (14, [40, 45], [16, 40], 1, 8, None),
@@ -312,6 +312,19 @@ def test_caller_errors_name_the_field(change, err, match):
     c = make_case(50, [6, 9], [3, 3], group=2)
     with pytest.raises(err, match=match):
         _bad(c, **change(c))
+
+
+def test_only_page_entries_in_use_are_checked():
+    c = make_case(52, [6, 9], [1, 1], group=2, layout="ragged", reserve=0)
+    tail = torch.full((5,), -7, dtype=torch.int32)  # garbage past the used prefix: fine
+    page_ids = torch.cat([c.page_ids, tail])
+    got = paged_attention_decode(c.q, c.k_cache, c.v_cache, page_ids, c.page_start, c.kv_lens,
+                                 scale=c.scale)  # fmt: skip
+    assert_close(got, c.ref(decode=True))
+    page_ids[1] = -7  # an entry sequence 0 reads
+    with pytest.raises(ValueError, match="page_ids"):
+        paged_attention_decode(c.q, c.k_cache, c.v_cache, page_ids, c.page_start, c.kv_lens,
+                               scale=c.scale)  # fmt: skip
 
 
 def test_scalar_argument_errors():
