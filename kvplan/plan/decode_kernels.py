@@ -299,3 +299,27 @@ def expand_block_tables(inp: DecodeKernelInputs, block_tables: torch.Tensor, max
         expand_block_tables_triton(inp, block_tables, max_num_blocks)
     else:
         expand_block_tables_torch(inp, block_tables, max_num_blocks)
+
+
+_BACKENDS = {
+    "auto": (decode_metadata, expand_block_tables),
+    "triton": (decode_metadata_triton, expand_block_tables_triton),
+    "torch": (decode_metadata_torch, expand_block_tables_torch),
+}
+
+
+def launch_decode(
+    inp: DecodeKernelInputs,
+    out: DecodeKernelOutputs,
+    block_tables: torch.Tensor,
+    prm: DecodeKernelParams,
+    backend: str = "auto",
+) -> None:
+    """Both kernels: ``backend`` is ``"auto"`` (CUDA -> Triton, CPU -> torch), ``"triton"``
+    (also on CPU under ``TRITON_INTERPRET=1``) or ``"torch"``. Graph-capturable on CUDA (no
+    host sync, no host-to-device copy)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+    metadata, expand = _BACKENDS[backend]
+    metadata(inp, out, prm)
+    expand(inp, block_tables, prm.max_num_blocks)

@@ -318,3 +318,19 @@ def test_gpu_cuda_graph_capture_and_smaller_replay():
         for k, v in want.kv_ca_index.items():
             assert torch.equal(attn_out["kv_ca_index"][k][:t], v), k
             assert torch.equal(attn_out["kv_ca_index_len"][k][:t], want.kv_ca_index_len[k]), k
+
+
+def test_replaced_out_buffer_is_checked_again():
+    rng = np.random.default_rng(31)
+    cfg = make_config()
+    out = make_decode_device_out(cfg, max_num_seqs=4, max_total_q=12, max_seqlen_q=3)
+    seqs = random_decode_batch(rng, cfg, 3)
+    prepare_decode_on_device(seqs, cfg, out=out)  # binds (checks once, caches views)
+    out["klen"] = {"4": torch.zeros(12, dtype=torch.int32), "8": torch.zeros(12, dtype=torch.int32)}
+    with pytest.raises(ValueError, match="klen"):
+        prepare_decode_on_device(seqs, cfg, out=out)
+    out = make_decode_device_out(cfg, max_num_seqs=4, max_total_q=12, max_seqlen_q=3)
+    prepare_decode_on_device(seqs, cfg, out=out)
+    out["positions"] = torch.zeros(12, dtype=torch.int64)
+    with pytest.raises(TypeError, match="positions"):
+        prepare_decode_on_device(seqs, cfg, out=out)

@@ -1,0 +1,174 @@
+"""Benchmark ``prepare_decode_on_device`` against the per-token reference in the same run.
+
+Batch: ``--seqs`` decode sequences (default 256) with ``--drafts`` draft tokens each (default
+2), ``seqlen_k`` uniform in [1024, 32768], three compressed ratios + SWA. Times (medians):
+
+* ``host_stage``: the host half (validate, extract, pack, async H2D, metadata views);
+* ``host_total``: the whole call as the CPU sees it (host half + issuing the two launches);
+* ``kernels``: GPU time of the two kernels (a CUDA graph of ``--graph-reps`` launch pairs,
+  replay time / reps, so launch gaps are excluded); CPU only: the torch path, for debugging;
+* ``eager_decode``: ``prepare_decode`` (vectorized numpy + copies), for context;
+* ``reference``: ``reference_decode``, the per-token Python loop of the same fields.
+
+    PYTHONPATH=. python3 bench/bench_plan_device.py --out bench/results/plan_device.json
+    PYTHONPATH=. python3 bench/bench_plan_device.py --quick        # tiny, runs on a CPU too
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+from kvplan.plan import MetadataConfig, SequenceMetadata, prepare_decode  # noqa: E402
+from kvplan.plan.decode_device import (  # noqa: E402
+    launch_decode_kernels,
+    make_decode_device_out,
+    prepare_decode_on_device,
+    stage_decode_on_device,
+)
+from kvplan.plan.reference import reference_decode  # noqa: E402
+
+
+def make_batch(n_seq: int, drafts: int, cfg: MetadataConfig, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for i in range(n_seq):
+        sk = int(rng.integers(1024, 32769))
+        sq = 1 + drafts
+        nb = cfg.num_blocks_for(sk)
+        seqs.append(
+            SequenceMetadata(
+                seqlen_q=sq,
+                seqlen_k=sk,
+                block_table=rng.integers(1, cfg.num_kv_blocks, nb + 4, dtype=np.int64),
+                state_id=i,
+                token_ids=rng.integers(0, 32000, sk - sq + 1, dtype=np.int64),
+                draft_tokens=[int(x) for x in rng.integers(0, 32000, drafts)],
+            )
+        )
+    return seqs
+
+
+def median_us(fn, iters: int, warmup: int = 3, sync: bool = False) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    if sync:
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def kernel_us(staged, reps: int, iters: int) -> float:
+    """GPU time of one launch pair: a graph of ``reps`` pairs, replay time / reps."""
+    launch_decode_kernels(staged)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            launch_decode_kernels(staged)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--drafts", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--ref-iters", type=int, default=10)
+    ap.add_argument("--graph-reps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU debugging)")
+    ap.add_argument("--out", default=None, help="write a JSON record here")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if args.quick:
+        args.seqs, args.iters, args.ref_iters = min(args.seqs, 8), 5, 2
+    device = "cuda" if cuda else "cpu"
+    cfg = MetadataConfig(
+        block_size=128, dense_ratios=(16, 128), sparse_ratios=(4,), window_size=128,
+        swa_block_size=136, max_model_len=32768, max_num_blocks=256, num_kv_blocks=1 << 20,
+        num_state_slots=args.seqs, device=device,
+    )  # fmt: skip
+    seqs = make_batch(args.seqs, args.drafts, cfg)
+    total_q = args.seqs * (1 + args.drafts)
+    out = make_decode_device_out(cfg, args.seqs, total_q, 1 + args.drafts)
+    # correctness first: the timed path must equal the eager one
+    got, want = prepare_decode_on_device(seqs, cfg, out=out), prepare_decode(seqs, cfg)
+    for name in ("positions", "slot_mapping_store_swa", "kv_swa_index_offset_len"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), name
+    for k in want.slot_mapping_store_ca:
+        assert torch.equal(got.slot_mapping_store_ca[k].cpu(), want.slot_mapping_store_ca[k].cpu())
+
+    res = {
+        "host_stage": median_us(lambda: stage_decode_on_device(seqs, cfg, out=out), args.iters),
+        "host_total": median_us(lambda: prepare_decode_on_device(seqs, cfg, out=out), args.iters),
+        "eager_decode": median_us(lambda: prepare_decode(seqs, cfg), max(args.iters // 4, 2)),
+        "reference": median_us(lambda: reference_decode(seqs, cfg), args.ref_iters, warmup=1),
+    }
+    staged = stage_decode_on_device(seqs, cfg, out=out)
+    if cuda:
+        res["kernels"] = kernel_us(staged, args.graph_reps, 50)
+    else:
+        res["kernels_torch_path_cpu"] = median_us(
+            lambda: launch_decode_kernels(staged, "torch"), args.iters
+        )
+    ratios = {
+        "reference / host_stage": res["reference"] / res["host_stage"],
+        "reference / host_total": res["reference"] / res["host_total"],
+        "eager_decode / host_total": res["eager_decode"] / res["host_total"],
+    }
+    dev_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+    print(f"prepare_decode_on_device: {args.seqs} seqs x {args.drafts} drafts on {dev_name}")
+    print(f"{'measure':<28}{'median us':>12}")
+    for k, v in res.items():
+        print(f"{k:<28}{v:>12.1f}")
+    for k, v in ratios.items():
+        print(f"{k:<28}{v:>11.1f}x")
+    if args.out:
+        record = {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": dev_name,
+            "command": "PYTHONPATH=. python3 " + " ".join(map(shlex.quote, sys.argv)),
+            "seqs": args.seqs,
+            "drafts": args.drafts,
+            "config": {k: getattr(cfg, k) for k in ("block_size", "dense_ratios",
+                       "sparse_ratios", "window_size", "swa_block_size", "max_num_blocks")},
+            "medians_us": res,
+            "ratios": ratios,
+        }  # fmt: skip
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
