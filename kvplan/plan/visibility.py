@@ -224,6 +224,18 @@ def visible_rows(
     else:
         swa_idx = _np(meta.kv_swa_index)
     ca_idx = {k: _np(v) for k, v in meta.kv_ca_index.items()}
+    if meta.is_prompt:
+        # the attention kernel reads [SWA history | chunk | compressed] through kv_index_cat:
+        # follow the compressed part of the concatenated index (shifted by the SWA rows)
+        from kvplan.ops import kv_index_cat
+
+        base = n * window + meta.total_q
+        for k, v in meta.kv_ca_index.items():
+            cat = _np(kv_index_cat(meta.kv_swa_full_index, v, base, check=True))
+            if not np.array_equal(cat[:, :window], swa_idx):
+                errors.append(f"kv_index_cat changed the SWA part of ratio {k}")
+            right = cat[:, window:]
+            ca_idx[k] = np.where(right == -1, -1, right - base)
     sparse_slots = {} if meta.is_prompt else _decode_sparse_slots(meta, cfg)
     placeholder = [s.is_placeholder for s in seqs]
     wanted = set(range(meta.total_q)) if rows is None else set(rows)
