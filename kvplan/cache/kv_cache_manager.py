@@ -55,9 +55,9 @@ class AllocationResult(NamedTuple):
 
     ``ok``: everything was allocated. ``num_cached_tokens``: prompt tokens reused from the
     prefix cache (a multiple of block_size, < len(prompt); 0 for extend/reserve).
-    ``num_missing_blocks``: when not ok, blocks missing in the pool shortest of blocks (free
-    that many and retry). ``reason``: "" | "blocks" | "state_slots".
-    ``missing_per_pool``: blocks missing per pool.
+    ``num_missing_blocks``: when not ok, the largest shortfall over the pools (free at least
+    that many blocks in that pool and retry). ``reason``: "" | "blocks" | "state_slots".
+    ``missing_per_pool``: the shortfall of each pool.
     """
 
     ok: bool

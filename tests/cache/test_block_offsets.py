@@ -192,3 +192,17 @@ def test_bad_dst_is_rejected_before_the_host_buffer_changes():
     with pytest.raises(ValueError, match="must be 4-D"):
         m.copy_batch_block_offsets(torch.zeros(4, dtype=torch.int32), step_t1, 1, 2, 2)
     assert torch.equal(m.host_block_offsets(4), before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cross", [False, True])
+def test_copy_into_a_cuda_dst_matches_the_loop(cross):
+    m, ids = make_batch()
+    dst = torch.full((2, 16, 2, 6), -7, dtype=torch.int32, device="cuda")
+    snap = m.copy_batch_block_offsets(dst, ids, 3, 2, 11, cross=cross, max_blocks=4)
+    assert snap.is_pinned()
+    torch.cuda.synchronize()
+    want = offsets_ref(m, ids, 3, 2, cross=cross)
+    got = dst.cpu().numpy()
+    assert np.array_equal(got[:, :11, :, :4], want[..., :4])
+    assert (got[:, :11, :, 4:] == -7).all() and (got[:, 11:] == -7).all()
