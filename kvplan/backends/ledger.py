@@ -121,7 +121,8 @@ def new_token_slots(
 
 def logical_num_blocks(kv_lens: np.ndarray, block_size: int) -> np.ndarray:
     """Blocks that hold committed history: ``ceil(kv_lens / block_size)`` (int32)."""
-    return ((kv_lens.astype(np.int64) + block_size - 1) // block_size).astype(np.int32)
+    # kv_lens are int32 lengths far below 2^31 - block_size (checked against max_seq_len)
+    return (kv_lens + np.int32(block_size - 1)) // np.int32(block_size)
 
 
 def check_allocated(

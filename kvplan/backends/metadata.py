@@ -46,29 +46,30 @@ IntArrayLike = Sequence[int] | np.ndarray | torch.Tensor
 def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
     """Host copy of an integer vector as a 1-D int32 numpy array; rejects negatives/overflow."""
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point() or value.is_complex():
-            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
         if value.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU tensor (host values), got {value.device}")
         arr = value.numpy()
     else:
         arr = np.asarray(value)
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":
+        if arr.size or arr.ndim != 1:
             raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int32)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
+        lo, hi = arr.min(), arr.max()
         if lo < 0:
-            raise ValueError(f"{name} holds {lo}; lengths must be >= 0")
+            raise ValueError(f"{name} holds {int(lo)}; lengths must be >= 0")
         if hi > 2**31 - 1:
-            raise ValueError(f"{name} holds {hi}, which overflows int32")
-    return arr.astype(np.int32, copy=True)
+            raise ValueError(f"{name} holds {int(hi)}, which overflows int32")
+    return arr.astype(np.int32)  # always a copy: later changes of the caller's array are safe
 
 
 def exclusive_cumsum(lens: np.ndarray) -> np.ndarray:
     """``[0, l0, l0 + l1, ...]`` as int32 ``[n + 1]`` (overflow-checked)."""
-    out = np.zeros(lens.size + 1, np.int64)
+    out = np.empty(lens.size + 1, np.int64)
+    out[0] = 0
     np.cumsum(lens, out=out[1:])
     if out[-1] > 2**31 - 1:
         raise ValueError(f"total length {int(out[-1])} overflows int32")
@@ -289,8 +290,8 @@ class AttentionMetadata:
     def _prepare_common(self) -> None:
         """Validate the step and do the host length math every backend shares.
 
-        Sets ``cached_np`` and ``kv_lens_np`` (int32 ``[num_seqs]``, host), ``num_requests``,
-        and ``seq_request_index`` / ``seq_beam_index`` (the request and beam of each row).
+        Sets (host numpy int32) ``cached_np`` and ``kv_lens_np`` ``[num_seqs]``,
+        ``cu_seqlens_q_np`` and ``cu_seqlens_kv_np`` ``[num_seqs + 1]``, and ``num_requests``.
         """
         n = self._num_seqs
         nc = self._num_contexts
@@ -338,10 +339,9 @@ class AttentionMetadata:
         self.cached_np = cached
         self.kv_lens_np = cached + self.seq_lens_kv_np
         self.cu_seqlens_q_np = exclusive_cumsum(self._seq_lens_np)
-        self.cu_seqlens_kv_np = exclusive_cumsum(self.seq_lens_kv_np)
-        rows = np.arange(n, dtype=np.int64)
-        self.seq_request_index = np.where(rows < nc, rows, nc + (rows - nc) // self.beam_width)
-        self.seq_beam_index = np.where(rows < nc, 0, (rows - nc) % self.beam_width)
+        self.cu_seqlens_kv_np = (
+            exclusive_cumsum(self._seq_lens_kv_np) if self.is_cross else self.cu_seqlens_q_np
+        )
 
     def prepare_encoder_only(self) -> None:
         """Setup for a forward without a KV cache; defaults to the full ``prepare()``."""

@@ -180,11 +180,12 @@ def test_page_table_self_check_reports_within_budget(caplog):
     good = dict(
         kv_lens=kv_lens, logical_nb=logical, num_blocks=np.array([2, 3], np.int32),
         indptr=np.array([0, 2, 5], np.int32), last_page_len=np.array([1, 4], np.int32),
-        indices=np.array([1, 2, 3, 4, 9], np.int32), block_size=4,
+        num_indices=5, block_size=4,
     )  # fmt: skip
     assert page_table_problems(**good) == []
-    bad = dict(good, last_page_len=np.array([2, 4], np.int32), indices=np.array([1, 0, 3, 4, 9]))
+    bad = dict(good, last_page_len=np.array([2, 4], np.int32), num_indices=4)
     assert len(page_table_problems(**bad)) == 2
+    assert len(page_table_problems(**dict(good, num_blocks=np.array([1, 3], np.int32)))) == 2
     sc = make_scenario(1, [SeqSpec(0, 5, True), SeqSpec(6, 1, False)])
     md = prepared(RaggedAttentionMetadata, sc, page_table_check_budget=1)
     assert md.page_table_reports == []

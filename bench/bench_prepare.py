@@ -1,0 +1,179 @@
+"""prepare() CPU time per step, per backend, against a per-request Python-list baseline.
+
+Two batches: 256 decode sequences, and a 32-sequence mixed batch (16 prefill chunks, some over
+cached history, + 16 decode rows). For each backend the timed region is one step's metadata
+update: the per-step setters plus ``prepare()`` (host math, staging, async H2D launches; no
+device sync inside). The baseline builds the same backend's format the pre-vectorized way:
+one Python list per request (``get_block_ids``), per-token loops, then ``torch.tensor`` and a
+copy to the device. Medians over ``--iters`` steps; the device is synchronized between steps,
+outside the timed region.
+
+    PYTHONPATH=. python3 bench/bench_prepare.py --out bench/results/bench_prepare.json
+    PYTHONPATH=. python3 bench/bench_prepare.py --quick      # tiny, CPU-friendly
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from kvplan.backends import BACKEND_NAMES, get_backend
+from kvplan.cache.kv_cache_manager import KVCacheManager
+
+
+def make_batch(kind: str, num_seqs: int, max_ctx: int, block_size: int, seed: int = 0):
+    """A manager holding the batch's requests and the per-step fields of one step."""
+    rng = np.random.default_rng(seed)
+    max_blocks = -(-(max_ctx + 1024) // block_size)
+    mgr = KVCacheManager(
+        num_seqs * max_blocks + 8, block_size, max_blocks_per_seq=max_blocks,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    num_ctx = 0 if kind == "decode" else num_seqs // 2
+    seq_lens, cached = [], []
+    for rid in range(num_seqs):
+        if rid < num_ctx:
+            hist = int(rng.integers(0, max_ctx // 2)) if rid % 2 else 0
+            chunk = int(rng.integers(128, 513))
+            mgr.add_request(rid, list(range(hist + chunk)))
+            seq_lens.append(chunk)
+            cached.append(hist)
+        else:
+            hist = int(rng.integers(max_ctx // 4, max_ctx))
+            mgr.add_request(rid, list(range(hist)))
+            assert mgr.extend(rid, 1).ok
+            seq_lens.append(1)
+            cached.append(hist)
+    return mgr, list(range(num_seqs)), num_ctx, seq_lens, cached
+
+
+def step_ours(md, rids, num_ctx, seq_lens, cached) -> None:
+    md.request_ids = rids
+    md.num_contexts = num_ctx
+    md.seq_lens = seq_lens
+    md.num_cached_tokens_per_seq = cached
+    md.prepare()
+
+
+def baseline(name: str, mgr, rids, num_ctx, seq_lens, cached, device) -> dict:
+    """The same format built per request with Python lists (what ``prepare()`` replaces)."""
+    bs = mgr.block_size
+    kv_lens = [c + s for c, s in zip(cached, seq_lens)]
+    block_lists = [mgr.get_block_ids(r) for r in rids]
+    slots, positions, batch_indices = [], [], []
+    for b, (ids, c, s) in enumerate(zip(block_lists, cached, seq_lens)):
+        for p in range(c, c + s):
+            slots.append(ids[p // bs] * bs + p % bs)
+            positions.append(p)
+            batch_indices.append(b)
+    out = {"kv_lens": kv_lens, "slots": slots}
+    if name == "vanilla":
+        out["block_ids"] = [ids[: -(-n // bs)] for ids, n in zip(block_lists, kv_lens)]
+        dev = {"slots": torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)}
+        dev["tables"] = [torch.tensor(x, dtype=torch.int32).to(device) for x in out["block_ids"]]
+        return dev
+    if name == "ragged":
+        indices, indptr, last = [], [0], []
+        for ids, n in zip(block_lists, kv_lens):
+            nb = -(-n // bs)
+            indices.extend(ids[:nb])
+            indptr.append(indptr[-1] + nb)
+            last.append(n - (nb - 1) * bs)
+        qo = [0]
+        for s in seq_lens:
+            qo.append(qo[-1] + s)
+        lists = dict(indices=indices, indptr=indptr, last=last, qo=qo, kv_lens=kv_lens,
+                     slots=slots, positions=positions, batch_indices=batch_indices)  # fmt: skip
+        return {k: torch.tensor(v, dtype=torch.int32).to(device) for k, v in lists.items()}
+    width = max(-(-n // bs) for n in kv_lens)
+    table = []
+    for ids in block_lists:
+        row = ids[:width] + [0] * (width - len(ids[:width]))
+        table.append([row, row])
+    types = [0 if b < num_ctx else 1 for b in range(len(rids))]
+    lists = dict(kv_lens=kv_lens, slots=slots, types=types)
+    dev = {k: torch.tensor(v, dtype=torch.int32).to(device) for k, v in lists.items()}
+    dev["table"] = torch.tensor(table, dtype=torch.int32).to(device)
+    return dev
+
+
+def timed(fn, iters: int, device) -> float:
+    """Median microseconds of ``fn()`` (device synchronized between calls, outside timing)."""
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(samples)
+
+
+def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
+    mgr, rids, num_ctx, seq_lens, cached = make_batch(kind, num_seqs, max_ctx, block_size)
+    rows = []
+    for name in BACKEND_NAMES:
+        cls = get_backend(name)
+        md = cls.Metadata(
+            max_num_requests=num_seqs, max_num_tokens=max(sum(seq_lens), 1),
+            kv_cache_manager=mgr, device=device,
+        )  # fmt: skip
+        for _ in range(3):  # warm up (allocator, first copies)
+            step_ours(md, rids, num_ctx, seq_lens, cached)
+            baseline(name, mgr, rids, num_ctx, seq_lens, cached, device)
+        ours = timed(lambda md=md: step_ours(md, rids, num_ctx, seq_lens, cached), iters, device)
+        base = timed(
+            lambda name=name: baseline(name, mgr, rids, num_ctx, seq_lens, cached, device),
+            max(3, iters // 4), device,
+        )  # fmt: skip
+        rows.append(dict(batch=kind, num_seqs=num_seqs, num_tokens=sum(seq_lens),
+                         num_blocks=int(sum(-(-(c + s) // block_size) for c, s in zip(cached, seq_lens))),
+                         backend=name, prepare_us=ours, baseline_us=base,
+                         speedup=base / ours))  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="write a JSON record here")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU debugging)")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-ctx", type=int, default=None, help="longest cached history")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    iters = args.iters or (20 if args.quick else 200)
+    max_ctx = args.max_ctx or (256 if args.quick else 2048)
+    decode_seqs, mixed_seqs = (32, 8) if args.quick else (256, 32)
+    rows = run_case("decode", decode_seqs, max_ctx, args.block_size, iters, device)
+    rows += run_case("mixed", mixed_seqs, max_ctx, args.block_size, iters, device)
+    print(f"{'batch':7} {'seqs':>5} {'tokens':>6} {'backend':14} {'prepare us':>11} "
+          f"{'baseline us':>12} {'speedup':>8}")  # fmt: skip
+    for r in rows:
+        print(f"{r['batch']:7} {r['num_seqs']:5d} {r['num_tokens']:6d} {r['backend']:14} "
+              f"{r['prepare_us']:11.1f} {r['baseline_us']:12.1f} {r['speedup']:7.1f}x")  # fmt: skip
+    record = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "command": " ".join(["python3", *sys.argv]),
+        "block_size": args.block_size,
+        "max_ctx": max_ctx,
+        "iters": iters,
+        "rows": rows,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
