@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 from kvplan._checks import INT32_MAX, check_range, check_same_device, check_tensor
 from kvplan.ops import _paged_attention_kernels as _k
@@ -197,9 +198,11 @@ def paged_attention_decode(
 
 
 def paged_attention_decode_triton(
-    q, k_cache, v_cache, page_ids, page_start, kv_lens, *, scale, sliding_window=None, out=None,
-    num_splits=None, max_kv_len=None, check=True, tile_n=64, num_warps=4, num_stages=3,
-):  # fmt: skip
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
+    kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
+    out: Tensor | None = None, num_splits: int | None = None, max_kv_len: int | None = None,
+    check: bool = True, tile_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+) -> Tensor:  # fmt: skip
     """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`."""
     window = _check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
@@ -224,9 +227,10 @@ def paged_attention_decode_triton(
 
 
 def paged_attention_decode_torch(
-    q, k_cache, v_cache, page_ids, page_start, kv_lens, *, scale, sliding_window=None, out=None,
-    check=True,
-):  # fmt: skip
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
+    kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
+    out: Tensor | None = None, check: bool = True,
+) -> Tensor:  # fmt: skip
     """Vectorized torch decode; same contract as :func:`paged_attention_decode`."""
     _check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
@@ -286,10 +290,11 @@ def paged_attention_prefill(
 
 
 def paged_attention_prefill_triton(
-    q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, *, scale,
-    sliding_window=None, out=None, max_q_len=None, check=True, tile_m=64, tile_n=64,
-    num_warps=4, num_stages=2,
-):  # fmt: skip
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
+    cu_seqlens_q: Tensor, kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
+    out: Tensor | None = None, max_q_len: int | None = None, check: bool = True,
+    tile_m: int = 64, tile_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+) -> Tensor:  # fmt: skip
     """Triton varlen prefill; same contract as :func:`paged_attention_prefill`."""
     window = _check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
@@ -311,9 +316,10 @@ def paged_attention_prefill_triton(
 
 
 def paged_attention_prefill_torch(
-    q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, *, scale,
-    sliding_window=None, out=None, check=True,
-):  # fmt: skip
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
+    cu_seqlens_q: Tensor, kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
+    out: Tensor | None = None, check: bool = True,
+) -> Tensor:  # fmt: skip
     """Vectorized torch prefill; same contract as :func:`paged_attention_prefill`."""
     _check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
@@ -375,9 +381,10 @@ def _attention_torch(
 
 
 def paged_attention_ref(
-    q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, *, scale,
-    sliding_window=None,
-):  # fmt: skip
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
+    cu_seqlens_q: Tensor | None, kv_lens: Tensor, *, scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:  # fmt: skip
     """Per-query loop in float64; ``cu_seqlens_q=None`` means decode (one query per sequence).
 
     For each query it lists the visible key positions, looks every one up in the page table,
