@@ -28,7 +28,7 @@ def gather_input_ids(seqs: Sequence[SequenceMetadata], is_prompt: bool) -> np.nd
     return np.array(ids, dtype=np.int64)
 
 
-def _known_ids(s: SequenceMetadata, lo: int, hi: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+def _known_ids(s: SequenceMetadata, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
     """Engram ids and image flags of raw positions ``[lo, hi)`` of one sequence."""
     comp = s.compressed_token_ids
     n_comp = len(comp)
@@ -69,7 +69,7 @@ def ngram_token_ids(
     lo = np.maximum(b.q_start - g_max + 1, 0)  # first position any row of the seq looks at
     ids_parts, img_parts = [], []
     for i, s in enumerate(seqs):
-        ids, img = _known_ids(s, int(lo[i]), int(b.seqlen_k[i]), cfg.pad_token_id)
+        ids, img = _known_ids(s, int(lo[i]), int(b.seqlen_k[i]))
         ids_parts.append(ids)
         img_parts.append(img)
     ids = np.concatenate(ids_parts)

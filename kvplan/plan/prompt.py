@@ -41,7 +41,9 @@ from kvplan.plan.common import (
     num_complete_groups,
     num_new_compressed,
     paged_slot,
+    ring_slot,
     swa_pivots_rel,
+    swa_stores,
 )
 from kvplan.plan.config import MetadataConfig, ratio_key
 from kvplan.plan.metadata import InputMetadata
@@ -109,10 +111,11 @@ def add_prompt_fields(em: Emitter, b: BatchArrays, cfg: MetadataConfig, meta) ->
     ph = b.is_placeholder
 
     em.add("state_block_idx", b.state_id, I32)
-    # rows j >= seqlen_q - sbs store into the ring (swa_stores); placeholders store nothing
-    first_store = np.where(ph, b.seqlen_q, b.seqlen_q - sbs)
-    slot = pos % sbs + _rep(b.state_id * sbs, b)
-    slot[j < _rep(first_store, b)] = -1
+    # the chunk's last sbs rows store into the ring; a placeholder counts as sbs rows longer
+    # than it is, so none of its rows does
+    stores = swa_stores(_rep(np.where(ph, b.seqlen_q + sbs, b.seqlen_q), b), j, sbs)
+    slot = ring_slot(_rep(b.state_id, b), pos, sbs)
+    slot[~stores] = -1
     em.add("slot_mapping_store_swa", slot, I32)
     meta.total_k_swa = n * window
     em.add("load_segments_swa", swa_load_segments(b, window, sbs), I32)

@@ -238,3 +238,24 @@ def test_gpu_builders_match_cpu():
         for k, v in fb.items():
             if isinstance(v, torch.Tensor) and k != "block_tables":
                 assert fa[k].is_cuda and torch.equal(fa[k].cpu(), v), k
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("prompt", [True, False])
+def test_out_path_equals_fresh_path(seed, prompt):
+    """Writing prefixes of capture-size buffers gives the same fields as fresh tensors."""
+    cfg, seqs, fresh = _batch(100 + seed, prompt)
+    out = _capture_buffers(fresh, 4096)
+    build = prepare_prompt if prompt else prepare_decode
+    inplace = build(seqs, cfg, out=out)
+    for name, value in fresh.to_flatten_dict().items():
+        got = inplace.to_flatten_dict()[name]
+        if isinstance(value, torch.Tensor) and name != "block_tables":
+            assert got.data_ptr() == _capture_ptr(out, name) and torch.equal(got, value), name
+        elif not isinstance(value, torch.Tensor):
+            assert got == value, name
+
+
+def _capture_ptr(out, path):
+    name, _, key = path.partition(".")
+    return (out[name][key] if key else out[name]).data_ptr()
