@@ -121,8 +121,9 @@ class KVCacheTensors:
         ``slot_mapping``: int32/int64 ``[T]`` on the caches' device; ``-1`` skips the row.
         Values are cast to the cache dtype (round to nearest even). bf16 and fp8 go through
         ``kvplan.store_kv_cache`` (Triton on CUDA; fp8 with UE8M0 scales per 32 values);
-        fp16/fp32 use a torch scatter (its boolean mask syncs on CUDA). ``check`` validates
-        the slot range (one reduction; a device sync on CUDA).
+        fp16/fp32 use a sync-free torch scatter. Rows sharing a slot leave one of them
+        (unspecified which; such rows are padding by contract). ``check`` validates the slot
+        range (one reduction; a device sync on CUDA).
         """
         self._check_layer(layer)
         t = slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor) else None
@@ -141,12 +142,13 @@ class KVCacheTensors:
             for x, raw in ((k, raw_k), (v, raw_v)):
                 store_kv_cache(x.to(torch.bfloat16), raw, slots, layout=self.layout, check=False)
             return
-        k_cache, v_cache = self._views[layer]
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        blocks, offsets = slots // self.block_size, slots % self.block_size
-        k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-        v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+        # Sync-free (CUDA-graph safe) scatter: a skipped row targets slot 0 (padding block 0)
+        # and writes back the value already there, so it changes nothing.
+        keep = (slot_mapping >= 0)[:, None, None]  # [T, 1, 1]
+        slots = slot_mapping.long().clamp(min=0)  # [T]
+        for x, cache in zip((k, v), self._views[layer]):
+            flat = cache.view(self.num_slots, self.num_kv_heads, self.head_dim)  # [N*bs, H, D]
+            flat.index_put_((slots,), torch.where(keep, x.to(flat.dtype), flat[slots]))
 
     def read_blocks(
         self, layer: int, block_ids: torch.Tensor, *, check: bool = True
