@@ -5,6 +5,8 @@ Batch: ``--seqs`` decode sequences (default 256) with ``--drafts`` draft tokens 
 
 * ``host_stage``: the host half (validate, extract, pack, async H2D, metadata views);
 * ``host_total``: the whole call as the CPU sees it (host half + issuing the two launches);
+* ``host_graph`` (CUDA): host half + replaying a CUDA graph of the two launches (how a decode
+  loop with captured buffers runs it);
 * ``kernels``: GPU time of the two kernels (a CUDA graph of ``--graph-reps`` launch pairs,
   replay time / reps, so launch gaps are excluded); CPU only: the torch path, for debugging;
 * ``eager_decode``: ``prepare_decode`` (vectorized numpy + copies), for context;
@@ -109,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write a JSON record here")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)  # tiny CPU tensors: thread hand-offs dominate otherwise
     if args.quick:
         args.seqs, args.iters, args.ref_iters = min(args.seqs, 8), 5, 2
     device = "cuda" if cuda else "cpu"
@@ -136,12 +140,22 @@ def main(argv=None) -> int:
     staged = stage_decode_on_device(seqs, cfg, out=out)
     if cuda:
         res["kernels"] = kernel_us(staged, args.graph_reps, 50)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch_decode_kernels(staged)
+
+        def staged_replay():
+            stage_decode_on_device(seqs, cfg, out=out)
+            graph.replay()
+
+        res["host_graph"] = median_us(staged_replay, args.iters)
     else:
         res["kernels_torch_path_cpu"] = median_us(
             lambda: launch_decode_kernels(staged, "torch"), args.iters
         )
     ratios = {
         "reference / host_stage": res["reference"] / res["host_stage"],
+        **({"reference / host_graph": res["reference"] / res["host_graph"]} if cuda else {}),
         "reference / host_total": res["reference"] / res["host_total"],
         "eager_decode / host_total": res["eager_decode"] / res["host_total"],
     }

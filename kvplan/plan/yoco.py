@@ -157,7 +157,11 @@ def fill_yoco_truncation_metadata(
     return meta
 
 
-def _require(meta: InputMetadata, name: str, mode: str) -> None:
+def _require(meta: InputMetadata, name: str, mode: str, seqs, config) -> None:
+    if getattr(meta, name, None) is None and seqs is not None and config is not None:
+        if config.yoco_mode != mode:
+            raise ValueError(f"config.yoco_mode is {config.yoco_mode!r}, this view needs {mode!r}")
+        fill_yoco_truncation_metadata(meta, seqs, config)
     if getattr(meta, name, None) is None:
         raise ValueError(
             f"meta has no {name}: call fill_yoco_truncation_metadata with yoco_mode={mode!r} "
@@ -165,14 +169,20 @@ def _require(meta: InputMetadata, name: str, mode: str) -> None:
         )
 
 
-def get_mask_view(meta: InputMetadata) -> InputMetadata:
+def get_mask_view(
+    meta: InputMetadata,
+    seqs: Sequence[SequenceMetadata] | None = None,
+    config: MetadataConfig | None = None,
+) -> InputMetadata:
     """Shallow copy whose ``kv_swa_full_index_pivots`` are the mask-mode pivots.
+
+    ``seqs`` / ``config``: fill the YoCo fields first when ``meta`` has none yet.
 
     Every row stays; derived fields are cleared so ``compute_attn_info`` expands the new
     pivots. Fields not rewritten are SHARED with ``meta``: do not modify them in place. With
     CP (``meta`` already mirrored) the mask pivots are gathered to the mirror rows.
     """
-    _require(meta, "yoco_mask_swa_index_pivots", "mask")
+    _require(meta, "yoco_mask_swa_index_pivots", "mask", seqs, config)
     view = copy.copy(meta)
     piv = meta.yoco_mask_swa_index_pivots
     idx = getattr(meta, "mirror_cp_index", None)
@@ -181,8 +191,14 @@ def get_mask_view(meta: InputMetadata) -> InputMetadata:
     return view
 
 
-def get_consumer_view(meta: InputMetadata) -> InputMetadata:
+def get_consumer_view(
+    meta: InputMetadata,
+    seqs: Sequence[SequenceMetadata] | None = None,
+    config: MetadataConfig | None = None,
+) -> InputMetadata:
     """Shallow copy in the compact layout of the kept rows (see the module docstring).
+
+    ``seqs`` / ``config``: fill the YoCo fields first when ``meta`` has none yet.
 
     Rewritten: ``positions``, ``slot_mapping_store_swa``, ``valid_token_mask``,
     ``gate_force_random``, ``query_indices``, ``ks``/``ke``, ``kv_ca_index_offset_len``,
@@ -194,7 +210,7 @@ def get_consumer_view(meta: InputMetadata) -> InputMetadata:
     (``prepare_for_mirror_cp``), the compact rows are mirrored too, with the original
     ``cu_seqlens_k``, and ``yoco_cp_contrib_index`` / ``yoco_cp_boundary_index`` are set.
     """
-    _require(meta, "yoco_consumer_query_indices", "compact")
+    _require(meta, "yoco_consumer_query_indices", "compact", seqs, config)
     view = copy.copy(meta)
     view.positions = meta.yoco_consumer_positions
     view.slot_mapping_store_swa = meta.yoco_consumer_slot_mapping_store_swa

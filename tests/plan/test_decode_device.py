@@ -10,6 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from plan_cases import random_config
+from plan_cases import random_decode_batch as plan_cases_decode_batch
 
 from kvplan.plan.config import MetadataConfig
 from kvplan.plan.decode import prepare_decode
@@ -64,7 +68,7 @@ def random_decode_batch(rng, cfg: MetadataConfig, n_seq: int, max_draft: int = 2
     return seqs
 
 
-def assert_same_decode(got, want):
+def assert_same_decode(got, want, min_ratio=4, tpb=4):
     for name in SCALARS:
         assert getattr(got, name) == getattr(want, name), name
     for name in PER_TOKEN + PER_SEQ:
@@ -83,7 +87,7 @@ def assert_same_decode(got, want):
     # block_tables: only each row's first num_blocks columns are defined
     bt_a, bt_b = got.block_tables.cpu(), want.block_tables.cpu()
     assert bt_a.shape == bt_b.shape and bt_a.dtype == bt_b.dtype
-    ends = (want.seqlens_k.cpu().long() // 4 + 3) // 4  # num_blocks_for at min ratio 4, tpb 4
+    ends = (want.seqlens_k.cpu().long() // min_ratio + tpb - 1) // tpb  # num_blocks_for
     rows = torch.repeat_interleave(ends, want.seqlens_q.cpu().long())
     cols = torch.arange(bt_a.shape[1])
     defined = cols[None, :] < rows[:, None]
@@ -334,3 +338,29 @@ def test_replaced_out_buffer_is_checked_again():
     out["positions"] = torch.zeros(12, dtype=torch.int64)
     with pytest.raises(TypeError, match="positions"):
         prepare_decode_on_device(seqs, cfg, out=out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_torch_path_equals_eager_on_random_configs(seed):
+    """Wide configs (no ratios, one ratio, Engram with images, placeholders, valid starts)."""
+    rng = np.random.default_rng(seed)
+    cfg = random_config(rng)
+    seqs = plan_cases_decode_batch(rng, cfg)
+    assert_same_decode(prepare_decode_on_device(seqs, cfg, backend="torch"),
+                       prepare_decode(seqs, cfg), min_ratio=cfg.min_ratio,
+                       tpb=cfg.tokens_per_block(cfg.min_ratio))  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [40, 41, 42])
+def test_interpreter_on_random_configs_and_oracle(seed):
+    """The Triton kernels (interpreter) on wide configs, then the visibility oracle."""
+    from kvplan.plan.visibility import check_visibility
+
+    rng = np.random.default_rng(seed)
+    cfg = random_config(rng)
+    seqs = plan_cases_decode_batch(rng, cfg)
+    got = prepare_decode_on_device(seqs, cfg, backend="triton")
+    assert_same_decode(got, prepare_decode(seqs, cfg), min_ratio=cfg.min_ratio,
+                       tpb=cfg.tokens_per_block(cfg.min_ratio))  # fmt: skip
+    check_visibility(got, seqs, cfg)

@@ -143,3 +143,14 @@ def test_cp_redistribution_moves_kept_rows(seed, cp_size):
         assert view.cp_mirror_len == full.yoco_consumer_cp_mirror_len
     per_rank = [int((s >= 0).sum()) for s in sent]
     assert max(per_rank) == pad and sum(per_rank) == full.yoco_consumer_total_q
+
+
+def test_views_fill_on_demand():
+    rng = np.random.default_rng(9)
+    cfg = _cfg(rng, "compact")
+    seqs = random_prompt_batch(rng, cfg)
+    meta = prepare_prompt(seqs, cfg)
+    view = meta.get_consumer_view(seqs, cfg)
+    assert view.total_q == meta.yoco_consumer_total_q
+    with pytest.raises(ValueError, match="needs 'mask'"):
+        get_mask_view(prepare_prompt(seqs, cfg), seqs, cfg)
