@@ -237,7 +237,7 @@ def main(argv=None) -> int:
         decode_sweep = [(s, 64, 4, 3) for s in (1, 2, 4, 8)]
         decode_sweep += [(2, 128, 4, 2), (4, 128, 4, 2), (2, 32, 4, 3), (4, 32, 4, 4)]
         decode_sweep += [(4, 64, 8, 3), (1, 64, 4, 2), (2, 64, 4, 2), (1, 32, 4, 3)]
-        prefill_sweep = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 2)]
+        prefill_sweep = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2)]
     for key, val in sizes.items():
         setattr(args, key, val)
     args.decode_sweep = [] if args.no_sweep else decode_sweep

@@ -278,8 +278,9 @@ def test_ragged_and_block_offset_encodings_give_identical_outputs():
 
 
 def test_default_num_splits():
-    assert default_num_splits(64, 8, 4096, 132) == 1
-    assert default_num_splits(4, 8, 4096, 132) == 9
+    assert default_num_splits(64, 8, 4096, 132) == 3
+    assert default_num_splits(4, 8, 4096, 132) == 16  # capped at 256 keys per split
+    assert default_num_splits(256, 8, 4096, 132) == 1
     assert default_num_splits(1, 1, 300, 132) == 1  # >= 256 keys per split
     assert default_num_splits(1, 1, 10**6, 132) == 64
 
