@@ -56,6 +56,8 @@ def load_cast_kernel(
     FP4: tl.constexpr,
     SF: tl.constexpr,
     SB: tl.constexpr,
+    FLAT: tl.constexpr,  # groups tile the record exactly (GS and G powers of two)
+    HW: tl.constexpr,  # hardware fp8 / bf16 conversions (GPU); integer ones in the interpreter
     TILE_T: tl.constexpr,
     VALIGN: tl.constexpr,
     SALIGN: tl.constexpr,
@@ -66,30 +68,38 @@ def load_cast_kernel(
     vbase = tl.multiple_of(block * block_stride + t * v_stride, VALIGN)
     sbase = tl.multiple_of(block * block_stride + s_block_off + t * s_stride, SALIGN)
     g = tl.arange(0, G_P2)
-    if GB == GB_P2 and G == G_P2:
+    if FLAT:
         j = tl.arange(0, G_P2 * GB_P2)
         vb = tl.load(cache_ptr + vbase[:, None] + j[None, :], mask=read[:, None], other=0)
-        vb = tl.reshape(vb, [TILE_T, G_P2, GB_P2]).to(tl.int32)
+        vb = tl.reshape(vb, [TILE_T, G_P2, GB_P2])
     else:
         b = tl.arange(0, GB_P2)
         bidx = g[:, None] * GB + b[None, :]
         bmask = (g[:, None] < G) & (b[None, :] < GB)
         ptr = cache_ptr + vbase[:, None, None] + bidx[None, :, :]
-        vb = tl.load(ptr, mask=read[:, None, None] & bmask[None, :, :], other=0).to(tl.int32)
+        vb = tl.load(ptr, mask=read[:, None, None] & bmask[None, :, :], other=0)
+    # vb: uint8 [TILE_T, G_P2, GB_P2], zero for rows that do not read
     if FP4:
+        vb = vb.to(tl.int32)
         codes = tl.reshape(tl.join(vb & 15, vb >> 4), [TILE_T, G_P2, GS_P2])
         vals = decode_e2m1(codes)
+    elif HW:
+        vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        vals = decode_e4m3(vb)
+        vals = decode_e4m3(vb.to(tl.int32))
     js = tl.arange(0, G_P2 * SB)
     sb = tl.load(cache_ptr + sbase[:, None] + js[None, :], mask=read[:, None] & (js < G * SB)[None, :], other=0)  # fmt: skip
     sb = sb.to(tl.int32)
     if SB == 4:
         sb = tl.reshape(sb, [TILE_T, G_P2, 4])
     mult = scale_multipliers(sb, SF)  # [TILE_T, G_P2]
-    bits = bf16_bits(vals * mult[:, :, None]).to(tl.int16)  # [TILE_T, G_P2, GS_P2]
+    y = vals * mult[:, :, None]  # [TILE_T, G_P2, GS_P2] fp32
+    if HW:
+        bits = y.to(tl.bfloat16).to(tl.int16, bitcast=True)
+    else:
+        bits = bf16_bits(y).to(tl.int16)
     obase = tl.multiple_of(dst * out_stride, OALIGN)
-    if GS == GS_P2 and G == G_P2:
+    if FLAT:
         e = tl.arange(0, G_P2 * GS_P2)
         flat = tl.reshape(bits, [TILE_T, G_P2 * GS_P2])
         tl.store(out_ptr + obase[:, None] + e[None, :], flat, mask=ok[:, None])

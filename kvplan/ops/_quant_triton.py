@@ -47,7 +47,19 @@ def encode_e4m3(x):
 
 @triton.jit
 def encode_e2m1(x):
-    return encode_minifloat(x, 1, 127, 3, 6.0)
+    """fp32 -> int32 e2m1 codes (0..15), RNE, saturating at 6; same result as
+    ``encode_minifloat(x, 1, 127, 3, 6.0)`` with fewer (and mostly fp32) instructions.
+
+    Magnitudes below 2 have step 0.5, [2, 4) step 1, [4, 6] step 2: scale by 2, 1 or 1/2 so the
+    step becomes 1, round to an integer with the 1.5 * 2^23 trick (fp32 addition rounds to
+    nearest even) and add the code of the binade's first value (0, 2 or 4).
+    """
+    a = tl.minimum(tl.abs(x), 6.0)
+    mult = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    base = tl.where(a < 2.0, 0, tl.where(a < 4.0, 2, 4))
+    rounded = (a * mult + 12582912.0).to(tl.int32, bitcast=True) & 7
+    sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+    return (rounded + base) | (sign << 3)
 
 
 @triton.jit
@@ -65,14 +77,13 @@ def decode_e4m3(c):
 
 @triton.jit
 def decode_e2m1(c):
-    """int32 e2m1 codes (0..15) -> fp32."""
-    sign = (c >> 3) & 1
-    exp = (c >> 1) & 3
-    mant = c & 1
-    normal = ((sign << 31) | ((exp + 126) << 23) | (mant << 22)).to(tl.float32, bitcast=True)
-    sub = mant.to(tl.float32) * 0.5
-    sub = (sub.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
-    return tl.where(exp > 0, normal, sub)
+    """int32 e2m1 codes (0..15) -> fp32: magnitude code m maps to m/2 (m < 4), m - 2 (m < 6)
+    or 2m - 8; the sign bit is set directly."""
+    mag = (c & 7).to(tl.float32)
+    mult = tl.where(mag < 4.0, 0.5, tl.where(mag < 6.0, 1.0, 2.0))
+    shift = tl.where(mag < 4.0, 0.0, tl.where(mag < 6.0, -2.0, -8.0))
+    v = mag * mult + shift
+    return (v.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

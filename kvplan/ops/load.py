@@ -24,7 +24,7 @@ from kvplan import quant
 from kvplan._checks import check_int32, check_same_device, check_tensor
 from kvplan.formats import KVCacheFormat, resolve_kv_cache_layout, split_kv_cache
 from kvplan.load_plan import validate_load_plan
-from kvplan.ops._dispatch import use_triton
+from kvplan.ops._dispatch import triton_interpreting, use_triton
 from kvplan.ops.store import _SF_KIND, cache_bytes, flat_bytes, pow2_alignment, row_bases
 
 
@@ -164,10 +164,12 @@ def load_paged_kv_cache(
     return out
 
 
-def load_paged_kv_cache_torch(kv_cache, load_segments, total_k, out=None, *, layout=None):
+def load_paged_kv_cache_torch(
+    kv_cache, load_segments, total_k, out=None, *, layout=None, check=True
+):
     """Vectorized torch path of :func:`load_paged_kv_cache` (any device)."""
     layout, raw, geo, out, vrows, srows, segs = _prepare(
-        kv_cache, load_segments, total_k, out, layout, True
+        kv_cache, load_segments, total_k, out, layout, check
     )
     if segs.shape[0] and total_k:
         _load_torch(raw, segs, vrows, srows, layout, geo)
@@ -175,12 +177,13 @@ def load_paged_kv_cache_torch(kv_cache, load_segments, total_k, out=None, *, lay
 
 
 def load_paged_kv_cache_triton(
-    kv_cache, load_segments, total_k, out=None, *, layout=None, config=None
+    kv_cache, load_segments, total_k, out=None, *, layout=None, check=True, config=None
 ):
-    """Triton path of :func:`load_paged_kv_cache`; ``config`` (``tile_t``, ``num_warps``)
-    overrides the launch parameters for benchmarks."""
+    """Triton path of :func:`load_paged_kv_cache`; ``config`` (``tile_t``, ``num_warps``,
+    ``hw``: hardware fp8/bf16 conversions, default on except in the interpreter) overrides the
+    launch parameters for benchmarks and tests."""
     layout, raw, geo, out, vrows, srows, segs = _prepare(
-        kv_cache, load_segments, total_k, out, layout, True
+        kv_cache, load_segments, total_k, out, layout, check
     )
     if segs.shape[0] and total_k:
         _launch(raw, segs, vrows, srows, layout, geo, config)
@@ -237,6 +240,7 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None) -> None:
             E=layout.quantized_elements, GS=gs, G=g, GS_P2=gs_p2, G_P2=g_p2,
             GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2, FP4=fp4,
             SF=_SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
+            FLAT=gs == gs_p2 and g == g_p2, HW=config.get("hw", not triton_interpreting()),
             TILE_T=tile, VALIGN=geo.v_align, SALIGN=geo.s_align,
             OALIGN=pow2_alignment(out16.stride(0), cap=8),
             num_warps=config.get("num_warps", 8),

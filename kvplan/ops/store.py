@@ -16,7 +16,7 @@ import torch
 from kvplan import quant
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.formats import KVCacheFormat, resolve_kv_cache_layout, split_kv_cache
-from kvplan.ops._dispatch import use_triton
+from kvplan.ops._dispatch import triton_interpreting, use_triton
 
 
 class CacheGeometry(NamedTuple):
@@ -158,19 +158,22 @@ def store_kv_cache(
         _store_torch(x, raw, slots, layout, geo)
 
 
-def store_kv_cache_torch(kv, kv_cache, slot_mapping, *, layout=None) -> None:
+def store_kv_cache_torch(kv, kv_cache, slot_mapping, *, layout=None, check=True) -> None:
     """Vectorized torch path of :func:`store_kv_cache` (any device)."""
-    layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, True)
+    layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, check)
     if x.shape[0]:
         _store_torch(x, raw, slots, layout, geo)
 
 
-def store_kv_cache_triton(kv, kv_cache, slot_mapping, *, layout=None, config=None) -> None:
+def store_kv_cache_triton(
+    kv, kv_cache, slot_mapping, *, layout=None, check=True, config=None
+) -> None:
     """Triton path of :func:`store_kv_cache` (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
-    ``config`` overrides the launch parameters (``rows``, ``num_warps``) for benchmarks.
+    ``config`` overrides the launch parameters (``rows``, ``num_warps``, ``hw``: hardware fp8
+    conversion, default on except in the interpreter) for benchmarks and tests.
     """
-    layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, True)
+    layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, check)
     if x.shape[0]:
         _launch(x, raw, slots, layout, geo, config)
 
@@ -218,6 +221,7 @@ def _launch(x, raw, slots, layout, geo, config=None) -> None:
             GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2,
             QB=layout.quantized_bytes, FP4=fp4, QMAX=6.0 if fp4 else 448.0,
             SF=_SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
+            FLAT=gs == gs_p2 and g == g_p2, HW=config.get("hw", not triton_interpreting()),
             ROWS=rows, VALIGN=geo.v_align, SALIGN=geo.s_align,
             num_warps=config.get("num_warps", 4),
         )  # fmt: skip

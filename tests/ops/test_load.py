@@ -231,10 +231,18 @@ def test_bad_arguments_raise():
         load_paged_kv_cache(index, seg, 4, bad_scales, layout=MXFP8_INDEX_KV_FORMAT)
 
 
+GPU_CASES = (
+    [(f, 64, True) for f in ALL_FORMATS]
+    + [(f, 133, True) for f in SUPPORTED_KV_CACHE_FORMATS]
+    + [(f, 64, False) for f in (V41_FORMAT, V41_FP4_FORMAT, ENGINE_FP8)]
+)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [64, 133])
-@pytest.mark.parametrize("layout", ALL_FORMATS, ids=_ids)
-def test_gpu_triton_is_bit_exact_with_torch(layout, block_size):
+@pytest.mark.parametrize(
+    "layout, block_size, hw", GPU_CASES, ids=[f"{f.note}-{b}-{h}" for f, b, h in GPU_CASES]
+)
+def test_gpu_triton_is_bit_exact_with_torch_and_reference(layout, block_size, hw):
     num_blocks = 24
     cache, _ = _filled_cache(layout, num_blocks, block_size, seed=3, device="cuda")
     segments, total_k = _plan(block_size, num_blocks, seed=3)
@@ -244,14 +252,30 @@ def test_gpu_triton_is_bit_exact_with_torch(layout, block_size):
     more[:, 3] += total_k
     segments = torch.cat([segments, more]).cuda()
     total_k += more_k
-    a = load_paged_kv_cache(cache, segments, total_k, layout=layout)  # Triton on CUDA
+    cfg = {"hw": hw}
+    a = load_paged_kv_cache_triton(cache, segments, total_k, layout=layout, config=cfg)
     b = load_paged_kv_cache_torch(cache, segments, total_k, layout=layout)
     for x, y in zip(_bytes(a), _bytes(b), strict=True):
         assert torch.equal(x, y)
     tiny = torch.tensor([[1, 2, 5, 0], [-1, 0, 2, 3], [num_blocks - 1, 0, 1, 5]], dtype=torch.int32)
     ref = load_paged_kv_cache_ref(cache.cpu(), tiny, 6, layout=layout)
     ref = ref if isinstance(ref, tuple) else (ref.view(torch.uint8),)
-    got = _bytes(load_paged_kv_cache(cache, tiny.cuda(), 6, layout=layout))
+    got = _bytes(load_paged_kv_cache_triton(cache, tiny.cuda(), 6, layout=layout, config=cfg))
     assert torch.equal(got[0].cpu(), ref[0])
     if len(ref) == 2:
         assert torch.equal(got[1][:, : layout.sf_bytes].cpu(), ref[1])
+
+
+@pytest.mark.gpu
+def test_gpu_load_inside_cuda_graph_replays_new_plans():
+    cache, _ = _filled_cache(V41_FORMAT, 8, 64, seed=4, device="cuda")
+    segments = torch.tensor([[3, 0, 64, 0], [-1, 0, 10, 64]], dtype=torch.int32, device="cuda")
+    out = torch.empty(74, 512, dtype=torch.bfloat16, device="cuda")
+    load_paged_kv_cache(cache, segments, 74, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        load_paged_kv_cache(cache, segments, 74, out)
+    segments.copy_(torch.tensor([[5, 0, 64, 10], [-1, 0, 10, 0]], dtype=torch.int32))
+    graph.replay()
+    want = load_paged_kv_cache_torch(cache, segments, 74, layout=V41_FORMAT)
+    assert torch.equal(out, want)

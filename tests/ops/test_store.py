@@ -158,21 +158,50 @@ def test_bad_input_raises_and_leaves_the_cache_unchanged(kwargs, exc, match):
     assert torch.equal(_storage(cache), before)
 
 
+# GPU cases: every format at block size 64, the named ones at 133 too, and the integer
+# (non-hardware) fp8 rounding path for the fp8 formats.
+GPU_CASES = (
+    [(f, 64, True) for f in ALL_FORMATS]
+    + [(f, 133, True) for f in SUPPORTED_KV_CACHE_FORMATS]
+    + [(f, 64, False) for f in (V41_FORMAT, FP8_FLOAT32_SF_INDEX_KV_FORMAT, ENGINE_FP8)]
+)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [64, 133])
-@pytest.mark.parametrize("layout", ALL_FORMATS, ids=_ids)
-def test_gpu_triton_is_bit_exact_with_torch(layout, block_size):
+@pytest.mark.parametrize(
+    "layout, block_size, hw", GPU_CASES, ids=[f"{f.note}-{b}-{h}" for f, b, h in GPU_CASES]
+)
+def test_gpu_triton_is_bit_exact_with_torch_and_reference(layout, block_size, hw):
     num_blocks, n = 40, 2000
     kv = _random_kv(n, layout, seed=7).cuda()
     slots = _random_slots(n, num_blocks * block_size, seed=7, num_skip=100).cuda()
     a = _random_cache(layout, num_blocks, block_size, device="cuda")
     b = _random_cache(layout, num_blocks, block_size, device="cuda")
-    store_kv_cache(kv, a, slots, layout=layout)  # Triton on CUDA
+    store_kv_cache_triton(kv, a, slots, layout=layout, config={"hw": hw})
     store_kv_cache_torch(kv, b, slots, layout=layout)
     assert torch.equal(_storage(a), _storage(b))
-    ref = _random_cache(layout, 3, 4)
-    s = torch.tensor([0, 5, -1, 11], dtype=torch.int32)
-    store_kv_cache_ref(kv[:4].cpu(), ref, s, layout=layout)
-    gpu = _random_cache(layout, 3, 4, device="cuda")
-    store_kv_cache(kv[:4], gpu, s.cuda(), layout=layout)
+    ref = _random_cache(layout, num_blocks, block_size)
+    s = torch.tensor([0, 5, -1, 11, num_blocks * block_size - 1], dtype=torch.int32)
+    store_kv_cache_ref(kv[:5].cpu(), ref, s, layout=layout)
+    gpu = _random_cache(layout, num_blocks, block_size, device="cuda")
+    store_kv_cache_triton(kv[:5], gpu, s.cuda(), layout=layout, config={"hw": hw})
     assert torch.equal(_storage(gpu).cpu(), _storage(ref))
+
+
+@pytest.mark.gpu
+def test_gpu_store_inside_cuda_graph_replays_new_inputs():
+    layout = V41_FORMAT
+    cache = _random_cache(layout, 8, 64, device="cuda")
+    kv = _random_kv(256, layout).cuda()
+    slots = _random_slots(256, 512).cuda()
+    store_kv_cache(kv, cache, slots)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store_kv_cache(kv, cache, slots)
+    kv.copy_(_random_kv(256, layout, seed=9))
+    slots.copy_(_random_slots(256, 512, seed=9))
+    expected = _random_cache(layout, 8, 64, device="cuda")
+    _storage(expected).copy_(_storage(cache))
+    store_kv_cache_torch(kv, expected, slots)
+    graph.replay()
+    assert torch.equal(_storage(cache), _storage(expected))
