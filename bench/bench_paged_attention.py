@@ -233,10 +233,12 @@ def main(argv=None) -> int:
     else:
         sizes = dict(batch=64, context=4096, heads=32, kv_heads=8, head_dim=128, block_size=32,
                      prefill_batch=4, prefill_len=4096, reps=30, warmup=5)  # fmt: skip
-        # (num_splits, tile_n, num_warps, num_stages); each config costs a compile (~2-4 s).
-        decode_sweep = [(s, 64, 4, 3) for s in (1, 2, 4, 8)]
-        decode_sweep += [(2, 128, 4, 2), (4, 128, 4, 2), (2, 32, 4, 3), (4, 32, 4, 4)]
-        decode_sweep += [(4, 64, 8, 3), (1, 64, 4, 2), (2, 64, 4, 2), (1, 32, 4, 3)]
+        # (num_splits, tile_n, num_warps, num_stages); each new (tile_n, warps, stages) costs a
+        # compile (~2-4 s), other split counts reuse it.
+        decode_sweep = [(s, 64, 4, 3) for s in (1, 2, 4, 8, 16)]
+        decode_sweep += [(s, 64, 4, 2) for s in (1, 2, 4, 8)]
+        decode_sweep += [(s, 32, 4, 3) for s in (1, 2, 4, 8)]
+        decode_sweep += [(2, 128, 4, 2), (4, 128, 4, 2), (4, 32, 4, 4), (4, 64, 8, 3)]
         prefill_sweep = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2)]
     for key, val in sizes.items():
         setattr(args, key, val)
