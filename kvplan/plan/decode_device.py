@@ -147,8 +147,11 @@ def extract_decode_batch(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) 
     # block ids: every table concatenated, then the first nb[i] of each gathered
     tables = np.concatenate(cols[7]).astype(np.int64, copy=False)
     cu_nb = exclusive_cumsum(nb)
-    take = np.repeat(exclusive_cumsum(lens[2])[:-1] - cu_nb[:-1], nb) + np.arange(int(cu_nb[-1]))
-    bt_flat = tables[take]
+    if np.array_equal(lens[2], nb):  # every table exactly as long as needed
+        bt_flat = tables
+    else:
+        extra = exclusive_cumsum(lens[2])[:-1] - cu_nb[:-1]
+        bt_flat = tables[np.repeat(extra, nb) + np.arange(int(cu_nb[-1]))]
     if len(bt_flat):
         lo, hi = int(bt_flat.min()), int(bt_flat.max())
         if lo < 0 or (cfg.num_kv_blocks is not None and hi >= cfg.num_kv_blocks):
@@ -287,6 +290,7 @@ class _Bound:
     params: DecodeKernelParams
     packed: torch.Tensor  # [packed_len] int32, the device inputs
     sections: dict[str, torch.Tensor]
+    offsets: dict[str, tuple[int, int]]
     views: dict = field(default_factory=dict)  # (n, total_q) -> meta field views
 
     def still_valid(self, out: dict, config: MetadataConfig) -> bool:
@@ -339,7 +343,7 @@ def _bind(out: dict, config: MetadataConfig) -> _Bound:
     outputs = DecodeKernelOutputs(*(out[n] for n, _, _ in _ROW_FIELDS), **stacks)
     sources = [(k, out[k]) for k in ["decode_inputs", *names]]
     sources += [(k, dict(out[k])) for k, _, _ in _RATIO_FIELDS]
-    bound = _Bound(config, cap, sources, inputs, outputs, prm, packed, sec)
+    bound = _Bound(config, cap, sources, inputs, outputs, prm, packed, sec, cap.sections())
     out["_bound"] = bound
     return bound
 
@@ -378,8 +382,8 @@ class StagedDecode:
 
 def _write_packed(hb: HostDecodeBatch, b: _Bound, ratios: list[int], cuda: bool) -> None:
     """Fill a private (pinned on CUDA) host snapshot of the used prefix; copy it async."""
-    cap, n = b.cap, len(hb.seqlen_q)
-    sec = cap.sections()
+    n = len(hb.seqlen_q)
+    sec = b.offsets
     used = sec["bt"][0] + len(hb.bt_flat)
     host = torch.empty(used, dtype=torch.int32, pin_memory=cuda)
     h = host.numpy()

@@ -103,6 +103,9 @@ def test_torch_path_equals_eager(seed):
         for s in seqs:
             s.compressed_token_ids = [t % 50 for t in s.token_ids[: len(s.token_ids) // 2]]
             s.lookup_table = np.arange(1000) % 50
+    else:  # tables exactly as long as needed (the host path's no-gather case)
+        for s in seqs:
+            s.block_table = s.block_table[: cfg.num_blocks_for(s.seqlen_k)]
     assert_same_decode(
         prepare_decode_on_device(seqs, cfg, backend="torch"), prepare_decode(seqs, cfg)
     )
