@@ -342,7 +342,8 @@ def test_scalar_argument_errors():
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+    got, want = got.float().cpu(), want.float().cpu()
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
 @pytest.mark.gpu
@@ -386,6 +387,9 @@ def test_gpu_small_cases_match_ref_and_cuda_graph_replay():
     c = make_case(60, [1, 7, 13, 40], [1, 1, 1, 1], group=4, head_dim=32, device="cuda")
     want = c.ref(decode=True)
     assert_close(paged_attention_decode(*c.args(), c.kv_lens, scale=c.scale, num_splits=2), want)
+    h = make_case(61, [5, 70], [2, 33], group=2, head_dim=64, dtype=torch.float16, device="cuda")
+    got = paged_attention_prefill(*h.args(), h.cu_seqlens_q, h.kv_lens, scale=h.scale)
+    assert _rel_err(got, h.ref(decode=False)) < 1e-2
     out = torch.zeros_like(c.q)
     run = lambda: paged_attention_decode(*c.args(), c.kv_lens, scale=c.scale, out=out,  # noqa: E731
                                          num_splits=2, check=False)  # fmt: skip
