@@ -71,3 +71,26 @@ def test_prefix_reuse_matches_hf(reference, family, backend):
     assert first.num_cached_prefix_tokens == 0
     assert [o.num_cached_prefix_tokens for o in rest] == [24, 24, 24]
     assert [o.token_ids for o in [first, *rest]] == expected
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_speculative_matches_hf(reference, family, backend):
+    """n-gram drafts verified in one step give exactly the greedy tokens; some are accepted."""
+    folder, _, _, hf = reference(family)
+    base = random_prompts(4, 3, 6, 256, seed=11)
+    prompts = [p * 5 for p in base]  # repetitive prompts: prompt lookup finds matches
+    expected = hf_greedy(hf, prompts, 40)
+    llm = LLM(
+        str(folder),
+        backend=backend,
+        block_size=8,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        num_speculative_tokens=3,
+    )
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    reqs = llm.engine.requests.values()
+    assert sum(r.num_draft_tokens_accepted for r in reqs) > 0
+    assert llm.parts.manager.num_free_blocks() == llm.parts.num_blocks - 1
