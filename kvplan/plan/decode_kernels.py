@@ -10,7 +10,10 @@ Per-sequence inputs (int32, on the output device):
     ``seqlen_q = 0`` and write nothing, which is how a CUDA graph captured for a larger batch
     replays a smaller one), seqlens_k ``[n_prog]``, state_ids ``[n_prog]``,
     is_placeholder ``[n_prog]`` (0/1), swa_valid_start ``[n_prog]``, block_tables_in
-    ``[sum_s nb_s]`` (compact) and block_tables_offsets ``[n_prog + 1]``.
+    ``[sum_s nb_s]`` (compact) and block_tables_offsets ``[n_prog + 1]``, and the ratio table
+    ``[ca ratios | sparse ratios | dense ratios]`` (device memory, so a captured launch does no
+    host-to-device copy). The seed's kernel takes an inclusive ``[n]`` cumsum of ``seqlen_q``;
+    kvplan keeps one convention everywhere: exclusive, ``[n + 1]``.
 
 For query row ``i`` of sequence ``s`` (local index ``j``, position ``p = seqlen_k - seqlen_q + j``,
 ``valid = not placeholder``), the fields are (``bs`` = swa_block_size, ``W`` = window_size)::
