@@ -37,7 +37,7 @@ import torch
 
 from kvplan.backends.base import AttentionBackend
 from kvplan.backends.ledger import batch_block_table, logical_num_blocks, new_token_slots
-from kvplan.backends.metadata import AttentionMetadata
+from kvplan.backends.metadata import AttentionMetadata, as_int32_array
 from kvplan.backends.paged import PagedSegment, PagedView, attend_paged, layer_caches
 from kvplan.backends.ragged import attend_without_cache
 from kvplan.backends.staging import DeviceArena, host_empty, to_device
@@ -86,6 +86,8 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self._row_start_ids = torch.arange(s, dtype=torch.int32, device=dev) * width
         self.host_request_types = torch.empty(s, dtype=torch.int32)
         self.host_total_kv_lens = torch.zeros(2, dtype=torch.int64)
+        self._host_total_np = self.host_total_kv_lens.numpy()
+        self._host_types_np = self.host_request_types.numpy()
         self.prompt_lens_cpu = torch.zeros(s, dtype=torch.int32)
         self.prompt_lens_cuda = torch.zeros(s, dtype=torch.int32, device=dev)
         fields = {"kv_lens": s, "qo_indptr": s + 1, "qo_indptr_gen": s + 1}
@@ -111,17 +113,22 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
     def _fill_step_fields(self) -> None:
         n, nc = self.num_seqs, self.num_contexts
         valid = self.kv_lens_np  # cached + seq_lens_kv
-        self.kv_lens = (valid + self.num_extra_kv_tokens).astype(np.int32)
-        self.host_total_kv_lens[0] = int(valid[:nc].sum())
-        self.host_total_kv_lens[1] = int(valid[nc:].sum())
-        self.host_request_types[:nc].fill_(0)
-        self.host_request_types[nc:n].fill_(1)
+        extra = self.num_extra_kv_tokens
+        self.kv_lens = valid + np.int32(extra) if extra else valid
+        # numpy views of the CPU tensors: element writes without per-call torch overhead
+        total = self._host_total_np
+        total[0] = valid[:nc].sum()
+        total[1] = valid[nc:].sum()
+        types = self._host_types_np
+        types[:nc] = 0
+        types[nc:n] = 1
         if self.prompt_lens is not None:
-            if len(self.prompt_lens) != n:
-                raise ValueError(f"prompt_lens has {len(self.prompt_lens)} entries, expected {n}")
-            self.prompt_lens_cpu[:n] = torch.as_tensor(self.prompt_lens, dtype=torch.int32)
+            prompt = as_int32_array("prompt_lens", self.prompt_lens)
+            if prompt.size != n:
+                raise ValueError(f"prompt_lens has {prompt.size} entries, expected {n}")
+            self.prompt_lens_cpu.numpy()[:n] = prompt
             snap = host_empty(n, torch.int32, self.pinned)
-            snap.copy_(self.prompt_lens_cpu[:n])
+            snap.numpy()[:] = prompt
             self.prompt_lens_cuda[:n].copy_(snap, non_blocking=True)
 
     def _prepare_backend(self) -> None:

@@ -99,9 +99,12 @@ def new_token_slots(
     if total == 0:
         return np.zeros(0, np.int64)
     n = new_lens.size
-    rows = np.repeat(np.arange(n), new_lens)
-    starts = np.cumsum(new_lens) - new_lens
-    pos = np.arange(total) - np.repeat(starts, new_lens) + np.repeat(cached, new_lens)
+    if total == n and new_lens.min() == 1:  # decode: one new token per sequence
+        rows, pos = np.arange(n), cached
+    else:
+        rows = np.repeat(np.arange(n), new_lens)
+        starts = np.cumsum(new_lens) - new_lens
+        pos = np.arange(total) - np.repeat(starts, new_lens) + np.repeat(cached, new_lens)
     col = pos // block_size
     if int(col.max()) >= table.shape[1]:
         bad = int(rows[np.argmax(col)])

@@ -253,6 +253,22 @@ def random_specs(seed: int, *, num_ctx: int, num_gen: int, max_cached: int = 40,
     return specs
 
 
+def subset(sc: Scenario, rows: list[int]) -> Scenario:
+    """The batch made of some rows of a beam-1, self-attention scenario (same manager/cache)."""
+    assert sc.beam_width == 1 and not sc.cross
+    starts = np.concatenate([[0], np.cumsum(sc.seq_lens)])
+    tok = torch.tensor([t for r in rows for t in range(starts[r], starts[r + 1])], dtype=torch.long)
+    tok = tok.to(sc.q.device)
+    pick = lambda xs: [xs[r] for r in rows]  # noqa: E731
+    return Scenario(
+        sc.manager, sc.kv, sc.layer_windows, sc.num_heads, sc.num_kv_heads, sc.head_dim,
+        pick(sc.request_ids), sum(r < sc.num_contexts for r in rows), 1, pick(sc.seq_lens),
+        pick(sc.cached), pick(sc.prompt_lens), sc.q[tok],
+        {layer: x[tok] for layer, x in sc.k.items()}, {layer: x[tok] for layer, x in sc.v.items()},
+        {layer: pick(h) for layer, h in sc.history.items()},
+    )  # fmt: skip
+
+
 def fill_metadata(md, sc: Scenario) -> None:
     md.request_ids = list(sc.request_ids)
     md.beam_width = sc.beam_width

@@ -141,3 +141,31 @@ def test_context_only_without_cache(name):
                 want = torch.softmax(s.double(), 0) @ vs[lo : i + 1, h // 2].double()
                 torch.testing.assert_close(out[start + i, h].double(), want, atol=1e-5, rtol=0)
         start += n
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_fp8_cache_attends_over_the_dequantized_values(name):
+    """fp8 caches: the reference reads the stored K/V back through KVCacheTensors.read_blocks."""
+    specs = [SeqSpec(6, 5, True), SeqSpec(11, 1, False), SeqSpec(4, 1, False)]
+    sc = make_scenario(17, specs, head_dim=32, kv_format="fp8", layer_windows=(None, 5))
+    _, outs = run_layers(name, sc)
+    bs = sc.manager.block_size
+    for layer, window in enumerate(sc.layer_windows):
+        pool = sc.manager.pool_for_layer(layer)
+        for row in range(len(sc.seq_lens)):
+            kv_len = sc.history[layer][row][0].shape[0]
+            beam = 0 if row < sc.num_contexts else (row - sc.num_contexts) % sc.beam_width
+            rid = sc.request_ids[
+                row
+                if row < sc.num_contexts
+                else sc.num_contexts + (row - sc.num_contexts) // sc.beam_width
+            ]
+            ids = sc.manager.get_block_ids(rid, pool, beam=beam)[: -(-kv_len // bs)]
+            kk, vv = sc.kv.read_blocks(layer, torch.tensor(ids))
+            sc.history[layer][row] = (
+                kk.reshape(-1, 2, 32)[:kv_len].double(),
+                vv.reshape(-1, 2, 32)[:kv_len].double(),
+            )
+        want = reference_attention(sc, layer, window)
+        err = (outs[layer].double() - want).abs().max() / want.abs().max()
+        assert err < 2e-2, err

@@ -10,6 +10,7 @@ from backends_testlib import (
     make_scenario,
     random_specs,
     reference_attention,
+    subset,
 )
 
 import kvplan.ops.paged_attention as pa
@@ -49,6 +50,36 @@ def test_triton_interpreter_tiny(name, specs, kernels, monkeypatch):
     out = run(name, sc, window=5)
     torch.testing.assert_close(out.double(), reference_attention(sc, 0, 5), atol=1e-5, rtol=0)
     assert calls == [f"paged_attention_{k}_triton" for k in kernels]
+
+
+@pytest.mark.parametrize("name", PAGED)
+def test_metadata_reused_for_a_second_batch_keeps_buffers(name):
+    """CPU counterpart of the CUDA-graph test: same object, same addresses, new batch."""
+    specs = [SeqSpec(c, 1, False) for c in (35, 20, 17, 51, 6, 9, 30, 7)]
+    sc = make_scenario(9, specs, max_blocks_per_seq=16)
+    first, second = subset(sc, [0, 1, 2, 3]), subset(sc, [4, 5, 6, 7])
+    cls = get_backend(name)
+    md = cls.Metadata(
+        max_num_requests=4, max_num_tokens=4, kv_cache_manager=sc.manager, kv_cache=sc.kv,
+        is_cuda_graph=True, check_kernel_inputs=True,
+    )  # fmt: skip
+    attn = cls(0, 4, 2, 16)
+    fill_metadata(md, first)
+    md.prepare()
+    view = md.paged_view(0).generation
+    ptrs = (view.page_ids.data_ptr(), view.page_start.data_ptr(), view.kv_lens.data_ptr())
+    slot_ptr = md.slot_mapping(0).data_ptr()
+    out = attn.forward(first.q, first.k[0], first.v[0], md)
+    torch.testing.assert_close(out.double(), reference_attention(first, 0, None), atol=1e-5, rtol=0)
+    fill_metadata(md, second)
+    md.prepare()
+    view = md.paged_view(0).generation
+    assert (view.page_ids.data_ptr(), view.page_start.data_ptr(), view.kv_lens.data_ptr()) == ptrs
+    assert md.slot_mapping(0).data_ptr() == slot_ptr
+    out = attn.forward(second.q, second.k[0], second.v[0], md)
+    torch.testing.assert_close(
+        out.double(), reference_attention(second, 0, None), atol=1e-5, rtol=0
+    )
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -100,3 +131,45 @@ def test_gpu_bf16_speculative_variants(name, kw):
     out = run(name, sc, **kw)
     torch.cuda.synchronize()
     assert rel_err(out, reference_attention(sc, 0, None)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PAGED)
+def test_gpu_cuda_graph_replays_with_metadata_written_in_place(name):
+    """Capture one decode step, then replay it for a different batch of the same size:
+    prepare() must write every buffer the graph reads in place."""
+    specs = [SeqSpec(c, 1, False) for c in (35, 200, 17, 513, 64, 99, 300, 7)]
+    sc = make_scenario(
+        9, specs, num_heads=16, num_kv_heads=4, head_dim=128, block_size=16, num_blocks=1024,
+        max_blocks_per_seq=64, kv_format="bf16", dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    first, second = subset(sc, [0, 1, 2, 3]), subset(sc, [4, 5, 6, 7])
+    cls = get_backend(name)
+    md = cls.Metadata(
+        max_num_requests=4, max_num_tokens=4, kv_cache_manager=sc.manager, kv_cache=sc.kv,
+        device="cuda", is_cuda_graph=True,
+    )  # fmt: skip
+    attn = cls(0, 16, 4, 128)
+    q, k, v = first.q.clone(), first.k[0].clone(), first.v[0].clone()
+    out = torch.empty_like(q)
+    fill_metadata(md, first)
+    md.prepare()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (kernel compilation) outside the capture
+        attn.forward(q, k, v, md, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.forward(q, k, v, md, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, reference_attention(first, 0, None)) < 1e-2
+    fill_metadata(md, second)
+    md.prepare()
+    q.copy_(second.q)
+    k.copy_(second.k[0])
+    v.copy_(second.v[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, reference_attention(second, 0, None)) < 1e-2
