@@ -27,7 +27,8 @@ class BatchArrays:
     """Per-sequence facts (numpy int64 ``[n]`` unless noted) and the row -> sequence map.
 
     ``bt_flat`` concatenates every sequence's first ``num_blocks[i]`` block ids (at the
-    smallest ratio); sequence ``i``'s table starts at ``bt_off[i]``. ``row_seq``, ``row_j``,
+    smallest ratio; int32 from ``extract_batch``); sequence ``i``'s table starts at
+    ``bt_off[i]``. ``row_seq``, ``row_j``,
     ``row_pos`` are ``[total_q]``: owning sequence, local query index, absolute position.
     """
 
@@ -178,6 +179,7 @@ def extract_batch(
             i = int(np.searchsorted(bt_off, np.flatnonzero(bt_flat == hi)[0], side="right")) - 1
             raise _bad(i, "block_table", hi, f"block id out of range [0, {cfg.num_kv_blocks})")
         check_int32("block id * block_size", (hi + 1) * cfg.block_size - 1)
+    bt_flat = bt_flat.astype(np.int32)  # checked: every slot derived from it fits int32
     cu_q = exclusive_cumsum(sq)
     total_q = int(cu_q[-1])
     check_int32("total_q", total_q)

@@ -34,8 +34,11 @@ def num_complete_groups(seqlen_k: IntLike, ratio: int) -> IntLike:
     """Compressed tokens that exist after ``seqlen_k`` raw tokens: ``seqlen_k // ratio``.
 
     Also the number of compressed tokens visible to a query at ``p`` when called with
-    ``p + 1`` (DESIGN.md: tokens ``j = 0 .. (p + 1) // r - 1``).
+    ``p + 1`` (DESIGN.md: tokens ``j = 0 .. (p + 1) // r - 1``). Arrays must be non-negative
+    (a power-of-two ratio becomes a shift, which equals floor division there).
     """
+    if isinstance(seqlen_k, np.ndarray) and ratio & (ratio - 1) == 0:
+        return np.right_shift(seqlen_k, ratio.bit_length() - 1)
     return seqlen_k // ratio
 
 

@@ -150,7 +150,7 @@ def add_prompt_fields(em: Emitter, b: BatchArrays, cfg: MetadataConfig, meta) ->
         writes = k < np.repeat(valid.astype(np.int32), rows)
         jc = k + np.repeat((b.q_start // r).astype(np.int32), rows)
         src = np.where(writes, jc // tpb + b.bt_off[:-1].astype(np.int32)[c_seq], 0)
-        blk = b.bt_flat[src].astype(np.int32) if len(b.bt_flat) else np.int32(0)
+        blk = b.bt_flat[src].astype(np.int32, copy=False) if len(b.bt_flat) else np.int32(0)
         em.add("positions_c", np.where(writes, jc * r, 0), I32, key)
         em.add("slot_mapping_store_ca", np.where(writes, paged_slot(blk, jc, tpb), -1), I32, key)
         # keys: rows [ks, ks + (p + 1) // r) of the loaded compressed buffer
