@@ -110,11 +110,11 @@ def fill_yoco_truncation_metadata(
     vs = np.array([s.swa_valid_start for s in seqs], dtype=np.int64)
     compact = config.yoco_mode == "compact"
     rect_lo, clip = yoco_rectangle(sq, sk, data_len, config.yoco_keep_tokens, compact)
-    meta.yoco_rect_lo = torch.from_numpy(rect_lo.astype(np.int32))
+    dev = meta.positions.device
+    meta.yoco_rect_lo = torch.from_numpy(rect_lo.astype(np.int32)).to(dev)
     cu_q = exclusive_cumsum(sq)
     q_start = sk - sq
     w = config.window_size
-    dev = meta.positions.device
     if not compact:
         seq = np.repeat(np.arange(n), sq)
         j = np.arange(int(cu_q[-1])) - cu_q[seq]

@@ -154,3 +154,29 @@ def test_views_fill_on_demand():
     assert view.total_q == meta.yoco_consumer_total_q
     with pytest.raises(ValueError, match="needs 'mask'"):
         get_mask_view(prepare_prompt(seqs, cfg), seqs, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["mask", "compact"])
+def test_gpu_views_and_mirror_equal_cpu(mode):
+    """CP mirror + YoCo views of CUDA metadata equal those of CPU metadata (CPU counterpart:
+    every other test in this file and test_visibility_cp_yoco.py)."""
+    import dataclasses
+
+    rng = np.random.default_rng(11)
+    cfg = _cfg(rng, mode, cp_size=2)
+    seqs = random_prompt_batch(rng, cfg, n=4)
+    metas = []
+    for c in (cfg, dataclasses.replace(cfg, device="cuda")):
+        meta = fill_yoco_truncation_metadata(prepare_prompt(seqs, c), seqs, c)
+        meta.prepare_for_mirror_cp(2, 1)
+        view = get_mask_view(meta) if mode == "mask" else get_consumer_view(meta)
+        metas.append(view.compute_attn_info(c))
+    cpu, gpu = metas
+    for name in ("positions", "valid_token_mask", "kv_swa_full_index", "mirror_cp_index"):
+        assert getattr(gpu, name).is_cuda, name
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+    for k in cpu.ks:
+        assert torch.equal(gpu.ks[k].cpu(), cpu.ks[k]) and torch.equal(gpu.ke[k].cpu(), cpu.ke[k])
+    for k in cpu.kv_ca_index:
+        assert torch.equal(gpu.kv_ca_index[k].cpu(), cpu.kv_ca_index[k]), k
