@@ -365,6 +365,8 @@ def _meta_views(b: _Bound, out: dict, n: int, total_q: int) -> dict:
         for name, _, _ in _RATIO_FIELDS:
             stack = getattr(b.outputs, name)
             views[name] = {k: stack[i, :total_q] for i, k in enumerate(out[name])}
+        if len(b.views) >= 64:  # bounded: a long run may see many (n, total_q) shapes
+            b.views.clear()
         b.views[(n, total_q)] = views
     return views
 
