@@ -393,8 +393,10 @@ def paged_attention_ref(
     """Per-query loop in float64; ``cu_seqlens_q=None`` means decode (one query per sequence).
 
     For each query it lists the visible key positions, looks every one up in the page table,
-    and takes a plain softmax. Returns ``[T, H, D]`` in q's dtype.
+    and takes a plain softmax. Returns ``[T, H, D]`` in q's dtype, on the CPU.
     """
+    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
+    page_ids, page_start, kv_lens = page_ids.tolist(), page_start.tolist(), kv_lens.tolist()
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
