@@ -219,18 +219,27 @@ class Emitter:
     then writes. With ``out`` the field becomes the prefix view ``buf[:rows]`` of the buffer
     (CUDA-graph safe: same storage every step); without it a new tensor is allocated, pinned
     and copied ``non_blocking`` when ``device`` is CUDA (the pinned source is private to that
-    copy).
+    copy). A 2-D array added with ``width`` larger than its own is a field of that width whose
+    columns past the array's are left unwritten (``block_tables``).
     """
 
     def __init__(self, device: torch.device, out: dict | None) -> None:
         self.device = device
         self.out = out
-        self.items: list[tuple[str, str | None, np.ndarray, torch.dtype]] = []
+        self.items: list[tuple[str, str | None, np.ndarray, torch.dtype, tuple]] = []
 
-    def add(self, field: str, arr: np.ndarray, dtype: torch.dtype, key: str | None = None):
-        self.items.append((field, key, arr, dtype))
+    def add(
+        self,
+        field: str,
+        arr: np.ndarray,
+        dtype: torch.dtype,
+        key: str | None = None,
+        width: int | None = None,
+    ) -> None:
+        shape = tuple(arr.shape) if width is None else (arr.shape[0], width)
+        self.items.append((field, key, arr, dtype, shape))
 
-    def _buffer(self, field: str, key: str | None, arr: np.ndarray, dtype: torch.dtype):
+    def _buffer(self, field: str, key: str | None, shape: tuple, dtype: torch.dtype):
         label = field if key is None else f"{field}[{key!r}]"
         if field not in self.out:
             raise ValueError(f"out is missing field {field!r}")
@@ -243,29 +252,31 @@ class Emitter:
             raise TypeError(f"out {label} must be a torch.Tensor, got {type(buf).__name__}")
         if buf.dtype != dtype:
             raise TypeError(f"out {label} must have dtype {dtype}, got {buf.dtype}")
-        if tuple(buf.shape[1:]) != tuple(arr.shape[1:]) or buf.shape[0] < arr.shape[0]:
+        if tuple(buf.shape[1:]) != shape[1:] or buf.shape[0] < shape[0]:
             raise ValueError(
-                f"out {label} has shape {tuple(buf.shape)}; needs [>= {arr.shape[0]}"
-                f"{''.join(', ' + str(d) for d in arr.shape[1:])}]"
+                f"out {label} has shape {tuple(buf.shape)}; needs [>= {shape[0]}"
+                f"{''.join(', ' + str(d) for d in shape[1:])}]"
             )
         if buf.device.type != self.device.type:
             raise ValueError(f"out {label} is on {buf.device}, expected {self.device}")
         return buf
 
     def finish(self, meta) -> None:
-        bufs = [self._buffer(f, k, a, d) for f, k, a, d in self.items] if self.out else None
+        bufs = [self._buffer(f, k, sh, d) for f, k, _, d, sh in self.items] if self.out else None
         cuda = self.device.type == "cuda"
-        for idx, (field, key, arr, dtype) in enumerate(self.items):
+        for idx, (field, key, arr, dtype, shape) in enumerate(self.items):
             src = torch.from_numpy(np.ascontiguousarray(arr, dtype=_NP_DTYPES[dtype]))
-            if bufs is not None:
+            if bufs is None and not cuda and shape == tuple(arr.shape):
+                t = src  # CPU metadata: the numpy result itself, no copy
+            else:
                 if cuda:
                     src = src.pin_memory()
-                t = bufs[idx][: arr.shape[0]]
-                t.copy_(src, non_blocking=cuda)
-            elif cuda:
-                t = src.pin_memory().to(self.device, non_blocking=True)
-            else:
-                t = src
+                if bufs is not None:
+                    t = bufs[idx][: shape[0]]
+                else:
+                    t = torch.empty(shape, dtype=dtype, device=self.device)
+                dst = t if shape == tuple(arr.shape) else t[:, : arr.shape[1]]
+                dst.copy_(src, non_blocking=cuda)
             if key is None:
                 setattr(meta, field, t)
             else:

@@ -43,23 +43,17 @@ from kvplan.plan.sequence import SequenceMetadata
 I32 = torch.int32
 
 
-def expand_block_tables(b: BatchArrays, max_num_blocks: int) -> np.ndarray:
-    """``block_tables`` int32 [T, max_num_blocks]: row ``i`` starts with its sequence's
-    ``num_blocks`` block ids; later columns are left unwritten (arbitrary values).
-
-    Built per sequence (``[n, width]``, ``width`` = the longest table) and repeated over each
-    sequence's rows; only the first ``width`` columns of the output are touched.
-    """
+def expand_block_tables(b: BatchArrays) -> np.ndarray:
+    """Rows of ``block_tables``: int32 [T, width], row ``i`` starting with its sequence's
+    ``num_blocks`` block ids (``width`` = the longest table of the batch; entries past a row's
+    blocks are arbitrary). The field is ``[T, max_num_blocks]``; columns from ``width`` on are
+    not written (``Emitter.add(..., width=max_num_blocks)``)."""
     n = b.num_seqs
     width = int(b.num_blocks.max()) if n else 0
     per_seq = np.empty((n, width), dtype=np.int32)
     if width:
-        col = np.arange(width)
-        mask = col[None, :] < b.num_blocks[:, None]
-        per_seq[mask] = b.bt_flat
-    out = np.empty((b.total_q, max_num_blocks), dtype=np.int32)
-    out[:, :width] = np.repeat(per_seq, b.seqlen_q, axis=0)
-    return out
+        per_seq[np.arange(width)[None, :] < b.num_blocks[:, None]] = b.bt_flat
+    return np.repeat(per_seq, b.seqlen_q, axis=0)
 
 
 def decode_ca_offset_check(total_q: int, cfg: MetadataConfig) -> None:
@@ -87,7 +81,7 @@ def add_decode_fields(em: Emitter, b: BatchArrays, cfg: MetadataConfig) -> None:
     em.add("context_lens", pos + 1, I32)
     lo = swa_visible_lo(pos, window, b.valid_start[seq])
     em.add("kv_swa_index_offset_len", np.stack([ring_slot(row_sid, lo, sbs), pos - lo + 1], 1), I32)
-    em.add("block_tables", expand_block_tables(b, cfg.max_num_blocks), I32)
+    em.add("block_tables", expand_block_tables(b), I32, width=cfg.max_num_blocks)
     row_bt_off = b.bt_off[:-1][seq]
     for r in cfg.ca_ratios:
         key = ratio_key(r)

@@ -68,3 +68,22 @@ def test_decode_matches_reference(seed):
     meta = prepare_decode(seqs, cfg)
     prefix = [cfg.num_blocks_for(s.seqlen_k) for s in seqs for _ in range(s.seqlen_q)]
     assert_fields_equal(meta, reference_decode(seqs, cfg), block_table_prefix=prefix)
+
+
+def test_block_table_columns_past_the_longest_table_are_not_written():
+    cfg = CFG
+    a = SequenceMetadata(seqlen_q=1, seqlen_k=9, block_table=[5, 9, 3], state_id=0,
+                         token_ids=list(range(9)), lookup_table=np.arange(100))  # fmt: skip
+    b = SequenceMetadata(seqlen_q=1, seqlen_k=3, block_table=[4], state_id=1,
+                         token_ids=list(range(3)), lookup_table=np.arange(100))  # fmt: skip
+    ref = prepare_decode([a, b], cfg)
+    out = {k: torch.full((8, *v.shape[1:]), 77, dtype=v.dtype)
+           for k, v in vars(ref).items() if isinstance(v, torch.Tensor)}  # fmt: skip
+    out.update({k: {kk: torch.full((8, *vv.shape[1:]), 77, dtype=vv.dtype) for kk, vv in v.items()}
+                for k, v in vars(ref).items() if isinstance(v, dict) and v})  # fmt: skip
+    meta = prepare_decode([a, b], cfg, out=out)
+    # 9 // 2 = 4 compressed tokens at 2 per block -> 2 blocks; 3 // 2 = 1 token -> 1 block
+    assert meta.block_tables.shape == (2, cfg.max_num_blocks)
+    assert meta.block_tables[0, :2].tolist() == [5, 9] and meta.block_tables[1, 0] == 4
+    assert out["block_tables"][:2, 2:].eq(77).all()  # past the longest table: untouched
+    assert out["block_tables"][2:].eq(77).all()  # rows past the step: untouched
