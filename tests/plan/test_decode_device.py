@@ -32,6 +32,8 @@ PER_TOKEN = (
 PER_SEQ = ("seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
 PER_RATIO = ("positions_c", "slot_mapping_store_ca", "klen", "kv_ca_index_offset_len")
 SCALARS = ("is_prompt", "num_seqs", "total_q", "max_seqlen_q", "max_seqlen_k")
+# Triton paths run on the GPU when there is one, else in the interpreter (tests/conftest.py).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_config(device="cpu", **kw) -> MetadataConfig:
@@ -114,7 +116,7 @@ def test_torch_path_equals_eager(seed):
 @pytest.mark.parametrize("seed", [10, 11])
 def test_triton_interpreter_equals_eager(seed):
     rng = np.random.default_rng(seed)
-    cfg = make_config()
+    cfg = make_config(device=TRITON_DEVICE)
     seqs = random_decode_batch(rng, cfg, 3)
     assert_same_decode(
         prepare_decode_on_device(seqs, cfg, backend="triton"), prepare_decode(seqs, cfg)
@@ -123,7 +125,7 @@ def test_triton_interpreter_equals_eager(seed):
 
 def test_out_buffers_are_written_in_place_and_reused():
     rng = np.random.default_rng(5)
-    cfg = make_config()
+    cfg = make_config(device=TRITON_DEVICE)
     out = make_decode_device_out(cfg, max_num_seqs=8, max_total_q=24, max_seqlen_q=3)
     big = random_decode_batch(rng, cfg, 8)
     small = random_decode_batch(rng, cfg, 3)
@@ -257,7 +259,7 @@ def test_replaying_the_big_launch_serves_a_smaller_batch():
     from kvplan.plan.decode_device import launch_decode_kernels, stage_decode_on_device
 
     rng = np.random.default_rng(21)
-    cfg = make_config()
+    cfg = make_config(device=TRITON_DEVICE)
     out = make_decode_device_out(cfg, max_num_seqs=6, max_total_q=18, max_seqlen_q=3)
     big = stage_decode_on_device(random_decode_batch(rng, cfg, 6), cfg, out=out)
     launch_decode_kernels(big, "triton")
@@ -361,7 +363,7 @@ def test_interpreter_on_random_configs_and_oracle(seed):
     from kvplan.plan.visibility import check_visibility
 
     rng = np.random.default_rng(seed)
-    cfg = random_config(rng)
+    cfg = random_config(rng, device=TRITON_DEVICE)
     seqs = plan_cases_decode_batch(rng, cfg)
     got = prepare_decode_on_device(seqs, cfg, backend="triton")
     assert_same_decode(got, prepare_decode(seqs, cfg), min_ratio=cfg.min_ratio,
