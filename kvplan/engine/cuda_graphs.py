@@ -1,0 +1,155 @@
+"""CUDA graphs for decode-only steps, one per batch-size bucket (block_offsets backend).
+
+A decode step with ``n`` rows replays the graph of the smallest bucket ``b >= n``. The graph
+was captured with the engine's own metadata object, so every device tensor it reads is one of
+that object's persistent buffers (block-offset table, ``kv_lens``, slot mapping), which
+``prepare()`` rewrites in place each step; the model's inputs are static buffers too. Rows
+``n .. b-1`` are padding and are made harmless in place before the replay: block 0 (the
+always-valid padding block), ``kv_len = 1``, slot ``-1`` (the store skips the row), token 0
+at position 0. Only their logits are discarded.
+
+Capture per bucket: ``b`` one-token dummy requests are added to the manager, the metadata is
+prepared for them with the host bound ``max_kv_len`` raised to ``max_model_len`` (so the
+split-K factor baked into the graph is valid for any length; the kernel cuts each row's own
+``kv_len`` into those splits on the device), one eager step compiles the kernels, the step is
+captured, replayed and compared with the eager logits, and the dummies are freed. Any failure
+disables graphs (eager steps keep working) with a note on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Bucket sizes up to ``max_num_seqs`` (always including it).
+
+    >>> decode_buckets(40)
+    [1, 2, 4, 8, 16, 24, 32, 40]
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    out = [b for b in DEFAULT_BUCKETS if b < max_num_seqs]
+    return [*out, max_num_seqs]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int | None:
+    """Smallest bucket holding ``n`` rows (None when ``n`` is larger than every bucket)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+class DecodeGraphs:
+    """Captured decode steps of a model + block_offsets metadata (see the module docstring)."""
+
+    def __init__(
+        self, model: Any, metadata: Any, manager: Any, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        self.model = model
+        self.metadata = metadata
+        self.manager = manager
+        self.max_model_len = max_model_len
+        self.device = metadata.device
+        self.buckets = decode_buckets(max_num_seqs)
+        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+
+    @classmethod
+    def maybe_create(
+        cls, model: Any, backend_cls: Any, metadata: Any, manager: Any, max_num_seqs: int,
+        max_model_len: int,
+    ) -> DecodeGraphs | None:  # fmt: skip
+        if metadata.device.type != "cuda":
+            return None
+        if getattr(backend_cls, "name", "") != "block_offsets":
+            print(
+                "kvplan: CUDA graphs need the block_offsets backend; eager steps", file=sys.stderr
+            )
+            return None
+        graphs = cls(model, metadata, manager, max_num_seqs, max_model_len)
+        try:
+            graphs.capture_all()
+        except Exception as exc:  # any capture problem: fall back to eager steps
+            print(f"kvplan: CUDA graph capture failed, eager steps ({exc!r})", file=sys.stderr)
+            return None
+        return graphs
+
+    # ------------------------------------------------------------------ capture
+    def _prepare_dummies(self, b: int) -> list[Any]:
+        md = self.metadata
+        ids = [("kvplan-graph-dummy", i) for i in range(b)]
+        for rid in ids:
+            if not self.manager.add_request(rid, [0]).ok:
+                raise RuntimeError(f"no free blocks for {b} capture dummies")
+        md.request_ids = ids
+        md.prompt_lens = [1] * b
+        md.num_cached_tokens_per_seq = np.zeros(b, np.int32)
+        md.num_contexts = 0
+        md.seq_lens = np.ones(b, np.int32)
+        md.prepare()
+        # host bound only: the graph's split-K factor must suit any kv_len up to max_model_len
+        md.kv_lens_np = np.full(b, self.max_model_len, np.int32)
+        return ids
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model(self.input_ids[:b], self.positions[:b], self.metadata, None)
+
+    def capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(self.buckets, reverse=True):
+            ids = self._prepare_dummies(b)
+            try:
+                self.input_ids[:b] = torch.arange(b, device=self.device) % 7
+                self.positions[:b] = 0
+                eager = self._forward(b).clone()  # compiles the kernels outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[b] = self._forward(b)
+                graph.replay()
+                torch.cuda.synchronize(self.device)
+                if not torch.allclose(self.logits[b], eager, atol=1e-2, rtol=1e-2):
+                    raise RuntimeError(f"graph replay differs from the eager step (bucket {b})")
+                self.graphs[b] = graph
+            finally:
+                for rid in ids:
+                    self.manager.free(rid)
+
+    # ------------------------------------------------------------------ replay
+    def can_run(self, sched: Any, inputs: Any) -> bool:
+        n = len(sched.seqs)
+        return (
+            sched.num_contexts == 0
+            and n > 0
+            and int(inputs.seq_lens.max()) == 1
+            and bucket_for(n, self.buckets) in self.graphs
+        )
+
+    def run(self, inputs: Any) -> torch.Tensor:
+        """Replay for ``n`` decode rows (metadata already prepared); logits ``[n, V]``."""
+        n = inputs.input_ids.shape[0]
+        b = bucket_for(n, self.buckets)
+        md = self.metadata
+        if b > n:
+            md.kv_cache_block_offsets[:, n:b].zero_()
+            md.arena.view("kv_lens")[n:b].fill_(1)
+            for p in range(md.kv_cache_block_offsets.shape[0]):
+                md.arena.view(f"slots{p}")[n:b].fill_(-1)
+            self.input_ids[n:b].zero_()
+            self.positions[n:b].zero_()
+        self.input_ids[:n].copy_(torch.from_numpy(inputs.input_ids), non_blocking=True)
+        self.positions[:n].copy_(torch.from_numpy(inputs.positions), non_blocking=True)
+        self.graphs[b].replay()
+        self.num_replays += 1
+        return self.logits[b][:n]
