@@ -180,3 +180,21 @@ def test_gpu_views_and_mirror_equal_cpu(mode):
         assert torch.equal(gpu.ks[k].cpu(), cpu.ks[k]) and torch.equal(gpu.ke[k].cpu(), cpu.ke[k])
     for k in cpu.kv_ca_index:
         assert torch.equal(gpu.kv_ca_index[k].cpu(), cpu.kv_ca_index[k]), k
+
+
+def test_yoco_and_mirror_fields_survive_flatten():
+    """The yoco_* / mirror fields are plain attributes: to_flatten_dict / from_flatten_dict
+    (what broadcast sends) carry them, and the views rebuilt on the far side are equal."""
+    from kvplan.plan import InputMetadata
+
+    rng = np.random.default_rng(12)
+    cfg = _cfg(rng, "compact", cp_size=2)
+    seqs = random_prompt_batch(rng, cfg)
+    meta = fill_yoco_truncation_metadata(prepare_prompt(seqs, cfg), seqs, cfg)
+    meta.prepare_for_mirror_cp(2, 1)
+    back = InputMetadata.from_flatten_dict(meta.to_flatten_dict())
+    a, b = get_consumer_view(meta), get_consumer_view(back)
+    for name in ("positions", "mirror_cp_index", "yoco_cp_boundary_index", "yoco_cp_contrib_index",
+                 "kv_swa_full_index_pivots", "slot_mapping_store_swa"):  # fmt: skip
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.ks.keys() == b.ks.keys() and all(torch.equal(a.ks[k], b.ks[k]) for k in a.ks)
