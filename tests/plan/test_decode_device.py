@@ -263,10 +263,16 @@ def test_replaying_the_big_launch_serves_a_smaller_batch():
     out = make_decode_device_out(cfg, max_num_seqs=6, max_total_q=18, max_seqlen_q=3)
     big = stage_decode_on_device(random_decode_batch(rng, cfg, 6), cfg, out=out)
     launch_decode_kernels(big, "triton")
+    before = {k: out[k].clone() for k in ("positions", "context_lens", "block_tables")}
+    before["klen"] = out["klen"]["8"].clone()
     small_seqs = random_decode_batch(rng, cfg, 2)
     small = stage_decode_on_device(small_seqs, cfg, out=out)
     launch_decode_kernels(big, "triton")  # the "captured" launch
     assert_same_decode(small.meta, prepare_decode(small_seqs, cfg))
+    t = small.meta.total_q  # rows past the smaller batch are left as they were (prefix writes)
+    for k in ("positions", "context_lens", "block_tables"):
+        assert torch.equal(out[k][t:], before[k][t:]), k
+    assert torch.equal(out["klen"]["8"][t:], before["klen"][t:])
 
 
 @pytest.mark.gpu
