@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3, scale_multipliers
+from kvplan.ops._quant_triton import bf16_bits, decode_e2m1_tiny, decode_e4m3, scale_multipliers
 
 
 @triton.jit
@@ -82,7 +82,7 @@ def load_cast_kernel(
     if FP4:
         vb = vb.to(tl.int32)
         codes = tl.reshape(tl.join(vb & 15, vb >> 4), [TILE_T, G_P2, GS_P2])
-        vals = decode_e2m1(codes)
+        vals = decode_e2m1_tiny(codes)  # value * 2^-14
     elif HW:
         vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -93,6 +93,11 @@ def load_cast_kernel(
     if SB == 4:
         sb = tl.reshape(sb, [TILE_T, G_P2, 4])
     mult = scale_multipliers(sb, SF)  # [TILE_T, G_P2]
+    if FP4:
+        if SF == 1:  # e4m3 scales <= 448: the 2^14 folds into them without overflow
+            mult = mult * 16384.0
+        else:
+            vals = vals * 16384.0
     y = vals * mult[:, :, None]  # [TILE_T, G_P2, GS_P2] fp32
     if HW:
         bits = y.to(tl.bfloat16).to(tl.int16, bitcast=True)

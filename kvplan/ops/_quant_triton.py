@@ -46,20 +46,25 @@ def encode_e4m3(x):
 
 
 @triton.jit
-def encode_e2m1(x):
-    """fp32 -> int32 e2m1 codes (0..15), RNE, saturating at 6; same result as
-    ``encode_minifloat(x, 1, 127, 3, 6.0)`` with fewer (and mostly fp32) instructions.
+def encode_e2m1_magnitude(x):
+    """fp32 -> int32 e2m1 magnitude codes (0..7) of ``|x|``, RNE, saturating at 6.
 
     Magnitudes below 2 have step 0.5, [2, 4) step 1, [4, 6] step 2: scale by 2, 1 or 1/2 so the
-    step becomes 1, round to an integer with the 1.5 * 2^23 trick (fp32 addition rounds to
-    nearest even) and add the code of the binade's first value (0, 2 or 4).
+    step becomes 1 and add 1.5 * 2^23 (+ the code of the binade's first value: 0, 2 or 4); the
+    fp32 addition rounds to nearest even and the low mantissa bits are the code.
     """
     a = tl.minimum(tl.abs(x), 6.0)
     mult = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
-    base = tl.where(a < 2.0, 0, tl.where(a < 4.0, 2, 4))
-    rounded = (a * mult + 12582912.0).to(tl.int32, bitcast=True) & 7
+    magic = tl.where(a < 2.0, 12582912.0, tl.where(a < 4.0, 12582914.0, 12582916.0))
+    return (a * mult + magic).to(tl.int32, bitcast=True) & 7
+
+
+@triton.jit
+def encode_e2m1(x):
+    """fp32 -> int32 e2m1 codes (0..15) with the sign of ``x`` (same as
+    ``encode_minifloat(x, 1, 127, 3, 6.0)`` with fewer, mostly fp32, instructions)."""
     sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
-    return (rounded + base) | (sign << 3)
+    return encode_e2m1_magnitude(x) | (sign << 3)
 
 
 @triton.jit
@@ -77,13 +82,22 @@ def decode_e4m3(c):
 
 @triton.jit
 def decode_e2m1(c):
-    """int32 e2m1 codes (0..15) -> fp32: magnitude code m maps to m/2 (m < 4), m - 2 (m < 6)
-    or 2m - 8; the sign bit is set directly."""
-    mag = (c & 7).to(tl.float32)
-    mult = tl.where(mag < 4.0, 0.5, tl.where(mag < 6.0, 1.0, 2.0))
-    shift = tl.where(mag < 4.0, 0.0, tl.where(mag < 6.0, -2.0, -8.0))
-    v = mag * mult + shift
-    return (v.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    """int32 e2m1 codes (0..15) -> fp32, exactly.
+
+    ``(c & 7) << 9`` puts the 2 exponent bits and the mantissa bit where fp16 keeps its lowest
+    exponent bits and top mantissa bit, so the fp16 with those bits (the sign moved to bit 15)
+    is the e2m1 value times 2^-14 -- subnormal codes included, since both formats start their
+    normal range at their exponent field 1. One fp16 -> fp32 conversion and one exact multiply.
+    """
+    return decode_e2m1_tiny(c) * 16384.0
+
+
+@triton.jit
+def decode_e2m1_tiny(c):
+    """The e2m1 value times 2^-14 (see ``decode_e2m1``), for callers that fold the 2^14 into a
+    scale factor."""
+    h = ((c & 7) << 9) | ((c & 8) << 12)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kvplan.ops._quant_triton import (
     decode_e4m3,
-    encode_e2m1,
+    encode_e2m1_magnitude,
     encode_e4m3,
     pow2,
     ue8m0_exponent,
@@ -24,32 +24,68 @@ from kvplan.ops._quant_triton import (
 
 
 @triton.jit
-def _row_bases(slot_ptr, rows, n, num_slots, block_size, block_stride, v_stride, s_block_off,
-               s_stride, VALIGN: tl.constexpr, SALIGN: tl.constexpr):  # fmt: skip
+def _row_bases(slot_ptr, rows, n, num_slots, BLOCK_SIZE: tl.constexpr, block_stride, v_stride,
+               s_block_off, s_stride, VALIGN: tl.constexpr, SALIGN: tl.constexpr):  # fmt: skip
     """Per-row (write mask, value byte base, scale byte base) for the rows of this program."""
     in_range = rows < n
     slot = tl.load(slot_ptr + rows, mask=in_range, other=-1)
     ok = in_range & (slot >= 0) & (slot < num_slots)
     slot = tl.where(ok, slot, 0)
-    block = (slot // block_size).to(tl.int64)
-    offset = (slot % block_size).to(tl.int64)
+    block = (slot // BLOCK_SIZE).to(tl.int64)
+    offset = (slot % BLOCK_SIZE).to(tl.int64)
     vbase = tl.multiple_of(block * block_stride + offset * v_stride, VALIGN)
     sbase = tl.multiple_of(block * block_stride + s_block_off + offset * s_stride, SALIGN)
     return ok, vbase, sbase
 
 
 @triton.jit
+def _group_scales(amax, QMAX: tl.constexpr, SF: tl.constexpr, HW: tl.constexpr):
+    """amax [R, G] -> (factor [R, G], scale bytes [R, G] or [R, G, 4]).
+
+    ``factor`` multiplies the values (ue8m0: 2^-e; e4m3: fp32(1 / sf)), except for fp32 scales
+    where it is ``sf`` itself and the values are divided by it (see ``kvplan.quant``).
+    """
+    if SF == 0:
+        exp = ue8m0_exponent(amax, QMAX)
+        return pow2(-exp), exp + 127
+    elif SF == 1:
+        sf = tl.div_rn(tl.maximum(amax, QMAX * 0.001953125), amax * 0 + QMAX)
+        sf = tl.minimum(sf, 448.0)
+        if HW:
+            sf8 = sf.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            sbytes = sf8.to(tl.uint8, bitcast=True).to(tl.int32)
+            sf_val = sf8.to(tl.float32)
+        else:
+            sbytes = encode_e4m3(sf)
+            sf_val = decode_e4m3(sbytes)
+        return tl.div_rn(sf_val * 0 + 1.0, sf_val), sbytes
+    else:
+        sf = tl.div_rn(tl.maximum(amax, 1e-4), amax * 0 + QMAX)
+        shifts = tl.arange(0, 4) * 8
+        sbytes = (sf.to(tl.int32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & 255
+        return sf, sbytes
+
+
+@triton.jit
+def _scaled(v, factor, SF: tl.constexpr):
+    """v [R, G, K] scaled by its group's factor [R, G]."""
+    if SF == 2:
+        return tl.div_rn(v, tl.broadcast_to(factor[:, :, None], v.shape))
+    return v * factor[:, :, None]
+
+
+@triton.jit
 def store_quant_kernel(
-    x_ptr,  # bf16 [n, E], contiguous
+    x_ptr,  # bf16 [n, E] contiguous; int32 [n, E // 2] (bf16 pairs) when FP4
     slot_ptr,  # int32 [n]
     cache_ptr,  # uint8, block 0 of the cache
     n,
     num_slots,
-    block_size,
     block_stride,
     v_stride,
     s_block_off,
     s_stride,
+    BLOCK_SIZE: tl.constexpr,
     E: tl.constexpr,  # elements per token
     GS: tl.constexpr,  # elements per scale
     G: tl.constexpr,  # scales per token
@@ -69,58 +105,58 @@ def store_quant_kernel(
     SALIGN: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    ok, vbase, sbase = _row_bases(slot_ptr, rows, n, num_slots, block_size, block_stride,
+    ok, vbase, sbase = _row_bases(slot_ptr, rows, n, num_slots, BLOCK_SIZE, block_stride,
                                   v_stride, s_block_off, s_stride, VALIGN, SALIGN)  # fmt: skip
-    g = tl.arange(0, G_P2)
     row_in = rows < n
-    if FLAT:
-        j = tl.arange(0, G_P2 * GS_P2)
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * E + j[None, :], mask=row_in[:, None])
-        x = tl.reshape(x, [ROWS, G_P2, GS_P2]).to(tl.float32)
-    else:
-        k = tl.arange(0, GS_P2)
-        elem = g[:, None] * GS + k[None, :]  # [G_P2, GS_P2]
-        emask = (g[:, None] < G) & (k[None, :] < GS) & (elem < E)
-        x_off = rows.to(tl.int64)[:, None, None] * E + elem[None, :, :]
-        x_mask = row_in[:, None, None] & emask[None, :, :]
-        x = tl.load(x_ptr + x_off, mask=x_mask, other=0.0).to(tl.float32)
-    # x: [ROWS, G_P2, GS_P2] fp32, zero outside the record
-    amax = tl.max(tl.abs(x), axis=2)  # [ROWS, G_P2]
-    if SF == 0:
-        exp = ue8m0_exponent(amax, QMAX)
-        q = x * pow2(-exp)[:, :, None]
-        sbytes = exp + 127  # [ROWS, G_P2]
-    elif SF == 1:
-        sf = tl.minimum(tl.div_rn(tl.maximum(amax, QMAX * 0.001953125), amax * 0 + QMAX), 448.0)
-        sbytes = encode_e4m3(sf)
-        sf_val = decode_e4m3(sbytes)
-        inv = tl.div_rn(sf_val * 0 + 1.0, sf_val)
-        q = x * inv[:, :, None]
-    else:
-        sf = tl.div_rn(tl.maximum(amax, 1e-4), amax * 0 + QMAX)
-        q = tl.div_rn(x, tl.broadcast_to(sf[:, :, None], x.shape))
-        bits = sf.to(tl.int32, bitcast=True)
-        shifts = tl.arange(0, 4) * 8
-        sbytes = (bits[:, :, None] >> shifts[None, None, :]) & 255  # [ROWS, G_P2, 4]
+    rows64 = rows.to(tl.int64)
+    g = tl.arange(0, G_P2)
+    b = tl.arange(0, GB_P2)
     if FP4:
-        codes = encode_e2m1(q)
-        lo, hi = tl.split(tl.reshape(codes, [ROWS, G_P2, GS_P2 // 2, 2]))
-        vbytes = lo | (hi << 4)  # [ROWS, G_P2, GB_P2]
-        vbytes = vbytes.to(tl.uint8)
-    elif HW:
-        # hardware cvt (RNE, satfinite); only the ue8m0 scale keeps |q| <= 448 by construction
-        if SF != 0:
-            q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-        vbytes = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        # one int32 = elements 2i (low half) and 2i + 1 (high half) = one output byte
+        if FLAT:
+            j = tl.arange(0, G_P2 * GB_P2)
+            w = tl.load(x_ptr + rows64[:, None] * (E // 2) + j[None, :], mask=row_in[:, None])
+            w = tl.reshape(w, [ROWS, G_P2, GB_P2])
+        else:
+            widx = g[:, None] * GB + b[None, :]
+            wmask = (g[:, None] < G) & (b[None, :] < GB) & (widx < E // 2)
+            w_off = rows64[:, None, None] * (E // 2) + widx[None, :, :]
+            w = tl.load(x_ptr + w_off, mask=row_in[:, None, None] & wmask[None, :, :], other=0)
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+        amax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [ROWS, G_P2]
+        factor, sbytes = _group_scales(amax, QMAX, SF, HW)
+        code_lo = encode_e2m1_magnitude(_scaled(lo, factor, SF))
+        code_hi = encode_e2m1_magnitude(_scaled(hi, factor, SF))
+        signs = ((w >> 12) & 0x8) | ((w >> 24) & 0x80)  # bf16 sign bits -> nibble sign bits
+        vbytes = (code_lo | (code_hi << 4) | signs).to(tl.uint8)  # [ROWS, G_P2, GB_P2]
     else:
-        vbytes = encode_e4m3(q).to(tl.uint8)  # [ROWS, G_P2, GB_P2]
+        if FLAT:
+            j = tl.arange(0, G_P2 * GS_P2)
+            x = tl.load(x_ptr + rows64[:, None] * E + j[None, :], mask=row_in[:, None])
+            x = tl.reshape(x, [ROWS, G_P2, GS_P2]).to(tl.float32)
+        else:
+            elem = g[:, None] * GS + b[None, :]  # GB == GS for e4m3
+            emask = (g[:, None] < G) & (b[None, :] < GS) & (elem < E)
+            x_off = rows64[:, None, None] * E + elem[None, :, :]
+            x = tl.load(x_ptr + x_off, mask=row_in[:, None, None] & emask[None, :, :], other=0.0)
+            x = x.to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=2)  # [ROWS, G_P2]
+        factor, sbytes = _group_scales(amax, QMAX, SF, HW)
+        q = _scaled(x, factor, SF)
+        if HW:
+            # hardware cvt (RNE, satfinite); only the ue8m0 scale keeps |q| <= 448 by itself
+            if SF != 0:
+                q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+            vbytes = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        else:
+            vbytes = encode_e4m3(q).to(tl.uint8)  # [ROWS, G_P2, GB_P2]
     if FLAT:
         # whole record contiguous: one flat, vectorizable row of QB bytes
         j = tl.arange(0, G_P2 * GB_P2)
         flat = tl.reshape(vbytes, [ROWS, G_P2 * GB_P2])
         tl.store(cache_ptr + vbase[:, None] + j[None, :], flat, mask=ok[:, None])
     else:
-        b = tl.arange(0, GB_P2)
         bidx = g[:, None] * GB + b[None, :]
         bmask = (g[:, None] < G) & (b[None, :] < GB) & (bidx < QB)
         ptr = cache_ptr + vbase[:, None, None] + bidx[None, :, :]
@@ -137,9 +173,9 @@ def scatter_rows_kernel(
     cache_ptr,  # uint8, block 0 of the cache
     n,
     num_slots,
-    block_size,
     block_stride,
     v_stride,
+    BLOCK_SIZE: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     COLS: tl.constexpr,  # power of two, bytes per inner step
     ROWS: tl.constexpr,
@@ -148,7 +184,7 @@ def scatter_rows_kernel(
 ):
     """Copy row i of ``src`` to the value bytes of slot ``slot[i]`` (BF16 caches)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    ok, vbase, _ = _row_bases(slot_ptr, rows, n, num_slots, block_size, block_stride,
+    ok, vbase, _ = _row_bases(slot_ptr, rows, n, num_slots, BLOCK_SIZE, block_stride,
                               v_stride, 0, 0, VALIGN, 1)  # fmt: skip
     src_base = tl.multiple_of(rows.to(tl.int64) * ROW_BYTES, SRC_ALIGN)
     for c0 in tl.static_range(0, ROW_BYTES, COLS):

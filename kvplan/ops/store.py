@@ -214,9 +214,12 @@ def _launch(x, raw, slots, layout, geo, config=None) -> None:
         gs_p2, g_p2 = triton_next_pow2(gs), triton_next_pow2(g)
         fp4 = layout.quantized_dtype == "e2m1"
         rows = config.get("rows", max(1, min(16, 4096 // (g_p2 * gs_p2))))
+        if fp4:  # the kernel reads bf16 pairs as int32 words
+            x = x if x.storage_offset() % 2 == 0 else x.clone()
+            x = x.view(torch.int32)
         k.store_quant_kernel[(triton_cdiv(n, rows),)](
-            x, slots, raw, n, geo.num_slots, geo.block_size, geo.block_stride,
-            geo.v_stride, geo.s_block_off, geo.s_stride,
+            x, slots, raw, n, geo.num_slots, geo.block_stride,
+            geo.v_stride, geo.s_block_off, geo.s_stride, BLOCK_SIZE=geo.block_size,
             E=elems, GS=gs, G=g, GS_P2=gs_p2, G_P2=g_p2,
             GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2,
             QB=layout.quantized_bytes, FP4=fp4, QMAX=6.0 if fp4 else 448.0,
@@ -230,8 +233,8 @@ def _launch(x, raw, slots, layout, geo, config=None) -> None:
         cols = min(triton_next_pow2(row_bytes), 2048)
         rows = config.get("rows", max(1, 4096 // cols))
         k.scatter_rows_kernel[(triton_cdiv(n, rows),)](
-            x.view(torch.uint8), slots, raw, n, geo.num_slots, geo.block_size,
-            geo.block_stride, geo.v_stride,
+            x.view(torch.uint8), slots, raw, n, geo.num_slots,
+            geo.block_stride, geo.v_stride, BLOCK_SIZE=geo.block_size,
             ROW_BYTES=row_bytes, COLS=cols, ROWS=rows, VALIGN=geo.v_align,
             SRC_ALIGN=pow2_alignment(row_bytes),
             num_warps=config.get("num_warps", 4),
