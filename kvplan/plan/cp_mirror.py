@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvplan._checks import check_int32
 from kvplan.plan.common import compressed_kv_len, exclusive_cumsum
 from kvplan.plan.config import QUERY_INDEX_PLACEHOLDER, ratio_key
 from kvplan.plan.metadata import InputMetadata
@@ -110,6 +111,7 @@ def prepare_cp_mirror(
     ps = cp_piece_size(seqlen_q, cp_size)  # [n_seq]
     mirror_off = exclusive_cumsum(2 * ps)
     mlen = int(mirror_off[-1])
+    check_int32("cp_size * cp_mirror_len", cp_size * mlen)  # reverse-index range
 
     # mirror rows of this rank: local index j of each (seq, mirror row)
     seq_of = np.repeat(np.arange(n_seq), 2 * ps)  # [mlen]
