@@ -1,9 +1,10 @@
 """prepare() CPU time per step, per backend, against a per-request Python-list baseline.
 
 Two batches: 256 decode sequences, and a 32-sequence mixed batch (16 prefill chunks, some over
-cached history, + 16 decode rows). For each backend the timed region is one step's metadata
-update: the per-step setters plus ``prepare()`` (host math, staging, async H2D launches; no
-device sync inside). The baseline builds the same backend's format the pre-vectorized way:
+cached history, + 16 decode rows). For each backend, ``step us`` times one step's metadata
+update from Python lists: the per-step setters plus ``prepare()`` (host math, staging, async
+H2D launches; no device sync inside); ``prepare us`` times ``prepare()`` alone. The speedup is
+baseline / step (both start from the same lists). The baseline builds the same backend's format the pre-vectorized way:
 one Python list per request (``get_block_ids``), per-token loops, then ``torch.tensor`` and a
 copy to the device. Medians over ``--iters`` steps; the device is synchronized between steps,
 outside the timed region.
@@ -129,13 +130,14 @@ def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
             step_ours(md, rids, num_ctx, seq_lens, cached)
             baseline(name, mgr, rids, num_ctx, seq_lens, cached, device)
         ours = timed(lambda md=md: step_ours(md, rids, num_ctx, seq_lens, cached), iters, device)
+        prep = timed(md.prepare, iters, device)
         base = timed(
             lambda name=name: baseline(name, mgr, rids, num_ctx, seq_lens, cached, device),
             max(3, iters // 4), device,
         )  # fmt: skip
         rows.append(dict(batch=kind, num_seqs=num_seqs, num_tokens=sum(seq_lens),
                          num_blocks=int(sum(-(-(c + s) // block_size) for c, s in zip(cached, seq_lens))),
-                         backend=name, prepare_us=ours, baseline_us=base,
+                         backend=name, step_us=ours, prepare_us=prep, baseline_us=base,
                          speedup=base / ours))  # fmt: skip
     return rows
 
@@ -155,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     decode_seqs, mixed_seqs = (32, 8) if args.quick else (256, 32)
     rows = run_case("decode", decode_seqs, max_ctx, args.block_size, iters, device)
     rows += run_case("mixed", mixed_seqs, max_ctx, args.block_size, iters, device)
-    print(f"{'batch':7} {'seqs':>5} {'tokens':>6} {'backend':14} {'prepare us':>11} "
-          f"{'baseline us':>12} {'speedup':>8}")  # fmt: skip
+    print(f"{'batch':7} {'seqs':>5} {'tokens':>6} {'backend':14} {'step us':>8} "
+          f"{'prepare us':>11} {'baseline us':>12} {'speedup':>8}")  # fmt: skip
     for r in rows:
         print(f"{r['batch']:7} {r['num_seqs']:5d} {r['num_tokens']:6d} {r['backend']:14} "
-              f"{r['prepare_us']:11.1f} {r['baseline_us']:12.1f} {r['speedup']:7.1f}x")  # fmt: skip
+              f"{r['step_us']:8.1f} {r['prepare_us']:11.1f} {r['baseline_us']:12.1f} "
+              f"{r['speedup']:7.1f}x")  # fmt: skip
     record = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

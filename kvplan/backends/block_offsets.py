@@ -36,7 +36,12 @@ import numpy as np
 import torch
 
 from kvplan.backends.base import AttentionBackend
-from kvplan.backends.ledger import batch_block_table, logical_num_blocks, new_token_slots
+from kvplan.backends.ledger import (
+    batch_block_table,
+    check_allocated,
+    logical_num_blocks,
+    new_token_slots,
+)
 from kvplan.backends.metadata import AttentionMetadata, as_int32_array
 from kvplan.backends.paged import PagedSegment, PagedView, attend_paged, layer_caches
 from kvplan.backends.ragged import attend_without_cache
@@ -164,14 +169,8 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         )  # fmt: skip
         # The persistent host buffer is for synchronous readers like this one.
         host = mgr.host_block_offsets(self.max_num_sequences, cross=self.is_cross).numpy()
-        need = logical_num_blocks(self.kv_lens, bs)
-        rows = np.flatnonzero(need > 0)
-        if rows.size and not host[0, rows, 0, need[rows] - 1].all():
-            b = int(rows[np.argmin(host[0, rows, 0, need[rows] - 1] != 0)])
-            raise ValueError(
-                f"sequence {b} needs {int(need[b])} blocks for kv_lens {int(self.kv_lens[b])} "
-                "(incl. num_extra_kv_tokens) but the manager holds fewer"
-            )
+        check_allocated(host[0, :n, 0, :], logical_num_blocks(self.kv_lens, bs),
+                        "kv_lens (incl. num_extra_kv_tokens)")  # fmt: skip
         for p in range(self._num_pools):
             values[f"slots{p}"] = new_token_slots(
                 host[p, :n, 0, :], self.cached_np, self.seq_lens_kv_np, bs
@@ -194,7 +193,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         n, nc = self.num_seqs, self.num_contexts
         need = logical_num_blocks(self.kv_lens, int(self.kv_cache_manager.block_size))
         width = int(need.max()) if n else 0
-        table, _ = batch_block_table(
+        table = batch_block_table(
             self.kv_cache_manager, self.request_ids, pool=0, beam_width=self.beam_width,
             num_contexts=nc, cross=self.is_cross, width=width,
         )  # fmt: skip

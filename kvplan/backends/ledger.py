@@ -39,21 +39,17 @@ def batch_block_table(
     num_contexts: int,
     cross: bool,
     width: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Block table of the batch's sequences and their allocated block counts.
+) -> np.ndarray:
+    """Block table of the batch's sequences (host int32 ``[num_seqs, width]``).
 
     Args:
         width: table columns to fetch (default the manager's ``max_blocks_per_seq``); counts
             are only exact up to ``width``.
 
-    Returns:
-        table: int32 ``[num_seqs, width]`` (host), block 0 past each row's allocated blocks.
-            Context requests give one row (beam 0: they have not forked yet); generation
-            requests give ``beam_width`` rows (their beams' own rows, or for cross attention
-            the request's single encoder row repeated, ``repeat_interleave``-style).
-        num_allocated: int32 ``[num_seqs]``, allocated blocks of each row (reserved included,
-            capped at ``width``). The manager never hands out block 0 and pads every row with
-            it, so this is the count of nonzero entries.
+    Block 0 pads each row past its allocated blocks (reserved included). Context requests
+    give one row (beam 0: they have not forked yet); generation requests give ``beam_width``
+    rows (their beams' own rows, or for cross attention the request's single encoder row
+    repeated, ``repeat_interleave``-style).
     """
     max_width = int(manager.max_blocks_per_seq)
     width = max_width if width is None else min(int(width), max_width)
@@ -75,8 +71,13 @@ def batch_block_table(
             seq_ids.extend([rid] * beam_width)
             beams.extend(range(beam_width))
         table = manager.get_block_ids_per_seq(seq_ids, pool, beams=beams, width=width)
-    table = np.asarray(table, dtype=np.int32)
-    return table, np.count_nonzero(table, axis=1).astype(np.int32)
+    return np.asarray(table, dtype=np.int32)
+
+
+def allocated_blocks(table: np.ndarray) -> np.ndarray:
+    """Allocated blocks per row (int32): the manager never hands out block 0 and pads every
+    row with it, so this is the count of nonzero entries (capped at the table width)."""
+    return np.count_nonzero(table, axis=1).astype(np.int32)
 
 
 def new_token_slots(
@@ -128,14 +129,30 @@ def logical_num_blocks(kv_lens: np.ndarray, block_size: int) -> np.ndarray:
     return (kv_lens + np.int32(block_size - 1)) // np.int32(block_size)
 
 
-def check_allocated(
-    num_needed: np.ndarray, num_allocated: np.ndarray, what: str = "kv_lens"
-) -> None:
-    """Every row must own the blocks its lengths need."""
-    short = num_needed > num_allocated
-    if short.any():
-        b = int(np.argmax(short))
+def check_allocated(table: np.ndarray, num_needed: np.ndarray, what: str = "kv_lens") -> None:
+    """Every row of ``table`` must own its first ``num_needed[b]`` blocks.
+
+    The manager fills a row's blocks from column 0 and pads with block 0, so it is enough
+    that column ``num_needed[b] - 1`` is not the padding block (one gather, not a row scan).
+    """
+    n = num_needed.size
+    if n == 0:
+        return
+    if int(num_needed.max()) > table.shape[1]:
+        b = int(np.argmax(num_needed))
+        raise ValueError(
+            f"sequence {b} needs {int(num_needed[b])} blocks for its {what}, more than the "
+            f"{table.shape[1]} columns of its block table (max_blocks_per_seq)"
+        )
+    if int(num_needed.min()) > 0:
+        rows, last = np.arange(n), num_needed - 1
+    else:
+        rows = np.flatnonzero(num_needed > 0)
+        last = num_needed[rows] - 1
+    held = table[rows, last]
+    if not held.all():
+        b = int(rows[np.argmin(held != 0)])
         raise ValueError(
             f"sequence {b} needs {int(num_needed[b])} blocks for its {what} but the manager "
-            f"holds {int(num_allocated[b])}"
+            "holds fewer"
         )

@@ -190,6 +190,7 @@ class AttentionMetadata:
         self._seq_lens_np = arr
         # In place, never reallocated: a captured graph keeps reading the same address.
         self._seq_lens_gpu[: arr.size].copy_(host, non_blocking=True)
+        self._num_tokens = int(arr.sum())
         self.on_update()
 
     @property
@@ -239,12 +240,14 @@ class AttentionMetadata:
         """Recompute the derived counts from host values (called by every shape setter)."""
         self.prepared = False
         lens = self._seq_lens_np
-        self._num_seqs = int(lens.size)
+        nc = self._num_contexts
+        self._num_seqs = n = lens.size
         # (num_contexts may exceed the row count between two setter calls; prepare() checks)
-        self._num_ctx_tokens = int(lens[: self._num_contexts].sum())
-        self._num_generations = max(0, int(lens.size) - self._num_contexts)
-        self._num_tokens = int(lens.sum())
-        self._num_kv_tokens = int(self.seq_lens_kv_np.sum())
+        self._num_ctx_tokens = int(lens[:nc].sum()) if nc else 0
+        self._num_generations = max(0, n - nc)
+        # _num_tokens = sum(seq_lens) is kept by the seq_lens setter
+        kv = self._seq_lens_kv_np
+        self._num_kv_tokens = self._num_tokens if kv is None else int(kv.sum())
 
     @property
     def num_seqs(self) -> int:

@@ -60,15 +60,11 @@ class VanillaAttentionMetadata(AttentionMetadata):
         self.num_blocks_np = nb
         width = int(nb.max()) if nb.size else 0
         for pool in range(num_pools(manager)):
-            table, counts = batch_block_table(
-                manager,
-                self.request_ids,
-                pool=pool,
-                beam_width=self.beam_width,
-                num_contexts=self.num_contexts,
-                cross=self.is_cross,
-            )
-            check_allocated(nb, counts)
+            table = batch_block_table(
+                manager, self.request_ids, pool=pool, beam_width=self.beam_width,
+                num_contexts=self.num_contexts, cross=self.is_cross, width=width,
+            )  # fmt: skip
+            check_allocated(table, nb)
             slots = new_token_slots(table, self.cached_np, self.seq_lens_kv_np, bs)
             ids = np.ascontiguousarray(table[:, :width])
             self.block_ids_per_seq.append(ids)

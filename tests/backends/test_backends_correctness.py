@@ -28,6 +28,8 @@ def run_layers(name, sc, *, window_from_backend=True, **md_kwargs):
     backend_cls = get_backend(name)
     if name != "vanilla":
         md_kwargs.setdefault("check_kernel_inputs", True)
+    if name == "ragged":
+        md_kwargs.setdefault("check_page_table", True)
     md = backend_cls.Metadata(
         max_num_requests=16,
         max_num_tokens=256,

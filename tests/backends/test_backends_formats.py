@@ -43,7 +43,7 @@ def test_three_encodings_name_the_same_blocks(beam_width, cross):
         specs = random_specs(21, num_ctx=3, num_gen=4)
     sc = make_scenario(21, specs, beam_width=beam_width, cross=cross, layer_windows=(None, 8))
     van = prepared(VanillaAttentionMetadata, sc)
-    rag = prepared(RaggedAttentionMetadata, sc)
+    rag = prepared(RaggedAttentionMetadata, sc, check_page_table=True)
     blk = prepared(BlockOffsetsAttentionMetadata, sc)
     bs = sc.manager.block_size
     nc = sc.num_contexts
@@ -72,6 +72,7 @@ def test_three_encodings_name_the_same_blocks(beam_width, cross):
         assert rag.slot_mapping(pool).tolist() == slots
         assert blk.slot_mapping(pool).tolist() == slots
     assert rag.kv_lens.tolist() == blk.kv_lens_cuda.tolist() == van.kv_lens_np.tolist()
+    assert rag.page_table_reports == []
 
 
 def test_ragged_format_by_hand():
@@ -79,7 +80,9 @@ def test_ragged_format_by_hand():
     mgr.add_request("a", list(range(6)))  # blocks [1, 2], 6 tokens
     mgr.add_request("b", list(range(9)))  # blocks [3, 4, 5], 9 cached tokens
     assert mgr.extend("b", 1).ok  # token 9 goes to block 5, offset 1
-    md = RaggedAttentionMetadata(max_num_requests=4, max_num_tokens=32, kv_cache_manager=mgr)
+    md = RaggedAttentionMetadata(
+        max_num_requests=4, max_num_tokens=32, kv_cache_manager=mgr, check_page_table=True
+    )
     md.request_ids = ["a", "b"]
     md.num_contexts = 1
     md.seq_lens = [6, 1]
@@ -187,7 +190,7 @@ def test_page_table_self_check_reports_within_budget(caplog):
     assert len(page_table_problems(**bad)) == 2
     assert len(page_table_problems(**dict(good, num_blocks=np.array([1, 3], np.int32)))) == 2
     sc = make_scenario(1, [SeqSpec(0, 5, True), SeqSpec(6, 1, False)])
-    md = prepared(RaggedAttentionMetadata, sc, page_table_check_budget=1)
+    md = prepared(RaggedAttentionMetadata, sc, check_page_table=True, page_table_check_budget=1)
     assert md.page_table_reports == []
     md.kv_lens_np = md.kv_lens_np + 1  # corrupt the lengths behind the table's back
     with caplog.at_level(logging.WARNING):
