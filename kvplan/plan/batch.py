@@ -107,7 +107,7 @@ def validate_sequence(i: int, s: SequenceMetadata, cfg: MetadataConfig, is_promp
         )
 
 
-def _ints(name: str, values: list) -> np.ndarray | None:
+def _ints(values: list) -> np.ndarray | None:
     """``values`` as int64, or ``None`` when any entry is not an integer (slow path names it)."""
     arr = np.asarray(values)
     return arr.astype(np.int64, copy=False) if arr.dtype.kind in "iu" else None
@@ -130,10 +130,10 @@ def extract_batch(
     for i, s in enumerate(seqs):
         if not isinstance(s, SequenceMetadata):
             raise TypeError(f"seqs[{i}] must be a SequenceMetadata, got {type(s).__name__}")
-    sq = _ints("seqlen_q", [s.seqlen_q for s in seqs])
-    sk = _ints("seqlen_k", [s.seqlen_k for s in seqs])
-    sid = _ints("state_id", [s.state_id for s in seqs])
-    vs = _ints("swa_valid_start", [s.swa_valid_start for s in seqs])
+    sq = _ints([s.seqlen_q for s in seqs])
+    sk = _ints([s.seqlen_k for s in seqs])
+    sid = _ints([s.state_id for s in seqs])
+    vs = _ints([s.swa_valid_start for s in seqs])
     ph = np.array([bool(s.is_placeholder) for s in seqs])
     n_tok = np.array([len(s.token_ids) for s in seqs])
     n_draft = np.array([len(s.draft_tokens) for s in seqs])
@@ -265,18 +265,22 @@ class Emitter:
         bufs = [self._buffer(f, k, sh, d) for f, k, _, d, sh in self.items] if self.out else None
         cuda = self.device.type == "cuda"
         for idx, (field, key, arr, dtype, shape) in enumerate(self.items):
-            src = torch.from_numpy(np.ascontiguousarray(arr, dtype=_NP_DTYPES[dtype]))
-            if bufs is None and not cuda and shape == tuple(arr.shape):
-                t = src  # CPU metadata: the numpy result itself, no copy
-            else:
-                if cuda:
-                    src = src.pin_memory()
-                if bufs is not None:
-                    t = bufs[idx][: shape[0]]
-                else:
+            src = np.ascontiguousarray(arr, dtype=_NP_DTYPES[dtype])
+            cols = (slice(None),) if shape == src.shape else (slice(None), slice(0, src.shape[1]))
+            if cuda:
+                t = bufs[idx][: shape[0]] if bufs is not None else None
+                if t is None:
                     t = torch.empty(shape, dtype=dtype, device=self.device)
-                dst = t if shape == tuple(arr.shape) else t[:, : arr.shape[1]]
-                dst.copy_(src, non_blocking=cuda)
+                t[cols].copy_(torch.from_numpy(src).pin_memory(), non_blocking=True)
+            elif bufs is not None:
+                t = bufs[idx][: shape[0]]
+                t.numpy()[cols] = src  # numpy copy: no intra-op thread pool on the hot path
+            elif shape == src.shape:
+                t = torch.from_numpy(src)  # CPU metadata: the numpy result itself
+            else:
+                full = np.empty(shape, dtype=src.dtype)
+                full[cols] = src
+                t = torch.from_numpy(full)
             if key is None:
                 setattr(meta, field, t)
             else:
