@@ -383,12 +383,14 @@ class StagedDecode:
 
 
 def _write_packed(hb: HostDecodeBatch, b: _Bound, ratios: list[int], cuda: bool) -> None:
-    """Fill a private (pinned on CUDA) host snapshot of the used prefix; copy it async."""
+    """Write the used prefix of the packed inputs (module docstring)."""
     n = len(hb.seqlen_q)
     sec = b.offsets
     used = sec["bt"][0] + len(hb.bt_flat)
-    host = torch.empty(used, dtype=torch.int32, pin_memory=cuda)
-    h = host.numpy()
+    # CUDA: a private pinned snapshot, copied async; CPU: write the buffer itself (no copy,
+    # and no torch intra-op thread hand-off on a busy host)
+    host = torch.empty(used, dtype=torch.int32, pin_memory=True) if cuda else None
+    h = host.numpy() if cuda else b.packed.numpy()[:used]
     for name, lengths in (("cu_q", hb.seqlen_q), ("cu_k", hb.seqlen_k), ("bt_off", hb.num_blocks)):
         off, size = sec[name]
         h[off : off + n + 1] = exclusive_cumsum(lengths)
@@ -399,7 +401,8 @@ def _write_packed(hb: HostDecodeBatch, b: _Bound, ratios: list[int], cuda: bool)
     h[sec["ratios"][0] : sec["ratios"][0] + len(ratios)] = ratios
     h[sec["input_ids"][0] : sec["input_ids"][0] + len(hb.input_ids)] = hb.input_ids
     h[sec["bt"][0] : used] = hb.bt_flat
-    b.packed[:used].copy_(host, non_blocking=cuda)
+    if cuda:
+        b.packed[:used].copy_(host, non_blocking=True)
 
 
 def stage_decode_on_device(
