@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from kvplan.backends.sparse import SparseMetadataParams, SparseRuntimeParams
-from kvplan.backends.staging import host_empty, use_pinned
+from kvplan.backends.staging import copy_to, host_empty, use_pinned
 
 IntArrayLike = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -189,7 +189,7 @@ class AttentionMetadata:
         self._seq_lens = host
         self._seq_lens_np = arr
         # In place, never reallocated: a captured graph keeps reading the same address.
-        self._seq_lens_gpu[: arr.size].copy_(host, non_blocking=True)
+        copy_to(self._seq_lens_gpu[: arr.size], host)
         self._num_tokens = int(arr.sum())
         self.on_update()
 

@@ -29,6 +29,15 @@ def host_empty(n: int | tuple[int, ...], dtype: torch.dtype, pinned: bool) -> to
     return torch.empty(n, dtype=dtype, pin_memory=pinned)
 
 
+def copy_to(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src, non_blocking=True)``; a CPU ``dst`` is written through numpy (a small
+    torch CPU copy may fan out over threads and stall when the cores are busy)."""
+    if dst.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
 class DeviceArena:
     """Named int32 device buffers at fixed offsets of one allocation.
 
@@ -88,7 +97,7 @@ class DeviceArena:
         for name, arr in values.items():
             off = self.offsets[name]
             host[off : off + arr.size] = arr
-        self.buffer[:end].copy_(snapshot, non_blocking=True)
+        copy_to(self.buffer[:end], snapshot)
         # Kept only for inspection; the allocator already protects it until the copy is done.
         self.last_snapshot = snapshot
 
