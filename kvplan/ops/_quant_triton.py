@@ -53,10 +53,17 @@ def encode_e2m1_magnitude(x):
     step becomes 1 and add 1.5 * 2^23 (+ the code of the binade's first value: 0, 2 or 4); the
     fp32 addition rounds to nearest even and the low mantissa bits are the code.
     """
+    return encode_e2m1_magnitude_raw(x) & 7
+
+
+@triton.jit
+def encode_e2m1_magnitude_raw(x):
+    """``encode_e2m1_magnitude`` before masking: bits 0..2 hold the code, bits 3..21 are zero
+    and bits 22.. hold the constant 0x4B4 (callers mask once after packing two codes)."""
     a = tl.minimum(tl.abs(x), 6.0)
     mult = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
     magic = tl.where(a < 2.0, 12582912.0, tl.where(a < 4.0, 12582914.0, 12582916.0))
-    return (a * mult + magic).to(tl.int32, bitcast=True) & 7
+    return (a * mult + magic).to(tl.int32, bitcast=True)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kvplan.ops._quant_triton import (
     decode_e4m3,
-    encode_e2m1_magnitude,
+    encode_e2m1_magnitude_raw,
     encode_e4m3,
     pow2,
     ue8m0_exponent,
@@ -126,10 +126,10 @@ def store_quant_kernel(
         hi = (w & -65536).to(tl.float32, bitcast=True)
         amax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [ROWS, G_P2]
         factor, sbytes = _group_scales(amax, QMAX, SF, HW)
-        code_lo = encode_e2m1_magnitude(_scaled(lo, factor, SF))
-        code_hi = encode_e2m1_magnitude(_scaled(hi, factor, SF))
+        raw_lo = encode_e2m1_magnitude_raw(_scaled(lo, factor, SF))
+        raw_hi = encode_e2m1_magnitude_raw(_scaled(hi, factor, SF))
         signs = ((w >> 12) & 0x8) | ((w >> 24) & 0x80)  # bf16 sign bits -> nibble sign bits
-        vbytes = (code_lo | (code_hi << 4) | signs).to(tl.uint8)  # [ROWS, G_P2, GB_P2]
+        vbytes = (((raw_lo | (raw_hi << 4)) & 0x77) | signs).to(tl.uint8)  # [ROWS, G_P2, GB_P2]
     else:
         if FLAT:
             j = tl.arange(0, G_P2 * GS_P2)
