@@ -36,15 +36,21 @@ import numpy as np
 import torch
 
 from kvplan.backends.base import AttentionBackend
+from kvplan.backends.host_arrays import as_int32_array
 from kvplan.backends.ledger import (
     batch_block_table,
     check_allocated,
     logical_num_blocks,
     new_token_slots,
 )
-from kvplan.backends.metadata import AttentionMetadata, as_int32_array
-from kvplan.backends.paged import PagedSegment, PagedView, attend_paged, layer_caches
-from kvplan.backends.ragged import attend_without_cache
+from kvplan.backends.metadata import AttentionMetadata
+from kvplan.backends.paged import (
+    PagedSegment,
+    PagedView,
+    attend_paged,
+    attend_without_cache,
+    layer_caches,
+)
 from kvplan.backends.staging import DeviceArena, host_empty, to_device
 
 

@@ -99,3 +99,20 @@ def layer_caches(kv_cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return kv_cache.k_cache(layer), kv_cache.v_cache(layer)
     every = torch.arange(kv_cache.num_blocks, device=kv_cache.device)
     return kv_cache.read_blocks(layer, every)
+
+
+def attend_without_cache(backend, q, k, v, md, out) -> torch.Tensor:
+    """Context-only batch without a KV cache: the new K/V rows are the pages (block size 1).
+
+    ``k`` ``[T, Hkv, D]`` viewed as ``[T, 1, Hkv, D]`` is a cache of T one-token pages whose
+    page ids are ``arange(T)``; sequence b's pages start at ``qo_indptr[b]``.
+    """
+    n = md.num_seqs
+    seg = PagedSegment(
+        md._arange_tokens, md.qo_indptr[:n], md.seq_lens_gpu, md.qo_indptr[: n + 1],
+        md.num_tokens, int(md._seq_lens_np.max()) if n else 0, int(md.kv_lens_np.max()) if n else 0,
+    )  # fmt: skip
+    return attend_paged(
+        q, k.unsqueeze(1), v.unsqueeze(1), PagedView(seg, None), out,
+        scale=backend.scale, window=backend.window(md), check=md.check_kernel_inputs,
+    )  # fmt: skip

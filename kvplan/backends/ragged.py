@@ -34,14 +34,21 @@ import numpy as np
 import torch
 
 from kvplan.backends.base import AttentionBackend
+from kvplan.backends.host_arrays import exclusive_cumsum
 from kvplan.backends.ledger import (
     allocated_blocks,
     batch_block_table,
     check_allocated,
     logical_num_blocks,
 )
-from kvplan.backends.metadata import AttentionMetadata, exclusive_cumsum
-from kvplan.backends.paged import PagedSegment, PagedView, attend_paged, layer_caches
+from kvplan.backends.metadata import AttentionMetadata
+from kvplan.backends.paged import (
+    PagedSegment,
+    PagedView,
+    attend_paged,
+    attend_without_cache,
+    layer_caches,
+)
 from kvplan.backends.staging import DeviceArena
 
 logger = logging.getLogger(__name__)
@@ -306,20 +313,3 @@ class RaggedAttention(AttentionBackend):
             q, k_cache, v_cache, view, out, scale=self.scale, window=self.window(md),
             check=md.check_kernel_inputs,
         )  # fmt: skip
-
-
-def attend_without_cache(backend: AttentionBackend, q, k, v, md, out):
-    """Context-only batch without a KV cache: the new K/V rows are the pages (block size 1).
-
-    ``k`` ``[T, Hkv, D]`` viewed as ``[T, 1, Hkv, D]`` is a cache of T one-token pages whose
-    page ids are ``arange(T)``; sequence b's pages start at ``qo_indptr[b]``.
-    """
-    n = md.num_seqs
-    seg = PagedSegment(
-        md._arange_tokens, md.qo_indptr[:n], md.seq_lens_gpu, md.qo_indptr[: n + 1],
-        md.num_tokens, int(md._seq_lens_np.max()) if n else 0, int(md.kv_lens_np.max()) if n else 0,
-    )  # fmt: skip
-    return attend_paged(
-        q, k.unsqueeze(1), v.unsqueeze(1), PagedView(seg, None), out,
-        scale=backend.scale, window=backend.window(md), check=md.check_kernel_inputs,
-    )  # fmt: skip
