@@ -35,25 +35,50 @@ _EXPORTS: dict[str, str] = {
     "load_paged_kv_cache": "kvplan.ops.load",
     "BlockLoadPlanBuilder": "kvplan.load_plan",
     "validate_load_plan": "kvplan.load_plan",
+    # cache bookkeeping and tensors
+    "KVCacheManager": "kvplan.cache.kv_cache_manager",
+    "AllocationResult": "kvplan.cache.kv_cache_manager",
+    "KVCacheTensors": "kvplan.cache.kv_tensors",
+    # planning
+    "MetadataConfig": "kvplan.plan.config",
+    "SequenceMetadata": "kvplan.plan.sequence",
+    "InputMetadata": "kvplan.plan.metadata",
+    "prepare_prompt": "kvplan.plan.prompt",
+    "prepare_decode": "kvplan.plan.decode",
+    "prepare_decode_on_device": "kvplan.plan.decode_device",
+    # backends
+    "AttentionMetadata": "kvplan.backends.metadata",
+    "get_backend": "kvplan.backends",
     # engine
     "LLM": "kvplan.engine.llm",
     "SamplingParams": "kvplan.engine.sampling",
 }
 
 __all__ = [
+    "AllocationResult",
+    "AttentionMetadata",
     "BlockLoadPlanBuilder",
     "FP4_INDEX_KV_FORMAT",
     "FP8_FLOAT32_SF_INDEX_KV_FORMAT",
+    "InputMetadata",
     "KVCacheFormat",
+    "KVCacheManager",
+    "KVCacheTensors",
     "LLM",
     "MXFP8_INDEX_KV_FORMAT",
+    "MetadataConfig",
     "SUPPORTED_KV_CACHE_FORMATS",
     "SamplingParams",
+    "SequenceMetadata",
     "V41_FORMAT",
     "V41_FP4_FORMAT",
     "alloc_kv_cache",
     "bf16_format",
+    "get_backend",
     "load_paged_kv_cache",
+    "prepare_decode",
+    "prepare_decode_on_device",
+    "prepare_prompt",
     "resolve_kv_cache_layout",
     "split_kv_cache",
     "store_kv_cache",
@@ -75,6 +100,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvplan.backends import get_backend
+    from kvplan.backends.metadata import AttentionMetadata
+    from kvplan.cache.kv_cache_manager import AllocationResult, KVCacheManager
+    from kvplan.cache.kv_tensors import KVCacheTensors
     from kvplan.engine.llm import LLM
     from kvplan.engine.sampling import SamplingParams
     from kvplan.formats import (
@@ -93,3 +122,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvplan.load_plan import BlockLoadPlanBuilder, validate_load_plan
     from kvplan.ops.load import load_paged_kv_cache
     from kvplan.ops.store import store_kv_cache
+    from kvplan.plan.config import MetadataConfig
+    from kvplan.plan.decode import prepare_decode
+    from kvplan.plan.decode_device import prepare_decode_on_device
+    from kvplan.plan.metadata import InputMetadata
+    from kvplan.plan.prompt import prepare_prompt
+    from kvplan.plan.sequence import SequenceMetadata
