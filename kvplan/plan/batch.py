@@ -165,7 +165,9 @@ def extract_batch(
         for i, s in enumerate(seqs):  # raises with the exact sequence, field and value
             validate_sequence(i, s, cfg, is_prompt)
         raise AssertionError("vectorized checks disagree with validate_sequence")
-    tables = [s.block_table[:k] for s, k in zip(seqs, nb.tolist())]
+    tables = [
+        t if len(t) == k else t[:k] for t, k in zip([s.block_table for s in seqs], nb.tolist())
+    ]
     bt_flat = np.concatenate(tables).astype(np.int64, copy=False)
     if bt_flat.dtype.kind not in "iu" and len(bt_flat):
         raise TypeError(f"block_table entries must be integers, got dtype {bt_flat.dtype}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceMetadata:
     """One sequence of a step, as the scheduler hands it to the planning layer.
 
