@@ -1,0 +1,254 @@
+"""Engine throughput: kvplan vs Hugging Face transformers on a random-weight 1.2B Llama.
+
+Workload (the issue's): 64 requests x 256 random prompt tokens x 128 new tokens (EOS ignored),
+bf16, on one GPU. Measured in the same process:
+
+* kvplan ``LLM`` (block_offsets backend, continuous batching, CUDA-graph decode steps);
+* HF ``generate_batch`` (paged continuous batching) with
+  ``ContinuousBatchingConfig(use_cuda_graph=True)`` and ``(use_cuda_graph=False)``;
+* HF plain ``generate()`` on the padded batch.
+
+Also: kvplan's median full-batch decode step against the floor of reading every weight once
+(weight bytes / device copy bandwidth measured here), and the share of a decode step's wall
+time spent outside GPU kernels (torch.profiler: 1 - kernel time / wall time).
+
+    PYTHONPATH=. python3 bench/bench_engine.py --out results.json          # H200
+    PYTHONPATH=. python3 bench/bench_engine.py --quick --out /tmp/q.json   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+
+import torch
+
+from kvplan.engine.cli_bench import make_prompts, run_workload
+from kvplan.models.config import named_config
+
+
+def hf_config(cfg):
+    from transformers import LlamaConfig
+
+    r = cfg.rope
+    rope = {"rope_type": r.rope_type, "rope_theta": r.theta}
+    if r.rope_type == "llama3":
+        rope.update(factor=r.factor, low_freq_factor=r.low_freq_factor,
+                    high_freq_factor=r.high_freq_factor,
+                    original_max_position_embeddings=r.original_max_position_embeddings)  # fmt: skip
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_parameters=rope,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def copy_bandwidth(dev, nbytes=2 << 30, reps=10) -> float | None:
+    """Device copy bandwidth in bytes/s, counting the read and the write."""
+    if dev.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(dev)
+    bw = 2 * nbytes * reps / (time.perf_counter() - t)
+    del src, dst
+    return bw
+
+
+def kernel_share(llm, prompts, dev, steps=10) -> float | None:
+    """1 - (GPU kernel time / wall time) over ``steps`` full-batch decode steps."""
+    if dev.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvplan.engine.sampling import SamplingParams
+
+    core = llm.engine
+    for p in prompts:
+        core.add_request(p, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    while any(r.is_prefilling or not r.output_token_ids for r in core.scheduler.running) or (
+        core.scheduler.waiting
+    ):
+        core.step()
+    core.step()
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        sync(dev)
+        wall = time.perf_counter() - t
+    while core.has_unfinished():
+        core.step()
+    kernel_us = sum(
+        e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA"
+    )
+    return max(0.0, 1.0 - kernel_us * 1e-6 / wall)
+
+
+def run_kvplan(cfg, prompts, args, dev, dtype):
+    from kvplan import LLM
+
+    llm = LLM(
+        cfg, device=dev, dtype=dtype, backend=args.backend, kv_format=args.kv_format,
+        max_num_seqs=len(prompts), max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.prompt_len + args.new_tokens + 32,
+        kv_cache_memory=(8 << 30) if dev.type == "cuda" else (256 << 20),
+    )  # fmt: skip
+    run_workload(llm, make_prompts(4, 16, cfg.vocab_size, seed=1), 4, progress=False)
+    res = run_workload(llm, prompts, args.new_tokens, progress=False)
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.parts.model.parameters())
+    share = kernel_share(llm, prompts, dev)
+    out = {
+        "output_tokens": res.output_tokens, "wall_s": res.wall_s,
+        "output_tokens_per_s": res.output_tokens_per_s,
+        "median_decode_step_ms": res.median_decode_step_ms,
+        "num_decode_steps_timed": len(res.decode_step_ms),
+        "graph_replays": res.num_graph_replays, "steps": res.num_steps,
+        "weight_bytes": weight_bytes, "share_outside_gpu_kernels": share,
+    }  # fmt: skip
+    del llm
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_hf(cfg, prompts, args, dev, dtype, mode):
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    with torch.device(dev):
+        model = LlamaForCausalLM(hf_config(cfg)).to(dtype).eval()
+    gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)  # fmt: skip
+    try:
+        if mode == "generate":
+            ids = torch.tensor(prompts, device=dev)
+            with torch.no_grad():
+                model.generate(ids[:2, :16], generation_config=gen, max_new_tokens=4)
+                sync(dev)
+                t = time.perf_counter()
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     generation_config=gen)  # fmt: skip
+                sync(dev)
+            wall = time.perf_counter() - t
+            tokens = int(out.shape[0] * (out.shape[1] - ids.shape[1]))
+        else:
+            from transformers import ContinuousBatchingConfig
+
+            cb = ContinuousBatchingConfig(use_cuda_graph=(mode == "generate_batch_cuda_graph"))
+            with torch.no_grad():
+                model.generate_batch([p[:16] for p in prompts[:4]], generation_config=gen,
+                                     continuous_batching_config=cb, max_new_tokens=4)  # fmt: skip
+                sync(dev)
+                t = time.perf_counter()
+                res = model.generate_batch(prompts, generation_config=gen,
+                                           continuous_batching_config=cb)  # fmt: skip
+                sync(dev)
+            wall = time.perf_counter() - t
+            tokens = sum(len(o.generated_tokens) for o in res.values())
+        return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+    except Exception as exc:  # record and keep going: the other baselines still count
+        return {"error": repr(exc)[:500]}
+    finally:
+        del model
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny CPU-sized run")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--backend", default="block_offsets")
+    ap.add_argument("--kv-format", default="auto")
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--hf", default="generate_batch_cuda_graph,generate_batch,generate",
+                    help="comma-separated HF baselines ('' = none)")  # fmt: skip
+    args = ap.parse_args()
+    q = args.quick
+    args.config = args.config or ("tiny-llama" if q else "llama-1b")
+    args.num_requests = args.num_requests or (4 if q else 64)
+    args.prompt_len = args.prompt_len or (16 if q else 256)
+    args.new_tokens = args.new_tokens or (8 if q else 128)
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = named_config(args.config)
+    prompts = make_prompts(args.num_requests, args.prompt_len, cfg.vocab_size)
+
+    bw = copy_bandwidth(dev)
+    kv = run_kvplan(cfg, prompts, args, dev, dtype)
+    hf = {m: run_hf(cfg, prompts, args, dev, dtype, m) for m in filter(None, args.hf.split(","))}
+    best_cb = max((r.get("output_tokens_per_s", 0) for m, r in hf.items() if "batch" in m),
+                  default=0)  # fmt: skip
+    best_hf = max((r.get("output_tokens_per_s", 0) for r in hf.values()), default=0)
+    floor_ms = kv["weight_bytes"] / bw * 1e3 if bw else None
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "command": " ".join(sys.argv),
+        "workload": {
+            "config": args.config,
+            "params": cfg.num_params,
+            "requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "dtype": str(dtype),
+        },  # fmt: skip
+        "kvplan": kv,
+        "hf": hf,
+        "copy_bandwidth_GBps": bw / 1e9 if bw else None,
+        "weight_read_floor_ms": floor_ms,
+        "ratio_vs_best_hf": kv["output_tokens_per_s"] / best_hf if best_hf else None,
+        "ratio_vs_hf_generate_batch_best": kv["output_tokens_per_s"] / best_cb if best_cb else None,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"{'system':<34} {'output tok/s':>14} {'wall s':>9}")
+    print(f"{'kvplan (' + args.backend + ')':<34} {kv['output_tokens_per_s']:>14,.0f} "
+          f"{kv['wall_s']:>9.2f}")  # fmt: skip
+    for m, r in hf.items():
+        if "error" in r:
+            print(f"{'HF ' + m:<34} {'error':>14}  {r['error'][:80]}")
+        else:
+            print(f"{'HF ' + m:<34} {r['output_tokens_per_s']:>14,.0f} {r['wall_s']:>9.2f}")
+    step = kv["median_decode_step_ms"]
+    share = kv["share_outside_gpu_kernels"]
+    step_txt = "-" if step is None else f"{step:.3f} ms"
+    floor_txt = "-" if floor_ms is None else f"{floor_ms:.3f} ms"
+    share_txt = "-" if share is None else f"{share:.0%}"
+    ratio = result["ratio_vs_best_hf"]
+    print(f"kvplan / best HF: {'-' if ratio is None else f'{ratio:.1f}x'}")
+    print(
+        f"decode step (batch {args.num_requests}): {step_txt}; weight-read floor: {floor_txt}; "
+        f"outside GPU kernels: {share_txt}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
