@@ -63,8 +63,9 @@ FORMATS = {
 # launch configurations tried by --sweep (hw=False: integer fp8/bf16 rounding instead of cvt)
 STORE_SWEEP = [
     dict(rows=8, num_warps=4),
-    dict(rows=16, num_warps=4),
     dict(rows=16, num_warps=8),
+    dict(rows=32, num_warps=4),
+    dict(rows=32, num_warps=8),
     dict(rows=8, num_warps=4, hw=False),
 ]
 CAST_SWEEP = [

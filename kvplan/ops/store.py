@@ -213,7 +213,7 @@ def _launch(x, raw, slots, layout, geo, config=None) -> None:
         gs, g = layout.elements_per_sf, layout.num_scales
         gs_p2, g_p2 = triton_next_pow2(gs), triton_next_pow2(g)
         fp4 = layout.quantized_dtype == "e2m1"
-        rows = config.get("rows", max(1, min(16, 4096 // (g_p2 * gs_p2))))
+        rows = config.get("rows", max(1, min(32, 4096 // (g_p2 * gs_p2))))  # 32 per thread
         if fp4:  # the kernel reads bf16 pairs as int32 words
             x = x if x.storage_offset() % 2 == 0 else x.clone()
             x = x.view(torch.int32)
