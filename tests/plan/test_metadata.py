@@ -84,19 +84,22 @@ def test_compute_attn_info_decode():
 
 
 def _capture_buffers(meta, rows):
-    """Capture-size buffers (``rows`` rows) shaped like every tensor field of ``meta``."""
+    """Capture-size buffers shaped like every tensor field of ``meta``: ``rows`` rows, or as
+    many as the field has when that is more (``cu_seqlens_*`` have one row per sequence + 1)."""
+
+    def buf(v):
+        return torch.full((max(rows, v.shape[0]), *v.shape[1:]), 77, dtype=v.dtype)
+
     out = {}
     for name, value in vars(meta).items():
         if isinstance(value, torch.Tensor):
-            out[name] = torch.full((rows, *value.shape[1:]), 77, dtype=value.dtype)
+            out[name] = buf(value)
         elif (
             isinstance(value, dict)
             and value
             and isinstance(next(iter(value.values())), torch.Tensor)
         ):
-            out[name] = {
-                k: torch.full((rows, *v.shape[1:]), 77, dtype=v.dtype) for k, v in value.items()
-            }
+            out[name] = {k: buf(v) for k, v in value.items()}
     return out
 
 
@@ -181,13 +184,39 @@ def _decode_seqs(rng, cfg, n):
     return seqs
 
 
+def test_capture_size_buffers_then_smaller_batch_cpu():
+    """CPU counterpart of the CUDA-graph test: the metadata views of a 16-row step are kept
+    (as a captured graph keeps its addresses) and re-expanded after a 5-row step."""
+    rng = np.random.default_rng(0)
+    cfg = random_config(rng, dense_ratios=(2,), sparse_ratios=(2, 4), block_size=8,
+                        max_ngram_size=0)  # fmt: skip
+    big, small = _decode_seqs(rng, cfg, 16), _decode_seqs(rng, cfg, 5)
+    bufs = _capture_buffers(prepare_decode(big, cfg), 16)
+    derived = {
+        "kv_swa_index": torch.empty(16, cfg.window_size, dtype=torch.int32),
+        "kv_ca_index": {"2": torch.empty(16, cfg.kv_ca_index_width(2), dtype=torch.int32)},
+        "kv_ca_index_len": {"2": torch.empty(16, dtype=torch.int32)},
+    }
+    captured = prepare_decode(big, cfg, out=bufs)
+    captured.compute_attn_info(cfg, out=derived)
+    prepare_decode(small, cfg, out=bufs)  # the smaller step writes the first rows in place
+    captured.clean()
+    captured.compute_attn_info(cfg, out=derived)  # "replay": same views, 16 rows
+    ref = prepare_decode(small, cfg).compute_attn_info(cfg)
+    assert torch.equal(derived["kv_swa_index"][:5], ref.kv_swa_index)
+    assert torch.equal(derived["kv_ca_index"]["2"][:5], ref.kv_ca_index["2"])
+    assert torch.equal(derived["kv_ca_index_len"]["2"][:5], ref.kv_ca_index_len["2"])
+
+
 @pytest.mark.gpu
 def test_cuda_graph_capture_then_replay_smaller_batch():
     """Capture metadata -> expansion at 16 rows; replay after a 5-row step written in place."""
     import dataclasses
 
     rng = np.random.default_rng(0)
-    cpu_cfg = random_config(rng, dense_ratios=(2,), sparse_ratios=(2, 4), block_size=8)
+    cpu_cfg = random_config(
+        rng, dense_ratios=(2,), sparse_ratios=(2, 4), block_size=8, max_ngram_size=0
+    )
     cfg = dataclasses.replace(cpu_cfg, device="cuda")
     big, small = _decode_seqs(rng, cfg, 16), _decode_seqs(rng, cfg, 5)
     template = prepare_decode(big, cpu_cfg)
