@@ -268,6 +268,11 @@ class AttentionMetadata:
             raise ValueError("seq_lens must be set before prepare()")
         if nc > n:
             raise ValueError(f"num_contexts={nc} exceeds the number of sequences {n}")
+        if self.is_cuda_graph and nc:
+            raise ValueError(
+                f"a CUDA-graph metadata object runs decode-only batches, got num_contexts={nc} "
+                "(mixed prefill/decode shapes change every step and cannot be captured)"
+            )
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise ValueError(f"beam_width must be an int >= 1, got {self.beam_width!r}")
         if self.seq_lens_kv_np.size != n:

@@ -42,6 +42,14 @@ class VanillaAttentionMetadata(AttentionMetadata):
 
     kv_layout = "NHD"
 
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if self.is_cuda_graph:
+            raise ValueError(
+                "the vanilla backend builds fresh tensors every step and cannot feed a CUDA "
+                "graph (is_cuda_graph=True); use 'block_offsets' or 'ragged'"
+            )
+
     def _prepare_backend(self) -> None:
         self.block_ids_per_seq: list[np.ndarray] = []
         self.block_ids_per_seq_gpu: list[torch.Tensor] = []

@@ -158,3 +158,13 @@ def test_arena_stages_through_a_private_snapshot():
     assert arena.view("b").data_ptr() == ptr
     with pytest.raises(ValueError, match="capacity"):
         arena.stage({"a": np.zeros(5, np.int32)})
+
+
+def test_cuda_graph_metadata_is_decode_only():
+    md = get_backend("ragged").Metadata(max_num_requests=4, max_num_tokens=32, is_cuda_graph=True)
+    md.num_contexts = 1
+    md.seq_lens = [3]
+    with pytest.raises(ValueError, match="CUDA-graph"):
+        md.prepare()
+    with pytest.raises(ValueError, match="CUDA"):
+        VanillaAttentionMetadata(max_num_requests=4, max_num_tokens=32, is_cuda_graph=True)
