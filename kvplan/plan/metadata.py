@@ -38,7 +38,7 @@ kv_ca_index_offset_len[dense]  [T, 2]              P D Z    (offset, len) of the
 context_lens                   [T]                 D Z      ``p + 1`` keys visible to the row
 klen[sparse]                   [T]                 D Z (P)  compressed keys visible: ``(p + 1) // r``
 kv_swa_index_offset_len        [T, 2]              D Z      (ring slot of the window start, length)
-block_tables                   [T, max_num_blocks] D Z      the row's sequence's table (prefix written)
+block_tables                   [T, max_num_blocks] D Z      the row's sequence's table; later cols unset
 kv_ca_index[dense]             [T, width_r]        C        expanded compressed key indices, -1 pad
 kv_ca_index_len[dense]         [T]                 C        ``kv_ca_index_offset_len[..][:, 1]``
 kv_swa_full_index              [T, W]              C (P)    expanded prompt SWA buffer rows, -1 pad
