@@ -88,7 +88,7 @@ def _bytes(out):
     return (out.view(torch.uint8),)
 
 
-@pytest.mark.parametrize("block_size", [4, 7])
+@pytest.mark.parametrize("block_size", [4, 7, 133])
 @pytest.mark.parametrize("layout", ALL_FORMATS, ids=_ids)
 def test_triton_torch_and_reference_agree(layout, block_size):
     cache, _ = _filled_cache(layout, 3, block_size, seed=block_size)

@@ -64,7 +64,7 @@ def _random_slots(n, num_slots, seed=0, num_skip=2):
     return slots
 
 
-@pytest.mark.parametrize("block_size", [4, 7])
+@pytest.mark.parametrize("block_size", [4, 7, 133])
 @pytest.mark.parametrize("layout", ALL_FORMATS, ids=_ids)
 def test_triton_torch_and_reference_write_the_same_bytes(layout, block_size):
     n, num_blocks = 9, 3
