@@ -23,6 +23,9 @@ seq_lens_kv``. For cross attention ``seq_lens_kv[b]`` is the number of encoder t
 this step (all of them on a context row, 0 on a generation row); the attended length is always
 ``kv_lens = num_cached_tokens_per_seq + seq_lens_kv``, for self and cross attention alike.
 
+An encoder-decoder step therefore uses two metadata objects: the self-attention one, and a
+cross one with the same ``seq_lens`` values and ``seq_lens_kv`` assigned.
+
 Row layout of a batch with ``num_contexts = 2``, two generation requests and ``beam_width = 2``::
 
     request_ids  = [r0, r1, r2, r3]

@@ -8,6 +8,7 @@ a cache manager.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from backends_testlib import (
@@ -171,3 +172,25 @@ def test_fp8_cache_attends_over_the_dequantized_values(name):
         want = reference_attention(sc, layer, window)
         err = (outs[layer].double() - want).abs().max() / want.abs().max()
         assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("seed", range(100, 106))
+def test_random_sweep_all_backends(seed):
+    """Random geometry (block size, GQA ratio, window, beams, speculative rows) per seed."""
+    rng = np.random.default_rng(seed)
+    block_size = int(rng.choice([1, 2, 4, 8]))
+    num_kv_heads = int(rng.choice([1, 2]))
+    num_heads = num_kv_heads * int(rng.choice([1, 2, 4]))
+    beam = int(rng.choice([1, 2]))
+    window = None if rng.random() < 0.4 else int(rng.integers(1, 12))
+    specs = random_specs(seed, num_ctx=int(rng.integers(0, 3)), num_gen=int(rng.integers(1, 4)),
+                         max_cached=30, spec_rows=bool(rng.random() < 0.5))  # fmt: skip
+    sc = make_scenario(
+        seed, specs, beam_width=beam, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        block_size=block_size, max_blocks_per_seq=-(-48 // block_size), num_blocks=400,
+        layer_windows=(window,),
+    )  # fmt: skip
+    want = reference_attention(sc, 0, window)
+    for name in BACKENDS:
+        _, outs = run_layers(name, sc)
+        assert_close(outs[0], want, atol=1e-5)
