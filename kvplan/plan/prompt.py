@@ -129,7 +129,6 @@ def add_prompt_fields(em: Emitter, b: BatchArrays, cfg: MetadataConfig, meta) ->
         I32,
     )  # fmt: skip
 
-    visible_cache: dict[int, np.ndarray] = {}
     context = pos + 1
     for r in cfg.ca_ratios:
         key, tpb = ratio_key(r), cfg.tokens_per_block(r)
@@ -155,7 +154,7 @@ def add_prompt_fields(em: Emitter, b: BatchArrays, cfg: MetadataConfig, meta) ->
         em.add("slot_mapping_store_ca", np.where(writes, paged_slot(blk, jc, tpb), -1), I32, key)
         # keys: rows [ks, ks + (p + 1) // r) of the loaded compressed buffer
         row_base = _rep(cu_ckv[:-1], b)
-        visible = visible_cache.setdefault(r, num_complete_groups(context, r))
+        visible = num_complete_groups(context, r)
         if r in cfg.sparse_ratios:
             em.add("ks", row_base, I32, key)
             em.add("ke", row_base + visible, I32, key)
