@@ -1,9 +1,10 @@
-"""InputMetadata.broadcast over torch.distributed with the gloo backend (2 CPU processes)."""
+"""InputMetadata.broadcast over torch.distributed with the gloo backend (2 and 3 CPU processes)."""
 
 import os
 import sys
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -36,14 +37,14 @@ def _worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
             got = meta if rank == 0 else InputMetadata(klen={"junk": torch.zeros(1)})
             got.broadcast(src=0)
             torch.save(got.to_flatten_dict(), os.path.join(result_dir, f"{name}_{rank}.pt"))
-            if rank == 1 and name == "decode":
+            if rank > 0 and name == "decode":
                 assert got.extra_alias is got.positions
     finally:
         dist.destroy_process_group()
 
 
-def test_broadcast_gloo_two_processes(tmp_path):
-    world = 2
+@pytest.mark.parametrize("world", [2, 3])
+def test_broadcast_gloo(tmp_path, world):
     mp.start_processes(
         _worker,
         args=(world, str(tmp_path / "init"), str(tmp_path)),
@@ -52,9 +53,9 @@ def test_broadcast_gloo_two_processes(tmp_path):
         start_method="spawn" if torch.cuda.is_initialized() else "fork",
         join=True,
     )
-    for name in ("prompt", "decode"):
+    for name, rank in [(n, r) for n in ("prompt", "decode") for r in range(1, world)]:
         want = torch.load(tmp_path / f"{name}_0.pt", weights_only=False)
-        got = torch.load(tmp_path / f"{name}_1.pt", weights_only=False)
+        got = torch.load(tmp_path / f"{name}_{rank}.pt", weights_only=False)
         assert sorted(got) == sorted(want), name
         for key, value in want.items():
             if isinstance(value, torch.Tensor):
