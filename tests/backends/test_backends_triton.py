@@ -134,8 +134,11 @@ def test_gpu_bf16_speculative_variants(name, kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", PAGED)
-def test_gpu_cuda_graph_replays_with_metadata_written_in_place(name):
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [("ragged", {}), ("block_offsets", {}), ("block_offsets", {"enable_block_id_tables": True})],
+)
+def test_gpu_cuda_graph_replays_with_metadata_written_in_place(name, kw):
     """Capture one decode step, then replay it for a different batch of the same size:
     prepare() must write every buffer the graph reads in place."""
     specs = [SeqSpec(c, 1, False) for c in (35, 200, 17, 513, 64, 99, 300, 7)]
@@ -147,7 +150,7 @@ def test_gpu_cuda_graph_replays_with_metadata_written_in_place(name):
     cls = get_backend(name)
     md = cls.Metadata(
         max_num_requests=4, max_num_tokens=4, kv_cache_manager=sc.manager, kv_cache=sc.kv,
-        device="cuda", is_cuda_graph=True,
+        device="cuda", is_cuda_graph=True, **kw,
     )  # fmt: skip
     attn = cls(0, 16, 4, 128)
     q, k, v = first.q.clone(), first.k[0].clone(), first.v[0].clone()
@@ -173,3 +176,25 @@ def test_gpu_cuda_graph_replays_with_metadata_written_in_place(name):
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out, reference_attention(second, 0, None)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_block_id_tables_are_skipped_while_capturing():
+    sc = make_scenario(
+        3, [SeqSpec(40, 1, False), SeqSpec(9, 1, False)], head_dim=64, block_size=16,
+        kv_format="bf16", dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    cls = get_backend("block_offsets")
+    md = cls.Metadata(
+        max_num_requests=2, max_num_tokens=2, kv_cache_manager=sc.manager, kv_cache=sc.kv,
+        device="cuda", enable_block_id_tables=True,
+    )  # fmt: skip
+    fill_metadata(md, sc)
+    md.prepare()
+    assert md.block_id_tables_valid
+    x = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+        md.prepare_block_id_tables()
+    assert not md.block_id_tables_valid, "request-specific fills must not be captured"
