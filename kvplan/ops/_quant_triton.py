@@ -47,23 +47,25 @@ def encode_e4m3(x):
 
 @triton.jit
 def encode_e2m1_magnitude(x):
-    """fp32 -> int32 e2m1 magnitude codes (0..7) of ``|x|``, RNE, saturating at 6.
-
-    Magnitudes below 2 have step 0.5, [2, 4) step 1, [4, 6] step 2: scale by 2, 1 or 1/2 so the
-    step becomes 1 and add 1.5 * 2^23 (+ the code of the binade's first value: 0, 2 or 4); the
-    fp32 addition rounds to nearest even and the low mantissa bits are the code.
-    """
+    """fp32 -> int32 e2m1 magnitude codes (0..7) of ``|x|``, RNE, saturating at 6."""
     return encode_e2m1_magnitude_raw(x) & 7
 
 
 @triton.jit
 def encode_e2m1_magnitude_raw(x):
     """``encode_e2m1_magnitude`` before masking: bits 0..2 hold the code, bits 3..21 are zero
-    and bits 22.. hold the constant 0x4B4 (callers mask once after packing two codes)."""
+    and bits 22.. hold the constant 0x12D (callers mask once after packing two codes).
+
+    The code of ``a = min(|x|, 6)`` is the nearest integer to the concave piecewise-linear map
+    ``f(a) = min(2a, a + 2, a / 2 + 4)``, which sends the e2m1 grid 0, .5, 1, 1.5, 2, 3, 4, 6
+    to 0..7 and its midpoints to half-integers (ties to even codes = even mantissas). Each line
+    is evaluated as ``a * s + (M + c)`` with M = 1.5 * 2^23: the product is exact and the single
+    fp32 rounding of the sum is the round-to-nearest-even integer; rounding is monotonic, so
+    the min of the rounded lines is the rounded min.
+    """
     a = tl.minimum(tl.abs(x), 6.0)
-    mult = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
-    magic = tl.where(a < 2.0, 12582912.0, tl.where(a < 4.0, 12582914.0, 12582916.0))
-    return (a * mult + magic).to(tl.int32, bitcast=True)
+    r = tl.minimum(tl.minimum(a * 2.0 + 12582912.0, a + 12582914.0), a * 0.5 + 12582916.0)
+    return r.to(tl.int32, bitcast=True)
 
 
 @triton.jit
