@@ -17,11 +17,8 @@ from plan_cases import random_decode_batch as plan_cases_decode_batch
 
 from kvplan.plan.config import MetadataConfig
 from kvplan.plan.decode import prepare_decode
-from kvplan.plan.decode_device import (
-    make_decode_device_out,
-    prepare_decode_on_device,
-    stack_rows,
-)
+from kvplan.plan.decode_buffers import make_decode_device_out, stack_rows
+from kvplan.plan.decode_device import prepare_decode_on_device
 from kvplan.plan.sequence import SequenceMetadata
 
 PER_TOKEN = (
