@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kvplan.backends.staging import to_device
 from kvplan.ops.paged_attention import paged_attention_decode, paged_attention_prefill
 
 
@@ -104,15 +106,27 @@ def layer_caches(kv_cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 def attend_without_cache(backend, q, k, v, md, out) -> torch.Tensor:
     """Context-only batch without a KV cache: the new K/V rows are the pages (block size 1).
 
-    ``k`` ``[T, Hkv, D]`` viewed as ``[T, 1, Hkv, D]`` is a cache of T one-token pages whose
-    page ids are ``arange(T)``; sequence b's pages start at ``qo_indptr[b]``.
+    ``k`` ``[T_kv, Hkv, D]`` viewed as ``[T_kv, 1, Hkv, D]`` is a cache of one-token pages with
+    page ids ``arange(T_kv)``; sequence b's pages start at its first K/V row. Self attention
+    runs the varlen kernel (``qo_indptr`` gives both the query rows and the page starts);
+    cross attention runs one decode row per query token over its sequence's K/V rows.
     """
     n = md.num_seqs
-    seg = PagedSegment(
-        md._arange_tokens, md.qo_indptr[:n], md.seq_lens_gpu, md.qo_indptr[: n + 1],
-        md.num_tokens, int(md._seq_lens_np.max()) if n else 0, int(md.kv_lens_np.max()) if n else 0,
-    )  # fmt: skip
+    max_kv = int(md.kv_lens_np.max()) if n else 0
+    if md.is_cross:
+        q_rows = np.repeat(np.arange(n), md._seq_lens_np)
+        ids = torch.arange(md.num_kv_tokens, dtype=torch.int32, device=q.device)
+        start = to_device(md.cu_seqlens_kv_np[q_rows], q.device)
+        lens = to_device(md.kv_lens_np[q_rows], q.device)
+        view = PagedView(PagedSegment(ids, start, lens, None, md.num_tokens, 1, max_kv), None, True)
+    else:
+        max_q = int(md._seq_lens_np.max()) if n else 0
+        seg = PagedSegment(
+            md._arange_tokens, md.qo_indptr[:n], md.seq_lens_gpu, md.qo_indptr[: n + 1],
+            md.num_tokens, max_q, max_kv,
+        )  # fmt: skip
+        view = PagedView(seg, None)
     return attend_paged(
-        q, k.unsqueeze(1), v.unsqueeze(1), PagedView(seg, None), out,
+        q, k.unsqueeze(1), v.unsqueeze(1), view, out,
         scale=backend.scale, window=backend.window(md), check=md.check_kernel_inputs,
     )  # fmt: skip

@@ -194,3 +194,25 @@ def test_random_sweep_all_backends(seed):
     for name in BACKENDS:
         _, outs = run_layers(name, sc)
         assert_close(outs[0], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_cross_attention_without_cache(name):
+    """Encoder-decoder step without a cache: every query sees all of its row's K/V rows."""
+    torch.manual_seed(1)
+    backend_cls = get_backend(name)
+    md = backend_cls.Metadata(max_num_requests=4, max_num_tokens=64)
+    md.num_contexts = 2
+    md.seq_lens = [3, 2]
+    md.seq_lens_kv = [5, 7]
+    md.prepare()
+    assert md.is_cross
+    q, k, v = torch.randn(5, 4, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
+    out = backend_cls(0, 4, 2, 16, sliding_window=2).forward(q, k, v, md)  # window ignored
+    rows = [(0, 3, 0, 5), (3, 5, 5, 12)]
+    for q0, q1, k0, k1 in rows:
+        for t in range(q0, q1):
+            for h in range(4):
+                s = (k[k0:k1, h // 2] @ q[t, h]) / 4.0
+                want = torch.softmax(s.double(), 0) @ v[k0:k1, h // 2].double()
+                torch.testing.assert_close(out[t, h].double(), want, atol=1e-5, rtol=0)
