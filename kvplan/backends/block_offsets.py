@@ -7,7 +7,8 @@ block id, since K and V are separate tensors indexed by the same id) through
 private pinned snapshot for the async copy. Rows: context requests one each (beam 0), then
 generation requests ``beam_width`` each (cross attention repeats the request's encoder row).
 The kernels read that table directly: pool p's pages of row b are
-``table[p].flatten()[b * 2 * max_blocks_per_seq + j]``.
+``table[p].flatten()[b * 2 * max_blocks_per_seq + j]`` (the K entries, used for both the K
+and the V cache; the V entries are equal by construction and kept for the layout).
 
 Lengths (addressable vs valid, seed 001):
     kv_lens       host int32 ``[num_seqs]`` = cached + seq_lens_kv + num_extra_kv_tokens: the
