@@ -1,0 +1,89 @@
+"""Scheduler decisions on a real KVCacheManager (no model): budget, order, chunks, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvplan.cache import KVCacheManager
+from kvplan.engine.request import Request, RequestStatus
+from kvplan.engine.sampling import SamplingParams
+from kvplan.engine.scheduler import Scheduler
+
+
+def _req(i, n):
+    return Request(i, list(range(100 * i, 100 * i + n)), SamplingParams(max_tokens=50))
+
+
+def _advance(sched_out):
+    """What the engine does after a step: computed tokens grow, sampling rows get a token."""
+    for s in sched_out.seqs:
+        r = s.request
+        samples = s.samples
+        r.num_computed_tokens += s.num_query_tokens
+        if samples:
+            r.output_token_ids.append(7)
+
+
+def test_chunked_prefill_mixed_with_decode_under_budget():
+    mgr = KVCacheManager(64, 4, max_blocks_per_seq=16, enable_prefix_caching=False)
+    s = Scheduler(mgr, max_num_batched_tokens=10, max_num_seqs=8)
+    a, b = _req(0, 3), _req(1, 25)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()  # a whole (3), b's first chunk (7)
+    assert [(x.request.request_id, x.num_query_tokens, x.is_prefill) for x in out.seqs] == [
+        (0, 3, True), (1, 7, True)]  # fmt: skip
+    assert out.num_contexts == 2 and out.num_tokens == 10
+    _advance(out)
+    out = s.schedule()  # b continues (contexts first), a decodes
+    assert [(x.request.request_id, x.num_query_tokens, x.is_prefill) for x in out.seqs] == [
+        (1, 9, True), (0, 1, False)]  # fmt: skip
+    assert out.num_contexts == 1
+    assert not out.seqs[0].samples
+    _advance(out)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_query_tokens) for x in out.seqs] == [(1, 9), (0, 1)]
+    assert out.seqs[0].samples  # b's last chunk samples its first token
+    assert mgr.num_tokens(0) == 5  # a: 3 prompt tokens + 2 decode steps
+
+
+def test_whole_prompts_when_chunking_is_off():
+    mgr = KVCacheManager(64, 4, max_blocks_per_seq=16)
+    s = Scheduler(mgr, max_num_batched_tokens=10, max_num_seqs=8, enable_chunked_prefill=False)
+    s.add(_req(0, 6))
+    s.add(_req(1, 6))
+    out = s.schedule()
+    assert [x.num_query_tokens for x in out.seqs] == [6]
+    with pytest.raises(ValueError, match="chunked prefill is off"):
+        s.add(_req(2, 11))
+
+
+def test_preemption_by_recompute_keeps_every_request():
+    # 6 usable blocks of 4 tokens; three 8-token prompts take all of them
+    mgr = KVCacheManager(7, 4, max_blocks_per_seq=8, enable_prefix_caching=False)
+    s = Scheduler(mgr, max_num_batched_tokens=64, max_num_seqs=8)
+    reqs = [_req(i, 8) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    _advance(s.schedule())
+    out = s.schedule()  # request 0 needs a new block: the latest admitted (2) is preempted
+    assert [r.request_id for r in out.preempted] == [2]
+    assert reqs[2].status is RequestStatus.WAITING and reqs[2].num_computed_tokens == 0
+    assert s.waiting[0] is reqs[2]
+    assert [x.request.request_id for x in out.seqs] == [0, 1]
+    assert reqs[2].output_token_ids == [7]  # generated tokens are kept for the recompute
+    _advance(out)
+    for r in reqs[:2]:
+        s.finish(r, "length")
+    out = s.schedule()  # readmitted: prompt + generated token are prefilled together
+    assert [(x.request.request_id, x.num_query_tokens) for x in out.seqs] == [(2, 9)]
+    assert mgr.num_free_blocks() == 6 - 3
+
+
+def test_max_num_seqs_limits_admission():
+    mgr = KVCacheManager(64, 4, max_blocks_per_seq=16)
+    s = Scheduler(mgr, max_num_batched_tokens=100, max_num_seqs=2)
+    for i in range(3):
+        s.add(_req(i, 2))
+    assert len(s.schedule().seqs) == 2
+    assert len(s.waiting) == 1
