@@ -5,9 +5,7 @@
 * decode: eager ``prepare_decode`` for 256 sequences x (1 + 2 draft tokens).
 
 Each is timed (CPU time of the calling thread, median) against ``kvplan.plan.reference``
-(per-token loops) on the same batch. A second pass re-times the builders after telling glibc
-to keep freed memory (``mallopt``): on a busy VM most of the prompt time is page faults of
-fresh 128 KB+ arrays. With CUDA
+(per-token loops) on the same batch; minor page faults per call are reported too. With CUDA
 available the builders are also timed with ``device="cuda"`` (host time including the pinned
 copies, synchronized). Usage::
 
@@ -17,11 +15,11 @@ copies, synchronized). Usage::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import datetime
 import json
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -58,26 +56,13 @@ def make_batch(cfg, n, seqlen_q, drafts, rng):
     return seqs
 
 
-def tune_malloc() -> bool:
-    """Keep freed memory in glibc's heap (no trim, no per-array mmap) so that fresh 128 KB+
-    numpy arrays stop costing page faults; returns False where mallopt is unavailable."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_trim_threshold, 1 << 30)) and bool(
-        libc.mallopt(m_mmap_threshold, 1 << 30)
-    )
-
-
-def median_time(fn, repeat: int, sync: bool = False) -> tuple[float, float]:
-    """Median (wall seconds, CPU seconds of this thread) over ``repeat`` calls.
-
-    CPU time (``time.thread_time``) is what the targets are about and is less disturbed by
-    other processes on a shared host; wall time includes waiting (and, with ``sync``, the
-    device copies)."""
+def median_time(fn, repeat: int, sync: bool = False) -> tuple[float, float, float]:
+    """Median wall seconds, median CPU seconds of this thread, and minor page faults per call
+    over ``repeat`` calls. CPU time (``time.thread_time``) is what the targets are about and
+    is less disturbed by other processes on a shared host; wall time includes waiting (and,
+    with ``sync``, the device copies)."""
     wall, cpu = [], []
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeat):
         t0, c0 = time.perf_counter(), time.thread_time()
         fn()
@@ -85,7 +70,8 @@ def median_time(fn, repeat: int, sync: bool = False) -> tuple[float, float]:
             torch.cuda.synchronize()
         cpu.append(time.thread_time() - c0)
         wall.append(time.perf_counter() - t0)
-    return statistics.median(wall), statistics.median(cpu)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / repeat
+    return statistics.median(wall), statistics.median(cpu), faults
 
 
 def main(argv=None) -> int:
@@ -93,7 +79,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU debugging)")
     ap.add_argument("--repeat", type=int, default=50)
-    ap.add_argument("--no-mallopt", action="store_true", help="skip the tuned-malloc pass")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     n_prompt, chunk, n_decode = (4, 32, 16) if args.quick else (64, 512, 256)
@@ -106,35 +91,27 @@ def main(argv=None) -> int:
     rows = []
     for name, (build, ref, seqs) in cases.items():
         build(seqs, cfg)  # warm up
-        fast_wall, fast = median_time(lambda b=build, s=seqs: b(s, cfg), repeat)
-        slow_wall, slow = median_time(lambda r=ref, s=seqs: r(s, cfg), 3 if args.quick else 2)
+        fast_wall, fast, faults = median_time(lambda b=build, s=seqs: b(s, cfg), repeat)
+        slow_wall, slow, _ = median_time(lambda r=ref, s=seqs: r(s, cfg), 3 if args.quick else 2)
         row = {"case": name, "num_seqs": len(seqs), "total_q": sum(s.seqlen_q for s in seqs),
                "vectorized_cpu_ms": fast * 1e3, "vectorized_wall_ms": fast_wall * 1e3,
+               "page_faults_per_call": faults,
                "reference_cpu_ms": slow * 1e3, "reference_wall_ms": slow_wall * 1e3,
                "speedup_cpu": slow / fast}  # fmt: skip
-        rows.append(row)
-    # second pass, same batches: glibc told to keep freed memory (see tune_malloc)
-    if not args.no_mallopt and tune_malloc():
-        for row, (build, _, seqs) in zip(rows, cases.values()):
-            build(seqs, cfg)
-            _, cpu = median_time(lambda b=build, s=seqs: b(s, cfg), repeat)
-            row["vectorized_cpu_ms_mallopt"] = cpu * 1e3
-            row["speedup_cpu_mallopt"] = row["reference_cpu_ms"] / (cpu * 1e3)
-    for row, (build, _, seqs) in zip(rows, cases.values()):
         if torch.cuda.is_available():
             gcfg = dataclasses.replace(cfg, device="cuda")
             build(seqs, gcfg)
-            wall, cpu = median_time(lambda b=build, s=seqs, c=gcfg: b(s, c), repeat, sync=True)
+            wall, cpu, _ = median_time(lambda b=build, s=seqs, c=gcfg: b(s, c), repeat, sync=True)
             row["to_cuda_cpu_ms"], row["to_cuda_wall_ms"] = cpu * 1e3, wall * 1e3
-    print(f"{'case':8} {'seqs':>5} {'rows':>6} {'cpu ms':>8} {'wall ms':>8} {'mallopt':>8} "
+        rows.append(row)
+    print(f"{'case':8} {'seqs':>5} {'rows':>6} {'cpu ms':>8} {'wall ms':>8} {'faults':>7} "
           f"{'ref cpu ms':>11} {'speedup':>8} {'to cuda cpu/wall ms':>20}")  # fmt: skip
     for r in rows:
         cuda = (f"{r['to_cuda_cpu_ms']:9.3f} /{r['to_cuda_wall_ms']:9.3f}"
                 if "to_cuda_cpu_ms" in r else "")  # fmt: skip
-        tuned = f"{r['vectorized_cpu_ms_mallopt']:8.3f}" if "speedup_cpu_mallopt" in r else " " * 8
         print(f"{r['case']:8} {r['num_seqs']:5d} {r['total_q']:6d} {r['vectorized_cpu_ms']:8.3f} "
-              f"{r['vectorized_wall_ms']:8.3f} {tuned} {r['reference_cpu_ms']:11.1f} "
-              f"{r['speedup_cpu']:7.0f}x {cuda:>20}")  # fmt: skip
+              f"{r['vectorized_wall_ms']:8.3f} {r['page_faults_per_call']:7.1f} "
+              f"{r['reference_cpu_ms']:11.1f} {r['speedup_cpu']:7.0f}x {cuda:>20}")  # fmt: skip
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
