@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
 from kvplan.backends.host_arrays import as_int32_array
 from kvplan.backends.ledger import (
@@ -89,6 +90,8 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self._num_pools = 1 if mgr is None else int(mgr.num_pools)
         width = 1 if mgr is None else int(mgr.max_blocks_per_seq)
         self.max_blocks_per_seq = width
+        check_int32("num_pools * max_num_sequences * 2 * max_blocks_per_seq",
+                    self._num_pools * s * 2 * width)  # fmt: skip
         dev = self.device
         self.kv_cache_block_offsets = torch.zeros(
             (self._num_pools, s, 2, width), dtype=torch.int32, device=dev
