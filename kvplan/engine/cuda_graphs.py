@@ -61,7 +61,7 @@ class DecodeGraphs:
         self.buckets = decode_buckets(max_num_seqs)
         self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Any] = {}  # bucket -> torch.cuda.CUDAGraph
         self.logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
 
@@ -105,26 +105,35 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         return self.model(self.input_ids[:b], self.positions[:b], self.metadata, None)
 
+    def _capture(self, b: int, pool: Any) -> Any:
+        """Capture one decode step of ``b`` rows; returns the graph (``.replay()``)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.logits[b] = self._forward(b)
+        return graph
+
     def capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         for b in sorted(self.buckets, reverse=True):
             ids = self._prepare_dummies(b)
             try:
                 self.input_ids[:b] = torch.arange(b, device=self.device) % 7
                 self.positions[:b] = 0
                 eager = self._forward(b).clone()  # compiles the kernels outside the capture
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[b] = self._forward(b)
+                self._sync()
+                graph = self._capture(b, pool)
                 graph.replay()
-                torch.cuda.synchronize(self.device)
+                self._sync()
                 if not torch.allclose(self.logits[b], eager, atol=1e-2, rtol=1e-2):
                     raise RuntimeError(f"graph replay differs from the eager step (bucket {b})")
                 self.graphs[b] = graph
             finally:
                 for rid in ids:
                     self.manager.free(rid)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ replay
     def can_run(self, sched: Any, inputs: Any) -> bool:
