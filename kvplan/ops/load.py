@@ -25,7 +25,14 @@ from kvplan._checks import check_int32, check_same_device, check_tensor
 from kvplan.formats import KVCacheFormat, resolve_kv_cache_layout, split_kv_cache
 from kvplan.load_plan import validate_load_plan
 from kvplan.ops._dispatch import triton_interpreting, use_triton
-from kvplan.ops.store import _SF_KIND, cache_bytes, flat_bytes, pow2_alignment, row_bases
+from kvplan.ops.store import (
+    _SF_KIND,
+    cache_bytes,
+    flat_bytes,
+    pow2_alignment,
+    row_bases,
+    small_batch_tile,
+)
 
 
 class LoadedIndexKV(NamedTuple):
@@ -233,7 +240,8 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None) -> None:
         gs, g = layout.elements_per_sf, layout.num_scales
         gs_p2, g_p2 = _next_pow2(gs), _next_pow2(g)
         fp4 = layout.quantized_dtype == "e2m1"
-        tile = config.get("tile_t", min(_next_pow2(geo.block_size), max(1, 8192 // (g_p2 * gs_p2))))
+        tile = min(_next_pow2(geo.block_size), max(1, 8192 // (g_p2 * gs_p2)))
+        tile = config.get("tile_t", small_batch_tile(vrows.shape[0], tile))
         out16 = vrows.view(torch.int16)
         k.load_cast_kernel[(num_segments, -(-geo.block_size // tile))](
             raw, segs, out16, out16.stride(0), *common,
@@ -251,7 +259,8 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None) -> None:
     vcols = min(_next_pow2(vb), 1024)
     sbytes = srows if srows is not None else vbytes
     sb_out = srows.shape[1] if srows is not None else 0
-    tile = config.get("tile_t", min(_next_pow2(geo.block_size), max(1, 8192 // vcols)))
+    tile = min(_next_pow2(geo.block_size), max(1, 8192 // vcols))
+    tile = config.get("tile_t", small_batch_tile(vrows.shape[0], tile))
     k.load_raw_kernel[(num_segments, -(-geo.block_size // tile))](
         raw, segs, vbytes, vbytes.stride(0), sbytes, sbytes.stride(0), *common,
         VB=vb, VCOLS=vcols, SB_IN=layout.sf_bytes, SB_OUT=sb_out,

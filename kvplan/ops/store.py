@@ -213,7 +213,7 @@ def _launch(x, raw, slots, layout, geo, config=None) -> None:
         gs, g = layout.elements_per_sf, layout.num_scales
         gs_p2, g_p2 = triton_next_pow2(gs), triton_next_pow2(g)
         fp4 = layout.quantized_dtype == "e2m1"
-        rows = config.get("rows", max(1, min(32, 4096 // (g_p2 * gs_p2))))  # 32 per thread
+        rows = config.get("rows", small_batch_tile(n, min(32, 4096 // (g_p2 * gs_p2))))
         if fp4:  # the kernel reads bf16 pairs as int32 words
             x = x if x.storage_offset() % 2 == 0 else x.clone()
             x = x.view(torch.int32)
@@ -231,7 +231,7 @@ def _launch(x, raw, slots, layout, geo, config=None) -> None:
     else:
         row_bytes = layout.value_bytes
         cols = min(triton_next_pow2(row_bytes), 2048)
-        rows = config.get("rows", max(1, 4096 // cols))
+        rows = config.get("rows", small_batch_tile(n, 4096 // cols))
         k.scatter_rows_kernel[(triton_cdiv(n, rows),)](
             x.view(torch.uint8), slots, raw, n, geo.num_slots,
             geo.block_stride, geo.v_stride, BLOCK_SIZE=geo.block_size,
@@ -242,6 +242,17 @@ def _launch(x, raw, slots, layout, geo, config=None) -> None:
 
 
 _SF_KIND = {"ue8m0": 0, "e4m3": 1, "fp32": 2}
+
+
+def small_batch_tile(num_rows: int, tile: int) -> int:
+    """Rows per program: ``tile`` (about 32 elements per thread) for large inputs, fewer when
+    that would leave fewer than ~256 programs, so small (decode) batches finish in one short
+    wave. Powers of two, at least 1. The CPU interpreter runs programs one by one, so there
+    fewer, larger programs are faster and ``tile`` is kept."""
+    if triton_interpreting():
+        return max(1, tile)
+    cap = 1 << max(0, (num_rows // 256).bit_length() - 1)  # largest power of two <= n / 256
+    return max(1, min(tile, cap))
 
 
 def triton_next_pow2(v: int) -> int:

@@ -166,6 +166,19 @@ def test_index_output_dtypes_and_shapes():
     assert v41.dtype == torch.bfloat16 and v41.shape == (4, 512)
 
 
+@pytest.mark.parametrize("config", [{"tile_t": 1}, {"tile_t": 2, "num_warps": 1}])
+@pytest.mark.parametrize("layout", [V41_FP4_FORMAT, MXFP8_INDEX_KV_FORMAT], ids=_ids)
+def test_small_program_tiles_load_the_same_rows(layout, config):
+    cache, _ = _filled_cache(layout, 3, 4)
+    segments, total_k = _plan(4, 3)
+    got = load_paged_kv_cache_triton(cache, segments, total_k, _fresh_out(layout, total_k),
+                                     layout=layout, config=config)  # fmt: skip
+    want = load_paged_kv_cache_torch(cache, segments, total_k, _fresh_out(layout, total_k),
+                                     layout=layout)  # fmt: skip
+    for x, y in zip(_bytes(got), _bytes(want), strict=True):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("fn", [load_paged_kv_cache, load_paged_kv_cache_triton])
 def test_out_is_written_in_place_and_rows_outside_the_plan_are_kept(fn):
     cache, kv = _filled_cache(V41_FP4_FORMAT, 2, 4)

@@ -205,3 +205,14 @@ def test_gpu_store_inside_cuda_graph_replays_new_inputs():
     store_kv_cache_torch(kv, expected, slots)
     graph.replay()
     assert torch.equal(_storage(cache), _storage(expected))
+
+
+@pytest.mark.parametrize("config", [{"rows": 1}, {"rows": 2, "num_warps": 1}])
+def test_small_program_tiles_write_the_same_bytes(config):
+    layout = V41_FORMAT
+    kv = _random_kv(5, layout)
+    slots = _random_slots(5, 12, num_skip=1)
+    a, b = _random_cache(layout, 3, 4), _random_cache(layout, 3, 4)
+    store_kv_cache_triton(kv, a, slots, layout=layout, config=config)
+    store_kv_cache_ref(kv, b, slots, layout=layout)
+    assert torch.equal(_storage(a), _storage(b))
