@@ -241,7 +241,7 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None) -> None:
         gs_p2, g_p2 = _next_pow2(gs), _next_pow2(g)
         fp4 = layout.quantized_dtype == "e2m1"
         tile = min(_next_pow2(geo.block_size), max(1, 8192 // (g_p2 * gs_p2)))
-        tile = config.get("tile_t", small_batch_tile(vrows.shape[0], tile))
+        tile = config.get("tile_t", _grid_safe(small_batch_tile(vrows.shape[0], tile), geo))
         out16 = vrows.view(torch.int16)
         k.load_cast_kernel[(num_segments, -(-geo.block_size // tile))](
             raw, segs, out16, out16.stride(0), *common,
@@ -260,7 +260,7 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None) -> None:
     sbytes = srows if srows is not None else vbytes
     sb_out = srows.shape[1] if srows is not None else 0
     tile = min(_next_pow2(geo.block_size), max(1, 8192 // vcols))
-    tile = config.get("tile_t", small_batch_tile(vrows.shape[0], tile))
+    tile = config.get("tile_t", _grid_safe(small_batch_tile(vrows.shape[0], tile), geo))
     k.load_raw_kernel[(num_segments, -(-geo.block_size // tile))](
         raw, segs, vbytes, vbytes.stride(0), sbytes, sbytes.stride(0), *common,
         VB=vb, VCOLS=vcols, SB_IN=layout.sf_bytes, SB_OUT=sb_out,
@@ -269,6 +269,13 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None) -> None:
         OSALIGN=pow2_alignment(sbytes.stride(0)),
         num_warps=config.get("num_warps", 4),
     )  # fmt: skip
+
+
+def _grid_safe(tile: int, geo) -> int:
+    """Grow ``tile`` (a power of two) until cdiv(block_size, tile) fits CUDA's grid y limit."""
+    while -(-geo.block_size // tile) > 65535:
+        tile *= 2
+    return tile
 
 
 def _next_pow2(v: int) -> int:
