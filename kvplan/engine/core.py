@@ -121,10 +121,10 @@ class EngineCore:
                 req.num_draft_tokens_proposed += len(s.drafts)
                 req.num_draft_tokens_accepted += accepted
                 manager.extend(rid, accepted)
-                manager.commit_tokens(rid, [req.all_token_ids[-1], *s.drafts[:accepted]])
+                manager.commit_tokens(rid, [req.last_token_id, *s.drafts[:accepted]])
                 req.num_computed_tokens += 1 + accepted
             else:
-                manager.commit_tokens(rid, [req.all_token_ids[-1]])
+                manager.commit_tokens(rid, [req.last_token_id])
                 req.num_computed_tokens += 1
                 new = tokens[sl]
             for t in new:

@@ -27,36 +27,31 @@ class StepInputs:
 
     def __init__(self, sched: SchedulerOutput) -> None:
         ids: list[int] = []
-        pos: list[np.ndarray] = []
-        rows: list[np.ndarray] = []
+        pos: list[int] = []
+        rows: list[int] = []
         self.row_slices: list[slice] = []
-        offset = 0
-        n_rows = 0
         for s in sched.seqs:
             r = s.request
             start = r.num_computed_tokens
             n = s.num_query_tokens
+            offset = len(ids)
             if s.is_prefill:
                 ids.extend(r.all_token_ids[start : start + n])
             else:
-                ids.append(r.all_token_ids[-1])
+                ids.append(r.last_token_id)
                 ids.extend(s.drafts)
-            pos.append(np.arange(start, start + n, dtype=np.int64))
-            if not s.samples:
-                want = np.zeros(0, np.int64)
-            elif s.drafts:
-                want = np.arange(offset, offset + n, dtype=np.int64)
-            else:
-                want = np.array([offset + n - 1], np.int64)
-            rows.append(want)
-            self.row_slices.append(slice(n_rows, n_rows + want.size))
-            n_rows += want.size
-            offset += n
-        self.input_ids = np.asarray(ids, dtype=np.int64)
-        self.positions = np.concatenate(pos) if pos else np.zeros(0, np.int64)
-        self.logits_rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-        self.seq_lens = np.asarray([s.num_query_tokens for s in sched.seqs], dtype=np.int32)
-        self.num_cached = np.asarray(
+            pos.extend(range(start, start + n))
+            first = len(rows)
+            if s.drafts:
+                rows.extend(range(offset, offset + n))
+            elif s.samples:
+                rows.append(offset + n - 1)
+            self.row_slices.append(slice(first, len(rows)))
+        self.input_ids = np.array(ids, dtype=np.int64)
+        self.positions = np.array(pos, dtype=np.int64)
+        self.logits_rows = np.array(rows, dtype=np.int64)
+        self.seq_lens = np.array([s.num_query_tokens for s in sched.seqs], dtype=np.int32)
+        self.num_cached = np.array(
             [s.request.num_computed_tokens for s in sched.seqs], dtype=np.int32
         )
 
