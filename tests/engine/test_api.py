@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-from kvplan import LLM, SamplingParams
+from kvplan import LLM as _LLM
+from kvplan import SamplingParams
 from kvplan.models.config import named_config
+
+# CPU fp32 semantics (token equality with HF fp32) even where CUDA is present
+LLM = partial(_LLM, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +101,7 @@ def test_generate_cli_prints_only_the_completion(tmp_path, capsys):
     tok.save_pretrained(str(tmp_path))
     capsys.readouterr()
     rc = main(["generate", "Hello there", "--model", str(tmp_path), "--max-tokens", "6",
-               "--backend", "vanilla"])  # fmt: skip
+               "--backend", "vanilla", "--device", "cpu"])  # fmt: skip
     cap = capsys.readouterr()
     assert rc == 0
     llm = LLM(str(tmp_path), backend="vanilla", max_model_len=256)

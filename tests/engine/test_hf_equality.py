@@ -8,11 +8,17 @@ are split and mixed with decode rows) and off, and with prefix reuse.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 from hf_models import hf_greedy, make_hf_model, random_prompts
 
-from kvplan import LLM, SamplingParams
+from kvplan import LLM as _LLM
+from kvplan import SamplingParams
 from kvplan.backends import BACKEND_NAMES
+
+# CPU fp32 semantics (token equality with HF fp32) even where CUDA is present
+LLM = partial(_LLM, device="cpu")
 
 FAMILIES = ["llama", "llama3", "qwen2", "qwen3", "mistral"]
 NEW_TOKENS = 64

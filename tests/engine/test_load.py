@@ -7,11 +7,16 @@ finish with exactly the tokens it gets when run alone, and no block may leak.
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 
-from kvplan import LLM, SamplingParams
+from kvplan import LLM as _LLM
+from kvplan import SamplingParams
 from kvplan.models.config import named_config
+
+# CPU fp32 semantics (token equality with HF fp32) even where CUDA is present
+LLM = partial(_LLM, device="cpu")
 
 CFG = named_config("tiny-llama")
 

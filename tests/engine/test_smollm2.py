@@ -9,15 +9,21 @@ same prompts (top-1 agreement and logit error on teacher-forced tokens).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from hf_models import hf_greedy
 
-from kvplan import LLM, SamplingParams
+from kvplan import LLM as _LLM
+from kvplan import SamplingParams
 from kvplan.backends import BACKEND_NAMES
 from kvplan.models.config import ModelConfig
 from kvplan.models.loader import ModelSource, default_gguf_path
 from kvplan.models.weights import load_gguf_state
+
+# CPU fp32 semantics (token equality with HF fp32) even where CUDA is present
+LLM = partial(_LLM, device="cpu")
 
 QUESTIONS = [
     "What is the capital of France?",
