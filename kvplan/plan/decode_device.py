@@ -30,11 +30,9 @@ import torch
 
 from kvplan._checks import INT32_MAX, check_int32
 from kvplan.plan.batch import BatchArrays, validate_sequence
-from kvplan.plan.common import exclusive_cumsum
 from kvplan.plan.config import MetadataConfig
 from kvplan.plan.decode import decode_ca_offset_check
 from kvplan.plan.decode_buffers import (
-    PER_SEQ_SECTIONS,
     BoundBuffers,
     bind_buffers,
     make_decode_device_out,
@@ -56,39 +54,122 @@ __all__ = [
     "stage_decode_on_device",
 ]
 
-_FACTS = attrgetter("seqlen_q", "seqlen_k", "state_id", "swa_valid_start", "is_placeholder",
+# attribute order = the packed per-sequence section order, then the three sized fields
+_FACTS = attrgetter("seqlen_q", "seqlen_k", "state_id", "is_placeholder", "swa_valid_start",
                     "draft_tokens", "token_ids", "block_table")  # fmt: skip
 _LAST = itemgetter(-1)
 
 
 @dataclass
 class HostDecodeBatch:
-    """Validated per-sequence facts (numpy int64 ``[n]``), compact block ids, input tokens."""
+    """Validated per-sequence facts of a decode batch, in the packed layout's order.
 
-    seqlen_q: np.ndarray
-    seqlen_k: np.ndarray
-    state_id: np.ndarray
-    valid_start: np.ndarray
-    is_placeholder: np.ndarray
-    num_blocks: np.ndarray
-    cu_q: np.ndarray  # [n + 1]
+    ``facts`` is int64 ``[5, n]``: seqlen_q, seqlen_k, state_id, is_placeholder (0/1),
+    swa_valid_start (the ``PER_SEQ_SECTIONS`` order); ``cus`` is int64 ``[3, n + 1]``: the
+    exclusive prefix sums of seqlen_q, seqlen_k and num_blocks; ``bt_flat`` int64
+    ``[sum num_blocks]`` holds each sequence's first ``num_blocks`` block ids; ``input_ids``
+    int64 ``[total_q]`` the last confirmed token then the drafts of each sequence.
+    """
+
+    facts: np.ndarray
+    num_blocks: np.ndarray  # [n]
+    cus: np.ndarray
     bt_flat: np.ndarray
-    input_ids: np.ndarray  # [total_q]
+    input_ids: np.ndarray
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    seqlen_q = property(lambda self: self.facts[0])
+    seqlen_k = property(lambda self: self.facts[1])
+    state_id = property(lambda self: self.facts[2])
+    is_placeholder = property(lambda self: self.facts[3] != 0)
+    valid_start = property(lambda self: self.facts[4])
+    cu_q = property(lambda self: self.cus[0])
 
 
-def _checks_pass(ints: np.ndarray, lens: np.ndarray, nb: np.ndarray, cfg: MetadataConfig):
-    """The vectorized mirror of ``batch.validate_sequence`` for decode."""
-    sq, sk, sid, vs = ints[:4]
-    n_draft, n_tok, n_bt = lens
-    ok = (
-        (sq >= 1) & (sk >= sq) & (sk <= cfg.max_model_len) & (sq == 1 + n_draft)
-        & (n_tok == sk - sq + 1) & (sq - 1 + cfg.window_size <= cfg.swa_block_size)
-        & (vs >= 0) & (vs <= sk - sq) & (sid >= 0) & (n_bt >= nb)
-        & ((sid + 1) * cfg.swa_block_size - 1 <= INT32_MAX)
-    )  # fmt: skip
+def _checks_pass(facts: np.ndarray, lo: list, hi: list, lens: np.ndarray, nb: np.ndarray,
+                 cfg: MetadataConfig) -> bool:  # fmt: skip
+    """The vectorized mirror of ``batch.validate_sequence`` for decode: the bounds of single
+    fields through their batch min (``lo``) and max (``hi``), relations elementwise."""
+    (sq_min, _, sid_min, _, vs_min), (sq_max, sk_max, sid_max, _, _) = lo, hi
+    sid_end = (INT32_MAX + 1) // cfg.swa_block_size  # (sid + 1) * swa_block_size - 1 fits int32
     if cfg.num_state_slots is not None:
-        ok &= sid < cfg.num_state_slots
+        sid_end = min(sid_end, cfg.num_state_slots)
+    if not (
+        sq_min >= 1 and sk_max <= cfg.max_model_len and sid_min >= 0 and sid_max < sid_end
+        and vs_min >= 0 and sq_max - 1 + cfg.window_size <= cfg.swa_block_size
+    ):  # fmt: skip
+        return False
+    sq, sk, vs = facts[0], facts[1], facts[4]
+    q_start = sk - sq  # vs >= 0 and q_start >= vs also give seqlen_k >= seqlen_q
+    n_draft, n_tok, n_bt = lens
+    ok = (q_start >= vs) & (n_draft == sq - 1) & (n_tok == q_start + 1) & (n_bt >= nb)
     return bool(ok.all())
+
+
+def _check_block_ids(bt: np.ndarray, cu_nb: np.ndarray, cfg: MetadataConfig) -> None:
+    """Exact range checks of the compact block ids (``ValueError`` naming the sequence)."""
+    lo, hi = int(bt.min()), int(bt.max())
+    if lo < 0 or (cfg.num_kv_blocks is not None and hi >= cfg.num_kv_blocks):
+        bad = lo if lo < 0 else hi
+        i = int(np.searchsorted(cu_nb[1:], int(np.flatnonzero(bt == bad)[0]), "right"))
+        raise ValueError(
+            f"seqs[{i}].block_table = {bad}: block id out of range [0, {cfg.num_kv_blocks})"
+        )
+    check_int32("block id * block_size", (hi + 1) * cfg.block_size - 1)
+
+
+def _block_ids(tables: tuple, n_bt: np.ndarray, nb: np.ndarray, cu_nb: np.ndarray,
+               cfg: MetadataConfig) -> np.ndarray:  # fmt: skip
+    """Each table's first ``nb[i]`` ids, concatenated (int64), range-checked.
+
+    Every table is concatenated once; the spare entries past ``nb[i]`` (``n_bt[i] - nb[i]``
+    of them, right before ``cu_nb[i + 1]`` in compact numbering) are then dropped with one
+    boolean mask. The range check runs once over all entries, spares included, and only when
+    that fails (a bad id, possibly in a spare entry) again exactly on the compact ids.
+    """
+    flat = np.concatenate(tables) if tables else np.zeros(0, np.int64)
+    if not len(flat):
+        return np.zeros(0, np.int64)
+    if flat.dtype.kind not in "iu":
+        raise TypeError(f"block_table entries must be integers, got dtype {flat.dtype}")
+    spare = n_bt - nb
+    num_spare = len(flat) - int(cu_nb[-1])
+    if num_spare:  # spare g of sequence i sits at compact position cu_nb[i + 1] + (its rank)
+        keep = np.ones(len(flat), dtype=bool)
+        keep[np.repeat(cu_nb[1:], spare) + np.arange(num_spare)] = False
+        bt = flat[keep]
+    else:
+        bt = flat
+    # 0 <= id < end in one pass: negative ids wrap to huge unsigned values
+    end = (INT32_MAX + 1) // cfg.block_size  # (id + 1) * block_size - 1 fits int32
+    if cfg.num_kv_blocks is not None:
+        end = min(end, cfg.num_kv_blocks)
+    unsigned = flat.view(f"u{flat.itemsize}") if flat.dtype.kind == "i" else flat
+    if int(unsigned.max()) >= end:
+        _check_block_ids(bt, cu_nb, cfg)  # exact: raises unless only spares were bad
+    return bt.astype(np.int64, copy=False)
+
+
+def _input_ids(cols: list, cus: np.ndarray, sq_min: int, sq_max: int) -> np.ndarray:
+    """``[total_q]`` int64: per sequence the last confirmed token, then its drafts."""
+    n, total_q = len(cols[6]), int(cus[0, -1])
+    lasts = np.fromiter(map(_LAST, cols[6]), dtype=np.int64, count=n)
+    if total_q == n:
+        return lasts
+    drafts = np.fromiter(chain.from_iterable(cols[5]), dtype=np.int64, count=total_q - n)
+    ids = np.empty(total_q, dtype=np.int64)
+    if sq_min == sq_max:  # every sequence has the same number of drafts: a [n, sq] view
+        rows = ids.reshape(n, sq_max)
+        rows[:, 0] = lasts
+        rows[:, 1:] = drafts.reshape(n, sq_max - 1)
+    else:
+        first = cus[0, :-1]
+        is_draft = np.ones(total_q, dtype=bool)
+        is_draft[first] = False
+        ids[first] = lasts
+        ids[is_draft] = drafts
+    return ids
 
 
 def extract_decode_batch(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> HostDecodeBatch:
@@ -96,6 +177,11 @@ def extract_decode_batch(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) 
     numpy. When a vectorized check fails (or a fact is not an integer) every sequence goes
     through ``batch.validate_sequence``, so errors name the sequence, field and value exactly
     as ``prepare_decode`` does. Nothing is written anywhere before all checks pass.
+
+    Cost (256 sequences): the attribute pass and ``len`` of 768 sequences are the Python part;
+    everything else is a fixed number of numpy calls over ``[n]`` arrays, plus one
+    concatenation, one boolean compaction (only when tables hold spare entries) and one
+    range reduction over the block ids.
     """
     if not isinstance(cfg, MetadataConfig):
         raise TypeError(f"config must be a MetadataConfig, got {type(cfg).__name__}")
@@ -107,48 +193,30 @@ def extract_decode_batch(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) 
             if not isinstance(s, SequenceMetadata):
                 raise TypeError(f"seqs[{i}] must be a SequenceMetadata, got {type(s).__name__}")
     cols = list(zip(*map(_FACTS, seqs)))
-    ints = np.array(cols[:5])  # [5, n]: seqlen_q, seqlen_k, state_id, valid_start, placeholder
+    facts = np.array(cols[:5])  # [5, n] in the packed order (see _FACTS)
     lens = np.fromiter(map(len, chain(*cols[5:])), dtype=np.int64, count=3 * n).reshape(3, n)
-    tpb = cfg.tokens_per_block(cfg.min_ratio)
-    good = ints.dtype.kind in "iub"
-    nb = -(-(ints[1].astype(np.int64) // cfg.min_ratio) // tpb) if good else None
-    if not (good and _checks_pass(ints, lens, nb, cfg)):
+    if facts.dtype.kind not in "iub":  # a non-integer fact, or a non-bool placeholder flag
+        ints = np.array(cols[:3] + cols[4:5])
+        if ints.dtype.kind in "iub":  # only the flags are odd: read them by truth value
+            facts = np.array([*cols[:3], [bool(x) for x in cols[3]], cols[4]])
+    good = facts.dtype.kind in "iub"
+    if good:
+        facts = facts.astype(np.int64, copy=False)
+        facts[3] = facts[3] != 0
+        nb = cfg.num_blocks_for(facts[1])
+        lo, hi = facts.min(axis=1).tolist(), facts.max(axis=1).tolist()
+    if not (good and _checks_pass(facts, lo, hi, lens, nb, cfg)):
         for i, s in enumerate(seqs):  # raises with the exact field and value
             validate_sequence(i, s, cfg, is_prompt=False)
         raise AssertionError("vectorized decode checks disagree with validate_sequence")
-    ints = ints.astype(np.int64, copy=False)
-    sq, sk = ints[0], ints[1]
-    total_q = int(sq.sum())
-    check_int32("total_q", total_q)
-    check_int32("cu_seqlens_k[-1]", int(sk.sum()))
-    # block ids: every table concatenated, then the first nb[i] of each gathered
-    tables = np.concatenate(cols[7]).astype(np.int64, copy=False)
-    cu_nb = exclusive_cumsum(nb)
-    if np.array_equal(lens[2], nb):  # every table exactly as long as needed
-        bt_flat = tables
-    else:
-        extra = exclusive_cumsum(lens[2])[:-1] - cu_nb[:-1]
-        bt_flat = tables[np.repeat(extra, nb) + np.arange(int(cu_nb[-1]))]
-    if len(bt_flat):
-        lo, hi = int(bt_flat.min()), int(bt_flat.max())
-        if lo < 0 or (cfg.num_kv_blocks is not None and hi >= cfg.num_kv_blocks):
-            bad = lo if lo < 0 else hi
-            i = int(np.searchsorted(cu_nb[1:], int(np.flatnonzero(bt_flat == bad)[0]), "right"))
-            raise ValueError(
-                f"seqs[{i}].block_table = {bad}: block id out of range [0, {cfg.num_kv_blocks})"
-            )
-        check_int32("block id * block_size", (hi + 1) * cfg.block_size - 1)
-    # input ids: the last confirmed token, then the drafts
-    cu_q = exclusive_cumsum(sq)
-    input_ids = np.empty(total_q, dtype=np.int64)
-    first = cu_q[:-1]
-    input_ids[first] = list(map(_LAST, cols[6]))
-    if total_q > n:
-        is_draft = np.ones(total_q, dtype=bool)
-        is_draft[first] = False
-        input_ids[is_draft] = list(chain.from_iterable(cols[5]))
-    return HostDecodeBatch(sq, sk, ints[2], ints[3], ints[4].astype(bool), nb, cu_q, bt_flat,
-                           input_ids)  # fmt: skip
+    cus = np.zeros((3, n + 1), dtype=np.int64)  # cu_q, cu_k, cu_nb
+    np.cumsum(facts[:2], axis=1, out=cus[:2, 1:])
+    np.cumsum(nb, out=cus[2, 1:])
+    check_int32("total_q", int(cus[0, -1]))
+    check_int32("cu_seqlens_k[-1]", int(cus[1, -1]))
+    bt_flat = _block_ids(cols[7], lens[2], nb, cus[2], cfg)
+    input_ids = _input_ids(cols, cus, lo[0], hi[0])
+    return HostDecodeBatch(facts, nb, cus, bt_flat, input_ids, hi[0], hi[1])
 
 
 @dataclass
@@ -162,23 +230,28 @@ class StagedDecode:
     params: DecodeKernelParams
 
 
-def _write_packed(hb: HostDecodeBatch, b: BoundBuffers, ratios: list[int], cuda: bool) -> None:
-    """Write the used prefix of the packed inputs (module docstring)."""
-    n = len(hb.seqlen_q)
+def _write_packed(hb: HostDecodeBatch, b: BoundBuffers, cuda: bool) -> None:
+    """Write the used prefix of the packed inputs (layout: :mod:`kvplan.plan.decode_buffers`).
+
+    The three prefix-sum sections are one ``[3, n_cap + 1]`` block and the five per-sequence
+    sections one ``[5, n_cap]`` block, so each is written with one call (plus one for the
+    repeated totals of the prefix sums).
+    """
+    n, n_cap = hb.facts.shape[1], b.cap.num_seqs
     sec = b.offsets
     used = sec["bt"][0] + len(hb.bt_flat)
     # CUDA: a private pinned snapshot, copied async; CPU: write the buffer itself (no copy,
     # and no torch intra-op thread hand-off on a busy host)
     host = torch.empty(used, dtype=torch.int32, pin_memory=True) if cuda else None
     h = host.numpy() if cuda else b.packed.numpy()[:used]
-    for name, lengths in (("cu_q", hb.seqlen_q), ("cu_k", hb.seqlen_k), ("bt_off", hb.num_blocks)):
-        off, size = sec[name]
-        h[off : off + n + 1] = exclusive_cumsum(lengths)
-        h[off + n + 1 : off + size] = h[off + n]
-    for name, arr in zip(PER_SEQ_SECTIONS, (hb.seqlen_q, hb.seqlen_k, hb.state_id, hb.is_placeholder,
-                                     hb.valid_start)):  # fmt: skip
-        h[sec[name][0] : sec[name][0] + n] = arr
-    h[sec["ratios"][0] : sec["ratios"][0] + len(ratios)] = ratios
+    o_cu, o_seq = sec["cu_q"][0], sec["seqlen_q"][0]
+    assert sec["bt_off"][0] == o_cu + 2 * (n_cap + 1) and o_seq == o_cu + 3 * (n_cap + 1)
+    assert sec["valid_start"][0] == o_seq + 4 * n_cap, "packed layout changed"
+    cus = h[o_cu:o_seq].reshape(3, n_cap + 1)
+    cus[:, : n + 1] = hb.cus
+    cus[:, n + 1 :] = hb.cus[:, -1:]  # padded programs: seqlen_q = 0, no blocks
+    h[o_seq : o_seq + 5 * n_cap].reshape(5, n_cap)[:, :n] = hb.facts
+    h[sec["ratios"][0] : sec["ratios"][0] + len(b.ratios)] = b.ratios
     h[sec["input_ids"][0] : sec["input_ids"][0] + len(hb.input_ids)] = hb.input_ids
     h[sec["bt"][0] : used] = hb.bt_flat
     if cuda:
@@ -196,7 +269,7 @@ def stage_decode_on_device(
     are allocated.
     """
     hb = extract_decode_batch(seqs, config)
-    n, total_q, max_sq = len(hb.seqlen_q), len(hb.input_ids), int(hb.seqlen_q.max())
+    n, total_q, max_sq = hb.facts.shape[1], len(hb.input_ids), hb.max_seqlen_q
     decode_ca_offset_check(total_q, config)
     if out is None:
         out = make_decode_device_out(config, n, total_q, max_sq)
@@ -216,10 +289,10 @@ def stage_decode_on_device(
         ngram = ngram_token_ids(seqs, _batch_arrays(hb), config)
     # ---- every check passed: write
     cuda = config.torch_device.type == "cuda"
-    _write_packed(hb, b, b.ratios, cuda)
+    _write_packed(hb, b, cuda)
     views = meta_views(b, out, n, total_q)
     meta = InputMetadata(is_prompt=False, num_seqs=n, total_q=total_q, max_seqlen_q=max_sq,
-                         max_seqlen_k=int(hb.seqlen_k.max()))  # fmt: skip
+                         max_seqlen_k=hb.max_seqlen_k)  # fmt: skip
     for name, v in views.items():
         setattr(meta, name, dict(v) if isinstance(v, dict) else v)
     if ngram is not None:
@@ -235,8 +308,7 @@ def _batch_arrays(hb: HostDecodeBatch) -> BatchArrays:
     q_start = hb.seqlen_k - hb.seqlen_q
     return BatchArrays(
         hb.seqlen_q, hb.seqlen_k, q_start, hb.state_id, hb.is_placeholder, hb.valid_start,
-        hb.num_blocks, hb.cu_q, exclusive_cumsum(hb.seqlen_k), hb.bt_flat,
-        exclusive_cumsum(hb.num_blocks), row_seq, row_j, q_start[row_seq] + row_j,
+        hb.num_blocks, hb.cu_q, hb.cus[1], hb.bt_flat, hb.cus[2], row_seq, row_j, q_start[row_seq] + row_j,
     )  # fmt: skip
 
 

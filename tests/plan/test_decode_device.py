@@ -372,3 +372,56 @@ def test_interpreter_on_random_configs_and_oracle(seed):
     assert_same_decode(got, prepare_decode(seqs, cfg), min_ratio=cfg.min_ratio,
                        tpb=cfg.tokens_per_block(cfg.min_ratio))  # fmt: skip
     check_visibility(got, seqs, cfg)
+
+
+@pytest.mark.parametrize("spare", [[-1, 7], [2**40, 3]])
+def test_spare_block_table_entries_are_ignored(spare):
+    """Entries past num_blocks_for(seqlen_k) are never read, so they may hold anything (here:
+    -1, an id past num_kv_blocks, beyond int32); every sequence has as many drafts (the host
+    path's [n, seqlen_q] input-id layout)."""
+    rng = np.random.default_rng(50)
+    cfg = make_config()
+    seqs = random_decode_batch(rng, cfg, 5)
+    for i, s in enumerate(seqs):
+        s.draft_tokens = [3, 4]
+        s.seqlen_q = 3
+        s.seqlen_k = max(s.seqlen_k, 3)
+        s.token_ids = list(range(s.seqlen_k - 2))
+        s.swa_valid_start = 0
+        nb = cfg.num_blocks_for(s.seqlen_k)
+        table = np.asarray(rng.integers(0, cfg.num_kv_blocks, nb), dtype=np.int64)
+        s.block_table = np.concatenate([table, spare[: i % 3]]).astype(np.int64)
+    got = prepare_decode_on_device(seqs, cfg, backend="torch")
+    assert_same_decode(got, prepare_decode(seqs, cfg))
+
+
+def test_block_ids_checked_past_spare_entries():
+    """A bad id among the used entries is reported with its sequence even when earlier tables
+    hold spare entries (the compaction shifts positions)."""
+    cfg = make_config()
+    seqs = [_seq(block_table=[1, 2, 3, 60, 61]), _seq(block_table=[4, 5, 6, 7]),
+            _seq(block_table=[8, 64, 9])]  # fmt: skip
+    with pytest.raises(ValueError, match=r"seqs\[2\]\.block_table = 64"):
+        prepare_decode_on_device(seqs, cfg)
+    seqs[2].block_table = [8, 9, 10]
+    seqs[1].block_table = [4, -5, 6, 7]
+    with pytest.raises(ValueError, match=r"seqs\[1\]\.block_table = -5"):
+        prepare_decode_on_device(seqs, cfg)
+    big = make_config(num_kv_blocks=None, block_size=16)
+    seqs[1].block_table = [4, 2**27, 6, 7]  # (id + 1) * block_size - 1 > int32
+    with pytest.raises(ValueError, match="block id"):
+        prepare_decode_on_device(seqs, big)
+
+
+def test_table_and_flag_types_match_eager():
+    """Float block ids raise TypeError (never truncated into a valid id); int32 arrays, lists
+    and truthy placeholder flags give the eager fields."""
+    cfg = make_config()
+    with pytest.raises(TypeError, match="block_table entries must be integers"):
+        prepare_decode_on_device([_seq(), _seq(block_table=[1.0, 2.5, 3.0])], cfg)
+    seqs = [_seq(block_table=np.array([1, 2, 3], dtype=np.int32)), _seq(is_placeholder=None),
+            _seq(is_placeholder=2, seqlen_q=1, draft_tokens=[], token_ids=list(range(40))),
+            _seq(is_placeholder=1.0)]  # fmt: skip
+    got = prepare_decode_on_device(seqs, cfg, backend="torch")
+    assert got.valid_token_mask.tolist() == [True, True, True, True, False, False, False]
+    assert_same_decode(got, prepare_decode(seqs, cfg))
