@@ -132,7 +132,9 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
         max_model_len=args.prompt_len + args.new_tokens + 32,
         kv_cache_memory=(8 << 30) if dev.type == "cuda" else (256 << 20),
     )  # fmt: skip
-    run_workload(llm, make_prompts(4, 16, cfg.vocab_size, seed=1), 4, progress=False)
+    # warm-up with the real shapes (Triton compiles per specialization), different tokens
+    warm = make_prompts(len(prompts), args.prompt_len, cfg.vocab_size, seed=1)
+    run_workload(llm, warm, 3, progress=False)
     res = run_workload(llm, prompts, args.new_tokens, progress=False)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.parts.model.parameters())
     replay_ms = graph_replay_ms(llm, dev)
@@ -155,18 +157,36 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
     return out
 
 
-def run_hf(cfg, prompts, args, dev, dtype, mode):
-    from transformers import GenerationConfig, LlamaForCausalLM
+def run_hf_all(cfg, prompts, args, dev, dtype, modes):
+    """Every HF baseline on one random-weight model (built once, on the device)."""
+    from transformers import LlamaForCausalLM
 
+    if not modes:
+        return {}
     with torch.device(dev):
         model = LlamaForCausalLM(hf_config(cfg)).to(dtype).eval()
-    gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)  # fmt: skip
+    try:
+        return {m: run_hf(model, prompts, args, dev, m) for m in modes}
+    finally:
+        del model
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_hf(model, prompts, args, dev, mode):
+    from transformers import GenerationConfig
+
+    def config(n):
+        return GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)  # fmt: skip
+
+    gen, warm = config(args.new_tokens), config(4)
     try:
         if mode == "generate":
             ids = torch.tensor(prompts, device=dev)
             with torch.no_grad():
-                model.generate(ids[:2, :16], generation_config=gen, max_new_tokens=4)
+                model.generate(ids[:2, :16], generation_config=warm)
                 sync(dev)
                 t = time.perf_counter()
                 out = model.generate(ids, attention_mask=torch.ones_like(ids),
@@ -175,27 +195,25 @@ def run_hf(cfg, prompts, args, dev, dtype, mode):
             wall = time.perf_counter() - t
             tokens = int(out.shape[0] * (out.shape[1] - ids.shape[1]))
         else:
-            from transformers import ContinuousBatchingConfig
+            graphs = mode == "generate_batch_cuda_graph"
+            try:  # transformers >= 5.x: a separate ContinuousBatchingConfig
+                from transformers import ContinuousBatchingConfig
 
-            cb = ContinuousBatchingConfig(use_cuda_graph=(mode == "generate_batch_cuda_graph"))
+                kw = {"continuous_batching_config": ContinuousBatchingConfig(use_cuda_graph=graphs)}
+            except ImportError:  # older releases kept the switch on GenerationConfig
+                gen.use_cuda_graph = warm.use_cuda_graph = graphs
+                kw = {}
             with torch.no_grad():
-                model.generate_batch([p[:16] for p in prompts[:4]], generation_config=gen,
-                                     continuous_batching_config=cb, max_new_tokens=4)  # fmt: skip
+                model.generate_batch([p[:16] for p in prompts[:4]], generation_config=warm, **kw)
                 sync(dev)
                 t = time.perf_counter()
-                res = model.generate_batch(prompts, generation_config=gen,
-                                           continuous_batching_config=cb)  # fmt: skip
+                res = model.generate_batch(prompts, generation_config=gen, **kw)
                 sync(dev)
             wall = time.perf_counter() - t
             tokens = sum(len(o.generated_tokens) for o in res.values())
         return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
     except Exception as exc:  # record and keep going: the other baselines still count
         return {"error": repr(exc)[:500]}
-    finally:
-        del model
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -225,7 +243,7 @@ def main() -> int:
 
     bw = copy_bandwidth(dev)
     kv = run_kvplan(cfg, prompts, args, dev, dtype)
-    hf = {m: run_hf(cfg, prompts, args, dev, dtype, m) for m in filter(None, args.hf.split(","))}
+    hf = run_hf_all(cfg, prompts, args, dev, dtype, [m for m in args.hf.split(",") if m])
     best_cb = max((r.get("output_tokens_per_s", 0) for m, r in hf.items() if "batch" in m),
                   default=0)  # fmt: skip
     best_hf = max((r.get("output_tokens_per_s", 0) for r in hf.values()), default=0)
