@@ -1,4 +1,9 @@
-"""Host-side integer arrays for ``prepare()``: validated int32 copies and prefix sums."""
+"""Host-side integer arrays for ``prepare()``: validated int32 copies and prefix sums.
+
+Both run every step on every backend, so they are written for few numpy calls: a list of
+plain Python ints becomes int32 in one ``np.fromiter`` (which raises on values that do not
+fit) and one ``min`` rejects negatives.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,25 @@ import torch
 
 IntArrayLike = Sequence[int] | np.ndarray | torch.Tensor
 
+_INT32_MAX = 2**31 - 1
+
 
 def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
-    """Host copy of an integer vector as a 1-D int32 numpy array; rejects negatives/overflow."""
+    """Host copy of an integer vector as a 1-D int32 numpy array; rejects negatives/overflow.
+
+    The result is always a fresh array, so later changes of the caller's list/array/tensor
+    cannot reach it.
+    """
+    if isinstance(value, (list, tuple)) and _all_python_ints(value):
+        # Plain Python ints (a float or numpy scalar anywhere makes the sum another type and
+        # takes the general path, which rejects floats): fromiter raises on int32 overflow.
+        try:
+            arr = np.fromiter(value, np.int32, len(value))
+        except OverflowError:
+            raise ValueError(f"{name} holds {max(value)}, which overflows int32") from None
+        if arr.size and arr.min() < 0:
+            raise ValueError(f"{name} holds {int(arr.min())}; lengths must be >= 0")
+        return arr
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU tensor (host values), got {value.device}")
@@ -28,16 +49,31 @@ def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
         lo, hi = arr.min(), arr.max()
         if lo < 0:
             raise ValueError(f"{name} holds {int(lo)}; lengths must be >= 0")
-        if hi > 2**31 - 1:
+        if hi > _INT32_MAX:
             raise ValueError(f"{name} holds {int(hi)}, which overflows int32")
     return arr.astype(np.int32)  # always a copy: later changes of the caller's array are safe
 
 
-def exclusive_cumsum(lens: np.ndarray) -> np.ndarray:
-    """``[0, l0, l0 + l1, ...]`` as int32 ``[n + 1]`` (overflow-checked)."""
-    out = np.empty(lens.size + 1, np.int64)
+def _all_python_ints(values: Sequence) -> bool:
+    """Whether ``values`` holds plain Python ints only (one C-level pass: the sum of ints is an
+    int; a float, numpy scalar or nested list makes it something else or raises)."""
+    try:
+        return type(sum(values, 0)) is int
+    except TypeError:
+        return False
+
+
+def exclusive_cumsum(lens: np.ndarray, total: int | None = None) -> np.ndarray:
+    """``[0, l0, l0 + l1, ...]`` as int32 ``[n + 1]`` (overflow-checked).
+
+    ``total``: ``sum(lens)`` when the caller already knows it (saves one pass); otherwise the
+    sum is taken in int64 first.
+    """
+    if total is None:
+        total = int(lens.sum(dtype=np.int64))
+    if total > _INT32_MAX:
+        raise ValueError(f"total length {total} overflows int32")
+    out = np.empty(lens.size + 1, np.int32)
     out[0] = 0
     np.cumsum(lens, out=out[1:])
-    if out[-1] > 2**31 - 1:
-        raise ValueError(f"total length {int(out[-1])} overflows int32")
-    return out.astype(np.int32)
+    return out

@@ -95,32 +95,48 @@ def new_token_slots(
 
         table = [[7, 3], [5, 0]], cached = [3, 0], new_lens = [2, 1]
         positions = [3, 4, 0]  ->  slots = [7*4+3, 3*4+0, 5*4+0] = [31, 12, 20]
+
+    Work is per *run* (the new tokens of one sequence inside one block: slots are consecutive
+    there), so a prefill chunk costs O(blocks) host operations plus two O(tokens) passes.
     """
+    n = new_lens.size
     total = int(new_lens.sum())
     if total == 0:
         return np.zeros(0, np.int64)
-    n = new_lens.size
-    if total == n and new_lens.min() == 1:  # decode: one new token per sequence
-        rows, pos = np.arange(n), cached
+    bs = np.int64(block_size)
+    if total == n and new_lens.min() == 1:  # decode: one new token per sequence, one run each
+        run_seq = np.arange(n)
+        run_col = cached // np.int32(block_size)
+        lo = cached.astype(np.int64)
+        run_len = None
     else:
-        rows = np.repeat(np.arange(n), new_lens)
-        starts = np.cumsum(new_lens) - new_lens
-        pos = np.arange(total) - np.repeat(starts, new_lens) + np.repeat(cached, new_lens)
-    col = pos // block_size
-    if int(col.max()) >= table.shape[1]:
-        bad = int(rows[np.argmax(col)])
+        start = cached.astype(np.int64)
+        end = start + new_lens
+        first = start // bs
+        runs = np.where(new_lens > 0, (end - 1) // bs - first + 1, 0)  # runs per sequence
+        run_seq = np.repeat(np.arange(n), runs)
+        run_start = np.cumsum(runs) - runs
+        run_col = np.arange(run_seq.size) - run_start[run_seq] + first[run_seq]
+        lo = np.maximum(run_col * bs, start[run_seq])  # first position of each run
+        run_len = np.minimum(run_col * bs + bs, end[run_seq]) - lo
+    if int(run_col.max()) >= table.shape[1]:
+        i = int(np.argmax(run_col))
         raise ValueError(
-            f"sequence {bad} writes position {int(pos.max())}, past max_blocks_per_seq="
-            f"{table.shape[1]} blocks of {block_size}"
+            f"sequence {int(run_seq[i])} writes position {(int(run_col[i]) + 1) * block_size - 1}"
+            f" or below, past max_blocks_per_seq={table.shape[1]} blocks of {block_size}"
         )
-    blocks = table[rows, col].astype(np.int64)
+    blocks = table[run_seq, run_col].astype(np.int64)
     if not blocks.all():
-        bad = int(rows[np.argmin(blocks != 0)])
+        bad = int(run_seq[np.argmin(blocks != 0)])
         raise ValueError(
             f"sequence {bad} writes a token into an unallocated block (block 0); allocate "
             "it with KVCacheManager.extend/reserve before prepare()"
         )
-    return blocks * block_size + pos % block_size
+    first_slot = blocks * bs + lo % bs  # slot of each run's first token
+    if run_len is None:
+        return first_slot
+    # token k of the run at token offset o: first_slot + k = (first_slot - o) + token index
+    return np.repeat(first_slot - (np.cumsum(run_len) - run_len), run_len) + np.arange(total)
 
 
 def logical_num_blocks(kv_lens: np.ndarray, block_size: int) -> np.ndarray:

@@ -315,9 +315,11 @@ class AttentionMetadata:
         self.num_requests = num_requests
         self.cached_np = cached
         self.kv_lens_np = cached + self.seq_lens_kv_np
-        self.cu_seqlens_q_np = exclusive_cumsum(self._seq_lens_np)
+        self.cu_seqlens_q_np = exclusive_cumsum(self._seq_lens_np, self._num_tokens)
         self.cu_seqlens_kv_np = (
-            exclusive_cumsum(self._seq_lens_kv_np) if self.is_cross else self.cu_seqlens_q_np
+            exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
+            if self.is_cross
+            else self.cu_seqlens_q_np
         )
 
     def prepare_encoder_only(self) -> None:

@@ -40,6 +40,11 @@ class RequestTable:
         self._num_cross = np.zeros(rows, dtype=np.int32)
         self._free_rows = list(range(rows - 1, -1, -1))  # pop() hands out row 0 first
         self._requests: dict[Hashable, Request] = {}
+        # request id -> its beam-0 row (a row never changes while the request is alive)
+        self._row0: dict[Hashable, int] = {}
+        # the last beam-0 batch looked up: (tuple of request ids, read-only rows); cleared
+        # whenever a request is dropped (its row may then be handed to another request)
+        self._last_batch: tuple[tuple, np.ndarray] | None = None
         self._free_slots = list(range(num_state_slots - 1, -1, -1))
         self._num_multi_beam = 0  # active requests with beam_width > 1
 
@@ -111,16 +116,28 @@ class RequestTable:
         return req.rows[beam]
 
     def _seq_rows(self, request_ids: Sequence[Hashable], beams: Sequence[int] | None) -> np.ndarray:
-        """Table rows of the listed sequences, int64 ``[n]``."""
-        reqs = self._requests
+        """Table rows of the listed sequences, int64 ``[n]`` (read-only; do not write it).
+
+        Beam-0 lookups go through the ``request id -> row`` dict, and the last batch is
+        remembered: a decode loop that asks for the same batch every step pays one tuple
+        hash and compare instead of one dict lookup per request.
+        """
         n = len(request_ids)
         try:
             if beams is None:
-                return np.fromiter((reqs[r].rows[0] for r in request_ids), np.int64, n)
+                key = request_ids if isinstance(request_ids, tuple) else tuple(request_ids)
+                last = self._last_batch
+                if last is not None and last[0] == key:
+                    return last[1]
+                rows = np.fromiter(map(self._row0.__getitem__, key), np.int64, n)
+                rows.flags.writeable = False
+                self._last_batch = (key, rows)
+                return rows
             if len(beams) != n:
                 raise ValueError(f"beams has {len(beams)} entries for {n} request ids")
             if min(beams, default=0) < 0:
                 raise IndexError
+            reqs = self._requests
             return np.fromiter((reqs[r].rows[b] for r, b in zip(request_ids, beams)), np.int64, n)
         except (KeyError, TypeError, IndexError):
             for i, r in enumerate(request_ids):  # slow path: name the offending entry
@@ -137,11 +154,14 @@ class RequestTable:
         slot = self._free_slots.pop() if self.num_state_slots else None
         req = Request(prompt, beam_width, rows, len(prompt), num_encoder_tokens, cacheable, slot)
         self._requests[request_id] = req
+        self._row0[request_id] = rows[0]
         self._num_multi_beam += beam_width > 1
         return req
 
     def _drop_request(self, request_id: Hashable) -> None:
         req = self._requests.pop(request_id)
+        del self._row0[request_id]
+        self._last_batch = None
         self._num_multi_beam -= req.beam_width > 1
         self._free_rows.extend(reversed(req.rows))
         if req.state_slot is not None:

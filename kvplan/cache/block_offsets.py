@@ -131,9 +131,8 @@ class BlockOffsetsStager:
         self._dirty_width = fill_width
         if n == 0 or fill_width == 0:
             return
-        host = self._host_np
-        host[:, :n, 0, :fill_width] = tables[:, seq_rows, :fill_width]
-        host[:, :n, 1, :fill_width] = host[:, :n, 0, :fill_width]
+        # one gather, broadcast over dim 2 (K and V name the same block)
+        self._host_np[:, :n, :, :fill_width] = tables[:, seq_rows, None, :fill_width]
 
     def snapshot(self, num_rows: int, width: int) -> torch.Tensor:
         """A private (pinned when possible) copy of ``host_block_offsets[:, :num_rows, :, :width]``.
@@ -250,23 +249,30 @@ class BatchViews:
                 f"{'cross ' if cross else ''}block offsets expect {expected} rows "
                 f"({num_contexts} context + {num_gen} x beam {beam_width}), got num_seqs = {num_seqs}"
             )
-        try:
-            rows_of = [self._requests[r].rows for r in request_ids]
-        except (KeyError, TypeError):
-            for r in request_ids:
-                self._get(r)
-            raise
-        if not cross and (beam_width > 1 or self._num_multi_beam):
+        if beam_width == 1:
+            seq_rows = self._seq_rows(request_ids, None)  # every row is a beam-0 row
+        else:
+            try:
+                rows_of = [self._requests[r].rows for r in request_ids]
+            except (KeyError, TypeError):
+                for r in request_ids:
+                    self._get(r)
+                raise
+            if not cross:
+                for rid in request_ids[num_contexts:]:
+                    if self._requests[rid].beam_width != beam_width:
+                        raise ValueError(
+                            f"request {rid!r} has beam_width {self._requests[rid].beam_width}, "
+                            f"the batch says {beam_width}"
+                        )
+            seq_rows = expand_batch_rows(rows_of, beam_width, num_contexts, cross=cross)
+        if not cross and beam_width == 1 and self._num_multi_beam:
             for rid in request_ids[num_contexts:]:
-                if self._requests[rid].beam_width != beam_width:
+                if self._requests[rid].beam_width != 1:
                     raise ValueError(
                         f"request {rid!r} has beam_width {self._requests[rid].beam_width}, "
-                        f"the batch says {beam_width}"
+                        "the batch says 1"
                     )
-        if beam_width == 1:
-            seq_rows = np.fromiter((r[0] for r in rows_of), np.int64, len(rows_of))
-        else:
-            seq_rows = expand_batch_rows(rows_of, beam_width, num_contexts, cross=cross)
         key = (cross, max_batch)
         stager = self._stagers.get(key)
         if stager is None:
