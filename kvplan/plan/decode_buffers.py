@@ -5,8 +5,9 @@ fields ``[q_cap, ...]``; per-ratio fields as row views of ONE stacked ``[n_ratio
 buffer each; the packed int32 device inputs). :func:`bind_buffers` checks such a dict against
 a config (shapes, dtypes, device; stacked rows sharing one storage at equal spacing with equal
 strides) and builds the kernel views once; the result is cached in ``out["_bound"]`` and
-re-checked whenever a buffer of the dict is replaced. :func:`meta_views` gives the prefix
-views a batch of ``n`` sequences / ``total_q`` rows exposes as metadata fields.
+re-checked whenever a buffer of the dict is replaced. :func:`write_packed` writes a step's
+packed inputs; :func:`meta_views` gives the prefix views a batch of ``n`` sequences /
+``total_q`` rows exposes as metadata fields.
 
 Packed device inputs (int32), capacities ``n_cap`` sequences, ``q_cap`` rows, ``b_cap`` ids::
 
@@ -259,3 +260,35 @@ def meta_views(b: BoundBuffers, out: dict, n: int, total_q: int) -> dict:
             b.views.clear()
         b.views[(n, total_q)] = views
     return views
+
+
+def write_packed(b: BoundBuffers, cus: np.ndarray, facts: np.ndarray, input_ids: np.ndarray,
+                 block_ids: np.ndarray) -> None:  # fmt: skip
+    """Write a step's packed inputs: only the used prefix (up to the last block id).
+
+    ``cus`` int ``[3, n + 1]`` (exclusive prefix sums of seqlen_q, seqlen_k, num_blocks),
+    ``facts`` int ``[5, n]`` (``PER_SEQ_SECTIONS`` order), ``input_ids`` ``[total_q]``,
+    ``block_ids`` ``[sum num_blocks]``; every value already checked to fit int32. The
+    prefix-sum sections form one ``[3, n_cap + 1]`` block and the per-sequence sections one
+    ``[5, n_cap]`` block, each written with one call. CUDA: into a private pinned snapshot,
+    then one ``non_blocking`` copy; CPU: straight into the buffer (no copy, no torch intra-op
+    thread hand-off on a busy host).
+    """
+    n, n_cap, sec = facts.shape[1], b.cap.num_seqs, b.offsets
+    used = sec["bt"][0] + len(block_ids)
+    cuda = b.packed.is_cuda
+    host = torch.empty(used, dtype=torch.int32, pin_memory=True) if cuda else None
+    h = host.numpy() if cuda else b.packed.numpy()[:used]
+    o_cu, o_seq = sec["cu_q"][0], sec["seqlen_q"][0]
+    assert o_seq == o_cu + 3 * (n_cap + 1) and sec["valid_start"][0] == o_seq + 4 * n_cap, (
+        "packed layout changed"
+    )
+    block = h[o_cu:o_seq].reshape(3, n_cap + 1)
+    block[:, : n + 1] = cus
+    block[:, n + 1 :] = cus[:, -1:]  # padded programs: seqlen_q = 0, no blocks
+    h[o_seq : o_seq + 5 * n_cap].reshape(5, n_cap)[:, :n] = facts
+    h[sec["ratios"][0] : sec["ratios"][0] + len(b.ratios)] = b.ratios
+    h[sec["input_ids"][0] : sec["input_ids"][0] + len(input_ids)] = input_ids
+    h[sec["bt"][0] : used] = block_ids
+    if cuda:
+        b.packed[:used].copy_(host, non_blocking=True)

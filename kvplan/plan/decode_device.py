@@ -1,21 +1,16 @@
 """``prepare_decode_on_device``: O(n_seq) host extraction + two kernel launches.
 
 The host reads each sequence's few numbers (lengths, state slot, flags, valid start, block
-ids, last token and drafts) in one pass, validates them in bulk and packs them into ONE int32
-array that one ``non_blocking`` copy (from a private pinned snapshot) moves to the device.
-:mod:`kvplan.plan.decode_kernels` then writes every per-token field of every ratio and the
-per-token ``block_tables``. Values equal :func:`kvplan.plan.decode.prepare_decode` (tests
-compare field by field).
+ids, last token and drafts) in one attribute pass, validates them in bulk and packs them into
+ONE int32 array (:func:`kvplan.plan.decode_buffers.write_packed`: a private pinned snapshot
+and one ``non_blocking`` copy on CUDA). :mod:`kvplan.plan.decode_kernels` then writes every
+per-token field of every ratio and the per-token ``block_tables``. Values equal
+:func:`kvplan.plan.decode.prepare_decode` (tests compare field by field).
 
-The packed layout, the capture-size ``out=`` buffers and their checks live in
-:mod:`kvplan.plan.decode_buffers`. Only the used prefix of the packed inputs (up to the last
-block id) is written and copied each step.
-
-CUDA graphs: :func:`make_decode_device_out` allocates capture-size buffers once (per-ratio
-fields are row views of stacked ``[n_ratio, q_cap, ...]`` buffers). With ``out=`` they are
-checked once (cached until a buffer is replaced) and every step writes their prefixes, so a
-graph captured over :func:`launch_decode_kernels` at ``n_cap`` programs replays any smaller
-batch staged by :func:`stage_decode_on_device`.
+CUDA graphs: :func:`make_decode_device_out` allocates capture-size buffers once (see
+:mod:`kvplan.plan.decode_buffers`); with ``out=`` every step writes their prefixes, so a graph
+captured over :func:`launch_decode_kernels` at ``n_cap`` programs replays any smaller batch
+staged by :func:`stage_decode_on_device`.
 """
 
 from __future__ import annotations
@@ -33,10 +28,10 @@ from kvplan.plan.batch import BatchArrays, validate_sequence
 from kvplan.plan.config import MetadataConfig
 from kvplan.plan.decode import decode_ca_offset_check
 from kvplan.plan.decode_buffers import (
-    BoundBuffers,
     bind_buffers,
     make_decode_device_out,
     meta_views,
+    write_packed,
 )
 from kvplan.plan.decode_kernels import (
     DecodeKernelInputs,
@@ -48,6 +43,7 @@ from kvplan.plan.metadata import InputMetadata
 from kvplan.plan.sequence import SequenceMetadata
 
 __all__ = [
+    "extract_decode_batch",
     "launch_decode_kernels",
     "make_decode_device_out",
     "prepare_decode_on_device",
@@ -87,6 +83,32 @@ class HostDecodeBatch:
     cu_q = property(lambda self: self.cus[0])
 
 
+def _is_int_column(values: tuple) -> bool:
+    """True when every entry is an int, bool or numpy integer: their sum is then one too (a
+    float, string, None or other object makes it a float, an object, or raise)."""
+    try:
+        total = sum(values)
+    except TypeError:
+        return False
+    return isinstance(total, int | np.integer)
+
+
+def _int_facts(cols: list, n: int) -> np.ndarray | None:
+    """The first five attribute columns as int64 ``[5, n]`` (placeholder flags as 0/1 by
+    truth value), or ``None`` when a numeric fact is not an integer (the slow path names it).
+    ``np.fromiter`` alone would truncate ``2.5`` or parse ``"3"``, hence the column check."""
+    if not all(map(_is_int_column, cols[:3] + cols[4:5])):
+        return None
+    flags = cols[3] if _is_int_column(cols[3]) else tuple(map(bool, cols[3]))
+    try:
+        facts = np.fromiter(chain(*cols[:3], flags, cols[4]), dtype=np.int64, count=5 * n)
+    except OverflowError:  # beyond int64: out of every range, the slow path names it
+        return None
+    facts = facts.reshape(5, n)
+    facts[3] = facts[3] != 0
+    return facts
+
+
 def _checks_pass(facts: np.ndarray, lo: list, hi: list, lens: np.ndarray, nb: np.ndarray,
                  cfg: MetadataConfig) -> bool:  # fmt: skip
     """The vectorized mirror of ``batch.validate_sequence`` for decode: the bounds of single
@@ -123,10 +145,18 @@ def _block_ids(tables: tuple, n_bt: np.ndarray, nb: np.ndarray, cu_nb: np.ndarra
                cfg: MetadataConfig) -> np.ndarray:  # fmt: skip
     """Each table's first ``nb[i]`` ids, concatenated (int64), range-checked.
 
-    Every table is concatenated once; the spare entries past ``nb[i]`` (``n_bt[i] - nb[i]``
-    of them, right before ``cu_nb[i + 1]`` in compact numbering) are then dropped with one
-    boolean mask. The range check runs once over all entries, spares included, and only when
-    that fails (a bad id, possibly in a spare entry) again exactly on the compact ids.
+    Every table is concatenated once and the spare entries past ``nb[i]`` (never read, so
+    they may hold anything) are dropped with one boolean mask. In the concatenation the
+    spare of global rank ``g`` (counting spares across tables) belonging to sequence ``i``
+    sits at ``cu_nb[i + 1] + g``::
+
+        tables [a0 a1 x] [b0] [c0 c1 y z], nb = [2, 1, 2], cu_nb[1:] = [2, 3, 5]
+        flat    a0 a1 x b0 c0 c1 y z       spares x, y, z (g = 0, 1, 2) at 2+0, 5+1, 5+2
+
+    The range check runs once over all entries, spares included (a single unsigned max:
+    negative ids wrap to huge values), and only when that fails again, exactly, on the
+    compact ids, so that a bad spare entry is ignored and a bad used one reported with its
+    sequence.
     """
     flat = np.concatenate(tables) if tables else np.zeros(0, np.int64)
     if not len(flat):
@@ -135,13 +165,12 @@ def _block_ids(tables: tuple, n_bt: np.ndarray, nb: np.ndarray, cu_nb: np.ndarra
         raise TypeError(f"block_table entries must be integers, got dtype {flat.dtype}")
     spare = n_bt - nb
     num_spare = len(flat) - int(cu_nb[-1])
-    if num_spare:  # spare g of sequence i sits at compact position cu_nb[i + 1] + (its rank)
+    if num_spare:
         keep = np.ones(len(flat), dtype=bool)
         keep[np.repeat(cu_nb[1:], spare) + np.arange(num_spare)] = False
         bt = flat[keep]
     else:
         bt = flat
-    # 0 <= id < end in one pass: negative ids wrap to huge unsigned values
     end = (INT32_MAX + 1) // cfg.block_size  # (id + 1) * block_size - 1 fits int32
     if cfg.num_kv_blocks is not None:
         end = min(end, cfg.num_kv_blocks)
@@ -193,16 +222,10 @@ def extract_decode_batch(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) 
             if not isinstance(s, SequenceMetadata):
                 raise TypeError(f"seqs[{i}] must be a SequenceMetadata, got {type(s).__name__}")
     cols = list(zip(*map(_FACTS, seqs)))
-    facts = np.array(cols[:5])  # [5, n] in the packed order (see _FACTS)
+    facts = _int_facts(cols, n)  # [5, n] int64 in the packed order, None if not all ints
     lens = np.fromiter(map(len, chain(*cols[5:])), dtype=np.int64, count=3 * n).reshape(3, n)
-    if facts.dtype.kind not in "iub":  # a non-integer fact, or a non-bool placeholder flag
-        ints = np.array(cols[:3] + cols[4:5])
-        if ints.dtype.kind in "iub":  # only the flags are odd: read them by truth value
-            facts = np.array([*cols[:3], [bool(x) for x in cols[3]], cols[4]])
-    good = facts.dtype.kind in "iub"
+    good = facts is not None
     if good:
-        facts = facts.astype(np.int64, copy=False)
-        facts[3] = facts[3] != 0
         nb = cfg.num_blocks_for(facts[1])
         lo, hi = facts.min(axis=1).tolist(), facts.max(axis=1).tolist()
     if not (good and _checks_pass(facts, lo, hi, lens, nb, cfg)):
@@ -210,8 +233,8 @@ def extract_decode_batch(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) 
             validate_sequence(i, s, cfg, is_prompt=False)
         raise AssertionError("vectorized decode checks disagree with validate_sequence")
     cus = np.zeros((3, n + 1), dtype=np.int64)  # cu_q, cu_k, cu_nb
-    np.cumsum(facts[:2], axis=1, out=cus[:2, 1:])
-    np.cumsum(nb, out=cus[2, 1:])
+    np.add.accumulate(facts[:2], axis=1, out=cus[:2, 1:])
+    np.add.accumulate(nb, out=cus[2, 1:])
     check_int32("total_q", int(cus[0, -1]))
     check_int32("cu_seqlens_k[-1]", int(cus[1, -1]))
     bt_flat = _block_ids(cols[7], lens[2], nb, cus[2], cfg)
@@ -228,34 +251,6 @@ class StagedDecode:
     outputs: DecodeKernelOutputs
     block_tables: torch.Tensor  # [q_stride, max_num_blocks]
     params: DecodeKernelParams
-
-
-def _write_packed(hb: HostDecodeBatch, b: BoundBuffers, cuda: bool) -> None:
-    """Write the used prefix of the packed inputs (layout: :mod:`kvplan.plan.decode_buffers`).
-
-    The three prefix-sum sections are one ``[3, n_cap + 1]`` block and the five per-sequence
-    sections one ``[5, n_cap]`` block, so each is written with one call (plus one for the
-    repeated totals of the prefix sums).
-    """
-    n, n_cap = hb.facts.shape[1], b.cap.num_seqs
-    sec = b.offsets
-    used = sec["bt"][0] + len(hb.bt_flat)
-    # CUDA: a private pinned snapshot, copied async; CPU: write the buffer itself (no copy,
-    # and no torch intra-op thread hand-off on a busy host)
-    host = torch.empty(used, dtype=torch.int32, pin_memory=True) if cuda else None
-    h = host.numpy() if cuda else b.packed.numpy()[:used]
-    o_cu, o_seq = sec["cu_q"][0], sec["seqlen_q"][0]
-    assert sec["bt_off"][0] == o_cu + 2 * (n_cap + 1) and o_seq == o_cu + 3 * (n_cap + 1)
-    assert sec["valid_start"][0] == o_seq + 4 * n_cap, "packed layout changed"
-    cus = h[o_cu:o_seq].reshape(3, n_cap + 1)
-    cus[:, : n + 1] = hb.cus
-    cus[:, n + 1 :] = hb.cus[:, -1:]  # padded programs: seqlen_q = 0, no blocks
-    h[o_seq : o_seq + 5 * n_cap].reshape(5, n_cap)[:, :n] = hb.facts
-    h[sec["ratios"][0] : sec["ratios"][0] + len(b.ratios)] = b.ratios
-    h[sec["input_ids"][0] : sec["input_ids"][0] + len(hb.input_ids)] = hb.input_ids
-    h[sec["bt"][0] : used] = hb.bt_flat
-    if cuda:
-        b.packed[:used].copy_(host, non_blocking=True)
 
 
 def stage_decode_on_device(
@@ -288,8 +283,8 @@ def stage_decode_on_device(
 
         ngram = ngram_token_ids(seqs, _batch_arrays(hb), config)
     # ---- every check passed: write
-    cuda = config.torch_device.type == "cuda"
-    _write_packed(hb, b, cuda)
+    cuda = b.packed.is_cuda
+    write_packed(b, hb.cus, hb.facts, hb.input_ids, hb.bt_flat)
     views = meta_views(b, out, n, total_q)
     meta = InputMetadata(is_prompt=False, num_seqs=n, total_q=total_q, max_seqlen_q=max_sq,
                          max_seqlen_k=hb.max_seqlen_k)  # fmt: skip
@@ -308,7 +303,8 @@ def _batch_arrays(hb: HostDecodeBatch) -> BatchArrays:
     q_start = hb.seqlen_k - hb.seqlen_q
     return BatchArrays(
         hb.seqlen_q, hb.seqlen_k, q_start, hb.state_id, hb.is_placeholder, hb.valid_start,
-        hb.num_blocks, hb.cu_q, hb.cus[1], hb.bt_flat, hb.cus[2], row_seq, row_j, q_start[row_seq] + row_j,
+        hb.num_blocks, hb.cu_q, hb.cus[1], hb.bt_flat, hb.cus[2], row_seq, row_j,
+        q_start[row_seq] + row_j,
     )  # fmt: skip
 
 
