@@ -71,16 +71,8 @@ def test_config_from_gguf(smollm2):
     assert cfg.tie_word_embeddings and cfg.rope.theta == 100000.0
 
 
-# One configuration per backend runs by default (chunked prefill on and off both covered);
-# the other three take ~20 s each on a shared 2-core CPU and are marked slow.
-DEFAULT = {("block_offsets", True), ("ragged", True), ("vanilla", False)}
 CONFIGS = [
-    pytest.param(
-        b,
-        c,
-        id=f"{b}-{'chunked' if c else 'whole'}",
-        marks=() if (b, c) in DEFAULT else pytest.mark.slow,
-    )  # fmt: skip
+    pytest.param(b, c, id=f"{b}-{'chunked' if c else 'whole'}")
     for b in BACKEND_NAMES
     for c in (True, False)
 ]
