@@ -77,6 +77,10 @@ class DecodeGraphs:
                 "kvplan: CUDA graphs need the block_offsets backend; eager steps", file=sys.stderr
             )
             return None
+        if getattr(metadata.kv_cache, "is_quantized", False):
+            # the paged kernels read fp8 pages only after a whole-pool dequantize (a sync)
+            print("kvplan: CUDA graphs need an unquantized KV cache; eager steps", file=sys.stderr)
+            return None
         graphs = cls(model, metadata, manager, max_num_seqs, max_model_len)
         try:
             graphs.capture_all()
