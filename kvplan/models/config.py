@@ -203,6 +203,32 @@ _NAMED: dict[str, ModelConfig] = {
         max_position_embeddings=131072,
         model_type="llama",
     ),
+    # Qwen3-0.6B shapes: q/k norm, head_dim 128, tied embeddings.
+    "qwen3-0.6b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim_override=128,
+        rope=RopeConfig(theta=1000000.0),
+        tie_word_embeddings=True,
+        qk_norm=True,
+        max_position_embeddings=40960,
+        model_type="qwen3",
+    ),
+    "tiny-mistral": ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim_override=16,
+        layer_windows=(32, 32),
+        model_type="mistral",
+    ),
     "tiny-llama": ModelConfig(
         vocab_size=512,
         hidden_size=64,
@@ -216,7 +242,8 @@ _NAMED: dict[str, ModelConfig] = {
 
 
 def named_config(name: str, **overrides: Any) -> ModelConfig:
-    """A named configuration (``llama-1b``, ``tiny-llama``), with field overrides."""
+    """A named configuration (``llama-1b``, ``qwen3-0.6b``, ``tiny-llama``, ``tiny-mistral``),
+    with field overrides."""
     if name not in _NAMED:
         raise ValueError(f"unknown model config {name!r}; known: {sorted(_NAMED)}")
     return replace(_NAMED[name], **overrides)
