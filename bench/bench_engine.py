@@ -123,6 +123,15 @@ def graph_replay_ms(llm, dev, reps=20) -> float | None:
     return (time.perf_counter() - t) / reps * 1e3
 
 
+def _guard(fn, *args):
+    """A secondary measurement must not cost the main one: report failures, return None."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        print(f"bench_engine: {fn.__name__} failed: {exc!r}", file=sys.stderr)
+        return None
+
+
 def run_kvplan(cfg, prompts, args, dev, dtype):
     from kvplan import LLM
 
@@ -137,8 +146,8 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
     run_workload(llm, warm, 3, progress=False)
     res = run_workload(llm, prompts, args.new_tokens, progress=False)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.parts.model.parameters())
-    replay_ms = graph_replay_ms(llm, dev)
-    share = kernel_share(llm, prompts, dev)
+    replay_ms = _guard(graph_replay_ms, llm, dev)
+    share = _guard(kernel_share, llm, prompts, dev)
     step = res.median_decode_step_ms
     out = {
         "output_tokens": res.output_tokens, "wall_s": res.wall_s,
@@ -241,7 +250,7 @@ def main() -> int:
     cfg = named_config(args.config)
     prompts = make_prompts(args.num_requests, args.prompt_len, cfg.vocab_size)
 
-    bw = copy_bandwidth(dev)
+    bw = _guard(copy_bandwidth, dev)
     kv = run_kvplan(cfg, prompts, args, dev, dtype)
     hf = run_hf_all(cfg, prompts, args, dev, dtype, [m for m in args.hf.split(",") if m])
     best_cb = max((r.get("output_tokens_per_s", 0) for m, r in hf.items() if "batch" in m),
