@@ -42,6 +42,7 @@ from kvplan.backends.host_arrays import as_int32_array
 from kvplan.backends.ledger import (
     batch_block_table,
     check_allocated,
+    decode_token_slots,
     logical_num_blocks,
     new_token_slots,
 )
@@ -179,12 +180,18 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         )  # fmt: skip
         # The persistent host buffer is for synchronous readers like this one.
         host = mgr.host_block_offsets(self.max_num_sequences, cross=self.is_cross).numpy()
-        check_allocated(host[0, :n, 0, :], logical_num_blocks(self.kv_lens, bs),
-                        "kv_lens (incl. num_extra_kv_tokens)")  # fmt: skip
+        last_blocks = check_allocated(host[0, :n, 0, :], logical_num_blocks(self.kv_lens, bs),
+                                      "kv_lens (incl. num_extra_kv_tokens)")  # fmt: skip
+        decode = (
+            last_blocks is not None and not self.num_extra_kv_tokens and self._num_pools == 1
+            and self.num_kv_tokens == n and self.seq_lens_kv_np.min() == 1
+        )  # fmt: skip
         for p in range(self._num_pools):
-            values[f"slots{p}"] = new_token_slots(
-                host[p, :n, 0, :], self.cached_np, self.seq_lens_kv_np, bs
-            ).astype(np.int32)
+            if decode:  # the last held block is the new token's block
+                slots = decode_token_slots(last_blocks, self.cached_np, bs)
+            else:
+                slots = new_token_slots(host[p, :n, 0, :], self.cached_np, self.seq_lens_kv_np, bs)
+            values[f"slots{p}"] = slots.astype(np.int32)
         if self.is_cross:
             q_rows = np.repeat(np.arange(n), self._seq_lens_np)
             values["tok_page_start"] = (q_rows * 2 * self.max_blocks_per_seq).astype(np.int32)

@@ -145,22 +145,28 @@ def logical_num_blocks(kv_lens: np.ndarray, block_size: int) -> np.ndarray:
     return (kv_lens + np.int32(block_size - 1)) // np.int32(block_size)
 
 
-def check_allocated(table: np.ndarray, num_needed: np.ndarray, what: str = "kv_lens") -> None:
+def check_allocated(
+    table: np.ndarray, num_needed: np.ndarray, what: str = "kv_lens"
+) -> np.ndarray | None:
     """Every row of ``table`` must own its first ``num_needed[b]`` blocks.
 
     The manager fills a row's blocks from column 0 and pads with block 0, so it is enough
     that column ``num_needed[b] - 1`` is not the padding block (one gather, not a row scan).
+    Returns that gathered last block of every row (int32 ``[n]``) when every row needs at
+    least one block, else None; a decode step derives its slots from it
+    (``decode_token_slots``).
     """
     n = num_needed.size
     if n == 0:
-        return
+        return None
     if int(num_needed.max()) > table.shape[1]:
         b = int(np.argmax(num_needed))
         raise ValueError(
             f"sequence {b} needs {int(num_needed[b])} blocks for its {what}, more than the "
             f"{table.shape[1]} columns of its block table (max_blocks_per_seq)"
         )
-    if int(num_needed.min()) > 0:
+    full = int(num_needed.min()) > 0
+    if full:
         rows, last = np.arange(n), num_needed - 1
     else:
         rows = np.flatnonzero(num_needed > 0)
@@ -172,3 +178,15 @@ def check_allocated(table: np.ndarray, num_needed: np.ndarray, what: str = "kv_l
             f"sequence {b} needs {int(num_needed[b])} blocks for its {what} but the manager "
             "holds fewer"
         )
+    return held if full else None
+
+
+def decode_token_slots(last_blocks: np.ndarray, cached: np.ndarray, block_size: int) -> np.ndarray:
+    """Slots of a decode step's new tokens (one per sequence, at position ``cached[b]``).
+
+    ``last_blocks[b]``: the block at column ``ceil((cached[b] + 1) / block_size) - 1`` of row
+    b, i.e. the one ``check_allocated(table, logical_num_blocks(cached + 1, ...))`` returns,
+    which is the block holding position ``cached[b]``. Equals ``new_token_slots(table,
+    cached, ones, block_size)``; int64 ``[n]``.
+    """
+    return last_blocks.astype(np.int64) * block_size + cached % np.int32(block_size)

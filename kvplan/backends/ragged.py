@@ -39,7 +39,9 @@ from kvplan.backends.ledger import (
     allocated_blocks,
     batch_block_table,
     check_allocated,
+    decode_token_slots,
     logical_num_blocks,
+    new_token_slots,
 )
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.paged import (
@@ -199,44 +201,46 @@ class RaggedAttentionMetadata(AttentionMetadata):
         logical_nb = logical_num_blocks(kv_lens, bs)
         full = self.use_full_generation_page_table and not self.is_cross
         width = None if full else (int(logical_nb.max()) if n else 0)
-        tables = []
+        decode = self.num_kv_tokens == n and n and seq_lens_kv.min() == 1  # one new token each
+        tables, slots = [], []
         for pool in range(self._num_pools):
             table = batch_block_table(
                 mgr, self.request_ids, pool=pool, beam_width=self.beam_width,
                 num_contexts=nc, cross=self.is_cross, width=width,
             )  # fmt: skip
-            check_allocated(table, logical_nb)
+            last_blocks = check_allocated(table, logical_nb)
+            if decode and last_blocks is not None:
+                slots.append(decode_token_slots(last_blocks, self.cached_np, bs))
+            else:
+                slots.append(new_token_slots(table, self.cached_np, seq_lens_kv, bs))
             tables.append(table)
         if full:  # context rows stay logical; generation rows expose every reserved page
             num_blocks = logical_nb.copy()
             num_blocks[nc:] = np.maximum(logical_nb[nc:], allocated_blocks(tables[0][nc:]))
         else:
             num_blocks = logical_nb
-        indptr = exclusive_cumsum(num_blocks)
+        indptr = exclusive_cumsum(num_blocks, n * tables[0].shape[1])
         cols = self._col_index[: tables[0].shape[1]] < num_blocks[:, None]
         indices = [t[cols] for t in tables]  # row-major: sequence by sequence
         last_page_len = kv_lens - np.maximum(logical_nb - 1, 0) * np.int32(bs)
         # new K/V tokens: which sequence, which absolute position, which slot
-        if self.num_kv_tokens == n and n and seq_lens_kv.min() == 1:  # decode: one per row
+        if decode:
             rows, positions = self._row_index[:n], self.cached_np
         else:
             rows = np.repeat(self._row_index[:n], seq_lens_kv)
-            positions = (
-                np.arange(rows.size, dtype=np.int32) - self.cu_seqlens_kv_np[rows]
-                + self.cached_np[rows]
-            )  # fmt: skip
-        page = indptr[rows] + positions // np.int32(bs)
+            positions = np.repeat(self.cached_np - self.cu_seqlens_kv_np[:n], seq_lens_kv)
+            positions += np.arange(rows.size, dtype=np.int32)
         values = {
             "indptr": indptr,
-            "indptr_decode": (indptr[nc:] - indptr[nc]).astype(np.int32),
-            "qo_indptr_decode": (self.cu_seqlens_q_np[nc:] - self.num_ctx_tokens).astype(np.int32),
+            "indptr_decode": indptr[nc:] - indptr[nc],
+            "qo_indptr_decode": self.cu_seqlens_q_np[nc:] - np.int32(self.num_ctx_tokens),
             "last_page_len": last_page_len,
             "kv_lens": kv_lens,
             "batch_indices": rows,
             "positions": positions,
         }
-        for p, idx in enumerate(indices):
-            values[f"slots{p}"] = idx[page] * np.int32(bs) + positions % np.int32(bs)
+        for p, pool_slots in enumerate(slots):
+            values[f"slots{p}"] = pool_slots.astype(np.int32)
         if self.is_cross:  # one decode "sequence" per query token
             q_rows = np.repeat(np.arange(n), self._seq_lens_np)
             values["tok_page_start"] = indptr[q_rows]

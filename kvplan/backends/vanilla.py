@@ -22,6 +22,7 @@ from kvplan.backends.ledger import (
     batch_block_table,
     block_size_of,
     check_allocated,
+    decode_token_slots,
     logical_num_blocks,
     new_token_slots,
     num_pools,
@@ -67,13 +68,18 @@ class VanillaAttentionMetadata(AttentionMetadata):
         nb = logical_num_blocks(self.kv_lens_np, bs)
         self.num_blocks_np = nb
         width = int(nb.max()) if nb.size else 0
+        n = self.num_seqs
+        decode = self.num_kv_tokens == n and n and self.seq_lens_kv_np.min() == 1
         for pool in range(num_pools(manager)):
             table = batch_block_table(
                 manager, self.request_ids, pool=pool, beam_width=self.beam_width,
                 num_contexts=self.num_contexts, cross=self.is_cross, width=width,
             )  # fmt: skip
-            check_allocated(table, nb)
-            slots = new_token_slots(table, self.cached_np, self.seq_lens_kv_np, bs)
+            last_blocks = check_allocated(table, nb)
+            if decode and last_blocks is not None:
+                slots = decode_token_slots(last_blocks, self.cached_np, bs)
+            else:
+                slots = new_token_slots(table, self.cached_np, self.seq_lens_kv_np, bs)
             ids = np.ascontiguousarray(table[:, :width])
             self.block_ids_per_seq.append(ids)
             self.block_ids_per_seq_gpu.append(to_device(ids, self.device))
