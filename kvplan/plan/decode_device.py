@@ -88,7 +88,7 @@ def _is_int_column(values: tuple) -> bool:
     float, string, None or other object makes it a float, an object, or raise)."""
     try:
         total = sum(values)
-    except TypeError:
+    except (TypeError, ValueError, OverflowError):  # e.g. None, "3", -1 + np.uint64
         return False
     return isinstance(total, int | np.integer)
 

@@ -425,3 +425,14 @@ def test_table_and_flag_types_match_eager():
     got = prepare_decode_on_device(seqs, cfg, backend="torch")
     assert got.valid_token_mask.tolist() == [True, True, True, True, False, False, False]
     assert_same_decode(got, prepare_decode(seqs, cfg))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("state_id", None), ("state_id", "1"), ("swa_valid_start", 0.5), ("seqlen_k", 2**70)],
+)
+def test_non_integer_facts_are_named(field, value):
+    """A fact that is not an int never reaches numpy's silent conversions (``"1"`` -> 1,
+    ``0.5`` -> 0): the per-sequence checks name it."""
+    with pytest.raises((ValueError, TypeError), match=field):
+        prepare_decode_on_device([_seq(), _seq(**{field: value})], make_config())
