@@ -198,8 +198,9 @@ def main(argv=None) -> int:
         print(f"{k:<28}{v:>12.1f}")
     for k, v in ratios.items():
         print(f"{k:<28}{v:>11.1f}x")
-    met = "met" if res["host_stage_cpu"] <= TARGET_HOST_CPU_US else "not met"
-    print(f"target host_stage_cpu <= {TARGET_HOST_CPU_US} us: {met}")
+    if (args.seqs, args.drafts) == (256, 2):  # the batch the target is stated for
+        met = "met" if res["host_stage_cpu"] <= TARGET_HOST_CPU_US else "not met"
+        print(f"target host_stage_cpu <= {TARGET_HOST_CPU_US} us (256 x 2): {met}")
     if args.out:
         record = {
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
