@@ -168,9 +168,10 @@ def extract_batch(
     tables = [
         t if len(t) == k else t[:k] for t, k in zip([s.block_table for s in seqs], nb.tolist())
     ]
-    bt_flat = np.concatenate(tables).astype(np.int64, copy=False)
+    bt_flat = np.concatenate(tables)
     if bt_flat.dtype.kind not in "iu" and len(bt_flat):
         raise TypeError(f"block_table entries must be integers, got dtype {bt_flat.dtype}")
+    bt_flat = bt_flat.astype(np.int64, copy=False)
     bt_off = exclusive_cumsum(nb)
     if len(bt_flat):
         lo, hi = int(bt_flat.min()), int(bt_flat.max())

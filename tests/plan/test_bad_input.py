@@ -102,3 +102,24 @@ def test_bad_out_for_prompt_leaves_buffers_untouched():
     with pytest.raises(TypeError, match=r"ks\['4'\].*int32"):
         prepare_prompt([_with(PROMPT, token_ids=np.arange(20) + 1)], CFG, out=out)
     assert all(torch.equal(out[k], v) for k, v in snapshot.items())
+
+
+def test_float_block_ids_are_rejected_not_truncated():
+    import numpy as np
+
+    from kvplan.plan import MetadataConfig, SequenceMetadata, prepare_decode
+
+    cfg = MetadataConfig(
+        block_size=16,
+        dense_ratios=(4,),
+        sparse_ratios=(),
+        window_size=8,
+        swa_block_size=16,
+        max_model_len=128,
+        max_num_blocks=8,
+    )
+    seq = SequenceMetadata(
+        seqlen_q=1, seqlen_k=5, block_table=np.array([1.5]), state_id=0, token_ids=[1, 2, 3, 4, 5]
+    )
+    with pytest.raises(TypeError, match="block_table"):
+        prepare_decode([seq], cfg)
