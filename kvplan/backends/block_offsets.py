@@ -38,7 +38,7 @@ import torch
 
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
-from kvplan.backends.host_arrays import as_int32_array
+from kvplan.backends.host_arrays import as_int32_array, exclusive_cumsum
 from kvplan.backends.ledger import (
     batch_block_table,
     check_allocated,
@@ -53,6 +53,8 @@ from kvplan.backends.paged import (
     attend_paged,
     attend_without_cache,
     layer_caches,
+    load_batch_pages,
+    page_load_plan,
 )
 from kvplan.backends.staging import DeviceArena, host_empty, to_device
 
@@ -109,6 +111,16 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         fields = {"kv_lens": s, "qo_indptr": s + 1, "qo_indptr_gen": s + 1}
         fields.update({"tok_page_start": t, "tok_kv_lens": t})
         fields.update({f"slots{p}": t for p in range(self._num_pools)})
+        # fp8 caches: the step's pages in row order, a load plan per pool (kvplan.backends.paged)
+        self._load_pages = (
+            self.kv_cache is not None and mgr is not None and self.kv_cache.is_quantized
+        )
+        if self._load_pages:
+            check_int32("4 * max_num_sequences * max_blocks_per_seq", 4 * s * width)
+            fields.update({"page_start": s + 1, "tok_loaded_start": t})
+            fields.update({f"load{p}": 4 * s * width for p in range(self._num_pools)})
+            self._page_arange = torch.arange(s * width, dtype=torch.int32, device=dev)
+        self.num_loaded_pages = 0
         self.arena = DeviceArena(fields, dev)
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=dev)
         self.qo_indptr = self.arena.view("qo_indptr")
@@ -196,9 +208,32 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             q_rows = np.repeat(np.arange(n), self._seq_lens_np)
             values["tok_page_start"] = (q_rows * 2 * self.max_blocks_per_seq).astype(np.int32)
             values["tok_kv_lens"] = valid[q_rows]
+        if self._load_pages:
+            self._stage_page_loads(values, host[:, :n, 0, :], logical_num_blocks(self.kv_lens, bs))
         self.arena.stage(values)
         if self.enable_block_id_tables:
             self.prepare_block_id_tables()
+
+    def _stage_page_loads(self, values: dict, tables: np.ndarray, num_pages: np.ndarray) -> None:
+        """fp8: the pages each row may read (``ceil(kv_lens / block_size)``, draft tokens
+        included), row by row, as a load plan per pool plus their row starts.
+
+        ``tables``: host int32 ``[num_pools, num_seqs, max_blocks_per_seq]`` (this step's rows
+        of the persistent buffer). The kernels then read the compact cache through
+        ``page_ids = arange`` and ``page_start`` instead of the block-offset table.
+        """
+        bs = int(self.kv_cache_manager.block_size)
+        start = exclusive_cumsum(num_pages)
+        width = int(num_pages.max()) if num_pages.size else 0
+        cols = np.arange(width, dtype=np.int32) < num_pages[:, None]
+        for p in range(self._num_pools):
+            values[f"load{p}"] = page_load_plan(tables[p, :, :width][cols], bs)
+        values["page_start"] = start
+        if self.is_cross:
+            values["tok_loaded_start"] = start[
+                np.repeat(np.arange(num_pages.size), self._seq_lens_np)
+            ]
+        self.num_loaded_pages = int(start[-1])
 
     def prepare_block_id_tables(self) -> None:
         """MLA-style ``kv_block_ids_per_seq`` (all rows) and ``block_ids_per_seq`` (generation
@@ -235,8 +270,13 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self.host_request_types[: self.num_seqs].fill_(0)
 
     # kernel view --------------------------------------------------------------------
-    def paged_view(self, pool: int) -> PagedView:
+    def paged_view(self, pool: int, *, loaded_pages: bool = False) -> PagedView:
+        """The kernels' view of pool ``pool``: the block-offset table (K entries), or with
+        ``loaded_pages`` the compact cache of ``load_batch_pages`` (row b's pages start at
+        ``page_start[b]``, ids ``arange``)."""
         n, nc, ng = self.num_seqs, self.num_contexts, self.num_generations
+        if loaded_pages:
+            return self._loaded_view()
         table = self.kv_cache_block_offsets[pool].view(-1)
         kv_lens = self.kv_lens_cuda
         q_lens = self._seq_lens_np
@@ -267,6 +307,35 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             )
         return PagedView(ctx, gen)
 
+    def _loaded_view(self) -> PagedView:
+        n, nc, ng = self.num_seqs, self.num_contexts, self.num_generations
+        ids = self._page_arange[: self.num_loaded_pages]
+        start = self.arena.view("page_start")
+        kv_lens = self.kv_lens_cuda
+        q_lens = self._seq_lens_np
+        max_kv = int(self.kv_lens_np.max()) if n else 0
+        if self.is_cross:
+            t = self.num_tokens
+            tok_start = self.arena.view("tok_loaded_start")[:t]
+            seg = PagedSegment(
+                ids, tok_start, self.arena.view("tok_kv_lens")[:t], None, t, 1, max_kv
+            )
+            return PagedView(seg, None, cross=True)
+        ctx = gen = None
+        if nc:
+            ctx = PagedSegment(
+                ids, start[:nc], kv_lens[:nc], self.qo_indptr[: nc + 1],
+                self.num_ctx_tokens, int(q_lens[:nc].max()), max_kv,
+            )  # fmt: skip
+        if ng:
+            max_q = int(q_lens[nc:].max())
+            cu = self.arena.view("qo_indptr_gen")[: ng + 1] if max_q > 1 else None
+            gen = PagedSegment(
+                ids, start[nc:n], kv_lens[nc:n], cu, self.num_tokens - self.num_ctx_tokens,
+                max_q, max_kv,
+            )  # fmt: skip
+        return PagedView(ctx, gen)
+
 
 class BlockOffsetsAttention(AttentionBackend):
     """Paged kernels reading the block-offset table (see the module docstring)."""
@@ -278,8 +347,16 @@ class BlockOffsetsAttention(AttentionBackend):
         md: BlockOffsetsAttentionMetadata = metadata
         if md.kv_cache_manager is None:
             return attend_without_cache(self, q, k, v, md, out)
-        k_cache, v_cache = layer_caches(md.kv_cache, self.layer_idx)
+        if md.kv_cache.is_quantized and md._load_pages:  # only the step's pages, in order
+            plan = md.arena.view(f"load{pool}")
+            k_cache, v_cache = load_batch_pages(
+                md.kv_cache, self.layer_idx, plan, md.num_loaded_pages
+            )
+            view = md.paged_view(pool, loaded_pages=True)
+        else:
+            k_cache, v_cache = layer_caches(md.kv_cache, self.layer_idx)
+            view = md.paged_view(pool)
         return attend_paged(
-            q, k_cache, v_cache, md.paged_view(pool), out, scale=self.scale,
+            q, k_cache, v_cache, view, out, scale=self.scale,
             window=self.window(md), check=md.check_kernel_inputs,
         )  # fmt: skip

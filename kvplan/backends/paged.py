@@ -8,6 +8,12 @@ Cross attention (no causal mask) runs the decode kernel with one "sequence" per 
 each token's query attends all ``kv_lens`` keys of its row.
 
 Every host value here (segment sizes, maxima) comes from ``prepare()``; nothing syncs.
+
+fp8 caches: the kernels read bf16 pages, so ``prepare()`` also builds a load plan of exactly
+the pages the step reads (``page_load_plan``, staged with the other fields) and each layer's
+forward dequantizes those pages into a compact bf16 cache (``load_batch_pages``: one
+``kvplan.load_paged_kv_cache`` per K and V, no device sync) whose page table is ``arange``.
+The compact cache is allocated per layer call, so fp8 forwards are not CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import numpy as np
 import torch
 
 from kvplan.backends.staging import to_device
+from kvplan.ops.load import load_paged_kv_cache
 from kvplan.ops.paged_attention import paged_attention_decode, paged_attention_prefill
 
 
@@ -94,13 +101,55 @@ def layer_caches(kv_cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V caches of ``layer`` in a dtype the kernels read.
 
     Plain caches are returned as they are. fp8 caches are dequantized whole to bf16
-    (``KVCacheTensors.read_blocks`` over every block; one device sync): the paged kernels do
-    not read quantized pages, so this is a correctness path, not a fast one.
+    (``KVCacheTensors.read_blocks`` over every block; one device sync). The paged backends
+    only take this path for an fp8 cache they were not built with (``kv_cache`` assigned
+    after construction); normally they load just the batch's pages (``load_batch_pages``).
     """
     if not kv_cache.is_quantized:
         return kv_cache.k_cache(layer), kv_cache.v_cache(layer)
     every = torch.arange(kv_cache.num_blocks, device=kv_cache.device)
     return kv_cache.read_blocks(layer, every)
+
+
+def page_load_plan(pages: np.ndarray, block_size: int) -> np.ndarray:
+    """Load plan (``kvplan.load_paged_kv_cache`` segments) that copies page ``pages[i]`` to
+    rows ``[i * block_size, (i + 1) * block_size)``: int32 ``[len(pages) * 4]`` (flattened
+    ``[m, 4]`` rows ``[src_block, 0, block_size, dst_offset]``).
+
+    Example (block_size 4): ``pages = [7, 3]`` -> ``[[7, 0, 4, 0], [3, 0, 4, 4]]``; the loaded
+    buffer is a cache whose page i holds block ``pages[i]``, so a page table over it is
+    ``arange(m)`` in the order of ``pages``.
+    """
+    m = pages.size
+    plan = np.empty((m, 4), np.int32)
+    plan[:, 0] = pages
+    plan[:, 1] = 0
+    plan[:, 2] = block_size
+    np.multiply(np.arange(m, dtype=np.int32), np.int32(block_size), out=plan[:, 3])
+    return plan.reshape(-1)
+
+
+def load_batch_pages(
+    kv_cache, layer: int, plan: torch.Tensor, num_pages: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize only the pages a batch reads: bf16 K and V ``[num_pages, bs, H, D]``.
+
+    ``plan``: device int32 holding at least ``num_pages * 4`` entries of ``page_load_plan``
+    (built on the host by ``prepare()``). Runs ``kvplan.load_paged_kv_cache`` (Triton on
+    CUDA) without its plan check, so nothing syncs: the plan's block ids come from the
+    manager's table and were validated on the host. Every page is loaded whole (rows past
+    a sequence's length are finite cache bytes the kernels mask out). Call it after this
+    step's K/V were stored.
+    """
+    bs, h, d = kv_cache.block_size, kv_cache.num_kv_heads, kv_cache.head_dim
+    segments = plan[: num_pages * 4].view(num_pages, 4)  # [m, 4]
+    out = []
+    for raw in (kv_cache.raw_k_cache(layer), kv_cache.raw_v_cache(layer)):
+        rows = load_paged_kv_cache(
+            raw, segments, num_pages * bs, layout=kv_cache.layout, check=False
+        )
+        out.append(rows.view(num_pages, bs, h, d))  # [m*bs, H*D] -> [m, bs, H, D]
+    return out[0], out[1]
 
 
 def attend_without_cache(backend, q, k, v, md, out) -> torch.Tensor:

@@ -33,6 +33,7 @@ import logging
 import numpy as np
 import torch
 
+from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
 from kvplan.backends.host_arrays import exclusive_cumsum
 from kvplan.backends.ledger import (
@@ -50,6 +51,8 @@ from kvplan.backends.paged import (
     attend_paged,
     attend_without_cache,
     layer_caches,
+    load_batch_pages,
+    page_load_plan,
 )
 from kvplan.backends.staging import DeviceArena
 
@@ -139,6 +142,15 @@ class RaggedAttentionMetadata(AttentionMetadata):
             fields[f"slots{p}"] = t
         for p in range(self._num_pools):
             fields[f"indices{p}"] = s * width
+        # fp8 caches: per pool, a load plan of the step's pages (see kvplan.backends.paged)
+        self._load_pages = (
+            self.kv_cache is not None and mgr is not None and self.kv_cache.is_quantized
+        )
+        if self._load_pages:
+            check_int32("4 * max_num_sequences * max_blocks_per_seq", 4 * s * width)
+            for p in range(self._num_pools):
+                fields[f"load{p}"] = 4 * s * width
+            self._page_arange = torch.arange(s * width, dtype=torch.int32, device=self.device)
         self.arena = DeviceArena(fields, self.device)
         self._col_index = np.arange(width, dtype=np.int32)
         self._row_index = np.arange(s, dtype=np.int32)
@@ -247,6 +259,9 @@ class RaggedAttentionMetadata(AttentionMetadata):
             values["tok_kv_lens"] = kv_lens[q_rows]
         for p, idx in enumerate(indices):  # variable-size fields last: shortest staged prefix
             values[f"indices{p}"] = idx
+        if self._load_pages:
+            for p, idx in enumerate(indices):
+                values[f"load{p}"] = page_load_plan(idx, bs)
         self.arena.stage(values)
         self._num_indices = int(indptr[-1])
         self.num_blocks_np, self.logical_num_blocks_np = num_blocks, logical_nb
@@ -270,9 +285,14 @@ class RaggedAttentionMetadata(AttentionMetadata):
             logger.warning("ragged page table self-check: %s", msg)
 
     # kernel view --------------------------------------------------------------------
-    def paged_view(self, pool: int) -> PagedView:
+    def paged_view(self, pool: int, *, loaded_pages: bool = False) -> PagedView:
+        """The kernels' view of pool ``pool``; ``loaded_pages``: over the compact cache of
+        ``load_batch_pages`` (page ``i`` = ``paged_kv_indices[i]``, so the ids are ``arange``)."""
         n, nc, ng = self.num_seqs, self.num_contexts, self.num_generations
-        indices = self.paged_kv_indices(pool)
+        if loaded_pages:
+            indices = self._page_arange[: self._num_indices]
+        else:
+            indices = self.paged_kv_indices(pool)
         kv_lens = self.kv_lens
         q_lens = self._seq_lens_np
         max_kv = int(self.kv_lens_np.max()) if n else 0
@@ -311,8 +331,13 @@ class RaggedAttention(AttentionBackend):
         md: RaggedAttentionMetadata = metadata
         if md.kv_cache_manager is None:
             return attend_without_cache(self, q, k, v, md, out)
-        k_cache, v_cache = layer_caches(md.kv_cache, self.layer_idx)
-        view = md.paged_view(pool)
+        if md.kv_cache.is_quantized and md._load_pages:  # only the step's pages, in order
+            plan = md.arena.view(f"load{pool}")
+            k_cache, v_cache = load_batch_pages(md.kv_cache, self.layer_idx, plan, md._num_indices)
+            view = md.paged_view(pool, loaded_pages=True)
+        else:
+            k_cache, v_cache = layer_caches(md.kv_cache, self.layer_idx)
+            view = md.paged_view(pool)
         return attend_paged(
             q, k_cache, v_cache, view, out, scale=self.scale, window=self.window(md),
             check=md.check_kernel_inputs,

@@ -322,3 +322,30 @@ def reference_attention(
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0):
     a = actual.detach().to(torch.float64).cpu()
     torch.testing.assert_close(a, expected, atol=atol, rtol=rtol)
+
+
+def row_blocks(sc: Scenario, row: int, pool: int, num_blocks: int) -> list[int]:
+    """The manager's first ``num_blocks`` blocks of batch row ``row`` (test-side expansion of
+    beams and cross rows)."""
+    nc, beam_width = sc.num_contexts, sc.beam_width
+    rid = sc.request_ids[row if row < nc else nc + (row - nc) // beam_width]
+    if sc.cross:
+        return sc.manager.get_cross_block_ids(rid, pool)[:num_blocks]
+    beam = 0 if row < nc else (row - nc) % beam_width
+    return sc.manager.get_block_ids(rid, pool, beam=beam)[:num_blocks]
+
+
+def fp8_reference(sc: Scenario, layer: int, window: int | None) -> torch.Tensor:
+    """``reference_attention`` over the K/V an fp8 cache holds: each row's history is read
+    back through ``KVCacheTensors.read_blocks`` (the dequantized stored values)."""
+    bs, hkv, d = sc.manager.block_size, sc.num_kv_heads, sc.head_dim
+    pool = sc.manager.pool_for_layer(layer)
+    for row in range(len(sc.seq_lens)):
+        kv_len = sc.history[layer][row][0].shape[0]
+        ids = row_blocks(sc, row, pool, -(-kv_len // bs))
+        kk, vv = sc.kv.read_blocks(layer, torch.tensor(ids, device=sc.kv.device))
+        sc.history[layer][row] = (
+            kk.reshape(-1, hkv, d)[:kv_len].double().cpu(),
+            vv.reshape(-1, hkv, d)[:kv_len].double().cpu(),
+        )
+    return reference_attention(sc, layer, window)

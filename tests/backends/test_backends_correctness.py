@@ -15,9 +15,11 @@ from backends_testlib import (
     SeqSpec,
     assert_close,
     fill_metadata,
+    fp8_reference,
     make_scenario,
     random_specs,
     reference_attention,
+    row_blocks,
 )
 
 from kvplan.backends import get_backend
@@ -146,32 +148,63 @@ def test_context_only_without_cache(name):
         start += n
 
 
+def _check_fp8_outputs(sc, outs):
+    for layer, window in enumerate(sc.layer_windows):
+        want = fp8_reference(sc, layer, None if sc.cross else window)
+        err = (outs[layer].double() - want).abs().max() / want.abs().max()
+        assert err < 2e-2, err
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_fp8_cache_attends_over_the_dequantized_values(name):
-    """fp8 caches: the reference reads the stored K/V back through KVCacheTensors.read_blocks."""
     specs = [SeqSpec(6, 5, True), SeqSpec(11, 1, False), SeqSpec(4, 1, False)]
     sc = make_scenario(17, specs, head_dim=32, kv_format="fp8", layer_windows=(None, 5))
     _, outs = run_layers(name, sc)
+    _check_fp8_outputs(sc, outs)
+
+
+@pytest.mark.parametrize("name", ["ragged", "block_offsets"])
+@pytest.mark.parametrize(("beam_width", "cross"), [(1, False), (2, False), (2, True)])
+def test_fp8_paged_backends_dequantize_only_the_batch_pages(name, beam_width, cross, monkeypatch):
+    """fp8 forwards load exactly the pages of the batch's rows (row by row, each row's first
+    ceil(kv_len / block_size) blocks), through an unchecked (sync-free) load, and never
+    dequantize the whole cache; the outputs still match the reference."""
+    import kvplan.backends.paged as paged
+    from kvplan.cache.kv_tensors import KVCacheTensors
+
+    specs = [SeqSpec(6, 5, True), SeqSpec(13, 1, False), SeqSpec(4, 2, False)]
+    if cross:
+        specs = [SeqSpec(9, 3, True), SeqSpec(6, 1, False)]
+    windows = (None,) if cross else (None, 5)
+    sc = make_scenario(29, specs, beam_width=beam_width, cross=cross, head_dim=32,
+                       kv_format="fp8", layer_windows=windows)  # fmt: skip
+    loads = []
+    real_load = paged.load_paged_kv_cache
+
+    def spy(raw, segments, total_k, **kw):
+        assert kw.get("check") is False, "the forward's load must not validate (a sync)"
+        loads.append(segments.tolist())
+        return real_load(raw, segments, total_k, **kw)
+
+    def whole_cache(*args, **kwargs):
+        raise AssertionError("an fp8 forward dequantized more than the batch's pages")
+
+    monkeypatch.setattr(paged, "load_paged_kv_cache", spy)
+    monkeypatch.setattr(f"kvplan.backends.{name}.layer_caches", whole_cache)
+    monkeypatch.setattr(KVCacheTensors, "read_blocks", whole_cache)
+    md, outs = run_layers(name, sc)
+    monkeypatch.undo()
     bs = sc.manager.block_size
-    for layer, window in enumerate(sc.layer_windows):
+    assert len(loads) == 2 * len(sc.layer_windows)  # K and V of every layer
+    for layer in range(len(sc.layer_windows)):
         pool = sc.manager.pool_for_layer(layer)
-        for row in range(len(sc.seq_lens)):
-            kv_len = sc.history[layer][row][0].shape[0]
-            beam = 0 if row < sc.num_contexts else (row - sc.num_contexts) % sc.beam_width
-            rid = sc.request_ids[
-                row
-                if row < sc.num_contexts
-                else sc.num_contexts + (row - sc.num_contexts) // sc.beam_width
-            ]
-            ids = sc.manager.get_block_ids(rid, pool, beam=beam)[: -(-kv_len // bs)]
-            kk, vv = sc.kv.read_blocks(layer, torch.tensor(ids))
-            sc.history[layer][row] = (
-                kk.reshape(-1, 2, 32)[:kv_len].double(),
-                vv.reshape(-1, 2, 32)[:kv_len].double(),
-            )
-        want = reference_attention(sc, layer, window)
-        err = (outs[layer].double() - want).abs().max() / want.abs().max()
-        assert err < 2e-2, err
+        want = []
+        for row, kv_len in enumerate(md.kv_lens_np.tolist()):
+            want += row_blocks(sc, row, pool, -(-kv_len // bs))
+        plan = [[b, 0, bs, i * bs] for i, b in enumerate(want)]
+        assert loads[2 * layer] == plan
+        assert loads[2 * layer + 1] == plan
+    _check_fp8_outputs(sc, outs)
 
 
 @pytest.mark.parametrize("seed", range(100, 106))

@@ -7,6 +7,7 @@ import torch
 from backends_testlib import (
     SeqSpec,
     fill_metadata,
+    fp8_reference,
     make_scenario,
     random_specs,
     reference_attention,
@@ -201,3 +202,37 @@ def test_gpu_block_id_tables_are_skipped_while_capturing():
         x.add_(1)
         md.prepare_block_id_tables()
     assert not md.block_id_tables_valid, "request-specific fills must not be captured"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PAGED)
+@pytest.mark.parametrize(("beam", "cross"), [(1, False), (2, True)])
+def test_gpu_fp8_loads_the_batch_pages_without_a_sync(name, beam, cross):
+    """fp8 cache on the GPU: the forward (store, Triton page load, paged kernel) runs with
+    CUDA sync debugging set to error, and matches the reference over the read-back values.
+    CPU counterpart: test_backends_correctness.py::test_fp8_paged_backends_dequantize_only_the_batch_pages."""
+    if cross:
+        specs = [SeqSpec(300, 40, True), SeqSpec(77, 1, False), SeqSpec(513, 1, False)]
+    else:
+        specs = random_specs(5, num_ctx=3, num_gen=12, max_cached=700)
+    sc = make_scenario(
+        5, specs, beam_width=beam, cross=cross, num_heads=16, num_kv_heads=4, head_dim=128,
+        block_size=16, num_blocks=2048, max_blocks_per_seq=64, kv_format="fp8",
+        dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    cls = get_backend(name)
+    md = cls.Metadata(
+        max_num_requests=64, max_num_tokens=2048, max_num_sequences=128,
+        kv_cache_manager=sc.manager, kv_cache=sc.kv, device="cuda",
+    )  # fmt: skip
+    fill_metadata(md, sc)
+    md.prepare()
+    attn = cls(0, sc.num_heads, sc.num_kv_heads, sc.head_dim)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = attn.forward(sc.q, sc.k[0], sc.v[0], md)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert rel_err(out, fp8_reference(sc, 0, None)) < 2e-2
