@@ -108,7 +108,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self._host_types_np = self.host_request_types.numpy()
         self.prompt_lens_cpu = torch.zeros(s, dtype=torch.int32)
         self.prompt_lens_cuda = torch.zeros(s, dtype=torch.int32, device=dev)
-        fields = {"kv_lens": s, "qo_indptr": s + 1, "qo_indptr_gen": s + 1}
+        fields = {"seq_lens": s, "kv_lens": s, "qo_indptr": s + 1, "qo_indptr_gen": s + 1}
         fields.update({"tok_page_start": t, "tok_kv_lens": t})
         fields.update({f"slots{p}": t for p in range(self._num_pools)})
         # fp8 caches: the step's pages in row order, a load plan per pool (kvplan.backends.paged)
@@ -122,6 +122,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             self._page_arange = torch.arange(s * width, dtype=torch.int32, device=dev)
         self.num_loaded_pages = 0
         self.arena = DeviceArena(fields, dev)
+        self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=dev)
         self.qo_indptr = self.arena.view("qo_indptr")
         if enable_block_id_tables:
@@ -175,6 +176,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
                     "without a kv_cache_manager only context-only batches are supported "
                     f"(num_generations == 0), got {self.num_generations}"
                 )
+            self._stage_seq_lens(values)
             self.arena.stage(values)
             return
         bs = int(mgr.block_size)
@@ -210,6 +212,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             values["tok_kv_lens"] = valid[q_rows]
         if self._load_pages:
             self._stage_page_loads(values, host[:, :n, 0, :], logical_num_blocks(self.kv_lens, bs))
+        self._stage_seq_lens(values)
         self.arena.stage(values)
         if self.enable_block_id_tables:
             self.prepare_block_id_tables()

@@ -136,6 +136,7 @@ class AttentionMetadata:
         self.cached_np = np.zeros(0, np.int32)
         # device copy of seq_lens, allocated once at capacity and written in place
         self._seq_lens_gpu = torch.zeros(max_num_sequences, dtype=torch.int32, device=self.device)
+        self._seq_lens_pending = False
 
     # ---------------------------------------------------------------- per-step shape
     @property
@@ -151,21 +152,37 @@ class AttentionMetadata:
                 f"seq_lens has {arr.size} sequences, more than max_num_sequences="
                 f"{self.max_num_sequences}"
             )
-        # A fresh (pinned) host tensor per assignment: it is the private source of the async
-        # copy below, so a later assignment can never overwrite it while the copy is queued.
-        host = host_empty(arr.size, torch.int32, self.pinned)
-        host.numpy()[:] = arr
-        self._seq_lens = host
+        # arr is a fresh array (as_int32_array copies), so this CPU tensor is never rewritten.
+        self._seq_lens = torch.from_numpy(arr)
         self._seq_lens_np = arr
-        # In place, never reallocated: a captured graph keeps reading the same address.
-        copy_to(self._seq_lens_gpu[: arr.size], host)
+        # The device copy is written in place (never reallocated: a captured graph keeps
+        # reading the same address), but lazily: prepare() stages it with its other fields in
+        # one host-to-device copy; reading seq_lens_gpu before that copies it on the spot.
+        self._seq_lens_pending = True
         self._num_tokens = int(arr.sum())
         self.on_update()
 
     @property
     def seq_lens_gpu(self) -> torch.Tensor:
         """Device copy of ``seq_lens``: int32 ``[num_seqs]`` view of a capacity buffer."""
+        if self._seq_lens_pending:
+            self._flush_seq_lens()
         return self._seq_lens_gpu[: self._num_seqs]
+
+    def _flush_seq_lens(self) -> None:
+        """Copy ``seq_lens`` to its device buffer now, from a private (pinned) snapshot."""
+        arr = self._seq_lens_np
+        snapshot = host_empty(arr.size, torch.int32, self.pinned)
+        snapshot.numpy()[:] = arr
+        copy_to(self._seq_lens_gpu[: arr.size], snapshot)
+        self._seq_lens_pending = False
+
+    def _stage_seq_lens(self, values: dict) -> None:
+        """For backends whose ``_seq_lens_gpu`` is the ``"seq_lens"`` field of their
+        ``DeviceArena``: add the pending device copy to this step's staged ``values``."""
+        if self._seq_lens_pending:
+            values["seq_lens"] = self._seq_lens_np
+            self._seq_lens_pending = False
 
     # the seed's name for the same tensor
     seq_lens_cuda = seq_lens_gpu
@@ -250,6 +267,8 @@ class AttentionMetadata:
         self.prepared = False
         self._prepare_common()
         self._prepare_backend()
+        if self._seq_lens_pending:  # backends without an arena copy it on its own
+            self._flush_seq_lens()
         self.prepared = True
 
     def _prepare_backend(self) -> None:

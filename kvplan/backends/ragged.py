@@ -128,6 +128,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self._num_pools = 1 if mgr is None else int(mgr.num_pools)
         width = 0 if mgr is None else int(mgr.max_blocks_per_seq)
         fields = {
+            "seq_lens": s,
             "indptr": s + 1,
             "indptr_decode": s + 1,
             "qo_indptr_decode": s + 1,
@@ -152,6 +153,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
                 fields[f"load{p}"] = 4 * s * width
             self._page_arange = torch.arange(s * width, dtype=torch.int32, device=self.device)
         self.arena = DeviceArena(fields, self.device)
+        self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self._col_index = np.arange(width, dtype=np.int32)
         self._row_index = np.arange(s, dtype=np.int32)
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=self.device)
@@ -196,7 +198,6 @@ class RaggedAttentionMetadata(AttentionMetadata):
     # prepare ------------------------------------------------------------------------
     def _prepare_backend(self) -> None:
         n, nc = self.num_seqs, self.num_contexts
-        torch.cumsum(self.seq_lens_gpu, 0, dtype=torch.int32, out=self.qo_indptr[1 : n + 1])
         self._num_indices = 0
         mgr = self.kv_cache_manager
         if mgr is None:
@@ -205,7 +206,10 @@ class RaggedAttentionMetadata(AttentionMetadata):
                     "without a kv_cache_manager only context-only batches are supported "
                     f"(num_generations == 0), got {self.num_generations}"
                 )
-            self.arena.stage({"kv_lens": self.kv_lens_np})
+            values = {"kv_lens": self.kv_lens_np}
+            self._stage_seq_lens(values)
+            self.arena.stage(values)
+            self._qo_indptr_on_device()
             return
         bs = int(mgr.block_size)
         kv_lens = self.kv_lens_np
@@ -262,7 +266,9 @@ class RaggedAttentionMetadata(AttentionMetadata):
         if self._load_pages:
             for p, idx in enumerate(indices):
                 values[f"load{p}"] = page_load_plan(idx, bs)
+        self._stage_seq_lens(values)
         self.arena.stage(values)
+        self._qo_indptr_on_device()
         self._num_indices = int(indptr[-1])
         self.num_blocks_np, self.logical_num_blocks_np = num_blocks, logical_nb
         self.paged_kv_indices_np, self.paged_kv_indptr_np = indices, indptr
@@ -270,6 +276,12 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self.batch_indices_np, self.positions_np = rows, positions
         if self.check_page_table:
             self._self_check(bs)
+
+    def _qo_indptr_on_device(self) -> None:
+        """``qo_indptr[1:n+1] = cumsum(seq_lens)`` on the device, after the staged copy of
+        ``seq_lens`` (same stream), into the preallocated buffer (``qo_indptr[0]`` stays 0)."""
+        n = self.num_seqs
+        torch.cumsum(self._seq_lens_gpu[:n], 0, dtype=torch.int32, out=self.qo_indptr[1 : n + 1])
 
     def _self_check(self, block_size: int) -> None:
         if self.page_table_check_budget <= 0:
