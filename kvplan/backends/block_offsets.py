@@ -109,7 +109,6 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self.prompt_lens_cpu = torch.zeros(s, dtype=torch.int32)
         self.prompt_lens_cuda = torch.zeros(s, dtype=torch.int32, device=dev)
         fields = {"seq_lens": s, "kv_lens": s, "qo_indptr": s + 1, "qo_indptr_gen": s + 1}
-        fields.update({"tok_page_start": t, "tok_kv_lens": t})
         fields.update({f"slots{p}": t for p in range(self._num_pools)})
         # fp8 caches: the step's pages in row order, a load plan per pool (kvplan.backends.paged)
         self._load_pages = (
@@ -117,9 +116,12 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         )
         if self._load_pages:
             check_int32("4 * max_num_sequences * max_blocks_per_seq", 4 * s * width)
-            fields.update({"page_start": s + 1, "tok_loaded_start": t})
+            fields["page_start"] = s + 1
             fields.update({f"load{p}": 4 * s * width for p in range(self._num_pools)})
+            fields["tok_loaded_start"] = t
             self._page_arange = torch.arange(s * width, dtype=torch.int32, device=dev)
+        # cross attention only: last, so other steps stage (and copy) a shorter prefix
+        fields.update({"tok_page_start": t, "tok_kv_lens": t})
         self.num_loaded_pages = 0
         self.arena = DeviceArena(fields, dev)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields

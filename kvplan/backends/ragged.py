@@ -136,8 +136,6 @@ class RaggedAttentionMetadata(AttentionMetadata):
             "kv_lens": s,
             "batch_indices": t,
             "positions": t,
-            "tok_page_start": t,
-            "tok_kv_lens": t,
         }
         for p in range(self._num_pools):
             fields[f"slots{p}"] = t
@@ -152,6 +150,8 @@ class RaggedAttentionMetadata(AttentionMetadata):
             for p in range(self._num_pools):
                 fields[f"load{p}"] = 4 * s * width
             self._page_arange = torch.arange(s * width, dtype=torch.int32, device=self.device)
+        # cross attention only: last, so other steps stage (and copy) a shorter prefix
+        fields.update({"tok_page_start": t, "tok_kv_lens": t})
         self.arena = DeviceArena(fields, self.device)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self._col_index = np.arange(width, dtype=np.int32)

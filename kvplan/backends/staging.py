@@ -76,27 +76,30 @@ class DeviceArena:
             name: self.buffer[off : off + self.capacities[name]]
             for name, off in self.offsets.items()
         }
+        self._spans = {name: (off, self.capacities[name]) for name, off in self.offsets.items()}
         self.last_snapshot: torch.Tensor | None = None
 
     def view(self, name: str) -> torch.Tensor:
         return self._views[name]
 
     def stage(self, values: Mapping[str, np.ndarray]) -> None:
+        spans = self._spans
+        placed = []
         end = 0
         for name, arr in values.items():
-            if arr.size > self.capacities[name]:
-                raise ValueError(
-                    f"{name} needs {arr.size} entries, more than its capacity "
-                    f"{self.capacities[name]}"
-                )
-            end = max(end, self.offsets[name] + arr.size)
+            off, cap = spans[name]
+            size = arr.size
+            if size > cap:
+                raise ValueError(f"{name} needs {size} entries, more than its capacity {cap}")
+            placed.append((off, off + size, arr))
+            if off + size > end:
+                end = off + size
         if end == 0:
             return
-        snapshot = host_empty(end, torch.int32, self.pinned)
+        snapshot = torch.empty(end, dtype=torch.int32, pin_memory=self.pinned)
         host = snapshot.numpy()
-        for name, arr in values.items():
-            off = self.offsets[name]
-            host[off : off + arr.size] = arr
+        for lo, hi, arr in placed:
+            host[lo:hi] = arr
         copy_to(self.buffer[:end], snapshot)
         # Kept only for inspection; the allocator already protects it until the copy is done.
         self.last_snapshot = snapshot
