@@ -207,7 +207,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
                 slots = decode_token_slots(last_blocks, self.cached_np, bs)
             else:
                 slots = new_token_slots(host[p, :n, 0, :], self.cached_np, self.seq_lens_kv_np, bs)
-            values[f"slots{p}"] = slots.astype(np.int32)
+            values[f"slots{p}"] = slots
         if self.is_cross:
             q_rows = np.repeat(np.arange(n), self._seq_lens_np)
             values["tok_page_start"] = (q_rows * 2 * self.max_blocks_per_seq).astype(np.int32)

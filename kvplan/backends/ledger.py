@@ -83,7 +83,8 @@ def allocated_blocks(table: np.ndarray) -> np.ndarray:
 def new_token_slots(
     table: np.ndarray, cached: np.ndarray, new_lens: np.ndarray, block_size: int
 ) -> np.ndarray:
-    """Cache slot of every new K/V token, sequence by sequence (host, int64 ``[sum(new_lens)]``).
+    """Cache slot of every new K/V token, sequence by sequence (host, int32 ``[sum(new_lens)]``;
+    slots fit in int32 because the manager checks ``num_blocks * block_size``).
 
     Token i of sequence b sits at position ``p = cached[b] + i`` and goes to slot
     ``table[b, p // block_size] * block_size + p % block_size``.
@@ -102,30 +103,28 @@ def new_token_slots(
     n = new_lens.size
     total = int(new_lens.sum())
     if total == 0:
-        return np.zeros(0, np.int64)
-    bs = np.int64(block_size)
+        return np.zeros(0, np.int32)
+    bs = np.int32(block_size)
+    start = cached.astype(np.int32, copy=False)
     if total == n and new_lens.min() == 1:  # decode: one new token per sequence, one run each
-        run_seq = np.arange(n)
-        run_col = cached // np.int32(block_size)
-        lo = cached.astype(np.int64)
-        run_len = None
+        run_seq, run_col, lo, run_len = np.arange(n), start // bs, start, None
     else:
-        start = cached.astype(np.int64)
-        end = start + new_lens
+        end = start + new_lens.astype(np.int32, copy=False)
         first = start // bs
-        runs = np.where(new_lens > 0, (end - 1) // bs - first + 1, 0)  # runs per sequence
-        run_seq = np.repeat(np.arange(n), runs)
-        run_start = np.cumsum(runs) - runs
-        run_col = np.arange(run_seq.size) - run_start[run_seq] + first[run_seq]
-        lo = np.maximum(run_col * bs, start[run_seq])  # first position of each run
-        run_len = np.minimum(run_col * bs + bs, end[run_seq]) - lo
+        runs = ((end - 1) // bs - first + 1) * (new_lens > 0)  # runs (blocks touched) per seq
+        run_seq = np.repeat(np.arange(n, dtype=np.int32), runs)
+        run_col = np.arange(run_seq.size, dtype=np.int32)
+        run_col += np.repeat(first - (np.cumsum(runs, dtype=np.int32) - runs), runs)
+        block_lo = run_col * bs
+        lo = np.maximum(block_lo, start[run_seq])  # first position of each run
+        run_len = np.minimum(block_lo + bs, end[run_seq]) - lo
     if int(run_col.max()) >= table.shape[1]:
         i = int(np.argmax(run_col))
         raise ValueError(
             f"sequence {int(run_seq[i])} writes position {(int(run_col[i]) + 1) * block_size - 1}"
             f" or below, past max_blocks_per_seq={table.shape[1]} blocks of {block_size}"
         )
-    blocks = table[run_seq, run_col].astype(np.int64)
+    blocks = table[run_seq, run_col]
     if not blocks.all():
         bad = int(run_seq[np.argmin(blocks != 0)])
         raise ValueError(
@@ -134,9 +133,11 @@ def new_token_slots(
         )
     first_slot = blocks * bs + lo % bs  # slot of each run's first token
     if run_len is None:
-        return first_slot
-    # token k of the run at token offset o: first_slot + k = (first_slot - o) + token index
-    return np.repeat(first_slot - (np.cumsum(run_len) - run_len), run_len) + np.arange(total)
+        return first_slot.astype(np.int32, copy=False)
+    # token k of the run starting at token offset o: first_slot + k = (first_slot - o) + index
+    slots = np.repeat(first_slot - (np.cumsum(run_len, dtype=np.int32) - run_len), run_len)
+    slots += np.arange(total, dtype=np.int32)
+    return slots
 
 
 def logical_num_blocks(kv_lens: np.ndarray, block_size: int) -> np.ndarray:
@@ -187,6 +188,7 @@ def decode_token_slots(last_blocks: np.ndarray, cached: np.ndarray, block_size: 
     ``last_blocks[b]``: the block at column ``ceil((cached[b] + 1) / block_size) - 1`` of row
     b, i.e. the one ``check_allocated(table, logical_num_blocks(cached + 1, ...))`` returns,
     which is the block holding position ``cached[b]``. Equals ``new_token_slots(table,
-    cached, ones, block_size)``; int64 ``[n]``.
+    cached, ones, block_size)``; int32 ``[n]``.
     """
-    return last_blocks.astype(np.int64) * block_size + cached % np.int32(block_size)
+    bs = np.int32(block_size)
+    return last_blocks * bs + cached % bs

@@ -256,7 +256,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
             "positions": positions,
         }
         for p, pool_slots in enumerate(slots):
-            values[f"slots{p}"] = pool_slots.astype(np.int32)
+            values[f"slots{p}"] = pool_slots
         if self.is_cross:  # one decode "sequence" per query token
             q_rows = np.repeat(np.arange(n), self._seq_lens_np)
             values["tok_page_start"] = indptr[q_rows]

@@ -13,7 +13,12 @@ from kvplan.backends import (
     VanillaAttentionMetadata,
     get_backend,
 )
-from kvplan.backends.ledger import new_token_slots
+from kvplan.backends.ledger import (
+    check_allocated,
+    decode_token_slots,
+    logical_num_blocks,
+    new_token_slots,
+)
 from kvplan.backends.staging import DeviceArena
 
 
@@ -129,21 +134,33 @@ def test_backend_ctor_validation_and_names():
         assert get_backend(name).Metadata.__name__.endswith("AttentionMetadata")
 
 
-def test_new_token_slots_against_a_loop():
-    rng = np.random.default_rng(0)
-    bs = 4
-    table = rng.integers(1, 50, size=(5, 6)).astype(np.int32)
-    cached = rng.integers(0, 12, size=5).astype(np.int32)
-    new = rng.integers(0, 8, size=5).astype(np.int32)
+@pytest.mark.parametrize("seed", range(6))
+def test_new_token_slots_against_a_loop(seed):
+    rng = np.random.default_rng(seed)
+    bs = int(rng.choice([1, 3, 4, 16]))
+    n = int(rng.integers(1, 9))
+    table = rng.integers(1, 50, size=(n, 40)).astype(np.int32)
+    cached = rng.integers(0, 5 * bs, size=n).astype(np.int32)
+    new = rng.integers(0, 3 * bs + 2, size=n).astype(np.int32)
+    if seed % 2:
+        new[:] = 1  # the decode path
     want = [
         int(table[b, p // bs]) * bs + p % bs
-        for b in range(5)
+        for b in range(n)
         for p in range(cached[b], cached[b] + new[b])
     ]
-    assert new_token_slots(table, cached, new, bs).tolist() == want
-    table[2, :] = 0
-    new[2] = 1
+    got = new_token_slots(table, cached, new, bs)
+    assert got.dtype == np.int32
+    assert got.tolist() == want
+    if seed % 2:  # decode: the last held block of each row names the same slots
+        last = check_allocated(table, logical_num_blocks(cached + 1, bs))
+        assert decode_token_slots(last, cached, bs).tolist() == want
+    table[n - 1, :] = 0
+    new[n - 1] = 1
     with pytest.raises(ValueError, match="unallocated"):
+        new_token_slots(table, cached, new, bs)
+    new[n - 1] = 40 * bs + 1 - cached[n - 1]
+    with pytest.raises(ValueError, match="past max_blocks_per_seq"):
         new_token_slots(table, cached, new, bs)
 
 
