@@ -4,10 +4,10 @@ Two batches: 256 decode sequences, and a 32-sequence mixed batch (16 prefill chu
 cached history, + 16 decode rows). For each backend, ``step us`` times one step's metadata
 update from Python lists: the per-step setters plus ``prepare()`` (host math, staging, async
 H2D launches; no device sync inside); ``prepare us`` times ``prepare()`` alone. The speedup is
-baseline / step (both start from the same lists). The baseline builds the same backend's format the pre-vectorized way:
-one Python list per request (``get_block_ids``), per-token loops, then ``torch.tensor`` and a
-copy to the device. Medians over ``--iters`` steps; the device is synchronized between steps,
-outside the timed region.
+baseline / step (both start from the same lists). The baseline builds the same backend's
+fields the pre-vectorized way: one Python list per request (``get_block_ids``), per-token
+loops, then one ``torch.tensor`` + copy to the device per field (see ``baseline``). Medians
+over ``--iters`` steps; the device is synchronized between steps, outside the timed region.
 
     PYTHONPATH=. python3 bench/bench_prepare.py --out bench/results/bench_prepare.json
     PYTHONPATH=. python3 bench/bench_prepare.py --quick      # tiny, CPU-friendly
@@ -64,8 +64,17 @@ def step_ours(md, rids, num_ctx, seq_lens, cached) -> None:
 
 
 def baseline(name: str, mgr, rids, num_ctx, seq_lens, cached, device) -> dict:
-    """The same format built per request with Python lists (what ``prepare()`` replaces)."""
+    """The same fields built per request with Python lists (what ``prepare()`` replaces).
+
+    Per backend it produces what that backend's ``prepare()`` produces for the kernels (one
+    device tensor per field, from a Python list): shared by all, ``seq_lens``, ``cu_seqlens_q``
+    (``qo_indptr``) and the new tokens' slots; vanilla: one padded block table
+    ``[n, max logical blocks]``; ragged: indices / indptr / last_page_len / kv_lens /
+    batch_indices / positions and the decode indptrs; block offsets: the ``[n, 2, width]``
+    table, kv_lens, request types, the generation ``qo_indptr`` and the two KV totals.
+    """
     bs = mgr.block_size
+    n = len(rids)
     kv_lens = [c + s for c, s in zip(cached, seq_lens)]
     block_lists = [mgr.get_block_ids(r) for r in rids]
     slots, positions, batch_indices = [], [], []
@@ -74,33 +83,43 @@ def baseline(name: str, mgr, rids, num_ctx, seq_lens, cached, device) -> dict:
             slots.append(ids[p // bs] * bs + p % bs)
             positions.append(p)
             batch_indices.append(b)
-    out = {"kv_lens": kv_lens, "slots": slots}
+    qo = [0]
+    for s in seq_lens:
+        qo.append(qo[-1] + s)
+    lists = {"seq_lens": list(seq_lens), "qo": qo}
     if name == "vanilla":
-        out["block_ids"] = [ids[: -(-n // bs)] for ids, n in zip(block_lists, kv_lens)]
-        dev = {"slots": torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)}
-        dev["tables"] = [torch.tensor(x, dtype=torch.int32).to(device) for x in out["block_ids"]]
+        width = max(-(-k // bs) for k in kv_lens)
+        table = []
+        for ids, k in zip(block_lists, kv_lens):
+            row = ids[: -(-k // bs)]
+            table.append(row + [0] * (width - len(row)))
+        dev = {k: torch.tensor(v, dtype=torch.int32).to(device) for k, v in lists.items()}
+        dev["slots"] = torch.tensor(slots, dtype=torch.int64).to(device)
+        dev["table"] = torch.tensor(table, dtype=torch.int32).to(device)
         return dev
     if name == "ragged":
         indices, indptr, last = [], [0], []
-        for ids, n in zip(block_lists, kv_lens):
-            nb = -(-n // bs)
+        for ids, k in zip(block_lists, kv_lens):
+            nb = -(-k // bs)
             indices.extend(ids[:nb])
             indptr.append(indptr[-1] + nb)
-            last.append(n - (nb - 1) * bs)
-        qo = [0]
-        for s in seq_lens:
-            qo.append(qo[-1] + s)
-        lists = dict(indices=indices, indptr=indptr, last=last, qo=qo, kv_lens=kv_lens,
-                     slots=slots, positions=positions, batch_indices=batch_indices)  # fmt: skip
+            last.append(k - (nb - 1) * bs)
+        lists.update(indices=indices, indptr=indptr, last=last, kv_lens=kv_lens, slots=slots,
+                     positions=positions, batch_indices=batch_indices,
+                     indptr_decode=[x - indptr[num_ctx] for x in indptr[num_ctx:]],
+                     qo_decode=[x - qo[num_ctx] for x in qo[num_ctx:]])  # fmt: skip
         return {k: torch.tensor(v, dtype=torch.int32).to(device) for k, v in lists.items()}
-    width = max(-(-n // bs) for n in kv_lens)
+    width = max(-(-k // bs) for k in kv_lens)
     table = []
     for ids in block_lists:
         row = ids[:width] + [0] * (width - len(ids[:width]))
         table.append([row, row])
-    types = [0 if b < num_ctx else 1 for b in range(len(rids))]
-    lists = dict(kv_lens=kv_lens, slots=slots, types=types)
+    types = [0 if b < num_ctx else 1 for b in range(n)]
+    totals = [sum(kv_lens[:num_ctx]), sum(kv_lens[num_ctx:])]
+    lists.update(kv_lens=kv_lens, slots=slots, types=types,
+                 qo_gen=[x - qo[num_ctx] for x in qo[num_ctx:]])  # fmt: skip
     dev = {k: torch.tensor(v, dtype=torch.int32).to(device) for k, v in lists.items()}
+    dev["totals"] = torch.tensor(totals, dtype=torch.int64)  # host, like host_total_kv_lens
     dev["table"] = torch.tensor(table, dtype=torch.int32).to(device)
     return dev
 
