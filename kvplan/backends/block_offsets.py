@@ -29,6 +29,10 @@ device-side sub-steps may dereference columns a host-derived cap would leave sta
 ``[max_num_sequences, max_blocks_per_seq]`` (all rows) and ``block_ids_per_seq`` (generation
 rows first, so row g is generation sequence g), zero-filled then copied, skipped while a CUDA
 graph is capturing; the generation segment's decode then reads ``block_ids_per_seq``.
+
+fp8 caches (``kv_cache.is_quantized``, given at construction): ``prepare()`` also lists each
+row's first ``ceil(kv_lens / block_size)`` blocks (draft tokens included) as a load plan, and
+the forward reads a compact bf16 copy of just those pages (``kvplan.backends.paged``).
 """
 
 from __future__ import annotations
@@ -276,69 +280,43 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
 
     # kernel view --------------------------------------------------------------------
     def paged_view(self, pool: int, *, loaded_pages: bool = False) -> PagedView:
-        """The kernels' view of pool ``pool``: the block-offset table (K entries), or with
-        ``loaded_pages`` the compact cache of ``load_batch_pages`` (row b's pages start at
-        ``page_start[b]``, ids ``arange``)."""
+        """The kernels' view of pool ``pool``: the block-offset table (K entries; row b's pages
+        start at ``b * 2 * max_blocks_per_seq``), or with ``loaded_pages`` the compact cache of
+        ``load_batch_pages`` (ids ``arange``; row b's pages start at ``page_start[b]``)."""
         n, nc, ng = self.num_seqs, self.num_contexts, self.num_generations
         if loaded_pages:
-            return self._loaded_view()
-        table = self.kv_cache_block_offsets[pool].view(-1)
+            table = self._page_arange[: self.num_loaded_pages]
+            row_start = self.arena.view("page_start")
+            tok_start = self.arena.view("tok_loaded_start")
+        else:
+            table = self.kv_cache_block_offsets[pool].view(-1)
+            row_start, tok_start = self._row_start, self.arena.view("tok_page_start")
         kv_lens = self.kv_lens_cuda
         q_lens = self._seq_lens_np
         max_kv = int(self.kv_lens_np.max()) if n else 0
         if self.is_cross:
             t = self.num_tokens
             seg = PagedSegment(
-                table, self.arena.view("tok_page_start")[:t], self.arena.view("tok_kv_lens")[:t],
-                None, t, 1, max_kv,
-            )  # fmt: skip
+                table, tok_start[:t], self.arena.view("tok_kv_lens")[:t], None, t, 1, max_kv
+            )
             return PagedView(seg, None, cross=True)
         ctx = gen = None
         if nc:
             ctx = PagedSegment(
-                table, self._row_start[:nc], kv_lens[:nc], self.qo_indptr[: nc + 1],
+                table, row_start[:nc], kv_lens[:nc], self.qo_indptr[: nc + 1],
                 self.num_ctx_tokens, int(q_lens[:nc].max()), max_kv,
             )  # fmt: skip
         if ng:
             max_q = int(q_lens[nc:].max())
             cu = self.arena.view("qo_indptr_gen")[: ng + 1] if max_q > 1 else None
-            if self.block_id_tables_valid and pool == 0:
+            if self.block_id_tables_valid and pool == 0 and not loaded_pages:
                 # generation rows first: row g of block_ids_per_seq is generation sequence g
                 ids, start = self.block_ids_per_seq.view(-1), self._row_start_ids[:ng]
             else:
-                ids, start = table, self._row_start[nc:n]
+                ids, start = table, row_start[nc:n]
             gen = PagedSegment(
                 ids, start, kv_lens[nc:n], cu, self.num_tokens - self.num_ctx_tokens, max_q, max_kv
             )
-        return PagedView(ctx, gen)
-
-    def _loaded_view(self) -> PagedView:
-        n, nc, ng = self.num_seqs, self.num_contexts, self.num_generations
-        ids = self._page_arange[: self.num_loaded_pages]
-        start = self.arena.view("page_start")
-        kv_lens = self.kv_lens_cuda
-        q_lens = self._seq_lens_np
-        max_kv = int(self.kv_lens_np.max()) if n else 0
-        if self.is_cross:
-            t = self.num_tokens
-            tok_start = self.arena.view("tok_loaded_start")[:t]
-            seg = PagedSegment(
-                ids, tok_start, self.arena.view("tok_kv_lens")[:t], None, t, 1, max_kv
-            )
-            return PagedView(seg, None, cross=True)
-        ctx = gen = None
-        if nc:
-            ctx = PagedSegment(
-                ids, start[:nc], kv_lens[:nc], self.qo_indptr[: nc + 1],
-                self.num_ctx_tokens, int(q_lens[:nc].max()), max_kv,
-            )  # fmt: skip
-        if ng:
-            max_q = int(q_lens[nc:].max())
-            cu = self.arena.view("qo_indptr_gen")[: ng + 1] if max_q > 1 else None
-            gen = PagedSegment(
-                ids, start[nc:n], kv_lens[nc:n], cu, self.num_tokens - self.num_ctx_tokens,
-                max_q, max_kv,
-            )  # fmt: skip
         return PagedView(ctx, gen)
 
 

@@ -24,6 +24,11 @@ VSWA: one ``paged_kv_indices`` per pool (same ``num_blocks`` and indptr: every p
 whole sequence); a layer reads its pool's indices. ``check_page_table`` cross-checks
 logical blocks, exposed blocks and lengths after each ``prepare()``, reporting at most
 ``page_table_check_budget`` problems (then staying quiet) instead of raising.
+
+fp8 caches (``kv_cache.is_quantized``, given at construction): ``prepare()`` also turns each
+pool's ``paged_kv_indices`` into a load plan; the forward dequantizes exactly those pages into
+a compact bf16 cache and the kernels read it through ``arange`` page ids with the same indptr
+(``kvplan.backends.paged``), with no device sync.
 """
 
 from __future__ import annotations

@@ -155,6 +155,31 @@ def test_batch_views_agree():
         m.get_block_ids_per_seq(["a", "nope"])
 
 
+def test_repeated_batch_lookups_follow_free_and_re_add():
+    """The manager remembers the last batch's rows; freeing any request must forget them
+    (its row may go to another request), and a re-added id must show its new blocks."""
+    m = make(num_blocks=32)
+    for rid, n in (("a", 9), ("b", 3), ("c", 13)):
+        m.add_request(rid, list(range(n)))
+    ids = ["c", "a", "b"]
+    first = m.get_block_ids_per_seq(ids, width=4)
+    assert m.get_block_ids_per_seq(list(ids), width=4).tolist() == first.tolist()  # cache hit
+    m.free("a")
+    m.add_request("d", list(range(5)))  # takes a's old row
+    m.add_request("a", list(range(2)))  # new row, new blocks
+    again = m.get_block_ids_per_seq(ids, width=4)
+    want = [m.get_block_ids(r) + [0] * (4 - len(m.get_block_ids(r))) for r in ids]
+    assert again.tolist() == want
+    assert again[1].tolist() != first[1].tolist()
+    assert m.get_batch_cache_indices(ids) == [m.get_block_ids(r) for r in ids]
+    m.free("b")
+    with pytest.raises(ValueError, match="unknown request id"):
+        m.get_block_ids_per_seq(ids)
+    rows = m._seq_rows(["c", "a"], None)
+    with pytest.raises(ValueError):
+        rows[0] = 5  # shared with later lookups: read-only
+
+
 def test_beams_share_full_prompt_blocks_only():
     m = make(num_blocks=32, max_beam_width=4)
     r = m.add_request("a", list(range(9)), beam_width=3)  # 2 full blocks + a partial one
