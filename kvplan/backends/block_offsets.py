@@ -60,7 +60,7 @@ from kvplan.backends.paged import (
     load_batch_pages,
     page_load_plan,
 )
-from kvplan.backends.staging import DeviceArena, host_empty, to_device
+from kvplan.backends.staging import DeviceArena, to_device
 
 
 class BlockOffsetsAttentionMetadata(AttentionMetadata):
@@ -111,8 +111,8 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self._host_total_np = self.host_total_kv_lens.numpy()
         self._host_types_np = self.host_request_types.numpy()
         self.prompt_lens_cpu = torch.zeros(s, dtype=torch.int32)
-        self.prompt_lens_cuda = torch.zeros(s, dtype=torch.int32, device=dev)
         fields = {"seq_lens": s, "kv_lens": s, "qo_indptr": s + 1, "qo_indptr_gen": s + 1}
+        fields["prompt_lens"] = s
         fields.update({f"slots{p}": t for p in range(self._num_pools)})
         # fp8 caches: the step's pages in row order, a load plan per pool (kvplan.backends.paged)
         self._load_pages = (
@@ -129,6 +129,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self.num_loaded_pages = 0
         self.arena = DeviceArena(fields, dev)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
+        self.prompt_lens_cuda = self.arena.view("prompt_lens")
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=dev)
         self.qo_indptr = self.arena.view("qo_indptr")
         if enable_block_id_tables:
@@ -145,7 +146,8 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         return self.arena.view(f"slots{pool}")[: self.num_kv_tokens]
 
     # prepare ------------------------------------------------------------------------
-    def _fill_step_fields(self) -> None:
+    def _fill_step_fields(self) -> np.ndarray | None:
+        """Host step fields; returns the validated ``prompt_lens`` (None when unset)."""
         n, nc = self.num_seqs, self.num_contexts
         valid = self.kv_lens_np  # cached + seq_lens_kv
         extra = self.num_extra_kv_tokens
@@ -162,19 +164,21 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             if prompt.size != n:
                 raise ValueError(f"prompt_lens has {prompt.size} entries, expected {n}")
             self.prompt_lens_cpu.numpy()[:n] = prompt
-            snap = host_empty(n, torch.int32, self.pinned)
-            snap.numpy()[:] = prompt
-            self.prompt_lens_cuda[:n].copy_(snap, non_blocking=True)
+            return prompt
+        return None
 
     def _prepare_backend(self) -> None:
         n, nc = self.num_seqs, self.num_contexts
-        self._fill_step_fields()
+        prompt = self._fill_step_fields()
         valid = self.kv_lens_np
+        cu_q = self.cu_seqlens_q_np
         values = {
             "kv_lens": valid,
-            "qo_indptr": self.cu_seqlens_q_np,
-            "qo_indptr_gen": (self.cu_seqlens_q_np[nc:] - self.num_ctx_tokens).astype(np.int32),
+            "qo_indptr": cu_q,
+            "qo_indptr_gen": cu_q[nc:] - np.int32(self.num_ctx_tokens) if nc else cu_q,
         }
+        if prompt is not None:  # prompt_lens_cuda is an arena view: staged with the rest
+            values["prompt_lens"] = prompt
         mgr = self.kv_cache_manager
         if mgr is None:
             if self.num_generations:

@@ -253,8 +253,12 @@ class RaggedAttentionMetadata(AttentionMetadata):
             positions += np.arange(rows.size, dtype=np.int32)
         values = {
             "indptr": indptr,
-            "indptr_decode": indptr[nc:] - indptr[nc],
-            "qo_indptr_decode": self.cu_seqlens_q_np[nc:] - np.int32(self.num_ctx_tokens),
+            "indptr_decode": indptr[nc:] - indptr[nc] if nc else indptr,
+            "qo_indptr_decode": (
+                self.cu_seqlens_q_np[nc:] - np.int32(self.num_ctx_tokens)
+                if nc
+                else self.cu_seqlens_q_np
+            ),
             "last_page_len": last_page_len,
             "kv_lens": kv_lens,
             "batch_indices": rows,
