@@ -168,7 +168,9 @@ def extract_batch(
     tables = [
         t if len(t) == k else t[:k] for t, k in zip([s.block_table for s in seqs], nb.tolist())
     ]
-    bt_flat = np.concatenate(tables)
+    # Empty tables are dropped first: np.concatenate would promote them to float64.
+    nonempty = [t for t in tables if len(t)]
+    bt_flat = np.concatenate(nonempty) if nonempty else np.zeros(0, dtype=np.int64)
     if bt_flat.dtype.kind not in "iu" and len(bt_flat):
         raise TypeError(f"block_table entries must be integers, got dtype {bt_flat.dtype}")
     bt_flat = bt_flat.astype(np.int64, copy=False)
