@@ -73,9 +73,17 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 def ue8m0_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """``ceil(log2(max(amax, 1e-4) / qmax))`` as int32, exactly (from the fp32 bits)."""
-    s = amax.float().clamp(min=AMAX_FLOOR) / qmax
+    s = div_rn(amax.float().clamp(min=AMAX_FLOOR), qmax)
     bits = s.view(torch.int32)
     return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def div_rn(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+    """Correctly rounded fp32 ``a / b``. A Python-scalar divisor is expanded to a tensor first:
+    on CUDA, PyTorch divides by a scalar as ``a * (1 / b)``, which is not correctly rounded."""
+    if not isinstance(b, torch.Tensor):
+        b = torch.full_like(a, b)
+    return a / b
 
 
 def pow2(exponent: torch.Tensor) -> torch.Tensor:
@@ -108,12 +116,13 @@ def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torc
         scales = (exp + 127).to(torch.uint8)
     elif layout.sf_format == "e4m3":
         qmax = _MINIFLOAT[dtype][3]
-        sf = (amax.clamp(min=E4M3_MIN_SUBNORMAL * qmax) / qmax).clamp(max=E4M3_MAX)
+        sf = div_rn(amax.clamp(min=E4M3_MIN_SUBNORMAL * qmax), qmax).clamp(max=E4M3_MAX)
         scales = encode_minifloat(sf, "e4m3")
-        inv = 1.0 / decode_e4m3(scales)
+        sf_val = decode_e4m3(scales)
+        inv = div_rn(torch.ones_like(sf_val), sf_val)
         codes = encode_minifloat(xg * inv[..., None], dtype)
     else:
-        sf = amax.clamp(min=AMAX_FLOOR) / _MINIFLOAT[dtype][3]
+        sf = div_rn(amax.clamp(min=AMAX_FLOOR), _MINIFLOAT[dtype][3])
         codes = encode_minifloat(xg / sf[..., None], dtype)
         scales = sf.contiguous().view(torch.uint8).view(n, -1)
     codes = codes.view(n, -1)[:, : layout.quantized_elements]

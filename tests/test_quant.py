@@ -151,9 +151,10 @@ def _elementwise_kernel(x_ptr, c_ptr, n, OP: tl.constexpr, TILE: tl.constexpr):
 
 
 def _run(op, x=None, codes=None):
-    n = (x if x is not None else codes).numel()
-    x = x if x is not None else torch.empty(n)
-    codes = codes if codes is not None else torch.empty(n, dtype=torch.int32)
+    given = x if x is not None else codes
+    n, device = given.numel(), given.device
+    x = x if x is not None else torch.empty(n, device=device)
+    codes = codes if codes is not None else torch.empty(n, dtype=torch.int32, device=device)
     _elementwise_kernel[(triton.cdiv(n, 1024),)](x, codes, n, OP=op, TILE=1024)
     return x, codes
 
