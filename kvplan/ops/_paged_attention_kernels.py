@@ -307,7 +307,7 @@ def _group_tile(group_size: int) -> int:
 
 def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
-    tile_n=64, num_warps=4, num_stages=3,
+    tile_n=64, num_warps=4, num_stages=2,
 ):  # fmt: skip
     """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``."""
     batch, num_heads, head_dim = q.shape

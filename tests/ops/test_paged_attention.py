@@ -199,7 +199,7 @@ def build(kernel, consts, num_warps, num_stages):
           "wgmma" if "warp_group_dot" in ir else "mma")
 
 common = dict(BLOCK_SIZE=32, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRET=False)
-build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, **common), 4, 3)
+build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, **common), 4, 2)
 build(K._combine_kernel, dict(SPLITS_PAD=4, HEAD_DIM=128), 4, 1)
 build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
 """
@@ -278,8 +278,9 @@ def test_ragged_and_block_offset_encodings_give_identical_outputs():
 
 
 def test_default_num_splits():
-    assert default_num_splits(64, 8, 4096, 132) == 3
-    assert default_num_splits(4, 8, 4096, 132) == 16  # capped at 256 keys per split
+    assert default_num_splits(64, 8, 4096, 132) == 1
+    assert default_num_splits(4, 8, 4096, 132) == 9
+    assert default_num_splits(1, 8, 4096, 132) == 16  # capped at 256 keys per split
     assert default_num_splits(256, 8, 4096, 132) == 1
     assert default_num_splits(1, 1, 300, 132) == 1  # >= 256 keys per split
     assert default_num_splits(1, 1, 10**6, 132) == 64
