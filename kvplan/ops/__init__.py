@@ -11,6 +11,11 @@ compile or import the others):
 * ``expand_kv_ca_index_decode`` the same through per-row block tables
 * ``kv_ca_index_width``         that width for a given ``max_len``
 
+Storage and attention ops:
+
+* ``store_kv_cache`` / ``load_paged_kv_cache``  quantize + scatter by slot / load plan -> buffer
+* ``paged_attention_decode`` / ``paged_attention_prefill``  attention over a flat page table
+
 Dispatch rule: CUDA tensors run the Triton kernel, CPU tensors the vectorized torch path.
 """
 
@@ -27,6 +32,11 @@ _EXPORTS: dict[str, str] = {
     "expand_kv_ca_index": "kvplan.ops.kv_ca_index",
     "expand_kv_ca_index_decode": "kvplan.ops.kv_ca_index",
     "kv_ca_index_width": "kvplan.ops.kv_ca_index",
+    "store_kv_cache": "kvplan.ops.store",
+    "load_paged_kv_cache": "kvplan.ops.load",
+    "paged_attention_decode": "kvplan.ops.paged_attention",
+    "paged_attention_prefill": "kvplan.ops.paged_attention",
+    "paged_attention_ref": "kvplan.ops.paged_attention",
 }
 
 __all__ = [
@@ -37,6 +47,11 @@ __all__ = [
     "expand_swa_index_decode",
     "kv_ca_index_width",
     "kv_index_cat",
+    "load_paged_kv_cache",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "paged_attention_ref",
+    "store_kv_cache",
 ]
 assert sorted(__all__) == sorted(_EXPORTS), "kvplan.ops: __all__ and _EXPORTS disagree"
 
@@ -62,4 +77,11 @@ if TYPE_CHECKING:  # pragma: no cover
         kv_ca_index_width,
     )
     from kvplan.ops.kv_index_cat import kv_index_cat
+    from kvplan.ops.load import load_paged_kv_cache
+    from kvplan.ops.paged_attention import (
+        paged_attention_decode,
+        paged_attention_prefill,
+        paged_attention_ref,
+    )
+    from kvplan.ops.store import store_kv_cache
     from kvplan.ops.swa_index import expand_swa_index, expand_swa_index_decode
