@@ -4,6 +4,10 @@ import os
 
 import torch
 
+# One intra-op thread per test process: the suite runs under pytest-xdist with one worker per
+# core, and small-model tests are far faster without thread hand-offs.
+torch.set_num_threads(1)
+
 if not torch.cuda.is_available():
     # Must be set before any @triton.jit function is created (at import of kvplan.ops.*).
     os.environ.setdefault("TRITON_INTERPRET", "1")

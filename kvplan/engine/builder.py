@@ -38,25 +38,6 @@ _DTYPES = {
 KV_FORMATS = ("auto", "bf16", "fp16", "fp32", "fp8")
 
 
-class TrustedKVCache:
-    """A `KVCacheTensors` whose ``store`` skips the slot-range check.
-
-    The check is one device reduction + sync per layer on CUDA (it would also make decode
-    steps impossible to capture in a CUDA graph). The engine's slots come from
-    ``metadata.prepare()``, which derives them from the manager's block table on the host, so
-    the engine does not need the device-side re-check. Everything else is delegated.
-    """
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def store(self, layer, k, v, slot_mapping, *, check: bool = False) -> None:
-        self.inner.store(layer, k, v, slot_mapping, check=check)
-
-
 @dataclass
 class EngineParts:
     core: EngineCore
@@ -189,7 +170,6 @@ def build_engine(
         kv_format=fmt,
         device=dev,
     )
-    kv_cache = TrustedKVCache(kv_cache)
     max_num_tokens = max_num_batched_tokens
     metadata = backend_cls.Metadata(
         max_num_requests=max_num_seqs,

@@ -78,7 +78,7 @@ class DecodeGraphs:
             )
             return None
         if getattr(metadata.kv_cache, "is_quantized", False):
-            # the paged kernels read fp8 pages only after a whole-pool dequantize (a sync)
+            # fp8 pages are dequantized into a bf16 copy sized per step (allocated per call)
             print("kvplan: CUDA graphs need an unquantized KV cache; eager steps", file=sys.stderr)
             return None
         graphs = cls(model, metadata, manager, max_num_seqs, max_model_len)
