@@ -1,8 +1,9 @@
 """Benchmark store_kv_cache and load_paged_kv_cache against a device-to-device copy and plain
 PyTorch, measured side by side in the same run.
 
-For each format (V41, V41_FP4, MXFP8_INDEX, BF16 x512) and token count (default 4K, 64K, 256K)
-it times, on the same device:
+For each format (V41, V41_FP4, the three index formats MXFP8_INDEX, FP4_INDEX and
+FP8_FLOAT32_SF_INDEX, BF16 x512) and token count (default 4K, 64K, 256K) it times, on the same
+device:
 
 * ``triton``: the kernel (``store_kv_cache_triton`` / ``load_paged_kv_cache_triton``; tokens
   scattered over a shuffled block table, block_size 64, ``out=`` preallocated);
@@ -13,7 +14,10 @@ it times, on the same device:
 Effective bandwidth = (bytes read + bytes written) / median time; ``ratio`` is that over the
 copy's bandwidth (eager calls: includes any host launch overhead the GPU waits for);
 ``graph`` is the same ratio for the GPU time per call of 20 calls replayed from one CUDA graph
-(no host overhead; no L2 flush between those calls). SM clocks are warmed up before each
+(no host overhead; no L2 flush between those calls); ``host us`` is the CPU time per call of
+the Python wrapper + launch (20 calls enqueued back to back, no sync inside). An eager time far
+above the graph time while ``host us`` exceeds the ~60 us L2 flush that ``do_bench`` puts
+before each call means the eager figure measures the host, not the kernel. SM clocks are warmed up before each
 timing. ``--sweep`` first tries a few launch configurations at the middle size and
 keeps the fastest (printed and recorded). Finally, at 256 tokens, 50 back-to-back calls are
 captured in one CUDA graph (library default launch parameters, which shrink the tiles for small
@@ -47,6 +51,8 @@ import triton  # noqa: E402
 
 from kvplan import quant  # noqa: E402
 from kvplan.formats import (  # noqa: E402
+    FP4_INDEX_KV_FORMAT,
+    FP8_FLOAT32_SF_INDEX_KV_FORMAT,
     MXFP8_INDEX_KV_FORMAT,
     V41_FORMAT,
     V41_FP4_FORMAT,
@@ -62,6 +68,8 @@ FORMATS = {
     "V41_FORMAT": V41_FORMAT,
     "V41_FP4_FORMAT": V41_FP4_FORMAT,
     "MXFP8_INDEX_KV_FORMAT": MXFP8_INDEX_KV_FORMAT,
+    "FP4_INDEX_KV_FORMAT": FP4_INDEX_KV_FORMAT,
+    "FP8_FLOAT32_SF_INDEX_KV_FORMAT": FP8_FLOAT32_SF_INDEX_KV_FORMAT,
     "BF16x512": bf16_format(512),
 }
 # launch configurations tried by --sweep (hw=False: integer fp8/bf16 rounding instead of cvt)
@@ -186,6 +194,20 @@ class Case:
             self.out.scales.view(torch.uint8).view(self.n, -1)[:] = s
 
 
+def host_per_call_s(fn, device, calls: int = 20) -> float:
+    """CPU time per call to enqueue ``fn`` (wrapper + Triton launch), GPU work excluded."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (t1 - t0) / calls
+
+
 def copy_time(nbytes: int, device) -> float:
     """Median time of a copy that reads nbytes / 2 and writes nbytes / 2."""
     src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
@@ -256,8 +278,8 @@ def main() -> int:
     peak_bytes = 2 << 30 if device.type == "cuda" else 1 << 20
     record["copy_peak_gbps"] = peak_bytes / copy_time(peak_bytes, device) / 1e9
     print(f"{record['device']}: device-to-device copy {record['copy_peak_gbps']:.0f} GB/s")
-    print(f"{'format':<22}{'op':<6}{'tokens':>7}{'triton GB/s':>12}{'torch GB/s':>11}"
-          f"{'copy GB/s':>10}{'ratio':>7}{'vs torch':>9}{'graph':>7}")  # fmt: skip
+    print(f"{'format':<31}{'op':<6}{'tokens':>7}{'triton GB/s':>12}{'torch GB/s':>11}"
+          f"{'copy GB/s':>10}{'ratio':>7}{'vs torch':>9}{'graph':>7}{'host us':>9}")  # fmt: skip
     for name in args.formats:
         layout = FORMATS[name]
         configs = {"store": None, "load": None}
@@ -279,6 +301,7 @@ def main() -> int:
                 t_tr = median_s(fn, device)
                 # GPU time without host launch overhead: 20 calls replayed from one CUDA graph
                 t_graph = graph_per_call_s(fn, device, calls=20) if device.type == "cuda" else t_tr
+                t_host = host_per_call_s(fn, device)
                 t_pt = median_s(base, device, reps=2)
                 t_cp = copy_time(nbytes, device)
                 row = {
@@ -288,15 +311,15 @@ def main() -> int:
                     "copy_gbps": nbytes / t_cp / 1e9, "ratio_vs_copy": t_cp / t_tr,
                     "torch_ratio_vs_copy": t_cp / t_pt, "speedup_vs_torch": t_pt / t_tr,
                     "triton_graph_s": t_graph, "graph_gbps": nbytes / t_graph / 1e9,
-                    "graph_ratio_vs_copy": t_cp / t_graph,
+                    "graph_ratio_vs_copy": t_cp / t_graph, "host_s": t_host,
                     "bit_exact_vs_torch": case.matches_torch(op, configs[op]),
                 }  # fmt: skip
                 record["results"].append(row)
                 save()
-                print(f"{name:<22}{op:<6}{n:>7}{row['triton_gbps']:>12.1f}"
+                print(f"{name:<31}{op:<6}{n:>7}{row['triton_gbps']:>12.1f}"
                       f"{row['torch_gbps']:>11.1f}{row['copy_gbps']:>10.1f}"
                       f"{row['ratio_vs_copy']:>7.2f}{row['speedup_vs_torch']:>8.1f}x"
-                      f"{row['graph_ratio_vs_copy']:>7.2f}"
+                      f"{row['graph_ratio_vs_copy']:>7.2f}{t_host * 1e6:>9.1f}"
                       f"{'' if row['bit_exact_vs_torch'] else '  MISMATCH'}")  # fmt: skip
             del case
         if device.type == "cuda":
@@ -316,7 +339,7 @@ def main() -> int:
                 }
                 record["results"].append(row)  # fmt: skip
                 print(
-                    f"{name:<22}{op:<6}{256:>7}  CUDA graph {t * 1e6:.2f} us/call, "
+                    f"{name:<31}{op:<6}{256:>7}  CUDA graph {t * 1e6:.2f} us/call, "
                     f"empty kernel {t_empty * 1e6:.2f} us ({t / t_empty:.2f}x)"
                 )
     save()
