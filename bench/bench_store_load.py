@@ -74,23 +74,31 @@ FORMATS = {
 }
 # launch configurations tried by --sweep (hw=False: integer fp8/bf16 rounding instead of cvt)
 STORE_SWEEP = [
+    {},
     dict(rows=8, num_warps=4),
     dict(rows=16, num_warps=8),
     dict(rows=32, num_warps=4),
     dict(rows=32, num_warps=8),
+    dict(rows=64, num_warps=8),
     dict(rows=8, num_warps=4, hw=False),
 ]
 CAST_SWEEP = [
+    {},
     dict(tile_t=8, num_warps=4),
     dict(tile_t=16, num_warps=8),
     dict(tile_t=32, num_warps=8),
     dict(tile_t=16, num_warps=8, hw=False),
 ]
+# segs: segments (blocks) per program; the library default is chosen by
+# kvplan.ops.load.raw_segments_per_program ({} = that default)
 RAW_SWEEP = [
+    {},
     dict(tile_t=16, num_warps=4),
-    dict(tile_t=32, num_warps=4),
     dict(tile_t=64, num_warps=4),
     dict(tile_t=64, num_warps=8),
+    dict(tile_t=64, segs=2, num_warps=4),
+    dict(tile_t=64, segs=4, num_warps=8),
+    dict(tile_t=64, segs=8, num_warps=8),
 ]
 
 

@@ -243,13 +243,14 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None) -> None:
         tile = min(_next_pow2(geo.block_size), max(1, 8192 // (g_p2 * gs_p2)))
         tile = config.get("tile_t", _grid_safe(small_batch_tile(vrows.shape[0], tile), geo))
         out16 = vrows.view(torch.int16)
-        k.load_cast_kernel[(num_segments, -(-geo.block_size // tile))](
-            raw, segs, out16, out16.stride(0), *common,
+        segs_per = config.get("segs", 1)
+        k.load_cast_kernel[(-(-num_segments // segs_per), -(-geo.block_size // tile))](
+            raw, segs, num_segments, out16, out16.stride(0), *common,
             E=layout.quantized_elements, GS=gs, G=g, GS_P2=gs_p2, G_P2=g_p2,
             GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2, FP4=fp4,
             SF=_SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
             FLAT=gs == gs_p2 and g == g_p2, HW=config.get("hw", not triton_interpreting()),
-            TILE_T=tile, VALIGN=geo.v_align, SALIGN=geo.s_align,
+            TILE_T=tile, SEGS=segs_per, VALIGN=geo.v_align, SALIGN=geo.s_align,
             OALIGN=pow2_alignment(out16.stride(0), cap=8),
             num_warps=config.get("num_warps", 8),
         )  # fmt: skip
@@ -261,14 +262,31 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None) -> None:
     sb_out = srows.shape[1] if srows is not None else 0
     tile = min(_next_pow2(geo.block_size), max(1, 8192 // vcols))
     tile = config.get("tile_t", _grid_safe(small_batch_tile(vrows.shape[0], tile), geo))
-    k.load_raw_kernel[(num_segments, -(-geo.block_size // tile))](
-        raw, segs, vbytes, vbytes.stride(0), sbytes, sbytes.stride(0), *common,
+    row_bytes = vb + layout.sf_bytes
+    segs_per = config.get("segs", raw_segments_per_program(num_segments, tile, row_bytes, geo))
+    num_warps = config.get("num_warps", 8 if segs_per * tile * row_bytes >= 32768 else 4)
+    k.load_raw_kernel[(-(-num_segments // segs_per), -(-geo.block_size // tile))](
+        raw, segs, num_segments, vbytes, vbytes.stride(0), sbytes, sbytes.stride(0), *common,
         VB=vb, VCOLS=vcols, SB_IN=layout.sf_bytes, SB_OUT=sb_out,
-        SCOLS=_next_pow2(max(sb_out, 1)), TILE_T=tile, VALIGN=geo.v_align,
+        SCOLS=_next_pow2(max(sb_out, 1)), TILE_T=tile, SEGS=segs_per, VALIGN=geo.v_align,
         SALIGN=geo.s_align, OVALIGN=pow2_alignment(vbytes.stride(0)),
         OSALIGN=pow2_alignment(sbytes.stride(0)),
-        num_warps=config.get("num_warps", 4),
+        num_warps=num_warps,
     )  # fmt: skip
+
+
+def raw_segments_per_program(num_segments: int, tile: int, row_bytes: int, geo) -> int:
+    """Segments per program of the raw (index / BF16) load: a power of two that brings a
+    program to about 32 KB of record bytes (one block of a 132-byte index format is only
+    8.4 KB at block size 64), as long as at least 256 programs (~2 per SM of an H200) remain.
+    Returns 1 when the tile does not cover the whole block (several programs per segment
+    already) and in the CPU interpreter (tests pick ``segs`` explicitly)."""
+    if triton_interpreting() or tile < geo.block_size:
+        return 1
+    segs = 1
+    while 2 * segs * tile * row_bytes <= 36864 and -(-num_segments // (2 * segs)) >= 256:
+        segs *= 2
+    return segs
 
 
 def _grid_safe(tile: int, geo) -> int:

@@ -166,9 +166,16 @@ def test_index_output_dtypes_and_shapes():
     assert v41.dtype == torch.bfloat16 and v41.shape == (4, 512)
 
 
-@pytest.mark.parametrize("config", [{"tile_t": 1}, {"tile_t": 2, "num_warps": 1}])
-@pytest.mark.parametrize("layout", [V41_FP4_FORMAT, MXFP8_INDEX_KV_FORMAT], ids=_ids)
+@pytest.mark.parametrize(
+    "config",
+    [{"tile_t": 1}, {"tile_t": 2, "num_warps": 1}, {"segs": 2}, {"tile_t": 2, "segs": 4}],
+)
+@pytest.mark.parametrize(
+    "layout", [V41_FP4_FORMAT, MXFP8_INDEX_KV_FORMAT, FP4_INDEX_KV_FORMAT], ids=_ids
+)
 def test_small_program_tiles_load_the_same_rows(layout, config):
+    """Tiles smaller than a block, and programs spanning several segments (``segs``: the
+    last program only partly covered by segments), write exactly the torch path's rows."""
     cache, _ = _filled_cache(layout, 3, 4)
     segments, total_k = _plan(4, 3)
     got = load_paged_kv_cache_triton(cache, segments, total_k, _fresh_out(layout, total_k),
@@ -292,3 +299,19 @@ def test_gpu_load_inside_cuda_graph_replays_new_plans():
     graph.replay()
     want = load_paged_kv_cache_torch(cache, segments, 74, layout=V41_FORMAT)
     assert torch.equal(out, want)
+
+
+def test_raw_segments_per_program_targets_32kb_and_keeps_256_programs(monkeypatch):
+    from kvplan.ops import load
+    from kvplan.ops.store import cache_bytes
+
+    monkeypatch.setattr(load, "triton_interpreting", lambda: False)
+    _, geo = cache_bytes(alloc_kv_cache(1, 64, MXFP8_INDEX_KV_FORMAT), MXFP8_INDEX_KV_FORMAT)
+    # 64 tokens x 132 bytes = 8.4 KB per segment: four segments per program (33.8 KB)
+    assert load.raw_segments_per_program(4096, 64, 132, geo) == 4
+    # 64K tokens = 1024 segments: 4 per program leave 256 programs; 1020 segments would not
+    assert load.raw_segments_per_program(1024, 64, 132, geo) == 4
+    assert load.raw_segments_per_program(1020, 64, 132, geo) == 2
+    assert load.raw_segments_per_program(64, 64, 132, geo) == 1  # small batches stay spread
+    assert load.raw_segments_per_program(4096, 16, 132, geo) == 1  # tile < block: 1 segment
+    assert load.raw_segments_per_program(4096, 64, 68, geo) == 8  # FP4_INDEX: 34.8 KB
