@@ -171,7 +171,9 @@ def store_kv_cache_triton(
     """Triton path of :func:`store_kv_cache` (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
     ``config`` overrides the launch parameters (``rows``, ``num_warps``, ``hw``: hardware fp8
-    conversion, default on except in the interpreter) for benchmarks and tests.
+    conversion, default on except in the interpreter; ``fast_div``: fp32-scale formats divide
+    through a per-group reciprocal + fma correction equal to ``div.rn``'s fast path, default
+    = ``hw``, GPU only) for benchmarks and tests.
     """
     layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, check)
     if x.shape[0]:
@@ -214,6 +216,7 @@ def _launch(x, raw, slots, layout, geo, config=None) -> None:
         gs_p2, g_p2 = triton_next_pow2(gs), triton_next_pow2(g)
         fp4 = layout.quantized_dtype == "e2m1"
         rows = config.get("rows", small_batch_tile(n, min(32, 4096 // (g_p2 * gs_p2))))
+        hw = config.get("hw", not triton_interpreting())
         if fp4:  # the kernel reads bf16 pairs as int32 words
             x = x if x.storage_offset() % 2 == 0 else x.clone()
             x = x.view(torch.int32)
@@ -224,8 +227,8 @@ def _launch(x, raw, slots, layout, geo, config=None) -> None:
             GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2,
             QB=layout.quantized_bytes, FP4=fp4, QMAX=6.0 if fp4 else 448.0,
             SF=_SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
-            FLAT=gs == gs_p2 and g == g_p2, HW=config.get("hw", not triton_interpreting()),
-            ROWS=rows, VALIGN=geo.v_align, SALIGN=geo.s_align,
+            FLAT=gs == gs_p2 and g == g_p2, HW=hw,
+            FAST_DIV=config.get("fast_div", hw and layout.sf_format == "fp32"), ROWS=rows, VALIGN=geo.v_align, SALIGN=geo.s_align,
             num_warps=config.get("num_warps", 4),
         )  # fmt: skip
     else:

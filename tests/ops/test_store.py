@@ -216,3 +216,74 @@ def test_small_program_tiles_write_the_same_bytes(config):
     store_kv_cache_triton(kv, a, slots, layout=layout, config=config)
     store_kv_cache_ref(kv, b, slots, layout=layout)
     assert torch.equal(_storage(a), _storage(b))
+
+
+def _finite_bf16_bit_patterns(n, elements, seed):
+    """Random bf16 bit patterns (subnormals, +-0, huge values), infinities and NaNs removed."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-32768, 32768, (n, elements), generator=g, dtype=torch.int16)
+    x = bits.view(torch.bfloat16)
+    x[~torch.isfinite(x.float())] = 0.0
+    x[0] = -0.0  # an all negative-zero row
+    x[1, ::2] = -0.0
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [FP8_FLOAT32_SF_INDEX_KV_FORMAT, ODD_FORMATS[1]], ids=_ids)
+def test_gpu_fast_division_equals_div_rn(layout):
+    """fp32-scale stores: the per-group reciprocal path (``fast_div``) writes the same bytes as
+    IEEE ``div.rn`` on random bit patterns (subnormals, signed zeros, huge magnitudes)."""
+    n, block_size = 4096, 64
+    num_blocks = n // block_size
+    slots = torch.arange(n, dtype=torch.int32, device="cuda")
+    for seed in range(4):
+        kv = _finite_bf16_bit_patterns(n, layout.elements, seed).cuda()
+        a = _random_cache(layout, num_blocks, block_size, device="cuda")
+        b = _random_cache(layout, num_blocks, block_size, device="cuda")
+        store_kv_cache_triton(kv, a, slots, layout=layout, config={"fast_div": True})
+        store_kv_cache_triton(kv, b, slots, layout=layout, config={"fast_div": False})
+        assert torch.equal(_storage(a), _storage(b))
+        store_kv_cache_torch(kv, b, slots, layout=layout)
+        assert torch.equal(_storage(a), _storage(b))
+
+
+_SM90_DIV_COUNT = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvplan.ops._store_kernels import store_quant_kernel as fn
+cx = dict(BLOCK_SIZE=64, E=128, GS=128, G=1, GS_P2=128, G_P2=1, GB=128, GB_P2=128, QB=128,
+          FP4=False, QMAX=448.0, SF=2, SB=4, FLAT=True, HW=True, ROWS=8, VALIGN=16, SALIGN=4,
+          FAST_DIV=sys.argv[1] == "1")
+types = {"x_ptr": "*bf16", "slot_ptr": "*i32", "cache_ptr": "*u8"}
+sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
+ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx),
+                     target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+print(ptx.count("div.rn.f32"), ptx.count("rcp.approx"))
+"""
+
+
+def test_fast_division_compiles_for_sm90_without_per_element_div():
+    """CPU counterpart: the fp32-scale store compiled for sm_90 (in a subprocess: this process
+    runs the interpreter) divides only to make the scales, not per element."""
+    import os
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(90)
+    except Exception as e:  # noqa: BLE001 - no CUDA toolchain in this Triton install
+        pytest.skip(f"no ptxas: {e}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    counts = {}
+    for fast in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", _SM90_DIV_COUNT, fast], env=env,
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        counts[fast] = tuple(int(v) for v in out.split())
+    # ROWS x GS = 1024 elements over 128 threads: each thread divides its 8 elements and
+    # (replicated) the scales of its rows; fast_div removes the 8 element divisions
+    assert counts["0"][1] == 0 and counts["1"][1] >= 1, counts
+    assert counts["0"][0] - counts["1"][0] >= 8, counts
