@@ -25,12 +25,21 @@ def _segment_rows(seg_ptr, num_segments, num_blocks, block_size, total_k,
     """(write mask, read mask, source block, token in block, destination row) per program row;
     row r of the program is token ``r % TILE_T`` of its tile of segment ``r // TILE_T``."""
     r = tl.arange(0, SEGS * TILE_T)
-    seg = tl.program_id(0).to(tl.int64) * SEGS + r // TILE_T
-    has = seg < num_segments
-    src = tl.load(seg_ptr + seg * 4, mask=has, other=0)
-    begin = tl.load(seg_ptr + seg * 4 + 1, mask=has, other=0)
-    end = tl.load(seg_ptr + seg * 4 + 2, mask=has, other=0)
-    dst = tl.load(seg_ptr + seg * 4 + 3, mask=has, other=0)
+    if SEGS == 1:
+        # one segment: four scalar loads (per-row loads would repeat them for every row)
+        seg = tl.program_id(0).to(tl.int64)
+        has = seg < num_segments
+        src = tl.load(seg_ptr + seg * 4)
+        begin = tl.load(seg_ptr + seg * 4 + 1)
+        end = tl.load(seg_ptr + seg * 4 + 2)
+        dst = tl.load(seg_ptr + seg * 4 + 3)
+    else:
+        seg = tl.program_id(0).to(tl.int64) * SEGS + r // TILE_T
+        has = seg < num_segments
+        src = tl.load(seg_ptr + seg * 4, mask=has, other=0)
+        begin = tl.load(seg_ptr + seg * 4 + 1, mask=has, other=0)
+        end = tl.load(seg_ptr + seg * 4 + 2, mask=has, other=0)
+        dst = tl.load(seg_ptr + seg * 4 + 3, mask=has, other=0)
     t = begin + tl.program_id(1) * TILE_T + r % TILE_T
     dst_row = (dst + t - begin).to(tl.int64)
     ok = has & (t >= 0) & (t < end) & (t < block_size) & (dst_row >= 0) & (dst_row < total_k)
