@@ -10,7 +10,10 @@ the Triton result equals the torch result bit for bit.
     PYTHONPATH=. python3 bench/bench_index_ops.py --out bench/results/index_ops.json
     PYTHONPATH=. python3 bench/bench_index_ops.py --quick          # tiny, runs on a CPU too
 
-On CUDA, times come from ``triton.testing.do_bench`` (L2 flushed before every call, median).
+On CUDA, times come from ``triton.testing.do_bench`` (L2 flushed before every call, median;
+this "eager" time includes any host launch cost the GPU waits for) and, for the kernel and the
+copy, from a CUDA graph of 20 back-to-back calls (the "graph" columns: GPU time per call with
+no host overhead; the ratio there compares kernel and copy measured the same way).
 On a CPU (``--quick``) the "triton" column is the interpreter, for debugging only.
 """
 
@@ -62,6 +65,27 @@ def median_time_s(fn: Callable[[], object], device: torch.device, reps: int) -> 
         fn()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
+
+
+def graph_time_s(fn: Callable[[], object], calls: int = 20) -> float:
+    """GPU time per call of ``calls`` back-to-back calls replayed from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph (compiles, allocations)
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return (
+        triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+        * 1e-3
+        / calls
+    )
 
 
 def warm_up_gpu(seconds: float = 1.5) -> None:
@@ -167,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         warm_up_gpu()
     results = []
     header = (f"{'op':26s} {'rows':>6s} {'width':>6s} {'MB':>8s} {'triton us':>10s} "
-              f"{'torch us':>10s} {'copy us':>9s} {'triton/copy':>11s} {'torch/copy':>10s}")  # fmt: skip
+              f"{'torch us':>10s} {'copy us':>9s} {'triton/copy':>11s} {'torch/copy':>10s} "
+              f"{'graph us':>9s} {'g.copy us':>9s} {'graph ratio':>11s}")  # fmt: skip
     print(f"device: {device_name}; torch {torch.__version__}; triton {triton.__version__}")
     print(header)
     for name, width, nbytes, fn_triton, fn_torch in make_cases(
@@ -181,17 +206,26 @@ def main(argv: list[str] | None = None) -> int:
         t_triton = median_time_s(fn_triton, device, args.reps)
         t_torch = median_time_s(fn_torch, device, args.reps)
         bw_copy = 2 * out_bytes / t_copy
+        if device.type == "cuda":
+            g_copy = graph_time_s(lambda dst=dst, src=src: dst.copy_(src))
+            g_triton = graph_time_s(fn_triton)
+        else:
+            g_copy, g_triton = t_copy, t_triton
         row = {
             "op": name, "rows": args.rows, "width": width, "bytes": nbytes,
             "t_triton_us": t_triton * 1e6, "t_torch_us": t_torch * 1e6, "t_copy_us": t_copy * 1e6,
             "bw_triton_GBps": nbytes / t_triton / 1e9, "bw_torch_GBps": nbytes / t_torch / 1e9,
             "bw_copy_GBps": bw_copy / 1e9, "ratio_triton_vs_copy": nbytes / t_triton / bw_copy,
             "ratio_torch_vs_copy": nbytes / t_torch / bw_copy, "triton_equals_torch": exact,
+            "graph_triton_us": g_triton * 1e6, "graph_copy_us": g_copy * 1e6,
+            "graph_ratio_triton_vs_copy": nbytes / g_triton / (2 * out_bytes / g_copy),
         }  # fmt: skip
         results.append(row)
         print(f"{name:26s} {args.rows:6d} {width:6d} {nbytes / 1e6:8.2f} {row['t_triton_us']:10.1f} "
               f"{row['t_torch_us']:10.1f} {row['t_copy_us']:9.1f} "
-              f"{row['ratio_triton_vs_copy']:11.2f} {row['ratio_torch_vs_copy']:10.2f}"
+              f"{row['ratio_triton_vs_copy']:11.2f} {row['ratio_torch_vs_copy']:10.2f} "
+              f"{row['graph_triton_us']:9.1f} {row['graph_copy_us']:9.1f} "
+              f"{row['graph_ratio_triton_vs_copy']:11.2f}"
               + ("" if exact else "  MISMATCH"))  # fmt: skip
     record = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -199,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "PYTHONPATH=. python3 " + " ".join(shlex.quote(a) for a in sys.argv),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "timing": "triton.testing.do_bench median, L2 flushed"
+        "timing": "eager: triton.testing.do_bench median, L2 flushed; graph: 20 calls per CUDA "
+        "graph replay, median per call"
         if device.type == "cuda" else f"perf_counter median of {args.reps}",
         "results": results,
     }  # fmt: skip
