@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-import triton
+from sm90_compile import compile_sm90
 
 from kvplan.ops import kv_index_cat
 from kvplan.ops.kv_index_cat import (
@@ -89,26 +89,6 @@ def test_errors():
         kv_index_cat(swa, ca, 0, out=torch.zeros(2, 6, dtype=torch.int32))
     with pytest.raises(ValueError, match="column stride"):
         kv_index_cat(torch.zeros(2, 6, dtype=torch.int32)[:, ::2], ca, 0)
-
-
-def compile_sm90(kernel, **constexprs):
-    """Compile a kernel for sm_90 (H100/H200) on any machine: the interpreter does not run
-    Triton's type checks (e.g. equal types for names bound in both branches of an ``if``)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        get_ptxas(90)
-    except Exception as e:  # noqa: BLE001 - no CUDA toolchain in this Triton install
-        pytest.skip(f"no ptxas: {e}")
-    fn = JITFunction(kernel.fn)  # the interpreter wraps the raw function
-    sig = {n: "constexpr" if n in constexprs else "*i32" if n.endswith("_ptr") else "i32"
-           for n in fn.arg_names}  # fmt: skip
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                   target=GPUTarget("cuda", 90, 32))  # fmt: skip
 
 
 @pytest.mark.parametrize("tile_r, tile_cl, tile_cr", [(8, 128, 512), (4, 1024, 128), (32, 1, 128)])

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-import triton
+from sm90_compile import compile_sm90
 
 from kvplan.ops import expand_swa_index, expand_swa_index_decode
 from kvplan.ops.swa_index import (
@@ -162,26 +162,6 @@ def test_errors():
         expand_swa_index_decode(torch.tensor([[-1, 1]], dtype=torch.int32), 6, 8)
     with pytest.raises(ValueError, match="int32"):
         expand_swa_index_decode(torch.tensor([[2**31 - 2, 1]], dtype=torch.int32), 6, 8)
-
-
-def compile_sm90(kernel, **constexprs):
-    """Compile a kernel for sm_90 (H100/H200) on any machine: the interpreter does not run
-    Triton's type checks (e.g. equal types for names bound in both branches of an ``if``)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        get_ptxas(90)
-    except Exception as e:  # noqa: BLE001 - no CUDA toolchain in this Triton install
-        pytest.skip(f"no ptxas: {e}")
-    fn = JITFunction(kernel.fn)  # the interpreter wraps the raw function
-    sig = {n: "constexpr" if n in constexprs else "*i32" if n.endswith("_ptr") else "i32"
-           for n in fn.arg_names}  # fmt: skip
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                   target=GPUTarget("cuda", 90, 32))  # fmt: skip
 
 
 @pytest.mark.parametrize("rows, window", [(32768, 128), (7, 1024), (3, 4096)])
