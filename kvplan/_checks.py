@@ -32,17 +32,20 @@ def check_tensor(
             raise TypeError(f"{name} must have dtype {names}, got {t.dtype}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if shape is not None:
-        if t.dim() != len(shape) or any(
-            want is not None and got != want for got, want in zip(t.shape, shape, strict=True)
-        ):
-            want_s = tuple("*" if s is None else s for s in shape)
-            raise ValueError(f"{name} must have shape {want_s}, got {tuple(t.shape)}")
+    if shape is not None and not _shape_matches(tuple(t.shape), shape):
+        want_s = tuple("*" if s is None else s for s in shape)
+        raise ValueError(f"{name} must have shape {want_s}, got {tuple(t.shape)}")
     if device is not None and not same_device(t.device, torch.device(device)):
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
     return t
+
+
+def _shape_matches(got: tuple[int, ...], want: Sequence[int | None]) -> bool:
+    if len(got) != len(want):
+        return False
+    return all(w is None or g == w for g, w in zip(got, want, strict=True))
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

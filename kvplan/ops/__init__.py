@@ -21,8 +21,9 @@ Dispatch rule: CUDA tensors run the Triton kernel, CPU tensors the vectorized to
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvplan._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "convert_kv_index": "kvplan.ops.convert_kv_index",
@@ -56,17 +57,7 @@ __all__ = [
 assert sorted(__all__) == sorted(_EXPORTS), "kvplan.ops: __all__ and _EXPORTS disagree"
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvplan.ops' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:  # pragma: no cover

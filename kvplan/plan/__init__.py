@@ -10,8 +10,7 @@ Names are imported lazily (``import kvplan.plan`` stays cheap and never pulls in
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvplan._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "MetadataConfig": "kvplan.plan.config",
@@ -22,17 +21,14 @@ _EXPORTS: dict[str, str] = {
     "prepare_decode_on_device": "kvplan.plan.decode_device",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "InputMetadata",
+    "MetadataConfig",
+    "SequenceMetadata",
+    "prepare_decode",
+    "prepare_decode_on_device",
+    "prepare_prompt",
+]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvplan.plan' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
