@@ -42,7 +42,7 @@ import torch
 
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
-from kvplan.backends.host_arrays import as_int32_array, exclusive_cumsum
+from kvplan.backends.host_arrays import MAX, MIN, SUM, as_int32_array, exclusive_cumsum
 from kvplan.backends.ledger import (
     batch_block_table,
     check_allocated,
@@ -154,8 +154,8 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self.kv_lens = valid + np.int32(extra) if extra else valid
         # numpy views of the CPU tensors: element writes without per-call torch overhead
         total = self._host_total_np
-        total[0] = valid[:nc].sum()
-        total[1] = valid[nc:].sum()
+        total[0] = SUM(valid[:nc]) if nc else 0
+        total[1] = SUM(valid[nc:]) if n > nc else 0
         types = self._host_types_np
         types[:nc] = 0
         types[nc:n] = 1
@@ -190,7 +190,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             self.arena.stage(values)
             return
         bs = int(mgr.block_size)
-        max_kv = int(self.kv_lens.max()) if n else 0
+        max_kv = int(MAX(self.kv_lens)) if n else 0
         if max_kv > mgr.max_seq_len:
             raise ValueError(
                 f"kv_lens reach {max_kv}, past the manager's max_seq_len {mgr.max_seq_len}"
@@ -204,11 +204,12 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         )  # fmt: skip
         # The persistent host buffer is for synchronous readers like this one.
         host = mgr.host_block_offsets(self.max_num_sequences, cross=self.is_cross).numpy()
-        last_blocks = check_allocated(host[0, :n, 0, :], logical_num_blocks(self.kv_lens, bs),
+        num_pages = logical_num_blocks(self.kv_lens, bs)
+        last_blocks = check_allocated(host[0, :n, 0, :], num_pages,
                                       "kv_lens (incl. num_extra_kv_tokens)")  # fmt: skip
         decode = (
             last_blocks is not None and not self.num_extra_kv_tokens and self._num_pools == 1
-            and self.num_kv_tokens == n and self.seq_lens_kv_np.min() == 1
+            and self.num_kv_tokens == n and MIN(self.seq_lens_kv_np) == 1
         )  # fmt: skip
         for p in range(self._num_pools):
             if decode:  # the last held block is the new token's block
@@ -217,11 +218,11 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
                 slots = new_token_slots(host[p, :n, 0, :], self.cached_np, self.seq_lens_kv_np, bs)
             values[f"slots{p}"] = slots
         if self.is_cross:
-            q_rows = np.repeat(np.arange(n), self._seq_lens_np)
+            q_rows = np.arange(n).repeat(self._seq_lens_np)
             values["tok_page_start"] = (q_rows * 2 * self.max_blocks_per_seq).astype(np.int32)
             values["tok_kv_lens"] = valid[q_rows]
         if self._load_pages:
-            self._stage_page_loads(values, host[:, :n, 0, :], logical_num_blocks(self.kv_lens, bs))
+            self._stage_page_loads(values, host[:, :n, 0, :], num_pages)
         self._stage_seq_lens(values)
         self.arena.stage(values)
         if self.enable_block_id_tables:

@@ -3,6 +3,11 @@
 Both run every step on every backend, so they are written for few numpy calls: a list of
 plain Python ints becomes int32 in one ``np.fromiter`` (which raises on values that do not
 fit) and one ``min`` rejects negatives.
+
+Hot paths call ufunc reductions (``MIN(a)`` = ``np.minimum.reduce``) and array methods
+(``a.cumsum(out=...)``, ``a.repeat(r)``) directly: ``a.min()``, ``np.cumsum`` and ``np.repeat``
+go through two to four Python-level wrapper calls each, which is most of their cost on the
+small arrays of one step (and each wrapper call costs ~1 us on the GPU host's CPU).
 """
 
 from __future__ import annotations
@@ -15,6 +20,12 @@ import torch
 IntArrayLike = Sequence[int] | np.ndarray | torch.Tensor
 
 _INT32_MAX = 2**31 - 1
+
+# One C call each (no Python wrapper); they raise on empty arrays, so callers check sizes.
+MIN = np.minimum.reduce
+MAX = np.maximum.reduce
+SUM = np.add.reduce  # int32 input accumulates in int64 (numpy's rule for add reductions)
+ALL = np.logical_and.reduce
 
 
 def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
@@ -30,8 +41,8 @@ def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
             arr = np.fromiter(value, np.int32, len(value))
         except OverflowError:
             raise ValueError(f"{name} holds {max(value)}, which overflows int32") from None
-        if arr.size and arr.min() < 0:
-            raise ValueError(f"{name} holds {int(arr.min())}; lengths must be >= 0")
+        if arr.size and MIN(arr) < 0:
+            raise ValueError(f"{name} holds {int(MIN(arr))}; lengths must be >= 0")
         return arr
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
@@ -70,10 +81,10 @@ def exclusive_cumsum(lens: np.ndarray, total: int | None = None) -> np.ndarray:
     sum is taken in int64 first.
     """
     if total is None:
-        total = int(lens.sum(dtype=np.int64))
+        total = int(SUM(lens, dtype=np.int64))
     if total > _INT32_MAX:
         raise ValueError(f"total length {total} overflows int32")
     out = np.empty(lens.size + 1, np.int32)
     out[0] = 0
-    np.cumsum(lens, out=out[1:])
+    lens.cumsum(out=out[1:])
     return out

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from kvplan.backends.host_arrays import ALL, MAX, MIN, SUM
+
 
 def num_pools(manager: Any) -> int:
     """Number of block pools (one per distinct sliding-window size, VSWA)."""
@@ -101,31 +103,31 @@ def new_token_slots(
     there), so a prefill chunk costs O(blocks) host operations plus two O(tokens) passes.
     """
     n = new_lens.size
-    total = int(new_lens.sum())
+    total = int(SUM(new_lens)) if n else 0
     if total == 0:
         return np.zeros(0, np.int32)
     bs = np.int32(block_size)
     start = cached.astype(np.int32, copy=False)
-    if total == n and new_lens.min() == 1:  # decode: one new token per sequence, one run each
+    if total == n and MIN(new_lens) == 1:  # decode: one new token per sequence, one run each
         run_seq, run_col, lo, run_len = np.arange(n), start // bs, start, None
     else:
         end = start + new_lens.astype(np.int32, copy=False)
         first = start // bs
         runs = ((end - 1) // bs - first + 1) * (new_lens > 0)  # runs (blocks touched) per seq
-        run_seq = np.repeat(np.arange(n, dtype=np.int32), runs)
+        run_seq = np.arange(n, dtype=np.int32).repeat(runs)
         run_col = np.arange(run_seq.size, dtype=np.int32)
-        run_col += np.repeat(first - (np.cumsum(runs, dtype=np.int32) - runs), runs)
+        run_col += (first - (runs.cumsum(dtype=np.int32) - runs)).repeat(runs)
         block_lo = run_col * bs
         lo = np.maximum(block_lo, start[run_seq])  # first position of each run
         run_len = np.minimum(block_lo + bs, end[run_seq]) - lo
-    if int(run_col.max()) >= table.shape[1]:
+    if int(MAX(run_col)) >= table.shape[1]:
         i = int(np.argmax(run_col))
         raise ValueError(
             f"sequence {int(run_seq[i])} writes position {(int(run_col[i]) + 1) * block_size - 1}"
             f" or below, past max_blocks_per_seq={table.shape[1]} blocks of {block_size}"
         )
     blocks = table[run_seq, run_col]
-    if not blocks.all():
+    if not ALL(blocks):
         bad = int(run_seq[np.argmin(blocks != 0)])
         raise ValueError(
             f"sequence {bad} writes a token into an unallocated block (block 0); allocate "
@@ -135,7 +137,7 @@ def new_token_slots(
     if run_len is None:
         return first_slot.astype(np.int32, copy=False)
     # token k of the run starting at token offset o: first_slot + k = (first_slot - o) + index
-    slots = np.repeat(first_slot - (np.cumsum(run_len, dtype=np.int32) - run_len), run_len)
+    slots = (first_slot - (run_len.cumsum(dtype=np.int32) - run_len)).repeat(run_len)
     slots += np.arange(total, dtype=np.int32)
     return slots
 
@@ -160,20 +162,20 @@ def check_allocated(
     n = num_needed.size
     if n == 0:
         return None
-    if int(num_needed.max()) > table.shape[1]:
+    if int(MAX(num_needed)) > table.shape[1]:
         b = int(np.argmax(num_needed))
         raise ValueError(
             f"sequence {b} needs {int(num_needed[b])} blocks for its {what}, more than the "
             f"{table.shape[1]} columns of its block table (max_blocks_per_seq)"
         )
-    full = int(num_needed.min()) > 0
+    full = int(MIN(num_needed)) > 0
     if full:
         rows, last = np.arange(n), num_needed - 1
     else:
         rows = np.flatnonzero(num_needed > 0)
         last = num_needed[rows] - 1
     held = table[rows, last]
-    if not held.all():
+    if not ALL(held):
         b = int(rows[np.argmin(held != 0)])
         raise ValueError(
             f"sequence {b} needs {int(num_needed[b])} blocks for its {what} but the manager "

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvplan.backends.host_arrays import IntArrayLike, as_int32_array, exclusive_cumsum
+from kvplan.backends.host_arrays import SUM, IntArrayLike, as_int32_array, exclusive_cumsum
 from kvplan.backends.sparse import SparseMetadataParams, SparseRuntimeParams
 from kvplan.backends.staging import copy_to, host_empty, use_pinned
 
@@ -159,7 +159,7 @@ class AttentionMetadata:
         # reading the same address), but lazily: prepare() stages it with its other fields in
         # one host-to-device copy; reading seq_lens_gpu before that copies it on the spot.
         self._seq_lens_pending = True
-        self._num_tokens = int(arr.sum())
+        self._num_tokens = int(SUM(arr)) if arr.size else 0
         self.on_update()
 
     @property
@@ -208,8 +208,11 @@ class AttentionMetadata:
 
     @property
     def is_cross(self) -> bool:
-        """Cross attention iff ``seq_lens_kv`` is a different object from ``seq_lens``."""
-        return self.seq_lens is not self.seq_lens_kv
+        """Cross attention iff ``seq_lens_kv`` is a different object from ``seq_lens``.
+
+        (The ``seq_lens_kv`` setter always stores a fresh tensor, so that is exactly "one was
+        assigned"; tested without the two property calls, as prepare() asks often.)"""
+        return self._seq_lens_kv is not None
 
     @property
     def num_contexts(self) -> int:
@@ -229,11 +232,11 @@ class AttentionMetadata:
         nc = self._num_contexts
         self._num_seqs = n = lens.size
         # (num_contexts may exceed the row count between two setter calls; prepare() checks)
-        self._num_ctx_tokens = int(lens[:nc].sum()) if nc else 0
+        self._num_ctx_tokens = int(SUM(lens[:nc])) if nc and lens.size else 0
         self._num_generations = max(0, n - nc)
         # _num_tokens = sum(seq_lens) is kept by the seq_lens setter
         kv = self._seq_lens_kv_np
-        self._num_kv_tokens = self._num_tokens if kv is None else int(kv.sum())
+        self._num_kv_tokens = self._num_tokens if kv is None else int(kv.sum(dtype=np.int64))
 
     @property
     def num_seqs(self) -> int:
@@ -297,8 +300,9 @@ class AttentionMetadata:
             )
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise ValueError(f"beam_width must be an int >= 1, got {self.beam_width!r}")
-        if self.seq_lens_kv_np.size != n:
-            raise ValueError(f"seq_lens_kv has {self.seq_lens_kv_np.size} entries, expected {n}")
+        kv_np = self._seq_lens_np if self._seq_lens_kv_np is None else self._seq_lens_kv_np
+        if kv_np.size != n:
+            raise ValueError(f"seq_lens_kv has {kv_np.size} entries, expected {n}")
         if self._num_tokens > self.max_num_tokens:
             raise ValueError(
                 f"this step has {self._num_tokens} tokens, more than max_num_tokens="
@@ -333,12 +337,12 @@ class AttentionMetadata:
             raise ValueError("num_cached_tokens_per_seq must be 0 without a kv_cache_manager")
         self.num_requests = num_requests
         self.cached_np = cached
-        self.kv_lens_np = cached + self.seq_lens_kv_np
+        self.kv_lens_np = cached + kv_np
         self.cu_seqlens_q_np = exclusive_cumsum(self._seq_lens_np, self._num_tokens)
         self.cu_seqlens_kv_np = (
-            exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
-            if self.is_cross
-            else self.cu_seqlens_q_np
+            self.cu_seqlens_q_np
+            if self._seq_lens_kv_np is None
+            else exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
         )
 
     def prepare_encoder_only(self) -> None:
