@@ -27,6 +27,12 @@ from kvplan._checks import INT32_MAX, check_int32
 from kvplan.plan.batch import BatchArrays, validate_sequence
 from kvplan.plan.config import MetadataConfig
 from kvplan.plan.decode import decode_ca_offset_check
+from kvplan.plan.decode_arrays import (
+    DecodeBatchArrays,
+    HostDecodeBatch,
+    check_ngram_ids,
+    decode_host_batch,
+)
 from kvplan.plan.decode_buffers import (
     bind_buffers,
     make_decode_device_out,
@@ -43,6 +49,8 @@ from kvplan.plan.metadata import InputMetadata
 from kvplan.plan.sequence import SequenceMetadata
 
 __all__ = [
+    "DecodeBatchArrays",
+    "decode_ngram_ids",
     "extract_decode_batch",
     "launch_decode_kernels",
     "make_decode_device_out",
@@ -54,33 +62,6 @@ __all__ = [
 _FACTS = attrgetter("seqlen_q", "seqlen_k", "state_id", "is_placeholder", "swa_valid_start",
                     "draft_tokens", "token_ids", "block_table")  # fmt: skip
 _LAST = itemgetter(-1)
-
-
-@dataclass
-class HostDecodeBatch:
-    """Validated per-sequence facts of a decode batch, in the packed layout's order.
-
-    ``facts`` is int64 ``[5, n]``: seqlen_q, seqlen_k, state_id, is_placeholder (0/1),
-    swa_valid_start (the ``PER_SEQ_SECTIONS`` order); ``cus`` is int64 ``[3, n + 1]``: the
-    exclusive prefix sums of seqlen_q, seqlen_k and num_blocks; ``bt_flat`` int64
-    ``[sum num_blocks]`` holds each sequence's first ``num_blocks`` block ids; ``input_ids``
-    int64 ``[total_q]`` the last confirmed token then the drafts of each sequence.
-    """
-
-    facts: np.ndarray
-    num_blocks: np.ndarray  # [n]
-    cus: np.ndarray
-    bt_flat: np.ndarray
-    input_ids: np.ndarray
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-    seqlen_q = property(lambda self: self.facts[0])
-    seqlen_k = property(lambda self: self.facts[1])
-    state_id = property(lambda self: self.facts[2])
-    is_placeholder = property(lambda self: self.facts[3] != 0)
-    valid_start = property(lambda self: self.facts[4])
-    cu_q = property(lambda self: self.cus[0])
 
 
 def _is_int_column(values: tuple) -> bool:
@@ -253,17 +234,28 @@ class StagedDecode:
     params: DecodeKernelParams
 
 
+DecodeBatch = Sequence[SequenceMetadata] | DecodeBatchArrays
+
+
 def stage_decode_on_device(
-    seqs: Sequence[SequenceMetadata], config: MetadataConfig, *, out: dict | None = None
+    batch: DecodeBatch, config: MetadataConfig, *, out: dict | None = None
 ) -> StagedDecode:
     """Host half: validate, extract, pack, copy to the device, set up the metadata views.
 
+    ``batch`` is a list of ``SequenceMetadata`` (one Python pass per attribute over the
+    sequences) or a :class:`~kvplan.plan.decode_arrays.DecodeBatchArrays` (a fixed number of
+    numpy calls: the fast form for a scheduler that keeps its state in arrays).
     With ``out`` (from :func:`make_decode_device_out`) the buffers are checked (see the module
     docstring) and the step's sizes against their capacity before anything is written; the
     metadata fields are prefix views of those buffers. Without ``out``, exactly sized buffers
     are allocated.
     """
-    hb = extract_decode_batch(seqs, config)
+    if isinstance(batch, DecodeBatchArrays):
+        hb = decode_host_batch(batch, config)
+        ngram = check_ngram_ids(batch, config, len(hb.input_ids))
+    else:
+        hb = extract_decode_batch(batch, config)
+        ngram = decode_ngram_ids(batch, hb, config) if config.max_ngram_size > 0 else None
     n, total_q, max_sq = hb.facts.shape[1], len(hb.input_ids), hb.max_seqlen_q
     decode_ca_offset_check(total_q, config)
     if out is None:
@@ -277,11 +269,6 @@ def stage_decode_on_device(
     ):
         if need > have:
             raise ValueError(f"out holds {have} {what}, the step needs {need}")
-    ngram = None
-    if config.max_ngram_size > 0:
-        from kvplan.plan.base_fields import ngram_token_ids
-
-        ngram = ngram_token_ids(seqs, _batch_arrays(hb), config)
     # ---- every check passed: write
     cuda = b.packed.is_cuda
     write_packed(b, hb.cus, hb.facts, hb.input_ids, hb.bt_flat)
@@ -296,16 +283,21 @@ def stage_decode_on_device(
     return StagedDecode(meta, b.inputs, b.outputs, out["block_tables"], b.params)
 
 
-def _batch_arrays(hb: HostDecodeBatch) -> BatchArrays:
-    """``batch.BatchArrays`` of the decode batch (only for the host-side Engram n-grams)."""
+def decode_ngram_ids(
+    seqs: Sequence[SequenceMetadata], hb: HostDecodeBatch, cfg: MetadataConfig
+) -> np.ndarray:
+    """Host-side Engram ``ngram_token_ids`` ``[total_q, max_ngram_size]`` of a decode batch."""
+    from kvplan.plan.base_fields import ngram_token_ids
+
     row_seq = np.repeat(np.arange(len(hb.seqlen_q)), hb.seqlen_q)
     row_j = np.arange(len(hb.input_ids)) - hb.cu_q[:-1][row_seq]
     q_start = hb.seqlen_k - hb.seqlen_q
-    return BatchArrays(
+    b = BatchArrays(
         hb.seqlen_q, hb.seqlen_k, q_start, hb.state_id, hb.is_placeholder, hb.valid_start,
         hb.num_blocks, hb.cu_q, hb.cus[1], hb.bt_flat, hb.cus[2], row_seq, row_j,
         q_start[row_seq] + row_j,
     )  # fmt: skip
+    return ngram_token_ids(seqs, b, cfg)
 
 
 def launch_decode_kernels(staged: StagedDecode, backend: str = "auto") -> None:
@@ -315,7 +307,7 @@ def launch_decode_kernels(staged: StagedDecode, backend: str = "auto") -> None:
 
 
 def prepare_decode_on_device(
-    seqs: Sequence[SequenceMetadata],
+    batch: DecodeBatch,
     config: MetadataConfig,
     *,
     out: dict | None = None,
@@ -328,7 +320,10 @@ def prepare_decode_on_device(
     of stacked ``[n_ratio, q_stride, ...]`` buffers.
 
     Args:
-        seqs: the decode batch (``seqlen_q = 1 + len(draft_tokens)`` each).
+        batch: the decode batch: a list of ``SequenceMetadata`` (``seqlen_q = 1 +
+            len(draft_tokens)`` each), or the same facts as a
+            :class:`~kvplan.plan.decode_arrays.DecodeBatchArrays` (the fast form: no Python
+            walk over the sequences; see that module for why it exists).
         config: engine constants; tensors land on ``config.device``.
         out: capture-size buffers from :func:`make_decode_device_out` (checked, then their
             prefixes are written in place); ``None`` allocates exactly sized buffers.
@@ -342,6 +337,6 @@ def prepare_decode_on_device(
         out = make_decode_device_out(cfg, max_num_seqs=256, max_total_q=768, max_seqlen_q=3)
         meta = prepare_decode_on_device(seqs, cfg, out=out)   # meta.klen["4"] is out["klen"]["4"][:T]
     """
-    staged = stage_decode_on_device(seqs, config, out=out)
+    staged = stage_decode_on_device(batch, config, out=out)
     launch_decode_kernels(staged, backend)
     return staged.meta
