@@ -120,6 +120,11 @@ def _array(name: str, a: object, kinds: str = "iu") -> np.ndarray:
     return a
 
 
+def _unsigned(a: np.ndarray) -> np.ndarray:
+    """``a`` viewed as unsigned (no copy): a negative value reads as >= 2**(bits - 1)."""
+    return a.view(f"u{a.itemsize}") if a.dtype.kind == "i" else a
+
+
 def _fail(name: str, ok: np.ndarray, values: np.ndarray, why: str, other=None) -> None:
     """Raise for the first ``False`` of ``ok``, naming ``name[i]`` and its value."""
     if ok.all():
@@ -193,7 +198,7 @@ def _block_ids(flat: np.ndarray, off: np.ndarray, nb: np.ndarray, cu_nb: np.ndar
     end = (INT32_MAX + 1) // cfg.block_size  # (id + 1) * block_size - 1 fits int32
     if cfg.num_kv_blocks is not None:
         end = min(end, cfg.num_kv_blocks)
-    if int(bt.min()) < 0 or int(bt.max()) >= end:
+    if int(_unsigned(bt).max()) >= end:  # one pass: negative ids wrap to huge values
         bad = np.flatnonzero((bt < 0) | (bt >= end))[0]
         j = int(bad if pos is None else pos[bad])
         raise ValueError(f"block_table_flat[{j}] = {int(flat[j])}: block id out of range "
@@ -245,7 +250,7 @@ def decode_host_batch(b: DecodeBatchArrays, cfg: MetadataConfig) -> HostDecodeBa
         raise ValueError(
             f"input_ids_flat has {len(b.input_ids_flat)} ids, sum(seqlen_q) = {total_q}"
         )
-    if total_q and (int(b.input_ids_flat.min()) < 0 or int(b.input_ids_flat.max()) > INT32_MAX):
+    if total_q and int(_unsigned(b.input_ids_flat).max()) > INT32_MAX:  # negatives wrap
         ids = b.input_ids_flat
         j = int(np.flatnonzero((ids < 0) | (ids > INT32_MAX))[0])
         raise ValueError(f"input_ids_flat[{j}] = {int(ids[j])}: must be in [0, 2**31 - 1]")
