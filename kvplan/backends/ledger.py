@@ -73,7 +73,8 @@ def batch_block_table(
             seq_ids.extend([rid] * beam_width)
             beams.extend(range(beam_width))
         table = manager.get_block_ids_per_seq(seq_ids, pool, beams=beams, width=width)
-    return np.asarray(table, dtype=np.int32)
+    assert table.dtype == np.int32, f"the manager's block tables must be int32, got {table.dtype}"
+    return table
 
 
 def allocated_blocks(table: np.ndarray) -> np.ndarray:

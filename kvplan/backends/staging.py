@@ -47,7 +47,7 @@ class DeviceArena:
         device: where the buffers live.
 
     ``view(name)`` is a capacity-sized int32 view that never moves. ``stage(values)`` writes
-    every given array to the start of its field through one private host snapshot and one
+    every given 1-D array to the start of its field through one private host snapshot and one
     ``non_blocking`` copy of the arena prefix that covers them; fields not given in a step
     hold unspecified values afterwards (each step must stage every field it relies on).
 
@@ -84,22 +84,21 @@ class DeviceArena:
 
     def stage(self, values: Mapping[str, np.ndarray]) -> None:
         spans = self._spans
-        placed = []
         end = 0
-        for name, arr in values.items():
+        for name, arr in values.items():  # pass 1: capacities and the staged prefix
             off, cap = spans[name]
             size = arr.size
             if size > cap:
                 raise ValueError(f"{name} needs {size} entries, more than its capacity {cap}")
-            placed.append((off, off + size, arr))
             if off + size > end:
                 end = off + size
         if end == 0:
             return
         snapshot = torch.empty(end, dtype=torch.int32, pin_memory=self.pinned)
         host = snapshot.numpy()
-        for lo, hi, arr in placed:
-            host[lo:hi] = arr
+        for name, arr in values.items():  # pass 2: plain slice writes (no calls, no list)
+            off = spans[name][0]
+            host[off : off + arr.size] = arr
         copy_to(self.buffer[:end], snapshot)
         # Kept only for inspection; the allocator already protects it until the copy is done.
         self.last_snapshot = snapshot

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
+from kvplan.backends.host_arrays import MAX, MIN
 from kvplan.backends.ledger import (
     batch_block_table,
     block_size_of,
@@ -29,7 +31,7 @@ from kvplan.backends.ledger import (
 )
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.sparse import use_sparse_attention
-from kvplan.backends.staging import to_device
+from kvplan.backends.staging import DeviceArena
 
 
 class VanillaAttentionMetadata(AttentionMetadata):
@@ -39,6 +41,13 @@ class VanillaAttentionMetadata(AttentionMetadata):
         block_ids_per_seq: per pool, host int32 ``[num_seqs, width]`` (width = the batch's
             most logical blocks; block 0 pads), and ``block_ids_per_seq_gpu`` its device copy.
         num_blocks_np: host int32 ``[num_seqs]``, logical blocks ``ceil(kv_lens / block_size)``.
+
+    Staging: ``seq_lens``, every pool's slots and block table go to the device in ONE copy
+    through a ``DeviceArena`` (capacity-sized, allocated once). The int64 slots occupy pairs
+    of int32 arena entries at even offsets (little-endian), read back through
+    ``view(torch.int64)``; ``block_ids_per_seq_gpu[pool]`` is a ``[num_seqs, width]`` view of
+    its field. Both stay valid until the next ``prepare()`` rewrites the arena (stream
+    order protects a forward already queued).
     """
 
     kv_layout = "NHD"
@@ -50,6 +59,17 @@ class VanillaAttentionMetadata(AttentionMetadata):
                 "the vanilla backend builds fresh tensors every step and cannot feed a CUDA "
                 "graph (is_cuda_graph=True); use 'block_offsets' or 'ragged'"
             )
+        s, t = self.max_num_sequences, self.max_num_tokens
+        mgr = self.kv_cache_manager
+        self._num_pools = 0 if mgr is None else num_pools(mgr)
+        width = 0 if mgr is None else int(mgr.max_blocks_per_seq)
+        check_int32("max_num_sequences * max_blocks_per_seq", s * width)
+        check_int32("2 * max_num_tokens", 2 * t)
+        fields = {"seq_lens": s + (s & 1)}  # even, so the int64 slots start 8-byte aligned
+        fields.update({f"slots{p}": 2 * t for p in range(self._num_pools)})
+        fields.update({f"table{p}": s * width for p in range(self._num_pools)})
+        self.arena = DeviceArena(fields, self.device)
+        self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
 
     def _prepare_backend(self) -> None:
         self.block_ids_per_seq: list[np.ndarray] = []
@@ -63,14 +83,19 @@ class VanillaAttentionMetadata(AttentionMetadata):
                     "without a kv_cache_manager only context-only batches are supported, got "
                     f"{self.num_generations} generation rows"
                 )
+            values: dict[str, np.ndarray] = {}
+            self._stage_seq_lens(values)
+            self.arena.stage(values)
             return
         bs = block_size_of(manager)
         nb = logical_num_blocks(self.kv_lens_np, bs)
         self.num_blocks_np = nb
-        width = int(nb.max()) if nb.size else 0
+        width = int(MAX(nb)) if nb.size else 0
         n = self.num_seqs
-        decode = self.num_kv_tokens == n and n and self.seq_lens_kv_np.min() == 1
-        for pool in range(num_pools(manager)):
+        k = self.num_kv_tokens
+        decode = k == n and n and MIN(self.seq_lens_kv_np) == 1
+        values = {}
+        for pool in range(self._num_pools):
             table = batch_block_table(
                 manager, self.request_ids, pool=pool, beam_width=self.beam_width,
                 num_contexts=self.num_contexts, cross=self.is_cross, width=width,
@@ -80,10 +105,17 @@ class VanillaAttentionMetadata(AttentionMetadata):
                 slots = decode_token_slots(last_blocks, self.cached_np, bs)
             else:
                 slots = new_token_slots(table, self.cached_np, self.seq_lens_kv_np, bs)
-            ids = np.ascontiguousarray(table[:, :width])
-            self.block_ids_per_seq.append(ids)
-            self.block_ids_per_seq_gpu.append(to_device(ids, self.device))
-            self._slots_gpu.append(to_device(slots, self.device, torch.int64))
+            self.block_ids_per_seq.append(table)  # [n, width], a fresh array
+            # int64 slots as int32 pairs (values < 2^31, so the high words are 0)
+            values[f"slots{pool}"] = slots.astype(np.int64).view(np.int32)
+            values[f"table{pool}"] = table.reshape(-1)  # stage() takes 1-D arrays
+        self._stage_seq_lens(values)
+        self.arena.stage(values)
+        for pool in range(self._num_pools):
+            self._slots_gpu.append(self.arena.view(f"slots{pool}")[: 2 * k].view(torch.int64))
+            self.block_ids_per_seq_gpu.append(
+                self.arena.view(f"table{pool}")[: n * width].view(n, width)
+            )
         if use_sparse_attention(self.sparse_metadata_params):
             self.sparse_blocks = self._sparse_block_masks(width)
 
