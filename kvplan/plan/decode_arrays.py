@@ -76,11 +76,15 @@ class DecodeBatchArrays:
 
         hb = extract_decode_batch(seqs, config)
         ngram = decode_ngram_ids(seqs, hb, config) if config.max_ngram_size > 0 else None
+        i32 = np.int32  # every fact and block id was checked to fit int32; token ids may not
+        ids = hb.input_ids
+        fits = not len(ids) or int(_unsigned(ids).max()) <= INT32_MAX
         return cls(
-            seqlen_q=hb.facts[0].copy(), seqlen_k=hb.facts[1].copy(),
-            state_id=hb.facts[2].copy(), is_placeholder=hb.facts[3] != 0,
-            swa_valid_start=hb.facts[4].copy(), block_table_flat=hb.bt_flat,
-            block_table_offsets=hb.cus[2].copy(), input_ids_flat=hb.input_ids,
+            seqlen_q=hb.facts[0].astype(i32), seqlen_k=hb.facts[1].astype(i32),
+            state_id=hb.facts[2].astype(i32), is_placeholder=hb.facts[3] != 0,
+            swa_valid_start=hb.facts[4].astype(i32), block_table_flat=hb.bt_flat.astype(i32),
+            block_table_offsets=hb.cus[2].astype(i32),
+            input_ids_flat=ids.astype(i32) if fits else ids.copy(),
             ngram_token_ids=None if ngram is None else np.asarray(ngram, dtype=np.int64),
         )  # fmt: skip
 
