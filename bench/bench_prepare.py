@@ -8,6 +8,9 @@ baseline / step (both start from the same lists). The baseline builds the same b
 fields the pre-vectorized way: one Python list per request (``get_block_ids``), per-token
 loops, then one ``torch.tensor`` + copy to the device per field (see ``baseline``). Medians
 over ``--iters`` steps; the device is synchronized between steps, outside the timed region.
+``calls`` is the number of Python-level function calls (numpy/torch C functions and methods
+included, operators and slicing not) of one ``prepare()``, counted with cProfile outside the
+timed runs: on a slow host CPU each costs ~1-6 us, so it predicts ``prepare us`` there.
 
     PYTHONPATH=. python3 bench/bench_prepare.py --out bench/results/bench_prepare.json
     PYTHONPATH=. python3 bench/bench_prepare.py --quick      # tiny, CPU-friendly
@@ -16,8 +19,10 @@ over ``--iters`` steps; the device is synchronized between steps, outside the ti
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -136,6 +141,16 @@ def timed(fn, iters: int, device) -> float:
     return statistics.median(samples)
 
 
+def count_calls(fn, reps: int = 10) -> float:
+    """Function calls per ``fn()`` (cProfile ``total_calls``, the profiler's own stop excluded)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        fn()
+    prof.disable()
+    return (pstats.Stats(prof).total_calls - 1) / reps
+
+
 def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
     mgr, rids, num_ctx, seq_lens, cached = make_batch(kind, num_seqs, max_ctx, block_size)
     rows = []
@@ -154,7 +169,8 @@ def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
             lambda name=name: baseline(name, mgr, rids, num_ctx, seq_lens, cached, device),
             max(3, iters // 4), device,
         )  # fmt: skip
-        rows.append(dict(batch=kind, num_seqs=num_seqs, num_tokens=sum(seq_lens),
+        calls = count_calls(md.prepare)
+        rows.append(dict(batch=kind, prepare_calls=calls, num_seqs=num_seqs, num_tokens=sum(seq_lens),
                          num_blocks=int(sum(-(-(c + s) // block_size) for c, s in zip(cached, seq_lens))),
                          backend=name, step_us=ours, prepare_us=prep, baseline_us=base,
                          speedup=base / ours))  # fmt: skip
@@ -177,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_case("decode", decode_seqs, max_ctx, args.block_size, iters, device)
     rows += run_case("mixed", mixed_seqs, max_ctx, args.block_size, iters, device)
     print(f"{'batch':7} {'seqs':>5} {'tokens':>6} {'backend':14} {'step us':>8} "
-          f"{'prepare us':>11} {'baseline us':>12} {'speedup':>8}")  # fmt: skip
+          f"{'prepare us':>11} {'calls':>6} {'baseline us':>12} {'speedup':>8}")  # fmt: skip
     for r in rows:
         print(f"{r['batch']:7} {r['num_seqs']:5d} {r['num_tokens']:6d} {r['backend']:14} "
-              f"{r['step_us']:8.1f} {r['prepare_us']:11.1f} {r['baseline_us']:12.1f} "
+              f"{r['step_us']:8.1f} {r['prepare_us']:11.1f} {r['prepare_calls']:6.0f} {r['baseline_us']:12.1f} "
               f"{r['speedup']:7.1f}x")  # fmt: skip
     record = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -129,7 +129,7 @@ class BlockOffsetsStager:
         n = seq_rows.size
         if n > self.shape[1]:
             raise ValueError(f"num_seqs = {n} exceeds the buffer's max_batch = {self.shape[1]}")
-        width = int(num_allocated[seq_rows].max()) if n else 0
+        width = int(np.maximum.reduce(num_allocated[seq_rows])) if n else 0
         fill_width = max(width, self._dirty_width)
         self._dirty_width = fill_width
         if n == 0 or fill_width == 0:
@@ -160,6 +160,12 @@ class BlockOffsetsStager:
         source), which callers may keep alive until the copy completes.
         """
         check_block_offsets_dst(dst, self.shape[0], self.shape[3], num_rows)
+        return self._copy_unchecked(dst, num_rows, width, copy_fn)
+
+    def _copy_unchecked(
+        self, dst: torch.Tensor, num_rows: int, width: int, copy_fn: CopyFn | None
+    ) -> torch.Tensor:
+        """``copy_to`` for callers that already ran ``check_block_offsets_dst``."""
         snap = self.snapshot(num_rows, width)
         (copy_fn or default_copy)(dst[:, :num_rows, :, :width], snap)
         return snap
@@ -315,7 +321,7 @@ class BatchViews:
         width = self.max_blocks_per_seq
         if max_blocks is not None:
             width = min(max(int(max_blocks), 1), self.max_blocks_per_seq)
-        return stager.copy_to(dst, num_seqs, width, copy_fn)
+        return stager._copy_unchecked(dst, num_seqs, width, copy_fn)  # dst checked above
 
     def host_block_offsets(self, max_batch: int, *, cross: bool = False):
         """The persistent host buffer of ``(cross, max_batch)`` (for synchronous readers)."""
