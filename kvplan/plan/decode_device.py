@@ -1,6 +1,12 @@
 """``prepare_decode_on_device``: O(n_seq) host extraction + two kernel launches.
 
-The host reads each sequence's few numbers (lengths, state slot, flags, valid start, block
+Two input forms: a list of ``SequenceMetadata`` (the host walks every object once per
+attribute: ~170 of the ~290 us host half for 256 sequences on the dev VM are that CPython
+walk) or a :class:`~kvplan.plan.decode_arrays.DecodeBatchArrays` (the same facts as arrays a
+scheduler keeps up to date incrementally: a fixed number of numpy calls, ~55 us). Both are
+validated before anything is written, with errors naming the field and the value.
+
+From a list, the host reads each sequence's few numbers (lengths, state slot, flags, valid start, block
 ids, last token and drafts) in one attribute pass, validates them in bulk and packs them into
 ONE int32 array (:func:`kvplan.plan.decode_buffers.write_packed`: a private pinned snapshot
 and one ``non_blocking`` copy on CUDA). :mod:`kvplan.plan.decode_kernels` then writes every

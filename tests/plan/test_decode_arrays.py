@@ -149,3 +149,43 @@ def test_short_table_row_and_bad_structure():
         prepare_decode_on_device(dataclasses.replace(good, input_ids_flat=np.zeros(1, int)), cfg)
     with pytest.raises(ValueError, match="ngram_token_ids is required"):
         prepare_decode_on_device(good, make_config(max_ngram_size=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("seed", "n_seq"), [(0, 1), (2, 256)])
+def test_gpu_arrays_equal_eager(seed, n_seq):
+    """CUDA counterpart of the random-config test (n-grams included: from_sequences)."""
+    rng = np.random.default_rng(seed)
+    cfg = make_config(device="cuda", max_ngram_size=2)
+    seqs = random_decode_batch(rng, cfg, n_seq)
+    for s in seqs:
+        s.compressed_token_ids = [t % 50 for t in s.token_ids[: len(s.token_ids) // 2]]
+        s.lookup_table = np.arange(1000) % 50
+    got = prepare_decode_on_device(DecodeBatchArrays.from_sequences(seqs, cfg), cfg)
+    torch.cuda.synchronize()
+    assert got.positions.is_cuda
+    _same(got, prepare_decode(seqs, cfg), cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_alternating_input_forms():
+    """A graph captured at 8 sequences, replayed with list and array batches in turn (the
+    pinned snapshot of each step is private, so back-to-back steps do not race)."""
+    from kvplan.plan.decode_device import launch_decode_kernels, stage_decode_on_device
+
+    rng = np.random.default_rng(9)
+    cfg = make_config(device="cuda")
+    out = make_decode_device_out(cfg, max_num_seqs=8, max_total_q=24, max_seqlen_q=3)
+    big = stage_decode_on_device(random_decode_batch(rng, cfg, 8), cfg, out=out)
+    launch_decode_kernels(big)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_decode_kernels(big)
+    for step in range(4):
+        seqs = random_decode_batch(rng, cfg, int(rng.integers(1, 9)))
+        batch = _manual_arrays(seqs, cfg, keep_spares=True) if step % 2 else seqs
+        staged = stage_decode_on_device(batch, cfg, out=out)
+        graph.replay()
+        torch.cuda.synchronize()
+        _same(staged.meta, prepare_decode(seqs, cfg), cfg)
