@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvplan.cache import KVCacheManager
-from kvplan.cache.block_offsets import expand_batch_rows, flat_block_ids
+from kvplan.cache.block_offsets import expand_batch_rows, flat_block_ids, per_seq_table
 
 
 def offsets_ref(m, request_ids, beam_width, num_contexts, *, cross=False):
@@ -206,3 +206,16 @@ def test_copy_into_a_cuda_dst_matches_the_loop(cross):
     got = dst.cpu().numpy()
     assert np.array_equal(got[:, :11, :, :4], want[..., :4])
     assert (got[:, :11, :, 4:] == -7).all() and (got[:, 11:] == -7).all()
+
+
+def test_per_seq_table_is_a_fresh_c_contiguous_copy():
+    """``per_seq_table`` relies on advanced indexing building a new C-ordered array."""
+    table = np.arange(3 * 2 * 7, dtype=np.int32).reshape(3, 2, 7)[1:]  # a strided pool view
+    rows = np.array([1, 0, 1], dtype=np.int64)
+    out = per_seq_table(table[0], rows, 4)
+    assert out.flags["C_CONTIGUOUS"] and out.flags["OWNDATA"] and out.dtype == np.int32
+    assert out.tolist() == [table[0, 1, :4].tolist(), table[0, 0, :4].tolist()] + [
+        table[0, 1, :4].tolist()
+    ]
+    out[0, 0] = -1
+    assert table[0, 1, 0] != -1

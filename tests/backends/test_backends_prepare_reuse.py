@@ -1,0 +1,68 @@
+"""One metadata object reused step after step gives the same tensors as a fresh one.
+
+The backends stage every per-step field into capacity-sized device arenas that persist across
+steps (vanilla included: ``seq_lens``, the int64 slots and the block tables share one arena),
+so a smaller batch after a larger one must not read anything a previous step left behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backends_testlib import fill_metadata, make_scenario, random_specs, subset
+
+from kvplan.backends import get_backend
+
+CAP = {"max_num_requests": 16, "max_num_tokens": 256, "max_num_sequences": 32}
+
+
+def step_tensors(md, name: str, num_pools: int) -> dict[str, list]:
+    """Every device field one step's kernels read (as lists), plus the host tables."""
+    n = md.num_seqs
+    out = {"seq_lens_gpu": md.seq_lens_gpu.tolist()}
+    for p in range(num_pools):
+        slots = md.slot_mapping(p)
+        out[f"slots{p}"] = (str(slots.dtype), slots.tolist())
+    if name == "vanilla":
+        for p in range(num_pools):
+            table = md.block_ids_per_seq_gpu[p]
+            assert torch.equal(table.cpu(), torch.from_numpy(md.block_ids_per_seq[p]))
+            out[f"table{p}"] = table.tolist()
+    elif name == "ragged":
+        out["qo_indptr"] = md.qo_indptr[: n + 1].tolist()
+        for field in ("paged_kv_indptr", "paged_kv_indptr_prefill", "paged_kv_indptr_decode",
+                      "paged_kv_last_page_len", "kv_lens", "batch_indices", "positions"):  # fmt: skip
+            out[field] = getattr(md, field).tolist()
+        for p in range(num_pools):
+            out[f"indices{p}"] = md.paged_kv_indices(p).tolist()
+        out["qo_decode"] = md.arena.view("qo_indptr_decode")[: md.num_generations + 1].tolist()
+    else:
+        out["qo_indptr"] = md.qo_indptr[: n + 1].tolist()
+        out["qo_gen"] = md.arena.view("qo_indptr_gen")[: md.num_generations + 1].tolist()
+        out["kv_lens_cuda"] = md.kv_lens_cuda.tolist()
+        out["types"] = md.host_request_types[:n].tolist()
+        out["totals"] = md.host_total_kv_lens.tolist()
+        w = md.copied_width
+        out["offsets"] = md.kv_cache_block_offsets[:, :n, :, :w].tolist()
+    return out
+
+
+@pytest.mark.parametrize("name", ["vanilla", "ragged", "block_offsets"])
+def test_reused_metadata_equals_fresh_prepare(name):
+    specs = random_specs(5, num_ctx=4, num_gen=6)
+    sc = make_scenario(5, specs, layer_windows=(None, 8))  # two pools (VSWA)
+    cls = get_backend(name).Metadata
+    reused = cls(kv_cache_manager=sc.manager, kv_cache=sc.kv, **CAP)
+    pools = sc.manager.num_pools
+    # big mixed batch, decode-only subset, a smaller mixed batch, the big batch again
+    batches = [sc, subset(sc, [4, 6, 9]), subset(sc, [1, 7]), sc]
+    for step, batch in enumerate(batches):
+        fill_metadata(reused, batch)
+        reused.prepare()
+        fresh = cls(kv_cache_manager=sc.manager, kv_cache=sc.kv, **CAP)
+        fill_metadata(fresh, batch)
+        fresh.prepare()
+        got, want = step_tensors(reused, name, pools), step_tensors(fresh, name, pools)
+        assert got == want, f"step {step}"
+    if name == "vanilla":
+        assert reused.slot_mapping(0).dtype == torch.int64
