@@ -220,10 +220,9 @@ def decode_host_batch(b: DecodeBatchArrays, cfg: MetadataConfig) -> HostDecodeBa
     if not isinstance(cfg, MetadataConfig):
         raise TypeError(f"config must be a MetadataConfig, got {type(cfg).__name__}")
     n = _check_structure(b)
-    facts = np.stack(
-        (b.seqlen_q, b.seqlen_k, b.state_id, b.is_placeholder, b.swa_valid_start),
-        dtype=np.int64, casting="unsafe",
-    )  # fmt: skip
+    facts = np.empty((5, n), dtype=np.int64)  # 6 calls, cheaper than np.stack's 10+
+    facts[0], facts[1], facts[2] = b.seqlen_q, b.seqlen_k, b.state_id
+    facts[3], facts[4] = b.is_placeholder, b.swa_valid_start
     if b.is_placeholder.dtype.kind != "b":
         facts[3] = facts[3] != 0
     sq, sk, sid, _, vs = facts

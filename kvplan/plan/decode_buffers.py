@@ -19,6 +19,7 @@ Packed device inputs (int32), capacities ``n_cap`` sequences, ``q_cap`` rows, ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import is_
 
 import numpy as np
 import torch
@@ -183,14 +184,28 @@ class BoundBuffers:
     offsets: dict[str, tuple[int, int]]  # name -> (offset, length) in packed
     views: dict = field(default_factory=dict)  # (n, total_q) -> meta field views
 
+    def __post_init__(self) -> None:
+        # identity-check tables for still_valid: (keys, values) of the tensors, and per dict
+        # entry (key, its keys, its values)
+        plain = [(k, v) for k, v in self.sources if not isinstance(v, dict)]
+        self._keys, self._vals = tuple(k for k, _ in plain), tuple(v for _, v in plain)
+        self._dicts = tuple((k, tuple(v), tuple(v.values()))
+                            for k, v in self.sources if isinstance(v, dict))  # fmt: skip
+        self.ratios_array = np.asarray(self.ratios, dtype=np.int32)
+
     def still_valid(self, out: dict, config: MetadataConfig) -> bool:
+        """True when ``config`` equals the bound one and every checked entry of ``out`` is
+        the very object that was checked (identity, so a replaced buffer is checked again)."""
         if not (config is self.config or config == self.config):
             return False
-        return all(
-            (out.get(k) is v) if not isinstance(v, dict)
-            else isinstance(out.get(k), dict) and all(out[k].get(kk) is vv for kk, vv in v.items())
-            for k, v in self.sources
-        )  # fmt: skip
+        get = out.get
+        if not all(map(is_, map(get, self._keys), self._vals)):
+            return False
+        for k, keys, vals in self._dicts:
+            d = get(k)
+            if not isinstance(d, dict) or not all(map(is_, map(d.get, keys), vals)):
+                return False
+        return True
 
 
 def bind_buffers(out: dict, config: MetadataConfig) -> BoundBuffers:
@@ -287,7 +302,7 @@ def write_packed(b: BoundBuffers, cus: np.ndarray, facts: np.ndarray, input_ids:
     block[:, : n + 1] = cus
     block[:, n + 1 :] = cus[:, -1:]  # padded programs: seqlen_q = 0, no blocks
     h[o_seq : o_seq + 5 * n_cap].reshape(5, n_cap)[:, :n] = facts
-    h[sec["ratios"][0] : sec["ratios"][0] + len(b.ratios)] = b.ratios
+    h[sec["ratios"][0] : sec["ratios"][0] + len(b.ratios)] = b.ratios_array
     h[sec["input_ids"][0] : sec["input_ids"][0] + len(input_ids)] = input_ids
     h[sec["bt"][0] : used] = block_ids
     if cuda:
