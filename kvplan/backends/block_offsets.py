@@ -148,7 +148,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
     # prepare ------------------------------------------------------------------------
     def _fill_step_fields(self) -> np.ndarray | None:
         """Host step fields; returns the validated ``prompt_lens`` (None when unset)."""
-        n, nc = self.num_seqs, self.num_contexts
+        n, nc = self._num_seqs, self._num_contexts
         valid = self.kv_lens_np  # cached + seq_lens_kv
         extra = self.num_extra_kv_tokens
         self.kv_lens = valid + np.int32(extra) if extra else valid
@@ -168,23 +168,23 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         return None
 
     def _prepare_backend(self) -> None:
-        n, nc = self.num_seqs, self.num_contexts
+        n, nc = self._num_seqs, self._num_contexts
         prompt = self._fill_step_fields()
         valid = self.kv_lens_np
         cu_q = self.cu_seqlens_q_np
         values = {
             "kv_lens": valid,
             "qo_indptr": cu_q,
-            "qo_indptr_gen": cu_q[nc:] - np.int32(self.num_ctx_tokens) if nc else cu_q,
+            "qo_indptr_gen": cu_q[nc:] - np.int32(self._num_ctx_tokens) if nc else cu_q,
         }
         if prompt is not None:  # prompt_lens_cuda is an arena view: staged with the rest
             values["prompt_lens"] = prompt
         mgr = self.kv_cache_manager
         if mgr is None:
-            if self.num_generations:
+            if self._num_generations:
                 raise ValueError(
                     "without a kv_cache_manager only context-only batches are supported "
-                    f"(num_generations == 0), got {self.num_generations}"
+                    f"(num_generations == 0), got {self._num_generations}"
                 )
             self._stage_seq_lens(values)
             self.arena.stage(values)
@@ -209,13 +209,13 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
                                       "kv_lens (incl. num_extra_kv_tokens)")  # fmt: skip
         decode = (
             last_blocks is not None and not self.num_extra_kv_tokens and self._num_pools == 1
-            and self.num_kv_tokens == n and MIN(self.seq_lens_kv_np) == 1
+            and self._num_kv_tokens == n and MIN(self._kv_np) == 1
         )  # fmt: skip
         for p in range(self._num_pools):
             if decode:  # the last held block is the new token's block
                 slots = decode_token_slots(last_blocks, self.cached_np, bs)
             else:
-                slots = new_token_slots(host[p, :n, 0, :], self.cached_np, self.seq_lens_kv_np, bs)
+                slots = new_token_slots(host[p, :n, 0, :], self.cached_np, self._kv_np, bs)
             values[f"slots{p}"] = slots
         if self.is_cross:
             q_rows = np.arange(n).repeat(self._seq_lens_np)

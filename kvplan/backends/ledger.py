@@ -108,11 +108,11 @@ def new_token_slots(
     if total == 0:
         return np.zeros(0, np.int32)
     bs = np.int32(block_size)
-    start = cached.astype(np.int32, copy=False)
+    start = cached if cached.dtype == np.int32 else cached.astype(np.int32)
     if total == n and MIN(new_lens) == 1:  # decode: one new token per sequence, one run each
         run_seq, run_col, lo, run_len = np.arange(n), start // bs, start, None
     else:
-        end = start + new_lens.astype(np.int32, copy=False)
+        end = start + (new_lens if new_lens.dtype == np.int32 else new_lens.astype(np.int32))
         first = start // bs
         runs = ((end - 1) // bs - first + 1) * (new_lens > 0)  # runs (blocks touched) per seq
         run_seq = np.arange(n, dtype=np.int32).repeat(runs)
@@ -136,7 +136,7 @@ def new_token_slots(
         )
     first_slot = blocks * bs + lo % bs  # slot of each run's first token
     if run_len is None:
-        return first_slot.astype(np.int32, copy=False)
+        return first_slot if first_slot.dtype == np.int32 else first_slot.astype(np.int32)
     # token k of the run starting at token offset o: first_slot + k = (first_slot - o) + index
     slots = (first_slot - (run_len.cumsum(dtype=np.int32) - run_len)).repeat(run_len)
     slots += np.arange(total, dtype=np.int32)

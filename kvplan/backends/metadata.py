@@ -337,6 +337,7 @@ class AttentionMetadata:
             raise ValueError("num_cached_tokens_per_seq must be 0 without a kv_cache_manager")
         self.num_requests = num_requests
         self.cached_np = cached
+        self._kv_np = kv_np  # = seq_lens_kv_np, for the backends' prepare (no property call)
         self.kv_lens_np = cached + kv_np
         self.cu_seqlens_q_np = exclusive_cumsum(self._seq_lens_np, self._num_tokens)
         self.cu_seqlens_kv_np = (

@@ -179,14 +179,14 @@ class RaggedAttentionMetadata(AttentionMetadata):
 
     # prepare ------------------------------------------------------------------------
     def _prepare_backend(self) -> None:
-        n, nc = self.num_seqs, self.num_contexts
+        n, nc = self._num_seqs, self._num_contexts
         self._num_indices = 0
         mgr = self.kv_cache_manager
         if mgr is None:
-            if self.num_generations:
+            if self._num_generations:
                 raise ValueError(
                     "without a kv_cache_manager only context-only batches are supported "
-                    f"(num_generations == 0), got {self.num_generations}"
+                    f"(num_generations == 0), got {self._num_generations}"
                 )
             values = {"qo_indptr": self.cu_seqlens_q_np, "kv_lens": self.kv_lens_np}
             self._stage_seq_lens(values)
@@ -194,11 +194,11 @@ class RaggedAttentionMetadata(AttentionMetadata):
             return
         bs = int(mgr.block_size)
         kv_lens = self.kv_lens_np
-        seq_lens_kv = self.seq_lens_kv_np
+        seq_lens_kv = self._kv_np
         logical_nb = logical_num_blocks(kv_lens, bs)
         full = self.use_full_generation_page_table and not self.is_cross
         width = None if full else (int(MAX(logical_nb)) if n else 0)
-        decode = self.num_kv_tokens == n and n and MIN(seq_lens_kv) == 1  # one new token each
+        decode = self._num_kv_tokens == n and n and MIN(seq_lens_kv) == 1  # one new token each
         tables, slots = [], []
         for pool in range(self._num_pools):
             table = batch_block_table(
@@ -232,7 +232,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
             "indptr": indptr,
             "indptr_decode": indptr[nc:] - indptr[nc] if nc else indptr,
             "qo_indptr_decode": (
-                self.cu_seqlens_q_np[nc:] - np.int32(self.num_ctx_tokens)
+                self.cu_seqlens_q_np[nc:] - np.int32(self._num_ctx_tokens)
                 if nc
                 else self.cu_seqlens_q_np
             ),

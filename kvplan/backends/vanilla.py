@@ -22,7 +22,6 @@ from kvplan.backends.base import AttentionBackend
 from kvplan.backends.host_arrays import MAX, MIN
 from kvplan.backends.ledger import (
     batch_block_table,
-    block_size_of,
     check_allocated,
     decode_token_slots,
     logical_num_blocks,
@@ -78,33 +77,33 @@ class VanillaAttentionMetadata(AttentionMetadata):
         self.sparse_blocks: list[np.ndarray] | None = None
         manager = self.kv_cache_manager
         if manager is None:
-            if self.num_generations:
+            if self._num_generations:
                 raise ValueError(
                     "without a kv_cache_manager only context-only batches are supported, got "
-                    f"{self.num_generations} generation rows"
+                    f"{self._num_generations} generation rows"
                 )
             values: dict[str, np.ndarray] = {}
             self._stage_seq_lens(values)
             self.arena.stage(values)
             return
-        bs = block_size_of(manager)
+        bs = int(manager.block_size)
         nb = logical_num_blocks(self.kv_lens_np, bs)
         self.num_blocks_np = nb
         width = int(MAX(nb)) if nb.size else 0
-        n = self.num_seqs
-        k = self.num_kv_tokens
-        decode = k == n and n and MIN(self.seq_lens_kv_np) == 1
+        n = self._num_seqs
+        k = self._num_kv_tokens
+        decode = k == n and n and MIN(self._kv_np) == 1
         values = {}
         for pool in range(self._num_pools):
             table = batch_block_table(
                 manager, self.request_ids, pool=pool, beam_width=self.beam_width,
-                num_contexts=self.num_contexts, cross=self.is_cross, width=width,
+                num_contexts=self._num_contexts, cross=self.is_cross, width=width,
             )  # fmt: skip
             last_blocks = check_allocated(table, nb)
             if decode and last_blocks is not None:
                 slots = decode_token_slots(last_blocks, self.cached_np, bs)
             else:
-                slots = new_token_slots(table, self.cached_np, self.seq_lens_kv_np, bs)
+                slots = new_token_slots(table, self.cached_np, self._kv_np, bs)
             self.block_ids_per_seq.append(table)  # [n, width], a fresh array
             # int64 slots as int32 pairs (values < 2^31, so the high words are 0)
             values[f"slots{pool}"] = slots.astype(np.int64).view(np.int32)
@@ -116,7 +115,9 @@ class VanillaAttentionMetadata(AttentionMetadata):
             self.block_ids_per_seq_gpu.append(
                 self.arena.view(f"table{pool}")[: n * width].view(n, width)
             )
-        if use_sparse_attention(self.sparse_metadata_params):
+        if self.sparse_metadata_params is not None and use_sparse_attention(
+            self.sparse_metadata_params
+        ):
             self.sparse_blocks = self._sparse_block_masks(width)
 
     def _sparse_block_masks(self, width: int) -> list[np.ndarray]:
