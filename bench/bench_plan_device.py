@@ -20,7 +20,9 @@ The host rows are measured for both input forms side by side in the same run: ``
 list of ``SequenceMetadata``: ``host_extract_cpu`` is ``extract_decode_batch``) and
 ``arrays`` (a ``DecodeBatchArrays`` built once beforehand, as a scheduler would keep it:
 ``host_extract_cpu`` is ``decode_host_batch``). The kernel, eager and reference rows are
-shared.
+shared. Host rows: ``--rounds`` rounds (default 3) alternate the two forms, ``--iters``
+calls each; a row is the smallest of its rounds' medians (a load burst on a shared host
+then spoils one round, not the figure).
 
     PYTHONPATH=. python3 bench/bench_plan_device.py --out bench/results/plan_device.json
     PYTHONPATH=. python3 bench/bench_plan_device.py --quick        # tiny, runs on a CPU too
@@ -164,6 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--ref-iters", type=int, default=10)
     ap.add_argument("--graph-reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of host timings")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU debugging)")
 
     ap.add_argument("--out", default=None, help="write a JSON record here")
@@ -172,7 +175,7 @@ def main(argv=None) -> int:
     if not cuda:
         torch.set_num_threads(1)  # tiny CPU tensors: thread hand-offs dominate otherwise
     if args.quick:
-        args.seqs, args.iters, args.ref_iters = min(args.seqs, 8), 5, 2
+        args.seqs, args.iters, args.ref_iters, args.rounds = min(args.seqs, 8), 5, 2, 1
     device = "cuda" if cuda else "cpu"
     cfg = MetadataConfig(
         block_size=128, dense_ratios=(16, 128), sparse_ratios=(4,), window_size=128,
@@ -195,9 +198,11 @@ def main(argv=None) -> int:
         assert torch.equal(getattr(got_arrays, name).cpu(), getattr(want, name).cpu()), name
 
     forms = {"list": (seqs, extract_decode_batch), "arrays": (arrays, decode_host_batch)}
-    per_form = {}
-    for form, (batch, extract) in forms.items():
-        per_form[form] = time_form(batch, extract, cfg, out, args, cuda)
+    rounds = {form: [] for form in forms}  # forms alternate, so load bursts hit both
+    for _ in range(args.rounds):
+        for form, (batch, extract) in forms.items():
+            rounds[form].append(time_form(batch, extract, cfg, out, args, cuda))
+    per_form = {f: {k: min(r[k] for r in rs) for k in rs[0]} for f, rs in rounds.items()}
     res = dict(per_form["list"])  # the list form keeps the historical key names
     res["eager_decode"] = median_us(lambda: prepare_decode(seqs, cfg), max(args.iters // 4, 2))
     res["reference"] = median_us(lambda: reference_decode(seqs, cfg), args.ref_iters, warmup=1)
@@ -241,6 +246,7 @@ def main(argv=None) -> int:
             "drafts": args.drafts,
             "config": {k: getattr(cfg, k) for k in ("block_size", "dense_ratios",
                        "sparse_ratios", "window_size", "swa_block_size", "max_num_blocks")},
+            "rounds": args.rounds,
             "medians_us": res,
             "medians_us_arrays": res_arrays,
             "ratios": ratios,
