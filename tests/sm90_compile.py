@@ -1,29 +1,56 @@
-"""Compile a Triton kernel for sm_90 on any machine (shared by the index-op tests).
+"""Compile a Triton kernel for sm_90 on any machine (shared by the kernel tests).
 
 The CPU interpreter skips Triton's type checks; compiling for the H200's architecture here
 catches what would only fail on the GPU (e.g. names bound with different types in both branches
 of an ``if``). Needs only Triton's bundled ptxas, not a GPU.
+
+The compile runs in a fresh Python process without ``TRITON_INTERPRET``: the interpreter patches
+``triton.language`` while it runs a kernel, and a compile in the same process can then fail
+depending on which tests ran before it.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
+
+_SCRIPT = r"""
+import importlib, json, sys
 import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+try:
+    from triton.backends.nvidia.compiler import get_ptxas
+    get_ptxas(90)
+except Exception as e:  # no CUDA toolchain in this Triton install
+    print("NO_PTXAS", e)
+    sys.exit(0)
+module, name, constexprs, ptr_dtype = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), name)
+sig = {n: "constexpr" if n in constexprs else ptr_dtype if n.endswith("_ptr") else "i32"
+       for n in fn.arg_names}
+triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+               target=GPUTarget("cuda", 90, 32))
+print("OK")
+"""
 
 
-def compile_sm90(kernel, **constexprs):
-    """Compile a kernel for sm_90 (H100/H200) on any machine: the interpreter does not run
-    Triton's type checks (e.g. equal types for names bound in both branches of an ``if``)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+def compile_sm90(kernel, ptr_dtype: str = "*i32", **constexprs) -> None:
+    """Compile ``kernel`` (a module-level ``@triton.jit`` function) for sm_90 or fail the test.
 
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        get_ptxas(90)
-    except Exception as e:  # noqa: BLE001 - no CUDA toolchain in this Triton install
-        pytest.skip(f"no ptxas: {e}")
-    fn = JITFunction(kernel.fn)  # the interpreter wraps the raw function
-    sig = {n: "constexpr" if n in constexprs else "*i32" if n.endswith("_ptr") else "i32"
-           for n in fn.arg_names}  # fmt: skip
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                   target=GPUTarget("cuda", 90, 32))  # fmt: skip
+    Pointer arguments (names ending in ``_ptr``) get ``ptr_dtype``, other runtime arguments i32.
+    """
+    raw = getattr(kernel, "fn", kernel)  # JITFunction or the interpreter's wrapper
+    spec = json.dumps([raw.__module__, raw.__name__, constexprs, ptr_dtype])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, spec], capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"sm_90 compile of {raw.__name__} failed:\n{proc.stderr[-3000:]}")
+    if proc.stdout.startswith("NO_PTXAS"):
+        pytest.skip(f"no ptxas: {proc.stdout.strip()}")
+    assert proc.stdout.strip().endswith("OK"), proc.stdout
