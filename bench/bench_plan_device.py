@@ -8,6 +8,8 @@ Batch: ``--seqs`` decode sequences (default 256) with ``--drafts`` draft tokens 
   the issue's <= 150 us target counts; on a busy host wall time also counts waiting);
 * ``host_extract_cpu``: CPU time of the validation + extraction alone
   (``extract_decode_batch``, no packing or copies);
+* ``host_pack_cpu``: CPU time of ``write_packed`` alone (packing; on CUDA also the pinned
+  snapshot allocation and issuing the H2D copy), to split the host half on the GPU host;
 * ``host_total``: the whole call as the CPU sees it (host half + issuing the two launches);
 * ``host_graph`` (CUDA): host half + replaying a CUDA graph of the two launches (how a decode
   loop with captured buffers runs it);
@@ -48,6 +50,7 @@ if not torch.cuda.is_available():
 
 from kvplan.plan import MetadataConfig, SequenceMetadata, prepare_decode  # noqa: E402
 from kvplan.plan.decode_arrays import DecodeBatchArrays, decode_host_batch  # noqa: E402
+from kvplan.plan.decode_buffers import bind_buffers, write_packed  # noqa: E402
 from kvplan.plan.decode_device import (  # noqa: E402
     extract_decode_batch,
     launch_decode_kernels,
@@ -145,6 +148,11 @@ def time_form(batch, extract, cfg, out, args, cuda: bool) -> dict:
         ),  # fmt: skip
         "host_total": median_us(lambda: prepare_decode_on_device(batch, cfg, out=out), args.iters),
     }
+    hb, bound = extract(batch, cfg), bind_buffers(out, cfg)
+    res["host_pack_cpu"] = median_us(
+        lambda: write_packed(bound, hb.cus, hb.facts, hb.input_ids, hb.bt_flat), args.iters,
+        clock=time.thread_time,
+    )  # fmt: skip
     if cuda:
         graph = torch.cuda.CUDAGraph()
         staged = stage_decode_on_device(batch, cfg, out=out)
