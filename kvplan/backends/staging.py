@@ -45,6 +45,10 @@ class DeviceArena:
         capacities: field name -> number of int32 elements reserved for it (order = layout;
             put the fields whose used length varies most at the end).
         device: where the buffers live.
+        private_snapshots: stage through a private host snapshot + one copy (default: when
+            ``device`` is not the CPU). A CPU arena has no asynchronous copy to protect, so by
+            default ``stage`` writes its buffer in place (no snapshot, no second memcpy);
+            ``True`` forces the snapshot path (tests use it to check the rule on the CPU).
 
     ``view(name)`` is a capacity-sized int32 view that never moves. ``stage(values)`` writes
     every given 1-D array to the start of its field through one private host snapshot and one
@@ -58,9 +62,17 @@ class DeviceArena:
         arena.view("indptr")[:3]   # tensor([0, 3, 5], dtype=torch.int32)
     """
 
-    def __init__(self, capacities: Mapping[str, int], device: torch.device) -> None:
+    def __init__(
+        self,
+        capacities: Mapping[str, int],
+        device: torch.device,
+        private_snapshots: bool | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self.pinned = use_pinned(self.device)
+        if private_snapshots is None:
+            private_snapshots = self.device.type != "cpu"
+        self.private_snapshots = private_snapshots
         self.offsets: dict[str, int] = {}
         self.capacities = dict(capacities)
         total = 0
@@ -77,6 +89,7 @@ class DeviceArena:
             for name, off in self.offsets.items()
         }
         self._spans = {name: (off, self.capacities[name]) for name, off in self.offsets.items()}
+        self._buffer_np = None if private_snapshots else self.buffer.numpy()
         self.last_snapshot: torch.Tensor | None = None
 
     def view(self, name: str) -> torch.Tensor:
@@ -93,6 +106,12 @@ class DeviceArena:
             if off + size > end:
                 end = off + size
         if end == 0:
+            return
+        if self._buffer_np is not None:  # CPU arena: write in place (no async copy to protect)
+            host = self._buffer_np
+            for name, arr in values.items():
+                off = spans[name][0]
+                host[off : off + arr.size] = arr
             return
         snapshot = torch.empty(end, dtype=torch.int32, pin_memory=self.pinned)
         host = snapshot.numpy()

@@ -165,7 +165,7 @@ def test_new_token_slots_against_a_loop(seed):
 
 
 def test_arena_stages_through_a_private_snapshot():
-    arena = DeviceArena({"a": 4, "b": 8}, torch.device("cpu"))
+    arena = DeviceArena({"a": 4, "b": 8}, torch.device("cpu"), private_snapshots=True)
     ptr = arena.view("b").data_ptr()
     arena.stage({"a": np.array([1, 2], np.int32), "b": np.array([7, 8, 9], np.int32)})
     snap = arena.last_snapshot
@@ -175,6 +175,25 @@ def test_arena_stages_through_a_private_snapshot():
     assert arena.view("b").data_ptr() == ptr
     with pytest.raises(ValueError, match="capacity"):
         arena.stage({"a": np.zeros(5, np.int32)})
+
+
+def test_cpu_arena_writes_in_place_with_the_same_result():
+    fields = {"a": 4, "b": 8}
+    direct = DeviceArena(fields, torch.device("cpu"))
+    snap = DeviceArena(fields, torch.device("cpu"), private_snapshots=True)
+    assert not direct.private_snapshots and snap.private_snapshots
+    ptr = direct.buffer.data_ptr()
+    steps = [{"a": np.array([1, 2], np.int32), "b": np.arange(8, dtype=np.int32)},
+             {"b": np.array([9], np.int32)}, {"a": np.array([3, 4, 5, 6], np.int32)}]  # fmt: skip
+    for values in steps:
+        direct.stage(values)
+        snap.stage(values)
+        for name, arr in values.items():
+            assert direct.view(name)[: arr.size].tolist() == arr.tolist()
+            assert snap.view(name)[: arr.size].tolist() == arr.tolist()
+    assert direct.last_snapshot is None and direct.buffer.data_ptr() == ptr
+    with pytest.raises(ValueError, match="capacity"):
+        direct.stage({"b": np.zeros(9, np.int32)})
 
 
 def test_cuda_graph_metadata_is_decode_only():
