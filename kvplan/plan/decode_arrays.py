@@ -178,10 +178,19 @@ def _check_values(b: DecodeBatchArrays, facts: np.ndarray, nb: np.ndarray, cfg) 
     _fail("state_id", sid < (INT32_MAX + 1) // cfg.swa_block_size, sid,
           "state_id * swa_block_size overflows int32")  # fmt: skip
     off = b.block_table_offsets.astype(np.int64)
-    _fail("block_table_offsets", off[1:] >= off[:-1], off[1:], "offsets must not decrease")
-    n_bt = np.diff(off)
-    _fail("block_table_offsets", n_bt >= nb, n_bt,
-          "(row length) is shorter than num_blocks_for(seqlen_k[{i}]) =", nb)  # fmt: skip
+    bad = np.flatnonzero(off[1:] < off[:-1])
+    if len(bad):
+        i = int(bad[0]) + 1
+        raise ValueError(f"block_table_offsets[{i}] = {int(off[i])}: must be >= "
+                         f"block_table_offsets[{i - 1}] = {int(off[i - 1])}")  # fmt: skip
+    bad = np.flatnonzero(off[1:] - off[:-1] < nb)
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"block_table_offsets[{i}:{i + 2}] = {off[i : i + 2].tolist()}: row {i} holds "
+            f"{int(off[i + 1] - off[i])} block ids, seqlen_k[{i}] = {int(sk[i])} needs "
+            f"num_blocks_for = {int(nb[i])}"
+        )
 
 
 def _block_ids(flat: np.ndarray, off: np.ndarray, nb: np.ndarray, cu_nb: np.ndarray, cfg):

@@ -135,8 +135,12 @@ def test_short_table_row_and_bad_structure():
     off[1:] -= off[1] - off[0] - (cfg.num_blocks_for(int(good.seqlen_k[0])) - 1)  # row 0 short
     flat = good.block_table_flat[: int(off[-1])]
     short = dataclasses.replace(good, block_table_offsets=off, block_table_flat=flat)
-    with pytest.raises(ValueError, match=r"block_table_offsets\[0\] = .*num_blocks_for"):
+    with pytest.raises(ValueError, match=r"block_table_offsets\[0:2\] = .*row 0 holds"):
         prepare_decode_on_device(short, cfg)
+    dec = good.block_table_offsets.copy()
+    dec[2] = dec[1] - 1
+    with pytest.raises(ValueError, match=r"block_table_offsets\[2\] = .*must be >= "):
+        prepare_decode_on_device(dataclasses.replace(good, block_table_offsets=dec), cfg)
     with pytest.raises(ValueError, match=r"block_table_offsets\[-1\]"):
         prepare_decode_on_device(dataclasses.replace(good, block_table_flat=flat[:-1]), cfg)
     with pytest.raises(ValueError, match="seqlen_k has 3 entries"):
