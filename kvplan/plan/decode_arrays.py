@@ -22,10 +22,17 @@ Layout (``n`` sequences, CSR block tables)::
         per sequence: the last confirmed token, then its seqlen_q - 1 draft tokens
     ngram_token_ids (only with config.max_ngram_size > 0)   int [sum seqlen_q, max_ngram_size]
 
-Example (2 sequences, block_size 4, ratios (4,) so one block = 1 compressed token... any ids)::
+Example (2 sequences, block_size 4, smallest ratio 1: ``num_blocks_for(k) = ceil(k / 4)``)::
 
-    seqlen_q = [3, 1], seqlen_k = [10, 5], block_table_offsets = [0, 3, 5]
-    block_table_flat = [7, 2, 9, 4, 1], input_ids_flat = [t0, d0, d1, u0]
+    seqlen_q = [3, 1], seqlen_k = [10, 5]            queries at positions 7..9 and 4
+    block_table_offsets = [0, 3, 6]                  seq 0: 3 ids; seq 1: 3 ids (2 needed)
+    block_table_flat    = [7, 2, 9,  4, 1, 8]        the trailing 8 is never read
+    input_ids_flat      = [t0, d0, d1,  u0]           last confirmed token, then the drafts
+
+``ngram_token_ids`` (Engram) needs each sequence's compressed history, which is not part of
+this form: the scheduler supplies the rows (``from_sequences`` computes them on the host).
+One choice differs from the list form: ``input_ids_flat`` must fit int32 (the packed device
+input is int32); the list form packs token ids without that check.
 
 The arrays are validated (vectorized, every check of ``batch.validate_sequence`` plus the CSR
 structure and the block-id range) by :func:`decode_host_batch` each time they are staged, not

@@ -3,7 +3,7 @@
 Two input forms: a list of ``SequenceMetadata`` (the host walks every object once per
 attribute: ~170 of the ~290 us host half for 256 sequences on the dev VM are that CPython
 walk) or a :class:`~kvplan.plan.decode_arrays.DecodeBatchArrays` (the same facts as arrays a
-scheduler keeps up to date incrementally: a fixed number of numpy calls, ~55 us). Both are
+scheduler keeps up to date incrementally: a fixed number of numpy calls, ~50 us). Both are
 validated before anything is written, with errors naming the field and the value.
 
 From a list, the host reads each sequence's few numbers (lengths, state slot, flags, valid start, block

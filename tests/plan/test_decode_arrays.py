@@ -193,3 +193,24 @@ def test_gpu_graph_replay_alternating_input_forms():
         graph.replay()
         torch.cuda.synchronize()
         _same(staged.meta, prepare_decode(seqs, cfg), cfg)
+
+
+def test_module_docstring_example():
+    """The layout example of decode_arrays: spare id 8 unread, rows expanded per query."""
+    from kvplan.plan.config import MetadataConfig
+
+    cfg = MetadataConfig(block_size=4, dense_ratios=(), sparse_ratios=(), window_size=2,
+                         swa_block_size=4, max_model_len=16, max_num_blocks=4, num_kv_blocks=16)  # fmt: skip
+    i32 = np.int32
+    arrays = DecodeBatchArrays(
+        seqlen_q=np.array([3, 1], i32), seqlen_k=np.array([10, 5], i32),
+        state_id=np.array([0, 1], i32), is_placeholder=np.zeros(2, bool),
+        swa_valid_start=np.zeros(2, i32), block_table_flat=np.array([7, 2, 9, 4, 1, 8], i32),
+        block_table_offsets=np.array([0, 3, 6], i32),
+        input_ids_flat=np.array([11, 12, 13, 21], i32),
+    )  # fmt: skip
+    meta = prepare_decode_on_device(arrays, cfg, backend="torch")
+    assert meta.positions.tolist() == [7, 8, 9, 4]
+    assert meta.input_ids.tolist() == [11, 12, 13, 21]
+    assert meta.block_tables[:3, :3].tolist() == [[7, 2, 9]] * 3
+    assert meta.block_tables[3, :2].tolist() == [4, 1]
