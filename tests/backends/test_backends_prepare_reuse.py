@@ -47,10 +47,9 @@ def step_tensors(md, name: str, num_pools: int) -> dict[str, list]:
     return out
 
 
-@pytest.mark.parametrize("name", ["vanilla", "ragged", "block_offsets"])
-def test_reused_metadata_equals_fresh_prepare(name):
+def check_reuse(name: str, device: str) -> None:
     specs = random_specs(5, num_ctx=4, num_gen=6)
-    sc = make_scenario(5, specs, layer_windows=(None, 8))  # two pools (VSWA)
+    sc = make_scenario(5, specs, layer_windows=(None, 8), device=device)  # two pools (VSWA)
     cls = get_backend(name).Metadata
     reused = cls(kv_cache_manager=sc.manager, kv_cache=sc.kv, **CAP)
     pools = sc.manager.num_pools
@@ -66,3 +65,14 @@ def test_reused_metadata_equals_fresh_prepare(name):
         assert got == want, f"step {step}"
     if name == "vanilla":
         assert reused.slot_mapping(0).dtype == torch.int64
+
+
+@pytest.mark.parametrize("name", ["vanilla", "ragged", "block_offsets"])
+def test_reused_metadata_equals_fresh_prepare(name):
+    check_reuse(name, "cpu")  # CPU arenas write in place
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["vanilla", "ragged", "block_offsets"])
+def test_gpu_reused_metadata_equals_fresh_prepare(name):
+    check_reuse(name, "cuda")  # CUDA arenas stage through pinned snapshots + async copies
