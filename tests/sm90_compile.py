@@ -28,23 +28,26 @@ try:
 except Exception as e:  # no CUDA toolchain in this Triton install
     print("NO_PTXAS", e)
     sys.exit(0)
-module, name, constexprs, ptr_dtype = json.loads(sys.argv[1])
+module, name, constexprs, ptr_dtype, types = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
-sig = {n: "constexpr" if n in constexprs else ptr_dtype if n.endswith("_ptr") else "i32"
-       for n in fn.arg_names}
+sig = {n: "constexpr" if n in constexprs else types.get(n) or (ptr_dtype if n.endswith("_ptr")
+       else "i32") for n in fn.arg_names}
 triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
                target=GPUTarget("cuda", 90, 32))
 print("OK")
 """
 
 
-def compile_sm90(kernel, ptr_dtype: str = "*i32", **constexprs) -> None:
+def compile_sm90(
+    kernel, ptr_dtype: str = "*i32", signature: dict[str, str] | None = None, **constexprs
+) -> None:
     """Compile ``kernel`` (a module-level ``@triton.jit`` function) for sm_90 or fail the test.
 
-    Pointer arguments (names ending in ``_ptr``) get ``ptr_dtype``, other runtime arguments i32.
+    Argument types: ``signature[name]`` where given, else ``ptr_dtype`` for pointer arguments
+    (names ending in ``_ptr``) and i32 for the other runtime arguments.
     """
     raw = getattr(kernel, "fn", kernel)  # JITFunction or the interpreter's wrapper
-    spec = json.dumps([raw.__module__, raw.__name__, constexprs, ptr_dtype])
+    spec = json.dumps([raw.__module__, raw.__name__, constexprs, ptr_dtype, signature or {}])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, spec], capture_output=True, text=True, env=env

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from plan_cases import random_config
 from plan_cases import random_decode_batch as plan_cases_decode_batch
+from sm90_compile import compile_sm90
 
 from kvplan.plan.config import MetadataConfig
 from kvplan.plan.decode import prepare_decode
@@ -208,36 +209,16 @@ def test_int32_overflow_of_decode_ca_offsets():
         prepare_decode_on_device(seqs, cfg)
 
 
-def _compile_sm90(kernel, signature, constexprs):
-    """Compile for sm_90 on any machine: the interpreter skips Triton's type checks."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        get_ptxas(90)
-    except Exception as e:  # noqa: BLE001 - no CUDA toolchain in this Triton install
-        pytest.skip(f"no ptxas: {e}")
-    fn = JITFunction(kernel.fn)  # the interpreter wraps the raw function
-    sig = {n: "constexpr" if n in constexprs else signature.get(n, "i32") for n in fn.arg_names}
-    triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
-    )
-
-
 @pytest.mark.parametrize(("n_ca", "n_sparse", "n_dense", "tile_q"), [(3, 2, 2, 4), (0, 0, 0, 1)])
 def test_kernels_compile_for_sm90(n_ca, n_sparse, n_dense, tile_q):
     from kvplan.plan.decode_kernels import _decode_metadata_kernel, _expand_block_tables_kernel
 
     sig = {n: "*i32" for n in JITArgs.metadata if n.endswith("_ptr")}
     sig.update(valid_ptr="*i1", gate_ptr="*i1")
-    _compile_sm90(_decode_metadata_kernel, sig,
-                  dict(N_CA=n_ca, N_SPARSE=n_sparse, N_DENSE=n_dense, TILE_Q=tile_q))  # fmt: skip
+    compile_sm90(_decode_metadata_kernel, signature=sig,
+                 N_CA=n_ca, N_SPARSE=n_sparse, N_DENSE=n_dense, TILE_Q=tile_q)  # fmt: skip
     sig = {n: "*i32" for n in JITArgs.expand if n.endswith("_ptr")}
-    _compile_sm90(_expand_block_tables_kernel, sig, dict(TILE_Q=tile_q, TILE_B=256))
+    compile_sm90(_expand_block_tables_kernel, signature=sig, TILE_Q=tile_q, TILE_B=256)
 
 
 class JITArgs:
