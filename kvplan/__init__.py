@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "prepare_prompt": "kvplan.plan.prompt",
     "prepare_decode": "kvplan.plan.decode",
     "prepare_decode_on_device": "kvplan.plan.decode_device",
+    "DecodeBatchArrays": "kvplan.plan.decode_arrays",
     # backends
     "AttentionMetadata": "kvplan.backends.metadata",
     "get_backend": "kvplan.backends",
@@ -56,6 +57,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "DecodeBatchArrays",
     "AllocationResult",
     "AttentionMetadata",
     "BlockLoadPlanBuilder",
@@ -115,6 +117,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvplan.ops.store import store_kv_cache
     from kvplan.plan.config import MetadataConfig
     from kvplan.plan.decode import prepare_decode
+    from kvplan.plan.decode_arrays import DecodeBatchArrays
     from kvplan.plan.decode_device import prepare_decode_on_device
     from kvplan.plan.metadata import InputMetadata
     from kvplan.plan.prompt import prepare_prompt

@@ -19,9 +19,11 @@ _EXPORTS: dict[str, str] = {
     "prepare_prompt": "kvplan.plan.prompt",
     "prepare_decode": "kvplan.plan.decode",
     "prepare_decode_on_device": "kvplan.plan.decode_device",
+    "DecodeBatchArrays": "kvplan.plan.decode_arrays",
 }
 
 __all__ = [
+    "DecodeBatchArrays",
     "InputMetadata",
     "MetadataConfig",
     "SequenceMetadata",
