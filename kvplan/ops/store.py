@@ -149,13 +149,24 @@ def store_kv_cache(
         store_kv_cache(kv, cache, torch.tensor([0, 65, -1], dtype=torch.int32))
         # token 0 -> block 0 offset 0, token 1 -> block 1 offset 1, token 2 skipped
     """
-    layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, check)
-    if x.shape[0] == 0:
+    plan = _PLANS.get(_plan_key(kv, kv_cache, slot_mapping, layout))
+    if plan is None or kv.shape[0] != slot_mapping.shape[0]:
+        layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, check)
+        plan = _remember(kv, kv_cache, slot_mapping, layout, geo)
+    else:  # metadata validated when the plan was made; only the slot values are new
+        layout, geo, raw = plan[0], plan[1], kv_cache
+        if raw.dtype != torch.uint8:
+            raw = raw.view(torch.uint8)
+        if check and not _capturing(kv_cache):
+            check_range("slot_mapping", slot_mapping, -1, geo.num_slots)
+        x, slots = kv, slot_mapping  # contiguous (plan condition): same bytes as a reshape
+    n = slot_mapping.shape[0]
+    if n == 0:
         return
     if use_triton(raw):
-        _launch(x, raw, slots, layout, geo)
+        _launch(x, raw, slots, layout, geo, None, n, plan)
     else:
-        _store_torch(x, raw, slots, layout, geo)
+        _store_torch(x.reshape(n, layout.elements), raw, slots, layout, geo)
 
 
 def store_kv_cache_torch(kv, kv_cache, slot_mapping, *, layout=None, check=True) -> None:
@@ -205,10 +216,68 @@ def _store_torch(x, raw, slots, layout, geo) -> None:
     flat[vbase[:, None] + value_cols] = values
 
 
-def _launch(x, raw, slots, layout, geo, config=None) -> None:
+def _plan_key(kv, kv_cache, slot_mapping, layout):
+    """Everything the validation and the launch parameters of a call depend on, except ``n``
+    (the row count, checked per call) and the slot values; ``None`` for non-tensor inputs."""
+    try:
+        return (
+            layout, kv_cache.dtype, kv_cache.shape, kv_cache.stride(), kv_cache.device,
+            kv.dtype, kv.shape[1:], kv.stride(), kv.device, slot_mapping.dtype,
+            slot_mapping.stride(), slot_mapping.device, triton_interpreting(),
+        )  # fmt: skip
+    except (AttributeError, TypeError, IndexError):
+        return None
+
+
+# Plans of recent (cache, kv, slot) metadata: validated layout, geometry, launch parameters.
+# Values hold no tensors (no cache is kept alive); bounded, cleared when full.
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (every dim counted, size-1 dims included)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _remember(kv, kv_cache, slot_mapping, layout, geo):
+    """Cache the plan of a validated call whose ``kv`` and slots are row-major for every
+    ``n`` (so the fast path may pass them unreshaped); returns the plan or ``None``."""
+    if kv.stride() != contiguous_strides(kv.shape) or slot_mapping.stride() != (1,):
+        return None
+    if kv.shape[0] == 0 or kv.shape[-1] != layout.elements:  # [n, E] or [n, 1, E]
+        return None
+    plan = (layout, geo, {})
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[_plan_key(kv, kv_cache, slot_mapping, layout)] = plan
+    return plan
+
+
+def _launch(x, raw, slots, layout, geo, config=None, n=None, plan=None) -> None:
+    """Launch the store kernel; ``plan`` (default config only) memoizes the parameters that
+    do not depend on ``n``."""
     from kvplan.ops import _store_kernels as k
 
-    n = x.shape[0]
+    n = x.shape[0] if n is None else n
+    if plan is not None and config is None:
+        static = plan[2]
+        if not static:
+            static.update(_static_params(layout, geo))
+        rows = small_batch_tile(n, static["tile"], static["interp"])
+        if static["fp4"]:
+            x = x if x.storage_offset() % 2 == 0 else x.clone()
+            x = x.view(torch.int32)
+        elif not static["quant"]:
+            x = x.view(torch.uint8)
+        static["kernel"](k)[(triton_cdiv(n, rows),)](
+            x, slots, raw, n, *static["args"], ROWS=rows, **static["kw"]
+        )
+        return
     config = config or {}
     if layout.is_quantized:
         elems = layout.quantized_elements
@@ -247,12 +316,46 @@ def _launch(x, raw, slots, layout, geo, config=None) -> None:
 _SF_KIND = {"ue8m0": 0, "e4m3": 1, "fp32": 2}
 
 
-def small_batch_tile(num_rows: int, tile: int) -> int:
+def _static_params(layout, geo) -> dict:
+    """The default launch parameters of :func:`_launch` that do not depend on ``n`` (same
+    values as the uncached branch computes)."""
+    if not layout.is_quantized:
+        row_bytes = layout.value_bytes
+        cols = min(triton_next_pow2(row_bytes), 2048)
+        return dict(
+            quant=False, fp4=False, tile=4096 // cols, interp=triton_interpreting(),
+            kernel=lambda k: k.scatter_rows_kernel,
+            args=(geo.num_slots, geo.block_stride, geo.v_stride),
+            kw=dict(BLOCK_SIZE=geo.block_size, ROW_BYTES=row_bytes, COLS=cols,
+                    VALIGN=geo.v_align, SRC_ALIGN=pow2_alignment(row_bytes), num_warps=4),
+        )  # fmt: skip
+    gs, g = layout.elements_per_sf, layout.num_scales
+    gs_p2, g_p2 = triton_next_pow2(gs), triton_next_pow2(g)
+    fp4 = layout.quantized_dtype == "e2m1"
+    hw = not triton_interpreting()
+    return dict(
+        quant=True, fp4=fp4, tile=min(32, 4096 // (g_p2 * gs_p2)), interp=not hw,
+        kernel=lambda k: k.store_quant_kernel,
+        args=(geo.num_slots, geo.block_stride, geo.v_stride, geo.s_block_off, geo.s_stride),
+        kw=dict(
+            BLOCK_SIZE=geo.block_size, E=layout.quantized_elements, GS=gs, G=g, GS_P2=gs_p2,
+            G_P2=g_p2, GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2,
+            QB=layout.quantized_bytes, FP4=fp4, QMAX=6.0 if fp4 else 448.0,
+            SF=_SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
+            FLAT=gs == gs_p2 and g == g_p2, HW=hw,
+            FAST_DIV=hw and layout.sf_format == "fp32", VALIGN=geo.v_align,
+            SALIGN=geo.s_align, num_warps=4,
+        ),
+    )  # fmt: skip
+
+
+def small_batch_tile(num_rows: int, tile: int, interpreting: bool | None = None) -> int:
     """Rows per program: ``tile`` (about 32 elements per thread) for large inputs, fewer when
     that would leave fewer than ~256 programs, so small (decode) batches finish in one short
     wave. Powers of two, at least 1. The CPU interpreter runs programs one by one, so there
-    fewer, larger programs are faster and ``tile`` is kept."""
-    if triton_interpreting():
+    fewer, larger programs are faster and ``tile`` is kept (``interpreting``: that mode,
+    read from the environment when ``None``)."""
+    if triton_interpreting() if interpreting is None else interpreting:
         return max(1, tile)
     cap = 1 << max(0, (num_rows // 256).bit_length() - 1)  # largest power of two <= n / 256
     return max(1, min(tile, cap))

@@ -287,3 +287,45 @@ def test_fast_division_compiles_for_sm90_without_per_element_div():
     # (replicated) the scales of its rows; fast_div removes the 8 element divisions
     assert counts["0"][1] == 0 and counts["1"][1] >= 1, counts
     assert counts["0"][0] - counts["1"][0] >= 8, counts
+
+
+@pytest.mark.parametrize("force_triton", ["1", ""], ids=["triton", "torch"])
+def test_cached_plans_match_uncached_across_caches(monkeypatch, force_triton):
+    """The plan cache of store_kv_cache (validated metadata + launch parameters reused across
+    calls) writes the same bytes as a fresh plan per call, with calls alternating between
+    caches whose format, block size, block stride (a strided slice) or kv shape differ, so a
+    stale or shared entry would show up."""
+    from kvplan.ops import store as store_mod
+
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", force_triton)
+    wide = _random_cache(V41_FORMAT, 6, 4, seed=9)
+    cases = [
+        (V41_FORMAT, _random_cache(V41_FORMAT, 3, 4, seed=1), (1,)),
+        (V41_FORMAT, wide[::2], (1,)),  # same shape as above, larger block stride
+        (FP8_FLOAT32_SF_INDEX_KV_FORMAT, _random_cache(FP8_FLOAT32_SF_INDEX_KV_FORMAT, 3, 4), ()),
+        (SUPPORTED_KV_CACHE_FORMATS[4], _random_cache(SUPPORTED_KV_CACHE_FORMATS[4], 3, 4), ()),
+        (SUPPORTED_KV_CACHE_FORMATS[2], _random_cache(SUPPORTED_KV_CACHE_FORMATS[2], 2, 8), ()),
+        (bf16_format(24), _random_cache(bf16_format(24), 3, 4), (2,)),
+    ]
+    results = {}
+    for cached in (True, False):
+        g = torch.Generator().manual_seed(5)
+        store_mod._PLANS.clear()
+        caches = [c.clone() if c.is_contiguous() else c for _, c, _ in cases]
+        if not caches[1].is_contiguous():
+            caches[1] = wide.clone()[::2]
+        for step in range(2):
+            for (layout, _, mid), cache in zip(cases, caches, strict=True):
+                n = 3 + step
+                e = layout.elements // (mid[0] if mid else 1)
+                kv = torch.randn((n, *mid, e), generator=g, dtype=torch.float32).bfloat16()
+                slots = torch.randperm(cache.shape[0] * cache.shape[1], generator=g)[:n]
+                slots[0] = -1
+                if not cached:
+                    store_mod._PLANS.clear()
+                store_kv_cache(kv, cache, slots.int(), layout=layout, check=step == 0)
+        if cached:
+            assert len(store_mod._PLANS) == len(cases) - 1  # kv [n, 2, 12] is not cached
+        results[cached] = [_storage(c).clone() for c in caches]
+    for a, b in zip(results[True], results[False], strict=True):
+        assert torch.equal(a, b)
