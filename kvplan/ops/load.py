@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from kvplan import quant
-from kvplan._checks import check_int32, check_same_device, check_tensor
+from kvplan._checks import INT32_MAX, check_int32, check_same_device, check_tensor
 from kvplan.formats import KVCacheFormat, resolve_kv_cache_layout, split_kv_cache
 from kvplan.load_plan import validate_load_plan
 from kvplan.ops._dispatch import triton_interpreting, use_triton
@@ -159,16 +159,77 @@ def load_paged_kv_cache(
     Returns ``out`` (or the new output): a BF16 tensor for ``do_cast`` and BF16 formats,
     ``LoadedIndexKV(values, scales)`` for index formats. An empty plan launches nothing.
     """
-    layout, raw, geo, out, vrows, srows, segs = _prepare(
-        kv_cache, load_segments, total_k, out, layout, check
-    )
+    plan = _PLANS.get(_plan_key(kv_cache, load_segments, layout))
+    if plan is None or type(total_k) is not int or not 0 <= total_k <= INT32_MAX:
+        layout, raw, geo, out, vrows, srows, segs = _prepare(
+            kv_cache, load_segments, total_k, out, layout, check
+        )
+        plan = _remember(kv_cache, load_segments, layout, geo)
+    else:  # cache/plan metadata validated when the plan was made
+        layout, geo, raw, segs = plan[0], plan[1], kv_cache, load_segments
+        if raw.dtype != torch.uint8:
+            raw = raw.view(torch.uint8)
+        if check and not _capturing(kv_cache):
+            validate_load_plan(load_segments, total_k, geo.num_blocks, geo.block_size)
+        if out is None:
+            out, vrows, srows = _alloc_rows(layout, total_k, kv_cache.device)
+        else:
+            out, vrows, srows = _byte_outputs(layout, out, total_k, kv_cache.device)
     if segs.shape[0] == 0 or total_k == 0:
         return out
     if use_triton(raw):
-        _launch(raw, segs, vrows, srows, layout, geo)
+        _launch(raw, segs, vrows, srows, layout, geo, None, plan)
     else:
         _load_torch(raw, segs, vrows, srows, layout, geo)
     return out
+
+
+def _plan_key(kv_cache, load_segments, layout):
+    """Everything the metadata validation and static launch parameters depend on (the
+    segment count, ``total_k`` and ``out`` are handled per call); ``None`` for non-tensors."""
+    try:
+        return (
+            layout, kv_cache.dtype, kv_cache.shape, kv_cache.stride(), kv_cache.device,
+            load_segments.dtype, load_segments.shape[1:], load_segments.stride(),
+            load_segments.device, triton_interpreting(),
+        )  # fmt: skip
+    except (AttributeError, TypeError, IndexError):
+        return None
+
+
+# Plans of recent (cache, plan tensor) metadata: validated layout, geometry, launch parameters.
+# Values hold no tensors (no cache is kept alive); bounded, cleared when full.
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _remember(kv_cache, load_segments, layout, geo):
+    """Cache the plan of a validated call whose segment tensor is row-major ``[S, 4]``."""
+    if load_segments.stride() != (4, 1):
+        return None
+    plan = (layout, geo, {})
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[_plan_key(kv_cache, load_segments, layout)] = plan
+    return plan
+
+
+def _alloc_rows(layout, total_k, device):
+    """:func:`_alloc_out` plus the uint8 row views :func:`_byte_outputs` would return."""
+    if _is_cast(layout):
+        out = torch.empty((total_k, layout.elements), dtype=torch.bfloat16, device=device)
+        return out, out, None
+    vbytes = torch.empty((total_k, layout.quantized_bytes), dtype=torch.uint8, device=device)
+    if layout.quantized_dtype == "e2m1":
+        values = vbytes.view(torch.float4_e2m1fn_x2)
+    else:
+        values = vbytes.view(torch.float8_e4m3fn)
+    sdtype, cols, row_bytes = _scale_out_spec(layout)
+    sbytes = torch.empty((total_k, row_bytes), dtype=torch.uint8, device=device)
+    scales = sbytes.view(sdtype)
+    if cols == 1:
+        scales = scales.view(total_k)
+    return LoadedIndexKV(values, scales), vbytes, sbytes
 
 
 def load_paged_kv_cache_torch(
@@ -229,11 +290,14 @@ def _load_torch(raw, segs, vrows, srows, layout, geo) -> None:
     srows[dst] = torch.nn.functional.pad(scales, (0, pad))
 
 
-def _launch(raw, segs, vrows, srows, layout, geo, config=None) -> None:
+def _launch(raw, segs, vrows, srows, layout, geo, config=None, plan=None) -> None:
     from kvplan.ops import _load_kernels as k
 
-    config = config or {}
     num_segments = segs.shape[0]
+    if plan is not None and config is None:
+        _launch_planned(k, raw, segs, vrows, srows, layout, geo, plan[2])
+        return
+    config = config or {}
     common = (geo.num_blocks, geo.block_size, vrows.shape[0], geo.block_stride, geo.v_stride,
               geo.s_block_off, geo.s_stride)  # fmt: skip
     if layout.is_quantized and layout.do_cast:
@@ -272,6 +336,70 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None) -> None:
         SALIGN=geo.s_align, OVALIGN=pow2_alignment(vbytes.stride(0)),
         OSALIGN=pow2_alignment(sbytes.stride(0)),
         num_warps=num_warps,
+    )  # fmt: skip
+
+
+def _launch_planned(k, raw, segs, vrows, srows, layout, geo, static) -> None:
+    """The default-config branch of :func:`_launch` with the ``total_k``-independent
+    parameters memoized in ``static`` (same values, same kernel arguments)."""
+    if not static:
+        static.update(_static_params(layout, geo))
+    num_segments, total_k, interp = segs.shape[0], vrows.shape[0], static["interp"]
+    tile = _grid_safe(small_batch_tile(total_k, static["tile"], interp), geo)
+    grid = (-(-num_segments // 1), -(-geo.block_size // tile))
+    if static["cast"]:
+        out16 = vrows.view(torch.int16)
+        k.load_cast_kernel[grid](
+            raw, segs, num_segments, out16, out16.stride(0), geo.num_blocks, geo.block_size,
+            total_k, *static["common"], TILE_T=tile, SEGS=1,
+            OALIGN=pow2_alignment(out16.stride(0), cap=8), **static["kw"],
+        )  # fmt: skip
+        return
+    vbytes = vrows if vrows.dtype == torch.uint8 else vrows.view(torch.uint8)
+    sbytes = srows if srows is not None else vbytes
+    row_bytes = static["row_bytes"]
+    segs_per = 1 if interp else raw_segments_per_program(num_segments, tile, row_bytes, geo)
+    grid = (-(-num_segments // segs_per), grid[1])
+    k.load_raw_kernel[grid](
+        raw, segs, num_segments, vbytes, vbytes.stride(0), sbytes, sbytes.stride(0),
+        geo.num_blocks, geo.block_size, total_k, *static["common"],
+        SB_OUT=static["sb_out"], SCOLS=static["scols"], TILE_T=tile, SEGS=segs_per,
+        OVALIGN=pow2_alignment(vbytes.stride(0)), OSALIGN=pow2_alignment(sbytes.stride(0)),
+        num_warps=8 if segs_per * tile * row_bytes >= 32768 else 4, **static["kw"],
+    )  # fmt: skip
+
+
+def _static_params(layout, geo) -> dict:
+    """Launch parameters of :func:`_launch`'s default config that depend only on the format,
+    the cache geometry and interpreter mode."""
+    interp = triton_interpreting()
+    common = (geo.block_stride, geo.v_stride, geo.s_block_off, geo.s_stride)
+    if layout.is_quantized and layout.do_cast:
+        gs, g = layout.elements_per_sf, layout.num_scales
+        gs_p2, g_p2 = _next_pow2(gs), _next_pow2(g)
+        fp4 = layout.quantized_dtype == "e2m1"
+        return dict(
+            cast=True, interp=interp, common=common,
+            tile=min(_next_pow2(geo.block_size), max(1, 8192 // (g_p2 * gs_p2))),
+            kw=dict(
+                E=layout.quantized_elements, GS=gs, G=g, GS_P2=gs_p2, G_P2=g_p2,
+                GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2, FP4=fp4,
+                SF=_SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
+                FLAT=gs == gs_p2 and g == g_p2, HW=not interp, VALIGN=geo.v_align,
+                SALIGN=geo.s_align, num_warps=8,
+            ),
+        )  # fmt: skip
+    vb = layout.value_bytes
+    vcols = min(_next_pow2(vb), 1024)
+    sb_out = 0
+    if layout.is_quantized:  # index format: scale rows as _scale_out_spec lays them out
+        sb_out = _scale_out_spec(layout)[2]
+    return dict(
+        cast=False, interp=interp, common=common, row_bytes=vb + layout.sf_bytes,
+        tile=min(_next_pow2(geo.block_size), max(1, 8192 // vcols)), sb_out=sb_out,
+        scols=_next_pow2(max(sb_out, 1)),
+        kw=dict(VB=vb, VCOLS=vcols, SB_IN=layout.sf_bytes, VALIGN=geo.v_align,
+                SALIGN=geo.s_align),
     )  # fmt: skip
 
 

@@ -315,3 +315,55 @@ def test_raw_segments_per_program_targets_32kb_and_keeps_256_programs(monkeypatc
     assert load.raw_segments_per_program(64, 64, 132, geo) == 1  # small batches stay spread
     assert load.raw_segments_per_program(4096, 16, 132, geo) == 1  # tile < block: 1 segment
     assert load.raw_segments_per_program(4096, 64, 68, geo) == 8  # FP4_INDEX: 34.8 KB
+
+
+def _flat_out(out):
+    if isinstance(out, LoadedIndexKV):
+        return [out.values.view(torch.uint8).clone(), out.scales.contiguous().view(torch.uint8)]
+    return [out.clone()]
+
+
+@pytest.mark.parametrize("force_triton", ["1", ""], ids=["triton", "torch"])
+def test_cached_plans_match_uncached_across_caches(monkeypatch, force_triton):
+    """The plan cache of load_paged_kv_cache (validated metadata + launch parameters reused
+    across calls) returns the same bytes as a fresh plan per call, with calls alternating
+    between caches whose format, block size or block stride (strided slice) differ, with and
+    without ``out``, so a stale or shared entry would show up."""
+    from kvplan.ops import load as load_mod
+
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", force_triton)
+    wide, _ = _filled_cache(V41_FORMAT, 4, 4, seed=3)
+    cases = [
+        (V41_FORMAT, _filled_cache(V41_FORMAT, 2, 4, seed=1)[0]),
+        (V41_FORMAT, wide[::2]),  # same shape as above, twice the block stride
+        (FP8_FLOAT32_SF_INDEX_KV_FORMAT, _filled_cache(FP8_FLOAT32_SF_INDEX_KV_FORMAT, 2, 4)[0]),
+        (MXFP8_INDEX_KV_FORMAT, _filled_cache(MXFP8_INDEX_KV_FORMAT, 2, 4)[0]),
+        (FP4_INDEX_KV_FORMAT, _filled_cache(FP4_INDEX_KV_FORMAT, 2, 8)[0]),
+        (V41_FP4_FORMAT, _filled_cache(V41_FP4_FORMAT, 2, 4)[0]),
+        (bf16_format(24), _filled_cache(bf16_format(24), 2, 4)[0]),
+    ]
+    results = {}
+    for cached in (True, False):
+        load_mod._PLANS.clear()
+        got = []
+        for step in range(2):
+            for layout, cache in cases:
+                bs = cache.shape[1]
+                segs = torch.tensor([[1, 1, bs, 0], [-1, 0, 2, bs - 1], [0, 0, 2 + step, bs + 1]])
+                total_k = bs + 3 + step
+                if not cached:
+                    load_mod._PLANS.clear()
+                out = None
+                if step == 1:
+                    out = load_paged_kv_cache_torch(cache, segs.int(), total_k, layout=layout)
+                    out = [t.zero_() for t in out] if isinstance(out, tuple) else out.zero_()
+                    out = LoadedIndexKV(*out) if isinstance(out, list) else out
+                res = load_paged_kv_cache(
+                    cache, segs.int(), total_k, out, layout=layout, check=step == 0
+                )
+                got += _flat_out(res)
+        if cached:
+            assert len(load_mod._PLANS) == len(cases)
+        results[cached] = got
+    for a, b in zip(results[True], results[False], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
