@@ -358,7 +358,7 @@ def _launch_planned(k, raw, segs, vrows, srows, layout, geo, static) -> None:
     vbytes = vrows if vrows.dtype == torch.uint8 else vrows.view(torch.uint8)
     sbytes = srows if srows is not None else vbytes
     row_bytes = static["row_bytes"]
-    segs_per = 1 if interp else raw_segments_per_program(num_segments, tile, row_bytes, geo)
+    segs_per = raw_segments_per_program(num_segments, tile, row_bytes, geo, interp)
     grid = (-(-num_segments // segs_per), grid[1])
     k.load_raw_kernel[grid](
         raw, segs, num_segments, vbytes, vbytes.stride(0), sbytes, sbytes.stride(0),
@@ -403,13 +403,18 @@ def _static_params(layout, geo) -> dict:
     )  # fmt: skip
 
 
-def raw_segments_per_program(num_segments: int, tile: int, row_bytes: int, geo) -> int:
+def raw_segments_per_program(
+    num_segments: int, tile: int, row_bytes: int, geo, interpreting: bool | None = None
+) -> int:
     """Segments per program of the raw (index / BF16) load: a power of two that brings a
     program to about 32 KB of record bytes (one block of a 132-byte index format is only
     8.4 KB at block size 64), as long as at least 256 programs (~2 per SM of an H200) remain.
     Returns 1 when the tile does not cover the whole block (several programs per segment
-    already) and in the CPU interpreter (tests pick ``segs`` explicitly)."""
-    if triton_interpreting() or tile < geo.block_size:
+    already) and in the CPU interpreter (tests pick ``segs`` explicitly; ``interpreting``:
+    that mode, read from the environment when ``None``)."""
+    if interpreting is None:
+        interpreting = triton_interpreting()
+    if interpreting or tile < geo.block_size:
         return 1
     segs = 1
     while 2 * segs * tile * row_bytes <= 36864 and -(-num_segments // (2 * segs)) >= 256:
