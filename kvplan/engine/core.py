@@ -53,6 +53,8 @@ class EngineCore:
         self.requests: dict[int, Request] = {}
         self._next_id = 0
         self.num_steps = 0
+        self._pinned: torch.Tensor | None = None  # host buffer of the sampled tokens (CUDA)
+        self._copied: torch.cuda.Event | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
@@ -96,13 +98,7 @@ class EngineCore:
                 )
             return []
         logits, inputs = self.runner.execute(sched)
-        params: list[SamplingParams] = []
-        gens: list[torch.Generator | None] = []
-        for s, sl in zip(sched.seqs, inputs.row_slices):
-            n = sl.stop - sl.start
-            params.extend([s.request.params] * n)
-            gens.extend([s.request.generator] * n)
-        tokens = sample(logits, params, gens, self.generator).tolist() if params else []
+        tokens = self._sample(sched, inputs, logits)
         self.num_steps += 1
 
         touched: list[Request] = []
@@ -110,12 +106,18 @@ class EngineCore:
         for s, sl in zip(sched.seqs, inputs.row_slices):
             req = s.request
             rid = req.request_id
+            if not s.is_prefill and not s.drafts:  # plain decode row: the common case
+                manager.commit_tokens(rid, [req.last_token_id])
+                req.num_computed_tokens += 1
+                self._append(req, tokens[sl.start])
+                touched.append(req)
+                continue
             start = req.num_computed_tokens
             if s.is_prefill:
                 manager.commit_tokens(rid, req.all_token_ids[start : start + s.num_query_tokens])
                 req.num_computed_tokens += s.num_query_tokens
                 new = tokens[sl]
-            elif s.drafts:
+            else:
                 new = accept_drafts(s.drafts, tokens[sl])
                 accepted = len(new) - 1
                 req.num_draft_tokens_proposed += len(s.drafts)
@@ -123,10 +125,6 @@ class EngineCore:
                 manager.extend(rid, accepted)
                 manager.commit_tokens(rid, [req.last_token_id, *s.drafts[:accepted]])
                 req.num_computed_tokens += 1 + accepted
-            else:
-                manager.commit_tokens(rid, [req.last_token_id])
-                req.num_computed_tokens += 1
-                new = tokens[sl]
             for t in new:
                 self._append(req, t)
                 if req.finished:
@@ -135,13 +133,51 @@ class EngineCore:
                 touched.append(req)
         return touched
 
+    def _sample(self, sched, inputs, logits: torch.Tensor) -> list[int]:
+        """The step's sampled tokens on the host, one per logits row.
+
+        Greedy fast path: when every scheduled request is greedy, the tokens are the
+        device-side ``argmax`` (no per-row parameter lists, no sort). Either way the tokens
+        reach the host in one device->host copy (`_to_host`).
+        """
+        if inputs.logits_rows.shape[0] == 0:
+            return []
+        seqs = sched.seqs
+        if all(s.request.params.temperature == 0.0 for s in seqs):
+            return self._to_host(logits.argmax(dim=-1))
+        params: list[SamplingParams] = []
+        gens: list[torch.Generator | None] = []
+        for s, sl in zip(seqs, inputs.row_slices):
+            n = sl.stop - sl.start
+            params.extend([s.request.params] * n)
+            gens.extend([s.request.generator] * n)
+        return self._to_host(sample(logits, params, gens, self.generator))
+
+    def _to_host(self, tokens: torch.Tensor) -> list[int]:
+        """``tokens [N]`` int64 on the device -> Python ints, in one copy.
+
+        On CUDA the copy goes non-blocking into a preallocated pinned buffer and the host
+        waits on one event recorded after it (not on the whole device).
+        """
+        if tokens.device.type != "cuda":
+            return tokens.tolist()
+        n = tokens.shape[0]
+        buf = self._pinned
+        if buf is None or buf.shape[0] < n:
+            buf = self._pinned = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        buf[:n].copy_(tokens, non_blocking=True)
+        self._copied.record()
+        self._copied.synchronize()
+        return buf[:n].tolist()
+
     def _append(self, req: Request, token: int) -> None:
         req.output_token_ids.append(token)
         p = req.params
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
-        elif p.stop_strings and self.decode_text is not None:
+        elif p.stop and self.decode_text is not None:  # detokenize only for stop strings
             text = self.decode_text(req.output_token_ids)
             cuts = [text.find(s) for s in p.stop_strings]
             cuts = [c for c in cuts if c >= 0]

@@ -26,6 +26,9 @@ class StepInputs:
     """
 
     def __init__(self, sched: SchedulerOutput) -> None:
+        if sched.num_contexts == 0:
+            self._init_decode_only(sched)
+            return
         ids: list[int] = []
         pos: list[int] = []
         rows: list[int] = []
@@ -54,6 +57,27 @@ class StepInputs:
         self.num_cached = np.array(
             [s.request.num_computed_tokens for s in sched.seqs], dtype=np.int32
         )
+
+    def _init_decode_only(self, sched: SchedulerOutput) -> None:
+        """Fast path of a step with only plain decode rows (no prefill, no drafts).
+
+        Row i has one query token (its request's newest token) at position
+        ``num_computed_tokens`` and owns logits row i, so every array but the token ids is a
+        numpy expression over the cached lengths: one Python pass over the rows in all.
+        """
+        n = len(sched.seqs)
+        ids = np.empty(n, dtype=np.int64)
+        cached = np.empty(n, dtype=np.int32)
+        for i, s in enumerate(sched.seqs):
+            r = s.request
+            ids[i] = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+            cached[i] = r.num_computed_tokens
+        self.input_ids = ids
+        self.positions = cached.astype(np.int64)
+        self.logits_rows = np.arange(n, dtype=np.int64)
+        self.row_slices = [slice(i, i + 1) for i in range(n)]
+        self.seq_lens = np.ones(n, dtype=np.int32)
+        self.num_cached = cached
 
 
 class ModelRunner:
