@@ -159,6 +159,11 @@ def load_paged_kv_cache(
     Returns ``out`` (or the new output): a BF16 tensor for ``do_cast`` and BF16 formats,
     ``LoadedIndexKV(values, scales)`` for index formats. An empty plan launches nothing.
     """
+    return _load(kv_cache, load_segments, total_k, out, layout, check, None)
+
+
+def _load(kv_cache, load_segments, total_k, out, layout, check, triton):
+    """Shared body of the entry points; ``triton``: None dispatches by device."""
     plan = _PLANS.get(_plan_key(kv_cache, load_segments, layout))
     if plan is None or type(total_k) is not int or not 0 <= total_k <= INT32_MAX:
         layout, raw, geo, out, vrows, srows, segs = _prepare(
@@ -174,14 +179,55 @@ def load_paged_kv_cache(
         if out is None:
             out, vrows, srows = _alloc_rows(layout, total_k, kv_cache.device)
         else:
-            out, vrows, srows = _byte_outputs(layout, out, total_k, kv_cache.device)
+            out, vrows, srows = _cached_outputs(plan, layout, out, total_k, kv_cache.device)
     if segs.shape[0] == 0 or total_k == 0:
         return out
-    if use_triton(raw):
+    if use_triton(raw) if triton is None else triton:
         _launch(raw, segs, vrows, srows, layout, geo, None, plan)
     else:
         _load_torch(raw, segs, vrows, srows, layout, geo)
     return out
+
+
+def _out_key(out):
+    """Metadata :func:`_byte_outputs` validates, except the row count; ``None`` for outputs
+    the cached path does not handle (not 2-D, or not tensors)."""
+    try:
+        if type(out) is torch.Tensor:
+            return (out.dtype, out.shape[1:], out.stride(), out.device) if out.dim() == 2 else None
+        values, scales = out
+        if values.dim() != 2 or scales.dim() > 2:
+            return None
+        return (
+            type(out), values.dtype, values.shape[1:], values.stride(), values.device,
+            scales.dtype, scales.shape[1:], scales.stride(), scales.device,
+        )  # fmt: skip
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _cached_outputs(plan, layout, out, total_k, device):
+    """:func:`_byte_outputs` with the validation of ``out``'s metadata remembered in
+    ``plan`` (only the row counts are checked per call)."""
+    key = _out_key(out)
+    seen = plan[3]
+    if key is None or key not in seen:
+        res = _byte_outputs(layout, out, total_k, device)
+        if key is not None:
+            if len(seen) >= _MAX_PLANS:
+                seen.clear()
+            seen[key] = True
+        return res
+    if type(out) is torch.Tensor:
+        if out.shape[0] != total_k:
+            return _byte_outputs(layout, out, total_k, device)  # raises
+        return out, out, None
+    values, scales = out
+    if values.shape[0] != total_k or scales.shape[0] != total_k:
+        return _byte_outputs(layout, out, total_k, device)  # raises
+    vrows = values if values.dtype == torch.uint8 else values.view(torch.uint8)
+    srows = scales if scales.dim() == 2 else scales.view(total_k, 1)
+    return LoadedIndexKV(values, scales), vrows, srows.view(torch.uint8)
 
 
 def _plan_key(kv_cache, load_segments, layout):
@@ -207,7 +253,7 @@ def _remember(kv_cache, load_segments, layout, geo):
     """Cache the plan of a validated call whose segment tensor is row-major ``[S, 4]``."""
     if load_segments.stride() != (4, 1):
         return None
-    plan = (layout, geo, {})
+    plan = (layout, geo, {}, {})  # layout, geometry, launch parameters, validated outs
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[_plan_key(kv_cache, load_segments, layout)] = plan
@@ -250,6 +296,8 @@ def load_paged_kv_cache_triton(
     """Triton path of :func:`load_paged_kv_cache`; ``config`` (``tile_t``, ``num_warps``,
     ``hw``: hardware fp8/bf16 conversions, default on except in the interpreter) overrides the
     launch parameters for benchmarks and tests."""
+    if config is None:
+        return _load(kv_cache, load_segments, total_k, out, layout, check, True)
     layout, raw, geo, out, vrows, srows, segs = _prepare(
         kv_cache, load_segments, total_k, out, layout, check
     )

@@ -149,6 +149,11 @@ def store_kv_cache(
         store_kv_cache(kv, cache, torch.tensor([0, 65, -1], dtype=torch.int32))
         # token 0 -> block 0 offset 0, token 1 -> block 1 offset 1, token 2 skipped
     """
+    _store(kv, kv_cache, slot_mapping, layout, check, None)
+
+
+def _store(kv, kv_cache, slot_mapping, layout, check, triton) -> None:
+    """Shared body of the entry points; ``triton``: None dispatches by device."""
     plan = _PLANS.get(_plan_key(kv, kv_cache, slot_mapping, layout))
     if plan is None or kv.shape[0] != slot_mapping.shape[0]:
         layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, check)
@@ -163,7 +168,7 @@ def store_kv_cache(
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    if use_triton(raw):
+    if use_triton(raw) if triton is None else triton:
         _launch(x, raw, slots, layout, geo, None, n, plan)
     else:
         _store_torch(x.reshape(n, layout.elements), raw, slots, layout, geo)
@@ -186,6 +191,9 @@ def store_kv_cache_triton(
     through a per-group reciprocal + fma correction equal to ``div.rn``'s fast path, default
     = ``hw``, GPU only) for benchmarks and tests.
     """
+    if config is None:
+        _store(kv, kv_cache, slot_mapping, layout, check, True)
+        return
     layout, raw, geo, x, slots = _prepare(kv, kv_cache, slot_mapping, layout, check)
     if x.shape[0]:
         _launch(x, raw, slots, layout, geo, config)

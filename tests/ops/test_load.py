@@ -328,7 +328,8 @@ def test_cached_plans_match_uncached_across_caches(monkeypatch, force_triton):
     """The plan cache of load_paged_kv_cache (validated metadata + launch parameters reused
     across calls) returns the same bytes as a fresh plan per call, with calls alternating
     between caches whose format, block size or block stride (strided slice) differ, with and
-    without ``out``, so a stale or shared entry would show up."""
+    without ``out`` (the second call with ``out`` reuses its validation), so a stale or shared
+    entry would show up."""
     from kvplan.ops import load as load_mod
 
     monkeypatch.setenv("KVPLAN_FORCE_TRITON", force_triton)
@@ -346,7 +347,7 @@ def test_cached_plans_match_uncached_across_caches(monkeypatch, force_triton):
     for cached in (True, False):
         load_mod._PLANS.clear()
         got = []
-        for step in range(2):
+        for step in range(3):
             for layout, cache in cases:
                 bs = cache.shape[1]
                 segs = torch.tensor([[1, 1, bs, 0], [-1, 0, 2, bs - 1], [0, 0, 2 + step, bs + 1]])
@@ -354,7 +355,7 @@ def test_cached_plans_match_uncached_across_caches(monkeypatch, force_triton):
                 if not cached:
                     load_mod._PLANS.clear()
                 out = None
-                if step == 1:
+                if step:
                     out = load_paged_kv_cache_torch(cache, segs.int(), total_k, layout=layout)
                     out = [t.zero_() for t in out] if isinstance(out, tuple) else out.zero_()
                     out = LoadedIndexKV(*out) if isinstance(out, list) else out
