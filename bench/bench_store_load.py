@@ -25,6 +25,7 @@ batches) and the per-call replay time is compared with an empty kernel's.
 
     PYTHONPATH=. python3 bench/bench_store_load.py --sweep --out bench/results/store_load.json
     PYTHONPATH=. python3 bench/bench_store_load.py --quick       # tiny, runs on a CPU too
+    PYTHONPATH=. python3 bench/bench_store_load.py --host        # wrapper host time only
 
 On CUDA, times come from ``triton.testing.do_bench`` (L2 flushed before each call, median).
 On a CPU (``--quick``) the triton column is the interpreter, for debugging only.
@@ -255,6 +256,73 @@ def graph_per_call_s(fn, device, calls: int = 50) -> float:
     return median_s(graph.replay, device) / calls
 
 
+class _StubKernel:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing (host-time mode)."""
+
+    def __getitem__(self, grid):
+        return _no_launch
+
+
+def _no_launch(*args, **kwargs) -> None:
+    return None
+
+
+def host_overhead(names, num_tokens: int, block_size: int, device, calls=200, reps=15):
+    """Host time per call of the Python wrappers (``check=False``) with every kernel launch
+    stubbed out, cached plan path vs. the same call with the plan caches cleared before each
+    call (= the per-call validation and parameter work the wrapper did before the caches, plus
+    filling the cache). Returns rows of medians in seconds."""
+    from kvplan.ops import _load_kernels, _store_kernels
+    from kvplan.ops import load as load_mod
+    from kvplan.ops import store as store_mod
+
+    kernels = [(_store_kernels, "store_quant_kernel"), (_store_kernels, "scatter_rows_kernel"),
+               (_load_kernels, "load_cast_kernel"), (_load_kernels, "load_raw_kernel")]  # fmt: skip
+    saved = [getattr(m, a) for m, a in kernels]
+    rows = []
+    try:
+        for m, a in kernels:
+            setattr(m, a, _StubKernel())
+        for name in names:
+            case = Case(FORMATS[name], num_tokens, block_size, device)
+            ops = {
+                "store": case.store,
+                "load (out=)": case.load,
+                "load (new out)": functools.partial(
+                    load_paged_kv_cache_triton, case.cache, case.segments, case.total_k,
+                    layout=case.layout, check=False,
+                ),
+            }  # fmt: skip
+            for op, fn in ops.items():
+                res = {}
+                for mode in ("cached", "uncached"):
+
+                    def call(fn=fn, mode=mode):
+                        if mode == "uncached":
+                            store_mod._PLANS.clear()
+                            load_mod._PLANS.clear()
+                        fn()
+
+                    for _ in range(calls):
+                        call()
+                    times = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        for _ in range(calls):
+                            call()
+                        times.append((time.perf_counter() - t0) / calls)
+                    res[mode] = sorted(times)[reps // 2]
+                rows.append({"format": name, "op": op, "tokens": num_tokens,
+                             "host_cached_s": res["cached"], "host_uncached_s": res["uncached"],
+                             "uncached_over_cached": res["uncached"] / res["cached"]})  # fmt: skip
+                print(f"{name:<31}{op:<16}{res['uncached'] * 1e6:>10.2f}{res['cached'] * 1e6:>10.2f}"
+                      f"{res['uncached'] / res['cached']:>8.2f}x")  # fmt: skip
+    finally:
+        for (m, a), k in zip(kernels, saved, strict=True):
+            setattr(m, a, k)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 65536, 262144])
@@ -263,6 +331,10 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="pick launch configs at the middle size")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU debugging)")
     p.add_argument("--out", default=None, help="JSON output path")
+    p.add_argument(
+        "--host", action="store_true",
+        help="only the wrappers' host time with kernel launches stubbed (cached vs uncached)",
+    )  # fmt: skip
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokens = [64, 256] if args.quick else args.tokens
@@ -283,6 +355,13 @@ def main() -> int:
             with open(args.out, "w") as f:
                 json.dump(record, f, indent=1)
 
+    if args.host:
+        n = 4096 if not args.quick else 256
+        print(f"host us per call, kernel launches stubbed, {n} tokens")
+        print(f"{'format':<31}{'op':<16}{'uncached':>10}{'cached':>10}{'gain':>9}")
+        record["host_overhead"] = host_overhead(args.formats, n, args.block_size, device)
+        save()
+        return 0
     peak_bytes = 2 << 30 if device.type == "cuda" else 1 << 20
     record["copy_peak_gbps"] = peak_bytes / copy_time(peak_bytes, device) / 1e9
     print(f"{record['device']}: device-to-device copy {record['copy_peak_gbps']:.0f} GB/s")

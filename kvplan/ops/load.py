@@ -397,10 +397,11 @@ def _launch_planned(k, raw, segs, vrows, srows, layout, geo, static) -> None:
     grid = (-(-num_segments // 1), -(-geo.block_size // tile))
     if static["cast"]:
         out16 = vrows.view(torch.int16)
+        ostride = out16.stride(0)
         k.load_cast_kernel[grid](
-            raw, segs, num_segments, out16, out16.stride(0), geo.num_blocks, geo.block_size,
+            raw, segs, num_segments, out16, ostride, geo.num_blocks, geo.block_size,
             total_k, *static["common"], TILE_T=tile, SEGS=1,
-            OALIGN=pow2_alignment(out16.stride(0), cap=8), **static["kw"],
+            OALIGN=_memo_align(static, ostride, 8), **static["kw"],
         )  # fmt: skip
         return
     vbytes = vrows if vrows.dtype == torch.uint8 else vrows.view(torch.uint8)
@@ -412,9 +413,22 @@ def _launch_planned(k, raw, segs, vrows, srows, layout, geo, static) -> None:
         raw, segs, num_segments, vbytes, vbytes.stride(0), sbytes, sbytes.stride(0),
         geo.num_blocks, geo.block_size, total_k, *static["common"],
         SB_OUT=static["sb_out"], SCOLS=static["scols"], TILE_T=tile, SEGS=segs_per,
-        OVALIGN=pow2_alignment(vbytes.stride(0)), OSALIGN=pow2_alignment(sbytes.stride(0)),
+        OVALIGN=_memo_align(static, vbytes.stride(0), 16),
+        OSALIGN=_memo_align(static, sbytes.stride(0), 16),
         num_warps=8 if segs_per * tile * row_bytes >= 32768 else 4, **static["kw"],
     )  # fmt: skip
+
+
+def _memo_align(static: dict, stride: int, cap: int) -> int:
+    """``pow2_alignment(stride, cap=cap)``, memoized per plan (output row strides repeat)."""
+    memo = static["align"]
+    key = (stride, cap)
+    align = memo.get(key)
+    if align is None:
+        if len(memo) >= 64:
+            memo.clear()
+        align = memo[key] = pow2_alignment(stride, cap=cap)
+    return align
 
 
 def _static_params(layout, geo) -> dict:
@@ -427,7 +441,7 @@ def _static_params(layout, geo) -> dict:
         gs_p2, g_p2 = _next_pow2(gs), _next_pow2(g)
         fp4 = layout.quantized_dtype == "e2m1"
         return dict(
-            cast=True, interp=interp, common=common,
+            cast=True, interp=interp, common=common, align={},
             tile=min(_next_pow2(geo.block_size), max(1, 8192 // (g_p2 * gs_p2))),
             kw=dict(
                 E=layout.quantized_elements, GS=gs, G=g, GS_P2=gs_p2, G_P2=g_p2,
@@ -443,7 +457,7 @@ def _static_params(layout, geo) -> dict:
     if layout.is_quantized:  # index format: scale rows as _scale_out_spec lays them out
         sb_out = _scale_out_spec(layout)[2]
     return dict(
-        cast=False, interp=interp, common=common, row_bytes=vb + layout.sf_bytes,
+        cast=False, interp=interp, common=common, row_bytes=vb + layout.sf_bytes, align={},
         tile=min(_next_pow2(geo.block_size), max(1, 8192 // vcols)), sb_out=sb_out,
         scols=_next_pow2(max(sb_out, 1)),
         kw=dict(VB=vb, VCOLS=vcols, SB_IN=layout.sf_bytes, VALIGN=geo.v_align,
