@@ -339,12 +339,12 @@ def _load_torch(raw, segs, vrows, srows, layout, geo) -> None:
 
 
 def _launch(raw, segs, vrows, srows, layout, geo, config=None, plan=None) -> None:
-    from kvplan.ops import _load_kernels as k
-
     num_segments = segs.shape[0]
     if plan is not None and config is None:
-        _launch_planned(k, raw, segs, vrows, srows, layout, geo, plan[2])
+        _launch_planned(raw, segs, vrows, srows, layout, geo, plan[2])
         return
+    from kvplan.ops import _load_kernels as k
+
     config = config or {}
     common = (geo.num_blocks, geo.block_size, vrows.shape[0], geo.block_stride, geo.v_stride,
               geo.s_block_off, geo.s_stride)  # fmt: skip
@@ -387,11 +387,14 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None, plan=None) -> Non
     )  # fmt: skip
 
 
-def _launch_planned(k, raw, segs, vrows, srows, layout, geo, static) -> None:
+def _launch_planned(raw, segs, vrows, srows, layout, geo, static) -> None:
     """The default-config branch of :func:`_launch` with the ``total_k``-independent
     parameters memoized in ``static`` (same values, same kernel arguments)."""
     if not static:
-        static.update(_static_params(layout, geo))
+        from kvplan.ops import _load_kernels
+
+        static.update(_static_params(layout, geo), mod=_load_kernels)
+    k = static["mod"]  # kernels looked up per call (tests and benchmarks patch them)
     num_segments, total_k, interp = segs.shape[0], vrows.shape[0], static["interp"]
     tile = _grid_safe(small_batch_tile(total_k, static["tile"], interp), geo)
     grid = (-(-num_segments // 1), -(-geo.block_size // tile))

@@ -269,13 +269,14 @@ def _remember(kv, kv_cache, slot_mapping, layout, geo):
 def _launch(x, raw, slots, layout, geo, config=None, n=None, plan=None) -> None:
     """Launch the store kernel; ``plan`` (default config only) memoizes the parameters that
     do not depend on ``n``."""
-    from kvplan.ops import _store_kernels as k
-
     n = x.shape[0] if n is None else n
     if plan is not None and config is None:
         static = plan[2]
         if not static:
-            static.update(_static_params(layout, geo))
+            from kvplan.ops import _store_kernels
+
+            static.update(_static_params(layout, geo), mod=_store_kernels)
+        k = static["mod"]  # kernels looked up per call (tests and benchmarks patch them)
         rows = small_batch_tile(n, static["tile"], static["interp"])
         if static["fp4"]:
             x = x if x.storage_offset() % 2 == 0 else x.clone()
@@ -286,6 +287,8 @@ def _launch(x, raw, slots, layout, geo, config=None, n=None, plan=None) -> None:
             x, slots, raw, n, *static["args"], ROWS=rows, **static["kw"]
         )
         return
+    from kvplan.ops import _store_kernels as k
+
     config = config or {}
     if layout.is_quantized:
         elems = layout.quantized_elements
