@@ -22,7 +22,8 @@ class StepInputs:
     ``input_ids``/``positions``: int64 ``[T]``; ``logits_rows``: int64 ``[N]`` rows of T whose
     logits are needed (the last query token of every sampling row; every query token of a
     speculative-verification row); ``row_slices[i]``: the slice of ``logits_rows`` owned by
-    scheduled row i (empty for a prefill chunk that is not the last one).
+    scheduled row i (empty for a prefill chunk that is not the last one). ``request_ids`` and
+    ``prompt_lens`` (Python int lists ``[num_seqs]``) feed the attention metadata.
     """
 
     def __init__(self, sched: SchedulerOutput) -> None:
@@ -57,6 +58,8 @@ class StepInputs:
         self.num_cached = np.array(
             [s.request.num_computed_tokens for s in sched.seqs], dtype=np.int32
         )
+        self.request_ids = [s.request.request_id for s in sched.seqs]
+        self.prompt_lens = [s.request.num_prefill_tokens for s in sched.seqs]
 
     def _init_decode_only(self, sched: SchedulerOutput) -> None:
         """Fast path of a step with only plain decode rows (no prefill, no drafts).
@@ -68,10 +71,14 @@ class StepInputs:
         n = len(sched.seqs)
         ids = np.empty(n, dtype=np.int64)
         cached = np.empty(n, dtype=np.int32)
+        self.request_ids = [0] * n
+        self.prompt_lens = [0] * n
         for i, s in enumerate(sched.seqs):
             r = s.request
             ids[i] = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
             cached[i] = r.num_computed_tokens
+            self.request_ids[i] = r.request_id
+            self.prompt_lens[i] = r.num_prefill_tokens
         self.input_ids = ids
         self.positions = cached.astype(np.int64)
         self.logits_rows = np.arange(n, dtype=np.int64)
@@ -98,8 +105,8 @@ class ModelRunner:
 
     def fill_metadata(self, sched: SchedulerOutput, inputs: StepInputs) -> None:
         md = self.metadata
-        md.request_ids = [s.request.request_id for s in sched.seqs]
-        md.prompt_lens = [s.request.num_prefill_tokens for s in sched.seqs]
+        md.request_ids = inputs.request_ids
+        md.prompt_lens = inputs.prompt_lens
         md.num_cached_tokens_per_seq = inputs.num_cached
         md.num_contexts = 0  # keep the setters' invariant while seq_lens changes size
         md.seq_lens = inputs.seq_lens

@@ -154,11 +154,15 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
+            scheduled.add(req.request_id)
+            if self.propose_drafts is None:  # no speculation: one query token, no draft call
+                decode.append(ScheduledSeq(req, 1, False))
+                budget -= 1
+                continue
             drafts = self._drafts(req, budget - 1)
             seq = ScheduledSeq(req, 1 + len(drafts), False, drafts)
             (verify if drafts else decode).append(seq)
             budget -= seq.num_query_tokens
-            scheduled.add(req.request_id)
 
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
