@@ -253,12 +253,13 @@ def contiguous_strides(shape) -> tuple[int, ...]:
 
 
 def _remember(kv, kv_cache, slot_mapping, layout, geo):
-    """Cache the plan of a validated call whose ``kv`` and slots are row-major for every
-    ``n`` (so the fast path may pass them unreshaped); returns the plan or ``None``."""
+    """Cache the plan of a validated call whose ``kv`` (e.g. ``[n, H, D]``) and slots are
+    row-major for every ``n``, so the fast path may pass them unreshaped (same bytes as the
+    ``[n, E]`` rows); returns the plan or ``None``."""
     if kv.stride() != contiguous_strides(kv.shape) or slot_mapping.stride() != (1,):
         return None
-    if kv.shape[0] == 0 or kv.shape[-1] != layout.elements:  # [n, E] or [n, 1, E]
-        return None
+    if kv.shape[0] == 0 or (layout.quantized_dtype == "e2m1" and kv.shape[-1] % 2):
+        return None  # (e2m1 reads bf16 pairs as int32: the last dim must split into pairs)
     plan = (layout, geo, {})
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
