@@ -233,6 +233,8 @@ def _cached_outputs(plan, layout, out, total_k, device):
 def _plan_key(kv_cache, load_segments, layout):
     """Everything the metadata validation and static launch parameters depend on (the
     segment count, ``total_k`` and ``out`` are handled per call); ``None`` for non-tensors."""
+    if layout is not None and type(layout) is not KVCacheFormat:
+        return None  # (unhashable or wrong types: the full path raises the usual error)
     try:
         return (
             layout, kv_cache.dtype, kv_cache.shape, kv_cache.stride(), kv_cache.device,

@@ -227,6 +227,8 @@ def _store_torch(x, raw, slots, layout, geo) -> None:
 def _plan_key(kv, kv_cache, slot_mapping, layout):
     """Everything the validation and the launch parameters of a call depend on, except ``n``
     (the row count, checked per call) and the slot values; ``None`` for non-tensor inputs."""
+    if layout is not None and type(layout) is not KVCacheFormat:
+        return None  # (unhashable or wrong types: the full path raises the usual error)
     try:
         return (
             layout, kv_cache.dtype, kv_cache.shape, kv_cache.stride(), kv_cache.device,

@@ -368,3 +368,20 @@ def test_cached_plans_match_uncached_across_caches(monkeypatch, force_triton):
         results[cached] = got
     for a, b in zip(results[True], results[False], strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_errors_unchanged_once_a_plan_exists():
+    """After successful calls have cached the plan and the ``out`` validation, bad calls still
+    raise the full path's errors (total_k, output rows, plan range with check=True)."""
+    L = MXFP8_INDEX_KV_FORMAT
+    cache, _ = _filled_cache(L, 2, 4)
+    segs = torch.tensor([[1, 0, 4, 0]], dtype=torch.int32)
+    out = load_paged_kv_cache(cache, segs, 4, check=False, layout=L)
+    load_paged_kv_cache(cache, segs, 4, out, check=False, layout=L)
+    load_paged_kv_cache(cache, segs, 4, out, check=False, layout=L)  # plan and out validation hits
+    with pytest.raises(ValueError, match="total_k must be a non-negative int"):
+        load_paged_kv_cache(cache, segs, -1, check=False, layout=L)
+    with pytest.raises(ValueError, match=r"out.values must hold \[total_k=5"):
+        load_paged_kv_cache(cache, segs, 5, out, check=False, layout=L)
+    with pytest.raises(ValueError):
+        load_paged_kv_cache(cache, torch.tensor([[2, 0, 4, 0]], dtype=torch.int32), 4, layout=L)

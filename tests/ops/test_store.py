@@ -330,3 +330,19 @@ def test_cached_plans_match_uncached_across_caches(monkeypatch, force_triton):
         results[cached] = [_storage(c).clone() for c in caches]
     for a, b in zip(results[True], results[False], strict=True):
         assert torch.equal(a, b)
+
+
+def test_errors_unchanged_once_a_plan_exists():
+    """After a successful call has cached its plan, bad calls on the same cache still raise
+    the full path's errors (row count, slot range with check=True, layout type)."""
+    cache = alloc_kv_cache(2, 4, V41_FORMAT)
+    kv = torch.zeros(2, 512, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    store_kv_cache(kv, cache, slots, check=False)
+    store_kv_cache(kv, cache, slots, check=False)  # plan hit
+    with pytest.raises(ValueError, match=r"kv must have shape \[n=2"):
+        store_kv_cache(kv[:1], cache, slots, check=False)
+    with pytest.raises(ValueError, match="slot_mapping holds 8, outside"):
+        store_kv_cache(kv, cache, torch.tensor([0, 8], dtype=torch.int32))
+    with pytest.raises(TypeError, match="layout must be a KVCacheFormat or None, got list"):
+        store_kv_cache(kv, cache, slots, layout=[V41_FORMAT])
