@@ -26,6 +26,7 @@ import argparse
 import datetime
 import gc
 import json
+import statistics
 import sys
 import time
 
@@ -247,6 +248,41 @@ def run_hf(model, prompts, args, dev, mode):
         return {"error": repr(exc)[:500]}
 
 
+def host_step_ms(cfg, dev, dtype, num_seqs=64, prompt_len=64, steps=150) -> float:
+    """Median host time of a full-batch decode step: step wall time minus the model call.
+
+    Meant for the CPU (``--host-step``): the model call is timed around the runner's model
+    (eager path), so the rest is scheduler, step inputs, metadata ``prepare()``, sampling
+    and output bookkeeping. On a GPU with CUDA graphs the model call is not on this path.
+    """
+    from kvplan import LLM
+    from kvplan.engine.sampling import SamplingParams
+
+    llm = LLM(cfg, device=dev, dtype=dtype, max_num_seqs=num_seqs, max_num_batched_tokens=8192,
+              max_model_len=prompt_len + steps + 64, kv_cache_memory=256 << 20)  # fmt: skip
+    core = llm.engine
+    for p in make_prompts(num_seqs, prompt_len, cfg.vocab_size):
+        core.add_request(p, SamplingParams(max_tokens=steps + 32, ignore_eos=True))
+    for _ in range(10):  # prefill, then a few decode steps
+        core.step()
+    inner, spent = core.runner.model, [0.0]
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        out = inner(*a, **k)
+        spent[0] += time.perf_counter() - t0
+        return out
+
+    core.runner.model = timed
+    host = []
+    for _ in range(steps):
+        spent[0] = 0.0
+        t = time.perf_counter()
+        core.step()
+        host.append((time.perf_counter() - t - spent[0]) * 1e3)
+    return statistics.median(host)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny CPU-sized run")
@@ -263,7 +299,20 @@ def main() -> int:
                     help="comma-separated HF baselines ('' = none)")  # fmt: skip
     ap.add_argument("--order", choices=("hf-first", "kvplan-first"), default="hf-first",
                     help="which system runs first (the other's memory is freed in between)")  # fmt: skip
+    ap.add_argument("--host-step", action="store_true",
+                    help="only measure the host time of a decode step (tiny model, CPU)")  # fmt: skip
     args = ap.parse_args()
+    if args.host_step:
+        torch.set_num_threads(1)
+        dev = torch.device(args.device or "cpu")
+        ms = host_step_ms(named_config(args.config or "tiny-llama"), dev, torch.float32)
+        result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                  "device": str(dev), "command": " ".join(sys.argv),
+                  "median_host_ms_per_decode_step": ms, "batch": 64}  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"host time per decode step (batch 64, median of 150): {ms:.3f} ms")
+        return 0
     q = args.quick
     args.config = args.config or ("tiny-llama" if q else "llama-1b")
     args.num_requests = args.num_requests or (4 if q else 64)
