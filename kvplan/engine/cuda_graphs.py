@@ -59,8 +59,16 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.device = metadata.device
         self.buckets = decode_buckets(max_num_seqs)
-        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        # static inputs: row 0 token ids, row 1 positions, so that one host->device copy per
+        # step writes both (from a pinned staging buffer on CUDA). The staging buffer is only
+        # rewritten by the next run(), which the engine calls after waiting for this step's
+        # sampled tokens, so the pending non-blocking copy has completed by then.
+        self._inputs = torch.zeros(2, max_num_seqs, dtype=torch.int64, device=self.device)
+        self._staging = torch.zeros(
+            2, max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda"
+        )
+        self.input_ids = self._inputs[0]  # [max_num_seqs] int64
+        self.positions = self._inputs[1]  # [max_num_seqs] int64
         self.graphs: dict[int, Any] = {}  # bucket -> torch.cuda.CUDAGraph
         self.logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
@@ -159,10 +167,11 @@ class DecodeGraphs:
             md.arena.view("kv_lens")[n:b].fill_(1)
             for p in range(md.kv_cache_block_offsets.shape[0]):
                 md.arena.view(f"slots{p}")[n:b].fill_(-1)
-            self.input_ids[n:b].zero_()
-            self.positions[n:b].zero_()
-        self.input_ids[:n].copy_(torch.from_numpy(inputs.input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.from_numpy(inputs.positions), non_blocking=True)
+        host = self._staging.numpy()  # [2, max_num_seqs]: padding rows are token 0 at pos 0
+        host[0, :n] = inputs.input_ids
+        host[1, :n] = inputs.positions
+        host[:, n:b] = 0
+        self._inputs[:, :b].copy_(self._staging[:, :b], non_blocking=True)
         self.graphs[b].replay()
         self.num_replays += 1
         return self.logits[b][:n]
