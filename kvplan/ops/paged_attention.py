@@ -134,7 +134,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: 
     """Split-K factor for decode: about ``2 * num_sms`` programs, >= 256 keys per split.
 
     Measured on the H200 at batch 64 x 4K, 8 KV heads (512 programs, see
-    bench/results/paged_attention.md): 1 split 0.269 ms, 2 splits 0.279, 4 splits 0.287,
+    bench/RESULTS.md, paged attention): 1 split 0.269 ms, 2 splits 0.279, 4 splits 0.287,
     8 splits 0.302 -- extra splits only add partials and a combine once the grid already
     keeps every SM busy, so split only when the grid is small.
 
