@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kvplan.plan.batch import BatchArrays, Emitter
+from kvplan.plan.common import exclusive_cumsum
 from kvplan.plan.config import QUERY_INDEX_PLACEHOLDER, MetadataConfig
 from kvplan.plan.sequence import SequenceMetadata
 
@@ -74,8 +75,7 @@ def ngram_token_ids(
         img_parts.append(img)
     ids = np.concatenate(ids_parts)
     img = np.concatenate(img_parts)
-    base = np.zeros(len(seqs) + 1, dtype=np.int64)
-    np.cumsum(b.seqlen_k - lo, out=base[1:])
+    base = exclusive_cumsum(b.seqlen_k - lo)
     # last image index at or before each flat entry (-1: none yet)
     last_img = np.maximum.accumulate(np.where(img, np.arange(len(img)), -1))
     row_base = base[:-1][b.row_seq]
