@@ -54,10 +54,7 @@ from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.paged import (
     PagedSegment,
     PagedView,
-    attend_paged,
-    attend_without_cache,
-    layer_caches,
-    load_batch_pages,
+    attend_page_table,
     page_load_plan,
 )
 from kvplan.backends.staging import DeviceArena, to_device
@@ -332,19 +329,4 @@ class BlockOffsetsAttention(AttentionBackend):
     Metadata = BlockOffsetsAttentionMetadata
 
     def _attend(self, q, k, v, metadata, pool, out):
-        md: BlockOffsetsAttentionMetadata = metadata
-        if md.kv_cache_manager is None:
-            return attend_without_cache(self, q, k, v, md, out)
-        if md.kv_cache.is_quantized and md._load_pages:  # only the step's pages, in order
-            plan = md.arena.view(f"load{pool}")
-            k_cache, v_cache = load_batch_pages(
-                md.kv_cache, self.layer_idx, plan, md.num_loaded_pages
-            )
-            view = md.paged_view(pool, loaded_pages=True)
-        else:
-            k_cache, v_cache = layer_caches(md.kv_cache, self.layer_idx)
-            view = md.paged_view(pool)
-        return attend_paged(
-            q, k_cache, v_cache, view, out, scale=self.scale,
-            window=self.window(md), check=md.check_kernel_inputs,
-        )  # fmt: skip
+        return attend_page_table(self, q, k, v, metadata, pool, out, metadata.num_loaded_pages)

@@ -179,3 +179,22 @@ def attend_without_cache(backend, q, k, v, md, out) -> torch.Tensor:
         q, k.unsqueeze(1), v.unsqueeze(1), view, out,
         scale=backend.scale, window=backend.window(md), check=md.check_kernel_inputs,
     )  # fmt: skip
+
+
+def attend_page_table(backend, q, k, v, md, pool: int, out, num_loaded_pages: int) -> torch.Tensor:
+    """``_attend`` of the page-table backends (ragged, block offsets): without a manager the
+    new K/V rows are the pages; an fp8 cache the metadata was built with is read through
+    the step's loaded pages (``num_loaded_pages`` of them); otherwise the whole layer cache."""
+    if md.kv_cache_manager is None:
+        return attend_without_cache(backend, q, k, v, md, out)
+    if md.kv_cache.is_quantized and md._load_pages:  # only the step's pages, in order
+        plan = md.arena.view(f"load{pool}")
+        k_cache, v_cache = load_batch_pages(md.kv_cache, backend.layer_idx, plan, num_loaded_pages)
+        view = md.paged_view(pool, loaded_pages=True)
+    else:
+        k_cache, v_cache = layer_caches(md.kv_cache, backend.layer_idx)
+        view = md.paged_view(pool)
+    return attend_paged(
+        q, k_cache, v_cache, view, out, scale=backend.scale, window=backend.window(md),
+        check=md.check_kernel_inputs,
+    )  # fmt: skip

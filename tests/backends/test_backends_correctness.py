@@ -190,7 +190,7 @@ def test_fp8_paged_backends_dequantize_only_the_batch_pages(name, beam_width, cr
         raise AssertionError("an fp8 forward dequantized more than the batch's pages")
 
     monkeypatch.setattr(paged, "load_paged_kv_cache", spy)
-    monkeypatch.setattr(f"kvplan.backends.{name}.layer_caches", whole_cache)
+    monkeypatch.setattr(paged, "layer_caches", whole_cache)  # the backends' shared _attend
     monkeypatch.setattr(KVCacheTensors, "read_blocks", whole_cache)
     md, outs = run_layers(name, sc)
     monkeypatch.undo()
