@@ -20,22 +20,14 @@ from __future__ import annotations
 
 import torch
 
+from kvplan.plan.batch import lookup_out_buffer
 from kvplan.plan.config import MetadataConfig, ratio_key
 
 
 def _buffer(out: dict | None, name: str, key: str | None = None) -> torch.Tensor | None:
     if out is None:
         return None
-    if name not in out:
-        raise ValueError(f"out is missing field {name!r}")
-    buf = out[name]
-    if key is not None:
-        if not isinstance(buf, dict) or key not in buf:
-            raise ValueError(f"out[{name!r}] must be a dict holding key {key!r}")
-        buf = buf[key]
-    if not isinstance(buf, torch.Tensor):
-        raise TypeError(f"out {name} must be a torch.Tensor, got {type(buf).__name__}")
-    return buf
+    return lookup_out_buffer(out, name, key, name)
 
 
 def _vector(src: torch.Tensor, buf: torch.Tensor | None, name: str) -> torch.Tensor:

@@ -216,6 +216,23 @@ def extract_batch(
 _NP_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
 
 
+def lookup_out_buffer(out: dict, field: str, key: str | None, label: str) -> torch.Tensor:
+    """``out[field]`` (``out[field][key]`` for a per-ratio field), checked to be a tensor.
+
+    ``label`` names the buffer in the ``TypeError``.
+    """
+    if field not in out:
+        raise ValueError(f"out is missing field {field!r}")
+    buf = out[field]
+    if key is not None:
+        if not isinstance(buf, dict) or key not in buf:
+            raise ValueError(f"out[{field!r}] must be a dict holding key {key!r}")
+        buf = buf[key]
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"out {label} must be a torch.Tensor, got {type(buf).__name__}")
+    return buf
+
+
 class Emitter:
     """Collects ``(field, key, numpy array, dtype)`` and writes them as tensors in one pass.
 
@@ -246,15 +263,7 @@ class Emitter:
 
     def _buffer(self, field: str, key: str | None, shape: tuple, dtype: torch.dtype):
         label = field if key is None else f"{field}[{key!r}]"
-        if field not in self.out:
-            raise ValueError(f"out is missing field {field!r}")
-        buf = self.out[field]
-        if key is not None:
-            if not isinstance(buf, dict) or key not in buf:
-                raise ValueError(f"out[{field!r}] must be a dict holding key {key!r}")
-            buf = buf[key]
-        if not isinstance(buf, torch.Tensor):
-            raise TypeError(f"out {label} must be a torch.Tensor, got {type(buf).__name__}")
+        buf = lookup_out_buffer(self.out, field, key, label)
         if buf.dtype != dtype:
             raise TypeError(f"out {label} must have dtype {dtype}, got {buf.dtype}")
         if tuple(buf.shape[1:]) != shape[1:] or buf.shape[0] < shape[0]:
