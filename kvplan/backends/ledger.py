@@ -28,10 +28,6 @@ def pool_of_layer(manager: Any, layer_idx: int) -> int:
     return int(manager.pool_for_layer(layer_idx))
 
 
-def block_size_of(manager: Any) -> int:
-    return int(manager.block_size)
-
-
 def batch_block_table(
     manager: Any,
     request_ids: list[int],
