@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvplan._checks import INT32_MAX, check_int32, check_tensor
+from kvplan.plan.common import exclusive_cumsum
 
 __all__ = ["BlockLoadPlanBuilder", "validate_load_plan"]
 
@@ -75,8 +76,9 @@ class BlockLoadPlanBuilder:
         src_block, begin, end, lengths = src_block[keep], begin[keep], end[keep], lengths[keep]
         if len(lengths) == 0:
             return
-        starts = np.cumsum(lengths) - lengths + self._total_k
-        new_total = self._total_k + int(lengths.sum())
+        offsets = exclusive_cumsum(lengths)
+        starts = offsets[:-1] + self._total_k
+        new_total = self._total_k + int(offsets[-1])
         check_int32("total_k", new_total)
         self._chunks.append(np.stack([src_block, begin, end, starts], axis=1))
         self._num_segments += len(lengths)
