@@ -56,6 +56,7 @@ from kvplan.backends.paged import (
     PagedView,
     attend_page_table,
     page_load_plan,
+    stage_without_cache,
 )
 from kvplan.backends.staging import DeviceArena, to_device
 
@@ -178,13 +179,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             values["prompt_lens"] = prompt
         mgr = self.kv_cache_manager
         if mgr is None:
-            if self._num_generations:
-                raise ValueError(
-                    "without a kv_cache_manager only context-only batches are supported "
-                    f"(num_generations == 0), got {self._num_generations}"
-                )
-            self._stage_seq_lens(values)
-            self.arena.stage(values)
+            stage_without_cache(self, values)
             return
         bs = int(mgr.block_size)
         max_kv = int(MAX(self.kv_lens)) if n else 0

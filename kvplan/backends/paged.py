@@ -152,6 +152,18 @@ def load_batch_pages(
     return out[0], out[1]
 
 
+def stage_without_cache(md, values: dict) -> None:
+    """``prepare()`` of a paged backend's metadata without a KV cache manager: only
+    context-only batches are supported; stages ``values`` (and a pending ``seq_lens``)."""
+    if md._num_generations:
+        raise ValueError(
+            "without a kv_cache_manager only context-only batches are supported "
+            f"(num_generations == 0), got {md._num_generations}"
+        )
+    md._stage_seq_lens(values)
+    md.arena.stage(values)
+
+
 def attend_without_cache(backend, q, k, v, md, out) -> torch.Tensor:
     """Context-only batch without a KV cache: the new K/V rows are the pages (block size 1).
 

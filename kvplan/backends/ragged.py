@@ -61,6 +61,7 @@ from kvplan.backends.paged import (
     PagedView,
     attend_page_table,
     page_load_plan,
+    stage_without_cache,
 )
 from kvplan.backends.staging import DeviceArena
 
@@ -180,14 +181,9 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self._num_indices = 0
         mgr = self.kv_cache_manager
         if mgr is None:
-            if self._num_generations:
-                raise ValueError(
-                    "without a kv_cache_manager only context-only batches are supported "
-                    f"(num_generations == 0), got {self._num_generations}"
-                )
-            values = {"qo_indptr": self.cu_seqlens_q_np, "kv_lens": self.kv_lens_np}
-            self._stage_seq_lens(values)
-            self.arena.stage(values)
+            stage_without_cache(
+                self, {"qo_indptr": self.cu_seqlens_q_np, "kv_lens": self.kv_lens_np}
+            )
             return
         bs = int(mgr.block_size)
         kv_lens = self.kv_lens_np
