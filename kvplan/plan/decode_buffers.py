@@ -72,13 +72,7 @@ class DecodeCapacity:
         return {k: (o, s) for (k, s), o in zip(sizes, offsets)}
 
     def packed_len(self) -> int:
-        return (
-            3 * (self.num_seqs + 1)
-            + 5 * self.num_seqs
-            + self.num_ratios
-            + self.total_q
-            + self.num_block_ids
-        )
+        return sum(length for _, length in self.sections().values())
 
 
 def params_from_config(cfg: MetadataConfig) -> DecodeKernelParams:
