@@ -267,20 +267,14 @@ class BatchViews:
                 for r in request_ids:
                     self._get(r)
                 raise
-            if not cross:
-                for rid in request_ids[num_contexts:]:
-                    if self._requests[rid].beam_width != beam_width:
-                        raise ValueError(
-                            f"request {rid!r} has beam_width {self._requests[rid].beam_width}, "
-                            f"the batch says {beam_width}"
-                        )
             seq_rows = expand_batch_rows(rows_of, beam_width, num_contexts, cross=cross)
-        if not cross and beam_width == 1 and self._num_multi_beam:
+        # generation beams must match the batch (at beam 1 only while a multi-beam one exists)
+        if not cross and (beam_width != 1 or self._num_multi_beam):
             for rid in request_ids[num_contexts:]:
-                if self._requests[rid].beam_width != 1:
+                if self._requests[rid].beam_width != beam_width:
                     raise ValueError(
                         f"request {rid!r} has beam_width {self._requests[rid].beam_width}, "
-                        "the batch says 1"
+                        f"the batch says {beam_width}"
                     )
         key = (cross, max_batch)
         stager = self._stagers.get(key)
