@@ -136,6 +136,20 @@ def _unsigned(a: np.ndarray) -> np.ndarray:
     return a.view(f"u{a.itemsize}") if a.dtype.kind == "i" else a
 
 
+def block_id_end(cfg: MetadataConfig) -> int:
+    """Exclusive bound of a valid block id: below ``num_kv_blocks`` (when set) and
+    ``(id + 1) * block_size - 1`` fits int32."""
+    end = (INT32_MAX + 1) // cfg.block_size
+    return end if cfg.num_kv_blocks is None else min(end, cfg.num_kv_blocks)
+
+
+def state_id_end(cfg: MetadataConfig) -> int:
+    """Exclusive bound of a valid state id: below ``num_state_slots`` (when set) and
+    ``(sid + 1) * swa_block_size - 1`` fits int32."""
+    end = (INT32_MAX + 1) // cfg.swa_block_size
+    return end if cfg.num_state_slots is None else min(end, cfg.num_state_slots)
+
+
 def _fail(name: str, ok: np.ndarray, values: np.ndarray, why: str, other=None) -> None:
     """Raise for the first ``False`` of ``ok``, naming ``name[i]`` and its value."""
     if ok.all():
@@ -215,9 +229,7 @@ def _block_ids(flat: np.ndarray, off: np.ndarray, nb: np.ndarray, cu_nb: np.ndar
         bt = flat[pos]
     if not len(bt):
         return bt
-    end = (INT32_MAX + 1) // cfg.block_size  # (id + 1) * block_size - 1 fits int32
-    if cfg.num_kv_blocks is not None:
-        end = min(end, cfg.num_kv_blocks)
+    end = block_id_end(cfg)
     if int(_unsigned(bt).max()) >= end:  # one pass: negative ids wrap to huge values
         bad = np.flatnonzero((bt < 0) | (bt >= end))[0]
         j = int(bad if pos is None else pos[bad])
@@ -245,9 +257,7 @@ def decode_host_batch(b: DecodeBatchArrays, cfg: MetadataConfig) -> HostDecodeBa
     nb = cfg.num_blocks_for(sk)
     off = b.block_table_offsets
     lo, hi = facts.min(axis=1).tolist(), facts.max(axis=1).tolist()
-    sid_end = (INT32_MAX + 1) // cfg.swa_block_size
-    if cfg.num_state_slots is not None:
-        sid_end = min(sid_end, cfg.num_state_slots)
+    sid_end = state_id_end(cfg)
     ok = (
         lo[0] >= 1 and hi[1] <= cfg.max_model_len and lo[2] >= 0 and hi[2] < sid_end
         and lo[4] >= 0 and hi[0] - 1 + cfg.window_size <= cfg.swa_block_size

@@ -29,15 +29,18 @@ from operator import attrgetter, itemgetter
 import numpy as np
 import torch
 
-from kvplan._checks import INT32_MAX, check_int32
+from kvplan._checks import check_int32
 from kvplan.plan.batch import BatchArrays, validate_sequence
 from kvplan.plan.config import MetadataConfig
 from kvplan.plan.decode import decode_ca_offset_check
 from kvplan.plan.decode_arrays import (
     DecodeBatchArrays,
     HostDecodeBatch,
+    _unsigned,
+    block_id_end,
     check_ngram_ids,
     decode_host_batch,
+    state_id_end,
 )
 from kvplan.plan.decode_buffers import (
     bind_buffers,
@@ -101,9 +104,7 @@ def _checks_pass(facts: np.ndarray, lo: list, hi: list, lens: np.ndarray, nb: np
     """The vectorized mirror of ``batch.validate_sequence`` for decode: the bounds of single
     fields through their batch min (``lo``) and max (``hi``), relations elementwise."""
     (sq_min, _, sid_min, _, vs_min), (sq_max, sk_max, sid_max, _, _) = lo, hi
-    sid_end = (INT32_MAX + 1) // cfg.swa_block_size  # (sid + 1) * swa_block_size - 1 fits int32
-    if cfg.num_state_slots is not None:
-        sid_end = min(sid_end, cfg.num_state_slots)
+    sid_end = state_id_end(cfg)
     if not (
         sq_min >= 1 and sk_max <= cfg.max_model_len and sid_min >= 0 and sid_max < sid_end
         and vs_min >= 0 and sq_max - 1 + cfg.window_size <= cfg.swa_block_size
@@ -158,11 +159,7 @@ def _block_ids(tables: tuple, n_bt: np.ndarray, nb: np.ndarray, cu_nb: np.ndarra
         bt = flat[keep]
     else:
         bt = flat
-    end = (INT32_MAX + 1) // cfg.block_size  # (id + 1) * block_size - 1 fits int32
-    if cfg.num_kv_blocks is not None:
-        end = min(end, cfg.num_kv_blocks)
-    unsigned = flat.view(f"u{flat.itemsize}") if flat.dtype.kind == "i" else flat
-    if int(unsigned.max()) >= end:
+    if int(_unsigned(flat).max()) >= block_id_end(cfg):
         _check_block_ids(bt, cu_nb, cfg)  # exact: raises unless only spares were bad
     return bt.astype(np.int64, copy=False)
 
