@@ -191,3 +191,15 @@ def decode_token_slots(last_blocks: np.ndarray, cached: np.ndarray, block_size: 
     """
     bs = np.int32(block_size)
     return last_blocks * bs + cached % bs
+
+
+def checked_token_slots(
+    table: np.ndarray, num_needed: np.ndarray, cached: np.ndarray, seq_lens_kv: np.ndarray,
+    block_size: int, decode: bool,
+) -> np.ndarray:  # fmt: skip
+    """``check_allocated(table, num_needed)``, then the new tokens' slots: from the gathered
+    last blocks on a ``decode`` step (one new token per row), else ``new_token_slots``."""
+    last_blocks = check_allocated(table, num_needed)
+    if decode and last_blocks is not None:
+        return decode_token_slots(last_blocks, cached, block_size)
+    return new_token_slots(table, cached, seq_lens_kv, block_size)

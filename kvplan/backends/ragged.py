@@ -49,10 +49,8 @@ from kvplan.backends.host_arrays import MAX, MIN, exclusive_cumsum
 from kvplan.backends.ledger import (
     allocated_blocks,
     batch_block_table,
-    check_allocated,
-    decode_token_slots,
+    checked_token_slots,
     logical_num_blocks,
-    new_token_slots,
 )
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.page_table_check import page_table_problems
@@ -198,11 +196,9 @@ class RaggedAttentionMetadata(AttentionMetadata):
                 mgr, self.request_ids, pool=pool, beam_width=self.beam_width,
                 num_contexts=nc, cross=self.is_cross, width=width,
             )  # fmt: skip
-            last_blocks = check_allocated(table, logical_nb)
-            if decode and last_blocks is not None:
-                slots.append(decode_token_slots(last_blocks, self.cached_np, bs))
-            else:
-                slots.append(new_token_slots(table, self.cached_np, seq_lens_kv, bs))
+            slots.append(
+                checked_token_slots(table, logical_nb, self.cached_np, seq_lens_kv, bs, decode)
+            )
             tables.append(table)
         if full:  # context rows stay logical; generation rows expose every reserved page
             num_blocks = logical_nb.copy()

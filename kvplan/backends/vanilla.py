@@ -22,10 +22,8 @@ from kvplan.backends.base import AttentionBackend
 from kvplan.backends.host_arrays import MAX, MIN
 from kvplan.backends.ledger import (
     batch_block_table,
-    check_allocated,
-    decode_token_slots,
+    checked_token_slots,
     logical_num_blocks,
-    new_token_slots,
     num_pools,
 )
 from kvplan.backends.metadata import AttentionMetadata
@@ -99,11 +97,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
                 manager, self.request_ids, pool=pool, beam_width=self.beam_width,
                 num_contexts=self._num_contexts, cross=self.is_cross, width=width,
             )  # fmt: skip
-            last_blocks = check_allocated(table, nb)
-            if decode and last_blocks is not None:
-                slots = decode_token_slots(last_blocks, self.cached_np, bs)
-            else:
-                slots = new_token_slots(table, self.cached_np, self._kv_np, bs)
+            slots = checked_token_slots(table, nb, self.cached_np, self._kv_np, bs, decode)
             self.block_ids_per_seq.append(table)  # [n, width], a fresh array
             # int64 slots as int32 pairs (values < 2^31, so the high words are 0)
             values[f"slots{pool}"] = slots.astype(np.int64).view(np.int32)
