@@ -4,6 +4,8 @@ quantization bound (exactly for BF16); out= semantics and input validation."""
 
 import pytest
 import torch
+from ops_testlib import ENGINE_FP8, ODD_FORMATS, all_formats
+from ops_testlib import ids as _ids
 
 from kvplan.formats import (
     FP4_INDEX_KV_FORMAT,
@@ -12,7 +14,6 @@ from kvplan.formats import (
     SUPPORTED_KV_CACHE_FORMATS,
     V41_FORMAT,
     V41_FP4_FORMAT,
-    KVCacheFormat,
     alloc_kv_cache,
     bf16_format,
 )
@@ -26,20 +27,7 @@ from kvplan.ops.load import (
 )
 from kvplan.ops.store import store_kv_cache_torch
 
-ENGINE_FP8 = KVCacheFormat("e4m3", 2 * 64, 32, 0, True, "ue8m0", "engine fp8 2x64", True)
-ODD_FORMATS = [
-    KVCacheFormat("e4m3", 40, 24, 0, True, "ue8m0", "partial last group", True),
-    KVCacheFormat("e2m1", 36, 10, 0, False, "fp32", "fp4 fp32 scales"),
-    KVCacheFormat("e2m1", 24, 6, 0, True, "e4m3", "fp4 e4m3 odd groups", True),
-    KVCacheFormat("e4m3", 20, 4, 0, False, "ue8m0", "index, 5 ue8m0 scales"),
-    KVCacheFormat("e4m3", 48, 16, 0, False, "e4m3", "fp8 with e4m3 scales"),
-    bf16_format(3),
-]
-ALL_FORMATS = [*SUPPORTED_KV_CACHE_FORMATS, ENGINE_FP8, bf16_format(24), *ODD_FORMATS]
-
-
-def _ids(f):
-    return f.note
+ALL_FORMATS = all_formats(ODD_FORMATS)
 
 
 def _random_kv(n, layout, seed=0):

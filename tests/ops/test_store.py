@@ -3,12 +3,13 @@ reference write identical bytes for every format, and only the bytes of the name
 
 import pytest
 import torch
+from ops_testlib import ENGINE_FP8, ODD_FORMATS, all_formats
+from ops_testlib import ids as _ids
 
 from kvplan.formats import (
     FP8_FLOAT32_SF_INDEX_KV_FORMAT,
     SUPPORTED_KV_CACHE_FORMATS,
     V41_FORMAT,
-    KVCacheFormat,
     alloc_kv_cache,
     bf16_format,
 )
@@ -19,20 +20,8 @@ from kvplan.ops.store import (
     store_kv_cache_triton,
 )
 
-# what the engine uses besides the five named formats: FP8 over all heads, and plain BF16
-ENGINE_FP8 = KVCacheFormat("e4m3", 2 * 64, 32, 0, True, "ue8m0", "engine fp8 2x64", True)
-ODD_FORMATS = [
-    KVCacheFormat("e4m3", 40, 24, 0, True, "ue8m0", "partial last group", True),
-    KVCacheFormat("e2m1", 36, 10, 0, False, "fp32", "fp4 fp32 scales"),
-    KVCacheFormat("e2m1", 24, 6, 0, True, "e4m3", "fp4 e4m3 odd groups", True),
-    KVCacheFormat("e4m3", 48, 16, 0, False, "e4m3", "fp8 with e4m3 scales"),
-    bf16_format(3),
-]
-ALL_FORMATS = [*SUPPORTED_KV_CACHE_FORMATS, ENGINE_FP8, bf16_format(24), *ODD_FORMATS]
-
-
-def _ids(f):
-    return f.note
+ODD_FORMATS = [f for f in ODD_FORMATS if f.note != "index, 5 ue8m0 scales"]
+ALL_FORMATS = all_formats(ODD_FORMATS)
 
 
 def _random_cache(layout, num_blocks, block_size, seed=0, device="cpu"):

@@ -1,0 +1,23 @@
+"""Cache formats shared by the store and load tests."""
+
+from kvplan.formats import SUPPORTED_KV_CACHE_FORMATS, KVCacheFormat, bf16_format
+
+# what the engine uses besides the five named formats: FP8 over all heads, and plain BF16
+ENGINE_FP8 = KVCacheFormat("e4m3", 2 * 64, 32, 0, True, "ue8m0", "engine fp8 2x64", True)
+ODD_FORMATS = [
+    KVCacheFormat("e4m3", 40, 24, 0, True, "ue8m0", "partial last group", True),
+    KVCacheFormat("e2m1", 36, 10, 0, False, "fp32", "fp4 fp32 scales"),
+    KVCacheFormat("e2m1", 24, 6, 0, True, "e4m3", "fp4 e4m3 odd groups", True),
+    KVCacheFormat("e4m3", 20, 4, 0, False, "ue8m0", "index, 5 ue8m0 scales"),
+    KVCacheFormat("e4m3", 48, 16, 0, False, "e4m3", "fp8 with e4m3 scales"),
+    bf16_format(3),
+]
+
+
+def all_formats(odd_formats: list[KVCacheFormat]) -> list[KVCacheFormat]:
+    """The named formats, the engine's, and ``odd_formats``."""
+    return [*SUPPORTED_KV_CACHE_FORMATS, ENGINE_FP8, bf16_format(24), *odd_formats]
+
+
+def ids(f: KVCacheFormat) -> str:
+    return f.note
