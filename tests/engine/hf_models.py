@@ -6,8 +6,6 @@ decoding is not decided by fp32 rounding noise.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 COMMON = dict(
@@ -53,11 +51,6 @@ def make_hf_model(family: str, seed: int = 0):
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     return model.float().eval()
-
-
-def save_hf_model(model, folder: Path) -> Path:
-    model.save_pretrained(str(folder))
-    return folder
 
 
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
