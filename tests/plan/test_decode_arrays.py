@@ -14,6 +14,7 @@ from plan_cases import random_config
 from plan_cases import random_decode_batch as plan_cases_decode_batch
 from test_decode_device import (
     TRITON_DEVICE,
+    add_engram_ids,
     assert_same_decode,
     make_config,
     random_decode_batch,
@@ -162,9 +163,7 @@ def test_gpu_arrays_equal_eager(seed, n_seq):
     rng = np.random.default_rng(seed)
     cfg = make_config(device="cuda", max_ngram_size=2)
     seqs = random_decode_batch(rng, cfg, n_seq)
-    for s in seqs:
-        s.compressed_token_ids = [t % 50 for t in s.token_ids[: len(s.token_ids) // 2]]
-        s.lookup_table = np.arange(1000) % 50
+    add_engram_ids(seqs)
     got = prepare_decode_on_device(DecodeBatchArrays.from_sequences(seqs, cfg), cfg)
     torch.cuda.synchronize()
     assert got.positions.is_cuda

@@ -68,6 +68,13 @@ def random_decode_batch(rng, cfg: MetadataConfig, n_seq: int, max_draft: int = 2
     return seqs
 
 
+def add_engram_ids(seqs) -> None:
+    """Give every sequence known compressed ids (first half) and a lookup table (vocab 50)."""
+    for s in seqs:
+        s.compressed_token_ids = [t % 50 for t in s.token_ids[: len(s.token_ids) // 2]]
+        s.lookup_table = np.arange(1000) % 50
+
+
 def assert_same_decode(got, want, min_ratio=4, tpb=4):
     for name in SCALARS:
         assert getattr(got, name) == getattr(want, name), name
@@ -100,9 +107,7 @@ def test_torch_path_equals_eager(seed):
     cfg = make_config(max_ngram_size=2 if seed % 2 else 0)
     seqs = random_decode_batch(rng, cfg, int(rng.integers(1, 12)))
     if cfg.max_ngram_size:
-        for s in seqs:
-            s.compressed_token_ids = [t % 50 for t in s.token_ids[: len(s.token_ids) // 2]]
-            s.lookup_table = np.arange(1000) % 50
+        add_engram_ids(seqs)
     else:  # tables exactly as long as needed (the host path's no-gather case)
         for s in seqs:
             s.block_table = s.block_table[: cfg.num_blocks_for(s.seqlen_k)]
@@ -259,9 +264,7 @@ def test_gpu_kernels_equal_eager(seed, n_seq):
     rng = np.random.default_rng(seed)
     cfg = make_config(device="cuda", max_ngram_size=2)
     seqs = random_decode_batch(rng, cfg, n_seq)
-    for s in seqs:
-        s.compressed_token_ids = [t % 50 for t in s.token_ids[: len(s.token_ids) // 2]]
-        s.lookup_table = np.arange(1000) % 50
+    add_engram_ids(seqs)
     got = prepare_decode_on_device(seqs, cfg)
     torch.cuda.synchronize()
     assert got.positions.is_cuda and got.klen["4"].is_cuda
