@@ -153,6 +153,19 @@ def run_load_plan(segments: torch.Tensor, total_k: int, src: dict, block: int) -
     return buf
 
 
+def run_compressed_load_plans(meta, cache: CacheModel, cfg: MetadataConfig) -> dict:
+    """Tagged compressed buffer of every ratio, from a prompt step's ``load_segments_ca``."""
+    return {
+        ratio_key(r): run_load_plan(
+            meta.load_segments_ca[ratio_key(r)],
+            meta.total_k_compressed[ratio_key(r)],
+            cache.pool[ratio_key(r)],
+            cfg.tokens_per_block(r),
+        )
+        for r in cfg.ca_ratios
+    }
+
+
 def _at(buf: list, x: int) -> tuple:
     return buf[x] if 0 <= x < len(buf) else ("outside the buffer", int(x))
 
@@ -211,15 +224,7 @@ def visible_rows(
     errors += apply_writes(cache, meta, cfg)
     errors += check_cache_after(cache, seqs, cfg)
     if meta.is_prompt:
-        ca_buf = {
-            ratio_key(r): run_load_plan(
-                meta.load_segments_ca[ratio_key(r)],
-                meta.total_k_compressed[ratio_key(r)],
-                cache.pool[ratio_key(r)],
-                cfg.tokens_per_block(r),
-            )
-            for r in cfg.ca_ratios
-        }
+        ca_buf = run_compressed_load_plans(meta, cache, cfg)
         swa_idx = _np(meta.kv_swa_full_index)
     else:
         swa_idx = _np(meta.kv_swa_index)

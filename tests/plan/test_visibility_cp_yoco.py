@@ -23,6 +23,7 @@ from kvplan.plan.visibility import (
     apply_writes,
     expected_row,
     history_cache,
+    run_compressed_load_plans,
     run_load_plan,
     source,
 )
@@ -45,15 +46,7 @@ class Buffers:
             full.load_segments_swa, full.total_k_swa, dict(cache.ring), cfg.swa_block_size
         )
         assert apply_writes(cache, full, cfg) == []
-        self.ca = {
-            ratio_key(r): run_load_plan(
-                full.load_segments_ca[ratio_key(r)],
-                full.total_k_compressed[ratio_key(r)],
-                cache.pool[ratio_key(r)],
-                cfg.tokens_per_block(r),
-            )
-            for r in cfg.ca_ratios
-        }
+        self.ca = run_compressed_load_plans(full, cache, cfg)
         cu = _np(full.cu_seqlens_q)
         self.full_seq = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
         self.full_pos = _np(full.positions)
