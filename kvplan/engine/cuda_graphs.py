@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvplan.engine.runner import set_step_fields
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -104,12 +106,7 @@ class DecodeGraphs:
         for rid in ids:
             if not self.manager.add_request(rid, [0]).ok:
                 raise RuntimeError(f"no free blocks for {b} capture dummies")
-        md.request_ids = ids
-        md.prompt_lens = [1] * b
-        md.num_cached_tokens_per_seq = np.zeros(b, np.int32)
-        md.num_contexts = 0
-        md.seq_lens = np.ones(b, np.int32)
-        md.prepare()
+        set_step_fields(md, ids, [1] * b, np.zeros(b, np.int32), np.ones(b, np.int32), 0)
         # host bound only: the graph's split-K factor must suit any kv_len up to max_model_len
         md.kv_lens_np = np.full(b, self.max_model_len, np.int32)
         return ids

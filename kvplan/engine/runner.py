@@ -16,6 +16,24 @@ import torch
 from kvplan.engine.scheduler import SchedulerOutput
 
 
+def set_step_fields(
+    md: Any,
+    request_ids: list[Any],
+    prompt_lens: list[int],
+    num_cached: np.ndarray,
+    seq_lens: np.ndarray,
+    num_contexts: int,
+) -> None:
+    """Write one step's raw facts into the backend metadata ``md`` and ``prepare()`` it."""
+    md.request_ids = request_ids
+    md.prompt_lens = prompt_lens
+    md.num_cached_tokens_per_seq = num_cached
+    md.num_contexts = 0  # keep the setters' invariant while seq_lens changes size
+    md.seq_lens = seq_lens
+    md.num_contexts = num_contexts
+    md.prepare()
+
+
 class StepInputs:
     """Host arrays of one step, in batch row order.
 
@@ -104,14 +122,14 @@ class ModelRunner:
         self.graphs = graphs
 
     def fill_metadata(self, sched: SchedulerOutput, inputs: StepInputs) -> None:
-        md = self.metadata
-        md.request_ids = inputs.request_ids
-        md.prompt_lens = inputs.prompt_lens
-        md.num_cached_tokens_per_seq = inputs.num_cached
-        md.num_contexts = 0  # keep the setters' invariant while seq_lens changes size
-        md.seq_lens = inputs.seq_lens
-        md.num_contexts = sched.num_contexts
-        md.prepare()
+        set_step_fields(
+            self.metadata,
+            inputs.request_ids,
+            inputs.prompt_lens,
+            inputs.num_cached,
+            inputs.seq_lens,
+            sched.num_contexts,
+        )
 
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run one step; returns (fp32 logits ``[N, V]`` on the device, the host inputs)."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvplan.engine.core import EngineCore
+from kvplan.engine.runner import set_step_fields
 
 
 def prompt_logits(core: EngineCore, token_ids: Sequence[int], chunk_size: int = 16) -> torch.Tensor:
@@ -31,6 +32,7 @@ def prompt_logits(core: EngineCore, token_ids: Sequence[int], chunk_size: int = 
     manager = core.scheduler.manager
     runner = core.runner
     md = runner.metadata
+    dev = runner.device
     rid = core._next_id
     core._next_id += 1
     result = manager.add_request(rid, ids)
@@ -43,14 +45,9 @@ def prompt_logits(core: EngineCore, token_ids: Sequence[int], chunk_size: int = 
         out = []
         while start < len(ids):
             n = min(chunk_size, len(ids) - start)
-            md.request_ids = [rid]
-            md.prompt_lens = [len(ids)]
-            md.num_cached_tokens_per_seq = np.array([start], np.int32)
-            md.num_contexts = 0
-            md.seq_lens = np.array([n], np.int32)
-            md.num_contexts = 1
-            md.prepare()
-            dev = runner.device
+            set_step_fields(
+                md, [rid], [len(ids)], np.array([start], np.int32), np.array([n], np.int32), 1
+            )
             x = torch.tensor(ids[start : start + n], dtype=torch.int64, device=dev)
             pos = torch.arange(start, start + n, dtype=torch.int64, device=dev)
             out.append(runner.model(x, pos, md, None))
