@@ -109,13 +109,17 @@ def _launch(offset_len, block_tables, tpb, res, paged: bool) -> torch.Tensor:
 # prefill form
 
 
+def _prefill_args(offset_len, max_len, out, check) -> torch.Tensor:
+    width = kv_ca_index_width(max_len)
+    _check_offset_len(offset_len, max_len, check)
+    return index_out_buffer(out, offset_len.shape[0], width, offset_len.device)
+
+
 def expand_kv_ca_index_triton(
     offset_len: torch.Tensor, max_len: int, *, out: torch.Tensor | None = None, check: bool = True
 ) -> torch.Tensor:
     """Triton kernel for :func:`expand_kv_ca_index`."""
-    width = kv_ca_index_width(max_len)
-    _check_offset_len(offset_len, max_len, check)
-    res = index_out_buffer(out, offset_len.shape[0], width, offset_len.device)
+    res = _prefill_args(offset_len, max_len, out, check)
     return _launch(offset_len, None, 1, res, paged=False)
 
 
@@ -123,10 +127,8 @@ def expand_kv_ca_index_torch(
     offset_len: torch.Tensor, max_len: int, *, out: torch.Tensor | None = None, check: bool = True
 ) -> torch.Tensor:
     """Vectorized torch path of :func:`expand_kv_ca_index`."""
-    width = kv_ca_index_width(max_len)
-    _check_offset_len(offset_len, max_len, check)
-    res = index_out_buffer(out, offset_len.shape[0], width, offset_len.device)
-    col = torch.arange(width, dtype=torch.int32, device=offset_len.device)[None, :]
+    res = _prefill_args(offset_len, max_len, out, check)
+    col = torch.arange(res.shape[1], dtype=torch.int32, device=offset_len.device)[None, :]
     offset, length = offset_len[:, 0:1], offset_len[:, 1:2]  # [rows, 1]
     torch.where(col < length, offset + col, col.new_full((), -1), out=res)
     return res
