@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from kvplan.engine.cli_bench import make_prompts, run_workload
+from kvplan.engine.cli_bench import make_prompts, run_workload, sync_device
 from kvplan.models.config import named_config
 
 
@@ -56,11 +56,6 @@ def hf_config(cfg):
     )  # fmt: skip
 
 
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def copy_bandwidth(dev, nbytes=2 << 30, reps=10) -> float | None:
     """Device copy bandwidth in bytes/s, counting the read and the write."""
     if dev.type != "cuda":
@@ -68,11 +63,11 @@ def copy_bandwidth(dev, nbytes=2 << 30, reps=10) -> float | None:
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    sync(dev)
+    sync_device(dev)
     t = time.perf_counter()
     for _ in range(reps):
         dst.copy_(src)
-    sync(dev)
+    sync_device(dev)
     bw = 2 * nbytes * reps / (time.perf_counter() - t)
     del src, dst
     return bw
@@ -94,12 +89,12 @@ def kernel_share(llm, prompts, dev, steps=10) -> float | None:
     ):
         core.step()
     core.step()
-    sync(dev)
+    sync_device(dev)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
             core.step()
-        sync(dev)
+        sync_device(dev)
         wall = time.perf_counter() - t
     while core.has_unfinished():
         core.step()
@@ -120,11 +115,11 @@ def graph_replay_ms(llm, dev, reps=20) -> float | None:
         return None
     g = graphs.graphs[max(graphs.graphs)]
     g.replay()
-    sync(dev)
+    sync_device(dev)
     t = time.perf_counter()
     for _ in range(reps):
         g.replay()
-    sync(dev)
+    sync_device(dev)
     return (time.perf_counter() - t) / reps * 1e3
 
 
@@ -219,11 +214,11 @@ def run_hf(model, prompts, args, dev, mode):
             ids = torch.tensor(prompts, device=dev)
             with torch.no_grad():
                 model.generate(ids[:2, :16], generation_config=warm)
-                sync(dev)
+                sync_device(dev)
                 t = time.perf_counter()
                 out = model.generate(ids, attention_mask=torch.ones_like(ids),
                                      generation_config=gen)  # fmt: skip
-                sync(dev)
+                sync_device(dev)
             wall = time.perf_counter() - t
             tokens = int(out.shape[0] * (out.shape[1] - ids.shape[1]))
         else:
@@ -237,10 +232,10 @@ def run_hf(model, prompts, args, dev, mode):
                 kw = {}
             with torch.no_grad():
                 model.generate_batch([p[:16] for p in prompts[:4]], generation_config=warm, **kw)
-                sync(dev)
+                sync_device(dev)
                 t = time.perf_counter()
                 res = model.generate_batch(prompts, generation_config=gen, **kw)
-                sync(dev)
+                sync_device(dev)
             wall = time.perf_counter() - t
             tokens = sum(len(o.generated_tokens) for o in res.values())
         return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}

@@ -51,7 +51,7 @@ def make_prompts(
     return [torch.randint(0, vocab_size, (int(n),), generator=g).tolist() for n in lens]
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -69,7 +69,7 @@ def run_workload(
     graphs = core.runner.graphs
     replays0 = graphs.num_replays if graphs is not None else 0
     steps0 = core.num_steps
-    _sync(core.device)
+    sync_device(core.device)
     t0 = time.perf_counter()
     reqs = [core.add_request(p, params) for p in prompts]
     bar = tqdm(total=len(reqs) * new_tokens, desc="kvplan: tokens", file=sys.stderr,
@@ -90,7 +90,7 @@ def run_workload(
         now = sum(len(r.output_token_ids) for r in reqs)
         bar.update(now - done)
         done = now
-    _sync(core.device)
+    sync_device(core.device)
     wall = time.perf_counter() - t0
     bar.close()
     return WorkloadResult(
