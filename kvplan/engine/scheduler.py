@@ -188,7 +188,7 @@ class Scheduler:
         return SchedulerOutput(seqs, len(prefill) + len(verify), preempted)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
-        if self.propose_drafts is None or room <= 0 or not req.params.greedy:
+        if room <= 0 or not req.params.greedy:  # (called only when propose_drafts is set)
             return []
         left = req.params.max_tokens - len(req.output_token_ids)
         drafts = list(self.propose_drafts(req))[: min(room, max(0, left - 1))]
