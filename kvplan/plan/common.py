@@ -9,9 +9,12 @@ absolute query position, ``W`` the window, ``r`` a compression ratio.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 IntLike = TypeVar("IntLike", int, np.ndarray)
 
@@ -152,3 +155,8 @@ def exclusive_cumsum(lengths: np.ndarray) -> np.ndarray:
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
     return out
+
+
+def host_int64(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a host int64 numpy array (a copy)."""
+    return t.detach().cpu().numpy().astype(np.int64)

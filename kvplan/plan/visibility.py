@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvplan.plan.common import host_int64
 from kvplan.plan.config import MetadataConfig, ratio_key
 from kvplan.plan.sequence import SequenceMetadata
 
@@ -91,27 +92,26 @@ def history_cache(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> Cach
     return cache
 
 
-def _np(t: torch.Tensor | None) -> np.ndarray:
-    return t.detach().cpu().numpy().astype(np.int64)
-
-
 def _row_seq(meta) -> np.ndarray:
-    cu = _np(meta.cu_seqlens_q)
+    cu = host_int64(meta.cu_seqlens_q)
     return np.repeat(np.arange(len(cu) - 1), np.diff(cu))
 
 
 def apply_writes(cache: CacheModel, meta, cfg: MetadataConfig) -> list[str]:
     """Apply the step's SWA and compressed stores; returns errors (misplaced tokens)."""
     errors = []
-    row_seq, pos = _row_seq(meta), _np(meta.positions)
-    for t, slot in enumerate(_np(meta.slot_mapping_store_swa)):
+    row_seq, pos = _row_seq(meta), host_int64(meta.positions)
+    for t, slot in enumerate(host_int64(meta.slot_mapping_store_swa)):
         if slot != -1:
             cache.ring[int(slot)] = (int(row_seq[t]), int(pos[t]))
     for r in cfg.ca_ratios:
         key = ratio_key(r)
-        pos_c, slots = _np(meta.positions_c[key]), _np(meta.slot_mapping_store_ca[key])
+        pos_c, slots = (
+            host_int64(meta.positions_c[key]),
+            host_int64(meta.slot_mapping_store_ca[key]),
+        )
         if meta.is_prompt:
-            cu = _np(meta.cu_compressed_seqlens_q[key])
+            cu = host_int64(meta.cu_compressed_seqlens_q[key])
             c_seq = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
         else:
             c_seq = row_seq
@@ -147,7 +147,7 @@ def check_cache_after(cache: CacheModel, seqs, cfg: MetadataConfig) -> list[str]
 def run_load_plan(segments: torch.Tensor, total_k: int, src: dict, block: int) -> list:
     """Tagged output of ``load_paged_kv_cache``: row -> tag (``ZERO`` for zero fill)."""
     buf: list = [None] * total_k
-    for b, begin, end, dst in _np(segments).reshape(-1, 4):
+    for b, begin, end, dst in host_int64(segments).reshape(-1, 4):
         for k in range(end - begin):
             buf[dst + k] = ZERO if b == -1 else src.get(int(b) * block + int(begin) + k, ("miss",))
     return buf
@@ -186,16 +186,16 @@ def _placeholder_writes(meta, seqs, cfg: MetadataConfig) -> list[str]:
     """Placeholder sequences must not write any cache."""
     errors, row_seq = [], _row_seq(meta)
     placeholder = np.array([s.is_placeholder for s in seqs], dtype=bool)
-    bad = placeholder[row_seq] & (_np(meta.slot_mapping_store_swa) != -1)
+    bad = placeholder[row_seq] & (host_int64(meta.slot_mapping_store_swa) != -1)
     errors += [f"placeholder row {t} stores SWA" for t in np.flatnonzero(bad)]
     for r in cfg.ca_ratios:
         key = ratio_key(r)
         if meta.is_prompt:
-            cu = _np(meta.cu_compressed_seqlens_q[key])
+            cu = host_int64(meta.cu_compressed_seqlens_q[key])
             c_seq = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
         else:
             c_seq = row_seq
-        bad = placeholder[c_seq] & (_np(meta.slot_mapping_store_ca[key]) != -1)
+        bad = placeholder[c_seq] & (host_int64(meta.slot_mapping_store_ca[key]) != -1)
         errors += [f"placeholder row {k} stores compressed {key}" for k in np.flatnonzero(bad)]
     return errors
 
@@ -218,17 +218,17 @@ def visible_rows(
         # prefill loads the SWA history BEFORE it stores the chunk (the store may overwrite
         # ring slots the window reads); compressed tokens are stored before their load
         swa_buf = run_load_plan(meta.load_segments_swa, meta.total_k_swa, cache.ring, sbs)
-        swa_buf += [(int(i), int(p)) for i, p in zip(row_seq, _np(meta.positions))]
+        swa_buf += [(int(i), int(p)) for i, p in zip(row_seq, host_int64(meta.positions))]
         if meta.total_k_swa != n * window:
             errors.append(f"total_k_swa = {meta.total_k_swa}, expected n * W = {n * window}")
     errors += apply_writes(cache, meta, cfg)
     errors += check_cache_after(cache, seqs, cfg)
     if meta.is_prompt:
         ca_buf = run_compressed_load_plans(meta, cache, cfg)
-        swa_idx = _np(meta.kv_swa_full_index)
+        swa_idx = host_int64(meta.kv_swa_full_index)
     else:
-        swa_idx = _np(meta.kv_swa_index)
-    ca_idx = {k: _np(v) for k, v in meta.kv_ca_index.items()}
+        swa_idx = host_int64(meta.kv_swa_index)
+    ca_idx = {k: host_int64(v) for k, v in meta.kv_ca_index.items()}
     if meta.is_prompt:
         # the attention kernel reads [SWA history | chunk | compressed] through kv_index_cat:
         # follow the compressed part of the concatenated index (shifted by the SWA rows)
@@ -236,7 +236,7 @@ def visible_rows(
 
         base = n * window + meta.total_q
         for k, v in meta.kv_ca_index.items():
-            cat = _np(kv_index_cat(meta.kv_swa_full_index, v, base, check=True))
+            cat = host_int64(kv_index_cat(meta.kv_swa_full_index, v, base, check=True))
             if not np.array_equal(cat[:, :window], swa_idx):
                 errors.append(f"kv_index_cat changed the SWA part of ratio {k}")
             right = cat[:, window:]
@@ -286,7 +286,7 @@ def _decode_sparse_slots(meta, cfg: MetadataConfig) -> dict[str, np.ndarray]:
         topk = torch.arange(width, dtype=torch.int32, device=klen.device).repeat(len(klen), 1)
         topk = torch.where(topk < klen[:, None], topk, -1).to(torch.int32).contiguous()
         slots = convert_kv_index(topk, meta.block_tables, klen, cfg.tokens_per_block(r), check=True)
-        out[key] = _np(slots)
+        out[key] = host_int64(slots)
     return out
 
 

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvplan.plan.common import exclusive_cumsum, swa_pivots
+from kvplan.plan.common import exclusive_cumsum, host_int64, swa_pivots
 from kvplan.plan.config import MetadataConfig
 from kvplan.plan.cp_mirror import (
     apply_mirror,
@@ -76,10 +76,6 @@ def yoco_swa_visibility(
     return np.stack(piv, axis=1)
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy().astype(np.int64)
-
-
 def fill_yoco_truncation_metadata(
     meta: InputMetadata, seqs: Sequence[SequenceMetadata], config: MetadataConfig
 ) -> InputMetadata:
@@ -103,7 +99,7 @@ def fill_yoco_truncation_metadata(
     n = meta.num_seqs
     if len(seqs) != n:
         raise ValueError(f"seqs has {len(seqs)} sequences, meta {n}")
-    sq, sk = _np(meta.seqlens_q), _np(meta.seqlens_k)
+    sq, sk = host_int64(meta.seqlens_q), host_int64(meta.seqlens_k)
     data_len = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
     if not np.array_equal(sq, [s.seqlen_q for s in seqs]) or np.any(data_len < sk):
         raise ValueError("seqs do not match meta (seqlen_q differs or len(token_ids) < seqlen_k)")
@@ -255,21 +251,21 @@ def yoco_cp_redistribution(meta: InputMetadata, m) -> tuple[torch.Tensor, torch.
     ``k`` of this rank reads row ``boundary_index[k]`` (-1 for pad rows).
     """
     cp_size, pad_len = meta.cp_size, meta.yoco_consumer_cp_contrib_pad_len
-    cu_q, cu_k = _np(meta.cu_seqlens_q), _np(meta.cu_seqlens_k)
-    kept_rows = _np(meta.yoco_consumer_query_indices)
+    cu_q, cu_k = host_int64(meta.cu_seqlens_q), host_int64(meta.cu_seqlens_k)
+    kept_rows = host_int64(meta.yoco_consumer_query_indices)
     kept = np.zeros(int(cu_q[-1]), dtype=bool)
     kept[kept_rows] = True
     slot_of = np.full(int(cu_q[-1]), -1, dtype=np.int64)  # global row -> gathered row
     contrib_self = None
     for r in range(cp_size):
-        full = _np(prepare_cp_mirror(cu_q, cu_k, cp_size, r, ()).mirror_cp_index)
+        full = host_int64(prepare_cp_mirror(cu_q, cu_k, cp_size, r, ()).mirror_cp_index)
         sel = np.flatnonzero((full >= 0) & kept[np.maximum(full, 0)])
         assert len(sel) <= pad_len, "contribution exceeds the pad length"
         slot_of[full[sel]] = r * pad_len + np.arange(len(sel))
         if r == meta.cp_rank:
             contrib_self = np.full(pad_len, -1, dtype=np.int64)
             contrib_self[: len(sel)] = sel
-    compact_idx = _np(m.mirror_cp_index)
+    compact_idx = host_int64(m.mirror_cp_index)
     boundary = np.where(compact_idx >= 0, slot_of[kept_rows[np.maximum(compact_idx, 0)]], -1)
     as32 = lambda a: torch.from_numpy(a.astype(np.int32))
     return as32(contrib_self), as32(boundary)

@@ -17,6 +17,7 @@ import torch
 from plan_cases import random_config, random_prompt_batch
 
 from kvplan.plan import MetadataConfig, SequenceMetadata, prepare_prompt
+from kvplan.plan.common import host_int64
 from kvplan.plan.config import ratio_key
 from kvplan.plan.visibility import (
     ZERO,
@@ -27,10 +28,6 @@ from kvplan.plan.visibility import (
     run_load_plan,
     source,
 )
-
-
-def _np(t):
-    return t.detach().cpu().numpy().astype(np.int64)
 
 
 class Buffers:
@@ -47,16 +44,16 @@ class Buffers:
         )
         assert apply_writes(cache, full, cfg) == []
         self.ca = run_compressed_load_plans(full, cache, cfg)
-        cu = _np(full.cu_seqlens_q)
+        cu = host_int64(full.cu_seqlens_q)
         self.full_seq = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
-        self.full_pos = _np(full.positions)
+        self.full_pos = host_int64(full.positions)
 
 
 def view_rows(view, bufs: Buffers, cfg, chunk_tags, row_global):
     """Per view row: (global row or -1, visible dict, errors)."""
     view.compute_attn_info(cfg)
     swa_buf = bufs.swa_hist + chunk_tags
-    swa_idx = _np(view.kv_swa_full_index)
+    swa_idx = host_int64(view.kv_swa_full_index)
     out = []
     for t in range(len(row_global)):
         g = int(row_global[t])
@@ -78,7 +75,7 @@ def view_rows(view, bufs: Buffers, cfg, chunk_tags, row_global):
         for r in cfg.ca_ratios:
             key = ratio_key(r)
             if r in cfg.dense_ratios:
-                ids = [x for x in _np(view.kv_ca_index[key])[t] if x != -1]
+                ids = [x for x in host_int64(view.kv_ca_index[key])[t] if x != -1]
             else:
                 ids = range(int(view.ks[key][t]), int(view.ke[key][t]))
             collect(source(r), [bufs.ca[key][x] for x in ids])
@@ -118,10 +115,10 @@ def run_cp(seqs, cfg, cp_size):
     owned = []
     for rank in range(cp_size):
         view = copy.deepcopy(full).prepare_for_mirror_cp(cp_size, rank)
-        idx = _np(view.mirror_cp_index)
+        idx = host_int64(view.mirror_cp_index)
         assert view.cp_mirror_len == len(idx)
         valid = idx >= 0
-        assert np.array_equal(_np(view.positions)[valid], bufs.full_pos[idx[valid]])
+        assert np.array_equal(host_int64(view.positions)[valid], bufs.full_pos[idx[valid]])
         want_valid = valid & ~np.array([seqs[i].is_placeholder for i in bufs.full_seq[idx]])
         assert np.array_equal(view.valid_token_mask.cpu().numpy(), want_valid)
         check_rows(view_rows(view, bufs, cfg, full_chunk_tags(bufs), idx), bufs, seqs, cfg)
@@ -135,7 +132,7 @@ def run_yoco(seqs, cfg, cp_size):
 
     full = fill_yoco_truncation_metadata(prepare_prompt(seqs, cfg), seqs, cfg)
     bufs = Buffers(full, seqs, cfg)
-    rect_lo = _np(full.yoco_rect_lo)
+    rect_lo = host_int64(full.yoco_rect_lo)
     owned = []
     for rank in range(cp_size):
         meta = copy.deepcopy(full)
@@ -143,30 +140,30 @@ def run_yoco(seqs, cfg, cp_size):
             meta.prepare_for_mirror_cp(cp_size, rank)
         if cfg.yoco_mode == "mask":
             view = get_mask_view(meta)
-            rows = _np(meta.mirror_cp_index) if cp_size > 1 else np.arange(full.total_q)
+            rows = host_int64(meta.mirror_cp_index) if cp_size > 1 else np.arange(full.total_q)
             tags = full_chunk_tags(bufs)
         else:
             view = get_consumer_view(meta)
-            kept = _np(full.yoco_consumer_query_indices)
+            kept = host_int64(full.yoco_consumer_query_indices)
             tags = [(int(bufs.full_seq[g]), int(bufs.full_pos[g])) for g in kept]
             rows = (
                 kept
                 if cp_size == 1
                 else np.where(
-                    _np(view.mirror_cp_index) >= 0,
-                    kept[np.maximum(_np(view.mirror_cp_index), 0)],
+                    host_int64(view.mirror_cp_index) >= 0,
+                    kept[np.maximum(host_int64(view.mirror_cp_index), 0)],
                     -1,
                 )
             )
             valid = rows >= 0
-            assert np.array_equal(_np(view.positions)[valid], bufs.full_pos[rows[valid]])
+            assert np.array_equal(host_int64(view.positions)[valid], bufs.full_pos[rows[valid]])
         check_rows(view_rows(view, bufs, cfg, tags, rows), bufs, seqs, cfg, rect_lo)
         owned += [int(g) for g in rows if g >= 0]
         assert full.kv_swa_full_index is None or full.kv_swa_full_index.shape[0] == full.total_q
     if cfg.yoco_mode == "mask":
         assert sorted(owned) == list(range(full.total_q))
     else:
-        assert sorted(owned) == sorted(_np(full.yoco_consumer_query_indices).tolist())
+        assert sorted(owned) == sorted(host_int64(full.yoco_consumer_query_indices).tolist())
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
@@ -237,7 +234,7 @@ def test_oracle_catches_a_wrong_mirror_row():
     full = prepare_prompt(seqs, cfg)
     bufs = Buffers(full, seqs, cfg)
     view = copy.deepcopy(full).prepare_for_mirror_cp(2, 0)
-    idx = _np(view.mirror_cp_index)
+    idx = host_int64(view.mirror_cp_index)
     view.kv_swa_full_index_pivots = torch.roll(view.kv_swa_full_index_pivots, 1, 0)
     with pytest.raises(AssertionError, match="errors"):
         check_rows(view_rows(view, bufs, cfg, full_chunk_tags(bufs), idx), bufs, seqs, cfg)
@@ -257,7 +254,7 @@ def test_seed_worked_example_cp_and_yoco():
     bufs = Buffers(full, [s], cfg)
     view = copy.deepcopy(full).prepare_for_mirror_cp(2, 1)
     assert view.cp_mirror_len == 512  # 2 * ceil(1024 / 4)
-    idx = _np(view.mirror_cp_index)
+    idx = host_int64(view.mirror_cp_index)
     assert idx[:3].tolist() == [256, 257, 258] and idx[256:259].tolist() == [512, 513, 514]
     sample = [0, 255, 256, 511]
     small = copy.copy(view)
