@@ -32,6 +32,7 @@ from kvplan.ops.store import (
     pow2_alignment,
     row_bases,
     small_batch_tile,
+    triton_next_pow2,
 )
 
 
@@ -352,9 +353,9 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None, plan=None) -> Non
               geo.s_block_off, geo.s_stride)  # fmt: skip
     if layout.is_quantized and layout.do_cast:
         gs, g = layout.elements_per_sf, layout.num_scales
-        gs_p2, g_p2 = _next_pow2(gs), _next_pow2(g)
+        gs_p2, g_p2 = triton_next_pow2(gs), triton_next_pow2(g)
         fp4 = layout.quantized_dtype == "e2m1"
-        tile = min(_next_pow2(geo.block_size), max(1, 8192 // (g_p2 * gs_p2)))
+        tile = min(triton_next_pow2(geo.block_size), max(1, 8192 // (g_p2 * gs_p2)))
         tile = config.get("tile_t", _grid_safe(small_batch_tile(vrows.shape[0], tile), geo))
         out16 = vrows.view(torch.int16)
         segs_per = config.get("segs", 1)
@@ -371,10 +372,10 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None, plan=None) -> Non
         return
     vbytes = vrows.view(torch.uint8)
     vb = layout.value_bytes
-    vcols = min(_next_pow2(vb), 1024)
+    vcols = min(triton_next_pow2(vb), 1024)
     sbytes = srows if srows is not None else vbytes
     sb_out = srows.shape[1] if srows is not None else 0
-    tile = min(_next_pow2(geo.block_size), max(1, 8192 // vcols))
+    tile = min(triton_next_pow2(geo.block_size), max(1, 8192 // vcols))
     tile = config.get("tile_t", _grid_safe(small_batch_tile(vrows.shape[0], tile), geo))
     row_bytes = vb + layout.sf_bytes
     segs_per = config.get("segs", raw_segments_per_program(num_segments, tile, row_bytes, geo))
@@ -382,7 +383,7 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None, plan=None) -> Non
     k.load_raw_kernel[(-(-num_segments // segs_per), -(-geo.block_size // tile))](
         raw, segs, num_segments, vbytes, vbytes.stride(0), sbytes, sbytes.stride(0), *common,
         VB=vb, VCOLS=vcols, SB_IN=layout.sf_bytes, SB_OUT=sb_out,
-        SCOLS=_next_pow2(max(sb_out, 1)), TILE_T=tile, SEGS=segs_per, VALIGN=geo.v_align,
+        SCOLS=triton_next_pow2(max(sb_out, 1)), TILE_T=tile, SEGS=segs_per, VALIGN=geo.v_align,
         SALIGN=geo.s_align, OVALIGN=pow2_alignment(vbytes.stride(0)),
         OSALIGN=pow2_alignment(sbytes.stride(0)),
         num_warps=num_warps,
@@ -399,7 +400,7 @@ def _launch_planned(raw, segs, vrows, srows, layout, geo, static) -> None:
     k = static["mod"]  # kernels looked up per call (tests and benchmarks patch them)
     num_segments, total_k, interp = segs.shape[0], vrows.shape[0], static["interp"]
     tile = _grid_safe(small_batch_tile(total_k, static["tile"], interp), geo)
-    grid = (-(-num_segments // 1), -(-geo.block_size // tile))
+    grid = (num_segments, -(-geo.block_size // tile))
     if static["cast"]:
         out16 = vrows.view(torch.int16)
         ostride = out16.stride(0)
@@ -443,11 +444,11 @@ def _static_params(layout, geo) -> dict:
     common = (geo.block_stride, geo.v_stride, geo.s_block_off, geo.s_stride)
     if layout.is_quantized and layout.do_cast:
         gs, g = layout.elements_per_sf, layout.num_scales
-        gs_p2, g_p2 = _next_pow2(gs), _next_pow2(g)
+        gs_p2, g_p2 = triton_next_pow2(gs), triton_next_pow2(g)
         fp4 = layout.quantized_dtype == "e2m1"
         return dict(
             cast=True, interp=interp, common=common, align={},
-            tile=min(_next_pow2(geo.block_size), max(1, 8192 // (g_p2 * gs_p2))),
+            tile=min(triton_next_pow2(geo.block_size), max(1, 8192 // (g_p2 * gs_p2))),
             kw=dict(
                 E=layout.quantized_elements, GS=gs, G=g, GS_P2=gs_p2, G_P2=g_p2,
                 GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2, FP4=fp4,
@@ -457,14 +458,14 @@ def _static_params(layout, geo) -> dict:
             ),
         )  # fmt: skip
     vb = layout.value_bytes
-    vcols = min(_next_pow2(vb), 1024)
+    vcols = min(triton_next_pow2(vb), 1024)
     sb_out = 0
     if layout.is_quantized:  # index format: scale rows as _scale_out_spec lays them out
         sb_out = _scale_out_spec(layout)[2]
     return dict(
         cast=False, interp=interp, common=common, row_bytes=vb + layout.sf_bytes, align={},
-        tile=min(_next_pow2(geo.block_size), max(1, 8192 // vcols)), sb_out=sb_out,
-        scols=_next_pow2(max(sb_out, 1)),
+        tile=min(triton_next_pow2(geo.block_size), max(1, 8192 // vcols)), sb_out=sb_out,
+        scols=triton_next_pow2(max(sb_out, 1)),
         kw=dict(VB=vb, VCOLS=vcols, SB_IN=layout.sf_bytes, VALIGN=geo.v_align,
                 SALIGN=geo.s_align),
     )  # fmt: skip
@@ -494,10 +495,6 @@ def _grid_safe(tile: int, geo) -> int:
     while -(-geo.block_size // tile) > 65535:
         tile *= 2
     return tile
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
 
 
 def load_paged_kv_cache_ref(kv_cache, load_segments, total_k, *, layout=None):
