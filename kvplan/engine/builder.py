@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvplan.cache.kv_tensors import KV_FORMATS as STORED_KV_FORMATS
 from kvplan.engine.core import EngineCore
 from kvplan.engine.runner import ModelRunner
 from kvplan.engine.scheduler import Scheduler
@@ -35,7 +36,7 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-KV_FORMATS = ("auto", "bf16", "fp16", "fp32", "fp8")
+KV_FORMATS = ("auto", *STORED_KV_FORMATS)
 
 
 @dataclass
