@@ -107,7 +107,8 @@ def fill_yoco_truncation_metadata(
     compact = config.yoco_mode == "compact"
     rect_lo, clip = yoco_rectangle(sq, sk, data_len, config.yoco_keep_tokens, compact)
     dev = meta.positions.device
-    meta.yoco_rect_lo = torch.from_numpy(rect_lo.astype(np.int32)).to(dev)
+    i32 = lambda a: torch.from_numpy(np.asarray(a).astype(np.int32)).to(dev)
+    meta.yoco_rect_lo = i32(rect_lo)
     cu_q = exclusive_cumsum(sq)
     q_start = sk - sq
     w = config.window_size
@@ -116,7 +117,7 @@ def fill_yoco_truncation_metadata(
         j = np.arange(int(cu_q[-1])) - cu_q[seq]
         piv = yoco_swa_visibility(q_start[seq] + j, j, q_start[seq], vs[seq], rect_lo[seq], w,
                                   seq * w, n * w + cu_q[seq])  # fmt: skip
-        meta.yoco_mask_swa_index_pivots = torch.from_numpy(piv.astype(np.int32)).to(dev)
+        meta.yoco_mask_swa_index_pivots = i32(piv)
         return meta
     keep = sq - clip
     cu_c = exclusive_cumsum(keep)
@@ -128,7 +129,6 @@ def fill_yoco_truncation_metadata(
                               n * w + cu_c[seq] - clip[seq])  # fmt: skip
     idx = torch.from_numpy(rows).to(dev)
     in_rect = torch.from_numpy(pos >= rect_lo[seq]).to(dev)
-    i32 = lambda a: torch.from_numpy(np.asarray(a).astype(np.int32)).to(dev)
     meta.yoco_clip_prefix = i32(clip)
     meta.yoco_consumer_seqlens_q = i32(keep)
     meta.yoco_consumer_cu_seqlens_q = i32(cu_c)
