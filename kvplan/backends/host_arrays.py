@@ -17,9 +17,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvplan._checks import INT32_MAX
+
 IntArrayLike = Sequence[int] | np.ndarray | torch.Tensor
 
-_INT32_MAX = 2**31 - 1
 
 # One C call each (no Python wrapper); they raise on empty arrays, so callers check sizes.
 MIN = np.minimum.reduce
@@ -60,7 +61,7 @@ def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
         lo, hi = arr.min(), arr.max()
         if lo < 0:
             raise ValueError(f"{name} holds {int(lo)}; lengths must be >= 0")
-        if hi > _INT32_MAX:
+        if hi > INT32_MAX:
             raise ValueError(f"{name} holds {int(hi)}, which overflows int32")
     return arr.astype(np.int32)  # always a copy: later changes of the caller's array are safe
 
@@ -82,7 +83,7 @@ def exclusive_cumsum(lens: np.ndarray, total: int | None = None) -> np.ndarray:
     """
     if total is None:
         total = int(SUM(lens, dtype=np.int64))
-    if total > _INT32_MAX:
+    if total > INT32_MAX:
         raise ValueError(f"total length {total} overflows int32")
     out = np.empty(lens.size + 1, np.int32)
     out[0] = 0

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from kvplan._checks import INT32_MAX
+
 
 def use_pinned(device: torch.device) -> bool:
     """Pinned host memory only pays off (and only exists) when copying to a CUDA device."""
@@ -81,7 +83,7 @@ class DeviceArena:
                 raise ValueError(f"capacity of {name} must be >= 0, got {cap}")
             self.offsets[name] = total
             total += int(cap)
-        if total > 2**31 - 1:
+        if total > INT32_MAX:
             raise ValueError(f"arena of {total} int32 elements overflows int32 offsets")
         self.buffer = torch.zeros(max(total, 1), dtype=torch.int32, device=self.device)
         self._views = {
