@@ -9,18 +9,28 @@ stores k/v into the paged cache (``metadata.kv_cache``) and attends over the cac
 
 Parameters are fused for fewer kernel launches: ``qkv_proj`` holds ``[q; k; v]`` rows and
 ``gate_up_proj`` holds ``[gate; up]`` rows (see `kvplan.models.weights` for the name mapping).
+
+The residual stream is carried vLLM-style: each layer returns ``(h, residual)`` and the next
+norm adds ``h`` into ``residual`` in place before norming it, so a layer runs two fused
+add+norm kernels and no separate residual add; the final norm fuses the last add. The small
+ops between the GEMMs (`kvplan.models.fused`: add+RMSNorm, the q/k/v split with q/k norm and
+RoPE, silu*mul) run as Triton kernels or as the torch path, per ``fused_kernels``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvplan.models import fused as ops
 from kvplan.models.config import ModelConfig
 from kvplan.models.rope import RotaryTable
+
+FUSED_KERNELS_ENV = "KVPLAN_FUSED_KERNELS"
 
 
 class RMSNorm(nn.Module):
@@ -31,11 +41,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, *, fused: bool = False
+    ) -> torch.Tensor:
+        """Norm of ``x`` or, with ``residual``, of ``residual += x`` (see `fused.rms_norm`)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual, fused=fused)
 
 
 class Attention(nn.Module):
@@ -62,19 +72,25 @@ class Attention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryTable, metadata: Any
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryTable,
+        metadata: Any,
+        *,
+        fused: bool = False,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = rotary.apply(q, k, positions)
-        o = self.attn.forward(q.contiguous(), k.contiguous(), v, metadata)  # [T, H, D]
+        norm = self.q_norm is not None
+        q, k, v = ops.qkv_epilogue(
+            qkv, positions, rotary.cos, rotary.sin,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            q_norm_weight=self.q_norm.weight if norm else None,
+            k_norm_weight=self.k_norm.weight if norm else None,
+            eps=self.q_norm.eps if norm else 1e-6, fused=fused,
+        )  # fmt: skip
+        o = self.attn.forward(q, k, v, metadata)  # q/k/v contiguous; o [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -85,9 +101,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), fused=fused))
 
 
 class DecoderLayer(nn.Module):
@@ -99,10 +114,30 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryTable, metadata: Any
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryTable,
+        metadata: Any,
+        *,
+        fused: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on ``x [T, hidden]``; returns ``(mlp output, residual stream)``.
+
+        ``residual`` is None for the first layer (``x`` is the embedding and becomes the
+        residual stream); otherwise the stream so far, to which ``x`` (the previous layer's
+        MLP output) is added in place. The layer's output, in the unfused notation, is
+        ``returned residual + returned h``.
+        """
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x, fused=fused)
+        else:
+            h = self.input_layernorm(x, residual, fused=fused)
+        h = self.self_attn(h, positions, rotary, metadata, fused=fused)
+        h = self.post_attention_layernorm(h, residual, fused=fused)
+        return self.mlp(h, fused=fused), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -115,6 +150,13 @@ class LlamaForCausalLM(nn.Module):
             sliding_window=)``.
         max_positions: size of the RoPE table (longest sequence the model will see).
         dtype, device: parameter dtype and device (fp32 on CPU, bf16 on CUDA by default).
+        fused_kernels: run the small ops as fused Triton kernels (`kvplan.models.fused`)
+            instead of the torch path. ``None`` = decided per forward: fused for CUDA inputs,
+            torch on CPU; unless the environment variable ``KVPLAN_FUSED_KERNELS`` is ``0`` or
+            ``1`` at construction (for A/B runs of engines that build the model themselves).
+            Stored as the attribute ``fused_kernels``, which may be flipped at any time; CUDA
+            graphs keep the choice made when they were captured. ``True`` on CPU tensors needs
+            ``TRITON_INTERPRET=1``.
 
     Example::
 
@@ -130,9 +172,13 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int = 4096,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        fused_kernels: bool | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
+        if fused_kernels is None:
+            fused_kernels = _fused_from_env()
+        self.fused_kernels = fused_kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             [DecoderLayer(cfg, i, backend_cls) for i in range(cfg.num_layers)]
@@ -174,10 +220,21 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``[N, vocab_size]`` fp32 logits.
         """
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        fused = input_ids.is_cuda if self.fused_kernels is None else self.fused_kernels
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, metadata)
+            h, residual = layer(h, residual, positions, self.rotary, metadata, fused=fused)
         if logits_indices is not None:
-            x = x[logits_indices]
-        x = self.norm(x)
-        return F.linear(x, self.lm_head_weight).float()  # [N, V]
+            h = h[logits_indices]
+            residual = None if residual is None else residual[logits_indices]
+        h = self.norm(h, residual, fused=fused)  # [N, hidden]
+        return F.linear(h, self.lm_head_weight).float()  # [N, V]
+
+
+def _fused_from_env() -> bool | None:
+    """``KVPLAN_FUSED_KERNELS``: ``1`` -> True, ``0`` -> False, unset or empty -> None."""
+    value = os.environ.get(FUSED_KERNELS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{FUSED_KERNELS_ENV} must be 0 or 1, got {value!r}")
+    return None if value == "" else value == "1"

@@ -74,7 +74,16 @@ class RotaryTable:
         """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by ``positions [T]`` (int64, device)."""
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x [T, n, D]`` and ``cos``/``sin [T, 1, D]``.
+
+    Each product and the sum are rounded to the dtype (the steps `kvplan.models.fused`'s
+    kernel repeats).
+    """
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,139 @@
+"""Triton kernels of the model's small ops (launched by `kvplan.models.fused`).
+
+Each kernel repeats the torch path's rounding steps: values are widened to fp32, every
+intermediate that torch materializes in the model dtype is rounded back to it with
+``.to(dtype).to(tl.float32)``, and launches pass ``enable_fp_fusion=False`` so that an fp32
+``a * b + c`` is not contracted into an FMA the torch path does not use.
+
+- ``rms_norm_kernel``: grid ``(T,)``; one row of ``[T, N]`` per program (``TILE_N >= N``),
+  optionally adding ``residual`` first and writing the sum back into it.
+- ``qkv_epilogue_kernel``: grid ``(T, cdiv(H + 2 Hkv, TILE_H))``; a tile holds ``TILE_H``
+  consecutive heads of one token's ``qkv`` row (q heads, then k heads, then v heads); q and k
+  rows get the optional per-head RMSNorm and RoPE, v rows are copied; each row is stored into
+  its own contiguous output (q, k or v).
+- ``silu_and_mul_kernel``: grid ``(T, cdiv(I, TILE))``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` (as torch stores an intermediate) and widened again."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_res, inv_n, eps,
+    HAS_RESIDUAL: tl.constexpr, TILE_N: tl.constexpr,
+):  # fmt: skip
+    """``out[t] = w * round(h * rsqrt(mean(h^2) + eps))``, ``h = round(x[t] (+ res[t]))``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, TILE_N)
+    mask = cols < n_cols
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        res_row = res_ptr + row * stride_res + cols
+        h = x + tl.load(res_row, mask=mask, other=0.0).to(tl.float32)
+        tl.store(res_row, h.to(dtype), mask=mask)  # the new residual stream
+        h = _round(h, dtype)
+    else:
+        h = x
+    # torch's CUDA mean multiplies the sum by 1/N (inv_n, an fp32 argument)
+    rrms = tl.math.rsqrt(tl.sum(h * h, axis=0) * inv_n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (w * _round(h * rrms, dtype)).to(dtype), mask=mask)
+
+
+@triton.jit
+def _head_norm(x, w, eps, inv_d, dtype: tl.constexpr):
+    """Per-row RMSNorm of ``x [TILE_H, TILE_D]`` (fp32, padding columns 0) with ``w``."""
+    rrms = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
+    return _round(w * _round(x * rrms[:, None], dtype), dtype)
+
+
+@triton.jit
+def qkv_epilogue_kernel(
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
+    stride_qkv, num_positions, eps, inv_d,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    QK_NORM: tl.constexpr, TILE_H: tl.constexpr, TILE_D: tl.constexpr,
+):  # fmt: skip
+    """Split one token's ``qkv`` heads into q/k/v, norming (optional) and rotating q and k.
+
+    RoPE (rotate_half convention), with ``x'`` = x rotated by half the head::
+
+        out[d] = round(round(x[d] * cos[d]) + round(sign(d) * x'[d] * sin[d]))
+        x'[d] = x[(d + D/2) % D],  sign(d) = -1 for d < D/2 else +1
+
+    A position outside ``[0, num_positions)`` makes that token's q and k rows NaN instead of
+    reading outside the cos/sin tables.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    dtype: tl.constexpr = q_ptr.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)  # [TILE_H]
+    d = tl.arange(0, TILE_D)
+    d_rot = tl.where(d < HALF, d + HALF, d - HALF)
+    d_ok = d < HEAD_DIM
+    is_q = heads < NUM_HEADS
+    is_k = (heads >= NUM_HEADS) & (heads < NUM_HEADS + NUM_KV_HEADS)
+    is_v = (heads >= NUM_HEADS + NUM_KV_HEADS) & (heads < NUM_HEADS + 2 * NUM_KV_HEADS)
+    mask = (is_q | is_k | is_v)[:, None] & d_ok[None, :]
+    row = qkv_ptr + t * stride_qkv + heads[:, None] * HEAD_DIM  # [TILE_H, 1]
+    x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_rot = tl.load(row + d_rot[None, :], mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        w_q = tl.load(qw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        w_k = tl.load(kw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        w = tl.where(is_q[:, None], w_q[None, :], w_k[None, :])
+        w_q_rot = tl.load(qw_ptr + d_rot, mask=d_ok, other=0.0).to(tl.float32)
+        w_k_rot = tl.load(kw_ptr + d_rot, mask=d_ok, other=0.0).to(tl.float32)
+        w_rot = tl.where(is_q[:, None], w_q_rot[None, :], w_k_rot[None, :])
+        x_qk = _head_norm(x, w, eps, inv_d, dtype)
+        x_rot = _head_norm(x_rot, w_rot, eps, inv_d, dtype)  # the same rows: same rms
+    else:
+        x_qk = x
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < num_positions)
+    trig = tl.where(pos_ok, pos, 0) * HEAD_DIM + d
+    cos = tl.load(cos_ptr + trig, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + trig, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.where(d < HALF, -sin, sin)  # rotate_half's sign, exact
+    y = _round(x_qk * cos[None, :], dtype) + _round(x_rot * sin[None, :], dtype)
+    y = tl.where(pos_ok, y, float("nan"))
+    q_off = t * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :]
+    tl.store(q_ptr + q_off, y.to(dtype), mask=mask & is_q[:, None])
+    kv_off = t * (NUM_KV_HEADS * HEAD_DIM) + (heads[:, None] - NUM_HEADS) * HEAD_DIM + d[None, :]
+    tl.store(k_ptr + kv_off, y.to(dtype), mask=mask & is_k[:, None])
+    v_off = kv_off - NUM_KV_HEADS * HEAD_DIM
+    tl.store(v_ptr + v_off, x.to(dtype), mask=mask & is_v[:, None])
+
+
+@triton.jit
+def silu_and_mul_kernel(
+    gu_ptr, out_ptr, inter, stride_gu, TILE: tl.constexpr, EXACT: tl.constexpr
+):  # fmt: skip
+    """``out[t, j] = round(round(silu(gate)) * up)``, gate = ``gu[t, j]``, up = ``gu[t, I + j]``.
+
+    ``EXACT`` (compiled GPU code) uses libdevice ``expf`` and IEEE division, the operations
+    of torch's CUDA ``silu`` (``x / (1 + exp(-x))`` in fp32); the interpreter has no libdevice.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    mask = cols < inter
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    row = gu_ptr + t * stride_gu + cols
+    gate = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + inter, mask=mask, other=0.0).to(tl.float32)
+    if EXACT:
+        silu = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate))
+    else:
+        silu = gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + t * inter + cols, (_round(silu, dtype) * up).to(dtype), mask=mask)

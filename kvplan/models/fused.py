@@ -1,0 +1,294 @@
+"""The model's small ops, each as a torch path and a fused Triton kernel side by side.
+
+* `rms_norm` -- RMSNorm, optionally fused with the residual add before it (vLLM style: the sum
+  is written back into ``residual``, the new residual stream);
+* `qkv_epilogue` -- split the ``qkv_proj`` output into contiguous q/k/v, with the optional
+  Qwen3 per-head q/k RMSNorm and RoPE on q and k, in one kernel;
+* `silu_and_mul` -- ``silu(gate) * up`` from the ``gate_up_proj`` output.
+
+The ``*_torch`` functions are the model's unfused arithmetic (Hugging Face's, step by step);
+the ``*_triton`` launchers repeat its rounding steps (see `kvplan.models._fused_kernels`).
+Each dispatcher takes ``fused``: ``True`` runs the kernel, ``False`` the torch path, ``None``
+the kernel for CUDA tensors (or with ``KVPLAN_FORCE_TRITON=1``). On CPU the kernels run only
+under ``TRITON_INTERPRET=1``.
+
+Agreement with the torch path on CUDA (``tests/models/test_fused.py``):
+
+* ``silu_and_mul`` and ``qkv_epilogue`` without q/k norm: bit-exact (the same fp32 operations
+  and roundings; the exponential is libdevice ``expf``, as in torch's ``silu``);
+* ``rms_norm`` and the q/k norm: the residual sum is bit-exact; the normed output may differ
+  by 1 ulp of the model dtype where the fp32 sum of squares, reduced in another order, lands
+  on the other side of a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvplan.models.rope import rotate
+from kvplan.ops._dispatch import triton_interpreting, use_triton
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def _fused(t: torch.Tensor, fused: bool | None) -> bool:
+    return use_triton(t) if fused is None else fused
+
+
+# --- rms_norm -------------------------------------------------------------------------------
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    fused: bool | None = None,
+) -> torch.Tensor:
+    """RMSNorm of ``x [..., N]`` (or of ``x + residual``, written into ``residual``).
+
+    Without ``residual``: ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(dtype)``.
+    With ``residual`` (same shape and dtype as ``x``): first ``residual += x`` in place (in the
+    model dtype), then the norm of the new ``residual``.
+
+    Args:
+        x: ``[..., N]`` fp32/bf16/fp16.
+        weight: ``[N]``, the dtype of ``x``.
+        residual: optional ``[..., N]``, updated in place.
+
+    Returns:
+        ``[..., N]`` in the dtype of ``x`` (a new tensor).
+    """
+    if _fused(x, fused):
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_torch(x, weight, eps, residual)
+
+
+def rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Torch path of `rms_norm` (the arithmetic of Hugging Face's ``LlamaRMSNorm``)."""
+    if residual is not None:
+        x = residual.add_(x)
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Triton path of `rms_norm`: one kernel, one program per row."""
+    from kvplan.models._fused_kernels import rms_norm_kernel
+
+    n = x.shape[-1]
+    if weight.shape != (n,) or weight.dtype != x.dtype:
+        raise TypeError(f"weight must be [{n}] {x.dtype}, got {list(weight.shape)} {weight.dtype}")
+    x2 = _rows(x, "x")
+    res2 = x2
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"residual must match x ({list(x.shape)} {x.dtype}), "
+                f"got {list(residual.shape)} {residual.dtype}"
+            )
+        res2 = _rows(residual, "residual", in_place=True)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    tile = _next_pow2(n)
+    if x2.shape[0] > 0:
+        rms_norm_kernel[(x2.shape[0],)](
+            x2, res2, weight.contiguous(), out, n, x2.stride(0), res2.stride(0), 1.0 / n, eps,
+            HAS_RESIDUAL=residual is not None, TILE_N=tile,
+            num_warps=max(1, min(16, tile // 512)), enable_fp_fusion=False,
+        )  # fmt: skip
+    return out.view(x.shape)
+
+
+def _rows(t: torch.Tensor, name: str, in_place: bool = False) -> torch.Tensor:
+    """``t [..., N]`` as ``[R, N]`` rows with unit column stride (always a view when
+    ``in_place``, so that the kernel's writes land in ``t``)."""
+    n = t.shape[-1]
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t
+    if not in_place:
+        rows = t.reshape(-1, n)
+        return rows if rows.stride(1) == 1 else rows.contiguous()
+    try:
+        rows = t.view(-1, n)
+    except RuntimeError:
+        rows = None
+    if rows is None or (n > 1 and rows.stride(1) != 1):
+        raise ValueError(f"{name} must be viewable as [rows, {n}] rows, got strides {t.stride()}")
+    return rows
+
+
+# --- qkv_epilogue ---------------------------------------------------------------------------
+
+
+def qkv_epilogue(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    fused: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split ``qkv`` into contiguous q/k/v, apply the optional q/k norm, then RoPE to q and k.
+
+    Layout of a row of ``qkv`` (D = head_dim)::
+
+        [ q head 0 | ... | q head H-1 | k head 0 | ... | k head Hkv-1 | v head 0 | ... ]
+          <-- H * D ------------------> <-- Hkv * D ---------------->  <-- Hkv * D -->
+
+    Args:
+        qkv: ``[T, (H + 2 Hkv) D]`` fp32/bf16/fp16, unit last-dim stride.
+        positions: ``[T]`` int64/int32 absolute positions, ``< cos.shape[0]``.
+        cos, sin: ``[P, D]`` RoPE tables (`RotaryTable.cos`/``.sin``), the dtype of ``qkv``.
+        q_norm_weight, k_norm_weight: ``[D]`` per-head RMSNorm weights (Qwen3), both or neither.
+
+    Returns:
+        ``(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D])`` in the dtype of ``qkv``; all three
+        contiguous from the kernel; the torch path returns ``v`` as a strided view of ``qkv``
+        (as the unfused model always did; the backends accept it).
+    """
+    fn = qkv_epilogue_triton if _fused(qkv, fused) else qkv_epilogue_torch
+    return fn(qkv, positions, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads,
+              q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps)  # fmt: skip
+
+
+def _head_dim(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
+    heads = num_heads + 2 * num_kv_heads
+    if qkv.dim() != 2 or qkv.shape[1] % heads:
+        raise ValueError(
+            f"qkv must be [T, (num_heads + 2 * num_kv_heads) * head_dim] with "
+            f"{num_heads} + 2 * {num_kv_heads} heads, got {list(qkv.shape)}"
+        )
+    return qkv.shape[1] // heads
+
+
+def qkv_epilogue_torch(
+    qkv, positions, cos, sin, *, num_heads, num_kv_heads, q_norm_weight=None,
+    k_norm_weight=None, eps=1e-6,
+):  # fmt: skip
+    """Torch path of `qkv_epilogue` (views, per-op norm and rotation, then copies)."""
+    t = qkv.shape[0]
+    d = _head_dim(qkv, num_heads, num_kv_heads)
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q = q.view(t, num_heads, d)  # [T, H, D]
+    k = k.view(t, num_kv_heads, d)  # [T, Hkv, D]
+    v = v.reshape(t, num_kv_heads, d)  # [T, Hkv, D]
+    if q_norm_weight is not None:
+        q = rms_norm_torch(q, q_norm_weight, eps)
+        k = rms_norm_torch(k, k_norm_weight, eps)
+    cos_t = cos[positions].unsqueeze(1)  # [T, 1, D]
+    sin_t = sin[positions].unsqueeze(1)
+    return rotate(q, cos_t, sin_t).contiguous(), rotate(k, cos_t, sin_t).contiguous(), v
+
+
+def qkv_epilogue_triton(
+    qkv, positions, cos, sin, *, num_heads, num_kv_heads, q_norm_weight=None,
+    k_norm_weight=None, eps=1e-6, tile_h=None,
+):  # fmt: skip
+    """Triton path of `qkv_epilogue`: one kernel; ``tile_h`` heads of one token per program
+    (power of two; default ~1024 elements per program, one program per token when
+    interpreting).
+
+    A position outside ``[0, cos.shape[0])`` yields NaN q/k rows for that token (the kernel
+    does not read outside the tables; checking on the host would cost a device sync).
+    """
+    from kvplan.models._fused_kernels import qkv_epilogue_kernel
+
+    t = qkv.shape[0]
+    d = _head_dim(qkv, num_heads, num_kv_heads)
+    if qkv.stride(1) != 1:
+        raise ValueError(f"qkv must have a unit last-dim stride, got strides {qkv.stride()}")
+    if positions.shape != (t,):
+        raise ValueError(f"positions must be [{t}], got {list(positions.shape)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[1] != d or table.dtype != qkv.dtype:
+            raise ValueError(
+                f"{name} must be [P, {d}] {qkv.dtype}, got {list(table.shape)} {table.dtype}"
+            )
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight must be given together")
+    qk_norm = q_norm_weight is not None
+    if qk_norm:
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            if w.shape != (d,) or w.dtype != qkv.dtype:
+                raise TypeError(f"{name} must be [{d}] {qkv.dtype}, got {list(w.shape)} {w.dtype}")
+    new = dict(dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(t, num_heads, d, **new)
+    k = torch.empty(t, num_kv_heads, d, **new)
+    v = torch.empty(t, num_kv_heads, d, **new)
+    heads = num_heads + 2 * num_kv_heads
+    tile_d = _next_pow2(d)
+    # ~1024 elements per program on the GPU; one program per token in the interpreter
+    if tile_h is None:
+        tile_h = _next_pow2(heads)
+        if not triton_interpreting():
+            tile_h = min(tile_h, max(1, 1024 // tile_d))
+    if t > 0:
+        w_q = q_norm_weight.contiguous() if qk_norm else q
+        w_k = k_norm_weight.contiguous() if qk_norm else q
+        qkv_epilogue_kernel[(t, -(-heads // tile_h))](
+            qkv, positions, cos.contiguous(), sin.contiguous(), w_q, w_k, q, k, v,
+            qkv.stride(0), cos.shape[0], eps, 1.0 / d,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, QK_NORM=qk_norm,
+            TILE_H=tile_h, TILE_D=tile_d, num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    return q, k, v
+
+
+# --- silu_and_mul ---------------------------------------------------------------------------
+
+
+def silu_and_mul(gate_up: torch.Tensor, *, fused: bool | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2I]`` = ``[gate | up]``; returns ``[T, I]``.
+
+    Rounding as torch: ``silu`` rounded to the dtype, then the product rounded.
+    """
+    if _fused(gate_up, fused):
+        return silu_and_mul_triton(gate_up)
+    return silu_and_mul_torch(gate_up)
+
+
+def _inter(gate_up: torch.Tensor) -> int:
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [T, 2 * I], got {list(gate_up.shape)}")
+    return gate_up.shape[1] // 2
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """Torch path of `silu_and_mul`."""
+    gate, up = gate_up.split(_inter(gate_up), dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul_triton(gate_up: torch.Tensor, *, tile: int | None = None) -> torch.Tensor:
+    """Triton path of `silu_and_mul`: grid ``(T, cdiv(I, tile))`` (``tile`` a power of two;
+    default 1024, or all of I up to 8192 when interpreting)."""
+    from kvplan.models._fused_kernels import silu_and_mul_kernel
+
+    inter = _inter(gate_up)
+    if gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must have a unit last-dim stride, got {gate_up.stride()}")
+    t = gate_up.shape[0]
+    out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
+    interp = triton_interpreting()
+    tile = tile or min(_next_pow2(inter), 8192 if interp else 1024)
+    if t > 0:
+        silu_and_mul_kernel[(t, -(-inter // tile))](
+            gate_up, out, inter, gate_up.stride(0), TILE=tile, EXACT=not interp, num_warps=4,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,200 @@
+"""Fused model kernels (`kvplan.models.fused`): Triton == torch path == independent reference.
+
+CPU: each kernel under the Triton interpreter on tiny fp32 shapes (few programs), the fused
+model against the unfused one, sm_90 compiles. GPU (``gpu`` marker): bf16/fp16 kernels against
+the torch path with the agreement the module docstring claims (bit-exact or 1 ulp), the whole
+model fused vs unfused, inside a CUDA graph, and through the engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fused_testlib import (
+    DenseCausal,
+    gen,
+    model_with_random_weights,
+    norm_ref,
+    qkv_case,
+    randn,
+    rope_ref,
+)
+from sm90_compile import compile_sm90
+
+from kvplan.models import _fused_kernels as kernels
+from kvplan.models import fused
+from kvplan.models.config import named_config
+from kvplan.models.llama import FUSED_KERNELS_ENV, LlamaForCausalLM
+
+# --- interpreter: each kernel on fp32 --------------------------------------------------------
+
+
+@pytest.mark.parametrize("t, n", [(5, 48), (1, 64)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_fp32(t, n, with_residual):
+    g = gen(t * n)
+    x, w, res = randn(g, t, n, scale=3.0), randn(g, n), randn(g, t, n)
+    res_torch, res_triton = res.clone(), res.clone()
+    want = fused.rms_norm_torch(x, w, 1e-6, res_torch if with_residual else None)
+    got = fused.rms_norm_triton(x, w, 1e-6, res_triton if with_residual else None)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    h = x + res if with_residual else x
+    torch.testing.assert_close(got.double(), norm_ref(h, w, 1e-6), atol=1e-5, rtol=1e-5)
+    if with_residual:  # the sum is written back in place, bit-exactly
+        assert torch.equal(res_triton, x + res) and torch.equal(res_torch, x + res)
+    else:
+        assert torch.equal(res_triton, res)
+
+
+def test_rms_norm_3d_and_strided_rows():
+    g = gen(1)
+    x3 = randn(g, 3, 2, 16)  # per-head norm input [T, n, D]
+    w = randn(g, 16)
+    torch.testing.assert_close(fused.rms_norm_triton(x3, w, 1e-6),
+                               fused.rms_norm_torch(x3, w, 1e-6), atol=1e-6, rtol=1e-6)  # fmt: skip
+    wide = randn(g, 3, 40)
+    x, res = wide[:, :16], randn(g, 3, 16)  # x rows with a row stride of 40
+    r1, r2 = res.clone(), res.clone()
+    torch.testing.assert_close(fused.rms_norm_triton(x, w, 1e-6, r1),
+                               fused.rms_norm_torch(x, w, 1e-6, r2), atol=1e-6, rtol=1e-6)  # fmt: skip
+    assert torch.equal(r1, r2)
+    with pytest.raises(ValueError, match="residual must be viewable"):
+        fused.rms_norm_triton(x3, w, 1e-6, randn(g, 2, 3, 16).transpose(0, 1))
+    with pytest.raises(ValueError, match="residual must match"):
+        fused.rms_norm_triton(x, w, 1e-6, randn(g, 4, 16))
+    with pytest.raises(TypeError, match="weight must be"):
+        fused.rms_norm_triton(x, w.double(), 1e-6)
+
+
+@pytest.mark.parametrize(
+    "t, h, hkv, d, norm, tile_h",
+    [(3, 4, 2, 16, False, None), (5, 4, 2, 16, True, 2), (2, 2, 1, 24, True, None),
+     (1, 2, 2, 64, False, 4)],
+)  # fmt: skip
+def test_qkv_epilogue_kernel_fp32(t, h, hkv, d, norm, tile_h):
+    args, kw = qkv_case(t * d + h, t, h, hkv, d, norm)
+    want = fused.qkv_epilogue_torch(*args, **kw)
+    got = fused.qkv_epilogue_triton(*args, **kw, tile_h=tile_h)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert a.is_contiguous() and a.shape == b.shape, name
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+    # independent reference: per-head norm (float64), pairwise rotation
+    qkv, pos, cos, sin = args
+    x = qkv.view(t, h + 2 * hkv, d)
+    q, k, v = x[:, :h], x[:, h : h + hkv], x[:, h + hkv :]
+    if norm:
+        q, k = norm_ref(q, kw["q_norm_weight"], 1e-5), norm_ref(k, kw["k_norm_weight"], 1e-5)
+    for a, b in zip(got, (rope_ref(q, cos[pos], sin[pos]), rope_ref(k, cos[pos], sin[pos]), v)):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=2e-5)
+
+
+def test_qkv_epilogue_bad_positions_poison_and_caller_errors():
+    args, kw = qkv_case(7, 3, 2, 1, 16, False, max_pos=8)
+    qkv, pos, cos, sin = args
+    q, k, v = fused.qkv_epilogue_triton(qkv, torch.tensor([8, 2, -1]), cos, sin, **kw)
+    assert q[0].isnan().all() and k[2].isnan().all() and not q[1].isnan().any()
+    assert torch.equal(v, qkv.view(3, 4, 16)[:, 3:])  # v is copied whatever the position
+    with pytest.raises(ValueError, match="qkv must be"):
+        fused.qkv_epilogue_triton(qkv[:, :-1], pos, cos, sin, **kw)
+    with pytest.raises(ValueError, match="positions must be"):
+        fused.qkv_epilogue_triton(qkv, pos[:2], cos, sin, **kw)
+    with pytest.raises(ValueError, match="sin must be"):
+        fused.qkv_epilogue_triton(qkv, pos, cos, sin[:, :8], **kw)
+    with pytest.raises(ValueError, match="given together"):
+        fused.qkv_epilogue_triton(qkv, pos, cos, sin, q_norm_weight=cos[0], **kw)
+
+
+@pytest.mark.parametrize("t, inter, tile", [(3, 40, None), (4, 48, 16), (1, 8, None)])
+def test_silu_and_mul_kernel_fp32(t, inter, tile):
+    gate_up = randn(gen(inter), t, 2 * inter, scale=4.0)
+    got = fused.silu_and_mul_triton(gate_up, tile=tile)
+    torch.testing.assert_close(got, fused.silu_and_mul_torch(gate_up), atol=1e-6, rtol=1e-6)
+    g, u = gate_up.double()[:, :inter], gate_up.double()[:, inter:]
+    torch.testing.assert_close(got.double(), g * torch.sigmoid(g) * u, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="gate_up must be"):
+        fused.silu_and_mul_triton(gate_up[:, :-1])
+
+
+def test_kernels_bf16_under_interpreter_within_rounding():
+    """Runs the bf16 code paths (the interpreter truncates fp32->bf16, so a few ulp apart)."""
+    bf = torch.bfloat16
+    args, kw = qkv_case(3, 3, 2, 1, 16, True, dtype=bf)
+    for a, b in zip(fused.qkv_epilogue_triton(*args, **kw), fused.qkv_epilogue_torch(*args, **kw)):
+        torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.03)
+    g = gen(5)
+    x, w, res = randn(g, 3, 32, dtype=bf), randn(g, 32, dtype=bf), randn(g, 3, 32, dtype=bf)
+    r1, r2 = res.clone(), res.clone()
+    torch.testing.assert_close(fused.rms_norm_triton(x, w, 1e-6, r1).float(),
+                               fused.rms_norm_torch(x, w, 1e-6, r2).float(), atol=0.05, rtol=0.03)  # fmt: skip
+    torch.testing.assert_close(r1.float(), r2.float(), atol=0.0, rtol=2**-7)
+    gu = randn(g, 2, 32, dtype=bf, scale=3.0)
+    torch.testing.assert_close(fused.silu_and_mul_triton(gu).float(),
+                               fused.silu_and_mul_torch(gu).float(), atol=0.02, rtol=0.02)  # fmt: skip
+
+
+def test_dispatch_follows_fused_flag(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fused, "silu_and_mul_triton", lambda gu: calls.append("triton"))
+    monkeypatch.setattr(fused, "silu_and_mul_torch", lambda gu: calls.append("torch"))
+    gu = torch.zeros(1, 4)
+    fused.silu_and_mul(gu)  # CPU tensor, fused=None -> torch
+    fused.silu_and_mul(gu, fused=True)
+    fused.silu_and_mul(gu, fused=False)
+    assert calls == ["torch", "triton", "torch"]
+
+
+# --- sm_90 compiles ---------------------------------------------------------------------------
+
+_F32_ARGS = {"eps": "fp32", "inv_n": "fp32", "inv_d": "fp32"}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kernels_compile_for_sm90(dtype):
+    ptr = f"*{dtype}"
+    compile_sm90(kernels.rms_norm_kernel, ptr, _F32_ARGS, HAS_RESIDUAL=True, TILE_N=2048)
+    compile_sm90(kernels.rms_norm_kernel, ptr, _F32_ARGS, HAS_RESIDUAL=False, TILE_N=128)
+    for norm in (False, True):
+        compile_sm90(kernels.qkv_epilogue_kernel, ptr, {**_F32_ARGS, "pos_ptr": "*i64"},
+                     NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, QK_NORM=norm, TILE_H=8,
+                     TILE_D=128)  # fmt: skip
+    compile_sm90(kernels.qkv_epilogue_kernel, ptr, {**_F32_ARGS, "pos_ptr": "*i32"},
+                 NUM_HEADS=4, NUM_KV_HEADS=2, HEAD_DIM=80, QK_NORM=True, TILE_H=8, TILE_D=128)  # fmt: skip
+    compile_sm90(kernels.silu_and_mul_kernel, ptr, TILE=1024, EXACT=True)
+
+
+# --- the model, fused vs unfused --------------------------------------------------------------
+
+
+CPU_CONFIGS = {
+    "llama": named_config("tiny-llama", num_layers=2),
+    "qwen3": named_config("tiny-llama", num_layers=1, qk_norm=True, qkv_bias=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CPU_CONFIGS))
+def test_fused_model_equals_unfused_fp32_interpreter(name):
+    cfg = CPU_CONFIGS[name]
+    model = model_with_random_weights(cfg, seed=1)
+    assert model.fused_kernels is None
+    ids = torch.randint(0, cfg.vocab_size, (7,), generator=gen(2))
+    pos = torch.arange(7)
+    want = model(ids, pos, None)  # CPU: fused_kernels=None -> torch path
+    model.fused_kernels = True
+    got = model(ids, pos, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    rows = torch.tensor([6, 2])
+    torch.testing.assert_close(model(ids, pos, None, rows), want[rows], atol=1e-5, rtol=1e-5)
+
+
+def test_fused_kernels_env_default(monkeypatch):
+    cfg = CPU_CONFIGS["llama"]
+    for value, want in (("0", False), ("1", True), ("", None)):
+        monkeypatch.setenv(FUSED_KERNELS_ENV, value)
+        assert LlamaForCausalLM(cfg, DenseCausal, max_positions=8).fused_kernels is want
+    assert (
+        LlamaForCausalLM(cfg, DenseCausal, max_positions=8, fused_kernels=False).fused_kernels
+        is False
+    )
+    monkeypatch.setenv(FUSED_KERNELS_ENV, "yes")
+    with pytest.raises(ValueError, match=FUSED_KERNELS_ENV):
+        LlamaForCausalLM(cfg, DenseCausal, max_positions=8)
