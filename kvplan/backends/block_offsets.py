@@ -1,11 +1,14 @@
 """Block-offsets backend (TensorRT-LLM-style): a fixed-width 4-D block table per step.
 
-``prepare()`` asks the manager to fill ``kv_cache_block_offsets`` int32
-``[num_pools, max_num_sequences, 2, max_blocks_per_seq]`` (dim 2: 0 = K, 1 = V; both hold the
-block id, since K and V are separate tensors indexed by the same id) through
-``KVCacheManager.copy_batch_block_offsets`` -- persistent host buffer for synchronous readers,
-private pinned snapshot for the async copy. Rows: context requests one each (beam 0), then
-generation requests ``beam_width`` each (cross attention repeats the request's encoder row).
+``prepare()`` fills ``kv_cache_block_offsets`` int32 ``[num_pools, max_num_sequences, 2,
+max_blocks_per_seq]`` (dim 2: 0 = K, 1 = V; both hold the block id, since K and V are separate
+tensors indexed by the same id). The table is a field of the metadata's ``DeviceArena``: the
+rows are gathered from the manager's tables (``KVCacheManager.batch_tables``) straight into
+the step's private pinned snapshot, which then goes to the device in the SAME single async
+copy as every other field (lengths, indptrs, slots). Rows: context requests one each (beam 0),
+then generation requests ``beam_width`` each (cross attention repeats the request's encoder
+row). Rows ``[0, num_seqs)`` are written whole (block 0 past each row's allocated blocks);
+rows past them hold unspecified values (a CUDA-graph runner zeroes its padding rows itself).
 The kernels read that table directly: pool p's pages of row b are
 ``table[p].flatten()[b * 2 * max_blocks_per_seq + j]`` (the K entries, used for both the K
 and the V cache; the V entries are equal by construction and kept for the layout).
@@ -13,17 +16,16 @@ and the V cache; the V entries are equal by construction and kept for the layout
 Lengths (addressable vs valid, seed 001):
     kv_lens       host int32 ``[num_seqs]`` = cached + seq_lens_kv + num_extra_kv_tokens: the
                   addressable bound (draft tokens a speculative sub-step may append on the
-                  device); it sizes the table width and is checked against ``max_seq_len``.
+                  device); every row must own its blocks, and it is checked against ``max_seq_len``.
     kv_lens_cuda  device int32 = cached + seq_lens_kv: the keys attention reads.
     host_total_kv_lens  ``[2]``: sum of kv_lens_cuda over context rows, generation rows.
     host_request_types  ``[max_num_sequences]`` int32 (0 = context, 1 = generation); allocated
                   uninitialized (``torch.empty``), filled by ``prepare()`` and also by
                   ``prepare_encoder_only()``.
 
-Width: the copied columns are capped at ``ceil(max(kv_lens) / block_size)`` only when no
-speculative path can advance lengths on the device (``num_extra_kv_tokens == 0`` and not
-``is_spec_decoding_enabled``); otherwise the full ``max_blocks_per_seq`` width is copied, because
-device-side sub-steps may dereference columns a host-derived cap would leave stale.
+Width: every column of a batch row is copied (``copied_width == max_blocks_per_seq``), so a
+device-side speculative sub-step that dereferences reserved columns never reads stale ids;
+whole rows also keep the table one contiguous run of the arena (one copy, no strided one).
 
 ``enable_block_id_tables`` adds the MLA-style decode tables: ``kv_block_ids_per_seq``
 ``[max_num_sequences, max_blocks_per_seq]`` (all rows) and ``block_ids_per_seq`` (generation
@@ -42,13 +44,18 @@ import torch
 
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
-from kvplan.backends.host_arrays import MAX, MIN, SUM, as_int32_array, exclusive_cumsum
+from kvplan.backends.host_arrays import SUM, as_int32_array
 from kvplan.backends.ledger import (
-    batch_block_table,
-    check_allocated,
+    PerBatch,
+    batch_tables,
+    decode_last_blocks,
     decode_token_slots,
+    flat_page_index,
+    gather_rows,
+    last_needed_blocks,
     logical_num_blocks,
     new_token_slots,
+    pool_rows,
 )
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.paged import (
@@ -98,9 +105,6 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         check_int32("num_pools * max_num_sequences * 2 * max_blocks_per_seq",
                     self._num_pools * s * 2 * width)  # fmt: skip
         dev = self.device
-        self.kv_cache_block_offsets = torch.zeros(
-            (self._num_pools, s, 2, width), dtype=torch.int32, device=dev
-        )
         # row b's pages start at b * 2 * width in the flattened pool table
         self._row_start = torch.arange(s, dtype=torch.int32, device=dev) * (2 * width)
         self._row_start_ids = torch.arange(s, dtype=torch.int32, device=dev) * width
@@ -112,6 +116,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         fields = {"seq_lens": s, "kv_lens": s, "qo_indptr": s + 1, "qo_indptr_gen": s + 1}
         fields["prompt_lens"] = s
         fields.update({f"slots{p}": t for p in range(self._num_pools)})
+        fields["block_offsets"] = self._num_pools * s * 2 * width
         # fp8 caches: the step's pages in row order, a load plan per pool (kvplan.backends.paged)
         self._load_pages = (
             self.kv_cache is not None and mgr is not None and self.kv_cache.is_quantized
@@ -127,6 +132,15 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self.num_loaded_pages = 0
         self.arena = DeviceArena(fields, dev)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
+        # the block-offset table is an arena field too: one staged copy per step sends it all
+        self.kv_cache_block_offsets = self.arena.view("block_offsets").view(
+            self._num_pools, s, 2, width
+        )
+        self.copied_width = width
+        self._block_size = 0 if mgr is None else int(mgr.block_size)
+        self._row_starts = PerBatch(lambda rows: rows * width)  # table row -> flat offset
+        self._rows_twice = PerBatch(lambda rows: rows.repeat(2))  # K and V rows of a row
+        self._flat_arange = np.arange(s * width if self._load_pages else 0, dtype=np.int64)
         self.prompt_lens_cuda = self.arena.view("prompt_lens")
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=dev)
         self.qo_indptr = self.arena.view("qo_indptr")
@@ -170,76 +184,100 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         prompt = self._fill_step_fields()
         valid = self.kv_lens_np
         cu_q = self.cu_seqlens_q_np
-        values = {
-            "kv_lens": valid,
-            "qo_indptr": cu_q,
-            "qo_indptr_gen": cu_q[nc:] - np.int32(self._num_ctx_tokens) if nc else cu_q,
-        }
-        if prompt is not None:  # prompt_lens_cuda is an arena view: staged with the rest
-            values["prompt_lens"] = prompt
         mgr = self.kv_cache_manager
         if mgr is None:
+            values = {"kv_lens": valid, "qo_indptr": cu_q}
+            values["qo_indptr_gen"] = cu_q[nc:] - np.int32(self._num_ctx_tokens) if nc else cu_q
+            if prompt is not None:  # prompt_lens_cuda is an arena view: staged with the rest
+                values["prompt_lens"] = prompt
             stage_without_cache(self, values)
             return
-        bs = int(mgr.block_size)
-        max_kv = int(MAX(self.kv_lens)) if n else 0
+        bs, width, num_pools = self._block_size, self.max_blocks_per_seq, self._num_pools
+        extra = self.num_extra_kv_tokens
+        max_kv = self.max_kv_len + extra if n else 0  # addressable
         if max_kv > mgr.max_seq_len:
             raise ValueError(
                 f"kv_lens reach {max_kv}, past the manager's max_seq_len {mgr.max_seq_len}"
             )
-        spec_active = self.is_spec_decoding_enabled or self.num_extra_kv_tokens > 0
-        max_blocks = None if spec_active else -(-max_kv // bs)
-        self.copied_width = mgr.max_blocks_per_seq if max_blocks is None else max(max_blocks, 1)
-        mgr.copy_batch_block_offsets(
-            self.kv_cache_block_offsets, self.request_ids, self.beam_width, nc, n,
-            cross=self.is_cross, max_blocks=max_blocks,
-        )  # fmt: skip
-        # The persistent host buffer is for synchronous readers like this one.
-        host = mgr.host_block_offsets(self.max_num_sequences, cross=self.is_cross).numpy()
-        num_pages = logical_num_blocks(self.kv_lens, bs)
-        last_blocks = check_allocated(host[0, :n, 0, :], num_pages,
-                                      "kv_lens (incl. num_extra_kv_tokens)")  # fmt: skip
-        decode = (
-            last_blocks is not None and not self.num_extra_kv_tokens and self._num_pools == 1
-            and self._num_kv_tokens == n and MIN(self._kv_np) == 1
-        )  # fmt: skip
-        for p in range(self._num_pools):
-            if decode:  # the last held block is the new token's block
-                slots = decode_token_slots(last_blocks, self.cached_np, bs)
-            else:
-                slots = new_token_slots(host[p, :n, 0, :], self.cached_np, self._kv_np, bs)
-            values[f"slots{p}"] = slots
+        cached = self.cached_np
+        # decode: one new token per row at position cached, the last addressable one
+        decode = self.one_kv_token_per_row and not extra and self.decode_fast_path
+        bt = batch_tables(mgr, self.request_ids, beam_width=self.beam_width,
+                          num_contexts=nc, cross=self.is_cross)  # fmt: skip
+        pools = [pool_rows(bt, p, self._row_starts(bt.rows)) for p in range(num_pools)]
+        # validate everything before staging starts (a CPU arena is written in place)
+        what = "kv_lens (incl. num_extra_kv_tokens)"
+        if decode:
+            column, in_block = cached // np.int32(bs), cached % np.int32(bs)
+            lasts = [decode_last_blocks(t, column, (max_kv - 1) // bs, what) for t in pools]
+            num_pages = column + 1
+        else:
+            num_pages = logical_num_blocks(self.kv_lens, bs)
+            max_needed = -(-max_kv // bs)
+            for t in pools:
+                last_needed_blocks(t, num_pages, what, max_needed=max_needed)
+            slots = [new_token_slots(t, cached, self._kv_np, bs) for t in pools]
+        arena = self.arena
+        num_loaded = int(SUM(num_pages)) if self._load_pages and n else 0
+        row_span, pool_span = 2 * width, self.max_num_sequences * 2 * width
         if self.is_cross:
-            q_rows = np.arange(n).repeat(self._seq_lens_np)
-            values["tok_page_start"] = (q_rows * 2 * self.max_blocks_per_seq).astype(np.int32)
-            values["tok_kv_lens"] = valid[q_rows]
+            end = arena.end_of("tok_kv_lens", self._num_tokens)
+        elif self._load_pages:
+            end = arena.end_of(f"load{num_pools - 1}", 4 * num_loaded)
+        else:
+            end = arena.end_of("block_offsets", (num_pools - 1) * pool_span + n * row_span)
+        host = arena.begin(end)
+        self._put_seq_lens(arena, host)
+        arena.put(host, "kv_lens", valid)
+        arena.put(host, "qo_indptr", cu_q)
+        if nc:
+            qo_gen = arena.out(host, "qo_indptr_gen", n - nc + 1)
+            np.subtract(cu_q[nc:], np.int32(self._num_ctx_tokens), out=qo_gen)
+        else:
+            arena.put(host, "qo_indptr_gen", cu_q)
+        if prompt is not None:  # prompt_lens_cuda is an arena view: staged with the rest
+            arena.put(host, "prompt_lens", prompt)
+        table = arena.out(host, "block_offsets", num_pools * pool_span if num_pools > 1 else 0)
+        rows_twice = self._rows_twice(bt.rows)
+        for p in range(num_pools):
+            out = arena.out(host, f"slots{p}", self._num_kv_tokens)
+            if decode:
+                decode_token_slots(lasts[p], cached, bs, out, in_block)
+            else:
+                out[:] = slots[p]
+            # rows [0, n) of pool p: K and V entries both name the block (rows_twice)
+            start = arena.offsets["block_offsets"] + p * pool_span
+            gather_rows(bt, p, host[start : start + n * row_span].reshape(2 * n, width), rows_twice)
+            if p < num_pools - 1:  # inside the copied prefix: rows past the batch read 0
+                table[p * pool_span + n * row_span : (p + 1) * pool_span] = 0
+        if self.is_cross:
+            q_rows = self._arange[:n].repeat(self._seq_lens_np)
+            arena.put(host, "tok_page_start", q_rows * np.int32(row_span))
+            arena.put(host, "tok_kv_lens", valid[q_rows])
         if self._load_pages:
-            self._stage_page_loads(values, host[:, :n, 0, :], num_pages)
-        self._stage_seq_lens(values)
-        self.arena.stage(values)
+            self._stage_page_loads(host, pools, num_pages, num_loaded)
+        arena.commit()
         if self.enable_block_id_tables:
             self.prepare_block_id_tables()
 
-    def _stage_page_loads(self, values: dict, tables: np.ndarray, num_pages: np.ndarray) -> None:
+    def _stage_page_loads(
+        self, host: np.ndarray, pools: list, num_pages: np.ndarray, num_loaded: int
+    ) -> None:
         """fp8: the pages each row may read (``ceil(kv_lens / block_size)``, draft tokens
-        included), row by row, as a load plan per pool plus their row starts.
-
-        ``tables``: host int32 ``[num_pools, num_seqs, max_blocks_per_seq]`` (this step's rows
-        of the persistent buffer). The kernels then read the compact cache through
-        ``page_ids = arange`` and ``page_start`` instead of the block-offset table.
-        """
-        bs = int(self.kv_cache_manager.block_size)
-        start = exclusive_cumsum(num_pages)
-        width = int(num_pages.max()) if num_pages.size else 0
-        cols = np.arange(width, dtype=np.int32) < num_pages[:, None]
-        for p in range(self._num_pools):
-            values[f"load{p}"] = page_load_plan(tables[p, :, :width][cols], bs)
-        values["page_start"] = start
+        included), row by row, as a load plan per pool plus their row starts, into the
+        staging buffer ``host``. The kernels then read the compact cache through
+        ``page_ids = arange`` and ``page_start`` instead of the block-offset table."""
+        arena, n = self.arena, num_pages.size
+        start = arena.out(host, "page_start", n + 1)
+        start[0] = 0
+        num_pages.cumsum(out=start[1:])
+        index = flat_page_index(pools[0].row_start, start, num_pages, self._flat_arange)
+        for p, rows in enumerate(pools):
+            pages = rows.flat.take(index, mode="clip")  # in range: rows own these columns
+            arena.put(host, f"load{p}", page_load_plan(pages, self._block_size))
         if self.is_cross:
-            values["tok_loaded_start"] = start[
-                np.repeat(np.arange(num_pages.size), self._seq_lens_np)
-            ]
-        self.num_loaded_pages = int(start[-1])
+            arena.put(host, "tok_loaded_start", start[self._arange[:n].repeat(self._seq_lens_np)])
+        self.num_loaded_pages = num_loaded
 
     def prepare_block_id_tables(self) -> None:
         """MLA-style ``kv_block_ids_per_seq`` (all rows) and ``block_ids_per_seq`` (generation
@@ -249,13 +287,11 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         n, nc = self.num_seqs, self.num_contexts
-        need = logical_num_blocks(self.kv_lens, int(self.kv_cache_manager.block_size))
+        need = logical_num_blocks(self.kv_lens, self._block_size)
         width = int(need.max()) if n else 0
-        table = batch_block_table(
-            self.kv_cache_manager, self.request_ids, pool=0, beam_width=self.beam_width,
-            num_contexts=nc, cross=self.is_cross, width=width,
-        )  # fmt: skip
-        snap = to_device(table, self.device)
+        bt = batch_tables(self.kv_cache_manager, self.request_ids, beam_width=self.beam_width,
+                          num_contexts=nc, cross=self.is_cross)  # fmt: skip
+        snap = to_device(gather_rows(bt, 0)[:, :width], self.device)
         self.kv_block_ids_per_seq.fill_(0)
         self.kv_block_ids_per_seq[:n, :width].copy_(snap)
         self.block_ids_per_seq.fill_(0)

@@ -1,8 +1,8 @@
 """Host-side integer arrays for ``prepare()``: validated int32 copies and prefix sums.
 
 Both run every step on every backend, so they are written for few numpy calls: a list of
-plain Python ints becomes int32 in one ``np.fromiter`` (which raises on values that do not
-fit) and one ``min`` rejects negatives.
+plain Python ints becomes int32 in one ``sum`` (type check and bound) and one ``np.fromiter``
+(which raises on values that do not fit).
 
 Hot paths call ufunc reductions (``MIN(a)`` = ``np.minimum.reduce``) and array methods
 (``a.cumsum(out=...)``, ``a.repeat(r)``) directly: ``a.min()``, ``np.cumsum`` and ``np.repeat``
@@ -35,16 +35,39 @@ def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
     The result is always a fresh array, so later changes of the caller's list/array/tensor
     cannot reach it.
     """
-    if isinstance(value, (list, tuple)) and _all_python_ints(value):
-        # Plain Python ints (a float or numpy scalar anywhere makes the sum another type and
-        # takes the general path, which rejects floats): fromiter raises on int32 overflow.
-        try:
-            arr = np.fromiter(value, np.int32, len(value))
-        except OverflowError:
-            raise ValueError(f"{name} holds {max(value)}, which overflows int32") from None
+    return as_int32_array_and_sum(name, value)[0]
+
+
+def as_int32_array_and_sum(name: str, value: IntArrayLike) -> tuple[np.ndarray, int | None]:
+    """``as_int32_array`` plus, for a list/tuple of Python ints, their sum (a Python int;
+    ``None`` for other inputs, whose sum the caller takes itself if it needs it).
+
+    A list of plain Python ints costs one C-level ``sum`` (which is also the type check) and
+    one ``np.fromiter`` into uint32, which raises on negatives; when the sum fits in int32,
+    so does every (non-negative) value, so no reduction over the array is needed at all.
+    """
+    if isinstance(value, (list, tuple)):
+        total = _python_int_sum(value)
+        if total is not None and total <= INT32_MAX:
+            try:
+                return np.fromiter(value, np.uint32, len(value)).view(np.int32), total
+            except OverflowError:  # a negative value: name it below
+                pass
+        if total is not None:
+            # Plain Python ints (a float or numpy scalar anywhere makes the sum another type
+            # and takes the general path, which rejects floats): fromiter raises on overflow.
+            if min(value) < 0:
+                raise ValueError(f"{name} holds {min(value)}; lengths must be >= 0")
+            try:
+                arr = np.fromiter(value, np.int32, len(value))
+            except OverflowError:
+                raise ValueError(f"{name} holds {max(value)}, which overflows int32") from None
+            return arr, total
+    elif type(value) is np.ndarray and value.dtype == np.int32 and value.ndim == 1:
+        arr = value.copy()  # private: later changes of the caller's array are safe
         if arr.size and MIN(arr) < 0:
             raise ValueError(f"{name} holds {int(MIN(arr))}; lengths must be >= 0")
-        return arr
+        return arr, None
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU tensor (host values), got {value.device}")
@@ -63,16 +86,18 @@ def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
             raise ValueError(f"{name} holds {int(lo)}; lengths must be >= 0")
         if hi > INT32_MAX:
             raise ValueError(f"{name} holds {int(hi)}, which overflows int32")
-    return arr.astype(np.int32)  # always a copy: later changes of the caller's array are safe
+    return arr.astype(np.int32), None  # always a copy: later changes of the caller's array
 
 
-def _all_python_ints(values: Sequence) -> bool:
-    """Whether ``values`` holds plain Python ints only (one C-level pass: the sum of ints is an
-    int; a float, numpy scalar or nested list makes it something else or raises)."""
+def _python_int_sum(values: Sequence) -> int | None:
+    """The sum of ``values`` when they are plain Python ints only, else None (one C-level
+    pass: the sum of ints is an int; a float, numpy scalar or nested list makes it something
+    else or raises)."""
     try:
-        return type(sum(values, 0)) is int
+        total = sum(values, 0)
     except TypeError:
-        return False
+        return None
+    return total if type(total) is int else None
 
 
 def exclusive_cumsum(lens: np.ndarray, total: int | None = None) -> np.ndarray:

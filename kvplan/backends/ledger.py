@@ -1,19 +1,36 @@
 """Every read of the KV cache manager that the backends make, in one place.
 
 The metadata never owns block tables between steps; each ``prepare()`` asks the manager for
-the rows of this batch's sequences (``request_ids`` + beam expansion) through these helpers,
-and then derives every kernel format from the same host table with numpy. That shared source
-is why the three encodings (vanilla lists, ragged page table, block offsets) name the same
-blocks by construction, and ``tests/backends`` checks it directly.
+the rows of this batch's sequences (``request_ids`` + beam expansion, ``batch_tables``) and
+then gathers every kernel format from the same host tables with numpy, straight into its
+staging buffer. That shared source is why the three encodings (vanilla lists, ragged page
+table, block offsets) name the same blocks by construction, and ``tests/backends`` checks it
+directly.
+
+The helpers read block tables as ``TableRows``: a flat int32 table plus the flat offset where
+each batch sequence's row starts. One form covers the manager's own table (``pool_rows``: row
+b starts at ``rows[b] * width``, no gather needed), a gathered ``[n, width]`` table
+(``table_rows``) and the K entries of a block-offset table (row b at ``b * 2 * width``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from kvplan.backends.host_arrays import ALL, MAX, MIN, SUM
+from kvplan.cache.block_offsets import BatchTables
+
+
+class TableRows(NamedTuple):
+    """Row b of a block table is ``flat[row_start[b] : row_start[b] + width]`` (int32 blocks;
+    ``row_start``: int64 ``[>= num_seqs]``)."""
+
+    flat: np.ndarray
+    row_start: np.ndarray
+    width: int
 
 
 def num_pools(manager: Any) -> int:
@@ -28,59 +45,60 @@ def pool_of_layer(manager: Any, layer_idx: int) -> int:
     return int(manager.pool_for_layer(layer_idx))
 
 
-def batch_block_table(
-    manager: Any,
-    request_ids: list[int],
-    *,
-    pool: int,
-    beam_width: int,
-    num_contexts: int,
-    cross: bool,
-    width: int | None = None,
+def batch_tables(
+    manager: Any, request_ids: list[int], *, beam_width: int, num_contexts: int, cross: bool
+) -> BatchTables:
+    """The batch's rows of the manager's block tables (``KVCacheManager.batch_tables``): a
+    read-only view of every pool's table ``[num_pools, table_rows, max_blocks_per_seq]`` and
+    the table row of each sequence. Context requests give one row (beam 0: they have not
+    forked yet); generation requests give ``beam_width`` rows (their beams' own rows, or for
+    cross attention the request's single encoder row repeated, ``repeat_interleave``-style).
+    Block 0 pads each row past its allocated blocks (reserved included)."""
+    return manager.batch_tables(request_ids, beam_width, num_contexts, cross=cross)
+
+
+def gather_rows(
+    bt: BatchTables, pool: int, out: np.ndarray | None = None, rows: np.ndarray | None = None
 ) -> np.ndarray:
-    """Block table of the batch's sequences (host int32 ``[num_seqs, width]``).
+    """Pool ``pool``'s rows of the batch: int32 ``[num_seqs, max_blocks_per_seq]`` (into
+    ``out`` when given: a C-contiguous int32 array of that shape). ``rows`` replaces
+    ``bt.rows`` (e.g. each row twice, for the K and V entries of a block-offset table)."""
+    rows = bt.rows if rows is None else rows
+    # mode="clip" skips numpy's buffered bounds check; the manager's rows are in range
+    return bt.tables[pool].take(rows, axis=0, out=out, mode="clip")
 
-    Args:
-        width: table columns to fetch (default the manager's ``max_blocks_per_seq``); counts
-            are only exact up to ``width``.
 
-    Block 0 pads each row past its allocated blocks (reserved included). Context requests
-    give one row (beam 0: they have not forked yet); generation requests give ``beam_width``
-    rows (their beams' own rows, or for cross attention the request's single encoder row
-    repeated, ``repeat_interleave``-style).
+def pool_rows(bt: BatchTables, pool: int, row_start: np.ndarray) -> TableRows:
+    """Pool ``pool``'s table read in place; ``row_start = bt.rows * max_blocks_per_seq``."""
+    table = bt.tables[pool]  # [table_rows, width], C-contiguous
+    return TableRows(table.reshape(-1), row_start, table.shape[1])
+
+
+def table_rows(table: np.ndarray) -> TableRows:
+    """A gathered ``[n, width]`` block table as ``TableRows``."""
+    n, width = table.shape
+    return TableRows(table.reshape(-1), np.arange(n, dtype=np.int64) * width, width)
+
+
+def flat_page_index(
+    row_start: np.ndarray, indptr: np.ndarray, num_blocks: np.ndarray, arange: np.ndarray
+) -> np.ndarray:
+    """Flat table index of every page of a ragged page table (int64 ``[indptr[n]]``):
+    page ``j`` of sequence b (``indptr[b] <= j < indptr[b + 1]``) is column ``j - indptr[b]``
+    of its row, i.e. ``flat[row_start[b] - indptr[b] + j]``. ``arange``: int
+    ``[>= indptr[n]]`` holding 0, 1, ... (precomputed by the caller).
+
+    Example: row_start = [96, 0], num_blocks = [2, 3], indptr = [0, 2, 5]
+    -> [96, 97, 0, 1, 2].
     """
-    max_width = int(manager.max_blocks_per_seq)
-    width = max_width if width is None else min(int(width), max_width)
-    num_gen = len(request_ids) - num_contexts
-    if cross:
-        lists = [manager.get_cross_block_ids(rid, pool) for rid in request_ids]
-        reps = [1] * num_contexts + [beam_width] * num_gen
-        table = np.zeros((len(lists), width), np.int32)
-        for i, ids in enumerate(lists):
-            ids = ids[:width]
-            table[i, : len(ids)] = ids
-        table = np.repeat(table, reps, axis=0)
-    elif beam_width == 1:
-        table = manager.get_block_ids_per_seq(request_ids, pool, width=width)
-    else:
-        seq_ids = list(request_ids[:num_contexts])
-        beams = [0] * num_contexts
-        for rid in request_ids[num_contexts:]:
-            seq_ids.extend([rid] * beam_width)
-            beams.extend(range(beam_width))
-        table = manager.get_block_ids_per_seq(seq_ids, pool, beams=beams, width=width)
-    assert table.dtype == np.int32, f"the manager's block tables must be int32, got {table.dtype}"
-    return table
-
-
-def allocated_blocks(table: np.ndarray) -> np.ndarray:
-    """Allocated blocks per row (int32): the manager never hands out block 0 and pads every
-    row with it, so this is the count of nonzero entries (capped at the table width)."""
-    return np.count_nonzero(table, axis=1).astype(np.int32)
+    n = num_blocks.size
+    index = (row_start[:n] - indptr[:n]).repeat(num_blocks)
+    index += arange[: index.size]
+    return index
 
 
 def new_token_slots(
-    table: np.ndarray, cached: np.ndarray, new_lens: np.ndarray, block_size: int
+    rows: TableRows, cached: np.ndarray, new_lens: np.ndarray, block_size: int
 ) -> np.ndarray:
     """Cache slot of every new K/V token, sequence by sequence (host, int32 ``[sum(new_lens)]``;
     slots fit in int32 because the manager checks ``num_blocks * block_size``).
@@ -117,13 +135,13 @@ def new_token_slots(
         block_lo = run_col * bs
         lo = np.maximum(block_lo, start[run_seq])  # first position of each run
         run_len = np.minimum(block_lo + bs, end[run_seq]) - lo
-    if int(MAX(run_col)) >= table.shape[1]:
+    if int(MAX(run_col)) >= rows.width:
         i = int(np.argmax(run_col))
         raise ValueError(
             f"sequence {int(run_seq[i])} writes position {(int(run_col[i]) + 1) * block_size - 1}"
-            f" or below, past max_blocks_per_seq={table.shape[1]} blocks of {block_size}"
+            f" or below, past max_blocks_per_seq={rows.width} blocks of {block_size}"
         )
-    blocks = table[run_seq, run_col]
+    blocks = rows.flat.take(rows.row_start[run_seq] + run_col)
     if not ALL(blocks):
         bad = int(run_seq[np.argmin(blocks != 0)])
         raise ValueError(
@@ -145,35 +163,44 @@ def logical_num_blocks(kv_lens: np.ndarray, block_size: int) -> np.ndarray:
     return (kv_lens + np.int32(block_size - 1)) // np.int32(block_size)
 
 
-def check_allocated(
-    table: np.ndarray, num_needed: np.ndarray, what: str = "kv_lens"
+def last_needed_blocks(
+    rows: TableRows,
+    num_needed: np.ndarray,
+    what: str = "kv_lens",
+    *,
+    all_positive: bool = False,
+    max_needed: int | None = None,
 ) -> np.ndarray | None:
-    """Every row of ``table`` must own its first ``num_needed[b]`` blocks.
+    """Every row must own its first ``num_needed[b]`` blocks; returns the last of them.
 
     The manager fills a row's blocks from column 0 and pads with block 0, so it is enough
     that column ``num_needed[b] - 1`` is not the padding block (one gather, not a row scan).
-    Returns that gathered last block of every row (int32 ``[n]``) when every row needs at
-    least one block, else None; a decode step derives its slots from it
-    (``decode_token_slots``).
+    Returns that last block of every row (int32 ``[n]``) when every row needs at least one
+    block (``all_positive``: the caller knows it), else None; a decode step derives its slots
+    from it (``decode_token_slots``). ``max_needed``: ``max(num_needed)`` when the caller
+    knows it. Raises ValueError naming the row otherwise.
     """
     n = num_needed.size
     if n == 0:
         return None
-    if int(MAX(num_needed)) > table.shape[1]:
+    if max_needed is None:
+        max_needed = int(MAX(num_needed))
+    if max_needed > rows.width:
         b = int(np.argmax(num_needed))
         raise ValueError(
             f"sequence {b} needs {int(num_needed[b])} blocks for its {what}, more than the "
-            f"{table.shape[1]} columns of its block table (max_blocks_per_seq)"
+            f"{rows.width} columns of its block table (max_blocks_per_seq)"
         )
-    full = int(MIN(num_needed)) > 0
+    full = all_positive or int(MIN(num_needed)) > 0
     if full:
-        rows, last = np.arange(n), num_needed - 1
+        which = None
+        held = rows.flat.take(rows.row_start[:n] + (num_needed - 1))
     else:
-        rows = np.flatnonzero(num_needed > 0)
-        last = num_needed[rows] - 1
-    held = table[rows, last]
+        which = np.flatnonzero(num_needed > 0)
+        held = rows.flat.take(rows.row_start[which] + (num_needed[which] - 1))
     if not ALL(held):
-        b = int(rows[np.argmin(held != 0)])
+        i = int(np.argmin(held != 0))
+        b = i if which is None else int(which[i])
         raise ValueError(
             f"sequence {b} needs {int(num_needed[b])} blocks for its {what} but the manager "
             "holds fewer"
@@ -181,25 +208,98 @@ def check_allocated(
     return held if full else None
 
 
-def decode_token_slots(last_blocks: np.ndarray, cached: np.ndarray, block_size: int) -> np.ndarray:
+def decode_last_blocks(
+    rows: TableRows, column: np.ndarray, max_column: int, what: str = "kv_lens"
+) -> np.ndarray:
+    """``last_needed_blocks`` of a decode step, whose rows need ``column + 1`` blocks: the
+    block at ``column[b]`` (int32 ``[n]``) of every row, after checking that it exists.
+    ``max_column``: ``max(column)`` (from the step's longest sequence)."""
+    if max_column >= rows.width:
+        b = int(np.argmax(column))
+        raise ValueError(
+            f"sequence {b} needs {int(column[b]) + 1} blocks for its {what}, more than the "
+            f"{rows.width} columns of its block table (max_blocks_per_seq)"
+        )
+    held = rows.flat.take(rows.row_start[: column.size] + column)
+    if not ALL(held):
+        b = int(np.argmin(held != 0))
+        raise ValueError(
+            f"sequence {b} needs {int(column[b]) + 1} blocks for its {what} but the manager "
+            "holds fewer"
+        )
+    return held
+
+
+def check_allocated(
+    table: np.ndarray, num_needed: np.ndarray, what: str = "kv_lens"
+) -> np.ndarray | None:
+    """``last_needed_blocks`` of a gathered ``[n, width]`` block table."""
+    return last_needed_blocks(table_rows(table), num_needed, what)
+
+
+def decode_token_slots(
+    last_blocks: np.ndarray,
+    cached: np.ndarray,
+    block_size: int,
+    out: np.ndarray | None = None,
+    offset_in_block: np.ndarray | None = None,
+) -> np.ndarray:
     """Slots of a decode step's new tokens (one per sequence, at position ``cached[b]``).
 
     ``last_blocks[b]``: the block at column ``ceil((cached[b] + 1) / block_size) - 1`` of row
     b, i.e. the one ``check_allocated(table, logical_num_blocks(cached + 1, ...))`` returns,
     which is the block holding position ``cached[b]``. Equals ``new_token_slots(table,
-    cached, ones, block_size)``; int32 ``[n]``.
+    cached, ones, block_size)``; int32 ``[n]`` (or written into ``out``, int32 or int64
+    ``[n]``). ``offset_in_block``: ``cached % block_size`` when the caller has it.
     """
     bs = np.int32(block_size)
-    return last_blocks * bs + cached % bs
+    if offset_in_block is None:
+        offset_in_block = cached % bs
+    out = np.multiply(last_blocks, bs, out=out)
+    out += offset_in_block
+    return out
 
 
-def checked_token_slots(
-    table: np.ndarray, num_needed: np.ndarray, cached: np.ndarray, seq_lens_kv: np.ndarray,
-    block_size: int, decode: bool,
-) -> np.ndarray:  # fmt: skip
-    """``check_allocated(table, num_needed)``, then the new tokens' slots: from the gathered
-    last blocks on a ``decode`` step (one new token per row), else ``new_token_slots``."""
-    last_blocks = check_allocated(table, num_needed)
-    if decode and last_blocks is not None:
-        return decode_token_slots(last_blocks, cached, block_size)
-    return new_token_slots(table, cached, seq_lens_kv, block_size)
+def token_slots(
+    rows: TableRows,
+    num_needed: np.ndarray,
+    cached: np.ndarray,
+    new_lens: np.ndarray,
+    block_size: int,
+    *,
+    decode: bool,
+    offset_in_block: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Check that every row owns its first ``num_needed[b]`` blocks, then the new tokens'
+    slots (int32, or written into ``out``): from the rows' last needed blocks on a ``decode``
+    step (one new token per row, ``num_needed = ceil((cached + 1) / block_size)``), else
+    ``new_token_slots``."""
+    last = last_needed_blocks(rows, num_needed, all_positive=decode)
+    if decode:
+        return decode_token_slots(last, cached, block_size, out, offset_in_block)
+    slots = new_token_slots(rows, cached, new_lens, block_size)
+    if out is None:
+        return slots
+    out[:] = slots
+    return out
+
+
+class PerBatch:
+    """``fn(rows)`` of the batch's table rows, recomputed only when the manager hands out a
+    different ``rows`` array (it returns the same read-only array while the batch stays).
+
+    Example: ``row_starts = PerBatch(lambda rows: rows * width)``, then
+    ``pool_rows(bt, p, row_starts(bt.rows))`` every step.
+    """
+
+    def __init__(self, fn: Callable[[np.ndarray], np.ndarray]) -> None:
+        self.fn = fn
+        self._rows: np.ndarray | None = None
+        self._value = np.zeros(0, np.int64)
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        if rows is not self._rows:
+            self._value = self.fn(rows)
+            self._rows = rows  # held, so its id cannot be reused while cached
+        return self._value

@@ -40,7 +40,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvplan.backends.host_arrays import SUM, IntArrayLike, as_int32_array, exclusive_cumsum
+from kvplan.backends.host_arrays import (
+    MAX,
+    MIN,
+    SUM,
+    IntArrayLike,
+    as_int32_array,
+    as_int32_array_and_sum,
+    exclusive_cumsum,
+)
 from kvplan.backends.sparse import SparseMetadataParams, SparseRuntimeParams
 from kvplan.backends.staging import copy_to, host_empty, use_pinned
 
@@ -73,6 +81,10 @@ class AttentionMetadata:
         md.prepare()                         # host math + staged H2D copies
         out = backend.forward(q, k, v, md)   # q: [6, H, D]
     """
+
+    # take the decode branches of prepare() when a step writes one K/V token per row (tests
+    # turn this off to hold them equal to the general path)
+    decode_fast_path = True
 
     def __init__(
         self,
@@ -121,7 +133,8 @@ class AttentionMetadata:
         self.num_cached_tokens_per_seq: IntArrayLike | None = None
         self.beam_width = 1
         # derived host values, rebuilt by on_update() / prepare()
-        self._seq_lens: torch.Tensor | None = None
+        self._seq_lens: torch.Tensor | None = None  # made from _seq_lens_np on first read
+        self._seq_lens_set = False
         self._seq_lens_np = np.zeros(0, np.int32)
         self._seq_lens_kv: torch.Tensor | None = None
         self._seq_lens_kv_np: np.ndarray | None = None
@@ -133,7 +146,15 @@ class AttentionMetadata:
         self._num_kv_tokens = 0
         self.prepared = False
         self.kv_lens_np = np.zeros(0, np.int32)
+        self.max_kv_len = 0
         self.cached_np = np.zeros(0, np.int32)
+        # whether this step's rows each hold one query token (cu_seqlens_q is an arange) and
+        # write one new K/V token (decode), set by _prepare_common()
+        self.one_query_per_row = False
+        self.one_kv_token_per_row = False
+        # 0, 1, ..., as read-only int32 (cu_seqlens_q of a decode step, row numbers)
+        self._arange = np.arange(max(max_num_sequences, max_num_tokens) + 1, dtype=np.int32)
+        self._arange.flags.writeable = False
         # device copy of seq_lens, allocated once at capacity and written in place
         self._seq_lens_gpu = torch.zeros(max_num_sequences, dtype=torch.int32, device=self.device)
         self._seq_lens_pending = False
@@ -142,24 +163,30 @@ class AttentionMetadata:
     @property
     def seq_lens(self) -> torch.Tensor | None:
         """Query tokens of each sequence this step: int32 CPU tensor ``[num_seqs]``."""
+        if self._seq_lens is None and self._seq_lens_set:
+            # arr is a fresh array (as_int32_array copies), so this tensor is never rewritten;
+            # made on first read only (prepare() works on the numpy array)
+            self._seq_lens = torch.from_numpy(self._seq_lens_np)
         return self._seq_lens
 
     @seq_lens.setter
     def seq_lens(self, value: IntArrayLike) -> None:
-        arr = as_int32_array("seq_lens", value)
+        arr, total = as_int32_array_and_sum("seq_lens", value)
         if arr.size > self.max_num_sequences:
             raise ValueError(
                 f"seq_lens has {arr.size} sequences, more than max_num_sequences="
                 f"{self.max_num_sequences}"
             )
-        # arr is a fresh array (as_int32_array copies), so this CPU tensor is never rewritten.
-        self._seq_lens = torch.from_numpy(arr)
+        self._seq_lens = None
+        self._seq_lens_set = True
         self._seq_lens_np = arr
         # The device copy is written in place (never reallocated: a captured graph keeps
         # reading the same address), but lazily: prepare() stages it with its other fields in
         # one host-to-device copy; reading seq_lens_gpu before that copies it on the spot.
         self._seq_lens_pending = True
-        self._num_tokens = int(SUM(arr)) if arr.size else 0
+        if total is None:
+            total = int(SUM(arr)) if arr.size else 0
+        self._num_tokens = total
         self.on_update()
 
     @property
@@ -184,13 +211,20 @@ class AttentionMetadata:
             values["seq_lens"] = self._seq_lens_np
             self._seq_lens_pending = False
 
+    def _put_seq_lens(self, arena, host: np.ndarray) -> None:
+        """``_stage_seq_lens`` for a staging in progress (``host = arena.begin(...)``, which
+        must cover the ``"seq_lens"`` field)."""
+        if self._seq_lens_pending:
+            arena.put(host, "seq_lens", self._seq_lens_np)
+            self._seq_lens_pending = False
+
     # the seed's name for the same tensor
     seq_lens_cuda = seq_lens_gpu
 
     @property
     def seq_lens_kv(self) -> torch.Tensor | None:
         """KV tokens written this step per sequence; the ``seq_lens`` object itself unless set."""
-        return self._seq_lens if self._seq_lens_kv is None else self._seq_lens_kv
+        return self.seq_lens if self._seq_lens_kv is None else self._seq_lens_kv
 
     @seq_lens_kv.setter
     def seq_lens_kv(self, value: IntArrayLike | None) -> None:
@@ -285,11 +319,13 @@ class AttentionMetadata:
         """Validate the step and do the host length math every backend shares.
 
         Sets (host numpy int32) ``cached_np`` and ``kv_lens_np`` ``[num_seqs]``,
-        ``cu_seqlens_q_np`` and ``cu_seqlens_kv_np`` ``[num_seqs + 1]``, and ``num_requests``.
+        ``cu_seqlens_q_np`` and ``cu_seqlens_kv_np`` ``[num_seqs + 1]`` (read-only: an arange
+        view on a one-token-per-row step), ``max_kv_len`` (host int), ``num_requests``, and
+        the two decode flags ``one_query_per_row`` / ``one_kv_token_per_row``.
         """
         n = self._num_seqs
         nc = self._num_contexts
-        if self._seq_lens is None:
+        if not self._seq_lens_set:
             raise ValueError("seq_lens must be set before prepare()")
         if nc > n:
             raise ValueError(f"num_contexts={nc} exceeds the number of sequences {n}")
@@ -338,13 +374,23 @@ class AttentionMetadata:
         self.num_requests = num_requests
         self.cached_np = cached
         self._kv_np = kv_np  # = seq_lens_kv_np, for the backends' prepare (no property call)
-        self.kv_lens_np = cached + kv_np
-        self.cu_seqlens_q_np = exclusive_cumsum(self._seq_lens_np, self._num_tokens)
-        self.cu_seqlens_kv_np = (
-            self.cu_seqlens_q_np
-            if self._seq_lens_kv_np is None
-            else exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
-        )
+        self.kv_lens_np = kv_lens = cached + kv_np
+        self.max_kv_len = int(MAX(kv_lens)) if n else 0
+        # one query token per row (sum == rows and none below 1): cu_seqlens_q is an arange
+        one_q = self._num_tokens == n and n > 0 and MIN(self._seq_lens_np) == 1
+        self.one_query_per_row = one_q
+        if one_q:
+            self.cu_seqlens_q_np = self._arange[: n + 1]
+        else:
+            self.cu_seqlens_q_np = exclusive_cumsum(self._seq_lens_np, self._num_tokens)
+        if self._seq_lens_kv_np is None:
+            self.one_kv_token_per_row = one_q
+            self.cu_seqlens_kv_np = self.cu_seqlens_q_np
+        else:
+            self.one_kv_token_per_row = (
+                self._num_kv_tokens == n and n > 0 and MIN(self._seq_lens_kv_np) == 1
+            )
+            self.cu_seqlens_kv_np = exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
 
     def prepare_encoder_only(self) -> None:
         """Setup for a forward without a KV cache; defaults to the full ``prepare()``."""

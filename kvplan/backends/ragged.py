@@ -45,12 +45,17 @@ import torch
 
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
-from kvplan.backends.host_arrays import MAX, MIN, exclusive_cumsum
+from kvplan.backends.host_arrays import SUM
 from kvplan.backends.ledger import (
-    allocated_blocks,
-    batch_block_table,
-    checked_token_slots,
+    PerBatch,
+    batch_tables,
+    decode_last_blocks,
+    decode_token_slots,
+    flat_page_index,
+    last_needed_blocks,
     logical_num_blocks,
+    new_token_slots,
+    pool_rows,
 )
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.page_table_check import page_table_problems
@@ -132,8 +137,9 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self.arena = DeviceArena(fields, self.device)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self.qo_indptr = self.arena.view("qo_indptr")  # [s + 1], staged from cu_seqlens_q
-        self._col_index = np.arange(width, dtype=np.int32)
-        self._row_index = np.arange(s, dtype=np.int32)
+        self._block_size = 0 if mgr is None else int(mgr.block_size)
+        self._row_starts = PerBatch(lambda rows: rows * width)  # table row -> flat offset
+        self._flat_arange = np.arange(s * width, dtype=np.int64)  # int64: the take's index type
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=self.device)
 
     # device views -------------------------------------------------------------------
@@ -183,67 +189,89 @@ class RaggedAttentionMetadata(AttentionMetadata):
                 self, {"qo_indptr": self.cu_seqlens_q_np, "kv_lens": self.kv_lens_np}
             )
             return
-        bs = int(mgr.block_size)
-        kv_lens = self.kv_lens_np
-        seq_lens_kv = self._kv_np
-        logical_nb = logical_num_blocks(kv_lens, bs)
-        full = self.use_full_generation_page_table and not self.is_cross
-        width = None if full else (int(MAX(logical_nb)) if n else 0)
-        decode = self._num_kv_tokens == n and n and MIN(seq_lens_kv) == 1  # one new token each
-        tables, slots = [], []
-        for pool in range(self._num_pools):
-            table = batch_block_table(
-                mgr, self.request_ids, pool=pool, beam_width=self.beam_width,
-                num_contexts=nc, cross=self.is_cross, width=width,
-            )  # fmt: skip
-            slots.append(
-                checked_token_slots(table, logical_nb, self.cached_np, seq_lens_kv, bs, decode)
-            )
-            tables.append(table)
-        if full:  # context rows stay logical; generation rows expose every reserved page
+        bs, cross, num_pools = self._block_size, self.is_cross, self._num_pools
+        kv_lens, cached, seq_lens_kv = self.kv_lens_np, self.cached_np, self._kv_np
+        # decode: one new token per row, at position cached (its block: column cached // bs)
+        decode = self.one_kv_token_per_row and self.decode_fast_path
+        bt = batch_tables(mgr, self.request_ids, beam_width=self.beam_width,
+                          num_contexts=nc, cross=cross)  # fmt: skip
+        row_start = self._row_starts(bt.rows)
+        pools = [pool_rows(bt, p, row_start) for p in range(num_pools)]
+        # validate everything before staging starts (a CPU arena is written in place)
+        if decode:
+            column, in_block = cached // np.int32(bs), cached % np.int32(bs)
+            max_column = (self.max_kv_len - 1) // bs
+            lasts = [decode_last_blocks(t, column, max_column) for t in pools]
+            logical_nb = column + 1
+        else:
+            logical_nb = logical_num_blocks(kv_lens, bs)
+            max_needed = -(-self.max_kv_len // bs)
+            for t in pools:
+                last_needed_blocks(t, logical_nb, max_needed=max_needed)
+            slots = [new_token_slots(t, cached, seq_lens_kv, bs) for t in pools]
+        if self.use_full_generation_page_table and not cross:
+            # context rows stay logical; generation rows expose every reserved page
             num_blocks = logical_nb.copy()
-            num_blocks[nc:] = np.maximum(logical_nb[nc:], allocated_blocks(tables[0][nc:]))
+            np.maximum(logical_nb[nc:], bt.num_allocated[bt.rows[nc:]], out=num_blocks[nc:])
         else:
             num_blocks = logical_nb
-        indptr = exclusive_cumsum(num_blocks, n * tables[0].shape[1])
-        cols = self._col_index[: tables[0].shape[1]] < num_blocks[:, None]
-        indices = [t[cols] for t in tables]  # row-major: sequence by sequence
-        last_page_len = kv_lens - np.maximum(logical_nb - 1, 0) * np.int32(bs)
+        num_indices = int(SUM(num_blocks)) if n else 0
+        arena = self.arena
+        if cross:
+            end = arena.end_of("tok_kv_lens", self._num_tokens)
+        elif self._load_pages:
+            end = arena.end_of(f"load{num_pools - 1}", 4 * num_indices)
+        else:
+            end = arena.end_of(f"indices{num_pools - 1}", num_indices)
+        host = arena.begin(end)
+        self._put_seq_lens(arena, host)
+        cu_q = self.cu_seqlens_q_np
+        arena.put(host, "qo_indptr", cu_q)
+        indptr = arena.out(host, "indptr", n + 1)
+        indptr[0] = 0
+        num_blocks.cumsum(out=indptr[1:])
+        if nc:
+            np.subtract(indptr[nc:], indptr[nc], out=arena.out(host, "indptr_decode", n - nc + 1))
+            qo_decode = arena.out(host, "qo_indptr_decode", n - nc + 1)
+            np.subtract(cu_q[nc:], np.int32(self._num_ctx_tokens), out=qo_decode)
+        else:
+            arena.put(host, "indptr_decode", indptr)
+            arena.put(host, "qo_indptr_decode", cu_q)
+        last_page_len = arena.out(host, "last_page_len", n)
+        if decode:  # position cached is the last token: (cached % bs) + 1 in its page
+            np.add(in_block, 1, out=last_page_len)
+        else:
+            np.multiply(np.maximum(logical_nb - 1, 0), np.int32(bs), out=last_page_len)
+            np.subtract(kv_lens, last_page_len, out=last_page_len)
+        arena.put(host, "kv_lens", kv_lens)
         # new K/V tokens: which sequence, which absolute position, which slot
         if decode:
-            rows, positions = self._row_index[:n], self.cached_np
+            rows, positions = self._arange[:n], cached
+            for p, last in enumerate(lasts):
+                out = arena.out(host, f"slots{p}", n)
+                decode_token_slots(last, cached, bs, out, in_block)
         else:
-            rows = self._row_index[:n].repeat(seq_lens_kv)
-            positions = (self.cached_np - self.cu_seqlens_kv_np[:n]).repeat(seq_lens_kv)
-            positions += np.arange(rows.size, dtype=np.int32)
-        values = {
-            "qo_indptr": self.cu_seqlens_q_np,
-            "indptr": indptr,
-            "indptr_decode": indptr[nc:] - indptr[nc] if nc else indptr,
-            "qo_indptr_decode": (
-                self.cu_seqlens_q_np[nc:] - np.int32(self._num_ctx_tokens)
-                if nc
-                else self.cu_seqlens_q_np
-            ),
-            "last_page_len": last_page_len,
-            "kv_lens": kv_lens,
-            "batch_indices": rows,
-            "positions": positions,
-        }
-        for p, pool_slots in enumerate(slots):
-            values[f"slots{p}"] = pool_slots
-        if self.is_cross:  # one decode "sequence" per query token
-            q_rows = np.repeat(np.arange(n), self._seq_lens_np)
-            values["tok_page_start"] = indptr[q_rows]
-            values["tok_kv_lens"] = kv_lens[q_rows]
-        for p, idx in enumerate(indices):  # variable-size fields last: shortest staged prefix
-            values[f"indices{p}"] = idx
-        if self._load_pages:
-            for p, idx in enumerate(indices):
-                values[f"load{p}"] = page_load_plan(idx, bs)
-        self._stage_seq_lens(values)
-        self.arena.stage(values)
-        self._num_indices = int(indptr[-1])
+            rows = self._arange[:n].repeat(seq_lens_kv)
+            positions = (cached - self.cu_seqlens_kv_np[:n]).repeat(seq_lens_kv)
+            positions += self._arange[: rows.size]
+            for p, pool_slots in enumerate(slots):
+                arena.put(host, f"slots{p}", pool_slots)
+        arena.put(host, "batch_indices", rows)
+        arena.put(host, "positions", positions)
+        flat_index = flat_page_index(row_start, indptr, num_blocks, self._flat_arange)
+        indices = []
+        for p, t in enumerate(pools):
+            idx = arena.out(host, f"indices{p}", num_indices)
+            t.flat.take(flat_index, out=idx, mode="clip")  # in range: rows own these columns
+            indices.append(idx)
+            if self._load_pages:
+                arena.put(host, f"load{p}", page_load_plan(idx, bs))
+        if cross:  # one decode "sequence" per query token
+            q_rows = self._arange[:n].repeat(self._seq_lens_np)
+            arena.put(host, "tok_page_start", indptr[q_rows])
+            arena.put(host, "tok_kv_lens", kv_lens[q_rows])
+        arena.commit()
+        self._num_indices = num_indices
         self.num_blocks_np, self.logical_num_blocks_np = num_blocks, logical_nb
         self.paged_kv_indices_np, self.paged_kv_indptr_np = indices, indptr
         self.paged_kv_last_page_len_np = last_page_len

@@ -52,9 +52,11 @@ class DeviceArena:
             default ``stage`` writes its buffer in place (no snapshot, no second memcpy);
             ``True`` forces the snapshot path (tests use it to check the rule on the CPU).
 
-    ``view(name)`` is a capacity-sized int32 view that never moves. ``stage(values)`` writes
-    every given 1-D array to the start of its field through one private host snapshot and one
-    ``non_blocking`` copy of the arena prefix that covers them; fields not given in a step
+    ``view(name)`` is a capacity-sized int32 view that never moves. One step stages with
+    ``host = begin(end)`` (a private host snapshot of the arena prefix ``[0, end)``), writes
+    its fields into ``host`` (``put(host, name, arr)``, or computes straight into
+    ``out(host, name, size)`` with numpy ``out=``), then ``commit()``: ONE ``non_blocking``
+    copy. ``stage(values)`` does all three for a dict of arrays. Fields not written in a step
     hold unspecified values afterwards (each step must stage every field it relies on).
 
     Example::
@@ -62,6 +64,10 @@ class DeviceArena:
         arena = DeviceArena({"indptr": 9, "indices": 64}, device)
         arena.stage({"indptr": np.array([0, 3, 5], np.int32), "indices": ids})
         arena.view("indptr")[:3]   # tensor([0, 3, 5], dtype=torch.int32)
+        host = arena.begin(arena.end_of("indices", 2))     # the same, field by field
+        arena.put(host, "indptr", np.array([0, 2], np.int32))
+        np.add(ids[:2], 1, out=arena.out(host, "indices", 2))
+        arena.commit()
     """
 
     def __init__(
@@ -85,44 +91,85 @@ class DeviceArena:
             total += int(cap)
         if total > INT32_MAX:
             raise ValueError(f"arena of {total} int32 elements overflows int32 offsets")
-        self.buffer = torch.zeros(max(total, 1), dtype=torch.int32, device=self.device)
+        self.size = max(total, 1)
+        self.buffer = torch.zeros(self.size, dtype=torch.int32, device=self.device)
         self._views = {
             name: self.buffer[off : off + self.capacities[name]]
             for name, off in self.offsets.items()
         }
         self._spans = {name: (off, self.capacities[name]) for name, off in self.offsets.items()}
         self._buffer_np = None if private_snapshots else self.buffer.numpy()
+        self._pending: tuple[torch.Tensor, int] | None = None
         self.last_snapshot: torch.Tensor | None = None
 
     def view(self, name: str) -> torch.Tensor:
         return self._views[name]
 
-    def stage(self, values: Mapping[str, np.ndarray]) -> None:
-        spans = self._spans
-        end = 0
-        for name, arr in values.items():  # pass 1: capacities and the staged prefix
-            off, cap = spans[name]
-            size = arr.size
-            if size > cap:
-                raise ValueError(f"{name} needs {size} entries, more than its capacity {cap}")
-            if off + size > end:
-                end = off + size
-        if end == 0:
-            return
-        if self._buffer_np is not None:  # CPU arena: write in place (no async copy to protect)
-            host = self._buffer_np
-            for name, arr in values.items():
-                off = spans[name][0]
-                host[off : off + arr.size] = arr
-            return
+    def end_of(self, name: str, size: int) -> int:
+        """Arena offset just past ``size`` entries of field ``name`` (a staging prefix end)."""
+        return self._spans[name][0] + size
+
+    def begin(self, end: int) -> np.ndarray:
+        """Start one step's staging of the arena prefix ``[0, end)``: returns the host int32
+        array to fill at arena offsets (through ``put`` / ``out``), then call ``commit()``.
+
+        On a device arena it is a fresh private (pinned) snapshot of ``end`` entries; on a CPU
+        arena without private snapshots it is the buffer itself (written in place). Entries of
+        the prefix that this step does not write reach the device with unspecified values.
+        """
+        if end > self.size:
+            raise ValueError(f"staging prefix of {end} entries exceeds the arena ({self.size})")
+        if self._buffer_np is not None:
+            self._pending = None
+            return self._buffer_np
         snapshot = torch.empty(end, dtype=torch.int32, pin_memory=self.pinned)
-        host = snapshot.numpy()
-        for name, arr in values.items():  # pass 2: plain slice writes (no calls, no list)
-            off = spans[name][0]
-            host[off : off + arr.size] = arr
-        copy_to(self.buffer[:end], snapshot)
+        self._pending = (snapshot, end)
+        return snapshot.numpy()
+
+    def put(self, host: np.ndarray, name: str, arr: np.ndarray) -> None:
+        """Write 1-D ``arr`` to the start of field ``name`` in ``host`` (from ``begin``)."""
+        off, cap = self._spans[name]
+        size = arr.size
+        if size > cap:
+            raise ValueError(f"{name} needs {size} entries, more than its capacity {cap}")
+        host[off : off + size] = arr
+
+    def out(self, host: np.ndarray, name: str, size: int) -> np.ndarray:
+        """The first ``size`` entries of field ``name`` in ``host``, to compute into (``out=``)."""
+        off, cap = self._spans[name]
+        if size > cap:
+            raise ValueError(f"{name} needs {size} entries, more than its capacity {cap}")
+        return host[off : off + size]
+
+    def commit(self) -> None:
+        """Send what ``begin`` handed out: ONE ``non_blocking`` copy of the staged prefix from
+        its private snapshot (nothing to do for an in-place CPU arena)."""
+        if self._pending is None:
+            return
+        snapshot, end = self._pending
+        self._pending = None
+        if end:
+            copy_to(self.buffer[:end], snapshot)
         # Kept only for inspection; the allocator already protects it until the copy is done.
         self.last_snapshot = snapshot
+
+    def stage(self, values: Mapping[str, np.ndarray]) -> None:
+        """``begin`` + ``put`` of every given 1-D array + ``commit`` (the prefix that covers
+        them); a no-op when every array is empty."""
+        spans = self._spans
+        end = 0
+        for name, arr in values.items():
+            off, cap = spans[name]
+            if arr.size > cap:
+                raise ValueError(f"{name} needs {arr.size} entries, more than its capacity {cap}")
+            end = max(end, off + arr.size)
+        if end == 0:
+            return
+        host = self.begin(end)
+        for name, arr in values.items():
+            off = spans[name][0]
+            host[off : off + arr.size] = arr
+        self.commit()
 
 
 def to_device(

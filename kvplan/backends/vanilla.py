@@ -19,12 +19,17 @@ import torch.nn.functional as F
 
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
-from kvplan.backends.host_arrays import MAX, MIN
 from kvplan.backends.ledger import (
-    batch_block_table,
-    checked_token_slots,
+    PerBatch,
+    batch_tables,
+    decode_last_blocks,
+    decode_token_slots,
+    gather_rows,
+    last_needed_blocks,
     logical_num_blocks,
+    new_token_slots,
     num_pools,
+    pool_rows,
 )
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.sparse import use_sparse_attention
@@ -35,8 +40,11 @@ class VanillaAttentionMetadata(AttentionMetadata):
     """Metadata for the vanilla backend (KV layout NHD).
 
     After ``prepare()``:
-        block_ids_per_seq: per pool, host int32 ``[num_seqs, width]`` (width = the batch's
-            most logical blocks; block 0 pads), and ``block_ids_per_seq_gpu`` its device copy.
+        block_ids_per_seq: per pool, host int32 ``[num_seqs, max_blocks_per_seq]`` (every
+            row's allocated blocks, reserved included; block 0 pads), and
+            ``block_ids_per_seq_gpu`` its device copy. The host array is this step's staging
+            buffer (on a CPU device the device buffer itself): read it before the next
+            ``prepare()``.
         num_blocks_np: host int32 ``[num_seqs]``, logical blocks ``ceil(kv_lens / block_size)``.
 
     Staging: ``seq_lens``, every pool's slots and block table go to the device in ONE copy
@@ -67,6 +75,9 @@ class VanillaAttentionMetadata(AttentionMetadata):
         fields.update({f"table{p}": s * width for p in range(self._num_pools)})
         self.arena = DeviceArena(fields, self.device)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
+        self._width = width
+        self._block_size = 0 if mgr is None else int(mgr.block_size)
+        self._row_starts = PerBatch(lambda rows: rows * width)  # table row -> flat offset
 
     def _prepare_backend(self) -> None:
         self.block_ids_per_seq: list[np.ndarray] = []
@@ -84,35 +95,47 @@ class VanillaAttentionMetadata(AttentionMetadata):
             self._stage_seq_lens(values)
             self.arena.stage(values)
             return
-        bs = int(manager.block_size)
-        nb = logical_num_blocks(self.kv_lens_np, bs)
+        bs, width, num_pools = self._block_size, self._width, self._num_pools
+        n, k, cached = self._num_seqs, self._num_kv_tokens, self.cached_np
+        # decode: one new token per row, at position cached (its block: column cached // bs)
+        decode = self.one_kv_token_per_row and self.decode_fast_path
+        bt = batch_tables(manager, self.request_ids, beam_width=self.beam_width,
+                          num_contexts=self._num_contexts, cross=self.is_cross)  # fmt: skip
+        pools = [pool_rows(bt, p, self._row_starts(bt.rows)) for p in range(num_pools)]
+        # validate everything before staging starts (a CPU arena is written in place)
+        if decode:
+            column, in_block = cached // np.int32(bs), cached % np.int32(bs)
+            max_column = (self.max_kv_len - 1) // bs
+            lasts = [decode_last_blocks(t, column, max_column) for t in pools]
+            nb = column + 1
+        else:
+            nb = logical_num_blocks(self.kv_lens_np, bs)
+            max_needed = -(-self.max_kv_len // bs)
+            for t in pools:
+                last_needed_blocks(t, nb, max_needed=max_needed)
+            slots = [new_token_slots(t, cached, self._kv_np, bs) for t in pools]
         self.num_blocks_np = nb
-        width = int(MAX(nb)) if nb.size else 0
-        n = self._num_seqs
-        k = self._num_kv_tokens
-        decode = k == n and n and MIN(self._kv_np) == 1
-        values = {}
-        for pool in range(self._num_pools):
-            table = batch_block_table(
-                manager, self.request_ids, pool=pool, beam_width=self.beam_width,
-                num_contexts=self._num_contexts, cross=self.is_cross, width=width,
-            )  # fmt: skip
-            slots = checked_token_slots(table, nb, self.cached_np, self._kv_np, bs, decode)
-            self.block_ids_per_seq.append(table)  # [n, width], a fresh array
+        arena = self.arena
+        host = arena.begin(arena.end_of(f"table{num_pools - 1}", n * width))
+        self._put_seq_lens(arena, host)
+        for p in range(num_pools):
             # int64 slots as int32 pairs (values < 2^31, so the high words are 0)
-            values[f"slots{pool}"] = slots.astype(np.int64).view(np.int32)
-            values[f"table{pool}"] = table.reshape(-1)  # stage() takes 1-D arrays
-        self._stage_seq_lens(values)
-        self.arena.stage(values)
-        for pool in range(self._num_pools):
-            self._slots_gpu.append(self.arena.view(f"slots{pool}")[: 2 * k].view(torch.int64))
-            self.block_ids_per_seq_gpu.append(
-                self.arena.view(f"table{pool}")[: n * width].view(n, width)
-            )
+            slots64 = arena.out(host, f"slots{p}", 2 * k).view(np.int64)
+            if decode:
+                decode_token_slots(lasts[p], cached, bs, slots64, in_block)
+            else:
+                slots64[:] = slots[p]
+            table = arena.out(host, f"table{p}", n * width).reshape(n, width)
+            gather_rows(bt, p, out=table)
+            self.block_ids_per_seq.append(table)
+        arena.commit()
+        for p in range(num_pools):
+            self._slots_gpu.append(arena.view(f"slots{p}")[: 2 * k].view(torch.int64))
+            self.block_ids_per_seq_gpu.append(arena.view(f"table{p}")[: n * width].view(n, width))
         if self.sparse_metadata_params is not None and use_sparse_attention(
             self.sparse_metadata_params
         ):
-            self.sparse_blocks = self._sparse_block_masks(width)
+            self.sparse_blocks = self._sparse_block_masks(-(-self.max_kv_len // bs))
 
     def _sparse_block_masks(self, width: int) -> list[np.ndarray]:
         """Per sequence, the logical blocks the sparse selection keeps (host bool masks).

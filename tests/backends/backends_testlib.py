@@ -87,6 +87,11 @@ class RemappedPools:
     def get_block_ids_per_seq(self, rids, pool=0, **kw):
         return self._map(self._m.get_block_ids_per_seq(rids, pool, **kw), pool)
 
+    def batch_tables(self, *args, **kw):
+        bt = self._m.batch_tables(*args, **kw)
+        tables = np.stack([self._map(t, p) for p, t in enumerate(bt.tables)])
+        return bt._replace(tables=tables)
+
 
 def _manager_and_cache(gen, layer_windows, num_heads, num_kv_heads, head_dim, block_size,
                        num_blocks, max_blocks_per_seq, kv_format, beam_width, device):  # fmt: skip

@@ -132,7 +132,8 @@ def test_block_offsets_fields_by_hand():
     md2.seq_lens = [3, 1]
     md2.num_cached_tokens_per_seq = [0, 5]
     md2.prepare()
-    assert md2.copied_width == 2, "no speculative path: width capped at the batch maximum"
+    assert md2.copied_width == 5, "full rows, with or without a speculative path"
+    assert md2.kv_cache_block_offsets[0, :2, 1].tolist() == [[1, 5, 0, 0, 0], [2, 3, 4, 0, 0]]
 
 
 def test_block_offsets_encoder_only_marks_every_row_context():

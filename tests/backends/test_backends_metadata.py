@@ -18,6 +18,7 @@ from kvplan.backends.ledger import (
     decode_token_slots,
     logical_num_blocks,
     new_token_slots,
+    table_rows,
 )
 from kvplan.backends.staging import DeviceArena
 
@@ -149,7 +150,7 @@ def test_new_token_slots_against_a_loop(seed):
         for b in range(n)
         for p in range(cached[b], cached[b] + new[b])
     ]
-    got = new_token_slots(table, cached, new, bs)
+    got = new_token_slots(table_rows(table), cached, new, bs)
     assert got.dtype == np.int32
     assert got.tolist() == want
     if seed % 2:  # decode: the last held block of each row names the same slots
@@ -158,10 +159,10 @@ def test_new_token_slots_against_a_loop(seed):
     table[n - 1, :] = 0
     new[n - 1] = 1
     with pytest.raises(ValueError, match="unallocated"):
-        new_token_slots(table, cached, new, bs)
+        new_token_slots(table_rows(table), cached, new, bs)
     new[n - 1] = 40 * bs + 1 - cached[n - 1]
     with pytest.raises(ValueError, match="past max_blocks_per_seq"):
-        new_token_slots(table, cached, new, bs)
+        new_token_slots(table_rows(table), cached, new, bs)
 
 
 def test_arena_stages_through_a_private_snapshot():
