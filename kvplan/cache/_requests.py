@@ -4,6 +4,17 @@ Each (request, beam) owns one *row*; ``tables[pool, row, j]`` is the row's j-th 
 its allocated count, so padding is block 0), ``num_allocated[row]`` its allocated count (equal
 in every pool). A request's cross-attention (encoder) blocks live in ``cross[pool, row0, :]``
 with ``row0`` its beam-0 row. Rows are recycled; the tables grow by doubling.
+
+The per-request lengths are numpy arrays indexed by ``row0`` too, so that a decode step can
+update a whole batch with a few numpy operations (``_batched.py``):
+
+* ``num_tokens[row0]``: the logical length; ``num_prompt[row0]``: ``len(prompt)``;
+* ``num_committed[row0]``: committed tokens;
+* ``tail[row0, :]``: the committed tokens of the last, partly committed block (int64
+  ``[block_size]``; entry ``i`` is position ``(num_committed // block_size) * block_size + i``).
+  Tokens of full committed blocks are not kept: a full block is hashed the moment it fills
+  (the chain ``Request.hashes`` always covers every hashable full block), so nothing reads
+  them again.
 """
 
 from __future__ import annotations
@@ -19,12 +30,10 @@ class Request:
     prompt: list[int]
     beam_width: int
     rows: list[int]
-    num_tokens: int
     num_encoder_tokens: int
     cacheable: bool
     state_slot: int | None
-    committed: list[int] = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks 0, 1, ..
 
 
 class RequestTable:
@@ -32,12 +41,18 @@ class RequestTable:
 
     _INITIAL_ROWS = 64
 
-    def __init__(self, num_pools: int, max_blocks_per_seq: int, num_state_slots: int) -> None:
+    def __init__(
+        self, num_pools: int, max_blocks_per_seq: int, num_state_slots: int, block_size: int
+    ) -> None:
         rows = self._INITIAL_ROWS
         self._tables = np.zeros((num_pools, rows, max_blocks_per_seq), dtype=np.int32)
         self._cross = np.zeros((num_pools, rows, max_blocks_per_seq), dtype=np.int32)
         self._num_allocated = np.zeros(rows, dtype=np.int32)
         self._num_cross = np.zeros(rows, dtype=np.int32)
+        self._num_tokens = np.zeros(rows, dtype=np.int64)  # by row0: logical length
+        self._num_prompt = np.zeros(rows, dtype=np.int64)  # by row0: len(prompt)
+        self._num_committed = np.zeros(rows, dtype=np.int64)  # by row0: committed tokens
+        self._tail = np.zeros((rows, block_size), dtype=np.int64)  # by row0: see module doc
         self._free_rows = list(range(rows - 1, -1, -1))  # pop() hands out row 0 first
         self._requests: dict[Hashable, Request] = {}
         # request id -> its beam-0 row (a row never changes while the request is alive)
@@ -58,14 +73,13 @@ class RequestTable:
 
     def num_tokens(self, request_id: Hashable) -> int:
         """Logical length (prompt + every extend - rewinds)."""
-        return self._get(request_id).num_tokens
+        return int(self._num_tokens[self._get(request_id).rows[0]])
 
     def num_committed_tokens(self, request_id: Hashable) -> int:
-        return len(self._get(request_id).committed)
+        return int(self._num_committed[self._get(request_id).rows[0]])
 
     def num_logical_blocks(self, request_id: Hashable) -> int:
-        req = self._get(request_id)
-        return -(-req.num_tokens // self.block_size)
+        return -(-self.num_tokens(request_id) // self.block_size)
 
     def num_allocated_blocks(self, request_id: Hashable) -> int:
         """Logical plus reserved blocks of each beam."""
@@ -152,7 +166,10 @@ class RequestTable:
             self._grow_rows()
         rows = [self._free_rows.pop() for _ in range(beam_width)]
         slot = self._free_slots.pop() if self.num_state_slots else None
-        req = Request(prompt, beam_width, rows, len(prompt), num_encoder_tokens, cacheable, slot)
+        req = Request(prompt, beam_width, rows, num_encoder_tokens, cacheable, slot)
+        row0 = rows[0]
+        self._num_tokens[row0] = self._num_prompt[row0] = len(prompt)
+        self._num_committed[row0] = 0
         self._requests[request_id] = req
         self._row0[request_id] = rows[0]
         self._num_multi_beam += beam_width > 1
@@ -175,6 +192,10 @@ class RequestTable:
         self._cross = np.pad(self._cross, pad)
         self._num_allocated = np.pad(self._num_allocated, (0, new - old))
         self._num_cross = np.pad(self._num_cross, (0, new - old))
+        self._num_tokens = np.pad(self._num_tokens, (0, new - old))
+        self._num_prompt = np.pad(self._num_prompt, (0, new - old))
+        self._num_committed = np.pad(self._num_committed, (0, new - old))
+        self._tail = np.pad(self._tail, ((0, new - old), (0, 0)))
         self._free_rows[:0] = range(new - 1, old - 1, -1)
 
     def _set_blocks(self, pool: int, row: int, blocks: list[int]) -> None:

@@ -128,12 +128,12 @@ class BlockPool:
             raise ValueError(f"num must be >= 0, got {num}")
         if num > len(self._free):
             return None
-        out = []
-        for _ in range(num):
-            block_id, _ = self._free.popitem(last=False)
-            self._evict_hash(block_id)
-            self._ref_counts[block_id] = 1
-            out.append(block_id)
+        pop = self._free.popitem
+        out = [pop(last=False)[0] for _ in range(num)]
+        if self._block_to_hash:
+            for block_id in out:
+                self._evict_hash(block_id)
+        self._ref_counts[out] = 1
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:

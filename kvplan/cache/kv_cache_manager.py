@@ -34,8 +34,12 @@ from typing import NamedTuple
 
 from kvplan._checks import check_int32
 from kvplan.cache import block_offsets as bo
-from kvplan.cache._requests import RequestTable
+from kvplan.cache._batched import BatchedUpdates
+from kvplan.cache._requests import Request, RequestTable
+from kvplan.cache._results import ALLOCATED, AllocationResult, BatchAllocationResult
 from kvplan.cache.block_pool import BlockPool, hash_block_tokens
+
+__all__ = ["AllocationResult", "BatchAllocationResult", "KVCacheManager", "PrefixCacheStats"]
 
 
 class PrefixCacheStats(NamedTuple):
@@ -50,28 +54,11 @@ class PrefixCacheStats(NamedTuple):
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
 
-class AllocationResult(NamedTuple):
-    """Outcome of ``add_request`` / ``extend`` / ``reserve``.
-
-    ``ok``: everything was allocated. ``num_cached_tokens``: prompt tokens reused from the
-    prefix cache (a multiple of block_size, < len(prompt); 0 for extend/reserve).
-    ``num_missing_blocks``: when not ok, the largest shortfall over the pools (free at least
-    that many blocks in that pool and retry). ``reason``: "" | "blocks" | "state_slots".
-    ``missing_per_pool``: the shortfall of each pool.
-    """
-
-    ok: bool
-    num_cached_tokens: int = 0
-    num_missing_blocks: int = 0
-    reason: str = ""
-    missing_per_pool: tuple[int, ...] = ()
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager(RequestTable, bo.BatchViews):
+class KVCacheManager(BatchedUpdates, RequestTable, bo.BatchViews):
     """Block bookkeeping for a paged KV cache.
 
     Args:
@@ -146,7 +133,7 @@ class KVCacheManager(RequestTable, bo.BatchViews):
         self.num_state_slots = num_state_slots
         self.pools = [BlockPool(n, enable_prefix_caching=enable_prefix_caching) for n in num_blocks]
         self.layer_to_pool = self._check_layer_map(layer_to_pool)
-        super().__init__(num_pools, max_blocks_per_seq, num_state_slots)
+        super().__init__(num_pools, max_blocks_per_seq, num_state_slots, block_size)
         self._num_queried_tokens = 0
         self._num_hit_tokens = 0
         self._stagers: dict[tuple[bool, int], bo.BlockOffsetsStager] = {}
@@ -282,7 +269,7 @@ class KVCacheManager(RequestTable, bo.BatchViews):
                 self._set_blocks(p, req.rows[beam], shared + tail)
             if num_cross:
                 self._set_cross_blocks(p, req.rows[0], pool.allocate(num_cross))
-        req.committed = prompt[: num_hits * bs]
+        self._num_committed[req.rows[0]] = num_hits * bs
         req.hashes = list(hits[0])
         if cacheable:
             self._num_queried_tokens += num_prompt
@@ -309,9 +296,11 @@ class KVCacheManager(RequestTable, bo.BatchViews):
         req = self._get(request_id)
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        result = self._grow_to(req, req.num_tokens + num_tokens, "num_tokens")
+        row0 = req.rows[0]
+        total = int(self._num_tokens[row0]) + num_tokens
+        result = self._grow_to(req, total, "num_tokens")
         if result.ok:
-            req.num_tokens += num_tokens
+            self._num_tokens[row0] = total
         return result
 
     def reserve(self, request_id: Hashable, num_extra_tokens: int) -> AllocationResult:
@@ -323,40 +312,40 @@ class KVCacheManager(RequestTable, bo.BatchViews):
         req = self._get(request_id)
         if num_extra_tokens < 0:
             raise ValueError(f"num_extra_tokens must be >= 0, got {num_extra_tokens}")
-        return self._grow_to(
-            req, req.num_tokens + num_extra_tokens, "num_tokens + num_extra_tokens"
-        )
+        total = int(self._num_tokens[req.rows[0]]) + num_extra_tokens
+        return self._grow_to(req, total, "num_tokens + num_extra_tokens")
 
     def _grow_to(self, req, total_tokens: int, name: str) -> AllocationResult:
         want = self._check_len(name, total_tokens)
         have = int(self._num_allocated[req.rows[0]])
         extra = max(0, want - have)
         if extra == 0:
-            return AllocationResult(True)
+            return ALLOCATED
         short = self._shortfall([extra * req.beam_width] * self.num_pools)
         if short is not None:
             return short
         for row in req.rows:
             self._append_blocks(row, [pool.allocate(extra) for pool in self.pools])
-        return AllocationResult(True)
+        return ALLOCATED
 
     def rewind(self, request_id: Hashable, num_tokens: int) -> None:
         """Shrink the logical length by ``num_tokens`` (rejected draft tokens).
 
         Their blocks stay allocated (now reserved). Committed tokens cannot be rewound.
         """
-        req = self._get(request_id)
-        if not 0 <= num_tokens <= req.num_tokens - len(req.committed):
+        row0 = self._get(request_id).rows[0]
+        uncommitted = int(self._num_tokens[row0] - self._num_committed[row0])
+        if not 0 <= num_tokens <= uncommitted:
             raise ValueError(
-                f"rewind num_tokens = {num_tokens} outside [0, "
-                f"{req.num_tokens - len(req.committed)}] (uncommitted tokens of {request_id!r})"
+                f"rewind num_tokens = {num_tokens} outside [0, {uncommitted}] (uncommitted "
+                f"tokens of {request_id!r})"
             )
-        req.num_tokens -= num_tokens
+        self._num_tokens[row0] -= num_tokens
 
     def release_reserved(self, request_id: Hashable) -> int:
         """Free every block past the logical blocks (all beams); returns blocks freed per beam."""
         req = self._get(request_id)
-        keep = _cdiv(req.num_tokens, self.block_size)
+        keep = _cdiv(int(self._num_tokens[req.rows[0]]), self.block_size)
         have = int(self._num_allocated[req.rows[0]])
         for row in req.rows:
             for pool, removed in zip(self.pools, self._truncate_blocks(row, keep)):
@@ -372,13 +361,14 @@ class KVCacheManager(RequestTable, bo.BatchViews):
         beam_width > 1 only the shared prompt blocks; none for cross-attention requests).
         """
         req = self._get(request_id)
+        row0 = req.rows[0]
         token_ids = [int(t) for t in token_ids]
-        start = len(req.committed)
+        start = int(self._num_committed[row0])
         end = start + len(token_ids)
-        if end > req.num_tokens:
+        if end > self._num_tokens[row0]:
             raise ValueError(
                 f"request {request_id!r}: committing {len(token_ids)} tokens after {start} "
-                f"exceeds the logical length {req.num_tokens}"
+                f"exceeds the logical length {int(self._num_tokens[row0])}"
             )
         overlap = req.prompt[start:end]
         if token_ids[: len(overlap)] != overlap:
@@ -386,9 +376,7 @@ class KVCacheManager(RequestTable, bo.BatchViews):
                 f"request {request_id!r}: committed tokens at [{start}, {end}) differ from "
                 "the prompt"
             )
-        req.committed.extend(token_ids)
-        if req.cacheable:
-            self._hash_committed(req)
+        self._append_committed(req, start, token_ids)
         if self.release_out_of_window:
             self._release_out_of_window(req)
 
@@ -402,21 +390,42 @@ class KVCacheManager(RequestTable, bo.BatchViews):
             pool.free(cross[::-1])
         self._drop_request(request_id)
 
-    def _hash_committed(self, req) -> None:
-        """Hash every committed full block not hashed yet and offer it to the prefix cache."""
+    def _append_committed(self, req: Request, start: int, token_ids: list[int]) -> None:
+        """Commit ``token_ids`` at positions ``start ..`` of ``req``: keep the last partial
+        block's tokens in ``_tail`` and hash each block they fill (``_block_filled``)."""
         bs = self.block_size
-        limit = len(req.committed) // bs
-        if req.beam_width > 1:
-            limit = min(limit, len(req.prompt) // bs)  # later blocks differ per beam
+        row0 = req.rows[0]
+        tail = self._tail[row0]
+        n = len(token_ids)
+        b, off = divmod(start, bs)
+        i = 0
+        while i < n:
+            take = min(bs - off, n - i)
+            if take == bs:  # a whole block inside token_ids
+                block = token_ids[i : i + bs]
+            else:
+                tail[off : off + take] = token_ids[i : i + take]
+                block = tail
+            i += take
+            if off + take == bs:
+                self._block_filled(req, b, block)
+            b, off = b + 1, 0
+        self._num_committed[row0] = start + n
+
+    def _block_filled(self, req: Request, b: int, tokens: Sequence[int]) -> None:
+        """Block ``b`` of ``req`` is now fully committed with ``tokens`` ([block_size]):
+        hash it and offer it to the prefix cache (only the shared prompt blocks for
+        beam_width > 1; never for cross-attention requests)."""
+        if not req.cacheable or (req.beam_width > 1 and b >= len(req.prompt) // self.block_size):
+            return  # later blocks differ per beam
+        assert b == len(req.hashes), f"block {b} filled with {len(req.hashes)} blocks hashed"
+        h = hash_block_tokens(req.hashes[-1] if req.hashes else None, tokens)
         row = req.rows[0]
-        for b in range(len(req.hashes), limit):
-            parent = req.hashes[-1] if req.hashes else None
-            h = hash_block_tokens(parent, req.committed[b * bs : (b + 1) * bs])
-            for p, pool in enumerate(self.pools):
-                block = int(self._tables[p, row, b])
-                if block:  # 0: already released out of the window
-                    pool.cache_block(block, h)
-            req.hashes.append(h)
+        for p, pool in enumerate(self.pools):
+            block = int(self._tables[p, row, b])
+            if block:  # 0: already released out of the window
+                pool.cache_block(block, h)
+        req.hashes.append(h)
 
     def _release_out_of_window(self, req) -> None:
         """Free the leading blocks of window pools that no future query can see.
@@ -428,7 +437,7 @@ class KVCacheManager(RequestTable, bo.BatchViews):
         for p, (pool, window) in enumerate(zip(self.pools, self.window_sizes)):
             if window is None:
                 continue
-            num_dead = max(0, len(req.committed) - window + 1) // bs
+            num_dead = max(0, int(self._num_committed[req.rows[0]]) - window + 1) // bs
             for row in req.rows:
                 dead = self._tables[p, row, :num_dead]
                 blocks = dead[dead != 0].tolist()

@@ -5,6 +5,13 @@ and updates each request: it commits the K/V it just wrote (``commit_tokens``, w
 full blocks for prefix reuse), appends the sampled token(s) and checks the stop rules. A
 speculative-verification row accepts the matching drafts (`accept_drafts`) and grows its
 logical length over them (``extend``); rejected drafts stay in reserved blocks.
+
+Decode-only steps (every row a plain decode row) take a fast path: one
+``commit_tokens_many`` for the whole batch, then per request only the unavoidable Python
+(count the computed token, append the sampled one) plus the full stop rules when one of them
+could fire. It equals the per-row loop: a commit never reads what an earlier row's finish
+(``free``) changed. With ``release_out_of_window`` commits free blocks too, so the order of
+frees would differ; that configuration keeps the per-row loop.
 """
 
 from __future__ import annotations
@@ -100,9 +107,14 @@ class EngineCore:
         logits, inputs = self.runner.execute(sched)
         tokens = self._sample(sched, inputs, logits)
         self.num_steps += 1
+        if sched.num_contexts == 0 and not self.scheduler.manager.release_out_of_window:
+            return self._update_decode_rows(sched, inputs, tokens)
+        return self._update_rows(sched, inputs, tokens)
 
-        touched: list[Request] = []
+    def _update_rows(self, sched, inputs, tokens: list[int]) -> list[Request]:
+        """Any step, row by row: commit what each row wrote, take its new token(s)."""
         manager = self.scheduler.manager
+        touched: list[Request] = []
         for s, sl in zip(sched.seqs, inputs.row_slices):
             req = s.request
             rid = req.request_id
@@ -133,6 +145,27 @@ class EngineCore:
                 touched.append(req)
         return touched
 
+    def _update_decode_rows(self, sched, inputs, tokens: list[int]) -> list[Request]:
+        """Decode-only step: row i fed ``inputs.input_ids[i]`` and sampled ``tokens[i]``
+        (the module docstring says why this equals ``_update_rows``)."""
+        batch = sched.decode_batch
+        reqs = batch.requests if batch is not None else [s.request for s in sched.seqs]
+        self.scheduler.manager.commit_tokens_many(inputs.request_ids, inputs.input_ids)
+        eos = self.eos_token_ids
+        for req, token in zip(reqs, tokens):
+            req.num_computed_tokens += 1
+            out = req.output_token_ids
+            out.append(token)
+            p = req.params
+            if (
+                len(out) >= p.max_tokens
+                or p.stop
+                or token in p.stop_token_ids
+                or (token in eos and not p.ignore_eos)
+            ):
+                self._check_stop(req, token)
+        return list(reqs)
+
     def _sample(self, sched, inputs, logits: torch.Tensor) -> list[int]:
         """The step's sampled tokens on the host, one per logits row.
 
@@ -143,7 +176,13 @@ class EngineCore:
         if inputs.logits_rows.shape[0] == 0:
             return []
         seqs = sched.seqs
-        if all(s.request.params.temperature == 0.0 for s in seqs):
+        batch = sched.decode_batch
+        greedy = (
+            batch.all_greedy
+            if batch is not None
+            else all(s.request.params.temperature == 0.0 for s in seqs)
+        )
+        if greedy:
             return self._to_host(logits.argmax(dim=-1))
         params: list[SamplingParams] = []
         gens: list[torch.Generator | None] = []
@@ -173,6 +212,11 @@ class EngineCore:
 
     def _append(self, req: Request, token: int) -> None:
         req.output_token_ids.append(token)
+        self._check_stop(req, token)
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        """Finish ``req`` when its newest token ``token`` ends it: a stop token id or EOS
+        ("stop"), a stop string in the text ("stop", text cut there), max_tokens ("length")."""
         p = req.params
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):

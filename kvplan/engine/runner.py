@@ -8,6 +8,7 @@ Everything goes to the device in one copy per tensor.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -40,8 +41,10 @@ class StepInputs:
     ``input_ids``/``positions``: int64 ``[T]``; ``logits_rows``: int64 ``[N]`` rows of T whose
     logits are needed (the last query token of every sampling row; every query token of a
     speculative-verification row); ``row_slices[i]``: the slice of ``logits_rows`` owned by
-    scheduled row i (empty for a prefill chunk that is not the last one). ``request_ids`` and
-    ``prompt_lens`` (Python int lists ``[num_seqs]``) feed the attention metadata.
+    scheduled row i (empty for a prefill chunk that is not the last one; a list, or a shared
+    tuple on the decode-only path). ``request_ids`` and ``prompt_lens`` (Python int lists
+    ``[num_seqs]``, shared across steps by a `DecodeBatch`: never mutate them) feed the
+    attention metadata.
     """
 
     def __init__(self, sched: SchedulerOutput) -> None:
@@ -83,26 +86,38 @@ class StepInputs:
         """Fast path of a step with only plain decode rows (no prefill, no drafts).
 
         Row i has one query token (its request's newest token) at position
-        ``num_computed_tokens`` and owns logits row i, so every array but the token ids is a
-        numpy expression over the cached lengths: one Python pass over the rows in all.
+        ``num_computed_tokens`` and owns logits row i, so every array but the token ids and
+        positions is fixed by ``n``; ``request_ids``/``prompt_lens`` come from the
+        scheduler's `DecodeBatch` when it has one (the same lists every step).
         """
-        n = len(sched.seqs)
-        ids = np.empty(n, dtype=np.int64)
-        cached = np.empty(n, dtype=np.int32)
-        self.request_ids = [0] * n
-        self.prompt_lens = [0] * n
-        for i, s in enumerate(sched.seqs):
-            r = s.request
-            ids[i] = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
-            cached[i] = r.num_computed_tokens
-            self.request_ids[i] = r.request_id
-            self.prompt_lens[i] = r.num_prefill_tokens
-        self.input_ids = ids
-        self.positions = cached.astype(np.int64)
+        batch = sched.decode_batch
+        if batch is not None:
+            reqs = batch.requests
+            self.request_ids = batch.request_ids
+            self.prompt_lens = batch.prompt_lens
+        else:
+            reqs = [s.request for s in sched.seqs]
+            self.request_ids = [r.request_id for r in reqs]
+            self.prompt_lens = [r.num_prefill_tokens for r in reqs]
+        n = len(reqs)
+        self.input_ids = np.array(
+            [
+                r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+                for r in reqs
+            ],
+            dtype=np.int64,
+        )
+        self.num_cached = np.array([r.num_computed_tokens for r in reqs], dtype=np.int32)
+        self.positions = self.num_cached.astype(np.int64)
         self.logits_rows = np.arange(n, dtype=np.int64)
-        self.row_slices = [slice(i, i + 1) for i in range(n)]
+        self.row_slices = _unit_slices(n)
         self.seq_lens = np.ones(n, dtype=np.int32)
-        self.num_cached = cached
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_slices(n: int) -> tuple[slice, ...]:
+    """``(slice(0, 1), .., slice(n - 1, n))``: row i of a decode-only step owns logits row i."""
+    return tuple(slice(i, i + 1) for i in range(n))
 
 
 class ModelRunner:

@@ -16,6 +16,15 @@ Every step (``schedule``) spends a token budget ``max_num_batched_tokens``:
 
 The batch is ordered for the attention metadata: context rows (prefill chunks, then
 speculative-verification rows, which carry several query tokens) before plain decode rows.
+
+Decode fast path: when a step scheduled every running request as a plain decode row (no
+drafts), its rows are remembered as a `DecodeBatch`. The next step reuses them as long as the
+running list is the same (same requests, same order: nothing finished, was aborted, preempted
+or admitted), no waiting request could be admitted, and the budget holds the batch: one
+``KVCacheManager.extend_many`` grows every request, instead of one ``extend`` each. If that
+runs out of blocks, the requests it did extend are rewound (their new blocks stay as reserved
+blocks, exactly where the per-request loop puts them) and the general loop below decides who
+is preempted, so both paths schedule the same rows and allocate the same blocks.
 """
 
 from __future__ import annotations
@@ -45,11 +54,40 @@ class ScheduledSeq:
         )
 
 
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Rows of a step in which every running request decodes one token (no drafts).
+
+    Valid, unchanged, for every following step with the same running list; the lists are
+    shared by those steps' outputs (read them, never mutate them).
+    """
+
+    seqs: list[ScheduledSeq]
+    requests: list[Request]  # requests[i] is seqs[i].request
+    request_ids: list[int]
+    prompt_lens: list[int]  # num_prefill_tokens (fixed while decoding)
+    all_greedy: bool  # every request samples greedily
+
+    @classmethod
+    def from_seqs(cls, seqs: list[ScheduledSeq]) -> DecodeBatch:
+        reqs = [s.request for s in seqs]
+        return cls(
+            seqs,
+            reqs,
+            [r.request_id for r in reqs],
+            [r.num_prefill_tokens for r in reqs],
+            all(r.params.temperature == 0.0 for r in reqs),
+        )
+
+
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq]  # context rows first, then decode rows
     num_contexts: int
     preempted: list[Request] = field(default_factory=list)
+    # set when every row is a plain decode row of the running list (``seqs is
+    # decode_batch.seqs``)
+    decode_batch: DecodeBatch | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +127,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # the last all-decode step: (tuple of its running requests, its rows)
+        self._decode: tuple[tuple[Request, ...], DecodeBatch] | None = None
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -127,6 +167,43 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule_decode_batch()
+        if out is not None:
+            return out
+        out = self._schedule_general()
+        self._decode = None
+        if (
+            out.num_contexts == 0
+            and out.seqs
+            and len(out.seqs) == len(self.running)
+            and self.propose_drafts is None
+        ):
+            batch = DecodeBatch.from_seqs(out.seqs)
+            self._decode = (tuple(self.running), batch)
+            out.decode_batch = batch
+        return out
+
+    def _schedule_decode_batch(self) -> SchedulerOutput | None:
+        """The last step's decode rows again, if nothing changed (module docstring)."""
+        if self._decode is None:
+            return None
+        key, batch = self._decode
+        running = self.running
+        n = len(running)
+        if (
+            (self.waiting and n < self.max_num_seqs)
+            or n > self.max_num_batched_tokens
+            or key != tuple(running)
+        ):
+            return None
+        result = self.manager.extend_many(batch.request_ids, 1)
+        if not result.ok:  # out of blocks: undo, let the general loop pick the victims
+            for rid in batch.request_ids[: result.num_extended]:
+                self.manager.rewind(rid, 1)
+            return None
+        return SchedulerOutput(batch.seqs, 0, decode_batch=batch)
+
+    def _schedule_general(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         prefill: list[ScheduledSeq] = []
         verify: list[ScheduledSeq] = []

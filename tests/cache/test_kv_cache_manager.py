@@ -302,7 +302,7 @@ def check_invariants(m):
         for rid, req in m._requests.items():
             for b in range(req.beam_width):
                 ids = m.get_block_ids(rid, p, beam=b)
-                assert len(ids) >= -(-req.num_tokens // m.block_size)
+                assert len(ids) >= m.num_logical_blocks(rid)
                 if not m.release_out_of_window:
                     assert 0 not in ids
                 refs.update(b for b in ids if b)

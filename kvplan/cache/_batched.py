@@ -1,0 +1,217 @@
+"""Batched decode-step updates of ``KVCacheManager``: ``extend_many`` and ``commit_tokens_many``.
+
+A decode step grows every running request by one token and, after the model ran, commits
+that token. Per-request calls cost a few microseconds of Python each; these do the same for a
+whole batch with a handful of numpy operations over the per-row length arrays
+(``_requests.py``), and run Python code only for the requests where something happens:
+
+* ``extend_many``: only requests whose new length crosses into a block they do not hold yet
+  allocate (in batch order, exactly the blocks the per-request calls would get);
+* ``commit_tokens_many``: only requests whose committed block just filled hash it (the same
+  chained hash, offered to the prefix cache in batch order), and with
+  ``release_out_of_window`` only requests with a newly dead window block free it.
+
+Both are equal to calling the per-request method for each request in order (tests hold them
+equal on random operation sequences), with one difference on bad input: caller errors
+(unknown or repeated ids, negative counts, too long sequences, committing past the logical
+length or against the prompt) raise ``ValueError`` *before anything changes*, where the
+per-request loop would have applied the calls before the bad one.
+
+A mixin over ``KVCacheManager``'s state (``_num_tokens``, ``_num_committed``, ``_tail``,
+``_tables``, ``_num_allocated``, ``pools``, ``_requests`` and its helpers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from kvplan.cache._results import BatchAllocationResult
+
+
+class BatchedUpdates:
+    """``extend_many`` / ``commit_tokens_many`` (see the module docstring)."""
+
+    _unique_rows: np.ndarray | None = None  # the last batch whose ids were checked distinct
+
+    def extend_many(
+        self, request_ids: Sequence[Hashable], num_tokens: int | Sequence[int] | np.ndarray
+    ) -> BatchAllocationResult:
+        """``extend(request_ids[i], num_tokens[i])`` for i = 0, 1, ... up to the first request
+        that cannot get its blocks.
+
+        Args:
+            request_ids: distinct active request ids, ``[n]``.
+            num_tokens: tokens to add to each logical length: one int for all, or ``[n]`` ints
+                (>= 0).
+
+        Returns:
+            `BatchAllocationResult`: requests ``[0, num_extended)`` grew (new blocks allocated
+            in batch order, pool by pool, as ``extend`` allocates them); request
+            ``num_extended`` and the later ones are unchanged, and ``failure`` is what
+            ``extend`` returns for request ``num_extended`` (``ok`` when all grew).
+
+        Example (block_size 4)::
+
+            m.add_request("a", [1, 2, 3, 4])     # blocks [1]
+            m.add_request("b", [5, 6])           # blocks [2]
+            m.extend_many(["a", "b"], 1)         # a: 5 tokens -> [1, 3]; b: 3 tokens -> [2]
+        """
+        ids, rows = self._distinct_rows(request_ids)
+        n = rows.size
+        counts = self._batch_counts("num_tokens", num_tokens, n)
+        new_len = self._num_tokens[rows] + counts  # [n] int64
+        want = (new_len + (self.block_size - 1)) // self.block_size  # blocks needed
+        if n and int(want.max()) > self.max_blocks_per_seq:
+            i = int(np.argmax(want > self.max_blocks_per_seq))
+            raise ValueError(
+                f"request {ids[i]!r}: num_tokens = {int(new_len[i])} tokens needs "
+                f"{int(want[i])} blocks, more than max_blocks_per_seq = {self.max_blocks_per_seq}"
+            )
+        if self._num_multi_beam:  # beams allocate per row: the per-request path
+            for i in range(n):
+                result = self.extend(ids[i], int(counts if np.ndim(counts) == 0 else counts[i]))
+                if not result.ok:
+                    return BatchAllocationResult(i, result)
+            return BatchAllocationResult(n)
+        extra = want - self._num_allocated[rows]  # > 0: blocks to allocate
+        needy = np.flatnonzero(extra > 0)
+        num_ok, failure = n, None
+        if needy.size:
+            # every pool gives each request the same count: the first request whose running
+            # total exceeds the smallest free count is the one the per-request loop stops at
+            total = np.cumsum(extra[needy])
+            free = min(pool.num_free_blocks for pool in self.pools)
+            k = int(np.searchsorted(total, free, side="right"))
+            if k:
+                self._append_blocks_many(rows[needy[:k]], extra[needy[:k]], total[:k])
+            if k < needy.size:
+                num_ok = int(needy[k])
+                failure = self._shortfall([int(extra[num_ok])] * self.num_pools)
+                assert failure is not None, "a request past the free blocks must fall short"
+        self._num_tokens[rows[:num_ok]] = new_len[:num_ok]
+        if failure is None:
+            return BatchAllocationResult(n)
+        return BatchAllocationResult(num_ok, failure)
+
+    def commit_tokens_many(
+        self, request_ids: Sequence[Hashable], token_ids: Sequence[int] | np.ndarray
+    ) -> None:
+        """``commit_tokens(request_ids[i], [token_ids[i]])`` for every i: one token each.
+
+        Args:
+            request_ids: distinct active request ids, ``[n]``.
+            token_ids: the token whose K/V was just written at each request's next committed
+                position, ``[n]`` ints (a decode step's input tokens).
+
+        Raises:
+            ValueError: a commit past a request's logical length, or a token at a prompt
+                position that differs from the prompt (nothing is committed then).
+        """
+        ids, rows = self._distinct_rows(request_ids)
+        n = rows.size
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        if tokens.shape != (n,):
+            raise ValueError(f"token_ids has shape {tokens.shape}, expected ({n},)")
+        start = self._num_committed[rows]  # [n] int64
+        # past the logical length (an error) or at a prompt position (must equal the prompt)
+        if ((start >= self._num_tokens[rows]) | (start < self._num_prompt[rows])).any():
+            self._check_commits(ids, rows, start, tokens)
+        bs = self.block_size
+        offset = start % bs
+        self._tail[rows, offset] = tokens
+        self._num_committed[rows] = start + 1
+        for i in np.flatnonzero(offset == bs - 1).tolist():  # blocks that just filled
+            self._block_filled(self._requests[ids[i]], int(start[i]) // bs, self._tail[rows[i]])
+        if self.release_out_of_window:
+            self._release_dead_blocks(ids, rows, start + 1)
+
+    # ------------------------------------------------------------------ helpers
+    def _append_blocks_many(self, rows: np.ndarray, counts: np.ndarray, ends: np.ndarray) -> None:
+        """Append ``counts[i]`` new blocks to table row ``rows[i]`` in every pool, taking them
+        from each pool's free list in row order (what ``_append_blocks`` per row does).
+
+        ``rows``: distinct int64 ``[k]``; ``counts``: int64 ``[k]`` (>= 1); ``ends``: their
+        inclusive prefix sums (block ``j`` of the allocation goes to the row whose range
+        ``[ends[i] - counts[i], ends[i])`` holds ``j``).
+        """
+        num_new = int(ends[-1])
+        have = self._num_allocated[rows]
+        row_of = np.repeat(rows, counts)  # [num_new]
+        col_of = np.arange(num_new) + np.repeat(have - (ends - counts), counts)
+        for p, pool in enumerate(self.pools):  # pools are independent: one call each
+            self._tables[p, row_of, col_of] = pool.allocate(num_new)
+        self._num_allocated[rows] = have + counts
+
+    def _distinct_rows(self, request_ids: Sequence[Hashable]) -> tuple[Sequence, np.ndarray]:
+        """(indexable ids, their beam-0 rows ``[n]``); ValueError for unknown or repeated ids.
+
+        ``_seq_rows`` returns the same array object for the same batch as last time, so a
+        decode loop checks a batch for repeats once, not every step.
+        """
+        ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+        rows = self._seq_rows(ids, None)
+        if rows is not self._unique_rows:
+            if np.unique(rows).size != rows.size:
+                seen: set = set()
+                dup = next(r for r in ids if r in seen or seen.add(r))
+                raise ValueError(f"request_ids lists request {dup!r} more than once")
+            self._unique_rows = rows
+        return ids, rows
+
+    def _check_commits(
+        self, ids: Sequence[Hashable], rows: np.ndarray, start: np.ndarray, tokens: np.ndarray
+    ) -> None:
+        """ValueError for the first request committing past its logical length or a token
+        that differs from its prompt (``commit_tokens``'s checks, one token per request)."""
+        for i in range(rows.size):
+            pos = int(start[i])
+            if pos >= self._num_tokens[rows[i]]:
+                raise ValueError(
+                    f"request {ids[i]!r}: committing 1 token after {pos} exceeds the logical "
+                    f"length {int(self._num_tokens[rows[i]])}"
+                )
+            prompt = self._requests[ids[i]].prompt
+            if pos < len(prompt) and prompt[pos] != tokens[i]:
+                raise ValueError(
+                    f"request {ids[i]!r}: committed tokens at [{pos}, {pos + 1}) differ from "
+                    "the prompt"
+                )
+
+    @staticmethod
+    def _batch_counts(name: str, counts, n: int) -> int | np.ndarray:
+        """``counts`` checked: one int for all, or int64 ``[n]``; all >= 0."""
+        if isinstance(counts, int):
+            if counts < 0:
+                raise ValueError(f"{name} must be >= 0, got {counts}")
+            return counts
+        arr = np.asarray(counts)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be an int or ints, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64)
+        if arr.ndim != 0 and arr.shape != (n,):
+            raise ValueError(f"{name} has shape {arr.shape}, expected () or ({n},)")
+        if arr.size and int(arr.min()) < 0:
+            i = int(np.argmin(arr)) if arr.ndim else 0
+            raise ValueError(f"{name} must be >= 0, got {name}[{i}] = {int(arr.flat[i])}")
+        return arr
+
+    def _release_dead_blocks(
+        self, ids: Sequence[Hashable], rows: np.ndarray, committed: np.ndarray
+    ) -> None:
+        """``_release_out_of_window`` for the requests that have a dead block still held.
+
+        Released blocks always form a prefix of a row (block 0 left in their place), so a
+        request has something to free in window pool ``p`` iff its last dead column
+        ``num_dead - 1`` still holds a block.
+        """
+        todo = np.zeros(rows.size, dtype=bool)
+        for p, window in enumerate(self.window_sizes):
+            if window is None:
+                continue
+            num_dead = np.maximum(committed - (window - 1), 0) // self.block_size
+            idx = np.flatnonzero(num_dead)
+            todo[idx] |= self._tables[p, rows[idx], num_dead[idx] - 1] != 0
+        for i in np.flatnonzero(todo).tolist():
+            self._release_out_of_window(self._requests[ids[i]])
