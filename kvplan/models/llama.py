@@ -90,7 +90,7 @@ class Attention(nn.Module):
             k_norm_weight=self.k_norm.weight if norm else None,
             eps=self.q_norm.eps if norm else 1e-6, fused=fused,
         )  # fmt: skip
-        o = self.attn.forward(q, k, v, metadata)  # q/k/v contiguous; o [T, H, D]
+        o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
 
