@@ -167,7 +167,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         # numpy views of the CPU tensors: element writes without per-call torch overhead
         total = self._host_total_np
         total[0] = SUM(valid[:nc]) if nc else 0
-        total[1] = SUM(valid[nc:]) if n > nc else 0
+        total[1] = self.num_cached_tokens + self._num_kv_tokens - int(total[0])
         types = self._host_types_np
         types[:nc] = 0
         types[nc:n] = 1
@@ -216,7 +216,13 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             max_needed = -(-max_kv // bs)
             for t in pools:
                 last_needed_blocks(t, num_pages, what, max_needed=max_needed)
-            slots = [new_token_slots(t, cached, self._kv_np, bs) for t in pools]
+            end_blocks = None if extra else num_pages  # blocks up to each row's last new token
+            slots = [
+                new_token_slots(
+                    t, cached, self._kv_np, bs, end_blocks=end_blocks, arange=self._arange
+                )
+                for t in pools
+            ]
         arena = self.arena
         num_loaded = int(SUM(num_pages)) if self._load_pages and n else 0
         row_span, pool_span = 2 * width, self.max_num_sequences * 2 * width

@@ -2,7 +2,7 @@
 
 Both run every step on every backend, so they are written for few numpy calls: a list of
 plain Python ints becomes int32 in one ``sum`` (type check and bound) and one ``np.fromiter``
-(which raises on values that do not fit).
+(which raises on values that do not fit), and a decode step's list of ones in none.
 
 Hot paths call ufunc reductions (``MIN(a)`` = ``np.minimum.reduce``) and array methods
 (``a.cumsum(out=...)``, ``a.repeat(r)``) directly: ``a.min()``, ``np.cumsum`` and ``np.repeat``
@@ -13,6 +13,7 @@ small arrays of one step (and each wrapper call costs ~1 us on the GPU host's CP
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,45 +30,63 @@ SUM = np.add.reduce  # int32 input accumulates in int64 (numpy's rule for add re
 ALL = np.logical_and.reduce
 
 
+class HostLengths(NamedTuple):
+    """A validated length vector: a fresh int32 ``array`` ``[n]`` (never written again, so
+    CPU tensors over it are private), its ``total`` (a Python int) and whether every entry is
+    1 (``all_ones``: a decode step's query lengths)."""
+
+    array: np.ndarray
+    total: int
+    all_ones: bool
+
+
 def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
     """Host copy of an integer vector as a 1-D int32 numpy array; rejects negatives/overflow.
 
     The result is always a fresh array, so later changes of the caller's list/array/tensor
     cannot reach it.
     """
-    return as_int32_array_and_sum(name, value)[0]
+    return as_lengths(name, value).array
 
 
-def as_int32_array_and_sum(name: str, value: IntArrayLike) -> tuple[np.ndarray, int | None]:
-    """``as_int32_array`` plus, for a list/tuple of Python ints, their sum (a Python int;
-    ``None`` for other inputs, whose sum the caller takes itself if it needs it).
+def as_lengths(name: str, value: IntArrayLike) -> HostLengths:
+    """``as_int32_array`` plus the vector's sum and whether it is all ones.
 
     A list of plain Python ints costs one C-level ``sum`` (which is also the type check) and
     one ``np.fromiter`` into uint32, which raises on negatives; when the sum fits in int32,
-    so does every (non-negative) value, so no reduction over the array is needed at all.
+    so does every (non-negative) value, so no reduction over the array is needed. A list of
+    ones is recognized by ``list.count`` (identity compares) and needs no conversion at all.
     """
     if isinstance(value, (list, tuple)):
         total = _python_int_sum(value)
-        if total is not None and total <= INT32_MAX:
-            try:
-                return np.fromiter(value, np.uint32, len(value)).view(np.int32), total
-            except OverflowError:  # a negative value: name it below
-                pass
         if total is not None:
+            n = len(value)
+            if total == n and value.count(1) == n:  # all ones (bools count as ints)
+                return HostLengths(np.ones(n, np.int32), total, n > 0)
+            if total <= INT32_MAX:
+                try:
+                    arr = np.fromiter(value, np.uint32, n).view(np.int32)
+                    return HostLengths(arr, total, False)  # sum == n with a non-1 entry
+                except OverflowError:  # a negative value: named below
+                    pass
             # Plain Python ints (a float or numpy scalar anywhere makes the sum another type
             # and takes the general path, which rejects floats): fromiter raises on overflow.
             if min(value) < 0:
                 raise ValueError(f"{name} holds {min(value)}; lengths must be >= 0")
             try:
-                arr = np.fromiter(value, np.int32, len(value))
+                arr = np.fromiter(value, np.int32, n)
             except OverflowError:
                 raise ValueError(f"{name} holds {max(value)}, which overflows int32") from None
-            return arr, total
+            return HostLengths(arr, total, False)
     elif type(value) is np.ndarray and value.dtype == np.int32 and value.ndim == 1:
         arr = value.copy()  # private: later changes of the caller's array are safe
-        if arr.size and MIN(arr) < 0:
-            raise ValueError(f"{name} holds {int(MIN(arr))}; lengths must be >= 0")
-        return arr, None
+        if not arr.size:
+            return HostLengths(arr, 0, False)
+        lo = int(MIN(arr))
+        if lo < 0:
+            raise ValueError(f"{name} holds {lo}; lengths must be >= 0")
+        total = int(SUM(arr))
+        return HostLengths(arr, total, lo == 1 and total == arr.size)
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU tensor (host values), got {value.device}")
@@ -80,13 +99,15 @@ def as_int32_array_and_sum(name: str, value: IntArrayLike) -> tuple[np.ndarray, 
         arr = arr.astype(np.int32)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size:
-        lo, hi = arr.min(), arr.max()
-        if lo < 0:
-            raise ValueError(f"{name} holds {int(lo)}; lengths must be >= 0")
-        if hi > INT32_MAX:
-            raise ValueError(f"{name} holds {int(hi)}, which overflows int32")
-    return arr.astype(np.int32), None  # always a copy: later changes of the caller's array
+    if not arr.size:
+        return HostLengths(arr.astype(np.int32), 0, False)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0:
+        raise ValueError(f"{name} holds {lo}; lengths must be >= 0")
+    if hi > INT32_MAX:
+        raise ValueError(f"{name} holds {hi}, which overflows int32")
+    arr = arr.astype(np.int32)  # always a copy: later changes of the caller's array are safe
+    return HostLengths(arr, int(SUM(arr)), lo == 1 and hi == 1)
 
 
 def _python_int_sum(values: Sequence) -> int | None:

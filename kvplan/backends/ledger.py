@@ -98,13 +98,22 @@ def flat_page_index(
 
 
 def new_token_slots(
-    rows: TableRows, cached: np.ndarray, new_lens: np.ndarray, block_size: int
+    rows: TableRows,
+    cached: np.ndarray,
+    new_lens: np.ndarray,
+    block_size: int,
+    *,
+    end_blocks: np.ndarray | None = None,
+    arange: np.ndarray | None = None,
 ) -> np.ndarray:
     """Cache slot of every new K/V token, sequence by sequence (host, int32 ``[sum(new_lens)]``;
     slots fit in int32 because the manager checks ``num_blocks * block_size``).
 
     Token i of sequence b sits at position ``p = cached[b] + i`` and goes to slot
-    ``table[b, p // block_size] * block_size + p % block_size``.
+    ``table[b, p // block_size] * block_size + p % block_size``. ``cached`` and ``new_lens``:
+    int32 ``[n]``. Optional, when the caller has them: ``end_blocks = ceil((cached +
+    new_lens) / block_size)`` and ``arange`` (int32 ``0, 1, ...`` of at least
+    ``sum(new_lens)`` entries).
 
     Raises ValueError when a token would land past the table or in the padding block 0
     (the manager did not allocate a block for it).
@@ -122,19 +131,25 @@ def new_token_slots(
     if total == 0:
         return np.zeros(0, np.int32)
     bs = np.int32(block_size)
-    start = cached if cached.dtype == np.int32 else cached.astype(np.int32)
     if total == n and MIN(new_lens) == 1:  # decode: one new token per sequence, one run each
-        run_seq, run_col, lo, run_len = np.arange(n), start // bs, start, None
+        run_seq, run_col, lo, run_len = np.arange(n), cached // bs, cached, None
     else:
-        end = start + (new_lens if new_lens.dtype == np.int32 else new_lens.astype(np.int32))
-        first = start // bs
-        runs = ((end - 1) // bs - first + 1) * (new_lens > 0)  # runs (blocks touched) per seq
-        run_seq = np.arange(n, dtype=np.int32).repeat(runs)
-        run_col = np.arange(run_seq.size, dtype=np.int32)
-        run_col += (first - (runs.cumsum(dtype=np.int32) - runs)).repeat(runs)
+        if arange is None or arange.size < total:
+            arange = np.arange(total, dtype=np.int32)
+        first = cached // bs  # block column of each sequence's first new token
+        if end_blocks is None:
+            end_blocks = logical_num_blocks(cached + new_lens, block_size)
+        runs = end_blocks - first  # blocks touched per sequence...
+        np.minimum(runs, new_lens, out=runs)  # ...none without new tokens
+        run_end = runs.cumsum(dtype=np.int32)
+        run_seq = arange[:n].repeat(runs)
+        run_col = (first - (run_end - runs)).repeat(runs)
+        run_col += arange[: run_seq.size]
         block_lo = run_col * bs
-        lo = np.maximum(block_lo, start[run_seq])  # first position of each run
-        run_len = np.minimum(block_lo + bs, end[run_seq]) - lo
+        lo = np.maximum(block_lo, cached[run_seq])  # first position of each run
+        block_lo += bs
+        run_len = np.minimum(block_lo, (cached + new_lens)[run_seq])
+        run_len -= lo
     if int(MAX(run_col)) >= rows.width:
         i = int(np.argmax(run_col))
         raise ValueError(
@@ -148,12 +163,15 @@ def new_token_slots(
             f"sequence {bad} writes a token into an unallocated block (block 0); allocate "
             "it with KVCacheManager.extend/reserve before prepare()"
         )
-    first_slot = blocks * bs + lo % bs  # slot of each run's first token
+    first_slot = blocks * bs  # slot of each run's first token
+    first_slot += lo % bs
     if run_len is None:
-        return first_slot if first_slot.dtype == np.int32 else first_slot.astype(np.int32)
+        return first_slot
     # token k of the run starting at token offset o: first_slot + k = (first_slot - o) + index
-    slots = (first_slot - (run_len.cumsum(dtype=np.int32) - run_len)).repeat(run_len)
-    slots += np.arange(total, dtype=np.int32)
+    first_slot -= run_len.cumsum(dtype=np.int32)
+    first_slot += run_len
+    slots = first_slot.repeat(run_len)
+    slots += arange[:total]
     return slots
 
 

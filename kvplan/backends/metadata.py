@@ -42,11 +42,9 @@ import torch
 
 from kvplan.backends.host_arrays import (
     MAX,
-    MIN,
     SUM,
     IntArrayLike,
-    as_int32_array,
-    as_int32_array_and_sum,
+    as_lengths,
     exclusive_cumsum,
 )
 from kvplan.backends.sparse import SparseMetadataParams, SparseRuntimeParams
@@ -136,12 +134,14 @@ class AttentionMetadata:
         self._seq_lens: torch.Tensor | None = None  # made from _seq_lens_np on first read
         self._seq_lens_set = False
         self._seq_lens_np = np.zeros(0, np.int32)
+        self._seq_lens_all_ones = False
         self._seq_lens_kv: torch.Tensor | None = None
         self._seq_lens_kv_np: np.ndarray | None = None
+        self._seq_lens_kv_total, self._seq_lens_kv_all_ones = 0, False
         self._num_contexts = 0
         self._num_seqs = 0
         self._num_generations = 0
-        self._num_ctx_tokens = 0
+        self._num_ctx_tokens: int | None = 0
         self._num_tokens = 0
         self._num_kv_tokens = 0
         self.prepared = False
@@ -171,7 +171,7 @@ class AttentionMetadata:
 
     @seq_lens.setter
     def seq_lens(self, value: IntArrayLike) -> None:
-        arr, total = as_int32_array_and_sum("seq_lens", value)
+        arr, total, all_ones = as_lengths("seq_lens", value)
         if arr.size > self.max_num_sequences:
             raise ValueError(
                 f"seq_lens has {arr.size} sequences, more than max_num_sequences="
@@ -184,8 +184,7 @@ class AttentionMetadata:
         # reading the same address), but lazily: prepare() stages it with its other fields in
         # one host-to-device copy; reading seq_lens_gpu before that copies it on the spot.
         self._seq_lens_pending = True
-        if total is None:
-            total = int(SUM(arr)) if arr.size else 0
+        self._seq_lens_all_ones = all_ones
         self._num_tokens = total
         self.on_update()
 
@@ -231,9 +230,10 @@ class AttentionMetadata:
         if value is None:
             self._seq_lens_kv, self._seq_lens_kv_np = None, None
         else:
-            arr = as_int32_array("seq_lens_kv", value)
+            arr, total, all_ones = as_lengths("seq_lens_kv", value)
             self._seq_lens_kv = torch.from_numpy(arr)
             self._seq_lens_kv_np = arr
+            self._seq_lens_kv_total, self._seq_lens_kv_all_ones = total, all_ones
         self.on_update()
 
     @property
@@ -266,11 +266,12 @@ class AttentionMetadata:
         nc = self._num_contexts
         self._num_seqs = n = lens.size
         # (num_contexts may exceed the row count between two setter calls; prepare() checks)
-        self._num_ctx_tokens = int(SUM(lens[:nc])) if nc and lens.size else 0
+        self._num_ctx_tokens = None if nc else 0  # sum(seq_lens[:nc]), taken when first read
         self._num_generations = max(0, n - nc)
-        # _num_tokens = sum(seq_lens) is kept by the seq_lens setter
+        # _num_tokens = sum(seq_lens) is kept by the seq_lens setter (and sum(seq_lens_kv) by
+        # the seq_lens_kv setter)
         kv = self._seq_lens_kv_np
-        self._num_kv_tokens = self._num_tokens if kv is None else int(kv.sum(dtype=np.int64))
+        self._num_kv_tokens = self._num_tokens if kv is None else self._seq_lens_kv_total
 
     @property
     def num_seqs(self) -> int:
@@ -283,6 +284,8 @@ class AttentionMetadata:
 
     @property
     def num_ctx_tokens(self) -> int:
+        if self._num_ctx_tokens is None:  # (prepare() reads it off cu_seqlens_q instead)
+            self._num_ctx_tokens = int(SUM(self._seq_lens_np[: self._num_contexts]))
         return self._num_ctx_tokens
 
     @property
@@ -320,8 +323,9 @@ class AttentionMetadata:
 
         Sets (host numpy int32) ``cached_np`` and ``kv_lens_np`` ``[num_seqs]``,
         ``cu_seqlens_q_np`` and ``cu_seqlens_kv_np`` ``[num_seqs + 1]`` (read-only: an arange
-        view on a one-token-per-row step), ``max_kv_len`` (host int), ``num_requests``, and
-        the two decode flags ``one_query_per_row`` / ``one_kv_token_per_row``.
+        view on a one-token-per-row step), ``max_kv_len`` and ``num_cached_tokens`` (sum of
+        ``cached_np``; host ints), ``num_requests``, and the two decode flags
+        ``one_query_per_row`` / ``one_kv_token_per_row``.
         """
         n = self._num_seqs
         nc = self._num_contexts
@@ -362,9 +366,11 @@ class AttentionMetadata:
                 f"{num_requests} requests exceed max_num_requests={self.max_num_requests}"
             )
         if self.num_cached_tokens_per_seq is None:
-            cached = np.zeros(n, np.int32)
+            cached, self.num_cached_tokens = np.zeros(n, np.int32), 0
         else:
-            cached = as_int32_array("num_cached_tokens_per_seq", self.num_cached_tokens_per_seq)
+            cached, self.num_cached_tokens, _ = as_lengths(
+                "num_cached_tokens_per_seq", self.num_cached_tokens_per_seq
+            )
             if cached.size != n:
                 raise ValueError(
                     f"num_cached_tokens_per_seq has {cached.size} entries, expected {n}"
@@ -376,20 +382,18 @@ class AttentionMetadata:
         self._kv_np = kv_np  # = seq_lens_kv_np, for the backends' prepare (no property call)
         self.kv_lens_np = kv_lens = cached + kv_np
         self.max_kv_len = int(MAX(kv_lens)) if n else 0
-        # one query token per row (sum == rows and none below 1): cu_seqlens_q is an arange
-        one_q = self._num_tokens == n and n > 0 and MIN(self._seq_lens_np) == 1
-        self.one_query_per_row = one_q
+        # one query token per row: cu_seqlens_q is an arange
+        one_q = self.one_query_per_row = self._seq_lens_all_ones
         if one_q:
             self.cu_seqlens_q_np = self._arange[: n + 1]
         else:
             self.cu_seqlens_q_np = exclusive_cumsum(self._seq_lens_np, self._num_tokens)
+        self._num_ctx_tokens = int(self.cu_seqlens_q_np[nc])
         if self._seq_lens_kv_np is None:
             self.one_kv_token_per_row = one_q
             self.cu_seqlens_kv_np = self.cu_seqlens_q_np
         else:
-            self.one_kv_token_per_row = (
-                self._num_kv_tokens == n and n > 0 and MIN(self._seq_lens_kv_np) == 1
-            )
+            self.one_kv_token_per_row = self._seq_lens_kv_all_ones
             self.cu_seqlens_kv_np = exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
 
     def prepare_encoder_only(self) -> None:

@@ -208,7 +208,12 @@ class RaggedAttentionMetadata(AttentionMetadata):
             max_needed = -(-self.max_kv_len // bs)
             for t in pools:
                 last_needed_blocks(t, logical_nb, max_needed=max_needed)
-            slots = [new_token_slots(t, cached, seq_lens_kv, bs) for t in pools]
+            slots = [
+                new_token_slots(
+                    t, cached, seq_lens_kv, bs, end_blocks=logical_nb, arange=self._arange
+                )
+                for t in pools
+            ]
         if self.use_full_generation_page_table and not cross:
             # context rows stay logical; generation rows expose every reserved page
             num_blocks = logical_nb.copy()

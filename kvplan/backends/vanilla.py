@@ -113,7 +113,10 @@ class VanillaAttentionMetadata(AttentionMetadata):
             max_needed = -(-self.max_kv_len // bs)
             for t in pools:
                 last_needed_blocks(t, nb, max_needed=max_needed)
-            slots = [new_token_slots(t, cached, self._kv_np, bs) for t in pools]
+            slots = [
+                new_token_slots(t, cached, self._kv_np, bs, end_blocks=nb, arange=self._arange)
+                for t in pools
+            ]
         self.num_blocks_np = nb
         arena = self.arena
         host = arena.begin(arena.end_of(f"table{num_pools - 1}", n * width))
