@@ -243,12 +243,18 @@ def run_hf(model, prompts, args, dev, mode):
         return {"error": repr(exc)[:500]}
 
 
-def host_step_ms(cfg, dev, dtype, num_seqs=64, prompt_len=64, steps=150) -> float:
+def host_step_ms(
+    cfg, dev, dtype, num_seqs=64, prompt_len=64, steps=150, profile_steps=0
+) -> tuple[float, list[dict]]:
     """Median host time of a full-batch decode step: step wall time minus the model call.
 
     Meant for the CPU (``--host-step``): the model call is timed around the runner's model
     (eager path), so the rest is scheduler, step inputs, metadata ``prepare()``, sampling
     and output bookkeeping. On a GPU with CUDA graphs the model call is not on this path.
+
+    ``profile_steps > 0``: after the timed steps, run that many more under cProfile, with the
+    model call replaced by zero logits (host work only), and return per function its calls
+    and own time per step (the 25 largest by own time).
     """
     from kvplan import LLM
     from kvplan.engine.sampling import SamplingParams
@@ -275,7 +281,41 @@ def host_step_ms(cfg, dev, dtype, num_seqs=64, prompt_len=64, steps=150) -> floa
         t = time.perf_counter()
         core.step()
         host.append((time.perf_counter() - t - spent[0]) * 1e3)
-    return statistics.median(host)
+    if not profile_steps:
+        return statistics.median(host), []
+
+    def zero_logits(input_ids, positions, metadata, rows):
+        n = input_ids.shape[0] if rows is None else rows.shape[0]
+        return torch.zeros(n, cfg.vocab_size, device=dev)
+
+    core.runner.model = zero_logits
+    return statistics.median(host), _profile_steps(core, profile_steps)
+
+
+def _profile_steps(core, steps: int) -> list[dict]:
+    """cProfile of ``steps`` engine steps: calls and own microseconds per step, top 25."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        core.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, ncalls, tottime, cumtime, ..)
+    rows = [
+        {"function": f"{fn.split('/')[-1]}:{line}({name})", "calls_per_step": nc / steps,
+         "own_us_per_step": tt / steps * 1e6, "cum_us_per_step": ct / steps * 1e6}
+        for (fn, line, name), (_, nc, tt, ct, _) in stats.items()
+    ]  # fmt: skip
+    total_calls = sum(r["calls_per_step"] for r in rows)
+    rows.sort(key=lambda r: -r["own_us_per_step"])
+    print(f"cProfile of {steps} steps: {total_calls:.0f} function calls per step")
+    print(f"{'calls/step':>10} {'own us':>8} {'cum us':>8}  function")
+    for r in rows[:25]:
+        print(f"{r['calls_per_step']:>10.1f} {r['own_us_per_step']:>8.1f} "
+              f"{r['cum_us_per_step']:>8.1f}  {r['function']}")  # fmt: skip
+    return [{"total_calls_per_step": total_calls}, *rows[:25]]
 
 
 def main() -> int:
@@ -296,14 +336,19 @@ def main() -> int:
                     help="which system runs first (the other's memory is freed in between)")  # fmt: skip
     ap.add_argument("--host-step", action="store_true",
                     help="only measure the host time of a decode step (tiny model, CPU)")  # fmt: skip
+    ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                    help="with --host-step: also cProfile STEPS more steps (calls per step)")  # fmt: skip
     args = ap.parse_args()
     if args.host_step:
         torch.set_num_threads(1)
         dev = torch.device(args.device or "cpu")
-        ms = host_step_ms(named_config(args.config or "tiny-llama"), dev, torch.float32)
+        ms, prof = host_step_ms(named_config(args.config or "tiny-llama"), dev, torch.float32,
+                                profile_steps=args.host_profile)  # fmt: skip
         result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   "device": str(dev), "command": " ".join(sys.argv),
                   "median_host_ms_per_decode_step": ms, "batch": 64}  # fmt: skip
+        if prof:
+            result["host_profile_per_step"] = prof
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
         print(f"host time per decode step (batch 64, median of 150): {ms:.3f} ms")

@@ -19,12 +19,13 @@ speculative-verification rows, which carry several query tokens) before plain de
 
 Decode fast path: when a step scheduled every running request as a plain decode row (no
 drafts), its rows are remembered as a `DecodeBatch`. The next step reuses them as long as the
-running list is the same (same requests, same order: nothing finished, was aborted, preempted
-or admitted), no waiting request could be admitted, and the budget holds the batch: one
-``KVCacheManager.extend_many`` grows every request, instead of one ``extend`` each. If that
-runs out of blocks, the requests it did extend are rewound (their new blocks stay as reserved
-blocks, exactly where the per-request loop puts them) and the general loop below decides who
-is preempted, so both paths schedule the same rows and allocate the same blocks.
+running list is the same (same requests, same order: nothing was preempted or admitted; a
+finished or aborted request leaves the batch), no waiting request could be admitted, and the
+budget holds the batch: one ``KVCacheManager.extend_many`` grows every request, instead of one
+``extend`` each. If that runs out of blocks, the requests it did extend are rewound (their new
+blocks stay as reserved blocks, exactly where the per-request loop puts them) and the general
+loop below decides who is preempted, so both paths schedule the same rows and allocate the
+same blocks.
 """
 
 from __future__ import annotations
@@ -151,10 +152,25 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.manager.free(request.request_id)
             self.running.remove(request)
+            self._drop_from_decode_batch(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def _drop_from_decode_batch(self, request: Request) -> None:
+        """A finished request leaves the remembered decode batch: the others still decode,
+        in the same order, so the next step can take the fast path (a new, smaller batch;
+        the current step's batch object is not changed)."""
+        if self._decode is None:
+            return
+        key, batch = self._decode
+        if not any(r is request for r in key):
+            return
+        seqs = [s for s in batch.seqs if s.request is not request]
+        self._decode = (
+            (tuple(s.request for s in seqs), DecodeBatch.from_seqs(seqs)) if seqs else None
+        )
 
     def _preempt(self, request: Request) -> None:
         self.manager.free(request.request_id)

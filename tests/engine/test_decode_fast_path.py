@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from functools import partial
 
 import pytest
 
@@ -22,7 +21,6 @@ from kvplan.engine.request import Request, RequestStatus
 from kvplan.engine.scheduler import Scheduler
 from kvplan.models.config import named_config
 
-LLM = partial(_LLM, device="cpu")
 CFG = named_config("tiny-llama")
 
 
@@ -147,15 +145,14 @@ def _workload(seed: int):
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_engine_fast_paths_equal_general_loop(seed):
-    """Same requests, aborts and arrivals through two engines, one with the fast paths off:
-    identical tokens, finish reasons, stop cuts, preemptions and prefix-cache state."""
+def _run_fast_and_general(seed: int, **llm_kw) -> list:
+    """Same requests, aborts and arrivals through two engines, one with the fast paths off;
+    checks identical tokens, finish reasons, stop cuts, preemptions and prefix-cache state.
+    Returns the two engines."""
     work = _workload(seed)
     engines = []
     for fast in (True, False):
-        llm = LLM(CFG, backend="block_offsets", block_size=4, max_model_len=48,
-                  max_num_seqs=6, num_blocks=16)  # fmt: skip
+        llm = _LLM(CFG, block_size=4, max_model_len=48, max_num_seqs=6, num_blocks=16, **llm_kw)
         core = llm.engine
         core.eos_token_ids = frozenset(range(0, CFG.vocab_size, 7))
         core.decode_text = lambda ids: "".join(chr(97 + t % 26) for t in ids)
@@ -190,6 +187,19 @@ def test_engine_fast_paths_equal_general_loop(seed):
     assert _manager_state(managers[0]) == _manager_state(managers[1])
     assert engines[0].scheduler.num_preemptions == engines[1].scheduler.num_preemptions > 0
     assert managers[0].num_free_blocks() == 15
+    return engines
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_engine_fast_paths_equal_general_loop(seed):
+    _run_fast_and_general(seed, device="cpu", backend="block_offsets")
+
+
+@pytest.mark.gpu
+def test_engine_fast_paths_equal_general_loop_with_cuda_graphs():
+    fast, general = _run_fast_and_general(0, device="cuda", dtype="float32")
+    assert fast.runner.graphs is not None and fast.runner.graphs.num_replays > 0
+    assert general.runner.graphs.num_replays > 0
 
 
 def test_decode_batch_lists_are_reused_while_the_batch_is_unchanged():
@@ -208,7 +218,9 @@ def test_decode_batch_lists_are_reused_while_the_batch_is_unchanged():
     assert batches[0] is None and batches[1] is not None
     assert batches[2] is batches[1] and batches[3] is batches[1]
     assert batches[1].request_ids == [0, 1, 2] and batches[1].all_greedy
-    s.finish(reqs[1], "abort")  # the running list changed: a new batch
+    s.finish(reqs[1], "abort")  # it leaves the batch; the others keep the fast path
+    assert batches[1].request_ids == [0, 1, 2]  # the batch given out is never changed
+    remembered = s._decode[1]
     out = s.schedule()
-    assert out.decode_batch is not batches[1] and out.decode_batch.request_ids == [0, 2]
+    assert out.decode_batch is remembered and out.decode_batch.request_ids == [0, 2]
     assert [mgr.num_tokens(i) for i in (0, 2)] == [7, 7]  # 3 prompt + 4 decode steps
