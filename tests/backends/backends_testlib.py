@@ -354,3 +354,34 @@ def fp8_reference(sc: Scenario, layer: int, window: int | None) -> torch.Tensor:
             vv.reshape(-1, hkv, d)[:kv_len].double().cpu(),
         )
     return reference_attention(sc, layer, window)
+
+
+def step_tensors(md, name: str, num_pools: int) -> dict[str, list]:
+    """Every device field one step's kernels read (as lists), plus the host tables."""
+    n = md.num_seqs
+    out = {"seq_lens_gpu": md.seq_lens_gpu.tolist()}
+    for p in range(num_pools):
+        slots = md.slot_mapping(p)
+        out[f"slots{p}"] = (str(slots.dtype), slots.tolist())
+    if name == "vanilla":
+        for p in range(num_pools):
+            table = md.block_ids_per_seq_gpu[p]
+            assert torch.equal(table.cpu(), torch.from_numpy(md.block_ids_per_seq[p]))
+            out[f"table{p}"] = table.tolist()
+    elif name == "ragged":
+        out["qo_indptr"] = md.qo_indptr[: n + 1].tolist()
+        for field in ("paged_kv_indptr", "paged_kv_indptr_prefill", "paged_kv_indptr_decode",
+                      "paged_kv_last_page_len", "kv_lens", "batch_indices", "positions"):  # fmt: skip
+            out[field] = getattr(md, field).tolist()
+        for p in range(num_pools):
+            out[f"indices{p}"] = md.paged_kv_indices(p).tolist()
+        out["qo_decode"] = md.arena.view("qo_indptr_decode")[: md.num_generations + 1].tolist()
+    else:
+        out["qo_indptr"] = md.qo_indptr[: n + 1].tolist()
+        out["qo_gen"] = md.arena.view("qo_indptr_gen")[: md.num_generations + 1].tolist()
+        out["kv_lens_cuda"] = md.kv_lens_cuda.tolist()
+        out["types"] = md.host_request_types[:n].tolist()
+        out["totals"] = md.host_total_kv_lens.tolist()
+        w = md.copied_width
+        out["offsets"] = md.kv_cache_block_offsets[:, :n, :, :w].tolist()
+    return out

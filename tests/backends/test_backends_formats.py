@@ -160,7 +160,7 @@ def test_generation_rows_need_a_cache(cls):
         md.prepare()
 
 
-@pytest.mark.parametrize("name", ["vanilla", "ragged"])
+@pytest.mark.parametrize("name", ["vanilla", "ragged", "block_offsets"])
 def test_vswa_layers_read_their_own_pool(name):
     specs = random_specs(4, num_ctx=2, num_gen=3)
     sc = make_scenario(4, specs, layer_windows=(None, 6, None), remap_pools=True)
@@ -170,6 +170,10 @@ def test_vswa_layers_read_their_own_pool(name):
     if name == "ragged":
         a, b = md.paged_kv_indices(0).tolist(), md.paged_kv_indices(1).tolist()
         assert len(a) == len(b) and all(x + y == 200 for x, y in zip(a, b))
+    if name == "block_offsets":
+        n = md.num_seqs
+        a, b = md.kv_cache_block_offsets[0, :n], md.kv_cache_block_offsets[1, :n]
+        assert ((a + b == 200) | ((a == 0) & (b == 0))).all() and (a > 0).any()
     assert md.slot_mapping(0).tolist() != md.slot_mapping(1).tolist()
     for layer, window in enumerate(sc.layer_windows):
         out = cls(layer, 4, 2, 16, sliding_window=window).forward(

@@ -13,9 +13,12 @@ from kvplan.backends import (
     VanillaAttentionMetadata,
     get_backend,
 )
+from kvplan.backends.host_arrays import as_lengths
 from kvplan.backends.ledger import (
     check_allocated,
+    decode_last_blocks,
     decode_token_slots,
+    flat_page_index,
     logical_num_blocks,
     new_token_slots,
     table_rows,
@@ -205,3 +208,66 @@ def test_cuda_graph_metadata_is_decode_only():
         md.prepare()
     with pytest.raises(ValueError, match="CUDA"):
         VanillaAttentionMetadata(max_num_requests=4, max_num_tokens=32, is_cuda_graph=True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_as_lengths_against_numpy(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 40))
+    ints = rng.integers(0, 5 if seed % 2 else 2, size=n).tolist()
+    forms = [ints, tuple(ints), np.array(ints, np.int32), np.array(ints, np.int64),
+             torch.tensor(ints, dtype=torch.int32), [1] * n]  # fmt: skip
+    for value in forms:
+        want = np.asarray(value, dtype=np.int64)
+        arr, total, all_ones = as_lengths("x", value)
+        assert arr.dtype == np.int32 and arr.tolist() == want.tolist()
+        assert total == int(want.sum())
+        assert all_ones == (n > 0 and bool((want == 1).all()))
+        if isinstance(value, np.ndarray):
+            assert not np.shares_memory(arr, value), "a private copy"
+    for bad, exc, msg in [([3, -1], ValueError, "-1"), ([1, 2**31], ValueError, "overflows"),
+                          ([1, 1.0], TypeError, "integers"), ([1, 2**32, -(2**32)], ValueError, "-4294967296"),
+                          (np.array([2, -3], np.int32), ValueError, "-3")]:  # fmt: skip
+        with pytest.raises(exc, match=msg):
+            as_lengths("x", bad)
+
+
+def test_arena_begin_out_commit_stages_one_private_snapshot():
+    arena = DeviceArena({"a": 4, "b": 8}, torch.device("cpu"), private_snapshots=True)
+    host = arena.begin(arena.end_of("b", 3))
+    arena.put(host, "a", np.array([1, 2], np.int32))
+    np.add(np.arange(3, dtype=np.int32), 7, out=arena.out(host, "b", 3))
+    assert arena.view("b")[:3].tolist() == [0, 0, 0], "nothing reaches the device before commit"
+    arena.commit()
+    snap = arena.last_snapshot
+    assert arena.view("a")[:2].tolist() == [1, 2] and arena.view("b")[:3].tolist() == [7, 8, 9]
+    host2 = arena.begin(arena.end_of("a", 1))
+    assert not np.shares_memory(host, host2), "every step stages through a fresh snapshot"
+    arena.put(host2, "a", np.array([5], np.int32))
+    arena.commit()
+    assert snap.tolist()[4:7] == [7, 8, 9] and arena.view("a")[:1].tolist() == [5]
+    with pytest.raises(ValueError, match="capacity"):
+        arena.out(arena.begin(12), "a", 5)
+    with pytest.raises(ValueError, match="exceeds the arena"):
+        arena.begin(13)
+
+
+def test_flat_page_index_against_a_loop():
+    rng = np.random.default_rng(0)
+    width, n = 7, 9
+    rows = rng.permutation(20)[:n].astype(np.int64)
+    num_blocks = rng.integers(0, width + 1, size=n).astype(np.int32)
+    indptr = np.concatenate([[0], np.cumsum(num_blocks)]).astype(np.int32)
+    got = flat_page_index(rows * width, indptr, num_blocks, np.arange(200, dtype=np.int64))
+    want = [r * width + j for r, nb in zip(rows.tolist(), num_blocks.tolist()) for j in range(nb)]
+    assert got.tolist() == want
+
+
+def test_decode_last_blocks_checks_the_table():
+    table = np.array([[4, 9, 0], [3, 0, 0]], np.int32)
+    rows = table_rows(table)
+    assert decode_last_blocks(rows, np.array([1, 0]), 1).tolist() == [9, 3]
+    with pytest.raises(ValueError, match="sequence 1 needs 2 blocks .* holds fewer"):
+        decode_last_blocks(rows, np.array([1, 1]), 1)
+    with pytest.raises(ValueError, match="sequence 0 needs 4 blocks .* 3 columns"):
+        decode_last_blocks(rows, np.array([3, 0]), 3)

@@ -63,6 +63,33 @@ def test_copy_matches_per_row_loop(cross):
         assert np.array_equal(want[:, 2], want[:, 3]) and np.array_equal(want[:, 3], want[:, 4])
 
 
+@pytest.mark.parametrize("cross", [False, True])
+def test_batch_tables_name_the_rows_of_the_per_row_loop(cross):
+    m, ids = make_batch()
+    bt = m.batch_tables(ids, 3, 2, cross=cross)
+    want = offsets_ref(m, ids, 3, 2, cross=cross)[:, :, 0]  # [pools, rows, width]
+    assert np.array_equal(bt.tables[:, bt.rows], want)
+    counts = bt.num_allocated[bt.rows]
+    assert counts.tolist() == [int((row != 0).sum()) for row in want[0]]
+    assert not bt.tables.flags.writeable and not bt.num_allocated.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        bt.tables[0, 0, 0] = 5
+    with pytest.raises(ValueError, match="beam_width 1, the batch says 3"):
+        m.batch_tables(ids, 3, 1)  # a beam-1 request among the generation requests
+
+
+def test_batch_tables_follow_the_tables_when_they_grow():
+    m = KVCacheManager(400, 2, max_blocks_per_seq=4, enable_prefix_caching=False)
+    m.add_request("a", [1, 2, 3])
+    first = m.batch_tables(["a"])
+    assert m.batch_tables(["a"]).tables is first.tables, "one read-only view per array"
+    for i in range(70):  # past the initial 64 table rows: the manager reallocates its tables
+        m.add_request(i, [1])
+    bt = m.batch_tables(["a", 69])
+    want = [m.get_block_ids("a") + [0, 0], m.get_block_ids(69) + [0] * 3]
+    assert bt.tables[0, bt.rows].tolist() == want
+
+
 def test_row_count_and_beam_checks():
     m, ids = make_batch()
     dst = torch.zeros((2, 16, 2, 6), dtype=torch.int32)
