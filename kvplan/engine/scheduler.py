@@ -201,7 +201,7 @@ class Scheduler:
 
     def _schedule_decode_batch(self) -> SchedulerOutput | None:
         """The last step's decode rows again, if nothing changed (module docstring)."""
-        if self._decode is None:
+        if self._decode is None or self.propose_drafts is not None:
             return None
         key, batch = self._decode
         running = self.running
