@@ -8,13 +8,17 @@ import torch
 
 from kvplan.models.llama import LlamaForCausalLM
 
+# Where the Triton kernels run: the GPU when there is one, else the interpreter on the CPU
+# (tests/conftest.py sets TRITON_INTERPRET=1 there).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def gen(seed: int) -> torch.Generator:
     """A seeded CPU generator (cases are drawn on the CPU, then moved)."""
     return torch.Generator().manual_seed(seed)
 
 
-def randn(gen, *shape, dtype=torch.float32, device="cpu", scale=1.0) -> torch.Tensor:
+def randn(gen, *shape, dtype=torch.float32, device=DEVICE, scale=1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
 
 
@@ -32,7 +36,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def qkv_case(seed, t, h, hkv, d, norm, dtype=torch.float32, device="cpu", max_pos=40):
+def qkv_case(seed, t, h, hkv, d, norm, dtype=torch.float32, device=DEVICE, max_pos=40):
     """Random ``(qkv, positions, cos, sin), kwargs`` for `qkv_epilogue` (cos/sin tables of
     random angles, duplicated over both halves as `RotaryTable` builds them)."""
     g = gen(seed)
@@ -65,7 +69,7 @@ class DenseCausal:
 
 
 def model_with_random_weights(
-    cfg, seed, dtype=torch.float32, device="cpu", **kw
+    cfg, seed, dtype=torch.float32, device=DEVICE, **kw
 ) -> LlamaForCausalLM:
     """A model on `DenseCausal` with O(1) activations: unit-gain matrices, norm weights
     ``1 + 0.2 N(0, 1)`` (so that every weight multiply matters), random biases/embeddings."""

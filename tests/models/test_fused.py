@@ -1,7 +1,7 @@
 """Fused model kernels (`kvplan.models.fused`): Triton == torch path == independent reference.
 
-CPU: each kernel under the Triton interpreter on tiny fp32 shapes (few programs), the fused
-model against the unfused one, sm_90 compiles. GPU (``gpu`` marker): bf16/fp16 kernels against
+Each kernel on tiny fp32 shapes (few programs) under the Triton interpreter on CPU, or on the
+GPU when there is one; the fused model against the unfused one; sm_90 compiles. GPU (``gpu`` marker): bf16/fp16 kernels against
 the torch path with the agreement the module docstring claims (bit-exact or 1 ulp), the whole
 model fused vs unfused, inside a CUDA graph, and through the engine.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fused_testlib import (
+    DEVICE,
     DenseCausal,
     gen,
     model_with_random_weights,
@@ -91,7 +92,8 @@ def test_qkv_epilogue_kernel_fp32(t, h, hkv, d, norm, tile_h):
 def test_qkv_epilogue_bad_positions_poison_and_caller_errors():
     args, kw = qkv_case(7, 3, 2, 1, 16, False, max_pos=8)
     qkv, pos, cos, sin = args
-    q, k, v = fused.qkv_epilogue_triton(qkv, torch.tensor([8, 2, -1]), cos, sin, **kw)
+    bad = torch.tensor([8, 2, -1], device=DEVICE)
+    q, k, v = fused.qkv_epilogue_triton(qkv, bad, cos, sin, **kw)
     assert q[0].isnan().all() and k[2].isnan().all() and not q[1].isnan().any()
     assert torch.equal(v, qkv.view(3, 4, 16)[:, 3:])  # v is copied whatever the position
     with pytest.raises(ValueError, match="qkv must be"):
@@ -115,7 +117,7 @@ def test_silu_and_mul_kernel_fp32(t, inter, tile):
         fused.silu_and_mul_triton(gate_up[:, :-1])
 
 
-def test_kernels_bf16_under_interpreter_within_rounding():
+def test_kernels_bf16_within_rounding():
     """Runs the bf16 code paths (the interpreter truncates fp32->bf16, so a few ulp apart)."""
     bf = torch.bfloat16
     args, kw = qkv_case(3, 3, 2, 1, 16, True, dtype=bf)
@@ -172,17 +174,20 @@ CPU_CONFIGS = {
 
 
 @pytest.mark.parametrize("name", sorted(CPU_CONFIGS))
-def test_fused_model_equals_unfused_fp32_interpreter(name):
+def test_fused_model_equals_unfused_fp32(name):
     cfg = CPU_CONFIGS[name]
     model = model_with_random_weights(cfg, seed=1)
     assert model.fused_kernels is None
-    ids = torch.randint(0, cfg.vocab_size, (7,), generator=gen(2))
-    pos = torch.arange(7)
-    want = model(ids, pos, None)  # CPU: fused_kernels=None -> torch path
+    ids = torch.randint(0, cfg.vocab_size, (7,), generator=gen(2)).to(DEVICE)
+    pos = torch.arange(7, device=DEVICE)
+    auto = model(ids, pos, None)  # fused_kernels=None: kernels on CUDA, torch path on CPU
+    model.fused_kernels = False
+    want = model(ids, pos, None)
     model.fused_kernels = True
     got = model(ids, pos, None)
+    assert torch.equal(auto, got if DEVICE == "cuda" else want)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    rows = torch.tensor([6, 2])
+    rows = torch.tensor([6, 2], device=DEVICE)
     torch.testing.assert_close(model(ids, pos, None, rows), want[rows], atol=1e-5, rtol=1e-5)
 
 
