@@ -25,6 +25,11 @@ Vocabulary
 Running out of blocks (or state slots) returns ``AllocationResult(ok=False, ...)`` and changes
 nothing; caller errors (unknown id, double free, a sequence longer than
 ``max_blocks_per_seq`` blocks) raise ``ValueError``.
+
+A decode step's per-request calls have batched forms, ``extend_many`` (-> a
+``BatchAllocationResult``) and ``commit_tokens_many`` (``_batched.py``), equal to the
+per-request calls in order but with numpy work over the batch and Python work only where a
+block is allocated or fills.
 """
 
 from __future__ import annotations

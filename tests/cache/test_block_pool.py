@@ -150,3 +150,6 @@ def test_random_ops_against_a_list_model():
                 refs[b] += 1
         assert pool.free_block_ids() == free
         assert all(pool.ref_count(b) == refs[b] for b in refs)
+        # allocation evicts exactly the popped blocks' hashes
+        assert pool.num_cached_blocks == len(hashes)
+        assert all(pool.lookup(h) == b and pool.block_hash(b) == h for b, h in hashes.items())
