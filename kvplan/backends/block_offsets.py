@@ -48,21 +48,15 @@ from kvplan.backends.host_arrays import SUM, as_int32_array
 from kvplan.backends.ledger import (
     PerBatch,
     batch_tables,
-    decode_last_blocks,
-    decode_token_slots,
-    flat_page_index,
     gather_rows,
-    last_needed_blocks,
     logical_num_blocks,
-    new_token_slots,
-    pool_rows,
 )
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.paged import (
     PagedSegment,
     PagedView,
     attend_page_table,
-    page_load_plan,
+    stage_page_loads,
     stage_without_cache,
 )
 from kvplan.backends.staging import DeviceArena, to_device
@@ -137,8 +131,6 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             self._num_pools, s, 2, width
         )
         self.copied_width = width
-        self._block_size = 0 if mgr is None else int(mgr.block_size)
-        self._row_starts = PerBatch(lambda rows: rows * width)  # table row -> flat offset
         self._rows_twice = PerBatch(lambda rows: rows.repeat(2))  # K and V rows of a row
         self._flat_arange = np.arange(s * width if self._load_pages else 0, dtype=np.int64)
         self.prompt_lens_cuda = self.arena.view("prompt_lens")
@@ -199,30 +191,11 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             raise ValueError(
                 f"kv_lens reach {max_kv}, past the manager's max_seq_len {mgr.max_seq_len}"
             )
-        cached = self.cached_np
-        # decode: one new token per row at position cached, the last addressable one
+        # validate everything before staging starts (a CPU arena is written in place); a
+        # decode step's new token is each row's last addressable one (no draft tokens)
         decode = self.one_kv_token_per_row and not extra and self.decode_fast_path
-        bt = batch_tables(mgr, self.request_ids, beam_width=self.beam_width,
-                          num_contexts=nc, cross=self.is_cross)  # fmt: skip
-        pools = [pool_rows(bt, p, self._row_starts(bt.rows)) for p in range(num_pools)]
-        # validate everything before staging starts (a CPU arena is written in place)
-        what = "kv_lens (incl. num_extra_kv_tokens)"
-        if decode:
-            column, in_block = cached // np.int32(bs), cached % np.int32(bs)
-            lasts = [decode_last_blocks(t, column, (max_kv - 1) // bs, what) for t in pools]
-            num_pages = column + 1
-        else:
-            num_pages = logical_num_blocks(self.kv_lens, bs)
-            max_needed = -(-max_kv // bs)
-            for t in pools:
-                last_needed_blocks(t, num_pages, what, max_needed=max_needed)
-            end_blocks = None if extra else num_pages  # blocks up to each row's last new token
-            slots = [
-                new_token_slots(
-                    t, cached, self._kv_np, bs, end_blocks=end_blocks, arange=self._arange
-                )
-                for t in pools
-            ]
+        step = self._step_rows(decode=decode, extra_tokens=extra)
+        bt, num_pages = step.tables, step.num_needed
         arena = self.arena
         num_loaded = int(SUM(num_pages)) if self._load_pages and n else 0
         row_span, pool_span = 2 * width, self.max_num_sequences * 2 * width
@@ -243,47 +216,25 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             arena.put(host, "qo_indptr_gen", cu_q)
         if prompt is not None:  # prompt_lens_cuda is an arena view: staged with the rest
             arena.put(host, "prompt_lens", prompt)
-        table = arena.out(host, "block_offsets", num_pools * pool_span if num_pools > 1 else 0)
         rows_twice = self._rows_twice(bt.rows)
         for p in range(num_pools):
-            out = arena.out(host, f"slots{p}", self._num_kv_tokens)
-            if decode:
-                decode_token_slots(lasts[p], cached, bs, out, in_block)
-            else:
-                out[:] = slots[p]
+            step.write_slots(
+                p, self.cached_np, bs, arena.out(host, f"slots{p}", self._num_kv_tokens)
+            )
             # rows [0, n) of pool p: K and V entries both name the block (rows_twice)
             start = arena.offsets["block_offsets"] + p * pool_span
             gather_rows(bt, p, host[start : start + n * row_span].reshape(2 * n, width), rows_twice)
             if p < num_pools - 1:  # inside the copied prefix: rows past the batch read 0
-                table[p * pool_span + n * row_span : (p + 1) * pool_span] = 0
+                host[start + n * row_span : start + pool_span] = 0
         if self.is_cross:
             q_rows = self._arange[:n].repeat(self._seq_lens_np)
             arena.put(host, "tok_page_start", q_rows * np.int32(row_span))
             arena.put(host, "tok_kv_lens", valid[q_rows])
         if self._load_pages:
-            self._stage_page_loads(host, pools, num_pages, num_loaded)
+            self.num_loaded_pages = stage_page_loads(self, host, step.pools, num_pages, num_loaded)
         arena.commit()
         if self.enable_block_id_tables:
             self.prepare_block_id_tables()
-
-    def _stage_page_loads(
-        self, host: np.ndarray, pools: list, num_pages: np.ndarray, num_loaded: int
-    ) -> None:
-        """fp8: the pages each row may read (``ceil(kv_lens / block_size)``, draft tokens
-        included), row by row, as a load plan per pool plus their row starts, into the
-        staging buffer ``host``. The kernels then read the compact cache through
-        ``page_ids = arange`` and ``page_start`` instead of the block-offset table."""
-        arena, n = self.arena, num_pages.size
-        start = arena.out(host, "page_start", n + 1)
-        start[0] = 0
-        num_pages.cumsum(out=start[1:])
-        index = flat_page_index(pools[0].row_start, start, num_pages, self._flat_arange)
-        for p, rows in enumerate(pools):
-            pages = rows.flat.take(index, mode="clip")  # in range: rows own these columns
-            arena.put(host, f"load{p}", page_load_plan(pages, self._block_size))
-        if self.is_cross:
-            arena.put(host, "tok_loaded_start", start[self._arange[:n].repeat(self._seq_lens_np)])
-        self.num_loaded_pages = num_loaded
 
     def prepare_block_id_tables(self) -> None:
         """MLA-style ``kv_block_ids_per_seq`` (all rows) and ``block_ids_per_seq`` (generation

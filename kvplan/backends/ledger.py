@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvplan.backends.host_arrays import ALL, MAX, MIN, SUM
-from kvplan.cache.block_offsets import BatchTables
+from kvplan.cache.batch_tables import BatchTables
 
 
 class TableRows(NamedTuple):
@@ -278,29 +278,28 @@ def decode_token_slots(
     return out
 
 
-def token_slots(
-    rows: TableRows,
-    num_needed: np.ndarray,
-    cached: np.ndarray,
-    new_lens: np.ndarray,
-    block_size: int,
-    *,
-    decode: bool,
-    offset_in_block: np.ndarray | None = None,
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """Check that every row owns its first ``num_needed[b]`` blocks, then the new tokens'
-    slots (int32, or written into ``out``): from the rows' last needed blocks on a ``decode``
-    step (one new token per row, ``num_needed = ceil((cached + 1) / block_size)``), else
-    ``new_token_slots``."""
-    last = last_needed_blocks(rows, num_needed, all_positive=decode)
-    if decode:
-        return decode_token_slots(last, cached, block_size, out, offset_in_block)
-    slots = new_token_slots(rows, cached, new_lens, block_size)
-    if out is None:
-        return slots
-    out[:] = slots
-    return out
+class StepRows(NamedTuple):
+    """One step's validated view of the batch's block tables (``AttentionMetadata._step_rows``).
+
+    ``tables``: the manager's rows (``BatchTables``); ``pools``: each pool's ``TableRows``;
+    ``num_needed``: int32 ``[n]`` blocks each row owns (checked). A decode step (one new K/V
+    token per row) keeps each pool's block of the new token (``last_blocks``) and ``cached %
+    block_size`` (``in_block``); any other step keeps each pool's slots (``slots``).
+    """
+
+    tables: BatchTables
+    pools: list[TableRows]
+    num_needed: np.ndarray
+    last_blocks: list[np.ndarray] | None
+    in_block: np.ndarray | None
+    slots: list[np.ndarray] | None
+
+    def write_slots(self, pool: int, cached: np.ndarray, block_size: int, out: np.ndarray):
+        """Pool ``pool``'s new-token slots into ``out`` (int32 or int64 ``[num_kv_tokens]``)."""
+        if self.last_blocks is None:
+            out[:] = self.slots[pool]
+        else:
+            decode_token_slots(self.last_blocks[pool], cached, block_size, out, self.in_block)
 
 
 class PerBatch:

@@ -42,16 +42,26 @@ import torch
 
 from kvplan.backends.host_arrays import (
     MAX,
-    SUM,
     IntArrayLike,
     as_lengths,
     exclusive_cumsum,
 )
+from kvplan.backends.ledger import (
+    PerBatch,
+    StepRows,
+    batch_tables,
+    decode_last_blocks,
+    last_needed_blocks,
+    logical_num_blocks,
+    new_token_slots,
+    pool_rows,
+)
 from kvplan.backends.sparse import SparseMetadataParams, SparseRuntimeParams
-from kvplan.backends.staging import copy_to, host_empty, use_pinned
+from kvplan.backends.staging import use_pinned
+from kvplan.backends.step_shape import StepShape
 
 
-class AttentionMetadata:
+class AttentionMetadata(StepShape):
     """Per-step attention metadata; subclasses' ``prepare()`` build their kernel formats.
 
     Args:
@@ -130,20 +140,7 @@ class AttentionMetadata:
         self.prompt_lens: list[int] | None = None
         self.num_cached_tokens_per_seq: IntArrayLike | None = None
         self.beam_width = 1
-        # derived host values, rebuilt by on_update() / prepare()
-        self._seq_lens: torch.Tensor | None = None  # made from _seq_lens_np on first read
-        self._seq_lens_set = False
-        self._seq_lens_np = np.zeros(0, np.int32)
-        self._seq_lens_all_ones = False
-        self._seq_lens_kv: torch.Tensor | None = None
-        self._seq_lens_kv_np: np.ndarray | None = None
-        self._seq_lens_kv_total, self._seq_lens_kv_all_ones = 0, False
-        self._num_contexts = 0
-        self._num_seqs = 0
-        self._num_generations = 0
-        self._num_ctx_tokens: int | None = 0
-        self._num_tokens = 0
-        self._num_kv_tokens = 0
+        self._init_step_shape()  # seq_lens, seq_lens_kv, num_contexts and derived counts
         self.prepared = False
         self.kv_lens_np = np.zeros(0, np.int32)
         self.max_kv_len = 0
@@ -155,148 +152,12 @@ class AttentionMetadata:
         # 0, 1, ..., as read-only int32 (cu_seqlens_q of a decode step, row numbers)
         self._arange = np.arange(max(max_num_sequences, max_num_tokens) + 1, dtype=np.int32)
         self._arange.flags.writeable = False
+        mgr = kv_cache_manager
+        self._block_size = 0 if mgr is None else int(mgr.block_size)
+        width = 0 if mgr is None else int(mgr.max_blocks_per_seq)
+        self._row_starts = PerBatch(lambda rows: rows * width)  # table row -> flat offset
         # device copy of seq_lens, allocated once at capacity and written in place
         self._seq_lens_gpu = torch.zeros(max_num_sequences, dtype=torch.int32, device=self.device)
-        self._seq_lens_pending = False
-
-    # ---------------------------------------------------------------- per-step shape
-    @property
-    def seq_lens(self) -> torch.Tensor | None:
-        """Query tokens of each sequence this step: int32 CPU tensor ``[num_seqs]``."""
-        if self._seq_lens is None and self._seq_lens_set:
-            # arr is a fresh array (as_int32_array copies), so this tensor is never rewritten;
-            # made on first read only (prepare() works on the numpy array)
-            self._seq_lens = torch.from_numpy(self._seq_lens_np)
-        return self._seq_lens
-
-    @seq_lens.setter
-    def seq_lens(self, value: IntArrayLike) -> None:
-        arr, total, all_ones = as_lengths("seq_lens", value)
-        if arr.size > self.max_num_sequences:
-            raise ValueError(
-                f"seq_lens has {arr.size} sequences, more than max_num_sequences="
-                f"{self.max_num_sequences}"
-            )
-        self._seq_lens = None
-        self._seq_lens_set = True
-        self._seq_lens_np = arr
-        # The device copy is written in place (never reallocated: a captured graph keeps
-        # reading the same address), but lazily: prepare() stages it with its other fields in
-        # one host-to-device copy; reading seq_lens_gpu before that copies it on the spot.
-        self._seq_lens_pending = True
-        self._seq_lens_all_ones = all_ones
-        self._num_tokens = total
-        self.on_update()
-
-    @property
-    def seq_lens_gpu(self) -> torch.Tensor:
-        """Device copy of ``seq_lens``: int32 ``[num_seqs]`` view of a capacity buffer."""
-        if self._seq_lens_pending:
-            self._flush_seq_lens()
-        return self._seq_lens_gpu[: self._num_seqs]
-
-    def _flush_seq_lens(self) -> None:
-        """Copy ``seq_lens`` to its device buffer now, from a private (pinned) snapshot."""
-        arr = self._seq_lens_np
-        snapshot = host_empty(arr.size, torch.int32, self.pinned)
-        snapshot.numpy()[:] = arr
-        copy_to(self._seq_lens_gpu[: arr.size], snapshot)
-        self._seq_lens_pending = False
-
-    def _stage_seq_lens(self, values: dict) -> None:
-        """For backends whose ``_seq_lens_gpu`` is the ``"seq_lens"`` field of their
-        ``DeviceArena``: add the pending device copy to this step's staged ``values``."""
-        if self._seq_lens_pending:
-            values["seq_lens"] = self._seq_lens_np
-            self._seq_lens_pending = False
-
-    def _put_seq_lens(self, arena, host: np.ndarray) -> None:
-        """``_stage_seq_lens`` for a staging in progress (``host = arena.begin(...)``, which
-        must cover the ``"seq_lens"`` field)."""
-        if self._seq_lens_pending:
-            arena.put(host, "seq_lens", self._seq_lens_np)
-            self._seq_lens_pending = False
-
-    # the seed's name for the same tensor
-    seq_lens_cuda = seq_lens_gpu
-
-    @property
-    def seq_lens_kv(self) -> torch.Tensor | None:
-        """KV tokens written this step per sequence; the ``seq_lens`` object itself unless set."""
-        return self.seq_lens if self._seq_lens_kv is None else self._seq_lens_kv
-
-    @seq_lens_kv.setter
-    def seq_lens_kv(self, value: IntArrayLike | None) -> None:
-        if value is None:
-            self._seq_lens_kv, self._seq_lens_kv_np = None, None
-        else:
-            arr, total, all_ones = as_lengths("seq_lens_kv", value)
-            self._seq_lens_kv = torch.from_numpy(arr)
-            self._seq_lens_kv_np = arr
-            self._seq_lens_kv_total, self._seq_lens_kv_all_ones = total, all_ones
-        self.on_update()
-
-    @property
-    def seq_lens_kv_np(self) -> np.ndarray:
-        return self._seq_lens_np if self._seq_lens_kv_np is None else self._seq_lens_kv_np
-
-    @property
-    def is_cross(self) -> bool:
-        """Cross attention iff ``seq_lens_kv`` is a different object from ``seq_lens``.
-
-        (The ``seq_lens_kv`` setter always stores a fresh tensor, so that is exactly "one was
-        assigned"; tested without the two property calls, as prepare() asks often.)"""
-        return self._seq_lens_kv is not None
-
-    @property
-    def num_contexts(self) -> int:
-        return self._num_contexts
-
-    @num_contexts.setter
-    def num_contexts(self, value: int) -> None:
-        if not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"num_contexts must be an int >= 0, got {value!r}")
-        self._num_contexts = int(value)
-        self.on_update()
-
-    def on_update(self) -> None:
-        """Recompute the derived counts from host values (called by every shape setter)."""
-        self.prepared = False
-        lens = self._seq_lens_np
-        nc = self._num_contexts
-        self._num_seqs = n = lens.size
-        # (num_contexts may exceed the row count between two setter calls; prepare() checks)
-        self._num_ctx_tokens = None if nc else 0  # sum(seq_lens[:nc]), taken when first read
-        self._num_generations = max(0, n - nc)
-        # _num_tokens = sum(seq_lens) is kept by the seq_lens setter (and sum(seq_lens_kv) by
-        # the seq_lens_kv setter)
-        kv = self._seq_lens_kv_np
-        self._num_kv_tokens = self._num_tokens if kv is None else self._seq_lens_kv_total
-
-    @property
-    def num_seqs(self) -> int:
-        return self._num_seqs
-
-    @property
-    def num_generations(self) -> int:
-        """Generation rows (after beam expansion)."""
-        return self._num_generations
-
-    @property
-    def num_ctx_tokens(self) -> int:
-        if self._num_ctx_tokens is None:  # (prepare() reads it off cu_seqlens_q instead)
-            self._num_ctx_tokens = int(SUM(self._seq_lens_np[: self._num_contexts]))
-        return self._num_ctx_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        """Query tokens this step (rows of q). Deviation from the seed: never the KV count."""
-        return self._num_tokens
-
-    @property
-    def num_kv_tokens(self) -> int:
-        """New K/V rows this step (rows of k and v); equals ``num_tokens`` unless cross."""
-        return self._num_kv_tokens
 
     # ---------------------------------------------------------------- prepare
     def prepare(self) -> None:
@@ -395,6 +256,39 @@ class AttentionMetadata:
         else:
             self.one_kv_token_per_row = self._seq_lens_kv_all_ones
             self.cu_seqlens_kv_np = exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
+
+    def _step_rows(self, *, decode: bool, extra_tokens: int = 0) -> StepRows:
+        """The batch's block-table rows in every pool, checked, and the new tokens' slots
+        (backends with a ``kv_cache_manager``; call after ``_prepare_common``).
+
+        Every row must own the blocks of its first ``kv_lens + extra_tokens`` tokens. On a
+        ``decode`` step (one new K/V token per row at position ``cached``; needs
+        ``extra_tokens == 0``) that is the block of the new token, gathered once per pool, and
+        each slot follows from it; otherwise ``new_token_slots`` runs per pool.
+        """
+        bs, cached = self._block_size, self.cached_np
+        bt = batch_tables(self.kv_cache_manager, self.request_ids, beam_width=self.beam_width,
+                          num_contexts=self._num_contexts, cross=self.is_cross)  # fmt: skip
+        start = self._row_starts(bt.rows)
+        pools = [pool_rows(bt, p, start) for p in range(self._num_pools)]
+        if decode:
+            assert not extra_tokens, "a decode step's new token is each row's last"
+            column, in_block = cached // np.int32(bs), cached % np.int32(bs)
+            max_column = (self.max_kv_len - 1) // bs
+            last = [decode_last_blocks(t, column, max_column) for t in pools]
+            return StepRows(bt, pools, column + 1, last, in_block, None)
+        lens = self.kv_lens_np + np.int32(extra_tokens) if extra_tokens else self.kv_lens_np
+        needed = logical_num_blocks(lens, bs)
+        what = "kv_lens (incl. num_extra_kv_tokens)" if extra_tokens else "kv_lens"
+        max_needed = -(-(self.max_kv_len + extra_tokens) // bs)
+        for t in pools:
+            last_needed_blocks(t, needed, what, max_needed=max_needed)
+        end_blocks = None if extra_tokens else needed  # blocks up to each row's last new token
+        slots = [
+            new_token_slots(t, cached, self._kv_np, bs, end_blocks=end_blocks, arange=self._arange)
+            for t in pools
+        ]
+        return StepRows(bt, pools, needed, None, None, slots)
 
     def prepare_encoder_only(self) -> None:
         """Setup for a forward without a KV cache; defaults to the full ``prepare()``."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvplan.backends.ledger import flat_page_index
 from kvplan.backends.staging import to_device
 from kvplan.ops.load import load_paged_kv_cache
 from kvplan.ops.paged_attention import paged_attention_decode, paged_attention_prefill
@@ -150,6 +151,28 @@ def load_batch_pages(
         )
         out.append(rows.view(num_pages, bs, h, d))  # [m*bs, H*D] -> [m, bs, H, D]
     return out[0], out[1]
+
+
+def stage_page_loads(
+    md, host: np.ndarray, pools: list, num_pages: np.ndarray, num_loaded: int
+) -> int:
+    """fp8, block-offsets backend: the pages each row may read (``num_pages[b]`` =
+    ``ceil(kv_lens / block_size)``, draft tokens included), row by row, as a load plan per pool
+    (``load{p}``) plus their row starts (``page_start``, and ``tok_loaded_start`` for cross
+    attention), into ``host`` (``md.arena.begin``). ``pools``: each pool's ``TableRows``.
+    Returns the number of loaded pages. The kernels then read the compact cache through
+    ``page_ids = arange`` and ``page_start`` instead of the block-offset table."""
+    arena, n = md.arena, num_pages.size
+    start = arena.out(host, "page_start", n + 1)
+    start[0] = 0
+    num_pages.cumsum(out=start[1:])
+    index = flat_page_index(pools[0].row_start, start, num_pages, md._flat_arange)
+    for p, rows in enumerate(pools):
+        pages = rows.flat.take(index, mode="clip")  # in range: rows own these columns
+        arena.put(host, f"load{p}", page_load_plan(pages, md._block_size))
+    if md.is_cross:
+        arena.put(host, "tok_loaded_start", start[md._arange[:n].repeat(md._seq_lens_np)])
+    return num_loaded
 
 
 def stage_without_cache(md, values: dict) -> None:

@@ -46,17 +46,7 @@ import torch
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
 from kvplan.backends.host_arrays import SUM
-from kvplan.backends.ledger import (
-    PerBatch,
-    batch_tables,
-    decode_last_blocks,
-    decode_token_slots,
-    flat_page_index,
-    last_needed_blocks,
-    logical_num_blocks,
-    new_token_slots,
-    pool_rows,
-)
+from kvplan.backends.ledger import flat_page_index
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.page_table_check import page_table_problems
 from kvplan.backends.paged import (
@@ -137,8 +127,6 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self.arena = DeviceArena(fields, self.device)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self.qo_indptr = self.arena.view("qo_indptr")  # [s + 1], staged from cu_seqlens_q
-        self._block_size = 0 if mgr is None else int(mgr.block_size)
-        self._row_starts = PerBatch(lambda rows: rows * width)  # table row -> flat offset
         self._flat_arange = np.arange(s * width, dtype=np.int64)  # int64: the take's index type
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=self.device)
 
@@ -191,29 +179,10 @@ class RaggedAttentionMetadata(AttentionMetadata):
             return
         bs, cross, num_pools = self._block_size, self.is_cross, self._num_pools
         kv_lens, cached, seq_lens_kv = self.kv_lens_np, self.cached_np, self._kv_np
-        # decode: one new token per row, at position cached (its block: column cached // bs)
-        decode = self.one_kv_token_per_row and self.decode_fast_path
-        bt = batch_tables(mgr, self.request_ids, beam_width=self.beam_width,
-                          num_contexts=nc, cross=cross)  # fmt: skip
-        row_start = self._row_starts(bt.rows)
-        pools = [pool_rows(bt, p, row_start) for p in range(num_pools)]
         # validate everything before staging starts (a CPU arena is written in place)
-        if decode:
-            column, in_block = cached // np.int32(bs), cached % np.int32(bs)
-            max_column = (self.max_kv_len - 1) // bs
-            lasts = [decode_last_blocks(t, column, max_column) for t in pools]
-            logical_nb = column + 1
-        else:
-            logical_nb = logical_num_blocks(kv_lens, bs)
-            max_needed = -(-self.max_kv_len // bs)
-            for t in pools:
-                last_needed_blocks(t, logical_nb, max_needed=max_needed)
-            slots = [
-                new_token_slots(
-                    t, cached, seq_lens_kv, bs, end_blocks=logical_nb, arange=self._arange
-                )
-                for t in pools
-            ]
+        decode = self.one_kv_token_per_row and self.decode_fast_path
+        step = self._step_rows(decode=decode)
+        bt, pools, logical_nb = step.tables, step.pools, step.num_needed
         if self.use_full_generation_page_table and not cross:
             # context rows stay logical; generation rows expose every reserved page
             num_blocks = logical_nb.copy()
@@ -244,7 +213,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
             arena.put(host, "qo_indptr_decode", cu_q)
         last_page_len = arena.out(host, "last_page_len", n)
         if decode:  # position cached is the last token: (cached % bs) + 1 in its page
-            np.add(in_block, 1, out=last_page_len)
+            np.add(step.in_block, 1, out=last_page_len)
         else:
             np.multiply(np.maximum(logical_nb - 1, 0), np.int32(bs), out=last_page_len)
             np.subtract(kv_lens, last_page_len, out=last_page_len)
@@ -252,18 +221,15 @@ class RaggedAttentionMetadata(AttentionMetadata):
         # new K/V tokens: which sequence, which absolute position, which slot
         if decode:
             rows, positions = self._arange[:n], cached
-            for p, last in enumerate(lasts):
-                out = arena.out(host, f"slots{p}", n)
-                decode_token_slots(last, cached, bs, out, in_block)
         else:
             rows = self._arange[:n].repeat(seq_lens_kv)
             positions = (cached - self.cu_seqlens_kv_np[:n]).repeat(seq_lens_kv)
             positions += self._arange[: rows.size]
-            for p, pool_slots in enumerate(slots):
-                arena.put(host, f"slots{p}", pool_slots)
+        for p in range(num_pools):
+            step.write_slots(p, cached, bs, arena.out(host, f"slots{p}", self._num_kv_tokens))
         arena.put(host, "batch_indices", rows)
         arena.put(host, "positions", positions)
-        flat_index = flat_page_index(row_start, indptr, num_blocks, self._flat_arange)
+        flat_index = flat_page_index(pools[0].row_start, indptr, num_blocks, self._flat_arange)
         indices = []
         for p, t in enumerate(pools):
             idx = arena.out(host, f"indices{p}", num_indices)

@@ -20,16 +20,8 @@ import torch.nn.functional as F
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
 from kvplan.backends.ledger import (
-    PerBatch,
-    batch_tables,
-    decode_last_blocks,
-    decode_token_slots,
     gather_rows,
-    last_needed_blocks,
-    logical_num_blocks,
-    new_token_slots,
     num_pools,
-    pool_rows,
 )
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.sparse import use_sparse_attention
@@ -76,8 +68,6 @@ class VanillaAttentionMetadata(AttentionMetadata):
         self.arena = DeviceArena(fields, self.device)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self._width = width
-        self._block_size = 0 if mgr is None else int(mgr.block_size)
-        self._row_starts = PerBatch(lambda rows: rows * width)  # table row -> flat offset
 
     def _prepare_backend(self) -> None:
         self.block_ids_per_seq: list[np.ndarray] = []
@@ -97,39 +87,17 @@ class VanillaAttentionMetadata(AttentionMetadata):
             return
         bs, width, num_pools = self._block_size, self._width, self._num_pools
         n, k, cached = self._num_seqs, self._num_kv_tokens, self.cached_np
-        # decode: one new token per row, at position cached (its block: column cached // bs)
-        decode = self.one_kv_token_per_row and self.decode_fast_path
-        bt = batch_tables(manager, self.request_ids, beam_width=self.beam_width,
-                          num_contexts=self._num_contexts, cross=self.is_cross)  # fmt: skip
-        pools = [pool_rows(bt, p, self._row_starts(bt.rows)) for p in range(num_pools)]
         # validate everything before staging starts (a CPU arena is written in place)
-        if decode:
-            column, in_block = cached // np.int32(bs), cached % np.int32(bs)
-            max_column = (self.max_kv_len - 1) // bs
-            lasts = [decode_last_blocks(t, column, max_column) for t in pools]
-            nb = column + 1
-        else:
-            nb = logical_num_blocks(self.kv_lens_np, bs)
-            max_needed = -(-self.max_kv_len // bs)
-            for t in pools:
-                last_needed_blocks(t, nb, max_needed=max_needed)
-            slots = [
-                new_token_slots(t, cached, self._kv_np, bs, end_blocks=nb, arange=self._arange)
-                for t in pools
-            ]
-        self.num_blocks_np = nb
+        step = self._step_rows(decode=self.one_kv_token_per_row and self.decode_fast_path)
+        self.num_blocks_np = step.num_needed
         arena = self.arena
         host = arena.begin(arena.end_of(f"table{num_pools - 1}", n * width))
         self._put_seq_lens(arena, host)
         for p in range(num_pools):
             # int64 slots as int32 pairs (values < 2^31, so the high words are 0)
-            slots64 = arena.out(host, f"slots{p}", 2 * k).view(np.int64)
-            if decode:
-                decode_token_slots(lasts[p], cached, bs, slots64, in_block)
-            else:
-                slots64[:] = slots[p]
+            step.write_slots(p, cached, bs, arena.out(host, f"slots{p}", 2 * k).view(np.int64))
             table = arena.out(host, f"table{p}", n * width).reshape(n, width)
-            gather_rows(bt, p, out=table)
+            gather_rows(step.tables, p, out=table)
             self.block_ids_per_seq.append(table)
         arena.commit()
         for p in range(num_pools):
