@@ -145,10 +145,12 @@ def _workload(seed: int):
     return out
 
 
-def _run_fast_and_general(seed: int, **llm_kw) -> list:
+def _run_fast_and_general(seed: int, check_coverage: bool = True, **llm_kw) -> list:
     """Same requests, aborts and arrivals through two engines, one with the fast paths off;
     checks identical tokens, finish reasons, stop cuts, preemptions and prefix-cache state.
-    Returns the two engines."""
+    ``check_coverage``: also require that the workload hit every finish reason and a
+    preemption (true for the CPU tokens of the fixed seeds; other devices give other tokens,
+    so which paths a seed reaches differs there). Returns the two engines."""
     work = _workload(seed)
     engines = []
     for fast in (True, False):
@@ -181,11 +183,13 @@ def _run_fast_and_general(seed: int, **llm_kw) -> list:
         for core in engines
     ]
     assert results[0] == results[1]
-    reasons = {reason for _, reason, _ in results[0]}
-    assert {"stop", "length", "abort"} <= reasons
+    if check_coverage:
+        reasons = {reason for _, reason, _ in results[0]}
+        assert {"stop", "length", "abort"} <= reasons
+        assert engines[0].scheduler.num_preemptions > 0
     managers = [core.scheduler.manager for core in engines]
     assert _manager_state(managers[0]) == _manager_state(managers[1])
-    assert engines[0].scheduler.num_preemptions == engines[1].scheduler.num_preemptions > 0
+    assert engines[0].scheduler.num_preemptions == engines[1].scheduler.num_preemptions
     assert managers[0].num_free_blocks() == 15
     return engines
 
@@ -197,7 +201,7 @@ def test_engine_fast_paths_equal_general_loop(seed):
 
 @pytest.mark.gpu
 def test_engine_fast_paths_equal_general_loop_with_cuda_graphs():
-    fast, general = _run_fast_and_general(0, device="cuda", dtype="float32")
+    fast, general = _run_fast_and_general(0, False, device="cuda", dtype="float32")
     assert fast.runner.graphs is not None and fast.runner.graphs.num_replays > 0
     assert general.runner.graphs.num_replays > 0
 
