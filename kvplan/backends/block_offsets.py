@@ -147,7 +147,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         return self.arena.view("kv_lens")[: self.num_seqs]
 
     def slot_mapping(self, pool: int = 0) -> torch.Tensor:
-        return self.arena.view(f"slots{pool}")[: self.num_kv_tokens]
+        return self.arena.prefix(f"slots{pool}", self._num_kv_tokens)
 
     # prepare ------------------------------------------------------------------------
     def _fill_step_fields(self) -> np.ndarray | None:

@@ -165,7 +165,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
         return self.arena.view("positions")[: self.num_kv_tokens]
 
     def slot_mapping(self, pool: int = 0) -> torch.Tensor:
-        return self.arena.view(f"slots{pool}")[: self.num_kv_tokens]
+        return self.arena.prefix(f"slots{pool}", self._num_kv_tokens)
 
     # prepare ------------------------------------------------------------------------
     def _prepare_backend(self) -> None:

@@ -80,7 +80,9 @@ class SnapshotRing:
         self.size = buffer.numel()
         self.pinned = pinned
         self._copy = copy_fn
-        if event_factory is None and buffer.device.type == "cuda":
+        # the copy runs on the current stream of the destination's device: fence that stream
+        self._cuda_device = buffer.device if buffer.device.type == "cuda" else None
+        if event_factory is None and self._cuda_device is not None:
             event_factory = torch.cuda.Event
         self._event_factory = event_factory
         self._slots = [_Slot() for _ in range(num_slots)]
@@ -116,5 +118,8 @@ class SnapshotRing:
         if self._event_factory is not None:
             if slot.event is None:
                 slot.event = self._event_factory()
-            slot.event.record()  # on the current stream, the one that issued the copy
+            if self._cuda_device is None:
+                slot.event.record()
+            else:  # the stream that runs the copy (the destination device's current stream)
+                slot.event.record(torch.cuda.current_stream(self._cuda_device))
         return slot.tensor

@@ -113,6 +113,7 @@ class DeviceArena:
             for name, off in self.offsets.items()
         }
         self._spans = {name: (off, self.capacities[name]) for name, off in self.offsets.items()}
+        self._prefixes: dict[tuple, torch.Tensor] = {}
         self._buffer_np = None if private_snapshots else self.buffer.numpy()
         self._copy = copy_to if copy_fn is None else copy_fn
         self.ring = None
@@ -124,6 +125,30 @@ class DeviceArena:
 
     def view(self, name: str) -> torch.Tensor:
         return self._views[name]
+
+    def prefix(
+        self,
+        name: str,
+        size: int,
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """``view(name)[:size]``, reinterpreted as ``dtype`` and viewed as ``shape`` when
+        given, made once per (name, size, dtype, shape) and then looked up: per-step and
+        per-layer readers of a field skip the tensor slicing (a dispatcher call each) while
+        the sizes repeat."""
+        key = (name, size, dtype, shape)
+        hit = self._prefixes.get(key)
+        if hit is None:
+            if len(self._prefixes) >= 512:  # sizes that vary every step: stay bounded
+                self._prefixes.clear()
+            hit = self._views[name][:size]
+            if dtype is not None:
+                hit = hit.view(dtype)
+            if shape is not None:
+                hit = hit.view(shape)
+            self._prefixes[key] = hit
+        return hit
 
     def end_of(self, name: str, size: int) -> int:
         """Arena offset just past ``size`` entries of field ``name`` (a staging prefix end)."""

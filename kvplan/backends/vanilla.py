@@ -101,8 +101,9 @@ class VanillaAttentionMetadata(AttentionMetadata):
             self.block_ids_per_seq.append(table)
         arena.commit()
         for p in range(num_pools):
-            self._slots_gpu.append(arena.view(f"slots{p}")[: 2 * k].view(torch.int64))
-            self.block_ids_per_seq_gpu.append(arena.view(f"table{p}")[: n * width].view(n, width))
+            self._slots_gpu.append(arena.prefix(f"slots{p}", 2 * k, torch.int64))
+            table = arena.prefix(f"table{p}", n * width, shape=(n, width))
+            self.block_ids_per_seq_gpu.append(table)
         if self.sparse_metadata_params is not None and use_sparse_attention(
             self.sparse_metadata_params
         ):
