@@ -105,6 +105,7 @@ def new_token_slots(
     *,
     end_blocks: np.ndarray | None = None,
     arange: np.ndarray | None = None,
+    validated: bool = False,
 ) -> np.ndarray:
     """Cache slot of every new K/V token, sequence by sequence (host, int32 ``[sum(new_lens)]``;
     slots fit in int32 because the manager checks ``num_blocks * block_size``).
@@ -115,8 +116,11 @@ def new_token_slots(
     new_lens) / block_size)`` and ``arange`` (int32 ``0, 1, ...`` of at least
     ``sum(new_lens)`` entries).
 
-    Raises ValueError when a token would land past the table or in the padding block 0
-    (the manager did not allocate a block for it).
+    Raises ValueError when a token would land past the table or in the padding block 0 (the
+    manager did not allocate a block for it). ``validated``: the caller already checked
+    (``last_needed_blocks``) that every row owns its blocks up to ``end_blocks``; the new
+    tokens' blocks are then allocated (the manager fills rows from column 0; blocks released
+    out of a window lie before any new token), so both checks are skipped.
 
     Example (block_size 4)::
 
@@ -130,44 +134,40 @@ def new_token_slots(
     total = int(SUM(new_lens)) if n else 0
     if total == 0:
         return np.zeros(0, np.int32)
+    if arange is None or arange.size < total:
+        arange = np.arange(total, dtype=np.int32)
     bs = np.int32(block_size)
-    if total == n and MIN(new_lens) == 1:  # decode: one new token per sequence, one run each
-        run_seq, run_col, lo, run_len = np.arange(n), cached // bs, cached, None
-    else:
-        if arange is None or arange.size < total:
-            arange = np.arange(total, dtype=np.int32)
-        first = cached // bs  # block column of each sequence's first new token
-        if end_blocks is None:
-            end_blocks = logical_num_blocks(cached + new_lens, block_size)
-        runs = end_blocks - first  # blocks touched per sequence...
-        np.minimum(runs, new_lens, out=runs)  # ...none without new tokens
-        run_end = runs.cumsum(dtype=np.int32)
-        run_seq = arange[:n].repeat(runs)
-        run_col = (first - (run_end - runs)).repeat(runs)
-        run_col += arange[: run_seq.size]
-        block_lo = run_col * bs
-        lo = np.maximum(block_lo, cached[run_seq])  # first position of each run
-        block_lo += bs
-        run_len = np.minimum(block_lo, (cached + new_lens)[run_seq])
-        run_len -= lo
-    if int(MAX(run_col)) >= rows.width:
+    ends = cached + new_lens
+    first = cached // bs  # block column of each sequence's first new token
+    runs = logical_num_blocks(ends, block_size) if end_blocks is None else end_blocks - first
+    if end_blocks is None:
+        runs -= first  # blocks touched per sequence...
+    np.minimum(runs, new_lens, out=runs)  # ...none without new tokens
+    run_seq = arange[:n].repeat(runs)
+    run_col = (first - (runs.cumsum(dtype=np.int32) - runs)).repeat(runs)
+    run_col += arange[: run_seq.size]
+    if not validated and int(MAX(run_col)) >= rows.width:
         i = int(np.argmax(run_col))
         raise ValueError(
             f"sequence {int(run_seq[i])} writes position {(int(run_col[i]) + 1) * block_size - 1}"
             f" or below, past max_blocks_per_seq={rows.width} blocks of {block_size}"
         )
     blocks = rows.flat.take(rows.row_start[run_seq] + run_col)
-    if not ALL(blocks):
+    if not validated and not ALL(blocks):
         bad = int(run_seq[np.argmin(blocks != 0)])
         raise ValueError(
             f"sequence {bad} writes a token into an unallocated block (block 0); allocate "
             "it with KVCacheManager.extend/reserve before prepare()"
         )
-    first_slot = blocks * bs  # slot of each run's first token
+    block_lo = run_col * bs
+    lo = np.maximum(block_lo, cached[run_seq])  # first position of each run
+    block_lo += bs
+    run_len = np.minimum(block_lo, ends[run_seq])
+    run_len -= lo
+    # token k of the run starting at token offset o: slot = first_slot - o + (o + k), where
+    # first_slot = blocks * bs + lo % bs and o + k is the token's index in the step
+    first_slot = blocks * bs
     first_slot += lo % bs
-    if run_len is None:
-        return first_slot
-    # token k of the run starting at token offset o: first_slot + k = (first_slot - o) + index
     first_slot -= run_len.cumsum(dtype=np.int32)
     first_slot += run_len
     slots = first_slot.repeat(run_len)

@@ -300,9 +300,10 @@ class AttentionMetadata(StepShape):
             last_needed_blocks(t, needed, what, max_needed=max_needed)
         end_blocks = None if extra_tokens else needed  # blocks up to each row's last new token
         slots = [
-            new_token_slots(t, cached, self._kv_np, bs, end_blocks=end_blocks, arange=self._arange)
+            new_token_slots(t, cached, self._kv_np, bs, end_blocks=end_blocks,
+                            arange=self._arange, validated=True)
             for t in pools
-        ]
+        ]  # fmt: skip
         return StepRows(bt, pools, needed, None, None, slots)
 
     def prepare_encoder_only(self) -> None:
