@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvplan._checks import INT32_MAX
 from kvplan.backends.host_arrays import (
     MAX,
     IntArrayLike,
@@ -253,6 +254,14 @@ class AttentionMetadata(StepShape):
                 )
         if self.kv_cache_manager is None and cached.any():
             raise ValueError("num_cached_tokens_per_seq must be 0 without a kv_cache_manager")
+        if self.num_cached_tokens + self._num_kv_tokens > INT32_MAX:  # bounds every kv_len
+            big = cached.astype(np.int64) + kv_np
+            if int(MAX(big)) > INT32_MAX:
+                b = int(np.argmax(big))
+                raise ValueError(
+                    f"num_cached_tokens_per_seq[{b}] + seq_lens_kv[{b}] = {int(big[b])} "
+                    "overflows int32"
+                )
         self.num_requests = num_requests
         self.cached_np = cached
         self._kv_np = kv_np  # = seq_lens_kv_np, for the backends' prepare (no property call)

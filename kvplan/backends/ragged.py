@@ -73,7 +73,9 @@ class RaggedAttentionMetadata(AttentionMetadata):
 
     After ``prepare()`` (host, numpy int32): ``num_blocks_np``, ``logical_num_blocks_np``,
     ``paged_kv_indices_np[pool]``, ``paged_kv_indptr_np``, ``paged_kv_last_page_len_np``,
-    ``batch_indices_np``, ``positions_np``. Device views (capacity buffers, stable addresses):
+    ``batch_indices_np``, ``positions_np`` (the staged ones are views of this step's staging
+    buffer: read them before the next ``prepare()``). Device views (capacity buffers, stable
+    addresses):
     ``qo_indptr``, ``paged_kv_indices(pool)``, ``paged_kv_indptr``, ``paged_kv_indptr_prefill``,
     ``paged_kv_indptr_decode``, ``paged_kv_last_page_len``, ``kv_lens``, ``batch_indices``,
     ``positions``.

@@ -109,6 +109,10 @@ def test_prepare_checks_the_ledger():
     with pytest.raises(ValueError, match="beam_width"):
         md.prepare()
     fill_metadata(md, sc)
+    md.num_cached_tokens_per_seq = [0, 2**31 - 1]  # + 1 new token: past int32
+    with pytest.raises(ValueError, match=r"num_cached_tokens_per_seq\[1\] .* overflows int32"):
+        md.prepare()
+    fill_metadata(md, sc)
     md.prepare()
     assert md.prepared
     md.seq_lens = sc.seq_lens
