@@ -26,6 +26,12 @@ this step (all of them on a context row, 0 on a generation row); the attended le
 An encoder-decoder step therefore uses two metadata objects: the self-attention one, and a
 cross one with the same ``seq_lens`` values and ``seq_lens_kv`` assigned.
 
+``prepare()`` is host work only (no device sync): the shared length math and checks
+(``_prepare_common``), then the backend gathers its kernel format from the manager's tables
+(``_step_rows``, ``KVCacheManager.batch_tables``) straight into the step's staging buffer and
+sends every field in ONE async copy (``DeviceArena``). A step whose rows each write one K/V
+token takes decode branches (``decode_fast_path``; tests hold them equal to the general path).
+
 Row layout of a batch with ``num_contexts = 2``, two generation requests and ``beam_width = 2``::
 
     request_ids  = [r0, r1, r2, r3]
