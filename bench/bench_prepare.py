@@ -14,7 +14,6 @@ timed runs: on a slow host CPU each costs ~1-6 us, so it predicts ``prepare us``
 
     PYTHONPATH=. python3 bench/bench_prepare.py --out bench/results/bench_prepare.json
     PYTHONPATH=. python3 bench/bench_prepare.py --quick      # tiny, CPU-friendly
-    PYTHONPATH=. python3 bench/bench_prepare.py --staging-ring 0   # fresh pinned snapshots
 """
 
 from __future__ import annotations
@@ -152,14 +151,14 @@ def count_calls(fn, reps: int = 10) -> float:
     return (pstats.Stats(prof).total_calls - 1) / reps
 
 
-def run_case(kind, num_seqs, max_ctx, block_size, iters, device, ring=None) -> list[dict]:
+def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
     mgr, rids, num_ctx, seq_lens, cached = make_batch(kind, num_seqs, max_ctx, block_size)
     rows = []
     for name in BACKEND_NAMES:
         cls = get_backend(name)
         md = cls.Metadata(
             max_num_requests=num_seqs, max_num_tokens=max(sum(seq_lens), 1),
-            kv_cache_manager=mgr, device=device, staging_ring_slots=ring,
+            kv_cache_manager=mgr, device=device,
         )  # fmt: skip
         for _ in range(3):  # warm up (allocator, first copies)
             step_ours(md, rids, num_ctx, seq_lens, cached)
@@ -186,17 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-ctx", type=int, default=None, help="longest cached history")
-    ap.add_argument("--staging-ring", type=int, default=None,
-                    help="staging_ring_slots of the metadata (default: the backends' own, 4 on "
-                    "CUDA; 0 = a fresh pinned snapshot every step)")  # fmt: skip
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     iters = args.iters or (20 if args.quick else 200)
     max_ctx = args.max_ctx or (256 if args.quick else 2048)
     decode_seqs, mixed_seqs = (32, 8) if args.quick else (256, 32)
-    ring = args.staging_ring
-    rows = run_case("decode", decode_seqs, max_ctx, args.block_size, iters, device, ring)
-    rows += run_case("mixed", mixed_seqs, max_ctx, args.block_size, iters, device, ring)
+    rows = run_case("decode", decode_seqs, max_ctx, args.block_size, iters, device)
+    rows += run_case("mixed", mixed_seqs, max_ctx, args.block_size, iters, device)
     print(f"{'batch':7} {'seqs':>5} {'tokens':>6} {'backend':14} {'step us':>8} "
           f"{'prepare us':>11} {'calls':>6} {'baseline us':>12} {'speedup':>8}")  # fmt: skip
     for r in rows:
@@ -210,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": args.block_size,
         "max_ctx": max_ctx,
         "iters": iters,
-        "staging_ring_slots": ring,
         "rows": rows,
     }
     if args.out:

@@ -27,14 +27,13 @@ def main() -> int:
     ap.add_argument("backend")
     ap.add_argument("--device", default=None)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--staging-ring", type=int, default=None, help="staging_ring_slots")
     args = ap.parse_args()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     n = 256 if args.batch == "decode" else 32
     mgr, rids, num_ctx, seq_lens, cached = make_batch(args.batch, n, 2048, 32)
     md = get_backend(args.backend).Metadata(
         max_num_requests=n, max_num_tokens=max(sum(seq_lens), 1), kv_cache_manager=mgr,
-        device=dev, staging_ring_slots=args.staging_ring,
+        device=dev,
     )  # fmt: skip
     for _ in range(5):
         step_ours(md, rids, num_ctx, seq_lens, cached)

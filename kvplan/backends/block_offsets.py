@@ -124,7 +124,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         # cross attention only: last, so other steps stage (and copy) a shorter prefix
         fields.update({"tok_page_start": t, "tok_kv_lens": t})
         self.num_loaded_pages = 0
-        self.arena = DeviceArena(fields, dev, ring_slots=self.staging_ring_slots)
+        self.arena = DeviceArena(fields, dev)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         # the block-offset table is an arena field too: one staged copy per step sends it all
         self.kv_cache_block_offsets = self.arena.view("block_offsets").view(

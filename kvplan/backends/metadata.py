@@ -84,9 +84,6 @@ class AttentionMetadata(StepShape):
         device: where the device copies live (default: ``kv_cache``'s device, else CPU).
         is_cuda_graph: this object feeds a captured CUDA graph (buffers must never move).
         sparse_metadata_params: ``None`` for dense attention (see ``kvplan.backends.sparse``).
-        staging_ring_slots: pinned staging buffers reused round-robin by the backend's
-            ``DeviceArena`` (``kvplan.backends.snapshot_ring``; default 4 on CUDA); 0 allocates
-            a fresh pinned snapshot every step.
 
     Example::
 
@@ -116,7 +113,6 @@ class AttentionMetadata(StepShape):
         device: torch.device | str | None = None,
         is_cuda_graph: bool = False,
         sparse_metadata_params: SparseMetadataParams | None = None,
-        staging_ring_slots: int | None = None,
     ) -> None:
         if max_num_sequences is None:
             max_num_sequences = max_num_requests
@@ -143,17 +139,6 @@ class AttentionMetadata(StepShape):
         self.device = torch.device(device)
         self.is_cuda_graph = is_cuda_graph
         self.pinned = use_pinned(self.device)
-        if staging_ring_slots is None:
-            staging_ring_slots = 4 if self.device.type == "cuda" else 0
-        if (
-            not isinstance(staging_ring_slots, int)
-            or staging_ring_slots < 0
-            or staging_ring_slots == 1
-        ):
-            raise ValueError(
-                f"staging_ring_slots must be 0 or an int >= 2, got {staging_ring_slots!r}"
-            )
-        self.staging_ring_slots = staging_ring_slots
         self.sparse_metadata_params = sparse_metadata_params
         self.sparse_runtime_params = SparseRuntimeParams()
 

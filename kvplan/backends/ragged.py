@@ -126,7 +126,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
             self._page_arange = torch.arange(s * width, dtype=torch.int32, device=self.device)
         # cross attention only: last, so other steps stage (and copy) a shorter prefix
         fields.update({"tok_page_start": t, "tok_kv_lens": t})
-        self.arena = DeviceArena(fields, self.device, ring_slots=self.staging_ring_slots)
+        self.arena = DeviceArena(fields, self.device)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self.qo_indptr = self.arena.view("qo_indptr")  # [s + 1], staged from cu_seqlens_q
         self._flat_arange = np.arange(s * width, dtype=np.int64)  # int64: the take's index type

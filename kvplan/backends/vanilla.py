@@ -65,7 +65,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
         fields = {"seq_lens": s + (s & 1)}  # even, so the int64 slots start 8-byte aligned
         fields.update({f"slots{p}": 2 * t for p in range(self._num_pools)})
         fields.update({f"table{p}": s * width for p in range(self._num_pools)})
-        self.arena = DeviceArena(fields, self.device, ring_slots=self.staging_ring_slots)
+        self.arena = DeviceArena(fields, self.device)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self._width = width
 
