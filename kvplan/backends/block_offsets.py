@@ -218,9 +218,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             arena.put(host, "prompt_lens", prompt)
         rows_twice = self._rows_twice(bt.rows)
         for p in range(num_pools):
-            step.write_slots(
-                p, self.cached_np, bs, arena.out(host, f"slots{p}", self._num_kv_tokens)
-            )
+            step.write_slots(p, bs, arena.out(host, f"slots{p}", self._num_kv_tokens))
             # rows [0, n) of pool p: K and V entries both name the block (rows_twice)
             start = arena.offsets["block_offsets"] + p * pool_span
             gather_rows(bt, p, host[start : start + n * row_span].reshape(2 * n, width), rows_twice)

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvplan.backends.host_arrays import ALL, MAX, MIN, SUM
+from kvplan.backends.host_arrays import ALL, MAX, MIN
 from kvplan.cache.batch_tables import BatchTables
 
 
@@ -97,13 +97,35 @@ def flat_page_index(
     return index
 
 
+def block_column(positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(positions // block_size, positions % block_size)`` (int32, like ``positions``): the
+    block column of each position and its offset in that block (a shift and a mask when
+    ``block_size`` is a power of two)."""
+    if block_size & (block_size - 1) == 0:
+        return positions >> (block_size.bit_length() - 1), positions & np.int32(block_size - 1)
+    bs = np.int32(block_size)
+    return positions // bs, positions % bs
+
+
+def new_token_positions(
+    cached: np.ndarray, cu_new: np.ndarray, new_lens: np.ndarray, arange: np.ndarray
+) -> np.ndarray:
+    """Absolute position of every new K/V token, sequence by sequence (int32 ``[T]``,
+    ``T = cu_new[n]``): token i of sequence b is at ``cached[b] + i``. ``cu_new``: int32
+    ``[n + 1]`` exclusive prefix sum of ``new_lens``; ``arange``: int32 ``0, 1, ...`` of at
+    least ``T`` entries. Example: cached = [3, 0], new_lens = [2, 1] -> [3, 4, 0]."""
+    n = new_lens.size
+    positions = (cached - cu_new[:n]).repeat(new_lens)
+    positions += arange[: positions.size]
+    return positions
+
+
 def new_token_slots(
     rows: TableRows,
     cached: np.ndarray,
     new_lens: np.ndarray,
     block_size: int,
     *,
-    end_blocks: np.ndarray | None = None,
     arange: np.ndarray | None = None,
     validated: bool = False,
 ) -> np.ndarray:
@@ -112,67 +134,59 @@ def new_token_slots(
 
     Token i of sequence b sits at position ``p = cached[b] + i`` and goes to slot
     ``table[b, p // block_size] * block_size + p % block_size``. ``cached`` and ``new_lens``:
-    int32 ``[n]``. Optional, when the caller has them: ``end_blocks = ceil((cached +
-    new_lens) / block_size)`` and ``arange`` (int32 ``0, 1, ...`` of at least
-    ``sum(new_lens)`` entries).
+    int32 ``[n]``; ``arange``: int32 ``0, 1, ...`` of at least ``sum(new_lens)`` entries
+    (made here when not given).
 
     Raises ValueError when a token would land past the table or in the padding block 0 (the
     manager did not allocate a block for it). ``validated``: the caller already checked
-    (``last_needed_blocks``) that every row owns its blocks up to ``end_blocks``; the new
-    tokens' blocks are then allocated (the manager fills rows from column 0; blocks released
-    out of a window lie before any new token), so both checks are skipped.
+    (``last_needed_blocks``) that every row owns its blocks up to its last new token, so both
+    checks are skipped.
 
     Example (block_size 4)::
 
         table = [[7, 3], [5, 0]], cached = [3, 0], new_lens = [2, 1]
         positions = [3, 4, 0]  ->  slots = [7*4+3, 3*4+0, 5*4+0] = [31, 12, 20]
 
-    Work is per *run* (the new tokens of one sequence inside one block: slots are consecutive
-    there), so a prefill chunk costs O(blocks) host operations plus two O(tokens) passes.
+    Work is per token (``new_token_positions``, ``block_column``, one gather of the blocks
+    from the flat table, ``token_slots``): a handful of numpy passes, no per-row Python.
     """
     n = new_lens.size
-    total = int(SUM(new_lens)) if n else 0
+    cu = np.zeros(n + 1, np.int32)
+    new_lens.cumsum(out=cu[1:])
+    total = int(cu[n])
     if total == 0:
         return np.zeros(0, np.int32)
     if arange is None or arange.size < total:
         arange = np.arange(total, dtype=np.int32)
-    bs = np.int32(block_size)
-    ends = cached + new_lens
-    first = cached // bs  # block column of each sequence's first new token
-    runs = logical_num_blocks(ends, block_size) if end_blocks is None else end_blocks - first
-    if end_blocks is None:
-        runs -= first  # blocks touched per sequence...
-    np.minimum(runs, new_lens, out=runs)  # ...none without new tokens
-    run_seq = arange[:n].repeat(runs)
-    run_col = (first - (runs.cumsum(dtype=np.int32) - runs)).repeat(runs)
-    run_col += arange[: run_seq.size]
-    if not validated and int(MAX(run_col)) >= rows.width:
-        i = int(np.argmax(run_col))
+    positions = new_token_positions(cached, cu, new_lens, arange)
+    column, in_block = block_column(positions, block_size)
+    if not validated and int(MAX(column)) >= rows.width:
+        i = int(np.argmax(column))
         raise ValueError(
-            f"sequence {int(run_seq[i])} writes position {(int(run_col[i]) + 1) * block_size - 1}"
-            f" or below, past max_blocks_per_seq={rows.width} blocks of {block_size}"
+            f"sequence {int(np.searchsorted(cu, i, 'right')) - 1} writes position "
+            f"{int(positions[i])}, past max_blocks_per_seq={rows.width} blocks of {block_size}"
         )
-    blocks = rows.flat.take(rows.row_start[run_seq] + run_col)
+    index = rows.row_start[:n].repeat(new_lens)
+    index += column
+    blocks = rows.flat.take(index)
     if not validated and not ALL(blocks):
-        bad = int(run_seq[np.argmin(blocks != 0)])
+        i = int(np.argmin(blocks != 0))
         raise ValueError(
-            f"sequence {bad} writes a token into an unallocated block (block 0); allocate "
-            "it with KVCacheManager.extend/reserve before prepare()"
+            f"sequence {int(np.searchsorted(cu, i, 'right')) - 1} writes a token into an "
+            "unallocated block (block 0); allocate it with KVCacheManager.extend/reserve "
+            "before prepare()"
         )
-    block_lo = run_col * bs
-    lo = np.maximum(block_lo, cached[run_seq])  # first position of each run
-    block_lo += bs
-    run_len = np.minimum(block_lo, ends[run_seq])
-    run_len -= lo
-    # token k of the run starting at token offset o: slot = first_slot - o + (o + k), where
-    # first_slot = blocks * bs + lo % bs and o + k is the token's index in the step
-    first_slot = blocks * bs
-    first_slot += lo % bs
-    first_slot -= run_len.cumsum(dtype=np.int32)
-    first_slot += run_len
-    slots = first_slot.repeat(run_len)
-    slots += arange[:total]
-    return slots
+    return token_slots(blocks, in_block, block_size)
+
+
+def token_slots(
+    blocks: np.ndarray, in_block: np.ndarray, block_size: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """``blocks * block_size + in_block``: the slots of tokens in ``blocks`` (int32 ``[T]``)
+    at offsets ``in_block`` (int32 ``[T]``); into ``out`` (int32 or int64 ``[T]``) when given."""
+    out = np.multiply(blocks, np.int32(block_size), out=out)
+    out += in_block
+    return out
 
 
 def logical_num_blocks(kv_lens: np.ndarray, block_size: int) -> np.ndarray:
@@ -227,18 +241,25 @@ def last_needed_blocks(
 
 
 def decode_last_blocks(
-    rows: TableRows, column: np.ndarray, max_column: int, what: str = "kv_lens"
+    rows: TableRows,
+    column: np.ndarray,
+    max_column: int,
+    what: str = "kv_lens",
+    index: np.ndarray | None = None,
 ) -> np.ndarray:
     """``last_needed_blocks`` of a decode step, whose rows need ``column + 1`` blocks: the
     block at ``column[b]`` (int32 ``[n]``) of every row, after checking that it exists.
-    ``max_column``: ``max(column)`` (from the step's longest sequence)."""
+    ``max_column``: ``max(column)`` (from the step's longest sequence); ``index``: the flat
+    table index ``row_start[:n] + column`` when the caller has it (shared by the pools)."""
     if max_column >= rows.width:
         b = int(np.argmax(column))
         raise ValueError(
             f"sequence {b} needs {int(column[b]) + 1} blocks for its {what}, more than the "
             f"{rows.width} columns of its block table (max_blocks_per_seq)"
         )
-    held = rows.flat.take(rows.row_start[: column.size] + column)
+    if index is None:
+        index = rows.row_start[: column.size] + column
+    held = rows.flat.take(index)
     if not ALL(held):
         b = int(np.argmin(held != 0))
         raise ValueError(
@@ -255,51 +276,44 @@ def check_allocated(
     return last_needed_blocks(table_rows(table), num_needed, what)
 
 
-def decode_token_slots(
-    last_blocks: np.ndarray,
-    cached: np.ndarray,
-    block_size: int,
-    out: np.ndarray | None = None,
-    offset_in_block: np.ndarray | None = None,
-) -> np.ndarray:
+def decode_token_slots(last_blocks: np.ndarray, cached: np.ndarray, block_size: int) -> np.ndarray:
     """Slots of a decode step's new tokens (one per sequence, at position ``cached[b]``).
 
     ``last_blocks[b]``: the block at column ``ceil((cached[b] + 1) / block_size) - 1`` of row
     b, i.e. the one ``check_allocated(table, logical_num_blocks(cached + 1, ...))`` returns,
     which is the block holding position ``cached[b]``. Equals ``new_token_slots(table,
-    cached, ones, block_size)``; int32 ``[n]`` (or written into ``out``, int32 or int64
-    ``[n]``). ``offset_in_block``: ``cached % block_size`` when the caller has it.
+    cached, ones, block_size)``; int32 ``[n]``.
     """
-    bs = np.int32(block_size)
-    if offset_in_block is None:
-        offset_in_block = cached % bs
-    out = np.multiply(last_blocks, bs, out=out)
-    out += offset_in_block
-    return out
+    return token_slots(last_blocks, block_column(cached, block_size)[1], block_size)
 
 
 class StepRows(NamedTuple):
     """One step's validated view of the batch's block tables (``AttentionMetadata._step_rows``).
 
-    ``tables``: the manager's rows (``BatchTables``); ``pools``: each pool's ``TableRows``;
-    ``num_needed``: int32 ``[n]`` blocks each row owns (checked). A decode step (one new K/V
-    token per row) keeps each pool's block of the new token (``last_blocks``) and ``cached %
-    block_size`` (``in_block``); any other step keeps each pool's slots (``slots``).
+    ``tables``: the manager's rows (``BatchTables``); ``pools``: each pool's ``TableRows``
+    (all with the same ``row_start``); ``num_needed``: int32 ``[n]`` blocks each row owns
+    (checked). Per new K/V token (``[T]``, sequence by sequence): ``index`` (int64) the flat
+    table index of its block, ``in_block`` (int32) its offset in that block, ``positions``
+    (int32) its absolute position. A decode step (one new token per row, ``T = n``) also keeps
+    each pool's block of the new token (``last_blocks``, gathered by the check); otherwise
+    ``last_blocks`` is None and ``write_slots`` gathers them.
     """
 
     tables: BatchTables
     pools: list[TableRows]
     num_needed: np.ndarray
+    index: np.ndarray
+    in_block: np.ndarray
+    positions: np.ndarray
     last_blocks: list[np.ndarray] | None
-    in_block: np.ndarray | None
-    slots: list[np.ndarray] | None
 
-    def write_slots(self, pool: int, cached: np.ndarray, block_size: int, out: np.ndarray):
-        """Pool ``pool``'s new-token slots into ``out`` (int32 or int64 ``[num_kv_tokens]``)."""
-        if self.last_blocks is None:
-            out[:] = self.slots[pool]
+    def write_slots(self, pool: int, block_size: int, out: np.ndarray) -> None:
+        """Pool ``pool``'s new-token slots into ``out`` (int32 or int64 ``[T]``)."""
+        if self.last_blocks is None:  # in range: the step's rows own these blocks (checked)
+            blocks = self.pools[pool].flat.take(self.index, mode="clip")
         else:
-            decode_token_slots(self.last_blocks[pool], cached, block_size, out, self.in_block)
+            blocks = self.last_blocks[pool]
+        token_slots(blocks, self.in_block, block_size, out)
 
 
 class PerBatch:

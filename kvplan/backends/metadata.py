@@ -54,13 +54,12 @@ from kvplan.backends.host_arrays import (
     exclusive_cumsum,
 )
 from kvplan.backends.ledger import (
-    PerBatch,
     StepRows,
-    batch_tables,
+    block_column,
     decode_last_blocks,
     last_needed_blocks,
     logical_num_blocks,
-    new_token_slots,
+    new_token_positions,
     pool_rows,
 )
 from kvplan.backends.sparse import SparseMetadataParams, SparseRuntimeParams
@@ -161,8 +160,11 @@ class AttentionMetadata(StepShape):
         self._arange.flags.writeable = False
         mgr = kv_cache_manager
         self._block_size = 0 if mgr is None else int(mgr.block_size)
-        width = 0 if mgr is None else int(mgr.max_blocks_per_seq)
-        self._row_starts = PerBatch(lambda rows: rows * width)  # table row -> flat offset
+        self._max_blocks_per_seq = 0 if mgr is None else int(mgr.max_blocks_per_seq)
+        self._num_pools = 1 if mgr is None else int(mgr.num_pools)
+        # each pool's table as TableRows (row b at rows[b] * max_blocks_per_seq), per batch
+        self._pools: list = []
+        self._pools_rows = self._pools_tables = None
         # device copy of seq_lens, allocated once at capacity and written in place
         self._seq_lens_gpu = torch.zeros(max_num_sequences, dtype=torch.int32, device=self.device)
 
@@ -273,38 +275,46 @@ class AttentionMetadata(StepShape):
             self.cu_seqlens_kv_np = exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
 
     def _step_rows(self, *, decode: bool, extra_tokens: int = 0) -> StepRows:
-        """The batch's block-table rows in every pool, checked, and the new tokens' slots
-        (backends with a ``kv_cache_manager``; call after ``_prepare_common``).
+        """The batch's block-table rows in every pool, checked, and where each new K/V token
+        goes (backends with a ``kv_cache_manager``; call after ``_prepare_common``).
 
         Every row must own the blocks of its first ``kv_lens + extra_tokens`` tokens. On a
         ``decode`` step (one new K/V token per row at position ``cached``; needs
-        ``extra_tokens == 0``) that is the block of the new token, gathered once per pool, and
-        each slot follows from it; otherwise ``new_token_slots`` runs per pool.
+        ``extra_tokens == 0``) that is the block of the new token, gathered once per pool
+        (the slots follow from it); otherwise the last needed block of each row is checked
+        and the new tokens' positions and block indices are derived per token.
         """
-        bs, cached = self._block_size, self.cached_np
-        bt = batch_tables(self.kv_cache_manager, self.request_ids, beam_width=self.beam_width,
-                          num_contexts=self._num_contexts, cross=self.is_cross)  # fmt: skip
-        start = self._row_starts(bt.rows)
-        pools = [pool_rows(bt, p, start) for p in range(self._num_pools)]
+        bs, cached, n = self._block_size, self.cached_np, self._num_seqs
+        bt = self.kv_cache_manager.batch_tables(
+            self.request_ids, self.beam_width, self._num_contexts,
+            cross=self._seq_lens_kv is not None,
+        )  # fmt: skip
+        pools = self._pools
+        if bt.rows is not self._pools_rows or bt.tables is not self._pools_tables:
+            # per batch: the manager hands out the same arrays while the batch stays
+            start = bt.rows * self._max_blocks_per_seq  # int64 [n]
+            pools = self._pools = [pool_rows(bt, p, start) for p in range(self._num_pools)]
+            self._pools_rows, self._pools_tables = bt.rows, bt.tables
         if decode:
             assert not extra_tokens, "a decode step's new token is each row's last"
-            column, in_block = cached // np.int32(bs), cached % np.int32(bs)
+            column, in_block = block_column(cached, bs)
+            index = pools[0].row_start[:n] + column
             max_column = (self.max_kv_len - 1) // bs
-            last = [decode_last_blocks(t, column, max_column) for t in pools]
-            return StepRows(bt, pools, column + 1, last, in_block, None)
+            last = [decode_last_blocks(t, column, max_column, index=index) for t in pools]
+            column += 1  # blocks each row owns
+            return StepRows(bt, pools, column, index, in_block, cached, last)
         lens = self.kv_lens_np + np.int32(extra_tokens) if extra_tokens else self.kv_lens_np
         needed = logical_num_blocks(lens, bs)
         what = "kv_lens (incl. num_extra_kv_tokens)" if extra_tokens else "kv_lens"
         max_needed = -(-(self.max_kv_len + extra_tokens) // bs)
         for t in pools:
             last_needed_blocks(t, needed, what, max_needed=max_needed)
-        end_blocks = None if extra_tokens else needed  # blocks up to each row's last new token
-        slots = [
-            new_token_slots(t, cached, self._kv_np, bs, end_blocks=end_blocks,
-                            arange=self._arange, validated=True)
-            for t in pools
-        ]  # fmt: skip
-        return StepRows(bt, pools, needed, None, None, slots)
+        new_lens = self._kv_np
+        positions = new_token_positions(cached, self.cu_seqlens_kv_np, new_lens, self._arange)
+        column, in_block = block_column(positions, bs)
+        index = pools[0].row_start[:n].repeat(new_lens)
+        index += column
+        return StepRows(bt, pools, needed, index, in_block, positions, None)
 
     def prepare_encoder_only(self) -> None:
         """Setup for a forward without a KV cache; defaults to the full ``prepare()``."""

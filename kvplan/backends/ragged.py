@@ -180,7 +180,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
             )
             return
         bs, cross, num_pools = self._block_size, self.is_cross, self._num_pools
-        kv_lens, cached, seq_lens_kv = self.kv_lens_np, self.cached_np, self._kv_np
+        kv_lens, seq_lens_kv = self.kv_lens_np, self._kv_np
         # validate everything before staging starts (a CPU arena is written in place)
         decode = self.one_kv_token_per_row and self.decode_fast_path
         step = self._step_rows(decode=decode)
@@ -221,14 +221,10 @@ class RaggedAttentionMetadata(AttentionMetadata):
             np.subtract(kv_lens, last_page_len, out=last_page_len)
         arena.put(host, "kv_lens", kv_lens)
         # new K/V tokens: which sequence, which absolute position, which slot
-        if decode:
-            rows, positions = self._arange[:n], cached
-        else:
-            rows = self._arange[:n].repeat(seq_lens_kv)
-            positions = (cached - self.cu_seqlens_kv_np[:n]).repeat(seq_lens_kv)
-            positions += self._arange[: rows.size]
+        positions = step.positions
+        rows = self._arange[:n] if decode else self._arange[:n].repeat(seq_lens_kv)
         for p in range(num_pools):
-            step.write_slots(p, cached, bs, arena.out(host, f"slots{p}", self._num_kv_tokens))
+            step.write_slots(p, bs, arena.out(host, f"slots{p}", self._num_kv_tokens))
         arena.put(host, "batch_indices", rows)
         arena.put(host, "positions", positions)
         flat_index = flat_page_index(pools[0].row_start, indptr, num_blocks, self._flat_arange)

@@ -86,7 +86,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
             self.arena.stage(values)
             return
         bs, width, num_pools = self._block_size, self._width, self._num_pools
-        n, k, cached = self._num_seqs, self._num_kv_tokens, self.cached_np
+        n, k = self._num_seqs, self._num_kv_tokens
         # validate everything before staging starts (a CPU arena is written in place)
         step = self._step_rows(decode=self.one_kv_token_per_row and self.decode_fast_path)
         self.num_blocks_np = step.num_needed
@@ -95,7 +95,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
         self._put_seq_lens(arena, host)
         for p in range(num_pools):
             # int64 slots as int32 pairs (values < 2^31, so the high words are 0)
-            step.write_slots(p, cached, bs, arena.out(host, f"slots{p}", 2 * k).view(np.int64))
+            step.write_slots(p, bs, arena.out(host, f"slots{p}", 2 * k).view(np.int64))
             table = arena.out(host, f"table{p}", n * width).reshape(n, width)
             gather_rows(step.tables, p, out=table)
             self.block_ids_per_seq.append(table)
