@@ -125,6 +125,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         fields.update({"tok_page_start": t, "tok_kv_lens": t})
         self.num_loaded_pages = 0
         self.arena = DeviceArena(fields, dev)
+        self._offsets = self.arena.offsets
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         # the block-offset table is an arena field too: one staged copy per step sends it all
         self.kv_cache_block_offsets = self.arena.view("block_offsets").view(
@@ -205,22 +206,28 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             end = arena.end_of(f"load{num_pools - 1}", 4 * num_loaded)
         else:
             end = arena.end_of("block_offsets", (num_pools - 1) * pool_span + n * row_span)
+        # Fields are written at their arena offsets (``o``) straight into the staging
+        # buffer; every size is within its capacity: n <= max_num_sequences (seq_lens
+        # setter), T <= max_num_tokens (_prepare_common).
+        o, T = self._offsets, self._num_kv_tokens
         host = arena.begin(end)
-        self._put_seq_lens(arena, host)
-        arena.put(host, "kv_lens", valid)
-        arena.put(host, "qo_indptr", cu_q)
+        if self._seq_lens_pending:
+            host[o["seq_lens"] : o["seq_lens"] + n] = self._seq_lens_np
+            self._seq_lens_pending = False
+        host[o["kv_lens"] : o["kv_lens"] + n] = valid
+        host[o["qo_indptr"] : o["qo_indptr"] + n + 1] = cu_q
+        a = o["qo_indptr_gen"]
         if nc:
-            qo_gen = arena.out(host, "qo_indptr_gen", n - nc + 1)
-            np.subtract(cu_q[nc:], np.int32(self._num_ctx_tokens), out=qo_gen)
+            np.subtract(cu_q[nc:], np.int32(self._num_ctx_tokens), out=host[a : a + n - nc + 1])
         else:
-            arena.put(host, "qo_indptr_gen", cu_q)
+            host[a : a + n + 1] = cu_q
         if prompt is not None:  # prompt_lens_cuda is an arena view: staged with the rest
             arena.put(host, "prompt_lens", prompt)
         rows_twice = self._rows_twice(bt.rows)
         for p in range(num_pools):
-            step.write_slots(p, bs, arena.out(host, f"slots{p}", self._num_kv_tokens))
+            step.write_slots(p, bs, host[o[f"slots{p}"] : o[f"slots{p}"] + T])
             # rows [0, n) of pool p: K and V entries both name the block (rows_twice)
-            start = arena.offsets["block_offsets"] + p * pool_span
+            start = o["block_offsets"] + p * pool_span
             gather_rows(bt, p, host[start : start + n * row_span].reshape(2 * n, width), rows_twice)
             if p < num_pools - 1:  # inside the copied prefix: rows past the batch read 0
                 host[start + n * row_span : start + pool_span] = 0

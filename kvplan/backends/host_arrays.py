@@ -62,7 +62,9 @@ def as_lengths(name: str, value: IntArrayLike) -> HostLengths:
         if total is not None:
             n = len(value)
             if total == n and value.count(1) == n:  # all ones (bools count as ints)
-                return HostLengths(np.ones(n, np.int32), total, n > 0)
+                ones = np.empty(n, np.int32)  # (np.ones is a Python wrapper around these two)
+                ones.fill(1)
+                return HostLengths(ones, total, n > 0)
             if total <= INT32_MAX:
                 try:
                     arr = np.fromiter(value, np.uint32, n).view(np.int32)

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvplan.backends.host_arrays import ALL, MAX, MIN
+from kvplan.backends.host_arrays import MAX, MIN
 from kvplan.cache.batch_tables import BatchTables
 
 
@@ -169,7 +169,7 @@ def new_token_slots(
     index = rows.row_start[:n].repeat(new_lens)
     index += column
     blocks = rows.flat.take(index)
-    if not validated and not ALL(blocks):
+    if not validated and not MIN(blocks):  # block ids are >= 0: the minimum is 0 iff one is
         i = int(np.argmin(blocks != 0))
         raise ValueError(
             f"sequence {int(np.searchsorted(cu, i, 'right')) - 1} writes a token into an "
@@ -230,7 +230,7 @@ def last_needed_blocks(
     else:
         which = np.flatnonzero(num_needed > 0)
         held = rows.flat.take(rows.row_start[which] + (num_needed[which] - 1))
-    if not ALL(held):
+    if held.size and not MIN(held):  # block ids are >= 0 (int MIN: cheaper than a bool ALL)
         i = int(np.argmin(held != 0))
         b = i if which is None else int(which[i])
         raise ValueError(
@@ -260,7 +260,7 @@ def decode_last_blocks(
     if index is None:
         index = rows.row_start[: column.size] + column
     held = rows.flat.take(index)
-    if not ALL(held):
+    if held.size and not MIN(held):  # block ids are >= 0: the minimum is 0 iff one is
         b = int(np.argmin(held != 0))
         raise ValueError(
             f"sequence {b} needs {int(column[b]) + 1} blocks for its {what} but the manager "

@@ -127,6 +127,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
         # cross attention only: last, so other steps stage (and copy) a shorter prefix
         fields.update({"tok_page_start": t, "tok_kv_lens": t})
         self.arena = DeviceArena(fields, self.device)
+        self._offsets = self.arena.offsets
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self.qo_indptr = self.arena.view("qo_indptr")  # [s + 1], staged from cu_seqlens_q
         self._flat_arange = np.arange(s * width, dtype=np.int64)  # int64: the take's index type
@@ -198,39 +199,46 @@ class RaggedAttentionMetadata(AttentionMetadata):
         elif self._load_pages:
             end = arena.end_of(f"load{num_pools - 1}", 4 * num_indices)
         else:
-            end = arena.end_of(f"indices{num_pools - 1}", num_indices)
+            end = self._offsets[f"indices{num_pools - 1}"] + num_indices
+        # Fields are written at their arena offsets (``o``) straight into the staging
+        # buffer; every size is within its capacity: n <= max_num_sequences (seq_lens
+        # setter), T <= max_num_tokens (_prepare_common), num_indices <= n * width (checked).
+        o, T = self._offsets, self._num_kv_tokens
         host = arena.begin(end)
-        self._put_seq_lens(arena, host)
+        if self._seq_lens_pending:
+            host[o["seq_lens"] : o["seq_lens"] + n] = self._seq_lens_np
+            self._seq_lens_pending = False
         cu_q = self.cu_seqlens_q_np
-        arena.put(host, "qo_indptr", cu_q)
-        indptr = arena.out(host, "indptr", n + 1)
+        host[o["qo_indptr"] : o["qo_indptr"] + n + 1] = cu_q
+        indptr = host[o["indptr"] : o["indptr"] + n + 1]
         indptr[0] = 0
         num_blocks.cumsum(out=indptr[1:])
+        a = o["indptr_decode"]
         if nc:
-            np.subtract(indptr[nc:], indptr[nc], out=arena.out(host, "indptr_decode", n - nc + 1))
-            qo_decode = arena.out(host, "qo_indptr_decode", n - nc + 1)
-            np.subtract(cu_q[nc:], np.int32(self._num_ctx_tokens), out=qo_decode)
-        else:
-            arena.put(host, "indptr_decode", indptr)
-            arena.put(host, "qo_indptr_decode", cu_q)
-        last_page_len = arena.out(host, "last_page_len", n)
+            np.subtract(indptr[nc:], indptr[nc], out=host[a : a + n - nc + 1])
+            a = o["qo_indptr_decode"]
+            np.subtract(cu_q[nc:], np.int32(self._num_ctx_tokens), out=host[a : a + n - nc + 1])
+        else:  # the decode indptrs are the whole batch's
+            host[a : a + n + 1] = indptr
+            host[o["qo_indptr_decode"] : o["qo_indptr_decode"] + n + 1] = cu_q
+        last_page_len = host[o["last_page_len"] : o["last_page_len"] + n]
         if decode:  # position cached is the last token: (cached % bs) + 1 in its page
             np.add(step.in_block, 1, out=last_page_len)
         else:
             np.multiply(np.maximum(logical_nb - 1, 0), np.int32(bs), out=last_page_len)
             np.subtract(kv_lens, last_page_len, out=last_page_len)
-        arena.put(host, "kv_lens", kv_lens)
+        host[o["kv_lens"] : o["kv_lens"] + n] = kv_lens
         # new K/V tokens: which sequence, which absolute position, which slot
         positions = step.positions
         rows = self._arange[:n] if decode else self._arange[:n].repeat(seq_lens_kv)
+        host[o["batch_indices"] : o["batch_indices"] + T] = rows
+        host[o["positions"] : o["positions"] + T] = positions
         for p in range(num_pools):
-            step.write_slots(p, bs, arena.out(host, f"slots{p}", self._num_kv_tokens))
-        arena.put(host, "batch_indices", rows)
-        arena.put(host, "positions", positions)
+            step.write_slots(p, bs, host[o[f"slots{p}"] : o[f"slots{p}"] + T])
         flat_index = flat_page_index(pools[0].row_start, indptr, num_blocks, self._flat_arange)
         indices = []
         for p, t in enumerate(pools):
-            idx = arena.out(host, f"indices{p}", num_indices)
+            idx = host[o[f"indices{p}"] : o[f"indices{p}"] + num_indices]
             t.flat.take(flat_index, out=idx, mode="clip")  # in range: rows own these columns
             indices.append(idx)
             if self._load_pages:
