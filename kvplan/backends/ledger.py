@@ -202,6 +202,7 @@ def last_needed_blocks(
     *,
     all_positive: bool = False,
     max_needed: int | None = None,
+    check_only: bool = False,
 ) -> np.ndarray | None:
     """Every row must own its first ``num_needed[b]`` blocks; returns the last of them.
 
@@ -210,7 +211,8 @@ def last_needed_blocks(
     Returns that last block of every row (int32 ``[n]``) when every row needs at least one
     block (``all_positive``: the caller knows it), else None; a decode step derives its slots
     from it (``decode_token_slots``). ``max_needed``: ``max(num_needed)`` when the caller
-    knows it. Raises ValueError naming the row otherwise.
+    knows it; ``check_only``: only check (returns None). Raises ValueError naming the row
+    otherwise.
     """
     n = num_needed.size
     if n == 0:
@@ -223,21 +225,22 @@ def last_needed_blocks(
             f"sequence {b} needs {int(num_needed[b])} blocks for its {what}, more than the "
             f"{rows.width} columns of its block table (max_blocks_per_seq)"
         )
-    full = all_positive or int(MIN(num_needed)) > 0
-    if full:
-        which = None
-        held = rows.flat.take(rows.row_start[:n] + (num_needed - 1))
-    else:
+    # One gather for every row: a row that needs no block reads column -1 of its row (the
+    # previous row's last entry, or entry 0 after the clip), which can only make the minimum
+    # 0; the exact per-row check below runs only then.
+    held = rows.flat.take(rows.row_start[:n] + (num_needed - 1), mode="clip")
+    if not MIN(held):  # block ids are >= 0 (int MIN: cheaper than a bool ALL)
         which = np.flatnonzero(num_needed > 0)
-        held = rows.flat.take(rows.row_start[which] + (num_needed[which] - 1))
-    if held.size and not MIN(held):  # block ids are >= 0 (int MIN: cheaper than a bool ALL)
-        i = int(np.argmin(held != 0))
-        b = i if which is None else int(which[i])
-        raise ValueError(
-            f"sequence {b} needs {int(num_needed[b])} blocks for its {what} but the manager "
-            "holds fewer"
-        )
-    return held if full else None
+        bad = which[rows.flat.take(rows.row_start[which] + (num_needed[which] - 1)) == 0]
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"sequence {b} needs {int(num_needed[b])} blocks for its {what} but the "
+                "manager holds fewer"
+            )
+    if check_only or not (all_positive or int(MIN(num_needed)) > 0):
+        return None
+    return held
 
 
 def decode_last_blocks(

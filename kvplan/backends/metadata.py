@@ -308,7 +308,7 @@ class AttentionMetadata(StepShape):
         what = "kv_lens (incl. num_extra_kv_tokens)" if extra_tokens else "kv_lens"
         max_needed = -(-(self.max_kv_len + extra_tokens) // bs)
         for t in pools:
-            last_needed_blocks(t, needed, what, max_needed=max_needed)
+            last_needed_blocks(t, needed, what, max_needed=max_needed, check_only=True)
         new_lens = self._kv_np
         positions = new_token_positions(cached, self.cu_seqlens_kv_np, new_lens, self._arange)
         column, in_block = block_column(positions, bs)

@@ -19,6 +19,7 @@ from kvplan.backends.ledger import (
     decode_last_blocks,
     decode_token_slots,
     flat_page_index,
+    last_needed_blocks,
     logical_num_blocks,
     new_token_slots,
     table_rows,
@@ -275,3 +276,27 @@ def test_decode_last_blocks_checks_the_table():
         decode_last_blocks(rows, np.array([1, 1]), 1)
     with pytest.raises(ValueError, match="sequence 0 needs 4 blocks .* 3 columns"):
         decode_last_blocks(rows, np.array([3, 0]), 3)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_last_needed_blocks_against_a_loop(seed):
+    rng = np.random.default_rng(seed)
+    n, width = int(rng.integers(1, 9)), 6
+    held = rng.integers(0, width + 1, size=n)  # blocks each row holds (filled from column 0)
+    table = np.zeros((n, width), np.int32)
+    for b in range(n):
+        table[b, : held[b]] = rng.integers(1, 50, size=held[b])
+    needed = np.minimum(held + rng.integers(-2, 2, size=n), width).clip(0).astype(np.int32)
+    needed[rng.integers(0, n)] = 0  # a row without blocks (its column -1 is no block)
+    bad = [b for b in range(n) if needed[b] > held[b]]
+    rows = table_rows(table)
+    if bad:
+        with pytest.raises(ValueError, match=f"sequence {bad[0]} needs"):
+            last_needed_blocks(rows, needed, check_only=True)
+        return
+    assert last_needed_blocks(rows, needed, check_only=True) is None
+    assert last_needed_blocks(rows, needed) is None  # a row needs no block: no last blocks
+    owners = np.flatnonzero(held > 0)  # rows holding blocks, each needing all of them
+    if owners.size:
+        got = last_needed_blocks(table_rows(table[owners]), held[owners].astype(np.int32))
+        assert got.tolist() == [int(table[b, held[b] - 1]) for b in owners]
