@@ -61,6 +61,9 @@ class EngineCore:
         self._next_id = 0
         self.num_steps = 0
         self._pinned: torch.Tensor | None = None  # host buffer of the sampled tokens (CUDA)
+        self._copy_in_flight = False
+        # decode-only steps take the batched update (False: the per-row loop, for tests)
+        self.decode_fast_path = True
         self._copied: torch.cuda.Event | None = None
 
     # ------------------------------------------------------------------ requests
@@ -105,11 +108,15 @@ class EngineCore:
                 )
             return []
         logits, inputs = self.runner.execute(sched)
-        tokens = self._sample(sched, inputs, logits)
+        pending = self._sample(sched, inputs, logits)  # device work queued, copy in flight
         self.num_steps += 1
-        if sched.num_contexts == 0 and not self.scheduler.manager.release_out_of_window:
-            return self._update_decode_rows(sched, inputs, tokens)
-        return self._update_rows(sched, inputs, tokens)
+        manager = self.scheduler.manager
+        if self.decode_fast_path and sched.num_contexts == 0 and not manager.release_out_of_window:
+            # While the GPU still runs the step: commit the K/V it writes (the step's input
+            # tokens, known on the host); only then wait for the sampled tokens.
+            manager.commit_tokens_many(inputs.request_ids, inputs.input_ids)
+            return self._update_decode_rows(sched, self._wait(pending))
+        return self._update_rows(sched, inputs, self._wait(pending))
 
     def _update_rows(self, sched, inputs, tokens: list[int]) -> list[Request]:
         """Any step, row by row: commit what each row wrote, take its new token(s)."""
@@ -145,12 +152,11 @@ class EngineCore:
                 touched.append(req)
         return touched
 
-    def _update_decode_rows(self, sched, inputs, tokens: list[int]) -> list[Request]:
-        """Decode-only step: row i fed ``inputs.input_ids[i]`` and sampled ``tokens[i]``
-        (the module docstring says why this equals ``_update_rows``)."""
+    def _update_decode_rows(self, sched, tokens: list[int]) -> list[Request]:
+        """Decode-only step, after ``step()`` committed the rows' input tokens: row i sampled
+        ``tokens[i]`` (the module docstring says why this equals ``_update_rows``)."""
         batch = sched.decode_batch
         reqs = batch.requests if batch is not None else [s.request for s in sched.seqs]
-        self.scheduler.manager.commit_tokens_many(inputs.request_ids, inputs.input_ids)
         eos = self.eos_token_ids
         for req, token in zip(reqs, tokens):
             req.num_computed_tokens += 1
@@ -166,15 +172,16 @@ class EngineCore:
                 self._check_stop(req, token)
         return list(reqs)
 
-    def _sample(self, sched, inputs, logits: torch.Tensor) -> list[int]:
-        """The step's sampled tokens on the host, one per logits row.
+    def _sample(self, sched, inputs, logits: torch.Tensor) -> torch.Tensor | None:
+        """Queue the step's sampling; ``_wait`` of the result gives the tokens on the host,
+        one per logits row.
 
         Greedy fast path: when every scheduled request is greedy, the tokens are the
         device-side ``argmax`` (no per-row parameter lists, no sort). Either way the tokens
-        reach the host in one device->host copy (`_to_host`).
+        reach the host in one device->host copy (`_to_host`), started here.
         """
         if inputs.logits_rows.shape[0] == 0:
-            return []
+            return None
         seqs = sched.seqs
         batch = sched.decode_batch
         greedy = (
@@ -192,14 +199,15 @@ class EngineCore:
             gens.extend([s.request.generator] * n)
         return self._to_host(sample(logits, params, gens, self.generator))
 
-    def _to_host(self, tokens: torch.Tensor) -> list[int]:
-        """``tokens [N]`` int64 on the device -> Python ints, in one copy.
+    def _to_host(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Start copying ``tokens [N]`` (int64, on the device) to the host; `_wait` returns
+        them as Python ints.
 
-        On CUDA the copy goes non-blocking into a preallocated pinned buffer and the host
-        waits on one event recorded after it (not on the whole device).
+        On CUDA the copy goes non-blocking into a preallocated pinned buffer with one event
+        recorded after it, and `_wait` waits on that event (not on the whole device).
         """
         if tokens.device.type != "cuda":
-            return tokens.tolist()
+            return tokens
         n = tokens.shape[0]
         buf = self._pinned
         if buf is None or buf.shape[0] < n:
@@ -207,8 +215,17 @@ class EngineCore:
             self._copied = torch.cuda.Event()
         buf[:n].copy_(tokens, non_blocking=True)
         self._copied.record()
-        self._copied.synchronize()
-        return buf[:n].tolist()
+        self._copy_in_flight = True
+        return buf[:n]
+
+    def _wait(self, pending: torch.Tensor | None) -> list[int]:
+        """The sampled tokens started by `_sample` (``[]`` when the step samples none)."""
+        if pending is None:
+            return []
+        if self._copy_in_flight:
+            self._copied.synchronize()
+            self._copy_in_flight = False
+        return pending.tolist()
 
     def _append(self, req: Request, token: int) -> None:
         req.output_token_ids.append(token)

@@ -160,7 +160,7 @@ def _run_fast_and_general(seed: int, check_coverage: bool = True, **llm_kw) -> l
         core.decode_text = lambda ids: "".join(chr(97 + t % 26) for t in ids)
         if not fast:
             _general_only(core.scheduler)
-            core._update_decode_rows = core._update_rows
+            core.decode_fast_path = False
         engines.append(core)
     ids: list[list[int]] = [[], []]
     fast_steps = 0
