@@ -219,6 +219,38 @@ class Scheduler:
             return None
         return SchedulerOutput(batch.seqs, 0, decode_batch=batch)
 
+    def schedule_ahead(self, batch: DecodeBatch) -> SchedulerOutput | None:
+        """The next decode step of ``batch`` scheduled before the current step's tokens are
+        processed (async scheduling), or None (changing nothing) when that step might differ
+        from what `schedule` gives once they are: ``batch`` is no longer the remembered one
+        (a finish, abort or preemption happened), a request waits, drafts are on, the budget
+        is too small, or some pool could have to evict a cached block or run out.
+
+        Block check: each row needs at most one new block per pool, and unhashed free blocks
+        sit at the front of a pool's free list (``BlockPool.free``), so ``free - cached >=
+        rows`` means ``extend_many`` succeeds and pops only unhashed blocks. Blocks freed by
+        the pending step's finishes then go to the front after, not before, this allocation:
+        block ids may differ from the synchronous order, but which hashes are cached (and
+        evicted) and every free count do not.
+        """
+        if (
+            self._decode is None
+            or self._decode[1] is not batch
+            or self._decode[0] != tuple(self.running)
+            or self.waiting
+            or self.propose_drafts is not None
+        ):
+            return None
+        n = len(batch.request_ids)
+        if n > self.max_num_batched_tokens:
+            return None
+        for pool in self.manager.pools:
+            if pool.num_free_blocks - pool.num_cached_blocks < n:
+                return None
+        result = self.manager.extend_many(batch.request_ids, 1)
+        assert result.ok, "extend_many failed with a free block per row and pool"
+        return SchedulerOutput(batch.seqs, 0, decode_batch=batch)
+
     def _schedule_general(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         prefill: list[ScheduledSeq] = []
