@@ -13,60 +13,26 @@ could fire. It equals the per-row loop: a commit never reads what an earlier row
 (``free``) changed. With ``release_out_of_window`` commits free blocks too, so the order of
 frees would differ; that configuration keeps the per-row loop.
 
-Async scheduling (``async_scheduling``): a decode-only step k on a remembered `DecodeBatch`
-whose rows are all greedy is left *launched* when ``step()`` returns. The next ``step()``
-launches k + 1 for the same rows before it waits for k's tokens: row i's input token is k's
-device-side argmax of row i (copied on the stream; `StepInputs` ``ahead``), and positions,
-``extend_many`` and ``prepare()`` do not depend on token values. Then it processes k (commit,
-append, stop rules) while the GPU runs k + 1. Results thus arrive one ``step()`` later.
-
-* Finish detection lags one step: a request that finishes at step k (EOS, stop id, stop
-  string) was launched in k + 1 already. Its k + 1 token is discarded, never committed, and
-  its blocks are freed when k is processed. Safe: any later owner of those blocks writes
-  them with work queued after k + 1 on the same stream. The zombie row writes only its next
-  position, which lies in a block that is partial (committed up to the position before) or
-  new: never a full, hashed block that a prefix hit could hand out.
-* A request that surely hits max_tokens at step k is not launched again: the step drains.
-* Any other change drains too (wait for the launched step, process it, then the normal
-  path): prefill, a waiting request, drafts, sampled rows, a pool that might run out of free
-  or unhashed blocks (`Scheduler.schedule_ahead`), a finished row (the batch changed),
-  ``release_out_of_window``. ``abort`` first processes the launched step, so every request's
-  tokens, finish reasons and stop cuts equal those of synchronous steps; only block ids may
-  differ (blocks freed by step k's finishes are listed after k + 1's allocation).
+Async scheduling (``async_scheduling``): see `kvplan.engine.async_steps`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from kvplan.engine.async_steps import AsyncSteps, LaunchedStep, unique_requests
 from kvplan.engine.host_tokens import Pending, TokenCopies
 from kvplan.engine.request import Request
-from kvplan.engine.runner import ModelRunner, StepInputs
+from kvplan.engine.runner import ModelRunner
 from kvplan.engine.sampler import sample
 from kvplan.engine.sampling import SamplingParams
-from kvplan.engine.scheduler import Scheduler, SchedulerOutput
+from kvplan.engine.scheduler import Scheduler
 from kvplan.engine.speculative import accept_drafts
 
 
-@dataclass
-class _Launched:
-    """A decode-only step launched and not yet processed (async scheduling)."""
-
-    sched: SchedulerOutput  # its decode_batch is set
-    inputs: StepInputs  # input_ids hold real tokens once the step before was processed
-    tokens: torch.Tensor  # [num_seqs] int64 argmax on the device
-    pending: Pending  # their copy to the host
-    zombies: bool = False  # some rows finished before it was processed
-
-
-def _unique(reqs: list[Request]) -> list[Request]:
-    return list({id(r): r for r in reqs}.values())
-
-
-class EngineCore:
+class EngineCore(AsyncSteps):
     """Owns the requests, the scheduler and the runner.
 
     Args:
@@ -109,7 +75,7 @@ class EngineCore:
         self.async_scheduling = bool(async_scheduling)
         self.num_steps_ahead = 0  # steps launched before the previous step's tokens were read
         self.num_discarded_rows = 0  # rows of those steps whose request had finished
-        self._launched: _Launched | None = None
+        self._launched: LaunchedStep | None = None
         self._drained: list[Request] = []  # processed by abort/drain, not yet returned
 
     # ------------------------------------------------------------------ requests
@@ -145,13 +111,6 @@ class EngineCore:
         """Whether ``step()`` has work: requests waiting or running, or a launched step."""
         return self._launched is not None or self.scheduler.has_unfinished()
 
-    def drain(self) -> None:
-        """Wait for and process the launched step, if any (async scheduling); the next
-        ``step()`` returns the requests it touched."""
-        launched, self._launched = self._launched, None
-        if launched is not None:
-            self._drained += self._finish(launched, None)
-
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
         """Run one step; returns the requests that got new tokens or finished (with async
@@ -165,9 +124,9 @@ class EngineCore:
             touched = self._finish(launched, ahead)
             if ahead is not None:
                 self._launched = ahead
-                return _unique(drained + touched) if drained else touched
+                return unique_requests(drained + touched) if drained else touched
             drained = drained + touched
-        return _unique(drained + self._step_now())
+        return unique_requests(drained + self._step_now())
 
     def _step_now(self) -> list[Request]:
         """Schedule and launch a step; process it unless async scheduling leaves it launched."""
@@ -186,7 +145,7 @@ class EngineCore:
         if self.decode_fast_path and sched.num_contexts == 0 and not manager.release_out_of_window:
             batch = sched.decode_batch
             if self.async_scheduling and batch is not None and batch.all_greedy:
-                self._launched = _Launched(sched, inputs, tokens, pending)
+                self._launched = LaunchedStep(sched, inputs, tokens, pending)
                 return []
             # While the GPU still runs the step: commit the K/V it writes (the step's input
             # tokens, known on the host); only then wait for the sampled tokens.
@@ -194,49 +153,6 @@ class EngineCore:
             reqs = batch.requests if batch is not None else [s.request for s in sched.seqs]
             return self._update_decode_rows(reqs, self._copies.wait(pending))
         return self._update_rows(sched, inputs, self._copies.wait(pending))
-
-    def _launch_ahead(self, launched: _Launched) -> _Launched | None:
-        """Launch the step after ``launched`` for the same rows, fed by its device tokens, or
-        return None (nothing launched, nothing changed) when that step could differ from the
-        one scheduled after processing ``launched`` (module docstring)."""
-        batch = launched.sched.decode_batch
-        if launched.zombies or self.scheduler.manager.release_out_of_window:
-            return None
-        for r in batch.requests:  # surely finished by max_tokens: the batch changes
-            if len(r.output_token_ids) + 1 >= r.params.max_tokens:
-                return None
-        sched = self.scheduler.schedule_ahead(batch)
-        if sched is None:
-            return None
-        logits, inputs = self.runner.execute(sched, launched.tokens)
-        tokens, pending = self._sample(sched, inputs, logits)
-        self.num_steps += 1
-        self.num_steps_ahead += 1
-        return _Launched(sched, inputs, tokens, pending)
-
-    def _finish(self, launched: _Launched, ahead: _Launched | None) -> list[Request]:
-        """Process a launched decode step: commit its input tokens, wait for its sampled
-        tokens, update its live rows (rows finished since its launch are skipped); give
-        ``ahead`` (launched after it, same rows) those tokens as its host input ids."""
-        manager = self.scheduler.manager
-        batch = launched.sched.decode_batch
-        reqs = batch.requests
-        input_ids = launched.inputs.input_ids
-        if launched.zombies:
-            live = [i for i, r in enumerate(reqs) if not r.finished]
-            manager.commit_tokens_many([batch.request_ids[i] for i in live], input_ids[live])
-            tokens = self._copies.wait(launched.pending)
-            self.num_discarded_rows += len(reqs) - len(live)
-            reqs, new = [reqs[i] for i in live], [tokens[i] for i in live]
-        else:
-            manager.commit_tokens_many(batch.request_ids, input_ids)
-            tokens = new = self._copies.wait(launched.pending)
-        num_running = len(self.scheduler.running)
-        touched = self._update_decode_rows(reqs, new)
-        if ahead is not None:
-            ahead.inputs.input_ids[:] = tokens
-            ahead.zombies = len(self.scheduler.running) != num_running
-        return touched
 
     def _update_rows(self, sched, inputs, tokens: list[int]) -> list[Request]:
         """Any step, row by row: commit what each row wrote, take its new token(s)."""

@@ -176,6 +176,36 @@ def test_schedule_ahead_refuses_what_could_change():
     assert s.schedule_ahead(new_batch) is None and mgr.num_tokens(0) == 8
 
 
+def test_async_graph_path_on_cpu():
+    """The CUDA-graph replay path (staging slots, device tokens copied over the staged input
+    ids) with the CPU stand-in graphs of test_cuda_graphs: async on equals plain steps."""
+    from test_cuda_graphs import _EagerReplay
+
+    from kvplan.engine.cuda_graphs import DecodeGraphs
+
+    class CpuGraphs(DecodeGraphs):
+        def _capture(self, b, pool):
+            self.logits[b] = self._forward(b)
+            return _EagerReplay(self, b)
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 20))] for _ in range(7)]
+    params = [SamplingParams(max_tokens=rng.randint(4, 30), stop_token_ids=[3, 5, 8, 13])
+              for _ in prompts]  # fmt: skip
+    kw = dict(backend="block_offsets", block_size=4, max_num_seqs=8, max_model_len=64)
+    plain = LLM(CFG, async_scheduling=False, **kw)
+    want = [(o.token_ids, o.finish_reason) for o in plain.generate(prompts, params)]
+    llm = LLM(CFG, async_scheduling=True, **kw)
+    parts = llm.parts
+    graphs = CpuGraphs(parts.model, parts.metadata, parts.manager, 8, 64)
+    graphs.capture_all()
+    llm.engine.runner.graphs = graphs
+    got = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+    assert got == want
+    assert graphs.num_replays > 0 and llm.engine.num_steps_ahead > 5
+    assert parts.manager.num_free_blocks() == parts.num_blocks - 1
+
+
 @pytest.mark.gpu
 def test_async_equals_sync_with_cuda_graphs():
     """Same workloads on the GPU with CUDA graphs (fp32): the lookahead feeds the graph's
