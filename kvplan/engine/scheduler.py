@@ -30,10 +30,27 @@ same blocks.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvplan.engine.request import Request, RequestStatus
+
+
+def _unhashed_front(pool, n: int) -> bool:
+    """Whether ``pool`` (a ``kvplan.cache.BlockPool``) has ``n`` free blocks and the first
+    ``n`` of its free list carry no prefix-cache hash (allocating them evicts nothing).
+
+    The pool keeps its free list unhashed blocks first (``free`` puts an unhashed block at
+    the front, a hashed one at the back; ``allocate`` pops the front), so looking at the
+    n-th free block is enough: O(n), reading the pool's private free list.
+    """
+    if pool.num_free_blocks < n:
+        return False
+    if n == 0 or pool.num_cached_blocks == 0:
+        return True
+    nth = next(itertools.islice(pool._free, n - 1, None))
+    return pool.block_hash(nth) is None
 
 
 @dataclass
@@ -226,12 +243,12 @@ class Scheduler:
         (a finish, abort or preemption happened), a request waits, drafts are on, the budget
         is too small, or some pool could have to evict a cached block or run out.
 
-        Block check: each row needs at most one new block per pool, and unhashed free blocks
-        sit at the front of a pool's free list (``BlockPool.free``), so ``free - cached >=
-        rows`` means ``extend_many`` succeeds and pops only unhashed blocks. Blocks freed by
-        the pending step's finishes then go to the front after, not before, this allocation:
-        block ids may differ from the synchronous order, but which hashes are cached (and
-        evicted) and every free count do not.
+        Block check (`_unhashed_front`): each row needs at most one new block per pool, so
+        if the first ``rows`` blocks of every free list carry no hash, ``extend_many``
+        succeeds and evicts nothing. Blocks freed by the pending step's finishes then go to
+        the front after, not before, this allocation: block ids may differ from the
+        synchronous order, but which hashes are cached (and evicted) and every free count
+        do not.
         """
         if (
             self._decode is None
@@ -244,9 +261,8 @@ class Scheduler:
         n = len(batch.request_ids)
         if n > self.max_num_batched_tokens:
             return None
-        for pool in self.manager.pools:
-            if pool.num_free_blocks - pool.num_cached_blocks < n:
-                return None
+        if not all(_unhashed_front(pool, n) for pool in self.manager.pools):
+            return None
         result = self.manager.extend_many(batch.request_ids, 1)
         assert result.ok, "extend_many failed with a free block per row and pool"
         return SchedulerOutput(batch.seqs, 0, decode_batch=batch)

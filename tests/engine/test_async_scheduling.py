@@ -206,6 +206,28 @@ def test_async_graph_path_on_cpu():
     assert parts.manager.num_free_blocks() == parts.num_blocks - 1
 
 
+def test_schedule_ahead_never_evicts_a_cached_block():
+    mgr = KVCacheManager(8, 4, max_blocks_per_seq=8)  # 7 usable blocks
+    mgr.add_request(90, list(range(100, 108)))
+    mgr.commit_tokens(90, list(range(100, 108)))  # two full blocks, hashed
+    mgr.free(90)  # free list: 5 unhashed blocks, then the 2 hashed ones
+    s = Scheduler(mgr, max_num_batched_tokens=64, max_num_seqs=4)
+    for i in range(2):
+        s.add(Request(i, [1, 2, 3], SamplingParams(max_tokens=20)))
+    for _ in range(2):
+        out = s.schedule()
+        for row in out.seqs:
+            row.request.num_computed_tokens += row.num_query_tokens
+            row.request.output_token_ids.append(5)
+    batch = out.decode_batch  # 4 tokens each: the next step needs a new block per row
+    assert batch is not None and mgr.pools[0].num_cached_blocks == 2
+    mgr.add_request(91, [7] * 8)  # leaves 1 unhashed block in front of the hashed ones
+    assert s.schedule_ahead(batch) is None and mgr.num_tokens(0) == 4
+    mgr.free(91)  # its unhashed blocks go back to the front
+    assert s.schedule_ahead(batch) is not None and mgr.num_tokens(0) == 5
+    assert mgr.pools[0].num_cached_blocks == 2  # nothing evicted
+
+
 @pytest.mark.gpu
 def test_async_equals_sync_with_cuda_graphs():
     """Same workloads on the GPU with CUDA graphs (fp32): the lookahead feeds the graph's
