@@ -26,6 +26,10 @@ budget holds the batch: one ``KVCacheManager.extend_many`` grows every request, 
 blocks stay as reserved blocks, exactly where the per-request loop puts them) and the general
 loop below decides who is preempted, so both paths schedule the same rows and allocate the
 same blocks.
+
+Async scheduling (`kvplan.engine.async_steps`) asks for the step after a launched decode step
+before that step's tokens are processed: ``schedule_ahead`` gives the same rows again, or None
+(changing nothing) when the answer could depend on what processing the step changes.
 """
 
 from __future__ import annotations
@@ -240,8 +244,9 @@ class Scheduler:
         """The next decode step of ``batch`` scheduled before the current step's tokens are
         processed (async scheduling), or None (changing nothing) when that step might differ
         from what `schedule` gives once they are: ``batch`` is no longer the remembered one
-        (a finish, abort or preemption happened), a request waits, drafts are on, the budget
-        is too small, or some pool could have to evict a cached block or run out.
+        (a finish, abort or preemption happened), a request waits (a finish in the pending
+        step could let it in), drafts are on, the budget is too small, or some pool could
+        have to evict a cached block or run out.
 
         Block check (`_unhashed_front`): each row needs at most one new block per pool, so
         if the first ``rows`` blocks of every free list carry no hash, ``extend_many``
