@@ -15,11 +15,12 @@ append, stop rules) while the GPU runs k + 1. Results thus arrive one ``step()``
   new: never a full, hashed block that a prefix hit could hand out.
 * A request that surely hits max_tokens at step k is not launched again: the step drains.
 * Any other change drains too (wait for the launched step, process it, then the normal
-  path): prefill, a waiting request, drafts, sampled rows, a pool that might run out of free
-  or unhashed blocks (`Scheduler.schedule_ahead`), a finished row (the batch changed),
+  path): prefill, a waiting request, drafts, sampled rows, a pool without a free block per
+  row (`Scheduler.schedule_ahead`), a finished row (the batch changed),
   ``release_out_of_window``. ``abort`` first processes the launched step, so every request's
-  tokens, finish reasons and stop cuts equal those of synchronous steps; only block ids may
-  differ (blocks freed by step k's finishes are listed after k + 1's allocation).
+  tokens, finish reasons and stop cuts equal those of synchronous steps; block ids may
+  differ, and k + 1's allocation may evict a cached free block that the synchronous order
+  would have kept (blocks freed by step k's finishes are listed after it).
 """
 
 from __future__ import annotations

@@ -34,27 +34,15 @@ before that step's tokens are processed: ``schedule_ahead`` gives the same rows 
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvplan.engine.request import Request, RequestStatus
 
 
-def _unhashed_front(pool, n: int) -> bool:
-    """Whether ``pool`` (a ``kvplan.cache.BlockPool``) has ``n`` free blocks and the first
-    ``n`` of its free list carry no prefix-cache hash (allocating them evicts nothing).
-
-    The pool keeps its free list unhashed blocks first (``free`` puts an unhashed block at
-    the front, a hashed one at the back; ``allocate`` pops the front), so looking at the
-    n-th free block is enough: O(n), reading the pool's private free list.
-    """
-    if pool.num_free_blocks < n:
-        return False
-    if n == 0 or pool.num_cached_blocks == 0:
-        return True
-    nth = next(itertools.islice(pool._free, n - 1, None))
-    return pool.block_hash(nth) is None
+def _has_free(pool, n: int) -> bool:
+    """Whether ``pool`` (a ``kvplan.cache.BlockPool``) has ``n`` free blocks."""
+    return pool.num_free_blocks >= n
 
 
 @dataclass
@@ -248,12 +236,11 @@ class Scheduler:
         step could let it in), drafts are on, the budget is too small, or some pool could
         have to evict a cached block or run out.
 
-        Block check (`_unhashed_front`): each row needs at most one new block per pool, so
-        if the first ``rows`` blocks of every free list carry no hash, ``extend_many``
-        succeeds and evicts nothing. Blocks freed by the pending step's finishes then go to
-        the front after, not before, this allocation: block ids may differ from the
-        synchronous order, but which hashes are cached (and evicted) and every free count
-        do not.
+        Block check (`_has_free`): each row needs at most one new block per pool, so with
+        ``rows`` free blocks in every pool ``extend_many`` succeeds. The allocation comes
+        before the pending step's finishes free their blocks, so it may take (evict) a cached
+        free block that the synchronous order would have left for a later prefix hit, and
+        block ids may differ; tokens, finish reasons and leaks are tested equal.
         """
         if (
             self._decode is None
@@ -266,7 +253,7 @@ class Scheduler:
         n = len(batch.request_ids)
         if n > self.max_num_batched_tokens:
             return None
-        if not all(_unhashed_front(pool, n) for pool in self.manager.pools):
+        if not all(_has_free(pool, n) for pool in self.manager.pools):
             return None
         result = self.manager.extend_many(batch.request_ids, 1)
         assert result.ok, "extend_many failed with a free block per row and pool"
