@@ -140,6 +140,7 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
         max_num_seqs=len(prompts), max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt_len + args.new_tokens + 32,
         kv_cache_memory=(8 << 30) if dev.type == "cuda" else (256 << 20),
+        async_scheduling=args.async_scheduling,
     )  # fmt: skip
     # warm-up with the real shapes (Triton compiles per specialization), different tokens
     warm = make_prompts(len(prompts), args.prompt_len, cfg.vocab_size, seed=1)
@@ -155,6 +156,8 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
         "median_decode_step_ms": res.median_decode_step_ms,
         "num_decode_steps_timed": len(res.decode_step_ms),
         "graph_replays": res.num_graph_replays, "steps": res.num_steps,
+        "async_scheduling": llm.engine.async_scheduling,
+        "steps_launched_ahead": llm.engine.num_steps_ahead,
         "weight_bytes": weight_bytes, "share_outside_gpu_kernels": share,
         "graph_replay_ms": replay_ms,
         "share_outside_gpu_by_replay": (1 - replay_ms / step) if replay_ms and step else None,
@@ -244,7 +247,7 @@ def run_hf(model, prompts, args, dev, mode):
 
 
 def host_step_ms(
-    cfg, dev, dtype, num_seqs=64, prompt_len=64, steps=150, profile_steps=0
+    cfg, dev, dtype, num_seqs=64, prompt_len=64, steps=150, profile_steps=0, async_scheduling=None
 ) -> tuple[float, list[dict]]:
     """Median host time of a full-batch decode step: step wall time minus the model call.
 
@@ -260,7 +263,8 @@ def host_step_ms(
     from kvplan.engine.sampling import SamplingParams
 
     llm = LLM(cfg, device=dev, dtype=dtype, max_num_seqs=num_seqs, max_num_batched_tokens=8192,
-              max_model_len=prompt_len + steps + 64, kv_cache_memory=256 << 20)  # fmt: skip
+              max_model_len=prompt_len + steps + 64, kv_cache_memory=256 << 20,
+              async_scheduling=async_scheduling)  # fmt: skip
     core = llm.engine
     for p in make_prompts(num_seqs, prompt_len, cfg.vocab_size):
         core.add_request(p, SamplingParams(max_tokens=steps + 32, ignore_eos=True))
@@ -338,12 +342,17 @@ def main() -> int:
                     help="only measure the host time of a decode step (tiny model, CPU)")  # fmt: skip
     ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                     help="with --host-step: also cProfile STEPS more steps (calls per step)")  # fmt: skip
+    ap.add_argument("--async-scheduling", choices=("on", "off"), default=None,
+                    help="launch greedy decode steps one ahead (default: the LLM default, "
+                    "on with CUDA)")  # fmt: skip
     args = ap.parse_args()
+    args.async_scheduling = {None: None, "on": True, "off": False}[args.async_scheduling]
     if args.host_step:
         torch.set_num_threads(1)
         dev = torch.device(args.device or "cpu")
         ms, prof = host_step_ms(named_config(args.config or "tiny-llama"), dev, torch.float32,
-                                profile_steps=args.host_profile)  # fmt: skip
+                                profile_steps=args.host_profile,
+                                async_scheduling=args.async_scheduling)  # fmt: skip
         result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   "device": str(dev), "command": " ".join(sys.argv),
                   "median_host_ms_per_decode_step": ms, "batch": 64}  # fmt: skip
@@ -421,6 +430,8 @@ def main() -> int:
     if by_replay is not None:
         share_txt += f", {by_replay:.0%} (graph replay {kv['graph_replay_ms']:.3f} ms)"
     print(f"order: {args.order} (each system's device memory freed before the next runs)")
+    print(f"async scheduling: {'on' if kv['async_scheduling'] else 'off'} "
+          f"({kv['steps_launched_ahead']} steps launched ahead)")  # fmt: skip
     ratio = result["ratio_vs_best_hf"]
     print(f"kvplan / best HF: {'-' if ratio is None else f'{ratio:.1f}x'}")
     print(

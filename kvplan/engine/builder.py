@@ -117,6 +117,7 @@ def build_engine(
     num_speculative_tokens: int,
     use_cuda_graph: bool | None,
     seed: int,
+    async_scheduling: bool | None = None,
 ) -> EngineParts:
     from kvplan.backends import get_backend
     from kvplan.cache import KVCacheManager
@@ -212,6 +213,7 @@ def build_engine(
         decode_text=decode_text,
         max_model_len=max_model_len,
         seed=seed,
+        async_scheduling=async_scheduling,
     )
     print(
         f"kvplan: {source.name} ({cfg.num_params / 1e6:.0f}M params) on {dev}, {torch_dtype}, "

@@ -12,6 +12,8 @@ Decode-only steps (every row a plain decode row) take a fast path: one
 could fire. It equals the per-row loop: a commit never reads what an earlier row's finish
 (``free``) changed. With ``release_out_of_window`` commits free blocks too, so the order of
 frees would differ; that configuration keeps the per-row loop.
+
+Async scheduling (``async_scheduling``): see `kvplan.engine.async_steps`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvplan.engine.async_steps import AsyncSteps, LaunchedStep, unique_requests
+from kvplan.engine.host_tokens import Pending, TokenCopies
 from kvplan.engine.request import Request
 from kvplan.engine.runner import ModelRunner
 from kvplan.engine.sampler import sample
@@ -28,7 +32,7 @@ from kvplan.engine.scheduler import Scheduler
 from kvplan.engine.speculative import accept_drafts
 
 
-class EngineCore:
+class EngineCore(AsyncSteps):
     """Owns the requests, the scheduler and the runner.
 
     Args:
@@ -38,6 +42,8 @@ class EngineCore:
         decode_text: ``f(token_ids) -> str`` for stop strings (None: no detokenizer).
         max_model_len: longest ``prompt + max_tokens`` a request may ask for.
         seed: seed of the generator used by requests without their own seed.
+        async_scheduling: launch greedy decode steps one step ahead (module docstring);
+            None = on for CUDA, off for CPU.
     """
 
     def __init__(
@@ -49,6 +55,7 @@ class EngineCore:
         decode_text: Callable[[list[int]], str] | None = None,
         max_model_len: int,
         seed: int = 0,
+        async_scheduling: bool | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -60,11 +67,16 @@ class EngineCore:
         self.requests: dict[int, Request] = {}
         self._next_id = 0
         self.num_steps = 0
-        self._pinned: torch.Tensor | None = None  # host buffer of the sampled tokens (CUDA)
-        self._copy_in_flight = False
+        self._copies = TokenCopies()
         # decode-only steps take the batched update (False: the per-row loop, for tests)
         self.decode_fast_path = True
-        self._copied: torch.cuda.Event | None = None
+        if async_scheduling is None:
+            async_scheduling = self.device.type == "cuda"
+        self.async_scheduling = bool(async_scheduling)
+        self.num_steps_ahead = 0  # steps launched before the previous step's tokens were read
+        self.num_discarded_rows = 0  # rows of those steps whose request had finished
+        self._launched: LaunchedStep | None = None
+        self._drained: list[Request] = []  # processed by abort/drain, not yet returned
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
@@ -91,14 +103,33 @@ class EngineCore:
         if req is None:
             raise ValueError(f"unknown request id {request_id}")
         if not req.finished:
-            self.scheduler.finish(req, "abort")
+            self.drain()  # the launched step first, as without async scheduling
+            if not req.finished:
+                self.scheduler.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether ``step()`` has work: requests waiting or running, or a launched step."""
+        return self._launched is not None or self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that got new tokens or finished."""
+        """Run one step; returns the requests that got new tokens or finished (with async
+        scheduling: those of the step processed in this call, one step behind)."""
+        launched, drained = self._launched, self._drained
+        if launched is None and not drained:
+            return self._step_now()
+        self._launched, self._drained = None, []
+        if launched is not None:
+            ahead = self._launch_ahead(launched)
+            touched = self._finish(launched, ahead)
+            if ahead is not None:
+                self._launched = ahead
+                return unique_requests(drained + touched) if drained else touched
+            drained = drained + touched
+        return unique_requests(drained + self._step_now())
+
+    def _step_now(self) -> list[Request]:
+        """Schedule and launch a step; process it unless async scheduling leaves it launched."""
         sched = self.scheduler.schedule()
         if not sched.seqs:
             if self.scheduler.has_unfinished():
@@ -108,15 +139,20 @@ class EngineCore:
                 )
             return []
         logits, inputs = self.runner.execute(sched)
-        pending = self._sample(sched, inputs, logits)  # device work queued, copy in flight
+        tokens, pending = self._sample(sched, inputs, logits)  # device work queued, copy started
         self.num_steps += 1
         manager = self.scheduler.manager
         if self.decode_fast_path and sched.num_contexts == 0 and not manager.release_out_of_window:
+            batch = sched.decode_batch
+            if self.async_scheduling and batch is not None and batch.all_greedy:
+                self._launched = LaunchedStep(sched, inputs, tokens, pending)
+                return []
             # While the GPU still runs the step: commit the K/V it writes (the step's input
             # tokens, known on the host); only then wait for the sampled tokens.
             manager.commit_tokens_many(inputs.request_ids, inputs.input_ids)
-            return self._update_decode_rows(sched, self._wait(pending))
-        return self._update_rows(sched, inputs, self._wait(pending))
+            reqs = batch.requests if batch is not None else [s.request for s in sched.seqs]
+            return self._update_decode_rows(reqs, self._copies.wait(pending))
+        return self._update_rows(sched, inputs, self._copies.wait(pending))
 
     def _update_rows(self, sched, inputs, tokens: list[int]) -> list[Request]:
         """Any step, row by row: commit what each row wrote, take its new token(s)."""
@@ -152,11 +188,9 @@ class EngineCore:
                 touched.append(req)
         return touched
 
-    def _update_decode_rows(self, sched, tokens: list[int]) -> list[Request]:
-        """Decode-only step, after ``step()`` committed the rows' input tokens: row i sampled
+    def _update_decode_rows(self, reqs: list[Request], tokens: list[int]) -> list[Request]:
+        """Decode-only step, after the rows' input tokens were committed: ``reqs[i]`` sampled
         ``tokens[i]`` (the module docstring says why this equals ``_update_rows``)."""
-        batch = sched.decode_batch
-        reqs = batch.requests if batch is not None else [s.request for s in sched.seqs]
         eos = self.eos_token_ids
         for req, token in zip(reqs, tokens):
             req.num_computed_tokens += 1
@@ -172,16 +206,18 @@ class EngineCore:
                 self._check_stop(req, token)
         return list(reqs)
 
-    def _sample(self, sched, inputs, logits: torch.Tensor) -> torch.Tensor | None:
-        """Queue the step's sampling; ``_wait`` of the result gives the tokens on the host,
-        one per logits row.
+    def _sample(
+        self, sched, inputs, logits: torch.Tensor
+    ) -> tuple[torch.Tensor | None, Pending | None]:
+        """Queue the step's sampling: (tokens ``[N]`` int64 on the device, their host copy
+        started; `TokenCopies.wait` gives them as ints), one per logits row; (None, None)
+        when the step samples nothing.
 
         Greedy fast path: when every scheduled request is greedy, the tokens are the
-        device-side ``argmax`` (no per-row parameter lists, no sort). Either way the tokens
-        reach the host in one device->host copy (`_to_host`), started here.
+        device-side ``argmax`` (no per-row parameter lists, no sort).
         """
         if inputs.logits_rows.shape[0] == 0:
-            return None
+            return None, None
         seqs = sched.seqs
         batch = sched.decode_batch
         greedy = (
@@ -190,42 +226,16 @@ class EngineCore:
             else all(s.request.params.temperature == 0.0 for s in seqs)
         )
         if greedy:
-            return self._to_host(logits.argmax(dim=-1))
-        params: list[SamplingParams] = []
-        gens: list[torch.Generator | None] = []
-        for s, sl in zip(seqs, inputs.row_slices):
-            n = sl.stop - sl.start
-            params.extend([s.request.params] * n)
-            gens.extend([s.request.generator] * n)
-        return self._to_host(sample(logits, params, gens, self.generator))
-
-    def _to_host(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Start copying ``tokens [N]`` (int64, on the device) to the host; `_wait` returns
-        them as Python ints.
-
-        On CUDA the copy goes non-blocking into a preallocated pinned buffer with one event
-        recorded after it, and `_wait` waits on that event (not on the whole device).
-        """
-        if tokens.device.type != "cuda":
-            return tokens
-        n = tokens.shape[0]
-        buf = self._pinned
-        if buf is None or buf.shape[0] < n:
-            buf = self._pinned = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
-            self._copied = torch.cuda.Event()
-        buf[:n].copy_(tokens, non_blocking=True)
-        self._copied.record()
-        self._copy_in_flight = True
-        return buf[:n]
-
-    def _wait(self, pending: torch.Tensor | None) -> list[int]:
-        """The sampled tokens started by `_sample` (``[]`` when the step samples none)."""
-        if pending is None:
-            return []
-        if self._copy_in_flight:
-            self._copied.synchronize()
-            self._copy_in_flight = False
-        return pending.tolist()
+            tokens = logits.argmax(dim=-1)
+        else:
+            params: list[SamplingParams] = []
+            gens: list[torch.Generator | None] = []
+            for s, sl in zip(seqs, inputs.row_slices):
+                n = sl.stop - sl.start
+                params.extend([s.request.params] * n)
+                gens.extend([s.request.generator] * n)
+            tokens = sample(logits, params, gens, self.generator)
+        return tokens, self._copies.start(tokens)
 
     def _append(self, req: Request, token: int) -> None:
         req.output_token_ids.append(token)

@@ -62,13 +62,15 @@ class DecodeGraphs:
         self.device = metadata.device
         self.buckets = decode_buckets(max_num_seqs)
         # static inputs: row 0 token ids, row 1 positions, so that one host->device copy per
-        # step writes both (from a pinned staging buffer on CUDA). The staging buffer is only
-        # rewritten by the next run(), which the engine calls after waiting for this step's
-        # sampled tokens, so the pending non-blocking copy has completed by then.
+        # step writes both (from a pinned staging buffer on CUDA). Two staging slots, used in
+        # turn: run() r rewrites the slot of run() r - 2, and the engine launches run r only
+        # after waiting for the sampled tokens of run r - 2 or later (with async scheduling
+        # run r - 1 may still be pending), which were queued after that slot's copy.
         self._inputs = torch.zeros(2, max_num_seqs, dtype=torch.int64, device=self.device)
         self._staging = torch.zeros(
-            2, max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda"
+            2, 2, max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda"
         )
+        self._slot = 0
         self.input_ids = self._inputs[0]  # [max_num_seqs] int64
         self.positions = self._inputs[1]  # [max_num_seqs] int64
         self.graphs: dict[int, Any] = {}  # bucket -> torch.cuda.CUDAGraph
@@ -154,8 +156,12 @@ class DecodeGraphs:
             and bucket_for(n, self.buckets) in self.graphs
         )
 
-    def run(self, inputs: Any) -> torch.Tensor:
-        """Replay for ``n`` decode rows (metadata already prepared); logits ``[n, V]``."""
+    def run(self, inputs: Any, device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay for ``n`` decode rows (metadata already prepared); logits ``[n, V]``.
+
+        ``device_input_ids`` (int64 ``[n]`` on the device): the rows' input tokens, copied
+        over the staged host ``input_ids`` on the stream (a step scheduled ahead).
+        """
         n = inputs.input_ids.shape[0]
         b = bucket_for(n, self.buckets)
         md = self.metadata
@@ -164,11 +170,15 @@ class DecodeGraphs:
             md.arena.view("kv_lens")[n:b].fill_(1)
             for p in range(md.kv_cache_block_offsets.shape[0]):
                 md.arena.view(f"slots{p}")[n:b].fill_(-1)
-        host = self._staging.numpy()  # [2, max_num_seqs]: padding rows are token 0 at pos 0
+        staging = self._staging[self._slot]
+        self._slot ^= 1
+        host = staging.numpy()  # [2, max_num_seqs]: padding rows are token 0 at pos 0
         host[0, :n] = inputs.input_ids
         host[1, :n] = inputs.positions
         host[:, n:b] = 0
-        self._inputs[:, :b].copy_(self._staging[:, :b], non_blocking=True)
+        self._inputs[:, :b].copy_(staging[:, :b], non_blocking=True)
+        if device_input_ids is not None:
+            self.input_ids[:n].copy_(device_input_ids)
         self.graphs[b].replay()
         self.num_replays += 1
         return self.logits[b][:n]

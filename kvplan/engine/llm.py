@@ -70,6 +70,9 @@ class LLM:
         num_speculative_tokens: > 0 turns on n-gram (prompt lookup) speculative decoding for
             greedy requests, with that many drafts per step.
         use_cuda_graph: capture decode steps in CUDA graphs (default: on with CUDA).
+        async_scheduling: launch greedy decode steps one step ahead, so the host processes
+            step k's tokens while the device runs step k + 1 (default: on with CUDA).
+            Outputs are the same; ``step()`` reports them one step later.
         seed: seed of the sampling generator for requests without their own seed.
         chat_template: wrap plain-text prompts in the tokenizer's chat template.
     """
@@ -92,6 +95,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         num_speculative_tokens: int = 0,
         use_cuda_graph: bool | None = None,
+        async_scheduling: bool | None = None,
         seed: int = 0,
         chat_template: bool = True,
     ) -> None:
@@ -112,6 +116,7 @@ class LLM:
             num_speculative_tokens=num_speculative_tokens,
             use_cuda_graph=use_cuda_graph,
             seed=seed,
+            async_scheduling=async_scheduling,
         )
         self.engine = self.parts.core
         self.tokenizer = self.parts.tokenizer

@@ -47,10 +47,12 @@ class StepInputs:
     attention metadata.
     """
 
-    def __init__(self, sched: SchedulerOutput) -> None:
+    def __init__(self, sched: SchedulerOutput, ahead: bool = False) -> None:
         if sched.num_contexts == 0:
-            self._init_decode_only(sched)
+            self._init_decode_only(sched, ahead)
             return
+        if ahead:
+            raise ValueError("ahead=True needs a decode-only step (num_contexts == 0)")
         ids: list[int] = []
         pos: list[int] = []
         rows: list[int] = []
@@ -82,13 +84,17 @@ class StepInputs:
         self.request_ids = [s.request.request_id for s in sched.seqs]
         self.prompt_lens = [s.request.num_prefill_tokens for s in sched.seqs]
 
-    def _init_decode_only(self, sched: SchedulerOutput) -> None:
+    def _init_decode_only(self, sched: SchedulerOutput, ahead: bool) -> None:
         """Fast path of a step with only plain decode rows (no prefill, no drafts).
 
         Row i has one query token (its request's newest token) at position
         ``num_computed_tokens`` and owns logits row i, so every array but the token ids and
         positions is fixed by ``n``; ``request_ids``/``prompt_lens`` come from the
         scheduler's `DecodeBatch` when it has one (the same lists every step).
+
+        ``ahead``: the step after a launched step whose tokens the requests do not have yet
+        (async scheduling): every row is one position further and ``input_ids`` is a
+        placeholder (zeros) until the caller writes the launched step's tokens into it.
         """
         batch = sched.decode_batch
         if batch is not None:
@@ -100,14 +106,17 @@ class StepInputs:
             self.request_ids = [r.request_id for r in reqs]
             self.prompt_lens = [r.num_prefill_tokens for r in reqs]
         n = len(reqs)
-        self.input_ids = np.array(
-            [
-                r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
-                for r in reqs
-            ],
-            dtype=np.int64,
-        )
-        self.num_cached = np.array([r.num_computed_tokens for r in reqs], dtype=np.int32)
+        if ahead:
+            self.input_ids = np.zeros(n, dtype=np.int64)
+        else:
+            self.input_ids = np.array(
+                [
+                    r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+                    for r in reqs
+                ],
+                dtype=np.int64,
+            )
+        self.num_cached = np.array([r.num_computed_tokens + ahead for r in reqs], dtype=np.int32)
         self.positions = self.num_cached.astype(np.int64)
         self.logits_rows = np.arange(n, dtype=np.int64)
         self.row_slices = _unit_slices(n)
@@ -146,14 +155,25 @@ class ModelRunner:
             sched.num_contexts,
         )
 
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
-        """Run one step; returns (fp32 logits ``[N, V]`` on the device, the host inputs)."""
-        inputs = StepInputs(sched)
+    def execute(
+        self, sched: SchedulerOutput, device_input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, StepInputs]:
+        """Run one step; returns (fp32 logits ``[N, V]`` on the device, the host inputs).
+
+        ``device_input_ids``: int64 ``[num_seqs]`` on the device, the input tokens of a
+        decode-only step scheduled ahead (`StepInputs` ``ahead``; async scheduling): the
+        model reads them in place of the host ``input_ids``, which are still placeholders.
+        """
+        ahead = device_input_ids is not None
+        inputs = StepInputs(sched, ahead)
         self.fill_metadata(sched, inputs)
         if self.graphs is not None and self.graphs.can_run(sched, inputs):
-            return self.graphs.run(inputs), inputs
+            return self.graphs.run(inputs, device_input_ids), inputs
         dev = self.device
-        input_ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
+        if ahead:
+            input_ids = device_input_ids
+        else:
+            input_ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
         positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
         rows = torch.from_numpy(inputs.logits_rows).to(dev, non_blocking=True)
         logits = self.model(input_ids, positions, self.metadata, rows)

@@ -26,6 +26,10 @@ budget holds the batch: one ``KVCacheManager.extend_many`` grows every request, 
 blocks stay as reserved blocks, exactly where the per-request loop puts them) and the general
 loop below decides who is preempted, so both paths schedule the same rows and allocate the
 same blocks.
+
+Async scheduling (`kvplan.engine.async_steps`) asks for the step after a launched decode step
+before that step's tokens are processed: ``schedule_ahead`` gives the same rows again, or None
+(changing nothing) when the answer could depend on what processing the step changes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvplan.engine.request import Request, RequestStatus
+
+
+def _has_free(pool, n: int) -> bool:
+    """Whether ``pool`` (a ``kvplan.cache.BlockPool``) has ``n`` free blocks."""
+    return pool.num_free_blocks >= n
 
 
 @dataclass
@@ -217,6 +226,37 @@ class Scheduler:
             for rid in batch.request_ids[: result.num_extended]:
                 self.manager.rewind(rid, 1)
             return None
+        return SchedulerOutput(batch.seqs, 0, decode_batch=batch)
+
+    def schedule_ahead(self, batch: DecodeBatch) -> SchedulerOutput | None:
+        """The next decode step of ``batch`` scheduled before the current step's tokens are
+        processed (async scheduling), or None (changing nothing) when that step might differ
+        from what `schedule` gives once they are: ``batch`` is no longer the remembered one
+        (a finish, abort or preemption happened), a request waits (a finish in the pending
+        step could let it in), drafts are on, the budget is too small, or some pool could
+        have to evict a cached block or run out.
+
+        Block check (`_has_free`): each row needs at most one new block per pool, so with
+        ``rows`` free blocks in every pool ``extend_many`` succeeds. The allocation comes
+        before the pending step's finishes free their blocks, so it may take (evict) a cached
+        free block that the synchronous order would have left for a later prefix hit, and
+        block ids may differ; tokens, finish reasons and leaks are tested equal.
+        """
+        if (
+            self._decode is None
+            or self._decode[1] is not batch
+            or self._decode[0] != tuple(self.running)
+            or self.waiting
+            or self.propose_drafts is not None
+        ):
+            return None
+        n = len(batch.request_ids)
+        if n > self.max_num_batched_tokens:
+            return None
+        if not all(_has_free(pool, n) for pool in self.manager.pools):
+            return None
+        result = self.manager.extend_many(batch.request_ids, 1)
+        assert result.ok, "extend_many failed with a free block per row and pool"
         return SchedulerOutput(batch.seqs, 0, decode_batch=batch)
 
     def _schedule_general(self) -> SchedulerOutput:

@@ -24,6 +24,7 @@ def prompt_logits(core: EngineCore, token_ids: Sequence[int], chunk_size: int = 
     The engine must be idle (no running requests); the sequence gets a fresh request id and
     its blocks are freed at the end.
     """
+    core.drain()  # a launched step whose rows all finished already (async scheduling)
     if core.has_unfinished():
         raise ValueError("prompt_logits needs an idle engine (requests are still running)")
     if chunk_size < 1:
