@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_testlib import run_schedules
 
 from kvplan import LLM, SamplingParams
 from kvplan.cache import KVCacheManager
@@ -154,11 +155,7 @@ def test_schedule_ahead_refuses_what_could_change():
     reqs = [Request(i, [1, 2, 3], SamplingParams(max_tokens=20)) for i in range(3)]
     for r in reqs:
         s.add(r)
-    for _ in range(2):
-        out = s.schedule()
-        for row in out.seqs:
-            row.request.num_computed_tokens += row.num_query_tokens
-            row.request.output_token_ids.append(5)
+    out = run_schedules(s, 2, 5)[-1]
     batch = out.decode_batch
     assert batch is not None and [mgr.num_tokens(i) for i in range(3)] == [4, 4, 4]
     ahead = s.schedule_ahead(batch)  # 5 tokens each: one new block per row, 8 free
@@ -214,11 +211,7 @@ def test_schedule_ahead_needs_a_free_block_per_row():
     s = Scheduler(mgr, max_num_batched_tokens=64, max_num_seqs=4)
     for i in range(2):
         s.add(Request(i, [1, 2, 3], SamplingParams(max_tokens=20)))
-    for _ in range(2):
-        out = s.schedule()
-        for row in out.seqs:
-            row.request.num_computed_tokens += row.num_query_tokens
-            row.request.output_token_ids.append(5)
+    out = run_schedules(s, 2, 5)[-1]
     batch = out.decode_batch  # 4 tokens each: the next step needs a new block per row
     assert batch is not None and mgr.num_free_blocks() == 5
     mgr.add_request(91, [7] * 16)  # 4 blocks: 1 free block left for 2 rows

@@ -13,6 +13,7 @@ import dataclasses
 import random
 
 import pytest
+from engine_testlib import run_schedules
 
 from kvplan import LLM as _LLM
 from kvplan import SamplingParams
@@ -112,11 +113,7 @@ def test_fast_path_out_of_blocks_preempts_like_the_general_loop():
     reqs = [Request(i, list(range(7)), SamplingParams(max_tokens=50)) for i in range(3)]
     for r in reqs:
         s.add(r)
-    for _ in range(2):
-        out = s.schedule()
-        for row in out.seqs:
-            row.request.num_computed_tokens += row.num_query_tokens
-            row.request.output_token_ids.append(1)
+    out = run_schedules(s, 2, 1)[-1]
     assert out.decode_batch is not None and [mgr.num_tokens(i) for i in range(3)] == [8] * 3
     out = s.schedule()  # 9 tokens each: request 0 needs a third block, none is free
     assert [r.request_id for r in out.preempted] == [2] and reqs[2].status is RequestStatus.WAITING
@@ -214,13 +211,7 @@ def test_decode_batch_lists_are_reused_while_the_batch_is_unchanged():
     reqs = [Request(i, [i + 1] * 3, SamplingParams(max_tokens=9)) for i in range(3)]
     for r in reqs:
         s.add(r)
-    batches = []
-    for _ in range(4):
-        out = s.schedule()
-        for row in out.seqs:
-            row.request.num_computed_tokens += row.num_query_tokens
-            row.request.output_token_ids.append(5)
-        batches.append(out.decode_batch)
+    batches = [out.decode_batch for out in run_schedules(s, 4, 5)]
     assert batches[0] is None and batches[1] is not None
     assert batches[2] is batches[1] and batches[3] is batches[1]
     assert batches[1].request_ids == [0, 1, 2] and batches[1].all_greedy
