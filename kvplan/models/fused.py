@@ -31,10 +31,7 @@ import torch.nn.functional as F
 
 from kvplan.models.rope import rotate
 from kvplan.ops._dispatch import triton_interpreting, use_triton
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
+from kvplan.ops.store import triton_cdiv, triton_next_pow2
 
 
 def _fused(t: torch.Tensor, fused: bool | None) -> bool:
@@ -102,7 +99,7 @@ def rms_norm_triton(
             )
         res2 = _rows(residual, "residual", in_place=True)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    tile = _next_pow2(n)
+    tile = triton_next_pow2(n)
     if x2.shape[0] > 0:
         rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight.contiguous(), out, n, x2.stride(0), res2.stride(0), 1.0 / n, eps,
@@ -234,16 +231,16 @@ def qkv_epilogue_triton(
     k = torch.empty(t, num_kv_heads, d, **new)
     v = torch.empty(t, num_kv_heads, d, **new)
     heads = num_heads + 2 * num_kv_heads
-    tile_d = _next_pow2(d)
+    tile_d = triton_next_pow2(d)
     # ~1024 elements per program on the GPU; one program per token in the interpreter
     if tile_h is None:
-        tile_h = _next_pow2(heads)
+        tile_h = triton_next_pow2(heads)
         if not triton_interpreting():
             tile_h = min(tile_h, max(1, 1024 // tile_d))
     if t > 0:
         w_q = q_norm_weight.contiguous() if qk_norm else q
         w_k = k_norm_weight.contiguous() if qk_norm else q
-        qkv_epilogue_kernel[(t, -(-heads // tile_h))](
+        qkv_epilogue_kernel[(t, triton_cdiv(heads, tile_h))](
             qkv, positions, cos.contiguous(), sin.contiguous(), w_q, w_k, q, k, v,
             qkv.stride(0), cos.shape[0], eps, 1.0 / d,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, QK_NORM=qk_norm,
@@ -288,9 +285,9 @@ def silu_and_mul_triton(gate_up: torch.Tensor, *, tile: int | None = None) -> to
     t = gate_up.shape[0]
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     interp = triton_interpreting()
-    tile = tile or min(_next_pow2(inter), 8192 if interp else 1024)
+    tile = tile or min(triton_next_pow2(inter), 8192 if interp else 1024)
     if t > 0:
-        silu_and_mul_kernel[(t, -(-inter // tile))](
+        silu_and_mul_kernel[(t, triton_cdiv(inter, tile))](
             gate_up, out, inter, gate_up.stride(0), TILE=tile, EXACT=not interp, num_warps=4,
             enable_fp_fusion=False,
         )  # fmt: skip
