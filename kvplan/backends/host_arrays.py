@@ -27,7 +27,6 @@ IntArrayLike = Sequence[int] | np.ndarray | torch.Tensor
 MIN = np.minimum.reduce
 MAX = np.maximum.reduce
 SUM = np.add.reduce  # int32 input accumulates in int64 (numpy's rule for add reductions)
-ALL = np.logical_and.reduce
 
 
 class HostLengths(NamedTuple):
