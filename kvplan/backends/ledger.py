@@ -125,22 +125,16 @@ def new_token_slots(
     cached: np.ndarray,
     new_lens: np.ndarray,
     block_size: int,
-    *,
-    arange: np.ndarray | None = None,
-    validated: bool = False,
 ) -> np.ndarray:
     """Cache slot of every new K/V token, sequence by sequence (host, int32 ``[sum(new_lens)]``;
     slots fit in int32 because the manager checks ``num_blocks * block_size``).
 
     Token i of sequence b sits at position ``p = cached[b] + i`` and goes to slot
     ``table[b, p // block_size] * block_size + p % block_size``. ``cached`` and ``new_lens``:
-    int32 ``[n]``; ``arange``: int32 ``0, 1, ...`` of at least ``sum(new_lens)`` entries
-    (made here when not given).
+    int32 ``[n]``.
 
     Raises ValueError when a token would land past the table or in the padding block 0 (the
-    manager did not allocate a block for it). ``validated``: the caller already checked
-    (``last_needed_blocks``) that every row owns its blocks up to its last new token, so both
-    checks are skipped.
+    manager did not allocate a block for it).
 
     Example (block_size 4)::
 
@@ -156,11 +150,9 @@ def new_token_slots(
     total = int(cu[n])
     if total == 0:
         return np.zeros(0, np.int32)
-    if arange is None or arange.size < total:
-        arange = np.arange(total, dtype=np.int32)
-    positions = new_token_positions(cached, cu, new_lens, arange)
+    positions = new_token_positions(cached, cu, new_lens, np.arange(total, dtype=np.int32))
     column, in_block = block_column(positions, block_size)
-    if not validated and int(MAX(column)) >= rows.width:
+    if int(MAX(column)) >= rows.width:
         i = int(np.argmax(column))
         raise ValueError(
             f"sequence {int(np.searchsorted(cu, i, 'right')) - 1} writes position "
@@ -169,7 +161,7 @@ def new_token_slots(
     index = rows.row_start[:n].repeat(new_lens)
     index += column
     blocks = rows.flat.take(index)
-    if not validated and not MIN(blocks):  # block ids are >= 0: the minimum is 0 iff one is
+    if not MIN(blocks):  # block ids are >= 0: the minimum is 0 iff one is
         i = int(np.argmin(blocks != 0))
         raise ValueError(
             f"sequence {int(np.searchsorted(cu, i, 'right')) - 1} writes a token into an "
@@ -200,7 +192,6 @@ def last_needed_blocks(
     num_needed: np.ndarray,
     what: str = "kv_lens",
     *,
-    all_positive: bool = False,
     max_needed: int | None = None,
     check_only: bool = False,
 ) -> np.ndarray | None:
@@ -209,10 +200,9 @@ def last_needed_blocks(
     The manager fills a row's blocks from column 0 and pads with block 0, so it is enough
     that column ``num_needed[b] - 1`` is not the padding block (one gather, not a row scan).
     Returns that last block of every row (int32 ``[n]``) when every row needs at least one
-    block (``all_positive``: the caller knows it), else None; a decode step derives its slots
-    from it (``decode_token_slots``). ``max_needed``: ``max(num_needed)`` when the caller
-    knows it; ``check_only``: only check (returns None). Raises ValueError naming the row
-    otherwise.
+    block, else None; a decode step derives its slots from it (``decode_token_slots``).
+    ``max_needed``: ``max(num_needed)`` when the caller knows it; ``check_only``: only check
+    (returns None). Raises ValueError naming the row otherwise.
     """
     n = num_needed.size
     if n == 0:
@@ -229,7 +219,7 @@ def last_needed_blocks(
     # previous row's last entry, or entry 0 after the clip), which can only make the minimum
     # 0; the exact per-row check below runs only then.
     held = rows.flat.take(rows.row_start[:n] + (num_needed - 1), mode="clip")
-    if not MIN(held):  # block ids are >= 0 (int MIN: cheaper than a bool ALL)
+    if not MIN(held):  # block ids are >= 0 (int MIN: cheaper than a bool all())
         which = np.flatnonzero(num_needed > 0)
         bad = which[rows.flat.take(rows.row_start[which] + (num_needed[which] - 1)) == 0]
         if bad.size:
@@ -238,7 +228,7 @@ def last_needed_blocks(
                 f"sequence {b} needs {int(num_needed[b])} blocks for its {what} but the "
                 "manager holds fewer"
             )
-    if check_only or not (all_positive or int(MIN(num_needed)) > 0):
+    if check_only or int(MIN(num_needed)) <= 0:
         return None
     return held
 
