@@ -213,7 +213,7 @@ class VanillaAttention(AttentionBackend):
                 v_b = v[cu_kv[b] : cu_kv[b + 1]]
             elif md.kv_cache.is_quantized:  # dequantize the sequence's blocks (fp8 -> bf16)
                 nb = -(-kv_len // bs)
-                # ids were checked on the host (check_allocated): no device-side range check (a sync)
+                # ids were checked on the host (_step_rows): no device-side range check (a sync)
                 k_b, v_b = md.kv_cache.read_blocks(self.layer_idx, table[b, :nb], check=False)
                 k_b = k_b.reshape(nb * bs, *k_b.shape[2:])[:kv_len]
                 v_b = v_b.reshape(nb * bs, *v_b.shape[2:])[:kv_len]
