@@ -25,10 +25,6 @@ from kvplan.plan.decode_arrays import DecodeBatchArrays
 from kvplan.plan.decode_device import make_decode_device_out, prepare_decode_on_device
 
 
-def _same(got, want, cfg):
-    assert_same_decode(got, want, min_ratio=cfg.min_ratio, tpb=cfg.tokens_per_block(cfg.min_ratio))
-
-
 def _manual_arrays(seqs, cfg, *, keep_spares: bool) -> DecodeBatchArrays:
     """Independent construction (plain Python loops), optionally keeping spare table entries."""
     tables = [
@@ -59,11 +55,11 @@ def test_both_input_forms_equal_eager_on_random_configs(seed):
     seqs = plan_cases_decode_batch(rng, cfg)
     want = prepare_decode(seqs, cfg)
     arrays = DecodeBatchArrays.from_sequences(seqs, cfg)
-    _same(prepare_decode_on_device(arrays, cfg, backend="torch"), want, cfg)
-    _same(prepare_decode_on_device(seqs, cfg, backend="torch"), want, cfg)
+    assert_same_decode(prepare_decode_on_device(arrays, cfg, backend="torch"), want, cfg)
+    assert_same_decode(prepare_decode_on_device(seqs, cfg, backend="torch"), want, cfg)
     if cfg.max_ngram_size == 0:  # the hand-built arrays carry no n-grams
         manual = _manual_arrays(seqs, cfg, keep_spares=bool(seed % 2))
-        _same(prepare_decode_on_device(manual, cfg, backend="torch"), want, cfg)
+        assert_same_decode(prepare_decode_on_device(manual, cfg, backend="torch"), want, cfg)
 
 
 @pytest.mark.parametrize("seed", [3, 4])
@@ -73,8 +69,8 @@ def test_arrays_through_the_triton_kernels(seed):
     seqs = random_decode_batch(rng, cfg, 3)
     out = make_decode_device_out(cfg, max_num_seqs=4, max_total_q=12, max_seqlen_q=3)
     arrays = _manual_arrays(seqs, cfg, keep_spares=True)
-    _same(prepare_decode_on_device(arrays, cfg, out=out, backend="triton"),
-          prepare_decode(seqs, cfg), cfg)  # fmt: skip
+    got = prepare_decode_on_device(arrays, cfg, out=out, backend="triton")
+    assert_same_decode(got, prepare_decode(seqs, cfg), cfg)
 
 
 def test_from_sequences_raises_like_prepare_decode():
@@ -167,7 +163,7 @@ def test_gpu_arrays_equal_eager(seed, n_seq):
     got = prepare_decode_on_device(DecodeBatchArrays.from_sequences(seqs, cfg), cfg)
     torch.cuda.synchronize()
     assert got.positions.is_cuda
-    _same(got, prepare_decode(seqs, cfg), cfg)
+    assert_same_decode(got, prepare_decode(seqs, cfg), cfg)
 
 
 @pytest.mark.gpu
@@ -191,7 +187,7 @@ def test_gpu_graph_replay_alternating_input_forms():
         staged = stage_decode_on_device(batch, cfg, out=out)
         graph.replay()
         torch.cuda.synchronize()
-        _same(staged.meta, prepare_decode(seqs, cfg), cfg)
+        assert_same_decode(staged.meta, prepare_decode(seqs, cfg), cfg)
 
 
 def test_module_docstring_example():

@@ -75,7 +75,7 @@ def add_engram_ids(seqs) -> None:
         s.lookup_table = np.arange(1000) % 50
 
 
-def assert_same_decode(got, want, min_ratio=4, tpb=4):
+def assert_same_decode(got, want, cfg: MetadataConfig):
     for name in SCALARS:
         assert getattr(got, name) == getattr(want, name), name
     for name in PER_TOKEN + PER_SEQ:
@@ -94,6 +94,7 @@ def assert_same_decode(got, want, min_ratio=4, tpb=4):
     # block_tables: only each row's first num_blocks columns are defined
     bt_a, bt_b = got.block_tables.cpu(), want.block_tables.cpu()
     assert bt_a.shape == bt_b.shape and bt_a.dtype == bt_b.dtype
+    min_ratio, tpb = cfg.min_ratio, cfg.tokens_per_block(cfg.min_ratio)
     ends = (want.seqlens_k.cpu().long() // min_ratio + tpb - 1) // tpb  # num_blocks_for
     rows = torch.repeat_interleave(ends, want.seqlens_q.cpu().long())
     cols = torch.arange(bt_a.shape[1])
@@ -112,7 +113,7 @@ def test_torch_path_equals_eager(seed):
         for s in seqs:
             s.block_table = s.block_table[: cfg.num_blocks_for(s.seqlen_k)]
     assert_same_decode(
-        prepare_decode_on_device(seqs, cfg, backend="torch"), prepare_decode(seqs, cfg)
+        prepare_decode_on_device(seqs, cfg, backend="torch"), prepare_decode(seqs, cfg), cfg
     )
 
 
@@ -122,7 +123,7 @@ def test_triton_interpreter_equals_eager(seed):
     cfg = make_config(device=TRITON_DEVICE)
     seqs = random_decode_batch(rng, cfg, 3)
     assert_same_decode(
-        prepare_decode_on_device(seqs, cfg, backend="triton"), prepare_decode(seqs, cfg)
+        prepare_decode_on_device(seqs, cfg, backend="triton"), prepare_decode(seqs, cfg), cfg
     )
 
 
@@ -134,7 +135,7 @@ def test_out_buffers_are_written_in_place_and_reused():
     small = random_decode_batch(rng, cfg, 3)
     for seqs in (big, small):
         got = prepare_decode_on_device(seqs, cfg, out=out, backend="triton")
-        assert_same_decode(got, prepare_decode(seqs, cfg))
+        assert_same_decode(got, prepare_decode(seqs, cfg), cfg)
         assert got.positions.data_ptr() == out["positions"].data_ptr()
         for field in ("positions_c", "klen", "kv_ca_index_offset_len"):
             for k, row in getattr(got, field).items():
@@ -251,7 +252,7 @@ def test_replaying_the_big_launch_serves_a_smaller_batch():
     small_seqs = random_decode_batch(rng, cfg, 2)
     small = stage_decode_on_device(small_seqs, cfg, out=out)
     launch_decode_kernels(big, "triton")  # the "captured" launch
-    assert_same_decode(small.meta, prepare_decode(small_seqs, cfg))
+    assert_same_decode(small.meta, prepare_decode(small_seqs, cfg), cfg)
     t = small.meta.total_q  # rows past the smaller batch are left as they were (prefix writes)
     for k in ("positions", "context_lens", "block_tables"):
         assert torch.equal(out[k][t:], before[k][t:]), k
@@ -268,7 +269,7 @@ def test_gpu_kernels_equal_eager(seed, n_seq):
     got = prepare_decode_on_device(seqs, cfg)
     torch.cuda.synchronize()
     assert got.positions.is_cuda and got.klen["4"].is_cuda
-    assert_same_decode(got, prepare_decode(seqs, cfg))
+    assert_same_decode(got, prepare_decode(seqs, cfg), cfg)
 
 
 @pytest.mark.gpu
@@ -307,7 +308,7 @@ def test_gpu_cuda_graph_capture_and_smaller_replay():
         graph.replay()
         torch.cuda.synchronize()
         want = prepare_decode(seqs, cfg)
-        assert_same_decode(staged.meta, want)
+        assert_same_decode(staged.meta, want, cfg)
         want.compute_attn_info(cfg)
         t = want.total_q
         assert torch.equal(attn_out["kv_swa_index"][:t], want.kv_swa_index)
@@ -339,9 +340,9 @@ def test_torch_path_equals_eager_on_random_configs(seed):
     rng = np.random.default_rng(seed)
     cfg = random_config(rng)
     seqs = plan_cases_decode_batch(rng, cfg)
-    assert_same_decode(prepare_decode_on_device(seqs, cfg, backend="torch"),
-                       prepare_decode(seqs, cfg), min_ratio=cfg.min_ratio,
-                       tpb=cfg.tokens_per_block(cfg.min_ratio))  # fmt: skip
+    assert_same_decode(
+        prepare_decode_on_device(seqs, cfg, backend="torch"), prepare_decode(seqs, cfg), cfg
+    )
 
 
 @pytest.mark.parametrize("seed", [40, 41, 42])
@@ -353,8 +354,7 @@ def test_interpreter_on_random_configs_and_oracle(seed):
     cfg = random_config(rng, device=TRITON_DEVICE)
     seqs = plan_cases_decode_batch(rng, cfg)
     got = prepare_decode_on_device(seqs, cfg, backend="triton")
-    assert_same_decode(got, prepare_decode(seqs, cfg), min_ratio=cfg.min_ratio,
-                       tpb=cfg.tokens_per_block(cfg.min_ratio))  # fmt: skip
+    assert_same_decode(got, prepare_decode(seqs, cfg), cfg)
     check_visibility(got, seqs, cfg)
 
 
@@ -376,7 +376,7 @@ def test_spare_block_table_entries_are_ignored(spare):
         table = np.asarray(rng.integers(0, cfg.num_kv_blocks, nb), dtype=np.int64)
         s.block_table = np.concatenate([table, spare[: i % 3]]).astype(np.int64)
     got = prepare_decode_on_device(seqs, cfg, backend="torch")
-    assert_same_decode(got, prepare_decode(seqs, cfg))
+    assert_same_decode(got, prepare_decode(seqs, cfg), cfg)
 
 
 def test_block_ids_checked_past_spare_entries():
@@ -408,7 +408,7 @@ def test_table_and_flag_types_match_eager():
             _seq(is_placeholder=1.0)]  # fmt: skip
     got = prepare_decode_on_device(seqs, cfg, backend="torch")
     assert got.valid_token_mask.tolist() == [True, True, True, True, False, False, False]
-    assert_same_decode(got, prepare_decode(seqs, cfg))
+    assert_same_decode(got, prepare_decode(seqs, cfg), cfg)
 
 
 @pytest.mark.parametrize(
