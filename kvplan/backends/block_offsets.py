@@ -93,7 +93,6 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self.check_kernel_inputs = check_kernel_inputs
         s, t = self.max_num_sequences, self.max_num_tokens
         mgr = self.kv_cache_manager
-        self._num_pools = 1 if mgr is None else int(mgr.num_pools)
         width = 1 if mgr is None else int(mgr.max_blocks_per_seq)
         self.max_blocks_per_seq = width
         check_int32("num_pools * max_num_sequences * 2 * max_blocks_per_seq",

@@ -33,11 +33,6 @@ class TableRows(NamedTuple):
     width: int
 
 
-def num_pools(manager: Any) -> int:
-    """Number of block pools (one per distinct sliding-window size, VSWA)."""
-    return int(manager.num_pools)
-
-
 def pool_of_layer(manager: Any, layer_idx: int) -> int:
     """Pool holding layer ``layer_idx``'s blocks (``layer_to_pool``; pool 0 when unmapped)."""
     if manager is None:

@@ -98,8 +98,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self.page_table_reports: list[str] = []
         s, t = self.max_num_sequences, self.max_num_tokens
         mgr = self.kv_cache_manager
-        self._num_pools = 1 if mgr is None else int(mgr.num_pools)
-        width = 0 if mgr is None else int(mgr.max_blocks_per_seq)
+        width = self._max_blocks_per_seq
         fields = {
             "seq_lens": s,
             "qo_indptr": s + 1,

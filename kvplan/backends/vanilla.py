@@ -19,10 +19,7 @@ import torch.nn.functional as F
 
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
-from kvplan.backends.ledger import (
-    gather_rows,
-    num_pools,
-)
+from kvplan.backends.ledger import gather_rows
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.sparse import use_sparse_attention
 from kvplan.backends.staging import DeviceArena
@@ -58,16 +55,15 @@ class VanillaAttentionMetadata(AttentionMetadata):
             )
         s, t = self.max_num_sequences, self.max_num_tokens
         mgr = self.kv_cache_manager
-        self._num_pools = 0 if mgr is None else num_pools(mgr)
-        width = 0 if mgr is None else int(mgr.max_blocks_per_seq)
+        pools = 0 if mgr is None else self._num_pools  # no slot/table fields without a cache
+        width = self._max_blocks_per_seq
         check_int32("max_num_sequences * max_blocks_per_seq", s * width)
         check_int32("2 * max_num_tokens", 2 * t)
         fields = {"seq_lens": s + (s & 1)}  # even, so the int64 slots start 8-byte aligned
-        fields.update({f"slots{p}": 2 * t for p in range(self._num_pools)})
-        fields.update({f"table{p}": s * width for p in range(self._num_pools)})
+        fields.update({f"slots{p}": 2 * t for p in range(pools)})
+        fields.update({f"table{p}": s * width for p in range(pools)})
         self.arena = DeviceArena(fields, self.device)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
-        self._width = width
 
     def _prepare_backend(self) -> None:
         self.block_ids_per_seq: list[np.ndarray] = []
@@ -85,7 +81,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
             self._stage_seq_lens(values)
             self.arena.stage(values)
             return
-        bs, width, num_pools = self._block_size, self._width, self._num_pools
+        bs, width, num_pools = self._block_size, self._max_blocks_per_seq, self._num_pools
         n, k = self._num_seqs, self._num_kv_tokens
         # validate everything before staging starts (a CPU arena is written in place)
         step = self._step_rows(decode=self.one_kv_token_per_row and self.decode_fast_path)
