@@ -146,17 +146,11 @@ class BlockOffsetsStager:
     ) -> torch.Tensor:
         """Copy rows ``[0, num_rows)``, columns ``[0, width)`` into ``dst`` through a snapshot.
 
-        ``dst``: int32 ``[num_pools, >= num_rows, 2, max_blocks_per_seq]`` on any device.
-        Columns ``>= width`` of ``dst`` are left as they were. Returns the snapshot (the copy's
-        source), which callers may keep alive until the copy completes.
+        ``dst``: int32 ``[num_pools, >= num_rows, 2, max_blocks_per_seq]`` on any device,
+        checked by the caller (``check_block_offsets_dst``). Columns ``>= width`` of ``dst``
+        are left as they were. Returns the snapshot (the copy's source), which callers may
+        keep alive until the copy completes.
         """
-        check_block_offsets_dst(dst, self.shape[0], self.shape[3], num_rows)
-        return self._copy_unchecked(dst, num_rows, width, copy_fn)
-
-    def _copy_unchecked(
-        self, dst: torch.Tensor, num_rows: int, width: int, copy_fn: CopyFn | None
-    ) -> torch.Tensor:
-        """``copy_to`` for callers that already ran ``check_block_offsets_dst``."""
         snap = self.snapshot(num_rows, width)
         (copy_fn or default_copy)(dst[:, :num_rows, :, :width], snap)
         return snap
@@ -289,7 +283,7 @@ class BatchViews(BatchRows):
         width = self.max_blocks_per_seq
         if max_blocks is not None:
             width = min(max(int(max_blocks), 1), self.max_blocks_per_seq)
-        return stager._copy_unchecked(dst, num_seqs, width, copy_fn)  # dst checked above
+        return stager.copy_to(dst, num_seqs, width, copy_fn)  # dst checked above
 
     def host_block_offsets(self, max_batch: int, *, cross: bool = False):
         """The persistent host buffer of ``(cross, max_batch)`` (for synchronous readers)."""
