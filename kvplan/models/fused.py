@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvplan.models.rope import rotate
+from kvplan.models.rope import rotate_qk
 from kvplan.ops._dispatch import triton_interpreting, use_triton
 from kvplan.ops.store import triton_cdiv, triton_next_pow2
 
@@ -190,9 +190,8 @@ def qkv_epilogue_torch(
     if q_norm_weight is not None:
         q = rms_norm_torch(q, q_norm_weight, eps)
         k = rms_norm_torch(k, k_norm_weight, eps)
-    cos_t = cos[positions].unsqueeze(1)  # [T, 1, D]
-    sin_t = sin[positions].unsqueeze(1)
-    return rotate(q, cos_t, sin_t).contiguous(), rotate(k, cos_t, sin_t).contiguous(), v
+    q, k = rotate_qk(q, k, cos, sin, positions)
+    return q.contiguous(), k.contiguous(), v
 
 
 def qkv_epilogue_triton(

@@ -72,9 +72,17 @@ class RotaryTable:
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by ``positions [T]`` (int64, device)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return rotate(q, cos, sin), rotate(k, cos, sin)
+        return rotate_qk(q, k, self.cos, self.sin, positions)
+
+
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotate` of ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the rows ``positions [T]`` of the
+    ``cos``/``sin [P, D]`` tables."""
+    cos = cos[positions].unsqueeze(1)  # [T, 1, D]
+    sin = sin[positions].unsqueeze(1)
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
