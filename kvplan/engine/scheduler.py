@@ -40,11 +40,6 @@ from dataclasses import dataclass, field
 from kvplan.engine.request import Request, RequestStatus
 
 
-def _has_free(pool, n: int) -> bool:
-    """Whether ``pool`` (a ``kvplan.cache.BlockPool``) has ``n`` free blocks."""
-    return pool.num_free_blocks >= n
-
-
 @dataclass
 class ScheduledSeq:
     """One row of a step: ``num_query_tokens`` tokens of ``request`` starting at
@@ -137,8 +132,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # the last all-decode step: (tuple of its running requests, its rows)
-        self._decode: tuple[tuple[Request, ...], DecodeBatch] | None = None
+        # the rows of the last all-decode step (its requests are the running list then)
+        self._decode: DecodeBatch | None = None
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -171,15 +166,11 @@ class Scheduler:
         """A finished request leaves the remembered decode batch: the others still decode,
         in the same order, so the next step can take the fast path (a new, smaller batch;
         the current step's batch object is not changed)."""
-        if self._decode is None:
-            return
-        key, batch = self._decode
-        if not any(r is request for r in key):
+        batch = self._decode
+        if batch is None or not any(r is request for r in batch.requests):
             return
         seqs = [s for s in batch.seqs if s.request is not request]
-        self._decode = (
-            (tuple(s.request for s in seqs), DecodeBatch.from_seqs(seqs)) if seqs else None
-        )
+        self._decode = DecodeBatch.from_seqs(seqs) if seqs else None
 
     def _preempt(self, request: Request) -> None:
         self.manager.free(request.request_id)
@@ -203,23 +194,27 @@ class Scheduler:
             and len(out.seqs) == len(self.running)
             and self.propose_drafts is None
         ):
-            batch = DecodeBatch.from_seqs(out.seqs)
-            self._decode = (tuple(self.running), batch)
-            out.decode_batch = batch
+            # its decode rows are the running requests, in order
+            self._decode = out.decode_batch = DecodeBatch.from_seqs(out.seqs)
         return out
+
+    def _remembered_batch(self) -> DecodeBatch | None:
+        """The remembered decode batch when the next step may repeat it: the running list is
+        still its requests (same order), no drafts, and the budget holds one token a row."""
+        batch = self._decode
+        if (
+            batch is None
+            or self.propose_drafts is not None
+            or len(batch.requests) > self.max_num_batched_tokens
+            or batch.requests != self.running
+        ):
+            return None
+        return batch
 
     def _schedule_decode_batch(self) -> SchedulerOutput | None:
         """The last step's decode rows again, if nothing changed (module docstring)."""
-        if self._decode is None or self.propose_drafts is not None:
-            return None
-        key, batch = self._decode
-        running = self.running
-        n = len(running)
-        if (
-            (self.waiting and n < self.max_num_seqs)
-            or n > self.max_num_batched_tokens
-            or key != tuple(running)
-        ):
+        batch = self._remembered_batch()
+        if batch is None or (self.waiting and len(self.running) < self.max_num_seqs):
             return None
         result = self.manager.extend_many(batch.request_ids, 1)
         if not result.ok:  # out of blocks: undo, let the general loop pick the victims
@@ -236,24 +231,16 @@ class Scheduler:
         step could let it in), drafts are on, the budget is too small, or some pool could
         have to evict a cached block or run out.
 
-        Block check (`_has_free`): each row needs at most one new block per pool, so with
+        Block check: each row needs at most one new block per pool, so with
         ``rows`` free blocks in every pool ``extend_many`` succeeds. The allocation comes
         before the pending step's finishes free their blocks, so it may take (evict) a cached
         free block that the synchronous order would have left for a later prefix hit, and
         block ids may differ; tokens, finish reasons and leaks are tested equal.
         """
-        if (
-            self._decode is None
-            or self._decode[1] is not batch
-            or self._decode[0] != tuple(self.running)
-            or self.waiting
-            or self.propose_drafts is not None
-        ):
+        if self.waiting or self._remembered_batch() is not batch:
             return None
         n = len(batch.request_ids)
-        if n > self.max_num_batched_tokens:
-            return None
-        if not all(_has_free(pool, n) for pool in self.manager.pools):
+        if any(pool.num_free_blocks < n for pool in self.manager.pools):
             return None
         result = self.manager.extend_many(batch.request_ids, 1)
         assert result.ok, "extend_many failed with a free block per row and pool"

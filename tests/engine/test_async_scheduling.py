@@ -166,7 +166,7 @@ def test_schedule_ahead_refuses_what_could_change():
     s.waiting.clear()
     s.finish(reqs[1], "stop")  # the remembered batch changed
     assert s.schedule_ahead(batch) is None
-    new_batch = s._decode[1]
+    new_batch = s._decode
     for _ in range(3):  # 6, 7, 8 tokens: no new blocks
         assert s.schedule_ahead(new_batch) is not None
     free = mgr.num_free_blocks()

@@ -217,7 +217,7 @@ def test_decode_batch_lists_are_reused_while_the_batch_is_unchanged():
     assert batches[1].request_ids == [0, 1, 2] and batches[1].all_greedy
     s.finish(reqs[1], "abort")  # it leaves the batch; the others keep the fast path
     assert batches[1].request_ids == [0, 1, 2]  # the batch given out is never changed
-    remembered = s._decode[1]
+    remembered = s._decode
     out = s.schedule()
     assert out.decode_batch is remembered and out.decode_batch.request_ids == [0, 2]
     assert [mgr.num_tokens(i) for i in (0, 2)] == [7, 7]  # 3 prompt + 4 decode steps
