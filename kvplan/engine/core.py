@@ -221,9 +221,7 @@ class EngineCore(AsyncSteps):
         seqs = sched.seqs
         batch = sched.decode_batch
         greedy = (
-            batch.all_greedy
-            if batch is not None
-            else all(s.request.params.temperature == 0.0 for s in seqs)
+            batch.all_greedy if batch is not None else all(s.request.params.greedy for s in seqs)
         )
         if greedy:
             tokens = logits.argmax(dim=-1)

@@ -81,7 +81,7 @@ class DecodeBatch:
             reqs,
             [r.request_id for r in reqs],
             [r.num_prefill_tokens for r in reqs],
-            all(r.params.temperature == 0.0 for r in reqs),
+            all(r.params.greedy for r in reqs),
         )
 
 
