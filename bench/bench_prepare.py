@@ -154,13 +154,16 @@ def count_calls(fn, reps: int = 10) -> float:
 def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
     mgr, rids, num_ctx, seq_lens, cached = make_batch(kind, num_seqs, max_ctx, block_size)
     rows = []
-    for name in BACKEND_NAMES:
+    # a GPU runs both expansion paths side by side (expand_on_device: the default there first)
+    paths = (True, False) if device.type == "cuda" else (False,)
+    for name, on_device in ((name, p) for name in BACKEND_NAMES for p in paths):
         cls = get_backend(name)
         md = cls.Metadata(
             max_num_requests=num_seqs, max_num_tokens=max(sum(seq_lens), 1),
             kv_cache_manager=mgr, device=device,
         )  # fmt: skip
-        for _ in range(3):  # warm up (allocator, first copies)
+        md.expand_on_device = on_device
+        for _ in range(3):  # warm up (allocator, first copies, kernel compile)
             step_ours(md, rids, num_ctx, seq_lens, cached)
             baseline(name, mgr, rids, num_ctx, seq_lens, cached, device)
         ours = timed(lambda md=md: step_ours(md, rids, num_ctx, seq_lens, cached), iters, device)
@@ -172,7 +175,7 @@ def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
         calls = count_calls(md.prepare)
         rows.append(dict(batch=kind, prepare_calls=calls, num_seqs=num_seqs, num_tokens=sum(seq_lens),
                          num_blocks=int(sum(-(-(c + s) // block_size) for c, s in zip(cached, seq_lens))),
-                         backend=name, step_us=ours, prepare_us=prep, baseline_us=base,
+                         backend=name, expand="device" if on_device else "host", step_us=ours, prepare_us=prep, baseline_us=base,
                          speedup=base / ours))  # fmt: skip
     return rows
 
@@ -192,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     decode_seqs, mixed_seqs = (32, 8) if args.quick else (256, 32)
     rows = run_case("decode", decode_seqs, max_ctx, args.block_size, iters, device)
     rows += run_case("mixed", mixed_seqs, max_ctx, args.block_size, iters, device)
-    print(f"{'batch':7} {'seqs':>5} {'tokens':>6} {'backend':14} {'step us':>8} "
+    print(f"{'batch':7} {'seqs':>5} {'tokens':>6} {'backend':14} {'expand':6} {'step us':>8} "
           f"{'prepare us':>11} {'calls':>6} {'baseline us':>12} {'speedup':>8}")  # fmt: skip
     for r in rows:
-        print(f"{r['batch']:7} {r['num_seqs']:5d} {r['num_tokens']:6d} {r['backend']:14} "
+        print(f"{r['batch']:7} {r['num_seqs']:5d} {r['num_tokens']:6d} {r['backend']:14} {r['expand']:6} "
               f"{r['step_us']:8.1f} {r['prepare_us']:11.1f} {r['prepare_calls']:6.0f} {r['baseline_us']:12.1f} "
               f"{r['speedup']:7.1f}x")  # fmt: skip
     record = {

@@ -108,6 +108,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self.prompt_lens_cpu = torch.zeros(s, dtype=torch.int32)
         fields = {"seq_lens": s, "kv_lens": s, "qo_indptr": s + 1, "qo_indptr_gen": s + 1}
         fields["prompt_lens"] = s
+        fields["cached"] = s  # the device expands a general step's slots from it
         fields.update({f"slots{p}": t for p in range(self._num_pools)})
         fields["block_offsets"] = self._num_pools * s * 2 * width
         # fp8 caches: the step's pages in row order, a load plan per pool (kvplan.backends.paged)
@@ -194,7 +195,10 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         # validate everything before staging starts (a CPU arena is written in place); a
         # decode step's new token is each row's last addressable one (no draft tokens)
         decode = self.one_kv_token_per_row and not extra and self.decode_fast_path
-        step = self._step_rows(decode=decode, extra_tokens=extra)
+        # the device expands a general step's slots (not a cross step: its K/V tokens are
+        # not the queries' rows)
+        on_device = self.expand_on_device and not decode and self._seq_lens_kv_np is None
+        step = self._step_rows(decode=decode, extra_tokens=extra, per_token=not on_device)
         bt, num_pages = step.tables, step.num_needed
         arena = self.arena
         num_loaded = int(SUM(num_pages)) if self._load_pages and n else 0
@@ -222,9 +226,12 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             host[a : a + n + 1] = cu_q
         if prompt is not None:  # prompt_lens_cuda is an arena view: staged with the rest
             arena.put(host, "prompt_lens", prompt)
+        if on_device:
+            host[o["cached"] : o["cached"] + n] = self.cached_np
         rows_twice = self._rows_twice(bt.rows)
         for p in range(num_pools):
-            step.write_slots(p, bs, host[o[f"slots{p}"] : o[f"slots{p}"] + T])
+            if not on_device:
+                step.write_slots(p, bs, host[o[f"slots{p}"] : o[f"slots{p}"] + T])
             # rows [0, n) of pool p: K and V entries both name the block (rows_twice)
             start = o["block_offsets"] + p * pool_span
             gather_rows(bt, p, host[start : start + n * row_span].reshape(2 * n, width), rows_twice)
@@ -237,6 +244,12 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         if self._load_pages:
             self.num_loaded_pages = stage_page_loads(self, host, step.pools, num_pages, num_loaded)
         arena.commit()
+        if on_device:  # K entries of row b start at block_offsets + p * pool_span + b * row_span
+            self._device_expander(arena.buffer, slots64=False, token_rows=False).launch(
+                n, tokens=True, pages=False, cu_off=o["qo_indptr"], cached_off=o["cached"],
+                table_off=o["block_offsets"], table_pool_stride=pool_span, row_stride=row_span,
+                slots_off=o["slots0"], slots_pool_stride=self.max_num_tokens, block_size=bs,
+            )  # fmt: skip
         if self.enable_block_id_tables:
             self.prepare_block_id_tables()
 

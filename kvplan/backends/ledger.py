@@ -290,9 +290,9 @@ class StepRows(NamedTuple):
     tables: BatchTables
     pools: list[TableRows]
     num_needed: np.ndarray
-    index: np.ndarray
-    in_block: np.ndarray
-    positions: np.ndarray
+    index: np.ndarray | None
+    in_block: np.ndarray | None
+    positions: np.ndarray | None
     last_blocks: list[np.ndarray] | None
 
     def write_slots(self, pool: int, block_size: int, out: np.ndarray) -> None:

@@ -62,6 +62,7 @@ from kvplan.backends.ledger import (
     new_token_positions,
     pool_rows,
 )
+from kvplan.backends.device_expand import DeviceExpander, expand_on_device_default
 from kvplan.backends.sparse import SparseMetadataParams, SparseRuntimeParams
 from kvplan.backends.staging import use_pinned
 from kvplan.backends.step_shape import StepShape
@@ -99,6 +100,11 @@ class AttentionMetadata(StepShape):
     # take the decode branches of prepare() when a step writes one K/V token per row (tests
     # turn this off to hold them equal to the general path)
     decode_fast_path = True
+
+    # expand a step's per-token slots (and the ragged page list) on the device from per-row
+    # facts (``kvplan.backends.device_expand``); default: on when ``device`` is a GPU. False
+    # keeps every field on the host path (numpy), e.g. for A/B runs; tests hold both equal.
+    expand_on_device: bool
 
     def __init__(
         self,
@@ -138,6 +144,8 @@ class AttentionMetadata(StepShape):
         self.device = torch.device(device)
         self.is_cuda_graph = is_cuda_graph
         self.pinned = use_pinned(self.device)
+        self.expand_on_device = expand_on_device_default(self.device)
+        self._expander: DeviceExpander | None = None
         self.sparse_metadata_params = sparse_metadata_params
         self.sparse_runtime_params = SparseRuntimeParams()
 
@@ -274,7 +282,17 @@ class AttentionMetadata(StepShape):
             self.one_kv_token_per_row = self._seq_lens_kv_all_ones
             self.cu_seqlens_kv_np = exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
 
-    def _step_rows(self, *, decode: bool, extra_tokens: int = 0) -> StepRows:
+    def _device_expander(self, buffer: torch.Tensor, *, slots64: bool, token_rows: bool):
+        """This object's ``DeviceExpander`` over ``buffer`` (made on first use)."""
+        if self._expander is None:
+            self._expander = DeviceExpander(
+                buffer, num_pools=self._num_pools, slots64=slots64, token_rows=token_rows
+            )
+        return self._expander
+
+    def _step_rows(
+        self, *, decode: bool, extra_tokens: int = 0, per_token: bool = True
+    ) -> StepRows:
         """The batch's block-table rows in every pool, checked, and where each new K/V token
         goes (backends with a ``kv_cache_manager``; call after ``_prepare_common``).
 
@@ -282,7 +300,9 @@ class AttentionMetadata(StepShape):
         ``decode`` step (one new K/V token per row at position ``cached``; needs
         ``extra_tokens == 0``) that is the block of the new token, gathered once per pool
         (the slots follow from it); otherwise the last needed block of each row is checked
-        and the new tokens' positions and block indices are derived per token.
+        and the new tokens' positions and block indices are derived per token, unless
+        ``per_token`` is False (the device expands them; ``index``, ``in_block`` and
+        ``positions`` are then None).
         """
         bs, cached, n = self._block_size, self.cached_np, self._num_seqs
         bt = self.kv_cache_manager.batch_tables(
@@ -309,6 +329,8 @@ class AttentionMetadata(StepShape):
         max_needed = -(-(self.max_kv_len + extra_tokens) // bs)
         for t in pools:
             last_needed_blocks(t, needed, what, max_needed=max_needed, check_only=True)
+        if not per_token:
+            return StepRows(bt, pools, needed, None, None, None, None)
         new_lens = self._kv_np
         positions = new_token_positions(cached, self.cu_seqlens_kv_np, new_lens, self._arange)
         column, in_block = block_column(positions, bs)

@@ -45,8 +45,8 @@ import torch
 
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
-from kvplan.backends.host_arrays import SUM
-from kvplan.backends.ledger import flat_page_index
+from kvplan.backends.host_arrays import CUMSUM, MAX, SUM
+from kvplan.backends.ledger import flat_page_index, new_token_positions
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.page_table_check import page_table_problems
 from kvplan.backends.paged import (
@@ -112,6 +112,9 @@ class RaggedAttentionMetadata(AttentionMetadata):
         }
         for p in range(self._num_pools):
             fields[f"slots{p}"] = t
+        fields["cached"] = s  # per-row facts the device expands tokens and pages from
+        for p in range(self._num_pools):  # the step's table rows, [n, max pages] (row stride)
+            fields[f"table{p}"] = s * width
         for p in range(self._num_pools):
             fields[f"indices{p}"] = s * width
         # fp8 caches: per pool, a load plan of the step's pages (see kvplan.backends.paged)
@@ -130,6 +133,8 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self.qo_indptr = self.arena.view("qo_indptr")  # [s + 1], staged from cu_seqlens_q
         self._flat_arange = np.arange(s * width, dtype=np.int64)  # int64: the take's index type
+        self._step = None
+        self._positions_np = self._batch_indices_np = self._indices_np = None
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=self.device)
 
     # device views -------------------------------------------------------------------
@@ -173,6 +178,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
     def _prepare_backend(self) -> None:
         n, nc = self._num_seqs, self._num_contexts
         self._num_indices = 0
+        self._positions_np = self._batch_indices_np = self._indices_np = None
         mgr = self.kv_cache_manager
         if mgr is None:
             stage_without_cache(
@@ -193,10 +199,16 @@ class RaggedAttentionMetadata(AttentionMetadata):
             num_blocks = logical_nb
         num_indices = int(SUM(num_blocks)) if n else 0
         arena = self.arena
+        # the device expands the page list (and a general step's tokens) from the table rows;
+        # the host keeps cross steps and fp8 load plans (both need the host page list)
+        on_device = self.expand_on_device and not cross and not self._load_pages
+        width = int(MAX(num_blocks)) if on_device and n else 0  # row stride of the table
         if cross:
             end = arena.end_of("tok_kv_lens", self._num_tokens)
         elif self._load_pages:
             end = arena.end_of(f"load{num_pools - 1}", 4 * num_indices)
+        elif on_device:
+            end = self._offsets[f"table{num_pools - 1}"] + n * width
         else:
             end = self._offsets[f"indices{num_pools - 1}"] + num_indices
         # Fields are written at their arena offsets (``o``) straight into the staging
@@ -211,7 +223,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
         host[o["qo_indptr"] : o["qo_indptr"] + n + 1] = cu_q
         indptr = host[o["indptr"] : o["indptr"] + n + 1]
         indptr[0] = 0
-        num_blocks.cumsum(out=indptr[1:])
+        CUMSUM(num_blocks, out=indptr[1:])
         a = o["indptr_decode"]
         if nc:
             np.subtract(indptr[nc:], indptr[nc], out=host[a : a + n - nc + 1])
@@ -228,32 +240,86 @@ class RaggedAttentionMetadata(AttentionMetadata):
             np.subtract(kv_lens, last_page_len, out=last_page_len)
         host[o["kv_lens"] : o["kv_lens"] + n] = kv_lens
         # new K/V tokens: which sequence, which absolute position, which slot
-        positions = step.positions
-        rows = self._arange[:n] if decode else self._arange[:n].repeat(seq_lens_kv)
-        host[o["batch_indices"] : o["batch_indices"] + T] = rows
-        host[o["positions"] : o["positions"] + T] = positions
-        for p in range(num_pools):
-            step.write_slots(p, bs, host[o[f"slots{p}"] : o[f"slots{p}"] + T])
-        flat_index = flat_page_index(pools[0].row_start, indptr, num_blocks, self._flat_arange)
-        indices = []
-        for p, t in enumerate(pools):
-            idx = host[o[f"indices{p}"] : o[f"indices{p}"] + num_indices]
-            t.flat.take(flat_index, out=idx, mode="clip")  # in range: rows own these columns
-            indices.append(idx)
-            if self._load_pages:
-                arena.put(host, f"load{p}", page_load_plan(idx, bs))
+        self._step = step
+        tokens_on_device = on_device and not decode
+        if tokens_on_device:
+            host[o["cached"] : o["cached"] + n] = self.cached_np
+        else:
+            positions = step.positions
+            rows = self._arange[:n] if decode else self._arange[:n].repeat(seq_lens_kv)
+            host[o["batch_indices"] : o["batch_indices"] + T] = rows
+            host[o["positions"] : o["positions"] + T] = positions
+            for p in range(num_pools):
+                step.write_slots(p, bs, host[o[f"slots{p}"] : o[f"slots{p}"] + T])
+            self._batch_indices_np, self._positions_np = rows, positions
+        if on_device:  # the rows' first `width` columns, [n, width] per pool
+            for p in range(num_pools):
+                a = o[f"table{p}"]
+                bt.tables[p][:, :width].take(
+                    bt.rows, axis=0, out=host[a : a + n * width].reshape(n, width), mode="clip"
+                )
+        else:
+            flat_index = flat_page_index(pools[0].row_start, indptr, num_blocks, self._flat_arange)
+            indices = []
+            for p, t in enumerate(pools):
+                idx = host[o[f"indices{p}"] : o[f"indices{p}"] + num_indices]
+                t.flat.take(flat_index, out=idx, mode="clip")  # in range: rows own these columns
+                indices.append(idx)
+                if self._load_pages:
+                    arena.put(host, f"load{p}", page_load_plan(idx, bs))
+            self._indices_np = indices
         if cross:  # one decode "sequence" per query token
             q_rows = self._arange[:n].repeat(self._seq_lens_np)
             arena.put(host, "tok_page_start", indptr[q_rows])
             arena.put(host, "tok_kv_lens", kv_lens[q_rows])
         arena.commit()
+        if on_device:
+            s = self.max_num_sequences
+            self._device_expander(arena.buffer, slots64=False, token_rows=True).launch(
+                n, tokens=tokens_on_device, pages=True, cu_off=o["qo_indptr"],
+                cached_off=o["cached"], table_off=o["table0"],
+                table_pool_stride=s * self._max_blocks_per_seq, row_stride=width,
+                slots_off=o["slots0"], slots_pool_stride=self.max_num_tokens,
+                pos_off=o["positions"], bidx_off=o["batch_indices"], indptr_off=o["indptr"],
+                indices_off=o["indices0"], indices_pool_stride=s * self._max_blocks_per_seq,
+                block_size=bs,
+            )  # fmt: skip
         self._num_indices = num_indices
         self.num_blocks_np, self.logical_num_blocks_np = num_blocks, logical_nb
-        self.paged_kv_indices_np, self.paged_kv_indptr_np = indices, indptr
+        self.paged_kv_indptr_np = indptr
         self.paged_kv_last_page_len_np = last_page_len
-        self.batch_indices_np, self.positions_np = rows, positions
         if self.check_page_table:
             self._self_check(bs)
+
+    # host copies of the expanded fields -------------------------------------------
+    # After a step the device expanded, these are recomputed with numpy on first read from
+    # the same per-row facts (tests hold them equal to the device fields).
+    @property
+    def batch_indices_np(self) -> np.ndarray:
+        if self._batch_indices_np is None:
+            n = self._num_seqs
+            self._batch_indices_np = self._arange[:n].repeat(self._kv_np)
+        return self._batch_indices_np
+
+    @property
+    def positions_np(self) -> np.ndarray:
+        if self._positions_np is None:
+            self._positions_np = new_token_positions(
+                self.cached_np, self.cu_seqlens_kv_np, self._kv_np, self._arange
+            )
+        return self._positions_np
+
+    @property
+    def paged_kv_indices_np(self) -> list[np.ndarray]:
+        """Per pool, host int32 ``[num_indices]``: the step's ragged page list."""
+        if self._indices_np is None:
+            pools = self._step.pools
+            flat_index = flat_page_index(
+                pools[0].row_start, self.paged_kv_indptr_np, self.num_blocks_np,
+                self._flat_arange,
+            )  # fmt: skip
+            self._indices_np = [t.flat.take(flat_index, mode="clip") for t in pools]
+        return self._indices_np
 
     def _self_check(self, block_size: int) -> None:
         if self.page_table_check_budget <= 0:

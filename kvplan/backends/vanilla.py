@@ -59,7 +59,10 @@ class VanillaAttentionMetadata(AttentionMetadata):
         width = self._max_blocks_per_seq
         check_int32("max_num_sequences * max_blocks_per_seq", s * width)
         check_int32("2 * max_num_tokens", 2 * t)
-        fields = {"seq_lens": s + (s & 1)}  # even, so the int64 slots start 8-byte aligned
+        # even sizes before the slots, so the int64 slots start 8-byte aligned
+        fields = {"seq_lens": s + (s & 1)}
+        if pools:  # per-row facts the device expands the slots from (expand_on_device)
+            fields.update({"cu": (s + 1) + ((s + 1) & 1), "cached": s + (s & 1)})
         fields.update({f"slots{p}": 2 * t for p in range(pools)})
         fields.update({f"table{p}": s * width for p in range(pools)})
         self.arena = DeviceArena(fields, self.device)
@@ -84,18 +87,33 @@ class VanillaAttentionMetadata(AttentionMetadata):
         bs, width, num_pools = self._block_size, self._max_blocks_per_seq, self._num_pools
         n, k = self._num_seqs, self._num_kv_tokens
         # validate everything before staging starts (a CPU arena is written in place)
-        step = self._step_rows(decode=self.one_kv_token_per_row and self.decode_fast_path)
+        decode = self.one_kv_token_per_row and self.decode_fast_path
+        # the device expands a general step's slots (not a cross step: its K/V tokens are
+        # not the queries' rows)
+        on_device = self.expand_on_device and not decode and self._seq_lens_kv_np is None
+        step = self._step_rows(decode=decode, per_token=not on_device)
         self.num_blocks_np = step.num_needed
         arena = self.arena
         host = arena.begin(arena.end_of(f"table{num_pools - 1}", n * width))
         self._put_seq_lens(arena, host)
+        if on_device:
+            arena.put(host, "cu", self.cu_seqlens_kv_np)
+            arena.put(host, "cached", self.cached_np)
         for p in range(num_pools):
-            # int64 slots as int32 pairs (values < 2^31, so the high words are 0)
-            step.write_slots(p, bs, arena.out(host, f"slots{p}", 2 * k).view(np.int64))
+            if not on_device:  # int64 slots as int32 pairs (values < 2^31: high words 0)
+                step.write_slots(p, bs, arena.out(host, f"slots{p}", 2 * k).view(np.int64))
             table = arena.out(host, f"table{p}", n * width).reshape(n, width)
             gather_rows(step.tables, p, out=table)
             self.block_ids_per_seq.append(table)
         arena.commit()
+        if on_device:
+            o, s = arena.offsets, self.max_num_sequences
+            self._device_expander(arena.buffer, slots64=True, token_rows=False).launch(
+                n, tokens=True, pages=False, cu_off=o["cu"], cached_off=o["cached"],
+                table_off=o["table0"], table_pool_stride=s * width, row_stride=width,
+                slots_off=o["slots0"], slots_pool_stride=2 * self.max_num_tokens,
+                block_size=bs,
+            )  # fmt: skip
         for p in range(num_pools):
             self._slots_gpu.append(arena.prefix(f"slots{p}", 2 * k, torch.int64))
             table = arena.prefix(f"table{p}", n * width, shape=(n, width))

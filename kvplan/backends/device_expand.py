@@ -1,0 +1,132 @@
+"""Per-token and per-page fields expanded on the device (DESIGN.md: the CPU writes O(rows)
+facts, the GPU expands O(rows x width) indices).
+
+A mixed step's new tokens need a slot each (and, for the ragged backend, a position and a
+batch index), and the ragged page table needs every page of every row. On the host that is a
+handful of numpy passes over all tokens / pages per step (a repeat, an add, a gather, ...):
+on a slow host CPU, 20-30 us at 5K tokens or 10K pages. ``DeviceExpander`` instead stages
+only the per-row facts (``cu_seqlens``, ``cached``, the block-table rows, ``indptr``) with the
+rest of the arena and launches ONE kernel (``_expand_kernel.expand_step_kernel``) that writes
+those fields into their arena slots on the device, in stream order after the staged copy.
+
+Launch cost: Triton's Python launch path binds and hashes the arguments on every call (tens
+of us on a slow host). The kernel takes only a pointer and unspecialized ints, so one compiled
+kernel serves every step; after the first launch of each flag set it is relaunched through
+its compiled launcher directly (``CompiledKernel.run``: one C call). When a launch hook is
+installed (a profiler), or under the interpreter, the normal path runs.
+
+Consumers that want the expanded fields on the host (tests, debugging) recompute them with
+numpy from the same per-row facts (each backend's ``*_np`` properties); the two paths are
+held equal by ``tests/backends/test_backends_device_expand.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvplan.ops._dispatch import triton_interpreting
+
+# tokens / pages per loop iteration of one row's program
+EXPAND_BLOCK = 256
+
+
+def expand_on_device_default(device: torch.device) -> bool:
+    """Expansion runs on the device by default exactly when the arena lives on a GPU."""
+    return torch.device(device).type == "cuda"
+
+
+class DeviceExpander:
+    """Launches ``expand_step_kernel`` over one arena's int32 buffer.
+
+    Args:
+        buffer: the arena's device buffer (every offset below is an element offset into it).
+        num_pools: block-table pools (one slot field / page field per pool).
+        slots64: slots are int64 (two int32 words per token) instead of int32.
+        token_rows: also write ``positions`` and ``batch_indices`` per token.
+
+    ``launch(n, tokens=..., pages=..., ...)``: program b (of ``n``) expands row b; see the
+    kernel's docstring for what each offset names.
+    """
+
+    def __init__(
+        self, buffer: torch.Tensor, *, num_pools: int, slots64: bool, token_rows: bool
+    ) -> None:
+        self.buffer = buffer
+        self.num_pools = int(num_pools)
+        self.slots64 = bool(slots64)
+        self.token_rows = bool(token_rows)
+        self._direct = buffer.is_cuda and not triton_interpreting()
+        self._device_index = buffer.device.index if buffer.is_cuda else None
+        # (tokens, pages) -> the compiled kernel's C launch entry and its fixed arguments
+        self._launchers: dict[tuple[bool, bool], tuple | None] = {}
+        import triton
+
+        from kvplan.backends._expand_kernel import expand_step_kernel
+
+        self._kernel = expand_step_kernel
+        # launch hooks (a profiler's) take the normal path; Triton 3.6 keeps them as HookChains
+        self._enter = triton.knobs.runtime.launch_enter_hook
+        self._exit = triton.knobs.runtime.launch_exit_hook
+        if not (hasattr(self._enter, "calls") and hasattr(self._exit, "calls")):
+            self._direct = False  # another Triton: always its own launch path
+        self.launches = 0  # kernels launched so far (tests check the path was taken)
+        self.direct_launches = 0  # of which through the cached launcher
+
+    def launch(
+        self,
+        n: int,
+        *,
+        tokens: bool,
+        pages: bool,
+        cu_off: int = 0,
+        cached_off: int = 0,
+        table_off: int,
+        table_pool_stride: int,
+        row_stride: int,
+        slots_off: int = 0,
+        slots_pool_stride: int = 0,
+        pos_off: int = 0,
+        bidx_off: int = 0,
+        indptr_off: int = 0,
+        indices_off: int = 0,
+        indices_pool_stride: int = 0,
+        block_size: int,
+    ) -> None:
+        if n == 0 or not (tokens or pages):
+            return
+        args = (
+            self.buffer, cu_off, cached_off, table_off, table_pool_stride, row_stride,
+            slots_off, slots_pool_stride, pos_off, bidx_off, indptr_off, indices_off,
+            indices_pool_stride, block_size,
+            self.num_pools, tokens, self.slots64, self.token_rows and tokens, pages, EXPAND_BLOCK,
+        )  # fmt: skip
+        self.launches += 1
+        key = (tokens, pages)
+        direct = self._launchers.get(key) if self._direct else None
+        if direct is not None and not (self._enter.calls or self._exit.calls):
+            self.direct_launches += 1
+            launch, function, coop, pdl, packed = direct
+            stream = torch._C._cuda_getCurrentRawStream(self._device_index)
+            launch(n, 1, 1, stream, function, coop, pdl, None, None, packed, None, None, None,
+                   *args)  # fmt: skip
+            return
+        kernel = self._kernel[(n,)](*args)
+        if self._direct and kernel is not None:
+            self._launchers[key] = _direct_launch(kernel)
+
+
+def _direct_launch(kernel: Any) -> tuple | None:
+    """``(launch, function, cooperative, pdl, packed_metadata)`` of a compiled kernel: the C
+    entry of Triton 3.6's CUDA launcher and the values ``CompiledKernel.run`` would pass it.
+    None (keep the normal path) when the kernel needs scratch memory or the launcher has
+    another shape (another Triton version)."""
+    launcher = kernel.run
+    try:
+        if launcher.global_scratch_size or launcher.profile_scratch_size:
+            return None
+        return (launcher.launch, kernel.function, launcher.launch_cooperative_grid,
+                launcher.launch_pdl, kernel.packed_metadata)  # fmt: skip
+    except AttributeError:
+        return None
