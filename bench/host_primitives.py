@@ -85,6 +85,18 @@ def main(argv: list[str] | None = None) -> int:
             snap = torch.empty(16384, dtype=torch.int32, pin_memory=True)
             buf[:16384].copy_(snap, non_blocking=True)
 
+        sizes = (1024, 4096, 16384, 32768, 65536)
+        big = torch.zeros(max(sizes), dtype=torch.int32, device=dev)
+
+        def pinned_step(size):
+            def step():
+                snap = torch.empty(size, dtype=torch.int32, pin_memory=True)
+                big[:size].copy_(snap, non_blocking=True)
+
+            return step
+
+        for size in sizes:
+            cases[f"pinned empty + copy_ {size * 4 // 1024} KB"] = pinned_step(size)
         cases.update({
             "torch.empty 16K int32 pin_memory": lambda: torch.empty(
                 16384, dtype=torch.int32, pin_memory=True

@@ -44,6 +44,7 @@ import torch
 
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
+from kvplan.backends.device_expand import DeviceExpander
 from kvplan.backends.host_arrays import SUM, as_int32_array
 from kvplan.backends.ledger import (
     PerBatch,
@@ -244,14 +245,26 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         if self._load_pages:
             self.num_loaded_pages = stage_page_loads(self, host, step.pools, num_pages, num_loaded)
         arena.commit()
-        if on_device:  # K entries of row b start at block_offsets + p * pool_span + b * row_span
-            self._device_expander(arena.buffer, slots64=False, token_rows=False).launch(
-                n, tokens=True, pages=False, cu_off=o["qo_indptr"], cached_off=o["cached"],
-                table_off=o["block_offsets"], table_pool_stride=pool_span, row_stride=row_span,
-                slots_off=o["slots0"], slots_pool_stride=self.max_num_tokens, block_size=bs,
-            )  # fmt: skip
+        if on_device:
+            self._expand_on_device("slots", self._bind_slots)
         if self.enable_block_id_tables:
             self.prepare_block_id_tables()
+
+    def _make_expander(self) -> DeviceExpander:
+        return DeviceExpander(
+            self.arena.buffer, num_pools=self._num_pools, slots64=False, token_rows=False
+        )
+
+    def _bind_slots(self, expander: DeviceExpander) -> tuple:
+        """A general step's slots from ``qo_indptr`` / ``cached`` and the table's K entries
+        (row b of pool p at ``block_offsets + p * pool_span + b * 2 * width``)."""
+        o, row_span = self._offsets, 2 * self.max_blocks_per_seq
+        return expander.bind(
+            tokens=True, pages=False, cu_off=o["qo_indptr"], cached_off=o["cached"],
+            table_off=o["block_offsets"], table_pool_stride=self.max_num_sequences * row_span,
+            row_stride=row_span, slots_off=o["slots0"], slots_pool_stride=self.max_num_tokens,
+            block_size=self._block_size,
+        )  # fmt: skip
 
     def prepare_block_id_tables(self) -> None:
         """MLA-style ``kv_block_ids_per_seq`` (all rows) and ``block_ids_per_seq`` (generation

@@ -46,8 +46,9 @@ class DeviceExpander:
         slots64: slots are int64 (two int32 words per token) instead of int32.
         token_rows: also write ``positions`` and ``batch_indices`` per token.
 
-    ``launch(n, tokens=..., pages=..., ...)``: program b (of ``n``) expands row b; see the
-    kernel's docstring for what each offset names.
+    ``args = bind(tokens=..., pages=..., <offsets>)`` once, then ``launch(n, args)`` each
+    step: program b (of ``n``) expands row b; see the kernel's docstring for what each offset
+    names.
     """
 
     def __init__(
@@ -59,8 +60,8 @@ class DeviceExpander:
         self.token_rows = bool(token_rows)
         self._direct = buffer.is_cuda and not triton_interpreting()
         self._device_index = buffer.device.index if buffer.is_cuda else None
-        # (tokens, pages) -> the compiled kernel's C launch entry and its fixed arguments
-        self._launchers: dict[tuple[bool, bool], tuple | None] = {}
+        # constexpr flags -> the compiled kernel's C launch entry and its fixed arguments
+        self._launchers: dict[tuple, tuple | None] = {}
         import triton
 
         from kvplan.backends._expand_kernel import expand_step_kernel
@@ -74,9 +75,8 @@ class DeviceExpander:
         self.launches = 0  # kernels launched so far (tests check the path was taken)
         self.direct_launches = 0  # of which through the cached launcher
 
-    def launch(
+    def bind(
         self,
-        n: int,
         *,
         tokens: bool,
         pages: bool,
@@ -93,17 +93,22 @@ class DeviceExpander:
         indices_off: int = 0,
         indices_pool_stride: int = 0,
         block_size: int,
-    ) -> None:
-        if n == 0 or not (tokens or pages):
-            return
-        args = (
+    ) -> tuple:
+        """The kernel arguments of one expansion (see ``_expand_kernel``), to pass to
+        ``launch`` step after step (callers keep it while the offsets stay the same)."""
+        return (
             self.buffer, cu_off, cached_off, table_off, table_pool_stride, row_stride,
             slots_off, slots_pool_stride, pos_off, bidx_off, indptr_off, indices_off,
             indices_pool_stride, block_size,
             self.num_pools, tokens, self.slots64, self.token_rows and tokens, pages, EXPAND_BLOCK,
         )  # fmt: skip
+
+    def launch(self, n: int, args: tuple) -> None:
+        """Expand rows ``[0, n)`` with ``args`` from ``bind`` (queued on the current stream)."""
+        if n == 0 or not (args[15] or args[18]):  # neither tokens nor pages
+            return
         self.launches += 1
-        key = (tokens, pages)
+        key = args[15:19]  # the constexpr flags select the compiled kernel
         direct = self._launchers.get(key) if self._direct else None
         if direct is not None and not (self._enter.calls or self._exit.calls):
             self.direct_launches += 1

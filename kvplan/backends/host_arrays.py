@@ -13,7 +13,6 @@ small arrays of one step (and each wrapper call costs ~1 us on the GPU host's CP
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,14 +30,11 @@ SUM = np.add.reduce  # int32 input accumulates in int64 (numpy's rule for add re
 CUMSUM = np.add.accumulate
 
 
-class HostLengths(NamedTuple):
-    """A validated length vector: a fresh int32 ``array`` ``[n]`` (never written again, so
-    CPU tensors over it are private), its ``total`` (a Python int) and whether every entry is
-    1 (``all_ones``: a decode step's query lengths)."""
-
-    array: np.ndarray
-    total: int
-    all_ones: bool
+# A validated length vector ``(array, total, all_ones)``: a fresh int32 ``array`` ``[n]``
+# (never written again, so CPU tensors over it are private), its ``total`` (a Python int) and
+# whether every entry is 1 (a decode step's query lengths). A plain tuple: a NamedTuple's
+# constructor is a Python-level call, ~1 us per step on the GPU host.
+HostLengths = tuple[np.ndarray, int, bool]
 
 
 def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
@@ -47,7 +43,7 @@ def as_int32_array(name: str, value: IntArrayLike) -> np.ndarray:
     The result is always a fresh array, so later changes of the caller's list/array/tensor
     cannot reach it.
     """
-    return as_lengths(name, value).array
+    return as_lengths(name, value)[0]
 
 
 def as_lengths(name: str, value: IntArrayLike) -> HostLengths:
@@ -65,11 +61,11 @@ def as_lengths(name: str, value: IntArrayLike) -> HostLengths:
             if total == n and value.count(1) == n:  # all ones (bools count as ints)
                 ones = np.empty(n, np.int32)  # (np.ones is a Python wrapper around these two)
                 ones.fill(1)
-                return HostLengths(ones, total, n > 0)
+                return (ones, total, n > 0)
             if total <= INT32_MAX:
                 try:
                     arr = np.fromiter(value, np.uint32, n).view(np.int32)
-                    return HostLengths(arr, total, False)  # sum == n with a non-1 entry
+                    return (arr, total, False)  # sum == n with a non-1 entry
                 except OverflowError:  # a negative value: named below
                     pass
             # Plain Python ints (a float or numpy scalar anywhere makes the sum another type
@@ -80,16 +76,16 @@ def as_lengths(name: str, value: IntArrayLike) -> HostLengths:
                 arr = np.fromiter(value, np.int32, n)
             except OverflowError:
                 raise ValueError(f"{name} holds {max(value)}, which overflows int32") from None
-            return HostLengths(arr, total, False)
+            return (arr, total, False)
     elif type(value) is np.ndarray and value.dtype == np.int32 and value.ndim == 1:
         arr = value.copy()  # private: later changes of the caller's array are safe
         if not arr.size:
-            return HostLengths(arr, 0, False)
+            return (arr, 0, False)
         lo = int(MIN(arr))
         if lo < 0:
             raise ValueError(f"{name} holds {lo}; lengths must be >= 0")
         total = int(SUM(arr))
-        return HostLengths(arr, total, lo == 1 and total == arr.size)
+        return (arr, total, lo == 1 and total == arr.size)
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU tensor (host values), got {value.device}")
@@ -103,14 +99,14 @@ def as_lengths(name: str, value: IntArrayLike) -> HostLengths:
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if not arr.size:
-        return HostLengths(arr.astype(np.int32), 0, False)
+        return (arr.astype(np.int32), 0, False)
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0:
         raise ValueError(f"{name} holds {lo}; lengths must be >= 0")
     if hi > INT32_MAX:
         raise ValueError(f"{name} holds {hi}, which overflows int32")
     arr = arr.astype(np.int32)  # always a copy: later changes of the caller's array are safe
-    return HostLengths(arr, int(SUM(arr)), lo == 1 and hi == 1)
+    return (arr, int(SUM(arr)), lo == 1 and hi == 1)
 
 
 def _python_int_sum(values: Sequence) -> int | None:

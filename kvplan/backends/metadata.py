@@ -40,15 +40,17 @@ Row layout of a batch with ``num_contexts = 2``, two generation requests and ``b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvplan._checks import INT32_MAX
+from kvplan.backends.device_expand import DeviceExpander, expand_on_device_default
 from kvplan.backends.host_arrays import (
     MAX,
+    MIN,
     IntArrayLike,
     as_lengths,
     exclusive_cumsum,
@@ -62,7 +64,6 @@ from kvplan.backends.ledger import (
     new_token_positions,
     pool_rows,
 )
-from kvplan.backends.device_expand import DeviceExpander, expand_on_device_default
 from kvplan.backends.sparse import SparseMetadataParams, SparseRuntimeParams
 from kvplan.backends.staging import use_pinned
 from kvplan.backends.step_shape import StepShape
@@ -146,6 +147,7 @@ class AttentionMetadata(StepShape):
         self.pinned = use_pinned(self.device)
         self.expand_on_device = expand_on_device_default(self.device)
         self._expander: DeviceExpander | None = None
+        self._expand_args: dict[Any, tuple] = {}
         self.sparse_metadata_params = sparse_metadata_params
         self.sparse_runtime_params = SparseRuntimeParams()
 
@@ -282,13 +284,21 @@ class AttentionMetadata(StepShape):
             self.one_kv_token_per_row = self._seq_lens_kv_all_ones
             self.cu_seqlens_kv_np = exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
 
-    def _device_expander(self, buffer: torch.Tensor, *, slots64: bool, token_rows: bool):
-        """This object's ``DeviceExpander`` over ``buffer`` (made on first use)."""
+    def _expand_on_device(self, key: Any, bind: Callable[[DeviceExpander], tuple]) -> None:
+        """Launch this step's device expansion over rows ``[0, num_seqs)``: ``bind(expander)``
+        gives the kernel arguments (``DeviceExpander.bind``), made once per ``key`` (the
+        values they depend on) and reused by later steps."""
         if self._expander is None:
-            self._expander = DeviceExpander(
-                buffer, num_pools=self._num_pools, slots64=slots64, token_rows=token_rows
-            )
-        return self._expander
+            self._expander = self._make_expander()
+        args = self._expand_args.get(key)
+        if args is None:
+            if len(self._expand_args) >= 64:
+                self._expand_args.clear()
+            args = self._expand_args[key] = bind(self._expander)
+        self._expander.launch(self._num_seqs, args)
+
+    def _make_expander(self) -> DeviceExpander:
+        raise NotImplementedError(f"{type(self).__name__} expands nothing on the device")
 
     def _step_rows(
         self, *, decode: bool, extra_tokens: int = 0, per_token: bool = True
@@ -325,10 +335,14 @@ class AttentionMetadata(StepShape):
             return StepRows(bt, pools, column, index, in_block, cached, last)
         lens = self.kv_lens_np + np.int32(extra_tokens) if extra_tokens else self.kv_lens_np
         needed = logical_num_blocks(lens, bs)
-        what = "kv_lens (incl. num_extra_kv_tokens)" if extra_tokens else "kv_lens"
         max_needed = -(-(self.max_kv_len + extra_tokens) // bs)
+        # every row owns its last needed block (one gather shared by the pools; a row that
+        # needs none reads a neighbour's entry, which can only send it to the exact check)
+        index = pools[0].row_start[:n] + (needed - 1) if n else None
         for t in pools:
-            last_needed_blocks(t, needed, what, max_needed=max_needed, check_only=True)
+            if max_needed > t.width or not n or not MIN(t.flat.take(index, mode="clip")):
+                what = "kv_lens (incl. num_extra_kv_tokens)" if extra_tokens else "kv_lens"
+                last_needed_blocks(t, needed, what, max_needed=max_needed, check_only=True)
         if not per_token:
             return StepRows(bt, pools, needed, None, None, None, None)
         new_lens = self._kv_np

@@ -45,6 +45,7 @@ import torch
 
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
+from kvplan.backends.device_expand import DeviceExpander
 from kvplan.backends.host_arrays import CUMSUM, MAX, SUM
 from kvplan.backends.ledger import flat_page_index, new_token_positions
 from kvplan.backends.metadata import AttentionMetadata
@@ -274,22 +275,35 @@ class RaggedAttentionMetadata(AttentionMetadata):
             arena.put(host, "tok_kv_lens", kv_lens[q_rows])
         arena.commit()
         if on_device:
-            s = self.max_num_sequences
-            self._device_expander(arena.buffer, slots64=False, token_rows=True).launch(
-                n, tokens=tokens_on_device, pages=True, cu_off=o["qo_indptr"],
-                cached_off=o["cached"], table_off=o["table0"],
-                table_pool_stride=s * self._max_blocks_per_seq, row_stride=width,
-                slots_off=o["slots0"], slots_pool_stride=self.max_num_tokens,
-                pos_off=o["positions"], bidx_off=o["batch_indices"], indptr_off=o["indptr"],
-                indices_off=o["indices0"], indices_pool_stride=s * self._max_blocks_per_seq,
-                block_size=bs,
-            )  # fmt: skip
+            self._expand_on_device(
+                (tokens_on_device, width),
+                lambda ex: self._bind_expansion(ex, tokens_on_device, width),
+            )
         self._num_indices = num_indices
         self.num_blocks_np, self.logical_num_blocks_np = num_blocks, logical_nb
         self.paged_kv_indptr_np = indptr
         self.paged_kv_last_page_len_np = last_page_len
         if self.check_page_table:
             self._self_check(bs)
+
+    def _make_expander(self) -> DeviceExpander:
+        return DeviceExpander(
+            self.arena.buffer, num_pools=self._num_pools, slots64=False, token_rows=True
+        )
+
+    def _bind_expansion(self, expander: DeviceExpander, tokens: bool, width: int) -> tuple:
+        """The page list (and with ``tokens`` a general step's slots, positions and batch
+        indices) from ``indptr`` / ``qo_indptr`` / ``cached`` and the ``[n, width]`` rows."""
+        o = self._offsets
+        pool_stride = self.max_num_sequences * self._max_blocks_per_seq
+        return expander.bind(
+            tokens=tokens, pages=True, cu_off=o["qo_indptr"], cached_off=o["cached"],
+            table_off=o["table0"], table_pool_stride=pool_stride, row_stride=width,
+            slots_off=o["slots0"], slots_pool_stride=self.max_num_tokens,
+            pos_off=o["positions"], bidx_off=o["batch_indices"], indptr_off=o["indptr"],
+            indices_off=o["indices0"], indices_pool_stride=pool_stride,
+            block_size=self._block_size,
+        )  # fmt: skip
 
     # host copies of the expanded fields -------------------------------------------
     # After a step the device expanded, these are recomputed with numpy on first read from

@@ -110,6 +110,9 @@ class DeviceArena:
         self._prefixes: dict[tuple, torch.Tensor] = {}
         self._buffer_np = None if private_snapshots else self.buffer.numpy()
         self._copy = copy_to if copy_fn is None else copy_fn
+        # commit() on a GPU with the default copy: dst.copy_ straight away (no wrapper call)
+        self._copy_cuda = copy_fn is None and self.device.type == "cuda"
+        self._dst: dict[int, torch.Tensor] = {}  # staged prefix end -> buffer[:end]
         self._pending: tuple[torch.Tensor, int] | None = None
         self.last_snapshot: torch.Tensor | None = None
 
@@ -184,7 +187,15 @@ class DeviceArena:
         snapshot, end = self._pending
         self._pending = None
         if end:
-            self._copy(self.buffer[:end], snapshot)
+            dst = self._dst.get(end)
+            if dst is None:  # a device slice is a dispatcher call: made once per prefix end
+                if len(self._dst) >= 256:
+                    self._dst.clear()
+                dst = self._dst[end] = self.buffer[:end]
+            if self._copy_cuda:
+                dst.copy_(snapshot, non_blocking=True)
+            else:
+                self._copy(dst, snapshot)
         # Kept only for inspection; the allocator already protects it until the copy is done.
         self.last_snapshot = snapshot
 

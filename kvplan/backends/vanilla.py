@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
+from kvplan.backends.device_expand import DeviceExpander
 from kvplan.backends.ledger import gather_rows
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.sparse import use_sparse_attention
@@ -107,13 +108,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
             self.block_ids_per_seq.append(table)
         arena.commit()
         if on_device:
-            o, s = arena.offsets, self.max_num_sequences
-            self._device_expander(arena.buffer, slots64=True, token_rows=False).launch(
-                n, tokens=True, pages=False, cu_off=o["cu"], cached_off=o["cached"],
-                table_off=o["table0"], table_pool_stride=s * width, row_stride=width,
-                slots_off=o["slots0"], slots_pool_stride=2 * self.max_num_tokens,
-                block_size=bs,
-            )  # fmt: skip
+            self._expand_on_device("slots", self._bind_slots)
         for p in range(num_pools):
             self._slots_gpu.append(arena.prefix(f"slots{p}", 2 * k, torch.int64))
             table = arena.prefix(f"table{p}", n * width, shape=(n, width))
@@ -122,6 +117,21 @@ class VanillaAttentionMetadata(AttentionMetadata):
             self.sparse_metadata_params
         ):
             self.sparse_blocks = self._sparse_block_masks(-(-self.max_kv_len // bs))
+
+    def _make_expander(self) -> DeviceExpander:
+        return DeviceExpander(
+            self.arena.buffer, num_pools=self._num_pools, slots64=True, token_rows=False
+        )
+
+    def _bind_slots(self, expander: DeviceExpander) -> tuple:
+        """The slots of a general step's tokens from ``cu`` / ``cached`` / ``table{p}``."""
+        o, width = self.arena.offsets, self._max_blocks_per_seq
+        return expander.bind(
+            tokens=True, pages=False, cu_off=o["cu"], cached_off=o["cached"],
+            table_off=o["table0"], table_pool_stride=self.max_num_sequences * width,
+            row_stride=width, slots_off=o["slots0"], slots_pool_stride=2 * self.max_num_tokens,
+            block_size=self._block_size,
+        )  # fmt: skip
 
     def _sparse_block_masks(self, width: int) -> list[np.ndarray]:
         """Per sequence, the logical blocks the sparse selection keeps (host bool masks).

@@ -135,8 +135,9 @@ def test_reused_metadata_expands_each_step():
         fill_metadata(md, part)
         md.prepare()
         check_equal("ragged", part, ref, md)
-        out = get_backend("ragged")(1, sc.num_heads, sc.num_kv_heads, sc.head_dim,
-                                    sliding_window=6).forward(part.q, part.k[1], part.v[1], md)
+        out = get_backend("ragged")(
+            1, sc.num_heads, sc.num_kv_heads, sc.head_dim, sliding_window=6
+        ).forward(part.q, part.k[1], part.v[1], md)
         assert_close(out, reference_attention(part, 1, 6), atol=1e-5)
     assert not md.page_table_reports
 
