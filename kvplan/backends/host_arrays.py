@@ -12,6 +12,7 @@ small arrays of one step (and each wrapper call costs ~1 us on the GPU host's CP
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,7 +51,7 @@ def as_lengths(name: str, value: IntArrayLike) -> HostLengths:
     """``as_int32_array`` plus the vector's sum and whether it is all ones.
 
     A list of plain Python ints costs one C-level ``sum`` (which is also the type check) and
-    one ``np.fromiter`` into uint32, which raises on negatives; when the sum fits in int32,
+    one conversion through ``array("I")`` (unsigned: it raises on negatives); when the sum fits in int32,
     so does every (non-negative) value, so no reduction over the array is needed. A list of
     ones is recognized by ``list.count`` (identity compares) and needs no conversion at all.
     """
@@ -64,7 +65,9 @@ def as_lengths(name: str, value: IntArrayLike) -> HostLengths:
                 return (ones, total, n > 0)
             if total <= INT32_MAX:
                 try:
-                    arr = np.fromiter(value, np.uint32, n).view(np.int32)
+                    # array('I') converts a list of ints 2-3x faster than np.fromiter and
+                    # raises on negatives; every value <= total <= INT32_MAX, so int32 holds it
+                    arr = np.frombuffer(array("I", value), np.int32)
                     return (arr, total, False)  # sum == n with a non-1 entry
                 except OverflowError:  # a negative value: named below
                     pass

@@ -330,7 +330,12 @@ class AttentionMetadata(StepShape):
             column, in_block = block_column(cached, bs)
             index = pools[0].row_start[:n] + column
             max_column = (self.max_kv_len - 1) // bs
-            last = [decode_last_blocks(t, column, max_column, index=index) for t in pools]
+            last = []
+            for t in pools:  # the block of each new token (inline: one call less per pool)
+                held = t.flat.take(index) if max_column < t.width else None
+                if held is None or (n and not MIN(held)):
+                    held = decode_last_blocks(t, column, max_column, index=index)  # raises
+                last.append(held)
             column += 1  # blocks each row owns
             return StepRows(bt, pools, column, index, in_block, cached, last)
         lens = self.kv_lens_np + np.int32(extra_tokens) if extra_tokens else self.kv_lens_np

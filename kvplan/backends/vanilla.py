@@ -68,6 +68,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
         fields.update({f"table{p}": s * width for p in range(pools)})
         self.arena = DeviceArena(fields, self.device)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
+        self._views: dict[tuple[int, int], tuple[list, list]] = {}
 
     def _prepare_backend(self) -> None:
         self.block_ids_per_seq: list[np.ndarray] = []
@@ -109,10 +110,15 @@ class VanillaAttentionMetadata(AttentionMetadata):
         arena.commit()
         if on_device:
             self._expand_on_device("slots", self._bind_slots)
-        for p in range(num_pools):
-            self._slots_gpu.append(arena.prefix(f"slots{p}", 2 * k, torch.int64))
-            table = arena.prefix(f"table{p}", n * width, shape=(n, width))
-            self.block_ids_per_seq_gpu.append(table)
+        views = self._views.get((n, k))
+        if views is None:  # device views per (rows, tokens): sizes repeat step after step
+            if len(self._views) >= 256:
+                self._views.clear()
+            views = self._views[n, k] = (
+                [arena.prefix(f"slots{p}", 2 * k, torch.int64) for p in range(num_pools)],
+                [arena.prefix(f"table{p}", n * width, shape=(n, width)) for p in range(num_pools)],
+            )
+        self._slots_gpu, self.block_ids_per_seq_gpu = views
         if self.sparse_metadata_params is not None and use_sparse_attention(
             self.sparse_metadata_params
         ):
