@@ -8,7 +8,11 @@ baseline / step (both start from the same lists). The baseline builds the same b
 fields the pre-vectorized way: one Python list per request (``get_block_ids``), per-token
 loops, then one ``torch.tensor`` + copy to the device per field (see ``baseline``). Medians
 over ``--iters`` steps; the device is synchronized between steps, outside the timed region.
-``calls`` is the number of Python-level function calls (numpy/torch C functions and methods
+On a GPU each backend runs twice, with ``expand_on_device`` (the default there: per-token
+slots and the ragged page list expanded by one kernel from per-row facts) and without (all
+on the host); ``gpu copy us`` / ``gpu expand us`` are the device time per step of the staged
+copy and of the expansion kernel (torch profiler). ``calls`` is the number of Python-level
+function calls (numpy/torch C functions and methods
 included, operators and slicing not) of one ``prepare()``, counted with cProfile outside the
 timed runs: on a slow host CPU each costs ~1-6 us, so it predicts ``prepare us`` there.
 
@@ -151,6 +155,27 @@ def count_calls(fn, reps: int = 10) -> float:
     return (pstats.Stats(prof).total_calls - 1) / reps
 
 
+def gpu_us(fn, reps: int = 20) -> dict:
+    """Device time per ``fn()`` (torch profiler, kernel and memcpy durations averaged over
+    ``reps`` calls): ``copy`` = the staged host-to-device copies, ``expand`` = the device
+    expansion kernel (0 when the step launches none)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out = {"copy": 0.0, "expand": 0.0}
+    for evt in prof.key_averages():
+        t = evt.device_time_total / reps
+        if "expand_step_kernel" in evt.key:
+            out["expand"] += t
+        elif "Memcpy HtoD" in evt.key:
+            out["copy"] += t
+    return out
+
+
 def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
     mgr, rids, num_ctx, seq_lens, cached = make_batch(kind, num_seqs, max_ctx, block_size)
     rows = []
@@ -173,10 +198,12 @@ def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
             max(3, iters // 4), device,
         )  # fmt: skip
         calls = count_calls(md.prepare)
+        gpu = gpu_us(md.prepare) if device.type == "cuda" else {}
         rows.append(dict(batch=kind, prepare_calls=calls, num_seqs=num_seqs, num_tokens=sum(seq_lens),
                          num_blocks=int(sum(-(-(c + s) // block_size) for c, s in zip(cached, seq_lens))),
                          backend=name, expand="device" if on_device else "host", step_us=ours, prepare_us=prep, baseline_us=base,
-                         speedup=base / ours))  # fmt: skip
+                         speedup=base / ours, gpu_copy_us=gpu.get("copy"),
+                         gpu_expand_us=gpu.get("expand")))  # fmt: skip
     return rows
 
 
@@ -196,11 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_case("decode", decode_seqs, max_ctx, args.block_size, iters, device)
     rows += run_case("mixed", mixed_seqs, max_ctx, args.block_size, iters, device)
     print(f"{'batch':7} {'seqs':>5} {'tokens':>6} {'backend':14} {'expand':6} {'step us':>8} "
-          f"{'prepare us':>11} {'calls':>6} {'baseline us':>12} {'speedup':>8}")  # fmt: skip
+          f"{'prepare us':>11} {'calls':>6} {'baseline us':>12} {'speedup':>8} "
+          f"{'gpu copy us':>11} {'gpu expand us':>13}")  # fmt: skip
     for r in rows:
         print(f"{r['batch']:7} {r['num_seqs']:5d} {r['num_tokens']:6d} {r['backend']:14} {r['expand']:6} "
               f"{r['step_us']:8.1f} {r['prepare_us']:11.1f} {r['prepare_calls']:6.0f} {r['baseline_us']:12.1f} "
-              f"{r['speedup']:7.1f}x")  # fmt: skip
+              f"{r['speedup']:7.1f}x {r['gpu_copy_us'] or 0:11.1f} {r['gpu_expand_us'] or 0:13.1f}")  # fmt: skip
     record = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

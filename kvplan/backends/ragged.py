@@ -13,6 +13,10 @@ relative to ``indptr[num_contexts]``), and ``batch_indices`` / ``positions`` of 
 (which sequence, which absolute position), from which the store slots are derived. All length
 math is numpy on the host (every consumer needs host values; a device computation would cost
 a sync per step); the device buffers are preallocated at capacity and filled by one staged copy.
+With ``expand_on_device`` (the default on a GPU) the host stages only per-row facts (the rows'
+block-table columns, ``indptr``, ``cached``) and one kernel writes ``paged_kv_indices`` and the
+per-token ``slots`` / ``positions`` / ``batch_indices`` (``kvplan.backends.device_expand``); the
+``*_np`` host copies of those are then recomputed with numpy on first read.
 
 Deviation from the issue text ("qo_indptr: device cumsum into a preallocated buffer"): the
 host already holds ``cu_seqlens_q`` (every backend needs it), so ``qo_indptr`` is staged with
@@ -242,7 +246,9 @@ class RaggedAttentionMetadata(AttentionMetadata):
         host[o["kv_lens"] : o["kv_lens"] + n] = kv_lens
         # new K/V tokens: which sequence, which absolute position, which slot
         self._step = step
-        tokens_on_device = on_device and not decode
+        # decode rows too: the kernel launches for the pages anyway, and writing each row's
+        # slot / position / index there is cheaper than three more host passes
+        tokens_on_device = on_device
         if tokens_on_device:
             host[o["cached"] : o["cached"] + n] = self.cached_np
         else:

@@ -90,15 +90,15 @@ def test_device_expansion_equals_host_path(name, md_kwargs, seed):
 
 
 @pytest.mark.parametrize("full_table", [False, True])
-def test_ragged_decode_expands_only_the_pages(full_table):
-    """A decode step keeps its per-row token fields on the host; the page list is expanded."""
+def test_ragged_decode_expands_pages_and_tokens(full_table):
+    """A decode step's page list and per-row token fields come from the kernel too."""
     rng = np.random.default_rng(5)
     specs = [SeqSpec(int(rng.integers(1, 60)), 1, False, int(rng.integers(0, 9))) for _ in range(5)]
     sc = make_scenario(5, specs, block_size=4)
     kw = {"use_full_generation_page_table": full_table}
     host, dev = prepared_both_ways("ragged", sc, kw)
     assert dev.one_kv_token_per_row and launches(dev) == 1
-    assert dev._batch_indices_np is not None  # token fields came from the host
+    assert dev._batch_indices_np is None  # token fields came from the device
     check_equal("ragged", sc, host, dev)
 
 
