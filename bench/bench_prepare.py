@@ -4,7 +4,8 @@ Two batches: 256 decode sequences, and a 32-sequence mixed batch (16 prefill chu
 cached history, + 16 decode rows). For each backend, ``step us`` times one step's metadata
 update from Python lists: the per-step setters plus ``prepare()`` (host math, staging, async
 H2D launches; no device sync inside); ``prepare us`` times ``prepare()`` alone. The speedup is
-baseline / step (both start from the same lists). The baseline builds the same backend's
+baseline / step (both start from the same lists). The three are sampled interleaved (one
+baseline step every 4 rounds), so a drifting host load hits both sides of the ratio alike. The baseline builds the same backend's
 fields the pre-vectorized way: one Python list per request (``get_block_ids``), per-token
 loops, then one ``torch.tensor`` + copy to the device per field (see ``baseline``). Medians
 over ``--iters`` steps; the device is synchronized between steps, outside the timed region.
@@ -133,16 +134,26 @@ def baseline(name: str, mgr, rids, num_ctx, seq_lens, cached, device) -> dict:
     return dev
 
 
-def timed(fn, iters: int, device) -> float:
-    """Median microseconds of ``fn()`` (device synchronized between calls, outside timing)."""
-    samples = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append((time.perf_counter_ns() - t0) / 1e3)
-    return statistics.median(samples)
+def sample_us(fn, device) -> float:
+    """Microseconds of one ``fn()`` (the device synchronized first, outside the timing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter_ns()
+    fn()
+    return (time.perf_counter_ns() - t0) / 1e3
+
+
+def timed_interleaved(fns: dict, iters: int, device, every: dict) -> dict:
+    """Median microseconds of each ``fns[name]()``, sampled in interleaved rounds: round i
+    runs every function whose ``every[name]`` divides i, so all of them see the same host
+    state (a busy shared host drifts by 2x within seconds; back-to-back blocks of one
+    function and then the other turned that drift into the ratio)."""
+    samples: dict = {name: [] for name in fns}
+    for i in range(iters):
+        for name, fn in fns.items():
+            if i % every.get(name, 1) == 0:
+                samples[name].append(sample_us(fn, device))
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def count_calls(fn, reps: int = 10) -> float:
@@ -191,12 +202,14 @@ def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
         for _ in range(3):  # warm up (allocator, first copies, kernel compile)
             step_ours(md, rids, num_ctx, seq_lens, cached)
             baseline(name, mgr, rids, num_ctx, seq_lens, cached, device)
-        ours = timed(lambda md=md: step_ours(md, rids, num_ctx, seq_lens, cached), iters, device)
-        prep = timed(md.prepare, iters, device)
-        base = timed(
-            lambda name=name: baseline(name, mgr, rids, num_ctx, seq_lens, cached, device),
-            max(3, iters // 4), device,
+        med = timed_interleaved(
+            {"ours": lambda md=md: step_ours(md, rids, num_ctx, seq_lens, cached),
+             "prepare": md.prepare,
+             "base": lambda name=name: baseline(name, mgr, rids, num_ctx, seq_lens, cached,
+                                                device)},
+            iters, device, every={"base": 4},
         )  # fmt: skip
+        ours, prep, base = med["ours"], med["prepare"], med["base"]
         calls = count_calls(md.prepare)
         gpu = gpu_us(md.prepare) if device.type == "cuda" else {}
         rows.append(dict(batch=kind, prepare_calls=calls, num_seqs=num_seqs, num_tokens=sum(seq_lens),
