@@ -4,8 +4,9 @@ Two batches: 256 decode sequences, and a 32-sequence mixed batch (16 prefill chu
 cached history, + 16 decode rows). For each backend, ``step us`` times one step's metadata
 update from Python lists: the per-step setters plus ``prepare()`` (host math, staging, async
 H2D launches; no device sync inside); ``prepare us`` times ``prepare()`` alone. The speedup is
-baseline / step (both start from the same lists). The three are sampled interleaved (one
-baseline step every 4 rounds), so a drifting host load hits both sides of the ratio alike. The baseline builds the same backend's
+baseline / step (both start from the same lists). The three are sampled in interleaved rounds
+(20 steps, 20 prepares, 5 baseline steps per round), so a drifting host load hits both sides
+of the ratio alike. The baseline builds the same backend's
 fields the pre-vectorized way: one Python list per request (``get_block_ids``), per-token
 loops, then one ``torch.tensor`` + copy to the device per field (see ``baseline``). Medians
 over ``--iters`` steps; the device is synchronized between steps, outside the timed region.
@@ -143,15 +144,19 @@ def sample_us(fn, device) -> float:
     return (time.perf_counter_ns() - t0) / 1e3
 
 
-def timed_interleaved(fns: dict, iters: int, device, every: dict) -> dict:
-    """Median microseconds of each ``fns[name]()``, sampled in interleaved rounds: round i
-    runs every function whose ``every[name]`` divides i, so all of them see the same host
-    state (a busy shared host drifts by 2x within seconds; back-to-back blocks of one
-    function and then the other turned that drift into the ratio)."""
+def timed_interleaved(fns: dict, iters: int, device, block: dict) -> dict:
+    """Median microseconds of each ``fns[name]()``, sampled in interleaved rounds of blocks:
+    a round runs ``block[name]`` calls of each function in turn, until each has ``iters``
+    samples in all (``iters * block / block_ours`` for the slower ones). All of them see the
+    same host state over the run (a busy shared host drifts by 2x within seconds, and blocks
+    of one function then the other turned that drift into the ratio), while calls inside a
+    block run warm, as in a step loop. (Alternating single calls measures each right after
+    the others evicted its caches: 1.5-2x slower for ``prepare()``, see RESULTS.md.)"""
     samples: dict = {name: [] for name in fns}
-    for i in range(iters):
+    rounds = max(1, iters // max(block.values()))
+    for _ in range(rounds):
         for name, fn in fns.items():
-            if i % every.get(name, 1) == 0:
+            for _ in range(block[name]):
                 samples[name].append(sample_us(fn, device))
     return {name: statistics.median(v) for name, v in samples.items()}
 
@@ -207,7 +212,7 @@ def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
              "prepare": md.prepare,
              "base": lambda name=name: baseline(name, mgr, rids, num_ctx, seq_lens, cached,
                                                 device)},
-            iters, device, every={"base": 4},
+            iters, device, block={"ours": 20, "prepare": 20, "base": 5},
         )  # fmt: skip
         ours, prep, base = med["ours"], med["prepare"], med["base"]
         calls = count_calls(md.prepare)
