@@ -194,7 +194,10 @@ class RaggedAttentionMetadata(AttentionMetadata):
         kv_lens, seq_lens_kv = self.kv_lens_np, self._kv_np
         # validate everything before staging starts (a CPU arena is written in place)
         decode = self.one_kv_token_per_row and self.decode_fast_path
-        step = self._step_rows(decode=decode)
+        # the device expands the page list and the new tokens' fields from the table rows;
+        # the host keeps cross steps and fp8 load plans (both need the host page list)
+        on_device = self.expand_on_device and not cross and not self._load_pages
+        step = self._step_rows(decode=decode, per_token=not on_device)
         bt, pools, logical_nb = step.tables, step.pools, step.num_needed
         if self.use_full_generation_page_table and not cross:
             # context rows stay logical; generation rows expose every reserved page
@@ -202,11 +205,9 @@ class RaggedAttentionMetadata(AttentionMetadata):
             np.maximum(logical_nb[nc:], bt.num_allocated[bt.rows[nc:]], out=num_blocks[nc:])
         else:
             num_blocks = logical_nb
-        num_indices = int(SUM(num_blocks)) if n else 0
+        # the device path reads the page count off indptr (no extra reduction)
+        num_indices = int(SUM(num_blocks)) if n and not on_device else 0
         arena = self.arena
-        # the device expands the page list (and a general step's tokens) from the table rows;
-        # the host keeps cross steps and fp8 load plans (both need the host page list)
-        on_device = self.expand_on_device and not cross and not self._load_pages
         width = int(MAX(num_blocks)) if on_device and n else 0  # row stride of the table
         if cross:
             end = arena.end_of("tok_kv_lens", self._num_tokens)
@@ -229,6 +230,8 @@ class RaggedAttentionMetadata(AttentionMetadata):
         indptr = host[o["indptr"] : o["indptr"] + n + 1]
         indptr[0] = 0
         CUMSUM(num_blocks, out=indptr[1:])
+        if on_device:
+            num_indices = int(indptr[n])
         a = o["indptr_decode"]
         if nc:
             np.subtract(indptr[nc:], indptr[nc], out=host[a : a + n - nc + 1])
@@ -248,8 +251,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self._step = step
         # decode rows too: the kernel launches for the pages anyway, and writing each row's
         # slot / position / index there is cheaper than three more host passes
-        tokens_on_device = on_device
-        if tokens_on_device:
+        if on_device:
             host[o["cached"] : o["cached"] + n] = self.cached_np
         else:
             positions = step.positions
@@ -281,10 +283,14 @@ class RaggedAttentionMetadata(AttentionMetadata):
             arena.put(host, "tok_kv_lens", kv_lens[q_rows])
         arena.commit()
         if on_device:
-            self._expand_on_device(
-                (tokens_on_device, width),
-                lambda ex: self._bind_expansion(ex, tokens_on_device, width),
-            )
+            args = self._expand_args.get(width)  # per row stride (the other offsets are fixed)
+            if args is None:
+                if self._expander is None:
+                    self._expander = self._make_expander()
+                if len(self._expand_args) >= 64:
+                    self._expand_args.clear()
+                args = self._expand_args[width] = self._bind_expansion(self._expander, width)
+            self._expander.launch(n, args)
         self._num_indices = num_indices
         self.num_blocks_np, self.logical_num_blocks_np = num_blocks, logical_nb
         self.paged_kv_indptr_np = indptr
@@ -297,13 +303,13 @@ class RaggedAttentionMetadata(AttentionMetadata):
             self.arena.buffer, num_pools=self._num_pools, slots64=False, token_rows=True
         )
 
-    def _bind_expansion(self, expander: DeviceExpander, tokens: bool, width: int) -> tuple:
-        """The page list (and with ``tokens`` a general step's slots, positions and batch
-        indices) from ``indptr`` / ``qo_indptr`` / ``cached`` and the ``[n, width]`` rows."""
+    def _bind_expansion(self, expander: DeviceExpander, width: int) -> tuple:
+        """The page list and the new tokens' slots, positions and batch indices from
+        ``indptr`` / ``qo_indptr`` / ``cached`` and the ``[n, width]`` table rows."""
         o = self._offsets
         pool_stride = self.max_num_sequences * self._max_blocks_per_seq
         return expander.bind(
-            tokens=tokens, pages=True, cu_off=o["qo_indptr"], cached_off=o["cached"],
+            tokens=True, pages=True, cu_off=o["qo_indptr"], cached_off=o["cached"],
             table_off=o["table0"], table_pool_stride=pool_stride, row_stride=width,
             slots_off=o["slots0"], slots_pool_stride=self.max_num_tokens,
             pos_off=o["positions"], bidx_off=o["batch_indices"], indptr_off=o["indptr"],
