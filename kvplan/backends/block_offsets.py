@@ -215,9 +215,9 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         # setter), T <= max_num_tokens (_prepare_common).
         o, T = self._offsets, self._num_kv_tokens
         host = arena.begin(end)
-        if self._seq_lens_pending:
-            host[o["seq_lens"] : o["seq_lens"] + n] = self._seq_lens_np
-            self._seq_lens_pending = False
+        # in every snapshot, changed or not (see StepShape._stage_seq_lens)
+        host[o["seq_lens"] : o["seq_lens"] + n] = self._seq_lens_np
+        self._seq_lens_pending = False
         host[o["kv_lens"] : o["kv_lens"] + n] = valid
         host[o["qo_indptr"] : o["qo_indptr"] + n + 1] = cu_q
         a = o["qo_indptr_gen"]

@@ -222,9 +222,9 @@ class RaggedAttentionMetadata(AttentionMetadata):
         # setter), T <= max_num_tokens (_prepare_common), num_indices <= n * width (checked).
         o, T = self._offsets, self._num_kv_tokens
         host = arena.begin(end)
-        if self._seq_lens_pending:
-            host[o["seq_lens"] : o["seq_lens"] + n] = self._seq_lens_np
-            self._seq_lens_pending = False
+        # in every snapshot, changed or not (see StepShape._stage_seq_lens)
+        host[o["seq_lens"] : o["seq_lens"] + n] = self._seq_lens_np
+        self._seq_lens_pending = False
         cu_q = self.cu_seqlens_q_np
         host[o["qo_indptr"] : o["qo_indptr"] + n + 1] = cu_q
         indptr = host[o["indptr"] : o["indptr"] + n + 1]

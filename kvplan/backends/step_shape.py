@@ -83,17 +83,13 @@ class StepShape:
 
     def _stage_seq_lens(self, values: dict) -> None:
         """For backends whose ``_seq_lens_gpu`` is the ``"seq_lens"`` field of their
-        ``DeviceArena``: add the pending device copy to this step's staged ``values``."""
-        if self._seq_lens_pending:
-            values["seq_lens"] = self._seq_lens_np
-            self._seq_lens_pending = False
-
-    def _put_seq_lens(self, arena, host: np.ndarray) -> None:
-        """``_stage_seq_lens`` for a staging in progress (``host = arena.begin(...)``, which
-        must cover the ``"seq_lens"`` field)."""
-        if self._seq_lens_pending:
-            arena.put(host, "seq_lens", self._seq_lens_np)
-            self._seq_lens_pending = False
+        ``DeviceArena``: add ``seq_lens`` to this step's staged ``values``. Always, not only
+        when it changed: the step's copy covers the arena prefix from offset 0, so a field
+        left out of the fresh snapshot would overwrite the device copy with whatever the
+        snapshot memory held (a second ``prepare()`` of the same step, or ``seq_lens_gpu``
+        read before ``prepare()``)."""
+        values["seq_lens"] = self._seq_lens_np
+        self._seq_lens_pending = False
 
     # the seed's name for the same tensor
     seq_lens_cuda = seq_lens_gpu

@@ -69,14 +69,14 @@ class VanillaAttentionMetadata(AttentionMetadata):
         self.arena = DeviceArena(fields, self.device)
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self._views: dict[tuple[int, int], tuple[list, list]] = {}
+        o = self.arena.offsets  # per pool: (slots offset, table offset); hot-path constants
+        self._pool_offsets = [(o[f"slots{p}"], o[f"table{p}"]) for p in range(pools)]
+        self._slot_args: tuple | None = None  # the expansion kernel's arguments, bound once
 
     def _prepare_backend(self) -> None:
-        self.block_ids_per_seq: list[np.ndarray] = []
-        self.block_ids_per_seq_gpu: list[torch.Tensor] = []
-        self._slots_gpu: list[torch.Tensor] = []
         self.sparse_blocks: list[np.ndarray] | None = None
-        manager = self.kv_cache_manager
-        if manager is None:
+        if self.kv_cache_manager is None:
+            self.block_ids_per_seq, self.block_ids_per_seq_gpu, self._slots_gpu = [], [], []
             if self._num_generations:
                 raise ValueError(
                     "without a kv_cache_manager only context-only batches are supported, got "
@@ -86,7 +86,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
             self._stage_seq_lens(values)
             self.arena.stage(values)
             return
-        bs, width, num_pools = self._block_size, self._max_blocks_per_seq, self._num_pools
+        bs, width = self._block_size, self._max_blocks_per_seq
         n, k = self._num_seqs, self._num_kv_tokens
         # validate everything before staging starts (a CPU arena is written in place)
         decode = self.one_kv_token_per_row and self.decode_fast_path
@@ -95,29 +95,39 @@ class VanillaAttentionMetadata(AttentionMetadata):
         on_device = self.expand_on_device and not decode and self._seq_lens_kv_np is None
         step = self._step_rows(decode=decode, per_token=not on_device)
         self.num_blocks_np = step.num_needed
-        arena = self.arena
-        host = arena.begin(arena.end_of(f"table{num_pools - 1}", n * width))
-        self._put_seq_lens(arena, host)
+        arena, o = self.arena, self.arena.offsets
+        # Fields are written at their arena offsets straight into the staging buffer; every
+        # size is within its capacity: n <= max_num_sequences (seq_lens setter), k <=
+        # max_num_tokens (_prepare_common).
+        host = arena.begin(self._pool_offsets[-1][1] + n * width)
+        host[:n] = self._seq_lens_np  # the first field, in every snapshot (_stage_seq_lens)
+        self._seq_lens_pending = False
         if on_device:
-            arena.put(host, "cu", self.cu_seqlens_kv_np)
-            arena.put(host, "cached", self.cached_np)
-        for p in range(num_pools):
+            host[o["cu"] : o["cu"] + n + 1] = self.cu_seqlens_kv_np
+            host[o["cached"] : o["cached"] + n] = self.cached_np
+        bt, tables = step.tables, []
+        for p, (slots_at, table_at) in enumerate(self._pool_offsets):
             if not on_device:  # int64 slots as int32 pairs (values < 2^31: high words 0)
-                step.write_slots(p, bs, arena.out(host, f"slots{p}", 2 * k).view(np.int64))
-            table = arena.out(host, f"table{p}", n * width).reshape(n, width)
-            gather_rows(step.tables, p, out=table)
-            self.block_ids_per_seq.append(table)
+                step.write_slots(p, bs, host[slots_at : slots_at + 2 * k].view(np.int64))
+            table = host[table_at : table_at + n * width].reshape(n, width)
+            gather_rows(bt, p, out=table)
+            tables.append(table)
+        self.block_ids_per_seq = tables
         arena.commit()
         if on_device:
-            self._expand_on_device("slots", self._bind_slots)
+            if self._slot_args is None:
+                self._expander = self._make_expander()
+                self._slot_args = self._bind_slots(self._expander)
+            self._expander.launch(n, self._slot_args)
         views = self._views.get((n, k))
         if views is None:  # device views per (rows, tokens): sizes repeat step after step
             if len(self._views) >= 256:
                 self._views.clear()
             views = self._views[n, k] = (
-                [arena.prefix(f"slots{p}", 2 * k, torch.int64) for p in range(num_pools)],
-                [arena.prefix(f"table{p}", n * width, shape=(n, width)) for p in range(num_pools)],
-            )
+                [arena.prefix(f"slots{p}", 2 * k, torch.int64) for p in range(self._num_pools)],
+                [arena.prefix(f"table{p}", n * width, shape=(n, width))
+                 for p in range(self._num_pools)],
+            )  # fmt: skip
         self._slots_gpu, self.block_ids_per_seq_gpu = views
         if self.sparse_metadata_params is not None and use_sparse_attention(
             self.sparse_metadata_params
