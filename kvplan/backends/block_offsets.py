@@ -134,6 +134,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         )
         self.copied_width = width
         self._rows_twice = PerBatch(lambda rows: rows.repeat(2))  # K and V rows of a row
+        self._slot_args: tuple | None = None  # the expansion kernel's arguments, bound once
         self._flat_arange = np.arange(s * width if self._load_pages else 0, dtype=np.int64)
         self.prompt_lens_cuda = self.arena.view("prompt_lens")
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=dev)
@@ -204,12 +205,13 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         arena = self.arena
         num_loaded = int(SUM(num_pages)) if self._load_pages and n else 0
         row_span, pool_span = 2 * width, self.max_num_sequences * 2 * width
-        if self.is_cross:
+        cross = self._seq_lens_kv is not None  # is_cross, without the property call
+        if cross:
             end = arena.end_of("tok_kv_lens", self._num_tokens)
         elif self._load_pages:
             end = arena.end_of(f"load{num_pools - 1}", 4 * num_loaded)
         else:
-            end = arena.end_of("block_offsets", (num_pools - 1) * pool_span + n * row_span)
+            end = self._offsets["block_offsets"] + (num_pools - 1) * pool_span + n * row_span
         # Fields are written at their arena offsets (``o``) straight into the staging
         # buffer; every size is within its capacity: n <= max_num_sequences (seq_lens
         # setter), T <= max_num_tokens (_prepare_common).
@@ -235,10 +237,11 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
                 step.write_slots(p, bs, host[o[f"slots{p}"] : o[f"slots{p}"] + T])
             # rows [0, n) of pool p: K and V entries both name the block (rows_twice)
             start = o["block_offsets"] + p * pool_span
-            gather_rows(bt, p, host[start : start + n * row_span].reshape(2 * n, width), rows_twice)
+            table = host[start : start + n * row_span].reshape(2 * n, width)
+            bt.tables[p].take(rows_twice, axis=0, out=table, mode="clip")  # = gather_rows
             if p < num_pools - 1:  # inside the copied prefix: rows past the batch read 0
                 host[start + n * row_span : start + pool_span] = 0
-        if self.is_cross:
+        if cross:
             q_rows = self._arange[:n].repeat(self._seq_lens_np)
             arena.put(host, "tok_page_start", q_rows * np.int32(row_span))
             arena.put(host, "tok_kv_lens", valid[q_rows])
@@ -246,7 +249,10 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             self.num_loaded_pages = stage_page_loads(self, host, step.pools, num_pages, num_loaded)
         arena.commit()
         if on_device:
-            self._expand_on_device("slots", self._bind_slots)
+            if self._slot_args is None:
+                self._expander = self._make_expander()
+                self._slot_args = self._bind_slots(self._expander)
+            self._expander.launch(n, self._slot_args)
         if self.enable_block_id_tables:
             self.prepare_block_id_tables()
 

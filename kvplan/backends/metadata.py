@@ -40,7 +40,7 @@ Row layout of a batch with ``num_contexts = 2``, two generation requests and ``b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -147,7 +147,6 @@ class AttentionMetadata(StepShape):
         self.pinned = use_pinned(self.device)
         self.expand_on_device = expand_on_device_default(self.device)
         self._expander: DeviceExpander | None = None
-        self._expand_args: dict[Any, tuple] = {}
         self.sparse_metadata_params = sparse_metadata_params
         self.sparse_runtime_params = SparseRuntimeParams()
 
@@ -175,6 +174,12 @@ class AttentionMetadata(StepShape):
         # each pool's table as TableRows (row b at rows[b] * max_blocks_per_seq), per batch
         self._pools: list = []
         self._pools_rows = self._pools_tables = None
+        self._row_last = np.zeros(0, np.int64)
+        # block-count constants of logical_num_blocks (a power-of-two block size: a shift)
+        bs = self._block_size
+        pow2 = bs > 0 and bs & (bs - 1) == 0
+        self._bs_minus1 = np.int32(max(bs - 1, 0))
+        self._bs_shift = np.int32(bs.bit_length() - 1) if pow2 else None
         # device copy of seq_lens, allocated once at capacity and written in place
         self._seq_lens_gpu = torch.zeros(max_num_sequences, dtype=torch.int32, device=self.device)
 
@@ -284,19 +289,6 @@ class AttentionMetadata(StepShape):
             self.one_kv_token_per_row = self._seq_lens_kv_all_ones
             self.cu_seqlens_kv_np = exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
 
-    def _expand_on_device(self, key: Any, bind: Callable[[DeviceExpander], tuple]) -> None:
-        """Launch this step's device expansion over rows ``[0, num_seqs)``: ``bind(expander)``
-        gives the kernel arguments (``DeviceExpander.bind``), made once per ``key`` (the
-        values they depend on) and reused by later steps."""
-        if self._expander is None:
-            self._expander = self._make_expander()
-        args = self._expand_args.get(key)
-        if args is None:
-            if len(self._expand_args) >= 64:
-                self._expand_args.clear()
-            args = self._expand_args[key] = bind(self._expander)
-        self._expander.launch(self._num_seqs, args)
-
     def _make_expander(self) -> DeviceExpander:
         raise NotImplementedError(f"{type(self).__name__} expands nothing on the device")
 
@@ -325,6 +317,7 @@ class AttentionMetadata(StepShape):
             start = bt.rows * self._max_blocks_per_seq  # int64 [n]
             pools = self._pools = [pool_rows(bt, p, start) for p in range(self._num_pools)]
             self._pools_rows, self._pools_tables = bt.rows, bt.tables
+            self._row_last = start - 1  # + blocks needed = flat index of a row's last block
         if decode:
             assert not extra_tokens, "a decode step's new token is each row's last"
             column, in_block = block_column(cached, bs)
@@ -339,11 +332,15 @@ class AttentionMetadata(StepShape):
             column += 1  # blocks each row owns
             return StepRows(bt, pools, column, index, in_block, cached, last)
         lens = self.kv_lens_np + np.int32(extra_tokens) if extra_tokens else self.kv_lens_np
-        needed = logical_num_blocks(lens, bs)
+        if self._bs_shift is None:
+            needed = logical_num_blocks(lens, bs)
+        else:  # logical_num_blocks, with the constants made once
+            needed = lens + self._bs_minus1
+            needed >>= self._bs_shift
         max_needed = -(-(self.max_kv_len + extra_tokens) // bs)
         # every row owns its last needed block (one gather shared by the pools; a row that
         # needs none reads a neighbour's entry, which can only send it to the exact check)
-        index = pools[0].row_start[:n] + (needed - 1) if n else None
+        index = self._row_last[:n] + needed if n else None
         for t in pools:
             if max_needed > t.width or not n or not MIN(t.flat.take(index, mode="clip")):
                 what = "kv_lens (incl. num_extra_kv_tokens)" if extra_tokens else "kv_lens"

@@ -139,6 +139,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self.qo_indptr = self.arena.view("qo_indptr")  # [s + 1], staged from cu_seqlens_q
         self._flat_arange = np.arange(s * width, dtype=np.int64)  # int64: the take's index type
         self._step = None
+        self._expand_args: dict[int, tuple] = {}  # row stride -> the expansion kernel's args
         self._positions_np = self._batch_indices_np = self._indices_np = None
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=self.device)
 
