@@ -320,7 +320,10 @@ class AttentionMetadata(StepShape):
             self._row_last = start - 1  # + blocks needed = flat index of a row's last block
         if decode:
             assert not extra_tokens, "a decode step's new token is each row's last"
-            column, in_block = block_column(cached, bs)
+            if self._bs_shift is None:
+                column, in_block = block_column(cached, bs)
+            else:  # block_column, with the constants made once
+                column, in_block = cached >> self._bs_shift, cached & self._bs_minus1
             index = pools[0].row_start[:n] + column
             max_column = (self.max_kv_len - 1) // bs
             last = []
