@@ -134,7 +134,6 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         )
         self.copied_width = width
         self._rows_twice = PerBatch(lambda rows: rows.repeat(2))  # K and V rows of a row
-        self._slot_args: tuple | None = None  # the expansion kernel's arguments, bound once
         self._flat_arange = np.arange(s * width if self._load_pages else 0, dtype=np.int64)
         self.prompt_lens_cuda = self.arena.view("prompt_lens")
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=dev)
@@ -197,9 +196,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         # validate everything before staging starts (a CPU arena is written in place); a
         # decode step's new token is each row's last addressable one (no draft tokens)
         decode = self.one_kv_token_per_row and not extra and self.decode_fast_path
-        # the device expands a general step's slots (not a cross step: its K/V tokens are
-        # not the queries' rows)
-        on_device = self.expand_on_device and not decode and self._seq_lens_kv_np is None
+        on_device = self._expands_tokens(decode)
         step = self._step_rows(decode=decode, extra_tokens=extra, per_token=not on_device)
         bt, num_pages = step.tables, step.num_needed
         arena = self.arena
@@ -217,9 +214,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         # setter), T <= max_num_tokens (_prepare_common).
         o, T = self._offsets, self._num_kv_tokens
         host = arena.begin(end)
-        # in every snapshot, changed or not (see StepShape._stage_seq_lens)
-        host[o["seq_lens"] : o["seq_lens"] + n] = self._seq_lens_np
-        self._seq_lens_pending = False
+        self._put_seq_lens(host, o["seq_lens"])
         host[o["kv_lens"] : o["kv_lens"] + n] = valid
         host[o["qo_indptr"] : o["qo_indptr"] + n + 1] = cu_q
         a = o["qo_indptr_gen"]
@@ -237,8 +232,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
                 step.write_slots(p, bs, host[o[f"slots{p}"] : o[f"slots{p}"] + T])
             # rows [0, n) of pool p: K and V entries both name the block (rows_twice)
             start = o["block_offsets"] + p * pool_span
-            table = host[start : start + n * row_span].reshape(2 * n, width)
-            bt.tables[p].take(rows_twice, axis=0, out=table, mode="clip")  # = gather_rows
+            gather_rows(bt, p, host[start : start + n * row_span].reshape(2 * n, width), rows_twice)
             if p < num_pools - 1:  # inside the copied prefix: rows past the batch read 0
                 host[start + n * row_span : start + pool_span] = 0
         if cross:
@@ -249,19 +243,11 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             self.num_loaded_pages = stage_page_loads(self, host, step.pools, num_pages, num_loaded)
         arena.commit()
         if on_device:
-            if self._slot_args is None:
-                self._expander = self._make_expander()
-                self._slot_args = self._bind_slots(self._expander)
-            self._expander.launch(n, self._slot_args)
+            self._expand_on_device()
         if self.enable_block_id_tables:
             self.prepare_block_id_tables()
 
-    def _make_expander(self) -> DeviceExpander:
-        return DeviceExpander(
-            self.arena.buffer, num_pools=self._num_pools, slots64=False, token_rows=False
-        )
-
-    def _bind_slots(self, expander: DeviceExpander) -> tuple:
+    def _bind_expansion(self, expander: DeviceExpander, key: None) -> tuple:
         """A general step's slots from ``qo_indptr`` / ``cached`` and the table's K entries
         (row b of pool p at ``block_offsets + p * pool_span + b * 2 * width``)."""
         o, row_span = self._offsets, 2 * self.max_blocks_per_seq

@@ -15,6 +15,7 @@ b starts at ``rows[b] * width``, no gather needed), a gathered ``[n, width]`` ta
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -53,14 +54,20 @@ def batch_tables(
 
 
 def gather_rows(
-    bt: BatchTables, pool: int, out: np.ndarray | None = None, rows: np.ndarray | None = None
+    bt: BatchTables,
+    pool: int,
+    out: np.ndarray | None = None,
+    rows: np.ndarray | None = None,
+    width: int | None = None,
 ) -> np.ndarray:
     """Pool ``pool``'s rows of the batch: int32 ``[num_seqs, max_blocks_per_seq]`` (into
     ``out`` when given: a C-contiguous int32 array of that shape). ``rows`` replaces
-    ``bt.rows`` (e.g. each row twice, for the K and V entries of a block-offset table)."""
+    ``bt.rows`` (e.g. each row twice, for the K and V entries of a block-offset table);
+    ``width`` keeps only each row's first ``width`` columns."""
     rows = bt.rows if rows is None else rows
+    table = bt.tables[pool] if width is None else bt.tables[pool][:, :width]
     # mode="clip" skips numpy's buffered bounds check; the manager's rows are in range
-    return bt.tables[pool].take(rows, axis=0, out=out, mode="clip")
+    return table.take(rows, axis=0, out=out, mode="clip")
 
 
 def pool_rows(bt: BatchTables, pool: int, row_start: np.ndarray) -> TableRows:
@@ -92,13 +99,22 @@ def flat_page_index(
     return index
 
 
+@functools.cache
+def _block_math(block_size: int) -> tuple[np.int32, np.int32, np.int32 | None]:
+    """``(block_size, block_size - 1, log2(block_size) or None)`` as int32 scalars, made once
+    per block size (building a numpy scalar costs more than the op on a step's arrays)."""
+    pow2 = block_size & (block_size - 1) == 0
+    shift = np.int32(block_size.bit_length() - 1) if pow2 else None
+    return np.int32(block_size), np.int32(block_size - 1), shift
+
+
 def block_column(positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(positions // block_size, positions % block_size)`` (int32, like ``positions``): the
     block column of each position and its offset in that block (a shift and a mask when
     ``block_size`` is a power of two)."""
-    if block_size & (block_size - 1) == 0:
-        return positions >> (block_size.bit_length() - 1), positions & np.int32(block_size - 1)
-    bs = np.int32(block_size)
+    bs, mask, shift = _block_math(block_size)
+    if shift is not None:
+        return positions >> shift, positions & mask
     return positions // bs, positions % bs
 
 
@@ -179,9 +195,13 @@ def token_slots(
 def logical_num_blocks(kv_lens: np.ndarray, block_size: int) -> np.ndarray:
     """Blocks that hold committed history: ``ceil(kv_lens / block_size)`` (int32)."""
     # kv_lens are int32 lengths far below 2^31 - block_size (checked against max_seq_len)
-    if block_size & (block_size - 1) == 0:  # a shift: cheaper than numpy's integer division
-        return (kv_lens + np.int32(block_size - 1)) >> (block_size.bit_length() - 1)
-    return (kv_lens + np.int32(block_size - 1)) // np.int32(block_size)
+    bs, bs_minus1, shift = _block_math(block_size)
+    out = kv_lens + bs_minus1
+    if shift is not None:  # a shift: cheaper than numpy's integer division
+        out >>= shift
+    else:
+        out //= bs
+    return out
 
 
 def last_needed_blocks(
@@ -191,6 +211,7 @@ def last_needed_blocks(
     *,
     max_needed: int | None = None,
     check_only: bool = False,
+    index: np.ndarray | None = None,
 ) -> np.ndarray | None:
     """Every row must own its first ``num_needed[b]`` blocks; returns the last of them.
 
@@ -199,7 +220,8 @@ def last_needed_blocks(
     Returns that last block of every row (int32 ``[n]``) when every row needs at least one
     block, else None; a decode step derives its slots from it (``decode_token_slots``).
     ``max_needed``: ``max(num_needed)`` when the caller knows it; ``check_only``: only check
-    (returns None). Raises ValueError naming the row otherwise.
+    (returns None); ``index``: the flat table index ``row_start[:n] + num_needed - 1`` when
+    the caller has it (shared by the pools). Raises ValueError naming the row otherwise.
     """
     n = num_needed.size
     if n == 0:
@@ -215,7 +237,9 @@ def last_needed_blocks(
     # One gather for every row: a row that needs no block reads column -1 of its row (the
     # previous row's last entry, or entry 0 after the clip), which can only make the minimum
     # 0; the exact per-row check below runs only then.
-    held = rows.flat.take(rows.row_start[:n] + (num_needed - 1), mode="clip")
+    if index is None:
+        index = rows.row_start[:n] + (num_needed - 1)
+    held = rows.flat.take(index, mode="clip")
     if not MIN(held):  # block ids are >= 0 (int MIN: cheaper than a bool all())
         which = np.flatnonzero(num_needed > 0)
         bad = which[rows.flat.take(rows.row_start[which] + (num_needed[which] - 1)) == 0]

@@ -50,7 +50,6 @@ from kvplan._checks import INT32_MAX
 from kvplan.backends.device_expand import DeviceExpander, expand_on_device_default
 from kvplan.backends.host_arrays import (
     MAX,
-    MIN,
     IntArrayLike,
     as_lengths,
     exclusive_cumsum,
@@ -147,6 +146,7 @@ class AttentionMetadata(StepShape):
         self.pinned = use_pinned(self.device)
         self.expand_on_device = expand_on_device_default(self.device)
         self._expander: DeviceExpander | None = None
+        self._expand_args: dict[Any, tuple] = {}  # _bind_expansion's key -> kernel arguments
         self.sparse_metadata_params = sparse_metadata_params
         self.sparse_runtime_params = SparseRuntimeParams()
 
@@ -174,12 +174,7 @@ class AttentionMetadata(StepShape):
         # each pool's table as TableRows (row b at rows[b] * max_blocks_per_seq), per batch
         self._pools: list = []
         self._pools_rows = self._pools_tables = None
-        self._row_last = np.zeros(0, np.int64)
-        # block-count constants of logical_num_blocks (a power-of-two block size: a shift)
-        bs = self._block_size
-        pow2 = bs > 0 and bs & (bs - 1) == 0
-        self._bs_minus1 = np.int32(max(bs - 1, 0))
-        self._bs_shift = np.int32(bs.bit_length() - 1) if pow2 else None
+        self._row_last = np.zeros(0, np.int64)  # row_start - 1, per batch
         # device copy of seq_lens, allocated once at capacity and written in place
         self._seq_lens_gpu = torch.zeros(max_num_sequences, dtype=torch.int32, device=self.device)
 
@@ -289,8 +284,33 @@ class AttentionMetadata(StepShape):
             self.one_kv_token_per_row = self._seq_lens_kv_all_ones
             self.cu_seqlens_kv_np = exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
 
-    def _make_expander(self) -> DeviceExpander:
+    # what a backend's expansion writes besides the slots (``DeviceExpander`` flags)
+    _expand_slots64 = False
+    _expand_token_rows = False
+
+    def _expand_on_device(self, key: Any = None) -> None:
+        """Launch this step's device expansion over rows ``[0, num_seqs)``, after the
+        arena's copy. The kernel arguments come from ``_bind_expansion(expander, key)``, made
+        once per ``key`` (what they depend on beyond the fixed arena offsets)."""
+        args = self._expand_args.get(key)
+        if args is None:
+            if self._expander is None:
+                self._expander = DeviceExpander(
+                    self.arena.buffer, num_pools=self._num_pools,
+                    slots64=self._expand_slots64, token_rows=self._expand_token_rows,
+                )  # fmt: skip
+            args = self._expand_args[key] = self._bind_expansion(self._expander, key)
+        self._expander.launch(self._num_seqs, args)
+
+    def _bind_expansion(self, expander: DeviceExpander, key: Any) -> tuple:
+        """``expander.bind(...)`` of this backend's expansion (subclasses that expand)."""
         raise NotImplementedError(f"{type(self).__name__} expands nothing on the device")
+
+    def _expands_tokens(self, decode: bool) -> bool:
+        """Whether the device expands this step's per-token slots: a general step (a decode
+        step's slots are O(rows) on the host) that is not cross attention (its K/V tokens
+        are not the queries' rows)."""
+        return self.expand_on_device and not decode and self._seq_lens_kv is None
 
     def _step_rows(
         self, *, decode: bool, extra_tokens: int = 0, per_token: bool = True
@@ -320,34 +340,19 @@ class AttentionMetadata(StepShape):
             self._row_last = start - 1  # + blocks needed = flat index of a row's last block
         if decode:
             assert not extra_tokens, "a decode step's new token is each row's last"
-            if self._bs_shift is None:
-                column, in_block = block_column(cached, bs)
-            else:  # block_column, with the constants made once
-                column, in_block = cached >> self._bs_shift, cached & self._bs_minus1
+            column, in_block = block_column(cached, bs)
             index = pools[0].row_start[:n] + column
             max_column = (self.max_kv_len - 1) // bs
-            last = []
-            for t in pools:  # the block of each new token (inline: one call less per pool)
-                held = t.flat.take(index) if max_column < t.width else None
-                if held is None or (n and not MIN(held)):
-                    held = decode_last_blocks(t, column, max_column, index=index)  # raises
-                last.append(held)
+            last = [decode_last_blocks(t, column, max_column, index=index) for t in pools]
             column += 1  # blocks each row owns
             return StepRows(bt, pools, column, index, in_block, cached, last)
         lens = self.kv_lens_np + np.int32(extra_tokens) if extra_tokens else self.kv_lens_np
-        if self._bs_shift is None:
-            needed = logical_num_blocks(lens, bs)
-        else:  # logical_num_blocks, with the constants made once
-            needed = lens + self._bs_minus1
-            needed >>= self._bs_shift
+        needed = logical_num_blocks(lens, bs)
+        what = "kv_lens (incl. num_extra_kv_tokens)" if extra_tokens else "kv_lens"
         max_needed = -(-(self.max_kv_len + extra_tokens) // bs)
-        # every row owns its last needed block (one gather shared by the pools; a row that
-        # needs none reads a neighbour's entry, which can only send it to the exact check)
-        index = self._row_last[:n] + needed if n else None
+        index = self._row_last[:n] + needed  # each row's last needed block, in every pool
         for t in pools:
-            if max_needed > t.width or not n or not MIN(t.flat.take(index, mode="clip")):
-                what = "kv_lens (incl. num_extra_kv_tokens)" if extra_tokens else "kv_lens"
-                last_needed_blocks(t, needed, what, max_needed=max_needed, check_only=True)
+            last_needed_blocks(t, needed, what, max_needed=max_needed, check_only=True, index=index)
         if not per_token:
             return StepRows(bt, pools, needed, None, None, None, None)
         new_lens = self._kv_np

@@ -51,7 +51,7 @@ from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
 from kvplan.backends.device_expand import DeviceExpander
 from kvplan.backends.host_arrays import CUMSUM, MAX, SUM
-from kvplan.backends.ledger import flat_page_index, new_token_positions
+from kvplan.backends.ledger import flat_page_index, gather_rows, new_token_positions
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.page_table_check import page_table_problems
 from kvplan.backends.paged import (
@@ -138,8 +138,6 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
         self.qo_indptr = self.arena.view("qo_indptr")  # [s + 1], staged from cu_seqlens_q
         self._flat_arange = np.arange(s * width, dtype=np.int64)  # int64: the take's index type
-        self._step = None
-        self._expand_args: dict[int, tuple] = {}  # row stride -> the expansion kernel's args
         self._positions_np = self._batch_indices_np = self._indices_np = None
         self._arange_tokens = torch.arange(t, dtype=torch.int32, device=self.device)
 
@@ -223,9 +221,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
         # setter), T <= max_num_tokens (_prepare_common), num_indices <= n * width (checked).
         o, T = self._offsets, self._num_kv_tokens
         host = arena.begin(end)
-        # in every snapshot, changed or not (see StepShape._stage_seq_lens)
-        host[o["seq_lens"] : o["seq_lens"] + n] = self._seq_lens_np
-        self._seq_lens_pending = False
+        self._put_seq_lens(host, o["seq_lens"])
         cu_q = self.cu_seqlens_q_np
         host[o["qo_indptr"] : o["qo_indptr"] + n + 1] = cu_q
         indptr = host[o["indptr"] : o["indptr"] + n + 1]
@@ -249,7 +245,6 @@ class RaggedAttentionMetadata(AttentionMetadata):
             np.subtract(kv_lens, last_page_len, out=last_page_len)
         host[o["kv_lens"] : o["kv_lens"] + n] = kv_lens
         # new K/V tokens: which sequence, which absolute position, which slot
-        self._step = step
         # decode rows too: the kernel launches for the pages anyway, and writing each row's
         # slot / position / index there is cheaper than three more host passes
         if on_device:
@@ -265,9 +260,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
         if on_device:  # the rows' first `width` columns, [n, width] per pool
             for p in range(num_pools):
                 a = o[f"table{p}"]
-                bt.tables[p][:, :width].take(
-                    bt.rows, axis=0, out=host[a : a + n * width].reshape(n, width), mode="clip"
-                )
+                gather_rows(bt, p, host[a : a + n * width].reshape(n, width), width=width)
         else:
             flat_index = flat_page_index(pools[0].row_start, indptr, num_blocks, self._flat_arange)
             indices = []
@@ -283,15 +276,8 @@ class RaggedAttentionMetadata(AttentionMetadata):
             arena.put(host, "tok_page_start", indptr[q_rows])
             arena.put(host, "tok_kv_lens", kv_lens[q_rows])
         arena.commit()
-        if on_device:
-            args = self._expand_args.get(width)  # per row stride (the other offsets are fixed)
-            if args is None:
-                if self._expander is None:
-                    self._expander = self._make_expander()
-                if len(self._expand_args) >= 64:
-                    self._expand_args.clear()
-                args = self._expand_args[width] = self._bind_expansion(self._expander, width)
-            self._expander.launch(n, args)
+        if on_device:  # keyed by the row stride (at most max_blocks_per_seq + 1 of them)
+            self._expand_on_device(width)
         self._num_indices = num_indices
         self.num_blocks_np, self.logical_num_blocks_np = num_blocks, logical_nb
         self.paged_kv_indptr_np = indptr
@@ -299,10 +285,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
         if self.check_page_table:
             self._self_check(bs)
 
-    def _make_expander(self) -> DeviceExpander:
-        return DeviceExpander(
-            self.arena.buffer, num_pools=self._num_pools, slots64=False, token_rows=True
-        )
+    _expand_token_rows = True  # positions and batch indices too
 
     def _bind_expansion(self, expander: DeviceExpander, width: int) -> tuple:
         """The page list and the new tokens' slots, positions and batch indices from
@@ -340,7 +323,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
     def paged_kv_indices_np(self) -> list[np.ndarray]:
         """Per pool, host int32 ``[num_indices]``: the step's ragged page list."""
         if self._indices_np is None:
-            pools = self._step.pools
+            pools = self._pools  # this step's (set by _step_rows)
             flat_index = flat_page_index(
                 pools[0].row_start, self.paged_kv_indptr_np, self.num_blocks_np,
                 self._flat_arange,

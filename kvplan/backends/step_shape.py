@@ -91,6 +91,12 @@ class StepShape:
         values["seq_lens"] = self._seq_lens_np
         self._seq_lens_pending = False
 
+    def _put_seq_lens(self, host: np.ndarray, at: int) -> None:
+        """``_stage_seq_lens`` for a staging in progress: write ``seq_lens`` at offset ``at``
+        (the field's) of this step's snapshot ``host``."""
+        host[at : at + self._num_seqs] = self._seq_lens_np
+        self._seq_lens_pending = False
+
     # the seed's name for the same tensor
     seq_lens_cuda = seq_lens_gpu
 

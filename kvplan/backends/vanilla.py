@@ -71,7 +71,6 @@ class VanillaAttentionMetadata(AttentionMetadata):
         self._views: dict[tuple[int, int], tuple[list, list]] = {}
         o = self.arena.offsets  # per pool: (slots offset, table offset); hot-path constants
         self._pool_offsets = [(o[f"slots{p}"], o[f"table{p}"]) for p in range(pools)]
-        self._slot_args: tuple | None = None  # the expansion kernel's arguments, bound once
 
     def _prepare_backend(self) -> None:
         self.sparse_blocks: list[np.ndarray] | None = None
@@ -90,9 +89,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
         n, k = self._num_seqs, self._num_kv_tokens
         # validate everything before staging starts (a CPU arena is written in place)
         decode = self.one_kv_token_per_row and self.decode_fast_path
-        # the device expands a general step's slots (not a cross step: its K/V tokens are
-        # not the queries' rows)
-        on_device = self.expand_on_device and not decode and self._seq_lens_kv_np is None
+        on_device = self._expands_tokens(decode)
         step = self._step_rows(decode=decode, per_token=not on_device)
         self.num_blocks_np = step.num_needed
         arena, o = self.arena, self.arena.offsets
@@ -100,8 +97,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
         # size is within its capacity: n <= max_num_sequences (seq_lens setter), k <=
         # max_num_tokens (_prepare_common).
         host = arena.begin(self._pool_offsets[-1][1] + n * width)
-        host[:n] = self._seq_lens_np  # the first field, in every snapshot (_stage_seq_lens)
-        self._seq_lens_pending = False
+        self._put_seq_lens(host, 0)  # the first field
         if on_device:
             host[o["cu"] : o["cu"] + n + 1] = self.cu_seqlens_kv_np
             host[o["cached"] : o["cached"] + n] = self.cached_np
@@ -115,10 +111,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
         self.block_ids_per_seq = tables
         arena.commit()
         if on_device:
-            if self._slot_args is None:
-                self._expander = self._make_expander()
-                self._slot_args = self._bind_slots(self._expander)
-            self._expander.launch(n, self._slot_args)
+            self._expand_on_device()
         views = self._views.get((n, k))
         if views is None:  # device views per (rows, tokens): sizes repeat step after step
             if len(self._views) >= 256:
@@ -134,12 +127,9 @@ class VanillaAttentionMetadata(AttentionMetadata):
         ):
             self.sparse_blocks = self._sparse_block_masks(-(-self.max_kv_len // bs))
 
-    def _make_expander(self) -> DeviceExpander:
-        return DeviceExpander(
-            self.arena.buffer, num_pools=self._num_pools, slots64=True, token_rows=False
-        )
+    _expand_slots64 = True  # int64 slots, as int32 pairs
 
-    def _bind_slots(self, expander: DeviceExpander) -> tuple:
+    def _bind_expansion(self, expander: DeviceExpander, key: None) -> tuple:
         """The slots of a general step's tokens from ``cu`` / ``cached`` / ``table{p}``."""
         o, width = self.arena.offsets, self._max_blocks_per_seq
         return expander.bind(

@@ -385,3 +385,53 @@ def step_tensors(md, name: str, num_pools: int) -> dict[str, list]:
         w = md.copied_width
         out["offsets"] = md.kv_cache_block_offsets[:, :n, :, :w].tolist()
     return out
+
+
+def host_arrays(md, name: str) -> dict[str, list]:
+    """The host arrays ``prepare()`` leaves on the metadata (beyond the device fields)."""
+    out = {
+        "kv_lens_np": md.kv_lens_np.tolist(),
+        "cu_seqlens_q_np": md.cu_seqlens_q_np.tolist(),
+        "cu_seqlens_kv_np": md.cu_seqlens_kv_np.tolist(),
+        "max_kv_len": md.max_kv_len,
+        "num_ctx_tokens": md.num_ctx_tokens,
+    }
+    if name == "vanilla":
+        out["num_blocks_np"] = md.num_blocks_np.tolist()
+        out["tables"] = [t.tolist() for t in md.block_ids_per_seq]
+    elif name == "ragged":
+        for field in ("num_blocks_np", "logical_num_blocks_np", "paged_kv_indptr_np",
+                      "paged_kv_last_page_len_np", "batch_indices_np", "positions_np"):  # fmt: skip
+            out[field] = getattr(md, field).tolist()
+        out["indices"] = [t.tolist() for t in md.paged_kv_indices_np]
+    else:
+        out["kv_lens"] = md.kv_lens.tolist()
+        if md.enable_block_id_tables:
+            out["kv_block_ids_per_seq"] = md.kv_block_ids_per_seq.tolist()
+            out["block_ids_per_seq"] = md.block_ids_per_seq.tolist()
+    return out
+
+
+def assert_same(name: str, sc, a, b) -> None:
+    """Two metadata objects prepared for one step give the same device fields and host
+    arrays."""
+    pools = sc.manager.num_pools
+    assert step_tensors(a, name, pools) == step_tensors(b, name, pools)
+    assert host_arrays(a, name) == host_arrays(b, name)
+
+
+def prepared_each(name: str, sc, md_kwargs: dict, attr: str, values, device: str = "cpu"):
+    """The batch prepared once per value of the metadata attribute ``attr`` (a switch
+    between two paths that must agree), each on its own metadata object."""
+    from kvplan.backends import get_backend
+
+    out = []
+    for value in values:
+        md = get_backend(name).Metadata(
+            kv_cache_manager=sc.manager, kv_cache=sc.kv, device=device, **md_kwargs
+        )
+        setattr(md, attr, value)
+        fill_metadata(md, sc)
+        md.prepare()
+        out.append(md)
+    return out

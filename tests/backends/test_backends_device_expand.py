@@ -18,14 +18,14 @@ import torch
 from backends_testlib import (
     SeqSpec,
     assert_close,
+    assert_same,
     fill_metadata,
     make_scenario,
+    prepared_each,
     random_specs,
     reference_attention,
-    step_tensors,
     subset,
 )
-from test_backends_fast_paths import host_arrays
 
 from kvplan.backends import get_backend
 
@@ -41,25 +41,12 @@ VARIANTS = [
 
 def prepared_both_ways(name, sc, md_kwargs, device="cpu"):
     """(host path, device path) metadata for the same batch."""
-    cls = get_backend(name).Metadata
-    out = []
-    for on_device in (False, True):
-        md = cls(kv_cache_manager=sc.manager, kv_cache=sc.kv, device=device, **CAP, **md_kwargs)
-        md.expand_on_device = on_device
-        fill_metadata(md, sc)
-        md.prepare()
-        out.append(md)
-    return out
+    return prepared_each(name, sc, {**CAP, **md_kwargs}, "expand_on_device", (False, True),
+                         device)  # fmt: skip
 
 
 def launches(md) -> int:
     return 0 if md._expander is None else md._expander.launches
-
-
-def check_equal(name, sc, host, dev) -> None:
-    pools = sc.manager.num_pools
-    assert step_tensors(dev, name, pools) == step_tensors(host, name, pools)
-    assert host_arrays(dev, name) == host_arrays(host, name)
 
 
 def mixed_scenario(seed: int, md_kwargs: dict, **kw):
@@ -80,7 +67,7 @@ def test_device_expansion_equals_host_path(name, md_kwargs, seed):
     sc = mixed_scenario(seed, md_kwargs)
     host, dev = prepared_both_ways(name, sc, md_kwargs)
     assert launches(host) == 0 and launches(dev) == 1
-    check_equal(name, sc, host, dev)
+    assert_same(name, sc, host, dev)
     for layer, window in enumerate(sc.layer_windows):
         attn = get_backend(name)(
             layer, sc.num_heads, sc.num_kv_heads, sc.head_dim, sliding_window=window
@@ -99,7 +86,7 @@ def test_ragged_decode_expands_pages_and_tokens(full_table):
     host, dev = prepared_both_ways("ragged", sc, kw)
     assert dev.one_kv_token_per_row and launches(dev) == 1
     assert dev._batch_indices_np is None  # token fields came from the device
-    check_equal("ragged", sc, host, dev)
+    assert_same("ragged", sc, host, dev)
 
 
 @pytest.mark.parametrize("name", ["vanilla", "block_offsets"])
@@ -109,7 +96,7 @@ def test_decode_steps_launch_nothing(name):
     sc = make_scenario(6, specs)
     host, dev = prepared_both_ways(name, sc, {})
     assert launches(dev) == 0
-    check_equal(name, sc, host, dev)
+    assert_same(name, sc, host, dev)
 
 
 @pytest.mark.parametrize("name", ["vanilla", "ragged", "block_offsets"])
@@ -118,7 +105,7 @@ def test_cross_steps_stay_on_the_host(name):
     sc = make_scenario(7, specs, cross=True)
     host, dev = prepared_both_ways(name, sc, {})
     assert launches(dev) == 0
-    check_equal(name, sc, host, dev)
+    assert_same(name, sc, host, dev)
 
 
 def test_reused_metadata_expands_each_step():
@@ -134,7 +121,7 @@ def test_reused_metadata_expands_each_step():
         ref, _ = prepared_both_ways("ragged", part, {})
         fill_metadata(md, part)
         md.prepare()
-        check_equal("ragged", part, ref, md)
+        assert_same("ragged", part, ref, md)
         out = get_backend("ragged")(
             1, sc.num_heads, sc.num_kv_heads, sc.head_dim, sliding_window=6
         ).forward(part.q, part.k[1], part.v[1], md)
@@ -159,5 +146,5 @@ def test_gpu_device_expansion_equals_host_path(name, md_kwargs, seed):
             md.prepare()
         torch.cuda.synchronize()
         assert launches(dev) == step + 1
-        check_equal(name, sc, host, dev)
+        assert_same(name, sc, host, dev)
     assert dev._expander.direct_launches == 2  # steps 2 and 3: through the cached launcher

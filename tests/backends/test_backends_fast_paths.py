@@ -15,10 +15,11 @@ import pytest
 from backends_testlib import (
     SeqSpec,
     assert_close,
+    assert_same,
     fill_metadata,
     make_scenario,
+    prepared_each,
     reference_attention,
-    step_tensors,
 )
 
 from kvplan.backends import get_backend
@@ -41,48 +42,9 @@ def decode_specs(rng: np.random.Generator, num_rows: int, max_cached: int) -> li
     ]
 
 
-def host_arrays(md, name: str) -> dict[str, list]:
-    """The host arrays ``prepare()`` leaves on the metadata (beyond the device fields)."""
-    out = {
-        "kv_lens_np": md.kv_lens_np.tolist(),
-        "cu_seqlens_q_np": md.cu_seqlens_q_np.tolist(),
-        "cu_seqlens_kv_np": md.cu_seqlens_kv_np.tolist(),
-        "max_kv_len": md.max_kv_len,
-        "num_ctx_tokens": md.num_ctx_tokens,
-    }
-    if name == "vanilla":
-        out["num_blocks_np"] = md.num_blocks_np.tolist()
-        out["tables"] = [t.tolist() for t in md.block_ids_per_seq]
-    elif name == "ragged":
-        for field in ("num_blocks_np", "logical_num_blocks_np", "paged_kv_indptr_np",
-                      "paged_kv_last_page_len_np", "batch_indices_np", "positions_np"):  # fmt: skip
-            out[field] = getattr(md, field).tolist()
-        out["indices"] = [t.tolist() for t in md.paged_kv_indices_np]
-    else:
-        out["kv_lens"] = md.kv_lens.tolist()
-        if md.enable_block_id_tables:
-            out["kv_block_ids_per_seq"] = md.kv_block_ids_per_seq.tolist()
-            out["block_ids_per_seq"] = md.block_ids_per_seq.tolist()
-    return out
-
-
 def prepared_both_ways(name: str, sc, md_kwargs: dict):
     """The batch prepared with the decode branches (``fast``) and without (``general``)."""
-    cls = get_backend(name).Metadata
-    out = []
-    for fast in (True, False):
-        md = cls(kv_cache_manager=sc.manager, kv_cache=sc.kv, **CAP, **md_kwargs)
-        md.decode_fast_path = fast
-        fill_metadata(md, sc)
-        md.prepare()
-        out.append(md)
-    return out
-
-
-def assert_same(name: str, sc, fast, general) -> None:
-    pools = sc.manager.num_pools
-    assert step_tensors(fast, name, pools) == step_tensors(general, name, pools)
-    assert host_arrays(fast, name) == host_arrays(general, name)
+    return prepared_each(name, sc, {**CAP, **md_kwargs}, "decode_fast_path", (True, False))
 
 
 @pytest.mark.parametrize(("name", "md_kwargs"), VARIANTS)
