@@ -10,9 +10,11 @@ of the ratio alike. The baseline builds the same backend's
 fields the pre-vectorized way: one Python list per request (``get_block_ids``), per-token
 loops, then one ``torch.tensor`` + copy to the device per field (see ``baseline``). Medians
 over ``--iters`` steps; the device is synchronized between steps, outside the timed region.
-On a GPU each backend runs twice, with ``expand_on_device`` (the default there: per-token
-slots and the ragged page list expanded by one kernel from per-row facts) and without (all
-on the host); ``gpu copy us`` / ``gpu expand us`` are the device time per step of the staged
+On a GPU each backend runs three times: the defaults there (``expand_on_device``: per-token
+slots and the ragged page list expanded by one kernel from per-row facts; ``staging`` ring:
+the arena's copy from a ``PinnedRing`` buffer through the CUDA runtime), then with host
+expansion (all fields on the host), then with torch's staging (a fresh
+``torch.empty(pin_memory=True)`` snapshot + ``copy_``); ``gpu copy us`` / ``gpu expand us`` are the device time per step of the staged
 copy and of the expansion kernel (torch profiler). ``calls`` is the number of Python-level
 function calls (numpy/torch C functions and methods
 included, operators and slicing not) of one ``prepare()``, counted with cProfile outside the
@@ -195,15 +197,20 @@ def gpu_us(fn, reps: int = 20) -> dict:
 def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
     mgr, rids, num_ctx, seq_lens, cached = make_batch(kind, num_seqs, max_ctx, block_size)
     rows = []
-    # a GPU runs both expansion paths side by side (expand_on_device: the default there first)
-    paths = (True, False) if device.type == "cuda" else (False,)
-    for name, on_device in ((name, p) for name in BACKEND_NAMES for p in paths):
+    # a GPU runs the defaults (device expansion, ring staging) and, side by side, host
+    # expansion and torch's staging (one change each)
+    paths = (
+        [(True, True), (False, True), (True, False)] if device.type == "cuda" else [(False, False)]
+    )
+    for name, (on_device, ring) in ((name, p) for name in BACKEND_NAMES for p in paths):
         cls = get_backend(name)
         md = cls.Metadata(
             max_num_requests=num_seqs, max_num_tokens=max(sum(seq_lens), 1),
             kv_cache_manager=mgr, device=device,
         )  # fmt: skip
         md.expand_on_device = on_device
+        if not ring:
+            md.arena.ring = None  # torch.empty(pin_memory=True) + copy_ per step
         for _ in range(3):  # warm up (allocator, first copies, kernel compile)
             step_ours(md, rids, num_ctx, seq_lens, cached)
             baseline(name, mgr, rids, num_ctx, seq_lens, cached, device)
@@ -219,7 +226,8 @@ def run_case(kind, num_seqs, max_ctx, block_size, iters, device) -> list[dict]:
         gpu = gpu_us(md.prepare) if device.type == "cuda" else {}
         rows.append(dict(batch=kind, prepare_calls=calls, num_seqs=num_seqs, num_tokens=sum(seq_lens),
                          num_blocks=int(sum(-(-(c + s) // block_size) for c, s in zip(cached, seq_lens))),
-                         backend=name, expand="device" if on_device else "host", step_us=ours, prepare_us=prep, baseline_us=base,
+                         backend=name, expand="device" if on_device else "host",
+                         staging="ring" if md.arena.ring is not None else "torch", step_us=ours, prepare_us=prep, baseline_us=base,
                          speedup=base / ours, gpu_copy_us=gpu.get("copy"),
                          gpu_expand_us=gpu.get("expand")))  # fmt: skip
     return rows
@@ -240,11 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     decode_seqs, mixed_seqs = (32, 8) if args.quick else (256, 32)
     rows = run_case("decode", decode_seqs, max_ctx, args.block_size, iters, device)
     rows += run_case("mixed", mixed_seqs, max_ctx, args.block_size, iters, device)
-    print(f"{'batch':7} {'seqs':>5} {'tokens':>6} {'backend':14} {'expand':6} {'step us':>8} "
+    print(f"{'batch':7} {'seqs':>5} {'tokens':>6} {'backend':14} {'expand':6} {'staging':7} {'step us':>8} "
           f"{'prepare us':>11} {'calls':>6} {'baseline us':>12} {'speedup':>8} "
           f"{'gpu copy us':>11} {'gpu expand us':>13}")  # fmt: skip
     for r in rows:
-        print(f"{r['batch']:7} {r['num_seqs']:5d} {r['num_tokens']:6d} {r['backend']:14} {r['expand']:6} "
+        print(f"{r['batch']:7} {r['num_seqs']:5d} {r['num_tokens']:6d} {r['backend']:14} {r['expand']:6} {r['staging']:7} "
               f"{r['step_us']:8.1f} {r['prepare_us']:11.1f} {r['prepare_calls']:6.0f} {r['baseline_us']:12.1f} "
               f"{r['speedup']:7.1f}x {r['gpu_copy_us'] or 0:11.1f} {r['gpu_expand_us'] or 0:13.1f}")  # fmt: skip
     record = {

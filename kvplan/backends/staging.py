@@ -8,9 +8,14 @@ recycles a snapshot only after the copies that read it have completed).
 
 ``DeviceArena`` packs many small int32 device buffers into one allocation at fixed offsets
 (capacity-sized, so their addresses never change and CUDA graphs can record them) and fills
-the used ones with ONE fresh pinned snapshot + ONE async copy per step. (A ring of reused
-pinned buffers fenced by events was tried and measured slower on the H200 host: 140 vs 73 us
-per vanilla decode step, bench_prepare 2026-11-29; removed.)
+the used ones with ONE private pinned snapshot + ONE async copy per step. On a GPU the
+snapshot comes from a ``PinnedRing`` (``kvplan.backends.pinned_ring``): pinned buffers reused
+only after their copy completed, copied with the CUDA runtime's own calls, far cheaper on the
+host than ``torch.empty(pin_memory=True)`` + ``copy_``; a step the ring cannot serve (every
+buffer still in flight, a capturing stream) takes the torch snapshot. (An earlier ring fenced
+by ``torch.cuda.Event`` and copied with ``copy_`` was slower than torch's allocator on the
+H200 host, 140 vs 73 us per vanilla decode step, 2026-11-29: the torch calls, not the ring,
+cost the time.)
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 import torch
 
 from kvplan._checks import INT32_MAX
+from kvplan.backends.pinned_ring import PinnedRing, cudart
 
 CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -58,6 +64,8 @@ class DeviceArena:
             ``True`` forces the snapshot path (tests use it to check the rule on the CPU).
         copy_fn: ``copy_fn(dst, src)`` issues the step's copy (default: ``non_blocking``
             ``copy_``); tests inject a deferred copy to model a busy stream on the CPU.
+        ring: stage through a ``PinnedRing`` (default: on a GPU with private snapshots, the
+            default copy and the CUDA runtime found; else torch's snapshot + ``copy_``).
 
     ``view(name)`` is a capacity-sized int32 view that never moves. One step stages with
     ``host = begin(end)`` (a private host snapshot of the arena prefix ``[0, end)``), writes
@@ -84,6 +92,7 @@ class DeviceArena:
         private_snapshots: bool | None = None,
         *,
         copy_fn: CopyFn | None = None,
+        ring: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.pinned = use_pinned(self.device)
@@ -113,8 +122,16 @@ class DeviceArena:
         # commit() on a GPU with the default copy: dst.copy_ straight away (no wrapper call)
         self._copy_cuda = copy_fn is None and self.device.type == "cuda"
         self._dst: dict[int, torch.Tensor] = {}  # staged prefix end -> buffer[:end]
-        self._pending: tuple[torch.Tensor, int] | None = None
+        self._pending: tuple[torch.Tensor | None, int] | None = None
         self.last_snapshot: torch.Tensor | None = None
+        usable = self._copy_cuda and private_snapshots and cudart() is not None
+        if ring and not usable:
+            raise ValueError(
+                "ring=True needs a CUDA arena with private snapshots, the default copy and "
+                "the CUDA runtime"
+            )
+        self.ring = PinnedRing(self.device) if (usable if ring is None else ring) else None
+        self._buffer_ptr = self.buffer.data_ptr()
 
     def view(self, name: str) -> torch.Tensor:
         return self._views[name]
@@ -151,7 +168,8 @@ class DeviceArena:
         """Start one step's staging of the arena prefix ``[0, end)``: returns the host int32
         array to fill at arena offsets (through ``put`` / ``out``), then call ``commit()``.
 
-        On a device arena it is a fresh private (pinned) snapshot of ``end`` entries; on a CPU
+        On a device arena it is a private pinned snapshot of ``end`` entries (a ring buffer
+        that no pending copy reads, else a fresh torch one); on a CPU
         arena without private snapshots it is the buffer itself (written in place). Entries of
         the prefix that this step does not write reach the device with unspecified values.
         """
@@ -160,6 +178,11 @@ class DeviceArena:
         if self._buffer_np is not None:
             self._pending = None
             return self._buffer_np
+        if self.ring is not None:
+            host = self.ring.acquire(end)
+            if host is not None:  # None: every ring buffer in flight; a torch snapshot
+                self._pending = (None, end)
+                return host[:end]
         snapshot = torch.empty(end, dtype=torch.int32, pin_memory=self.pinned)
         self._pending = (snapshot, end)
         return snapshot.numpy()
@@ -186,6 +209,11 @@ class DeviceArena:
             return
         snapshot, end = self._pending
         self._pending = None
+        if snapshot is None:  # a ring buffer (its entries past `end` are not sent)
+            if end:
+                self.ring.send(self._buffer_ptr, 4 * end)
+            self.last_snapshot = None
+            return
         if end:
             dst = self._dst.get(end)
             if dst is None:  # a device slice is a dispatcher call: made once per prefix end

@@ -1,9 +1,11 @@
-"""DeviceArena's async-copy rule: every queued copy reads a fresh private snapshot.
+"""DeviceArena's async-copy rule: every queued copy reads a private snapshot.
 
 The CPU test models a busy CUDA stream with a deferred copy queue (copies run only when
 drained): each step's copy still delivers that step's values, because nothing writes its
-snapshot again. The GPU test does the same with real ``non_blocking`` copies behind a long
-kernel. (The persistent-buffer hazard itself is shown in ``tests/cache/test_block_offsets.py``.)
+snapshot again. The GPU tests do the same with real asynchronous copies behind a long kernel,
+through torch's snapshots and through the ``PinnedRing`` (whose buffers are reused only after
+their copy completed; a ring without that fence is shown to corrupt). (The persistent-buffer
+hazard itself is shown in ``tests/cache/test_block_offsets.py``.)
 """
 
 from __future__ import annotations
@@ -42,17 +44,71 @@ def test_queued_copies_each_deliver_their_own_step():
     assert copies.drain() == [[s] * 3 + [10 * s] * 5 for s in range(6)]
 
 
-@pytest.mark.gpu
-def test_gpu_arena_never_hands_a_pending_copy_a_later_step():
-    arena = DeviceArena({"a": 1000}, torch.device("cuda"))
+def test_ring_needs_a_cuda_arena():
+    with pytest.raises(ValueError, match="ring=True"):
+        DeviceArena({"a": 4}, torch.device("cpu"), ring=True)
+    assert DeviceArena({"a": 4}, torch.device("cpu")).ring is None
+
+
+def stage_steps_behind_a_long_kernel(arena, steps: int) -> list[tuple[int, int]]:
+    """Stage ``steps`` steps (step s writes s everywhere) while the stream is busy for ~0.1 s;
+    returns what each step's copy delivered (min, max), read in stream order."""
     outs = []
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of every copy: the host runs ahead
-    for step in range(8):
+    torch.cuda._sleep(200_000_000)  # GPU time ahead of every copy: the host runs ahead
+    for step in range(steps):
         arena.stage({"a": np.full(1000, step, np.int32)})
         outs.append(arena.view("a").clone())  # enqueued after this step's copy
     torch.cuda.synchronize()
-    assert [(int(o.min()), int(o.max())) for o in outs] == [(s, s) for s in range(8)]
-    assert arena.last_snapshot.is_pinned()
+    return [(int(o.min()), int(o.max())) for o in outs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ring", [True, False])
+def test_gpu_arena_never_hands_a_pending_copy_a_later_step(ring):
+    arena = DeviceArena({"a": 1000}, torch.device("cuda"), ring=ring)
+    assert stage_steps_behind_a_long_kernel(arena, 8) == [(s, s) for s in range(8)]
+    if ring:  # 4 buffers, each still in flight when its turn came again: torch snapshots
+        assert arena.ring.sends == 4 and arena.ring.busy == 4
+        assert arena.last_snapshot.is_pinned()
+        torch.cuda.synchronize()  # all copies done: the ring serves again
+        arena.stage({"a": np.full(1000, 42, np.int32)})
+        assert arena.ring.sends == 5 and arena.last_snapshot is None
+        assert int(arena.view("a").min()) == int(arena.view("a").max()) == 42
+    else:
+        assert arena.ring is None and arena.last_snapshot.is_pinned()
+
+
+@pytest.mark.gpu
+def test_gpu_ring_without_its_fence_corrupts():
+    """The negative control: a ring that hands out its buffer without checking the event
+    lets later steps overwrite what a queued copy has not read yet."""
+    from kvplan.backends.pinned_ring import PinnedRing
+
+    class Unfenced(PinnedRing):
+        def _copied(self, i):
+            return True  # "done", whatever the state of the copy that reads buffer i
+
+    arena = DeviceArena({"a": 1000}, torch.device("cuda"))
+    arena.ring = Unfenced(torch.device("cuda"), slots=1)
+    delivered = stage_steps_behind_a_long_kernel(arena, 4)
+    assert delivered == [(3, 3)] * 4  # every queued copy read the last step's values
+
+
+@pytest.mark.gpu
+def test_gpu_ring_steps_aside_while_capturing():
+    from kvplan.backends.pinned_ring import PinnedRing
+
+    ring = PinnedRing(torch.device("cuda"))
+    assert ring.acquire(8) is not None
+    ring._slot = -1
+    graph = torch.cuda.CUDAGraph()
+    x = torch.zeros(4, device="cuda")
+    with torch.cuda.graph(graph):
+        refused = ring.acquire(8)
+        x += 1
+    graph.replay()
+    torch.cuda.synchronize()
+    assert refused is None and x.tolist() == [1.0] * 4
 
 
 def garbage_snapshots(md) -> None:
