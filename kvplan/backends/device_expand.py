@@ -55,6 +55,7 @@ class DeviceExpander:
         self, buffer: torch.Tensor, *, num_pools: int, slots64: bool, token_rows: bool
     ) -> None:
         self.buffer = buffer
+        self._ptr = buffer.data_ptr()
         self.num_pools = int(num_pools)
         self.slots64 = bool(slots64)
         self.token_rows = bool(token_rows)
@@ -114,8 +115,9 @@ class DeviceExpander:
             self.direct_launches += 1
             launch, function, coop, pdl, packed = direct
             stream = torch._C._cuda_getCurrentRawStream(self._device_index)
+            # the buffer as its address: the launcher skips data_ptr() and a pointer query
             launch(n, 1, 1, stream, function, coop, pdl, None, None, packed, None, None, None,
-                   *args)  # fmt: skip
+                   self._ptr, *args[1:])  # fmt: skip
             return
         kernel = self._kernel[(n,)](*args)
         if self._direct and kernel is not None:

@@ -19,7 +19,7 @@ than all of ``prepare()``'s numpy math on a small batch.
   ``cudaEventRecord`` on torch's current stream, called through ``ctypes`` on the very
   ``libcudart`` torch loaded (same context, same streams): ~1-4 us each.
 * a stream that is capturing a CUDA graph is left to torch's path (an event query there would
-  invalidate the capture), checked with ``cudaStreamIsCapturing`` each step.
+  invalidate the capture), checked each step.
 
 Without CUDA, or when torch's ``libcudart`` cannot be found (a static build), ``cudart()``
 returns None and ``DeviceArena`` keeps torch's path.
@@ -67,7 +67,6 @@ def cudart() -> ctypes.CDLL | None:
         "cudaEventQuery": [vp],
         "cudaEventSynchronize": [vp],
         "cudaEventDestroy": [vp],
-        "cudaStreamIsCapturing": [vp, ctypes.POINTER(i)],
         "cudaGetErrorString": [i],
     }
     for name, argtypes in sigs.items():
@@ -108,6 +107,7 @@ class PinnedRing:
             self.device_index = torch.cuda.current_device()
         self._buffers: list[torch.Tensor | None] = [None] * slots
         self._arrays: list[np.ndarray | None] = [None] * slots
+        self._ptrs = [0] * slots
         self._events = []
         for _ in range(slots):
             ev = ctypes.c_void_p()
@@ -117,7 +117,6 @@ class PinnedRing:
         self._next = 0
         self._slot = -1  # the slot acquire() handed out, until send()
         self._stream = 0
-        self._capturing = ctypes.c_int(0)
         self.sends = 0  # copies sent through the ring (tests check the path was taken)
         self.busy = 0  # acquires refused because the next buffer was still in flight
 
@@ -125,14 +124,11 @@ class PinnedRing:
         """A host int32 array of at least ``n`` entries that no pending copy reads, or None
         (the next buffer is still being copied, the stream is capturing a graph, or another
         device is current: torch's path then handles the step)."""
-        lib = self.lib
         if torch._C._cuda_getDevice() != self.device_index:
             return None
-        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        _check(lib, lib.cudaStreamIsCapturing(stream, ctypes.byref(self._capturing)),
-               "cudaStreamIsCapturing")  # fmt: skip
-        if self._capturing.value:
+        if torch._C._cuda_isCurrentStreamCapturing():
             return None
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         i = self._next
         if not self._copied(i):
             self.busy += 1
@@ -142,7 +138,7 @@ class PinnedRing:
             size = 1 << max(n - 1, 1023).bit_length()
             buf = torch.empty(size, dtype=torch.int32, pin_memory=True)
             self._buffers[i], arr = buf, buf.numpy()
-            self._arrays[i] = arr
+            self._arrays[i], self._ptrs[i] = arr, buf.data_ptr()
         self._next = (i + 1) % len(self._events)
         self._slot, self._stream = i, stream
         return arr
@@ -162,10 +158,13 @@ class PinnedRing:
         if i < 0:
             raise RuntimeError("PinnedRing.send() without a buffer from acquire()")
         self._slot = -1
-        src = self._buffers[i].data_ptr()
-        _check(lib, lib.cudaMemcpyAsync(dst_ptr, src, nbytes, MEMCPY_HOST_TO_DEVICE,
-                                        self._stream), "cudaMemcpyAsync")  # fmt: skip
-        _check(lib, lib.cudaEventRecord(self._events[i], self._stream), "cudaEventRecord")
+        rc = lib.cudaMemcpyAsync(dst_ptr, self._ptrs[i], nbytes, MEMCPY_HOST_TO_DEVICE,
+                                 self._stream)  # fmt: skip
+        if rc:
+            _check(lib, rc, "cudaMemcpyAsync")
+        rc = lib.cudaEventRecord(self._events[i], self._stream)
+        if rc:
+            _check(lib, rc, "cudaEventRecord")
         self.sends += 1
 
     def __del__(self) -> None:
