@@ -3,8 +3,8 @@
 ``DeviceArena`` sends each step's fields in one asynchronous copy from a private pinned
 snapshot (seed 001's staging rule). Through torch that is a ``torch.empty(pin_memory=True)``
 plus a ``copy_(non_blocking=True)``: the caching host allocator's bookkeeping and the
-dispatcher make it 15-40 us of host time per step on the H200 host (bench/RESULTS.md), more
-than all of ``prepare()``'s numpy math on a small batch.
+dispatcher make it 13-39 us of host time per step on the H200 host (``bench/step_parts.py``,
+bench/RESULTS.md), about as much as all of ``prepare()``'s numpy math on a small batch.
 
 ``PinnedRing`` keeps the same rule with less host work:
 
@@ -17,7 +17,8 @@ than all of ``prepare()``'s numpy math on a small batch.
   wait, never a hazard.
 * the copy and the event record are the CUDA runtime's own ``cudaMemcpyAsync`` /
   ``cudaEventRecord`` on torch's current stream, called through ``ctypes`` on the very
-  ``libcudart`` torch loaded (same context, same streams): ~1-4 us each.
+  ``libcudart`` torch loaded (same context, same streams). The whole ring copy costs 8-15
+  us per step in context on the H200 host (``bench/step_parts.py``).
 * a stream that is capturing a CUDA graph is left to torch's path (an event query there would
   invalidate the capture), checked each step.
 
