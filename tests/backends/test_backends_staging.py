@@ -79,6 +79,24 @@ def test_gpu_arena_never_hands_a_pending_copy_a_later_step(ring):
 
 
 @pytest.mark.gpu
+def test_gpu_ring_copies_on_the_current_stream():
+    """Staged under a side stream, the ring's copy (and its fence) go on that stream: work
+    queued there after prepare() sees the step's values, even while the side stream is
+    held back by a long kernel."""
+    arena = DeviceArena({"a": 1000}, torch.device("cuda"))
+    side = torch.cuda.Stream()
+    outs = []
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        for step in range(3):
+            arena.stage({"a": np.full(1000, step, np.int32)})
+            outs.append(arena.view("a").clone())
+    side.synchronize()
+    assert [(int(o.min()), int(o.max())) for o in outs] == [(s, s) for s in range(3)]
+    assert arena.ring.sends == 3
+
+
+@pytest.mark.gpu
 def test_gpu_ring_without_its_fence_corrupts():
     """The negative control: a ring that hands out its buffer without checking the event
     lets later steps overwrite what a queued copy has not read yet."""
