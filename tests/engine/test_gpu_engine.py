@@ -62,4 +62,8 @@ def test_load_with_graphs_equals_one_by_one_on_gpu():
     assert llm.engine.scheduler.num_preemptions > 0
     assert got == want
     assert llm.parts.manager.num_free_blocks() == 44
+    # the metadata's per-step copies went through the pinned ring (steps run ahead by at most
+    # one, so its 4 buffers are never all in flight)
+    ring = llm.engine.runner.metadata.arena.ring
+    assert ring is not None and ring.sends > 0 and ring.busy == 0
     torch.cuda.synchronize()
