@@ -13,7 +13,7 @@ a drifting host load hits them alike:
 * ``setters_only``: the four setters; ``prepare_common``: the shared host math.
 
 Knocked-out variants compute wrong device fields: they are timing probes, nothing reads their
-output. Then, in isolation after a synchronize (``--micro``): one ring copy, one expansion
+output. Then, in isolation after a synchronize (always run): one ring copy, one expansion
 launch, both back to back, and torch's snapshot copy.
 
     PYTHONPATH=. python3 bench/step_parts.py [--rounds 15] [--out FILE.json]
@@ -27,13 +27,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_prepare import baseline, make_batch, step_ours  # noqa: E402
+from bench_prepare import baseline, make_batch, sample_us, step_ours  # noqa: E402
 
 import kvplan.backends.device_expand as device_expand  # noqa: E402
 import kvplan.backends.staging as staging  # noqa: E402
@@ -62,14 +61,7 @@ VARIANTS = {
 }
 
 
-def sample_us(fn, sync) -> float:
-    sync()
-    t0 = time.perf_counter_ns()
-    fn()
-    return (time.perf_counter_ns() - t0) / 1e3
-
-
-def case(batch: str, name: str, rounds: int, device, sync) -> dict:
+def case(batch: str, name: str, rounds: int, device) -> dict:
     n = 256 if batch == "decode" else 32
     mgr, rids, nc, sl, ca = make_batch(batch, n, 2048, 32)
     md = get_backend(name).Metadata(
@@ -94,14 +86,14 @@ def case(batch: str, name: str, rounds: int, device, sync) -> dict:
                 staging.DeviceArena.commit = v.get("commit", COMMIT)
                 device_expand.DeviceExpander.launch = v.get("launch", LAUNCH)
                 md.arena.ring = None if v.get("torch") else ring
-                samples[key] += [sample_us(step, sync) for _ in range(20)]
+                samples[key] += [sample_us(step, device) for _ in range(20)]
             staging.DeviceArena.commit, device_expand.DeviceExpander.launch = COMMIT, LAUNCH
             md.arena.ring = ring
-            samples["setters_only"] += [sample_us(setters_only, sync) for _ in range(20)]
+            samples["setters_only"] += [sample_us(setters_only, device) for _ in range(20)]
             step()
-            samples["prepare_common"] += [sample_us(md._prepare_common, sync) for _ in range(20)]
+            samples["prepare_common"] += [sample_us(md._prepare_common, device) for _ in range(20)]
             samples["baseline"] += [
-                sample_us(lambda: baseline(name, mgr, rids, nc, sl, ca, device), sync)
+                sample_us(lambda: baseline(name, mgr, rids, nc, sl, ca, device), device)
                 for _ in range(4)
             ]
     finally:
@@ -110,7 +102,7 @@ def case(batch: str, name: str, rounds: int, device, sync) -> dict:
     return {k: round(statistics.median(v), 1) for k, v in samples.items()}
 
 
-def micro(device, sync) -> dict:
+def micro(device) -> dict:
     """Isolated costs after a synchronize (median us over 2,000 calls)."""
     from kvplan.backends.staging import DeviceArena
 
@@ -142,7 +134,7 @@ def micro(device, sync) -> dict:
                     "ring copy + launch": both, "torch copy 16 KB": torch_copy}.items():  # fmt: skip
         for _ in range(20):
             fn()
-        out[key] = round(statistics.median(sample_us(fn, sync) for _ in range(2000)), 2)
+        out[key] = round(statistics.median(sample_us(fn, device) for _ in range(2000)), 2)
     return out
 
 
@@ -155,13 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         print("step_parts: needs a CUDA device (its variants knock out device work)")
         return 0
     device = torch.device("cuda")
-    sync = torch.cuda.synchronize
     rows = {}
     for batch in ("decode", "mixed"):
         for name in BACKEND_NAMES:
-            rows[f"{batch}/{name}"] = med = case(batch, name, args.rounds, device, sync)
+            rows[f"{batch}/{name}"] = med = case(batch, name, args.rounds, device)
             print(f"{batch:6} {name:13}", " ".join(f"{k}={v}" for k, v in med.items()), flush=True)
-    mic = micro(device, sync)
+    mic = micro(device)
     print(json.dumps(mic, indent=1))
     if args.out:
         record = {

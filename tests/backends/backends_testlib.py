@@ -17,6 +17,9 @@ import torch
 from kvplan.cache.kv_cache_manager import KVCacheManager
 from kvplan.cache.kv_tensors import KVCacheTensors
 
+# metadata capacities the backend tests share (room for every random batch they build)
+CAP = {"max_num_requests": 16, "max_num_tokens": 256, "max_num_sequences": 32}
+
 
 @dataclass
 class SeqSpec:

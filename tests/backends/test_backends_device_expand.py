@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from backends_testlib import (
+    CAP,
     SeqSpec,
     assert_close,
     assert_same,
@@ -29,7 +30,6 @@ from backends_testlib import (
 
 from kvplan.backends import get_backend
 
-CAP = {"max_num_requests": 16, "max_num_tokens": 256, "max_num_sequences": 32}
 VARIANTS = [
     ("vanilla", {}),
     ("ragged", {"check_page_table": True}),

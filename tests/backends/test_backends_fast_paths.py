@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from backends_testlib import (
+    CAP,
     SeqSpec,
     assert_close,
     assert_same,
@@ -24,7 +25,6 @@ from backends_testlib import (
 
 from kvplan.backends import get_backend
 
-CAP = {"max_num_requests": 16, "max_num_tokens": 256, "max_num_sequences": 32}
 VARIANTS = [
     ("vanilla", {}),
     ("ragged", {"check_page_table": True}),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from backends_testlib import (
+    CAP,
     SeqSpec,
     assert_close,
     fill_metadata,
@@ -24,8 +25,6 @@ from kvplan.backends import (
 )
 from kvplan.backends.ragged import page_table_problems
 from kvplan.cache.kv_cache_manager import KVCacheManager
-
-CAP = {"max_num_requests": 16, "max_num_tokens": 256, "max_num_sequences": 32}
 
 
 def prepared(cls, sc, **kw):

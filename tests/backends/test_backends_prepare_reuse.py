@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backends_testlib import fill_metadata, make_scenario, random_specs, step_tensors, subset
+from backends_testlib import CAP, fill_metadata, make_scenario, random_specs, step_tensors, subset
 
 from kvplan.backends import get_backend
-
-CAP = {"max_num_requests": 16, "max_num_tokens": 256, "max_num_sequences": 32}
 
 
 def check_reuse(name: str, device: str) -> None:
