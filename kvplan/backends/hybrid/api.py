@@ -1,0 +1,152 @@
+"""The hybrid attention family's contract with the model (DeepSeek-V4 style layers).
+
+A hybrid model has three layer kinds (Hugging Face ``layer_types`` names):
+
+* ``"sliding_attention"``            -- raw K=V rows, a query at ``p`` sees raw positions
+  ``max(p - W + 1, 0) .. p`` (window ``W``);
+* ``"heavily_compressed_attention"`` -- the sliding window plus every compressed entry of
+  ratio ``r`` closed by ``p`` (entries ``j < (p + 1) // r``); entry ``j`` pools raw
+  positions ``[j*r, (j+1)*r)``;
+* ``"compressed_sparse_attention"``  -- the sliding window plus the indexer's top-k of the
+  closed compressed entries; entry ``j`` pools the overlapping window ``[(j-1)*r, (j+1)*r)``
+  (the first half from the per-token "Ca" series, the second from the "Cb" series).
+
+The model computes everything that has weights (projections, pooling, norms, RoPE, the
+indexer's queries and head weights); the family owns every cache and decides what each
+query row sees. One ``HybridStepContext`` serves one engine step (every layer, every
+sequence of the step). Tokens are flat: rows ``[T]`` of all scheduled sequences back to back
+in step order; ``positions[t]`` is the absolute position of row ``t``.
+
+Per layer the model calls, in this order:
+
+1. for a compressed layer, for each compressed series ``name`` (``"compressor"``; CSA layers
+   also ``"indexer"``): ``windows = ctx.compress_windows(layer_idx, name, kv, gate)`` with
+   the step's per-token projections (``gate`` already includes the position bias of the
+   token's offset ``p % r`` inside its window); the model pools each returned window
+   (softmax over rows of ``gate``, times ``kv``, summed, then its norm and RoPE at
+   ``windows.positions``) and hands the entries back with
+   ``ctx.store_entries(layer_idx, name, entries)``;
+2. ``out = ctx.attend(layer_idx, q, kv, sinks, scale, index_q=..., index_weights=...)``.
+
+Implementations: ``kvplan.backends.hybrid.reference`` (per-request dense history, the
+oracle) and ``kvplan.backends.hybrid.planned`` (planned by ``kvplan.plan`` on kvplan's
+paged storage and index ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+LAYER_KINDS = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
+SERIES_NAMES = ("compressor", "indexer")
+
+
+@dataclass(frozen=True)
+class HybridLayerSpec:
+    """One layer's attention shape, as the family needs it.
+
+    Attributes:
+        kind: one of ``LAYER_KINDS``.
+        window: sliding window ``W`` (raw keys ``p - W + 1 .. p``).
+        ratio: compression ratio ``r`` (0 for sliding layers).
+        top_k: entries the indexer keeps per query (CSA only; 0 otherwise).
+        head_dim: width ``D`` of a K=V row and of a compressed entry.
+        index_head_dim: width of the indexer's compressed keys (CSA only; 0 otherwise).
+        num_heads: query heads ``H`` (one shared K=V head).
+        num_index_heads: indexer heads (CSA only; 0 otherwise).
+    """
+
+    kind: str
+    window: int
+    ratio: int
+    top_k: int
+    head_dim: int
+    index_head_dim: int
+    num_heads: int
+    num_index_heads: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYER_KINDS:
+            raise ValueError(f"kind must be one of {LAYER_KINDS}, got {self.kind!r}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        compressed = self.kind != "sliding_attention"
+        if compressed and self.ratio < 1:
+            raise ValueError(f"ratio must be >= 1 for a {self.kind} layer, got {self.ratio}")
+        if self.kind == "compressed_sparse_attention" and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 for a CSA layer, got {self.top_k}")
+
+    @property
+    def overlap(self) -> bool:
+        """Whether an entry pools ``2r`` rows (CSA) instead of ``r`` (HCA)."""
+        return self.kind == "compressed_sparse_attention"
+
+    def series_width(self, name: str) -> int:
+        """Width ``C`` of one pooled entry of series ``name``."""
+        return self.index_head_dim if name == "indexer" else self.head_dim
+
+
+class CompressWindows(NamedTuple):
+    """The compression windows that close in this step, for one layer and series.
+
+    ``kv``/``gate``: ``[E, w, C]`` (``w = r``, or ``2r`` for CSA: rows ``0..r-1`` are the
+    previous window's "Ca" half ``[..., :C]``, rows ``r..2r-1`` this window's "Cb" half
+    ``[..., C:]``; rows before position 0 have ``kv = 0`` and ``gate = -inf``).
+    ``positions``: int64 ``[E]``, the RoPE position of each entry (``j * r``).
+    ``entry_index``: int64 ``[E]``, ``j`` of each entry within its sequence.
+    ``seq_index``: int64 ``[E]``, the step row (sequence) each entry belongs to.
+    Entries are ordered by sequence, then by ``j``.
+    """
+
+    kv: torch.Tensor
+    gate: torch.Tensor
+    positions: torch.Tensor
+    entry_index: torch.Tensor
+    seq_index: torch.Tensor
+
+
+class HybridStepContext(Protocol):
+    """One step of the hybrid family (see the module docstring for the call order)."""
+
+    positions: torch.Tensor  # int64 [T] on the model device
+
+    def compress_windows(
+        self, layer_idx: int, name: str, kv: torch.Tensor, gate: torch.Tensor
+    ) -> CompressWindows:
+        """``kv``, ``gate``: ``[T, k*C]`` (``k = 2`` for CSA, 1 for HCA) for every row of the
+        step; keeps what later steps need (rows of unfinished windows, the last "Ca" half)
+        and returns the windows this step closes."""
+        ...
+
+    def store_entries(self, layer_idx: int, name: str, entries: torch.Tensor) -> None:
+        """Write the pooled entries ``[E, C]`` (in ``compress_windows``' order) into the
+        layer's compressed cache of series ``name``."""
+        ...
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+        *,
+        index_q: torch.Tensor | None = None,
+        index_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Store the step's raw rows ``kv [T, D]`` and attend.
+
+        ``q``: ``[T, H, D]``; ``sinks``: fp32 ``[H]`` (a per-head logit added to the softmax
+        denominator only); ``scale``: logit scale. CSA layers pass ``index_q [T, Hi, Ci]``
+        and ``index_weights [T, Hi]`` (all scalings folded in): entry ``j``'s score for row
+        ``t`` is ``sum_h index_weights[t, h] * relu(index_q[t, h] . key_j)`` and the row sees
+        the ``top_k`` best closed entries. Returns ``[T, H, D]`` in ``q``'s dtype.
+        """
+        ...
