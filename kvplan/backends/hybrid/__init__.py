@@ -3,8 +3,17 @@
 from kvplan.backends.hybrid.api import (
     LAYER_KINDS,
     CompressWindows,
+    HybridFamily,
     HybridLayerSpec,
+    HybridSeq,
     HybridStepContext,
 )
 
-__all__ = ["LAYER_KINDS", "CompressWindows", "HybridLayerSpec", "HybridStepContext"]
+__all__ = [
+    "LAYER_KINDS",
+    "CompressWindows",
+    "HybridFamily",
+    "HybridLayerSpec",
+    "HybridSeq",
+    "HybridStepContext",
+]

@@ -150,3 +150,42 @@ class HybridStepContext(Protocol):
         the ``top_k`` best closed entries. Returns ``[T, H, D]`` in ``q``'s dtype.
         """
         ...
+
+
+@dataclass(frozen=True)
+class HybridSeq:
+    """One scheduled sequence of a step, as the hybrid family plans it.
+
+    Attributes:
+        request_id: the engine's request id (key of the family's per-request state).
+        q_start: tokens already in the caches; the step's rows sit at positions
+            ``q_start .. q_start + seqlen_q - 1``. ``q_start == 0`` starts the request
+            afresh (a new request, or one preempted and recomputed).
+        seqlen_q: rows of this sequence in the step.
+        token_ids: confirmed token ids, position ``i`` at index ``i`` (at least
+            ``q_start + seqlen_q`` entries, or ``q_start + 1`` for a decode row).
+        block_table: KV block ids of the compressed pools (one block per ``block_size``
+            raw positions; block 0 is the reserved padding block).
+        state_id: the request's state slot (SWA ring and compressor state).
+    """
+
+    request_id: int
+    q_start: int
+    seqlen_q: int
+    token_ids: tuple[int, ...] | list[int]
+    block_table: tuple[int, ...] | list[int]
+    state_id: int
+
+
+class HybridFamily(Protocol):
+    """Owns the caches of every hybrid layer across steps; one per engine."""
+
+    def plan(self, seqs: list[HybridSeq], positions: torch.Tensor) -> HybridStepContext:
+        """The context of one step over ``seqs`` (their rows back to back; ``positions``
+        int64 ``[T]`` on the model device)."""
+        ...
+
+    def free(self, request_id: int) -> None:
+        """Forget a finished or preempted request's state (its slots return to the pool
+        through the cache manager)."""
+        ...
