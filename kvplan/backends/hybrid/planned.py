@@ -1,0 +1,220 @@
+"""``PlannedHybridFamily``: the hybrid family on kvplan's planning and storage layer.
+
+Per step, each :class:`~kvplan.backends.hybrid.api.HybridSeq` becomes a
+``kvplan.plan.SequenceMetadata``; ``prepare_prompt`` (a step with any chunk of more than one
+row; decode rows ride along as one-row chunks) or ``prepare_decode`` /
+``prepare_decode_on_device`` (every row a decode row) builds the ``InputMetadata`` and
+``compute_attn_info`` expands it; ``kvplan.plan.compressor_state`` plans the compressor state
+of each ``(ratio, overlap)``. :class:`~kvplan.backends.hybrid.planned_step.PlannedStep` then
+serves the model's calls with ``store_kv_cache`` / ``load_paged_kv_cache`` and the index ops.
+
+The model's layers map onto one ``MetadataConfig``::
+
+    window_size     = the sliding window W (every layer's; all layers must agree)
+    swa_block_size  = ring_size (default W: decode rows carry no drafts)
+    dense_ratios    = the ratios of "heavily_compressed_attention" layers
+    sparse_ratios   = the ratios of "compressed_sparse_attention" layers
+    block_size      = block_size (a multiple of every ratio; one block per block_size raw
+                      positions of the block table, block_size // r entries of ratio r)
+    max_model_len   = max_model_len
+    max_num_blocks  = ceil(max_model_len / block_size)
+    num_kv_blocks   = num_blocks;  num_state_slots = num_state_slots
+
+Caches the family owns (all zero-initialised), per layer: the SWA ring
+``[num_state_slots, ring_size]`` rows of ``head_dim``; per compressed layer a pool of entries
+``[num_blocks, block_size // r]`` for ``"compressor"`` and, for CSA, one of ``index_head_dim``
+for ``"indexer"``; per compressed series a fp32 compressor-state ring of ``R = r`` (HCA) or
+``2r`` (CSA) rows per state slot holding the projected ``kv`` and ``gate`` rows (plus one
+trash row that absorbs skipped writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvplan.backends.hybrid.api import HybridLayerSpec, HybridSeq
+from kvplan.backends.hybrid.planned_step import PlannedStep
+from kvplan.backends.hybrid.storage import PagedRows, index_format, main_format
+from kvplan.plan.compressor_state import state_rows
+from kvplan.plan.config import MetadataConfig
+
+DECODE_BUILDERS = ("auto", "eager", "device")
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def metadata_config(
+    layers: Sequence[HybridLayerSpec],
+    *,
+    block_size: int,
+    num_blocks: int,
+    num_state_slots: int,
+    max_model_len: int,
+    ring_size: int | None = None,
+    device: str | torch.device = "cpu",
+) -> MetadataConfig:
+    """The ``MetadataConfig`` of a hybrid model (mapping in the module docstring)."""
+    if not layers:
+        raise ValueError("layers is empty: a hybrid model needs at least one layer")
+    for i, spec in enumerate(layers):
+        if not isinstance(spec, HybridLayerSpec):
+            raise TypeError(f"layers[{i}] must be a HybridLayerSpec, got {type(spec).__name__}")
+    windows = sorted({spec.window for spec in layers})
+    if len(windows) != 1:
+        raise ValueError(f"layers disagree on the sliding window: {windows} (one window per model)")
+    _positive("block_size", block_size)
+    _positive("max_model_len", max_model_len)
+    window = windows[0]
+    ring = window if ring_size is None else _positive("ring_size", ring_size)
+    kinds = {"heavily_compressed_attention": set(), "compressed_sparse_attention": set()}
+    for spec in layers:
+        if spec.kind in kinds:
+            kinds[spec.kind].add(spec.ratio)
+    return MetadataConfig(
+        block_size=block_size,
+        dense_ratios=tuple(sorted(kinds["heavily_compressed_attention"])),
+        sparse_ratios=tuple(sorted(kinds["compressed_sparse_attention"])),
+        window_size=window,
+        swa_block_size=ring,
+        max_model_len=max_model_len,
+        max_num_blocks=-(-max_model_len // block_size),
+        device=str(torch.device(device)),
+        num_kv_blocks=_positive("num_blocks", num_blocks),
+        num_state_slots=_positive("num_state_slots", num_state_slots),
+    )
+
+
+class LayerCaches:
+    """The caches of one layer (see the module docstring)."""
+
+    def __init__(self, spec: HybridLayerSpec, family: PlannedHybridFamily) -> None:
+        cfg, dev = family.config, family.device
+        self.spec = spec
+        fmt = main_format(family.kv_format, spec.head_dim, family.dtype)
+        self.ring = PagedRows(cfg.num_state_slots, cfg.swa_block_size, fmt, spec.head_dim,
+                              device=dev, check=family.check)  # fmt: skip
+        self.pools: dict[str, PagedRows] = {}
+        self.state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if spec.kind == "sliding_attention":
+            return
+        tpb = cfg.block_size // spec.ratio
+        names = ("compressor", "indexer") if spec.overlap else ("compressor",)
+        big_r = state_rows(spec.ratio, spec.overlap)
+        for name in names:
+            width = spec.series_width(name)
+            layout = (
+                index_format(family.kv_format, family.index_format, width, family.dtype)
+                if name == "indexer"
+                else fmt
+            )
+            self.pools[name] = PagedRows(cfg.num_kv_blocks, tpb, layout, width, device=dev,
+                                         check=family.check)  # fmt: skip
+            k = 2 if spec.overlap else 1
+            shape = (cfg.num_state_slots * big_r + 1, k * width)  # + 1 trash row
+            self.state[name] = (
+                torch.zeros(shape, dtype=torch.float32, device=dev),
+                torch.zeros(shape, dtype=torch.float32, device=dev),
+            )
+
+
+class PlannedHybridFamily:
+    """The hybrid family planned by ``kvplan.plan`` (see the module docstring).
+
+    Args:
+        layers: one :class:`HybridLayerSpec` per model layer (layer index = list index).
+        block_size, num_blocks: geometry of the compressed pools (block 0 is the reserved
+            padding block; ``HybridSeq.block_table`` holds ``ceil(seqlen_k / block_size)``
+            blocks at least).
+        num_state_slots: state slots (``HybridSeq.state_id < num_state_slots``).
+        max_model_len: longest sequence.
+        kv_format: ``"exact"``, ``"fp8"`` or ``"fp4"`` (``kvplan.backends.hybrid.storage``).
+        index_format: indexer key layout for quantized formats (``"mxfp8"``,
+            ``"fp8_fp32sf"``, ``"fp4"``; None: the format's default).
+        dtype: the model dtype (the exact layout keeps it).
+        device: where caches and metadata live.
+        ring_size: SWA ring slots per state slot (default: the window).
+        decode_builder: ``"eager"`` (``prepare_decode``), ``"device"``
+            (``prepare_decode_on_device``) or ``"auto"`` (device on CUDA, eager elsewhere).
+        check: let the ops validate slots and load plans (host syncs).
+        trace: keep each ``attend``'s row buffer and index table in ``PlannedStep.traces``.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[HybridLayerSpec],
+        *,
+        block_size: int,
+        num_blocks: int,
+        num_state_slots: int,
+        max_model_len: int,
+        kv_format: str = "exact",
+        index_format: str | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        ring_size: int | None = None,
+        decode_builder: str = "auto",
+        check: bool = False,
+        trace: bool = False,
+    ) -> None:
+        if decode_builder not in DECODE_BUILDERS:
+            raise ValueError(
+                f"decode_builder must be one of {DECODE_BUILDERS}, got {decode_builder!r}"
+            )
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.layers = tuple(layers)
+        self.config = metadata_config(
+            self.layers, block_size=block_size, num_blocks=num_blocks,
+            num_state_slots=num_state_slots, max_model_len=max_model_len,
+            ring_size=ring_size, device=device,
+        )  # fmt: skip
+        self.device = self.config.torch_device
+        self.kv_format = kv_format
+        self.index_format = index_format
+        self.dtype = dtype
+        self.check = check
+        self.trace = trace
+        if decode_builder == "auto":
+            decode_builder = "device" if self.device.type == "cuda" else "eager"
+        self.decode_builder = decode_builder
+        self.caches = [LayerCaches(spec, self) for spec in self.layers]
+        self._cached_len: dict[int, int] = {}  # request_id -> tokens in the caches
+        self._owner: dict[int, int] = {}  # state_id -> request_id
+
+    def plan(self, seqs: list[HybridSeq], positions: torch.Tensor) -> PlannedStep:
+        """The context of one step (see ``HybridFamily.plan``).
+
+        Raises ``ValueError`` naming the sequence when a request continues (``q_start > 0``)
+        from another length than the one its caches hold, or on a state slot another request
+        wrote since; the planning layer's own checks name the field otherwise.
+        """
+        if not seqs:
+            raise ValueError("seqs is empty: a step needs at least one sequence")
+        for i, s in enumerate(seqs):
+            if not isinstance(s, HybridSeq):
+                raise TypeError(f"seqs[{i}] must be a HybridSeq, got {type(s).__name__}")
+            if s.q_start > 0:
+                held = self._cached_len.get(s.request_id)
+                if held != s.q_start or self._owner.get(s.state_id) != s.request_id:
+                    raise ValueError(
+                        f"seqs[{i}] (request {s.request_id}): q_start = {s.q_start} but its "
+                        f"caches hold {held} tokens in state slot {s.state_id} (owner "
+                        f"{self._owner.get(s.state_id)}); restart it with q_start = 0"
+                    )
+        step = PlannedStep(self, seqs, positions)
+        for s in seqs:
+            self._cached_len[s.request_id] = s.q_start + s.seqlen_q
+            self._owner[s.state_id] = s.request_id
+        return step
+
+    def free(self, request_id: int) -> None:
+        """Forget a request (its slots go back to the engine's cache manager)."""
+        self._cached_len.pop(request_id, None)
+        for sid in [k for k, v in self._owner.items() if v == request_id]:
+            del self._owner[sid]

@@ -1,0 +1,311 @@
+"""``PlannedStep``: one step of the planned hybrid family (``HybridStepContext``).
+
+How each call maps onto the plan (``meta`` = the step's ``InputMetadata``, ``r`` a ratio,
+``key = str(r)``):
+
+``compress_windows(layer, name, kv, gate)``
+    ``kvplan.plan.compressor_state`` for ``(r, overlap)``: ``expand_window_index`` turns its
+    O(entries) ``window_facts`` into ``[E, R]`` sources in ``[state ring | step rows]``; the
+    windows are gathered from the layer's fp32 state ring and the step's rows (CSA: the
+    first ``r`` rows take the "Ca" half, the last ``r`` the "Cb" half), then the step's rows
+    are written into the ring at ``slot_mapping_store_state`` (read before write).
+``store_entries(layer, name, entries)``
+    ``store_kv_cache`` into the layer's pool of ``name`` at ``slot_mapping_store_ca[key]`` of
+    the entries' plan rows (prompt: ``cu_compressed_seqlens_q[key][i] + j - q_start // r``;
+    decode: the query row that closes the window). ``positions_c[key]`` of those rows is
+    ``j * r`` (``check=True`` verifies it).
+``attend(layer, q, kv, sinks, scale, ...)``
+    prompt: ``load_paged_kv_cache`` of the ring through ``load_segments_swa`` (``total_k_swa``
+    rows), THEN ``store_kv_cache`` of ``kv`` at ``slot_mapping_store_swa``; the buffer is
+    ``[history | this chunk]`` and ``kv_swa_full_index`` (``expand_swa_index`` of the pivots)
+    indexes it. Compressed layers load their pool through ``load_segments_ca[key]``
+    (``total_k_compressed[key]`` rows); HCA reads ``kv_ca_index[key]`` (``expand_kv_ca_index``
+    of ``kv_ca_index_offset_len``); CSA loads the indexer pool through the same segments,
+    scores the candidates ``[ks, ke)`` and keeps the top-k rows. ``kv_index_cat`` appends the
+    compressed index behind the SWA one (``base`` = rows of the SWA buffer).
+    decode: ``store_kv_cache`` first; ``kv_swa_index`` (``expand_swa_index_decode``) are ring
+    slots; HCA ``kv_ca_index[key]`` (``expand_kv_ca_index_decode`` through ``block_tables``)
+    are pool slots; CSA candidates ``0 .. klen - 1`` and the chosen top-k become pool slots
+    through ``convert_kv_index``. Slots are read with ``load_paged_kv_cache`` (one segment per
+    slot, built on the device) and joined with ``kv_index_cat``.
+    Attention: ``sparse_attention.sink_attention`` over the joined buffer and index.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvplan.backends.hybrid.api import SERIES_NAMES, CompressWindows, HybridSeq
+from kvplan.backends.hybrid.sparse_attention import indexer_topk, sink_attention
+from kvplan.ops import convert_kv_index, kv_index_cat
+from kvplan.plan.common import exclusive_cumsum, num_new_compressed
+from kvplan.plan.compressor_state import expand_window_index, plan_compressor_state
+from kvplan.plan.config import ratio_key
+from kvplan.plan.sequence import SequenceMetadata
+
+if TYPE_CHECKING:
+    from kvplan.backends.hybrid.planned import PlannedHybridFamily
+
+
+class _StateStep:
+    """Device tensors of one ``(ratio, overlap)`` compressor-state plan."""
+
+    def __init__(self, step: PlannedStep, ratio: int, overlap: bool) -> None:
+        fam, dev = step.family, step.family.device
+        plan = plan_compressor_state(step.seq_meta, ratio, overlap)
+        self.plan = plan
+        self.ring_rows = fam.config.num_state_slots * plan.state_rows
+        facts = torch.from_numpy(plan.window_facts).to(dev)
+        self.window_index = expand_window_index(facts, plan.state_rows, self.ring_rows).long()
+        store = plan.slot_mapping_store_state
+        self.store_rows = torch.from_numpy(
+            np.where(store >= 0, store, self.ring_rows).astype(np.int64)
+        ).to(dev)
+        self.positions = torch.from_numpy(plan.positions).to(dev)
+        self.entry_index = torch.from_numpy(plan.entry_index).to(dev)
+        self.seq_index = torch.from_numpy(plan.entry_seq).to(dev)
+        rows = step.entry_plan_rows(ratio, plan.entry_seq, plan.entry_index)
+        key = ratio_key(ratio)
+        self.slots = step.meta.slot_mapping_store_ca[key][torch.from_numpy(rows).to(dev)]
+        if fam.check:
+            step.check_entry_rows(ratio, rows, plan.positions)
+
+
+class PlannedStep:
+    """One step of :class:`~kvplan.backends.hybrid.planned.PlannedHybridFamily` (see the
+    module docstring). ``meta`` is the step's ``InputMetadata``; ``traces[layer]`` holds
+    ``(rows, index)`` of the last ``attend`` when the family traces."""
+
+    def __init__(self, family: PlannedHybridFamily, seqs: list[HybridSeq], positions) -> None:
+        from kvplan.plan import prepare_decode, prepare_decode_on_device, prepare_prompt
+
+        self.family = family
+        cfg = family.config
+        self.seqs = seqs
+        self.q_start = np.array([s.q_start for s in seqs], dtype=np.int64)
+        self.seqlen_q = np.array([s.seqlen_q for s in seqs], dtype=np.int64)
+        self.cu_q = exclusive_cumsum(self.seqlen_q)
+        self.num_rows = int(self.cu_q[-1])
+        if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (self.num_rows,):
+            got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else positions
+            raise ValueError(f"positions must be a tensor of shape ({self.num_rows},), got {got}")
+        self.positions = positions
+        self.is_prompt = bool((self.seqlen_q > 1).any())
+        self.seq_meta = [
+            SequenceMetadata(
+                seqlen_q=s.seqlen_q,
+                seqlen_k=s.q_start + s.seqlen_q,
+                block_table=s.block_table,
+                state_id=s.state_id,
+                token_ids=s.token_ids if self.is_prompt else s.token_ids[: s.q_start + 1],
+            )
+            for s in seqs
+        ]
+        if self.is_prompt:
+            meta = prepare_prompt(self.seq_meta, cfg)
+        elif family.decode_builder == "device":
+            meta = prepare_decode_on_device(self.seq_meta, cfg)
+        else:
+            meta = prepare_decode(self.seq_meta, cfg)
+        self.meta = meta.compute_attn_info(cfg, check=family.check)
+        self.max_seqlen_k = int((self.q_start + self.seqlen_q).max())
+        self.traces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._states: dict[tuple[int, bool], _StateStep] = {}
+        self._windows_done: set[tuple[int, str]] = set()
+        self._stored: set[tuple[int, str]] = set()
+
+    # ---- host facts ---------------------------------------------------------------------
+    def entry_plan_rows(self, ratio: int, entry_seq: np.ndarray, entry_index: np.ndarray):
+        """Row of each closing entry in ``positions_c[key]`` / ``slot_mapping_store_ca[key]``
+        (int64 ``[E]``; see the module docstring)."""
+        qs = self.q_start[entry_seq]
+        if self.is_prompt:
+            sk = self.q_start + self.seqlen_q
+            _, rows = num_new_compressed(self.seqlen_q, sk, ratio)
+            return exclusive_cumsum(rows)[entry_seq] + entry_index - qs // ratio
+        return self.cu_q[entry_seq] + (entry_index + 1) * ratio - 1 - qs
+
+    def check_entry_rows(self, ratio: int, rows: np.ndarray, positions: np.ndarray) -> None:
+        """The plan stores exactly the closing entries, at ``positions_c = j * r``."""
+        key = ratio_key(ratio)
+        pos_c = self.meta.positions_c[key].cpu().numpy()
+        slots = self.meta.slot_mapping_store_ca[key].cpu().numpy()
+        written = np.flatnonzero(slots != -1)
+        if not np.array_equal(written, np.sort(rows)) or not np.array_equal(pos_c[rows], positions):
+            raise AssertionError(
+                f"ratio {ratio}: plan stores rows {written.tolist()} at {pos_c[written].tolist()}"
+                f", closing entries are rows {rows.tolist()} at {positions.tolist()}"
+            )
+
+    def _state(self, ratio: int, overlap: bool) -> _StateStep:
+        key = (ratio, overlap)
+        if key not in self._states:
+            self._states[key] = _StateStep(self, ratio, overlap)
+        return self._states[key]
+
+    def _spec(self, layer_idx: int, name: str | None = None):
+        layers = self.family.layers
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+            raise TypeError(f"layer_idx must be an int, got {layer_idx!r}")
+        if not 0 <= layer_idx < len(layers):
+            raise ValueError(f"layer_idx = {layer_idx} outside [0, {len(layers)})")
+        spec = layers[layer_idx]
+        if name is not None:
+            if spec.kind == "sliding_attention":
+                raise ValueError(f"layer {layer_idx} is a sliding layer: it has no {name!r}")
+            allowed = SERIES_NAMES if spec.overlap else SERIES_NAMES[:1]
+            if name not in allowed:
+                raise ValueError(f"layer {layer_idx} ({spec.kind}) series must be in {allowed}")
+        return spec
+
+    def _rows(self, label: str, t: torch.Tensor, width: int) -> None:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (self.num_rows, width):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{label} must have shape ({self.num_rows}, {width}), got {got}")
+
+    # ---- HybridStepContext ----------------------------------------------------------------
+    def compress_windows(
+        self, layer_idx: int, name: str, kv: torch.Tensor, gate: torch.Tensor
+    ) -> CompressWindows:
+        spec = self._spec(layer_idx, name)
+        width, r = spec.series_width(name), spec.ratio
+        k = 2 if spec.overlap else 1
+        self._rows("kv", kv, k * width)
+        self._rows("gate", gate, k * width)
+        if (layer_idx, name) in self._windows_done:
+            raise ValueError(f"compress_windows({layer_idx}, {name!r}) called twice in a step")
+        self._windows_done.add((layer_idx, name))
+        st = self._state(r, spec.overlap)
+        kv_ring, gate_ring = self.family.caches[layer_idx].state[name]
+        idx = st.window_index  # [E, R]
+        in_ring = (idx < st.ring_rows)[..., None]
+        ring_idx = idx.clamp(0, st.ring_rows - 1)
+        step_idx = (idx - st.ring_rows).clamp(0, self.num_rows - 1)
+        empty = (idx < 0)[..., None]
+        wkv = torch.where(in_ring, kv_ring[ring_idx], kv.float()[step_idx])
+        wgate = torch.where(in_ring, gate_ring[ring_idx], gate.float()[step_idx])
+        wkv = wkv.masked_fill(empty, 0.0)
+        wgate = wgate.masked_fill(empty, float("-inf"))
+        if spec.overlap:  # rows 0..r-1: "Ca" of the previous window; r..2r-1: "Cb"
+            wkv = torch.cat([wkv[:, :r, :width], wkv[:, r:, width:]], dim=1)
+            wgate = torch.cat([wgate[:, :r, :width], wgate[:, r:, width:]], dim=1)
+        # read before write: this step's rows replace older ones in the ring
+        kv_ring.index_copy_(0, st.store_rows, kv.float())
+        gate_ring.index_copy_(0, st.store_rows, gate.float())
+        return CompressWindows(
+            kv=wkv.to(kv.dtype),
+            gate=wgate.to(gate.dtype),
+            positions=st.positions,
+            entry_index=st.entry_index,
+            seq_index=st.seq_index,
+        )
+
+    def store_entries(self, layer_idx: int, name: str, entries: torch.Tensor) -> None:
+        spec = self._spec(layer_idx, name)
+        st = self._state(spec.ratio, spec.overlap)
+        width = spec.series_width(name)
+        if not isinstance(entries, torch.Tensor) or tuple(entries.shape) != (
+            st.plan.num_entries,
+            width,
+        ):
+            got = tuple(entries.shape) if isinstance(entries, torch.Tensor) else entries
+            raise ValueError(
+                f"entries must have shape ({st.plan.num_entries}, {width}) (the windows "
+                f"compress_windows returned), got {got}"
+            )
+        self.family.caches[layer_idx].pools[name].store(entries, st.slots)
+        self._stored.add((layer_idx, name))
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+        *,
+        index_q: torch.Tensor | None = None,
+        index_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        spec = self._spec(layer_idx)
+        self._rows("kv", kv, spec.head_dim)
+        if q.dim() != 3 or q.shape[0] != self.num_rows or q.shape[2] != spec.head_dim:
+            raise ValueError(
+                f"q must have shape ({self.num_rows}, H, {spec.head_dim}), got {tuple(q.shape)}"
+            )
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(f"sinks must have shape ({q.shape[1]},), got {tuple(sinks.shape)}")
+        compressed = spec.kind != "sliding_attention"
+        if compressed:
+            needed = SERIES_NAMES if spec.overlap else SERIES_NAMES[:1]
+            missing = [n for n in needed if (layer_idx, n) not in self._stored]
+            if missing:
+                raise ValueError(f"layer {layer_idx}: store_entries({missing}) must precede attend")
+            if spec.overlap and (index_q is None or index_weights is None):
+                raise ValueError(f"layer {layer_idx} is CSA: index_q and index_weights are needed")
+        caches = self.family.caches[layer_idx]
+        meta = self.meta
+        if self.is_prompt:
+            hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa)
+            caches.ring.store(kv, meta.slot_mapping_store_swa)  # after the history load
+            rows = torch.cat([hist, caches.ring.roundtrip(kv)])
+            index = meta.kv_swa_full_index
+        else:
+            caches.ring.store(kv, meta.slot_mapping_store_swa)  # decode rows see themselves
+            rows = caches.ring.load_slots(meta.kv_swa_index)
+            index = _slot_rows(meta.kv_swa_index)
+        if compressed:
+            part = self._prompt_compressed if self.is_prompt else self._decode_compressed
+            c_rows, c_index = part(spec, caches, index_q, index_weights)
+            index = kv_index_cat(index, c_index, rows.shape[0], check=self.family.check)
+            rows = torch.cat([rows, c_rows])
+        if self.family.trace:
+            self.traces[layer_idx] = (rows, index)
+        return sink_attention(q, rows, index, sinks, scale)
+
+    # ---- compressed parts ---------------------------------------------------------------
+    def _prompt_compressed(self, spec, caches, index_q, index_weights):
+        key, meta = ratio_key(spec.ratio), self.meta
+        segs, total = meta.load_segments_ca[key], meta.total_k_compressed[key]
+        rows = caches.pools["compressor"].load(segs, total)
+        width = self.max_seqlen_k // spec.ratio  # most entries any row of the step sees
+        if not spec.overlap:
+            return rows, meta.kv_ca_index[key][:, :width]
+        keys_buf = caches.pools["indexer"].load(segs, total)
+        ks, klen = meta.ks[key].long(), meta.klen[key]
+        col = torch.arange(width, device=ks.device)[None, :]
+        cand = torch.where(col < klen.long()[:, None], ks[:, None] + col, 0)
+        local = indexer_topk(index_q, index_weights, keys_buf[cand], klen, spec.top_k)
+        index = torch.where(local >= 0, ks[:, None] + local, -1).to(torch.int32)
+        return rows, index
+
+    def _decode_compressed(self, spec, caches, index_q, index_weights):
+        key, meta = ratio_key(spec.ratio), self.meta
+        width = self.max_seqlen_k // spec.ratio
+        if not spec.overlap:
+            slots = meta.kv_ca_index[key][:, :width]
+            return caches.pools["compressor"].load_slots(slots), _slot_rows(slots)
+        tpb = self.family.config.tokens_per_block(spec.ratio)
+        klen = meta.klen[key]
+        col = torch.arange(width, dtype=torch.int32, device=klen.device)[None, :]
+        cand = torch.where(col < klen[:, None], col, -1).to(torch.int32).contiguous()
+        bt, check = meta.block_tables, self.family.check
+        slots = convert_kv_index(cand, bt, klen, tpb, out=torch.empty_like(cand), check=check)
+        keys = (
+            caches.pools["indexer"]
+            .load_slots(slots)
+            .view(self.num_rows, width, spec.index_head_dim)
+        )
+        chosen = indexer_topk(index_q, index_weights, keys, klen, spec.top_k)  # entries j
+        slots = convert_kv_index(chosen, bt, klen, tpb, check=check)
+        return caches.pools["compressor"].load_slots(slots), _slot_rows(slots)
+
+
+def _slot_rows(slots: torch.Tensor) -> torch.Tensor:
+    """Index of ``load_slots(slots)``'s rows: ``t * K + k`` where ``slots[t, k] != -1``."""
+    num, width = slots.shape
+    rows = torch.arange(num * width, dtype=torch.int32, device=slots.device).view(num, width)
+    return torch.where(slots >= 0, rows, -1).to(torch.int32)

@@ -1,0 +1,184 @@
+"""Paged row storage of the planned hybrid family: one KV cache tensor and its byte format.
+
+Every write goes through ``kvplan.ops.store_kv_cache`` and every read through
+``kvplan.ops.load_paged_kv_cache``; this module only chooses the format and converts rows
+to and from what those ops take and return.
+
+Formats (``kv_format`` of :class:`~kvplan.backends.hybrid.planned.PlannedHybridFamily`):
+
+* ``"exact"``: rows keep the model dtype. ``store_kv_cache`` takes BF16 only, so an fp32 row
+  of ``C`` values is stored bit for bit as ``bf16_format(2 * C)`` (its fp32 bytes viewed as
+  ``2C`` BF16 halves; BF16 caches are byte copies) and viewed back as fp32 after the load; a
+  BF16 model stores ``bf16_format(C)``.
+* ``"fp8"``: main rows (SWA ring, compressed entries) e4m3 with one UE8M0 scale per 32 values,
+  token-interleaved and dequantized on load (``V41_FORMAT`` itself when ``C == 512``); the
+  indexer keys in an index layout (``index_format``: ``"mxfp8"`` = ``MXFP8_INDEX_KV_FORMAT``,
+  ``"fp8_fp32sf"`` = ``FP8_FLOAT32_SF_INDEX_KV_FORMAT``, ``"fp4"`` = ``FP4_INDEX_KV_FORMAT``,
+  themselves when ``C == 128``, the same layout at other widths).
+* ``"fp4"``: main rows e2m1 with one e4m3 scale per 16 values (``V41_FP4_FORMAT`` layout);
+  indexer keys as with ``"fp8"`` (default ``"fp4"``).
+
+Quantized formats quantize the BF16 rounding of the row (``store_kv_cache``'s input).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvplan import quant
+from kvplan.formats import (
+    FP4_INDEX_KV_FORMAT,
+    FP8_FLOAT32_SF_INDEX_KV_FORMAT,
+    MXFP8_INDEX_KV_FORMAT,
+    V41_FORMAT,
+    V41_FP4_FORMAT,
+    KVCacheFormat,
+    alloc_kv_cache,
+    bf16_format,
+)
+from kvplan.ops import load_paged_kv_cache, store_kv_cache
+
+KV_FORMATS = ("exact", "fp8", "fp4")
+INDEX_FORMATS = ("mxfp8", "fp8_fp32sf", "fp4")
+
+_MAIN = {"fp8": V41_FORMAT, "fp4": V41_FP4_FORMAT}
+_INDEX = {
+    "mxfp8": MXFP8_INDEX_KV_FORMAT,
+    "fp8_fp32sf": FP8_FLOAT32_SF_INDEX_KV_FORMAT,
+    "fp4": FP4_INDEX_KV_FORMAT,
+}
+
+
+def _resized(base: KVCacheFormat, width: int, base_width: int) -> KVCacheFormat:
+    """``base``'s layout at ``width`` elements (itself when ``width == base_width``). A format
+    with one scale per row (``elements_per_sf == base_width``) keeps one scale per row."""
+    if width == base_width:
+        return base
+    per_sf = width if base.elements_per_sf == base_width else base.elements_per_sf
+    return KVCacheFormat(
+        base.quantized_dtype, width, per_sf, 0, base.do_cast, base.sf_format,
+        f"{base.note.split(':')[0]} layout at x{width}", base.token_interleaved,
+    )  # fmt: skip
+
+
+def exact_format(width: int, dtype: torch.dtype) -> KVCacheFormat:
+    """The exact layout of a ``width``-wide row of ``dtype`` (see the module docstring)."""
+    return bf16_format(width if dtype == torch.bfloat16 else 2 * width)
+
+
+def main_format(kv_format: str, width: int, dtype: torch.dtype) -> KVCacheFormat:
+    """Layout of the SWA ring and compressed entries for ``kv_format``."""
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+    if kv_format == "exact":
+        return exact_format(width, dtype)
+    return _resized(_MAIN[kv_format], width, 512)
+
+
+def index_format(
+    kv_format: str, index_kind: str | None, width: int, dtype: torch.dtype
+) -> KVCacheFormat:
+    """Layout of the indexer's compressed keys (``index_kind`` None: ``"mxfp8"`` for fp8,
+    ``"fp4"`` for fp4; exact rows for ``"exact"``)."""
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+    if kv_format == "exact":
+        if index_kind is not None:
+            raise ValueError(f"index_format={index_kind!r} needs a quantized kv_format")
+        return exact_format(width, dtype)
+    kind = index_kind or ("fp4" if kv_format == "fp4" else "mxfp8")
+    if kind not in INDEX_FORMATS:
+        raise ValueError(f"index_format must be one of {INDEX_FORMATS}, got {kind!r}")
+    return _resized(_INDEX[kind], width, 128)
+
+
+class PagedRows:
+    """One paged cache of ``width``-wide rows: ``alloc_kv_cache(num_blocks, block_size,
+    layout)``, slots ``block * block_size + offset``.
+
+    ``store(rows, slots)`` / ``load(segments, total_k)`` / ``load_slots(slots)`` take and
+    return float rows ``[n, width]`` (fp32 out); ``roundtrip(rows)`` is what a store and a
+    load give back (the quantize-dequantize of the format).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        layout: KVCacheFormat,
+        width: int,
+        *,
+        device: torch.device,
+        check: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.width = width
+        self.block_size = block_size
+        self.check = check
+        self.cache = alloc_kv_cache(num_blocks, block_size, layout, device=device)
+        self.cache.zero_()
+        # fp32 rows carried as BF16 halves (exact layout of a non-BF16 model)
+        self.fp32_bits = not layout.is_quantized and layout.bf16_elements == 2 * width
+
+    def _to_cache_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.fp32_bits:
+            return rows.to(torch.float32).contiguous().view(torch.bfloat16)
+        return rows.to(torch.bfloat16).contiguous()
+
+    def _from_loaded(self, out) -> torch.Tensor:
+        if self.fp32_bits:
+            return out.view(torch.float32)
+        if self.layout.do_cast or not self.layout.is_quantized:
+            return out.float()
+        return dequantize_index(out, self.layout).float()
+
+    def store(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``rows [n, width]`` into ``slots`` (int32 ``[n]``, -1 skips)."""
+        store_kv_cache(self._to_cache_rows(rows), self.cache, slots, layout=self.layout,
+                       check=self.check)  # fmt: skip
+
+    def load(self, segments: torch.Tensor, total_k: int) -> torch.Tensor:
+        """fp32 ``[total_k, width]`` loaded by a load plan (zero rows for ``-1`` blocks)."""
+        out = load_paged_kv_cache(self.cache, segments, total_k, layout=self.layout,
+                                  check=self.check)  # fmt: skip
+        return self._from_loaded(out)
+
+    def load_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[N, width]``: row ``i`` is slot ``slots[i]`` (zeros for ``-1``), loaded by
+        a plan of one segment per slot built on the device."""
+        flat = slots.reshape(-1).to(torch.int32)
+        n = flat.shape[0]
+        live = flat >= 0
+        offset = torch.where(live, flat % self.block_size, 0)
+        segs = torch.stack(
+            [
+                torch.where(live, flat // self.block_size, -1),
+                offset,
+                offset + 1,
+                torch.arange(n, dtype=torch.int32, device=flat.device),
+            ],
+            dim=1,
+        ).to(torch.int32)
+        return self.load(segs, n)
+
+    def roundtrip(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 rows as ``store`` + ``load`` would return them (no cache is touched)."""
+        x = self._to_cache_rows(rows)
+        if self.fp32_bits:
+            return x.view(torch.float32)
+        if not self.layout.is_quantized:
+            return x.float()
+        values, scales = quant.quantize(x.reshape(x.shape[0], -1), self.layout)
+        return quant.dequantize(values, scales, self.layout).float()
+
+
+def dequantize_index(loaded, layout: KVCacheFormat) -> torch.Tensor:
+    """BF16 ``[n, elements]`` from ``load_paged_kv_cache``'s raw output of an index layout
+    (``LoadedIndexKV``: values plus UE8M0 scales packed 4 per int32, or fp32 / e4m3 scales)."""
+    values, scales = loaded
+    n = values.shape[0]
+    v = values.view(torch.uint8).reshape(n, -1)
+    s = scales.reshape(n, -1).contiguous().view(torch.uint8).reshape(n, -1)
+    if layout.sf_format == "ue8m0":
+        s = s[:, : layout.num_scales]
+    return quant.dequantize(v, s.contiguous(), layout)
