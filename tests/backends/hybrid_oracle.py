@@ -62,9 +62,10 @@ def qdq(rows: torch.Tensor, layout: KVCacheFormat | None) -> torch.Tensor:
         return rows.float()
     n = rows.shape[0]
     cache = alloc_kv_cache(1, n, layout)
-    store_kv_cache(rows.to(torch.bfloat16), cache, torch.arange(n, dtype=torch.int32))
+    slots = torch.arange(n, dtype=torch.int32)
+    store_kv_cache(rows.to(torch.bfloat16), cache, slots, layout=layout)
     segs = torch.tensor([[0, 0, n, 0]], dtype=torch.int32)
-    return load_paged_kv_cache(cache, segs, n).float()
+    return load_paged_kv_cache(cache, segs, n, layout=layout).float()
 
 
 @dataclass

@@ -1,0 +1,128 @@
+"""Quantized KV formats of PlannedHybridFamily: the layouts (V41 / index formats at their native
+widths, the same layouts at other widths), and equality with the oracle whose stored rows pass
+through the same quantize-dequantize."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hybrid_oracle import Driver, qdq
+from test_hybrid_planned import CSA, HCA, SLIDING, make_family, schedules
+
+from kvplan.backends.hybrid.storage import PagedRows, exact_format, index_format, main_format
+from kvplan.formats import (
+    FP4_INDEX_KV_FORMAT,
+    FP8_FLOAT32_SF_INDEX_KV_FORMAT,
+    MXFP8_INDEX_KV_FORMAT,
+    V41_FORMAT,
+    V41_FP4_FORMAT,
+    bf16_format,
+)
+
+
+def test_native_widths_are_the_seed_formats() -> None:
+    assert main_format("fp8", 512, torch.bfloat16) is V41_FORMAT
+    assert main_format("fp4", 512, torch.float32) is V41_FP4_FORMAT
+    assert index_format("fp8", None, 128, torch.float32) is MXFP8_INDEX_KV_FORMAT
+    assert index_format("fp8", "fp8_fp32sf", 128, torch.float32) is FP8_FLOAT32_SF_INDEX_KV_FORMAT
+    assert index_format("fp4", None, 128, torch.float32) is FP4_INDEX_KV_FORMAT
+    assert main_format("exact", 64, torch.float32) == bf16_format(128)
+    assert exact_format(64, torch.bfloat16) == bf16_format(64)
+
+
+def test_other_widths_keep_the_layout() -> None:
+    f = main_format("fp8", 64, torch.float32)
+    assert (f.quantized_dtype, f.elements, f.elements_per_sf, f.sf_format) == (
+        "e4m3",
+        64,
+        32,
+        "ue8m0",
+    )
+    assert f.do_cast and f.token_interleaved and f.bytes_per_token == 66
+    f = main_format("fp4", 64, torch.float32)
+    assert (f.quantized_dtype, f.elements_per_sf, f.sf_format, f.bytes_per_token) == (
+        "e2m1", 16, "e4m3", 36,
+    )  # fmt: skip
+    f = index_format("fp8", "fp8_fp32sf", 32, torch.float32)
+    assert (f.elements_per_sf, f.sf_format, f.do_cast, f.bytes_per_token) == (32, "fp32", False, 36)
+    f = index_format("fp8", "fp4", 32, torch.float32)
+    assert (f.quantized_dtype, f.elements_per_sf, f.bytes_per_token) == ("e2m1", 32, 17)
+    with pytest.raises(ValueError, match="kv_format"):
+        main_format("int8", 64, torch.float32)
+    with pytest.raises(ValueError, match="index_format"):
+        index_format("fp8", "int4", 64, torch.float32)
+    with pytest.raises(ValueError, match="needs a quantized kv_format"):
+        index_format("exact", "mxfp8", 64, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["exact", "fp8", "fp4"])
+@pytest.mark.parametrize("index_kind", [None, "mxfp8", "fp8_fp32sf", "fp4"])
+def test_paged_rows_roundtrip(kind: str, index_kind: str | None) -> None:
+    """store + load (plan and per-slot) return ``roundtrip``; exact rows keep every fp32 bit."""
+    if kind == "exact" and index_kind is not None:
+        return
+    gen = torch.Generator().manual_seed(3)
+    for layout in (main_format(kind, 48, torch.float32),
+                   index_format(kind, index_kind, 48, torch.float32)):  # fmt: skip
+        rows = PagedRows(5, 4, layout, 48, device=torch.device("cpu"), check=True)
+        x = torch.randn(6, 48, generator=gen) * 3
+        slots = torch.tensor([4, 5, 19, 7, -1, 8], dtype=torch.int32)
+        rows.store(x, slots)
+        want = rows.roundtrip(x)
+        got = rows.load_slots(torch.tensor([[4, 5, 19], [7, -1, 8]], dtype=torch.int32))
+        keep = torch.tensor([0, 1, 2, 3, 5])
+        assert torch.equal(got[keep], want[keep]) and torch.equal(got[4], torch.zeros(48))
+        segs = torch.tensor([[1, 0, 2, 0], [-1, 0, 1, 2], [4, 3, 4, 3]], dtype=torch.int32)
+        loaded = rows.load(segs, 4)
+        assert torch.equal(loaded[[0, 1, 3]], want[[0, 1, 2]])
+        if kind == "exact":
+            assert torch.equal(want, x)
+        else:
+            assert not torch.equal(want, x)
+            if layout.do_cast:  # the oracle's scratch-cache path gives the same rows
+                assert torch.equal(qdq(x, layout), want)
+
+
+@pytest.mark.parametrize(
+    "kv_format,index_kind", [("fp8", None), ("fp8", "fp8_fp32sf"), ("fp4", None), ("fp8", "fp4")]
+)
+@pytest.mark.parametrize("name", ["chunked", "mixed", "restart"])
+def test_quantized_equals_oracle(kv_format: str, index_kind: str | None, name: str) -> None:
+    rng = np.random.default_rng(len(name))
+    fam, oracle = make_family([CSA, HCA, SLIDING], 5, 8, kv_format=kv_format,
+                              index_format=index_kind)  # fmt: skip
+    drv = Driver(fam, oracle, seed=11, atol=2e-5, rtol=2e-5)
+    for step in schedules(rng)[name]:
+        drv.step([drv.seq(e[0], e[1], e[2], bool(e[3]) if len(e) > 3 else False) for e in step])
+
+
+def test_quantized_differs_from_exact() -> None:
+    """The quantized family is not the exact one: the same inputs give other outputs."""
+    rng = np.random.default_rng(0)
+    steps = schedules(rng)["chunked"][:3]
+    outs = []
+    for kv_format in ("exact", "fp8"):
+        fam, oracle = make_family([HCA], 5, 8, kv_format=kv_format, trace=False)
+        drv = Driver(fam, oracle, seed=5, atol=2e-5, rtol=2e-5)
+        captured = []
+        original = fam.plan
+
+        def plan(seqs, positions, _orig=original, _cap=captured):
+            ctx = _orig(seqs, positions)
+            attend = ctx.attend
+
+            def rec(*a, **k):
+                out = attend(*a, **k)
+                _cap.append(out)
+                return out
+
+            ctx.attend = rec
+            return ctx
+
+        fam.plan = plan
+        for step in steps:
+            drv.step([drv.seq(*e) for e in step])
+        outs.append(torch.cat(captured))
+    assert not torch.allclose(outs[0], outs[1], atol=1e-4)
+    assert torch.allclose(outs[0], outs[1], atol=0.5)
