@@ -259,7 +259,8 @@ class Driver:
         rid, pos = rid_rows(seqs)
         num = len(pos)
         tags = torch.tensor([tag(int(a), int(b)) for a, b in zip(rid, pos, strict=True)])
-        ctx = fam.plan(seqs, torch.from_numpy(pos).long())
+        dev = fam.device
+        ctx = fam.plan(seqs, torch.from_numpy(pos).long().to(dev))
         kv = {}
         proj = {}
         for layer, spec in enumerate(self.layers):
@@ -276,7 +277,9 @@ class Driver:
             if spec.kind != "sliding_attention":
                 names = ("compressor", "indexer") if spec.overlap else ("compressor",)
                 for name in names:
-                    got = ctx.compress_windows(layer, name, *proj[(layer, name)])
+                    pkv, pgate = proj[(layer, name)]
+                    got = ctx.compress_windows(layer, name, pkv.to(dev), pgate.to(dev))
+                    got = type(got)(*(x.cpu() for x in got))
                     wkv, wgate, wpos, js, si = oracle.windows(seqs, layer, name)
                     torch.testing.assert_close(got.kv, wkv, atol=0, rtol=0)
                     torch.testing.assert_close(got.gate, wgate, atol=0, rtol=0)
@@ -287,7 +290,7 @@ class Driver:
                     if name == "compressor":
                         for e, (j, i) in enumerate(zip(js, si, strict=True)):
                             entries[e, 0] = -tag(seqs[i].request_id, j)
-                    ctx.store_entries(layer, name, entries)
+                    ctx.store_entries(layer, name, entries.to(dev))
                     oracle.store_entries(seqs, layer, name, js, si, entries)
                 if spec.overlap:
                     index_q = self._randn(num, spec.num_index_heads, spec.index_head_dim)
@@ -296,13 +299,15 @@ class Driver:
             q[..., 0] = 0.0
             scale = spec.head_dim**-0.5
             sinks = self.sinks[layer]
-            out = ctx.attend(layer, q, kv[layer], sinks, scale, index_q=index_q,
-                             index_weights=index_w)  # fmt: skip
+            iq, iw = (None, None) if index_q is None else (index_q.to(dev), index_w.to(dev))
+            out = ctx.attend(layer, q.to(dev), kv[layer].to(dev), sinks.to(dev), scale,
+                             index_q=iq, index_weights=iw).cpu()  # fmt: skip
             ref, visible = oracle.attend(seqs, layer, q, sinks, scale, index_q, index_w)
             assert out.dtype == q.dtype and out.shape == q.shape
             torch.testing.assert_close(out, ref, atol=self.atol, rtol=self.rtol)
             if fam.trace:
-                self._check_visible(ctx.traces[layer], rid, visible, layer)
+                rows, index = ctx.traces[layer]
+                self._check_visible((rows.cpu(), index.cpu()), rid, visible, layer)
 
     def _check_visible(self, trace, rid, visible, layer) -> None:
         rows, index = trace

@@ -19,12 +19,13 @@ MAX_LEN = 96
 
 
 def make_family(kinds, window, hca_ratio, *, kv_format="exact", index_format=None,
-                decode_builder="eager", trace=True, **kw):  # fmt: skip
+                decode_builder="eager", trace=True, device="cpu", ring_size=None,
+                **kw):  # fmt: skip
     layers = make_layers(kinds, window, {CSA: 4, HCA: hca_ratio}, **kw)
     fam = PlannedHybridFamily(
         layers, block_size=16, num_blocks=64, num_state_slots=8, max_model_len=MAX_LEN,
         kv_format=kv_format, index_format=index_format, decode_builder=decode_builder,
-        check=True, trace=trace and kv_format == "exact",
+        check=True, trace=trace and kv_format == "exact", device=device, ring_size=ring_size,
     )  # fmt: skip
     main = None if kv_format == "exact" else kv_format
     index = (
@@ -111,6 +112,27 @@ def test_random_schedule_device_decode_builder(seed: int) -> None:
             steps.append(step)
     drv = run(fam, oracle, steps, seed=seed)
     assert drv.rows_checked > 100
+
+
+def test_ring_larger_than_window() -> None:
+    rng = np.random.default_rng(9)
+    fam, oracle = make_family([SLIDING, CSA, HCA], 4, 8, ring_size=7)
+    drv = run(fam, oracle, schedules(rng)["mixed"], seed=9)
+    assert fam.config.swa_block_size == 7 and drv.rows_checked > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["exact", "fp8", "fp4"])
+@pytest.mark.parametrize("name", ["chunked", "mixed", "restart"])
+def test_planned_equals_oracle_cuda(kv_format: str, name: str) -> None:
+    """The same equality on CUDA: Triton store / load / index kernels, decode metadata from
+    ``prepare_decode_on_device`` (the oracle stays on the CPU)."""
+    rng = np.random.default_rng(3)
+    fam, oracle = make_family([SLIDING, CSA, HCA], 5, 8, kv_format=kv_format, device="cuda",
+                              decode_builder="auto")  # fmt: skip
+    assert fam.decode_builder == "device"
+    tol = 1e-5 if kv_format == "exact" else 2e-5
+    run(fam, oracle, schedules(rng)[name], seed=3, atol=tol, rtol=tol)
 
 
 def test_wrong_continuation_is_refused() -> None:
