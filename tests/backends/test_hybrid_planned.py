@@ -91,9 +91,10 @@ def test_planned_equals_oracle(name: str, layer_set: int) -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_random_schedule_device_decode_builder(seed: int) -> None:
     """Random mixes of prefill chunks and decode rows; decode steps planned by
-    ``prepare_decode_on_device`` (torch backend on CPU)."""
+    ``prepare_decode_on_device`` (torch backend on CPU); HCA ratios 4, 8, 16."""
     rng = np.random.default_rng(100 + seed)
-    fam, oracle = make_family([CSA, HCA, SLIDING], int(rng.integers(2, 7)), 8,
+    hca_ratio = (4, 8, 16)[seed]  # 4: one ratio both dense and sparse
+    fam, oracle = make_family([CSA, HCA, SLIDING], int(rng.integers(2, 7)), hca_ratio,
                               decode_builder="device", top_k=int(rng.integers(1, 5)))  # fmt: skip
     lengths = {rid: int(rng.integers(10, 40)) for rid in range(3)}
     done = {rid: 0 for rid in lengths}
@@ -183,3 +184,12 @@ def test_config_mapping() -> None:
             make_layers([HCA], 4, {HCA: 32}), block_size=16, num_blocks=4, num_state_slots=2,
             max_model_len=32,
         )  # fmt: skip
+
+
+def test_plan_store_rows_are_checked() -> None:
+    """``check=True`` refuses metadata whose compressed store rows are not the closing entries."""
+    fam, _ = make_family([HCA], 4, 8, trace=False)
+    ctx = fam.plan([drv_seq(fam)], torch.arange(8))
+    ctx.meta.positions_c["8"][0] = 16
+    with pytest.raises(AssertionError, match="closing entries"):
+        ctx.compress_windows(0, "compressor", torch.zeros(8, 32), torch.zeros(8, 32))
