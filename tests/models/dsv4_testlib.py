@@ -29,7 +29,8 @@ def hf_config(seed: int, **overrides) -> tf.DeepseekV4Config:
     num_layers = rng.choice((3, 4))
     kinds = list(KINDS) + [rng.choice(KINDS)] * (num_layers - 3)
     rng.shuffle(kinds)
-    mlp = ["hash_moe" if i < rng.choice((1, 2)) else "moe" for i in range(num_layers)]
+    num_hash = rng.choice((1, 2))
+    mlp = ["hash_moe" if i < num_hash else "moe" for i in range(num_layers)]
     kw = dict(
         vocab_size=96,
         hidden_size=32,

@@ -285,9 +285,15 @@ class DeepseekV4Config:
             prf = rope_dim / head_dim if rope_dim is not None else 64 / 512
         rope_theta = float(d.get("rope_theta", 10000.0))
         compress_theta = float(d.get("compress_rope_theta", 160000.0))
-        main_rope, compress_rope = _ropes(
-            d.get("rope_parameters") or {}, rope_theta, compress_theta
-        )
+        rope_params = d.get("rope_parameters") or {}
+        for label in ("main", "compress"):
+            sub = rope_params.get(label)
+            if isinstance(sub, dict) and sub.get("partial_rotary_factor", prf) != prf:
+                raise ValueError(
+                    f"rope_parameters[{label!r}].partial_rotary_factor "
+                    f"({sub['partial_rotary_factor']}) differs from partial_rotary_factor ({prf})"
+                )
+        main_rope, compress_rope = _ropes(rope_params, rope_theta, compress_theta)
         return cls(
             vocab_size=int(d.get("vocab_size", 129280)),
             hidden_size=int(d.get("hidden_size", 4096)),
