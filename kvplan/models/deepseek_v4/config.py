@@ -16,6 +16,8 @@ Surprising Hugging Face details this config reproduces:
 * ``n_shared_experts`` is not a width multiplier: HF builds one shared MLP of
   ``moe_intermediate_size`` whatever the count (we accept only 1);
 * ``norm_topk_prob`` is ignored: the routed weights are always renormalised;
+* ``scoring_func`` ``"softmax"`` is named in HF's docstring but has no activation there (HF
+  fails on it); only ``sqrtsoftplus`` and ``sigmoid`` are accepted;
 * YaRN's ``truncate`` is read from the *top-level* ``rope_parameters`` (which only holds
   ``main`` / ``compress``), so it is always True; a flat (non-nested) ``rope_parameters`` gets
   ``attention_factor = 1.0`` forced onto its YaRN ``compress`` table, a nested one computes it

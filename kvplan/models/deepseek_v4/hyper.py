@@ -3,7 +3,7 @@
 A block's residual state is ``s [T, n, hidden]`` (``n = hc_mult``; the embedding is copied to
 every stream). Before a block (attention or MoE) a `HyperConnection` reads all streams::
 
-    f        = RMSNorm(s.flatten(1)) @ fn^T                 # [T, (2 + n) * n], fp32, unweighted
+    f        = RMSNorm(s.flatten(1)) @ fn^T      # [T, (2+n)*n], fp32, unweighted, rms_norm_eps
     pre      = sigmoid(f[:n] * scale[0] + base[:n]) + eps               # [T, n]
     post     = 2 * sigmoid(f[n:2n] * scale[1] + base[n:2n])             # [T, n]
     comb     = softmax_row(f[2n:] * scale[2] + base[2n:]) + eps         # [T, n, n]

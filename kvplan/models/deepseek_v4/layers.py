@@ -8,6 +8,8 @@ pairing *adjacent* channels ``(2i, 2i+1)`` with frequency ``inv_freq[i]``::
 
 Because K = V, the attention output carries the keys' rotation; the model undoes it by
 applying the same table with ``-sin`` at the *query* position (`apply_rope(..., inverse=True)`).
+As in Hugging Face, ``cos`` / ``sin`` are rounded to the activation dtype before the fp32
+rotation, and the unweighted RMSNorm multiplies in the activation dtype.
 """
 
 from __future__ import annotations
