@@ -169,3 +169,20 @@ def test_reference_family_rejects_bad_steps():
                    index_q=torch.zeros(1, 8, 8), index_weights=torch.zeros(1, 8))  # fmt: skip
     family.free(0)
     assert family.num_tokens(0) == 0
+
+
+@torch.no_grad()
+def test_logits_indices_select_rows():
+    cfg = DeepseekV4Config.from_hf(hf_config(1))
+    model = init_random(DeepseekV4ForCausalLM(cfg), seed=2, std=0.1)
+    ids = torch.tensor(random_tokens(6, 11))
+    pos = torch.arange(11)
+    seq = [HybridSeq(0, 0, 11, ids.tolist(), (), 0)]
+    full = model(ids, pos, ReferenceHybridFamily(cfg.layer_specs()).plan(seq, pos))
+    picked = model(
+        ids, pos, ReferenceHybridFamily(cfg.layer_specs()).plan(seq, pos), torch.tensor([10, 3])
+    )
+    assert picked.shape == (2, cfg.vocab_size) and picked.dtype == torch.float32
+    torch.testing.assert_close(picked, full[[10, 3]])
+    with pytest.raises(TypeError, match="input_ids"):
+        model(ids.int(), pos, None)
