@@ -1,0 +1,104 @@
+"""DeepSeek-V4 attention: low-rank q, one shared K=V head, sinks, grouped output projection.
+
+Per step (flat rows ``[T]``), with ``x`` the normalised block input ``[T, hidden]``::
+
+    q_res = RMSNorm_w(q_a_proj(x))                       # [T, q_lora_rank]
+    q     = RoPE(RMSNorm(q_b_proj(q_res) per head))      # [T, H, D] (unweighted norm)
+    kv    = RoPE(RMSNorm_w(kv_proj(x)))                  # [T, D], key = value
+    CSA / HCA: compressor (and CSA's indexer) -> ctx.compress_windows / ctx.store_entries
+    o     = ctx.attend(q, kv, sinks, D^-0.5, ...)        # [T, H, D]
+    o     = RoPE^-1(o) at the query position             # undo the values' rotation
+    out   = o_b_proj(o_a_proj per group(o))              # [T, hidden]
+
+RoPE acts on the trailing ``rope_head_dim`` channels; sliding layers use the "main" table,
+CSA / HCA layers the "compress" table for everything (queries, raw rows, entries, indexer).
+The grouped ``o_a_proj`` splits the ``H * D`` output into ``o_groups`` contiguous groups and
+projects each with its own ``[o_lora_rank, H*D/g]`` block of the weight ``[g*o_lora_rank,
+H*D/g]`` (group ``i`` uses rows ``i*o_lora_rank .. (i+1)*o_lora_rank - 1``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvplan.backends.hybrid.api import HybridStepContext
+from kvplan.models.deepseek_v4.compressor import Compressor, Indexer
+from kvplan.models.deepseek_v4.config import DeepseekV4Config
+from kvplan.models.deepseek_v4.layers import Rope, apply_rope, rms_norm, unweighted_rms_norm
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal linear: ``[T, g * n]`` -> ``[T, g * m]`` with weight ``[g * m, n]``."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xg = x.unflatten(-1, (self.groups, -1)).transpose(0, 1)  # [g, T, n]
+        w = self.weight.unflatten(0, (self.groups, -1))  # [g, m, n]
+        return torch.bmm(xg, w.transpose(1, 2)).transpose(0, 1).flatten(1)  # [T, g*m]
+
+
+class DeepseekV4Attention(nn.Module):
+    """One attention layer of kind ``config.layer_types[layer_idx]``."""
+
+    def __init__(self, config: DeepseekV4Config, layer_idx: int, rope: Rope) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.kind = c.layer_types[layer_idx]
+        self.num_heads, self.head_dim, self.eps = c.num_heads, c.head_dim, c.rms_norm_eps
+        self.rope = rope
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_norm = nn.Parameter(torch.ones(c.q_lora_rank, dtype=torch.float32))
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
+        self.kv_proj = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+        self.kv_norm = nn.Parameter(torch.ones(c.head_dim, dtype=torch.float32))
+        in_per_group = c.num_heads * c.head_dim // c.o_groups
+        self.o_a_proj = GroupedLinear(in_per_group, c.o_groups * c.o_lora_rank, c.o_groups)
+        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32))
+        ratio = c.ratio(layer_idx)
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if self.kind != "sliding_attention":
+            csa = self.kind == "compressed_sparse_attention"
+            self.compressor = Compressor(c.hidden_size, c.head_dim, ratio, csa, c.rms_norm_eps)
+        if self.kind == "compressed_sparse_attention":
+            self.indexer = Indexer(
+                c.hidden_size,
+                c.q_lora_rank,
+                c.index_n_heads,
+                c.index_head_dim,
+                ratio,
+                c.rms_norm_eps,
+            )
+
+    def forward(self, x: torch.Tensor, ctx: HybridStepContext) -> torch.Tensor:
+        """``x``: ``[T, hidden]`` (after ``input_layernorm``) -> ``[T, hidden]``."""
+        cos, sin = self.rope.cos_sin(ctx.positions, x.dtype)  # [T, R/2]
+        q_res = rms_norm(self.q_a_proj(x), self.q_a_norm, self.eps)
+        q = self.q_b_proj(q_res).unflatten(-1, (self.num_heads, self.head_dim))
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)  # [T, H, D]
+        kv = apply_rope(rms_norm(self.kv_proj(x), self.kv_norm, self.eps), cos, sin)  # [T, D]
+        index_q = index_weights = None
+        if self.compressor is not None:
+            self.compressor(x, ctx, self.layer_idx, "compressor", self.rope)
+        if self.indexer is not None:
+            index_q, index_weights = self.indexer(
+                x, q_res, ctx, self.layer_idx, self.rope, cos, sin
+            )
+        out = ctx.attend(
+            self.layer_idx,
+            q,
+            kv,
+            self.sinks.float(),
+            self.head_dim**-0.5,
+            index_q=index_q,
+            index_weights=index_weights,
+        )
+        out = apply_rope(out, cos, sin, inverse=True)  # [T, H, D]
+        return self.o_b_proj(self.o_a_proj(out.flatten(1)))

@@ -1,0 +1,118 @@
+"""The compressors (CSA / HCA KV entries, the indexer's keys) and the lightning indexer.
+
+A compressor projects every token to ``kv`` and ``gate`` (``[T, k*C]``; ``k = 2`` on CSA layers,
+whose two halves are the "Ca" and "Cb" series) and adds the learned position bias of the
+token's offset ``p % r`` inside its window. The hybrid family groups the rows into the windows
+that close in the step; `pool` turns each window ``[w, C]`` into one entry::
+
+    entry = RMSNorm( sum_rows softmax_rows(gate) * kv )      (per channel, softmax in fp32)
+    entry = RoPE_compress(entry, position = j * r)
+
+CSA rows ``0..r-1`` are the previous window's "Ca" half (zero kv / ``-inf`` gate before
+position 0, which gives them weight 0), rows ``r..2r-1`` this window's "Cb" half; the position
+bias is the one of each row's own token (Hugging Face adds it before splitting the halves).
+
+The indexer (CSA only) compresses its own ``index_head_dim``-wide keys the same way and scores
+entry ``j`` for a query ``t`` as ``sum_h w[t, h] * relu(q[t, h] . key_j)``, with
+``q = RoPE_compress(q_b(q_residual))`` (no norm) and ``w = weights_proj(x) / sqrt(Hi) /
+sqrt(Ci)``: Hugging Face scales ``relu(q . k)`` by ``Ci^-0.5`` and the weights by ``Hi^-0.5``;
+both are folded into ``index_weights`` here (a positive factor commutes with ``relu``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvplan.backends.hybrid.api import HybridStepContext
+from kvplan.models.deepseek_v4.layers import Rope, apply_rope, rms_norm
+
+
+def pool(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    positions: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    rope: Rope,
+) -> torch.Tensor:
+    """Pool windows into entries.
+
+    Args:
+        kv, gate: ``[E, w, C]`` (``gate`` already biased; ``-inf`` rows get weight 0).
+        positions: int64 ``[E]``, each entry's RoPE position (``j * r``).
+    Returns:
+        ``[E, C]`` in ``kv``'s dtype.
+    """
+    weights = gate.float().softmax(dim=1).to(kv.dtype)  # [E, w, C]
+    entries = rms_norm((kv * weights).sum(dim=1), norm_weight, eps)
+    cos, sin = rope.cos_sin(positions, entries.dtype)
+    return apply_rope(entries, cos, sin)
+
+
+class Compressor(nn.Module):
+    """One compressed series of a layer (``kv_proj``, ``gate_proj``, ``position_bias``,
+    ``kv_norm``); ``width`` is the entry width ``C``, ``overlap`` doubles the projections."""
+
+    def __init__(self, hidden: int, width: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        k = 2 if overlap else 1
+        self.ratio, self.width, self.eps = ratio, width, eps
+        self.kv_proj = nn.Linear(hidden, k * width, bias=False)
+        self.gate_proj = nn.Linear(hidden, k * width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, k * width, dtype=torch.float32))
+        self.kv_norm = nn.Parameter(torch.ones(width, dtype=torch.float32))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: HybridStepContext,
+        layer_idx: int,
+        name: str,
+        rope: Rope,
+    ) -> None:
+        """Project the step's rows ``x [T, hidden]``, pool the windows ``ctx`` closes and store
+        the entries back into ``ctx`` under series ``name``."""
+        kv = self.kv_proj(x)  # [T, k*C]
+        bias = self.position_bias[ctx.positions % self.ratio]  # [T, k*C] fp32
+        gate = self.gate_proj(x).float() + bias  # fp32, as the softmax runs in fp32
+        windows = ctx.compress_windows(layer_idx, name, kv, gate)
+        if windows.kv.shape[0] == 0:
+            entries = kv.new_zeros((0, self.width))
+        else:
+            entries = pool(
+                windows.kv, windows.gate, windows.positions, self.kv_norm, self.eps, rope
+            )
+        ctx.store_entries(layer_idx, name, entries)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of a CSA layer: its compressor, query and head weights."""
+
+    def __init__(
+        self, hidden: int, q_lora_rank: int, heads: int, width: int, ratio: int, eps: float
+    ) -> None:
+        super().__init__()
+        self.heads, self.width = heads, width
+        self.compressor = Compressor(hidden, width, ratio, overlap=True, eps=eps)
+        self.q_b_proj = nn.Linear(q_lora_rank, heads * width, bias=False)
+        self.weights_proj = nn.Linear(hidden, heads, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        ctx: HybridStepContext,
+        layer_idx: int,
+        rope: Rope,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's indexer keys; return ``index_q [T, Hi, Ci]`` and fp32
+        ``index_weights [T, Hi]`` (all scalings folded in)."""
+        self.compressor(x, ctx, layer_idx, "indexer", rope)
+        q = self.q_b_proj(q_residual).unflatten(-1, (self.heads, self.width))
+        q = apply_rope(q, cos, sin)
+        scale = (self.heads**-0.5) * (self.width**-0.5)
+        weights = self.weights_proj(x).float() * scale
+        return q, weights

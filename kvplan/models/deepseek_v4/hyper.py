@@ -1,0 +1,81 @@
+"""Manifold-constrained hyper-connections (mHC): ``hc_mult`` residual streams per token.
+
+A block's residual state is ``s [T, n, hidden]`` (``n = hc_mult``; the embedding is copied to
+every stream). Before a block (attention or MoE) a `HyperConnection` reads all streams::
+
+    f        = RMSNorm(s.flatten(1)) @ fn^T      # [T, (2+n)*n], fp32, unweighted, rms_norm_eps
+    pre      = sigmoid(f[:n] * scale[0] + base[:n]) + eps               # [T, n]
+    post     = 2 * sigmoid(f[n:2n] * scale[1] + base[n:2n])             # [T, n]
+    comb     = softmax_row(f[2n:] * scale[2] + base[2n:]) + eps         # [T, n, n]
+    comb     = Sinkhorn(comb): divide columns by their sums (+eps), then
+               hc_sinkhorn_iters - 1 rounds of (rows, then columns)
+    x        = sum_i pre[i] * s[i]                          # the block input
+    s'[k]    = post[k] * block(x) + sum_j comb[j, k] * s[j] # note: comb is used transposed
+
+After the last layer the `HyperHead` collapses the streams with its own ``pre`` weights
+(``sigmoid(f * hc_scale + hc_base) + eps``, ``f = RMSNorm(s.flatten) @ hc_fn^T``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvplan.models.deepseek_v4.layers import unweighted_rms_norm
+
+
+class HyperConnection(nn.Module):
+    """The mHC weights in front of one block (parameters kept in fp32)."""
+
+    def __init__(self, hidden: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, eps: float):
+        super().__init__()
+        n = hc_mult
+        self.n, self.iters, self.hc_eps, self.eps = n, sinkhorn_iters, hc_eps, eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``s [T, n, hidden]`` -> (``post`` fp32 ``[T, n]``, ``comb`` fp32 ``[T, n, n]``,
+        block input ``x [T, hidden]`` in ``s``'s dtype)."""
+        n = self.n
+        f = F.linear(unweighted_rms_norm(s.flatten(1).float(), self.eps), self.fn.float())
+        pre_w, post_w, comb_w = f.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        logits = comb_w.unflatten(-1, (n, n)) * self.scale[2] + comb_b.view(n, n)
+        comb = torch.softmax(logits, dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        x = (pre.unsqueeze(-1) * s).sum(dim=1).to(s.dtype)
+        return post, comb, x
+
+
+def hyper_residual(
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``s'[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * s[t, j]`` in ``s``'s dtype."""
+    dtype = s.dtype
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), s)  # [T, n, hidden]
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the ``n`` streams into one row per token."""
+
+    def __init__(self, hidden: int, hc_mult: int, hc_eps: float, eps: float) -> None:
+        super().__init__()
+        self.hc_eps, self.eps = hc_eps, eps
+        self.hc_fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(hc_mult, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        """``s [T, n, hidden]`` -> ``[T, hidden]`` in ``s``'s dtype."""
+        f = F.linear(unweighted_rms_norm(s.flatten(1).float(), self.eps), self.hc_fn.float())
+        pre = torch.sigmoid(f * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * s).sum(dim=1).to(s.dtype)

@@ -1,0 +1,115 @@
+"""The DeepSeek-V4 causal LM over a flat batch, attending through a hybrid family context.
+
+`DeepseekV4ForCausalLM.forward(input_ids, positions, ctx, logits_indices)` runs one engine
+step: rows ``[T]`` of every scheduled sequence back to back; the hybrid family's context
+``ctx`` (`kvplan.backends.hybrid.api.HybridStepContext`) owns every cache and decides what each
+row attends. Everything with weights runs here, token by token::
+
+    s = embed(input_ids) copied to hc_mult streams              # [T, n, hidden]
+    per layer:  s = mHC(s, attention(input_layernorm(.)))
+                s = mHC(s, moe(post_attention_layernorm(.), input_ids))
+    logits = lm_head(norm(hyper_head(s)))[logits_indices]       # fp32 [N, vocab]
+
+Example (one prompt through the reference family)::
+
+    model = init_random(DeepseekV4ForCausalLM(cfg), seed=0)
+    family = ReferenceHybridFamily(cfg.layer_specs())
+    ids = torch.tensor([5, 7, 9]); pos = torch.arange(3)
+    ctx = family.plan([HybridSeq(0, 0, 3, ids.tolist(), (), 0)], pos)
+    logits = model(ids, pos, ctx, torch.tensor([2]))          # [1, vocab]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvplan._checks import check_tensor
+from kvplan.backends.hybrid.api import HybridStepContext
+from kvplan.models.deepseek_v4.attention import DeepseekV4Attention
+from kvplan.models.deepseek_v4.config import DeepseekV4Config
+from kvplan.models.deepseek_v4.hyper import HyperConnection, HyperHead, hyper_residual
+from kvplan.models.deepseek_v4.layers import Rope, rms_norm
+from kvplan.models.deepseek_v4.moe import DeepseekV4MoE
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    """Attention and MoE blocks, each wrapped in its hyper-connection."""
+
+    def __init__(self, config: DeepseekV4Config, layer_idx: int, rope: Rope) -> None:
+        super().__init__()
+        c = config
+        self.eps = c.rms_norm_eps
+        self.self_attn = DeepseekV4Attention(c, layer_idx, rope)
+        self.mlp = DeepseekV4MoE(c, layer_idx)
+        self.input_layernorm = nn.Parameter(torch.ones(c.hidden_size, dtype=torch.float32))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(c.hidden_size, dtype=torch.float32))
+        hc = (c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def forward(
+        self, s: torch.Tensor, input_ids: torch.Tensor, ctx: HybridStepContext
+    ) -> torch.Tensor:
+        """``s``: ``[T, n, hidden]`` -> ``[T, n, hidden]``."""
+        post, comb, x = self.attn_hc(s)
+        a = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), ctx)
+        s = hyper_residual(s, post, comb, a)
+        post, comb, x = self.ffn_hc(s)
+        m = self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps), input_ids)
+        return hyper_residual(s, post, comb, m)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """DeepSeek-V4 (without its multi-token-prediction layers). Parameters start uninitialised
+    or at HF's constant defaults: fill them with `load_deepseek_v4` or `init_random`."""
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.main_rope = Rope(c.main_rope, c.rope_head_dim)
+        self.compress_rope = Rope(c.compress_rope, c.rope_head_dim)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV4DecoderLayer(c, i, self.main_rope if c.ratio(i) == 0 else self.compress_rope)
+            for i in range(c.num_layers)
+        )
+        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps)
+        self.norm = nn.Parameter(torch.ones(c.hidden_size, dtype=torch.float32))
+        self.lm_head = (
+            None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        )
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: HybridStepContext,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One step.
+
+        Args:
+            input_ids: int64 ``[T]`` token ids of the step's rows.
+            positions: int64 ``[T]`` absolute positions (the same tensor as ``ctx.positions``).
+            ctx: the hybrid family's context for this step.
+            logits_indices: int64 ``[N]`` rows whose logits to return (None = every row).
+        Returns:
+            fp32 logits ``[N, vocab]`` (``[T, vocab]`` when ``logits_indices`` is None).
+        """
+        dev = self.embed_tokens.weight.device
+        t = check_tensor("input_ids", input_ids, dtype=torch.int64, ndim=1, device=dev).shape[0]
+        check_tensor("positions", positions, dtype=torch.int64, shape=(t,), device=dev)
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        s = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, n, hidden]
+        for layer in self.layers:
+            s = layer(s, input_ids, ctx)
+        if logits_indices is not None:
+            check_tensor("logits_indices", logits_indices, dtype=torch.int64, ndim=1, device=dev)
+            s = s[logits_indices]
+        h = rms_norm(self.hc_head(s), self.norm, self.config.rms_norm_eps)
+        return torch.nn.functional.linear(h, self.head_weight()).float()
