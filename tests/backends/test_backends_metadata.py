@@ -13,8 +13,7 @@ from kvplan.backends import (
     VanillaAttentionMetadata,
     get_backend,
 )
-from kvplan.backends.host_arrays import as_lengths
-from kvplan.backends.ledger import (
+from kvplan.backends.block_tables import (
     check_allocated,
     decode_last_blocks,
     decode_token_slots,
@@ -24,6 +23,7 @@ from kvplan.backends.ledger import (
     new_token_slots,
     table_rows,
 )
+from kvplan.backends.lengths import as_lengths
 from kvplan.backends.staging import DeviceArena
 
 
