@@ -133,13 +133,14 @@ def _check_values(q, k_cache, page_ids, page_start, kv_lens, cu_seqlens_q) -> No
 def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
     """Split-K factor for decode: about ``2 * num_sms`` programs, >= 256 keys per split.
 
-    Measured on the H200 at batch 64 x 4K, 8 KV heads (512 programs, see
-    bench/RESULTS.md, paged attention): 1 split 0.269 ms, 2 splits 0.279, 4 splits 0.287,
-    8 splits 0.302 -- extra splits only add partials and a combine once the grid already
-    keeps every SM busy, so split only when the grid is small.
+    Extra splits only add partials and a combine once the grid already keeps every SM busy,
+    so the factor is > 1 only when ``batch * num_kv_heads`` programs are fewer than
+    ``2 * num_sms`` (``bench/bench_paged_attention.py`` sweeps it).
 
-    >>> default_num_splits(64, 8, 4096, 132)  # H200, the benchmark shape
+    >>> default_num_splits(64, 8, 4096, 132)  # 512 programs already fill 132 SMs
     1
+    >>> default_num_splits(2, 8, 4096, 132)  # 16 programs; at most 4096 // 256 splits
+    16
     """
     programs = max(batch * num_kv_heads, 1)
     splits = -(-2 * num_sms // programs)
@@ -307,9 +308,9 @@ def paged_attention_prefill_triton(
 ) -> Tensor:  # fmt: skip
     """Triton varlen prefill; same contract as :func:`paged_attention_prefill`.
 
-    Tiles default to 128 query rows x 64 keys, 8 warps, 3 stages for 16-bit caches (fastest
-    measured on the H200) and 64 x 64, 4 warps, 2 stages for fp32, whose 128-row tiles would
-    exceed the shared memory of a block at head_dim 256.
+    Tiles default to 128 query rows x 64 keys, 8 warps, 3 stages for 16-bit caches (the
+    fastest of ``bench/bench_paged_attention.py``'s sweep) and 64 x 64, 4 warps, 2 stages for
+    fp32, whose 128-row tiles would exceed the shared memory of a block at head_dim 256.
     """
     window = _check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
