@@ -18,7 +18,8 @@ expansion (all fields on the host), then with torch's staging (a fresh
 copy and of the expansion kernel (torch profiler). ``calls`` is the number of Python-level
 function calls (numpy/torch C functions and methods
 included, operators and slicing not) of one ``prepare()``, counted with cProfile outside the
-timed runs: on a slow host CPU each costs ~1-6 us, so it predicts ``prepare us`` there.
+timed runs: on a slow host CPU each call's fixed cost dominates, so it predicts ``prepare us``
+there (``bench/host_primitives.py`` measures the per-call costs).
 
     PYTHONPATH=. python3 bench/bench_prepare.py --out bench/results/bench_prepare.json
     PYTHONPATH=. python3 bench/bench_prepare.py --quick      # tiny, CPU-friendly
@@ -150,10 +151,10 @@ def timed_interleaved(fns: dict, iters: int, device, block: dict) -> dict:
     """Median microseconds of each ``fns[name]()``, sampled in interleaved rounds of blocks:
     a round runs ``block[name]`` calls of each function in turn, until each has ``iters``
     samples in all (``iters * block / block_ours`` for the slower ones). All of them see the
-    same host state over the run (a busy shared host drifts by 2x within seconds, and blocks
-    of one function then the other turned that drift into the ratio), while calls inside a
-    block run warm, as in a step loop. (Alternating single calls measures each right after
-    the others evicted its caches: 1.5-2x slower for ``prepare()``, see RESULTS.md.)"""
+    same host state over the run (a busy shared host drifts within seconds, and blocks of one
+    function then the other would turn that drift into the ratio), while calls inside a
+    block run warm, as in a step loop. (Alternating single calls would measure each right
+    after the others evicted its caches.)"""
     samples: dict = {name: [] for name in fns}
     rounds = max(1, iters // max(block.values()))
     for _ in range(rounds):

@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_prepare import baseline, make_batch, sample_us, step_ours  # noqa: E402
 
-import kvplan.backends.device_expand as device_expand  # noqa: E402
-import kvplan.backends.staging as staging  # noqa: E402
+import kvplan.backends.staging.arena as staging  # noqa: E402
+import kvplan.backends.staging.expand as device_expand  # noqa: E402
 from kvplan.backends import BACKEND_NAMES, get_backend  # noqa: E402
 
 COMMIT = staging.DeviceArena.commit

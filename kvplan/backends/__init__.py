@@ -6,6 +6,24 @@
 * ``"ragged"``        -- FlashInfer-style ragged page table (indices / indptr / last_page_len);
 * ``"block_offsets"`` -- TensorRT-LLM-style block-offset table
   ``[num_pools, max_batch, 2, max_blocks_per_seq]``.
+
+One step, top-down (host, then device)::
+
+    metadata.py              AttentionMetadata: set_step() / setters -> prepare():
+                             _prepare_common (checks, cu_seqlens, kv_lens), then
+    ragged.py (or vanilla.py, block_offsets.py)
+                             _prepare_backend: the backend's kernel format
+      paged_metadata.py        _step_rows: the batch's block-table rows, checked
+        block_tables.py          (numpy table math: slots, page lists, load plans)
+      staging/                 arena.begin / put / commit: ONE async H2D copy
+                               (arena.py, pinned_ring.py); expand.py: one kernel for
+                               the per-token slots and the ragged page list
+    base.py                  AttentionBackend.forward: store K/V, then _attend
+    page_table_attention.py  PageTableAttention._attend: md.paged_view(pool) ->
+                             attend_paged -> kvplan.ops.paged_attention (Triton)
+
+``lengths.py`` validates length vectors (int32, prefix sums); ``sparse.py`` holds the sparse
+hooks; ``page_table_check.py`` a ragged self-check; ``hybrid/`` the hybrid family's contract.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``AttentionBackend``: the per-layer object a model calls; ``forward`` = store, then attend.
 
-Semantics shared by all backends (what every output must equal, see DESIGN.md "Visibility"):
+Semantics shared by all backends (what every output must equal; the tests' dense reference):
 
 * self attention: the queries of sequence b are its last ``seq_lens[b]`` positions
   ``p = kv_lens[b] - seq_lens[b] + i``; query p sees keys ``max(0, p - W + 1) .. p`` (W = the
@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 
 from kvplan._checks import check_tensor
-from kvplan.backends.ledger import pool_of_layer
+from kvplan.backends.block_tables import pool_of_layer
 from kvplan.backends.metadata import AttentionMetadata
 from kvplan.backends.sparse import use_sparse_attention
 

@@ -34,7 +34,8 @@ graph is capturing; the generation segment's decode then reads ``block_ids_per_s
 
 fp8 caches (``kv_cache.is_quantized``, given at construction): ``prepare()`` also lists each
 row's first ``ceil(kv_lens / block_size)`` blocks (draft tokens included) as a load plan, and
-the forward reads a compact bf16 copy of just those pages (``kvplan.backends.paged``).
+the forward reads a compact bf16 copy of just those pages
+(``kvplan.backends.page_table_attention``).
 """
 
 from __future__ import annotations
@@ -43,27 +44,21 @@ import numpy as np
 import torch
 
 from kvplan._checks import check_int32
-from kvplan.backends.base import AttentionBackend
-from kvplan.backends.device_expand import DeviceExpander
-from kvplan.backends.host_arrays import SUM, as_int32_array
-from kvplan.backends.ledger import (
+from kvplan.backends.block_tables import (
     PerBatch,
-    batch_tables,
+    TableRows,
+    flat_page_index,
     gather_rows,
     logical_num_blocks,
+    page_load_plan,
 )
-from kvplan.backends.metadata import AttentionMetadata
-from kvplan.backends.paged import (
-    PagedSegment,
-    PagedView,
-    attend_page_table,
-    stage_page_loads,
-    stage_without_cache,
-)
-from kvplan.backends.staging import DeviceArena, to_device
+from kvplan.backends.lengths import SUM, as_int32_array
+from kvplan.backends.page_table_attention import PagedSegment, PagedView, PageTableAttention
+from kvplan.backends.paged_metadata import PagedMetadata
+from kvplan.backends.staging import DeviceArena, DeviceExpander, to_device
 
 
-class BlockOffsetsAttentionMetadata(AttentionMetadata):
+class BlockOffsetsAttentionMetadata(PagedMetadata):
     """Block-offset metadata (see the module docstring).
 
     Extra args:
@@ -112,7 +107,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         fields["cached"] = s  # the device expands a general step's slots from it
         fields.update({f"slots{p}": t for p in range(self._num_pools)})
         fields["block_offsets"] = self._num_pools * s * 2 * width
-        # fp8 caches: the step's pages in row order, a load plan per pool (kvplan.backends.paged)
+        # fp8 caches: the step's pages in row order, a load plan per pool (page_table_attention)
         self._load_pages = (
             self.kv_cache is not None and mgr is not None and self.kv_cache.is_quantized
         )
@@ -136,7 +131,8 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         self._rows_twice = PerBatch(lambda rows: rows.repeat(2))  # K and V rows of a row
         self._flat_arange = np.arange(s * width if self._load_pages else 0, dtype=np.int64)
         self.prompt_lens_cuda = self.arena.view("prompt_lens")
-        self._arange_tokens = torch.arange(t, dtype=torch.int32, device=dev)
+        # 0, 1, ...: the page ids of a context-only batch without a cache (device int32 [t])
+        self.token_arange = torch.arange(t, dtype=torch.int32, device=dev)
         self.qo_indptr = self.arena.view("qo_indptr")
         if enable_block_id_tables:
             self.kv_block_ids_per_seq = torch.zeros((s, width), dtype=torch.int32, device=dev)
@@ -184,7 +180,7 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             values["qo_indptr_gen"] = cu_q[nc:] - np.int32(self._num_ctx_tokens) if nc else cu_q
             if prompt is not None:  # prompt_lens_cuda is an arena view: staged with the rest
                 values["prompt_lens"] = prompt
-            stage_without_cache(self, values)
+            self._stage_context_only(values)
             return
         bs, width, num_pools = self._block_size, self.max_blocks_per_seq, self._num_pools
         extra = self.num_extra_kv_tokens
@@ -240,12 +236,30 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
             arena.put(host, "tok_page_start", q_rows * np.int32(row_span))
             arena.put(host, "tok_kv_lens", valid[q_rows])
         if self._load_pages:
-            self.num_loaded_pages = stage_page_loads(self, host, step.pools, num_pages, num_loaded)
+            self._stage_page_loads(host, step.pools, num_pages)
+            self.num_loaded_pages = num_loaded
         arena.commit()
         if on_device:
             self._expand_on_device()
         if self.enable_block_id_tables:
             self.prepare_block_id_tables()
+
+    def _stage_page_loads(self, host: np.ndarray, pools: list[TableRows], num_pages) -> None:
+        """fp8: the pages each row may read (``num_pages[b]`` = ``ceil(kv_lens /
+        block_size)``, draft tokens included), row by row, as a load plan per pool
+        (``load{p}``) plus their row starts (``page_start``, and ``tok_loaded_start`` for
+        cross attention), into this step's staging snapshot ``host``. The kernels then read
+        the compact cache through ``page_ids = arange`` and ``page_start``."""
+        arena, n = self.arena, num_pages.size
+        start = arena.out(host, "page_start", n + 1)
+        start[0] = 0
+        num_pages.cumsum(out=start[1:])
+        index = flat_page_index(pools[0].row_start, start, num_pages, self._flat_arange)
+        for p, rows in enumerate(pools):
+            pages = rows.flat.take(index, mode="clip")  # in range: rows own these columns
+            arena.put(host, f"load{p}", page_load_plan(pages, self._block_size))
+        if self._seq_lens_kv is not None:  # cross: each query token's row start
+            arena.put(host, "tok_loaded_start", start[self._arange[:n].repeat(self._seq_lens_np)])
 
     def _bind_expansion(self, expander: DeviceExpander, key: None) -> tuple:
         """A general step's slots from ``qo_indptr`` / ``cached`` and the table's K entries
@@ -268,8 +282,9 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         n, nc = self.num_seqs, self.num_contexts
         need = logical_num_blocks(self.kv_lens, self._block_size)
         width = int(need.max()) if n else 0
-        bt = batch_tables(self.kv_cache_manager, self.request_ids, beam_width=self.beam_width,
-                          num_contexts=nc, cross=self.is_cross)  # fmt: skip
+        bt = self.kv_cache_manager.batch_tables(
+            self.request_ids, self.beam_width, nc, cross=self.is_cross
+        )
         snap = to_device(gather_rows(bt, 0)[:, :width], self.device)
         self.kv_block_ids_per_seq.fill_(0)
         self.kv_block_ids_per_seq[:n, :width].copy_(snap)
@@ -332,11 +347,8 @@ class BlockOffsetsAttentionMetadata(AttentionMetadata):
         return PagedView(ctx, gen)
 
 
-class BlockOffsetsAttention(AttentionBackend):
+class BlockOffsetsAttention(PageTableAttention):
     """Paged kernels reading the block-offset table (see the module docstring)."""
 
     name = "block_offsets"
     Metadata = BlockOffsetsAttentionMetadata
-
-    def _attend(self, q, k, v, metadata, pool, out):
-        return attend_page_table(self, q, k, v, metadata, pool, out, metadata.num_loaded_pages)

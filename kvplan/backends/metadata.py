@@ -1,36 +1,33 @@
-"""The attention-metadata contract shared by every backend (seed 001, "AttentionMetadata").
+"""``AttentionMetadata``: the contract between the engine and the attention layers (seed 001).
 
-One ``AttentionMetadata`` object is the only hand-off between the scheduler/engine and the
-attention layers of one forward step. Its fields fall in three groups:
+One object is the only hand-off between the scheduler/engine and the attention layers of one
+forward step. Its fields fall in three groups:
 
 * capacity, fixed at construction: ``max_num_requests``, ``max_num_tokens``,
   ``max_num_sequences`` (rows after beam expansion). Every device buffer is allocated once at
   capacity and written in place, so CUDA graphs that recorded its address stay valid.
-* per-step shape: ``seq_lens`` (query tokens of each sequence this step; a CPU tensor and a
-  device copy written in place), ``num_contexts`` (context/prefill sequences come first),
-  ``beam_width`` (generation requests expand to that many rows). The derived counts
-  ``num_seqs``, ``num_generations``, ``num_ctx_tokens``, ``num_tokens`` are computed in the
-  setters (host values only), so the forward pass never has to sync or compute a
-  data-dependent shape.
-* the KV ledger: ``kv_cache_manager`` + ``request_ids`` (the keys to ask it for blocks; the
-  metadata never owns a block table between steps), ``num_cached_tokens_per_seq`` (tokens
-  already in the cache before this step), ``prompt_lens``, ``kv_cache`` (a ``KVCacheTensors``)
-  and ``layer_windows``.
+* per-step shape: ``seq_lens`` (query tokens of each sequence this step; an int32 CPU tensor
+  and a device copy written in place), ``seq_lens_kv`` (new K/V tokens, the very ``seq_lens``
+  object unless assigned), ``num_contexts`` (context/prefill sequences come first),
+  ``beam_width`` (generation requests expand to that many rows). Each setter validates its
+  value into a fresh int32 host array and refreshes the derived host counts ``num_seqs``,
+  ``num_generations``, ``num_ctx_tokens``, ``num_tokens``, ``num_kv_tokens``, so the forward
+  pass never syncs or computes a data-dependent shape.
+* the KV ledger: ``kv_cache_manager`` + ``request_ids`` (the keys ``prepare()`` uses to ask
+  it for block tables; the metadata never owns a block table between steps),
+  ``num_cached_tokens_per_seq`` (tokens in the cache before this step), ``prompt_lens``,
+  ``kv_cache`` (a ``KVCacheTensors``) and ``layer_windows``.
 
-Cross attention is encoded by object identity: ``seq_lens_kv`` returns the very ``seq_lens``
-object unless a separate tensor was assigned, and ``is_cross`` is ``seq_lens is not
-seq_lens_kv``. For cross attention ``seq_lens_kv[b]`` is the number of encoder tokens written
-this step (all of them on a context row, 0 on a generation row); the attended length is always
-``kv_lens = num_cached_tokens_per_seq + seq_lens_kv``, for self and cross attention alike.
+Cross attention is encoded by object identity: ``is_cross`` is ``seq_lens is not
+seq_lens_kv``. ``seq_lens_kv[b]`` is then the number of encoder tokens written this step (all
+of them on a context row, 0 on a generation row); the attended length is always ``kv_lens =
+num_cached_tokens_per_seq + seq_lens_kv``. An encoder-decoder step uses two metadata objects.
 
-An encoder-decoder step therefore uses two metadata objects: the self-attention one, and a
-cross one with the same ``seq_lens`` values and ``seq_lens_kv`` assigned.
-
-``prepare()`` is host work only (no device sync): the shared length math and checks
-(``_prepare_common``), then the backend gathers its kernel format from the manager's tables
-(``_step_rows``, ``KVCacheManager.batch_tables``) straight into the step's staging buffer and
-sends every field in ONE async copy (``DeviceArena``). A step whose rows each write one K/V
-token takes decode branches (``decode_fast_path``; tests hold them equal to the general path).
+One step: ``set_step(...)`` (or the setters, in any order), then ``prepare()``: host work only
+(no device sync). ``_prepare_common`` does the shared checks and length math, then the
+backend's ``_prepare_backend`` builds its kernel format (``paged_metadata.PagedMetadata``
+holds what the three backends share). A step whose rows each write one K/V token takes decode
+branches (``decode_fast_path``; tests hold them equal to the general path).
 
 Row layout of a batch with ``num_contexts = 2``, two generation requests and ``beam_width = 2``::
 
@@ -47,28 +44,12 @@ import numpy as np
 import torch
 
 from kvplan._checks import INT32_MAX
-from kvplan.backends.device_expand import DeviceExpander, expand_on_device_default
-from kvplan.backends.host_arrays import (
-    MAX,
-    IntArrayLike,
-    as_lengths,
-    exclusive_cumsum,
-)
-from kvplan.backends.ledger import (
-    StepRows,
-    block_column,
-    decode_last_blocks,
-    last_needed_blocks,
-    logical_num_blocks,
-    new_token_positions,
-    pool_rows,
-)
+from kvplan.backends.lengths import MAX, SUM, IntArrayLike, as_lengths, exclusive_cumsum
 from kvplan.backends.sparse import SparseMetadataParams, SparseRuntimeParams
-from kvplan.backends.staging import use_pinned
-from kvplan.backends.step_shape import StepShape
+from kvplan.backends.staging import copy_to, host_empty, use_pinned
 
 
-class AttentionMetadata(StepShape):
+class AttentionMetadata:
     """Per-step attention metadata; subclasses' ``prepare()`` build their kernel formats.
 
     Args:
@@ -89,22 +70,15 @@ class AttentionMetadata(StepShape):
 
         md = VanillaAttentionMetadata(max_num_requests=8, max_num_tokens=256,
                                       kv_cache_manager=mgr, kv_cache=kv)
-        md.request_ids = [7, 9]
-        md.num_contexts = 1
-        md.seq_lens = [5, 1]                 # 5 prompt tokens, 1 decode token
-        md.num_cached_tokens_per_seq = [0, 12]
-        md.prepare()                         # host math + staged H2D copies
+        md.set_step(request_ids=[7, 9], prompt_lens=None, num_cached_tokens_per_seq=[0, 12],
+                    seq_lens=[5, 1], num_contexts=1)   # 5 prompt tokens, 1 decode token
+        md.prepare()                         # host math + one staged H2D copy
         out = backend.forward(q, k, v, md)   # q: [6, H, D]
     """
 
     # take the decode branches of prepare() when a step writes one K/V token per row (tests
     # turn this off to hold them equal to the general path)
     decode_fast_path = True
-
-    # expand a step's per-token slots (and the ragged page list) on the device from per-row
-    # facts (``kvplan.backends.device_expand``); default: on when ``device`` is a GPU. False
-    # keeps every field on the host path (numpy), e.g. for A/B runs; tests hold both equal.
-    expand_on_device: bool
 
     def __init__(
         self,
@@ -144,39 +118,179 @@ class AttentionMetadata(StepShape):
         self.device = torch.device(device)
         self.is_cuda_graph = is_cuda_graph
         self.pinned = use_pinned(self.device)
-        self.expand_on_device = expand_on_device_default(self.device)
-        self._expander: DeviceExpander | None = None
-        self._expand_args: dict[Any, tuple] = {}  # _bind_expansion's key -> kernel arguments
         self.sparse_metadata_params = sparse_metadata_params
         self.sparse_runtime_params = SparseRuntimeParams()
-
-        # per-step ledger (plain host values)
+        # the KV ledger (plain host values)
         self.request_ids: list[int] = []
         self.prompt_lens: list[int] | None = None
         self.num_cached_tokens_per_seq: IntArrayLike | None = None
         self.beam_width = 1
-        self._init_step_shape()  # seq_lens, seq_lens_kv, num_contexts and derived counts
+        # per-step shape (the setters' state)
+        self._seq_lens: torch.Tensor | None = None  # made from _seq_lens_np on first read
+        self._seq_lens_set = False
+        self._seq_lens_np = np.zeros(0, np.int32)
+        self._seq_lens_all_ones = False
+        self._seq_lens_pending = False  # the device copy is behind the host value
+        self._seq_lens_kv: torch.Tensor | None = None
+        self._seq_lens_kv_np: np.ndarray | None = None
+        self._seq_lens_kv_total, self._seq_lens_kv_all_ones = 0, False
+        self._num_contexts = self._num_seqs = self._num_generations = 0
+        self._num_ctx_tokens: int | None = 0
+        self._num_tokens = self._num_kv_tokens = 0
+        # set by prepare()
         self.prepared = False
-        self.kv_lens_np = np.zeros(0, np.int32)
-        self.max_kv_len = 0
-        self.cached_np = np.zeros(0, np.int32)
+        self.num_requests = self.max_kv_len = self.num_cached_tokens = 0
+        self.kv_lens_np, self.cached_np = np.zeros(0, np.int32), np.zeros(0, np.int32)
         # whether this step's rows each hold one query token (cu_seqlens_q is an arange) and
-        # write one new K/V token (decode), set by _prepare_common()
-        self.one_query_per_row = False
-        self.one_kv_token_per_row = False
+        # write one new K/V token (decode)
+        self.one_query_per_row = self.one_kv_token_per_row = False
         # 0, 1, ..., as read-only int32 (cu_seqlens_q of a decode step, row numbers)
         self._arange = np.arange(max(max_num_sequences, max_num_tokens) + 1, dtype=np.int32)
         self._arange.flags.writeable = False
-        mgr = kv_cache_manager
-        self._block_size = 0 if mgr is None else int(mgr.block_size)
-        self._max_blocks_per_seq = 0 if mgr is None else int(mgr.max_blocks_per_seq)
-        self._num_pools = 1 if mgr is None else int(mgr.num_pools)
-        # each pool's table as TableRows (row b at rows[b] * max_blocks_per_seq), per batch
-        self._pools: list = []
-        self._pools_rows = self._pools_tables = None
-        self._row_last = np.zeros(0, np.int64)  # row_start - 1, per batch
         # device copy of seq_lens, allocated once at capacity and written in place
+        # (subclasses replace it by their arena's "seq_lens" field)
         self._seq_lens_gpu = torch.zeros(max_num_sequences, dtype=torch.int32, device=self.device)
+
+    # ---------------------------------------------------------------- one step's fields
+    def set_step(
+        self,
+        request_ids: list[int],
+        prompt_lens: list[int] | None,
+        num_cached_tokens_per_seq: IntArrayLike | None,
+        seq_lens: IntArrayLike,
+        num_contexts: int,
+    ) -> None:
+        """Set one step's per-step fields together (``seq_lens_kv`` and ``beam_width`` keep
+        their values); then call ``prepare()``. Same checks as the setters."""
+        self._check_num_contexts(num_contexts)
+        self.seq_lens = seq_lens  # validated first: a bad value changes nothing else
+        self.request_ids = request_ids
+        self.prompt_lens = prompt_lens
+        self.num_cached_tokens_per_seq = num_cached_tokens_per_seq
+        self._num_contexts = int(num_contexts)
+        self.on_update()
+
+    @property
+    def seq_lens(self) -> torch.Tensor | None:
+        """Query tokens of each sequence this step: int32 CPU tensor ``[num_seqs]``."""
+        if self._seq_lens is None and self._seq_lens_set:
+            # _seq_lens_np is a fresh array (as_lengths copies), never rewritten; the tensor
+            # is made on first read only (prepare() works on the numpy array)
+            self._seq_lens = torch.from_numpy(self._seq_lens_np)
+        return self._seq_lens
+
+    @seq_lens.setter
+    def seq_lens(self, value: IntArrayLike) -> None:
+        arr, total, all_ones = as_lengths("seq_lens", value)
+        if arr.size > self.max_num_sequences:
+            raise ValueError(
+                f"seq_lens has {arr.size} sequences, more than max_num_sequences="
+                f"{self.max_num_sequences}"
+            )
+        self._seq_lens = None
+        self._seq_lens_set = True
+        self._seq_lens_np = arr
+        # The device copy is written in place (never reallocated: a captured graph keeps
+        # reading the same address), but lazily: prepare() stages it with its other fields in
+        # one host-to-device copy; reading seq_lens_gpu before that copies it on the spot.
+        self._seq_lens_pending = True
+        self._seq_lens_all_ones = all_ones
+        self._num_tokens = total
+        self.on_update()
+
+    @property
+    def seq_lens_np(self) -> np.ndarray:
+        """Host copy of ``seq_lens``: int32 ``[num_seqs]`` (read-only by convention)."""
+        return self._seq_lens_np
+
+    @property
+    def seq_lens_gpu(self) -> torch.Tensor:
+        """Device copy of ``seq_lens``: int32 ``[num_seqs]`` view of a capacity buffer."""
+        if self._seq_lens_pending:
+            self._flush_seq_lens()
+        return self._seq_lens_gpu[: self._num_seqs]
+
+    # the seed's name for the same tensor
+    seq_lens_cuda = seq_lens_gpu
+
+    @property
+    def seq_lens_kv(self) -> torch.Tensor | None:
+        """KV tokens written this step per sequence; the ``seq_lens`` object itself unless set."""
+        return self.seq_lens if self._seq_lens_kv is None else self._seq_lens_kv
+
+    @seq_lens_kv.setter
+    def seq_lens_kv(self, value: IntArrayLike | None) -> None:
+        if value is None:
+            self._seq_lens_kv, self._seq_lens_kv_np = None, None
+        else:
+            arr, total, all_ones = as_lengths("seq_lens_kv", value)
+            self._seq_lens_kv = torch.from_numpy(arr)
+            self._seq_lens_kv_np = arr
+            self._seq_lens_kv_total, self._seq_lens_kv_all_ones = total, all_ones
+        self.on_update()
+
+    @property
+    def seq_lens_kv_np(self) -> np.ndarray:
+        """Host copy of ``seq_lens_kv``: int32 ``[num_seqs]``."""
+        return self._seq_lens_np if self._seq_lens_kv_np is None else self._seq_lens_kv_np
+
+    @property
+    def is_cross(self) -> bool:
+        """Cross attention iff ``seq_lens_kv`` is a different object from ``seq_lens`` (the
+        ``seq_lens_kv`` setter always stores a fresh tensor: exactly "one was assigned")."""
+        return self._seq_lens_kv is not None
+
+    @property
+    def num_contexts(self) -> int:
+        return self._num_contexts
+
+    @num_contexts.setter
+    def num_contexts(self, value: int) -> None:
+        self._check_num_contexts(value)
+        self._num_contexts = int(value)
+        self.on_update()
+
+    @staticmethod
+    def _check_num_contexts(value: int) -> None:
+        if not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"num_contexts must be an int >= 0, got {value!r}")
+
+    def on_update(self) -> None:
+        """Recompute the derived counts from host values (called by every shape setter)."""
+        self.prepared = False
+        nc = self._num_contexts
+        self._num_seqs = n = self._seq_lens_np.size
+        # (num_contexts may exceed the row count between two setter calls; prepare() checks)
+        self._num_ctx_tokens = None if nc else 0  # sum(seq_lens[:nc]), taken when first read
+        self._num_generations = max(0, n - nc)
+        # _num_tokens = sum(seq_lens) is kept by the seq_lens setter
+        kv = self._seq_lens_kv_np
+        self._num_kv_tokens = self._num_tokens if kv is None else self._seq_lens_kv_total
+
+    @property
+    def num_seqs(self) -> int:
+        return self._num_seqs
+
+    @property
+    def num_generations(self) -> int:
+        """Generation rows (after beam expansion)."""
+        return self._num_generations
+
+    @property
+    def num_ctx_tokens(self) -> int:
+        if self._num_ctx_tokens is None:  # (prepare() reads it off cu_seqlens_q instead)
+            self._num_ctx_tokens = int(SUM(self._seq_lens_np[: self._num_contexts]))
+        return self._num_ctx_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens this step (rows of q). Deviation from the seed: never the KV count."""
+        return self._num_tokens
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """New K/V rows this step (rows of k and v); equals ``num_tokens`` unless cross."""
+        return self._num_kv_tokens
 
     # ---------------------------------------------------------------- prepare
     def prepare(self) -> None:
@@ -190,6 +304,18 @@ class AttentionMetadata(StepShape):
         if self._seq_lens_pending:  # backends without an arena copy it on its own
             self._flush_seq_lens()
         self.prepared = True
+
+    def _flush_seq_lens(self) -> None:
+        """Copy ``seq_lens`` to its device buffer now, from a private (pinned) snapshot."""
+        arr = self._seq_lens_np
+        snapshot = host_empty(arr.size, torch.int32, self.pinned)
+        snapshot.numpy()[:] = arr
+        copy_to(self._seq_lens_gpu[: arr.size], snapshot)
+        self._seq_lens_pending = False
+
+    def prepare_encoder_only(self) -> None:
+        """Setup for a forward without a KV cache; defaults to the full ``prepare()``."""
+        self.prepare()
 
     def _prepare_backend(self) -> None:
         """The backend-specific part of ``prepare()`` (subclasses override)."""
@@ -207,8 +333,7 @@ class AttentionMetadata(StepShape):
         ``cached_np``; host ints), ``num_requests``, and the two decode flags
         ``one_query_per_row`` / ``one_kv_token_per_row``.
         """
-        n = self._num_seqs
-        nc = self._num_contexts
+        n, nc = self._num_seqs, self._num_contexts
         if not self._seq_lens_set:
             raise ValueError("seq_lens must be set before prepare()")
         if nc > n:
@@ -270,9 +395,8 @@ class AttentionMetadata(StepShape):
         self._kv_np = kv_np  # = seq_lens_kv_np, for the backends' prepare (no property call)
         self.kv_lens_np = kv_lens = cached + kv_np
         self.max_kv_len = int(MAX(kv_lens)) if n else 0
-        # one query token per row: cu_seqlens_q is an arange
         one_q = self.one_query_per_row = self._seq_lens_all_ones
-        if one_q:
+        if one_q:  # one query token per row: cu_seqlens_q is an arange
             self.cu_seqlens_q_np = self._arange[: n + 1]
         else:
             self.cu_seqlens_q_np = exclusive_cumsum(self._seq_lens_np, self._num_tokens)
@@ -283,85 +407,3 @@ class AttentionMetadata(StepShape):
         else:
             self.one_kv_token_per_row = self._seq_lens_kv_all_ones
             self.cu_seqlens_kv_np = exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
-
-    # what a backend's expansion writes besides the slots (``DeviceExpander`` flags)
-    _expand_slots64 = False
-    _expand_token_rows = False
-
-    def _expand_on_device(self, key: Any = None) -> None:
-        """Launch this step's device expansion over rows ``[0, num_seqs)``, after the
-        arena's copy. The kernel arguments come from ``_bind_expansion(expander, key)``, made
-        once per ``key`` (what they depend on beyond the fixed arena offsets)."""
-        args = self._expand_args.get(key)
-        if args is None:
-            if self._expander is None:
-                self._expander = DeviceExpander(
-                    self.arena.buffer, num_pools=self._num_pools,
-                    slots64=self._expand_slots64, token_rows=self._expand_token_rows,
-                )  # fmt: skip
-            args = self._expand_args[key] = self._bind_expansion(self._expander, key)
-        self._expander.launch(self._num_seqs, args)
-
-    def _bind_expansion(self, expander: DeviceExpander, key: Any) -> tuple:
-        """``expander.bind(...)`` of this backend's expansion (subclasses that expand)."""
-        raise NotImplementedError(f"{type(self).__name__} expands nothing on the device")
-
-    def _expands_tokens(self, decode: bool) -> bool:
-        """Whether the device expands this step's per-token slots: a general step (a decode
-        step's slots are O(rows) on the host) that is not cross attention (its K/V tokens
-        are not the queries' rows)."""
-        return self.expand_on_device and not decode and self._seq_lens_kv is None
-
-    def _step_rows(
-        self, *, decode: bool, extra_tokens: int = 0, per_token: bool = True
-    ) -> StepRows:
-        """The batch's block-table rows in every pool, checked, and where each new K/V token
-        goes (backends with a ``kv_cache_manager``; call after ``_prepare_common``).
-
-        Every row must own the blocks of its first ``kv_lens + extra_tokens`` tokens. On a
-        ``decode`` step (one new K/V token per row at position ``cached``; needs
-        ``extra_tokens == 0``) that is the block of the new token, gathered once per pool
-        (the slots follow from it); otherwise the last needed block of each row is checked
-        and the new tokens' positions and block indices are derived per token, unless
-        ``per_token`` is False (the device expands them; ``index``, ``in_block`` and
-        ``positions`` are then None).
-        """
-        bs, cached, n = self._block_size, self.cached_np, self._num_seqs
-        bt = self.kv_cache_manager.batch_tables(
-            self.request_ids, self.beam_width, self._num_contexts,
-            cross=self._seq_lens_kv is not None,
-        )  # fmt: skip
-        pools = self._pools
-        if bt.rows is not self._pools_rows or bt.tables is not self._pools_tables:
-            # per batch: the manager hands out the same arrays while the batch stays
-            start = bt.rows * self._max_blocks_per_seq  # int64 [n]
-            pools = self._pools = [pool_rows(bt, p, start) for p in range(self._num_pools)]
-            self._pools_rows, self._pools_tables = bt.rows, bt.tables
-            self._row_last = start - 1  # + blocks needed = flat index of a row's last block
-        if decode:
-            assert not extra_tokens, "a decode step's new token is each row's last"
-            column, in_block = block_column(cached, bs)
-            index = pools[0].row_start[:n] + column
-            max_column = (self.max_kv_len - 1) // bs
-            last = [decode_last_blocks(t, column, max_column, index=index) for t in pools]
-            column += 1  # blocks each row owns
-            return StepRows(bt, pools, column, index, in_block, cached, last)
-        lens = self.kv_lens_np + np.int32(extra_tokens) if extra_tokens else self.kv_lens_np
-        needed = logical_num_blocks(lens, bs)
-        what = "kv_lens (incl. num_extra_kv_tokens)" if extra_tokens else "kv_lens"
-        max_needed = -(-(self.max_kv_len + extra_tokens) // bs)
-        index = self._row_last[:n] + needed  # each row's last needed block, in every pool
-        for t in pools:
-            last_needed_blocks(t, needed, what, max_needed=max_needed, check_only=True, index=index)
-        if not per_token:
-            return StepRows(bt, pools, needed, None, None, None, None)
-        new_lens = self._kv_np
-        positions = new_token_positions(cached, self.cu_seqlens_kv_np, new_lens, self._arange)
-        column, in_block = block_column(positions, bs)
-        index = pools[0].row_start[:n].repeat(new_lens)
-        index += column
-        return StepRows(bt, pools, needed, index, in_block, positions, None)
-
-    def prepare_encoder_only(self) -> None:
-        """Setup for a forward without a KV cache; defaults to the full ``prepare()``."""
-        self.prepare()

@@ -15,13 +15,12 @@ math is numpy on the host (every consumer needs host values; a device computatio
 a sync per step); the device buffers are preallocated at capacity and filled by one staged copy.
 With ``expand_on_device`` (the default on a GPU) the host stages only per-row facts (the rows'
 block-table columns, ``indptr``, ``cached``) and one kernel writes ``paged_kv_indices`` and the
-per-token ``slots`` / ``positions`` / ``batch_indices`` (``kvplan.backends.device_expand``); the
-``*_np`` host copies of those are then recomputed with numpy on first read.
+per-token ``slots`` / ``positions`` / ``batch_indices`` (``kvplan.backends.staging.expand``);
+the ``*_np`` host copies of those are then recomputed with numpy on first read.
 
-Deviation from the issue text ("qo_indptr: device cumsum into a preallocated buffer"): the
-host already holds ``cu_seqlens_q`` (every backend needs it), so ``qo_indptr`` is staged with
-the other fields instead of a ``torch.cumsum`` launched after the copy: same values, same
-stable buffer, one kernel launch (several us of host time on the GPU host) less per step.
+``qo_indptr`` is staged from the host's ``cu_seqlens_q`` (every backend needs it) with the
+other fields rather than computed by a device cumsum after the copy: same values, same
+stable buffer, one kernel launch less per step.
 
 Addressable vs valid (seed 001): with ``use_full_generation_page_table`` the generation rows
 expose every reserved page (``max(logical, reserved)``) so a speculative append stays
@@ -37,7 +36,7 @@ logical blocks, exposed blocks and lengths after each ``prepare()``, reporting a
 fp8 caches (``kv_cache.is_quantized``, given at construction): ``prepare()`` also turns each
 pool's ``paged_kv_indices`` into a load plan; the forward dequantizes exactly those pages into
 a compact bf16 cache and the kernels read it through ``arange`` page ids with the same indptr
-(``kvplan.backends.paged``), with no device sync.
+(``kvplan.backends.page_table_attention``), with no device sync.
 """
 
 from __future__ import annotations
@@ -48,31 +47,28 @@ import numpy as np
 import torch
 
 from kvplan._checks import check_int32
-from kvplan.backends.base import AttentionBackend
-from kvplan.backends.device_expand import DeviceExpander
-from kvplan.backends.host_arrays import CUMSUM, MAX, SUM
-from kvplan.backends.ledger import flat_page_index, gather_rows, new_token_positions
-from kvplan.backends.metadata import AttentionMetadata
-from kvplan.backends.page_table_check import page_table_problems
-from kvplan.backends.paged import (
-    PagedSegment,
-    PagedView,
-    attend_page_table,
+from kvplan.backends.block_tables import (
+    flat_page_index,
+    gather_rows,
+    new_token_positions,
     page_load_plan,
-    stage_without_cache,
 )
-from kvplan.backends.staging import DeviceArena
+from kvplan.backends.lengths import CUMSUM, MAX, SUM
+from kvplan.backends.page_table_attention import PagedSegment, PagedView, PageTableAttention
+from kvplan.backends.page_table_check import page_table_problems
+from kvplan.backends.paged_metadata import PagedMetadata
+from kvplan.backends.staging import DeviceArena, DeviceExpander
 
 logger = logging.getLogger(__name__)
 
 
-class RaggedAttentionMetadata(AttentionMetadata):
+class RaggedAttentionMetadata(PagedMetadata):
     """Ragged page-table metadata (see the module docstring).
 
     Extra args:
         use_full_generation_page_table: expose reserved pages of generation rows.
-        check_page_table: run the self-check after each ``prepare()`` (a debug aid, ~10 us
-            per step at 256 sequences; off by default, on in the tests).
+        check_page_table: run the self-check after each ``prepare()`` (a debug aid: O(rows)
+            host work per step; off by default, on in the tests).
         page_table_check_budget: most self-check reports this object emits.
         check_kernel_inputs: let the kernels validate their inputs (a device sync; tests).
 
@@ -122,7 +118,7 @@ class RaggedAttentionMetadata(AttentionMetadata):
             fields[f"table{p}"] = s * width
         for p in range(self._num_pools):
             fields[f"indices{p}"] = s * width
-        # fp8 caches: per pool, a load plan of the step's pages (see kvplan.backends.paged)
+        # fp8 caches: per pool, a load plan of the step's pages (page_table_attention)
         self._load_pages = (
             self.kv_cache is not None and mgr is not None and self.kv_cache.is_quantized
         )
@@ -139,11 +135,17 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self.qo_indptr = self.arena.view("qo_indptr")  # [s + 1], staged from cu_seqlens_q
         self._flat_arange = np.arange(s * width, dtype=np.int64)  # int64: the take's index type
         self._positions_np = self._batch_indices_np = self._indices_np = None
-        self._arange_tokens = torch.arange(t, dtype=torch.int32, device=self.device)
+        # 0, 1, ...: the page ids of a context-only batch without a cache (device int32 [t])
+        self.token_arange = torch.arange(t, dtype=torch.int32, device=self.device)
 
     # device views -------------------------------------------------------------------
     def paged_kv_indices(self, pool: int = 0) -> torch.Tensor:
         return self.arena.view(f"indices{pool}")[: self._num_indices]
+
+    @property
+    def num_loaded_pages(self) -> int:
+        """Pages this step's fp8 load plans copy (= the page list's length; host int)."""
+        return self._num_indices
 
     @property
     def paged_kv_indptr(self) -> torch.Tensor:
@@ -185,8 +187,8 @@ class RaggedAttentionMetadata(AttentionMetadata):
         self._positions_np = self._batch_indices_np = self._indices_np = None
         mgr = self.kv_cache_manager
         if mgr is None:
-            stage_without_cache(
-                self, {"qo_indptr": self.cu_seqlens_q_np, "kv_lens": self.kv_lens_np}
+            self._stage_context_only(
+                {"qo_indptr": self.cu_seqlens_q_np, "kv_lens": self.kv_lens_np}
             )
             return
         bs, cross, num_pools = self._block_size, self.is_cross, self._num_pools
@@ -381,11 +383,8 @@ class RaggedAttentionMetadata(AttentionMetadata):
         return PagedView(ctx, gen)
 
 
-class RaggedAttention(AttentionBackend):
+class RaggedAttention(PageTableAttention):
     """Paged kernels reading the ragged page table (see the module docstring)."""
 
     name = "ragged"
     Metadata = RaggedAttentionMetadata
-
-    def _attend(self, q, k, v, metadata, pool, out):
-        return attend_page_table(self, q, k, v, metadata, pool, out, metadata._num_indices)

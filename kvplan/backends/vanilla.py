@@ -19,14 +19,13 @@ import torch.nn.functional as F
 
 from kvplan._checks import check_int32
 from kvplan.backends.base import AttentionBackend
-from kvplan.backends.device_expand import DeviceExpander
-from kvplan.backends.ledger import gather_rows
-from kvplan.backends.metadata import AttentionMetadata
+from kvplan.backends.block_tables import gather_rows
+from kvplan.backends.paged_metadata import PagedMetadata
 from kvplan.backends.sparse import use_sparse_attention
-from kvplan.backends.staging import DeviceArena
+from kvplan.backends.staging import DeviceArena, DeviceExpander
 
 
-class VanillaAttentionMetadata(AttentionMetadata):
+class VanillaAttentionMetadata(PagedMetadata):
     """Metadata for the vanilla backend (KV layout NHD).
 
     After ``prepare()``:
@@ -76,14 +75,7 @@ class VanillaAttentionMetadata(AttentionMetadata):
         self.sparse_blocks: list[np.ndarray] | None = None
         if self.kv_cache_manager is None:
             self.block_ids_per_seq, self.block_ids_per_seq_gpu, self._slots_gpu = [], [], []
-            if self._num_generations:
-                raise ValueError(
-                    "without a kv_cache_manager only context-only batches are supported, got "
-                    f"{self._num_generations} generation rows"
-                )
-            values: dict[str, np.ndarray] = {}
-            self._stage_seq_lens(values)
-            self.arena.stage(values)
+            self._stage_context_only({})
             return
         bs, width = self._block_size, self._max_blocks_per_seq
         n, k = self._num_seqs, self._num_kv_tokens

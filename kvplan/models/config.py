@@ -189,7 +189,7 @@ class ModelConfig:
 
 # Named random-weight configurations for tests and benchmarks.
 _NAMED: dict[str, ModelConfig] = {
-    # The 1.2B benchmark model (Llama 3.2 1B shapes).
+    # The engine benchmark's 1.2B model (Llama 3.2 1B shapes).
     "llama-1b": ModelConfig(
         vocab_size=128256,
         hidden_size=2048,

@@ -26,120 +26,25 @@ per-query loop used by tests. fp8 caches are not read here: dequantize them firs
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from kvplan._checks import INT32_MAX, check_range, check_same_device, check_tensor
 from kvplan.ops import _paged_attention_kernels as _k
 from kvplan.ops._dispatch import use_triton
-
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _check_attention_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_ids: torch.Tensor,
-    page_start: torch.Tensor,
-    kv_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | None,
-    scale: float,
-    sliding_window: int | None,
-    out: torch.Tensor | None,
-    check_values: bool,
-) -> int:
-    """Validate the arguments of either op and return the window as an int (NO_WINDOW = none)."""
-    check_tensor("q", q, dtype=FLOAT_DTYPES, ndim=3)
-    check_tensor("k_cache", k_cache, dtype=q.dtype, ndim=4)
-    check_tensor("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride on head_dim, got strides {t.stride()}")
-    check_tensor("page_ids", page_ids, dtype=torch.int32, ndim=1)
-    check_tensor("kv_lens", kv_lens, dtype=torch.int32, ndim=1)
-    batch = kv_lens.shape[0]
-    check_tensor("page_start", page_start, dtype=torch.int32, shape=(batch,))
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, page_ids=page_ids)
-    tensors.update(page_start=page_start, kv_lens=kv_lens)
-    if cu_seqlens_q is not None:
-        check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(batch + 1,))
-        tensors["cu_seqlens_q"] = cu_seqlens_q
-    elif q.shape[0] != batch:
-        raise ValueError(f"q has {q.shape[0]} rows but kv_lens has {batch} sequences")
-    if out is not None:
-        check_tensor("out", out, dtype=q.dtype, shape=tuple(q.shape))
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must have unit stride on head_dim, got strides {out.stride()}")
-        tensors["out"] = out
-    check_same_device(**tensors)
-    if not (isinstance(scale, float | int) and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
-    if page_ids.numel() > INT32_MAX:
-        raise ValueError(f"page_ids has {page_ids.numel()} entries, more than int32 can index")
-    if check_values and batch > 0:
-        _check_values(q, k_cache, page_ids, page_start, kv_lens, cu_seqlens_q)
-    return _k.NO_WINDOW if sliding_window is None else min(sliding_window, _k.NO_WINDOW)
-
-
-def _check_values(q, k_cache, page_ids, page_start, kv_lens, cu_seqlens_q) -> None:
-    """Range checks that need the values (one device sync on CUDA)."""
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    check_range("kv_lens", kv_lens, 0, 2**30)
-    check_range("page_start", page_start, 0, max(page_ids.numel(), 1) + 1)
-    pages = (kv_lens.long() + block_size - 1) // block_size
-    end = page_start.long() + pages
-    if int((end > page_ids.numel()).sum()):
-        b = int(torch.nonzero(end > page_ids.numel())[0])
-        raise ValueError(
-            f"sequence {b} needs page_ids[{int(page_start[b])}:{int(end[b])}] but page_ids has "
-            f"{page_ids.numel()} entries"
-        )
-    # Only the entries some sequence reads must be block ids (a preallocated ragged buffer may
-    # hold anything past its used prefix): mark them with a difference array, O(n + B).
-    marks = torch.zeros(page_ids.numel() + 1, dtype=torch.int32, device=page_ids.device)
-    marks.index_add_(0, page_start.long(), torch.ones_like(page_start))
-    marks.index_add_(0, end, -torch.ones_like(page_start))
-    used = marks.cumsum(0)[:-1] > 0
-    check_range("page_ids (entries in use)", page_ids[used], 0, num_blocks)
-    if cu_seqlens_q is not None:
-        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        if int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != q.shape[0]:
-            raise ValueError(
-                f"cu_seqlens_q must run from 0 to {q.shape[0]} (q rows), got "
-                f"{int(cu_seqlens_q[0])} .. {int(cu_seqlens_q[-1])}"
-            )
-        check_range("cu_seqlens_q differences", q_lens, 0, 2**31 - 1)
-        if int((q_lens > kv_lens).sum()):
-            b = int(torch.nonzero(q_lens > kv_lens)[0])
-            raise ValueError(
-                f"sequence {b} has {int(q_lens[b])} queries but kv_lens[{b}] = {int(kv_lens[b])}"
-                " (the new tokens' KV must already be in the cache)"
-            )
+from kvplan.ops._paged_attention_checks import check_attention_inputs
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
     """Split-K factor for decode: about ``2 * num_sms`` programs, >= 256 keys per split.
 
-    Measured on the H200 at batch 64 x 4K, 8 KV heads (512 programs, see
-    bench/RESULTS.md, paged attention): 1 split 0.269 ms, 2 splits 0.279, 4 splits 0.287,
-    8 splits 0.302 -- extra splits only add partials and a combine once the grid already
-    keeps every SM busy, so split only when the grid is small.
+    Extra splits only add partials and a combine once the grid already keeps every SM busy,
+    so the factor is > 1 only when ``batch * num_kv_heads`` programs are fewer than
+    ``2 * num_sms`` (``bench/bench_paged_attention.py`` sweeps it).
 
-    >>> default_num_splits(64, 8, 4096, 132)  # H200, the benchmark shape
+    >>> default_num_splits(64, 8, 4096, 132)  # 512 programs already fill 132 SMs
     1
+    >>> default_num_splits(2, 8, 4096, 132)  # 16 programs; at most 4096 // 256 splits
+    16
     """
     programs = max(batch * num_kv_heads, 1)
     splits = -(-2 * num_sms // programs)
@@ -213,7 +118,7 @@ def paged_attention_decode_triton(
     check: bool = True, tile_n: int = 64, num_warps: int = 4, num_stages: int = 2,
 ) -> Tensor:  # fmt: skip
     """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`."""
-    window = _check_attention_inputs(
+    window = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         check,
     )  # fmt: skip
@@ -241,7 +146,7 @@ def paged_attention_decode_torch(
     out: Tensor | None = None, check: bool = True,
 ) -> Tensor:  # fmt: skip
     """Vectorized torch decode; same contract as :func:`paged_attention_decode`."""
-    _check_attention_inputs(
+    check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         check,
     )  # fmt: skip
@@ -307,11 +212,11 @@ def paged_attention_prefill_triton(
 ) -> Tensor:  # fmt: skip
     """Triton varlen prefill; same contract as :func:`paged_attention_prefill`.
 
-    Tiles default to 128 query rows x 64 keys, 8 warps, 3 stages for 16-bit caches (fastest
-    measured on the H200) and 64 x 64, 4 warps, 2 stages for fp32, whose 128-row tiles would
-    exceed the shared memory of a block at head_dim 256.
+    Tiles default to 128 query rows x 64 keys, 8 warps, 3 stages for 16-bit caches (the
+    fastest of ``bench/bench_paged_attention.py``'s sweep) and 64 x 64, 4 warps, 2 stages for
+    fp32, whose 128-row tiles would exceed the shared memory of a block at head_dim 256.
     """
-    window = _check_attention_inputs(
+    window = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
         out, check,
     )  # fmt: skip
@@ -340,7 +245,7 @@ def paged_attention_prefill_torch(
     out: Tensor | None = None, check: bool = True,
 ) -> Tensor:  # fmt: skip
     """Vectorized torch prefill; same contract as :func:`paged_attention_prefill`."""
-    _check_attention_inputs(
+    check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
         out, check,
     )  # fmt: skip

@@ -173,7 +173,7 @@ def test_fp8_paged_backends_dequantize_only_the_batch_pages(name, beam_width, cr
     """fp8 forwards load exactly the pages of the batch's rows (row by row, each row's first
     ceil(kv_len / block_size) blocks), through an unchecked (sync-free) load, and never
     dequantize the whole cache; the outputs still match the reference."""
-    import kvplan.backends.paged as paged
+    import kvplan.backends.page_table_attention as paged
     from kvplan.cache.kv_tensors import KVCacheTensors
 
     specs = [SeqSpec(6, 5, True), SeqSpec(13, 1, False), SeqSpec(4, 2, False)]

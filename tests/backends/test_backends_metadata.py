@@ -13,8 +13,7 @@ from kvplan.backends import (
     VanillaAttentionMetadata,
     get_backend,
 )
-from kvplan.backends.host_arrays import as_lengths
-from kvplan.backends.ledger import (
+from kvplan.backends.block_tables import (
     check_allocated,
     decode_last_blocks,
     decode_token_slots,
@@ -24,6 +23,7 @@ from kvplan.backends.ledger import (
     new_token_slots,
     table_rows,
 )
+from kvplan.backends.lengths import as_lengths
 from kvplan.backends.staging import DeviceArena
 
 
@@ -300,3 +300,29 @@ def test_last_needed_blocks_against_a_loop(seed):
     if owners.size:
         got = last_needed_blocks(table_rows(table[owners]), held[owners].astype(np.int32))
         assert got.tolist() == [int(table[b, held[b] - 1]) for b in owners]
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_set_step_equals_the_setters(name):
+    """set_step() sets one step's fields in one call, whatever the previous step's shape,
+    and prepare() then builds what the setters would have built."""
+    sc = make_scenario(11, [SeqSpec(7, 3, True), SeqSpec(9, 1, False), SeqSpec(5, 1, False)])
+    kw = {"max_num_requests": 4, "max_num_tokens": 64, "kv_cache_manager": sc.manager}
+    a, b = (get_backend(name).Metadata(kv_cache=sc.kv, **kw) for _ in range(2))
+    fill_metadata(a, sc)
+    a.prepare()
+    b.seq_lens, b.num_contexts = [1], 1  # a previous step of another shape
+    b.set_step(
+        list(a.request_ids), a.prompt_lens, a.num_cached_tokens_per_seq,
+        a.seq_lens.tolist(), a.num_contexts,
+    )  # fmt: skip
+    assert not b.prepared
+    assert (b.num_seqs, b.num_contexts, b.num_generations, b.num_ctx_tokens, b.num_tokens) == (
+        a.num_seqs, a.num_contexts, a.num_generations, a.num_ctx_tokens, a.num_tokens,
+    )  # fmt: skip
+    b.prepare()
+    assert b.kv_lens_np.tolist() == a.kv_lens_np.tolist()
+    assert b.slot_mapping(0).tolist() == a.slot_mapping(0).tolist()
+    with pytest.raises(ValueError, match="num_contexts"):
+        b.set_step([0], None, [0], [1], -1)
+    assert b.num_seqs == 3  # a rejected step changes nothing

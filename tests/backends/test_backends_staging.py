@@ -94,7 +94,7 @@ def test_gpu_ring_copies_on_the_current_stream():
 def test_gpu_ring_without_its_fence_corrupts():
     """The negative control: a ring that hands out its buffer without checking the event
     lets later steps overwrite what a queued copy has not read yet."""
-    from kvplan.backends.pinned_ring import PinnedRing
+    from kvplan.backends.staging import PinnedRing
 
     class Unfenced(PinnedRing):
         def _copied(self, i):
@@ -108,7 +108,7 @@ def test_gpu_ring_without_its_fence_corrupts():
 
 @pytest.mark.gpu
 def test_gpu_ring_steps_aside_while_capturing():
-    from kvplan.backends.pinned_ring import PinnedRing
+    from kvplan.backends.staging import PinnedRing
 
     ring = PinnedRing(torch.device("cuda"))
     assert ring.acquire(8) is not None

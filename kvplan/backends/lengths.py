@@ -1,13 +1,13 @@
-"""Host-side integer arrays for ``prepare()``: validated int32 copies and prefix sums.
+"""Host length vectors for ``prepare()``: validated int32 copies and exclusive prefix sums.
 
 Both run every step on every backend, so they are written for few numpy calls: a list of
-plain Python ints becomes int32 in one ``sum`` (type check and bound) and one ``np.fromiter``
+plain Python ints becomes int32 in one ``sum`` (type check and bound) and one conversion
 (which raises on values that do not fit), and a decode step's list of ones in none.
 
 Hot paths call ufunc reductions (``MIN(a)`` = ``np.minimum.reduce``) and array methods
 (``CUMSUM(a, out=...)``, ``a.repeat(r)``) directly: ``a.min()``, ``np.cumsum`` and ``np.repeat``
 go through two to four Python-level wrapper calls each, which is most of their cost on the
-small arrays of one step (and each wrapper call costs ~1 us on the GPU host's CPU).
+small arrays of one step (``bench/host_primitives.py`` measures them).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ IntArrayLike = Sequence[int] | np.ndarray | torch.Tensor
 MIN = np.minimum.reduce
 MAX = np.maximum.reduce
 SUM = np.add.reduce  # int32 input accumulates in int64 (numpy's rule for add reductions)
-# inclusive prefix sum; a.cumsum(out=) costs 2-5x more on small arrays (dtype resolution)
+# inclusive prefix sum (a.cumsum(out=) resolves dtypes in Python first)
 CUMSUM = np.add.accumulate
 
 
 # A validated length vector ``(array, total, all_ones)``: a fresh int32 ``array`` ``[n]``
 # (never written again, so CPU tensors over it are private), its ``total`` (a Python int) and
 # whether every entry is 1 (a decode step's query lengths). A plain tuple: a NamedTuple's
-# constructor is a Python-level call, ~1 us per step on the GPU host.
+# constructor is one more Python-level call per step.
 HostLengths = tuple[np.ndarray, int, bool]
 
 
@@ -65,8 +65,8 @@ def as_lengths(name: str, value: IntArrayLike) -> HostLengths:
                 return (ones, total, n > 0)
             if total <= INT32_MAX:
                 try:
-                    # array('I') converts a list of ints 2-3x faster than np.fromiter and
-                    # raises on negatives; every value <= total <= INT32_MAX, so int32 holds it
+                    # array('I') converts a list of ints in one C pass and raises on
+                    # negatives; every value <= total <= INT32_MAX, so int32 holds it
                     arr = np.frombuffer(array("I", value), np.int32)
                     return (arr, total, False)  # sum == n with a non-1 entry
                 except OverflowError:  # a negative value: named below

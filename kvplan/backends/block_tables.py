@@ -1,16 +1,17 @@
-"""Every read of the KV cache manager that the backends make, in one place.
+"""Host math over the KV cache manager's block tables: rows, slots, page lists, checks.
 
 The metadata never owns block tables between steps; each ``prepare()`` asks the manager for
-the rows of this batch's sequences (``request_ids`` + beam expansion, ``batch_tables``) and
-then gathers every kernel format from the same host tables with numpy, straight into its
-staging buffer. That shared source is why the three encodings (vanilla lists, ragged page
-table, block offsets) name the same blocks by construction, and ``tests/backends`` checks it
-directly.
+the rows of this batch's sequences (``KVCacheManager.batch_tables``, in
+``PagedMetadata._step_rows``) and every kernel format is gathered from those same host tables
+with the numpy helpers here, straight into the step's staging snapshot. That shared source
+is why the three encodings (vanilla lists, ragged page table, block offsets) name the same
+blocks by construction, and ``tests/backends`` checks it directly.
 
 The helpers read block tables as ``TableRows``: a flat int32 table plus the flat offset where
 each batch sequence's row starts. One form covers the manager's own table (``pool_rows``: row
 b starts at ``rows[b] * width``, no gather needed), a gathered ``[n, width]`` table
 (``table_rows``) and the K entries of a block-offset table (row b at ``b * 2 * width``).
+All values are int32 block ids / slots / positions and int64 flat indices.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvplan.backends.host_arrays import MAX, MIN
+from kvplan.backends.lengths import MAX, MIN
 from kvplan.cache.batch_tables import BatchTables
 
 
@@ -39,18 +40,6 @@ def pool_of_layer(manager: Any, layer_idx: int) -> int:
     if manager is None:
         return 0
     return int(manager.pool_for_layer(layer_idx))
-
-
-def batch_tables(
-    manager: Any, request_ids: list[int], *, beam_width: int, num_contexts: int, cross: bool
-) -> BatchTables:
-    """The batch's rows of the manager's block tables (``KVCacheManager.batch_tables``): a
-    read-only view of every pool's table ``[num_pools, table_rows, max_blocks_per_seq]`` and
-    the table row of each sequence. Context requests give one row (beam 0: they have not
-    forked yet); generation requests give ``beam_width`` rows (their beams' own rows, or for
-    cross attention the request's single encoder row repeated, ``repeat_interleave``-style).
-    Block 0 pads each row past its allocated blocks (reserved included)."""
-    return manager.batch_tables(request_ids, beam_width, num_contexts, cross=cross)
 
 
 def gather_rows(
@@ -97,6 +86,24 @@ def flat_page_index(
     index = (row_start[:n] - indptr[:n]).repeat(num_blocks)
     index += arange[: index.size]
     return index
+
+
+def page_load_plan(pages: np.ndarray, block_size: int) -> np.ndarray:
+    """Load plan (``kvplan.load_paged_kv_cache`` segments) that copies page ``pages[i]`` to
+    rows ``[i * block_size, (i + 1) * block_size)``: int32 ``[len(pages) * 4]`` (flattened
+    ``[m, 4]`` rows ``[src_block, 0, block_size, dst_offset]``).
+
+    Example (block_size 4): ``pages = [7, 3]`` -> ``[[7, 0, 4, 0], [3, 0, 4, 4]]``; the loaded
+    buffer is a cache whose page i holds block ``pages[i]``, so a page table over it is
+    ``arange(m)`` in the order of ``pages``.
+    """
+    m = pages.size
+    plan = np.empty((m, 4), np.int32)
+    plan[:, 0] = pages
+    plan[:, 1] = 0
+    plan[:, 2] = block_size
+    np.multiply(np.arange(m, dtype=np.int32), np.int32(block_size), out=plan[:, 3])
+    return plan.reshape(-1)
 
 
 @functools.cache
@@ -302,7 +309,7 @@ def decode_token_slots(last_blocks: np.ndarray, cached: np.ndarray, block_size: 
 
 
 class StepRows(NamedTuple):
-    """One step's validated view of the batch's block tables (``AttentionMetadata._step_rows``).
+    """One step's validated view of the batch's block tables (``PagedMetadata._step_rows``).
 
     ``tables``: the manager's rows (``BatchTables``); ``pools``: each pool's ``TableRows``
     (all with the same ``row_start``); ``num_needed``: int32 ``[n]`` blocks each row owns

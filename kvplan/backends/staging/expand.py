@@ -1,19 +1,18 @@
-"""Per-token and per-page fields expanded on the device (DESIGN.md: the CPU writes O(rows)
-facts, the GPU expands O(rows x width) indices).
+"""``DeviceExpander``: per-token and per-page fields expanded on the device from per-row facts.
 
-A mixed step's new tokens need a slot each (and, for the ragged backend, a position and a
-batch index), and the ragged page table needs every page of every row. On the host that is a
-handful of numpy passes over all tokens / pages per step (a repeat, an add, a gather, ...):
-on a slow host CPU, 20-30 us at 5K tokens or 10K pages. ``DeviceExpander`` instead stages
-only the per-row facts (``cu_seqlens``, ``cached``, the block-table rows, ``indptr``) with the
-rest of the arena and launches ONE kernel (``_expand_kernel.expand_step_kernel``) that writes
-those fields into their arena slots on the device, in stream order after the staged copy.
+The host writes O(rows) facts, the device expands O(rows x width) indices. A general step's
+new tokens need a slot each (and, for the ragged backend, a position and a batch index), and
+the ragged page table needs every page of every row: on the host that is a handful of numpy
+passes over all tokens / pages per step. Instead the host stages only the per-row facts
+(``cu_seqlens``, ``cached``, the block-table rows, ``indptr``) with the rest of the arena, and
+ONE kernel (``_expand_kernel.expand_step_kernel``) writes those fields into their arena
+fields on the device, in stream order after the staged copy.
 
-Launch cost: Triton's Python launch path binds and hashes the arguments on every call (tens
-of us on a slow host). The kernel takes only a pointer and unspecialized ints, so one compiled
-kernel serves every step; after the first launch of each flag set it is relaunched through
-its compiled launcher directly (``CompiledKernel.run``: one C call). When a launch hook is
-installed (a profiler), or under the interpreter, the normal path runs.
+Launch path: Triton's Python launcher binds and hashes the arguments on every call. The
+kernel takes only a pointer and unspecialized ints, so one compiled kernel serves every step;
+after the first launch of each flag set it is relaunched through its compiled launcher
+directly (``CompiledKernel.run``: one C call). When a launch hook is installed (a profiler),
+or under the interpreter, the normal path runs.
 
 Consumers that want the expanded fields on the host (tests, debugging) recompute them with
 numpy from the same per-row facts (each backend's ``*_np`` properties); the two paths are
@@ -65,7 +64,7 @@ class DeviceExpander:
         self._launchers: dict[tuple, tuple | None] = {}
         import triton
 
-        from kvplan.backends._expand_kernel import expand_step_kernel
+        from kvplan.backends.staging._expand_kernel import expand_step_kernel
 
         self._kernel = expand_step_kernel
         # launch hooks (a profiler's) take the normal path; Triton 3.6 keeps them as HookChains

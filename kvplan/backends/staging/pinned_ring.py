@@ -1,11 +1,9 @@
-"""Staged host-to-device copies through a ring of pinned snapshots and the CUDA runtime.
+"""``PinnedRing``: the arena's private snapshots on a GPU, without torch's per-copy host work.
 
-``DeviceArena`` sends each step's fields in one asynchronous copy from a private pinned
-snapshot (seed 001's staging rule). Through torch that is a ``torch.empty(pin_memory=True)``
-plus a ``copy_(non_blocking=True)``: the caching host allocator's bookkeeping and the
-dispatcher make it 13-39 us of host time per step on the H200 host (``bench/step_parts.py``,
-bench/RESULTS.md), about as much as all of ``prepare()``'s numpy math on a small batch.
-
+The staging rule (``kvplan.backends.staging``) asks for a private host snapshot per copy.
+Through torch that is a ``torch.empty(pin_memory=True)`` plus a ``copy_(non_blocking=True)``
+per step (the caching host allocator's bookkeeping and the dispatcher: host time comparable
+to ``prepare()``'s numpy math on a small batch; ``bench/step_parts.py`` measures it).
 ``PinnedRing`` keeps the same rule with less host work:
 
 * a few pinned buffers, reused round-robin; each carries a CUDA event recorded right after
@@ -17,8 +15,7 @@ bench/RESULTS.md), about as much as all of ``prepare()``'s numpy math on a small
   wait, never a hazard.
 * the copy and the event record are the CUDA runtime's own ``cudaMemcpyAsync`` /
   ``cudaEventRecord`` on torch's current stream, called through ``ctypes`` on the very
-  ``libcudart`` torch loaded (same context, same streams). The whole ring copy costs 8-15
-  us per step in context on the H200 host (``bench/step_parts.py``).
+  ``libcudart`` torch loaded (same context, same streams).
 * a stream that is capturing a CUDA graph is left to torch's path (an event query there would
   invalidate the capture), checked each step.
 

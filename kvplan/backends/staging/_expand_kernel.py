@@ -1,4 +1,4 @@
-"""Triton kernel of ``kvplan.backends.device_expand``: one step's per-token and per-page
+"""Triton kernel of ``kvplan.backends.staging.expand``: one step's per-token and per-page
 fields, expanded on the device from per-row facts the host staged into the arena.
 
 Every buffer is a field of one int32 arena (``arena`` + an element offset). Program ``b``

@@ -1,21 +1,13 @@
-"""Host -> device staging for metadata buffers (seed 001: the async-copy source rule).
-
-Rule: a persistent host buffer may be read by synchronous CPU readers, but the source of every
-``non_blocking`` host-to-device copy is a private, freshly allocated (pinned) snapshot. With an
-overlap scheduler the CPU prepares step t+1 while step t's copy may still be queued; if that
-copy read the persistent buffer it would pick up step t+1's values (the host caching allocator
-recycles a snapshot only after the copies that read it have completed).
+"""``DeviceArena``: one step's int32 metadata fields, staged in one async copy.
 
 ``DeviceArena`` packs many small int32 device buffers into one allocation at fixed offsets
 (capacity-sized, so their addresses never change and CUDA graphs can record them) and fills
-the used ones with ONE private pinned snapshot + ONE async copy per step. On a GPU the
-snapshot comes from a ``PinnedRing`` (``kvplan.backends.pinned_ring``): pinned buffers reused
-only after their copy completed, copied with the CUDA runtime's own calls, far cheaper on the
-host than ``torch.empty(pin_memory=True)`` + ``copy_``; a step the ring cannot serve (every
-buffer still in flight, a capturing stream) takes the torch snapshot. (An earlier ring fenced
-by ``torch.cuda.Event`` and copied with ``copy_`` was slower than torch's allocator on the
-H200 host, 140 vs 73 us per vanilla decode step, 2026-11-29: the torch calls, not the ring,
-cost the time.)
+the used ones with ONE private host snapshot + ONE ``non_blocking`` copy per step (the
+staging rule of ``kvplan.backends.staging``). On a GPU the snapshot comes from a
+``PinnedRing`` (pinned buffers reused only after their copy completed, copied with the CUDA
+runtime's own calls); a step the ring cannot serve (every buffer still in flight, a capturing
+stream) takes a fresh ``torch.empty(pin_memory=True)`` snapshot, which torch's caching host
+allocator recycles only after the copies that read it have completed.
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ import numpy as np
 import torch
 
 from kvplan._checks import INT32_MAX
-from kvplan.backends.pinned_ring import PinnedRing, cudart
+from kvplan.backends.staging.pinned_ring import PinnedRing, cudart
 
 CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
 
