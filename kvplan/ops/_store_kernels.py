@@ -7,6 +7,8 @@ s_stride = bytes_per_token, s_block_off = value_bytes; split: v_stride = value_b
 s_stride = sf_bytes, s_block_off = block_size * value_bytes). ``VALIGN`` / ``SALIGN`` are the
 byte alignments the host proved for those addresses, so contiguous rows compile to 16-byte
 vector accesses. Rows whose slot is -1 (or outside ``[0, num_slots)``) write nothing.
+Non-finite inputs follow ``kvplan.quant``'s rule (scale from the finite values, +-inf ->
++-QMAX, NaN -> +0); the BF16 scatter copies them bit for bit.
 """
 
 from __future__ import annotations
@@ -66,6 +68,16 @@ def _group_scales(amax, QMAX: tl.constexpr, SF: tl.constexpr, HW: tl.constexpr):
         return sf, sbytes
 
 
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite fp32
+
+
+@triton.jit
+def _saturate_inf(q, x, fin, QMAX: tl.constexpr):
+    """The scaled values ``q`` (of ``x`` with its non-finite elements zeroed) with +-inf
+    elements of ``x`` set to +-QMAX; NaN elements keep their +0 (``kvplan.quant``'s rule)."""
+    return tl.where(fin, q, tl.where(x > 0, QMAX, tl.where(x < 0, -QMAX, 0.0)))
+
+
 @triton.jit
 def _scaled(v, factor, SF: tl.constexpr, FAST_DIV: tl.constexpr):
     """v [R, G, K] scaled by its group's factor [R, G] (fp32 scales: divided by it)."""
@@ -88,8 +100,8 @@ def _div_rn_by_group(a, b):
     divergent branch. Results equal div.rn wherever FCHK passes. Where it would not, here
     (b = max(amax, 1e-4) / 448 is normal and |a| <= 448 b) that is only for |a| tiny or
     subnormal: |a / b| < 2^-100, which any e4m3 / e2m1 code rounds to a signed zero; the sign
-    is forced to a's (a - 0 product could otherwise give +0 for a = -0). Non-finite inputs are
-    outside the contract.
+    is forced to a's (a - 0 product could otherwise give +0 for a = -0). ``a`` is finite (the
+    caller zeroes non-finite inputs first).
     """
     r0 = tl.inline_asm_elementwise(
         "rcp.approx.f32 $0, $1;", "=r,r", [b], dtype=tl.float32, is_pure=True, pack=1
@@ -154,11 +166,19 @@ def store_quant_kernel(
             w = tl.load(x_ptr + w_off, mask=row_in[:, None, None] & wmask[None, :, :], other=0)
         lo = (w << 16).to(tl.float32, bitcast=True)
         hi = (w & -65536).to(tl.float32, bitcast=True)
-        amax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [ROWS, G_P2]
+        fin_lo = tl.abs(lo) <= FLT_MAX  # false for inf and NaN
+        fin_hi = tl.abs(hi) <= FLT_MAX
+        lo_z = tl.where(fin_lo, lo, 0.0)  # non-finite values count as +0 for the scale
+        hi_z = tl.where(fin_hi, hi, 0.0)
+        amax = tl.max(tl.maximum(tl.abs(lo_z), tl.abs(hi_z)), axis=2)  # [ROWS, G_P2]
         factor, sbytes = _group_scales(amax, QMAX, SF, HW)
-        raw_lo = encode_e2m1_magnitude_raw(_scaled(lo, factor, SF, FAST_DIV))
-        raw_hi = encode_e2m1_magnitude_raw(_scaled(hi, factor, SF, FAST_DIV))
-        signs = ((w >> 12) & 0x8) | ((w >> 24) & 0x80)  # bf16 sign bits -> nibble sign bits
+        q_lo = _saturate_inf(_scaled(lo_z, factor, SF, FAST_DIV), lo, fin_lo, QMAX)
+        q_hi = _saturate_inf(_scaled(hi_z, factor, SF, FAST_DIV), hi, fin_hi, QMAX)
+        raw_lo = encode_e2m1_magnitude_raw(q_lo)
+        raw_hi = encode_e2m1_magnitude_raw(q_hi)
+        # bf16 sign bits -> nibble sign bits; a NaN's sign is dropped (it is stored as +0)
+        keep = tl.where(lo == lo, 0x8, 0) | tl.where(hi == hi, 0x80, 0)
+        signs = (((w >> 12) & 0x8) | ((w >> 24) & 0x80)) & keep
         vbytes = (((raw_lo | (raw_hi << 4)) & 0x77) | signs).to(tl.uint8)  # [ROWS, G_P2, GB_P2]
     else:
         if FLAT:
@@ -171,11 +191,14 @@ def store_quant_kernel(
             x_off = rows64[:, None, None] * E + elem[None, :, :]
             x = tl.load(x_ptr + x_off, mask=row_in[:, None, None] & emask[None, :, :], other=0.0)
             x = x.to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=2)  # [ROWS, G_P2]
+        fin = tl.abs(x) <= FLT_MAX  # false for inf and NaN
+        xz = tl.where(fin, x, 0.0)  # non-finite values count as +0 for the scale
+        amax = tl.max(tl.abs(xz), axis=2)  # [ROWS, G_P2]
         factor, sbytes = _group_scales(amax, QMAX, SF, HW)
-        q = _scaled(x, factor, SF, FAST_DIV)
+        q = _saturate_inf(_scaled(xz, factor, SF, FAST_DIV), x, fin, QMAX)
         if HW:
             # hardware cvt (RNE, satfinite); only the ue8m0 scale keeps |q| <= 448 by itself
+            # (q is finite: _saturate_inf replaced +-inf by +-448)
             if SF != 0:
                 q = tl.minimum(tl.maximum(q, -448.0), 448.0)
             vbytes = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
