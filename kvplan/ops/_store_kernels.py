@@ -68,14 +68,13 @@ def _group_scales(amax, QMAX: tl.constexpr, SF: tl.constexpr, HW: tl.constexpr):
         return sf, sbytes
 
 
-FLT_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite fp32
+INF_BITS = tl.constexpr(0x7F800000)  # int32 bits of +inf; larger |x| bits are NaN
 
 
 @triton.jit
-def _saturate_inf(q, x, fin, QMAX: tl.constexpr):
-    """The scaled values ``q`` (of ``x`` with its non-finite elements zeroed) with +-inf
-    elements of ``x`` set to +-QMAX; NaN elements keep their +0 (``kvplan.quant``'s rule)."""
-    return tl.where(fin, q, tl.where(x > 0, QMAX, tl.where(x < 0, -QMAX, 0.0)))
+def _finite_bits(b):
+    """Magnitude bits ``b`` with inf and NaN replaced by 0 (they do not count for amax)."""
+    return tl.where(b < INF_BITS, b, 0)
 
 
 @triton.jit
@@ -166,19 +165,25 @@ def store_quant_kernel(
             w = tl.load(x_ptr + w_off, mask=row_in[:, None, None] & wmask[None, :, :], other=0)
         lo = (w << 16).to(tl.float32, bitcast=True)
         hi = (w & -65536).to(tl.float32, bitcast=True)
-        fin_lo = tl.abs(lo) <= FLT_MAX  # false for inf and NaN
-        fin_hi = tl.abs(hi) <= FLT_MAX
-        lo_z = tl.where(fin_lo, lo, 0.0)  # non-finite values count as +0 for the scale
-        hi_z = tl.where(fin_hi, hi, 0.0)
-        amax = tl.max(tl.maximum(tl.abs(lo_z), tl.abs(hi_z)), axis=2)  # [ROWS, G_P2]
-        factor, sbytes = _group_scales(amax, QMAX, SF, HW)
-        q_lo = _saturate_inf(_scaled(lo_z, factor, SF, FAST_DIV), lo, fin_lo, QMAX)
-        q_hi = _saturate_inf(_scaled(hi_z, factor, SF, FAST_DIV), hi, fin_hi, QMAX)
+        lo_b = (w << 16) & 0x7FFFFFFF  # |lo| as int32 bits: ordered like the magnitudes,
+        hi_b = w & 0x7FFF0000  # inf = INF_BITS, NaN above
+        amax_b = tl.max(tl.maximum(lo_b, hi_b), axis=2)  # [ROWS, G_P2]
+        signs = ((w >> 12) & 0x8) | ((w >> 24) & 0x80)  # bf16 sign bits -> nibble sign bits
+        nonfinite = tl.max(tl.where(ok[:, None], amax_b, 0)) >= INF_BITS
+        if nonfinite:  # (uniform branch, rare): scale from the finite values, NaN -> +0
+            lo = tl.where(lo_b < INF_BITS, lo, 0.0)
+            hi = tl.where(hi_b < INF_BITS, hi, 0.0)
+            amax_b = tl.max(tl.maximum(_finite_bits(lo_b), _finite_bits(hi_b)), axis=2)
+            nan_signs = tl.where(lo_b > INF_BITS, 0x8, 0) | tl.where(hi_b > INF_BITS, 0x80, 0)
+            signs = signs & ~nan_signs
+        factor, sbytes = _group_scales(amax_b.to(tl.float32, bitcast=True), QMAX, SF, HW)
+        q_lo = _scaled(lo, factor, SF, FAST_DIV)
+        q_hi = _scaled(hi, factor, SF, FAST_DIV)
+        if nonfinite:
+            q_lo = tl.where(lo_b == INF_BITS, QMAX, q_lo)  # magnitudes only: the sign is apart
+            q_hi = tl.where(hi_b == INF_BITS, QMAX, q_hi)
         raw_lo = encode_e2m1_magnitude_raw(q_lo)
         raw_hi = encode_e2m1_magnitude_raw(q_hi)
-        # bf16 sign bits -> nibble sign bits; a NaN's sign is dropped (it is stored as +0)
-        keep = tl.where(lo == lo, 0x8, 0) | tl.where(hi == hi, 0x80, 0)
-        signs = (((w >> 12) & 0x8) | ((w >> 24) & 0x80)) & keep
         vbytes = (((raw_lo | (raw_hi << 4)) & 0x77) | signs).to(tl.uint8)  # [ROWS, G_P2, GB_P2]
     else:
         if FLAT:
@@ -191,14 +196,19 @@ def store_quant_kernel(
             x_off = rows64[:, None, None] * E + elem[None, :, :]
             x = tl.load(x_ptr + x_off, mask=row_in[:, None, None] & emask[None, :, :], other=0.0)
             x = x.to(tl.float32)
-        fin = tl.abs(x) <= FLT_MAX  # false for inf and NaN
-        xz = tl.where(fin, x, 0.0)  # non-finite values count as +0 for the scale
-        amax = tl.max(tl.abs(xz), axis=2)  # [ROWS, G_P2]
-        factor, sbytes = _group_scales(amax, QMAX, SF, HW)
-        q = _saturate_inf(_scaled(xz, factor, SF, FAST_DIV), x, fin, QMAX)
+        xb = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| bits (inf = INF_BITS, NaN above)
+        amax_b = tl.max(xb, axis=2)  # [ROWS, G_P2]
+        nonfinite = tl.max(tl.where(ok[:, None], amax_b, 0)) >= INF_BITS
+        x_raw = x
+        if nonfinite:  # (uniform branch, rare): scale from the finite values, NaN -> +0
+            x = tl.where(xb < INF_BITS, x, 0.0)
+            amax_b = tl.max(_finite_bits(xb), axis=2)
+        factor, sbytes = _group_scales(amax_b.to(tl.float32, bitcast=True), QMAX, SF, HW)
+        q = _scaled(x, factor, SF, FAST_DIV)
+        if nonfinite:  # +-inf -> +-QMAX
+            q = tl.where(xb == INF_BITS, tl.where(x_raw > 0, QMAX, -QMAX), q)
         if HW:
             # hardware cvt (RNE, satfinite); only the ue8m0 scale keeps |q| <= 448 by itself
-            # (q is finite: _saturate_inf replaced +-inf by +-448)
             if SF != 0:
                 q = tl.minimum(tl.maximum(q, -448.0), 448.0)
             vbytes = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)

@@ -287,6 +287,26 @@ def test_unchecked_bad_plans_drop_the_same_rows_on_every_path(layout):
             assert any(all(torch.equal(g, w[0]) for g, w in zip(got, want)) for want in wants)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "layout", [V41_FORMAT, V41_FP4_FORMAT, FP4_INDEX_KV_FORMAT, bf16_format(24)], ids=_ids
+)
+def test_gpu_unchecked_bad_plans_match_the_cpu_rows(layout):
+    num_blocks, block_size, total_k = 3, 4, 10
+    cache, _ = _filled_cache(layout, num_blocks, block_size)
+    segments = [s for i, s in enumerate(_UNCHECKED_SEGMENTS) if i not in (5, 6)]
+    seg = torch.tensor(segments, dtype=torch.int32)
+    want = load_paged_kv_cache_torch(cache, seg, total_k, _fresh_out(layout, total_k, 0x3C),
+                                     layout=layout, check=False)  # fmt: skip
+    out = _fresh_out(layout, total_k, 0x3C)
+    out = tuple(t.cuda() for t in out) if isinstance(out, tuple) else out.cuda()
+    for config in (None, {"segs": 2, "tile_t": 4}, {"tile_t": 2}):
+        got = load_paged_kv_cache_triton(cache.cuda(), seg.cuda(), total_k, out, layout=layout,
+                                         check=False, config=config)  # fmt: skip
+        for x, y in zip(_bytes(got), _bytes(want), strict=True):
+            assert torch.equal(x.cpu(), y), config
+
+
 def test_bad_arguments_raise():
     cache, _ = _filled_cache(V41_FORMAT, 2, 4)
     seg = torch.tensor([[0, 0, 4, 0]], dtype=torch.int32)

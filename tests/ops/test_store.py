@@ -468,3 +468,26 @@ def test_unchecked_out_of_range_slots_are_skipped_on_every_path(layout):
         kwargs = {} if fn is store_kv_cache_ref else {"check": False}
         fn(kv, cache, slots, layout=layout, **kwargs)
         assert torch.equal(_storage(cache), _storage(expected)), fn.__name__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hw", [True, False])
+@pytest.mark.parametrize("layout", NONFINITE_FORMATS, ids=_ids)
+def test_gpu_non_finite_input_and_bad_slots_match_the_cpu_bytes(layout, hw):
+    """The GPU kernel (hardware or integer fp8 rounding, fp32 scales through ``fast_div`` when
+    ``hw``) writes the CPU torch path's bytes for non-finite input and out-of-range slots."""
+    num_blocks, block_size = 8, 64
+    kv = torch.cat([_nonfinite_kv(layout, seed=s) for s in range(50)])  # [300, elements]
+    slots = _random_slots(kv.shape[0], num_blocks * block_size, seed=1, num_skip=20)
+    slots[::7] = torch.tensor([num_blocks * block_size, 2**31 - 1, -5]).repeat(43)[:43]
+    cpu = _random_cache(layout, num_blocks, block_size)
+    store_kv_cache_torch(kv, cpu, slots, layout=layout, check=False)
+    gpu = _random_cache(layout, num_blocks, block_size, device="cuda")
+    store_kv_cache_triton(kv.cuda(), gpu, slots.cuda(), layout=layout, check=False,
+                          config={"hw": hw})  # fmt: skip
+    assert torch.equal(_storage(gpu).cpu(), _storage(cpu))
+    gpu = _random_cache(layout, num_blocks, block_size, device="cuda")
+    store_kv_cache(kv.cuda(), gpu, slots.cuda(), layout=layout, check=False)
+    assert torch.equal(_storage(gpu).cpu(), _storage(cpu))
+    with pytest.raises(ValueError, match="non-finite"):
+        store_kv_cache(kv.cuda(), gpu, slots.cuda().clamp(-1, 0), layout=layout)
