@@ -17,6 +17,12 @@ Semantics (they define the bytes; the GPU kernel must reproduce them exactly):
   e4m3 scale, whose rounding or the 448 clamp can leave ``x * (1 / sf)`` above QMAX). The sign is
   kept, so a negative value that rounds to zero is stored as negative zero.
 * FP4 packs element 2i in the low nibble of byte i.
+* Non-finite inputs (what ``store_kv_cache(check=False)`` stores; ``check=True`` rejects them):
+  a group is quantized as if its inf and NaN elements were +0 (so amax, the scale and every
+  finite element's code are those of the finite values alone), then each +-inf element takes
+  the code of +-QMAX (it loads back as +-QMAX times the group's scale, the largest magnitude
+  the group can hold) and each NaN the code of +0 (it loads back as 0). Bytes are equal on
+  every path; groups without non-finite elements are unaffected.
 * A cast load returns ``bf16(fp32(value) * fp32(scale))`` (one fp32 product, one RNE to BF16).
 """
 
@@ -103,28 +109,33 @@ def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torc
     """Quantize BF16 ``x`` ``[n, elements]`` to the record bytes of ``layout``.
 
     Returns ``(values, scales)``: uint8 ``[n, quantized_bytes]`` and uint8 ``[n, sf_bytes]``
-    (fp32 scales as their little-endian bytes).
+    (fp32 scales as their little-endian bytes). Non-finite elements follow the rule of the
+    module docstring (+-inf -> +-QMAX, NaN -> +0, scales from the finite elements).
     """
     assert layout.is_quantized, "quantize needs a quantized layout"
     n = x.shape[0]
     xg = _grouped(x, layout)  # [n, G, GS]
-    amax = xg.abs().amax(dim=-1)  # [n, G]
+    finite = torch.isfinite(xg)
+    xz = torch.where(finite, xg, 0.0)  # inf and NaN count as +0 for the scale
+    amax = xz.abs().amax(dim=-1)  # [n, G]
     dtype = layout.quantized_dtype
+    qmax = _MINIFLOAT[dtype][3]
     if layout.sf_format == "ue8m0":
-        exp = ue8m0_exponent(amax, _MINIFLOAT[dtype][3])
-        codes = encode_minifloat(xg * pow2(-exp)[..., None], dtype)
+        exp = ue8m0_exponent(amax, qmax)
+        scaled = xz * pow2(-exp)[..., None]
         scales = (exp + 127).to(torch.uint8)
     elif layout.sf_format == "e4m3":
-        qmax = _MINIFLOAT[dtype][3]
         sf = div_rn(amax.clamp(min=E4M3_MIN_SUBNORMAL * qmax), qmax).clamp(max=E4M3_MAX)
         scales = encode_minifloat(sf, "e4m3")
         sf_val = decode_e4m3(scales)
         inv = div_rn(torch.ones_like(sf_val), sf_val)
-        codes = encode_minifloat(xg * inv[..., None], dtype)
+        scaled = xz * inv[..., None]
     else:
-        sf = div_rn(amax.clamp(min=AMAX_FLOOR), _MINIFLOAT[dtype][3])
-        codes = encode_minifloat(xg / sf[..., None], dtype)
+        sf = div_rn(amax.clamp(min=AMAX_FLOOR), qmax)
+        scaled = xz / sf[..., None]
         scales = sf.contiguous().view(torch.uint8).view(n, -1)
+    # +-inf saturates to +-QMAX (the encoder clamps it); NaN stays the +0 of xz
+    codes = encode_minifloat(torch.where(torch.isinf(xg), xg, scaled), dtype)
     codes = codes.view(n, -1)[:, : layout.quantized_elements]
     if dtype == "e2m1":
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -172,15 +183,19 @@ def encode_e4m3_ref(v: torch.Tensor) -> int:
 
 def quantize_group_ref(xs: list[float], layout: KVCacheFormat) -> tuple[list[int], list[int]]:
     """One group of BF16 values (as Python floats) -> (element codes, scale bytes), scalar fp32
-    arithmetic through numpy. Codes are e4m3 bytes or e2m1 nibbles (not yet packed)."""
+    arithmetic through numpy. Codes are e4m3 bytes or e2m1 nibbles (not yet packed).
+    Non-finite values: the scale comes from the finite ones, +-inf -> +-QMAX, NaN -> +0."""
     import numpy as np
 
     f32 = np.float32
-    amax = f32(max(abs(v) for v in xs))
+    xs = [0.0 if math.isnan(v) else v for v in xs]
+    amax = f32(max((abs(v) for v in xs if math.isfinite(v)), default=0.0))
     dtype = layout.quantized_dtype
     qmax = f32(E2M1_MAX if dtype == "e2m1" else E4M3_MAX)
 
     def encode(v: np.float32) -> int:
+        if math.isinf(v):
+            v = f32(math.copysign(float(qmax), v))
         if dtype == "e2m1":
             return encode_e2m1_ref(float(v))
         return encode_e4m3_ref(torch.tensor(float(v), dtype=torch.float32))

@@ -126,6 +126,67 @@ def test_scale_rules_on_known_groups():
     assert values.tolist() == [[0x7 | (0xD << 4), 0]]  # 6 -> 7, -3 -> 8|5
 
 
+def _with_non_finite(x: torch.Tensor, layout) -> torch.Tensor:
+    """``x`` with +-inf and NaN (quiet, negative, with a payload) in some groups, one group
+    all NaN and one all inf; row 4 stays finite."""
+    bits = x.view(torch.int16)
+    per, e = layout.elements_per_sf, layout.elements
+    bits[0, 0], bits[0, 1], bits[0, e - 1] = 0x7F80, 0x7FC0, -128  # +inf, NaN, -inf
+    bits[1, :per] = -64  # a group of negative NaNs
+    bits[2, :per] = 0x7F80
+    bits[2, per - 1] = -128
+    bits[3, e // 2] = 0x7F81  # NaN with a payload
+    bits[5, 1::2] = -128
+    return x
+
+
+@pytest.mark.parametrize(
+    "layout", [*SUPPORTED_KV_CACHE_FORMATS, *EXTRA_FORMATS], ids=lambda f: f.note
+)
+def test_quantize_non_finite_matches_scalar_reference(layout):
+    x = _with_non_finite(_groups_input(layout, seed=4), layout)
+    values, scales = quant.quantize(x, layout)
+    per = layout.elements_per_sf
+    for i in range(x.shape[0]):
+        xs = [float(v) for v in x[i].float()]
+        codes, sbytes = [], []
+        for g0 in range(0, len(xs), per):
+            c, s = quant.quantize_group_ref(xs[g0 : g0 + per], layout)
+            codes += c
+            sbytes += [int(b) for b in s]
+        if layout.quantized_dtype == "e2m1":
+            codes = [codes[j] | (codes[j + 1] << 4) for j in range(0, len(codes), 2)]
+        assert values[i].tolist() == codes, f"row {i}"
+        assert scales[i].tolist() == sbytes, f"row {i}"
+    # the rule: scales as if the non-finite values were zeros, inf -> +-QMAX, NaN -> +0
+    zeroed = torch.where(torch.isfinite(x.float()), x, torch.zeros_like(x))
+    assert torch.equal(scales, quant.quantize(zeroed, layout)[1])
+    back = quant.dequantize(values, scales, layout).float()
+    assert torch.isfinite(back).all()
+    xf = x.float()
+    sf = quant.scale_factors(scales, layout)[:, torch.arange(layout.elements) // per]
+    qmax = quant.E2M1_MAX if layout.quantized_dtype == "e2m1" else quant.E4M3_MAX
+    inf = torch.isinf(xf)
+    assert torch.equal(back[inf], (torch.sign(xf) * qmax * sf).bfloat16().float()[inf])
+    assert (back[torch.isnan(xf)] == 0).all()
+    assert not torch.signbit(back[torch.isnan(xf)]).any()
+
+
+def test_non_finite_rule_on_known_groups():
+    fmt = KVCacheFormat("e4m3", 4, 4, 0, False, "ue8m0", "tiny")
+    x = torch.tensor([[float("inf"), 1.0, float("nan"), float("-inf")]]).bfloat16()
+    values, scales = quant.quantize(x, fmt)
+    # amax over the finite values = 1 -> 2^ceil(log2(1 / 448)) = 2^-8 (byte 119);
+    # 1.0 * 2^8 = 256 -> 0x78; +-inf -> +-448 (0x7E / 0xFE); NaN -> +0
+    assert scales.tolist() == [[119]]
+    assert values.tolist() == [[0x7E, 0x78, 0x00, 0xFE]]
+    fp4 = KVCacheFormat("e2m1", 4, 4, 0, False, "e4m3", "tiny fp4")
+    values, scales = quant.quantize(x, fp4)
+    # sf = e4m3(1 / 6) = 0.171875 (code 0x23); 1.0 / sf = 5.8 -> 6 (code 7); +-inf -> +-6
+    assert scales.tolist() == [[0x23]]
+    assert values.tolist() == [[0x7 | (0x7 << 4), 0x0 | (0xF << 4)]]
+
+
 @triton.jit
 def _elementwise_kernel(x_ptr, c_ptr, n, OP: tl.constexpr, TILE: tl.constexpr):
     i = tl.program_id(0) * TILE + tl.arange(0, TILE)

@@ -1,8 +1,8 @@
 """Triton kernels of ``load_paged_kv_cache``.
 
 Grid ``(cdiv(num_segments, SEGS), cdiv(block_size, TILE_T))``: program (p, i) handles, for each
-of the ``SEGS`` segments s = p * SEGS + [0, SEGS), tokens ``src_begin + i * TILE_T + [0, TILE_T)``
-(those below ``src_end``): ``SEGS * TILE_T`` rows in all. A segment holds at most one block
+of the ``SEGS`` segments s = p * SEGS + [0, SEGS), tokens ``first + i * TILE_T + [0, TILE_T)``
+with ``first = max(src_begin, 0)`` (those below ``src_end``): ``SEGS * TILE_T`` rows in all. A segment holds at most one block
 (``block_size`` tokens), so with one segment per program a 132-byte index record leaves a
 program only 64 x 132 = 8.4 KB to move at block size 64; ``SEGS`` lets it take several
 segments. Byte addressing
@@ -40,13 +40,15 @@ def _segment_rows(seg_ptr, num_segments, num_blocks, block_size, total_k,
         begin = tl.load(seg_ptr + seg * 4 + 1, mask=has, other=0)
         end = tl.load(seg_ptr + seg * 4 + 2, mask=has, other=0)
         dst = tl.load(seg_ptr + seg * 4 + 3, mask=has, other=0)
-    t = begin + tl.program_id(1) * TILE_T + r % TILE_T
-    dst_row = (dst + t - begin).to(tl.int64)
-    ok = has & (t >= 0) & (t < end) & (t < block_size) & (dst_row >= 0) & (dst_row < total_k)
+    # int64: an unvalidated plan may hold any int32 (a negative src_begin starts at token 0)
+    begin = begin.to(tl.int64)
+    t = tl.maximum(begin, 0) + tl.program_id(1) * TILE_T + r % TILE_T
+    dst_row = dst.to(tl.int64) + t - begin
+    ok = has & (t < end) & (t < block_size) & (dst_row >= 0) & (dst_row < total_k)
     ok = ok & (src >= -1) & (src < num_blocks)
     read = ok & (src >= 0)
     block = tl.maximum(src, 0).to(tl.int64)
-    t = tl.where(ok, t, 0).to(tl.int64)
+    t = tl.where(ok, t, 0)
     return ok, read, block, t, dst_row
 
 

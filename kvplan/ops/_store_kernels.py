@@ -7,6 +7,8 @@ s_stride = bytes_per_token, s_block_off = value_bytes; split: v_stride = value_b
 s_stride = sf_bytes, s_block_off = block_size * value_bytes). ``VALIGN`` / ``SALIGN`` are the
 byte alignments the host proved for those addresses, so contiguous rows compile to 16-byte
 vector accesses. Rows whose slot is -1 (or outside ``[0, num_slots)``) write nothing.
+Non-finite inputs follow ``kvplan.quant``'s rule (scale from the finite values, +-inf ->
++-QMAX, NaN -> +0); the BF16 scatter copies them bit for bit.
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ def _group_scales(amax, QMAX: tl.constexpr, SF: tl.constexpr, HW: tl.constexpr):
         return sf, sbytes
 
 
+INF_BITS = tl.constexpr(0x7F800000)  # int32 bits of +inf; larger |x| bits are NaN
+
+
+@triton.jit
+def _finite_bits(b):
+    """Magnitude bits ``b`` with inf and NaN replaced by 0 (they do not count for amax)."""
+    return tl.where(b < INF_BITS, b, 0)
+
+
 @triton.jit
 def _scaled(v, factor, SF: tl.constexpr, FAST_DIV: tl.constexpr):
     """v [R, G, K] scaled by its group's factor [R, G] (fp32 scales: divided by it)."""
@@ -88,8 +99,8 @@ def _div_rn_by_group(a, b):
     divergent branch. Results equal div.rn wherever FCHK passes. Where it would not, here
     (b = max(amax, 1e-4) / 448 is normal and |a| <= 448 b) that is only for |a| tiny or
     subnormal: |a / b| < 2^-100, which any e4m3 / e2m1 code rounds to a signed zero; the sign
-    is forced to a's (a - 0 product could otherwise give +0 for a = -0). Non-finite inputs are
-    outside the contract.
+    is forced to a's (a - 0 product could otherwise give +0 for a = -0). ``a`` is finite (the
+    caller zeroes non-finite inputs first).
     """
     r0 = tl.inline_asm_elementwise(
         "rcp.approx.f32 $0, $1;", "=r,r", [b], dtype=tl.float32, is_pure=True, pack=1
@@ -154,11 +165,25 @@ def store_quant_kernel(
             w = tl.load(x_ptr + w_off, mask=row_in[:, None, None] & wmask[None, :, :], other=0)
         lo = (w << 16).to(tl.float32, bitcast=True)
         hi = (w & -65536).to(tl.float32, bitcast=True)
-        amax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [ROWS, G_P2]
-        factor, sbytes = _group_scales(amax, QMAX, SF, HW)
-        raw_lo = encode_e2m1_magnitude_raw(_scaled(lo, factor, SF, FAST_DIV))
-        raw_hi = encode_e2m1_magnitude_raw(_scaled(hi, factor, SF, FAST_DIV))
+        lo_b = (w << 16) & 0x7FFFFFFF  # |lo| as int32 bits: ordered like the magnitudes,
+        hi_b = w & 0x7FFF0000  # inf = INF_BITS, NaN above
+        amax_b = tl.max(tl.maximum(lo_b, hi_b), axis=2)  # [ROWS, G_P2]
         signs = ((w >> 12) & 0x8) | ((w >> 24) & 0x80)  # bf16 sign bits -> nibble sign bits
+        nonfinite = tl.max(tl.where(ok[:, None], amax_b, 0)) >= INF_BITS
+        if nonfinite:  # (uniform branch, rare): scale from the finite values, NaN -> +0
+            lo = tl.where(lo_b < INF_BITS, lo, 0.0)
+            hi = tl.where(hi_b < INF_BITS, hi, 0.0)
+            amax_b = tl.max(tl.maximum(_finite_bits(lo_b), _finite_bits(hi_b)), axis=2)
+            nan_signs = tl.where(lo_b > INF_BITS, 0x8, 0) | tl.where(hi_b > INF_BITS, 0x80, 0)
+            signs = signs & ~nan_signs
+        factor, sbytes = _group_scales(amax_b.to(tl.float32, bitcast=True), QMAX, SF, HW)
+        q_lo = _scaled(lo, factor, SF, FAST_DIV)
+        q_hi = _scaled(hi, factor, SF, FAST_DIV)
+        if nonfinite:
+            q_lo = tl.where(lo_b == INF_BITS, QMAX, q_lo)  # magnitudes only: the sign is apart
+            q_hi = tl.where(hi_b == INF_BITS, QMAX, q_hi)
+        raw_lo = encode_e2m1_magnitude_raw(q_lo)
+        raw_hi = encode_e2m1_magnitude_raw(q_hi)
         vbytes = (((raw_lo | (raw_hi << 4)) & 0x77) | signs).to(tl.uint8)  # [ROWS, G_P2, GB_P2]
     else:
         if FLAT:
@@ -171,9 +196,17 @@ def store_quant_kernel(
             x_off = rows64[:, None, None] * E + elem[None, :, :]
             x = tl.load(x_ptr + x_off, mask=row_in[:, None, None] & emask[None, :, :], other=0.0)
             x = x.to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=2)  # [ROWS, G_P2]
-        factor, sbytes = _group_scales(amax, QMAX, SF, HW)
+        xb = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| bits (inf = INF_BITS, NaN above)
+        amax_b = tl.max(xb, axis=2)  # [ROWS, G_P2]
+        nonfinite = tl.max(tl.where(ok[:, None], amax_b, 0)) >= INF_BITS
+        x_raw = x
+        if nonfinite:  # (uniform branch, rare): scale from the finite values, NaN -> +0
+            x = tl.where(xb < INF_BITS, x, 0.0)
+            amax_b = tl.max(_finite_bits(xb), axis=2)
+        factor, sbytes = _group_scales(amax_b.to(tl.float32, bitcast=True), QMAX, SF, HW)
         q = _scaled(x, factor, SF, FAST_DIV)
+        if nonfinite:  # +-inf -> +-QMAX
+            q = tl.where(xb == INF_BITS, tl.where(x_raw > 0, QMAX, -QMAX), q)
         if HW:
             # hardware cvt (RNE, satfinite); only the ue8m0 scale keeps |q| <= 448 by itself
             if SF != 0:

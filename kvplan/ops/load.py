@@ -156,6 +156,10 @@ def load_paged_kv_cache(
         layout: the cache format; inferred when ``None``.
         check: validate the plan with :func:`kvplan.validate_load_plan` (ranges and overlapping
             destinations; one host copy of the plan; skipped during CUDA-graph capture).
+            Unvalidated plans (``check=False``) mean the same on every path: a row is copied
+            only when its source (a token in ``[0, block_size)`` of a block in
+            ``[-1, num_blocks)``) and its destination (a row in ``[0, total_k)``) both exist,
+            other rows of the segment are dropped; rows named twice hold unspecified bytes.
 
     Returns ``out`` (or the new output): a BF16 tensor for ``do_cast`` and BF16 formats,
     ``LoadedIndexKV(values, scales)`` for index formats. An empty plan launches nothing.
@@ -309,19 +313,27 @@ def load_paged_kv_cache_triton(
     return out
 
 
-def _expand_plan(segs: torch.Tensor, block_size: int):
-    """Per output row: (source slot or -1, destination row), int64."""
+def _expand_plan(segs: torch.Tensor, geo, total_k: int):
+    """Per output row: (source slot or -1, destination row), int64. Keeps exactly the rows the
+    kernels write: tokens ``t`` in ``[max(src_begin, 0), min(src_end, block_size))`` of
+    segments with ``src_block`` in ``[-1, num_blocks)`` whose row ``dst_offset + t -
+    src_begin`` lies in ``[0, total_k)`` (an unvalidated plan never reads or writes outside
+    the cache or the output)."""
     src, begin, end, dst = segs.long().unbind(1)
-    length = (end - begin).clamp(min=0)
+    first = begin.clamp(min=0)
+    length = (torch.clamp(end, max=geo.block_size) - first).clamp(min=0)
+    length = torch.where((src >= -1) & (src < geo.num_blocks), length, 0)
     seg = torch.repeat_interleave(torch.arange(segs.shape[0], device=segs.device), length)
     start = torch.cumsum(length, 0) - length
-    local = torch.arange(seg.numel(), device=segs.device) - start[seg]
-    slot = torch.where(src[seg] >= 0, src[seg] * block_size + begin[seg] + local, -1)
-    return slot, dst[seg] + local
+    t = first[seg] + torch.arange(seg.numel(), device=segs.device) - start[seg]
+    slot = torch.where(src[seg] >= 0, src[seg] * geo.block_size + t, -1)
+    row = dst[seg] + t - begin[seg]
+    keep = (row >= 0) & (row < total_k)
+    return slot[keep], row[keep]
 
 
 def _load_torch(raw, segs, vrows, srows, layout, geo) -> None:
-    slot, dst = _expand_plan(segs, geo.block_size)
+    slot, dst = _expand_plan(segs, geo, vrows.shape[0])
     read = slot >= 0
     flat = flat_bytes(raw, geo)
     vbase, sbase = row_bases(slot.clamp(min=0), geo)

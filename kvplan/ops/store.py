@@ -109,10 +109,32 @@ def _prepare(kv, kv_cache, slot_mapping, layout, check):
             f"layout {layout.note!r} stores {layout.elements}"
         )
     raw, geo = cache_bytes(kv_cache, layout)
+    x = kv.reshape(n, elements).contiguous()
     if check and not _capturing(kv_cache):
         check_range("slot_mapping", slot_mapping, -1, geo.num_slots)
-    x = kv.reshape(n, elements).contiguous()
+        check_finite_rows(x, slot_mapping)
     return layout, raw, geo, x, slot_mapping.contiguous()
+
+
+def check_finite_rows(x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``check=True``: every row of ``x`` ``[n, elements]`` that is written (slot >= 0) must be
+    finite; raises ``ValueError`` naming the first bad row, slot, element and value. Costs one
+    pass over ``x`` and a device sync on CUDA."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    rows = x.reshape(n, -1)
+    bad = ~torch.isfinite(rows).all(dim=1) & (slot_mapping >= 0)  # [n]
+    if not bool(bad.any()):
+        return
+    row = int(bad.nonzero()[0, 0])
+    values = rows[row]
+    col = int((~torch.isfinite(values)).nonzero()[0, 0])
+    raise ValueError(
+        f"kv row {row} (slot {int(slot_mapping[row])}) holds a non-finite value "
+        f"({float(values[col])} at element {col}); check=False would store it by the rule "
+        "documented in store_kv_cache"
+    )
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -135,12 +157,22 @@ def store_kv_cache(
             ``[num_blocks, block_size, 1, bytes_per_token]``) or a bfloat16 plain cache.
         slot_mapping: int32 ``[n]``, ``block * block_size + offset``; -1 skips the row.
         layout: the cache format; inferred from the cache when ``None``.
-        check: verify slots lie in ``[-1, num_blocks * block_size)`` (one device sync; skipped
-            automatically during CUDA-graph capture; the kernel drops out-of-range slots anyway).
+        check: before writing anything, verify that slots lie in
+            ``[-1, num_blocks * block_size)`` and that every row with a slot >= 0 is finite
+            (``ValueError`` naming ``slot_mapping`` or the ``kv`` row otherwise; one pass over
+            ``kv`` and a device sync; skipped automatically during CUDA-graph capture).
 
     All tensors live on one device. ``n == 0`` is a no-op. A rejected call writes nothing. When
     several rows share a slot, the torch and reference paths keep the first such row; the
     Triton kernel keeps an unspecified one (such rows are padding by contract).
+
+    Unchecked input (``check=False``) has one meaning on every path (Triton on GPU, the Triton
+    interpreter, the torch path), with equal bytes: a row whose slot lies outside
+    ``[0, num_blocks * block_size)`` is skipped like -1 (nothing of it is written, never part
+    of a record); non-finite values of quantized formats follow :mod:`kvplan.quant`'s rule
+    (the group scale comes from its finite values, +-inf stores +-QMAX of the value type, so
+    it loads as the largest magnitude the group holds, and NaN stores +0); BF16 caches copy
+    the bits unchanged (inf and NaN load back as themselves).
 
     Example::
 
@@ -164,6 +196,7 @@ def _store(kv, kv_cache, slot_mapping, layout, check, triton) -> None:
             raw = raw.view(torch.uint8)
         if check and not _capturing(kv_cache):
             check_range("slot_mapping", slot_mapping, -1, geo.num_slots)
+            check_finite_rows(kv, slot_mapping)
         x, slots = kv, slot_mapping  # contiguous (plan condition): same bytes as a reshape
     n = slot_mapping.shape[0]
     if n == 0:
@@ -199,9 +232,10 @@ def store_kv_cache_triton(
         _launch(x, raw, slots, layout, geo, config)
 
 
-def _first_rows(slots: torch.Tensor) -> torch.Tensor:
-    """Indices of rows with slot >= 0, keeping only the first row of each repeated slot."""
-    rows = torch.nonzero(slots >= 0).flatten()
+def _first_rows(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Indices of rows with a slot in ``[0, num_slots)`` (others are skipped, as in the
+    kernel), keeping only the first row of each repeated slot."""
+    rows = torch.nonzero((slots >= 0) & (slots < num_slots)).flatten()
     uniq, inverse = torch.unique(slots[rows], return_inverse=True)
     first = torch.full((uniq.numel(),), slots.numel(), dtype=torch.long, device=slots.device)
     first.scatter_reduce_(0, inverse, rows, reduce="amin")
@@ -209,7 +243,7 @@ def _first_rows(slots: torch.Tensor) -> torch.Tensor:
 
 
 def _store_torch(x, raw, slots, layout, geo) -> None:
-    rows = _first_rows(slots)
+    rows = _first_rows(slots, geo.num_slots)
     if rows.numel() == 0:
         return
     flat = flat_bytes(raw, geo)
@@ -391,16 +425,17 @@ def store_kv_cache_ref(
     layout: KVCacheFormat | None = None,
 ) -> None:
     """Per-token, per-element reference (tests only): scalar fp32 math, writes through the
-    value/scale views of :func:`kvplan.split_kv_cache`. Rows with slot -1 are skipped; of rows
-    sharing a slot the first one wins."""
+    value/scale views of :func:`kvplan.split_kv_cache`. Rows whose slot is outside
+    ``[0, num_slots)`` are skipped; of rows sharing a slot the first one wins. No checks."""
     layout = resolve_kv_cache_layout(kv_cache, layout)
     values, scales = split_kv_cache(kv_cache, layout)
     bs = kv_cache.shape[1]
+    num_slots = kv_cache.shape[0] * bs
     rows = kv.reshape(kv.shape[0], -1)
     written: set[int] = set()
     for i in range(rows.shape[0]):
         slot = int(slot_mapping[i])
-        if slot < 0 or slot in written:
+        if not 0 <= slot < num_slots or slot in written:
             continue
         written.add(slot)
         block, offset = divmod(slot, bs)

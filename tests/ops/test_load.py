@@ -215,6 +215,98 @@ def test_bad_plans_raise(segments, total_k, match):
             fn(cache, seg, total_k)
 
 
+# bad segments (block_size 4, 3 blocks, total_k 10): source block out of range either way,
+# negative begin, end past the block, destination partly below 0 or past total_k, extreme ints
+_UNCHECKED_SEGMENTS = [
+    [1, 0, 4, 0],  # valid: rows 0..3
+    [-2, 0, 2, 4],  # src_block < -1: dropped
+    [3, 0, 2, 4],  # src_block == num_blocks: dropped
+    [2, -2, 2, 4],  # tokens 0..1 -> rows 6..7 (tokens -2, -1 do not exist)
+    [0, 2, 9, 8],  # tokens 2..3 -> rows 8..9 (4.. past the block)
+    [-1, 0, 3, -1],  # zero rows 0..1 (row -1 dropped); overwrites the first segment's rows
+    [0, 0, 4, 9],  # token 0 -> row 9 (rows 10.. past total_k); overwrites the 5th segment's
+    [2, -(2**31), 2**31 - 1, 0],  # every token of the block, rows 2^31.. all dropped
+    [1, 2**31 - 1, 2**31 - 1, 3],  # empty
+]
+
+
+def _unchecked_expected_rows(segments, total_k, num_blocks, block_size):
+    """The rows an unchecked load writes, segment by segment in plan order (a later segment
+    wins here; the test plan has no row written twice by segments that differ)."""
+    rows = {}
+    for src, begin, end, dst in segments:
+        if not -1 <= src < num_blocks:
+            continue
+        for t in range(max(begin, 0), min(end, block_size)):
+            if 0 <= dst + t - begin < total_k:
+                rows[dst + t - begin] = (src, t)
+    return rows
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [V41_FORMAT, V41_FP4_FORMAT, FP4_INDEX_KV_FORMAT, MXFP8_INDEX_KV_FORMAT, bf16_format(24)],
+    ids=_ids,
+)
+def test_unchecked_bad_plans_drop_the_same_rows_on_every_path(layout):
+    """check=False with invalid segments: the torch path and the Triton interpreter copy the
+    same rows (those whose source token and destination row exist) and nothing else; no
+    exception, no write outside ``out``."""
+    num_blocks, block_size, total_k = 3, 4, 10
+    cache, _ = _filled_cache(layout, num_blocks, block_size)
+    segments = [s for i, s in enumerate(_UNCHECKED_SEGMENTS) if i not in (5, 6)]
+    seg = torch.tensor(segments, dtype=torch.int32)
+    expected = _fresh_out(layout, total_k, fill=0x3C)
+    rows = _unchecked_expected_rows(segments, total_k, num_blocks, block_size)
+    one_token = [[src, t, t + 1, row] for row, (src, t) in rows.items()]
+    load_paged_kv_cache_torch(cache, torch.tensor(one_token, dtype=torch.int32), total_k,
+                              expected, layout=layout)  # fmt: skip
+    assert sorted(rows) == [0, 1, 2, 3, 6, 7, 8, 9]
+    fns = (load_paged_kv_cache_torch, load_paged_kv_cache_triton, load_paged_kv_cache)
+    for fn in fns:
+        out = _fresh_out(layout, total_k, fill=0x3C)
+        fn(cache, seg, total_k, out, layout=layout, check=False)
+        for x, y in zip(_bytes(out), _bytes(expected), strict=True):
+            assert torch.equal(x, y), fn.__name__
+    # rows named twice (a zero fill over the first segment's rows): one of the sources, whole
+    seg = torch.tensor(_UNCHECKED_SEGMENTS, dtype=torch.int32)
+    outs = [_fresh_out(layout, total_k, fill=0x3C) for _ in fns[:2]]
+    for fn, out in zip(fns[:2], outs, strict=True):
+        fn(cache, seg, total_k, out, layout=layout, check=False)
+    for x, y in zip(_bytes(outs[0]), _bytes(outs[1]), strict=True):
+        assert torch.equal(x[2:9], y[2:9])  # rows named once
+    sources = {0: [(1, 0), (-1, 0)], 1: [(1, 1), (-1, 0)], 9: [(0, 3), (0, 0)]}
+    for row, candidates in sources.items():
+        wants = []
+        for src, t in candidates:
+            want = _fresh_out(layout, 1)
+            one = torch.tensor([[src, t, t + 1, 0]], dtype=torch.int32)
+            wants.append(_bytes(load_paged_kv_cache_torch(cache, one, 1, want, layout=layout)))
+        for out in outs:
+            got = [b[row] for b in _bytes(out)]
+            assert any(all(torch.equal(g, w[0]) for g, w in zip(got, want)) for want in wants)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "layout", [V41_FORMAT, V41_FP4_FORMAT, FP4_INDEX_KV_FORMAT, bf16_format(24)], ids=_ids
+)
+def test_gpu_unchecked_bad_plans_match_the_cpu_rows(layout):
+    num_blocks, block_size, total_k = 3, 4, 10
+    cache, _ = _filled_cache(layout, num_blocks, block_size)
+    segments = [s for i, s in enumerate(_UNCHECKED_SEGMENTS) if i not in (5, 6)]
+    seg = torch.tensor(segments, dtype=torch.int32)
+    want = load_paged_kv_cache_torch(cache, seg, total_k, _fresh_out(layout, total_k, 0x3C),
+                                     layout=layout, check=False)  # fmt: skip
+    out = _fresh_out(layout, total_k, 0x3C)
+    out = tuple(t.cuda() for t in out) if isinstance(out, tuple) else out.cuda()
+    for config in (None, {"segs": 2, "tile_t": 4}, {"tile_t": 2}):
+        got = load_paged_kv_cache_triton(cache.cuda(), seg.cuda(), total_k, out, layout=layout,
+                                         check=False, config=config)  # fmt: skip
+        for x, y in zip(_bytes(got), _bytes(want), strict=True):
+            assert torch.equal(x.cpu(), y), config
+
+
 def test_bad_arguments_raise():
     cache, _ = _filled_cache(V41_FORMAT, 2, 4)
     seg = torch.tensor([[0, 0, 4, 0]], dtype=torch.int32)

@@ -12,6 +12,7 @@ from kvplan.formats import (
     V41_FORMAT,
     alloc_kv_cache,
     bf16_format,
+    split_kv_cache,
 )
 from kvplan.ops.store import (
     store_kv_cache,
@@ -335,3 +336,158 @@ def test_errors_unchanged_once_a_plan_exists():
         store_kv_cache(kv, cache, torch.tensor([0, 8], dtype=torch.int32))
     with pytest.raises(TypeError, match="layout must be a KVCacheFormat or None, got list"):
         store_kv_cache(kv, cache, slots, layout=[V41_FORMAT])
+
+
+# ---- non-finite input and unchecked slots: one meaning on every path ----
+
+NONFINITE_FORMATS = [
+    *SUPPORTED_KV_CACHE_FORMATS,
+    ENGINE_FP8,
+    bf16_format(24),
+    ODD_FORMATS[0],  # e4m3, partial last group (non-flat kernel path)
+    ODD_FORMATS[1],  # e2m1 with fp32 scales, groups of 10 (non-flat FP4 path)
+]
+# bf16 bit patterns: +inf, -inf, quiet NaN, negative NaN, NaN with a payload
+_PINF, _NINF, _NAN, _NEG_NAN, _NAN_PAYLOAD = 0x7F80, -128, 0x7FC0, -64, 0x7F81
+
+
+def _nonfinite_kv(layout, seed=0):
+    """Six rows: non-finite values at even and odd positions (both FP4 nibbles), mixed with
+    huge and tiny finite ones, a group that is all NaN, a group that is all +-inf, a row
+    without non-finite values (row 3) and a skipped row (row 5, NaN everywhere)."""
+    kv = _random_kv(6, layout, seed=seed)
+    bits = kv.view(torch.int16)
+    gs = layout.elements_per_sf or 8
+    e = layout.elements
+    bits[0, 0], bits[0, 3], bits[0, e - 1] = _PINF, _NAN, _NINF
+    kv[0, 1] = 3.0e38  # the finite amax of group 0 is huge
+    bits[1, : gs if e > gs else e // 2] = _NAN
+    bits[1, e - 2] = _NEG_NAN
+    bits[2, :gs:2], bits[2, 1:gs:2] = _PINF, _NINF
+    bits[2, e // 2] = _NAN_PAYLOAD
+    kv[2, e // 2 + 1] = 1e-30  # the rest of that group is tiny
+    bits[4, 1::3] = _NINF
+    bits[5] = _NAN
+    return kv
+
+
+def _record(cache, layout, slot):
+    """(value bytes, scale bytes) of one slot, as uint8 rows."""
+    values, scales = split_kv_cache(cache, layout)
+    block, offset = divmod(slot, cache.shape[1])
+    v = values[block, offset].contiguous().view(torch.uint8).flatten()
+    if scales is None:
+        return v, None
+    return v, scales[block, offset].contiguous().view(torch.uint8).flatten()
+
+
+@pytest.mark.parametrize("layout", NONFINITE_FORMATS, ids=_ids)
+def test_non_finite_input_is_refused_with_check_and_writes_nothing(layout):
+    kv = _nonfinite_kv(layout)
+    slots = torch.tensor([3, 0, 5, 1, 7, -1], dtype=torch.int32)
+    cache = _random_cache(layout, 2, 4)
+    before = _storage(cache).clone()
+    entries = (store_kv_cache, store_kv_cache_torch, store_kv_cache_triton, store_kv_cache)
+    for fn in entries:  # the second store_kv_cache call takes the cached-plan path
+        with pytest.raises(ValueError, match=r"kv row 0 \(slot 3\) holds a non-finite value"):
+            fn(kv, cache, slots, layout=layout)
+        assert torch.equal(_storage(cache), before)
+    # only written rows count: NaN in a skipped row (slot -1) is accepted
+    store_kv_cache(kv[[3, 5]], cache, slots[[3, 5]], layout=layout)
+    with pytest.raises(ValueError, match="kv row 1 .* at element 1[);]"):
+        store_kv_cache(kv[3:5], cache, slots[3:5], layout=layout)
+
+
+@pytest.mark.parametrize("layout", NONFINITE_FORMATS, ids=_ids)
+def test_non_finite_input_unchecked_saturates_with_equal_bytes_on_every_path(layout):
+    """check=False: reference, torch path and Triton interpreter write the same bytes, and
+    they follow the documented rule, checked here through the record bytes: the scales (and
+    every finite value) are those of the input with its non-finite values zeroed, +-inf loads
+    as +-QMAX * scale and NaN as +0. BF16 caches keep the bits."""
+    from kvplan import quant
+
+    kv = _nonfinite_kv(layout)
+    slots = torch.tensor([3, 0, 5, 1, 7, -1], dtype=torch.int32)
+    results = []
+    for fn in (store_kv_cache_ref, store_kv_cache_torch, store_kv_cache_triton):
+        cache = _random_cache(layout, 2, 4)
+        kwargs = {} if fn is store_kv_cache_ref else {"check": False}
+        fn(kv, cache, slots, layout=layout, **kwargs)
+        results.append(cache)
+    for other in results[1:]:
+        assert torch.equal(_storage(other), _storage(results[0]))
+    cache = results[0]
+    finite = torch.isfinite(kv.float())
+    zeroed = torch.where(finite, kv, torch.zeros_like(kv))
+    ref = _random_cache(layout, 2, 4)
+    store_kv_cache_ref(zeroed, ref, slots, layout=layout)
+    for i, slot in enumerate(slots.tolist()[:5]):
+        v, s = _record(cache, layout, slot)
+        if not layout.is_quantized:
+            assert torch.equal(v, kv[i].view(torch.uint8))
+            continue
+        v0, s0 = _record(ref, layout, slot)
+        assert torch.equal(s, s0), f"row {i}: the scales come from the finite values"
+        got = quant.dequantize(v[None], s[None], layout)[0].float()
+        want = quant.dequantize(v0[None], s0[None], layout)[0].float()
+        assert torch.equal(got[finite[i]], want[finite[i]]), f"row {i}"
+        x = kv[i].float()
+        qmax = 6.0 if layout.quantized_dtype == "e2m1" else 448.0
+        group = torch.arange(layout.elements) // layout.elements_per_sf
+        sat = (torch.sign(x) * qmax * quant.scale_factors(s[None], layout)[0][group]).bfloat16()
+        inf = torch.isinf(x)
+        assert torch.equal(got[inf], sat[inf].float()), f"row {i}"
+        nan = torch.isnan(x)
+        assert (got[nan] == 0).all() and not torch.signbit(got[nan]).any(), f"row {i}"
+    assert (finite[3]).all() and torch.equal(
+        _record(cache, layout, 1)[0], _record(ref, layout, 1)[0]
+    )
+
+
+@pytest.mark.parametrize("layout", NONFINITE_FORMATS, ids=_ids)
+def test_unchecked_out_of_range_slots_are_skipped_on_every_path(layout):
+    """check=False with slots outside [0, num_slots) (just past the end, inside the last
+    block's padding, far away, below -1): every path writes the in-range rows only, exactly as
+    if the others were -1, and never a partial record."""
+    num_blocks, block_size = 2, 3
+    num_slots = num_blocks * block_size
+    kv = _random_kv(6, layout, seed=3)
+    slots = torch.tensor([4, num_slots, num_slots + 1, 2**31 - 1, -7, 0], dtype=torch.int32)
+    expected = _random_cache(layout, num_blocks, block_size)
+    skipped = torch.where((slots >= 0) & (slots < num_slots), slots, -1)
+    store_kv_cache_ref(kv, expected, skipped, layout=layout)
+    entries = (
+        store_kv_cache_ref,
+        store_kv_cache_torch,
+        store_kv_cache_triton,
+        store_kv_cache,
+        store_kv_cache,  # cached plan
+    )
+    for fn in entries:
+        cache = _random_cache(layout, num_blocks, block_size)
+        kwargs = {} if fn is store_kv_cache_ref else {"check": False}
+        fn(kv, cache, slots, layout=layout, **kwargs)
+        assert torch.equal(_storage(cache), _storage(expected)), fn.__name__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hw", [True, False])
+@pytest.mark.parametrize("layout", NONFINITE_FORMATS, ids=_ids)
+def test_gpu_non_finite_input_and_bad_slots_match_the_cpu_bytes(layout, hw):
+    """The GPU kernel (hardware or integer fp8 rounding, fp32 scales through ``fast_div`` when
+    ``hw``) writes the CPU torch path's bytes for non-finite input and out-of-range slots."""
+    num_blocks, block_size = 8, 64
+    kv = torch.cat([_nonfinite_kv(layout, seed=s) for s in range(50)])  # [300, elements]
+    slots = _random_slots(kv.shape[0], num_blocks * block_size, seed=1, num_skip=20)
+    slots[::7] = torch.tensor([num_blocks * block_size, 2**31 - 1, -5]).repeat(43)[:43]
+    cpu = _random_cache(layout, num_blocks, block_size)
+    store_kv_cache_torch(kv, cpu, slots, layout=layout, check=False)
+    gpu = _random_cache(layout, num_blocks, block_size, device="cuda")
+    store_kv_cache_triton(kv.cuda(), gpu, slots.cuda(), layout=layout, check=False,
+                          config={"hw": hw})  # fmt: skip
+    assert torch.equal(_storage(gpu).cpu(), _storage(cpu))
+    gpu = _random_cache(layout, num_blocks, block_size, device="cuda")
+    store_kv_cache(kv.cuda(), gpu, slots.cuda(), layout=layout, check=False)
+    assert torch.equal(_storage(gpu).cpu(), _storage(cpu))
+    with pytest.raises(ValueError, match="non-finite"):
+        store_kv_cache(kv.cuda(), gpu, slots.cuda().clamp(-1, 0), layout=layout)
