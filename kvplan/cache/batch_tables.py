@@ -4,7 +4,7 @@ The manager keeps, per pool, a table ``tables[pool, row, j]`` (int32) = the j-th
 sequence stored in ``row`` (one row per (request, beam)), zero past the row's allocated count,
 so padding is block 0 for free. Numpy only:
 
-* ``expand_batch_rows`` -- the table rows of a batch's sequences (seed 001 row rules);
+* ``expand_batch_rows`` -- the table rows of a batch's sequences (the row rules below);
 * ``BatchTables`` -- a read-only view of the tables plus a batch's row numbers, from which
   the attention backends gather every kernel format straight into their staging buffers;
 * ``per_seq_table``   -- ``[n, width]`` int32, padded with block 0;
@@ -38,7 +38,7 @@ class BatchTables(NamedTuple):
 def expand_batch_rows(
     rows_per_request: list[list[int]], beam_width: int, num_contexts: int, *, cross: bool
 ) -> np.ndarray:
-    """Table rows of the batch's sequences in order (seed 001 row rules).
+    """Table rows of the batch's sequences in order (the row rules).
 
     Context requests contribute one row (beam 0: they have not forked yet). Generation
     requests contribute ``beam_width`` rows: their beams' own rows for self attention, or

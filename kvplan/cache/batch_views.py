@@ -1,7 +1,7 @@
 """A batch's view of the request table: block tables, cache indices and block offsets.
 
 ``BatchTableViews`` answers the manager's batch queries from the request table's arrays
-without changing them: which table rows a batch reads (seed 001 row rules,
+without changing them: which table rows a batch reads (the row rules of
 ``expand_batch_rows``), the padded and ragged block-table formats (``batch_tables``), and the
 block-offset table staged for an async copy (``block_offsets``, one stager per
 ``(cross, max_batch)``).
@@ -166,7 +166,7 @@ class BatchTableViews:
         max_blocks: int | None = None,
         copy_fn: CopyFn | None = None,
     ):
-        """Write this batch's block-offset rows into ``dst`` (seed 001 rules, staging rule).
+        """Write this batch's block-offset rows into ``dst`` (row rules, staging rule).
 
         ``dst``: int32 ``[num_pools, max_batch, 2, max_blocks_per_seq]`` (any device). Rows
         ``[0, num_seqs)``: context requests one row each, generation requests ``beam_width``

@@ -4,7 +4,7 @@
 max_blocks_per_seq]`` int32 (index 0 of dim 2 = K, 1 = V). K and V live in separate tensors
 indexed by the same block id, so both entries hold the block id itself.
 
-Staging rule (seed 001): the persistent host buffer ``host_block_offsets`` is filled in place
+Staging rule: the persistent host buffer ``host_block_offsets`` is filled in place
 and stays for synchronous CPU readers (it keeps ``max_batch`` rows across calls); every async
 host-to-device copy reads a *private* pinned snapshot of the rows it needs. Reusing the
 persistent buffer as the copy source is a hazard: when the CPU runs one step ahead it refills
