@@ -26,13 +26,8 @@ Running out of blocks (or state slots) returns ``AllocationResult(ok=False, ...)
 nothing; caller errors (unknown id, double free, a sequence longer than
 ``max_blocks_per_seq`` blocks) raise ``ValueError``.
 
-Parts, each an object the manager owns and fronts: ``pools`` (one ``BlockPool`` per window),
-``requests`` (``RequestTable``: rows, numpy block tables, lengths), ``allocator``
-(``BlockAllocator``: blocks for rows across the pools, out-of-window release),
-``prefix_cache`` (``PrefixCache``: hashing of committed full blocks, prompt matching),
-``decode_step`` (``DecodeStepUpdates``: ``extend_many`` / ``commit_tokens_many``, equal to the
-per-request calls in order, with numpy work over the batch) and ``batch_views``
-(``BatchTableViews``: batch block tables and block offsets).
+The manager fronts parts it owns (``pools``, ``requests``, ``allocator``, ``prefix_cache``,
+``decode_step``, ``batch_views``); ``kvplan.cache``'s docstring says what each one holds.
 """
 
 from __future__ import annotations
