@@ -52,12 +52,12 @@ from kvplan.plan import MetadataConfig, SequenceMetadata, prepare_decode  # noqa
 from kvplan.plan.decode_arrays import DecodeBatchArrays, decode_host_batch  # noqa: E402
 from kvplan.plan.decode_buffers import bind_buffers, write_packed  # noqa: E402
 from kvplan.plan.decode_device import (  # noqa: E402
-    extract_decode_batch,
     launch_decode_kernels,
     make_decode_device_out,
     prepare_decode_on_device,
     stage_decode_on_device,
 )
+from kvplan.plan.decode_extract import extract_decode_batch  # noqa: E402
 from kvplan.plan.reference import reference_decode  # noqa: E402
 
 TARGET_HOST_CPU_US = 150  # issue 3: on-device decode, CPU part

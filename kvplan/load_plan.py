@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvplan._checks import INT32_MAX, check_int32, check_tensor
-from kvplan.plan.common import exclusive_cumsum
+from kvplan._math import exclusive_cumsum
 
 __all__ = ["BlockLoadPlanBuilder", "validate_load_plan"]
 

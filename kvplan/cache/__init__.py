@@ -1,9 +1,17 @@
 """KV cache bookkeeping (integer block ids, numpy tables) and the per-layer KV cache tensors.
 
-* ``BlockPool`` -- ref-counted block ids with an LRU free list and a chained-hash prefix cache;
-* ``KVCacheManager`` -- per-request blocks over one pool per window size (VSWA), beams, cross
-  blocks, state slots, reserved vs logical blocks, batch block tables and block offsets;
-* ``KVCacheTensors`` -- per-layer K/V caches (bf16 / fp16 / fp32 / fp8) and ``store``.
+* ``KVCacheManager`` (``kv_cache_manager.py``) -- per-request blocks over one pool per window
+  size (VSWA), beams, cross blocks, state slots, reserved vs logical blocks, batch block
+  tables and block offsets. Built from parts it owns:
+  ``BlockPool`` (``block_pool.py``: ref-counted block ids, LRU free list, chained-hash prefix
+  cache), ``RequestTable`` (``request_table.py``: rows, numpy block tables, lengths),
+  ``BlockAllocator`` (``block_allocator.py``), ``PrefixCache`` (``prefix_cache.py``),
+  ``DecodeStepUpdates`` (``decode_step.py``: the batched decode-step calls) and
+  ``BatchTableViews`` (``batch_views.py`` over ``batch_tables.py`` formats and
+  ``block_offsets.py`` staging); ``KVCacheConfig`` (``cache_config.py``) validates its
+  arguments, ``allocation_result.py`` holds the typed outcomes.
+* ``KVCacheTensors`` (``kv_tensors.py``) -- per-layer K/V caches (bf16 / fp16 / fp32 / fp8)
+  and ``store``.
 """
 
 from kvplan.cache.block_pool import PADDING_BLOCK_ID, BlockPool, hash_block_tokens

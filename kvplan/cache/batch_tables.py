@@ -1,14 +1,19 @@
-"""Which block-table rows a batch reads (seed 001 row rules), without copying any table.
+"""Block tables -> the batch formats kernels read, and which table rows a batch reads.
 
-``BatchRows.batch_tables`` (a ``KVCacheManager`` method) hands planning code a read-only view
-of the manager's tables and the table row of every batch sequence; the attention backends
-gather each kernel format from it straight into their staging buffers
-(``kvplan.backends.ledger``). ``copy_batch_block_offsets`` uses the same row rules.
+The manager keeps, per pool, a table ``tables[pool, row, j]`` (int32) = the j-th block of the
+sequence stored in ``row`` (one row per (request, beam)), zero past the row's allocated count,
+so padding is block 0 for free. Numpy only:
+
+* ``expand_batch_rows`` -- the table rows of a batch's sequences (the row rules below);
+* ``BatchTables`` -- a read-only view of the tables plus a batch's row numbers, from which
+  the attention backends gather every kernel format straight into their staging buffers;
+* ``per_seq_table``   -- ``[n, width]`` int32, padded with block 0;
+* ``flat_block_ids``  -- the rows' first ``num_blocks[i]`` entries concatenated (ragged page
+  table indices).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -33,7 +38,7 @@ class BatchTables(NamedTuple):
 def expand_batch_rows(
     rows_per_request: list[list[int]], beam_width: int, num_contexts: int, *, cross: bool
 ) -> np.ndarray:
-    """Table rows of the batch's sequences in order (seed 001 row rules).
+    """Table rows of the batch's sequences in order (the row rules).
 
     Context requests contribute one row (beam 0: they have not forked yet). Generation
     requests contribute ``beam_width`` rows: their beams' own rows for self attention, or
@@ -58,62 +63,25 @@ def read_only(a: np.ndarray) -> np.ndarray:
     return view
 
 
-class BatchRows:
-    """The row rules of ``KVCacheManager`` (a mixin over its ``_tables``, ``_cross``,
-    ``_num_allocated``, ``_num_cross``, ``_requests``, ``_num_multi_beam`` and ``_seq_rows``)."""
+def per_seq_table(table: np.ndarray, rows: np.ndarray, width: int) -> np.ndarray:
+    """``table[rows, :width]`` as a fresh C-contiguous int32 array ``[len(rows), width]``.
 
-    def batch_tables(
-        self,
-        request_ids: Sequence[Hashable],
-        beam_width: int = 1,
-        num_contexts: int = 0,
-        *,
-        cross: bool = False,
-    ) -> BatchTables:
-        """The block-table rows of a batch's sequences (seed 001 row rules, see
-        ``expand_batch_rows``) without copying any table: ``BatchTables(tables, rows)``.
+    (Advanced indexing on the leading axis always builds a new C-ordered array, so no
+    ``ascontiguousarray`` call is needed; ``test_block_offsets`` checks the flags.)"""
+    return table[rows, :width]
 
-        Example (one pool, beam_width 1)::
 
-            bt = m.batch_tables(["a", "b"])
-            bt.tables[0, bt.rows]              # [2, max_blocks_per_seq] block ids
-        """
-        rows = self._batch_rows(request_ids, beam_width, num_contexts, cross)
-        tables, counts = (
-            (self._cross, self._num_cross) if cross else (self._tables, self._num_allocated)
-        )
-        views = self.__dict__.setdefault("_read_only_views", {})
-        hit = views.get(cross)
-        if hit is None or hit[0] is not tables or hit[1] is not counts:
-            # read-only views, made again only when the manager replaced an array (growth)
-            hit = views[cross] = (tables, counts, read_only(tables), read_only(counts))
-        return BatchTables(hit[2], rows, hit[3])
+def flat_block_ids(table: np.ndarray, rows: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
+    """Concatenate ``table[rows[i], :num_blocks[i]]`` over i into one int32 array.
 
-    def _batch_rows(
-        self, request_ids: Sequence[Hashable], beam_width: int, num_contexts: int, cross: bool
-    ) -> np.ndarray:
-        """Table rows of the batch's sequences, int64 ``[num_seqs]`` (do not write it):
-        context requests one row (beam 0), generation requests ``beam_width`` rows (cross:
-        the request's encoder row repeated). Generation requests must have ``beam_width``
-        beams whenever the batch or any active request has more than one."""
-        if not 0 <= num_contexts <= len(request_ids):
-            raise ValueError(f"num_contexts = {num_contexts} outside [0, {len(request_ids)}]")
-        if beam_width == 1:
-            seq_rows = self._seq_rows(request_ids, None)  # every row is a beam-0 row
-        else:
-            try:
-                rows_of = [self._requests[r].rows for r in request_ids]
-            except (KeyError, TypeError):
-                for r in request_ids:
-                    self._get(r)
-                raise
-            seq_rows = expand_batch_rows(rows_of, beam_width, num_contexts, cross=cross)
-        # generation beams must match the batch (at beam 1 only while a multi-beam one exists)
-        if not cross and (beam_width != 1 or self._num_multi_beam):
-            for rid in request_ids[num_contexts:]:
-                if self._requests[rid].beam_width != beam_width:
-                    raise ValueError(
-                        f"request {rid!r} has beam_width {self._requests[rid].beam_width}, "
-                        f"the batch says {beam_width}"
-                    )
-        return seq_rows
+    Example::
+
+        table = [[5, 6, 7, 0],        rows = [1, 0], num_blocks = [1, 3]
+                 [9, 8, 0, 0]]   ->   [9, 5, 6, 7]
+    """
+    if rows.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    width = int(num_blocks.max())
+    sub = table[rows, :width]  # [n, width]
+    mask = np.arange(width, dtype=np.int64)[None, :] < num_blocks[:, None]
+    return sub[mask]

@@ -90,11 +90,6 @@ class BlockPool:
         """Blocks that ``allocate`` can hand out now (cached-but-free blocks included)."""
         return len(self._free)
 
-    @property
-    def num_usable_blocks(self) -> int:
-        """All blocks except the padding block."""
-        return self.num_blocks - 1
-
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return int(self._ref_counts[block_id])
@@ -112,6 +107,10 @@ class BlockPool:
 
     def block_hash(self, block_id: int) -> BlockHash | None:
         return self._block_to_hash.get(block_id)
+
+    def cached_blocks(self) -> dict[BlockHash, int]:
+        """Every cached hash and its block (a copy; free and in-use blocks alike)."""
+        return dict(self._hash_to_block)
 
     @property
     def num_cached_blocks(self) -> int:

@@ -26,44 +26,36 @@ Running out of blocks (or state slots) returns ``AllocationResult(ok=False, ...)
 nothing; caller errors (unknown id, double free, a sequence longer than
 ``max_blocks_per_seq`` blocks) raise ``ValueError``.
 
-A decode step's per-request calls have batched forms, ``extend_many`` (-> a
-``BatchAllocationResult``) and ``commit_tokens_many`` (``_batched.py``), equal to the
-per-request calls in order but with numpy work over the batch and Python work only where a
-block is allocated or fills.
+The manager fronts parts it owns (``pools``, ``requests``, ``allocator``, ``prefix_cache``,
+``decode_step``, ``batch_views``); ``kvplan.cache``'s docstring says what each one holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
-from kvplan._checks import check_int32
-from kvplan.cache import block_offsets as bo
-from kvplan.cache._batched import BatchedUpdates
-from kvplan.cache._requests import Request, RequestTable
-from kvplan.cache._results import ALLOCATED, AllocationResult, BatchAllocationResult
-from kvplan.cache.block_pool import BlockPool, hash_block_tokens
+import numpy as np
+
+from kvplan._math import cdiv
+from kvplan.cache.allocation_result import AllocationResult, BatchAllocationResult
+from kvplan.cache.batch_tables import BatchTables
+from kvplan.cache.batch_views import BatchTableViews
+from kvplan.cache.block_allocator import BlockAllocator
+from kvplan.cache.block_offsets import BlockOffsetsStager, CopyFn
+from kvplan.cache.block_pool import BlockPool
+from kvplan.cache.cache_config import KVCacheConfig
+from kvplan.cache.decode_step import DecodeStepUpdates
+from kvplan.cache.prefix_cache import PrefixCache, PrefixCacheStats
+from kvplan.cache.request_table import RequestTable
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["AllocationResult", "BatchAllocationResult", "KVCacheManager", "PrefixCacheStats"]
 
 
-class PrefixCacheStats(NamedTuple):
-    """Prompt tokens looked up in the prefix cache by successful ``add_request`` calls, and
-    how many of them were reused."""
-
-    num_queried_tokens: int
-    num_hit_tokens: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class KVCacheManager(BatchedUpdates, RequestTable, bo.BatchViews):
+class KVCacheManager:
     """Block bookkeeping for a paged KV cache.
 
     Args:
@@ -103,45 +95,33 @@ class KVCacheManager(BatchedUpdates, RequestTable, bo.BatchViews):
         max_beam_width: int = 1,
         release_out_of_window: bool = False,
     ) -> None:
-        window_sizes = tuple(window_sizes)
-        if not window_sizes:
-            raise ValueError("window_sizes must name at least one pool")
-        if len(set(window_sizes)) != len(window_sizes):
-            raise ValueError(f"window_sizes must be distinct (one pool each), got {window_sizes}")
-        for w in window_sizes:
-            if w is not None and (not isinstance(w, int) or w < 1):
-                raise ValueError(f"window_sizes entries must be None or ints >= 1, got {w!r}")
-        num_pools = len(window_sizes)
-        if isinstance(num_blocks, int):
-            num_blocks = (num_blocks,) * num_pools
-        num_blocks = tuple(num_blocks)
-        if len(num_blocks) != num_pools:
-            raise ValueError(f"num_blocks has {len(num_blocks)} entries for {num_pools} pools")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        if not isinstance(max_blocks_per_seq, int) or max_blocks_per_seq < 1:
-            raise ValueError(f"max_blocks_per_seq must be an int >= 1, got {max_blocks_per_seq!r}")
-        if max_beam_width < 1:
-            raise ValueError(f"max_beam_width must be >= 1, got {max_beam_width}")
-        if num_state_slots < 0:
-            raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
-        for n in num_blocks:  # slots (block * block_size + offset) are int32
-            check_int32("num_blocks * block_size", n * block_size)
+        cfg = KVCacheConfig(
+            num_blocks, block_size, max_blocks_per_seq, window_sizes, layer_to_pool,
+            enable_prefix_caching, num_state_slots, max_beam_width, release_out_of_window,
+        )  # fmt: skip
+        self.config = cfg
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.max_seq_len = max_blocks_per_seq * block_size
-        self.window_sizes = window_sizes
-        self.num_pools = num_pools
+        self.max_seq_len = cfg.max_seq_len
+        self.window_sizes = window_sizes = tuple(window_sizes)
+        self.num_pools = num_pools = cfg.num_pools
         self.enable_prefix_caching = enable_prefix_caching
         self.release_out_of_window = release_out_of_window
         self.max_beam_width = max_beam_width
         self.num_state_slots = num_state_slots
-        self.pools = [BlockPool(n, enable_prefix_caching=enable_prefix_caching) for n in num_blocks]
-        self.layer_to_pool = self._check_layer_map(layer_to_pool)
-        super().__init__(num_pools, max_blocks_per_seq, num_state_slots, block_size)
-        self._num_queried_tokens = 0
-        self._num_hit_tokens = 0
-        self._stagers: dict[tuple[bool, int], bo.BlockOffsetsStager] = {}
+        self.layer_to_pool = cfg.pool_of_layer
+        self.pools = [
+            BlockPool(n, enable_prefix_caching=enable_prefix_caching) for n in cfg.blocks_per_pool
+        ]
+        self.requests = RequestTable(num_pools, max_blocks_per_seq, num_state_slots, block_size)
+        self.allocator = BlockAllocator(
+            self.pools, window_sizes, self.requests, block_size, max_blocks_per_seq
+        )
+        self.prefix_cache = PrefixCache(self.pools, self.requests, block_size)
+        self.decode_step = DecodeStepUpdates(
+            self.requests, self.allocator, self.prefix_cache, release_out_of_window
+        )
+        self.batch_views = BatchTableViews(self.requests, max_blocks_per_seq)
 
     @classmethod
     def from_layer_windows(
@@ -152,31 +132,10 @@ class KVCacheManager(BatchedUpdates, RequestTable, bo.BatchViews):
         **kwargs,
     ) -> KVCacheManager:
         """One pool per distinct window of ``layer_windows`` (in first-seen order)."""
-        windows: list[int | None] = []
-        for w in layer_windows:
-            if w not in windows:
-                windows.append(w)
-        layer_to_pool = [windows.index(w) for w in layer_windows]
+        windows, layer_to_pool = KVCacheConfig.layer_windows_to_pools(layer_windows)
         return cls(
             num_blocks, block_size, window_sizes=windows, layer_to_pool=layer_to_pool, **kwargs
         )
-
-    def _check_layer_map(self, layer_to_pool) -> dict[int, int] | None:
-        if layer_to_pool is None:
-            if self.num_pools != 1:
-                raise ValueError(f"layer_to_pool is required with {self.num_pools} pools")
-            return None
-        items = (
-            layer_to_pool.items()
-            if isinstance(layer_to_pool, Mapping)
-            else enumerate(layer_to_pool)
-        )
-        out = {}
-        for layer, pool in items:
-            if not 0 <= pool < self.num_pools:
-                raise ValueError(f"layer_to_pool[{layer}] = {pool} outside [0, {self.num_pools})")
-            out[int(layer)] = int(pool)
-        return out
 
     def pool_for_layer(self, layer_idx: int | None) -> int:
         """Pool index of ``layer_idx`` (None -> pool 0)."""
@@ -189,35 +148,19 @@ class KVCacheManager(BatchedUpdates, RequestTable, bo.BatchViews):
 
     # ------------------------------------------------------------------ capacity queries
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._num_queried_tokens, self._num_hit_tokens)
+        return self.prefix_cache.stats()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash. Blocks in use stay allocated; blocks completed by later
         commits are hashed as usual."""
-        for pool in self.pools:
-            pool.reset_prefix_cache()
+        self.prefix_cache.reset()
 
     def num_free_blocks(self, pool: int = 0) -> int:
-        return self.pools[self._check_pool(pool)].num_free_blocks
+        return self.pools[self.requests.check_pool(pool)].num_free_blocks
 
     def can_allocate(self, num_tokens: int, pool: int = 0) -> bool:
         """Whether a new single-beam sequence of ``num_tokens`` tokens fits in ``pool`` now."""
-        return _cdiv(num_tokens, self.block_size) <= self.num_free_blocks(pool)
-
-    def _check_len(self, name: str, num_tokens: int) -> int:
-        num_blocks = _cdiv(num_tokens, self.block_size)
-        if num_blocks > self.max_blocks_per_seq:
-            raise ValueError(
-                f"{name} = {num_tokens} tokens needs {num_blocks} blocks, more than "
-                f"max_blocks_per_seq = {self.max_blocks_per_seq}"
-            )
-        return num_blocks
-
-    def _shortfall(self, need: Sequence[int]) -> AllocationResult | None:
-        missing = tuple(max(0, n - p.num_free_blocks) for n, p in zip(need, self.pools))
-        if any(missing):
-            return AllocationResult(False, 0, max(missing), "blocks", missing)
-        return None
+        return cdiv(num_tokens, self.block_size) <= self.num_free_blocks(pool)
 
     # ------------------------------------------------------------------ lifecycle
     def add_request(
@@ -233,7 +176,7 @@ class KVCacheManager(BatchedUpdates, RequestTable, bo.BatchViews):
         The logical length becomes ``len(prompt_token_ids)``. Reused blocks count as
         committed; the caller computes only tokens ``[num_cached_tokens, len(prompt))``.
         """
-        if request_id in self._requests:
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already active")
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -242,70 +185,35 @@ class KVCacheManager(BatchedUpdates, RequestTable, bo.BatchViews):
             raise ValueError(f"beam_width = {beam_width} outside [1, {self.max_beam_width}]")
         if num_encoder_tokens < 0:
             raise ValueError(f"num_encoder_tokens must be >= 0, got {num_encoder_tokens}")
-        bs = self.block_size
         num_prompt = len(prompt)
-        self._check_len("len(prompt_token_ids)", num_prompt)
-        num_cross = self._check_len("num_encoder_tokens", num_encoder_tokens)
+        self.allocator.num_blocks_for("len(prompt_token_ids)", num_prompt)
+        num_cross = self.allocator.num_blocks_for("num_encoder_tokens", num_encoder_tokens)
         cacheable = self.enable_prefix_caching and num_encoder_tokens == 0
-        hits = self._match_prefix(prompt) if cacheable else ([], [])
-        num_hits = len(hits[0])
-        num_full = num_prompt // bs
-        has_tail = num_prompt % bs != 0
-        need = []
-        for p, pool in enumerate(self.pools):
-            hit_blocks = {blocks[p] for blocks in hits[1]}
-            num_free_hits = sum(pool.is_free(b) for b in hit_blocks)
-            need.append((num_full - num_hits) + beam_width * has_tail + num_cross + num_free_hits)
-        short = self._shortfall(need)
+        hit_hashes, hit_blocks = self.prefix_cache.match(prompt) if cacheable else ([], [])
+        short = self.allocator.prompt_shortfall(num_prompt, hit_blocks, beam_width, num_cross)
         if short is not None:
             return short
-        if self.num_state_slots and not self._free_slots:
+        if self.num_state_slots and not self.requests.has_free_state_slot():
             return AllocationResult(False, 0, 0, "state_slots", (0,) * self.num_pools)
-
-        req = self._new_request(request_id, prompt, beam_width, num_encoder_tokens, cacheable)
-        for p, pool in enumerate(self.pools):
-            shared = [blocks[p] for blocks in hits[1]]
-            pool.touch(shared * beam_width)
-            fresh = pool.allocate(num_full - num_hits)
-            pool.touch(fresh * (beam_width - 1))
-            shared += fresh
-            for beam in range(beam_width):
-                tail = pool.allocate(1) if has_tail else []
-                self._set_blocks(p, req.rows[beam], shared + tail)
-            if num_cross:
-                self._set_cross_blocks(p, req.rows[0], pool.allocate(num_cross))
-        self._num_committed[req.rows[0]] = num_hits * bs
-        req.hashes = list(hits[0])
+        req = self.requests.add(request_id, prompt, beam_width, num_encoder_tokens, cacheable)
+        self.allocator.allocate_prompt(req, hit_blocks, num_cross)
+        num_cached = len(hit_hashes) * self.block_size
+        self.requests.num_committed[req.rows[0]] = num_cached
+        req.hashes = list(hit_hashes)
         if cacheable:
-            self._num_queried_tokens += num_prompt
-            self._num_hit_tokens += num_hits * bs
-        return AllocationResult(True, num_hits * bs)
-
-    def _match_prefix(self, prompt: list[int]) -> tuple[list[bytes], list[list[int]]]:
-        """Longest run of cached full blocks (in every pool), leaving >= 1 token to compute."""
-        bs = self.block_size
-        hashes: list[bytes] = []
-        blocks: list[list[int]] = []
-        parent = None
-        for b in range((len(prompt) - 1) // bs):
-            parent = hash_block_tokens(parent, prompt[b * bs : (b + 1) * bs])
-            found = [pool.lookup(parent) for pool in self.pools]
-            if any(x is None for x in found):
-                break
-            hashes.append(parent)
-            blocks.append(found)
-        return hashes, blocks
+            self.prefix_cache.record_lookup(num_prompt, num_cached)
+        return AllocationResult(True, num_cached)
 
     def extend(self, request_id: Hashable, num_tokens: int) -> AllocationResult:
         """Grow the logical length by ``num_tokens`` (every beam), allocating as needed."""
-        req = self._get(request_id)
+        req = self.requests.get(request_id)
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         row0 = req.rows[0]
-        total = int(self._num_tokens[row0]) + num_tokens
-        result = self._grow_to(req, total, "num_tokens")
+        total = int(self.requests.num_tokens[row0]) + num_tokens
+        result = self.allocator.grow_to(req, total, "num_tokens")
         if result.ok:
-            self._num_tokens[row0] = total
+            self.requests.num_tokens[row0] = total
         return result
 
     def reserve(self, request_id: Hashable, num_extra_tokens: int) -> AllocationResult:
@@ -314,47 +222,34 @@ class KVCacheManager(BatchedUpdates, RequestTable, bo.BatchViews):
         The logical length does not change: the new blocks are *reserved* (addressable for
         speculative appends; not part of the sequence until ``extend`` covers them).
         """
-        req = self._get(request_id)
+        req = self.requests.get(request_id)
         if num_extra_tokens < 0:
             raise ValueError(f"num_extra_tokens must be >= 0, got {num_extra_tokens}")
-        total = int(self._num_tokens[req.rows[0]]) + num_extra_tokens
-        return self._grow_to(req, total, "num_tokens + num_extra_tokens")
-
-    def _grow_to(self, req, total_tokens: int, name: str) -> AllocationResult:
-        want = self._check_len(name, total_tokens)
-        have = int(self._num_allocated[req.rows[0]])
-        extra = max(0, want - have)
-        if extra == 0:
-            return ALLOCATED
-        short = self._shortfall([extra * req.beam_width] * self.num_pools)
-        if short is not None:
-            return short
-        for row in req.rows:
-            self._append_blocks(row, [pool.allocate(extra) for pool in self.pools])
-        return ALLOCATED
+        total = int(self.requests.num_tokens[req.rows[0]]) + num_extra_tokens
+        return self.allocator.grow_to(req, total, "num_tokens + num_extra_tokens")
 
     def rewind(self, request_id: Hashable, num_tokens: int) -> None:
         """Shrink the logical length by ``num_tokens`` (rejected draft tokens).
 
         Their blocks stay allocated (now reserved). Committed tokens cannot be rewound.
         """
-        row0 = self._get(request_id).rows[0]
-        uncommitted = int(self._num_tokens[row0] - self._num_committed[row0])
+        row0 = self.requests.get(request_id).rows[0]
+        num_tokens_of = self.requests.num_tokens
+        uncommitted = int(num_tokens_of[row0] - self.requests.num_committed[row0])
         if not 0 <= num_tokens <= uncommitted:
             raise ValueError(
                 f"rewind num_tokens = {num_tokens} outside [0, {uncommitted}] (uncommitted "
                 f"tokens of {request_id!r})"
             )
-        self._num_tokens[row0] -= num_tokens
+        num_tokens_of[row0] -= num_tokens
 
     def release_reserved(self, request_id: Hashable) -> int:
         """Free every block past the logical blocks (all beams); returns blocks freed per beam."""
-        req = self._get(request_id)
-        keep = _cdiv(int(self._num_tokens[req.rows[0]]), self.block_size)
-        have = int(self._num_allocated[req.rows[0]])
-        for row in req.rows:
-            for pool, removed in zip(self.pools, self._truncate_blocks(row, keep)):
-                pool.free([b for b in reversed(removed) if b])  # skip released holes
+        req = self.requests.get(request_id)
+        row0 = req.rows[0]
+        keep = cdiv(int(self.requests.num_tokens[row0]), self.block_size)
+        have = int(self.requests.num_allocated[row0])
+        self.allocator.truncate(req, keep)
         return max(0, have - keep)
 
     def commit_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
@@ -365,15 +260,16 @@ class KVCacheManager(BatchedUpdates, RequestTable, bo.BatchViews):
         exceed the logical length. Full committed blocks get hashed for prefix reuse (for
         beam_width > 1 only the shared prompt blocks; none for cross-attention requests).
         """
-        req = self._get(request_id)
+        req = self.requests.get(request_id)
         row0 = req.rows[0]
         token_ids = [int(t) for t in token_ids]
-        start = int(self._num_committed[row0])
+        start = int(self.requests.num_committed[row0])
         end = start + len(token_ids)
-        if end > self._num_tokens[row0]:
+        num_tokens = int(self.requests.num_tokens[row0])
+        if end > num_tokens:
             raise ValueError(
                 f"request {request_id!r}: committing {len(token_ids)} tokens after {start} "
-                f"exceeds the logical length {int(self._num_tokens[row0])}"
+                f"exceeds the logical length {num_tokens}"
             )
         overlap = req.prompt[start:end]
         if token_ids[: len(overlap)] != overlap:
@@ -381,74 +277,16 @@ class KVCacheManager(BatchedUpdates, RequestTable, bo.BatchViews):
                 f"request {request_id!r}: committed tokens at [{start}, {end}) differ from "
                 "the prompt"
             )
-        self._append_committed(req, start, token_ids)
+        self.prefix_cache.commit(req, start, token_ids)
         if self.release_out_of_window:
-            self._release_out_of_window(req)
+            self.allocator.release_out_of_window(req)
 
     def free(self, request_id: Hashable) -> None:
         """Release every block of the request (tail blocks first, so prefixes stay cached)."""
-        req = self._get(request_id)
-        for row in req.rows:
-            for pool, removed in zip(self.pools, self._truncate_blocks(row, 0)):
-                pool.free([b for b in reversed(removed) if b])  # skip released holes
-        for pool, cross in zip(self.pools, self._take_cross_blocks(req.rows[0])):
-            pool.free(cross[::-1])
-        self._drop_request(request_id)
-
-    def _append_committed(self, req: Request, start: int, token_ids: list[int]) -> None:
-        """Commit ``token_ids`` at positions ``start ..`` of ``req``: keep the last partial
-        block's tokens in ``_tail`` and hash each block they fill (``_block_filled``)."""
-        bs = self.block_size
-        row0 = req.rows[0]
-        tail = self._tail[row0]
-        n = len(token_ids)
-        b, off = divmod(start, bs)
-        i = 0
-        while i < n:
-            take = min(bs - off, n - i)
-            if take == bs:  # a whole block inside token_ids
-                block = token_ids[i : i + bs]
-            else:
-                tail[off : off + take] = token_ids[i : i + take]
-                block = tail
-            i += take
-            if off + take == bs:
-                self._block_filled(req, b, block)
-            b, off = b + 1, 0
-        self._num_committed[row0] = start + n
-
-    def _block_filled(self, req: Request, b: int, tokens: Sequence[int]) -> None:
-        """Block ``b`` of ``req`` is now fully committed with ``tokens`` ([block_size]):
-        hash it and offer it to the prefix cache (only the shared prompt blocks for
-        beam_width > 1; never for cross-attention requests)."""
-        if not req.cacheable or (req.beam_width > 1 and b >= len(req.prompt) // self.block_size):
-            return  # later blocks differ per beam
-        assert b == len(req.hashes), f"block {b} filled with {len(req.hashes)} blocks hashed"
-        h = hash_block_tokens(req.hashes[-1] if req.hashes else None, tokens)
-        row = req.rows[0]
-        for p, pool in enumerate(self.pools):
-            block = int(self._tables[p, row, b])
-            if block:  # 0: already released out of the window
-                pool.cache_block(block, h)
-        req.hashes.append(h)
-
-    def _release_out_of_window(self, req) -> None:
-        """Free the leading blocks of window pools that no future query can see.
-
-        Future queries sit at positions >= c = committed tokens and see keys >= p - W + 1, so
-        block b is dead once its last position (b + 1) * bs - 1 < c - W + 1.
-        """
-        bs = self.block_size
-        for p, (pool, window) in enumerate(zip(self.pools, self.window_sizes)):
-            if window is None:
-                continue
-            num_dead = max(0, int(self._num_committed[req.rows[0]]) - window + 1) // bs
-            for row in req.rows:
-                dead = self._tables[p, row, :num_dead]
-                blocks = dead[dead != 0].tolist()
-                if blocks:
-                    pool.free(blocks[::-1])
-                    dead[:] = 0
+        req = self.requests.get(request_id)
+        self.allocator.truncate(req, 0)
+        self.allocator.free_cross(req)
+        self.requests.drop(request_id)
 
     def beam_fork_copies(self, request_id: Hashable) -> list[tuple[int, int, int]]:
         """``(pool, src_block, dst_block)`` copies giving beams 1.. the prompt's partial block.
@@ -456,14 +294,138 @@ class KVCacheManager(BatchedUpdates, RequestTable, bo.BatchViews):
         The context step writes the partial last prompt block of beam 0 only; copy it into
         each other beam's own block (all layers) before their first generation step.
         """
-        req = self._get(request_id)
-        num_prompt = len(req.prompt)
-        if req.beam_width == 1 or num_prompt % self.block_size == 0:
-            return []
-        j = num_prompt // self.block_size
-        src_row = req.rows[0]
-        return [
-            (p, int(self._tables[p, src_row, j]), int(self._tables[p, row, j]))
-            for p in range(self.num_pools)
-            for row in req.rows[1:]
-        ]
+        return self.allocator.beam_fork_copies(self.requests.get(request_id))
+
+    # ------------------------------------------------------------------ per-request queries
+    def has_request(self, request_id: Hashable) -> bool:
+        return request_id in self.requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def request_ids(self) -> list[Hashable]:
+        """The active request ids, in the order they were added."""
+        return list(self.requests)
+
+    @property
+    def _requests(self) -> RequestTable:
+        # Transitional: tests/engine iterate ``m._requests``; they should call request_ids().
+        return self.requests
+
+    def num_tokens(self, request_id: Hashable) -> int:
+        """Logical length (prompt + every extend - rewinds)."""
+        return int(self.requests.num_tokens[self.requests.get(request_id).rows[0]])
+
+    def num_committed_tokens(self, request_id: Hashable) -> int:
+        return int(self.requests.num_committed[self.requests.get(request_id).rows[0]])
+
+    def num_logical_blocks(self, request_id: Hashable) -> int:
+        return cdiv(self.num_tokens(request_id), self.block_size)
+
+    def num_allocated_blocks(self, request_id: Hashable) -> int:
+        """Logical plus reserved blocks of each beam."""
+        return int(self.requests.num_allocated[self.requests.get(request_id).rows[0]])
+
+    def beam_width(self, request_id: Hashable) -> int:
+        return self.requests.get(request_id).beam_width
+
+    def get_block_ids(self, request_id: Hashable, pool: int = 0, *, beam: int = 0) -> list[int]:
+        """All allocated blocks (logical and reserved) of one beam, in sequence order
+        (block 0 where ``release_out_of_window`` freed a block)."""
+        row = self.requests.row(request_id, beam)
+        return self.requests.block_ids(self.requests.check_pool(pool), row)
+
+    def get_cross_block_ids(self, request_id: Hashable, pool: int = 0) -> list[int]:
+        """The request's encoder blocks (shared by its beams)."""
+        row = self.requests.get(request_id).rows[0]
+        return self.requests.cross_block_ids(self.requests.check_pool(pool), row)
+
+    def get_state_slot(self, request_id: Hashable) -> int:
+        """The request's state slot (SWA ring); ValueError when the manager has none."""
+        slot = self.requests.get(request_id).state_slot
+        if slot is None:
+            raise ValueError("this manager was built with num_state_slots = 0")
+        return slot
+
+    # ------------------------------------------------------------------ decode step (batched)
+    def extend_many(
+        self, request_ids: Sequence[Hashable], num_tokens: int | Sequence[int] | np.ndarray
+    ) -> BatchAllocationResult:
+        """``extend`` of each request in order, with numpy work over the batch
+        (``DecodeStepUpdates.extend_many`` states the contract)."""
+        return self.decode_step.extend_many(request_ids, num_tokens)
+
+    def commit_tokens_many(
+        self, request_ids: Sequence[Hashable], token_ids: Sequence[int] | np.ndarray
+    ) -> None:
+        """``commit_tokens`` of one token per request (``DecodeStepUpdates.commit_tokens_many``
+        states the contract)."""
+        self.decode_step.commit_tokens_many(request_ids, token_ids)
+
+    # ------------------------------------------------------------------ batch tables
+    # Contracts (shapes, row rules, the staging rule) are stated on ``BatchTableViews``.
+    def batch_tables(
+        self, request_ids: Sequence[Hashable], beam_width: int = 1, num_contexts: int = 0,
+        *, cross: bool = False,
+    ) -> BatchTables:  # fmt: skip
+        """The batch's rows of the block tables without copying any table (read-only views).
+
+        Example (one pool, beam_width 1)::
+
+            bt = m.batch_tables(["a", "b"])
+            bt.tables[0, bt.rows]              # [2, max_blocks_per_seq] block ids
+        """
+        return self.batch_views.batch_tables(request_ids, beam_width, num_contexts, cross=cross)
+
+    def get_block_ids_per_seq(
+        self, request_ids: Sequence[Hashable], pool: int = 0, *,
+        beams: Sequence[int] | None = None, width: int | None = None,
+    ) -> np.ndarray:  # fmt: skip
+        """Block tables ``[n, width]`` int32 padded with block 0; ``beams[i]`` (default 0)
+        picks the beam of ``request_ids[i]``."""
+        return self.batch_views.get_block_ids_per_seq(request_ids, pool, beams, width)
+
+    def get_batch_cache_indices(
+        self, request_ids: Sequence[Hashable], layer_idx: int | None = None,
+        num_blocks_per_seq: Sequence[int] | None = None, *, beams: Sequence[int] | None = None,
+    ) -> list[list[int]]:  # fmt: skip
+        """Per-sequence block-id lists of ``layer_idx``'s pool."""
+        pool = self.pool_for_layer(layer_idx)
+        return self.batch_views.get_batch_cache_indices(
+            request_ids, pool, num_blocks_per_seq, beams
+        )
+
+    def get_batch_cache_indices_flat(
+        self, request_ids: Sequence[Hashable], num_blocks_per_seq: Sequence[int] | None = None,
+        layer_idx: int | None = None, *, beams: Sequence[int] | None = None,
+    ) -> np.ndarray:  # fmt: skip
+        """``get_batch_cache_indices`` concatenated into one int32 array (ragged indices)."""
+        pool = self.pool_for_layer(layer_idx)
+        views = self.batch_views
+        return views.get_batch_cache_indices_flat(request_ids, pool, num_blocks_per_seq, beams)
+
+    def copy_batch_block_offsets(
+        self, dst, request_ids: Sequence[Hashable], beam_width: int, num_contexts: int,
+        num_seqs: int, *, cross: bool = False, max_blocks: int | None = None,
+        copy_fn: CopyFn | None = None,
+    ):  # fmt: skip
+        """Write this batch's block-offset rows into ``dst`` (int32 ``[num_pools, max_batch,
+        2, max_blocks_per_seq]``, any device) through a private pinned snapshot (returned)."""
+        return self.batch_views.copy_batch_block_offsets(
+            dst, request_ids, beam_width, num_contexts, num_seqs,
+            cross=cross, max_blocks=max_blocks, copy_fn=copy_fn,
+        )  # fmt: skip
+
+    def fill_host_block_offsets(
+        self, request_ids: Sequence[Hashable], beam_width: int, num_contexts: int,
+        num_seqs: int, *, max_batch: int, cross: bool = False,
+    ) -> BlockOffsetsStager:  # fmt: skip
+        """Fill the persistent host buffer for this batch; returns its stager."""
+        return self.batch_views.fill_host_block_offsets(
+            request_ids, beam_width, num_contexts, num_seqs, max_batch=max_batch, cross=cross
+        )
+
+    def host_block_offsets(self, max_batch: int, *, cross: bool = False) -> torch.Tensor:
+        """The persistent host buffer of ``(cross, max_batch)`` (for synchronous readers)."""
+        return self.batch_views.host_block_offsets(max_batch, cross=cross)

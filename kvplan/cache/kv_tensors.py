@@ -135,7 +135,7 @@ class KVCacheTensors:
         if check:
             check_range("slot_mapping", slot_mapping, -1, self.num_slots)
         if self.layout is not None:  # bf16 and fp8: the storage layer's store (Triton on CUDA)
-            from kvplan import store_kv_cache
+            from kvplan.ops.store import store_kv_cache
 
             raw_k, raw_v = self._raw[layer]
             slots = slot_mapping.to(torch.int32)

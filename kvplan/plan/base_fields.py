@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvplan._math import exclusive_cumsum
 from kvplan.plan.batch import BatchArrays, Emitter
-from kvplan.plan.common import exclusive_cumsum
 from kvplan.plan.config import QUERY_INDEX_PLACEHOLDER, MetadataConfig
 from kvplan.plan.sequence import SequenceMetadata
 

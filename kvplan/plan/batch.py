@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvplan._checks import INT32_MAX, check_int32
-from kvplan.plan.common import exclusive_cumsum
+from kvplan._math import exclusive_cumsum
 from kvplan.plan.config import MetadataConfig
 from kvplan.plan.sequence import SequenceMetadata
 
@@ -140,8 +140,7 @@ def extract_batch(
     n_bt = np.array([len(s.block_table) for s in seqs])
     ok = sq is not None and sk is not None and sid is not None and vs is not None
     if ok:
-        tpb = cfg.tokens_per_block(cfg.min_ratio)
-        nb = -(-(sk // cfg.min_ratio) // tpb)
+        nb = cfg.num_blocks_for(sk)
         ok = bool(
             (sq >= 1).all()
             and (sk >= sq).all()

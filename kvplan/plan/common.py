@@ -150,13 +150,6 @@ def swa_pivots_rel(
     return out
 
 
-def exclusive_cumsum(lengths: np.ndarray) -> np.ndarray:
-    """``[0, l0, l0 + l1, ...]`` (length ``n + 1``) as int64."""
-    out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
-
-
 def host_int64(t: torch.Tensor) -> np.ndarray:
     """A tensor's values as a host int64 numpy array (a copy)."""
     return t.detach().cpu().numpy().astype(np.int64)

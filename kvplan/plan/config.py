@@ -15,6 +15,7 @@ from functools import cached_property
 import torch
 
 from kvplan._checks import INT32_MAX
+from kvplan._math import cdiv
 
 QUERY_INDEX_PLACEHOLDER = 998244353
 """``query_indices`` of a placeholder row: large enough that any gather with it faults."""
@@ -180,10 +181,9 @@ class MetadataConfig:
         ``ceil((seqlen_k // r_min) / (block_size // r_min))``; a larger ratio ``r`` needs no
         more blocks than this, so every ratio reads a prefix of the same table.
         """
-        tpb = self.tokens_per_block(self.min_ratio)
-        return -(-(seqlen_k // self.min_ratio) // tpb)
+        return cdiv(seqlen_k // self.min_ratio, self.tokens_per_block(self.min_ratio))
 
     def kv_ca_index_width(self, ratio: int) -> int:
         """Columns of the expanded ``kv_ca_index[r]``: ``max_model_len // r`` rounded up to a
         multiple of 128 (at least 128), as ``kvplan.ops.kv_ca_index_width`` computes it."""
-        return max(1, -(-(self.max_model_len // ratio) // 128)) * 128
+        return max(1, cdiv(self.max_model_len // ratio, 128)) * 128

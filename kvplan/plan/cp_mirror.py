@@ -27,9 +27,10 @@ import numpy as np
 import torch
 
 from kvplan._checks import check_int32
-from kvplan.plan.common import compressed_kv_len, exclusive_cumsum
+from kvplan._math import cdiv, exclusive_cumsum
+from kvplan.plan.common import compressed_kv_len
 from kvplan.plan.config import QUERY_INDEX_PLACEHOLDER, ratio_key
-from kvplan.plan.metadata import InputMetadata
+from kvplan.plan.metadata_fields import Meta, MetadataFields
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class CpMirror:
 
 def cp_piece_size(seqlen_q: np.ndarray, cp_size: int) -> np.ndarray:
     """``ceil(seqlen_q / (2 * cp_size))`` per sequence: rows of one zigzag piece."""
-    return (seqlen_q + 2 * cp_size - 1) // (2 * cp_size)
+    return cdiv(seqlen_q, 2 * cp_size)
 
 
 def cp_mirror_len(seqlen_q: np.ndarray, cp_size: int) -> int:
@@ -160,7 +161,7 @@ def gather_rows(t: torch.Tensor, index: torch.Tensor, fill) -> torch.Tensor:
     return out
 
 
-def apply_mirror(view: InputMetadata, m: CpMirror, cp_size: int, cp_rank: int) -> None:
+def apply_mirror(view: MetadataFields, m: CpMirror, cp_size: int, cp_rank: int) -> None:
     """Move the query-aligned fields of ``view`` to the mirror rows ``m`` (in place).
 
     Gathered (pad rows get an inert value): ``positions`` (original kept as ``positions_cp``),
@@ -201,13 +202,13 @@ def apply_mirror(view: InputMetadata, m: CpMirror, cp_size: int, cp_rank: int) -
     view.clean()
 
 
-def kernel_ratios(meta: InputMetadata) -> tuple[int, ...]:
+def kernel_ratios(meta: MetadataFields) -> tuple[int, ...]:
     """Ratios handed to :func:`prepare_cp_mirror`: the sparse ratios (``ks`` keys) or, for a
     pure-dense model, the dummy ``(1,)`` whose output is dropped (the mirror needs one)."""
     return tuple(int(k) for k in meta.ks) or (1,)
 
 
-def prepare_for_mirror_cp(meta: InputMetadata, cp_size: int, cp_rank: int) -> InputMetadata:
+def prepare_for_mirror_cp(meta: Meta, cp_size: int, cp_rank: int) -> Meta:
     """Rewrite a prompt ``meta`` into rank ``cp_rank``'s mirror layout, in place; returns it.
 
     See :func:`apply_mirror` for which fields move. New fields: ``mirror_cp_index``

@@ -8,8 +8,8 @@ row reads, so each row's window includes itself::
     kv_swa_index_offset_len[row] = (state_id * sbs + lo % sbs, p - lo + 1)
     lo = max(p - W + 1, swa_valid_start, 0)
 
-``swa_valid_start`` is honored here too (the seed's decode window ignores it); that makes the
-visible set equal DESIGN.md's ``max(p - W + 1, swa_valid_start, 0) .. p`` on every path.
+``swa_valid_start`` is honored here too, so the visible set is
+``max(p - W + 1, swa_valid_start, 0) .. p`` on every path.
 The ring must hold the window plus the drafts written in the same step
 (``window_size + seqlen_q - 1 <= swa_block_size``, checked).
 

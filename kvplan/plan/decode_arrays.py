@@ -1,14 +1,12 @@
 """``DecodeBatchArrays``: a decode batch as a struct of arrays, the fast input of the on-device
 decode.
 
-Why this form exists: from a list of :class:`~kvplan.plan.sequence.SequenceMetadata` the host
-has to walk every sequence object once per attribute each step (lengths, state slot, flags,
-valid start, last token, drafts, block table), ~25-35 ns per object and attribute in CPython:
-~170 us for 256 sequences, more than the whole 150 us budget of the on-device decode. A
-scheduler that keeps these facts in arrays (it updates them incrementally: ``seqlen_k += 1 +
-accepted`` per row, a block id appended when a row crosses a block) hands them over as they
-are, and the host work of a step becomes a fixed number of numpy calls over ``[n]`` arrays,
-independent of ``n`` in Python overhead.
+From a list of :class:`~kvplan.plan.sequence.SequenceMetadata` the host has to walk every
+sequence object once per attribute each step (lengths, state slot, flags, valid start, last
+token, drafts, block table): Python work proportional to ``n``. A scheduler that keeps these
+facts in arrays (it updates them incrementally: ``seqlen_k += 1 + accepted`` per row, a block
+id appended when a row crosses a block) hands them over as they are, and the host work of a
+step becomes a fixed number of numpy calls over ``[n]`` arrays.
 
 Layout (``n`` sequences, CSR block tables)::
 
@@ -49,6 +47,14 @@ import numpy as np
 
 from kvplan._checks import INT32_MAX, check_int32
 from kvplan.plan.config import MetadataConfig
+from kvplan.plan.decode_extract import (
+    HostDecodeBatch,
+    as_unsigned,
+    block_id_end,
+    decode_ngram_ids,
+    extract_decode_batch,
+    state_id_end,
+)
 
 __all__ = ["DecodeBatchArrays", "decode_host_batch"]
 
@@ -79,13 +85,11 @@ class DecodeBatchArrays:
         validates them, same errors). Block tables are stored compact (each sequence's first
         ``num_blocks_for(seqlen_k)`` ids); ``ngram_token_ids`` is computed when the config
         uses Engram n-grams."""
-        from kvplan.plan.decode_device import decode_ngram_ids, extract_decode_batch
-
         hb = extract_decode_batch(seqs, config)
         ngram = decode_ngram_ids(seqs, hb, config) if config.max_ngram_size > 0 else None
         i32 = np.int32  # every fact and block id was checked to fit int32; token ids may not
         ids = hb.input_ids
-        fits = not len(ids) or int(_unsigned(ids).max()) <= INT32_MAX
+        fits = not len(ids) or int(as_unsigned(ids).max()) <= INT32_MAX
         return cls(
             seqlen_q=hb.facts[0].astype(i32), seqlen_k=hb.facts[1].astype(i32),
             state_id=hb.facts[2].astype(i32), is_placeholder=hb.facts[3] != 0,
@@ -96,58 +100,12 @@ class DecodeBatchArrays:
         )  # fmt: skip
 
 
-@dataclass
-class HostDecodeBatch:
-    """Validated per-sequence facts of a decode batch, in the packed layout's order.
-
-    ``facts`` is int64 ``[5, n]``: seqlen_q, seqlen_k, state_id, is_placeholder (0/1),
-    swa_valid_start (the ``PER_SEQ_SECTIONS`` order); ``cus`` is int64 ``[3, n + 1]``: the
-    exclusive prefix sums of seqlen_q, seqlen_k and num_blocks; ``bt_flat`` int
-    ``[sum num_blocks]`` holds each sequence's first ``num_blocks`` block ids; ``input_ids``
-    int ``[total_q]`` the last confirmed token then the drafts of each sequence.
-    """
-
-    facts: np.ndarray
-    num_blocks: np.ndarray  # [n]
-    cus: np.ndarray
-    bt_flat: np.ndarray
-    input_ids: np.ndarray
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-    seqlen_q = property(lambda self: self.facts[0])
-    seqlen_k = property(lambda self: self.facts[1])
-    state_id = property(lambda self: self.facts[2])
-    is_placeholder = property(lambda self: self.facts[3] != 0)
-    valid_start = property(lambda self: self.facts[4])
-    cu_q = property(lambda self: self.cus[0])
-
-
 def _array(name: str, a: object, kinds: str = "iu") -> np.ndarray:
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
     if a.dtype.kind not in kinds or a.dtype == np.uint64:
         raise TypeError(f"{name} must have an integer dtype (int64 at most), got {a.dtype}")
     return a
-
-
-def _unsigned(a: np.ndarray) -> np.ndarray:
-    """``a`` viewed as unsigned (no copy): a negative value reads as >= 2**(bits - 1)."""
-    return a.view(f"u{a.itemsize}") if a.dtype.kind == "i" else a
-
-
-def block_id_end(cfg: MetadataConfig) -> int:
-    """Exclusive bound of a valid block id: below ``num_kv_blocks`` (when set) and
-    ``(id + 1) * block_size - 1`` fits int32."""
-    end = (INT32_MAX + 1) // cfg.block_size
-    return end if cfg.num_kv_blocks is None else min(end, cfg.num_kv_blocks)
-
-
-def state_id_end(cfg: MetadataConfig) -> int:
-    """Exclusive bound of a valid state id: below ``num_state_slots`` (when set) and
-    ``(sid + 1) * swa_block_size - 1`` fits int32."""
-    end = (INT32_MAX + 1) // cfg.swa_block_size
-    return end if cfg.num_state_slots is None else min(end, cfg.num_state_slots)
 
 
 def _fail(name: str, ok: np.ndarray, values: np.ndarray, why: str, other=None) -> None:
@@ -230,7 +188,7 @@ def _block_ids(flat: np.ndarray, off: np.ndarray, nb: np.ndarray, cu_nb: np.ndar
     if not len(bt):
         return bt
     end = block_id_end(cfg)
-    if int(_unsigned(bt).max()) >= end:  # one pass: negative ids wrap to huge values
+    if int(as_unsigned(bt).max()) >= end:  # one pass: negative ids wrap to huge values
         bad = np.flatnonzero((bt < 0) | (bt >= end))[0]
         j = int(bad if pos is None else pos[bad])
         raise ValueError(f"block_table_flat[{j}] = {int(flat[j])}: block id out of range "
@@ -279,7 +237,7 @@ def decode_host_batch(b: DecodeBatchArrays, cfg: MetadataConfig) -> HostDecodeBa
         raise ValueError(
             f"input_ids_flat has {len(b.input_ids_flat)} ids, sum(seqlen_q) = {total_q}"
         )
-    if total_q and int(_unsigned(b.input_ids_flat).max()) > INT32_MAX:  # negatives wrap
+    if total_q and int(as_unsigned(b.input_ids_flat).max()) > INT32_MAX:  # negatives wrap
         ids = b.input_ids_flat
         j = int(np.flatnonzero((ids < 0) | (ids > INT32_MAX))[0])
         raise ValueError(f"input_ids_flat[{j}] = {int(ids[j])}: must be in [0, 2**31 - 1]")

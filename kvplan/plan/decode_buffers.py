@@ -24,6 +24,7 @@ from operator import is_
 import numpy as np
 import torch
 
+from kvplan._math import exclusive_cumsum
 from kvplan.plan.config import MetadataConfig, ratio_key
 from kvplan.plan.decode_kernels import (
     DecodeKernelInputs,
@@ -68,7 +69,7 @@ class DecodeCapacity:
         sizes += [(k, n) for k in PER_SEQ_SECTIONS]
         sizes += [("ratios", self.num_ratios), ("input_ids", self.total_q)]
         sizes += [("bt", self.num_block_ids)]
-        offsets = np.cumsum([0] + [s for _, s in sizes]).tolist()
+        offsets = exclusive_cumsum([s for _, s in sizes]).tolist()  # [n + 1]
         return {k: (o, s) for (k, s), o in zip(sizes, offsets)}
 
     def packed_len(self) -> int:

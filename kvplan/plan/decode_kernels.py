@@ -12,8 +12,7 @@ Per-sequence inputs (int32, on the output device):
     is_placeholder ``[n_prog]`` (0/1), swa_valid_start ``[n_prog]``, block_tables_in
     ``[sum_s nb_s]`` (compact) and block_tables_offsets ``[n_prog + 1]``, and the ratio table
     ``[ca ratios | sparse ratios | dense ratios]`` (device memory, so a captured launch does no
-    host-to-device copy). The seed's kernel takes an inclusive ``[n]`` cumsum of ``seqlen_q``;
-    kvplan keeps one convention everywhere: exclusive, ``[n + 1]``.
+    host-to-device copy). Prefix sums are exclusive, ``[n + 1]``, as everywhere in kvplan.
 
 For query row ``i`` of sequence ``s`` (local index ``j``, position ``p = seqlen_k - seqlen_q + j``,
 ``valid = not placeholder``), the fields are (``bs`` = swa_block_size, ``W`` = window_size)::

@@ -19,7 +19,7 @@ A prompt chunk of a sequence covers positions ``[q_start, seqlen_k)``. Its atten
   Sparse ratios: the row at ``p`` may pick among buffer rows ``[ks, ke)`` with
   ``ke - ks = (p + 1) // r``; dense ratios: ``kv_ca_index_offset_len = (ks, (p + 1) // r)``.
 
-Worked example (seed 002): ``seqlen_k = 10000, seqlen_q = 1024, block_size = 64, r = 4,
+Worked example: ``seqlen_k = 10000, seqlen_q = 1024, block_size = 64, r = 4,
 W = swa_block_size = 4096``: 157 compressed segments (156 x 16 + 4 tokens),
 ``total_k_compressed = 2500``; SWA ring ``[4880, 8976)`` -> ``[sid, 784, 4096, 0]`` and
 ``[sid, 0, 784, 3312]``; ``total_k_swa = 4096``.
@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from kvplan._checks import check_int32
+from kvplan._math import cdiv, exclusive_cumsum
 from kvplan.plan.base_fields import add_base_fields
 from kvplan.plan.batch import BatchArrays, Emitter, extract_batch
 from kvplan.plan.common import (
     compressed_kv_len,
-    exclusive_cumsum,
     num_complete_groups,
     num_new_compressed,
     paged_slot,
@@ -58,7 +58,7 @@ def compressed_load_segments(b: BatchArrays, ratio: int, tpb: int, cu_ckv: np.nd
     group. Equals ``BlockLoadPlanBuilder(tpb)`` fed ``append_paged_range`` /
     ``append_zero_fill(1)`` (tests hold them equal)."""
     nt = num_complete_groups(b.seqlen_k, ratio)  # [n]
-    nseg = np.maximum(-(-nt // tpb), 1)
+    nseg = np.maximum(cdiv(nt, tpb), 1)
     cu_seg = exclusive_cumsum(nseg)
     total = int(cu_seg[-1])
     idx = np.arange(total, dtype=np.int32)

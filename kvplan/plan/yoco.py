@@ -36,7 +36,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvplan.plan.common import exclusive_cumsum, host_int64, swa_pivots
+from kvplan._math import exclusive_cumsum
+from kvplan.plan.common import host_int64, swa_pivots
 from kvplan.plan.config import MetadataConfig
 from kvplan.plan.cp_mirror import (
     apply_mirror,
@@ -46,7 +47,7 @@ from kvplan.plan.cp_mirror import (
     prepare_cp_mirror,
     zigzag_contrib,
 )
-from kvplan.plan.metadata import InputMetadata
+from kvplan.plan.metadata_fields import Meta, MetadataFields
 from kvplan.plan.sequence import SequenceMetadata
 
 
@@ -77,8 +78,8 @@ def yoco_swa_visibility(
 
 
 def fill_yoco_truncation_metadata(
-    meta: InputMetadata, seqs: Sequence[SequenceMetadata], config: MetadataConfig
-) -> InputMetadata:
+    meta: Meta, seqs: Sequence[SequenceMetadata], config: MetadataConfig
+) -> Meta:
     """Add the ``yoco_*`` fields of ``config.yoco_mode`` to a FULL-layout prompt ``meta``.
 
     Mask mode: ``yoco_mask_swa_index_pivots`` [T, 4]. Compact mode (``T_c`` kept rows):
@@ -153,7 +154,7 @@ def fill_yoco_truncation_metadata(
     return meta
 
 
-def _require(meta: InputMetadata, name: str, mode: str, seqs, config) -> None:
+def _require(meta: MetadataFields, name: str, mode: str, seqs, config) -> None:
     if getattr(meta, name, None) is None and seqs is not None and config is not None:
         if config.yoco_mode != mode:
             raise ValueError(f"config.yoco_mode is {config.yoco_mode!r}, this view needs {mode!r}")
@@ -166,10 +167,10 @@ def _require(meta: InputMetadata, name: str, mode: str, seqs, config) -> None:
 
 
 def get_mask_view(
-    meta: InputMetadata,
+    meta: Meta,
     seqs: Sequence[SequenceMetadata] | None = None,
     config: MetadataConfig | None = None,
-) -> InputMetadata:
+) -> Meta:
     """Shallow copy whose ``kv_swa_full_index_pivots`` are the mask-mode pivots.
 
     ``seqs`` / ``config``: fill the YoCo fields first when ``meta`` has none yet.
@@ -188,10 +189,10 @@ def get_mask_view(
 
 
 def get_consumer_view(
-    meta: InputMetadata,
+    meta: Meta,
     seqs: Sequence[SequenceMetadata] | None = None,
     config: MetadataConfig | None = None,
-) -> InputMetadata:
+) -> Meta:
     """Shallow copy in the compact layout of the kept rows (see the module docstring).
 
     ``seqs`` / ``config``: fill the YoCo fields first when ``meta`` has none yet.
@@ -243,7 +244,7 @@ def get_consumer_view(
     return view
 
 
-def yoco_cp_redistribution(meta: InputMetadata, m) -> tuple[torch.Tensor, torch.Tensor]:
+def yoco_cp_redistribution(meta: MetadataFields, m) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices that move kept rows from the full-mirror layout to the compact-mirror layout.
 
     Each rank sends ``hidden[contrib_index]`` (``[pad_len]``, -1 = pad row) from its

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvplan.cache import KVCacheManager
-from kvplan.cache.block_offsets import expand_batch_rows, flat_block_ids, per_seq_table
+from kvplan.cache.batch_tables import expand_batch_rows, flat_block_ids, per_seq_table
 
 
 def offsets_ref(m, request_ids, beam_width, num_contexts, *, cross=False):

@@ -16,11 +16,15 @@ def snapshot(m):
     """Everything observable: free lists (in order), hashes, ref counts, every request's
     lengths, hash chain and block ids (all pools, beams, cross blocks)."""
     out = [
-        (p.free_block_ids(), sorted(p._hash_to_block.items()), p._ref_counts.tolist())
+        (
+            p.free_block_ids(),
+            sorted(p.cached_blocks().items()),
+            [p.ref_count(b) for b in range(1, p.num_blocks)],
+        )
         for p in m.pools
     ]
-    for rid in sorted(m._requests, key=repr):
-        req = m._requests[rid]
+    for rid in sorted(m.request_ids(), key=repr):
+        req = m.requests.get(rid)
         blocks = [
             m.get_block_ids(rid, p, beam=b)
             for p in range(m.num_pools)
@@ -76,7 +80,7 @@ def test_commit_tokens_many_hashes_full_blocks_for_prefix_reuse():
     h0 = hash_block_tokens(None, [3, 1, 4, 1])
     h1 = hash_block_tokens(h0, [5, 9, 2, 6])
     hb = hash_block_tokens(None, [2, 7, 1, 8])
-    assert m._requests["a"].hashes == [h0, h1] and m._requests["b"].hashes == [hb]
+    assert m.requests.get("a").hashes == [h0, h1] and m.requests.get("b").hashes == [hb]
     assert (m.pools[0].lookup(h1), m.pools[0].lookup(hb)) == (2, 3)
     r = m.add_request("c", [3, 1, 4, 1, 5, 9, 2, 6, 0])
     assert r.num_cached_tokens == 8 and m.get_block_ids("c")[:2] == [1, 2]

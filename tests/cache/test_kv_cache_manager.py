@@ -175,7 +175,7 @@ def test_repeated_batch_lookups_follow_free_and_re_add():
     m.free("b")
     with pytest.raises(ValueError, match="unknown request id"):
         m.get_block_ids_per_seq(ids)
-    rows = m._seq_rows(["c", "a"], None)
+    rows = m.requests.seq_rows(["c", "a"], None)
     with pytest.raises(ValueError):
         rows[0] = 5  # shared with later lookups: read-only
 
@@ -299,7 +299,8 @@ def check_invariants(m):
 
     for p, pool in enumerate(m.pools):
         refs = Counter()
-        for rid, req in m._requests.items():
+        for rid in m.request_ids():
+            req = m.requests.get(rid)
             for b in range(req.beam_width):
                 ids = m.get_block_ids(rid, p, beam=b)
                 assert len(ids) >= m.num_logical_blocks(rid)
@@ -310,9 +311,9 @@ def check_invariants(m):
         for blk in range(1, pool.num_blocks):
             assert pool.ref_count(blk) == refs[blk], (p, blk)
             assert pool.is_free(blk) == (refs[blk] == 0), (p, blk)
-        rows = [r for req in m._requests.values() for r in req.rows]
+        rows = [r for rid in m.request_ids() for r in m.requests.get(rid).rows]
         for row in rows:  # padding past the allocated count is block 0
-            assert not m._tables[p, row, m._num_allocated[row] :].any()
+            assert not m.requests.tables[p, row, m.requests.num_allocated[row] :].any()
 
 
 @pytest.mark.parametrize("release", [False, True])
@@ -381,7 +382,7 @@ def test_random_operations_keep_kv_content_consistent(seed, release):
                 assert m.num_tokens(rid) == n_tok
         elif op == "rewind" and n_tok > n_com:
             m.rewind(rid, int(rng.integers(0, n_tok - n_com + 1)))
-            del tokens[rid][max(m.num_tokens(rid), len(m._get(rid).prompt)) :]
+            del tokens[rid][max(m.num_tokens(rid), len(m.requests.get(rid).prompt)) :]
         elif op == "release":
             m.release_reserved(rid)
         elif op == "free":

@@ -1,9 +1,10 @@
-"""Batched decode-step updates of ``KVCacheManager``: ``extend_many`` and ``commit_tokens_many``.
+"""Batched decode-step updates: ``extend_many`` and ``commit_tokens_many`` of a whole batch.
 
 A decode step grows every running request by one token and, after the model ran, commits
 that token. Per-request calls cost a few microseconds of Python each; these do the same for a
-whole batch with a handful of numpy operations over the per-row length arrays
-(``_requests.py``), and run Python code only for the requests where something happens:
+whole batch with a handful of numpy operations over the request table's length arrays
+(``kvplan.cache.request_table``), and run Python code only for the requests where something
+happens:
 
 * ``extend_many``: only requests whose new length crosses into a block they do not hold yet
   allocate (in batch order, exactly the blocks the per-request calls would get);
@@ -16,9 +17,6 @@ equal on random operation sequences), with one difference on bad input: caller e
 (unknown or repeated ids, negative counts, too long sequences, committing past the logical
 length or against the prompt) raise ``ValueError`` *before anything changes*, where the
 per-request loop would have applied the calls before the bad one.
-
-A mixin over ``KVCacheManager``'s state (``_num_tokens``, ``_num_committed``, ``_tail``,
-``_tables``, ``_num_allocated``, ``pools``, ``_requests`` and its helpers).
 """
 
 from __future__ import annotations
@@ -27,13 +25,36 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from kvplan.cache._results import BatchAllocationResult
+from kvplan.cache.allocation_result import BatchAllocationResult
+from kvplan.cache.block_allocator import BlockAllocator
+from kvplan.cache.prefix_cache import PrefixCache
+from kvplan.cache.request_table import RequestTable
 
 
-class BatchedUpdates:
-    """``extend_many`` / ``commit_tokens_many`` (see the module docstring)."""
+class DecodeStepUpdates:
+    """``extend_many`` / ``commit_tokens_many`` over the manager's parts (see the module doc).
 
-    _unique_rows: np.ndarray | None = None  # the last batch whose ids were checked distinct
+    Args:
+        table: the request table (lengths, rows).
+        allocator: allocates the new blocks and releases out-of-window ones.
+        prefix_cache: hashes the blocks that fill.
+        release_out_of_window: free dead window blocks as tokens are committed.
+    """
+
+    def __init__(
+        self,
+        table: RequestTable,
+        allocator: BlockAllocator,
+        prefix_cache: PrefixCache,
+        release_out_of_window: bool,
+    ) -> None:
+        self.table = table
+        self.allocator = allocator
+        self.prefix_cache = prefix_cache
+        self.block_size = allocator.block_size
+        self.max_blocks_per_seq = allocator.max_blocks_per_seq
+        self.release_out_of_window = release_out_of_window
+        self._unique_rows: np.ndarray | None = None  # the last batch checked for repeats
 
     def extend_many(
         self, request_ids: Sequence[Hashable], num_tokens: int | Sequence[int] | np.ndarray
@@ -58,10 +79,11 @@ class BatchedUpdates:
             m.add_request("b", [5, 6])           # blocks [2]
             m.extend_many(["a", "b"], 1)         # a: 5 tokens -> [1, 3]; b: 3 tokens -> [2]
         """
+        table = self.table
         ids, rows = self._distinct_rows(request_ids)
         n = rows.size
         counts = self._batch_counts("num_tokens", num_tokens, n)
-        new_len = self._num_tokens[rows] + counts  # [n] int64
+        new_len = table.num_tokens[rows] + counts  # [n] int64
         want = (new_len + (self.block_size - 1)) // self.block_size  # blocks needed
         if n and int(want.max()) > self.max_blocks_per_seq:
             i = int(np.argmax(want > self.max_blocks_per_seq))
@@ -69,28 +91,24 @@ class BatchedUpdates:
                 f"request {ids[i]!r}: num_tokens = {int(new_len[i])} tokens needs "
                 f"{int(want[i])} blocks, more than max_blocks_per_seq = {self.max_blocks_per_seq}"
             )
-        if self._num_multi_beam:  # beams allocate per row: the per-request path
-            for i in range(n):
-                result = self.extend(ids[i], int(counts if np.ndim(counts) == 0 else counts[i]))
-                if not result.ok:
-                    return BatchAllocationResult(i, result)
-            return BatchAllocationResult(n)
-        extra = want - self._num_allocated[rows]  # > 0: blocks to allocate
+        if table.num_multi_beam:  # beams allocate per row: the per-request path
+            return self._extend_one_by_one(ids, rows, new_len)
+        extra = want - table.num_allocated[rows]  # > 0: blocks to allocate
         needy = np.flatnonzero(extra > 0)
         num_ok, failure = n, None
         if needy.size:
             # every pool gives each request the same count: the first request whose running
             # total exceeds the smallest free count is the one the per-request loop stops at
             total = np.cumsum(extra[needy])
-            free = min(pool.num_free_blocks for pool in self.pools)
+            free = self.allocator.min_free_blocks()
             k = int(np.searchsorted(total, free, side="right"))
             if k:
-                self._append_blocks_many(rows[needy[:k]], extra[needy[:k]], total[:k])
+                self.allocator.append_blocks_many(rows[needy[:k]], extra[needy[:k]], total[:k])
             if k < needy.size:
                 num_ok = int(needy[k])
-                failure = self._shortfall([int(extra[num_ok])] * self.num_pools)
+                failure = self.allocator.shortfall([int(extra[num_ok])] * table.num_pools)
                 assert failure is not None, "a request past the free blocks must fall short"
-        self._num_tokens[rows[:num_ok]] = new_len[:num_ok]
+        table.num_tokens[rows[:num_ok]] = new_len[:num_ok]
         if failure is None:
             return BatchAllocationResult(n)
         return BatchAllocationResult(num_ok, failure)
@@ -109,49 +127,49 @@ class BatchedUpdates:
             ValueError: a commit past a request's logical length, or a token at a prompt
                 position that differs from the prompt (nothing is committed then).
         """
+        table = self.table
         ids, rows = self._distinct_rows(request_ids)
         n = rows.size
         tokens = np.asarray(token_ids, dtype=np.int64)
         if tokens.shape != (n,):
             raise ValueError(f"token_ids has shape {tokens.shape}, expected ({n},)")
-        start = self._num_committed[rows]  # [n] int64
+        start = table.num_committed[rows]  # [n] int64
         # past the logical length (an error) or at a prompt position (must equal the prompt)
-        if ((start >= self._num_tokens[rows]) | (start < self._num_prompt[rows])).any():
+        if ((start >= table.num_tokens[rows]) | (start < table.num_prompt[rows])).any():
             self._check_commits(ids, rows, start, tokens)
         bs = self.block_size
         offset = start % bs
-        self._tail[rows, offset] = tokens
-        self._num_committed[rows] = start + 1
+        tail = table.tail
+        tail[rows, offset] = tokens
+        table.num_committed[rows] = start + 1
         for i in np.flatnonzero(offset == bs - 1).tolist():  # blocks that just filled
-            self._block_filled(self._requests[ids[i]], int(start[i]) // bs, self._tail[rows[i]])
+            req = table.get(ids[i])
+            self.prefix_cache.block_filled(req, int(start[i]) // bs, tail[rows[i]])
         if self.release_out_of_window:
-            self._release_dead_blocks(ids, rows, start + 1)
+            for i in self.allocator.rows_with_dead_blocks(rows, start + 1).tolist():
+                self.allocator.release_out_of_window(table.get(ids[i]))
 
     # ------------------------------------------------------------------ helpers
-    def _append_blocks_many(self, rows: np.ndarray, counts: np.ndarray, ends: np.ndarray) -> None:
-        """Append ``counts[i]`` new blocks to table row ``rows[i]`` in every pool, taking them
-        from each pool's free list in row order (what ``_append_blocks`` per row does).
-
-        ``rows``: distinct int64 ``[k]``; ``counts``: int64 ``[k]`` (>= 1); ``ends``: their
-        inclusive prefix sums (block ``j`` of the allocation goes to the row whose range
-        ``[ends[i] - counts[i], ends[i])`` holds ``j``).
-        """
-        num_new = int(ends[-1])
-        have = self._num_allocated[rows]
-        row_of = np.repeat(rows, counts)  # [num_new]
-        col_of = np.arange(num_new) + np.repeat(have - (ends - counts), counts)
-        for p, pool in enumerate(self.pools):  # pools are independent: one call each
-            self._tables[p, row_of, col_of] = pool.allocate(num_new)
-        self._num_allocated[rows] = have + counts
+    def _extend_one_by_one(
+        self, ids: Sequence[Hashable], rows: np.ndarray, new_len: np.ndarray
+    ) -> BatchAllocationResult:
+        """``extend`` request by request (beams allocate per row), lengths already checked."""
+        for i in range(rows.size):
+            total = int(new_len[i])
+            result = self.allocator.grow_to(self.table.get(ids[i]), total, "num_tokens")
+            if not result.ok:
+                return BatchAllocationResult(i, result)
+            self.table.num_tokens[rows[i]] = total
+        return BatchAllocationResult(rows.size)
 
     def _distinct_rows(self, request_ids: Sequence[Hashable]) -> tuple[Sequence, np.ndarray]:
         """(indexable ids, their beam-0 rows ``[n]``); ValueError for unknown or repeated ids.
 
-        ``_seq_rows`` returns the same array object for the same batch as last time, so a
+        ``RequestTable.seq_rows`` returns the same array object for the same batch as last time, so a
         decode loop checks a batch for repeats once, not every step.
         """
         ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
-        rows = self._seq_rows(ids, None)
+        rows = self.table.seq_rows(ids, None)
         if rows is not self._unique_rows:
             if np.unique(rows).size != rows.size:
                 seen: set = set()
@@ -167,12 +185,12 @@ class BatchedUpdates:
         that differs from its prompt (``commit_tokens``'s checks, one token per request)."""
         for i in range(rows.size):
             pos = int(start[i])
-            if pos >= self._num_tokens[rows[i]]:
+            if pos >= self.table.num_tokens[rows[i]]:
                 raise ValueError(
                     f"request {ids[i]!r}: committing 1 token after {pos} exceeds the logical "
-                    f"length {int(self._num_tokens[rows[i]])}"
+                    f"length {int(self.table.num_tokens[rows[i]])}"
                 )
-            prompt = self._requests[ids[i]].prompt
+            prompt = self.table.get(ids[i]).prompt
             if pos < len(prompt) and prompt[pos] != tokens[i]:
                 raise ValueError(
                     f"request {ids[i]!r}: committed tokens at [{pos}, {pos + 1}) differ from "
@@ -196,22 +214,3 @@ class BatchedUpdates:
             i = int(np.argmin(arr)) if arr.ndim else 0
             raise ValueError(f"{name} must be >= 0, got {name}[{i}] = {int(arr.flat[i])}")
         return arr
-
-    def _release_dead_blocks(
-        self, ids: Sequence[Hashable], rows: np.ndarray, committed: np.ndarray
-    ) -> None:
-        """``_release_out_of_window`` for the requests that have a dead block still held.
-
-        Released blocks always form a prefix of a row (block 0 left in their place), so a
-        request has something to free in window pool ``p`` iff its last dead column
-        ``num_dead - 1`` still holds a block.
-        """
-        todo = np.zeros(rows.size, dtype=bool)
-        for p, window in enumerate(self.window_sizes):
-            if window is None:
-                continue
-            num_dead = np.maximum(committed - (window - 1), 0) // self.block_size
-            idx = np.flatnonzero(num_dead)
-            todo[idx] |= self._tables[p, rows[idx], num_dead[idx] - 1] != 0
-        for i in np.flatnonzero(todo).tolist():
-            self._release_out_of_window(self._requests[ids[i]])

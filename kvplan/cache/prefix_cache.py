@@ -1,0 +1,117 @@
+"""Committed tokens and the prefix cache: which full blocks are hashed, and prompt lookups.
+
+A block becomes findable by other requests only once every one of its tokens is *committed*
+(its K/V written): then its chained hash ``H(parent, tokens)`` is computed and offered to every
+pool's cache (``BlockPool.cache_block``). The chain ``Request.hashes`` always covers the
+request's hashable full blocks, so a prompt lookup walks the chain block by block and stops at
+the first block some pool does not hold.
+
+Which blocks are hashable: none of a cross-attention request; for beam_width > 1 only the
+prompt's full blocks (shared by every beam; later blocks differ per beam).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvplan.cache.block_pool import BlockPool, hash_block_tokens
+from kvplan.cache.request_table import Request, RequestTable
+
+
+class PrefixCacheStats(NamedTuple):
+    """Prompt tokens looked up in the prefix cache by successful ``add_request`` calls, and
+    how many of them were reused."""
+
+    num_queried_tokens: int
+    num_hit_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class PrefixCache:
+    """Hash committed full blocks into the pools' caches and match prompts against them.
+
+    Args:
+        pools: every pool (a block is cached in all of them, or a match needs all of them).
+        table: the request table (committed counts, tails, block tables).
+        block_size: tokens per block.
+    """
+
+    def __init__(self, pools: list[BlockPool], table: RequestTable, block_size: int) -> None:
+        self.pools = pools
+        self.table = table
+        self.block_size = block_size
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self.num_queried_tokens, self.num_hit_tokens)
+
+    def record_lookup(self, num_prompt: int, num_hit_tokens: int) -> None:
+        """Count one successful ``add_request`` lookup in the stats."""
+        self.num_queried_tokens += num_prompt
+        self.num_hit_tokens += num_hit_tokens
+
+    def reset(self) -> None:
+        """Forget every cached hash. Blocks in use stay allocated."""
+        for pool in self.pools:
+            pool.reset_prefix_cache()
+
+    def match(self, prompt: list[int]) -> tuple[list[bytes], list[list[int]]]:
+        """Longest run of cached full blocks (in every pool), leaving >= 1 token to compute.
+
+        Returns ``(hashes, blocks)``: the chained hash of each matched block and, per matched
+        block, its id in each pool.
+        """
+        bs = self.block_size
+        hashes: list[bytes] = []
+        blocks: list[list[int]] = []
+        parent = None
+        for b in range((len(prompt) - 1) // bs):
+            parent = hash_block_tokens(parent, prompt[b * bs : (b + 1) * bs])
+            found = [pool.lookup(parent) for pool in self.pools]
+            if any(x is None for x in found):
+                break
+            hashes.append(parent)
+            blocks.append(found)
+        return hashes, blocks
+
+    def commit(self, req: Request, start: int, token_ids: list[int]) -> None:
+        """Commit ``token_ids`` at positions ``start ..`` of ``req``: keep the last partial
+        block's tokens in the table's ``tail`` and hash each block they fill."""
+        bs = self.block_size
+        row0 = req.rows[0]
+        tail = self.table.tail[row0]
+        n = len(token_ids)
+        b, off = divmod(start, bs)
+        i = 0
+        while i < n:
+            take = min(bs - off, n - i)
+            if take == bs:  # a whole block inside token_ids
+                block = token_ids[i : i + bs]
+            else:
+                tail[off : off + take] = token_ids[i : i + take]
+                block = tail
+            i += take
+            if off + take == bs:
+                self.block_filled(req, b, block)
+            b, off = b + 1, 0
+        self.table.num_committed[row0] = start + n
+
+    def block_filled(self, req: Request, b: int, tokens: Sequence[int]) -> None:
+        """Block ``b`` of ``req`` is now fully committed with ``tokens`` ([block_size]):
+        hash it and offer it to every pool's cache (when hashable, see the module doc)."""
+        if not req.cacheable or (req.beam_width > 1 and b >= len(req.prompt) // self.block_size):
+            return  # later blocks differ per beam
+        assert b == len(req.hashes), f"block {b} filled with {len(req.hashes)} blocks hashed"
+        h = hash_block_tokens(req.hashes[-1] if req.hashes else None, tokens)
+        row = req.rows[0]
+        tables = self.table.tables
+        for p, pool in enumerate(self.pools):
+            block = int(tables[p, row, b])
+            if block:  # 0: already released out of the window
+                pool.cache_block(block, h)
+        req.hashes.append(h)
