@@ -121,19 +121,3 @@ def _python_int_sum(values: Sequence) -> int | None:
     except TypeError:
         return None
     return total if type(total) is int else None
-
-
-def exclusive_cumsum(lens: np.ndarray, total: int | None = None) -> np.ndarray:
-    """``[0, l0, l0 + l1, ...]`` as int32 ``[n + 1]`` (overflow-checked).
-
-    ``total``: ``sum(lens)`` when the caller already knows it (saves one pass); otherwise the
-    sum is taken in int64 first.
-    """
-    if total is None:
-        total = int(SUM(lens, dtype=np.int64))
-    if total > INT32_MAX:
-        raise ValueError(f"total length {total} overflows int32")
-    out = np.empty(lens.size + 1, np.int32)
-    out[0] = 0
-    CUMSUM(lens, out=out[1:])
-    return out

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from kvplan._checks import INT32_MAX
-from kvplan.backends.lengths import MAX, SUM, IntArrayLike, as_lengths, exclusive_cumsum
+from kvplan._math import exclusive_cumsum
+from kvplan.backends.lengths import MAX, SUM, IntArrayLike, as_lengths
 from kvplan.backends.sparse import SparseMetadataParams, SparseRuntimeParams
 from kvplan.backends.staging import copy_to, host_empty, use_pinned
 
@@ -399,11 +400,15 @@ class AttentionMetadata:
         if one_q:  # one query token per row: cu_seqlens_q is an arange
             self.cu_seqlens_q_np = self._arange[: n + 1]
         else:
-            self.cu_seqlens_q_np = exclusive_cumsum(self._seq_lens_np, self._num_tokens)
+            self.cu_seqlens_q_np = exclusive_cumsum(
+                self._seq_lens_np, self._num_tokens, dtype=np.int32
+            )
         self._num_ctx_tokens = int(self.cu_seqlens_q_np[nc])
         if self._seq_lens_kv_np is None:
             self.one_kv_token_per_row = one_q
             self.cu_seqlens_kv_np = self.cu_seqlens_q_np
         else:
             self.one_kv_token_per_row = self._seq_lens_kv_all_ones
-            self.cu_seqlens_kv_np = exclusive_cumsum(self._seq_lens_kv_np, self._num_kv_tokens)
+            self.cu_seqlens_kv_np = exclusive_cumsum(
+                self._seq_lens_kv_np, self._num_kv_tokens, dtype=np.int32
+            )

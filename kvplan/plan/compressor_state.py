@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvplan._checks import check_int32
-from kvplan.plan.common import exclusive_cumsum
+from kvplan._math import exclusive_cumsum
 from kvplan.plan.sequence import SequenceMetadata
 
 

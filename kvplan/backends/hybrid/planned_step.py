@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvplan._math import exclusive_cumsum
 from kvplan.backends.hybrid.api import SERIES_NAMES, CompressWindows, HybridSeq
 from kvplan.backends.hybrid.sparse_attention import indexer_topk, sink_attention
 from kvplan.ops import convert_kv_index, kv_index_cat
-from kvplan.plan.common import exclusive_cumsum, num_new_compressed
+from kvplan.plan.common import num_new_compressed
 from kvplan.plan.compressor_state import expand_window_index, plan_compressor_state
 from kvplan.plan.config import ratio_key
 from kvplan.plan.sequence import SequenceMetadata

@@ -133,9 +133,23 @@ class PagedRows:
         return dequantize_index(out, self.layout).float()
 
     def store(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write ``rows [n, width]`` into ``slots`` (int32 ``[n]``, -1 skips)."""
+        """Write ``rows [n, width]`` into ``slots`` (int32 ``[n]``, -1 skips).
+
+        fp32 rows carried as BF16 halves are checked as fp32 values (their halves may spell a
+        BF16 NaN): with ``check``, a non-finite value or a slot outside the cache raises
+        ``ValueError`` before anything is written, then the halves are copied unchecked.
+        """
+        check = self.check
+        if self.fp32_bits and check:
+            if not bool(torch.isfinite(rows).all()):
+                raise ValueError("rows hold a non-finite value (inf or NaN)")
+            num_slots = self.cache.shape[0] * self.cache.shape[1]
+            bad = (slots < -1) | (slots >= num_slots)
+            if bool(bad.any()):
+                raise ValueError(f"slots hold {int(slots[bad][0])}, outside [-1, {num_slots})")
+            check = False
         store_kv_cache(self._to_cache_rows(rows), self.cache, slots, layout=self.layout,
-                       check=self.check)  # fmt: skip
+                       check=check)  # fmt: skip
 
     def load(self, segments: torch.Tensor, total_k: int) -> torch.Tensor:
         """fp32 ``[total_k, width]`` loaded by a load plan (zero rows for ``-1`` blocks)."""
