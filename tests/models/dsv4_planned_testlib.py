@@ -83,7 +83,9 @@ def quantized_hf(hf: tf.DeepseekV4ForCausalLM, kv_format: str, index_kind: str |
 
 
 class PlannedRunner:
-    """The model on a `PlannedHybridFamily`, with an engine's block and slot bookkeeping.
+    """The model on a `PlannedHybridFamily`, with an engine's block and slot bookkeeping
+    (``decode_builder``: ``"eager"`` = ``prepare_decode``, ``"device"`` =
+    ``prepare_decode_on_device``, its torch path on the CPU).
 
     ``trace=True`` (exact format only) records every raw row and compressed entry the model
     hands the family, keyed by its fp32 bytes, and `step` then returns, per layer, each query
@@ -93,14 +95,14 @@ class PlannedRunner:
 
     def __init__(self, model, *, kv_format: str = "exact", index_format: str | None = None,
                  block_size: int = 16, max_model_len: int = 96, num_state_slots: int = 4,
-                 trace: bool = False) -> None:  # fmt: skip
+                 trace: bool = False, decode_builder: str = "eager") -> None:  # fmt: skip
         self.model = model
         self.max_blocks = -(-max_model_len // block_size)
         num_blocks = 1 + num_state_slots * self.max_blocks
         self.family = PlannedHybridFamily(
             model.config.layer_specs(), block_size=block_size, num_blocks=num_blocks,
             num_state_slots=num_state_slots, max_model_len=max_model_len, kv_format=kv_format,
-            index_format=index_format, check=True, trace=trace,
+            index_format=index_format, check=True, trace=trace, decode_builder=decode_builder,
         )  # fmt: skip
         self.trace = trace
         self.free_blocks = list(range(num_blocks - 1, 0, -1))  # block 0 is reserved
@@ -177,7 +179,11 @@ class PlannedRunner:
             visible[layer] = sets
             return out
 
-        ctx.compress_windows, ctx.store_entries, ctx.attend = compress_windows, store_entries, attend
+        ctx.compress_windows, ctx.store_entries, ctx.attend = (
+            compress_windows,
+            store_entries,
+            attend,
+        )
         return visible
 
 
