@@ -17,8 +17,10 @@ import random
 import pytest
 import torch
 from dsv4_planned_testlib import PlannedRunner, quantized_hf
-from dsv4_testlib import hf_logits, random_tokens, saved_pair
+from dsv4_testlib import hf_config, hf_logits, random_tokens, saved_pair
 from test_deepseek_v4_visibility import _hf_visible
+
+from kvplan.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM, init_random
 
 SEEDS = (0, 1, 2)
 ATOL = 1e-4
@@ -71,15 +73,17 @@ def test_chunked_prefill_sees_what_hf_sees(pair):
 
 
 def test_mixed_batch_flat_steps(pair):
-    """Prefill chunks and decode rows of four requests of different lengths in one flat step."""
+    """Prefill chunks and decode rows of four requests of different lengths in one flat step;
+    each request's rows see exactly HF's visible sets of that request alone."""
     seed, hf, model = pair
     rng = random.Random(100 + seed)
-    lengths = {0: 33, 1: 19, 2: 26, 3: 9}
+    lengths = {0: 33, 1: 19, 2: 26, 3: 17}  # >= 16: HF passes no mask to shorter inputs
     first_step = {0: 0, 1: 0, 2: 1, 3: 3}
     seqs = {rid: random_tokens(1000 * seed + rid, n) for rid, n in lengths.items()}
     done = dict.fromkeys(lengths, 0)
     got: dict[int, list[torch.Tensor]] = {rid: [] for rid in lengths}
-    run, step, mixed = PlannedRunner(model), 0, 0
+    seen = {rid: [[] for _ in model.layers] for rid in lengths}
+    run, step, mixed = PlannedRunner(model, trace=True), 0, 0
     while any(done[r] < lengths[r] for r in lengths):
         rows = []
         for rid in rng.sample(sorted(lengths), len(lengths)):
@@ -87,15 +91,20 @@ def test_mixed_batch_flat_steps(pair):
                 n = 1 if done[rid] >= 12 else rng.randint(1, 7)
                 rows.append((rid, seqs[rid], done[rid], min(n, lengths[rid] - done[rid])))
         if rows:
-            outs, _ = run.step(rows)
+            outs, visible = run.step(rows)
             mixed += len({n > 1 for *_, n in rows}) == 2
+            t = 0
             for (rid, _, _, n), logits in zip(rows, outs, strict=True):
                 got[rid].append(logits)
+                for layer, sets in visible.items():
+                    seen[rid][layer] += sets[t : t + n]
                 done[rid] += n
+                t += n
         step += 1
     assert mixed > 0
     for rid, tokens in seqs.items():
         _close(got[rid], hf, tokens)
+        assert seen[rid] == _hf_visible(hf, tokens), f"request {rid}"
 
 
 def test_preemption_recomputes(pair):
@@ -169,3 +178,29 @@ def test_quantized_equals_hf_with_quantized_rows(tmp_path, case):
         _close(got_b, hf, b)
     assert b_done == len(b)
     assert (torch.cat(got_a) - exact).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_quantized_quality_against_exact(seed):
+    """Teacher-forced 256 tokens (4 chunks of 64) on a random model (`init_random`, std 0.02):
+    fp8 keeps >= 90% top-1 agreement with the exact cache and beats fp4 (loose bounds; the
+    figures for the README come from ``bench/dsv4_kv_quality.py``)."""
+    hf_cfg = hf_config(seed, head_dim=32, index_head_dim=32, vocab_size=256)
+    model = init_random(DeepseekV4ForCausalLM(DeepseekV4Config.from_hf(hf_cfg)).eval(), seed=seed)
+    ids = random_tokens(seed, 256, vocab=256)
+    logits = {}
+    for kv_format in ("exact", "fp8", "fp4"):
+        run = PlannedRunner(model, kv_format=kv_format, max_model_len=256, num_state_slots=1)
+        logits[kv_format] = torch.cat(
+            [run.step([(0, ids, s, 64)])[0][0] for s in range(0, 256, 64)]
+        )
+    exact, figures = logits["exact"], {}
+    for kv_format in ("fp8", "fp4"):
+        got = logits[kv_format]
+        rel = (got - exact).norm(dim=-1) / exact.norm(dim=-1)
+        top1 = float((got.argmax(-1) == exact.argmax(-1)).float().mean())
+        figures[kv_format] = (top1, float(rel.mean()), float(rel.max()))
+        print(f"seed {seed} {kv_format}: top-1 {top1:.3f}, relative logit error mean "
+              f"{rel.mean():.4f} max {rel.max():.4f}")  # fmt: skip
+    assert figures["fp8"][0] >= 0.9 and figures["fp4"][0] >= 0.7
+    assert 0 < figures["fp8"][1] < figures["fp4"][1] < 0.25
