@@ -43,35 +43,58 @@ def qdq(rows: torch.Tensor, layout: KVCacheFormat) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def quantized_hf(hf: tf.DeepseekV4ForCausalLM, kv_format: str, index_kind: str | None):
-    """HF's model whose stored rows pass through `qdq` with the family's layouts."""
+def quantized_hf(hf: tf.DeepseekV4ForCausalLM, kv_format: str, index_kind: str | None,
+                 rows=None):  # fmt: skip
+    """HF's model whose stored rows pass through `qdq` with the family's layouts.
+
+    ``rows(layer, series)`` (optional; series ``"raw"``, ``"compressor"``, ``"indexer"``):
+    the rows the kvplan model handed the family for this sequence, ``[n, C]`` in position /
+    entry order. Each hook then checks that HF's own rows equal them within fp32 noise
+    (1e-5) and quantizes the family's rows instead of its own: a rounding boundary (BF16,
+    or an e4m3 scale of FP4) can otherwise flip on that noise and move a whole scale group.
+    """
     cfg = hf.config
     main = main_format(kv_format, cfg.head_dim, torch.float32)
     index = index_format(kv_format, index_kind, cfg.index_head_dim, torch.float32)
 
+    def same_rows(own: torch.Tensor, layer: int, series: str) -> torch.Tensor:
+        if rows is None:
+            return own
+        theirs = rows(layer, series).reshape(own.shape).to(own.dtype)
+        torch.testing.assert_close(own, theirs, atol=1e-5, rtol=1e-5, msg=f"{layer} {series}")
+        return theirs
+
     def attention(module, query, key, value, mask, **kw):
         # key = [raw rows of this forward | compressed entries]; only the raw rows are new here
         n = query.shape[2]
-        key = torch.cat([qdq(key[:, :, :n], main).to(key.dtype), key[:, :, n:]], dim=2)
+        raw = same_rows(key[:, :, :n], module.layer_idx, "raw")
+        key = torch.cat([qdq(raw, main).to(key.dtype), key[:, :, n:]], dim=2)
         return hf_dsv4.eager_attention_forward(module, query, key, key, mask, **kw)
 
-    def entries(mod, args, out):
-        return (qdq(out[0], main).to(out[0].dtype), *out[1:])
+    def entries(layer: int):
+        def hook(mod, args, out):
+            own = same_rows(out[0], layer, "compressor")
+            return (qdq(own, main).to(out[0].dtype), *out[1:])
 
-    def index_keys(mod, args):
-        q, keys, hidden = args
-        return q, qdq(keys, index).to(keys.dtype), hidden
+        return hook
+
+    def index_keys(layer: int):
+        def hook(mod, args):
+            q, keys, hidden = args
+            return q, qdq(same_rows(keys, layer, "indexer"), index).to(keys.dtype), hidden
+
+        return hook
 
     name = "kvplan_qdq_test"
     tf.AttentionInterface.register(name, attention)
     tf.masking_utils.AttentionMaskInterface.register(name, tf.masking_utils.eager_mask)
     handles = []
-    for layer in hf.model.layers:
+    for i, layer in enumerate(hf.model.layers):
         comp = layer.self_attn.compressor
         if comp is not None:
-            handles.append(comp.register_forward_hook(entries))
+            handles.append(comp.register_forward_hook(entries(i)))
             if hasattr(comp, "indexer"):
-                handles.append(comp.indexer.scorer.register_forward_pre_hook(index_keys))
+                handles.append(comp.indexer.scorer.register_forward_pre_hook(index_keys(i)))
     old = cfg._attn_implementation
     cfg._attn_implementation = name
     try:
@@ -110,6 +133,7 @@ class PlannedRunner:
         self.tables: dict[int, list[int]] = {}
         self.slots: dict[int, int] = {}
         self.book: dict[tuple[int, int], dict[bytes, tuple[str, int]]] = {}  # (rid, layer)
+        self.rows: dict[tuple[int, int, str], dict[int, torch.Tensor]] = {}  # (rid, layer, series)
 
     def admit(self, rid: int) -> None:
         if rid not in self.slots:
@@ -134,41 +158,52 @@ class PlannedRunner:
             pos += range(q_start, q_start + n)
         positions = torch.tensor(pos, dtype=torch.int64)
         ctx = self.family.plan(seqs, positions)
-        visible = self._record(ctx, seqs) if self.trace else None
+        visible = self._record(ctx, seqs)
         logits = self.model(torch.tensor(ids, dtype=torch.int64), positions, ctx)
         return list(logits.split([n for *_, n in rows])), visible
 
-    def _record(self, ctx, seqs: list[HybridSeq]) -> dict[int, list[frozenset]]:
-        """Wrap ``ctx``'s calls to fill the row book and name each row's visible set."""
+    def stored(self, rid: int, layer: int, series: str) -> torch.Tensor:
+        """``[n, C]``: the rows of ``series`` (``"raw"``, ``"compressor"``, ``"indexer"``)
+        the model handed the family for request ``rid`` since its last start, by position."""
+        got = self.rows.get((rid, layer, series), {})
+        assert sorted(got) == list(range(len(got))), f"{series} rows {sorted(got)}"
+        return torch.stack([got[i] for i in range(len(got))])
+
+    def _record(self, ctx, seqs: list[HybridSeq]) -> dict[int, list[frozenset]] | None:
+        """Wrap ``ctx``'s calls to keep every row the model hands the family and, when
+        tracing, name each query row's visible set."""
         rids = [s.request_id for s in seqs for _ in range(s.seqlen_q)]
         where = [s.q_start + k for s in seqs for k in range(s.seqlen_q)]
         for s in seqs:
             if s.q_start == 0:
-                for key in [k for k in self.book if k[0] == s.request_id]:
-                    del self.book[key]
+                for book in (self.book, self.rows):
+                    for key in [k for k in book if k[0] == s.request_id]:
+                        del book[key]
         visible: dict[int, list[frozenset]] = {}
-        windows: dict[int, object] = {}
+        windows: dict[tuple[int, str], object] = {}
         calls = ctx.compress_windows, ctx.store_entries, ctx.attend
 
         def compress_windows(layer, name, kv, gate):
             out = calls[0](layer, name, kv, gate)
-            if name == "compressor":
-                windows[layer] = out
+            windows[(layer, name)] = out
             return out
 
         def store_entries(layer, name, entries):
-            if name == "compressor":
-                w = windows[layer]
-                for e in range(entries.shape[0]):
-                    rid = seqs[int(w.seq_index[e])].request_id
-                    label = ("compressed", int(w.entry_index[e]))
-                    self.book.setdefault((rid, layer), {})[_key(entries[e])] = label
+            w = windows[(layer, name)]
+            for e in range(entries.shape[0]):
+                rid, j = seqs[int(w.seq_index[e])].request_id, int(w.entry_index[e])
+                self.rows.setdefault((rid, layer, name), {})[j] = entries[e].detach().clone()
+                if name == "compressor":
+                    self.book.setdefault((rid, layer), {})[_key(entries[e])] = ("compressed", j)
             return calls[1](layer, name, entries)
 
         def attend(layer, q, kv, *args, **kw):
             for t in range(kv.shape[0]):
+                self.rows.setdefault((rids[t], layer, "raw"), {})[where[t]] = kv[t].detach().clone()
                 self.book.setdefault((rids[t], layer), {})[_key(kv[t])] = ("raw", where[t])
             out = calls[2](layer, q, kv, *args, **kw)
+            if not self.trace:
+                return out
             rows, index = ctx.traces[layer]
             sets = []
             for t in range(index.shape[0]):
@@ -184,7 +219,7 @@ class PlannedRunner:
             store_entries,
             attend,
         )
-        return visible
+        return visible if self.trace else None
 
 
 def _key(row: torch.Tensor) -> bytes:

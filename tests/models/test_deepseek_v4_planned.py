@@ -13,6 +13,7 @@ logits within 1e-4 of HF whose stored rows pass through the same quantize-dequan
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -148,35 +149,45 @@ def test_greedy_matches_hf_generate(pair):
     assert tokens == want.tolist()
 
 
-QUANTIZED = [("fp8", "mxfp8"), ("fp8", "fp8_fp32sf"), ("fp8", "fp4"), ("fp4", None)]
+# (kv_format, index format, head_dim, index_head_dim): widths 32 give every layout whole scale
+# groups; 512 / 128 are the real widths, where the layouts are V41 / V41_FP4 / the index formats
+QUANTIZED = [
+    ("fp8", "mxfp8", 32, 32),
+    ("fp8", "fp8_fp32sf", 32, 32),
+    ("fp8", "fp4", 32, 32),
+    ("fp4", None, 32, 32),
+    ("fp8", "fp8_fp32sf", 512, 128),
+    ("fp4", "mxfp8", 512, 128),
+]
 
 
 @pytest.mark.parametrize("case", range(len(QUANTIZED)))
 def test_quantized_equals_hf_with_quantized_rows(tmp_path, case):
-    """Two requests (chunked prefill next to decode rows); widths 32 so every layout has whole
-    scale groups. The quantized logits are far from the exact ones, equal to HF's whose raw
-    rows, compressed entries and indexer keys pass through the same quantize-dequantize."""
-    kv_format, index_kind = QUANTIZED[case]
-    hf, model = saved_pair(tmp_path, 3 + case, head_dim=32, index_head_dim=32)
+    """Two requests (chunked prefill next to decode rows). The quantized logits are far from
+    the exact ones, equal to HF's whose raw rows, compressed entries and indexer keys (equal
+    to the model's within fp32 noise, then replaced by them) pass through the same
+    quantize-dequantize."""
+    kv_format, index_kind, width, index_width = QUANTIZED[case]
+    hf, model = saved_pair(tmp_path, 3 + case, head_dim=width, index_head_dim=index_width,
+                           partial_rotary_factor=16 / width if width < 128 else 64 / width)  # fmt: skip
     a, b = random_tokens(case, 37), random_tokens(case + 9, 20)
     rng = random.Random(case)
     run = PlannedRunner(model, kv_format=kv_format, index_format=index_kind)
     got_a, got_b = [], run.step([(1, b, 0, 12)])[0]
     start, b_done = 0, 12
-    while start < len(a):
-        n = min(rng.randint(1, 7), len(a) - start)
-        rows = [(0, a, start, n)] + ([(1, b, b_done, 1)] if b_done < len(b) else [])
-        outs, _ = run.step(rows)
-        got_a.append(outs[0])
-        if len(outs) > 1:
-            got_b.append(outs[1])
-            b_done += 1
-        start += n
+    while start < len(a) or b_done < len(b):
+        rows = []
+        if start < len(a):
+            rows.append((0, a, start, min(rng.randint(1, 7), len(a) - start)))
+        if b_done < len(b):
+            rows.append((1, b, b_done, 1))
+        for (rid, _, _, n), logits in zip(rows, run.step(rows)[0], strict=True):
+            (got_a if rid == 0 else got_b).append(logits)
+            start, b_done = (start + n, b_done) if rid == 0 else (start, b_done + 1)
     exact = hf_logits(hf, a)
-    with quantized_hf(hf, kv_format, index_kind):
-        _close(got_a, hf, a)
-        _close(got_b, hf, b)
-    assert b_done == len(b)
+    for rid, got, ids in ((0, got_a, a), (1, got_b, b)):
+        with quantized_hf(hf, kv_format, index_kind, partial(run.stored, rid)):
+            _close(got, hf, ids)
     assert (torch.cat(got_a) - exact).abs().max() > 1e-2
 
 
