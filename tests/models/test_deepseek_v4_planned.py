@@ -84,7 +84,8 @@ def test_mixed_batch_flat_steps(pair):
     done = dict.fromkeys(lengths, 0)
     got: dict[int, list[torch.Tensor]] = {rid: [] for rid in lengths}
     seen = {rid: [[] for _ in model.layers] for rid in lengths}
-    run, step, mixed = PlannedRunner(model, trace=True), 0, 0
+    builder = ("eager", "device")[seed % 2]  # decode-only steps: both decode builders
+    run, step, mixed = PlannedRunner(model, trace=True, decode_builder=builder), 0, 0
     while any(done[r] < lengths[r] for r in lengths):
         rows = []
         for rid in rng.sample(sorted(lengths), len(lengths)):
