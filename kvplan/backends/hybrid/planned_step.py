@@ -29,6 +29,9 @@ How each call maps onto the plan (``meta`` = the step's ``InputMetadata``, ``r``
     through ``convert_kv_index``. Slots are read with ``load_paged_kv_cache`` (one segment per
     slot, built on the device) and joined with ``kv_index_cat``.
     Attention: ``sparse_attention.sink_attention`` over the joined buffer and index.
+    CUDA (``kvplan.ops.sparse_attention``, when not tracing): decode reads the ring and the
+    compressor pool in place through the slot tables (no gathered copy of the main rows);
+    prefill hands the SWA and compressed buffers to the kernel as two sources (no join).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ import torch
 from kvplan.backends.hybrid.api import SERIES_NAMES, CompressWindows, HybridSeq
 from kvplan.backends.hybrid.sparse_attention import indexer_topk, sink_attention
 from kvplan.ops import convert_kv_index, kv_index_cat
+from kvplan.ops._dispatch import use_triton
+from kvplan.ops.sparse_attention import KeySource, sparse_attention
 from kvplan.plan.common import exclusive_cumsum, num_new_compressed
 from kvplan.plan.compressor_state import expand_window_index, plan_compressor_state
 from kvplan.plan.config import ratio_key
@@ -247,6 +252,9 @@ class PlannedStep:
             if spec.overlap and (index_q is None or index_weights is None):
                 raise ValueError(f"layer {layer_idx} is CSA: index_q and index_weights are needed")
         caches = self.family.caches[layer_idx]
+        if in_place(q) and not self.family.trace:
+            args = (spec, caches, q, kv, sinks, scale, index_q, index_weights)
+            return self._attend_in_place(*args)
         meta = self.meta
         if self.is_prompt:
             hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa)
@@ -264,7 +272,30 @@ class PlannedStep:
             rows = torch.cat([rows, c_rows])
         if self.family.trace:
             self.traces[layer_idx] = (rows, index)
+        if in_place(q):  # traced CUDA step: the kernel over the joined buffer
+            return sparse_attention(q.contiguous(), [KeySource(rows, index)], sinks, scale,
+                                    check=self.family.check)  # fmt: skip
         return sink_attention(q, rows, index, sinks, scale)
+
+    def _attend_in_place(self, spec, caches, q, kv, sinks, scale, index_q, index_weights):
+        """``attend`` through ``kvplan.ops.sparse_attention`` (see the module docstring)."""
+        meta, compressed = self.meta, spec.kind != "sliding_attention"
+        if self.is_prompt:
+            hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa)
+            caches.ring.store(kv, meta.slot_mapping_store_swa)  # after the history load
+            rows = torch.cat([hist, caches.ring.roundtrip(kv)])
+            sources = [KeySource(rows, meta.kv_swa_full_index)]
+            if compressed:
+                c_rows, c_index = self._prompt_compressed(spec, caches, index_q, index_weights)
+                sources.append(KeySource(c_rows, c_index))
+        else:
+            caches.ring.store(kv, meta.slot_mapping_store_swa)  # decode rows see themselves
+            sources = [caches.ring.key_source(meta.kv_swa_index)]
+            if compressed:
+                slots = self._decode_slots(spec, caches, index_q, index_weights)
+                sources.append(caches.pools["compressor"].key_source(slots))
+        q = q if q.stride(2) == 1 else q.contiguous()
+        return sparse_attention(q, sources, sinks, scale, check=self.family.check)
 
     # ---- compressed parts ---------------------------------------------------------------
     def _prompt_compressed(self, spec, caches, index_q, index_weights):
@@ -283,11 +314,16 @@ class PlannedStep:
         return rows, index
 
     def _decode_compressed(self, spec, caches, index_q, index_weights):
+        slots = self._decode_slots(spec, caches, index_q, index_weights)
+        return caches.pools["compressor"].load_slots(slots), _slot_rows(slots)
+
+    def _decode_slots(self, spec, caches, index_q, index_weights):
+        """int32 ``[T, K]`` pool slots a decode row sees (HCA: every closed entry; CSA: the
+        indexer's top-k), ``-1`` padded."""
         key, meta = ratio_key(spec.ratio), self.meta
         width = self.max_seqlen_k // spec.ratio
         if not spec.overlap:
-            slots = meta.kv_ca_index[key][:, :width]
-            return caches.pools["compressor"].load_slots(slots), _slot_rows(slots)
+            return meta.kv_ca_index[key][:, :width]
         tpb = self.family.config.tokens_per_block(spec.ratio)
         klen = meta.klen[key]
         col = torch.arange(width, dtype=torch.int32, device=klen.device)[None, :]
@@ -300,8 +336,13 @@ class PlannedStep:
             .view(self.num_rows, width, spec.index_head_dim)
         )
         chosen = indexer_topk(index_q, index_weights, keys, klen, spec.top_k)  # entries j
-        slots = convert_kv_index(chosen, bt, klen, tpb, check=check)
-        return caches.pools["compressor"].load_slots(slots), _slot_rows(slots)
+        return convert_kv_index(chosen, bt, klen, tpb, check=check)
+
+
+def in_place(q: torch.Tensor) -> bool:
+    """Whether ``attend`` reads the caches in place through the sparse attention kernel:
+    the ops' dispatch rule (CUDA tensors)."""
+    return use_triton(q)
 
 
 def _slot_rows(slots: torch.Tensor) -> torch.Tensor:
