@@ -13,7 +13,13 @@ for the whole head tile. For each source it walks the row's index columns in til
     scale of group d // GS at  ... + scale_offset + (d // GS) * SB
 
 Source kinds (``KIND``): 0 fp32 rows, 1 bf16 rows, 2 e4m3 values, 3 e2m1 values (low nibble =
-even element); quantized scales (``SF``): 0 UE8M0 exponent byte, 1 e4m3 byte.
+even element); quantized scales (``SF``): 0 UE8M0 exponent byte, 1 e4m3 byte, 2 fp32 (4
+bytes); split (index) layouts put a block's scales after its values (``scale_stride`` /
+``scale_offset``). A dequantized key is ``bf16(value * scale)`` as ``load_paged_kv_cache``
+gives it (only fp32 scales need the rounding; the other products are exact in bf16).
+
+``index_scores_kernel`` is the lightning indexer's scoring over the same addressing: one
+query row's ``Hi`` heads against ``TILE_N`` keys per program.
 
 Softmax runs online in the log2 domain and starts from the sink: ``m = sink * log2(e)``,
 ``l = 1``, so the sink's term is in the denominator and a row that sees no key ends with
@@ -28,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvplan.ops._quant_triton import decode_e2m1, decode_e4m3
+from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
 
 KIND_FP32 = 0
 KIND_BF16 = 1
@@ -36,6 +42,7 @@ KIND_E4M3 = 2
 KIND_E2M1 = 3
 SF_UE8M0 = 0
 SF_E4M3 = 1
+SF_FP32 = 2
 LOG2E = 1.4426950408889634
 
 
@@ -49,14 +56,33 @@ def _scale_mult(sb, SF: tl.constexpr):
 
 
 @triton.jit
+def _scales_at(c_ptr, addr, mask, SF: tl.constexpr):
+    """fp32 multipliers of the scales at byte addresses ``addr`` (fp32 scales: 4 bytes,
+    little-endian, assembled from single bytes since a record need not be 4-aligned)."""
+    if SF == 2:
+        b0 = tl.load(c_ptr + addr, mask=mask, other=0).to(tl.int32)
+        b1 = tl.load(c_ptr + addr + 1, mask=mask, other=0).to(tl.int32)
+        b2 = tl.load(c_ptr + addr + 2, mask=mask, other=0).to(tl.int32)
+        b3 = tl.load(c_ptr + addr + 3, mask=mask, other=0).to(tl.int32)
+        return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+    else:
+        return _scale_mult(tl.load(c_ptr + addr, mask=mask, other=0).to(tl.int32), SF)
+
+
+@triton.jit
 def _load_keys(
-    c_ptr, slots, valid, block_size, stride_block, stride_token, scale_offset,
+    c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
-    """fp32 ``[TILE_N, D_P2]`` rows of ``slots`` (zeros where not ``valid`` or ``d >= D``)."""
+    """fp32 ``[TILE_N, D_P2]`` rows of ``slots`` (zeros where not ``valid`` or ``d >= D``).
+    Scales of slot ``s`` start at ``block * stride_block + row * scale_stride +
+    scale_offset`` (token-interleaved records: ``scale_stride = stride_token``)."""
+    SB: tl.constexpr = 4 if SF == 2 else 1
     s = tl.where(valid, slots, 0).to(tl.int64)
-    base = (s // block_size) * stride_block + (s % block_size) * stride_token  # [TILE_N]
+    blk, off = s // block_size, s % block_size
+    base = blk * stride_block + off * stride_token  # [TILE_N]
+    sbase = blk * stride_block + off * scale_stride + scale_offset
     d = tl.arange(0, D_P2)
     dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
     if KIND == 0:
@@ -77,21 +103,19 @@ def _load_keys(
         if FLAT:  # HEAD_DIM == D_P2 and D_P2 // GS groups, a power of two
             G: tl.constexpr = D_P2 // GS
             g = tl.arange(0, G)
-            sb = tl.load(c_ptr + base[:, None] + scale_offset + g[None, :],
-                         mask=valid[:, None], other=0)  # fmt: skip
-            mult = _scale_mult(sb.to(tl.int32), SF)  # [TILE_N, G]
+            mult = _scales_at(c_ptr, sbase[:, None] + g[None, :] * SB, valid[:, None], SF)
             x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, D_P2])
         else:
-            sb = tl.load(c_ptr + base[:, None] + scale_offset + (d // GS)[None, :],
-                         mask=dmask, other=0)  # fmt: skip
-            x = vals * _scale_mult(sb.to(tl.int32), SF)
+            x = vals * _scales_at(c_ptr, sbase[:, None] + (d // GS)[None, :] * SB, dmask, SF)
+        if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
+            x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
     return x
 
 
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, start, row_idx, num_cols, num_slots, c_ptr,
-    block_size, stride_block, stride_token, scale_offset, qk_scale,
+    block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
     DOT_BF16: tl.constexpr,
@@ -100,7 +124,7 @@ def _attend_tile(
     cols = start + tl.arange(0, TILE_N)
     slots = tl.load(row_idx + cols, mask=cols < num_cols, other=-1)
     valid = (slots >= 0) & (slots < num_slots)
-    k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token,
+    k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
                    scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW)  # fmt: skip
     if DOT_BF16:
         kd = k.to(tl.bfloat16)
@@ -124,7 +148,7 @@ def _attend_tile(
 @triton.jit
 def _attend_source(
     acc, m_i, l_i, q, t, c_ptr, idx_ptr, stride_idx, num_cols, num_slots,
-    block_size, stride_block, stride_token, scale_offset, qk_scale,
+    block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
     DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
@@ -138,7 +162,7 @@ def _attend_source(
         while start < num_cols:
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, start, row_idx, num_cols, num_slots, c_ptr, block_size,
-                stride_block, stride_token, scale_offset, qk_scale,
+                stride_block, stride_token, scale_stride, scale_offset, qk_scale,
                 KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
             )  # fmt: skip
             start += TILE_N
@@ -146,7 +170,7 @@ def _attend_source(
         for start in range(0, num_cols, TILE_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, start, row_idx, num_cols, num_slots, c_ptr, block_size,
-                stride_block, stride_token, scale_offset, qk_scale,
+                stride_block, stride_token, scale_stride, scale_offset, qk_scale,
                 KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
             )  # fmt: skip
     return acc, m_i, l_i
@@ -155,8 +179,8 @@ def _attend_source(
 @triton.jit
 def sparse_attention_kernel(
     q_ptr, out_ptr, sink_ptr, stride_qt, stride_qh, stride_ot, stride_oh, num_heads, qk_scale,
-    c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0, sblk0, stok0, soff0,
-    c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1, sblk1, stok1, soff1,
+    c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0, sblk0, stok0, sstr0, soff0,
+    c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1, sblk1, stok1, sstr1, soff1,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     KIND0: tl.constexpr, SF0: tl.constexpr, GS0: tl.constexpr, FLAT0: tl.constexpr,
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
@@ -184,15 +208,46 @@ def sparse_attention_kernel(
     l_i = tl.exp2(sink - m_i)
     acc = tl.zeros([TILE_H, D_P2], tl.float32)
     acc, m_i, l_i = _attend_source(
-        acc, m_i, l_i, q, t, c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0, sblk0, stok0, soff0,
-        qk_scale, KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_N, FLAT0, HW, DOT_BF16, INTERPRET,
+        acc, m_i, l_i, q, t, c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0, sblk0, stok0, sstr0,
+        soff0, qk_scale, KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_N, FLAT0, HW, DOT_BF16, INTERPRET,
     )  # fmt: skip
     if HAS1:
         acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q, t, c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1, sblk1, stok1,
-            soff1, qk_scale, KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_N, FLAT1, HW, DOT_BF16,
+            sstr1, soff1, qk_scale, KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_N, FLAT1, HW, DOT_BF16,
             INTERPRET,
         )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t.to(tl.int64) * stride_ot + h64[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def index_scores_kernel(
+    q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, stride_qt, stride_qh, stride_wt, stride_ot,
+    stride_idx, num_heads, num_cols, num_slots, block_size, stride_block, stride_token,
+    scale_stride, scale_offset,
+    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
+    KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, FLAT: tl.constexpr,
+    HW: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(T, cdiv(K, TILE_N))``: ``out[t, k] = sum_h w[t, h] * relu(q[t, h] . key)``
+    (fp32, ``"ieee"`` products) for the key of slot ``index[t, k]``; ``-inf`` where the slot
+    is ``-1``. q ``[T, Hi, Ci]``, w ``[T, Hi]``, ``TILE_H >= Hi``."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
+    heads = tl.arange(0, TILE_H)
+    h_ok = heads < num_heads
+    d = tl.arange(0, D_P2)
+    t64 = t.to(tl.int64)
+    q_off = t64 * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=h_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    w = tl.load(w_ptr + t64 * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
+    slots = tl.load(idx_ptr + t64 * stride_idx + cols, mask=cols < num_cols, other=-1)
+    valid = (slots >= 0) & (slots < num_slots)
+    k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
+                   scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW)  # fmt: skip
+    s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")  # [TILE_H, TILE_N]
+    score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
+    score = tl.where(valid, score, float("-inf"))
+    tl.store(out_ptr + t64 * stride_ot + cols, score, mask=cols < num_cols)

@@ -67,27 +67,36 @@ class _Addr(NamedTuple):
     block_size: int
     stride_block: int
     stride_token: int
+    scale_stride: int
     scale_offset: int
 
 
-def _address(i: int, src: KeySource, head_dim: int) -> _Addr:
+_SF = {"ue8m0": _k.SF_UE8M0, "e4m3": _k.SF_E4M3, "fp32": _k.SF_FP32}
+
+
+def _address(i: int, src: KeySource, head_dim: int, *, split_ok: bool = False) -> _Addr:
+    """Kernel addressing of source ``i``; ``split_ok`` admits split (index) layouts."""
     name = f"sources[{i}].cache"
     cache, layout = src.cache, src.layout
     if layout is not None and layout.is_quantized:
         layout = resolve_kv_cache_layout(check_tensor(name, cache, dtype=torch.uint8), layout)
-        if not (layout.do_cast and layout.token_interleaved):
+        if not (split_ok or (layout.do_cast and layout.token_interleaved)):
             raise ValueError(
                 f"{name}: layout {layout.note!r} must be a token-interleaved cast layout"
             )
-        if layout.sf_format not in ("ue8m0", "e4m3"):
+        if layout.sf_format not in _SF or (layout.sf_format == "fp32" and not split_ok):
             raise ValueError(f"{name}: scale format {layout.sf_format!r} is not supported")
         if layout.elements != head_dim:
             raise ValueError(f"{name}: layout has {layout.elements} elements, q has D = {head_dim}")
         kind = _k.KIND_E4M3 if layout.quantized_dtype == "e4m3" else _k.KIND_E2M1
-        sf = _k.SF_UE8M0 if layout.sf_format == "ue8m0" else _k.SF_E4M3
         nb, bs = cache.shape[0], cache.shape[1]
-        return _Addr(cache, kind, sf, layout.elements_per_sf, nb * bs, bs, cache.stride(0),
-                     layout.bytes_per_token, layout.value_bytes)  # fmt: skip
+        vb, bpt = layout.value_bytes, layout.bytes_per_token
+        if layout.token_interleaved:
+            stride_token, scale_stride, scale_offset = bpt, bpt, vb
+        else:
+            stride_token, scale_stride, scale_offset = vb, layout.sf_bytes, bs * vb
+        return _Addr(cache, kind, _SF[layout.sf_format], layout.elements_per_sf, nb * bs, bs,
+                     cache.stride(0), stride_token, scale_stride, scale_offset)  # fmt: skip
     if layout is not None and layout.elements != head_dim:
         raise ValueError(f"{name}: layout has {layout.elements} elements, q has D = {head_dim}")
     check_tensor(name, cache, dtype=(torch.float32, torch.bfloat16))
@@ -96,12 +105,20 @@ def _address(i: int, src: KeySource, head_dim: int) -> _Addr:
         check_tensor(name, cache, shape=(None, head_dim))
         if head_dim > 1 and cache.stride(1) != 1:
             raise ValueError(f"{name} must have unit stride on D, got strides {cache.stride()}")
-        return _Addr(cache, kind, 0, 1, cache.shape[0], 1, cache.stride(0), 0, 0)
+        return _Addr(cache, kind, 0, 1, cache.shape[0], 1, cache.stride(0), 0, 0, 0)
     check_tensor(name, cache, shape=(None, None, 1, head_dim))
     if head_dim > 1 and cache.stride(3) != 1:
         raise ValueError(f"{name} must have unit stride on D, got strides {cache.stride()}")
     nb, bs = cache.shape[0], cache.shape[1]
-    return _Addr(cache, kind, 0, 1, nb * bs, bs, cache.stride(0), cache.stride(1), 0)
+    return _Addr(cache, kind, 0, 1, nb * bs, bs, cache.stride(0), cache.stride(1), 0, 0)
+
+
+def _flat(a: _Addr, head_dim: int, d_p2: int) -> bool:
+    """Whole, power-of-two scale groups tile the row: scales load as ``[TILE_N, G]``."""
+    if a.kind < _k.KIND_E4M3 or head_dim != d_p2 or head_dim % a.group:
+        return False
+    groups = head_dim // a.group
+    return groups & (groups - 1) == 0
 
 
 def _check(q, sources, sinks, check_values: bool) -> list[_Addr]:
@@ -185,30 +202,96 @@ def sparse_attention_triton(
     i0 = sources[0].index
     i1 = sources[1].index if len(sources) > 1 else i0
 
-    def flat(a: _Addr) -> bool:
-        groups = head_dim // a.group
-        return (
-            head_dim == d_p2
-            and head_dim % a.group == 0
-            and groups == 1 << (groups.bit_length() - 1)
-        )
-
     sink32 = sinks.float().contiguous()
     grid = (num_rows, triton.cdiv(num_heads, tile_h))
     _k.sparse_attention_kernel[grid](
         q, out, sink32, q.stride(0), q.stride(1), out.stride(0), out.stride(1), num_heads,
         scale * _k.LOG2E,
         a0.ptr, i0, i0.stride(0), i0.shape[1], a0.num_slots, a0.block_size, a0.stride_block,
-        a0.stride_token, a0.scale_offset,
+        a0.stride_token, a0.scale_stride, a0.scale_offset,
         a1.ptr, i1, i1.stride(0), i1.shape[1], a1.num_slots, a1.block_size, a1.stride_block,
-        a1.stride_token, a1.scale_offset,
+        a1.stride_token, a1.scale_stride, a1.scale_offset,
         HEAD_DIM=head_dim, D_P2=d_p2, TILE_H=tile_h, TILE_N=tile_n,
-        KIND0=a0.kind, SF0=a0.sf, GS0=a0.group, FLAT0=flat(a0) and a0.kind >= 2,
-        KIND1=a1.kind, SF1=a1.sf, GS1=a1.group, FLAT1=flat(a1) and a1.kind >= 2,
+        KIND0=a0.kind, SF0=a0.sf, GS0=a0.group, FLAT0=_flat(a0, head_dim, d_p2),
+        KIND1=a1.kind, SF1=a1.sf, GS1=a1.group, FLAT1=_flat(a1, head_dim, d_p2),
         HAS1=len(sources) > 1, HW=not interpret,
         DOT_BF16=q.dtype == torch.bfloat16 and not interpret, INTERPRET=interpret,
         num_warps=num_warps,
     )  # fmt: skip
+    return out
+
+
+def index_scores(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    keys: KeySource,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
+    """The lightning indexer's scores of every candidate, reading the index keys in place.
+
+    Args:
+        index_q: ``[T, Hi, Ci]`` fp32 / bf16 indexer queries (unit stride on Ci), ``Hi <= 128``.
+        index_weights: ``[T, Hi]`` per-head weights (all scalings folded in).
+        keys: a :class:`KeySource` over the index keys: plain rows, or a quantized paged
+            cache in a split index layout (``MXFP8_INDEX_KV_FORMAT``,
+            ``FP8_FLOAT32_SF_INDEX_KV_FORMAT``, ``FP4_INDEX_KV_FORMAT`` or the same layouts at
+            other widths) or a token-interleaved one; ``keys.index`` int32 ``[T, K]`` slots.
+        check: validate slot values (one device sync on CUDA).
+
+    Returns fp32 ``[T, K]``: ``sum_h index_weights[t, h] * relu(index_q[t, h] . key)``
+    (fp32 products), ``-inf`` where the slot is ``-1``.
+    """
+    check_tensor("index_q", index_q, dtype=(torch.float32, torch.bfloat16), ndim=3)
+    num_rows, num_heads, width = index_q.shape
+    check_tensor("index_weights", index_weights, shape=(num_rows, num_heads))
+    if not 1 <= num_heads <= 128 or width > MAX_HEAD_DIM:
+        raise ValueError(f"index_q: need 1 <= Hi <= 128 and Ci <= 512, got {(num_heads, width)}")
+    idx = check_tensor("keys.index", keys.index, dtype=torch.int32, ndim=2)
+    if idx.shape[0] != num_rows:
+        raise ValueError(f"keys.index has {idx.shape[0]} rows, index_q has {num_rows}")
+    check_same_device(index_q=index_q, index_weights=index_weights, cache=keys.cache, index=idx)
+    addr = _address(0, keys, width, split_ok=True)
+    if check:
+        check_range("keys.index", idx, -1, addr.num_slots)
+    if not use_triton(index_q):
+        rows = gather_rows(keys, idx)  # [T, K, Ci]
+        dots = torch.einsum("thc,tkc->thk", index_q.float(), rows).relu()
+        scores = torch.einsum("thk,th->tk", dots, index_weights.float())
+        return scores.masked_fill(idx < 0, float("-inf"))
+    out = torch.empty(idx.shape, dtype=torch.float32, device=idx.device)
+    if idx.numel() == 0:
+        return out
+    q = index_q if index_q.stride(2) == 1 else index_q.contiguous()
+    w = index_weights.float().contiguous()
+    idx = idx if idx.stride(1) == 1 else idx.contiguous()
+    d_p2 = max(16, triton.next_power_of_2(width))
+    tile_n = 32 if d_p2 <= 128 else 16
+    grid = (num_rows, triton.cdiv(idx.shape[1], tile_n))
+    _k.index_scores_kernel[grid](
+        q, w, out, addr.ptr, idx, q.stride(0), q.stride(1), w.stride(0), out.stride(0),
+        idx.stride(0), num_heads, idx.shape[1], addr.num_slots, addr.block_size,
+        addr.stride_block, addr.stride_token, addr.scale_stride, addr.scale_offset,
+        HEAD_DIM=width, D_P2=d_p2, TILE_H=max(16, triton.next_power_of_2(num_heads)),
+        TILE_N=tile_n, KIND=addr.kind, SF=addr.sf, GS=addr.group,
+        FLAT=_flat(addr, width, d_p2), HW=not triton_interpreting(), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def topk_columns(scores: torch.Tensor, count: torch.Tensor, top_k: int) -> torch.Tensor:
+    """int32 ``[T, top_k]``: the columns of the ``min(top_k, count[t])`` best scores of each
+    row (``torch.topk``), best first, ``-1`` after them; columns ``>= count[t]`` never win."""
+    num_rows, width = scores.shape
+    out = torch.full((num_rows, top_k), -1, dtype=torch.int32, device=scores.device)
+    if width == 0 or num_rows == 0:
+        return out
+    col = torch.arange(width, device=scores.device)[None, :]
+    scores = scores.masked_fill(col >= count.long()[:, None], float("-inf"))
+    k = min(top_k, width)
+    picked = scores.topk(k, dim=-1).indices
+    keep = torch.arange(k, device=scores.device)[None, :] < count.long()[:, None]
+    out[:, :k] = torch.where(keep, picked, -1).to(torch.int32)
     return out
 
 

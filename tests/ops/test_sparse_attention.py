@@ -185,3 +185,80 @@ def test_cuda_one_source_many_rows() -> None:
     got = sparse_attention(q, sources[:1], sinks, 512**-0.5)
     want = sparse_attention_torch(q, sources[:1], sinks, 512**-0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+# ---- the indexer's scores ------------------------------------------------------------------
+
+INDEX_KINDS = ["mxfp8", "fp8_fp32sf", "fp4", "exact"]
+
+
+def _index_inputs(kind, seed, width=32, device="cpu"):
+    """index_q [3, 4, width], weights, and a PagedRows of index keys with a slot table."""
+    from kvplan.backends.hybrid.storage import PagedRows, index_format
+
+    gen = torch.Generator().manual_seed(seed)
+    fmt = index_format("exact" if kind == "exact" else "fp8", None if kind == "exact" else kind,
+                       width, torch.float32)  # fmt: skip
+    rows = PagedRows(5, 8, fmt, width, device=torch.device(device))
+    rows.store(torch.randn(40, width, generator=gen).to(device),
+               torch.arange(40, dtype=torch.int32, device=device))  # fmt: skip
+    q = torch.randn(3, 4, width, generator=gen).to(device)
+    w = torch.randn(3, 4, generator=gen).to(device)
+    idx = _index(gen, 3, 20, 40, device)
+    return q, w, rows, idx
+
+
+def _scores_via_load(q, w, rows, idx):
+    """Independent path: load_paged_kv_cache (+ index dequantization), then dense einsum."""
+    keys = rows.load_slots(idx).view(*idx.shape, -1)
+    s = torch.einsum("thk,th->tk", torch.einsum("thc,tkc->thk", q, keys).relu(), w)
+    return s.masked_fill(idx < 0, float("-inf"))
+
+
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_index_scores_torch(kind) -> None:
+    from kvplan.ops.sparse_attention import index_scores
+
+    q, w, rows, idx = _index_inputs(kind, seed=8)
+    got = index_scores(q, w, rows.key_source(idx))
+    torch.testing.assert_close(got, _scores_via_load(q, w, rows, idx), atol=1e-5, rtol=1e-5)
+    assert torch.isinf(got[0]).all() and torch.isfinite(got[idx >= 0]).all()
+
+
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_index_scores_triton_interpreter(monkeypatch, kind) -> None:
+    from kvplan.ops.sparse_attention import index_scores
+
+    q, w, rows, idx = _index_inputs(kind, seed=9)
+    want = index_scores(q, w, rows.key_source(idx))
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    got = index_scores(q, w, rows.key_source(idx))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_topk_columns() -> None:
+    from kvplan.ops.sparse_attention import topk_columns
+
+    scores = torch.tensor([[0.5, 3.0, -1.0, 2.0], [1.0, 0.0, 9.0, 9.5]])
+    got = topk_columns(scores, torch.tensor([4, 2]), 3)
+    assert got.tolist() == [[1, 3, 0], [0, 1, -1]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_index_scores_cuda(kind) -> None:
+    """128-wide keys, 32 heads, a few thousand candidates per row."""
+    from kvplan.backends.hybrid.storage import PagedRows, index_format
+    from kvplan.ops.sparse_attention import index_scores
+
+    gen = torch.Generator().manual_seed(10)
+    fmt = index_format("exact" if kind == "exact" else "fp8", None if kind == "exact" else kind,
+                       128, torch.bfloat16)  # fmt: skip
+    rows = PagedRows(64, 64, fmt, 128, device=torch.device("cuda"))
+    rows.store(torch.randn(4096, 128, generator=gen).cuda(),
+               torch.arange(4096, dtype=torch.int32, device="cuda"))  # fmt: skip
+    q = torch.randn(8, 32, 128, generator=gen).cuda()
+    w = torch.randn(8, 32, generator=gen).cuda()
+    idx = torch.randint(-1, 4096, (8, 3000), generator=gen, dtype=torch.int32).cuda()
+    got = index_scores(q, w, rows.key_source(idx))
+    torch.testing.assert_close(got, _scores_via_load(q, w, rows, idx), atol=1e-3, rtol=1e-4)

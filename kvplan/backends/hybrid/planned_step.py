@@ -32,6 +32,8 @@ How each call maps onto the plan (``meta`` = the step's ``InputMetadata``, ``r``
     CUDA (``kvplan.ops.sparse_attention``, when not tracing): decode reads the ring and the
     compressor pool in place through the slot tables (no gathered copy of the main rows);
     prefill hands the SWA and compressed buffers to the kernel as two sources (no join).
+    CUDA CSA layers score candidates with ``kvplan.ops.sparse_attention.index_scores`` (the
+    index keys read in place in decode) and keep ``torch.topk`` of the scores.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from kvplan.backends.hybrid.api import SERIES_NAMES, CompressWindows, HybridSeq
 from kvplan.backends.hybrid.sparse_attention import indexer_topk, sink_attention
 from kvplan.ops import convert_kv_index, kv_index_cat
 from kvplan.ops._dispatch import use_triton
-from kvplan.ops.sparse_attention import KeySource, sparse_attention
+from kvplan.ops.sparse_attention import KeySource, index_scores, sparse_attention, topk_columns
 from kvplan.plan.common import exclusive_cumsum, num_new_compressed
 from kvplan.plan.compressor_state import expand_window_index, plan_compressor_state
 from kvplan.plan.config import ratio_key
@@ -308,8 +310,14 @@ class PlannedStep:
         keys_buf = caches.pools["indexer"].load(segs, total)
         ks, klen = meta.ks[key].long(), meta.klen[key]
         col = torch.arange(width, device=ks.device)[None, :]
-        cand = torch.where(col < klen.long()[:, None], ks[:, None] + col, 0)
-        local = indexer_topk(index_q, index_weights, keys_buf[cand], klen, spec.top_k)
+        if in_place(index_q):  # CUDA: no [T, width, Ci] gather of the candidates
+            cand = torch.where(col < klen.long()[:, None], ks[:, None] + col, -1).to(torch.int32)
+            scores = index_scores(index_q, index_weights, KeySource(keys_buf, cand),
+                                  check=self.family.check)  # fmt: skip
+            local = topk_columns(scores, klen, spec.top_k)
+        else:
+            cand = torch.where(col < klen.long()[:, None], ks[:, None] + col, 0)
+            local = indexer_topk(index_q, index_weights, keys_buf[cand], klen, spec.top_k)
         index = torch.where(local >= 0, ks[:, None] + local, -1).to(torch.int32)
         return rows, index
 
@@ -330,6 +338,11 @@ class PlannedStep:
         cand = torch.where(col < klen[:, None], col, -1).to(torch.int32).contiguous()
         bt, check = meta.block_tables, self.family.check
         slots = convert_kv_index(cand, bt, klen, tpb, out=torch.empty_like(cand), check=check)
+        if in_place(index_q):  # CUDA: score the index keys in place, top-k of the scores
+            src = caches.pools["indexer"].key_source(slots)
+            scores = index_scores(index_q, index_weights, src, check=check)
+            chosen = topk_columns(scores, klen, spec.top_k)
+            return convert_kv_index(chosen, bt, klen, tpb, check=check)
         keys = (
             caches.pools["indexer"]
             .load_slots(slots)
