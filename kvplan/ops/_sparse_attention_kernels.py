@@ -56,17 +56,19 @@ def _scale_mult(sb, SF: tl.constexpr):
 
 
 @triton.jit
-def _scales_at(c_ptr, addr, mask, SF: tl.constexpr):
-    """fp32 multipliers of the scales at byte addresses ``addr`` (fp32 scales: 4 bytes,
-    little-endian, assembled from single bytes since a record need not be 4-aligned)."""
+def _scales_at(c_ptr, sbase, grp, mask, SF: tl.constexpr):
+    """fp32 multipliers of scale group ``grp`` of the records whose scales start at byte
+    ``sbase`` (fp32 scales: 4 bytes, little-endian, assembled from single bytes since a
+    record need not be 4-aligned)."""
     if SF == 2:
+        addr = sbase + grp * 4
         b0 = tl.load(c_ptr + addr, mask=mask, other=0).to(tl.int32)
         b1 = tl.load(c_ptr + addr + 1, mask=mask, other=0).to(tl.int32)
         b2 = tl.load(c_ptr + addr + 2, mask=mask, other=0).to(tl.int32)
         b3 = tl.load(c_ptr + addr + 3, mask=mask, other=0).to(tl.int32)
         return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
     else:
-        return _scale_mult(tl.load(c_ptr + addr, mask=mask, other=0).to(tl.int32), SF)
+        return _scale_mult(tl.load(c_ptr + sbase + grp, mask=mask, other=0).to(tl.int32), SF)
 
 
 @triton.jit
@@ -78,7 +80,6 @@ def _load_keys(
     """fp32 ``[TILE_N, D_P2]`` rows of ``slots`` (zeros where not ``valid`` or ``d >= D``).
     Scales of slot ``s`` start at ``block * stride_block + row * scale_stride +
     scale_offset`` (token-interleaved records: ``scale_stride = stride_token``)."""
-    SB: tl.constexpr = 4 if SF == 2 else 1
     s = tl.where(valid, slots, 0).to(tl.int64)
     blk, off = s // block_size, s % block_size
     base = blk * stride_block + off * stride_token  # [TILE_N]
@@ -103,10 +104,10 @@ def _load_keys(
         if FLAT:  # HEAD_DIM == D_P2 and D_P2 // GS groups, a power of two
             G: tl.constexpr = D_P2 // GS
             g = tl.arange(0, G)
-            mult = _scales_at(c_ptr, sbase[:, None] + g[None, :] * SB, valid[:, None], SF)
+            mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
             x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, D_P2])
         else:
-            x = vals * _scales_at(c_ptr, sbase[:, None] + (d // GS)[None, :] * SB, dmask, SF)
+            x = vals * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
         if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
             x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
     return x

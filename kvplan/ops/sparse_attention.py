@@ -27,6 +27,9 @@ returns for it (``bf16(value * scale)``; exact for these layouts). CUDA tensors 
 kernel of ``kvplan.ops._sparse_attention_kernels`` (bf16 queries multiply in bf16, fp32 queries
 in fp32); CPU tensors run ``sparse_attention_torch``; ``sparse_attention_ref`` is a per-row
 loop for tests.
+
+``index_scores`` is the lightning indexer's scoring over the same addressing (index keys in
+the split index layouts read in place) and ``topk_columns`` its top-k.
 """
 
 from __future__ import annotations
