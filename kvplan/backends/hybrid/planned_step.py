@@ -29,6 +29,11 @@ How each call maps onto the plan (``meta`` = the step's ``InputMetadata``, ``r``
     through ``convert_kv_index``. Slots are read with ``load_paged_kv_cache`` (one segment per
     slot, built on the device) and joined with ``kv_index_cat``.
     Attention: ``sparse_attention.sink_attention`` over the joined buffer and index.
+    CUDA (``kvplan.ops.sparse_attention``, when not tracing): decode reads the ring and the
+    compressor pool in place through the slot tables (no gathered copy of the main rows);
+    prefill hands the SWA and compressed buffers to the kernel as two sources (no join).
+    CUDA CSA layers score candidates with ``kvplan.ops.sparse_attention.index_scores`` (the
+    index keys read in place in decode) and keep ``torch.topk`` of the scores.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from kvplan._math import exclusive_cumsum
 from kvplan.backends.hybrid.api import SERIES_NAMES, CompressWindows, HybridSeq
 from kvplan.backends.hybrid.sparse_attention import indexer_topk, sink_attention
 from kvplan.ops import convert_kv_index, kv_index_cat
+from kvplan.ops._dispatch import use_triton
+from kvplan.ops.sparse_attention import KeySource, index_scores, sparse_attention, topk_columns
 from kvplan.plan.common import num_new_compressed
 from kvplan.plan.compressor_state import expand_window_index, plan_compressor_state
 from kvplan.plan.config import ratio_key
@@ -248,6 +255,9 @@ class PlannedStep:
             if spec.overlap and (index_q is None or index_weights is None):
                 raise ValueError(f"layer {layer_idx} is CSA: index_q and index_weights are needed")
         caches = self.family.caches[layer_idx]
+        if in_place(q) and not self.family.trace:
+            args = (spec, caches, q, kv, sinks, scale, index_q, index_weights)
+            return self._attend_in_place(*args)
         meta = self.meta
         if self.is_prompt:
             hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa)
@@ -265,7 +275,30 @@ class PlannedStep:
             rows = torch.cat([rows, c_rows])
         if self.family.trace:
             self.traces[layer_idx] = (rows, index)
+        if in_place(q):  # traced CUDA step: the kernel over the joined buffer
+            return sparse_attention(q.contiguous(), [KeySource(rows, index)], sinks, scale,
+                                    check=self.family.check)  # fmt: skip
         return sink_attention(q, rows, index, sinks, scale)
+
+    def _attend_in_place(self, spec, caches, q, kv, sinks, scale, index_q, index_weights):
+        """``attend`` through ``kvplan.ops.sparse_attention`` (see the module docstring)."""
+        meta, compressed = self.meta, spec.kind != "sliding_attention"
+        if self.is_prompt:
+            hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa)
+            caches.ring.store(kv, meta.slot_mapping_store_swa)  # after the history load
+            rows = torch.cat([hist, caches.ring.roundtrip(kv)])
+            sources = [KeySource(rows, meta.kv_swa_full_index)]
+            if compressed:
+                c_rows, c_index = self._prompt_compressed(spec, caches, index_q, index_weights)
+                sources.append(KeySource(c_rows, c_index))
+        else:
+            caches.ring.store(kv, meta.slot_mapping_store_swa)  # decode rows see themselves
+            sources = [caches.ring.key_source(meta.kv_swa_index)]
+            if compressed:
+                slots = self._decode_slots(spec, caches, index_q, index_weights)
+                sources.append(caches.pools["compressor"].key_source(slots))
+        q = q if q.stride(2) == 1 else q.contiguous()
+        return sparse_attention(q, sources, sinks, scale, check=self.family.check)
 
     # ---- compressed parts ---------------------------------------------------------------
     def _prompt_compressed(self, spec, caches, index_q, index_weights):
@@ -278,31 +311,52 @@ class PlannedStep:
         keys_buf = caches.pools["indexer"].load(segs, total)
         ks, klen = meta.ks[key].long(), meta.klen[key]
         col = torch.arange(width, device=ks.device)[None, :]
-        cand = torch.where(col < klen.long()[:, None], ks[:, None] + col, 0)
-        local = indexer_topk(index_q, index_weights, keys_buf[cand], klen, spec.top_k)
+        if in_place(index_q):  # CUDA: no [T, width, Ci] gather of the candidates
+            cand = torch.where(col < klen.long()[:, None], ks[:, None] + col, -1).to(torch.int32)
+            scores = index_scores(index_q, index_weights, KeySource(keys_buf, cand),
+                                  check=self.family.check)  # fmt: skip
+            local = topk_columns(scores, klen, spec.top_k)
+        else:
+            cand = torch.where(col < klen.long()[:, None], ks[:, None] + col, 0)
+            local = indexer_topk(index_q, index_weights, keys_buf[cand], klen, spec.top_k)
         index = torch.where(local >= 0, ks[:, None] + local, -1).to(torch.int32)
         return rows, index
 
     def _decode_compressed(self, spec, caches, index_q, index_weights):
+        slots = self._decode_slots(spec, caches, index_q, index_weights)
+        return caches.pools["compressor"].load_slots(slots), _slot_rows(slots)
+
+    def _decode_slots(self, spec, caches, index_q, index_weights):
+        """int32 ``[T, K]`` pool slots a decode row sees (HCA: every closed entry; CSA: the
+        indexer's top-k), ``-1`` padded."""
         key, meta = ratio_key(spec.ratio), self.meta
         width = self.max_seqlen_k // spec.ratio
         if not spec.overlap:
-            slots = meta.kv_ca_index[key][:, :width]
-            return caches.pools["compressor"].load_slots(slots), _slot_rows(slots)
+            return meta.kv_ca_index[key][:, :width]
         tpb = self.family.config.tokens_per_block(spec.ratio)
         klen = meta.klen[key]
         col = torch.arange(width, dtype=torch.int32, device=klen.device)[None, :]
         cand = torch.where(col < klen[:, None], col, -1).to(torch.int32).contiguous()
         bt, check = meta.block_tables, self.family.check
         slots = convert_kv_index(cand, bt, klen, tpb, out=torch.empty_like(cand), check=check)
+        if in_place(index_q):  # CUDA: score the index keys in place, top-k of the scores
+            src = caches.pools["indexer"].key_source(slots)
+            scores = index_scores(index_q, index_weights, src, check=check)
+            chosen = topk_columns(scores, klen, spec.top_k)
+            return convert_kv_index(chosen, bt, klen, tpb, check=check)
         keys = (
             caches.pools["indexer"]
             .load_slots(slots)
             .view(self.num_rows, width, spec.index_head_dim)
         )
         chosen = indexer_topk(index_q, index_weights, keys, klen, spec.top_k)  # entries j
-        slots = convert_kv_index(chosen, bt, klen, tpb, check=check)
-        return caches.pools["compressor"].load_slots(slots), _slot_rows(slots)
+        return convert_kv_index(chosen, bt, klen, tpb, check=check)
+
+
+def in_place(q: torch.Tensor) -> bool:
+    """Whether ``attend`` reads the caches in place through the sparse attention kernel:
+    the ops' dispatch rule (CUDA tensors)."""
+    return use_triton(q)
 
 
 def _slot_rows(slots: torch.Tensor) -> torch.Tensor:

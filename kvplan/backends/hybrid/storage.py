@@ -37,6 +37,7 @@ from kvplan.formats import (
     bf16_format,
 )
 from kvplan.ops import load_paged_kv_cache, store_kv_cache
+from kvplan.ops.sparse_attention import KeySource
 
 KV_FORMATS = ("exact", "fp8", "fp4")
 INDEX_FORMATS = ("mxfp8", "fp8_fp32sf", "fp4")
@@ -174,6 +175,16 @@ class PagedRows:
             dim=1,
         ).to(torch.int32)
         return self.load(segs, n)
+
+    def key_source(self, slots: torch.Tensor) -> KeySource:
+        """This cache read in place by ``kvplan.ops.sparse_attention`` through the int32 slot
+        table ``slots [T, K]`` (rows as ``load_slots`` would return them). Quantized layouts
+        keep the uint8 cache; exact ones view it as fp32 / bf16 rows."""
+        if self.layout.is_quantized:
+            return KeySource(self.cache, slots, self.layout)
+        return KeySource(
+            self.cache.view(torch.float32 if self.fp32_bits else torch.bfloat16), slots
+        )
 
     def roundtrip(self, rows: torch.Tensor) -> torch.Tensor:
         """fp32 rows as ``store`` + ``load`` would return them (no cache is touched)."""

@@ -1,0 +1,254 @@
+"""Triton kernel of ``kvplan.ops.sparse_attention``: attention with per-head sinks over index
+tables into one or two key sources, dequantizing quantized caches in registers.
+
+Grid ``(T, cdiv(H, TILE_H))``: program ``(t, g)`` owns query row ``t`` and heads
+``g * TILE_H + [0, TILE_H)``; the rows of its tiles are heads, so every key tile is loaded once
+for the whole head tile. For each source it walks the row's index columns in tiles of
+``TILE_N``; column ``k`` names slot ``s = index[t, k]`` (``-1``: not visible), i.e. row
+``s % block_size`` of block ``s // block_size``::
+
+    address of element d of slot s = ptr + (s // block_size) * stride_block
+                                         + (s % block_size) * stride_token + d
+    quantized (token-interleaved record): value byte(s) at that address (e2m1: d // 2),
+    scale of group d // GS at  ... + scale_offset + (d // GS) * SB
+
+Source kinds (``KIND``): 0 fp32 rows, 1 bf16 rows, 2 e4m3 values, 3 e2m1 values (low nibble =
+even element); quantized scales (``SF``): 0 UE8M0 exponent byte, 1 e4m3 byte, 2 fp32 (4
+bytes); split (index) layouts put a block's scales after its values (``scale_stride`` /
+``scale_offset``). A dequantized key is ``bf16(value * scale)`` as ``load_paged_kv_cache``
+gives it (only fp32 scales need the rounding; the other products are exact in bf16).
+
+``index_scores_kernel`` is the lightning indexer's scoring over the same addressing: one
+query row's ``Hi`` heads against ``TILE_N`` keys per program.
+
+Softmax runs online in the log2 domain and starts from the sink: ``m = sink * log2(e)``,
+``l = 1``, so the sink's term is in the denominator and a row that sees no key ends with
+``acc = 0``. Products: with ``DOT_BF16`` the query and the dequantized keys enter ``tl.dot``
+as bf16 (exact for e4m3 / e2m1 values times power-of-two or e4m3 scales) and the
+probabilities are rounded to bf16 for the value product; otherwise fp32 with ``"ieee"``
+precision. The CPU interpreter always takes the fp32 path (its bf16 ``tl.dot`` is wrong).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
+
+KIND_FP32 = 0
+KIND_BF16 = 1
+KIND_E4M3 = 2
+KIND_E2M1 = 3
+SF_UE8M0 = 0
+SF_E4M3 = 1
+SF_FP32 = 2
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _scale_mult(sb, SF: tl.constexpr):
+    """int32 scale bytes -> fp32 multipliers (UE8M0: 2^(b - 127); e4m3: its value)."""
+    if SF == 0:
+        return (sb << 23).to(tl.float32, bitcast=True)
+    else:
+        return decode_e4m3(sb)
+
+
+@triton.jit
+def _scales_at(c_ptr, sbase, grp, mask, SF: tl.constexpr):
+    """fp32 multipliers of scale group ``grp`` of the records whose scales start at byte
+    ``sbase`` (fp32 scales: 4 bytes, little-endian, assembled from single bytes since a
+    record need not be 4-aligned)."""
+    if SF == 2:
+        addr = sbase + grp * 4
+        b0 = tl.load(c_ptr + addr, mask=mask, other=0).to(tl.int32)
+        b1 = tl.load(c_ptr + addr + 1, mask=mask, other=0).to(tl.int32)
+        b2 = tl.load(c_ptr + addr + 2, mask=mask, other=0).to(tl.int32)
+        b3 = tl.load(c_ptr + addr + 3, mask=mask, other=0).to(tl.int32)
+        return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+    else:
+        return _scale_mult(tl.load(c_ptr + sbase + grp, mask=mask, other=0).to(tl.int32), SF)
+
+
+@triton.jit
+def _load_keys(
+    c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride, scale_offset,
+    KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """fp32 ``[TILE_N, D_P2]`` rows of ``slots`` (zeros where not ``valid`` or ``d >= D``).
+    Scales of slot ``s`` start at ``block * stride_block + row * scale_stride +
+    scale_offset`` (token-interleaved records: ``scale_stride = stride_token``)."""
+    s = tl.where(valid, slots, 0).to(tl.int64)
+    blk, off = s // block_size, s % block_size
+    base = blk * stride_block + off * stride_token  # [TILE_N]
+    sbase = blk * stride_block + off * scale_stride + scale_offset
+    d = tl.arange(0, D_P2)
+    dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    if KIND == 0:
+        x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
+    elif KIND == 1:
+        x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0).to(tl.float32)
+    else:
+        if KIND == 2:
+            vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
+            if HW:
+                vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                vals = decode_e4m3(vb.to(tl.int32))
+        else:
+            vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
+            codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
+            vals = decode_e2m1(codes)
+        if FLAT:  # HEAD_DIM == D_P2 and D_P2 // GS groups, a power of two
+            G: tl.constexpr = D_P2 // GS
+            g = tl.arange(0, G)
+            mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
+            x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, D_P2])
+        else:
+            x = vals * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
+        if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
+            x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, start, row_idx, num_cols, num_slots, c_ptr,
+    block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
+    KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over index columns ``[start, start + TILE_N)``."""
+    cols = start + tl.arange(0, TILE_N)
+    slots = tl.load(row_idx + cols, mask=cols < num_cols, other=-1)
+    valid = (slots >= 0) & (slots < num_slots)
+    k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
+                   scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW)  # fmt: skip
+    if DOT_BF16:
+        kd = k.to(tl.bfloat16)
+        s = tl.dot(q, tl.trans(kd))
+    else:
+        kd = k
+        s = tl.dot(q, tl.trans(kd), input_precision="ieee")
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [TILE_H, TILE_N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_BF16:
+        pv = tl.dot(p.to(tl.bfloat16), kd)
+    else:
+        pv = tl.dot(p, kd, input_precision="ieee")
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_source(
+    acc, m_i, l_i, q, t, c_ptr, idx_ptr, stride_idx, num_cols, num_slots,
+    block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
+    KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
+    DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax steps over the ``num_cols`` index columns of row ``t`` of one source.
+    The CPU interpreter cannot take a runtime bound in ``range``: there a ``while`` loop runs
+    the same steps."""
+    row_idx = idx_ptr + t.to(tl.int64) * stride_idx
+    if INTERPRET:
+        start = 0
+        while start < num_cols:
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, start, row_idx, num_cols, num_slots, c_ptr, block_size,
+                stride_block, stride_token, scale_stride, scale_offset, qk_scale,
+                KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
+            )  # fmt: skip
+            start += TILE_N
+    else:
+        for start in range(0, num_cols, TILE_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, start, row_idx, num_cols, num_slots, c_ptr, block_size,
+                stride_block, stride_token, scale_stride, scale_offset, qk_scale,
+                KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
+def sparse_attention_kernel(
+    q_ptr, out_ptr, sink_ptr, stride_qt, stride_qh, stride_ot, stride_oh, num_heads, qk_scale,
+    c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0, sblk0, stok0, sstr0, soff0,
+    c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1, sblk1, stok1, sstr1, soff1,
+    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
+    KIND0: tl.constexpr, SF0: tl.constexpr, GS0: tl.constexpr, FLAT0: tl.constexpr,
+    KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
+    HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(T, cdiv(H, TILE_H))``. q / out ``[T, H, D]``; sinks fp32 ``[H]``; per source
+    ``i``: cache pointer, int32 index ``[T, n_i]`` (row stride ``stride_i``), ``slots_i``
+    addressable slots, ``block_size``, block / token strides and scale offset (in elements
+    of the pointer's dtype: bytes for quantized sources)."""
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
+    h_ok = heads < num_heads
+    d = tl.arange(0, D_P2)
+    d_ok = d < HEAD_DIM
+    h64 = heads.to(tl.int64)
+    q_off = t.to(tl.int64) * stride_qt + h64[:, None] * stride_qh + d[None, :]
+    qmask = h_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
+    if DOT_BF16:
+        q = q.to(tl.bfloat16)
+    else:
+        q = q.to(tl.float32)
+    sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
+    m_i = tl.maximum(sink, -1.0e30)
+    l_i = tl.exp2(sink - m_i)
+    acc = tl.zeros([TILE_H, D_P2], tl.float32)
+    acc, m_i, l_i = _attend_source(
+        acc, m_i, l_i, q, t, c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0, sblk0, stok0, sstr0,
+        soff0, qk_scale, KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_N, FLAT0, HW, DOT_BF16, INTERPRET,
+    )  # fmt: skip
+    if HAS1:
+        acc, m_i, l_i = _attend_source(
+            acc, m_i, l_i, q, t, c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1, sblk1, stok1,
+            sstr1, soff1, qk_scale, KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_N, FLAT1, HW, DOT_BF16,
+            INTERPRET,
+        )  # fmt: skip
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = t.to(tl.int64) * stride_ot + h64[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def index_scores_kernel(
+    q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, stride_qt, stride_qh, stride_wt, stride_ot,
+    stride_idx, num_heads, num_cols, num_slots, block_size, stride_block, stride_token,
+    scale_stride, scale_offset,
+    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
+    KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, FLAT: tl.constexpr,
+    HW: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(T, cdiv(K, TILE_N))``: ``out[t, k] = sum_h w[t, h] * relu(q[t, h] . key)``
+    (fp32, ``"ieee"`` products) for the key of slot ``index[t, k]``; ``-inf`` where the slot
+    is ``-1``. q ``[T, Hi, Ci]``, w ``[T, Hi]``, ``TILE_H >= Hi``."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
+    heads = tl.arange(0, TILE_H)
+    h_ok = heads < num_heads
+    d = tl.arange(0, D_P2)
+    t64 = t.to(tl.int64)
+    q_off = t64 * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=h_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    w = tl.load(w_ptr + t64 * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
+    slots = tl.load(idx_ptr + t64 * stride_idx + cols, mask=cols < num_cols, other=-1)
+    valid = (slots >= 0) & (slots < num_slots)
+    k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
+                   scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW)  # fmt: skip
+    s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")  # [TILE_H, TILE_N]
+    score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
+    score = tl.where(valid, score, float("-inf"))
+    tl.store(out_ptr + t64 * stride_ot + cols, score, mask=cols < num_cols)
