@@ -65,7 +65,7 @@ class StepInputs:
     def _init_decode_only(self, step: StepBatch) -> None:
         """Fast path of a step with only plain decode rows (no prefill, no drafts): row i
         has one query token (its request's newest token) and owns logits row i."""
-        n = step.num_seqs
+        n = len(step.seqs)
         if step.ahead:
             self.input_ids = np.zeros(n, dtype=np.int64)
         else:
@@ -121,7 +121,10 @@ class ModelRunner:
 
     def plan(self, step: StepBatch) -> dict[str, Any]:
         """Each family's metadata for ``step``: family name -> planned metadata."""
-        return {name: family.plan(step) for name, family in self.families.items()}
+        attention = {}
+        for name, family in self.families.items():
+            attention[name] = family.plan(step)
+        return attention
 
     def free(self, request_id: Any) -> None:
         """Drop a finished or preempted request's per-request state in every family."""

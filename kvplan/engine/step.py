@@ -21,7 +21,6 @@ pass over its requests (`StepBatch.decode`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -75,7 +74,7 @@ class DecodeBatch:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepBatch:
     """One scheduled step (module docstring); build it with `general` or `decode`.
 
@@ -86,6 +85,8 @@ class StepBatch:
         prompt_lens: ``[num_seqs]`` tokens each request prefills since its admission.
         num_cached_tokens: int32 ``[num_seqs]``, tokens with K/V in the cache before the step.
         num_query_tokens: int32 ``[num_seqs]``, tokens each row computes this step.
+        positions: int64 ``[num_tokens]``, the absolute position of every query token, rows
+            back to back (row i: ``num_cached_tokens[i] .. + num_query_tokens[i] - 1``).
         preempted: requests preempted (by recompute) while scheduling this step.
         decode_batch: set when every row is a plain decode row of the running list
             (``seqs is decode_batch.seqs``).
@@ -99,6 +100,7 @@ class StepBatch:
     prompt_lens: list[int]
     num_cached_tokens: np.ndarray
     num_query_tokens: np.ndarray
+    positions: np.ndarray
     preempted: list[Request] = field(default_factory=list)
     decode_batch: DecodeBatch | None = None
     ahead: bool = False
@@ -109,13 +111,16 @@ class StepBatch:
     ) -> StepBatch:
         """Any step: the facts of each row, read off its request."""
         reqs = [s.request for s in seqs]
+        cached = np.array([r.num_computed_tokens for r in reqs], dtype=np.int32)
+        query = np.array([s.num_query_tokens for s in seqs], dtype=np.int32)
         return cls(
             seqs,
             num_contexts,
             [r.request_id for r in reqs],
             [r.num_prefill_tokens for r in reqs],
-            np.array([r.num_computed_tokens for r in reqs], dtype=np.int32),
-            np.array([s.num_query_tokens for s in seqs], dtype=np.int32),
+            cached,
+            query,
+            token_positions(cached, query),
             preempted or [],
         )
 
@@ -133,6 +138,7 @@ class StepBatch:
             batch.prompt_lens,
             cached,
             np.ones(n, dtype=np.int32),
+            cached.astype(np.int64),  # one query token per row, at its cached length
             preempted or [],
             decode_batch=batch,
             ahead=ahead,
@@ -152,13 +158,14 @@ class StepBatch:
         batch = self.decode_batch
         return batch.requests if batch is not None else [s.request for s in self.seqs]
 
-    @functools.cached_property
-    def positions(self) -> np.ndarray:
-        """Absolute position of every query token: int64 ``[num_tokens]``, rows back to back
-        (row i: ``num_cached_tokens[i] .. num_cached_tokens[i] + num_query_tokens[i] - 1``)."""
-        cached = self.num_cached_tokens.astype(np.int64)
-        if self.num_contexts == 0:  # one token per row
-            return cached
-        q = self.num_query_tokens
-        starts = np.cumsum(q) - q  # first flat row of each step row
-        return np.repeat(cached - starts, q) + np.arange(int(q.sum()), dtype=np.int64)
+
+def token_positions(num_cached_tokens: np.ndarray, num_query_tokens: np.ndarray) -> np.ndarray:
+    """Positions of a step's query tokens, rows back to back: int64 ``[sum(num_query_tokens)]``.
+
+    >>> token_positions(np.array([0, 17, 9]), np.array([2, 3, 1])).tolist()
+    [0, 1, 17, 18, 19, 9]
+    """
+    q = num_query_tokens.astype(np.int64)
+    starts = np.cumsum(q) - q  # flat index of each row's first token
+    offsets = num_cached_tokens.astype(np.int64) - starts
+    return np.repeat(offsets, q) + np.arange(int(q.sum()), dtype=np.int64)
