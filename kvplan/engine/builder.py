@@ -16,6 +16,7 @@ Attention families: the model names the family of each layer (``model.layer_fami
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,13 +81,13 @@ def build_model(
 
 @dataclass(frozen=True)
 class _Sizes:
-    """What the families need to size their buffers (resolved from the config and model)."""
+    """Settings resolved for this model (device, KV format, lengths, pool size)."""
 
     device: torch.device
     kv_format: str
-    num_blocks: int
-    max_blocks_per_seq: int
     max_model_len: int
+    max_blocks_per_seq: int
+    num_blocks: int = 0  # set once the model's weights are on the device
 
 
 def _paged_family(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes, manager: Any):
@@ -118,13 +119,13 @@ def _paged_family(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes, manager
 _FAMILY_BUILDERS: dict[str, Callable[..., AttentionFamily]] = {PAGED: _paged_family}
 
 
-def _num_blocks(cfg: ModelConfig, config: EngineConfig, fmt: str, max_model_len: int) -> int:
+def _num_blocks(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes) -> int:
     """KV blocks per pool (module docstring)."""
-    max_blocks_per_seq = -(-max_model_len // config.block_size)
+    max_blocks_per_seq, max_model_len = sizes.max_blocks_per_seq, sizes.max_model_len
     num_blocks = config.num_blocks
     if num_blocks is None:
         by_memory = config.resolve_kv_cache_memory() // _bytes_per_block(
-            cfg, config.block_size, fmt
+            cfg, config.block_size, sizes.kv_format
         )
         num_blocks = min(by_memory, config.max_num_seqs * max_blocks_per_seq + 1)
     if num_blocks < max_blocks_per_seq + 1:
@@ -154,7 +155,9 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         source, backend_cls, max_positions=max_model_len, dtype=torch_dtype, device=dev,
         seed=config.seed,
     )  # fmt: skip
-    num_blocks = _num_blocks(cfg, config, fmt, max_model_len)
+    sizes = _Sizes(dev, fmt, max_model_len, max_blocks_per_seq)
+    num_blocks = _num_blocks(cfg, config, sizes)
+    sizes = dataclasses.replace(sizes, num_blocks=num_blocks)
     manager = KVCacheManager.from_layer_windows(
         num_blocks,
         config.block_size,
@@ -162,7 +165,6 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         max_blocks_per_seq=max_blocks_per_seq,
         enable_prefix_caching=config.enable_prefix_caching,
     )
-    sizes = _Sizes(dev, fmt, num_blocks, max_blocks_per_seq, max_model_len)
     names = sorted(set(net.layer_families))
     unknown = [n for n in names if n not in _FAMILY_BUILDERS]
     if unknown:
