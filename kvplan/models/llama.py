@@ -57,8 +57,6 @@ PAGED_FAMILY = "paged"  # the attention family serving every layer of this model
 
 
 class Attention(nn.Module):
-    family = PAGED_FAMILY
-
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend_cls: Any) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
