@@ -33,6 +33,7 @@ import time
 import torch
 
 from kvplan.engine.cli_bench import make_prompts, run_workload, sync_device
+from kvplan.engine.config import EngineConfig, add_engine_arguments, config_from_args
 from kvplan.models.config import named_config
 
 
@@ -135,13 +136,12 @@ def _guard(fn, *args):
 def run_kvplan(cfg, prompts, args, dev, dtype):
     from kvplan import LLM
 
-    llm = LLM(
-        cfg, device=dev, dtype=dtype, backend=args.backend, kv_format=args.kv_format,
-        max_num_seqs=len(prompts), max_num_batched_tokens=args.max_num_batched_tokens,
+    config = config_from_args(
+        args, device=dev, dtype=dtype, max_num_seqs=len(prompts),
         max_model_len=args.prompt_len + args.new_tokens + 32,
         kv_cache_memory=(8 << 30) if dev.type == "cuda" else (256 << 20),
-        async_scheduling=args.async_scheduling,
     )  # fmt: skip
+    llm = LLM(cfg, config)
     # warm-up with the real shapes (Triton compiles per specialization), different tokens
     warm = make_prompts(len(prompts), args.prompt_len, cfg.vocab_size, seed=1)
     run_workload(llm, warm, 3, progress=False)
@@ -262,9 +262,10 @@ def host_step_ms(
     from kvplan import LLM
     from kvplan.engine.sampling import SamplingParams
 
-    llm = LLM(cfg, device=dev, dtype=dtype, max_num_seqs=num_seqs, max_num_batched_tokens=8192,
-              max_model_len=prompt_len + steps + 64, kv_cache_memory=256 << 20,
-              async_scheduling=async_scheduling)  # fmt: skip
+    config = EngineConfig(device=dev, dtype=dtype, max_num_seqs=num_seqs,
+                          max_num_batched_tokens=8192, max_model_len=prompt_len + steps + 64,
+                          kv_cache_memory=256 << 20, async_scheduling=async_scheduling)  # fmt: skip
+    llm = LLM(cfg, config)
     core = llm.engine
     for p in make_prompts(num_seqs, prompt_len, cfg.vocab_size):
         core.add_request(p, SamplingParams(max_tokens=steps + 32, ignore_eos=True))
@@ -288,7 +289,7 @@ def host_step_ms(
     if not profile_steps:
         return statistics.median(host), []
 
-    def zero_logits(input_ids, positions, metadata, rows):
+    def zero_logits(input_ids, positions, attention, rows):
         n = input_ids.shape[0] if rows is None else rows.shape[0]
         return torch.zeros(n, cfg.vocab_size, device=dev)
 
@@ -326,14 +327,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny CPU-sized run")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--backend", default="block_offsets")
-    ap.add_argument("--kv-format", default="auto")
+    add_engine_arguments(
+        ap, ("device", "backend", "kv_format", "max_num_batched_tokens", "async_scheduling"),
+        max_num_batched_tokens=8192,
+    )  # fmt: skip
     ap.add_argument("--config", default=None)
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--hf", default="generate_batch_cuda_graph,generate_batch,generate",
                     help="comma-separated HF baselines ('' = none)")  # fmt: skip
     ap.add_argument("--order", choices=("hf-first", "kvplan-first"), default="hf-first",
@@ -342,17 +343,14 @@ def main() -> int:
                     help="only measure the host time of a decode step (tiny model, CPU)")  # fmt: skip
     ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                     help="with --host-step: also cProfile STEPS more steps (calls per step)")  # fmt: skip
-    ap.add_argument("--async-scheduling", choices=("on", "off"), default=None,
-                    help="launch greedy decode steps one ahead (default: the LLM default, "
-                    "on with CUDA)")  # fmt: skip
     args = ap.parse_args()
-    args.async_scheduling = {None: None, "on": True, "off": False}[args.async_scheduling]
+    async_scheduling = config_from_args(args).async_scheduling
     if args.host_step:
         torch.set_num_threads(1)
         dev = torch.device(args.device or "cpu")
         ms, prof = host_step_ms(named_config(args.config or "tiny-llama"), dev, torch.float32,
                                 profile_steps=args.host_profile,
-                                async_scheduling=args.async_scheduling)  # fmt: skip
+                                async_scheduling=async_scheduling)  # fmt: skip
         result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   "device": str(dev), "command": " ".join(sys.argv),
                   "median_host_ms_per_decode_step": ms, "batch": 64}  # fmt: skip

@@ -53,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "get_backend": "kvplan.backends",
     # engine
     "LLM": "kvplan.engine.llm",
+    "EngineConfig": "kvplan.engine.config",
     "SamplingParams": "kvplan.engine.sampling",
 }
 
@@ -61,6 +62,7 @@ __all__ = [
     "AllocationResult",
     "AttentionMetadata",
     "BlockLoadPlanBuilder",
+    "EngineConfig",
     "FP4_INDEX_KV_FORMAT",
     "FP8_FLOAT32_SF_INDEX_KV_FORMAT",
     "InputMetadata",
@@ -97,6 +99,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvplan.backends.metadata import AttentionMetadata
     from kvplan.cache.kv_cache_manager import AllocationResult, KVCacheManager
     from kvplan.cache.kv_tensors import KVCacheTensors
+    from kvplan.engine.config import EngineConfig
     from kvplan.engine.llm import LLM
     from kvplan.engine.sampling import SamplingParams
     from kvplan.formats import (

@@ -3,7 +3,7 @@
 With ``async_scheduling`` on, a decode-only step k on a remembered `DecodeBatch`
 whose rows are all greedy is left *launched* when ``step()`` returns. The next ``step()``
 launches k + 1 for the same rows before it waits for k's tokens: row i's input token is k's
-device-side argmax of row i (copied on the stream; `StepInputs` ``ahead``), and positions,
+device-side argmax of row i (copied on the stream; ``StepBatch.ahead``), and positions,
 ``extend_many`` and ``prepare()`` do not depend on token values. Then it processes k (commit,
 append, stop rules) while the GPU runs k + 1. Results thus arrive one ``step()`` later.
 
@@ -32,14 +32,14 @@ import torch
 from kvplan.engine.host_tokens import Pending
 from kvplan.engine.request import Request
 from kvplan.engine.runner import StepInputs
-from kvplan.engine.scheduler import SchedulerOutput
+from kvplan.engine.step import StepBatch
 
 
 @dataclass
 class LaunchedStep:
     """A decode-only step launched and not yet processed."""
 
-    sched: SchedulerOutput  # its decode_batch is set
+    step: StepBatch  # its decode_batch is set
     inputs: StepInputs  # input_ids hold real tokens once the step before was processed
     tokens: torch.Tensor  # [num_seqs] int64 argmax on the device
     pending: Pending  # their copy to the host
@@ -66,27 +66,27 @@ class AsyncSteps:
         """Launch the step after ``launched`` for the same rows, fed by its device tokens, or
         return None (nothing launched, nothing changed) when that step could differ from the
         one scheduled after processing ``launched`` (module docstring)."""
-        batch = launched.sched.decode_batch
+        batch = launched.step.decode_batch
         if launched.zombies or self.scheduler.manager.release_out_of_window:
             return None
         for r in batch.requests:  # surely finished by max_tokens: the batch changes
             if len(r.output_token_ids) + 1 >= r.params.max_tokens:
                 return None
-        sched = self.scheduler.schedule_ahead(batch)
-        if sched is None:
+        step = self.scheduler.schedule_ahead(batch)
+        if step is None:
             return None
-        logits, inputs = self.runner.execute(sched, launched.tokens)
-        tokens, pending = self._sample(sched, inputs, logits)
+        logits, inputs = self.runner.execute(step, launched.tokens)
+        tokens, pending = self._sample(step, inputs, logits)
         self.num_steps += 1
         self.num_steps_ahead += 1
-        return LaunchedStep(sched, inputs, tokens, pending)
+        return LaunchedStep(step, inputs, tokens, pending)
 
     def _finish(self, launched: LaunchedStep, ahead: LaunchedStep | None) -> list[Request]:
         """Process a launched decode step: commit its input tokens, wait for its sampled
         tokens, update its live rows (rows finished since its launch are skipped); give
         ``ahead`` (launched after it, same rows) those tokens as its host input ids."""
         manager = self.scheduler.manager
-        batch = launched.sched.decode_batch
+        batch = launched.step.decode_batch
         reqs = batch.requests
         input_ids = launched.inputs.input_ids
         if launched.zombies:

@@ -1,4 +1,5 @@
-"""Assemble an engine: model + weights, KV cache manager + tensors, backend metadata, scheduler.
+"""Assemble an engine from a model and an `EngineConfig`: model + weights, KV cache manager
+and tensors, one object per attention family, runner, scheduler, engine core.
 
 Sizing rules:
 
@@ -8,18 +9,24 @@ Sizing rules:
   ``kv_cache_memory`` holds, capped at what ``max_num_seqs`` full-length sequences need, and
   is at least one full-length sequence plus the padding block 0, so every admitted request
   can always run alone (preemption by recompute then always makes progress).
+
+Attention families: the model names the family of each layer (``model.layer_families``);
+``_FAMILY_BUILDERS`` maps each name to the function that builds its object.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvplan.cache.kv_tensors import KV_FORMATS as STORED_KV_FORMATS
+from kvplan.engine.config import EngineConfig
 from kvplan.engine.core import EngineCore
+from kvplan.engine.families import PAGED, AttentionFamily, PagedFamily
 from kvplan.engine.runner import ModelRunner
 from kvplan.engine.scheduler import Scheduler
 from kvplan.engine.speculative import NgramProposer
@@ -28,49 +35,22 @@ from kvplan.models.llama import LlamaForCausalLM
 from kvplan.models.loader import ModelSource, resolve_source
 from kvplan.models.weights import init_random_weights, load_weights
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-KV_FORMATS = ("auto", *STORED_KV_FORMATS)
-
 
 @dataclass
 class EngineParts:
+    """What `build_engine` made (kept by `kvplan.LLM` as ``llm.parts``)."""
+
     core: EngineCore
     model: LlamaForCausalLM
     config: ModelConfig
+    engine_config: EngineConfig
     tokenizer: Any
     manager: Any
     kv_cache: Any
-    metadata: Any
+    metadata: Any  # the paged family's AttentionMetadata
     source: ModelSource
     kv_format: str
     num_blocks: int
-
-
-def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
-
-
-def resolve_kv_format(kv_format: str, dtype: torch.dtype, head_dim: int) -> str:
-    if kv_format not in KV_FORMATS:
-        raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
-    if kv_format == "auto":
-        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    if kv_format == "fp8" and head_dim % 32:
-        raise ValueError(f"kv_format='fp8' needs head_dim % 32 == 0, got head_dim={head_dim}")
-    return kv_format
 
 
 def _bytes_per_block(cfg: ModelConfig, block_size: int, kv_format: str) -> int:
@@ -99,105 +79,115 @@ def build_model(
     return model.eval()
 
 
-def build_engine(
-    model: Any,
-    *,
-    device: Any,
-    dtype: Any,
-    backend: str,
-    kv_format: str,
-    block_size: int,
-    max_num_batched_tokens: int,
-    max_num_seqs: int,
-    max_model_len: int | None,
-    num_blocks: int | None,
-    kv_cache_memory: int | None,
-    enable_prefix_caching: bool,
-    enable_chunked_prefill: bool,
-    num_speculative_tokens: int,
-    use_cuda_graph: bool | None,
-    seed: int,
-    async_scheduling: bool | None = None,
-) -> EngineParts:
+@dataclass(frozen=True)
+class _Sizes:
+    """Settings resolved for this model (device, KV format, lengths, pool size)."""
+
+    device: torch.device
+    kv_format: str
+    max_model_len: int
+    max_blocks_per_seq: int
+    num_blocks: int = 0  # set once the model's weights are on the device
+
+
+def _paged_family(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes, manager: Any):
+    """The paged family: KV tensors of every layer + the backend's metadata object."""
     from kvplan.backends import get_backend
-    from kvplan.cache import KVCacheManager
     from kvplan.cache.kv_tensors import KVCacheTensors
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    torch_dtype = resolve_dtype(dtype, dev)
-    backend_cls = get_backend(backend)
-    source = resolve_source(model)
-    cfg = source.config
-    fmt = resolve_kv_format(kv_format, torch_dtype, cfg.head_dim)
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if max_model_len is None:
-        max_model_len = min(4096, cfg.max_position_embeddings)
-    if max_model_len < 2:
-        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-    max_blocks_per_seq = -(-max_model_len // block_size)
-
-    net = build_model(
-        source, backend_cls, max_positions=max_model_len, dtype=torch_dtype, device=dev, seed=seed
+    kv_cache = KVCacheTensors(
+        cfg.num_layers,
+        sizes.num_blocks,
+        config.block_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        kv_format=sizes.kv_format,
+        device=sizes.device,
     )
+    metadata = get_backend(config.backend).Metadata(
+        max_num_requests=config.max_num_seqs,
+        max_num_tokens=config.max_num_batched_tokens,
+        kv_cache_manager=manager,
+        kv_cache=kv_cache,
+        layer_windows=cfg.windows,
+        device=sizes.device,
+    )
+    return PagedFamily(metadata)
+
+
+# family name -> f(model config, engine config, sizes, cache manager) -> AttentionFamily
+_FAMILY_BUILDERS: dict[str, Callable[..., AttentionFamily]] = {PAGED: _paged_family}
+
+
+def _num_blocks(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes) -> int:
+    """KV blocks per pool (module docstring)."""
+    max_blocks_per_seq, max_model_len = sizes.max_blocks_per_seq, sizes.max_model_len
+    num_blocks = config.num_blocks
     if num_blocks is None:
-        if kv_cache_memory is None:
-            if dev.type == "cuda":
-                kv_cache_memory = int(torch.cuda.mem_get_info(dev)[0] * 0.6)
-            else:
-                kv_cache_memory = 1 << 30
-        by_memory = kv_cache_memory // _bytes_per_block(cfg, block_size, fmt)
-        num_blocks = min(by_memory, max_num_seqs * max_blocks_per_seq + 1)
+        by_memory = config.resolve_kv_cache_memory() // _bytes_per_block(
+            cfg, config.block_size, sizes.kv_format
+        )
+        num_blocks = min(by_memory, config.max_num_seqs * max_blocks_per_seq + 1)
     if num_blocks < max_blocks_per_seq + 1:
         raise ValueError(
             f"num_blocks={num_blocks} cannot hold one sequence of max_model_len={max_model_len} "
             f"({max_blocks_per_seq} blocks + the padding block 0)"
         )
-    windows = cfg.windows
+    return num_blocks
+
+
+def build_engine(model: Any, config: EngineConfig) -> EngineParts:
+    """Build every part of an engine for ``model`` (see `kvplan.LLM` for what it may be)."""
+    from kvplan.backends import get_backend
+    from kvplan.cache import KVCacheManager
+
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+    dev = config.torch_device
+    torch_dtype = config.torch_dtype
+    source = resolve_source(model)
+    cfg = source.config
+    fmt = config.resolve_kv_format(cfg.head_dim)
+    max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
+    max_blocks_per_seq = -(-max_model_len // config.block_size)
+    backend_cls = get_backend(config.backend)
+    net = build_model(
+        source, backend_cls, max_positions=max_model_len, dtype=torch_dtype, device=dev,
+        seed=config.seed,
+    )  # fmt: skip
+    sizes = _Sizes(dev, fmt, max_model_len, max_blocks_per_seq)
+    num_blocks = _num_blocks(cfg, config, sizes)
+    sizes = dataclasses.replace(sizes, num_blocks=num_blocks)
     manager = KVCacheManager.from_layer_windows(
         num_blocks,
-        block_size,
-        windows,
+        config.block_size,
+        cfg.windows,
         max_blocks_per_seq=max_blocks_per_seq,
-        enable_prefix_caching=enable_prefix_caching,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
-    kv_cache = KVCacheTensors(
-        cfg.num_layers,
-        num_blocks,
-        block_size,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        kv_format=fmt,
-        device=dev,
-    )
-    max_num_tokens = max_num_batched_tokens
-    metadata = backend_cls.Metadata(
-        max_num_requests=max_num_seqs,
-        max_num_tokens=max_num_tokens,
-        kv_cache_manager=manager,
-        kv_cache=kv_cache,
-        layer_windows=windows,
-        device=dev,
-    )
+    names = sorted(set(net.layer_families))
+    unknown = [n for n in names if n not in _FAMILY_BUILDERS]
+    if unknown:
+        raise ValueError(f"unknown attention families {unknown}; known: {sorted(_FAMILY_BUILDERS)}")
+    families = {n: _FAMILY_BUILDERS[n](cfg, config, sizes, manager) for n in names}
+    metadata = families[PAGED].metadata if PAGED in families else None
     graphs = None
-    if use_cuda_graph is None:
-        use_cuda_graph = dev.type == "cuda"
-    if use_cuda_graph:
+    if config.cuda_graphs_on and metadata is not None:
         from kvplan.engine.cuda_graphs import DecodeGraphs
 
         graphs = DecodeGraphs.maybe_create(
-            net, backend_cls, metadata, manager, max_num_seqs, max_model_len
+            net, backend_cls, metadata, manager, config.max_num_seqs, max_model_len
         )
-    runner = ModelRunner(net, metadata, dev, graphs)
-    proposer = NgramProposer(num_speculative_tokens) if num_speculative_tokens > 0 else None
+    runner = ModelRunner(net, families, dev, graphs)
+    n = config.num_speculative_tokens
+    proposer = NgramProposer(n) if n > 0 else None
     scheduler = Scheduler(
         manager,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-        enable_chunked_prefill=enable_chunked_prefill,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        enable_chunked_prefill=config.enable_chunked_prefill,
         propose_drafts=(lambda r: proposer.propose(r.all_token_ids)) if proposer else None,
+        on_free=runner.free,
     )
     tok = source.tokenizer
     eos = set(cfg.eos_token_ids)
@@ -212,12 +202,16 @@ def build_engine(
         eos_token_ids=sorted(eos),
         decode_text=decode_text,
         max_model_len=max_model_len,
-        seed=seed,
-        async_scheduling=async_scheduling,
+        seed=config.seed,
+        async_scheduling=config.async_scheduling_on,
     )
     print(
         f"kvplan: {source.name} ({cfg.num_params / 1e6:.0f}M params) on {dev}, {torch_dtype}, "
-        f"backend={backend}, kv_format={fmt}, {num_blocks} blocks x {block_size} tokens",
+        f"backend={config.backend}, kv_format={fmt}, {num_blocks} blocks x "
+        f"{config.block_size} tokens",
         file=sys.stderr,
     )
-    return EngineParts(core, net, cfg, tok, manager, kv_cache, metadata, source, fmt, num_blocks)
+    kv_cache = None if metadata is None else metadata.kv_cache
+    return EngineParts(
+        core, net, cfg, config, tok, manager, kv_cache, metadata, source, fmt, num_blocks
+    )

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvplan.engine.config import add_engine_arguments, config_from_args
+
 
 @dataclass
 class WorkloadResult:
@@ -114,12 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mix", action="store_true", help="random prompt lengths up to --prompt-len"
     )
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--backend", default="block_offsets")
-    parser.add_argument("--kv-format", default="auto")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--no-cuda-graph", action="store_true")
+    add_engine_arguments(
+        parser, ("device", "dtype", "backend", "kv_format", "max_num_batched_tokens"),
+        max_num_batched_tokens=8192,
+    )  # fmt: skip
+    parser.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,17 +128,13 @@ def run(args: argparse.Namespace) -> int:
     from kvplan.models.config import named_config
 
     cfg = named_config(args.config)
-    llm = LLM(
-        cfg,
-        device=args.device,
-        dtype=args.dtype,
-        backend=args.backend,
-        kv_format=args.kv_format,
+    config = config_from_args(
+        args,
         max_num_seqs=args.num_requests,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt_len + args.new_tokens + 16,
-        use_cuda_graph=None if not args.no_cuda_graph else False,
+        use_cuda_graph=False if args.no_cuda_graph else None,
     )
+    llm = LLM(cfg, config)
     run_workload(llm, make_prompts(2, 8, cfg.vocab_size, seed=1), 4, progress=False)  # warm-up
     prompts = make_prompts(args.num_requests, args.prompt_len, cfg.vocab_size, mix=args.mix)
     res = run_workload(llm, prompts, args.new_tokens)

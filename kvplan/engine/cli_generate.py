@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from kvplan.engine.config import add_engine_arguments, config_from_args
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
@@ -24,14 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument(
-        "--backend", default="block_offsets", choices=("vanilla", "ragged", "block_offsets")
-    )
-    parser.add_argument(
-        "--kv-format", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8")
-    )
-    parser.add_argument("--dtype", default=None, help="model dtype (fp32 on CPU, bf16 on CUDA)")
+    add_engine_arguments(parser, ("device", "backend", "kv_format", "dtype"))
     parser.add_argument("--no-chat-template", action="store_true", help="send the raw prompt")
     parser.add_argument(
         "--speculative", type=int, default=0, help="n-gram draft tokens per step (0 = off)"
@@ -51,17 +46,13 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        llm = LLM(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            backend=args.backend,
-            kv_format=args.kv_format,
+        config = config_from_args(
+            args,
             max_num_seqs=1,
             max_model_len=min(4096, args.max_tokens + 2048),
-            chat_template=not args.no_chat_template,
             num_speculative_tokens=args.speculative,
         )
+        llm = LLM(args.model, config, chat_template=not args.no_chat_template)
         if llm.tokenizer is None:
             print("kvplan generate: this model has no tokenizer", file=sys.stderr)
             return 2

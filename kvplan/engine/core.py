@@ -25,11 +25,11 @@ import torch
 from kvplan.engine.async_steps import AsyncSteps, LaunchedStep, unique_requests
 from kvplan.engine.host_tokens import Pending, TokenCopies
 from kvplan.engine.request import Request
-from kvplan.engine.runner import ModelRunner
-from kvplan.engine.sampler import sample
-from kvplan.engine.sampling import SamplingParams
+from kvplan.engine.runner import ModelRunner, StepInputs
+from kvplan.engine.sampling import SamplingParams, sample
 from kvplan.engine.scheduler import Scheduler
 from kvplan.engine.speculative import accept_drafts
+from kvplan.engine.step import StepBatch
 
 
 class EngineCore(AsyncSteps):
@@ -91,11 +91,16 @@ class EngineCore(AsyncSteps):
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        req = Request(self._next_id, ids, params, gen)
-        self._next_id += 1
+        req = Request(self.new_request_id(), ids, params, gen)
         self.scheduler.add(req)
         self.requests[req.request_id] = req
         return req
+
+    def new_request_id(self) -> int:
+        """A request id never handed out before by this engine."""
+        rid = self._next_id
+        self._next_id += 1
+        return rid
 
     def abort(self, request_id: int) -> None:
         """Stop a request now and free its blocks (no-op when it already finished)."""
@@ -130,35 +135,34 @@ class EngineCore(AsyncSteps):
 
     def _step_now(self) -> list[Request]:
         """Schedule and launch a step; process it unless async scheduling leaves it launched."""
-        sched = self.scheduler.schedule()
-        if not sched.seqs:
+        step = self.scheduler.schedule()
+        if not step.seqs:
             if self.scheduler.has_unfinished():
                 raise RuntimeError(
                     "no request could be scheduled: the KV pool is too small for the next "
                     "waiting request"
                 )
             return []
-        logits, inputs = self.runner.execute(sched)
-        tokens, pending = self._sample(sched, inputs, logits)  # device work queued, copy started
+        logits, inputs = self.runner.execute(step)
+        tokens, pending = self._sample(step, inputs, logits)  # device work queued, copy started
         self.num_steps += 1
         manager = self.scheduler.manager
-        if self.decode_fast_path and sched.num_contexts == 0 and not manager.release_out_of_window:
-            batch = sched.decode_batch
+        if self.decode_fast_path and step.num_contexts == 0 and not manager.release_out_of_window:
+            batch = step.decode_batch
             if self.async_scheduling and batch is not None and batch.all_greedy:
-                self._launched = LaunchedStep(sched, inputs, tokens, pending)
+                self._launched = LaunchedStep(step, inputs, tokens, pending)
                 return []
             # While the GPU still runs the step: commit the K/V it writes (the step's input
             # tokens, known on the host); only then wait for the sampled tokens.
-            manager.commit_tokens_many(inputs.request_ids, inputs.input_ids)
-            reqs = batch.requests if batch is not None else [s.request for s in sched.seqs]
-            return self._update_decode_rows(reqs, self._copies.wait(pending))
-        return self._update_rows(sched, inputs, self._copies.wait(pending))
+            manager.commit_tokens_many(step.request_ids, inputs.input_ids)
+            return self._update_decode_rows(step.requests, self._copies.wait(pending))
+        return self._update_rows(step, inputs, self._copies.wait(pending))
 
-    def _update_rows(self, sched, inputs, tokens: list[int]) -> list[Request]:
+    def _update_rows(self, step: StepBatch, inputs: StepInputs, tokens: list[int]) -> list[Request]:
         """Any step, row by row: commit what each row wrote, take its new token(s)."""
         manager = self.scheduler.manager
         touched: list[Request] = []
-        for s, sl in zip(sched.seqs, inputs.row_slices):
+        for s, sl in zip(step.seqs, inputs.row_slices):
             req = s.request
             rid = req.request_id
             if not s.is_prefill and not s.drafts:  # plain decode row: the common case
@@ -207,7 +211,7 @@ class EngineCore(AsyncSteps):
         return list(reqs)
 
     def _sample(
-        self, sched, inputs, logits: torch.Tensor
+        self, step: StepBatch, inputs: StepInputs, logits: torch.Tensor
     ) -> tuple[torch.Tensor | None, Pending | None]:
         """Queue the step's sampling: (tokens ``[N]`` int64 on the device, their host copy
         started; `TokenCopies.wait` gives them as ints), one per logits row; (None, None)
@@ -218,8 +222,8 @@ class EngineCore(AsyncSteps):
         """
         if inputs.logits_rows.shape[0] == 0:
             return None, None
-        seqs = sched.seqs
-        batch = sched.decode_batch
+        seqs = step.seqs
+        batch = step.decode_batch
         greedy = (
             batch.all_greedy if batch is not None else all(s.request.params.greedy for s in seqs)
         )

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvplan.engine.runner import set_step_fields
+from kvplan.engine.families import PAGED, set_paged_step
+from kvplan.engine.step import StepBatch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -50,13 +51,15 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
 
 
 class DecodeGraphs:
-    """Captured decode steps of a model + block_offsets metadata (see the module docstring)."""
+    """Captured decode steps of a model whose layers are all served by the paged family,
+    on block_offsets metadata (see the module docstring)."""
 
     def __init__(
         self, model: Any, metadata: Any, manager: Any, max_num_seqs: int, max_model_len: int
     ) -> None:
         self.model = model
         self.metadata = metadata
+        self.attention = {PAGED: metadata}  # what the model reads: the paged family's plan
         self.manager = manager
         self.max_model_len = max_model_len
         self.device = metadata.device
@@ -84,6 +87,10 @@ class DecodeGraphs:
     ) -> DecodeGraphs | None:  # fmt: skip
         if metadata.device.type != "cuda":
             return None
+        if set(model.layer_families) != {PAGED}:
+            print("kvplan: CUDA graphs need every layer on the paged family; eager steps",
+                  file=sys.stderr)  # fmt: skip
+            return None
         if getattr(backend_cls, "name", "") != "block_offsets":
             print(
                 "kvplan: CUDA graphs need the block_offsets backend; eager steps", file=sys.stderr
@@ -108,13 +115,13 @@ class DecodeGraphs:
         for rid in ids:
             if not self.manager.add_request(rid, [0]).ok:
                 raise RuntimeError(f"no free blocks for {b} capture dummies")
-        set_step_fields(md, ids, [1] * b, np.zeros(b, np.int32), np.ones(b, np.int32), 0)
+        set_paged_step(md, ids, [1] * b, np.zeros(b, np.int32), np.ones(b, np.int32), 0)
         # host bound only: the graph's split-K factor must suit any kv_len up to max_model_len
         md.kv_lens_np = np.full(b, self.max_model_len, np.int32)
         return ids
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.input_ids[:b], self.positions[:b], self.metadata, None)
+        return self.model(self.input_ids[:b], self.positions[:b], self.attention, None)
 
     def _capture(self, b: int, pool: Any) -> Any:
         """Capture one decode step of ``b`` rows; returns the graph (``.replay()``)."""
@@ -147,12 +154,14 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ replay
-    def can_run(self, sched: Any, inputs: Any) -> bool:
-        n = len(sched.seqs)
+    def can_run(self, step: StepBatch) -> bool:
+        """Whether ``step`` (its paged metadata prepared) can replay a graph: decode-only
+        (one query token per row) and a captured bucket holds its rows."""
+        n = step.num_seqs
         return (
-            sched.num_contexts == 0
+            step.num_contexts == 0
             and n > 0
-            and int(inputs.seq_lens.max()) == 1
+            and int(step.num_query_tokens.max()) == 1
             and bucket_for(n, self.buckets) in self.graphs
         )
 

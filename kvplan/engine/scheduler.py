@@ -35,68 +35,10 @@ before that step's tokens are processed: ``schedule_ahead`` gives the same rows 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from kvplan.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledSeq:
-    """One row of a step: ``num_query_tokens`` tokens of ``request`` starting at
-    ``request.num_computed_tokens`` (for a decode row: its newest token, then ``drafts``)."""
-
-    request: Request
-    num_query_tokens: int
-    is_prefill: bool
-    drafts: list[int] = field(default_factory=list)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this row produces a token (a prefill row only on its last chunk)."""
-        r = self.request
-        return not self.is_prefill or (
-            r.num_computed_tokens + self.num_query_tokens >= r.num_prefill_tokens
-        )
-
-
-@dataclass(frozen=True)
-class DecodeBatch:
-    """Rows of a step in which every running request decodes one token (no drafts).
-
-    Valid, unchanged, for every following step with the same running list; the lists are
-    shared by those steps' outputs (read them, never mutate them).
-    """
-
-    seqs: list[ScheduledSeq]
-    requests: list[Request]  # requests[i] is seqs[i].request
-    request_ids: list[int]
-    prompt_lens: list[int]  # num_prefill_tokens (fixed while decoding)
-    all_greedy: bool  # every request samples greedily
-
-    @classmethod
-    def from_seqs(cls, seqs: list[ScheduledSeq]) -> DecodeBatch:
-        reqs = [s.request for s in seqs]
-        return cls(
-            seqs,
-            reqs,
-            [r.request_id for r in reqs],
-            [r.num_prefill_tokens for r in reqs],
-            all(r.params.greedy for r in reqs),
-        )
-
-
-@dataclass
-class SchedulerOutput:
-    seqs: list[ScheduledSeq]  # context rows first, then decode rows
-    num_contexts: int
-    preempted: list[Request] = field(default_factory=list)
-    # set when every row is a plain decode row of the running list (``seqs is
-    # decode_batch.seqs``)
-    decode_batch: DecodeBatch | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_query_tokens for s in self.seqs)
+from kvplan.engine.step import DecodeBatch, ScheduledSeq, StepBatch
 
 
 class Scheduler:
@@ -109,6 +51,8 @@ class Scheduler:
         enable_chunked_prefill: split prompts longer than the remaining budget.
         propose_drafts: ``f(request) -> list[int]`` draft tokens for a greedy decoding request
             (speculative decoding), or None.
+        on_free: ``f(request_id)`` called after the manager freed a finished or preempted
+            request's blocks (the attention families drop their per-request state), or None.
     """
 
     def __init__(
@@ -118,7 +62,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enable_chunked_prefill: bool = True,
-        propose_drafts=None,
+        propose_drafts: Callable[[Request], list[int]] | None = None,
+        on_free: Callable[[int], None] | None = None,
     ) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -129,6 +74,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
         self.propose_drafts = propose_drafts
+        self.on_free = on_free
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -154,7 +100,7 @@ class Scheduler:
     def finish(self, request: Request, reason: str) -> None:
         """Mark ``request`` finished and release its blocks (also used for abort)."""
         if request.status is RequestStatus.RUNNING:
-            self.manager.free(request.request_id)
+            self._free(request.request_id)
             self.running.remove(request)
             self._drop_from_decode_batch(request)
         elif request.status is RequestStatus.WAITING:
@@ -172,8 +118,13 @@ class Scheduler:
         seqs = [s for s in batch.seqs if s.request is not request]
         self._decode = DecodeBatch.from_seqs(seqs) if seqs else None
 
+    def _free(self, request_id: int) -> None:
+        self.manager.free(request_id)
+        if self.on_free is not None:
+            self.on_free(request_id)
+
     def _preempt(self, request: Request) -> None:
-        self.manager.free(request.request_id)
+        self._free(request.request_id)
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -182,21 +133,22 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepBatch:
         out = self._schedule_decode_batch()
         if out is not None:
             return out
-        out = self._schedule_general()
+        seqs, num_contexts, preempted = self._schedule_general()
         self._decode = None
         if (
-            out.num_contexts == 0
-            and out.seqs
-            and len(out.seqs) == len(self.running)
+            num_contexts == 0
+            and seqs
+            and len(seqs) == len(self.running)
             and self.propose_drafts is None
         ):
             # its decode rows are the running requests, in order
-            self._decode = out.decode_batch = DecodeBatch.from_seqs(out.seqs)
-        return out
+            self._decode = DecodeBatch.from_seqs(seqs)
+            return StepBatch.decode(self._decode, preempted=preempted)
+        return StepBatch.general(seqs, num_contexts, preempted)
 
     def _remembered_batch(self) -> DecodeBatch | None:
         """The remembered decode batch when the next step may repeat it: the running list is
@@ -211,7 +163,7 @@ class Scheduler:
             return None
         return batch
 
-    def _schedule_decode_batch(self) -> SchedulerOutput | None:
+    def _schedule_decode_batch(self) -> StepBatch | None:
         """The last step's decode rows again, if nothing changed (module docstring)."""
         batch = self._remembered_batch()
         if batch is None or (self.waiting and len(self.running) < self.max_num_seqs):
@@ -221,9 +173,9 @@ class Scheduler:
             for rid in batch.request_ids[: result.num_extended]:
                 self.manager.rewind(rid, 1)
             return None
-        return SchedulerOutput(batch.seqs, 0, decode_batch=batch)
+        return StepBatch.decode(batch)
 
-    def schedule_ahead(self, batch: DecodeBatch) -> SchedulerOutput | None:
+    def schedule_ahead(self, batch: DecodeBatch) -> StepBatch | None:
         """The next decode step of ``batch`` scheduled before the current step's tokens are
         processed (async scheduling), or None (changing nothing) when that step might differ
         from what `schedule` gives once they are: ``batch`` is no longer the remembered one
@@ -244,9 +196,11 @@ class Scheduler:
             return None
         result = self.manager.extend_many(batch.request_ids, 1)
         assert result.ok, "extend_many failed with a free block per row and pool"
-        return SchedulerOutput(batch.seqs, 0, decode_batch=batch)
+        return StepBatch.decode(batch, ahead=True)
 
-    def _schedule_general(self) -> SchedulerOutput:
+    def _schedule_general(self) -> tuple[list[ScheduledSeq], int, list[Request]]:
+        """The rows of a step by the per-request loop: (rows, number of context rows,
+        requests preempted on the way)."""
         budget = self.max_num_batched_tokens
         prefill: list[ScheduledSeq] = []
         verify: list[ScheduledSeq] = []
@@ -280,7 +234,7 @@ class Scheduler:
                 budget -= 1
                 continue
             drafts = self._drafts(req, budget - 1)
-            seq = ScheduledSeq(req, 1 + len(drafts), False, drafts)
+            seq = ScheduledSeq(req, 1 + len(drafts), False, tuple(drafts))
             (verify if drafts else decode).append(seq)
             budget -= seq.num_query_tokens
 
@@ -304,8 +258,7 @@ class Scheduler:
             prefill.append(ScheduledSeq(req, n, True))
             budget -= n
 
-        seqs = prefill + verify + decode
-        return SchedulerOutput(seqs, len(prefill) + len(verify), preempted)
+        return prefill + verify + decode, len(prefill) + len(verify), preempted
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         if room <= 0 or not req.params.greedy:  # (called only when propose_drafts is set)

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvplan.engine.core import EngineCore
-from kvplan.engine.runner import set_step_fields
+from kvplan.engine.request import Request
+from kvplan.engine.sampling import SamplingParams
+from kvplan.engine.step import ScheduledSeq, StepBatch
 
 
 def prompt_logits(core: EngineCore, token_ids: Sequence[int], chunk_size: int = 16) -> torch.Tensor:
@@ -32,32 +33,31 @@ def prompt_logits(core: EngineCore, token_ids: Sequence[int], chunk_size: int = 
     ids = [int(t) for t in token_ids]
     manager = core.scheduler.manager
     runner = core.runner
-    md = runner.metadata
     dev = runner.device
-    rid = core._next_id
-    core._next_id += 1
-    result = manager.add_request(rid, ids)
+    req = Request(core.new_request_id(), ids, SamplingParams(max_tokens=1))
+    req.num_prefill_tokens = len(ids)
+    result = manager.add_request(req.request_id, ids)
     if not result.ok:
         raise ValueError(f"not enough free KV blocks for {len(ids)} tokens")
     try:
         # Reused prefix blocks are recomputed too (every position needs its logits); their
         # K/V is rewritten with the same values, and only the new tokens are committed.
-        start = 0
         out = []
-        while start < len(ids):
+        while req.num_computed_tokens < len(ids):
+            start = req.num_computed_tokens
             n = min(chunk_size, len(ids) - start)
-            set_step_fields(
-                md, [rid], [len(ids)], np.array([start], np.int32), np.array([n], np.int32), 1
-            )
+            step = StepBatch.general([ScheduledSeq(req, n, True)], 1)
+            attention = runner.plan(step)
             x = torch.tensor(ids[start : start + n], dtype=torch.int64, device=dev)
-            pos = torch.arange(start, start + n, dtype=torch.int64, device=dev)
-            out.append(runner.model(x, pos, md, None))
+            pos = torch.from_numpy(step.positions).to(dev)
+            out.append(runner.model(x, pos, attention, None))
             if start + n > result.num_cached_tokens:
                 done = max(start, result.num_cached_tokens)
-                manager.commit_tokens(rid, ids[done : start + n])
-            start += n
+                manager.commit_tokens(req.request_id, ids[done : start + n])
+            req.num_computed_tokens += n
     finally:
-        manager.free(rid)
+        manager.free(req.request_id)
+        runner.free(req.request_id)
     return torch.cat(out)
 
 

@@ -7,6 +7,10 @@ rows, the order of the attention metadata) and returns logits only for the rows 
 and RoPE, then hands ``q [T, H, D]``, ``k/v [T, Hkv, D]`` to its `AttentionBackend`, which
 stores k/v into the paged cache (``metadata.kv_cache``) and attends over the cached history.
 
+Attention families: every layer of this model is served by the ``"paged"`` family
+(``layer_families``); ``forward`` takes the step's planned metadata per family
+(``{"paged": metadata}``) and each layer reads its own family's.
+
 Parameters are fused for fewer kernel launches: ``qkv_proj`` holds ``[q; k; v]`` rows and
 ``gate_up_proj`` holds ``[gate; up]`` rows (see `kvplan.models.weights` for the name mapping).
 
@@ -20,6 +24,7 @@ RoPE, silu*mul) run as Triton kernels or as the torch path, per ``fused_kernels`
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -46,6 +51,9 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor:
         """Norm of ``x`` or, with ``residual``, of ``residual += x`` (see `fused.rms_norm`)."""
         return ops.rms_norm(x, self.weight, self.eps, residual, fused=fused)
+
+
+PAGED_FAMILY = "paged"  # the attention family serving every layer of this model
 
 
 class Attention(nn.Module):
@@ -161,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
     Example::
 
         model = LlamaForCausalLM(cfg, get_backend("vanilla"), max_positions=4096)
-        logits = model(input_ids, positions, metadata, logits_indices)  # [N, V] fp32
+        logits = model(input_ids, positions, {"paged": metadata}, logits_indices)  # [N, V]
     """
 
     def __init__(
@@ -176,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg
+        # the attention family of each layer (`kvplan.engine.families`)
+        self.layer_families: tuple[str, ...] = (PAGED_FAMILY,) * cfg.num_layers
         if fused_kernels is None:
             fused_kernels = _fused_from_env()
         self.fused_kernels = fused_kernels
@@ -206,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        metadata: Any,
+        attention: Mapping[str, Any] | None,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one step.
@@ -214,7 +224,8 @@ class LlamaForCausalLM(nn.Module):
         Args:
             input_ids: ``[T]`` int64 token ids on the model device.
             positions: ``[T]`` int64 absolute positions (``< max_positions``).
-            metadata: the step's prepared `AttentionMetadata`.
+            attention: the step's planned metadata per attention family (``{"paged":
+                prepared AttentionMetadata}``), or None for backends that need none.
             logits_indices: ``[N]`` int64 rows of T whose logits are wanted (None = all).
 
         Returns:
@@ -223,7 +234,8 @@ class LlamaForCausalLM(nn.Module):
         fused = input_ids.is_cuda if self.fused_kernels is None else self.fused_kernels
         h = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for layer in self.layers:
+        for layer, family in zip(self.layers, self.layer_families):
+            metadata = None if attention is None else attention[family]
             h, residual = layer(h, residual, positions, self.rotary, metadata, fused=fused)
         if logits_indices is not None:
             h = h[logits_indices]

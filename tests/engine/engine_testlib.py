@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from kvplan.engine.scheduler import Scheduler, SchedulerOutput
+from kvplan.engine.scheduler import Scheduler
+from kvplan.engine.step import StepBatch
 
 
-def run_schedules(s: Scheduler, num_steps: int, token: int) -> list[SchedulerOutput]:
+def run_schedules(s: Scheduler, num_steps: int, token: int) -> list[StepBatch]:
     """``num_steps`` scheduler steps without a model: every scheduled row computes its query
     tokens and its request gets ``token`` as its next output. Returns each step's output."""
     outs = []

@@ -9,7 +9,6 @@ aborts, stop ids / EOS / stop strings / max_tokens and sampled requests.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -20,6 +19,7 @@ from kvplan import SamplingParams
 from kvplan.cache import KVCacheManager
 from kvplan.engine.request import Request, RequestStatus
 from kvplan.engine.scheduler import Scheduler
+from kvplan.engine.step import StepBatch
 from kvplan.models.config import named_config
 
 CFG = named_config("tiny-llama")
@@ -28,7 +28,7 @@ CFG = named_config("tiny-llama")
 def _general_only(scheduler: Scheduler) -> Scheduler:
     """Switch the scheduler's decode fast path off (no DecodeBatch either)."""
     general = scheduler._schedule_general
-    scheduler.schedule = lambda: dataclasses.replace(general(), decode_batch=None)
+    scheduler.schedule = lambda: StepBatch.general(*general())
     return scheduler
 
 

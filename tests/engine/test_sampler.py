@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvplan.engine.sampler import apply_top_k_top_p, sample
-from kvplan.engine.sampling import SamplingParams
+from kvplan.engine.sampling import SamplingParams, apply_top_k_top_p, sample
 
 
 def _mask_ref(row: torch.Tensor, k: int, p: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ import numpy as np
 from kvplan.engine.request import Request
 from kvplan.engine.runner import StepInputs
 from kvplan.engine.sampling import SamplingParams
-from kvplan.engine.scheduler import ScheduledSeq, SchedulerOutput
+from kvplan.engine.step import DecodeBatch, ScheduledSeq, StepBatch
 
 
 def _decoding_requests(seed: int, n: int) -> list[Request]:
@@ -37,33 +37,37 @@ def _expected(reqs: list[Request]) -> dict:
     }
 
 
-def _got(inputs: StepInputs) -> dict:
+def _got(step: StepBatch) -> dict:
+    """The step's facts (`StepBatch`) and the model inputs built from them (`StepInputs`)."""
+    inputs = StepInputs(step)
     return {
         "input_ids": inputs.input_ids.tolist(),
         "positions": inputs.positions.tolist(),
         "logits_rows": inputs.logits_rows.tolist(),
-        "seq_lens": inputs.seq_lens.tolist(),
-        "num_cached": inputs.num_cached.tolist(),
-        "request_ids": list(inputs.request_ids),
-        "prompt_lens": list(inputs.prompt_lens),
+        "seq_lens": step.num_query_tokens.tolist(),
+        "num_cached": step.num_cached_tokens.tolist(),
+        "request_ids": list(step.request_ids),
+        "prompt_lens": list(step.prompt_lens),
         "row_slices": [(s.start, s.stop) for s in inputs.row_slices],
     }
 
 
 def test_decode_only_fast_path_matches_reference_and_general_path():
     reqs = _decoding_requests(0, 9)
-    fast = StepInputs(SchedulerOutput([ScheduledSeq(r, 1, False) for r in reqs], 0))
-    assert _got(fast) == _expected(reqs)
-    assert fast.input_ids.dtype == np.int64 and fast.positions.dtype == np.int64
-    assert fast.seq_lens.dtype == np.int32 and fast.num_cached.dtype == np.int32
+    step = StepBatch.decode(DecodeBatch.from_seqs([ScheduledSeq(r, 1, False) for r in reqs]))
+    fast_inputs = StepInputs(step)
+    assert _got(step) == _expected(reqs)
+    fast = _got(step)
+    assert fast_inputs.input_ids.dtype == np.int64 and fast_inputs.positions.dtype == np.int64
+    assert step.num_query_tokens.dtype == np.int32 and step.num_cached_tokens.dtype == np.int32
     # the general path runs when a context row leads the batch; its decode rows must agree
     ctx = Request(1, [5, 6, 7, 8], SamplingParams(max_tokens=5))
     ctx.num_prefill_tokens = 4
     rows = [ScheduledSeq(ctx, 4, True)] + [ScheduledSeq(r, 1, False) for r in reqs]
-    general = _got(StepInputs(SchedulerOutput(rows, 1)))
-    assert general["input_ids"][4:] == fast.input_ids.tolist()
-    assert general["positions"][4:] == fast.positions.tolist()
-    assert general["num_cached"][1:] == fast.num_cached.tolist()
-    assert general["request_ids"][1:] == fast.request_ids
-    assert general["prompt_lens"][1:] == fast.prompt_lens
+    general = _got(StepBatch.general(rows, 1))
+    assert general["input_ids"][4:] == fast["input_ids"]
+    assert general["positions"][4:] == fast["positions"]
+    assert general["num_cached"][1:] == fast["num_cached"]
+    assert general["request_ids"][1:] == fast["request_ids"]
+    assert general["prompt_lens"][1:] == fast["prompt_lens"]
     assert general["logits_rows"] == [3] + [4 + i for i in range(len(reqs))]

@@ -1,0 +1,93 @@
+"""Attention families: who turns a `StepBatch` into the metadata of a set of layers.
+
+A model declares, per layer, the name of the family that serves it
+(``model.layer_families``, e.g. ``("paged", "paged", ...)``). The engine builds one family
+object per name; each step the runner asks every family once for its plan
+(``family.plan(step)``) and hands the model ``{name: plan}``; each layer passes its own
+family's plan to its attention kernel. A family never sees another family's tensors.
+
+* `PagedFamily` (``"paged"``): seed 001's `kvplan.backends.AttentionMetadata` (vanilla,
+  ragged or block offsets), for dense and sliding-window layers. Its block tables come from
+  the `kvplan.cache.KVCacheManager`, keyed by ``step.request_ids``.
+
+A further family (e.g. the hybrid one of `kvplan.backends.hybrid`, planned by `kvplan.plan`)
+is one more class with the same two methods, registered under its name when the engine is
+built; the runner and the paged family do not change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kvplan.engine.step import StepBatch
+
+PAGED = "paged"
+
+
+class AttentionFamily(Protocol):
+    """One attention family of an engine (module docstring)."""
+
+    name: str
+
+    def plan(self, step: StepBatch) -> Any:
+        """The metadata this family's layers read during ``step`` (host work and staged
+        copies only: no device sync)."""
+        ...
+
+    def free(self, request_id: Any) -> None:
+        """Forget the per-request state of a finished or preempted request (its KV blocks
+        are freed by the cache manager)."""
+        ...
+
+
+class PagedFamily:
+    """The paged backends' family: one `AttentionMetadata` object, re-planned every step.
+
+    ``plan`` drives the metadata contract in its valid order: the ledger fields
+    (``request_ids``, ``prompt_lens``, ``num_cached_tokens_per_seq``), then the shape
+    (``seq_lens``, then ``num_contexts``: the setters refresh the derived counts and
+    ``prepare()`` checks ``num_contexts <= num_seqs``), then ``prepare()``. The same object
+    is returned every step (its device buffers keep their addresses for CUDA graphs).
+    """
+
+    name = PAGED
+
+    def __init__(self, metadata: Any) -> None:
+        self.metadata = metadata
+
+    def plan(self, step: StepBatch) -> Any:
+        return set_paged_step(
+            self.metadata,
+            step.request_ids,
+            step.prompt_lens,
+            step.num_cached_tokens,
+            step.num_query_tokens,
+            step.num_contexts,
+        )
+
+    def free(self, request_id: Any) -> None:
+        """Nothing to forget: the metadata holds no block table between steps."""
+
+
+def set_paged_step(
+    metadata: Any,
+    request_ids: list[Any],
+    prompt_lens: list[int],
+    num_cached_tokens: Any,
+    num_query_tokens: Any,
+    num_contexts: int,
+) -> Any:
+    """Write one step's facts into ``metadata`` (an `AttentionMetadata`) in the contract's
+    order and ``prepare()`` it; returns ``metadata``.
+
+    ``num_cached_tokens`` / ``num_query_tokens``: int32 ``[num_seqs]`` (context rows
+    first, ``num_contexts`` of them). For callers without a `StepBatch` (CUDA-graph capture
+    dummies, teacher-forced scoring).
+    """
+    metadata.request_ids = request_ids
+    metadata.prompt_lens = prompt_lens
+    metadata.num_cached_tokens_per_seq = num_cached_tokens
+    metadata.seq_lens = num_query_tokens
+    metadata.num_contexts = num_contexts
+    metadata.prepare()
+    return metadata
