@@ -308,11 +308,6 @@ class KVCacheManager:
         """The active request ids, in the order they were added."""
         return list(self.requests)
 
-    @property
-    def _requests(self) -> RequestTable:
-        # Transitional: tests/engine iterate ``m._requests``; they should call request_ids().
-        return self.requests
-
     def num_tokens(self, request_id: Hashable) -> int:
         """Logical length (prompt + every extend - rewinds)."""
         return int(self.requests.num_tokens[self.requests.get(request_id).rows[0]])

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvplan._math import exclusive_cumsum
 from kvplan.engine.request import Request
 
 
@@ -166,6 +167,6 @@ def token_positions(num_cached_tokens: np.ndarray, num_query_tokens: np.ndarray)
     [0, 1, 17, 18, 19, 9]
     """
     q = num_query_tokens.astype(np.int64)
-    starts = np.cumsum(q) - q  # flat index of each row's first token
+    starts = exclusive_cumsum(q)[:-1]  # flat index of each row's first token
     offsets = num_cached_tokens.astype(np.int64) - starts
     return np.repeat(offsets, q) + np.arange(int(q.sum()), dtype=np.int64)

@@ -52,8 +52,8 @@ def _cache_state(m: KVCacheManager):
     have taken a just-freed unhashed one: which hashes stay cached may then differ, the free
     counts never.
     """
-    pools = [(pool.num_free_blocks, set(pool._hash_to_block)) for pool in m.pools]
-    return pools, sorted(m._requests, key=repr)
+    pools = [(pool.num_free_blocks, set(pool.cached_blocks())) for pool in m.pools]
+    return pools, sorted(m.request_ids(), key=repr)
 
 
 def _run_on_off(seed: int, *, num_blocks: int, num_requests: int = 24, sampled: float = 0.1,

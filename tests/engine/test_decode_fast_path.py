@@ -36,9 +36,9 @@ def _manager_state(m: KVCacheManager):
     pool = m.pools[0]
     reqs = {
         rid: (m.num_tokens(rid), m.num_committed_tokens(rid), m.get_block_ids(rid))
-        for rid in m._requests
+        for rid in m.request_ids()
     }
-    return pool.free_block_ids(), sorted(pool._hash_to_block.items()), reqs
+    return pool.free_block_ids(), sorted(pool.cached_blocks().items()), reqs
 
 
 def _rows(out):
