@@ -20,6 +20,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,12 +28,13 @@ import torch
 from kvplan.engine.config import EngineConfig
 from kvplan.engine.core import EngineCore
 from kvplan.engine.families import PAGED, AttentionFamily, PagedFamily
+from kvplan.engine.hybrid import HYBRID, HybridSource, build_hybrid, hybrid_source
 from kvplan.engine.runner import ModelRunner
 from kvplan.engine.scheduler import Scheduler
 from kvplan.engine.speculative import NgramProposer
 from kvplan.models.config import ModelConfig
 from kvplan.models.llama import LlamaForCausalLM
-from kvplan.models.loader import ModelSource, resolve_source
+from kvplan.models.loader import ModelSource, resolve_source, tokenizer_from_folder
 from kvplan.models.weights import init_random_weights, load_weights
 
 
@@ -136,6 +138,14 @@ def _num_blocks(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes) -> int:
     return num_blocks
 
 
+def _hybrid_source(model: Any) -> HybridSource | None:
+    """``model`` as a hybrid (DeepSeek-V4) folder, or None for every other kind of model."""
+    if not isinstance(model, (str, Path)) or str(model).startswith("random:"):
+        return None
+    path = Path(model).expanduser()
+    return hybrid_source(path) if path.is_dir() else None
+
+
 def build_engine(model: Any, config: EngineConfig) -> EngineParts:
     """Build every part of an engine for ``model`` (see `kvplan.LLM` for what it may be)."""
     from kvplan.backends import get_backend
@@ -145,40 +155,62 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
     dev = config.torch_device
     torch_dtype = config.torch_dtype
-    source = resolve_source(model)
-    cfg = source.config
-    fmt = config.resolve_kv_format(cfg.head_dim)
-    max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
-    max_blocks_per_seq = -(-max_model_len // config.block_size)
-    backend_cls = get_backend(config.backend)
-    net = build_model(
-        source, backend_cls, max_positions=max_model_len, dtype=torch_dtype, device=dev,
-        seed=config.seed,
-    )  # fmt: skip
-    sizes = _Sizes(dev, fmt, max_model_len, max_blocks_per_seq)
-    num_blocks = _num_blocks(cfg, config, sizes)
-    sizes = dataclasses.replace(sizes, num_blocks=num_blocks)
-    manager = KVCacheManager.from_layer_windows(
-        num_blocks,
-        config.block_size,
-        cfg.windows,
-        max_blocks_per_seq=max_blocks_per_seq,
-        enable_prefix_caching=config.enable_prefix_caching,
-    )
-    names = sorted(set(net.layer_families))
-    unknown = [n for n in names if n not in _FAMILY_BUILDERS]
-    if unknown:
-        raise ValueError(f"unknown attention families {unknown}; known: {sorted(_FAMILY_BUILDERS)}")
-    families = {n: _FAMILY_BUILDERS[n](cfg, config, sizes, manager) for n in names}
-    metadata = families[PAGED].metadata if PAGED in families else None
-    graphs = None
-    if config.cuda_graphs_on and metadata is not None:
-        from kvplan.engine.cuda_graphs import DecodeGraphs
-
-        graphs = DecodeGraphs.maybe_create(
-            net, backend_cls, metadata, manager, config.max_num_seqs, max_model_len
+    hybrid = _hybrid_source(model)
+    if hybrid is not None:
+        parts = build_hybrid(hybrid, config)
+        net, manager, graphs = parts.model, parts.manager, None
+        families = {HYBRID: parts.family}
+        runner = ModelRunner(net, families, dev, graphs)
+        source = ModelSource(
+            hybrid.folder.name, hybrid.config, None, tokenizer_from_folder(hybrid.folder)
         )
-    runner = ModelRunner(net, families, dev, graphs)
+        cfg, fmt, num_blocks = hybrid.config, parts.kv_format, parts.num_blocks
+        max_model_len, eos_ids = parts.max_model_len, hybrid.eos_token_ids
+        async_scheduling = False
+        summary = f"block_size={parts.block_size}"
+    else:
+        source = resolve_source(model)
+        cfg = source.config
+        fmt = config.resolve_kv_format(cfg.head_dim)
+        max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
+        max_blocks_per_seq = -(-max_model_len // config.block_size)
+        backend_cls = get_backend(config.backend)
+        net = build_model(
+            source, backend_cls, max_positions=max_model_len, dtype=torch_dtype, device=dev,
+            seed=config.seed,
+        )  # fmt: skip
+        sizes = _Sizes(dev, fmt, max_model_len, max_blocks_per_seq)
+        num_blocks = _num_blocks(cfg, config, sizes)
+        sizes = dataclasses.replace(sizes, num_blocks=num_blocks)
+        manager = KVCacheManager.from_layer_windows(
+            num_blocks,
+            config.block_size,
+            cfg.windows,
+            max_blocks_per_seq=max_blocks_per_seq,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        names = sorted(set(net.layer_families))
+        unknown = [n for n in names if n not in _FAMILY_BUILDERS]
+        if unknown:
+            raise ValueError(
+                f"unknown attention families {unknown}; known: {sorted(_FAMILY_BUILDERS)}"
+            )
+        families = {n: _FAMILY_BUILDERS[n](cfg, config, sizes, manager) for n in names}
+        metadata = families[PAGED].metadata if PAGED in families else None
+        graphs = None
+        if config.cuda_graphs_on and metadata is not None:
+            from kvplan.engine.cuda_graphs import DecodeGraphs
+
+            graphs = DecodeGraphs.maybe_create(
+                net, backend_cls, metadata, manager, config.max_num_seqs, max_model_len
+            )
+        runner = ModelRunner(net, families, dev, graphs)
+        eos_ids = list(cfg.eos_token_ids)
+        async_scheduling = config.async_scheduling_on
+        summary = (
+            f"{cfg.num_params / 1e6:.0f}M params, backend={config.backend}, "
+            f"{config.block_size} tokens per block"
+        )
     n = config.num_speculative_tokens
     proposer = NgramProposer(n) if n > 0 else None
     scheduler = Scheduler(
@@ -190,7 +222,7 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         on_free=runner.free,
     )
     tok = source.tokenizer
-    eos = set(cfg.eos_token_ids)
+    eos = set(eos_ids)
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
         eos.add(int(tok.eos_token_id))
     decode_text = None
@@ -203,14 +235,14 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         decode_text=decode_text,
         max_model_len=max_model_len,
         seed=config.seed,
-        async_scheduling=config.async_scheduling_on,
+        async_scheduling=async_scheduling,
     )
     print(
-        f"kvplan: {source.name} ({cfg.num_params / 1e6:.0f}M params) on {dev}, {torch_dtype}, "
-        f"backend={config.backend}, kv_format={fmt}, {num_blocks} blocks x "
-        f"{config.block_size} tokens",
+        f"kvplan: {source.name} on {dev}, {torch_dtype}, {summary}, kv_format={fmt}, "
+        f"{num_blocks} blocks",
         file=sys.stderr,
     )
+    metadata = runner.metadata
     kv_cache = None if metadata is None else metadata.kv_cache
     return EngineParts(
         core, net, cfg, config, tok, manager, kv_cache, metadata, source, fmt, num_blocks

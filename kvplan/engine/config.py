@@ -23,7 +23,7 @@ import torch
 from kvplan.backends import BACKEND_NAMES
 from kvplan.cache.kv_tensors import KV_FORMATS as STORED_KV_FORMATS
 
-KV_FORMATS = ("auto", *STORED_KV_FORMATS)
+KV_FORMATS = ("auto", *STORED_KV_FORMATS, "fp4")  # fp4: hybrid (DeepSeek-V4) models only
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -61,7 +61,8 @@ class EngineConfig:
     backend: str = _doc(f"attention backend, one of {BACKEND_NAMES}", "block_offsets")
     kv_format: str = _doc(
         f'KV cache format, one of {KV_FORMATS}; "auto" = the model dtype. "fp8" is e4m3 with '
-        "per-32-value UE8M0 scales",
+        'per-32-value UE8M0 scales; "fp4" (DeepSeek-V4 models only) e2m1 with per-16-value '
+        "e4m3 scales",
         "auto",
     )
     block_size: int = _doc("tokens per KV block", 16)
@@ -157,6 +158,11 @@ class EngineConfig:
         ``head_dim % 32 == 0`` (one scale per 32 values of a head)."""
         if self.kv_format == "auto":
             return _AUTO_KV_FORMAT[self.torch_dtype]
+        if self.kv_format not in STORED_KV_FORMATS:
+            raise ValueError(
+                f"kv_format={self.kv_format!r} is supported for DeepSeek-V4 (hybrid) models "
+                f"only; this model takes one of {('auto', *STORED_KV_FORMATS)}"
+            )
         if self.kv_format == "fp8" and head_dim % 32:
             raise ValueError(f"kv_format='fp8' needs head_dim % 32 == 0, got head_dim={head_dim}")
         return self.kv_format

@@ -24,6 +24,10 @@ from typing import Any
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
+LLAMA_FAMILY_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""``model_type`` values `ModelConfig.from_hf` maps onto the Llama-family model."""
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters (Hugging Face ``rope_parameters``)."""
@@ -144,6 +148,11 @@ class ModelConfig:
         """From a ``transformers`` config object or a ``config.json`` dict."""
         d = hf if isinstance(hf, dict) else hf.to_dict()
         model_type = d.get("model_type", "llama")
+        if model_type not in LLAMA_FAMILY_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported by the Llama-family model; kvplan "
+                f"serves {LLAMA_FAMILY_TYPES} and 'deepseek_v4'"
+            )
         num_layers = int(d["num_hidden_layers"])
         num_heads = int(d["num_attention_heads"])
         rope = RopeConfig.from_hf(

@@ -96,7 +96,7 @@ def default_model_folder() -> Path:
     return folder
 
 
-def _tokenizer_from_folder(folder: Path) -> Any | None:
+def tokenizer_from_folder(folder: Path) -> Any | None:
     if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
@@ -116,7 +116,7 @@ def resolve_source(model: str | ModelConfig | None) -> ModelSource:
             DEFAULT_MODEL_NAME,
             read_hf_config(folder),
             lambda: iter_safetensors(folder),
-            _tokenizer_from_folder(folder),
+            tokenizer_from_folder(folder),
         )
     if not isinstance(model, str):
         raise TypeError(
@@ -136,7 +136,7 @@ def resolve_source(model: str | ModelConfig | None) -> ModelSource:
             path.name,
             read_hf_config(path),
             lambda: iter_safetensors(path),
-            _tokenizer_from_folder(path),
+            tokenizer_from_folder(path),
         )
     raise ValueError(
         f"model {model!r} is neither a folder with config.json, a .gguf file, nor 'random:<name>'"

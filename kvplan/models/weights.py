@@ -123,7 +123,15 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json in model folder {str(folder)!r}")
-    return ModelConfig.from_hf(json.loads(path.read_text()))
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON config ({exc})") from exc
+    try:
+        return ModelConfig.from_hf(raw)
+    except (KeyError, TypeError, ValueError) as exc:
+        detail = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ValueError(f"{path}: {detail}") from exc
 
 
 def load_gguf_state(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:

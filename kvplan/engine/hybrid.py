@@ -1,0 +1,222 @@
+"""DeepSeek-V4 models in the engine: the hybrid attention family beside the paged one.
+
+A DeepSeek-V4 checkpoint (``config.json`` with ``model_type`` ``"deepseek_v4"``) is served by
+`kvplan.models.deepseek_v4` on the hybrid family (`kvplan.backends.hybrid`): every layer's
+attention is planned by `kvplan.plan` and stored in kvplan's paged formats
+(`PlannedHybridFamily`). The engine side is small:
+
+* `HybridEngineFamily` turns each `StepBatch` row into a `HybridSeq` (lengths from the step,
+  block table and state slot from the `KVCacheManager`) and asks the family for the step's
+  context;
+* `HybridCausalLM` gives the model the engine's calling convention
+  (``model(input_ids, positions, {family: plan}, logits_rows)``);
+* `build_hybrid` sizes the cache manager (one block per ``block_size`` raw positions, one state
+  slot per running request, no prefix reuse) and the family's caches.
+
+Mapping of the model onto the planning layer (`kvplan.plan.MetadataConfig`): the sliding
+window is ``window_size`` and the ring (``swa_block_size``); HCA layers' ratio is a dense
+ratio, CSA layers' ratio a sparse ratio with the indexer's ``index_topk``; ``block_size`` is
+the engine's, rounded up to a multiple of every ratio.
+
+Not supported for these models: prefix caching (the ring and compressor state of a reused
+prefix are not kept), speculative decoding, CUDA graphs and async scheduling (their steps
+run eagerly).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvplan.backends.hybrid.api import HybridSeq
+from kvplan.engine.config import EngineConfig
+from kvplan.engine.step import StepBatch
+
+HYBRID = "hybrid"
+HYBRID_MODEL_TYPES = ("deepseek_v4",)
+# EngineConfig.kv_format -> the family's kv_format (auto = the model dtype, kept exactly)
+_KV_FORMATS = {"auto": "exact", "fp8": "fp8", "fp4": "fp4"}
+_EXACT_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class HybridEngineFamily:
+    """The engine's face of a `PlannedHybridFamily` (the `AttentionFamily` protocol)."""
+
+    name = HYBRID
+
+    def __init__(self, family: Any, manager: Any, device: torch.device) -> None:
+        self.family = family
+        self.manager = manager
+        self.device = device
+
+    def plan(self, step: StepBatch) -> Any:
+        """The step's `HybridStepContext`: one `HybridSeq` per row, in step order."""
+        m = self.manager
+        seqs = [
+            HybridSeq(
+                rid,
+                cached,
+                query,
+                s.request.all_token_ids,
+                m.get_block_ids(rid),
+                m.get_state_slot(rid),
+            )
+            for s, rid, cached, query in zip(
+                step.seqs,
+                step.request_ids,
+                step.num_cached_tokens.tolist(),
+                step.num_query_tokens.tolist(),
+            )
+        ]
+        positions = torch.from_numpy(step.positions).to(self.device)
+        return self.family.plan(seqs, positions)
+
+    def free(self, request_id: Any) -> None:
+        self.family.free(request_id)
+
+
+class HybridCausalLM(nn.Module):
+    """A DeepSeek-V4 model called the engine's way; every layer is served by ``"hybrid"``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.layer_families = (HYBRID,) * model.config.num_layers
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: dict[str, Any],
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attention[HYBRID], logits_indices)
+
+
+@dataclass(frozen=True)
+class HybridSource:
+    """A DeepSeek-V4 folder: its raw ``config.json`` and the parsed model config."""
+
+    folder: Path
+    raw: dict[str, Any]
+    config: Any  # kvplan.models.deepseek_v4.DeepseekV4Config
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(self.raw.get("max_position_embeddings") or 4096)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.raw.get("eos_token_id")
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def hybrid_source(folder: Path) -> HybridSource | None:
+    """The folder as a hybrid model, or None when its ``model_type`` is not a hybrid one."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON config ({exc})") from exc
+    if not isinstance(raw, dict) or raw.get("model_type") not in HYBRID_MODEL_TYPES:
+        return None
+    from kvplan.models.deepseek_v4 import DeepseekV4Config
+
+    return HybridSource(folder, raw, DeepseekV4Config.from_hf(raw))
+
+
+@dataclass
+class HybridParts:
+    model: HybridCausalLM
+    family: HybridEngineFamily
+    manager: Any
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    kv_format: str
+
+
+def hybrid_block_size(block_size: int, ratios: list[int]) -> int:
+    """``block_size`` rounded up to a multiple of every compression ratio."""
+    step = math.lcm(*ratios) if ratios else 1
+    return -(-block_size // step) * step
+
+
+def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
+    """Model, cache manager and hybrid family for a DeepSeek-V4 folder (module docstring)."""
+    from kvplan.backends.hybrid.planned import PlannedHybridFamily
+    from kvplan.cache import KVCacheManager
+    from kvplan.models.deepseek_v4 import load_deepseek_v4
+
+    if config.num_speculative_tokens:
+        raise ValueError(
+            f"num_speculative_tokens={config.num_speculative_tokens}: speculative decoding is "
+            "not supported for DeepSeek-V4 models (use 0)"
+        )
+    dev, dtype = config.torch_device, config.torch_dtype
+    kv_format = _KV_FORMATS.get(config.kv_format)
+    if config.kv_format in _EXACT_NAMES and _EXACT_NAMES[config.kv_format] == dtype:
+        kv_format = "exact"
+    if kv_format is None:
+        raise ValueError(
+            f"kv_format={config.kv_format!r} is not supported for DeepSeek-V4 models; use one "
+            f"of {tuple(_KV_FORMATS)} or the model dtype's name"
+        )
+    cfg = source.config
+    specs = cfg.layer_specs()
+    ratios = sorted({s.ratio for s in specs if s.ratio})
+    block_size = hybrid_block_size(config.block_size, ratios)
+    max_model_len = config.resolve_max_model_len(source.max_position_embeddings)
+    max_blocks_per_seq = -(-max_model_len // block_size)
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        num_blocks = config.max_num_seqs * max_blocks_per_seq + 1
+    if num_blocks < max_blocks_per_seq + 1:
+        raise ValueError(
+            f"num_blocks={num_blocks} cannot hold one sequence of max_model_len={max_model_len} "
+            f"({max_blocks_per_seq} blocks of {block_size} positions + the padding block 0)"
+        )
+    model = load_deepseek_v4(source.folder, dtype=dtype, device=dev).eval()
+    manager = KVCacheManager(
+        num_blocks,
+        block_size,
+        max_blocks_per_seq=max_blocks_per_seq,
+        num_state_slots=config.max_num_seqs,
+        enable_prefix_caching=False,
+    )
+    family = PlannedHybridFamily(
+        specs,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        num_state_slots=config.max_num_seqs,
+        max_model_len=max_model_len,
+        kv_format=kv_format,
+        dtype=dtype,
+        device=dev,
+    )
+    print(
+        f"kvplan: DeepSeek-V4 hybrid attention, kv_format={kv_format}, block_size={block_size}, "
+        f"{num_blocks} blocks, {config.max_num_seqs} state slots",
+        file=sys.stderr,
+    )
+    return HybridParts(
+        HybridCausalLM(model),
+        HybridEngineFamily(family, manager, dev),
+        manager,
+        block_size,
+        num_blocks,
+        max_model_len,
+        kv_format,
+    )
