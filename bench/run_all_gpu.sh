@@ -9,7 +9,7 @@ mkdir -p "$OUTDIR"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 BENCHES=("$@")
 if [ ${#BENCHES[@]} -eq 0 ]; then
-    BENCHES=(tests store_load index_ops paged_attention plan plan_device prepare engine)
+    BENCHES=(tests store_load index_ops paged_attention plan plan_device prepare engine hybrid)
 fi
 for b in "${BENCHES[@]}"; do
     start=$(date +%s)
