@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from kvplan.models.rope import rotate_qk
 from kvplan.ops._dispatch import triton_interpreting, use_triton
-from kvplan.ops.store import triton_cdiv, triton_next_pow2
+from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
 
 
 def _fused(t: torch.Tensor, fused: bool | None) -> bool:

@@ -9,7 +9,6 @@ Quantization follows :mod:`kvplan.quant` (bit-exact on every path).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
@@ -17,81 +16,17 @@ from kvplan import quant
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.formats import KVCacheFormat, resolve_kv_cache_layout, split_kv_cache
 from kvplan.ops._dispatch import triton_interpreting, use_triton
-
-
-class CacheGeometry(NamedTuple):
-    """Byte addressing of a cache (see ``kvplan.ops._store_kernels`` for the formulas)."""
-
-    num_blocks: int
-    block_size: int
-    block_stride: int
-    v_stride: int
-    s_block_off: int
-    s_stride: int
-    v_align: int  # power-of-two byte alignment of every value base (<= 16)
-    s_align: int  # same for scale bases
-    bytes_per_token: int
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def extent(self) -> int:
-        """Bytes from the first byte of block 0 to the last record byte of the last block."""
-        last = (self.num_blocks - 1) * self.block_stride
-        return last + self.block_size * self.bytes_per_token
-
-
-def pow2_alignment(*values: int, cap: int = 16) -> int:
-    """Largest power of two <= cap dividing every value."""
-    g = 0
-    for v in values:
-        g = math.gcd(g, v)
-    align = 1
-    while align < cap and g % (2 * align) == 0:
-        align *= 2
-    return align
-
-
-def cache_bytes(
-    kv_cache: torch.Tensor, layout: KVCacheFormat
-) -> tuple[torch.Tensor, CacheGeometry]:
-    """The cache as uint8 ``[num_blocks, block_size, 1, bytes_per_token]`` and its geometry."""
-    raw = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8)
-    num_blocks, block_size, _, bpt = raw.shape
-    vb, sb = layout.value_bytes, layout.sf_bytes
-    stride = raw.stride(0)
-    if layout.token_interleaved:
-        v_stride, s_off, s_stride = bpt, vb, bpt
-    else:
-        v_stride, s_off, s_stride = vb, block_size * vb, sb
-    geo = CacheGeometry(
-        num_blocks,
-        block_size,
-        stride,
-        v_stride,
-        s_off,
-        s_stride,
-        pow2_alignment(stride, v_stride),
-        pow2_alignment(stride, s_off, s_stride) if sb else 1,
-        bpt,
-    )
-    return raw, geo
-
-
-def flat_bytes(raw: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
-    """A 1-D uint8 alias of the cache starting at block 0 (torch paths index into it)."""
-    return torch.as_strided(raw, (geo.extent,), (1,), raw.storage_offset())
-
-
-def row_bases(slots: torch.Tensor, geo: CacheGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 byte offsets of the value and scale parts of each slot (slots must be >= 0)."""
-    slots = slots.long()
-    block, offset = slots // geo.block_size, slots % geo.block_size
-    vbase = block * geo.block_stride + offset * geo.v_stride
-    sbase = block * geo.block_stride + geo.s_block_off + offset * geo.s_stride
-    return vbase, sbase
+from kvplan.ops.cache_geometry import (
+    SF_KIND,
+    cache_bytes,
+    contiguous_strides,
+    flat_bytes,
+    pow2_alignment,
+    row_bases,
+    small_batch_tile,
+    triton_cdiv,
+    triton_next_pow2,
+)
 
 
 def _prepare(kv, kv_cache, slot_mapping, layout, check):
@@ -279,15 +214,6 @@ _PLANS: dict = {}
 _MAX_PLANS = 256
 
 
-def contiguous_strides(shape) -> tuple[int, ...]:
-    """Row-major strides of ``shape`` (every dim counted, size-1 dims included)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def _remember(kv, kv_cache, slot_mapping, layout, geo):
     """Cache the plan of a validated call whose ``kv`` (e.g. ``[n, H, D]``) and slots are
     row-major for every ``n``, so the fast path may pass them unreshaped (same bytes as the
@@ -343,7 +269,7 @@ def _launch(x, raw, slots, layout, geo, config=None, n=None, plan=None) -> None:
             E=elems, GS=gs, G=g, GS_P2=gs_p2, G_P2=g_p2,
             GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2,
             QB=layout.quantized_bytes, FP4=fp4, QMAX=6.0 if fp4 else 448.0,
-            SF=_SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
+            SF=SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
             FLAT=gs == gs_p2 and g == g_p2, HW=hw,
             FAST_DIV=config.get("fast_div", hw and layout.sf_format == "fp32"), ROWS=rows, VALIGN=geo.v_align, SALIGN=geo.s_align,
             num_warps=config.get("num_warps", 4),
@@ -359,9 +285,6 @@ def _launch(x, raw, slots, layout, geo, config=None, n=None, plan=None) -> None:
             SRC_ALIGN=pow2_alignment(row_bytes),
             num_warps=config.get("num_warps", 4),
         )  # fmt: skip
-
-
-_SF_KIND = {"ue8m0": 0, "e4m3": 1, "fp32": 2}
 
 
 def _static_params(layout, geo) -> dict:
@@ -389,32 +312,12 @@ def _static_params(layout, geo) -> dict:
             BLOCK_SIZE=geo.block_size, E=layout.quantized_elements, GS=gs, G=g, GS_P2=gs_p2,
             G_P2=g_p2, GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2,
             QB=layout.quantized_bytes, FP4=fp4, QMAX=6.0 if fp4 else 448.0,
-            SF=_SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
+            SF=SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
             FLAT=gs == gs_p2 and g == g_p2, HW=hw,
             FAST_DIV=hw and layout.sf_format == "fp32", VALIGN=geo.v_align,
             SALIGN=geo.s_align, num_warps=4,
         ),
     )  # fmt: skip
-
-
-def small_batch_tile(num_rows: int, tile: int, interpreting: bool | None = None) -> int:
-    """Rows per program: ``tile`` (about 32 elements per thread) for large inputs, fewer when
-    that would leave fewer than ~256 programs, so small (decode) batches finish in one short
-    wave. Powers of two, at least 1. The CPU interpreter runs programs one by one, so there
-    fewer, larger programs are faster and ``tile`` is kept (``interpreting``: that mode,
-    read from the environment when ``None``)."""
-    if triton_interpreting() if interpreting is None else interpreting:
-        return max(1, tile)
-    cap = 1 << max(0, (num_rows // 256).bit_length() - 1)  # largest power of two <= n / 256
-    return max(1, min(tile, cap))
-
-
-def triton_next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def store_kv_cache_ref(

@@ -382,8 +382,8 @@ def test_gpu_load_inside_cuda_graph_replays_new_plans():
 
 
 def test_raw_segments_per_program_targets_32kb_and_keeps_256_programs(monkeypatch):
-    from kvplan.ops import load
-    from kvplan.ops.store import cache_bytes
+    from kvplan.ops import _load_launch as load
+    from kvplan.ops.cache_geometry import cache_bytes
 
     monkeypatch.setattr(load, "triton_interpreting", lambda: False)
     _, geo = cache_bytes(alloc_kv_cache(1, 64, MXFP8_INDEX_KV_FORMAT), MXFP8_INDEX_KV_FORMAT)
