@@ -43,7 +43,7 @@ KIND_E2M1 = 3
 SF_UE8M0 = 0
 SF_E4M3 = 1
 SF_FP32 = 2
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a jit-visible global must be a constexpr
 
 
 @triton.jit
