@@ -267,3 +267,16 @@ def test_fuzz_block_ledger():
         llm.step()
         check_ledger(llm)
     assert all_free(llm) and checked > 5
+
+
+def test_deepseek_v4_token_ids_checked_against_its_vocab(tmp_path):
+    from tests.models.dsv4_testlib import hf_config, hf_model
+
+    cfg = hf_config(0)
+    hf_model(cfg, 0).save_pretrained(tmp_path / "dsv4")
+    llm = LLM(pathlib.Path(tmp_path / "dsv4"), max_model_len=48)
+    vocab = llm.engine.runner.model.model.config.vocab_size
+    assert llm.engine.vocab_size == vocab == cfg.vocab_size
+    with pytest.raises(ValueError, match=f"={vocab} is outside"):
+        llm.generate([[1, vocab]], GREEDY)
+    assert not llm.engine.has_unfinished() and len(llm.generate([[1, 2]], GREEDY)[0].token_ids) == 6
