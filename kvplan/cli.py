@@ -1,7 +1,8 @@
 """Command line: ``kvplan kv-demo | generate | bench``.
 
 Each subcommand lives in its own module; this file only routes, so ``kvplan --help`` is fast.
-Completions go to stdout; logs and progress go to stderr.
+Completions go to stdout; logs and progress go to stderr. A ValueError, TypeError or
+RuntimeError while building or running is printed as one line on stderr (exit status 2).
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     module.add_arguments(sub_parser)
     sub_args = sub_parser.parse_args(rest)
-    return int(module.run(sub_args) or 0)
+    try:
+        return int(module.run(sub_args) or 0)
+    except (ValueError, TypeError, RuntimeError) as exc:  # bad settings, no device, ...
+        print(f"kvplan {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

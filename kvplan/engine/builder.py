@@ -172,7 +172,7 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         source = resolve_source(model)
         cfg = source.config
         fmt = config.resolve_kv_format(cfg.head_dim)
-        max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
+        max_model_len = config.model_max_len(cfg.max_position_embeddings)
         max_blocks_per_seq = -(-max_model_len // config.block_size)
         backend_cls = get_backend(config.backend)
         net = build_model(
@@ -236,6 +236,7 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         max_model_len=max_model_len,
         seed=config.seed,
         async_scheduling=async_scheduling,
+        vocab_size=getattr(cfg, "vocab_size", None),
     )
     print(
         f"kvplan: {source.name} on {dev}, {torch_dtype}, {summary}, kv_format={fmt}, "

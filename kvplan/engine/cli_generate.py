@@ -49,7 +49,6 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(
             args,
             max_num_seqs=1,
-            max_model_len=min(4096, args.max_tokens + 2048),
             num_speculative_tokens=args.speculative,
         )
         llm = LLM(args.model, config, chat_template=not args.no_chat_template)

@@ -122,8 +122,11 @@ class EngineConfig:
     # ---------------------------------------------------------------- resolved values
     @property
     def torch_device(self) -> torch.device:
-        """``device`` as a torch device (CUDA with an explicit index)."""
+        """``device`` as a torch device (CUDA with an explicit index); RuntimeError when
+        ``device`` asks for CUDA and none is available."""
         dev = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device={self.device!r} asks for CUDA, which is not available")
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         return dev
@@ -146,6 +149,17 @@ class EngineConfig:
         if self.async_scheduling is None:
             return self.torch_device.type == "cuda"
         return self.async_scheduling
+
+    def model_max_len(self, max_position_embeddings: int) -> int:
+        """`resolve_max_model_len` for building an engine: a ``max_model_len`` above the
+        model's ``max_position_embeddings`` is a ValueError."""
+        n = self.resolve_max_model_len(max_position_embeddings)
+        if n > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={n} exceeds the model's "
+                f"max_position_embeddings={max_position_embeddings}"
+            )
+        return n
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """``max_model_len``, or its default for a model with that position limit."""

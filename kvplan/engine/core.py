@@ -18,6 +18,7 @@ Async scheduling (``async_scheduling``): see `kvplan.engine.async_steps`.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -44,6 +45,11 @@ class EngineCore(AsyncSteps):
         seed: seed of the generator used by requests without their own seed.
         async_scheduling: launch greedy decode steps one step ahead (module docstring);
             None = on for CUDA, off for CPU.
+        vocab_size: token ids must lie in ``[0, vocab_size)`` (None: not checked).
+
+    A step that raises (in the scheduler, the model or the sampler) finishes every running
+    request with ``finish_reason="error"`` and frees its blocks before the exception
+    propagates; waiting requests stay queued and the engine stays usable.
     """
 
     def __init__(
@@ -56,12 +62,14 @@ class EngineCore(AsyncSteps):
         max_model_len: int,
         seed: int = 0,
         async_scheduling: bool | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.decode_text = decode_text
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.device = runner.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.requests: dict[int, Request] = {}
@@ -80,9 +88,11 @@ class EngineCore(AsyncSteps):
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
-        ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError("prompt_token_ids is empty")
+        """Queue a request; raises ValueError/TypeError (queuing nothing) for a bad prompt
+        (empty, a token id that is not an int in ``[0, vocab_size)``, too long) or params."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self.check_prompt(prompt_token_ids)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -96,6 +106,32 @@ class EngineCore(AsyncSteps):
         self.requests[req.request_id] = req
         return req
 
+    def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """``prompt_token_ids`` as a list of ints, each in ``[0, vocab_size)``, or a
+        ValueError/TypeError naming the first bad one."""
+        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+            raise TypeError(
+                f"prompt_token_ids must be a sequence of ints, got {type(prompt_token_ids).__name__}"
+            )
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt_token_ids is empty")
+        vocab = self.vocab_size
+        out: list[int] = []
+        for i, t in enumerate(ids):
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                v = operator.index(t)  # ints, numpy / 0-d torch integers; not floats
+            except TypeError:
+                raise TypeError(f"prompt_token_ids[{i}] must be an int, got {t!r}") from None
+            if v < 0 or (vocab is not None and v >= vocab):
+                raise ValueError(
+                    f"prompt_token_ids[{i}]={v} is outside the vocabulary [0, {vocab})"
+                )
+            out.append(v)
+        return out
+
     def new_request_id(self) -> int:
         """A request id never handed out before by this engine."""
         rid = self._next_id
@@ -108,7 +144,11 @@ class EngineCore(AsyncSteps):
         if req is None:
             raise ValueError(f"unknown request id {request_id}")
         if not req.finished:
-            self.drain()  # the launched step first, as without async scheduling
+            try:
+                self.drain()  # the launched step first, as without async scheduling
+            except BaseException:
+                self._fail_running()
+                raise
             if not req.finished:
                 self.scheduler.finish(req, "abort")
 
@@ -119,7 +159,23 @@ class EngineCore(AsyncSteps):
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
         """Run one step; returns the requests that got new tokens or finished (with async
-        scheduling: those of the step processed in this call, one step behind)."""
+        scheduling: those of the step processed in this call, one step behind). If the step
+        raises, its requests are finished with reason ``"error"`` first (class docstring)."""
+        try:
+            return self._step()
+        except BaseException:
+            self._fail_running()
+            raise
+
+    def _fail_running(self) -> None:
+        """Finish every running request with ``"error"`` and drop any launched step."""
+        self._launched, self._drained = None, []
+        sched = self.scheduler
+        for req in list(sched.running):
+            sched.finish(req, "error")
+        sched._decode = None
+
+    def _step(self) -> list[Request]:
         launched, drained = self._launched, self._drained
         if launched is None and not drained:
             return self._step_now()
@@ -137,10 +193,15 @@ class EngineCore(AsyncSteps):
         """Schedule and launch a step; process it unless async scheduling leaves it launched."""
         step = self.scheduler.schedule()
         if not step.seqs:
-            if self.scheduler.has_unfinished():
+            sched = self.scheduler
+            if sched.has_unfinished():
+                stuck = sched.waiting[0] if sched.waiting and not sched.running else None
+                if stuck is not None:  # nothing will ever free blocks for it
+                    sched.finish(stuck, "error")
                 raise RuntimeError(
                     "no request could be scheduled: the KV pool is too small for the next "
                     "waiting request"
+                    + ("" if stuck is None else f" (request {stuck.request_id} finished: error)")
                 )
             return []
         logits, inputs = self.runner.execute(step)

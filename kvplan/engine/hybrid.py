@@ -178,7 +178,7 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
     specs = cfg.layer_specs()
     ratios = sorted({s.ratio for s in specs if s.ratio})
     block_size = hybrid_block_size(config.block_size, ratios)
-    max_model_len = config.resolve_max_model_len(source.max_position_embeddings)
+    max_model_len = config.model_max_len(source.max_position_embeddings)
     max_blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = config.num_blocks
     if num_blocks is None:

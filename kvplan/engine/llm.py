@@ -11,7 +11,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +65,11 @@ class LLM:
         **settings: `EngineConfig` fields given one by one (``LLM(backend="ragged")``); with
             ``config`` they replace its fields.
 
+    Thread safety: one lock serializes the engine loop (``generate``, each step of
+    ``generate_stream``, ``add_request``, ``step``, ``abort``), so several threads may share
+    one `LLM`. When ``generate`` raises, its requests are finished or aborted first (their
+    blocks freed); leaving a ``generate_stream`` loop early aborts its request.
+
     Example::
 
         llm = LLM("random:tiny-llama", device="cpu", block_size=8)
@@ -83,7 +90,10 @@ class LLM:
             raise TypeError(f"config must be an EngineConfig or None, got {config!r}")
         elif settings:
             config = dataclasses.replace(config, **settings)
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
         self.config = config
+        self._lock = threading.RLock()
         self.parts: EngineParts = build_engine(model, config)
         self.engine = self.parts.core
         self.tokenizer = self.parts.tokenizer
@@ -92,7 +102,7 @@ class LLM:
     # ------------------------------------------------------------------ text <-> tokens
     def encode(self, prompt: Prompt) -> list[int]:
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
+            return list(prompt)  # token ids: checked by `EngineCore.add_request`
         tok = self.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
@@ -128,13 +138,22 @@ class LLM:
     # ------------------------------------------------------------------ generation
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Queue one prompt; returns its request id (for `step` / `abort`)."""
-        return self.engine.add_request(self.encode(prompt), params or SamplingParams()).request_id
+        ids = self.encode(prompt)
+        with self._lock:
+            return self.engine.add_request(ids, params or SamplingParams()).request_id
 
     def abort(self, request_id: int) -> None:
-        self.engine.abort(request_id)
+        with self._lock:
+            self.engine.abort(request_id)
 
     def step(self) -> list[Request]:
-        return self.engine.step()
+        with self._lock:
+            return self.engine.step()
+
+    def _abort_unfinished(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            if not r.finished:
+                self.engine.abort(r.request_id)
 
     def generate(
         self,
@@ -155,22 +174,36 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        reqs = [self.engine.add_request(self.encode(p), sp) for p, sp in zip(prompts, params)]
+        encoded = [self.encode(p) for p in prompts]
+        with self._lock:
+            reqs: list[Request] = []
+            try:
+                for ids, sp in zip(encoded, params):
+                    reqs.append(self.engine.add_request(ids, sp))
+                self._run(reqs, use_tqdm)
+            except BaseException:
+                self._abort_unfinished(reqs)
+                raise
+            return [self._output(r) for r in reqs]
+
+    def _run(self, reqs: list[Request], use_tqdm: bool) -> None:
+        """Step the engine until every request of ``reqs`` finished."""
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
             bar = tqdm(total=len(reqs), desc="kvplan: generate", file=sys.stderr, unit="req")
         done = 0
-        while any(not r.finished for r in reqs):
-            self.engine.step()
+        try:
+            while any(not r.finished for r in reqs):
+                self.engine.step()
+                if bar is not None:
+                    now = sum(r.finished for r in reqs)
+                    bar.update(now - done)
+                    done = now
+        finally:
             if bar is not None:
-                now = sum(r.finished for r in reqs)
-                bar.update(now - done)
-                done = now
-        if bar is not None:
-            bar.close()
-        return [self._output(r) for r in reqs]
+                bar.close()
 
     def generate_stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
@@ -180,11 +213,23 @@ class LLM:
         Other queued requests keep running in the same steps. Text deltas are differences of
         the decoded prefix, so multi-token characters come out whole.
         """
-        req = self.engine.add_request(self.encode(prompt), sampling_params or SamplingParams())
+        ids = self.encode(prompt)
+        with self._lock:
+            req = self.engine.add_request(ids, sampling_params or SamplingParams())
+        try:
+            yield from self._stream(req)
+        finally:
+            if not req.finished:  # left early (break, close) or a step raised
+                with self._lock:
+                    self._abort_unfinished([req])
+
+    def _stream(self, req: Request) -> Iterator[StreamDelta]:
         sent_tokens, sent_text = 0, ""
         while True:
             if not req.finished:
-                self.engine.step()
+                with self._lock:
+                    if not req.finished:
+                        self.engine.step()
             new = req.output_token_ids[sent_tokens:]
             text = self._text(req)
             if not req.finished:

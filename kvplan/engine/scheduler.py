@@ -12,7 +12,9 @@ Every step (``schedule``) spends a token budget ``max_num_batched_tokens``:
 2. then waiting requests, first come first served, while budget and ``max_num_seqs`` allow:
    ``add_request`` allocates blocks for everything the request has and reports the prefix
    reused from the cache (those tokens are skipped); the rest is prefilled in chunks of at
-   most the remaining budget (``enable_chunked_prefill``) or whole.
+   most the remaining budget (``enable_chunked_prefill``) or whole. Without chunked prefill,
+   a preempted request whose prompt plus generated tokens exceed ``max_num_batched_tokens``
+   could never be admitted whole: it is prefilled in chunks.
 
 The batch is ordered for the attention metadata: context rows (prefill chunks, then
 speculative-verification rows, which carry several query tokens) before plain decode rows.
@@ -243,8 +245,12 @@ class Scheduler:
                 break
             req = self.waiting[0]
             tokens = req.all_token_ids
-            if not self.enable_chunked_prefill and len(tokens) > budget:
-                break
+            if (
+                not self.enable_chunked_prefill
+                and len(tokens) > budget
+                and len(tokens) <= self.max_num_batched_tokens
+            ):
+                break  # fits a later step whole; one that never can is chunked below
             result = self.manager.add_request(req.request_id, tokens)
             if not result.ok:
                 break

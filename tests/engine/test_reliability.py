@@ -1,0 +1,282 @@
+"""Engine reliability: bad requests are refused whole, failed steps free their requests, no
+stuck scheduler, thread-safe `LLM`, early-closed streams abort, and a fuzz of all of these
+that checks the block ledger after every operation."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import random
+import threading
+
+import pytest
+
+from kvplan import LLM, SamplingParams
+from kvplan.engine.request import RequestStatus
+
+VOCAB = 512  # tiny-llama
+
+
+def make_llm(**kw) -> LLM:
+    settings = dict(device="cpu", backend="vanilla", block_size=4, max_model_len=64)
+    settings.update(kw)
+    return LLM("random:tiny-llama", **settings)
+
+
+def check_ledger(llm: LLM) -> None:
+    """Free blocks + blocks held by live requests == pool size; only running requests hold
+    blocks."""
+    core = llm.engine
+    m = core.scheduler.manager
+    held: set[int] = set()
+    for rid in m.request_ids():
+        held.update(m.get_block_ids(rid))
+    pool = m.pools[0]
+    assert pool.num_free_blocks + len(held) == llm.parts.num_blocks - 1
+    running = {r.request_id for r in core.scheduler.running}
+    assert set(m.request_ids()) == running
+    assert all(r.status is RequestStatus.RUNNING for r in core.scheduler.running)
+    assert all(r.status is RequestStatus.WAITING for r in core.scheduler.waiting)
+
+
+def all_free(llm: LLM) -> bool:
+    m = llm.engine.scheduler.manager
+    return not m.request_ids() and m.pools[0].num_free_blocks == llm.parts.num_blocks - 1
+
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return make_llm(max_num_batched_tokens=32, enable_chunked_prefill=False)
+
+
+@pytest.mark.parametrize(
+    "prompt, exc, match",
+    [
+        ([1, 2.0, 3], TypeError, r"prompt_token_ids\[1\]"),
+        ([1, True], TypeError, r"prompt_token_ids\[1\]"),
+        ([1, -1], ValueError, r"prompt_token_ids\[1\]=-1"),
+        ([VOCAB], ValueError, r"prompt_token_ids\[0\]=512 is outside"),
+        ([], ValueError, "empty"),
+        ([1] * 60, ValueError, "max_model_len"),
+        ([1] * 40, ValueError, "max_num_batched_tokens"),
+    ],
+)
+def test_bad_request_refused_and_leaves_nothing(llm, prompt, exc, match):
+    want = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    with pytest.raises(exc, match=match):
+        llm.generate([[5, 6, 7], prompt], GREEDY)  # the good first prompt is aborted too
+    with pytest.raises(exc, match=match):
+        llm.add_request(prompt, GREEDY)
+    assert not llm.engine.has_unfinished() and all_free(llm)
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == want
+
+
+def test_failed_step_finishes_its_requests_and_engine_recovers(llm, monkeypatch):
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    want = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    model = llm.engine.runner.model
+    real = model.forward
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom in the model")
+        return real(*a, **k)
+
+    monkeypatch.setattr(model, "forward", flaky)
+    ids = [llm.add_request(p, GREEDY) for p in prompts]
+    reqs = [llm.engine.requests[i] for i in ids]
+    with pytest.raises(RuntimeError, match="boom"):
+        for _ in range(10):
+            llm.step()
+    assert [r.finish_reason for r in reqs] == ["error", "error"]
+    check_ledger(llm)
+    assert all_free(llm)
+    calls["n"] = 1  # the next forward runs, the one after raises (inside generate)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(prompts * 3, GREEDY)
+    assert not llm.engine.has_unfinished() and all_free(llm)
+    monkeypatch.setattr(model, "forward", real)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+
+
+def test_preempted_request_longer_than_the_budget_is_readmitted():
+    """Chunked prefill off, a pool that forces preemption, and requests that outgrow the
+    budget: every request still finishes with its single-run tokens."""
+    prompts = [[i + 1, 2 * i + 3, 7, 11, 13, 17] for i in range(4)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = make_llm()
+    want = [ref.generate([p], params)[0].token_ids for p in prompts]
+    llm = make_llm(
+        max_num_batched_tokens=8, enable_chunked_prefill=False, num_blocks=11, max_model_len=24
+    )
+    out = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in out] == want
+    assert all(o.finish_reason == "length" for o in out)
+    assert all_free(llm)
+
+
+def test_two_threads_share_one_llm(llm):
+    prompts = [[[i, i + 1, i + 2]] * 1 for i in range(1, 9)]
+    want = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def work(idx: list[int]) -> None:
+        try:
+            for i in idx:
+                got[i] = llm.generate(prompts[i], GREEDY)[0].token_ids
+            for i in idx:  # streams too
+                toks = [t for d in llm.generate_stream(prompts[i][0], GREEDY) for t in d.token_ids]
+                assert toks == want[i]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=([0, 2, 4, 6],)),
+               threading.Thread(target=work, args=([1, 3, 5, 7],))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert [got[i] for i in range(8)] == want
+    assert all_free(llm)
+
+
+def test_leaving_a_stream_early_aborts_it(llm):
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    stream = llm.generate_stream([3, 4, 5, 6, 7], params)
+    next(stream)
+    rid = max(llm.engine.requests)
+    assert llm.engine.scheduler.manager.request_ids() == [rid]
+    stream.close()
+    assert llm.engine.requests[rid].finish_reason == "abort" and all_free(llm)
+    for _ in llm.generate_stream([3, 4, 5], params):
+        break  # the unreferenced generator is closed (CPython: at once), aborting its request
+    assert all_free(llm)
+    llm.abort(rid)  # already finished: no-op
+    with pytest.raises(ValueError, match="unknown request id"):
+        llm.abort(10**9)
+
+
+@pytest.mark.parametrize(
+    "kw, exc",
+    [
+        (dict(temperature=math.nan), ValueError),
+        (dict(temperature=math.inf), ValueError),
+        (dict(top_p=math.nan), ValueError),
+        (dict(top_p=-math.inf), ValueError),
+        (dict(max_tokens=True), TypeError),
+        (dict(seed=-1), ValueError),
+        (dict(seed=2**63), ValueError),
+        (dict(temperature="hot"), TypeError),
+    ],
+)
+def test_sampling_params_refused(kw, exc):
+    with pytest.raises(exc):
+        SamplingParams(**kw)
+
+
+def test_engine_settings_refused():
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make_llm(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="max_position_embeddings=8192"):
+        make_llm(max_model_len=9000)
+
+
+def test_model_path_accepted(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                      max_position_embeddings=128)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path))
+    a = LLM(pathlib.Path(tmp_path), device="cpu", backend="vanilla", max_model_len=32)
+    b = LLM(str(tmp_path), device="cpu", backend="vanilla", max_model_len=32)
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert a.generate([[1, 2, 3]], p)[0].token_ids == b.generate([[1, 2, 3]], p)[0].token_ids
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        a.generate([[64]], p)
+
+
+def test_cli_error_is_one_line(capsys, monkeypatch):
+    import torch
+
+    from kvplan.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = main(["generate", "hi", "--model", "random:tiny-llama", "--device", "cuda"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and err[0].startswith("kvplan generate: ")
+    assert "Traceback" not in err[0]
+
+
+def test_fuzz_block_ledger():
+    """Random add / step / abort / stream-close / bad requests on a small pool; the ledger
+    holds after every operation and surviving greedy requests equal their single runs."""
+    rng = random.Random(0)
+    ref = make_llm()
+    llm = make_llm(
+        max_num_batched_tokens=16, enable_chunked_prefill=False, num_blocks=12, max_model_len=32
+    )
+    live: dict[int, list[int]] = {}
+    streams = []
+    single: dict[tuple, list[int]] = {}
+    checked = 0
+    for _ in range(150):
+        op = rng.choice(["add", "add", "step", "step", "step", "abort", "stream", "bad"])
+        if op == "add":
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 10))]
+            live[llm.add_request(prompt, GREEDY)] = prompt
+        elif op == "step" and llm.engine.has_unfinished():
+            llm.step()
+        elif op == "abort" and live:
+            llm.abort(rng.choice(sorted(live)))
+        elif op == "stream":
+            s = llm.generate_stream([rng.randrange(VOCAB) for _ in range(4)], GREEDY)
+            for _ in range(rng.randint(1, 3)):
+                if next(s, None) is None:
+                    break
+            streams.append(s)
+            if rng.random() < 0.7:
+                streams.pop().close()
+        elif op == "bad":
+            bad = rng.choice([[VOCAB], [-3], [1.5], [1] * 17, [1] * 70])
+            with pytest.raises((ValueError, TypeError)):
+                llm.add_request(bad, GREEDY)
+        check_ledger(llm)
+        for rid, prompt in list(live.items()):
+            req = llm.engine.requests[rid]
+            if not req.finished:
+                continue
+            del live[rid]
+            if req.finish_reason == "length":
+                key = tuple(prompt)
+                if key not in single:
+                    single[key] = ref.generate([prompt], GREEDY)[0].token_ids
+                assert req.output_token_ids == single[key]
+                checked += 1
+    for s in streams:
+        s.close()
+    while llm.engine.has_unfinished():
+        llm.step()
+        check_ledger(llm)
+    assert all_free(llm) and checked > 5
+
+
+def test_deepseek_v4_token_ids_checked_against_its_vocab(tmp_path):
+    from tests.models.dsv4_testlib import hf_config, hf_model
+
+    cfg = hf_config(0)
+    hf_model(cfg, 0).save_pretrained(tmp_path / "dsv4")
+    llm = LLM(pathlib.Path(tmp_path / "dsv4"), max_model_len=48)
+    vocab = llm.engine.runner.model.model.config.vocab_size
+    assert llm.engine.vocab_size == vocab == cfg.vocab_size
+    with pytest.raises(ValueError, match=f"={vocab} is outside"):
+        llm.generate([[1, vocab]], GREEDY)
+    assert not llm.engine.has_unfinished() and len(llm.generate([[1, 2]], GREEDY)[0].token_ids) == 6
