@@ -7,7 +7,13 @@ import torch
 
 from kvplan.formats import KVCacheFormat
 from kvplan.ops._dispatch import triton_interpreting
-from kvplan.ops.cache_geometry import SF_KIND, pow2_alignment, small_batch_tile, triton_next_pow2
+from kvplan.ops.cache_geometry import (
+    SF_KIND,
+    flat_groups,
+    pow2_alignment,
+    small_batch_tile,
+    triton_next_pow2,
+)
 
 
 def scale_out_spec(layout: KVCacheFormat) -> tuple[torch.dtype, int, int]:
@@ -43,7 +49,7 @@ def _launch(raw, segs, vrows, srows, layout, geo, config=None, plan=None) -> Non
             E=layout.quantized_elements, GS=gs, G=g, GS_P2=gs_p2, G_P2=g_p2,
             GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2, FP4=fp4,
             SF=SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
-            FLAT=gs == gs_p2 and g == g_p2, HW=config.get("hw", not triton_interpreting()),
+            FLAT=flat_groups(layout), HW=config.get("hw", not triton_interpreting()),
             TILE_T=tile, SEGS=segs_per, VALIGN=geo.v_align, SALIGN=geo.s_align,
             OALIGN=pow2_alignment(out16.stride(0), cap=8),
             num_warps=config.get("num_warps", 8),
@@ -132,7 +138,7 @@ def _static_params(layout, geo) -> dict:
                 E=layout.quantized_elements, GS=gs, G=g, GS_P2=gs_p2, G_P2=g_p2,
                 GB=gs // 2 if fp4 else gs, GB_P2=gs_p2 // 2 if fp4 else gs_p2, FP4=fp4,
                 SF=SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
-                FLAT=gs == gs_p2 and g == g_p2, HW=not interp, VALIGN=geo.v_align,
+                FLAT=flat_groups(layout), HW=not interp, VALIGN=geo.v_align,
                 SALIGN=geo.s_align, num_warps=8,
             ),
         )  # fmt: skip

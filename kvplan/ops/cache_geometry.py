@@ -122,3 +122,13 @@ triton_cdiv = cdiv  # the name the kernels' launch code uses
 
 # scale format -> the kernels' SF_KIND constant
 SF_KIND = {"ue8m0": 0, "e4m3": 1, "fp32": 2}
+
+
+def flat_groups(layout: KVCacheFormat) -> bool:
+    """Whether a quantized record's scale groups tile it exactly as a power-of-two grid
+    (``G`` groups of ``GS`` elements, both powers of two, ``G * GS == quantized_elements``):
+    the kernels then move a record as one flat row. A row shorter than its group, or a short
+    last group, takes the masked path."""
+    gs, g = layout.elements_per_sf, layout.num_scales
+    pow2 = gs == triton_next_pow2(gs) and g == triton_next_pow2(g)
+    return pow2 and g * gs == layout.quantized_elements

@@ -10,6 +10,9 @@ ODD_FORMATS = [
     KVCacheFormat("e2m1", 24, 6, 0, True, "e4m3", "fp4 e4m3 odd groups", True),
     KVCacheFormat("e4m3", 20, 4, 0, False, "ue8m0", "index, 5 ue8m0 scales"),
     KVCacheFormat("e4m3", 48, 16, 0, False, "e4m3", "fp8 with e4m3 scales"),
+    # a power-of-two row shorter than its scale group (index layouts at small widths)
+    KVCacheFormat("e4m3", 16, 32, 0, False, "ue8m0", "index row shorter than its group"),
+    KVCacheFormat("e2m1", 16, 32, 0, False, "ue8m0", "fp4 index row shorter than its group"),
     bf16_format(3),
 ]
 
