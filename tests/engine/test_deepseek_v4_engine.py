@@ -33,7 +33,8 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 def test_llm_greedy_equals_hf_with_chunked_prefill_and_batching(tmp_path, seed):
     hf, folder = _saved(tmp_path, seed)
     prompts = [random_tokens(seed * 10 + i, n) for i, n in enumerate((29, 9, 41))]
-    llm = LLM(str(folder), max_num_batched_tokens=12, max_num_seqs=3, max_model_len=96)
+    llm = LLM(str(folder), device="cpu", max_num_batched_tokens=12, max_num_seqs=3,
+              max_model_len=96)  # fmt: skip
     assert isinstance(llm.parts.model, HybridCausalLM)
     assert set(llm.parts.model.layer_families) == {HYBRID}
     outs = llm.generate(prompts, GREEDY)
@@ -48,7 +49,8 @@ def test_llm_preemption_recomputes_and_frees_everything(tmp_path):
     hf, folder = _saved(tmp_path, 2)
     prompts = [random_tokens(20 + i, 30) for i in range(4)]
     # room for two sequences' blocks at a time: the others wait or are preempted
-    llm = LLM(str(folder), max_num_seqs=4, max_model_len=48, block_size=16, num_blocks=8)
+    llm = LLM(str(folder), device="cpu", max_num_seqs=4, max_model_len=48, block_size=16,
+              num_blocks=8)  # fmt: skip
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)
     for p, o in zip(prompts, outs):
@@ -61,8 +63,9 @@ def test_llm_preemption_recomputes_and_frees_everything(tmp_path):
 def test_llm_quantized_kv_runs_and_agrees_mostly(tmp_path, kv_format):
     _, folder = _saved(tmp_path, 3)
     prompts = [random_tokens(30 + i, 25) for i in range(2)]
-    exact = LLM(str(folder), max_model_len=64).generate(prompts, GREEDY)
-    quant = LLM(str(folder), max_model_len=64, kv_format=kv_format).generate(prompts, GREEDY)
+    exact = LLM(str(folder), device="cpu", max_model_len=64).generate(prompts, GREEDY)
+    quant = LLM(str(folder), device="cpu", max_model_len=64, kv_format=kv_format)
+    quant = quant.generate(prompts, GREEDY)
     for e, q in zip(exact, quant):
         assert len(q.token_ids) == GREEDY.max_tokens
         assert q.token_ids[0] == e.token_ids[0]  # the first token is robust to the rounding
@@ -71,9 +74,9 @@ def test_llm_quantized_kv_runs_and_agrees_mostly(tmp_path, kv_format):
 def test_unsupported_settings_and_architectures_name_the_problem(tmp_path):
     _, folder = _saved(tmp_path, 0)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        LLM(str(folder), num_speculative_tokens=2)
+        LLM(str(folder), device="cpu", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="kv_format"):
-        LLM(str(folder), kv_format="fp16")  # the model runs in fp32 on CPU
+        LLM(str(folder), device="cpu", kv_format="fp16")  # the model runs in fp32
     other = tmp_path / "gpt2"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
@@ -88,3 +91,31 @@ def test_block_size_is_rounded_to_every_ratio():
     assert hybrid_block_size(16, [4, 128]) == 128
     assert hybrid_block_size(130, [4, 8]) == 136
     assert hybrid_block_size(5, []) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_llm_cuda_fp32_greedy_equals_hf(tmp_path, seed):
+    """On CUDA in fp32: Triton store / load / index kernels, ``prepare_decode_on_device``
+    and the in-place sparse attention; greedy tokens equal HF's (run on the CPU)."""
+    hf, folder = _saved(tmp_path, seed)
+    prompts = [random_tokens(seed * 10 + i, n) for i, n in enumerate((29, 9, 41))]
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_num_batched_tokens=12,
+              max_num_seqs=3, max_model_len=96)  # fmt: skip
+    assert llm.parts.model.model.embed_tokens.weight.is_cuda
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert o.token_ids == _hf_greedy(hf, p, GREEDY.max_tokens)
+    assert llm.parts.manager.num_free_blocks() == llm.parts.num_blocks - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
+def test_llm_cuda_quantized_kv_matches_cpu(tmp_path, kv_format):
+    """The quantized caches give the same tokens on CUDA as on the CPU (bit-exact stores)."""
+    _, folder = _saved(tmp_path, 3)
+    prompts = [random_tokens(30 + i, 25) for i in range(2)]
+    cpu = LLM(str(folder), device="cpu", max_model_len=64, kv_format=kv_format)
+    cpu = cpu.generate(prompts, GREEDY)
+    gpu = LLM(str(folder), max_model_len=64, kv_format=kv_format, device="cuda",
+              dtype="float32").generate(prompts, GREEDY)  # fmt: skip
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
