@@ -37,6 +37,7 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_prefix_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens_accepted: int = 0  # speculative drafts that matched (0 without)
 
 
 @dataclass
@@ -70,6 +71,10 @@ class LLM:
     one `LLM`. When ``generate`` raises, its requests are finished or aborted first (their
     blocks freed); leaving a ``generate_stream`` loop early aborts its request.
 
+    Requests queued with ``add_request`` are driven by ``step`` (or by the steps of any other
+    call) and collected with ``pop_finished``; the `LLM` keeps each of them until
+    ``pop_finished`` returns it. ``generate`` and ``generate_stream`` keep nothing.
+
     Example::
 
         llm = LLM("random:tiny-llama", device="cpu", block_size=8)
@@ -98,6 +103,7 @@ class LLM:
         self.engine = self.parts.core
         self.tokenizer = self.parts.tokenizer
         self.chat_template = chat_template
+        self._added: dict[int, Request] = {}  # add_request's requests, until pop_finished
 
     # ------------------------------------------------------------------ text <-> tokens
     def encode(self, prompt: Prompt) -> list[int]:
@@ -133,22 +139,35 @@ class LLM:
             req.finish_reason,
             req.num_cached_prefix_tokens,
             req.num_preemptions,
+            req.num_draft_tokens_accepted,
         )
 
     # ------------------------------------------------------------------ generation
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
-        """Queue one prompt; returns its request id (for `step` / `abort`)."""
+        """Queue one prompt; returns its request id (for `abort`; its result comes from
+        ``pop_finished`` once it finished)."""
         ids = self.encode(prompt)
         with self._lock:
-            return self.engine.add_request(ids, params or SamplingParams()).request_id
+            req = self.engine.add_request(ids, params or SamplingParams())
+            self._added[req.request_id] = req
+            return req.request_id
 
     def abort(self, request_id: int) -> None:
+        """Stop a request now (no-op when it already finished; ValueError for an unknown id)."""
         with self._lock:
             self.engine.abort(request_id)
 
     def step(self) -> list[Request]:
+        """Run one engine step; returns the requests it touched (`EngineCore.step`)."""
         with self._lock:
             return self.engine.step()
+
+    def pop_finished(self) -> list[RequestOutput]:
+        """The results of the ``add_request`` requests that finished (any reason: length,
+        stop, abort, error) since the last call, by request id; the `LLM` forgets them."""
+        with self._lock:
+            done = [rid for rid, r in self._added.items() if r.finished]
+            return [self._output(self._added.pop(rid)) for rid in sorted(done)]
 
     def _abort_unfinished(self, reqs: list[Request]) -> None:
         for r in reqs:

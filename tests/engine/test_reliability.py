@@ -153,15 +153,45 @@ def test_leaving_a_stream_early_aborts_it(llm):
     stream = llm.generate_stream([3, 4, 5, 6, 7], params)
     next(stream)
     rid = max(llm.engine.requests)
+    req = llm.engine.requests[rid]
     assert llm.engine.scheduler.manager.request_ids() == [rid]
     stream.close()
-    assert llm.engine.requests[rid].finish_reason == "abort" and all_free(llm)
+    assert req.finish_reason == "abort" and all_free(llm) and not llm.engine.requests
     for _ in llm.generate_stream([3, 4, 5], params):
         break  # the unreferenced generator is closed (CPython: at once), aborting its request
     assert all_free(llm)
     llm.abort(rid)  # already finished: no-op
     with pytest.raises(ValueError, match="unknown request id"):
         llm.abort(10**9)
+
+
+def test_finished_requests_are_dropped(llm):
+    """A long run of many requests (add_request, generate, streams, aborts): the engine's
+    table holds exactly the live requests, the LLM keeps add_request's results only until
+    pop_finished, and aborting a finished id is a no-op."""
+    core = llm.engine
+    llm.pop_finished()  # what earlier tests on this module's LLM left uncollected
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = llm.generate([[7, 8, 9]], params)[0].token_ids
+    for k in range(40):
+        ids = [llm.add_request([k % 50 + 1, j + 2, 3], params) for j in range(3)]
+        llm.abort(ids[1])
+        assert [o.token_ids for o in llm.generate([[7, 8, 9]], params)] == [want]
+        assert len([d for d in llm.generate_stream([7, 8, 9], params)]) == 3
+        while core.has_unfinished():
+            live = {r.request_id for r in core.scheduler.waiting + core.scheduler.running}
+            assert set(core.requests) == live
+            llm.step()
+        assert not core.requests
+        outs = llm.pop_finished()
+        assert [o.request_id for o in outs] == ids
+        assert [o.finish_reason for o in outs] == ["length", "abort", "length"]
+        assert not llm.pop_finished() and not llm._added
+        llm.abort(ids[0])  # finished and collected: still a no-op
+    assert core._next_id > 200 and not core.requests and all_free(llm)
+    for bad in (core._next_id, -1, "0", 2.0):
+        with pytest.raises(ValueError, match="unknown request id"):
+            llm.abort(bad)
 
 
 @pytest.mark.parametrize(
@@ -250,17 +280,15 @@ def test_fuzz_block_ledger():
             with pytest.raises((ValueError, TypeError)):
                 llm.add_request(bad, GREEDY)
         check_ledger(llm)
-        for rid, prompt in list(live.items()):
-            req = llm.engine.requests[rid]
-            if not req.finished:
-                continue
-            del live[rid]
-            if req.finish_reason == "length":
+        for out in llm.pop_finished():
+            prompt = live.pop(out.request_id)
+            if out.finish_reason == "length":
                 key = tuple(prompt)
                 if key not in single:
                     single[key] = ref.generate([prompt], GREEDY)[0].token_ids
-                assert req.output_token_ids == single[key]
+                assert out.token_ids == single[key]
                 checked += 1
+        assert set(llm.engine.requests) >= set(live)  # the unfinished ones are live
     for s in streams:
         s.close()
     while llm.engine.has_unfinished():
