@@ -152,9 +152,10 @@ class EngineCore(AsyncSteps):
     def abort(self, request_id: int) -> None:
         """Stop a request now and free its blocks (no-op when it already finished; a
         ValueError for an id this engine never handed out)."""
-        req = self.requests.get(request_id)
+        is_id = isinstance(request_id, int) and not isinstance(request_id, bool)
+        req = self.requests.get(request_id) if is_id else None
         if req is None:
-            if isinstance(request_id, int) and 0 <= request_id < self._next_id:
+            if is_id and 0 <= request_id < self._next_id:
                 return  # finished earlier
             raise ValueError(f"unknown request id {request_id!r}")
         if not req.finished:

@@ -50,6 +50,25 @@ class StreamDelta:
     finish_reason: str | None
 
 
+def _prompt_list(prompts: Any) -> list[Any]:
+    """``generate``'s prompts as a list: a lone string or token-id sequence becomes one prompt
+    (token ids: its first element is a scalar, not a string, sequence or array)."""
+    if isinstance(prompts, str) or getattr(prompts, "ndim", 0) == 1:
+        return [prompts]
+    if getattr(prompts, "ndim", 0) >= 2 and hasattr(prompts, "tolist"):
+        return list(prompts)  # a 2-d tensor or array: one prompt per row
+    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+        raise TypeError(
+            "prompts must be a string, a sequence of token ids, or a list of those, "
+            f"got {prompts!r}"
+        )
+    first = prompts[0] if prompts else None
+    scalar = not isinstance(first, (str, bytes, Sequence)) and getattr(first, "ndim", 0) == 0
+    if first is not None and scalar:  # an int-like first element: token ids of one prompt
+        return [prompts]
+    return list(prompts)
+
+
 class LLM:
     """Offline inference on the kvplan layer.
 
@@ -107,7 +126,15 @@ class LLM:
 
     # ------------------------------------------------------------------ text <-> tokens
     def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: a string through the tokenizer (and the chat template); a
+        sequence, 1-d tensor or array of token ids as a list (checked when added)."""
         if not isinstance(prompt, str):
+            if getattr(prompt, "ndim", 0) >= 1 and hasattr(prompt, "tolist"):
+                prompt = prompt.tolist()  # a 1-d tensor or array
+            if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
+                raise TypeError(
+                    f"a prompt must be a string or a sequence of token ids, got {prompt!r}"
+                )
             return list(prompt)  # token ids: checked by `EngineCore.add_request`
         tok = self.tokenizer
         if tok is None:
@@ -181,12 +208,10 @@ class LLM:
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); one result per prompt."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Generate for every prompt (strings or token-id lists); one result per prompt.
+        ``prompts`` may also be a single prompt: a string, or token ids (a sequence of ints,
+        a 1-d tensor or array)."""
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:

@@ -189,7 +189,7 @@ def test_finished_requests_are_dropped(llm):
         assert not llm.pop_finished() and not llm._added
         llm.abort(ids[0])  # finished and collected: still a no-op
     assert core._next_id > 200 and not core.requests and all_free(llm)
-    for bad in (core._next_id, -1, "0", 2.0):
+    for bad in (core._next_id, -1, "0", 2.0, True):
         with pytest.raises(ValueError, match="unknown request id"):
             llm.abort(bad)
 
@@ -205,11 +205,56 @@ def test_finished_requests_are_dropped(llm):
         (dict(seed=-1), ValueError),
         (dict(seed=2**63), ValueError),
         (dict(temperature="hot"), TypeError),
+        (dict(stop=5), TypeError),
+        (dict(stop=[1]), TypeError),
+        (dict(stop_token_ids=[1.5]), TypeError),
+        (dict(stop_token_ids=5), TypeError),
+        (dict(stop_token_ids=[True]), TypeError),
+        (dict(stop_token_ids=[-1]), ValueError),
+        (dict(ignore_eos="no"), TypeError),
+        (dict(skip_special_tokens=1), TypeError),
     ],
 )
 def test_sampling_params_refused(kw, exc):
-    with pytest.raises(exc):
+    with pytest.raises(exc, match=next(iter(kw))):  # the message names the field
         SamplingParams(**kw)
+
+
+def test_prompt_forms(llm):
+    """Token ids as a tensor or array are one prompt, a 2-d tensor one prompt per row; other
+    shapes and types give a TypeError that says what a prompt must be."""
+    import numpy as np
+    import torch
+
+    want = [o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], GREEDY)]
+    assert llm.generate(torch.tensor([5, 6, 7]), GREEDY)[0].token_ids == want[0]
+    assert llm.generate(np.array([5, 6, 7]), GREEDY)[0].token_ids == want[0]
+    assert llm.generate([np.int64(5), 6, 7], GREEDY)[0].token_ids == want[0]
+    rows = llm.generate(torch.tensor([[5, 6, 7], [8, 9, 9]]), GREEDY)
+    assert len(rows) == 2 and rows[0].token_ids == want[0]
+    assert [o.token_ids for o in llm.generate([torch.tensor([5, 6, 7]), [8, 9]], GREEDY)] == want
+    for bad, match in [
+        (None, "prompts must be"),
+        (torch.tensor(3), "prompts must be"),
+        (b"ab", "prompts must be"),
+        ([None], "a prompt must be"),
+        ([2.0, 1], r"prompt_token_ids\[0\]"),
+        ([np.float32(1)], r"prompt_token_ids\[0\]"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            llm.generate(bad, GREEDY)
+    assert not llm.engine.has_unfinished() and all_free(llm)
+
+
+def test_loaders_name_the_file(tmp_path):
+    trunc = tmp_path / "m.gguf"
+    trunc.write_bytes(b"GGUF\x03\x00\x00\x00\x01")
+    with pytest.raises(ValueError, match=r"m\.gguf: not a readable GGUF model"):
+        LLM(str(trunc), device="cpu")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config\.json: a config must be a JSON object"):
+        LLM(tmp_path / "cfg", device="cpu")
 
 
 def test_engine_settings_refused():
@@ -244,6 +289,34 @@ def test_cli_error_is_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and err[0].startswith("kvplan generate: ")
     assert "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["bench", "--num-requests", "0"], "--num-requests must be >= 1, got 0"),
+        (["bench", "--prompt-len", "0"], "--prompt-len must be >= 1, got 0"),
+        (["bench", "--new-tokens", "-3"], "--new-tokens must be >= 1, got -3"),
+        (["generate", "x", "--model", "{tmp}/m.gguf"], "m.gguf: not a readable GGUF model"),
+        (["generate", "x", "--model", "{tmp}"], "No such file"),  # an OSError
+    ],
+)
+def test_cli_bad_arguments_are_one_line(capsys, monkeypatch, tmp_path, argv, match):
+    from kvplan.cli import main
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF\x03\x00")
+    if argv[-1] == "{tmp}":  # a folder whose config.json cannot be read: an OSError inside
+
+        def unreadable(folder):
+            raise FileNotFoundError(f"No such file: {folder}/config.json")
+
+        monkeypatch.setattr("kvplan.models.loader.read_hf_config", unreadable)
+    argv = [a.format(tmp=tmp_path) for a in argv] + ["--device", "cpu"]
+    if argv[0] == "bench":
+        argv += ["--config", "tiny-llama"]
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and match in err[0] and "Traceback" not in err[0]
 
 
 def test_fuzz_block_ledger():
