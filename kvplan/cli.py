@@ -1,8 +1,9 @@
 """Command line: ``kvplan kv-demo | generate | bench``.
 
 Each subcommand lives in its own module; this file only routes, so ``kvplan --help`` is fast.
-Completions go to stdout; logs and progress go to stderr. A ValueError, TypeError or
-RuntimeError while building or running is printed as one line on stderr (exit status 2).
+Completions go to stdout; logs and progress go to stderr. A ValueError, TypeError,
+RuntimeError or OSError while building or running is printed as one line on stderr (exit
+status 2).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     sub_args = sub_parser.parse_args(rest)
     try:
         return int(module.run(sub_args) or 0)
-    except (ValueError, TypeError, RuntimeError) as exc:  # bad settings, no device, ...
+    except (ValueError, TypeError, RuntimeError, OSError) as exc:  # bad settings, no device, ...
         print(f"kvplan {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

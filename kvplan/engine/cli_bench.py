@@ -127,6 +127,13 @@ def run(args: argparse.Namespace) -> int:
     from kvplan.engine.llm import LLM
     from kvplan.models.config import named_config
 
+    for flag, value in (
+        ("--num-requests", args.num_requests),
+        ("--prompt-len", args.prompt_len),
+        ("--new-tokens", args.new_tokens),
+    ):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     cfg = named_config(args.config)
     config = config_from_args(
         args,

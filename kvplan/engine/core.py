@@ -50,6 +50,12 @@ class EngineCore(AsyncSteps):
     A step that raises (in the scheduler, the model or the sampler) finishes every running
     request with ``finish_reason="error"`` and frees its blocks before the exception
     propagates; waiting requests stay queued and the engine stays usable.
+
+    ``requests`` holds the live (waiting or running) requests only: a request leaves it when
+    it finishes. Its results are handed out through the `Request` object that
+    ``add_request`` returned (``step()`` also returns the requests it touched, finished ones
+    included), so a long-running engine keeps no record of finished requests beyond the
+    next request id: ids are sequential, so an id below it that is not live has finished.
     """
 
     def __init__(
@@ -106,6 +112,11 @@ class EngineCore(AsyncSteps):
         self.requests[req.request_id] = req
         return req
 
+    def _finish_request(self, req: Request, reason: str) -> None:
+        """Finish ``req`` (blocks freed) and drop it from ``requests``."""
+        self.scheduler.finish(req, reason)
+        self.requests.pop(req.request_id, None)
+
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """``prompt_token_ids`` as a list of ints, each in ``[0, vocab_size)``, or a
         ValueError/TypeError naming the first bad one."""
@@ -139,10 +150,14 @@ class EngineCore(AsyncSteps):
         return rid
 
     def abort(self, request_id: int) -> None:
-        """Stop a request now and free its blocks (no-op when it already finished)."""
-        req = self.requests.get(request_id)
+        """Stop a request now and free its blocks (no-op when it already finished; a
+        ValueError for an id this engine never handed out)."""
+        is_id = isinstance(request_id, int) and not isinstance(request_id, bool)
+        req = self.requests.get(request_id) if is_id else None
         if req is None:
-            raise ValueError(f"unknown request id {request_id}")
+            if is_id and 0 <= request_id < self._next_id:
+                return  # finished earlier
+            raise ValueError(f"unknown request id {request_id!r}")
         if not req.finished:
             try:
                 self.drain()  # the launched step first, as without async scheduling
@@ -150,7 +165,7 @@ class EngineCore(AsyncSteps):
                 self._fail_running()
                 raise
             if not req.finished:
-                self.scheduler.finish(req, "abort")
+                self._finish_request(req, "abort")
 
     def has_unfinished(self) -> bool:
         """Whether ``step()`` has work: requests waiting or running, or a launched step."""
@@ -172,7 +187,7 @@ class EngineCore(AsyncSteps):
         self._launched, self._drained = None, []
         sched = self.scheduler
         for req in list(sched.running):
-            sched.finish(req, "error")
+            self._finish_request(req, "error")
         sched._decode = None
 
     def _step(self) -> list[Request]:
@@ -197,7 +212,7 @@ class EngineCore(AsyncSteps):
             if sched.has_unfinished():
                 stuck = sched.waiting[0] if sched.waiting and not sched.running else None
                 if stuck is not None:  # nothing will ever free blocks for it
-                    sched.finish(stuck, "error")
+                    self._finish_request(stuck, "error")
                 raise RuntimeError(
                     "no request could be scheduled: the KV pool is too small for the next "
                     "waiting request"
@@ -321,4 +336,4 @@ class EngineCore(AsyncSteps):
         if reason is None and len(req.output_token_ids) >= p.max_tokens:
             reason = "length"
         if reason is not None:
-            self.scheduler.finish(req, reason)
+            self._finish_request(req, reason)

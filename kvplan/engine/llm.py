@@ -37,6 +37,7 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_prefix_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens_accepted: int = 0  # speculative drafts that matched (0 without)
 
 
 @dataclass
@@ -47,6 +48,25 @@ class StreamDelta:
     text: str
     finished: bool
     finish_reason: str | None
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """``generate``'s prompts as a list: a lone string or token-id sequence becomes one prompt
+    (token ids: its first element is a scalar, not a string, sequence or array)."""
+    if isinstance(prompts, str) or getattr(prompts, "ndim", 0) == 1:
+        return [prompts]
+    if getattr(prompts, "ndim", 0) >= 2 and hasattr(prompts, "tolist"):
+        return list(prompts)  # a 2-d tensor or array: one prompt per row
+    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+        raise TypeError(
+            "prompts must be a string, a sequence of token ids, or a list of those, "
+            f"got {prompts!r}"
+        )
+    first = prompts[0] if prompts else None
+    scalar = not isinstance(first, (str, bytes, Sequence)) and getattr(first, "ndim", 0) == 0
+    if first is not None and scalar:  # an int-like first element: token ids of one prompt
+        return [prompts]
+    return list(prompts)
 
 
 class LLM:
@@ -69,6 +89,10 @@ class LLM:
     ``generate_stream``, ``add_request``, ``step``, ``abort``), so several threads may share
     one `LLM`. When ``generate`` raises, its requests are finished or aborted first (their
     blocks freed); leaving a ``generate_stream`` loop early aborts its request.
+
+    Requests queued with ``add_request`` are driven by ``step`` (or by the steps of any other
+    call) and collected with ``pop_finished``; the `LLM` keeps each of them until
+    ``pop_finished`` returns it. ``generate`` and ``generate_stream`` keep nothing.
 
     Example::
 
@@ -98,10 +122,19 @@ class LLM:
         self.engine = self.parts.core
         self.tokenizer = self.parts.tokenizer
         self.chat_template = chat_template
+        self._added: dict[int, Request] = {}  # add_request's requests, until pop_finished
 
     # ------------------------------------------------------------------ text <-> tokens
     def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: a string through the tokenizer (and the chat template); a
+        sequence, 1-d tensor or array of token ids as a list (checked when added)."""
         if not isinstance(prompt, str):
+            if getattr(prompt, "ndim", 0) >= 1 and hasattr(prompt, "tolist"):
+                prompt = prompt.tolist()  # a 1-d tensor or array
+            if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
+                raise TypeError(
+                    f"a prompt must be a string or a sequence of token ids, got {prompt!r}"
+                )
             return list(prompt)  # token ids: checked by `EngineCore.add_request`
         tok = self.tokenizer
         if tok is None:
@@ -133,22 +166,35 @@ class LLM:
             req.finish_reason,
             req.num_cached_prefix_tokens,
             req.num_preemptions,
+            req.num_draft_tokens_accepted,
         )
 
     # ------------------------------------------------------------------ generation
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
-        """Queue one prompt; returns its request id (for `step` / `abort`)."""
+        """Queue one prompt; returns its request id (for `abort`; its result comes from
+        ``pop_finished`` once it finished)."""
         ids = self.encode(prompt)
         with self._lock:
-            return self.engine.add_request(ids, params or SamplingParams()).request_id
+            req = self.engine.add_request(ids, params or SamplingParams())
+            self._added[req.request_id] = req
+            return req.request_id
 
     def abort(self, request_id: int) -> None:
+        """Stop a request now (no-op when it already finished; ValueError for an unknown id)."""
         with self._lock:
             self.engine.abort(request_id)
 
     def step(self) -> list[Request]:
+        """Run one engine step; returns the requests it touched (`EngineCore.step`)."""
         with self._lock:
             return self.engine.step()
+
+    def pop_finished(self) -> list[RequestOutput]:
+        """The results of the ``add_request`` requests that finished (any reason: length,
+        stop, abort, error) since the last call, by request id; the `LLM` forgets them."""
+        with self._lock:
+            done = [rid for rid, r in self._added.items() if r.finished]
+            return [self._output(self._added.pop(rid)) for rid in sorted(done)]
 
     def _abort_unfinished(self, reqs: list[Request]) -> None:
         for r in reqs:
@@ -162,12 +208,10 @@ class LLM:
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); one result per prompt."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Generate for every prompt (strings or token-id lists); one result per prompt.
+        ``prompts`` may also be a single prompt: a string, or token ids (a sequence of ints,
+        a 1-d tensor or array)."""
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:

@@ -9,10 +9,29 @@ Rows are independent: a seeded request draws from its own ``torch.Generator`` ex
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+def _token_ids(ids: object) -> tuple[int, ...]:
+    """``stop_token_ids`` as a tuple of ints >= 0, or a TypeError/ValueError naming it."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise TypeError(f"stop_token_ids must be a list of ints, got {ids!r}")
+    out = []
+    for t in ids:
+        if isinstance(t, bool):
+            raise TypeError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        try:
+            v = operator.index(t)
+        except TypeError:
+            raise TypeError(f"stop_token_ids must be a list of ints, got {ids!r}") from None
+        if v < 0:
+            raise ValueError(f"stop_token_ids must be >= 0, got {ids!r}")
+        out.append(v)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -77,10 +96,17 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)):
+                raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
             object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not isinstance(s, str) for s in self.stop or ()):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in self.stop or ()):
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -129,7 +129,12 @@ def resolve_source(model: str | ModelConfig | None) -> ModelSource:
         from transformers import AutoTokenizer
 
         cfg, state, _ = load_gguf_state(path)
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as exc:  # the GGUF reader's own errors name neither file nor field
+            raise ValueError(
+                f"{path}: no usable tokenizer in the GGUF file ({type(exc).__name__}: {exc})"
+            ) from exc
         return ModelSource(path.name, cfg, lambda: state.items(), tok)
     if path.is_dir():
         return ModelSource(

@@ -127,6 +127,8 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a readable JSON config ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a config must be a JSON object, got {type(raw).__name__}")
     try:
         return ModelConfig.from_hf(raw)
     except (KeyError, TypeError, ValueError) as exc:
@@ -139,5 +141,13 @@ def load_gguf_state(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     from transformers import AutoModelForCausalLM
 
     p = Path(path)
-    hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
-    return ModelConfig.from_hf(hf.config), hf.state_dict(), hf.config
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(p.parent), gguf_file=p.name, dtype=torch.float32
+        )
+    except Exception as exc:  # truncated or foreign files fail deep inside the GGUF reader
+        raise ValueError(f"{p}: not a readable GGUF model ({type(exc).__name__}: {exc})") from exc
+    try:
+        return ModelConfig.from_hf(hf.config), hf.state_dict(), hf.config
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{p}: {exc}") from exc

@@ -57,9 +57,9 @@ def _cache_state(m: KVCacheManager):
 
 
 def _run_on_off(seed: int, *, num_blocks: int, num_requests: int = 24, sampled: float = 0.1,
-                abort_rate: float = 0.03, max_num_seqs: int = 6, **llm_kw) -> list:  # fmt: skip
+                abort_rate: float = 0.03, max_num_seqs: int = 6, **llm_kw) -> tuple:  # fmt: skip
     """Run one random workload through async on and off; assert equal results and state.
-    Returns the two engines (on, off)."""
+    Returns the two engines (on, off) and the async engine's requests."""
     rng = random.Random(1000 + seed)
     work = _workload(seed, num_requests, sampled)
     engines = []
@@ -72,12 +72,14 @@ def _run_on_off(seed: int, *, num_blocks: int, num_requests: int = 24, sampled: 
         core.decode_text = lambda ids: "".join(chr(97 + t % 26) for t in ids)
         engines.append(core)
     ids: list[list[int]] = [[], []]
+    added: list[list] = [[], []]  # each engine's Request objects, in order
     for _ in range(600):
         for _ in range(rng.choice([1, 2, 4]) if work and rng.random() < 0.12 else 0):
             if work:  # arrivals in bursts, so that batches stay unchanged for a while
                 prompt, params = work.pop(0)
-                for core, got in zip(engines, ids):
-                    got.append(core.add_request(prompt, params).request_id)
+                for core, got, reqs in zip(engines, ids, added):
+                    reqs.append(core.add_request(prompt, params))
+                    got.append(reqs[-1].request_id)
         if ids[0] and rng.random() < abort_rate:
             victim = rng.randrange(len(ids[0]))
             for core, got in zip(engines, ids):
@@ -88,11 +90,10 @@ def _run_on_off(seed: int, *, num_blocks: int, num_requests: int = 24, sampled: 
             break
     assert not work and not any(core.has_unfinished() for core in engines)
     results = [
-        [(r.output_token_ids, r.finish_reason, r.stop_text_len) for r in core.requests.values()]
-        for core in engines
+        [(r.output_token_ids, r.finish_reason, r.stop_text_len) for r in reqs] for reqs in added
     ]
     assert results[0] == results[1]
-    assert all(r.finished for r in engines[0].requests.values())
+    assert all(r.finished for r in added[0]) and not engines[0].requests
     managers = [core.scheduler.manager for core in engines]
     (on_pools, on_reqs), (off_pools, off_reqs) = (_cache_state(m) for m in managers)
     assert on_reqs == off_reqs
@@ -101,30 +102,30 @@ def _run_on_off(seed: int, *, num_blocks: int, num_requests: int = 24, sampled: 
         assert m.num_free_blocks() == num_blocks - 1  # nothing leaked
     assert [e.scheduler.num_preemptions for e in engines][0] == engines[1].scheduler.num_preemptions
     assert engines[1].num_steps_ahead == 0
-    return engines
+    return engines[0], engines[1], added[0]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_async_equals_sync_roomy_pool(seed):
     """Room for every request: many decode steps are launched ahead, and rows that finish by
     EOS / stop ids / stop strings while launched ahead are discarded."""
-    on, _ = _run_on_off(seed, num_blocks=200, max_num_seqs=16)
+    on, _, on_reqs = _run_on_off(seed, num_blocks=200, max_num_seqs=16)
     assert on.num_steps_ahead > 20 and on.num_discarded_rows > 0
-    reasons = {r.finish_reason for r in on.requests.values()}
+    reasons = {r.finish_reason for r in on_reqs}
     assert {"stop", "length", "abort"} <= reasons
 
 
 @pytest.mark.parametrize("seed", [2, 3])
 def test_async_equals_sync_small_pool_preempts(seed):
     """A pool of 24 blocks: preemption by recompute and drains because blocks may run out."""
-    on, _ = _run_on_off(seed, num_blocks=24, sampled=0.0, enable_prefix_caching=False)
+    on, _, _ = _run_on_off(seed, num_blocks=24, sampled=0.0, enable_prefix_caching=False)
     assert on.scheduler.num_preemptions > 0
     assert on.num_steps_ahead > 5 and on.num_discarded_rows > 0
 
 
 def test_async_equals_sync_prefix_cache_pool_pressure():
     """Prefix caching in a pool that cached blocks crowd: lookahead refused, then taken."""
-    on, _ = _run_on_off(0, num_blocks=30, sampled=0.0)
+    on, _, _ = _run_on_off(0, num_blocks=30, sampled=0.0)
     assert on.num_steps_ahead > 5 and on.scheduler.num_preemptions > 0
 
 
@@ -227,7 +228,7 @@ def test_async_equals_sync_with_cuda_graphs():
     """Same workloads on the GPU with CUDA graphs (fp32): the lookahead feeds the graph's
     input buffer from the device tokens."""
     for seed, blocks, seqs in ((1, 200, 16), (3, 24, 6)):
-        on, off = _run_on_off(seed, num_blocks=blocks, max_num_seqs=seqs, device="cuda",
+        on, off, _ = _run_on_off(seed, num_blocks=blocks, max_num_seqs=seqs, device="cuda",
                               dtype="float32")  # fmt: skip
         assert on.runner.graphs is not None and on.runner.graphs.num_replays > 0
         assert on.num_steps_ahead > 0 and off.runner.graphs.num_replays > 0

@@ -160,12 +160,14 @@ def _run_fast_and_general(seed: int, check_coverage: bool = True, **llm_kw) -> l
             core.decode_fast_path = False
         engines.append(core)
     ids: list[list[int]] = [[], []]
+    added: list[list] = [[], []]  # each engine's Request objects, in order
     fast_steps = 0
     for step in range(400):
         if step % 2 == 0 and work:
             prompt, params = work.pop(0)
-            for core, got in zip(engines, ids):
-                got.append(core.add_request(prompt, params).request_id)
+            for core, got, reqs in zip(engines, ids, added):
+                reqs.append(core.add_request(prompt, params))
+                got.append(reqs[-1].request_id)
         if step in (9, 20):
             for core, got in zip(engines, ids):
                 core.abort(got[len(got) // 2])
@@ -176,8 +178,7 @@ def _run_fast_and_general(seed: int, check_coverage: bool = True, **llm_kw) -> l
             break
     assert not engines[1].has_unfinished() and fast_steps > 5
     results = [
-        [(r.output_token_ids, r.finish_reason, r.stop_text_len) for r in core.requests.values()]
-        for core in engines
+        [(r.output_token_ids, r.finish_reason, r.stop_text_len) for r in reqs] for reqs in added
     ]
     assert results[0] == results[1]
     if check_coverage:

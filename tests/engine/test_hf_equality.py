@@ -97,6 +97,5 @@ def test_speculative_matches_hf(reference, family, backend):
     )
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
-    reqs = llm.engine.requests.values()
-    assert sum(r.num_draft_tokens_accepted for r in reqs) > 0
+    assert sum(o.num_draft_tokens_accepted for o in outs) > 0
     assert llm.parts.manager.num_free_blocks() == llm.parts.num_blocks - 1

@@ -153,15 +153,45 @@ def test_leaving_a_stream_early_aborts_it(llm):
     stream = llm.generate_stream([3, 4, 5, 6, 7], params)
     next(stream)
     rid = max(llm.engine.requests)
+    req = llm.engine.requests[rid]
     assert llm.engine.scheduler.manager.request_ids() == [rid]
     stream.close()
-    assert llm.engine.requests[rid].finish_reason == "abort" and all_free(llm)
+    assert req.finish_reason == "abort" and all_free(llm) and not llm.engine.requests
     for _ in llm.generate_stream([3, 4, 5], params):
         break  # the unreferenced generator is closed (CPython: at once), aborting its request
     assert all_free(llm)
     llm.abort(rid)  # already finished: no-op
     with pytest.raises(ValueError, match="unknown request id"):
         llm.abort(10**9)
+
+
+def test_finished_requests_are_dropped(llm):
+    """A long run of many requests (add_request, generate, streams, aborts): the engine's
+    table holds exactly the live requests, the LLM keeps add_request's results only until
+    pop_finished, and aborting a finished id is a no-op."""
+    core = llm.engine
+    llm.pop_finished()  # what earlier tests on this module's LLM left uncollected
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = llm.generate([[7, 8, 9]], params)[0].token_ids
+    for k in range(40):
+        ids = [llm.add_request([k % 50 + 1, j + 2, 3], params) for j in range(3)]
+        llm.abort(ids[1])
+        assert [o.token_ids for o in llm.generate([[7, 8, 9]], params)] == [want]
+        assert len([d for d in llm.generate_stream([7, 8, 9], params)]) == 3
+        while core.has_unfinished():
+            live = {r.request_id for r in core.scheduler.waiting + core.scheduler.running}
+            assert set(core.requests) == live
+            llm.step()
+        assert not core.requests
+        outs = llm.pop_finished()
+        assert [o.request_id for o in outs] == ids
+        assert [o.finish_reason for o in outs] == ["length", "abort", "length"]
+        assert not llm.pop_finished() and not llm._added
+        llm.abort(ids[0])  # finished and collected: still a no-op
+    assert core._next_id > 200 and not core.requests and all_free(llm)
+    for bad in (core._next_id, -1, "0", 2.0, True):
+        with pytest.raises(ValueError, match="unknown request id"):
+            llm.abort(bad)
 
 
 @pytest.mark.parametrize(
@@ -175,11 +205,56 @@ def test_leaving_a_stream_early_aborts_it(llm):
         (dict(seed=-1), ValueError),
         (dict(seed=2**63), ValueError),
         (dict(temperature="hot"), TypeError),
+        (dict(stop=5), TypeError),
+        (dict(stop=[1]), TypeError),
+        (dict(stop_token_ids=[1.5]), TypeError),
+        (dict(stop_token_ids=5), TypeError),
+        (dict(stop_token_ids=[True]), TypeError),
+        (dict(stop_token_ids=[-1]), ValueError),
+        (dict(ignore_eos="no"), TypeError),
+        (dict(skip_special_tokens=1), TypeError),
     ],
 )
 def test_sampling_params_refused(kw, exc):
-    with pytest.raises(exc):
+    with pytest.raises(exc, match=next(iter(kw))):  # the message names the field
         SamplingParams(**kw)
+
+
+def test_prompt_forms(llm):
+    """Token ids as a tensor or array are one prompt, a 2-d tensor one prompt per row; other
+    shapes and types give a TypeError that says what a prompt must be."""
+    import numpy as np
+    import torch
+
+    want = [o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], GREEDY)]
+    assert llm.generate(torch.tensor([5, 6, 7]), GREEDY)[0].token_ids == want[0]
+    assert llm.generate(np.array([5, 6, 7]), GREEDY)[0].token_ids == want[0]
+    assert llm.generate([np.int64(5), 6, 7], GREEDY)[0].token_ids == want[0]
+    rows = llm.generate(torch.tensor([[5, 6, 7], [8, 9, 9]]), GREEDY)
+    assert len(rows) == 2 and rows[0].token_ids == want[0]
+    assert [o.token_ids for o in llm.generate([torch.tensor([5, 6, 7]), [8, 9]], GREEDY)] == want
+    for bad, match in [
+        (None, "prompts must be"),
+        (torch.tensor(3), "prompts must be"),
+        (b"ab", "prompts must be"),
+        ([None], "a prompt must be"),
+        ([2.0, 1], r"prompt_token_ids\[0\]"),
+        ([np.float32(1)], r"prompt_token_ids\[0\]"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            llm.generate(bad, GREEDY)
+    assert not llm.engine.has_unfinished() and all_free(llm)
+
+
+def test_loaders_name_the_file(tmp_path):
+    trunc = tmp_path / "m.gguf"
+    trunc.write_bytes(b"GGUF\x03\x00\x00\x00\x01")
+    with pytest.raises(ValueError, match=r"m\.gguf: not a readable GGUF model"):
+        LLM(str(trunc), device="cpu")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config\.json: a config must be a JSON object"):
+        LLM(tmp_path / "cfg", device="cpu")
 
 
 def test_engine_settings_refused():
@@ -216,6 +291,34 @@ def test_cli_error_is_one_line(capsys, monkeypatch):
     assert "Traceback" not in err[0]
 
 
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["bench", "--num-requests", "0"], "--num-requests must be >= 1, got 0"),
+        (["bench", "--prompt-len", "0"], "--prompt-len must be >= 1, got 0"),
+        (["bench", "--new-tokens", "-3"], "--new-tokens must be >= 1, got -3"),
+        (["generate", "x", "--model", "{tmp}/m.gguf"], "m.gguf: not a readable GGUF model"),
+        (["generate", "x", "--model", "{tmp}"], "No such file"),  # an OSError
+    ],
+)
+def test_cli_bad_arguments_are_one_line(capsys, monkeypatch, tmp_path, argv, match):
+    from kvplan.cli import main
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF\x03\x00")
+    if argv[-1] == "{tmp}":  # a folder whose config.json cannot be read: an OSError inside
+
+        def unreadable(folder):
+            raise FileNotFoundError(f"No such file: {folder}/config.json")
+
+        monkeypatch.setattr("kvplan.models.loader.read_hf_config", unreadable)
+    argv = [a.format(tmp=tmp_path) for a in argv] + ["--device", "cpu"]
+    if argv[0] == "bench":
+        argv += ["--config", "tiny-llama"]
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and match in err[0] and "Traceback" not in err[0]
+
+
 def test_fuzz_block_ledger():
     """Random add / step / abort / stream-close / bad requests on a small pool; the ledger
     holds after every operation and surviving greedy requests equal their single runs."""
@@ -250,17 +353,15 @@ def test_fuzz_block_ledger():
             with pytest.raises((ValueError, TypeError)):
                 llm.add_request(bad, GREEDY)
         check_ledger(llm)
-        for rid, prompt in list(live.items()):
-            req = llm.engine.requests[rid]
-            if not req.finished:
-                continue
-            del live[rid]
-            if req.finish_reason == "length":
+        for out in llm.pop_finished():
+            prompt = live.pop(out.request_id)
+            if out.finish_reason == "length":
                 key = tuple(prompt)
                 if key not in single:
                     single[key] = ref.generate([prompt], GREEDY)[0].token_ids
-                assert req.output_token_ids == single[key]
+                assert out.token_ids == single[key]
                 checked += 1
+        assert set(llm.engine.requests) >= set(live)  # the unfinished ones are live
     for s in streams:
         s.close()
     while llm.engine.has_unfinished():
