@@ -209,3 +209,33 @@ def test_cli_no_chat_flag():
     assert parser.parse_args(["--no-chat", "hi"]).no_chat_template
     assert parser.parse_args(["--no-chat-template", "hi"]).no_chat_template
     assert not parser.parse_args(["hi"]).no_chat_template
+
+
+def test_8k_request_memory_with_gemma_270m_shapes():
+    """Gemma-3-270M's layer windows (15 sliding of 512, 3 full), 16-token blocks, an 8,192-token
+    request committed in 512-token chunks: the sliding pools keep 32 of 512 blocks, so the
+    request's KV is 33,030,144 B instead of 150,994,944 B (bf16, 1 KV head x 256 dims)."""
+    from transformers import Gemma3TextConfig
+
+    from kvplan.cache import KVCacheManager
+
+    cfg = ModelConfig.from_hf(Gemma3TextConfig(sliding_window=512, num_hidden_layers=18))
+    bs, n = 16, 8192
+    bytes_per_block = bs * 2 * 1 * 256 * 2  # K and V, 1 KV head, head_dim 256, bf16
+    totals = []
+    for release in (False, True):
+        m = KVCacheManager.from_layer_windows(
+            n // bs + 1, bs, cfg.windows, max_blocks_per_seq=n // bs,
+            enable_prefix_caching=False, release_out_of_window=release,
+        )  # fmt: skip
+        prompt = list(range(n))
+        m.add_request("r", prompt)
+        for i in range(0, n, 512):
+            m.commit_tokens("r", prompt[i : i + 512])
+        live = [sum(b != 0 for b in m.get_block_ids("r", p)) for p in range(m.num_pools)]
+        layers = [cfg.windows.count(w) for w in m.window_sizes]
+        assert sorted(layers) == [3, 15]
+        totals.append(sum(k * c * bytes_per_block for k, c in zip(live, layers)))
+        if release:
+            assert sorted(live) == [32, 512]
+    assert totals == [150_994_944, 33_030_144]
