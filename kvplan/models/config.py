@@ -1,6 +1,8 @@
-"""Model configuration for the Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral).
+"""Model configuration for the Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral) and
+Gemma 3 (text).
 
-`ModelConfig` is a frozen dataclass holding exactly what `kvplan.models.llama` needs. It is
+`ModelConfig` is a frozen dataclass holding exactly what `kvplan.models.llama` and
+`kvplan.models.gemma3` need. It is
 built from a Hugging Face ``config.json`` (`ModelConfig.from_hf`) or from one of the named
 random-weight configurations used by tests and ``kvplan bench`` (`named_config`).
 
@@ -14,6 +16,14 @@ The family differences are captured by five fields:
   the same convention as Hugging Face's sliding-window mask (``k > p - W``);
 * ``rope``              -- theta and the scaling rule (``default``, ``linear``, ``llama3``);
 * ``tie_word_embeddings`` -- the LM head reuses the embedding matrix.
+
+Gemma 3 (``model_type == "gemma3_text"``, served by `kvplan.models.gemma3`) adds:
+
+* ``local_rope``            -- the RoPE of the sliding-window layers (``rope`` serves the
+  full-attention ones);
+* ``query_pre_attn_scalar`` -- attention scale ``query_pre_attn_scalar ** -0.5`` instead of
+  ``head_dim ** -0.5``;
+* ``hidden_act``            -- ``"gelu_pytorch_tanh"`` (the Llama family's is ``"silu"``).
 """
 
 from __future__ import annotations
@@ -26,6 +36,11 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 
 LLAMA_FAMILY_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """``model_type`` values `ModelConfig.from_hf` maps onto the Llama-family model."""
+
+GEMMA3_TYPES = ("gemma3_text",)
+"""``model_type`` values served by the Gemma 3 text model (`kvplan.models.gemma3`)."""
+
+_HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    local_rope: RopeConfig | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -123,6 +141,30 @@ class ModelConfig:
             for w in self.layer_windows:
                 if w is not None and w <= 0:
                     raise ValueError(f"sliding window must be > 0 or None, got {w}")
+        if self.hidden_act not in _HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {_HIDDEN_ACTS}, got {self.hidden_act!r}")
+        if self.query_pre_attn_scalar is not None and self.query_pre_attn_scalar <= 0:
+            raise ValueError(
+                f"query_pre_attn_scalar must be > 0 or None, got {self.query_pre_attn_scalar}"
+            )
+
+    @property
+    def is_gemma3(self) -> bool:
+        """Served by `kvplan.models.gemma3` (else by `kvplan.models.llama`)."""
+        return self.model_type in GEMMA3_TYPES
+
+    @property
+    def attn_scale(self) -> float:
+        """Softmax scale of the attention logits."""
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return self.head_dim**-0.5
+
+    def rope_of_layer(self, layer_idx: int) -> RopeConfig:
+        """RoPE of ``layer_idx``: ``local_rope`` for sliding-window layers when set."""
+        if self.local_rope is not None and self.windows[layer_idx] is not None:
+            return self.local_rope
+        return self.rope
 
     @property
     def head_dim(self) -> int:
@@ -148,11 +190,13 @@ class ModelConfig:
         """From a ``transformers`` config object or a ``config.json`` dict."""
         d = hf if isinstance(hf, dict) else hf.to_dict()
         model_type = d.get("model_type", "llama")
-        if model_type not in LLAMA_FAMILY_TYPES:
+        if model_type not in LLAMA_FAMILY_TYPES + GEMMA3_TYPES:
             raise ValueError(
-                f"model_type {model_type!r} is not supported by the Llama-family model; kvplan "
-                f"serves {LLAMA_FAMILY_TYPES} and 'deepseek_v4'"
+                f"model_type {model_type!r} is not supported; kvplan serves "
+                f"{LLAMA_FAMILY_TYPES + GEMMA3_TYPES} and 'deepseek_v4'"
             )
+        if model_type in GEMMA3_TYPES:
+            return cls._gemma3_from_hf(d)
         num_layers = int(d["num_hidden_layers"])
         num_heads = int(d["num_attention_heads"])
         rope = RopeConfig.from_hf(
@@ -193,6 +237,58 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             model_type=model_type,
+        )
+
+    @classmethod
+    def _gemma3_from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """A ``gemma3_text`` config dict: per-layer-type RoPE, query scale, gelu-tanh MLP."""
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if d.get(key) is not None:
+                raise ValueError(f"{key} = {d[key]} is not supported (kvplan needs None)")
+        for key in ("use_bidirectional_attention", "attention_bias"):
+            if d.get(key):
+                raise ValueError(f"{key} = {d[key]} is not supported for gemma3_text")
+        act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+        num_layers = int(d["num_hidden_layers"])
+        layer_types = d.get("layer_types") or ["full_attention"] * num_layers
+        window = d.get("sliding_window")
+        windows = tuple(
+            int(window) if t == "sliding_attention" and window is not None else None
+            for t in layer_types
+        )
+        params = d.get("rope_parameters") or {}
+        legacy_theta = float(d.get("rope_theta", 1000000.0))
+        if "full_attention" in params or "sliding_attention" in params:
+            rope = RopeConfig.from_hf(params.get("full_attention"), legacy_theta)
+            local = RopeConfig.from_hf(
+                params.get("sliding_attention"), float(d.get("rope_local_base_freq", 10000.0))
+            )
+        else:
+            rope = RopeConfig.from_hf(params or d.get("rope_scaling"), legacy_theta)
+            local = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+        num_heads = int(d["num_attention_heads"])
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim_override=d.get("head_dim"),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope=rope,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+            qk_norm=True,
+            layer_windows=None if all(w is None for w in windows) else windows,
+            max_position_embeddings=int(d.get("max_position_embeddings", 131072)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            model_type="gemma3_text",
+            local_rope=local,
+            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+            hidden_act=act,
         )
 
 

