@@ -164,49 +164,69 @@ def test_engine_graph_plumbing_on_cpu(tmp_path, seed):
     assert llm.parts.manager.num_free_blocks() == llm.parts.num_blocks - 1
 
 
-# ---------------------------------------------------------------------------------- GPU
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed", [0, 1])
+def _cache_tensors(family) -> list[torch.Tensor]:
+    return [t for c in family.caches for t in (c.ring.cache, *(p.cache for p in c.pools.values()),
+            *(x for pair in c.state.values() for x in pair))]  # fmt: skip
+
+
 @torch.no_grad()
-def test_graph_replays_equal_eager_steps_on_gpu(tmp_path, seed):
-    """Per decode step: the replayed graph's logits equal an eager step's (fp32, 1e-5)."""
-    folder = _saved(tmp_path, seed)
-    llm = LLM(str(folder), device="cuda", dtype="float32", max_num_seqs=5, max_model_len=96,
-              max_num_batched_tokens=16)  # fmt: skip
+def _check_replays_against_eager(llm, graphs, prompts) -> list[int]:
+    """Generate with every graph step checked: an eager step on copies of the caches first,
+    then the replay on the real ones; logits equal (fp32, 1e-5). Returns the checked sizes."""
     runner = llm.engine.runner
-    graphs = runner.graphs
-    assert isinstance(graphs, HybridDecodeGraphs), "capture failed (see stderr)"
+    engine_family = runner.families[HYBRID]
+    family = engine_family.family
     checked = []
     execute = runner.execute
 
     def checked_execute(step, device_input_ids=None):
         if not graphs.can_run(step):
             return execute(step, device_input_ids)
-        # eager first, on a copy of every cache, then the graph on the real caches
-        family = runner.families[HYBRID].family
-        saved = [t.clone() for c in family.caches for t in _cache_tensors(c)]
-        runner.graphs = runner.families[HYBRID].graphs = None
-        cached_len, owner = dict(family._cached_len), dict(family._owner)
-        eager, _ = execute(step)
-        eager = eager.clone()
-        for t, s in zip([t for c in family.caches for t in _cache_tensors(c)], saved):
+        saved = [t.clone() for t in _cache_tensors(family)]
+        books = dict(family._cached_len), dict(family._owner)
+        runner.graphs = engine_family.graphs = None
+        try:
+            eager = execute(step)[0].clone()
+        finally:
+            runner.graphs = engine_family.graphs = graphs
+        for t, s in zip(_cache_tensors(family), saved):
             t.copy_(s)
-        family._cached_len, family._owner = cached_len, owner
-        runner.graphs = runner.families[HYBRID].graphs = graphs
+        family._cached_len, family._owner = books
         logits, inputs = execute(step, device_input_ids)
-        checked.append(step.num_seqs)
         torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)
+        checked.append(step.num_seqs)
         return logits, inputs
 
     runner.execute = checked_execute
-    llm.generate(_prompts(seed), GREEDY)
+    llm.generate(prompts, GREEDY)
     assert graphs.num_replays == len(checked) > 0
-    assert len(set(checked)) > 1  # several buckets / padded steps
+    assert len(set(checked)) > 1  # several batch sizes, padded buckets among them
+    return checked
 
 
-def _cache_tensors(c):
-    return [c.ring.cache, *(p.cache for p in c.pools.values()),
-            *(t for pair in c.state.values() for t in pair)]  # fmt: skip
+def test_replay_checker_on_cpu(tmp_path):
+    """The GPU test's per-step check, with eager stand-ins for the graphs."""
+    llm = LLM(str(_saved(tmp_path, 1)), device="cpu", max_num_seqs=4, max_model_len=96,
+              max_num_batched_tokens=16)  # fmt: skip
+    runner = llm.engine.runner
+    graphs = CpuGraphs(runner.model, runner.families[HYBRID].family, 4)
+    graphs.capture_all()
+    runner.graphs = runner.families[HYBRID].graphs = graphs
+    checked = _check_replays_against_eager(llm, graphs, _prompts(1))
+    assert set(checked) - set(graphs.buckets)
+
+
+# ---------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_graph_replays_equal_eager_steps_on_gpu(tmp_path, seed):
+    """Per decode step: the replayed graph's logits equal an eager step's (fp32, 1e-5)."""
+    llm = LLM(str(_saved(tmp_path, seed)), device="cuda", dtype="float32", max_num_seqs=4,
+              max_model_len=96, max_num_batched_tokens=16)  # fmt: skip
+    graphs = llm.engine.runner.graphs
+    assert isinstance(graphs, HybridDecodeGraphs), "capture failed (see stderr)"
+    assert sorted(graphs.graphs) == [1, 2, 4]
+    _check_replays_against_eager(llm, graphs, _prompts(seed))
 
 
 @pytest.mark.gpu
@@ -216,7 +236,7 @@ def test_llm_greedy_with_graphs_equals_without_on_gpu(tmp_path, kv_format):
     prompts = _prompts(4)
     outs = {}
     for graphs in (False, True):
-        llm = LLM(str(folder), device="cuda", dtype="float32", max_num_seqs=5,
+        llm = LLM(str(folder), device="cuda", dtype="float32", max_num_seqs=4,
                   max_model_len=96, kv_format=kv_format, use_cuda_graph=graphs)  # fmt: skip
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         g = llm.engine.runner.graphs

@@ -95,12 +95,12 @@ class StaticDecodeBuffers:
         """int64 ``[rows, max_rows]`` numpy view of the staging slot the next upload sends."""
         return self._staging[self._slot].numpy()
 
-    def upload(self, num_rows: int) -> None:
-        """Copy the staged columns ``[:num_rows]`` into ``inputs`` and switch slots."""
+    def upload(self) -> None:
+        """Copy the staging slot into ``inputs`` (one contiguous copy; columns past the step's
+        rows are stale and never read) and switch slots."""
         staging = self._staging[self._slot]
         self._slot ^= 1
-        cuda = self.inputs.is_cuda
-        self.inputs[:, :num_rows].copy_(staging[:, :num_rows], non_blocking=cuda)
+        self.inputs.copy_(staging, non_blocking=self.inputs.is_cuda)
 
 
 class StaticDecodeStep(PlannedStep):
@@ -179,7 +179,7 @@ class StaticDecodeStep(PlannedStep):
             blk[6, rows] = plan.entry_index
             store = plan.slot_mapping_store_state
             blk[4] = np.where(store >= 0, store, cfg.num_state_slots * big_r)
-        self.buffers.upload(b)
+        self.buffers.upload()
         self._staged = staged
         self.seqs = list(seqs)
 
