@@ -165,6 +165,11 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
     if hybrid is not None:
         parts = build_hybrid(hybrid, config)
         net, manager, graphs = parts.model, parts.manager, None
+        if config.cuda_graphs_on:
+            from kvplan.engine.hybrid_graphs import HybridDecodeGraphs
+
+            graphs = HybridDecodeGraphs.maybe_create(net, parts.family.family, config.max_num_seqs)
+            parts.family.graphs = graphs
         families = {HYBRID: parts.family}
         runner = ModelRunner(net, families, dev, graphs)
         source = ModelSource(
@@ -172,8 +177,8 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         )
         cfg, fmt, num_blocks = hybrid.config, parts.kv_format, parts.num_blocks
         max_model_len, eos_ids = parts.max_model_len, hybrid.eos_token_ids
-        async_scheduling = False
-        summary = f"block_size={parts.block_size}"
+        async_scheduling = False  # hybrid steps are planned from the previous step's tokens
+        summary = f"block_size={parts.block_size}, cuda_graphs={graphs is not None}"
     else:
         source = resolve_source(model)
         cfg = source.config

@@ -13,14 +13,19 @@ attention is planned by `kvplan.plan` and stored in kvplan's paged formats
 * `build_hybrid` sizes the cache manager (one block per ``block_size`` raw positions, one state
   slot per running request, no prefix reuse) and the family's caches.
 
+CUDA graphs (CUDA, ``use_cuda_graph`` on by default there): decode-only steps replay the graph
+of the smallest batch-size bucket that holds them (`kvplan.engine.hybrid_graphs`); the
+family's ``plan`` then stages the step into the graph's persistent buffers instead of planning
+an eager step. Every other step runs eagerly.
+
 Mapping of the model onto the planning layer (`kvplan.plan.MetadataConfig`): the sliding
 window is ``window_size`` and the ring (``swa_block_size``); HCA layers' ratio is a dense
 ratio, CSA layers' ratio a sparse ratio with the indexer's ``index_topk``; ``block_size`` is
 the engine's, rounded up to a multiple of every ratio.
 
 Not supported for these models: prefix caching (the ring and compressor state of a reused
-prefix are not kept), speculative decoding, CUDA graphs and async scheduling (their steps
-run eagerly).
+prefix are not kept), speculative decoding and async scheduling (the engine runs their steps
+one at a time: a step is planned from the tokens of the previous one).
 """
 
 from __future__ import annotations
@@ -55,11 +60,12 @@ class HybridEngineFamily:
         self.family = family
         self.manager = manager
         self.device = device
+        self.graphs: Any = None  # a HybridDecodeGraphs when decode steps replay CUDA graphs
 
-    def plan(self, step: StepBatch) -> Any:
-        """The step's `HybridStepContext`: one `HybridSeq` per row, in step order."""
+    def seqs(self, step: StepBatch) -> list[HybridSeq]:
+        """One `HybridSeq` per row of ``step``, in step order."""
         m = self.manager
-        seqs = [
+        return [
             HybridSeq(
                 rid,
                 cached,
@@ -75,8 +81,14 @@ class HybridEngineFamily:
                 step.num_query_tokens.tolist(),
             )
         ]
+
+    def plan(self, step: StepBatch) -> Any:
+        """The step's `HybridStepContext`: an eager planned step, or, for a step that replays
+        a CUDA graph (``graphs.can_run``), the graph's staged static step."""
+        if self.graphs is not None and self.graphs.can_run(step):
+            return self.graphs.stage(self.seqs(step))
         positions = torch.from_numpy(step.positions).to(self.device)
-        return self.family.plan(seqs, positions)
+        return self.family.plan(self.seqs(step), positions)
 
     def free(self, request_id: Any) -> None:
         self.family.free(request_id)

@@ -194,6 +194,14 @@ class PlannedHybridFamily:
         from another length than the one its caches hold, or on a state slot another request
         wrote since; the planning layer's own checks name the field otherwise.
         """
+        self.check_continuation(seqs)
+        step = PlannedStep(self, seqs, positions)
+        self.record(seqs)
+        return step
+
+    def check_continuation(self, seqs: list[HybridSeq]) -> None:
+        """The checks of `plan` on ``seqs`` (types; a continuing request's cached length and
+        state slot owner), before anything is planned or written."""
         if not seqs:
             raise ValueError("seqs is empty: a step needs at least one sequence")
         for i, s in enumerate(seqs):
@@ -207,11 +215,12 @@ class PlannedHybridFamily:
                         f"caches hold {held} tokens in state slot {s.state_id} (owner "
                         f"{self._owner.get(s.state_id)}); restart it with q_start = 0"
                     )
-        step = PlannedStep(self, seqs, positions)
+
+    def record(self, seqs: list[HybridSeq]) -> None:
+        """Note that a planned step over ``seqs`` will run (cached lengths, slot owners)."""
         for s in seqs:
             self._cached_len[s.request_id] = s.q_start + s.seqlen_q
             self._owner[s.state_id] = s.request_id
-        return step
 
     def free(self, request_id: int) -> None:
         """Forget a request (its slots go back to the engine's cache manager)."""

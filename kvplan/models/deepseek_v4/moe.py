@@ -12,9 +12,23 @@ names an expert twice counts it twice.) Every expert and the shared expert are S
 whose gate is clamped above at ``swiglu_limit`` and whose up projection is clamped to
 ``[-limit, limit]``. ``gate_up`` of expert ``e`` is ``[2I, hidden]``: rows ``0..I-1`` gate,
 ``I..2I-1`` up.
+
+Two ways to apply the routed experts, equal up to fp32 rounding (the dense one sums a row's
+experts in expert order, as the sparse one does, but adds a repeated expert's weights first):
+
+* sparse (eager default): the rows of each routed expert are gathered and run through it; the
+  list of routed experts is read on the host (a sync per layer);
+* dense (no host sync, fixed shapes, CUDA-graph capturable): every expert runs on every row
+  and its output is weighted by the row's routing weight for it (zero when not routed), which
+  costs ``n_routed_experts / k`` times the expert FLOPs: meant for decode-sized batches. It runs
+  while a CUDA graph is being captured, or when ``dense_routing`` is set (see
+  `graph_safe_routing`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +75,7 @@ class DeepseekV4MoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(e, 2 * inter, d))
         self.down = nn.Parameter(torch.empty(e, d, inter))
         self.shared = SharedExpert(d, inter, c.swiglu_limit)
+        self.dense_routing = False  # see the module docstring
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids int64 ``[T, k]``, weights ``[T, k]``) for ``x [T, hidden]``."""
@@ -81,10 +96,53 @@ class DeepseekV4MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, hidden]``; ``input_ids``: int64 ``[T]`` -> ``[T, hidden]``."""
         ids, weights = self.route(x, input_ids)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.dense_routing or capturing:
+            routed = self.experts_dense(x, ids, weights)
+        else:
+            routed = self.experts_sparse(x, ids, weights)
+        return routed + self.shared(x)
+
+    def experts_sparse(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Routed experts over their gathered rows (host sync: the list of routed experts).
+        ``ids`` int64 / ``weights`` ``[T, k]`` from `route` -> ``[T, hidden]``."""
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             rows, slots = torch.nonzero(ids == e, as_tuple=True)
             gate, up = F.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
             y = F.linear(swiglu(gate, up, self.limit), self.down[e])
             out.index_add_(0, rows, (y * weights[rows, slots, None]).to(out.dtype))
-        return out + self.shared(x)
+        return out
+
+    def experts_dense(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert on every row, weighted by the row's routing weight for it (zero when
+        not routed; a repeated expert's weights add up). No host sync; shapes depend on
+        ``T`` only. ``ids`` int64 / ``weights`` ``[T, k]`` -> ``[T, hidden]``."""
+        num_experts = self.gate_up.shape[0]
+        dense = torch.zeros(x.shape[0], num_experts, dtype=weights.dtype, device=x.device)
+        dense.scatter_add_(1, ids, weights)  # [T, E]
+        out = torch.zeros_like(x)
+        for e in range(num_experts):
+            gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(swiglu(gate, up, self.limit), self.down[e])
+            out += (y * dense[:, e, None]).to(out.dtype)
+        return out
+
+
+@contextmanager
+def graph_safe_routing(model: nn.Module) -> Iterator[None]:
+    """Within the block every `DeepseekV4MoE` of ``model`` uses the dense (sync-free) expert
+    path, as it does under CUDA-graph capture; the previous setting is restored after."""
+    moes = [m for m in model.modules() if isinstance(m, DeepseekV4MoE)]
+    before = [m.dense_routing for m in moes]
+    for m in moes:
+        m.dense_routing = True
+    try:
+        yield
+    finally:
+        for m, b in zip(moes, before):
+            m.dense_routing = b

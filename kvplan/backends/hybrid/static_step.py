@@ -1,0 +1,218 @@
+"""``StaticDecodeStep``: a decode step of the planned hybrid family whose every device input
+lives in persistent buffers, so that a CUDA graph captured over it replays any later step.
+
+A captured graph replays its kernels on the tensors they read at capture time; every tensor
+a decode step reads must therefore keep its address and be rewritten in place.
+:class:`StaticDecodeBuffers` (one per family, ``max_rows`` rows) holds them:
+
+* ``out``: the on-device decode metadata buffers of
+  ``kvplan.plan.decode_device.make_decode_device_out`` (packed host facts in, per-row
+  ``InputMetadata`` fields out);
+* ``inputs``: int64 ``[2 + 7 * S, max_rows]``: the model's token ids (row 0) and positions
+  (row 1), then for each compressed series ``(ratio, overlap)`` (``S`` of them) one column
+  per step row: ``window_facts`` (4 rows, see ``kvplan.plan.compressor_state``), the
+  compressor-state ring row written (the trash row when none), the entry's RoPE position
+  ``j * r`` and its ``j``.
+
+A :class:`StaticDecodeStep` of ``num_rows = b`` rows (one CUDA-graph bucket) splits a step:
+
+``stage(seqs)`` (host, before each replay)
+    validates ``seqs`` (decode rows), writes the packed decode facts
+    (``stage_decode_on_device(..., out=)``) and ``inputs`` (from a pinned staging buffer on
+    CUDA, one copy). Rows ``len(seqs) .. b - 1`` are padding: placeholder sequences (position
+    0, block table ``[0]``, state slot 0) that write no SWA row, no compressed entry and no
+    compressor state (slot -1; their state rows go to the ring's trash row). They only read,
+    and their outputs are discarded.
+``begin()`` (device, inside the graph)
+    the decode kernels, ``compute_attn_info`` (derived fields rebuilt every time), the
+    expansion of the window facts. The model then runs with the step as its context.
+
+Fixed shapes: ``compress_windows`` returns ``E = b`` windows, one per row: the window the row
+closes, or, when it closes none, a stand-in over its state ring whose entry is stored at slot
+-1 (the planner's ``slot_mapping_store_ca`` of such a row). Compressed layers consider
+``max_model_len // r`` entries per row (``-1`` past the row's count) instead of the step's
+longest. Values equal an eager :class:`~kvplan.backends.hybrid.planned_step.PlannedStep` of
+the same sequences (up to the order of equal index-score ties).
+
+Example::
+
+    buffers = StaticDecodeBuffers(family, max_rows=8)
+    step = StaticDecodeStep(family, 4, buffers)
+    step.stage(seqs)                       # <= 4 decode HybridSeqs
+    step.begin()
+    logits = model(step.input_ids, step.positions, step)[: len(seqs)]
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvplan.backends.hybrid.api import HybridSeq
+from kvplan.backends.hybrid.planned_step import PlannedStep
+from kvplan.plan.compressor_state import expand_window_index, plan_compressor_state, state_rows
+from kvplan.plan.config import ratio_key
+from kvplan.plan.decode_device import (
+    launch_decode_kernels,
+    make_decode_device_out,
+    stage_decode_on_device,
+)
+from kvplan.plan.sequence import SequenceMetadata
+
+if TYPE_CHECKING:
+    from kvplan.backends.hybrid.planned import PlannedHybridFamily
+
+SERIES_ROWS = 7  # window_facts (4), state ring row, entry position, entry index
+_PADDING = SequenceMetadata(
+    seqlen_q=1, seqlen_k=1, block_table=(0,), state_id=0, token_ids=(0,), is_placeholder=True
+)
+
+
+class StaticDecodeBuffers:
+    """The persistent buffers of a family's static decode steps (module docstring)."""
+
+    def __init__(self, family: PlannedHybridFamily, max_rows: int) -> None:
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be an int >= 1, got {max_rows!r}")
+        self.family = family
+        self.max_rows = max_rows
+        keys = sorted({(s.ratio, s.overlap) for s in family.layers if s.ratio})
+        self.series = {k: 2 + SERIES_ROWS * i for i, k in enumerate(keys)}  # -> first row
+        num = 2 + SERIES_ROWS * len(keys)
+        dev = family.device
+        self.out = make_decode_device_out(family.config, max_rows, max_rows, 1)
+        self.inputs = torch.zeros(num, max_rows, dtype=torch.int64, device=dev)
+        # two staging slots used in turn: a step rewrites the slot of the step before last,
+        # whose copy the engine has waited for (it read that step's sampled tokens)
+        pin = dev.type == "cuda"
+        self._staging = torch.zeros(2, num, max_rows, dtype=torch.int64, pin_memory=pin)
+        self._slot = 0
+
+    def host(self) -> np.ndarray:
+        """int64 ``[rows, max_rows]`` numpy view of the staging slot the next upload sends."""
+        return self._staging[self._slot].numpy()
+
+    def upload(self) -> None:
+        """Copy the staging slot into ``inputs`` (one contiguous copy; columns past the step's
+        rows are stale and never read) and switch slots."""
+        staging = self._staging[self._slot]
+        self._slot ^= 1
+        self.inputs.copy_(staging, non_blocking=self.inputs.is_cuda)
+
+
+class StaticDecodeStep(PlannedStep):
+    """A decode step of ``num_rows`` rows over persistent buffers (module docstring).
+
+    Attributes:
+        input_ids, positions: int64 ``[num_rows]`` views of ``buffers.inputs`` (the model's
+            inputs; ``positions`` is also this context's ``positions``).
+    """
+
+    def __init__(
+        self, family: PlannedHybridFamily, num_rows: int, buffers: StaticDecodeBuffers
+    ) -> None:
+        # no PlannedStep.__init__: nothing is planned before stage()
+        if buffers.family is not family:
+            raise ValueError("buffers were made for another family")
+        if isinstance(num_rows, bool) or not isinstance(num_rows, int):
+            raise TypeError(f"num_rows must be an int, got {num_rows!r}")
+        if not 1 <= num_rows <= buffers.max_rows:
+            raise ValueError(f"num_rows = {num_rows} outside [1, {buffers.max_rows}]")
+        self.family = family
+        self.buffers = buffers
+        self.num_rows = num_rows
+        self.is_prompt = False
+        self.input_ids = buffers.inputs[0, :num_rows]
+        self.positions = buffers.inputs[1, :num_rows]
+        self.max_seqlen_k = family.config.max_model_len  # widths fixed for any step
+        self.seqs: list[HybridSeq] = []
+        self.meta = None
+        self.traces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._staged = None
+        self._states: dict[tuple[int, bool], SimpleNamespace] = {}
+        self._windows_done: set[tuple[int, str]] = set()
+        self._stored: set[tuple[int, str]] = set()
+
+    # ---- host -------------------------------------------------------------------------
+    def stage(self, seqs: list[HybridSeq]) -> None:
+        """Write the host facts of a decode step over ``seqs`` (at most ``num_rows`` decode
+        rows; the rest is padding) into the persistent buffers. Raises ``ValueError`` /
+        ``TypeError`` naming the sequence before anything is written."""
+        b, cfg = self.num_rows, self.family.config
+        if len(seqs) > b:
+            raise ValueError(f"{len(seqs)} sequences do not fit a step of {b} rows")
+        for i, s in enumerate(seqs):
+            if not isinstance(s, HybridSeq):
+                raise TypeError(f"seqs[{i}] must be a HybridSeq, got {type(s).__name__}")
+            if s.seqlen_q != 1:
+                raise ValueError(f"seqs[{i}].seqlen_q = {s.seqlen_q}: decode rows only (1)")
+            if len(s.token_ids) <= s.q_start:
+                raise ValueError(
+                    f"seqs[{i}].token_ids has {len(s.token_ids)} entries; needs "
+                    f"q_start + 1 = {s.q_start + 1}"
+                )
+        metas = [
+            SequenceMetadata(seqlen_q=1, seqlen_k=s.q_start + 1, block_table=s.block_table,
+                             state_id=s.state_id, token_ids=s.token_ids[: s.q_start + 1])
+            for s in seqs
+        ] + [_PADDING] * (b - len(seqs))  # fmt: skip
+        staged = stage_decode_on_device(metas, cfg, out=self.buffers.out)  # validates, writes
+        host = self.buffers.host()
+        n = len(seqs)
+        host[0, :b] = 0
+        host[1, :b] = 0
+        host[0, :n] = [s.token_ids[s.q_start] for s in seqs]
+        host[1, :n] = [s.q_start for s in seqs]
+        sid = np.array([m.state_id for m in metas], dtype=np.int64)
+        for (ratio, overlap), row in self.buffers.series.items():
+            plan = plan_compressor_state(metas, ratio, overlap)
+            big_r = plan.state_rows
+            blk = host[row : row + SERIES_ROWS, :b]
+            blk[0], blk[1], blk[2], blk[3] = sid * big_r, 0, big_r, 0  # stand-in: the ring
+            blk[4:] = 0
+            rows = plan.entry_seq  # decode: row t closes at most one entry, of sequence t
+            blk[0:4, rows] = plan.window_facts.T
+            blk[5, rows] = plan.positions
+            blk[6, rows] = plan.entry_index
+            store = plan.slot_mapping_store_state
+            blk[4] = np.where(store >= 0, store, cfg.num_state_slots * big_r)
+        self.buffers.upload()
+        self._staged = staged
+        self.seqs = list(seqs)
+
+    # ---- device -----------------------------------------------------------------------
+    def begin(self) -> None:
+        """The device half of the step (captured with the model): decode kernels, derived
+        metadata, window expansion; resets the per-step call order checks."""
+        if self._staged is None:
+            raise RuntimeError("stage() must precede begin()")
+        fam, cfg = self.family, self.family.config
+        launch_decode_kernels(self._staged)
+        meta = self._staged.meta
+        meta.clean()  # derived fields are rebuilt on every run (inside a captured graph)
+        self.meta = meta.compute_attn_info(cfg, check=fam.check)
+        inputs, b = self.buffers.inputs, self.num_rows
+        self._states = {}
+        for (ratio, overlap), row in self.buffers.series.items():
+            big_r = state_rows(ratio, overlap)
+            ring_rows = cfg.num_state_slots * big_r
+            facts = inputs[row : row + 4, :b].t()  # [b, 4]
+            self._states[(ratio, overlap)] = SimpleNamespace(
+                plan=SimpleNamespace(num_entries=b),
+                ring_rows=ring_rows,
+                window_index=expand_window_index(facts, big_r, ring_rows).long(),
+                store_rows=inputs[row + 4, :b],
+                positions=inputs[row + 5, :b],
+                entry_index=inputs[row + 6, :b],
+                seq_index=torch.arange(b, device=inputs.device),
+                slots=self.meta.slot_mapping_store_ca[ratio_key(ratio)],
+            )
+        self._windows_done = set()
+        self._stored = set()
+        self.traces = {}
+
+    def _state(self, ratio: int, overlap: bool) -> SimpleNamespace:
+        return self._states[(ratio, overlap)]
