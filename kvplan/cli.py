@@ -1,4 +1,4 @@
-"""Command line: ``kvplan kv-demo | generate | bench``.
+"""Command line: ``kvplan kv-demo | generate | serve | bench``.
 
 Each subcommand lives in its own module; this file only routes, so ``kvplan --help`` is fast.
 Completions go to stdout; logs and progress go to stderr. A ValueError, TypeError,
@@ -15,6 +15,7 @@ import sys
 # ``run(args) -> int``.
 _COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvplan.engine.cli_generate", "generate a completion with a real model"),
+    "serve": ("kvplan.server.cli_serve", "OpenAI-compatible HTTP server on the engine"),
     "bench": ("kvplan.engine.cli_bench", "throughput benchmark on random-weight models"),
     "kv-demo": ("kvplan.demo", "store/load round trip of every KV cache format"),
 }

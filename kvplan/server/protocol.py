@@ -1,0 +1,323 @@
+"""OpenAI request bodies -> token ids and `SamplingParams`; the OpenAI error shape.
+
+`parse_completion` and `parse_chat` check every field they read and raise `ApiError` (HTTP
+400, naming the parameter) for a bad one, so nothing invalid reaches the engine. Fields the
+engine cannot honour (penalties, logprobs, echo, logit_bias, tools, JSON output) are refused
+with a 400 naming them unless they hold their neutral value; unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvplan.engine.sampling import SamplingParams
+
+MAX_N = 16  # most choices per prompt
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad(param: str | None, message: str, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What requests are checked against: the served name, ``max_model_len`` and a
+    ``check_prompt(ids) -> ids`` that raises ValueError/TypeError for ids outside the
+    vocabulary."""
+
+    name: str
+    max_model_len: int
+    check_prompt: Any
+
+
+@dataclass
+class Parsed:
+    """A validated request: one entry of ``prompts`` / ``params`` per choice (prompt ``i``'s
+    ``n`` choices are entries ``i * n .. i * n + n - 1``)."""
+
+    model: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    num_prompts: int
+    n: int
+    stream: bool
+    include_usage: bool
+
+
+# ---------------------------------------------------------------- field checks
+def _int(body: dict, name: str, default: Any, minimum: int | None = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(name, f"{name} must be an integer, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise bad(name, f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(name, f"{name} must be a finite number, got {v!r}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        side = "(" if lo_open else "["
+        raise bad(name, f"{name} must be in {side}{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"{name} must be a boolean, got {v!r}")
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...] | None:
+    v = body.get("stop")
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or any(not isinstance(s, str) or not s for s in v):
+        raise bad("stop", f"stop must be a non-empty string or a list of them, got {v!r}")
+    return tuple(v) or None
+
+
+def _token_list(v: Any, name: str) -> list[int]:
+    if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
+        raise bad(name, f"{name} must be a list of integers, got {v!r}")
+    return v
+
+
+def _refuse_unsupported(body: dict, neutral: dict[str, Any]) -> None:
+    for name, ok in neutral.items():
+        v = body.get(name)
+        if v is not None and v != ok and not (isinstance(ok, tuple) and v in ok):
+            raise bad(name, f"{name}={v!r} is not supported by this server")
+
+
+_COMMON_UNSUPPORTED = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+}
+
+
+def _check_model(body: dict, limits: ModelLimits) -> str:
+    model = body.get("model", limits.name)
+    if not isinstance(model, str):
+        raise bad("model", f"model must be a string, got {model!r}")
+    if model != limits.name:
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this server serves {limits.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return model
+
+
+def _sampling(
+    body: dict,
+    limits: ModelLimits,
+    prompts: list[list[int]],
+    prompt_param: str,
+    max_tokens_names: tuple[str, ...],
+    default_max_tokens: int | None,
+) -> Parsed:
+    """The fields every endpoint shares; ``prompts`` are token ids, not yet checked."""
+    model = _check_model(body, limits)
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise bad(prompt_param, f"{prompt_param} is empty (no tokens)")
+        try:
+            prompts[i] = limits.check_prompt(ids)
+        except (ValueError, TypeError) as exc:
+            raise bad(prompt_param, f"{prompt_param}: {exc}", code="invalid_token_id") from None
+    max_tokens, mt_name = None, max_tokens_names[0]
+    for name in max_tokens_names:
+        if body.get(name) is not None:
+            max_tokens, mt_name = _int(body, name, None, 1), name
+            break
+    limit = limits.max_model_len
+    longest = max(len(p) for p in prompts)
+    if longest >= limit:
+        raise bad(
+            prompt_param,
+            f"the prompt has {longest} tokens; this model's limit is {limit} tokens "
+            "(prompt + completion)",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        room = limit - longest
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif longest + max_tokens > limit:
+        raise bad(
+            mt_name,
+            f"{mt_name}={max_tokens} plus the prompt's {longest} tokens exceeds this model's "
+            f"limit of {limit} tokens",
+            code="context_length_exceeded",
+        )
+    n = _int(body, "n", 1, 1)
+    if n > MAX_N:
+        raise bad("n", f"n must be <= {MAX_N}, got {n}")
+    seed = _int(body, "seed", None, 0)
+    if seed is not None and seed >= 2**63 - MAX_N:
+        raise bad("seed", f"seed must be < 2**63 - {MAX_N}, got {seed}")
+    top_k = _int(body, "top_k", 0, -1)
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = () if stop_ids is None else tuple(_token_list(stop_ids, "stop_token_ids"))
+    if any(t < 0 for t in stop_ids):
+        raise bad("stop_token_ids", f"stop_token_ids must be >= 0, got {list(stop_ids)}")
+    base = dict(
+        max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 1.0, 0.0, 2.0, False),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, True),
+        top_k=top_k,
+        stop=_stop(body),
+        stop_token_ids=stop_ids,
+        ignore_eos=_bool(body, "ignore_eos", False),
+    )
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("stream_options", f"stream_options must be an object, got {opts!r}")
+        if not stream:
+            raise bad("stream_options", "stream_options is only allowed with stream=true")
+        include_usage = _bool(opts, "include_usage", False)
+    all_prompts, params = [], []
+    for ids in prompts:
+        for j in range(n):
+            # choice j of a seeded request draws from seed + j: reproducible, yet distinct
+            params.append(SamplingParams(**base, seed=None if seed is None else seed + j))
+            all_prompts.append(ids)
+    return Parsed(model, all_prompts, params, len(prompts), n, stream, include_usage)
+
+
+# ---------------------------------------------------------------- endpoints
+def parse_completion(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
+    """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a list of
+    either (one prompt each). Strings are tokenized as the tokenizer does (BOS included)."""
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    _refuse_unsupported(body, {**_COMMON_UNSUPPORTED, "echo": (False,), "suffix": ("",)})
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise bad("best_of", "best_of other than n is not supported by this server")
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad("prompt", "prompt is required")
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
+    ):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad("prompt", f"prompt must be a string, a list of token ids or a list of those, got {prompt!r}")  # fmt: skip
+    prompts: list[list[int]] = []
+    for p in prompt:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise bad("prompt", "this model has no tokenizer: send token ids")
+            prompts.append([int(t) for t in tokenizer.encode(p)])
+        else:
+            prompts.append(list(_token_list(p, "prompt")))
+    return _sampling(body, limits, prompts, "prompt", ("max_tokens",), 16)
+
+
+def _message_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad(f"messages[{i}].content", "only text content parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content", "a text part needs a string 'text'")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content", f"content must be a string or a list of text parts, got {content!r}")  # fmt: skip
+
+
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
+    """``POST /v1/chat/completions``: ``messages`` through the tokenizer's chat template
+    (with the generation prompt); ``max_completion_tokens`` or ``max_tokens`` (default: up to
+    the model's limit)."""
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    _refuse_unsupported(
+        body,
+        {
+            **_COMMON_UNSUPPORTED,
+            "top_logprobs": (0,),
+            "tools": ([],),
+            "response_format": ({"type": "text"},),
+        },
+    )
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", f"messages must be a non-empty list, got {messages!r}")
+    conv = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", f"a message must be an object, got {m!r}")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad(f"messages[{i}].role", f"role must be one of {_ROLES}, got {role!r}")
+        conv.append({"role": role, "content": _message_text(m.get("content"), i)})
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise bad(None, "this model has no chat template: use /v1/completions")
+    try:
+        ids = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
+    except Exception as exc:  # the template's own checks (e.g. role order)
+        raise bad("messages", f"the chat template rejected the messages: {exc}") from None
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return _sampling(
+        body, limits, [[int(t) for t in ids]], "messages", ("max_completion_tokens", "max_tokens"), None
+    )  # fmt: skip
