@@ -1,4 +1,4 @@
-"""A tiny random Llama folder with a small word-level tokenizer and a chat template, built
+"""Server test helpers: the API key and a tiny random Llama folder with a small word-level tokenizer and a chat template, built
 offline (Hugging Face ``save_pretrained`` + a ``tokenizers`` WordLevel model)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+API_KEY = "test-key"
 SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
 WORDS = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [f"w{i}" for i in range(200)]
 VOCAB_SIZE = 256  # >= len(SPECIALS) + len(WORDS)
@@ -49,7 +50,7 @@ def make_model_folder(folder: Path, seed: int = 0) -> Path:
         num_key_value_heads=2,
         vocab_size=VOCAB_SIZE,
         initializer_range=0.2,
-        max_position_embeddings=256,
+        max_position_embeddings=1024,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=None,
