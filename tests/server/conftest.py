@@ -3,6 +3,7 @@ random Llama folder with a word-level tokenizer, plus a reference `LLM` on the s
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import threading
 import time
@@ -12,6 +13,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# the server tests need the serve and test extras
+_NEEDED = ("fastapi", "uvicorn", "openai", "httpx")
+collect_ignore_glob = [] if all(importlib.util.find_spec(m) for m in _NEEDED) else ["test_*.py"]
 
 
 ENGINE = dict(device="cpu", block_size=8, max_num_seqs=64, max_model_len=1024, num_blocks=1200)
