@@ -161,6 +161,8 @@ def build_app(
             handle = engine.submit(parsed.prompts, parsed.params, asyncio.get_running_loop())
         except QueueFull as exc:
             raise ApiError(503, str(exc), type="server_error", code="server_overloaded") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="n") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if parsed.stream:
             body = _stream(handle, parsed, chat, rid)

@@ -115,8 +115,13 @@ class EngineLoop:
         loop: asyncio.AbstractEventLoop,
     ) -> Handle:
         """Queue one engine request per ``(prompts[i], params[i])`` (validated already);
-        raises `QueueFull` when they do not all fit."""
+        raises `QueueFull` when they do not all fit now, ValueError when they never can."""
         n = len(prompts)
+        if n > self.max_live_requests:
+            raise ValueError(
+                f"{n} completions in one request; this server runs at most "
+                f"{self.max_live_requests} at once"
+            )
         with self._count_lock:
             if self._num_live + n > self.max_live_requests:
                 self.metrics.count_rejected()
@@ -146,7 +151,10 @@ class EngineLoop:
                 if cmd is None or self._stopping:
                     self._shutdown()
                     return
-                self._do(cmd)
+                try:
+                    self._do(cmd)
+                except Exception as exc:  # never expected; the loop must keep serving
+                    self._log("command failed", exc)
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
@@ -160,7 +168,7 @@ class EngineLoop:
             for choice, (ids, sp) in enumerate(zip(prompts, params)):
                 try:
                     rid = self.llm.add_request(ids, sp)
-                except (ValueError, TypeError) as exc:  # validated before; never expected
+                except Exception as exc:  # validated before; never expected
                     self._release(1)
                     handle.put(Event(choice, [], error=str(exc)))
                     continue
@@ -179,7 +187,7 @@ class EngineLoop:
             touched = self.llm.step()
         except Exception as exc:  # the engine finished the running requests with "error"
             self.metrics.count_step_error()
-            print(f"kvplan serve: engine step failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._log("engine step failed", exc)
             touched = []
         now = time.monotonic()
         for req in touched:
@@ -209,6 +217,10 @@ class EngineLoop:
             live.num_sent += len(new)
         if new or out is not None:
             live.handle.put(Event(live.choice, new, out))
+
+    @staticmethod
+    def _log(what: str, exc: BaseException) -> None:
+        print(f"kvplan serve: {what}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     def _release(self, n: int) -> None:
         with self._count_lock:

@@ -62,6 +62,8 @@ def served(tmp_path_factory):
         assert thread.is_alive() and time.monotonic() < end, "the server did not start"
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
-    yield Served(llm, ref, server, thread, f"http://127.0.0.1:{port}")
+    served = Served(llm, ref, server, thread, f"http://127.0.0.1:{port}")
+    served.model_dir = folder
+    yield served
     server.should_exit = True
     thread.join(10)

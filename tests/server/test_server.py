@@ -306,3 +306,29 @@ def test_engine_step_failure_answers_500_and_loop_survives(served, monkeypatch):
     out = _client(served).completions.create(model="tiny-llama", prompt="a b", max_tokens=4, temperature=0)  # fmt: skip
     ref = _ref(served, [_enc(served, "a b")], SamplingParams(max_tokens=4))[0]
     assert out.choices[0].text == ref.text
+
+
+def test_cli_serve_prints_address_and_serves(served, tmp_path):
+    import subprocess
+    import sys
+
+    model_dir = served.model_dir
+    cmd = [sys.executable, "-m", "kvplan", "serve", "--model", str(model_dir), "--port", "0",
+           "--device", "cpu", "--block-size", "8", "--max-model-len", "64", "--num-blocks", "40"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in proc.stderr:
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url is not None, "kvplan serve printed no address"
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        r = httpx.post(url + "/v1/completions", json={"prompt": "a b c", "max_tokens": 5, "temperature": 0})  # fmt: skip
+        ref = _ref(served, [_enc(served, "a b c")], SamplingParams(max_tokens=5))[0]
+        assert r.json()["choices"][0]["text"] == ref.text
+        assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 64
+    finally:
+        proc.terminate()
+        proc.wait(20)
