@@ -131,7 +131,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        alive = engine._thread is not None and engine._thread.is_alive()
+        alive = engine.alive
         return JSONResponse(
             {"status": "ok" if alive else "down"}, status_code=200 if alive else 503
         )

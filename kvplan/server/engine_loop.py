@@ -95,6 +95,11 @@ class EngineLoop:
     def num_live(self) -> int:
         return self._num_live
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvplan-engine", daemon=True)
