@@ -1,4 +1,4 @@
-"""Attention backends: the metadata contract and three kernel formats (seed 001).
+"""Attention backends: the metadata contract and three kernel formats.
 
 ``get_backend(name)`` returns the backend class; ``backend.Metadata`` is its metadata class:
 

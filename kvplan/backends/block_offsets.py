@@ -13,7 +13,7 @@ The kernels read that table directly: pool p's pages of row b are
 ``table[p].flatten()[b * 2 * max_blocks_per_seq + j]`` (the K entries, used for both the K
 and the V cache; the V entries are equal by construction and kept for the layout).
 
-Lengths (addressable vs valid, seed 001):
+Lengths (addressable vs valid):
     kv_lens       host int32 ``[num_seqs]`` = cached + seq_lens_kv + num_extra_kv_tokens: the
                   addressable bound (draft tokens a speculative sub-step may append on the
                   device); every row must own its blocks, and it is checked against ``max_seq_len``.

@@ -1,4 +1,4 @@
-"""``AttentionMetadata``: the contract between the engine and the attention layers (seed 001).
+"""``AttentionMetadata``: the contract between the engine and the attention layers.
 
 One object is the only hand-off between the scheduler/engine and the attention layers of one
 forward step. Its fields fall in three groups:

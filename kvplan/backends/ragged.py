@@ -22,7 +22,7 @@ the ``*_np`` host copies of those are then recomputed with numpy on first read.
 other fields rather than computed by a device cumsum after the copy: same values, same
 stable buffer, one kernel launch less per step.
 
-Addressable vs valid (seed 001): with ``use_full_generation_page_table`` the generation rows
+Addressable vs valid: with ``use_full_generation_page_table`` the generation rows
 expose every reserved page (``max(logical, reserved)``) so a speculative append stays
 addressable across a page boundary, while attention and positions use the separate logical
 lengths ``kv_lens`` (``cached + seq_lens_kv``): the kernels are always given ``kv_lens``, never

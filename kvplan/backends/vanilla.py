@@ -1,6 +1,6 @@
 """Vanilla backend: gather each sequence's paged K/V into contiguous NHD, then torch SDPA.
 
-The correctness anchor (seed 001): no paged kernel, no page table; ``prepare()`` only asks the
+The correctness anchor: no paged kernel, no page table; ``prepare()`` only asks the
 manager for each sequence's block ids (``block_ids_per_seq``) and the slots of this step's new
 tokens. ``forward`` stores K/V, then per sequence gathers ``kv_lens[b]`` tokens from the pool
 into a contiguous ``[kv_len, Hkv, D]`` tensor (token-major, NHD) and runs

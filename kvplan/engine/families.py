@@ -6,7 +6,7 @@ object per name; each step the runner asks every family once for its plan
 (``family.plan(step)``) and hands the model ``{name: plan}``; each layer passes its own
 family's plan to its attention kernel. A family never sees another family's tensors.
 
-* `PagedFamily` (``"paged"``): seed 001's `kvplan.backends.AttentionMetadata` (vanilla,
+* `PagedFamily` (``"paged"``): the `kvplan.backends.AttentionMetadata` contract (vanilla,
   ragged or block offsets), for dense and sliding-window layers. Its block tables come from
   the `kvplan.cache.KVCacheManager`, keyed by ``step.request_ids``.
 

@@ -161,7 +161,7 @@ def raw_segments_per_program(
 ) -> int:
     """Segments per program of the raw (index / BF16) load: a power of two that brings a
     program to about 32 KB of record bytes (one block of a 132-byte index format is only
-    8.4 KB at block size 64), as long as at least 256 programs (~2 per SM of an H200) remain.
+    8.4 KB at block size 64), as long as at least 256 programs (about 2 per SM of a 132-SM GPU) remain.
     Returns 1 when the tile does not cover the whole block (several programs per segment
     already) and in the CPU interpreter (tests pick ``segs`` explicitly; ``interpreting``:
     that mode, read from the environment when ``None``)."""

@@ -1,6 +1,6 @@
 """Device staging: how one step's metadata fields get from the host to the device.
 
-The rule (seed 001): a persistent host buffer may be read by synchronous CPU readers, but
+The rule: a persistent host buffer may be read by synchronous CPU readers, but
 the source of every ``non_blocking`` host-to-device copy is a private host snapshot that no
 later step writes while the copy may still be queued. With an overlap scheduler the host
 prepares step t+1 while step t's copy is in flight; a copy that read a persistent buffer
