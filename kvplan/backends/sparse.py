@@ -1,4 +1,4 @@
-"""Sparse-attention hooks on the dense metadata contract .
+"""Sparse-attention hooks on the dense metadata contract.
 
 Selection ("which keys") and computation ("attend over them") are two separate concerns joined
 only by index arrays. Dense metadata leaves ``sparse_metadata_params`` as ``None`` and its
