@@ -119,8 +119,8 @@ def test_streaming_equals_non_streaming(served):
 
 
 def test_concurrent_streams_batch_and_free_blocks(served):
-    prompts = [f"w{i} {chr(97 + i % 26)} w{2 * i + 1}" for i in range(32)]
-    lengths = [8 + (i * 7) % 25 for i in range(32)]
+    prompts = [f"w{i} {chr(97 + i % 26)} w{2 * i + 1}" for i in range(64)]
+    lengths = [8 + (i * 7) % 25 for i in range(64)]
     refs = [
         served.ref.generate([_enc(served, p)], SamplingParams(max_tokens=n))[0]
         for p, n in zip(prompts, lengths)
