@@ -170,11 +170,14 @@ class KVCacheManager:
         *,
         beam_width: int = 1,
         num_encoder_tokens: int = 0,
+        reuse_prefix: bool = True,
     ) -> AllocationResult:
         """Allocate blocks for the whole prompt, reusing cached full prefix blocks.
 
         The logical length becomes ``len(prompt_token_ids)``. Reused blocks count as
         committed; the caller computes only tokens ``[num_cached_tokens, len(prompt))``.
+        ``reuse_prefix=False``: reuse no cached block (every token is computed); the
+        request's own full blocks are still hashed for others.
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already active")
@@ -189,7 +192,8 @@ class KVCacheManager:
         self.allocator.num_blocks_for("len(prompt_token_ids)", num_prompt)
         num_cross = self.allocator.num_blocks_for("num_encoder_tokens", num_encoder_tokens)
         cacheable = self.enable_prefix_caching and num_encoder_tokens == 0
-        hit_hashes, hit_blocks = self.prefix_cache.match(prompt) if cacheable else ([], [])
+        lookup = cacheable and reuse_prefix
+        hit_hashes, hit_blocks = self.prefix_cache.match(prompt) if lookup else ([], [])
         short = self.allocator.prompt_shortfall(num_prompt, hit_blocks, beam_width, num_cross)
         if short is not None:
             return short
@@ -200,7 +204,7 @@ class KVCacheManager:
         num_cached = len(hit_hashes) * self.block_size
         self.requests.num_committed[req.rows[0]] = num_cached
         req.hashes = list(hit_hashes)
-        if cacheable:
+        if lookup:
             self.prefix_cache.record_lookup(num_prompt, num_cached)
         return AllocationResult(True, num_cached)
 

@@ -25,6 +25,7 @@ import torch
 
 from kvplan.engine.async_steps import AsyncSteps, LaunchedStep, unique_requests
 from kvplan.engine.host_tokens import Pending, TokenCopies
+from kvplan.engine.logprobs import PendingLogprobs, TokenLogprob, queue_logprobs
 from kvplan.engine.request import Request
 from kvplan.engine.runner import ModelRunner, StepInputs
 from kvplan.engine.sampling import SamplingParams, sample
@@ -221,8 +222,11 @@ class EngineCore(AsyncSteps):
             return []
         logits, inputs = self.runner.execute(step)
         tokens, pending = self._sample(step, inputs, logits)  # device work queued, copy started
+        logprobs = self._logprobs(step, inputs, logits, tokens)
         self.num_steps += 1
         manager = self.scheduler.manager
+        if logprobs is not None:
+            return self._update_rows(step, inputs, self._copies.wait(pending), logprobs)
         if self.decode_fast_path and step.num_contexts == 0 and not manager.release_out_of_window:
             batch = step.decode_batch
             if self.async_scheduling and batch is not None and batch.all_greedy:
@@ -234,19 +238,29 @@ class EngineCore(AsyncSteps):
             return self._update_decode_rows(step.requests, self._copies.wait(pending))
         return self._update_rows(step, inputs, self._copies.wait(pending))
 
-    def _update_rows(self, step: StepBatch, inputs: StepInputs, tokens: list[int]) -> list[Request]:
-        """Any step, row by row: commit what each row wrote, take its new token(s)."""
+    def _update_rows(
+        self,
+        step: StepBatch,
+        inputs: StepInputs,
+        tokens: list[int],
+        logprobs: PendingLogprobs | None = None,
+    ) -> list[Request]:
+        """Any step, row by row: commit what each row wrote, take its new token(s) (and
+        their logprobs, and the prompt logprobs of its chunk, when ``logprobs`` is given)."""
         manager = self.scheduler.manager
         touched: list[Request] = []
-        for s, sl in zip(step.seqs, inputs.row_slices):
+        by_row, prompt = logprobs.resolve() if logprobs is not None else ({}, {})
+        for i, (s, sl) in enumerate(zip(step.seqs, inputs.row_slices)):
             req = s.request
             rid = req.request_id
             if not s.is_prefill and not s.drafts:  # plain decode row: the common case
                 manager.commit_tokens(rid, [req.last_token_id])
                 req.num_computed_tokens += 1
-                self._append(req, tokens[sl.start])
+                self._append(req, tokens[sl.start], by_row.get(sl.start))
                 touched.append(req)
                 continue
+            if i in prompt:
+                req.prompt_logprobs.extend(prompt[i])
             start = req.num_computed_tokens
             if s.is_prefill:
                 manager.commit_tokens(rid, req.all_token_ids[start : start + s.num_query_tokens])
@@ -260,8 +274,8 @@ class EngineCore(AsyncSteps):
                 manager.extend(rid, accepted)
                 manager.commit_tokens(rid, [req.last_token_id, *s.drafts[:accepted]])
                 req.num_computed_tokens += 1 + accepted
-            for t in new:
-                self._append(req, t)
+            for k, t in enumerate(new):
+                self._append(req, t, by_row.get(sl.start + k))
                 if req.finished:
                     break
             if new:
@@ -296,8 +310,11 @@ class EngineCore(AsyncSteps):
         Greedy fast path: when every scheduled request is greedy, the tokens are the
         device-side ``argmax`` (no per-row parameter lists, no sort).
         """
-        if inputs.logits_rows.shape[0] == 0:
+        num_rows = inputs.num_sample_rows
+        if num_rows == 0:
             return None, None
+        if logits.shape[0] != num_rows:
+            logits = logits[:num_rows]  # prompt-logprob rows follow the sampling rows
         seqs = step.seqs
         batch = step.decode_batch
         greedy = (
@@ -315,8 +332,20 @@ class EngineCore(AsyncSteps):
             tokens = sample(logits, params, gens, self.generator)
         return tokens, self._copies.start(tokens)
 
-    def _append(self, req: Request, token: int) -> None:
+    def _logprobs(
+        self, step: StepBatch, inputs: StepInputs, logits: torch.Tensor, tokens: torch.Tensor | None
+    ) -> PendingLogprobs | None:
+        """Queue the logprobs of the step's rows that ask (`queue_logprobs`); None, computing
+        nothing, when no row asks."""
+        batch = step.decode_batch
+        if batch is not None and not batch.any_logprobs:
+            return None
+        return queue_logprobs(step, inputs, logits, tokens)
+
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> None:
         req.output_token_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
         self._check_stop(req, token)
 
     def _check_stop(self, req: Request, token: int) -> None:

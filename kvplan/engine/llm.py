@@ -20,6 +20,7 @@ from typing import Any
 
 from kvplan.engine.builder import EngineParts, build_engine
 from kvplan.engine.config import EngineConfig
+from kvplan.engine.logprobs import TokenLogprob
 from kvplan.engine.request import Request
 from kvplan.engine.sampling import SamplingParams
 
@@ -28,7 +29,12 @@ Prompt = str | Sequence[int]
 
 @dataclass
 class RequestOutput:
-    """Result of one prompt: ``token_ids`` (new tokens only) and their ``text``."""
+    """Result of one prompt: ``token_ids`` (new tokens only) and their ``text``.
+
+    ``logprobs``: with ``SamplingParams.logprobs``, one `TokenLogprob` per token of
+    ``token_ids``; ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, one per
+    prompt token, None for the first (it has no prefix). Both None when not asked for.
+    """
 
     request_id: int
     prompt_token_ids: list[int]
@@ -38,16 +44,28 @@ class RequestOutput:
     num_cached_prefix_tokens: int = 0
     num_preemptions: int = 0
     num_draft_tokens_accepted: int = 0  # speculative drafts that matched (0 without)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
 class StreamDelta:
-    """New tokens (and the text they add) of one streaming step."""
+    """New tokens (and the text they add) of one streaming step; ``logprobs`` (one per new
+    token) and, on the first delta, ``prompt_logprobs`` when the request asked for them."""
 
     token_ids: list[int]
     text: str
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+def _prompt_logprobs(req: Request) -> list[TokenLogprob | None] | None:
+    """A request's prompt logprobs for its output: None first (or None when not asked)."""
+    if req.params.prompt_logprobs is None:
+        return None
+    return [None, *req.prompt_logprobs]
 
 
 def _prompt_list(prompts: Any) -> list[Any]:
@@ -167,6 +185,8 @@ class LLM:
             req.num_cached_prefix_tokens,
             req.num_preemptions,
             req.num_draft_tokens_accepted,
+            list(req.logprobs) if req.params.logprobs is not None else None,
+            _prompt_logprobs(req),
         )
 
     # ------------------------------------------------------------------ generation
@@ -280,7 +300,13 @@ class LLM:
                 text = text.rstrip("\ufffd")  # hold back an incomplete multi-byte character
             if new or req.finished:
                 delta = text[len(sent_text) :] if text.startswith(sent_text) else ""
-                yield StreamDelta(list(new), delta, req.finished, req.finish_reason)
+                lps = None
+                if req.params.logprobs is not None:
+                    lps = req.logprobs[sent_tokens : sent_tokens + len(new)]
+                prompt_lps = _prompt_logprobs(req) if sent_tokens == 0 else None
+                yield StreamDelta(
+                    list(new), delta, req.finished, req.finish_reason, lps, prompt_lps
+                )
                 sent_tokens += len(new)
                 sent_text = text
             if req.finished:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,10 @@ class Request:
     num_cached_prefix_tokens: int = 0  # prefix-reused tokens at the last admission
     num_draft_tokens_proposed: int = 0
     num_draft_tokens_accepted: int = 0
+    # with params.logprobs: one entry per output token; with params.prompt_logprobs: one
+    # per prompt token after the first (`kvplan.engine.logprobs.TokenLogprob`)
+    logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -50,6 +55,14 @@ class Request:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs were asked for and some are still missing."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        )
 
     @property
     def is_prefilling(self) -> bool:

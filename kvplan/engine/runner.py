@@ -29,6 +29,11 @@ class StepInputs:
     scheduled row i (empty for a prefill chunk that is not the last one; a list, or a shared
     tuple on the decode-only path).
 
+    Prompt logprobs: a prefill row of a request that asks for them (and still misses some)
+    also gets the rows of its chunk's positions that predict a prompt token, after every
+    sampling row: ``logits_rows[num_sample_rows:]``; ``prompt_rows[j] = (seq index, first prompt
+    token index, count)`` in that order (the request's next ``count`` prompt entries). Empty otherwise.
+
     A step scheduled ahead (``step.ahead``, async scheduling) gets placeholder ``input_ids``
     (zeros) until the caller writes the launched step's tokens into them.
     """
@@ -42,14 +47,23 @@ class StepInputs:
             raise ValueError("a step scheduled ahead must be decode-only (num_contexts == 0)")
         ids: list[int] = []
         rows: list[int] = []
+        extra: list[int] = []
+        self.prompt_rows: list[tuple[int, int, int]] = []
         self.row_slices: list[slice] = []
-        for s in step.seqs:
+        for i, s in enumerate(step.seqs):
             r = s.request
             n = s.num_query_tokens
             offset = len(ids)
             if s.is_prefill:
                 start = r.num_computed_tokens
                 ids.extend(r.all_token_ids[start : start + n])
+                if r.needs_prompt_logprobs:
+                    # position p predicts prompt token p + 1; entries 0.. are tokens 1..
+                    lo = max(start, len(r.prompt_logprobs))
+                    hi = min(start + n, len(r.prompt_token_ids) - 1)
+                    if hi > lo:
+                        extra.extend(range(offset + lo - start, offset + hi - start))
+                        self.prompt_rows.append((i, lo + 1, hi - lo))
             else:
                 ids.append(r.last_token_id)
                 ids.extend(s.drafts)
@@ -60,7 +74,8 @@ class StepInputs:
                 rows.append(offset + n - 1)
             self.row_slices.append(slice(first, len(rows)))
         self.input_ids = np.array(ids, dtype=np.int64)
-        self.logits_rows = np.array(rows, dtype=np.int64)
+        self.num_sample_rows = len(rows)
+        self.logits_rows = np.array(rows + extra, dtype=np.int64)
 
     def _init_decode_only(self, step: StepBatch) -> None:
         """Fast path of a step with only plain decode rows (no prefill, no drafts): row i
@@ -77,6 +92,8 @@ class StepInputs:
                 dtype=np.int64,
             )
         self.logits_rows = np.arange(n, dtype=np.int64)
+        self.num_sample_rows = n
+        self.prompt_rows = ()
         self.row_slices = _unit_slices(n)
 
 
@@ -134,7 +151,8 @@ class ModelRunner:
     def execute(
         self, step: StepBatch, device_input_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, StepInputs]:
-        """Run one step; returns (fp32 logits ``[N, V]`` on the device, the host inputs).
+        """Run one step; returns (fp32 logits ``[N, V]`` on the device, one row per entry of
+        ``inputs.logits_rows``, the host inputs).
 
         ``device_input_ids``: int64 ``[num_seqs]`` on the device, the input tokens of a
         decode-only step scheduled ahead (``step.ahead``; async scheduling): the model

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvplan.engine.logprobs import MAX_LOGPROBS
+
 
 def _token_ids(ids: object) -> tuple[int, ...]:
     """``stop_token_ids`` as a tuple of ints >= 0, or a TypeError/ValueError naming it."""
@@ -52,6 +54,14 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in ``token_ids``, not in text).
         ignore_eos: keep going past the model's end-of-sequence tokens.
         skip_special_tokens: drop special tokens when detokenizing.
+        logprobs: for each generated token, report its logprob and the ``logprobs`` most
+            likely tokens of its step (0 <= k <= 20; None = off). The logprobs are of the
+            model's distribution, ``log_softmax`` of the raw logits, whatever the temperature
+            or top-k / top-p (`kvplan.engine.logprobs`).
+        prompt_logprobs: report the logprob of every prompt token after the first given its
+            prefix, and the top ``prompt_logprobs`` tokens of that position (0 <= k <= 20;
+            None = off). Such a request does not reuse cached prefix blocks (every prompt
+            position must be computed).
 
     Example::
 
@@ -67,6 +77,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "top_k"):
@@ -107,6 +119,14 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int or None, got {value!r}")
+            if not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
 
     @property
     def greedy(self) -> bool:

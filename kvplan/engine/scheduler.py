@@ -251,7 +251,9 @@ class Scheduler:
                 and len(tokens) <= self.max_num_batched_tokens
             ):
                 break  # fits a later step whole; one that never can is chunked below
-            result = self.manager.add_request(req.request_id, tokens)
+            result = self.manager.add_request(
+                req.request_id, tokens, reuse_prefix=not req.needs_prompt_logprobs
+            )
             if not result.ok:
                 break
             self.waiting.popleft()

@@ -62,6 +62,7 @@ class DecodeBatch:
     request_ids: list[int]
     prompt_lens: list[int]  # num_prefill_tokens (fixed while decoding)
     all_greedy: bool  # every request samples greedily
+    any_logprobs: bool = False  # some request asks for logprobs
 
     @classmethod
     def from_seqs(cls, seqs: list[ScheduledSeq]) -> DecodeBatch:
@@ -72,6 +73,7 @@ class DecodeBatch:
             [r.request_id for r in reqs],
             [r.num_prefill_tokens for r in reqs],
             all(r.params.greedy for r in reqs),
+            any(r.params.logprobs is not None for r in reqs),
         )
 
 

@@ -21,8 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvplan.engine.llm import LLM
+from kvplan.engine.llm import LLM, RequestOutput
 from kvplan.server.engine_loop import EngineLoop, Event, Handle, QueueFull
+from kvplan.server.logprobs_format import chat_logprobs, completion_logprobs
 from kvplan.server.metrics import Metrics
 from kvplan.server.protocol import ApiError, ModelLimits, Parsed, parse_chat, parse_completion
 
@@ -177,10 +178,12 @@ def build_app(
                 raise ApiError(500, ev.error or "the engine failed this request", type="server_error")  # fmt: skip
             if chat:
                 msg = {"role": "assistant", "content": out.text}
-                choices.append({"index": k, "message": msg, "logprobs": None, "finish_reason": out.finish_reason})  # fmt: skip
+                lps = None if parsed.logprobs is None else chat_logprobs(tok, out.logprobs)
+                choices.append({"index": k, "message": msg, "logprobs": lps, "finish_reason": out.finish_reason})  # fmt: skip
             else:
-                choices.append({"index": k, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason})  # fmt: skip
-        usage = _usage(parsed, [len(ev.output.token_ids) for ev in events])
+                text, lps = _completion_choice(tok, parsed, out)
+                choices.append({"index": k, "text": text, "logprobs": lps, "finish_reason": out.finish_reason})  # fmt: skip
+        usage = _usage(parsed, [_num_generated(parsed, ev.output.token_ids) for ev in events])
         obj = "chat.completion" if chat else "text_completion"
         return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": choices, "usage": usage}  # fmt: skip
 
@@ -215,14 +218,27 @@ def build_app(
         obj = "chat.completion.chunk" if chat else "text_completion"
         extra = {"usage": None} if parsed.include_usage else {}
 
-        def chunk(k: int, text: str | None, finish: str | None, first: bool = False) -> str:
+        offsets = [0] * num  # completions: text offset of the next token
+        echoed = [not parsed.echo] * num
+
+        def chunk(k: int, text: str | None, finish: str | None, first: bool = False, ids=(), lps=None) -> str:  # fmt: skip
+            logprobs = None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else {}
                 if text:
                     delta["content"] = text
-                choice = {"index": k, "delta": delta, "logprobs": None, "finish_reason": finish}
+                if lps is not None:
+                    logprobs = chat_logprobs(tok, lps)
+                choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": k, "text": text or "", "logprobs": None, "finish_reason": finish}
+                if lps is not None:
+                    logprobs, offsets[k] = completion_logprobs(tok, ids, lps, offsets[k])
+                choice = {
+                    "index": k,
+                    "text": text or "",
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
             return _sse({"id": rid, "object": obj, "created": stamp, "model": name, "choices": [choice], **extra})  # fmt: skip
 
         if chat:
@@ -238,23 +254,57 @@ def build_app(
                 yield _sse(err.body())
                 yield "data: [DONE]\n\n"
                 return
-            ids[k] += ev.token_ids
-            counts[k] += len(ev.token_ids)
+            if not echoed[k]:  # the prompt, once, before the first completion chunk
+                echoed[k] = True
+                prompt = parsed.prompts[k]
+                plps = None
+                if parsed.logprobs is not None:
+                    plps = ev.prompt_logprobs or [None] * len(prompt)
+                yield chunk(k, _decode(tok, prompt), None, ids=prompt, lps=plps)
+            new, lps = ev.token_ids, ev.logprobs
+            if parsed.score_only:
+                new, lps = [], None
+            ids[k] += new
+            counts[k] += len(new)
             if out is not None:
-                text, finish = out.text, out.finish_reason
+                text, finish = ("" if parsed.score_only else out.text), out.finish_reason
                 done += 1
             else:
                 text, finish = _partial_text(tok, ids[k], parsed.params[k].stop_strings), None
             delta = text[len(sent[k]) :] if text.startswith(sent[k]) else ""
-            if delta or finish is not None:
+            if lps is not None and not lps:
+                lps = None
+            if delta or finish is not None or lps is not None:
                 sent[k] += delta
-                yield chunk(k, delta, finish)
+                yield chunk(k, delta, finish, ids=new, lps=lps)
         if parsed.include_usage:
             usage = _usage(parsed, counts)
             yield _sse({"id": rid, "object": obj, "created": stamp, "model": name, "choices": [], "usage": usage})  # fmt: skip
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def _decode(tok: Any, ids: list[int]) -> str:
+    return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
+
+
+def _num_generated(parsed: Parsed, token_ids: list[int]) -> int:
+    return 0 if parsed.score_only else len(token_ids)
+
+
+def _completion_choice(tok: Any, parsed: Parsed, out: RequestOutput) -> tuple[str, dict | None]:
+    """A completion's text (the prompt's first with echo) and its logprobs object."""
+    ids = [] if parsed.score_only else list(out.token_ids)
+    entries: list = [] if parsed.score_only else list(out.logprobs or ())
+    text = "" if parsed.score_only else out.text
+    if parsed.echo:
+        text = _decode(tok, out.prompt_token_ids) + text
+        ids = out.prompt_token_ids + ids
+        entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+    if parsed.logprobs is None:
+        return text, None
+    return text, completion_logprobs(tok, ids, entries)[0]
 
 
 def _partial_text(tok: Any, ids: list[int], stops: tuple[str, ...]) -> str:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvplan.engine.llm import LLM, RequestOutput
+from kvplan.engine.logprobs import TokenLogprob
 from kvplan.engine.sampling import SamplingParams
 from kvplan.server.metrics import Metrics
 
@@ -39,6 +40,8 @@ class Event:
     token_ids: list[int]
     output: RequestOutput | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first event, when asked
 
     @property
     def finished(self) -> bool:
@@ -67,6 +70,7 @@ class _Live:
     arrival: float
     num_sent: int = 0
     last_token: float | None = None
+    prompt_sent: bool = False  # prompt logprobs handed over (requests that ask for them)
 
 
 class EngineLoop:
@@ -198,7 +202,11 @@ class EngineLoop:
         for req in touched:
             live = self._live.get(req.request_id)
             if live is not None and not req.finished:
-                self._send(live, req.output_token_ids, now, None)
+                lps = req.logprobs if req.params.logprobs is not None else None
+                prompt = None
+                if req.params.prompt_logprobs is not None and not req.needs_prompt_logprobs:
+                    prompt = [None, *req.prompt_logprobs]
+                self._send(live, req.output_token_ids, now, None, lps, prompt)
         self._collect_finished(now)
 
     def _collect_finished(self, now: float | None = None) -> None:
@@ -208,10 +216,24 @@ class EngineLoop:
             self._release(1)
             self.metrics.request_finished(out.finish_reason)
             if live is not None:
-                self._send(live, out.token_ids, now, out)
+                self._send(live, out.token_ids, now, out, out.logprobs, out.prompt_logprobs)
 
-    def _send(self, live: _Live, token_ids: list[int], now: float, out: RequestOutput | None):
-        new = list(token_ids[live.num_sent :])
+    def _send(
+        self,
+        live: _Live,
+        token_ids: list[int],
+        now: float,
+        out: RequestOutput | None,
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> None:
+        start = live.num_sent
+        new = list(token_ids[start:])
+        lps = None if logprobs is None else list(logprobs[start : start + len(new)])
+        if prompt_logprobs is None or live.prompt_sent:
+            prompt_logprobs = None
+        else:
+            live.prompt_sent = True
         if new:
             if live.last_token is None:
                 self.metrics.first_token(now - live.arrival)
@@ -221,7 +243,7 @@ class EngineLoop:
             live.last_token = now
             live.num_sent += len(new)
         if new or out is not None:
-            live.handle.put(Event(live.choice, new, out))
+            live.handle.put(Event(live.choice, new, out, None, lps, prompt_logprobs))
 
     @staticmethod
     def _log(what: str, exc: BaseException) -> None:

@@ -2,8 +2,12 @@
 
 `parse_completion` and `parse_chat` check every field they read and raise `ApiError` (HTTP
 400, naming the parameter) for a bad one, so nothing invalid reaches the engine. Fields the
-engine cannot honour (penalties, logprobs, echo, logit_bias, tools, JSON output) are refused
-with a 400 naming them unless they hold their neutral value; unknown fields are ignored.
+engine cannot honour (penalties, logit_bias, tools, JSON output) are refused with a 400
+naming them unless they hold their neutral value; unknown fields are ignored.
+
+Logprobs: chat ``logprobs: true`` with ``top_logprobs: k``; completions ``logprobs: k`` and
+``echo: true`` (the prompt's own logprobs, as evaluation harnesses use for log-likelihoods;
+``max_tokens: 0`` with ``echo`` scores the prompt without generating). ``k <= 20``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvplan.engine.logprobs import MAX_LOGPROBS
 from kvplan.engine.sampling import SamplingParams
 
 MAX_N = 16  # most choices per prompt
@@ -76,6 +81,9 @@ class Parsed:
     n: int
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # top-k alternatives to report per token (None: no logprobs)
+    echo: bool = False  # completions: the prompt (and its logprobs) precede the completion
+    score_only: bool = False  # max_tokens=0 with echo: the one generated token is dropped
 
 
 # ---------------------------------------------------------------- field checks
@@ -139,7 +147,6 @@ _COMMON_UNSUPPORTED = {
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "logit_bias": ({},),
-    "logprobs": (False, 0),
 }
 
 
@@ -164,8 +171,11 @@ def _sampling(
     prompt_param: str,
     max_tokens_names: tuple[str, ...],
     default_max_tokens: int | None,
+    logprobs: int | None = None,
+    echo: bool = False,
 ) -> Parsed:
-    """The fields every endpoint shares; ``prompts`` are token ids, not yet checked."""
+    """The fields every endpoint shares; ``prompts`` are token ids, not yet checked.
+    ``logprobs``: top-k per generated token (and per prompt token with ``echo``)."""
     model = _check_model(body, limits)
     for i, ids in enumerate(prompts):
         if not ids:
@@ -177,8 +187,9 @@ def _sampling(
     max_tokens, mt_name = None, max_tokens_names[0]
     for name in max_tokens_names:
         if body.get(name) is not None:
-            max_tokens, mt_name = _int(body, name, None, 1), name
+            max_tokens, mt_name = _int(body, name, None, 0 if echo else 1), name
             break
+    score_only = max_tokens == 0  # echo only: generate one token, report none
     limit = limits.max_model_len
     longest = max(len(p) for p in prompts)
     if longest >= limit:
@@ -191,6 +202,8 @@ def _sampling(
     if max_tokens is None:
         room = limit - longest
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif score_only:
+        max_tokens = 1
     elif longest + max_tokens > limit:
         raise bad(
             mt_name,
@@ -217,6 +230,8 @@ def _sampling(
         stop=_stop(body),
         stop_token_ids=stop_ids,
         ignore_eos=_bool(body, "ignore_eos", False),
+        logprobs=logprobs,
+        prompt_logprobs=logprobs if echo else None,
     )
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
@@ -233,7 +248,17 @@ def _sampling(
             # choice j of a seeded request draws from seed + j: reproducible, yet distinct
             params.append(SamplingParams(**base, seed=None if seed is None else seed + j))
             all_prompts.append(ids)
-    return Parsed(model, all_prompts, params, len(prompts), n, stream, include_usage)
+    return Parsed(
+        model, all_prompts, params, len(prompts), n, stream, include_usage, logprobs, echo,
+        score_only,
+    )  # fmt: skip
+
+
+def _top_k(body: dict, name: str) -> int | None:
+    k = _int(body, name, None, 0)
+    if k is not None and k > MAX_LOGPROBS:
+        raise bad(name, f"{name} must be <= {MAX_LOGPROBS}, got {k}")
+    return k
 
 
 # ---------------------------------------------------------------- endpoints
@@ -242,7 +267,9 @@ def parse_completion(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
     either (one prompt each). Strings are tokenized as the tokenizer does (BOS included)."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
-    _refuse_unsupported(body, {**_COMMON_UNSUPPORTED, "echo": (False,), "suffix": ("",)})
+    _refuse_unsupported(body, {**_COMMON_UNSUPPORTED, "suffix": ("",)})
+    logprobs = _top_k(body, "logprobs")
+    echo = _bool(body, "echo", False)
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise bad("best_of", "best_of other than n is not supported by this server")
@@ -263,7 +290,7 @@ def parse_completion(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
             prompts.append([int(t) for t in tokenizer.encode(p)])
         else:
             prompts.append(list(_token_list(p, "prompt")))
-    return _sampling(body, limits, prompts, "prompt", ("max_tokens",), 16)
+    return _sampling(body, limits, prompts, "prompt", ("max_tokens",), 16, logprobs, echo)
 
 
 def _message_text(content: Any, i: int) -> str:
@@ -294,11 +321,17 @@ def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
         body,
         {
             **_COMMON_UNSUPPORTED,
-            "top_logprobs": (0,),
             "tools": ([],),
             "response_format": ({"type": "text"},),
         },
     )
+    top = _top_k(body, "top_logprobs")
+    if _bool(body, "logprobs", False):
+        logprobs = 0 if top is None else top
+    elif top:
+        raise bad("top_logprobs", "top_logprobs needs logprobs=true")
+    else:
+        logprobs = None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", f"messages must be a non-empty list, got {messages!r}")
@@ -319,5 +352,6 @@ def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return _sampling(
-        body, limits, [[int(t) for t in ids]], "messages", ("max_completion_tokens", "max_tokens"), None
+        body, limits, [[int(t) for t in ids]], "messages", ("max_completion_tokens", "max_tokens"), None,
+        logprobs,
     )  # fmt: skip

@@ -226,7 +226,7 @@ M = {"model": "tiny-llama", "messages": [{"role": "user", "content": "a"}]}
         (C, {**P, "max_tokens": 0}, 400, "max_tokens", None),
         (C, {**P, "stop": [""]}, 400, "stop", None),
         (C, {**P, "seed": -3}, 400, "seed", None),
-        (C, {**P, "logprobs": 2}, 400, "logprobs", None),
+        (C, {**P, "logprobs": 21}, 400, "logprobs", None),
         (C, {**P, "stream_options": {"include_usage": True}}, 400, "stream_options", None),
         (C, {"model": "tiny-llama"}, 400, "prompt", None),
         (C, {**P, "prompt": [1, 2, 9999]}, 400, "prompt", "invalid_token_id"),
