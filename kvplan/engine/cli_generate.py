@@ -17,7 +17,7 @@ from kvplan.engine.config import add_engine_arguments, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("prompt", help="the prompt text (token ids with --token-ids)")
     parser.add_argument(
         "--model",
         default=None,
@@ -40,6 +40,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative", type=int, default=0, help="n-gram draft tokens per step (0 = off)"
     )
+    parser.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="PROMPT is token ids separated by spaces or commas (for models without a "
+        "tokenizer); prints the new token ids",
+    )
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """``"1, 5 9"`` -> ``[1, 5, 9]``; a ValueError names the first piece that is no integer."""
+    pieces = text.replace(",", " ").split()
+    if not pieces:
+        raise ValueError("--token-ids: the prompt holds no token id")
+    out = []
+    for piece in pieces:
+        try:
+            out.append(int(piece))
+        except ValueError:
+            raise ValueError(f"--token-ids: {piece!r} is not an integer token id") from None
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,9 +80,18 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=1,
             num_speculative_tokens=args.speculative,
         )
+        ids = parse_token_ids(args.prompt) if args.token_ids else None
         llm = LLM(args.model, config, chat_template=not args.no_chat_template)
+        if ids is not None:
+            out = llm.generate([ids], params)[0]
+            sys.stdout.write(" ".join(str(t) for t in out.token_ids) + "\n")
+            return 0
         if llm.tokenizer is None:
-            print("kvplan generate: this model has no tokenizer", file=sys.stderr)
+            print(
+                "kvplan generate: this model has no tokenizer; pass the prompt as token ids "
+                "with --token-ids",
+                file=sys.stderr,
+            )
             return 2
         for delta in llm.generate_stream(args.prompt, params):
             sys.stdout.write(delta.text)

@@ -86,6 +86,21 @@ def test_unsupported_settings_and_architectures_name_the_problem(tmp_path):
         LLM("random:tiny-llama", kv_format="fp4")
 
 
+def test_cli_generate_serves_the_folder(tmp_path, capsys):
+    from kvplan.cli import main
+
+    hf, folder = _saved(tmp_path, 1)
+    prompt = random_tokens(5, 21)
+    argv = ["generate", "--model", str(folder), "--device", "cpu", "--max-tokens", "6"]
+    assert main([*argv, "--token-ids", ",".join(map(str, prompt))]) == 0
+    got = [int(t) for t in capsys.readouterr().out.split()]
+    assert got == _hf_greedy(hf, prompt, 6)
+    assert main([*argv, "hello"]) == 2  # no tokenizer in the folder: one clear line
+    assert "--token-ids" in capsys.readouterr().err
+    assert main([*argv, "--token-ids", "1, x"]) == 2
+    assert "'x' is not an integer" in capsys.readouterr().err
+
+
 def test_block_size_is_rounded_to_every_ratio():
     assert hybrid_block_size(16, [4, 16]) == 16
     assert hybrid_block_size(16, [4, 128]) == 128
