@@ -6,10 +6,15 @@ Layouts (``H`` = num_kv_heads, ``D`` = head_dim, slot = block * block_size + off
   H, D]`` views of a uint8 cache from ``kvplan.alloc_kv_cache(..., bf16_format(H * D))`` (the
   raw cache is ``raw_k_cache(layer)``).
 * ``"fp16"`` / ``"fp32"``: plain ``[num_blocks, block_size, H, D]`` tensors of that dtype.
-* ``"fp8"``: uint8 ``[num_blocks, block_size, 1, bytes_per_token]`` caches of the format
-  ``layout`` = e4m3 x (H * D), one UE8M0 scale per 32 values, token-interleaved, cast on
-  load. Every head's D values are whole scale groups (``D % 32 == 0``), so one token's
-  record is H per-head records laid end to end. ``read_blocks`` dequantizes to bfloat16.
+* quantized formats (``QUANTIZED_KV_FORMATS``): uint8 ``[num_blocks, block_size, 1,
+  bytes_per_token]`` caches of the token-interleaved, cast-on-load format ``layout`` over
+  H * D elements:
+
+  - ``"fp8"``: e4m3 values, one fp32 scale per 32 values (``amax / 448``, so every group's
+    largest value is stored exactly).
+
+  Every head's D values are whole scale groups (``D % group == 0``), so one token's record is
+  H per-head records laid end to end. ``read_blocks`` dequantizes to bfloat16.
 
 Caches are zero-initialized so the padding block 0 (and unwritten slots) reads as zeros.
 """
@@ -21,7 +26,21 @@ import torch
 from kvplan._checks import check_int32, check_range, check_tensor
 
 _PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-KV_FORMATS = ("bf16", "fp16", "fp32", "fp8")
+# kv_format -> (quantized_dtype, elements_per_sf, sf_format) of the quantized caches
+QUANTIZED_KV_FORMATS = {
+    "fp8": ("e4m3", 32, "fp32"),
+}
+KV_FORMATS = ("bf16", "fp16", "fp32", *QUANTIZED_KV_FORMATS)
+
+
+def kv_bytes_per_value(kv_format: str) -> float:
+    """Cache bytes per stored K or V value of ``kv_format`` (scales included)."""
+    if kv_format in QUANTIZED_KV_FORMATS:
+        dtype, group, sf = QUANTIZED_KV_FORMATS[kv_format]
+        return (0.5 if dtype == "e2m1" else 1.0) + (4 if sf == "fp32" else 1) / group
+    if kv_format not in _PLAIN_DTYPES:
+        raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+    return float(_PLAIN_DTYPES[kv_format].itemsize)
 
 
 class KVCacheTensors:
@@ -30,7 +49,7 @@ class KVCacheTensors:
     Args:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: cache geometry
             (``num_blocks`` includes the padding block 0).
-        kv_format: ``"bf16"`` | ``"fp16"`` | ``"fp32"`` | ``"fp8"``.
+        kv_format: one of ``KV_FORMATS`` (see the module docstring).
         device: where the caches live (default CPU).
 
     Example::
@@ -62,8 +81,11 @@ class KVCacheTensors:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
-        if kv_format == "fp8" and head_dim % 32:
-            raise ValueError(f"kv_format 'fp8' needs head_dim % 32 == 0, got head_dim {head_dim}")
+        group = QUANTIZED_KV_FORMATS.get(kv_format, (None, 1, None))[1]
+        if head_dim % group:
+            raise ValueError(
+                f"kv_format {kv_format!r} needs head_dim % {group} == 0, got head_dim {head_dim}"
+            )
         check_int32("num_blocks * block_size", num_blocks * block_size)
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -81,12 +103,12 @@ class KVCacheTensors:
     # ------------------------------------------------------------------ properties
     @property
     def is_quantized(self) -> bool:
-        return self.kv_format == "fp8"
+        return self.kv_format in QUANTIZED_KV_FORMATS
 
     @property
     def dtype(self) -> torch.dtype:
-        """Compute dtype of the values read back (fp8 dequantizes to bfloat16)."""
-        return torch.bfloat16 if self.kv_format == "fp8" else _PLAIN_DTYPES[self.kv_format]
+        """Compute dtype of the values read back (quantized formats dequantize to bfloat16)."""
+        return torch.bfloat16 if self.is_quantized else _PLAIN_DTYPES[self.kv_format]
 
     @property
     def num_slots(self) -> int:
@@ -100,7 +122,7 @@ class KVCacheTensors:
         return self._views[self._check_layer(layer)][1]
 
     def raw_k_cache(self, layer: int) -> torch.Tensor:
-        """The allocation behind ``k_cache`` (uint8 for bf16 and fp8)."""
+        """The allocation behind ``k_cache`` (uint8 for bf16 and the quantized formats)."""
         return self._raw[self._check_layer(layer)][0]
 
     def raw_v_cache(self, layer: int) -> torch.Tensor:
@@ -119,8 +141,8 @@ class KVCacheTensors:
         """Write ``k[i]``, ``v[i]`` (``[T, H, D]``, any float dtype) at ``slot_mapping[i]``.
 
         ``slot_mapping``: int32/int64 ``[T]`` on the caches' device; ``-1`` skips the row.
-        Values are cast to the cache dtype (round to nearest even). bf16 and fp8 go through
-        ``kvplan.store_kv_cache`` (Triton on CUDA; fp8 with UE8M0 scales per 32 values);
+        Values are cast to the cache dtype (round to nearest even). bf16 and the quantized
+        formats go through ``kvplan.store_kv_cache`` (Triton on CUDA; ``kvplan.quant`` rules);
         fp16/fp32 use a sync-free torch scatter. Rows sharing a slot leave one of them
         (unspecified which; such rows are padding by contract). ``check`` validates the slot
         range (one reduction; a device sync on CUDA).
@@ -134,7 +156,7 @@ class KVCacheTensors:
         check_tensor("slot_mapping", slot_mapping, device=self.device)
         if check:
             check_range("slot_mapping", slot_mapping, -1, self.num_slots)
-        if self.layout is not None:  # bf16 and fp8: the storage layer's store (Triton on CUDA)
+        if self.layout is not None:  # bf16 and quantized: the storage layer's store
             from kvplan.ops.store import store_kv_cache
 
             raw_k, raw_v = self._raw[layer]
@@ -155,8 +177,8 @@ class KVCacheTensors:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the listed blocks in compute dtype: ``[n, block_size, H, D]`` each.
 
-        ``block_ids``: int ``[n]`` on the caches' device. fp8 values are dequantized
-        (value * 2^(scale_byte - 127) per 32-value group) to bfloat16. ``check`` validates
+        ``block_ids``: int ``[n]`` on the caches' device. Quantized values are dequantized
+        (value times its group's scale, ``kvplan.quant.dequantize``) to bfloat16. ``check`` validates
         the id range (one reduction; a device sync on CUDA).
         """
         check_tensor("block_ids", block_ids, dtype=(torch.int32, torch.int64), ndim=1)
@@ -164,7 +186,7 @@ class KVCacheTensors:
             check_range("block_ids", block_ids, 0, self.num_blocks)
         idx = block_ids.long()
         k_cache, v_cache = self.k_cache(layer), self.v_cache(layer)
-        if self.kv_format != "fp8":
+        if not self.is_quantized:
             return k_cache[idx], v_cache[idx]
         return self._dequant(k_cache[idx]), self._dequant(v_cache[idx])
 
@@ -175,15 +197,17 @@ class KVCacheTensors:
         hd = self.num_kv_heads * self.head_dim
         if self.kv_format == "bf16":
             return bf16_format(hd)
-        if self.kv_format == "fp8":
+        if self.is_quantized:
+            dtype, group, sf = QUANTIZED_KV_FORMATS[self.kv_format]
             return KVCacheFormat(
-                quantized_dtype="e4m3",
+                quantized_dtype=dtype,
                 quantized_elements=hd,
-                elements_per_sf=32,
+                elements_per_sf=group,
                 bf16_elements=0,
                 do_cast=True,
-                sf_format="ue8m0",
-                note=f"kvplan fp8 KV: e4m3 x{hd} (per-head records), UE8M0 per 32",
+                sf_format=sf,
+                note=f"kvplan {self.kv_format} KV: {dtype} x{hd} (per-head records), {sf} per "
+                f"{group}",
                 token_interleaved=True,
             )
         return None
@@ -207,13 +231,13 @@ class KVCacheTensors:
 
     def _dequant(self, raw: torch.Tensor) -> torch.Tensor:
         # raw: uint8 [n, bs, 1, bytes_per_token], token-interleaved records:
-        # H*D e4m3 value bytes, then H*D/32 UE8M0 exponent bytes
+        # quantized_bytes value bytes, then sf_bytes scale bytes
         from kvplan import quant
 
         n, bs = raw.shape[0], raw.shape[1]
-        hd = self.num_kv_heads * self.head_dim
+        nv = self.layout.quantized_bytes
         records = raw.reshape(n * bs, -1)  # [n*bs, bytes_per_token]
-        out = quant.dequantize(records[:, :hd], records[:, hd:], self.layout)  # [n*bs, HD] bf16
+        out = quant.dequantize(records[:, :nv], records[:, nv:], self.layout)  # [n*bs, HD] bf16
         return out.view(n, bs, self.num_kv_heads, self.head_dim)
 
     def _check_layer(self, layer: int) -> int:

@@ -61,7 +61,7 @@ class EngineConfig:
     backend: str = _doc(f"attention backend, one of {BACKEND_NAMES}", "block_offsets")
     kv_format: str = _doc(
         f'KV cache format, one of {KV_FORMATS}; "auto" = the model dtype. "fp8" is e4m3 with '
-        'per-32-value UE8M0 scales; "fp4" (DeepSeek-V4 models only) e2m1 with per-16-value '
+        'per-32-value fp32 scales (DeepSeek-V4: UE8M0); "fp4" (DeepSeek-V4 models only) e2m1 with per-16-value '
         "e4m3 scales",
         "auto",
     )

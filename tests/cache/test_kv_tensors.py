@@ -65,8 +65,10 @@ def test_bad_arguments():
 def test_fp8_layout():
     kv = KVCacheTensors(1, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=64, kv_format="fp8")
     assert kv.is_quantized and kv.dtype == torch.bfloat16
-    assert kv.layout.quantized_elements == 128 and kv.layout.bytes_per_token == 132
-    assert kv.k_cache(0).dtype == torch.uint8 and kv.k_cache(0).shape == (3, 4, 1, 132)
+    assert (
+        kv.layout.quantized_elements == 128 and kv.layout.bytes_per_token == 128 + 4 * 4
+    )  # fp32 scale per 32
+    assert kv.k_cache(0).dtype == torch.uint8 and kv.k_cache(0).shape == (3, 4, 1, 144)
     k, _ = kv.read_blocks(0, torch.tensor([0, 2]))
     assert k.shape == (2, 4, 2, 64) and not k.any()
 

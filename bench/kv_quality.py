@@ -1,0 +1,241 @@
+"""KV-cache quantization quality of the dense engine on SmolLM2 (CPU), teacher-forced.
+
+The fixed text ``bench/data/kv_quality_text.txt`` is tokenized (no chat template) and run
+through the engine with ``kvplan.engine.scoring.prompt_logits`` in chunks: every chunk reads
+the K/V that earlier chunks (and itself) stored in the cache under test. Each variant is
+compared with the fp32 cache:
+
+* top-1 agreement: share of positions whose argmax equals the fp32 run's;
+* perplexity of the text (next-token NLL over positions 1..N-1) under that cache;
+* relative logit error per position ``||a - b|| / ||b||``: mean and max.
+
+Variants:
+
+* ``real:<kv_format>``: an engine built with that ``kv_format`` (the shipped path).
+* ``fake:<spec>``: the fp32 engine whose ``KVCacheTensors.store`` first rounds K and/or V
+  through ``kvplan.quant.quantize`` / ``dequantize`` (bf16 input, bf16 output, as the fp8
+  cache does). ``<spec>`` = ``<dtype>-<sf>-<group>[-k|-v][-L<i>]``: dtype e4m3 | e2m1, sf
+  ue8m0 | e4m3 | fp32, values per scale, optional "only K" / "only V" / "only layer i".
+  ``fake:bf16`` rounds to bf16 only.
+
+``--per-layer SPEC`` adds ``fake:SPEC-L<i>`` for every layer; ``--stats`` prints the per-layer
+relative RMS quantization error of K and V for a few formats (from the reference run's K/V).
+
+Usage::
+
+    PYTHONPATH=. python bench/kv_quality.py --max-tokens 512 --out bench/results/kv_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvplan import LLM, quant
+from kvplan.engine.scoring import prompt_logits
+from kvplan.formats import KVCacheFormat
+
+TEXT = Path(__file__).parent / "data" / "kv_quality_text.txt"
+DEFAULT_VARIANTS = (
+    "real:bf16",
+    "real:fp8",
+    "fake:bf16",
+    "fake:e4m3-ue8m0-32",
+    "fake:e4m3-ue8m0-32-k",
+    "fake:e4m3-ue8m0-32-v",
+    "fake:e4m3-ue8m0-16",
+    "fake:e4m3-e4m3-32",
+    "fake:e4m3-e4m3-16",
+    "fake:e4m3-fp32-32",
+    "fake:e4m3-fp32-16",
+    "fake:e4m3-fp32-64",
+    "fake:e2m1-e4m3-16",
+)
+
+
+def parse_spec(spec: str, hd: int) -> tuple[KVCacheFormat | None, bool, bool, int | None]:
+    """``<dtype>-<sf>-<group>[-k|-v][-L<i>]`` -> (layout or None for bf16, quantize K,
+    quantize V, only layer)."""
+    parts = spec.split("-")
+    do_k = do_v = True
+    layer = None
+    while parts and (parts[-1] in ("k", "v") or parts[-1].startswith("L")):
+        tail = parts.pop()
+        if tail == "k":
+            do_v = False
+        elif tail == "v":
+            do_k = False
+        else:
+            layer = int(tail[1:])
+    if parts == ["bf16"]:
+        return None, do_k, do_v, layer
+    dtype, sf, group = parts
+    layout = KVCacheFormat(dtype, hd, int(group), 0, True, sf, spec, True)
+    return layout, do_k, do_v, layer
+
+
+def round_trip(x: torch.Tensor, layout: KVCacheFormat | None) -> torch.Tensor:
+    """``x [T, H, D]`` -> bf16(x) quantized and dequantized by ``layout`` (bf16 when None)."""
+    xb = x.to(torch.bfloat16)
+    if layout is None:
+        return xb
+    flat = xb.reshape(x.shape[0], -1)
+    values, scales = quant.quantize(flat, layout)
+    return quant.dequantize(values, scales, layout).view(x.shape)
+
+
+class FakeQuantStore:
+    """Wraps an fp32 ``KVCacheTensors.store``: K/V are rounded by a spec before storing."""
+
+    def __init__(self, kv_cache) -> None:
+        self.kv = kv_cache
+        self.orig = kv_cache.store
+        self.spec = None
+        self.captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        kv_cache.store = self
+
+    def __call__(self, layer, k, v, slot_mapping, *, check=True):
+        if self.captured is not None:
+            self.captured.setdefault(layer, []).append((k.detach().clone(), v.detach().clone()))
+        if self.spec is not None:
+            layout, do_k, do_v, only = self.spec
+            if only is None or only == layer:
+                k = round_trip(k, layout) if do_k else k
+                v = round_trip(v, layout) if do_v else v
+        return self.orig(layer, k, v, slot_mapping, check=check)
+
+
+def metrics(logits: torch.Tensor, ref: torch.Tensor, ids: list[int]) -> dict:
+    a, b = logits.float(), ref.float()
+    rel = (a - b).norm(dim=-1) / b.norm(dim=-1)
+    target = torch.tensor(ids[1:])
+    nll = torch.nn.functional.cross_entropy(a[:-1], target)
+    kl = torch.nn.functional.kl_div(
+        a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="batchmean"
+    )
+    return {
+        "top1": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+        "ppl": math.exp(float(nll)),
+        "rel_err_mean": float(rel.mean()),
+        "rel_err_max": float(rel.max()),
+        "kl_mean": float(kl),
+    }
+
+
+def layer_stats(captured, hd: int) -> list[dict]:
+    """Per layer: relative RMS round-trip error of K and V for a few formats, and the
+    K/V outlier ratio (max |x| over the RMS of |x|)."""
+    specs = ("e4m3-ue8m0-32", "e4m3-e4m3-16", "e4m3-fp32-32")
+    rows = []
+    for layer in sorted(captured):
+        k = torch.cat([c[0] for c in captured[layer]]).float()
+        v = torch.cat([c[1] for c in captured[layer]]).float()
+        row = {"layer": layer}
+        for name, x in (("k", k), ("v", v)):
+            row[f"{name}_outlier"] = float(x.abs().max() / x.pow(2).mean().sqrt())
+            for spec in specs:
+                y = round_trip(x, parse_spec(spec, hd)[0]).float()
+                row[f"{name}_{spec}"] = float((y - x).norm() / x.norm())
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-tokens", type=int, default=None, help="cut the text to N tokens")
+    ap.add_argument("--chunk", type=int, default=64, help="prompt_logits chunk size")
+    ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS))
+    ap.add_argument("--per-layer", default=None, help="also fake:SPEC-L<i> for every layer")
+    ap.add_argument("--stats", action="store_true", help="per-layer round-trip error table")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="JSON output path")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    def engine(kv_format: str) -> LLM:
+        return LLM(
+            device="cpu",
+            kv_format=kv_format,
+            max_model_len=n + 16,
+            num_blocks=(n + 16) // 16 + 4,
+            enable_prefix_caching=False,
+        )
+
+    probe = LLM(device="cpu", max_model_len=64, num_blocks=8)
+    ids = probe.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    del probe
+    if args.max_tokens is not None:
+        ids = ids[: args.max_tokens]
+    n = len(ids)
+    ref_llm = engine("fp32")
+    cfg = ref_llm.parts.config
+    hd = cfg.num_kv_heads * cfg.head_dim
+    hook = FakeQuantStore(ref_llm.parts.kv_cache)
+    hook.captured = {} if args.stats else None
+    t0 = time.perf_counter()
+    ref = prompt_logits(ref_llm.engine, ids, args.chunk)
+    print(f"{n} tokens, fp32 reference in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    hook_captured, hook.captured = hook.captured, None
+
+    variants = list(args.variants)
+    if args.per_layer:
+        variants += [f"fake:{args.per_layer}-L{i}" for i in range(cfg.num_layers)]
+    rows = [{"variant": "real:fp32", **metrics(ref, ref, ids)}]
+    for name in variants:
+        t0 = time.perf_counter()
+        kind, spec = name.split(":", 1)
+        if kind == "real":
+            llm = engine(spec)
+            logits = prompt_logits(llm.engine, ids, args.chunk)
+            del llm
+        else:
+            hook.spec = parse_spec(spec, hd)
+            logits = prompt_logits(ref_llm.engine, ids, args.chunk)
+            hook.spec = None
+        rows.append({"variant": name, **metrics(logits, ref, ids)})
+        r = rows[-1]
+        print(
+            f"{name}: top1 {r['top1']:.4f} ppl {r['ppl']:.3f} ({time.perf_counter() - t0:.1f} s)",
+            file=sys.stderr,
+        )
+
+    print(f"\n{n} tokens of {TEXT.name}, SmolLM2-135M-Instruct (fp32 model, CPU), vs fp32 KV")
+    print("| variant | top-1 vs fp32 | perplexity | rel. logit error mean / max | KL mean |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['variant']} | {100 * r['top1']:.2f} % | {r['ppl']:.3f} | "
+            f"{r['rel_err_mean']:.4f} / {r['rel_err_max']:.4f} | {r['kl_mean']:.2e} |"
+        )
+    stats = layer_stats(hook_captured, hd) if args.stats else None
+    if stats:
+        keys = [k for k in stats[0] if k != "layer"]
+        print("\n| layer | " + " | ".join(keys) + " |")
+        print("|---" * (len(keys) + 1) + "|")
+        for s in stats:
+            print(f"| {s['layer']} | " + " | ".join(f"{s[k]:.4f}" for k in keys) + " |")
+    if args.out:
+        out = {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": f"cpu ({platform.machine()})",
+            "command": "python " + " ".join(sys.argv),
+            "torch": torch.__version__,
+            "num_tokens": n,
+            "chunk": args.chunk,
+            "rows": rows,
+            "layer_stats": stats,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
