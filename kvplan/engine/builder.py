@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvplan.cache.kv_tensors import kv_bytes_per_value
 from kvplan.engine.config import EngineConfig
 from kvplan.engine.core import EngineCore
 from kvplan.engine.families import PAGED, AttentionFamily, PagedFamily
@@ -57,7 +58,7 @@ class EngineParts:
 
 
 def _bytes_per_block(cfg: ModelConfig, block_size: int, kv_format: str) -> int:
-    per_value = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1 + 1 / 32}[kv_format]
+    per_value = kv_bytes_per_value(kv_format)
     return int(cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * per_value) + 1
 
 
