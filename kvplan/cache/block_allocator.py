@@ -5,6 +5,17 @@ the same length), so allocation asks each pool for the same count and fails, cha
 nothing, when any pool is short. Out-of-window release is the one place where pools differ:
 a window pool frees the leading blocks no future query can see and leaves block 0 in their
 place (holes; the row's allocated count still includes them).
+
+Windowed allocation (``windowed=True``, the manager's ``release_out_of_window``): a window
+pool (window W) never allocates a block that no query can see. With ``c`` committed tokens a
+row of window pool ``p`` holds real blocks exactly in columns ``[lo, hi)``, where
+``lo = max(0, c - W + 1) // block_size`` (columns before it hold block 0, as release leaves
+them) and ``hi`` is what the caller asked for so far (the prompt admits only the first chunk:
+``allocate_prompt(..., end_tokens)``; ``materialize`` and ``grow_to`` extend it). Columns in
+``[hi, num_allocated)`` hold block 0 until a later chunk asks for them (a *gap*; only
+single-beam rows get one). Prefix hits: a match still needs the block in every pool (the
+cached window block holds the same prefix); the window pool takes back only the hits at
+columns ``>= lo`` and leaves the earlier ones on their free list.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ class BlockAllocator:
         table: the request table whose rows receive the blocks.
         block_size: tokens per block.
         max_blocks_per_seq: width of every table row.
+        windowed: window pools allocate only the columns a query can see (module docstring).
     """
 
     def __init__(
@@ -37,8 +49,11 @@ class BlockAllocator:
         table: RequestTable,
         block_size: int,
         max_blocks_per_seq: int,
+        *,
+        windowed: bool = False,
     ) -> None:
         self.pools = pools
+        self.windowed = windowed
         self.window_sizes = tuple(window_sizes)
         self.table = table
         self.block_size = block_size
@@ -67,50 +82,138 @@ class BlockAllocator:
             return AllocationResult(False, 0, max(missing), "blocks", missing)
         return None
 
+    def _lazy(self, p: int) -> bool:
+        return self.windowed and self.window_sizes[p] is not None
+
+    def _first_live(self, p: int, committed: int) -> int:
+        """Column ``lo`` of window pool ``p`` with ``committed`` tokens committed."""
+        return max(0, committed - self.window_sizes[p] + 1) // self.block_size
+
+    def _prompt_columns(
+        self, p: int, num_prompt: int, num_hits: int, end_tokens: int
+    ) -> tuple[int, int]:
+        """Columns ``[lo, hi)`` of the prompt that pool ``p`` allocates at admission."""
+        if not self._lazy(p):
+            return 0, cdiv(num_prompt, self.block_size)
+        lo = self._first_live(p, num_hits * self.block_size)
+        return lo, cdiv(min(num_prompt, end_tokens), self.block_size)
+
     def prompt_shortfall(
-        self, num_prompt: int, hit_blocks: list[list[int]], beam_width: int, num_cross: int
+        self,
+        num_prompt: int,
+        hit_blocks: list[list[int]],
+        beam_width: int,
+        num_cross: int,
+        end_tokens: int | None = None,
     ) -> AllocationResult | None:
         """What ``allocate_prompt`` would miss (None when every pool has enough): per pool,
         the prompt's fresh full blocks, one partial block per beam, the encoder blocks, and
         the prefix hits that sit on the free list (taking them back uses up free blocks)."""
         num_full, has_tail = divmod(num_prompt, self.block_size)
+        num_hits = len(hit_blocks)
+        end = num_prompt if end_tokens is None or beam_width > 1 else end_tokens
         need = []
         for p, pool in enumerate(self.pools):
-            num_free_hits = sum(pool.is_free(b) for b in {blocks[p] for blocks in hit_blocks})
-            fresh = num_full - len(hit_blocks)
-            need.append(fresh + beam_width * (has_tail != 0) + num_cross + num_free_hits)
+            lo, hi = self._prompt_columns(p, num_prompt, num_hits, end)
+            used = {blocks[p] for blocks in hit_blocks[lo:]}
+            num_free_hits = sum(pool.is_free(b) for b in used)
+            fresh = max(0, min(num_full, hi) - max(lo, num_hits))
+            tail = beam_width if has_tail and hi > num_full else 0
+            need.append(fresh + tail + num_cross + num_free_hits)
         return self.shortfall(need)
 
-    def allocate_prompt(self, req: Request, hit_blocks: list[list[int]], num_cross: int) -> None:
+    def allocate_prompt(
+        self,
+        req: Request,
+        hit_blocks: list[list[int]],
+        num_cross: int,
+        end_tokens: int | None = None,
+    ) -> None:
         """Give the fresh rows of ``req`` its prompt's blocks in every pool: the prefix hits
         ``hit_blocks[j][pool]`` and fresh full blocks shared by every beam (one reference
-        per beam), a partial last block per beam, and ``num_cross`` encoder blocks. The
-        caller checked ``prompt_shortfall``."""
-        num_full, has_tail = divmod(len(req.prompt), self.block_size)
+        per beam), a partial last block per beam, and ``num_cross`` encoder blocks. Windowed
+        pools take only columns ``[lo, cdiv(end_tokens, block_size))`` (``end_tokens``:
+        the end of the first chunk; ignored for beams). The caller checked
+        ``prompt_shortfall`` with the same arguments."""
+        num_prompt = len(req.prompt)
+        num_full, has_tail = divmod(num_prompt, self.block_size)
         beam_width, table = req.beam_width, self.table
+        num_hits = len(hit_blocks)
+        end = num_prompt if end_tokens is None or beam_width > 1 else end_tokens
         for p, pool in enumerate(self.pools):
-            shared = [blocks[p] for blocks in hit_blocks]
-            pool.touch(shared * beam_width)
-            fresh = pool.allocate(num_full - len(hit_blocks))
+            lo, hi = self._prompt_columns(p, num_prompt, num_hits, end)
+            hits = [blocks[p] for blocks in hit_blocks[lo:]]
+            pool.touch(hits * beam_width)
+            fresh = pool.allocate(max(0, min(num_full, hi) - max(lo, num_hits)))
             pool.touch(fresh * (beam_width - 1))
-            shared += fresh
+            shared = [0] * min(lo, num_hits) + hits + fresh
+            shared += [0] * (num_full - len(shared))
             for beam in range(beam_width):
-                tail = pool.allocate(1) if has_tail else []
+                tail = [] if not has_tail else pool.allocate(1) if hi > num_full else [0]
                 table.set_blocks(p, req.rows[beam], shared + tail)
             if num_cross:
                 table.set_cross_blocks(p, req.rows[0], pool.allocate(num_cross))
 
+    def _gaps(self, req: Request, p: int, end_col: int) -> list[tuple[int, int]]:
+        """``(row, column)`` of window pool ``p`` in ``[lo, end_col)`` still holding block 0."""
+        lo = self._first_live(p, int(self.table.num_committed[req.rows[0]]))
+        tables = self.table.tables
+        return [
+            (row, lo + int(c))
+            for row in req.rows
+            for c in np.flatnonzero(tables[p, row, lo:end_col] == 0)
+        ]
+
+    def materialize(self, req: Request, end_tokens: int) -> AllocationResult:
+        """Give windowed pools real blocks for every column a query at positions
+        ``< end_tokens`` (and ``>=`` the committed count) can see, up to the allocated
+        count (no change and a failed result when a pool is short)."""
+        if not self.windowed:
+            return ALLOCATED
+        end_col = min(cdiv(end_tokens, self.block_size), int(self.table.num_allocated[req.rows[0]]))
+        gaps = [
+            self._gaps(req, p, end_col) if self._lazy(p) else [] for p in range(len(self.pools))
+        ]
+        short = self.shortfall([len(g) for g in gaps])
+        if short is not None:
+            return short
+        tables = self.table.tables
+        for p, (pool, pool_gaps) in enumerate(zip(self.pools, gaps)):
+            for (row, col), block in zip(pool_gaps, pool.allocate(len(pool_gaps))):
+                tables[p, row, col] = block
+        return ALLOCATED
+
+    def has_gap(self, rows: np.ndarray) -> bool:
+        """Whether a windowed pool's last allocated column of some row in ``rows`` holds
+        block 0 (a gap, or, conservatively, a released last block)."""
+        if not self.windowed:
+            return False
+        last = np.maximum(self.table.num_allocated[rows].astype(np.int64) - 1, 0)
+        tables = self.table.tables
+        return any(
+            bool((tables[p, rows, last] == 0).any())
+            for p in range(len(self.pools))
+            if self._lazy(p)
+        )
+
     def grow_to(self, req: Request, total_tokens: int, name: str) -> AllocationResult:
-        """Allocate blocks so that every beam of ``req`` holds ``total_tokens`` tokens (no
-        change and a failed result when a pool is short)."""
+        """Allocate blocks so that every beam of ``req`` holds ``total_tokens`` tokens, filling
+        windowed gaps first (no change and a failed result when a pool is short)."""
         want = self.num_blocks_for(name, total_tokens)
         have = int(self.table.num_allocated[req.rows[0]])
         extra = max(0, want - have)
-        if extra == 0:
+        gaps = [self._gaps(req, p, have) if self._lazy(p) else [] for p in range(len(self.pools))]
+        if extra == 0 and not any(gaps):
             return ALLOCATED
-        short = self.shortfall([extra * req.beam_width] * len(self.pools))
+        short = self.shortfall([extra * req.beam_width + len(g) for g in gaps])
         if short is not None:
             return short
+        tables = self.table.tables
+        for p, (pool, pool_gaps) in enumerate(zip(self.pools, gaps)):
+            for (row, col), block in zip(pool_gaps, pool.allocate(len(pool_gaps))):
+                tables[p, row, col] = block
+        if extra == 0:
+            return ALLOCATED
         for row in req.rows:
             self.table.append_blocks(row, [pool.allocate(extra) for pool in self.pools])
         return ALLOCATED

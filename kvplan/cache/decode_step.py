@@ -91,7 +91,8 @@ class DecodeStepUpdates:
                 f"request {ids[i]!r}: num_tokens = {int(new_len[i])} tokens needs "
                 f"{int(want[i])} blocks, more than max_blocks_per_seq = {self.max_blocks_per_seq}"
             )
-        if table.num_multi_beam:  # beams allocate per row: the per-request path
+        if table.num_multi_beam or self.allocator.has_gap(rows):
+            # beams allocate per row, window gaps per column: the per-request path
             return self._extend_one_by_one(ids, rows, new_len)
         extra = want - table.num_allocated[rows]  # > 0: blocks to allocate
         needy = np.flatnonzero(extra > 0)

@@ -14,7 +14,10 @@ Vocabulary
   be found by another request).
 * one *pool* per distinct sliding-window size (VSWA); ``layer_to_pool[layer]`` picks a
   layer's pool. Every pool's table covers the whole sequence; with ``release_out_of_window``
-  a window pool frees the blocks no future query can see and leaves block 0 in their place.
+  a window pool frees the blocks no future query can see and leaves block 0 in their place,
+  and allocates only the blocks a query can see: at admission those of the first chunk
+  (``add_request(..., max_new_tokens=...)``), later ones by ``prepare_chunk`` or ``extend``
+  (``BlockAllocator``'s docstring states the rule, prefix hits included).
 * beams: the prompt's full blocks are shared by all beams (one reference per beam); the
   prompt's partial last block and all later blocks are per beam. Only beam 0's partial prompt
   block is written by the context step; ``beam_fork_copies`` lists the copies that give the
@@ -70,7 +73,8 @@ class KVCacheManager:
             future query can see (every position < committed - W + 1) as tokens are
             committed. Their table entries become block 0 (holes; ``num_allocated_blocks``
             still counts them), so consumers must take counts from the manager, not from the
-            nonzero entries. Off by default.
+            nonzero entries. Such pools also allocate lazily (``prepare_chunk``). Off by
+            default.
         num_state_slots: per-request state slots (SWA ring buffers); 0 = none.
         max_beam_width: largest beam width a request may ask for.
 
@@ -115,7 +119,12 @@ class KVCacheManager:
         ]
         self.requests = RequestTable(num_pools, max_blocks_per_seq, num_state_slots, block_size)
         self.allocator = BlockAllocator(
-            self.pools, window_sizes, self.requests, block_size, max_blocks_per_seq
+            self.pools,
+            window_sizes,
+            self.requests,
+            block_size,
+            max_blocks_per_seq,
+            windowed=release_out_of_window,
         )
         self.prefix_cache = PrefixCache(self.pools, self.requests, block_size)
         self.decode_step = DecodeStepUpdates(
@@ -171,6 +180,7 @@ class KVCacheManager:
         beam_width: int = 1,
         num_encoder_tokens: int = 0,
         reuse_prefix: bool = True,
+        max_new_tokens: int | None = None,
     ) -> AllocationResult:
         """Allocate blocks for the whole prompt, reusing cached full prefix blocks.
 
@@ -178,6 +188,9 @@ class KVCacheManager:
         committed; the caller computes only tokens ``[num_cached_tokens, len(prompt))``.
         ``reuse_prefix=False``: reuse no cached block (every token is computed); the
         request's own full blocks are still hashed for others.
+        ``max_new_tokens``: the first chunk computes at most this many tokens; with
+        ``release_out_of_window`` the window pools allocate only what that chunk's queries
+        see (``prepare_chunk`` adds the rest chunk by chunk). None: the whole prompt.
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already active")
@@ -194,13 +207,19 @@ class KVCacheManager:
         cacheable = self.enable_prefix_caching and num_encoder_tokens == 0
         lookup = cacheable and reuse_prefix
         hit_hashes, hit_blocks = self.prefix_cache.match(prompt) if lookup else ([], [])
-        short = self.allocator.prompt_shortfall(num_prompt, hit_blocks, beam_width, num_cross)
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        end = None
+        if max_new_tokens is not None:
+            end = len(hit_blocks) * self.block_size + max_new_tokens
+        alloc = self.allocator
+        short = alloc.prompt_shortfall(num_prompt, hit_blocks, beam_width, num_cross, end)
         if short is not None:
             return short
         if self.num_state_slots and not self.requests.has_free_state_slot():
             return AllocationResult(False, 0, 0, "state_slots", (0,) * self.num_pools)
         req = self.requests.add(request_id, prompt, beam_width, num_encoder_tokens, cacheable)
-        self.allocator.allocate_prompt(req, hit_blocks, num_cross)
+        alloc.allocate_prompt(req, hit_blocks, num_cross, end)
         num_cached = len(hit_hashes) * self.block_size
         self.requests.num_committed[req.rows[0]] = num_cached
         req.hashes = list(hit_hashes)
@@ -219,6 +238,16 @@ class KVCacheManager:
         if result.ok:
             self.requests.num_tokens[row0] = total
         return result
+
+    def prepare_chunk(self, request_id: Hashable, end_tokens: int) -> AllocationResult:
+        """Make the window pools hold every block that queries at positions ``[committed,
+        end_tokens)`` can see (only allocated columns; a no-op without
+        ``release_out_of_window``). Call it before computing a prefill chunk that ends at
+        ``end_tokens``; a failed result changes nothing."""
+        req = self.requests.get(request_id)
+        if end_tokens < 0:
+            raise ValueError(f"end_tokens must be >= 0, got {end_tokens}")
+        return self.allocator.materialize(req, end_tokens)
 
     def reserve(self, request_id: Hashable, num_extra_tokens: int) -> AllocationResult:
         """Make blocks exist for ``num_extra_tokens`` past the logical length (every beam).

@@ -12,7 +12,9 @@ Every step (``schedule``) spends a token budget ``max_num_batched_tokens``:
 2. then waiting requests, first come first served, while budget and ``max_num_seqs`` allow:
    ``add_request`` allocates blocks for everything the request has and reports the prefix
    reused from the cache (those tokens are skipped); the rest is prefilled in chunks of at
-   most the remaining budget (``enable_chunked_prefill``) or whole. Without chunked prefill,
+   most the remaining budget (``enable_chunked_prefill``) or whole (sliding-window pools
+   allocate per chunk: ``add_request(max_new_tokens=...)``, then ``prepare_chunk``; running
+   out there preempts as for decode). Without chunked prefill,
    a preempted request whose prompt plus generated tokens exceed ``max_num_batched_tokens``
    could never be admitted whole: it is prefilled in chunks.
 
@@ -217,6 +219,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if req.is_prefilling:
                 n = min(req.num_prefill_tokens - req.num_computed_tokens, budget)
+                if not self._prepare_chunk(req, req.num_computed_tokens + n, scheduled, preempted):
+                    continue
                 prefill.append(ScheduledSeq(req, n, True))
                 budget -= n
                 scheduled.add(req.request_id)
@@ -252,7 +256,10 @@ class Scheduler:
             ):
                 break  # fits a later step whole; one that never can is chunked below
             result = self.manager.add_request(
-                req.request_id, tokens, reuse_prefix=not req.needs_prompt_logprobs
+                req.request_id,
+                tokens,
+                reuse_prefix=not req.needs_prompt_logprobs,
+                max_new_tokens=budget,
             )
             if not result.ok:
                 break
@@ -267,6 +274,20 @@ class Scheduler:
             budget -= n
 
         return prefill + verify + decode, len(prefill) + len(verify), preempted
+
+    def _prepare_chunk(
+        self, req: Request, end: int, scheduled: set[int], preempted: list[Request]
+    ) -> bool:
+        """Window-pool blocks for a prefill chunk ending at ``end`` (the manager allocates
+        them chunk by chunk), preempting like a decoding request when none is left; False
+        when ``req`` itself was preempted."""
+        while not self.manager.prepare_chunk(req.request_id, end).ok:
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         if room <= 0 or not req.params.greedy:  # (called only when propose_drafts is set)

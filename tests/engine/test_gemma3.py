@@ -239,3 +239,34 @@ def test_8k_request_memory_with_gemma_270m_shapes():
         if release:
             assert sorted(live) == [32, 512]
     assert totals == [150_994_944, 33_030_144]
+
+
+def test_window_only_model_admits_more_requests():
+    """Mistral-style (every layer sliding, window 8): the single window pool allocates per
+    chunk, so a pool that holds at most 3 whole 40-token prompts (33 blocks of 4; with 24 new
+    tokens a request reaches 16 blocks) runs 5 requests at once without preemption (the
+    8-token budget lets the first finish before the sixth is admitted), greedy tokens still
+    HF's."""
+    hf = make_gemma3_model(seed=3, window=8, layer_types=("sliding_attention",) * 2)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        hf.save_pretrained(folder)
+        prompts = random_prompts(6, 40, 40, hf.config.vocab_size, seed=11)
+        expected = hf_greedy(hf, prompts, 24)
+        llm = _engine(folder, num_blocks=33, max_num_batched_tokens=8, max_num_seqs=6)
+    manager, sched = llm.parts.manager, llm.engine.scheduler
+    assert manager.num_pools == 1 and manager.window_sizes == (8,)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in prompts]
+    outs, most = {}, 0
+    while sched.has_unfinished():
+        for req in llm.step():
+            if req.finished:
+                outs[req.request_id] = req.output_token_ids
+        most = max(most, len(sched.running))
+    assert most == 5  # full-length allocation: (33 - 1) // 10 = 3 at admission
+
+    assert sched.num_preemptions == 0
+    assert [outs[i] for i in ids] == expected
+    _assert_all_blocks_free(llm)
