@@ -43,10 +43,8 @@ class AttentionFamily(Protocol):
 class PagedFamily:
     """The paged backends' family: one `AttentionMetadata` object, re-planned every step.
 
-    ``plan`` drives the metadata contract in its valid order: the ledger fields
-    (``request_ids``, ``prompt_lens``, ``num_cached_tokens_per_seq``), then the shape
-    (``seq_lens``, then ``num_contexts``: the setters refresh the derived counts and
-    ``prepare()`` checks ``num_contexts <= num_seqs``), then ``prepare()``. The same object
+    ``plan`` sets the step's fields together (``AttentionMetadata.set_step``, which checks
+    them before changing anything), then ``prepare()``. The same object
     is returned every step (its device buffers keep their addresses for CUDA graphs).
     """
 
@@ -77,17 +75,13 @@ def set_paged_step(
     num_query_tokens: Any,
     num_contexts: int,
 ) -> Any:
-    """Write one step's facts into ``metadata`` (an `AttentionMetadata`) in the contract's
-    order and ``prepare()`` it; returns ``metadata``.
+    """Write one step's facts into ``metadata`` (an `AttentionMetadata`) with its
+    ``set_step`` and ``prepare()`` it; returns ``metadata``.
 
     ``num_cached_tokens`` / ``num_query_tokens``: int32 ``[num_seqs]`` (context rows
     first, ``num_contexts`` of them). For callers without a `StepBatch` (CUDA-graph capture
     dummies, teacher-forced scoring).
     """
-    metadata.request_ids = request_ids
-    metadata.prompt_lens = prompt_lens
-    metadata.num_cached_tokens_per_seq = num_cached_tokens
-    metadata.seq_lens = num_query_tokens
-    metadata.num_contexts = num_contexts
+    metadata.set_step(request_ids, prompt_lens, num_cached_tokens, num_query_tokens, num_contexts)
     metadata.prepare()
     return metadata
