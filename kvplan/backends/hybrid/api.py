@@ -40,6 +40,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from kvplan._checks import check_tensor
+
 LAYER_KINDS = (
     "sliding_attention",
     "compressed_sparse_attention",
@@ -150,6 +152,29 @@ class HybridStepContext(Protocol):
         the ``top_k`` best closed entries. Returns ``[T, H, D]`` in ``q``'s dtype.
         """
         ...
+
+
+def check_attend_inputs(
+    spec: HybridLayerSpec,
+    num_rows: int,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    sinks: torch.Tensor,
+    index_q: torch.Tensor | None,
+    index_weights: torch.Tensor | None,
+) -> None:
+    """The argument checks every ``HybridStepContext.attend`` starts with: shapes against the
+    layer's spec and the step's ``num_rows``; CSA layers need the indexer inputs, other layers
+    take none. Raises ``TypeError`` / ``ValueError`` naming the argument."""
+    check_tensor("q", q, shape=(num_rows, spec.num_heads, spec.head_dim))
+    check_tensor("kv", kv, shape=(num_rows, spec.head_dim))
+    check_tensor("sinks", sinks, shape=(spec.num_heads,))
+    if spec.kind == "compressed_sparse_attention":
+        hi, ci = spec.num_index_heads, spec.index_head_dim
+        check_tensor("index_q", index_q, shape=(num_rows, hi, ci))
+        check_tensor("index_weights", index_weights, shape=(num_rows, hi))
+    elif index_q is not None or index_weights is not None:
+        raise ValueError(f"a {spec.kind} layer takes no index_q / index_weights")
 
 
 @dataclass(frozen=True)

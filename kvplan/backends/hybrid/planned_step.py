@@ -44,7 +44,12 @@ import numpy as np
 import torch
 
 from kvplan._math import exclusive_cumsum
-from kvplan.backends.hybrid.api import SERIES_NAMES, CompressWindows, HybridSeq
+from kvplan.backends.hybrid.api import (
+    SERIES_NAMES,
+    CompressWindows,
+    HybridSeq,
+    check_attend_inputs,
+)
 from kvplan.backends.hybrid.sparse_attention import indexer_topk, sink_attention
 from kvplan.ops import convert_kv_index, kv_index_cat
 from kvplan.ops._dispatch import use_triton
@@ -239,21 +244,13 @@ class PlannedStep:
         index_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         spec = self._spec(layer_idx)
-        self._rows("kv", kv, spec.head_dim)
-        if q.dim() != 3 or q.shape[0] != self.num_rows or q.shape[2] != spec.head_dim:
-            raise ValueError(
-                f"q must have shape ({self.num_rows}, H, {spec.head_dim}), got {tuple(q.shape)}"
-            )
-        if sinks.shape != (q.shape[1],):
-            raise ValueError(f"sinks must have shape ({q.shape[1]},), got {tuple(sinks.shape)}")
         compressed = spec.kind != "sliding_attention"
         if compressed:
             needed = SERIES_NAMES if spec.overlap else SERIES_NAMES[:1]
             missing = [n for n in needed if (layer_idx, n) not in self._stored]
             if missing:
                 raise ValueError(f"layer {layer_idx}: store_entries({missing}) must precede attend")
-            if spec.overlap and (index_q is None or index_weights is None):
-                raise ValueError(f"layer {layer_idx} is CSA: index_q and index_weights are needed")
+        check_attend_inputs(spec, self.num_rows, q, kv, sinks, index_q, index_weights)
         caches = self.family.caches[layer_idx]
         if in_place(q) and not self.family.trace:
             args = (spec, caches, q, kv, sinks, scale, index_q, index_weights)

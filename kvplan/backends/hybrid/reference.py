@@ -32,7 +32,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvplan._checks import check_tensor
-from kvplan.backends.hybrid.api import CompressWindows, HybridLayerSpec, HybridSeq
+from kvplan.backends.hybrid.api import (
+    CompressWindows,
+    HybridLayerSpec,
+    HybridSeq,
+    check_attend_inputs,
+)
 
 Visible = frozenset[tuple[str, int]]
 
@@ -181,16 +186,8 @@ class ReferenceStepContext:
     ) -> torch.Tensor:
         spec = self._spec(layer_idx)
         num_rows = self._starts[-1]
-        check_tensor("q", q, shape=(num_rows, spec.num_heads, spec.head_dim))
-        check_tensor("kv", kv, shape=(num_rows, spec.head_dim))
-        check_tensor("sinks", sinks, shape=(spec.num_heads,))
+        check_attend_inputs(spec, num_rows, q, kv, sinks, index_q, index_weights)
         csa = spec.kind == "compressed_sparse_attention"
-        if csa:
-            hi, ci = spec.num_index_heads, spec.index_head_dim
-            check_tensor("index_q", index_q, shape=(num_rows, hi, ci))
-            check_tensor("index_weights", index_weights, shape=(num_rows, hi))
-        elif index_q is not None or index_weights is not None:
-            raise ValueError(f"layer {layer_idx} ({spec.kind}) takes no index_q / index_weights")
         for name in series_names(spec):
             if (layer_idx, name) in self._pending:
                 raise ValueError(f"attend({layer_idx}) before store_entries(.., {name!r})")
