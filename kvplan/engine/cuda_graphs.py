@@ -50,6 +50,15 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
     return None
 
 
+def capture_graph(forward: Any, pool: Any) -> tuple[Any, Any]:
+    """Capture ``forward()`` into a CUDA graph sharing the memory ``pool``: returns (the
+    graph, its output tensor, rewritten by every ``graph.replay()``)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
 class DecodeGraphs:
     """Captured decode steps of a model whose layers are all served by the paged family,
     on block_offsets metadata (see the module docstring)."""
@@ -125,9 +134,7 @@ class DecodeGraphs:
 
     def _capture(self, b: int, pool: Any) -> Any:
         """Capture one decode step of ``b`` rows; returns the graph (``.replay()``)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits[b] = self._forward(b)
+        graph, self.logits[b] = capture_graph(lambda: self._forward(b), pool)
         return graph
 
     def capture_all(self) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvplan.backends.hybrid.static_step import StaticDecodeBuffers, StaticDecodeStep
-from kvplan.engine.cuda_graphs import bucket_for, decode_buckets
+from kvplan.engine.cuda_graphs import bucket_for, capture_graph, decode_buckets
 from kvplan.engine.hybrid import HYBRID
 from kvplan.engine.step import StepBatch
 from kvplan.models.deepseek_v4.moe import graph_safe_routing
@@ -79,9 +79,7 @@ class HybridDecodeGraphs:
 
     def _capture(self, b: int, pool: Any) -> Any:
         """Capture the staged step of ``b`` rows; returns the graph (``.replay()``)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits[b] = self._forward(b)
+        graph, self.logits[b] = capture_graph(lambda: self._forward(b), pool)
         return graph
 
     def capture_all(self) -> None:
