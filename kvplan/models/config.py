@@ -198,7 +198,6 @@ class ModelConfig:
         if model_type in GEMMA3_TYPES:
             return cls._gemma3_from_hf(d)
         num_layers = int(d["num_hidden_layers"])
-        num_heads = int(d["num_attention_heads"])
         rope = RopeConfig.from_hf(
             d.get("rope_parameters") or d.get("rope_scaling"), float(d.get("rope_theta", 10000.0))
         )
@@ -216,26 +215,15 @@ class ModelConfig:
             windows = (int(window),) * num_layers
         if windows is not None and all(w is None for w in windows):
             windows = None
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
         qkv_bias = bool(d.get("attention_bias") or model_type == "qwen2")
         return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim_override=d.get("head_dim"),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            **_shared_fields(d),
             rope=rope,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=model_type == "qwen3",
             layer_windows=windows,
             max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
             model_type=model_type,
         )
 
@@ -266,30 +254,38 @@ class ModelConfig:
         else:
             rope = RopeConfig.from_hf(params or d.get("rope_scaling"), legacy_theta)
             local = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
-        num_heads = int(d["num_attention_heads"])
         return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim_override=d.get("head_dim"),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            **_shared_fields(d),
             rope=rope,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
             qk_norm=True,
             layer_windows=None if all(w is None for w in windows) else windows,
             max_position_embeddings=int(d.get("max_position_embeddings", 131072)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
             model_type="gemma3_text",
             local_rope=local,
             query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
             hidden_act=act,
         )
+
+
+def _shared_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields every supported ``config.json`` spells the same way: sizes,
+    heads, norm epsilon, BOS / EOS ids."""
+    num_heads = int(d["num_attention_heads"])
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+    return dict(
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+        head_dim_override=d.get("head_dim"),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+    )
 
 
 # Named random-weight configurations for tests and benchmarks.
