@@ -177,11 +177,16 @@ class BlockAllocator:
         short = self.shortfall([len(g) for g in gaps])
         if short is not None:
             return short
+        self._fill_gaps(gaps)
+        return ALLOCATED
+
+    def _fill_gaps(self, gaps: list[list[tuple[int, int]]]) -> None:
+        """Give each ``(row, column)`` of ``gaps[p]`` a fresh block of pool ``p`` (the caller
+        checked the pools hold them)."""
         tables = self.table.tables
         for p, (pool, pool_gaps) in enumerate(zip(self.pools, gaps)):
             for (row, col), block in zip(pool_gaps, pool.allocate(len(pool_gaps))):
                 tables[p, row, col] = block
-        return ALLOCATED
 
     def has_gap(self, rows: np.ndarray) -> bool:
         """Whether a windowed pool's last allocated column of some row in ``rows`` holds
@@ -208,10 +213,7 @@ class BlockAllocator:
         short = self.shortfall([extra * req.beam_width + len(g) for g in gaps])
         if short is not None:
             return short
-        tables = self.table.tables
-        for p, (pool, pool_gaps) in enumerate(zip(self.pools, gaps)):
-            for (row, col), block in zip(pool_gaps, pool.allocate(len(pool_gaps))):
-                tables[p, row, col] = block
+        self._fill_gaps(gaps)
         if extra == 0:
             return ALLOCATED
         for row in req.rows:
