@@ -30,7 +30,6 @@ one at a time: a step is planned from the tokens of the previous one).
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from torch import nn
 from kvplan.backends.hybrid.api import HybridSeq
 from kvplan.engine.config import EngineConfig
 from kvplan.engine.step import StepBatch
+from kvplan.models.weights import read_config_json
 
 HYBRID = "hybrid"
 HYBRID_MODEL_TYPES = ("deepseek_v4",)
@@ -135,14 +135,10 @@ class HybridSource:
 
 def hybrid_source(folder: Path) -> HybridSource | None:
     """The folder as a hybrid model, or None when its ``model_type`` is not a hybrid one."""
-    path = folder / "config.json"
-    if not path.is_file():
+    if not (folder / "config.json").is_file():
         return None
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable JSON config ({exc})") from exc
-    if not isinstance(raw, dict) or raw.get("model_type") not in HYBRID_MODEL_TYPES:
+    raw = read_config_json(folder)
+    if raw.get("model_type") not in HYBRID_MODEL_TYPES:
         return None
     from kvplan.models.deepseek_v4 import DeepseekV4Config
 

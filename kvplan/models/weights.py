@@ -18,6 +18,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -119,7 +120,9 @@ def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, sf.get_tensor(key)
 
 
-def read_hf_config(folder: str | Path) -> ModelConfig:
+def read_config_json(folder: str | Path) -> dict[str, Any]:
+    """``folder/config.json`` as a dict; ``ValueError`` naming the file when it is missing,
+    not JSON, or not a JSON object."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json in model folder {str(folder)!r}")
@@ -129,6 +132,12 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         raise ValueError(f"{path}: not a readable JSON config ({exc})") from exc
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a config must be a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def read_hf_config(folder: str | Path) -> ModelConfig:
+    path = Path(folder) / "config.json"
+    raw = read_config_json(folder)
     try:
         return ModelConfig.from_hf(raw)
     except (KeyError, TypeError, ValueError) as exc:

@@ -25,7 +25,6 @@ hyper-connection parameters and the router's correction bias stay fp32 whatever 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from kvplan.models.weights import read_config_json
 
 _ATTN = "(?:attn|self_attn)"
 _FFN = "(?:ffn|mlp)"
@@ -122,9 +122,7 @@ def load_deepseek_v4(
 
     folder = Path(folder)
     cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ValueError(f"no config.json in model folder {str(folder)!r}")
-    raw = json.loads(cfg_path.read_text())
+    raw = read_config_json(folder)
     if raw.get("model_type") != "deepseek_v4":
         raise ValueError(
             f"{cfg_path}: model_type must be 'deepseek_v4', got {raw.get('model_type')!r}"
