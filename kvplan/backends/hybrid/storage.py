@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from kvplan import quant
+from kvplan._checks import check_range
 from kvplan.formats import (
     FP4_INDEX_KV_FORMAT,
     FP8_FLOAT32_SF_INDEX_KV_FORMAT,
@@ -144,10 +145,7 @@ class PagedRows:
         if self.fp32_bits and check:
             if not bool(torch.isfinite(rows).all()):
                 raise ValueError("rows hold a non-finite value (inf or NaN)")
-            num_slots = self.cache.shape[0] * self.cache.shape[1]
-            bad = (slots < -1) | (slots >= num_slots)
-            if bool(bad.any()):
-                raise ValueError(f"slots hold {int(slots[bad][0])}, outside [-1, {num_slots})")
+            check_range("slots", slots, -1, self.cache.shape[0] * self.cache.shape[1])
             check = False
         store_kv_cache(self._to_cache_rows(rows), self.cache, slots, layout=self.layout,
                        check=check)  # fmt: skip
