@@ -70,7 +70,7 @@ class HybridEngineFamily:
                 rid,
                 cached,
                 query,
-                s.request.all_token_ids,
+                s.request.token_view,
                 m.get_block_ids(rid),
                 m.get_state_slot(rid),
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,38 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # not holding blocks (new, or preempted for recompute)
     RUNNING = "running"  # holding blocks; prefilling or decoding
     FINISHED = "finished"
+
+
+class TokenIds(Sequence[int]):
+    """Read-only view of a request's tokens, the prompt then the outputs, up to ``end``.
+
+    Indexing and ``len`` cost O(1); a prefix slice ``[:k]`` is another view, any other slice
+    a list of just that range. So a planner reading one step's chunk of a long sequence does
+    not copy the whole history each step.
+    """
+
+    __slots__ = ("_prompt", "_output", "_end")
+
+    def __init__(self, prompt: list[int], output: list[int], end: int | None = None) -> None:
+        self._prompt, self._output = prompt, output
+        total = len(prompt) + len(output)
+        self._end = total if end is None else min(end, total)
+
+    def __len__(self) -> int:
+        return self._end
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._end)
+            if start == 0 and step == 1:
+                return TokenIds(self._prompt, self._output, stop)
+            return [self[i] for i in range(start, stop, step)]
+        if index < 0:
+            index += self._end
+        if not 0 <= index < self._end:
+            raise IndexError(f"token index {index} outside [0, {self._end})")
+        n = len(self._prompt)
+        return self._prompt[index] if index < n else self._output[index - n]
 
 
 @dataclass
@@ -51,6 +84,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def token_view(self) -> TokenIds:
+        """``all_token_ids`` without the copy (a read-only view; see `TokenIds`)."""
+        return TokenIds(self.prompt_token_ids, self.output_token_ids)
 
     @property
     def last_token_id(self) -> int:

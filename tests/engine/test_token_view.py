@@ -1,0 +1,23 @@
+"""`Request.token_view`: the prompt + outputs without a copy, equal to ``all_token_ids``."""
+
+import numpy as np
+import pytest
+
+from kvplan.engine.request import Request
+from kvplan.engine.sampling import SamplingParams
+
+
+def test_token_view_equals_all_token_ids():
+    req = Request(0, [5, 6, 7], SamplingParams())
+    req.output_token_ids += [8, 9]
+    view, ref = req.token_view, req.all_token_ids
+    assert len(view) == len(ref) and list(view) == ref
+    assert [view[i] for i in range(-5, 5)] == [ref[i] for i in range(-5, 5)]
+    for sl in (slice(0, 4), slice(1, 4), slice(2, None), slice(0, 9), slice(None, None, 2)):
+        assert list(view[sl]) == ref[sl]
+    assert np.asarray(view[:4]).tolist() == ref[:4]
+    prefix = view[:4]
+    req.output_token_ids.append(10)  # a prefix view keeps its length; the full view grows
+    assert len(prefix) == 4 and len(req.token_view) == 6
+    with pytest.raises(IndexError):
+        view[5]
