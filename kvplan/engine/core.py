@@ -188,8 +188,7 @@ class EngineCore(AsyncSteps):
         self._launched, self._drained = None, []
         sched = self.scheduler
         for req in list(sched.running):
-            self._finish_request(req, "error")
-        sched._decode = None
+            self._finish_request(req, "error")  # each leaves the remembered decode batch
 
     def _step(self) -> list[Request]:
         launched, drained = self._launched, self._drained
