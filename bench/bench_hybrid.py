@@ -30,6 +30,7 @@ CPU:  PYTHONPATH=. python3 bench/bench_hybrid.py --quick --out q.json  (tiny mod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -178,9 +179,8 @@ def fill_caches(family: PlannedHybridFamily, seqs: list[HybridSeq], context: int
                 part = all_slots[lo : lo + (1 << 18)]
                 rows = torch.randn(part.numel(), pool.width, generator=gen, device=dev, dtype=dtype)
                 pool.store(rows, part)
-    for s in seqs:  # bench-only: the caches hold `context` tokens without a planned prefill
-        family._cached_len[s.request_id] = context
-        family._owner[s.state_id] = s.request_id
+    # the caches hold `context` tokens without a planned prefill: record them as one step
+    family.record([dataclasses.replace(s, q_start=0, seqlen_q=context) for s in seqs])
 
 
 def run_decode(model, cfg, kv_format, dtype, batch, context, steps, warmup, block_size, gen):
