@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -46,6 +47,8 @@ if not torch.cuda.is_available():
 from kvplan.backends.hybrid.api import HybridSeq  # noqa: E402
 from kvplan.backends.hybrid.planned import PlannedHybridFamily  # noqa: E402
 from kvplan.backends.hybrid.storage import index_format, main_format  # noqa: E402
+from kvplan.engine.hybrid import HybridCausalLM  # noqa: E402
+from kvplan.engine.hybrid_graphs import HybridDecodeGraphs  # noqa: E402
 from kvplan.models.deepseek_v4 import (  # noqa: E402
     DeepseekV4Config,
     DeepseekV4ForCausalLM,
@@ -183,10 +186,29 @@ def fill_caches(family: PlannedHybridFamily, seqs: list[HybridSeq], context: int
     family.record([dataclasses.replace(s, q_start=0, seqlen_q=context) for s in seqs])
 
 
-def run_decode(model, cfg, kv_format, dtype, batch, context, steps, warmup, block_size, gen):
-    """Fill the caches at ``context`` and time ``steps`` decode steps after ``warmup``."""
+def run_decode(
+    model,
+    cfg,
+    kv_format,
+    dtype,
+    batch,
+    context,
+    steps,
+    warmup,
+    block_size,
+    gen,
+    graphs=False,
+    profile=0,
+):
+    """Fill the caches at ``context`` and time ``steps`` decode steps after ``warmup``.
+
+    ``graphs``: the steps replay a captured CUDA graph of the batch
+    (`kvplan.engine.hybrid_graphs.HybridDecodeGraphs`, one bucket of ``batch`` rows); the host
+    half (``stage``: checks, the packed decode facts, the upload) is timed as "plan".
+    ``profile``: profile that many extra steps and return the top kernels by device time.
+    """
     dev = model.embed_tokens.weight.device
-    max_len = context + warmup + steps + 1
+    max_len = context + warmup + steps + profile + 1
     blocks_per_seq = -(-max_len // block_size)
     family = PlannedHybridFamily(
         cfg.layer_specs(), block_size=block_size, num_blocks=batch * blocks_per_seq + 1,
@@ -198,30 +220,75 @@ def run_decode(model, cfg, kv_format, dtype, batch, context, steps, warmup, bloc
     token_ids = [0] * max_len
     seqs = [HybridSeq(b, context, 1, token_ids, tables[b], b) for b in range(batch)]
     fill_caches(family, seqs, context, gen)
+    runner = None
+    if graphs:
+        runner = HybridDecodeGraphs(HybridCausalLM(model), family, batch)
+        runner.buckets = [batch]
+        runner.steps = {batch: runner.steps[batch]}
+        runner.capture_all()
     ids = torch.randint(0, cfg.vocab_size, (batch,), generator=gen, device=dev)
+
+    def one_step(q_start: int) -> tuple[torch.Tensor, float]:
+        seqs = [HybridSeq(b, q_start, 1, token_ids, tables[b], b) for b in range(batch)]
+        t0 = time.perf_counter()
+        if runner is not None:
+            runner.stage(seqs)
+            t1 = time.perf_counter()
+            out = runner.run(SimpleNamespace(input_ids=ids), device_input_ids=ids)
+        else:
+            positions = torch.full((batch,), q_start, dtype=torch.int64, device=dev)
+            ctx = family.plan(seqs, positions)
+            t1 = time.perf_counter()
+            with torch.no_grad():
+                out = model(ids, positions, ctx)
+        return out.argmax(dim=-1), t1 - t0
+
     plan_s, step_s = [], []
     for step in range(warmup + steps):
-        q_start = context + step
-        seqs = [HybridSeq(b, q_start, 1, token_ids, tables[b], b) for b in range(batch)]
         sync(dev)
         t0 = time.perf_counter()
-        positions = torch.full((batch,), q_start, dtype=torch.int64, device=dev)
-        ctx = family.plan(seqs, positions)
-        t1 = time.perf_counter()
-        with torch.no_grad():
-            ids = model(ids, positions, ctx).argmax(dim=-1)
+        ids, plan_t = one_step(context + step)
         sync(dev)
         t2 = time.perf_counter()
         if step >= warmup:
-            plan_s.append(t1 - t0)
+            plan_s.append(plan_t)
             step_s.append(t2 - t0)
+    out = {}
+    if profile:
+        out["profile"] = profile_steps(
+            lambda i: one_step(context + warmup + steps + i), profile, dev
+        )
     cache_bytes = sum(p.cache.numel() for c in family.caches for p in [c.ring, *c.pools.values()])
-    del family
     return {
+        "mode": "graphs" if graphs else "eager",
         "step_ms": statistics.median(step_s) * 1e3,
         "plan_ms": statistics.median(plan_s) * 1e3,
+        "host_share": statistics.median(p / s for p, s in zip(plan_s, step_s)),
         "cache_bytes": cache_bytes,
+        **out,
     }
+
+
+def profile_steps(step_fn, n: int, dev: torch.device, top: int = 30) -> list[dict]:
+    """Run ``n`` steps under the torch profiler; the ``top`` kernels / ops by device time
+    (total over the steps, divided by ``n``: per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for i in range(n):
+            step_fn(i)
+        sync(dev)
+    attr = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr, 0), reverse=True)
+    rows = []
+    for e in events[:top]:
+        rows.append({
+            "name": e.key[:120],
+            "us_per_step": getattr(e, attr, 0) / n,
+            "calls_per_step": e.count / n,
+        })  # fmt: skip
+    return rows
 
 
 def kernel_bench(dev: torch.device, batch: int) -> list[dict]:
@@ -306,6 +373,18 @@ def main() -> None:
     ap.add_argument("--contexts", default=None, help="comma-separated, e.g. 4096,32768")
     ap.add_argument("--formats", default="fp8,exact")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated eager,graphs (default: graphs on CUDA, eager on CPU)",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="profile STEPS extra steps of each run: top kernels in the JSON",
+    )
     ap.add_argument("--time-budget", type=float, default=180.0, help="seconds; later runs skip")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -330,28 +409,30 @@ def main() -> None:
     weights = weight_bytes(model, batch)
     gen = torch.Generator(device=dev).manual_seed(1)
     rows = []
-    for kv_format in args.formats.split(","):
-        for context in contexts:
-            row = {"kv_format": kv_format, "context": context, "batch": batch}
-            if time.perf_counter() - start > args.time_budget:
-                row["skipped"] = "time budget"
-                rows.append(row)
-                continue
-            try:
-                row.update(run_decode(model, cfg, kv_format, dtype, batch, context, steps, warmup,
-                                      block_size, gen))  # fmt: skip
-            except torch.OutOfMemoryError:
-                row["skipped"] = "out of memory"
-                rows.append(row)
-                torch.cuda.empty_cache()
-                continue
-            kv = step_read_bytes(cfg, kv_format, dtype, batch, context)
-            row["read_bytes"] = {"weights": weights, "kv": kv}
-            row["floor_ms"] = (weights + kv) / bw * 1e3
-            row["vs_floor"] = row["step_ms"] / row["floor_ms"]
+    modes = (args.modes or ("graphs" if cuda else "eager")).split(",")
+    runs = [(f, c, m) for f in args.formats.split(",") for c in contexts for m in modes]
+    for kv_format, context, mode in runs:
+        row = {"kv_format": kv_format, "context": context, "batch": batch, "mode": mode}
+        if time.perf_counter() - start > args.time_budget:
+            row["skipped"] = "time budget"
             rows.append(row)
-            if cuda:
-                torch.cuda.empty_cache()
+            continue
+        try:
+            row.update(run_decode(model, cfg, kv_format, dtype, batch, context, steps, warmup,
+                                  block_size, gen, graphs=mode == "graphs",
+                                  profile=args.profile))  # fmt: skip
+        except torch.OutOfMemoryError:
+            row["skipped"] = "out of memory"
+            rows.append(row)
+            torch.cuda.empty_cache()
+            continue
+        kv = step_read_bytes(cfg, kv_format, dtype, batch, context)
+        row["read_bytes"] = {"weights": weights, "kv": kv}
+        row["floor_ms"] = (weights + kv) / bw * 1e3
+        row["vs_floor"] = row["step_ms"] / row["floor_ms"]
+        rows.append(row)
+        if cuda:
+            torch.cuda.empty_cache()
     kernels = kernel_bench(dev, batch) if cuda else []
     total_mem = torch.cuda.get_device_properties(dev).total_memory if cuda else 8 * GiB
     reserve = 8 * GiB if cuda else GiB // 4
@@ -383,14 +464,20 @@ def main() -> None:
     }
     print(f"{record['device']}  params {record['model']['params'] / 1e9:.2f}B  "
           f"copy {bw / 1e9:.0f} GB/s  weights {weights / 1e9:.2f} GB")  # fmt: skip
-    print(f"{'format':>6} {'context':>8} {'batch':>5} {'step ms':>9} {'plan ms':>8} "
+    print(f"{'format':>6} {'context':>8} {'batch':>5} {'mode':>6} {'step ms':>9} {'host ms':>8} "
           f"{'floor ms':>9} {'x floor':>8}")  # fmt: skip
     for r in rows:
         if "skipped" in r:
-            print(f"{r['kv_format']:>6} {r['context']:>8} {r['batch']:>5}  skipped: {r['skipped']}")
+            print(
+                f"{r['kv_format']:>6} {r['context']:>8} {r['batch']:>5} {r['mode']:>6}  "
+                f"skipped: {r['skipped']}"
+            )
             continue
-        print(f"{r['kv_format']:>6} {r['context']:>8} {r['batch']:>5} {r['step_ms']:9.2f} "
-              f"{r['plan_ms']:8.2f} {r['floor_ms']:9.3f} {r['vs_floor']:8.1f}")  # fmt: skip
+        print(f"{r['kv_format']:>6} {r['context']:>8} {r['batch']:>5} {r['mode']:>6} "
+              f"{r['step_ms']:9.2f} {r['plan_ms']:8.2f} {r['floor_ms']:9.3f} "
+              f"{r['vs_floor']:8.1f}")  # fmt: skip
+        for k in r.get("profile", [])[:20]:
+            print(f"    {k['us_per_step']:10.1f} us  x{k['calls_per_step']:6.1f}  {k['name']}")
     for k in kernels:
         print(
             f"one CSA layer decode attention, {k['path']}: {k['ms']:.3f} ms"
