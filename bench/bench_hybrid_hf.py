@@ -1,0 +1,174 @@
+"""End-to-end throughput of a DeepSeek-V4-shaped model: kvplan's engine against Hugging Face's
+``DeepseekV4ForCausalLM`` on the same random weights and the same workload.
+
+Model: the shapes of ``bench/bench_hybrid.py`` (hidden 2048, 12 layers HCA, HCA, then CSA /
+HCA alternating, 16 heads x 512 with 64 rotary dims, window 128, ratios 4 / 128, top-k 512,
+32 index heads x 128, 16 experts top-2 of 1024, hyper-connections 4). HF's model is built
+with random weights, rounded to bf16 and saved with ``save_pretrained`` (bf16); kvplan's
+`kvplan.LLM` loads that folder in bf16. HF runs the same bf16-valued weights in fp32 under
+bf16 autocast (its bf16 weights fail with a dtype mismatch in transformers 5.17): greedy
+``generate`` over the whole batch at once with ``min_new_tokens`` = ``max_new_tokens``.
+
+Workload: ``--num-requests`` random prompts of ``--prompt-len`` token ids, ``--new-tokens``
+greedy tokens each, EOS ignored. Reported: wall time and output tokens/s of each, side by
+side in one process, and the ratio; kvplan for each ``--kv-formats`` entry (fp8 = V41 FP8
+rows, bf16 = exact rows), CUDA graphs on. Also the share of first tokens on which
+kvplan (bf16 rows) and HF agree (a sanity check: both round differently in bf16).
+
+GPU:  PYTHONPATH=. python3 bench/bench_hybrid_hf.py --out hf.json
+CPU:  PYTHONPATH=. python3 bench/bench_hybrid_hf.py --quick --out q.json   (tiny, seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import time
+
+import torch
+import transformers as tf
+
+from kvplan import LLM, SamplingParams
+
+
+def hf_config(quick: bool, max_len: int) -> tf.DeepseekV4Config:
+    if quick:
+        d = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+                 head_dim=64, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
+                 compress_rates={"compressed_sparse_attention": 4,
+                                 "heavily_compressed_attention": 16},
+                 index_topk=8, index_n_heads=4, index_head_dim=32, n_routed_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=2,
+                 hc_sinkhorn_iters=3)  # fmt: skip
+    else:
+        d = dict(vocab_size=129280, hidden_size=2048, num_hidden_layers=12,
+                 num_attention_heads=16, head_dim=512, q_lora_rank=512, o_groups=8,
+                 o_lora_rank=512, sliding_window=128,
+                 compress_rates={"compressed_sparse_attention": 4,
+                                 "heavily_compressed_attention": 128},
+                 index_topk=512, index_n_heads=32, index_head_dim=128, n_routed_experts=16,
+                 num_experts_per_tok=2, moe_intermediate_size=1024, hc_mult=4,
+                 hc_sinkhorn_iters=20)  # fmt: skip
+    n = d["num_hidden_layers"]
+    kinds = ["heavily_compressed_attention"] * 2 + [
+        "compressed_sparse_attention" if i % 2 == 0 else "heavily_compressed_attention"
+        for i in range(n - 2)
+    ]
+    return tf.DeepseekV4Config(
+        **d, layer_types=kinds, max_position_embeddings=max_len, initializer_range=0.02,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@torch.no_grad()
+def run_hf(hf, prompts: torch.Tensor, new: int, dev: torch.device) -> tuple[float, torch.Tensor]:
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else None
+    with autocast or torch.autocast("cpu", enabled=False):
+        hf.generate(prompts[:1, :8], max_new_tokens=2, do_sample=False)  # warm-up
+        sync(dev)
+        t0 = time.perf_counter()
+        out = hf.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        sync(dev)
+    return time.perf_counter() - t0, out[:, prompts.shape[1] :].cpu()
+
+
+def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[list[int]], dict]:
+    n, p = prompts.shape
+    llm = LLM(
+        folder, device=dev.type, dtype="bfloat16" if dev.type == "cuda" else "float32",
+        kv_format=kv_format, max_num_seqs=n, max_model_len=p + new + 8,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    ids = prompts.tolist()
+    llm.generate([ids[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    sync(dev)
+    t0 = time.perf_counter()
+    outs = llm.generate(ids, params)
+    sync(dev)
+    wall = time.perf_counter() - t0
+    runner = llm.parts.runner if hasattr(llm.parts, "runner") else None
+    graphs = getattr(runner, "graphs", None)
+    info = {"graph_replays": getattr(graphs, "num_replays", None)}
+    del llm
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return wall, [o.token_ids for o in outs], info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model on the CPU")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--kv-formats", default="fp8,bf16")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.quick
+    dev = torch.device("cuda" if cuda else "cpu")
+    n = args.num_requests or (16 if cuda else 2)
+    p = args.prompt_len or (4096 if cuda else 40)
+    new = args.new_tokens or (128 if cuda else 6)
+    if not cuda:
+        args.kv_formats = args.kv_formats.replace("bf16", "fp32")
+    cfg = hf_config(args.quick or not cuda, max_len=max(4096, p + new + 64))
+    torch.manual_seed(0)
+    with torch.device(dev):
+        hf = tf.DeepseekV4ForCausalLM(cfg).eval()
+    hf = hf.to(torch.bfloat16)
+    record = {
+        "bench": "hybrid_hf",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "params": sum(t.numel() for t in hf.parameters()),
+        "workload": {"requests": n, "prompt_len": p, "new_tokens": new},
+        "runs": [],
+    }
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, cfg.vocab_size, (n, p), generator=gen)
+    with tempfile.TemporaryDirectory() as folder:
+        hf.save_pretrained(folder)
+        hf = hf.float()  # the saved bf16 values, run in fp32 under bf16 autocast
+        hf_tokens = None
+        if not args.no_hf:
+            wall, hf_tokens = run_hf(hf, prompts.to(dev), new, dev)
+            peak = torch.cuda.max_memory_allocated(dev) if cuda else 0
+            record["runs"].append({"engine": "hf", "seconds": wall, "tok_s": n * new / wall,
+                                   "peak_bytes": peak})  # fmt: skip
+        del hf
+        if cuda:
+            torch.cuda.empty_cache()
+        for fmt in args.kv_formats.split(","):
+            wall, toks, info = run_kvplan(folder, prompts, new, dev, fmt, args)
+            row = {"engine": "kvplan", "kv_format": fmt, "seconds": wall,
+                   "tok_s": n * new / wall, **info}  # fmt: skip
+            if hf_tokens is not None:
+                row["first_token_agreement"] = (
+                    sum(int(t[0] == h[0]) for t, h in zip(toks, hf_tokens.tolist())) / n
+                )
+            record["runs"].append(row)
+    hf_rate = next((r["tok_s"] for r in record["runs"] if r["engine"] == "hf"), None)
+    for r in record["runs"]:
+        if hf_rate:
+            r["vs_hf"] = r["tok_s"] / hf_rate
+        print(f"{r['engine']:>7} {r.get('kv_format', ''):>9} {r['seconds']:8.2f} s "
+              f"{r['tok_s']:10.1f} tok/s" + (f"  {r['vs_hf']:.1f}x HF" if hf_rate else ""))  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(record, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
