@@ -240,7 +240,8 @@ class PlannedStep:
             raise ValueError(f"compress_store({layer_idx}, {name!r}) called twice in a step")
         self._windows_done.add((layer_idx, name))
         st = self._state(spec.ratio, spec.overlap)
-        if self.family.check and not torch.cuda.is_current_stream_capturing():
+        cache = pool.cache
+        if self.family.check and not (cache.is_cuda and torch.cuda.is_current_stream_capturing()):
             check_range("slots", st.slots, -1, pool.cache.shape[0] * pool.cache.shape[1])
         kv_ring, gate_ring = self.family.caches[layer_idx].state[name]
         compress_store_triton(
