@@ -197,12 +197,12 @@ def compress_store_triton(kv, gate, kv_ring, gate_ring, window_index, positions,
     pooled = pooled_out if pooled_out is not None else weights.norm_weight
     common = dict(
         BLOCK_SIZE=geo.block_size, C=width, R=big_r, RATIO=ratio, OVERLAP=overlap,
-        ROW_TILE=min(triton_next_pow2(big_r), 16), NOPE_PAIRS=width // 2 - weights.inv_freq.shape[0],
+        ROW_TILE=min(triton_next_pow2(big_r), 8), NOPE_PAIRS=width // 2 - weights.inv_freq.shape[0],
         BF16=kv.dtype == torch.bfloat16, FMT=fmt,
         GS=layout.elements_per_sf if quant else 2, G=layout.num_scales if quant else 1,
         FP4=fp4, QMAX=6.0 if fp4 else 448.0, SF=SF_KIND[sf] if quant else 0,
         SB=4 if sf == "fp32" else 1, HW=not interp, FAST_DIV=not interp and sf == "fp32",
-        EXACT=not interp, WRITE_POOLED=pooled_out is not None, num_warps=4,
+        EXACT=not interp, WRITE_POOLED=pooled_out is not None, num_warps=8 if width >= 512 else 4,
     )  # fmt: skip
     args = (
         kv, gate, kv_ring, gate_ring, window_index.contiguous(), positions, slots, store_rows,

@@ -151,3 +151,33 @@ def test_unsupported_shapes_are_refused():
             torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.long), w32, cache,
             main_format("fp8", 32, torch.float32), ratio=4, overlap=False,
         )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio,overlap,width", [(4, True, 512), (4, True, 128), (128, False, 512)])
+@pytest.mark.parametrize("layout_case", LAYOUTS, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+def test_fused_equals_torch_path_on_gpu(ratio, overlap, width, layout_case):
+    """Real widths on the GPU (hardware fp8 conversion, libdevice math): bytes equal
+    ``store_kv_cache`` of the kernel's own entries; entries within one BF16 step of torch's."""
+    dtype, dev = torch.bfloat16, torch.device("cuda")
+    layout = _layout(*layout_case, width, dtype)
+    case = _case(ratio, overlap, dtype, width, True, seed=3)
+    kv, gate, ring, gring, index, pos, slots, store_rows, w = (
+        PoolWeights(*(x.to(dev) if isinstance(x, torch.Tensor) else x for x in c))
+        if isinstance(c, PoolWeights)
+        else c.to(dev)
+        for c in case
+    )
+    cache_ref = alloc_kv_cache(NUM_BLOCKS, BLOCK, layout, device=dev).random_(0, 256)
+    cache_got = cache_ref.clone()
+    want = compress_store_torch(kv, gate, ring.clone(), gring.clone(), index, pos, slots,
+                                store_rows, w, cache_ref, layout, ratio=ratio, overlap=overlap)  # fmt: skip
+    got = torch.zeros(index.shape[0], width, device=dev)
+    before = cache_got.clone()
+    compress_store_triton(kv, gate, ring, gring, index, pos, slots, store_rows, w, cache_got,
+                          layout, ratio=ratio, overlap=overlap, state_in_launch=True,
+                          pooled_out=got)  # fmt: skip
+    torch.testing.assert_close(got, want.float(), atol=1e-2, rtol=2**-7)
+    assert (got == want.float()).float().mean() >= 0.95
+    store_kv_cache(cache_rows(got.to(dtype), layout), before, slots, layout=layout, check=False)
+    assert torch.equal(cache_got, before)
