@@ -9,6 +9,10 @@ How each call maps onto the plan (``meta`` = the step's ``InputMetadata``, ``r``
     windows are gathered from the layer's fp32 state ring and the step's rows (CSA: the
     first ``r`` rows take the "Ca" half, the last ``r`` the "Cb" half), then the step's rows
     are written into the ring at ``slot_mapping_store_state`` (read before write).
+``compress_store(layer, name, kv, gate, weights)``
+    ``compress_windows``, the pooling and ``store_entries`` fused into one launch per series
+    (``kvplan.ops.compress_store``; the model calls it where ``fused_compress_enabled``, CUDA
+    by default); decode steps write the ring in the same launch, prefill after it.
 ``store_entries(layer, name, entries)``
     ``store_kv_cache`` into the layer's pool of ``name`` at ``slot_mapping_store_ca[key]`` of
     the entries' plan rows (prompt: ``cu_compressed_seqlens_q[key][i] + j - q_start // r``;
@@ -43,6 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvplan._checks import check_range
 from kvplan._math import exclusive_cumsum
 from kvplan.backends.hybrid.api import (
     SERIES_NAMES,
@@ -53,6 +58,13 @@ from kvplan.backends.hybrid.api import (
 from kvplan.backends.hybrid.sparse_attention import indexer_topk, sink_attention
 from kvplan.ops import convert_kv_index, kv_index_cat
 from kvplan.ops._dispatch import use_triton
+from kvplan.ops.compress_store import (
+    PoolWeights,
+    compress_store_triton,
+    fused_supported,
+    gather_windows,
+    pool_windows,
+)
 from kvplan.ops.sparse_attention import KeySource, index_scores, sparse_attention, topk_columns
 from kvplan.plan.common import num_new_compressed
 from kvplan.plan.compressor_state import expand_window_index, plan_compressor_state
@@ -193,28 +205,51 @@ class PlannedStep:
         self._windows_done.add((layer_idx, name))
         st = self._state(r, spec.overlap)
         kv_ring, gate_ring = self.family.caches[layer_idx].state[name]
-        idx = st.window_index  # [E, R]
-        in_ring = (idx < st.ring_rows)[..., None]
-        ring_idx = idx.clamp(0, st.ring_rows - 1)
-        step_idx = (idx - st.ring_rows).clamp(0, self.num_rows - 1)
-        empty = (idx < 0)[..., None]
-        wkv = torch.where(in_ring, kv_ring[ring_idx], kv.float()[step_idx])
-        wgate = torch.where(in_ring, gate_ring[ring_idx], gate.float()[step_idx])
-        wkv = wkv.masked_fill(empty, 0.0)
-        wgate = wgate.masked_fill(empty, float("-inf"))
-        if spec.overlap:  # rows 0..r-1: "Ca" of the previous window; r..2r-1: "Cb"
-            wkv = torch.cat([wkv[:, :r, :width], wkv[:, r:, width:]], dim=1)
-            wgate = torch.cat([wgate[:, :r, :width], wgate[:, r:, width:]], dim=1)
+        wkv, wgate = gather_windows(kv, gate, kv_ring, gate_ring, st.window_index, r, spec.overlap)
         # read before write: this step's rows replace older ones in the ring
         kv_ring.index_copy_(0, st.store_rows, kv.float())
         gate_ring.index_copy_(0, st.store_rows, gate.float())
         return CompressWindows(
-            kv=wkv.to(kv.dtype),
-            gate=wgate.to(gate.dtype),
+            kv=wkv,
+            gate=wgate,
             positions=st.positions,
             entry_index=st.entry_index,
             seq_index=st.seq_index,
         )
+
+    def compress_store(self, layer_idx: int, name: str, kv: torch.Tensor, gate: torch.Tensor,
+                       weights: PoolWeights) -> None:  # fmt: skip
+        """``compress_windows``, the pooling of ``weights`` and ``store_entries`` in one call:
+        ``kvplan.ops.compress_store``'s fused kernel where it covers the series (one launch
+        per series in decode steps, the ring write joined to it; prefill writes the ring in a
+        second launch, after every window is read), the three calls otherwise."""
+        spec = self._spec(layer_idx, name)
+        pool = self.family.caches[layer_idx].pools[name]
+        if not fused_supported(kv, pool.layout, weights):
+            windows = self.compress_windows(layer_idx, name, kv, gate)
+            if windows.kv.shape[0] == 0:
+                entries = kv.new_zeros((0, spec.series_width(name)))
+            else:
+                entries = pool_windows(windows.kv, windows.gate, windows.positions, weights)
+            self.store_entries(layer_idx, name, entries)
+            return
+        k = 2 if spec.overlap else 1
+        self._rows("kv", kv, k * spec.series_width(name))
+        self._rows("gate", gate, k * spec.series_width(name))
+        if (layer_idx, name) in self._windows_done:
+            raise ValueError(f"compress_store({layer_idx}, {name!r}) called twice in a step")
+        self._windows_done.add((layer_idx, name))
+        st = self._state(spec.ratio, spec.overlap)
+        cache = pool.cache
+        if self.family.check and not (cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+            check_range("slots", st.slots, -1, pool.cache.shape[0] * pool.cache.shape[1])
+        kv_ring, gate_ring = self.family.caches[layer_idx].state[name]
+        compress_store_triton(
+            kv, gate, kv_ring, gate_ring, st.window_index, st.positions, st.slots,
+            st.store_rows, weights, pool.cache, pool.layout, ratio=spec.ratio,
+            overlap=spec.overlap, state_in_launch=not self.is_prompt,
+        )  # fmt: skip
+        self._stored.add((layer_idx, name))
 
     def store_entries(self, layer_idx: int, name: str, entries: torch.Tensor) -> None:
         spec = self._spec(layer_idx, name)

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from kvplan.backends.hybrid.api import HybridStepContext
-from kvplan.models.deepseek_v4.layers import Rope, apply_rope, rms_norm
+from kvplan.models.deepseek_v4.layers import Rope, apply_rope
+from kvplan.ops.compress_store import PoolWeights, fused_compress_enabled, pool_windows
 
 
 def pool(
@@ -36,7 +37,8 @@ def pool(
     eps: float,
     rope: Rope,
 ) -> torch.Tensor:
-    """Pool windows into entries.
+    """Pool windows into entries (``kvplan.ops.compress_store.pool_windows``, the math the
+    fused kernel implements).
 
     Args:
         kv, gate: ``[E, w, C]`` (``gate`` already biased; ``-inf`` rows get weight 0).
@@ -44,10 +46,12 @@ def pool(
     Returns:
         ``[E, C]`` in ``kv``'s dtype.
     """
-    weights = gate.float().softmax(dim=1).to(kv.dtype)  # [E, w, C]
-    entries = rms_norm((kv * weights).sum(dim=1), norm_weight, eps)
-    cos, sin = rope.cos_sin(positions, entries.dtype)
-    return apply_rope(entries, cos, sin)
+    return pool_windows(kv, gate, positions, pool_weights(norm_weight, eps, rope))
+
+
+def pool_weights(norm_weight: torch.Tensor, eps: float, rope: Rope) -> PoolWeights:
+    """The pooling parameters of a compressor series (norm weight, eps, rotary table)."""
+    return PoolWeights(norm_weight, eps, rope.inv_freq, rope.scale)
 
 
 class Compressor(nn.Module):
@@ -72,10 +76,15 @@ class Compressor(nn.Module):
         rope: Rope,
     ) -> None:
         """Project the step's rows ``x [T, hidden]``, pool the windows ``ctx`` closes and store
-        the entries back into ``ctx`` under series ``name``."""
+        the entries back into ``ctx`` under series ``name``. A context with ``compress_store``
+        (``PlannedStep``) does all of it in one call where ``fused_compress_enabled``."""
         kv = self.kv_proj(x)  # [T, k*C]
         bias = self.position_bias[ctx.positions % self.ratio]  # [T, k*C] fp32
         gate = self.gate_proj(x).float() + bias  # fp32, as the softmax runs in fp32
+        fused = getattr(ctx, "compress_store", None)  # contexts with the fused op
+        if fused is not None and fused_compress_enabled(kv):
+            fused(layer_idx, name, kv, gate, pool_weights(self.kv_norm, self.eps, rope))
+            return
         windows = ctx.compress_windows(layer_idx, name, kv, gate)
         if windows.kv.shape[0] == 0:
             entries = kv.new_zeros((0, self.width))

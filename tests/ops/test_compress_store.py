@@ -1,0 +1,183 @@
+"""``kvplan.ops.compress_store``: the fused pool -> RMSNorm -> RoPE -> quantize -> store kernel
+(Triton interpreter on CPU) against the torch path (gather, ``pool_windows``,
+``store_kv_cache``, ``index_copy_``), which is the unfused model path.
+
+What is asserted, per case (CSA ratio 4 with overlap, HCA ratio 16; fp32 and BF16 models;
+exact / fp8 / fp4 main layouts and the three index layouts):
+
+* the state rings are bit-identical;
+* the kernel's pooled entries equal the torch ones within fp32 noise (BF16 models: within one
+  BF16 step, and equal for almost every element: the kernel sums in another order, which
+  can move a BF16 rounding);
+* the cache bytes the kernel wrote are bit-identical to ``store_kv_cache`` of its own pooled
+  entries (the format math is exact), and equal the torch path's bytes on every entry whose
+  pooled row is the same;
+* slots ``-1`` write nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvplan.backends.hybrid.storage import index_format, main_format
+from kvplan.formats import alloc_kv_cache, split_kv_cache
+from kvplan.ops.compress_store import (
+    PoolWeights,
+    cache_rows,
+    compress_store_torch,
+    compress_store_triton,
+    fused_supported,
+)
+from kvplan.ops.store import store_kv_cache
+from kvplan.plan.compressor_state import expand_window_index, plan_compressor_state
+from kvplan.plan.sequence import SequenceMetadata
+
+BLOCK, NUM_BLOCKS, SLOTS = 8, 4, 3
+LAYOUTS = [
+    ("main", "exact", None),
+    ("main", "fp8", None),
+    ("main", "fp4", None),
+    ("index", "fp8", "mxfp8"),
+    ("index", "fp8", "fp8_fp32sf"),
+    ("index", "fp8", "fp4"),
+]
+
+
+def _seq(q_start: int, seqlen_q: int, state_id: int) -> SequenceMetadata:
+    sk = q_start + seqlen_q
+    return SequenceMetadata(seqlen_q=seqlen_q, seqlen_k=sk, block_table=(1,), state_id=state_id,
+                            token_ids=tuple(range(sk)))  # fmt: skip
+
+
+def _case(ratio, overlap, dtype, width, decode, seed):
+    """Random step inputs: ring contents, the window index of a planned step, slots."""
+    gen = torch.Generator().manual_seed(seed)
+    if decode:  # each row closes its window
+        seqs = [_seq(ratio - 1, 1, 0), _seq(3 * ratio - 1, 1, 2), _seq(2 * ratio - 1, 1, 1)]
+    else:  # a chunk straddling windows, a first chunk, a decode row
+        seqs = [_seq(ratio + 2, 2 * ratio + 1, 1), _seq(0, ratio + 1, 0), _seq(ratio - 1, 1, 2)]
+    plan = plan_compressor_state(seqs, ratio, overlap)
+    big_r = plan.state_rows
+    ring_rows = SLOTS * big_r
+    index = expand_window_index(torch.from_numpy(plan.window_facts), big_r, ring_rows)
+    num_rows, kc = sum(s.seqlen_q for s in seqs), (2 if overlap else 1) * width
+    kv = torch.randn(num_rows, kc, generator=gen).to(dtype)
+    gate = torch.randn(num_rows, kc, generator=gen) * 2
+    ring = torch.randn(ring_rows + 1, kc, generator=gen).to(dtype).float()
+    gring = torch.randn(ring_rows + 1, kc, generator=gen) * 2
+    store = plan.slot_mapping_store_state
+    store_rows = torch.from_numpy(np.where(store >= 0, store, ring_rows).astype(np.int64))
+    num_entries = plan.num_entries
+    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=gen)[:num_entries].to(torch.int32)
+    slots[0] = -1  # one entry stores nothing
+    weights = PoolWeights(1 + 0.2 * torch.randn(width, generator=gen), 1e-6,
+                          torch.rand(width // 4, generator=gen), 1.25)  # fmt: skip
+    positions = torch.from_numpy(plan.positions)
+    return kv, gate, ring, gring, index.long(), positions, slots, store_rows, weights
+
+
+def _records(cache: torch.Tensor, layout) -> torch.Tensor:
+    """uint8 ``[num_slots, bytes_per_token]``: each slot's value bytes then scale bytes."""
+    values, scales = split_kv_cache(cache, layout)
+    parts = [values] if scales is None else [values, scales]
+    return torch.cat([p.contiguous().view(torch.uint8).reshape(NUM_BLOCKS * BLOCK, -1)
+                      for p in parts], dim=1)  # fmt: skip
+
+
+def _layout(kind, kv_format, index_kind, width, dtype):
+    if kind == "main":
+        return main_format(kv_format, width, dtype)
+    return index_format(kv_format, index_kind, width, dtype)
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (16, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout_case", LAYOUTS, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+@pytest.mark.parametrize("decode", [False, True])
+def test_fused_equals_torch_path(ratio, overlap, dtype, layout_case, decode):
+    width = 32
+    layout = _layout(*layout_case, width, dtype)
+    kv, gate, ring, gring, index, pos, slots, store_rows, w = _case(
+        ratio, overlap, dtype, width, decode, seed=ratio + 7 * decode
+    )
+    assert fused_supported(kv, layout, w)
+    cache_ref = alloc_kv_cache(NUM_BLOCKS, BLOCK, layout).random_(0, 256)
+    cache_got = cache_ref.clone()
+    ring_ref, gring_ref, ring_got, gring_got = ring.clone(), gring.clone(), ring.clone(), gring
+    args = (index, pos, slots, store_rows, w)
+    want = compress_store_torch(kv, gate, ring_ref, gring_ref, *args, cache_ref, layout,
+                                ratio=ratio, overlap=overlap)  # fmt: skip
+    got = torch.full((index.shape[0], width), float("nan"))
+    before = cache_got.clone()
+    compress_store_triton(kv, gate, ring_got, gring_got, *args, cache_got, layout, ratio=ratio,
+                          overlap=overlap, state_in_launch=decode, pooled_out=got)  # fmt: skip
+    assert torch.equal(ring_got, ring_ref) and torch.equal(gring_got, gring_ref)
+    # pooled entries: fp32 noise, or one BF16 step on a few elements
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    else:
+        torch.testing.assert_close(got, want.float(), atol=1e-2, rtol=2**-7)
+        assert (got == want.float()).float().mean() >= 0.95
+    # the stored bytes are store_kv_cache's bytes of the kernel's own entries
+    cache_own = before.clone()
+    store_kv_cache(cache_rows(got.to(dtype), layout), cache_own, slots, layout=layout, check=False)
+    assert torch.equal(cache_got, cache_own)
+    # and the torch path's bytes wherever the store's input row is the same (the BF16
+    # rounding of the entry; fp32 rows in an exact layout differ in their last bits)
+    stored_got, stored_want = cache_rows(got.to(dtype), layout), cache_rows(want, layout)
+    same = (stored_got == stored_want).all(dim=1) & (slots >= 0)
+    exact_fp32 = layout_case[1] == "exact" and dtype == torch.float32
+    assert exact_fp32 or int(same.sum()) >= int((slots >= 0).sum()) - 1
+    rows = slots[same].long()
+    assert torch.equal(_records(cache_got, layout)[rows], _records(cache_ref, layout)[rows])
+    # (cache_own also shows that slot -1 wrote nothing: store_kv_cache skips it)
+    assert int(slots[0]) == -1
+
+
+def test_unsupported_shapes_are_refused():
+    w = PoolWeights(torch.ones(24), 1e-6, torch.rand(4), 1.0)
+    kv = torch.zeros(2, 24)
+    assert not fused_supported(kv, main_format("fp8", 24, torch.float32), w)
+    assert not fused_supported(kv.half(), main_format("exact", 24, torch.float16), w)
+    w32 = PoolWeights(torch.ones(32), 1e-6, torch.rand(4), 1.0)
+    assert fused_supported(torch.zeros(2, 32), main_format("fp4", 32, torch.float32), w32)
+    with pytest.raises(ValueError, match="window_index"):
+        cache = alloc_kv_cache(1, 4, main_format("fp8", 32, torch.float32))
+        compress_store_triton(
+            torch.zeros(1, 32), torch.zeros(1, 32), torch.zeros(5, 32), torch.zeros(5, 32),
+            torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.long), w32, cache,
+            main_format("fp8", 32, torch.float32), ratio=4, overlap=False,
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio,overlap,width", [(4, True, 512), (4, True, 128), (128, False, 512)])
+@pytest.mark.parametrize("layout_case", LAYOUTS, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+def test_fused_equals_torch_path_on_gpu(ratio, overlap, width, layout_case):
+    """Real widths on the GPU (hardware fp8 conversion, libdevice math): bytes equal
+    ``store_kv_cache`` of the kernel's own entries; entries within one BF16 step of torch's."""
+    dtype, dev = torch.bfloat16, torch.device("cuda")
+    layout = _layout(*layout_case, width, dtype)
+    case = _case(ratio, overlap, dtype, width, True, seed=3)
+    kv, gate, ring, gring, index, pos, slots, store_rows, w = (
+        PoolWeights(*(x.to(dev) if isinstance(x, torch.Tensor) else x for x in c))
+        if isinstance(c, PoolWeights)
+        else c.to(dev)
+        for c in case
+    )
+    cache_ref = alloc_kv_cache(NUM_BLOCKS, BLOCK, layout, device=dev).random_(0, 256)
+    cache_got = cache_ref.clone()
+    want = compress_store_torch(kv, gate, ring.clone(), gring.clone(), index, pos, slots,
+                                store_rows, w, cache_ref, layout, ratio=ratio, overlap=overlap)  # fmt: skip
+    got = torch.zeros(index.shape[0], width, device=dev)
+    before = cache_got.clone()
+    compress_store_triton(kv, gate, ring, gring, index, pos, slots, store_rows, w, cache_got,
+                          layout, ratio=ratio, overlap=overlap, state_in_launch=True,
+                          pooled_out=got)  # fmt: skip
+    torch.testing.assert_close(got, want.float(), atol=1e-2, rtol=2**-7)
+    assert (got == want.float()).float().mean() >= 0.95
+    store_kv_cache(cache_rows(got.to(dtype), layout), before, slots, layout=layout, check=False)
+    assert torch.equal(cache_got, before)
