@@ -49,6 +49,7 @@ from kvplan.backends.hybrid.planned import PlannedHybridFamily  # noqa: E402
 from kvplan.backends.hybrid.storage import index_format, main_format  # noqa: E402
 from kvplan.engine.hybrid import HybridCausalLM  # noqa: E402
 from kvplan.engine.hybrid_graphs import HybridDecodeGraphs  # noqa: E402
+from kvplan.engine.request import TokenIds  # noqa: E402
 from kvplan.models.deepseek_v4 import (  # noqa: E402
     DeepseekV4Config,
     DeepseekV4ForCausalLM,
@@ -217,7 +218,7 @@ def run_decode(
     )  # fmt: skip
     perm = torch.randperm(batch * blocks_per_seq, generator=torch.Generator().manual_seed(0)) + 1
     tables = perm.view(batch, blocks_per_seq).tolist()
-    token_ids = [0] * max_len
+    token_ids = TokenIds([0] * max_len, [])  # O(1) prefix slices, as the engine's token_view
     seqs = [HybridSeq(b, context, 1, token_ids, tables[b], b) for b in range(batch)]
     fill_caches(family, seqs, context, gen)
     runner = None
