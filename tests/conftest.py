@@ -14,6 +14,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("KVPLAN_RECORD_KERNELS"):  # see tests/kernel_record.py
+    import tests.kernel_record  # noqa: E402, F401
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

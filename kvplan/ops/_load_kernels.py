@@ -48,7 +48,8 @@ def _segment_rows(seg_ptr, num_segments, num_blocks, block_size, total_k,
     ok = ok & (src >= -1) & (src < num_blocks)
     read = ok & (src >= 0)
     block = tl.maximum(src, 0).to(tl.int64)
-    t = tl.where(ok, t, 0)
+    # rows outside `ok` keep their (unused) token: every access is masked. Selecting them to 0
+    # here made Triton 3.6's layout pass fail for SEGS > 1 (the row mask feeds two layouts).
     return ok, read, block, t, dst_row
 
 

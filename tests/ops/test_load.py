@@ -159,13 +159,34 @@ def test_index_output_dtypes_and_shapes():
     [{"tile_t": 1}, {"tile_t": 2, "num_warps": 1}, {"segs": 2}, {"tile_t": 2, "segs": 4}],
 )
 @pytest.mark.parametrize(
-    "layout", [V41_FP4_FORMAT, MXFP8_INDEX_KV_FORMAT, FP4_INDEX_KV_FORMAT], ids=_ids
+    "layout",
+    [V41_FP4_FORMAT, MXFP8_INDEX_KV_FORMAT, FP8_FLOAT32_SF_INDEX_KV_FORMAT, FP4_INDEX_KV_FORMAT],
+    ids=_ids,
 )
 def test_small_program_tiles_load_the_same_rows(layout, config):
     """Tiles smaller than a block, and programs spanning several segments (``segs``: the
     last program only partly covered by segments), write exactly the torch path's rows."""
     cache, _ = _filled_cache(layout, 3, 4)
     segments, total_k = _plan(4, 3)
+    got = load_paged_kv_cache_triton(cache, segments, total_k, _fresh_out(layout, total_k),
+                                     layout=layout, config=config)  # fmt: skip
+    want = load_paged_kv_cache_torch(cache, segments, total_k, _fresh_out(layout, total_k),
+                                     layout=layout)  # fmt: skip
+    for x, y in zip(_bytes(got), _bytes(want), strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "layout", [FP8_FLOAT32_SF_INDEX_KV_FORMAT, MXFP8_INDEX_KV_FORMAT], ids=_ids
+)
+def test_gpu_sized_multi_segment_programs_load_the_same_rows(layout):
+    """The GPU's choice for index caches at block size 32: two whole-block segments per
+    program (64 rows x 128 value bytes next to 64 x 4 scale bytes). This shape once failed
+    Triton 3.6's layout pass on the GPU (a select on the row mask); it must also compile
+    (`tools/compile_sm90.py`)."""
+    cache, _ = _filled_cache(layout, 3, 32)
+    segments, total_k = _plan(32, 3)
+    config = {"segs": 2, "tile_t": 32, "num_warps": 4}
     got = load_paged_kv_cache_triton(cache, segments, total_k, _fresh_out(layout, total_k),
                                      layout=layout, config=config)  # fmt: skip
     want = load_paged_kv_cache_torch(cache, segments, total_k, _fresh_out(layout, total_k),
