@@ -17,6 +17,8 @@ _SEEN: set[str] = set()
 
 
 def _jsonable(value):
+    if type(value).__name__ == "constexpr":  # a tl.constexpr wrapper: record its value
+        value = value.value
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
     if isinstance(value, (tuple, list)):
