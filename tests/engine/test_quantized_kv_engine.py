@@ -66,6 +66,16 @@ def test_greedy_tokens_equal_dequantize_then_attend(kv_format, backend):
     assert outs[0] == outs[1]
 
 
+def test_async_scheduling_with_fp8_gives_the_same_tokens():
+    prompts = _prompts(4, seed=4)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = []
+    for flag in (False, True):
+        llm = _engine("fp8", async_scheduling=flag)
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
 def test_teacher_forced_logits_equal_dequantize_then_attend(kv_format):
     ids = _prompts(1, seed=2)[0] * 2
