@@ -18,6 +18,10 @@ time spent outside GPU kernels (torch.profiler: 1 - kernel time / wall time).
 
     PYTHONPATH=. python3 bench/bench_engine.py --out results.json          # H200
     PYTHONPATH=. python3 bench/bench_engine.py --quick --out /tmp/q.json   # CPU smoke run
+
+``--kv-format fp8`` / ``fp4`` run kvplan on a quantized KV cache (a model whose head_dim is
+not a multiple of 32, such as the ``--quick`` tiny Llama, gets head_dim 64: whole scale
+groups); ``--kv-cache-memory`` sets kvplan's KV pool in bytes (default 8 GiB on CUDA).
 """
 
 from __future__ import annotations
@@ -139,7 +143,7 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
     config = config_from_args(
         args, device=dev, dtype=dtype, max_num_seqs=len(prompts),
         max_model_len=args.prompt_len + args.new_tokens + 32,
-        kv_cache_memory=(8 << 30) if dev.type == "cuda" else (256 << 20),
+        kv_cache_memory=args.kv_cache_memory or ((8 << 30) if dev.type == "cuda" else (256 << 20)),
     )  # fmt: skip
     llm = LLM(cfg, config)
     # warm-up with the real shapes (Triton compiles per specialization), different tokens
@@ -328,7 +332,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny CPU-sized run")
     ap.add_argument("--out", required=True)
     add_engine_arguments(
-        ap, ("device", "backend", "kv_format", "max_num_batched_tokens", "async_scheduling"),
+        ap, ("device", "backend", "kv_format", "max_num_batched_tokens", "async_scheduling",
+             "kv_cache_memory"),
         max_num_batched_tokens=8192,
     )  # fmt: skip
     ap.add_argument("--config", default=None)
@@ -368,6 +373,8 @@ def main() -> int:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = named_config(args.config)
+    if args.kv_format in ("fp8", "fp4") and cfg.head_dim % 32:  # whole fp8 / fp4 scale groups
+        cfg = named_config(args.config, head_dim_override=64)
     prompts = make_prompts(args.num_requests, args.prompt_len, cfg.vocab_size)
 
     bw = _guard(copy_bandwidth, dev)

@@ -11,12 +11,11 @@ the decode kernel with one "sequence" per query token over all ``kv_lens`` keys 
 
 Every host value here (segment sizes, maxima) comes from ``prepare()``; nothing syncs.
 
-fp8 caches: the kernels read bf16 pages, so ``prepare()`` also builds a load plan of exactly
-the pages the step reads (``block_tables.page_load_plan``, staged with the other fields) and
-each layer's forward dequantizes those pages into a compact bf16 cache (``load_batch_pages``:
-one ``kvplan.load_paged_kv_cache`` per K and V, no device sync) whose page table is
-``arange``. The compact cache is allocated per layer call, so fp8 forwards are not CUDA-graph
-capturable.
+Quantized caches (fp8, fp4): the kernels read the pages in place -- each K/V tile's e4m3 /
+e2m1 values and their group scales are loaded from the cache's records and dequantized in
+registers to bf16 (``kv_layout`` of ``kvplan.ops.paged_attention``) -- so a forward
+allocates nothing per step and is CUDA-graph capturable like a bf16 one. On the CPU the torch
+path dequantizes the gathered keys (``kvplan.quant.dequantize``), the same bf16 values.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import torch
 
 from kvplan.backends.base import AttentionBackend
 from kvplan.backends.staging import to_device
-from kvplan.ops.load import load_paged_kv_cache
+from kvplan.formats import KVCacheFormat
 from kvplan.ops.paged_attention import paged_attention_decode, paged_attention_prefill
 
 
@@ -56,25 +55,20 @@ class PagedView:
 
 
 class PageTableAttention(AttentionBackend):
-    """``_attend`` of the page-table backends; their metadata provides ``paged_view(pool,
-    *, loaded_pages=False) -> PagedView``, ``loads_pages``, ``num_loaded_pages``,
-    ``check_kernel_inputs`` and the arena fields ``load{pool}`` (fp8 load plans)."""
+    """``_attend`` of the page-table backends; their metadata provides ``paged_view(pool)
+    -> PagedView`` and ``check_kernel_inputs``."""
 
     def _attend(self, q, k, v, metadata, pool, out):
         md = metadata
+        kv_layout = None
         if md.kv_cache_manager is None:  # the new K/V rows are the pages (block size 1)
             k_cache, v_cache, view = k.unsqueeze(1), v.unsqueeze(1), context_only_view(md, q.device)
-        elif md.kv_cache.is_quantized and md.loads_pages:  # only the step's pages, in order
-            k_cache, v_cache = load_batch_pages(
-                md.kv_cache, self.layer_idx, md.arena.view(f"load{pool}"), md.num_loaded_pages
-            )
-            view = md.paged_view(pool, loaded_pages=True)
         else:
-            k_cache, v_cache = layer_caches(md.kv_cache, self.layer_idx)
+            k_cache, v_cache, kv_layout = layer_caches(md.kv_cache, self.layer_idx)
             view = md.paged_view(pool)
         return attend_paged(
             q, k_cache, v_cache, view, out, scale=self.scale, window=self.window(md),
-            check=md.check_kernel_inputs,
+            check=md.check_kernel_inputs, kv_layout=kv_layout,
         )  # fmt: skip
 
 
@@ -88,15 +82,17 @@ def attend_paged(
     scale: float,
     window: int | None,
     check: bool = False,
+    kv_layout: KVCacheFormat | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` ``[T, H, D]`` from ``q`` ``[T, H, D]`` over a ``PagedView`` of the caches
-    ``[num_pages, page_size, Hkv, D]``.
+    ``[num_pages, page_size, Hkv, D]``, or of uint8 ``[num_pages, page_size, 1,
+    bytes_per_token]`` caches of the quantized format ``kv_layout``.
 
-    ``q`` is cast to the cache dtype when they differ (the kernels read one dtype), and the
+    ``q`` is cast to the cache dtype (bf16 for a quantized cache) when they differ, and the
     result is written back in ``out``'s dtype. ``check`` lets the kernels validate their
     inputs (a device sync; for tests).
     """
-    cache_dtype = k_cache.dtype
+    cache_dtype = k_cache.dtype if kv_layout is None else torch.bfloat16
     start = 0
     for seg in (view.context, view.generation):
         if seg is None or seg.num_tokens == 0:
@@ -111,13 +107,13 @@ def attend_paged(
             res = paged_attention_decode(
                 q_seg, k_cache, v_cache, seg.page_ids, seg.page_start, seg.kv_lens,
                 scale=scale, sliding_window=None if view.cross else window, out=dst,
-                max_kv_len=seg.max_kv_len, check=check,
+                max_kv_len=seg.max_kv_len, kv_layout=kv_layout, check=check,
             )  # fmt: skip
         else:
             res = paged_attention_prefill(
                 q_seg, k_cache, v_cache, seg.page_ids, seg.page_start, seg.cu_seqlens_q,
                 seg.kv_lens, scale=scale, sliding_window=window, out=dst,
-                max_q_len=seg.max_q_len, check=check,
+                max_q_len=seg.max_q_len, kv_layout=kv_layout, check=check,
             )  # fmt: skip
         if dst is None:
             out[start:end] = res.to(out.dtype)
@@ -148,38 +144,12 @@ def context_only_view(md, device: torch.device) -> PagedView:
     return PagedView(seg, None)
 
 
-def layer_caches(kv_cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V caches of ``layer`` in a dtype the kernels read.
+def layer_caches(kv_cache, layer: int) -> tuple[torch.Tensor, torch.Tensor, KVCacheFormat | None]:
+    """K and V caches of ``layer`` as the kernels read them, with their ``kv_layout``.
 
-    Plain caches are returned as they are. fp8 caches are dequantized whole to bf16
-    (``KVCacheTensors.read_blocks`` over every block; one device sync). The paged backends
-    only take this path for an fp8 cache they were not built with (``kv_cache`` assigned
-    after construction); normally they load just the batch's pages (``load_batch_pages``).
+    Plain caches: the typed ``[N, bs, Hkv, D]`` views and None. Quantized caches: the raw
+    uint8 ``[N, bs, 1, bytes_per_token]`` caches and their ``KVCacheFormat`` (read in place).
     """
     if not kv_cache.is_quantized:
-        return kv_cache.k_cache(layer), kv_cache.v_cache(layer)
-    every = torch.arange(kv_cache.num_blocks, device=kv_cache.device)
-    return kv_cache.read_blocks(layer, every)
-
-
-def load_batch_pages(
-    kv_cache, layer: int, plan: torch.Tensor, num_pages: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantize only the pages a batch reads: bf16 K and V ``[num_pages, bs, H, D]``.
-
-    ``plan``: device int32 holding at least ``num_pages * 4`` entries of ``page_load_plan``
-    (built on the host by ``prepare()``). Runs ``kvplan.load_paged_kv_cache`` (Triton on
-    CUDA) without its plan check, so nothing syncs: the plan's block ids come from the
-    manager's table and were validated on the host. Every page is loaded whole (rows past
-    a sequence's length are finite cache bytes the kernels mask out). Call it after this
-    step's K/V were stored.
-    """
-    bs, h, d = kv_cache.block_size, kv_cache.num_kv_heads, kv_cache.head_dim
-    segments = plan[: num_pages * 4].view(num_pages, 4)  # [m, 4]
-    out = []
-    for raw in (kv_cache.raw_k_cache(layer), kv_cache.raw_v_cache(layer)):
-        rows = load_paged_kv_cache(
-            raw, segments, num_pages * bs, layout=kv_cache.layout, check=False
-        )
-        out.append(rows.view(num_pages, bs, h, d))  # [m*bs, H*D] -> [m, bs, H, D]
-    return out[0], out[1]
+        return kv_cache.k_cache(layer), kv_cache.v_cache(layer), None
+    return kv_cache.raw_k_cache(layer), kv_cache.raw_v_cache(layer), kv_cache.layout

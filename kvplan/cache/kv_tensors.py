@@ -12,9 +12,12 @@ Layouts (``H`` = num_kv_heads, ``D`` = head_dim, slot = block * block_size + off
 
   - ``"fp8"``: e4m3 values, one fp32 scale per 32 values (``amax / 448``, so every group's
     largest value is stored exactly).
+  - ``"fp4"``: e2m1 values (two per byte, element 2i in the low nibble), one e4m3 scale per
+    16 values (the rule of ``kvplan.V41_FP4_FORMAT``).
 
-  Every head's D values are whole scale groups (``D % group == 0``), so one token's record is
-  H per-head records laid end to end. ``read_blocks`` dequantizes to bfloat16.
+  Every head's D values are whole scale groups (``D % group == 0``): a token's record is the
+  H heads' value runs, then the H heads' scale runs. ``read_blocks`` dequantizes to bfloat16;
+  the paged attention kernels read the raw caches in place (``raw_k_cache`` + ``layout``).
 
 Caches are zero-initialized so the padding block 0 (and unwritten slots) reads as zeros.
 """
@@ -29,6 +32,7 @@ _PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 # kv_format -> (quantized_dtype, elements_per_sf, sf_format) of the quantized caches
 QUANTIZED_KV_FORMATS = {
     "fp8": ("e4m3", 32, "fp32"),
+    "fp4": ("e2m1", 16, "e4m3"),
 }
 KV_FORMATS = ("bf16", "fp16", "fp32", *QUANTIZED_KV_FORMATS)
 

@@ -22,8 +22,9 @@ import torch
 
 from kvplan.backends import BACKEND_NAMES
 from kvplan.cache.kv_tensors import KV_FORMATS as STORED_KV_FORMATS
+from kvplan.cache.kv_tensors import QUANTIZED_KV_FORMATS
 
-KV_FORMATS = ("auto", *STORED_KV_FORMATS, "fp4")  # fp4: hybrid (DeepSeek-V4) models only
+KV_FORMATS = ("auto", *STORED_KV_FORMATS)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -61,8 +62,8 @@ class EngineConfig:
     backend: str = _doc(f"attention backend, one of {BACKEND_NAMES}", "block_offsets")
     kv_format: str = _doc(
         f'KV cache format, one of {KV_FORMATS}; "auto" = the model dtype. "fp8" is e4m3 with '
-        'per-32-value fp32 scales (DeepSeek-V4: UE8M0); "fp4" (DeepSeek-V4 models only) e2m1 with per-16-value '
-        "e4m3 scales",
+        'per-32-value fp32 scales (DeepSeek-V4: UE8M0); "fp4" e2m1 with per-16-value e4m3 '
+        "scales",
         "auto",
     )
     block_size: int = _doc("tokens per KV block", 16)
@@ -168,17 +169,16 @@ class EngineConfig:
         return min(DEFAULT_MAX_MODEL_LEN, max_position_embeddings)
 
     def resolve_kv_format(self, head_dim: int) -> str:
-        """The stored KV format (``"auto"`` resolved to the model dtype); ``fp8`` needs
-        ``head_dim % 32 == 0`` (one scale per 32 values of a head)."""
+        """The stored KV format (``"auto"`` resolved to the model dtype); ``fp8`` / ``fp4``
+        need ``head_dim`` to be a multiple of their scale group (32 / 16 values of a head)."""
         if self.kv_format == "auto":
             return _AUTO_KV_FORMAT[self.torch_dtype]
-        if self.kv_format not in STORED_KV_FORMATS:
+        group = QUANTIZED_KV_FORMATS.get(self.kv_format, (None, 1, None))[1]
+        if head_dim % group:
             raise ValueError(
-                f"kv_format={self.kv_format!r} is supported for DeepSeek-V4 (hybrid) models "
-                f"only; this model takes one of {('auto', *STORED_KV_FORMATS)}"
+                f"kv_format={self.kv_format!r} needs head_dim % {group} == 0, got "
+                f"head_dim={head_dim}"
             )
-        if self.kv_format == "fp8" and head_dim % 32:
-            raise ValueError(f"kv_format='fp8' needs head_dim % 32 == 0, got head_dim={head_dim}")
         return self.kv_format
 
     def resolve_kv_cache_memory(self) -> int:

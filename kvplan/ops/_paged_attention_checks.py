@@ -1,5 +1,5 @@
-"""Argument checks of ``kvplan.ops.paged_attention`` (shapes, dtypes, devices, and on request
-the values: page ranges, block ids, ``cu_seqlens_q``)."""
+"""Argument checks of ``kvplan.ops.paged_attention`` (shapes, dtypes, devices, quantized cache
+layouts, and on request the values: page ranges, block ids, ``cu_seqlens_q``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import torch
 
 from kvplan._checks import INT32_MAX, check_range, check_same_device, check_tensor
+from kvplan.formats import KVCacheFormat
 from kvplan.ops import _paged_attention_kernels as _k
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -24,21 +25,25 @@ def check_attention_inputs(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor | None,
+    kv_layout: KVCacheFormat | None,
     check_values: bool,
-) -> int:
+) -> tuple[int, int]:
     """Validate the arguments of ``paged_attention_{decode,prefill}`` (``cu_seqlens_q`` None
-    for decode) and return the window as an int (``NO_WINDOW`` = none). ``check_values``
-    adds the range checks that read the values (one device sync on CUDA). Raises
-    ``TypeError`` / ``ValueError`` naming the argument."""
+    for decode) and return ``(window, num_kv_heads)``, the window as an int (``NO_WINDOW`` =
+    none). ``check_values`` adds the range checks that read the values (one device sync on
+    CUDA). Raises ``TypeError`` / ``ValueError`` naming the argument."""
     check_tensor("q", q, dtype=FLOAT_DTYPES, ndim=3)
-    check_tensor("k_cache", k_cache, dtype=q.dtype, ndim=4)
-    check_tensor("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if kv_layout is None:
+        check_tensor("k_cache", k_cache, dtype=q.dtype, ndim=4)
+        check_tensor("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
+        num_kv_heads = k_cache.shape[2]
+        if k_cache.shape[3] != head_dim:
+            raise ValueError(f"k_cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    else:
+        num_kv_heads = _check_quantized_caches(k_cache, v_cache, head_dim, kv_layout)
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -69,7 +74,34 @@ def check_attention_inputs(
         raise ValueError(f"page_ids has {page_ids.numel()} entries, more than int32 can index")
     if check_values and batch > 0:
         _check_values(q, k_cache, page_ids, page_start, kv_lens, cu_seqlens_q)
-    return _k.NO_WINDOW if sliding_window is None else min(sliding_window, _k.NO_WINDOW)
+    window = _k.NO_WINDOW if sliding_window is None else min(sliding_window, _k.NO_WINDOW)
+    return window, num_kv_heads
+
+
+def _check_quantized_caches(k_cache, v_cache, head_dim: int, kv_layout) -> int:
+    """Checks of uint8 caches of a quantized ``kv_layout``; returns num_kv_heads."""
+    if not isinstance(kv_layout, KVCacheFormat):
+        raise TypeError(f"kv_layout must be a KVCacheFormat or None, got {kv_layout!r}")
+    if not (kv_layout.is_quantized and kv_layout.do_cast and kv_layout.token_interleaved):
+        raise ValueError(
+            "kv_layout must be a quantized, cast-on-load, token-interleaved format, got "
+            f"{kv_layout.note or kv_layout!r}"
+        )
+    group = kv_layout.elements_per_sf
+    if head_dim % group or kv_layout.quantized_elements % head_dim:
+        raise ValueError(
+            f"kv_layout ({kv_layout.quantized_elements} values, {group} per scale) must hold "
+            f"whole heads of whole scale groups; head_dim is {head_dim}"
+        )
+    shape = (None, None, 1, kv_layout.bytes_per_token)
+    check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=4)
+    check_tensor("k_cache", k_cache, shape=shape)
+    check_tensor("v_cache", v_cache, dtype=torch.uint8, shape=tuple(k_cache.shape))
+    if kv_layout.sf_format == "fp32":  # scales are read as fp32 words
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.data_ptr() % 4 or t.stride(0) % 4 or t.stride(1) % 4:
+                raise ValueError(f"{name} records must be 4-byte aligned for fp32 scales")
+    return kv_layout.quantized_elements // head_dim
 
 
 def _check_values(q, k_cache, page_ids, page_start, kv_lens, cu_seqlens_q) -> None:

@@ -11,6 +11,10 @@ rows of its tile, so each K/V tile is loaded once for the whole group::
 
     row r of a tile  ->  query token i = r // group_size, query head kvh * group_size + r % group_size
 
+K/V tiles come from ``kvplan.ops._paged_kv_tiles.load_kv_tile``: plain caches are loaded as
+they are, quantized (fp8 / fp4) pages are dequantized in registers (``KV_QUANT``, ``SF_KIND``,
+``GROUP`` constexprs; ``sf_off`` / ``stride_sh`` locate the scales in a token record).
+
 Softmax is computed online in the log2 domain (``qk_scale = scale * log2(e)``); running maxima
 start at -1e30 rather than -inf so that rows which see no key stay finite and end with
 ``l == 0``, which the epilogues turn into an all-zero output row.
@@ -30,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kvplan.ops._dispatch import triton_interpreting
+from kvplan.ops._paged_kv_tiles import kv_geometry, load_kv_tile
 
 # Stand-in for "no sliding window": far beyond any int32 position difference we produce.
 NO_WINDOW = 1 << 30
@@ -37,17 +42,17 @@ NO_WINDOW = 1 << 30
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, start, q, row_pos, key_hi, page_ptr, k_ptr, v_ptr,
+    acc, m_i, l_i, start, q, row_pos, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys [start, start + TILE_N).
 
     ``MASKED`` tiles clip at ``key_hi`` and apply the causal / window mask per row; unmasked
     tiles are known (by the caller) to lie wholly inside every row's visible range.
     """
-    offs_d = tl.arange(0, HEAD_DIM)
     offs_n = start + tl.arange(0, TILE_N)
     in_range = offs_n < key_hi
     if MASKED or BLOCK_SIZE % TILE_N != 0:
@@ -58,18 +63,17 @@ def _attend_tile(
             page = tl.load(page_ptr + offs_n // BLOCK_SIZE)
         page = page.to(tl.int64)
         row = (offs_n % BLOCK_SIZE).to(tl.int64)
-        k_tile = k_ptr + (page * stride_kb + row * stride_kt)[:, None] + offs_d[None, :]
-        v_tile = v_ptr + (page * stride_vb + row * stride_vt)[:, None] + offs_d[None, :]
+        k_rows = page * stride_kb + row * stride_kt  # [TILE_N] offsets of the keys' records
+        v_rows = page * stride_vb + row * stride_vt
     else:
         # Unmasked tiles start at a multiple of TILE_N, so the tile sits inside one page.
         page = tl.load(page_ptr + start // BLOCK_SIZE).to(tl.int64)
         row = start % BLOCK_SIZE + tl.arange(0, TILE_N)
-        k_tile = k_ptr + page * stride_kb + row[:, None] * stride_kt + offs_d[None, :]
-        v_tile = v_ptr + page * stride_vb + row[:, None] * stride_vt + offs_d[None, :]
-    if MASKED:
-        k = tl.load(k_tile, mask=in_range[:, None], other=0.0)
-    else:
-        k = tl.load(k_tile)
+        k_rows = page * stride_kb + row * stride_kt
+        v_rows = page * stride_vb + row * stride_vt
+    k = load_kv_tile(
+        k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
+    )
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [TILE_M, TILE_N]
     if MASKED:
         visible = (
@@ -82,20 +86,20 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_tile, mask=in_range[:, None], other=0.0)
-    else:
-        v = tl.load(v_tile)
+    v = load_kv_tile(
+        v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
+    )
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i, lo, hi, q, row_pos, page_ptr, k_ptr, v_ptr,
+    acc, m_i, l_i, lo, hi, q, row_pos, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Tiles of keys [lo, hi). The CPU interpreter (numpy >= 2.4) cannot take a runtime tensor
     as a ``range`` bound, so there the same step runs in a ``while`` loop; compiled kernels use
@@ -104,27 +108,28 @@ def _attend_range(
         start = lo
         while start < hi:
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr,
+                acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                 stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED,
+                BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED, KV_QUANT, SF_KIND, GROUP,
             )  # fmt: skip
             start += TILE_N
     else:
         for start in range(lo, hi, TILE_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr,
+                acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                 stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED,
+                BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED, KV_QUANT, SF_KIND, GROUP,
             )  # fmt: skip
     return acc, m_i, l_i
 
 
 @triton.jit
 def _attend_rows(
-    q, row_pos, pos_min, pos_max, key_lo, key_hi, page_ptr, k_ptr, v_ptr,
+    q, row_pos, pos_min, pos_max, key_lo, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax attention of ``TILE_M`` query rows over keys [key_lo, key_hi).
 
@@ -146,19 +151,19 @@ def _attend_rows(
     full_hi = tl.maximum(tl.minimum(pos_min + 1, key_hi), full_lo)
     full_hi = full_lo + (full_hi - full_lo) // TILE_N * TILE_N  # whole tiles only
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, key_lo, full_lo, q, row_pos, page_ptr, k_ptr, v_ptr,
+        acc, m_i, l_i, key_lo, full_lo, q, row_pos, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, full_lo, full_hi, q, row_pos, page_ptr, k_ptr, v_ptr,
+        acc, m_i, l_i, full_lo, full_hi, q, row_pos, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, False, INTERPRET,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, False, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, full_hi, key_hi, q, row_pos, page_ptr, k_ptr, v_ptr,
+        acc, m_i, l_i, full_hi, key_hi, q, row_pos, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
     return acc, m_i, l_i
 
@@ -168,10 +173,11 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, page_ids_ptr, page_start_ptr, kv_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_oh, group_size, window, qk_scale, num_splits,
+    stride_ob, stride_oh, group_size, window, qk_scale, num_splits, sf_off, stride_sh,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
+    GROUP: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, Hkv, num_splits). q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D];
     page_ids int32 flat, page_start / kv_lens int32 [B]; partials (SPLIT only): fp32
@@ -199,8 +205,9 @@ def _decode_kernel(
     acc, m_i, l_i = _attend_rows(
         q, row_pos, kv_len - 1, kv_len - 1, key_lo, key_hi, page_ids_ptr + page_start,
         k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
+        k_ptr + sf_off + kvh * stride_sh, v_ptr + sf_off + kvh * stride_sh,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-        TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET,
+        TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
     if SPLIT:
         # Partial row index (b * H + head) * S + split.
@@ -243,9 +250,10 @@ def _combine_kernel(
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, page_ids_ptr, page_start_ptr, cu_seqlens_q_ptr, kv_lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ot, stride_oh, group_size, window, qk_scale,
+    stride_ot, stride_oh, group_size, window, qk_scale, sf_off, stride_sh,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_row_tiles, Hkv). q/out: [T, H, D]; cu_seqlens_q int32 [B + 1]; the rest as
     in ``_decode_kernel``. Row r of tile t is token (t * TILE_M + r) // group_size of the
@@ -280,8 +288,9 @@ def _prefill_kernel(
     acc, m_i, l_i = _attend_rows(
         q, row_pos, first_pos + tok_first, first_pos + tok_last, key_lo, key_hi,
         page_ids_ptr + page_start, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
+        k_ptr + sf_off + kvh * stride_sh, v_ptr + sf_off + kvh * stride_sh,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-        TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET,
+        TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t64[:, None] * stride_ot + h64[:, None] * stride_oh + offs_d[None, :]
@@ -307,12 +316,12 @@ def _group_tile(group_size: int) -> int:
 
 def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
-    tile_n=64, num_warps=4, num_stages=2,
+    kv_layout=None, tile_n=64, num_warps=4, num_stages=2,
 ):  # fmt: skip
     """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group_size = num_heads // num_kv_heads
+    geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)
+    group_size = num_heads // geo.num_kv_heads
     split = num_splits > 1
     if split:
         part_acc = torch.empty(
@@ -324,15 +333,17 @@ def launch_decode(
         part_acc = part_m = part_l = out  # unused by the kernel
     if batch == 0:
         return out
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_kernel[(batch, geo.num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, part_acc, part_m, part_l,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), geo.stride_kh,
+        v_cache.stride(0), v_cache.stride(1), geo.stride_vh,
         out.stride(0), out.stride(1), group_size, window, scale * LOG2E, num_splits,
+        geo.sf_off, geo.stride_sh,
         TILE_M=_group_tile(group_size), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n,
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
+        KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
@@ -346,24 +357,26 @@ def launch_decode(
 
 def launch_prefill(
     q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, out, *, scale, window,
-    max_q_len, tile_m=64, tile_n=64, num_warps=4, num_stages=2,
+    max_q_len, kv_layout=None, tile_m=64, tile_n=64, num_warps=4, num_stages=2,
 ):  # fmt: skip
     """Run ``_prefill_kernel`` into ``out``; ``max_q_len`` bounds every sequence's query count."""
     batch = kv_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group_size = num_heads // num_kv_heads
+    geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)
+    group_size = num_heads // geo.num_kv_heads
     num_row_tiles = triton.cdiv(max_q_len * group_size, tile_m)
     if batch == 0 or num_row_tiles == 0:
         return out
-    _prefill_kernel[(batch, num_row_tiles, num_kv_heads)](
+    _prefill_kernel[(batch, num_row_tiles, geo.num_kv_heads)](
         q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, out,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), geo.stride_kh,
+        v_cache.stride(0), v_cache.stride(1), geo.stride_vh,
         out.stride(0), out.stride(1), group_size, window, scale * LOG2E,
+        geo.sf_off, geo.stride_sh,
         TILE_M=tile_m, BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(),
+        KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

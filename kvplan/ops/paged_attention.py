@@ -21,7 +21,15 @@ no key (``kv_lens[b] == 0`` in decode) gets an all-zero output row.
 Entry points (op convention): ``paged_attention_{decode,prefill}`` dispatch (CUDA -> Triton,
 CPU -> torch); ``*_triton`` launch the kernels (also on CPU under ``TRITON_INTERPRET=1``);
 ``*_torch`` are the vectorized padded-batch torch paths; ``paged_attention_ref`` is the
-per-query loop used by tests. fp8 caches are not read here: dequantize them first.
+per-query loop used by tests.
+
+Quantized caches (``kv_layout`` = a token-interleaved, cast-on-load ``KVCacheFormat`` such as
+the engine's fp8 / fp4): ``k_cache`` / ``v_cache`` are the raw uint8 ``[num_blocks,
+block_size, 1, bytes_per_token]`` caches, each head's D values whole scale groups. The kernels
+dequantize each K/V tile in registers (``kvplan.ops._paged_kv_tiles``) to q's dtype
+(``fp32(value) * fp32(scale)``, one rounding: for bf16 the values of
+``kvplan.quant.dequantize``); the torch path dequantizes the gathered keys with
+``kvplan.quant.dequantize`` (bf16) and computes in fp32.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvplan import quant
+from kvplan.formats import KVCacheFormat
 from kvplan.ops import _paged_attention_kernels as _k
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops._paged_attention_checks import check_attention_inputs
@@ -75,6 +85,7 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_kv_len: int | None = None,
+    kv_layout: KVCacheFormat | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """One query per sequence at position ``kv_lens[b] - 1`` attends over its paged KV.
@@ -82,7 +93,9 @@ def paged_attention_decode(
     Args:
         q: ``[B, H, D]`` bf16/fp16/fp32 (any row/head strides).
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, same dtype and device as q;
-            ``H % Hkv == 0`` (GQA); D a power of two in [16, 256].
+            ``H % Hkv == 0`` (GQA); D a power of two in [16, 256]. With ``kv_layout``: uint8
+            ``[num_blocks, block_size, 1, bytes_per_token]`` caches of that quantized format
+            (see the module docstring).
         page_ids: int32 flat page table; page_start: int32 ``[B]``; kv_lens: int32 ``[B]`` keys
             per sequence including the new token (0 gives a zero output row).
         scale: softmax scale (usually ``D ** -0.5``). sliding_window: W or None.
@@ -90,6 +103,7 @@ def paged_attention_decode(
         num_splits: split-K factor (Triton only); None picks one from ``max_kv_len`` (a host
             int; when None too it is estimated as ``page_ids.numel() // B * block_size``, so
             there is no device sync).
+        kv_layout: the ``KVCacheFormat`` of quantized caches; None for float caches.
         check: value-range checks (one device sync on CUDA); pass False on a hot path.
 
     Returns ``out`` (or a new tensor) ``[B, H, D]`` in q's dtype.
@@ -103,11 +117,11 @@ def paged_attention_decode(
         return paged_attention_decode_triton(
             q, k_cache, v_cache, page_ids, page_start, kv_lens, scale=scale,
             sliding_window=sliding_window, out=out, num_splits=num_splits,
-            max_kv_len=max_kv_len, check=check,
+            max_kv_len=max_kv_len, kv_layout=kv_layout, check=check,
         )  # fmt: skip
     return paged_attention_decode_torch(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, scale=scale,
-        sliding_window=sliding_window, out=out, check=check,
+        sliding_window=sliding_window, out=out, kv_layout=kv_layout, check=check,
     )  # fmt: skip
 
 
@@ -115,14 +129,15 @@ def paged_attention_decode_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
     kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
     out: Tensor | None = None, num_splits: int | None = None, max_kv_len: int | None = None,
-    check: bool = True, tile_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    kv_layout: KVCacheFormat | None = None, check: bool = True, tile_n: int = 64,
+    num_warps: int = 4, num_stages: int = 2,
 ) -> Tensor:  # fmt: skip
     """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`."""
-    window = check_attention_inputs(
+    window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
-        check,
+        kv_layout, check,
     )  # fmt: skip
-    batch, num_kv_heads = q.shape[0], k_cache.shape[2]
+    batch = q.shape[0]
     if num_splits is None:
         if max_kv_len is None:
             max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]
@@ -135,25 +150,25 @@ def paged_attention_decode_triton(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return _k.launch_decode(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, scale=float(scale),
-        window=window, num_splits=num_splits, tile_n=tile_n, num_warps=num_warps,
-        num_stages=num_stages,
+        window=window, num_splits=num_splits, kv_layout=kv_layout, tile_n=tile_n,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
 def paged_attention_decode_torch(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
     kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
-    out: Tensor | None = None, check: bool = True,
+    out: Tensor | None = None, kv_layout: KVCacheFormat | None = None, check: bool = True,
 ) -> Tensor:  # fmt: skip
     """Vectorized torch decode; same contract as :func:`paged_attention_decode`."""
     check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
-        check,
+        kv_layout, check,
     )  # fmt: skip
     cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return _attention_torch(
         q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale, sliding_window,
-        out,
+        out, kv_layout,
     )  # fmt: skip
 
 
@@ -175,6 +190,7 @@ def paged_attention_prefill(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     max_q_len: int | None = None,
+    kv_layout: KVCacheFormat | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """Varlen causal attention of ``q`` over paged KV (chunked prefill, speculative rows).
@@ -195,20 +211,21 @@ def paged_attention_prefill(
     if use_triton(q):
         return paged_attention_prefill_triton(
             q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale=scale,
-            sliding_window=sliding_window, out=out, max_q_len=max_q_len, check=check,
+            sliding_window=sliding_window, out=out, max_q_len=max_q_len, kv_layout=kv_layout,
+            check=check,
         )  # fmt: skip
     return paged_attention_prefill_torch(
         q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale=scale,
-        sliding_window=sliding_window, out=out, check=check,
+        sliding_window=sliding_window, out=out, kv_layout=kv_layout, check=check,
     )  # fmt: skip
 
 
 def paged_attention_prefill_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
     cu_seqlens_q: Tensor, kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
-    out: Tensor | None = None, max_q_len: int | None = None, check: bool = True,
-    tile_m: int | None = None, tile_n: int = 64, num_warps: int | None = None,
-    num_stages: int | None = None,
+    out: Tensor | None = None, max_q_len: int | None = None,
+    kv_layout: KVCacheFormat | None = None, check: bool = True, tile_m: int | None = None,
+    tile_n: int = 64, num_warps: int | None = None, num_stages: int | None = None,
 ) -> Tensor:  # fmt: skip
     """Triton varlen prefill; same contract as :func:`paged_attention_prefill`.
 
@@ -216,9 +233,9 @@ def paged_attention_prefill_triton(
     fastest of ``bench/bench_paged_attention.py``'s sweep) and 64 x 64, 4 warps, 2 stages for
     fp32, whose 128-row tiles would exceed the shared memory of a block at head_dim 256.
     """
-    window = check_attention_inputs(
+    window, _ = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
-        out, check,
+        out, kv_layout, check,
     )  # fmt: skip
     wide = q.element_size() <= 2
     tile_m = tile_m or (128 if wide else 64)
@@ -234,33 +251,45 @@ def paged_attention_prefill_triton(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return _k.launch_prefill(
         q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, out,
-        scale=float(scale), window=window, max_q_len=max_q_len, tile_m=tile_m, tile_n=tile_n,
-        num_warps=num_warps, num_stages=num_stages,
+        scale=float(scale), window=window, max_q_len=max_q_len, kv_layout=kv_layout,
+        tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
 def paged_attention_prefill_torch(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
     cu_seqlens_q: Tensor, kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
-    out: Tensor | None = None, check: bool = True,
+    out: Tensor | None = None, kv_layout: KVCacheFormat | None = None, check: bool = True,
 ) -> Tensor:  # fmt: skip
     """Vectorized torch prefill; same contract as :func:`paged_attention_prefill`."""
     check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
-        out, check,
+        out, kv_layout, check,
     )  # fmt: skip
     return _attention_torch(
         q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale, sliding_window,
-        out,
+        out, kv_layout,
     )  # fmt: skip
 
 
 def _attention_torch(
-    q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale, window, out
+    q,
+    k_cache,
+    v_cache,
+    page_ids,
+    page_start,
+    cu_seqlens_q,
+    kv_lens,
+    scale,
+    window,
+    out,
+    kv_layout=None,
 ):
-    """Padded-batch attention in fp32: gather every sequence's keys, mask, softmax, scatter."""
+    """Padded-batch attention in fp32: gather every sequence's keys, mask, softmax, scatter.
+    Quantized caches are dequantized per gathered key (``kvplan.quant.dequantize``, bf16)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    block_size = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2] if kv_layout is None else kv_layout.elements // head_dim
     group = num_heads // num_kv_heads
     batch = kv_lens.shape[0]
     if out is None:
@@ -285,8 +314,8 @@ def _attention_torch(
         visible &= kj[None, None, :] > q_pos[:, :, None] - window  # [B, Qm, Lk]
     # Slots no query sees (before the window) may hold anything, NaN included: zero them.
     used = visible.any(1)[:, :, None, None]  # [B, Lk, 1, 1]
-    k = torch.where(used, k_cache[blocks, rows].float(), 0.0)  # [B, Lk, Hkv, D]
-    v = torch.where(used, v_cache[blocks, rows].float(), 0.0)
+    k = torch.where(used, _gather_keys(k_cache, blocks, rows, kv_layout, head_dim), 0.0)
+    v = torch.where(used, _gather_keys(v_cache, blocks, rows, kv_layout, head_dim), 0.0)
     qq = q[q_rows].float().view(batch, max_q, num_kv_heads, group, head_dim)
     s = torch.einsum("bqhgd,bjhd->bhgqj", qq, k) * scale  # [B, Hkv, G, Qm, Lk]
     s = s.masked_fill(~visible[:, None, None], float("-inf"))
@@ -297,6 +326,17 @@ def _attention_torch(
     o = torch.einsum("bhgqj,bjhd->bqhgd", p / torch.where(den > 0, den, 1.0), v)
     out[q_rows[q_ok]] = o.reshape(batch, max_q, num_heads, head_dim)[q_ok].to(out.dtype)
     return out
+
+
+def _gather_keys(cache, blocks, rows, kv_layout, head_dim) -> Tensor:
+    """fp32 ``[B, Lk, Hkv, D]`` values of the keys at (``blocks``, ``rows``) ``[B, Lk]``."""
+    if kv_layout is None:
+        return cache[blocks, rows].float()
+    records = cache[blocks, rows, 0]  # [B, Lk, bytes_per_token] uint8
+    nv, ns = kv_layout.quantized_bytes, kv_layout.sf_bytes
+    flat = records.reshape(-1, records.shape[-1])
+    vals = quant.dequantize(flat[:, :nv], flat[:, nv : nv + ns], kv_layout)  # [B*Lk, E] bf16
+    return vals.float().view(*blocks.shape, -1, head_dim)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -168,12 +168,14 @@ def test_fp8_cache_attends_over_the_dequantized_values(name):
 
 
 @pytest.mark.parametrize("name", ["ragged", "block_offsets"])
-@pytest.mark.parametrize(("beam_width", "cross"), [(1, False), (2, False), (2, True)])
-def test_fp8_paged_backends_dequantize_only_the_batch_pages(name, beam_width, cross, monkeypatch):
-    """fp8 forwards load exactly the pages of the batch's rows (row by row, each row's first
-    ceil(kv_len / block_size) blocks), through an unchecked (sync-free) load, and never
-    dequantize the whole cache; the outputs still match the reference."""
-    import kvplan.backends.page_table_attention as paged
+@pytest.mark.parametrize(("beam_width", "cross", "kv_format"),
+                         [(1, False, "fp8"), (2, False, "fp4"), (2, True, "fp8")])  # fmt: skip
+def test_quantized_paged_backends_read_pages_in_place(name, beam_width, cross, kv_format,
+                                                      monkeypatch):  # fmt: skip
+    """fp8 / fp4 forwards of the page-table backends hand the raw caches to the kernels: no
+    page is dequantized into a buffer (no load_paged_kv_cache, no read_blocks); the outputs
+    still match the reference over the dequantized values."""
+    import kvplan.ops.load as load
     from kvplan.cache.kv_tensors import KVCacheTensors
 
     specs = [SeqSpec(6, 5, True), SeqSpec(13, 1, False), SeqSpec(4, 2, False)]
@@ -181,33 +183,15 @@ def test_fp8_paged_backends_dequantize_only_the_batch_pages(name, beam_width, cr
         specs = [SeqSpec(9, 3, True), SeqSpec(6, 1, False)]
     windows = (None,) if cross else (None, 5)
     sc = make_scenario(29, specs, beam_width=beam_width, cross=cross, head_dim=32,
-                       kv_format="fp8", layer_windows=windows)  # fmt: skip
-    loads = []
-    real_load = paged.load_paged_kv_cache
+                       kv_format=kv_format, layer_windows=windows)  # fmt: skip
 
-    def spy(raw, segments, total_k, **kw):
-        assert kw.get("check") is False, "the forward's load must not validate (a sync)"
-        loads.append(segments.tolist())
-        return real_load(raw, segments, total_k, **kw)
+    def dequantized_copy(*args, **kwargs):
+        raise AssertionError("a quantized forward dequantized pages into a buffer")
 
-    def whole_cache(*args, **kwargs):
-        raise AssertionError("an fp8 forward dequantized more than the batch's pages")
-
-    monkeypatch.setattr(paged, "load_paged_kv_cache", spy)
-    monkeypatch.setattr(paged, "layer_caches", whole_cache)  # the backends' shared _attend
-    monkeypatch.setattr(KVCacheTensors, "read_blocks", whole_cache)
-    md, outs = run_layers(name, sc)
+    monkeypatch.setattr(load, "load_paged_kv_cache", dequantized_copy)
+    monkeypatch.setattr(KVCacheTensors, "read_blocks", dequantized_copy)
+    _, outs = run_layers(name, sc)
     monkeypatch.undo()
-    bs = sc.manager.block_size
-    assert len(loads) == 2 * len(sc.layer_windows)  # K and V of every layer
-    for layer in range(len(sc.layer_windows)):
-        pool = sc.manager.pool_for_layer(layer)
-        want = []
-        for row, kv_len in enumerate(md.kv_lens_np.tolist()):
-            want += row_blocks(sc, row, pool, -(-kv_len // bs))
-        plan = [[b, 0, bs, i * bs] for i, b in enumerate(want)]
-        assert loads[2 * layer] == plan
-        assert loads[2 * layer + 1] == plan
     _check_fp8_outputs(sc, outs)
 
 

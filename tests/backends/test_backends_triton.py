@@ -206,18 +206,20 @@ def test_gpu_block_id_tables_are_skipped_while_capturing():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", PAGED)
-@pytest.mark.parametrize(("beam", "cross"), [(1, False), (2, True)])
-def test_gpu_fp8_loads_the_batch_pages_without_a_sync(name, beam, cross):
-    """fp8 cache on the GPU: the forward (store, Triton page load, paged kernel) runs with
-    CUDA sync debugging set to error, and matches the reference over the read-back values.
-    CPU counterpart: test_backends_correctness.py::test_fp8_paged_backends_dequantize_only_the_batch_pages."""
+@pytest.mark.parametrize(("beam", "cross", "kv_format"), [(1, False, "fp8"), (2, True, "fp8"),
+                                                          (1, False, "fp4")])  # fmt: skip
+def test_gpu_quantized_pages_read_in_place_without_a_sync(name, beam, cross, kv_format):
+    """fp8 / fp4 cache on the GPU: the forward (fused quantize + store, paged kernel reading
+    the pages in place) runs with CUDA sync debugging set to error, and matches the reference
+    over the read-back values. CPU counterpart:
+    test_backends_correctness.py::test_quantized_paged_backends_read_pages_in_place."""
     if cross:
         specs = [SeqSpec(300, 40, True), SeqSpec(77, 1, False), SeqSpec(513, 1, False)]
     else:
         specs = random_specs(5, num_ctx=3, num_gen=12, max_cached=700)
     sc = make_scenario(
         5, specs, beam_width=beam, cross=cross, num_heads=16, num_kv_heads=4, head_dim=128,
-        block_size=16, num_blocks=2048, max_blocks_per_seq=64, kv_format="fp8",
+        block_size=16, num_blocks=2048, max_blocks_per_seq=64, kv_format=kv_format,
         dtype=torch.bfloat16, device="cuda",
     )  # fmt: skip
     cls = get_backend(name)

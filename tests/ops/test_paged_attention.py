@@ -178,37 +178,43 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvplan.ops import _paged_attention_kernels as K
 
-def build(kernel, consts, num_warps, num_stages):
+def build(kernel, consts, num_warps, num_stages, name=None):
     sig, attrs = {}, {}
+    quant = consts.get("KV_QUANT", 0) != 0
     for i, name in enumerate(kernel.arg_names):
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             data = name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
             sig[name] = "*bf16" if data else "*fp32" if name.startswith("part") else "*i32"
+            if quant and name in ("k_ptr", "v_ptr"):
+                sig[name] = "*u8"
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name == "qk_scale" else "i32"
-            if name.startswith("stride"):
+            if name.startswith("stride") and name != "stride_sh":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
     ir = k.asm["ttgir"]
-    print(kernel.__name__, "async" if "async_copy" in ir else "sync",
+    tag = kernel.__name__ + {0: "", 1: "_fp8", 2: "_fp4"}[consts.get("KV_QUANT", 0)]
+    print(tag, "async" if "async_copy" in ir else "sync",
           "wgmma" if "warp_group_dot" in ir else "mma")
 
-common = dict(BLOCK_SIZE=32, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRET=False)
-build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, **common), 4, 2)
+for quant, sf, group in ((0, 0, 1), (1, 2, 32), (2, 1, 16)):  # bf16, fp8 fp32 sf, fp4 e4m3 sf
+    common = dict(BLOCK_SIZE=32, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRET=False,
+                  KV_QUANT=quant, SF_KIND=sf, GROUP=group)
+    build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, **common), 4, 2)
+    build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
 build(K._combine_kernel, dict(SPLITS_PAD=4, HEAD_DIM=128), 4, 1)
-build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
 """
 
 
 def test_kernels_compile_for_sm90():
     """The interpreter skips Triton's type checks and layouts: compile the real thing for the
-    H200 (sm_90, no GPU needed) and check that K/V loads are pipelined (cp.async) and the
-    prefill dots use wgmma."""
+    H200 (sm_90, no GPU needed), for bf16 caches and for fp8 / fp4 pages, and check that K/V
+    loads are pipelined (cp.async) and the prefill dots use wgmma."""
     import os
     import subprocess
     import sys
@@ -224,8 +230,9 @@ def test_kernels_compile_for_sm90():
                          text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.split("\n")
-    assert "_decode_kernel async mma" in lines
-    assert "_prefill_kernel async wgmma" in lines
+    for suffix in ("", "_fp8", "_fp4"):  # bf16 caches and fp8 / fp4 pages read in place
+        assert f"_decode_kernel{suffix} async mma" in lines
+        assert f"_prefill_kernel{suffix} async wgmma" in lines
     assert any(line.startswith("_combine_kernel") for line in lines)
 
 

@@ -1,0 +1,101 @@
+"""K/V tiles of the paged attention kernels: plain caches, or fp8 / fp4 pages read in place.
+
+A quantized cache is a uint8 ``[num_blocks, block_size, 1, bytes_per_token]`` cache of a
+token-interleaved, cast-on-load ``KVCacheFormat`` over ``Hkv * D`` values. Every head's D
+values are whole scale groups, so a token's record is laid out as::
+
+    [ head 0 values | head 1 values | ... | head 0 scales | head 1 scales | ... ]
+      D bytes (e4m3) or D / 2 (e2m1)        (D / group) scales of 4 (fp32) or 1 byte
+
+A kernel program owns one KV head: it reads that head's value run and scale run of each key
+and dequantizes them in registers (``load_kv_tile``); ``kv_geometry`` gives the offsets.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from kvplan.ops._quant_triton import SF_KIND, decode_e2m1
+
+
+@triton.jit
+def _load_masked(ptrs, in_range, MASKED: tl.constexpr):
+    """``tl.load`` of ``[TILE_N, C]`` pointers; masked tiles read 0 for keys out of range."""
+    if MASKED:
+        return tl.load(ptrs, mask=in_range[:, None], other=0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def load_kv_tile(
+    ptr, sf_ptr, rows, in_range, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """One head's K or V values of ``TILE_N`` keys as ``[TILE_N, HEAD_DIM]`` in q's dtype.
+
+    ``rows``: int64 ``[TILE_N]`` offsets (elements of the cache; bytes for a quantized cache)
+    of the keys' token records; ``ptr``: the cache plus the head's value offset; ``sf_ptr``
+    (quantized only): the cache plus the head's scale offset. ``KV_QUANT`` 0 reads the values
+    as they are; 1 (e4m3 bytes) and 2 (e2m1 nibbles, element 2i in the low nibble of byte i)
+    dequantize in registers: ``fp32(value) * fp32(scale)`` with one scale per ``GROUP``
+    values (``SF_KIND`` as in ``kvplan.ops._quant_triton``), then one rounding to q's dtype
+    -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. Every load is a contiguous
+    run per key (values, then the head's scales), so the compiler can pipeline it.
+    """
+    offs_d = tl.arange(0, HEAD_DIM)
+    if KV_QUANT == 0:
+        return _load_masked(ptr + rows[:, None] + offs_d[None, :], in_range, MASKED)
+    if KV_QUANT == 1:
+        codes = _load_masked(ptr + rows[:, None] + offs_d[None, :], in_range, MASKED)
+        vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        offs_b = tl.arange(0, HEAD_DIM // 2)
+        packed = _load_masked(ptr + rows[:, None] + offs_b[None, :], in_range, MASKED)
+        packed = packed.to(tl.int32)
+        pairs = tl.join(decode_e2m1(packed & 15), decode_e2m1(packed >> 4))  # [N, D/2, 2]
+        vals = tl.reshape(pairs, [TILE_N, HEAD_DIM])
+    offs_g = tl.arange(0, HEAD_DIM // GROUP)  # the head's scales
+    if SF_KIND == 2:  # fp32 (SF_KIND values: kvplan.ops._quant_triton.SF_KIND)
+        sf_ptrs = sf_ptr + rows[:, None] + (offs_g * 4)[None, :]
+        sf = _load_masked(sf_ptrs.to(tl.pointer_type(tl.float32)), in_range, MASKED)
+    else:
+        sb = _load_masked(sf_ptr + rows[:, None] + offs_g[None, :], in_range, MASKED)
+        if SF_KIND == 1:  # e4m3
+            sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:  # UE8M0: the byte is the fp32 exponent field
+            sf = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    grouped = tl.reshape(vals, [TILE_N, HEAD_DIM // GROUP, GROUP]) * sf[:, :, None]
+    return tl.reshape(grouped, [TILE_N, HEAD_DIM]).to(q.dtype)
+
+
+class KVGeometry(NamedTuple):
+    """How the kernels address one head's records in a cache (see ``kv_geometry``)."""
+
+    num_kv_heads: int
+    stride_kh: int  # elements (bytes when quantized) between two heads' values
+    stride_vh: int
+    sf_off: int  # bytes from a token record's start to its scales (quantized only)
+    stride_sh: int  # bytes between two heads' scales (quantized only)
+    kv_quant: int  # 0 plain, 1 e4m3, 2 e2m1
+    sf_kind: int  # kvplan.ops._quant_triton.SF_KIND (quantized only)
+    group: int  # values per scale (quantized only)
+
+
+def kv_geometry(k_cache, v_cache, head_dim: int, kv_layout) -> KVGeometry:
+    """Head addressing of plain ``[N, bs, Hkv, D]`` caches (``kv_layout`` None) or of uint8
+    ``[N, bs, 1, bytes_per_token]`` caches of a token-interleaved quantized ``kv_layout``,
+    whose record holds Hkv per-head value runs, then Hkv per-head scale runs."""
+    if kv_layout is None:
+        return KVGeometry(k_cache.shape[2], k_cache.stride(2), v_cache.stride(2), 0, 0, 0, 0, 1)
+    fp4 = kv_layout.quantized_dtype == "e2m1"
+    group = kv_layout.elements_per_sf
+    head_bytes = head_dim // 2 if fp4 else head_dim
+    sf_size = kv_layout.sf_bytes // kv_layout.num_scales
+    return KVGeometry(
+        kv_layout.quantized_elements // head_dim, head_bytes, head_bytes,
+        kv_layout.quantized_bytes, head_dim // group * sf_size, 2 if fp4 else 1,
+        SF_KIND[kv_layout.sf_format], group,
+    )  # fmt: skip

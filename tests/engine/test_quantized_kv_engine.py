@@ -1,0 +1,109 @@
+"""fp8 / fp4 KV caches in the dense engine: pages read in place == dequantize-then-attend.
+
+The oracle is the same engine with a bf16 cache whose store first rounds K/V through the
+format's quantize + dequantize (``kvplan.quant``, bf16 in and out): it holds exactly the
+values the quantized cache decodes to, and its attention reads them with the same bf16 query,
+so logits and greedy tokens must be identical (CPU: torch paths). On the GPU the quantized
+engine also runs decode steps in CUDA graphs, which must equal its eager steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvplan import LLM, SamplingParams, quant
+from kvplan.cache.kv_tensors import KVCacheTensors
+from kvplan.engine.scoring import prompt_logits
+from kvplan.models.config import named_config
+
+CFG = named_config("tiny-llama", head_dim_override=64, num_heads=4, num_kv_heads=2,
+                   hidden_size=128)  # fmt: skip
+
+
+def _engine(kv_format: str, **kw) -> LLM:
+    kw = dict(device="cpu", backend="block_offsets", block_size=4, max_model_len=96,
+              num_blocks=80, enable_prefix_caching=False) | kw  # fmt: skip
+    return LLM(CFG, kv_format=kv_format, **kw)
+
+
+def _rounding_store(kv_cache, layout):
+    """Wrap ``kv_cache.store`` (a bf16 cache) to store K/V rounded through ``layout``."""
+    store = kv_cache.store
+
+    def rounded(x):
+        flat = x.to(torch.bfloat16).reshape(x.shape[0], -1)  # [T, Hkv * D]
+        return quant.dequantize(*quant.quantize(flat, layout), layout).view(x.shape)
+
+    def wrapped(layer, k, v, slot_mapping, *, check=True):
+        return store(layer, rounded(k), rounded(v), slot_mapping, check=check)
+
+    return wrapped
+
+
+def _oracle(kv_format: str, **kw) -> LLM:
+    layout = KVCacheTensors(1, 2, 4, CFG.num_kv_heads, CFG.head_dim, kv_format=kv_format).layout
+    llm = _engine("bf16", **kw)
+    llm.parts.kv_cache.store = _rounding_store(llm.parts.kv_cache, layout)
+    return llm
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(3, 40, (n,), generator=g).tolist()
+    return [torch.randint(0, CFG.vocab_size, (m,), generator=g).tolist() for m in lens]
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("backend", ["block_offsets", "ragged"])
+def test_greedy_tokens_equal_dequantize_then_attend(kv_format, backend):
+    prompts = _prompts(5, seed=1)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    got = _engine(kv_format, backend=backend, max_num_batched_tokens=32)
+    assert got.parts.kv_cache.is_quantized and got.parts.kv_cache.kv_format == kv_format
+    want = _oracle(kv_format, backend=backend, max_num_batched_tokens=32)
+    outs = [[o.token_ids for o in llm.generate(prompts, params)] for llm in (got, want)]
+    assert outs[0] == outs[1]
+
+
+def test_async_scheduling_with_fp8_gives_the_same_tokens():
+    prompts = _prompts(4, seed=4)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = []
+    for flag in (False, True):
+        llm = _engine("fp8", async_scheduling=flag)
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
+def test_teacher_forced_logits_equal_dequantize_then_attend(kv_format):
+    ids = _prompts(1, seed=2)[0] * 2
+    got = prompt_logits(_engine(kv_format).engine, ids, 8)
+    want = prompt_logits(_oracle(kv_format).engine, ids, 8)
+    assert torch.equal(got, want)
+    exact = prompt_logits(_engine("fp32").engine, ids, 8)
+    assert not torch.equal(got, exact)  # the format does round
+
+
+def test_fp4_cache_is_smaller_than_fp8():
+    fp8, fp4 = (_engine(f).parts.kv_cache for f in ("fp8", "fp4"))
+    assert fp4.raw_k_cache(0).shape[-1] == 2 * 64 // 2 + 2 * 64 // 16  # values + e4m3 scales
+    assert fp8.raw_k_cache(0).shape[-1] == 2 * 64 + 2 * 64 // 32 * 4  # values + fp32 scales
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
+def test_gpu_graphs_with_quantized_cache_match_eager(kv_format):
+    """Quantized caches are captured in CUDA graphs; replays give the eager tokens."""
+    prompts = _prompts(11, seed=3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        llm = _engine(kv_format, device="cuda", dtype="float32", max_num_seqs=16,
+                      use_cuda_graph=graphs, num_blocks=400, block_size=16)  # fmt: skip
+        outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        if graphs:
+            assert llm.engine.runner.graphs is not None
+            assert llm.engine.runner.graphs.num_replays > 0
+    assert outs[True] == outs[False]

@@ -1,0 +1,249 @@
+"""Paged attention reading fp8 / fp4 pages in place == dequantize first, then dense attention.
+
+Each case takes ``make_case``'s float cache (random keys where some query looks, NaN
+elsewhere), quantizes every written slot into the records of a token-interleaved cache
+(``kvplan.quant.quantize``) and fills every other slot with 0xFF bytes (NaN e4m3 codes, NaN
+fp32 / e4m3 scales), so a kernel that reads an unused slot poisons its output. The reference
+decodes the records with torch's own float8 type and a table of the e2m1 values, in fp32, and
+runs the per-query float64 ``paged_attention_ref`` over them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvplan import quant
+from kvplan.formats import KVCacheFormat, alloc_kv_cache
+from kvplan.ops.paged_attention import (
+    paged_attention_decode,
+    paged_attention_decode_torch,
+    paged_attention_decode_triton,
+    paged_attention_prefill,
+    paged_attention_prefill_torch,
+    paged_attention_prefill_triton,
+    paged_attention_ref,
+)
+from tests.ops.test_paged_attention import Case, assert_close, make_case
+
+# (quantized dtype, values per scale, scale format): the engine's fp8 and fp4, plus UE8M0
+FORMATS = {
+    "fp8": ("e4m3", 32, "fp32"),
+    "fp4": ("e2m1", 16, "e4m3"),
+    "fp8_ue8m0": ("e4m3", 32, "ue8m0"),
+}
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def layout_of(kind: str, num_kv_heads: int, head_dim: int) -> KVCacheFormat:
+    dtype, group, sf = FORMATS[kind]
+    hd = num_kv_heads * head_dim
+    return KVCacheFormat(dtype, hd, group, 0, True, sf, f"test {kind} x{hd}", True)
+
+
+def quantize_cache(cache: torch.Tensor, layout: KVCacheFormat) -> torch.Tensor:
+    """float ``[N, bs, H, D]`` (NaN = unused slot) -> uint8 ``[N, bs, 1, bytes_per_token]``."""
+    n, bs = cache.shape[:2]
+    raw = alloc_kv_cache(n, bs, layout)
+    torch.as_strided(raw, (raw.untyped_storage().nbytes(),), (1,), 0).fill_(0xFF)
+    flat = cache.reshape(n * bs, -1)  # [N*bs, H*D]
+    used = ~flat.isnan().any(-1)
+    values, scales = quant.quantize(flat[used].to(torch.bfloat16), layout)
+    slots = torch.nonzero(used).flatten()
+    raw[slots // bs, slots % bs, 0] = torch.cat([values, scales], dim=1)  # in place (a view)
+    return raw
+
+
+def dequantize_cache(raw: torch.Tensor, layout: KVCacheFormat, head_dim: int) -> torch.Tensor:
+    """Independent fp32 decode of every record: ``[N, bs, Hkv, D]``."""
+    n, bs = raw.shape[:2]
+    rec = raw[:, :, 0].reshape(n * bs, -1)  # (a copy when blocks are padded)
+    nv = layout.quantized_bytes
+    vbytes, sbytes = rec[:, :nv], rec[:, nv : nv + layout.sf_bytes]
+    if layout.quantized_dtype == "e2m1":
+        codes = torch.stack((vbytes & 15, vbytes >> 4), dim=-1).reshape(n * bs, -1).long()
+        vals = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    else:
+        vals = vbytes.contiguous().view(torch.float8_e4m3fn).float()
+    if layout.sf_format == "fp32":
+        sf = sbytes.contiguous().view(torch.float32)
+    elif layout.sf_format == "e4m3":
+        sf = sbytes.contiguous().view(torch.float8_e4m3fn).float()
+    else:
+        sf = torch.exp2(sbytes.float() - 127)
+    out = vals * sf.repeat_interleave(layout.elements_per_sf, dim=1)
+    return out.view(n, bs, -1, head_dim)
+
+
+def quantized_case(kind: str, seed: int, kv_lens, q_lens, **kw):
+    """(``make_case`` case, its quantized caches, layout, fp32 dequantized case)."""
+    c = make_case(seed, kv_lens, q_lens, **kw)
+    hkv, d = c.k_cache.shape[2], c.k_cache.shape[3]
+    layout = layout_of(kind, hkv, d)
+    k_raw, v_raw = quantize_cache(c.k_cache, layout), quantize_cache(c.v_cache, layout)
+    dq = Case(
+        c.q, dequantize_cache(k_raw, layout, d), dequantize_cache(v_raw, layout, d),
+        c.page_ids, c.page_start, c.cu_seqlens_q, c.kv_lens, c.scale, c.window,
+    )  # fmt: skip
+    return c, (k_raw, v_raw), layout, dq
+
+
+# --- Triton under the interpreter (fp32 q, so the dequantized values stay exact) -------------
+
+DECODE = [
+    # (kind, seed, kv_lens, group, block_size, window, layout, num_splits, tile_n)
+    ("fp8", 0, [1, 7, 13], 1, 4, None, "ragged", 1, 16),
+    ("fp8", 1, [5, 33, 18], 4, 8, 11, "offsets", 3, 16),  # (head_dim 64: two scales a head)
+    ("fp4", 2, [40, 9, 0], 2, 4, None, "ragged", 2, 16),
+    ("fp4", 3, [70, 35], 4, 32, None, "offsets", 2, 16),  # whole tiles inside one page
+    ("fp8_ue8m0", 4, [29, 3], 2, 16, 5, "ragged", 1, 16),
+]
+
+
+@pytest.mark.parametrize("kind,seed,kv_lens,group,block_size,window,layout,splits,tile_n", DECODE)
+def test_decode_triton_reads_quantized_pages(
+    kind, seed, kv_lens, group, block_size, window, layout, splits, tile_n
+):
+    c, (k_raw, v_raw), fmt, dq = quantized_case(
+        kind, seed, kv_lens, [1] * len(kv_lens), group=group, block_size=block_size,
+        window=window, layout=layout, head_dim=64 if seed == 1 else 32,
+    )  # fmt: skip
+    got = paged_attention_decode_triton(
+        c.q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens, scale=c.scale,
+        sliding_window=window, num_splits=splits, tile_n=tile_n, kv_layout=fmt,
+    )  # fmt: skip
+    assert_close(got, dq.ref(decode=True))
+    if 0 in kv_lens:
+        assert not got[kv_lens.index(0)].any()
+
+
+PREFILL = [
+    # (kind, seed, kv_lens, q_lens, group, block_size, window)
+    ("fp8", 10, [9, 14, 3], [9, 4, 1], 1, 4, None),
+    ("fp8", 11, [40, 17], [16, 3], 2, 8, 6),  # partial last pages, window
+    ("fp4", 12, [21, 6, 11], [3, 6, 1], 4, 8, None),
+    ("fp4", 13, [45, 20], [40, 20], 1, 16, 20),
+]
+
+
+@pytest.mark.parametrize("kind,seed,kv_lens,q_lens,group,block_size,window", PREFILL)
+def test_prefill_triton_reads_quantized_pages(kind, seed, kv_lens, q_lens, group, block_size,
+                                              window):  # fmt: skip
+    c, (k_raw, v_raw), fmt, dq = quantized_case(
+        kind, seed, kv_lens, q_lens, group=group, block_size=block_size, window=window,
+        layout="offsets" if seed % 2 else "ragged", head_dim=32,
+    )  # fmt: skip
+    got = paged_attention_prefill_triton(
+        c.q, k_raw, v_raw, c.page_ids, c.page_start, c.cu_seqlens_q, c.kv_lens, scale=c.scale,
+        sliding_window=window, max_q_len=max(q_lens), tile_m=16, tile_n=16, kv_layout=fmt,
+    )  # fmt: skip
+    assert_close(got, dq.ref(decode=False))
+
+
+def test_quantized_head_dim_16_fp4():
+    """fp4 with head_dim 16: one scale per head record."""
+    c, (k_raw, v_raw), fmt, dq = quantized_case("fp4", 14, [11, 4], [3, 1], group=2,
+                                                head_dim=16)  # fmt: skip
+    got = paged_attention_prefill_triton(
+        c.q, k_raw, v_raw, c.page_ids, c.page_start, c.cu_seqlens_q, c.kv_lens, scale=c.scale,
+        tile_m=16, tile_n=16, kv_layout=fmt,
+    )  # fmt: skip
+    assert_close(got, dq.ref(decode=False))
+
+
+# --- torch path (CPU dispatch): bf16 dequantization, as kvplan.quant.dequantize -------------
+
+
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+@pytest.mark.parametrize("seed", range(3))
+def test_torch_paths_read_quantized_pages(kind, seed):
+    gen = torch.Generator().manual_seed(200 + seed)
+    batch = int(torch.randint(1, 4, (), generator=gen))
+    kv_lens = torch.randint(1, 30, (batch,), generator=gen).tolist()
+    q_lens = [int(torch.randint(1, n + 1, (), generator=gen)) for n in kv_lens]
+    window = [None, 5, 9][seed]
+    c, (k_raw, v_raw), fmt, dq = quantized_case(
+        kind, seed, kv_lens, q_lens, group=[1, 2, 4][seed], block_size=[1, 4, 16][seed],
+        window=window, head_dim=32,
+    )  # fmt: skip
+    got = paged_attention_prefill_torch(
+        c.q, k_raw, v_raw, c.page_ids, c.page_start, c.cu_seqlens_q, c.kv_lens, scale=c.scale,
+        sliding_window=window, kv_layout=fmt,
+    )  # fmt: skip
+    # the torch path rounds each dequantized value to bf16 (quant.dequantize) before fp32 math
+    want = paged_attention_ref(
+        c.q, dq.k_cache.bfloat16().float(), dq.v_cache.bfloat16().float(), c.page_ids, c.page_start,
+        c.cu_seqlens_q, c.kv_lens, scale=c.scale, sliding_window=window,
+    )  # fmt: skip
+    assert_close(got, want)
+    assert_close(got, dq.ref(decode=False), atol=3e-2)  # bf16 rounding of K/V only
+    last = c.cu_seqlens_q[1:] - 1  # decode over the same pages: each sequence's last query
+    got = paged_attention_decode(
+        c.q[last.long()], k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens, scale=c.scale,
+        sliding_window=window, kv_layout=fmt,
+    )  # fmt: skip
+    assert_close(got, want[last.long()])
+
+
+def test_dispatch_decode_torch_equals_triton_interpreter_on_bf16_values():
+    """Same bf16-rounded K/V on both paths: torch (CPU dispatch) vs Triton (interpreter)."""
+    c, (k_raw, v_raw), fmt, _ = quantized_case("fp8", 40, [12, 30], [1, 1], group=4,
+                                               head_dim=32)  # fmt: skip
+    args = (c.q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens)
+    torch_out = paged_attention_decode_torch(*args, scale=c.scale, kv_layout=fmt)
+    triton_out = paged_attention_decode_triton(*args, scale=c.scale, kv_layout=fmt, tile_n=16)
+    assert_close(triton_out, torch_out, atol=3e-2)
+
+
+# --- caller errors -----------------------------------------------------------------------------
+
+
+def test_quantized_layout_errors():
+    c, (k_raw, v_raw), fmt, _ = quantized_case("fp8", 50, [6, 9], [1, 1], head_dim=32)
+    args = (c.q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens)
+    with pytest.raises(TypeError, match="k_cache"):
+        paged_attention_decode(c.q, c.k_cache, c.v_cache, *args[3:], scale=1.0, kv_layout=fmt)
+    with pytest.raises(TypeError, match="kv_layout"):
+        paged_attention_decode(*args, scale=1.0, kv_layout="fp8")
+    with pytest.raises(ValueError, match="k_cache must have shape"):
+        wrong = layout_of("fp4", 2, 32)
+        paged_attention_decode(*args, scale=1.0, kv_layout=wrong)
+    with pytest.raises(ValueError, match="whole heads"):
+        paged_attention_decode(c.q[..., :16].contiguous(), *args[1:], scale=1.0, kv_layout=fmt)
+    index = KVCacheFormat("e4m3", 64, 32, 0, False, "fp32", "not cast")
+    with pytest.raises(ValueError, match="cast-on-load"):
+        paged_attention_decode(*args, scale=1.0, kv_layout=index)
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind):
+    """On the GPU the in-place dequantization gives bit-for-bit the bf16 values of
+    ``quant.dequantize``, so the output equals the kernel over a dequantized bf16 copy."""
+    gen = torch.Generator().manual_seed(3)
+    kv_lens = torch.randint(1, 900, (20,), generator=gen).tolist() + [1, 16, 17]
+    q_lens = [int(torch.randint(1, n + 1, (), generator=gen)) for n in kv_lens]
+    for decode in (True, False):
+        c, (k_raw, v_raw), fmt, dq = quantized_case(
+            kind, 5, kv_lens, [1] * len(kv_lens) if decode else q_lens, num_kv_heads=4,
+            group=4, head_dim=128, block_size=16,
+        )  # fmt: skip
+        cuda = lambda t: t.cuda()  # noqa: E731
+        q = c.q.bfloat16().cuda()
+        pages = (cuda(c.page_ids), cuda(c.page_start))
+        bf = (dq.k_cache.bfloat16().cuda(), dq.v_cache.bfloat16().cuda())
+        if decode:
+            got = paged_attention_decode(q, cuda(k_raw), cuda(v_raw), *pages, cuda(c.kv_lens),
+                                         scale=c.scale, kv_layout=fmt, num_splits=3)  # fmt: skip
+            want = paged_attention_decode(q, *bf, *pages, cuda(c.kv_lens), scale=c.scale,
+                                          num_splits=3)  # fmt: skip
+        else:
+            cu = cuda(c.cu_seqlens_q)
+            got = paged_attention_prefill(q, cuda(k_raw), cuda(v_raw), *pages, cu,
+                                          cuda(c.kv_lens), scale=c.scale, kv_layout=fmt)  # fmt: skip
+            want = paged_attention_prefill(q, *bf, *pages, cu, cuda(c.kv_lens), scale=c.scale)
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, want)
