@@ -91,13 +91,19 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
     ids = prompts.tolist()
     llm.generate([ids[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     sync(dev)
+    info = {}
+    if args.split:  # the prompts alone (+ one token): the prefill share of the run
+        t0 = time.perf_counter()
+        llm.generate(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        sync(dev)
+        info["prefill_seconds"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     outs = llm.generate(ids, params)
     sync(dev)
     wall = time.perf_counter() - t0
-    runner = llm.parts.runner if hasattr(llm.parts, "runner") else None
+    runner = llm.parts.core.runner
     graphs = getattr(runner, "graphs", None)
-    info = {"graph_replays": getattr(graphs, "num_replays", None)}
+    info["graph_replays"] = getattr(graphs, "num_replays", None)
     del llm
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -114,6 +120,11 @@ def main() -> None:
     ap.add_argument("--kv-formats", default="fp8,bf16")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="also time the prompts alone (max_tokens=1): the prefill share",
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
@@ -164,7 +175,9 @@ def main() -> None:
         if hf_rate:
             r["vs_hf"] = r["tok_s"] / hf_rate
         print(f"{r['engine']:>7} {r.get('kv_format', ''):>9} {r['seconds']:8.2f} s "
-              f"{r['tok_s']:10.1f} tok/s" + (f"  {r['vs_hf']:.1f}x HF" if hf_rate else ""))  # fmt: skip
+              f"{r['tok_s']:10.1f} tok/s" + (f"  {r['vs_hf']:.1f}x HF" if hf_rate else "")
+              + (f"  prefill alone {r['prefill_seconds']:.2f} s" if "prefill_seconds" in r
+                 else ""))  # fmt: skip
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(record, fh, indent=1)
