@@ -158,7 +158,7 @@ def layer_caches(kv_cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """
     if not kv_cache.is_quantized:
         return kv_cache.k_cache(layer), kv_cache.v_cache(layer)
-    every = torch.arange(kv_cache.num_blocks, device=kv_cache.device)
+    every = torch.arange(kv_cache.num_blocks_of(layer), device=kv_cache.device)
     return kv_cache.read_blocks(layer, every)
 
 
