@@ -27,11 +27,14 @@ Budget split (`plan_pool_blocks`)
 ``window_pool_seqs``, or by default ``max_num_seqs`` capped by the memory budget: the most
 sequences of the longest length that fit when *every* pool holds them (`max_seqs_that_fit`).
 
-* a window pool gets ``num_seqs * window_blocks_per_seq + 1`` blocks (block 0 is padding);
+* a window pool gets ``num_seqs * window_blocks_per_seq + 1`` blocks (block 0 is padding),
+  raised to ``max_num_seqs + 1`` when the budget still holds ``num_seqs`` sequences in the
+  full-attention pool then (a decode batch of ``max_num_seqs`` one-block rows fits: the
+  CUDA-graph capture's dummy requests);
 * the full-attention pool (there is at most one) takes the rest of ``memory`` (bytes), capped
   at ``max_num_seqs * max_blocks_per_seq + 1``: short sequences leave room for more of them;
 * with an explicit ``num_blocks`` instead of ``memory``: the full-attention pool gets
-  ``num_blocks``; a window pool ``min(num_blocks, num_seqs * window_blocks_per_seq + 1)``.
+  ``num_blocks``; a window pool at most ``num_blocks``.
 
 Without ``release_out_of_window`` (``windowed=False``) every pool keeps full-length pages and
 gets what the full-attention pool gets. Every pool must hold one sequence alone (so a request
@@ -167,6 +170,11 @@ def plan_pool_blocks(
     blocks = [0] * len(windows)
     for p in lazy:
         blocks[p] = seqs * need[p] + 1
+    floor = [max(blocks[p], max_num_seqs + 1) for p in lazy]
+    rest = sum((seqs * need[p] + 1) * block_bytes[p] for p in full)
+    if memory is None or sum(f * block_bytes[p] for f, p in zip(floor, lazy)) + rest <= memory:
+        for f, p in zip(floor, lazy):
+            blocks[p] = f
     cap = max_num_seqs * max_blocks_per_seq + 1
     if num_blocks is not None:
         for p in lazy:

@@ -94,7 +94,7 @@ def test_explicit_num_blocks_and_window_pool_seqs():
     assert sizes.num_blocks == (19, 50) and sizes.num_window_seqs == 3
     sizes = plan_pool_blocks(WINDOWS, BYTES, max_num_seqs=16, memory=10**6, window_pool_seqs=2,
                              **GEOM)  # fmt: skip
-    assert sizes.num_blocks == (13, 16 * 32 + 1)
+    assert sizes.num_blocks == (16 + 1, 16 * 32 + 1)  # max_num_seqs one-block rows fit
     only = plan_pool_blocks((12,), (200,), max_num_seqs=5, memory=10**6, **GEOM)
     assert only.num_blocks == (31,) and only.num_window_seqs == 5
 
@@ -113,3 +113,43 @@ def test_budget_too_small_names_it():
                          **GEOM)  # fmt: skip
     with pytest.raises(ValueError, match="block_bytes has 1 entries for 2 pools"):
         plan_pool_blocks(WINDOWS, (1,), max_num_seqs=4, num_blocks=99, **GEOM)
+
+
+def test_capture_floor_never_takes_the_full_pool_memory():
+    """The window pools' ``max_num_seqs + 1`` floor applies only when the budget still holds
+    the planned sequences in the full pool."""
+    sizes = plan_pool_blocks(WINDOWS, BYTES, max_num_seqs=1000, memory=20_000, **GEOM)
+    assert sizes.num_window_seqs == 4 and sizes.num_blocks == (25, 150)
+
+
+def test_kv_memory_bench_figures():
+    """bench/kv_memory.py on Gemma-3-270M's shapes (bf16, 16-token blocks, 8K context,
+    512-token chunks, 8 GiB), against hand arithmetic."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "bench" / "kv_memory.py"
+    spec = importlib.util.spec_from_file_location("kv_memory", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    memory = 8 << 30
+    row = bench.report(bench.gemma3_270m_config(), context=8192, block_size=16,
+                       kv_format="bf16", chunk=512, memory=memory)  # fmt: skip
+    lb = 2 * 16 * 1 * 256 * 2  # K and V, 16 tokens, 1 KV head x 256, bf16
+    assert row["layer_block_bytes"] == lb
+    window_blocks = cdiv(512 + 512 + 16 - 2, 16)  # 65
+    req = row["per_request"]
+    assert req["full_pages_bytes"] == 18 * 512 * lb == 150_994_944
+    assert req["window_pools_bytes"] == (15 * window_blocks + 3 * 512) * lb == 41_140_224
+    assert req["window_pools_decoding_bytes"] == (15 * 33 + 3 * 512) * lb
+    padding = 18 * lb
+    assert (
+        row["max_batch"]
+        == {
+            "full_pages": (memory - padding) // (18 * 512 * lb),
+            "window_pools": (memory - padding) // ((15 * window_blocks + 3 * 512) * lb),
+        }
+        == {"full_pages": 56, "window_pools": 208}
+    )
+    assert row["engine_split"]["num_window_seqs"] == 208
+    assert row["engine_split"]["total_bytes"] <= memory
