@@ -126,7 +126,9 @@ class KVCacheManager:
             max_blocks_per_seq,
             windowed=release_out_of_window,
         )
-        self.prefix_cache = PrefixCache(self.pools, self.requests, block_size)
+        self.prefix_cache = PrefixCache(
+            self.pools, self.requests, block_size, window_sizes if release_out_of_window else None
+        )
         self.decode_step = DecodeStepUpdates(
             self.requests, self.allocator, self.prefix_cache, release_out_of_window
         )

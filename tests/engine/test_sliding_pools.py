@@ -18,6 +18,7 @@ from hf_models import hf_greedy, make_gemma3_model, random_prompts
 
 from kvplan import LLM as _LLM
 from kvplan import SamplingParams
+from kvplan.cache.block_pool import hash_prompt_blocks
 from kvplan.cache.pool_sizing import plan_pool_blocks
 from kvplan.engine import builder
 from kvplan.engine.step import StepBatch
@@ -245,3 +246,25 @@ def test_fuzz_block_ledger_with_windows(tiny, async_scheduling):
     assert _all_free(llm) and checked == 6
     assert llm.engine.scheduler.num_preemptions > 0
     assert (llm.engine.num_steps_ahead > 0) == async_scheduling
+
+
+def test_prefix_reuse_with_a_tight_window_pool(tiny):
+    """A window pool sized for one sequence (6 usable blocks) evicts the shared prefix's early,
+    released blocks while the first request prefills; later requests still reuse the 28-token
+    prefix (the window pool needs only the blocks their first query sees: columns 4..6) and
+    produce HF's tokens."""
+    folder, hf, _ = tiny
+    shared = random_prompts(1, 29, 29, 256, seed=3)[0]
+    first = shared + [7]
+    rest = [shared + t for t in random_prompts(2, 1, 9, 256, seed=4)]
+    expected = hf_greedy(hf, [first], 1) + hf_greedy(hf, rest, 6)
+    llm = _engine(folder, window_pool_seqs=1, max_num_seqs=2)
+    assert llm.parts.pool_sizes.num_blocks[0] == 6 + 1  # one sequence's window blocks
+    outs = [llm.generate([first], SamplingParams(max_tokens=1, ignore_eos=True))[0]]
+    window_pool = llm.parts.manager.pools[0]
+    assert window_pool.lookup(hash_prompt_blocks(first, BLOCK, 1)[0]) is None  # evicted
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs += [llm.generate([p], params)[0] for p in rest]
+    assert [o.token_ids for o in outs] == expected
+    assert [o.num_cached_prefix_tokens for o in outs] == [0, 28, 28]
+    assert _all_free(llm)
