@@ -10,7 +10,11 @@ happens:
   allocate (in batch order, exactly the blocks the per-request calls would get);
 * ``commit_tokens_many``: only requests whose committed block just filled hash it (the same
   chained hash, offered to the prefix cache in batch order), and with
-  ``release_out_of_window`` only requests with a newly dead window block free it.
+  ``release_out_of_window`` only requests with a newly dead window block free it (or, with
+  ``release=False``, are returned so that the caller frees them with the manager's
+  ``release_dead_blocks`` at the point of its own per-request loop where the per-request
+  ``commit_tokens`` would have: the engine interleaves them with the finishes of the earlier
+  rows, so the pools' free lists come out in the per-request order).
 
 Both are equal to calling the per-request method for each request in order (tests hold them
 equal on random operation sequences), with one difference on bad input: caller errors
@@ -29,6 +33,8 @@ from kvplan.cache.allocation_result import BatchAllocationResult
 from kvplan.cache.block_allocator import BlockAllocator
 from kvplan.cache.prefix_cache import PrefixCache
 from kvplan.cache.request_table import RequestTable
+
+_NONE = np.zeros(0, dtype=np.int64)  # no index (read-only by contract)
 
 
 class DecodeStepUpdates:
@@ -115,14 +121,25 @@ class DecodeStepUpdates:
         return BatchAllocationResult(num_ok, failure)
 
     def commit_tokens_many(
-        self, request_ids: Sequence[Hashable], token_ids: Sequence[int] | np.ndarray
-    ) -> None:
+        self,
+        request_ids: Sequence[Hashable],
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        release: bool = True,
+    ) -> np.ndarray:
         """``commit_tokens(request_ids[i], [token_ids[i]])`` for every i: one token each.
 
         Args:
             request_ids: distinct active request ids, ``[n]``.
             token_ids: the token whose K/V was just written at each request's next committed
                 position, ``[n]`` ints (a decode step's input tokens).
+            release: free the window blocks that just left the window now (in batch order).
+                False: leave them to the caller (module docstring).
+
+        Returns:
+            int64 ``[k]``, ascending: the indices ``i`` whose request still holds blocks that
+            ``release_out_of_window`` frees (always empty with ``release=True`` or without
+            ``release_out_of_window``).
 
         Raises:
             ValueError: a commit past a request's logical length, or a token at a prompt
@@ -146,9 +163,14 @@ class DecodeStepUpdates:
         for i in np.flatnonzero(offset == bs - 1).tolist():  # blocks that just filled
             req = table.get(ids[i])
             self.prefix_cache.block_filled(req, int(start[i]) // bs, tail[rows[i]])
-        if self.release_out_of_window:
-            for i in self.allocator.rows_with_dead_blocks(rows, start + 1).tolist():
-                self.allocator.release_out_of_window(table.get(ids[i]))
+        if not self.release_out_of_window:
+            return _NONE
+        dead = self.allocator.rows_with_dead_blocks(rows, start + 1)
+        if not release:
+            return dead
+        for i in dead.tolist():
+            self.allocator.release_out_of_window(table.get(ids[i]))
+        return _NONE
 
     # ------------------------------------------------------------------ helpers
     def _extend_one_by_one(

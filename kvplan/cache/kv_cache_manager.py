@@ -126,7 +126,9 @@ class KVCacheManager:
             max_blocks_per_seq,
             windowed=release_out_of_window,
         )
-        self.prefix_cache = PrefixCache(self.pools, self.requests, block_size)
+        self.prefix_cache = PrefixCache(
+            self.pools, self.requests, block_size, window_sizes if release_out_of_window else None
+        )
         self.decode_step = DecodeStepUpdates(
             self.requests, self.allocator, self.prefix_cache, release_out_of_window
         )
@@ -314,6 +316,13 @@ class KVCacheManager:
         if self.release_out_of_window:
             self.allocator.release_out_of_window(req)
 
+    def release_dead_blocks(self, request_id: Hashable) -> None:
+        """Free the request's window-pool blocks that no future query can see (what
+        ``commit_tokens`` does after committing; for ``commit_tokens_many(...,
+        release=False)``). A no-op without ``release_out_of_window`` or with nothing dead."""
+        if self.release_out_of_window:
+            self.allocator.release_out_of_window(self.requests.get(request_id))
+
     def free(self, request_id: Hashable) -> None:
         """Release every block of the request (tail blocks first, so prefixes stay cached)."""
         req = self.requests.get(request_id)
@@ -385,11 +394,17 @@ class KVCacheManager:
         return self.decode_step.extend_many(request_ids, num_tokens)
 
     def commit_tokens_many(
-        self, request_ids: Sequence[Hashable], token_ids: Sequence[int] | np.ndarray
-    ) -> None:
-        """``commit_tokens`` of one token per request (``DecodeStepUpdates.commit_tokens_many``
-        states the contract)."""
-        self.decode_step.commit_tokens_many(request_ids, token_ids)
+        self,
+        request_ids: Sequence[Hashable],
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        release: bool = True,
+    ) -> np.ndarray:
+        """``commit_tokens`` of one token per request; with ``release=False`` the window
+        blocks that left the window stay for ``release_dead_blocks`` and the indices of
+        their requests are returned (``DecodeStepUpdates.commit_tokens_many`` states the
+        contract)."""
+        return self.decode_step.commit_tokens_many(request_ids, token_ids, release=release)
 
     # ------------------------------------------------------------------ batch tables
     # Contracts (shapes, row rules, the staging rule) are stated on ``BatchTableViews``.

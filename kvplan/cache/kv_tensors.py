@@ -24,6 +24,8 @@ Caches are zero-initialized so the padding block 0 (and unwritten slots) reads a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvplan._checks import check_int32, check_range, check_tensor
@@ -52,7 +54,9 @@ class KVCacheTensors:
 
     Args:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: cache geometry
-            (``num_blocks`` includes the padding block 0).
+            (``num_blocks`` includes the padding block 0). ``num_blocks`` is one int for every
+            layer or one per layer (a layer's caches hold its pool's blocks: sliding-window
+            pools are smaller, ``kvplan.cache.pool_sizing``).
         kv_format: one of ``KV_FORMATS`` (see the module docstring).
         device: where the caches live (default CPU).
 
@@ -66,7 +70,7 @@ class KVCacheTensors:
     def __init__(
         self,
         num_layers: int,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
@@ -76,13 +80,13 @@ class KVCacheTensors:
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
-            ("num_blocks", num_blocks),
             ("block_size", block_size),
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        per_layer = _per_layer_blocks(num_layers, num_blocks)
         if kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
         group = QUANTIZED_KV_FORMATS.get(kv_format, (None, 1, None))[1]
@@ -90,9 +94,10 @@ class KVCacheTensors:
             raise ValueError(
                 f"kv_format {kv_format!r} needs head_dim % {group} == 0, got head_dim {head_dim}"
             )
-        check_int32("num_blocks * block_size", num_blocks * block_size)
+        check_int32("num_blocks * block_size", max(per_layer) * block_size)
         self.num_layers = num_layers
-        self.num_blocks = num_blocks
+        self.num_blocks_per_layer = per_layer
+        self.num_blocks = max(per_layer)  # the largest layer's; ``num_blocks_of`` per layer
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -100,7 +105,7 @@ class KVCacheTensors:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.layout = self._make_layout()
         self._raw: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self._alloc(), self._alloc()) for _ in range(num_layers)
+            (self._alloc(n), self._alloc(n)) for n in per_layer
         ]
         self._views = [(self._typed(k), self._typed(v)) for k, v in self._raw]
 
@@ -117,6 +122,10 @@ class KVCacheTensors:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    def num_blocks_of(self, layer: int) -> int:
+        """Blocks in layer ``layer``'s caches (its pool's count, padding block 0 included)."""
+        return self.num_blocks_per_layer[self._check_layer(layer)]
 
     def k_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s K cache (see the module docstring for its shape and dtype)."""
@@ -159,7 +168,9 @@ class KVCacheTensors:
         check_tensor("v", v, shape=shape, device=self.device)
         check_tensor("slot_mapping", slot_mapping, device=self.device)
         if check:
-            check_range("slot_mapping", slot_mapping, -1, self.num_slots)
+            check_range(
+                "slot_mapping", slot_mapping, -1, self.num_blocks_of(layer) * self.block_size
+            )
         if self.layout is not None:  # bf16 and quantized: the storage layer's store
             from kvplan.ops.store import store_kv_cache
 
@@ -173,7 +184,7 @@ class KVCacheTensors:
         keep = (slot_mapping >= 0)[:, None, None]  # [T, 1, 1]
         slots = slot_mapping.long().clamp(min=0)  # [T]
         for x, cache in zip((k, v), self._views[layer]):
-            flat = cache.view(self.num_slots, self.num_kv_heads, self.head_dim)  # [N*bs, H, D]
+            flat = cache.view(-1, self.num_kv_heads, self.head_dim)  # [N*bs, H, D]
             flat.index_put_((slots,), torch.where(keep, x.to(flat.dtype), flat[slots]))
 
     def read_blocks(
@@ -187,7 +198,7 @@ class KVCacheTensors:
         """
         check_tensor("block_ids", block_ids, dtype=(torch.int32, torch.int64), ndim=1)
         if check:
-            check_range("block_ids", block_ids, 0, self.num_blocks)
+            check_range("block_ids", block_ids, 0, self.num_blocks_of(layer))
         idx = block_ids.long()
         k_cache, v_cache = self.k_cache(layer), self.v_cache(layer)
         if not self.is_quantized:
@@ -216,13 +227,13 @@ class KVCacheTensors:
             )
         return None
 
-    def _alloc(self) -> torch.Tensor:
+    def _alloc(self, num_blocks: int) -> torch.Tensor:
         if self.layout is None:
-            shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+            shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
             return torch.zeros(shape, dtype=_PLAIN_DTYPES[self.kv_format], device=self.device)
         from kvplan.formats import alloc_kv_cache
 
-        raw = alloc_kv_cache(self.num_blocks, self.block_size, self.layout, device=self.device)
+        raw = alloc_kv_cache(num_blocks, self.block_size, self.layout, device=self.device)
         # alloc_kv_cache leaves the bytes uninitialized; zero the whole storage (padding too).
         torch.as_strided(raw, (raw.untyped_storage().nbytes(),), (1,), 0).zero_()
         return raw
@@ -248,3 +259,17 @@ class KVCacheTensors:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
         return layer
+
+
+def _per_layer_blocks(num_layers: int, num_blocks: int | Sequence[int]) -> tuple[int, ...]:
+    """``num_blocks`` as one positive int per layer; ValueError naming the bad entry."""
+    if not isinstance(num_blocks, Sequence):
+        named = [("num_blocks", num_blocks)] * num_layers
+    elif len(num_blocks) != num_layers:
+        raise ValueError(f"num_blocks has {len(num_blocks)} entries for num_layers = {num_layers}")
+    else:
+        named = [(f"num_blocks[{i}]", n) for i, n in enumerate(num_blocks)]
+    for name, value in named:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return tuple(n for _, n in named)

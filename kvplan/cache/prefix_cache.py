@@ -4,7 +4,8 @@ A block becomes findable by other requests only once every one of its tokens is 
 (its K/V written): then its chained hash ``H(parent, tokens)`` is computed and offered to every
 pool's cache (``BlockPool.cache_block``). The chain ``Request.hashes`` always covers the
 request's hashable full blocks, so a prompt lookup walks the chain block by block and stops at
-the first block some pool does not hold.
+the first block a pool needs and does not hold (a pool that releases out-of-window blocks
+needs only the blocks the request's first computed query can see).
 
 Which blocks are hashable: none of a cross-attention request; for beam_width > 1 only the
 prompt's full blocks (shared by every beam; later blocks differ per beam).
@@ -40,10 +41,19 @@ class PrefixCache:
         block_size: tokens per block.
     """
 
-    def __init__(self, pools: list[BlockPool], table: RequestTable, block_size: int) -> None:
+    def __init__(
+        self,
+        pools: list[BlockPool],
+        table: RequestTable,
+        block_size: int,
+        windows: Sequence[int | None] | None = None,
+    ) -> None:
         self.pools = pools
         self.table = table
         self.block_size = block_size
+        # (pool, window) of the pools that release out-of-window blocks (None: none do)
+        self.lazy = [(p, w) for p, w in enumerate(windows or ()) if w is not None]
+        self._lazy_pools = {p for p, _ in self.lazy}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -61,7 +71,12 @@ class PrefixCache:
             pool.reset_prefix_cache()
 
     def match(self, prompt: list[int]) -> tuple[list[bytes], list[list[int]]]:
-        """Longest run of cached full blocks (in every pool), leaving >= 1 token to compute.
+        """Longest run of cached full blocks, leaving >= 1 token to compute.
+
+        A run of ``j`` blocks needs every block in the full pools, and in a pool that
+        releases out-of-window blocks (window ``W``) only the blocks a query at position
+        ``j * block_size`` can see: columns ``>= max(0, j * block_size - W + 1) //
+        block_size`` (the allocator takes back exactly those; earlier entries are 0).
 
         Returns ``(hashes, blocks)``: the chained hash of each matched block and, per matched
         block, its id in each pool.
@@ -70,14 +85,29 @@ class PrefixCache:
         hashes: list[bytes] = []
         blocks: list[list[int]] = []
         parent = None
+        lazy = self._lazy_pools
         for b in range((len(prompt) - 1) // bs):
             parent = hash_block_tokens(parent, prompt[b * bs : (b + 1) * bs])
             found = [pool.lookup(parent) for pool in self.pools]
-            if any(x is None for x in found):
+            if any(x is None for p, x in enumerate(found) if p not in lazy):
                 break
             hashes.append(parent)
             blocks.append(found)
-        return hashes, blocks
+        j = len(blocks)
+        while j and not self._window_hits(blocks, j):
+            j -= 1
+        for row in blocks[:j]:
+            for p in lazy:
+                row[p] = row[p] or 0
+        return hashes[:j], blocks[:j]
+
+    def _window_hits(self, blocks: list[list[int | None]], j: int) -> bool:
+        """Whether every windowed pool holds the blocks a run of ``j`` blocks needs there."""
+        for p, window in self.lazy:
+            lo = max(0, j * self.block_size - window + 1) // self.block_size
+            if any(blocks[b][p] is None for b in range(lo, j)):
+                return False
+        return True
 
     def commit(self, req: Request, start: int, token_ids: list[int]) -> None:
         """Commit ``token_ids`` at positions ``start ..`` of ``req``: keep the last partial

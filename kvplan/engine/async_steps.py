@@ -14,10 +14,17 @@ append, stop rules) while the GPU runs k + 1. Results thus arrive one ``step()``
   position, which lies in a block that is partial (committed up to the position before) or
   new: never a full, hashed block that a prefix hit could hand out.
 * A request that surely hits max_tokens at step k is not launched again: the step drains.
+* Sliding-window pools (``release_out_of_window``): processing k commits k's input tokens
+  (committed count ``c``) and frees the blocks that left the window, those whose positions
+  are all ``< c - W + 1``. The launched step k + 1 queries position ``c``, which sees keys
+  ``>= c - W + 1``: it reads none of them (its block table may still list them; the kernels
+  mask them out). A freed block is handed out again only by a later schedule, whose step is
+  queued after k + 1 on the same stream. A row holds at most one block more than
+  synchronously (the bound of `kvplan.cache.pool_sizing` counts two tokens ahead).
 * Any other change drains too (wait for the launched step, process it, then the normal
   path): prefill, a waiting request, drafts, sampled rows, a pool without a free block per
-  row (`Scheduler.schedule_ahead`), a finished row (the batch changed),
-  ``release_out_of_window``. ``abort`` first processes the launched step, so every request's
+  row (`Scheduler.schedule_ahead`), a finished row (the batch changed).
+  ``abort`` first processes the launched step, so every request's
   tokens, finish reasons and stop cuts equal those of synchronous steps; block ids may
   differ, and k + 1's allocation may evict a cached free block that the synchronous order
   would have kept (blocks freed by step k's finishes are listed after it).
@@ -67,7 +74,7 @@ class AsyncSteps:
         return None (nothing launched, nothing changed) when that step could differ from the
         one scheduled after processing ``launched`` (module docstring)."""
         batch = launched.step.decode_batch
-        if launched.zombies or self.scheduler.manager.release_out_of_window:
+        if launched.zombies:
             return None
         for r in batch.requests:  # surely finished by max_tokens: the batch changes
             if len(r.output_token_ids) + 1 >= r.params.max_tokens:
@@ -91,15 +98,16 @@ class AsyncSteps:
         input_ids = launched.inputs.input_ids
         if launched.zombies:
             live = [i for i, r in enumerate(reqs) if not r.finished]
-            manager.commit_tokens_many([batch.request_ids[i] for i in live], input_ids[live])
+            ids = [batch.request_ids[i] for i in live]
+            dead = manager.commit_tokens_many(ids, input_ids[live], release=False)
             tokens = self._copies.wait(launched.pending)
             self.num_discarded_rows += len(reqs) - len(live)
             reqs, new = [reqs[i] for i in live], [tokens[i] for i in live]
         else:
-            manager.commit_tokens_many(batch.request_ids, input_ids)
+            dead = manager.commit_tokens_many(batch.request_ids, input_ids, release=False)
             tokens = new = self._copies.wait(launched.pending)
         num_running = len(self.scheduler.running)
-        touched = self._update_decode_rows(reqs, new)
+        touched = self._update_decode_rows(reqs, new, dead)
         if ahead is not None:
             ahead.inputs.input_ids[:] = tokens
             ahead.zombies = len(self.scheduler.running) != num_running

@@ -5,10 +5,13 @@ Sizing rules:
 
 * ``max_model_len`` (default ``min(4096, max_position_embeddings)``) sets the RoPE table and
   ``max_blocks_per_seq = ceil(max_model_len / block_size)``;
-* ``num_blocks`` (per pool; one pool per distinct sliding window) defaults to what
-  ``kv_cache_memory`` holds, capped at what ``max_num_seqs`` full-length sequences need, and
-  is at least one full-length sequence plus the padding block 0, so every admitted request
-  can always run alone (preemption by recompute then always makes progress).
+* one KV pool per distinct sliding window (`kvplan.cache.pool_sizing` states the split):
+  each sliding-window pool holds what ``window_pool_seqs`` running sequences can keep inside
+  the window (O(window) blocks each), the full-attention pool takes the rest of
+  ``kv_cache_memory`` (or gets ``num_blocks``), capped at what ``max_num_seqs`` full-length
+  sequences need; every pool holds at least one sequence plus the padding block 0, so every
+  admitted request can always run alone (preemption by recompute then always makes
+  progress). A layer's K/V tensors hold its pool's block count.
 
 Attention families: the model names the family of each layer (``model.layer_families``);
 ``_FAMILY_BUILDERS`` maps each name to the function that builds its object.
@@ -16,7 +19,7 @@ Attention families: the model names the family of each layer (``model.layer_fami
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +28,9 @@ from typing import Any
 
 import torch
 
+from kvplan.cache.cache_config import KVCacheConfig
 from kvplan.cache.kv_tensors import kv_bytes_per_value
+from kvplan.cache.pool_sizing import PoolSizes, plan_pool_blocks
 from kvplan.engine.config import EngineConfig
 from kvplan.engine.core import EngineCore
 from kvplan.engine.families import PAGED, AttentionFamily, PagedFamily
@@ -54,12 +59,42 @@ class EngineParts:
     metadata: Any  # the paged family's AttentionMetadata
     source: ModelSource
     kv_format: str
-    num_blocks: int
+    num_blocks: int  # the largest pool's block count (``pool_sizes`` has every pool's)
+    pool_sizes: PoolSizes | None = None  # None for hybrid models
 
 
-def _bytes_per_block(cfg: ModelConfig, block_size: int, kv_format: str) -> int:
+def layer_block_bytes(cfg: ModelConfig, block_size: int, kv_format: str) -> int:
+    """Bytes of one block of one layer's K and V caches in ``kv_format`` (scales included)."""
     per_value = kv_bytes_per_value(kv_format)
-    return int(cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * per_value) + 1
+    return math.ceil(2 * block_size * cfg.num_kv_heads * cfg.head_dim * per_value)
+
+
+def pool_sizes(
+    cfg: ModelConfig, config: EngineConfig, kv_format: str, max_blocks_per_seq: int
+) -> PoolSizes:
+    """Blocks of each KV pool (pools in the manager's order: first-seen layer windows) from
+    ``config``'s budget (`kvplan.cache.pool_sizing`)."""
+    windows, layer_to_pool = KVCacheConfig.layer_windows_to_pools(cfg.windows)
+    per_layer = layer_block_bytes(cfg, config.block_size, kv_format)
+    budget = {"num_blocks": config.num_blocks}
+    if config.num_blocks is None:
+        budget = {"memory": config.resolve_kv_cache_memory()}
+    return plan_pool_blocks(
+        windows,
+        [per_layer * layer_to_pool.count(p) for p in range(len(windows))],
+        block_size=config.block_size,
+        max_blocks_per_seq=max_blocks_per_seq,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        windowed=_releases_out_of_window(cfg),
+        window_pool_seqs=config.window_pool_seqs,
+        **budget,
+    )
+
+
+def _releases_out_of_window(cfg: ModelConfig) -> bool:
+    """Sliding-window layers keep O(window) blocks per request."""
+    return any(w is not None for w in cfg.windows)
 
 
 def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM] | type[Gemma3ForCausalLM]:
@@ -96,7 +131,7 @@ class _Sizes:
     kv_format: str
     max_model_len: int
     max_blocks_per_seq: int
-    num_blocks: int = 0  # set once the model's weights are on the device
+    pools: PoolSizes | None = None  # set once the model's weights are on the device
 
 
 def _paged_family(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes, manager: Any):
@@ -104,9 +139,10 @@ def _paged_family(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes, manager
     from kvplan.backends import get_backend
     from kvplan.cache.kv_tensors import KVCacheTensors
 
+    pool_blocks = sizes.pools.num_blocks
     kv_cache = KVCacheTensors(
         cfg.num_layers,
-        sizes.num_blocks,
+        [pool_blocks[manager.pool_for_layer(layer)] for layer in range(cfg.num_layers)],
         config.block_size,
         cfg.num_kv_heads,
         cfg.head_dim,
@@ -126,23 +162,6 @@ def _paged_family(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes, manager
 
 # family name -> f(model config, engine config, sizes, cache manager) -> AttentionFamily
 _FAMILY_BUILDERS: dict[str, Callable[..., AttentionFamily]] = {PAGED: _paged_family}
-
-
-def _num_blocks(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes) -> int:
-    """KV blocks per pool (module docstring)."""
-    max_blocks_per_seq, max_model_len = sizes.max_blocks_per_seq, sizes.max_model_len
-    num_blocks = config.num_blocks
-    if num_blocks is None:
-        by_memory = config.resolve_kv_cache_memory() // _bytes_per_block(
-            cfg, config.block_size, sizes.kv_format
-        )
-        num_blocks = min(by_memory, config.max_num_seqs * max_blocks_per_seq + 1)
-    if num_blocks < max_blocks_per_seq + 1:
-        raise ValueError(
-            f"num_blocks={num_blocks} cannot hold one sequence of max_model_len={max_model_len} "
-            f"({max_blocks_per_seq} blocks + the padding block 0)"
-        )
-    return num_blocks
 
 
 def _hybrid_source(model: Any) -> HybridSource | None:
@@ -180,6 +199,7 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         max_model_len, eos_ids = parts.max_model_len, hybrid.eos_token_ids
         async_scheduling = False  # hybrid steps are planned from the previous step's tokens
         summary = f"block_size={parts.block_size}, cuda_graphs={graphs is not None}"
+        pools = None
     else:
         source = resolve_source(model)
         cfg = source.config
@@ -191,17 +211,16 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
             source, backend_cls, max_positions=max_model_len, dtype=torch_dtype, device=dev,
             seed=config.seed,
         )  # fmt: skip
-        sizes = _Sizes(dev, fmt, max_model_len, max_blocks_per_seq)
-        num_blocks = _num_blocks(cfg, config, sizes)
-        sizes = dataclasses.replace(sizes, num_blocks=num_blocks)
+        pools = pool_sizes(cfg, config, fmt, max_blocks_per_seq)
+        sizes = _Sizes(dev, fmt, max_model_len, max_blocks_per_seq, pools)
+        num_blocks = max(pools.num_blocks)
         manager = KVCacheManager.from_layer_windows(
-            num_blocks,
+            list(pools.num_blocks),
             config.block_size,
             cfg.windows,
             max_blocks_per_seq=max_blocks_per_seq,
             enable_prefix_caching=config.enable_prefix_caching,
-            # sliding-window layers keep O(window) blocks per request
-            release_out_of_window=any(w is not None for w in cfg.windows),
+            release_out_of_window=_releases_out_of_window(cfg),
         )
         names = sorted(set(net.layer_families))
         unknown = [n for n in names if n not in _FAMILY_BUILDERS]
@@ -254,11 +273,11 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
     )
     print(
         f"kvplan: {source.name} on {dev}, {torch_dtype}, {summary}, kv_format={fmt}, "
-        f"{num_blocks} blocks",
+        f"{num_blocks if pools is None else list(pools.num_blocks)} blocks",
         file=sys.stderr,
     )
     metadata = runner.metadata
     kv_cache = None if metadata is None else metadata.kv_cache
     return EngineParts(
-        core, net, cfg, config, tok, manager, kv_cache, metadata, source, fmt, num_blocks
+        core, net, cfg, config, tok, manager, kv_cache, metadata, source, fmt, num_blocks, pools
     )

@@ -73,7 +73,11 @@ class EngineConfig:
         f"longest prompt + max_tokens (default: min({DEFAULT_MAX_MODEL_LEN}, the model's limit))",
         None,
     )
-    num_blocks: int | None = _doc("KV blocks per pool (default: sized from kv_cache_memory)", None)
+    num_blocks: int | None = _doc(
+        "KV blocks of the full-attention pool; a sliding-window pool gets at most this, sized "
+        "for window_pool_seqs sequences (default: sized from kv_cache_memory)",
+        None,
+    )
     kv_cache_memory: int | None = _doc(
         "bytes for the KV cache (default: 1 GiB on CPU, 60%% of the free CUDA memory)", None
     )
@@ -91,6 +95,12 @@ class EngineConfig:
         None,
     )
     seed: int = _doc("seed of the sampling generator for requests without their own seed", 0)
+    window_pool_seqs: int | None = _doc(
+        "running sequences each sliding-window KV pool is sized for (default: max_num_seqs, "
+        "or fewer when kv_cache_memory cannot hold that many max_model_len sequences in every "
+        "pool); the full-attention pool takes the rest of the memory",
+        None,
+    )
 
     def __post_init__(self) -> None:
         if self.device is not None:
@@ -115,6 +125,7 @@ class EngineConfig:
         _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         _check_int("seed", self.seed, None)
+        _check_int("window_pool_seqs", self.window_pool_seqs, 1, optional=True)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("use_cuda_graph", self.use_cuda_graph, optional=True)

@@ -10,8 +10,11 @@ Decode-only steps (every row a plain decode row) take a fast path: one
 ``commit_tokens_many`` for the whole batch, then per request only the unavoidable Python
 (count the computed token, append the sampled one) plus the full stop rules when one of them
 could fire. It equals the per-row loop: a commit never reads what an earlier row's finish
-(``free``) changed. With ``release_out_of_window`` commits free blocks too, so the order of
-frees would differ; that configuration keeps the per-row loop.
+(``free``) changed. With ``release_out_of_window`` (sliding-window layers) a commit also frees
+the blocks that left the window; the batched commit leaves those frees to the row loop
+(``commit_tokens_many(..., release=False)``, then ``release_dead_blocks`` just before the
+row's own update), so blocks reach the free lists in the per-row order and every later block
+id is the same as on the per-row path.
 
 Async scheduling (``async_scheduling``): see `kvplan.engine.async_steps`.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvplan.engine.async_steps import AsyncSteps, LaunchedStep, unique_requests
@@ -90,6 +94,7 @@ class EngineCore(AsyncSteps):
         self.async_scheduling = bool(async_scheduling)
         self.num_steps_ahead = 0  # steps launched before the previous step's tokens were read
         self.num_discarded_rows = 0  # rows of those steps whose request had finished
+        self.num_fast_decode_steps = 0  # decode-only steps updated by the batched fast path
         self._launched: LaunchedStep | None = None
         self._drained: list[Request] = []  # processed by abort/drain, not yet returned
 
@@ -226,15 +231,15 @@ class EngineCore(AsyncSteps):
         manager = self.scheduler.manager
         if logprobs is not None:
             return self._update_rows(step, inputs, self._copies.wait(pending), logprobs)
-        if self.decode_fast_path and step.num_contexts == 0 and not manager.release_out_of_window:
+        if self.decode_fast_path and step.num_contexts == 0:
             batch = step.decode_batch
             if self.async_scheduling and batch is not None and batch.all_greedy:
                 self._launched = LaunchedStep(step, inputs, tokens, pending)
                 return []
             # While the GPU still runs the step: commit the K/V it writes (the step's input
             # tokens, known on the host); only then wait for the sampled tokens.
-            manager.commit_tokens_many(step.request_ids, inputs.input_ids)
-            return self._update_decode_rows(step.requests, self._copies.wait(pending))
+            dead = manager.commit_tokens_many(step.request_ids, inputs.input_ids, release=False)
+            return self._update_decode_rows(step.requests, self._copies.wait(pending), dead)
         return self._update_rows(step, inputs, self._copies.wait(pending))
 
     def _update_rows(
@@ -281,11 +286,20 @@ class EngineCore(AsyncSteps):
                 touched.append(req)
         return touched
 
-    def _update_decode_rows(self, reqs: list[Request], tokens: list[int]) -> list[Request]:
-        """Decode-only step, after the rows' input tokens were committed: ``reqs[i]`` sampled
-        ``tokens[i]`` (the module docstring says why this equals ``_update_rows``)."""
+    def _update_decode_rows(
+        self, reqs: list[Request], tokens: list[int], dead: np.ndarray
+    ) -> list[Request]:
+        """Decode-only step, after the rows' input tokens were committed with their
+        out-of-window frees left undone: ``reqs[i]`` sampled ``tokens[i]``; rows ``dead``
+        (ascending indices) free their dead window blocks first (the module docstring says
+        why this equals ``_update_rows``)."""
         eos = self.eos_token_ids
-        for req, token in zip(reqs, tokens):
+        self.num_fast_decode_steps += 1
+        release = set(dead.tolist()) if dead.size else None
+        manager = self.scheduler.manager
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
+            if release is not None and i in release:
+                manager.release_dead_blocks(req.request_id)
             req.num_computed_tokens += 1
             out = req.output_token_ids
             out.append(token)

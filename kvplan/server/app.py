@@ -47,11 +47,13 @@ def _gauges(llm: LLM, loop: EngineLoop) -> dict[str, tuple[str, Callable[[], dic
     sched = llm.engine.scheduler
     manager, num_blocks = llm.parts.manager, llm.parts.num_blocks
     pools = range(len(getattr(manager, "pools", [None])))
+    sizes = getattr(llm.parts, "pool_sizes", None)  # per pool (sliding-window pools are smaller)
+    usable = {p: (num_blocks if sizes is None else sizes.num_blocks[p]) - 1 for p in pools}
 
     def used() -> dict[str, float]:
         if not hasattr(manager, "num_free_blocks"):
             return {}
-        return {f'{{pool="{p}"}}': num_blocks - 1 - manager.num_free_blocks(p) for p in pools}
+        return {f'{{pool="{p}"}}': usable[p] - manager.num_free_blocks(p) for p in pools}
 
     return {
         "kvplan_requests_running": ("requests in the running batch", lambda: {"": len(sched.running)}),
@@ -60,7 +62,7 @@ def _gauges(llm: LLM, loop: EngineLoop) -> dict[str, tuple[str, Callable[[], dic
             lambda: {"": max(0, loop.num_live - len(sched.running))},
         ),
         "kvplan_kv_blocks_used": ("KV cache blocks held by requests, per pool", used),
-        "kvplan_kv_blocks_total": ("usable KV cache blocks per pool", lambda: {f'{{pool="{p}"}}': num_blocks - 1 for p in pools}),
+        "kvplan_kv_blocks_total": ("usable KV cache blocks per pool", lambda: {f'{{pool="{p}"}}': usable[p] for p in pools}),
     }  # fmt: skip
 
 

@@ -48,8 +48,9 @@ def _engine(folder, **kw):
 
 def _assert_all_blocks_free(llm) -> None:
     manager = llm.parts.manager
+    sizes = llm.parts.pool_sizes.num_blocks
     for pool in range(manager.num_pools):
-        assert manager.num_free_blocks(pool) == llm.parts.num_blocks - 1, pool
+        assert manager.num_free_blocks(pool) == sizes[pool] - 1, pool
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
