@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from test_hybrid_graphs import CpuGraphs
+from test_hybrid_graphs import CpuGraphs, _check_replays_against_eager, _prompts
 
 from kvplan import LLM, SamplingParams
 from kvplan.backends.hybrid.api import HybridSeq
@@ -59,7 +59,7 @@ def _generate(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
 def _cpu_graphs(llm: LLM) -> CpuGraphs:
     runner = llm.engine.runner
     family = runner.families[HYBRID]
-    graphs = CpuGraphs(runner.model, family.family, MAX_SEQS)
+    graphs = CpuGraphs(runner.model, family.family, llm.engine.scheduler.max_num_seqs)
     graphs.capture_all()
     runner.graphs = family.graphs = graphs
     return graphs
@@ -84,6 +84,16 @@ def test_async_equals_sync_on_cpu(tmp_path, seed, graphs):
     if g is not None:  # steps ahead replayed the graphs, padded buckets among them
         assert g.num_replays_ahead > 10 and g.num_replays > g.num_replays_ahead
         assert set(g.rows) - set(g.buckets)
+
+
+def test_replays_ahead_equal_eager_steps_ahead_on_cpu(tmp_path):
+    """test_hybrid_graphs' per-step check (each replay against an eager step on copies of
+    the caches) with async scheduling: steps ahead, fed device tokens, in both."""
+    llm = LLM(str(_saved(tmp_path, 2)), device="cpu", max_num_seqs=4, max_model_len=96,
+              max_num_batched_tokens=16, async_scheduling=True)  # fmt: skip
+    graphs = _cpu_graphs(llm)
+    _check_replays_against_eager(llm, graphs, _prompts(2))
+    assert graphs.num_replays_ahead > 5 and llm.engine.num_steps_ahead >= graphs.num_replays_ahead
 
 
 def test_default_is_off_on_cpu(tmp_path):

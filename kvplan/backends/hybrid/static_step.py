@@ -20,10 +20,11 @@ A :class:`StaticDecodeStep` of ``num_rows = b`` rows (one CUDA-graph bucket) spl
     validates ``seqs`` (decode rows), writes the packed decode facts
     (``stage_decode_on_device(..., out=)``) and ``inputs`` (from one of two pinned staging
     slots on CUDA, one copy queued on the stream, so it lands after a replay of the step
-    before that still reads ``inputs``; a slot is rewritten once its last copy is done). Rows ``len(seqs) .. b - 1`` are padding: placeholder sequences (position
-    0, block table ``[0]``, state slot 0) that write no SWA row, no compressed entry and no
-    compressor state (slot -1; their state rows go to the ring's trash row). They only read,
-    and their outputs are discarded.
+    before that still reads ``inputs``; a slot is rewritten once its last copy is done).
+    Rows ``len(seqs) .. b - 1`` are padding: placeholder sequences (position 0, block table
+    ``[0]``, state slot 0) that write no SWA row, no compressed entry and no compressor state
+    (slot -1; their state rows go to the ring's trash row). They only read, and their outputs
+    are discarded.
 ``begin()`` (device, inside the graph)
     the decode kernels, ``compute_attn_info`` (derived fields rebuilt every time), the
     expansion of the window facts. The model then runs with the step as its context.
