@@ -197,7 +197,7 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         )
         cfg, fmt, num_blocks = hybrid.config, parts.kv_format, parts.num_blocks
         max_model_len, eos_ids = parts.max_model_len, hybrid.eos_token_ids
-        async_scheduling = False  # hybrid steps are planned from the previous step's tokens
+        async_scheduling = config.async_scheduling_on  # steps ahead: kvplan.engine.hybrid
         summary = f"block_size={parts.block_size}, cuda_graphs={graphs is not None}"
         pools = None
     else:

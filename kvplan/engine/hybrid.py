@@ -18,20 +18,28 @@ of the smallest batch-size bucket that holds them (`kvplan.engine.hybrid_graphs`
 family's ``plan`` then stages the step into the graph's persistent buffers instead of planning
 an eager step. Every other step runs eagerly.
 
+Async scheduling (`kvplan.engine.async_steps`; on by default with CUDA): a decode step
+scheduled ahead (``StepBatch.ahead``) is planned before its input tokens reach the host. Its
+plan needs no token value: lengths, block tables, state slots and the compressor windows
+follow from the positions, and the model reads the input tokens (embedding, hash-routed MoE)
+from the device tensor the runner hands it. So each row's ``token_ids`` end with a
+placeholder for the pending input token (`PendingTokenIds`), and the graph (or the eager
+model) reads the device copy of the previous step's sampled tokens instead.
+
 Mapping of the model onto the planning layer (`kvplan.plan.MetadataConfig`): the sliding
 window is ``window_size`` and the ring (``swa_block_size``); HCA layers' ratio is a dense
 ratio, CSA layers' ratio a sparse ratio with the indexer's ``index_topk``; ``block_size`` is
 the engine's, rounded up to a multiple of every ratio.
 
 Not supported for these models: prefix caching (the ring and compressor state of a reused
-prefix are not kept), speculative decoding and async scheduling (the engine runs their steps
-one at a time: a step is planned from the tokens of the previous one).
+prefix are not kept) and speculative decoding.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +59,41 @@ _KV_FORMATS = {"auto": "exact", "fp8": "fp8", "fp4": "fp4"}
 _EXACT_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+PENDING_TOKEN = 0  # stand-in for an input token still on the device (never read as a value)
+
+
+class PendingTokenIds(Sequence[int]):
+    """A request's token ids (an O(1) view) plus one trailing entry, the input token of a
+    step scheduled ahead, not yet on the host: it reads as ``PENDING_TOKEN``.
+
+    Indexing, ``len`` and prefix slices cost O(1) (a prefix that ends before the pending
+    entry is the base view's own slice); any other slice is a list.
+    """
+
+    __slots__ = ("_base", "_n")
+
+    def __init__(self, base: Sequence[int]) -> None:
+        self._base = base
+        self._n = len(base)
+
+    def __len__(self) -> int:
+        return self._n + 1
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._n + 1)
+            if start == 0 and step == 1:
+                return self if stop == self._n + 1 else self._base[:stop]
+            return [self[i] for i in range(start, stop, step)]
+        if index < 0:
+            index += self._n + 1
+        if index == self._n:
+            return PENDING_TOKEN
+        if not 0 <= index < self._n:
+            raise IndexError(f"token index {index} outside [0, {self._n + 1})")
+        return self._base[index]
+
+
 class HybridEngineFamily:
     """The engine's face of a `PlannedHybridFamily` (the `AttentionFamily` protocol)."""
 
@@ -63,14 +106,17 @@ class HybridEngineFamily:
         self.graphs: Any = None  # a HybridDecodeGraphs when decode steps replay CUDA graphs
 
     def seqs(self, step: StepBatch) -> list[HybridSeq]:
-        """One `HybridSeq` per row of ``step``, in step order."""
+        """One `HybridSeq` per row of ``step``, in step order. A step scheduled ahead
+        (``step.ahead``: each row one position past its request's known tokens) gets
+        `PendingTokenIds` (module docstring)."""
         m = self.manager
+        view = _pending_view if step.ahead else _token_view
         return [
             HybridSeq(
                 rid,
                 cached,
                 query,
-                s.request.token_view,
+                view(s.request),
                 m.get_block_ids(rid),
                 m.get_state_slot(rid),
             )
@@ -86,12 +132,20 @@ class HybridEngineFamily:
         """The step's `HybridStepContext`: an eager planned step, or, for a step that replays
         a CUDA graph (``graphs.can_run``), the graph's staged static step."""
         if self.graphs is not None and self.graphs.can_run(step):
-            return self.graphs.stage(self.seqs(step))
+            return self.graphs.stage(self.seqs(step), step.ahead)
         positions = torch.from_numpy(step.positions).to(self.device)
         return self.family.plan(self.seqs(step), positions)
 
     def free(self, request_id: Any) -> None:
         self.family.free(request_id)
+
+
+def _token_view(request: Any) -> Sequence[int]:
+    return request.token_view
+
+
+def _pending_view(request: Any) -> Sequence[int]:
+    return PendingTokenIds(request.token_view)
 
 
 class HybridCausalLM(nn.Module):

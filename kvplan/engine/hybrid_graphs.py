@@ -13,6 +13,14 @@ Per step the engine family (`kvplan.engine.hybrid.HybridEngineFamily.plan`) stag
 when `can_run` holds (the family's continuation checks and bookkeeping as in an eager step),
 then the runner calls `run`, which replays.
 
+Async scheduling: a step scheduled ahead (``StepBatch.ahead``) is staged while the step
+before may still run on the GPU, with placeholder input tokens (`stage` with ``ahead``);
+`run` then copies the previous step's sampled tokens (on the device) over the staged ones
+before the replay. Every device buffer is rewritten by copies queued on the stream, so they
+land after the replay of the step before; the pinned staging slots alternate
+(`kvplan.backends.hybrid.static_step.StaticDecodeBuffers`). ``num_replays_ahead`` counts
+the replays of steps scheduled ahead.
+
 Capture per bucket (largest first, one memory pool): the step is staged with padding rows
 only, one eager run compiles the kernels (the MoE on its sync-free dense path, as under
 capture), the step is captured, replayed and compared with the eager logits. Any failure
@@ -52,6 +60,8 @@ class HybridDecodeGraphs:
         self.graphs: dict[int, Any] = {}  # bucket -> torch.cuda.CUDAGraph
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> fp32 [b, V]
         self.num_replays = 0
+        self.num_replays_ahead = 0  # replays of steps scheduled ahead (device input tokens)
+        self._ahead: dict[int, bool] = {}  # bucket -> its staged step awaits device tokens
 
     @classmethod
     def maybe_create(cls, model: Any, family: Any, max_num_seqs: int) -> HybridDecodeGraphs | None:
@@ -102,26 +112,28 @@ class HybridDecodeGraphs:
 
     # ------------------------------------------------------------------ replay
     def can_run(self, step: StepBatch) -> bool:
-        """Whether ``step`` replays a graph: decode-only (one query token per row, no step
-        scheduled ahead) and a captured bucket holds its rows."""
+        """Whether ``step`` replays a graph: decode-only (one query token per row; steps
+        scheduled ahead included) and a captured bucket holds its rows."""
         n = step.num_seqs
         return (
             step.num_contexts == 0
             and n > 0
-            and not step.ahead
             and int(step.num_query_tokens.max()) == 1
             and bucket_for(n, self.buckets) in self.graphs
         )
 
-    def stage(self, seqs: list[Any]) -> StaticDecodeStep:
+    def stage(self, seqs: list[Any], ahead: bool = False) -> StaticDecodeStep:
         """Host half of a step over ``seqs`` (decode `HybridSeq` rows, step order): the
-        family's checks, the bucket's buffers, the family's bookkeeping; returns the context."""
+        family's checks, the bucket's buffers, the family's bookkeeping; returns the context.
+        ``ahead``: a step scheduled ahead, its input tokens placeholders that `run` must
+        replace with device tokens."""
         b = bucket_for(len(seqs), self.buckets)
         if b is None or b not in self.graphs:
             raise ValueError(f"no captured bucket holds {len(seqs)} rows")
         self.family.check_continuation(seqs)
         self.steps[b].stage(seqs)
         self.family.record(seqs)
+        self._ahead[b] = bool(ahead)
         return self.steps[b]
 
     def run(self, inputs: Any, device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,7 +149,10 @@ class HybridDecodeGraphs:
         if len(step.seqs) != n:
             raise RuntimeError(f"the staged step has {len(step.seqs)} rows, the step {n}")
         if device_input_ids is not None:
-            step.input_ids[:n].copy_(device_input_ids)
+            step.input_ids[:n].copy_(device_input_ids)  # queued after the staged upload
+            self.num_replays_ahead += 1
+        elif self._ahead.get(b):
+            raise RuntimeError("a step scheduled ahead needs device_input_ids")
         self.graphs[b].replay()
         self.num_replays += 1
         return self.logits[b][:n]

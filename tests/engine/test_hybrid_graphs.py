@@ -186,7 +186,7 @@ def _check_replays_against_eager(llm, graphs, prompts) -> list[int]:
         books = dict(family._cached_len), dict(family._owner)
         runner.graphs = engine_family.graphs = None
         try:
-            eager = execute(step)[0].clone()
+            eager = execute(step, device_input_ids)[0].clone()
         finally:
             runner.graphs = engine_family.graphs = graphs
         for t, s in zip(_cache_tensors(family), saved):

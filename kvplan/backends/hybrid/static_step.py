@@ -18,11 +18,13 @@ A :class:`StaticDecodeStep` of ``num_rows = b`` rows (one CUDA-graph bucket) spl
 
 ``stage(seqs)`` (host, before each replay)
     validates ``seqs`` (decode rows), writes the packed decode facts
-    (``stage_decode_on_device(..., out=)``) and ``inputs`` (from a pinned staging buffer on
-    CUDA, one copy). Rows ``len(seqs) .. b - 1`` are padding: placeholder sequences (position
-    0, block table ``[0]``, state slot 0) that write no SWA row, no compressed entry and no
-    compressor state (slot -1; their state rows go to the ring's trash row). They only read,
-    and their outputs are discarded.
+    (``stage_decode_on_device(..., out=)``) and ``inputs`` (from one of two pinned staging
+    slots on CUDA, one copy queued on the stream, so it lands after a replay of the step
+    before that still reads ``inputs``; a slot is rewritten once its last copy is done).
+    Rows ``len(seqs) .. b - 1`` are padding: placeholder sequences (position 0, block table
+    ``[0]``, state slot 0) that write no SWA row, no compressed entry and no compressor state
+    (slot -1; their state rows go to the ring's trash row). They only read, and their outputs
+    are discarded.
 ``begin()`` (device, inside the graph)
     the decode kernels, ``compute_attn_info`` (derived fields rebuilt every time), the
     expansion of the window facts. The model then runs with the step as its context.
@@ -85,22 +87,35 @@ class StaticDecodeBuffers:
         dev = family.device
         self.out = make_decode_device_out(family.config, max_rows, max_rows, 1)
         self.inputs = torch.zeros(num, max_rows, dtype=torch.int64, device=dev)
-        # two staging slots used in turn: a step rewrites the slot of the step before last,
-        # whose copy the engine has waited for (it read that step's sampled tokens)
+        # two staging slots used in turn: a step rewrites the slot of the step before last.
+        # With async scheduling the step before may still be queued; the one before last
+        # has had its tokens read, so its copy is done: the slot's event only confirms it.
         pin = dev.type == "cuda"
         self._staging = torch.zeros(2, num, max_rows, dtype=torch.int64, pin_memory=pin)
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # each slot's last upload
         self._slot = 0
 
     def host(self) -> np.ndarray:
-        """int64 ``[rows, max_rows]`` numpy view of the staging slot the next upload sends."""
+        """int64 ``[rows, max_rows]`` numpy view of the staging slot the next upload sends;
+        waits (host) until that slot's previous upload has left it (CUDA)."""
+        event = self._copied[self._slot]
+        if event is not None:
+            event.synchronize()
         return self._staging[self._slot].numpy()
 
     def upload(self) -> None:
-        """Copy the staging slot into ``inputs`` (one contiguous copy; columns past the step's
-        rows are stale and never read) and switch slots."""
-        staging = self._staging[self._slot]
+        """Copy the staging slot into ``inputs`` on the current stream (one contiguous copy;
+        columns past the step's rows are stale and never read) and switch slots. The copy
+        is stream-ordered: it lands after every kernel queued before (a replay still reading
+        ``inputs``), before every one queued after."""
+        slot = self._slot
         self._slot ^= 1
-        self.inputs.copy_(staging, non_blocking=self.inputs.is_cuda)
+        cuda = self.inputs.is_cuda
+        self.inputs.copy_(self._staging[slot], non_blocking=cuda)
+        if cuda:
+            event = self._copied[slot] or torch.cuda.Event()
+            event.record()
+            self._copied[slot] = event
 
 
 class StaticDecodeStep(PlannedStep):
@@ -140,7 +155,12 @@ class StaticDecodeStep(PlannedStep):
     def stage(self, seqs: list[HybridSeq]) -> None:
         """Write the host facts of a decode step over ``seqs`` (at most ``num_rows`` decode
         rows; the rest is padding) into the persistent buffers. Raises ``ValueError`` /
-        ``TypeError`` naming the sequence before anything is written."""
+        ``TypeError`` naming the sequence before anything is written.
+
+        Token values: only ``token_ids[q_start]`` (row i's input token, into ``input_ids``)
+        is read; nothing else staged depends on a token. A step scheduled ahead stages a
+        placeholder there, and its caller copies the real tokens over ``input_ids`` on the
+        device before the step runs."""
         b, cfg = self.num_rows, self.family.config
         if len(seqs) > b:
             raise ValueError(f"{len(seqs)} sequences do not fit a step of {b} rows")
