@@ -97,6 +97,20 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
         llm.generate(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         sync(dev)
         info["prefill_seconds"] = time.perf_counter() - t0
+    if args.profile_prefill:  # two prompts alone under the profiler: where prefill time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            llm.generate(ids[:2], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            sync(dev)
+        info["prefill_profile"] = {
+            key: [
+                {"name": e.key[:120], "ms": getattr(e, key) / 1e3, "calls": e.count}
+                for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:25]
+            ]
+            for key in ("self_device_time_total", "cpu_time_total")
+        }
     t0 = time.perf_counter()
     outs = llm.generate(ids, params)
     sync(dev)
@@ -124,6 +138,11 @@ def main() -> None:
         "--split",
         action="store_true",
         help="also time the prompts alone (max_tokens=1): the prefill share",
+    )
+    ap.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="profile two prompts alone: top kernels / host ops in the JSON",
     )
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
