@@ -14,15 +14,17 @@ every stream). Before a block (attention or MoE) a `HyperConnection` reads all s
 
 After the last layer the `HyperHead` collapses the streams with its own ``pre`` weights
 (``sigmoid(f * hc_scale + hc_base) + eps``, ``f = RMSNorm(s.flatten) @ hc_fn^T``).
+
+The arithmetic lives in `kvplan.ops.hyper_connection` (torch path on CPU, a few Triton kernels
+per call on CUDA).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvplan.models.deepseek_v4.layers import unweighted_rms_norm
+from kvplan.ops.hyper_connection import hc_head, hc_post, hc_pre
 
 
 class HyperConnection(nn.Module):
@@ -39,29 +41,16 @@ class HyperConnection(nn.Module):
     def forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``s [T, n, hidden]`` -> (``post`` fp32 ``[T, n]``, ``comb`` fp32 ``[T, n, n]``,
         block input ``x [T, hidden]`` in ``s``'s dtype)."""
-        n = self.n
-        f = F.linear(unweighted_rms_norm(s.flatten(1).float(), self.eps), self.fn.float())
-        pre_w, post_w, comb_w = f.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        logits = comb_w.unflatten(-1, (n, n)) * self.scale[2] + comb_b.view(n, n)
-        comb = torch.softmax(logits, dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        x = (pre.unsqueeze(-1) * s).sum(dim=1).to(s.dtype)
-        return post, comb, x
+        return hc_pre(
+            s, self.fn, self.base, self.scale, iters=self.iters, hc_eps=self.hc_eps, eps=self.eps
+        )
 
 
 def hyper_residual(
     s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
     """``s'[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * s[t, j]`` in ``s``'s dtype."""
-    dtype = s.dtype
-    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), s)  # [T, n, hidden]
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+    return hc_post(s, post, comb, out)
 
 
 class HyperHead(nn.Module):
@@ -76,6 +65,4 @@ class HyperHead(nn.Module):
 
     def forward(self, s: torch.Tensor) -> torch.Tensor:
         """``s [T, n, hidden]`` -> ``[T, hidden]`` in ``s``'s dtype."""
-        f = F.linear(unweighted_rms_norm(s.flatten(1).float(), self.eps), self.hc_fn.float())
-        pre = torch.sigmoid(f * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * s).sum(dim=1).to(s.dtype)
+        return hc_head(s, self.hc_fn, self.hc_base, self.hc_scale, hc_eps=self.hc_eps, eps=self.eps)

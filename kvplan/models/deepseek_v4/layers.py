@@ -19,18 +19,20 @@ import math
 import torch
 
 from kvplan.models.deepseek_v4.config import RopeSpec
+from kvplan.ops.rms_norm import rms_norm_fp32w
+from kvplan.ops.rms_norm import unweighted_rms_norm as _unweighted_rms_norm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weighted RMSNorm over the last dim, computed in fp32 (``weight`` is kept in fp32)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * xf).to(x.dtype)
+    """Weighted RMSNorm over the last dim, computed in fp32 (``weight`` is kept in fp32); one
+    Triton kernel on CUDA (`kvplan.ops.rms_norm.rms_norm_fp32w`)."""
+    return rms_norm_fp32w(x, weight, eps)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight; the scale is computed in fp32 and applied in ``x``'s dtype."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    """RMSNorm without a weight; the scale is computed in fp32 and applied in ``x``'s dtype
+    (`kvplan.ops.rms_norm.unweighted_rms_norm`)."""
+    return _unweighted_rms_norm(x, eps)
 
 
 def rope_inv_freq(rope: RopeSpec, rope_head_dim: int) -> torch.Tensor:

@@ -13,16 +13,21 @@ whose gate is clamped above at ``swiglu_limit`` and whose up projection is clamp
 ``[-limit, limit]``. ``gate_up`` of expert ``e`` is ``[2I, hidden]``: rows ``0..I-1`` gate,
 ``I..2I-1`` up.
 
-Two ways to apply the routed experts, equal up to fp32 rounding (the dense one sums a row's
-experts in expert order, as the sparse one does, but adds a repeated expert's weights first):
+Two ways to apply the routed experts, equal up to fp32 rounding:
 
-* sparse (eager default): the rows of each routed expert are gathered and run through it; the
-  list of routed experts is read on the host (a sync per layer);
-* dense (no host sync, fixed shapes, CUDA-graph capturable): every expert runs on every row
-  and its output is weighted by the row's routing weight for it (zero when not routed), which
-  costs ``n_routed_experts / k`` times the expert FLOPs: meant for decode-sized batches. It runs
-  while a CUDA graph is being captured, or when ``dense_routing`` is set (see
-  `graph_safe_routing`).
+* sparse (eager default for larger batches): the rows of each routed expert are gathered and
+  run through it; the list of routed experts is read on the host (a sync per layer);
+* dense (no host sync, fixed shapes, CUDA-graph capturable): every expert runs on every row and
+  its output is weighted by the row's summed routing weight for it (zero when not routed), in
+  a fixed handful of kernels (`kvplan.ops.moe_dense`: one GEMM for all experts' gate/up, one
+  SwiGLU, one batched GEMM for all down projections, one weighted sum that also adds the
+  shared expert). It costs ``n_routed_experts / k`` times the expert FLOPs. It runs while a
+  CUDA graph is being captured, when ``dense_routing`` is set (see `graph_safe_routing`), and
+  on CUDA whenever the batch is decode-sized: ``T * k >= n_routed_experts`` (most experts are
+  read anyway) and ``T * n_routed_experts <= DENSE_AUTO_MAX_ROWS`` (bounded extra FLOPs).
+
+`experts_dense_loop` is the per-expert torch loop the dense path replaced (a test reference:
+experts in order, a repeated expert's weights added first).
 """
 
 from __future__ import annotations
@@ -35,10 +40,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
+from kvplan.ops.moe_dense import expert_weighted_sum, moe_route, moe_swiglu, swiglu
 
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+DENSE_AUTO_MAX_ROWS = 4096
+"""Largest ``T * n_routed_experts`` for which CUDA batches take the dense path by default."""
 
 
 class SharedExpert(nn.Module):
@@ -79,29 +84,38 @@ class DeepseekV4MoE(nn.Module):
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids int64 ``[T, k]``, weights ``[T, k]``) for ``x [T, hidden]``."""
+        return self.route_dense(x, input_ids)[:2]
+
+    def route_dense(
+        self, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`route` plus the fp32 ``[T, E]`` matrix of each row's summed weights per expert
+        (the router GEMM and one routing kernel on CUDA; see `kvplan.ops.moe_dense.moe_route`)."""
         logits = F.linear(x, self.gate_weight)
-        if self.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = F.softplus(logits).sqrt()
-        if self.hash_routed:
-            ids = self.tid2eid[input_ids].long()
-        else:
-            biased = scores + self.e_score_correction_bias
-            ids = biased.topk(self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scaling
+        return moe_route(
+            logits,
+            top_k=self.top_k,
+            sigmoid=self.scoring_func == "sigmoid",
+            scaling=self.scaling,
+            bias=None if self.hash_routed else self.e_score_correction_bias,
+            tid2eid=self.tid2eid if self.hash_routed else None,
+            input_ids=input_ids if self.hash_routed else None,
+        )
+
+    def use_dense(self, x: torch.Tensor) -> bool:
+        """Whether `forward` takes the dense expert path for ``x [T, hidden]`` (module
+        docstring: capture, ``dense_routing``, or a decode-sized CUDA batch)."""
+        if self.dense_routing or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return True
+        t, e = x.shape[0], self.gate_up.shape[0]
+        return x.is_cuda and t * self.top_k >= e and t * e <= DENSE_AUTO_MAX_ROWS
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, hidden]``; ``input_ids``: int64 ``[T]`` -> ``[T, hidden]``."""
-        ids, weights = self.route(x, input_ids)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self.dense_routing or capturing:
-            routed = self.experts_dense(x, ids, weights)
-        else:
-            routed = self.experts_sparse(x, ids, weights)
-        return routed + self.shared(x)
+        ids, weights, dense = self.route_dense(x, input_ids)
+        if self.use_dense(x):
+            return self.experts_batched(x, dense, add=self.shared(x))
+        return self.experts_sparse(x, ids, weights) + self.shared(x)
 
     def experts_sparse(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -116,12 +130,32 @@ class DeepseekV4MoE(nn.Module):
             out.index_add_(0, rows, (y * weights[rows, slots, None]).to(out.dtype))
         return out
 
+    def experts_batched(
+        self, x: torch.Tensor, dense: torch.Tensor, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Every expert on every row, weighted by ``dense`` (fp32 ``[T, E]`` from
+        `route_dense`), plus ``add`` (``[T, hidden]``, optional) after rounding: four kernels,
+        no host sync, shapes depending on ``T`` only. ``x [T, hidden]`` -> ``[T, hidden]``."""
+        num_experts, two_inter, hidden = self.gate_up.shape
+        gu = F.linear(x, self.gate_up.view(num_experts * two_inter, hidden))  # [T, E * 2I]
+        h = moe_swiglu(gu, num_experts, self.limit)  # [E, T, I]
+        y = torch.bmm(h, self.down.transpose(1, 2))  # [E, T, hidden]
+        return expert_weighted_sum(y, dense, add)
+
     def experts_dense(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """Every expert on every row, weighted by the row's routing weight for it (zero when
-        not routed; a repeated expert's weights add up). No host sync; shapes depend on
-        ``T`` only. ``ids`` int64 / ``weights`` ``[T, k]`` -> ``[T, hidden]``."""
+        """`experts_batched` for ``ids`` int64 / ``weights`` ``[T, k]`` from `route` (a
+        repeated expert's weights add up) -> ``[T, hidden]``."""
+        dense = torch.zeros(x.shape[0], self.gate_up.shape[0], dtype=torch.float32, device=x.device)
+        dense.scatter_add_(1, ids, weights.float())
+        return self.experts_batched(x, dense)
+
+    def experts_dense_loop(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Reference for `experts_dense`: one expert at a time, in order, accumulating in
+        ``x``'s dtype. ``ids`` int64 / ``weights`` ``[T, k]`` -> ``[T, hidden]``."""
         num_experts = self.gate_up.shape[0]
         dense = torch.zeros(x.shape[0], num_experts, dtype=weights.dtype, device=x.device)
         dense.scatter_add_(1, ids, weights)  # [T, E]

@@ -1,0 +1,211 @@
+"""DeepSeek-V4 block pieces: one hyper-connection (pre + post) and one MoE block, torch path vs
+kvplan's fused path, at a decode-sized batch.
+
+Shapes (GPU mode): hidden 2048, hc_mult 4, 20 Sinkhorn iterations, 16 experts top-2 of width
+1024 plus the shared expert, T = 32 rows, bf16 activations and weights (hyper-connection
+weights fp32), random values.
+
+* ``hc``: ``post, comb, x = pre(s)`` then ``s' = post(s, post, comb, out)``; torch =
+  `hc_pre_torch` + `hc_post_torch` (the reference), new = `hc_pre` + `hc_post` (Triton);
+* ``moe``: the router, the routed experts and the shared expert; torch = the torch router,
+  the per-expert loop (`experts_dense_loop`) and the torch SwiGLU (the former dense path),
+  new = `DeepseekV4MoE.forward` on its batched dense path (`graph_safe_routing`);
+* ``rms_norm``: the weighted RMSNorm of one ``[T, hidden]`` row block.
+
+Reported per piece and path: median time per call (CUDA events) run eagerly and replayed as a
+CUDA graph, kernels per call (torch.profiler, CUDA kernels and memsets), and the largest
+absolute difference between the two paths' outputs.
+
+GPU:  PYTHONPATH=. python3 bench/bench_dsv4_blocks.py --out blocks.json
+CPU:  PYTHONPATH=. python3 bench/bench_dsv4_blocks.py --quick   (tiny shapes, Triton interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before kvplan.ops is imported
+    os.environ["KVPLAN_FORCE_TRITON"] = "1"  # the "new" path runs its kernels interpreted
+
+import torch.nn.functional as F  # noqa: E402
+
+from kvplan.models.deepseek_v4 import DeepseekV4Config  # noqa: E402
+from kvplan.models.deepseek_v4.hyper import HyperConnection  # noqa: E402
+from kvplan.models.deepseek_v4.moe import DeepseekV4MoE, graph_safe_routing  # noqa: E402
+from kvplan.ops.hyper_connection import hc_post, hc_post_torch, hc_pre, hc_pre_torch  # noqa: E402
+from kvplan.ops.moe_dense import moe_route_torch, swiglu_torch  # noqa: E402
+from kvplan.ops.rms_norm import rms_norm_fp32w, rms_norm_fp32w_torch  # noqa: E402
+
+
+def config(quick: bool) -> DeepseekV4Config:
+    if quick:
+        d = dict(vocab_size=128, hidden_size=64, n_routed_experts=4, moe_intermediate_size=32,
+                 hc_mult=2, hc_sinkhorn_iters=3)  # fmt: skip
+    else:
+        d = dict(vocab_size=129280, hidden_size=2048, n_routed_experts=16,
+                 moe_intermediate_size=1024, hc_mult=4, hc_sinkhorn_iters=20)  # fmt: skip
+    d.update(num_hidden_layers=2, num_experts_per_tok=2, num_hash_layers=0,
+             mlp_layer_types=["moe", "moe"])  # fmt: skip
+    return DeepseekV4Config.from_hf({"model_type": "deepseek_v4", **d})
+
+
+@torch.no_grad()
+def build(cfg: DeepseekV4Config, rows: int, dev: torch.device, dtype: torch.dtype):
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, std=1.0, dt=dtype):
+        return (torch.randn(shape, generator=gen, device=dev) * std).to(dt)
+
+    h, n = cfg.hidden_size, cfg.hc_mult
+    with torch.device(dev):
+        hc = HyperConnection(h, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        moe = DeepseekV4MoE(cfg, 0)
+    hc.fn.copy_(rnd(*hc.fn.shape, std=0.02, dt=torch.float32))
+    hc.base.copy_(rnd(*hc.base.shape, std=0.1, dt=torch.float32))
+    hc.scale.copy_(1 + rnd(3, std=0.1, dt=torch.float32))
+    for p in moe.parameters():
+        p.data = rnd(*p.shape, std=0.02)
+    moe.e_score_correction_bias.copy_(rnd(cfg.n_routed_experts, std=0.1, dt=torch.float32))
+    data = dict(
+        s=rnd(rows, n, h), out=rnd(rows, h), x=rnd(rows, h),
+        ids=torch.randint(0, cfg.vocab_size, (rows,), generator=gen, device=dev),
+        norm=1 + rnd(h, std=0.1, dt=torch.float32),
+    )  # fmt: skip
+    return hc, moe, data
+
+
+def hc_fns(hc: HyperConnection, d: dict):
+    kw = dict(iters=hc.iters, hc_eps=hc.hc_eps, eps=hc.eps)
+
+    def torch_path():
+        post, comb, x = hc_pre_torch(d["s"], hc.fn, hc.base, hc.scale, **kw)
+        return hc_post_torch(d["s"], post, comb, d["out"]), x
+
+    def new_path():
+        post, comb, x = hc_pre(d["s"], hc.fn, hc.base, hc.scale, **kw)
+        return hc_post(d["s"], post, comb, d["out"]), x
+
+    return torch_path, new_path
+
+
+def moe_fns(moe: DeepseekV4MoE, d: dict):
+    x, ids = d["x"], d["ids"]
+    sh = moe.shared
+
+    def torch_path():
+        logits = F.linear(x, moe.gate_weight)
+        r_ids, r_w, _ = moe_route_torch(
+            logits, top_k=moe.top_k, sigmoid=moe.scoring_func == "sigmoid",
+            scaling=moe.scaling, bias=moe.e_score_correction_bias,
+        )  # fmt: skip
+        shared = sh.down_proj(swiglu_torch(sh.gate_proj(x), sh.up_proj(x), sh.limit))
+        return (moe.experts_dense_loop(x, r_ids, r_w) + shared,)
+
+    def new_path():
+        with graph_safe_routing(moe):
+            return (moe(x, ids),)
+
+    return torch_path, new_path
+
+
+def norm_fns(d: dict, eps: float):
+    return (lambda: (rms_norm_fp32w_torch(d["x"], d["norm"], eps),),
+            lambda: (rms_norm_fp32w(d["x"], d["norm"], eps),))  # fmt: skip
+
+
+def time_cuda(fn, iters: int, graph: bool) -> float:
+    """Median microseconds per call (CUDA events), eager or as a replayed CUDA graph."""
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def kernels_per_call(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def measure(name: str, fns, cuda: bool, iters: int) -> list[dict]:
+    torch_fn, new_fn = fns
+    with torch.no_grad():
+        want, got = torch_fn(), new_fn()
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(want, got))
+        rows = []
+        for path, fn in (("torch", torch_fn), ("new", new_fn)):
+            row = dict(piece=name, path=path, max_abs_diff=diff)
+            if cuda:
+                row["eager_us"] = time_cuda(fn, iters, graph=False)
+                row["graph_us"] = time_cuda(fn, iters, graph=True)
+                row["kernels"] = kernels_per_call(fn)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                row["eager_us"] = (time.perf_counter() - t0) * 1e6
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU: interpreter)")
+    ap.add_argument("--rows", type=int, default=32, help="T, rows per call")
+    ap.add_argument("--iters", type=int, default=50, help="timed calls per measurement")
+    ap.add_argument("--out", default=None, help="write the JSON record here")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    cfg = config(args.quick or not cuda)
+    hc, moe, d = build(cfg, args.rows, dev, torch.bfloat16)
+    rows = []
+    rows += measure("hc", hc_fns(hc, d), cuda, args.iters)
+    rows += measure("moe", moe_fns(moe, d), cuda, args.iters)
+    rows += measure("rms_norm", norm_fns(d, cfg.rms_norm_eps), cuda, args.iters)
+    print(
+        f"{'piece':9} {'path':6} {'eager us':>9} {'graph us':>9} {'kernels':>8} {'max|diff|':>10}"
+    )
+    for r in rows:
+        print(f"{r['piece']:9} {r['path']:6} {r['eager_us']:9.1f} {r.get('graph_us', 0):9.1f} "
+              f"{r.get('kernels', -1):8d} {r['max_abs_diff']:10.3g}")  # fmt: skip
+    record = dict(
+        bench="bench_dsv4_blocks", date=datetime.datetime.now(datetime.UTC).isoformat(),
+        device=torch.cuda.get_device_name() if cuda else "cpu", command=" ".join(sys.argv),
+        rows_per_call=args.rows, hidden=cfg.hidden_size, hc_mult=cfg.hc_mult,
+        sinkhorn_iters=cfg.hc_sinkhorn_iters, experts=cfg.n_routed_experts,
+        top_k=cfg.num_experts_per_tok, moe_inter=cfg.moe_intermediate_size, results=rows,
+    )  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(record, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Manifold-constrained hyper-connection (mHC) ops: the mixing weights, the block input, the
+residual update and the final collapse of ``n`` residual streams, in a few kernels each.
+
+With ``s [T, n, hidden]`` the ``n`` residual streams of each token (``K = n * hidden``)::
+
+    f     = RMSNorm_unweighted(s.flatten(1)) @ fn^T     # fp32 [T, (2 + n) * n]
+    pre   = sigmoid(f[:, :n] * scale[0] + base[:n]) + hc_eps           # [T, n]
+    post  = 2 * sigmoid(f[:, n:2n] * scale[1] + base[n:2n])            # [T, n]
+    comb  = softmax_row(f[:, 2n:] * scale[2] + base[2n:]) + hc_eps     # [T, n, n]
+    comb  = comb / (column sums + hc_eps), then iters - 1 rounds of
+            (rows, then columns) normalised the same way               # Sinkhorn
+    x     = sum_i pre[:, i] * s[:, i]                                  # s's dtype   (hc_pre)
+    s'[k] = post[k] * out + sum_j comb[j, k] * s[j]                    # s's dtype   (hc_post)
+
+`hc_head` is ``hc_pre``'s ``x`` with ``fn [n, K]``, one scale and ``base [n]`` (no post/comb).
+
+Triton path (CUDA tensors, or ``KVPLAN_FORCE_TRITON=1``): `hc_pre` / `hc_head` are two kernels
+(a split-K projection that also sums the squares, then one fused epilogue per token and hidden
+tile), `hc_post` is one. The torch path is the reference; both compute ``f`` in fp32 (the
+Triton path applies the RMS scale after the projection, which differs by fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvplan._checks import check_tensor
+from kvplan.ops._dispatch import triton_interpreting, use_triton
+from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
+
+__all__ = [
+    "hc_head",
+    "hc_head_torch",
+    "hc_head_triton",
+    "hc_post",
+    "hc_post_torch",
+    "hc_post_triton",
+    "hc_pre",
+    "hc_pre_torch",
+    "hc_pre_triton",
+]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_pre(s, fn, base, scale, n_out: int, num_scales: int) -> tuple[int, int, int]:
+    check_tensor("s", s, dtype=_FLOATS, ndim=3)
+    t, n, hidden = s.shape
+    rows = n_out * n if n_out > 1 else n  # (2 + n) * n for hc_pre, n for hc_head
+    check_tensor("fn", fn, dtype=torch.float32, shape=(rows, n * hidden), device=s.device)
+    check_tensor("base", base, dtype=torch.float32, shape=(rows,), device=s.device)
+    check_tensor("scale", scale, dtype=torch.float32, shape=(num_scales,), device=s.device)
+    return t, n, hidden
+
+
+def _check_iters(iters: int) -> None:
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters must be an int >= 1, got {iters!r}")
+
+
+# --- torch path (the reference) -------------------------------------------------------------
+
+
+def _mix_weights(s: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 ``f = RMSNorm_unweighted(s.flatten(1)) @ fn^T``."""
+    sf = s.flatten(1).float()
+    sf = sf * torch.rsqrt(sf.square().mean(-1, keepdim=True) + eps)
+    return F.linear(sf, fn)
+
+
+def hc_pre_torch(
+    s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    *, iters: int, hc_eps: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Torch path of `hc_pre`."""
+    n = s.shape[1] if s.dim() == 3 else 0
+    _check_pre(s, fn, base, scale, 2 + n, 3)
+    _check_iters(iters)
+    f = _mix_weights(s, fn, eps)
+    pre_w, post_w, comb_w = f.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    logits = comb_w.unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n)
+    comb = torch.softmax(logits, dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    x = (pre.unsqueeze(-1) * s).sum(dim=1).to(s.dtype)
+    return post, comb, x
+
+
+def hc_head_torch(
+    s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    *, hc_eps: float, eps: float,
+) -> torch.Tensor:  # fmt: skip
+    """Torch path of `hc_head`."""
+    _check_pre(s, fn, base, scale, 1, 1)
+    f = _mix_weights(s, fn, eps)
+    pre = torch.sigmoid(f * scale + base) + hc_eps
+    return (pre.unsqueeze(-1) * s).sum(dim=1).to(s.dtype)
+
+
+def hc_post_torch(
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Torch path of `hc_post`."""
+    _check_post(s, post, comb, out)
+    dtype = s.dtype
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), s)  # [T, n, hidden]
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+
+
+def _check_post(s, post, comb, out) -> None:
+    check_tensor("s", s, dtype=_FLOATS, ndim=3)
+    t, n, hidden = s.shape
+    check_tensor("post", post, dtype=torch.float32, shape=(t, n), device=s.device)
+    check_tensor("comb", comb, dtype=torch.float32, shape=(t, n, n), device=s.device)
+    check_tensor("out", out, dtype=s.dtype, shape=(t, hidden), device=s.device)
+
+
+# --- Triton path ----------------------------------------------------------------------------
+
+
+def _hidden_tile(hidden: int) -> int:
+    return min(triton_next_pow2(hidden), 128 if triton_interpreting() else 512)
+
+
+def _project(s: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Split-K partials of ``s.flatten(1) @ fn^T`` and of the row sums of squares:
+    (``part`` fp32 ``[splits, T, N_PAD]``, ``sq`` fp32 ``[splits, T]``, splits, N_PAD)."""
+    from kvplan.ops._hyper_connection_kernels import hc_proj_kernel
+
+    t = s.shape[0]
+    k_total = fn.shape[1]
+    n_out = fn.shape[0]
+    n_pad = max(16, triton_next_pow2(n_out))
+    tile_t = 16 if t <= 256 else 64
+    num_t = triton_cdiv(t, tile_t)
+    tile_k = 32 if triton_interpreting() else 64
+    k_tiles = triton_cdiv(k_total, tile_k)
+    target = 4 if triton_interpreting() else 256  # programs wanted in all
+    splits = max(1, min(32, k_tiles, target // num_t))
+    k_per_split = triton_cdiv(k_tiles, splits) * tile_k
+    splits = triton_cdiv(k_total, k_per_split)
+    part = torch.empty(splits, t, n_pad, dtype=torch.float32, device=s.device)
+    sq = torch.empty(splits, t, dtype=torch.float32, device=s.device)
+    hc_proj_kernel[(num_t, splits)](
+        s, fn, part, sq, t, k_total, k_per_split, n_out,
+        TILE_T=tile_t, TILE_K=tile_k, N_PAD=n_pad, num_warps=4,
+    )  # fmt: skip
+    return part, sq, splits, n_pad
+
+
+def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool):
+    from kvplan.ops._hyper_connection_kernels import hc_pre_kernel
+
+    t, n, hidden = s.shape
+    s = s.contiguous()
+    x = torch.empty(t, hidden, dtype=s.dtype, device=s.device)
+    post = torch.empty(t, n, dtype=torch.float32, device=s.device)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=s.device)
+    if t == 0:
+        return post, comb, x
+    part, sq, splits, n_pad = _project(s, fn.contiguous())
+    tile_h = _hidden_tile(hidden)
+    hc_pre_kernel[(t, triton_cdiv(hidden, tile_h))](
+        part, sq, base.contiguous(), scale.contiguous(), s, x, post, comb,
+        t, hidden, splits, 1.0 / (n * hidden), eps, hc_eps, iters,
+        N=n, N_P=triton_next_pow2(n), N_PAD=n_pad, SPLITS_P=triton_next_pow2(splits),
+        TILE_H=tile_h, HEAD=head, num_warps=4,
+    )  # fmt: skip
+    return post, comb, x
+
+
+def hc_pre_triton(
+    s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    *, iters: int, hc_eps: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Triton path of `hc_pre` (two kernels)."""
+    n = s.shape[1] if s.dim() == 3 else 0
+    _check_pre(s, fn, base, scale, 2 + n, 3)
+    _check_iters(iters)
+    return _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head=False)
+
+
+def hc_head_triton(
+    s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    *, hc_eps: float, eps: float,
+) -> torch.Tensor:  # fmt: skip
+    """Triton path of `hc_head` (two kernels)."""
+    _check_pre(s, fn, base, scale, 1, 1)
+    return _pre_launch(s, fn, base, scale, 1, hc_eps, eps, head=True)[2]
+
+
+def hc_post_triton(
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Triton path of `hc_post` (one kernel)."""
+    from kvplan.ops._hyper_connection_kernels import hc_post_kernel
+
+    _check_post(s, post, comb, out)
+    t, n, hidden = s.shape
+    res = torch.empty(t, n, hidden, dtype=s.dtype, device=s.device)
+    if t == 0:
+        return res
+    tile_h = _hidden_tile(hidden)
+    hc_post_kernel[(t, triton_cdiv(hidden, tile_h))](
+        s.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous(), res, hidden,
+        N=n, N_P=triton_next_pow2(n), TILE_H=tile_h, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    return res
+
+
+# --- public entry points --------------------------------------------------------------------
+
+
+def hc_pre(
+    s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    *, iters: int, hc_eps: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The mixing weights of a hyper-connection and its block input (module docstring).
+
+    Args:
+        s: ``[T, n, hidden]`` fp32/bf16/fp16, the residual streams.
+        fn: fp32 ``[(2 + n) * n, n * hidden]``; base: fp32 ``[(2 + n) * n]``;
+            scale: fp32 ``[3]`` (pre, post, comb), all on ``s``'s device.
+        iters: Sinkhorn iterations (>= 1); hc_eps: the mixing epsilon; eps: the RMSNorm's.
+
+    Returns:
+        (``post`` fp32 ``[T, n]``, ``comb`` fp32 ``[T, n, n]``, ``x [T, hidden]`` in ``s``'s
+        dtype).
+
+    Example::
+
+        post, comb, x = hc_pre(s, hc.fn, hc.base, hc.scale, iters=20, hc_eps=1e-6, eps=1e-6)
+        s = hc_post(s, post, comb, block(x))
+    """
+    fn_ = hc_pre_triton if use_triton(s) else hc_pre_torch
+    return fn_(s, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps)
+
+
+def hc_head(
+    s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    *, hc_eps: float, eps: float,
+) -> torch.Tensor:  # fmt: skip
+    """Collapse ``s [T, n, hidden]`` into ``[T, hidden]`` (``s``'s dtype) with
+    ``pre = sigmoid(f * scale + base) + hc_eps``, ``f = RMSNorm(s.flatten(1)) @ fn^T``.
+
+    ``fn`` fp32 ``[n, n * hidden]``, ``base`` fp32 ``[n]``, ``scale`` fp32 ``[1]``.
+    """
+    fn_ = hc_head_triton if use_triton(s) else hc_head_torch
+    return fn_(s, fn, base, scale, hc_eps=hc_eps, eps=eps)
+
+
+def hc_post(
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``s'[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * s[t, j]`` in ``s``'s dtype.
+
+    ``s [T, n, hidden]``; ``post`` fp32 ``[T, n]`` and ``comb`` fp32 ``[T, n, n]`` from
+    `hc_pre`; ``out [T, hidden]`` (the block's output, ``s``'s dtype). ``post`` and ``comb``
+    are rounded to ``s``'s dtype first, and each of the two terms is rounded before the sum.
+    Returns a new ``[T, n, hidden]`` tensor.
+    """
+    fn_ = hc_post_triton if use_triton(s) else hc_post_torch
+    return fn_(s, post, comb, out)

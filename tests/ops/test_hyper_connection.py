@@ -1,0 +1,165 @@
+"""Hyper-connection ops: torch path == a per-token loop reference; Triton == torch (interpreter
+on CPU, the GPU when there is one) within fp32 rounding (one bf16 rounding step for bf16)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvplan.ops.hyper_connection import (
+    hc_head,
+    hc_head_torch,
+    hc_head_triton,
+    hc_post,
+    hc_post_torch,
+    hc_post_triton,
+    hc_pre,
+    hc_pre_torch,
+    hc_pre_triton,
+)
+
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+EPS, HC_EPS = 1e-6, 1e-6
+
+
+def _inputs(seed: int, t: int, n: int, hidden: int, dtype: torch.dtype, head: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    rows = n if head else (2 + n) * n
+    s = torch.randn(t, n, hidden, generator=gen).to(dtype)
+    fn = torch.randn(rows, n * hidden, generator=gen) * 0.2
+    base = torch.randn(rows, generator=gen) * 0.1
+    scale = 1 + 0.1 * torch.randn(1 if head else 3, generator=gen)
+    return s, fn, base, scale
+
+
+def _tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
+    """fp32: rounding noise; bf16: a couple of bf16 steps of values of size ``scale`` (the
+    interpreter truncates fp32 -> bf16 where the GPU and torch round to nearest)."""
+    if dtype == torch.float32:
+        return dict(atol=2e-6 * scale, rtol=2e-5)
+    return dict(atol=2**-7 * scale, rtol=1.6e-2)
+
+
+def _to(dev, *ts):
+    return [t.to(dev) for t in ts]
+
+
+def _loop_reference(s, fn, base, scale, iters):
+    """One token at a time with Python scalars (float64): (post, comb, x in fp64)."""
+    t, n, hidden = s.shape
+    outs = []
+    for row in s.double():
+        flat = row.flatten()
+        r = 1 / math.sqrt(float(flat.square().mean()) + EPS)
+        f = [float(w @ flat) * r for w in fn.double()]
+        sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
+        pre = [sig(f[i] * float(scale[0]) + float(base[i])) + HC_EPS for i in range(n)]
+        post = [2 * sig(f[n + i] * float(scale[1]) + float(base[n + i])) for i in range(n)]
+        c = [[f[2 * n + i * n + j] * float(scale[2]) + float(base[2 * n + i * n + j])
+              for j in range(n)] for i in range(n)]  # fmt: skip
+        for i in range(n):
+            m = max(c[i])
+            e = [math.exp(v - m) for v in c[i]]
+            c[i] = [v / sum(e) + HC_EPS for v in e]
+
+        def cols(c):
+            sums = [sum(c[i][j] for i in range(n)) + HC_EPS for j in range(n)]
+            return [[c[i][j] / sums[j] for j in range(n)] for i in range(n)]
+
+        c = cols(c)
+        for _ in range(iters - 1):
+            c = [[v / (sum(r_) + HC_EPS) for v in r_] for r_ in c]
+            c = cols(c)
+        x = sum(pre[i] * row[i].double() for i in range(n))
+        outs.append(
+            (torch.tensor(post, dtype=torch.float64), torch.tensor(c, dtype=torch.float64), x)
+        )
+    return [torch.stack(z) for z in zip(*outs)]
+
+
+@pytest.mark.parametrize("n, iters", [(2, 1), (3, 3), (4, 20)])
+def test_torch_path_matches_loop_reference(n, iters):
+    s, fn, base, scale = _inputs(n, 3, n, 8, torch.float32)
+    post, comb, x = hc_pre_torch(s, fn, base, scale, iters=iters, hc_eps=HC_EPS, eps=EPS)
+    want_post, want_comb, want_x = _loop_reference(s, fn, base, scale, iters)
+    torch.testing.assert_close(post.double(), want_post, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(comb.double(), want_comb, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(x.double(), want_x, atol=1e-5, rtol=1e-5)
+    # rows of comb sum to ~1 after enough iterations
+    if iters == 20:
+        torch.testing.assert_close(comb.sum(-1), torch.ones(3, n), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n, iters", [(2, 1), (2, 20), (3, 3), (4, 1), (4, 20)])
+def test_pre_triton_matches_torch(n, iters, dtype):
+    t, hidden = (5, 48) if n != 4 else (18, 40)  # 18 rows: two row tiles of the projection
+    s, fn, base, scale = _inputs(10 * n + iters, t, n, hidden, dtype)
+    want = hc_pre_torch(s, fn, base, scale, iters=iters, hc_eps=HC_EPS, eps=EPS)
+    got = hc_pre_triton(
+        *_to(TRITON_DEVICE, s, fn, base, scale), iters=iters, hc_eps=HC_EPS, eps=EPS
+    )
+    for name, g, w in zip(("post", "comb", "x"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        tol = dict(atol=2e-6, rtol=2e-5) if name != "x" else _tol(dtype)
+        torch.testing.assert_close(g.cpu(), w, **tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_head_triton_matches_torch(n, dtype):
+    s, fn, base, scale = _inputs(n, 6, n, 40, dtype, head=True)
+    want = hc_head_torch(s, fn, base, scale, hc_eps=HC_EPS, eps=EPS)
+    got = hc_head_triton(*_to(TRITON_DEVICE, s, fn, base, scale), hc_eps=HC_EPS, eps=EPS)
+    assert got.dtype == dtype and got.shape == (6, 40)
+    torch.testing.assert_close(got.cpu(), want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_post_triton_matches_torch(n, dtype):
+    s, fn, base, scale = _inputs(n, 7, n, 200, dtype)  # 200: two hidden tiles, one partial
+    post, comb, _ = hc_pre_torch(s, fn, base, scale, iters=3, hc_eps=HC_EPS, eps=EPS)
+    out = torch.randn(7, 200, generator=torch.Generator().manual_seed(n)).to(dtype)
+    want = hc_post_torch(s, post, comb, out)
+    # the independent formula, in fp64
+    ref = post.double()[..., None] * out.double()[:, None] + torch.einsum(
+        "tjk,tjh->tkh", comb.double(), s.double()
+    )
+    torch.testing.assert_close(want.double(), ref, **_tol(dtype, scale=8.0))
+    got = hc_post_triton(*_to(TRITON_DEVICE, s, post, comb, out))
+    assert got.dtype == dtype
+    # two rounded terms are added: cancellation leaves an absolute error of their size
+    torch.testing.assert_close(got.cpu(), want, **_tol(dtype, scale=8.0))
+
+
+def test_dispatch_and_empty(monkeypatch):
+    s, fn, base, scale = _inputs(0, 0, 2, 8, torch.float32)
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    post, comb, x = hc_pre(s, fn, base, scale, iters=2, hc_eps=HC_EPS, eps=EPS)
+    assert post.shape == (0, 2) and comb.shape == (0, 2, 2) and x.shape == (0, 8)
+    assert hc_post(s, post, comb, x).shape == (0, 2, 8)
+    hs, hfn, hbase, hscale = _inputs(0, 0, 2, 8, torch.float32, head=True)
+    assert hc_head(hs, hfn, hbase, hscale, hc_eps=HC_EPS, eps=EPS).shape == (0, 8)
+
+
+def test_errors():
+    s, fn, base, scale = _inputs(0, 2, 2, 8, torch.float32)
+    kw = dict(hc_eps=HC_EPS, eps=EPS)
+    with pytest.raises(ValueError, match="fn"):
+        hc_pre(s, fn[:, :-1], base, scale, iters=2, **kw)
+    with pytest.raises(TypeError, match="fn"):
+        hc_pre(s, fn.double(), base, scale, iters=2, **kw)
+    with pytest.raises(ValueError, match="scale"):
+        hc_pre(s, fn, base, scale[:2], iters=2, **kw)
+    with pytest.raises(ValueError, match="iters"):
+        hc_pre(s, fn, base, scale, iters=0, **kw)
+    with pytest.raises(ValueError, match="s must be 3-D"):
+        hc_pre(s[0], fn, base, scale, iters=2, **kw)
+    post, comb, x = hc_pre(s, fn, base, scale, iters=2, **kw)
+    with pytest.raises(TypeError, match="out"):
+        hc_post(s, post, comb, x.double())
+    with pytest.raises(ValueError, match="comb"):
+        hc_post(s, post, comb[:1], x)
