@@ -55,6 +55,8 @@ class EngineParts:
     source: ModelSource
     kv_format: str
     num_blocks: int
+    # rank 0's `kvplan.distributed.TensorParallelGroup` (None on one device): `LLM.close` stops it
+    tensor_parallel: Any = None
 
 
 def _bytes_per_block(cfg: ModelConfig, block_size: int, kv_format: str) -> int:
@@ -154,12 +156,28 @@ def _hybrid_source(model: Any) -> HybridSource | None:
 
 
 def build_engine(model: Any, config: EngineConfig) -> EngineParts:
-    """Build every part of an engine for ``model`` (see `kvplan.LLM` for what it may be)."""
+    """Build every part of an engine for ``model`` (see `kvplan.LLM` for what it may be);
+    ``tensor_parallel_size > 1`` starts the other ranks (`kvplan.distributed.engine`)."""
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+    if config.tensor_parallel_size == 1:
+        return _build_engine(model, config, None)
+    if _hybrid_source(model) is not None:
+        raise NotImplementedError(
+            "tensor_parallel_size > 1 is implemented for the Llama family; DeepSeek-V4 "
+            "(hybrid) models run on one device"
+        )
+    from kvplan.distributed.engine import build_tensor_parallel
+
+    return build_tensor_parallel(model, config, _build_engine, resolve_source(model))
+
+
+def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
+    """`build_engine` on one device, or rank 0's part of a tensor-parallel engine with the
+    hooks ``tp`` (a `kvplan.distributed.engine.TPBuild`)."""
     from kvplan.backends import get_backend
     from kvplan.cache import KVCacheManager
 
-    if not isinstance(config, EngineConfig):
-        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
     dev = config.torch_device
     torch_dtype = config.torch_dtype
     hybrid = _hybrid_source(model)
@@ -187,12 +205,15 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         max_model_len = config.model_max_len(cfg.max_position_embeddings)
         max_blocks_per_seq = -(-max_model_len // config.block_size)
         backend_cls = get_backend(config.backend)
-        net = build_model(
+        net = (build_model if tp is None else tp.build_model)(
             source, backend_cls, max_positions=max_model_len, dtype=torch_dtype, device=dev,
             seed=config.seed,
         )  # fmt: skip
         sizes = _Sizes(dev, fmt, max_model_len, max_blocks_per_seq)
-        num_blocks = _num_blocks(cfg, config, sizes)
+        kv_cfg = cfg if tp is None else tp.kv_config(cfg)  # this rank's KV heads
+        num_blocks = _num_blocks(kv_cfg, config, sizes)
+        if tp is not None:
+            num_blocks = tp.num_blocks(num_blocks)  # the smallest rank's pool
         sizes = dataclasses.replace(sizes, num_blocks=num_blocks)
         manager = KVCacheManager.from_layer_windows(
             num_blocks,
@@ -209,7 +230,7 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
             raise ValueError(
                 f"unknown attention families {unknown}; known: {sorted(_FAMILY_BUILDERS)}"
             )
-        families = {n: _FAMILY_BUILDERS[n](cfg, config, sizes, manager) for n in names}
+        families = {n: _FAMILY_BUILDERS[n](kv_cfg, config, sizes, manager) for n in names}
         metadata = families[PAGED].metadata if PAGED in families else None
         graphs = None
         if config.cuda_graphs_on and metadata is not None:
@@ -218,7 +239,10 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
             graphs = DecodeGraphs.maybe_create(
                 net, backend_cls, metadata, manager, config.max_num_seqs, max_model_len
             )
-        runner = ModelRunner(net, families, dev, graphs)
+        if tp is None:
+            runner = ModelRunner(net, families, dev, graphs)
+        else:
+            runner = tp.runner(net, families, dev, manager)
         eos_ids = list(cfg.eos_token_ids)
         async_scheduling = config.async_scheduling_on
         summary = (
