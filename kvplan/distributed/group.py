@@ -22,8 +22,9 @@ Failure handling (spawned workers):
 * a heartbeat thread broadcasts ``PING`` every ``HEARTBEAT_S`` while no step runs, so an idle
   engine keeps the workers' waits inside the collective timeout (``KVPLAN_TP_TIMEOUT``,
   seconds, default 300), which bounds a hung (not dead) rank;
-* `close` (also at interpreter exit) sends ``SHUTDOWN``, joins each worker for up to
-  ``JOIN_S`` seconds, then terminates and finally kills what is left.
+* `close` (also at interpreter exit) sends ``SHUTDOWN`` to serving workers and joins them
+  for up to ``JOIN_S`` seconds, then terminates and finally kills what is left (at once for
+  workers that never reached their step loop, e.g. when the engine's build failed).
 """
 
 from __future__ import annotations
@@ -341,15 +342,18 @@ class TensorParallelGroup:
         self._closing = True
         self._stop.set()
         got = self._lock.acquire(timeout=JOIN_S)
+        sent = False
         try:
             if got and self._serving and self.failure is None:
                 with contextlib.suppress(Exception):
                     send(Kind.SHUTDOWN, self.device)
+                    sent = True
         finally:
             self._closed = True
             if got:
                 self._lock.release()
-        deadline = time.monotonic() + JOIN_S
+        # workers that got SHUTDOWN exit on their own; others (a failed start) are stopped now
+        deadline = time.monotonic() + (JOIN_S if sent else 0.0)
         for proc in self.procs.values():
             proc.join(max(0.0, deadline - time.monotonic()))
         for stop in (lambda p: p.terminate(), lambda p: p.kill()):

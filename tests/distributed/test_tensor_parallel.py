@@ -95,6 +95,17 @@ def test_kv_heads_not_divisible_fail_before_any_process():
     assert not multiprocessing.active_children()
 
 
+def test_failed_build_stops_the_workers():
+    """A setting every rank rejects (a pool too small for one sequence) raises on rank 0 and
+    leaves no worker behind."""
+    settings = dict(ENGINE, num_blocks=4)
+    t = time.monotonic()
+    with pytest.raises(ValueError, match="num_blocks=4 cannot hold one sequence"):
+        LLM(random_config(9), tensor_parallel_size=2, **settings)
+    _no_children_left([])
+    assert time.monotonic() - t < 60
+
+
 def test_killed_worker_ends_the_engine_with_a_clear_error():
     """SIGKILL the worker while steps run: the running step raises a RuntimeError naming
     rank 1 within seconds, every later step raises it at once, close() leaves no process."""
