@@ -165,7 +165,9 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
         "weight_bytes": weight_bytes, "share_outside_gpu_kernels": share,
         "graph_replay_ms": replay_ms,
         "share_outside_gpu_by_replay": (1 - replay_ms / step) if replay_ms and step else None,
+        "tensor_parallel_size": llm.config.tensor_parallel_size,  # weight_bytes: rank 0's shard
     }  # fmt: skip
+    llm.close()  # tensor parallelism: stop the worker processes
     del llm
     free_device_memory(dev)
     return out
@@ -332,8 +334,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny CPU-sized run")
     ap.add_argument("--out", required=True)
     add_engine_arguments(
-        ap, ("device", "backend", "kv_format", "max_num_batched_tokens", "async_scheduling",
-             "kv_cache_memory"),
+        ap,
+        ("device", "backend", "kv_format", "max_num_batched_tokens", "async_scheduling",
+         "kv_cache_memory", "tensor_parallel_size"),
         max_num_batched_tokens=8192,
     )  # fmt: skip
     ap.add_argument("--config", default=None)

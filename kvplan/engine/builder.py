@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,8 @@ class EngineParts:
     kv_format: str
     num_blocks: int  # the largest pool's block count (``pool_sizes`` has every pool's)
     pool_sizes: PoolSizes | None = None  # None for hybrid models
+    # rank 0's `kvplan.distributed.TensorParallelGroup` (None on one device): `LLM.close` stops it
+    tensor_parallel: Any = None
 
 
 def layer_block_bytes(cfg: ModelConfig, block_size: int, kv_format: str) -> int:
@@ -134,6 +136,24 @@ class _Sizes:
     pools: PoolSizes | None = None  # set once the model's weights are on the device
 
 
+def paged_sizes(
+    kv_cfg: ModelConfig,
+    config: EngineConfig,
+    kv_format: str,
+    max_model_len: int,
+    max_blocks_per_seq: int,
+    agree: Callable[[int], int] | None = None,
+) -> _Sizes:
+    """Sizes of a paged engine on the device ``config`` names: the pools from ``kv_cfg`` (the
+    KV heads this rank holds). ``agree``: under tensor parallelism, a collective that returns
+    the smallest of every rank's count, applied to each pool (every rank sized its own
+    memory; all ranks must use one block count per pool)."""
+    pools = pool_sizes(kv_cfg, config, kv_format, max_blocks_per_seq)
+    if agree is not None:
+        pools = replace(pools, num_blocks=tuple(agree(n) for n in pools.num_blocks))
+    return _Sizes(config.torch_device, kv_format, max_model_len, max_blocks_per_seq, pools)
+
+
 def _paged_family(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes, manager: Any):
     """The paged family: KV tensors of every layer + the backend's metadata object."""
     from kvplan.backends import get_backend
@@ -173,12 +193,28 @@ def _hybrid_source(model: Any) -> HybridSource | None:
 
 
 def build_engine(model: Any, config: EngineConfig) -> EngineParts:
-    """Build every part of an engine for ``model`` (see `kvplan.LLM` for what it may be)."""
+    """Build every part of an engine for ``model`` (see `kvplan.LLM` for what it may be);
+    ``tensor_parallel_size > 1`` starts the other ranks (`kvplan.distributed.engine`)."""
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+    if config.tensor_parallel_size == 1:
+        return _build_engine(model, config, None)
+    if _hybrid_source(model) is not None:
+        raise NotImplementedError(
+            "tensor_parallel_size > 1 is implemented for the Llama family; DeepSeek-V4 "
+            "(hybrid) models run on one device"
+        )
+    from kvplan.distributed.engine import build_tensor_parallel
+
+    return build_tensor_parallel(model, config, _build_engine, resolve_source(model))
+
+
+def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
+    """`build_engine` on one device, or rank 0's part of a tensor-parallel engine with the
+    hooks ``tp`` (a `kvplan.distributed.engine.TPBuild`)."""
     from kvplan.backends import get_backend
     from kvplan.cache import KVCacheManager
 
-    if not isinstance(config, EngineConfig):
-        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
     dev = config.torch_device
     torch_dtype = config.torch_dtype
     hybrid = _hybrid_source(model)
@@ -207,12 +243,20 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
         max_model_len = config.model_max_len(cfg.max_position_embeddings)
         max_blocks_per_seq = -(-max_model_len // config.block_size)
         backend_cls = get_backend(config.backend)
-        net = build_model(
+        net = (build_model if tp is None else tp.build_model)(
             source, backend_cls, max_positions=max_model_len, dtype=torch_dtype, device=dev,
             seed=config.seed,
         )  # fmt: skip
-        pools = pool_sizes(cfg, config, fmt, max_blocks_per_seq)
-        sizes = _Sizes(dev, fmt, max_model_len, max_blocks_per_seq, pools)
+        kv_cfg = cfg if tp is None else tp.kv_config(cfg)  # this rank's KV heads
+        sizes = paged_sizes(
+            kv_cfg,
+            config,
+            fmt,
+            max_model_len,
+            max_blocks_per_seq,
+            None if tp is None else tp.num_blocks,
+        )
+        pools = sizes.pools
         num_blocks = max(pools.num_blocks)
         manager = KVCacheManager.from_layer_windows(
             list(pools.num_blocks),
@@ -228,7 +272,7 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
             raise ValueError(
                 f"unknown attention families {unknown}; known: {sorted(_FAMILY_BUILDERS)}"
             )
-        families = {n: _FAMILY_BUILDERS[n](cfg, config, sizes, manager) for n in names}
+        families = {n: _FAMILY_BUILDERS[n](kv_cfg, config, sizes, manager) for n in names}
         metadata = families[PAGED].metadata if PAGED in families else None
         graphs = None
         if config.cuda_graphs_on and metadata is not None:
@@ -237,7 +281,10 @@ def build_engine(model: Any, config: EngineConfig) -> EngineParts:
             graphs = DecodeGraphs.maybe_create(
                 net, backend_cls, metadata, manager, config.max_num_seqs, max_model_len
             )
-        runner = ModelRunner(net, families, dev, graphs)
+        if tp is None:
+            runner = ModelRunner(net, families, dev, graphs)
+        else:
+            runner = tp.runner(net, families, dev, manager)
         eos_ids = list(cfg.eos_token_ids)
         async_scheduling = config.async_scheduling_on
         summary = (

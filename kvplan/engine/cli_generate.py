@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    add_engine_arguments(parser, ("device", "backend", "kv_format", "dtype"))
+    add_engine_arguments(
+        parser, ("device", "backend", "kv_format", "dtype", "tensor_parallel_size")
+    )
     parser.add_argument(
         "--no-chat",
         "--no-chat-template",

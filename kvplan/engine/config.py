@@ -101,6 +101,11 @@ class EngineConfig:
         "pool); the full-attention pool takes the rest of the memory",
         None,
     )
+    tensor_parallel_size: int = _doc(
+        "ranks the model's heads, MLP and vocabulary are split over (one process each, started "
+        "and stopped by the engine; NCCL on CUDA, gloo on CPU)",
+        1,
+    )
 
     def __post_init__(self) -> None:
         if self.device is not None:
@@ -130,6 +135,14 @@ class EngineConfig:
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("use_cuda_graph", self.use_cuda_graph, optional=True)
         _check_bool("async_scheduling", self.async_scheduling, optional=True)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1:
+            for name in ("use_cuda_graph", "async_scheduling"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"{name}=True is not supported with tensor_parallel_size="
+                        f"{self.tensor_parallel_size} (leave it None: off with tensor parallelism)"
+                    )
 
     # ---------------------------------------------------------------- resolved values
     @property

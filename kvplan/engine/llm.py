@@ -98,7 +98,8 @@ class LLM:
             backend, kv_format, block_size, max_num_batched_tokens, max_num_seqs,
             max_model_len, num_blocks, kv_cache_memory, enable_prefix_caching,
             enable_chunked_prefill, num_speculative_tokens, use_cuda_graph,
-            async_scheduling, seed; defaults and meaning documented there).
+            async_scheduling, seed, tensor_parallel_size; defaults and meaning documented
+            there).
         chat_template: wrap plain-text prompts in the tokenizer's chat template.
         **settings: `EngineConfig` fields given one by one (``LLM(backend="ragged")``); with
             ``config`` they replace its fields.
@@ -112,10 +113,19 @@ class LLM:
     call) and collected with ``pop_finished``; the `LLM` keeps each of them until
     ``pop_finished`` returns it. ``generate`` and ``generate_stream`` keep nothing.
 
+    Tensor parallelism (``tensor_parallel_size=N``, Llama family): this process is rank 0 and
+    the engine starts N - 1 worker processes (`kvplan.distributed`); ``close()`` (or leaving a
+    ``with LLM(...) as llm:`` block, or interpreter exit) stops them. A worker that dies makes
+    every later step raise a RuntimeError naming its rank. Under ``torchrun`` the ranks are
+    torchrun's processes; on a rank other than 0 the constructor serves steps until rank 0
+    closes its engine, then exits the process.
+
     Example::
 
         llm = LLM("random:tiny-llama", device="cpu", block_size=8)
         llm = LLM("random:tiny-llama", config=EngineConfig(device="cpu", block_size=8))
+        with LLM("random:tiny-llama", device="cpu", tensor_parallel_size=2) as llm:
+            llm.generate([[1, 2, 3]])
     """
 
     def __init__(
@@ -141,6 +151,20 @@ class LLM:
         self.tokenizer = self.parts.tokenizer
         self.chat_template = chat_template
         self._added: dict[int, Request] = {}  # add_request's requests, until pop_finished
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism; idempotent, a no-op on
+        one device). The `LLM` cannot step afterwards."""
+        group = self.parts.tensor_parallel
+        if group is not None:
+            group.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ text <-> tokens
     def encode(self, prompt: Prompt) -> list[int]:

@@ -19,6 +19,13 @@ norm adds ``h`` into ``residual`` in place before norming it, so a layer runs tw
 add+norm kernels and no separate residual add; the final norm fuses the last add. The small
 ops between the GEMMs (`kvplan.models.fused`: add+RMSNorm, the q/k/v split with q/k norm and
 RoPE, silu*mul) run as Triton kernels or as the torch path, per ``fused_kernels``.
+
+Tensor parallelism: with ``tp`` (a `kvplan.distributed.TPContext`) every layer holds its rank's
+share: ``H / size`` query and ``Hkv / size`` KV heads (so the rank's KV cache holds only those),
+``I / size`` MLP columns, ``ceil(V / size)`` vocabulary rows; ``o_proj`` and ``down_proj``
+all-reduce their partial sums, the embedding all-reduces its lookups, and ``forward`` gathers
+the logits of every vocabulary shard (`kvplan.distributed.layers`). ``tp=None`` is the
+single-device model, with no collective and no extra work.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvplan.distributed.context import TPContext
+from kvplan.distributed.layers import RowParallelLinear, VocabParallelEmbedding
 from kvplan.models import fused as ops
 from kvplan.models.config import ModelConfig
 from kvplan.models.rope import RotaryTable
@@ -56,24 +65,34 @@ class RMSNorm(nn.Module):
 PAGED_FAMILY = "paged"  # the attention family serving every layer of this model
 
 
+def _row_linear(in_features: int, out_features: int, tp: TPContext | None) -> nn.Linear:
+    """A bias-free projection whose input is split across ranks (all-reduced under ``tp``)."""
+    if tp is None:
+        return nn.Linear(in_features, out_features, bias=False)
+    return RowParallelLinear(in_features, out_features, tp)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend_cls: Any) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, backend_cls: Any, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        size = 1 if tp is None else tp.size
+        self.num_heads = cfg.num_heads // size  # this rank's heads (module docstring)
+        self.num_kv_heads = cfg.num_kv_heads // size
         self.head_dim = d = cfg.head_dim
-        self.q_size = cfg.num_heads * d
-        self.kv_size = cfg.num_kv_heads * d
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = _row_linear(cfg.num_heads * d, cfg.hidden_size, tp)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = backend_cls(
             layer_idx,
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            self.num_heads,
+            self.num_kv_heads,
             d,
             scale=d**-0.5,
             sliding_window=cfg.windows[layer_idx],
@@ -103,23 +122,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext | None = None) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = inter = cfg.intermediate_size // (1 if tp is None else tp.size)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = _row_linear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), fused=fused))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend_cls: Any) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, backend_cls: Any, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, backend_cls)
+        self.self_attn = Attention(cfg, layer_idx, backend_cls, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(
         self,
@@ -165,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
             Stored as the attribute ``fused_kernels``, which may be flipped at any time; CUDA
             graphs keep the choice made when they were captured. ``True`` on CPU tensors needs
             ``TRITON_INTERPRET=1``.
+        tp: this rank's `kvplan.distributed.TPContext` (module docstring); None = one device.
 
     Example::
 
@@ -181,22 +203,27 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         fused_kernels: bool | None = None,
+        tp: TPContext | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
         # the attention family of each layer (`kvplan.engine.families`)
         self.layer_families: tuple[str, ...] = (PAGED_FAMILY,) * cfg.num_layers
         if fused_kernels is None:
             fused_kernels = _fused_from_env()
         self.fused_kernels = fused_kernels
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        vocab = cfg.vocab_size
+        if tp is None:
+            self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(vocab, cfg.hidden_size, tp)
+            vocab = self.embed_tokens.num_embeddings  # this rank's padded share
         self.layers = nn.ModuleList(
-            [DecoderLayer(cfg, i, backend_cls) for i in range(cfg.num_layers)]
+            [DecoderLayer(cfg, i, backend_cls, tp) for i in range(cfg.num_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
-        )
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, False)
         self.to(dtype=dtype, device=device)
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions, dtype=dtype, device=device)
 
@@ -241,7 +268,10 @@ class LlamaForCausalLM(nn.Module):
             h = h[logits_indices]
             residual = None if residual is None else residual[logits_indices]
         h = self.norm(h, residual, fused=fused)  # [N, hidden]
-        return F.linear(h, self.lm_head_weight).float()  # [N, V]
+        logits = F.linear(h, self.lm_head_weight)  # [N, V] (this rank's share under tp)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits.float()
 
 
 def _fused_from_env() -> bool | None:
