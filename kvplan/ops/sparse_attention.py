@@ -34,6 +34,7 @@ the split index layouts read in place) and ``topk_columns`` its top-k.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -44,6 +45,7 @@ from kvplan import quant
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.formats import KVCacheFormat, resolve_kv_cache_layout, split_kv_cache
 from kvplan.ops import _sparse_attention_kernels as _k
+from kvplan.ops import _sparse_split_kernels as _ks
 from kvplan.ops._dispatch import triton_interpreting, use_triton
 
 MAX_HEAD_DIM = 512
@@ -187,10 +189,12 @@ def _out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 def sparse_attention_triton(
     q: torch.Tensor, sources: Sequence[KeySource], sinks: torch.Tensor, scale: float, *,
     out: torch.Tensor | None = None, check: bool = True, tile_h: int = 16,
-    tile_n: int | None = None, num_warps: int | None = None,
+    tile_n: int | None = None, num_warps: int | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The Triton kernel (also on CPU under ``TRITON_INTERPRET=1``); contract of
-    :func:`sparse_attention`. ``tile_h`` heads and ``tile_n`` keys per tile."""
+    """The Triton kernels (also on CPU under ``TRITON_INTERPRET=1``); contract of
+    :func:`sparse_attention`. ``tile_h`` heads and ``tile_n`` keys per tile; ``num_splits``
+    column splits per (row, head group) (``kvplan.ops._sparse_split_kernels``; 1: one
+    program walks all of a row's columns; None: :func:`split_count` on CUDA, 1 otherwise)."""
     addrs = _check(q, sources, sinks, check)
     out = _out(q, out)
     num_rows, num_heads, head_dim = q.shape
@@ -204,16 +208,28 @@ def sparse_attention_triton(
     a1 = addrs[1] if len(addrs) > 1 else a0
     i0 = sources[0].index
     i1 = sources[1].index if len(sources) > 1 else i0
+    n1 = i1.shape[1] if len(sources) > 1 else 0
+    num_cols = i0.shape[1] + n1
+    groups = triton.cdiv(num_heads, tile_h)
+    if num_splits is None:
+        num_splits = (
+            1
+            if interpret or not q.is_cuda
+            else split_count(num_rows * groups, num_cols, tile_n, _num_sms(q.device))
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    cols_per_split = triton.cdiv(triton.cdiv(max(num_cols, 1), num_splits), tile_n) * tile_n
+    num_splits = triton.cdiv(max(num_cols, 1), cols_per_split)
 
     sink32 = sinks.float().contiguous()
-    grid = (num_rows, triton.cdiv(num_heads, tile_h))
-    _k.sparse_attention_kernel[grid](
-        q, out, sink32, q.stride(0), q.stride(1), out.stride(0), out.stride(1), num_heads,
-        scale * _k.LOG2E,
+    srcs = (
         a0.ptr, i0, i0.stride(0), i0.shape[1], a0.num_slots, a0.block_size, a0.stride_block,
         a0.stride_token, a0.scale_stride, a0.scale_offset,
-        a1.ptr, i1, i1.stride(0), i1.shape[1], a1.num_slots, a1.block_size, a1.stride_block,
+        a1.ptr, i1, i1.stride(0), n1, a1.num_slots, a1.block_size, a1.stride_block,
         a1.stride_token, a1.scale_stride, a1.scale_offset,
+    )  # fmt: skip
+    consts = dict(
         HEAD_DIM=head_dim, D_P2=d_p2, TILE_H=tile_h, TILE_N=tile_n,
         KIND0=a0.kind, SF0=a0.sf, GS0=a0.group, FLAT0=_flat(a0, head_dim, d_p2),
         KIND1=a1.kind, SF1=a1.sf, GS1=a1.group, FLAT1=_flat(a1, head_dim, d_p2),
@@ -221,7 +237,44 @@ def sparse_attention_triton(
         DOT_BF16=q.dtype == torch.bfloat16 and not interpret, INTERPRET=interpret,
         num_warps=num_warps,
     )  # fmt: skip
+    if num_splits == 1:
+        _k.sparse_attention_kernel[(num_rows, groups)](
+            q, out, sink32, q.stride(0), q.stride(1), out.stride(0), out.stride(1), num_heads,
+            scale * _k.LOG2E, *srcs, **consts,
+        )  # fmt: skip
+        return out
+    ws_m = torch.empty((num_rows, num_splits, num_heads), dtype=torch.float32, device=q.device)
+    ws_l = torch.empty_like(ws_m)
+    ws_acc = torch.empty((*ws_m.shape, head_dim), dtype=torch.float32, device=q.device)
+    _ks.sparse_attention_split_kernel[(num_rows, groups, num_splits)](
+        q, ws_acc, ws_m, ws_l, q.stride(0), q.stride(1), num_heads, num_splits, cols_per_split,
+        scale * _k.LOG2E, *srcs, **consts,
+    )  # fmt: skip
+    _ks.sparse_attention_combine_kernel[(num_rows, groups)](
+        out, sink32, ws_acc, ws_m, ws_l, out.stride(0), out.stride(1), num_heads, num_splits,
+        HEAD_DIM=head_dim, D_P2=d_p2, TILE_H=tile_h, INTERPRET=interpret, num_warps=4,
+    )  # fmt: skip
     return out
+
+
+_PROGRAMS_PER_SM = 2  # split target: about this many programs per SM
+_MIN_SPLIT_TILES = 2  # fewest key tiles a split walks
+
+
+def split_count(num_programs: int, num_cols: int, tile_n: int, num_sms: int) -> int:
+    """Column splits per (row, head group) for ``num_programs`` (row, head group) pairs over
+    ``num_cols`` joined columns: 1 when those programs already fill ``num_sms`` SMs, else
+    about ``_PROGRAMS_PER_SM`` programs per SM, each walking at least ``_MIN_SPLIT_TILES``
+    tiles of ``tile_n`` columns. Depends on the shapes only (fixed under a CUDA graph)."""
+    if num_programs >= num_sms or num_cols <= tile_n * _MIN_SPLIT_TILES:
+        return 1
+    want = triton.cdiv(_PROGRAMS_PER_SM * num_sms, num_programs)
+    return max(1, min(want, num_cols // (tile_n * _MIN_SPLIT_TILES)))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def index_scores(
@@ -262,6 +315,23 @@ def index_scores(
         dots = torch.einsum("thc,tkc->thk", index_q.float(), rows).relu()
         scores = torch.einsum("thk,th->tk", dots, index_weights.float())
         return scores.masked_fill(idx < 0, float("-inf"))
+    return index_scores_triton(index_q, index_weights, keys, addr)
+
+
+def index_scores_triton(
+    index_q: torch.Tensor, index_weights: torch.Tensor, keys: KeySource,
+    addr: _Addr | None = None, *, tile_n: int | None = None, tiles: int = 1,
+    num_warps: int | None = None, legacy: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """The Triton path of :func:`index_scores` (inputs checked there; ``addr`` its
+    addressing of ``keys``). ``index_scores_tc_kernel``: ``tile_n`` keys per dot, ``tiles``
+    key tiles per program; bf16 queries use the tensor cores (bf16 x bf16-exact keys, fp32
+    accumulation: exact products; fp32 rows are not bf16-exact and keep fp32), fp32 queries
+    fp32 ``"ieee"`` products. ``legacy``: the
+    per-tile CUDA-core kernel ``index_scores_kernel`` (fp32 products for every query)."""
+    idx = keys.index
+    addr = addr or _address(0, keys, index_q.shape[2], split_ok=True)
+    num_rows, num_heads, width = index_q.shape
     out = torch.empty(idx.shape, dtype=torch.float32, device=idx.device)
     if idx.numel() == 0:
         return out
@@ -269,15 +339,28 @@ def index_scores(
     w = index_weights.float().contiguous()
     idx = idx if idx.stride(1) == 1 else idx.contiguous()
     d_p2 = max(16, triton.next_power_of_2(width))
-    tile_n = 32 if d_p2 <= 128 else 16
-    grid = (num_rows, triton.cdiv(idx.shape[1], tile_n))
-    _k.index_scores_kernel[grid](
+    interpret = triton_interpreting()
+    args = (
         q, w, out, addr.ptr, idx, q.stride(0), q.stride(1), w.stride(0), out.stride(0),
         idx.stride(0), num_heads, idx.shape[1], addr.num_slots, addr.block_size,
         addr.stride_block, addr.stride_token, addr.scale_stride, addr.scale_offset,
+    )  # fmt: skip
+    consts = dict(
         HEAD_DIM=width, D_P2=d_p2, TILE_H=max(16, triton.next_power_of_2(num_heads)),
-        TILE_N=tile_n, KIND=addr.kind, SF=addr.sf, GS=addr.group,
-        FLAT=_flat(addr, width, d_p2), HW=not triton_interpreting(), num_warps=4,
+        KIND=addr.kind, SF=addr.sf, GS=addr.group, FLAT=_flat(addr, width, d_p2),
+        HW=not interpret,
+    )  # fmt: skip
+    if legacy:
+        tile_n = tile_n or (32 if d_p2 <= 128 else 16)
+        grid = (num_rows, triton.cdiv(idx.shape[1], tile_n))
+        _k.index_scores_kernel[grid](*args, TILE_N=tile_n, **consts, num_warps=num_warps or 4)
+        return out
+    tile_n = tile_n or (128 if d_p2 <= 128 else 64)
+    grid = (num_rows, triton.cdiv(idx.shape[1], tile_n * tiles))
+    _k.index_scores_tc_kernel[grid](
+        *args, TILE_N=tile_n, TILES=tiles, **consts,
+        DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32 and not interpret,
+        num_warps=num_warps or 4,
     )  # fmt: skip
     return out
 
