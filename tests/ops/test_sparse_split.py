@@ -24,11 +24,16 @@ from kvplan.ops.sparse_attention import (
 )
 
 
+# The CPU interpreter tests run the kernels on CPU tensors (TRITON_INTERPRET=1 without a GPU).
+interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
+
+
 def _hide_block(sources, lo: int, hi: int) -> None:
     """Columns ``[lo, hi)`` of the last source see nothing in every row."""
     sources[-1].index[:, lo:hi] = -1
 
 
+@interpreter
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
 @pytest.mark.parametrize(
     "kinds,head_dim", [(["fp32", "paged_bf16"], 32), ([FP8_64, FP4_64], 64)], ids=["plain", "q"]
@@ -47,6 +52,7 @@ def test_split_interpreter_equals_torch(kinds, head_dim, num_splits) -> None:
     assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
+@interpreter
 def test_split_one_source_bf16_queries() -> None:
     """One source, bf16 q and out, 3 splits, more heads than one head tile (tile_h 16)."""
     q, sources, sinks = _inputs([FP8_64], 3, 18, 64, [37], seed=12, dtype=torch.bfloat16)
@@ -56,6 +62,7 @@ def test_split_one_source_bf16_queries() -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@interpreter
 def test_split_no_sinks_and_empty_rows() -> None:
     """No head has a sink and no row sees a key: zeros, not NaN."""
     q, sources, sinks = _inputs(["fp32"], 2, 2, 16, [40], seed=13)
@@ -71,14 +78,15 @@ def test_split_count() -> None:
     assert split_count(132, 640, 16, 132) == 1  # already a full wave
     assert split_count(32, 32, 16, 132) == 1  # too few columns to split
     assert split_count(1, 64, 16, 132) == 2  # at least 2 tiles per split
+    q, sources, sinks = _inputs(["fp32"], 2, 2, 16, [4], seed=0)
     with pytest.raises(ValueError, match="num_splits"):
-        q, sources, sinks = _inputs(["fp32"], 2, 2, 16, [4], seed=0)
         sparse_attention_triton(q, sources, sinks, 1.0, num_splits=0)
 
 
 # ---- index scores: the tensor-core kernel ---------------------------------------------------
 
 
+@interpreter
 @pytest.mark.parametrize("kind", ["mxfp8", "fp8_fp32sf", "exact"])
 @pytest.mark.parametrize("tile_n,tiles", [(16, 1), (16, 3)])
 def test_index_tc_kernel_bf16_queries_interpreter(kind, tile_n, tiles) -> None:
