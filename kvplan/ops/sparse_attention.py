@@ -193,9 +193,10 @@ def sparse_attention_triton(
             scale * _k.LOG2E, *srcs, **consts,
         )  # fmt: skip
         return out
-    ws_m = torch.empty((num_rows, num_splits, num_heads), dtype=torch.float32, device=q.device)
-    ws_l = torch.empty_like(ws_m)
-    ws_acc = torch.empty((*ws_m.shape, head_dim), dtype=torch.float32, device=q.device)
+    # one fp32 workspace: acc [T, S, H, D], then m and l [T, S, H]
+    parts = num_rows * num_splits * num_heads
+    ws = torch.empty(parts * (head_dim + 2), dtype=torch.float32, device=q.device)
+    ws_acc, ws_m, ws_l = ws[: parts * head_dim], ws[parts * head_dim : -parts], ws[-parts:]
     _ks.sparse_attention_split_kernel[(num_rows, groups, num_splits)](
         q, ws_acc, ws_m, ws_l, q.stride(0), q.stride(1), num_heads, num_splits, cols_per_split,
         scale * _k.LOG2E, *srcs, **consts,
