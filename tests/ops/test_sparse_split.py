@@ -23,7 +23,6 @@ from kvplan.ops.sparse_attention import (
     split_count,
 )
 
-
 # The CPU interpreter tests run the kernels on CPU tensors (TRITON_INTERPRET=1 without a GPU).
 interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
 
@@ -165,3 +164,21 @@ def test_cuda_index_scores_bf16_tensor_cores(kind) -> None:
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
     legacy = index_scores_triton(q, w, src, legacy=True)
     torch.testing.assert_close(got, legacy, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_split_in_a_cuda_graph() -> None:
+    """The split path (workspace allocated per call) captures and replays as a CUDA graph."""
+    q, sources, sinks = _v4_inputs(4, 16, 128, 256, V41_FORMAT, torch.bfloat16, seed=23)
+    eager = sparse_attention_triton(q, sources, sinks, 512**-0.5, check=False, num_splits=6)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sparse_attention_triton(q, sources, sinks, 512**-0.5, check=False, num_splits=6)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sparse_attention_triton(q, sources, sinks, 512**-0.5, check=False, num_splits=6)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
