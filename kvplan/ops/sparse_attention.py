@@ -149,7 +149,6 @@ def sparse_attention_triton(
     out = _out(q, out)
     num_rows, num_heads, head_dim = q.shape
     d_p2 = max(16, triton.next_power_of_2(head_dim))
-    tile_n = tile_n or (16 if d_p2 >= 512 else 32)
     num_warps = num_warps or (8 if d_p2 >= 512 else 4)
     interpret = triton_interpreting()
     if num_rows == 0:
@@ -165,10 +164,13 @@ def sparse_attention_triton(
         num_splits = (
             1
             if interpret or not q.is_cuda
-            else split_count(num_rows * groups, num_cols, tile_n, _num_sms(q.device))
+            else split_count(
+                num_rows * groups, num_cols, tile_n or _SPLIT_TILE_N, _num_sms(q.device)
+            )
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    tile_n = tile_n or (_SPLIT_TILE_N if num_splits > 1 else 16 if d_p2 >= 512 else 32)
     cols_per_split = triton.cdiv(triton.cdiv(max(num_cols, 1), num_splits), tile_n) * tile_n
     num_splits = triton.cdiv(max(num_cols, 1), cols_per_split)
 
@@ -208,7 +210,8 @@ def sparse_attention_triton(
     return out
 
 
-_PROGRAMS_PER_SM = 2  # split target: about this many programs per SM
+_PROGRAMS_PER_SM = 1  # split target: about this many programs per SM
+_SPLIT_TILE_N = 32  # keys per tile of the split kernel
 _MIN_SPLIT_TILES = 2  # fewest key tiles a split walks
 
 

@@ -72,11 +72,12 @@ def test_split_no_sinks_and_empty_rows() -> None:
 
 
 def test_split_count() -> None:
-    # 32 rows x 1 head group on 132 SMs, 640 columns in tiles of 16: 9 splits (264 programs)
-    assert split_count(32, 640, 16, 132) == 9
+    # 32 rows x 1 head group on 132 SMs, 640 columns in tiles of 32: 5 splits (160 programs)
+    assert split_count(32, 640, 32, 132) == 5
     assert split_count(132, 640, 16, 132) == 1  # already a full wave
     assert split_count(32, 32, 16, 132) == 1  # too few columns to split
     assert split_count(1, 64, 16, 132) == 2  # at least 2 tiles per split
+    assert split_count(16, 4096, 32, 132) == 9
     q, sources, sinks = _inputs(["fp32"], 2, 2, 16, [4], seed=0)
     with pytest.raises(ValueError, match="num_splits"):
         sparse_attention_triton(q, sources, sinks, 1.0, num_splits=0)
