@@ -18,8 +18,10 @@ bytes); split (index) layouts put a block's scales after its values (``scale_str
 ``scale_offset``). A dequantized key is ``bf16(value * scale)`` as ``load_paged_kv_cache``
 gives it (only fp32 scales need the rounding; the other products are exact in bf16).
 
-``index_scores_kernel`` is the lightning indexer's scoring over the same addressing: one
-query row's ``Hi`` heads against ``TILE_N`` keys per program.
+``index_scores_tc_kernel`` is the lightning indexer's scoring over the same addressing: one
+query row's ``Hi`` heads against ``TILES`` tiles of ``TILE_N`` keys per program, the keys as
+the rows of one dot (bf16 queries on the tensor cores); ``index_scores_kernel`` is the
+earlier CUDA-core form (fp32 products, ``TILE_N`` keys per program), kept for comparison.
 
 Softmax runs online in the log2 domain and starts from the sink: ``m = sink * log2(e)``,
 ``l = 1``, so the sink's term is in the denominator and a row that sees no key ends with
