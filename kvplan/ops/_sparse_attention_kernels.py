@@ -18,8 +18,10 @@ bytes); split (index) layouts put a block's scales after its values (``scale_str
 ``scale_offset``). A dequantized key is ``bf16(value * scale)`` as ``load_paged_kv_cache``
 gives it (only fp32 scales need the rounding; the other products are exact in bf16).
 
-``index_scores_kernel`` is the lightning indexer's scoring over the same addressing: one
-query row's ``Hi`` heads against ``TILE_N`` keys per program.
+``index_scores_tc_kernel`` is the lightning indexer's scoring over the same addressing: one
+query row's ``Hi`` heads against ``TILES`` tiles of ``TILE_N`` keys per program, the keys as
+the rows of one dot (bf16 queries on the tensor cores); ``index_scores_kernel`` is the
+earlier CUDA-core form (fp32 products, ``TILE_N`` keys per program), kept for comparison.
 
 Softmax runs online in the log2 domain and starts from the sink: ``m = sink * log2(e)``,
 ``l = 1``, so the sink's term is in the denominator and a row that sees no key ends with
@@ -252,3 +254,47 @@ def index_scores_kernel(
     score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
     score = tl.where(valid, score, float("-inf"))
     tl.store(out_ptr + t64 * stride_ot + cols, score, mask=cols < num_cols)
+
+
+@triton.jit
+def index_scores_tc_kernel(
+    q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, stride_qt, stride_qh, stride_wt, stride_ot,
+    stride_idx, num_heads, num_cols, num_slots, block_size, stride_block, stride_token,
+    scale_stride, scale_offset,
+    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
+    TILES: tl.constexpr, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
+    FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(T, cdiv(K, TILES * TILE_N))``: the scores of ``index_scores_kernel`` with
+    the keys as the dot's rows (``[TILE_N, Ci] x [Ci, TILE_H]``: every head of the row in one
+    dot, the query tile loaded once for ``TILES`` key tiles). With ``DOT_BF16`` (bf16
+    queries) the query and the dequantized keys (bf16-exact) enter the tensor cores as bf16
+    with fp32 accumulation: exact products, only the summation order differs from fp32.
+    Otherwise fp32 with ``"ieee"`` precision."""
+    t = tl.program_id(0)
+    heads = tl.arange(0, TILE_H)
+    h_ok = heads < num_heads
+    d = tl.arange(0, D_P2)
+    t64 = t.to(tl.int64)
+    q_off = t64 * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=h_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    if DOT_BF16:
+        qt = tl.trans(q.to(tl.bfloat16))  # [D_P2, TILE_H]
+    else:
+        qt = tl.trans(q.to(tl.float32))
+    w = tl.load(w_ptr + t64 * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
+    for i in range(0, TILES):
+        cols = (tl.program_id(1) * TILES + i) * TILE_N + tl.arange(0, TILE_N)
+        c_ok = cols < num_cols
+        slots = tl.load(idx_ptr + t64 * stride_idx + cols, mask=c_ok, other=-1)
+        valid = (slots >= 0) & (slots < num_slots)
+        k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token,
+                       scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
+                       FLAT, HW)  # fmt: skip
+        if DOT_BF16:
+            s = tl.dot(k.to(tl.bfloat16), qt)  # [TILE_N, TILE_H]
+        else:
+            s = tl.dot(k, qt, input_precision="ieee")
+        score = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
+        score = tl.where(valid, score, float("-inf"))
+        tl.store(out_ptr + t64 * stride_ot + cols, score, mask=c_ok)

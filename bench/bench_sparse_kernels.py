@@ -1,0 +1,238 @@
+"""Old vs new Triton kernels of ``kvplan.ops.sparse_attention`` at DeepSeek-V4 decode shapes.
+
+Cases (``--rows`` query rows, 32 by default):
+
+* ``index_scores``: 32 index heads x 128, bf16 queries, every row scoring its own
+  ``--candidates`` compressed entries (8,192 and 32,768: 32K and 128K context at ratio 4) in
+  an FP8 index layout with UE8M0 scales (``mxfp8``) and with fp32 scales (``fp8_fp32sf``).
+  old = ``index_scores_triton(legacy=True)`` (CUDA-core fp32 products, one key tile per
+  program); new = the default (tensor cores for bf16 queries).
+* ``sparse_attention``: 16 heads x 512, bf16 queries, a 128-slot SWA ring plus compressed
+  entries, both V41 FP8 caches read in place: CSA (512 chosen entries) and HCA (256 and
+  1,024 entries). old = one program per (row, head group) (``num_splits=1``); new = the
+  default (split columns when the rows leave SMs idle).
+
+Every new result is checked against the old one (max |new - old| / max |old| over finite
+entries; the run fails above 1e-5 for the scores, 2e-2 for the bf16 attention). Times: ``triton.testing.do_bench`` median on CUDA, eager ("ms": host launch
+cost included) and per call of 20 calls replayed as a CUDA graph ("graph ms", GPU time; the
+speedup column compares these); on a CPU (``--quick``, tiny
+shapes) the interpreter's wall time, for a smoke run only. ``--sweep`` also times a grid of
+tile configurations of the new kernels.
+
+    PYTHONPATH=. python3 bench/bench_sparse_kernels.py --out bench/results/sparse_kernels.json
+    PYTHONPATH=. python3 bench/bench_sparse_kernels.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+from kvplan.backends.hybrid.storage import PagedRows, index_format  # noqa: E402
+from kvplan.formats import V41_FORMAT  # noqa: E402
+from kvplan.ops.sparse_attention import (  # noqa: E402
+    index_scores_triton,
+    sparse_attention_triton,
+)
+
+# new vs old, relative to max |old|: fp32 scores summed in another order; bf16 outputs whose
+# probabilities are rounded to bf16 against another running max
+_TOL = {"index_scores": 1e-5, "sparse_attention": 2e-2}
+
+
+def timed_ms(fn, dev: torch.device) -> float:
+    """Median milliseconds per call."""
+    if dev.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def graph_ms(fn, dev: torch.device, calls: int = 20) -> float | None:
+    """Median milliseconds per call of ``calls`` back-to-back calls replayed as one CUDA graph
+    (GPU time without host overhead); None on a CPU."""
+    if dev.type != "cuda":
+        return None
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+    return float(ms) / calls
+
+
+def timing(fn, dev: torch.device) -> dict:
+    return {"ms": timed_ms(fn, dev), "graph_ms": graph_ms(fn, dev)}
+
+
+def rel_err(new: torch.Tensor, old: torch.Tensor) -> float:
+    fin = torch.isfinite(old)
+    if not torch.equal(fin, torch.isfinite(new)):
+        return float("inf")
+    scale = float(old[fin].abs().max()) if fin.any() else 1.0
+    return float((new[fin].float() - old[fin].float()).abs().max()) / max(scale, 1e-30)
+
+
+def paged_slots(num_rows, per_row, layout, width, block_size, dev, gen):
+    """A PagedRows holding ``per_row`` random rows for each query row (its own blocks, in a
+    random block order) and int32 ``[T, per_row]`` slots naming them in order."""
+    blocks_per_row = -(-per_row // block_size)
+    rows = PagedRows(num_rows * blocks_per_row, block_size, layout, width, device=dev)
+    n = num_rows * blocks_per_row * block_size
+    for lo in range(0, n, 1 << 18):
+        hi = min(n, lo + (1 << 18))
+        rows.store(torch.randn(hi - lo, width, generator=gen, device=dev),
+                   torch.arange(lo, hi, dtype=torch.int32, device=dev))  # fmt: skip
+    perm = torch.randperm(num_rows * blocks_per_row, generator=gen, device=dev)
+    perm = perm.view(num_rows, blocks_per_row).to(torch.int32)
+    col = torch.arange(per_row, dtype=torch.int32, device=dev)
+    slots = perm[:, col // block_size] * block_size + col % block_size
+    return rows, slots.contiguous()
+
+
+def compare(name: str, call, configs: list[dict], old_cfg: dict, dev) -> list[dict]:
+    """Rows for ``call(**old_cfg)`` ("old") and ``call(**cfg)`` for each of ``configs``
+    ("new" for ``{}``), each new one checked against the old result."""
+    old = call(**old_cfg)
+    out = [{"case": name, "path": "old", **timing(lambda: call(**old_cfg), dev)}]
+    for cfg in configs:
+        path = f"new {cfg}" if cfg else "new"
+        try:
+            new = call(**cfg)
+        except Exception as e:  # noqa: BLE001 - a sweep config may not compile
+            out.append({"case": name, "path": path, "error": repr(e)[:200]})
+            continue
+        t = timing(lambda cfg=cfg: call(**cfg), dev)
+        out.append({"case": name, "path": path, **t, "rel_err": rel_err(new, old)})
+    return out
+
+
+def index_case(a, dev, gen, kind: str, cand: int) -> list[dict]:
+    layout = index_format("fp8", kind, 128, torch.bfloat16)
+    rows, slots = paged_slots(a.rows, cand, layout, 128, 64, dev, gen)
+    q = torch.randn(a.rows, a.index_heads, 128, generator=gen, device=dev).to(torch.bfloat16)
+    w = torch.randn(a.rows, a.index_heads, generator=gen, device=dev)
+    src = rows.key_source(slots)
+    configs = [{}]
+    if a.sweep:
+        configs += [{"tile_n": n, "tiles": t, "num_warps": nw}
+                    for n in (64, 128, 256) for t in (1, 2) for nw in (4, 8)]  # fmt: skip
+
+    def call(**cfg):
+        return index_scores_triton(q, w, src, **cfg)
+
+    name = f"index_scores {kind} {a.rows}x{cand}"
+    return compare(name, call, configs, {"legacy": True}, dev)
+
+
+def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chosen: int):
+    pool, pool_slots = paged_slots(a.rows, entries, V41_FORMAT, 512, 64, dev, gen)
+    if chosen < entries:  # CSA: a random choice of the row's entries
+        pick = torch.rand(a.rows, entries, generator=gen, device=dev).argsort(dim=1)
+        pool_slots = pool_slots.gather(1, pick[:, :chosen]).contiguous()
+    q = torch.randn(a.rows, a.heads, 512, generator=gen, device=dev).to(torch.bfloat16)
+    sinks = torch.randn(a.heads, generator=gen, device=dev)
+    srcs = [ring.key_source(ring_slots), pool.key_source(pool_slots)]
+    configs = [{}] if dev.type == "cuda" else [{"num_splits": 2}]  # CPU: split anyway
+    if a.sweep:
+        configs += [{"num_splits": s, "tile_n": n, "num_warps": nw}
+                    for s in (4, 8, 16) for n in (16, 32, 64) for nw in (4, 8)]  # fmt: skip
+
+    def call(**cfg):
+        return sparse_attention_triton(q, srcs, sinks, 512**-0.5, check=False, **cfg)
+
+    name = f"sparse_attention {label} {a.rows}x{a.heads}x512 {a.window}+{chosen}"
+    return compare(name, call, configs, {"num_splits": 1}, dev)
+
+
+def attention_cases(a, dev, gen) -> list[dict]:
+    ring, ring_slots = paged_slots(a.rows, a.window, V41_FORMAT, 512, a.window, dev, gen)
+    out = attention_case(a, dev, gen, ring, ring_slots, "CSA", a.csa_pool, a.top_k)
+    for n in a.hca_entries:
+        out += attention_case(a, dev, gen, ring, ring_slots, "HCA", n, n)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--sweep", action="store_true", help="also time tile configurations")
+    ap.add_argument("--only", choices=("index", "attention"), default=None)
+    ap.add_argument("--out", default=None, help="write the JSON record here")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    quick = a.quick or dev.type == "cpu"
+    a.rows = 2 if quick else 32
+    a.index_heads = 4 if quick else 32
+    a.candidates = [96] if quick else [8192, 32768]
+    a.heads, a.window, a.top_k = (4, 16, 24) if quick else (16, 128, 512)
+    a.csa_pool = 64 if quick else 8192
+    a.hca_entries = [40] if quick else [256, 1024]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    if a.only in (None, "index"):
+        for kind in ("mxfp8", "fp8_fp32sf"):
+            for cand in a.candidates:
+                rows += index_case(a, dev, gen, kind, cand)
+    if a.only in (None, "attention"):
+        rows += attention_cases(a, dev, gen)
+    base = {}
+    print(f"{'case':<46} {'path':<48} {'ms':>8} {'graph ms':>8} {'x old':>6} {'rel_err':>9}")
+    for r in rows:
+        if r["path"] == "old":
+            base[r["case"]] = r
+        if "error" in r:
+            print(f"{r['case']:<46} {r['path']:<48} error: {r['error'][:60]}")
+            continue
+        key = "graph_ms" if r["graph_ms"] is not None else "ms"
+        r["speedup"] = base[r["case"]][key] / r[key]
+        err = f"{r['rel_err']:.2e}" if "rel_err" in r else ""
+        g = f"{r['graph_ms']:8.4f}" if r["graph_ms"] is not None else f"{'-':>8}"
+        print(f"{r['case']:<46} {r['path']:<48} {r['ms']:8.4f} {g} {r['speedup']:6.2f} {err:>9}")
+    record = {
+        "bench": "sparse_kernels",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor(),
+        "command": " ".join(shlex.quote(x) for x in sys.argv),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    bad = [r for r in rows if r.get("rel_err", 0.0) > _TOL[r["case"].split()[0]]]
+    for r in bad:
+        print(f"MISMATCH {r['case']} {r['path']}: rel_err {r['rel_err']:.2e}")
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(record, f, indent=1)
+    if bad:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Split-column (flash-decoding) kernels of ``kvplan.ops.sparse_attention``.
+
+A few query rows (decode) give ``T * cdiv(H, TILE_H)`` programs, too few to fill the GPU when
+each walks all of its row's columns. Here the columns of a row, source 0's then source 1's
+(one joined column space of ``n0 + n1`` columns), are cut into ``S`` splits of
+``cols_per_split`` columns (a multiple of ``TILE_N``)::
+
+    columns:  | source 0: n0 ............ | source 1: n1 ..................... |
+    splits:   | split 0     | split 1     | split 2     | split 3     | s 4    |
+
+``sparse_attention_split_kernel`` (grid ``(T, cdiv(H, TILE_H), S)``) runs the online softmax
+of ``kvplan.ops._sparse_attention_kernels`` over one split, without the sink, and writes its
+partial state, in the log2 domain, to fp32 workspaces::
+
+    ws_m[t, s, h]     running max of the split's logits (-1e30 when it saw no column)
+    ws_l[t, s, h]     sum_k exp2(l_k - ws_m)
+    ws_acc[t, s, h]   sum_k exp2(l_k - ws_m) v_k        [D]
+
+``sparse_attention_combine_kernel`` (grid ``(T, cdiv(H, TILE_H))``) merges the splits and
+adds the sink once: ``m = max(sink, max_s ws_m)``, ``l = exp2(sink - m) + sum_s ws_l
+exp2(ws_m - m)``, ``out = sum_s ws_acc exp2(ws_m - m) / l`` (zeros for a row that sees no
+key). The workspaces hold ``T * S * H * (D + 2)`` fp32 values, a size fixed by the shapes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvplan.ops._sparse_attention_kernels import LOG2E, _attend_tile
+
+
+@triton.jit
+def _attend_cols(
+    acc, m_i, l_i, q, t, lo, hi, c_ptr, idx_ptr, stride_idx, num_slots,
+    block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
+    KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
+    DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax steps over index columns ``[lo, hi)`` of row ``t`` of one source (the
+    interpreter cannot take a runtime bound in ``range``: a ``while`` loop there)."""
+    row_idx = idx_ptr + t.to(tl.int64) * stride_idx
+    if INTERPRET:
+        start = lo
+        while start < hi:
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, start, row_idx, hi, num_slots, c_ptr, block_size,
+                stride_block, stride_token, scale_stride, scale_offset, qk_scale,
+                KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
+            )  # fmt: skip
+            start += TILE_N
+    else:
+        for start in range(lo, hi, TILE_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, start, row_idx, hi, num_slots, c_ptr, block_size,
+                stride_block, stride_token, scale_stride, scale_offset, qk_scale,
+                KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
+def sparse_attention_split_kernel(
+    q_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_qt, stride_qh, num_heads, num_splits,
+    cols_per_split, qk_scale,
+    c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0, sblk0, stok0, sstr0, soff0,
+    c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1, sblk1, stok1, sstr1, soff1,
+    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
+    KIND0: tl.constexpr, SF0: tl.constexpr, GS0: tl.constexpr, FLAT0: tl.constexpr,
+    KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
+    HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(T, cdiv(H, TILE_H), S)``: split ``s`` of row ``t``, joined columns
+    ``[s * cols_per_split, (s + 1) * cols_per_split)``. Source arguments as in
+    ``sparse_attention_kernel``; workspaces contiguous ``[T, S, H(, HEAD_DIM)]`` fp32."""
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
+    sp = tl.program_id(2)
+    h_ok = heads < num_heads
+    d = tl.arange(0, D_P2)
+    d_ok = d < HEAD_DIM
+    h64 = heads.to(tl.int64)
+    q_off = t.to(tl.int64) * stride_qt + h64[:, None] * stride_qh + d[None, :]
+    qmask = h_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
+    if DOT_BF16:
+        q = q.to(tl.bfloat16)
+    else:
+        q = q.to(tl.float32)
+    m_i = tl.full([TILE_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([TILE_H], tl.float32)
+    acc = tl.zeros([TILE_H, D_P2], tl.float32)
+    lo = sp * cols_per_split
+    hi = lo + cols_per_split
+    acc, m_i, l_i = _attend_cols(
+        acc, m_i, l_i, q, t, tl.minimum(lo, n0), tl.minimum(hi, n0), c0_ptr, i0_ptr,
+        stride_i0, slots0, bs0, sblk0, stok0, sstr0, soff0, qk_scale,
+        KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_N, FLAT0, HW, DOT_BF16, INTERPRET,
+    )  # fmt: skip
+    if HAS1:
+        lo1 = tl.minimum(tl.maximum(lo - n0, 0), n1)
+        hi1 = tl.minimum(tl.maximum(hi - n0, 0), n1)
+        acc, m_i, l_i = _attend_cols(
+            acc, m_i, l_i, q, t, lo1, hi1, c1_ptr, i1_ptr, stride_i1, slots1, bs1, sblk1,
+            stok1, sstr1, soff1, qk_scale,
+            KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_N, FLAT1, HW, DOT_BF16, INTERPRET,
+        )  # fmt: skip
+    row = (t.to(tl.int64) * num_splits + sp) * num_heads + h64  # [TILE_H]
+    tl.store(ws_m_ptr + row, m_i, mask=h_ok)
+    tl.store(ws_l_ptr + row, l_i, mask=h_ok)
+    tl.store(ws_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=qmask)
+
+
+@triton.jit
+def _split_weight(ws_m_ptr, row, h_ok, m):
+    """``exp2(ws_m - m)`` of one split's heads (``[TILE_H]``)."""
+    return tl.exp2(tl.load(ws_m_ptr + row, mask=h_ok, other=-1.0e30) - m)
+
+
+@triton.jit
+def sparse_attention_combine_kernel(
+    out_ptr, sink_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_ot, stride_oh, num_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(T, cdiv(H, TILE_H))``: merge the ``S`` partial states of row ``t`` and add
+    the sink (fp32 ``[H]``) once; out ``[T, H, HEAD_DIM]``."""
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
+    h_ok = heads < num_heads
+    h64 = heads.to(tl.int64)
+    d = tl.arange(0, D_P2)
+    mask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
+    sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
+    base = t.to(tl.int64) * num_splits * num_heads + h64  # row of split 0
+    m = tl.maximum(sink, -1.0e30)
+    if INTERPRET:
+        sp = 0
+        while sp < num_splits:
+            m = tl.maximum(m, tl.load(ws_m_ptr + base + sp * num_heads, mask=h_ok, other=-1.0e30))
+            sp += 1
+    else:
+        for sp in range(0, num_splits):
+            m = tl.maximum(m, tl.load(ws_m_ptr + base + sp * num_heads, mask=h_ok, other=-1.0e30))
+    l_i = tl.exp2(sink - m)
+    acc = tl.zeros([TILE_H, D_P2], tl.float32)
+    if INTERPRET:
+        sp = 0
+        while sp < num_splits:
+            row = base + sp * num_heads
+            w = _split_weight(ws_m_ptr, row, h_ok, m)
+            l_i += w * tl.load(ws_l_ptr + row, mask=h_ok, other=0.0)
+            part = tl.load(ws_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+            acc += w[:, None] * part
+            sp += 1
+    else:
+        for sp in range(0, num_splits):
+            row = base + sp * num_heads
+            w = _split_weight(ws_m_ptr, row, h_ok, m)
+            l_i += w * tl.load(ws_l_ptr + row, mask=h_ok, other=0.0)
+            part = tl.load(ws_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+            acc += w[:, None] * part
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = t.to(tl.int64) * stride_ot + h64[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,185 @@
+"""sparse_attention's split-column (flash-decoding) path and index_scores' tensor-core kernel:
+the split kernels (CPU interpreter, tiny shapes, several split counts) equal the torch path,
+including splits that see no column, rows that see nothing and heads without a sink; the
+kernels compile for sm_90; on CUDA the split path and the bf16 index path equal the torch
+references at DeepSeek-V4 shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sm90_compile import compile_sm90
+from test_sparse_attention import FP4_64, FP8_64, _index_inputs, _inputs, _v4_inputs
+
+from kvplan.formats import V41_FORMAT
+from kvplan.ops import _sparse_attention_kernels as _k
+from kvplan.ops import _sparse_split_kernels as _ks
+from kvplan.ops.sparse_attention import (
+    index_scores,
+    index_scores_triton,
+    sparse_attention,
+    sparse_attention_torch,
+    sparse_attention_triton,
+    split_count,
+)
+
+# The CPU interpreter tests run the kernels on CPU tensors (TRITON_INTERPRET=1 without a GPU).
+interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
+
+
+def _hide_block(sources, lo: int, hi: int) -> None:
+    """Columns ``[lo, hi)`` of the last source see nothing in every row."""
+    sources[-1].index[:, lo:hi] = -1
+
+
+@interpreter
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+@pytest.mark.parametrize(
+    "kinds,head_dim", [(["fp32", "paged_bf16"], 32), ([FP8_64, FP4_64], 64)], ids=["plain", "q"]
+)
+def test_split_interpreter_equals_torch(kinds, head_dim, num_splits) -> None:
+    """20 + 50 joined columns in tiles of 16: 2 / 3 / 5 splits of 48 / 32 / 16 columns;
+    joined columns 32..47 (one whole split at 5) see nothing; row 0 sees nothing; head 1
+    has no sink."""
+    q, sources, sinks = _inputs(kinds, 4, 3, head_dim, [20, 50], seed=11)
+    _hide_block(sources, 12, 28)
+    sinks[1] = float("-inf")
+    got = sparse_attention_triton(q, sources, sinks, head_dim**-0.5, tile_n=16,
+                                  num_splits=num_splits)  # fmt: skip
+    want = sparse_attention_torch(q, sources, sinks, head_dim**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+@interpreter
+def test_split_one_source_bf16_queries() -> None:
+    """One source, bf16 q and out, 3 splits, more heads than one head tile (tile_h 16)."""
+    q, sources, sinks = _inputs([FP8_64], 3, 18, 64, [37], seed=12, dtype=torch.bfloat16)
+    got = sparse_attention_triton(q, sources, sinks, 0.125, tile_n=16, num_splits=3)
+    want = sparse_attention_torch(q, sources, sinks, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@interpreter
+def test_split_no_sinks_and_empty_rows() -> None:
+    """No head has a sink and no row sees a key: zeros, not NaN."""
+    q, sources, sinks = _inputs(["fp32"], 2, 2, 16, [40], seed=13)
+    sources[0].index.fill_(-1)
+    sinks.fill_(float("-inf"))
+    got = sparse_attention_triton(q, sources, sinks, 0.25, tile_n=16, num_splits=3)
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_split_count() -> None:
+    # 32 rows x 1 head group on 132 SMs, 640 columns in tiles of 32: 5 splits (160 programs)
+    assert split_count(32, 640, 32, 132) == 5
+    assert split_count(132, 640, 16, 132) == 1  # already a full wave
+    assert split_count(32, 32, 16, 132) == 1  # too few columns to split
+    assert split_count(1, 64, 16, 132) == 2  # at least 2 tiles per split
+    assert split_count(16, 4096, 32, 132) == 9
+    q, sources, sinks = _inputs(["fp32"], 2, 2, 16, [4], seed=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        sparse_attention_triton(q, sources, sinks, 1.0, num_splits=0)
+
+
+# ---- index scores: the tensor-core kernel ---------------------------------------------------
+
+
+@interpreter
+@pytest.mark.parametrize("kind", ["mxfp8", "fp8_fp32sf", "exact"])
+@pytest.mark.parametrize("tile_n,tiles", [(16, 1), (16, 3)])
+def test_index_tc_kernel_bf16_queries_interpreter(kind, tile_n, tiles) -> None:
+    """bf16 queries: the new kernel (several key tiles per program) and the legacy kernel
+    equal the torch path (the interpreter multiplies in fp32)."""
+    q, w, rows, idx = _index_inputs(kind, seed=14)
+    q = q.bfloat16()
+    src = rows.key_source(idx)
+    want = index_scores(q, w, src)  # torch path on CPU
+    got = index_scores_triton(q, w, src, tile_n=tile_n, tiles=tiles)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(index_scores_triton(q, w, src, legacy=True), want,
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+# ---- sm_90 compiles ------------------------------------------------------------------------
+
+_SRC = {f"{n}_ptr": t for n, t in (("c0", "*u8"), ("c1", "*u8"), ("i0", "*i32"), ("i1", "*i32"))}
+_V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=True)
+
+
+def test_split_kernels_compile_for_sm90() -> None:
+    sig = {"q_ptr": "*bf16", "qk_scale": "fp32", **_SRC}
+    compile_sm90(_ks.sparse_attention_split_kernel, "*fp32", sig, HEAD_DIM=512, D_P2=512,
+                 TILE_H=16, TILE_N=32, **_V41, HAS1=True, HW=True, DOT_BF16=True,
+                 INTERPRET=False)  # fmt: skip
+    compile_sm90(_ks.sparse_attention_combine_kernel, "*fp32", {"out_ptr": "*bf16"},
+                 HEAD_DIM=512, D_P2=512, TILE_H=16, INTERPRET=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("sf,gs,flat", [(0, 32, True), (2, 128, True)], ids=["ue8m0", "fp32"])
+def test_index_tc_kernel_compiles_for_sm90(sf, gs, flat) -> None:
+    sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "c_ptr": "*u8"}
+    compile_sm90(_k.index_scores_tc_kernel, "*i32", sig, HEAD_DIM=128, D_P2=128, TILE_H=32,
+                 TILE_N=128, TILES=2, KIND=2, SF=sf, GS=gs, FLAT=flat, HW=True,
+                 DOT_BF16=True)  # fmt: skip
+
+
+# ---- CUDA at DeepSeek-V4 shapes ------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 3, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_split_v4_shapes(num_splits, dtype) -> None:
+    q, sources, sinks = _v4_inputs(8, 16, 128, 512, V41_FORMAT, dtype, seed=21)
+    sources[1].index[:3] = -1  # rows 0..2 see only the ring
+    got = sparse_attention_triton(q, sources, sinks, 512**-0.5, num_splits=num_splits)
+    want = sparse_attention_torch(q, sources, sinks, 512**-0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    one = sparse_attention(q, sources, sinks, 512**-0.5)  # default dispatch (auto split)
+    torch.testing.assert_close(one.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mxfp8", "fp8_fp32sf", "fp4", "exact"])
+def test_cuda_index_scores_bf16_tensor_cores(kind) -> None:
+    """bf16 queries on the tensor cores: exact products, fp32 sums in another order."""
+    from kvplan.backends.hybrid.storage import PagedRows, index_format
+
+    gen = torch.Generator().manual_seed(22)
+    fmt = index_format("exact" if kind == "exact" else "fp8", None if kind == "exact" else kind,
+                       128, torch.bfloat16)  # fmt: skip
+    rows = PagedRows(64, 64, fmt, 128, device=torch.device("cuda"))
+    rows.store(torch.randn(4096, 128, generator=gen).cuda(),
+               torch.arange(4096, dtype=torch.int32, device="cuda"))  # fmt: skip
+    q = torch.randn(8, 32, 128, generator=gen).cuda().bfloat16()
+    w = torch.randn(8, 32, generator=gen).cuda()
+    idx = torch.randint(-1, 4096, (8, 3000), generator=gen, dtype=torch.int32).cuda()
+    src = rows.key_source(idx)
+    got = index_scores(q, w, src)
+    keys = rows.load_slots(idx).view(*idx.shape, -1)
+    want = torch.einsum("thk,th->tk", torch.einsum("thc,tkc->thk", q.float(), keys).relu(), w)
+    want = want.masked_fill(idx < 0, float("-inf"))
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+    legacy = index_scores_triton(q, w, src, legacy=True)
+    torch.testing.assert_close(got, legacy, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_split_in_a_cuda_graph() -> None:
+    """The split path (workspace allocated per call) captures and replays as a CUDA graph."""
+    q, sources, sinks = _v4_inputs(4, 16, 128, 256, V41_FORMAT, torch.bfloat16, seed=23)
+    eager = sparse_attention_triton(q, sources, sinks, 512**-0.5, check=False, num_splits=6)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sparse_attention_triton(q, sources, sinks, 512**-0.5, check=False, num_splits=6)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sparse_attention_triton(q, sources, sinks, 512**-0.5, check=False, num_splits=6)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
