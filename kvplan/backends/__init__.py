@@ -14,7 +14,7 @@ One step, top-down (host, then device)::
     ragged.py (or vanilla.py, block_offsets.py)
                              _prepare_backend: the backend's kernel format
       paged_metadata.py        _step_rows: the batch's block-table rows, checked
-        block_tables.py          (numpy table math: slots, page lists, load plans)
+        block_tables.py          (numpy table math: slots, page lists, checks)
       staging/                 arena.begin / put / commit: ONE async H2D copy
                                (arena.py, pinned_ring.py); expand.py: one kernel for
                                the per-token slots and the ragged page list

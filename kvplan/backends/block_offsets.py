@@ -32,10 +32,8 @@ whole rows also keep the table one contiguous run of the arena (one copy, no str
 rows first, so row g is generation sequence g), zero-filled then copied, skipped while a CUDA
 graph is capturing; the generation segment's decode then reads ``block_ids_per_seq``.
 
-fp8 caches (``kv_cache.is_quantized``, given at construction): ``prepare()`` also lists each
-row's first ``ceil(kv_lens / block_size)`` blocks (draft tokens included) as a load plan, and
-the forward reads a compact bf16 copy of just those pages
-(``kvplan.backends.page_table_attention``).
+Quantized caches (fp8, fp4) need nothing more here: the kernels read their pages in place
+through the same table (``kvplan.backends.page_table_attention``).
 """
 
 from __future__ import annotations
@@ -46,11 +44,8 @@ import torch
 from kvplan._checks import check_int32
 from kvplan.backends.block_tables import (
     PerBatch,
-    TableRows,
-    flat_page_index,
     gather_rows,
     logical_num_blocks,
-    page_load_plan,
 )
 from kvplan.backends.lengths import SUM, as_int32_array
 from kvplan.backends.page_table_attention import PagedSegment, PagedView, PageTableAttention
@@ -107,19 +102,8 @@ class BlockOffsetsAttentionMetadata(PagedMetadata):
         fields["cached"] = s  # the device expands a general step's slots from it
         fields.update({f"slots{p}": t for p in range(self._num_pools)})
         fields["block_offsets"] = self._num_pools * s * 2 * width
-        # fp8 caches: the step's pages in row order, a load plan per pool (page_table_attention)
-        self._load_pages = (
-            self.kv_cache is not None and mgr is not None and self.kv_cache.is_quantized
-        )
-        if self._load_pages:
-            check_int32("4 * max_num_sequences * max_blocks_per_seq", 4 * s * width)
-            fields["page_start"] = s + 1
-            fields.update({f"load{p}": 4 * s * width for p in range(self._num_pools)})
-            fields["tok_loaded_start"] = t
-            self._page_arange = torch.arange(s * width, dtype=torch.int32, device=dev)
         # cross attention only: last, so other steps stage (and copy) a shorter prefix
         fields.update({"tok_page_start": t, "tok_kv_lens": t})
-        self.num_loaded_pages = 0
         self.arena = DeviceArena(fields, dev)
         self._offsets = self.arena.offsets
         self._seq_lens_gpu = self.arena.view("seq_lens")  # staged with the other fields
@@ -129,7 +113,6 @@ class BlockOffsetsAttentionMetadata(PagedMetadata):
         )
         self.copied_width = width
         self._rows_twice = PerBatch(lambda rows: rows.repeat(2))  # K and V rows of a row
-        self._flat_arange = np.arange(s * width if self._load_pages else 0, dtype=np.int64)
         self.prompt_lens_cuda = self.arena.view("prompt_lens")
         # 0, 1, ...: the page ids of a context-only batch without a cache (device int32 [t])
         self.token_arange = torch.arange(t, dtype=torch.int32, device=dev)
@@ -194,15 +177,12 @@ class BlockOffsetsAttentionMetadata(PagedMetadata):
         decode = self.one_kv_token_per_row and not extra and self.decode_fast_path
         on_device = self._expands_tokens(decode)
         step = self._step_rows(decode=decode, extra_tokens=extra, per_token=not on_device)
-        bt, num_pages = step.tables, step.num_needed
+        bt = step.tables
         arena = self.arena
-        num_loaded = int(SUM(num_pages)) if self._load_pages and n else 0
         row_span, pool_span = 2 * width, self.max_num_sequences * 2 * width
         cross = self._seq_lens_kv is not None  # is_cross, without the property call
         if cross:
             end = arena.end_of("tok_kv_lens", self._num_tokens)
-        elif self._load_pages:
-            end = arena.end_of(f"load{num_pools - 1}", 4 * num_loaded)
         else:
             end = self._offsets["block_offsets"] + (num_pools - 1) * pool_span + n * row_span
         # Fields are written at their arena offsets (``o``) straight into the staging
@@ -235,31 +215,11 @@ class BlockOffsetsAttentionMetadata(PagedMetadata):
             q_rows = self._arange[:n].repeat(self._seq_lens_np)
             arena.put(host, "tok_page_start", q_rows * np.int32(row_span))
             arena.put(host, "tok_kv_lens", valid[q_rows])
-        if self._load_pages:
-            self._stage_page_loads(host, step.pools, num_pages)
-            self.num_loaded_pages = num_loaded
         arena.commit()
         if on_device:
             self._expand_on_device()
         if self.enable_block_id_tables:
             self.prepare_block_id_tables()
-
-    def _stage_page_loads(self, host: np.ndarray, pools: list[TableRows], num_pages) -> None:
-        """fp8: the pages each row may read (``num_pages[b]`` = ``ceil(kv_lens /
-        block_size)``, draft tokens included), row by row, as a load plan per pool
-        (``load{p}``) plus their row starts (``page_start``, and ``tok_loaded_start`` for
-        cross attention), into this step's staging snapshot ``host``. The kernels then read
-        the compact cache through ``page_ids = arange`` and ``page_start``."""
-        arena, n = self.arena, num_pages.size
-        start = arena.out(host, "page_start", n + 1)
-        start[0] = 0
-        num_pages.cumsum(out=start[1:])
-        index = flat_page_index(pools[0].row_start, start, num_pages, self._flat_arange)
-        for p, rows in enumerate(pools):
-            pages = rows.flat.take(index, mode="clip")  # in range: rows own these columns
-            arena.put(host, f"load{p}", page_load_plan(pages, self._block_size))
-        if self._seq_lens_kv is not None:  # cross: each query token's row start
-            arena.put(host, "tok_loaded_start", start[self._arange[:n].repeat(self._seq_lens_np)])
 
     def _bind_expansion(self, expander: DeviceExpander, key: None) -> tuple:
         """A general step's slots from ``qo_indptr`` / ``cached`` and the table's K entries
@@ -306,18 +266,12 @@ class BlockOffsetsAttentionMetadata(PagedMetadata):
         self.host_request_types[: self.num_seqs].fill_(0)
 
     # kernel view --------------------------------------------------------------------
-    def paged_view(self, pool: int, *, loaded_pages: bool = False) -> PagedView:
+    def paged_view(self, pool: int) -> PagedView:
         """The kernels' view of pool ``pool``: the block-offset table (K entries; row b's pages
-        start at ``b * 2 * max_blocks_per_seq``), or with ``loaded_pages`` the compact cache of
-        ``load_batch_pages`` (ids ``arange``; row b's pages start at ``page_start[b]``)."""
+        start at ``b * 2 * max_blocks_per_seq``)."""
         n, nc, ng = self.num_seqs, self.num_contexts, self.num_generations
-        if loaded_pages:
-            table = self._page_arange[: self.num_loaded_pages]
-            row_start = self.arena.view("page_start")
-            tok_start = self.arena.view("tok_loaded_start")
-        else:
-            table = self.kv_cache_block_offsets[pool].view(-1)
-            row_start, tok_start = self._row_start, self.arena.view("tok_page_start")
+        table = self.kv_cache_block_offsets[pool].view(-1)
+        row_start, tok_start = self._row_start, self.arena.view("tok_page_start")
         kv_lens = self.kv_lens_cuda
         q_lens = self._seq_lens_np
         max_kv = int(self.kv_lens_np.max()) if n else 0
@@ -336,7 +290,7 @@ class BlockOffsetsAttentionMetadata(PagedMetadata):
         if ng:
             max_q = int(q_lens[nc:].max())
             cu = self.arena.view("qo_indptr_gen")[: ng + 1] if max_q > 1 else None
-            if self.block_id_tables_valid and pool == 0 and not loaded_pages:
+            if self.block_id_tables_valid and pool == 0:
                 # generation rows first: row g of block_ids_per_seq is generation sequence g
                 ids, start = self.block_ids_per_seq.view(-1), self._row_start_ids[:ng]
             else:

@@ -88,24 +88,6 @@ def flat_page_index(
     return index
 
 
-def page_load_plan(pages: np.ndarray, block_size: int) -> np.ndarray:
-    """Load plan (``kvplan.load_paged_kv_cache`` segments) that copies page ``pages[i]`` to
-    rows ``[i * block_size, (i + 1) * block_size)``: int32 ``[len(pages) * 4]`` (flattened
-    ``[m, 4]`` rows ``[src_block, 0, block_size, dst_offset]``).
-
-    Example (block_size 4): ``pages = [7, 3]`` -> ``[[7, 0, 4, 0], [3, 0, 4, 4]]``; the loaded
-    buffer is a cache whose page i holds block ``pages[i]``, so a page table over it is
-    ``arange(m)`` in the order of ``pages``.
-    """
-    m = pages.size
-    plan = np.empty((m, 4), np.int32)
-    plan[:, 0] = pages
-    plan[:, 1] = 0
-    plan[:, 2] = block_size
-    np.multiply(np.arange(m, dtype=np.int32), np.int32(block_size), out=plan[:, 3])
-    return plan.reshape(-1)
-
-
 @functools.cache
 def _block_math(block_size: int) -> tuple[np.int32, np.int32, np.int32 | None]:
     """``(block_size, block_size - 1, log2(block_size) or None)`` as int32 scalars, made once

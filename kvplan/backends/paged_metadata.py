@@ -61,13 +61,6 @@ class PagedMetadata(AttentionMetadata):
         self._pools: list[TableRows] = []
         self._pools_rows = self._pools_tables = None
         self._row_last = np.zeros(0, np.int64)  # row_start - 1, per batch
-        self._load_pages = False  # subclasses that build fp8 load plans set it
-
-    @property
-    def loads_pages(self) -> bool:
-        """Whether ``prepare()`` builds a load plan of the step's pages (an fp8 ``kv_cache``
-        and a manager given at construction; ``page_table_attention.load_batch_pages``)."""
-        return self._load_pages
 
     def _step_rows(
         self, *, decode: bool, extra_tokens: int = 0, per_token: bool = True

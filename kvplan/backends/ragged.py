@@ -33,10 +33,8 @@ whole sequence); a layer reads its pool's indices. ``check_page_table`` cross-ch
 logical blocks, exposed blocks and lengths after each ``prepare()``, reporting at most
 ``page_table_check_budget`` problems (then staying quiet) instead of raising.
 
-fp8 caches (``kv_cache.is_quantized``, given at construction): ``prepare()`` also turns each
-pool's ``paged_kv_indices`` into a load plan; the forward dequantizes exactly those pages into
-a compact bf16 cache and the kernels read it through ``arange`` page ids with the same indptr
-(``kvplan.backends.page_table_attention``), with no device sync.
+Quantized caches (fp8, fp4) need nothing more here: the kernels read their pages in place
+through the same page list (``kvplan.backends.page_table_attention``).
 """
 
 from __future__ import annotations
@@ -46,12 +44,10 @@ import logging
 import numpy as np
 import torch
 
-from kvplan._checks import check_int32
 from kvplan.backends.block_tables import (
     flat_page_index,
     gather_rows,
     new_token_positions,
-    page_load_plan,
 )
 from kvplan.backends.lengths import CUMSUM, MAX, SUM
 from kvplan.backends.page_table_attention import PagedSegment, PagedView, PageTableAttention
@@ -98,7 +94,6 @@ class RaggedAttentionMetadata(PagedMetadata):
         self.check_kernel_inputs = check_kernel_inputs
         self.page_table_reports: list[str] = []
         s, t = self.max_num_sequences, self.max_num_tokens
-        mgr = self.kv_cache_manager
         width = self._max_blocks_per_seq
         fields = {
             "seq_lens": s,
@@ -118,15 +113,6 @@ class RaggedAttentionMetadata(PagedMetadata):
             fields[f"table{p}"] = s * width
         for p in range(self._num_pools):
             fields[f"indices{p}"] = s * width
-        # fp8 caches: per pool, a load plan of the step's pages (page_table_attention)
-        self._load_pages = (
-            self.kv_cache is not None and mgr is not None and self.kv_cache.is_quantized
-        )
-        if self._load_pages:
-            check_int32("4 * max_num_sequences * max_blocks_per_seq", 4 * s * width)
-            for p in range(self._num_pools):
-                fields[f"load{p}"] = 4 * s * width
-            self._page_arange = torch.arange(s * width, dtype=torch.int32, device=self.device)
         # cross attention only: last, so other steps stage (and copy) a shorter prefix
         fields.update({"tok_page_start": t, "tok_kv_lens": t})
         self.arena = DeviceArena(fields, self.device)
@@ -141,11 +127,6 @@ class RaggedAttentionMetadata(PagedMetadata):
     # device views -------------------------------------------------------------------
     def paged_kv_indices(self, pool: int = 0) -> torch.Tensor:
         return self.arena.view(f"indices{pool}")[: self._num_indices]
-
-    @property
-    def num_loaded_pages(self) -> int:
-        """Pages this step's fp8 load plans copy (= the page list's length; host int)."""
-        return self._num_indices
 
     @property
     def paged_kv_indptr(self) -> torch.Tensor:
@@ -196,8 +177,8 @@ class RaggedAttentionMetadata(PagedMetadata):
         # validate everything before staging starts (a CPU arena is written in place)
         decode = self.one_kv_token_per_row and self.decode_fast_path
         # the device expands the page list and the new tokens' fields from the table rows;
-        # the host keeps cross steps and fp8 load plans (both need the host page list)
-        on_device = self.expand_on_device and not cross and not self._load_pages
+        # the host keeps cross steps (their K/V tokens are not the queries' rows)
+        on_device = self.expand_on_device and not cross
         step = self._step_rows(decode=decode, per_token=not on_device)
         bt, pools, logical_nb = step.tables, step.pools, step.num_needed
         if self.use_full_generation_page_table and not cross:
@@ -212,8 +193,6 @@ class RaggedAttentionMetadata(PagedMetadata):
         width = int(MAX(num_blocks)) if on_device and n else 0  # row stride of the table
         if cross:
             end = arena.end_of("tok_kv_lens", self._num_tokens)
-        elif self._load_pages:
-            end = arena.end_of(f"load{num_pools - 1}", 4 * num_indices)
         elif on_device:
             end = self._offsets[f"table{num_pools - 1}"] + n * width
         else:
@@ -270,8 +249,6 @@ class RaggedAttentionMetadata(PagedMetadata):
                 idx = host[o[f"indices{p}"] : o[f"indices{p}"] + num_indices]
                 t.flat.take(flat_index, out=idx, mode="clip")  # in range: rows own these columns
                 indices.append(idx)
-                if self._load_pages:
-                    arena.put(host, f"load{p}", page_load_plan(idx, bs))
             self._indices_np = indices
         if cross:  # one decode "sequence" per query token
             q_rows = self._arange[:n].repeat(self._seq_lens_np)
@@ -347,14 +324,11 @@ class RaggedAttentionMetadata(PagedMetadata):
             logger.warning("ragged page table self-check: %s", msg)
 
     # kernel view --------------------------------------------------------------------
-    def paged_view(self, pool: int, *, loaded_pages: bool = False) -> PagedView:
-        """The kernels' view of pool ``pool``; ``loaded_pages``: over the compact cache of
-        ``load_batch_pages`` (page ``i`` = ``paged_kv_indices[i]``, so the ids are ``arange``)."""
+    def paged_view(self, pool: int) -> PagedView:
+        """The kernels' view of pool ``pool``: its page list, ``paged_kv_indptr`` the row
+        starts (the generation segment's relative to ``indptr[num_contexts]``)."""
         n, nc, ng = self.num_seqs, self.num_contexts, self.num_generations
-        if loaded_pages:
-            indices = self._page_arange[: self._num_indices]
-        else:
-            indices = self.paged_kv_indices(pool)
+        indices = self.paged_kv_indices(pool)
         kv_lens = self.kv_lens
         q_lens = self._seq_lens_np
         max_kv = int(self.kv_lens_np.max()) if n else 0

@@ -110,7 +110,7 @@ def test_fp8_kv_cache_against_unquantized(smollm2):
             backend="block_offsets",
             kv_format=fmt,
             max_model_len=128,
-            num_blocks=9,  # one sequence: the CPU fp8 path dequantizes the whole pool
+            num_blocks=9,  # room for one 128-token sequence: prompt_logits scores one at a time
             enable_prefix_caching=False,
         )
         for fmt in ("bf16", "fp8")
