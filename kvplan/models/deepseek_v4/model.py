@@ -87,7 +87,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         )
         fuse_projections(self)
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 (nn.Module's signature)
+    def _apply(self, fn, recurse=True):
         """``nn.Module._apply`` (``.to()``, ``.cuda()``, ...), then re-fuse the projections
         whose weights it replaced."""
         super()._apply(fn, recurse)
