@@ -180,3 +180,34 @@ def test_to_refuses_and_fuse_projections_is_idempotent():
     model.to(torch.float64)
     for g in _groups(model):
         assert g.is_fused() and g._weight.dtype == torch.float64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_strided_views_through_cuda_kernels_equal_contiguous(dtype):
+    """The Triton RMSNorm and SwiGLU read the group's column views (row stride = the fused
+    width) as they read contiguous copies; the shared expert fused equals it unfused."""
+    from kvplan.models.deepseek_v4.layers import rms_norm
+    from kvplan.models.deepseek_v4.moe import SharedExpert
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(32, 256, generator=gen, device="cuda").to(dtype)
+    members = [nn.Linear(256, n, bias=False, device="cuda", dtype=dtype) for n in (96, 64, 40)]
+    group = LinearGroup(*members)
+    group.fuse()
+    norm = 1 + 0.1 * torch.randn(96, generator=gen, device="cuda")
+    q_a = group(x)[0]
+    assert q_a.stride() == (200, 1)
+    torch.testing.assert_close(
+        rms_norm(q_a, norm, 1e-6), rms_norm(q_a.contiguous(), norm, 1e-6), atol=0, rtol=0
+    )
+    torch.manual_seed(1)
+    shared = fuse_projections(SharedExpert(256, 128, limit=7.0).to("cuda", dtype))
+    assert shared.gate_up_proj.is_fused()
+    got = shared(x)  # [32, 256]
+    _unfuse(shared)
+    assert not shared.gate_up_proj.is_fused()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, shared(x), **tol)
