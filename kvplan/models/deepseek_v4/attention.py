@@ -15,6 +15,11 @@ CSA / HCA layers the "compress" table for everything (queries, raw rows, entries
 The grouped ``o_a_proj`` splits the ``H * D`` output into ``o_groups`` contiguous groups and
 projects each with its own ``[o_lora_rank, H*D/g]`` block of the weight ``[g*o_lora_rank,
 H*D/g]`` (group ``i`` uses rows ``i*o_lora_rank .. (i+1)*o_lora_rank - 1``).
+
+Every projection of ``x`` (``q_a_proj``, ``kv_proj``, the compressor's ``kv_proj`` /
+``gate_proj``, the indexer's compressor ``kv_proj`` / ``gate_proj`` and ``weights_proj``) runs
+as one GEMM through ``x_proj`` (a `LinearGroup`, fused by `fuse_projections`), whose output
+is split into column views.
 """
 
 from __future__ import annotations
@@ -25,7 +30,13 @@ from torch import nn
 from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.compressor import Compressor, Indexer
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
-from kvplan.models.deepseek_v4.layers import Rope, apply_rope, rms_norm, unweighted_rms_norm
+from kvplan.models.deepseek_v4.layers import (
+    LinearGroup,
+    Rope,
+    apply_rope,
+    rms_norm,
+    unweighted_rms_norm,
+)
 
 
 class GroupedLinear(nn.Module):
@@ -76,20 +87,27 @@ class DeepseekV4Attention(nn.Module):
                 ratio,
                 c.rms_norm_eps,
             )
+        readers_of_x = [self.q_a_proj, self.kv_proj]
+        for series in (self.compressor, self.indexer):
+            if series is not None:
+                readers_of_x += series.projections()
+        self.x_proj = LinearGroup(*readers_of_x)
 
     def forward(self, x: torch.Tensor, ctx: HybridStepContext) -> torch.Tensor:
         """``x``: ``[T, hidden]`` (after ``input_layernorm``) -> ``[T, hidden]``."""
         cos, sin = self.rope.cos_sin(ctx.positions, x.dtype)  # [T, R/2]
-        q_res = rms_norm(self.q_a_proj(x), self.q_a_norm, self.eps)
+        q_a, kv, *series = self.x_proj(x)  # column views of one GEMM, x_proj's member order
+        q_res = rms_norm(q_a, self.q_a_norm, self.eps)  # [T, q_lora_rank]
         q = self.q_b_proj(q_res).unflatten(-1, (self.num_heads, self.head_dim))
         q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)  # [T, H, D]
-        kv = apply_rope(rms_norm(self.kv_proj(x), self.kv_norm, self.eps), cos, sin)  # [T, D]
+        kv = apply_rope(rms_norm(kv, self.kv_norm, self.eps), cos, sin)  # [T, D]
         index_q = index_weights = None
         if self.compressor is not None:
-            self.compressor(x, ctx, self.layer_idx, "compressor", self.rope)
+            comp_kv, comp_gate, *series = series
+            self.compressor(comp_kv, comp_gate, ctx, self.layer_idx, "compressor", self.rope)
         if self.indexer is not None:
             index_q, index_weights = self.indexer(
-                x, q_res, ctx, self.layer_idx, self.rope, cos, sin
+                *series, q_res, ctx, self.layer_idx, self.rope, cos, sin
             )
         out = ctx.attend(
             self.layer_idx,

@@ -67,20 +67,27 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, k * width, dtype=torch.float32))
         self.kv_norm = nn.Parameter(torch.ones(width, dtype=torch.float32))
 
+    def projections(self) -> tuple[nn.Linear, nn.Linear]:
+        """(``kv_proj``, ``gate_proj``): both read the attention's normalised input ``x``."""
+        return self.kv_proj, self.gate_proj
+
     def forward(
         self,
-        x: torch.Tensor,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
         ctx: HybridStepContext,
         layer_idx: int,
         name: str,
         rope: Rope,
     ) -> None:
-        """Project the step's rows ``x [T, hidden]``, pool the windows ``ctx`` closes and store
-        the entries back into ``ctx`` under series ``name``. A context with ``compress_store``
-        (``PlannedStep``) does all of it in one call where ``fused_compress_enabled``."""
-        kv = self.kv_proj(x)  # [T, k*C]
+        """Pool the windows ``ctx`` closes and store the entries back into ``ctx`` under series
+        ``name``; ``kv``, ``gate``: ``[T, k*C]`` in the model dtype, ``kv_proj(x)`` and
+        ``gate_proj(x)`` of the step's rows (any row stride, unit column stride). The gate is
+        widened to fp32 after the projection and biased there. A context with
+        ``compress_store`` (``PlannedStep``) does all of it in one call where
+        ``fused_compress_enabled``."""
         bias = self.position_bias[ctx.positions % self.ratio]  # [T, k*C] fp32
-        gate = self.gate_proj(x).float() + bias  # fp32, as the softmax runs in fp32
+        gate = gate.float() + bias  # fp32, as the softmax runs in fp32
         fused = getattr(ctx, "compress_store", None)  # contexts with the fused op
         if fused is not None and fused_compress_enabled(kv):
             fused(layer_idx, name, kv, gate, pool_weights(self.kv_norm, self.eps, rope))
@@ -107,9 +114,16 @@ class Indexer(nn.Module):
         self.q_b_proj = nn.Linear(q_lora_rank, heads * width, bias=False)
         self.weights_proj = nn.Linear(hidden, heads, bias=False)
 
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        """The linears that read the attention's normalised input ``x``: the compressor's
+        ``kv_proj`` and ``gate_proj``, then ``weights_proj``."""
+        return (*self.compressor.projections(), self.weights_proj)
+
     def forward(
         self,
-        x: torch.Tensor,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        head_weights: torch.Tensor,
         q_residual: torch.Tensor,
         ctx: HybridStepContext,
         layer_idx: int,
@@ -118,10 +132,13 @@ class Indexer(nn.Module):
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's indexer keys; return ``index_q [T, Hi, Ci]`` and fp32
-        ``index_weights [T, Hi]`` (all scalings folded in)."""
-        self.compressor(x, ctx, layer_idx, "indexer", rope)
+        ``index_weights [T, Hi]`` (all scalings folded in).
+
+        ``kv``, ``gate`` ``[T, 2*Ci]`` and ``head_weights`` ``[T, Hi]`` are the `projections`
+        of ``x`` (model dtype, any row stride); ``q_residual``: ``[T, q_lora_rank]``."""
+        self.compressor(kv, gate, ctx, layer_idx, "indexer", rope)
         q = self.q_b_proj(q_residual).unflatten(-1, (self.heads, self.width))
         q = apply_rope(q, cos, sin)
         scale = (self.heads**-0.5) * (self.width**-0.5)
-        weights = self.weights_proj(x).float() * scale
+        weights = head_weights.float() * scale
         return q, weights

@@ -1,4 +1,5 @@
-"""Small shared pieces: RMSNorms and DeepSeek-V4's interleaved partial RoPE.
+"""Small shared pieces: RMSNorms, DeepSeek-V4's interleaved partial RoPE, and `LinearGroup`
+(bias-free linears that read one input, run as one GEMM).
 
 RoPE rotates only the trailing ``rope_head_dim`` channels of a row (layout ``[nope | rope]``),
 pairing *adjacent* channels ``(2i, 2i+1)`` with frequency ``inv_freq[i]``::
@@ -17,6 +18,8 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from kvplan.models.deepseek_v4.config import RopeSpec
 from kvplan.ops.rms_norm import rms_norm_fp32w
@@ -98,3 +101,85 @@ class Rope(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin``: ``[T, R/2]`` in ``dtype`` for int64 ``positions [T]``."""
         return rope_cos_sin(positions, self.inv_freq, self.scale, dtype)
+
+
+class LinearGroup(nn.Module):
+    """Bias-free ``nn.Linear`` members that read the same input, run as one GEMM.
+
+    The members stay registered where they belong (their parameter names, ``state_dict`` and
+    the checkpoint loader do not change); the group holds them unregistered and owns no
+    parameter. `fuse` copies their weights into one ``[sum(out_i), in]`` tensor and makes each
+    member's ``weight`` a row slice (a view) of it, so in-place writes (``copy_``,
+    ``load_state_dict``) reach the fused tensor. While every member's weight is still that view,
+    `forward` is one ``F.linear`` whose ``[T, sum(out_i)]`` output is split into column views
+    (unit column stride, row stride ``sum(out_i)``); once a weight was replaced (``p.data =
+    ...``, a deep copy), the group drops the fused tensor and runs the members one by one
+    until `fuse` is called again. Both paths give the member's own dtype and values (one GEMM
+    per output column either way; only the GEMM's blocking can differ). Inference only: no
+    gradient reaches the members through the fused tensor.
+
+    Example::
+
+        a, b = nn.Linear(8, 3, bias=False), nn.Linear(8, 5, bias=False)
+        group = LinearGroup(a, b)
+        group.fuse()
+        ya, yb = group(torch.randn(4, 8))      # [4, 3], [4, 5]: views of one [4, 8] GEMM
+    """
+
+    def __init__(self, *members: nn.Linear) -> None:
+        super().__init__()
+        if not members:
+            raise ValueError("LinearGroup needs at least one member")
+        for i, m in enumerate(members):
+            if not isinstance(m, nn.Linear) or m.bias is not None:
+                raise TypeError(f"members[{i}] must be a bias-free nn.Linear, got {m!r}")
+            if m.in_features != members[0].in_features:
+                raise ValueError(
+                    f"members[{i}].in_features={m.in_features} differs from "
+                    f"members[0].in_features={members[0].in_features}"
+                )
+        self._members = tuple(members)  # a tuple: not registered as submodules
+        self.sizes = tuple(m.out_features for m in members)
+        self._weight: torch.Tensor | None = None
+        self._ptrs: tuple[int, ...] = ()
+
+    def is_fused(self) -> bool:
+        """Whether every member's weight is still its view of the fused tensor."""
+        return self._weight is not None and all(
+            m.weight.data_ptr() == p for m, p in zip(self._members, self._ptrs)
+        )
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Concatenate the members' weights (same dtype and device) into one tensor and make
+        each weight a view of it; a no-op when already fused."""
+        if self.is_fused():
+            return
+        weights = [m.weight.data for m in self._members]
+        for i, w in enumerate(weights):
+            if (w.dtype, w.device) != (weights[0].dtype, weights[0].device):
+                raise ValueError(
+                    f"member {i} weight is {w.dtype} on {w.device}, member 0's "
+                    f"{weights[0].dtype} on {weights[0].device}: cast them alike before fusing"
+                )
+        fused = torch.cat(weights, dim=0)  # [sum(out_i), in]
+        for m, rows in zip(self._members, fused.split(self.sizes, dim=0)):
+            m.weight.data = rows
+        self._weight = fused
+        self._ptrs = tuple(m.weight.data_ptr() for m in self._members)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [T, in]`` -> one ``[T, out_i]`` output per member, in ``x``'s dtype."""
+        if self._weight is not None and not self.is_fused():
+            self._weight, self._ptrs = None, ()  # a member was replaced: release the copy
+        if self._weight is None:
+            return tuple(m(x) for m in self._members)
+        return F.linear(x, self._weight).split(self.sizes, dim=-1)
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """`LinearGroup.fuse` every group in ``model`` (idempotent); returns ``model``."""
+    for m in model.modules():
+        if isinstance(m, LinearGroup):
+            m.fuse()
+    return model

@@ -29,7 +29,7 @@ from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.attention import DeepseekV4Attention
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.hyper import HyperConnection, HyperHead, hyper_residual
-from kvplan.models.deepseek_v4.layers import Rope, rms_norm
+from kvplan.models.deepseek_v4.layers import Rope, fuse_projections, rms_norm
 from kvplan.models.deepseek_v4.moe import DeepseekV4MoE
 
 
@@ -62,7 +62,12 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     """DeepSeek-V4 (without its multi-token-prediction layers). Parameters start uninitialised
-    or at HF's constant defaults: fill them with `load_deepseek_v4` or `init_random`."""
+    or at HF's constant defaults: fill them with `load_deepseek_v4` or `init_random`.
+
+    Projections that share an input (`kvplan.models.deepseek_v4.layers.LinearGroup`) are fused
+    at construction and again after every ``.to()`` / ``.cuda()`` (and by `cast_model`):
+    their weights are views of one tensor each group, and in-place writes keep them so. A
+    weight replaced any other way makes its group run unfused until `fuse_projections`."""
 
     def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
@@ -80,6 +85,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = (
             None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         )
+        fuse_projections(self)
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ...), then re-fuse the projections
+        whose weights it replaced."""
+        super()._apply(fn, recurse)
+        return fuse_projections(self)
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

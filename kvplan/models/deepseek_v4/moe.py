@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
+from kvplan.models.deepseek_v4.layers import LinearGroup
 from kvplan.ops.moe_dense import expert_weighted_sum, moe_route, moe_swiglu, swiglu
 
 DENSE_AUTO_MAX_ROWS = 4096
@@ -47,7 +48,9 @@ DENSE_AUTO_MAX_ROWS = 4096
 
 
 class SharedExpert(nn.Module):
-    """The always-on SwiGLU MLP of width ``moe_intermediate_size``."""
+    """The always-on SwiGLU MLP of width ``moe_intermediate_size``; ``gate_proj`` and
+    ``up_proj`` run as one GEMM through ``gate_up_proj`` (a `LinearGroup`, fused by
+    `fuse_projections`)."""
 
     def __init__(self, hidden: int, inter: int, limit: float) -> None:
         super().__init__()
@@ -55,9 +58,12 @@ class SharedExpert(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj = LinearGroup(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        """``x [T, hidden]`` -> ``[T, hidden]``."""
+        gate, up = self.gate_up_proj(x)  # [T, I] each: column views of one GEMM
+        return self.down_proj(swiglu(gate, up, self.limit))
 
 
 class DeepseekV4MoE(nn.Module):

@@ -19,7 +19,8 @@
     hc_attn_{fn,base,scale} / hc_ffn_*  attn_hc.* / ffn_hc.*
     embed / head / norm / hc_head_*  embed_tokens / lm_head / norm / hc_head.*
 
-Multi-token-prediction tensors (``mtp.*``) are skipped. Norm weights, sinks, position biases,
+Multi-token-prediction tensors (``mtp.*``) are skipped. Each checkpoint tensor is copied in
+place into its parameter, so projections fused into one GEMM (`fuse_projections`) stay fused. Norm weights, sinks, position biases,
 hyper-connection parameters and the router's correction bias stay fp32 whatever ``dtype``.
 """
 
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
+from kvplan.models.deepseek_v4.layers import fuse_projections
 from kvplan.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kvplan.models.weights import read_config_json
 
@@ -164,11 +166,12 @@ def load_deepseek_v4(
 
 def cast_model(model: DeepseekV4ForCausalLM, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
     """Cast the matrices to ``dtype`` in place; norms, sinks, position biases, hyper-connection
-    parameters and the routers' correction bias stay fp32, integer buffers stay int64."""
+    parameters and the routers' correction bias stay fp32, integer buffers stay int64. The
+    shared-input projections are fused again (`fuse_projections`)."""
     for name, p in model.named_parameters():
         if not _FP32_KEEP.search(name):
             p.data = p.data.to(dtype)
-    return model
+    return fuse_projections(model)
 
 
 @torch.no_grad()
@@ -204,4 +207,4 @@ def init_random(
         elif name.endswith("tid2eid"):
             keys = torch.rand((b.shape[0], experts), generator=gen, device=dev)
             b.copy_(keys.argsort(dim=-1)[:, : b.shape[1]])
-    return model
+    return fuse_projections(model)
