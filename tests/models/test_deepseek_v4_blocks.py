@@ -20,9 +20,7 @@ from kvplan.ops.rms_norm import rms_norm_fp32w_torch
 ATOL = 1e-4  # as tests/models/test_deepseek_v4_model.py
 
 
-def _model(
-    seed: int, device: str = "cpu", std: float = 0.3, **overrides
-) -> DeepseekV4ForCausalLM:
+def _model(seed: int, device: str = "cpu", std: float = 0.3, **overrides) -> DeepseekV4ForCausalLM:
     cfg = DeepseekV4Config.from_hf(hf_config(seed, **overrides))
     with torch.device(device):
         return init_random(DeepseekV4ForCausalLM(cfg), seed=seed, std=std)
