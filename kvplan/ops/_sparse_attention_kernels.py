@@ -180,6 +180,20 @@ def _attend_source(
 
 
 @triton.jit
+def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
+                DOT_BF16: tl.constexpr):  # fmt: skip
+    """Row ``t``'s query tile ``[TILE_H, D_P2]`` (bf16 for bf16 dots, else fp32) and its mask."""
+    q_off = t.to(tl.int64) * stride_qt + h64[:, None] * stride_qh + d[None, :]
+    qmask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
+    if DOT_BF16:
+        q = q.to(tl.bfloat16)
+    else:
+        q = q.to(tl.float32)
+    return q, qmask
+
+
+@triton.jit
 def sparse_attention_kernel(
     q_ptr, out_ptr, sink_ptr, stride_qt, stride_qh, stride_ot, stride_oh, num_heads, qk_scale,
     c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0, sblk0, stok0, sstr0, soff0,
@@ -197,15 +211,8 @@ def sparse_attention_kernel(
     heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     h_ok = heads < num_heads
     d = tl.arange(0, D_P2)
-    d_ok = d < HEAD_DIM
     h64 = heads.to(tl.int64)
-    q_off = t.to(tl.int64) * stride_qt + h64[:, None] * stride_qh + d[None, :]
-    qmask = h_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
-    if DOT_BF16:
-        q = q.to(tl.bfloat16)
-    else:
-        q = q.to(tl.float32)
+    q, qmask = _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM, DOT_BF16)
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
     m_i = tl.maximum(sink, -1.0e30)
     l_i = tl.exp2(sink - m_i)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvplan.ops._sparse_attention_kernels import LOG2E, _attend_tile
+from kvplan.ops._sparse_attention_kernels import LOG2E, _attend_tile, _load_query
 
 
 @triton.jit
@@ -79,15 +79,8 @@ def sparse_attention_split_kernel(
     sp = tl.program_id(2)
     h_ok = heads < num_heads
     d = tl.arange(0, D_P2)
-    d_ok = d < HEAD_DIM
     h64 = heads.to(tl.int64)
-    q_off = t.to(tl.int64) * stride_qt + h64[:, None] * stride_qh + d[None, :]
-    qmask = h_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
-    if DOT_BF16:
-        q = q.to(tl.bfloat16)
-    else:
-        q = q.to(tl.float32)
+    q, qmask = _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM, DOT_BF16)
     m_i = tl.full([TILE_H], -1.0e30, tl.float32)
     l_i = tl.zeros([TILE_H], tl.float32)
     acc = tl.zeros([TILE_H, D_P2], tl.float32)
