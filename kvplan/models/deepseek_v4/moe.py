@@ -13,7 +13,7 @@ whose gate is clamped above at ``swiglu_limit`` and whose up projection is clamp
 ``[-limit, limit]``. ``gate_up`` of expert ``e`` is ``[2I, hidden]``: rows ``0..I-1`` gate,
 ``I..2I-1`` up.
 
-Two ways to apply the routed experts, equal up to fp32 rounding:
+Three ways to apply the routed experts, equal up to fp32 rounding:
 
 * sparse (eager default for larger batches): the rows of each routed expert are gathered and
   run through it; the list of routed experts is read on the host (a sync per layer);
