@@ -13,7 +13,7 @@ whose gate is clamped above at ``swiglu_limit`` and whose up projection is clamp
 ``[-limit, limit]``. ``gate_up`` of expert ``e`` is ``[2I, hidden]``: rows ``0..I-1`` gate,
 ``I..2I-1`` up.
 
-Two ways to apply the routed experts, equal up to fp32 rounding:
+Three ways to apply the routed experts, equal up to fp32 rounding:
 
 * sparse (eager default for larger batches): the rows of each routed expert are gathered and
   run through it; the list of routed experts is read on the host (a sync per layer);
@@ -26,12 +26,21 @@ Two ways to apply the routed experts, equal up to fp32 rounding:
   on CUDA whenever the batch is decode-sized: ``T * k >= n_routed_experts`` (most experts are
   read anyway) and ``T * n_routed_experts <= DENSE_AUTO_MAX_ROWS`` (bounded extra FLOPs).
 
+* grouped (no host sync, shapes fixed by ``T``, ``k`` and ``E``, CUDA-graph capturable):
+  the ``T * k`` (token, expert) pairs are sorted by expert on the device and each expert runs
+  on its own pairs only (`kvplan.ops.moe_grouped`: two grouped GEMMs, the first with the
+  SwiGLU fused, and a per-token sum in ascending expert order, as the sparse path adds). It
+  replaces the dense path on CUDA when ``n_routed_experts >= GROUPED_AUTO_MIN_EXPERTS`` (the
+  dense path would read and run every expert), and runs everywhere when ``grouped_routing``
+  is set or ``KVPLAN_MOE_GROUPED=1``.
+
 `experts_dense_loop` is the per-expert torch loop the dense path replaced (a test reference:
 experts in order, a repeated expert's weights added first).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -42,9 +51,13 @@ from torch import nn
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.layers import LinearGroup
 from kvplan.ops.moe_dense import expert_weighted_sum, moe_route, moe_swiglu, swiglu
+from kvplan.ops.moe_grouped import moe_grouped
 
 DENSE_AUTO_MAX_ROWS = 4096
 """Largest ``T * n_routed_experts`` for which CUDA batches take the dense path by default."""
+
+GROUPED_AUTO_MIN_EXPERTS = 64
+"""Fewest routed experts for which CUDA batches bound for the dense path take the grouped one."""
 
 
 class SharedExpert(nn.Module):
@@ -87,6 +100,7 @@ class DeepseekV4MoE(nn.Module):
         self.down = nn.Parameter(torch.empty(e, d, inter))
         self.shared = SharedExpert(d, inter, c.swiglu_limit)
         self.dense_routing = False  # see the module docstring
+        self.grouped_routing = False  # likewise
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids int64 ``[T, k]``, weights ``[T, k]``) for ``x [T, hidden]``."""
@@ -116,9 +130,20 @@ class DeepseekV4MoE(nn.Module):
         t, e = x.shape[0], self.gate_up.shape[0]
         return x.is_cuda and t * self.top_k >= e and t * e <= DENSE_AUTO_MAX_ROWS
 
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        """Whether `forward` takes the grouped expert path for ``x [T, hidden]`` (module
+        docstring: ``grouped_routing``, ``KVPLAN_MOE_GROUPED=1``, or a CUDA batch bound for the
+        dense path with many experts)."""
+        if self.grouped_routing or os.environ.get("KVPLAN_MOE_GROUPED", "") == "1":
+            return True
+        many = self.gate_up.shape[0] >= GROUPED_AUTO_MIN_EXPERTS
+        return x.is_cuda and many and self.use_dense(x)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, hidden]``; ``input_ids``: int64 ``[T]`` -> ``[T, hidden]``."""
         ids, weights, dense = self.route_dense(x, input_ids)
+        if self.use_grouped(x):
+            return self.experts_grouped(x, ids, weights, add=self.shared(x))
         if self.use_dense(x):
             return self.experts_batched(x, dense, add=self.shared(x))
         return self.experts_sparse(x, ids, weights) + self.shared(x)
@@ -135,6 +160,15 @@ class DeepseekV4MoE(nn.Module):
             y = F.linear(swiglu(gate, up, self.limit), self.down[e])
             out.index_add_(0, rows, (y * weights[rows, slots, None]).to(out.dtype))
         return out
+
+    def experts_grouped(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+        add: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Routed experts over their sorted (token, expert) pairs, no host sync on CUDA
+        (`kvplan.ops.moe_grouped.moe_grouped`), plus ``add`` (``[T, hidden]``, optional) after
+        rounding. ``ids`` int64 / ``weights`` ``[T, k]`` from `route` -> ``[T, hidden]``."""
+        return moe_grouped(x, ids, weights, self.gate_up, self.down, self.limit, add)
 
     def experts_batched(
         self, x: torch.Tensor, dense: torch.Tensor, add: torch.Tensor | None = None
