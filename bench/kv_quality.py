@@ -11,11 +11,16 @@ compared with the fp32 cache:
 
 Variants:
 
-* ``real:<kv_format>``: an engine built with that ``kv_format`` (the shipped path).
+* ``real:<kv_format>[-rotk|-norot]``: an engine built with that ``kv_format`` (the shipped
+  path); ``-rotk``: with ``kv_rotation=True`` (Hadamard-rotated q/k,
+  `kvplan.models.kv_rotation`), ``-norot`` or no suffix: without.
 * ``fake:<spec>``: the fp32 engine whose ``KVCacheTensors.store`` first rounds K and/or V
   through ``kvplan.quant.quantize`` / ``dequantize`` (bf16 input, bf16 output, as the fp8
-  cache does). ``<spec>`` = ``<dtype>-<sf>-<group>[-k|-v][-L<i>]``: dtype e4m3 | e2m1, sf
-  ue8m0 | e4m3 | fp32, values per scale, optional "only K" / "only V" / "only layer i".
+  cache does). ``<spec>`` = ``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-L<i>]``: dtype e4m3 |
+  e2m1, sf ue8m0 | e4m3 | fp32, values per scale, optional "only K" / "only V", "K rotated
+  by the Hadamard matrix H before rounding (and back after: the same scores as rotating q)",
+  "V rotated likewise (the same output as rotating the attention output back)", "only layer
+  i".
   ``fake:bf16`` rounds to bf16 only.
 
 ``--per-layer SPEC`` adds ``fake:SPEC-L<i>`` for every layer; ``--stats`` prints the per-layer
@@ -24,6 +29,7 @@ relative RMS quantization error of K and V for a few formats (from the reference
 Usage::
 
     PYTHONPATH=. python bench/kv_quality.py --max-tokens 512 --out bench/results/kv_quality.json
+    PYTHONPATH=. python bench/kv_quality.py --rotation   # with / without kv_rotation
 """
 
 from __future__ import annotations
@@ -36,12 +42,14 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from kvplan import LLM, quant
 from kvplan.engine.scoring import prompt_logits
 from kvplan.formats import KVCacheFormat
+from kvplan.models import kv_rotation
 
 TEXT = Path(__file__).parent / "data" / "kv_quality_text.txt"
 DEFAULT_VARIANTS = (
@@ -59,27 +67,58 @@ DEFAULT_VARIANTS = (
     "fake:e4m3-fp32-64",
     "fake:e2m1-e4m3-16",
 )
+ROTATION_VARIANTS = (
+    "real:fp8-norot",
+    "real:fp8-rotk",
+    "real:fp4-norot",
+    "real:fp4-rotk",
+    "fake:e4m3-fp32-32",
+    "fake:e4m3-fp32-32-rk",
+    "fake:e4m3-fp32-32-rk-rv",
+    "fake:e4m3-fp32-32-k-rk",
+    "fake:e2m1-e4m3-16-rk",
+    "fake:e2m1-e4m3-16-rk-rv",
+)
 
 
-def parse_spec(spec: str, hd: int) -> tuple[KVCacheFormat | None, bool, bool, int | None]:
-    """``<dtype>-<sf>-<group>[-k|-v][-L<i>]`` -> (layout or None for bf16, quantize K,
-    quantize V, only layer)."""
+class Spec(NamedTuple):
+    layout: KVCacheFormat | None  # None: bf16 rounding only
+    do_k: bool
+    do_v: bool
+    layer: int | None  # only this layer
+    rot_k: bool = False  # round K H (H: the head_dim Hadamard matrix), store (.) H
+    rot_v: bool = False
+
+
+def parse_spec(spec: str, hd: int) -> Spec:
+    """``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-L<i>]`` -> `Spec`."""
     parts = spec.split("-")
     do_k = do_v = True
+    rot_k = rot_v = False
     layer = None
-    while parts and (parts[-1] in ("k", "v") or parts[-1].startswith("L")):
+    while parts and (parts[-1] in ("k", "v", "rk", "rv") or parts[-1].startswith("L")):
         tail = parts.pop()
-        if tail == "k":
+        if tail == "rk":
+            rot_k = True
+        elif tail == "rv":
+            rot_v = True
+        elif tail == "k":
             do_v = False
         elif tail == "v":
             do_k = False
         else:
             layer = int(tail[1:])
     if parts == ["bf16"]:
-        return None, do_k, do_v, layer
+        return Spec(None, do_k, do_v, layer, rot_k, rot_v)
     dtype, sf, group = parts
     layout = KVCacheFormat(dtype, hd, int(group), 0, True, sf, spec, True)
-    return layout, do_k, do_v, layer
+    return Spec(layout, do_k, do_v, layer, rot_k, rot_v)
+
+
+def rotated_round_trip(x: torch.Tensor, layout: KVCacheFormat | None) -> torch.Tensor:
+    """``round_trip(x H) H`` in fp32 (``H H = I``): the values attention sees through a
+    rotated cache, rotated back."""
+    return kv_rotation.rotate(round_trip(kv_rotation.rotate(x.float()), layout).float())
 
 
 def round_trip(x: torch.Tensor, layout: KVCacheFormat | None) -> torch.Tensor:
@@ -106,10 +145,12 @@ class FakeQuantStore:
         if self.captured is not None:
             self.captured.setdefault(layer, []).append((k.detach().clone(), v.detach().clone()))
         if self.spec is not None:
-            layout, do_k, do_v, only = self.spec
-            if only is None or only == layer:
-                k = round_trip(k, layout) if do_k else k
-                v = round_trip(v, layout) if do_v else v
+            sp = self.spec
+            if sp.layer is None or sp.layer == layer:
+                if sp.do_k:
+                    k = (rotated_round_trip if sp.rot_k else round_trip)(k, sp.layout)
+                if sp.do_v:
+                    v = (rotated_round_trip if sp.rot_v else round_trip)(v, sp.layout)
         return self.orig(layer, k, v, slot_mapping, check=check)
 
 
@@ -153,6 +194,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="cut the text to N tokens")
     ap.add_argument("--chunk", type=int, default=64, help="prompt_logits chunk size")
     ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS))
+    ap.add_argument(
+        "--rotation", action="store_true", help="run ROTATION_VARIANTS instead of the defaults"
+    )
     ap.add_argument("--per-layer", default=None, help="also fake:SPEC-L<i> for every layer")
     ap.add_argument("--stats", action="store_true", help="per-layer round-trip error table")
     ap.add_argument("--threads", type=int, default=1)
@@ -160,10 +204,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    def engine(kv_format: str) -> LLM:
+    def engine(kv_format: str, kv_rotation: bool = False) -> LLM:
         return LLM(
             device="cpu",
             kv_format=kv_format,
+            kv_rotation=kv_rotation,
             max_model_len=n + 16,
             num_blocks=(n + 16) // 16 + 4,
             enable_prefix_caching=False,
@@ -185,7 +230,7 @@ def main() -> None:
     print(f"{n} tokens, fp32 reference in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     hook_captured, hook.captured = hook.captured, None
 
-    variants = list(args.variants)
+    variants = list(ROTATION_VARIANTS if args.rotation else args.variants)
     if args.per_layer:
         variants += [f"fake:{args.per_layer}-L{i}" for i in range(cfg.num_layers)]
     rows = [{"variant": "real:fp32", **metrics(ref, ref, ids)}]
@@ -193,7 +238,8 @@ def main() -> None:
         t0 = time.perf_counter()
         kind, spec = name.split(":", 1)
         if kind == "real":
-            llm = engine(spec)
+            fmt, _, rot = spec.partition("-")
+            llm = engine(fmt, kv_rotation={"rotk": True, "norot": False, "": False}[rot])
             logits = prompt_logits(llm.engine, ids, args.chunk)
             del llm
         else:

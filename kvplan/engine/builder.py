@@ -112,10 +112,14 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    kv_rotation: bool = False,
 ) -> LlamaForCausalLM:
-    """Allocate the model directly on ``device`` (no throwaway init) and fill its weights."""
+    """Allocate the model directly on ``device`` (no throwaway init) and fill its weights;
+    ``kv_rotation``: the models' Hadamard q/k rotation (`kvplan.models.kv_rotation`)."""
     with torch.device("meta"):
-        model = model_class(source.config)(source.config, backend_cls, max_positions=1, dtype=dtype)
+        model = model_class(source.config)(
+            source.config, backend_cls, max_positions=1, dtype=dtype, kv_rotation=kv_rotation
+        )
     model = model.to_empty(device=device)
     model.set_rotary(max_positions)
     if source.weights is None:
@@ -219,6 +223,8 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
     torch_dtype = config.torch_dtype
     hybrid = _hybrid_source(model)
     if hybrid is not None:
+        if config.kv_rotation:
+            raise ValueError("kv_rotation=True is supported for dense models, not DeepSeek-V4")
         parts = build_hybrid(hybrid, config)
         net, manager, graphs = parts.model, parts.manager, None
         if config.cuda_graphs_on:
@@ -243,9 +249,10 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         max_model_len = config.model_max_len(cfg.max_position_embeddings)
         max_blocks_per_seq = -(-max_model_len // config.block_size)
         backend_cls = get_backend(config.backend)
+        rotation = {"kv_rotation": True} if config.kv_rotation else {}  # one device only
         net = (build_model if tp is None else tp.build_model)(
             source, backend_cls, max_positions=max_model_len, dtype=torch_dtype, device=dev,
-            seed=config.seed,
+            seed=config.seed, **rotation,
         )  # fmt: skip
         kv_cfg = cfg if tp is None else tp.kv_config(cfg)  # this rank's KV heads
         sizes = paged_sizes(

@@ -106,6 +106,13 @@ class EngineConfig:
         "and stopped by the engine; NCCL on CUDA, gloo on CPU)",
         1,
     )
+    kv_rotation: bool = _doc(
+        "rotate each head's q and k by a Hadamard matrix after RoPE (dense models, head_dim a "
+        "power of two, one device): attention scores are unchanged and the cached keys' outlier "
+        "channels are spread out, so a quantized kv_format (fp8 / fp4) stores them more "
+        "accurately; off by default",
+        False,
+    )
 
     def __post_init__(self) -> None:
         if self.device is not None:
@@ -136,6 +143,12 @@ class EngineConfig:
         _check_bool("use_cuda_graph", self.use_cuda_graph, optional=True)
         _check_bool("async_scheduling", self.async_scheduling, optional=True)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_bool("kv_rotation", self.kv_rotation)
+        if self.kv_rotation and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"kv_rotation=True is not supported with tensor_parallel_size="
+                f"{self.tensor_parallel_size} (the worker ranks build their shards without it)"
+            )
         if self.tensor_parallel_size > 1:
             for name in ("use_cuda_graph", "async_scheduling"):
                 if getattr(self, name):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvplan.models.config import ModelConfig
+from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
 from kvplan.models.llama import PAGED_FAMILY
 from kvplan.models.rope import RotaryTable, rotate_qk
 
@@ -72,6 +73,7 @@ class Gemma3Attention(nn.Module):
             scale=cfg.attn_scale,
             sliding_window=cfg.windows[layer_idx],
         )
+        self.kv_rotation = False  # Hadamard-rotate q/k after RoPE (`kvplan.models.kv_rotation`)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryTable, metadata: Any
@@ -82,6 +84,8 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(q.reshape(t, self.num_heads, d))  # [T, H, D]
         k = self.k_norm(k.reshape(t, self.num_kv_heads, d))  # [T, Hkv, D]
         q, k = rotate_qk(q, k, rotary.cos, rotary.sin, positions)
+        if self.kv_rotation:
+            q, k = hadamard_qk(q, k)  # q k^T unchanged; K quantizes better
         v = v.reshape(t, self.num_kv_heads, d).contiguous()
         o = self.attn.forward(q.contiguous(), k.contiguous(), v, metadata)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
@@ -123,7 +127,8 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     """A Gemma 3 text causal LM whose attention goes through a kvplan backend.
 
-    Args and call as `kvplan.models.llama.LlamaForCausalLM` (``cfg.is_gemma3`` must hold).
+    Args and call as `kvplan.models.llama.LlamaForCausalLM` (``cfg.is_gemma3`` must hold;
+    no ``fused_kernels`` or ``tp``), ``kv_rotation`` included.
 
     Example::
 
@@ -140,8 +145,10 @@ class Gemma3ForCausalLM(nn.Module):
         max_positions: int = 4096,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        kv_rotation: bool = False,
     ) -> None:
         super().__init__()
+        check_rotation_setting(kv_rotation, cfg.head_dim)
         if not cfg.is_gemma3:
             raise ValueError(
                 f"Gemma3ForCausalLM needs a gemma3_text config, got {cfg.model_type!r}"
@@ -155,6 +162,8 @@ class Gemma3ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             [Gemma3DecoderLayer(cfg, i, backend_cls) for i in range(cfg.num_layers)]
         )
+        for layer in self.layers:
+            layer.self_attn.kv_rotation = kv_rotation
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None  # tied: `weights.load_weights` skips lm_head.weight
         self.to(dtype=dtype, device=device)

@@ -42,6 +42,7 @@ from kvplan.distributed.context import TPContext
 from kvplan.distributed.layers import RowParallelLinear, VocabParallelEmbedding
 from kvplan.models import fused as ops
 from kvplan.models.config import ModelConfig
+from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
 from kvplan.models.rope import RotaryTable
 
 FUSED_KERNELS_ENV = "KVPLAN_FUSED_KERNELS"
@@ -97,6 +98,7 @@ class Attention(nn.Module):
             scale=d**-0.5,
             sliding_window=cfg.windows[layer_idx],
         )
+        self.kv_rotation = False  # Hadamard-rotate q/k after RoPE (`kvplan.models.kv_rotation`)
 
     def forward(
         self,
@@ -117,6 +119,8 @@ class Attention(nn.Module):
             k_norm_weight=self.k_norm.weight if norm else None,
             eps=self.q_norm.eps if norm else 1e-6, fused=fused,
         )  # fmt: skip
+        if self.kv_rotation:
+            q, k = hadamard_qk(q, k)  # q k^T unchanged; K quantizes better
         o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -187,6 +191,10 @@ class LlamaForCausalLM(nn.Module):
             graphs keep the choice made when they were captured. ``True`` on CPU tensors needs
             ``TRITON_INTERPRET=1``.
         tp: this rank's `kvplan.distributed.TPContext` (module docstring); None = one device.
+        kv_rotation: rotate q and k of every head by a Hadamard matrix after RoPE
+            (`kvplan.models.kv_rotation`): the scores are unchanged and the cached keys are
+            rotated, which a quantized KV cache stores more accurately. Needs ``head_dim`` a
+            power of two (ValueError); stored per layer as ``self_attn.kv_rotation``.
 
     Example::
 
@@ -204,8 +212,10 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str | None = None,
         fused_kernels: bool | None = None,
         tp: TPContext | None = None,
+        kv_rotation: bool = False,
     ) -> None:
         super().__init__()
+        check_rotation_setting(kv_rotation, cfg.head_dim)
         self.config = cfg
         self.tp = tp
         # the attention family of each layer (`kvplan.engine.families`)
@@ -222,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             [DecoderLayer(cfg, i, backend_cls, tp) for i in range(cfg.num_layers)]
         )
+        for layer in self.layers:
+            layer.self_attn.kv_rotation = kv_rotation
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, False)
         self.to(dtype=dtype, device=device)
