@@ -17,7 +17,7 @@ Variants:
 * ``fake:<spec>``: the fp32 engine whose ``KVCacheTensors.store`` first rounds K and/or V
   through ``kvplan.quant.quantize`` / ``dequantize`` (bf16 input, bf16 output, as the fp8
   cache does). ``<spec>`` = ``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-L<i>]``: dtype e4m3 |
-  e2m1, sf ue8m0 | e4m3 | fp32, values per scale, optional "only K" / "only V", "K rotated
+  e2m1 | int8 (symmetric, fp32 scale amax / 127), sf ue8m0 | e4m3 | fp32, values per scale, optional "only K" / "only V", "K rotated
   by the Hadamard matrix H before rounding (and back after: the same scores as rotating q)",
   "V rotated likewise (the same output as rotating the attention output back)", "only layer
   i".
@@ -82,7 +82,7 @@ ROTATION_VARIANTS = (
 
 
 class Spec(NamedTuple):
-    layout: KVCacheFormat | None  # None: bf16 rounding only
+    layout: KVCacheFormat | tuple | None  # None: bf16 rounding only; ("int8", group)
     do_k: bool
     do_v: bool
     layer: int | None  # only this layer
@@ -111,6 +111,10 @@ def parse_spec(spec: str, hd: int) -> Spec:
     if parts == ["bf16"]:
         return Spec(None, do_k, do_v, layer, rot_k, rot_v)
     dtype, sf, group = parts
+    if dtype == "int8":  # symmetric int8, one fp32 scale (amax / 127) per group: no kvplan format
+        if sf != "fp32":
+            raise ValueError(f"{spec}: int8 takes fp32 scales")
+        return Spec(("int8", int(group)), do_k, do_v, layer, rot_k, rot_v)
     layout = KVCacheFormat(dtype, hd, int(group), 0, True, sf, spec, True)
     return Spec(layout, do_k, do_v, layer, rot_k, rot_v)
 
@@ -126,6 +130,11 @@ def round_trip(x: torch.Tensor, layout: KVCacheFormat | None) -> torch.Tensor:
     xb = x.to(torch.bfloat16)
     if layout is None:
         return xb
+    if isinstance(layout, tuple):  # ("int8", group)
+        g = xb.float().reshape(-1, layout[1])
+        sf = g.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        q = (g / sf).round().clamp(-127, 127)
+        return (q * sf).to(torch.bfloat16).view(x.shape)
     flat = xb.reshape(x.shape[0], -1)
     values, scales = quant.quantize(flat, layout)
     return quant.dequantize(values, scales, layout).view(x.shape)
