@@ -24,7 +24,7 @@ import torch
 
 from kvplan._checks import check_int32
 
-QuantizedFormat = Literal["e4m3", "e2m1"]
+QuantizedFormat = Literal["e4m3", "e2m1", "int8"]
 ScaleFactorFormat = Literal["ue8m0", "e4m3", "fp32"]
 
 _SF_BYTES = {"ue8m0": 1, "e4m3": 1, "fp32": 4}
@@ -35,8 +35,9 @@ class KVCacheFormat:
     """How one token's KV record is stored.
 
     Fields:
-        quantized_dtype: ``"e4m3"`` (8 bit), ``"e2m1"`` (4 bit, two per byte, element 2i in the
-            low nibble) or ``None`` for a plain BF16 cache.
+        quantized_dtype: ``"e4m3"`` (8 bit), ``"int8"`` (symmetric two's-complement, codes
+            -127..127, ``"fp32"`` scales only), ``"e2m1"`` (4 bit, two per byte, element 2i in
+            the low nibble) or ``None`` for a plain BF16 cache.
         quantized_elements: logical quantized elements per token (not bytes).
         elements_per_sf: elements sharing one scale factor (the last group may be shorter).
         bf16_elements: BF16 elements per token; only for unquantized formats (mixing is refused).
@@ -89,9 +90,9 @@ class KVCacheFormat:
                     f"got {self.bf16_elements}"
                 )
         else:
-            if self.quantized_dtype not in ("e4m3", "e2m1"):
+            if self.quantized_dtype not in ("e4m3", "e2m1", "int8"):
                 raise ValueError(
-                    f"KVCacheFormat.quantized_dtype must be 'e4m3', 'e2m1' or None, "
+                    f"KVCacheFormat.quantized_dtype must be 'e4m3', 'e2m1', 'int8' or None, "
                     f"got {self.quantized_dtype!r}"
                 )
             if self.quantized_elements <= 0:
@@ -106,6 +107,10 @@ class KVCacheFormat:
                 raise ValueError(
                     "KVCacheFormat.sf_format must be 'ue8m0', 'e4m3' or 'fp32', "
                     f"got {self.sf_format!r}"
+                )
+            if self.quantized_dtype == "int8" and self.sf_format != "fp32":
+                raise ValueError(
+                    f"KVCacheFormat.sf_format must be 'fp32' for int8, got {self.sf_format!r}"
                 )
             if self.bf16_elements:
                 raise ValueError(
@@ -248,7 +253,7 @@ def alloc_kv_cache(
 class KVCacheViews(NamedTuple):
     """Typed views of a cache's values and scales (they alias the cache).
 
-    values: ``[num_blocks, block_size, value_width]`` -- float8_e4m3fn (e4m3), float4_e2m1fn_x2
+    values: ``[num_blocks, block_size, value_width]`` -- float8_e4m3fn (e4m3), int8, float4_e2m1fn_x2
         (e2m1, width = elements / 2) or bfloat16 (BF16 formats).
     scales: ``[num_blocks, block_size, num_scales]`` -- uint8 (ue8m0 exponent bytes),
         float8_e4m3fn, or float32 (uint8 ``[.., sf_bytes]`` when the fp32 scales are not 4-byte
@@ -301,6 +306,8 @@ def split_kv_cache(kv_cache: torch.Tensor, layout: KVCacheFormat | None = None) 
     values = raw.as_strided((num_blocks, block_size, vb), v_strides, v_off)
     if layout.quantized_dtype == "e4m3":
         values = values.view(torch.float8_e4m3fn)
+    elif layout.quantized_dtype == "int8":
+        values = values.view(torch.int8)
     elif layout.quantized_dtype == "e2m1":
         values = values.view(torch.float4_e2m1fn_x2)
     else:

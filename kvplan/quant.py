@@ -13,9 +13,14 @@ Semantics (they define the bytes; the GPU kernel must reproduce them exactly):
   same rounded scale; dequantization multiplies by ``sf``.
 * fp32 scale: ``sf = max(amax, 1e-4) / QMAX``; ``value = e4m3(x / sf)``; dequantization
   multiplies by ``sf``.
+* int8 values (fp32 scale only), QMAX = 127: ``value = clamp(RNE(x / sf), -127, 127)`` as a
+  two's-complement byte (``x / sf`` may round just above 127, hence the clamp); -128 is never
+  stored and there is no negative zero (a negative value that rounds to zero is stored as 0).
+  RNE here is round half to even to an integer (``torch.round``; the kernels add 1.5 * 2^23 in
+  fp32, whose one rounding is that integer, exact for ``|x / sf| <= 2^22``).
 * Encoding rounds to nearest, ties to even, and saturates at +-QMAX (only reachable with the
   e4m3 scale, whose rounding or the 448 clamp can leave ``x * (1 / sf)`` above QMAX). The sign is
-  kept, so a negative value that rounds to zero is stored as negative zero.
+  kept (minifloats), so a negative value that rounds to zero is stored as negative zero.
 * FP4 packs element 2i in the low nibble of byte i.
 * Non-finite inputs (what ``store_kv_cache(check=False)`` stores; ``check=True`` rejects them):
   a group is quantized as if its inf and NaN elements were +0 (so amax, the scale and every
@@ -36,12 +41,26 @@ from kvplan.formats import KVCacheFormat
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
+INT8_MAX = 127.0
 AMAX_FLOOR = 1e-4
 E4M3_MIN_SUBNORMAL = 2.0**-9
 
 # (mantissa bits, biased fp32 exponent of the smallest normal, sign bit position, QMAX)
 _MINIFLOAT = {"e4m3": (3, 121, 7, E4M3_MAX), "e2m1": (1, 127, 3, E2M1_MAX)}
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+QMAX = {"e4m3": E4M3_MAX, "e2m1": E2M1_MAX, "int8": INT8_MAX}
+
+
+def encode_int8(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` -> int8 codes as uint8 bytes: ``clamp(RNE(x), -127, 127)`` (+-inf saturate;
+    NaN must not reach it)."""
+    q = torch.round(x.float().clamp(-INT8_MAX, INT8_MAX))
+    return q.to(torch.int8).view(torch.uint8)
+
+
+def decode_int8(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes of int8 codes -> fp32."""
+    return codes.view(torch.int8).float()
 
 
 def encode_minifloat(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -119,7 +138,7 @@ def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torc
     xz = torch.where(finite, xg, 0.0)  # inf and NaN count as +0 for the scale
     amax = xz.abs().amax(dim=-1)  # [n, G]
     dtype = layout.quantized_dtype
-    qmax = _MINIFLOAT[dtype][3]
+    qmax = QMAX[dtype]
     if layout.sf_format == "ue8m0":
         exp = ue8m0_exponent(amax, qmax)
         scaled = xz * pow2(-exp)[..., None]
@@ -135,7 +154,8 @@ def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torc
         scaled = xz / sf[..., None]
         scales = sf.contiguous().view(torch.uint8).view(n, -1)
     # +-inf saturates to +-QMAX (the encoder clamps it); NaN stays the +0 of xz
-    codes = encode_minifloat(torch.where(torch.isinf(xg), xg, scaled), dtype)
+    scaled = torch.where(torch.isinf(xg), xg, scaled)
+    codes = encode_int8(scaled) if dtype == "int8" else encode_minifloat(scaled, dtype)
     codes = codes.view(n, -1)[:, : layout.quantized_elements]
     if dtype == "e2m1":
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -157,6 +177,8 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, layout: KVCacheFormat
     if layout.quantized_dtype == "e2m1":
         pairs = torch.stack((values & 15, values >> 4), dim=-1).view(n, -1)
         v = decode_e2m1(pairs)
+    elif layout.quantized_dtype == "int8":
+        v = decode_int8(values)
     else:
         v = decode_e4m3(values)
     sf = scale_factors(scales, layout)  # [n, G]
@@ -183,7 +205,7 @@ def encode_e4m3_ref(v: torch.Tensor) -> int:
 
 def quantize_group_ref(xs: list[float], layout: KVCacheFormat) -> tuple[list[int], list[int]]:
     """One group of BF16 values (as Python floats) -> (element codes, scale bytes), scalar fp32
-    arithmetic through numpy. Codes are e4m3 bytes or e2m1 nibbles (not yet packed).
+    arithmetic through numpy. Codes are e4m3 / int8 bytes or e2m1 nibbles (not yet packed).
     Non-finite values: the scale comes from the finite ones, +-inf -> +-QMAX, NaN -> +0."""
     import numpy as np
 
@@ -191,11 +213,13 @@ def quantize_group_ref(xs: list[float], layout: KVCacheFormat) -> tuple[list[int
     xs = [0.0 if math.isnan(v) else v for v in xs]
     amax = f32(max((abs(v) for v in xs if math.isfinite(v)), default=0.0))
     dtype = layout.quantized_dtype
-    qmax = f32(E2M1_MAX if dtype == "e2m1" else E4M3_MAX)
+    qmax = f32(QMAX[dtype])
 
     def encode(v: np.float32) -> int:
         if math.isinf(v):
             v = f32(math.copysign(float(qmax), v))
+        if dtype == "int8":  # Python's round() is half to even
+            return round(min(max(float(v), -127.0), 127.0)) & 255
         if dtype == "e2m1":
             return encode_e2m1_ref(float(v))
         return encode_e4m3_ref(torch.tensor(float(v), dtype=torch.float32))
@@ -226,6 +250,8 @@ def dequantize_ref(vbytes: list[int], sbytes: list[int], layout: KVCacheFormat) 
     if layout.quantized_dtype == "e2m1":
         codes = [c for b in vbytes for c in (b & 15, b >> 4)]
         vals = [f32(_E2M1_VALUES[c & 7] * (-1.0 if c & 8 else 1.0)) for c in codes]
+    elif layout.quantized_dtype == "int8":
+        vals = [f32(b - 256 if b > 127 else b) for b in vbytes]
     else:
         as_fp8 = torch.tensor(vbytes, dtype=torch.uint8).view(torch.float8_e4m3fn)
         vals = [f32(v) for v in as_fp8.float().tolist()]

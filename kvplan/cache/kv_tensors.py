@@ -12,6 +12,8 @@ Layouts (``H`` = num_kv_heads, ``D`` = head_dim, slot = block * block_size + off
 
   - ``"fp8"``: e4m3 values, one fp32 scale per 32 values (``amax / 448``, so every group's
     largest value is stored exactly).
+  - ``"int8"``: symmetric int8 values (-127..127, round half to even), one fp32 scale per 32
+    values (``amax / 127``); same record size as ``"fp8"``.
   - ``"fp4"``: e2m1 values (two per byte, element 2i in the low nibble), one e4m3 scale per
     16 values (the rule of ``kvplan.V41_FP4_FORMAT``).
 
@@ -34,6 +36,7 @@ _PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 # kv_format -> (quantized_dtype, elements_per_sf, sf_format) of the quantized caches
 QUANTIZED_KV_FORMATS = {
     "fp8": ("e4m3", 32, "fp32"),
+    "int8": ("int8", 32, "fp32"),
     "fp4": ("e2m1", 16, "e4m3"),
 }
 KV_FORMATS = ("bf16", "fp16", "fp32", *QUANTIZED_KV_FORMATS)

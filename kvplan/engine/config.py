@@ -62,8 +62,8 @@ class EngineConfig:
     backend: str = _doc(f"attention backend, one of {BACKEND_NAMES}", "block_offsets")
     kv_format: str = _doc(
         f'KV cache format, one of {KV_FORMATS}; "auto" = the model dtype. "fp8" is e4m3 with '
-        'per-32-value fp32 scales (DeepSeek-V4: UE8M0); "fp4" e2m1 with per-16-value e4m3 '
-        "scales",
+        'per-32-value fp32 scales (DeepSeek-V4: UE8M0); "int8" symmetric int8 with per-32-value '
+        'fp32 scales; "fp4" e2m1 with per-16-value e4m3 scales',
         "auto",
     )
     block_size: int = _doc("tokens per KV block", 16)
@@ -109,7 +109,7 @@ class EngineConfig:
     kv_rotation: bool = _doc(
         "rotate each head's q and k by a Hadamard matrix after RoPE (dense models, head_dim a "
         "power of two, one device): attention scores are unchanged and the cached keys' outlier "
-        "channels are spread out, so a quantized kv_format (fp8 / fp4) stores them more "
+        "channels are spread out, so a quantized kv_format (fp8 / int8 / fp4) stores them more "
         "accurately; off by default",
         False,
     )
@@ -206,8 +206,9 @@ class EngineConfig:
         return min(DEFAULT_MAX_MODEL_LEN, max_position_embeddings)
 
     def resolve_kv_format(self, head_dim: int) -> str:
-        """The stored KV format (``"auto"`` resolved to the model dtype); ``fp8`` / ``fp4``
-        need ``head_dim`` to be a multiple of their scale group (32 / 16 values of a head)."""
+        """The stored KV format (``"auto"`` resolved to the model dtype); ``fp8`` / ``int8`` /
+        ``fp4`` need ``head_dim`` to be a multiple of their scale group (32 / 32 / 16 values of
+        a head)."""
         if self.kv_format == "auto":
             return _AUTO_KV_FORMAT[self.torch_dtype]
         group = QUANTIZED_KV_FORMATS.get(self.kv_format, (None, 1, None))[1]

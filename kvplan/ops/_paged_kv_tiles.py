@@ -1,11 +1,12 @@
-"""K/V tiles of the paged attention kernels: plain caches, or fp8 / fp4 pages read in place.
+"""K/V tiles of the paged attention kernels: plain caches, or fp8 / int8 / fp4 pages read in
+place.
 
 A quantized cache is a uint8 ``[num_blocks, block_size, 1, bytes_per_token]`` cache of a
 token-interleaved, cast-on-load ``KVCacheFormat`` over ``Hkv * D`` values. Every head's D
 values are whole scale groups, so a token's record is laid out as::
 
     [ head 0 values | head 1 values | ... | head 0 scales | head 1 scales | ... ]
-      D bytes (e4m3) or D / 2 (e2m1)        (D / group) scales of 4 (fp32) or 1 byte
+      D bytes (e4m3, int8) or D / 2 (e2m1)  (D / group) scales of 4 (fp32) or 1 byte
 
 A kernel program owns one KV head: it reads that head's value run and scale run of each key
 and dequantizes them in registers (``load_kv_tile``); ``kv_geometry`` gives the offsets.
@@ -39,8 +40,8 @@ def load_kv_tile(
     ``rows``: int64 ``[TILE_N]`` offsets (elements of the cache; bytes for a quantized cache)
     of the keys' token records; ``ptr``: the cache plus the head's value offset; ``sf_ptr``
     (quantized only): the cache plus the head's scale offset. ``KV_QUANT`` 0 reads the values
-    as they are; 1 (e4m3 bytes) and 2 (e2m1 nibbles, element 2i in the low nibble of byte i)
-    dequantize in registers: ``fp32(value) * fp32(scale)`` with one scale per ``GROUP``
+    as they are; 1 (e4m3 bytes), 2 (e2m1 nibbles, element 2i in the low nibble of byte i) and
+    3 (int8 two's-complement bytes) dequantize in registers: ``fp32(value) * fp32(scale)`` with one scale per ``GROUP``
     values (``SF_KIND`` as in ``kvplan.ops._quant_triton``), then one rounding to q's dtype
     -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. Every load is a contiguous
     run per key (values, then the head's scales), so the compiler can pipeline it.
@@ -51,6 +52,9 @@ def load_kv_tile(
     if KV_QUANT == 1:
         codes = _load_masked(ptr + rows[:, None] + offs_d[None, :], in_range, MASKED)
         vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif KV_QUANT == 3:
+        codes = _load_masked(ptr + rows[:, None] + offs_d[None, :], in_range, MASKED)
+        vals = codes.to(tl.int8, bitcast=True).to(tl.float32)
     else:
         offs_b = tl.arange(0, HEAD_DIM // 2)
         packed = _load_masked(ptr + rows[:, None] + offs_b[None, :], in_range, MASKED)
@@ -71,6 +75,9 @@ def load_kv_tile(
     return tl.reshape(grouped, [TILE_N, HEAD_DIM]).to(q.dtype)
 
 
+_KV_QUANT = {"e4m3": 1, "e2m1": 2, "int8": 3}  # quantized_dtype -> KV_QUANT
+
+
 class KVGeometry(NamedTuple):
     """How the kernels address one head's records in a cache (see ``kv_geometry``)."""
 
@@ -79,7 +86,7 @@ class KVGeometry(NamedTuple):
     stride_vh: int
     sf_off: int  # bytes from a token record's start to its scales (quantized only)
     stride_sh: int  # bytes between two heads' scales (quantized only)
-    kv_quant: int  # 0 plain, 1 e4m3, 2 e2m1
+    kv_quant: int  # 0 plain, 1 e4m3, 2 e2m1, 3 int8
     sf_kind: int  # kvplan.ops._quant_triton.SF_KIND (quantized only)
     group: int  # values per scale (quantized only)
 
@@ -91,11 +98,12 @@ def kv_geometry(k_cache, v_cache, head_dim: int, kv_layout) -> KVGeometry:
     if kv_layout is None:
         return KVGeometry(k_cache.shape[2], k_cache.stride(2), v_cache.stride(2), 0, 0, 0, 0, 1)
     fp4 = kv_layout.quantized_dtype == "e2m1"
+    kv_quant = _KV_QUANT[kv_layout.quantized_dtype]
     group = kv_layout.elements_per_sf
     head_bytes = head_dim // 2 if fp4 else head_dim
     sf_size = kv_layout.sf_bytes // kv_layout.num_scales
     return KVGeometry(
         kv_layout.quantized_elements // head_dim, head_bytes, head_bytes,
-        kv_layout.quantized_bytes, head_dim // group * sf_size, 2 if fp4 else 1,
+        kv_layout.quantized_bytes, head_dim // group * sf_size, kv_quant,
         SF_KIND[kv_layout.sf_format], group,
     )  # fmt: skip

@@ -76,6 +76,22 @@ def encode_e2m1(x):
     return encode_e2m1_magnitude(x) | (sign << 3)
 
 
+INT8_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: fp32 ulp 1 on [2^23, 2^24)
+INT8_RNE_BITS = tl.constexpr(0x4B400000)  # its int32 bits
+
+
+@triton.jit
+def encode_int8(x):
+    """fp32 ``x`` (no NaN) -> int32 codes ``clamp(RNE(x), -127, 127)`` (``kvplan.quant``).
+
+    The clamped value plus 1.5 * 2^23 lies in [2^23, 2^24), where the fp32 ulp is 1, so that
+    one IEEE addition rounds to the nearest integer with ties to even, on the GPU and in the
+    interpreter alike; its bits minus those of 1.5 * 2^23 are the integer. -0.0 gives 0.
+    """
+    q = tl.minimum(tl.maximum(x, -127.0), 127.0)
+    return (q + INT8_RNE_MAGIC).to(tl.int32, bitcast=True) - INT8_RNE_BITS
+
+
 @triton.jit
 def decode_e4m3(c):
     """int32 e4m3 codes (0..255) -> fp32."""

@@ -20,6 +20,7 @@ from kvplan.ops._quant_triton import (
     decode_e4m3,
     encode_e2m1_magnitude_raw,
     encode_e4m3,
+    encode_int8,
     pow2,
     ue8m0_exponent,
 )
@@ -134,8 +135,9 @@ def store_quant_kernel(
     GB: tl.constexpr,  # value bytes per group
     GB_P2: tl.constexpr,
     QB: tl.constexpr,  # value bytes per token
-    FP4: tl.constexpr,  # e2m1 values (else e4m3)
-    QMAX: tl.constexpr,  # 6.0 (e2m1) or 448.0 (e4m3)
+    FP4: tl.constexpr,  # e2m1 values (else e4m3 or int8)
+    INT8: tl.constexpr,  # int8 values (fp32 scales only)
+    QMAX: tl.constexpr,  # 6.0 (e2m1), 448.0 (e4m3) or 127.0 (int8)
     SF: tl.constexpr,  # 0 ue8m0, 1 e4m3, 2 fp32
     SB: tl.constexpr,  # bytes per scale
     FLAT: tl.constexpr,  # groups tile the record exactly (GB and G powers of two)
@@ -191,7 +193,7 @@ def store_quant_kernel(
             x = tl.load(x_ptr + rows64[:, None] * E + j[None, :], mask=row_in[:, None])
             x = tl.reshape(x, [ROWS, G_P2, GS_P2]).to(tl.float32)
         else:
-            elem = g[:, None] * GS + b[None, :]  # GB == GS for e4m3
+            elem = g[:, None] * GS + b[None, :]  # GB == GS for e4m3 / int8
             emask = (g[:, None] < G) & (b[None, :] < GS) & (elem < E)
             x_off = rows64[:, None, None] * E + elem[None, :, :]
             x = tl.load(x_ptr + x_off, mask=row_in[:, None, None] & emask[None, :, :], other=0.0)
@@ -207,7 +209,9 @@ def store_quant_kernel(
         q = _scaled(x, factor, SF, FAST_DIV)
         if nonfinite:  # +-inf -> +-QMAX
             q = tl.where(xb == INF_BITS, tl.where(x_raw > 0, QMAX, -QMAX), q)
-        if HW:
+        if INT8:
+            vbytes = (encode_int8(q) & 255).to(tl.uint8)  # two's complement bytes
+        elif HW:
             # hardware cvt (RNE, satfinite); only the ue8m0 scale keeps |q| <= 448 by itself
             if SF != 0:
                 q = tl.minimum(tl.maximum(q, -448.0), 448.0)

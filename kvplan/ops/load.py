@@ -106,6 +106,11 @@ def _capturing(t: torch.Tensor) -> bool:
 
 def _prepare(kv_cache, load_segments, total_k, out, layout, check):
     layout = resolve_kv_cache_layout(kv_cache, layout)
+    if layout.quantized_dtype == "int8":
+        raise ValueError(
+            "layout.quantized_dtype 'int8' is not supported by load_paged_kv_cache (the dense "
+            "engine's int8 caches are read by the paged attention kernels or kvplan.quant)"
+        )
     check_tensor("load_segments", load_segments, dtype=torch.int32, shape=(None, 4))
     check_same_device(kv_cache=kv_cache, load_segments=load_segments)
     if isinstance(total_k, bool) or not isinstance(total_k, int) or total_k < 0:
@@ -140,7 +145,8 @@ def load_paged_kv_cache(
             for cast and BF16 formats, a ``(values, scales)`` pair shaped as in
             :class:`LoadedIndexKV` for index formats. Rows not named by the plan are left
             untouched; without ``out`` they are uninitialized (``torch.empty``).
-        layout: the cache format; inferred when ``None``.
+        layout: the cache format; inferred when ``None``. int8 formats are refused
+            (``ValueError``).
         check: validate the plan with :func:`kvplan.validate_load_plan` (ranges and overlapping
             destinations; one host copy of the plan; skipped during CUDA-graph capture).
             Unvalidated plans (``check=False``) mean the same on every path: a row is copied

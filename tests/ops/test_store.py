@@ -10,6 +10,7 @@ from kvplan.formats import (
     FP8_FLOAT32_SF_INDEX_KV_FORMAT,
     SUPPORTED_KV_CACHE_FORMATS,
     V41_FORMAT,
+    KVCacheFormat,
     alloc_kv_cache,
     bf16_format,
     split_kv_cache,
@@ -22,7 +23,10 @@ from kvplan.ops.store import (
 )
 
 ODD_FORMATS = [f for f in ODD_FORMATS if f.note != "index, 5 ue8m0 scales"]
-ALL_FORMATS = all_formats(ODD_FORMATS)
+# the dense engine's int8 format, and int8 with a partial last group (non-flat kernel path)
+ENGINE_INT8 = KVCacheFormat("int8", 2 * 64, 32, 0, True, "fp32", "engine int8 2x64", True)
+INT8_ODD = KVCacheFormat("int8", 40, 24, 0, True, "fp32", "int8 partial last group", True)
+ALL_FORMATS = [*all_formats(ODD_FORMATS), ENGINE_INT8, INT8_ODD]
 
 
 def _random_cache(layout, num_blocks, block_size, seed=0, device="cpu"):
@@ -154,6 +158,7 @@ GPU_CASES = (
     [(f, 64, True) for f in ALL_FORMATS]
     + [(f, 133, True) for f in SUPPORTED_KV_CACHE_FORMATS]
     + [(f, 64, False) for f in (V41_FORMAT, FP8_FLOAT32_SF_INDEX_KV_FORMAT, ENGINE_FP8)]
+    + [(ENGINE_INT8, 133, True), (ENGINE_INT8, 64, False)]
 )
 
 
@@ -346,6 +351,8 @@ NONFINITE_FORMATS = [
     bf16_format(24),
     ODD_FORMATS[0],  # e4m3, partial last group (non-flat kernel path)
     ODD_FORMATS[1],  # e2m1 with fp32 scales, groups of 10 (non-flat FP4 path)
+    ENGINE_INT8,
+    INT8_ODD,
 ]
 # bf16 bit patterns: +inf, -inf, quiet NaN, negative NaN, NaN with a payload
 _PINF, _NINF, _NAN, _NEG_NAN, _NAN_PAYLOAD = 0x7F80, -128, 0x7FC0, -64, 0x7F81
@@ -432,7 +439,7 @@ def test_non_finite_input_unchecked_saturates_with_equal_bytes_on_every_path(lay
         want = quant.dequantize(v0[None], s0[None], layout)[0].float()
         assert torch.equal(got[finite[i]], want[finite[i]]), f"row {i}"
         x = kv[i].float()
-        qmax = 6.0 if layout.quantized_dtype == "e2m1" else 448.0
+        qmax = quant.QMAX[layout.quantized_dtype]
         group = torch.arange(layout.elements) // layout.elements_per_sf
         sat = (torch.sign(x) * qmax * quant.scale_factors(s[None], layout)[0][group]).bfloat16()
         inf = torch.isinf(x)
@@ -491,3 +498,54 @@ def test_gpu_non_finite_input_and_bad_slots_match_the_cpu_bytes(layout, hw):
     assert torch.equal(_storage(gpu).cpu(), _storage(cpu))
     with pytest.raises(ValueError, match="non-finite"):
         store_kv_cache(kv.cuda(), gpu, slots.cuda().clamp(-1, 0), layout=layout)
+
+
+# ---- int8: the rounding rule and the error bound ----
+
+
+@pytest.mark.parametrize("layout", [ENGINE_INT8, INT8_ODD], ids=_ids)
+def test_int8_rounds_half_to_even_and_saturates(layout):
+    """A group whose amax is 127 has scale 1: x / scale is x, so half-integers show the tie
+    rule (to even) and the bytes are two's complement; every path writes them."""
+    row = torch.zeros(layout.elements)
+    ties = [127.0, 2.5, 3.5, -2.5, -3.5, 0.5, -0.5, 1.5, -1.5, -127.0, -0.0, 0.25, 126.5]
+    row[: len(ties)] = torch.tensor(ties)
+    kv = row[None].bfloat16()
+    want = [127, 2, 4, -2, -4, 0, 0, 2, -2, -127, 0, 0, 126]
+    for fn in (store_kv_cache_ref, store_kv_cache_torch, store_kv_cache_triton):
+        cache = _random_cache(layout, 1, 4)
+        fn(kv, cache, torch.tensor([2], dtype=torch.int32), layout=layout)
+        v, s = _record(cache, layout, 2)
+        assert v.view(torch.int8)[: len(want)].tolist() == want, fn.__name__
+        assert s.view(torch.float32)[0].item() == 1.0, fn.__name__
+
+
+@pytest.mark.parametrize("layout", [ENGINE_INT8, INT8_ODD], ids=_ids)
+def test_int8_round_trip_error_is_at_most_half_a_scale(layout):
+    """|x - value * scale| <= scale / 2 (exact fp64 check; the fp32 quotient x / scale, up to
+    127, may be off by half an ulp, 2^-17, hence that slack), codes in [-127, 127], and each
+    group's largest magnitude maps to +-127."""
+    from kvplan import quant
+
+    n = 64
+    kv = _random_kv(n, layout, seed=5)
+    cache = _random_cache(layout, 4, 16)
+    slots = torch.arange(n, dtype=torch.int32)
+    store_kv_cache_triton(kv, cache, slots, layout=layout)
+    values, scales = split_kv_cache(cache, layout)
+    codes = values.reshape(n, -1).float()  # int8 view
+    sf = scales.reshape(n, -1).float()
+    group = torch.arange(layout.elements) // layout.elements_per_sf
+    x = kv.double()
+    err = (x - codes.double() * sf[:, group].double()).abs()
+    assert (err <= sf[:, group].double() * (0.5 + 2**-17)).all()
+    assert (err > sf[:, group].double() * 0.49).any()  # the bound is not vacuous
+    assert codes.abs().max() <= 127 and (codes != -128).all()
+    nonzero = x.abs().amax(dim=1) > 0
+    grouped_codes = torch.zeros(n, layout.num_scales).index_reduce_(
+        1, group, codes.abs(), "amax", include_self=False
+    )
+    assert (grouped_codes[nonzero] == 127).all()
+    deq = quant.dequantize(values.reshape(n, -1).view(torch.uint8), scales.reshape(n, -1)
+                           .contiguous().view(torch.uint8), layout)  # fmt: skip
+    assert torch.equal(deq, (codes * sf[:, group]).bfloat16())
