@@ -19,7 +19,7 @@ time spent outside GPU kernels (torch.profiler: 1 - kernel time / wall time).
     PYTHONPATH=. python3 bench/bench_engine.py --out results.json          # H200
     PYTHONPATH=. python3 bench/bench_engine.py --quick --out /tmp/q.json   # CPU smoke run
 
-``--kv-format fp8`` / ``fp4`` run kvplan on a quantized KV cache (a model whose head_dim is
+``--kv-format fp8`` / ``int8`` / ``fp4`` run kvplan on a quantized KV cache (a model whose head_dim is
 not a multiple of 32, such as the ``--quick`` tiny Llama, gets head_dim 64: whole scale
 groups); ``--kv-cache-memory`` sets kvplan's KV pool in bytes (default 8 GiB on CUDA).
 """
@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from kvplan.cache.kv_tensors import QUANTIZED_KV_FORMATS
 from kvplan.engine.cli_bench import make_prompts, run_workload, sync_device
 from kvplan.engine.config import EngineConfig, add_engine_arguments, config_from_args
 from kvplan.models.config import named_config
@@ -376,7 +377,7 @@ def main() -> int:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = named_config(args.config)
-    if args.kv_format in ("fp8", "fp4") and cfg.head_dim % 32:  # whole fp8 / fp4 scale groups
+    if args.kv_format in QUANTIZED_KV_FORMATS and cfg.head_dim % 32:  # whole scale groups
         cfg = named_config(args.config, head_dim_override=64)
     prompts = make_prompts(args.num_requests, args.prompt_len, cfg.vocab_size)
 

@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=8192, help="tokens per request")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-format", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"))
+    parser.add_argument(
+        "--kv-format", default="bf16", choices=("bf16", "fp16", "fp32", "fp8", "int8")
+    )
     parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
     parser.add_argument("--memory", type=int, default=8 << 30, help="KV cache bytes")
     parser.add_argument("--out", help="append the JSON row to this file")

@@ -60,6 +60,8 @@ def test_bad_arguments():
         KVCacheTensors(1, 3, 2, 1, 8, kv_format="int4")
     with pytest.raises(ValueError, match="head_dim % 32"):
         KVCacheTensors(1, 3, 2, 1, 48, kv_format="fp8")
+    with pytest.raises(ValueError, match="head_dim % 32"):
+        KVCacheTensors(1, 3, 2, 1, 48, kv_format="int8")
 
 
 def test_fp8_layout():
@@ -73,11 +75,21 @@ def test_fp8_layout():
     assert k.shape == (2, 4, 2, 64) and not k.any()
 
 
-def test_fp8_store_and_read_match_the_quantization_reference():
+def test_int8_layout_has_the_fp8_record_size():
+    from kvplan.cache.kv_tensors import kv_bytes_per_value
+
+    kv = KVCacheTensors(1, 3, 4, num_kv_heads=2, head_dim=64, kv_format="int8")
+    assert kv.is_quantized and kv.dtype == torch.bfloat16 and kv.layout.quantized_dtype == "int8"
+    assert kv.k_cache(0).shape == (3, 4, 1, 144) and kv.layout.sf_format == "fp32"
+    assert kv_bytes_per_value("int8") == kv_bytes_per_value("fp8") == 1.125
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "int8"])
+def test_quantized_store_and_read_match_the_quantization_reference(kv_format):
     from kvplan import quant
 
     g = torch.Generator().manual_seed(1)
-    kv = KVCacheTensors(2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=32, kv_format="fp8")
+    kv = KVCacheTensors(2, 4, 4, num_kv_heads=2, head_dim=32, kv_format=kv_format)
     # heads with very different magnitudes: per-head groups keep each head's own scale
     k = torch.randn(5, 2, 32, generator=g) * torch.tensor([1e-3, 50.0])[None, :, None]
     v = torch.randn(5, 2, 32, generator=g)
@@ -94,12 +106,12 @@ def test_fp8_store_and_read_match_the_quantization_reference():
             b = [1, 3].index(s // 4)
             assert torch.equal(read[b, s % 4], want[i])
         rel = (read[0, 0] - x[4]).abs().max() / x[4].abs().max()
-        assert rel < 0.1  # e4m3 keeps ~2 significant digits
+        assert rel < 0.1  # e4m3 keeps ~2 significant digits, int8 at least that
     assert not kv.k_cache(0).any() and not kv.k_cache(1)[0].any()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_format", ["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp16", "fp8", "int8"])
 def test_gpu_store_equals_cpu_store(kv_format):
     g = torch.Generator().manual_seed(2)
     caches = [

@@ -63,6 +63,9 @@ def test_resolved_values():
     assert EngineConfig(dtype="bf16").torch_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="head_dim"):
         EngineConfig(kv_format="fp8").resolve_kv_format(48)
+    with pytest.raises(ValueError, match="head_dim % 32"):
+        EngineConfig(kv_format="int8").resolve_kv_format(48)
+    assert EngineConfig(kv_format="int8").resolve_kv_format(64) == "int8"
 
 
 def test_llm_kwargs_and_config_build_the_same_engine():

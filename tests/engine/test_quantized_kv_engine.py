@@ -1,4 +1,4 @@
-"""fp8 / fp4 KV caches in the dense engine: pages read in place == dequantize-then-attend.
+"""fp8 / int8 / fp4 KV caches in the dense engine: pages read in place == dequantize-then-attend.
 
 The oracle is the same engine with a bf16 cache whose store first rounds K/V through the
 format's quantize + dequantize (``kvplan.quant``, bf16 in and out): it holds exactly the
@@ -54,7 +54,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, CFG.vocab_size, (m,), generator=g).tolist() for m in lens]
 
 
-@pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("kv_format", ["fp8", "int8", "fp4"])
 @pytest.mark.parametrize("backend", ["block_offsets", "ragged"])
 def test_greedy_tokens_equal_dequantize_then_attend(kv_format, backend):
     prompts = _prompts(5, seed=1)
@@ -76,7 +76,7 @@ def test_async_scheduling_with_fp8_gives_the_same_tokens():
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("kv_format", ["fp8", "int8", "fp4"])
 def test_teacher_forced_logits_equal_dequantize_then_attend(kv_format):
     ids = _prompts(1, seed=2)[0] * 2
     got = prompt_logits(_engine(kv_format).engine, ids, 8)
@@ -92,8 +92,17 @@ def test_fp4_cache_is_smaller_than_fp8():
     assert fp8.raw_k_cache(0).shape[-1] == 2 * 64 + 2 * 64 // 32 * 4  # values + fp32 scales
 
 
+def test_int8_cache_rounds_differently_from_fp8():
+    """Same record size as fp8, other values: the int8 engine is not the fp8 one renamed."""
+    ids = _prompts(1, seed=2)[0] * 2
+    i8, f8 = (_engine(f) for f in ("int8", "fp8"))
+    assert i8.parts.kv_cache.raw_k_cache(0).shape == f8.parts.kv_cache.raw_k_cache(0).shape
+    assert i8.parts.kv_cache.layout.quantized_dtype == "int8"
+    assert not torch.equal(prompt_logits(i8.engine, ids, 8), prompt_logits(f8.engine, ids, 8))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("kv_format", ["fp8", "int8", "fp4"])
 def test_gpu_graphs_with_quantized_cache_match_eager(kv_format):
     """Quantized caches are captured in CUDA graphs; replays give the eager tokens."""
     prompts = _prompts(11, seed=3)

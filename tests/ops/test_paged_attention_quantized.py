@@ -1,10 +1,11 @@
-"""Paged attention reading fp8 / fp4 pages in place == dequantize first, then dense attention.
+"""Paged attention reading fp8 / int8 / fp4 pages in place == dequantize first, then dense attention.
 
 Each case takes ``make_case``'s float cache (random keys where some query looks, NaN
 elsewhere), quantizes every written slot into the records of a token-interleaved cache
 (``kvplan.quant.quantize``) and fills every other slot with 0xFF bytes (NaN e4m3 codes, NaN
-fp32 / e4m3 scales), so a kernel that reads an unused slot poisons its output. The reference
-decodes the records with torch's own float8 type and a table of the e2m1 values, in fp32, and
+fp32 / e4m3 scales; int8 codes -1 under a NaN scale), so a kernel that reads an unused slot
+poisons its output. The reference decodes the records with torch's own float8 / int8 types
+and a table of the e2m1 values, in fp32, and
 runs the per-query float64 ``paged_attention_ref`` over them.
 """
 
@@ -26,9 +27,10 @@ from kvplan.ops.paged_attention import (
 )
 from tests.ops.test_paged_attention import Case, assert_close, make_case
 
-# (quantized dtype, values per scale, scale format): the engine's fp8 and fp4, plus UE8M0
+# (quantized dtype, values per scale, scale format): the engine's fp8, int8 and fp4, plus UE8M0
 FORMATS = {
     "fp8": ("e4m3", 32, "fp32"),
+    "int8": ("int8", 32, "fp32"),
     "fp4": ("e2m1", 16, "e4m3"),
     "fp8_ue8m0": ("e4m3", 32, "ue8m0"),
 }
@@ -63,6 +65,8 @@ def dequantize_cache(raw: torch.Tensor, layout: KVCacheFormat, head_dim: int) ->
     if layout.quantized_dtype == "e2m1":
         codes = torch.stack((vbytes & 15, vbytes >> 4), dim=-1).reshape(n * bs, -1).long()
         vals = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    elif layout.quantized_dtype == "int8":
+        vals = vbytes.contiguous().view(torch.int8).float()
     else:
         vals = vbytes.contiguous().view(torch.float8_e4m3fn).float()
     if layout.sf_format == "fp32":
@@ -97,6 +101,8 @@ DECODE = [
     ("fp4", 2, [40, 9, 0], 2, 4, None, "ragged", 2, 16),
     ("fp4", 3, [70, 35], 4, 32, None, "offsets", 2, 16),  # whole tiles inside one page
     ("fp8_ue8m0", 4, [29, 3], 2, 16, 5, "ragged", 1, 16),
+    ("int8", 0, [1, 7, 13], 1, 4, None, "ragged", 1, 16),
+    ("int8", 1, [5, 33, 18], 4, 8, 11, "offsets", 3, 16),  # (head_dim 64: two scales a head)
 ]
 
 
@@ -123,6 +129,8 @@ PREFILL = [
     ("fp8", 11, [40, 17], [16, 3], 2, 8, 6),  # partial last pages, window
     ("fp4", 12, [21, 6, 11], [3, 6, 1], 4, 8, None),
     ("fp4", 13, [45, 20], [40, 20], 1, 16, 20),
+    ("int8", 10, [9, 14, 3], [9, 4, 1], 1, 4, None),
+    ("int8", 11, [40, 17], [16, 3], 2, 8, 6),
 ]
 
 
@@ -154,7 +162,7 @@ def test_quantized_head_dim_16_fp4():
 # --- torch path (CPU dispatch): bf16 dequantization, as kvplan.quant.dequantize -------------
 
 
-@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
 @pytest.mark.parametrize("seed", range(3))
 def test_torch_paths_read_quantized_pages(kind, seed):
     gen = torch.Generator().manual_seed(200 + seed)
@@ -219,7 +227,7 @@ def test_quantized_layout_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
 def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind):
     """On the GPU the in-place dequantization gives bit-for-bit the bf16 values of
     ``quant.dequantize``, so the output equals the kernel over a dequantized bf16 copy."""
