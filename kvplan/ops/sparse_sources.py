@@ -65,6 +65,8 @@ def source_address(
             raise ValueError(
                 f"{name}: layout {layout.note!r} must be a token-interleaved cast layout"
             )
+        if layout.quantized_dtype == "int8":
+            raise ValueError(f"{name}: int8 values are not supported")
         if layout.sf_format not in _SF or (layout.sf_format == "fp32" and not split_ok):
             raise ValueError(f"{name}: scale format {layout.sf_format!r} is not supported")
         if layout.elements != head_dim:

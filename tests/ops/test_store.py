@@ -225,7 +225,9 @@ def _finite_bf16_bit_patterns(n, elements, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", [FP8_FLOAT32_SF_INDEX_KV_FORMAT, ODD_FORMATS[1]], ids=_ids)
+@pytest.mark.parametrize(
+    "layout", [FP8_FLOAT32_SF_INDEX_KV_FORMAT, ODD_FORMATS[1], ENGINE_INT8], ids=_ids
+)
 def test_gpu_fast_division_equals_div_rn(layout):
     """fp32-scale stores: the per-group reciprocal path (``fast_div``) writes the same bytes as
     IEEE ``div.rn`` on random bit patterns (subnormals, signed zeros, huge magnitudes)."""
@@ -249,8 +251,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvplan.ops._store_kernels import store_quant_kernel as fn
 cx = dict(BLOCK_SIZE=64, E=128, GS=128, G=1, GS_P2=128, G_P2=1, GB=128, GB_P2=128, QB=128,
-          FP4=False, QMAX=448.0, SF=2, SB=4, FLAT=True, HW=True, ROWS=8, VALIGN=16, SALIGN=4,
-          FAST_DIV=sys.argv[1] == "1")
+          FP4=False, SF=2, SB=4, FLAT=True, HW=True, ROWS=8, VALIGN=16, SALIGN=4,
+          FAST_DIV=sys.argv[1] == "1", INT8=sys.argv[2] == "1",
+          QMAX=127.0 if sys.argv[2] == "1" else 448.0)
 types = {"x_ptr": "*bf16", "slot_ptr": "*i32", "cache_ptr": "*u8"}
 sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
 ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx),
@@ -259,9 +262,11 @@ print(ptx.count("div.rn.f32"), ptx.count("rcp.approx"))
 """
 
 
-def test_fast_division_compiles_for_sm90_without_per_element_div():
-    """CPU counterpart: the fp32-scale store compiled for sm_90 (in a subprocess: this process
-    runs the interpreter) divides only to make the scales, not per element."""
+@pytest.mark.parametrize("int8", ["0", "1"], ids=["e4m3", "int8"])
+def test_fast_division_compiles_for_sm90_without_per_element_div(int8):
+    """CPU counterpart: the fp32-scale store (e4m3 or int8 values) compiled for sm_90 (in a
+    subprocess: this process runs the interpreter) divides only to make the scales, not per
+    element."""
     import os
     import subprocess
     import sys
@@ -275,7 +280,7 @@ def test_fast_division_compiles_for_sm90_without_per_element_div():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     counts = {}
     for fast in ("0", "1"):
-        out = subprocess.run([sys.executable, "-c", _SM90_DIV_COUNT, fast], env=env,
+        out = subprocess.run([sys.executable, "-c", _SM90_DIV_COUNT, fast, int8], env=env,
                              capture_output=True, text=True, check=True).stdout  # fmt: skip
         counts[fast] = tuple(int(v) for v in out.split())
     # ROWS x GS = 1024 elements over 128 threads: each thread divides its 8 elements and
@@ -549,3 +554,15 @@ def test_int8_round_trip_error_is_at_most_half_a_scale(layout):
     deq = quant.dequantize(values.reshape(n, -1).view(torch.uint8), scales.reshape(n, -1)
                            .contiguous().view(torch.uint8), layout)  # fmt: skip
     assert torch.equal(deq, (codes * sf[:, group]).bfloat16())
+
+
+def test_int8_format_rules_and_unsupported_paths():
+    """int8 takes fp32 scales only; the index-cache loader refuses it instead of misreading."""
+    from kvplan.ops.load import load_paged_kv_cache
+
+    with pytest.raises(ValueError, match="sf_format must be 'fp32' for int8"):
+        KVCacheFormat("int8", 64, 32, 0, True, "ue8m0", "bad", True)
+    cache = alloc_kv_cache(2, 4, ENGINE_INT8)
+    segs = torch.tensor([[0, 0, 0, 4]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="quantized_dtype 'int8' is not supported"):
+        load_paged_kv_cache(cache, segs, 4, layout=ENGINE_INT8)
