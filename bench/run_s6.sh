@@ -28,11 +28,12 @@ step 80 gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
   tests/ops/test_sparse_attention.py tests/engine/test_hybrid_graphs.py \
   tests/engine/test_hybrid_async.py tests/engine/test_deepseek_v4_engine.py tests/ops/test_load.py \
   tests/ops/test_sparse_split.py tests/ops/test_moe_grouped.py \
-  tests/models/test_deepseek_v4_fused_projections.py tests/backends/test_backends_device_expand.py
+  tests/models/test_deepseek_v4_fused_projections.py tests/backends/test_backends_device_expand.py \
+  tests/ops/test_store.py tests/cache/test_kv_tensors.py
 grep -E "passed|failed|^FAILED" "$O/gpu_tests.log" | tail -12
 step 60 hybrid_hf python3 bench/bench_hybrid_hf.py --no-hf --out "$O/hybrid_hf.json"
 grep -E "kvplan|Error" "$O/hybrid_hf.log" | tail -3
-for f in bf16 fp8; do
+for f in bf16 fp8 int8; do
   step 40 "engine_$f" python3 bench/bench_engine.py --hf '' --kv-format $f --out "$O/engine_$f.json"
   grep -iE "tok/s" "$O/engine_$f.log" | tail -2
 done
