@@ -149,30 +149,30 @@ def _attend_tile(
 
 
 @triton.jit
-def _attend_source(
-    acc, m_i, l_i, q, t, c_ptr, idx_ptr, stride_idx, num_cols, num_slots,
+def _attend_cols(
+    acc, m_i, l_i, q, t, lo, hi, c_ptr, idx_ptr, stride_idx, num_slots,
     block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
     DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Online-softmax steps over the ``num_cols`` index columns of row ``t`` of one source.
-    The CPU interpreter cannot take a runtime bound in ``range``: there a ``while`` loop runs
-    the same steps."""
+    """Online-softmax steps over index columns ``[lo, hi)`` of row ``t`` of one source (the
+    whole row: ``lo = 0``, ``hi = num_cols``; a split: its share). The CPU interpreter cannot
+    take a runtime bound in ``range``: there a ``while`` loop runs the same steps."""
     row_idx = idx_ptr + t.to(tl.int64) * stride_idx
     if INTERPRET:
-        start = 0
-        while start < num_cols:
+        start = lo
+        while start < hi:
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, start, row_idx, num_cols, num_slots, c_ptr, block_size,
+                acc, m_i, l_i, q, start, row_idx, hi, num_slots, c_ptr, block_size,
                 stride_block, stride_token, scale_stride, scale_offset, qk_scale,
                 KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
             )  # fmt: skip
             start += TILE_N
     else:
-        for start in range(0, num_cols, TILE_N):
+        for start in range(lo, hi, TILE_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, start, row_idx, num_cols, num_slots, c_ptr, block_size,
+                acc, m_i, l_i, q, start, row_idx, hi, num_slots, c_ptr, block_size,
                 stride_block, stride_token, scale_stride, scale_offset, qk_scale,
                 KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
             )  # fmt: skip
@@ -217,13 +217,13 @@ def sparse_attention_kernel(
     m_i = tl.maximum(sink, -1.0e30)
     l_i = tl.exp2(sink - m_i)
     acc = tl.zeros([TILE_H, D_P2], tl.float32)
-    acc, m_i, l_i = _attend_source(
-        acc, m_i, l_i, q, t, c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0, sblk0, stok0, sstr0,
+    acc, m_i, l_i = _attend_cols(
+        acc, m_i, l_i, q, t, 0, n0, c0_ptr, i0_ptr, stride_i0, slots0, bs0, sblk0, stok0, sstr0,
         soff0, qk_scale, KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_N, FLAT0, HW, DOT_BF16, INTERPRET,
     )  # fmt: skip
     if HAS1:
-        acc, m_i, l_i = _attend_source(
-            acc, m_i, l_i, q, t, c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1, sblk1, stok1,
+        acc, m_i, l_i = _attend_cols(
+            acc, m_i, l_i, q, t, 0, n1, c1_ptr, i1_ptr, stride_i1, slots1, bs1, sblk1, stok1,
             sstr1, soff1, qk_scale, KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_N, FLAT1, HW, DOT_BF16,
             INTERPRET,
         )  # fmt: skip

@@ -27,37 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvplan.ops._sparse_attention_kernels import LOG2E, _attend_tile, _load_query
-
-
-@triton.jit
-def _attend_cols(
-    acc, m_i, l_i, q, t, lo, hi, c_ptr, idx_ptr, stride_idx, num_slots,
-    block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
-    KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
-    DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """Online-softmax steps over index columns ``[lo, hi)`` of row ``t`` of one source (the
-    interpreter cannot take a runtime bound in ``range``: a ``while`` loop there)."""
-    row_idx = idx_ptr + t.to(tl.int64) * stride_idx
-    if INTERPRET:
-        start = lo
-        while start < hi:
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, start, row_idx, hi, num_slots, c_ptr, block_size,
-                stride_block, stride_token, scale_stride, scale_offset, qk_scale,
-                KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
-            )  # fmt: skip
-            start += TILE_N
-    else:
-        for start in range(lo, hi, TILE_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, start, row_idx, hi, num_slots, c_ptr, block_size,
-                stride_block, stride_token, scale_stride, scale_offset, qk_scale,
-                KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
-            )  # fmt: skip
-    return acc, m_i, l_i
+from kvplan.ops._sparse_attention_kernels import LOG2E, _attend_cols, _load_query
 
 
 @triton.jit
