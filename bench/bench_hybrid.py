@@ -61,7 +61,9 @@ from kvplan.plan.compressor_state import state_rows  # noqa: E402
 GiB = 1 << 30
 
 
-def model_config(quick: bool) -> DeepseekV4Config:
+def model_shape(quick: bool) -> dict:
+    """The model's Hugging Face ``DeepseekV4Config`` arguments (layer types: HF's default
+    order); `bench/bench_hybrid_hf.py` builds the same model from them."""
     if quick:
         d = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
                  head_dim=64, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16,
@@ -78,7 +80,11 @@ def model_config(quick: bool) -> DeepseekV4Config:
                  index_topk=512, index_n_heads=32, index_head_dim=128, n_routed_experts=16,
                  num_experts_per_tok=2, moe_intermediate_size=1024, hc_mult=4,
                  hc_sinkhorn_iters=20)  # fmt: skip
-    return DeepseekV4Config.from_hf({"model_type": "deepseek_v4", **d})
+    return d
+
+
+def model_config(quick: bool) -> DeepseekV4Config:
+    return DeepseekV4Config.from_hf({"model_type": "deepseek_v4", **model_shape(quick)})
 
 
 # ---- bytes -------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """End-to-end throughput of a DeepSeek-V4-shaped model: kvplan's engine against Hugging Face's
 ``DeepseekV4ForCausalLM`` on the same random weights and the same workload.
 
-Model: the shapes of ``bench/bench_hybrid.py`` (hidden 2048, 12 layers HCA, HCA, then CSA /
-HCA alternating, 16 heads x 512 with 64 rotary dims, window 128, ratios 4 / 128, top-k 512,
+Model: ``bench/bench_hybrid.py``'s `model_shape` (hidden 2048, 12 layers in HF's default
+order, 7 HCA and 5 CSA, 16 heads x 512 with 64 rotary dims, window 128, ratios 4 / 128, top-k 512,
 32 index heads x 128, 16 experts top-2 of 1024, hyper-connections 4). HF's model is built
 with random weights, rounded to bf16 and saved with ``save_pretrained`` (bf16); kvplan's
 `kvplan.LLM` loads that folder in bf16. HF runs the same bf16-valued weights in fp32 under
@@ -27,38 +27,21 @@ import json
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import transformers as tf
 
 from kvplan import LLM, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hybrid import model_shape  # noqa: E402
+
 
 def hf_config(quick: bool, max_len: int) -> tf.DeepseekV4Config:
-    if quick:
-        d = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
-                 head_dim=64, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
-                 compress_rates={"compressed_sparse_attention": 4,
-                                 "heavily_compressed_attention": 16},
-                 index_topk=8, index_n_heads=4, index_head_dim=32, n_routed_experts=4,
-                 num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=2,
-                 hc_sinkhorn_iters=3)  # fmt: skip
-    else:
-        d = dict(vocab_size=129280, hidden_size=2048, num_hidden_layers=12,
-                 num_attention_heads=16, head_dim=512, q_lora_rank=512, o_groups=8,
-                 o_lora_rank=512, sliding_window=128,
-                 compress_rates={"compressed_sparse_attention": 4,
-                                 "heavily_compressed_attention": 128},
-                 index_topk=512, index_n_heads=32, index_head_dim=128, n_routed_experts=16,
-                 num_experts_per_tok=2, moe_intermediate_size=1024, hc_mult=4,
-                 hc_sinkhorn_iters=20)  # fmt: skip
-    n = d["num_hidden_layers"]
-    kinds = ["heavily_compressed_attention"] * 2 + [
-        "compressed_sparse_attention" if i % 2 == 0 else "heavily_compressed_attention"
-        for i in range(n - 2)
-    ]
+    """The model of `bench/bench_hybrid.py` (`model_shape`) as HF's config."""
     return tf.DeepseekV4Config(
-        **d, layer_types=kinds, max_position_embeddings=max_len, initializer_range=0.02,
+        **model_shape(quick), max_position_embeddings=max_len, initializer_range=0.02,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )  # fmt: skip
 
