@@ -16,11 +16,11 @@ import sys
 
 import pytest
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 _SCRIPT = r"""
 import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from tools.compile_sm90 import compile_kernel
 
 try:
     from triton.backends.nvidia.compiler import get_ptxas
@@ -32,8 +32,7 @@ module, name, constexprs, ptr_dtype, types = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 sig = {n: "constexpr" if n in constexprs else types.get(n) or (ptr_dtype if n.endswith("_ptr")
        else "i32") for n in fn.arg_names}
-triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-               target=GPUTarget("cuda", 90, 32))
+compile_kernel(fn, sig, constexprs)
 print("OK")
 """
 
@@ -50,7 +49,11 @@ def compile_sm90(
     spec = json.dumps([raw.__module__, raw.__name__, constexprs, ptr_dtype, signature or {}])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, spec], capture_output=True, text=True, env=env
+        [sys.executable, "-c", _SCRIPT, spec],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=_ROOT,  # tools.compile_sm90 importable
     )
     if proc.returncode != 0:
         pytest.fail(f"sm_90 compile of {raw.__name__} failed:\n{proc.stderr[-3000:]}")

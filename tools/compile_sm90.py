@@ -34,12 +34,20 @@ def _constexpr_value(v):
     return v
 
 
-def compile_one(line: str) -> tuple[str, str | None]:
-    os.environ.pop("TRITON_INTERPRET", None)
+def compile_kernel(fn, signature: dict, constexprs: dict, attrs=None, options=None):
+    """Compile the JIT function ``fn`` for sm_90 down to a cubin (raises on a compiler
+    error). Needs a process without ``TRITON_INTERPRET`` (real JIT functions) and Triton's
+    bundled ptxas, no GPU. Also what ``tests/sm90_compile.py`` runs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    src = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_one(line: str) -> tuple[str, str | None]:
+    os.environ.pop("TRITON_INTERPRET", None)
     rec = json.loads(line)
     label = f"{rec['module']}.{rec['name']}"
     try:
@@ -50,12 +58,8 @@ def compile_one(line: str) -> tuple[str, str | None]:
         fn = getattr(module, rec["name"])
         constexprs = {tuple(k): _constexpr_value(v) for k, v in rec["constexprs"]}
         attrs = {tuple(k): [tuple(a) for a in v] for k, v in rec["attrs"]}
-        src = ASTSource(fn, rec["signature"], constexprs, attrs)
-        triton.compile(
-            src,
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": rec["num_warps"], "num_stages": rec["num_stages"]},
-        )
+        options = {"num_warps": rec["num_warps"], "num_stages": rec["num_stages"]}
+        compile_kernel(fn, rec["signature"], constexprs, attrs, options)
     except Exception as exc:  # report every failure, keep going
         first = next((s for s in str(exc).splitlines() if "error" in s), str(exc).splitlines()[0:1])
         shown = {tuple(k)[0]: v for k, v in rec["constexprs"]}
