@@ -18,7 +18,7 @@ step() {  # step SECONDS NAME CMD...: run CMD with timeout min(SECONDS, left) if
   echo "$name rc=$? ($(( $(date +%s) - start )) s)"
 }
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-step ${T_TESTS:-220} gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -x -q tests
+step ${T_TESTS:-220} gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests
 grep -E "passed|failed|^FAILED|^ERROR" "$O/gpu_tests.log" | tail -15
 step 80 hybrid python3 bench/bench_hybrid.py --modes graphs --profile 1 --out "$O/hybrid.json"
 grep -E "^ +(fp8|exact|bf16) |Error" "$O/hybrid.log"
