@@ -30,13 +30,8 @@ from torch import nn
 from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.compressor import Compressor, Indexer
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
-from kvplan.models.deepseek_v4.layers import (
-    LinearGroup,
-    Rope,
-    apply_rope,
-    rms_norm,
-    unweighted_rms_norm,
-)
+from kvplan.models.deepseek_v4.layers import LinearGroup, Rope, StepRope, apply_rope, rms_norm
+from kvplan.ops.rope import NormSpec, norm_rope
 
 
 class GroupedLinear(nn.Module):
@@ -93,14 +88,18 @@ class DeepseekV4Attention(nn.Module):
                 readers_of_x += series.projections()
         self.x_proj = LinearGroup(*readers_of_x)
 
-    def forward(self, x: torch.Tensor, ctx: HybridStepContext) -> torch.Tensor:
-        """``x``: ``[T, hidden]`` (after ``input_layernorm``) -> ``[T, hidden]``."""
-        cos, sin = self.rope.cos_sin(ctx.positions, x.dtype)  # [T, R/2]
+    def forward(
+        self, x: torch.Tensor, ctx: HybridStepContext, tables: StepRope | None = None
+    ) -> torch.Tensor:
+        """``x``: ``[T, hidden]`` (after ``input_layernorm``) -> ``[T, hidden]``; ``tables``:
+        the step's shared rotary tables (computed here when None)."""
+        tables = tables or StepRope(ctx.positions, x.dtype)
+        cos, sin = tables.get(self.rope)  # [T, R/2]
         q_a, kv, *series = self.x_proj(x)  # column views of one GEMM, x_proj's member order
         q_res = rms_norm(q_a, self.q_a_norm, self.eps)  # [T, q_lora_rank]
         q = self.q_b_proj(q_res).unflatten(-1, (self.num_heads, self.head_dim))
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)  # [T, H, D]
-        kv = apply_rope(rms_norm(kv, self.kv_norm, self.eps), cos, sin)  # [T, D]
+        q = norm_rope(q, cos, sin, norm=NormSpec(None, self.eps))  # [T, H, D]
+        kv = norm_rope(kv, cos, sin, norm=NormSpec(self.kv_norm, self.eps))  # [T, D]
         index_q = index_weights = None
         if self.compressor is not None:
             comp_kv, comp_gate, *series = series

@@ -24,6 +24,7 @@ from torch import nn
 from kvplan.models.deepseek_v4.config import RopeSpec
 from kvplan.ops.rms_norm import rms_norm_fp32w
 from kvplan.ops.rms_norm import unweighted_rms_norm as _unweighted_rms_norm
+from kvplan.ops.rope import norm_rope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,18 +75,25 @@ def apply_rope(
     """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` ``[T, D]`` or ``[T, H, D]``.
 
     ``cos``/``sin``: ``[T, R/2]``; the rotation runs in fp32 and returns ``x``'s dtype.
-    ``inverse`` rotates by the opposite angle (``-sin``).
+    ``inverse`` rotates by the opposite angle (``-sin``). One kernel on CUDA
+    (`kvplan.ops.rope.norm_rope`).
     """
-    if x.dim() == 3:
-        cos, sin = cos[:, None, :], sin[:, None, :]
-    if inverse:
-        sin = -sin
-    rd = 2 * cos.shape[-1]
-    pairs = x[..., -rd:].float().unflatten(-1, (rd // 2, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    c, s = cos.float(), sin.float()
-    rotated = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
+    return norm_rope(x, cos, sin, inverse=inverse)
+
+
+class StepRope:
+    """The ``cos`` / ``sin`` tables of one step's positions, computed once per `Rope` and
+    shared by every layer of the step (``get(rope)``)."""
+
+    def __init__(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.positions, self.dtype = positions, dtype
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(rope)
+        if key not in self._tables:
+            self._tables[key] = rope.cos_sin(self.positions, self.dtype)
+        return self._tables[key]
 
 
 class Rope(torch.nn.Module):

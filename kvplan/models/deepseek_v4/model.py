@@ -29,7 +29,7 @@ from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.attention import DeepseekV4Attention
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.hyper import HyperConnection, HyperHead, hyper_residual
-from kvplan.models.deepseek_v4.layers import Rope, fuse_projections, rms_norm
+from kvplan.models.deepseek_v4.layers import Rope, StepRope, fuse_projections, rms_norm
 from kvplan.models.deepseek_v4.moe import DeepseekV4MoE
 
 
@@ -49,11 +49,16 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(*hc)
 
     def forward(
-        self, s: torch.Tensor, input_ids: torch.Tensor, ctx: HybridStepContext
+        self,
+        s: torch.Tensor,
+        input_ids: torch.Tensor,
+        ctx: HybridStepContext,
+        tables: StepRope | None = None,
     ) -> torch.Tensor:
-        """``s``: ``[T, n, hidden]`` -> ``[T, n, hidden]``."""
+        """``s``: ``[T, n, hidden]`` -> ``[T, n, hidden]``; ``tables``: the step's rotary
+        tables (`StepRope`, shared by the layers; computed by the attention when None)."""
         post, comb, x = self.attn_hc(s)
-        a = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), ctx)
+        a = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), ctx, tables)
         s = hyper_residual(s, post, comb, a)
         post, comb, x = self.ffn_hc(s)
         m = self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps), input_ids)
@@ -118,8 +123,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         check_tensor("positions", positions, dtype=torch.int64, shape=(t,), device=dev)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         s = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, n, hidden]
+        tables = StepRope(positions, x.dtype)  # each rotary table computed once per step
         for layer in self.layers:
-            s = layer(s, input_ids, ctx)
+            s = layer(s, input_ids, ctx, tables)
         if logits_indices is not None:
             check_tensor("logits_indices", logits_indices, dtype=torch.int64, ndim=1, device=dev)
             s = s[logits_indices]

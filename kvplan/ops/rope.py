@@ -1,0 +1,170 @@
+"""DeepSeek-V4's interleaved partial RoPE, optionally behind the row's RMSNorm, in one kernel.
+
+``norm_rope(x, cos, sin, norm=..., inverse=...)`` returns a new ``x``-shaped tensor (``[T, D]``
+or ``[T, H, D]``, any float dtype) whose rows of ``D`` channels are::
+
+    y = x                                       norm None
+    y = rms_norm_fp32w(x, weight, eps)          norm NormSpec(weight, eps)   (fp32 weight)
+    y = unweighted_rms_norm(x, eps)             norm NormSpec(None, eps)
+    then the trailing RD = 2 * cos.shape[-1] channels of y, adjacent pairs (2i, 2i + 1)
+    rotated by the angle of ``cos[t, i]`` / ``sin[t, i]`` in fp32 (``-sin`` when ``inverse``),
+    and rounded to ``x``'s dtype; the leading D - RD channels pass through.
+
+(the norms as `kvplan.ops.rms_norm` defines them, rounded to ``x``'s dtype before the
+rotation, like the two calls in sequence). ``cos`` and ``sin`` are ``[T, RD / 2]`` in the
+activation dtype (Hugging Face rounds them before the fp32 rotation); every head of a token
+uses the token's row.
+
+Paths: :func:`norm_rope_torch` composes the torch ops; :func:`norm_rope_triton` is one
+program per row of ``D`` channels, its rotation compiled without fused multiply-adds so each
+product and difference rounds once, as the torch ops do.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kvplan._checks import check_tensor
+from kvplan.ops._dispatch import use_triton
+from kvplan.ops.cache_geometry import triton_next_pow2
+from kvplan.ops.rms_norm import rms_norm_fp32w, unweighted_rms_norm
+
+__all__ = ["NormSpec", "norm_rope", "norm_rope_torch", "norm_rope_triton"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class NormSpec(NamedTuple):
+    """The RMSNorm in front of the rotation: fp32 ``weight [D]`` (None: unweighted) and eps."""
+
+    weight: torch.Tensor | None
+    eps: float
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, stride_c, inv_n, eps,
+    D: tl.constexpr, HALF_RD: tl.constexpr, NORM: tl.constexpr, INVERSE: tl.constexpr,
+):  # fmt: skip
+    """Row ``(t, h)``: norm (0 none, 1 fp32 weight, 2 unweighted), then the rotation."""
+    row = tl.program_id(0).to(tl.int64)
+    t = row // heads
+    h = row % heads
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + cols).to(tl.float32)
+    if NORM != 0:
+        rrms = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
+        if NORM == 1:
+            x = (tl.load(w_ptr + cols) * (x * rrms)).to(dtype).to(tl.float32)
+        else:
+            x = (x * rrms.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    x0, x1 = tl.split(tl.reshape(x, [D // 2, 2]))  # channels 2i, 2i + 1
+    pair = tl.arange(0, D // 2) - (D // 2 - HALF_RD)  # rotary pair index; < 0: passes through
+    rot = pair >= 0
+    c = tl.load(cos_ptr + t * stride_c + pair, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_c + pair, mask=rot, other=0.0).to(tl.float32)
+    if INVERSE:
+        s = -s
+    y0 = tl.where(rot, x0 * c - x1 * s, x0)
+    y1 = tl.where(rot, x1 * c + x0 * s, x1)
+    y = tl.reshape(tl.join(y0, y1), [D])
+    tl.store(out_ptr + row * D + cols, y.to(dtype))
+
+
+def _check(x, cos, sin, norm):
+    check_tensor("x", x, dtype=_FLOATS)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [T, D] or [T, H, D], got shape {tuple(x.shape)}")
+    t, d = x.shape[0], x.shape[-1]
+    check_tensor("cos", cos, dtype=_FLOATS, ndim=2, device=x.device)
+    half = cos.shape[1]
+    if cos.shape[0] != t or not 0 < 2 * half <= d:
+        raise ValueError(
+            f"cos must be [T, RD / 2] with T = {t} and 0 < RD <= D = {d}, got {tuple(cos.shape)}"
+        )
+    check_tensor("sin", sin, dtype=cos.dtype, shape=(t, half), device=x.device)
+    if d % 2:
+        raise ValueError(f"x's last dim must be even, got {d}")
+    if norm is not None:
+        if not isinstance(norm, NormSpec):
+            raise TypeError(f"norm must be a NormSpec or None, got {type(norm).__name__}")
+        if norm.weight is not None:
+            check_tensor("norm.weight", norm.weight, dtype=torch.float32, shape=(d,))
+
+
+def norm_rope_torch(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    norm: NormSpec | None = None,
+    inverse: bool = False,
+) -> torch.Tensor:
+    """Torch path of :func:`norm_rope` (see the module docstring)."""
+    _check(x, cos, sin, norm)
+    if norm is not None:
+        w = norm.weight
+        x = unweighted_rms_norm(x, norm.eps) if w is None else rms_norm_fp32w(x, w, norm.eps)
+    if x.dim() == 3:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    if inverse:
+        sin = -sin
+    rd = 2 * cos.shape[-1]
+    pairs = x[..., -rd:].float().unflatten(-1, (rd // 2, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    c, s = cos.float(), sin.float()
+    rotated = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
+
+
+def norm_rope_triton(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    norm: NormSpec | None = None,
+    inverse: bool = False,
+) -> torch.Tensor:
+    """Triton path of :func:`norm_rope`: one program per row (``D`` a power of two)."""
+    _check(x, cos, sin, norm)
+    d = x.shape[-1]
+    if triton_next_pow2(d) != d:
+        raise ValueError(f"norm_rope_triton needs a power-of-two last dim, got {d}")
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    if x3.stride(2) != 1:
+        x3 = x3.contiguous()
+    t, heads = x3.shape[0], x3.shape[1]
+    if cos.stride(1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if t * heads == 0:
+        return out
+    kind = 0 if norm is None else (2 if norm.weight is None else 1)
+    w = norm.weight if kind == 1 else cos  # unused pointer when there is no weight
+    _norm_rope_kernel[(t * heads,)](
+        x3, w, cos, sin, out, heads, x3.stride(0), x3.stride(1), cos.stride(0), 1.0 / d,
+        float(norm.eps) if norm is not None else 0.0, D=d, HALF_RD=cos.shape[1], NORM=kind,
+        INVERSE=bool(inverse), num_warps=4 if d >= 512 else 1, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+def norm_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    norm: NormSpec | None = None,
+    inverse: bool = False,
+) -> torch.Tensor:
+    """The optional RMSNorm, then the partial RoPE (module docstring); Triton on CUDA when
+    ``D`` is a power of two, torch otherwise."""
+    d = x.shape[-1] if x.dim() else 0
+    if use_triton(x) and d > 0 and triton_next_pow2(d) == d:
+        return norm_rope_triton(x, cos, sin, norm=norm, inverse=inverse)
+    return norm_rope_torch(x, cos, sin, norm=norm, inverse=inverse)
