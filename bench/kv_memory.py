@@ -34,16 +34,23 @@ from kvplan.engine.builder import layer_block_bytes
 from kvplan.models.config import ModelConfig
 
 
-def gemma3_270m_config() -> ModelConfig:
-    """Gemma-3-270M's attention shapes (transformers' Gemma3TextConfig with its window)."""
+def gemma3_270m_hf_config(**overrides):
+    """Gemma-3-270M's shapes as transformers' ``Gemma3TextConfig`` (its defaults give the rest:
+    5 sliding layers then 1 full, RoPE bases 1e4 local / 1e6 global, ``query_pre_attn_scalar``
+    256, tied embeddings); ``overrides`` replace any field."""
     from transformers import Gemma3TextConfig
 
-    hf = Gemma3TextConfig(
+    shapes = dict(
         sliding_window=512, num_hidden_layers=18, num_key_value_heads=1, head_dim=256,
         num_attention_heads=4, hidden_size=640, intermediate_size=2048, vocab_size=262144,
         max_position_embeddings=32768,
     )  # fmt: skip
-    return ModelConfig.from_hf(hf)
+    return Gemma3TextConfig(**{**shapes, **overrides})
+
+
+def gemma3_270m_config() -> ModelConfig:
+    """Gemma-3-270M's attention shapes (transformers' Gemma3TextConfig with its window)."""
+    return ModelConfig.from_hf(gemma3_270m_hf_config())
 
 
 def report(cfg: ModelConfig, *, context: int, block_size: int, kv_format: str, chunk: int,
