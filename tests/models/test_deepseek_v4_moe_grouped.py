@@ -62,6 +62,20 @@ def test_grouped_auto_rule(monkeypatch):
     assert moe.use_grouped(x)
 
 
+@pytest.mark.gpu
+def test_grouped_auto_rule_on_cuda(monkeypatch):
+    """CUDA: prefill-sized batches (not bound for the dense path) take the grouped path (no
+    host sync per expert); decode-sized ones with few experts stay dense; ``=0`` opts out."""
+    moe = DeepseekV4ForCausalLM(DeepseekV4Config.from_hf(hf_config(0))).layers[-1].mlp.cuda()
+    e = moe.gate_up.shape[0]
+    small = torch.zeros(e, moe.gate_weight.shape[1], device="cuda")
+    large = torch.zeros(4096 // e + 1, moe.gate_weight.shape[1], device="cuda")
+    assert moe.use_dense(small) and not moe.use_grouped(small)
+    assert not moe.use_dense(large) and moe.use_grouped(large)
+    monkeypatch.setenv("KVPLAN_MOE_GROUPED", "0")
+    assert not moe.use_grouped(large)
+
+
 @pytest.mark.parametrize("seed", [0, 3])
 def test_model_with_grouped_experts_matches_hf(seed, tmp_path, triton_grouped):
     hf, model = saved_pair(tmp_path, seed)

@@ -15,8 +15,8 @@ whose gate is clamped above at ``swiglu_limit`` and whose up projection is clamp
 
 Three ways to apply the routed experts, equal up to fp32 rounding:
 
-* sparse (eager default for larger batches): the rows of each routed expert are gathered and
-  run through it; the list of routed experts is read on the host (a sync per layer);
+* sparse (the CPU path): the rows of each routed expert are gathered and run through it; the
+  list of routed experts is read on the host (a sync per layer, one per expert);
 * dense (no host sync, fixed shapes, CUDA-graph capturable): every expert runs on every row and
   its output is weighted by the row's summed routing weight for it (zero when not routed), in
   a fixed handful of kernels (`kvplan.ops.moe_dense`: one GEMM for all experts' gate/up, one
@@ -29,10 +29,11 @@ Three ways to apply the routed experts, equal up to fp32 rounding:
 * grouped (no host sync, shapes fixed by ``T``, ``k`` and ``E``, CUDA-graph capturable):
   the ``T * k`` (token, expert) pairs are sorted by expert on the device and each expert runs
   on its own pairs only (`kvplan.ops.moe_grouped`: two grouped GEMMs, the first with the
-  SwiGLU fused, and a per-token sum in ascending expert order, as the sparse path adds). It
-  replaces the dense path on CUDA when ``n_routed_experts >= GROUPED_AUTO_MIN_EXPERTS`` (the
-  dense path would read and run every expert), and runs everywhere when ``grouped_routing``
-  is set or ``KVPLAN_MOE_GROUPED=1``.
+  SwiGLU fused, and a per-token sum in ascending expert order, as the sparse path adds). On
+  CUDA it takes every batch the dense path does not (prefill chunks: no host sync per
+  expert), and the dense path's batches too when ``n_routed_experts >=
+  GROUPED_AUTO_MIN_EXPERTS`` (the dense path would read and run every expert); it runs
+  everywhere when ``grouped_routing`` is set or ``KVPLAN_MOE_GROUPED=1``.
 
 `experts_dense_loop` is the per-expert torch loop the dense path replaced (a test reference:
 experts in order, a repeated expert's weights added first).
@@ -132,12 +133,13 @@ class DeepseekV4MoE(nn.Module):
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         """Whether `forward` takes the grouped expert path for ``x [T, hidden]`` (module
-        docstring: ``grouped_routing``, ``KVPLAN_MOE_GROUPED=1``, or a CUDA batch bound for the
-        dense path with many experts)."""
+        docstring: ``grouped_routing``, ``KVPLAN_MOE_GROUPED=1``, a CUDA batch not bound for
+        the dense path, or one bound for it with many experts)."""
         if self.grouped_routing or os.environ.get("KVPLAN_MOE_GROUPED", "") == "1":
             return True
-        many = self.gate_up.shape[0] >= GROUPED_AUTO_MIN_EXPERTS
-        return x.is_cuda and many and self.use_dense(x)
+        if not x.is_cuda or os.environ.get("KVPLAN_MOE_GROUPED", "") == "0":
+            return False
+        return not self.use_dense(x) or self.gate_up.shape[0] >= GROUPED_AUTO_MIN_EXPERTS
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, hidden]``; ``input_ids``: int64 ``[T]`` -> ``[T, hidden]``."""
