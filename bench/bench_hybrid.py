@@ -288,7 +288,14 @@ def profile_steps(step_fn, n: int, dev: torch.device, top: int = 30) -> list[dic
         sync(dev)
     attr = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr, 0), reverse=True)
-    rows = []
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    rows = [{  # every device kernel of the step: its count and summed time
+        "name": "ALL KERNELS",
+        "us_per_step": sum(getattr(e, attr, 0) for e in kernels) / n,
+        "calls_per_step": sum(e.count for e in kernels) / n,
+    }] if kernels else []  # fmt: skip
     for e in events[:top]:
         rows.append({
             "name": e.key[:120],
@@ -483,7 +490,7 @@ def main() -> None:
         print(f"{r['kv_format']:>6} {r['context']:>8} {r['batch']:>5} {r['mode']:>6} "
               f"{r['step_ms']:9.2f} {r['plan_ms']:8.2f} {r['floor_ms']:9.3f} "
               f"{r['vs_floor']:8.1f}")  # fmt: skip
-        for k in r.get("profile", [])[:20]:
+        for k in r.get("profile", [])[:31]:
             print(f"    {k['us_per_step']:10.1f} us  x{k['calls_per_step']:6.1f}  {k['name']}")
     for k in kernels:
         print(
