@@ -1,0 +1,118 @@
+"""Paged decode attention over bf16 vs fp8 / int8 / fp4 pages read in place: time per call and
+KV bytes per second, with a sweep of the kernel's tiling (tile_n, num_warps, num_stages).
+
+Shapes: the dense engine's long workload (llama-1b heads: 32 query / 8 KV heads x 64; batch
+32 x 8,192 context, block 16, shuffled page table). Every quantized cache holds the engine's
+records (`kvplan.cache.kv_tensors.QUANTIZED_KV_FORMATS`, `kvplan.quant.quantize`); every
+swept output is checked against the bf16 kernel over the dequantized cache.
+
+GPU:  PYTHONPATH=. python3 bench/bench_quant_decode.py --out q.json
+CPU:  PYTHONPATH=. python3 bench/bench_quant_decode.py --quick   (interpreter, tiny sizes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before kvplan.ops is imported
+
+from bench_paged_attention import make_paged, rel_err, timed  # noqa: E402
+
+from kvplan import quant  # noqa: E402
+from kvplan.cache.kv_tensors import QUANTIZED_KV_FORMATS  # noqa: E402
+from kvplan.formats import KVCacheFormat, alloc_kv_cache  # noqa: E402
+from kvplan.ops.paged_attention import paged_attention_decode_triton  # noqa: E402
+
+
+def quantized_pages(cache: torch.Tensor, kv_format: str):
+    """bf16 ``[N, bs, H, D]`` -> (uint8 token-record cache, its layout, bf16 dequantized)."""
+    n, bs, h, d = cache.shape
+    dtype, group, sf = QUANTIZED_KV_FORMATS[kv_format]
+    layout = KVCacheFormat(dtype, h * d, group, 0, True, sf, f"bench {kv_format}", True)
+    raw = alloc_kv_cache(n, bs, layout, device=cache.device)
+    flat = cache.reshape(n * bs, h * d)
+    values, scales = quant.quantize(flat, layout)
+    raw.view(n * bs, -1)[:, : values.shape[1] + scales.shape[1]] = torch.cat([values, scales], 1)
+    back = quant.dequantize(values, scales, layout).view(n, bs, h, d)
+    return raw, layout, back
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--formats", default="bf16,fp8,int8,fp4")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.quick
+    dev = torch.device("cuda" if cuda else "cpu")
+    batch, ctx, hkv, d, h, bs = (32, 8192, 8, 64, 32, 16) if cuda else (2, 40, 2, 32, 4, 8)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    k, v, table, page_start, kv_lens = make_paged(batch, ctx, hkv, d, bs, torch.bfloat16, dev, gen)
+    page_ids = table.flatten()
+    q = torch.randn(batch, h, d, device=dev, dtype=torch.bfloat16)
+    reps, warm = (20, 3) if cuda else (1, 0)
+    sweep = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4))) if cuda else [(16, 4, 2)]
+    rows = []
+    for fmt in args.formats.split(","):
+        if fmt == "bf16":
+            caches, layout, ref_caches = (k, v), None, (k, v)
+            per_value = 2.0
+        else:
+            (kr, layout, kd), (vr, _, vd) = quantized_pages(k, fmt), quantized_pages(v, fmt)
+            caches, ref_caches = (kr, vr), (kd, vd)
+            per_value = kr[0, 0, 0].numel() / (hkv * d)  # record bytes per value
+        want = paged_attention_decode_triton(
+            q, *ref_caches, page_ids, page_start, kv_lens, scale=d**-0.5
+        )
+        kv_bytes = 2 * batch * ctx * hkv * d * per_value
+        for tile_n, warps, stages in [(None, None, None), *sweep]:
+            kw = {} if tile_n is None else dict(tile_n=tile_n, num_warps=warps, num_stages=stages)
+
+            def call(kw=kw, caches=caches, layout=layout):
+                return paged_attention_decode_triton(
+                    q, *caches, page_ids, page_start, kv_lens, scale=d**-0.5, kv_layout=layout,
+                    **kw,
+                )  # fmt: skip
+
+            try:
+                err = rel_err(call(), want)
+                sec = timed(call, reps, warm)
+            except Exception as exc:  # a config the compiler rejects (shared memory)
+                rows.append({"format": fmt, "config": kw or "default", "error": repr(exc)[:200]})
+                continue
+            rows.append({"format": fmt, "config": kw or "default", "us": sec * 1e6,
+                         "GBps": kv_bytes / sec / 1e9, "rel_err": err})  # fmt: skip
+    print(f"{'format':>6} {'config':>34} {'us':>9} {'GB/s':>8} {'rel err':>9}")
+    for fmt in args.formats.split(","):
+        mine = [r for r in rows if r["format"] == fmt and "us" in r]
+        best = min(mine, key=lambda r: r["us"], default=None)
+        for r in [x for x in mine if x["config"] == "default"] + ([best] if best else []):
+            print(f"{fmt:>6} {str(r['config']):>34} {r['us']:9.1f} {r['GBps']:8.0f} "
+                  f"{r['rel_err']:9.2e}")  # fmt: skip
+    record = {
+        "bench": "quant_decode",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "shape": dict(batch=batch, context=ctx, kv_heads=hkv, head_dim=d, heads=h, block=bs),
+        "rows": rows,
+    }
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(record, fh, indent=1)
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    main()
+    print(f"done in {time.perf_counter() - t0:.1f}s")
