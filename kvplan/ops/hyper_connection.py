@@ -142,7 +142,7 @@ def _project(s: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     tile_k = 32 if triton_interpreting() else 64
     k_tiles = triton_cdiv(k_total, tile_k)
     target = 4 if triton_interpreting() else 256  # programs wanted in all
-    splits = max(1, min(32, k_tiles, target // num_t))
+    splits = max(1, min(128, k_tiles, target // num_t))  # decode: one K tile a program
     k_per_split = triton_cdiv(k_tiles, splits) * tile_k
     splits = triton_cdiv(k_total, k_per_split)
     part = torch.empty(splits, t, n_pad, dtype=torch.float32, device=s.device)
