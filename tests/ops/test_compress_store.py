@@ -162,35 +162,30 @@ def test_unsupported_shapes_are_refused():
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("ratio,overlap", [(4, True), (16, False)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("decode", [False, True])
-def test_in_kernel_gate_bias_is_bit_identical(ratio, overlap, dtype, decode):
+def _check_gate_bias(ratio, overlap, dtype, decode, width, layout, dev):
     """The raw gate (model dtype, a column view of a wider projection) and the bias table in
     the kernel give the same bits as the gate biased in torch, in the cache, the rings and
     the pooled entries; the rings also equal the torch path's (bias added in torch)."""
-    width = 32
-    layout = main_format("exact", width, dtype)
-    kv, _, ring, gring, index, pos, slots, store_rows, w = _case(
-        ratio, overlap, dtype, width, decode, seed=11 + ratio + decode
-    )
+    case = _case(ratio, overlap, dtype, width, decode, seed=11 + ratio + decode)
+    kv, _, ring, gring, index, pos, slots, store_rows = (t.to(dev) for t in case[:-1])
+    w = PoolWeights(*(x.to(dev) if isinstance(x, torch.Tensor) else x for x in case[-1]))
     gen = torch.Generator().manual_seed(5 + ratio + 2 * decode)
     num_rows, kc = kv.shape
     fused_out = torch.randn(num_rows, 3 * kc, generator=gen).mul(2).to(dtype)  # [kv | gate | q]
-    raw_gate = fused_out[:, kc : 2 * kc]  # row stride 3 * kc, unit column stride
-    table = torch.randn(ratio, kc, generator=gen) * 0.5
+    raw_gate = fused_out.to(dev)[:, kc : 2 * kc]  # row stride 3 * kc, unit column stride
+    table = (torch.randn(ratio, kc, generator=gen) * 0.5).to(dev)
     # any int64 positions (the kernel only indexes the table): large, and one negative
     step_pos = torch.randint(-2 * ratio, 10_000, (num_rows,), generator=gen)
     step_pos[0] = -3
-    bias = GateBias(table, step_pos)
-    gate = raw_gate.float() + table[step_pos % ratio]  # what the model computed in torch
+    bias = GateBias(table, step_pos.to(dev))
+    gate = raw_gate.float() + table[bias.positions % ratio]  # what the model computed in torch
     assert torch.equal(biased_gate(raw_gate, bias), gate)
-    cache0 = alloc_kv_cache(NUM_BLOCKS, BLOCK, layout).random_(0, 256)
+    cache0 = alloc_kv_cache(NUM_BLOCKS, BLOCK, layout, device=dev).random_(0, 256)
     args = (index, pos, slots, store_rows, w)
     runs = []
     for g, b in ((gate, None), (raw_gate, bias)):
         rings, cache = (ring.clone(), gring.clone()), cache0.clone()
-        pooled = torch.full((index.shape[0], width), float("nan"))
+        pooled = torch.full((index.shape[0], width), float("nan"), device=dev)
         compress_store_triton(kv, g, *rings, *args, cache, layout, ratio=ratio, overlap=overlap,
                               state_in_launch=decode, pooled_out=pooled, gate_bias=b)  # fmt: skip
         runs.append((*rings, cache, pooled))
@@ -202,6 +197,24 @@ def test_in_kernel_gate_bias_is_bit_identical(ratio, overlap, dtype, decode):
     assert torch.equal(runs[1][0], ring_ref) and torch.equal(runs[1][1], gring_ref)
     atol = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(runs[1][3], entries.float(), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (16, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decode", [False, True])
+def test_in_kernel_gate_bias_is_bit_identical(ratio, overlap, dtype, decode):
+    layout = main_format("exact", 32, dtype)
+    _check_gate_bias(ratio, overlap, dtype, decode, 32, layout, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio,overlap,width", [(4, True, 512), (4, True, 128), (128, False, 512)])
+@pytest.mark.parametrize("kv_format", ["exact", "fp8", "fp4"])
+@pytest.mark.parametrize("decode", [False, True])
+def test_in_kernel_gate_bias_is_bit_identical_on_gpu(ratio, overlap, width, kv_format, decode):
+    """Real widths, compiled code (libdevice, hardware fp8): the same bit identity."""
+    layout = main_format(kv_format, width, torch.bfloat16)
+    _check_gate_bias(ratio, overlap, torch.bfloat16, decode, width, layout, torch.device("cuda"))
 
 
 def test_gate_bias_is_validated():
