@@ -93,16 +93,18 @@ def biased_gate(gate: torch.Tensor, gate_bias: GateBias | None) -> torch.Tensor:
 
 
 def check_gate_bias(gate_bias: GateBias, num_rows: int, ratio: int, kc: int,
-                    device: torch.device) -> None:  # fmt: skip
-    """Raise ``TypeError`` / ``ValueError`` unless ``gate_bias`` is a :class:`GateBias` with
-    an fp32 contiguous ``table [ratio, kc]`` and int64 / int32 ``positions [num_rows]`` on
-    ``device``."""
+                    device: torch.device) -> GateBias:  # fmt: skip
+    """``gate_bias`` with both tensors contiguous (copied where not); raises ``TypeError`` /
+    ``ValueError`` unless it is a :class:`GateBias` of an fp32 ``table [ratio, kc]`` and
+    int64 / int32 ``positions [num_rows]`` on ``device``."""
     if not isinstance(gate_bias, GateBias):
         raise TypeError(f"gate_bias must be a GateBias, got {type(gate_bias).__name__}")
-    check_tensor("gate_bias.table", gate_bias.table, shape=(ratio, kc), dtype=torch.float32,
-                 device=device, contiguous=True)  # fmt: skip
-    check_tensor("gate_bias.positions", gate_bias.positions, shape=(num_rows,),
-                 dtype=(torch.int64, torch.int32), device=device, contiguous=True)  # fmt: skip
+    table, positions = gate_bias
+    check_tensor("gate_bias.table", table, shape=(ratio, kc), dtype=torch.float32,
+                 device=device)  # fmt: skip
+    check_tensor("gate_bias.positions", positions, shape=(num_rows,),
+                 dtype=(torch.int64, torch.int32), device=device)  # fmt: skip
+    return GateBias(table.contiguous(), positions.contiguous())
 
 
 def fused_compress_enabled(t: torch.Tensor) -> bool:
@@ -222,7 +224,7 @@ def compress_store_triton(kv, gate, kv_ring, gate_ring, window_index, positions,
     gate_dtypes = torch.float32 if gate_bias is None else (torch.float32, torch.bfloat16)
     check_tensor("gate", gate, shape=(num_rows, kc), dtype=gate_dtypes)
     if gate_bias is not None:
-        check_gate_bias(gate_bias, num_rows, ratio, kc, kv.device)
+        gate_bias = check_gate_bias(gate_bias, num_rows, ratio, kc, kv.device)
     for name, t in (("kv_ring", kv_ring), ("gate_ring", gate_ring)):
         check_tensor(name, t, ndim=2, dtype=torch.float32, contiguous=True)
         if t.shape[1] != kc:

@@ -174,8 +174,8 @@ def _check_gate_bias(ratio, overlap, dtype, decode, width, layout, dev):
     fused_out = torch.randn(num_rows, 3 * kc, generator=gen).mul(2).to(dtype)  # [kv | gate | q]
     raw_gate = fused_out.to(dev)[:, kc : 2 * kc]  # row stride 3 * kc, unit column stride
     table = (torch.randn(ratio, kc, generator=gen) * 0.5).to(dev)
-    # any int64 positions (the kernel only indexes the table): large, and one negative
-    step_pos = torch.randint(-2 * ratio, 10_000, (num_rows,), generator=gen)
+    # any int64 positions (the kernel only indexes the table): large, one negative, strided
+    step_pos = torch.randint(-2 * ratio, 10_000, (2 * num_rows,), generator=gen)[::2]
     step_pos[0] = -3
     bias = GateBias(table, step_pos.to(dev))
     gate = raw_gate.float() + table[bias.positions % ratio]  # what the model computed in torch
@@ -246,6 +246,7 @@ def test_gate_bias_is_validated():
     with pytest.raises(ValueError, match=r"gate_bias.positions must have shape \(2,\), got \(3,\)"):
         call(torch.zeros(2, 32), GateBias(table, torch.arange(3)))
     call(torch.zeros(2, 32, dtype=torch.bfloat16), GateBias(table, pos))  # accepted
+    call(torch.zeros(2, 32), GateBias(table.t().contiguous().t(), torch.arange(4)[::2]))
 
 
 _SM90_CASES = {  # the model's series: CSA main (FP8, UE8M0 per 32), HCA main (FP4), index
