@@ -11,7 +11,10 @@ Cases (BF16 model, batch ``--batch`` decode rows that all close a window, the wo
 
 Columns: ``unfused`` / ``fused`` median microseconds per step (eager: includes the host's
 launch overhead); ``graph`` the same from a CUDA graph of 20 calls (GPU time only);
-``err`` the largest difference between the two paths' pooled entries (BF16 steps).
+``err`` the largest difference between the two paths' pooled entries (BF16 steps). The model's
+gate bias: ``bias graph`` is the graph time of the torch bias ops (``position_bias[p % r]``,
+widen, add) followed by the kernel, then of the kernel given the raw BF16 gate and the bias
+table (``GateBias``, the model's path).
 
     PYTHONPATH=. python3 bench/bench_compress_store.py --out bench/results/compress_store.json
     PYTHONPATH=. python3 bench/bench_compress_store.py --quick    # tiny, runs on a CPU too
@@ -38,7 +41,9 @@ if not torch.cuda.is_available():
 from kvplan.backends.hybrid.storage import index_format, main_format  # noqa: E402
 from kvplan.formats import alloc_kv_cache  # noqa: E402
 from kvplan.ops.compress_store import (  # noqa: E402
+    GateBias,
     PoolWeights,
+    biased_gate,
     compress_store_torch,
     compress_store_triton,
 )
@@ -144,15 +149,35 @@ def run(cases, batch: int, reps: int) -> list[dict]:
             def fused(args=args, cache=cache, layout=layout, kw=kw):
                 compress_store_triton(*args, cache, layout, **kw, state_in_launch=True)
 
+            raw = args[1].to(torch.bfloat16)  # the gate projection, before its bias
+            gen = torch.Generator().manual_seed(1)
+            bias = GateBias(torch.randn(ratio, raw.shape[1], generator=gen).to(dev),
+                            torch.full((batch,), 8 * ratio - 1, device=dev))  # fmt: skip
+
+            def prebias(args=args, cache=cache, layout=layout, kw=kw, raw=raw, bias=bias):
+                gate = biased_gate(raw, bias)
+                compress_store_triton(args[0], gate, *args[2:], cache, layout, **kw,
+                                      state_in_launch=True)  # fmt: skip
+
+            def inbias(args=args, cache=cache, layout=layout, kw=kw, raw=raw, bias=bias):
+                compress_store_triton(args[0], raw, *args[2:], cache, layout, **kw,
+                                      state_in_launch=True, gate_bias=bias)  # fmt: skip
+
             row = dict(case=name, layout=layout.note, width=width, ratio=ratio, batch=batch,
                        unfused_us=_time(unfused, reps), fused_us=_time(fused, reps),
                        unfused_graph_us=_graph_time(unfused), fused_graph_us=_graph_time(fused),
+                       prebias_graph_us=_graph_time(prebias), inbias_graph_us=_graph_time(inbias),
                        max_err=err)  # fmt: skip
+            if dev.type == "cpu":
+                inbias()  # runs once even without a graph
             rows.append(row)
             g, ug = row["fused_graph_us"], row["unfused_graph_us"]
             graph = "-" if g is None else f"{ug:.1f} -> {g:.1f}"
+            pb, ib = row["prebias_graph_us"], row["inbias_graph_us"]
+            bias_graph = "-" if pb is None else f"{pb:.1f} -> {ib:.1f}"
             print(f"{name:12s} {layout.note[:28]:28s} unfused {row['unfused_us']:9.1f} us  "
-                  f"fused {row['fused_us']:9.1f} us  graph {graph} us  err {err:.2e}")  # fmt: skip
+                  f"fused {row['fused_us']:9.1f} us  graph {graph} us  "
+                  f"bias graph {bias_graph} us  err {err:.2e}")  # fmt: skip
     return rows
 
 

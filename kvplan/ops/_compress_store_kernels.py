@@ -6,7 +6,8 @@ in the same launch, one per step row ``t`` (``pid = num_entries + t``).
 Entry program (window of ``R`` rows, index space ``[state ring | step rows]``, ``-1`` empty)::
 
     g[i, c] = gate of window row i (ring row or step row; CSA: rows < r read the "Ca" half
-              [0, C), rows >= r the "Cb" half [C, 2C); empty rows -inf)
+              [0, C), rows >= r the "Cb" half [C, 2C); empty rows -inf); with ``BIAS`` a
+              step row t reads fp32(gate[t, col]) + bias[pos[t] mod r, col] (floor modulo)
     w       = softmax over i of g (fp32, max / sum / weights in three passes over the rows)
     x[c]    = sum_i round(kv[i, c] * round(w[i, c]))        round = the model dtype's rounding
     y       = round(norm_weight * (round(x) * rsqrt(mean(round(x)^2) + eps)))
@@ -19,8 +20,8 @@ rounding: the interpreter's casts truncate). Quantized formats quantize the BF16
 the same ``y``). ``EXACT`` (compiled GPU code) takes exp / cos / sin / rsqrt from libdevice,
 the functions torch's CUDA kernels call; the interpreter has no libdevice.
 
-State program: ``ring[store_rows[t]] = (kv[t], gate[t])`` in fp32 (the trash row absorbs rows
-that are not kept).
+State program: ``ring[store_rows[t]] = (kv[t], gate[t])`` in fp32, the gate biased as above
+with ``BIAS`` (the trash row absorbs rows that are not kept).
 """
 
 from __future__ import annotations
@@ -46,12 +47,20 @@ def _rnd(x, BF16: tl.constexpr):
 
 
 @triton.jit
+def _bias_row(pos, RATIO: tl.constexpr):
+    """Row of the bias table of a step row at position ``pos``: ``pos mod RATIO`` (floor)."""
+    p = pos.to(tl.int64)
+    return ((p % RATIO) + RATIO) % RATIO
+
+
+@triton.jit
 def _window_tile(
-    src_ptr, ring_ptr, index_ptr, e, r0, cols, stride_src, ring_rows, fill,
-    R: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr,
-    ROW_TILE: tl.constexpr,
+    src_ptr, ring_ptr, index_ptr, e, r0, cols, stride_src, ring_rows, fill, bias_ptr,
+    step_pos_ptr, R: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
+    OVERLAP: tl.constexpr, ROW_TILE: tl.constexpr, BIAS: tl.constexpr,
 ):  # fmt: skip
-    """fp32 ``[ROW_TILE, C]``: window rows ``r0 ..`` of entry ``e`` (``fill`` where empty)."""
+    """fp32 ``[ROW_TILE, C]``: window rows ``r0 ..`` of entry ``e`` (``fill`` where empty;
+    ``BIAS``: step rows plus their row of the fp32 ``[RATIO, K*C]`` table at ``bias_ptr``)."""
     rows = r0 + tl.arange(0, ROW_TILE)
     idx = tl.load(index_ptr + e * R + rows, mask=rows < R, other=-1).to(tl.int64)
     in_ring = (idx >= 0) & (idx < ring_rows)
@@ -67,6 +76,9 @@ def _window_tile(
     a = tl.load(ring_ptr + ring_row[:, None] * kc + col, mask=in_ring[:, None], other=0.0)
     b = tl.load(src_ptr + step_row[:, None] * stride_src + col, mask=in_step[:, None], other=0.0)
     b = b.to(tl.float32)
+    if BIAS:
+        brow = _bias_row(tl.load(step_pos_ptr + step_row, mask=in_step, other=0), RATIO)
+        b += tl.load(bias_ptr + brow[:, None] * kc + col, mask=in_step[:, None], other=0.0)
     return tl.where(in_ring[:, None], a, tl.where(in_step[:, None], b, fill))
 
 
@@ -79,30 +91,35 @@ def _exp(x, EXACT: tl.constexpr):
 
 @triton.jit
 def _pool(
-    kv_ptr, gate_ptr, kv_ring_ptr, gate_ring_ptr, index_ptr, e, cols, stride_kv, stride_gate,
-    ring_rows, R: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr,
-    ROW_TILE: tl.constexpr, BF16: tl.constexpr, EXACT: tl.constexpr,
+    kv_ptr, gate_ptr, kv_ring_ptr, gate_ring_ptr, index_ptr, bias_ptr, step_pos_ptr, e, cols,
+    stride_kv, stride_gate, ring_rows, R: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
+    OVERLAP: tl.constexpr, ROW_TILE: tl.constexpr, BF16: tl.constexpr, EXACT: tl.constexpr,
+    BIAS: tl.constexpr,
 ):  # fmt: skip
     """fp32 ``[C]``: ``sum_i round(kv * round(softmax_i(gate)))`` of entry ``e``'s window."""
     neg_inf = float("-inf")
     m = tl.full([C], neg_inf, tl.float32)
     for r0 in tl.range(0, R, ROW_TILE):
         g = _window_tile(gate_ptr, gate_ring_ptr, index_ptr, e, r0, cols, stride_gate, ring_rows,
-                         neg_inf, R, RATIO, C, OVERLAP, ROW_TILE)  # fmt: skip
+                         neg_inf, bias_ptr, step_pos_ptr, R, RATIO, C, OVERLAP, ROW_TILE,
+                         BIAS)  # fmt: skip
         m = tl.maximum(m, tl.max(g, axis=0))
     m = tl.where(m == neg_inf, 0.0, m)  # (a window has at least one row; guards padding)
     s = tl.zeros([C], tl.float32)
     for r0 in tl.range(0, R, ROW_TILE):
         g = _window_tile(gate_ptr, gate_ring_ptr, index_ptr, e, r0, cols, stride_gate, ring_rows,
-                         neg_inf, R, RATIO, C, OVERLAP, ROW_TILE)  # fmt: skip
+                         neg_inf, bias_ptr, step_pos_ptr, R, RATIO, C, OVERLAP, ROW_TILE,
+                         BIAS)  # fmt: skip
         s += tl.sum(_exp(g - m[None, :], EXACT), axis=0)
     s = tl.where(s > 0, s, 1.0)
     acc = tl.zeros([C], tl.float32)
     for r0 in tl.range(0, R, ROW_TILE):
         g = _window_tile(gate_ptr, gate_ring_ptr, index_ptr, e, r0, cols, stride_gate, ring_rows,
-                         neg_inf, R, RATIO, C, OVERLAP, ROW_TILE)  # fmt: skip
+                         neg_inf, bias_ptr, step_pos_ptr, R, RATIO, C, OVERLAP, ROW_TILE,
+                         BIAS)  # fmt: skip
         kv = _window_tile(kv_ptr, kv_ring_ptr, index_ptr, e, r0, cols, stride_kv, ring_rows,
-                          0.0, R, RATIO, C, OVERLAP, ROW_TILE)  # fmt: skip
+                          0.0, bias_ptr, step_pos_ptr, R, RATIO, C, OVERLAP, ROW_TILE,
+                          False)  # fmt: skip
         p = _exp(g - m[None, :], EXACT)
         w = _rnd(tl.div_rn(p, tl.broadcast_to(s[None, :], p.shape)), BF16)
         acc += tl.sum(_rnd(kv * w, BF16), axis=0)
@@ -177,7 +194,7 @@ def _store_quant(y, dst, sdst, C: tl.constexpr, GS: tl.constexpr, G: tl.constexp
 @triton.jit
 def compress_store_kernel(
     kv_ptr,  # [T, K*C] model dtype, row stride stride_kv
-    gate_ptr,  # fp32 [T, K*C], row stride stride_gate
+    gate_ptr,  # [T, K*C] fp32 (BIAS: fp32 / BF16, unbiased), row stride stride_gate
     kv_ring_ptr,  # fp32 [ring_rows + 1, K*C] contiguous
     gate_ring_ptr,  # fp32 [ring_rows + 1, K*C] contiguous
     index_ptr,  # int32 / int64 [E, R] contiguous, [ring | step] space, -1 empty
@@ -188,6 +205,8 @@ def compress_store_kernel(
     inv_freq_ptr,  # fp32 [RD / 2]
     cache_ptr,  # uint8, block 0 of the cache
     pooled_ptr,  # fp32 [E, C] (WRITE_POOLED only)
+    bias_ptr,  # fp32 [RATIO, K*C] contiguous (BIAS only)
+    step_pos_ptr,  # int64 / int32 [T] (BIAS only)
     num_entries,
     num_state_rows,
     ring_rows,
@@ -219,6 +238,7 @@ def compress_store_kernel(
     FAST_DIV: tl.constexpr,
     EXACT: tl.constexpr,
     WRITE_POOLED: tl.constexpr,
+    BIAS: tl.constexpr,  # add the bias table's row pos[t] mod RATIO to step row t's gate
 ):
     pid = tl.program_id(0)
     kc: tl.constexpr = 2 * C if OVERLAP else C
@@ -231,9 +251,9 @@ def compress_store_kernel(
             go = slot == slot  # every entry (tests)
         if go:
             cols = tl.arange(0, C)
-            x = _pool(kv_ptr, gate_ptr, kv_ring_ptr, gate_ring_ptr, index_ptr, e, cols,
-                      stride_kv, stride_gate, ring_rows, R, RATIO, C, OVERLAP, ROW_TILE, BF16,
-                      EXACT)  # fmt: skip
+            x = _pool(kv_ptr, gate_ptr, kv_ring_ptr, gate_ring_ptr, index_ptr, bias_ptr,
+                      step_pos_ptr, e, cols, stride_kv, stride_gate, ring_rows, R, RATIO, C,
+                      OVERLAP, ROW_TILE, BF16, EXACT, BIAS)  # fmt: skip
             pos = tl.load(pos_ptr + e)
             y = _norm_rope(x, cols, norm_ptr, inv_freq_ptr, pos, eps, rope_scale, C, NOPE_PAIRS,
                            BF16, EXACT)  # fmt: skip
@@ -264,4 +284,7 @@ def compress_store_kernel(
             c = tl.arange(0, kc)
             kv = tl.load(kv_ptr + t * stride_kv + c).to(tl.float32)
             tl.store(kv_ring_ptr + dst * kc + c, kv)
-            tl.store(gate_ring_ptr + dst * kc + c, tl.load(gate_ptr + t * stride_gate + c))
+            g = tl.load(gate_ptr + t * stride_gate + c).to(tl.float32)
+            if BIAS:
+                g += tl.load(bias_ptr + _bias_row(tl.load(step_pos_ptr + t), RATIO) * kc + c)
+            tl.store(gate_ring_ptr + dst * kc + c, g)

@@ -6,7 +6,11 @@ and a store per series.
 Inputs (``K = 2`` for overlapping CSA windows, else 1; ``C`` the entry width)::
 
     kv, gate        [T, K*C]      the step's per-token projections (kv: fp32 or BF16 model
-                                  dtype; gate: fp32, position bias included)
+                                  dtype; gate: fp32 with the position bias included, or,
+                                  with ``gate_bias``, the raw projection in fp32 / BF16)
+    gate_bias       optional      :class:`GateBias` ``(table [r, K*C] fp32, positions [T]
+                                  int64)``: the gate the windows and the ring read is
+                                  ``fp32(gate[t]) + table[positions[t] % r]``
     kv_ring,        [ring_rows + 1, K*C] fp32: the state ring (last row: trash row)
       gate_ring
     window_index    [E, R] int    window rows in [ring | step] space (``ring_rows + t`` = step
@@ -24,14 +28,16 @@ Each entry is (the math of DeepSeek-V4's compressor; CSA rows ``0..r-1`` read th
     entry = RoPE(entry, position)                         (trailing 2 * len(inv_freq) channels,
                                                            adjacent pairs, cos/sin in dtype)
 
-and is stored as ``PagedRows.store`` stores it: exact layouts keep the model dtype's bits (fp32
+(``gate`` here is the biased fp32 gate; the ring keeps it biased, later steps read it from
+there) and is stored as ``PagedRows.store`` stores it: exact layouts keep the model dtype's bits (fp32
 as BF16 halves), quantized layouts quantize its BF16 rounding (``kvplan.quant``).
 
 Paths: :func:`compress_store_torch` is the torch path (the gather, :func:`pool_windows`,
 ``store_kv_cache``, ``index_copy_``); :func:`compress_store_triton` the fused kernel
 (``kvplan.ops._compress_store_kernels``). The kernel's stored bytes equal ``store_kv_cache``
 of its own pooled entry bit for bit; its pooled entry equals the torch one up to fp32
-reassociation (and the BF16 roundings that noise can flip). :func:`fused_compress_enabled`
+reassociation (and the BF16 roundings that noise can flip); both add ``gate_bias`` in one fp32
+rounding, so the rings they write are bit-identical. :func:`fused_compress_enabled`
 says which path a model step takes.
 
 Example (one HCA entry ``j = 0``, ``r = 4``, four step rows, nothing in the ring)::
@@ -39,7 +45,8 @@ Example (one HCA entry ``j = 0``, ``r = 4``, four step rows, nothing in the ring
     index = torch.tensor([[8, 9, 10, 11]])       # ring_rows = 8: step rows 0..3
     compress_store(kv, gate, ring_kv, ring_gate, index, torch.tensor([0]),
                    torch.tensor([5], dtype=torch.int32), store_rows, weights, cache, layout,
-                   ratio=4, overlap=False)
+                   ratio=4, overlap=False,
+                   gate_bias=GateBias(position_bias, torch.arange(4)))   # table [4, C] fp32
 """
 
 from __future__ import annotations
@@ -64,6 +71,40 @@ class PoolWeights(NamedTuple):
     eps: float
     inv_freq: torch.Tensor
     rope_scale: float
+
+
+class GateBias(NamedTuple):
+    """The compressor's learned position bias, for the kernel to add to the raw gate:
+    ``table`` fp32 ``[r, K*C]`` (row ``p % r`` is the bias of a token at position ``p``) and
+    ``positions`` int64 ``[T]``, the absolute position of each step row (floor modulo, as
+    torch's ``%``: a negative position wraps into ``[0, r)``)."""
+
+    table: torch.Tensor
+    positions: torch.Tensor
+
+
+def biased_gate(gate: torch.Tensor, gate_bias: GateBias | None) -> torch.Tensor:
+    """The gate the windows read: ``gate`` itself without ``gate_bias``, else fp32
+    ``[T, K*C]`` ``fp32(gate) + table[positions % r]`` (torch ops, any device)."""
+    if gate_bias is None:
+        return gate
+    table, positions = gate_bias
+    return gate.float() + table[positions % table.shape[0]]
+
+
+def check_gate_bias(gate_bias: GateBias, num_rows: int, ratio: int, kc: int,
+                    device: torch.device) -> GateBias:  # fmt: skip
+    """``gate_bias`` with both tensors contiguous (copied where not); raises ``TypeError`` /
+    ``ValueError`` unless it is a :class:`GateBias` of an fp32 ``table [ratio, kc]`` and
+    int64 / int32 ``positions [num_rows]`` on ``device``."""
+    if not isinstance(gate_bias, GateBias):
+        raise TypeError(f"gate_bias must be a GateBias, got {type(gate_bias).__name__}")
+    table, positions = gate_bias
+    check_tensor("gate_bias.table", table, shape=(ratio, kc), dtype=torch.float32,
+                 device=device)  # fmt: skip
+    check_tensor("gate_bias.positions", positions, shape=(num_rows,),
+                 dtype=(torch.int64, torch.int32), device=device)  # fmt: skip
+    return GateBias(table.contiguous(), positions.contiguous())
 
 
 def fused_compress_enabled(t: torch.Tensor) -> bool:
@@ -125,8 +166,10 @@ def cache_rows(entries: torch.Tensor, layout: KVCacheFormat) -> torch.Tensor:
 
 def compress_store_torch(kv, gate, kv_ring, gate_ring, window_index, positions, slots,
                          store_rows, weights: PoolWeights, cache, layout: KVCacheFormat, *,
-                         ratio: int, overlap: bool) -> torch.Tensor:  # fmt: skip
+                         ratio: int, overlap: bool,
+                         gate_bias: GateBias | None = None) -> torch.Tensor:  # fmt: skip
     """Torch path of :func:`compress_store`; returns the pooled entries ``[E, C]``."""
+    gate = biased_gate(gate, gate_bias)
     wkv, wgate = gather_windows(kv, gate, kv_ring, gate_ring, window_index, ratio, overlap)
     if wkv.shape[0]:
         entries = pool_windows(wkv, wgate, positions, weights)
@@ -159,8 +202,12 @@ def fused_supported(kv: torch.Tensor, layout: KVCacheFormat, weights: PoolWeight
 def compress_store_triton(kv, gate, kv_ring, gate_ring, window_index, positions, slots,
                           store_rows, weights: PoolWeights, cache, layout: KVCacheFormat, *,
                           ratio: int, overlap: bool, state_in_launch: bool = False,
-                          pooled_out: torch.Tensor | None = None) -> None:  # fmt: skip
+                          pooled_out: torch.Tensor | None = None,
+                          gate_bias: GateBias | None = None) -> None:  # fmt: skip
     """Fused path of :func:`compress_store` (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+
+    ``gate``: fp32 (biased) without ``gate_bias``; with it, the raw fp32 / BF16 projection
+    (any row stride), biased in the kernel wherever a step row's gate is read.
 
     ``state_in_launch``: write the ring in the same launch as the entries (allowed only when
     no window reads a ring row this step writes: decode steps, one row per sequence); else a
@@ -174,7 +221,10 @@ def compress_store_triton(kv, gate, kv_ring, gate_ring, window_index, positions,
     num_rows = kv.shape[0]
     kc = (2 if overlap else 1) * width
     check_tensor("kv", kv, shape=(num_rows, kc), dtype=(torch.float32, torch.bfloat16))
-    check_tensor("gate", gate, shape=(num_rows, kc), dtype=torch.float32)
+    gate_dtypes = torch.float32 if gate_bias is None else (torch.float32, torch.bfloat16)
+    check_tensor("gate", gate, shape=(num_rows, kc), dtype=gate_dtypes)
+    if gate_bias is not None:
+        gate_bias = check_gate_bias(gate_bias, num_rows, ratio, kc, kv.device)
     for name, t in (("kv_ring", kv_ring), ("gate_ring", gate_ring)):
         check_tensor(name, t, ndim=2, dtype=torch.float32, contiguous=True)
         if t.shape[1] != kc:
@@ -204,11 +254,14 @@ def compress_store_triton(kv, gate, kv_ring, gate_ring, window_index, positions,
         GS=layout.elements_per_sf if quant else 2, G=layout.num_scales if quant else 1,
         FP4=fp4, QMAX=6.0 if fp4 else 448.0, SF=SF_KIND[sf] if quant else 0,
         SB=4 if sf == "fp32" else 1, HW=not interp, FAST_DIV=not interp and sf == "fp32",
-        EXACT=not interp, WRITE_POOLED=pooled_out is not None, num_warps=8 if width >= 512 else 4,
+        EXACT=not interp, WRITE_POOLED=pooled_out is not None, BIAS=gate_bias is not None,
+        num_warps=8 if width >= 512 else 4,
     )  # fmt: skip
+    # without gate_bias the kernel reads neither pointer: stand-ins of the right kind
+    table, step_pos = gate_bias if gate_bias is not None else (kv_ring, store_rows)
     args = (
         kv, gate, kv_ring, gate_ring, window_index.contiguous(), positions, slots, store_rows,
-        weights.norm_weight, weights.inv_freq, raw, pooled,
+        weights.norm_weight, weights.inv_freq, raw, pooled, table, step_pos,
     )  # fmt: skip
     tail = (kv_ring.shape[0] - 1, kv.stride(0), gate.stride(0), float(weights.eps),
             float(weights.rope_scale), geo.num_slots, geo.block_stride, geo.v_stride,
@@ -226,7 +279,8 @@ def compress_store_triton(kv, gate, kv_ring, gate_ring, window_index, positions,
 
 def compress_store(kv, gate, kv_ring, gate_ring, window_index, positions, slots, store_rows,
                    weights: PoolWeights, cache, layout: KVCacheFormat, *, ratio: int,
-                   overlap: bool, state_in_launch: bool = False) -> None:  # fmt: skip
+                   overlap: bool, state_in_launch: bool = False,
+                   gate_bias: GateBias | None = None) -> None:  # fmt: skip
     """Pool, normalize, rotate, quantize and store the closing entries, then write the
     step's rows into the ring (module docstring). The fused kernel runs where
     :func:`fused_compress_enabled` and :func:`fused_supported` say so, the torch path
@@ -235,6 +289,6 @@ def compress_store(kv, gate, kv_ring, gate_ring, window_index, positions, slots,
             weights, cache, layout)  # fmt: skip
     if fused_compress_enabled(kv) and fused_supported(kv, layout, weights):
         compress_store_triton(*args, ratio=ratio, overlap=overlap,
-                              state_in_launch=state_in_launch)  # fmt: skip
+                              state_in_launch=state_in_launch, gate_bias=gate_bias)  # fmt: skip
     else:
-        compress_store_torch(*args, ratio=ratio, overlap=overlap)
+        compress_store_torch(*args, ratio=ratio, overlap=overlap, gate_bias=gate_bias)

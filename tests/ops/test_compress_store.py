@@ -13,6 +13,11 @@ exact / fp8 / fp4 main layouts and the three index layouts):
   entries (the format math is exact), and equal the torch path's bytes on every entry whose
   pooled row is the same;
 * slots ``-1`` write nothing.
+
+With ``gate_bias`` (the raw BF16 / fp32 gate projection, a strided column view, and the fp32
+position-bias table, added in the kernel): every output is bit-identical to the kernel given
+the gate biased in torch, and the rings to the torch path's. The kernel also compiles for
+sm_90 at the model's widths.
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from sm90_compile import compile_sm90
 
 from kvplan.backends.hybrid.storage import index_format, main_format
 from kvplan.formats import alloc_kv_cache, split_kv_cache
+from kvplan.ops import _compress_store_kernels as kernels
 from kvplan.ops.compress_store import (
+    GateBias,
     PoolWeights,
+    biased_gate,
     cache_rows,
     compress_store_torch,
     compress_store_triton,
@@ -151,6 +160,117 @@ def test_unsupported_shapes_are_refused():
             torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.long), w32, cache,
             main_format("fp8", 32, torch.float32), ratio=4, overlap=False,
         )  # fmt: skip
+
+
+def _check_gate_bias(ratio, overlap, dtype, decode, width, layout, dev):
+    """The raw gate (model dtype, a column view of a wider projection) and the bias table in
+    the kernel give the same bits as the gate biased in torch, in the cache, the rings and
+    the pooled entries; the rings also equal the torch path's (bias added in torch)."""
+    case = _case(ratio, overlap, dtype, width, decode, seed=11 + ratio + decode)
+    kv, _, ring, gring, index, pos, slots, store_rows = (t.to(dev) for t in case[:-1])
+    w = PoolWeights(*(x.to(dev) if isinstance(x, torch.Tensor) else x for x in case[-1]))
+    gen = torch.Generator().manual_seed(5 + ratio + 2 * decode)
+    num_rows, kc = kv.shape
+    fused_out = torch.randn(num_rows, 3 * kc, generator=gen).mul(2).to(dtype)  # [kv | gate | q]
+    raw_gate = fused_out.to(dev)[:, kc : 2 * kc]  # row stride 3 * kc, unit column stride
+    table = (torch.randn(ratio, kc, generator=gen) * 0.5).to(dev)
+    # any int64 positions (the kernel only indexes the table): large, one negative, strided
+    step_pos = torch.randint(-2 * ratio, 10_000, (2 * num_rows,), generator=gen)[::2]
+    step_pos[0] = -3
+    bias = GateBias(table, step_pos.to(dev))
+    gate = raw_gate.float() + table[bias.positions % ratio]  # what the model computed in torch
+    assert torch.equal(biased_gate(raw_gate, bias), gate)
+    cache0 = alloc_kv_cache(NUM_BLOCKS, BLOCK, layout, device=dev).random_(0, 256)
+    args = (index, pos, slots, store_rows, w)
+    runs = []
+    for g, b in ((gate, None), (raw_gate, bias)):
+        rings, cache = (ring.clone(), gring.clone()), cache0.clone()
+        pooled = torch.full((index.shape[0], width), float("nan"), device=dev)
+        compress_store_triton(kv, g, *rings, *args, cache, layout, ratio=ratio, overlap=overlap,
+                              state_in_launch=decode, pooled_out=pooled, gate_bias=b)  # fmt: skip
+        runs.append((*rings, cache, pooled))
+    for want, got in zip(*runs, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    ring_ref, gring_ref = ring.clone(), gring.clone()
+    entries = compress_store_torch(kv, raw_gate, ring_ref, gring_ref, *args, cache0.clone(),
+                                   layout, ratio=ratio, overlap=overlap, gate_bias=bias)  # fmt: skip
+    assert torch.equal(runs[1][0], ring_ref) and torch.equal(runs[1][1], gring_ref)
+    atol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(runs[1][3], entries.float(), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (16, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decode", [False, True])
+def test_in_kernel_gate_bias_is_bit_identical(ratio, overlap, dtype, decode):
+    layout = main_format("exact", 32, dtype)
+    _check_gate_bias(ratio, overlap, dtype, decode, 32, layout, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio,overlap,width", [(4, True, 512), (4, True, 128), (128, False, 512)])
+@pytest.mark.parametrize("kv_format", ["exact", "fp8", "fp4"])
+@pytest.mark.parametrize("decode", [False, True])
+def test_in_kernel_gate_bias_is_bit_identical_on_gpu(ratio, overlap, width, kv_format, decode):
+    """Real widths, compiled code (libdevice, hardware fp8): the same bit identity."""
+    layout = main_format(kv_format, width, torch.bfloat16)
+    _check_gate_bias(ratio, overlap, torch.bfloat16, decode, width, layout, torch.device("cuda"))
+
+
+def test_gate_bias_is_validated():
+    w = PoolWeights(torch.ones(32), 1e-6, torch.rand(4), 1.0)
+    layout = main_format("fp8", 32, torch.float32)
+    cache = alloc_kv_cache(1, 4, layout)
+
+    def call(gate, gate_bias):
+        compress_store_triton(
+            torch.zeros(2, 32), gate, torch.zeros(5, 32), torch.zeros(5, 32),
+            torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+            torch.full((1,), -1, dtype=torch.int32), torch.full((2,), 4), w, cache, layout,
+            ratio=4, overlap=False, gate_bias=gate_bias,
+        )  # fmt: skip
+
+    table, pos = torch.zeros(4, 32), torch.arange(2)
+    with pytest.raises(TypeError, match="gate must have dtype torch.float32, got torch.bfloat16"):
+        call(torch.zeros(2, 32, dtype=torch.bfloat16), None)  # a raw gate needs its bias
+    with pytest.raises(TypeError, match="gate_bias must be a GateBias, got tuple"):
+        call(torch.zeros(2, 32), (table, pos))
+    with pytest.raises(
+        ValueError, match=r"gate_bias.table must have shape \(4, 32\), got \(2, 32\)"
+    ):
+        call(torch.zeros(2, 32), GateBias(torch.zeros(2, 32), pos))
+    with pytest.raises(TypeError, match="gate_bias.table must have dtype torch.float32"):
+        call(torch.zeros(2, 32), GateBias(table.bfloat16(), pos))
+    with pytest.raises(TypeError, match="gate_bias.positions must have dtype"):
+        call(torch.zeros(2, 32), GateBias(table, pos.float()))
+    with pytest.raises(ValueError, match=r"gate_bias.positions must have shape \(2,\), got \(3,\)"):
+        call(torch.zeros(2, 32), GateBias(table, torch.arange(3)))
+    call(torch.zeros(2, 32, dtype=torch.bfloat16), GateBias(table, pos))  # accepted
+    call(torch.zeros(2, 32), GateBias(table.t().contiguous().t(), torch.arange(4)[::2]))
+
+
+_SM90_CASES = {  # the model's series: CSA main (FP8, UE8M0 per 32), HCA main (FP4), index
+    "csa": dict(C=512, R=8, RATIO=4, OVERLAP=True, NOPE_PAIRS=224, GS=32, G=16, FP4=False,
+                QMAX=448.0, SF=0, SB=1),
+    "hca": dict(C=512, R=128, RATIO=128, OVERLAP=False, NOPE_PAIRS=224, GS=16, G=32, FP4=True,
+                QMAX=6.0, SF=1, SB=1),
+    "indexer": dict(C=128, R=8, RATIO=4, OVERLAP=True, NOPE_PAIRS=32, GS=128, G=1, FP4=False,
+                    QMAX=448.0, SF=2, SB=4),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_SM90_CASES))
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernel_compiles_for_sm90(case, bias):
+    sig = {"kv_ptr": "*bf16", "gate_ptr": "*bf16" if bias else "*fp32", "kv_ring_ptr": "*fp32",
+           "gate_ring_ptr": "*fp32", "index_ptr": "*i64", "pos_ptr": "*i64", "slot_ptr": "*i32",
+           "store_rows_ptr": "*i64", "norm_ptr": "*fp32", "inv_freq_ptr": "*fp32",
+           "cache_ptr": "*u8", "pooled_ptr": "*fp32", "bias_ptr": "*fp32",
+           "step_pos_ptr": "*i64", "eps": "fp32", "rope_scale": "fp32"}  # fmt: skip
+    cfg = _SM90_CASES[case]
+    compile_sm90(kernels.compress_store_kernel, "*i32", sig, BLOCK_SIZE=64, ROW_TILE=8, BF16=True,
+                 FMT=kernels.FMT_QUANT, HW=True, FAST_DIV=cfg["SF"] == 2, EXACT=True,
+                 WRITE_POOLED=False, BIAS=bias, **cfg)  # fmt: skip
 
 
 @pytest.mark.gpu

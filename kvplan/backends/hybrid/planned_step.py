@@ -9,10 +9,11 @@ How each call maps onto the plan (``meta`` = the step's ``InputMetadata``, ``r``
     windows are gathered from the layer's fp32 state ring and the step's rows (CSA: the
     first ``r`` rows take the "Ca" half, the last ``r`` the "Cb" half), then the step's rows
     are written into the ring at ``slot_mapping_store_state`` (read before write).
-``compress_store(layer, name, kv, gate, weights)``
+``compress_store(layer, name, kv, gate, weights, gate_bias)``
     ``compress_windows``, the pooling and ``store_entries`` fused into one launch per series
     (``kvplan.ops.compress_store``; the model calls it where ``fused_compress_enabled``, CUDA
-    by default); decode steps write the ring in the same launch, prefill after it.
+    by default), the raw gate biased in the kernel; decode steps write the ring in the same
+    launch, prefill after it.
 ``store_entries(layer, name, entries)``
     ``store_kv_cache`` into the layer's pool of ``name`` at ``slot_mapping_store_ca[key]`` of
     the entries' plan rows (prompt: ``cu_compressed_seqlens_q[key][i] + j - q_start // r``;
@@ -59,7 +60,9 @@ from kvplan.backends.hybrid.sparse_attention import indexer_topk, sink_attention
 from kvplan.ops import convert_kv_index, kv_index_cat
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops.compress_store import (
+    GateBias,
     PoolWeights,
+    biased_gate,
     compress_store_triton,
     fused_supported,
     gather_windows,
@@ -218,15 +221,16 @@ class PlannedStep:
         )
 
     def compress_store(self, layer_idx: int, name: str, kv: torch.Tensor, gate: torch.Tensor,
-                       weights: PoolWeights) -> None:  # fmt: skip
+                       weights: PoolWeights, gate_bias: GateBias | None = None) -> None:  # fmt: skip
         """``compress_windows``, the pooling of ``weights`` and ``store_entries`` in one call:
         ``kvplan.ops.compress_store``'s fused kernel where it covers the series (one launch
         per series in decode steps, the ring write joined to it; prefill writes the ring in a
-        second launch, after every window is read), the three calls otherwise."""
+        second launch, after every window is read), the three calls otherwise. ``gate``: the
+        biased fp32 gate, or the raw projection with ``gate_bias`` (``GateBias``)."""
         spec = self._spec(layer_idx, name)
         pool = self.family.caches[layer_idx].pools[name]
         if not fused_supported(kv, pool.layout, weights):
-            windows = self.compress_windows(layer_idx, name, kv, gate)
+            windows = self.compress_windows(layer_idx, name, kv, biased_gate(gate, gate_bias))
             if windows.kv.shape[0] == 0:
                 entries = kv.new_zeros((0, spec.series_width(name)))
             else:
@@ -247,7 +251,7 @@ class PlannedStep:
         compress_store_triton(
             kv, gate, kv_ring, gate_ring, st.window_index, st.positions, st.slots,
             st.store_rows, weights, pool.cache, pool.layout, ratio=spec.ratio,
-            overlap=spec.overlap, state_in_launch=not self.is_prompt,
+            overlap=spec.overlap, state_in_launch=not self.is_prompt, gate_bias=gate_bias,
         )  # fmt: skip
         self._stored.add((layer_idx, name))
 

@@ -26,7 +26,13 @@ from torch import nn
 
 from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.layers import Rope, apply_rope
-from kvplan.ops.compress_store import PoolWeights, fused_compress_enabled, pool_windows
+from kvplan.ops.compress_store import (
+    GateBias,
+    PoolWeights,
+    biased_gate,
+    fused_compress_enabled,
+    pool_windows,
+)
 
 
 def pool(
@@ -83,16 +89,16 @@ class Compressor(nn.Module):
         """Pool the windows ``ctx`` closes and store the entries back into ``ctx`` under series
         ``name``; ``kv``, ``gate``: ``[T, k*C]`` in the model dtype, ``kv_proj(x)`` and
         ``gate_proj(x)`` of the step's rows (any row stride, unit column stride). The gate is
-        widened to fp32 after the projection and biased there. A context with
-        ``compress_store`` (``PlannedStep``) does all of it in one call where
-        ``fused_compress_enabled``."""
-        bias = self.position_bias[ctx.positions % self.ratio]  # [T, k*C] fp32
-        gate = gate.float() + bias  # fp32, as the softmax runs in fp32
+        widened to fp32 after the projection and biased there (``position_bias[p % r]``, fp32,
+        as the softmax runs in fp32). A context with ``compress_store`` (``PlannedStep``) does
+        all of it in one call where ``fused_compress_enabled``, the bias included: it takes
+        the raw ``gate`` and a ``GateBias``."""
+        bias = GateBias(self.position_bias, ctx.positions)
         fused = getattr(ctx, "compress_store", None)  # contexts with the fused op
         if fused is not None and fused_compress_enabled(kv):
-            fused(layer_idx, name, kv, gate, pool_weights(self.kv_norm, self.eps, rope))
+            fused(layer_idx, name, kv, gate, pool_weights(self.kv_norm, self.eps, rope), bias)
             return
-        windows = ctx.compress_windows(layer_idx, name, kv, gate)
+        windows = ctx.compress_windows(layer_idx, name, kv, biased_gate(gate, bias))
         if windows.kv.shape[0] == 0:
             entries = kv.new_zeros((0, self.width))
         else:
