@@ -8,9 +8,15 @@ pre-gathered contiguous KV and "gather + SDPA" (what the vanilla backend does). 
 sweep over (num_splits, tile_n, num_warps, num_stages) is recorded too; every swept config's
 output is checked against SDPA.
 
-Prefill: 4 fresh prompts x 4096 tokens (causal), same heads; Triton varlen prefill vs SDPA.
+Prefill: 4 fresh prompts x 4096 tokens (causal), same heads: the Triton varlen prefill
+kernel over the paged cache, the flash path the backends take for rows with no cached history
+(``kvplan.ops.flash_prefill``: torch's varlen flash attention on the fresh K/V rows; the op
+alone and through ``prefill_fresh_rows`` into a preallocated output), and SDPA on contiguous
+tensors; TFLOP/s and the time ratio to SDPA. ``--prefill-shapes 32x8192`` adds shapes.
 
 GPU:  PYTHONPATH=. python3 bench/bench_paged_attention.py --out results.json
+      PYTHONPATH=. python3 bench/bench_paged_attention.py --prefill-only --no-sweep
+          --prefill-shapes 32x8192 --out prefill.json   (one command line)
 CPU:  PYTHONPATH=. python3 bench/bench_paged_attention.py --quick   (interpreter, tiny sizes)
 """
 
@@ -24,6 +30,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -31,6 +38,9 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
+from kvplan.backends.fresh_prefill import prefill_fresh_rows  # noqa: E402
+from kvplan.backends.page_table_attention import PagedSegment  # noqa: E402
+from kvplan.ops.flash_prefill import flash_prefill, flash_prefill_unsupported  # noqa: E402
 from kvplan.ops.paged_attention import (  # noqa: E402
     paged_attention_decode_triton,
     paged_attention_prefill_triton,
@@ -173,8 +183,14 @@ def bench_decode(args, device, dtype, gen):
     return res
 
 
-def bench_prefill(args, device, dtype, gen):
-    B, L, Hkv, D, H = args.prefill_batch, args.prefill_len, args.kv_heads, args.head_dim, args.heads
+def bench_prefill(args, device, dtype, gen, batch=None, length=None, sweep_configs=None):
+    """Causal prefill of ``batch`` fresh prompts x ``length`` tokens: the Triton paged kernel,
+    the flash path (``kvplan.ops.flash_prefill`` on the fresh rows: the op alone, and as the
+    backends run it through ``prefill_fresh_rows`` into a preallocated output) and SDPA on
+    contiguous ``[B, H, L, D]`` tensors, each as TFLOP/s and as a time ratio to SDPA."""
+    B = args.prefill_batch if batch is None else batch
+    L = args.prefill_len if length is None else length
+    Hkv, D, H = args.kv_heads, args.head_dim, args.heads
     k_cache, v_cache, table, page_start, kv_lens = make_paged(
         B, L, Hkv, D, args.block_size, dtype, device, gen
     )
@@ -182,10 +198,13 @@ def bench_prefill(args, device, dtype, gen):
     cu = torch.arange(B + 1, device=device, dtype=torch.int32) * L
     scale = D**-0.5
     flops = 4 * D * H * B * L * (L + 1) / 2  # QK^T and PV over the causal triangle
-    k_c, v_c = gather(k_cache, table, L), gather(v_cache, table, L)
+    k_c, v_c = gather(k_cache, table, L), gather(v_cache, table, L)  # [B, Hkv, L, D]
     q4 = q.view(B, L, H, D).transpose(1, 2)
     ref = sdpa(q4, k_c, v_c, True).transpose(1, 2).reshape(B * L, H, D)
     t_sdpa = timed(lambda: sdpa(q4, k_c, v_c, True), args.reps, args.warmup)
+    # the step's fresh K/V rows [B * L, Hkv, D], as the engine holds them before the store
+    k_new = k_c.transpose(1, 2).reshape(B * L, Hkv, D)
+    v_new = v_c.transpose(1, 2).reshape(B * L, Hkv, D)
 
     def run(**kw):
         return paged_attention_prefill_triton(
@@ -194,7 +213,7 @@ def bench_prefill(args, device, dtype, gen):
         )  # fmt: skip
 
     sweep = []
-    for tile_m, tile_n, warps, stages in args.prefill_sweep:
+    for tile_m, tile_n, warps, stages in sweep_configs or []:
         kw = dict(tile_m=tile_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
         try:
             err = rel_err(run(**kw), ref)
@@ -203,20 +222,62 @@ def bench_prefill(args, device, dtype, gen):
             sweep.append(dict(config=kw, error=repr(exc)[:200]))
             continue
         sweep.append(dict(config=kw, seconds=t, tflops=flops / t / 1e12, rel_err=err))
-    default_err = rel_err(run(), ref)
-    t_default = timed(run, args.reps, args.warmup)
-    return dict(
+
+    def entry(t, err):
+        return dict(seconds=t, tflops=flops / t / 1e12, rel_err=err, ratio_to_sdpa=t_sdpa / t)
+
+    res = dict(
         shape=dict(batch=B, q_len=L, kv_len=L, heads=H, kv_heads=Hkv, head_dim=D, dtype=str(dtype)),
         flops=flops,
-        sdpa_contiguous=dict(seconds=t_sdpa, tflops=flops / t_sdpa / 1e12),
-        triton_default=dict(
-            seconds=t_default,
-            tflops=flops / t_default / 1e12,
-            rel_err=default_err,
-            ratio_to_sdpa=t_sdpa / t_default,
-        ),  # fmt: skip
+        sdpa_contiguous=dict(seconds=t_sdpa, tflops=flops / t_sdpa / 1e12, ratio_to_sdpa=1.0),
+        triton_default=entry(timed(run, args.reps, args.warmup), rel_err(run(), ref)),
         sweep=sweep,
     )
+    why = flash_prefill_unsupported(
+        q, k_new, v_new, cache_dtype=k_cache.dtype, quantized_cache=False, sliding_window=None,
+        max_q_len=L,
+    )  # fmt: skip
+    flash_op = (lambda: flash_prefill(q, k_new, v_new, cu, L, scale=scale)) if why is None else None
+    if flash_op is not None and flash_op() is None:
+        why = "varlen_attn failed at first use"
+    if why is not None:
+        res["flash"] = dict(unsupported=why)
+        return res
+    res["flash_op"] = entry(timed(flash_op, args.reps, args.warmup), rel_err(flash_op(), ref))
+    seg = PagedSegment(table.flatten(), page_start, kv_lens, cu, B * L, L, L,
+                       np.arange(B + 1, dtype=np.int32) * L, 0)  # fmt: skip
+    out = torch.empty_like(q)
+
+    def engine_path():
+        return prefill_fresh_rows(
+            q, k_new, v_new, k_cache, v_cache, seg, scale=scale, window=None, out=out,
+            kv_layout=None, check=False,
+        )  # fmt: skip
+
+    res["flash_engine"] = entry(
+        timed(engine_path, args.reps, args.warmup), rel_err(engine_path(), ref)
+    )
+    return res
+
+
+def print_prefill(pre) -> None:
+    sh = pre["shape"]
+    print(f"prefill B={sh['batch']} x {sh['q_len']} causal, H={sh['heads']}/{sh['kv_heads']}"
+          f"x{sh['head_dim']} {sh['dtype']}")  # fmt: skip
+    print(f"  {'path':<26}{'ms':>10}{'TFLOP/s':>10}{'sdpa_t/t':>10}{'rel err':>10}")
+    for name, key in (("sdpa (contiguous)", "sdpa_contiguous"), ("triton paged", "triton_default"),
+                      ("flash op (varlen_attn)", "flash_op"),
+                      ("flash engine path", "flash_engine")):  # fmt: skip
+        r = pre.get(key)
+        if r:
+            err = f"{r['rel_err']:10.1e}" if "rel_err" in r else f"{'-':>10}"
+            print(f"  {name:<26}{r['seconds'] * 1e3:10.3f}{r['tflops']:10.0f}"
+                  f"{r['ratio_to_sdpa']:10.2f}{err}")  # fmt: skip
+    if "flash" in pre:
+        print(f"  flash path unsupported here: {pre['flash']['unsupported']}")
+    for sw in pre["sweep"]:
+        if "seconds" in sw:
+            print(f"  triton {sw['config']}: {sw['seconds'] * 1e3:.3f} ms err {sw['rel_err']:.1e}")
 
 
 def main(argv=None) -> int:
@@ -224,6 +285,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the JSON record here")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU interpreter)")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--prefill-only", action="store_true", help="skip the decode benchmark")
+    p.add_argument(
+        "--prefill-shapes", default="",
+        help="extra prefill shapes BxL, comma separated (e.g. 32x8192), after the default one",
+    )  # fmt: skip
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -247,6 +313,8 @@ def main(argv=None) -> int:
         setattr(args, key, val)
     args.decode_sweep = [] if args.no_sweep else decode_sweep
     args.prefill_sweep = [] if args.no_sweep else prefill_sweep
+    if args.prefill_shapes and not cuda:
+        raise SystemExit("--prefill-shapes needs a GPU (the CPU run is the tiny --quick case)")
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     record = dict(
@@ -255,10 +323,26 @@ def main(argv=None) -> int:
         command="PYTHONPATH=. python3 " + " ".join(sys.argv),
         torch=torch.__version__,
     )
-    record["decode"] = dec = bench_decode(args, device, dtype, gen)
-    _write(args.out, record)  # keep the decode figures even if the prefill part is cut short
-    record["prefill"] = pre = bench_prefill(args, device, dtype, gen)
+    if not args.prefill_only:
+        record["decode"] = dec = bench_decode(args, device, dtype, gen)
+        _write(args.out, record)  # keep the decode figures even if the prefill part is cut short
+        print_decode(args, dec)
+    record["prefill"] = pre = bench_prefill(
+        args, device, dtype, gen, sweep_configs=args.prefill_sweep
+    )
     _write(args.out, record)
+    print_prefill(pre)
+    record["prefill_shapes"] = []
+    for shape in filter(None, args.prefill_shapes.split(",")):
+        batch, length = (int(x) for x in shape.lower().split("x"))
+        torch.cuda.empty_cache() if cuda else None
+        record["prefill_shapes"].append(bench_prefill(args, device, dtype, gen, batch, length))
+        _write(args.out, record)
+        print_prefill(record["prefill_shapes"][-1])
+    return 0
+
+
+def print_decode(args, dec) -> None:
     c = dec["copy"]
     print(f"decode  B={args.batch} L={args.context} H={args.heads}/{args.kv_heads}x{args.head_dim}"
           f"  KV {dec['kv_bytes'] / 2**20:.0f} MiB")  # fmt: skip
@@ -273,14 +357,6 @@ def main(argv=None) -> int:
                   f"{r['ratio_to_copy_total']:12.2f}{r['ratio_to_copy_read']:12.2f}")  # fmt: skip
     if dec["triton_best"]:
         print(f"  best config: {dec['triton_best']['config']}")
-    t, s = pre["triton_default"], pre["sdpa_contiguous"]
-    print(f"prefill B={args.prefill_batch} x {args.prefill_len} causal: triton {t['seconds'] * 1e3:.3f} ms"
-          f" ({t['tflops']:.0f} TFLOP/s), sdpa {s['seconds'] * 1e3:.3f} ms ({s['tflops']:.0f} TFLOP/s),"
-          f" sdpa/triton time {t['ratio_to_sdpa']:.2f}")  # fmt: skip
-    for sw in pre["sweep"]:
-        if "seconds" in sw:
-            print(f"  prefill {sw['config']}: {sw['seconds'] * 1e3:.3f} ms err {sw['rel_err']:.1e}")
-    return 0
 
 
 def _write(path: str | None, record: dict) -> None:

@@ -47,6 +47,7 @@ from kvplan.backends.block_tables import (
     gather_rows,
     logical_num_blocks,
 )
+from kvplan.backends.fresh_prefill import first_fresh_row
 from kvplan.backends.lengths import SUM, as_int32_array
 from kvplan.backends.page_table_attention import PagedSegment, PagedView, PageTableAttention
 from kvplan.backends.paged_metadata import PagedMetadata
@@ -286,6 +287,7 @@ class BlockOffsetsAttentionMetadata(PagedMetadata):
             ctx = PagedSegment(
                 table, row_start[:nc], kv_lens[:nc], self.qo_indptr[: nc + 1],
                 self.num_ctx_tokens, int(q_lens[:nc].max()), max_kv,
+                self.cu_seqlens_q_np[: nc + 1], first_fresh_row(self.cached_np[:nc]),
             )  # fmt: skip
         if ng:
             max_q = int(q_lens[nc:].max())

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvplan.backends.base import AttentionBackend
+from kvplan.backends.fresh_prefill import prefill_fresh_rows
 from kvplan.backends.staging import to_device
 from kvplan.formats import KVCacheFormat
 from kvplan.ops.paged_attention import paged_attention_decode, paged_attention_prefill
@@ -43,6 +44,10 @@ class PagedSegment:
     num_tokens: int  # query tokens of the segment (host)
     max_q_len: int  # host bound on each row's queries
     max_kv_len: int  # host bound on kv_lens
+    # context segments: host cu_seqlens_q [rows + 1] (0-based) and the first row of the
+    # trailing run of rows with no cached tokens (kvplan.backends.fresh_prefill); None = unknown
+    host_cu_seqlens_q: np.ndarray | None = None
+    fresh_from: int | None = None
 
 
 @dataclass
@@ -68,7 +73,7 @@ class PageTableAttention(AttentionBackend):
             view = md.paged_view(pool)
         return attend_paged(
             q, k_cache, v_cache, view, out, scale=self.scale, window=self.window(md),
-            check=md.check_kernel_inputs, kv_layout=kv_layout,
+            check=md.check_kernel_inputs, kv_layout=kv_layout, k_new=k, v_new=v,
         )  # fmt: skip
 
 
@@ -83,6 +88,8 @@ def attend_paged(
     window: int | None,
     check: bool = False,
     kv_layout: KVCacheFormat | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` ``[T, H, D]`` from ``q`` ``[T, H, D]`` over a ``PagedView`` of the caches
     ``[num_pages, page_size, Hkv, D]``, or of uint8 ``[num_pages, page_size, 1,
@@ -91,6 +98,12 @@ def attend_paged(
     ``q`` is cast to the cache dtype (bf16 for a quantized cache) when they differ, and the
     result is written back in ``out``'s dtype. ``check`` lets the kernels validate their
     inputs (a device sync; for tests).
+
+    ``k_new`` / ``v_new``: the step's new K/V rows ``[T, Hkv, D]`` (self attention: row t is
+    query row t's token). A context segment whose trailing rows have no cached history runs
+    those rows with flash attention on these rows instead of the paged kernel when
+    ``kvplan.backends.fresh_prefill`` allows (CUDA, 16-bit unquantized cache of k's dtype,
+    ``KVPLAN_PREFILL_FLASH`` not 0); None keeps every segment on the paged kernels.
     """
     cache_dtype = k_cache.dtype if kv_layout is None else torch.bfloat16
     start = 0
@@ -110,11 +123,18 @@ def attend_paged(
                 max_kv_len=seg.max_kv_len, kv_layout=kv_layout, check=check,
             )  # fmt: skip
         else:
-            res = paged_attention_prefill(
-                q_seg, k_cache, v_cache, seg.page_ids, seg.page_start, seg.cu_seqlens_q,
-                seg.kv_lens, scale=scale, sliding_window=window, out=dst,
-                max_q_len=seg.max_q_len, kv_layout=kv_layout, check=check,
-            )  # fmt: skip
+            res = None
+            if seg is view.context and k_new is not None and v_new is not None:
+                res = prefill_fresh_rows(
+                    q_seg, k_new[start:end], v_new[start:end], k_cache, v_cache, seg,
+                    scale=scale, window=window, out=dst, kv_layout=kv_layout, check=check,
+                )  # fmt: skip
+            if res is None:
+                res = paged_attention_prefill(
+                    q_seg, k_cache, v_cache, seg.page_ids, seg.page_start, seg.cu_seqlens_q,
+                    seg.kv_lens, scale=scale, sliding_window=window, out=dst,
+                    max_q_len=seg.max_q_len, kv_layout=kv_layout, check=check,
+                )  # fmt: skip
         if dst is None:
             out[start:end] = res.to(out.dtype)
         start = end
@@ -139,7 +159,7 @@ def context_only_view(md, device: torch.device) -> PagedView:
     max_q = int(seq_lens.max()) if n else 0
     seg = PagedSegment(
         md.token_arange, md.qo_indptr[:n], md.seq_lens_gpu, md.qo_indptr[: n + 1],
-        md.num_tokens, max_q, max_kv,
+        md.num_tokens, max_q, max_kv, md.cu_seqlens_q_np[: n + 1], 0,
     )  # fmt: skip
     return PagedView(seg, None)
 

@@ -49,6 +49,7 @@ from kvplan.backends.block_tables import (
     gather_rows,
     new_token_positions,
 )
+from kvplan.backends.fresh_prefill import first_fresh_row
 from kvplan.backends.lengths import CUMSUM, MAX, SUM
 from kvplan.backends.page_table_attention import PagedSegment, PagedView, PageTableAttention
 from kvplan.backends.page_table_check import page_table_problems
@@ -344,6 +345,7 @@ class RaggedAttentionMetadata(PagedMetadata):
             ctx = PagedSegment(
                 indices, self.paged_kv_indptr[:nc], kv_lens[:nc], self.qo_indptr[: nc + 1],
                 self.num_ctx_tokens, int(q_lens[:nc].max()), max_kv,
+                self.cu_seqlens_q_np[: nc + 1], first_fresh_row(self.cached_np[:nc]),
             )  # fmt: skip
         if ng:
             # the decode segment's pages start at indptr[nc]; its own indptr is relative

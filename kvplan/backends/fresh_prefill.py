@@ -1,0 +1,131 @@
+"""Context segments whose trailing rows have no cached history: flash on those rows.
+
+A context row with no cached tokens (``num_cached_tokens_per_seq[b] == 0``, so ``kv_len ==
+q_len``) attends only over the K/V rows this step computed for it, so
+``kvplan.ops.flash_prefill`` can read them straight from the step's ``k`` / ``v``; the rows
+before it (continuing chunks, prefix-cache hits) still go through the paged Triton kernel.
+The scheduler orders running requests (continuing chunks) before newly admitted ones, so the
+split is a prefix / suffix of the segment's rows::
+
+    rows      0        1        2      3          cached = [96, 0, 0, 0]
+    cached    96       0        0      0          first_fresh_row -> 1
+              |paged | flash over rows 1..3 (cu_seqlens rebased to row 1's first token)|
+
+Every decision uses host facts the planner already has (``cached_np``, ``cu_seqlens_q_np``)
+and tensor metadata (dtype, shape, device); nothing syncs. When the flash path does not apply
+(see ``kvplan.ops.flash_prefill`` for what each path supports, and ``KVPLAN_PREFILL_FLASH``
+for the switch) the caller runs the paged kernel over the whole segment, as before.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvplan.formats import KVCacheFormat
+from kvplan.ops.flash_prefill import flash_prefill, flash_prefill_unsupported
+from kvplan.ops.paged_attention import paged_attention_prefill
+
+
+def first_fresh_row(cached: np.ndarray) -> int:
+    """Index of the first row of the trailing run of rows with no cached tokens.
+
+    ``cached``: int ``[rows]`` host array (cached tokens per row). Returns ``rows`` when the
+    last row has history (no fresh suffix).
+
+    >>> first_fresh_row(np.array([96, 0, 0, 0])), first_fresh_row(np.array([0, 5, 0]))
+    (1, 2)
+    >>> first_fresh_row(np.array([0, 0])), first_fresh_row(np.array([3]))
+    (0, 1)
+    """
+    nz = np.flatnonzero(cached)
+    return int(nz[-1]) + 1 if nz.size else 0
+
+
+class FreshSplit(NamedTuple):
+    """Rows ``[0, num_paged_rows)`` (tokens ``[0, num_paged_tokens)``) run the paged kernel;
+    the rest run flash. Maxima are host bounds of each part's query run lengths."""
+
+    num_paged_rows: int
+    num_paged_tokens: int
+    paged_max_q_len: int
+    flash_max_q_len: int
+
+
+def fresh_split(cu_seqlens_q: np.ndarray, fresh_from: int) -> FreshSplit | None:
+    """Where a segment splits, from its host ``cu_seqlens_q`` ``[rows + 1]`` (0-based) and
+    its first fresh row; None when no row is fresh.
+
+    >>> fresh_split(np.array([0, 32, 4128, 8224]), 1)
+    FreshSplit(num_paged_rows=1, num_paged_tokens=32, paged_max_q_len=32, flash_max_q_len=4096)
+    """
+    rows = cu_seqlens_q.size - 1
+    if fresh_from >= rows:
+        return None
+    lens = np.diff(cu_seqlens_q)
+    paged_max = int(lens[:fresh_from].max()) if fresh_from else 0
+    return FreshSplit(
+        fresh_from, int(cu_seqlens_q[fresh_from]), paged_max, int(lens[fresh_from:].max())
+    )
+
+
+def prefill_fresh_rows(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg,
+    *,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor | None,
+    kv_layout: KVCacheFormat | None,
+    check: bool,
+) -> torch.Tensor | None:
+    """One context segment with flash on its fresh rows; None when flash does not apply.
+
+    Args:
+        q: ``[T, H, D]`` the segment's queries (already in the cache dtype).
+        k_new, v_new: ``[T, Hkv, D]`` the same rows' new K/V (stored in the cache already).
+        k_cache, v_cache, kv_layout, check: as in ``paged_attention_prefill``.
+        seg: the segment's ``PagedSegment`` (``fresh_from`` and ``host_cu_seqlens_q`` set).
+        out: optional ``[T, H, D]`` destination in q's dtype.
+
+    Returns ``out`` (or a new tensor) with every row written, or None (nothing written).
+    """
+    if seg.fresh_from is None or seg.host_cu_seqlens_q is None:
+        return None
+    split = fresh_split(seg.host_cu_seqlens_q, seg.fresh_from)
+    if split is None:
+        return None
+    why_not = flash_prefill_unsupported(
+        q, k_new, v_new, cache_dtype=k_cache.dtype, quantized_cache=kv_layout is not None,
+        sliding_window=window, max_q_len=split.flash_max_q_len,
+    )  # fmt: skip
+    if why_not is not None:
+        return None
+    j, t0 = split.num_paged_rows, split.num_paged_tokens
+    cu = seg.cu_seqlens_q[j:]
+    if t0:
+        cu = cu - t0  # rebased on the device: no host round trip
+    res = flash_prefill(
+        q[t0:], k_new[t0:], v_new[t0:], cu, split.flash_max_q_len, scale=scale,
+        sliding_window=window,
+    )  # fmt: skip
+    if res is None:
+        return None
+    if out is None and not j:
+        return res
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out[t0:].copy_(res)
+    if j:
+        paged_attention_prefill(
+            q[:t0], k_cache, v_cache, seg.page_ids, seg.page_start[:j], seg.cu_seqlens_q[: j + 1],
+            seg.kv_lens[:j], scale=scale, sliding_window=window, out=out[:t0],
+            max_q_len=split.paged_max_q_len, kv_layout=kv_layout, check=check,
+        )  # fmt: skip
+    return out
