@@ -344,19 +344,36 @@ class PlannedStep:
         width = self.max_seqlen_k // spec.ratio  # most entries any row of the step sees
         if not spec.overlap:
             return rows, meta.kv_ca_index[key][:, :width]
-        keys_buf = caches.pools["indexer"].load(segs, total)
         ks, klen = meta.ks[key].long(), meta.klen[key]
         col = torch.arange(width, device=ks.device)[None, :]
-        if in_place(index_q):  # CUDA: no [T, width, Ci] gather of the candidates
-            cand = torch.where(col < klen.long()[:, None], ks[:, None] + col, -1).to(torch.int32)
-            scores = index_scores(index_q, index_weights, KeySource(keys_buf, cand),
-                                  check=self.family.check)  # fmt: skip
+        if in_place(index_q):  # CUDA: the index keys read in place from their pool
+            slots = self._prompt_index_slots(spec, klen, width)
+            src = caches.pools["indexer"].key_source(slots)
+            scores = index_scores(index_q, index_weights, src, check=self.family.check)
             local = topk_columns(scores, klen, spec.top_k)
         else:
+            keys_buf = caches.pools["indexer"].load(segs, total)
             cand = torch.where(col < klen.long()[:, None], ks[:, None] + col, 0)
             local = indexer_topk(index_q, index_weights, keys_buf[cand], klen, spec.top_k)
         index = torch.where(local >= 0, ks[:, None] + local, -1).to(torch.int32)
         return rows, index
+
+    def _prompt_index_slots(self, spec, klen: torch.Tensor, width: int) -> torch.Tensor:
+        """int32 ``[T, width]`` pool slots of each prompt row's candidate entries ``0 ..
+        klen[t] - 1`` (``-1`` after them), through its sequence's block table."""
+        tpb = self.family.config.tokens_per_block(spec.ratio)
+        blocks = -(-width // tpb)  # table columns the candidates reach
+        table = np.zeros((len(self.seqs), max(blocks, 1)), dtype=np.int32)
+        for i, s in enumerate(self.seqs):
+            row = np.asarray(s.block_table[:blocks], dtype=np.int32)
+            table[i, : row.shape[0]] = row
+        row_seq = np.repeat(np.arange(len(self.seqs)), self.seqlen_q)
+        dev = klen.device
+        rows_table = torch.from_numpy(table).to(dev)[torch.from_numpy(row_seq).to(dev)]
+        col = torch.arange(width, dtype=torch.int32, device=dev)[None, :]
+        cand = torch.where(col < klen[:, None], col, -1).to(torch.int32)
+        return convert_kv_index(cand, rows_table, klen, tpb, out=torch.empty_like(cand),
+                                check=self.family.check)  # fmt: skip
 
     def _decode_compressed(self, spec, caches, index_q, index_weights):
         slots = self._decode_slots(spec, caches, index_q, index_weights)
