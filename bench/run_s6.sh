@@ -5,22 +5,9 @@
 # is gone; BUDGET=seconds). The microbenchmarks of the new kernels: bench/run_all_gpu.sh OUT
 # sparse_kernels compress_store dsv4_blocks moe_grouped.
 set -u
-O=${OUT:-/tmp/out}
-BUDGET=${BUDGET:-200}
-mkdir -p "$O"
-export PYTHONPATH=.
-start=$(date +%s)
-left() { echo $((BUDGET - ($(date +%s) - start))); }
-step() {  # step SECONDS NAME CMD...: run CMD with timeout min(SECONDS, left) if >= 20 s remain
-  local want=$1 name=$2; shift 2
-  local l; l=$(left)
-  if [ "$l" -lt 20 ]; then echo "$name: skipped (budget)"; return; fi
-  [ "$want" -gt "$l" ] && want=$l
-  timeout "$want" "$@" > "$O/$name.log" 2>&1
-  echo "$name rc=$? ($(( $(date +%s) - start )) s)"
-}
-step 70 hybrid python3 bench/bench_hybrid.py --modes graphs --profile 1 --out "$O/hybrid.json"
-grep -E "^ +(fp8|exact) |Error" "$O/hybrid.log"
+source bench/gpu_steps.sh
+step 70 hybrid python3 bench/bench_hybrid.py --modes graphs --profile 1 --out "$W/hybrid.json"
+grep -E "^ +(fp8|exact) |Error" "$W/hybrid.log"
 step 80 gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
   tests/ops/test_compress_store.py tests/ops/test_hyper_connection.py tests/ops/test_rms_norm.py \
   tests/ops/test_moe_dense.py tests/models/test_deepseek_v4_blocks.py \
@@ -30,10 +17,10 @@ step 80 gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
   tests/ops/test_sparse_split.py tests/ops/test_moe_grouped.py \
   tests/models/test_deepseek_v4_fused_projections.py tests/backends/test_backends_device_expand.py \
   tests/ops/test_store.py tests/cache/test_kv_tensors.py
-grep -E "passed|failed|^FAILED" "$O/gpu_tests.log" | tail -12
-step 60 hybrid_hf python3 bench/bench_hybrid_hf.py --no-hf --out "$O/hybrid_hf.json"
-grep -E "kvplan|Error" "$O/hybrid_hf.log" | tail -3
+grep -E "passed|failed|^FAILED" "$W/gpu_tests.log" | tail -12
+step 60 hybrid_hf python3 bench/bench_hybrid_hf.py --no-hf --out "$W/hybrid_hf.json"
+grep -E "kvplan|Error" "$W/hybrid_hf.log" | tail -3
 for f in bf16 fp8 int8; do
-  step 40 "engine_$f" python3 bench/bench_engine.py --hf '' --kv-format $f --out "$O/engine_$f.json"
-  grep -iE "tok/s" "$O/engine_$f.log" | tail -2
+  step 40 "engine_$f" python3 bench/bench_engine.py --hf '' --kv-format $f --out "$W/engine_$f.json"
+  grep -iE "tok/s" "$W/engine_$f.log" | tail -2
 done

@@ -2,21 +2,7 @@
 # Session 7's second GPU call: the fp8/int8 in-place page mismatch, the hybrid decode profile
 # at 32K, kvplan vs HF end to end, the dense long-context quantized A/B; all logs in one tarball.
 set -u
-O=${OUT:-/tmp/out}
-BUDGET=${BUDGET:-540}
-W=$(mktemp -d)
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-start=$(date +%s)
-left() { echo $((BUDGET - ($(date +%s) - start))); }
-step() {
-  local want=$1 name=$2; shift 2
-  local l; l=$(left)
-  if [ "$l" -lt 20 ]; then echo "$name: skipped (budget)"; return; fi
-  [ "$want" -gt "$l" ] && want=$l
-  timeout "$want" "$@" > "$W/$name.log" 2>&1
-  echo "$name rc=$? ($(( $(date +%s) - start )) s)"
-  tar czf "$O/logs.tgz" -C "$W" .
-}
+source bench/gpu_steps.sh
 step 40 dbg_quant python3 bench/dbg/quant_pages.py
 cat "$W/dbg_quant.log" | grep -v "^\[" | tail -12
 step 60 hybrid32k python3 bench/bench_hybrid.py --modes graphs --profile 1 --contexts 32768 --out "$W/hybrid32k.json"

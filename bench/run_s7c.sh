@@ -3,21 +3,7 @@
 # profile after the kernel-count cuts, Gemma-3 vs HF, the quantized decode sweep, the dense
 # prefill flash path and the long-context engine A/B; every log in one tarball.
 set -u
-O=${OUT:-/tmp/out}
-BUDGET=${BUDGET:-540}
-W=$(mktemp -d)
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-start=$(date +%s)
-left() { echo $((BUDGET - ($(date +%s) - start))); }
-step() {  # step SECONDS NAME CMD...: CMD under timeout min(SECONDS, left), if >= 15 s left
-  local want=$1 name=$2; shift 2
-  local l; l=$(left)
-  if [ "$l" -lt 15 ]; then echo "$name: skipped (budget)"; return; fi
-  [ "$want" -gt "$l" ] && want=$l
-  timeout "$want" "$@" > "$W/$name.log" 2>&1
-  echo "$name rc=$? ($(( $(date +%s) - start )) s)"
-  tar czf "$O/logs.tgz" -C "$W" .
-}
+source bench/gpu_steps.sh
 step 120 gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests
 grep -E "passed|failed|^FAILED|^ERROR" "$W/gpu_tests.log" | tail -14
 step 70 hybrid python3 bench/bench_hybrid.py --modes graphs --profile 1 --out "$W/hybrid.json"
