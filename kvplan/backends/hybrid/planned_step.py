@@ -144,6 +144,7 @@ class PlannedStep:
         self._states: dict[tuple[int, bool], _StateStep] = {}
         self._windows_done: set[tuple[int, str]] = set()
         self._stored: set[tuple[int, str]] = set()
+        self._cand_slots: dict[int, torch.Tensor] = {}  # ratio -> `_candidate_slots`
 
     # ---- host facts ---------------------------------------------------------------------
     def entry_plan_rows(self, ratio: int, entry_seq: np.ndarray, entry_index: np.ndarray):
@@ -345,35 +346,43 @@ class PlannedStep:
         if not spec.overlap:
             return rows, meta.kv_ca_index[key][:, :width]
         ks, klen = meta.ks[key].long(), meta.klen[key]
-        col = torch.arange(width, device=ks.device)[None, :]
         if in_place(index_q):  # CUDA: the index keys read in place from their pool
-            slots = self._prompt_index_slots(spec, klen, width)
-            src = caches.pools["indexer"].key_source(slots)
+            src = caches.pools["indexer"].key_source(self._candidate_slots(spec.ratio, width))
             scores = index_scores(index_q, index_weights, src, check=self.family.check)
             local = topk_columns(scores, klen, spec.top_k)
         else:
             keys_buf = caches.pools["indexer"].load(segs, total)
+            col = torch.arange(width, device=ks.device)[None, :]
             cand = torch.where(col < klen.long()[:, None], ks[:, None] + col, 0)
             local = indexer_topk(index_q, index_weights, keys_buf[cand], klen, spec.top_k)
         index = torch.where(local >= 0, ks[:, None] + local, -1).to(torch.int32)
         return rows, index
 
-    def _prompt_index_slots(self, spec, klen: torch.Tensor, width: int) -> torch.Tensor:
-        """int32 ``[T, width]`` pool slots of each prompt row's candidate entries ``0 ..
-        klen[t] - 1`` (``-1`` after them), through its sequence's block table."""
-        tpb = self.family.config.tokens_per_block(spec.ratio)
-        blocks = -(-width // tpb)  # table columns the candidates reach
-        table = np.zeros((len(self.seqs), max(blocks, 1)), dtype=np.int32)
-        for i, s in enumerate(self.seqs):
-            row = np.asarray(s.block_table[:blocks], dtype=np.int32)
-            table[i, : row.shape[0]] = row
-        row_seq = np.repeat(np.arange(len(self.seqs)), self.seqlen_q)
-        dev = klen.device
-        rows_table = torch.from_numpy(table).to(dev)[torch.from_numpy(row_seq).to(dev)]
-        col = torch.arange(width, dtype=torch.int32, device=dev)[None, :]
-        cand = torch.where(col < klen[:, None], col, -1).to(torch.int32)
-        return convert_kv_index(cand, rows_table, klen, tpb, out=torch.empty_like(cand),
-                                check=self.family.check)  # fmt: skip
+    def _candidate_slots(self, ratio: int, width: int) -> torch.Tensor:
+        """int32 ``[T, width]`` pool slots of each row's candidate entries ``0 .. klen[t] - 1``
+        (``-1`` after them) through its sequence's block table: the same for every CSA layer
+        of ``ratio``, so computed once per step."""
+        if ratio not in self._cand_slots:
+            meta = self.meta
+            tpb = self.family.config.tokens_per_block(ratio)
+            klen = meta.klen[ratio_key(ratio)]
+            dev = klen.device
+            if self.is_prompt:  # a row per token: its sequence's table, columns it reaches
+                blocks = max(-(-width // tpb), 1)
+                table = np.zeros((len(self.seqs), blocks), dtype=np.int32)
+                for i, s in enumerate(self.seqs):
+                    row = np.asarray(s.block_table[:blocks], dtype=np.int32)
+                    table[i, : row.shape[0]] = row
+                row_seq = torch.from_numpy(np.repeat(np.arange(len(self.seqs)), self.seqlen_q))
+                tables = torch.from_numpy(table).to(dev)[row_seq.to(dev)]
+            else:
+                tables = meta.block_tables
+            col = torch.arange(width, dtype=torch.int32, device=dev)[None, :]
+            cand = torch.where(col < klen[:, None], col, -1).to(torch.int32).contiguous()
+            self._cand_slots[ratio] = convert_kv_index(
+                cand, tables, klen, tpb, out=torch.empty_like(cand), check=self.family.check
+            )
+        return self._cand_slots[ratio]
 
     def _decode_compressed(self, spec, caches, index_q, index_weights):
         slots = self._decode_slots(spec, caches, index_q, index_weights)
@@ -388,10 +397,8 @@ class PlannedStep:
             return meta.kv_ca_index[key][:, :width]
         tpb = self.family.config.tokens_per_block(spec.ratio)
         klen = meta.klen[key]
-        col = torch.arange(width, dtype=torch.int32, device=klen.device)[None, :]
-        cand = torch.where(col < klen[:, None], col, -1).to(torch.int32).contiguous()
         bt, check = meta.block_tables, self.family.check
-        slots = convert_kv_index(cand, bt, klen, tpb, out=torch.empty_like(cand), check=check)
+        slots = self._candidate_slots(spec.ratio, width)
         if in_place(index_q):  # CUDA: score the index keys in place, top-k of the scores
             src = caches.pools["indexer"].key_source(slots)
             scores = index_scores(index_q, index_weights, src, check=check)

@@ -150,6 +150,7 @@ class StaticDecodeStep(PlannedStep):
         self._states: dict[tuple[int, bool], SimpleNamespace] = {}
         self._windows_done: set[tuple[int, str]] = set()
         self._stored: set[tuple[int, str]] = set()
+        self._cand_slots: dict[int, torch.Tensor] = {}
 
     # ---- host -------------------------------------------------------------------------
     def stage(self, seqs: list[HybridSeq]) -> None:
@@ -232,6 +233,7 @@ class StaticDecodeStep(PlannedStep):
             )
         self._windows_done = set()
         self._stored = set()
+        self._cand_slots = {}
         self.traces = {}
 
     def _state(self, ratio: int, overlap: bool) -> SimpleNamespace:
