@@ -60,6 +60,7 @@ from kvplan._checks import check_tensor
 from kvplan.formats import KVCacheFormat
 from kvplan.ops._dispatch import triton_interpreting
 from kvplan.ops.cache_geometry import SF_KIND, cache_bytes, flat_groups, triton_next_pow2
+from kvplan.ops.rope import NormSpec, norm_rope_torch, rope_cos_sin
 from kvplan.ops.store import store_kv_cache
 
 
@@ -143,17 +144,9 @@ def pool_windows(kv, gate, positions, weights: PoolWeights) -> torch.Tensor:
     int64 ``positions [E]`` (module docstring; torch ops, any device)."""
     w = gate.float().softmax(dim=1).to(kv.dtype)  # [E, w, C]
     x = (kv * w).sum(dim=1)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + weights.eps)
-    x = (weights.norm_weight.float() * xf).to(kv.dtype)
-    freqs = positions.float()[:, None] * weights.inv_freq.to(positions.device)[None, :]
-    cos = (freqs.cos() * weights.rope_scale).to(x.dtype).float()
-    sin = (freqs.sin() * weights.rope_scale).to(x.dtype).float()
-    rd = 2 * cos.shape[-1]
-    pairs = x[:, x.shape[1] - rd :].float().unflatten(-1, (rd // 2, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
-    return torch.cat((x[:, : x.shape[1] - rd], rotated.to(x.dtype)), dim=-1)
+    cos, sin = rope_cos_sin(positions, weights.inv_freq, weights.rope_scale, x.dtype)
+    norm = NormSpec(weights.norm_weight.float(), weights.eps)
+    return norm_rope_torch(x, cos, sin, norm=norm)
 
 
 def cache_rows(entries: torch.Tensor, layout: KVCacheFormat) -> torch.Tensor:

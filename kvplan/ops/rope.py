@@ -31,9 +31,9 @@ import triton.language as tl
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops.cache_geometry import triton_next_pow2
-from kvplan.ops.rms_norm import rms_norm_fp32w, unweighted_rms_norm
+from kvplan.ops.rms_norm import rms_norm_fp32w_torch, unweighted_rms_norm_torch
 
-__all__ = ["NormSpec", "norm_rope", "norm_rope_torch", "norm_rope_triton"]
+__all__ = ["NormSpec", "norm_rope", "norm_rope_torch", "norm_rope_triton", "rope_cos_sin"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -76,6 +76,16 @@ def _norm_rope_kernel(
     tl.store(out_ptr + row * D + cols, y.to(dtype))
 
 
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``, ``sin``: ``[T, RD / 2]`` in ``dtype`` for int64 ``positions [T]`` and fp32
+    ``inv_freq [RD / 2]``: ``cos(position * inv_freq) * scale`` rounded to ``dtype`` (likewise
+    ``sin``)."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
+
+
 def _check(x, cos, sin, norm):
     check_tensor("x", x, dtype=_FLOATS)
     if x.dim() not in (2, 3):
@@ -109,7 +119,11 @@ def norm_rope_torch(
     _check(x, cos, sin, norm)
     if norm is not None:
         w = norm.weight
-        x = unweighted_rms_norm(x, norm.eps) if w is None else rms_norm_fp32w(x, w, norm.eps)
+        x = (
+            unweighted_rms_norm_torch(x, norm.eps)
+            if w is None
+            else rms_norm_fp32w_torch(x, w, norm.eps)
+        )
     if x.dim() == 3:
         cos, sin = cos[:, None, :], sin[:, None, :]
     if inverse:

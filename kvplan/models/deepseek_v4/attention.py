@@ -30,7 +30,7 @@ from torch import nn
 from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.compressor import Compressor, Indexer
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
-from kvplan.models.deepseek_v4.layers import LinearGroup, Rope, StepRope, apply_rope, rms_norm
+from kvplan.models.deepseek_v4.layers import LinearGroup, Rope, StepRope, rms_norm
 from kvplan.ops.rope import NormSpec, norm_rope
 
 
@@ -117,5 +117,5 @@ class DeepseekV4Attention(nn.Module):
             index_q=index_q,
             index_weights=index_weights,
         )
-        out = apply_rope(out, cos, sin, inverse=True)  # [T, H, D]
+        out = norm_rope(out, cos, sin, inverse=True)  # [T, H, D]
         return self.o_b_proj(self.o_a_proj(out.flatten(1)))

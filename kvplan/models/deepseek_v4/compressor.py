@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from kvplan.backends.hybrid.api import HybridStepContext
-from kvplan.models.deepseek_v4.layers import Rope, apply_rope
+from kvplan.models.deepseek_v4.layers import Rope
 from kvplan.ops.compress_store import (
     GateBias,
     PoolWeights,
@@ -33,6 +33,7 @@ from kvplan.ops.compress_store import (
     fused_compress_enabled,
     pool_windows,
 )
+from kvplan.ops.rope import norm_rope
 
 
 def pool(
@@ -144,7 +145,7 @@ class Indexer(nn.Module):
         of ``x`` (model dtype, any row stride); ``q_residual``: ``[T, q_lora_rank]``."""
         self.compressor(kv, gate, ctx, layer_idx, "indexer", rope)
         q = self.q_b_proj(q_residual).unflatten(-1, (self.heads, self.width))
-        q = apply_rope(q, cos, sin)
+        q = norm_rope(q, cos, sin)
         scale = (self.heads**-0.5) * (self.width**-0.5)
         weights = head_weights.float() * scale
         return q, weights

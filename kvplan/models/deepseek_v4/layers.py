@@ -8,7 +8,8 @@ pairing *adjacent* channels ``(2i, 2i+1)`` with frequency ``inv_freq[i]``::
     y[2i+1] = x[2i+1] * cos_i + x[2i] * sin_i
 
 Because K = V, the attention output carries the keys' rotation; the model undoes it by
-applying the same table with ``-sin`` at the *query* position (`apply_rope(..., inverse=True)`).
+applying the same table with ``-sin`` at the *query* position (`kvplan.ops.rope.norm_rope`
+with ``inverse=True``).
 As in Hugging Face, ``cos`` / ``sin`` are rounded to the activation dtype before the fp32
 rotation, and the unweighted RMSNorm multiplies in the activation dtype.
 """
@@ -23,20 +24,13 @@ from torch import nn
 
 from kvplan.models.deepseek_v4.config import RopeSpec
 from kvplan.ops.rms_norm import rms_norm_fp32w
-from kvplan.ops.rms_norm import unweighted_rms_norm as _unweighted_rms_norm
-from kvplan.ops.rope import norm_rope
+from kvplan.ops.rope import rope_cos_sin
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Weighted RMSNorm over the last dim, computed in fp32 (``weight`` is kept in fp32); one
     Triton kernel on CUDA (`kvplan.ops.rms_norm.rms_norm_fp32w`)."""
     return rms_norm_fp32w(x, weight, eps)
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight; the scale is computed in fp32 and applied in ``x``'s dtype
-    (`kvplan.ops.rms_norm.unweighted_rms_norm`)."""
-    return _unweighted_rms_norm(x, eps)
 
 
 def rope_inv_freq(rope: RopeSpec, rope_head_dim: int) -> torch.Tensor:
@@ -59,26 +53,6 @@ def rope_inv_freq(rope: RopeSpec, rope_head_dim: int) -> torch.Tensor:
     ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # weight of the unscaled (extrapolated) frequency
     return (1.0 / (rope.factor * base)) * (1 - keep) + inv_freq * keep
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``, ``sin``: ``[T, rope_head_dim // 2]`` in ``dtype`` for int64 ``positions [T]``."""
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
-    return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
-
-
-def apply_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False
-) -> torch.Tensor:
-    """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` ``[T, D]`` or ``[T, H, D]``.
-
-    ``cos``/``sin``: ``[T, R/2]``; the rotation runs in fp32 and returns ``x``'s dtype.
-    ``inverse`` rotates by the opposite angle (``-sin``). One kernel on CUDA
-    (`kvplan.ops.rope.norm_rope`).
-    """
-    return norm_rope(x, cos, sin, inverse=inverse)
 
 
 class StepRope:
