@@ -16,11 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """fp32 ``x`` rounded to ``dtype`` (as torch stores an intermediate) and widened again."""
-    return x.to(dtype).to(tl.float32)
+from kvplan.ops._triton_util import round_to as _round
 
 
 @triton.jit

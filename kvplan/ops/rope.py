@@ -30,6 +30,7 @@ import triton.language as tl
 
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import use_triton
+from kvplan.ops._triton_util import round_to
 from kvplan.ops.cache_geometry import triton_next_pow2
 from kvplan.ops.rms_norm import rms_norm_fp32w_torch, unweighted_rms_norm_torch
 
@@ -60,9 +61,9 @@ def _norm_rope_kernel(
     if NORM != 0:
         rrms = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
         if NORM == 1:
-            x = (tl.load(w_ptr + cols) * (x * rrms)).to(dtype).to(tl.float32)
+            x = round_to(tl.load(w_ptr + cols) * (x * rrms), dtype)
         else:
-            x = (x * rrms.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x = round_to(x * round_to(rrms, dtype), dtype)
     x0, x1 = tl.split(tl.reshape(x, [D // 2, 2]))  # channels 2i, 2i + 1
     pair = tl.arange(0, D // 2) - (D // 2 - HALF_RD)  # rotary pair index; < 0: passes through
     rot = pair >= 0
