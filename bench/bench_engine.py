@@ -138,7 +138,10 @@ def _guard(fn, *args):
         return None
 
 
-def run_kvplan(cfg, prompts, args, dev, dtype):
+def timed_workload(model, vocab_size: int, prompts, args, dev, dtype):
+    """``(llm, result)``: kvplan's `LLM` over ``model`` (a config or a folder) sized for the
+    workload, warmed up on prompts of the same shapes (Triton compiles per specialization;
+    different tokens), then ``run_workload`` of ``prompts`` timed."""
     from kvplan import LLM
 
     config = config_from_args(
@@ -146,11 +149,14 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
         max_model_len=args.prompt_len + args.new_tokens + 32,
         kv_cache_memory=args.kv_cache_memory or ((8 << 30) if dev.type == "cuda" else (256 << 20)),
     )  # fmt: skip
-    llm = LLM(cfg, config)
-    # warm-up with the real shapes (Triton compiles per specialization), different tokens
-    warm = make_prompts(len(prompts), args.prompt_len, cfg.vocab_size, seed=1)
+    llm = LLM(model, config)
+    warm = make_prompts(len(prompts), args.prompt_len, vocab_size, seed=1)
     run_workload(llm, warm, 3, progress=False)
-    res = run_workload(llm, prompts, args.new_tokens, progress=False)
+    return llm, run_workload(llm, prompts, args.new_tokens, progress=False)
+
+
+def run_kvplan(cfg, prompts, args, dev, dtype):
+    llm, res = timed_workload(cfg, cfg.vocab_size, prompts, args, dev, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.parts.model.parameters())
     replay_ms = _guard(graph_replay_ms, llm, dev)
     share = _guard(kernel_share, llm, prompts, dev)

@@ -42,12 +42,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import free_device_memory, run_hf  # noqa: E402
+from bench_engine import free_device_memory, run_hf, timed_workload  # noqa: E402
 from kv_memory import gemma3_270m_hf_config, report  # noqa: E402
 
 from kvplan import LLM, SamplingParams  # noqa: E402
-from kvplan.engine.cli_bench import make_prompts, run_workload, sync_device  # noqa: E402
-from kvplan.engine.config import add_engine_arguments, config_from_args  # noqa: E402
+from kvplan.engine.cli_bench import make_prompts, sync_device  # noqa: E402
+from kvplan.engine.config import add_engine_arguments  # noqa: E402
 from kvplan.models.config import ModelConfig  # noqa: E402
 
 QUICK_SHAPES = dict(num_hidden_layers=6, hidden_size=64, intermediate_size=128, head_dim=32,
@@ -84,15 +84,7 @@ def hf_greedy(model, prompts: list[list[int]], new: int, dev) -> list[list[int]]
 
 def run_kvplan(folder, prompts, check, args, dev, dtype) -> tuple[dict, list[list[int]]]:
     """Timed `run_workload` after a warm-up of the same shapes; then the check prompts."""
-    config = config_from_args(
-        args, device=dev, dtype=dtype, max_num_seqs=len(prompts),
-        max_model_len=args.prompt_len + args.new_tokens + 32,
-        kv_cache_memory=args.kv_cache_memory or ((8 << 30) if dev.type == "cuda" else (256 << 20)),
-    )  # fmt: skip
-    llm = LLM(folder, config)
-    warm = make_prompts(len(prompts), args.prompt_len, args.vocab_size, seed=1)
-    run_workload(llm, warm, 3, progress=False)
-    res = run_workload(llm, prompts, args.new_tokens, progress=False)
+    llm, res = timed_workload(folder, args.vocab_size, prompts, args, dev, dtype)
     outs = llm.generate(check, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True))
     row = {"output_tokens": res.output_tokens, "wall_s": res.wall_s,
            "output_tokens_per_s": res.output_tokens_per_s,

@@ -135,9 +135,10 @@ class DeepseekV4MoE(nn.Module):
         """Whether `forward` takes the grouped expert path for ``x [T, hidden]`` (module
         docstring: ``grouped_routing``, ``KVPLAN_MOE_GROUPED=1``, a CUDA batch not bound for
         the dense path, or one bound for it with many experts)."""
-        if self.grouped_routing or os.environ.get("KVPLAN_MOE_GROUPED", "") == "1":
+        flag = os.environ.get("KVPLAN_MOE_GROUPED", "")
+        if self.grouped_routing or flag == "1":
             return True
-        if not x.is_cuda or os.environ.get("KVPLAN_MOE_GROUPED", "") == "0":
+        if not x.is_cuda or flag == "0":
             return False
         return not self.use_dense(x) or self.gate_up.shape[0] >= GROUPED_AUTO_MIN_EXPERTS
 
