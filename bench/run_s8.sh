@@ -12,3 +12,5 @@ step 90 gemma3 python3 bench/bench_gemma3.py --hf generate --time-budget 85 --ou
 tail -8 "$W/gemma3.log"
 step 45 quant_decode python3 bench/bench_quant_decode.py --out "$W/quant_decode.json"
 grep -vE "^ *$" "$W/quant_decode.log" | tail -10
+step 40 probe_sdpa python3 bench/probe_sdpa.py --out "$W/probe_sdpa.json"
+cat "$W/probe_sdpa.log" | tail -20
