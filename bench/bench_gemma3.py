@@ -14,9 +14,9 @@ same layout on the CPU in fp32 (seconds).
    the first ``--check-prompts`` prompts (equal in fp32; bf16 rounds differently).
 2. Long context (``--demo-prompt`` + ``--demo-new`` tokens per request, ``--demo-memory`` KV
    bytes, ``--demo-chunk`` tokens per step): the largest batch with window pools and with
-   full pages, computed by `kv_memory.report` (the engine's pool sizing). The engine has no
-   switch that gives sliding layers full pages, so that figure is computed only. The window
-   figure is run: that many requests, each of one context length, prompts just short enough
+   full pages, computed by `kv_memory.report` (the engine's pool sizing). Each is run
+   (``sliding_window_kv="window"`` / ``"full"``): that many requests, each of one context
+   length, prompts just short enough
    (`demo_prompt_len`) that the first is still decoding when the last finishes its prefill;
    reported are the most requests running at once, the KV tokens they held, the full pool's
    blocks in use, and preemptions (0 when the sizing holds).
@@ -144,23 +144,34 @@ def demo_prompt_len(num_seqs: int, context: int, chunk: int) -> int:
 
 
 def run_long_context(folder, mcfg, args, dev, dtype, deadline) -> dict:
-    """Part 2 (module docstring): the computed batches, then the window-pool batch run."""
+    """Part 2 (module docstring): the computed batches, then one run per ``sliding_window_kv``
+    setting ("window": O(window) pools; "full": full-length pages) at its computed batch."""
     context = args.demo_prompt + args.demo_new
     kv_format = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     computed = report(mcfg, context=context, block_size=BLOCK_SIZE, kv_format=kv_format,
                       chunk=args.demo_chunk, memory=args.demo_memory)  # fmt: skip
-    n = computed["max_batch"]["window_pools"]
     out = {"context_tokens": context, "memory_bytes": args.demo_memory,
            "chunk_tokens": args.demo_chunk, "computed": computed,
            "max_batch_full_pages_computed": computed["max_batch"]["full_pages"],
-           "max_batch_window_pools_computed": n,
-           "full_pages_run": "not run: no engine setting gives sliding layers full pages"}  # fmt: skip
-    prompt = demo_prompt_len(n, context, args.demo_chunk) if n else 0
-    if not prompt or time.perf_counter() > deadline:
-        return {**out, "run": "skipped (time budget)" if prompt else "skipped (no prompt fits)"}
+           "max_batch_window_pools_computed": computed["max_batch"]["window_pools"],
+           "runs": {}}  # fmt: skip
+    for mode, key in (("full", "full_pages"), ("window", "window_pools")):
+        n = computed["max_batch"][key]
+        prompt = demo_prompt_len(n, context, args.demo_chunk) if n else 0
+        if not prompt or time.perf_counter() > deadline:
+            out["runs"][mode] = "skipped (time budget)" if prompt else "skipped (no prompt fits)"
+            continue
+        out["runs"][mode] = run_batch(folder, mcfg, args, dev, dtype, deadline, mode, n, prompt)
+    return out
+
+
+def run_batch(folder, mcfg, args, dev, dtype, deadline, mode, n, prompt) -> dict:
+    """``n`` requests of ``prompt`` + the rest of the context, sliding layers on ``mode``
+    blocks: the most running at once, KV held at the peak, preemptions."""
+    context = args.demo_prompt + args.demo_new
     llm = LLM(folder, device=dev.type, dtype=dtype, max_num_seqs=n, max_model_len=context,
               max_num_batched_tokens=args.demo_chunk, kv_cache_memory=args.demo_memory,
-              enable_prefix_caching=False)  # fmt: skip
+              enable_prefix_caching=False, sliding_window_kv=mode)  # fmt: skip
     sizes, manager, core = llm.parts.pool_sizes, llm.parts.manager, llm.engine
     full = sizes.window_sizes.index(None)
     params = SamplingParams(max_tokens=context - prompt, ignore_eos=True)
@@ -187,8 +198,8 @@ def run_long_context(folder, mcfg, args, dev, dtype, deadline) -> dict:
     for r in reqs:
         core.abort(r.request_id)
     sync_device(dev)
-    run = {"requests": n, "prompt_tokens": prompt, "max_tokens": context - prompt,
-           "engine_num_window_seqs": sizes.num_window_seqs,
+    run = {"sliding_window_kv": mode, "requests": n, "prompt_tokens": prompt,
+           "max_tokens": context - prompt, "engine_num_window_seqs": sizes.num_window_seqs,
            "engine_pool_blocks": dict(zip(map(str, sizes.window_sizes), sizes.num_blocks)),
            "steps": steps, "wall_s": time.perf_counter() - t0, "stopped_by_time_budget": stopped,
            "peak_running": peak_running, "at_peak_kv": peak,
@@ -197,7 +208,7 @@ def run_long_context(folder, mcfg, args, dev, dtype, deadline) -> dict:
     llm.close()
     del llm
     free_device_memory(dev)
-    return {**out, "run": run}
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,18 +315,18 @@ def main(argv: list[str] | None = None) -> int:
           f"equal to HF's: {gc.get('sequences_equal')} (first tokens {gc.get('first_tokens_equal')})")  # fmt: skip
     lc = result["long_context"]
     print(f"{lc['context_tokens']}-token context, {lc['memory_bytes'] / 2**30:.2f} GiB KV: max "
-          f"batch full pages {lc['max_batch_full_pages_computed']} (computed only: no engine "
-          f"switch), window pools {lc['max_batch_window_pools_computed']} (computed)")  # fmt: skip
-    run = lc["run"]
-    if isinstance(run, dict):
+          f"batch full pages {lc['max_batch_full_pages_computed']}, window pools "
+          f"{lc['max_batch_window_pools_computed']} (computed by the engine's pool sizing)")  # fmt: skip
+    for mode, run in lc["runs"].items():
+        if not isinstance(run, dict):
+            print(f"  {mode}: {run}")
+            continue
         p = run["at_peak_kv"]
-        print(f"  run: {run['peak_running']} of {run['requests']} requests running at once, "
+        print(f"  {mode}: {run['peak_running']} of {run['requests']} requests running at once, "
               f"{run['preemptions']} preemptions, prompts {run['prompt_tokens']} + "
               f"{run['max_tokens']} new; at peak {p.get('kv_tokens_held', 0):,} KV tokens held "
               f"(mean context {p.get('mean_context', 0):.0f}), {run['wall_s']:.1f} s"
               + (" (stopped by time budget)" if run["stopped_by_time_budget"] else ""))  # fmt: skip
-    else:
-        print(f"  run: {run}")
     return 0
 
 

@@ -27,6 +27,7 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -100,6 +101,8 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
     outs = llm.generate(ids, params)
     sync(dev)
     wall = time.perf_counter() - t0
+    if args.cprofile:  # the whole workload again under cProfile: where the host time goes
+        info["cprofile"] = host_profile(partial(llm.generate, ids, params), dev)
     runner = llm.parts.core.runner
     graphs = getattr(runner, "graphs", None)
     info["graph_replays"] = getattr(graphs, "num_replays", None)
@@ -107,6 +110,32 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return wall, [o.token_ids for o in outs], info
+
+
+def host_profile(fn, dev, top: int = 30) -> dict:
+    """Run ``fn`` under cProfile; its wall time and the ``top`` functions by own and by
+    cumulative time (seconds, calls)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    fn()
+    sync(dev)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    st = pstats.Stats(prof)
+    rows = [
+        {"fn": f"{path.rsplit('/', 2)[-1]}:{line}:{name}"[:110], "calls": nc, "own_s": tt,
+         "cum_s": ct}
+        for (path, line, name), (_cc, nc, tt, ct, _callers) in st.stats.items()
+    ]  # fmt: skip
+    return {
+        "wall_s": wall,
+        "by_own": sorted(rows, key=lambda r: -r["own_s"])[:top],
+        "by_cum": sorted(rows, key=lambda r: -r["cum_s"])[:top],
+    }
 
 
 def main() -> None:
@@ -128,6 +157,11 @@ def main() -> None:
         "--profile-prefill",
         action="store_true",
         help="profile two prompts alone: top kernels / host ops in the JSON",
+    )
+    ap.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="run kvplan's workload once more under cProfile: top host functions in the JSON",
     )
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick

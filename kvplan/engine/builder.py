@@ -88,15 +88,16 @@ def pool_sizes(
         max_blocks_per_seq=max_blocks_per_seq,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        windowed=_releases_out_of_window(cfg),
+        windowed=_releases_out_of_window(cfg, config),
         window_pool_seqs=config.window_pool_seqs,
         **budget,
     )
 
 
-def _releases_out_of_window(cfg: ModelConfig) -> bool:
-    """Sliding-window layers keep O(window) blocks per request."""
-    return any(w is not None for w in cfg.windows)
+def _releases_out_of_window(cfg: ModelConfig, config: EngineConfig) -> bool:
+    """Sliding-window layers keep O(window) blocks per request (unless
+    ``config.sliding_window_kv == "full"``: full-length pages, the window a mask)."""
+    return config.sliding_window_kv == "window" and any(w is not None for w in cfg.windows)
 
 
 def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM] | type[Gemma3ForCausalLM]:
@@ -271,7 +272,7 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
             cfg.windows,
             max_blocks_per_seq=max_blocks_per_seq,
             enable_prefix_caching=config.enable_prefix_caching,
-            release_out_of_window=_releases_out_of_window(cfg),
+            release_out_of_window=_releases_out_of_window(cfg, config),
         )
         names = sorted(set(net.layer_families))
         unknown = [n for n in names if n not in _FAMILY_BUILDERS]

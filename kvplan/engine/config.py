@@ -25,6 +25,7 @@ from kvplan.cache.kv_tensors import KV_FORMATS as STORED_KV_FORMATS
 from kvplan.cache.kv_tensors import QUANTIZED_KV_FORMATS
 
 KV_FORMATS = ("auto", *STORED_KV_FORMATS)
+SLIDING_WINDOW_KV = ("window", "full")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -101,6 +102,12 @@ class EngineConfig:
         "pool); the full-attention pool takes the rest of the memory",
         None,
     )
+    sliding_window_kv: str = _doc(
+        'KV blocks of sliding-window layers: "window" frees the blocks no future query can see '
+        '(O(window) blocks per request); "full" keeps full-length pages and applies the window '
+        "as a mask (more memory, for comparison)",
+        "window",
+    )
     tensor_parallel_size: int = _doc(
         "ranks the model's heads, MLP and vocabulary are split over (one process each, started "
         "and stopped by the engine; NCCL on CUDA, gloo on CPU)",
@@ -138,6 +145,7 @@ class EngineConfig:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         _check_int("seed", self.seed, None)
         _check_int("window_pool_seqs", self.window_pool_seqs, 1, optional=True)
+        _check_choice("sliding_window_kv", self.sliding_window_kv, SLIDING_WINDOW_KV)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("use_cuda_graph", self.use_cuda_graph, optional=True)
@@ -253,7 +261,11 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 # ---------------------------------------------------------------- command lines
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
-_CHOICES = {"backend": BACKEND_NAMES, "kv_format": KV_FORMATS}
+_CHOICES = {
+    "backend": BACKEND_NAMES,
+    "kv_format": KV_FORMATS,
+    "sliding_window_kv": SLIDING_WINDOW_KV,
+}
 _ON_OFF = {"on": True, "off": False}
 _ENGINE_FLAGS = "_engine_config_fields"  # namespace attribute: the flags that are fields
 

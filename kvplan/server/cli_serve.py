@@ -31,6 +31,7 @@ _ENGINE_FLAGS = (
     "use_cuda_graph",
     "async_scheduling",
     "seed",
+    "sliding_window_kv",
     "tensor_parallel_size",
 )
 

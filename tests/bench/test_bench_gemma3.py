@@ -1,6 +1,6 @@
 """``bench/bench_gemma3.py --quick`` on the CPU (tiny gemma3_text, fp32): the JSON it writes,
 kvplan's greedy tokens against Hugging Face's on the same saved weights, and the long-context
-run holding the computed window-pool batch at once; plus its prompt-length rule by hand."""
+runs holding the computed window-pool and full-page batches at once; plus its prompt-length rule by hand."""
 
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def test_quick_run(bench, tmp_path):
     lc = row["long_context"]
     full, window = lc["max_batch_full_pages_computed"], lc["max_batch_window_pools_computed"]
     assert 0 < full < window
-    run = lc["run"]
+    runs = lc["runs"]
+    run = runs["window"]
+    assert run["sliding_window_kv"] == "window"
     assert run["engine_num_window_seqs"] == run["requests"] == window
     assert run["peak_running"] == window and run["preemptions"] == 0
     assert run["all_ran_concurrently"] and not run["stopped_by_time_budget"]
@@ -71,3 +73,8 @@ def test_quick_run(bench, tmp_path):
     assert peak["min_context"] > 32 and peak["full_pool_blocks_used"] <= sum(
         n for w, n in run["engine_pool_blocks"].items() if w == "None"
     )
+    # full pages: the engine's own sizing admits the computed batch, all of it at once
+    run = runs["full"]
+    assert run["sliding_window_kv"] == "full" and run["requests"] == full
+    assert run["peak_running"] == full and run["preemptions"] == 0
+    assert run["all_ran_concurrently"]

@@ -87,6 +87,8 @@ def test_engine_pool_sizes_follow_the_documented_split(tiny):
     assert sizes.total_bytes == 200 * lb
     with pytest.raises(ValueError, match="kv_cache_memory=.* cannot hold one sequence"):
         _engine(folder, kv_cache_memory=40 * lb)
+    with pytest.raises(ValueError, match="sliding_window_kv must be one of .* got 'ring'"):
+        _engine(folder, kv_cache_memory=200 * lb, sliding_window_kv="ring")
 
 
 def _most_long_at_once(llm, prompts, params, long: int):
@@ -104,7 +106,7 @@ def _most_long_at_once(llm, prompts, params, long: int):
     return [outs[i] for i in ids], most
 
 
-def test_window_pools_admit_more_sequences_in_the_same_memory(tiny, monkeypatch):
+def test_window_pools_admit_more_sequences_in_the_same_memory(tiny):
     """200 layer-blocks of memory: full pages in every layer (96 layer-blocks per 128-token
     sequence, 65 usable blocks per pool) hold 2 sequences of 100+ tokens, window pools
     (25 window blocks for 2 layers, 150 full blocks) hold 4. Six 8-token prompts growing to 128
@@ -130,8 +132,7 @@ def test_window_pools_admit_more_sequences_in_the_same_memory(tiny, monkeypatch)
     assert _all_free(llm)
 
     # the same engine with full pages in every layer (no out-of-window release)
-    monkeypatch.setattr(builder, "_releases_out_of_window", lambda cfg: False)
-    full = _engine(folder, kv_cache_memory=memory, max_num_seqs=6)
+    full = _engine(folder, kv_cache_memory=memory, max_num_seqs=6, sliding_window_kv="full")
     assert not full.parts.manager.release_out_of_window
     assert full.parts.pool_sizes.num_blocks == paged.num_blocks
     tokens, most_full = _most_long_at_once(full, prompts, params, 100)
