@@ -263,11 +263,10 @@ def run_decode(
     out = {}
     if runner is not None:  # the engine's async scheduling: step i + 1 staged during step i
         out["pipelined_ms"] = pipelined_steps(runner, batch, token_ids, tables, ids,
-                                              context + warmup + steps + profile, steps, dev) * 1e3  # fmt: skip
-    if profile:
-        out["profile"] = profile_steps(
-            lambda i: one_step(context + warmup + steps + i), profile, dev
-        )
+                                              context + warmup + steps, steps, dev) * 1e3  # fmt: skip
+    if profile:  # positions continue where the last run stopped (the caches' state)
+        done = context + warmup + (2 * steps if runner is not None else steps)
+        out["profile"] = profile_steps(lambda i: one_step(done + i), profile, dev)
     cache_bytes = sum(p.cache.numel() for c in family.caches for p in [c.ring, *c.pools.values()])
     return {
         "mode": "graphs" if graphs else "eager",

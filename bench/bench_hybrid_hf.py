@@ -73,9 +73,10 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
     )  # fmt: skip
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     ids = prompts.tolist()
-    # warm-up over the whole workload's prompts: Triton compiles one kernel per argument
-    # specialization on first use (chunk lengths, row counts), which must not be timed
-    llm.generate(ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    # warm-up: the whole workload once. Triton compiles one kernel per argument
+    # specialization on first use (chunk lengths, row counts, context lengths the decode
+    # steps pass through), which must not be timed
+    llm.generate(ids, params)
     sync(dev)
     info = {}
     if args.split:  # the prompts alone (+ one token): the prefill share of the run
