@@ -16,16 +16,17 @@ Contract (row ``t``; a column is *eligible* when ``col < count[t]`` and its scor
     gather = [[40, 41, 42, 43, 44]] -> [[40, 41, 43]]
 
 CUDA tensors run ``_topk_kernel`` (one program per row, radix select): each score becomes an
-order-preserving int32 key (``bits ^ ((bits >> 31) & 0x7fffffff)``; read unsigned with the
-sign bit flipped, so digits compare as unsigned bytes). Up to four passes over the row build a
-256-bin histogram of the next 8-bit digit among the eligible keys that match the digits chosen
-so far, and pick the digit where the ``n``-th largest key falls; a pass stops the search early
-when the whole bin is taken. One last pass writes the keys above the threshold plus the first
-``need`` keys equal to it, in column order (positions from ``tl.cumsum`` plus a running
-offset), then ``-1`` after them. No allocation besides the output and no host sync
-(``check=False``): the op can be captured in a CUDA graph. CPU tensors run the torch path
-(``topk_columns_torch``): ``torch.topk`` of a unique int64 key (score key, then lower column
-first), the chosen columns sorted ascending.
+order-preserving int32 key (``bits ^ ((bits >> 31) & 0x7fffffff)``; its digits are read
+unsigned, the top one with the sign bit flipped). Each pass reads the row in chunks of
+``TILE`` and builds a histogram (``tl.histogram``, ``2**RADIX_BITS`` bins) of the next digit
+among the eligible keys whose higher digits match the ones chosen so far (a chunk with no
+such key skips the histogram), then picks the digit where the ``n``-th largest key falls;
+the search stops early once the whole chosen bin is taken. One last pass writes the keys
+above the threshold plus the first ``need`` keys equal to it, in column order (positions
+from one ``tl.cumsum`` of packed counts plus a running offset), then ``-1`` after them. No
+allocation besides the output and no host sync (``check=False``): the op can be captured in
+a CUDA graph. CPU tensors run the torch path (``topk_columns_torch``): ``torch.topk`` of a
+unique int64 key (score key, then lower column first), the chosen columns sorted ascending.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from kvplan.ops._dispatch import triton_interpreting, use_triton
 
 __all__ = ["topk_columns", "topk_columns_torch", "topk_columns_triton", "topk_tile"]
 
-MAX_TILE = 4096  # scores read per chunk by one program
+TILE = 2048  # default scores read per chunk by one program (8 per thread at 8 warps)
+MAX_TILE = 4096  # largest chunk (packed running counts need < 2**15)
+RADIX_BITS = 8  # digit width of one radix-select pass (2**RADIX_BITS histogram bins)
 
 
 @triton.jit
@@ -62,50 +65,61 @@ def _pick_digit(hist, need, bins):
 
 
 @triton.jit
-def _hist_chunk(hist, s_row, lo, count, prefix, offs, P: tl.constexpr):
-    """``hist`` plus the histogram of digit ``P`` (8 bits, most significant first, read as
-    unsigned) of the eligible keys of columns ``[lo, lo + TILE)`` whose higher digits equal
-    ``prefix`` (the key's own bits)."""
+def _hist_chunk(
+    hist, s_row, lo, count, width, prefix, offs, P: tl.constexpr, BITS: tl.constexpr
+):  # fmt: skip
+    """``hist`` plus the histogram of digit ``P`` (``BITS`` wide, most significant first, read
+    as unsigned) of the eligible keys of columns ``[lo, lo + TILE)`` whose higher digits
+    equal ``prefix`` (the key's own bits). A chunk without such keys skips the histogram."""
+    high: tl.constexpr = BITS * P  # bits chosen before this pass
+    low: tl.constexpr = max(32 - BITS * (P + 1), 0)  # bits below this digit
     col = lo + offs
-    x = tl.load(s_row + col, mask=col < count, other=float("nan"))
+    x = tl.load(s_row + col, mask=col < width, other=float("nan"))  # width: vector loads
     key = _sort_keys(x)
-    ok = x == x  # NaN and the columns past count never count
+    ok = (x == x) & (col < count)  # NaN and the columns past count never count
+    digit = (key >> low) & ((1 << (32 - high - low)) - 1)
     if P == 0:
-        match = ok
-        digit = ((key >> 24) & 0xFF) ^ 0x80
+        hist += tl.histogram(digit ^ (1 << (BITS - 1)), 1 << BITS, mask=ok)  # sign bit flipped
     else:
-        match = ok & (((key >> (32 - 8 * P)) & ((1 << (8 * P)) - 1)) == prefix)
-        digit = (key >> (24 - 8 * P)) & 0xFF
-    return hist + tl.histogram(digit, 256, mask=match)
+        match = ok & (((key >> (32 - high)) & ((1 << high) - 1)) == prefix)
+        if tl.max(match.to(tl.int32), 0) != 0:
+            hist += tl.histogram(digit, 1 << BITS, mask=match)
+    return hist
 
 
 @triton.jit
 def _write_chunk(
-    taken, base, s_row, g_row, o_row, lo, count, top_k, thr, need, offs, GATHER: tl.constexpr
+    taken, base, s_row, g_row, o_row, lo, count, width, top_k, thr, need, offs,
+    GATHER: tl.constexpr,
 ):  # fmt: skip
     """Write the winners among columns ``[lo, lo + TILE)`` from output entry ``base`` on:
     keys above ``thr`` and keys equal to it while fewer than ``need`` were taken (``taken``
     so far). Returns the updated ``(taken, base)``."""
     col = lo + offs
-    x = tl.load(s_row + col, mask=col < count, other=float("nan"))
+    x = tl.load(s_row + col, mask=col < width, other=float("nan"))
     key = _sort_keys(x)
-    ok = x == x
-    eq = ok & (key == thr)
-    eq_rank = taken + tl.cumsum(eq.to(tl.int32), 0)
-    sel = (ok & (key > thr)) | (eq & (eq_rank <= need))
-    pos = base + tl.cumsum(sel.to(tl.int32), 0) - 1
+    ok = (x == x) & (col < count)
+    gt = (ok & (key > thr)).to(tl.int32)
+    eq = (ok & (key == thr)).to(tl.int32)
+    packed = tl.cumsum(gt + (eq << 16), 0)  # one scan: running counts of both (TILE < 2**15)
+    room = tl.maximum(need - taken, 0)  # equal keys still to take
+    num_eq = tl.minimum(packed >> 16, room)  # equal keys taken up to each column
+    sel = (gt != 0) | ((eq != 0) & ((packed >> 16) <= room))
+    pos = base + (packed & 0xFFFF) + num_eq - 1
     if GATHER:
         val = tl.load(g_row + col, mask=sel, other=-1)
     else:
         val = col
     tl.store(o_row + pos, val, mask=sel & (pos < top_k))
-    return taken + tl.sum(eq.to(tl.int32), 0), base + tl.sum(sel.to(tl.int32), 0)
+    total = tl.sum(gt + (eq << 16), 0)
+    return taken + (total >> 16), base + (total & 0xFFFF) + tl.minimum(total >> 16, room)
 
 
 @triton.jit
 def _topk_kernel(
     scores_ptr, count_ptr, gather_ptr, out_ptr, width, top_k, stride_s, stride_c, stride_g,
-    stride_o, TILE: tl.constexpr, GATHER: tl.constexpr, INTERPRET: tl.constexpr,
+    stride_o, TILE: tl.constexpr, BITS: tl.constexpr, GATHER: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One program per row (module docstring). The CPU interpreter cannot take a runtime
     tensor as a ``range`` bound, so there each loop runs as a ``while`` loop."""
@@ -115,31 +129,31 @@ def _topk_kernel(
     o_row = out_ptr + row * stride_o
     count = tl.minimum(tl.maximum(tl.load(count_ptr + row * stride_c), 0), width)
     offs = tl.arange(0, TILE)
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, 1 << BITS)
     prefix = tl.zeros([], tl.int32)  # the key's high bits chosen so far, right-aligned
     shift = tl.zeros([], tl.int32)  # bits of the key below them
     need = tl.zeros([], tl.int32)  # keys still to take from the chosen bin
     done = count < 0  # False: the search goes on
-    for p in tl.static_range(4):
-        hist = tl.zeros([256], tl.int32)
+    for p in tl.static_range((32 + BITS - 1) // BITS):
+        hist = tl.zeros([1 << BITS], tl.int32)
         hi = count * (1 - done.to(tl.int32))  # no reads once the search is done
         if INTERPRET:
             lo = 0
             while lo < hi:
-                hist = _hist_chunk(hist, s_row, lo, count, prefix, offs, p)
+                hist = _hist_chunk(hist, s_row, lo, count, width, prefix, offs, p, BITS)
                 lo += TILE
         else:
             for lo in range(0, hi, TILE):
-                hist = _hist_chunk(hist, s_row, lo, count, prefix, offs, p)
+                hist = _hist_chunk(hist, s_row, lo, count, width, prefix, offs, p, BITS)
         if p == 0:  # the number of eligible keys; n = min(top_k, that)
             need = tl.minimum(tl.sum(hist, 0), top_k)
             done = need == 0
         d, rank, whole = _pick_digit(hist, need, bins)
-        if p == 0:  # from the unsigned digit back to the key's own top byte
-            prefix = tl.where(done, prefix, d ^ 0x80)
-        else:
-            prefix = tl.where(done, prefix, (prefix << 8) | d)
-        shift = tl.where(done, shift, 24 - 8 * p)
+        if p == 0:  # from the unsigned digit back to the key's own top bits
+            prefix = tl.where(done, prefix, d ^ (1 << (BITS - 1)))
+        else:  # the last digit may be narrower: 32 bits in all
+            prefix = tl.where(done, prefix, (prefix << min(BITS, 32 - BITS * p)) | d)
+        shift = tl.where(done, shift, max(32 - BITS * (p + 1), 0))
         need = tl.where(done, need, tl.where(whole, width + 1, rank))  # whole bin: all equal
         done = done | whole
     thr = prefix << shift  # the lowest key of the chosen bin (the shift wraps into the sign)
@@ -149,13 +163,13 @@ def _topk_kernel(
         lo = 0
         while lo < count:
             taken, base = _write_chunk(
-                taken, base, s_row, g_row, o_row, lo, count, top_k, thr, need, offs, GATHER
+                taken, base, s_row, g_row, o_row, lo, count, width, top_k, thr, need, offs, GATHER
             )
             lo += TILE
     else:
         for lo in range(0, count, TILE):
             taken, base = _write_chunk(
-                taken, base, s_row, g_row, o_row, lo, count, top_k, thr, need, offs, GATHER
+                taken, base, s_row, g_row, o_row, lo, count, width, top_k, thr, need, offs, GATHER
             )
     none = tl.full([TILE], -1, tl.int32)
     if INTERPRET:
@@ -169,8 +183,8 @@ def _topk_kernel(
 
 
 def topk_tile(width: int) -> int:
-    """Scores per chunk of ``_topk_kernel`` for rows of ``width`` columns."""
-    return max(16, min(MAX_TILE, triton.next_power_of_2(max(width, 1))))
+    """Default scores per chunk of ``_topk_kernel`` for rows of ``width`` columns."""
+    return max(16, min(TILE, triton.next_power_of_2(max(width, 1))))
 
 
 def _check_args(scores, count, top_k, gather, check) -> None:
@@ -222,21 +236,25 @@ def topk_columns_torch(
 
 def topk_columns_triton(
     scores: torch.Tensor, count: torch.Tensor, top_k: int, *, gather: torch.Tensor | None = None,
-    tile: int | None = None, num_warps: int | None = None,
+    tile: int | None = None, bits: int = RADIX_BITS, num_warps: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton path of :func:`topk_columns` (arguments checked there): ``_topk_kernel``, one
     program per row, ``tile`` scores per chunk (a power of two, default
-    :func:`topk_tile`)."""
+    :func:`topk_tile`), ``bits``-wide digits (2 to 8)."""
     num_rows, width = scores.shape
+    tile = tile or topk_tile(width)
+    if tile & (tile - 1) or not 16 <= tile <= MAX_TILE:
+        raise ValueError(f"tile must be a power of two in [16, {MAX_TILE}], got {tile}")
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits must be in [2, 8], got {bits}")
     out = torch.empty((num_rows, top_k), dtype=torch.int32, device=scores.device)
     if num_rows == 0:
         return out
-    tile = tile or topk_tile(width)
     g = gather if gather is not None else out
     _topk_kernel[(num_rows,)](
         scores, count, g, out, width, top_k, scores.stride(0), count.stride(0), g.stride(0),
-        out.stride(0), TILE=tile, GATHER=gather is not None, INTERPRET=triton_interpreting(),
-        num_warps=num_warps or (8 if tile >= 2048 else 4),
+        out.stride(0), TILE=tile, BITS=bits, GATHER=gather is not None,
+        INTERPRET=triton_interpreting(), num_warps=num_warps or max(1, min(8, tile // 256)),
     )  # fmt: skip
     return out
 

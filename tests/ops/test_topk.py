@@ -74,6 +74,15 @@ def test_triton_interpreter_matches_reference(kind, width, top_k, tile) -> None:
     assert got.tolist() == reference(scores, count, top_k)
 
 
+@pytest.mark.parametrize("bits", [3, 5, 6])
+@pytest.mark.parametrize("kind", ["ties", "special", "close"])
+def test_triton_interpreter_digit_widths(kind, bits) -> None:
+    """Narrower digits: more passes, the last one shorter than the others."""
+    scores, count = make_case(kind, 3, 45, seed=bits)
+    got = topk_columns_triton(scores, count, 10, tile=16, bits=bits)
+    assert got.tolist() == reference(scores, count, 10)
+
+
 def test_triton_interpreter_gather_and_row_stride() -> None:
     """Rows of a wider buffer (row stride 48 > W) and the column -> slot lookup."""
     buf, count = make_case("ties", 3, 48, seed=4)
@@ -153,10 +162,10 @@ def test_validation() -> None:
         topk_columns(scores, count.to("meta"), 2)
 
 
-@pytest.mark.parametrize("tile, gather", [(4096, False), (4096, True), (256, True)])
-def test_kernel_compiles_for_sm90(tile, gather) -> None:
+@pytest.mark.parametrize("tile, bits, gather", [(2048, 8, False), (2048, 8, True), (256, 5, True)])
+def test_kernel_compiles_for_sm90(tile, bits, gather) -> None:
     compile_sm90(
-        _topk_kernel, signature={"scores_ptr": "*fp32"}, TILE=tile, GATHER=gather,
+        _topk_kernel, signature={"scores_ptr": "*fp32"}, TILE=tile, BITS=bits, GATHER=gather,
         INTERPRET=False,
     )  # fmt: skip
 
