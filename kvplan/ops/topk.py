@@ -40,7 +40,7 @@ from kvplan.ops._dispatch import triton_interpreting, use_triton
 
 __all__ = ["topk_columns", "topk_columns_torch", "topk_columns_triton", "topk_tile"]
 
-TILE = 2048  # default scores read per chunk by one program (8 per thread at 8 warps)
+DEFAULT_TILE = 2048  # default scores read per chunk by one program (8 per thread at 8 warps)
 MAX_TILE = 4096  # largest chunk (packed running counts need < 2**15)
 RADIX_BITS = 8  # digit width of one radix-select pass (2**RADIX_BITS histogram bins)
 
@@ -184,7 +184,7 @@ def _topk_kernel(
 
 def topk_tile(width: int) -> int:
     """Default scores per chunk of ``_topk_kernel`` for rows of ``width`` columns."""
-    return max(16, min(TILE, triton.next_power_of_2(max(width, 1))))
+    return max(16, min(DEFAULT_TILE, triton.next_power_of_2(max(width, 1))))
 
 
 def _check_args(scores, count, top_k, gather, check) -> None:
