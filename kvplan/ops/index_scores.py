@@ -1,5 +1,5 @@
 """The lightning indexer's scoring over key sources read in place (``index_scores``) and its
-top-k (``topk_columns``).
+top-k (``topk_columns``, re-exported from ``kvplan.ops.topk``).
 
 CUDA tensors run ``index_scores_tc_kernel`` of ``kvplan.ops._sparse_attention_kernels``
 (bf16 queries on the tensor cores, fp32 queries in fp32); CPU tensors the torch gather.
@@ -21,6 +21,9 @@ from kvplan.ops.sparse_sources import (
     gather_rows,
     source_address,
 )
+from kvplan.ops.topk import topk_columns
+
+__all__ = ["index_scores", "index_scores_triton", "topk_columns"]
 
 
 def index_scores(
@@ -108,20 +111,4 @@ def index_scores_triton(
         DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32 and not interpret,
         num_warps=num_warps or 4,
     )  # fmt: skip
-    return out
-
-
-def topk_columns(scores: torch.Tensor, count: torch.Tensor, top_k: int) -> torch.Tensor:
-    """int32 ``[T, top_k]``: the columns of the ``min(top_k, count[t])`` best scores of each
-    row (``torch.topk``), best first, ``-1`` after them; columns ``>= count[t]`` never win."""
-    num_rows, width = scores.shape
-    out = torch.full((num_rows, top_k), -1, dtype=torch.int32, device=scores.device)
-    if width == 0 or num_rows == 0:
-        return out
-    col = torch.arange(width, device=scores.device)[None, :]
-    scores = scores.masked_fill(col >= count.long()[:, None], float("-inf"))
-    k = min(top_k, width)
-    picked = scores.topk(k, dim=-1).indices
-    keep = torch.arange(k, device=scores.device)[None, :] < count.long()[:, None]
-    out[:, :k] = torch.where(keep, picked, -1).to(torch.int32)
     return out

@@ -29,8 +29,8 @@ in fp32); CPU tensors run ``sparse_attention_torch``; ``sparse_attention_ref`` i
 loop for tests.
 
 ``index_scores`` is the lightning indexer's scoring over the same addressing (index keys in
-the split index layouts read in place) and ``topk_columns`` its top-k (both in
-``kvplan.ops.index_scores``, re-exported here; the sources in ``kvplan.ops.sparse_sources``).
+the split index layouts read in place, ``kvplan.ops.index_scores``) and ``topk_columns`` its
+top-k (``kvplan.ops.topk``), both re-exported here; the sources in ``kvplan.ops.sparse_sources``.
 
 Decode (few rows): when ``T * cdiv(H, tile_h)`` programs would leave SMs idle, the columns
 of a row are split across programs and merged by a second kernel

@@ -39,17 +39,21 @@ def test_in_place_path_cpu(monkeypatch, kv_format: str, name: str) -> None:
 
 
 def test_in_place_path_triton_interpreter(monkeypatch) -> None:
-    """The CUDA path's kernels (sparse attention, indexer scores) in the CPU interpreter
-    inside the family, fp8 caches, prefill chunks and decode rows."""
+    """The CUDA path's kernels (sparse attention, indexer scores, top-k) in the CPU
+    interpreter inside the family, fp8 caches, prefill chunks and decode rows."""
     monkeypatch.setattr(planned_step, "in_place", lambda q: True)
     monkeypatch.setattr(planned_step, "sparse_attention", sa.sparse_attention_triton)
 
-    def scores(*a, **k):
-        with pytest.MonkeyPatch.context() as m:
-            m.setenv("KVPLAN_FORCE_TRITON", "1")
-            return sa.index_scores(*a, **k)
+    def forced(fn):
+        def run(*a, **k):
+            with pytest.MonkeyPatch.context() as m:
+                m.setenv("KVPLAN_FORCE_TRITON", "1")
+                return fn(*a, **k)
 
-    monkeypatch.setattr(planned_step, "index_scores", scores)
+        return run
+
+    monkeypatch.setattr(planned_step, "index_scores", forced(sa.index_scores))
+    monkeypatch.setattr(planned_step, "topk_columns", forced(sa.topk_columns))
     fam, oracle = make_family([CSA, HCA], 4, 8, kv_format="fp8", trace=False, top_k=3)
     steps = [[(0, 0, 9)], [(0, 9, 1)], [(0, 10, 3), (1, 0, 5)], [(0, 13, 1), (1, 5, 1)]]
     _run(fam, oracle, steps, 2e-5)

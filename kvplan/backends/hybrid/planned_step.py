@@ -30,15 +30,17 @@ How each call maps onto the plan (``meta`` = the step's ``InputMetadata``, ``r``
     compressed index behind the SWA one (``base`` = rows of the SWA buffer).
     decode: ``store_kv_cache`` first; ``kv_swa_index`` (``expand_swa_index_decode``) are ring
     slots; HCA ``kv_ca_index[key]`` (``expand_kv_ca_index_decode`` through ``block_tables``)
-    are pool slots; CSA candidates ``0 .. klen - 1`` and the chosen top-k become pool slots
-    through ``convert_kv_index``. Slots are read with ``load_paged_kv_cache`` (one segment per
-    slot, built on the device) and joined with ``kv_index_cat``.
+    are pool slots; CSA candidates ``0 .. klen - 1`` become pool slots through
+    ``convert_kv_index`` and the chosen top-k are looked up among them. Slots are read with
+    ``load_paged_kv_cache`` (one segment per slot, built on the device) and joined with
+    ``kv_index_cat``.
     Attention: ``sparse_attention.sink_attention`` over the joined buffer and index.
     CUDA (``kvplan.ops.sparse_attention``, when not tracing): decode reads the ring and the
     compressor pool in place through the slot tables (no gathered copy of the main rows);
     prefill hands the SWA and compressed buffers to the kernel as two sources (no join).
     CUDA CSA layers score candidates with ``kvplan.ops.sparse_attention.index_scores`` (the
-    index keys read in place in decode) and keep ``torch.topk`` of the scores.
+    index keys read in place in decode) and keep their top-k with ``kvplan.ops.topk`` (column
+    order; in decode mapped straight to the candidates' pool slots by its ``gather``).
 """
 
 from __future__ import annotations
@@ -349,7 +351,7 @@ class PlannedStep:
         if in_place(index_q):  # CUDA: the index keys read in place from their pool
             src = caches.pools["indexer"].key_source(self._candidate_slots(spec.ratio, width))
             scores = index_scores(index_q, index_weights, src, check=self.family.check)
-            local = topk_columns(scores, klen, spec.top_k)
+            local = topk_columns(scores, klen, spec.top_k, check=self.family.check)
         else:
             keys_buf = caches.pools["indexer"].load(segs, total)
             col = torch.arange(width, device=ks.device)[None, :]
@@ -395,22 +397,20 @@ class PlannedStep:
         width = self.max_seqlen_k // spec.ratio
         if not spec.overlap:
             return meta.kv_ca_index[key][:, :width]
-        tpb = self.family.config.tokens_per_block(spec.ratio)
-        klen = meta.klen[key]
-        bt, check = meta.block_tables, self.family.check
+        klen, check = meta.klen[key], self.family.check
         slots = self._candidate_slots(spec.ratio, width)
-        if in_place(index_q):  # CUDA: score the index keys in place, top-k of the scores
+        if in_place(index_q):  # CUDA: score the index keys in place, top-k straight to slots
             src = caches.pools["indexer"].key_source(slots)
             scores = index_scores(index_q, index_weights, src, check=check)
-            chosen = topk_columns(scores, klen, spec.top_k)
-            return convert_kv_index(chosen, bt, klen, tpb, check=check)
+            return topk_columns(scores, klen, spec.top_k, gather=slots, check=check)
+        tpb = self.family.config.tokens_per_block(spec.ratio)
         keys = (
             caches.pools["indexer"]
             .load_slots(slots)
             .view(self.num_rows, width, spec.index_head_dim)
         )
         chosen = indexer_topk(index_q, index_weights, keys, klen, spec.top_k)  # entries j
-        return convert_kv_index(chosen, bt, klen, tpb, check=check)
+        return convert_kv_index(chosen, meta.block_tables, klen, tpb, check=check)
 
 
 def in_place(q: torch.Tensor) -> bool:

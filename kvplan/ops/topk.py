@@ -1,0 +1,283 @@
+"""``topk_columns``: the columns of each row's ``top_k`` largest scores, in column order (the
+lightning indexer's top-k), optionally mapped through a per-row table (``gather``).
+
+Contract (row ``t``; a column is *eligible* when ``col < count[t]`` and its score is not NaN)::
+
+    n = min(top_k, number of eligible columns)
+    out[t, :n]  = the n eligible columns of largest score, ties to the lower column,
+                  written in ascending column order (gather[t, col] instead when given)
+    out[t, n:]  = -1
+
+``-inf`` is an ordinary score (it ranks below every finite one, so it wins only when fewer than
+``top_k`` finite eligible scores exist); ``-0.0`` ranks as ``+0.0``; NaN never wins. Example::
+
+    scores = [[0.5, 3.0, -inf, 2.0, 9.0]], count = [4], top_k = 3
+    -> eligible columns 0..3, best three: 1 (3.0), 3 (2.0), 0 (0.5) -> [[0, 1, 3]]
+    gather = [[40, 41, 42, 43, 44]] -> [[40, 41, 43]]
+
+CUDA tensors run ``_topk_kernel`` (one program per row, radix select): each score becomes an
+order-preserving int32 key (``bits ^ ((bits >> 31) & 0x7fffffff)``; its digits are read
+unsigned, the top one with the sign bit flipped). Each pass reads the row in chunks of
+``TILE`` and builds a histogram (``tl.histogram``, ``2**RADIX_BITS`` bins) of the next digit
+among the eligible keys whose higher digits match the ones chosen so far (a chunk with no
+such key skips the histogram), then picks the digit where the ``n``-th largest key falls;
+the search stops early once the whole chosen bin is taken. One last pass writes the keys
+above the threshold plus the first ``need`` keys equal to it, in column order (positions
+from one ``tl.cumsum`` of packed counts plus a running offset), then ``-1`` after them. No
+allocation besides the output and no host sync (``check=False``): the op can be captured in
+a CUDA graph. CPU tensors run the torch path (``topk_columns_torch``): ``torch.topk`` of a
+unique int64 key (score key, then lower column first), the chosen columns sorted ascending.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvplan._checks import check_range, check_same_device, check_tensor
+from kvplan.ops._dispatch import triton_interpreting, use_triton
+
+__all__ = ["topk_columns", "topk_columns_torch", "topk_columns_triton", "topk_tile"]
+
+DEFAULT_TILE = 2048  # default scores read per chunk by one program (8 per thread at 8 warps)
+MAX_TILE = 4096  # largest chunk (packed running counts need < 2**15)
+RADIX_BITS = 8  # digit width of one radix-select pass (2**RADIX_BITS histogram bins)
+
+
+@triton.jit
+def _sort_keys(x):
+    """int32 keys of fp32 ``x`` that order as the floats do (``-0.0`` as ``+0.0``)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _pick_digit(hist, need, bins):
+    """The digit ``d`` whose bin holds the ``need``-th largest key, the rank inside that bin
+    (``need`` minus the keys of higher digits), and whether the whole bin is taken."""
+    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with digit >= bin
+    d = tl.sum((at_least >= need).to(tl.int32), 0) - 1
+    in_bin = tl.sum(tl.where(bins == d, hist, 0), 0)
+    above = tl.sum(tl.where(bins == d, at_least, 0), 0) - in_bin
+    return d, need - above, in_bin == need - above
+
+
+@triton.jit
+def _hist_chunk(
+    hist, s_row, lo, count, width, prefix, offs, P: tl.constexpr, BITS: tl.constexpr
+):  # fmt: skip
+    """``hist`` plus the histogram of digit ``P`` (``BITS`` wide, most significant first, read
+    as unsigned) of the eligible keys of columns ``[lo, lo + TILE)`` whose higher digits
+    equal ``prefix`` (the key's own bits). A chunk without such keys skips the histogram."""
+    high: tl.constexpr = BITS * P  # bits chosen before this pass
+    low: tl.constexpr = max(32 - BITS * (P + 1), 0)  # bits below this digit
+    col = lo + offs
+    x = tl.load(s_row + col, mask=col < width, other=float("nan"))  # width: vector loads
+    key = _sort_keys(x)
+    ok = (x == x) & (col < count)  # NaN and the columns past count never count
+    digit = (key >> low) & ((1 << (32 - high - low)) - 1)
+    if P == 0:
+        hist += tl.histogram(digit ^ (1 << (BITS - 1)), 1 << BITS, mask=ok)  # sign bit flipped
+    else:
+        match = ok & (((key >> (32 - high)) & ((1 << high) - 1)) == prefix)
+        if tl.max(match.to(tl.int32), 0) != 0:
+            hist += tl.histogram(digit, 1 << BITS, mask=match)
+    return hist
+
+
+@triton.jit
+def _write_chunk(
+    taken, base, s_row, g_row, o_row, lo, count, width, top_k, thr, need, offs,
+    GATHER: tl.constexpr,
+):  # fmt: skip
+    """Write the winners among columns ``[lo, lo + TILE)`` from output entry ``base`` on:
+    keys above ``thr`` and keys equal to it while fewer than ``need`` were taken (``taken``
+    so far). Returns the updated ``(taken, base)``."""
+    col = lo + offs
+    x = tl.load(s_row + col, mask=col < width, other=float("nan"))
+    key = _sort_keys(x)
+    ok = (x == x) & (col < count)
+    gt = (ok & (key > thr)).to(tl.int32)
+    eq = (ok & (key == thr)).to(tl.int32)
+    packed = tl.cumsum(gt + (eq << 16), 0)  # one scan: running counts of both (TILE < 2**15)
+    room = tl.maximum(need - taken, 0)  # equal keys still to take
+    num_eq = tl.minimum(packed >> 16, room)  # equal keys taken up to each column
+    sel = (gt != 0) | ((eq != 0) & ((packed >> 16) <= room))
+    pos = base + (packed & 0xFFFF) + num_eq - 1
+    if GATHER:
+        val = tl.load(g_row + col, mask=sel, other=-1)
+    else:
+        val = col
+    tl.store(o_row + pos, val, mask=sel & (pos < top_k))
+    total = tl.sum(gt + (eq << 16), 0)
+    return taken + (total >> 16), base + (total & 0xFFFF) + tl.minimum(total >> 16, room)
+
+
+@triton.jit
+def _topk_kernel(
+    scores_ptr, count_ptr, gather_ptr, out_ptr, width, top_k, stride_s, stride_c, stride_g,
+    stride_o, TILE: tl.constexpr, BITS: tl.constexpr, GATHER: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One program per row (module docstring). The CPU interpreter cannot take a runtime
+    tensor as a ``range`` bound, so there each loop runs as a ``while`` loop."""
+    row = tl.program_id(0).to(tl.int64)
+    s_row = scores_ptr + row * stride_s
+    g_row = gather_ptr + row * stride_g
+    o_row = out_ptr + row * stride_o
+    count = tl.minimum(tl.maximum(tl.load(count_ptr + row * stride_c), 0), width)
+    offs = tl.arange(0, TILE)
+    bins = tl.arange(0, 1 << BITS)
+    prefix = tl.zeros([], tl.int32)  # the key's high bits chosen so far, right-aligned
+    shift = tl.zeros([], tl.int32)  # bits of the key below them
+    need = tl.zeros([], tl.int32)  # keys still to take from the chosen bin
+    done = count < 0  # False: the search goes on
+    for p in tl.static_range((32 + BITS - 1) // BITS):
+        hist = tl.zeros([1 << BITS], tl.int32)
+        hi = count * (1 - done.to(tl.int32))  # no reads once the search is done
+        if INTERPRET:
+            lo = 0
+            while lo < hi:
+                hist = _hist_chunk(hist, s_row, lo, count, width, prefix, offs, p, BITS)
+                lo += TILE
+        else:
+            for lo in range(0, hi, TILE):
+                hist = _hist_chunk(hist, s_row, lo, count, width, prefix, offs, p, BITS)
+        if p == 0:  # the number of eligible keys; n = min(top_k, that)
+            need = tl.minimum(tl.sum(hist, 0), top_k)
+            done = need == 0
+        d, rank, whole = _pick_digit(hist, need, bins)
+        if p == 0:  # from the unsigned digit back to the key's own top bits
+            prefix = tl.where(done, prefix, d ^ (1 << (BITS - 1)))
+        else:  # the last digit may be narrower: 32 bits in all
+            prefix = tl.where(done, prefix, (prefix << min(BITS, 32 - BITS * p)) | d)
+        shift = tl.where(done, shift, max(32 - BITS * (p + 1), 0))
+        need = tl.where(done, need, tl.where(whole, width + 1, rank))  # whole bin: all equal
+        done = done | whole
+    thr = prefix << shift  # the lowest key of the chosen bin (the shift wraps into the sign)
+    taken = tl.zeros([], tl.int32)  # keys equal to thr taken so far
+    base = tl.zeros([], tl.int32)  # output entries written so far
+    if INTERPRET:
+        lo = 0
+        while lo < count:
+            taken, base = _write_chunk(
+                taken, base, s_row, g_row, o_row, lo, count, width, top_k, thr, need, offs, GATHER
+            )
+            lo += TILE
+    else:
+        for lo in range(0, count, TILE):
+            taken, base = _write_chunk(
+                taken, base, s_row, g_row, o_row, lo, count, width, top_k, thr, need, offs, GATHER
+            )
+    none = tl.full([TILE], -1, tl.int32)
+    if INTERPRET:
+        lo = base
+        while lo < top_k:
+            tl.store(o_row + lo + offs, none, mask=lo + offs < top_k)
+            lo += TILE
+    else:
+        for lo in range(base, top_k, TILE):
+            tl.store(o_row + lo + offs, none, mask=lo + offs < top_k)
+
+
+def topk_tile(width: int) -> int:
+    """Default scores per chunk of ``_topk_kernel`` for rows of ``width`` columns."""
+    return max(16, min(DEFAULT_TILE, triton.next_power_of_2(max(width, 1))))
+
+
+def _check_args(scores, count, top_k, gather, check) -> None:
+    check_tensor("scores", scores, dtype=torch.float32, ndim=2)
+    num_rows, width = scores.shape
+    if width > 1 and scores.stride(1) != 1:
+        raise ValueError(f"scores must have unit column stride, got strides {scores.stride()}")
+    check_tensor("count", count, dtype=torch.int32, shape=(num_rows,))
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+    if width >= 2**31 - 1 or top_k >= 2**31 - 1:
+        raise ValueError(f"scores width {width} / top_k {top_k} must stay below 2**31 - 1")
+    if gather is not None:
+        check_tensor("gather", gather, dtype=torch.int32, shape=(num_rows, width))
+        if width > 1 and gather.stride(1) != 1:
+            raise ValueError(f"gather must have unit column stride, got strides {gather.stride()}")
+        check_same_device(scores=scores, count=count, gather=gather)
+    else:
+        check_same_device(scores=scores, count=count)
+    if check:
+        check_range("count", count, 0, width + 1)
+
+
+def topk_columns_torch(
+    scores: torch.Tensor, count: torch.Tensor, top_k: int, *, gather: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Torch path of :func:`topk_columns` (arguments checked there)."""
+    num_rows, width = scores.shape
+    out = torch.full((num_rows, top_k), -1, dtype=torch.int32, device=scores.device)
+    if num_rows == 0 or width == 0:
+        return out
+    x = torch.where(scores == 0, 0.0, scores)  # -0.0 ranks as +0.0
+    bits = x.view(torch.int32).long()
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [T, W] order-preserving, in [-2**31, 2**31)
+    col = torch.arange(width, device=scores.device)
+    low = 2**31 - 1
+    unique = ((key + 2**31) << 31) | (low - col)  # ties: the lower column ranks higher
+    eligible = (col[None, :] < count.long()[:, None]) & ~torch.isnan(scores)
+    unique = unique.masked_fill(~eligible, -1)
+    k = min(top_k, width)
+    best = unique.topk(k, dim=1).values  # [T, k]
+    chosen = torch.where(best >= 0, low - (best & low), width).sort(dim=1).values
+    found = chosen < width
+    if gather is not None:
+        chosen = gather.gather(1, chosen.clamp(max=width - 1))
+    out[:, :k] = torch.where(found, chosen, -1).to(torch.int32)
+    return out
+
+
+def topk_columns_triton(
+    scores: torch.Tensor, count: torch.Tensor, top_k: int, *, gather: torch.Tensor | None = None,
+    tile: int | None = None, bits: int = RADIX_BITS, num_warps: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Triton path of :func:`topk_columns` (arguments checked there): ``_topk_kernel``, one
+    program per row, ``tile`` scores per chunk (a power of two, default
+    :func:`topk_tile`), ``bits``-wide digits (2 to 8)."""
+    num_rows, width = scores.shape
+    tile = tile or topk_tile(width)
+    if tile & (tile - 1) or not 16 <= tile <= MAX_TILE:
+        raise ValueError(f"tile must be a power of two in [16, {MAX_TILE}], got {tile}")
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits must be in [2, 8], got {bits}")
+    out = torch.empty((num_rows, top_k), dtype=torch.int32, device=scores.device)
+    if num_rows == 0:
+        return out
+    g = gather if gather is not None else out
+    _topk_kernel[(num_rows,)](
+        scores, count, g, out, width, top_k, scores.stride(0), count.stride(0), g.stride(0),
+        out.stride(0), TILE=tile, BITS=bits, GATHER=gather is not None,
+        INTERPRET=triton_interpreting(), num_warps=num_warps or max(1, min(8, tile // 256)),
+    )  # fmt: skip
+    return out
+
+
+def topk_columns(
+    scores: torch.Tensor, count: torch.Tensor, top_k: int, *, gather: torch.Tensor | None = None,
+    check: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """The columns of each row's ``min(top_k, eligible)`` largest scores, ascending.
+
+    Args:
+        scores: fp32 ``[T, W]`` (any row stride, unit column stride).
+        count: int32 ``[T]``: columns ``>= count[t]`` never win (``0 <= count[t] <= W``).
+        top_k: entries per output row (``>= 1``; may exceed ``W``).
+        gather: optional int32 ``[T, W]`` (unit column stride): return ``gather[t, col]``
+            instead of ``col`` (e.g. the pool slot of each candidate column).
+        check: validate ``count``'s range (one device sync on CUDA).
+
+    Returns:
+        int32 ``[T, top_k]`` on ``scores``' device (contract and example in the module
+        docstring): the chosen columns (or their ``gather`` values) in ascending column
+        order, ``-1`` after them.
+    """
+    _check_args(scores, count, top_k, gather, check)
+    fn = topk_columns_triton if use_triton(scores) else topk_columns_torch
+    return fn(scores, count, top_k, gather=gather)

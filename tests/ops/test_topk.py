@@ -1,0 +1,207 @@
+"""topk_columns: torch path == Triton kernel (CPU interpreter, small rows and tiles) == a
+per-row Python sort; GPU at the indexer's sizes, bit-exact against the torch path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from sm90_compile import compile_sm90
+
+from kvplan.ops.index_scores import topk_columns as topk_from_index_scores
+from kvplan.ops.sparse_attention import topk_columns as topk_from_sparse_attention
+from kvplan.ops.topk import _topk_kernel, topk_columns, topk_columns_torch, topk_columns_triton
+
+NAN, INF = float("nan"), float("inf")
+
+
+def reference(scores, count, top_k, gather=None) -> list[list[int]]:
+    """Per row: eligible (column < count, not NaN) sorted by (-score, column), the first
+    top_k kept, their columns ascending (``gather``'s values instead when given)."""
+    out = []
+    for t, row in enumerate(scores.tolist()):
+        cand = [(v, j) for j, v in enumerate(row[: max(int(count[t]), 0)]) if not math.isnan(v)]
+        cand.sort(key=lambda p: (-p[0], p[1]))  # -0.0 == 0.0: a tie, the lower column first
+        cols = sorted(j for _, j in cand[:top_k])
+        if gather is not None:
+            cols = [int(gather[t, j]) for j in cols]
+        out.append(cols + [-1] * (top_k - len(cols)))
+    return out
+
+
+def make_case(kind: str, num_rows: int, width: int, seed: int):
+    """fp32 ``[num_rows, width]`` scores and int32 counts of one flavour."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(num_rows, width, generator=gen) * 3.0
+    if kind == "ties":  # few distinct values: the k-th is shared by many columns
+        scores = torch.randint(-2, 3, (num_rows, width), generator=gen).float()
+    elif kind == "special":  # -inf, +inf, NaN, +-0.0, subnormals, huge values
+        pool = torch.tensor([-INF, INF, NAN, 0.0, -0.0, 1e-42, -1e-42, 3e38, -3e38, 1.0, -1.0])
+        pick = torch.randint(0, pool.numel(), (num_rows, width), generator=gen)
+        scores = torch.where(torch.rand(num_rows, width, generator=gen) < 0.6, pool[pick], scores)
+    elif kind == "close":  # keys equal in their three high bytes: all four passes run
+        low = torch.randint(0, 6, (num_rows, width), generator=gen, dtype=torch.int32)
+        sign = torch.where(torch.rand(num_rows, 1, generator=gen) < 0.5, -1.0, 1.0)
+        scores = (torch.tensor(1.5).view(torch.int32) + low).view(torch.float32) * sign
+    elif kind == "neg_inf":  # fewer finite scores than top_k: -inf columns fill the rest
+        scores = scores.masked_fill(torch.rand(num_rows, width, generator=gen) < 0.8, -INF)
+    count = torch.randint(0, width + 1, (num_rows,), generator=gen, dtype=torch.int32)
+    count[0] = width
+    if num_rows > 1:
+        count[1] = 0
+    return scores, count
+
+
+KINDS = ["random", "ties", "special", "close", "neg_inf"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("width, top_k", [(300, 17), (64, 64), (40, 100), (1, 1)])
+def test_torch_path_matches_reference(kind, width, top_k) -> None:
+    scores, count = make_case(kind, 9, width, seed=width + top_k)
+    assert topk_columns_torch(scores, count, top_k).tolist() == reference(scores, count, top_k)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "width, top_k, tile", [(37, 8, 16), (70, 21, 32), (50, 50, 16), (20, 33, 16)]
+)
+def test_triton_interpreter_matches_reference(kind, width, top_k, tile) -> None:
+    """Rows longer than a tile and not a multiple of it; top_k below, at and above W."""
+    scores, count = make_case(kind, 4, width, seed=width)
+    got = topk_columns_triton(scores, count, top_k, tile=tile)
+    assert got.tolist() == reference(scores, count, top_k)
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6])
+@pytest.mark.parametrize("kind", ["ties", "special", "close"])
+def test_triton_interpreter_digit_widths(kind, bits) -> None:
+    """Narrower digits: more passes, the last one shorter than the others."""
+    scores, count = make_case(kind, 3, 45, seed=bits)
+    got = topk_columns_triton(scores, count, 10, tile=16, bits=bits)
+    assert got.tolist() == reference(scores, count, 10)
+
+
+def test_triton_interpreter_gather_and_row_stride() -> None:
+    """Rows of a wider buffer (row stride 48 > W) and the column -> slot lookup."""
+    buf, count = make_case("ties", 3, 48, seed=4)
+    scores = buf[:, 5:35]  # [3, 30], stride (48, 1)
+    count = count.clamp(max=30)
+    gen = torch.Generator().manual_seed(1)
+    slots = torch.randint(0, 10**6, (3, 64), generator=gen, dtype=torch.int32)[:, :30]
+    want = reference(scores, count, 12, slots)
+    assert topk_columns_triton(scores, count, 12, gather=slots, tile=16).tolist() == want
+    assert topk_columns_torch(scores, count, 12, gather=slots).tolist() == want
+    assert any(-1 in row for row in want) and any(v > 30 for v in want[0])
+
+
+def test_docstring_example_and_reexports(monkeypatch) -> None:
+    scores = torch.tensor([[0.5, 3.0, -INF, 2.0, 9.0]])
+    count = torch.tensor([4], dtype=torch.int32)
+    gather = torch.tensor([[40, 41, 42, 43, 44]], dtype=torch.int32)
+    assert topk_from_index_scores is topk_columns is topk_from_sparse_attention
+    assert topk_columns(scores, count, 3).tolist() == [[0, 1, 3]]
+    assert topk_columns(scores, count, 3, gather=gather).tolist() == [[40, 41, 43]]
+    assert topk_columns(scores, count, 5).tolist() == [[0, 1, 2, 3, -1]]  # -inf fills in
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")  # the dispatch rule picks the kernel
+    assert topk_columns(scores, count, 5).tolist() == [[0, 1, 2, 3, -1]]
+
+
+def test_nan_never_wins_and_empty_rows() -> None:
+    scores = torch.tensor([[NAN, 1.0, NAN, -INF], [NAN, NAN, NAN, NAN]])
+    count = torch.tensor([4, 4], dtype=torch.int32)
+    want = [[1, 3, -1], [-1, -1, -1]]
+    assert topk_columns_torch(scores, count, 3).tolist() == want
+    assert topk_columns_triton(scores, count, 3, tile=16).tolist() == want
+    empty = torch.zeros(0, 5)
+    none = torch.zeros(0, dtype=torch.int32)
+    for fn in (topk_columns_torch, topk_columns_triton):
+        assert fn(empty, none, 2).shape == (0, 2)
+        assert (
+            fn(torch.zeros(2, 0), torch.zeros(2, dtype=torch.int32), 2).tolist() == [[-1] * 2] * 2
+        )
+
+
+def test_unchecked_count_outside_range_clamps() -> None:
+    """check=False: a count below 0 means no column, above W every column (both paths)."""
+    scores, _ = make_case("random", 3, 20, seed=2)
+    count = torch.tensor([-3, 25, 7], dtype=torch.int32)
+    want = reference(scores, count.clamp(0, 20), 6)
+    assert topk_columns_torch(scores, count, 6).tolist() == want
+    assert topk_columns_triton(scores, count, 6, tile=16).tolist() == want
+
+
+def test_validation() -> None:
+    scores = torch.zeros(2, 6)
+    count = torch.tensor([6, 2], dtype=torch.int32)
+    with pytest.raises(TypeError, match="scores"):
+        topk_columns(scores.double(), count, 2)
+    with pytest.raises(ValueError, match="scores"):
+        topk_columns(scores[0], count, 2)
+    with pytest.raises(ValueError, match="column stride"):
+        topk_columns(torch.zeros(6, 2).t(), count, 2)
+    with pytest.raises(TypeError, match="count"):
+        topk_columns(scores, count.long(), 2)
+    with pytest.raises(ValueError, match="count"):
+        topk_columns(scores, count[:1], 2)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="top_k"):
+            topk_columns(scores, count, bad)
+    with pytest.raises(ValueError, match="count holds 7"):
+        topk_columns(scores, torch.tensor([7, 0], dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="count holds -1"):
+        topk_columns(scores, torch.tensor([-1, 0], dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="gather"):
+        topk_columns(scores, count, 2, gather=torch.zeros(2, 5, dtype=torch.int32))
+    with pytest.raises(TypeError, match="gather"):
+        topk_columns(scores, count, 2, gather=torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="gather"):
+        topk_columns(scores, count, 2, gather=torch.zeros(6, 2, dtype=torch.int32).t())
+    with pytest.raises(ValueError, match="count is on meta"):
+        topk_columns(scores, count.to("meta"), 2)
+
+
+@pytest.mark.parametrize("tile, bits, gather", [(2048, 8, False), (2048, 8, True), (256, 5, True)])
+def test_kernel_compiles_for_sm90(tile, bits, gather) -> None:
+    compile_sm90(
+        _topk_kernel, signature={"scores_ptr": "*fp32"}, TILE=tile, BITS=bits, GATHER=gather,
+        INTERPRET=False,
+    )  # fmt: skip
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_rows, width", [(32, 8192), (32, 32768), (4096, 8192), (4096, 32768), (4096, 2048)]
+)
+@pytest.mark.parametrize("kind", ["random", "ties", "special"])
+def test_gpu_bit_exact(num_rows, width, kind) -> None:
+    scores, count = make_case(kind, num_rows, width, seed=3)
+    scores, count = scores.cuda(), count.cuda()
+    gen = torch.Generator().manual_seed(5)
+    slots = torch.randint(0, 2**30, (num_rows, width), generator=gen, dtype=torch.int32).cuda()
+    for top_k in (512, 2048):
+        want = topk_columns_torch(scores, count, top_k)
+        assert torch.equal(topk_columns(scores, count, top_k), want)
+        got = topk_columns(scores, count, top_k, gather=slots)
+        assert torch.equal(got, torch.where(want >= 0, slots.gather(1, want.long().clamp(0)), -1))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph() -> None:
+    scores, count = make_case("random", 32, 8192, seed=1)
+    s_gpu, c_gpu = scores.cuda(), count.cuda()
+    topk_columns(s_gpu, c_gpu, 512, check=False)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = topk_columns(s_gpu, c_gpu, 512, check=False)
+    new_scores, new_count = make_case("ties", 32, 8192, seed=2)
+    s_gpu.copy_(new_scores)
+    c_gpu.copy_(new_count)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), topk_columns_torch(new_scores, new_count, 512))
