@@ -38,7 +38,8 @@ from kvplan.ops._triton_util import round_to as _round
 def _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, t, k, h, mask, hidden, N: tl.constexpr,
               dtype: tl.constexpr):  # fmt: skip
     """``s'[t, k, h]`` (fp32 holding a ``dtype`` value) for broadcastable int64 token ``t``,
-    stream ``k`` and hidden ``h`` index tensors; ``mask`` covers the valid elements."""
+    stream ``k`` and hidden ``h`` index tensors; ``mask`` (the full shape: every load takes
+    its shape, so the ``fma`` operands agree) covers the valid elements."""
     post = _round(tl.load(post_ptr + t * N + k, mask=mask, other=0.0), dtype)
     out = tl.load(out_ptr + t * hidden + h, mask=mask, other=0.0).to(tl.float32)
     for jj in tl.static_range(N):
@@ -74,6 +75,7 @@ def hc_proj_kernel(
     cols = tl.arange(0, N_P * TILE_H)
     streams = cols // TILE_H  # [C] stream of each tile column
     k_total = N * hidden
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
     acc = tl.zeros([TILE_T, N_PAD], dtype=tl.float32)
     sq = tl.zeros([TILE_T], dtype=tl.float32)
     h_lo = split * h_per_split
@@ -85,7 +87,6 @@ def hc_proj_kernel(
         m2 = rmask[:, None] & cmask[None, :]
         offs = rows64[:, None] * k_total + ks[None, :]
         if FUSED:
-            dtype: tl.constexpr = x_ptr.dtype.element_ty
             v = _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, rows64[:, None],
                           streams[None, :], hs[None, :], m2, hidden, N, dtype)  # fmt: skip
             tl.store(x_ptr + offs, v.to(dtype), mask=m2)
