@@ -10,7 +10,13 @@ weights fp32), random values.
 * ``moe``: the router, the routed experts and the shared expert; torch = the torch router,
   the per-expert loop (`experts_dense_loop`) and the torch SwiGLU (the former dense path),
   new = `DeepseekV4MoE.forward` on its batched dense path (`graph_safe_routing`);
-* ``rms_norm``: the weighted RMSNorm of one ``[T, hidden]`` row block.
+* ``rms_norm``: the weighted RMSNorm of one ``[T, hidden]`` row block;
+* ``hc_post_pre@R`` (R in ``--hc-rows``, default 32 and 4096): a residual update followed by
+  the next connection; unfused = `hc_post` + `hc_pre` (Triton, three kernels), fused =
+  `hc_post_pre` (two kernels); their outputs must be equal (max|diff| 0).
+
+``--sweep`` also times `hc_pre` (Triton) at ``--rows`` over a few launch plans of the
+projection (row tile, hidden columns per tile, programs wanted, warps) and epilogue warps.
 
 Reported per piece and path: median time per call (CUDA events) run eagerly and replayed as a
 CUDA graph, kernels per call (torch.profiler, CUDA kernels and memsets), and the largest
@@ -41,7 +47,15 @@ import torch.nn.functional as F  # noqa: E402
 from kvplan.models.deepseek_v4 import DeepseekV4Config  # noqa: E402
 from kvplan.models.deepseek_v4.hyper import HyperConnection  # noqa: E402
 from kvplan.models.deepseek_v4.moe import DeepseekV4MoE, graph_safe_routing  # noqa: E402
-from kvplan.ops.hyper_connection import hc_post, hc_post_torch, hc_pre, hc_pre_torch  # noqa: E402
+from kvplan.ops import hyper_connection as hcm  # noqa: E402
+from kvplan.ops.cache_geometry import triton_next_pow2  # noqa: E402
+from kvplan.ops.hyper_connection import (  # noqa: E402
+    hc_post,
+    hc_post_pre,
+    hc_post_torch,
+    hc_pre,
+    hc_pre_torch,
+)
 from kvplan.ops.moe_dense import moe_route_torch, swiglu_torch  # noqa: E402
 from kvplan.ops.rms_norm import rms_norm_fp32w, rms_norm_fp32w_torch  # noqa: E402
 
@@ -95,6 +109,63 @@ def hc_fns(hc: HyperConnection, d: dict):
         return hc_post(d["s"], post, comb, d["out"]), x
 
     return torch_path, new_path
+
+
+def post_pre_fns(hc: HyperConnection, rows: int, dev: torch.device, dtype: torch.dtype):
+    """(unfused, fused) residual update + next connection on ``rows`` random rows."""
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    n, h = hc.n, hc.fn.shape[1] // hc.n
+    s = torch.randn(rows, n, h, generator=gen, device=dev).to(dtype)
+    out = torch.randn(rows, h, generator=gen, device=dev).to(dtype)
+    kw = dict(iters=hc.iters, hc_eps=hc.hc_eps, eps=hc.eps)
+    post, comb, _ = hc_pre_torch(s, hc.fn, hc.base, hc.scale, **kw)
+
+    def unfused():
+        s2 = hc_post(s, post, comb, out)
+        return (s2, *hc_pre(s2, hc.fn, hc.base, hc.scale, **kw))
+
+    def fused():
+        return hc_post_pre(s, post, comb, out, hc.fn, hc.base, hc.scale, **kw)
+
+    return unfused, fused
+
+
+def sweep_plans(hc: HyperConnection, d: dict, iters: int) -> list[dict]:
+    """`hc_pre` (Triton) per launch plan: (tile_t, tile_h, programs wanted, proj warps,
+    epilogue warps); the kvplan default first."""
+    t, n, h = d["s"].shape
+    kw = dict(iters=hc.iters, hc_eps=hc.hc_eps, eps=hc.eps)
+    default_plan, default_warps = hcm._proj_plan, hcm._epilogue_warps
+    variants = [None] + [
+        (tt, th, target, pw, ew)
+        for tt in (16, 32)
+        for th in (8, 16, 32, 64)
+        for target in (32, 64, 128, 256)
+        for pw in (2, 4)
+        for ew in (1, 2, 4)
+        if tt <= max(16, triton_next_pow2(t)) and 16 <= th * triton_next_pow2(n) <= 256
+    ]
+    rows = []
+    try:
+        for v in variants:
+            if v is not None:
+                tt, th, target, pw, ew = v
+                h_tiles = -(-h // th)
+                splits = max(1, min(h_tiles, target // -(-t // tt)))
+                hps = -(-h_tiles // splits) * th
+                plan = hcm._ProjPlan(tt, th, hps, -(-h // hps), pw)
+                hcm._proj_plan = lambda *_a, plan=plan: plan
+                hcm._epilogue_warps = lambda *_a, ew=ew: ew
+            fn = lambda: hc_pre(d["s"], hc.fn, hc.base, hc.scale, **kw)  # noqa: E731
+            fn()
+            cur = hcm._proj_plan(t, n, h)
+            rows.append(dict(
+                plan="default" if v is None else "x".join(map(str, v)),
+                splits=cur.splits, graph_us=time_cuda(fn, iters, graph=True),
+            ))  # fmt: skip
+    finally:
+        hcm._proj_plan, hcm._epilogue_warps = default_plan, default_warps
+    return sorted(rows, key=lambda r: r["graph_us"])
 
 
 def moe_fns(moe: DeepseekV4MoE, d: dict):
@@ -154,13 +225,13 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def measure(name: str, fns, cuda: bool, iters: int) -> list[dict]:
+def measure(name: str, fns, cuda: bool, iters: int, paths=("torch", "new")) -> list[dict]:
     torch_fn, new_fn = fns
     with torch.no_grad():
         want, got = torch_fn(), new_fn()
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(want, got))
         rows = []
-        for path, fn in (("torch", torch_fn), ("new", new_fn)):
+        for path, fn in zip(paths, (torch_fn, new_fn)):
             row = dict(piece=name, path=path, max_abs_diff=diff)
             if cuda:
                 row["eager_us"] = time_cuda(fn, iters, graph=False)
@@ -179,6 +250,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU: interpreter)")
     ap.add_argument("--rows", type=int, default=32, help="T, rows per call")
     ap.add_argument("--iters", type=int, default=50, help="timed calls per measurement")
+    ap.add_argument("--hc-rows", default="32,4096", help="rows of the hc_post_pre pieces")
+    ap.add_argument("--sweep", action="store_true", help="time hc_pre over launch plans (GPU)")
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -189,18 +262,28 @@ def main() -> None:
     rows += measure("hc", hc_fns(hc, d), cuda, args.iters)
     rows += measure("moe", moe_fns(moe, d), cuda, args.iters)
     rows += measure("rms_norm", norm_fns(d, cfg.rms_norm_eps), cuda, args.iters)
+    for r in (int(v) for v in args.hc_rows.split(",")) if cuda else (5,):
+        fns = post_pre_fns(hc, r, dev, torch.bfloat16)
+        rows += measure(f"hc_post_pre@{r}", fns, cuda, args.iters, ("unfused", "fused"))
+    sweep = sweep_plans(hc, d, args.iters) if args.sweep and cuda else []
     print(
-        f"{'piece':9} {'path':6} {'eager us':>9} {'graph us':>9} {'kernels':>8} {'max|diff|':>10}"
+        f"{'piece':16} {'path':8} {'eager us':>9} {'graph us':>9} {'kernels':>8} {'max|diff|':>10}"
     )
     for r in rows:
-        print(f"{r['piece']:9} {r['path']:6} {r['eager_us']:9.1f} {r.get('graph_us', 0):9.1f} "
+        print(f"{r['piece']:16} {r['path']:8} {r['eager_us']:9.1f} {r.get('graph_us', 0):9.1f} "
               f"{r.get('kernels', -1):8d} {r['max_abs_diff']:10.3g}")  # fmt: skip
+    if sweep:
+        print(f"hc_pre plans at T={args.rows} (tile_t x tile_h x programs x proj warps x "
+              "epilogue warps), fastest first:")  # fmt: skip
+        for r in sweep[:12]:
+            print(f"  {r['plan']:18} splits {r['splits']:4d} {r['graph_us']:8.1f} us")
     record = dict(
         bench="bench_dsv4_blocks", date=datetime.datetime.now(datetime.UTC).isoformat(),
         device=torch.cuda.get_device_name() if cuda else "cpu", command=" ".join(sys.argv),
         rows_per_call=args.rows, hidden=cfg.hidden_size, hc_mult=cfg.hc_mult,
         sinkhorn_iters=cfg.hc_sinkhorn_iters, experts=cfg.n_routed_experts,
         top_k=cfg.num_experts_per_tok, moe_inter=cfg.moe_intermediate_size, results=rows,
+        hc_pre_plans=sweep,
     )  # fmt: skip
     if args.out:
         with open(args.out, "w") as fh:

@@ -1,18 +1,29 @@
 """Triton kernels of the manifold-constrained hyper-connections (launched by
-`kvplan.ops.hyper_connection`).
+`kvplan.ops.hyper_connection` and `kvplan.ops.hyper_connection_fused`).
 
 A hyper-connection's weights come from ``f = RMSNorm(s.flatten) @ fn^T``; the norm is a per-row
 scalar, so it is applied after the projection: ``f = (s @ fn^T) * rsqrt(mean(s^2) + eps)``.
 
 - ``hc_proj_kernel``: grid ``(cdiv(T, TILE_T), num_splits)``; split-K partial projection of
-  ``s [T, K]`` (``K = n * hidden``) on ``fn [N_OUT, K]`` (fp32, ``tl.dot`` in IEEE fp32) and
+  ``x [T, K]`` (``K = n * hidden``) on ``fn [N_OUT, K]`` (fp32, ``tl.dot`` in IEEE fp32) and
   partial sums of squares, written to ``part [num_splits, T, N_PAD]`` and ``sq [num_splits, T]``.
-- ``hc_pre_kernel``: grid ``(T, cdiv(hidden, TILE_H))``; adds the partials of one token, forms
-  ``pre`` (and, unless ``HEAD``, ``post`` and the Sinkhorn-normalised ``comb``, written by the
-  programs of hidden tile 0) in registers and writes ``x = sum_i pre[i] * s[i]`` for its tile.
-- ``hc_post_kernel``: grid ``(T, cdiv(hidden, TILE_H))``;
-  ``s'[k] = round(round(post[k] * out) + round(sum_j comb[j, k] * s[j]))`` with ``post`` and
-  ``comb`` first rounded to ``s``'s dtype, as the torch path's ``matmul`` in that dtype does.
+  Split ``p`` owns the hidden range ``[p * h_per_split, (p + 1) * h_per_split)`` of every stream;
+  one K tile is ``TILE_H`` hidden columns of all ``n`` streams (``N_P * TILE_H`` columns).
+  With ``FUSED`` the kernel first forms the tile of ``x = hc_post(s, post, comb, out)`` with
+  `_post_mix` (the same code as ``hc_post_kernel``), stores it to ``x`` and reads it back
+  through the same load as the unfused kernel, so both modes project the same values in the
+  same order.
+- ``hc_pre_kernel``: grid ``(T, cdiv(hidden, TILE_H) + (0 if HEAD else 1))``; adds the partials
+  of one token and forms ``pre``; programs ``h < cdiv(hidden, TILE_H)`` write
+  ``x = sum_i pre[i] * s[i]`` for their hidden tile, the last one (unless ``HEAD``) ``post`` and
+  the Sinkhorn-normalised ``comb``.
+- ``hc_post_kernel``: grid ``(T, cdiv(hidden, TILE_H))``; ``s'`` by `_post_mix`.
+
+`_post_mix` uses explicit ``fma`` where a product meets a sum, so its result does not depend on
+the compiler's contraction setting: ``mixed = fma(c[N-1], s[N-1], ... fma(c[1], s[1],
+c[0] * s[0]))`` with ``c = round(comb[:, k])``, then ``s' = round(post) * out + round(mixed)``
+with the product rounded to ``s``'s dtype first (bf16 / fp16), or ``fma(post, out, mixed)``
+(fp32). For bf16 / fp16 every product is exact in fp32, so this is torch's rounding.
 """
 
 from __future__ import annotations
@@ -24,11 +35,36 @@ from kvplan.ops._triton_util import round_to as _round
 
 
 @triton.jit
+def _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, t, k, h, mask, hidden, N: tl.constexpr,
+              dtype: tl.constexpr):  # fmt: skip
+    """``s'[t, k, h]`` (fp32 holding a ``dtype`` value) for broadcastable int64 token ``t``,
+    stream ``k`` and hidden ``h`` index tensors; ``mask`` (the full shape: every load takes
+    its shape, so the ``fma`` operands agree) covers the valid elements."""
+    post = _round(tl.load(post_ptr + t * N + k, mask=mask, other=0.0), dtype)
+    out = tl.load(out_ptr + t * hidden + h, mask=mask, other=0.0).to(tl.float32)
+    for jj in tl.static_range(N):
+        c = _round(tl.load(comb_ptr + (t * N + jj) * N + k, mask=mask, other=0.0), dtype)
+        sj = tl.load(s_ptr + (t * N + jj) * hidden + h, mask=mask, other=0.0).to(tl.float32)
+        if jj == 0:
+            mixed = c * sj
+        else:
+            mixed = tl.fma(c, sj, mixed)
+    if dtype == tl.float32:
+        res = tl.fma(post, out, mixed)
+    else:
+        res = _round(post * out, dtype) + _round(mixed, dtype)
+    return _round(res, dtype)
+
+
+@triton.jit
 def hc_proj_kernel(
-    s_ptr, fn_ptr, part_ptr, sq_ptr, num_rows, k_total, k_per_split, n_out,
-    TILE_T: tl.constexpr, TILE_K: tl.constexpr, N_PAD: tl.constexpr,
+    s_ptr, out_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, sq_ptr,
+    num_rows, hidden, h_per_split, n_out,
+    N: tl.constexpr, N_P: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr,
+    N_PAD: tl.constexpr, FUSED: tl.constexpr,
 ):  # fmt: skip
-    """``part[p, t, o] = sum_{k in split p} s[t, k] * fn[o, k]``; ``sq[p, t] = sum s[t, k]^2``."""
+    """``part[p, t, o] = sum_{k in split p} x[t, k] * fn[o, k]``; ``sq[p, t] = sum x[t, k]^2``;
+    with ``FUSED``, ``x`` is first written as ``hc_post(s, post, comb, out)``."""
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_t * TILE_T + tl.arange(0, TILE_T)
@@ -36,24 +72,33 @@ def hc_proj_kernel(
     rows64 = rows.to(tl.int64)
     outs = tl.arange(0, N_PAD)
     omask = outs < n_out
+    cols = tl.arange(0, N_P * TILE_H)
+    streams = cols // TILE_H  # [C] stream of each tile column
+    k_total = N * hidden
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
     acc = tl.zeros([TILE_T, N_PAD], dtype=tl.float32)
     sq = tl.zeros([TILE_T], dtype=tl.float32)
-    k_lo = split * k_per_split
-    k0 = 0  # while loops: the CPU interpreter takes no runtime ``range`` bound
-    while k0 < k_per_split:
-        ks = k_lo + k0 + tl.arange(0, TILE_K)
-        kmask = (ks < k_total) & (ks < k_lo + k_per_split)
-        x = tl.load(
-            s_ptr + rows64[:, None] * k_total + ks[None, :],
-            mask=rmask[:, None] & kmask[None, :], other=0.0,
-        ).to(tl.float32)  # fmt: skip
+    h_lo = split * h_per_split
+    h0 = 0  # while loops: the CPU interpreter takes no runtime ``range`` bound
+    while h0 < h_per_split:
+        hs = h_lo + h0 + cols % TILE_H  # [C]
+        cmask = (streams < N) & (hs < hidden) & (hs < h_lo + h_per_split)
+        ks = streams * hidden + hs
+        m2 = rmask[:, None] & cmask[None, :]
+        offs = rows64[:, None] * k_total + ks[None, :]
+        if FUSED:
+            v = _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, rows64[:, None],
+                          streams[None, :], hs[None, :], m2, hidden, N, dtype)  # fmt: skip
+            tl.store(x_ptr + offs, v.to(dtype), mask=m2)
+            tl.debug_barrier()  # the tile is read back below by other threads of the program
+        x = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
         w = tl.load(
             fn_ptr + outs[:, None] * k_total + ks[None, :],
-            mask=omask[:, None] & kmask[None, :], other=0.0,
+            mask=omask[:, None] & cmask[None, :], other=0.0,
         )  # fmt: skip
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         sq += tl.sum(x * x, axis=1)
-        k0 += TILE_K
+        h0 += TILE_H
     base = split * num_rows + rows64
     tl.store(part_ptr + base[:, None] * N_PAD + outs[None, :], acc, mask=rmask[:, None])
     tl.store(sq_ptr + base, sq, mask=rmask)
@@ -79,6 +124,7 @@ def hc_pre_kernel(
     """The mixing weights of token ``t`` from its partials, and its block input tile."""
     t = tl.program_id(0)
     h_tile = tl.program_id(1)
+    t64 = t.to(tl.int64)
     sp = tl.arange(0, SPLITS_P)
     sq = tl.sum(tl.load(sq_ptr + sp * num_rows + t, mask=sp < num_splits, other=0.0), axis=0)
     rrms = tl.math.rsqrt(sq * inv_k + eps)
@@ -86,49 +132,48 @@ def hc_pre_kernel(
     imask = i < N
     j = tl.arange(0, N_P)
     jmask = j < N
-    # pre (a [N_P, 1] column block: _sum_splits takes 2-D column indices)
-    pre_f = tl.sum(_sum_splits(part_ptr, t, num_rows, num_splits, i[:, None], imask[:, None],
-                               SPLITS_P, N_PAD), axis=1) * rrms  # fmt: skip
-    pre_b = tl.load(base_ptr + i, mask=imask, other=0.0)
-    pre = tl.sigmoid(pre_f * tl.load(scale_ptr) + pre_b) + hc_eps
-    pre = tl.where(imask, pre, 0.0)
-    # block input: x = sum_i pre[i] * s[t, i]
-    hs = h_tile * TILE_H + tl.arange(0, TILE_H)
-    hmask = hs < hidden
-    t64 = t.to(tl.int64)
-    s = tl.load(
-        s_ptr + (t64 * N + i[:, None]) * hidden + hs[None, :],
-        mask=imask[:, None] & hmask[None, :], other=0.0,
-    ).to(tl.float32)  # fmt: skip
-    x = tl.sum(pre[:, None] * s, axis=0)
-    tl.store(x_ptr + t64 * hidden + hs, x.to(x_ptr.dtype.element_ty), mask=hmask)
-    if not HEAD:  # noqa: SIM102 (constexpr, then a runtime branch)
-        if h_tile == 0:
-            post_f = tl.sum(_sum_splits(part_ptr, t, num_rows, num_splits, N + i[:, None],
-                                        imask[:, None], SPLITS_P, N_PAD), axis=1) * rrms  # fmt: skip
-            post_b = tl.load(base_ptr + N + i, mask=imask, other=0.0)
-            post = 2 * tl.sigmoid(post_f * tl.load(scale_ptr + 1) + post_b)
-            tl.store(post_ptr + t64 * N + i, post, mask=imask)
-            cidx = i[:, None] * N + j[None, :]  # [N_P, N_P]
-            cmask = imask[:, None] & jmask[None, :]
-            comb_f = _sum_splits(part_ptr, t, num_rows, num_splits, 2 * N + cidx, cmask,
-                                 SPLITS_P, N_PAD) * rrms  # fmt: skip
-            comb_b = tl.load(base_ptr + 2 * N + cidx, mask=cmask, other=0.0)
-            logits = comb_f * tl.load(scale_ptr + 2) + comb_b
-            logits = tl.where(cmask, logits, float("-inf"))
-            row_max = tl.max(logits, axis=1)
-            row_max = tl.where(imask, row_max, 0.0)
-            e = tl.where(cmask, tl.exp(logits - row_max[:, None]), 0.0)
-            den = tl.sum(e, axis=1)
-            den = tl.where(imask, den, 1.0)
-            comb = tl.where(cmask, e / den[:, None] + hc_eps, 0.0)
+    if h_tile * TILE_H < hidden:
+        # pre (a [N_P, 1] column block: _sum_splits takes 2-D column indices)
+        pre_f = tl.sum(_sum_splits(part_ptr, t, num_rows, num_splits, i[:, None],
+                                   imask[:, None], SPLITS_P, N_PAD), axis=1) * rrms  # fmt: skip
+        pre_b = tl.load(base_ptr + i, mask=imask, other=0.0)
+        pre = tl.sigmoid(pre_f * tl.load(scale_ptr) + pre_b) + hc_eps
+        pre = tl.where(imask, pre, 0.0)
+        # block input: x = sum_i pre[i] * s[t, i]
+        hs = h_tile * TILE_H + tl.arange(0, TILE_H)
+        hmask = hs < hidden
+        s = tl.load(
+            s_ptr + (t64 * N + i[:, None]) * hidden + hs[None, :],
+            mask=imask[:, None] & hmask[None, :], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        x = tl.sum(pre[:, None] * s, axis=0)
+        tl.store(x_ptr + t64 * hidden + hs, x.to(x_ptr.dtype.element_ty), mask=hmask)
+    elif not HEAD:  # the extra program of the token: post and comb
+        post_f = tl.sum(_sum_splits(part_ptr, t, num_rows, num_splits, N + i[:, None],
+                                    imask[:, None], SPLITS_P, N_PAD), axis=1) * rrms  # fmt: skip
+        post_b = tl.load(base_ptr + N + i, mask=imask, other=0.0)
+        post = 2 * tl.sigmoid(post_f * tl.load(scale_ptr + 1) + post_b)
+        tl.store(post_ptr + t64 * N + i, post, mask=imask)
+        cidx = i[:, None] * N + j[None, :]  # [N_P, N_P]
+        cmask = imask[:, None] & jmask[None, :]
+        comb_f = _sum_splits(part_ptr, t, num_rows, num_splits, 2 * N + cidx, cmask,
+                             SPLITS_P, N_PAD) * rrms  # fmt: skip
+        comb_b = tl.load(base_ptr + 2 * N + cidx, mask=cmask, other=0.0)
+        logits = comb_f * tl.load(scale_ptr + 2) + comb_b
+        logits = tl.where(cmask, logits, float("-inf"))
+        row_max = tl.max(logits, axis=1)
+        row_max = tl.where(imask, row_max, 0.0)
+        e = tl.where(cmask, tl.exp(logits - row_max[:, None]), 0.0)
+        den = tl.sum(e, axis=1)
+        den = tl.where(imask, den, 1.0)
+        comb = tl.where(cmask, e / den[:, None] + hc_eps, 0.0)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        it = 1
+        while it < iters:
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-            it = 1
-            while it < iters:
-                comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-                comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-                it += 1
-            tl.store(comb_ptr + t64 * N * N + cidx, comb, mask=cmask)
+            it += 1
+        tl.store(comb_ptr + t64 * N * N + cidx, comb, mask=cmask)
 
 
 @triton.jit
@@ -136,21 +181,12 @@ def hc_post_kernel(
     s_ptr, out_ptr, post_ptr, comb_ptr, res_ptr, hidden,
     N: tl.constexpr, N_P: tl.constexpr, TILE_H: tl.constexpr,
 ):  # fmt: skip
-    """``res[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * s[t, j]`` (torch's roundings)."""
+    """``res[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * s[t, j]`` (`_post_mix`)."""
     t = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
-    hmask = hs < hidden
-    dtype: tl.constexpr = res_ptr.dtype.element_ty
     k = tl.arange(0, N_P)
-    kmask = k < N
-    post = _round(tl.load(post_ptr + t * N + k, mask=kmask, other=0.0), dtype)
-    out = tl.load(out_ptr + t * hidden + hs, mask=hmask, other=0.0).to(tl.float32)
-    term = _round(post[:, None] * out[None, :], dtype)  # [N_P, TILE_H]
-    acc = tl.zeros([N_P, TILE_H], dtype=tl.float32)
-    for jj in tl.static_range(N):
-        c = _round(tl.load(comb_ptr + (t * N + jj) * N + k, mask=kmask, other=0.0), dtype)
-        sj = tl.load(s_ptr + (t * N + jj) * hidden + hs, mask=hmask, other=0.0).to(tl.float32)
-        acc += c[:, None] * sj[None, :]
-    res = term + _round(acc, dtype)
-    mask = kmask[:, None] & hmask[None, :]
+    mask = (k < N)[:, None] & (hs < hidden)[None, :]
+    dtype: tl.constexpr = res_ptr.dtype.element_ty
+    res = _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, t, k[:, None], hs[None, :], mask,
+                    hidden, N, dtype)  # fmt: skip
     tl.store(res_ptr + (t * N + k[:, None]) * hidden + hs[None, :], res.to(dtype), mask=mask)

@@ -16,11 +16,15 @@ With ``s [T, n, hidden]`` the ``n`` residual streams of each token (``K = n * hi
 
 Triton path (CUDA tensors, or ``KVPLAN_FORCE_TRITON=1``): `hc_pre` / `hc_head` are two kernels
 (a split-K projection that also sums the squares, then one fused epilogue per token and hidden
-tile), `hc_post` is one. The torch path is the reference; both compute ``f`` in fp32 (the
-Triton path applies the RMS scale after the projection, which differs by fp32 rounding).
+tile), `hc_post` is one, and `hc_post_pre` (``hc_post`` then the next block's ``hc_pre``) is
+two: its projection kernel forms the tiles of ``s'`` itself. The torch path is the reference;
+both compute ``f`` in fp32 (the Triton path applies the RMS scale after the projection, which
+differs by fp32 rounding).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,9 @@ __all__ = [
     "hc_head_torch",
     "hc_head_triton",
     "hc_post",
+    "hc_post_pre",
+    "hc_post_pre_torch",
+    "hc_post_pre_triton",
     "hc_post_torch",
     "hc_post_triton",
     "hc_pre",
@@ -113,6 +120,16 @@ def hc_post_torch(
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
 
 
+def hc_post_pre_torch(
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
+    fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    *, iters: int, hc_eps: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Torch path of `hc_post_pre`: `hc_post_torch`, then `hc_pre_torch` on its result."""
+    s = hc_post_torch(s, post, comb, out)
+    return (s, *hc_pre_torch(s, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps))
+
+
 def _check_post(s, post, comb, out) -> None:
     check_tensor("s", s, dtype=_FLOATS, ndim=3)
     t, n, hidden = s.shape
@@ -128,33 +145,68 @@ def _hidden_tile(hidden: int) -> int:
     return min(triton_next_pow2(hidden), 128 if triton_interpreting() else 512)
 
 
-def _project(s: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Split-K partials of ``s.flatten(1) @ fn^T`` and of the row sums of squares:
-    (``part`` fp32 ``[splits, T, N_PAD]``, ``sq`` fp32 ``[splits, T]``, splits, N_PAD)."""
+class _ProjPlan(NamedTuple):
+    """Launch shape of ``hc_proj_kernel``: row tile, hidden columns per stream of a K tile,
+    hidden columns per split, number of splits, warps."""
+
+    tile_t: int
+    tile_h: int
+    h_per_split: int
+    splits: int
+    num_warps: int
+
+
+def _proj_plan(t: int, n: int, hidden: int) -> _ProjPlan:
+    """Decode sizes: one K tile per program, about one program per SM; large ``T``: a few
+    splits of many K tiles. The fused and unfused paths share this plan (their summation
+    order is the same only when their plans are)."""
+    interp = triton_interpreting()
+    n_p = triton_next_pow2(n)
+    tile_t = 16 if t <= 16 else 32 if t <= 256 else 64
+    tile_h = max(8, 16 // n_p) if interp else max(16, 64 // n_p)  # N_P * tile_h >= 16
+    h_tiles = triton_cdiv(hidden, tile_h)
+    target = 4 if interp else (128 if t <= 256 else 256)  # programs wanted in all
+    splits = max(1, min(h_tiles, target // triton_cdiv(t, tile_t)))
+    h_per_split = triton_cdiv(h_tiles, splits) * tile_h
+    return _ProjPlan(tile_t, tile_h, h_per_split, triton_cdiv(hidden, h_per_split), 4)
+
+
+def _epilogue_warps(t: int) -> int:
+    """Warps of ``hc_pre_kernel``: one for decode sizes (the Sinkhorn loop's reductions stay
+    inside a warp), four for prefill (the block-input tiles stream more memory)."""
+    return 1 if t <= 256 else 4
+
+
+def _project(
+    s: torch.Tensor, fn: torch.Tensor, fuse: tuple | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split-K partials of ``x.flatten(1) @ fn^T`` and of the row sums of squares (``part``
+    fp32 ``[splits, T, N_PAD]``, ``sq`` fp32 ``[splits, T]``) and ``x [T, n, hidden]``: ``s``
+    itself, or with ``fuse = (post, comb, out)`` the new tensor ``hc_post(s, post, comb, out)``
+    written by the same kernel."""
     from kvplan.ops._hyper_connection_kernels import hc_proj_kernel
 
-    t = s.shape[0]
-    k_total = fn.shape[1]
+    t, n, hidden = s.shape
     n_out = fn.shape[0]
     n_pad = max(16, triton_next_pow2(n_out))
-    tile_t = 16 if t <= 256 else 64
-    num_t = triton_cdiv(t, tile_t)
-    tile_k = 32 if triton_interpreting() else 64
-    k_tiles = triton_cdiv(k_total, tile_k)
-    target = 4 if triton_interpreting() else 256  # programs wanted in all
-    splits = max(1, min(128, k_tiles, target // num_t))  # decode: one K tile a program
-    k_per_split = triton_cdiv(k_tiles, splits) * tile_k
-    splits = triton_cdiv(k_total, k_per_split)
-    part = torch.empty(splits, t, n_pad, dtype=torch.float32, device=s.device)
-    sq = torch.empty(splits, t, dtype=torch.float32, device=s.device)
-    hc_proj_kernel[(num_t, splits)](
-        s, fn, part, sq, t, k_total, k_per_split, n_out,
-        TILE_T=tile_t, TILE_K=tile_k, N_PAD=n_pad, num_warps=4,
+    plan = _proj_plan(t, n, hidden)
+    part = torch.empty(plan.splits, t, n_pad, dtype=torch.float32, device=s.device)
+    sq = torch.empty(plan.splits, t, dtype=torch.float32, device=s.device)
+    if fuse is None:
+        x, (post, comb, out) = s, (s, s, s)  # post/comb/out unused without FUSED
+    else:
+        x, (post, comb, out) = torch.empty_like(s), (f.contiguous() for f in fuse)
+    hc_proj_kernel[(triton_cdiv(t, plan.tile_t), plan.splits)](
+        s, out, post, comb, x, fn, part, sq, t, hidden, plan.h_per_split, n_out,
+        N=n, N_P=triton_next_pow2(n), TILE_T=plan.tile_t, TILE_H=plan.tile_h, N_PAD=n_pad,
+        FUSED=fuse is not None, num_warps=plan.num_warps,
     )  # fmt: skip
-    return part, sq, splits, n_pad
+    return part, sq, x
 
 
-def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool):
+def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple | None = None):
+    """(post, comb, x, s_used): the two kernels of `hc_pre` / `hc_head` on ``s`` or, with
+    ``fuse``, on ``s_used = hc_post(s, *fuse)``."""
     from kvplan.ops._hyper_connection_kernels import hc_pre_kernel
 
     t, n, hidden = s.shape
@@ -163,16 +215,18 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool):
     post = torch.empty(t, n, dtype=torch.float32, device=s.device)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=s.device)
     if t == 0:
-        return post, comb, x
-    part, sq, splits, n_pad = _project(s, fn.contiguous())
+        return post, comb, x, torch.empty_like(s)
+    part, sq, s = _project(s, fn.contiguous(), fuse)
+    splits, n_pad = part.shape[0], part.shape[2]
     tile_h = _hidden_tile(hidden)
-    hc_pre_kernel[(t, triton_cdiv(hidden, tile_h))](
+    grid = (t, triton_cdiv(hidden, tile_h) + (0 if head else 1))
+    hc_pre_kernel[grid](
         part, sq, base.contiguous(), scale.contiguous(), s, x, post, comb,
         t, hidden, splits, 1.0 / (n * hidden), eps, hc_eps, iters,
         N=n, N_P=triton_next_pow2(n), N_PAD=n_pad, SPLITS_P=triton_next_pow2(splits),
-        TILE_H=tile_h, HEAD=head, num_warps=4,
+        TILE_H=tile_h, HEAD=head, num_warps=_epilogue_warps(t),
     )  # fmt: skip
-    return post, comb, x
+    return post, comb, x, s
 
 
 def hc_pre_triton(
@@ -183,7 +237,7 @@ def hc_pre_triton(
     n = s.shape[1] if s.dim() == 3 else 0
     _check_pre(s, fn, base, scale, 2 + n, 3)
     _check_iters(iters)
-    return _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head=False)
+    return _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head=False)[:3]
 
 
 def hc_head_triton(
@@ -209,9 +263,25 @@ def hc_post_triton(
     tile_h = _hidden_tile(hidden)
     hc_post_kernel[(t, triton_cdiv(hidden, tile_h))](
         s.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous(), res, hidden,
-        N=n, N_P=triton_next_pow2(n), TILE_H=tile_h, num_warps=4, enable_fp_fusion=False,
+        N=n, N_P=triton_next_pow2(n), TILE_H=tile_h, num_warps=4,
     )  # fmt: skip
     return res
+
+
+def hc_post_pre_triton(
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
+    fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    *, iters: int, hc_eps: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Triton path of `hc_post_pre` (two kernels: the projection writes ``s'``)."""
+    _check_post(s, post, comb, out)
+    n = s.shape[1]
+    _check_pre(s, fn, base, scale, 2 + n, 3)
+    _check_iters(iters)
+    post2, comb2, x, s2 = _pre_launch(
+        s, fn, base, scale, iters, hc_eps, eps, head=False, fuse=(post, comb, out)
+    )
+    return s2, post2, comb2, x
 
 
 # --- public entry points --------------------------------------------------------------------
@@ -262,8 +332,39 @@ def hc_post(
 
     ``s [T, n, hidden]``; ``post`` fp32 ``[T, n]`` and ``comb`` fp32 ``[T, n, n]`` from
     `hc_pre`; ``out [T, hidden]`` (the block's output, ``s``'s dtype). ``post`` and ``comb``
-    are rounded to ``s``'s dtype first, and each of the two terms is rounded before the sum.
+    are rounded to ``s``'s dtype first, and each of the two terms is rounded before the sum
+    (the Triton path for fp32 ``s`` adds the ``post`` term with one fused multiply-add).
     Returns a new ``[T, n, hidden]`` tensor.
     """
     fn_ = hc_post_triton if use_triton(s) else hc_post_torch
     return fn_(s, post, comb, out)
+
+
+def hc_post_pre(
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
+    fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    *, iters: int, hc_eps: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`hc_post` of one block, then `hc_pre` of the next block on its result.
+
+    Args:
+        s, post, comb, out: as in `hc_post` (``post`` / ``comb`` from this block's `hc_pre`).
+        fn, base, scale, iters, hc_eps, eps: the next block's, as in `hc_pre`.
+
+    Returns:
+        (``s'`` ``[T, n, hidden]`` in ``s``'s dtype, and the next block's ``post`` fp32
+        ``[T, n]``, ``comb`` fp32 ``[T, n, n]``, ``x [T, hidden]``).
+
+    Exactness: the torch path is `hc_post_torch` then `hc_pre_torch`. The Triton path equals
+    `hc_post_triton` then `hc_pre_triton` bit for bit: ``s'`` by the same code, and the
+    projection reads ``s'`` back from memory in the unfused kernel's tiles and order.
+
+    Example::
+
+        post, comb, x = hc_pre(s, attn.fn, attn.base, attn.scale, **kw)
+        s, post, comb, x = hc_post_pre(s, post, comb, attention(x), ffn.fn, ffn.base,
+                                       ffn.scale, **kw)
+        s = hc_post(s, post, comb, moe(x))
+    """
+    fn_ = hc_post_pre_triton if use_triton(s) else hc_post_pre_torch
+    return fn_(s, post, comb, out, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps)

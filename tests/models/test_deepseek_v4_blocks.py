@@ -147,3 +147,46 @@ def test_gpu_graph_replay_equals_eager():
                 want = block(fresh)
             # the same kernels; only a GEMM's algorithm choice may differ under capture
             torch.testing.assert_close(out, want, atol=2e-2, rtol=1e-2, msg=f"trial {trial}")
+
+
+# --- fused hyper-connection chain -----------------------------------------------------------
+
+
+@torch.no_grad()
+def _unfused_logits(model: DeepseekV4ForCausalLM, ids: list[int]) -> torch.Tensor:
+    """One prompt step with every connection and residual update called on its own."""
+    from kvplan.backends.hybrid.api import HybridSeq
+    from kvplan.models.deepseek_v4.layers import StepRope
+
+    family = ReferenceHybridFamily(model.config.layer_specs())
+    input_ids = torch.tensor(ids, dtype=torch.int64)
+    pos = torch.arange(len(ids))
+    ctx = family.plan([HybridSeq(1, 0, len(ids), ids, (), 0)], pos)
+    x = model.embed_tokens(input_ids)
+    s = x.unsqueeze(1).expand(-1, model.config.hc_mult, -1).contiguous()
+    tables, eps = StepRope(pos, x.dtype), model.config.rms_norm_eps
+    for layer in model.layers:
+        post, comb, h = layer.attn_hc(s)
+        s = hyper_residual(s, post, comb, layer.self_attn(rms_norm(h, layer.input_layernorm, eps),
+                                                          ctx, tables))  # fmt: skip
+        post, comb, h = layer.ffn_hc(s)
+        m = layer.mlp(rms_norm(h, layer.post_attention_layernorm, eps), input_ids)
+        s = hyper_residual(s, post, comb, m)
+    h = rms_norm(model.hc_head(s), model.norm, eps)
+    return torch.nn.functional.linear(h, model.head_weight()).float()
+
+
+@pytest.mark.parametrize("force_triton", [False, True], ids=["torch", "triton"])
+def test_fused_connection_chain_equals_unfused(force_triton, monkeypatch):
+    """The model chains each residual update into the next connection (`hc_post_pre`); the
+    logits equal calling every connection on its own, bit for bit (torch path: the same ops;
+    Triton: the fused kernels' exactness)."""
+    if force_triton:
+        monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    model = _model(2)
+    ids = random_tokens(5, 7)
+    with graph_safe_routing(model):
+        (got,), _ = run_step(model, ReferenceHybridFamily(model.config.layer_specs()),
+                             [(1, ids, 0, 7)])  # fmt: skip
+        want = _unfused_logits(model, ids)
+    assert torch.equal(got, want)

@@ -16,7 +16,8 @@ After the last layer the `HyperHead` collapses the streams with its own ``pre`` 
 (``sigmoid(f * hc_scale + hc_base) + eps``, ``f = RMSNorm(s.flatten) @ hc_fn^T``).
 
 The arithmetic lives in `kvplan.ops.hyper_connection` (torch path on CPU, a few Triton kernels
-per call on CUDA).
+per call on CUDA). A residual update followed by the next block's connection runs as one op
+(`HyperConnection.post_pre`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvplan.ops.hyper_connection import hc_head, hc_post, hc_pre
+from kvplan.ops.hyper_connection import hc_head, hc_post, hc_post_pre, hc_pre
 
 
 class HyperConnection(nn.Module):
@@ -44,6 +45,17 @@ class HyperConnection(nn.Module):
         return hc_pre(
             s, self.fn, self.base, self.scale, iters=self.iters, hc_eps=self.hc_eps, eps=self.eps
         )
+
+    def post_pre(
+        self, s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The previous block's residual update then this connection:
+        ``s' = hyper_residual(s, post, comb, out)`` and ``self(s')``, as
+        (``s'``, ``post'``, ``comb'``, ``x'``); one fused op (`hc_post_pre`)."""
+        return hc_post_pre(
+            s, post, comb, out, self.fn, self.base, self.scale,
+            iters=self.iters, hc_eps=self.hc_eps, eps=self.eps,
+        )  # fmt: skip
 
 
 def hyper_residual(

@@ -8,6 +8,7 @@ row attends. Everything with weights runs here, token by token::
     s = embed(input_ids) copied to hc_mult streams              # [T, n, hidden]
     per layer:  s = mHC(s, attention(input_layernorm(.)))
                 s = mHC(s, moe(post_attention_layernorm(.), input_ids))
+    (each residual update runs fused with the connection that follows it)
     logits = lm_head(norm(hyper_head(s)))[logits_indices]       # fp32 [N, vocab]
 
 Example (one prompt through the reference family)::
@@ -57,12 +58,32 @@ class DeepseekV4DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """``s``: ``[T, n, hidden]`` -> ``[T, n, hidden]``; ``tables``: the step's rotary
         tables (`StepRope`, shared by the layers; computed by the attention when None)."""
-        post, comb, x = self.attn_hc(s)
+        return self.run(s, None, input_ids, ctx, tables, None)[0]
+
+    def run(
+        self,
+        s: torch.Tensor,
+        pre: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        input_ids: torch.Tensor,
+        ctx: HybridStepContext,
+        tables: StepRope | None,
+        next_hc: HyperConnection | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """`forward` with the hyper-connections chained across layers.
+
+        ``pre``: ``self.attn_hc(s)`` when the caller already has it (None: computed here);
+        ``next_hc``: the connection of the block after this layer (None: none). Returns
+        (``s'``, ``next_hc(s')`` or None); every residual update that a connection follows
+        runs fused with it (`HyperConnection.post_pre`).
+        """
+        post, comb, x = self.attn_hc(s) if pre is None else pre
         a = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), ctx, tables)
-        s = hyper_residual(s, post, comb, a)
-        post, comb, x = self.ffn_hc(s)
+        s, post, comb, x = self.ffn_hc.post_pre(s, post, comb, a)
         m = self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps), input_ids)
-        return hyper_residual(s, post, comb, m)
+        if next_hc is None:
+            return hyper_residual(s, post, comb, m), None
+        s, post, comb, x = next_hc.post_pre(s, post, comb, m)
+        return s, (post, comb, x)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -124,8 +145,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         s = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, n, hidden]
         tables = StepRope(positions, x.dtype)  # each rotary table computed once per step
-        for layer in self.layers:
-            s = layer(s, input_ids, ctx, tables)
+        pre = None  # the next layer's attention connection, fused into the residual update
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].attn_hc if i + 1 < len(self.layers) else None
+            s, pre = layer.run(s, pre, input_ids, ctx, tables, nxt)
         if logits_indices is not None:
             check_tensor("logits_indices", logits_indices, dtype=torch.int64, ndim=1, device=dev)
             s = s[logits_indices]
