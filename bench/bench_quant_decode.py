@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--formats", default="bf16,fp8,int8,fp4")
+    ap.add_argument("--stages", default="2,3,4", help="num_stages values of the sweep")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
@@ -61,7 +62,8 @@ def main() -> None:
     page_ids = table.flatten()
     q = torch.randn(batch, h, d, device=dev, dtype=torch.bfloat16)
     reps, warm = (20, 3) if cuda else (1, 0)
-    sweep = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4))) if cuda else [(16, 4, 2)]
+    stages = tuple(int(x) for x in args.stages.split(","))
+    sweep = list(itertools.product((32, 64, 128), (4, 8), stages)) if cuda else [(16, 4, 2)]
     rows = []
     for fmt in args.formats.split(","):
         if fmt == "bf16":
@@ -92,6 +94,7 @@ def main() -> None:
                 continue
             rows.append({"format": fmt, "config": kw or "default", "us": sec * 1e6,
                          "GBps": kv_bytes / sec / 1e9, "rel_err": err})  # fmt: skip
+            print(f"  {fmt} {kw or 'default'}: {sec * 1e6:.1f} us", flush=True)
     print(f"{'format':>6} {'config':>34} {'us':>9} {'GB/s':>8} {'rel err':>9}")
     for fmt in args.formats.split(","):
         mine = [r for r in rows if r["format"] == fmt and "us" in r]

@@ -14,5 +14,5 @@ step 90 hybrid32k python3 bench/bench_hybrid.py --contexts 32768 --formats fp8 -
 grep -vE "^ {4}" "$W/hybrid32k.log" | tail -9; grep -E "^ {4}" "$W/hybrid32k.log" | head -14
 step 190 hybrid_hf python3 bench/bench_hybrid_hf.py --out "$W/hybrid_hf.json"
 tail -3 "$W/hybrid_hf.log"
-step 90 quant_decode python3 bench/bench_quant_decode.py --out "$W/quant_decode.json"
-grep -vE "^ *$" "$W/quant_decode.log" | tail -12
+step 90 quant_decode python3 bench/bench_quant_decode.py --formats bf16,fp8,fp4 --stages 2,3 --out "$W/quant_decode.json"
+grep -vE "^  " "$W/quant_decode.log" | tail -10
