@@ -49,6 +49,9 @@ __all__ = [
 ]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# `hc_post_pre` fuses up to this many tokens; more run `hc_post` then `hc_pre` (the same bits):
+# at prefill sizes the fused projection, which recomputes s' per tile, is the slower one
+FUSED_MAX_ROWS = 256
 
 
 def _check_pre(s, fn, base, scale, n_out: int, num_scales: int) -> tuple[int, int, int]:
@@ -357,7 +360,8 @@ def hc_post_pre(
 
     Exactness: the torch path is `hc_post_torch` then `hc_pre_torch`. The Triton path equals
     `hc_post_triton` then `hc_pre_triton` bit for bit: ``s'`` by the same code, and the
-    projection reads ``s'`` back from memory in the unfused kernel's tiles and order.
+    projection reads ``s'`` back from memory in the unfused kernel's tiles and order. More
+    than ``FUSED_MAX_ROWS`` tokens run those two ops (prefill sizes, where they are faster).
 
     Example::
 
@@ -366,5 +370,10 @@ def hc_post_pre(
                                        ffn.scale, **kw)
         s = hc_post(s, post, comb, moe(x))
     """
-    fn_ = hc_post_pre_triton if use_triton(s) else hc_post_pre_torch
-    return fn_(s, post, comb, out, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps)
+    kw = dict(iters=iters, hc_eps=hc_eps, eps=eps)
+    if not use_triton(s):
+        return hc_post_pre_torch(s, post, comb, out, fn, base, scale, **kw)
+    if s.dim() == 3 and s.shape[0] > FUSED_MAX_ROWS:  # prefill-sized: two passes are faster
+        s = hc_post_triton(s, post, comb, out)
+        return (s, *hc_pre_triton(s, fn, base, scale, **kw))
+    return hc_post_pre_triton(s, post, comb, out, fn, base, scale, **kw)

@@ -189,12 +189,17 @@ def _check_gate_bias(ratio, overlap, dtype, decode, width, layout, dev):
         compress_store_triton(kv, g, *rings, *args, cache, layout, ratio=ratio, overlap=overlap,
                               state_in_launch=decode, pooled_out=pooled, gate_bias=b)  # fmt: skip
         runs.append((*rings, cache, pooled))
-    for want, got in zip(*runs, strict=True):
+    # the rings' last row is the trash row: every step row not kept writes it, in no set
+    # order, so its contents are undefined and left out
+    for i, (want, got) in enumerate(zip(*runs, strict=True)):
+        if i < 2:
+            want, got = want[:-1], got[:-1]
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     ring_ref, gring_ref = ring.clone(), gring.clone()
     entries = compress_store_torch(kv, raw_gate, ring_ref, gring_ref, *args, cache0.clone(),
                                    layout, ratio=ratio, overlap=overlap, gate_bias=bias)  # fmt: skip
-    assert torch.equal(runs[1][0], ring_ref) and torch.equal(runs[1][1], gring_ref)
+    assert torch.equal(runs[1][0][:-1], ring_ref[:-1])
+    assert torch.equal(runs[1][1][:-1], gring_ref[:-1])
     atol = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(runs[1][3], entries.float(), atol=atol, rtol=atol)
 
