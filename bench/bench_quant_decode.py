@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--formats", default="bf16,fp8,int8,fp4")
     ap.add_argument("--stages", default="2,3,4", help="num_stages values of the sweep")
+    ap.add_argument("--splits", default="", help="num_splits values to time (default only)")
+    ap.add_argument("--no-tiling", action="store_true", help="skip the tiling sweep")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
@@ -64,6 +66,9 @@ def main() -> None:
     reps, warm = (20, 3) if cuda else (1, 0)
     stages = tuple(int(x) for x in args.stages.split(","))
     sweep = list(itertools.product((32, 64, 128), (4, 8), stages)) if cuda else [(16, 4, 2)]
+    if args.no_tiling:
+        sweep = []
+    split_kws = [dict(num_splits=int(x)) for x in args.splits.split(",") if x]
     rows = []
     for fmt in args.formats.split(","):
         if fmt == "bf16":
@@ -77,8 +82,8 @@ def main() -> None:
             q, *ref_caches, page_ids, page_start, kv_lens, scale=d**-0.5
         )
         kv_bytes = 2 * batch * ctx * hkv * d * per_value
-        for tile_n, warps, stages in [(None, None, None), *sweep]:
-            kw = {} if tile_n is None else dict(tile_n=tile_n, num_warps=warps, num_stages=stages)
+        tilings = [dict(tile_n=t, num_warps=w, num_stages=st) for t, w, st in sweep]
+        for kw in [{}, *split_kws, *tilings]:
 
             def call(kw=kw, caches=caches, layout=layout):
                 return paged_attention_decode_triton(
