@@ -88,7 +88,7 @@ def main() -> None:
             def call(kw=kw, caches=caches, layout=layout):
                 return paged_attention_decode_triton(
                     q, *caches, page_ids, page_start, kv_lens, scale=d**-0.5, kv_layout=layout,
-                    **kw,
+                    max_kv_len=ctx, check=False, **kw,
                 )  # fmt: skip
 
             try:
