@@ -132,33 +132,37 @@ def post_pre_fns(hc: HyperConnection, rows: int, dev: torch.device, dtype: torch
 
 def sweep_plans(hc: HyperConnection, d: dict, iters: int) -> list[dict]:
     """`hc_pre` (Triton) per launch plan: (tile_t, tile_h, programs wanted, proj warps,
-    epilogue warps); the kvplan default first."""
+    epilogue warps, tensor-core dots); the kvplan default first. Prefill sizes (``T > 256``)
+    sweep larger row tiles and the tensor-core form (bf16 streams) instead of the 1-2 warp
+    epilogues."""
     t, n, h = d["s"].shape
     kw = dict(iters=hc.iters, hc_eps=hc.hc_eps, eps=hc.eps)
     default_plan, default_warps = hcm._proj_plan, hcm._epilogue_warps
+    big = t > 256
     variants = [None] + [
-        (tt, th, target, pw, ew)
-        for tt in (16, 32)
+        (tt, th, target, pw, ew, tc)
+        for tt in ((32, 64, 128) if big else (16, 32))
         for th in (8, 16, 32, 64)
-        for target in (32, 64, 128, 256)
-        for pw in (2, 4)
-        for ew in (1, 2, 4)
+        for target in ((128, 256, 512) if big else (32, 64, 128, 256))
+        for pw in ((4, 8) if big else (2, 4))
+        for ew in ((4,) if big else (1, 2, 4))
+        for tc in ((False, True) if big and d["s"].dtype == torch.bfloat16 else (False,))
         if tt <= max(16, triton_next_pow2(t)) and 16 <= th * triton_next_pow2(n) <= 256
     ]
     rows = []
     try:
         for v in variants:
             if v is not None:
-                tt, th, target, pw, ew = v
+                tt, th, target, pw, ew, tc = v
                 h_tiles = -(-h // th)
                 splits = max(1, min(h_tiles, target // -(-t // tt)))
                 hps = -(-h_tiles // splits) * th
-                plan = hcm._ProjPlan(tt, th, hps, -(-h // hps), pw)
+                plan = hcm._ProjPlan(tt, th, hps, -(-h // hps), pw, tc)
                 hcm._proj_plan = lambda *_a, plan=plan: plan
                 hcm._epilogue_warps = lambda *_a, ew=ew: ew
             fn = lambda: hc_pre(d["s"], hc.fn, hc.base, hc.scale, **kw)  # noqa: E731
             fn()
-            cur = hcm._proj_plan(t, n, h)
+            cur = hcm._proj_plan(t, n, h, d["s"].dtype)
             rows.append(dict(
                 plan="default" if v is None else "x".join(map(str, v)),
                 splits=cur.splits, graph_us=time_cuda(fn, iters, graph=True),

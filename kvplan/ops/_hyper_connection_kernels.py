@@ -61,10 +61,12 @@ def hc_proj_kernel(
     s_ptr, out_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, sq_ptr,
     num_rows, hidden, h_per_split, n_out,
     N: tl.constexpr, N_P: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr,
-    N_PAD: tl.constexpr, FUSED: tl.constexpr,
+    N_PAD: tl.constexpr, FUSED: tl.constexpr, TC: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
     """``part[p, t, o] = sum_{k in split p} x[t, k] * fn[o, k]``; ``sq[p, t] = sum x[t, k]^2``;
-    with ``FUSED``, ``x`` is first written as ``hc_post(s, post, comb, out)``."""
+    with ``FUSED``, ``x`` is first written as ``hc_post(s, post, comb, out)``. ``TC`` (bf16
+    ``x``): tensor-core dots of ``x`` with ``fn`` split into three bf16 parts
+    (``fn = w1 + w2 + w3`` to fp32 precision; every product exact in the fp32 accumulators)."""
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_t * TILE_T + tl.arange(0, TILE_T)
@@ -77,6 +79,7 @@ def hc_proj_kernel(
     k_total = N * hidden
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     acc = tl.zeros([TILE_T, N_PAD], dtype=tl.float32)
+    acc_lo = tl.zeros([TILE_T, N_PAD], dtype=tl.float32)  # TC: the w2 + w3 products
     sq = tl.zeros([TILE_T], dtype=tl.float32)
     h_lo = split * h_per_split
     h0 = 0  # while loops: the CPU interpreter takes no runtime ``range`` bound
@@ -91,14 +94,32 @@ def hc_proj_kernel(
                           streams[None, :], hs[None, :], m2, hidden, N, dtype)  # fmt: skip
             tl.store(x_ptr + offs, v.to(dtype), mask=m2)
             tl.debug_barrier()  # the tile is read back below by other threads of the program
-        x = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=m2, other=0.0)
         w = tl.load(
             fn_ptr + outs[:, None] * k_total + ks[None, :],
             mask=omask[:, None] & cmask[None, :], other=0.0,
         )  # fmt: skip
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        sq += tl.sum(x * x, axis=1)
+        if TC:
+            w1 = w.to(tl.bfloat16)
+            r = w - w1.to(tl.float32)
+            w2 = r.to(tl.bfloat16)
+            w3 = (r - w2.to(tl.float32)).to(tl.bfloat16)
+            if HW:
+                acc_lo = tl.dot(x, tl.trans(w3), acc_lo)
+                acc_lo = tl.dot(x, tl.trans(w2), acc_lo)
+                acc = tl.dot(x, tl.trans(w1), acc)
+            else:  # the CPU interpreter's bf16 dot is not usable: the same exact products
+                xf = x.to(tl.float32)
+                acc_lo = tl.dot(xf, tl.trans(w3.to(tl.float32)), acc_lo, input_precision="ieee")
+                acc_lo = tl.dot(xf, tl.trans(w2.to(tl.float32)), acc_lo, input_precision="ieee")
+                acc = tl.dot(xf, tl.trans(w1.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        xf = x.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
         h0 += TILE_H
+    if TC:
+        acc += acc_lo
     base = split * num_rows + rows64
     tl.store(part_ptr + base[:, None] * N_PAD + outs[None, :], acc, mask=rmask[:, None])
     tl.store(sq_ptr + base, sq, mask=rmask)

@@ -150,28 +150,36 @@ def _hidden_tile(hidden: int) -> int:
 
 class _ProjPlan(NamedTuple):
     """Launch shape of ``hc_proj_kernel``: row tile, hidden columns per stream of a K tile,
-    hidden columns per split, number of splits, warps."""
+    hidden columns per split, number of splits, warps, tensor-core dots (``TC``)."""
 
     tile_t: int
     tile_h: int
     h_per_split: int
     splits: int
     num_warps: int
+    tc: bool = False
 
 
-def _proj_plan(t: int, n: int, hidden: int) -> _ProjPlan:
+# prefill-sized bf16 projections (more rows than this) run ``hc_proj_kernel``'s tensor-core
+# form: ``fn`` split into three bf16 parts, the products exact, fp32 accumulation
+TC_MIN_ROWS = 256
+
+
+def _proj_plan(t: int, n: int, hidden: int, dtype: torch.dtype | None = None) -> _ProjPlan:
     """Decode sizes: one K tile per program, about one program per SM; large ``T``: a few
-    splits of many K tiles. The fused and unfused paths share this plan (their summation
-    order is the same only when their plans are)."""
+    splits of many K tiles (bf16: on the tensor cores, wider K tiles). The fused and unfused
+    paths share this plan (their summation order is the same only when their plans are)."""
     interp = triton_interpreting()
     n_p = triton_next_pow2(n)
+    tc = dtype == torch.bfloat16 and t > TC_MIN_ROWS
     tile_t = 16 if t <= 16 else 32 if t <= 256 else 64
-    tile_h = max(8, 16 // n_p) if interp else max(16, 64 // n_p)  # N_P * tile_h >= 16
-    h_tiles = triton_cdiv(hidden, tile_h)
+    tile_h = max(8, 16 // n_p) if interp else max(16, (128 if tc else 64) // n_p)
+    h_tiles = triton_cdiv(hidden, tile_h)  # N_P * tile_h >= 16 (a dot's K)
     target = 4 if interp else (128 if t <= 256 else 256)  # programs wanted in all
     splits = max(1, min(h_tiles, target // triton_cdiv(t, tile_t)))
     h_per_split = triton_cdiv(h_tiles, splits) * tile_h
-    return _ProjPlan(tile_t, tile_h, h_per_split, triton_cdiv(hidden, h_per_split), 4)
+    warps = 4
+    return _ProjPlan(tile_t, tile_h, h_per_split, triton_cdiv(hidden, h_per_split), warps, tc)
 
 
 def _epilogue_warps(t: int) -> int:
@@ -192,7 +200,7 @@ def _project(
     t, n, hidden = s.shape
     n_out = fn.shape[0]
     n_pad = max(16, triton_next_pow2(n_out))
-    plan = _proj_plan(t, n, hidden)
+    plan = _proj_plan(t, n, hidden, s.dtype)
     part = torch.empty(plan.splits, t, n_pad, dtype=torch.float32, device=s.device)
     sq = torch.empty(plan.splits, t, dtype=torch.float32, device=s.device)
     if fuse is None:
@@ -202,7 +210,8 @@ def _project(
     hc_proj_kernel[(triton_cdiv(t, plan.tile_t), plan.splits)](
         s, out, post, comb, x, fn, part, sq, t, hidden, plan.h_per_split, n_out,
         N=n, N_P=triton_next_pow2(n), TILE_T=plan.tile_t, TILE_H=plan.tile_h, N_PAD=n_pad,
-        FUSED=fuse is not None, num_warps=plan.num_warps,
+        FUSED=fuse is not None, TC=plan.tc, HW=not triton_interpreting(),
+        num_warps=plan.num_warps,
     )  # fmt: skip
     return part, sq, x
 

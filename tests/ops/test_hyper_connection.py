@@ -107,6 +107,39 @@ def test_pre_triton_matches_torch(n, iters, dtype):
         torch.testing.assert_close(g.cpu(), w, **tol, msg=name)
 
 
+@pytest.mark.parametrize("t, n, hidden", [(20, 4, 40), (18, 3, 24)])
+def test_pre_triton_tensor_core_form_matches_torch(t, n, hidden, monkeypatch):
+    """Prefill-sized bf16 rows take the projection's tensor-core form (fn in three bf16
+    parts): fp32 accuracy, like the IEEE form, and the same mixing weights to fp32 rounding.
+    (The row threshold is lowered so the interpreter runs few programs.)"""
+    import kvplan.ops.hyper_connection as hcm
+
+    assert hcm._proj_plan(hcm.TC_MIN_ROWS + 1, n, hidden, torch.bfloat16).tc
+    assert not hcm._proj_plan(hcm.TC_MIN_ROWS + 1, n, hidden, torch.float32).tc
+    assert not hcm._proj_plan(hcm.TC_MIN_ROWS, n, hidden, torch.bfloat16).tc
+    monkeypatch.setattr(hcm, "TC_MIN_ROWS", 8)
+    s, fn, base, scale = _inputs(t + n, t, n, hidden, torch.bfloat16)
+    assert hcm._proj_plan(t, n, hidden, torch.bfloat16).tc
+    kw = dict(iters=20, hc_eps=HC_EPS, eps=EPS)
+    want = hc_pre_torch(s, fn, base, scale, **kw)
+    got = hc_pre_triton(*_to(TRITON_DEVICE, s, fn, base, scale), **kw)
+    for name, g, w in zip(("post", "comb", "x"), got, want):
+        tol = dict(atol=2e-6, rtol=2e-5) if name != "x" else _tol(torch.bfloat16)
+        torch.testing.assert_close(g.cpu(), w, **tol, msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_pre_tensor_core_form_at_model_size():
+    s, fn, base, scale = _inputs(3, 4096, 4, 2048, torch.bfloat16)
+    fn = fn * 0.1
+    kw = dict(iters=20, hc_eps=HC_EPS, eps=EPS)
+    want = hc_pre_torch(*_to(torch.device("cuda"), s, fn, base, scale), **kw)
+    got = hc_pre_triton(*_to(torch.device("cuda"), s, fn, base, scale), **kw)
+    for name, g, w in zip(("post", "comb", "x"), got, want):
+        tol = dict(atol=1e-5, rtol=1e-4) if name != "x" else _tol(torch.bfloat16)
+        torch.testing.assert_close(g, w, **tol, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_head_triton_matches_torch(n, dtype):
