@@ -123,13 +123,14 @@ def decode_rows(seqs: list, num_rows: int, config: MetadataConfig,
     ):  # fmt: skip
         return None
     nb = np.asarray(cfg.num_blocks_for(sk), dtype=np.int64)
-    parts = []
-    for i, (s, table) in enumerate(zip(sid_col, tables)):
-        got = cache.row(s, table)
-        if got is None or got[1] < nb[i]:  # not ints, too short, or a used id out of range
+    parts, row = [], cache.row
+    for s, table, k in zip(sid_col, tables, nb[:n].tolist()):
+        got = row(s, table)
+        if got is None or got[1] < k:  # not ints, too short, or a used id out of range
             return None
-        parts.append(got[0][: nb[i]])
-    parts += [np.zeros(int(nb[n:].sum()), dtype=np.int64)] if pad else []
+        parts.append(got[0][:k])
+    if pad:
+        parts.append(np.zeros(int(nb[n:].sum()), dtype=np.int64))
     offsets = np.zeros(num_rows + 1, dtype=np.int64)
     np.cumsum(nb, out=offsets[1:])
     ph = np.zeros(num_rows, dtype=bool)

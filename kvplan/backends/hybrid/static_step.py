@@ -18,7 +18,8 @@ A :class:`StaticDecodeStep` of ``num_rows = b`` rows (one CUDA-graph bucket) spl
 
 ``stage(seqs)`` (host, before each replay)
     validates ``seqs`` (decode rows), writes the packed decode facts
-    (``stage_decode_on_device(..., out=)``) and ``inputs`` (from one of two pinned staging
+    (``stage_decode_on_device(..., out=)`` of the rows as a ``DecodeBatchArrays``, see
+    ``kvplan.backends.hybrid.static_facts``) and ``inputs`` (from one of two pinned staging
     slots on CUDA, one copy queued on the stream, so it lands after a replay of the step
     before that still reads ``inputs``; a slot is rewritten once its last copy is done).
     Rows ``len(seqs) .. b - 1`` are padding: placeholder sequences (position 0, block table
@@ -163,6 +164,11 @@ class StaticDecodeStep(PlannedStep):
         """Write the host facts of a decode step over ``seqs`` (at most ``num_rows`` decode
         rows; the rest is padding) into the persistent buffers. Raises ``ValueError`` /
         ``TypeError`` naming the sequence before anything is written.
+
+        Host work: O(rows) Python and numpy calls, whatever the context length
+        (`kvplan.backends.hybrid.static_facts.decode_rows`; block tables are converted once
+        per state slot and table, ``buffers.tables``). A batch that fails a fast check goes
+        through ``SequenceMetadata`` and the planning layer's checks, which name the error.
 
         Token values: only ``token_ids[q_start]`` (row i's input token, into ``input_ids``)
         is read; nothing else staged depends on a token. A step scheduled ahead stages a
