@@ -155,6 +155,39 @@ def plan_compressor_state(
     )
 
 
+def plan_decode_compressor_state(
+    q_start: np.ndarray,
+    state_id: np.ndarray,
+    is_placeholder: np.ndarray,
+    ratio: int,
+    overlap: bool,
+) -> CompressorStatePlan:
+    """:func:`plan_compressor_state` of a decode step, one row per sequence (``seqlen_q = 1``),
+    from int64 ``[n]`` arrays: a fixed number of numpy calls (the same values, the same
+    int32 check). Row ``t`` at position ``p = q_start[t]`` stores ring row
+    ``state_id * R + p % R`` and closes entry ``j = p // r`` when ``(p + 1) % r == 0``
+    (placeholder rows: neither)."""
+    _check_ratio(ratio)
+    big_r = state_rows(ratio, overlap)
+    check_int32("num_state_slots * R", int(state_id.max(initial=0) + 1) * big_r)
+    qs, sid, live = q_start, state_id, ~np.asarray(is_placeholder, dtype=bool)
+    slot = np.where(live, sid * big_r + qs % big_r, -1).astype(np.int32)
+    entry_seq = np.flatnonzero(live & ((qs + 1) % ratio == 0)).astype(np.int64)
+    qs_e = qs[entry_seq]
+    entry_index = qs_e // ratio
+    first = (entry_index + 1) * ratio - big_r
+    lo = np.maximum(first, 0)
+    facts = np.empty((len(entry_seq), 4), dtype=np.int64)
+    facts[:, 0] = sid[entry_seq] * big_r + lo % big_r
+    facts[:, 1] = lo - first
+    facts[:, 2] = np.maximum(qs_e - lo, 0)
+    facts[:, 3] = entry_seq + np.maximum(first, qs_e) - qs_e
+    check_int32("total_q", len(qs))
+    return CompressorStatePlan(ratio=ratio, overlap=overlap, slot_mapping_store_state=slot,
+                               entry_seq=entry_seq, entry_index=entry_index.astype(np.int64),
+                               window_facts=facts.astype(np.int32))  # fmt: skip
+
+
 def expand_window_index(window_facts: torch.Tensor, num_rows: int, ring_rows: int) -> torch.Tensor:
     """Expand ``window_facts`` into per-row sources (torch, any device; int32).
 

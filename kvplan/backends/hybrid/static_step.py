@@ -18,7 +18,8 @@ A :class:`StaticDecodeStep` of ``num_rows = b`` rows (one CUDA-graph bucket) spl
 
 ``stage(seqs)`` (host, before each replay)
     validates ``seqs`` (decode rows), writes the packed decode facts
-    (``stage_decode_on_device(..., out=)``) and ``inputs`` (from one of two pinned staging
+    (``stage_decode_on_device(..., out=)`` of the rows as a ``DecodeBatchArrays``, see
+    ``kvplan.backends.hybrid.static_facts``) and ``inputs`` (from one of two pinned staging
     slots on CUDA, one copy queued on the stream, so it lands after a replay of the step
     before that still reads ``inputs``; a slot is rewritten once its last copy is done).
     Rows ``len(seqs) .. b - 1`` are padding: placeholder sequences (position 0, block table
@@ -55,7 +56,12 @@ import torch
 
 from kvplan.backends.hybrid.api import HybridSeq
 from kvplan.backends.hybrid.planned_step import PlannedStep
-from kvplan.plan.compressor_state import expand_window_index, plan_compressor_state, state_rows
+from kvplan.backends.hybrid.static_facts import BlockTableCache, decode_rows
+from kvplan.plan.compressor_state import (
+    expand_window_index,
+    plan_decode_compressor_state,
+    state_rows,
+)
 from kvplan.plan.config import ratio_key
 from kvplan.plan.decode_device import (
     launch_decode_kernels,
@@ -94,6 +100,7 @@ class StaticDecodeBuffers:
         self._staging = torch.zeros(2, num, max_rows, dtype=torch.int64, pin_memory=pin)
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each slot's last upload
         self._slot = 0
+        self.tables = BlockTableCache(family.config)  # per state slot, across steps
 
     def host(self) -> np.ndarray:
         """int64 ``[rows, max_rows]`` numpy view of the staging slot the next upload sends;
@@ -158,13 +165,30 @@ class StaticDecodeStep(PlannedStep):
         rows; the rest is padding) into the persistent buffers. Raises ``ValueError`` /
         ``TypeError`` naming the sequence before anything is written.
 
+        Host work: O(rows) Python and numpy calls, whatever the context length
+        (`kvplan.backends.hybrid.static_facts.decode_rows`; block tables are converted once
+        per state slot and table, ``buffers.tables``). A batch that fails a fast check goes
+        through ``SequenceMetadata`` and the planning layer's checks, which name the error.
+
         Token values: only ``token_ids[q_start]`` (row i's input token, into ``input_ids``)
         is read; nothing else staged depends on a token. A step scheduled ahead stages a
         placeholder there, and its caller copies the real tokens over ``input_ids`` on the
         device before the step runs."""
-        b, cfg = self.num_rows, self.family.config
+        b = self.num_rows
         if len(seqs) > b:
             raise ValueError(f"{len(seqs)} sequences do not fit a step of {b} rows")
+        rows = decode_rows(seqs, b, self.family.config, self.buffers.tables)
+        if rows is None:  # a check fails (or a fact is unusual): the exact path names it
+            rows = self._exact_rows(seqs)
+        staged = stage_decode_on_device(rows.batch, self.family.config, out=self.buffers.out)
+        self._write_inputs(rows)
+        self._staged = staged
+        self.seqs = list(seqs)
+
+    def _exact_rows(self, seqs: list[HybridSeq]) -> SimpleNamespace:
+        """The rows of ``seqs`` as ``SequenceMetadata`` (``batch``), whose staging runs the
+        planning layer's checks: errors name the sequence, field and value."""
+        b = self.num_rows
         for i, s in enumerate(seqs):
             if not isinstance(s, HybridSeq):
                 raise TypeError(f"seqs[{i}] must be a HybridSeq, got {type(s).__name__}")
@@ -180,29 +204,43 @@ class StaticDecodeStep(PlannedStep):
                              state_id=s.state_id, token_ids=s.token_ids[: s.q_start + 1])
             for s in seqs
         ] + [_PADDING] * (b - len(seqs))  # fmt: skip
-        staged = stage_decode_on_device(metas, cfg, out=self.buffers.out)  # validates, writes
-        host = self.buffers.host()
         n = len(seqs)
+        ph = np.zeros(b, dtype=bool)
+        ph[n:] = True
+        return SimpleNamespace(
+            batch=metas,
+            q_start=np.array([m.seqlen_k - 1 for m in metas], dtype=np.int64),
+            state_id=np.array([m.state_id for m in metas], dtype=np.int64),
+            is_placeholder=ph,
+            input_ids=[s.token_ids[s.q_start] for s in seqs],
+        )
+
+    def _write_inputs(self, rows) -> None:
+        """Token ids, positions and each series' compressor-state facts into a staging slot,
+        then its upload (see the module docstring)."""
+        b, cfg = self.num_rows, self.family.config
+        host = self.buffers.host()
+        n = len(rows.q_start) - int(rows.is_placeholder.sum())
         host[0, :b] = 0
         host[1, :b] = 0
-        host[0, :n] = [s.token_ids[s.q_start] for s in seqs]
-        host[1, :n] = [s.q_start for s in seqs]
-        sid = np.array([m.state_id for m in metas], dtype=np.int64)
+        host[0, :n] = rows.input_ids[:n]
+        host[1, :n] = rows.q_start[:n]
+        sid = rows.state_id
         for (ratio, overlap), row in self.buffers.series.items():
-            plan = plan_compressor_state(metas, ratio, overlap)
+            plan = plan_decode_compressor_state(
+                rows.q_start, rows.state_id, rows.is_placeholder, ratio, overlap
+            )
             big_r = plan.state_rows
             blk = host[row : row + SERIES_ROWS, :b]
             blk[0], blk[1], blk[2], blk[3] = sid * big_r, 0, big_r, 0  # stand-in: the ring
             blk[4:] = 0
-            rows = plan.entry_seq  # decode: row t closes at most one entry, of sequence t
-            blk[0:4, rows] = plan.window_facts.T
-            blk[5, rows] = plan.positions
-            blk[6, rows] = plan.entry_index
+            ents = plan.entry_seq  # decode: row t closes at most one entry, of sequence t
+            blk[0:4, ents] = plan.window_facts.T
+            blk[5, ents] = plan.positions
+            blk[6, ents] = plan.entry_index
             store = plan.slot_mapping_store_state
             blk[4] = np.where(store >= 0, store, cfg.num_state_slots * big_r)
         self.buffers.upload()
-        self._staged = staged
-        self.seqs = list(seqs)
 
     # ---- device -----------------------------------------------------------------------
     def begin(self) -> None:
