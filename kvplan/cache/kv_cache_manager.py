@@ -373,6 +373,15 @@ class KVCacheManager:
         row = self.requests.row(request_id, beam)
         return self.requests.block_ids(self.requests.check_pool(pool), row)
 
+    def get_block_ids_view(
+        self, request_id: Hashable, pool: int = 0, *, beam: int = 0
+    ) -> np.ndarray:
+        """`get_block_ids` as a read-only int32 numpy view of the manager's table: no
+        per-call list, so a step's host work does not grow with the context. Valid until the
+        request's blocks next change (read it when the step is planned)."""
+        row = self.requests.row(request_id, beam)
+        return self.requests.block_ids_view(self.requests.check_pool(pool), row)
+
     def get_cross_block_ids(self, request_id: Hashable, pool: int = 0) -> list[int]:
         """The request's encoder blocks (shared by its beams)."""
         row = self.requests.get(request_id).rows[0]

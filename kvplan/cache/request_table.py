@@ -144,6 +144,13 @@ class RequestTable:
         """The allocated blocks of ``row`` in ``pool``, in sequence order."""
         return self.tables[pool, row, : self.num_allocated[row]].tolist()
 
+    def block_ids_view(self, pool: int, row: int) -> np.ndarray:
+        """`block_ids` as a read-only view of the table (no copy; valid until the row's
+        table next changes)."""
+        view = self.tables[pool, row, : self.num_allocated[row]]
+        view.flags.writeable = False
+        return view
+
     def cross_block_ids(self, pool: int, row: int) -> list[int]:
         return self.cross[pool, row, : self.num_cross[row]].tolist()
 

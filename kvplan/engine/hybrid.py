@@ -117,7 +117,7 @@ class HybridEngineFamily:
                 cached,
                 query,
                 view(s.request),
-                m.get_block_ids(rid),
+                m.get_block_ids_view(rid),
                 m.get_state_slot(rid),
             )
             for s, rid, cached, query in zip(

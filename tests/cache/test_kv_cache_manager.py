@@ -10,6 +10,20 @@ def make(num_blocks=16, block_size=4, max_blocks_per_seq=8, **kw):
     return KVCacheManager(num_blocks, block_size, max_blocks_per_seq=max_blocks_per_seq, **kw)
 
 
+def test_block_ids_view_is_a_read_only_view_of_the_table():
+    m = make(num_blocks=8)
+    m.add_request("a", [1, 2, 3, 4, 5])
+    view = m.get_block_ids_view("a")
+    assert view.dtype == np.int32 and view.tolist() == m.get_block_ids("a") == [1, 2]
+    assert not view.flags.writeable and not view.flags.owndata  # no copy
+    with pytest.raises(ValueError, match="read-only"):
+        view[0] = 5
+    assert m.extend("a", 4).ok
+    assert m.get_block_ids_view("a").tolist() == m.get_block_ids("a") == [1, 2, 3]
+    with pytest.raises(ValueError, match="unknown request id"):
+        m.get_block_ids_view("zz")
+
+
 def test_add_extend_free_exact_ids():
     m = make(num_blocks=8)
     r = m.add_request("a", [1, 2, 3, 4, 5])
