@@ -14,6 +14,8 @@ weights fp32), random values.
 * ``hc_post_pre@R`` (R in ``--hc-rows``, default 32 and 4096): a residual update followed by
   the next connection; unfused = `hc_post` + `hc_pre` (Triton, three kernels), fused =
   `hc_post_pre` (two kernels); their outputs must be equal (max|diff| 0).
+* ``hc_pre@R`` (R above ``TC_MIN_ROWS``): the projection's IEEE fp32 form against its
+  tensor-core form (bf16 rows; max|diff| is fp32 rounding).
 
 ``--sweep`` also times `hc_pre` (Triton) at ``--rows`` over a few launch plans of the
 projection (row tile, hidden columns per tile, programs wanted, warps) and epilogue warps.
@@ -109,6 +111,27 @@ def hc_fns(hc: HyperConnection, d: dict):
         return hc_post(d["s"], post, comb, d["out"]), x
 
     return torch_path, new_path
+
+
+def projection_form_fns(hc: HyperConnection, rows: int, dev: torch.device):
+    """(IEEE fp32 dots, tensor-core form) of `hc_pre` on ``rows`` random bf16 rows: the
+    projection's two forms (``TC_MIN_ROWS`` moved so ``rows`` takes one or the other)."""
+    gen = torch.Generator(device=dev).manual_seed(rows + 1)
+    n, h = hc.n, hc.fn.shape[1] // hc.n
+    s = torch.randn(rows, n, h, generator=gen, device=dev).to(torch.bfloat16)
+    kw = dict(iters=hc.iters, hc_eps=hc.hc_eps, eps=hc.eps)
+
+    def run(threshold: int):
+        def fn():
+            saved, hcm.TC_MIN_ROWS = hcm.TC_MIN_ROWS, threshold
+            try:
+                return hc_pre(s, hc.fn, hc.base, hc.scale, **kw)
+            finally:
+                hcm.TC_MIN_ROWS = saved
+
+        return fn
+
+    return run(rows), run(0)
 
 
 def post_pre_fns(hc: HyperConnection, rows: int, dev: torch.device, dtype: torch.dtype):
@@ -269,6 +292,9 @@ def main() -> None:
     for r in (int(v) for v in args.hc_rows.split(",")) if cuda else (5,):
         fns = post_pre_fns(hc, r, dev, torch.bfloat16)
         rows += measure(f"hc_post_pre@{r}", fns, cuda, args.iters, ("unfused", "fused"))
+        if r > hcm.TC_MIN_ROWS or not cuda:
+            fns = projection_form_fns(hc, r, dev)
+            rows += measure(f"hc_pre@{r}", fns, cuda, args.iters, ("ieee", "tensor-core"))
     sweep = sweep_plans(hc, d, args.iters) if args.sweep and cuda else []
     print(
         f"{'piece':16} {'path':8} {'eager us':>9} {'graph us':>9} {'kernels':>8} {'max|diff|':>10}"
