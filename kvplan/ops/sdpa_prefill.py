@@ -71,21 +71,17 @@ def equal_length_groups(cu_seqlens: np.ndarray) -> list[SeqGroup]:
     [SeqGroup(start=0, num_seqs=2, seq_len=4), SeqGroup(start=8, num_seqs=2, seq_len=3), \
 SeqGroup(start=14, num_seqs=1, seq_len=1)]
     """
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    lens = np.diff(cu)
-    keep = np.flatnonzero(lens > 0)
-    if keep.size == 0:
-        return []
-    # a group starts at every kept sequence whose length differs from the previous kept one
-    # (or that follows a dropped empty sequence: the rows stay contiguous either way)
-    new = np.ones(keep.size, dtype=bool)
-    new[1:] = lens[keep[1:]] != lens[keep[:-1]]
-    heads = np.flatnonzero(new)
-    counts = np.diff(np.append(heads, keep.size))
-    return [
-        SeqGroup(int(cu[keep[h]]), int(c), int(lens[keep[h]]))
-        for h, c in zip(heads.tolist(), counts.tolist())
-    ]
+    cu = np.asarray(cu_seqlens).tolist()  # a plain loop: n is small, numpy calls cost more
+    runs: list[list[int]] = []  # [start, num_seqs, seq_len]
+    for start, end in zip(cu[:-1], cu[1:]):
+        n = end - start
+        if n <= 0:
+            continue
+        if runs and runs[-1][2] == n:  # contiguous: empty sequences between add no rows
+            runs[-1][1] += 1
+        else:
+            runs.append([start, 1, n])
+    return [SeqGroup(*r) for r in runs]
 
 
 @lru_cache(maxsize=1)
