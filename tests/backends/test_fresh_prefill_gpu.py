@@ -188,6 +188,9 @@ def test_gpu_sdpa_equals_triton_and_reference(dtype, h, hkv, d):
     scale = d**-0.5
     out = torch.full_like(q, float("nan"))
     res = sdpa_prefill(q, k, v, equal_length_groups(np.cumsum([0, *lens])), scale=scale, out=out)
+    if res is None and dtype == torch.float32:  # no fused fp32 kernel for this head_dim
+        assert sdpa_mod._probed[(q.device, dtype, d, h != hkv)] is False
+        pytest.skip(f"no fused SDPA kernel for fp32, head_dim {d} (the engine falls back)")
     assert res is out
     triton = paged_attention_prefill_triton(q, *paged, scale=scale, max_q_len=max(lens), check=True)
     ref = fp32_reference(q, k, v, lens, scale, None)
