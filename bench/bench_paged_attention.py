@@ -9,10 +9,12 @@ sweep over (num_splits, tile_n, num_warps, num_stages) is recorded too; every sw
 output is checked against SDPA.
 
 Prefill: 4 fresh prompts x 4096 tokens (causal), same heads: the Triton varlen prefill
-kernel over the paged cache, the flash path the backends take for rows with no cached history
-(``kvplan.ops.flash_prefill``: torch's varlen flash attention on the fresh K/V rows; the op
-alone and through ``prefill_fresh_rows`` into a preallocated output), and SDPA on contiguous
-tensors; TFLOP/s and the time ratio to SDPA. ``--prefill-shapes 32x8192`` adds shapes.
+kernel over the paged cache, the two paths the backends take for rows with no cached history
+through ``prefill_fresh_rows`` into a preallocated output (``sdpa_engine``:
+``kvplan.ops.sdpa_prefill``, SDPA per run of equal-length prompts on views of the packed
+rows; ``flash_engine``: ``kvplan.ops.flash_prefill``, torch's varlen flash attention, also
+timed alone as ``flash_op``), and SDPA on contiguous tensors; TFLOP/s and the time ratio to
+SDPA. ``--prefill-shapes 32x8192`` adds shapes.
 
 GPU:  PYTHONPATH=. python3 bench/bench_paged_attention.py --out results.json
       PYTHONPATH=. python3 bench/bench_paged_attention.py --prefill-only --no-sweep
@@ -23,6 +25,7 @@ CPU:  PYTHONPATH=. python3 bench/bench_paged_attention.py --quick   (interpreter
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -100,6 +103,20 @@ def sdpa(q, k, v, causal):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str):
+    """``os.environ[name] = value`` inside the block, restored after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def rel_err(a, b) -> float:
@@ -185,8 +202,8 @@ def bench_decode(args, device, dtype, gen):
 
 def bench_prefill(args, device, dtype, gen, batch=None, length=None, sweep_configs=None):
     """Causal prefill of ``batch`` fresh prompts x ``length`` tokens: the Triton paged kernel,
-    the flash path (``kvplan.ops.flash_prefill`` on the fresh rows: the op alone, and as the
-    backends run it through ``prefill_fresh_rows`` into a preallocated output) and SDPA on
+    the SDPA and flash paths as the backends run them through ``prefill_fresh_rows`` into a
+    preallocated output (each with the other switched off), the flash op alone, and SDPA on
     contiguous ``[B, H, L, D]`` tensors, each as TFLOP/s and as a time ratio to SDPA."""
     B = args.prefill_batch if batch is None else batch
     L = args.prefill_len if length is None else length
@@ -233,6 +250,27 @@ def bench_prefill(args, device, dtype, gen, batch=None, length=None, sweep_confi
         triton_default=entry(timed(run, args.reps, args.warmup), rel_err(run(), ref)),
         sweep=sweep,
     )
+    seg = PagedSegment(table.flatten(), page_start, kv_lens, cu, B * L, L, L,
+                       np.arange(B + 1, dtype=np.int32) * L, 0)  # fmt: skip
+    out = torch.empty_like(q)
+
+    def engine_path():
+        res = prefill_fresh_rows(
+            q, k_new, v_new, k_cache, v_cache, seg, scale=scale, window=None, out=out,
+            kv_layout=None, check=False,
+        )  # fmt: skip
+        assert res is not None, "prefill_fresh_rows fell back to the paged kernel"
+        return res
+
+    # each engine entry with the other fresh-row path switched off, so it measures its own
+    for key, sdpa_on, flash_on in (("sdpa_engine", "1", "0"), ("flash_engine", "0", "1")):
+        with env_set("KVPLAN_PREFILL_SDPA", sdpa_on), env_set("KVPLAN_PREFILL_FLASH", flash_on):
+            try:
+                err = rel_err(engine_path(), ref)
+            except AssertionError as exc:
+                res[key] = dict(unsupported=str(exc))
+                continue
+            res[key] = entry(timed(engine_path, args.reps, args.warmup), err)
     why = flash_prefill_unsupported(
         q, k_new, v_new, cache_dtype=k_cache.dtype, quantized_cache=False, sliding_window=None,
         max_q_len=L,
@@ -244,19 +282,6 @@ def bench_prefill(args, device, dtype, gen, batch=None, length=None, sweep_confi
         res["flash"] = dict(unsupported=why)
         return res
     res["flash_op"] = entry(timed(flash_op, args.reps, args.warmup), rel_err(flash_op(), ref))
-    seg = PagedSegment(table.flatten(), page_start, kv_lens, cu, B * L, L, L,
-                       np.arange(B + 1, dtype=np.int32) * L, 0)  # fmt: skip
-    out = torch.empty_like(q)
-
-    def engine_path():
-        return prefill_fresh_rows(
-            q, k_new, v_new, k_cache, v_cache, seg, scale=scale, window=None, out=out,
-            kv_layout=None, check=False,
-        )  # fmt: skip
-
-    res["flash_engine"] = entry(
-        timed(engine_path, args.reps, args.warmup), rel_err(engine_path(), ref)
-    )
     return res
 
 
@@ -266,10 +291,13 @@ def print_prefill(pre) -> None:
           f"x{sh['head_dim']} {sh['dtype']}")  # fmt: skip
     print(f"  {'path':<26}{'ms':>10}{'TFLOP/s':>10}{'sdpa_t/t':>10}{'rel err':>10}")
     for name, key in (("sdpa (contiguous)", "sdpa_contiguous"), ("triton paged", "triton_default"),
+                      ("sdpa engine path", "sdpa_engine"),
                       ("flash op (varlen_attn)", "flash_op"),
                       ("flash engine path", "flash_engine")):  # fmt: skip
         r = pre.get(key)
-        if r:
+        if r and "unsupported" in r:
+            print(f"  {name:<26} unsupported: {r['unsupported']}")
+        elif r:
             err = f"{r['rel_err']:10.1e}" if "rel_err" in r else f"{'-':>10}"
             print(f"  {name:<26}{r['seconds'] * 1e3:10.3f}{r['tflops']:10.0f}"
                   f"{r['ratio_to_sdpa']:10.2f}{err}")  # fmt: skip

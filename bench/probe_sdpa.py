@@ -5,7 +5,7 @@ efficient) on B fresh prompts x L tokens, with the keys as a contiguous ``[B, Hk
 tensor and as the transposed view of packed ``[B * L, Hkv, D]`` rows (the layout the engine
 holds), GQA native (``enable_gqa``) and expanded, and torch's ``varlen_attn`` on the packed
 rows. Prints one line per variant (median ms, TFLOP/s, error against the math backend on a
-small slice). Usage: ``python bench/probe_sdpa.py [--batch 4 --len 4096]``.
+small slice). Usage: ``PYTHONPATH=. python bench/probe_sdpa.py [--batch 4 --len 4096]``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import json
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kvplan.ops.flash_prefill import varlen_api
 
 
 def timed(fn, reps=20, warmup=3) -> float:
@@ -104,12 +106,17 @@ def main() -> None:
                     rows.append(dict(variant=label, error=repr(exc)[:160]))
                     print(f"{label}  error: {repr(exc)[:160]}")
     try:
-        from torch.nn.attention.varlen import varlen_attn
-
+        api = varlen_api()
+        if api is None:
+            raise RuntimeError("torch has no varlen_attn (or neither window_size nor is_causal)")
         cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * L
+        # causality as kvplan.ops.flash_prefill spells it for this torch
+        kw = {"window_size": (-1, 0)} if api.has_window else {"is_causal": True}
+        if api.has_enable_gqa and Hkv < H:
+            kw["enable_gqa"] = True
 
         def vl():
-            return varlen_attn(q_rows, k_rows, v_rows, cu, cu, L, L, is_causal=True)
+            return api.fn(q_rows, k_rows, v_rows, cu, cu, L, L, **kw)
 
         vl()
         t = timed(vl)

@@ -1,20 +1,27 @@
-"""Context segments whose trailing rows have no cached history: flash on those rows.
+"""Context segments whose trailing rows have no cached history: SDPA or flash on those rows.
 
 A context row with no cached tokens (``num_cached_tokens_per_seq[b] == 0``, so ``kv_len ==
-q_len``) attends only over the K/V rows this step computed for it, so
-``kvplan.ops.flash_prefill`` can read them straight from the step's ``k`` / ``v``; the rows
-before it (continuing chunks, prefix-cache hits) still go through the paged Triton kernel.
-The scheduler orders running requests (continuing chunks) before newly admitted ones, so the
-split is a prefix / suffix of the segment's rows::
+q_len``) attends only over the K/V rows this step computed for it, so the fresh rows can be
+read straight from the step's ``k`` / ``v``; the rows before them (continuing chunks,
+prefix-cache hits) still go through the paged Triton kernel. The scheduler orders running
+requests (continuing chunks) before newly admitted ones, so the split is a prefix / suffix of
+the segment's rows::
 
     rows      0        1        2      3          cached = [96, 0, 0, 0]
     cached    96       0        0      0          first_fresh_row -> 1
-              |paged | flash over rows 1..3 (cu_seqlens rebased to row 1's first token)|
+              |paged | SDPA or flash over rows 1..3 (rebased to row 1's first token)|
+
+The fresh rows take the first path that applies, in this order:
+
+1. ``kvplan.ops.sdpa_prefill``: torch SDPA, one call per run of equal-length sequences
+   (``KVPLAN_PREFILL_SDPA``; on by default for CUDA tensors);
+2. ``kvplan.ops.flash_prefill``: torch's varlen flash kernel, one call
+   (``KVPLAN_PREFILL_FLASH``; CUDA only);
+3. neither: the caller runs the paged kernel over the whole segment, as before.
 
 Every decision uses host facts the planner already has (``cached_np``, ``cu_seqlens_q_np``)
-and tensor metadata (dtype, shape, device); nothing syncs. When the flash path does not apply
-(see ``kvplan.ops.flash_prefill`` for what each path supports, and ``KVPLAN_PREFILL_FLASH``
-for the switch) the caller runs the paged kernel over the whole segment, as before.
+and tensor metadata (dtype, shape, device); nothing syncs. ``kvplan.ops.flash_prefill`` lists
+what each path supports.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from kvplan.formats import KVCacheFormat
 from kvplan.ops.flash_prefill import flash_prefill, flash_prefill_unsupported
 from kvplan.ops.paged_attention import paged_attention_prefill
+from kvplan.ops.sdpa_prefill import equal_length_groups, sdpa_prefill, sdpa_prefill_unsupported
 
 
 def first_fresh_row(cached: np.ndarray) -> int:
@@ -46,7 +54,7 @@ def first_fresh_row(cached: np.ndarray) -> int:
 
 class FreshSplit(NamedTuple):
     """Rows ``[0, num_paged_rows)`` (tokens ``[0, num_paged_tokens)``) run the paged kernel;
-    the rest run flash. Maxima are host bounds of each part's query run lengths."""
+    the rest run SDPA or flash. Maxima are host bounds of each part's query run lengths."""
 
     num_paged_rows: int
     num_paged_tokens: int
@@ -85,7 +93,7 @@ def prefill_fresh_rows(
     kv_layout: KVCacheFormat | None,
     check: bool,
 ) -> torch.Tensor | None:
-    """One context segment with flash on its fresh rows; None when flash does not apply.
+    """One context segment with SDPA or flash on its fresh rows; None when neither applies.
 
     Args:
         q: ``[T, H, D]`` the segment's queries (already in the cache dtype).
@@ -94,34 +102,47 @@ def prefill_fresh_rows(
         seg: the segment's ``PagedSegment`` (``fresh_from`` and ``host_cu_seqlens_q`` set).
         out: optional ``[T, H, D]`` destination in q's dtype.
 
-    Returns ``out`` (or a new tensor) with every row written, or None (nothing written).
+    Returns ``out`` (or a new tensor) with every row written, or None (then the caller runs
+    the paged kernel over the whole segment; ``out`` may hold partial results meanwhile).
     """
     if seg.fresh_from is None or seg.host_cu_seqlens_q is None:
         return None
     split = fresh_split(seg.host_cu_seqlens_q, seg.fresh_from)
     if split is None:
         return None
-    why_not = flash_prefill_unsupported(
-        q, k_new, v_new, cache_dtype=k_cache.dtype, quantized_cache=kv_layout is not None,
-        sliding_window=window, max_q_len=split.flash_max_q_len,
-    )  # fmt: skip
-    if why_not is not None:
-        return None
     j, t0 = split.num_paged_rows, split.num_paged_tokens
-    cu = seg.cu_seqlens_q[j:]
-    if t0:
-        cu = cu - t0  # rebased on the device: no host round trip
-    res = flash_prefill(
-        q[t0:], k_new[t0:], v_new[t0:], cu, split.flash_max_q_len, scale=scale,
+    q_f, k_f, v_f = q[t0:], k_new[t0:], v_new[t0:]
+    quantized = kv_layout is not None
+    groups = equal_length_groups(seg.host_cu_seqlens_q[j:] - t0)
+    why_not = sdpa_prefill_unsupported(
+        q_f, k_f, v_f, groups, cache_dtype=k_cache.dtype, quantized_cache=quantized,
         sliding_window=window,
     )  # fmt: skip
-    if res is None:
-        return None
-    if out is None and not j:
-        return res
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    out[t0:].copy_(res)
+    done = False
+    if why_not is None:
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        done = sdpa_prefill(q_f, k_f, v_f, groups, scale=scale, out=out[t0:]) is not None
+    if not done:
+        why_not = flash_prefill_unsupported(
+            q_f, k_f, v_f, cache_dtype=k_cache.dtype, quantized_cache=quantized,
+            sliding_window=window, max_q_len=split.flash_max_q_len,
+        )  # fmt: skip
+        if why_not is not None:
+            return None
+        cu = seg.cu_seqlens_q[j:]
+        if t0:
+            cu = cu - t0  # rebased on the device: no host round trip
+        res = flash_prefill(
+            q_f, k_f, v_f, cu, split.flash_max_q_len, scale=scale, sliding_window=window
+        )
+        if res is None:
+            return None
+        if out is None and not j:
+            return res
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out[t0:].copy_(res)
     if j:
         paged_attention_prefill(
             q[:t0], k_cache, v_cache, seg.page_ids, seg.page_start[:j], seg.cu_seqlens_q[: j + 1],

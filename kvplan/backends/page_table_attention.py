@@ -101,9 +101,10 @@ def attend_paged(
 
     ``k_new`` / ``v_new``: the step's new K/V rows ``[T, Hkv, D]`` (self attention: row t is
     query row t's token). A context segment whose trailing rows have no cached history runs
-    those rows with flash attention on these rows instead of the paged kernel when
-    ``kvplan.backends.fresh_prefill`` allows (CUDA, 16-bit unquantized cache of k's dtype,
-    ``KVPLAN_PREFILL_FLASH`` not 0); None keeps every segment on the paged kernels.
+    those rows with SDPA or flash attention on these rows instead of the paged kernel when
+    ``kvplan.backends.fresh_prefill`` allows (unquantized cache of k's dtype; the switches
+    ``KVPLAN_PREFILL_SDPA`` and ``KVPLAN_PREFILL_FLASH``); None keeps every segment on the
+    paged kernels.
     """
     cache_dtype = k_cache.dtype if kv_layout is None else torch.bfloat16
     start = 0

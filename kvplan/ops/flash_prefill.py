@@ -9,20 +9,24 @@ over them needs no page table, and torch's varlen flash kernel
     k  [T, Hkv, D]  the same rows' keys (v likewise); query i of b sees keys 0 .. i of b
                     (or the last W of them: ``sliding_window``)
 
-What each prefill path supports (the caller, ``kvplan.backends.fresh_prefill``, picks):
+What each prefill path supports (the caller, ``kvplan.backends.fresh_prefill``, tries SDPA,
+then flash, then the paged kernel):
 
-=====================  ===========================  ===================================
-                       flash (this module)          Triton paged kernel
-=====================  ===========================  ===================================
-keys                   the step's new rows only     any cached prefix (page table)
-device / dtype         CUDA, bf16 / fp16            CUDA or CPU, bf16 / fp16 / fp32
-cache                  unquantized, same dtype      also fp8 / fp4 (dequantized in tiles)
-head_dim               multiple of 8, <= 256        power of two in [16, 256]
-GQA                    H % Hkv == 0 (native)        H % Hkv == 0
-sliding window         when torch's ``varlen_attn``  yes
-                       takes ``window_size``
-soft-cap, sinks, ALiBi no                           no (neither path; not in the contract)
-=====================  ===========================  ===================================
+===============  ========================  ========================  ========================
+                 SDPA (``sdpa_prefill``)   flash (this module)       Triton paged kernel
+===============  ========================  ========================  ========================
+keys             the step's new rows       the step's new rows       any cached prefix
+calls            one per run of equal-     one                       one
+                 length sequences
+device / dtype   CUDA (CPU: switch=1),     CUDA, bf16 / fp16         CUDA or CPU, bf16 /
+                 bf16 / fp16 / fp32                                  fp16 / fp32
+cache            unquantized, same dtype   unquantized, same dtype   also fp8 / fp4
+head_dim         multiple of 8, <= 256     multiple of 8, <= 256     power of two, 16 .. 256
+GQA              H % Hkv == 0              H % Hkv == 0 (native)     H % Hkv == 0
+sliding window   no (unless >= every       when ``varlen_attn``      yes
+                 sequence's length)        takes ``window_size``
+soft-cap, sinks  no                        no                        no (not in the contract)
+===============  ========================  ========================  ========================
 
 Switch: ``KVPLAN_PREFILL_FLASH=0`` turns the flash path off (default on where supported).
 Availability is probed on first use per (device, dtype, head_dim, grouped, windowed) key: a

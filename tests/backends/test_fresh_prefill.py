@@ -2,7 +2,8 @@
 
 The flash kernel itself needs a GPU (``test_fresh_prefill_gpu.py``); here a float64 stand-in
 with the same contract replaces it, so the split (paged rows first, flash rows rebased) and
-the planners' ``fresh_from`` are checked against the dense reference without one.
+the planners' ``fresh_from`` are checked against the dense reference without one. The SDPA
+path, which comes before flash, is switched off here (``test_sdpa_prefill.py`` covers it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from kvplan.backends.fresh_prefill import first_fresh_row, fresh_split
 from kvplan.ops.flash_prefill import VarlenApi, flash_prefill_unsupported
 
 PAGED = ["ragged", "block_offsets"]
+
+
+@pytest.fixture(autouse=True)
+def _sdpa_off(monkeypatch):
+    monkeypatch.setenv("KVPLAN_PREFILL_SDPA", "0")
 
 
 def test_first_fresh_row_matches_a_loop():

@@ -1,20 +1,30 @@
-"""The flash prefill path on a GPU: against the paged Triton kernel and an fp32 reference.
+"""The flash and SDPA prefill paths on a GPU: against the paged Triton kernel and an fp32
+reference.
 
-Also checks that the path actually engages on the installed torch (a silent fallback would
-pass the equality tests), and the backends with the switch on and off.
+Also checks that each path actually engages on the installed torch (a silent fallback would
+pass the equality tests), and the backends with the switches on and off.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from backends_testlib import SeqSpec, fill_metadata, make_scenario, reference_attention
 
 import kvplan.backends.fresh_prefill as fp
+import kvplan.ops.sdpa_prefill as sdpa_mod
 from kvplan.backends import get_backend
+from kvplan.backends.page_table_attention import PagedSegment
 from kvplan.ops.flash_prefill import flash_prefill, flash_prefill_unsupported, varlen_api
 from kvplan.ops.paged_attention import paged_attention_prefill_triton
+from kvplan.ops.sdpa_prefill import (
+    equal_length_groups,
+    sdpa_prefill,
+    sdpa_prefill_unsupported,
+    sdpa_takes_enable_gqa,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -118,14 +128,21 @@ def _run(name, sc, layer, window):
 
 @pytest.mark.parametrize("name", ["ragged", "block_offsets"])
 @pytest.mark.parametrize("switch", ["1", "0"])
-def test_gpu_backend_switch(name, switch, monkeypatch):
-    """A mixed step (continuing chunk, two fresh prompts, decode rows) with the switch on and
-    off: both equal the reference; flash runs on the fresh rows only when on."""
+@pytest.mark.parametrize("sdpa", ["0", "1"])
+def test_gpu_backend_switch(name, switch, sdpa, monkeypatch):
+    """A mixed step (continuing chunk, two fresh prompts, decode rows) with the switches on
+    and off: all equal the reference; SDPA runs on the fresh rows when on (the unwindowed
+    layer: the window of 96 is shorter than the prompts), flash where SDPA did not and the
+    flash switch is on."""
     monkeypatch.setenv("KVPLAN_PREFILL_FLASH", switch)
-    ran = []
-    orig = fp.flash_prefill
+    monkeypatch.setenv("KVPLAN_PREFILL_SDPA", sdpa)
+    ran, ran_sdpa = [], []
+    orig, orig_sdpa = fp.flash_prefill, fp.sdpa_prefill
     monkeypatch.setattr(
         fp, "flash_prefill", lambda *a, **k: ran.append(a[3].tolist()) or orig(*a, **k)
+    )
+    monkeypatch.setattr(
+        fp, "sdpa_prefill", lambda *a, **k: ran_sdpa.append(list(a[3])) or orig_sdpa(*a, **k)
     )
     specs = [SeqSpec(200, 50, True), SeqSpec(0, 300, True), SeqSpec(0, 123, True)]
     specs += [SeqSpec(40 + 17 * i, 1, False) for i in range(6)]
@@ -139,8 +156,68 @@ def test_gpu_backend_switch(name, switch, monkeypatch):
         out = _run(name, sc, layer, window)
         torch.cuda.synchronize()
         assert rel_err(out, reference_attention(sc, layer, window)) < 1e-2
+    assert ran_sdpa == ([[(0, 1, 300), (300, 1, 123)]] if sdpa == "1" else [])
     if switch == "0":
         assert ran == []
     else:
-        expect = [[0, 300, 423]] * (1 if not varlen_api().has_window else 2)
-        assert ran == expect
+        num_flash = (sdpa == "0") + varlen_api().has_window
+        assert ran == [[0, 300, 423]] * num_flash
+
+
+def test_gpu_sdpa_path_engages(monkeypatch):
+    """By default on CUDA the SDPA decision says yes and the kernel runs (no fallback), with
+    native GQA where torch takes ``enable_gqa``."""
+    monkeypatch.delenv("KVPLAN_PREFILL_SDPA", raising=False)
+    monkeypatch.setattr(sdpa_mod, "_probed", {})
+    q, k, v, cu, _ = ragged_case(0, [64, 64, 100], 8, 2, 128, torch.bfloat16)
+    groups = equal_length_groups(cu.cpu().numpy())
+    why = sdpa_prefill_unsupported(
+        q, k, v, groups, cache_dtype=q.dtype, quantized_cache=False, sliding_window=None
+    )
+    assert why is None, why
+    assert sdpa_prefill(q, k, v, groups, scale=128**-0.5) is not None
+    mode = sdpa_mod._probed[(q.device, q.dtype, 128, True)]
+    assert mode == ("native" if sdpa_takes_enable_gqa() else "expand")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("h", "hkv", "d"), [(8, 2, 128), (4, 4, 64), (16, 1, 256)])
+def test_gpu_sdpa_equals_triton_and_reference(dtype, h, hkv, d):
+    lens = [1, 17, 17, 300, 1000, 64, 64, 64, 129]
+    q, k, v, cu, paged = ragged_case(2, lens, h, hkv, d, dtype)
+    scale = d**-0.5
+    out = torch.full_like(q, float("nan"))
+    res = sdpa_prefill(q, k, v, equal_length_groups(np.cumsum([0, *lens])), scale=scale, out=out)
+    if res is None and dtype == torch.float32:  # no fused fp32 kernel for this head_dim
+        assert sdpa_mod._probed[(q.device, dtype, d, h != hkv)] is False
+        pytest.skip(f"no fused SDPA kernel for fp32, head_dim {d} (the engine falls back)")
+    assert res is out
+    triton = paged_attention_prefill_triton(q, *paged, scale=scale, max_q_len=max(lens), check=True)
+    ref = fp32_reference(q, k, v, lens, scale, None)
+    torch.cuda.synchronize()
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(out, triton) < 1e-2
+
+
+def test_gpu_sdpa_real_size_matches_triton(monkeypatch):
+    """B=4 x 4096 fresh prompts, 32 / 8 heads x 64, bf16, through ``prefill_fresh_rows``
+    (SDPA on by default) into a preallocated output, against the Triton kernel."""
+    monkeypatch.delenv("KVPLAN_PREFILL_SDPA", raising=False)
+    lens = [4096] * 4
+    q, k, v, cu, paged = ragged_case(3, lens, 32, 8, 64, torch.bfloat16)
+    k_cache, v_cache, page_ids, page_start, _, kv_lens = paged
+    seg = PagedSegment(page_ids, page_start, kv_lens, cu, sum(lens), 4096, 4096,
+                       np.cumsum([0, *lens]).astype(np.int32), 0)  # fmt: skip
+    ran = []
+    orig = fp.sdpa_prefill
+    monkeypatch.setattr(fp, "sdpa_prefill", lambda *a, **kw: ran.append(a[3]) or orig(*a, **kw))
+    out = torch.full_like(q, float("nan"))
+    res = fp.prefill_fresh_rows(
+        q, k, v, k_cache, v_cache, seg, scale=0.125, window=None, out=out, kv_layout=None,
+        check=False,
+    )  # fmt: skip
+    assert res is out and [list(g) for g in ran[0]] == [[0, 4, 4096]]
+    triton = paged_attention_prefill_triton(q, *paged, scale=0.125, max_q_len=4096, check=True)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    assert rel_err(out, triton) < 1e-2
