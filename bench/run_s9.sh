@@ -5,7 +5,7 @@
 # hybrid end to end vs HF (warm), the pipelined decode step at 4K / 32K / 128K.
 set -u
 source bench/gpu_steps.sh
-step 120 gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=short -rf tests/ops/test_hyper_connection.py tests/engine/test_hybrid_graphs.py tests/engine/test_hybrid_async.py tests/engine/test_deepseek_v4_engine.py tests/backends/test_hybrid_gpu_kernels.py tests/backends/test_fresh_prefill_gpu.py tests/backends/test_fresh_prefill.py tests/ops/test_topk.py
+step 120 gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=short -rf tests/ops/test_hyper_connection.py tests/engine/test_hybrid_graphs.py tests/engine/test_hybrid_async.py tests/engine/test_deepseek_v4_engine.py tests/backends/test_hybrid_gpu_kernels.py tests/backends/test_fresh_prefill_gpu.py tests/backends/test_fresh_prefill.py tests/backends/test_sdpa_prefill.py tests/ops/test_topk.py
 grep -E "passed|failed|^FAILED|^E  " "$W/gpu_tests.log" | head -20
 step 60 hc python3 bench/bench_dsv4_blocks.py --hc-rows 32,4096,8192 --out "$W/blocks.json"
 grep -E "hc_" "$W/hc.log"
