@@ -171,6 +171,33 @@ def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chos
     return compare(name, call, configs, {"num_splits": 1}, dev)
 
 
+def prefill_case(a, dev, gen) -> list[dict]:
+    """Prefill-shaped CSA attention: ``a.prefill_rows`` consecutive query rows of one
+    sequence, row t reading ring entries t .. t + window - 1 of a shared ring and ``top_k``
+    random entries of a shared pool of ``csa_pool`` (neighbours share most keys, as in a
+    prompt chunk); one program per (row, head group), the tiling swept."""
+    n = a.prefill_rows
+    ring, ring_all = paged_slots(1, n + a.window, V41_FORMAT, 512, 128, dev, gen)
+    cols = torch.arange(a.window, device=dev)[None, :] + torch.arange(n, device=dev)[:, None]
+    ring_slots = ring_all[0][cols].contiguous()
+    pool, pool_all = paged_slots(1, a.csa_pool, V41_FORMAT, 512, 64, dev, gen)
+    pick = torch.rand(n, a.csa_pool, generator=gen, device=dev).argsort(dim=1)[:, : a.top_k]
+    pool_slots = pool_all[0][pick].contiguous()
+    q = torch.randn(n, a.heads, 512, generator=gen, device=dev).to(torch.bfloat16)
+    sinks = torch.randn(a.heads, generator=gen, device=dev)
+    srcs = [ring.key_source(ring_slots), pool.key_source(pool_slots)]
+    configs = [{}] + [
+        {"num_splits": 1, "tile_n": tn, "num_warps": nw, "num_stages": st}
+        for tn in (16, 32, 64) for nw in (4, 8) for st in (1, 2, 3)
+    ]  # fmt: skip
+
+    def call(**cfg):
+        return sparse_attention_triton(q, srcs, sinks, 512**-0.5, check=False, **cfg)
+
+    name = f"sparse_attention prefill {n}x{a.heads}x512 {a.window}+{a.top_k}"
+    return compare(name, call, configs, {"num_splits": 1}, dev)
+
+
 def attention_cases(a, dev, gen) -> list[dict]:
     ring, ring_slots = paged_slots(a.rows, a.window, V41_FORMAT, 512, a.window, dev, gen)
     out = attention_case(a, dev, gen, ring, ring_slots, "CSA", a.csa_pool, a.top_k)
@@ -185,6 +212,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time tile configurations")
     ap.add_argument("--only", choices=("index", "attention"), default=None)
     ap.add_argument("--out", default=None, help="write the JSON record here")
+    ap.add_argument("--prefill-rows", type=int, default=0,
+                    help="also a prefill-shaped CSA case of this many rows, tiling swept")  # fmt: skip
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick = a.quick or dev.type == "cpu"
@@ -202,6 +231,8 @@ def main() -> None:
                 rows += index_case(a, dev, gen, kind, cand)
     if a.only in (None, "attention"):
         rows += attention_cases(a, dev, gen)
+    if a.prefill_rows:
+        rows += prefill_case(a, dev, gen)
     base = {}
     print(f"{'case':<46} {'path':<48} {'ms':>8} {'graph ms':>8} {'x old':>6} {'rel_err':>9}")
     for r in rows:

@@ -140,11 +140,13 @@ def sparse_attention_triton(
     q: torch.Tensor, sources: Sequence[KeySource], sinks: torch.Tensor, scale: float, *,
     out: torch.Tensor | None = None, check: bool = True, tile_h: int = 16,
     tile_n: int | None = None, num_warps: int | None = None, num_splits: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton kernels (also on CPU under ``TRITON_INTERPRET=1``); contract of
     :func:`sparse_attention`. ``tile_h`` heads and ``tile_n`` keys per tile; ``num_splits``
     column splits per (row, head group) (``kvplan.ops._sparse_split_kernels``; 1: one
-    program walks all of a row's columns; None: :func:`split_count` on CUDA, 1 otherwise)."""
+    program walks all of a row's columns; None: :func:`split_count` on CUDA, 1 otherwise);
+    ``num_stages``: the one-program kernel's software pipelining (None: Triton's default)."""
     addrs = _check(q, sources, sinks, check)
     out = _out(q, out)
     num_rows, num_heads, head_dim = q.shape
@@ -190,9 +192,10 @@ def sparse_attention_triton(
         num_warps=num_warps,
     )  # fmt: skip
     if num_splits == 1:
+        stages = {} if num_stages is None else {"num_stages": num_stages}
         _k.sparse_attention_kernel[(num_rows, groups)](
             q, out, sink32, q.stride(0), q.stride(1), out.stride(0), out.stride(1), num_heads,
-            scale * _k.LOG2E, *srcs, **consts,
+            scale * _k.LOG2E, *srcs, **consts, **stages,
         )  # fmt: skip
         return out
     # one fp32 workspace: acc [T, S, H, D], then m and l [T, S, H]
