@@ -8,4 +8,4 @@ source bench/gpu_steps.sh
 step 150 sparse_prefill python3 bench/bench_sparse_kernels.py --only attention --prefill-rows 8192 --out "$W/sparse_prefill.json"
 grep -E "prefill" "$W/sparse_prefill.log" | sort -k10 -n | head -8
 step 300 hc_sweep python3 bench/bench_dsv4_blocks.py --rows 4096 --hc-rows 4096 --sweep --out "$W/hc_sweep.json"
-python3 -c "import json; d=json.load(open('$W/hc_sweep.json')); [print(r) for r in d.get('sweep', [])[:12]]"
+python3 -c "import json; d=json.load(open('$W/hc_sweep.json')); [print(r) for r in d.get('hc_pre_plans', [])[:12]]"
