@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import triton  # noqa: E402
+from bench_index_ops import graph_time_s  # noqa: E402
 
 from kvplan.ops.convert_kv_index import convert_kv_index  # noqa: E402
 from kvplan.ops.topk import topk_columns_triton  # noqa: E402
@@ -76,17 +77,7 @@ def event_time_us(fn: Callable[[], object], device: torch.device, reps: int) -> 
 
 def graph_time_us(fn: Callable[[], object], reps: int, calls: int = 20) -> float:
     """GPU time per call of ``calls`` back-to-back calls replayed from one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the graph (compiles, allocations)
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return event_time_us(graph.replay, torch.device("cuda"), reps) / calls
+    return graph_time_s(fn, calls) * 1e6
 
 
 def same_choice(new: torch.Tensor, old: torch.Tensor, scores: torch.Tensor) -> tuple[bool, bool]:

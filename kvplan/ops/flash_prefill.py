@@ -85,6 +85,27 @@ def flash_prefill_enabled() -> bool:
     return value == "1"
 
 
+def rows_unsupported(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype,
+    quantized_cache: bool, dtypes: tuple[torch.dtype, ...],
+) -> str | None:  # fmt: skip
+    """What the fused prefill paths (this module's, `kvplan.ops.sdpa_prefill`) share: an
+    unquantized cache of the queries' dtype (one of ``dtypes``), ``head_dim`` a multiple of 8
+    up to ``MAX_HEAD_DIM``, query heads a multiple of the KV heads; the reason, or None."""
+    if quantized_cache:
+        return "quantized cache"
+    if q.dtype not in dtypes:
+        return f"dtype {q.dtype}"
+    if not (q.dtype == k.dtype == v.dtype == cache_dtype):
+        return f"dtypes differ (q {q.dtype}, k {k.dtype}, v {v.dtype}, cache {cache_dtype})"
+    head_dim = q.shape[-1]
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim}"
+    if q.shape[1] % k.shape[1]:
+        return f"heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}"
+    return None
+
+
 def flash_prefill_unsupported(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -107,17 +128,9 @@ def flash_prefill_unsupported(
         return f"{ENV_SWITCH}=0"
     if (device_type or q.device.type) != "cuda":
         return "not a CUDA tensor"
-    if quantized_cache:
-        return "quantized cache"
-    if q.dtype not in FLASH_DTYPES:
-        return f"dtype {q.dtype}"
-    if not (q.dtype == k.dtype == v.dtype == cache_dtype):
-        return f"dtypes differ (q {q.dtype}, k {k.dtype}, v {v.dtype}, cache {cache_dtype})"
-    head_dim = q.shape[-1]
-    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        return f"head_dim {head_dim}"
-    if q.shape[1] % k.shape[1]:
-        return f"heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}"
+    why = rows_unsupported(q, k, v, cache_dtype, quantized_cache, FLASH_DTYPES)
+    if why is not None:
+        return why
     api = varlen_api() if api is None else api
     if api is None:
         return "torch has no varlen_attn"

@@ -36,9 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvplan.ops.flash_prefill import rows_unsupported
+
 ENV_SWITCH = "KVPLAN_PREFILL_SDPA"
 SDPA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_HEAD_DIM = 256
 MAX_GROUPS = 4  # this many groups or fewer: SDPA whatever their size
 MIN_GROUP_TOKENS = 512  # more groups than MAX_GROUPS: SDPA when they average this many tokens
 FUSED_BACKENDS = [
@@ -127,17 +128,9 @@ def sdpa_prefill_unsupported(
         return f"{ENV_SWITCH} off for {device_type}"
     if device_type not in ("cuda", "cpu"):
         return f"device {device_type}"
-    if quantized_cache:
-        return "quantized cache"
-    if q.dtype not in SDPA_DTYPES:
-        return f"dtype {q.dtype}"
-    if not (q.dtype == k.dtype == v.dtype == cache_dtype):
-        return f"dtypes differ (q {q.dtype}, k {k.dtype}, v {v.dtype}, cache {cache_dtype})"
-    head_dim = q.shape[-1]
-    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        return f"head_dim {head_dim}"
-    if q.shape[1] % k.shape[1]:
-        return f"heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}"
+    why = rows_unsupported(q, k, v, cache_dtype, quantized_cache, SDPA_DTYPES)
+    if why is not None:
+        return why
     if not groups:
         return "no rows"
     max_len = max(g.seq_len for g in groups)
