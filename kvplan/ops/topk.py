@@ -42,7 +42,7 @@ __all__ = ["topk_columns", "topk_columns_torch", "topk_columns_triton", "topk_ti
 
 DEFAULT_TILE = 2048  # default scores read per chunk by one program (8 per thread at 8 warps)
 MAX_TILE = 4096  # largest chunk (packed running counts need < 2**15)
-RADIX_BITS = 5  # digit width of one radix-select pass (2**RADIX_BITS bins; 5 measured fastest)
+RADIX_BITS = 5  # digit width of one radix-select pass (2**RADIX_BITS histogram bins)
 
 
 @triton.jit
