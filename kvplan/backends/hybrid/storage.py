@@ -38,6 +38,7 @@ from kvplan.formats import (
     bf16_format,
 )
 from kvplan.ops import load_paged_kv_cache, store_kv_cache
+from kvplan.ops._dispatch import use_triton
 from kvplan.ops.sparse_attention import KeySource
 
 KV_FORMATS = ("exact", "fp8", "fp4")
@@ -185,12 +186,27 @@ class PagedRows:
         )
 
     def roundtrip(self, rows: torch.Tensor) -> torch.Tensor:
-        """fp32 rows as ``store`` + ``load`` would return them (no cache is touched)."""
+        """fp32 rows as ``store`` + ``load`` would return them (this cache is not touched).
+        Quantized layouts on the ops' Triton path: the fused store and load kernels through a
+        scratch cache of ``rows``' size (two launches instead of the torch quantize and
+        dequantize ops; the same bits)."""
         x = self._to_cache_rows(rows)
         if self.fp32_bits:
             return x.view(torch.float32)
         if not self.layout.is_quantized:
             return x.float()
+        if use_triton(x) and x.shape[0]:
+            n, bs = x.shape[0], self.block_size
+            scratch = alloc_kv_cache(-(-n // bs), bs, self.layout, device=x.device)
+            dev = x.device
+            store_kv_cache(x, scratch, torch.arange(n, dtype=torch.int32, device=dev),
+                           layout=self.layout, check=False)  # fmt: skip
+            start = torch.arange(0, n, bs, dtype=torch.int32, device=dev)
+            segs = torch.stack([start // bs, torch.zeros_like(start),
+                                (n - start).clamp(max=bs), start], dim=1)  # fmt: skip
+            return self._from_loaded(
+                load_paged_kv_cache(scratch, segs, n, layout=self.layout, check=False)
+            )
         values, scales = quant.quantize(x.reshape(x.shape[0], -1), self.layout)
         return quant.dequantize(values, scales, self.layout).float()
 
