@@ -1,0 +1,111 @@
+"""Registers, shared memory and load instructions of the dense paged decode kernel per KV
+format and tiling, compiled for sm_90 on this machine (no GPU): how many programs an H200 SM
+can hold (its 65,536 registers and 64 warps), which explains latency-bound formats.
+
+The launch's integer specialization is reproduced: pointers and the strides of the engine's
+caches are divisible by 16 (llama-1b heads: 8 KV heads x 64, 16-token blocks), as Triton's
+launcher marks them on the GPU; without those hints the compiler cannot vectorize the
+page-table gathers and the register counts mean nothing.
+
+    PYTHONPATH=. python3 bench/decode_kernel_regs.py [--out regs.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # real JIT functions: compile, do not interpret
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvplan.ops._paged_attention_kernels import _decode_kernel  # noqa: E402
+from tools.compile_sm90 import compile_kernel  # noqa: E402
+
+FORMATS = {  # name: (KV_QUANT, SF_KIND, GROUP, cache pointer type)
+    "bf16": (0, 0, 1, "*bf16"),
+    "fp8": (1, 2, 32, "*u8"),
+    "int8": (3, 2, 32, "*u8"),
+    "fp4": (2, 1, 16, "*u8"),
+}
+TILINGS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2)]  # tile_n, warps, stages
+DIV16 = {
+    "q_ptr", "k_ptr", "v_ptr", "page_ids_ptr", "page_start_ptr", "kv_lens_ptr", "out_ptr",
+    "part_acc_ptr", "part_m_ptr", "part_l_ptr", "stride_qb", "stride_qh", "stride_kb",
+    "stride_kt", "stride_kh", "stride_vb", "stride_vt", "stride_vh", "stride_ob", "stride_oh",
+    "num_splits", "sf_off",
+}  # fmt: skip
+
+
+def arg_type(name: str, const: dict, kptr: str) -> str:
+    """The kernel argument's type in a launch over the engine's caches."""
+    if name in const:
+        return "constexpr"
+    if name in ("q_ptr", "out_ptr"):
+        return "*bf16"
+    if name in ("k_ptr", "v_ptr"):
+        return kptr
+    if name.endswith("_ptr"):
+        return "*fp32" if name.startswith("part") else "*i32"
+    return "fp32" if name == "qk_scale" else "i32"
+
+
+def ptxas_report(ptx: str) -> tuple[int, int]:
+    """(registers per thread, spill bytes) that ptxas reports for ``ptx`` on sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run(
+            [get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(src) + ".o"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    regs = spills = 0
+    for line in res.stderr.splitlines():
+        if "registers" in line:
+            regs = int(line.split("Used ")[1].split(" reg")[0])
+        if "spill stores" in line:
+            spills = int(line.split("bytes spill stores")[0].split(",")[-1])
+    return regs, spills
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    fn = _decode_kernel
+    rows = []
+    for name, (kv_quant, sf_kind, group, kptr) in FORMATS.items():
+        for tile_n, warps, stages in TILINGS:
+            const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64,
+                         DOT_PRECISION="tf32", SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant,
+                         SF_KIND=sf_kind, GROUP=group)  # fmt: skip
+
+            sig = {n: arg_type(n, const, kptr) for n in fn.arg_names}
+            attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names)
+                     if n in DIV16}  # fmt: skip
+            ck = compile_kernel(fn, sig, const, attrs, {"num_warps": warps, "num_stages": stages})
+            regs, spills = ptxas_report(ck.asm["ptx"])
+            per_sm = min(64 // warps, 65536 // (max(regs, 1) * 32 * warps))
+            ptx = ck.asm["ptx"]
+            rows.append(dict(format=name, tile_n=tile_n, num_warps=warps, num_stages=stages,
+                             registers=regs, spill_bytes=spills, shared_bytes=ck.metadata.shared,
+                             programs_per_sm=per_sm, cp_async=ptx.count("cp.async.cg"),
+                             ld_v4=ptx.count("ld.global.v4")))  # fmt: skip
+    print(f"{'format':>6} {'tile_n':>6} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
+          f"{'smem B':>7} {'progs/SM':>8}")  # fmt: skip
+    for r in rows:
+        print(f"{r['format']:>6} {r['tile_n']:>6} {r['num_warps']:>5} {r['num_stages']:>6} "
+              f"{r['registers']:>5} {r['spill_bytes']:>7} {r['shared_bytes']:>7} "
+              f"{r['programs_per_sm']:>8}")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(kernel="_decode_kernel", rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
