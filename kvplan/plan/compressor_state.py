@@ -121,19 +121,26 @@ def plan_compressor_state(
         slot_mapping_store_state = [14, 15, 8, 9, 10, 11]
     """
     _check_ratio(ratio)
-    sq, sk, sid, ph = _seq_arrays(seqs)
+    return _plan_arrays(*_seq_arrays(seqs), ratio, overlap)
+
+
+def _plan_arrays(
+    sq: np.ndarray, sk: np.ndarray, sid: np.ndarray, ph: np.ndarray, ratio: int, overlap: bool
+) -> CompressorStatePlan:
+    """:func:`plan_compressor_state` from checked int64 ``[n]`` ``seqlen_q``, ``seqlen_k``,
+    ``state_id`` and bool ``is_placeholder`` arrays."""
     big_r = state_rows(ratio, overlap)
     q_start = sk - sq
     cu_q = exclusive_cumsum(sq)
     total_q = int(cu_q[-1])
     check_int32("num_state_slots * R", int(sid.max(initial=0) + 1) * big_r)
-    row_seq = np.repeat(np.arange(len(seqs)), sq)
+    row_seq = np.repeat(np.arange(len(sq)), sq)
     pos = np.arange(total_q) - cu_q[:-1][row_seq] + q_start[row_seq]
     keep = (sk[row_seq] - pos <= big_r) & ~ph[row_seq]
     slot = np.where(keep, sid[row_seq] * big_r + pos % big_r, -1).astype(np.int32)
 
     count = np.where(ph, 0, sk // ratio - q_start // ratio)
-    entry_seq = np.repeat(np.arange(len(seqs)), count)
+    entry_seq = np.repeat(np.arange(len(sq)), count)
     cu_e = exclusive_cumsum(count)
     entry_index = np.arange(int(cu_e[-1])) - cu_e[:-1][entry_seq] + (q_start // ratio)[entry_seq]
     first = (entry_index + 1) * ratio - big_r
@@ -163,29 +170,13 @@ def plan_decode_compressor_state(
     overlap: bool,
 ) -> CompressorStatePlan:
     """:func:`plan_compressor_state` of a decode step, one row per sequence (``seqlen_q = 1``),
-    from int64 ``[n]`` arrays: a fixed number of numpy calls (the same values, the same
-    int32 check). Row ``t`` at position ``p = q_start[t]`` stores ring row
-    ``state_id * R + p % R`` and closes entry ``j = p // r`` when ``(p + 1) % r == 0``
-    (placeholder rows: neither)."""
+    from int64 ``[n]`` arrays (``q_start >= 0``, ``state_id >= 0``): no per-sequence Python
+    objects. Row ``t`` at position ``p = q_start[t]`` stores ring row ``state_id * R + p % R``
+    and closes entry ``j = p // r`` when ``(p + 1) % r == 0`` (placeholder rows: neither)."""
     _check_ratio(ratio)
-    big_r = state_rows(ratio, overlap)
-    check_int32("num_state_slots * R", int(state_id.max(initial=0) + 1) * big_r)
-    qs, sid, live = q_start, state_id, ~np.asarray(is_placeholder, dtype=bool)
-    slot = np.where(live, sid * big_r + qs % big_r, -1).astype(np.int32)
-    entry_seq = np.flatnonzero(live & ((qs + 1) % ratio == 0)).astype(np.int64)
-    qs_e = qs[entry_seq]
-    entry_index = qs_e // ratio
-    first = (entry_index + 1) * ratio - big_r
-    lo = np.maximum(first, 0)
-    facts = np.empty((len(entry_seq), 4), dtype=np.int64)
-    facts[:, 0] = sid[entry_seq] * big_r + lo % big_r
-    facts[:, 1] = lo - first
-    facts[:, 2] = np.maximum(qs_e - lo, 0)
-    facts[:, 3] = entry_seq + np.maximum(first, qs_e) - qs_e
-    check_int32("total_q", len(qs))
-    return CompressorStatePlan(ratio=ratio, overlap=overlap, slot_mapping_store_state=slot,
-                               entry_seq=entry_seq, entry_index=entry_index.astype(np.int64),
-                               window_facts=facts.astype(np.int32))  # fmt: skip
+    ones = np.ones(len(q_start), dtype=np.int64)
+    return _plan_arrays(ones, q_start + 1, state_id, np.asarray(is_placeholder, dtype=bool),
+                        ratio, overlap)  # fmt: skip
 
 
 def expand_window_index(window_facts: torch.Tensor, num_rows: int, ring_rows: int) -> torch.Tensor:
