@@ -161,19 +161,7 @@ class PagedRows:
         """fp32 ``[N, width]``: row ``i`` is slot ``slots[i]`` (zeros for ``-1``), loaded by
         a plan of one segment per slot built on the device."""
         flat = slots.reshape(-1).to(torch.int32)
-        n = flat.shape[0]
-        live = flat >= 0
-        offset = torch.where(live, flat % self.block_size, 0)
-        segs = torch.stack(
-            [
-                torch.where(live, flat // self.block_size, -1),
-                offset,
-                offset + 1,
-                torch.arange(n, dtype=torch.int32, device=flat.device),
-            ],
-            dim=1,
-        ).to(torch.int32)
-        return self.load(segs, n)
+        return self.load(slot_segments(flat, self.block_size), flat.shape[0])
 
     def key_source(self, slots: torch.Tensor) -> KeySource:
         """This cache read in place by ``kvplan.ops.sparse_attention`` through the int32 slot
@@ -198,17 +186,24 @@ class PagedRows:
         if use_triton(x) and x.shape[0]:
             n, bs = x.shape[0], self.block_size
             scratch = alloc_kv_cache(-(-n // bs), bs, self.layout, device=x.device)
-            dev = x.device
-            store_kv_cache(x, scratch, torch.arange(n, dtype=torch.int32, device=dev),
-                           layout=self.layout, check=False)  # fmt: skip
-            start = torch.arange(0, n, bs, dtype=torch.int32, device=dev)
-            segs = torch.stack([start // bs, torch.zeros_like(start),
-                                (n - start).clamp(max=bs), start], dim=1)  # fmt: skip
+            slots = torch.arange(n, dtype=torch.int32, device=x.device)
+            store_kv_cache(x, scratch, slots, layout=self.layout, check=False)
+            segs = slot_segments(slots, bs)
             return self._from_loaded(
                 load_paged_kv_cache(scratch, segs, n, layout=self.layout, check=False)
             )
         values, scales = quant.quantize(x.reshape(x.shape[0], -1), self.layout)
         return quant.dequantize(values, scales, self.layout).float()
+
+
+def slot_segments(slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int32 ``[n, 4]`` load plan of one segment per slot of int32 ``slots [n]`` (row ``i``
+    gets slot ``slots[i]``; ``-1`` loads nothing), built on the slots' device."""
+    live = slots >= 0
+    offset = torch.where(live, slots % block_size, 0)
+    rows = torch.arange(slots.shape[0], dtype=torch.int32, device=slots.device)
+    block = torch.where(live, slots // block_size, -1)
+    return torch.stack([block, offset, offset + 1, rows], dim=1).to(torch.int32)
 
 
 def dequantize_index(loaded, layout: KVCacheFormat) -> torch.Tensor:
