@@ -223,7 +223,8 @@ def run_decode(
         device=dev,
     )  # fmt: skip
     perm = torch.randperm(batch * blocks_per_seq, generator=torch.Generator().manual_seed(0)) + 1
-    tables = perm.view(batch, blocks_per_seq).tolist()
+    # int32 numpy rows, as the engine hands the family (KVCacheManager.get_block_ids_view)
+    tables = perm.view(batch, blocks_per_seq).to(torch.int32).numpy()
     token_ids = TokenIds([0] * max_len, [])  # O(1) prefix slices, as the engine's token_view
     seqs = [HybridSeq(b, context, 1, token_ids, tables[b], b) for b in range(batch)]
     fill_caches(family, seqs, context, gen)

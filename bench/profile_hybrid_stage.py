@@ -1,7 +1,8 @@
 """Host time of one graph-replayed hybrid decode step: ``HybridDecodeGraphs.stage`` on CPU.
 
 Builds the family `bench/bench_hybrid.py::run_decode` builds (its model config's layer specs,
-block tables of ``context + steps`` tokens from a random block permutation, one state slot per
+block tables of ``context + steps`` tokens from a random block permutation (int32 numpy rows, as
+the engine passes them), one state slot per
 sequence, a `TokenIds` view of the tokens), with one layer of each kind instead of all twelve:
 the staged facts depend on the set of ``(ratio, overlap)`` series, not on the layer count, and
 the caches (which staging never reads) then fit in host memory at 128K. The graph runner is
@@ -64,7 +65,8 @@ def build(kv_format: str, batch: int, context: int, reps: int, block_size: int):
         dtype=torch.bfloat16, device="cpu",
     )  # fmt: skip
     perm = torch.randperm(batch * blocks_per_seq, generator=torch.Generator().manual_seed(0)) + 1
-    tables = perm.view(batch, blocks_per_seq).tolist()
+    # int32 numpy rows, as the engine hands the family (KVCacheManager.get_block_ids_view)
+    tables = perm.view(batch, blocks_per_seq).to(torch.int32).numpy()
     token_ids = TokenIds([0] * max_len, [])
     family.record([HybridSeq(b, 0, context, token_ids, tables[b], b) for b in range(batch)])
     runner = HybridDecodeGraphs(None, family, batch)

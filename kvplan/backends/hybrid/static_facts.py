@@ -11,7 +11,8 @@ per state slot, the last table seen and its numpy form with the length of its va
   identity first: a table handed again, or one appended to, costs a pointer compare per
   entry; a table changed in place misses);
 * a ``tuple`` or ``range`` (immutable) hits when it is the stored object, or equals it;
-* a numpy array is used as it is (no Python conversion to save).
+* a batch of numpy arrays (the engine's views) skips the cache: the used prefixes are
+  concatenated and range-checked in one pass.
 
 :func:`decode_rows` returns ``None`` (the caller then takes the exact path over
 ``SequenceMetadata``, whose checks name the sequence, field and value) unless every check that
@@ -93,6 +94,23 @@ class DecodeRows:
         return self.batch.input_ids_flat
 
 
+def _array_prefixes(tables: tuple, counts: list[int], end: int) -> list[np.ndarray] | None:
+    """When every table is a numpy array (the engine's views of its block tables): the used
+    prefix of each, checked at once (1-D integers, long enough, every used id in ``[0, end)``);
+    ``[]`` when a check fails; ``None`` when some table is not an array."""
+    if not tables or any(type(t) is not np.ndarray for t in tables):
+        return None
+    parts = []
+    for t, k in zip(tables, counts):
+        if t.ndim != 1 or t.dtype.kind not in "iu" or t.dtype == np.uint64 or len(t) < k:
+            return []
+        parts.append(t[:k])
+    used = np.concatenate(parts).astype(np.int64, copy=False)
+    if used.size and int(as_unsigned(used).max()) >= end:
+        return []
+    return parts
+
+
 def decode_rows(seqs: list, num_rows: int, config: MetadataConfig,
                 cache: BlockTableCache) -> DecodeRows | None:  # fmt: skip
     """The rows of a static step over ``seqs`` (``len(seqs) <= num_rows``; padding rows:
@@ -123,12 +141,17 @@ def decode_rows(seqs: list, num_rows: int, config: MetadataConfig,
     ):  # fmt: skip
         return None
     nb = np.asarray(cfg.num_blocks_for(sk), dtype=np.int64)
-    parts, row = [], cache.row
-    for s, table, k in zip(sid_col, tables, nb[:n].tolist()):
-        got = row(s, table)
-        if got is None or got[1] < k:  # not ints, too short, or a used id out of range
-            return None
-        parts.append(got[0][:k])
+    counts = nb[:n].tolist()
+    parts = _array_prefixes(tables, counts, cache.end)
+    if parts is None:  # Python sequences: through the per-slot cache
+        parts, row = [], cache.row
+        for s, table, k in zip(sid_col, tables, counts):
+            got = row(s, table)
+            if got is None or got[1] < k:  # not ints, too short, or a used id out of range
+                return None
+            parts.append(got[0][:k])
+    elif not parts and n:
+        return None
     if pad:
         parts.append(np.zeros(int(nb[n:].sum()), dtype=np.int64))
     offsets = np.zeros(num_rows + 1, dtype=np.int64)
@@ -138,7 +161,8 @@ def decode_rows(seqs: list, num_rows: int, config: MetadataConfig,
     batch = DecodeBatchArrays(
         seqlen_q=np.ones(num_rows, dtype=np.int64), seqlen_k=sk, state_id=sid,
         is_placeholder=ph, swa_valid_start=np.zeros(num_rows, dtype=np.int64),
-        block_table_flat=np.concatenate(parts) if parts else np.zeros(0, np.int64),
+        block_table_flat=(np.concatenate(parts).astype(np.int64, copy=False) if parts
+                          else np.zeros(0, np.int64)),
         block_table_offsets=offsets, input_ids_flat=ids,
     )  # fmt: skip
     return DecodeRows(batch, qs, sid, ph)
