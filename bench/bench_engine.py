@@ -310,24 +310,34 @@ def host_step_ms(
     return statistics.median(host), _profile_steps(core, profile_steps)
 
 
-def _profile_steps(core, steps: int) -> list[dict]:
-    """cProfile of ``steps`` engine steps: calls and own microseconds per step, top 25."""
+def cprofile_rows(fn, per: int = 1) -> list[dict]:
+    """Run ``fn()`` under cProfile; per function its calls and own / cumulative microseconds,
+    divided by ``per`` (e.g. the steps ``fn`` ran), largest own time first."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(steps):
-        core.step()
+    fn()
     prof.disable()
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, ncalls, tottime, cumtime, ..)
     rows = [
-        {"function": f"{fn.split('/')[-1]}:{line}({name})", "calls_per_step": nc / steps,
-         "own_us_per_step": tt / steps * 1e6, "cum_us_per_step": ct / steps * 1e6}
-        for (fn, line, name), (_, nc, tt, ct, _) in stats.items()
+        {"function": f"{path.split('/')[-1]}:{line}({name})", "calls_per_step": nc / per,
+         "own_us_per_step": tt / per * 1e6, "cum_us_per_step": ct / per * 1e6}
+        for (path, line, name), (_, nc, tt, ct, _) in stats.items()
     ]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["own_us_per_step"])
+
+
+def _profile_steps(core, steps: int) -> list[dict]:
+    """cProfile of ``steps`` engine steps: calls and own microseconds per step, top 25."""
+
+    def run():
+        for _ in range(steps):
+            core.step()
+
+    rows = cprofile_rows(run, steps)
     total_calls = sum(r["calls_per_step"] for r in rows)
-    rows.sort(key=lambda r: -r["own_us_per_step"])
     print(f"cProfile of {steps} steps: {total_calls:.0f} function calls per step")
     print(f"{'calls/step':>10} {'own us':>8} {'cum us':>8}  function")
     for r in rows[:25]:

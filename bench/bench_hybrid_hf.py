@@ -36,6 +36,7 @@ import transformers as tf
 from kvplan import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import cprofile_rows  # noqa: E402
 from bench_hybrid import model_shape  # noqa: E402
 
 
@@ -114,28 +115,15 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
 
 
 def host_profile(fn, dev, top: int = 30) -> dict:
-    """Run ``fn`` under cProfile; its wall time and the ``top`` functions by own and by
-    cumulative time (seconds, calls)."""
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()
+    """Run ``fn`` once under cProfile (`bench_engine.cprofile_rows`): its wall time and the
+    ``top`` functions by own and by cumulative time (calls and microseconds of the run)."""
     t0 = time.perf_counter()
-    prof.enable()
-    fn()
-    sync(dev)
-    prof.disable()
+    rows = cprofile_rows(lambda: (fn(), sync(dev)))
     wall = time.perf_counter() - t0
-    st = pstats.Stats(prof)
-    rows = [
-        {"fn": f"{path.rsplit('/', 2)[-1]}:{line}:{name}"[:110], "calls": nc, "own_s": tt,
-         "cum_s": ct}
-        for (path, line, name), (_cc, nc, tt, ct, _callers) in st.stats.items()
-    ]  # fmt: skip
     return {
         "wall_s": wall,
-        "by_own": sorted(rows, key=lambda r: -r["own_s"])[:top],
-        "by_cum": sorted(rows, key=lambda r: -r["cum_s"])[:top],
+        "by_own": rows[:top],
+        "by_cum": sorted(rows, key=lambda r: -r["cum_us_per_step"])[:top],
     }
 
 
