@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hybrid_oracle import Driver
 from test_hybrid_planned import CSA, HCA, SLIDING, make_family, schedules
 
@@ -28,7 +29,7 @@ def test_in_place_path_cpu(monkeypatch, kv_format: str, name: str) -> None:
     original = planned_step.sparse_attention
 
     def spy(q, sources, *a, **k):
-        calls.append([type(s.cache) for s in sources])
+        calls.append([s.cache.dtype for s in sources])
         return original(q, sources, *a, **k)
 
     monkeypatch.setattr(planned_step, "sparse_attention", spy)
@@ -36,6 +37,12 @@ def test_in_place_path_cpu(monkeypatch, kv_format: str, name: str) -> None:
     fam, oracle = make_family([SLIDING, CSA, HCA], 5, 8, kv_format=kv_format, trace=False)
     _run(fam, oracle, schedules(rng)[name], 1e-5 if kv_format == "exact" else 2e-5)
     assert len(calls) > 10
+    # prompt and decode rows alike read the compressed entries in place from their pool
+    # (the quantized pools are uint8 records; nothing dequantized in between)
+    compressed = [c[1] for c in calls if len(c) == 2]
+    assert compressed
+    if kv_format != "exact":
+        assert all(d == torch.uint8 for d in compressed), compressed
 
 
 def test_in_place_path_triton_interpreter(monkeypatch) -> None:

@@ -37,10 +37,12 @@ How each call maps onto the plan (``meta`` = the step's ``InputMetadata``, ``r``
     Attention: ``sparse_attention.sink_attention`` over the joined buffer and index.
     CUDA (``kvplan.ops.sparse_attention``, when not tracing): decode reads the ring and the
     compressor pool in place through the slot tables (no gathered copy of the main rows);
-    prefill hands the SWA and compressed buffers to the kernel as two sources (no join).
-    CUDA CSA layers score candidates with ``kvplan.ops.sparse_attention.index_scores`` (the
-    index keys read in place in decode) and keep their top-k with ``kvplan.ops.topk`` (column
-    order; in decode mapped straight to the candidates' pool slots by its ``gather``).
+    prefill hands the kernel the SWA buffer (in the model's dtype: BF16 rows for a BF16
+    model) and the compressor pool in place through slot tables (the rows' visible entries
+    mapped through their sequences' block tables), as two sources (no join). CUDA CSA layers
+    score candidates with ``kvplan.ops.sparse_attention.index_scores`` (the index keys read
+    in place) and keep their top-k with ``kvplan.ops.topk`` (column order, mapped straight
+    to the candidates' pool slots by its ``gather``).
 """
 
 from __future__ import annotations
@@ -323,13 +325,16 @@ class PlannedStep:
         """``attend`` through ``kvplan.ops.sparse_attention`` (see the module docstring)."""
         meta, compressed = self.meta, spec.kind != "sliding_attention"
         if self.is_prompt:
-            hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa)
+            # The window rows as the model's dtype (bf16 rows: half the bytes of fp32, the
+            # same values); the compressed entries read in place from their pool.
+            dtype = q.dtype if q.dtype == torch.bfloat16 else torch.float32
+            hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa, dtype=dtype)
             caches.ring.store(kv, meta.slot_mapping_store_swa)  # after the history load
-            rows = torch.cat([hist, caches.ring.roundtrip(kv)])
+            rows = torch.cat([hist, caches.ring.roundtrip(kv, dtype=dtype)])
             sources = [KeySource(rows, meta.kv_swa_full_index)]
             if compressed:
-                c_rows, c_index = self._prompt_compressed(spec, caches, index_q, index_weights)
-                sources.append(KeySource(c_rows, c_index))
+                slots = self._prompt_slots(spec, caches, index_q, index_weights)
+                sources.append(caches.pools["compressor"].key_source(slots))
         else:
             caches.ring.store(kv, meta.slot_mapping_store_swa)  # decode rows see themselves
             sources = [caches.ring.key_source(meta.kv_swa_index)]
@@ -360,14 +365,30 @@ class PlannedStep:
         index = torch.where(local >= 0, ks[:, None] + local, -1).to(torch.int32)
         return rows, index
 
+    def _prompt_slots(self, spec, caches, index_q, index_weights) -> torch.Tensor:
+        """int32 ``[T, K]`` pool slots a prompt row sees, ``-1`` padded (the in-place form of
+        :meth:`_prompt_compressed`'s buffer rows): HCA every closed entry ``0 .. len - 1`` of
+        its sequence, CSA the indexer's top-k of them mapped to their slots by the top-k's
+        ``gather``. The chunk's own entries are in the pool: ``store_entries`` came first."""
+        width = self.max_seqlen_k // spec.ratio
+        slots = self._candidate_slots(spec.ratio, width)
+        if not spec.overlap:
+            return slots
+        klen, check = self.meta.klen[ratio_key(spec.ratio)], self.family.check
+        src = caches.pools["indexer"].key_source(slots)
+        scores = index_scores(index_q, index_weights, src, check=check)
+        return topk_columns(scores, klen, spec.top_k, gather=slots, check=check)
+
     def _candidate_slots(self, ratio: int, width: int) -> torch.Tensor:
-        """int32 ``[T, width]`` pool slots of each row's candidate entries ``0 .. klen[t] - 1``
-        (``-1`` after them) through its sequence's block table: the same for every CSA layer
-        of ``ratio``, so computed once per step."""
+        """int32 ``[T, width]`` pool slots of each row's visible entries ``0 .. len[t] - 1``
+        (``-1`` after them; ``len`` is ``klen`` of a sparse ratio, the ``kv_ca_index_len`` of
+        a dense one) through its sequence's block table: the same for every layer of
+        ``ratio``, so computed once per step."""
         if ratio not in self._cand_slots:
             meta = self.meta
             tpb = self.family.config.tokens_per_block(ratio)
-            klen = meta.klen[ratio_key(ratio)]
+            key = ratio_key(ratio)
+            klen = meta.klen[key] if key in meta.klen else meta.kv_ca_index_len[key]
             dev = klen.device
             if self.is_prompt:  # a row per token: its sequence's table, columns it reaches
                 blocks = max(-(-width // tpb), 1)

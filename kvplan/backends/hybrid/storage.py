@@ -100,8 +100,9 @@ class PagedRows:
     layout)``, slots ``block * block_size + offset``.
 
     ``store(rows, slots)`` / ``load(segments, total_k)`` / ``load_slots(slots)`` take and
-    return float rows ``[n, width]`` (fp32 out); ``roundtrip(rows)`` is what a store and a
-    load give back (the quantize-dequantize of the format).
+    return float rows ``[n, width]`` (fp32 out; ``load`` and ``roundtrip`` also give the
+    BF16 rows of a non-fp32 layout); ``roundtrip(rows)`` is what a store and a load give
+    back (the quantize-dequantize of the format).
     """
 
     def __init__(
@@ -128,12 +129,12 @@ class PagedRows:
             return rows.to(torch.float32).contiguous().view(torch.bfloat16)
         return rows.to(torch.bfloat16).contiguous()
 
-    def _from_loaded(self, out) -> torch.Tensor:
+    def _from_loaded(self, out, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.fp32_bits:
             return out.view(torch.float32)
         if self.layout.do_cast or not self.layout.is_quantized:
-            return out.float()
-        return dequantize_index(out, self.layout).float()
+            return out.to(dtype)
+        return dequantize_index(out, self.layout).to(dtype)
 
     def store(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Write ``rows [n, width]`` into ``slots`` (int32 ``[n]``, -1 skips).
@@ -151,11 +152,15 @@ class PagedRows:
         store_kv_cache(self._to_cache_rows(rows), self.cache, slots, layout=self.layout,
                        check=check)  # fmt: skip
 
-    def load(self, segments: torch.Tensor, total_k: int) -> torch.Tensor:
-        """fp32 ``[total_k, width]`` loaded by a load plan (zero rows for ``-1`` blocks)."""
+    def load(
+        self, segments: torch.Tensor, total_k: int, *, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """``[total_k, width]`` loaded by a load plan (zero rows for ``-1`` blocks), as fp32
+        or, with ``dtype=torch.bfloat16``, as the BF16 the load produces (the same values:
+        every loaded row is BF16-exact) -- except fp32 rows, which stay fp32."""
         out = load_paged_kv_cache(self.cache, segments, total_k, layout=self.layout,
                                   check=self.check)  # fmt: skip
-        return self._from_loaded(out)
+        return self._from_loaded(out, dtype)
 
     def load_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 ``[N, width]``: row ``i`` is slot ``slots[i]`` (zeros for ``-1``), loaded by
@@ -173,16 +178,16 @@ class PagedRows:
             self.cache.view(torch.float32 if self.fp32_bits else torch.bfloat16), slots
         )
 
-    def roundtrip(self, rows: torch.Tensor) -> torch.Tensor:
-        """fp32 rows as ``store`` + ``load`` would return them (this cache is not touched).
-        Quantized layouts on the ops' Triton path: the fused store and load kernels through a
-        scratch cache of ``rows``' size (two launches instead of the torch quantize and
-        dequantize ops; the same bits)."""
+    def roundtrip(self, rows: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows as ``store`` + ``load(dtype=dtype)`` would return them (this cache is not
+        touched). Quantized layouts on the ops' Triton path: the fused store and load kernels
+        through a scratch cache of ``rows``' size (two launches instead of the torch quantize
+        and dequantize ops; the same bits)."""
         x = self._to_cache_rows(rows)
         if self.fp32_bits:
             return x.view(torch.float32)
         if not self.layout.is_quantized:
-            return x.float()
+            return x.to(dtype)
         if use_triton(x) and x.shape[0]:
             n, bs = x.shape[0], self.block_size
             scratch = alloc_kv_cache(-(-n // bs), bs, self.layout, device=x.device)
@@ -190,10 +195,10 @@ class PagedRows:
             store_kv_cache(x, scratch, slots, layout=self.layout, check=False)
             segs = slot_segments(slots, bs)
             return self._from_loaded(
-                load_paged_kv_cache(scratch, segs, n, layout=self.layout, check=False)
+                load_paged_kv_cache(scratch, segs, n, layout=self.layout, check=False), dtype
             )
         values, scales = quant.quantize(x.reshape(x.shape[0], -1), self.layout)
-        return quant.dequantize(values, scales, self.layout).float()
+        return quant.dequantize(values, scales, self.layout).to(dtype)
 
 
 def slot_segments(slots: torch.Tensor, block_size: int) -> torch.Tensor:
