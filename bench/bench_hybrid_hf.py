@@ -34,6 +34,7 @@ import torch
 import transformers as tf
 
 from kvplan import LLM, SamplingParams
+from kvplan.engine.cli_bench import run_workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import cprofile_rows  # noqa: E402
@@ -77,7 +78,7 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
     # warm-up: the whole workload once. Triton compiles one kernel per argument
     # specialization on first use (chunk lengths, row counts, context lengths the decode
     # steps pass through), which must not be timed
-    llm.generate(ids, params)
+    warm = llm.generate(ids, params)  # greedy: the timed run's tokens are the same
     sync(dev)
     info = {}
     if args.split:  # the prompts alone (+ one token): the prefill share of the run
@@ -99,19 +100,18 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
             ]
             for key in ("self_device_time_total", "cpu_time_total")
         }
-    t0 = time.perf_counter()
-    outs = llm.generate(ids, params)
-    sync(dev)
-    wall = time.perf_counter() - t0
+    # the timed run, step by step (the engine's own loop, as `LLM.generate` runs it): also
+    # the median full-batch decode step and how many steps replayed a CUDA graph
+    res = run_workload(llm, ids, new, progress=False)
+    wall = res.wall_s
+    info.update(steps=res.num_steps, graph_replays=res.num_graph_replays,
+                median_decode_step_ms=res.median_decode_step_ms)  # fmt: skip
     if args.cprofile:  # the whole workload again under cProfile: where the host time goes
         info["cprofile"] = host_profile(partial(llm.generate, ids, params), dev)
-    runner = llm.parts.core.runner
-    graphs = getattr(runner, "graphs", None)
-    info["graph_replays"] = getattr(graphs, "num_replays", None)
     del llm
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return wall, [o.token_ids for o in outs], info
+    return wall, [o.token_ids for o in warm], info
 
 
 def host_profile(fn, dev, top: int = 30) -> dict:
@@ -204,7 +204,10 @@ def main() -> None:
         print(f"{r['engine']:>7} {r.get('kv_format', ''):>9} {r['seconds']:8.2f} s "
               f"{r['tok_s']:10.1f} tok/s" + (f"  {r['vs_hf']:.1f}x HF" if hf_rate else "")
               + (f"  prefill alone {r['prefill_seconds']:.2f} s" if "prefill_seconds" in r
-                 else ""))  # fmt: skip
+                 else "")
+              + (f"  {r['steps']} steps ({r['graph_replays']} graph replays), median "
+                 f"decode step {r['median_decode_step_ms']:.2f} ms"
+                 if r.get("median_decode_step_ms") else ""))  # fmt: skip
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(record, fh, indent=1)
