@@ -214,7 +214,7 @@ def sparse_attention_triton(
 
 
 _PROGRAMS_PER_SM = 1  # split target: about this many programs per SM
-_SPLIT_TILE_N = 64  # keys per tile of the split kernel
+_SPLIT_TILE_N = 32  # keys per tile of the split kernel
 _MIN_SPLIT_TILES = 2  # fewest key tiles a split walks
 
 

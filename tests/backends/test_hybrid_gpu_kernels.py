@@ -29,7 +29,9 @@ def test_in_place_path_cpu(monkeypatch, kv_format: str, name: str) -> None:
     original = planned_step.sparse_attention
 
     def spy(q, sources, *a, **k):
-        calls.append([s.cache.dtype for s in sources])
+        pools = {c.pools["compressor"].cache.data_ptr() for c in fam.caches
+                 if "compressor" in c.pools}  # fmt: skip
+        calls.append([(s.cache.dtype, s.cache.data_ptr() in pools) for s in sources])
         return original(q, sources, *a, **k)
 
     monkeypatch.setattr(planned_step, "sparse_attention", spy)
@@ -37,12 +39,16 @@ def test_in_place_path_cpu(monkeypatch, kv_format: str, name: str) -> None:
     fam, oracle = make_family([SLIDING, CSA, HCA], 5, 8, kv_format=kv_format, trace=False)
     _run(fam, oracle, schedules(rng)[name], 1e-5 if kv_format == "exact" else 2e-5)
     assert len(calls) > 10
-    # prompt and decode rows alike read the compressed entries in place from their pool
-    # (the quantized pools are uint8 records; nothing dequantized in between)
+    # decode rows read the compressed entries in place from their pool (uint8 records when
+    # quantized); prompt rows too from an exact pool, from rows dequantized once otherwise
     compressed = [c[1] for c in calls if len(c) == 2]
-    assert compressed
-    if kv_format != "exact":
-        assert all(d == torch.uint8 for d in compressed), compressed
+    in_pool = [d for d, pooled in compressed if pooled]
+    assert in_pool and len({d for d, _ in compressed}) == (1 if kv_format == "exact" else 2)
+    if kv_format == "exact":
+        assert len(in_pool) == len(compressed)
+    else:
+        assert all(d == torch.uint8 for d in in_pool)
+        assert all(d == torch.float32 for d, pooled in compressed if not pooled)
 
 
 def test_in_place_path_triton_interpreter(monkeypatch) -> None:

@@ -37,9 +37,10 @@ How each call maps onto the plan (``meta`` = the step's ``InputMetadata``, ``r``
     Attention: ``sparse_attention.sink_attention`` over the joined buffer and index.
     CUDA (``kvplan.ops.sparse_attention``, when not tracing): decode reads the ring and the
     compressor pool in place through the slot tables (no gathered copy of the main rows);
-    prefill hands the kernel the SWA buffer (in the model's dtype: BF16 rows for a BF16
-    model) and the compressor pool in place through slot tables (the rows' visible entries
-    mapped through their sequences' block tables), as two sources (no join). CUDA CSA layers
+    prefill hands the kernel the SWA buffer and the compressed buffer (rows in the model's
+    dtype: BF16 for a BF16 model; each quantized entry dequantized once, as many prompt rows
+    read it) or, for an exact pool, the pool itself in place through slot tables (the rows'
+    visible entries mapped through their sequences' block tables), as two sources (no join). CUDA CSA layers
     score candidates with ``kvplan.ops.sparse_attention.index_scores`` (the index keys read
     in place) and keep their top-k with ``kvplan.ops.topk`` (column order, mapped straight
     to the candidates' pool slots by its ``gather``).
@@ -325,16 +326,23 @@ class PlannedStep:
         """``attend`` through ``kvplan.ops.sparse_attention`` (see the module docstring)."""
         meta, compressed = self.meta, spec.kind != "sliding_attention"
         if self.is_prompt:
-            # The window rows as the model's dtype (bf16 rows: half the bytes of fp32, the
-            # same values); the compressed entries read in place from their pool.
+            # Rows in the model's dtype (bf16 rows: half the bytes of fp32, the same values).
+            # A quantized pool's entries are dequantized once into rows (many prompt rows
+            # read each entry); an exact pool is read in place.
             dtype = q.dtype if q.dtype == torch.bfloat16 else torch.float32
             hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa, dtype=dtype)
             caches.ring.store(kv, meta.slot_mapping_store_swa)  # after the history load
             rows = torch.cat([hist, caches.ring.roundtrip(kv, dtype=dtype)])
             sources = [KeySource(rows, meta.kv_swa_full_index)]
-            if compressed:
-                slots = self._prompt_slots(spec, caches, index_q, index_weights)
-                sources.append(caches.pools["compressor"].key_source(slots))
+            pool = caches.pools["compressor"] if compressed else None
+            if compressed and pool.layout.is_quantized:
+                c_rows, c_index = self._prompt_compressed(
+                    spec, caches, index_q, index_weights, dtype=dtype
+                )
+                sources.append(KeySource(c_rows, c_index))
+            elif compressed:
+                sources.append(pool.key_source(self._prompt_slots(spec, caches, index_q,
+                                                                  index_weights)))  # fmt: skip
         else:
             caches.ring.store(kv, meta.slot_mapping_store_swa)  # decode rows see themselves
             sources = [caches.ring.key_source(meta.kv_swa_index)]
@@ -345,10 +353,10 @@ class PlannedStep:
         return sparse_attention(q, sources, sinks, scale, check=self.family.check)
 
     # ---- compressed parts ---------------------------------------------------------------
-    def _prompt_compressed(self, spec, caches, index_q, index_weights):
+    def _prompt_compressed(self, spec, caches, index_q, index_weights, dtype=torch.float32):
         key, meta = ratio_key(spec.ratio), self.meta
         segs, total = meta.load_segments_ca[key], meta.total_k_compressed[key]
-        rows = caches.pools["compressor"].load(segs, total)
+        rows = caches.pools["compressor"].load(segs, total, dtype=dtype)
         width = self.max_seqlen_k // spec.ratio  # most entries any row of the step sees
         if not spec.overlap:
             return rows, meta.kv_ca_index[key][:, :width]
