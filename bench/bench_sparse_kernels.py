@@ -17,7 +17,9 @@ entries; the run fails above 1e-5 for the scores, 2e-2 for the bf16 attention). 
 cost included) and per call of 20 calls replayed as a CUDA graph ("graph ms", GPU time; the
 speedup column compares these); on a CPU (``--quick``, tiny
 shapes) the interpreter's wall time, for a smoke run only. ``--sweep`` also times a grid of
-tile configurations of the new kernels.
+tile configurations of the new kernels; on CUDA the attention cases (decode, and prefill
+with ``--prefill-rows``) always time the ``d_chunk`` / ``pv_split`` variants; the fastest
+path of each case is printed last.
 
     PYTHONPATH=. python3 bench/bench_sparse_kernels.py --out bench/results/sparse_kernels.json
     PYTHONPATH=. python3 bench/bench_sparse_kernels.py --quick
@@ -50,6 +52,12 @@ from kvplan.ops.sparse_attention import (  # noqa: E402
 # new vs old, relative to max |old|: fp32 scores summed in another order; bf16 outputs whose
 # probabilities are rounded to bf16 against another running max
 _TOL = {"index_scores": 1e-5, "sparse_attention": 2e-2}
+# d_chunk / pv_split variants (bench/hybrid_kernel_regs.py has their register counts)
+_CHUNKED = [
+    {"d_chunk": dc, "pv_split": ps, "num_warps": nw, "num_stages": st}
+    for dc, ps, nw, st in ((64, 1, 8, 2), (64, 4, 8, 1), (64, 4, 8, 2), (32, 4, 8, 1),
+                           (128, 4, 8, 1), (128, 4, 8, 2), (64, 4, 4, 1), (64, 2, 8, 1))
+]  # fmt: skip
 
 
 def timed_ms(fn, dev: torch.device) -> float:
@@ -163,6 +171,9 @@ def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chos
     if a.sweep:
         configs += [{"num_splits": s, "tile_n": n, "num_warps": nw}
                     for s in (4, 8, 16) for n in (16, 32, 64) for nw in (4, 8)]  # fmt: skip
+    if dev.type == "cuda":  # the register-footprint variants (default and 8 splits)
+        configs += [dict(v, **({"num_splits": s} if s else {}))
+                    for s in (None, 8) for v in _CHUNKED]  # fmt: skip
 
     def call(**cfg):
         return sparse_attention_triton(q, srcs, sinks, 512**-0.5, check=False, **cfg)
@@ -189,7 +200,7 @@ def prefill_case(a, dev, gen) -> list[dict]:
     configs = [{}] + [
         {"num_splits": 1, "tile_n": tn, "num_warps": nw, "num_stages": st}
         for tn in (16, 32, 64) for nw in (4, 8) for st in (1, 2, 3)
-    ]  # fmt: skip
+    ] + [dict(v, num_splits=1) for v in _CHUNKED]  # fmt: skip
 
     def call(**cfg):
         return sparse_attention_triton(q, srcs, sinks, 512**-0.5, check=False, **cfg)
@@ -254,6 +265,10 @@ def main() -> None:
         "torch": torch.__version__,
         "rows": rows,
     }
+    for case in dict.fromkeys(r["case"] for r in rows):
+        timed = [r for r in rows if r["case"] == case and "speedup" in r]
+        best = max(timed, key=lambda r: r["speedup"])
+        print(f"FASTEST {case}: {best['path']} ({best['speedup']:.2f}x old)")
     bad = [r for r in rows if r.get("rel_err", 0.0) > _TOL[r["case"].split()[0]]]
     for r in bad:
         print(f"MISMATCH {r['case']} {r['path']}: rel_err {r['rel_err']:.2e}")

@@ -27,6 +27,10 @@ V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=Tru
 ATTN_TYPES = {"q_ptr": "*bf16", "qk_scale": "fp32", "c0_ptr": "*u8", "c1_ptr": "*u8",
               "ws_acc_ptr": "*fp32", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
               "out_ptr": "*bf16", "sink_ptr": "*fp32"}  # fmt: skip
+# tile_n, warps, d_chunk, pv_split, stages: the whole-tile kernel, then the chunked variants
+ATTN_VARIANTS = [(16, 4, 0, 1, 2), (16, 8, 0, 1, 2), (32, 4, 0, 1, 2), (32, 8, 0, 1, 2),
+                 (16, 8, 64, 1, 2), (16, 8, 64, 4, 1), (16, 8, 64, 4, 2), (16, 8, 32, 4, 1),
+                 (16, 8, 128, 4, 1), (16, 4, 64, 4, 1), (16, 8, 64, 2, 1)]  # fmt: skip
 INDEX_TYPES = {"q_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "c_ptr": "*u8"}
 
 
@@ -51,16 +55,22 @@ def main() -> None:
     rows = []
     for name, fn in (("sparse_attention_kernel", _k.sparse_attention_kernel),
                      ("sparse_attention_split_kernel", _ks.sparse_attention_split_kernel)):  # fmt: skip
-        for tile_n, warps in ((16, 4), (16, 8), (32, 4), (32, 8)):
-            r = report(fn, dict(attn, TILE_N=tile_n), ATTN_TYPES, warps)
-            rows.append(dict(kernel=name, tile_n=tile_n, **r))
+        for tile_n, warps, d_chunk, pv_split, stages in ATTN_VARIANTS:
+            const = dict(attn, TILE_N=tile_n, D_CHUNK=d_chunk, PV_SPLIT=pv_split)
+            r = report(fn, const, ATTN_TYPES, warps, stages)
+            rows.append(dict(kernel=name, tile_n=tile_n, d_chunk=d_chunk, pv_split=pv_split, **r))
     for tile_n, tiles, warps in ((64, 1, 4), (128, 1, 4), (128, 2, 4), (128, 1, 8)):
         const = dict(HEAD_DIM=128, D_P2=128, TILE_H=32, TILE_N=tile_n, TILES=tiles, KIND=2,
                      SF=0, GS=32, FLAT=True, HW=True, DOT_BF16=True)  # fmt: skip
         r = report(_k.index_scores_tc_kernel, const, INDEX_TYPES, warps)
         rows.append(dict(kernel="index_scores_tc_kernel", tile_n=tile_n, tiles=tiles, **r))
     for r in rows:
-        print(f"{r['kernel']:<30} tile_n {r['tile_n']:>3} warps {r['num_warps']}: "
+        var = (
+            f" d_chunk {r['d_chunk']:>3} pv_split {r['pv_split']} stages {r['num_stages']}"
+            if "d_chunk" in r
+            else ""
+        )
+        print(f"{r['kernel']:<30} tile_n {r['tile_n']:>3} warps {r['num_warps']}{var}: "
               f"{r['registers']:>3} regs, spill {r['spill_bytes']:>4} B, smem "
               f"{r['shared_bytes']:>6} B, {r['programs_per_sm']} programs/SM")  # fmt: skip
     if args.out:

@@ -74,24 +74,32 @@ def _scales_at(c_ptr, sbase, grp, mask, SF: tl.constexpr):
 
 
 @triton.jit
-def _load_keys(
-    c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride, scale_offset,
+def _load_key_cols(
+    c_ptr, slots, valid, d0, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
+    DW: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
+    BF16: tl.constexpr,
 ):  # fmt: skip
-    """fp32 ``[TILE_N, D_P2]`` rows of ``slots`` (zeros where not ``valid`` or ``d >= D``).
-    Scales of slot ``s`` start at ``block * stride_block + row * scale_stride +
-    scale_offset`` (token-interleaved records: ``scale_stride = stride_token``)."""
+    """Columns ``[d0, d0 + DW)`` of the rows of ``slots``: ``[TILE_N, DW]``, zeros where not
+    ``valid`` or ``d >= D``; fp32, or bf16 with ``BF16`` (the same values: every dequantized
+    key is a bf16; an fp32 source row is rounded). ``FLAT``: ``d0`` and ``DW`` are
+    multiples of ``GS`` (``DW // GS`` a power of two) and ``d0 + DW <= HEAD_DIM``. Scales of
+    slot ``s`` start at ``block * stride_block + row * scale_stride + scale_offset``
+    (token-interleaved records: ``scale_stride = stride_token``)."""
     s = tl.where(valid, slots, 0).to(tl.int64)
     blk, off = s // block_size, s % block_size
     base = blk * stride_block + off * stride_token  # [TILE_N]
     sbase = blk * stride_block + off * scale_stride + scale_offset
-    d = tl.arange(0, D_P2)
+    d = d0 + tl.arange(0, DW)
     dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
     if KIND == 0:
         x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
+        if BF16:
+            x = x.to(tl.bfloat16)
     elif KIND == 1:
-        x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0).to(tl.float32)
+        x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
+        if not BF16:
+            x = x.to(tl.float32)
     else:
         if KIND == 2:
             vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
@@ -103,58 +111,155 @@ def _load_keys(
             vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
             codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
             vals = decode_e2m1(codes)
-        if FLAT:  # HEAD_DIM == D_P2 and D_P2 // GS groups, a power of two
-            G: tl.constexpr = D_P2 // GS
-            g = tl.arange(0, G)
+        if FLAT:
+            G: tl.constexpr = DW // GS
+            g = d0 // GS + tl.arange(0, G)
             mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
-            x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, D_P2])
+            x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
         else:
             x = vals * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
         if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
             x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+        if BF16:  # exact: every dequantized key is a bf16
+            x = x.to(tl.bfloat16)
     return x
 
 
 @triton.jit
-def _attend_tile(
-    acc, m_i, l_i, q, start, row_idx, num_cols, num_slots, c_ptr,
-    block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
+def _load_keys(
+    c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
-    DOT_BF16: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over index columns ``[start, start + TILE_N)``."""
+    """fp32 ``[TILE_N, D_P2]`` rows of ``slots`` (``_load_key_cols`` over all columns)."""
+    return _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
+                          scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
+                          FLAT, HW, False)  # fmt: skip
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, q_row, h_ok, start, row_idx, num_cols, num_slots, c_ptr,
+    block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
+    KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr,
+    HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr, PV_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over index columns ``[start, start + TILE_N)``. ``D_CHUNK``
+    0: ``q`` is the whole query tile; else the logits are summed over ``D_CHUNK``-column
+    chunks of the query (re-read through ``q_row``, ``[TILE_H, 1]`` pointers, each tile) and
+    of the keys, and ``q`` is unused."""
     cols = start + tl.arange(0, TILE_N)
     slots = tl.load(row_idx + cols, mask=cols < num_cols, other=-1)
     valid = (slots >= 0) & (slots < num_slots)
-    k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
-                   scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW)  # fmt: skip
-    if DOT_BF16:
-        kd = k.to(tl.bfloat16)
-        s = tl.dot(q, tl.trans(kd))
+    if D_CHUNK == 0:
+        kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
+                            scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
+                            FLAT, HW, DOT_BF16)  # fmt: skip
+        if DOT_BF16:
+            s = tl.dot(q, tl.trans(kd))
+        else:
+            s = tl.dot(q, tl.trans(kd), input_precision="ieee")
     else:
-        kd = k
-        s = tl.dot(q, tl.trans(kd), input_precision="ieee")
+        FLAT_C: tl.constexpr = FLAT and D_CHUNK >= GS
+        live = start < num_cols  # keeps the query loads in the loop
+        s = tl.zeros([TILE_H, TILE_N], tl.float32)
+        for c in range(0, D_P2 // D_CHUNK):
+            dq = c * D_CHUNK + tl.arange(0, D_CHUNK)
+            qmask = h_ok[:, None] & (dq < HEAD_DIM)[None, :] & live
+            qc = tl.load(q_row + dq[None, :], mask=qmask, other=0.0)
+            kc = _load_key_cols(c_ptr, slots, valid, c * D_CHUNK, block_size, stride_block,
+                                stride_token, scale_stride, scale_offset, KIND, SF, GS,
+                                HEAD_DIM, D_CHUNK, TILE_N, FLAT_C, HW, DOT_BF16)  # fmt: skip
+            if DOT_BF16:
+                s = tl.dot(qc.to(tl.bfloat16), tl.trans(kc), s)
+            else:
+                s = tl.dot(qc.to(tl.float32), tl.trans(kc), s, input_precision="ieee")
+        kd = 0.0
+        if PV_SPLIT == 1:
+            kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block,
+                                stride_token, scale_stride, scale_offset, KIND, SF, GS,
+                                HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16)  # fmt: skip
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [TILE_H, TILE_N]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if DOT_BF16:
-        pv = tl.dot(p.to(tl.bfloat16), kd)
+        p = p.to(tl.bfloat16)
+    if PV_SPLIT == 1:
+        acc = (_pv_step(acc[0], alpha, p, kd, DOT_BF16),)
     else:
-        pv = tl.dot(p, kd, input_precision="ieee")
-    acc = acc * alpha[:, None] + pv
+        acc = _pv_split(acc, alpha, p, c_ptr, slots, valid, block_size, stride_block,
+                        stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
+                        D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT)  # fmt: skip
     return acc, m_new, l_i
 
 
 @triton.jit
+def _pv_step(acc, alpha, p, v, DOT_BF16: tl.constexpr):
+    """``acc * alpha + p @ v`` (``p`` already bf16 for bf16 dots)."""
+    if DOT_BF16:
+        pv = tl.dot(p, v)
+    else:
+        pv = tl.dot(p, v, input_precision="ieee")
+    return acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _pv_split(
+    acc, alpha, p, c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
+    scale_offset, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr,
+    HW: tl.constexpr, DOT_BF16: tl.constexpr, PV_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """The value product on ``PV_SPLIT`` (2 or 4) column chunks of the accumulator (a tuple),
+    each chunk's values re-read: the same products, a smaller live value tile."""
+    DC: tl.constexpr = D_P2 // PV_SPLIT
+    FLAT_C: tl.constexpr = FLAT and DC >= GS
+    v0 = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
+                        scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DC, TILE_N, FLAT_C,
+                        HW, DOT_BF16)  # fmt: skip
+    a0 = _pv_step(acc[0], alpha, p, v0, DOT_BF16)
+    v1 = _load_key_cols(c_ptr, slots, valid, DC, block_size, stride_block, stride_token,
+                        scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DC, TILE_N, FLAT_C,
+                        HW, DOT_BF16)  # fmt: skip
+    a1 = _pv_step(acc[1], alpha, p, v1, DOT_BF16)
+    if PV_SPLIT == 2:
+        return a0, a1
+    else:
+        v2 = _load_key_cols(c_ptr, slots, valid, 2 * DC, block_size, stride_block,
+                            stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
+                            DC, TILE_N, FLAT_C, HW, DOT_BF16)  # fmt: skip
+        a2 = _pv_step(acc[2], alpha, p, v2, DOT_BF16)
+        v3 = _load_key_cols(c_ptr, slots, valid, 3 * DC, block_size, stride_block,
+                            stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
+                            DC, TILE_N, FLAT_C, HW, DOT_BF16)  # fmt: skip
+        a3 = _pv_step(acc[3], alpha, p, v3, DOT_BF16)
+        return a0, a1, a2, a3
+
+
+@triton.jit
+def _acc_zeros(TILE_H: tl.constexpr, D_P2: tl.constexpr, PV_SPLIT: tl.constexpr):
+    """The accumulator: a tuple of ``PV_SPLIT`` fp32 ``[TILE_H, D_P2 // PV_SPLIT]`` zeros."""
+    DC: tl.constexpr = D_P2 // PV_SPLIT
+    if PV_SPLIT == 1:
+        return (tl.zeros([TILE_H, DC], tl.float32),)
+    elif PV_SPLIT == 2:
+        return tl.zeros([TILE_H, DC], tl.float32), tl.zeros([TILE_H, DC], tl.float32)
+    else:
+        z = tl.zeros([TILE_H, DC], tl.float32)
+        return z, z, z, z
+
+
+@triton.jit
 def _attend_cols(
-    acc, m_i, l_i, q, t, lo, hi, c_ptr, idx_ptr, stride_idx, num_slots,
+    acc, m_i, l_i, q, q_row, h_ok, t, lo, hi, c_ptr, idx_ptr, stride_idx, num_slots,
     block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
-    DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr,
+    HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr, PV_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax steps over index columns ``[lo, hi)`` of row ``t`` of one source (the
     whole row: ``lo = 0``, ``hi = num_cols``; a split: its share). The CPU interpreter cannot
@@ -164,33 +269,40 @@ def _attend_cols(
         start = lo
         while start < hi:
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, start, row_idx, hi, num_slots, c_ptr, block_size,
-                stride_block, stride_token, scale_stride, scale_offset, qk_scale,
-                KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
+                acc, m_i, l_i, q, q_row, h_ok, start, row_idx, hi, num_slots, c_ptr,
+                block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
+                KIND, SF, GS, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT, HW, DOT_BF16, D_CHUNK,
+                PV_SPLIT,
             )  # fmt: skip
             start += TILE_N
     else:
         for start in range(lo, hi, TILE_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, start, row_idx, hi, num_slots, c_ptr, block_size,
-                stride_block, stride_token, scale_stride, scale_offset, qk_scale,
-                KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16,
+                acc, m_i, l_i, q, q_row, h_ok, start, row_idx, hi, num_slots, c_ptr,
+                block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
+                KIND, SF, GS, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT, HW, DOT_BF16, D_CHUNK,
+                PV_SPLIT,
             )  # fmt: skip
     return acc, m_i, l_i
 
 
 @triton.jit
 def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
-                DOT_BF16: tl.constexpr):  # fmt: skip
-    """Row ``t``'s query tile ``[TILE_H, D_P2]`` (bf16 for bf16 dots, else fp32) and its mask."""
-    q_off = t.to(tl.int64) * stride_qt + h64[:, None] * stride_qh + d[None, :]
+                DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr):  # fmt: skip
+    """Row ``t``'s query: the pointers ``q_row`` ``[TILE_H, 1]`` to its heads' rows, the
+    tile ``[TILE_H, D_P2]`` (bf16 for bf16 dots, else fp32; with ``D_CHUNK`` a placeholder
+    zero: the tiles read the query in chunks) and the ``[TILE_H, D_P2]`` mask."""
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + h64[:, None] * stride_qh
     qmask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
-    if DOT_BF16:
-        q = q.to(tl.bfloat16)
+    if D_CHUNK == 0:
+        q = tl.load(q_row + d[None, :], mask=qmask, other=0.0)
+        if DOT_BF16:
+            q = q.to(tl.bfloat16)
+        else:
+            q = q.to(tl.float32)
     else:
-        q = q.to(tl.float32)
-    return q, qmask
+        q = 0.0
+    return q, q_row, qmask
 
 
 @triton.jit
@@ -201,35 +313,43 @@ def sparse_attention_kernel(
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     KIND0: tl.constexpr, SF0: tl.constexpr, GS0: tl.constexpr, FLAT0: tl.constexpr,
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
-    HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
+    PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(T, cdiv(H, TILE_H))``. q / out ``[T, H, D]``; sinks fp32 ``[H]``; per source
     ``i``: cache pointer, int32 index ``[T, n_i]`` (row stride ``stride_i``), ``slots_i``
     addressable slots, ``block_size``, block / token strides and scale offset (in elements
-    of the pointer's dtype: bytes for quantized sources)."""
+    of the pointer's dtype: bytes for quantized sources). ``D_CHUNK``: see ``_attend_tile``
+    (0 or a power of two dividing ``D_P2``)."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     h_ok = heads < num_heads
     d = tl.arange(0, D_P2)
     h64 = heads.to(tl.int64)
-    q, qmask = _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM, DOT_BF16)
+    q, q_row, qmask = _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM,
+                                  DOT_BF16, D_CHUNK)  # fmt: skip
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
     m_i = tl.maximum(sink, -1.0e30)
     l_i = tl.exp2(sink - m_i)
-    acc = tl.zeros([TILE_H, D_P2], tl.float32)
+    acc = _acc_zeros(TILE_H, D_P2, PV_SPLIT)
     acc, m_i, l_i = _attend_cols(
-        acc, m_i, l_i, q, t, 0, n0, c0_ptr, i0_ptr, stride_i0, slots0, bs0, sblk0, stok0, sstr0,
-        soff0, qk_scale, KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_N, FLAT0, HW, DOT_BF16, INTERPRET,
+        acc, m_i, l_i, q, q_row, h_ok, t, 0, n0, c0_ptr, i0_ptr, stride_i0, slots0, bs0, sblk0,
+        stok0, sstr0, soff0, qk_scale, KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT0,
+        HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET,
     )  # fmt: skip
     if HAS1:
         acc, m_i, l_i = _attend_cols(
-            acc, m_i, l_i, q, t, 0, n1, c1_ptr, i1_ptr, stride_i1, slots1, bs1, sblk1, stok1,
-            sstr1, soff1, qk_scale, KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_N, FLAT1, HW, DOT_BF16,
-            INTERPRET,
+            acc, m_i, l_i, q, q_row, h_ok, t, 0, n1, c1_ptr, i1_ptr, stride_i1, slots1, bs1,
+            sblk1, stok1, sstr1, soff1, qk_scale, KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_H,
+            TILE_N, FLAT1, HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET,
         )  # fmt: skip
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_off = t.to(tl.int64) * stride_ot + h64[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=qmask)
+    inv = tl.where(l_i > 0, l_i, 1.0)[:, None]
+    DC: tl.constexpr = D_P2 // PV_SPLIT
+    for c in tl.static_range(PV_SPLIT):
+        dc = c * DC + tl.arange(0, DC)
+        o_off = t.to(tl.int64) * stride_ot + h64[:, None] * stride_oh + dc[None, :]
+        o_mask = h_ok[:, None] & (dc < HEAD_DIM)[None, :]
+        tl.store(out_ptr + o_off, (acc[c] / inv).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvplan.ops._sparse_attention_kernels import LOG2E, _attend_cols, _load_query
+from kvplan.ops._sparse_attention_kernels import LOG2E, _acc_zeros, _attend_cols, _load_query
 
 
 @triton.jit
@@ -39,7 +39,8 @@ def sparse_attention_split_kernel(
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     KIND0: tl.constexpr, SF0: tl.constexpr, GS0: tl.constexpr, FLAT0: tl.constexpr,
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
-    HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
+    PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(T, cdiv(H, TILE_H), S)``: split ``s`` of row ``t``, joined columns
     ``[s * cols_per_split, (s + 1) * cols_per_split)``. Source arguments as in
@@ -50,29 +51,36 @@ def sparse_attention_split_kernel(
     h_ok = heads < num_heads
     d = tl.arange(0, D_P2)
     h64 = heads.to(tl.int64)
-    q, qmask = _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM, DOT_BF16)
+    q, q_row, qmask = _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM,
+                                  DOT_BF16, D_CHUNK)  # fmt: skip
     m_i = tl.full([TILE_H], -1.0e30, tl.float32)
     l_i = tl.zeros([TILE_H], tl.float32)
-    acc = tl.zeros([TILE_H, D_P2], tl.float32)
+    acc = _acc_zeros(TILE_H, D_P2, PV_SPLIT)
     lo = sp * cols_per_split
     hi = lo + cols_per_split
     acc, m_i, l_i = _attend_cols(
-        acc, m_i, l_i, q, t, tl.minimum(lo, n0), tl.minimum(hi, n0), c0_ptr, i0_ptr,
-        stride_i0, slots0, bs0, sblk0, stok0, sstr0, soff0, qk_scale,
-        KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_N, FLAT0, HW, DOT_BF16, INTERPRET,
+        acc, m_i, l_i, q, q_row, h_ok, t, tl.minimum(lo, n0), tl.minimum(hi, n0), c0_ptr,
+        i0_ptr, stride_i0, slots0, bs0, sblk0, stok0, sstr0, soff0, qk_scale,
+        KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT0, HW, DOT_BF16, D_CHUNK,
+        PV_SPLIT, INTERPRET,
     )  # fmt: skip
     if HAS1:
         lo1 = tl.minimum(tl.maximum(lo - n0, 0), n1)
         hi1 = tl.minimum(tl.maximum(hi - n0, 0), n1)
         acc, m_i, l_i = _attend_cols(
-            acc, m_i, l_i, q, t, lo1, hi1, c1_ptr, i1_ptr, stride_i1, slots1, bs1, sblk1,
-            stok1, sstr1, soff1, qk_scale,
-            KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_N, FLAT1, HW, DOT_BF16, INTERPRET,
+            acc, m_i, l_i, q, q_row, h_ok, t, lo1, hi1, c1_ptr, i1_ptr, stride_i1, slots1,
+            bs1, sblk1, stok1, sstr1, soff1, qk_scale,
+            KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT1, HW, DOT_BF16, D_CHUNK,
+            PV_SPLIT, INTERPRET,
         )  # fmt: skip
     row = (t.to(tl.int64) * num_splits + sp) * num_heads + h64  # [TILE_H]
     tl.store(ws_m_ptr + row, m_i, mask=h_ok)
     tl.store(ws_l_ptr + row, l_i, mask=h_ok)
-    tl.store(ws_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=qmask)
+    DC: tl.constexpr = D_P2 // PV_SPLIT
+    for c in tl.static_range(PV_SPLIT):
+        dc = c * DC + tl.arange(0, DC)
+        mask = h_ok[:, None] & (dc < HEAD_DIM)[None, :]
+        tl.store(ws_acc_ptr + row[:, None] * HEAD_DIM + dc[None, :], acc[c], mask=mask)
 
 
 @triton.jit

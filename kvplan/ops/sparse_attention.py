@@ -140,18 +140,27 @@ def sparse_attention_triton(
     q: torch.Tensor, sources: Sequence[KeySource], sinks: torch.Tensor, scale: float, *,
     out: torch.Tensor | None = None, check: bool = True, tile_h: int = 16,
     tile_n: int | None = None, num_warps: int | None = None, num_splits: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, d_chunk: int = 0, pv_split: int = 1,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton kernels (also on CPU under ``TRITON_INTERPRET=1``); contract of
     :func:`sparse_attention`. ``tile_h`` heads and ``tile_n`` keys per tile; ``num_splits``
     column splits per (row, head group) (``kvplan.ops._sparse_split_kernels``; 1: one
     program walks all of a row's columns; None: :func:`split_count` on CUDA, 1 otherwise);
-    ``num_stages``: the one-program kernel's software pipelining (None: Triton's default)."""
+    ``num_stages``: the attention kernels' software pipelining (None: Triton's default).
+    Register footprint knobs (same products, bit for bit on the tensor cores): ``d_chunk``
+    (0, or a power of two >= 16) sums the logits over query / key column chunks of that
+    width instead of holding the whole query tile; ``pv_split`` (1, 2 or 4) splits the
+    value product and the accumulator into that many column chunks, each re-reading its
+    values."""
     addrs = _check(q, sources, sinks, check)
     out = _out(q, out)
     num_rows, num_heads, head_dim = q.shape
     d_p2 = max(16, triton.next_power_of_2(head_dim))
     num_warps = num_warps or (8 if d_p2 >= 512 else 4)
+    if d_chunk and not (16 <= d_chunk <= d_p2 and d_chunk & (d_chunk - 1) == 0):
+        raise ValueError(f"d_chunk must be 0 or a power of two in [16, {d_p2}], got {d_chunk}")
+    if pv_split not in (1, 2, 4) or d_p2 // pv_split < 16:
+        raise ValueError(f"pv_split must be 1, 2 or 4 with D_P2 / pv_split >= 16, got {pv_split}")
     interpret = triton_interpreting()
     if num_rows == 0:
         return out
@@ -188,11 +197,11 @@ def sparse_attention_triton(
         KIND0=a0.kind, SF0=a0.sf, GS0=a0.group, FLAT0=flat_scales(a0, head_dim, d_p2),
         KIND1=a1.kind, SF1=a1.sf, GS1=a1.group, FLAT1=flat_scales(a1, head_dim, d_p2),
         HAS1=len(sources) > 1, HW=not interpret,
-        DOT_BF16=q.dtype == torch.bfloat16 and not interpret, INTERPRET=interpret,
-        num_warps=num_warps,
+        DOT_BF16=q.dtype == torch.bfloat16 and not interpret, D_CHUNK=d_chunk,
+        PV_SPLIT=pv_split, INTERPRET=interpret, num_warps=num_warps,
     )  # fmt: skip
+    stages = {} if num_stages is None else {"num_stages": num_stages}
     if num_splits == 1:
-        stages = {} if num_stages is None else {"num_stages": num_stages}
         _k.sparse_attention_kernel[(num_rows, groups)](
             q, out, sink32, q.stride(0), q.stride(1), out.stride(0), out.stride(1), num_heads,
             scale * _k.LOG2E, *srcs, **consts, **stages,
@@ -204,7 +213,7 @@ def sparse_attention_triton(
     ws_acc, ws_m, ws_l = ws[: parts * head_dim], ws[parts * head_dim : -parts], ws[-parts:]
     _ks.sparse_attention_split_kernel[(num_rows, groups, num_splits)](
         q, ws_acc, ws_m, ws_l, q.stride(0), q.stride(1), num_heads, num_splits, cols_per_split,
-        scale * _k.LOG2E, *srcs, **consts,
+        scale * _k.LOG2E, *srcs, **consts, **stages,
     )  # fmt: skip
     _ks.sparse_attention_combine_kernel[(num_rows, groups)](
         out, sink32, ws_acc, ws_m, ws_l, out.stride(0), out.stride(1), num_heads, num_splits,

@@ -112,7 +112,7 @@ def test_split_kernels_compile_for_sm90() -> None:
     sig = {"q_ptr": "*bf16", "qk_scale": "fp32", **_SRC}
     compile_sm90(_ks.sparse_attention_split_kernel, "*fp32", sig, HEAD_DIM=512, D_P2=512,
                  TILE_H=16, TILE_N=32, **_V41, HAS1=True, HW=True, DOT_BF16=True,
-                 INTERPRET=False)  # fmt: skip
+                 D_CHUNK=0, PV_SPLIT=1, INTERPRET=False)  # fmt: skip
     compile_sm90(_ks.sparse_attention_combine_kernel, "*fp32", {"out_ptr": "*bf16"},
                  HEAD_DIM=512, D_P2=512, TILE_H=16, INTERPRET=False)  # fmt: skip
 
