@@ -63,8 +63,8 @@ def load_kv_tile(
         vals = tl.reshape(pairs, [TILE_N, HEAD_DIM])
     offs_g = tl.arange(0, HEAD_DIM // GROUP)  # the head's scales
     if SF_KIND == 2:  # fp32 (SF_KIND values: kvplan.ops._quant_triton.SF_KIND)
-        sf_ptrs = sf_ptr + rows[:, None] + (offs_g * 4)[None, :]
-        sf = _load_masked(sf_ptrs.to(tl.pointer_type(tl.float32)), in_range, MASKED)
+        sf_rows = (sf_ptr + rows).to(tl.pointer_type(tl.float32))
+        sf = _load_masked(sf_rows[:, None] + offs_g[None, :], in_range, MASKED)
     else:
         sb = _load_masked(sf_ptr + rows[:, None] + offs_g[None, :], in_range, MASKED)
         if SF_KIND == 1:  # e4m3
@@ -73,6 +73,15 @@ def load_kv_tile(
             sf = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     grouped = tl.reshape(vals, [TILE_N, HEAD_DIM // GROUP, GROUP]) * sf[:, :, None]
     return tl.reshape(grouped, [TILE_N, HEAD_DIM]).to(q.dtype)
+
+
+@triton.jit
+def head_scales_offset(kvh, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SF_KIND: tl.constexpr):
+    """Bytes from the first head's scale run to head ``kvh``'s (a compile-time multiple of the
+    run's size, so the compiler knows how the run is aligned)."""
+    if SF_KIND == 2:
+        return kvh * (HEAD_DIM // GROUP * 4)
+    return kvh * (HEAD_DIM // GROUP)
 
 
 _KV_QUANT = {"e4m3": 1, "e2m1": 2, "int8": 3}  # quantized_dtype -> KV_QUANT
