@@ -133,3 +133,42 @@ def kv_geometry(k_cache, v_cache, head_dim: int, kv_layout) -> KVGeometry:
         kv_layout.quantized_bytes, head_dim // group * sf_size, kv_quant,
         SF_KIND[kv_layout.sf_format], group,
     )  # fmt: skip
+
+
+# Decode launch per KV format (``kv_layout.quantized_dtype``; None: float caches):
+# (tile_n keys per step, num_warps, num_stages). ``bench/bench_quant_decode.py`` sweeps them.
+DECODE_TILING: dict[str | None, tuple[int, int, int]] = {
+    None: (64, 4, 2),
+    "e4m3": (64, 4, 2),
+    "int8": (64, 4, 2),
+    "e2m1": (64, 4, 2),
+}
+
+
+def decode_tiling(
+    kv_layout,
+    tile_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[int, int, int]:
+    """``(tile_n, num_warps, num_stages)`` of a decode launch: the overrides that are given,
+    else ``DECODE_TILING``'s entry for the cache's format.
+
+    ``num_stages`` is the key loop's software-pipeline depth; the page-table load of a tile
+    precedes its K/V loads, so the compiler double-buffers the K/V tiles only from 5 stages.
+
+    >>> decode_tiling(None, num_stages=5)
+    (64, 4, 5)
+    """
+    key = None if kv_layout is None else kv_layout.quantized_dtype
+    dflt = DECODE_TILING.get(key, DECODE_TILING[None])
+    tile_n = dflt[0] if tile_n is None else tile_n
+    num_warps = dflt[1] if num_warps is None else num_warps
+    num_stages = dflt[2] if num_stages is None else num_stages
+    if not isinstance(tile_n, int) or tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n!r}")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps!r}")
+    if not isinstance(num_stages, int) or not 1 <= num_stages <= 8:
+        raise ValueError(f"num_stages must be an int in [1, 8], got {num_stages!r}")
+    return tile_n, num_warps, num_stages
