@@ -13,7 +13,8 @@ rows of its tile, so each K/V tile is loaded once for the whole group::
 
 K/V tiles come from ``kvplan.ops._paged_kv_tiles.load_kv_tile``: plain caches are loaded as
 they are, quantized (fp8 / fp4) pages are dequantized in registers (``KV_QUANT``, ``SF_KIND``,
-``GROUP`` constexprs; ``sf_off`` / ``stride_sh`` locate the scales in a token record).
+``GROUP`` constexprs; ``sf_off`` and ``head_scales_offset`` locate the scales in a token
+record).
 
 Softmax is computed online in the log2 domain (``qk_scale = scale * log2(e)``); running maxima
 start at -1e30 rather than -inf so that rows which see no key stay finite and end with
