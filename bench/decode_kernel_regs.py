@@ -32,7 +32,10 @@ FORMATS = {  # name: (KV_QUANT, SF_KIND, GROUP, cache pointer type)
     "int8": (3, 2, 32, "*u8"),
     "fp4": (2, 1, 16, "*u8"),
 }
-TILINGS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2)]  # tile_n, warps, stages
+TILINGS = [  # tile_n, warps, stages (5 stages: the first depth that double-buffers K/V tiles)
+    (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2),
+    (32, 2, 5), (32, 4, 5), (64, 2, 2), (64, 4, 5),
+]  # fmt: skip
 DIV16 = {
     "q_ptr", "k_ptr", "v_ptr", "page_ids_ptr", "page_start_ptr", "kv_lens_ptr", "out_ptr",
     "part_acc_ptr", "part_m_ptr", "part_l_ptr", "stride_qb", "stride_qh", "stride_kb",
@@ -98,11 +101,11 @@ def main() -> None:
                              programs_per_sm=per_sm, cp_async=ptx.count("cp.async.cg"),
                              ld_v4=ptx.count("ld.global.v4")))  # fmt: skip
     print(f"{'format':>6} {'tile_n':>6} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
-          f"{'smem B':>7} {'progs/SM':>8}")  # fmt: skip
+          f"{'smem B':>7} {'progs/SM':>8} {'cp.async':>8} {'ld.v4':>5}")  # fmt: skip
     for r in rows:
         print(f"{r['format']:>6} {r['tile_n']:>6} {r['num_warps']:>5} {r['num_stages']:>6} "
               f"{r['registers']:>5} {r['spill_bytes']:>7} {r['shared_bytes']:>7} "
-              f"{r['programs_per_sm']:>8}")  # fmt: skip
+              f"{r['programs_per_sm']:>8} {r['cp_async']:>8} {r['ld_v4']:>5}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(dict(kernel="_decode_kernel", rows=rows), indent=1))
 

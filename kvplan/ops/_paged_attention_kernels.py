@@ -13,7 +13,8 @@ rows of its tile, so each K/V tile is loaded once for the whole group::
 
 K/V tiles come from ``kvplan.ops._paged_kv_tiles.load_kv_tile``: plain caches are loaded as
 they are, quantized (fp8 / fp4) pages are dequantized in registers (``KV_QUANT``, ``SF_KIND``,
-``GROUP`` constexprs; ``sf_off`` / ``stride_sh`` locate the scales in a token record).
+``GROUP`` constexprs; ``sf_off`` and ``head_scales_offset`` locate the scales in a token
+record).
 
 Softmax is computed online in the log2 domain (``qk_scale = scale * log2(e)``); running maxima
 start at -1e30 rather than -inf so that rows which see no key stay finite and end with
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kvplan.ops._dispatch import triton_interpreting
-from kvplan.ops._paged_kv_tiles import kv_geometry, load_kv_tile
+from kvplan.ops._paged_kv_tiles import head_scales_offset, kv_geometry, load_kv_tile
 
 # Stand-in for "no sliding window": far beyond any int32 position difference we produce.
 NO_WINDOW = 1 << 30
@@ -46,7 +47,7 @@ def _attend_tile(
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys [start, start + TILE_N).
 
@@ -72,7 +73,18 @@ def _attend_tile(
         k_rows = page * stride_kb + row * stride_kt
         v_rows = page * stride_vb + row * stride_vt
     k = load_kv_tile(
-        k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
+        k_ptr,
+        ks_ptr,
+        k_rows,
+        in_range,
+        q,
+        TILE_N,
+        HEAD_DIM,
+        MASKED,
+        KV_QUANT,
+        SF_KIND,
+        GROUP,
+        INTERPRET,
     )
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [TILE_M, TILE_N]
     if MASKED:
@@ -87,7 +99,18 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_kv_tile(
-        v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
+        v_ptr,
+        vs_ptr,
+        v_rows,
+        in_range,
+        q,
+        TILE_N,
+        HEAD_DIM,
+        MASKED,
+        KV_QUANT,
+        SF_KIND,
+        GROUP,
+        INTERPRET,
     )
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -111,6 +134,7 @@ def _attend_range(
                 acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                 stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
                 BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED, KV_QUANT, SF_KIND, GROUP,
+                INTERPRET,
             )  # fmt: skip
             start += TILE_N
     else:
@@ -119,6 +143,7 @@ def _attend_range(
                 acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                 stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
                 BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED, KV_QUANT, SF_KIND, GROUP,
+                INTERPRET,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -173,7 +198,7 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, page_ids_ptr, page_start_ptr, kv_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_oh, group_size, window, qk_scale, num_splits, sf_off, stride_sh,
+    stride_ob, stride_oh, group_size, window, qk_scale, num_splits, sf_off,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
@@ -202,10 +227,11 @@ def _decode_kernel(
     q_off = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=g_ok[:, None], other=0.0)
     row_pos = tl.where(g_ok, kv_len - 1, -1)
+    sf_head = head_scales_offset(kvh, HEAD_DIM, GROUP, SF_KIND)
     acc, m_i, l_i = _attend_rows(
         q, row_pos, kv_len - 1, kv_len - 1, key_lo, key_hi, page_ids_ptr + page_start,
         k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
-        k_ptr + sf_off + kvh * stride_sh, v_ptr + sf_off + kvh * stride_sh,
+        k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
@@ -250,7 +276,7 @@ def _combine_kernel(
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, page_ids_ptr, page_start_ptr, cu_seqlens_q_ptr, kv_lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ot, stride_oh, group_size, window, qk_scale, sf_off, stride_sh,
+    stride_ot, stride_oh, group_size, window, qk_scale, sf_off,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
@@ -285,10 +311,11 @@ def _prefill_kernel(
     h64 = head.to(tl.int64)
     q_off = t64[:, None] * stride_qt + h64[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
+    sf_head = head_scales_offset(kvh, HEAD_DIM, GROUP, SF_KIND)
     acc, m_i, l_i = _attend_rows(
         q, row_pos, first_pos + tok_first, first_pos + tok_last, key_lo, key_hi,
         page_ids_ptr + page_start, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
-        k_ptr + sf_off + kvh * stride_sh, v_ptr + sf_off + kvh * stride_sh,
+        k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
@@ -339,7 +366,7 @@ def launch_decode(
         k_cache.stride(0), k_cache.stride(1), geo.stride_kh,
         v_cache.stride(0), v_cache.stride(1), geo.stride_vh,
         out.stride(0), out.stride(1), group_size, window, scale * LOG2E, num_splits,
-        geo.sf_off, geo.stride_sh,
+        geo.sf_off,
         TILE_M=_group_tile(group_size), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n,
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
@@ -373,7 +400,7 @@ def launch_prefill(
         k_cache.stride(0), k_cache.stride(1), geo.stride_kh,
         v_cache.stride(0), v_cache.stride(1), geo.stride_vh,
         out.stride(0), out.stride(1), group_size, window, scale * LOG2E,
-        geo.sf_off, geo.stride_sh,
+        geo.sf_off,
         TILE_M=tile_m, BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(),
         KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from kvplan.ops._quant_triton import SF_KIND, decode_e2m1
+from kvplan.ops._quant_triton import SF_KIND
 
 
 @triton.jit
@@ -31,9 +31,19 @@ def _load_masked(ptrs, in_range, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_bf16(c):
+    """int32 e2m1 codes (0..15) -> bf16, exactly: codes 2..7 are 2^(e - 1) * (1 + m / 2), whose
+    bf16 bits are ``(code << 6) + 0x3F00``; codes 0 and 1 are 0 and 0.5."""
+    m = c & 7
+    h = tl.where(m >= 2, (m << 6) + 0x3F00, (m & 1) * 0x3F00) | ((c & 8) << 12)
+    return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def load_kv_tile(
     ptr, sf_ptr, rows, in_range, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     """One head's K or V values of ``TILE_N`` keys as ``[TILE_N, HEAD_DIM]`` in q's dtype.
 
@@ -43,8 +53,11 @@ def load_kv_tile(
     as they are; 1 (e4m3 bytes), 2 (e2m1 nibbles, element 2i in the low nibble of byte i) and
     3 (int8 two's-complement bytes) dequantize in registers: ``fp32(value) * fp32(scale)`` with one scale per ``GROUP``
     values (``SF_KIND`` as in ``kvplan.ops._quant_triton``), then one rounding to q's dtype
-    -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. Every load is a contiguous
-    run per key (values, then the head's scales), so the compiler can pipeline it.
+    -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. e2m1 values under e4m3
+    scales are multiplied in bf16 instead (compiled kernels only; ``INTERPRET`` selects fp32):
+    the product has at most 6 significant bits and stays in bf16's normal range, so it is
+    exact and equals the fp32 product. Every load is a contiguous run per key (values, then
+    the head's scales), so the compiler can pipeline it.
     """
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_QUANT == 0:
@@ -59,20 +72,33 @@ def load_kv_tile(
         offs_b = tl.arange(0, HEAD_DIM // 2)
         packed = _load_masked(ptr + rows[:, None] + offs_b[None, :], in_range, MASKED)
         packed = packed.to(tl.int32)
-        pairs = tl.join(decode_e2m1(packed & 15), decode_e2m1(packed >> 4))  # [N, D/2, 2]
+        pairs = tl.join(_e2m1_bf16(packed & 15), _e2m1_bf16(packed >> 4))  # [N, D/2, 2]
         vals = tl.reshape(pairs, [TILE_N, HEAD_DIM])
     offs_g = tl.arange(0, HEAD_DIM // GROUP)  # the head's scales
     if SF_KIND == 2:  # fp32 (SF_KIND values: kvplan.ops._quant_triton.SF_KIND)
-        sf_ptrs = sf_ptr + rows[:, None] + (offs_g * 4)[None, :]
-        sf = _load_masked(sf_ptrs.to(tl.pointer_type(tl.float32)), in_range, MASKED)
+        sf_rows = (sf_ptr + rows).to(tl.pointer_type(tl.float32))
+        sf = _load_masked(sf_rows[:, None] + offs_g[None, :], in_range, MASKED)
     else:
         sb = _load_masked(sf_ptr + rows[:, None] + offs_g[None, :], in_range, MASKED)
         if SF_KIND == 1:  # e4m3
             sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:  # UE8M0: the byte is the fp32 exponent field
             sf = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    if KV_QUANT == 2 and SF_KIND == 1 and not INTERPRET:
+        sf = sf.to(tl.bfloat16)  # e2m1 x e4m3 is exact in bf16 (the interpreter's bf16 math is not)
+    else:
+        vals = vals.to(tl.float32)
     grouped = tl.reshape(vals, [TILE_N, HEAD_DIM // GROUP, GROUP]) * sf[:, :, None]
     return tl.reshape(grouped, [TILE_N, HEAD_DIM]).to(q.dtype)
+
+
+@triton.jit
+def head_scales_offset(kvh, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SF_KIND: tl.constexpr):
+    """Bytes from the first head's scale run to head ``kvh``'s (a compile-time multiple of the
+    run's size, so the compiler knows how the run is aligned)."""
+    if SF_KIND == 2:
+        return kvh * (HEAD_DIM // GROUP * 4)
+    return kvh * (HEAD_DIM // GROUP)
 
 
 _KV_QUANT = {"e4m3": 1, "e2m1": 2, "int8": 3}  # quantized_dtype -> KV_QUANT
@@ -107,3 +133,42 @@ def kv_geometry(k_cache, v_cache, head_dim: int, kv_layout) -> KVGeometry:
         kv_layout.quantized_bytes, head_dim // group * sf_size, kv_quant,
         SF_KIND[kv_layout.sf_format], group,
     )  # fmt: skip
+
+
+# Decode launch per KV format (``kv_layout.quantized_dtype``; None: float caches):
+# (tile_n keys per step, num_warps, num_stages). ``bench/bench_quant_decode.py`` sweeps them.
+DECODE_TILING: dict[str | None, tuple[int, int, int]] = {
+    None: (64, 4, 2),
+    "e4m3": (64, 4, 2),
+    "int8": (64, 4, 2),
+    "e2m1": (64, 4, 2),
+}
+
+
+def decode_tiling(
+    kv_layout,
+    tile_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[int, int, int]:
+    """``(tile_n, num_warps, num_stages)`` of a decode launch: the overrides that are given,
+    else ``DECODE_TILING``'s entry for the cache's format.
+
+    ``num_stages`` is the key loop's software-pipeline depth; the page-table load of a tile
+    precedes its K/V loads, so the compiler double-buffers the K/V tiles only from 5 stages.
+
+    >>> decode_tiling(None, num_stages=5)
+    (64, 4, 5)
+    """
+    key = None if kv_layout is None else kv_layout.quantized_dtype
+    dflt = DECODE_TILING.get(key, DECODE_TILING[None])
+    tile_n = dflt[0] if tile_n is None else tile_n
+    num_warps = dflt[1] if num_warps is None else num_warps
+    num_stages = dflt[2] if num_stages is None else num_stages
+    if not isinstance(tile_n, int) or tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n!r}")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps!r}")
+    if not isinstance(num_stages, int) or not 1 <= num_stages <= 8:
+        raise ValueError(f"num_stages must be an int in [1, 8], got {num_stages!r}")
+    return tile_n, num_warps, num_stages

@@ -42,6 +42,7 @@ from kvplan.formats import KVCacheFormat
 from kvplan.ops import _paged_attention_kernels as _k
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops._paged_attention_checks import check_attention_inputs
+from kvplan.ops._paged_kv_tiles import decode_tiling
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
@@ -129,14 +130,17 @@ def paged_attention_decode_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
     kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
     out: Tensor | None = None, num_splits: int | None = None, max_kv_len: int | None = None,
-    kv_layout: KVCacheFormat | None = None, check: bool = True, tile_n: int = 64,
-    num_warps: int = 4, num_stages: int = 2,
+    kv_layout: KVCacheFormat | None = None, check: bool = True, tile_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> Tensor:  # fmt: skip
-    """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`."""
+    """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`.
+    ``tile_n`` / ``num_warps`` / ``num_stages``: launch overrides (see ``kvplan.ops._paged_kv_tiles.decode_tiling``;
+    None takes the format's default)."""
     window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
     )  # fmt: skip
+    tile_n, num_warps, num_stages = decode_tiling(kv_layout, tile_n, num_warps, num_stages)
     batch = q.shape[0]
     if num_splits is None:
         if max_kv_len is None:
