@@ -45,6 +45,7 @@ if not torch.cuda.is_available():
 from kvplan.backends.hybrid.storage import PagedRows, index_format  # noqa: E402
 from kvplan.formats import V41_FORMAT  # noqa: E402
 from kvplan.ops.sparse_attention import (  # noqa: E402
+    KeySource,
     index_scores_triton,
     sparse_attention_triton,
 )
@@ -196,10 +197,17 @@ def prefill_case(a, dev, gen) -> list[dict]:
     pool_slots = pool_all[0][pick].contiguous()
     q = torch.randn(n, a.heads, 512, generator=gen, device=dev).to(torch.bfloat16)
     sinks = torch.randn(a.heads, generator=gen, device=dev)
-    srcs = [ring.key_source(ring_slots), pool.key_source(pool_slots)]
+    if a.prefill_sources == "bf16":  # as the model's prompt path hands them: bf16 rows
+        ring_rows = ring.load_slots(ring_all[0]).to(torch.bfloat16)
+        pool_rows = pool.load_slots(pool_all[0]).to(torch.bfloat16)
+        srcs = [KeySource(ring_rows, cols.to(torch.int32).contiguous()),
+                KeySource(pool_rows, pick.to(torch.int32).contiguous())]  # fmt: skip
+    else:  # the V41 records read in place
+        srcs = [ring.key_source(ring_slots), pool.key_source(pool_slots)]
+    tiles = ((16, 4, 2), (16, 8, 1), (16, 8, 2), (32, 8, 2)) if a.prefill_short else [
+        (tn, nw, st) for tn in (16, 32, 64) for nw in (4, 8) for st in (1, 2, 3)]  # fmt: skip
     configs = [{}] + [
-        {"num_splits": 1, "tile_n": tn, "num_warps": nw, "num_stages": st}
-        for tn in (16, 32, 64) for nw in (4, 8) for st in (1, 2, 3)
+        {"num_splits": 1, "tile_n": tn, "num_warps": nw, "num_stages": st} for tn, nw, st in tiles
     ] + [dict(v, num_splits=1) for v in _CHUNKED]  # fmt: skip
 
     def call(**cfg):
@@ -221,10 +229,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--sweep", action="store_true", help="also time tile configurations")
-    ap.add_argument("--only", choices=("index", "attention"), default=None)
+    ap.add_argument("--only", choices=("index", "attention", "prefill"), default=None,
+                    help="prefill: only the --prefill-rows case")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the JSON record here")
     ap.add_argument("--prefill-rows", type=int, default=0,
                     help="also a prefill-shaped CSA case of this many rows, tiling swept")  # fmt: skip
+    ap.add_argument("--prefill-sources", choices=("bf16", "fp8"), default="bf16",
+                    help="prefill case keys: bf16 rows (the model's prompt path) or V41 "
+                    "records in place")  # fmt: skip
+    ap.add_argument("--prefill-short", action="store_true",
+                    help="prefill case: 4 tilings + the register variants, not the full grid")  # fmt: skip
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick = a.quick or dev.type == "cpu"
@@ -242,6 +256,8 @@ def main() -> None:
                 rows += index_case(a, dev, gen, kind, cand)
     if a.only in (None, "attention"):
         rows += attention_cases(a, dev, gen)
+    if a.only == "prefill" and not a.prefill_rows:
+        a.prefill_rows = 64 if quick else 8192
     if a.prefill_rows:
         rows += prefill_case(a, dev, gen)
     base = {}
