@@ -16,9 +16,10 @@ With ``s [T, n, hidden]`` the ``n`` residual streams of each token (``K = n * hi
 
 Triton path (CUDA tensors, or ``KVPLAN_FORCE_TRITON=1``): `hc_pre` / `hc_head` are two kernels
 (a split-K projection that also sums the squares, then one fused epilogue per token and hidden
-tile; above ``ROW_TILED_MIN_ROWS`` rows, one weights program per token and then ``x`` by tiles
-of rows, the same bits), `hc_post` is one (row-tiled above that size), and `hc_post_pre` (``hc_post`` then the next block's ``hc_pre``) is
-two: its projection kernel forms the tiles of ``s'`` itself. The torch path is the reference;
+tile; above ``ROW_TILED_MIN_ROWS`` rows three: one weights program per token, then ``x`` by
+tiles of rows, the same bits), `hc_post` is one (row-tiled above that size, the same bits),
+and `hc_post_pre` (``hc_post`` then the next block's ``hc_pre``) is two: its projection kernel
+forms the tiles of ``s'`` itself. The torch path is the reference;
 both compute ``f`` in fp32 (the Triton path applies the RMS scale after the projection, which
 differs by fp32 rounding).
 """
