@@ -16,6 +16,10 @@ weights fp32), random values.
   `hc_post_pre` (two kernels); their outputs must be equal (max|diff| 0).
 * ``hc_pre@R`` (R above ``TC_MIN_ROWS``): the projection's IEEE fp32 form against its
   tensor-core form (bf16 rows; max|diff| is fp32 rounding).
+* ``hc_pre_rows@R`` / ``hc_post_rows@R`` (R above ``ROW_TILED_MIN_ROWS``): the one-token
+  epilogue kernels (``one-tok``) against the row-tiled ones (``rows``), then a line per piece
+  naming the faster; max|diff| must be 0. ``--hc-sweep`` times the row-tiled kernels over a
+  few row tiles at the largest R.
 
 ``--sweep`` also times `hc_pre` (Triton) at ``--rows`` over a few launch plans of the
 projection (row tile, hidden columns per tile, programs wanted, warps) and epilogue warps.
@@ -132,6 +136,50 @@ def projection_form_fns(hc: HyperConnection, rows: int, dev: torch.device):
         return fn
 
     return run(rows), run(0)
+
+
+def row_tiled_fns(hc: HyperConnection, rows: int, dev: torch.device, op: str, tiles=None):
+    """(one-token kernels, row-tiled kernels) of `hc_pre`'s epilogue (``op="pre"``, the whole
+    `hc_pre`) or `hc_post` (``op="post"``) on ``rows`` random bf16 rows; ``tiles`` (a
+    ``RowTile``) replaces the op's default row tile for the row-tiled side."""
+    gen = torch.Generator(device=dev).manual_seed(rows + 2)
+    n, h = hc.n, hc.fn.shape[1] // hc.n
+    s = torch.randn(rows, n, h, generator=gen, device=dev).to(torch.bfloat16)
+    out = torch.randn(rows, h, generator=gen, device=dev).to(torch.bfloat16)
+    kw = dict(iters=hc.iters, hc_eps=hc.hc_eps, eps=hc.eps)
+    post, comb, _ = hc_pre_torch(s, hc.fn, hc.base, hc.scale, **kw)
+    name = "PRE_ROW_TILE" if op == "pre" else "POST_ROW_TILE"
+
+    def run(min_rows: int):
+        def fn():
+            saved = hcm.ROW_TILED_MIN_ROWS, getattr(hcm, name)
+            hcm.ROW_TILED_MIN_ROWS = min_rows
+            setattr(hcm, name, tiles or saved[1])
+            try:
+                if op == "pre":
+                    return hc_pre(s, hc.fn, hc.base, hc.scale, **kw)
+                return (hc_post(s, post, comb, out),)
+            finally:
+                hcm.ROW_TILED_MIN_ROWS = saved[0]
+                setattr(hcm, name, saved[1])
+
+        return fn
+
+    return run(rows), run(0)
+
+
+def sweep_row_tiles(hc: HyperConnection, rows: int, dev: torch.device, iters: int) -> list[dict]:
+    """Graph time of the row-tiled `hc_pre` / `hc_post` per (tile_t, tile_h, warps)."""
+    res = []
+    for op in ("pre", "post"):
+        for tt in (2, 4, 8, 16):
+            for th in (256, 512, 1024):
+                for w in (4, 8):
+                    fn = row_tiled_fns(hc, rows, dev, op, hcm.RowTile(tt, th, w))[1]
+                    fn()
+                    res.append(dict(op=op, tile=f"{tt}x{th}x{w}",
+                                    graph_us=time_cuda(fn, iters, graph=True)))  # fmt: skip
+    return sorted(res, key=lambda r: (r["op"], r["graph_us"]))
 
 
 def post_pre_fns(hc: HyperConnection, rows: int, dev: torch.device, dtype: torch.dtype):
@@ -279,6 +327,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50, help="timed calls per measurement")
     ap.add_argument("--hc-rows", default="32,4096", help="rows of the hc_post_pre pieces")
     ap.add_argument("--sweep", action="store_true", help="time hc_pre over launch plans (GPU)")
+    ap.add_argument(
+        "--hc-sweep",
+        action="store_true",
+        help="time the row-tiled hc kernels over row tiles (GPU, largest --hc-rows)",
+    )
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -295,7 +348,13 @@ def main() -> None:
         if r > hcm.TC_MIN_ROWS or not cuda:
             fns = projection_form_fns(hc, r, dev)
             rows += measure(f"hc_pre@{r}", fns, cuda, args.iters, ("ieee", "tensor-core"))
+        if r > hcm.ROW_TILED_MIN_ROWS or not cuda:
+            for op in ("pre", "post"):
+                fns = row_tiled_fns(hc, r, dev, op)
+                rows += measure(f"hc_{op}_rows@{r}", fns, cuda, args.iters, ("one-tok", "rows"))
     sweep = sweep_plans(hc, d, args.iters) if args.sweep and cuda else []
+    big = [int(v) for v in args.hc_rows.split(",") if int(v) > hcm.ROW_TILED_MIN_ROWS]
+    tiles = sweep_row_tiles(hc, big[-1], dev, args.iters) if args.hc_sweep and cuda and big else []
     print(
         f"{'piece':16} {'path':8} {'eager us':>9} {'graph us':>9} {'kernels':>8} {'max|diff|':>10}"
     )
@@ -307,13 +366,24 @@ def main() -> None:
               "epilogue warps), fastest first:")  # fmt: skip
         for r in sweep[:12]:
             print(f"  {r['plan']:18} splits {r['splits']:4d} {r['graph_us']:8.1f} us")
+    for a, b in zip(rows, rows[1:]):  # old vs new of the row-tiled pieces
+        if a["piece"] == b["piece"] and a["path"] == "one-tok" and "graph_us" in a:
+            fast = "rows" if b["graph_us"] < a["graph_us"] else "one-tok"
+            print(f"{a['piece']}: {fast} is faster ({a['graph_us']:.1f} vs {b['graph_us']:.1f} "
+                  f"us, x{a['graph_us'] / b['graph_us']:.2f}), bitwise equal: "
+                  f"{a['max_abs_diff'] == 0}")  # fmt: skip
+    if tiles:
+        print(f"row tiles at T={big[-1]} (tile_t x tile_h x warps), fastest first per op:")
+        for op in ("pre", "post"):
+            for r in [r for r in tiles if r["op"] == op][:5]:
+                print(f"  hc_{op}_rows {r['tile']:12} {r['graph_us']:8.1f} us")
     record = dict(
         bench="bench_dsv4_blocks", date=datetime.datetime.now(datetime.UTC).isoformat(),
         device=torch.cuda.get_device_name() if cuda else "cpu", command=" ".join(sys.argv),
         rows_per_call=args.rows, hidden=cfg.hidden_size, hc_mult=cfg.hc_mult,
         sinkhorn_iters=cfg.hc_sinkhorn_iters, experts=cfg.n_routed_experts,
         top_k=cfg.num_experts_per_tok, moe_inter=cfg.moe_intermediate_size, results=rows,
-        hc_pre_plans=sweep,
+        hc_pre_plans=sweep, row_tiles=tiles,
     )  # fmt: skip
     if args.out:
         with open(args.out, "w") as fh:

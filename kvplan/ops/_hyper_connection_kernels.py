@@ -18,6 +18,11 @@ scalar, so it is applied after the projection: ``f = (s @ fn^T) * rsqrt(mean(s^2
   ``x = sum_i pre[i] * s[i]`` for their hidden tile, the last one (unless ``HEAD``) ``post`` and
   the Sinkhorn-normalised ``comb``.
 - ``hc_post_kernel``: grid ``(T, cdiv(hidden, TILE_H))``; ``s'`` by `_post_mix`.
+- Row-tiled forms (prefill sizes): ``hc_pre_kernel`` with ``WEIGHTS_ONLY`` (grid ``(T, 1)``,
+  the per-token weights by the same code, ``pre`` written out), then ``hc_pre_rows_kernel``
+  for ``x``; ``hc_post_rows_kernel`` for ``s'``. Grids ``(cdiv(T, TILE_T), cdiv(hidden,
+  TILE_H))``; every element takes the one-token kernels' operations in their order, so the
+  results are the same bits.
 
 `_post_mix` uses explicit ``fma`` where a product meets a sum, so its result does not depend on
 the compiler's contraction setting: ``mixed = fma(c[N-1], s[N-1], ... fma(c[1], s[1],
@@ -136,13 +141,27 @@ def _sum_splits(part_ptr, t, num_rows, num_splits, cols, cmask, SPLITS_P: tl.con
 
 
 @triton.jit
+def _pre_weights(part_ptr, base_ptr, scale_ptr, t, num_rows, num_splits, rrms, i, imask, hc_eps,
+                 N_P: tl.constexpr, SPLITS_P: tl.constexpr, N_PAD: tl.constexpr):  # fmt: skip
+    """``pre [N_P]`` of token ``t`` (0 past ``N``) from its partials (a ``[N_P, 1]`` column
+    block: `_sum_splits` takes 2-D column indices)."""
+    pre_f = tl.sum(_sum_splits(part_ptr, t, num_rows, num_splits, i[:, None], imask[:, None],
+                               SPLITS_P, N_PAD), axis=1) * rrms  # fmt: skip
+    pre_b = tl.load(base_ptr + i, mask=imask, other=0.0)
+    pre = tl.sigmoid(pre_f * tl.load(scale_ptr) + pre_b) + hc_eps
+    return tl.where(imask, pre, 0.0)
+
+
+@triton.jit
 def hc_pre_kernel(
-    part_ptr, sq_ptr, base_ptr, scale_ptr, s_ptr, x_ptr, post_ptr, comb_ptr,
+    part_ptr, sq_ptr, base_ptr, scale_ptr, s_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr,
     num_rows, hidden, num_splits, inv_k, eps, hc_eps, iters,
     N: tl.constexpr, N_P: tl.constexpr, N_PAD: tl.constexpr, SPLITS_P: tl.constexpr,
-    TILE_H: tl.constexpr, HEAD: tl.constexpr,
+    TILE_H: tl.constexpr, HEAD: tl.constexpr, WEIGHTS_ONLY: tl.constexpr,
 ):  # fmt: skip
-    """The mixing weights of token ``t`` from its partials, and its block input tile."""
+    """The mixing weights of token ``t`` from its partials, and its block input tile. With
+    ``WEIGHTS_ONLY`` (grid ``(T, 1)``) the one program of a token writes ``pre [T, N]`` (and,
+    unless ``HEAD``, ``post`` and ``comb``) and no ``x``: `hc_pre_rows_kernel` forms ``x``."""
     t = tl.program_id(0)
     h_tile = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -153,13 +172,9 @@ def hc_pre_kernel(
     imask = i < N
     j = tl.arange(0, N_P)
     jmask = j < N
-    if h_tile * TILE_H < hidden:
-        # pre (a [N_P, 1] column block: _sum_splits takes 2-D column indices)
-        pre_f = tl.sum(_sum_splits(part_ptr, t, num_rows, num_splits, i[:, None],
-                                   imask[:, None], SPLITS_P, N_PAD), axis=1) * rrms  # fmt: skip
-        pre_b = tl.load(base_ptr + i, mask=imask, other=0.0)
-        pre = tl.sigmoid(pre_f * tl.load(scale_ptr) + pre_b) + hc_eps
-        pre = tl.where(imask, pre, 0.0)
+    if h_tile * TILE_H < hidden and not WEIGHTS_ONLY:
+        pre = _pre_weights(part_ptr, base_ptr, scale_ptr, t, num_rows, num_splits, rrms, i,
+                           imask, hc_eps, N_P, SPLITS_P, N_PAD)  # fmt: skip
         # block input: x = sum_i pre[i] * s[t, i]
         hs = h_tile * TILE_H + tl.arange(0, TILE_H)
         hmask = hs < hidden
@@ -169,32 +184,37 @@ def hc_pre_kernel(
         ).to(tl.float32)  # fmt: skip
         x = tl.sum(pre[:, None] * s, axis=0)
         tl.store(x_ptr + t64 * hidden + hs, x.to(x_ptr.dtype.element_ty), mask=hmask)
-    elif not HEAD:  # the extra program of the token: post and comb
-        post_f = tl.sum(_sum_splits(part_ptr, t, num_rows, num_splits, N + i[:, None],
-                                    imask[:, None], SPLITS_P, N_PAD), axis=1) * rrms  # fmt: skip
-        post_b = tl.load(base_ptr + N + i, mask=imask, other=0.0)
-        post = 2 * tl.sigmoid(post_f * tl.load(scale_ptr + 1) + post_b)
-        tl.store(post_ptr + t64 * N + i, post, mask=imask)
-        cidx = i[:, None] * N + j[None, :]  # [N_P, N_P]
-        cmask = imask[:, None] & jmask[None, :]
-        comb_f = _sum_splits(part_ptr, t, num_rows, num_splits, 2 * N + cidx, cmask,
-                             SPLITS_P, N_PAD) * rrms  # fmt: skip
-        comb_b = tl.load(base_ptr + 2 * N + cidx, mask=cmask, other=0.0)
-        logits = comb_f * tl.load(scale_ptr + 2) + comb_b
-        logits = tl.where(cmask, logits, float("-inf"))
-        row_max = tl.max(logits, axis=1)
-        row_max = tl.where(imask, row_max, 0.0)
-        e = tl.where(cmask, tl.exp(logits - row_max[:, None]), 0.0)
-        den = tl.sum(e, axis=1)
-        den = tl.where(imask, den, 1.0)
-        comb = tl.where(cmask, e / den[:, None] + hc_eps, 0.0)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        it = 1
-        while it < iters:
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+    else:  # the extra program of the token (WEIGHTS_ONLY: its only one)
+        if WEIGHTS_ONLY:  # the same code as above: the same pre
+            pre = _pre_weights(part_ptr, base_ptr, scale_ptr, t, num_rows, num_splits, rrms,
+                               i, imask, hc_eps, N_P, SPLITS_P, N_PAD)  # fmt: skip
+            tl.store(pre_ptr + t64 * N + i, pre, mask=imask)
+        if not HEAD:  # post and comb
+            post_f = tl.sum(_sum_splits(part_ptr, t, num_rows, num_splits, N + i[:, None],
+                                        imask[:, None], SPLITS_P, N_PAD), axis=1) * rrms  # fmt: skip
+            post_b = tl.load(base_ptr + N + i, mask=imask, other=0.0)
+            post = 2 * tl.sigmoid(post_f * tl.load(scale_ptr + 1) + post_b)
+            tl.store(post_ptr + t64 * N + i, post, mask=imask)
+            cidx = i[:, None] * N + j[None, :]  # [N_P, N_P]
+            cmask = imask[:, None] & jmask[None, :]
+            comb_f = _sum_splits(part_ptr, t, num_rows, num_splits, 2 * N + cidx, cmask,
+                                 SPLITS_P, N_PAD) * rrms  # fmt: skip
+            comb_b = tl.load(base_ptr + 2 * N + cidx, mask=cmask, other=0.0)
+            logits = comb_f * tl.load(scale_ptr + 2) + comb_b
+            logits = tl.where(cmask, logits, float("-inf"))
+            row_max = tl.max(logits, axis=1)
+            row_max = tl.where(imask, row_max, 0.0)
+            e = tl.where(cmask, tl.exp(logits - row_max[:, None]), 0.0)
+            den = tl.sum(e, axis=1)
+            den = tl.where(imask, den, 1.0)
+            comb = tl.where(cmask, e / den[:, None] + hc_eps, 0.0)
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-            it += 1
-        tl.store(comb_ptr + t64 * N * N + cidx, comb, mask=cmask)
+            it = 1
+            while it < iters:
+                comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+                comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+                it += 1
+            tl.store(comb_ptr + t64 * N * N + cidx, comb, mask=cmask)
 
 
 @triton.jit
@@ -211,3 +231,68 @@ def hc_post_kernel(
     res = _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, t, k[:, None], hs[None, :], mask,
                     hidden, N, dtype)  # fmt: skip
     tl.store(res_ptr + (t * N + k[:, None]) * hidden + hs[None, :], res.to(dtype), mask=mask)
+
+
+@triton.jit
+def hc_pre_rows_kernel(
+    pre_ptr, s_ptr, x_ptr, num_rows, hidden,
+    N: tl.constexpr, N_P: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr,
+):  # fmt: skip
+    """``x[t] = sum_i pre[t, i] * s[t, i]`` for ``TILE_T`` rows and ``TILE_H`` hidden columns
+    (grid ``(cdiv(T, TILE_T), cdiv(hidden, TILE_H))``), ``pre`` fp32 ``[T, N]`` from
+    ``hc_pre_kernel``'s ``WEIGHTS_ONLY`` form. The streams are added in ``hc_pre_kernel``'s
+    order (stream 0 first, padded streams as zeros), each product then its sum."""
+    rows = tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)
+    rmask = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    hs = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
+    m2 = rmask[:, None] & (hs < hidden)[None, :]
+    for i in tl.static_range(N_P):
+        p = tl.load(pre_ptr + rows64 * N + i, mask=rmask & (i < N), other=0.0)
+        s = tl.load(s_ptr + (rows64[:, None] * N + i) * hidden + hs[None, :],
+                    mask=m2 & (i < N), other=0.0).to(tl.float32)  # fmt: skip
+        if i == 0:
+            x = p[:, None] * s
+        else:
+            x = x + p[:, None] * s
+    tl.store(x_ptr + rows64[:, None] * hidden + hs[None, :], x.to(x_ptr.dtype.element_ty),
+             mask=m2)  # fmt: skip
+
+
+@triton.jit
+def hc_post_rows_kernel(
+    s_ptr, out_ptr, post_ptr, comb_ptr, res_ptr, num_rows, hidden,
+    N: tl.constexpr, N_P: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr,
+):  # fmt: skip
+    """`hc_post_kernel` for ``TILE_T`` rows and ``TILE_H`` hidden columns of all streams (grid
+    ``(cdiv(T, TILE_T), cdiv(hidden, TILE_H))``): `_post_mix`'s element operations, with each
+    ``s`` / ``out`` tile and each row's ``post`` / ``comb`` loaded once and broadcast."""
+    rows = tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)
+    rows64 = rows.to(tl.int64)[:, None, None]  # [TILE_T, 1, 1]
+    rmask = (rows < num_rows)[:, None, None]
+    k = tl.arange(0, N_P)[None, :, None]  # [1, N_P, 1]
+    kmask = rmask & (k < N)
+    hs = (tl.program_id(1) * TILE_H + tl.arange(0, TILE_H))[None, None, :]  # [1, 1, TILE_H]
+    hmask = rmask & (hs < hidden)
+    mask = kmask & (hs < hidden)  # [TILE_T, N_P, TILE_H]
+    dtype: tl.constexpr = res_ptr.dtype.element_ty
+    shape: tl.constexpr = [TILE_T, N_P, TILE_H]
+    post = _round(tl.load(post_ptr + rows64 * N + k, mask=kmask, other=0.0), dtype)
+    out = tl.load(out_ptr + rows64 * hidden + hs, mask=hmask, other=0.0).to(tl.float32)
+    for jj in tl.static_range(N):
+        c = _round(tl.load(comb_ptr + (rows64 * N + jj) * N + k, mask=kmask, other=0.0), dtype)
+        sj = tl.load(s_ptr + (rows64 * N + jj) * hidden + hs, mask=hmask, other=0.0)
+        c = tl.broadcast_to(c, shape)
+        sj = tl.broadcast_to(sj.to(tl.float32), shape)
+        if jj == 0:
+            mixed = c * sj
+        else:
+            mixed = tl.fma(c, sj, mixed)
+    post = tl.broadcast_to(post, shape)
+    out = tl.broadcast_to(out, shape)
+    if dtype == tl.float32:
+        res = tl.fma(post, out, mixed)
+    else:
+        res = _round(post * out, dtype) + _round(mixed, dtype)
+    res = _round(res, dtype)
+    tl.store(res_ptr + (rows64 * N + k) * hidden + hs, res.to(dtype), mask=mask)

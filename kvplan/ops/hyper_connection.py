@@ -16,8 +16,10 @@ With ``s [T, n, hidden]`` the ``n`` residual streams of each token (``K = n * hi
 
 Triton path (CUDA tensors, or ``KVPLAN_FORCE_TRITON=1``): `hc_pre` / `hc_head` are two kernels
 (a split-K projection that also sums the squares, then one fused epilogue per token and hidden
-tile), `hc_post` is one, and `hc_post_pre` (``hc_post`` then the next block's ``hc_pre``) is
-two: its projection kernel forms the tiles of ``s'`` itself. The torch path is the reference;
+tile; above ``ROW_TILED_MIN_ROWS`` rows three: one weights program per token, then ``x`` by
+tiles of rows, the same bits), `hc_post` is one (row-tiled above that size, the same bits),
+and `hc_post_pre` (``hc_post`` then the next block's ``hc_pre``) is two: its projection kernel
+forms the tiles of ``s'`` itself. The torch path is the reference;
 both compute ``f`` in fp32 (the Triton path applies the RMS scale after the projection, which
 differs by fp32 rounding).
 """
@@ -182,6 +184,27 @@ def _proj_plan(t: int, n: int, hidden: int, dtype: torch.dtype | None = None) ->
     return _ProjPlan(tile_t, tile_h, h_per_split, triton_cdiv(hidden, h_per_split), warps, tc)
 
 
+class RowTile(NamedTuple):
+    """Launch shape of a row-tiled kernel (``hc_pre_rows_kernel`` / ``hc_post_rows_kernel``):
+    rows and hidden columns per program (powers of two), warps."""
+
+    tile_t: int
+    tile_h: int
+    num_warps: int
+
+
+# more rows than this take the row-tiled kernels (the same bits: the per-token weights come from
+# ``hc_pre_kernel``'s own code, and the element operations are the one-token kernels')
+ROW_TILED_MIN_ROWS = 256
+PRE_ROW_TILE = RowTile(8, 512, 8)
+POST_ROW_TILE = RowTile(4, 256, 8)
+
+
+def _row_tile(tile: RowTile, hidden: int) -> RowTile:
+    """``tile`` with its hidden width capped at the hidden size."""
+    return tile._replace(tile_h=min(tile.tile_h, triton_next_pow2(hidden)))
+
+
 def _epilogue_warps(t: int) -> int:
     """Warps of ``hc_pre_kernel``: one for decode sizes (the Sinkhorn loop's reductions stay
     inside a warp), four for prefill (the block-input tiles stream more memory)."""
@@ -231,13 +254,23 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple 
     part, sq, s = _project(s, fn.contiguous(), fuse)
     splits, n_pad = part.shape[0], part.shape[2]
     tile_h = _hidden_tile(hidden)
-    grid = (t, triton_cdiv(hidden, tile_h) + (0 if head else 1))
+    rows = t > ROW_TILED_MIN_ROWS  # one weights program per token, then x by row tiles
+    pre = torch.empty(t, n, dtype=torch.float32, device=s.device) if rows else post
+    grid = (t, 1 if rows else triton_cdiv(hidden, tile_h) + (0 if head else 1))
     hc_pre_kernel[grid](
-        part, sq, base.contiguous(), scale.contiguous(), s, x, post, comb,
+        part, sq, base.contiguous(), scale.contiguous(), s, x, post, comb, pre,
         t, hidden, splits, 1.0 / (n * hidden), eps, hc_eps, iters,
         N=n, N_P=triton_next_pow2(n), N_PAD=n_pad, SPLITS_P=triton_next_pow2(splits),
-        TILE_H=tile_h, HEAD=head, num_warps=_epilogue_warps(t),
+        TILE_H=tile_h, HEAD=head, WEIGHTS_ONLY=rows, num_warps=_epilogue_warps(t),
     )  # fmt: skip
+    if rows:
+        from kvplan.ops._hyper_connection_kernels import hc_pre_rows_kernel
+
+        rt = _row_tile(PRE_ROW_TILE, hidden)
+        hc_pre_rows_kernel[(triton_cdiv(t, rt.tile_t), triton_cdiv(hidden, rt.tile_h))](
+            pre, s, x, t, hidden, N=n, N_P=triton_next_pow2(n), TILE_T=rt.tile_t,
+            TILE_H=rt.tile_h, num_warps=rt.num_warps,
+        )  # fmt: skip
     return post, comb, x, s
 
 
@@ -272,11 +305,20 @@ def hc_post_triton(
     res = torch.empty(t, n, hidden, dtype=s.dtype, device=s.device)
     if t == 0:
         return res
+    args = (s.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous(), res)
+    if t > ROW_TILED_MIN_ROWS:
+        from kvplan.ops._hyper_connection_kernels import hc_post_rows_kernel
+
+        rt = _row_tile(POST_ROW_TILE, hidden)
+        hc_post_rows_kernel[(triton_cdiv(t, rt.tile_t), triton_cdiv(hidden, rt.tile_h))](
+            *args, t, hidden, N=n, N_P=triton_next_pow2(n), TILE_T=rt.tile_t,
+            TILE_H=rt.tile_h, num_warps=rt.num_warps,
+        )  # fmt: skip
+        return res
     tile_h = _hidden_tile(hidden)
     hc_post_kernel[(t, triton_cdiv(hidden, tile_h))](
-        s.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous(), res, hidden,
-        N=n, N_P=triton_next_pow2(n), TILE_H=tile_h, num_warps=4,
-    )  # fmt: skip
+        *args, hidden, N=n, N_P=triton_next_pow2(n), TILE_H=tile_h, num_warps=4
+    )
     return res
 
 
