@@ -152,7 +152,17 @@ def main() -> None:
         action="store_true",
         help="run kvplan's workload once more under cProfile: top host functions in the JSON",
     )
+    ap.add_argument(
+        "--sparse-prompt-tiling",
+        default=None,
+        help="JSON launch settings of the prompt rows' sparse attention kernel, e.g. "
+        '\'{"d_chunk": 64, "pv_split": 4}\' (kvplan.ops.sparse_attention.ONE_PROGRAM_TILING)',
+    )
     args = ap.parse_args()
+    if args.sparse_prompt_tiling:
+        from kvplan.ops import sparse_attention as sa
+
+        sa.ONE_PROGRAM_TILING.update(json.loads(args.sparse_prompt_tiling))
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
     n = args.num_requests or (16 if cuda else 2)
@@ -172,6 +182,7 @@ def main() -> None:
         "command": " ".join([sys.executable, *sys.argv]),
         "params": sum(t.numel() for t in hf.parameters()),
         "workload": {"requests": n, "prompt_len": p, "new_tokens": new},
+        "sparse_prompt_tiling": args.sparse_prompt_tiling,
         "runs": [],
     }
     gen = torch.Generator().manual_seed(1)
