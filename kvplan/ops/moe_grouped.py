@@ -15,6 +15,10 @@ adds them in; in fp32 the two sums are the same sequence of additions. In bf16 /
 path rounds once, so the two differ by up to one rounding per routed expert. Triton path: CUDA
 tensors or ``KVPLAN_FORCE_TRITON=1``; torch path otherwise (a reference that reads the
 per-expert offsets on the host).
+
+The grouping ranks each pair among the earlier pairs of its expert (a one-hot prefix count,
+no sort kernel, while ``T*k * E <= COUNT_SORT_MAX_CELLS``). The GEMM launches follow a
+`GroupedPlan` (`grouped_plan` picks one of `PLANS`; ``plan=`` overrides it).
 """
 
 from __future__ import annotations

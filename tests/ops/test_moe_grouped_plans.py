@@ -139,13 +139,14 @@ for line in res.stderr.splitlines():
         regs = int(line.split("Used ")[1].split(" reg")[0])
     if "spill stores" in line:
         spills = int(line.split("bytes spill stores")[0].split(",")[-1])
-print("RESULT", json.dumps([regs, spills, "wgmma" in ck.asm["ptx"], ck.metadata.shared]))
+ptx = ck.asm["ptx"]
+print("RESULT", json.dumps([regs, spills, "wgmma" in ptx, ck.metadata.shared, "cp.async" in ptx]))
 """
 
 
 def compile_stats(name: str, plan: GroupedPlan, k_size: int, n_size: int) -> tuple:
-    """(registers, spill store bytes, uses wgmma, shared bytes) of kernel ``name`` compiled
-    for sm_90 at ``plan`` over bf16 operands, reduction size ``k_size``, ``n_size`` columns."""
+    """(registers, spill store bytes, uses wgmma, shared bytes, loads asynchronous) of
+    kernel ``name`` compiled for sm_90 at ``plan`` over bf16 operands, reduction size ``k_size``, ``n_size`` columns."""
     tiles = plan.gate_up if name == "grouped_gate_up_kernel" else plan.down
     const = dict(BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                  K_TILES=-(-k_size // tiles.block_k), EVEN_K=k_size % tiles.block_k == 0,
@@ -170,7 +171,29 @@ def compile_stats(name: str, plan: GroupedPlan, k_size: int, n_size: int) -> tup
     ids=["gate_up", "down"],
 )
 def test_bf16_plans_compile_for_sm90_without_spills(regime, name, k_size, n_size):
-    regs, spills, wgmma, shared = compile_stats(name, PLANS[regime], k_size, n_size)
+    plan = PLANS[regime]
+    regs, spills, wgmma, shared, pipelined = compile_stats(name, plan, k_size, n_size)
     assert spills == 0, f"{regs} registers, {spills} bytes spilled"
     assert wgmma, "bf16 dots not on the sm_90 tensor-core (wgmma) path"
-    assert shared <= 227 * 1024, shared
+    assert shared <= 227 * 1024, shared  # an H200 block's shared memory
+    tiles = plan.gate_up if name == "grouped_gate_up_kernel" else plan.down
+    assert pipelined == (tiles.num_stages > 1), "K loop loads not software-pipelined"
+
+
+@pytest.mark.gpu
+def test_prefill_plan_on_cuda_matches_the_decode_plan_and_torch():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t, e, k, hidden, inter = 2048, 16, 2, 512, 256
+    x = torch.randn(t, hidden, generator=gen, device="cuda").bfloat16()
+    gate_up = (torch.randn(e, 2 * inter, hidden, generator=gen, device="cuda") * 0.05).bfloat16()
+    down = (torch.randn(e, hidden, inter, generator=gen, device="cuda") * 0.05).bfloat16()
+    ids = torch.rand(t, e, generator=gen, device="cuda").argsort(-1)[:, :k]
+    ids[: t // 4] = torch.tensor([0, 1], device="cuda")  # a crowded expert pair
+    w = torch.rand(t, k, generator=gen, device="cuda").bfloat16()
+    assert grouped_plan(t * k, e, torch.bfloat16) == PLANS["prefill"]
+    got = moe_grouped_triton(x, ids, w, gate_up, down, LIMIT)
+    small = moe_grouped_triton(x, ids, w, gate_up, down, LIMIT, plan=PLANS["half"])
+    ref = moe_grouped_torch(x, ids, w, gate_up, down, LIMIT)
+    ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** float(torch.floor(torch.log2(ref.abs().max())))
+    assert float((got.double() - ref.double()).abs().max()) <= 2 * ulp
+    assert float((got.double() - small.double()).abs().max()) <= 2 * ulp
