@@ -54,6 +54,7 @@ from kvplan.models.deepseek_v4 import DeepseekV4Config  # noqa: E402
 from kvplan.models.deepseek_v4.hyper import HyperConnection  # noqa: E402
 from kvplan.models.deepseek_v4.moe import DeepseekV4MoE, graph_safe_routing  # noqa: E402
 from kvplan.ops import hyper_connection as hcm  # noqa: E402
+from kvplan.ops import moe_grouped as mg  # noqa: E402
 from kvplan.ops.cache_geometry import triton_next_pow2  # noqa: E402
 from kvplan.ops.hyper_connection import (  # noqa: E402
     hc_post,
@@ -268,6 +269,142 @@ def norm_fns(d: dict, eps: float):
             lambda: (rms_norm_fp32w(d["x"], d["norm"], eps),))  # fmt: skip
 
 
+def moe_sweep_inputs(cfg: DeepseekV4Config, rows: int, dev: torch.device):
+    """(x bf16 ``[rows, hidden]``, ids, weights, gate_up, down) with router-picked
+    experts (random router, correction bias) for the grouped MoE sweep."""
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    e, h, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(shape, generator=gen, device=dev) * std).to(torch.bfloat16)
+
+    x = rnd(rows, h)
+    logits = F.linear(x, rnd(e, h, std=0.02))
+    bias = torch.randn(e, generator=gen, device=dev) * 0.1
+    ids, w, _ = moe_route_torch(logits, top_k=cfg.num_experts_per_tok, sigmoid=True,
+                                scaling=cfg.routed_scaling_factor, bias=bias)  # fmt: skip
+    gate_up, down = rnd(e, 2 * inter, h, std=0.02), rnd(e, h, inter, std=0.02)
+    return x, ids, w.to(torch.bfloat16), gate_up, down
+
+
+_OLD_TILES = mg.GemmTiles(
+    64, 64, 4, 1
+)  # the tiles before plans (64^3, 4 warps), loads not pipelined
+MOE_SWEEP_OLD = mg.GroupedPlan(64, _OLD_TILES, _OLD_TILES)
+# (block_m, GemmTiles) per kernel, likeliest first (the sweep stops at its time budget)
+MOE_SWEEP_GATE_UP = [
+    (128, mg.GemmTiles(64, 64, 8, 4, True)),
+    (128, mg.GemmTiles(64, 64, 8, 3, True)),
+    (128, mg.GemmTiles(128, 64, 8, 3, True)),
+    (64, mg.GemmTiles(64, 64, 4, 3, True)),
+    (128, mg.GemmTiles(64, 64, 8, 4)),
+    (64, mg.GemmTiles(128, 64, 8, 3, True)),
+    (128, mg.GemmTiles(64, 64, 4, 3, True)),
+    (64, mg.GemmTiles(64, 64, 4, 3)),
+]
+MOE_SWEEP_DOWN = [
+    (128, mg.GemmTiles(128, 64, 8, 4, True)),
+    (128, mg.GemmTiles(128, 64, 8, 3, True)),
+    (128, mg.GemmTiles(64, 64, 4, 4, True)),
+    (64, mg.GemmTiles(128, 64, 8, 4, True)),
+    (128, mg.GemmTiles(128, 64, 8, 4)),
+    (128, mg.GemmTiles(256, 64, 8, 3, True)),
+    (64, mg.GemmTiles(64, 64, 4, 3, True)),
+    (64, mg.GemmTiles(64, 64, 4, 3)),
+]
+
+
+def time_eager(fn, iters: int) -> float:
+    """Median microseconds per call (CUDA events), eager, after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def moe_sweep(cfg: DeepseekV4Config, rows: int, dev: torch.device, iters: int,
+              budget_s: float = 22.0) -> dict:  # fmt: skip
+    """Each grouped GEMM kernel at ``rows`` tokens per candidate (block_m, `GemmTiles`):
+    microseconds, TFLOP/s and max|diff| against the old launch (first row of each); then the
+    whole `moe_grouped` under the old launch, the default plan and the fastest pair of one
+    ``block_m``, and the pair grouping by counting vs radix sort. Candidates past
+    ``budget_s`` seconds are skipped."""
+    x, ids, w, gate_up, down = moe_sweep_inputs(cfg, rows, dev)
+    limit, t0, (t, k), e = cfg.swiglu_limit, time.perf_counter(), ids.shape, gate_up.shape[0]
+    inter, hidden = down.shape[2], down.shape[1]
+    groups = {bm: mg.group_pairs(ids, e, bm) for bm in (64, 128)}
+    w_s = w.reshape(-1)[groups[64].order].contiguous()  # the same order for every block_m
+    h_ref = mg.grouped_gate_up(x, gate_up, groups[64], limit, MOE_SWEEP_OLD)
+    c_ref = mg.grouped_down(h_ref, down, w_s, groups[64], MOE_SWEEP_OLD)
+    flops = {"gate_up": 2.0 * t * k * hidden * 2 * inter, "down": 2.0 * t * k * inter * hidden}
+    found: dict[str, list[dict]] = {"gate_up": [], "down": []}
+    for kind, cands in (("gate_up", MOE_SWEEP_GATE_UP), ("down", MOE_SWEEP_DOWN)):
+        for bm, tiles in [(64, _OLD_TILES)] + cands:
+            if time.perf_counter() - t0 > budget_s:
+                print(f"  {kind} bm {bm} {tiles}: past the {budget_s:.0f} s budget, skipped")
+                continue
+            plan, g = mg.GroupedPlan(bm, tiles, tiles), groups[bm]
+            if kind == "gate_up":
+                fn, ref = lambda p=plan, g=g: mg.grouped_gate_up(x, gate_up, g, limit, p), h_ref
+            else:
+                fn, ref = lambda p=plan, g=g: mg.grouped_down(h_ref, down, w_s, g, p), c_ref
+            try:
+                diff = (fn().float() - ref.float()).abs().max().item()
+                us = time_eager(fn, iters)
+            except Exception as exc:  # e.g. out of shared memory: report, keep sweeping
+                print(f"  {kind} bm {bm} {tiles}: {type(exc).__name__}, skipped")
+                continue
+            found[kind].append(dict(block_m=bm, tiles=tiles, us=us, max_abs_diff=diff,
+                                    tflops=flops[kind] / us / 1e6,
+                                    old=tiles is _OLD_TILES))  # fmt: skip
+    pairs = [
+        (gu["us"] + dn["us"], mg.GroupedPlan(bm, gu["tiles"], dn["tiles"]))
+        for bm in (64, 128)
+        for gu in found["gate_up"] if gu["block_m"] == bm
+        for dn in found["down"] if dn["block_m"] == bm
+    ]  # fmt: skip
+    default = mg.grouped_plan(t * k, e, x.dtype)
+    best = min(pairs, key=lambda p: p[0])[1] if pairs else default
+    whole = {}
+    for name, plan in (("old", MOE_SWEEP_OLD), ("default", default), ("best", best)):
+        fn = lambda p=plan: mg.moe_grouped_triton(x, ids, w, gate_up, down, limit, plan=p)  # noqa: E731
+        whole[name] = dict(plan=repr(plan), us=time_eager(fn, iters))
+    saved = mg.COUNT_SORT_MAX_CELLS
+    try:
+        grouping = {"count": time_eager(lambda: mg.group_pairs(ids, e, 128), iters)}
+        mg.COUNT_SORT_MAX_CELLS = 0
+        grouping["radix_sort"] = time_eager(lambda: mg.group_pairs(ids, e, 128), iters)
+    finally:
+        mg.COUNT_SORT_MAX_CELLS = saved
+    for kind in found:
+        found[kind].sort(key=lambda r: r["us"])
+        for r in found[kind]:
+            r["tiles"] = repr(r["tiles"])
+    return dict(rows=rows, kernels=found, whole=whole, grouping_us=grouping,
+                seconds=time.perf_counter() - t0)  # fmt: skip
+
+
+def print_moe_sweep(res: dict) -> None:
+    print(f"grouped MoE GEMMs at T={res['rows']} ({res['seconds']:.1f} s), fastest first:")
+    for kind, found in res["kernels"].items():
+        for r in found:
+            print(f"  {kind:8}{' old' if r['old'] else '    '} bm {r['block_m']:3d} "
+                  f"{r['tiles']:76} {r['us']:8.1f} us {r['tflops']:6.1f} TFLOP/s  "
+                  f"max|diff| {r['max_abs_diff']:.3g}")  # fmt: skip
+    old_us = res["whole"]["old"]["us"]
+    for name, r in res["whole"].items():
+        print(f"  moe_grouped {name:8} {r['us']:8.1f} us (x{old_us / r['us']:.2f} vs old)  "
+              f"{r['plan']}")  # fmt: skip
+    print("  group_pairs: " + ", ".join(f"{k} {v:.1f} us" for k, v in res["grouping_us"].items()))
+
+
 def time_cuda(fn, iters: int, graph: bool) -> float:
     """Median microseconds per call (CUDA events), eager or as a replayed CUDA graph."""
     run = fn
@@ -333,10 +470,20 @@ def main() -> None:
         help="time the row-tiled hc kernels over row tiles (GPU, largest --hc-rows)",
     )
     ap.add_argument("--out", default=None, help="write the JSON record here")
+    ap.add_argument("--moe-rows", type=int, default=8192, help="T of the grouped MoE sweep")
+    ap.add_argument("--moe-sweep", action="store_true", help="only the grouped MoE sweep (GPU)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     cfg = config(args.quick or not cuda)
+    if args.moe_sweep:  # alone: the sweep's compiles fit its time budget
+        res = moe_sweep(config(False), args.moe_rows, dev, 10) if cuda else {}
+        print_moe_sweep(res) if res else print("--moe-sweep needs a GPU")
+        if args.out and res:
+            with open(args.out, "w") as fh:
+                json.dump(dict(bench="bench_dsv4_blocks", command=" ".join(sys.argv),
+                               device=torch.cuda.get_device_name(), moe_sweep=res), fh, indent=1)  # fmt: skip
+        return
     hc, moe, d = build(cfg, args.rows, dev, torch.bfloat16)
     rows = []
     rows += measure("hc", hc_fns(hc, d), cuda, args.iters)

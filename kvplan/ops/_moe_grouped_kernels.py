@@ -7,6 +7,13 @@ int32 ``[num_tiles]``, built on the device) gives each M tile its expert and its
 with ``start >= end`` is unused and its programs exit at once. Every value torch materializes
 in the activation dtype is rounded to it here too.
 
+The two GEMM kernels loop over ``K_TILES`` (a constexpr, so Triton software-pipelines the
+loads over ``num_stages``); ``EVEN_K`` / ``EVEN_N`` drop the K masks / clamp no columns when
+the tiles divide the sizes. A padding row of a tile loads a valid row of its tile (never
+stored). ``N_MAJOR`` swaps the grid axes so the programs of one M tile run side by side
+(its activation rows and the expert's weights shared in L2); the grid is then
+``(cdiv(N, BLOCK_N), num_tiles)``.
+
 - ``grouped_gate_up_kernel``: grid ``(num_tiles, cdiv(I, BLOCK_N))``;
   ``h[p] = round(round(silu(min(g, limit))) * clamp(u, -limit, limit))`` with
   ``g | u = round(x[row[p]] @ gate_up[e]^T)``.
@@ -34,14 +41,23 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M: tl.constexpr):
-    """(expert int64, sorted positions ``[BLOCK_M]`` int64, their mask, empty flag)."""
-    tile = tl.program_id(0)
+def _tile(
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M: tl.constexpr, N_MAJOR: tl.constexpr
+):
+    """(expert int64, sorted positions ``[BLOCK_M]`` int64, their mask, the positions clamped
+    into the tile (safe to load unmasked), empty flag, column tile index)."""
+    if N_MAJOR:
+        tile = tl.program_id(1)
+        col_tile = tl.program_id(0)
+    else:
+        tile = tl.program_id(0)
+        col_tile = tl.program_id(1)
     start = tl.load(tile_start_ptr + tile)
     end = tl.load(tile_end_ptr + tile)
     ex = tl.load(tile_expert_ptr + tile).to(tl.int64)
     pos = start.to(tl.int64) + tl.arange(0, BLOCK_M)
-    return ex, pos, pos < end, start >= end
+    pmask = pos < end
+    return ex, pos, pmask, tl.where(pmask, pos, start), start >= end, col_tile
 
 
 @triton.jit
@@ -49,32 +65,43 @@ def grouped_gate_up_kernel(
     x_ptr, w_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, h_ptr,
     hidden, inter, limit, stride_x,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_MAJOR: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    ex, pos, pmask, empty = _tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
+    ex, pos, pmask, pos_in, empty, col_tile = _tile(
+        tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M, N_MAJOR
+    )
     if empty:
         return
     dtype: tl.constexpr = h_ptr.dtype.element_ty
-    rows = tl.load(rows_ptr + pos, mask=pmask, other=0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.load(rows_ptr + pos_in).to(tl.int64)  # padding rows repeat the tile's first
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < inter
-    w_base = w_ptr + ex * (2 * inter) * hidden
+    if EVEN_N:
+        cols_in = cols
+    else:
+        cols_in = tl.where(cmask, cols, 0)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows[:, None] * stride_x + ks[None, :]
+    g_ptrs = w_ptr + ex * (2 * inter) * hidden + cols_in[None, :] * hidden + ks[:, None]
+    u_ptrs = g_ptrs + inter * hidden
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k0 = 0  # while loops: the CPU interpreter takes no runtime ``range`` bound
-    while k0 < hidden:
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < hidden
-        a = tl.load(
-            x_ptr + rows[:, None] * stride_x + ks[None, :],
-            mask=pmask[:, None] & kmask[None, :], other=0.0,
-        )  # fmt: skip
-        bmask = kmask[:, None] & cmask[None, :]
-        bg = tl.load(w_base + cols[None, :] * hidden + ks[:, None], mask=bmask, other=0.0)
-        bu = tl.load(w_base + (cols[None, :] + inter) * hidden + ks[:, None], mask=bmask, other=0.0)
+    for kt in range(K_TILES):  # a static trip count: software-pipelined (num_stages)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            bg = tl.load(g_ptrs)
+            bu = tl.load(u_ptrs)
+        else:
+            kmask = kt * BLOCK_K + ks < hidden
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=kmask[:, None], other=0.0)
+            bu = tl.load(u_ptrs, mask=kmask[:, None], other=0.0)
         acc_g = _dot(a, bg, acc_g, DOT_PRECISION, UPCAST)
         acc_u = _dot(a, bu, acc_u, DOT_PRECISION, UPCAST)
-        k0 += BLOCK_K
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
     g = tl.minimum(_round(acc_g, dtype), limit)
     u = tl.minimum(tl.maximum(_round(acc_u, dtype), -limit), limit)
     act = _round(g / (1.0 + tl.exp(-g)), dtype)
@@ -89,30 +116,36 @@ def grouped_down_kernel(
     h_ptr, w_ptr, wt_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, c_ptr,
     hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_MAJOR: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    ex, pos, pmask, empty = _tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
+    ex, pos, pmask, pos_in, empty, col_tile = _tile(
+        tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M, N_MAJOR
+    )
     if empty:
         return
     dtype: tl.constexpr = c_ptr.dtype.element_ty
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < hidden
-    w_base = w_ptr + ex * hidden * inter
+    if EVEN_N:
+        cols_in = cols
+    else:
+        cols_in = tl.where(cmask, cols, 0)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + pos_in[:, None] * inter + ks[None, :]
+    b_ptrs = w_ptr + ex * hidden * inter + cols_in[None, :] * inter + ks[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k0 = 0
-    while k0 < inter:
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < inter
-        a = tl.load(
-            h_ptr + pos[:, None] * inter + ks[None, :],
-            mask=pmask[:, None] & kmask[None, :], other=0.0,
-        )  # fmt: skip
-        b = tl.load(
-            w_base + cols[None, :] * inter + ks[:, None],
-            mask=kmask[:, None] & cmask[None, :], other=0.0,
-        )  # fmt: skip
+    for kt in range(K_TILES):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = kt * BLOCK_K + ks < inter
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
         acc = _dot(a, b, acc, DOT_PRECISION, UPCAST)
-        k0 += BLOCK_K
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
     wt = tl.load(wt_ptr + pos, mask=pmask, other=0.0).to(tl.float32)
     c = _round(acc, dtype) * wt[:, None]
     tl.store(

@@ -15,10 +15,15 @@ adds them in; in fp32 the two sums are the same sequence of additions. In bf16 /
 path rounds once, so the two differ by up to one rounding per routed expert. Triton path: CUDA
 tensors or ``KVPLAN_FORCE_TRITON=1``; torch path otherwise (a reference that reads the
 per-expert offsets on the host).
+
+The grouping ranks each pair among the earlier pairs of its expert (a one-hot prefix count,
+no sort kernel, while ``T*k * E <= COUNT_SORT_MAX_CELLS``). The GEMM launches follow a
+`GroupedPlan` (`grouped_plan` picks one of `PLANS`; ``plan=`` overrides it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -29,7 +34,19 @@ from kvplan.ops._dispatch import triton_interpreting, use_triton
 from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
 from kvplan.ops.moe_dense import swiglu_torch
 
-__all__ = ["PairGroups", "group_pairs", "moe_grouped", "moe_grouped_torch", "moe_grouped_triton"]
+__all__ = [
+    "GemmTiles",
+    "GroupedPlan",
+    "PLANS",
+    "PairGroups",
+    "group_pairs",
+    "grouped_down",
+    "grouped_gate_up",
+    "grouped_plan",
+    "moe_grouped",
+    "moe_grouped_torch",
+    "moe_grouped_triton",
+]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -54,9 +71,32 @@ class PairGroups(NamedTuple):
     tile_end: torch.Tensor
 
 
+COUNT_SORT_MAX_CELLS = 1 << 23
+"""Most ``T*k * E`` cells for which `group_pairs` ranks pairs by a one-hot prefix count (else
+a stable radix sort); both give the same order."""
+
+
+def _sorted_positions(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position int64 ``[n]`` of each pair in the stable by-expert order, offsets int64
+    ``[E + 1]``) of the expert ids ``flat`` (int64 ``[n]``)."""
+    n, dev = flat.shape[0], flat.device
+    if 0 < n * num_experts <= COUNT_SORT_MAX_CELLS:  # counting sort: rank = earlier pairs of e
+        hit = flat[:, None] == torch.arange(num_experts, device=dev)  # [n, E]
+        cum = hit.to(torch.int32).cumsum(0, dtype=torch.int32)  # [n, E]
+        counts = cum[-1].long()
+        rank = cum.gather(1, flat[:, None]).squeeze(1).long() - 1  # [n]
+        offsets = F.pad(counts.cumsum(0), (1, 0))
+        return offsets[flat] + rank, offsets
+    sorted_ids, order = torch.sort(flat, stable=True)
+    experts = torch.arange(num_experts + 1, device=dev, dtype=torch.int64)
+    offsets = torch.searchsorted(sorted_ids, experts)  # [E + 1]; offsets[E] == n
+    return torch.empty_like(order).scatter_(0, order, torch.arange(n, device=dev)), offsets
+
+
 def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> PairGroups:
     """Sort the pairs of ``ids`` (int64 ``[T, k]``, values in ``[0, E)``) by expert and cut
-    them into M tiles of ``block_m`` (a positive int); device ops only, no host sync."""
+    them into M tiles of ``block_m`` (a positive int); device ops only, no host sync, no sort
+    kernel for ``T*k * E`` up to ``COUNT_SORT_MAX_CELLS`` and ``k <= 16``."""
     check_tensor("ids", ids, dtype=torch.int64, ndim=2)
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
         raise ValueError(f"block_m must be a positive int, got {block_m!r}")
@@ -64,11 +104,16 @@ def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> PairGroups
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     t, k = ids.shape
     n, dev = t * k, ids.device
-    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
-    experts = torch.arange(num_experts + 1, device=dev, dtype=torch.int64)
-    offsets = torch.searchsorted(sorted_ids, experts)  # [E + 1]; offsets[E] == T*k
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=dev))
-    token_pos = inverse.view(t, k).sort(dim=1).values.to(torch.int32)
+    pos, offsets = _sorted_positions(ids.reshape(-1), num_experts)  # [T*k], [E + 1]
+    order = torch.empty_like(pos).scatter_(0, pos, torch.arange(n, device=dev))
+    pos_tk = pos.view(t, k)
+    if k == 1:
+        token_pos = pos_tk
+    elif k <= 16:  # slot j goes to the rank of its position among the token's k
+        below = (pos_tk[:, None, :] < pos_tk[:, :, None]).sum(2)  # [T, k]
+        token_pos = torch.empty_like(pos_tk).scatter_(1, below, pos_tk)
+    else:
+        token_pos = pos_tk.sort(dim=1).values
     counts = offsets[1:] - offsets[:-1]
     tiles = (counts + block_m - 1) // block_m  # [E]
     tile_end_cum = tiles.cumsum(0)
@@ -85,7 +130,7 @@ def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> PairGroups
         rows=(order // k).to(torch.int32),
         order=order,
         offsets=offsets,
-        token_pos=token_pos,
+        token_pos=token_pos.to(torch.int32),
         tile_expert=ex.to(torch.int32),
         tile_start=torch.where(used, start, zero).to(torch.int32),
         tile_end=torch.where(used, end, zero).to(torch.int32),
@@ -137,51 +182,158 @@ def moe_grouped_torch(
     return out if add is None else out + add
 
 
-def _blocks(n: int, e: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): M near the mean rows per expert, 16..64."""
+def _pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Launch shape of one grouped GEMM kernel: ``block_n`` output columns (per half for the
+    gate/up kernel) and ``block_k`` reduction columns per step (powers of two), ``num_warps``
+    in 1..16 (a power of two), ``num_stages`` >= 1 loads in flight, ``n_major``: the column
+    tiles of one M tile are adjacent programs."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    n_major: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            if not _pow2(getattr(self, name)) or getattr(self, name) > 256:
+                raise ValueError(f"{name} must be a power of two <= 256, got {getattr(self, name)}")
+        if self.num_warps > 16:
+            raise ValueError(f"num_warps must be <= 16, got {self.num_warps}")
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int):
+            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+
+
+@dataclass(frozen=True)
+class GroupedPlan:
+    """Launch plan of the two grouped GEMMs: ``block_m`` sorted pairs per M tile (a power of
+    two) and each kernel's `GemmTiles`. Every plan computes the same products, accumulated in
+    fp32; only the order of the fp32 additions over ``K`` differs."""
+
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+    def __post_init__(self) -> None:
+        if not _pow2(self.block_m) or self.block_m > 256:
+            raise ValueError(f"block_m must be a power of two <= 256, got {self.block_m}")
+        for name in ("gate_up", "down"):
+            if not isinstance(getattr(self, name), GemmTiles):
+                raise TypeError(f"{name} must be a GemmTiles, got {type(getattr(self, name))}")
+
+
+PREFILL_MIN_PAIRS_PER_EXPERT = 128
+"""Fewest mean pairs per expert (``ceil(T*k / E)``) for which half-precision inputs take
+``PLANS["prefill"]``."""
+
+PLANS: dict[str, GroupedPlan] = {
+    # interpreter: small tiles; fp32 / few pairs: M near the mean pairs per expert (set by
+    # `grouped_plan`), loads not pipelined
+    "interpret": GroupedPlan(16, GemmTiles(16, 32, 4, 1), GemmTiles(16, 32, 4, 1)),
+    "fp32": GroupedPlan(64, GemmTiles(64, 32, 4, 1), GemmTiles(64, 32, 4, 1)),
+    "half": GroupedPlan(64, GemmTiles(64, 64, 4, 1), GemmTiles(64, 64, 4, 1)),
+    # half precision, many pairs per expert: wide tiles, pipelined loads, M tiles N-major
+    "prefill": GroupedPlan(128, GemmTiles(64, 64, 8, 4, True), GemmTiles(128, 64, 8, 4, True)),
+}
+"""Launch plans by regime (`grouped_plan` picks one); ``bench/bench_dsv4_blocks.py --moe-sweep``
+times alternatives."""
+
+
+def grouped_plan(num_pairs: int, num_experts: int, dtype: torch.dtype) -> GroupedPlan:
+    """The `PLANS` entry for ``num_pairs`` (``T*k``) pairs over ``num_experts`` experts in
+    ``dtype``; below the prefill regime ``block_m`` is the mean pairs per expert rounded up
+    to a power of two, clamped to 16..64."""
     if triton_interpreting():
-        return 16, 16, 32
-    block_m = max(16, min(64, triton_next_pow2(triton_cdiv(n, e))))
-    return block_m, 64, 32 if dtype == torch.float32 else 64
+        return PLANS["interpret"]
+    mean = triton_cdiv(num_pairs, num_experts)
+    if dtype != torch.float32 and mean >= PREFILL_MIN_PAIRS_PER_EXPERT:
+        return PLANS["prefill"]
+    plan = PLANS["fp32" if dtype == torch.float32 else "half"]
+    return replace(plan, block_m=max(16, min(64, triton_next_pow2(mean))))
+
+
+def _launch(kernel, grid_n: int, k_size: int, n_size: int, num_tiles: int, plan, tiles, x):
+    """Grid, the shape constexprs and the launch options shared by both GEMM kernels."""
+    n_major = tiles.n_major and num_tiles <= 65535  # grid axis 1 limit
+    grid = (grid_n, num_tiles) if n_major else (num_tiles, grid_n)
+    interp_half = triton_interpreting() and x.dtype != torch.float32
+    return kernel[grid], dict(
+        BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        K_TILES=triton_cdiv(k_size, tiles.block_k), EVEN_K=k_size % tiles.block_k == 0,
+        EVEN_N=n_size % tiles.block_n == 0, N_MAJOR=n_major,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32: unused for halves
+        UPCAST=interp_half, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def grouped_gate_up(
+    x: torch.Tensor, gate_up: torch.Tensor, groups: PairGroups, limit: float, plan: GroupedPlan
+) -> torch.Tensor:
+    """``h [T*k, I]`` in ``x``'s dtype: the SwiGLU of each sorted pair's gate/up projection
+    (``x [T, H]`` unit column stride, ``gate_up [E, 2I, H]`` contiguous, ``groups`` cut with
+    ``plan.block_m``)."""
+    from kvplan.ops._moe_grouped_kernels import grouped_gate_up_kernel
+
+    hidden, inter = x.shape[1], gate_up.shape[1] // 2
+    h = torch.empty(groups.rows.shape[0], inter, dtype=x.dtype, device=x.device)
+    num_tiles = groups.tile_start.shape[0]
+    tiles = plan.gate_up
+    launch, kw = _launch(grouped_gate_up_kernel, triton_cdiv(inter, tiles.block_n), hidden,
+                         inter, num_tiles, plan, tiles, x)  # fmt: skip
+    launch(x, gate_up, groups.rows, groups.tile_expert, groups.tile_start, groups.tile_end, h,
+           hidden, inter, float(limit), x.stride(0), **kw)  # fmt: skip
+    return h
+
+
+def grouped_down(
+    h: torch.Tensor, down: torch.Tensor, w_sorted: torch.Tensor, groups: PairGroups,
+    plan: GroupedPlan,
+) -> torch.Tensor:  # fmt: skip
+    """``c [T*k, H]`` in ``h``'s dtype: ``round(round(h[p] @ down[e]^T) * w_sorted[p])`` per
+    sorted pair (``h [T*k, I]`` and ``down [E, H, I]`` contiguous, ``w_sorted [T*k]``)."""
+    from kvplan.ops._moe_grouped_kernels import grouped_down_kernel
+
+    hidden, inter = down.shape[1], down.shape[2]
+    c = torch.empty(h.shape[0], hidden, dtype=h.dtype, device=h.device)
+    num_tiles = groups.tile_start.shape[0]
+    tiles = plan.down
+    launch, kw = _launch(grouped_down_kernel, triton_cdiv(hidden, tiles.block_n), inter, hidden,
+                         num_tiles, plan, tiles, h)  # fmt: skip
+    launch(h, down, w_sorted, groups.tile_expert, groups.tile_start, groups.tile_end, c,
+           hidden, inter, **kw)  # fmt: skip
+    return c
 
 
 def moe_grouped_triton(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-    down: torch.Tensor, limit: float, add: torch.Tensor | None = None,
+    down: torch.Tensor, limit: float, add: torch.Tensor | None = None, *,
+    plan: GroupedPlan | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Triton path of `moe_grouped`: the device-side grouping, then three kernels."""
-    from kvplan.ops._moe_grouped_kernels import (
-        grouped_combine_kernel,
-        grouped_down_kernel,
-        grouped_gate_up_kernel,
-    )
+    """Triton path of `moe_grouped`: the device-side grouping, then three kernels; ``plan``
+    (default `grouped_plan`) sets the GEMM launches."""
+    from kvplan.ops._moe_grouped_kernels import grouped_combine_kernel
 
     t, hidden, e, inter = _check(x, ids, weights, gate_up, down, add)
     k = ids.shape[1]
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    block_m, block_n, block_k = _blocks(t * k, e, x.dtype)
-    groups = group_pairs(ids, e, block_m)
+    plan = grouped_plan(t * k, e, x.dtype) if plan is None else plan
+    if not isinstance(plan, GroupedPlan):
+        raise TypeError(f"plan must be a GroupedPlan, got {type(plan)}")
+    groups = group_pairs(ids, e, plan.block_m)
     w_sorted = weights.reshape(-1)[groups.order].contiguous()
     x = x if x.stride(1) == 1 else x.contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: unused for halves
-    upcast = triton_interpreting() and x.dtype != torch.float32
-    num_tiles = groups.tile_start.shape[0]
-    tile_args = (groups.tile_expert, groups.tile_start, groups.tile_end)
-    h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
-    grouped_gate_up_kernel[(num_tiles, triton_cdiv(inter, block_n))](
-        x, gate_up, groups.rows, *tile_args, h, hidden, inter, float(limit), x.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
-    c = torch.empty(t * k, hidden, dtype=x.dtype, device=x.device)
-    grouped_down_kernel[(num_tiles, triton_cdiv(hidden, block_n))](
-        h, down, w_sorted, *tile_args, c, hidden, inter,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
+    h = grouped_gate_up(x, gate_up.contiguous(), groups, limit, plan)
+    c = grouped_down(h, down.contiguous(), w_sorted, groups, plan)
     tile_h = min(triton_next_pow2(hidden), 128 if triton_interpreting() else 512)
     grouped_combine_kernel[(t, triton_cdiv(hidden, tile_h))](
         c, groups.token_pos, out if add is None else add.contiguous(), out, hidden,

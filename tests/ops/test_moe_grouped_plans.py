@@ -1,0 +1,199 @@
+"""Launch plans of the grouped MoE GEMMs: every plan computes the same result (interpreter,
+fp32), the plan table's validation, and the half-precision specializations compiled for
+sm_90 without register spills.
+
+The sm_90 compiles run in a fresh process without ``TRITON_INTERPRET`` (see
+``tests/sm90_compile.py``) with the launch's integer specialization: pointers and the sizes
+and row stride divisible by 16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvplan.ops.moe_grouped as mg
+from kvplan.ops.moe_grouped import (
+    PLANS,
+    GemmTiles,
+    GroupedPlan,
+    grouped_plan,
+    moe_grouped_torch,
+    moe_grouped_triton,
+)
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LIMIT = 1.5
+
+
+def _case(seed, t, e, k, hidden, inter):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hidden, generator=gen)
+    gate_up = torch.randn(e, 2 * inter, hidden, generator=gen) * 0.3
+    down = torch.randn(e, hidden, inter, generator=gen) * 0.3
+    ids = torch.rand(t, e, generator=gen).argsort(-1)[:, :k]
+    ids[: t // 2] = torch.randint(0, 2, (t // 2, k), generator=gen)  # skewed: multi-tile experts
+    w = torch.rand(t, k, generator=gen) + 0.1
+    return x, ids, w, gate_up, down
+
+
+T16 = GemmTiles(16, 16, 4, 1)
+PLAN_CASES = [  # (plan, hidden, inter): even and ragged K / N, both grid orders, stages
+    (GroupedPlan(16, T16, T16), 32, 32),
+    (GroupedPlan(16, T16, GemmTiles(16, 16, 4, 1, True)), 32, 32),
+    (GroupedPlan(32, GemmTiles(16, 32, 4, 3, True), GemmTiles(32, 16, 4, 2, True)), 40, 24),
+    (GroupedPlan(16, GemmTiles(32, 16, 8, 4), T16), 24, 48),
+]
+
+
+@pytest.mark.parametrize("plan, hidden, inter", PLAN_CASES)
+def test_plans_match_the_torch_path(plan, hidden, inter):
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, ids, w, gate_up, down = _case(hidden + inter, 37, 5, 2, hidden, inter)
+    want = moe_grouped_torch(x, ids, w, gate_up, down, LIMIT)
+    assert want.abs().max() > 0.1
+    args = [v.to(dev) for v in (x, ids, w, gate_up, down)]
+    got = moe_grouped_triton(*args, LIMIT, plan=plan).cpu()
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+
+
+def test_plan_table_and_validation(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert grouped_plan(2 * 8192, 16, torch.bfloat16) == PLANS["prefill"]
+    assert grouped_plan(2 * 1024, 16, torch.bfloat16) == PLANS["prefill"]
+    small = grouped_plan(2 * 32, 16, torch.bfloat16)  # decode: the half plan, M of 16
+    assert small.block_m == 16 and small.gate_up == PLANS["half"].gate_up
+    assert grouped_plan(2 * 8192, 16, torch.float32).block_m == 64  # fp32 never "prefill"
+    with pytest.raises(ValueError, match="block_n"):
+        GemmTiles(48, 64)
+    with pytest.raises(ValueError, match="num_stages"):
+        GemmTiles(64, 64, 4, 0)
+    with pytest.raises(ValueError, match="block_m"):
+        GroupedPlan(0, T16, T16)
+    with pytest.raises(TypeError, match="down"):
+        GroupedPlan(16, T16, (16, 16))
+    x, ids, w, gate_up, down = _case(0, 4, 3, 2, 16, 16)
+    with pytest.raises(TypeError, match="plan"):
+        moe_grouped_triton(x, ids, w, gate_up, down, LIMIT, plan=(16, 16, 16))
+
+
+@pytest.mark.parametrize("t, k, e", [(0, 2, 4), (1, 1, 1), (33, 2, 16), (57, 6, 64), (9, 18, 5)])
+def test_counting_sort_equals_the_radix_sort(monkeypatch, t, k, e):
+    gen = torch.Generator().manual_seed(t + k + e)
+    ids = torch.randint(0, e, (t, k), generator=gen)
+    if t > 2:
+        ids[: t // 3] = ids[0, 0]  # one expert many times, within and across tokens
+    for block_m in (1, 16):
+        counted = mg.group_pairs(ids, e, block_m)
+        monkeypatch.setattr(mg, "COUNT_SORT_MAX_CELLS", 0)
+        sorted_ = mg.group_pairs(ids, e, block_m)
+        monkeypatch.undo()
+        flat = ids.reshape(-1)
+        order = torch.sort(flat, stable=True).indices  # independent: torch's stable sort
+        assert torch.equal(counted.order, order) and torch.equal(sorted_.order, order)
+        for name, a, b in zip(counted._fields, counted, sorted_):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+# ---- sm_90 compiles ------------------------------------------------------------------------
+
+_SCRIPT = r"""
+import json, subprocess, sys, tempfile
+from pathlib import Path
+try:
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path
+except Exception as e:  # no CUDA toolchain in this Triton install
+    print("NO_PTXAS", e)
+    sys.exit(0)
+from kvplan.ops import _moe_grouped_kernels as kernels
+from tools.compile_sm90 import compile_kernel
+
+name, const, warps, stages = json.loads(sys.argv[1])
+fn = getattr(kernels, name)
+div16 = {n for n in fn.arg_names if n.endswith("_ptr") or n in ("hidden", "inter", "stride_x")}
+def arg_type(n):
+    if n in const:
+        return "constexpr"
+    if n in ("x_ptr", "w_ptr", "h_ptr", "c_ptr"):
+        return "*bf16"
+    if n.endswith("_ptr"):
+        return "*fp32" if n == "wt_ptr" else "*i32"
+    return "fp32" if n == "limit" else "i32"
+sig = {n: arg_type(n) for n in fn.arg_names}
+attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names) if n in div16}
+ck = compile_kernel(fn, sig, const, attrs, {"num_warps": warps, "num_stages": stages})
+with tempfile.TemporaryDirectory() as tmp:
+    src = Path(tmp) / "k.ptx"
+    src.write_text(ck.asm["ptx"])
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(src) + ".o"],
+                         capture_output=True, text=True, check=True)
+regs = spills = None
+for line in res.stderr.splitlines():
+    if "registers" in line:
+        regs = int(line.split("Used ")[1].split(" reg")[0])
+    if "spill stores" in line:
+        spills = int(line.split("bytes spill stores")[0].split(",")[-1])
+ptx = ck.asm["ptx"]
+print("RESULT", json.dumps([regs, spills, "wgmma" in ptx, ck.metadata.shared, "cp.async" in ptx]))
+"""
+
+
+def compile_stats(name: str, plan: GroupedPlan, k_size: int, n_size: int) -> tuple:
+    """(registers, spill store bytes, uses wgmma, shared bytes, loads asynchronous) of
+    kernel ``name`` compiled for sm_90 at ``plan`` over bf16 operands, reduction size ``k_size``, ``n_size`` columns."""
+    tiles = plan.gate_up if name == "grouped_gate_up_kernel" else plan.down
+    const = dict(BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                 K_TILES=-(-k_size // tiles.block_k), EVEN_K=k_size % tiles.block_k == 0,
+                 EVEN_N=n_size % tiles.block_n == 0, N_MAJOR=tiles.n_major,
+                 DOT_PRECISION="tf32", UPCAST=False)  # fmt: skip
+    spec = json.dumps([name, const, tiles.num_warps, tiles.num_stages])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, spec], capture_output=True, text=True,
+                          env=env, cwd=_ROOT, timeout=600)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"sm_90 compile failed:\n{proc.stderr[-3000:]}")
+    if proc.stdout.startswith("NO_PTXAS"):
+        pytest.skip(f"no ptxas: {proc.stdout.strip()}")
+    return tuple(json.loads(proc.stdout.rsplit("RESULT", 1)[1]))
+
+
+# DeepSeek-V4 sizes (hidden 2048, expert width 1024) at the half and prefill plans
+@pytest.mark.parametrize("regime", ["half", "prefill"])
+@pytest.mark.parametrize(
+    "name, k_size, n_size",
+    [("grouped_gate_up_kernel", 2048, 1024), ("grouped_down_kernel", 1024, 2048)],
+    ids=["gate_up", "down"],
+)
+def test_bf16_plans_compile_for_sm90_without_spills(regime, name, k_size, n_size):
+    plan = PLANS[regime]
+    regs, spills, wgmma, shared, pipelined = compile_stats(name, plan, k_size, n_size)
+    assert spills == 0, f"{regs} registers, {spills} bytes spilled"
+    assert wgmma, "bf16 dots not on the sm_90 tensor-core (wgmma) path"
+    assert shared <= 227 * 1024, shared  # an H200 block's shared memory
+    tiles = plan.gate_up if name == "grouped_gate_up_kernel" else plan.down
+    assert pipelined == (tiles.num_stages > 1), "K loop loads not software-pipelined"
+
+
+@pytest.mark.gpu
+def test_prefill_plan_on_cuda_matches_the_decode_plan_and_torch():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t, e, k, hidden, inter = 2048, 16, 2, 512, 256
+    x = torch.randn(t, hidden, generator=gen, device="cuda").bfloat16()
+    gate_up = (torch.randn(e, 2 * inter, hidden, generator=gen, device="cuda") * 0.05).bfloat16()
+    down = (torch.randn(e, hidden, inter, generator=gen, device="cuda") * 0.05).bfloat16()
+    ids = torch.rand(t, e, generator=gen, device="cuda").argsort(-1)[:, :k]
+    ids[: t // 4] = torch.tensor([0, 1], device="cuda")  # a crowded expert pair
+    w = torch.rand(t, k, generator=gen, device="cuda").bfloat16()
+    assert grouped_plan(t * k, e, torch.bfloat16) == PLANS["prefill"]
+    got = moe_grouped_triton(x, ids, w, gate_up, down, LIMIT)
+    small = moe_grouped_triton(x, ids, w, gate_up, down, LIMIT, plan=PLANS["half"])
+    ref = moe_grouped_torch(x, ids, w, gate_up, down, LIMIT)
+    ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** float(torch.floor(torch.log2(ref.abs().max())))
+    assert float((got.double() - ref.double()).abs().max()) <= 2 * ulp
+    assert float((got.double() - small.double()).abs().max()) <= 2 * ulp
