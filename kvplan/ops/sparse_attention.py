@@ -140,7 +140,7 @@ def sparse_attention_triton(
     q: torch.Tensor, sources: Sequence[KeySource], sinks: torch.Tensor, scale: float, *,
     out: torch.Tensor | None = None, check: bool = True, tile_h: int = 16,
     tile_n: int | None = None, num_warps: int | None = None, num_splits: int | None = None,
-    num_stages: int | None = None, d_chunk: int = 0, pv_split: int = 1,
+    num_stages: int | None = None, d_chunk: int | None = None, pv_split: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton kernels (also on CPU under ``TRITON_INTERPRET=1``); contract of
     :func:`sparse_attention`. ``tile_h`` heads and ``tile_n`` keys per tile; ``num_splits``
@@ -151,19 +151,12 @@ def sparse_attention_triton(
     (0, or a power of two >= 16) sums the logits over query / key column chunks of that
     width instead of holding the whole query tile; ``pv_split`` (1, 2 or 4) splits the
     value product and the accumulator into that many column chunks, each re-reading its
-    values."""
+    values. A launch setting left None takes the path's entry in ``ONE_PROGRAM_TILING`` /
+    ``SPLIT_TILING`` if any, else the built-in default."""
     addrs = _check(q, sources, sinks, check)
     out = _out(q, out)
     num_rows, num_heads, head_dim = q.shape
     d_p2 = max(16, triton.next_power_of_2(head_dim))
-    num_warps = num_warps or (8 if d_p2 >= 512 else 4)
-    if d_chunk and not (16 <= d_chunk <= d_p2 and d_chunk & (d_chunk - 1) == 0):
-        raise ValueError(f"d_chunk must be 0 or a power of two in [16, {d_p2}], got {d_chunk}")
-    if pv_split not in (1, 2, 4) or d_p2 // pv_split < 16:
-        raise ValueError(f"pv_split must be 1, 2 or 4 with D_P2 / pv_split >= 16, got {pv_split}")
-    interpret = triton_interpreting()
-    if num_rows == 0:
-        return out
     a0 = addrs[0]
     a1 = addrs[1] if len(addrs) > 1 else a0
     i0 = sources[0].index
@@ -171,6 +164,7 @@ def sparse_attention_triton(
     n1 = i1.shape[1] if len(sources) > 1 else 0
     num_cols = i0.shape[1] + n1
     groups = triton.cdiv(num_heads, tile_h)
+    interpret = triton_interpreting()
     if num_splits is None:
         num_splits = (
             1
@@ -181,6 +175,18 @@ def sparse_attention_triton(
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    table = ONE_PROGRAM_TILING if num_splits == 1 else SPLIT_TILING
+    tile_n = tile_n or table.get("tile_n")
+    num_warps = num_warps or table.get("num_warps") or (8 if d_p2 >= 512 else 4)
+    num_stages = num_stages if num_stages is not None else table.get("num_stages")
+    d_chunk = d_chunk if d_chunk is not None else table.get("d_chunk", 0)
+    pv_split = pv_split if pv_split is not None else table.get("pv_split", 1)
+    if d_chunk and not (16 <= d_chunk <= d_p2 and d_chunk & (d_chunk - 1) == 0):
+        raise ValueError(f"d_chunk must be 0 or a power of two in [16, {d_p2}], got {d_chunk}")
+    if pv_split not in (1, 2, 4) or d_p2 // pv_split < 16:
+        raise ValueError(f"pv_split must be 1, 2 or 4 with D_P2 / pv_split >= 16, got {pv_split}")
+    if num_rows == 0:
+        return out
     tile_n = tile_n or (_SPLIT_TILE_N if num_splits > 1 else 16 if d_p2 >= 512 else 32)
     cols_per_split = triton.cdiv(triton.cdiv(max(num_cols, 1), num_splits), tile_n) * tile_n
     num_splits = triton.cdiv(max(num_cols, 1), cols_per_split)
@@ -224,6 +230,11 @@ def sparse_attention_triton(
 
 _PROGRAMS_PER_SM = 1  # split target: about this many programs per SM
 _SPLIT_TILE_N = 32  # keys per tile of the split kernel
+# Launch settings (tile_n, num_warps, num_stages, d_chunk, pv_split) of the one-program
+# kernel (prompt rows) and of the split kernel (decode rows) where the caller gives none;
+# empty: the built-in defaults above
+ONE_PROGRAM_TILING: dict[str, int] = {}
+SPLIT_TILING: dict[str, int] = {}
 _MIN_SPLIT_TILES = 2  # fewest key tiles a split walks
 
 
