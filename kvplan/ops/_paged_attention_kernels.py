@@ -47,7 +47,7 @@ def _attend_tile(
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys [start, start + TILE_N).
 
@@ -73,18 +73,7 @@ def _attend_tile(
         k_rows = page * stride_kb + row * stride_kt
         v_rows = page * stride_vb + row * stride_vt
     k = load_kv_tile(
-        k_ptr,
-        ks_ptr,
-        k_rows,
-        in_range,
-        q,
-        TILE_N,
-        HEAD_DIM,
-        MASKED,
-        KV_QUANT,
-        SF_KIND,
-        GROUP,
-        INTERPRET,
+        k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
     )
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [TILE_M, TILE_N]
     if MASKED:
@@ -99,18 +88,7 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_kv_tile(
-        v_ptr,
-        vs_ptr,
-        v_rows,
-        in_range,
-        q,
-        TILE_N,
-        HEAD_DIM,
-        MASKED,
-        KV_QUANT,
-        SF_KIND,
-        GROUP,
-        INTERPRET,
+        v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
     )
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -134,7 +112,6 @@ def _attend_range(
                 acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                 stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
                 BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED, KV_QUANT, SF_KIND, GROUP,
-                INTERPRET,
             )  # fmt: skip
             start += TILE_N
     else:
@@ -143,7 +120,6 @@ def _attend_range(
                 acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                 stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
                 BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED, KV_QUANT, SF_KIND, GROUP,
-                INTERPRET,
             )  # fmt: skip
     return acc, m_i, l_i
 

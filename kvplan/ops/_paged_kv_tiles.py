@@ -19,7 +19,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from kvplan.ops._quant_triton import SF_KIND
+from kvplan.ops._quant_triton import SF_KIND, decode_e2m1
 
 
 @triton.jit
@@ -31,19 +31,9 @@ def _load_masked(ptrs, in_range, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_bf16(c):
-    """int32 e2m1 codes (0..15) -> bf16, exactly: codes 2..7 are 2^(e - 1) * (1 + m / 2), whose
-    bf16 bits are ``(code << 6) + 0x3F00``; codes 0 and 1 are 0 and 0.5."""
-    m = c & 7
-    h = tl.where(m >= 2, (m << 6) + 0x3F00, (m & 1) * 0x3F00) | ((c & 8) << 12)
-    return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def load_kv_tile(
     ptr, sf_ptr, rows, in_range, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
-    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     """One head's K or V values of ``TILE_N`` keys as ``[TILE_N, HEAD_DIM]`` in q's dtype.
 
@@ -53,11 +43,8 @@ def load_kv_tile(
     as they are; 1 (e4m3 bytes), 2 (e2m1 nibbles, element 2i in the low nibble of byte i) and
     3 (int8 two's-complement bytes) dequantize in registers: ``fp32(value) * fp32(scale)`` with one scale per ``GROUP``
     values (``SF_KIND`` as in ``kvplan.ops._quant_triton``), then one rounding to q's dtype
-    -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. e2m1 values under e4m3
-    scales are multiplied in bf16 instead (compiled kernels only; ``INTERPRET`` selects fp32):
-    the product has at most 6 significant bits and stays in bf16's normal range, so it is
-    exact and equals the fp32 product. Every load is a contiguous run per key (values, then
-    the head's scales), so the compiler can pipeline it.
+    -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. Every load is a contiguous
+    run per key (values, then the head's scales), so the compiler can pipeline it.
     """
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_QUANT == 0:
@@ -72,7 +59,7 @@ def load_kv_tile(
         offs_b = tl.arange(0, HEAD_DIM // 2)
         packed = _load_masked(ptr + rows[:, None] + offs_b[None, :], in_range, MASKED)
         packed = packed.to(tl.int32)
-        pairs = tl.join(_e2m1_bf16(packed & 15), _e2m1_bf16(packed >> 4))  # [N, D/2, 2]
+        pairs = tl.join(decode_e2m1(packed & 15), decode_e2m1(packed >> 4))  # [N, D/2, 2]
         vals = tl.reshape(pairs, [TILE_N, HEAD_DIM])
     offs_g = tl.arange(0, HEAD_DIM // GROUP)  # the head's scales
     if SF_KIND == 2:  # fp32 (SF_KIND values: kvplan.ops._quant_triton.SF_KIND)
@@ -84,10 +71,6 @@ def load_kv_tile(
             sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:  # UE8M0: the byte is the fp32 exponent field
             sf = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    if KV_QUANT == 2 and SF_KIND == 1 and not INTERPRET:
-        sf = sf.to(tl.bfloat16)  # e2m1 x e4m3 is exact in bf16 (the interpreter's bf16 math is not)
-    else:
-        vals = vals.to(tl.float32)
     grouped = tl.reshape(vals, [TILE_N, HEAD_DIM // GROUP, GROUP]) * sf[:, :, None]
     return tl.reshape(grouped, [TILE_N, HEAD_DIM]).to(q.dtype)
 
@@ -136,9 +119,11 @@ def kv_geometry(k_cache, v_cache, head_dim: int, kv_layout) -> KVGeometry:
 
 
 # Decode launch per KV format (``kv_layout.quantized_dtype``; None: float caches):
-# (tile_n keys per step, num_warps, num_stages). ``bench/bench_quant_decode.py`` sweeps them.
+# (tile_n keys per step, num_warps, num_stages). ``bench/bench_quant_decode.py`` sweeps them;
+# on the H200 (32 x 8,192 context, 8 KV heads x 64) float caches were fastest at 5 stages
+# (double-buffered K/V tiles), the quantized ones at 2.
 DECODE_TILING: dict[str | None, tuple[int, int, int]] = {
-    None: (64, 4, 2),
+    None: (64, 4, 5),
     "e4m3": (64, 4, 2),
     "int8": (64, 4, 2),
     "e2m1": (64, 4, 2),

@@ -16,8 +16,9 @@ With ``s [T, n, hidden]`` the ``n`` residual streams of each token (``K = n * hi
 
 Triton path (CUDA tensors, or ``KVPLAN_FORCE_TRITON=1``): `hc_pre` / `hc_head` are two kernels
 (a split-K projection that also sums the squares, then one fused epilogue per token and hidden
-tile; above ``ROW_TILED_MIN_ROWS`` rows three: one weights program per token, then ``x`` by
-tiles of rows, the same bits), `hc_post` is one (row-tiled above that size, the same bits),
+tile; above ``PRE_ROW_TILED_MIN_ROWS`` rows three: one weights program per token, then ``x``
+by tiles of rows -- off by default, as its ``x`` is not bit-identical on the GPU), `hc_post` is
+one (row-tiled above ``ROW_TILED_MIN_ROWS`` rows, the same bits),
 and `hc_post_pre` (``hc_post`` then the next block's ``hc_pre``) is two: its projection kernel
 forms the tiles of ``s'`` itself. The torch path is the reference;
 both compute ``f`` in fp32 (the Triton path applies the RMS scale after the projection, which
@@ -193,9 +194,13 @@ class RowTile(NamedTuple):
     num_warps: int
 
 
-# more rows than this take the row-tiled kernels (the same bits: the per-token weights come from
-# ``hc_pre_kernel``'s own code, and the element operations are the one-token kernels')
+# more rows than this take the row-tiled hc_post kernel (the same bits: the element operations
+# are the one-token kernel's)
 ROW_TILED_MIN_ROWS = 256
+# more rows than this take the row-tiled hc_pre (the per-token weights from ``hc_pre_kernel``'s
+# own code, ``x`` by row tiles): its ``x`` differs from the one-token kernel's in the last bits
+# on the GPU (the interpreter gives the same bits), so it is opt-in
+PRE_ROW_TILED_MIN_ROWS = 1 << 62
 PRE_ROW_TILE = RowTile(8, 512, 8)
 POST_ROW_TILE = RowTile(4, 256, 8)
 
@@ -254,7 +259,7 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple 
     part, sq, s = _project(s, fn.contiguous(), fuse)
     splits, n_pad = part.shape[0], part.shape[2]
     tile_h = _hidden_tile(hidden)
-    rows = t > ROW_TILED_MIN_ROWS  # one weights program per token, then x by row tiles
+    rows = t > PRE_ROW_TILED_MIN_ROWS  # one weights program per token, then x by row tiles
     pre = torch.empty(t, n, dtype=torch.float32, device=s.device) if rows else post
     grid = (t, 1 if rows else triton_cdiv(hidden, tile_h) + (0 if head else 1))
     hc_pre_kernel[grid](

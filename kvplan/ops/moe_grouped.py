@@ -16,8 +16,8 @@ path rounds once, so the two differ by up to one rounding per routed expert. Tri
 tensors or ``KVPLAN_FORCE_TRITON=1``; torch path otherwise (a reference that reads the
 per-expert offsets on the host).
 
-The grouping ranks each pair among the earlier pairs of its expert (a one-hot prefix count,
-no sort kernel, while ``T*k * E <= COUNT_SORT_MAX_CELLS``). The GEMM launches follow a
+The grouping sorts the pairs by expert (a stable radix sort; a one-hot prefix count, no sort
+kernel, while ``T*k * E <= COUNT_SORT_MAX_CELLS``: off by default). The GEMM launches follow a
 `GroupedPlan` (`grouped_plan` picks one of `PLANS`; ``plan=`` overrides it).
 """
 
@@ -71,9 +71,10 @@ class PairGroups(NamedTuple):
     tile_end: torch.Tensor
 
 
-COUNT_SORT_MAX_CELLS = 1 << 23
+COUNT_SORT_MAX_CELLS = 0
 """Most ``T*k * E`` cells for which `group_pairs` ranks pairs by a one-hot prefix count (else
-a stable radix sort); both give the same order."""
+a stable radix sort); both give the same order. 0: always the radix sort (on the H200 at 8,192
+tokens x top-2 of 16 the prefix count took about 5x the sort's time)."""
 
 
 def _sorted_positions(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +241,8 @@ PLANS: dict[str, GroupedPlan] = {
     "fp32": GroupedPlan(64, GemmTiles(64, 32, 4, 1), GemmTiles(64, 32, 4, 1)),
     "half": GroupedPlan(64, GemmTiles(64, 64, 4, 1), GemmTiles(64, 64, 4, 1)),
     # half precision, many pairs per expert: wide tiles, pipelined loads, M tiles N-major
-    "prefill": GroupedPlan(128, GemmTiles(64, 64, 8, 4, True), GemmTiles(128, 64, 8, 4, True)),
+    # (the fastest of `bench_dsv4_blocks.py --moe-sweep` at 8,192 tokens on the H200)
+    "prefill": GroupedPlan(128, GemmTiles(128, 64, 8, 3, True), GemmTiles(256, 64, 8, 3, True)),
 }
 """Launch plans by regime (`grouped_plan` picks one); ``bench/bench_dsv4_blocks.py --moe-sweep``
 times alternatives."""

@@ -232,8 +232,10 @@ _PROGRAMS_PER_SM = 1  # split target: about this many programs per SM
 _SPLIT_TILE_N = 32  # keys per tile of the split kernel
 # Launch settings (tile_n, num_warps, num_stages, d_chunk, pv_split) of the one-program
 # kernel (prompt rows) and of the split kernel (decode rows) where the caller gives none;
-# empty: the built-in defaults above
-ONE_PROGRAM_TILING: dict[str, int] = {}
+# missing keys: the built-in defaults. One program: 4 warps and 2 stages were the fastest of
+# `bench_sparse_kernels.py --only prefill` on the H200 (8,192 rows x 16 heads x 512, 640 keys a
+# row, bf16 rows as the prompt path hands them: 1.9 vs 3.6 ms at 8 warps, the same bits).
+ONE_PROGRAM_TILING: dict[str, int] = {"num_warps": 4, "num_stages": 2}
 SPLIT_TILING: dict[str, int] = {}
 _MIN_SPLIT_TILES = 2  # fewest key tiles a split walks
 

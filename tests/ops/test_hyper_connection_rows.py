@@ -1,6 +1,7 @@
-"""Row-tiled hyper-connection kernels (more than ``ROW_TILED_MIN_ROWS`` rows): bit for bit the
-one-token kernels (interpreter on CPU, the GPU when there is one) and the torch path within
-fp32 rounding; their bf16 specializations compile for sm_90 without spills."""
+"""Row-tiled hyper-connection kernels (more than ``ROW_TILED_MIN_ROWS`` rows for hc_post,
+``PRE_ROW_TILED_MIN_ROWS`` for the opt-in hc_pre rows): bit for bit the one-token kernels in
+the interpreter (hc_post also on the GPU; hc_pre's ``x`` there within one bf16 ulp), the torch
+path within fp32 rounding; their bf16 specializations compile for sm_90 without spills."""
 
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ def _inputs(seed, t, n, hidden, dtype, head=False, device=DEVICE):
 
 
 def _both(monkeypatch, fn, min_rows=0):
-    """(one-token kernels, row-tiled kernels) results of ``fn()``."""
-    monkeypatch.setattr(hcm, "ROW_TILED_MIN_ROWS", OLD)
+    """(one-token kernels, row-tiled kernels) results of ``fn()`` (both ops' thresholds)."""
+    for name in ("ROW_TILED_MIN_ROWS", "PRE_ROW_TILED_MIN_ROWS"):
+        monkeypatch.setattr(hcm, name, OLD)
     old = fn()
-    monkeypatch.setattr(hcm, "ROW_TILED_MIN_ROWS", min_rows)
+    for name in ("ROW_TILED_MIN_ROWS", "PRE_ROW_TILED_MIN_ROWS"):
+        monkeypatch.setattr(hcm, name, min_rows)
     return old, fn()
 
 
@@ -72,6 +75,7 @@ def test_rows_equal_one_token_kernels_bitwise(t, n, hidden, tile, dtype, monkeyp
 def test_rows_match_torch(monkeypatch):
     t, n, hidden = 40, 4, 256
     monkeypatch.setattr(hcm, "ROW_TILED_MIN_ROWS", 0)
+    monkeypatch.setattr(hcm, "PRE_ROW_TILED_MIN_ROWS", 0)
     monkeypatch.setattr(hcm, "PRE_ROW_TILE", RowTile(16, 128, 1))
     monkeypatch.setattr(hcm, "POST_ROW_TILE", RowTile(8, 256, 1))
     s, fn, base, scale, out = _inputs(1, t, n, hidden, torch.float32)
@@ -94,6 +98,7 @@ def test_rows_match_torch(monkeypatch):
 
 def test_default_dispatch_threshold():
     assert hcm.ROW_TILED_MIN_ROWS == 256  # decode sizes (CUDA graphs) keep the old kernels
+    assert hcm.PRE_ROW_TILED_MIN_ROWS > 1 << 40  # opt-in: not bit-identical on the GPU
     for tile in (hcm.PRE_ROW_TILE, hcm.POST_ROW_TILE):
         assert all(v & (v - 1) == 0 for v in tile), tile
 
@@ -108,10 +113,13 @@ def test_gpu_rows_equal_one_token_kernels_at_model_size(t, monkeypatch):
     s, fn, base, scale, out = _inputs(t, t, 4, 2048, torch.bfloat16, device="cuda")
     kw = dict(iters=20, hc_eps=HC_EPS, eps=EPS)
     old, new = _both(monkeypatch, lambda: hc_pre_triton(s, fn, base, scale, **kw), 256)
-    for name, a, b in zip(("post", "comb", "x"), old, new):
-        assert torch.equal(a, b), name
+    # the opt-in hc_pre rows: x measured not bit-identical on the H200 (fp32 sums in another
+    # order), so within one bf16 ulp of the one-token kernel's
+    for name, a, b in zip(("post", "comb"), old[:2], new[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    torch.testing.assert_close(old[2].float(), new[2].float(), rtol=2**-7, atol=1e-6)
     old, new = _both(monkeypatch, lambda: hc_post_triton(s, old[0], old[1], out), 256)
-    assert torch.equal(old, new)
+    assert torch.equal(old, new)  # the default hc_post rows: the same bits
 
 
 _SCRIPT = r"""

@@ -89,6 +89,7 @@ def test_counting_sort_equals_the_radix_sort(monkeypatch, t, k, e):
     if t > 2:
         ids[: t // 3] = ids[0, 0]  # one expert many times, within and across tokens
     for block_m in (1, 16):
+        monkeypatch.setattr(mg, "COUNT_SORT_MAX_CELLS", 1 << 23)
         counted = mg.group_pairs(ids, e, block_m)
         monkeypatch.setattr(mg, "COUNT_SORT_MAX_CELLS", 0)
         sorted_ = mg.group_pairs(ids, e, block_m)
