@@ -150,18 +150,19 @@ def row_tiled_fns(hc: HyperConnection, rows: int, dev: torch.device, op: str, ti
     kw = dict(iters=hc.iters, hc_eps=hc.hc_eps, eps=hc.eps)
     post, comb, _ = hc_pre_torch(s, hc.fn, hc.base, hc.scale, **kw)
     name = "PRE_ROW_TILE" if op == "pre" else "POST_ROW_TILE"
+    limit = "PRE_ROW_TILED_MIN_ROWS" if op == "pre" else "ROW_TILED_MIN_ROWS"
 
     def run(min_rows: int):
         def fn():
-            saved = hcm.ROW_TILED_MIN_ROWS, getattr(hcm, name)
-            hcm.ROW_TILED_MIN_ROWS = min_rows
+            saved = getattr(hcm, limit), getattr(hcm, name)
+            setattr(hcm, limit, min_rows)
             setattr(hcm, name, tiles or saved[1])
             try:
                 if op == "pre":
                     return hc_pre(s, hc.fn, hc.base, hc.scale, **kw)
                 return (hc_post(s, post, comb, out),)
             finally:
-                hcm.ROW_TILED_MIN_ROWS = saved[0]
+                setattr(hcm, limit, saved[0])
                 setattr(hcm, name, saved[1])
 
         return fn

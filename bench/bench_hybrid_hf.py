@@ -194,8 +194,8 @@ def main() -> None:
         if not args.no_hf:
             wall, hf_tokens = run_hf(hf, prompts.to(dev), new, dev)
             peak = torch.cuda.max_memory_allocated(dev) if cuda else 0
-            record["runs"].append({"engine": "hf", "seconds": wall, "tok_s": n * new / wall,
-                                   "peak_bytes": peak})  # fmt: skip
+            report(record, {"engine": "hf", "seconds": wall, "tok_s": n * new / wall,
+                            "peak_bytes": peak}, args.out)  # fmt: skip
         del hf
         if cuda:
             torch.cuda.empty_cache()
@@ -207,20 +207,25 @@ def main() -> None:
                 row["first_token_agreement"] = (
                     sum(int(t[0] == h[0]) for t, h in zip(toks, hf_tokens.tolist())) / n
                 )
-            record["runs"].append(row)
+            report(record, row, args.out)
+
+
+def report(record: dict, row: dict, out: str | None) -> None:
+    """Append ``row`` to the record, print its line and rewrite the JSON at once (a run cut
+    short by a time limit keeps what it measured)."""
+    record["runs"].append(row)
     hf_rate = next((r["tok_s"] for r in record["runs"] if r["engine"] == "hf"), None)
-    for r in record["runs"]:
-        if hf_rate:
-            r["vs_hf"] = r["tok_s"] / hf_rate
-        print(f"{r['engine']:>7} {r.get('kv_format', ''):>9} {r['seconds']:8.2f} s "
-              f"{r['tok_s']:10.1f} tok/s" + (f"  {r['vs_hf']:.1f}x HF" if hf_rate else "")
-              + (f"  prefill alone {r['prefill_seconds']:.2f} s" if "prefill_seconds" in r
-                 else "")
-              + (f"  {r['steps']} steps ({r['graph_replays']} graph replays), median "
-                 f"decode step {r['median_decode_step_ms']:.2f} ms"
-                 if r.get("median_decode_step_ms") else ""))  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as fh:
+    if hf_rate:
+        row["vs_hf"] = row["tok_s"] / hf_rate
+    r = row
+    print(f"{r['engine']:>7} {r.get('kv_format', ''):>9} {r['seconds']:8.2f} s "
+          f"{r['tok_s']:10.1f} tok/s" + (f"  {r['vs_hf']:.1f}x HF" if hf_rate else "")
+          + (f"  prefill alone {r['prefill_seconds']:.2f} s" if "prefill_seconds" in r else "")
+          + (f"  {r['steps']} steps ({r['graph_replays']} graph replays), median "
+             f"decode step {r['median_decode_step_ms']:.2f} ms"
+             if r.get("median_decode_step_ms") else ""), flush=True)  # fmt: skip
+    if out:
+        with open(out, "w") as fh:
             json.dump(record, fh, indent=1)
 
 
