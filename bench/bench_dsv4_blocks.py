@@ -335,7 +335,8 @@ def moe_sweep(cfg: DeepseekV4Config, rows: int, dev: torch.device, iters: int,
     """Each grouped GEMM kernel at ``rows`` tokens per candidate (block_m, `GemmTiles`):
     microseconds, TFLOP/s and max|diff| against the old launch (first row of each); then the
     whole `moe_grouped` under the old launch, the default plan and the fastest pair of one
-    ``block_m``, and the pair grouping by counting vs radix sort. Candidates past
+    ``block_m``, and the pair grouping: the Triton launches (`group_pairs_triton`, the path's
+    own, with the weights) vs torch's one-hot count and radix sort. Candidates past
     ``budget_s`` seconds are skipped."""
     x, ids, w, gate_up, down = moe_sweep_inputs(cfg, rows, dev)
     limit, t0, (t, k), e = cfg.swiglu_limit, time.perf_counter(), ids.shape, gate_up.shape[0]
@@ -379,7 +380,9 @@ def moe_sweep(cfg: DeepseekV4Config, rows: int, dev: torch.device, iters: int,
         whole[name] = dict(plan=repr(plan), us=time_eager(fn, iters))
     saved = mg.COUNT_SORT_MAX_CELLS
     try:
-        grouping = {"count": time_eager(lambda: mg.group_pairs(ids, e, 128), iters)}
+        grouping = {"triton": time_eager(lambda: mg.group_pairs_triton(ids, e, 128, w), iters)}
+        mg.COUNT_SORT_MAX_CELLS = 1 << 62
+        grouping["count"] = time_eager(lambda: mg.group_pairs(ids, e, 128), iters)
         mg.COUNT_SORT_MAX_CELLS = 0
         grouping["radix_sort"] = time_eager(lambda: mg.group_pairs(ids, e, 128), iters)
     finally:

@@ -171,3 +171,130 @@ def grouped_combine_kernel(
         add = tl.load(add_ptr + t * hidden + hs, mask=mask, other=0.0).to(tl.float32)
         acc = _round(acc, dtype) + add
     tl.store(out_ptr + t * hidden + hs, acc.to(dtype), mask=mask)
+
+
+# ---- the grouping: the T*k pairs sorted by expert, on the device, in three launches ---------
+#
+# The pairs are cut into chunks of ``TOK`` tokens (``TOK * k`` pairs, flat order). A pair's
+# sorted position is ``offsets[e] + (pairs of e in earlier chunks) + (pairs of e before it in
+# its chunk)``, the stable order by expert:
+#
+# - ``group_count_kernel`` (grid: chunks): each chunk's per-expert counts, also added
+#   atomically into the totals (integer adds: any order gives the same sums);
+# - ``group_scan_kernel`` (grid: expert blocks + 1): per expert, the exclusive running count
+#   over the chunks (``base[c, e]``, offsets included); the last program writes ``offsets``
+#   and the M-tile map from the totals;
+# - ``group_place_kernel`` (grid: chunks): each pair's rank in its chunk (a one-hot prefix
+#   count), its position, and the scatters of ``order``, ``rows``, the routing weight and each
+#   token's positions in ascending order.
+
+
+@triton.jit
+def _chunk_hits(ids_ptr, chunk, num_tokens, K: tl.constexpr, K_P2: tl.constexpr,
+                TOK: tl.constexpr, E_P2: tl.constexpr):  # fmt: skip
+    """(flat pair indices int64 ``[TOK, K_P2]``, their mask, expert of each pair in flat order
+    ``[TOK * K_P2]`` (-1 masked), one-hot int32 ``[TOK * K_P2, E_P2]``) of chunk ``chunk``."""
+    toks = chunk.to(tl.int64) * TOK + tl.arange(0, TOK)
+    slots = tl.arange(0, K_P2)
+    valid = (toks[:, None] < num_tokens) & (slots[None, :] < K)
+    flat = toks[:, None] * K + slots[None, :]
+    ex = tl.load(ids_ptr + flat, mask=valid, other=-1).to(tl.int32)
+    ex1 = tl.reshape(ex, [TOK * K_P2])
+    hits = (ex1[:, None] == tl.arange(0, E_P2)[None, :]).to(tl.int32)
+    return flat, valid, ex1, hits
+
+
+@triton.jit
+def group_count_kernel(
+    ids_ptr, counts_ptr, totals_ptr, num_tokens,
+    K: tl.constexpr, K_P2: tl.constexpr, TOK: tl.constexpr, E_P2: tl.constexpr,
+):  # fmt: skip
+    """``counts[c, e]`` (int32 ``[chunks, E_P2]``) pairs of expert ``e`` in chunk ``c``;
+    ``totals[e] += counts[c, e]`` (``totals`` zeroed by the caller)."""
+    chunk = tl.program_id(0)
+    _, _, _, hits = _chunk_hits(ids_ptr, chunk, num_tokens, K, K_P2, TOK, E_P2)
+    counts = tl.sum(hits, axis=0)
+    lanes = tl.arange(0, E_P2)
+    tl.store(counts_ptr + chunk.to(tl.int64) * E_P2 + lanes, counts)
+    tl.atomic_add(totals_ptr + lanes, counts, mask=counts > 0)
+
+
+@triton.jit
+def group_scan_kernel(
+    counts_ptr, totals_ptr, base_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr,
+    tile_end_ptr, num_chunks, num_experts, num_pairs, num_tiles, block_m,
+    E_P2: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr,
+):  # fmt: skip
+    """Programs ``0 .. E_P2 / EB - 1``: ``base[c, e] = offsets[e] + sum_{c' < c} counts[c', e]``
+    for their ``EB`` experts. Program ``E_P2 / EB``: ``offsets`` (int64 ``[E + 1]``) and the
+    tile map (``num_tiles`` entries, unused ones ``start == end == 0``, expert clamped to
+    ``E - 1``, as `kvplan.ops.moe_grouped.group_pairs` builds them)."""
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, E_P2)
+    totals = tl.load(totals_ptr + lanes)
+    excl = tl.cumsum(totals, axis=0) - totals  # offsets[e] for every lane
+    if pid < E_P2 // EB:
+        own = pid * EB + tl.arange(0, EB)
+        run = tl.load(totals_ptr + own)
+        run = tl.cumsum(run, axis=0) - run + tl.sum(tl.where(lanes < pid * EB, totals, 0))
+        c0 = 0
+        while c0 < num_chunks:
+            cs = c0 + tl.arange(0, CB)
+            cmask = cs < num_chunks
+            offs = cs.to(tl.int64)[:, None] * E_P2 + own[None, :]
+            cnt = tl.load(counts_ptr + offs, mask=cmask[:, None], other=0)
+            tl.store(base_ptr + offs, tl.cumsum(cnt, axis=0) - cnt + run[None, :],
+                     mask=cmask[:, None])  # fmt: skip
+            run += tl.sum(cnt, axis=0)
+            c0 += CB
+    else:
+        tl.store(offsets_ptr + lanes, excl.to(tl.int64), mask=lanes < num_experts)
+        one = tl.arange(0, 1)  # num_pairs may be a specialized constant: no scalar .to()
+        tl.store(offsets_ptr + num_experts + one, tl.zeros([1], tl.int64) + num_pairs)
+        tiles = (totals + block_m - 1) // block_m
+        tile_end = tl.cumsum(tiles, axis=0)  # lanes past E: the total, never <= a used tile
+        first = tile_end - tiles
+        i0 = 0
+        while i0 < num_tiles:
+            idx = i0 + tl.arange(0, TB)
+            imask = idx < num_tiles
+            expert = tl.sum((tile_end[None, :] <= idx[:, None]).to(tl.int32), axis=1)
+            used = expert < num_experts
+            ex = tl.minimum(expert, num_experts - 1)
+            sel = lanes[None, :] == ex[:, None]
+            start = tl.sum(tl.where(sel, excl[None, :] + (idx[:, None] - first[None, :])
+                                    * block_m, 0), axis=1)  # fmt: skip
+            stop = tl.sum(tl.where(sel, (excl + totals)[None, :], 0), axis=1)
+            end = tl.minimum(start + block_m, stop)
+            tl.store(tile_expert_ptr + idx, ex, mask=imask)
+            tl.store(tile_start_ptr + idx, tl.where(used, start, 0), mask=imask)
+            tl.store(tile_end_ptr + idx, tl.where(used, end, 0), mask=imask)
+            i0 += TB
+
+
+@triton.jit
+def group_place_kernel(
+    ids_ptr, w_ptr, base_ptr, order_ptr, rows_ptr, token_pos_ptr, w_sorted_ptr, num_tokens,
+    K: tl.constexpr, K_P2: tl.constexpr, TOK: tl.constexpr, E_P2: tl.constexpr,
+    HAS_W: tl.constexpr,
+):  # fmt: skip
+    """Each pair of chunk ``c``: ``pos = base[c, e] + (pairs of e before it in the chunk)``;
+    ``order[pos] = flat``, ``rows[pos] = flat // K``, ``w_sorted[pos] = w[flat]`` (``HAS_W``),
+    ``token_pos[t, r] = pos`` for the pair of rank ``r`` (ascending ``pos``) among ``t``'s."""
+    chunk = tl.program_id(0)
+    flat, valid, ex1, hits = _chunk_hits(ids_ptr, chunk, num_tokens, K, K_P2, TOK, E_P2)
+    rank = tl.sum(tl.cumsum(hits, axis=0) * hits, axis=1) - 1  # [TOK * K_P2]
+    valid1 = tl.reshape(valid, [TOK * K_P2])
+    flat1 = tl.reshape(flat, [TOK * K_P2])
+    base = tl.load(base_ptr + chunk.to(tl.int64) * E_P2 + ex1, mask=valid1, other=0)
+    pos = (base + rank).to(tl.int64)
+    tl.store(order_ptr + pos, flat1, mask=valid1)
+    tl.store(rows_ptr + pos, (flat1 // K).to(tl.int32), mask=valid1)
+    if HAS_W:
+        w = tl.load(w_ptr + flat1, mask=valid1, other=0.0)
+        tl.store(w_sorted_ptr + pos, w, mask=valid1)
+    pos2 = tl.reshape(pos, [TOK, K_P2])
+    key = tl.where(valid, pos2, num_tokens * K)  # masked slots sort last
+    below = tl.sum((key[:, None, :] < key[:, :, None]).to(tl.int32), axis=2)  # [TOK, K_P2]
+    toks = flat // K
+    tl.store(token_pos_ptr + toks * K + below, pos2.to(tl.int32), mask=valid)

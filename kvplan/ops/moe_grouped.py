@@ -16,10 +16,13 @@ path rounds once, so the two differ by up to one rounding per routed expert. Tri
 tensors or ``KVPLAN_FORCE_TRITON=1``; torch path otherwise (a reference that reads the
 per-expert offsets on the host).
 
-The grouping sorts the pairs by expert (a one-hot prefix count, no sort kernel, while
-``T*k * E <= COUNT_SORT_MAX_CELLS``: decode batches; a stable radix sort above). The GEMM
-launches follow a
-`GroupedPlan` (`grouped_plan` picks one of `PLANS`; ``plan=`` overrides it).
+The Triton path groups the pairs in three launches (`group_pairs_triton`: per-chunk expert
+counts, a running count per expert over the chunks, then each pair's rank in its chunk by a
+one-hot prefix count and the scatters), which also puts the routing weights in sorted order.
+`group_pairs` is the torch form of the same tensors (a one-hot prefix count while ``T*k * E <=
+COUNT_SORT_MAX_CELLS``, a stable radix sort above), used by the torch path and as the
+reference. The GEMM launches follow a `GroupedPlan` (`grouped_plan` picks one of `PLANS`;
+``plan=`` overrides it).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "PLANS",
     "PairGroups",
     "group_pairs",
+    "group_pairs_triton",
     "grouped_down",
     "grouped_gate_up",
     "grouped_plan",
@@ -96,17 +100,23 @@ def _sorted_positions(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return torch.empty_like(order).scatter_(0, order, torch.arange(n, device=dev)), offsets
 
 
+def _check_grouping(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[int, int, int, int]:
+    """(T, k, E, T*k) of valid `group_pairs` arguments."""
+    check_tensor("ids", ids, dtype=torch.int64, ndim=2)
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    t, k = ids.shape
+    return t, k, num_experts, t * k
+
+
 def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> PairGroups:
     """Sort the pairs of ``ids`` (int64 ``[T, k]``, values in ``[0, E)``) by expert and cut
     them into M tiles of ``block_m`` (a positive int); device ops only, no host sync, no sort
     kernel for ``T*k * E`` up to ``COUNT_SORT_MAX_CELLS`` and ``k <= 16``."""
-    check_tensor("ids", ids, dtype=torch.int64, ndim=2)
-    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
-        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    t, k = ids.shape
-    n, dev = t * k, ids.device
+    t, k, _, n = _check_grouping(ids, num_experts, block_m)
+    dev = ids.device
     pos, offsets = _sorted_positions(ids.reshape(-1), num_experts)  # [T*k], [E + 1]
     order = torch.empty_like(pos).scatter_(0, pos, torch.arange(n, device=dev))
     pos_tk = pos.view(t, k)
@@ -138,6 +148,67 @@ def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> PairGroups
         tile_start=torch.where(used, start, zero).to(torch.int32),
         tile_end=torch.where(used, end, zero).to(torch.int32),
     )
+
+
+GROUP_CHUNK_CELLS = 4096
+"""Most one-hot cells (``tokens * next_pow2(k) * next_pow2(E)``) a chunk of `group_pairs_triton`
+holds in registers."""
+
+
+def group_pairs_triton(
+    ids: torch.Tensor, num_experts: int, block_m: int, weights: torch.Tensor | None = None
+) -> tuple[PairGroups, torch.Tensor | None]:
+    """`group_pairs` in three Triton launches (plus one memset), and ``weights`` (``[T, k]``,
+    optional) in sorted order; the same tensors as the torch path, bit for bit.
+
+    The ids must lie in ``[0, E)`` (not checked on the device: a pair of another value is
+    counted nowhere and leaves its sorted slot unwritten)."""
+    from kvplan.ops._moe_grouped_kernels import (
+        group_count_kernel,
+        group_place_kernel,
+        group_scan_kernel,
+    )
+
+    t, k, e, n = _check_grouping(ids, num_experts, block_m)
+    dev = ids.device
+    if weights is not None:
+        check_tensor("weights", weights, dtype=_FLOATS, shape=ids.shape, device=dev)
+        weights = weights.contiguous()
+    ids = ids.contiguous()
+    k_p2, e_p2 = triton_next_pow2(k), triton_next_pow2(num_experts)
+    tok = max(1, min(triton_next_pow2(max(t, 1)), _pow2_floor(GROUP_CHUNK_CELLS // (k_p2 * e_p2))))
+    chunks = triton_cdiv(t, tok)
+    num_tiles = n // block_m + min(num_experts, n)
+    i32 = dict(dtype=torch.int32, device=dev)
+    counts = torch.empty(max(chunks, 1), e_p2, **i32)
+    totals = torch.zeros(e_p2, **i32)
+    base = torch.empty_like(counts)
+    order = torch.empty(n, dtype=torch.int64, device=dev)
+    rows = torch.empty(n, **i32)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=dev)
+    token_pos = torch.empty(t, k, **i32)
+    tile_expert, tile_start, tile_end = (torch.empty(num_tiles, **i32) for _ in range(3))
+    w_sorted = None if weights is None else torch.empty(n, dtype=weights.dtype, device=dev)
+    shape = dict(K=k, K_P2=k_p2, TOK=tok, E_P2=e_p2)
+    if chunks:
+        group_count_kernel[(chunks,)](ids, counts, totals, t, **shape)
+    eb = min(e_p2, 32)
+    group_scan_kernel[(e_p2 // eb + 1,)](
+        counts, totals, base, offsets, tile_expert, tile_start, tile_end, chunks, num_experts,
+        n, num_tiles, block_m, E_P2=e_p2, EB=eb, CB=max(1, 4096 // eb),
+        TB=max(1, 4096 // e_p2),
+    )  # fmt: skip
+    if chunks:
+        group_place_kernel[(chunks,)](
+            ids, weights if weights is not None else ids, base, order, rows, token_pos,
+            w_sorted if w_sorted is not None else order, t, HAS_W=weights is not None, **shape,
+        )  # fmt: skip
+    groups = PairGroups(rows, order, offsets, token_pos, tile_expert, tile_start, tile_end)
+    return groups, w_sorted
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(v, 1).bit_length() - 1)
 
 
 def _check(x, ids, weights, gate_up, down, add) -> tuple[int, int, int, int]:
@@ -333,8 +404,7 @@ def moe_grouped_triton(
     plan = grouped_plan(t * k, e, x.dtype) if plan is None else plan
     if not isinstance(plan, GroupedPlan):
         raise TypeError(f"plan must be a GroupedPlan, got {type(plan)}")
-    groups = group_pairs(ids, e, plan.block_m)
-    w_sorted = weights.reshape(-1)[groups.order].contiguous()
+    groups, w_sorted = group_pairs_triton(ids, e, plan.block_m, weights)
     x = x if x.stride(1) == 1 else x.contiguous()
     h = grouped_gate_up(x, gate_up.contiguous(), groups, limit, plan)
     c = grouped_down(h, down.contiguous(), w_sorted, groups, plan)

@@ -49,9 +49,13 @@ def test_grouped_experts_equal_sparse(seed, num_rows, monkeypatch):
             got_triton = moe(x, ids)
             monkeypatch.undo()
             moe.grouped_routing = False
-        assert want.abs().max() > 0.1
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(got_triton, want, atol=1e-6, rtol=1e-5)
+        scale = want.abs().max().item()
+        assert scale > 0.1
+        # fp32 sums of the same products in another order (the interpreter's K tiles vs the
+        # host BLAS, whose order depends on the CPU): a few ulp of the output's scale
+        atol = 4 * torch.finfo(torch.float32).eps * scale
+        torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
+        torch.testing.assert_close(got_triton, want, atol=atol, rtol=1e-5)
 
 
 def test_grouped_auto_rule(monkeypatch):

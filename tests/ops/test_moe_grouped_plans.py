@@ -101,6 +101,42 @@ def test_counting_sort_equals_the_radix_sort(monkeypatch, t, k, e):
             assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+@pytest.mark.parametrize(
+    "t, k, e, block_m",
+    [(0, 2, 4, 16), (1, 1, 1, 16), (33, 2, 16, 16), (57, 6, 64, 16), (9, 18, 5, 4),
+     (9, 3, 7, 1), (300, 2, 16, 128), (40, 8, 256, 64)],
+)  # fmt: skip
+def test_triton_grouping_equals_the_torch_grouping(t, k, e, block_m):
+    """The three-launch grouping gives `group_pairs`' tensors bit for bit (several chunks,
+    several expert blocks in the scan, repeated experts within and across tokens, k above 16)
+    and the routing weights in torch's stable sort order."""
+    gen = torch.Generator().manual_seed(t + k + e)
+    ids = torch.randint(0, e, (t, k), generator=gen)
+    if t > 2:
+        ids[: t // 3] = ids[0, 0]
+    w = torch.randn(t, k, generator=gen).to(torch.bfloat16)
+    ref = mg.group_pairs(ids, e, block_m)
+    got, w_sorted = mg.group_pairs_triton(ids, e, block_m, w)
+    for name, a, b in zip(ref._fields, got, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    order = torch.sort(ids.reshape(-1), stable=True).indices  # independent: torch's sort
+    assert torch.equal(got.order, order)
+    assert w_sorted.dtype == w.dtype and torch.equal(w_sorted, w.reshape(-1)[order])
+    assert mg.group_pairs_triton(ids, e, block_m)[1] is None
+
+
+def test_triton_grouping_errors():
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="block_m"):
+        mg.group_pairs_triton(ids, 4, 0)
+    with pytest.raises(ValueError, match="num_experts"):
+        mg.group_pairs_triton(ids, 0, 16)
+    with pytest.raises(TypeError, match="ids"):
+        mg.group_pairs_triton(ids.int(), 4, 16)
+    with pytest.raises(ValueError, match="weights"):
+        mg.group_pairs_triton(ids, 4, 16, torch.zeros(3, 3))
+
+
 # ---- sm_90 compiles ------------------------------------------------------------------------
 
 _SCRIPT = r"""
