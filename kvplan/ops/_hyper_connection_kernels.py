@@ -153,6 +153,18 @@ def _pre_weights(part_ptr, base_ptr, scale_ptr, t, num_rows, num_splits, rrms, i
 
 
 @triton.jit
+def _stream_step(x, p, s, k: tl.constexpr):
+    """Stream ``k``'s term of ``x = sum_k pre[k] * s[k]``: ``p * s`` for the first stream, then
+    one explicit fma per stream in stream order (padded streams add ``0 * 0``). Both hc_pre
+    forms take this sequence, so they agree bit for bit on any layout and with or without the
+    compiler's fp contraction (a reduction over the stream axis would sum in a
+    layout-dependent order)."""
+    if k == 0:
+        return p * s
+    return tl.fma(p, s, x)
+
+
+@triton.jit
 def hc_pre_kernel(
     part_ptr, sq_ptr, base_ptr, scale_ptr, s_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr,
     num_rows, hidden, num_splits, inv_k, eps, hc_eps, iters,
@@ -175,14 +187,14 @@ def hc_pre_kernel(
     if h_tile * TILE_H < hidden and not WEIGHTS_ONLY:
         pre = _pre_weights(part_ptr, base_ptr, scale_ptr, t, num_rows, num_splits, rrms, i,
                            imask, hc_eps, N_P, SPLITS_P, N_PAD)  # fmt: skip
-        # block input: x = sum_i pre[i] * s[t, i]
+        # block input: x = sum_i pre[i] * s[t, i], in `_stream_step`'s order
         hs = h_tile * TILE_H + tl.arange(0, TILE_H)
         hmask = hs < hidden
-        s = tl.load(
-            s_ptr + (t64 * N + i[:, None]) * hidden + hs[None, :],
-            mask=imask[:, None] & hmask[None, :], other=0.0,
-        ).to(tl.float32)  # fmt: skip
-        x = tl.sum(pre[:, None] * s, axis=0)
+        x = tl.zeros([TILE_H], dtype=tl.float32)
+        for k in tl.static_range(N_P):
+            p = tl.sum(tl.where(i == k, pre, 0.0), axis=0)  # pre[k], exactly
+            sk = tl.load(s_ptr + (t64 * N + k) * hidden + hs, mask=hmask & (k < N), other=0.0)
+            x = _stream_step(x, p, sk.to(tl.float32), k)
         tl.store(x_ptr + t64 * hidden + hs, x.to(x_ptr.dtype.element_ty), mask=hmask)
     else:  # the extra program of the token (WEIGHTS_ONLY: its only one)
         if WEIGHTS_ONLY:  # the same code as above: the same pre
@@ -240,21 +252,19 @@ def hc_pre_rows_kernel(
 ):  # fmt: skip
     """``x[t] = sum_i pre[t, i] * s[t, i]`` for ``TILE_T`` rows and ``TILE_H`` hidden columns
     (grid ``(cdiv(T, TILE_T), cdiv(hidden, TILE_H))``), ``pre`` fp32 ``[T, N]`` from
-    ``hc_pre_kernel``'s ``WEIGHTS_ONLY`` form. The streams are added in ``hc_pre_kernel``'s
-    order (stream 0 first, padded streams as zeros), each product then its sum."""
+    ``hc_pre_kernel``'s ``WEIGHTS_ONLY`` form. The streams are added as ``hc_pre_kernel``
+    adds them (`_stream_step`), so ``x`` has its bits whatever the layouts."""
     rows = tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)
     rmask = rows < num_rows
     rows64 = rows.to(tl.int64)
     hs = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     m2 = rmask[:, None] & (hs < hidden)[None, :]
+    x = tl.zeros([TILE_T, TILE_H], dtype=tl.float32)
     for i in tl.static_range(N_P):
         p = tl.load(pre_ptr + rows64 * N + i, mask=rmask & (i < N), other=0.0)
         s = tl.load(s_ptr + (rows64[:, None] * N + i) * hidden + hs[None, :],
                     mask=m2 & (i < N), other=0.0).to(tl.float32)  # fmt: skip
-        if i == 0:
-            x = p[:, None] * s
-        else:
-            x = x + p[:, None] * s
+        x = _stream_step(x, tl.broadcast_to(p[:, None], [TILE_T, TILE_H]), s, i)
     tl.store(x_ptr + rows64[:, None] * hidden + hs[None, :], x.to(x_ptr.dtype.element_ty),
              mask=m2)  # fmt: skip
 
