@@ -26,6 +26,7 @@ what each path supports.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -92,6 +93,7 @@ def prefill_fresh_rows(
     out: torch.Tensor | None,
     kv_layout: KVCacheFormat | None,
     check: bool,
+    stored_rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor | None:
     """One context segment with SDPA or flash on its fresh rows; None when neither applies.
 
@@ -101,6 +103,11 @@ def prefill_fresh_rows(
         k_cache, v_cache, kv_layout, check: as in ``paged_attention_prefill``.
         seg: the segment's ``PagedSegment`` (``fresh_from`` and ``host_cu_seqlens_q`` set).
         out: optional ``[T, H, D]`` destination in q's dtype.
+        stored_rows: quantized caches: ``(lo, hi) -> (k, v)``, the BF16 ``[hi - lo, Hkv, D]``
+            values the cache holds for the segment's rows ``lo .. hi - 1`` (dequantized, the
+            values the paged kernel reads); the fresh rows then attend over those with SDPA
+            or flash, the same attention as the paged kernel's. None: a quantized cache keeps
+            the paged kernel.
 
     Returns ``out`` (or a new tensor) with every row written, or None (then the caller runs
     the paged kernel over the whole segment; ``out`` may hold partial results meanwhile).
@@ -112,12 +119,25 @@ def prefill_fresh_rows(
         return None
     j, t0 = split.num_paged_rows, split.num_paged_tokens
     q_f, k_f, v_f = q[t0:], k_new[t0:], v_new[t0:]
-    quantized = kv_layout is not None
+    quantized, cache_dtype = kv_layout is not None, k_cache.dtype
+    if quantized and stored_rows is not None:
+        # decide on stand-ins of the stored rows (no device work), load them only if used
+        k_f = v_f = torch.empty(k_f.shape, dtype=torch.bfloat16, device="meta")
+        quantized, cache_dtype = False, torch.bfloat16
     groups = equal_length_groups(seg.host_cu_seqlens_q[j:] - t0)
     why_not = sdpa_prefill_unsupported(
-        q_f, k_f, v_f, groups, cache_dtype=k_cache.dtype, quantized_cache=quantized,
-        sliding_window=window,
+        q_f, k_f, v_f, groups, cache_dtype=cache_dtype, quantized_cache=quantized,
+        sliding_window=window, device_type=q.device.type,
     )  # fmt: skip
+    if why_not is not None:
+        why_not_flash = flash_prefill_unsupported(
+            q_f, k_f, v_f, cache_dtype=cache_dtype, quantized_cache=quantized,
+            sliding_window=window, max_q_len=split.flash_max_q_len, device_type=q.device.type,
+        )  # fmt: skip
+        if why_not_flash is not None:
+            return None
+    if k_f.is_meta:
+        k_f, v_f = stored_rows(t0, q.shape[0])
     done = False
     if why_not is None:
         if out is None:
@@ -125,7 +145,7 @@ def prefill_fresh_rows(
         done = sdpa_prefill(q_f, k_f, v_f, groups, scale=scale, out=out[t0:]) is not None
     if not done:
         why_not = flash_prefill_unsupported(
-            q_f, k_f, v_f, cache_dtype=k_cache.dtype, quantized_cache=quantized,
+            q_f, k_f, v_f, cache_dtype=cache_dtype, quantized_cache=quantized,
             sliding_window=window, max_q_len=split.flash_max_q_len,
         )  # fmt: skip
         if why_not is not None:

@@ -11,11 +11,14 @@ the decode kernel with one "sequence" per query token over all ``kv_lens`` keys 
 
 Every host value here (segment sizes, maxima) comes from ``prepare()``; nothing syncs.
 
-Quantized caches (fp8, fp4): the kernels read the pages in place -- each K/V tile's e4m3 /
+Quantized caches (fp8, fp4, int8): the kernels read the pages in place -- each K/V tile's e4m3 /
 e2m1 values and their group scales are loaded from the cache's records and dequantized in
 registers to bf16 (``kv_layout`` of ``kvplan.ops.paged_attention``) -- so a forward
 allocates nothing per step and is CUDA-graph capturable like a bf16 one. On the CPU the torch
-path dequantizes the gathered keys (``kvplan.quant.dequantize``), the same bf16 values.
+path dequantizes the gathered keys (``kvplan.quant.dequantize``), the same bf16 values. A
+prefill's fresh rows (no cached history) run SDPA or flash over the values their cache rows
+hold, read back and dequantized once (``KVCacheTensors.read_slots``): the same attention as the
+paged kernel's, at the fused kernels' speed.
 """
 
 from __future__ import annotations
@@ -71,9 +74,16 @@ class PageTableAttention(AttentionBackend):
         else:
             k_cache, v_cache, kv_layout = layer_caches(md.kv_cache, self.layer_idx)
             view = md.paged_view(pool)
+        stored_rows = None
+        if kv_layout is not None:  # the context rows as stored (the context segment is first)
+
+            def stored_rows(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+                return md.kv_cache.read_slots(self.layer_idx, md.slot_mapping(pool)[lo:hi])
+
         return attend_paged(
             q, k_cache, v_cache, view, out, scale=self.scale, window=self.window(md),
             check=md.check_kernel_inputs, kv_layout=kv_layout, k_new=k, v_new=v,
+            stored_rows=stored_rows,
         )  # fmt: skip
 
 
@@ -90,6 +100,7 @@ def attend_paged(
     kv_layout: KVCacheFormat | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    stored_rows=None,
 ) -> torch.Tensor:
     """Fill ``out`` ``[T, H, D]`` from ``q`` ``[T, H, D]`` over a ``PagedView`` of the caches
     ``[num_pages, page_size, Hkv, D]``, or of uint8 ``[num_pages, page_size, 1,
@@ -104,7 +115,10 @@ def attend_paged(
     those rows with SDPA or flash attention on these rows instead of the paged kernel when
     ``kvplan.backends.fresh_prefill`` allows (unquantized cache of k's dtype; the switches
     ``KVPLAN_PREFILL_SDPA`` and ``KVPLAN_PREFILL_FLASH``); None keeps every segment on the
-    paged kernels.
+    paged kernels. ``stored_rows`` (quantized caches): ``(lo, hi) -> (k, v)``, the BF16 values
+    the cache holds for the context segment's rows ``lo .. hi - 1``; with it the fresh rows of
+    a quantized cache run SDPA or flash over those values (the paged kernel's attention),
+    without it they stay on the paged kernel (``kvplan.backends.fresh_prefill``).
     """
     cache_dtype = k_cache.dtype if kv_layout is None else torch.bfloat16
     start = 0
@@ -129,6 +143,7 @@ def attend_paged(
                 res = prefill_fresh_rows(
                     q_seg, k_new[start:end], v_new[start:end], k_cache, v_cache, seg,
                     scale=scale, window=window, out=dst, kv_layout=kv_layout, check=check,
+                    stored_rows=stored_rows,
                 )  # fmt: skip
             if res is None:
                 res = paged_attention_prefill(

@@ -208,6 +208,22 @@ class KVCacheTensors:
             return k_cache[idx], v_cache[idx]
         return self._dequant(k_cache[idx]), self._dequant(v_cache[idx])
 
+    def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V stored at ``slots`` (int ``[n]``, each in ``[0, num_slots)``, on the caches'
+        device; not checked: no sync) as ``[n, H, D]`` in compute dtype: quantized values
+        dequantized to bfloat16 (``kvplan.quant.dequantize``, the values the paged kernels
+        read). A gather per cache, plus the dequantization."""
+        check_tensor("slots", slots, dtype=(torch.int32, torch.int64), ndim=1)
+        idx = slots.long()
+        k_cache, v_cache = self._raw[self._check_layer(layer)]
+        if not self.is_quantized:
+            k_cache, v_cache = self.k_cache(layer), self.v_cache(layer)
+            flat = (-1, self.num_kv_heads, self.head_dim)
+            return k_cache.reshape(flat)[idx], v_cache.reshape(flat)[idx]
+        rows = [c.reshape(-1, 1, 1, c.shape[-1])[idx] for c in (k_cache, v_cache)]  # [n,1,1,B]
+        k, v = (self._dequant(r).squeeze(1) for r in rows)
+        return k, v
+
     # ------------------------------------------------------------------ internals
     def _make_layout(self):
         from kvplan.formats import KVCacheFormat, bf16_format

@@ -3,6 +3,8 @@ and the backends with the path forced on (``KVPLAN_PREFILL_SDPA=1``; CPU's defau
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -247,7 +249,8 @@ def test_backends_with_sdpa_forced_on(name, specs, expect, hkv, monkeypatch):
         (None, None, "fp32", False),  # CPU default
         ("1", 4, "fp32", False),  # window shorter than the prompts: paged kernel
         ("1", 64, "fp32", True),  # window longer than every prompt: no window in effect
-        ("1", None, "fp8", False),  # quantized cache: paged kernel
+        ("1", None, "fp8", True),  # quantized cache: over the dequantized stored rows
+        ("1", 4, "fp8", False),
     ],
 )
 def test_backend_choice(env, window, kv_format, sdpa_runs, monkeypatch):
@@ -263,3 +266,63 @@ def test_backend_choice(env, window, kv_format, sdpa_runs, monkeypatch):
     if kv_format == "fp32":
         ref = reference_attention(sc, 0, window)
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", PAGED)
+@pytest.mark.parametrize("kv_format", ["fp8", "fp4", "int8"])
+@pytest.mark.parametrize(("specs", "expect"), SPLITS)
+def test_quantized_cache_fresh_rows_equal_the_paged_kernel(name, kv_format, specs, expect,
+                                                           monkeypatch):  # fmt: skip
+    """A quantized cache's fresh rows on SDPA over their stored (dequantized) values: the same
+    attention as the paged kernel reading the pages (SDPA off): both equal the dense
+    attention over the stored values within bf16 tolerance; the rows with history and the
+    decode rows stay on the paged kernel."""
+    sc = make_scenario(7, specs, num_heads=4, num_kv_heads=2, head_dim=32, kv_format=kv_format)
+    monkeypatch.setenv("KVPLAN_PREFILL_SDPA", "0")
+    paged = _run(name, sc)
+    monkeypatch.setenv("KVPLAN_PREFILL_SDPA", "1")
+    calls = _record(monkeypatch)
+    sc = make_scenario(7, specs, num_heads=4, num_kv_heads=2, head_dim=32, kv_format=kv_format)
+    fused = _run(name, sc)
+    assert calls == expect
+    # the dense float64 attention of the bf16 queries over the values the cache holds
+    stored = dataclasses.replace(
+        sc, q=sc.q.bfloat16().double(),
+        history={layer: [tuple(_stored(x, sc.kv.layout) for x in kv) for kv in rows]
+                 for layer, rows in sc.history.items()},
+    )  # fmt: skip
+    want = reference_attention(stored, 0, None)
+    for got in (fused, paged):
+        torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=0)
+    if kv_format != "int8":  # and that is not the attention over the exact rows
+        assert (want - reference_attention(sc, 0, None)).abs().max() > 5e-2
+
+
+def _stored(x, layout):
+    """``[n, Hkv, D]`` rows as a quantized cache holds them (bf16, then the format's
+    quantize-dequantize over each token's Hkv * D values)."""
+    from kvplan.quant import dequantize, quantize
+
+    flat = x.bfloat16().reshape(x.shape[0], -1)
+    return dequantize(*quantize(flat, layout), layout).double().view(x.shape)
+
+
+def test_read_slots_returns_the_stored_values():
+    from kvplan.cache.kv_tensors import KVCacheTensors
+    from kvplan.quant import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(0)
+    for fmt in ("bf16", "fp8", "fp4", "int8"):
+        kv = KVCacheTensors(2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=32,
+                            kv_format=fmt)  # fmt: skip
+        k, v = (torch.randn(5, 2, 32, generator=gen).bfloat16() for _ in range(2))
+        slots = torch.tensor([9, 4, 15, 5, 0])
+        kv.store(1, k, v, slots)
+        got_k, got_v = kv.read_slots(1, slots[[2, 0, 1]])
+        for got, x in ((got_k, k[[2, 0, 1]]), (got_v, v[[2, 0, 1]])):
+            assert got.shape == (3, 2, 32) and got.dtype == torch.bfloat16
+            if fmt == "bf16":
+                assert torch.equal(got, x)
+            else:  # independent: the format's quantize-dequantize of the rows
+                vals, scales = quantize(x.reshape(3, 64), kv.layout)
+                assert torch.equal(got.reshape(3, 64), dequantize(vals, scales, kv.layout))
