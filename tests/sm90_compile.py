@@ -9,10 +9,12 @@ The compile runs in a fresh Python process without ``TRITON_INTERPRET``: the int
 depending on which tests ran before it.
 """
 
+import inspect
 import json
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 
@@ -60,3 +62,77 @@ def compile_sm90(
     if proc.stdout.startswith("NO_PTXAS"):
         pytest.skip(f"no ptxas: {proc.stdout.strip()}")
     assert proc.stdout.strip().endswith("OK"), proc.stdout
+
+
+_STATS_SCRIPT = r"""
+import importlib, json, subprocess, sys, tempfile
+from pathlib import Path
+try:
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path
+except Exception as e:  # no CUDA toolchain in this Triton install
+    print("NO_PTXAS", e)
+    sys.exit(0)
+from tools.compile_sm90 import compile_kernel
+
+module, name, constexprs, types, ptr_dtype, div16, options = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), name)
+sig = {n: "constexpr" if n in constexprs else types.get(n) or (ptr_dtype if n.endswith("_ptr")
+       else "i32") for n in fn.arg_names}
+attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names) if n in div16}
+ck = compile_kernel(fn, sig, constexprs, attrs or None, options)
+with tempfile.TemporaryDirectory() as tmp:
+    src = Path(tmp) / "k.ptx"
+    src.write_text(ck.asm["ptx"])
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(src) + ".o"],
+                         capture_output=True, text=True, check=True)
+regs = spills = None
+for line in res.stderr.splitlines():
+    if "registers" in line:
+        regs = int(line.split("Used ")[1].split(" reg")[0])
+    if "spill stores" in line:
+        spills = int(line.split("bytes spill stores")[0].split(",")[-1])
+ptx = ck.asm["ptx"]
+print("RESULT", json.dumps([regs, spills, ck.metadata.shared, "wgmma" in ptx, "cp.async" in ptx]))
+"""
+
+
+def kernel_arg_names(kernel) -> list[str]:
+    """Argument names of a ``@triton.jit`` function (a JITFunction or the interpreter's)."""
+    raw = getattr(kernel, "fn", kernel)
+    names = getattr(raw, "arg_names", None)
+    return list(names) if names is not None else list(inspect.signature(raw).parameters)
+
+
+class Sm90Stats(NamedTuple):
+    """What ptxas reports for one sm_90 specialization, and two features of its PTX."""
+
+    registers: int  # per thread
+    spill_bytes: int  # spill stores
+    shared_bytes: int
+    wgmma: bool  # dots on Hopper's warpgroup tensor-core path
+    cp_async: bool  # asynchronous (software-pipelined) loads
+
+
+def sm90_stats(
+    kernel, constexprs: dict, *, signature: dict[str, str] | None = None,
+    ptr_dtype: str = "*i32", div16: tuple[str, ...] | set[str] = (), num_warps: int = 4,
+    num_stages: int | None = None,
+) -> Sm90Stats:  # fmt: skip
+    """Compile ``kernel`` for sm_90 (argument types as in `compile_sm90`; ``div16``: runtime
+    arguments specialized as multiples of 16, as the launches make them) and return ptxas's
+    register and spill counts; skips the test without ptxas, fails it on a compile error."""
+    raw = getattr(kernel, "fn", kernel)
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    spec = json.dumps([raw.__module__, raw.__name__, constexprs, signature or {}, ptr_dtype,
+                       sorted(div16), options])  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _STATS_SCRIPT, spec], capture_output=True,
+                          text=True, env=env, cwd=_ROOT, timeout=600)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"sm_90 compile of {raw.__name__} failed:\n{proc.stderr[-3000:]}")
+    if proc.stdout.startswith("NO_PTXAS"):
+        pytest.skip(f"no ptxas: {proc.stdout.strip()}")
+    return Sm90Stats(*json.loads(proc.stdout.rsplit("RESULT", 1)[1]))

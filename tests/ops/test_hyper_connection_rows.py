@@ -5,14 +5,10 @@ without spills."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+import kvplan.ops._hyper_connection_kernels as hck
 import kvplan.ops.hyper_connection as hcm
 from kvplan.ops.hyper_connection import (
     RowTile,
@@ -23,6 +19,7 @@ from kvplan.ops.hyper_connection import (
     hc_pre_torch,
     hc_pre_triton,
 )
+from tests.sm90_compile import sm90_stats
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS, HC_EPS = 1e-6, 1e-6
@@ -121,40 +118,6 @@ def test_gpu_rows_equal_one_token_kernels_at_model_size(t, monkeypatch):
     assert torch.equal(old, new)
 
 
-_SCRIPT = r"""
-import json, subprocess, sys, tempfile
-from pathlib import Path
-try:
-    from triton.backends.nvidia.compiler import get_ptxas
-    ptxas = get_ptxas(90).path
-except Exception as e:
-    print("NO_PTXAS", e)
-    sys.exit(0)
-import kvplan.ops._hyper_connection_kernels as k
-from tools.compile_sm90 import compile_kernel
-name, const, warps = json.loads(sys.argv[1])
-fn = getattr(k, name)
-def arg_type(n):
-    if n in const:
-        return "constexpr"
-    if n in ("s_ptr", "x_ptr", "out_ptr", "res_ptr"):
-        return "*bf16"
-    if n.endswith("_ptr"):
-        return "*fp32"
-    return "fp32" if n in ("inv_k", "eps", "hc_eps") else "i32"
-sig = {n: arg_type(n) for n in fn.arg_names}
-ck = compile_kernel(fn, sig, const, None, {"num_warps": warps})
-with tempfile.TemporaryDirectory() as tmp:
-    src = Path(tmp) / "k.ptx"
-    src.write_text(ck.asm["ptx"])
-    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(src) + ".o"],
-                         capture_output=True, text=True, check=True)
-spills = [int(s.split("bytes spill stores")[0].split(",")[-1]) for s in res.stderr.splitlines()
-          if "spill stores" in s]
-print("RESULT", json.dumps(spills))
-"""
-
-
 @pytest.mark.parametrize(
     "name, const, warps",
     [
@@ -176,13 +139,7 @@ print("RESULT", json.dumps(spills))
 def test_row_kernels_compile_for_sm90_without_spills(name, const, warps):
     """The model's shape (n = 4, bf16 streams) at the default row tiles."""
     assert [*hcm.PRE_ROW_TILE, *hcm.POST_ROW_TILE] == [8, 512, 8, 4, 256, 8]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps([name, const, warps])],
-                          capture_output=True, text=True, env=env, cwd=root, timeout=600)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"sm_90 compile of {name} failed:\n{proc.stderr[-3000:]}")
-    if proc.stdout.startswith("NO_PTXAS"):
-        pytest.skip(proc.stdout.strip())
-    spills = json.loads(proc.stdout.rsplit("RESULT", 1)[1])
-    assert spills and all(v == 0 for v in spills), spills
+    sig = {n: "*bf16" for n in ("s_ptr", "x_ptr", "out_ptr", "res_ptr")}
+    sig.update({n: "fp32" for n in ("inv_k", "eps", "hc_eps")})
+    st = sm90_stats(getattr(hck, name), const, signature=sig, ptr_dtype="*fp32", num_warps=warps)
+    assert st.spill_bytes == 0, st

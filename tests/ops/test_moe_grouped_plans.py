@@ -9,14 +9,10 @@ and row stride divisible by 16.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+import kvplan.ops._moe_grouped_kernels as gk
 import kvplan.ops.moe_grouped as mg
 from kvplan.ops.moe_grouped import (
     PLANS,
@@ -26,8 +22,8 @@ from kvplan.ops.moe_grouped import (
     moe_grouped_torch,
     moe_grouped_triton,
 )
+from tests.sm90_compile import kernel_arg_names, sm90_stats
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIMIT = 1.5
 
 
@@ -139,65 +135,24 @@ def test_triton_grouping_errors():
 
 # ---- sm_90 compiles ------------------------------------------------------------------------
 
-_SCRIPT = r"""
-import json, subprocess, sys, tempfile
-from pathlib import Path
-try:
-    from triton.backends.nvidia.compiler import get_ptxas
-    ptxas = get_ptxas(90).path
-except Exception as e:  # no CUDA toolchain in this Triton install
-    print("NO_PTXAS", e)
-    sys.exit(0)
-from kvplan.ops import _moe_grouped_kernels as kernels
-from tools.compile_sm90 import compile_kernel
-
-name, const, warps, stages = json.loads(sys.argv[1])
-fn = getattr(kernels, name)
-div16 = {n for n in fn.arg_names if n.endswith("_ptr") or n in ("hidden", "inter", "stride_x")}
-def arg_type(n):
-    if n in const:
-        return "constexpr"
-    if n in ("x_ptr", "w_ptr", "h_ptr", "c_ptr"):
-        return "*bf16"
-    if n.endswith("_ptr"):
-        return "*fp32" if n == "wt_ptr" else "*i32"
-    return "fp32" if n == "limit" else "i32"
-sig = {n: arg_type(n) for n in fn.arg_names}
-attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names) if n in div16}
-ck = compile_kernel(fn, sig, const, attrs, {"num_warps": warps, "num_stages": stages})
-with tempfile.TemporaryDirectory() as tmp:
-    src = Path(tmp) / "k.ptx"
-    src.write_text(ck.asm["ptx"])
-    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(src) + ".o"],
-                         capture_output=True, text=True, check=True)
-regs = spills = None
-for line in res.stderr.splitlines():
-    if "registers" in line:
-        regs = int(line.split("Used ")[1].split(" reg")[0])
-    if "spill stores" in line:
-        spills = int(line.split("bytes spill stores")[0].split(",")[-1])
-ptx = ck.asm["ptx"]
-print("RESULT", json.dumps([regs, spills, "wgmma" in ptx, ck.metadata.shared, "cp.async" in ptx]))
-"""
-
 
 def compile_stats(name: str, plan: GroupedPlan, k_size: int, n_size: int) -> tuple:
     """(registers, spill store bytes, uses wgmma, shared bytes, loads asynchronous) of
-    kernel ``name`` compiled for sm_90 at ``plan`` over bf16 operands, reduction size ``k_size``, ``n_size`` columns."""
+    kernel ``name`` compiled for sm_90 at ``plan`` over bf16 operands, reduction size
+    ``k_size``, ``n_size`` columns."""
     tiles = plan.gate_up if name == "grouped_gate_up_kernel" else plan.down
     const = dict(BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                  K_TILES=-(-k_size // tiles.block_k), EVEN_K=k_size % tiles.block_k == 0,
                  EVEN_N=n_size % tiles.block_n == 0, N_MAJOR=tiles.n_major,
                  DOT_PRECISION="tf32", UPCAST=False)  # fmt: skip
-    spec = json.dumps([name, const, tiles.num_warps, tiles.num_stages])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, spec], capture_output=True, text=True,
-                          env=env, cwd=_ROOT, timeout=600)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"sm_90 compile failed:\n{proc.stderr[-3000:]}")
-    if proc.stdout.startswith("NO_PTXAS"):
-        pytest.skip(f"no ptxas: {proc.stdout.strip()}")
-    return tuple(json.loads(proc.stdout.rsplit("RESULT", 1)[1]))
+    fn = getattr(gk, name)
+    names = kernel_arg_names(fn)
+    sig = {n: "*bf16" for n in ("x_ptr", "w_ptr", "h_ptr", "c_ptr")}
+    sig.update(wt_ptr="*fp32", limit="fp32")
+    div16 = {n for n in names if n.endswith("_ptr") or n in ("hidden", "inter", "stride_x")}
+    st = sm90_stats(fn, const, signature=sig, div16=div16, num_warps=tiles.num_warps,
+                    num_stages=tiles.num_stages)  # fmt: skip
+    return st.registers, st.spill_bytes, st.wgmma, st.shared_bytes, st.cp_async
 
 
 # DeepSeek-V4 sizes (hidden 2048, expert width 1024) at the half and prefill plans

@@ -8,70 +8,25 @@ with the launch's integer specialization: pointers and the engine's strides divi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-_SCRIPT = r"""
-import json, subprocess, sys, tempfile
-from pathlib import Path
-try:
-    from triton.backends.nvidia.compiler import get_ptxas
-    ptxas = get_ptxas(90).path
-except Exception as e:  # no CUDA toolchain in this Triton install
-    print("NO_PTXAS", e)
-    sys.exit(0)
-from kvplan.ops._paged_attention_kernels import _decode_kernel as fn
-from tools.compile_sm90 import compile_kernel
-
-kv_quant, sf_kind, group, tile_n, warps, stages = json.loads(sys.argv[1])
-const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64, DOT_PRECISION="tf32",
-             SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant, SF_KIND=sf_kind, GROUP=group)
-div16 = {n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride")
-         or n in ("num_splits", "sf_off")}
-def arg_type(n):
-    if n in const:
-        return "constexpr"
-    if n in ("k_ptr", "v_ptr"):
-        return "*u8"
-    if n in ("q_ptr", "out_ptr"):
-        return "*bf16"
-    if n.endswith("_ptr"):
-        return "*fp32" if n.startswith("part") else "*i32"
-    return "fp32" if n == "qk_scale" else "i32"
-sig = {n: arg_type(n) for n in fn.arg_names}
-attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names) if n in div16}
-ck = compile_kernel(fn, sig, const, attrs, {"num_warps": warps, "num_stages": stages})
-with tempfile.TemporaryDirectory() as tmp:
-    src = Path(tmp) / "k.ptx"
-    src.write_text(ck.asm["ptx"])
-    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(src) + ".o"],
-                         capture_output=True, text=True, check=True)
-regs = spills = None
-for line in res.stderr.splitlines():
-    if "registers" in line:
-        regs = int(line.split("Used ")[1].split(" reg")[0])
-    if "spill stores" in line:
-        spills = int(line.split("bytes spill stores")[0].split(",")[-1])
-print("RESULT", json.dumps([regs, spills]))
-"""
+from kvplan.ops._paged_attention_kernels import _decode_kernel
+from tests.sm90_compile import kernel_arg_names, sm90_stats
 
 
 def _registers(spec) -> tuple[int, int]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(spec)], capture_output=True,
-                          text=True, env=env, cwd=_ROOT, timeout=600)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"sm_90 compile failed:\n{proc.stderr[-3000:]}")
-    if proc.stdout.startswith("NO_PTXAS"):
-        pytest.skip(f"no ptxas: {proc.stdout.strip()}")
-    regs, spills = json.loads(proc.stdout.rsplit("RESULT", 1)[1])
-    return regs, spills
+    kv_quant, sf_kind, group, tile_n, warps, stages = spec
+    const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64, DOT_PRECISION="tf32",
+                 SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant, SF_KIND=sf_kind, GROUP=group)  # fmt: skip
+    names = kernel_arg_names(_decode_kernel)
+    sig = {"k_ptr": "*u8", "v_ptr": "*u8", "q_ptr": "*bf16", "out_ptr": "*bf16",
+           "qk_scale": "fp32"}  # fmt: skip
+    sig.update({n: "*fp32" for n in names if n.startswith("part") and n.endswith("_ptr")})
+    div16 = {n for n in names if n.endswith("_ptr") or n.startswith("stride")
+             or n in ("num_splits", "sf_off")}  # fmt: skip
+    st = sm90_stats(_decode_kernel, const, signature=sig, div16=div16, num_warps=warps,
+                    num_stages=stages)  # fmt: skip
+    return st.registers, st.spill_bytes
 
 
 # (format, (KV_QUANT, SF_KIND, GROUP), register bound) at the default decode tiling (64 keys,

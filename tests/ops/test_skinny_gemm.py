@@ -4,21 +4,17 @@ dispatch (`linear`) and the Llama model with the switch on, sm_90 compiles witho
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import kvplan.ops.skinny_gemm as sg
 from kvplan.models.config import named_config
+from kvplan.ops._skinny_gemm_kernels import skinny_gemm_kernel
 from kvplan.ops.skinny_gemm import SkinnyTiles, linear, skinny_linear, skinny_plan
 from tests.models.fused_testlib import model_with_random_weights
+from tests.sm90_compile import sm90_stats
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _case(seed, m, n, k, dtype, bias=True):
@@ -138,35 +134,6 @@ def test_llama_with_skinny_projections_equals_torch_path(monkeypatch):
 
 # ---- sm_90 compiles ------------------------------------------------------------------------
 
-_SCRIPT = r"""
-import json, subprocess, sys, tempfile
-from pathlib import Path
-try:
-    from triton.backends.nvidia.compiler import get_ptxas
-    ptxas = get_ptxas(90).path
-except Exception as e:
-    print("NO_PTXAS", e)
-    sys.exit(0)
-from kvplan.ops import _skinny_gemm_kernels as kernels
-from tools.compile_sm90 import compile_kernel
-
-const, warps, stages = json.loads(sys.argv[1])
-fn = kernels.skinny_gemm_kernel
-sig = {n: "constexpr" if n in const else ("*bf16" if n.endswith("_ptr") else "i32")
-       for n in fn.arg_names}
-attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names)
-         if n.endswith("_ptr") or n in ("K", "N", "stride_xm")}
-ck = compile_kernel(fn, sig, const, attrs, {"num_warps": warps, "num_stages": stages})
-with tempfile.TemporaryDirectory() as tmp:
-    src = Path(tmp) / "k.ptx"
-    src.write_text(ck.asm["ptx"])
-    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(src) + ".o"],
-                         capture_output=True, text=True, check=True)
-spills = [int(l.split("bytes spill stores")[0].split(",")[-1]) for l in res.stderr.splitlines()
-          if "spill stores" in l]
-print("RESULT", json.dumps([spills, "cp.async" in ck.asm["ptx"]]))
-"""
-
 
 @pytest.mark.parametrize(
     "m_p, block_n, block_k, warps, stages",
@@ -175,16 +142,11 @@ print("RESULT", json.dumps([spills, "cp.async" in ck.asm["ptx"]]))
 def test_bf16_kernel_compiles_for_sm90_without_spills(m_p, block_n, block_k, warps, stages):
     const = dict(M_P=m_p, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=4, EVEN_K=True,
                  DIRECT=False, HAS_BIAS=False, DOT_PRECISION="tf32", UPCAST=False)  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps([const, warps, stages])],
-                          capture_output=True, text=True, env=env, cwd=_ROOT, timeout=600)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"sm_90 compile failed:\n{proc.stderr[-3000:]}")
-    if proc.stdout.startswith("NO_PTXAS"):
-        pytest.skip(proc.stdout.strip())
-    spills, pipelined = json.loads(proc.stdout.rsplit("RESULT", 1)[1])
-    assert spills and not any(spills), spills
-    assert pipelined, "K loop loads not software-pipelined"
+    st = sm90_stats(skinny_gemm_kernel, const, ptr_dtype="*bf16", num_warps=warps,
+                    num_stages=stages, signature={"out_ptr": "*fp32"},
+                    div16={"x_ptr", "w_ptr", "bias_ptr", "out_ptr", "K", "N", "stride_xm"})  # fmt: skip
+    assert st.spill_bytes == 0, st
+    assert st.cp_async, "K loop loads not software-pipelined"
 
 
 @pytest.mark.gpu
