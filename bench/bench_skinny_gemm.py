@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import time
 
@@ -82,34 +81,17 @@ def model_shapes() -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def graph_time(fn, calls: int, dev: torch.device, reps: int = 20) -> float:
-    """Median microseconds per call: ``calls`` calls captured in one CUDA graph, replayed."""
-    if dev.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - t0) / calls * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+def graph_time(fn, calls: int, dev: torch.device) -> float:
+    """Microseconds per call: on CUDA ``calls`` calls replayed from one CUDA graph
+    (``bench_index_ops.graph_time_s``); on the CPU (the smoke run) plain calls."""
+    if dev.type == "cuda":
+        from bench_index_ops import graph_time_s
+
+        return graph_time_s(fn, calls) * 1e6
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> None:
