@@ -1,5 +1,6 @@
 """Paged decode attention over bf16 vs fp8 / int8 / fp4 pages read in place: time per call and
-KV bytes per second, with a sweep of the kernel's tiling (tile_n, num_warps, num_stages), then
+KV bytes per second, with a sweep of the kernel's tiling (tile_n, num_warps, num_stages; with
+``--prefetch`` each also with the quantized bytes loaded a tile ahead), then
 of num_splits on each format's fastest tiling; prints each format's default and fastest launch
 (all timed with ``check=False``).
 
@@ -62,6 +63,12 @@ def main() -> None:
         help="num_splits values timed on each format's fastest tiling",
     )
     ap.add_argument("--no-tiling", action="store_true", help="skip the tiling sweep")
+    ap.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="quantized formats: also every tiling with the bytes loaded a tile ahead "
+        "(prefetch=True, kvplan.ops._paged_attention_kernels.QUANT_PREFETCH)",
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
@@ -92,6 +99,8 @@ def main() -> None:
         )
         kv_bytes = 2 * batch * ctx * hkv * d * per_value
         tilings = [dict(tile_n=t, num_warps=w, num_stages=st) for t, w, st in sweep]
+        if args.prefetch and fmt != "bf16":
+            tilings += [{"prefetch": True}] + [{**t, "prefetch": True} for t in tilings]
 
         def measure(kw, caches=caches, layout=layout, want=want, kv_bytes=kv_bytes, fmt=fmt):
             def call():

@@ -26,11 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvplan.ops._paged_attention_kernels import _decode_kernel  # noqa: E402
 from tools.compile_sm90 import compile_kernel  # noqa: E402
 
-FORMATS = {  # name: (KV_QUANT, SF_KIND, GROUP, cache pointer type)
-    "bf16": (0, 0, 1, "*bf16"),
-    "fp8": (1, 2, 32, "*u8"),
-    "int8": (3, 2, 32, "*u8"),
-    "fp4": (2, 1, 16, "*u8"),
+FORMATS = {  # name: (KV_QUANT, SF_KIND, GROUP, cache pointer type, PREFETCH)
+    "bf16": (0, 0, 1, "*bf16", False),
+    "fp8": (1, 2, 32, "*u8", False),
+    "int8": (3, 2, 32, "*u8", False),
+    "fp4": (2, 1, 16, "*u8", False),
+    "fp8+pf": (1, 2, 32, "*u8", True),  # QUANT_PREFETCH: the bytes loaded a tile ahead
+    "int8+pf": (3, 2, 32, "*u8", True),
+    "fp4+pf": (2, 1, 16, "*u8", True),
 }
 TILINGS = [  # tile_n, warps, stages (5 stages: the first depth that double-buffers K/V tiles)
     (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2),
@@ -83,11 +86,11 @@ def main() -> None:
     args = ap.parse_args()
     fn = _decode_kernel
     rows = []
-    for name, (kv_quant, sf_kind, group, kptr) in FORMATS.items():
+    for name, (kv_quant, sf_kind, group, kptr, prefetch) in FORMATS.items():
         for tile_n, warps, stages in TILINGS:
             const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64,
                          DOT_PRECISION="tf32", SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant,
-                         SF_KIND=sf_kind, GROUP=group)  # fmt: skip
+                         SF_KIND=sf_kind, GROUP=group, PREFETCH=prefetch)  # fmt: skip
 
             sig = {n: arg_type(n, const, kptr) for n in fn.arg_names}
             attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names)
@@ -99,13 +102,15 @@ def main() -> None:
             rows.append(dict(format=name, tile_n=tile_n, num_warps=warps, num_stages=stages,
                              registers=regs, spill_bytes=spills, shared_bytes=ck.metadata.shared,
                              programs_per_sm=per_sm, cp_async=ptx.count("cp.async.cg"),
-                             ld_v4=ptx.count("ld.global.v4")))  # fmt: skip
+                             ld_v4=ptx.count("ld.global.v4"),
+                             layout_converts=ck.asm["ttgir"].count("convert_layout")))  # fmt: skip
     print(f"{'format':>6} {'tile_n':>6} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
-          f"{'smem B':>7} {'progs/SM':>8} {'cp.async':>8} {'ld.v4':>5}")  # fmt: skip
+          f"{'smem B':>7} {'progs/SM':>8} {'cp.async':>8} {'ld.v4':>5} {'cvt':>4}")  # fmt: skip
     for r in rows:
         print(f"{r['format']:>6} {r['tile_n']:>6} {r['num_warps']:>5} {r['num_stages']:>6} "
               f"{r['registers']:>5} {r['spill_bytes']:>7} {r['shared_bytes']:>7} "
-              f"{r['programs_per_sm']:>8} {r['cp_async']:>8} {r['ld_v4']:>5}")  # fmt: skip
+              f"{r['programs_per_sm']:>8} {r['cp_async']:>8} {r['ld_v4']:>5} "
+              f"{r['layout_converts']:>4}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(dict(kernel="_decode_kernel", rows=rows), indent=1))
 

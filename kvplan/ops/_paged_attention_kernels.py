@@ -30,12 +30,20 @@ Kernels:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from kvplan.ops._dispatch import triton_interpreting
-from kvplan.ops._paged_kv_tiles import head_scales_offset, kv_geometry, load_kv_tile
+from kvplan.ops._paged_kv_tiles import (
+    dequantize_kv_raw,
+    head_scales_offset,
+    kv_geometry,
+    load_kv_raw,
+    load_kv_tile,
+)
 
 # Stand-in for "no sliding window": far beyond any int32 position difference we produce.
 NO_WINDOW = 1 << 30
@@ -125,12 +133,89 @@ def _attend_range(
 
 
 @triton.jit
+def _raw_kv_tile(
+    start, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_kt, stride_vb,
+    stride_vt, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """The stored K and V bytes (`load_kv_raw`) of keys [start, start + TILE_N), every load
+    masked to keys below ``key_hi`` (a tile at or past it loads nothing)."""
+    offs_n = start + tl.arange(0, TILE_N)
+    in_range = offs_n < key_hi
+    page = tl.load(page_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    row = (offs_n % BLOCK_SIZE).to(tl.int64)
+    k = load_kv_raw(k_ptr, ks_ptr, page * stride_kb + row * stride_kt, in_range, HEAD_DIM,
+                    True, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+    v = load_kv_raw(v_ptr, vs_ptr, page * stride_vb + row * stride_vt, in_range, HEAD_DIM,
+                    True, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+    return k, v
+
+
+@triton.jit
+def _attend_raw_tile(
+    acc, m_i, l_i, q, k_raw, v_raw, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
+    GROUP: tl.constexpr,
+):  # fmt: skip
+    """`_attend_tile` of a whole, unmasked tile whose stored bytes are already loaded."""
+    k = dequantize_kv_raw(k_raw[0], k_raw[1], q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = dequantize_kv_raw(v_raw[0], v_raw[1], q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_range_prefetch(
+    acc, m_i, l_i, lo, hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """`_attend_range` over whole, unmasked tiles of a quantized cache, each tile's stored
+    bytes loaded one step ahead (register double buffering: a tile's global loads are in
+    flight while the previous tile is dequantized and multiplied; the compiler pipelines
+    only the scales of these loads on its own). The same values and order of operations."""
+    k_raw, v_raw = _raw_kv_tile(lo, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
+                                stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N, HEAD_DIM,
+                                KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+    if INTERPRET:
+        start = lo
+        while start < hi:
+            k_next, v_next = _raw_kv_tile(
+                start + TILE_N, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
+                stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N, HEAD_DIM, KV_QUANT,
+                SF_KIND, GROUP,
+            )  # fmt: skip
+            acc, m_i, l_i = _attend_raw_tile(acc, m_i, l_i, q, k_raw, v_raw, qk_scale, TILE_N,
+                                             HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+            k_raw, v_raw = k_next, v_next
+            start += TILE_N
+    else:
+        for start in range(lo, hi, TILE_N):
+            k_next, v_next = _raw_kv_tile(
+                start + TILE_N, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
+                stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N, HEAD_DIM, KV_QUANT,
+                SF_KIND, GROUP,
+            )  # fmt: skip
+            acc, m_i, l_i = _attend_raw_tile(acc, m_i, l_i, q, k_raw, v_raw, qk_scale, TILE_N,
+                                             HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+            k_raw, v_raw = k_next, v_next
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attend_rows(
     q, row_pos, pos_min, pos_max, key_lo, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax attention of ``TILE_M`` query rows over keys [key_lo, key_hi).
 
@@ -139,7 +224,8 @@ def _attend_rows(
     page_ptr: page_ids + page_start[b]; k_ptr / v_ptr: cache + kv_head * head stride.
     Keys [max(key_lo, pos_max - window + 1), pos_min] are visible to every real row, so whole
     tiles there (starting at a multiple of TILE_N) skip the mask; the head and tail of the
-    range are masked.
+    range are masked. ``PREFETCH`` (quantized caches): the whole tiles load their bytes one
+    step ahead (`_attend_range_prefetch`).
 
     Returns the unnormalized accumulator [TILE_M, HEAD_DIM] (fp32), the running maximum m
     (log2 domain) and the running denominator l, both [TILE_M] fp32.
@@ -156,11 +242,19 @@ def _attend_rows(
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
-    acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, full_lo, full_hi, q, row_pos, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-        stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, False, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-    )  # fmt: skip
+    if PREFETCH and KV_QUANT != 0:
+        acc, m_i, l_i = _attend_range_prefetch(
+            acc, m_i, l_i, full_lo, full_hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, full_lo, full_hi, q, row_pos, page_ptr, k_ptr, v_ptr, ks_ptr,
+            vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, False, INTERPRET, KV_QUANT, SF_KIND,
+            GROUP,
+        )  # fmt: skip
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, full_hi, key_hi, q, row_pos, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
@@ -178,7 +272,7 @@ def _decode_kernel(
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, Hkv, num_splits). q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D];
     page_ids int32 flat, page_start / kv_lens int32 [B]; partials (SPLIT only): fp32
@@ -210,6 +304,7 @@ def _decode_kernel(
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
+        PREFETCH,
     )  # fmt: skip
     if SPLIT:
         # Partial row index (b * H + head) * S + split.
@@ -255,7 +350,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, group_size, window, qk_scale, sf_off,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_row_tiles, Hkv). q/out: [T, H, D]; cu_seqlens_q int32 [B + 1]; the rest as
     in ``_decode_kernel``. Row r of tile t is token (t * TILE_M + r) // group_size of the
@@ -294,6 +389,7 @@ def _prefill_kernel(
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
+        PREFETCH,
     )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t64[:, None] * stride_ot + h64[:, None] * stride_oh + offs_d[None, :]
@@ -305,6 +401,15 @@ def _prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 
 LOG2E = 1.4426950408889634
+
+
+QUANT_PREFETCH = os.environ.get("KVPLAN_QUANT_PREFETCH", "") == "1"
+"""Quantized caches: load each whole tile's stored bytes one step ahead
+(`_attend_range_prefetch`). On sm_90 Triton software-pipelines only the scale loads of the
+dequantizing kernels (cp.async), not the value bytes (synchronous ``ld.global`` in every
+key-loop step: bench/RESULTS.md, session 10), which would explain their lower bandwidth. Off
+(``KVPLAN_QUANT_PREFETCH=1`` at import turns it on) until ``bench/bench_quant_decode.py
+--prefetch`` measures it on the GPU."""
 
 
 def _dot_precision(dtype) -> str:
@@ -319,9 +424,10 @@ def _group_tile(group_size: int) -> int:
 
 def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
-    kv_layout=None, tile_n=64, num_warps=4, num_stages=2,
+    kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
 ):  # fmt: skip
-    """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``."""
+    """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
+    ``prefetch`` (None: ``QUANT_PREFETCH``) as in `_attend_range_prefetch`."""
     batch, num_heads, head_dim = q.shape
     geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)
     group_size = num_heads // geo.num_kv_heads
@@ -347,6 +453,7 @@ def launch_decode(
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
         KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
+        PREFETCH=QUANT_PREFETCH if prefetch is None else bool(prefetch),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
@@ -360,9 +467,10 @@ def launch_decode(
 
 def launch_prefill(
     q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, out, *, scale, window,
-    max_q_len, kv_layout=None, tile_m=64, tile_n=64, num_warps=4, num_stages=2,
+    max_q_len, kv_layout=None, tile_m=64, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
 ):  # fmt: skip
-    """Run ``_prefill_kernel`` into ``out``; ``max_q_len`` bounds every sequence's query count."""
+    """Run ``_prefill_kernel`` into ``out``; ``max_q_len`` bounds every sequence's query count;
+    ``prefetch`` as in `launch_decode`."""
     batch = kv_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)
@@ -380,6 +488,7 @@ def launch_prefill(
         TILE_M=tile_m, BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(),
         KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
+        PREFETCH=QUANT_PREFETCH if prefetch is None else bool(prefetch),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -31,6 +31,59 @@ def _load_masked(ptrs, in_range, MASKED: tl.constexpr):
 
 
 @triton.jit
+def load_kv_raw(
+    ptr, sf_ptr, rows, in_range, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """One head's K or V of ``TILE_N`` keys as stored: ``(values, scales)``. Plain caches:
+    the ``[TILE_N, HEAD_DIM]`` values and a placeholder; quantized ones: the value bytes
+    (``[TILE_N, HEAD_DIM]``, ``HEAD_DIM // 2`` for e2m1) and the ``[TILE_N, HEAD_DIM // GROUP]``
+    scales (fp32, or their bytes). `dequantize_kv_raw` turns them into the tile; a caller can
+    load a tile's raw bytes one step ahead of using them (a few registers a thread)."""
+    offs_d = tl.arange(0, HEAD_DIM // 2 if KV_QUANT == 2 else HEAD_DIM)
+    vals = _load_masked(ptr + rows[:, None] + offs_d[None, :], in_range, MASKED)
+    if KV_QUANT == 0:
+        sf = in_range  # placeholder
+    else:
+        offs_g = tl.arange(0, HEAD_DIM // GROUP)  # the head's scales
+        if SF_KIND == 2:  # fp32 (SF_KIND values: kvplan.ops._quant_triton.SF_KIND)
+            sf_rows = (sf_ptr + rows).to(tl.pointer_type(tl.float32))
+            sf = _load_masked(sf_rows[:, None] + offs_g[None, :], in_range, MASKED)
+        else:
+            sf = _load_masked(sf_ptr + rows[:, None] + offs_g[None, :], in_range, MASKED)
+    return vals, sf
+
+
+@triton.jit
+def dequantize_kv_raw(
+    vals, sf, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """`load_kv_raw`'s ``(values, scales)`` as the ``[TILE_N, HEAD_DIM]`` tile in q's dtype
+    (``KV_QUANT`` as in `load_kv_tile`)."""
+    if KV_QUANT == 0:
+        tile = vals
+    else:
+        if KV_QUANT == 1:
+            x = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif KV_QUANT == 3:
+            x = vals.to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            packed = vals.to(tl.int32)
+            pairs = tl.join(decode_e2m1(packed & 15), decode_e2m1(packed >> 4))  # [N, D/2, 2]
+            x = tl.reshape(pairs, [TILE_N, HEAD_DIM])
+        if SF_KIND == 2:
+            scale = sf
+        elif SF_KIND == 1:  # e4m3
+            scale = sf.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:  # UE8M0: the byte is the fp32 exponent field
+            scale = (sf.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        grouped = tl.reshape(x, [TILE_N, HEAD_DIM // GROUP, GROUP]) * scale[:, :, None]
+        tile = tl.reshape(grouped, [TILE_N, HEAD_DIM]).to(q.dtype)
+    return tile
+
+
+@triton.jit
 def load_kv_tile(
     ptr, sf_ptr, rows, in_range, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
@@ -46,33 +99,9 @@ def load_kv_tile(
     -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. Every load is a contiguous
     run per key (values, then the head's scales), so the compiler can pipeline it.
     """
-    offs_d = tl.arange(0, HEAD_DIM)
-    if KV_QUANT == 0:
-        return _load_masked(ptr + rows[:, None] + offs_d[None, :], in_range, MASKED)
-    if KV_QUANT == 1:
-        codes = _load_masked(ptr + rows[:, None] + offs_d[None, :], in_range, MASKED)
-        vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    elif KV_QUANT == 3:
-        codes = _load_masked(ptr + rows[:, None] + offs_d[None, :], in_range, MASKED)
-        vals = codes.to(tl.int8, bitcast=True).to(tl.float32)
-    else:
-        offs_b = tl.arange(0, HEAD_DIM // 2)
-        packed = _load_masked(ptr + rows[:, None] + offs_b[None, :], in_range, MASKED)
-        packed = packed.to(tl.int32)
-        pairs = tl.join(decode_e2m1(packed & 15), decode_e2m1(packed >> 4))  # [N, D/2, 2]
-        vals = tl.reshape(pairs, [TILE_N, HEAD_DIM])
-    offs_g = tl.arange(0, HEAD_DIM // GROUP)  # the head's scales
-    if SF_KIND == 2:  # fp32 (SF_KIND values: kvplan.ops._quant_triton.SF_KIND)
-        sf_rows = (sf_ptr + rows).to(tl.pointer_type(tl.float32))
-        sf = _load_masked(sf_rows[:, None] + offs_g[None, :], in_range, MASKED)
-    else:
-        sb = _load_masked(sf_ptr + rows[:, None] + offs_g[None, :], in_range, MASKED)
-        if SF_KIND == 1:  # e4m3
-            sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:  # UE8M0: the byte is the fp32 exponent field
-            sf = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    grouped = tl.reshape(vals, [TILE_N, HEAD_DIM // GROUP, GROUP]) * sf[:, :, None]
-    return tl.reshape(grouped, [TILE_N, HEAD_DIM]).to(q.dtype)
+    vals, sf = load_kv_raw(ptr, sf_ptr, rows, in_range, HEAD_DIM, MASKED, KV_QUANT, SF_KIND,
+                           GROUP)  # fmt: skip
+    return dequantize_kv_raw(vals, sf, q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
 
 
 @triton.jit

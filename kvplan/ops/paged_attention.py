@@ -131,11 +131,12 @@ def paged_attention_decode_triton(
     kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
     out: Tensor | None = None, num_splits: int | None = None, max_kv_len: int | None = None,
     kv_layout: KVCacheFormat | None = None, check: bool = True, tile_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
 ) -> Tensor:  # fmt: skip
     """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`.
     ``tile_n`` / ``num_warps`` / ``num_stages``: launch overrides (see ``kvplan.ops._paged_kv_tiles.decode_tiling``;
-    None takes the format's default)."""
+    None takes the format's default); ``prefetch``: a quantized cache's tiles loaded one
+    step ahead (None: ``kvplan.ops._paged_attention_kernels.QUANT_PREFETCH``)."""
     window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
@@ -155,7 +156,7 @@ def paged_attention_decode_triton(
     return _k.launch_decode(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, scale=float(scale),
         window=window, num_splits=num_splits, kv_layout=kv_layout, tile_n=tile_n,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
     )  # fmt: skip
 
 
@@ -230,8 +231,10 @@ def paged_attention_prefill_triton(
     out: Tensor | None = None, max_q_len: int | None = None,
     kv_layout: KVCacheFormat | None = None, check: bool = True, tile_m: int | None = None,
     tile_n: int = 64, num_warps: int | None = None, num_stages: int | None = None,
+    prefetch: bool | None = None,
 ) -> Tensor:  # fmt: skip
-    """Triton varlen prefill; same contract as :func:`paged_attention_prefill`.
+    """Triton varlen prefill; same contract as :func:`paged_attention_prefill` (``prefetch``
+    as in :func:`paged_attention_decode_triton`).
 
     Tiles default to 128 query rows x 64 keys, 8 warps, 3 stages for 16-bit caches (the
     fastest of ``bench/bench_paged_attention.py``'s sweep) and 64 x 64, 4 warps, 2 stages for
@@ -257,6 +260,7 @@ def paged_attention_prefill_triton(
         q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, out,
         scale=float(scale), window=window, max_q_len=max_q_len, kv_layout=kv_layout,
         tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
+        prefetch=prefetch,
     )  # fmt: skip
 
 

@@ -199,12 +199,15 @@ def build(kernel, consts, num_warps, num_stages, name=None):
                        options=dict(num_warps=num_warps, num_stages=num_stages))
     ir = k.asm["ttgir"]
     tag = kernel.__name__ + {0: "", 1: "_fp8", 2: "_fp4"}[consts.get("KV_QUANT", 0)]
+    tag += "_prefetch" if consts.get("PREFETCH") else ""
     print(tag, "async" if "async_copy" in ir else "sync",
           "wgmma" if "warp_group_dot" in ir else "mma")
 
-for quant, sf, group in ((0, 0, 1), (1, 2, 32), (2, 1, 16)):  # bf16, fp8 fp32 sf, fp4 e4m3 sf
+# bf16, fp8 fp32 sf, fp4 e4m3 sf; quantized pages also with their bytes loaded a tile ahead
+for quant, sf, group, pre in ((0, 0, 1, False), (1, 2, 32, False), (2, 1, 16, False),
+                              (1, 2, 32, True), (2, 1, 16, True)):
     common = dict(BLOCK_SIZE=32, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRET=False,
-                  KV_QUANT=quant, SF_KIND=sf, GROUP=group)
+                  KV_QUANT=quant, SF_KIND=sf, GROUP=group, PREFETCH=pre)
     build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, **common), 4, 2)
     build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
 build(K._combine_kernel, dict(SPLITS_PAD=4, HEAD_DIM=128), 4, 1)
@@ -230,7 +233,7 @@ def test_kernels_compile_for_sm90():
                          text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.split("\n")
-    for suffix in ("", "_fp8", "_fp4"):  # bf16 caches and fp8 / fp4 pages read in place
+    for suffix in ("", "_fp8", "_fp4", "_fp8_prefetch", "_fp4_prefetch"):
         assert f"_decode_kernel{suffix} async mma" in lines
         assert f"_prefill_kernel{suffix} async wgmma" in lines
     assert any(line.startswith("_combine_kernel") for line in lines)

@@ -153,6 +153,33 @@ def test_prefill_triton_reads_quantized_pages(kind, seed, kv_lens, q_lens, group
     assert_close(got, dq.ref(decode=False))
 
 
+@pytest.mark.parametrize("kind", ["fp8", "fp4", "int8"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_prefetched_tiles_give_the_same_result(kind, decode):
+    """``prefetch=True``: the whole tiles' bytes loaded one step ahead (the tile after the last
+    loads nothing) -- the reference again, and the same values as without it."""
+    kv_lens, q_lens = [70, 35, 129, 1], ([1] * 4 if decode else [9, 35, 3, 1])
+    c, (k_raw, v_raw), fmt, dq = quantized_case(
+        kind, 21, kv_lens, q_lens, group=2, block_size=16, layout="offsets", head_dim=32
+    )
+    for prefetch in (True, False):
+        if decode:
+            got = paged_attention_decode_triton(
+                c.q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens, scale=c.scale,
+                num_splits=2, tile_n=16, kv_layout=fmt, prefetch=prefetch,
+            )  # fmt: skip
+        else:
+            got = paged_attention_prefill_triton(
+                c.q, k_raw, v_raw, c.page_ids, c.page_start, c.cu_seqlens_q, c.kv_lens,
+                scale=c.scale, max_q_len=max(q_lens), tile_m=16, tile_n=16, kv_layout=fmt,
+                prefetch=prefetch,
+            )  # fmt: skip
+        assert_close(got, dq.ref(decode=decode))
+        if prefetch:
+            first = got
+    assert torch.equal(first, got)
+
+
 def test_quantized_head_dim_16_fp4():
     """fp4 with head_dim 16: one scale per head record."""
     c, (k_raw, v_raw), fmt, dq = quantized_case("fp4", 14, [11, 4], [3, 1], group=2,
@@ -299,3 +326,30 @@ def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind):
         k32, v32 = (t.float().cpu() for t in bf)
         ref = dataclasses.replace(c, q=q.float().cpu(), k_cache=k32, v_cache=v32).ref(decode)
         assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
+def test_gpu_prefetched_tiles_are_bit_identical(kind):
+    """Loading the bytes a tile ahead changes when they are loaded, not what is computed: the
+    same bits as without, decode and prefill, at the engine's tilings."""
+    gen = torch.Generator().manual_seed(4)
+    kv_lens = torch.randint(1, 2000, (24,), generator=gen).tolist()
+    q_lens = [int(torch.randint(1, n + 1, (), generator=gen)) for n in kv_lens]
+    for decode in (True, False):
+        c, (k_raw, v_raw), fmt, _ = quantized_case(
+            kind, 6, kv_lens, [1] * len(kv_lens) if decode else q_lens, num_kv_heads=4,
+            group=4, head_dim=128, block_size=16,
+        )  # fmt: skip
+        args = (c.q.bfloat16().cuda(), k_raw.cuda(), v_raw.cuda(), c.page_ids.cuda(),
+                c.page_start.cuda())  # fmt: skip
+        outs = []
+        for prefetch in (False, True):
+            if decode:
+                outs.append(paged_attention_decode_triton(
+                    *args, c.kv_lens.cuda(), scale=c.scale, kv_layout=fmt, prefetch=prefetch))  # fmt: skip
+            else:
+                outs.append(paged_attention_prefill_triton(
+                    *args, c.cu_seqlens_q.cuda(), c.kv_lens.cuda(), scale=c.scale,
+                    kv_layout=fmt, prefetch=prefetch))  # fmt: skip
+        assert torch.equal(outs[0], outs[1])
