@@ -19,8 +19,9 @@ Variants:
   cache does). ``<spec>`` = ``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-L<i>]``: dtype e4m3 |
   e2m1 | int8 (symmetric, fp32 scale amax / 127), sf ue8m0 | e4m3 | fp32, values per scale, optional "only K" / "only V", "K rotated
   by the Hadamard matrix H before rounding (and back after: the same scores as rotating q)",
-  "V rotated likewise (the same output as rotating the attention output back)", "only layer
-  i".
+  "V rotated likewise (the same output as rotating the attention output back)", ``-mk``
+  "K minus the layer's mean key before rounding, added back after (the softmax is unchanged
+  by a key offset shared by every key; the mean over this text's keys)", "only layer i".
   ``fake:bf16`` rounds to bf16 only.
 
 ``--per-layer SPEC`` adds ``fake:SPEC-L<i>`` for every layer; ``--stats`` prints the per-layer
@@ -88,17 +89,20 @@ class Spec(NamedTuple):
     layer: int | None  # only this layer
     rot_k: bool = False  # round K H (H: the head_dim Hadamard matrix), store (.) H
     rot_v: bool = False
+    mean_k: bool = False  # round K - mu (mu: the layer's mean key), store (.) + mu
 
 
 def parse_spec(spec: str, hd: int) -> Spec:
-    """``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-L<i>]`` -> `Spec`."""
+    """``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-mk][-L<i>]`` -> `Spec`."""
     parts = spec.split("-")
     do_k = do_v = True
-    rot_k = rot_v = False
+    rot_k = rot_v = mean_k = False
     layer = None
-    while parts and (parts[-1] in ("k", "v", "rk", "rv") or parts[-1].startswith("L")):
+    while parts and (parts[-1] in ("k", "v", "rk", "rv", "mk") or parts[-1].startswith("L")):
         tail = parts.pop()
-        if tail == "rk":
+        if tail == "mk":
+            mean_k = True
+        elif tail == "rk":
             rot_k = True
         elif tail == "rv":
             rot_v = True
@@ -109,14 +113,14 @@ def parse_spec(spec: str, hd: int) -> Spec:
         else:
             layer = int(tail[1:])
     if parts == ["bf16"]:
-        return Spec(None, do_k, do_v, layer, rot_k, rot_v)
+        return Spec(None, do_k, do_v, layer, rot_k, rot_v, mean_k)
     dtype, sf, group = parts
     if dtype == "int8":  # symmetric int8, one fp32 scale (amax / 127) per group: no kvplan format
         if sf != "fp32":
             raise ValueError(f"{spec}: int8 takes fp32 scales")
-        return Spec(("int8", int(group)), do_k, do_v, layer, rot_k, rot_v)
+        return Spec(("int8", int(group)), do_k, do_v, layer, rot_k, rot_v, mean_k)
     layout = KVCacheFormat(dtype, hd, int(group), 0, True, sf, spec, True)
-    return Spec(layout, do_k, do_v, layer, rot_k, rot_v)
+    return Spec(layout, do_k, do_v, layer, rot_k, rot_v, mean_k)
 
 
 def rotated_round_trip(x: torch.Tensor, layout: KVCacheFormat | None) -> torch.Tensor:
@@ -148,6 +152,7 @@ class FakeQuantStore:
         self.orig = kv_cache.store
         self.spec = None
         self.captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self.mean_k: dict[int, torch.Tensor] = {}  # layer -> mean key [H, D] (``-mk`` specs)
         kv_cache.store = self
 
     def __call__(self, layer, k, v, slot_mapping, *, check=True):
@@ -157,7 +162,12 @@ class FakeQuantStore:
             sp = self.spec
             if sp.layer is None or sp.layer == layer:
                 if sp.do_k:
-                    k = (rotated_round_trip if sp.rot_k else round_trip)(k, sp.layout)
+                    rt = rotated_round_trip if sp.rot_k else round_trip
+                    if sp.mean_k:  # q.(k - mu) shifts a query's logits by one constant
+                        mu = self.mean_k[layer].to(k.device)
+                        k = (rt(k.float() - mu, sp.layout).float() + mu).to(k.dtype)
+                    else:
+                        k = rt(k, sp.layout)
                 if sp.do_v:
                     v = (rotated_round_trip if sp.rot_v else round_trip)(v, sp.layout)
         return self.orig(layer, k, v, slot_mapping, check=check)
@@ -233,11 +243,18 @@ def main() -> None:
     cfg = ref_llm.parts.config
     hd = cfg.num_kv_heads * cfg.head_dim
     hook = FakeQuantStore(ref_llm.parts.kv_cache)
-    hook.captured = {} if args.stats else None
+    wants_mean = any(v.startswith("fake:") and "-mk" in v for v in args.variants)
+    hook.captured = {} if args.stats or wants_mean else None
     t0 = time.perf_counter()
     ref = prompt_logits(ref_llm.engine, ids, args.chunk)
     print(f"{n} tokens, fp32 reference in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     hook_captured, hook.captured = hook.captured, None
+    if wants_mean:  # the mean post-RoPE key of each layer over this text (an upper bound:
+        # a deployed mean would come from other text)
+        hook.mean_k = {
+            layer: torch.cat([k for k, _ in rows]).float().mean(0)
+            for layer, rows in hook_captured.items()
+        }
 
     variants = list(ROTATION_VARIANTS if args.rotation else args.variants)
     if args.per_layer:
@@ -270,7 +287,7 @@ def main() -> None:
             f"| {r['variant']} | {100 * r['top1']:.2f} % | {r['ppl']:.3f} | "
             f"{r['rel_err_mean']:.4f} / {r['rel_err_max']:.4f} | {r['kl_mean']:.2e} |"
         )
-    stats = layer_stats(hook_captured, hd) if args.stats else None
+    stats = layer_stats(hook_captured, hd) if args.stats and hook_captured else None
     if stats:
         keys = [k for k in stats[0] if k != "layer"]
         print("\n| layer | " + " | ".join(keys) + " |")
