@@ -63,6 +63,15 @@ class FreshSplit(NamedTuple):
     flash_max_q_len: int
 
 
+STORED_ROWS_MIN_LEN = 1024
+"""Quantized caches: the longest fresh prompt from which the fresh rows take SDPA / flash over
+their stored values (``stored_rows``). Reading the rows back costs a gather and the torch
+dequantization per layer (a dozen small launches); with short prompts the attention it speeds
+up is smaller than that (64 prompts of 256 tokens of a 1B Llama: ~0.5 ms of prefill attention
+in all), with long ones it dominates the step. A first guess, to be set from
+``bench/bench_engine.py`` runs on the GPU."""
+
+
 def fresh_split(cu_seqlens_q: np.ndarray, fresh_from: int) -> FreshSplit | None:
     """Where a segment splits, from its host ``cu_seqlens_q`` ``[rows + 1]`` (0-based) and
     its first fresh row; None when no row is fresh.
@@ -106,8 +115,9 @@ def prefill_fresh_rows(
         stored_rows: quantized caches: ``(lo, hi) -> (k, v)``, the BF16 ``[hi - lo, Hkv, D]``
             values the cache holds for the segment's rows ``lo .. hi - 1`` (dequantized, the
             values the paged kernel reads); the fresh rows then attend over those with SDPA
-            or flash, the same attention as the paged kernel's. None: a quantized cache keeps
-            the paged kernel.
+            or flash, the same attention as the paged kernel's, when the longest fresh prompt
+            has at least ``STORED_ROWS_MIN_LEN`` tokens. None: a quantized cache keeps the
+            paged kernel.
 
     Returns ``out`` (or a new tensor) with every row written, or None (then the caller runs
     the paged kernel over the whole segment; ``out`` may hold partial results meanwhile).
@@ -120,7 +130,7 @@ def prefill_fresh_rows(
     j, t0 = split.num_paged_rows, split.num_paged_tokens
     q_f, k_f, v_f = q[t0:], k_new[t0:], v_new[t0:]
     quantized, cache_dtype = kv_layout is not None, k_cache.dtype
-    if quantized and stored_rows is not None:
+    if quantized and stored_rows is not None and split.flash_max_q_len >= STORED_ROWS_MIN_LEN:
         # decide on stand-ins of the stored rows (no device work), load them only if used
         k_f = v_f = torch.empty(k_f.shape, dtype=torch.bfloat16, device="meta")
         quantized, cache_dtype = False, torch.bfloat16

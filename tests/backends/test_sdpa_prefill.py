@@ -254,6 +254,7 @@ def test_backends_with_sdpa_forced_on(name, specs, expect, hkv, monkeypatch):
     ],
 )
 def test_backend_choice(env, window, kv_format, sdpa_runs, monkeypatch):
+    monkeypatch.setattr(fp, "STORED_ROWS_MIN_LEN", 1)
     if env is None:
         monkeypatch.delenv("KVPLAN_PREFILL_SDPA", raising=False)
     else:
@@ -278,6 +279,7 @@ def test_quantized_cache_fresh_rows_equal_the_paged_kernel(name, kv_format, spec
     attention over the stored values within bf16 tolerance; the rows with history and the
     decode rows stay on the paged kernel."""
     sc = make_scenario(7, specs, num_heads=4, num_kv_heads=2, head_dim=32, kv_format=kv_format)
+    monkeypatch.setattr(fp, "STORED_ROWS_MIN_LEN", 1)
     monkeypatch.setenv("KVPLAN_PREFILL_SDPA", "0")
     paged = _run(name, sc)
     monkeypatch.setenv("KVPLAN_PREFILL_SDPA", "1")
@@ -326,3 +328,16 @@ def test_read_slots_returns_the_stored_values():
             else:  # independent: the format's quantize-dequantize of the rows
                 vals, scales = quantize(x.reshape(3, 64), kv.layout)
                 assert torch.equal(got.reshape(3, 64), dequantize(vals, scales, kv.layout))
+
+
+def test_quantized_short_prompts_keep_the_paged_kernel(monkeypatch):
+    """Below ``STORED_ROWS_MIN_LEN`` tokens a quantized cache's fresh rows stay on the paged
+    kernel (reading the rows back would cost more than SDPA saves); at it they take SDPA."""
+    monkeypatch.setenv("KVPLAN_PREFILL_SDPA", "1")
+    calls = _record(monkeypatch)
+    specs = [SeqSpec(0, 9, True), SeqSpec(0, 4, True)]
+    for min_len, runs in ((10, False), (9, True)):
+        monkeypatch.setattr(fp, "STORED_ROWS_MIN_LEN", min_len)
+        calls.clear()
+        _run("ragged", make_scenario(5, specs, head_dim=32, kv_format="fp8"))
+        assert bool(calls) == runs, min_len
