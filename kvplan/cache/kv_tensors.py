@@ -217,10 +217,12 @@ class KVCacheTensors:
         idx = slots.long()
         k_cache, v_cache = self._raw[self._check_layer(layer)]
         if not self.is_quantized:
-            k_cache, v_cache = self.k_cache(layer), self.v_cache(layer)
-            flat = (-1, self.num_kv_heads, self.head_dim)
-            return k_cache.reshape(flat)[idx], v_cache.reshape(flat)[idx]
-        rows = [c.reshape(-1, 1, 1, c.shape[-1])[idx] for c in (k_cache, v_cache)]  # [n,1,1,B]
+            block, offset = idx // self.block_size, idx % self.block_size
+            return self.k_cache(layer)[block, offset], self.v_cache(layer)[block, offset]
+        block, offset = idx // self.block_size, idx % self.block_size
+        # [n, 1, 1, bytes]: indexing (block, offset) gathers the records without a copy of the
+        # cache (its blocks may be padded, so a flat view of it would be one)
+        rows = [c[block, offset].unsqueeze(1) for c in (k_cache, v_cache)]
         k, v = (self._dequant(r).squeeze(1) for r in rows)
         return k, v
 
