@@ -170,6 +170,23 @@ def _attend_raw_tile(
 
 
 @triton.jit
+def _prefetch_step(
+    acc, m_i, l_i, start, hi, q, k_raw, v_raw, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """Issue the loads of tile ``start + TILE_N``, then attend tile ``start`` from its bytes
+    loaded the step before; returns the state and the next tile's bytes."""
+    k_next, v_next = _raw_kv_tile(start + TILE_N, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                                  stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N,
+                                  HEAD_DIM, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+    acc, m_i, l_i = _attend_raw_tile(acc, m_i, l_i, q, k_raw, v_raw, qk_scale, TILE_N, HEAD_DIM,
+                                     DOT_PRECISION, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+    return acc, m_i, l_i, k_next, v_next
+
+
+@triton.jit
 def _attend_range_prefetch(
     acc, m_i, l_i, lo, hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
@@ -187,25 +204,19 @@ def _attend_range_prefetch(
     if INTERPRET:
         start = lo
         while start < hi:
-            k_next, v_next = _raw_kv_tile(
-                start + TILE_N, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
-                stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N, HEAD_DIM, KV_QUANT,
-                SF_KIND, GROUP,
+            acc, m_i, l_i, k_raw, v_raw = _prefetch_step(
+                acc, m_i, l_i, start, hi, q, k_raw, v_raw, page_ptr, k_ptr, v_ptr, ks_ptr,
+                vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
+                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
             )  # fmt: skip
-            acc, m_i, l_i = _attend_raw_tile(acc, m_i, l_i, q, k_raw, v_raw, qk_scale, TILE_N,
-                                             HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
-            k_raw, v_raw = k_next, v_next
             start += TILE_N
     else:
         for start in range(lo, hi, TILE_N):
-            k_next, v_next = _raw_kv_tile(
-                start + TILE_N, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
-                stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N, HEAD_DIM, KV_QUANT,
-                SF_KIND, GROUP,
+            acc, m_i, l_i, k_raw, v_raw = _prefetch_step(
+                acc, m_i, l_i, start, hi, q, k_raw, v_raw, page_ptr, k_ptr, v_ptr, ks_ptr,
+                vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
+                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
             )  # fmt: skip
-            acc, m_i, l_i = _attend_raw_tile(acc, m_i, l_i, q, k_raw, v_raw, qk_scale, TILE_N,
-                                             HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
-            k_raw, v_raw = k_next, v_next
     return acc, m_i, l_i
 
 
