@@ -5,7 +5,7 @@
 # their effect, and the hybrid end to end vs HF.
 set -u
 source bench/gpu_steps.sh
-step 130 gpu_tests python3 -m pytest -v -m gpu -n 12 -p no:cacheprovider --tb=short -rf tests/ops/test_hyper_connection_rows.py tests/ops/test_moe_grouped.py tests/ops/test_moe_grouped_plans.py tests/models/test_deepseek_v4_moe_grouped.py tests/backends/test_fresh_prefill_gpu.py tests/engine/test_quantized_kv_engine.py tests/ops/test_sparse_tiling.py tests/backends/test_hybrid_gpu_kernels.py tests/engine/test_deepseek_v4_engine.py tests/ops/test_skinny_gemm.py tests/ops/test_paged_attention_quantized.py
+step 130 gpu_tests python3 -m pytest -v -m gpu -n 12 -p no:cacheprovider --tb=short -rf tests/ops/test_hyper_connection_rows.py tests/ops/test_moe_grouped.py tests/ops/test_moe_grouped_plans.py tests/models/test_deepseek_v4_moe_grouped.py tests/backends/test_fresh_prefill_gpu.py tests/engine/test_quantized_kv_engine.py tests/ops/test_sparse_tiling.py tests/backends/test_hybrid_gpu_kernels.py tests/engine/test_deepseek_v4_engine.py tests/ops/test_skinny_gemm.py tests/ops/test_paged_attention_quantized.py tests/ops/test_sparse_split.py
 grep -E "passed|failed|^FAILED" "$W/gpu_tests.log" | tail -8
 step 40 moe python3 bench/bench_dsv4_blocks.py --moe-sweep --moe-rows 8192 --out "$W/moe.json"
 grep -E "group_pairs|whole|old|default|best" "$W/moe.log" | tail -8

@@ -74,6 +74,54 @@ def _scales_at(c_ptr, sbase, grp, mask, SF: tl.constexpr):
 
 
 @triton.jit
+def _key_bytes(
+    c_ptr, slots, valid, d0, block_size, stride_block, stride_token, scale_stride,
+    scale_offset, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DW: tl.constexpr,
+):  # fmt: skip
+    """The loads of a quantized ``FLAT`` tile (``KIND`` 2 / 3): the value bytes ``[TILE_N, DW]``
+    of columns ``[d0, d0 + DW)`` (e2m1: byte ``d // 2`` for column ``d``) and the fp32 scale
+    multipliers ``[TILE_N, DW // GS]``; `_dequantize_keys` finishes the tile."""
+    s = tl.where(valid, slots, 0).to(tl.int64)
+    blk, off = s // block_size, s % block_size
+    base = blk * stride_block + off * stride_token  # [TILE_N]
+    sbase = blk * stride_block + off * scale_stride + scale_offset
+    d = d0 + tl.arange(0, DW)
+    dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    if KIND == 2:
+        vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
+    else:
+        vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
+    g = d0 // GS + tl.arange(0, DW // GS)
+    mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
+    return vb, mult
+
+
+@triton.jit
+def _dequantize_keys(
+    vb, mult, d0, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, DW: tl.constexpr,
+    TILE_N: tl.constexpr, HW: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """`_key_bytes`' loads -> the ``[TILE_N, DW]`` keys (as `_load_key_cols` returns them)."""
+    d = d0 + tl.arange(0, DW)
+    if KIND == 2:
+        if HW:
+            vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            vals = decode_e4m3(vb.to(tl.int32))
+    else:
+        codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
+        vals = decode_e2m1(codes)
+    G: tl.constexpr = DW // GS
+    x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
+    if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
+        x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+    if BF16:  # exact: every dequantized key is a bf16
+        x = x.to(tl.bfloat16)
+    return x
+
+
+@triton.jit
 def _load_key_cols(
     c_ptr, slots, valid, d0, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -86,6 +134,10 @@ def _load_key_cols(
     multiples of ``GS`` (``DW // GS`` a power of two) and ``d0 + DW <= HEAD_DIM``. Scales of
     slot ``s`` start at ``block * stride_block + row * scale_stride + scale_offset``
     (token-interleaved records: ``scale_stride = stride_token``)."""
+    if KIND >= 2 and FLAT:
+        vb, mult = _key_bytes(c_ptr, slots, valid, d0, block_size, stride_block, stride_token,
+                              scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DW)  # fmt: skip
+        return _dequantize_keys(vb, mult, d0, KIND, SF, GS, DW, TILE_N, HW, BF16)
     s = tl.where(valid, slots, 0).to(tl.int64)
     blk, off = s // block_size, s % block_size
     base = blk * stride_block + off * stride_token  # [TILE_N]
@@ -111,13 +163,7 @@ def _load_key_cols(
             vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
             codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
             vals = decode_e2m1(codes)
-        if FLAT:
-            G: tl.constexpr = DW // GS
-            g = d0 // GS + tl.arange(0, G)
-            mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
-            x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
-        else:
-            x = vals * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
+        x = vals * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
         if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
             x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
         if BF16:  # exact: every dequantized key is a bf16
@@ -180,13 +226,7 @@ def _attend_tile(
             kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block,
                                 stride_token, scale_stride, scale_offset, KIND, SF, GS,
                                 HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16)  # fmt: skip
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [TILE_H, TILE_N]
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_BF16:
-        p = p.to(tl.bfloat16)
+    p, alpha, m_new, l_i = _online_softmax(s, valid, m_i, l_i, qk_scale, DOT_BF16)
     if PV_SPLIT == 1:
         acc = (_pv_step(acc[0], alpha, p, kd, DOT_BF16),)
     else:
@@ -194,6 +234,71 @@ def _attend_tile(
                         stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
                         D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT)  # fmt: skip
     return acc, m_new, l_i
+
+
+@triton.jit
+def _online_softmax(s, valid, m_i, l_i, qk_scale, DOT_BF16: tl.constexpr):
+    """One step of the online softmax over logits ``s`` ``[TILE_H, TILE_N]`` (columns not
+    ``valid`` drop out): (probabilities, bf16 for bf16 dots; rescale of the old state; new
+    running max; new denominator)."""
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_BF16:
+        p = p.to(tl.bfloat16)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _prefetched_tile(
+    acc, m_i, l_i, q, valid, vb, mult, qk_scale, KIND: tl.constexpr, SF: tl.constexpr,
+    GS: tl.constexpr, D_P2: tl.constexpr, TILE_N: tl.constexpr, HW: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+):  # fmt: skip
+    """`_attend_tile` (whole query tile, one value product) of a quantized ``FLAT`` tile whose
+    loads (`_key_bytes`) were issued the step before."""
+    kd = _dequantize_keys(vb, mult, 0, KIND, SF, GS, D_P2, TILE_N, HW, DOT_BF16)
+    if DOT_BF16:
+        s = tl.dot(q, tl.trans(kd))
+    else:
+        s = tl.dot(q, tl.trans(kd), input_precision="ieee")
+    p, alpha, m_new, l_i = _online_softmax(s, valid, m_i, l_i, qk_scale, DOT_BF16)
+    return (_pv_step(acc[0], alpha, p, kd, DOT_BF16),), m_new, l_i
+
+
+@triton.jit
+def _cols_ahead(
+    row_idx, start, num_cols, num_slots, c_ptr, block_size, stride_block, stride_token,
+    scale_stride, scale_offset, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_N: tl.constexpr,
+):  # fmt: skip
+    """The index columns ``[start, start + TILE_N)`` (masked below ``num_cols``): their
+    validity and their keys' loads (`_key_bytes`)."""
+    cols = start + tl.arange(0, TILE_N)
+    slots = tl.load(row_idx + cols, mask=cols < num_cols, other=-1)
+    valid = (slots >= 0) & (slots < num_slots)
+    vb, mult = _key_bytes(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
+                          scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2)  # fmt: skip
+    return valid, vb, mult
+
+
+@triton.jit
+def _prefetch_cols_step(
+    acc, m_i, l_i, q, valid, vb, mult, row_idx, start, num_cols, num_slots, c_ptr, block_size,
+    stride_block, stride_token, scale_stride, scale_offset, qk_scale, KIND: tl.constexpr,
+    SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
+    TILE_N: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr,
+):  # fmt: skip
+    """Issue the loads of columns ``start + TILE_N ..``, then attend the tile at ``start``
+    from its loads of the step before; returns the state and the next tile's loads."""
+    nvalid, nvb, nmult = _cols_ahead(row_idx, start + TILE_N, num_cols, num_slots, c_ptr,
+                                     block_size, stride_block, stride_token, scale_stride,
+                                     scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N)  # fmt: skip
+    acc, m_i, l_i = _prefetched_tile(acc, m_i, l_i, q, valid, vb, mult, qk_scale, KIND, SF, GS,
+                                     D_P2, TILE_N, HW, DOT_BF16)  # fmt: skip
+    return acc, m_i, l_i, nvalid, nvb, nmult
 
 
 @triton.jit
@@ -259,13 +364,36 @@ def _attend_cols(
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr,
     HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr, PV_SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax steps over index columns ``[lo, hi)`` of row ``t`` of one source (the
     whole row: ``lo = 0``, ``hi = num_cols``; a split: its share). The CPU interpreter cannot
-    take a runtime bound in ``range``: there a ``while`` loop runs the same steps."""
+    take a runtime bound in ``range``: there a ``while`` loop runs the same steps.
+    ``PREFETCH`` (quantized ``FLAT`` sources, whole query tile, one value product): each
+    step issues the next tile's index and key loads before it computes on the tile loaded
+    the step before (the compiler pipelines only the index loads on its own)."""
     row_idx = idx_ptr + t.to(tl.int64) * stride_idx
-    if INTERPRET:
+    if PREFETCH and KIND >= 2 and FLAT and D_CHUNK == 0 and PV_SPLIT == 1:
+        valid, vb, mult = _cols_ahead(row_idx, lo, hi, num_slots, c_ptr, block_size,
+                                      stride_block, stride_token, scale_stride, scale_offset,
+                                      KIND, SF, GS, HEAD_DIM, D_P2, TILE_N)  # fmt: skip
+        if INTERPRET:
+            start = lo
+            while start < hi:
+                acc, m_i, l_i, valid, vb, mult = _prefetch_cols_step(
+                    acc, m_i, l_i, q, valid, vb, mult, row_idx, start, hi, num_slots, c_ptr,
+                    block_size, stride_block, stride_token, scale_stride, scale_offset,
+                    qk_scale, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, HW, DOT_BF16,
+                )  # fmt: skip
+                start += TILE_N
+        else:
+            for start in range(lo, hi, TILE_N):
+                acc, m_i, l_i, valid, vb, mult = _prefetch_cols_step(
+                    acc, m_i, l_i, q, valid, vb, mult, row_idx, start, hi, num_slots, c_ptr,
+                    block_size, stride_block, stride_token, scale_stride, scale_offset,
+                    qk_scale, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, HW, DOT_BF16,
+                )  # fmt: skip
+    elif INTERPRET:
         start = lo
         while start < hi:
             acc, m_i, l_i = _attend_tile(
@@ -314,7 +442,7 @@ def sparse_attention_kernel(
     KIND0: tl.constexpr, SF0: tl.constexpr, GS0: tl.constexpr, FLAT0: tl.constexpr,
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
     HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
-    PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(T, cdiv(H, TILE_H))``. q / out ``[T, H, D]``; sinks fp32 ``[H]``; per source
     ``i``: cache pointer, int32 index ``[T, n_i]`` (row stride ``stride_i``), ``slots_i``
@@ -335,13 +463,13 @@ def sparse_attention_kernel(
     acc, m_i, l_i = _attend_cols(
         acc, m_i, l_i, q, q_row, h_ok, t, 0, n0, c0_ptr, i0_ptr, stride_i0, slots0, bs0, sblk0,
         stok0, sstr0, soff0, qk_scale, KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT0,
-        HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET,
+        HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET, PREFETCH,
     )  # fmt: skip
     if HAS1:
         acc, m_i, l_i = _attend_cols(
             acc, m_i, l_i, q, q_row, h_ok, t, 0, n1, c1_ptr, i1_ptr, stride_i1, slots1, bs1,
             sblk1, stok1, sstr1, soff1, qk_scale, KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_H,
-            TILE_N, FLAT1, HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET,
+            TILE_N, FLAT1, HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET, PREFETCH,
         )  # fmt: skip
     inv = tl.where(l_i > 0, l_i, 1.0)[:, None]
     DC: tl.constexpr = D_P2 // PV_SPLIT
