@@ -79,21 +79,26 @@ def _key_bytes(
     scale_offset, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     DW: tl.constexpr,
 ):  # fmt: skip
-    """The loads of a quantized ``FLAT`` tile (``KIND`` 2 / 3): the value bytes ``[TILE_N, DW]``
-    of columns ``[d0, d0 + DW)`` (e2m1: byte ``d // 2`` for column ``d``) and the fp32 scale
-    multipliers ``[TILE_N, DW // GS]``; `_dequantize_keys` finishes the tile."""
+    """The loads of a tile's columns ``[d0, d0 + DW)``: plain rows (``KIND`` 0 / 1): the
+    ``[TILE_N, DW]`` values (and ``valid`` as a placeholder); quantized ``FLAT`` ones (2 / 3):
+    the value bytes ``[TILE_N, DW]`` (e2m1: byte ``d // 2`` for column ``d``) and the fp32
+    scale multipliers ``[TILE_N, DW // GS]``. `_dequantize_keys` finishes the tile."""
     s = tl.where(valid, slots, 0).to(tl.int64)
     blk, off = s // block_size, s % block_size
     base = blk * stride_block + off * stride_token  # [TILE_N]
     sbase = blk * stride_block + off * scale_stride + scale_offset
     d = d0 + tl.arange(0, DW)
     dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    if KIND == 2:
-        vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
+    if KIND <= 1:
+        vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
+        mult = valid
     else:
-        vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
-    g = d0 // GS + tl.arange(0, DW // GS)
-    mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
+        if KIND == 2:
+            vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
+        else:
+            vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
+        g = d0 // GS + tl.arange(0, DW // GS)
+        mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
     return vb, mult
 
 
@@ -104,20 +109,25 @@ def _dequantize_keys(
 ):  # fmt: skip
     """`_key_bytes`' loads -> the ``[TILE_N, DW]`` keys (as `_load_key_cols` returns them)."""
     d = d0 + tl.arange(0, DW)
-    if KIND == 2:
-        if HW:
-            vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            vals = decode_e4m3(vb.to(tl.int32))
+    if KIND == 0:  # fp32 rows
+        x = vb.to(tl.bfloat16) if BF16 else vb
+    elif KIND == 1:  # bf16 rows
+        x = vb if BF16 else vb.to(tl.float32)
     else:
-        codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
-        vals = decode_e2m1(codes)
-    G: tl.constexpr = DW // GS
-    x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
-    if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
-        x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
-    if BF16:  # exact: every dequantized key is a bf16
-        x = x.to(tl.bfloat16)
+        if KIND == 2:
+            if HW:
+                vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                vals = decode_e4m3(vb.to(tl.int32))
+        else:
+            codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
+            vals = decode_e2m1(codes)
+        G: tl.constexpr = DW // GS
+        x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
+        if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
+            x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+        if BF16:  # exact: every dequantized key is a bf16
+            x = x.to(tl.bfloat16)
     return x
 
 
@@ -134,7 +144,7 @@ def _load_key_cols(
     multiples of ``GS`` (``DW // GS`` a power of two) and ``d0 + DW <= HEAD_DIM``. Scales of
     slot ``s`` start at ``block * stride_block + row * scale_stride + scale_offset``
     (token-interleaved records: ``scale_stride = stride_token``)."""
-    if KIND >= 2 and FLAT:
+    if KIND <= 1 or FLAT:
         vb, mult = _key_bytes(c_ptr, slots, valid, d0, block_size, stride_block, stride_token,
                               scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DW)  # fmt: skip
         return _dequantize_keys(vb, mult, d0, KIND, SF, GS, DW, TILE_N, HW, BF16)
@@ -144,30 +154,22 @@ def _load_key_cols(
     sbase = blk * stride_block + off * scale_stride + scale_offset
     d = d0 + tl.arange(0, DW)
     dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    if KIND == 0:
-        x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
-        if BF16:
-            x = x.to(tl.bfloat16)
-    elif KIND == 1:
-        x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
-        if not BF16:
-            x = x.to(tl.float32)
-    else:
-        if KIND == 2:
-            vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
-            if HW:
-                vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                vals = decode_e4m3(vb.to(tl.int32))
+    # quantized rows whose scale groups do not tile the columns: one scale load per value
+    if KIND == 2:
+        vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
+        if HW:
+            vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
-            vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
-            codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
-            vals = decode_e2m1(codes)
-        x = vals * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
-        if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
-            x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
-        if BF16:  # exact: every dequantized key is a bf16
-            x = x.to(tl.bfloat16)
+            vals = decode_e4m3(vb.to(tl.int32))
+    else:
+        vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
+        codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
+        vals = decode_e2m1(codes)
+    x = vals * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
+    if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
+        x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+    if BF16:  # exact: every dequantized key is a bf16
+        x = x.to(tl.bfloat16)
     return x
 
 
@@ -257,8 +259,8 @@ def _prefetched_tile(
     GS: tl.constexpr, D_P2: tl.constexpr, TILE_N: tl.constexpr, HW: tl.constexpr,
     DOT_BF16: tl.constexpr,
 ):  # fmt: skip
-    """`_attend_tile` (whole query tile, one value product) of a quantized ``FLAT`` tile whose
-    loads (`_key_bytes`) were issued the step before."""
+    """`_attend_tile` (whole query tile, one value product) of a tile whose loads
+    (`_key_bytes`) were issued the step before."""
     kd = _dequantize_keys(vb, mult, 0, KIND, SF, GS, D_P2, TILE_N, HW, DOT_BF16)
     if DOT_BF16:
         s = tl.dot(q, tl.trans(kd))
@@ -369,11 +371,11 @@ def _attend_cols(
     """Online-softmax steps over index columns ``[lo, hi)`` of row ``t`` of one source (the
     whole row: ``lo = 0``, ``hi = num_cols``; a split: its share). The CPU interpreter cannot
     take a runtime bound in ``range``: there a ``while`` loop runs the same steps.
-    ``PREFETCH`` (quantized ``FLAT`` sources, whole query tile, one value product): each
+    ``PREFETCH`` (plain or quantized ``FLAT`` sources, whole query tile, one value product): each
     step issues the next tile's index and key loads before it computes on the tile loaded
     the step before (the compiler pipelines only the index loads on its own)."""
     row_idx = idx_ptr + t.to(tl.int64) * stride_idx
-    if PREFETCH and KIND >= 2 and FLAT and D_CHUNK == 0 and PV_SPLIT == 1:
+    if PREFETCH and (KIND <= 1 or FLAT) and D_CHUNK == 0 and PV_SPLIT == 1:
         valid, vb, mult = _cols_ahead(row_idx, lo, hi, num_slots, c_ptr, block_size,
                                       stride_block, stride_token, scale_stride, scale_offset,
                                       KIND, SF, GS, HEAD_DIM, D_P2, TILE_N)  # fmt: skip

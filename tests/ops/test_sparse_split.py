@@ -54,13 +54,13 @@ def test_split_interpreter_equals_torch(kinds, head_dim, num_splits) -> None:
 @interpreter
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_prefetched_key_tiles_give_the_same_result(num_splits, monkeypatch) -> None:
-    """``prefetch=True`` (each key tile's loads a step ahead; the quantized sources only, the
-    others keep the plain loop): the same values as without, hidden columns and an empty row
-    included; both equal the torch path."""
+    """``prefetch=True`` (each key tile's loads a step ahead; plain rows and quantized
+    sources whose scale groups tile the columns): the same values as without, hidden columns
+    and an empty row included; both equal the torch path."""
     calls = []
     real = _k._cols_ahead
     monkeypatch.setattr(_k, "_cols_ahead", lambda *a: calls.append(1) or real(*a))
-    for kinds in ([FP8_64, FP4_64], [FP8_64, "fp32"]):
+    for kinds in ([FP8_64, FP4_64], [FP8_64, "fp32"], ["paged_bf16", "fp32"]):
         q, sources, sinks = _inputs(kinds, 4, 3, 64, [20, 37], seed=15)
         _hide_block(sources, 3, 19)
         kw = dict(tile_n=16, num_splits=num_splits)
