@@ -74,6 +74,21 @@ def _scales_at(c_ptr, sbase, grp, mask, SF: tl.constexpr):
 
 
 @triton.jit
+def _record_addresses(
+    slots, valid, d0, block_size, stride_block, stride_token, scale_stride, scale_offset,
+    HEAD_DIM: tl.constexpr, DW: tl.constexpr,
+):  # fmt: skip
+    """(value offsets ``[TILE_N]``, scale offsets ``[TILE_N]``, columns ``d0 .. d0 + DW``,
+    their ``[TILE_N, DW]`` mask) of the rows of ``slots`` (invalid ones at slot 0, masked)."""
+    s = tl.where(valid, slots, 0).to(tl.int64)
+    blk, off = s // block_size, s % block_size
+    base = blk * stride_block + off * stride_token
+    sbase = blk * stride_block + off * scale_stride + scale_offset
+    d = d0 + tl.arange(0, DW)
+    return base, sbase, d, valid[:, None] & (d < HEAD_DIM)[None, :]
+
+
+@triton.jit
 def _key_bytes(
     c_ptr, slots, valid, d0, block_size, stride_block, stride_token, scale_stride,
     scale_offset, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -83,12 +98,9 @@ def _key_bytes(
     ``[TILE_N, DW]`` values (and ``valid`` as a placeholder); quantized ``FLAT`` ones (2 / 3):
     the value bytes ``[TILE_N, DW]`` (e2m1: byte ``d // 2`` for column ``d``) and the fp32
     scale multipliers ``[TILE_N, DW // GS]``. `_dequantize_keys` finishes the tile."""
-    s = tl.where(valid, slots, 0).to(tl.int64)
-    blk, off = s // block_size, s % block_size
-    base = blk * stride_block + off * stride_token  # [TILE_N]
-    sbase = blk * stride_block + off * scale_stride + scale_offset
-    d = d0 + tl.arange(0, DW)
-    dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    base, sbase, d, dmask = _record_addresses(slots, valid, d0, block_size, stride_block,
+                                              stride_token, scale_stride, scale_offset,
+                                              HEAD_DIM, DW)  # fmt: skip
     if KIND <= 1:
         vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
         mult = valid
@@ -148,12 +160,9 @@ def _load_key_cols(
         vb, mult = _key_bytes(c_ptr, slots, valid, d0, block_size, stride_block, stride_token,
                               scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DW)  # fmt: skip
         return _dequantize_keys(vb, mult, d0, KIND, SF, GS, DW, TILE_N, HW, BF16)
-    s = tl.where(valid, slots, 0).to(tl.int64)
-    blk, off = s // block_size, s % block_size
-    base = blk * stride_block + off * stride_token  # [TILE_N]
-    sbase = blk * stride_block + off * scale_stride + scale_offset
-    d = d0 + tl.arange(0, DW)
-    dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    base, sbase, d, dmask = _record_addresses(slots, valid, d0, block_size, stride_block,
+                                              stride_token, scale_stride, scale_offset,
+                                              HEAD_DIM, DW)  # fmt: skip
     # quantized rows whose scale groups do not tile the columns: one scale load per value
     if KIND == 2:
         vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
