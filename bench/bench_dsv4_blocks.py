@@ -315,21 +315,6 @@ MOE_SWEEP_DOWN = [
 ]
 
 
-def time_eager(fn, iters: int) -> float:
-    """Median microseconds per call (CUDA events), eager, after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 def moe_sweep(cfg: DeepseekV4Config, rows: int, dev: torch.device, iters: int,
               budget_s: float = 22.0) -> dict:  # fmt: skip
     """Each grouped GEMM kernel at ``rows`` tokens per candidate (block_m, `GemmTiles`):
@@ -359,7 +344,7 @@ def moe_sweep(cfg: DeepseekV4Config, rows: int, dev: torch.device, iters: int,
                 fn, ref = lambda p=plan, g=g: mg.grouped_down(h_ref, down, w_s, g, p), c_ref
             try:
                 diff = (fn().float() - ref.float()).abs().max().item()
-                us = time_eager(fn, iters)
+                us = time_cuda(fn, iters, False)
             except Exception as exc:  # e.g. out of shared memory: report, keep sweeping
                 print(f"  {kind} bm {bm} {tiles}: {type(exc).__name__}, skipped")
                 continue
@@ -377,14 +362,16 @@ def moe_sweep(cfg: DeepseekV4Config, rows: int, dev: torch.device, iters: int,
     whole = {}
     for name, plan in (("old", MOE_SWEEP_OLD), ("default", default), ("best", best)):
         fn = lambda p=plan: mg.moe_grouped_triton(x, ids, w, gate_up, down, limit, plan=p)  # noqa: E731
-        whole[name] = dict(plan=repr(plan), us=time_eager(fn, iters))
+        whole[name] = dict(plan=repr(plan), us=time_cuda(fn, iters, False))
     saved = mg.COUNT_SORT_MAX_CELLS
     try:
-        grouping = {"triton": time_eager(lambda: mg.group_pairs_triton(ids, e, 128, w), iters)}
+        grouping = {
+            "triton": time_cuda(lambda: mg.group_pairs_triton(ids, e, 128, w), iters, False)
+        }
         mg.COUNT_SORT_MAX_CELLS = 1 << 62
-        grouping["count"] = time_eager(lambda: mg.group_pairs(ids, e, 128), iters)
+        grouping["count"] = time_cuda(lambda: mg.group_pairs(ids, e, 128), iters, False)
         mg.COUNT_SORT_MAX_CELLS = 0
-        grouping["radix_sort"] = time_eager(lambda: mg.group_pairs(ids, e, 128), iters)
+        grouping["radix_sort"] = time_cuda(lambda: mg.group_pairs(ids, e, 128), iters, False)
     finally:
         mg.COUNT_SORT_MAX_CELLS = saved
     for kind in found:

@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # real JIT functions: compile, do not interpret
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvplan.ops._paged_attention_kernels import _decode_kernel  # noqa: E402
-from tools.compile_sm90 import compile_kernel  # noqa: E402
+from tools.compile_sm90 import compile_kernel, ptxas_report  # noqa: E402
 
 FORMATS = {  # name: (KV_QUANT, SF_KIND, GROUP, cache pointer type, PREFETCH)
     "bf16": (0, 0, 1, "*bf16", False),
@@ -58,26 +56,6 @@ def arg_type(name: str, const: dict, kptr: str) -> str:
     if name.endswith("_ptr"):
         return "*fp32" if name.startswith("part") else "*i32"
     return "fp32" if name == "qk_scale" else "i32"
-
-
-def ptxas_report(ptx: str) -> tuple[int, int]:
-    """(registers per thread, spill bytes) that ptxas reports for ``ptx`` on sm_90a."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        res = subprocess.run(
-            [get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(src) + ".o"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-    regs = spills = 0
-    for line in res.stderr.splitlines():
-        if "registers" in line:
-            regs = int(line.split("Used ")[1].split(" reg")[0])
-        if "spill stores" in line:
-            spills = int(line.split("bytes spill stores")[0].split(",")[-1])
-    return regs, spills
 
 
 def main() -> None:

@@ -17,11 +17,10 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)  # real JIT functions: compile, do not interpret
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from decode_kernel_regs import ptxas_report  # noqa: E402
 
 from kvplan.ops import _sparse_attention_kernels as _k  # noqa: E402
 from kvplan.ops import _sparse_split_kernels as _ks  # noqa: E402
-from tools.compile_sm90 import compile_kernel  # noqa: E402
+from tools.compile_sm90 import compile_kernel, ptxas_report  # noqa: E402
 
 V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=True)
 ATTN_TYPES = {"q_ptr": "*bf16", "qk_scale": "fp32", "c0_ptr": "*u8", "c1_ptr": "*u8",

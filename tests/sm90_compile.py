@@ -65,15 +65,14 @@ def compile_sm90(
 
 
 _STATS_SCRIPT = r"""
-import importlib, json, subprocess, sys, tempfile
-from pathlib import Path
+import importlib, json, sys
 try:
     from triton.backends.nvidia.compiler import get_ptxas
-    ptxas = get_ptxas(90).path
+    get_ptxas(90)
 except Exception as e:  # no CUDA toolchain in this Triton install
     print("NO_PTXAS", e)
     sys.exit(0)
-from tools.compile_sm90 import compile_kernel
+from tools.compile_sm90 import compile_kernel, ptxas_report
 
 module, name, constexprs, types, ptr_dtype, div16, options = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
@@ -81,18 +80,8 @@ sig = {n: "constexpr" if n in constexprs else types.get(n) or (ptr_dtype if n.en
        else "i32") for n in fn.arg_names}
 attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names) if n in div16}
 ck = compile_kernel(fn, sig, constexprs, attrs or None, options)
-with tempfile.TemporaryDirectory() as tmp:
-    src = Path(tmp) / "k.ptx"
-    src.write_text(ck.asm["ptx"])
-    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(src) + ".o"],
-                         capture_output=True, text=True, check=True)
-regs = spills = None
-for line in res.stderr.splitlines():
-    if "registers" in line:
-        regs = int(line.split("Used ")[1].split(" reg")[0])
-    if "spill stores" in line:
-        spills = int(line.split("bytes spill stores")[0].split(",")[-1])
 ptx = ck.asm["ptx"]
+regs, spills = ptxas_report(ptx)
 print("RESULT", json.dumps([regs, spills, ck.metadata.shared, "wgmma" in ptx, "cp.async" in ptx]))
 """
 

@@ -46,6 +46,30 @@ def compile_kernel(fn, signature: dict, constexprs: dict, attrs=None, options=No
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def ptxas_report(ptx: str) -> tuple[int, int]:
+    """(registers per thread, spill store bytes) that Triton's bundled ptxas reports for
+    ``ptx`` on sm_90a (no GPU needed)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run(
+            [get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(src) + ".o"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    regs = spills = 0
+    for line in res.stderr.splitlines():
+        if "registers" in line:
+            regs = int(line.split("Used ")[1].split(" reg")[0])
+        if "spill stores" in line:
+            spills = int(line.split("bytes spill stores")[0].split(",")[-1])
+    return regs, spills
+
+
 def compile_one(line: str) -> tuple[str, str | None]:
     os.environ.pop("TRITON_INTERPRET", None)
     rec = json.loads(line)
