@@ -61,6 +61,15 @@ def _tile(
 
 
 @triton.jit
+def _col_tile(col_tile, n, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """(output columns of column tile ``col_tile``, their mask below ``n``, the columns to
+    load: past ``n`` they read column 0, never stored)."""
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < n
+    return cols, cmask, cols if EVEN_N else tl.where(cmask, cols, 0)
+
+
+@triton.jit
 def grouped_gate_up_kernel(
     x_ptr, w_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, h_ptr,
     hidden, inter, limit, stride_x,
@@ -75,12 +84,7 @@ def grouped_gate_up_kernel(
         return
     dtype: tl.constexpr = h_ptr.dtype.element_ty
     rows = tl.load(rows_ptr + pos_in).to(tl.int64)  # padding rows repeat the tile's first
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < inter
-    if EVEN_N:
-        cols_in = cols
-    else:
-        cols_in = tl.where(cmask, cols, 0)
+    cols, cmask, cols_in = _col_tile(col_tile, inter, BLOCK_N, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + rows[:, None] * stride_x + ks[None, :]
     g_ptrs = w_ptr + ex * (2 * inter) * hidden + cols_in[None, :] * hidden + ks[:, None]
@@ -125,12 +129,7 @@ def grouped_down_kernel(
     if empty:
         return
     dtype: tl.constexpr = c_ptr.dtype.element_ty
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < hidden
-    if EVEN_N:
-        cols_in = cols
-    else:
-        cols_in = tl.where(cmask, cols, 0)
+    cols, cmask, cols_in = _col_tile(col_tile, hidden, BLOCK_N, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + pos_in[:, None] * inter + ks[None, :]
     b_ptrs = w_ptr + ex * hidden * inter + cols_in[None, :] * inter + ks[:, None]

@@ -74,6 +74,32 @@ def _scales_at(c_ptr, sbase, grp, mask, SF: tl.constexpr):
 
 
 @triton.jit
+def _decode_values(vb, d, KIND: tl.constexpr, HW: tl.constexpr):
+    """fp32 values of loaded value bytes ``vb`` ``[TILE_N, len(d)]`` of columns ``d``: e4m3
+    (``KIND`` 2; the interpreter decodes in integers) or the e2m1 nibble of column ``d`` in
+    its byte ``d // 2`` (3)."""
+    if KIND == 2:
+        if HW:
+            vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            vals = decode_e4m3(vb.to(tl.int32))
+    else:
+        vals = decode_e2m1((vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15)
+    return vals
+
+
+@triton.jit
+def _scaled_keys_out(x, SF: tl.constexpr, BF16: tl.constexpr):
+    """Scaled keys as a cast load gives them: value * fp32 scale rounded to bf16 (the other
+    scale kinds give bf16 values exactly), then bf16 for bf16 dots."""
+    if SF == 2:
+        x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+    if BF16:
+        x = x.to(tl.bfloat16)
+    return x
+
+
+@triton.jit
 def _record_addresses(
     slots, valid, d0, block_size, stride_block, stride_token, scale_stride, scale_offset,
     HEAD_DIM: tl.constexpr, DW: tl.constexpr,
@@ -120,26 +146,15 @@ def _dequantize_keys(
     TILE_N: tl.constexpr, HW: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     """`_key_bytes`' loads -> the ``[TILE_N, DW]`` keys (as `_load_key_cols` returns them)."""
-    d = d0 + tl.arange(0, DW)
     if KIND == 0:  # fp32 rows
         x = vb.to(tl.bfloat16) if BF16 else vb
     elif KIND == 1:  # bf16 rows
         x = vb if BF16 else vb.to(tl.float32)
     else:
-        if KIND == 2:
-            if HW:
-                vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                vals = decode_e4m3(vb.to(tl.int32))
-        else:
-            codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
-            vals = decode_e2m1(codes)
+        vals = _decode_values(vb, d0 + tl.arange(0, DW), KIND, HW)
         G: tl.constexpr = DW // GS
         x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
-        if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
-            x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
-        if BF16:  # exact: every dequantized key is a bf16
-            x = x.to(tl.bfloat16)
+        x = _scaled_keys_out(x, SF, BF16)
     return x
 
 
@@ -164,22 +179,11 @@ def _load_key_cols(
                                               stride_token, scale_stride, scale_offset,
                                               HEAD_DIM, DW)  # fmt: skip
     # quantized rows whose scale groups do not tile the columns: one scale load per value
-    if KIND == 2:
-        vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
-        if HW:
-            vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            vals = decode_e4m3(vb.to(tl.int32))
-    else:
-        vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
-        codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
-        vals = decode_e2m1(codes)
-    x = vals * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
-    if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
-        x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
-    if BF16:  # exact: every dequantized key is a bf16
-        x = x.to(tl.bfloat16)
-    return x
+    col = d if KIND == 2 else d // 2
+    vb = tl.load(c_ptr + base[:, None] + col[None, :], mask=dmask, other=0)
+    x = _decode_values(vb, d, KIND, HW)
+    x = x * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
+    return _scaled_keys_out(x, SF, BF16)
 
 
 @triton.jit

@@ -25,7 +25,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvplan._checks import check_tensor
@@ -178,10 +177,3 @@ def linear(layer: nn.Module, x: torch.Tensor, *, fused: bool = False) -> torch.T
         if y is not None:
             return y
     return layer(x)
-
-
-def skinny_linear_torch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The reference: ``F.linear``."""
-    return F.linear(x, weight, bias)
