@@ -139,13 +139,16 @@ def prefill_fresh_rows(
         q_f, k_f, v_f, groups, cache_dtype=cache_dtype, quantized_cache=quantized,
         sliding_window=window, device_type=q.device.type,
     )  # fmt: skip
-    if why_not is not None:
-        why_not_flash = flash_prefill_unsupported(
+
+    def flash_why_not() -> str | None:  # host facts only; the stand-ins answer for the rows
+        return flash_prefill_unsupported(
             q_f, k_f, v_f, cache_dtype=cache_dtype, quantized_cache=quantized,
             sliding_window=window, max_q_len=split.flash_max_q_len, device_type=q.device.type,
         )  # fmt: skip
-        if why_not_flash is not None:
-            return None
+
+    why_not_flash = None if why_not is None else flash_why_not()
+    if why_not_flash is not None:  # neither path applies: nothing loaded, nothing written
+        return None
     if k_f.is_meta:
         k_f, v_f = stored_rows(t0, q.shape[0])
     done = False
@@ -154,11 +157,7 @@ def prefill_fresh_rows(
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         done = sdpa_prefill(q_f, k_f, v_f, groups, scale=scale, out=out[t0:]) is not None
     if not done:
-        why_not = flash_prefill_unsupported(
-            q_f, k_f, v_f, cache_dtype=cache_dtype, quantized_cache=quantized,
-            sliding_window=window, max_q_len=split.flash_max_q_len,
-        )  # fmt: skip
-        if why_not is not None:
+        if why_not is None and flash_why_not() is not None:  # SDPA's first use failed
             return None
         cu = seg.cu_seqlens_q[j:]
         if t0:
