@@ -160,8 +160,8 @@ def test_prefetching_sparse_kernels_equal_oracle(kv_format, monkeypatch) -> None
     monkeypatch.setattr(sa, "ONE_PROGRAM_TILING", {**sa.ONE_PROGRAM_TILING, "prefetch": True})
     monkeypatch.setattr(sa, "SPLIT_TILING", {**sa.SPLIT_TILING, "prefetch": True})
     calls = []
-    real = sak._cols_ahead
-    monkeypatch.setattr(sak, "_cols_ahead", lambda *a: calls.append(1) or real(*a))
+    real = sak._prefetch_cols_step  # one call per key tile the prefetching loop attends
+    monkeypatch.setattr(sak, "_prefetch_cols_step", lambda *a: calls.append(1) or real(*a))
     rng = np.random.default_rng(3)
     fam, oracle = make_family([CSA, HCA, SLIDING], 5, 8, kv_format=kv_format)
     drv = Driver(fam, oracle, seed=12, atol=2e-5, rtol=2e-5)

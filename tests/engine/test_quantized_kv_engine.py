@@ -116,3 +116,21 @@ def test_gpu_graphs_with_quantized_cache_match_eager(kv_format):
             assert llm.engine.runner.graphs is not None
             assert llm.engine.runner.graphs.num_replays > 0
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
+def test_engine_with_prefetching_paged_kernels_gives_the_same_logits(kv_format, monkeypatch):
+    """The engine on the Triton paged kernels (interpreter) with ``QUANT_PREFETCH``: each
+    whole tile's bytes loaded a step ahead, the logits of the same engine without it."""
+    import kvplan.ops._paged_attention_kernels as pak
+
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, CFG.vocab_size, (90,), generator=g).tolist()  # whole 64-key tiles
+    want = prompt_logits(_engine(kv_format).engine, ids, 16)
+    calls = []
+    real = pak._prefetch_step  # one call per whole tile the prefetching loop attends
+    monkeypatch.setattr(pak, "QUANT_PREFETCH", True)
+    monkeypatch.setattr(pak, "_prefetch_step", lambda *a: calls.append(1) or real(*a))
+    got = prompt_logits(_engine(kv_format).engine, ids, 16)
+    assert calls and torch.equal(got, want)

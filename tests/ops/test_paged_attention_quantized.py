@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+import kvplan.ops._paged_attention_kernels as pak
 from kvplan import quant
 from kvplan.formats import KVCacheFormat, alloc_kv_cache
 from kvplan.ops._paged_kv_tiles import kv_geometry, load_kv_tile
@@ -155,9 +156,12 @@ def test_prefill_triton_reads_quantized_pages(kind, seed, kv_lens, q_lens, group
 
 @pytest.mark.parametrize("kind", ["fp8", "fp4", "int8"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_prefetched_tiles_give_the_same_result(kind, decode):
+def test_prefetched_tiles_give_the_same_result(kind, decode, monkeypatch):
     """``prefetch=True``: the whole tiles' bytes loaded one step ahead (the tile after the last
     loads nothing) -- the reference again, and the same values as without it."""
+    calls = []
+    real = pak._prefetch_step  # one call per whole tile the prefetching loop attends
+    monkeypatch.setattr(pak, "_prefetch_step", lambda *a: calls.append(1) or real(*a))
     kv_lens, q_lens = [70, 35, 129, 1], ([1] * 4 if decode else [9, 35, 3, 1])
     c, (k_raw, v_raw), fmt, dq = quantized_case(
         kind, 21, kv_lens, q_lens, group=2, block_size=16, layout="offsets", head_dim=32
@@ -177,6 +181,7 @@ def test_prefetched_tiles_give_the_same_result(kind, decode):
         assert_close(got, dq.ref(decode=decode))
         if prefetch:
             first = got
+            assert calls
     assert torch.equal(first, got)
 
 

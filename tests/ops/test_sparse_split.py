@@ -58,8 +58,8 @@ def test_prefetched_key_tiles_give_the_same_result(num_splits, monkeypatch) -> N
     sources whose scale groups tile the columns): the same values as without, hidden columns
     and an empty row included; both equal the torch path."""
     calls = []
-    real = _k._cols_ahead
-    monkeypatch.setattr(_k, "_cols_ahead", lambda *a: calls.append(1) or real(*a))
+    real = _k._prefetch_cols_step  # one call per key tile the prefetching loop attends
+    monkeypatch.setattr(_k, "_prefetch_cols_step", lambda *a: calls.append(1) or real(*a))
     for kinds in ([FP8_64, FP4_64], [FP8_64, "fp32"], ["paged_bf16", "fp32"]):
         q, sources, sinks = _inputs(kinds, 4, 3, 64, [20, 37], seed=15)
         _hide_block(sources, 3, 19)
