@@ -1,0 +1,124 @@
+"""Where a long prompt's prefill spends its time, per KV format and fresh-row path.
+
+Builds the engine benchmark's random-weight Llama (``llama-1b``, bf16) once per variant and
+runs ``--prompts`` prompts of ``--prompt-len`` tokens, one prompt a step (the chunk budget is
+the prompt length), each producing one token: the prefill alone. Variants, side by side in
+one process:
+
+* ``bf16``: a bf16 cache (fresh rows on SDPA / flash over the new K/V);
+* ``<fmt>``: a quantized cache with the default fresh-row rule (SDPA / flash over the stored
+  values from ``STORED_ROWS_MIN_LEN`` tokens);
+* ``<fmt>-paged``: the same cache with the paged prefill kernel on every row (the rule off).
+
+For each: milliseconds per prompt (median of ``--prompts``, CUDA-synchronized), and the
+kernels of one prompt under torch.profiler (time per kernel name, top ``--top``).
+
+    PYTHONPATH=. python3 bench/profile_prefill.py --out prefill.json
+    PYTHONPATH=. python3 bench/profile_prefill.py --quick --out q.json    (CPU, tiny, seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kvplan.backends import fresh_prefill
+from kvplan.engine.cli_bench import make_prompts
+from kvplan.engine.sampling import SamplingParams
+from kvplan.models.config import named_config
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_variant(name: str, args, cfg, dev, dtype) -> dict:
+    from kvplan import LLM
+
+    fmt, _, mode = name.partition("-")
+    saved = fresh_prefill.STORED_ROWS_MIN_LEN
+    if mode == "paged":
+        fresh_prefill.STORED_ROWS_MIN_LEN = 1 << 62
+    try:
+        llm = LLM(cfg, device=dev, dtype=dtype, kv_format=fmt, max_num_seqs=2,
+                  max_num_batched_tokens=args.prompt_len, max_model_len=args.prompt_len + 8,
+                  kv_cache_memory=args.kv_cache_memory)  # fmt: skip
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        warm = make_prompts(2, args.prompt_len, cfg.vocab_size, seed=1)
+        llm.generate(warm, one)
+        sync(dev)
+        ms = []
+        for p in make_prompts(args.prompts, args.prompt_len, cfg.vocab_size, seed=2):
+            t0 = time.perf_counter()
+            llm.generate([p], one)
+            sync(dev)
+            ms.append((time.perf_counter() - t0) * 1e3)
+        row = {"variant": name, "ms_per_prompt": statistics.median(ms), "ms_all": ms}
+        if dev.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                llm.generate(warm[:1], one)
+                sync(dev)
+            kernels: dict[str, list[float]] = {}
+            for e in prof.events():
+                if e.device_type.name == "CUDA":
+                    k = kernels.setdefault(e.name[:100], [0, 0.0])
+                    k[0] += 1
+                    k[1] += e.device_time_total / 1e3
+            top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+            row["kernel_ms_total"] = sum(v[1] for v in kernels.values())
+            row["kernels"] = [{"name": k, "calls": c, "ms": t} for k, (c, t) in top[: args.top]]
+        del llm
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return row
+    finally:
+        fresh_prefill.STORED_ROWS_MIN_LEN = saved
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="tiny model on the CPU")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--variants", default="bf16,fp8,fp8-paged,fp4,fp4-paged")
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--kv-cache-memory", type=int, default=None)
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    if args.quick:
+        cfg, dtype = named_config("tiny-llama", head_dim_override=64), torch.float32
+        args.prompt_len = args.prompt_len or 96
+        args.kv_cache_memory = args.kv_cache_memory or (32 << 20)
+    else:
+        cfg, dtype = named_config("llama-1b"), torch.bfloat16
+        args.prompt_len = args.prompt_len or 8192
+        args.kv_cache_memory = args.kv_cache_memory or (2 << 30)
+    rows = []
+    for name in args.variants.split(","):
+        row = run_variant(name, args, cfg, dev, dtype)
+        rows.append(row)
+        print(f"{name:10s} {row['ms_per_prompt']:9.2f} ms per {args.prompt_len}-token prompt"
+              + (f"  (kernels {row['kernel_ms_total']:.2f} ms)" if "kernel_ms_total" in row else ""))  # fmt: skip
+        for k in row.get("kernels", [])[:8]:
+            print(f"    {k['ms']:8.2f} ms {k['calls']:5d}  {k['name'][:80]}")
+    rec = {
+        "bench": "profile_prefill", "device": torch.cuda.get_device_name() if dev.type == "cuda"
+        else "cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "prompt_len": args.prompt_len, "config": "tiny-llama" if args.quick else "llama-1b",
+        "stored_rows_min_len": fresh_prefill.STORED_ROWS_MIN_LEN, "runs": rows,
+    }  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(rec, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
