@@ -8,10 +8,15 @@ one process:
 * ``bf16``: a bf16 cache (fresh rows on SDPA / flash over the new K/V);
 * ``<fmt>``: a quantized cache with the default fresh-row rule (SDPA / flash over the stored
   values from ``STORED_ROWS_MIN_LEN`` tokens);
-* ``<fmt>-paged``: the same cache with the paged prefill kernel on every row (the rule off).
+* ``<fmt>-paged``: the same cache with the paged prefill kernel on every row (the rule off);
+* a ``+prefetch`` suffix: the quantized paged kernels load each key tile's bytes a tile ahead
+  (``QUANT_PREFETCH``).
 
 For each: milliseconds per prompt (median of ``--prompts``, CUDA-synchronized), and the
-kernels of one prompt under torch.profiler (time per kernel name, top ``--top``).
+kernels of one prompt under torch.profiler (time per kernel name, top ``--top``). With
+``--workload N,NEW``: instead, N prompts generating NEW tokens each, as ``bench_engine.py`` runs
+them (the whole workload, decode steps and steps that mix prompts with decode rows), wall time
+and the kernels of a second run under the profiler.
 
     PYTHONPATH=. python3 bench/profile_prefill.py --out prefill.json
     PYTHONPATH=. python3 bench/profile_prefill.py --quick --out q.json    (CPU, tiny, seconds)
@@ -40,22 +45,33 @@ def sync(dev: torch.device) -> None:
 def run_variant(name: str, args, cfg, dev, dtype) -> dict:
     from kvplan import LLM
 
-    fmt, _, mode = name.partition("-")
-    saved = fresh_prefill.STORED_ROWS_MIN_LEN
+    from kvplan.ops import _paged_attention_kernels as pk
+
+    base, _, extra = name.partition("+")
+    fmt, _, mode = base.partition("-")
+    saved = fresh_prefill.STORED_ROWS_MIN_LEN, pk.QUANT_PREFETCH
     if mode == "paged":
         fresh_prefill.STORED_ROWS_MIN_LEN = 1 << 62
+    if extra == "prefetch":
+        pk.QUANT_PREFETCH = True
     try:
-        llm = LLM(cfg, device=dev, dtype=dtype, kv_format=fmt, max_num_seqs=2,
-                  max_num_batched_tokens=args.prompt_len, max_model_len=args.prompt_len + 8,
+        n, new = args.workload or (2, 1)
+        llm = LLM(cfg, device=dev, dtype=dtype, kv_format=fmt, max_num_seqs=n,
+                  max_num_batched_tokens=max(args.prompt_len, 8192 if args.workload else 0),
+                  max_model_len=args.prompt_len + new + 32,
                   kv_cache_memory=args.kv_cache_memory)  # fmt: skip
-        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        warm = make_prompts(2, args.prompt_len, cfg.vocab_size, seed=1)
-        llm.generate(warm, one)
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        warm = make_prompts(n, args.prompt_len, cfg.vocab_size, seed=1)
+        llm.generate(warm, params)
         sync(dev)
         ms = []
-        for p in make_prompts(args.prompts, args.prompt_len, cfg.vocab_size, seed=2):
+        if args.workload:
+            runs = [make_prompts(n, args.prompt_len, cfg.vocab_size, seed=2)]
+        else:
+            runs = [[p] for p in make_prompts(args.prompts, args.prompt_len, cfg.vocab_size, seed=2)]
+        for batch in runs:
             t0 = time.perf_counter()
-            llm.generate([p], one)
+            llm.generate(batch, params)
             sync(dev)
             ms.append((time.perf_counter() - t0) * 1e3)
         row = {"variant": name, "ms_per_prompt": statistics.median(ms), "ms_all": ms}
@@ -63,7 +79,7 @@ def run_variant(name: str, args, cfg, dev, dtype) -> dict:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                llm.generate(warm[:1], one)
+                llm.generate(runs[0] if args.workload else warm[:1], params)
                 sync(dev)
             kernels: dict[str, list[float]] = {}
             for e in prof.events():
@@ -79,7 +95,7 @@ def run_variant(name: str, args, cfg, dev, dtype) -> dict:
             torch.cuda.empty_cache()
         return row
     finally:
-        fresh_prefill.STORED_ROWS_MIN_LEN = saved
+        fresh_prefill.STORED_ROWS_MIN_LEN, pk.QUANT_PREFETCH = saved
 
 
 def main() -> int:
@@ -91,7 +107,11 @@ def main() -> int:
     ap.add_argument("--variants", default="bf16,fp8,fp8-paged,fp4,fp4-paged")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--kv-cache-memory", type=int, default=None)
+    ap.add_argument("--workload", default=None, metavar="N,NEW",
+                    help="time N prompts x NEW new tokens as one workload instead")
     args = ap.parse_args()
+    if args.workload:
+        args.workload = tuple(int(x) for x in args.workload.split(","))
     dev = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     if args.quick:
         cfg, dtype = named_config("tiny-llama", head_dim_override=64), torch.float32
@@ -100,19 +120,20 @@ def main() -> int:
     else:
         cfg, dtype = named_config("llama-1b"), torch.bfloat16
         args.prompt_len = args.prompt_len or 8192
-        args.kv_cache_memory = args.kv_cache_memory or (2 << 30)
+        args.kv_cache_memory = args.kv_cache_memory or ((8 if args.workload else 2) << 30)
     rows = []
     for name in args.variants.split(","):
         row = run_variant(name, args, cfg, dev, dtype)
         rows.append(row)
-        print(f"{name:10s} {row['ms_per_prompt']:9.2f} ms per {args.prompt_len}-token prompt"
+        what = "workload" if args.workload else f"{args.prompt_len}-token prompt"
+        print(f"{name:10s} {row['ms_per_prompt']:9.2f} ms per {what}"
               + (f"  (kernels {row['kernel_ms_total']:.2f} ms)" if "kernel_ms_total" in row else ""))  # fmt: skip
         for k in row.get("kernels", [])[:8]:
             print(f"    {k['ms']:8.2f} ms {k['calls']:5d}  {k['name'][:80]}")
     rec = {
         "bench": "profile_prefill", "device": torch.cuda.get_device_name() if dev.type == "cuda"
         else "cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "prompt_len": args.prompt_len, "config": "tiny-llama" if args.quick else "llama-1b",
+        "prompt_len": args.prompt_len, "workload": args.workload, "config": "tiny-llama" if args.quick else "llama-1b",
         "stored_rows_min_len": fresh_prefill.STORED_ROWS_MIN_LEN, "runs": rows,
     }  # fmt: skip
     with open(args.out, "w") as f:
