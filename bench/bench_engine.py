@@ -140,8 +140,8 @@ def _guard(fn, *args):
 
 def timed_workload(model, vocab_size: int, prompts, args, dev, dtype):
     """``(llm, result)``: kvplan's `LLM` over ``model`` (a config or a folder) sized for the
-    workload, warmed up on prompts of the same shapes (Triton compiles per specialization;
-    different tokens), then ``run_workload`` of ``prompts`` timed."""
+    workload, warmed up on the whole workload with other tokens, then ``run_workload`` of
+    ``prompts`` timed (its result lists the Triton compiles the timed run still hit)."""
     from kvplan import LLM
 
     config = config_from_args(
@@ -151,8 +151,16 @@ def timed_workload(model, vocab_size: int, prompts, args, dev, dtype):
     )  # fmt: skip
     llm = LLM(model, config)
     warm = make_prompts(len(prompts), args.prompt_len, vocab_size, seed=1)
-    run_workload(llm, warm, 3, progress=False)
-    return llm, run_workload(llm, prompts, args.new_tokens, progress=False)
+    # the whole workload's shapes: Triton compiles a kernel per argument specialization on
+    # first use (row counts, context lengths a decode step passes through), and with only a
+    # few warm-up tokens some first uses fell inside the timed run (run_workload counts them)
+    warm_res = run_workload(llm, warm, args.new_tokens, progress=False)
+    res = run_workload(llm, prompts, args.new_tokens, progress=False)
+    if res.triton_compiles:
+        print(f"bench_engine: {len(res.triton_compiles)} Triton compiles inside the timed run "
+              f"(after {len(warm_res.triton_compiles)} in the warm-up), e.g. "
+              f"{res.triton_compiles[0][:160]}", file=sys.stderr)  # fmt: skip
+    return llm, res
 
 
 def run_kvplan(cfg, prompts, args, dev, dtype):
@@ -167,6 +175,7 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
         "median_decode_step_ms": res.median_decode_step_ms,
         "num_decode_steps_timed": len(res.decode_step_ms),
         "graph_replays": res.num_graph_replays, "steps": res.num_steps,
+        "triton_compiles_in_run": res.triton_compiles,
         "async_scheduling": llm.engine.async_scheduling,
         "steps_launched_ahead": llm.engine.num_steps_ahead,
         "weight_bytes": weight_bytes, "share_outside_gpu_kernels": share,

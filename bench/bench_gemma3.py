@@ -89,7 +89,7 @@ def run_kvplan(folder, prompts, check, args, dev, dtype) -> tuple[dict, list[lis
     row = {"output_tokens": res.output_tokens, "wall_s": res.wall_s,
            "output_tokens_per_s": res.output_tokens_per_s,
            "median_decode_step_ms": res.median_decode_step_ms, "steps": res.num_steps,
-           "graph_replays": res.num_graph_replays,
+           "graph_replays": res.num_graph_replays, "triton_compiles_in_run": res.triton_compiles,
            "async_scheduling": llm.engine.async_scheduling}  # fmt: skip
     llm.close()
     del llm

@@ -105,7 +105,8 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
     res = run_workload(llm, ids, new, progress=False)
     wall = res.wall_s
     info.update(steps=res.num_steps, graph_replays=res.num_graph_replays,
-                median_decode_step_ms=res.median_decode_step_ms)  # fmt: skip
+                median_decode_step_ms=res.median_decode_step_ms,
+                triton_compiles_in_run=res.triton_compiles)  # fmt: skip
     if args.cprofile:  # the whole workload again under cProfile: where the host time goes
         info["cprofile"] = host_profile(partial(llm.generate, ids, params), dev)
     del llm

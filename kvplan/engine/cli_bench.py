@@ -9,9 +9,11 @@ throughput table to stdout. `run_workload` is shared with ``bench/bench_engine.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +30,9 @@ class WorkloadResult:
     decode_step_ms: list[float] = field(default_factory=list)  # decode-only steps, full batch
     num_steps: int = 0
     num_graph_replays: int = 0
+    # Triton kernels compiled during the run (``triton_compiles``): each one's compile time
+    # is inside ``wall_s``; a warm-up of the same shapes leaves none
+    triton_compiles: list[str] = field(default_factory=list)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -58,10 +63,36 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def triton_compiles() -> Iterator[list[str]]:
+    """Collects one line per Triton kernel compiled inside the block (``name[options](arg
+    types)``, the specialization Triton keyed it by), through Triton's post-compile hook; a
+    hook already installed keeps being called. Kernels found in Triton's in-process cache and
+    the interpreter (``TRITON_INTERPRET=1``) compile nothing, so add nothing."""
+    names: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton: nothing can compile
+        yield names
+        return
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):
+        names.append(str(kwargs.get("repr", "?")))
+        return previous(*args, **kwargs) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
 def run_workload(
     llm, prompts: list[list[int]], new_tokens: int, *, progress: bool = True
 ) -> WorkloadResult:
-    """Run every prompt to ``new_tokens`` tokens (EOS ignored), timing each step."""
+    """Run every prompt to ``new_tokens`` tokens (EOS ignored), timing each step and
+    recording the Triton kernels compiled meanwhile."""
     from tqdm import tqdm
 
     from kvplan.engine.sampling import SamplingParams
@@ -77,6 +108,26 @@ def run_workload(
     bar = tqdm(total=len(reqs) * new_tokens, desc="kvplan: tokens", file=sys.stderr,
                disable=not progress, unit="tok")  # fmt: skip
     steps: list[float] = []
+    with triton_compiles() as compiled:
+        _drive(core, reqs, steps, bar)
+    sync_device(core.device)
+    wall = time.perf_counter() - t0
+    bar.close()
+    return WorkloadResult(
+        num_requests=len(reqs),
+        prompt_tokens=sum(len(p) for p in prompts),
+        output_tokens=sum(len(r.output_token_ids) for r in reqs),
+        wall_s=wall,
+        decode_step_ms=steps,
+        num_steps=core.num_steps - steps0,
+        num_graph_replays=(graphs.num_replays - replays0) if graphs is not None else 0,
+        triton_compiles=list(compiled),
+    )
+
+
+def _drive(core, reqs, steps: list[float], bar) -> None:
+    """The engine's steps until every request finished; full-batch decode step times in
+    ``steps``."""
     done = 0
     while core.has_unfinished():
         running = core.scheduler.running
@@ -92,18 +143,6 @@ def run_workload(
         now = sum(len(r.output_token_ids) for r in reqs)
         bar.update(now - done)
         done = now
-    sync_device(core.device)
-    wall = time.perf_counter() - t0
-    bar.close()
-    return WorkloadResult(
-        num_requests=len(reqs),
-        prompt_tokens=sum(len(p) for p in prompts),
-        output_tokens=sum(len(r.output_token_ids) for r in reqs),
-        wall_s=wall,
-        decode_step_ms=steps,
-        num_steps=core.num_steps - steps0,
-        num_graph_replays=(graphs.num_replays - replays0) if graphs is not None else 0,
-    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         ("total tokens/s", f"{res.total_tokens_per_s:,.0f}"),
         ("median full-batch decode step", "-" if step is None else f"{step:.3f} ms"),
         ("steps / graph replays", f"{res.num_steps} / {res.num_graph_replays}"),
+        ("Triton kernels compiled in the run", str(len(res.triton_compiles))),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -54,3 +54,13 @@ def test_quant_decode_quick_with_prefetch(tmp_path):
     pre = [r for r in rows if isinstance(r["config"], dict) and r["config"].get("prefetch")]
     assert {r["format"] for r in pre} == {"fp8", "fp4"}
     assert all(r["rel_err"] < 1e-2 for r in rows)
+
+
+def test_profile_prefill_quick_workload(tmp_path):
+    out = tmp_path / "prefill.json"
+    proc = _run("profile_prefill.py", "--quick", "--workload", "3,4", "--variants",
+                "bf16,fp8,fp8-paged,fp4+prefetch", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert [r["variant"] for r in rec["runs"]] == ["bf16", "fp8", "fp8-paged", "fp4+prefetch"]
+    assert rec["workload"] == [3, 4] and all(r["ms_per_prompt"] > 0 for r in rec["runs"])
