@@ -152,8 +152,8 @@ def timed_workload(model, vocab_size: int, prompts, args, dev, dtype):
     llm = LLM(model, config)
     warm = make_prompts(len(prompts), args.prompt_len, vocab_size, seed=1)
     # the whole workload's shapes: Triton compiles a kernel per argument specialization on
-    # first use (row counts, context lengths a decode step passes through), and with only a
-    # few warm-up tokens some first uses fell inside the timed run (run_workload counts them)
+    # first use (row counts, context lengths a decode step passes through): none of those
+    # may fall inside the timed run (run_workload lists any that still do)
     warm_res = run_workload(llm, warm, args.new_tokens, progress=False)
     res = run_workload(llm, prompts, args.new_tokens, progress=False)
     if res.triton_compiles:
