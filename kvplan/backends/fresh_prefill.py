@@ -65,11 +65,11 @@ class FreshSplit(NamedTuple):
 
 STORED_ROWS_MIN_LEN = 1024
 """Quantized caches: the longest fresh prompt from which the fresh rows take SDPA / flash over
-their stored values (``stored_rows``). Reading the rows back costs a gather and the torch
-dequantization per layer (a dozen small launches); with short prompts the attention it speeds
-up is smaller than that (64 prompts of 256 tokens of a 1B Llama: ~0.5 ms of prefill attention
-in all), with long ones it dominates the step. A first guess, to be set from
-``bench/bench_engine.py`` runs on the GPU."""
+their stored values (``stored_rows``). Reading the rows back costs a launch per cache and
+layer (``kvplan.ops.read_slots`` on CUDA); with short prompts the attention it speeds up is
+small (64 prompts of 256 tokens of a 1B Llama: ~0.5 ms of prefill attention in all), with long
+ones it dominates the step (H200, one 8,192-token prompt of that Llama, 2026-12-02: fp8 54.6
+vs 63.4 ms with the paged kernel, when the read-back was still the torch dequantization)."""
 
 
 def fresh_split(cu_seqlens_q: np.ndarray, fresh_from: int) -> FreshSplit | None:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from kvplan._checks import check_int32, check_range, check_tensor
+from kvplan.ops._dispatch import use_triton
 
 _PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # kv_format -> (quantized_dtype, elements_per_sf, sf_format) of the quantized caches
@@ -209,22 +210,33 @@ class KVCacheTensors:
         return self._dequant(k_cache[idx]), self._dequant(v_cache[idx])
 
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V stored at ``slots`` (int ``[n]``, each in ``[0, num_slots)``, on the caches'
-        device; not checked: no sync) as ``[n, H, D]`` in compute dtype: quantized values
-        dequantized to bfloat16 (``kvplan.quant.dequantize``, the values the paged kernels
-        read). A gather per cache, plus the dequantization."""
+        """K and V stored at ``slots`` (int ``[n]``, each in ``[0, num_slots)`` or -1 for a
+        row of zeros, on the caches' device; not checked: no sync) as ``[n, H, D]`` in compute
+        dtype: quantized values dequantized to bfloat16 (``kvplan.quant.dequantize``, the
+        values the paged kernels read). Quantized caches on CUDA: one Triton launch per cache
+        (``kvplan.ops.read_slots``); else a gather per cache (plus the torch
+        dequantization)."""
         check_tensor("slots", slots, dtype=(torch.int32, torch.int64), ndim=1)
         idx = slots.long()
         k_cache, v_cache = self._raw[self._check_layer(layer)]
-        if not self.is_quantized:
-            block, offset = idx // self.block_size, idx % self.block_size
-            return self.k_cache(layer)[block, offset], self.v_cache(layer)[block, offset]
+        if self.is_quantized and use_triton(k_cache):
+            from kvplan.ops.read_slots import read_slots_triton
+
+            return tuple(
+                read_slots_triton(c, slots, self.layout, self.head_dim) for c in (k_cache, v_cache)
+            )
+        stored = idx >= 0
+        idx = idx.clamp(min=0)
         block, offset = idx // self.block_size, idx % self.block_size
-        # [n, 1, 1, bytes]: indexing (block, offset) gathers the records without a copy of the
-        # cache (its blocks may be padded, so a flat view of it would be one)
-        rows = [c[block, offset].unsqueeze(1) for c in (k_cache, v_cache)]
-        k, v = (self._dequant(r).squeeze(1) for r in rows)
-        return k, v
+        if not self.is_quantized:
+            k, v = self.k_cache(layer)[block, offset], self.v_cache(layer)[block, offset]
+        else:
+            # [n, 1, 1, bytes]: indexing (block, offset) gathers the records without a copy of
+            # the cache (its blocks may be padded, so a flat view of it would be one)
+            rows = [c[block, offset].unsqueeze(1) for c in (k_cache, v_cache)]
+            k, v = (self._dequant(r).squeeze(1) for r in rows)
+        keep = stored[:, None, None]
+        return torch.where(keep, k, 0), torch.where(keep, v, 0)
 
     # ------------------------------------------------------------------ internals
     def _make_layout(self):
