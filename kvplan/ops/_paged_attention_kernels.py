@@ -414,13 +414,34 @@ def _prefill_kernel(
 LOG2E = 1.4426950408889634
 
 
-QUANT_PREFETCH = os.environ.get("KVPLAN_QUANT_PREFETCH", "") == "1"
+def _env_prefetch() -> bool | None:
+    value = os.environ.get("KVPLAN_QUANT_PREFETCH", "").strip()
+    return {"1": True, "0": False}.get(value)
+
+
+QUANT_PREFETCH: bool | None = _env_prefetch()
 """Quantized caches: load each whole tile's stored bytes one step ahead
-(`_attend_range_prefetch`). On sm_90 Triton software-pipelines only the scale loads of the
-dequantizing kernels (cp.async), not the value bytes (synchronous ``ld.global`` in every
-key-loop step: bench/RESULTS.md, session 10), which would explain their lower bandwidth. Off
-(``KVPLAN_QUANT_PREFETCH=1`` at import turns it on) until ``bench/bench_quant_decode.py
---prefetch`` measures it on the GPU."""
+(`_attend_range_prefetch`) in every launch (True), in none (False), or per format and kernel
+as ``DECODE_PREFETCH`` says (None, the default; ``KVPLAN_QUANT_PREFETCH`` = 1 / 0 at import
+sets True / False). On sm_90 Triton software-pipelines only the scale loads of the
+dequantizing kernels (cp.async), not the value bytes (bench/RESULTS.md, session 10)."""
+
+DECODE_PREFETCH = {"e2m1": True}
+"""Decode launches that prefetch by default, by ``kv_layout.quantized_dtype``. Measured on the
+H200 (bench/RESULTS.md, session 11): fp4 decode 254 -> 229 us (32 x 8K context, one layer,
+``bench_quant_decode.py --prefetch``) and its decode kernel 916 -> 861 ms over a 32 x 8K x 256
+workload (``profile_prefill.py --workload``); fp8 192 -> 263 us and its engine decode step
+3.97 -> 4.97 ms, so e4m3 / int8 stay off. Prefill launches keep the plain loop (unmeasured)."""
+
+
+def _prefetch(prefetch: bool | None, kv_layout, decode: bool) -> bool:
+    if prefetch is not None:
+        return bool(prefetch)
+    if QUANT_PREFETCH is not None:
+        return QUANT_PREFETCH
+    return (
+        decode and kv_layout is not None and DECODE_PREFETCH.get(kv_layout.quantized_dtype, False)
+    )
 
 
 def _dot_precision(dtype) -> str:
@@ -438,7 +459,8 @@ def launch_decode(
     kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
 ):  # fmt: skip
     """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
-    ``prefetch`` (None: ``QUANT_PREFETCH``) as in `_attend_range_prefetch`."""
+    ``prefetch`` as in `_attend_range_prefetch` (None: ``QUANT_PREFETCH``, then
+    ``DECODE_PREFETCH``)."""
     batch, num_heads, head_dim = q.shape
     geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)
     group_size = num_heads // geo.num_kv_heads
@@ -464,7 +486,7 @@ def launch_decode(
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
         KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
-        PREFETCH=QUANT_PREFETCH if prefetch is None else bool(prefetch),
+        PREFETCH=_prefetch(prefetch, kv_layout, decode=True),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
@@ -481,7 +503,8 @@ def launch_prefill(
     max_q_len, kv_layout=None, tile_m=64, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
 ):  # fmt: skip
     """Run ``_prefill_kernel`` into ``out``; ``max_q_len`` bounds every sequence's query count;
-    ``prefetch`` as in `launch_decode`."""
+    ``prefetch`` as in `launch_decode` (no per-format default: None is ``QUANT_PREFETCH`` or
+    off)."""
     batch = kv_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)
@@ -499,7 +522,7 @@ def launch_prefill(
         TILE_M=tile_m, BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(),
         KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
-        PREFETCH=QUANT_PREFETCH if prefetch is None else bool(prefetch),
+        PREFETCH=_prefetch(prefetch, kv_layout, decode=False),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -136,7 +136,8 @@ def paged_attention_decode_triton(
     """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`.
     ``tile_n`` / ``num_warps`` / ``num_stages``: launch overrides (see ``kvplan.ops._paged_kv_tiles.decode_tiling``;
     None takes the format's default); ``prefetch``: a quantized cache's tiles loaded one
-    step ahead (None: ``kvplan.ops._paged_attention_kernels.QUANT_PREFETCH``)."""
+    step ahead (None: ``kvplan.ops._paged_attention_kernels.QUANT_PREFETCH``, then its
+    per-format ``DECODE_PREFETCH``: on for fp4 pages)."""
     window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
