@@ -175,12 +175,6 @@ def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chos
     if dev.type == "cuda":  # the register-footprint variants (default and 8 splits)
         configs += [dict(v, **({"num_splits": s} if s else {}))
                     for s in (None, 8) for v in _CHUNKED]  # fmt: skip
-    # key tiles loaded a step ahead (16 keys / 8 warps: 254 registers, no spills on sm_90)
-    configs += [{"prefetch": True, "tile_n": 16, "num_warps": 8},
-                {"prefetch": True, "tile_n": 16, "num_warps": 8, "num_splits": 8},
-                {"tile_n": 16, "num_warps": 8}]  # fmt: skip
-    if dev.type != "cuda":
-        configs[-3:] = [dict(c, num_splits=2) for c in configs[-3:]]
 
     def call(**cfg):
         return sparse_attention_triton(q, srcs, sinks, 512**-0.5, check=False, **cfg)
@@ -215,10 +209,6 @@ def prefill_case(a, dev, gen) -> list[dict]:
     configs = [{}] + [
         {"num_splits": 1, "tile_n": tn, "num_warps": nw, "num_stages": st} for tn, nw, st in tiles
     ] + [dict(v, num_splits=1) for v in _CHUNKED]  # fmt: skip
-    # key tiles loaded a step ahead (bf16 rows at 16 keys / 4 warps: 255 registers, no spills,
-    # two programs an SM as without)
-    configs += [{"num_splits": 1, "tile_n": 16, "num_warps": nw, "num_stages": 2,
-                 "prefetch": True} for nw in (4, 8)]  # fmt: skip
 
     def call(**cfg):
         return sparse_attention_triton(q, srcs, sinks, 512**-0.5, check=False, **cfg)

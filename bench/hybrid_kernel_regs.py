@@ -50,20 +50,15 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     attn = dict(HEAD_DIM=512, D_P2=512, TILE_H=16, **V41, HAS1=True, HW=True, DOT_BF16=True,
-                INTERPRET=False, PREFETCH=False)  # fmt: skip
+                INTERPRET=False)  # fmt: skip
     rows = []
     for name, fn in (("sparse_attention_kernel", _k.sparse_attention_kernel),
                      ("sparse_attention_split_kernel", _ks.sparse_attention_split_kernel)):  # fmt: skip
-        whole = [
-            v for v in ATTN_VARIANTS if v[2] == 0 and v[3] == 1
-        ]  # + the key tiles a step ahead
-        for tile_n, warps, d_chunk, pv_split, stages, pf in [(*v, False) for v in ATTN_VARIANTS] + [
-            (*v, True) for v in whole
-        ]:
-            const = dict(attn, TILE_N=tile_n, D_CHUNK=d_chunk, PV_SPLIT=pv_split, PREFETCH=pf)
+        for tile_n, warps, d_chunk, pv_split, stages in ATTN_VARIANTS:
+            const = dict(attn, TILE_N=tile_n, D_CHUNK=d_chunk, PV_SPLIT=pv_split)
             r = report(fn, const, ATTN_TYPES, warps, stages)
             rows.append(dict(kernel=name, tile_n=tile_n, d_chunk=d_chunk, pv_split=pv_split,
-                             prefetch=pf, **r))  # fmt: skip
+                             **r))  # fmt: skip
     for tile_n, tiles, warps in ((64, 1, 4), (128, 1, 4), (128, 2, 4), (128, 1, 8)):
         const = dict(HEAD_DIM=128, D_P2=128, TILE_H=32, TILE_N=tile_n, TILES=tiles, KIND=2,
                      SF=0, GS=32, FLAT=True, HW=True, DOT_BF16=True)  # fmt: skip
@@ -72,7 +67,6 @@ def main() -> None:
     for r in rows:
         var = (
             f" d_chunk {r['d_chunk']:>3} pv_split {r['pv_split']} stages {r['num_stages']}"
-            f"{' prefetch' if r['prefetch'] else ''}"
             if "d_chunk" in r
             else ""
         )

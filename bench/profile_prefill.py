@@ -44,7 +44,6 @@ def sync(dev: torch.device) -> None:
 
 def run_variant(name: str, args, cfg, dev, dtype) -> dict:
     from kvplan import LLM
-
     from kvplan.ops import _paged_attention_kernels as pk
 
     base, _, extra = name.partition("+")
@@ -68,7 +67,9 @@ def run_variant(name: str, args, cfg, dev, dtype) -> dict:
         if args.workload:
             runs = [make_prompts(n, args.prompt_len, cfg.vocab_size, seed=2)]
         else:
-            runs = [[p] for p in make_prompts(args.prompts, args.prompt_len, cfg.vocab_size, seed=2)]
+            runs = [
+                [p] for p in make_prompts(args.prompts, args.prompt_len, cfg.vocab_size, seed=2)
+            ]
         for batch in runs:
             t0 = time.perf_counter()
             llm.generate(batch, params)
@@ -107,8 +108,12 @@ def main() -> int:
     ap.add_argument("--variants", default="bf16,fp8,fp8-paged,fp4,fp4-paged")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--kv-cache-memory", type=int, default=None)
-    ap.add_argument("--workload", default=None, metavar="N,NEW",
-                    help="time N prompts x NEW new tokens as one workload instead")
+    ap.add_argument(
+        "--workload",
+        default=None,
+        metavar="N,NEW",
+        help="time N prompts x NEW new tokens as one workload instead",
+    )
     args = ap.parse_args()
     if args.workload:
         args.workload = tuple(int(x) for x in args.workload.split(","))

@@ -18,9 +18,9 @@ The residual stream is carried vLLM-style: each layer returns ``(h, residual)`` 
 norm adds ``h`` into ``residual`` in place before norming it, so a layer runs two fused
 add+norm kernels and no separate residual add; the final norm fuses the last add. The small
 ops between the GEMMs (`kvplan.models.fused`: add+RMSNorm, the q/k/v split with q/k norm and
-RoPE, silu*mul) run as Triton kernels or as the torch path, per ``fused_kernels``; with it,
-decode-sized batches may run the projections as split-K Triton GEMMs
-(`kvplan.ops.skinny_gemm.linear`, behind its ``KVPLAN_SKINNY_GEMM`` switch, off by default).
+RoPE, silu*mul) run as Triton kernels or as the torch path, per ``fused_kernels``; the
+projections are cuBLAS GEMMs (a split-K Triton GEMM for decode-sized batches measured slower
+in the engine's step on the H200: bench/RESULTS.md, session 11).
 
 Tensor parallelism: with ``tp`` (a `kvplan.distributed.TPContext`) every layer holds its rank's
 share: ``H / size`` query and ``Hkv / size`` KV heads (so the rank's KV cache holds only those),
@@ -46,7 +46,6 @@ from kvplan.models import fused as ops
 from kvplan.models.config import ModelConfig
 from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
 from kvplan.models.rope import RotaryTable
-from kvplan.ops.skinny_gemm import linear
 
 FUSED_KERNELS_ENV = "KVPLAN_FUSED_KERNELS"
 
@@ -113,7 +112,7 @@ class Attention(nn.Module):
         fused: bool = False,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = linear(self.qkv_proj, x, fused=fused)  # [T, (H + 2 Hkv) D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         norm = self.q_norm is not None
         q, k, v = ops.qkv_epilogue(
             qkv, positions, rotary.cos, rotary.sin,
@@ -125,7 +124,7 @@ class Attention(nn.Module):
         if self.kv_rotation:
             q, k = hadamard_qk(q, k)  # q k^T unchanged; K quantizes better
         o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
-        return linear(self.o_proj, o.reshape(t, self.q_size), fused=fused)
+        return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -136,8 +135,8 @@ class MLP(nn.Module):
         self.down_proj = _row_linear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
-        gate_up = linear(self.gate_up_proj, x, fused=fused)
-        return linear(self.down_proj, ops.silu_and_mul(gate_up, fused=fused), fused=fused)
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(ops.silu_and_mul(gate_up, fused=fused))
 
 
 class DecoderLayer(nn.Module):

@@ -267,56 +267,6 @@ def _online_softmax(s, valid, m_i, l_i, qk_scale, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _prefetched_tile(
-    acc, m_i, l_i, q, valid, vb, mult, qk_scale, KIND: tl.constexpr, SF: tl.constexpr,
-    GS: tl.constexpr, D_P2: tl.constexpr, TILE_N: tl.constexpr, HW: tl.constexpr,
-    DOT_BF16: tl.constexpr,
-):  # fmt: skip
-    """`_attend_tile` (whole query tile, one value product) of a tile whose loads
-    (`_key_bytes`) were issued the step before."""
-    kd = _dequantize_keys(vb, mult, 0, KIND, SF, GS, D_P2, TILE_N, HW, DOT_BF16)
-    if DOT_BF16:
-        s = tl.dot(q, tl.trans(kd))
-    else:
-        s = tl.dot(q, tl.trans(kd), input_precision="ieee")
-    p, alpha, m_new, l_i = _online_softmax(s, valid, m_i, l_i, qk_scale, DOT_BF16)
-    return (_pv_step(acc[0], alpha, p, kd, DOT_BF16),), m_new, l_i
-
-
-@triton.jit
-def _cols_ahead(
-    row_idx, start, num_cols, num_slots, c_ptr, block_size, stride_block, stride_token,
-    scale_stride, scale_offset, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_N: tl.constexpr,
-):  # fmt: skip
-    """The index columns ``[start, start + TILE_N)`` (masked below ``num_cols``): their
-    validity and their keys' loads (`_key_bytes`)."""
-    cols = start + tl.arange(0, TILE_N)
-    slots = tl.load(row_idx + cols, mask=cols < num_cols, other=-1)
-    valid = (slots >= 0) & (slots < num_slots)
-    vb, mult = _key_bytes(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
-                          scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2)  # fmt: skip
-    return valid, vb, mult
-
-
-@triton.jit
-def _prefetch_cols_step(
-    acc, m_i, l_i, q, valid, vb, mult, row_idx, start, num_cols, num_slots, c_ptr, block_size,
-    stride_block, stride_token, scale_stride, scale_offset, qk_scale, KIND: tl.constexpr,
-    SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
-    TILE_N: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr,
-):  # fmt: skip
-    """Issue the loads of columns ``start + TILE_N ..``, then attend the tile at ``start``
-    from its loads of the step before; returns the state and the next tile's loads."""
-    nvalid, nvb, nmult = _cols_ahead(row_idx, start + TILE_N, num_cols, num_slots, c_ptr,
-                                     block_size, stride_block, stride_token, scale_stride,
-                                     scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N)  # fmt: skip
-    acc, m_i, l_i = _prefetched_tile(acc, m_i, l_i, q, valid, vb, mult, qk_scale, KIND, SF, GS,
-                                     D_P2, TILE_N, HW, DOT_BF16)  # fmt: skip
-    return acc, m_i, l_i, nvalid, nvb, nmult
-
-
-@triton.jit
 def _pv_step(acc, alpha, p, v, DOT_BF16: tl.constexpr):
     """``acc * alpha + p @ v`` (``p`` already bf16 for bf16 dots)."""
     if DOT_BF16:
@@ -379,36 +329,13 @@ def _attend_cols(
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr,
     HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr, PV_SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax steps over index columns ``[lo, hi)`` of row ``t`` of one source (the
     whole row: ``lo = 0``, ``hi = num_cols``; a split: its share). The CPU interpreter cannot
-    take a runtime bound in ``range``: there a ``while`` loop runs the same steps.
-    ``PREFETCH`` (plain or quantized ``FLAT`` sources, whole query tile, one value product): each
-    step issues the next tile's index and key loads before it computes on the tile loaded
-    the step before (the compiler pipelines only the index loads on its own)."""
+    take a runtime bound in ``range``: there a ``while`` loop runs the same steps."""
     row_idx = idx_ptr + t.to(tl.int64) * stride_idx
-    if PREFETCH and (KIND <= 1 or FLAT) and D_CHUNK == 0 and PV_SPLIT == 1:
-        valid, vb, mult = _cols_ahead(row_idx, lo, hi, num_slots, c_ptr, block_size,
-                                      stride_block, stride_token, scale_stride, scale_offset,
-                                      KIND, SF, GS, HEAD_DIM, D_P2, TILE_N)  # fmt: skip
-        if INTERPRET:
-            start = lo
-            while start < hi:
-                acc, m_i, l_i, valid, vb, mult = _prefetch_cols_step(
-                    acc, m_i, l_i, q, valid, vb, mult, row_idx, start, hi, num_slots, c_ptr,
-                    block_size, stride_block, stride_token, scale_stride, scale_offset,
-                    qk_scale, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, HW, DOT_BF16,
-                )  # fmt: skip
-                start += TILE_N
-        else:
-            for start in range(lo, hi, TILE_N):
-                acc, m_i, l_i, valid, vb, mult = _prefetch_cols_step(
-                    acc, m_i, l_i, q, valid, vb, mult, row_idx, start, hi, num_slots, c_ptr,
-                    block_size, stride_block, stride_token, scale_stride, scale_offset,
-                    qk_scale, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, HW, DOT_BF16,
-                )  # fmt: skip
-    elif INTERPRET:
+    if INTERPRET:
         start = lo
         while start < hi:
             acc, m_i, l_i = _attend_tile(
@@ -457,7 +384,7 @@ def sparse_attention_kernel(
     KIND0: tl.constexpr, SF0: tl.constexpr, GS0: tl.constexpr, FLAT0: tl.constexpr,
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
     HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
-    PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
+    PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(T, cdiv(H, TILE_H))``. q / out ``[T, H, D]``; sinks fp32 ``[H]``; per source
     ``i``: cache pointer, int32 index ``[T, n_i]`` (row stride ``stride_i``), ``slots_i``
@@ -478,13 +405,13 @@ def sparse_attention_kernel(
     acc, m_i, l_i = _attend_cols(
         acc, m_i, l_i, q, q_row, h_ok, t, 0, n0, c0_ptr, i0_ptr, stride_i0, slots0, bs0, sblk0,
         stok0, sstr0, soff0, qk_scale, KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT0,
-        HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET, PREFETCH,
+        HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET,
     )  # fmt: skip
     if HAS1:
         acc, m_i, l_i = _attend_cols(
             acc, m_i, l_i, q, q_row, h_ok, t, 0, n1, c1_ptr, i1_ptr, stride_i1, slots1, bs1,
             sblk1, stok1, sstr1, soff1, qk_scale, KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_H,
-            TILE_N, FLAT1, HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET, PREFETCH,
+            TILE_N, FLAT1, HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET,
         )  # fmt: skip
     inv = tl.where(l_i > 0, l_i, 1.0)[:, None]
     DC: tl.constexpr = D_P2 // PV_SPLIT

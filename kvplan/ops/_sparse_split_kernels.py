@@ -40,7 +40,7 @@ def sparse_attention_split_kernel(
     KIND0: tl.constexpr, SF0: tl.constexpr, GS0: tl.constexpr, FLAT0: tl.constexpr,
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
     HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
-    PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
+    PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(T, cdiv(H, TILE_H), S)``: split ``s`` of row ``t``, joined columns
     ``[s * cols_per_split, (s + 1) * cols_per_split)``. Source arguments as in
@@ -62,7 +62,7 @@ def sparse_attention_split_kernel(
         acc, m_i, l_i, q, q_row, h_ok, t, tl.minimum(lo, n0), tl.minimum(hi, n0), c0_ptr,
         i0_ptr, stride_i0, slots0, bs0, sblk0, stok0, sstr0, soff0, qk_scale,
         KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT0, HW, DOT_BF16, D_CHUNK,
-        PV_SPLIT, INTERPRET, PREFETCH,
+        PV_SPLIT, INTERPRET,
     )  # fmt: skip
     if HAS1:
         lo1 = tl.minimum(tl.maximum(lo - n0, 0), n1)
@@ -71,7 +71,7 @@ def sparse_attention_split_kernel(
             acc, m_i, l_i, q, q_row, h_ok, t, lo1, hi1, c1_ptr, i1_ptr, stride_i1, slots1,
             bs1, sblk1, stok1, sstr1, soff1, qk_scale,
             KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT1, HW, DOT_BF16, D_CHUNK,
-            PV_SPLIT, INTERPRET, PREFETCH,
+            PV_SPLIT, INTERPRET,
         )  # fmt: skip
     row = (t.to(tl.int64) * num_splits + sp) * num_heads + h64  # [TILE_H]
     tl.store(ws_m_ptr + row, m_i, mask=h_ok)

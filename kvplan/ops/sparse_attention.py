@@ -141,7 +141,6 @@ def sparse_attention_triton(
     out: torch.Tensor | None = None, check: bool = True, tile_h: int = 16,
     tile_n: int | None = None, num_warps: int | None = None, num_splits: int | None = None,
     num_stages: int | None = None, d_chunk: int | None = None, pv_split: int | None = None,
-    prefetch: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton kernels (also on CPU under ``TRITON_INTERPRET=1``); contract of
     :func:`sparse_attention`. ``tile_h`` heads and ``tile_n`` keys per tile; ``num_splits``
@@ -152,8 +151,7 @@ def sparse_attention_triton(
     (0, or a power of two >= 16) sums the logits over query / key column chunks of that
     width instead of holding the whole query tile; ``pv_split`` (1, 2 or 4) splits the
     value product and the accumulator into that many column chunks, each re-reading its
-    values. ``prefetch``: quantized sources (V41 layouts) load each key tile a step ahead
-    (default off). A launch setting left None takes the path's entry in
+    values. A launch setting left None takes the path's entry in
     ``ONE_PROGRAM_TILING`` / ``SPLIT_TILING`` if any, else the built-in default."""
     addrs = _check(q, sources, sinks, check)
     out = _out(q, out)
@@ -183,7 +181,6 @@ def sparse_attention_triton(
     num_stages = num_stages if num_stages is not None else table.get("num_stages")
     d_chunk = d_chunk if d_chunk is not None else table.get("d_chunk", 0)
     pv_split = pv_split if pv_split is not None else table.get("pv_split", 1)
-    prefetch = bool(prefetch if prefetch is not None else table.get("prefetch", False))
     if d_chunk and not (16 <= d_chunk <= d_p2 and d_chunk & (d_chunk - 1) == 0):
         raise ValueError(f"d_chunk must be 0 or a power of two in [16, {d_p2}], got {d_chunk}")
     if pv_split not in (1, 2, 4) or d_p2 // pv_split < 16:
@@ -207,7 +204,7 @@ def sparse_attention_triton(
         KIND1=a1.kind, SF1=a1.sf, GS1=a1.group, FLAT1=flat_scales(a1, head_dim, d_p2),
         HAS1=len(sources) > 1, HW=not interpret,
         DOT_BF16=q.dtype == torch.bfloat16 and not interpret, D_CHUNK=d_chunk,
-        PV_SPLIT=pv_split, INTERPRET=interpret, PREFETCH=prefetch, num_warps=num_warps,
+        PV_SPLIT=pv_split, INTERPRET=interpret, num_warps=num_warps,
     )  # fmt: skip
     stages = {} if num_stages is None else {"num_stages": num_stages}
     if num_splits == 1:
@@ -233,7 +230,7 @@ def sparse_attention_triton(
 
 _PROGRAMS_PER_SM = 1  # split target: about this many programs per SM
 _SPLIT_TILE_N = 32  # keys per tile of the split kernel
-# Launch settings (tile_n, num_warps, num_stages, d_chunk, pv_split, prefetch) of the one-program
+# Launch settings (tile_n, num_warps, num_stages, d_chunk, pv_split) of the one-program
 # kernel (prompt rows) and of the split kernel (decode rows) where the caller gives none;
 # missing keys: the built-in defaults. One program: 4 warps and 2 stages were the fastest of
 # `bench_sparse_kernels.py --only prefill` on the H200 (8,192 rows x 16 heads x 512, 640 keys a

@@ -146,25 +146,3 @@ def test_quantized_differs_from_exact() -> None:
         outs.append(torch.cat(captured))
     assert not torch.allclose(outs[0], outs[1], atol=1e-4)
     assert torch.allclose(outs[0], outs[1], atol=0.5)
-
-
-@pytest.mark.parametrize("kv_format", ["fp8", "exact"])
-def test_prefetching_sparse_kernels_equal_oracle(kv_format, monkeypatch) -> None:
-    """The family on the ops' Triton path with the sparse kernels loading each key tile a
-    step ahead (`prefetch` in both launch tables): the oracle's outputs, and the prefetching
-    loop is the one that ran."""
-    import kvplan.ops._sparse_attention_kernels as sak
-    import kvplan.ops.sparse_attention as sa
-
-    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
-    monkeypatch.setattr(sa, "ONE_PROGRAM_TILING", {**sa.ONE_PROGRAM_TILING, "prefetch": True})
-    monkeypatch.setattr(sa, "SPLIT_TILING", {**sa.SPLIT_TILING, "prefetch": True})
-    calls = []
-    real = sak._prefetch_cols_step  # one call per key tile the prefetching loop attends
-    monkeypatch.setattr(sak, "_prefetch_cols_step", lambda *a: calls.append(1) or real(*a))
-    rng = np.random.default_rng(3)
-    fam, oracle = make_family([CSA, HCA, SLIDING], 5, 8, kv_format=kv_format)
-    drv = Driver(fam, oracle, seed=12, atol=2e-5, rtol=2e-5)
-    for step in schedules(rng)["chunked"][:4]:
-        drv.step([drv.seq(e[0], e[1], e[2], bool(e[3]) if len(e) > 3 else False) for e in step])
-    assert calls

@@ -19,32 +19,6 @@ def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedPro
                           env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
-def test_skinny_gemm_quick(tmp_path):
-    out = tmp_path / "skinny.json"
-    proc = _run("bench_skinny_gemm.py", "--quick", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["n"], r["k"], r["rows"]) for r in rows] == [(40, 96, 4), (48, 64, 4)]
-    for r in rows:  # bf16 through both GEMMs: the same values up to bf16 rounding
-        assert r["best"]["rel_diff"] < 2e-2 and r["speedup"] > 0
-
-
-def test_skinny_gemm_shapes_are_the_models_gemms():
-    sys.path.insert(0, str(ROOT / "bench"))  # the script imports its sibling bench_hybrid
-    try:
-        import bench_skinny_gemm
-
-        shapes = bench_skinny_gemm.model_shapes()
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    # llama-1b: fused qkv (32 + 2 x 8 heads x 64) and gate/up; DeepSeek-V4: its fused input
-    # projections (one per layer kind) and the LM head
-    assert shapes["llama:self_attn.qkv_proj 3072x2048"] == (3072, 2048)
-    assert shapes["llama:mlp.gate_up_proj 16384x2048"] == (16384, 2048)
-    assert any(k.startswith("dsv4:self_attn.x_proj") for k in shapes)
-    assert shapes["dsv4:lm_head 129280x2048"] == (129280, 2048)
-
-
 def test_quant_decode_quick_with_prefetch(tmp_path):
     out = tmp_path / "quant.json"
     proc = _run("bench_quant_decode.py", "--quick", "--formats", "fp8,fp4", "--prefetch",

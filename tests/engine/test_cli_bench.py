@@ -39,9 +39,8 @@ def test_recorder_chains_and_restores_the_previous_hook():
 
 def test_recorder_restores_on_error():
     saved = knobs.runtime.jit_post_compile_hook
-    with pytest.raises(RuntimeError, match="boom"):
-        with triton_compiles():
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), triton_compiles():
+        raise RuntimeError("boom")
     assert knobs.runtime.jit_post_compile_hook is saved
 
 

@@ -25,7 +25,6 @@ from torch import nn
 from kvplan.models.deepseek_v4.config import RopeSpec
 from kvplan.ops.rms_norm import rms_norm_fp32w
 from kvplan.ops.rope import rope_cos_sin
-from kvplan.ops.skinny_gemm import skinny_or_none
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -157,8 +156,7 @@ class LinearGroup(nn.Module):
             self._weight, self._ptrs = None, ()  # a member was replaced: release the copy
         if self._weight is None:
             return tuple(m(x) for m in self._members)
-        y = skinny_or_none(x, self._weight)  # decode rows, behind its switch
-        return (F.linear(x, self._weight) if y is None else y).split(self.sizes, dim=-1)
+        return F.linear(x, self._weight).split(self.sizes, dim=-1)
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
