@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -93,6 +96,13 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
         with profile(activities=acts) as prof:
             llm.generate(ids[:2], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             sync(dev)
+        if args.trace:  # the timeline (host ops, launches, kernels, gaps) for a trace viewer
+            os.makedirs(args.trace, exist_ok=True)
+            raw = os.path.join(args.trace, f"prefill_{kv_format}.json")
+            prof.export_chrome_trace(raw)
+            with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(raw)
         info["prefill_profile"] = {
             key: [
                 {"name": e.key[:120], "ms": getattr(e, key) / 1e3, "calls": e.count}
@@ -106,7 +116,9 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
     wall = res.wall_s
     info.update(steps=res.num_steps, graph_replays=res.num_graph_replays,
                 median_decode_step_ms=res.median_decode_step_ms,
-                triton_compiles_in_run=res.triton_compiles)  # fmt: skip
+                triton_compiles_in_run=res.triton_compiles,
+                steps_by_kind={k: {"count": len(v), "total_ms": sum(v), "max_ms": max(v)}
+                               for k, v in res.step_ms_by_kind.items()})  # fmt: skip
     if args.cprofile:  # the whole workload again under cProfile: where the host time goes
         info["cprofile"] = host_profile(partial(llm.generate, ids, params), dev)
     del llm
@@ -147,6 +159,13 @@ def main() -> None:
         "--profile-prefill",
         action="store_true",
         help="profile two prompts alone: top kernels / host ops in the JSON",
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="with --profile-prefill: write its timeline as DIR/prefill_<format>.json.gz "
+        "(chrome trace)",
     )
     ap.add_argument(
         "--cprofile",

@@ -33,6 +33,10 @@ class WorkloadResult:
     # Triton kernels compiled during the run (``triton_compiles``): each one's compile time
     # is inside ``wall_s``; a warm-up of the same shapes leaves none
     triton_compiles: list[str] = field(default_factory=list)
+    # every step() call's wall time (ms) by what the step it launched ran
+    # (`EngineCore.last_step_kind`: "prefill", "mixed", "decode"; "none": it only processed
+    # the step launched before)
+    step_ms_by_kind: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -108,8 +112,9 @@ def run_workload(
     bar = tqdm(total=len(reqs) * new_tokens, desc="kvplan: tokens", file=sys.stderr,
                disable=not progress, unit="tok")  # fmt: skip
     steps: list[float] = []
+    by_kind: dict[str, list[float]] = {}
     with triton_compiles() as compiled:
-        _drive(core, reqs, steps, bar)
+        _drive(core, reqs, steps, by_kind, bar)
     sync_device(core.device)
     wall = time.perf_counter() - t0
     bar.close()
@@ -122,12 +127,13 @@ def run_workload(
         num_steps=core.num_steps - steps0,
         num_graph_replays=(graphs.num_replays - replays0) if graphs is not None else 0,
         triton_compiles=list(compiled),
+        step_ms_by_kind=by_kind,
     )
 
 
-def _drive(core, reqs, steps: list[float], bar) -> None:
+def _drive(core, reqs, steps: list[float], by_kind: dict[str, list[float]], bar) -> None:
     """The engine's steps until every request finished; full-batch decode step times in
-    ``steps``."""
+    ``steps``, every step's in ``by_kind`` (see `WorkloadResult.step_ms_by_kind`)."""
     done = 0
     while core.has_unfinished():
         running = core.scheduler.running
@@ -138,8 +144,10 @@ def _drive(core, reqs, steps: list[float], bar) -> None:
         )
         ts = time.perf_counter()
         core.step()  # ends with the sampled tokens on the host (one sync)
+        ms = (time.perf_counter() - ts) * 1e3
+        by_kind.setdefault(core.last_step_kind or "none", []).append(ms)
         if full_decode:
-            steps.append((time.perf_counter() - ts) * 1e3)
+            steps.append(ms)
         now = sum(len(r.output_token_ids) for r in reqs)
         bar.update(now - done)
         done = now

@@ -86,6 +86,9 @@ class EngineCore(AsyncSteps):
         self.requests: dict[int, Request] = {}
         self._next_id = 0
         self.num_steps = 0
+        # what the step launched by the last step() call ran: "prefill" (prompt / verification
+        # rows only), "mixed" (those and decode rows), "decode", or None (none launched)
+        self.last_step_kind: str | None = None
         self._copies = TokenCopies()
         # decode-only steps take the batched update (False: the per-row loop, for tests)
         self.decode_fast_path = True
@@ -202,6 +205,7 @@ class EngineCore(AsyncSteps):
         self._launched, self._drained = None, []
         if launched is not None:
             ahead = self._launch_ahead(launched)
+            self.last_step_kind = "decode" if ahead is not None else None
             touched = self._finish(launched, ahead)
             if ahead is not None:
                 self._launched = ahead
@@ -212,6 +216,16 @@ class EngineCore(AsyncSteps):
     def _step_now(self) -> list[Request]:
         """Schedule and launch a step; process it unless async scheduling leaves it launched."""
         step = self.scheduler.schedule()
+        ctx = step.num_contexts
+        self.last_step_kind = (
+            None
+            if not step.seqs
+            else "decode"
+            if not ctx
+            else "prefill"
+            if ctx == len(step.seqs)
+            else "mixed"
+        )
         if not step.seqs:
             sched = self.scheduler
             if sched.has_unfinished():

@@ -76,3 +76,19 @@ def test_gpu_recorder_sees_a_fresh_specialization():
         add_one[(1,)](x, 100, SCALE=scale)  # cached: no second compile
     assert len(names) == 1 and "add_one" in names[0]
     assert torch.all(x == 2 * scale)
+
+
+def test_run_workload_sorts_steps_by_what_they_ran():
+    from kvplan import LLM
+
+    cfg = named_config("tiny-llama")
+    # a 16-token budget over three 10-token prompts: the first step holds prompt rows only,
+    # later ones mix the rest of the prompts with the first requests' decode rows
+    llm = LLM(cfg, device="cpu", dtype=torch.float32, max_num_seqs=3, max_model_len=64,
+              max_num_batched_tokens=16)  # fmt: skip
+    res = run_workload(llm, make_prompts(3, 10, cfg.vocab_size, seed=6), 5, progress=False)
+    kinds = res.step_ms_by_kind
+    assert sum(len(v) for v in kinds.values()) == res.num_steps  # synchronous on the CPU
+    assert len(kinds["prefill"]) == 1 and len(kinds["mixed"]) >= 1 and len(kinds["decode"]) >= 3
+    assert set(kinds) == {"prefill", "mixed", "decode"}
+    assert llm.engine.last_step_kind == "decode"
