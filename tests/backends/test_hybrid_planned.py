@@ -191,5 +191,7 @@ def test_plan_store_rows_are_checked() -> None:
     fam, _ = make_family([HCA], 4, 8, trace=False)
     ctx = fam.plan([drv_seq(fam)], torch.arange(8))
     ctx.meta.positions_c["8"][0] = 16
+    assert set(ctx._states) == {(8, False)}  # plan() planned the compressor state already
+    ctx._states.clear()  # so that the corrupted metadata is planned (and checked) again
     with pytest.raises(AssertionError, match="closing entries"):
         ctx.compress_windows(0, "compressor", torch.zeros(8, 32), torch.zeros(8, 32))

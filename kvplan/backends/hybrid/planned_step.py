@@ -62,6 +62,7 @@ from kvplan.backends.hybrid.api import (
     check_attend_inputs,
 )
 from kvplan.backends.hybrid.sparse_attention import indexer_topk, sink_attention
+from kvplan.backends.staging.arena import to_device
 from kvplan.ops import convert_kv_index, kv_index_cat
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops.compress_store import (
@@ -91,18 +92,18 @@ class _StateStep:
         plan = plan_compressor_state(step.seq_meta, ratio, overlap)
         self.plan = plan
         self.ring_rows = fam.config.num_state_slots * plan.state_rows
-        facts = torch.from_numpy(plan.window_facts).to(dev)
+        facts = _to_device(plan.window_facts, dev)
         self.window_index = expand_window_index(facts, plan.state_rows, self.ring_rows).long()
         store = plan.slot_mapping_store_state
-        self.store_rows = torch.from_numpy(
-            np.where(store >= 0, store, self.ring_rows).astype(np.int64)
-        ).to(dev)
-        self.positions = torch.from_numpy(plan.positions).to(dev)
-        self.entry_index = torch.from_numpy(plan.entry_index).to(dev)
-        self.seq_index = torch.from_numpy(plan.entry_seq).to(dev)
+        self.store_rows = _to_device(
+            np.where(store >= 0, store, self.ring_rows).astype(np.int64), dev
+        )
+        self.positions = _to_device(plan.positions, dev)
+        self.entry_index = _to_device(plan.entry_index, dev)
+        self.seq_index = _to_device(plan.entry_seq, dev)
         rows = step.entry_plan_rows(ratio, plan.entry_seq, plan.entry_index)
         key = ratio_key(ratio)
-        self.slots = step.meta.slot_mapping_store_ca[key][torch.from_numpy(rows).to(dev)]
+        self.slots = step.meta.slot_mapping_store_ca[key][_to_device(rows, dev)]
         if fam.check:
             step.check_entry_rows(ratio, rows, plan.positions)
 
@@ -150,6 +151,13 @@ class PlannedStep:
         self._windows_done: set[tuple[int, str]] = set()
         self._stored: set[tuple[int, str]] = set()
         self._cand_slots: dict[int, torch.Tensor] = {}  # ratio -> `_candidate_slots`
+        # the compressor-state plans of every (ratio, overlap) the layers use, before the
+        # step's first kernel: planned on a layer's first use they put the host's numpy work
+        # between two layers' launches
+        for ratio, overlap in sorted(
+            {(sp.ratio, sp.overlap) for sp in family.layers if sp.kind != "sliding_attention"}
+        ):
+            self._state(ratio, overlap)
 
     # ---- host facts ---------------------------------------------------------------------
     def entry_plan_rows(self, ratio: int, entry_seq: np.ndarray, entry_index: np.ndarray):
@@ -404,8 +412,8 @@ class PlannedStep:
                 for i, s in enumerate(self.seqs):
                     row = np.asarray(s.block_table[:blocks], dtype=np.int32)
                     table[i, : row.shape[0]] = row
-                row_seq = torch.from_numpy(np.repeat(np.arange(len(self.seqs)), self.seqlen_q))
-                tables = torch.from_numpy(table).to(dev)[row_seq.to(dev)]
+                row_seq = np.repeat(np.arange(len(self.seqs)), self.seqlen_q)
+                tables = _to_device(table, dev)[_to_device(row_seq, dev)]
             else:
                 tables = meta.block_tables
             col = torch.arange(width, dtype=torch.int32, device=dev)[None, :]
@@ -440,6 +448,14 @@ class PlannedStep:
         )
         chosen = indexer_topk(index_q, index_weights, keys, klen, spec.top_k)  # entries j
         return convert_kv_index(chosen, meta.block_tables, klen, tpb, check=check)
+
+
+def _to_device(arr: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """``arr`` as a new tensor on ``dev``: on CUDA copied asynchronously from a private pinned
+    snapshot (a plain ``.to(dev)`` of pageable memory waits for every kernel queued before it,
+    which in the middle of a step leaves the GPU idle while the host catches up)."""
+    dtype = torch.from_numpy(np.empty(0, dtype=arr.dtype)).dtype
+    return to_device(np.ascontiguousarray(arr), dev, dtype)
 
 
 def in_place(q: torch.Tensor) -> bool:
