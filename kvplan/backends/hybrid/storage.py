@@ -193,12 +193,26 @@ class PagedRows:
             scratch = alloc_kv_cache(-(-n // bs), bs, self.layout, device=x.device)
             slots = torch.arange(n, dtype=torch.int32, device=x.device)
             store_kv_cache(x, scratch, slots, layout=self.layout, check=False)
-            segs = slot_segments(slots, bs)
+            segs = block_segments(n, bs, x.device)
             return self._from_loaded(
                 load_paged_kv_cache(scratch, segs, n, layout=self.layout, check=False), dtype
             )
         values, scales = quant.quantize(x.reshape(x.shape[0], -1), self.layout)
         return quant.dequantize(values, scales, self.layout).to(dtype)
+
+
+def block_segments(n: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[ceil(n / block_size), 4]`` load plan of slots ``0 .. n - 1`` in order: one
+    segment per whole block (the last one partial), so the load kernel walks full blocks
+    instead of one row per program as `slot_segments` would.
+
+    >>> block_segments(7, 4, torch.device("cpu")).tolist()
+    [[0, 0, 4, 0], [1, 0, 3, 4]]
+    """
+    start = torch.arange(0, n, block_size, dtype=torch.int32, device=device)
+    block = start // block_size
+    end = torch.clamp(n - start, max=block_size)
+    return torch.stack([block, torch.zeros_like(block), end, start], dim=1).to(torch.int32)
 
 
 def slot_segments(slots: torch.Tensor, block_size: int) -> torch.Tensor:
