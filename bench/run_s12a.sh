@@ -10,7 +10,7 @@ step 45 gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=shor
 grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests.log" | head -12
 step 40 prefill python3 bench/profile_prefill.py --variants fp8,fp4,fp4-paged --prompts 3 --top 8 --out "$W/prefill.json"
 grep -E "per 8192" "$W/prefill.log"
-step 180 hybrid_hf python3 bench/bench_hybrid_hf.py --split --profile-prefill --trace "$W/trace" --out "$W/hybrid_hf.json"
+step 180 hybrid_hf python3 bench/bench_hybrid_hf.py --split --profile-prefill --trace "$O" --out "$W/hybrid_hf.json"
 grep -E "tok/s" "$W/hybrid_hf.log"
 python3 -c "import json; d=json.load(open('$W/hybrid_hf.json')); [print(r.get('kv_format'), r.get('steps_by_kind'), len(r.get('triton_compiles_in_run') or [])) for r in d['runs'] if r.get('kv_format')]"
 step 70 hybrid_b256 python3 bench/bench_hybrid.py --contexts 131072 --batch 256 --formats fp8,exact --out "$W/hybrid_b256.json"
