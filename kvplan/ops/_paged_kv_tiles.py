@@ -19,7 +19,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from kvplan.ops._quant_triton import SF_KIND, decode_e2m1
+from kvplan.ops._quant_triton import SF_KIND, decode_e2m1, decode_e2m1_tiny
 
 
 @triton.jit
@@ -70,12 +70,17 @@ def dequantize_kv_raw(
             x = vals.to(tl.int8, bitcast=True).to(tl.float32)
         else:
             packed = vals.to(tl.int32)
-            pairs = tl.join(decode_e2m1(packed & 15), decode_e2m1(packed >> 4))  # [N, D/2, 2]
-            x = tl.reshape(pairs, [TILE_N, HEAD_DIM])
+            if SF_KIND == 1:  # the values times 2^-14; e4m3 scales (<= 448) take the 2^14
+                pairs = tl.join(decode_e2m1_tiny(packed & 15), decode_e2m1_tiny(packed >> 4))
+            else:
+                pairs = tl.join(decode_e2m1(packed & 15), decode_e2m1(packed >> 4))
+            x = tl.reshape(pairs, [TILE_N, HEAD_DIM])  # pairs: [N, D/2, 2]
         if SF_KIND == 2:
             scale = sf
         elif SF_KIND == 1:  # e4m3
             scale = sf.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            if KV_QUANT == 2:  # exact: a power-of-two factor on a value <= 448
+                scale = scale * 16384.0
         else:  # UE8M0: the byte is the fp32 exponent field
             scale = (sf.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         grouped = tl.reshape(x, [TILE_N, HEAD_DIM // GROUP, GROUP]) * scale[:, :, None]
