@@ -99,8 +99,9 @@ def main() -> None:
         )
         kv_bytes = 2 * batch * ctx * hkv * d * per_value
         tilings = [dict(tile_n=t, num_warps=w, num_stages=st) for t, w, st in sweep]
-        if args.prefetch and fmt != "bf16":
-            tilings += [{"prefetch": True}] + [{**t, "prefetch": True} for t in tilings]
+        if args.prefetch and fmt != "bf16":  # both ways, whatever the format's default
+            tilings += [{"prefetch": True}, {"prefetch": False}]
+            tilings += [{**t, "prefetch": pf} for t in tilings[:-2] for pf in (True, False)]
 
         def measure(kw, caches=caches, layout=layout, want=want, kv_bytes=kv_bytes, fmt=fmt):
             def call():
