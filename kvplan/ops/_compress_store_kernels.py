@@ -21,7 +21,10 @@ the same ``y``). ``EXACT`` (compiled GPU code) takes exp / cos / sin / rsqrt fro
 the functions torch's CUDA kernels call; the interpreter has no libdevice.
 
 State program: ``ring[store_rows[t]] = (kv[t], gate[t])`` in fp32, the gate biased as above
-with ``BIAS`` (the trash row absorbs rows that are not kept).
+with ``BIAS``, for the kept rows only: ``store_rows[t]`` = the trash row (``ring_rows``, the
+ring's last row) marks a row that is not kept, and its program writes nothing (a prompt keeps
+a few rows per sequence of thousands: writing them all to one row cost ~0.1 ms a launch at
+8K rows).
 """
 
 from __future__ import annotations
@@ -279,8 +282,8 @@ def compress_store_kernel(
                                  FAST_DIV)  # fmt: skip
     else:
         t = (pid - num_entries).to(tl.int64)
-        if t < num_state_rows:
-            dst = tl.load(store_rows_ptr + t)
+        dst = tl.load(store_rows_ptr + t, mask=t < num_state_rows, other=ring_rows)
+        if dst < ring_rows:  # a kept row (the rest would all go to the trash row: skipped)
             c = tl.arange(0, kc)
             kv = tl.load(kv_ptr + t * stride_kv + c).to(tl.float32)
             tl.store(kv_ring_ptr + dst * kc + c, kv)
