@@ -190,3 +190,24 @@ def test_fused_connection_chain_equals_unfused(force_triton, monkeypatch):
                              [(1, ids, 0, 7)])  # fmt: skip
         want = _unfused_logits(model, ids)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_linear_inference_path_equals_the_block_diagonal_product(dtype):
+    """``GroupedLinear`` in inference writes its batched products straight into ``[T, g, m]``
+    (no output copy): the same values as the autograd path and as the block-diagonal
+    weight applied as one dense matrix."""
+    from kvplan.models.deepseek_v4.attention import GroupedLinear
+
+    gen = torch.Generator().manual_seed(3)
+    g, n, m, t = 4, 24, 8, 7
+    lin = GroupedLinear(n, g * m, g).to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(g * m, n, generator=gen))
+    x = torch.randn(t, g * n, generator=gen).to(dtype)
+    with torch.no_grad():
+        got = lin(x)
+    assert got.shape == (t, g * m) and got.is_contiguous()
+    assert torch.equal(got, lin(x).detach())  # the autograd path (copies the output)
+    dense = torch.block_diag(*lin.weight.detach().float().unflatten(0, (g, m)))  # [g*m, g*n]
+    torch.testing.assert_close(got.float(), x.float() @ dense.T, atol=1e-2, rtol=1e-2)

@@ -45,7 +45,13 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xg = x.unflatten(-1, (self.groups, -1)).transpose(0, 1)  # [g, T, n]
         w = self.weight.unflatten(0, (self.groups, -1))  # [g, m, n]
-        return torch.bmm(xg, w.transpose(1, 2)).transpose(0, 1).flatten(1)  # [T, g*m]
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return torch.bmm(xg, w.transpose(1, 2)).transpose(0, 1).flatten(1)  # [T, g*m]
+        # inference: the products land in [T, g, m] order (strided batches of one GEMM call),
+        # so the flatten below is a view, not a copy of the whole output
+        out = x.new_empty(x.shape[0], self.groups, w.shape[1])
+        torch.bmm(xg, w.transpose(1, 2), out=out.transpose(0, 1))
+        return out.flatten(1)
 
 
 class DeepseekV4Attention(nn.Module):
