@@ -495,3 +495,52 @@ def index_scores_tc_kernel(
         score = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
         score = tl.where(valid, score, float("-inf"))
         tl.store(out_ptr + t64 * stride_ot + cols, score, mask=c_ok)
+
+
+@triton.jit
+def index_scores_seq_kernel(
+    q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, len_ptr, block_row_ptr, block_end_ptr,
+    block_seq_ptr, stride_qt, stride_qh, stride_wt, stride_ot, stride_idx, num_heads,
+    num_cols, num_slots, block_size, stride_block, stride_token, scale_stride, scale_offset,
+    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
+    ROWS: tl.constexpr, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
+    FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(num_blocks, cdiv(K, TILE_N))``: ``index_scores_tc_kernel``'s scores for rows
+    that share their candidates. Block ``b`` is rows ``block_row[b] .. block_end[b] - 1``
+    (at most ``ROWS``) of sequence ``block_seq[b]``, whose candidate slots are row
+    ``block_seq[b]`` of ``idx`` ``[S, K]``; row ``r`` sees the columns below ``len[r]``. The
+    key tile is loaded and dequantized once for the block's rows, and one dot scores it
+    against every head of every row (``[TILE_N, Ci] x [Ci, ROWS * TILE_H]``)."""
+    b = tl.program_id(0)
+    r0 = tl.load(block_row_ptr + b)
+    r_end = tl.load(block_end_ptr + b)
+    seq = tl.load(block_seq_ptr + b).to(tl.int64)
+    cols = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
+    c_ok = cols < num_cols
+    slots = tl.load(idx_ptr + seq * stride_idx + cols, mask=c_ok, other=-1)
+    valid = (slots >= 0) & (slots < num_slots)
+    k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
+                   scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW)  # fmt: skip
+    # the block's (row, head) pairs as the dot's columns: pair p = row p // TILE_H
+    p = tl.arange(0, ROWS * TILE_H)
+    rows = r0 + p // TILE_H
+    heads = p % TILE_H
+    p_ok = (rows < r_end) & (heads < num_heads)
+    d = tl.arange(0, D_P2)
+    q_off = rows.to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=p_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    w = tl.load(w_ptr + rows.to(tl.int64) * stride_wt + heads, mask=p_ok, other=0.0)
+    if DOT_BF16:
+        s = tl.dot(k.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))  # [TILE_N, ROWS * TILE_H]
+    else:
+        s = tl.dot(k, tl.trans(q.to(tl.float32)), input_precision="ieee")
+    sc = tl.maximum(s, 0.0) * w.to(tl.float32)[None, :]
+    score = tl.sum(tl.reshape(sc, [TILE_N, ROWS, TILE_H]), 2)  # [TILE_N, ROWS]
+    r = r0 + tl.arange(0, ROWS)
+    r_ok = r < r_end
+    lens = tl.load(len_ptr + r, mask=r_ok, other=0)
+    ok = valid[:, None] & (cols[:, None] < lens[None, :])
+    score = tl.where(ok, score, float("-inf"))
+    dst = out_ptr + r.to(tl.int64)[None, :] * stride_ot + cols[:, None]
+    tl.store(dst, score, mask=c_ok[:, None] & r_ok[None, :])

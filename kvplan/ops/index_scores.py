@@ -7,6 +7,7 @@ CUDA tensors run ``index_scores_tc_kernel`` of ``kvplan.ops._sparse_attention_ke
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 
@@ -23,7 +24,10 @@ from kvplan.ops.sparse_sources import (
 )
 from kvplan.ops.topk import topk_columns
 
-__all__ = ["index_scores", "index_scores_triton", "topk_columns"]
+__all__ = ["index_scores", "index_scores_by_sequence", "index_scores_triton", "topk_columns"]
+
+SEQ_ROWS = 4  # rows per program of index_scores_seq_kernel (times the heads: the dot's width)
+SEQ_TILE_N = 64  # candidates per program of index_scores_seq_kernel
 
 
 def index_scores(
@@ -110,5 +114,99 @@ def index_scores_triton(
         *args, TILE_N=tile_n, TILES=tiles, **consts,
         DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32 and not interpret,
         num_warps=num_warps or 4,
+    )  # fmt: skip
+    return out
+
+
+def index_scores_by_sequence(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    keys: KeySource,
+    cu_rows: np.ndarray,
+    lens: torch.Tensor,
+    *,
+    check: bool = True,
+    rows_per_program: int | None = None,
+    tile_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """:func:`index_scores` of rows grouped in sequences that share their candidates (the
+    rows of one prompt chunk): a key is loaded and dequantized once for ``rows_per_program``
+    rows instead of once per row.
+
+    Args:
+        index_q, index_weights: as in :func:`index_scores` (``T`` rows).
+        keys: the index keys; ``keys.index`` int32 ``[S, K]``: sequence ``s``'s candidate
+            slots (``-1``: none).
+        cu_rows: host int ``[S + 1]``: sequence ``s`` owns rows ``cu_rows[s] .. cu_rows[s + 1]
+            - 1`` (non-decreasing, from 0 to ``T``).
+        lens: int32 ``[T]`` on the device: row ``r`` sees the columns below ``lens[r]`` (its
+            candidates are a prefix of its sequence's), ``0 <= lens[r] <= K``.
+        check: validate slots and lengths (a device sync on CUDA).
+
+    Returns fp32 ``[T, K]``, equal to :func:`index_scores` over the per-row table (row ``r``:
+    its sequence's slots, ``-1`` from column ``lens[r]`` on): the same products, summed over
+    the heads in the same order up to the tensor cores' tiling.
+    """
+    check_tensor("index_q", index_q, dtype=(torch.float32, torch.bfloat16), ndim=3)
+    num_rows, num_heads, width = index_q.shape
+    check_tensor("index_weights", index_weights, shape=(num_rows, num_heads))
+    if not 1 <= num_heads <= 128 or width > MAX_HEAD_DIM:
+        raise ValueError(f"index_q: need 1 <= Hi <= 128 and Ci <= 512, got {(num_heads, width)}")
+    idx = check_tensor("keys.index", keys.index, dtype=torch.int32, ndim=2)
+    cu = np.asarray(cu_rows, dtype=np.int64)
+    if cu.ndim != 1 or cu.shape[0] != idx.shape[0] + 1:
+        raise ValueError(
+            f"cu_rows must have {idx.shape[0] + 1} entries (keys.index rows + 1), got "
+            f"shape {cu.shape}"
+        )
+    if cu[0] != 0 or cu[-1] != num_rows or (np.diff(cu) < 0).any():
+        raise ValueError(
+            f"cu_rows must rise from 0 to {num_rows} (index_q rows), got {cu.tolist()}"
+        )
+    check_tensor("lens", lens, dtype=torch.int32, shape=(num_rows,))
+    check_same_device(index_q=index_q, index_weights=index_weights, cache=keys.cache, index=idx,
+                      lens=lens)  # fmt: skip
+    addr = source_address(0, keys, width, split_ok=True)
+    if check:
+        check_range("keys.index", idx, -1, addr.num_slots)
+        check_range("lens", lens, 0, idx.shape[1] + 1)
+    if not use_triton(index_q):  # the per-row table through index_scores
+        row_seq = torch.from_numpy(np.repeat(np.arange(idx.shape[0]), np.diff(cu)))
+        col = torch.arange(idx.shape[1], device=idx.device)[None, :]
+        rows = torch.where(col < lens.long()[:, None], idx[row_seq.to(idx.device)], -1)
+        return index_scores(index_q, index_weights, KeySource(keys.cache, rows.to(torch.int32),
+                                                              keys.layout), check=False)  # fmt: skip
+    from kvplan.backends.staging.arena import to_device
+
+    rows_per = rows_per_program or SEQ_ROWS
+    tile_n = tile_n or SEQ_TILE_N
+    out = torch.empty((num_rows, idx.shape[1]), dtype=torch.float32, device=idx.device)
+    if out.numel() == 0:
+        return out
+    seq_len = np.diff(cu)
+    nblocks = -(-seq_len // rows_per)
+    block_seq = np.repeat(np.arange(idx.shape[0]), nblocks)
+    first = np.repeat(np.cumsum(nblocks) - nblocks, nblocks)
+    block_row = cu[block_seq] + (np.arange(block_seq.shape[0]) - first) * rows_per
+    block_end = np.minimum(block_row + rows_per, cu[block_seq + 1])
+    dev = idx.device
+    blocks = [to_device(a.astype(np.int32), dev) for a in (block_row, block_end, block_seq)]
+    q = index_q if index_q.stride(2) == 1 else index_q.contiguous()
+    w = index_weights.float().contiguous()
+    idx = idx if idx.stride(1) == 1 else idx.contiguous()
+    d_p2 = max(16, triton.next_power_of_2(width))
+    interpret = triton_interpreting()
+    grid = (block_seq.shape[0], triton.cdiv(idx.shape[1], tile_n))
+    _k.index_scores_seq_kernel[grid](
+        q, w, out, addr.ptr, idx, lens, *blocks, q.stride(0), q.stride(1), w.stride(0),
+        out.stride(0), idx.stride(0), num_heads, idx.shape[1], addr.num_slots,
+        addr.block_size, addr.stride_block, addr.stride_token, addr.scale_stride,
+        addr.scale_offset,
+        HEAD_DIM=width, D_P2=d_p2, TILE_H=max(16, triton.next_power_of_2(num_heads)),
+        TILE_N=tile_n, ROWS=rows_per, KIND=addr.kind, SF=addr.sf, GS=addr.group,
+        FLAT=flat_scales(addr, width, d_p2), HW=not interpret,
+        DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32 and not interpret,
+        num_warps=num_warps or 8,
     )  # fmt: skip
     return out

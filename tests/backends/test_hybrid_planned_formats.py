@@ -19,6 +19,7 @@ from kvplan.formats import (
     V41_FP4_FORMAT,
     bf16_format,
 )
+from kvplan.ops.sparse_sources import KeySource
 
 
 def test_native_widths_are_the_seed_formats() -> None:
@@ -146,3 +147,38 @@ def test_quantized_differs_from_exact() -> None:
         outs.append(torch.cat(captured))
     assert not torch.allclose(outs[0], outs[1], atol=1e-4)
     assert torch.allclose(outs[0], outs[1], atol=0.5)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "exact"])
+def test_prompt_index_scores_by_sequence_equal_oracle(kv_format, monkeypatch) -> None:
+    """The family on the ops' Triton path (interpreter): prompt steps, decode rows mixed into
+    them included, score the indexer's candidates per sequence
+    (`index_scores_by_sequence`), and every step equals the oracle; scoring each row's own
+    table instead (``KVPLAN_INDEX_BY_SEQUENCE=0``) gives the same scores."""
+    import kvplan.backends.hybrid.planned_step as ps
+
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    calls, compared = [], []
+    real = ps.index_scores_by_sequence
+
+    def spy(q, w, keys, cu, lens, **kw):
+        got = real(q, w, keys, cu, lens, **kw)
+        calls.append(len(cu) - 1)
+        with monkeypatch.context() as m:  # the per-row path on the same inputs
+            m.setenv("KVPLAN_INDEX_BY_SEQUENCE", "0")
+            table = keys.index[torch.from_numpy(np.repeat(np.arange(len(cu) - 1), np.diff(cu)))]
+            col = torch.arange(table.shape[1])[None, :]
+            table = torch.where(col < lens.long()[:, None], table, -1).to(torch.int32)
+            want = ps.index_scores(q, w, KeySource(keys.cache, table, keys.layout))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        compared.append(bool(torch.isfinite(got).any()))
+        return got
+
+    monkeypatch.setattr(ps, "index_scores_by_sequence", spy)
+    rng = np.random.default_rng(4)
+    fam, oracle = make_family([CSA, HCA, SLIDING], 5, 8, kv_format=kv_format)
+    drv = Driver(fam, oracle, seed=13, atol=2e-5, rtol=2e-5)
+    for step in schedules(rng)["mixed"][:5]:
+        drv.step([drv.seq(e[0], e[1], e[2], bool(e[3]) if len(e) > 3 else False) for e in step])
+    assert calls and max(calls) >= 2  # steps of several sequences went through it
+    assert any(compared)  # with candidates to score

@@ -48,6 +48,7 @@ How each call maps onto the plan (``meta`` = the step's ``InputMetadata``, ``r``
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -74,6 +75,7 @@ from kvplan.ops.compress_store import (
     gather_windows,
     pool_windows,
 )
+from kvplan.ops.index_scores import index_scores_by_sequence
 from kvplan.ops.sparse_attention import KeySource, index_scores, sparse_attention, topk_columns
 from kvplan.plan.common import num_new_compressed
 from kvplan.plan.compressor_state import expand_window_index, plan_compressor_state
@@ -370,8 +372,8 @@ class PlannedStep:
             return rows, meta.kv_ca_index[key][:, :width]
         ks, klen = meta.ks[key].long(), meta.klen[key]
         if in_place(index_q):  # CUDA: the index keys read in place from their pool
-            src = caches.pools["indexer"].key_source(self._candidate_slots(spec.ratio, width))
-            scores = index_scores(index_q, index_weights, src, check=self.family.check)
+            slots = self._candidate_slots(spec.ratio, width)
+            scores = self._prompt_index_scores(spec, caches, index_q, index_weights, slots)
             local = topk_columns(scores, klen, spec.top_k, check=self.family.check)
         else:
             keys_buf = caches.pools["indexer"].load(segs, total)
@@ -391,9 +393,24 @@ class PlannedStep:
         if not spec.overlap:
             return slots
         klen, check = self.meta.klen[ratio_key(spec.ratio)], self.family.check
-        src = caches.pools["indexer"].key_source(slots)
-        scores = index_scores(index_q, index_weights, src, check=check)
+        scores = self._prompt_index_scores(spec, caches, index_q, index_weights, slots)
         return topk_columns(scores, klen, spec.top_k, gather=slots, check=check)
+
+    def _prompt_index_scores(self, spec, caches, index_q, index_weights, slots):
+        """The indexer's fp32 ``[T, K]`` scores of a prompt step's candidates ``slots``
+        (`_candidate_slots`). The rows of one sequence share its candidates (row ``t`` sees
+        the first ``klen[t]``, the sequence's last row the most), so by default the keys are
+        scored per sequence (`index_scores_by_sequence`: a key tile loaded once for several
+        rows); ``KVPLAN_INDEX_BY_SEQUENCE=0`` scores every row's own table."""
+        pool, check = caches.pools["indexer"], self.family.check
+        if os.environ.get("KVPLAN_INDEX_BY_SEQUENCE", "1") == "0":
+            return index_scores(index_q, index_weights, pool.key_source(slots), check=check)
+        klen = self.meta.klen[ratio_key(spec.ratio)]
+        last = _to_device(self.cu_q[1:] - 1, slots.device)
+        return index_scores_by_sequence(
+            index_q, index_weights, pool.key_source(slots[last]), self.cu_q,
+            klen.to(torch.int32), check=check,
+        )  # fmt: skip
 
     def _candidate_slots(self, ratio: int, width: int) -> torch.Tensor:
         """int32 ``[T, width]`` pool slots of each row's visible entries ``0 .. len[t] - 1``
