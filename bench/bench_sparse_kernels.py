@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -44,6 +45,7 @@ if not torch.cuda.is_available():
 
 from kvplan.backends.hybrid.storage import PagedRows, index_format  # noqa: E402
 from kvplan.formats import V41_FORMAT  # noqa: E402
+from kvplan.ops.index_scores import index_scores_by_sequence  # noqa: E402
 from kvplan.ops.sparse_attention import (  # noqa: E402
     KeySource,
     index_scores_triton,
@@ -52,7 +54,7 @@ from kvplan.ops.sparse_attention import (  # noqa: E402
 
 # new vs old, relative to max |old|: fp32 scores summed in another order; bf16 outputs whose
 # probabilities are rounded to bf16 against another running max
-_TOL = {"index_scores": 1e-5, "sparse_attention": 2e-2}
+_TOL = {"index_scores": 1e-5, "index_prompt": 1e-5, "sparse_attention": 2e-2}
 # d_chunk / pv_split variants (bench/hybrid_kernel_regs.py has their register counts)
 _CHUNKED = [
     {"d_chunk": dc, "pv_split": ps, "num_warps": nw, "num_stages": st}
@@ -225,11 +227,42 @@ def attention_cases(a, dev, gen) -> list[dict]:
     return out
 
 
+def index_prompt_case(a, dev, gen, kind: str) -> list[dict]:
+    """Prompt-shaped indexer scores: ``a.prompt_seqs`` sequences of ``a.prompt_rows`` rows,
+    each row seeing a rising prefix of its sequence's ``a.prompt_cand`` candidates (a 4K
+    prompt's CSA entries). old = every row scoring its own table (``index_scores_triton``),
+    new = `index_scores_by_sequence` (a key tile loaded once for several rows)."""
+    layout = index_format("fp8", kind, 128, torch.bfloat16)
+    n_seq, per, cand = a.prompt_seqs, a.prompt_rows, a.prompt_cand
+    rows, slots = paged_slots(n_seq, cand, layout, 128, 64, dev, gen)  # [S, cand]
+    t = n_seq * per
+    q = torch.randn(t, a.index_heads, 128, generator=gen, device=dev).to(torch.bfloat16)
+    w = torch.randn(t, a.index_heads, generator=gen, device=dev)
+    lens = (torch.arange(per, device=dev) * cand // per).repeat(n_seq).to(torch.int32)
+    cu = np.arange(n_seq + 1) * per
+    col = torch.arange(cand, device=dev)[None, :]
+    table = torch.where(col < lens[:, None], slots.repeat_interleave(per, 0), -1)
+    per_row = rows.key_source(table.to(torch.int32).contiguous())
+    by_seq = rows.key_source(slots)
+    configs = [{}] + [{"rows_per_program": r, "tile_n": n, "num_warps": nw}
+                      for r in (2, 4, 8) for n in (32, 64, 128) for nw in (4, 8)
+                      if r * n <= 512]  # fmt: skip
+
+    def call(per_row_table=False, **cfg):
+        if per_row_table:
+            return index_scores_triton(q, w, per_row)
+        return index_scores_by_sequence(q, w, by_seq, cu, lens, check=False, **cfg)
+
+    name = f"index_prompt {kind} {n_seq}x{per}x{cand}"
+    return compare(name, call, configs, {"per_row_table": True}, dev)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--sweep", action="store_true", help="also time tile configurations")
-    ap.add_argument("--only", choices=("index", "attention", "prefill"), default=None,
+    ap.add_argument("--only", choices=("index", "index_prompt", "attention", "prefill"),
+                    default=None,
                     help="prefill: only the --prefill-rows case")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the JSON record here")
     ap.add_argument("--prefill-rows", type=int, default=0,
@@ -254,6 +287,10 @@ def main() -> None:
         for kind in ("mxfp8", "fp8_fp32sf"):
             for cand in a.candidates:
                 rows += index_case(a, dev, gen, kind, cand)
+    a.prompt_seqs, a.prompt_rows, a.prompt_cand = (2, 12, 40) if quick else (2, 4096, 1024)
+    if a.only in (None, "index_prompt"):
+        for kind in ("mxfp8", "fp8_fp32sf"):
+            rows += index_prompt_case(a, dev, gen, kind)
     if a.only in (None, "attention"):
         rows += attention_cases(a, dev, gen)
     if a.only == "prefill" and not a.prefill_rows:

@@ -64,6 +64,12 @@ def main() -> None:
                      SF=0, GS=32, FLAT=True, HW=True, DOT_BF16=True)  # fmt: skip
         r = report(_k.index_scores_tc_kernel, const, INDEX_TYPES, warps)
         rows.append(dict(kernel="index_scores_tc_kernel", tile_n=tile_n, tiles=tiles, **r))
+    # the per-sequence prompt form: ROWS rows x 32 heads as the dot's columns
+    for tile_n, rows_per, warps in ((64, 4, 8), (64, 4, 4), (128, 4, 8), (64, 2, 4), (32, 4, 4)):
+        const = dict(HEAD_DIM=128, D_P2=128, TILE_H=32, TILE_N=tile_n, ROWS=rows_per, KIND=2,
+                     SF=0, GS=32, FLAT=True, HW=True, DOT_BF16=True)  # fmt: skip
+        r = report(_k.index_scores_seq_kernel, const, INDEX_TYPES, warps)
+        rows.append(dict(kernel="index_scores_seq_kernel", tile_n=tile_n, tiles=rows_per, **r))
     for r in rows:
         var = (
             f" d_chunk {r['d_chunk']:>3} pv_split {r['pv_split']} stages {r['num_stages']}"

@@ -207,6 +207,6 @@ def index_scores_by_sequence(
         TILE_N=tile_n, ROWS=rows_per, KIND=addr.kind, SF=addr.sf, GS=addr.group,
         FLAT=flat_scales(addr, width, d_p2), HW=not interpret,
         DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32 and not interpret,
-        num_warps=num_warps or 8,
+        num_warps=num_warps or 4,
     )  # fmt: skip
     return out

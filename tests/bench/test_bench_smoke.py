@@ -38,3 +38,12 @@ def test_profile_prefill_quick_workload(tmp_path):
     rec = json.loads(out.read_text())
     assert [r["variant"] for r in rec["runs"]] == ["bf16", "fp8", "fp8-paged", "fp4+prefetch"]
     assert rec["workload"] == [3, 4] and all(r["ms_per_prompt"] > 0 for r in rec["runs"])
+
+
+def test_sparse_kernels_quick_index_prompt(tmp_path):
+    out = tmp_path / "ip.json"
+    proc = _run("bench_sparse_kernels.py", "--only", "index_prompt", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["case"].split()[1] for r in rows} == {"mxfp8", "fp8_fp32sf"}
+    assert all(r["rel_err"] < 1e-5 for r in rows if "rel_err" in r)
