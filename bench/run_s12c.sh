@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Third call: where a 32K hybrid decode step's time goes now (kernel table), the end to end
-# with larger step budgets (fewer, larger prefill steps) and with the per-row indexer for the
-# A/B, and the long fp4 workload.
+# (fp8, no HF) at step budgets 8K (the default run) / 16K / 32K (fewer, larger prefill steps)
+# and with the per-row indexer (the A/B of index_scores_by_sequence against the 8K run), and
+# the long fp4 workload if time remains.
 set -u
 source bench/gpu_steps.sh
 step 70 hybrid_profile python3 bench/bench_hybrid.py --contexts 32768 --formats fp8 --profile 1 --out "$W/hybrid_profile.json"
 grep -E "32768" "$W/hybrid_profile.log" | tail -3
-for b in 16384 32768; do
+for b in 8192 16384 32768; do
   step 90 e2e_$b python3 bench/bench_hybrid_hf.py --no-hf --kv-formats fp8 --split --max-num-batched-tokens $b --out "$W/e2e_$b.json"
   grep -E "tok/s" "$W/e2e_$b.log"
 done
