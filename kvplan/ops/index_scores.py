@@ -30,6 +30,17 @@ SEQ_ROWS = 4  # rows per program of index_scores_seq_kernel (times the heads: th
 SEQ_TILE_N = 64  # candidates per program of index_scores_seq_kernel
 
 
+def _check_queries(index_q, index_weights, keys: KeySource):
+    """``(T, Hi, Ci, keys.index)`` after checking the queries, weights and index dtype."""
+    check_tensor("index_q", index_q, dtype=(torch.float32, torch.bfloat16), ndim=3)
+    num_rows, num_heads, width = index_q.shape
+    check_tensor("index_weights", index_weights, shape=(num_rows, num_heads))
+    if not 1 <= num_heads <= 128 or width > MAX_HEAD_DIM:
+        raise ValueError(f"index_q: need 1 <= Hi <= 128 and Ci <= 512, got {(num_heads, width)}")
+    idx = check_tensor("keys.index", keys.index, dtype=torch.int32, ndim=2)
+    return num_rows, num_heads, width, idx
+
+
 def index_scores(
     index_q: torch.Tensor,
     index_weights: torch.Tensor,
@@ -51,12 +62,7 @@ def index_scores(
     Returns fp32 ``[T, K]``: ``sum_h index_weights[t, h] * relu(index_q[t, h] . key)``
     (fp32 products), ``-inf`` where the slot is ``-1``.
     """
-    check_tensor("index_q", index_q, dtype=(torch.float32, torch.bfloat16), ndim=3)
-    num_rows, num_heads, width = index_q.shape
-    check_tensor("index_weights", index_weights, shape=(num_rows, num_heads))
-    if not 1 <= num_heads <= 128 or width > MAX_HEAD_DIM:
-        raise ValueError(f"index_q: need 1 <= Hi <= 128 and Ci <= 512, got {(num_heads, width)}")
-    idx = check_tensor("keys.index", keys.index, dtype=torch.int32, ndim=2)
+    num_rows, num_heads, width, idx = _check_queries(index_q, index_weights, keys)
     if idx.shape[0] != num_rows:
         raise ValueError(f"keys.index has {idx.shape[0]} rows, index_q has {num_rows}")
     check_same_device(index_q=index_q, index_weights=index_weights, cache=keys.cache, index=idx)
@@ -148,12 +154,7 @@ def index_scores_by_sequence(
     its sequence's slots, ``-1`` from column ``lens[r]`` on): the same products, summed over
     the heads in the same order up to the tensor cores' tiling.
     """
-    check_tensor("index_q", index_q, dtype=(torch.float32, torch.bfloat16), ndim=3)
-    num_rows, num_heads, width = index_q.shape
-    check_tensor("index_weights", index_weights, shape=(num_rows, num_heads))
-    if not 1 <= num_heads <= 128 or width > MAX_HEAD_DIM:
-        raise ValueError(f"index_q: need 1 <= Hi <= 128 and Ci <= 512, got {(num_heads, width)}")
-    idx = check_tensor("keys.index", keys.index, dtype=torch.int32, ndim=2)
+    num_rows, num_heads, width, idx = _check_queries(index_q, index_weights, keys)
     cu = np.asarray(cu_rows, dtype=np.int64)
     if cu.ndim != 1 or cu.shape[0] != idx.shape[0] + 1:
         raise ValueError(
