@@ -208,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
         ("total tokens/s", f"{res.total_tokens_per_s:,.0f}"),
         ("median full-batch decode step", "-" if step is None else f"{step:.3f} ms"),
         ("steps / graph replays", f"{res.num_steps} / {res.num_graph_replays}"),
+        *(
+            (f"{kind} steps", f"{len(ms)} ({sum(ms):.1f} ms of step() calls)")
+            for kind, ms in sorted(res.step_ms_by_kind.items())
+        ),
         ("Triton kernels compiled in the run", str(len(res.triton_compiles))),
     ]
     width = max(len(k) for k, _ in rows)
