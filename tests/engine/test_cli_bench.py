@@ -92,3 +92,16 @@ def test_run_workload_sorts_steps_by_what_they_ran():
     assert len(kinds["prefill"]) == 1 and len(kinds["mixed"]) >= 1 and len(kinds["decode"]) >= 3
     assert set(kinds) == {"prefill", "mixed", "decode"}
     assert llm.engine.last_step_kind == "decode"
+
+
+def test_kvplan_bench_table_reports_steps_by_kind(capsys):
+    from kvplan.cli import main
+
+    rc = main(["bench", "--config", "tiny-llama", "--num-requests", "3", "--prompt-len", "12",
+               "--new-tokens", "4", "--device", "cpu"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = {ln.split("  ")[0]: ln for ln in out.splitlines()}
+    assert "prefill steps" in lines and "decode steps" in lines
+    assert lines["Triton kernels compiled in the run"].split()[-1] == "0"
+    assert "36 / 12" in lines["prompt / output tokens"]
