@@ -115,3 +115,18 @@ def test_cuda_prompt_shapes(kind):
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     fin = torch.isfinite(want)
     torch.testing.assert_close(got[fin], want[fin], atol=2e-3, rtol=2e-3)
+
+
+def test_empty_shapes_and_a_sequence_without_rows(monkeypatch):
+    q, w, rows, idx, cu, lens = _inputs("mxfp8", seed=5, seq_rows=(4, 3))
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    # no candidates yet (a prompt shorter than one entry): [T, 0]
+    none = rows.key_source(idx[:, :0].contiguous())
+    got = index_scores_by_sequence(q, w, none, cu, torch.zeros_like(lens))
+    assert got.shape == (7, 0)
+    # a sequence that owns no row of the step between two that do
+    idx3 = torch.cat([idx[:1], idx[:1], idx[1:]], 0)  # [3, K]: the middle one owns no row
+    cu3 = np.array([0, 4, 4, 7])
+    got = index_scores_by_sequence(q, w, rows.key_source(idx3), cu3, lens)
+    want = index_scores_by_sequence(q, w, rows.key_source(idx), cu, lens)
+    assert torch.equal(got, want)
