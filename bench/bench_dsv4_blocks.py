@@ -245,6 +245,27 @@ def sweep_plans(hc: HyperConnection, d: dict, iters: int) -> list[dict]:
     return sorted(rows, key=lambda r: r["graph_us"])
 
 
+def sweep_proj_programs(hc: HyperConnection, d: dict, iters: int, programs: list[int]):
+    """`hc_pre` at ``d``'s rows with the projection's program target
+    (`hyper_connection.PROJ_PROGRAMS`) set to each of ``programs``: graph-replay microseconds
+    and the splits each gives."""
+    t, n, h = d["s"].shape
+    kw = dict(iters=hc.iters, hc_eps=hc.hc_eps, eps=hc.eps)
+    saved = hcm.PROJ_PROGRAMS
+    rows = []
+    try:
+        for target in programs:
+            hcm.PROJ_PROGRAMS = (saved[0], target) if t > 256 else (target, saved[1])
+            fn = lambda: hc_pre(d["s"], hc.fn, hc.base, hc.scale, **kw)  # noqa: E731
+            fn()
+            splits = hcm._proj_plan(t, n, h, d["s"].dtype).splits
+            rows.append(dict(programs=target, splits=splits,
+                             graph_us=time_cuda(fn, iters, graph=True)))  # fmt: skip
+    finally:
+        hcm.PROJ_PROGRAMS = saved
+    return rows
+
+
 def moe_fns(moe: DeepseekV4MoE, d: dict):
     x, ids = d["x"], d["ids"]
     sh = moe.shared
@@ -460,6 +481,11 @@ def main() -> None:
         action="store_true",
         help="time the row-tiled hc kernels over row tiles (GPU, largest --hc-rows)",
     )
+    ap.add_argument(
+        "--proj-programs",
+        default="",
+        help="comma-separated program targets of the hc projection to time at --rows (GPU)",
+    )
     ap.add_argument("--out", default=None, help="write the JSON record here")
     ap.add_argument("--moe-rows", type=int, default=8192, help="T of the grouped MoE sweep")
     ap.add_argument("--moe-sweep", action="store_true", help="only the grouped MoE sweep (GPU)")
@@ -491,6 +517,11 @@ def main() -> None:
                 fns = row_tiled_fns(hc, r, dev, op)
                 rows += measure(f"hc_{op}_rows@{r}", fns, cuda, args.iters, ("one-tok", "rows"))
     sweep = sweep_plans(hc, d, args.iters) if args.sweep and cuda else []
+    targets = [int(v) for v in args.proj_programs.split(",") if v]
+    proj = sweep_proj_programs(hc, d, args.iters, targets) if targets and cuda else []
+    for r in proj:
+        print(f"hc_pre at T={args.rows}, projection target {r['programs']:5d} programs "
+              f"({r['splits']} splits): {r['graph_us']:8.1f} us")  # fmt: skip
     big = [int(v) for v in args.hc_rows.split(",") if int(v) > hcm.ROW_TILED_MIN_ROWS]
     tiles = sweep_row_tiles(hc, big[-1], dev, args.iters) if args.hc_sweep and cuda and big else []
     print(
@@ -521,7 +552,7 @@ def main() -> None:
         rows_per_call=args.rows, hidden=cfg.hidden_size, hc_mult=cfg.hc_mult,
         sinkhorn_iters=cfg.hc_sinkhorn_iters, experts=cfg.n_routed_experts,
         top_k=cfg.num_experts_per_tok, moe_inter=cfg.moe_intermediate_size, results=rows,
-        hc_pre_plans=sweep, row_tiles=tiles,
+        hc_pre_plans=sweep, row_tiles=tiles, proj_programs=proj,
     )  # fmt: skip
     if args.out:
         with open(args.out, "w") as fh:

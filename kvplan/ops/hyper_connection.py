@@ -168,6 +168,11 @@ class _ProjPlan(NamedTuple):
 TC_MIN_ROWS = 256
 
 
+# programs the projection wants in all (decode sizes, more than 256 rows); the prefill entry
+# was never swept on the GPU (`bench/bench_dsv4_blocks.py --rows 8192 --proj-programs ...`)
+PROJ_PROGRAMS = (128, 256)
+
+
 def _proj_plan(t: int, n: int, hidden: int, dtype: torch.dtype | None = None) -> _ProjPlan:
     """Decode sizes: one K tile per program, about one program per SM; large ``T``: a few
     splits of many K tiles (bf16: on the tensor cores, wider K tiles). The fused and unfused
@@ -178,7 +183,7 @@ def _proj_plan(t: int, n: int, hidden: int, dtype: torch.dtype | None = None) ->
     tile_t = 16 if t <= 16 else 32 if t <= 256 else 64
     tile_h = max(8, 16 // n_p) if interp else max(16, (128 if tc else 64) // n_p)
     h_tiles = triton_cdiv(hidden, tile_h)  # N_P * tile_h >= 16 (a dot's K)
-    target = 4 if interp else (128 if t <= 256 else 256)  # programs wanted in all
+    target = 4 if interp else PROJ_PROGRAMS[t > 256]  # programs wanted in all
     splits = max(1, min(h_tiles, target // triton_cdiv(t, tile_t)))
     h_per_split = triton_cdiv(h_tiles, splits) * tile_h
     warps = 4
