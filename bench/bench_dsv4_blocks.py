@@ -484,7 +484,8 @@ def main() -> None:
     ap.add_argument(
         "--proj-programs",
         default="",
-        help="comma-separated program targets of the hc projection to time at --rows (GPU)",
+        help="only time hc_pre at --rows for each of these comma-separated program targets "
+        "of its projection (GPU)",
     )
     ap.add_argument("--out", default=None, help="write the JSON record here")
     ap.add_argument("--moe-rows", type=int, default=8192, help="T of the grouped MoE sweep")
@@ -502,6 +503,18 @@ def main() -> None:
                                device=torch.cuda.get_device_name(), moe_sweep=res), fh, indent=1)  # fmt: skip
         return
     hc, moe, d = build(cfg, args.rows, dev, torch.bfloat16)
+    targets = [int(v) for v in args.proj_programs.split(",") if v]
+    if targets:  # alone: the projection's program targets at --rows
+        proj = sweep_proj_programs(hc, d, args.iters, targets) if cuda else []
+        for r in proj:
+            print(f"hc_pre at T={args.rows}, projection target {r['programs']:5d} programs "
+                  f"({r['splits']} splits): {r['graph_us']:8.1f} us")  # fmt: skip
+        if args.out and proj:
+            with open(args.out, "w") as fh:
+                json.dump(dict(bench="bench_dsv4_blocks", command=" ".join(sys.argv),
+                               device=torch.cuda.get_device_name(), rows=args.rows,
+                               proj_programs=proj), fh, indent=1)  # fmt: skip
+        return
     rows = []
     rows += measure("hc", hc_fns(hc, d), cuda, args.iters)
     rows += measure("moe", moe_fns(moe, d), cuda, args.iters)
@@ -517,11 +530,6 @@ def main() -> None:
                 fns = row_tiled_fns(hc, r, dev, op)
                 rows += measure(f"hc_{op}_rows@{r}", fns, cuda, args.iters, ("one-tok", "rows"))
     sweep = sweep_plans(hc, d, args.iters) if args.sweep and cuda else []
-    targets = [int(v) for v in args.proj_programs.split(",") if v]
-    proj = sweep_proj_programs(hc, d, args.iters, targets) if targets and cuda else []
-    for r in proj:
-        print(f"hc_pre at T={args.rows}, projection target {r['programs']:5d} programs "
-              f"({r['splits']} splits): {r['graph_us']:8.1f} us")  # fmt: skip
     big = [int(v) for v in args.hc_rows.split(",") if int(v) > hcm.ROW_TILED_MIN_ROWS]
     tiles = sweep_row_tiles(hc, big[-1], dev, args.iters) if args.hc_sweep and cuda and big else []
     print(
@@ -552,7 +560,7 @@ def main() -> None:
         rows_per_call=args.rows, hidden=cfg.hidden_size, hc_mult=cfg.hc_mult,
         sinkhorn_iters=cfg.hc_sinkhorn_iters, experts=cfg.n_routed_experts,
         top_k=cfg.num_experts_per_tok, moe_inter=cfg.moe_intermediate_size, results=rows,
-        hc_pre_plans=sweep, row_tiles=tiles, proj_programs=proj,
+        hc_pre_plans=sweep, row_tiles=tiles,
     )  # fmt: skip
     if args.out:
         with open(args.out, "w") as fh:

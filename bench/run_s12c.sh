@@ -14,7 +14,7 @@ for b in 8192 16384 32768; do
 done
 step 90 e2e_rowidx env KVPLAN_INDEX_BY_SEQUENCE=0 python3 bench/bench_hybrid_hf.py --no-hf --kv-formats fp8 --split --out "$W/e2e_rowidx.json"
 grep -E "tok/s" "$W/e2e_rowidx.log"
-step 60 hc_proj python3 bench/bench_dsv4_blocks.py --rows 8192 --hc-rows 8192 --proj-programs 256,512,1024,2048 --out "$W/hc_proj.json"
+step 60 hc_proj python3 bench/bench_dsv4_blocks.py --rows 8192 --proj-programs 256,512,1024,2048 --out "$W/hc_proj.json"
 grep -E "projection target" "$W/hc_proj.log"
 step 100 long_fp4 python3 bench/bench_engine.py --kv-format fp4 --num-requests 32 --prompt-len 8192 --new-tokens 256 --hf "" --out "$W/long_fp4.json"
 grep -E "kvplan \(|decode step|compiles" "$W/long_fp4.log"
