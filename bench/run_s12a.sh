@@ -6,7 +6,7 @@
 # weights, dominate the floor), and the long dense workload with the whole-workload warm-up.
 set -u
 source bench/gpu_steps.sh
-step 45 gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=short -rf tests/ops/test_read_slots.py tests/engine/test_cli_bench.py tests/ops/test_paged_attention_quantized.py tests/engine/test_quantized_kv_engine.py tests/backends/test_hybrid_gpu_kernels.py tests/engine/test_deepseek_v4_engine.py
+step 45 gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=short -rf tests/ops/test_read_slots.py tests/ops/test_index_scores_seq.py tests/ops/test_compress_store.py tests/models/test_deepseek_v4_fused_compress.py tests/engine/test_cli_bench.py tests/ops/test_paged_attention_quantized.py tests/engine/test_quantized_kv_engine.py tests/backends/test_hybrid_gpu_kernels.py tests/engine/test_deepseek_v4_engine.py
 grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests.log" | head -12
 step 40 prefill python3 bench/profile_prefill.py --variants fp8,fp4,fp4-paged --prompts 3 --top 8 --out "$W/prefill.json"
 grep -E "per 8192" "$W/prefill.log"
