@@ -74,91 +74,6 @@ def _scales_at(c_ptr, sbase, grp, mask, SF: tl.constexpr):
 
 
 @triton.jit
-def _decode_values(vb, d, KIND: tl.constexpr, HW: tl.constexpr):
-    """fp32 values of loaded value bytes ``vb`` ``[TILE_N, len(d)]`` of columns ``d``: e4m3
-    (``KIND`` 2; the interpreter decodes in integers) or the e2m1 nibble of column ``d`` in
-    its byte ``d // 2`` (3)."""
-    if KIND == 2:
-        if HW:
-            vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            vals = decode_e4m3(vb.to(tl.int32))
-    else:
-        vals = decode_e2m1((vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15)
-    return vals
-
-
-@triton.jit
-def _scaled_keys_out(x, SF: tl.constexpr, BF16: tl.constexpr):
-    """Scaled keys as a cast load gives them: value * fp32 scale rounded to bf16 (the other
-    scale kinds give bf16 values exactly), then bf16 for bf16 dots."""
-    if SF == 2:
-        x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
-    if BF16:
-        x = x.to(tl.bfloat16)
-    return x
-
-
-@triton.jit
-def _record_addresses(
-    slots, valid, d0, block_size, stride_block, stride_token, scale_stride, scale_offset,
-    HEAD_DIM: tl.constexpr, DW: tl.constexpr,
-):  # fmt: skip
-    """(value offsets ``[TILE_N]``, scale offsets ``[TILE_N]``, columns ``d0 .. d0 + DW``,
-    their ``[TILE_N, DW]`` mask) of the rows of ``slots`` (invalid ones at slot 0, masked)."""
-    s = tl.where(valid, slots, 0).to(tl.int64)
-    blk, off = s // block_size, s % block_size
-    base = blk * stride_block + off * stride_token
-    sbase = blk * stride_block + off * scale_stride + scale_offset
-    d = d0 + tl.arange(0, DW)
-    return base, sbase, d, valid[:, None] & (d < HEAD_DIM)[None, :]
-
-
-@triton.jit
-def _key_bytes(
-    c_ptr, slots, valid, d0, block_size, stride_block, stride_token, scale_stride,
-    scale_offset, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DW: tl.constexpr,
-):  # fmt: skip
-    """The loads of a tile's columns ``[d0, d0 + DW)``: plain rows (``KIND`` 0 / 1): the
-    ``[TILE_N, DW]`` values (and ``valid`` as a placeholder); quantized ``FLAT`` ones (2 / 3):
-    the value bytes ``[TILE_N, DW]`` (e2m1: byte ``d // 2`` for column ``d``) and the fp32
-    scale multipliers ``[TILE_N, DW // GS]``. `_dequantize_keys` finishes the tile."""
-    base, sbase, d, dmask = _record_addresses(slots, valid, d0, block_size, stride_block,
-                                              stride_token, scale_stride, scale_offset,
-                                              HEAD_DIM, DW)  # fmt: skip
-    if KIND <= 1:
-        vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
-        mult = valid
-    else:
-        if KIND == 2:
-            vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
-        else:
-            vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
-        g = d0 // GS + tl.arange(0, DW // GS)
-        mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
-    return vb, mult
-
-
-@triton.jit
-def _dequantize_keys(
-    vb, mult, d0, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, DW: tl.constexpr,
-    TILE_N: tl.constexpr, HW: tl.constexpr, BF16: tl.constexpr,
-):  # fmt: skip
-    """`_key_bytes`' loads -> the ``[TILE_N, DW]`` keys (as `_load_key_cols` returns them)."""
-    if KIND == 0:  # fp32 rows
-        x = vb.to(tl.bfloat16) if BF16 else vb
-    elif KIND == 1:  # bf16 rows
-        x = vb if BF16 else vb.to(tl.float32)
-    else:
-        vals = _decode_values(vb, d0 + tl.arange(0, DW), KIND, HW)
-        G: tl.constexpr = DW // GS
-        x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
-        x = _scaled_keys_out(x, SF, BF16)
-    return x
-
-
-@triton.jit
 def _load_key_cols(
     c_ptr, slots, valid, d0, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -171,19 +86,43 @@ def _load_key_cols(
     multiples of ``GS`` (``DW // GS`` a power of two) and ``d0 + DW <= HEAD_DIM``. Scales of
     slot ``s`` start at ``block * stride_block + row * scale_stride + scale_offset``
     (token-interleaved records: ``scale_stride = stride_token``)."""
-    if KIND <= 1 or FLAT:
-        vb, mult = _key_bytes(c_ptr, slots, valid, d0, block_size, stride_block, stride_token,
-                              scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DW)  # fmt: skip
-        return _dequantize_keys(vb, mult, d0, KIND, SF, GS, DW, TILE_N, HW, BF16)
-    base, sbase, d, dmask = _record_addresses(slots, valid, d0, block_size, stride_block,
-                                              stride_token, scale_stride, scale_offset,
-                                              HEAD_DIM, DW)  # fmt: skip
-    # quantized rows whose scale groups do not tile the columns: one scale load per value
-    col = d if KIND == 2 else d // 2
-    vb = tl.load(c_ptr + base[:, None] + col[None, :], mask=dmask, other=0)
-    x = _decode_values(vb, d, KIND, HW)
-    x = x * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
-    return _scaled_keys_out(x, SF, BF16)
+    s = tl.where(valid, slots, 0).to(tl.int64)
+    blk, off = s // block_size, s % block_size
+    base = blk * stride_block + off * stride_token  # [TILE_N]
+    sbase = blk * stride_block + off * scale_stride + scale_offset
+    d = d0 + tl.arange(0, DW)
+    dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    if KIND == 0:
+        x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
+        if BF16:
+            x = x.to(tl.bfloat16)
+    elif KIND == 1:
+        x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
+        if not BF16:
+            x = x.to(tl.float32)
+    else:
+        if KIND == 2:
+            vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
+            if HW:
+                vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                vals = decode_e4m3(vb.to(tl.int32))
+        else:
+            vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
+            codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
+            vals = decode_e2m1(codes)
+        if FLAT:
+            G: tl.constexpr = DW // GS
+            g = d0 // GS + tl.arange(0, G)
+            mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
+            x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
+        else:
+            x = vals * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
+        if SF == 2:  # value * fp32 scale is not always a bf16: round it as a cast load does
+            x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+        if BF16:  # exact: every dequantized key is a bf16
+            x = x.to(tl.bfloat16)
+    return x
 
 
 @triton.jit
@@ -241,7 +180,13 @@ def _attend_tile(
             kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block,
                                 stride_token, scale_stride, scale_offset, KIND, SF, GS,
                                 HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16)  # fmt: skip
-    p, alpha, m_new, l_i = _online_softmax(s, valid, m_i, l_i, qk_scale, DOT_BF16)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [TILE_H, TILE_N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_BF16:
+        p = p.to(tl.bfloat16)
     if PV_SPLIT == 1:
         acc = (_pv_step(acc[0], alpha, p, kd, DOT_BF16),)
     else:
@@ -249,21 +194,6 @@ def _attend_tile(
                         stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
                         D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT)  # fmt: skip
     return acc, m_new, l_i
-
-
-@triton.jit
-def _online_softmax(s, valid, m_i, l_i, qk_scale, DOT_BF16: tl.constexpr):
-    """One step of the online softmax over logits ``s`` ``[TILE_H, TILE_N]`` (columns not
-    ``valid`` drop out): (probabilities, bf16 for bf16 dots; rescale of the old state; new
-    running max; new denominator)."""
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_BF16:
-        p = p.to(tl.bfloat16)
-    return p, alpha, m_new, l_i
 
 
 @triton.jit

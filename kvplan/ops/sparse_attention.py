@@ -151,8 +151,8 @@ def sparse_attention_triton(
     (0, or a power of two >= 16) sums the logits over query / key column chunks of that
     width instead of holding the whole query tile; ``pv_split`` (1, 2 or 4) splits the
     value product and the accumulator into that many column chunks, each re-reading its
-    values. A launch setting left None takes the path's entry in
-    ``ONE_PROGRAM_TILING`` / ``SPLIT_TILING`` if any, else the built-in default."""
+    values. A launch setting left None takes the path's entry in ``ONE_PROGRAM_TILING`` /
+    ``SPLIT_TILING`` if any, else the built-in default."""
     addrs = _check(q, sources, sinks, check)
     out = _out(q, out)
     num_rows, num_heads, head_dim = q.shape
