@@ -50,6 +50,16 @@ NO_WINDOW = 1 << 30
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax over logits ``s`` ``[TILE_M, TILE_N]`` (log2 domain): (probabilities,
+    rescale of the old state, new running max, new denominator)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, start, q, row_pos, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
@@ -91,10 +101,7 @@ def _attend_tile(
             & (offs_n[None, :] > row_pos[:, None] - window)
         )
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
     v = load_kv_tile(
         v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
     )
@@ -160,10 +167,7 @@ def _attend_raw_tile(
     """`_attend_tile` of a whole, unmasked tile whose stored bytes are already loaded."""
     k = dequantize_kv_raw(k_raw[0], k_raw[1], q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
     v = dequantize_kv_raw(v_raw[0], v_raw[1], q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
