@@ -192,7 +192,7 @@ def index_scores_by_sequence(
     block_row = cu[block_seq] + (np.arange(block_seq.shape[0]) - first) * rows_per
     block_end = np.minimum(block_row + rows_per, cu[block_seq + 1])
     dev = idx.device
-    blocks = [to_device(a.astype(np.int32), dev) for a in (block_row, block_end, block_seq)]
+    blocks = [to_device(a, dev) for a in (block_row, block_end, block_seq)]  # int32
     q = index_q if index_q.stride(2) == 1 else index_q.contiguous()
     w = index_weights.float().contiguous()
     idx = idx if idx.stride(1) == 1 else idx.contiguous()

@@ -94,18 +94,18 @@ class _StateStep:
         plan = plan_compressor_state(step.seq_meta, ratio, overlap)
         self.plan = plan
         self.ring_rows = fam.config.num_state_slots * plan.state_rows
-        facts = _to_device(plan.window_facts, dev)
+        facts = to_device(plan.window_facts, dev, None)
         self.window_index = expand_window_index(facts, plan.state_rows, self.ring_rows).long()
         store = plan.slot_mapping_store_state
-        self.store_rows = _to_device(
-            np.where(store >= 0, store, self.ring_rows).astype(np.int64), dev
+        self.store_rows = to_device(
+            np.where(store >= 0, store, self.ring_rows).astype(np.int64), dev, None
         )
-        self.positions = _to_device(plan.positions, dev)
-        self.entry_index = _to_device(plan.entry_index, dev)
-        self.seq_index = _to_device(plan.entry_seq, dev)
+        self.positions = to_device(plan.positions, dev, None)
+        self.entry_index = to_device(plan.entry_index, dev, None)
+        self.seq_index = to_device(plan.entry_seq, dev, None)
         rows = step.entry_plan_rows(ratio, plan.entry_seq, plan.entry_index)
         key = ratio_key(ratio)
-        self.slots = step.meta.slot_mapping_store_ca[key][_to_device(rows, dev)]
+        self.slots = step.meta.slot_mapping_store_ca[key][to_device(rows, dev, None)]
         if fam.check:
             step.check_entry_rows(ratio, rows, plan.positions)
 
@@ -153,6 +153,7 @@ class PlannedStep:
         self._windows_done: set[tuple[int, str]] = set()
         self._stored: set[tuple[int, str]] = set()
         self._cand_slots: dict[int, torch.Tensor] = {}  # ratio -> `_candidate_slots`
+        self._seq_slots: dict[int, torch.Tensor] = {}  # ratio -> `_prompt_index_scores`' table
         # the compressor-state plans of every (ratio, overlap) the layers use, before the
         # step's first kernel: planned on a layer's first use they put the host's numpy work
         # between two layers' launches
@@ -405,11 +406,13 @@ class PlannedStep:
         pool, check = caches.pools["indexer"], self.family.check
         if os.environ.get("KVPLAN_INDEX_BY_SEQUENCE", "1") == "0":
             return index_scores(index_q, index_weights, pool.key_source(slots), check=check)
-        klen = self.meta.klen[ratio_key(spec.ratio)]
-        last = _to_device(self.cu_q[1:] - 1, slots.device)
+        seq_slots = self._seq_slots.get(spec.ratio)
+        if seq_slots is None:  # each sequence's last row sees all of its candidates
+            last = to_device(self.cu_q[1:] - 1, slots.device, None)
+            seq_slots = self._seq_slots[spec.ratio] = slots[last]
         return index_scores_by_sequence(
-            index_q, index_weights, pool.key_source(slots[last]), self.cu_q,
-            klen.to(torch.int32), check=check,
+            index_q, index_weights, pool.key_source(seq_slots), self.cu_q,
+            self.meta.klen[ratio_key(spec.ratio)], check=check,
         )  # fmt: skip
 
     def _candidate_slots(self, ratio: int, width: int) -> torch.Tensor:
@@ -430,7 +433,7 @@ class PlannedStep:
                     row = np.asarray(s.block_table[:blocks], dtype=np.int32)
                     table[i, : row.shape[0]] = row
                 row_seq = np.repeat(np.arange(len(self.seqs)), self.seqlen_q)
-                tables = _to_device(table, dev)[_to_device(row_seq, dev)]
+                tables = to_device(table, dev, None)[to_device(row_seq, dev, None)]
             else:
                 tables = meta.block_tables
             col = torch.arange(width, dtype=torch.int32, device=dev)[None, :]
@@ -465,14 +468,6 @@ class PlannedStep:
         )
         chosen = indexer_topk(index_q, index_weights, keys, klen, spec.top_k)  # entries j
         return convert_kv_index(chosen, meta.block_tables, klen, tpb, check=check)
-
-
-def _to_device(arr: np.ndarray, dev: torch.device) -> torch.Tensor:
-    """``arr`` as a new tensor on ``dev``: on CUDA copied asynchronously from a private pinned
-    snapshot (a plain ``.to(dev)`` of pageable memory waits for every kernel queued before it,
-    which in the middle of a step leaves the GPU idle while the host catches up)."""
-    dtype = torch.from_numpy(np.empty(0, dtype=arr.dtype)).dtype
-    return to_device(np.ascontiguousarray(arr), dev, dtype)
 
 
 def in_place(q: torch.Tensor) -> bool:

@@ -239,10 +239,14 @@ class DeviceArena:
 
 
 def to_device(
-    arr: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int32
+    arr: np.ndarray, device: torch.device, dtype: torch.dtype | None = torch.int32
 ) -> torch.Tensor:
-    """A new device tensor holding ``arr``, copied asynchronously from a private snapshot."""
+    """A new device tensor holding ``arr`` (as ``dtype``; None: ``arr``'s own dtype), copied
+    asynchronously from a private snapshot (on CUDA: pinned, so the copy neither waits for the
+    kernels queued before it nor lets the host run ahead of a still-pending read)."""
     device = torch.device(device)
+    if dtype is None:
+        dtype = torch.from_numpy(np.empty(0, dtype=arr.dtype)).dtype
     snapshot = host_empty(arr.shape, dtype, use_pinned(device))
     snapshot.numpy()[...] = arr
     if device.type == "cpu":
