@@ -109,8 +109,12 @@ def small_batch_tile(num_rows: int, tile: int, interpreting: bool | None = None)
     read from the environment when ``None``)."""
     if triton_interpreting() if interpreting is None else interpreting:
         return max(1, tile)
-    cap = 1 << max(0, (num_rows // 256).bit_length() - 1)  # largest power of two <= n / 256
-    return max(1, min(tile, cap))
+    return max(1, min(tile, pow2_floor(num_rows // 256)))
+
+
+def pow2_floor(v: int) -> int:
+    """The largest power of two <= ``v`` (1 for ``v < 2``)."""
+    return 1 << (max(v, 1).bit_length() - 1)
 
 
 def triton_next_pow2(v: int) -> int:

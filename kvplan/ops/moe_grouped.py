@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import triton_interpreting, use_triton
-from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
+from kvplan.ops.cache_geometry import pow2_floor, triton_cdiv, triton_next_pow2
 from kvplan.ops.moe_dense import swiglu_torch
 
 __all__ = [
@@ -176,7 +176,7 @@ def group_pairs_triton(
         weights = weights.contiguous()
     ids = ids.contiguous()
     k_p2, e_p2 = triton_next_pow2(k), triton_next_pow2(num_experts)
-    tok = max(1, min(triton_next_pow2(max(t, 1)), _pow2_floor(GROUP_CHUNK_CELLS // (k_p2 * e_p2))))
+    tok = max(1, min(triton_next_pow2(max(t, 1)), pow2_floor(GROUP_CHUNK_CELLS // (k_p2 * e_p2))))
     chunks = triton_cdiv(t, tok)
     num_tiles = n // block_m + min(num_experts, n)
     i32 = dict(dtype=torch.int32, device=dev)
@@ -205,10 +205,6 @@ def group_pairs_triton(
         )  # fmt: skip
     groups = PairGroups(rows, order, offsets, token_pos, tile_expert, tile_start, tile_end)
     return groups, w_sorted
-
-
-def _pow2_floor(v: int) -> int:
-    return 1 << (max(v, 1).bit_length() - 1)
 
 
 def _check(x, ids, weights, gate_up, down, add) -> tuple[int, int, int, int]:
