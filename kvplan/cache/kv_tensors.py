@@ -217,7 +217,6 @@ class KVCacheTensors:
         (``kvplan.ops.read_slots``); else a gather per cache (plus the torch
         dequantization)."""
         check_tensor("slots", slots, dtype=(torch.int32, torch.int64), ndim=1)
-        idx = slots.long()
         k_cache, v_cache = self._raw[self._check_layer(layer)]
         if self.is_quantized and use_triton(k_cache):
             from kvplan.ops.read_slots import read_slots_triton
@@ -225,8 +224,8 @@ class KVCacheTensors:
             return tuple(
                 read_slots_triton(c, slots, self.layout, self.head_dim) for c in (k_cache, v_cache)
             )
-        stored = idx >= 0
-        idx = idx.clamp(min=0)
+        stored = slots >= 0
+        idx = slots.long().clamp(min=0)
         block, offset = idx // self.block_size, idx % self.block_size
         if not self.is_quantized:
             k, v = self.k_cache(layer)[block, offset], self.v_cache(layer)[block, offset]

@@ -135,8 +135,7 @@ class MLP(nn.Module):
         self.down_proj = _row_linear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(ops.silu_and_mul(gate_up, fused=fused))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), fused=fused))
 
 
 class DecoderLayer(nn.Module):
