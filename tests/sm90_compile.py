@@ -22,21 +22,43 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = r"""
 import importlib, json, sys
-from tools.compile_sm90 import compile_kernel
-
 try:
     from triton.backends.nvidia.compiler import get_ptxas
     get_ptxas(90)
 except Exception as e:  # no CUDA toolchain in this Triton install
     print("NO_PTXAS", e)
     sys.exit(0)
-module, name, constexprs, ptr_dtype, types = json.loads(sys.argv[1])
+from tools.compile_sm90 import compile_kernel, ptxas_report
+
+module, name, constexprs, types, ptr_dtype, div16, options, stats = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 sig = {n: "constexpr" if n in constexprs else types.get(n) or (ptr_dtype if n.endswith("_ptr")
        else "i32") for n in fn.arg_names}
-compile_kernel(fn, sig, constexprs)
-print("OK")
+attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names) if n in div16}
+ck = compile_kernel(fn, sig, constexprs, attrs or None, options)
+if stats:
+    ptx = ck.asm["ptx"]
+    regs, spills = ptxas_report(ptx)
+    print("RESULT", json.dumps([regs, spills, ck.metadata.shared, "wgmma" in ptx,
+                                "cp.async" in ptx]))
+else:
+    print("OK")
 """
+
+
+def _compile(kernel, constexprs, signature, ptr_dtype, div16=(), options=None, stats=False):
+    """Run the compile in a fresh process: its stdout, or fail / skip the test."""
+    raw = getattr(kernel, "fn", kernel)  # JITFunction or the interpreter's wrapper
+    spec = json.dumps([raw.__module__, raw.__name__, constexprs, signature or {}, ptr_dtype,
+                       sorted(div16), options, stats])  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, spec], capture_output=True,
+                          text=True, env=env, cwd=_ROOT, timeout=600)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"sm_90 compile of {raw.__name__} failed:\n{proc.stderr[-3000:]}")
+    if proc.stdout.startswith("NO_PTXAS"):
+        pytest.skip(f"no ptxas: {proc.stdout.strip()}")
+    return proc.stdout
 
 
 def compile_sm90(
@@ -47,43 +69,8 @@ def compile_sm90(
     Argument types: ``signature[name]`` where given, else ``ptr_dtype`` for pointer arguments
     (names ending in ``_ptr``) and i32 for the other runtime arguments.
     """
-    raw = getattr(kernel, "fn", kernel)  # JITFunction or the interpreter's wrapper
-    spec = json.dumps([raw.__module__, raw.__name__, constexprs, ptr_dtype, signature or {}])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, spec],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=_ROOT,  # tools.compile_sm90 importable
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"sm_90 compile of {raw.__name__} failed:\n{proc.stderr[-3000:]}")
-    if proc.stdout.startswith("NO_PTXAS"):
-        pytest.skip(f"no ptxas: {proc.stdout.strip()}")
-    assert proc.stdout.strip().endswith("OK"), proc.stdout
-
-
-_STATS_SCRIPT = r"""
-import importlib, json, sys
-try:
-    from triton.backends.nvidia.compiler import get_ptxas
-    get_ptxas(90)
-except Exception as e:  # no CUDA toolchain in this Triton install
-    print("NO_PTXAS", e)
-    sys.exit(0)
-from tools.compile_sm90 import compile_kernel, ptxas_report
-
-module, name, constexprs, types, ptr_dtype, div16, options = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module(module), name)
-sig = {n: "constexpr" if n in constexprs else types.get(n) or (ptr_dtype if n.endswith("_ptr")
-       else "i32") for n in fn.arg_names}
-attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names) if n in div16}
-ck = compile_kernel(fn, sig, constexprs, attrs or None, options)
-ptx = ck.asm["ptx"]
-regs, spills = ptxas_report(ptx)
-print("RESULT", json.dumps([regs, spills, ck.metadata.shared, "wgmma" in ptx, "cp.async" in ptx]))
-"""
+    out = _compile(kernel, constexprs, signature, ptr_dtype)
+    assert out.strip().endswith("OK"), out
 
 
 def kernel_arg_names(kernel) -> list[str]:
@@ -111,17 +98,8 @@ def sm90_stats(
     """Compile ``kernel`` for sm_90 (argument types as in `compile_sm90`; ``div16``: runtime
     arguments specialized as multiples of 16, as the launches make them) and return ptxas's
     register and spill counts; skips the test without ptxas, fails it on a compile error."""
-    raw = getattr(kernel, "fn", kernel)
     options = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
-    spec = json.dumps([raw.__module__, raw.__name__, constexprs, signature or {}, ptr_dtype,
-                       sorted(div16), options])  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _STATS_SCRIPT, spec], capture_output=True,
-                          text=True, env=env, cwd=_ROOT, timeout=600)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"sm_90 compile of {raw.__name__} failed:\n{proc.stderr[-3000:]}")
-    if proc.stdout.startswith("NO_PTXAS"):
-        pytest.skip(f"no ptxas: {proc.stdout.strip()}")
-    return Sm90Stats(*json.loads(proc.stdout.rsplit("RESULT", 1)[1]))
+    out = _compile(kernel, constexprs, signature, ptr_dtype, div16, options, stats=True)
+    return Sm90Stats(*json.loads(out.rsplit("RESULT", 1)[1]))
