@@ -176,8 +176,7 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
         "num_decode_steps_timed": len(res.decode_step_ms),
         "graph_replays": res.num_graph_replays, "steps": res.num_steps,
         "triton_compiles_in_run": res.triton_compiles,
-        "steps_by_kind": {k: {"count": len(v), "total_ms": sum(v), "max_ms": max(v)}
-                          for k, v in res.step_ms_by_kind.items()},  # fmt: skip
+        "steps_by_kind": res.steps_by_kind_summary(),
         "async_scheduling": llm.engine.async_scheduling,
         "steps_launched_ahead": llm.engine.num_steps_ahead,
         "weight_bytes": weight_bytes, "share_outside_gpu_kernels": share,

@@ -117,8 +117,7 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
     info.update(steps=res.num_steps, graph_replays=res.num_graph_replays,
                 median_decode_step_ms=res.median_decode_step_ms,
                 triton_compiles_in_run=res.triton_compiles,
-                steps_by_kind={k: {"count": len(v), "total_ms": sum(v), "max_ms": max(v)}
-                               for k, v in res.step_ms_by_kind.items()})  # fmt: skip
+                steps_by_kind=res.steps_by_kind_summary())  # fmt: skip
     if args.cprofile:  # the whole workload again under cProfile: where the host time goes
         info["cprofile"] = host_profile(partial(llm.generate, ids, params), dev)
     del llm

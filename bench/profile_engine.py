@@ -28,6 +28,18 @@ from kvplan.engine.sampling import SamplingParams
 from kvplan.models.config import named_config
 
 
+def kernel_totals(prof, width: int = 90) -> list[tuple[str, tuple[int, float]]]:
+    """The CUDA kernels of a torch.profiler run by name (cut to ``width`` characters):
+    ``(name, (launches, microseconds))``, the most time first."""
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = kernels.setdefault(e.name[:width], [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time_total
+    return sorted(((n, (c, us)) for n, (c, us) in kernels.items()), key=lambda kv: -kv[1][1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output folder")
@@ -64,14 +76,8 @@ def main() -> int:
         for _ in range(args.replays):
             g.replay()
         torch.cuda.synchronize()
-    kernels: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            k = kernels.setdefault(e.name[:90], [0, 0.0])
-            k[0] += 1
-            k[1] += e.device_time_total
-    total = sum(v[1] for v in kernels.values())
-    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    rows = kernel_totals(prof)
+    total = sum(us for _, (_, us) in rows)
     lines = [f"device: {args.replays} replays, kernel time per step {total / args.replays:.1f} us"]
     lines.append(f"{'count/step':>10} {'us/step':>9} {'share':>6}  kernel")
     for name, (cnt, us) in rows:

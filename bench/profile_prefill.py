@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -35,6 +37,9 @@ from kvplan.backends import fresh_prefill
 from kvplan.engine.cli_bench import make_prompts
 from kvplan.engine.sampling import SamplingParams
 from kvplan.models.config import named_config
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_engine import kernel_totals  # noqa: E402
 
 
 def sync(dev: torch.device) -> None:
@@ -82,15 +87,10 @@ def run_variant(name: str, args, cfg, dev, dtype) -> dict:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 llm.generate(runs[0] if args.workload else warm[:1], params)
                 sync(dev)
-            kernels: dict[str, list[float]] = {}
-            for e in prof.events():
-                if e.device_type.name == "CUDA":
-                    k = kernels.setdefault(e.name[:100], [0, 0.0])
-                    k[0] += 1
-                    k[1] += e.device_time_total / 1e3
-            top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
-            row["kernel_ms_total"] = sum(v[1] for v in kernels.values())
-            row["kernels"] = [{"name": k, "calls": c, "ms": t} for k, (c, t) in top[: args.top]]
+            top = kernel_totals(prof, width=100)
+            row["kernel_ms_total"] = sum(us for _, (_, us) in top) / 1e3
+            row["kernels"] = [{"name": k, "calls": c, "ms": us / 1e3}
+                              for k, (c, us) in top[: args.top]]  # fmt: skip
         del llm
         if dev.type == "cuda":
             torch.cuda.empty_cache()

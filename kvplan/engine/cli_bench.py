@@ -38,6 +38,13 @@ class WorkloadResult:
     # the step launched before)
     step_ms_by_kind: dict[str, list[float]] = field(default_factory=dict)
 
+    def steps_by_kind_summary(self) -> dict[str, dict[str, float]]:
+        """Per kind of step: how many, their summed and their longest wall time (ms)."""
+        return {
+            kind: {"count": len(ms), "total_ms": sum(ms), "max_ms": max(ms)}
+            for kind, ms in self.step_ms_by_kind.items()
+        }
+
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s
@@ -209,8 +216,8 @@ def run(args: argparse.Namespace) -> int:
         ("median full-batch decode step", "-" if step is None else f"{step:.3f} ms"),
         ("steps / graph replays", f"{res.num_steps} / {res.num_graph_replays}"),
         *(
-            (f"{kind} steps", f"{len(ms)} ({sum(ms):.1f} ms of step() calls)")
-            for kind, ms in sorted(res.step_ms_by_kind.items())
+            (f"{kind} steps", f"{d['count']} ({d['total_ms']:.1f} ms of step() calls)")
+            for kind, d in sorted(res.steps_by_kind_summary().items())
         ),
         ("Triton kernels compiled in the run", str(len(res.triton_compiles))),
     ]
