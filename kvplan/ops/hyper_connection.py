@@ -168,9 +168,13 @@ class _ProjPlan(NamedTuple):
 TC_MIN_ROWS = 256
 
 
-# programs the projection wants in all (decode sizes, more than 256 rows); the prefill entry
-# was never swept on the GPU (`bench/bench_dsv4_blocks.py --rows 8192 --proj-programs ...`)
-PROJ_PROGRAMS = (128, 256)
+# programs the projection wants in all (decode sizes up to 256 rows, prefill sizes above). The
+# decode entry caps the splits at one K tile a program for every decode batch: at 256 rows the
+# earlier 128 left 8 serial K tiles a program, 51 us a call (1.28 ms of a 15.8 ms step) on the
+# H200, where 32 rows took 8.6 us. Prefill: 256 and 512 measured the same at 8,192 rows
+# (154.4 / 153.9 us), 1,024 and 2,048 slower (`bench/bench_dsv4_blocks.py --rows 8192
+# --proj-programs 256,512,1024,2048`, 2026-12-02).
+PROJ_PROGRAMS = (1024, 256)
 
 
 def _proj_plan(t: int, n: int, hidden: int, dtype: torch.dtype | None = None) -> _ProjPlan:

@@ -210,3 +210,18 @@ def test_projection_kernel_compiles_for_sm90(tc):
            "comb_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "sq_ptr": "*fp32"}  # fmt: skip
     compile_sm90(hc_proj_kernel, "*fp32", sig, N=4, N_P=4, TILE_T=64, TILE_H=32, N_PAD=32,
                  FUSED=False, TC=tc, HW=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("t", [1, 32, 64, 256])
+def test_decode_projection_plan_walks_one_k_tile_per_program(t, monkeypatch):
+    """Decode-sized projections (up to 256 rows) split K down to one tile a program: a
+    program's serial loop was what a 256-row step paid for (the plan of the GPU, shapes of
+    the DeepSeek-V4 bench: 4 streams x 2,048)."""
+    import kvplan.ops.hyper_connection as hcm
+
+    monkeypatch.setattr(hcm, "triton_interpreting", lambda: False)
+    plan = hcm._proj_plan(t, 4, 2048, torch.bfloat16)
+    assert plan.h_per_split == plan.tile_h
+    assert plan.splits * plan.h_per_split == 2048
+    prefill = hcm._proj_plan(8192, 4, 2048, torch.bfloat16)
+    assert prefill.h_per_split > prefill.tile_h  # prefill keeps several K tiles a program
