@@ -7,6 +7,8 @@ Cases (``--rows`` query rows, 32 by default):
   an FP8 index layout with UE8M0 scales (``mxfp8``) and with fp32 scales (``fp8_fp32sf``).
   old = ``index_scores_triton(legacy=True)`` (CUDA-core fp32 products, one key tile per
   program); new = the default (tensor cores for bf16 queries).
+* ``topk``: the indexer's top-512 of every row's candidates (random fp32 scores, mapped
+  through a slot table); old = the default launch, new = digit widths / chunks / warps.
 * ``sparse_attention``: 16 heads x 512, bf16 queries, a 128-slot SWA ring plus compressed
   entries, both V41 FP8 caches read in place: CSA (512 chosen entries) and HCA (256 and
   1,024 entries). old = one program per (row, head group) (``num_splits=1``); new = the
@@ -51,10 +53,11 @@ from kvplan.ops.sparse_attention import (  # noqa: E402
     index_scores_triton,
     sparse_attention_triton,
 )
+from kvplan.ops.topk import topk_columns_triton  # noqa: E402
 
 # new vs old, relative to max |old|: fp32 scores summed in another order; bf16 outputs whose
 # probabilities are rounded to bf16 against another running max
-_TOL = {"index_scores": 1e-5, "index_prompt": 1e-5, "sparse_attention": 2e-2}
+_TOL = {"index_scores": 1e-5, "index_prompt": 1e-5, "sparse_attention": 2e-2, "topk": 0.0}
 # d_chunk / pv_split variants (bench/hybrid_kernel_regs.py has their register counts)
 _CHUNKED = [
     {"d_chunk": dc, "pv_split": ps, "num_warps": nw, "num_stages": st}
@@ -162,6 +165,26 @@ def index_case(a, dev, gen, kind: str, cand: int) -> list[dict]:
     return compare(name, call, configs, {"legacy": True}, dev)
 
 
+def topk_case(a, dev, gen, cand: int) -> list[dict]:
+    """The indexer's top-k of a decode step: ``a.rows`` rows of ``cand`` fp32 scores (every
+    column eligible), ``a.top_k`` winners mapped through a slot table. old = the default
+    launch; the sweep: digit width, chunk and warps (the same winners, bit for bit)."""
+    scores = torch.randn(a.rows, cand, generator=gen, device=dev)
+    count = torch.full((a.rows,), cand, dtype=torch.int32, device=dev)
+    slots = torch.randperm(a.rows * cand, generator=gen, device=dev).to(torch.int32)
+    slots = slots.view(a.rows, cand)
+    configs = [{"bits": b, "tile": t, "num_warps": nw}
+               for b in (5, 6, 8) for t in (1024, 2048, 4096) for nw in (4, 8)
+               if (b, t, nw) != (5, 2048, 8)]  # fmt: skip (the default: old)
+    if dev.type != "cuda":
+        configs = [{"bits": 8, "tile": 64, "num_warps": 1}]
+
+    def call(**cfg):
+        return topk_columns_triton(scores, count, a.top_k, gather=slots, **cfg)
+
+    return compare(f"topk {a.rows}x{cand}", call, configs, {}, dev)
+
+
 def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chosen: int):
     pool, pool_slots = paged_slots(a.rows, entries, V41_FORMAT, 512, 64, dev, gen)
     if chosen < entries:  # CSA: a random choice of the row's entries
@@ -261,7 +284,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--sweep", action="store_true", help="also time tile configurations")
-    ap.add_argument("--only", choices=("index", "index_prompt", "attention", "prefill"),
+    ap.add_argument("--rows", type=int, default=None,
+                    help="decode rows of the index / top-k / attention cases (default 32)")
+    ap.add_argument("--candidates", default=None,
+                    help="comma-separated candidates per row of the index / top-k cases "
+                    "(default 8192,32768)")  # fmt: skip
+    ap.add_argument("--only", choices=("index", "index_prompt", "topk", "attention", "prefill"),
                     default=None,
                     help="prefill: only the --prefill-rows case")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the JSON record here")
@@ -275,9 +303,10 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick = a.quick or dev.type == "cpu"
-    a.rows = 2 if quick else 32
+    a.rows = a.rows or (2 if quick else 32)
     a.index_heads = 4 if quick else 32
-    a.candidates = [96] if quick else [8192, 32768]
+    a.candidates = ([int(c) for c in a.candidates.split(",")] if a.candidates
+                    else [96] if quick else [8192, 32768])  # fmt: skip
     a.heads, a.window, a.top_k = (4, 16, 24) if quick else (16, 128, 512)
     a.csa_pool = 64 if quick else 8192
     a.hca_entries = [40] if quick else [256, 1024]
@@ -291,6 +320,9 @@ def main() -> None:
     if a.only in (None, "index_prompt"):
         for kind in ("mxfp8", "fp8_fp32sf"):
             rows += index_prompt_case(a, dev, gen, kind)
+    if a.only in (None, "topk"):
+        for cand in a.candidates:
+            rows += topk_case(a, dev, gen, cand)
     if a.only in (None, "attention"):
         rows += attention_cases(a, dev, gen)
     if a.only == "prefill" and not a.prefill_rows:
