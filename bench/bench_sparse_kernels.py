@@ -156,7 +156,8 @@ def index_case(a, dev, gen, kind: str, cand: int) -> list[dict]:
     configs = [{}]
     if a.sweep:
         configs += [{"tile_n": n, "tiles": t, "num_warps": nw}
-                    for n in (64, 128, 256) for t in (1, 2) for nw in (4, 8)]  # fmt: skip
+                    for n in (64, 128, 256) for t in (1, 2, 4, 8) for nw in (4, 8)
+                    if n * t <= 1024]  # fmt: skip
 
     def call(**cfg):
         return index_scores_triton(q, w, src, **cfg)
@@ -197,7 +198,11 @@ def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chos
     if a.sweep:
         configs += [{"num_splits": s, "tile_n": n, "num_warps": nw}
                     for s in (4, 8, 16) for n in (16, 32, 64) for nw in (4, 8)]  # fmt: skip
-    if dev.type == "cuda":  # the register-footprint variants (default and 8 splits)
+    if a.attention_sweep == "stages":  # large decode batches: splits, tiles and pipelining
+        configs += [{"num_splits": s, "tile_n": n, "num_warps": nw, "num_stages": st}
+                    for n, nw in ((16, 4), (32, 8), (64, 8)) for s in (1, 2, 4)
+                    for st in (2, 3)]  # fmt: skip
+    elif dev.type == "cuda":  # the register-footprint variants (default and 8 splits)
         configs += [dict(v, **({"num_splits": s} if s else {}))
                     for s in (None, 8) for v in _CHUNKED]  # fmt: skip
 
@@ -289,6 +294,11 @@ def main() -> None:
     ap.add_argument("--candidates", default=None,
                     help="comma-separated candidates per row of the index / top-k cases "
                     "(default 8192,32768)")  # fmt: skip
+    ap.add_argument("--hca-entries", default="256,1024",
+                    help="comma-separated compressed entries of the HCA attention cases")
+    ap.add_argument("--attention-sweep", choices=("chunked", "stages"), default="chunked",
+                    help="decode attention variants: the register-footprint ones (chunked) or "
+                    "splits x tiles x num_stages (stages)")  # fmt: skip
     ap.add_argument("--only", choices=("index", "index_prompt", "topk", "attention", "prefill"),
                     default=None,
                     help="prefill: only the --prefill-rows case")  # fmt: skip
@@ -309,7 +319,7 @@ def main() -> None:
                     else [96] if quick else [8192, 32768])  # fmt: skip
     a.heads, a.window, a.top_k = (4, 16, 24) if quick else (16, 128, 512)
     a.csa_pool = 64 if quick else 8192
-    a.hca_entries = [40] if quick else [256, 1024]
+    a.hca_entries = [40] if quick else [int(n) for n in a.hca_entries.split(",")]
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     if a.only in (None, "index"):
