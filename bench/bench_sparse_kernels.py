@@ -294,6 +294,8 @@ def main() -> None:
     ap.add_argument("--candidates", default=None,
                     help="comma-separated candidates per row of the index / top-k cases "
                     "(default 8192,32768)")  # fmt: skip
+    ap.add_argument("--index-kinds", default="mxfp8,fp8_fp32sf",
+                    help="comma-separated index layouts of the index cases")
     ap.add_argument("--hca-entries", default="256,1024",
                     help="comma-separated compressed entries of the HCA attention cases")
     ap.add_argument("--attention-sweep", choices=("chunked", "stages"), default="chunked",
@@ -323,7 +325,7 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     if a.only in (None, "index"):
-        for kind in ("mxfp8", "fp8_fp32sf"):
+        for kind in a.index_kinds.split(","):
             for cand in a.candidates:
                 rows += index_case(a, dev, gen, kind, cand)
     a.prompt_seqs, a.prompt_rows, a.prompt_cand = (2, 12, 40) if quick else (2, 4096, 1024)

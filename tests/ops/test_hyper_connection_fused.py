@@ -96,7 +96,7 @@ def test_dispatch_empty_and_errors(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [32, 4096])
+@pytest.mark.parametrize("t", [32, 256, 4096])
 def test_gpu_fused_equals_unfused_at_model_size(t):
     args = _inputs(t, t, 4, 2048, torch.bfloat16, "cuda")
     s, post, comb, out, fn, base, scale = args
