@@ -22,7 +22,9 @@ from kvplan.ops import _sparse_attention_kernels as _k  # noqa: E402
 from kvplan.ops import _sparse_split_kernels as _ks  # noqa: E402
 from tools.compile_sm90 import compile_kernel, ptxas_report  # noqa: E402
 
-V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=True)
+# block sizes (constexprs): a 128-row ring block, the CSA pool (128 tokens / ratio 4 a block)
+V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=True, bs0=128,
+           bs1=32)
 ATTN_TYPES = {"q_ptr": "*bf16", "qk_scale": "fp32", "c0_ptr": "*u8", "c1_ptr": "*u8",
               "ws_acc_ptr": "*fp32", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
               "out_ptr": "*bf16", "sink_ptr": "*fp32"}  # fmt: skip
@@ -61,13 +63,13 @@ def main() -> None:
                              **r))  # fmt: skip
     for tile_n, tiles, warps in ((64, 1, 4), (128, 1, 4), (128, 2, 4), (128, 1, 8)):
         const = dict(HEAD_DIM=128, D_P2=128, TILE_H=32, TILE_N=tile_n, TILES=tiles, KIND=2,
-                     SF=0, GS=32, FLAT=True, HW=True, DOT_BF16=True)  # fmt: skip
+                     SF=0, GS=32, FLAT=True, HW=True, DOT_BF16=True, block_size=32)  # fmt: skip
         r = report(_k.index_scores_tc_kernel, const, INDEX_TYPES, warps)
         rows.append(dict(kernel="index_scores_tc_kernel", tile_n=tile_n, tiles=tiles, **r))
     # the per-sequence prompt form: ROWS rows x 32 heads as the dot's columns
     for tile_n, rows_per, warps in ((64, 4, 8), (64, 4, 4), (128, 4, 8), (64, 2, 4), (32, 4, 4)):
         const = dict(HEAD_DIM=128, D_P2=128, TILE_H=32, TILE_N=tile_n, ROWS=rows_per, KIND=2,
-                     SF=0, GS=32, FLAT=True, HW=True, DOT_BF16=True)  # fmt: skip
+                     SF=0, GS=32, FLAT=True, HW=True, DOT_BF16=True, block_size=32)  # fmt: skip
         r = report(_k.index_scores_seq_kernel, const, INDEX_TYPES, warps)
         rows.append(dict(kernel="index_scores_seq_kernel", tile_n=tile_n, tiles=rows_per, **r))
     for r in rows:

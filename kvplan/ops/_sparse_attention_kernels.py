@@ -12,6 +12,11 @@ for the whole head tile. For each source it walks the row's index columns in til
     quantized (token-interleaved record): value byte(s) at that address (e2m1: d // 2),
     scale of group d // GS at  ... + scale_offset + (d // GS) * SB
 
+Block sizes are constexprs (one specialization per cache geometry): the slot's split into
+block and row then compiles to shifts and masks, where a runtime int64 division called a
+software routine for every key row (the sm_90 code of ``index_scores_tc_kernel`` held 17 such
+calls a 128-key tile, the attention kernel 20).
+
 Source kinds (``KIND``): 0 fp32 rows, 1 bf16 rows, 2 e4m3 values, 3 e2m1 values (low nibble =
 even element); quantized scales (``SF``): 0 UE8M0 exponent byte, 1 e4m3 byte, 2 fp32 (4
 bytes); split (index) layouts put a block's scales after its values (``scale_stride`` /
@@ -308,8 +313,8 @@ def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM: tl.const
 @triton.jit
 def sparse_attention_kernel(
     q_ptr, out_ptr, sink_ptr, stride_qt, stride_qh, stride_ot, stride_oh, num_heads, qk_scale,
-    c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0, sblk0, stok0, sstr0, soff0,
-    c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1, sblk1, stok1, sstr1, soff1,
+    c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0: tl.constexpr, sblk0, stok0, sstr0, soff0,
+    c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1: tl.constexpr, sblk1, stok1, sstr1, soff1,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     KIND0: tl.constexpr, SF0: tl.constexpr, GS0: tl.constexpr, FLAT0: tl.constexpr,
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
@@ -355,7 +360,7 @@ def sparse_attention_kernel(
 @triton.jit
 def index_scores_kernel(
     q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, stride_qt, stride_qh, stride_wt, stride_ot,
-    stride_idx, num_heads, num_cols, num_slots, block_size, stride_block, stride_token,
+    stride_idx, num_heads, num_cols, num_slots, block_size: tl.constexpr, stride_block, stride_token,
     scale_stride, scale_offset,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, FLAT: tl.constexpr,
@@ -386,7 +391,7 @@ def index_scores_kernel(
 @triton.jit
 def index_scores_tc_kernel(
     q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, stride_qt, stride_qh, stride_wt, stride_ot,
-    stride_idx, num_heads, num_cols, num_slots, block_size, stride_block, stride_token,
+    stride_idx, num_heads, num_cols, num_slots, block_size: tl.constexpr, stride_block, stride_token,
     scale_stride, scale_offset,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     TILES: tl.constexpr, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
@@ -431,7 +436,8 @@ def index_scores_tc_kernel(
 def index_scores_seq_kernel(
     q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, len_ptr, block_row_ptr, block_end_ptr,
     block_seq_ptr, stride_qt, stride_qh, stride_wt, stride_ot, stride_idx, num_heads,
-    num_cols, num_slots, block_size, stride_block, stride_token, scale_stride, scale_offset,
+    num_cols, num_slots, block_size: tl.constexpr, stride_block, stride_token, scale_stride,
+    scale_offset,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     ROWS: tl.constexpr, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
     FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr,

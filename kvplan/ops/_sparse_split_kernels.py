@@ -34,8 +34,8 @@ from kvplan.ops._sparse_attention_kernels import LOG2E, _acc_zeros, _attend_cols
 def sparse_attention_split_kernel(
     q_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_qt, stride_qh, num_heads, num_splits,
     cols_per_split, qk_scale,
-    c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0, sblk0, stok0, sstr0, soff0,
-    c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1, sblk1, stok1, sstr1, soff1,
+    c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0: tl.constexpr, sblk0, stok0, sstr0, soff0,
+    c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1: tl.constexpr, sblk1, stok1, sstr1, soff1,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     KIND0: tl.constexpr, SF0: tl.constexpr, GS0: tl.constexpr, FLAT0: tl.constexpr,
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,

@@ -105,7 +105,8 @@ def test_index_tc_kernel_bf16_queries_interpreter(kind, tile_n, tiles) -> None:
 # ---- sm_90 compiles ------------------------------------------------------------------------
 
 _SRC = {f"{n}_ptr": t for n, t in (("c0", "*u8"), ("c1", "*u8"), ("i0", "*i32"), ("i1", "*i32"))}
-_V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=True)
+_V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=True, bs0=128,
+            bs1=32)
 
 
 def test_split_kernels_compile_for_sm90() -> None:
@@ -122,7 +123,7 @@ def test_index_tc_kernel_compiles_for_sm90(sf, gs, flat) -> None:
     sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "c_ptr": "*u8"}
     compile_sm90(_k.index_scores_tc_kernel, "*i32", sig, HEAD_DIM=128, D_P2=128, TILE_H=32,
                  TILE_N=128, TILES=2, KIND=2, SF=sf, GS=gs, FLAT=flat, HW=True,
-                 DOT_BF16=True)  # fmt: skip
+                 DOT_BF16=True, block_size=32)  # fmt: skip
 
 
 # ---- CUDA at DeepSeek-V4 shapes ------------------------------------------------------------

@@ -63,15 +63,17 @@ from kvplan.ops import _sparse_split_kernels as _ks
 out = {}
 for name, fn in (("one", _k.sparse_attention_kernel), ("split", _ks.sparse_attention_split_kernel)):
     const = dict(HEAD_DIM=512, D_P2=512, TILE_H=16, TILE_N=16, **h.V41, HAS1=True, HW=True,
-                 DOT_BF16=True, INTERPRET=False, D_CHUNK=128, PV_SPLIT=4)
+                 DOT_BF16=True, INTERPRET=False, D_CHUNK=64, PV_SPLIT=4)
     out[name] = h.report(fn, const, h.ATTN_TYPES, 8, 1)
 print(json.dumps(out))
 """
 
 
 def test_chunked_kernels_compile_for_sm90_without_spills() -> None:
-    """DeepSeek-V4 shapes (V41 sources, 16 heads x 512, bf16 dots), d_chunk 128, pv_split 4,
-    8 warps, 1 stage: no spills and under 176 registers (the whole-tile kernel needs 204+)."""
+    """DeepSeek-V4 shapes (V41 sources, 16 heads x 512, bf16 dots), d_chunk 64, pv_split 4,
+    8 warps, 1 stage: no spills and under 176 registers (the whole-tile kernel needs 204+).
+    (d_chunk 128 compiled to 162-166 registers with runtime block sizes; with constexpr block
+    sizes ptxas holds it to 128 and spills 64-68 bytes.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _REGS], capture_output=True, text=True,
                           env=env, cwd=_ROOT)  # fmt: skip
