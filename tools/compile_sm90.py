@@ -4,6 +4,10 @@ CPU-only machine: catches what the interpreter accepts and the GPU compiler reje
     KVPLAN_RECORD_KERNELS=/tmp/k.jsonl PYTHONPATH=. python -m pytest tests/ops -q
     PYTHONPATH=. python tools/compile_sm90.py /tmp/k.jsonl
 
+``--calls`` also lists the specializations whose sm_90 code calls subroutines (cuobjdump's
+``CALL``): a runtime int64 division in a hot loop shows up there (fp32 ``/`` keeps a call for
+its rare slow path).
+
 Each line of the file (written by ``tests/kernel_record.py``) names a kernel by module and
 function; it is imported here WITHOUT ``TRITON_INTERPRET`` so that ``@triton.jit`` yields real
 JIT functions, then compiled through Triton's own pipeline down to a cubin. Exit status 1 when
@@ -70,7 +74,25 @@ def ptxas_report(ptx: str) -> tuple[int, int]:
     return regs, spills
 
 
-def compile_one(line: str) -> tuple[str, str | None]:
+def sass_calls(cubin: bytes) -> int:
+    """``CALL`` instructions in the sm_90 code of ``cubin`` (Triton's bundled cuobjdump):
+    subroutine calls such as the software 64-bit integer division (a division by a runtime
+    int64 in a kernel's hot loop costs one such call per element)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        sass = subprocess.run([str(tool), "-sass", fh.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+    return sum(" CALL." in line for line in sass.splitlines())
+
+
+def compile_one(line: str, calls: bool = False) -> tuple[str, str | None]:
     os.environ.pop("TRITON_INTERPRET", None)
     rec = json.loads(line)
     label = f"{rec['module']}.{rec['name']}"
@@ -83,7 +105,10 @@ def compile_one(line: str) -> tuple[str, str | None]:
         constexprs = {tuple(k): _constexpr_value(v) for k, v in rec["constexprs"]}
         attrs = {tuple(k): [tuple(a) for a in v] for k, v in rec["attrs"]}
         options = {"num_warps": rec["num_warps"], "num_stages": rec["num_stages"]}
-        compile_kernel(fn, rec["signature"], constexprs, attrs, options)
+        ck = compile_kernel(fn, rec["signature"], constexprs, attrs, options)
+        if calls and (n := sass_calls(ck.asm["cubin"])):
+            shown = {tuple(k)[0]: v for k, v in rec["constexprs"]}
+            return label, f"CALLS {n} | constexprs {shown}"
     except Exception as exc:  # report every failure, keep going
         first = next((s for s in str(exc).splitlines() if "error" in s), str(exc).splitlines()[0:1])
         shown = {tuple(k)[0]: v for k, v in rec["constexprs"]}
@@ -95,13 +120,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("records", help="JSON-lines file written under KVPLAN_RECORD_KERNELS")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--calls", action="store_true",
+                    help="also list the specializations whose code calls subroutines")  # fmt: skip
     args = ap.parse_args()
     with open(args.records) as fh:
         lines = sorted(set(fh.read().splitlines()) - {""})
     failures = 0
     with ProcessPoolExecutor(args.jobs) as pool:
-        for label, err in pool.map(compile_one, lines):
-            if err:
+        for label, err in pool.map(compile_one, lines, [args.calls] * len(lines)):
+            if err and err.startswith("CALLS"):
+                print(f"{label}: {err}")
+            elif err:
                 failures += 1
                 print(f"FAIL {label}: {err}")
     kernels = {json.loads(x)["name"] for x in lines}
