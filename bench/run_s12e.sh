@@ -4,17 +4,17 @@
 # shapes (call 4: index scores 4.1 ms, sparse attention 2.9, hc projection 1.3, top-k 0.9 of
 # 12.0 ms of kernels), the new decode projection plan (one K tile a program) tested.
 set -u
-BUDGET=${BUDGET:-430}
+BUDGET=${BUDGET:-330}
 source bench/gpu_steps.sh
-step 80 gpu_tests python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf tests/ops/test_sparse_attention.py tests/ops/test_sparse_split.py tests/ops/test_index_scores_seq.py tests/backends/test_hybrid_gpu_kernels.py tests/engine/test_deepseek_v4_engine.py tests/ops/test_hyper_connection_fused.py
+step 70 gpu_tests python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf tests/ops/test_sparse_attention.py tests/ops/test_sparse_split.py tests/ops/test_index_scores_seq.py tests/backends/test_hybrid_gpu_kernels.py tests/engine/test_deepseek_v4_engine.py tests/ops/test_hyper_connection_fused.py
 grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests.log" | head -8
-step 60 hybrid_b256 python3 bench/bench_hybrid.py --contexts 131072 --batch 256 --formats fp8,exact --profile 1 --out "$W/hybrid_b256.json"
+step 55 hybrid_b256 python3 bench/bench_hybrid.py --contexts 131072 --batch 256 --formats fp8,exact --profile 1 --out "$W/hybrid_b256.json"
 grep -E "131072|ALL KERNELS|hc_proj|index_scores|sparse_att|topk" "$W/hybrid_b256.log" | head -16
-step 45 hybrid_b32 python3 bench/bench_hybrid.py --contexts 4096,32768,131072 --formats fp8,exact --profile 1 --out "$W/hybrid_b32.json"
-grep -E "^ +(fp8|exact) |ALL KERNELS" "$W/hybrid_b32.log" | head -12
 step 130 e2e python3 bench/bench_hybrid_hf.py --split --out "$W/e2e.json"
 grep -E "tok/s" "$W/e2e.log"
-step 45 topk256 python3 bench/bench_sparse_kernels.py --rows 256 --candidates 32768 --only topk --out "$W/topk256.json"
+step 40 hybrid_b32 python3 bench/bench_hybrid.py --contexts 32768,131072 --formats fp8,exact --profile 1 --out "$W/hybrid_b32.json"
+grep -E "^ +(fp8|exact) |ALL KERNELS" "$W/hybrid_b32.log" | head -12
+step 35 topk256 python3 bench/bench_sparse_kernels.py --rows 256 --candidates 32768 --only topk --out "$W/topk256.json"
 grep -E "FASTEST|old  " "$W/topk256.log" | tail -3
 step 60 index256 python3 bench/bench_sparse_kernels.py --rows 256 --candidates 32768 --index-kinds mxfp8 --only index --sweep --out "$W/index256.json"
 grep -E "FASTEST|old  |new  " "$W/index256.log" | tail -4
