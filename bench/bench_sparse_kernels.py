@@ -174,9 +174,13 @@ def topk_case(a, dev, gen, cand: int) -> list[dict]:
     count = torch.full((a.rows,), cand, dtype=torch.int32, device=dev)
     slots = torch.randperm(a.rows * cand, generator=gen, device=dev).to(torch.int32)
     slots = slots.view(a.rows, cand)
-    configs = [{"bits": b, "tile": t, "num_warps": nw}
-               for b in (5, 6, 8) for t in (1024, 2048, 4096) for nw in (4, 8)
-               if (b, t, nw) != (5, 2048, 8)]  # fmt: skip (the default: old)
+    configs = [
+        {"bits": b, "tile": t, "num_warps": nw}
+        for b in (5, 6, 8)
+        for t in (1024, 2048, 4096)
+        for nw in (4, 8)
+        if (b, t, nw) != (5, 2048, 8)
+    ]  # fmt: skip (the default: old)
     if dev.type != "cuda":
         configs = [{"bits": 8, "tile": 64, "num_warps": 1}]
 
@@ -289,15 +293,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--sweep", action="store_true", help="also time tile configurations")
-    ap.add_argument("--rows", type=int, default=None,
-                    help="decode rows of the index / top-k / attention cases (default 32)")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="decode rows of the index / top-k / attention cases (default 32)",
+    )
     ap.add_argument("--candidates", default=None,
                     help="comma-separated candidates per row of the index / top-k cases "
                     "(default 8192,32768)")  # fmt: skip
-    ap.add_argument("--index-kinds", default="mxfp8,fp8_fp32sf",
-                    help="comma-separated index layouts of the index cases")
-    ap.add_argument("--hca-entries", default="256,1024",
-                    help="comma-separated compressed entries of the HCA attention cases")
+    ap.add_argument(
+        "--index-kinds",
+        default="mxfp8,fp8_fp32sf",
+        help="comma-separated index layouts of the index cases",
+    )
+    ap.add_argument(
+        "--hca-entries",
+        default="256,1024",
+        help="comma-separated compressed entries of the HCA attention cases",
+    )
     ap.add_argument("--attention-sweep", choices=("chunked", "stages"), default="chunked",
                     help="decode attention variants: the register-footprint ones (chunked) or "
                     "splits x tiles x num_stages (stages)")  # fmt: skip

@@ -23,8 +23,7 @@ from kvplan.ops import _sparse_split_kernels as _ks  # noqa: E402
 from tools.compile_sm90 import compile_kernel, ptxas_report  # noqa: E402
 
 # block sizes (constexprs): a 128-row ring block, the CSA pool (128 tokens / ratio 4 a block)
-V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=True, bs0=128,
-           bs1=32)
+V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=True, bs0=128, bs1=32)
 ATTN_TYPES = {"q_ptr": "*bf16", "qk_scale": "fp32", "c0_ptr": "*u8", "c1_ptr": "*u8",
               "ws_acc_ptr": "*fp32", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
               "out_ptr": "*bf16", "sink_ptr": "*fp32"}  # fmt: skip

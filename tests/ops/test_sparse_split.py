@@ -105,8 +105,7 @@ def test_index_tc_kernel_bf16_queries_interpreter(kind, tile_n, tiles) -> None:
 # ---- sm_90 compiles ------------------------------------------------------------------------
 
 _SRC = {f"{n}_ptr": t for n, t in (("c0", "*u8"), ("c1", "*u8"), ("i0", "*i32"), ("i1", "*i32"))}
-_V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=True, bs0=128,
-            bs1=32)
+_V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=True, bs0=128, bs1=32)
 
 
 def test_split_kernels_compile_for_sm90() -> None:
