@@ -8,7 +8,8 @@ Cases (``--rows`` query rows, 32 by default):
   old = ``index_scores_triton(legacy=True)`` (CUDA-core fp32 products, one key tile per
   program); new = the default (tensor cores for bf16 queries).
 * ``topk``: the indexer's top-512 of every row's candidates (random fp32 scores, mapped
-  through a slot table); old = the default launch, new = digit widths / chunks / warps.
+  through a slot table); old = the default launch, new = digit widths / chunks / warps and the
+  compacting search (later passes over the first pass's bin only).
 * ``sparse_attention``: 16 heads x 512, bf16 queries, a 128-slot SWA ring plus compressed
   entries, both V41 FP8 caches read in place: CSA (512 chosen entries) and HCA (256 and
   1,024 entries). old = one program per (row, head group) (``num_splits=1``); new = the
@@ -169,7 +170,8 @@ def index_case(a, dev, gen, kind: str, cand: int) -> list[dict]:
 def topk_case(a, dev, gen, cand: int) -> list[dict]:
     """The indexer's top-k of a decode step: ``a.rows`` rows of ``cand`` fp32 scores (every
     column eligible), ``a.top_k`` winners mapped through a slot table. old = the default
-    launch; the sweep: digit width, chunk and warps (the same winners, bit for bit)."""
+    launch; the sweep: digit width, chunk, warps and the compacting search (the same winners,
+    bit for bit)."""
     scores = torch.randn(a.rows, cand, generator=gen, device=dev)
     count = torch.full((a.rows,), cand, dtype=torch.int32, device=dev)
     slots = torch.randperm(a.rows * cand, generator=gen, device=dev).to(torch.int32)
@@ -181,8 +183,11 @@ def topk_case(a, dev, gen, cand: int) -> list[dict]:
         for nw in (4, 8)
         if (b, t, nw) != (5, 2048, 8)
     ]  # fmt: skip (the default: old)
+    configs += [{"compact": True, "bits": b, "tile": t, "num_warps": 8}
+                for b in (5, 8) for t in (2048, 4096)]  # fmt: skip
     if dev.type != "cuda":
-        configs = [{"bits": 8, "tile": 64, "num_warps": 1}]
+        configs = [{"bits": 8, "tile": 64, "num_warps": 1},
+                   {"compact": True, "bits": 5, "tile": 64, "num_warps": 1}]  # fmt: skip
 
     def call(**cfg):
         return topk_columns_triton(scores, count, a.top_k, gather=slots, **cfg)

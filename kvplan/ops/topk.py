@@ -25,7 +25,9 @@ the search stops early once the whole chosen bin is taken. One last pass writes 
 above the threshold plus the first ``need`` keys equal to it, in column order (positions
 from one ``tl.cumsum`` of packed counts plus a running offset), then ``-1`` after them. No
 allocation besides the output and no host sync (``check=False``): the op can be captured in
-a CUDA graph. CPU tensors run the torch path (``topk_columns_torch``): ``torch.topk`` of a
+a CUDA graph. ``compact=True`` (opt-in until timed on a GPU) copies the first pass's chosen
+bin to a ``[T, W]`` int32 workspace, in column order, so the later digit passes read only
+that bin (for a 32,768-wide row and top-512 it is a few hundred keys) instead of the row. CPU tensors run the torch path (``topk_columns_torch``): ``torch.topk`` of a
 unique int64 key (score key, then lower column first), the chosen columns sorted ascending.
 """
 
@@ -65,18 +67,31 @@ def _pick_digit(hist, need, bins):
 
 
 @triton.jit
+def _row_keys(s_row, lo, count, width, offs):
+    """Sort keys of columns ``[lo, lo + TILE)`` and which of them are eligible (NaN and the
+    columns past ``count`` never count)."""
+    col = lo + offs
+    x = tl.load(s_row + col, mask=col < width, other=float("nan"))  # width: vector loads
+    return _sort_keys(x), (x == x) & (col < count)
+
+
+@triton.jit
 def _hist_chunk(
     hist, s_row, lo, count, width, prefix, offs, P: tl.constexpr, BITS: tl.constexpr
 ):  # fmt: skip
+    """``hist`` plus the histogram of digit ``P`` of the eligible keys of columns
+    ``[lo, lo + TILE)`` (`_hist_keys`)."""
+    key, ok = _row_keys(s_row, lo, count, width, offs)
+    return _hist_keys(hist, key, ok, prefix, P, BITS)
+
+
+@triton.jit
+def _hist_keys(hist, key, ok, prefix, P: tl.constexpr, BITS: tl.constexpr):
     """``hist`` plus the histogram of digit ``P`` (``BITS`` wide, most significant first, read
-    as unsigned) of the eligible keys of columns ``[lo, lo + TILE)`` whose higher digits
-    equal ``prefix`` (the key's own bits). A chunk without such keys skips the histogram."""
+    as unsigned) of the keys where ``ok`` whose higher digits equal ``prefix`` (the key's own
+    bits). A chunk without such keys skips the histogram."""
     high: tl.constexpr = BITS * P  # bits chosen before this pass
     low: tl.constexpr = max(32 - BITS * (P + 1), 0)  # bits below this digit
-    col = lo + offs
-    x = tl.load(s_row + col, mask=col < width, other=float("nan"))  # width: vector loads
-    key = _sort_keys(x)
-    ok = (x == x) & (col < count)  # NaN and the columns past count never count
     digit = (key >> low) & ((1 << (32 - high - low)) - 1)
     if P == 0:
         hist += tl.histogram(digit ^ (1 << (BITS - 1)), 1 << BITS, mask=ok)  # sign bit flipped
@@ -85,6 +100,17 @@ def _hist_chunk(
         if tl.max(match.to(tl.int32), 0) != 0:
             hist += tl.histogram(digit, 1 << BITS, mask=match)
     return hist
+
+
+@triton.jit
+def _compact_chunk(m, s_row, w_row, lo, count, width, prefix, offs, BITS: tl.constexpr):
+    """Append to ``w_row`` (from entry ``m`` on, in column order) the keys of the eligible
+    columns of ``[lo, lo + TILE)`` whose first digit is ``prefix``; returns the new count."""
+    key, ok = _row_keys(s_row, lo, count, width, offs)
+    sel = (ok & (((key >> (32 - BITS)) & ((1 << BITS) - 1)) == prefix)).to(tl.int32)
+    pos = m + tl.cumsum(sel, 0) - 1
+    tl.store(w_row + pos, key, mask=sel != 0)
+    return m + tl.sum(sel, 0)
 
 
 @triton.jit
@@ -117,13 +143,17 @@ def _write_chunk(
 
 @triton.jit
 def _topk_kernel(
-    scores_ptr, count_ptr, gather_ptr, out_ptr, width, top_k, stride_s, stride_c, stride_g,
-    stride_o, TILE: tl.constexpr, BITS: tl.constexpr, GATHER: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    scores_ptr, count_ptr, gather_ptr, out_ptr, work_ptr, width, top_k, stride_s, stride_c,
+    stride_g, stride_o, stride_w, TILE: tl.constexpr, BITS: tl.constexpr,
+    GATHER: tl.constexpr, COMPACT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One program per row (module docstring). The CPU interpreter cannot take a runtime
-    tensor as a ``range`` bound, so there each loop runs as a ``while`` loop."""
+    """One program per row (module docstring). ``COMPACT``: after the first pass the keys of
+    the chosen bin are copied, in column order, to the row's workspace ``work`` (int32,
+    row stride ``stride_w``), and the later passes read only them. The CPU interpreter
+    cannot take a runtime tensor as a ``range`` bound, so there each loop runs as a
+    ``while`` loop."""
     row = tl.program_id(0).to(tl.int64)
+    w_row = work_ptr + row * stride_w
     s_row = scores_ptr + row * stride_s
     g_row = gather_ptr + row * stride_g
     o_row = out_ptr + row * stride_o
@@ -134,17 +164,33 @@ def _topk_kernel(
     shift = tl.zeros([], tl.int32)  # bits of the key below them
     need = tl.zeros([], tl.int32)  # keys still to take from the chosen bin
     done = count < 0  # False: the search goes on
+    m = tl.zeros([], tl.int32)  # COMPACT: keys in the workspace
     for p in tl.static_range((32 + BITS - 1) // BITS):
         hist = tl.zeros([1 << BITS], tl.int32)
-        hi = count * (1 - done.to(tl.int32))  # no reads once the search is done
-        if INTERPRET:
-            lo = 0
-            while lo < hi:
-                hist = _hist_chunk(hist, s_row, lo, count, width, prefix, offs, p, BITS)
-                lo += TILE
+        if COMPACT and p > 0:
+            hi = m * (1 - done.to(tl.int32))
+            if INTERPRET:
+                lo = 0
+                while lo < hi:
+                    j = lo + offs
+                    key = tl.load(w_row + j, mask=j < hi, other=0)
+                    hist = _hist_keys(hist, key, j < hi, prefix, p, BITS)
+                    lo += TILE
+            else:
+                for lo in range(0, hi, TILE):
+                    j = lo + offs
+                    key = tl.load(w_row + j, mask=j < hi, other=0)
+                    hist = _hist_keys(hist, key, j < hi, prefix, p, BITS)
         else:
-            for lo in range(0, hi, TILE):
-                hist = _hist_chunk(hist, s_row, lo, count, width, prefix, offs, p, BITS)
+            hi = count * (1 - done.to(tl.int32))  # no reads once the search is done
+            if INTERPRET:
+                lo = 0
+                while lo < hi:
+                    hist = _hist_chunk(hist, s_row, lo, count, width, prefix, offs, p, BITS)
+                    lo += TILE
+            else:
+                for lo in range(0, hi, TILE):
+                    hist = _hist_chunk(hist, s_row, lo, count, width, prefix, offs, p, BITS)
         if p == 0:  # the number of eligible keys; n = min(top_k, that)
             need = tl.minimum(tl.sum(hist, 0), top_k)
             done = need == 0
@@ -156,6 +202,16 @@ def _topk_kernel(
         shift = tl.where(done, shift, max(32 - BITS * (p + 1), 0))
         need = tl.where(done, need, tl.where(whole, width + 1, rank))  # whole bin: all equal
         done = done | whole
+        if COMPACT and p == 0:  # the chosen bin's keys, for the later passes
+            hi = count * (1 - done.to(tl.int32))
+            if INTERPRET:
+                lo = 0
+                while lo < hi:
+                    m = _compact_chunk(m, s_row, w_row, lo, count, width, prefix, offs, BITS)
+                    lo += TILE
+            else:
+                for lo in range(0, hi, TILE):
+                    m = _compact_chunk(m, s_row, w_row, lo, count, width, prefix, offs, BITS)
     thr = prefix << shift  # the lowest key of the chosen bin (the shift wraps into the sign)
     taken = tl.zeros([], tl.int32)  # keys equal to thr taken so far
     base = tl.zeros([], tl.int32)  # output entries written so far
@@ -237,10 +293,13 @@ def topk_columns_torch(
 def topk_columns_triton(
     scores: torch.Tensor, count: torch.Tensor, top_k: int, *, gather: torch.Tensor | None = None,
     tile: int | None = None, bits: int = RADIX_BITS, num_warps: int | None = None,
+    compact: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Triton path of :func:`topk_columns` (arguments checked there): ``_topk_kernel``, one
     program per row, ``tile`` scores per chunk (a power of two, default
-    :func:`topk_tile`), ``bits``-wide digits (2 to 8)."""
+    :func:`topk_tile`), ``bits``-wide digits (2 to 8). ``compact``: the passes after the
+    first read only the first pass's chosen bin, copied to a workspace (three reads of the
+    row instead of one per digit; the same winners; not yet timed on a GPU)."""
     num_rows, width = scores.shape
     tile = tile or topk_tile(width)
     if tile & (tile - 1) or not 16 <= tile <= MAX_TILE:
@@ -251,10 +310,16 @@ def topk_columns_triton(
     if num_rows == 0:
         return out
     g = gather if gather is not None else out
+    # the compacting search's workspace: room for a whole row's keys (the chosen bin can hold
+    # them all, e.g. equal scores)
+    work = (
+        torch.empty((num_rows, width), dtype=torch.int32, device=scores.device) if compact else out
+    )
     _topk_kernel[(num_rows,)](
-        scores, count, g, out, width, top_k, scores.stride(0), count.stride(0), g.stride(0),
-        out.stride(0), TILE=tile, BITS=bits, GATHER=gather is not None,
-        INTERPRET=triton_interpreting(), num_warps=num_warps or max(1, min(8, tile // 256)),
+        scores, count, g, out, work, width, top_k, scores.stride(0), count.stride(0),
+        g.stride(0), out.stride(0), work.stride(0), TILE=tile, BITS=bits,
+        GATHER=gather is not None, COMPACT=compact, INTERPRET=triton_interpreting(),
+        num_warps=num_warps or max(1, min(8, tile // 256)),
     )  # fmt: skip
     return out
 

@@ -83,6 +83,23 @@ def test_triton_interpreter_digit_widths(kind, bits) -> None:
     assert got.tolist() == reference(scores, count, 10)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("width, top_k, tile, bits", [(70, 21, 32, 5), (37, 8, 16, 8),
+                                                      (50, 50, 16, 3), (20, 33, 16, 6)])  # fmt: skip
+def test_triton_interpreter_compacting_search(kind, width, top_k, tile, bits) -> None:
+    """``compact``: the passes after the first read the first pass's bin from a workspace;
+    the same winners as the reference for every flavour (ties: a bin of equal keys; special:
+    NaN / infinities / signed zeros; close: every digit runs)."""
+    scores, count = make_case(kind, 4, width, seed=width + bits)
+    gen = torch.Generator().manual_seed(7)
+    slots = torch.randint(0, 10**6, (4, width), generator=gen, dtype=torch.int32)
+    got = topk_columns_triton(scores, count, top_k, tile=tile, bits=bits, compact=True)
+    assert got.tolist() == reference(scores, count, top_k)
+    got = topk_columns_triton(scores, count, top_k, gather=slots, tile=tile, bits=bits,
+                              compact=True)  # fmt: skip
+    assert got.tolist() == reference(scores, count, top_k, slots)
+
+
 def test_triton_interpreter_gather_and_row_stride() -> None:
     """Rows of a wider buffer (row stride 48 > W) and the column -> slot lookup."""
     buf, count = make_case("ties", 3, 48, seed=4)
@@ -162,11 +179,15 @@ def test_validation() -> None:
         topk_columns(scores, count.to("meta"), 2)
 
 
-@pytest.mark.parametrize("tile, bits, gather", [(2048, 8, False), (2048, 8, True), (256, 5, True)])
-def test_kernel_compiles_for_sm90(tile, bits, gather) -> None:
+@pytest.mark.parametrize(
+    "tile, bits, gather, compact",
+    [(2048, 8, False, False), (2048, 8, True, False), (256, 5, True, False), (2048, 5, True, True),
+     (4096, 8, True, True)],
+)  # fmt: skip
+def test_kernel_compiles_for_sm90(tile, bits, gather, compact) -> None:
     compile_sm90(
         _topk_kernel, signature={"scores_ptr": "*fp32"}, TILE=tile, BITS=bits, GATHER=gather,
-        INTERPRET=False,
+        COMPACT=compact, INTERPRET=False,
     )  # fmt: skip
 
 
@@ -186,6 +207,7 @@ def test_gpu_bit_exact(num_rows, width, kind) -> None:
     for top_k in (512, 2048):
         want = topk_columns_torch(scores, count, top_k)
         assert torch.equal(topk_columns(scores, count, top_k), want)
+        assert torch.equal(topk_columns_triton(scores, count, top_k, compact=True), want)
         got = topk_columns(scores, count, top_k, gather=slots)
         assert torch.equal(got, torch.where(want >= 0, slots.gather(1, want.long().clamp(0)), -1))
 
