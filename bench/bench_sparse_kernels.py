@@ -209,7 +209,7 @@ def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chos
                     for s in (4, 8, 16) for n in (16, 32, 64) for nw in (4, 8)]  # fmt: skip
     if a.attention_sweep == "stages":  # large decode batches: splits, tiles and pipelining
         configs += [{"num_splits": s, "tile_n": n, "num_warps": nw, "num_stages": st}
-                    for n, nw in ((16, 4), (32, 8), (64, 8)) for s in (1, 2, 4)
+                    for n, nw in ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)) for s in (1, 2, 4)
                     for st in (2, 3)]  # fmt: skip
     elif dev.type == "cuda":  # the register-footprint variants (default and 8 splits)
         configs += [dict(v, **({"num_splits": s} if s else {}))
@@ -243,7 +243,7 @@ def prefill_case(a, dev, gen) -> list[dict]:
                 KeySource(pool_rows, pick.to(torch.int32).contiguous())]  # fmt: skip
     else:  # the V41 records read in place
         srcs = [ring.key_source(ring_slots), pool.key_source(pool_slots)]
-    tiles = ((16, 4, 2), (16, 8, 1), (16, 8, 2), (32, 8, 2)) if a.prefill_short else [
+    tiles = ((16, 4, 2), (16, 8, 1), (32, 4, 2), (32, 8, 2), (64, 4, 2)) if a.prefill_short else [
         (tn, nw, st) for tn in (16, 32, 64) for nw in (4, 8) for st in (1, 2, 3)]  # fmt: skip
     configs = [{}] + [
         {"num_splits": 1, "tile_n": tn, "num_warps": nw, "num_stages": st} for tn, nw, st in tiles

@@ -26,3 +26,7 @@ step 35 hc_proj python3 bench/bench_dsv4_blocks.py --rows 256 --proj-programs 12
 grep -E "projection target" "$W/hc_proj.log"
 step 80 attn256 python3 bench/bench_sparse_kernels.py --rows 256 --only attention --attention-sweep stages --hca-entries 1024 --out "$W/attn256.json"
 grep -E "FASTEST|old  " "$W/attn256.log" | tail -4
+step 60 attn32 python3 bench/bench_sparse_kernels.py --only attention --attention-sweep stages --out "$W/attn32.json"
+grep -E "FASTEST|old  " "$W/attn32.log" | tail -4
+step 60 index32 python3 bench/bench_sparse_kernels.py --rows 32 --candidates 8192 --index-kinds mxfp8 --only index --sweep --out "$W/index32.json"
+grep -E "FASTEST" "$W/index32.log" | tail -2

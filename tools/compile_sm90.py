@@ -74,10 +74,10 @@ def ptxas_report(ptx: str) -> tuple[int, int]:
     return regs, spills
 
 
-def sass_calls(cubin: bytes) -> int:
-    """``CALL`` instructions in the sm_90 code of ``cubin`` (Triton's bundled cuobjdump):
-    subroutine calls such as the software 64-bit integer division (a division by a runtime
-    int64 in a kernel's hot loop costs one such call per element)."""
+def sass(cubin: bytes) -> list[tuple[int, str]]:
+    """The sm_90 instructions of ``cubin`` as ``(address, text)`` (Triton's bundled
+    cuobjdump)."""
+    import re
     import subprocess
     import tempfile
 
@@ -87,9 +87,33 @@ def sass_calls(cubin: bytes) -> int:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(cubin)
         fh.flush()
-        sass = subprocess.run([str(tool), "-sass", fh.name], capture_output=True, text=True,
+        text = subprocess.run([str(tool), "-sass", fh.name], capture_output=True, text=True,
                               check=True).stdout  # fmt: skip
-    return sum(" CALL." in line for line in sass.splitlines())
+    return [(int(m.group(1), 16), m.group(2).strip())
+            for m in re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+(.*?);", text)]  # fmt: skip
+
+
+def sass_calls(cubin: bytes) -> int:
+    """``CALL`` instructions in the sm_90 code of ``cubin``: subroutine calls such as the
+    software 64-bit integer division (a division by a runtime int64 in a kernel's hot loop
+    costs one such call per element)."""
+    return sum(text.startswith("CALL.") or " CALL." in text for _, text in sass(cubin))
+
+
+def sass_longest_loop(cubin: bytes) -> int:
+    """Instructions of the longest backward branch's body in the sm_90 code of ``cubin``: a
+    kernel's main loop (static count, one iteration; a called routine is not counted); the
+    whole program's count when it has no loop."""
+    import re
+
+    code = sass(cubin)
+    best = 0 if any("BRA" in text for _, text in code) else len(code)
+    for addr, text in code:
+        m = re.search(r"BRA .*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            top = int(m.group(1), 16)
+            best = max(best, sum(1 for a, _ in code if top <= a <= addr))
+    return best
 
 
 def compile_one(line: str, calls: bool = False) -> tuple[str, str | None]:
