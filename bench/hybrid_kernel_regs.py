@@ -43,8 +43,9 @@ def report(fn, const: dict, types: dict, warps: int, stages: int = 2) -> dict:
            for n in fn.arg_names}  # fmt: skip
     # as the launcher marks them: pointers, strides, and the sources' block / token / scale
     # strides and scale offsets (V41 records are 528 bytes, index rows 128 + scales)
+    hinted = ("stride", "sblk", "stok", "sstr", "soff")
     attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names)
-             if n.endswith("_ptr") or n.startswith(("stride", "sblk", "stok", "sstr", "soff"))}  # fmt: skip
+             if n.endswith("_ptr") or n.startswith(hinted)}  # fmt: skip
     ck = compile_kernel(fn, sig, const, attrs, {"num_warps": warps, "num_stages": stages})
     regs, spills = ptxas_report(ck.asm["ptx"])
     loop = sass_longest_loop(ck.asm["cubin"])

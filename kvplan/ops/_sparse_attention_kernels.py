@@ -360,8 +360,8 @@ def sparse_attention_kernel(
 @triton.jit
 def index_scores_kernel(
     q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, stride_qt, stride_qh, stride_wt, stride_ot,
-    stride_idx, num_heads, num_cols, num_slots, block_size: tl.constexpr, stride_block, stride_token,
-    scale_stride, scale_offset,
+    stride_idx, num_heads, num_cols, num_slots, block_size: tl.constexpr, stride_block,
+    stride_token, scale_stride, scale_offset,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, FLAT: tl.constexpr,
     HW: tl.constexpr,
@@ -391,8 +391,8 @@ def index_scores_kernel(
 @triton.jit
 def index_scores_tc_kernel(
     q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, stride_qt, stride_qh, stride_wt, stride_ot,
-    stride_idx, num_heads, num_cols, num_slots, block_size: tl.constexpr, stride_block, stride_token,
-    scale_stride, scale_offset,
+    stride_idx, num_heads, num_cols, num_slots, block_size: tl.constexpr, stride_block,
+    stride_token, scale_stride, scale_offset,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     TILES: tl.constexpr, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
     FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr,

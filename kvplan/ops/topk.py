@@ -27,7 +27,8 @@ from one ``tl.cumsum`` of packed counts plus a running offset), then ``-1`` afte
 allocation besides the output and no host sync (``check=False``): the op can be captured in
 a CUDA graph. ``compact=True`` (opt-in until timed on a GPU) copies the first pass's chosen
 bin to a ``[T, W]`` int32 workspace, in column order, so the later digit passes read only
-that bin (for a 32,768-wide row and top-512 it is a few hundred keys) instead of the row. CPU tensors run the torch path (``topk_columns_torch``): ``torch.topk`` of a
+that bin (for a 32,768-wide row and top-512 it is a few hundred keys) instead of the row.
+CPU tensors run the torch path (``topk_columns_torch``): ``torch.topk`` of a
 unique int64 key (score key, then lower column first), the chosen columns sorted ascending.
 """
 
