@@ -78,11 +78,18 @@ def _row_keys(s_row, lo, count, width, offs):
 
 @triton.jit
 def _hist_chunk(
-    hist, s_row, lo, count, width, prefix, offs, P: tl.constexpr, BITS: tl.constexpr
+    hist, s_row, w_row, lo, count, width, m, prefix, offs, P: tl.constexpr,
+    BITS: tl.constexpr, FROM_WORK: tl.constexpr,
 ):  # fmt: skip
-    """``hist`` plus the histogram of digit ``P`` of the eligible keys of columns
-    ``[lo, lo + TILE)`` (`_hist_keys`)."""
-    key, ok = _row_keys(s_row, lo, count, width, offs)
+    """``hist`` plus the histogram of digit ``P`` (`_hist_keys`) of the eligible keys of
+    columns ``[lo, lo + TILE)``, or with ``FROM_WORK`` of workspace entries ``[lo, lo + TILE)``
+    below ``m``."""
+    if FROM_WORK:
+        j = lo + offs
+        key = tl.load(w_row + j, mask=j < m, other=0)
+        ok = j < m
+    else:
+        key, ok = _row_keys(s_row, lo, count, width, offs)
     return _hist_keys(hist, key, ok, prefix, P, BITS)
 
 
@@ -168,30 +175,20 @@ def _topk_kernel(
     m = tl.zeros([], tl.int32)  # COMPACT: keys in the workspace
     for p in tl.static_range((32 + BITS - 1) // BITS):
         hist = tl.zeros([1 << BITS], tl.int32)
-        if COMPACT and p > 0:
+        if COMPACT and p > 0:  # the workspace's keys, else the row's
             hi = m * (1 - done.to(tl.int32))
-            if INTERPRET:
-                lo = 0
-                while lo < hi:
-                    j = lo + offs
-                    key = tl.load(w_row + j, mask=j < hi, other=0)
-                    hist = _hist_keys(hist, key, j < hi, prefix, p, BITS)
-                    lo += TILE
-            else:
-                for lo in range(0, hi, TILE):
-                    j = lo + offs
-                    key = tl.load(w_row + j, mask=j < hi, other=0)
-                    hist = _hist_keys(hist, key, j < hi, prefix, p, BITS)
         else:
             hi = count * (1 - done.to(tl.int32))  # no reads once the search is done
-            if INTERPRET:
-                lo = 0
-                while lo < hi:
-                    hist = _hist_chunk(hist, s_row, lo, count, width, prefix, offs, p, BITS)
-                    lo += TILE
-            else:
-                for lo in range(0, hi, TILE):
-                    hist = _hist_chunk(hist, s_row, lo, count, width, prefix, offs, p, BITS)
+        if INTERPRET:
+            lo = 0
+            while lo < hi:
+                hist = _hist_chunk(hist, s_row, w_row, lo, count, width, m, prefix, offs, p,
+                                   BITS, COMPACT and p > 0)  # fmt: skip
+                lo += TILE
+        else:
+            for lo in range(0, hi, TILE):
+                hist = _hist_chunk(hist, s_row, w_row, lo, count, width, m, prefix, offs, p,
+                                   BITS, COMPACT and p > 0)  # fmt: skip
         if p == 0:  # the number of eligible keys; n = min(top_k, that)
             need = tl.minimum(tl.sum(hist, 0), top_k)
             done = need == 0
