@@ -48,11 +48,7 @@ def report(fn, const: dict, types: dict, warps: int, stages: int = 2) -> dict:
              if n.endswith("_ptr") or n.startswith(hinted)}  # fmt: skip
     ck = compile_kernel(fn, sig, const, attrs, {"num_warps": warps, "num_stages": stages})
     regs, spills = ptxas_report(ck.asm["ptx"])
-    loop = sass_longest_loop(ck.asm["cubin"])
-    if loop < 64:  # no real loop (one key tile a program): the whole program's code
-        from tools.compile_sm90 import sass
-
-        loop = len(sass(ck.asm["cubin"]))
+    loop = sass_longest_loop(ck.asm["cubin"])  # the whole program where it has no main loop
     keys = const["TILE_N"]  # keys one iteration of the main loop (or the program) handles
     return dict(registers=regs, spill_bytes=spills, shared_bytes=ck.metadata.shared,
                 num_warps=warps, num_stages=stages, loop_instructions=loop,

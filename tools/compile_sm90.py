@@ -100,23 +100,25 @@ def sass_calls(cubin: bytes) -> int:
     return sum(text.startswith("CALL.") or " CALL." in text for _, text in sass(cubin))
 
 
-def sass_longest_loop(cubin: bytes) -> int:
+def sass_longest_loop(cubin: bytes, min_body: int = 64) -> int:
     """Instructions of the longest backward branch's body in the sm_90 code of ``cubin``: a
-    kernel's main loop (static count, one iteration; a called routine is not counted); the
-    whole program's count when it has no loop."""
+    kernel's main loop (static count, one iteration; a called routine is not counted). A
+    program whose loops are all shorter than ``min_body`` (one key tile a program, only
+    small loops) counts as a whole."""
     import re
 
     code = sass(cubin)
-    best = 0 if any("BRA" in text for _, text in code) else len(code)
+    best = 0
     for addr, text in code:
         m = re.search(r"BRA .*?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             top = int(m.group(1), 16)
             best = max(best, sum(1 for a, _ in code if top <= a <= addr))
-    return best
+    return best if best >= min_body else len(code)
 
 
-def compile_one(line: str, calls: bool = False) -> tuple[str, str | None]:
+def compile_one(line: str, calls: bool = False) -> tuple[str, str | None, str | None]:
+    """``(label, compile error, note on subroutine calls when asked)``."""
     os.environ.pop("TRITON_INTERPRET", None)
     rec = json.loads(line)
     label = f"{rec['module']}.{rec['name']}"
@@ -130,14 +132,14 @@ def compile_one(line: str, calls: bool = False) -> tuple[str, str | None]:
         attrs = {tuple(k): [tuple(a) for a in v] for k, v in rec["attrs"]}
         options = {"num_warps": rec["num_warps"], "num_stages": rec["num_stages"]}
         ck = compile_kernel(fn, rec["signature"], constexprs, attrs, options)
-        if calls and (n := sass_calls(ck.asm["cubin"])):
-            shown = {tuple(k)[0]: v for k, v in rec["constexprs"]}
-            return label, f"CALLS {n} | constexprs {shown}"
     except Exception as exc:  # report every failure, keep going
         first = next((s for s in str(exc).splitlines() if "error" in s), str(exc).splitlines()[0:1])
         shown = {tuple(k)[0]: v for k, v in rec["constexprs"]}
-        return label, f"{type(exc).__name__}: {first} | constexprs {shown}"
-    return label, None
+        return label, f"{type(exc).__name__}: {first} | constexprs {shown}", None
+    if calls and (n := sass_calls(ck.asm["cubin"])):
+        shown = {tuple(k)[0]: v for k, v in rec["constexprs"]}
+        return label, None, f"{n} calls | constexprs {shown}"
+    return label, None, None
 
 
 def main() -> None:
@@ -151,10 +153,10 @@ def main() -> None:
         lines = sorted(set(fh.read().splitlines()) - {""})
     failures = 0
     with ProcessPoolExecutor(args.jobs) as pool:
-        for label, err in pool.map(compile_one, lines, [args.calls] * len(lines)):
-            if err and err.startswith("CALLS"):
-                print(f"{label}: {err}")
-            elif err:
+        for label, err, note in pool.map(compile_one, lines, [args.calls] * len(lines)):
+            if note:
+                print(f"CALLS {label}: {note}")
+            if err:
                 failures += 1
                 print(f"FAIL {label}: {err}")
     kernels = {json.loads(x)["name"] for x in lines}
