@@ -46,7 +46,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from kvplan.backends.hybrid.storage import PagedRows, index_format  # noqa: E402
+from kvplan.backends.hybrid.storage import PagedRows, exact_format, index_format  # noqa: E402
 from kvplan.formats import V41_FORMAT  # noqa: E402
 from kvplan.ops.index_scores import index_scores_by_sequence  # noqa: E402
 from kvplan.ops.sparse_attention import (  # noqa: E402
@@ -196,7 +196,7 @@ def topk_case(a, dev, gen, cand: int) -> list[dict]:
 
 
 def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chosen: int):
-    pool, pool_slots = paged_slots(a.rows, entries, V41_FORMAT, 512, 64, dev, gen)
+    pool, pool_slots = paged_slots(a.rows, entries, a.attention_layout, 512, 64, dev, gen)
     if chosen < entries:  # CSA: a random choice of the row's entries
         pick = torch.rand(a.rows, entries, generator=gen, device=dev).argsort(dim=1)
         pool_slots = pool_slots.gather(1, pick[:, :chosen]).contiguous()
@@ -218,7 +218,8 @@ def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chos
     def call(**cfg):
         return sparse_attention_triton(q, srcs, sinks, 512**-0.5, check=False, **cfg)
 
-    name = f"sparse_attention {label} {a.rows}x{a.heads}x512 {a.window}+{chosen}"
+    fmt = "" if a.attention_format == "v41" else f" {a.attention_format}"
+    name = f"sparse_attention {label}{fmt} {a.rows}x{a.heads}x512 {a.window}+{chosen}"
     return compare(name, call, configs, {"num_splits": 1}, dev)
 
 
@@ -257,7 +258,7 @@ def prefill_case(a, dev, gen) -> list[dict]:
 
 
 def attention_cases(a, dev, gen) -> list[dict]:
-    ring, ring_slots = paged_slots(a.rows, a.window, V41_FORMAT, 512, a.window, dev, gen)
+    ring, ring_slots = paged_slots(a.rows, a.window, a.attention_layout, 512, a.window, dev, gen)
     out = attention_case(a, dev, gen, ring, ring_slots, "CSA", a.csa_pool, a.top_k)
     for n in a.hca_entries:
         out += attention_case(a, dev, gen, ring, ring_slots, "HCA", n, n)
@@ -320,6 +321,9 @@ def main() -> None:
     ap.add_argument("--attention-sweep", choices=("chunked", "stages"), default="chunked",
                     help="decode attention variants: the register-footprint ones (chunked) or "
                     "splits x tiles x num_stages (stages)")  # fmt: skip
+    ap.add_argument("--attention-format", choices=("v41", "bf16"), default="v41",
+                    help="decode attention cases' caches: V41 fp8 records (kv_format fp8) or "
+                    "bf16 rows (kv_format exact)")  # fmt: skip
     ap.add_argument("--only", choices=("index", "index_prompt", "topk", "attention", "prefill"),
                     default=None,
                     help="prefill: only the --prefill-rows case")  # fmt: skip
@@ -340,6 +344,8 @@ def main() -> None:
                     else [96] if quick else [8192, 32768])  # fmt: skip
     a.heads, a.window, a.top_k = (4, 16, 24) if quick else (16, 128, 512)
     a.csa_pool = 64 if quick else 8192
+    a.attention_layout = (V41_FORMAT if a.attention_format == "v41"
+                          else exact_format(512, torch.bfloat16))  # fmt: skip
     a.hca_entries = [40] if quick else [int(n) for n in a.hca_entries.split(",")]
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []

@@ -168,18 +168,18 @@ class _ProjPlan(NamedTuple):
 TC_MIN_ROWS = 256
 
 
-# programs the projection wants in all (decode sizes up to 256 rows, prefill sizes above). The
-# decode entry caps the splits at one K tile a program for every decode batch: at 256 rows the
-# earlier 128 left 8 serial K tiles a program, 51 us a call (1.28 ms of a 15.8 ms step) on the
-# H200, where 32 rows took 8.6 us. Prefill: 256 and 512 measured the same at 8,192 rows
-# (154.4 / 153.9 us), 1,024 and 2,048 slower (`bench/bench_dsv4_blocks.py --rows 8192
-# --proj-programs 256,512,1024,2048`, 2026-12-02).
-PROJ_PROGRAMS = (1024, 256)
+# programs the projection wants in all (decode sizes up to 256 rows, prefill sizes above).
+# Decode: at 256 rows the targets 128 / 256 / 512 / 1,024 took 34.6 / 34.3 / 35.2 / 40.1 us
+# (hc_pre, both kernels; `bench/bench_dsv4_blocks.py --rows 256 --proj-programs
+# 128,256,512,1024`, H200, 2026-12-02): 256 (at 32 rows the cap of one K tile a program gives
+# it the same plan as 1,024). Prefill: 256 and 512 measured the same at 8,192 rows
+# (154.4 / 153.9 us), 1,024 and 2,048 slower (`--rows 8192 --proj-programs 256,512,1024,2048`).
+PROJ_PROGRAMS = (256, 256)
 
 
 def _proj_plan(t: int, n: int, hidden: int, dtype: torch.dtype | None = None) -> _ProjPlan:
-    """Decode sizes: one K tile per program, about one program per SM; large ``T``: a few
-    splits of many K tiles (bf16: on the tensor cores, wider K tiles). The fused and unfused
+    """About ``PROJ_PROGRAMS`` programs (split-K, at most one split per K tile); large ``T``:
+    a few splits of many K tiles (bf16: on the tensor cores, wider K tiles). The fused and unfused
     paths share this plan (their summation order is the same only when their plans are)."""
     interp = triton_interpreting()
     n_p = triton_next_pow2(n)

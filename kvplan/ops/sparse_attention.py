@@ -151,8 +151,8 @@ def sparse_attention_triton(
     (0, or a power of two >= 16) sums the logits over query / key column chunks of that
     width instead of holding the whole query tile; ``pv_split`` (1, 2 or 4) splits the
     value product and the accumulator into that many column chunks, each re-reading its
-    values. A launch setting left None takes the path's entry in ``ONE_PROGRAM_TILING`` /
-    ``SPLIT_TILING`` if any, else the built-in default."""
+    values. A launch setting left None takes the path's entry in :func:`default_tiling` if
+    any, else the built-in default."""
     addrs = _check(q, sources, sinks, check)
     out = _out(q, out)
     num_rows, num_heads, head_dim = q.shape
@@ -175,7 +175,7 @@ def sparse_attention_triton(
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    table = ONE_PROGRAM_TILING if num_splits == 1 else SPLIT_TILING
+    table = default_tiling(num_splits, a0.kind >= _k.KIND_E4M3)
     tile_n = tile_n or table.get("tile_n")
     num_warps = num_warps or table.get("num_warps") or (8 if d_p2 >= 512 else 4)
     num_stages = num_stages if num_stages is not None else table.get("num_stages")
@@ -229,14 +229,30 @@ def sparse_attention_triton(
 
 
 _PROGRAMS_PER_SM = 1  # split target: about this many programs per SM
-_SPLIT_TILE_N = 32  # keys per tile of the split kernel
-# Launch settings (tile_n, num_warps, num_stages, d_chunk, pv_split) of the one-program
-# kernel (prompt rows) and of the split kernel (decode rows) where the caller gives none;
-# missing keys: the built-in defaults. One program: 4 warps and 2 stages were the fastest of
-# `bench_sparse_kernels.py --only prefill` on the H200 (8,192 rows x 16 heads x 512, 640 keys a
-# row, bf16 rows as the prompt path hands them: 1.9 vs 3.6 ms at 8 warps, the same bits).
+# Launch settings (tile_n, num_warps, num_stages, d_chunk, pv_split) where the caller gives
+# none; missing keys: the built-in defaults. `bench_sparse_kernels.py --attention-sweep stages`
+# on the H200 (2026-12-02, V41 fp8 records, 16 heads x 512, window 128):
+# - one program, quantized keys (decode batches that fill the SMs alone): 32 keys x 4 warps x 3
+#   stages, 256 rows CSA 128+512 0.107 vs 0.155 ms at 16 x 4 x 2 (1.45x), HCA 128+1,024 0.186
+#   vs 0.251 (1.35x); 8 warps 0.17 / 0.27;
+# - one program, bf16 / fp32 rows (the prompt path hands them): 4 warps and 2 stages, 8,192
+#   prompt rows x 640 keys 1.9 vs 3.6 ms at 8 warps (`--only prefill`);
+# - split (small decode batches): 64 keys x 8 warps x 3 stages, 32 rows CSA 0.023 vs 0.039 ms
+#   at 32 x 8 (1.68x), HCA 128+1,024 0.033 vs 0.052, 128+256 0.018 vs 0.019.
 ONE_PROGRAM_TILING: dict[str, int] = {"num_warps": 4, "num_stages": 2}
-SPLIT_TILING: dict[str, int] = {}
+ONE_PROGRAM_TILING_QUANTIZED: dict[str, int] = {"tile_n": 32, "num_warps": 4, "num_stages": 3}
+SPLIT_TILING: dict[str, int] = {"tile_n": 64, "num_warps": 8, "num_stages": 3}
+_SPLIT_TILE_N = SPLIT_TILING["tile_n"]  # keys per tile of the split kernel (split_count's unit)
+
+
+def default_tiling(num_splits: int, quantized: bool) -> dict[str, int]:
+    """The launch settings table of a call with ``num_splits`` column splits whose first
+    source holds quantized records (``quantized``) or bf16 / fp32 rows."""
+    if num_splits > 1:
+        return SPLIT_TILING
+    return ONE_PROGRAM_TILING_QUANTIZED if quantized else ONE_PROGRAM_TILING
+
+
 _MIN_SPLIT_TILES = 2  # fewest key tiles a split walks
 
 

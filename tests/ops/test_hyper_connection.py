@@ -212,16 +212,17 @@ def test_projection_kernel_compiles_for_sm90(tc):
                  FUSED=False, TC=tc, HW=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("t", [1, 32, 64, 256])
-def test_decode_projection_plan_walks_one_k_tile_per_program(t, monkeypatch):
-    """Decode-sized projections (up to 256 rows) split K down to one tile a program: a
-    program's serial loop was what a 256-row step paid for (the plan of the GPU, shapes of
-    the DeepSeek-V4 bench: 4 streams x 2,048)."""
+@pytest.mark.parametrize("t, tiles_per_program", [(1, 1), (32, 1), (64, 1), (256, 4)])
+def test_decode_projection_plan_follows_the_program_target(t, tiles_per_program, monkeypatch):
+    """Decode-sized projections (up to 256 rows) split K until about ``PROJ_PROGRAMS[0]``
+    programs run, never below one K tile a program (the GPU's plan at the shapes of the
+    DeepSeek-V4 bench: 4 streams x 2,048 hidden, 16-column K tiles per stream)."""
     import kvplan.ops.hyper_connection as hcm
 
     monkeypatch.setattr(hcm, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(hcm, "PROJ_PROGRAMS", (256, 256))
     plan = hcm._proj_plan(t, 4, 2048, torch.bfloat16)
-    assert plan.h_per_split == plan.tile_h
+    assert plan.h_per_split == tiles_per_program * plan.tile_h
     assert plan.splits * plan.h_per_split == 2048
     prefill = hcm._proj_plan(8192, 4, 2048, torch.bfloat16)
     assert prefill.h_per_split > prefill.tile_h  # prefill keeps several K tiles a program
