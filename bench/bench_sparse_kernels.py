@@ -170,24 +170,23 @@ def index_case(a, dev, gen, kind: str, cand: int) -> list[dict]:
 def topk_case(a, dev, gen, cand: int) -> list[dict]:
     """The indexer's top-k of a decode step: ``a.rows`` rows of ``cand`` fp32 scores (every
     column eligible), ``a.top_k`` winners mapped through a slot table. old = the default
-    launch; the sweep: digit width, chunk, warps and the compacting search (the same winners,
-    bit for bit)."""
+    launch; the sweep: digit width, chunk, the compacting search, the in-register row and
+    the split search (the same winners, bit for bit)."""
     scores = torch.randn(a.rows, cand, generator=gen, device=dev)
     count = torch.full((a.rows,), cand, dtype=torch.int32, device=dev)
     slots = torch.randperm(a.rows * cand, generator=gen, device=dev).to(torch.int32)
     slots = slots.view(a.rows, cand)
-    configs = [
-        {"bits": b, "tile": t, "num_warps": nw}
-        for b in (5, 6, 8)
-        for t in (1024, 2048, 4096)
-        for nw in (4, 8)
-        if (b, t, nw) != (5, 2048, 8)
-    ]  # fmt: skip (the default: old)
-    configs += [{"compact": True, "bits": b, "tile": t, "num_warps": 8}
-                for b in (5, 8) for t in (2048, 4096)]  # fmt: skip
+    configs = [{"bits": b, "tile": t, "num_warps": 8} for b in (6, 8) for t in (2048, 4096)]
+    configs += [{"compact": True, "bits": b, "tile": 2048, "num_warps": 8} for b in (5, 8)]
+    if cand <= 16384:  # the whole row in registers
+        configs += [{"row": True, "bits": b} for b in (5, 6, 8)]
+    configs += [{"row": True, "part": p, "bits": b}
+                for p in (2048, 4096, 8192, 16384) for b in (5, 6) if p < cand]  # fmt: skip
+    configs += [{"row": False, "part": 8192, "bits": 5}] if cand > 8192 else []
     if dev.type != "cuda":
         configs = [{"bits": 8, "tile": 64, "num_warps": 1},
-                   {"compact": True, "bits": 5, "tile": 64, "num_warps": 1}]  # fmt: skip
+                   {"compact": True, "bits": 5, "tile": 64, "num_warps": 1},
+                   {"row": True, "part": 32, "bits": 5}]  # fmt: skip
 
     def call(**cfg):
         return topk_columns_triton(scores, count, a.top_k, gather=slots, **cfg)

@@ -46,6 +46,27 @@ __all__ = ["topk_columns", "topk_columns_torch", "topk_columns_triton", "topk_ti
 DEFAULT_TILE = 2048  # default scores read per chunk by one program (8 per thread at 8 warps)
 MAX_TILE = 4096  # largest chunk (packed running counts need < 2**15)
 RADIX_BITS = 5  # digit width of one radix-select pass (2**RADIX_BITS histogram bins)
+MAX_ROW = 16384  # widest row (or part) the digit passes may hold in registers (``row``)
+# defaults of ``topk_columns_triton``'s ``row`` and ``part`` (opt-in until timed on a GPU):
+# rows (or parts) up to MAX_ROW held in registers; rows wider than SPLIT_MIN_WIDTH split into
+# parts of SPLIT_PART columns (0: never)
+ROW_DEFAULT = False
+SPLIT_PART = 8192
+SPLIT_MIN_WIDTH = 0
+
+
+def topk_part(width: int, top_k: int) -> int:
+    """Default ``part`` of ``topk_columns_triton``: ``SPLIT_PART`` for rows wider than
+    ``SPLIT_MIN_WIDTH`` (when set) whose parts' winners are fewer than half the row, else 0
+    (one stage)."""
+    if not SPLIT_MIN_WIDTH or width <= max(SPLIT_MIN_WIDTH, SPLIT_PART):
+        return 0
+    return SPLIT_PART if 2 * triton.cdiv(width, SPLIT_PART) * top_k < width else 0
+
+
+# the in-register row's key of an ineligible column: the key of a NaN's bit pattern
+# (0xFFFFFFFF), which no eligible score has
+_NO_KEY = tl.constexpr(-(2**31))
 
 
 @triton.jit
@@ -94,10 +115,12 @@ def _hist_chunk(
 
 
 @triton.jit
-def _hist_keys(hist, key, ok, prefix, P: tl.constexpr, BITS: tl.constexpr):
+def _hist_keys(
+    hist, key, ok, prefix, P: tl.constexpr, BITS: tl.constexpr, SKIP: tl.constexpr = True
+):
     """``hist`` plus the histogram of digit ``P`` (``BITS`` wide, most significant first, read
     as unsigned) of the keys where ``ok`` whose higher digits equal ``prefix`` (the key's own
-    bits). A chunk without such keys skips the histogram."""
+    bits). With ``SKIP`` a chunk without such keys skips the histogram."""
     high: tl.constexpr = BITS * P  # bits chosen before this pass
     low: tl.constexpr = max(32 - BITS * (P + 1), 0)  # bits below this digit
     digit = (key >> low) & ((1 << (32 - high - low)) - 1)
@@ -105,7 +128,10 @@ def _hist_keys(hist, key, ok, prefix, P: tl.constexpr, BITS: tl.constexpr):
         hist += tl.histogram(digit ^ (1 << (BITS - 1)), 1 << BITS, mask=ok)  # sign bit flipped
     else:
         match = ok & (((key >> (32 - high)) & ((1 << high) - 1)) == prefix)
-        if tl.max(match.to(tl.int32), 0) != 0:
+        if SKIP:
+            if tl.max(match.to(tl.int32), 0) != 0:
+                hist += tl.histogram(digit, 1 << BITS, mask=match)
+        else:
             hist += tl.histogram(digit, 1 << BITS, mask=match)
     return hist
 
@@ -123,12 +149,13 @@ def _compact_chunk(m, s_row, w_row, lo, count, width, prefix, offs, BITS: tl.con
 
 @triton.jit
 def _write_chunk(
-    taken, base, s_row, g_row, o_row, lo, count, width, top_k, thr, need, offs,
-    GATHER: tl.constexpr,
+    taken, base, s_row, g_row, o_row, v_row, lo, count, width, top_k, thr, need, offs,
+    col_base, GATHER: tl.constexpr, VALUES: tl.constexpr,
 ):  # fmt: skip
     """Write the winners among columns ``[lo, lo + TILE)`` from output entry ``base`` on:
     keys above ``thr`` and keys equal to it while fewer than ``need`` were taken (``taken``
-    so far). Returns the updated ``(taken, base)``."""
+    so far); their column plus ``col_base`` (or their ``gather`` entry), with ``VALUES``
+    their scores too (to ``v_row``). Returns the updated ``(taken, base)``."""
     col = lo + offs
     x = tl.load(s_row + col, mask=col < width, other=float("nan"))
     key = _sort_keys(x)
@@ -143,29 +170,45 @@ def _write_chunk(
     if GATHER:
         val = tl.load(g_row + col, mask=sel, other=-1)
     else:
-        val = col
+        val = col + col_base
     tl.store(o_row + pos, val, mask=sel & (pos < top_k))
+    if VALUES:
+        tl.store(v_row + pos, x, mask=sel & (pos < top_k))
     total = tl.sum(gt + (eq << 16), 0)
     return taken + (total >> 16), base + (total & 0xFFFF) + tl.minimum(total >> 16, room)
 
 
 @triton.jit
 def _topk_kernel(
-    scores_ptr, count_ptr, gather_ptr, out_ptr, work_ptr, width, top_k, stride_s, stride_c,
-    stride_g, stride_o, stride_w, TILE: tl.constexpr, BITS: tl.constexpr,
-    GATHER: tl.constexpr, COMPACT: tl.constexpr, INTERPRET: tl.constexpr,
+    scores_ptr, count_ptr, gather_ptr, out_ptr, work_ptr, values_ptr, width, top_k, stride_s,
+    stride_c, stride_g, stride_o, stride_w, TILE: tl.constexpr, BITS: tl.constexpr,
+    GATHER: tl.constexpr, COMPACT: tl.constexpr, ROW: tl.constexpr, PART: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One program per row (module docstring). ``COMPACT``: after the first pass the keys of
     the chosen bin are copied, in column order, to the row's workspace ``work`` (int32,
-    row stride ``stride_w``), and the later passes read only them. The CPU interpreter
-    cannot take a runtime tensor as a ``range`` bound, so there each loop runs as a
-    ``while`` loop."""
+    row stride ``stride_w``), and the later passes read only them. ``ROW`` (a power of two
+    >= the row's width, 0: off): the digit passes run on the whole row's keys loaded once
+    into registers (ineligible columns hold ``_NO_KEY``) instead of reading it in chunks
+    per pass; the last (write) pass reads it in chunks as always. ``PART`` (0: off): the
+    first stage of a split search, grid ``(T, cdiv(W, PART))``: program ``(t, j)`` selects
+    among columns ``[j * PART, (j + 1) * PART)`` and writes its winners' columns (or
+    ``gather`` entries) to ``out[t, j * top_k:]`` and their scores to ``values`` (the same
+    strides; NaN after them). The CPU interpreter cannot take a runtime tensor as a
+    ``range`` bound, so there each loop runs as a ``while`` loop."""
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    col_base = part * PART
     w_row = work_ptr + row * stride_w
-    s_row = scores_ptr + row * stride_s
-    g_row = gather_ptr + row * stride_g
-    o_row = out_ptr + row * stride_o
-    count = tl.minimum(tl.maximum(tl.load(count_ptr + row * stride_c), 0), width)
+    s_row = scores_ptr + row * stride_s + col_base
+    g_row = gather_ptr + row * stride_g + col_base
+    o_row = out_ptr + row * stride_o + part * top_k
+    v_row = values_ptr + row * stride_o + part * top_k
+    count = tl.load(count_ptr + row * stride_c)
+    if PART > 0:  # this part's width and eligible columns
+        width = tl.minimum(width - col_base, PART)
+        count = count - col_base
+    count = tl.minimum(tl.maximum(count, 0), width)
     offs = tl.arange(0, TILE)
     bins = tl.arange(0, 1 << BITS)
     prefix = tl.zeros([], tl.int32)  # the key's high bits chosen so far, right-aligned
@@ -173,22 +216,29 @@ def _topk_kernel(
     need = tl.zeros([], tl.int32)  # keys still to take from the chosen bin
     done = count < 0  # False: the search goes on
     m = tl.zeros([], tl.int32)  # COMPACT: keys in the workspace
+    if ROW > 0:  # the whole row's keys, once
+        row_key, row_ok = _row_keys(s_row, 0, count, width, tl.arange(0, ROW))
+        row_key = tl.where(row_ok, row_key, _NO_KEY)
     for p in tl.static_range((32 + BITS - 1) // BITS):
         hist = tl.zeros([1 << BITS], tl.int32)
-        if COMPACT and p > 0:  # the workspace's keys, else the row's
-            hi = m * (1 - done.to(tl.int32))
+        if ROW > 0:
+            if not done:
+                hist = _hist_keys(hist, row_key, row_key != _NO_KEY, prefix, p, BITS, False)
         else:
-            hi = count * (1 - done.to(tl.int32))  # no reads once the search is done
-        if INTERPRET:
-            lo = 0
-            while lo < hi:
-                hist = _hist_chunk(hist, s_row, w_row, lo, count, width, m, prefix, offs, p,
-                                   BITS, COMPACT and p > 0)  # fmt: skip
-                lo += TILE
-        else:
-            for lo in range(0, hi, TILE):
-                hist = _hist_chunk(hist, s_row, w_row, lo, count, width, m, prefix, offs, p,
-                                   BITS, COMPACT and p > 0)  # fmt: skip
+            if COMPACT and p > 0:  # the workspace's keys, else the row's
+                hi = m * (1 - done.to(tl.int32))
+            else:
+                hi = count * (1 - done.to(tl.int32))  # no reads once the search is done
+            if INTERPRET:
+                lo = 0
+                while lo < hi:
+                    hist = _hist_chunk(hist, s_row, w_row, lo, count, width, m, prefix, offs,
+                                       p, BITS, COMPACT and p > 0)  # fmt: skip
+                    lo += TILE
+            else:
+                for lo in range(0, hi, TILE):
+                    hist = _hist_chunk(hist, s_row, w_row, lo, count, width, m, prefix, offs,
+                                       p, BITS, COMPACT and p > 0)  # fmt: skip
         if p == 0:  # the number of eligible keys; n = min(top_k, that)
             need = tl.minimum(tl.sum(hist, 0), top_k)
             done = need == 0
@@ -217,28 +267,41 @@ def _topk_kernel(
         lo = 0
         while lo < count:
             taken, base = _write_chunk(
-                taken, base, s_row, g_row, o_row, lo, count, width, top_k, thr, need, offs, GATHER
-            )
+                taken, base, s_row, g_row, o_row, v_row, lo, count, width, top_k, thr, need,
+                offs, col_base, GATHER, PART > 0,
+            )  # fmt: skip
             lo += TILE
     else:
         for lo in range(0, count, TILE):
             taken, base = _write_chunk(
-                taken, base, s_row, g_row, o_row, lo, count, width, top_k, thr, need, offs, GATHER
-            )
+                taken, base, s_row, g_row, o_row, v_row, lo, count, width, top_k, thr, need,
+                offs, col_base, GATHER, PART > 0,
+            )  # fmt: skip
     none = tl.full([TILE], -1, tl.int32)
+    nan = tl.full([TILE], float("nan"), tl.float32)
     if INTERPRET:
         lo = base
         while lo < top_k:
             tl.store(o_row + lo + offs, none, mask=lo + offs < top_k)
+            if PART > 0:
+                tl.store(v_row + lo + offs, nan, mask=lo + offs < top_k)
             lo += TILE
     else:
         for lo in range(base, top_k, TILE):
             tl.store(o_row + lo + offs, none, mask=lo + offs < top_k)
+            if PART > 0:
+                tl.store(v_row + lo + offs, nan, mask=lo + offs < top_k)
 
 
 def topk_tile(width: int) -> int:
     """Default scores per chunk of ``_topk_kernel`` for rows of ``width`` columns."""
     return max(16, min(DEFAULT_TILE, triton.next_power_of_2(max(width, 1))))
+
+
+def _row_warps(row: int) -> int:
+    """Warps of an in-register row of ``row`` keys: 16 keys a thread up to 8,192 keys, 16
+    warps above (128 registers a thread there; no spills on sm_90 at 5-bit digits)."""
+    return max(4, min(16, row // 512))
 
 
 def _check_args(scores, count, top_k, gather, check) -> None:
@@ -291,35 +354,74 @@ def topk_columns_torch(
 def topk_columns_triton(
     scores: torch.Tensor, count: torch.Tensor, top_k: int, *, gather: torch.Tensor | None = None,
     tile: int | None = None, bits: int = RADIX_BITS, num_warps: int | None = None,
-    compact: bool = False,
+    compact: bool = False, row: bool | None = None, part: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton path of :func:`topk_columns` (arguments checked there): ``_topk_kernel``, one
-    program per row, ``tile`` scores per chunk (a power of two, default
-    :func:`topk_tile`), ``bits``-wide digits (2 to 8). ``compact``: the passes after the
-    first read only the first pass's chosen bin, copied to a workspace (three reads of the
-    row instead of one per digit; the same winners; not yet timed on a GPU)."""
+    program per row, ``tile`` scores per chunk (a power of two, default :func:`topk_tile`),
+    ``bits``-wide digits (2 to 8), ``num_warps`` (of the first stage). The same winners
+    with every setting:
+
+    - ``compact``: the passes after the first read only the first pass's chosen bin, copied
+      to a workspace (not yet timed on a GPU);
+    - ``row`` (None: ``ROW_DEFAULT``): the digit passes run on the row's keys held in
+      registers, loaded once (rows up to ``MAX_ROW`` columns, or parts of them);
+    - ``part`` (a power of two >= 16, or 0; None: :func:`topk_part`): a split search, first
+      the top-k of every ``part`` columns of a row (programs in parallel), then the top-k
+      of those winners (their scores and columns kept by the first stage)."""
     num_rows, width = scores.shape
     tile = tile or topk_tile(width)
     if tile & (tile - 1) or not 16 <= tile <= MAX_TILE:
         raise ValueError(f"tile must be a power of two in [16, {MAX_TILE}], got {tile}")
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in [2, 8], got {bits}")
+    part = topk_part(width, top_k) if part is None else part
+    if part and (part & (part - 1) or part < 16):
+        raise ValueError(f"part must be 0 or a power of two >= 16, got {part}")
+    row = ROW_DEFAULT and (part or width) <= MAX_ROW if row is None else row
+    if row and (part or width) > MAX_ROW:
+        raise ValueError(
+            f"row holds at most {MAX_ROW} columns, got {part or width} (width {width}, part {part})"
+        )
+    if compact and (row or part):
+        raise ValueError("compact is a form of the one-stage, chunked search: no row or part")
+    g = gather if gather is not None else scores
+    if part:  # first stage: every part's winners and their scores, in column order
+        parts = max(1, triton.cdiv(width, part))
+        vals = torch.empty((num_rows, parts * top_k), dtype=torch.int32, device=scores.device)
+        cand = torch.empty((num_rows, parts * top_k), dtype=torch.float32, device=scores.device)
+        if num_rows:
+            _launch(scores, count, g, vals, vals, cand, width, top_k, (num_rows, parts),
+                    tile=min(tile, part), bits=bits, gather=gather is not None, compact=False,
+                    row=max(16, triton.next_power_of_2(min(part, width))) if row else 0,
+                    part=part, num_warps=num_warps)  # fmt: skip
+        # second stage: every candidate counts (the NaNs of the first stage's short parts
+        # never win), the first stage's values mapped through
+        full = torch.full((num_rows,), parts * top_k, dtype=torch.int32, device=scores.device)
+        row2 = row and parts * top_k <= MAX_ROW
+        return topk_columns_triton(cand, full, top_k, gather=vals, bits=bits, row=row2, part=0)
     out = torch.empty((num_rows, top_k), dtype=torch.int32, device=scores.device)
     if num_rows == 0:
         return out
-    g = gather if gather is not None else out
     # the compacting search's workspace: room for a whole row's keys (the chosen bin can hold
     # them all, e.g. equal scores)
     work = (
         torch.empty((num_rows, width), dtype=torch.int32, device=scores.device) if compact else out
     )
-    _topk_kernel[(num_rows,)](
-        scores, count, g, out, work, width, top_k, scores.stride(0), count.stride(0),
-        g.stride(0), out.stride(0), work.stride(0), TILE=tile, BITS=bits,
-        GATHER=gather is not None, COMPACT=compact, INTERPRET=triton_interpreting(),
-        num_warps=num_warps or max(1, min(8, tile // 256)),
-    )  # fmt: skip
+    _launch(scores, count, g, out, work, scores, width, top_k, (num_rows, 1), tile=tile,
+            bits=bits, gather=gather is not None, compact=compact,
+            row=max(16, triton.next_power_of_2(width)) if row else 0, part=0,
+            num_warps=num_warps)  # fmt: skip
     return out
+
+
+def _launch(scores, count, g, out, work, values, width, top_k, grid, *, tile, bits, gather,
+            compact, row, part, num_warps) -> None:  # fmt: skip
+    _topk_kernel[grid](
+        scores, count, g, out, work, values, width, top_k, scores.stride(0), count.stride(0),
+        g.stride(0), out.stride(0), work.stride(0), TILE=tile, BITS=bits, GATHER=gather,
+        COMPACT=compact, ROW=row, PART=part, INTERPRET=triton_interpreting(),
+        num_warps=num_warps or (_row_warps(row) if row else max(1, min(8, tile // 256))),
+    )  # fmt: skip
 
 
 def topk_columns(

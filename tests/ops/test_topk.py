@@ -100,6 +100,55 @@ def test_triton_interpreter_compacting_search(kind, width, top_k, tile, bits) ->
     assert got.tolist() == reference(scores, count, top_k, slots)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("width, top_k, row, part, bits", [
+    (70, 21, True, 0, 5), (37, 8, True, 0, 8), (64, 64, True, 0, 3), (20, 33, True, 0, 6),
+    (1, 1, True, 0, 5), (70, 5, False, 16, 5), (70, 21, True, 16, 5), (100, 9, True, 32, 8),
+    (33, 4, False, 32, 6), (0, 3, True, 16, 5),
+])  # fmt: skip
+def test_triton_interpreter_row_and_split_search(kind, width, top_k, row, part, bits) -> None:
+    """``row``: the digit passes on the row's keys loaded once (ineligible columns as the
+    no-key sentinel, which ``special``'s NaNs and ``count`` below the width exercise);
+    ``part``: the top-k of every ``part`` columns, then of their winners (parts shorter than
+    ``top_k``, a last part cut short, ties across parts). The same winners as the
+    reference, plain and gathered."""
+    scores, count = make_case(kind, 4, width, seed=width + bits + 1)
+    gen = torch.Generator().manual_seed(8)
+    slots = torch.randint(0, 10**6, (4, width), generator=gen, dtype=torch.int32)
+    cfg = dict(tile=16, bits=bits, row=row, part=part)
+    assert topk_columns_triton(scores, count, top_k, **cfg).tolist() == reference(
+        scores, count, top_k
+    )
+    got = topk_columns_triton(scores, count, top_k, gather=slots, **cfg)
+    assert got.tolist() == reference(scores, count, top_k, slots)
+
+
+def test_row_and_part_argument_errors() -> None:
+    scores, count = make_case("random", 2, 40, seed=0)
+    for bad in (24, 8, -16):
+        with pytest.raises(ValueError, match=f"part must be .* got {bad}"):
+            topk_columns_triton(scores, count, 4, part=bad)
+    wide = torch.zeros(1, 20000)
+    with pytest.raises(ValueError, match="row holds at most 16384 columns, got 20000"):
+        topk_columns_triton(wide, torch.zeros(1, dtype=torch.int32), 4, row=True)
+    with pytest.raises(ValueError, match="compact"):
+        topk_columns_triton(scores, count, 4, row=True, compact=True)
+
+
+def test_split_default_policy(monkeypatch) -> None:
+    """``topk_part``: parts only for rows wider than the threshold (when one is set) whose
+    parts' winners stay under half the row."""
+    import kvplan.ops.topk as tk
+
+    monkeypatch.setattr(tk, "SPLIT_MIN_WIDTH", 0)
+    assert tk.topk_part(32768, 512) == 0
+    monkeypatch.setattr(tk, "SPLIT_MIN_WIDTH", 16384)
+    monkeypatch.setattr(tk, "SPLIT_PART", 8192)
+    assert tk.topk_part(16384, 512) == 0  # not wider than the threshold
+    assert tk.topk_part(32768, 512) == 8192
+    assert tk.topk_part(32768, 4096) == 0  # 4 parts x 4,096 winners: half the row
+
+
 def test_triton_interpreter_gather_and_row_stride() -> None:
     """Rows of a wider buffer (row stride 48 > W) and the column -> slot lookup."""
     buf, count = make_case("ties", 3, 48, seed=4)
@@ -180,15 +229,33 @@ def test_validation() -> None:
 
 
 @pytest.mark.parametrize(
-    "tile, bits, gather, compact",
-    [(2048, 8, False, False), (2048, 8, True, False), (256, 5, True, False), (2048, 5, True, True),
-     (4096, 8, True, True)],
+    "tile, bits, gather, compact, row, part",
+    [(2048, 8, False, False, 0, 0), (2048, 8, True, False, 0, 0), (256, 5, True, False, 0, 0),
+     (2048, 5, True, True, 0, 0), (4096, 8, True, True, 0, 0), (2048, 5, True, False, 8192, 0),
+     (2048, 6, False, False, 16384, 0), (2048, 5, True, False, 8192, 8192),
+     (2048, 5, False, False, 0, 8192)],
 )  # fmt: skip
-def test_kernel_compiles_for_sm90(tile, bits, gather, compact) -> None:
+def test_kernel_compiles_for_sm90(tile, bits, gather, compact, row, part) -> None:
     compile_sm90(
-        _topk_kernel, signature={"scores_ptr": "*fp32"}, TILE=tile, BITS=bits, GATHER=gather,
-        COMPACT=compact, INTERPRET=False,
+        _topk_kernel, signature={"scores_ptr": "*fp32", "values_ptr": "*fp32"}, TILE=tile,
+        BITS=bits, GATHER=gather, COMPACT=compact, ROW=row, PART=part, INTERPRET=False,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("row, num_warps", [(8192, 16), (16384, 16), (2048, 4)])
+def test_row_in_registers_does_not_spill_on_sm90(row, num_warps) -> None:
+    """The in-register row at its default warps (`_row_warps`) fits sm_90's registers."""
+    from sm90_compile import sm90_stats
+
+    from kvplan.ops.topk import _row_warps
+
+    assert _row_warps(row) == num_warps
+    stats = sm90_stats(
+        _topk_kernel, dict(TILE=2048, BITS=5, GATHER=True, COMPACT=False, ROW=row, PART=row,
+                           INTERPRET=False),
+        signature={"scores_ptr": "*fp32", "values_ptr": "*fp32"}, num_warps=num_warps,
+    )  # fmt: skip
+    assert stats.spill_bytes == 0, stats
 
 
 # --- GPU ------------------------------------------------------------------------------------
@@ -208,6 +275,15 @@ def test_gpu_bit_exact(num_rows, width, kind) -> None:
         want = topk_columns_torch(scores, count, top_k)
         assert torch.equal(topk_columns(scores, count, top_k), want)
         assert torch.equal(topk_columns_triton(scores, count, top_k, compact=True), want)
+        if width <= 16384:
+            assert torch.equal(topk_columns_triton(scores, count, top_k, row=True), want)
+        for part in (2048, 8192):
+            got = topk_columns_triton(scores, count, top_k, row=True, part=part)
+            assert torch.equal(got, want)
+            got = topk_columns_triton(scores, count, top_k, gather=slots, row=True, part=part)
+            assert torch.equal(
+                got, torch.where(want >= 0, slots.gather(1, want.long().clamp(0)), -1)
+            )
         got = topk_columns(scores, count, top_k, gather=slots)
         assert torch.equal(got, torch.where(want >= 0, slots.gather(1, want.long().clamp(0)), -1))
 
