@@ -175,7 +175,12 @@ def sparse_attention_triton(
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    table = default_tiling(num_splits, a0.kind >= _k.KIND_E4M3)
+    few = (
+        not interpret
+        and q.is_cuda
+        and num_rows * groups <= FEW_PROGRAMS_PER_SM * _num_sms(q.device)
+    )
+    table = default_tiling(num_splits, a0.kind >= _k.KIND_E4M3, few)
     tile_n = tile_n or table.get("tile_n")
     num_warps = num_warps or table.get("num_warps") or (8 if d_p2 >= 512 else 4)
     num_stages = num_stages if num_stages is not None else table.get("num_stages")
@@ -235,22 +240,30 @@ _PROGRAMS_PER_SM = 1  # split target: about this many programs per SM
 # - one program, quantized keys (decode batches that fill the SMs alone): 32 keys x 4 warps x 3
 #   stages, 256 rows CSA 128+512 0.107 vs 0.155 ms at 16 x 4 x 2 (1.45x), HCA 128+1,024 0.186
 #   vs 0.251 (1.35x); 8 warps 0.17 / 0.27;
-# - one program, bf16 / fp32 rows (the prompt path hands them): 4 warps and 2 stages, 8,192
-#   prompt rows x 640 keys 1.9 vs 3.6 ms at 8 warps (`--only prefill`);
+# - one program, bf16 / fp32 rows, few programs (decode batches of the exact format): 64 keys
+#   x 8 warps x 2 stages, 256 rows CSA 0.065 vs 0.108 ms at 16 x 4 x 2 (1.68x), HCA 0.102 vs
+#   0.186 (1.82x) (`--attention-format bf16`);
+# - one program, bf16 / fp32 rows, many programs (the prompt path hands its rows): 4 warps and
+#   2 stages, 8,192 prompt rows x 640 keys 1.9 vs 3.6 ms at 8 warps (`--only prefill`);
 # - split (small decode batches): 64 keys x 8 warps x 3 stages, 32 rows CSA 0.023 vs 0.039 ms
 #   at 32 x 8 (1.68x), HCA 128+1,024 0.033 vs 0.052, 128+256 0.018 vs 0.019.
 ONE_PROGRAM_TILING: dict[str, int] = {"num_warps": 4, "num_stages": 2}
+ONE_PROGRAM_TILING_FEW: dict[str, int] = {"tile_n": 64, "num_warps": 8, "num_stages": 2}
 ONE_PROGRAM_TILING_QUANTIZED: dict[str, int] = {"tile_n": 32, "num_warps": 4, "num_stages": 3}
 SPLIT_TILING: dict[str, int] = {"tile_n": 64, "num_warps": 8, "num_stages": 3}
 _SPLIT_TILE_N = SPLIT_TILING["tile_n"]  # keys per tile of the split kernel (split_count's unit)
+FEW_PROGRAMS_PER_SM = 4  # "few programs": (row, head group) pairs up to this many per SM
 
 
-def default_tiling(num_splits: int, quantized: bool) -> dict[str, int]:
+def default_tiling(num_splits: int, quantized: bool, few: bool = False) -> dict[str, int]:
     """The launch settings table of a call with ``num_splits`` column splits whose first
-    source holds quantized records (``quantized``) or bf16 / fp32 rows."""
+    source holds quantized records (``quantized``) or bf16 / fp32 rows, with ``few``
+    (row, head group) programs (up to ``FEW_PROGRAMS_PER_SM`` a CUDA SM) or more."""
     if num_splits > 1:
         return SPLIT_TILING
-    return ONE_PROGRAM_TILING_QUANTIZED if quantized else ONE_PROGRAM_TILING
+    if quantized:
+        return ONE_PROGRAM_TILING_QUANTIZED
+    return ONE_PROGRAM_TILING_FEW if few else ONE_PROGRAM_TILING
 
 
 _MIN_SPLIT_TILES = 2  # fewest key tiles a split walks

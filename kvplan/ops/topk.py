@@ -25,14 +25,19 @@ the search stops early once the whole chosen bin is taken. One last pass writes 
 above the threshold plus the first ``need`` keys equal to it, in column order (positions
 from one ``tl.cumsum`` of packed counts plus a running offset), then ``-1`` after them. No
 allocation besides the output and no host sync (``check=False``): the op can be captured in
-a CUDA graph. ``compact=True`` (opt-in until timed on a GPU) copies the first pass's chosen
-bin to a ``[T, W]`` int32 workspace, in column order, so the later digit passes read only
-that bin (for a 32,768-wide row and top-512 it is a few hundred keys) instead of the row.
+a CUDA graph. ``compact=True`` copies the first pass's chosen bin to a ``[T, W]`` int32
+workspace, in column order, so the later digit passes read only that bin (for a 32,768-wide
+row of normal scores and top-512 it is a few hundred keys) instead of the row. ``row=True``
+holds the row's keys in registers for the digit passes (loaded once); ``part`` splits a row
+into parts searched by parallel programs, then searches their winners. CUDA calls pick
+among these by the number of rows (`topk_plan`, measured settings).
 CPU tensors run the torch path (``topk_columns_torch``): ``torch.topk`` of a
 unique int64 key (score key, then lower column first), the chosen columns sorted ascending.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -47,21 +52,29 @@ DEFAULT_TILE = 2048  # default scores read per chunk by one program (8 per threa
 MAX_TILE = 4096  # largest chunk (packed running counts need < 2**15)
 RADIX_BITS = 5  # digit width of one radix-select pass (2**RADIX_BITS histogram bins)
 MAX_ROW = 16384  # widest row (or part) the digit passes may hold in registers (``row``)
-# defaults of ``topk_columns_triton``'s ``row`` and ``part`` (opt-in until timed on a GPU):
-# rows (or parts) up to MAX_ROW held in registers; rows wider than SPLIT_MIN_WIDTH split into
-# parts of SPLIT_PART columns (0: never)
-ROW_DEFAULT = False
+# The search a CUDA call takes by default (`topk_plan`), from `bench_sparse_kernels.py --only
+# topk` on the H200 (2026-12-02, random scores, top-512, CUDA-graph medians):
+# - few rows (up to half the SMs: one program a row leaves SMs idle; the search is
+#   latency-bound): the row in registers, split into parts of SPLIT_PART columns when wider
+#   than MAX_ROW: 32 x 8,192 20.2 vs 25.8 us chunked (1.28x); 32 x 32,768 33.2 vs 105.7 us
+#   (3.18x; parts of 4,096 / 16,384: 36.0 / 44.7 us);
+# - more rows (the programs fill the SMs): the compacting chunked search, 256 x 32,768 103.5
+#   vs 164.8 us (1.59x; the in-register split 175.8 us).
 SPLIT_PART = 8192
-SPLIT_MIN_WIDTH = 0
 
 
-def topk_part(width: int, top_k: int) -> int:
-    """Default ``part`` of ``topk_columns_triton``: ``SPLIT_PART`` for rows wider than
-    ``SPLIT_MIN_WIDTH`` (when set) whose parts' winners are fewer than half the row, else 0
-    (one stage)."""
-    if not SPLIT_MIN_WIDTH or width <= max(SPLIT_MIN_WIDTH, SPLIT_PART):
-        return 0
-    return SPLIT_PART if 2 * triton.cdiv(width, SPLIT_PART) * top_k < width else 0
+def topk_plan(num_rows: int, width: int, top_k: int, num_sms: int) -> tuple[bool, int, bool]:
+    """Default ``(row, part, compact)`` of ``topk_columns_triton`` for ``num_rows`` rows of
+    ``width`` columns on a device of ``num_sms`` SMs (0: no device, the plain chunked
+    search)."""
+    if not num_sms:
+        return False, 0, False
+    if 2 * num_rows <= num_sms:
+        if width <= MAX_ROW:
+            return True, 0, False
+        if 2 * triton.cdiv(width, SPLIT_PART) * top_k < width:
+            return True, SPLIT_PART, False
+    return False, 0, True
 
 
 # the in-register row's key of an ineligible column: the key of a NaN's bit pattern
@@ -354,7 +367,7 @@ def topk_columns_torch(
 def topk_columns_triton(
     scores: torch.Tensor, count: torch.Tensor, top_k: int, *, gather: torch.Tensor | None = None,
     tile: int | None = None, bits: int = RADIX_BITS, num_warps: int | None = None,
-    compact: bool = False, row: bool | None = None, part: int | None = None,
+    compact: bool | None = None, row: bool | None = None, part: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton path of :func:`topk_columns` (arguments checked there): ``_topk_kernel``, one
     program per row, ``tile`` scores per chunk (a power of two, default :func:`topk_tile`),
@@ -362,22 +375,29 @@ def topk_columns_triton(
     with every setting:
 
     - ``compact``: the passes after the first read only the first pass's chosen bin, copied
-      to a workspace (not yet timed on a GPU);
-    - ``row`` (None: ``ROW_DEFAULT``): the digit passes run on the row's keys held in
-      registers, loaded once (rows up to ``MAX_ROW`` columns, or parts of them);
-    - ``part`` (a power of two >= 16, or 0; None: :func:`topk_part`): a split search, first
-      the top-k of every ``part`` columns of a row (programs in parallel), then the top-k
-      of those winners (their scores and columns kept by the first stage)."""
+      to a workspace;
+    - ``row``: the digit passes run on the row's keys held in registers, loaded once (rows
+      up to ``MAX_ROW`` columns, or parts of them);
+    - ``part`` (a power of two >= 16, or 0): a split search, first the top-k of every
+      ``part`` columns of a row (programs in parallel), then the top-k of those winners
+      (their scores and columns kept by the first stage).
+
+    Settings left None take :func:`topk_plan`'s (CUDA tensors; elsewhere the plain chunked
+    search)."""
     num_rows, width = scores.shape
     tile = tile or topk_tile(width)
     if tile & (tile - 1) or not 16 <= tile <= MAX_TILE:
         raise ValueError(f"tile must be a power of two in [16, {MAX_TILE}], got {tile}")
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in [2, 8], got {bits}")
-    part = topk_part(width, top_k) if part is None else part
+    if row is None or part is None or compact is None:
+        sms = _num_sms(scores.device) if scores.is_cuda and not triton_interpreting() else 0
+        plan = topk_plan(num_rows, width, top_k, sms)
+        row = plan[0] if row is None else row
+        part = plan[1] if part is None else part
+        compact = plan[2] if compact is None else compact
     if part and (part & (part - 1) or part < 16):
         raise ValueError(f"part must be 0 or a power of two >= 16, got {part}")
-    row = ROW_DEFAULT and (part or width) <= MAX_ROW if row is None else row
     if row and (part or width) > MAX_ROW:
         raise ValueError(
             f"row holds at most {MAX_ROW} columns, got {part or width} (width {width}, part {part})"
@@ -398,7 +418,9 @@ def topk_columns_triton(
         # never win), the first stage's values mapped through
         full = torch.full((num_rows,), parts * top_k, dtype=torch.int32, device=scores.device)
         row2 = row and parts * top_k <= MAX_ROW
-        return topk_columns_triton(cand, full, top_k, gather=vals, bits=bits, row=row2, part=0)
+        return topk_columns_triton(
+            cand, full, top_k, gather=vals, bits=bits, row=row2, part=0, compact=False
+        )
     out = torch.empty((num_rows, top_k), dtype=torch.int32, device=scores.device)
     if num_rows == 0:
         return out
@@ -412,6 +434,11 @@ def topk_columns_triton(
             row=max(16, triton.next_power_of_2(width)) if row else 0, part=0,
             num_warps=num_warps)  # fmt: skip
     return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch(scores, count, g, out, work, values, width, top_k, grid, *, tile, bits, gather,

@@ -135,18 +135,19 @@ def test_row_and_part_argument_errors() -> None:
         topk_columns_triton(scores, count, 4, row=True, compact=True)
 
 
-def test_split_default_policy(monkeypatch) -> None:
-    """``topk_part``: parts only for rows wider than the threshold (when one is set) whose
-    parts' winners stay under half the row."""
-    import kvplan.ops.topk as tk
+def test_default_plan() -> None:
+    """``topk_plan``: few rows (up to half the SMs) hold the row in registers, split into
+    parts when wider than a register row holds and the parts' winners stay under half the
+    row; more rows take the compacting search; no device: the plain search."""
+    from kvplan.ops.topk import SPLIT_PART, topk_plan
 
-    monkeypatch.setattr(tk, "SPLIT_MIN_WIDTH", 0)
-    assert tk.topk_part(32768, 512) == 0
-    monkeypatch.setattr(tk, "SPLIT_MIN_WIDTH", 16384)
-    monkeypatch.setattr(tk, "SPLIT_PART", 8192)
-    assert tk.topk_part(16384, 512) == 0  # not wider than the threshold
-    assert tk.topk_part(32768, 512) == 8192
-    assert tk.topk_part(32768, 4096) == 0  # 4 parts x 4,096 winners: half the row
+    assert topk_plan(32, 32768, 512, 0) == (False, 0, False)
+    assert topk_plan(32, 8192, 512, 132) == (True, 0, False)
+    assert topk_plan(66, 16384, 512, 132) == (True, 0, False)
+    assert topk_plan(32, 32768, 512, 132) == (True, SPLIT_PART, False)
+    assert topk_plan(32, 32768, 4096, 132) == (False, 0, True)  # 4 x 4,096: half the row
+    assert topk_plan(67, 8192, 512, 132) == (False, 0, True)
+    assert topk_plan(256, 32768, 512, 132) == (False, 0, True)
 
 
 def test_triton_interpreter_gather_and_row_stride() -> None:
