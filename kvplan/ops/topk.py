@@ -382,20 +382,18 @@ def topk_columns_triton(
       ``part`` columns of a row (programs in parallel), then the top-k of those winners
       (their scores and columns kept by the first stage).
 
-    Settings left None take :func:`topk_plan`'s (CUDA tensors; elsewhere the plain chunked
-    search)."""
+    With all three None, :func:`topk_plan` picks them (CUDA tensors; elsewhere the plain
+    chunked search); any one given, the others left None are off."""
     num_rows, width = scores.shape
     tile = tile or topk_tile(width)
     if tile & (tile - 1) or not 16 <= tile <= MAX_TILE:
         raise ValueError(f"tile must be a power of two in [16, {MAX_TILE}], got {tile}")
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in [2, 8], got {bits}")
-    if row is None or part is None or compact is None:
+    if row is None and part is None and compact is None:
         sms = _num_sms(scores.device) if scores.is_cuda and not triton_interpreting() else 0
-        plan = topk_plan(num_rows, width, top_k, sms)
-        row = plan[0] if row is None else row
-        part = plan[1] if part is None else part
-        compact = plan[2] if compact is None else compact
+        row, part, compact = topk_plan(num_rows, width, top_k, sms)
+    row, part, compact = bool(row), part or 0, bool(compact)
     if part and (part & (part - 1) or part < 16):
         raise ValueError(f"part must be 0 or a power of two >= 16, got {part}")
     if row and (part or width) > MAX_ROW:

@@ -135,6 +135,25 @@ def test_row_and_part_argument_errors() -> None:
         topk_columns_triton(scores, count, 4, row=True, compact=True)
 
 
+def test_explicit_form_replaces_the_plan(monkeypatch) -> None:
+    """One search form given, the others left None are off (the plan is not mixed in): a
+    many-row CUDA plan (compact) with ``row`` / ``part`` given, a few-row plan (row, part)
+    with ``compact`` given."""
+    import kvplan.ops.topk as tk
+
+    seen = []
+    monkeypatch.setattr(tk, "_launch", lambda *a, **kw: seen.append((kw["row"], kw["part"],
+                                                                      kw["compact"])))  # fmt: skip
+    monkeypatch.setattr(tk, "topk_plan", lambda *a: (False, 0, True))
+    scores, count = make_case("random", 4, 64, seed=0)
+    tk.topk_columns_triton(scores, count, 8)
+    tk.topk_columns_triton(scores, count, 8, row=True)
+    tk.topk_columns_triton(scores, count, 8, part=16)
+    monkeypatch.setattr(tk, "topk_plan", lambda *a: (True, 16, False))
+    tk.topk_columns_triton(scores, count, 8, compact=True)
+    assert seen == [(0, 0, True), (64, 0, False), (0, 16, False), (0, 0, False), (0, 0, True)]
+
+
 def test_default_plan() -> None:
     """``topk_plan``: few rows (up to half the SMs) hold the row in registers, split into
     parts when wider than a register row holds and the parts' winners stay under half the
