@@ -522,9 +522,8 @@ def main() -> None:
     for r in (int(v) for v in args.hc_rows.split(",")) if cuda else (5,):
         fns = post_pre_fns(hc, r, dev, torch.bfloat16)
         rows += measure(f"hc_post_pre@{r}", fns, cuda, args.iters, ("unfused", "fused"))
-        if r > hcm.TC_MIN_ROWS or not cuda:
-            fns = projection_form_fns(hc, r, dev)
-            rows += measure(f"hc_pre@{r}", fns, cuda, args.iters, ("ieee", "tensor-core"))
+        fns = projection_form_fns(hc, r, dev)  # both forms at every size (decode ones too)
+        rows += measure(f"hc_pre@{r}", fns, cuda, args.iters, ("ieee", "tensor-core"))
         if r > hcm.ROW_TILED_MIN_ROWS or not cuda:
             for op in ("pre", "post"):
                 fns = row_tiled_fns(hc, r, dev, op)
