@@ -6,7 +6,7 @@
 # search above); the split tiling on bf16 rows (measured on fp8 records only); then the
 # hybrid decode at batch 64 / 128 and 128K, and the dense end to end against HF (issue 17).
 set -u
-BUDGET=${BUDGET:-540}
+BUDGET=${BUDGET:-560}
 source bench/gpu_steps.sh
 step 60 hc_forms python3 bench/bench_dsv4_blocks.py --hc-rows 32,256 --out "$W/hc_forms.json"
 grep -E "hc_pre@|hc_post_pre@" "$W/hc_forms.log"
@@ -16,6 +16,8 @@ step 60 topk_mid2 python3 bench/bench_sparse_kernels.py --rows 128 --candidates 
 grep -E "FASTEST|old  " "$W/topk_mid2.log"
 step 60 attn32bf16 python3 bench/bench_sparse_kernels.py --only attention --attention-sweep stages --attention-format bf16 --out "$W/attn32bf16.json"
 grep -E "FASTEST|old  |new  " "$W/attn32bf16.log" | tail -6
+step 60 attn256chunked python3 bench/bench_sparse_kernels.py --rows 256 --only attention --hca-entries 1024 --out "$W/attn256chunked.json"
+grep -E "FASTEST|old  |new  " "$W/attn256chunked.log" | tail -6
 step 60 hybrid_mid python3 bench/bench_hybrid.py --contexts 131072 --batch 64 --formats fp8,exact --out "$W/hybrid_b64.json"
 grep -E "131072|async" "$W/hybrid_mid.log"
 step 150 dense_hf python3 bench/bench_engine.py --out "$W/dense_hf.json"

@@ -227,11 +227,13 @@ def _topk_kernel(
     prefix = tl.zeros([], tl.int32)  # the key's high bits chosen so far, right-aligned
     shift = tl.zeros([], tl.int32)  # bits of the key below them
     need = tl.zeros([], tl.int32)  # keys still to take from the chosen bin
-    done = count < 0  # False: the search goes on
+    done = count <= 0  # no eligible column (e.g. a part past the row's count): nothing to search
     m = tl.zeros([], tl.int32)  # COMPACT: keys in the workspace
     if ROW > 0:  # the whole row's keys, once
-        row_key, row_ok = _row_keys(s_row, 0, count, width, tl.arange(0, ROW))
-        row_key = tl.where(row_ok, row_key, _NO_KEY)
+        row_key = tl.full([ROW], _NO_KEY, tl.int32)
+        if count > 0:  # a part past the row's count loads nothing
+            key0, ok0 = _row_keys(s_row, 0, count, width, tl.arange(0, ROW))
+            row_key = tl.where(ok0, key0, _NO_KEY)
     for p in tl.static_range((32 + BITS - 1) // BITS):
         hist = tl.zeros([1 << BITS], tl.int32)
         if ROW > 0:
