@@ -69,6 +69,7 @@ __all__ = [
     "sparse_attention_ref",
     "sparse_attention_torch",
     "sparse_attention_triton",
+    "default_tiling",
     "split_count",
     "topk_columns",
 ]

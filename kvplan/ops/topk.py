@@ -46,7 +46,13 @@ import triton.language as tl
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops._dispatch import triton_interpreting, use_triton
 
-__all__ = ["topk_columns", "topk_columns_torch", "topk_columns_triton", "topk_tile"]
+__all__ = [
+    "topk_columns",
+    "topk_columns_torch",
+    "topk_columns_triton",
+    "topk_plan",
+    "topk_tile",
+]
 
 DEFAULT_TILE = 2048  # default scores read per chunk by one program (8 per thread at 8 warps)
 MAX_TILE = 4096  # largest chunk (packed running counts need < 2**15)
