@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Prepared at the end of session 13 (its device time spent): the measurements its defaults
-# still lack, after the GPU tests of its last top-k change. The hc projection's tensor-core form at decode sizes (32 / 256 rows: today the
-# IEEE form; 2.9-3.0x faster at 4,096-8,192 rows); the top-k plan's boundary (64 rows of
-# 32,768 columns: the plan takes the register row + parts up to 66 rows, the compacting
-# search above); the split tiling on bf16 rows (measured on fp8 records only); the
-# register-footprint variants at 256 rows (fp8 records, one program); then the hybrid decode
-# at batch 64 and 128K (the plan's boundary in the engine), and the dense end to end against
-# HF (issue 17's 30x, not re-measured since session 11). The 32K batch-32 step's top-k should
-# fall (parts past the count now skip their work): `bench_hybrid.py --profile 1` shows it.
+# Prepared at the end of session 13 (its device time spent): the GPU tests of its last top-k
+# change (a part past a row's count skips its work), then the measurements its defaults still
+# lack: the hc projection's tensor-core form at decode sizes (32 / 256 rows: today the IEEE
+# form; 2.9-3.0x faster at 4,096-8,192 rows); the top-k plan's boundary (64 rows of 32,768
+# columns: the plan takes the register row + parts up to 66 rows, the compacting search
+# above); the split tiling on bf16 rows (measured on fp8 records only); the register-footprint
+# variants at 256 rows (fp8 records, one program); the hybrid decode at batch 64 and 128K (the
+# plan's boundary in the engine); the dense end to end against HF (issue 17's 30x, not
+# re-measured since session 11).
 set -u
 BUDGET=${BUDGET:-560}
 source bench/gpu_steps.sh
