@@ -6,6 +6,7 @@ Tests call each op's ``*_triton`` entry point directly on CPU tensors with
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -21,3 +22,9 @@ def use_triton(t: torch.Tensor) -> bool:
 def triton_interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@functools.cache
+def cuda_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the CUDA ``device`` (cached: launch plans ask per call)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

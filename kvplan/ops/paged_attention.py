@@ -40,7 +40,7 @@ from torch import Tensor
 from kvplan import quant
 from kvplan.formats import KVCacheFormat
 from kvplan.ops import _paged_attention_kernels as _k
-from kvplan.ops._dispatch import use_triton
+from kvplan.ops._dispatch import cuda_sm_count, use_triton
 from kvplan.ops._paged_attention_checks import check_attention_inputs
 from kvplan.ops._paged_kv_tiles import decode_tiling
 
@@ -63,9 +63,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: 
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return cuda_sm_count(device) if device.type == "cuda" else 4
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,6 @@ of a row are split across programs and merged by a second kernel
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -48,7 +47,7 @@ import triton
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops import _sparse_attention_kernels as _k
 from kvplan.ops import _sparse_split_kernels as _ks
-from kvplan.ops._dispatch import triton_interpreting, use_triton
+from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
 from kvplan.ops.index_scores import index_scores, index_scores_triton, topk_columns
 from kvplan.ops.sparse_sources import (
     MAX_HEAD_DIM,
@@ -171,7 +170,7 @@ def sparse_attention_triton(
             1
             if interpret or not q.is_cuda
             else split_count(
-                num_rows * groups, num_cols, tile_n or _SPLIT_TILE_N, _num_sms(q.device)
+                num_rows * groups, num_cols, tile_n or _SPLIT_TILE_N, cuda_sm_count(q.device)
             )
         )
     if num_splits < 1:
@@ -179,7 +178,7 @@ def sparse_attention_triton(
     few = (
         not interpret
         and q.is_cuda
-        and num_rows * groups <= FEW_PROGRAMS_PER_SM * _num_sms(q.device)
+        and num_rows * groups <= FEW_PROGRAMS_PER_SM * cuda_sm_count(q.device)
     )
     table = default_tiling(num_splits, a0.kind >= _k.KIND_E4M3, few)
     tile_n = tile_n or table.get("tile_n")
@@ -279,11 +278,6 @@ def split_count(num_programs: int, num_cols: int, tile_n: int, num_sms: int) -> 
         return 1
     want = triton.cdiv(_PROGRAMS_PER_SM * num_sms, num_programs)
     return max(1, min(want, num_cols // (tile_n * _MIN_SPLIT_TILES)))
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def sparse_attention_torch(

@@ -37,14 +37,12 @@ unique int64 key (score key, then lower column first), the chosen columns sorted
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from kvplan._checks import check_range, check_same_device, check_tensor
-from kvplan.ops._dispatch import triton_interpreting, use_triton
+from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
 
 __all__ = [
     "topk_columns",
@@ -237,7 +235,7 @@ def _topk_kernel(
     m = tl.zeros([], tl.int32)  # COMPACT: keys in the workspace
     if ROW > 0:  # the whole row's keys, once
         row_key = tl.full([ROW], _NO_KEY, tl.int32)
-        if count > 0:  # a part past the row's count loads nothing
+        if not done:  # a part past the row's count loads nothing
             key0, ok0 = _row_keys(s_row, 0, count, width, tl.arange(0, ROW))
             row_key = tl.where(ok0, key0, _NO_KEY)
     for p in tl.static_range((32 + BITS - 1) // BITS):
@@ -317,6 +315,11 @@ def _topk_kernel(
 def topk_tile(width: int) -> int:
     """Default scores per chunk of ``_topk_kernel`` for rows of ``width`` columns."""
     return max(16, min(DEFAULT_TILE, triton.next_power_of_2(max(width, 1))))
+
+
+def _row_size(width: int) -> int:
+    """``ROW`` of an in-register row of ``width`` columns: the power of two holding them."""
+    return max(16, triton.next_power_of_2(width))
 
 
 def _row_warps(row: int) -> int:
@@ -399,7 +402,7 @@ def topk_columns_triton(
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in [2, 8], got {bits}")
     if row is None and part is None and compact is None:
-        sms = _num_sms(scores.device) if scores.is_cuda and not triton_interpreting() else 0
+        sms = cuda_sm_count(scores.device) if scores.is_cuda and not triton_interpreting() else 0
         row, part, compact = topk_plan(num_rows, width, top_k, sms)
     row, part, compact = bool(row), part or 0, bool(compact)
     if part and (part & (part - 1) or part < 16):
@@ -418,7 +421,7 @@ def topk_columns_triton(
         if num_rows:
             _launch(scores, count, g, vals, vals, cand, width, top_k, (num_rows, parts),
                     tile=min(tile, part), bits=bits, gather=gather is not None, compact=False,
-                    row=max(16, triton.next_power_of_2(min(part, width))) if row else 0,
+                    row=_row_size(min(part, width)) if row else 0,
                     part=part, num_warps=num_warps)  # fmt: skip
         # second stage: every candidate counts (the NaNs of the first stage's short parts
         # never win), the first stage's values mapped through
@@ -437,14 +440,9 @@ def topk_columns_triton(
     )
     _launch(scores, count, g, out, work, scores, width, top_k, (num_rows, 1), tile=tile,
             bits=bits, gather=gather is not None, compact=compact,
-            row=max(16, triton.next_power_of_2(width)) if row else 0, part=0,
+            row=_row_size(width) if row else 0, part=0,
             num_warps=num_warps)  # fmt: skip
     return out
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch(scores, count, g, out, work, values, width, top_k, grid, *, tile, bits, gather,
