@@ -163,9 +163,12 @@ class _ProjPlan(NamedTuple):
     tc: bool = False
 
 
-# prefill-sized bf16 projections (more rows than this) run ``hc_proj_kernel``'s tensor-core
-# form: ``fn`` split into three bf16 parts, the products exact, fp32 accumulation
-TC_MIN_ROWS = 256
+# bf16 projections of more rows than this run ``hc_proj_kernel``'s tensor-core form: ``fn``
+# split into three bf16 parts, the products exact, fp32 accumulation. Every size: on the H200
+# (`bench_dsv4_blocks.py --hc-rows 32,256`, 2026-12-02, hc_pre graph replay) 32 rows 16.1 vs
+# 23.6 us for the IEEE fp32 form, 256 rows 22.4 vs 38.9 us, the same max|diff| to the
+# reference; 4,096-8,192 rows 2.9-3.0x (session 12).
+TC_MIN_ROWS = 0
 
 
 # programs the projection wants in all (decode sizes up to 256 rows, prefill sizes above).
@@ -188,7 +191,7 @@ def _proj_plan(t: int, n: int, hidden: int, dtype: torch.dtype | None = None) ->
     tile_h = max(8, 16 // n_p) if interp else max(16, (128 if tc else 64) // n_p)
     h_tiles = triton_cdiv(hidden, tile_h)  # N_P * tile_h >= 16 (a dot's K)
     target = 4 if interp else PROJ_PROGRAMS[t > 256]  # programs wanted in all
-    splits = max(1, min(h_tiles, target // triton_cdiv(t, tile_t)))
+    splits = max(1, min(h_tiles, target // max(1, triton_cdiv(t, tile_t))))
     h_per_split = triton_cdiv(h_tiles, splits) * tile_h
     warps = 4
     return _ProjPlan(tile_t, tile_h, h_per_split, triton_cdiv(hidden, h_per_split), warps, tc)

@@ -246,11 +246,14 @@ _PROGRAMS_PER_SM = 1  # split target: about this many programs per SM
 # - one program, bf16 / fp32 rows, many programs (the prompt path hands its rows): 4 warps and
 #   2 stages, 8,192 prompt rows x 640 keys 1.9 vs 3.6 ms at 8 warps (`--only prefill`);
 # - split (small decode batches): 64 keys x 8 warps x 3 stages, 32 rows CSA 0.023 vs 0.039 ms
-#   at 32 x 8 (1.68x), HCA 128+1,024 0.033 vs 0.052, 128+256 0.018 vs 0.019.
+#   at 32 x 8 (1.68x), HCA 128+1,024 0.033 vs 0.052, 128+256 0.018 vs 0.019; on bf16 / fp32
+#   rows 2 stages (2026-12-02 18:00, `--attention-format bf16`, 4 splits): CSA 0.0197 vs
+#   0.0208 ms at 3 stages, HCA 128+256 0.0155 vs 0.0167, 128+1,024 0.0283 vs 0.0290.
 ONE_PROGRAM_TILING: dict[str, int] = {"num_warps": 4, "num_stages": 2}
 ONE_PROGRAM_TILING_FEW: dict[str, int] = {"tile_n": 64, "num_warps": 8, "num_stages": 2}
 ONE_PROGRAM_TILING_QUANTIZED: dict[str, int] = {"tile_n": 32, "num_warps": 4, "num_stages": 3}
 SPLIT_TILING: dict[str, int] = {"tile_n": 64, "num_warps": 8, "num_stages": 3}
+SPLIT_TILING_EXACT: dict[str, int] = {"tile_n": 64, "num_warps": 8, "num_stages": 2}
 _SPLIT_TILE_N = SPLIT_TILING["tile_n"]  # keys per tile of the split kernel (split_count's unit)
 FEW_PROGRAMS_PER_SM = 4  # "few programs": (row, head group) pairs up to this many per SM
 
@@ -260,7 +263,7 @@ def default_tiling(num_splits: int, quantized: bool, few: bool = False) -> dict[
     source holds quantized records (``quantized``) or bf16 / fp32 rows, with ``few``
     (row, head group) programs (up to ``FEW_PROGRAMS_PER_SM`` a CUDA SM) or more."""
     if num_splits > 1:
-        return SPLIT_TILING
+        return SPLIT_TILING if quantized else SPLIT_TILING_EXACT
     if quantized:
         return ONE_PROGRAM_TILING_QUANTIZED
     return ONE_PROGRAM_TILING_FEW if few else ONE_PROGRAM_TILING

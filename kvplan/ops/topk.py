@@ -48,6 +48,7 @@ __all__ = [
     "topk_columns",
     "topk_columns_torch",
     "topk_columns_triton",
+    "split_part",
     "topk_plan",
     "topk_tile",
 ]
@@ -63,8 +64,21 @@ MAX_ROW = 16384  # widest row (or part) the digit passes may hold in registers (
 #   than MAX_ROW: 32 x 8,192 20.2 vs 25.8 us chunked (1.28x); 32 x 32,768 33.2 vs 105.7 us
 #   (3.18x; parts of 4,096 / 16,384: 36.0 / 44.7 us);
 # - more rows (the programs fill the SMs): the compacting chunked search, 256 x 32,768 103.5
-#   vs 164.8 us (1.59x; the in-register split 175.8 us).
+#   vs 164.8 us (1.59x; the in-register split 175.8 us);
+# - the part (`split_part`, 2026-12-02, 18:00): the narrowest of SPLIT_PART, 2 x SPLIT_PART, ... up to MAX_ROW whose parts fit
+#   one program an SM: 64 x 32,768 parts of 16,384 44.8 us, of 8,192 52.7 us, the compacting
+#   search 64.7 us.
 SPLIT_PART = 8192
+
+
+def split_part(num_rows: int, width: int, num_sms: int) -> int:
+    """Columns per part of the split in-register search: ``SPLIT_PART`` doubled (up to
+    ``MAX_ROW``) while ``num_rows`` rows of ``width`` columns would take more parts than
+    ``num_sms``."""
+    part = SPLIT_PART
+    while part < MAX_ROW and num_rows * triton.cdiv(width, part) > num_sms:
+        part *= 2
+    return part
 
 
 def topk_plan(num_rows: int, width: int, top_k: int, num_sms: int) -> tuple[bool, int, bool]:
@@ -76,8 +90,9 @@ def topk_plan(num_rows: int, width: int, top_k: int, num_sms: int) -> tuple[bool
     if 2 * num_rows <= num_sms:
         if width <= MAX_ROW:
             return True, 0, False
-        if 2 * triton.cdiv(width, SPLIT_PART) * top_k < width:
-            return True, SPLIT_PART, False
+        part = split_part(num_rows, width, num_sms)
+        if 2 * triton.cdiv(width, part) * top_k < width:
+            return True, part, False
     return False, 0, True
 
 

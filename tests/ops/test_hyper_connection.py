@@ -117,8 +117,8 @@ def test_pre_triton_tensor_core_form_matches_torch(t, n, hidden, monkeypatch):
 
     assert hcm._proj_plan(hcm.TC_MIN_ROWS + 1, n, hidden, torch.bfloat16).tc
     assert not hcm._proj_plan(hcm.TC_MIN_ROWS + 1, n, hidden, torch.float32).tc
-    assert not hcm._proj_plan(hcm.TC_MIN_ROWS, n, hidden, torch.bfloat16).tc
     monkeypatch.setattr(hcm, "TC_MIN_ROWS", 8)
+    assert not hcm._proj_plan(8, n, hidden, torch.bfloat16).tc
     s, fn, base, scale = _inputs(t + n, t, n, hidden, torch.bfloat16)
     assert hcm._proj_plan(t, n, hidden, torch.bfloat16).tc
     kw = dict(iters=20, hc_eps=HC_EPS, eps=EPS)
@@ -212,16 +212,18 @@ def test_projection_kernel_compiles_for_sm90(tc):
                  FUSED=False, TC=tc, HW=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("t, tiles_per_program", [(1, 1), (32, 1), (64, 1), (256, 4)])
+@pytest.mark.parametrize("t, tiles_per_program", [(1, 1), (32, 1), (64, 1), (256, 2)])
 def test_decode_projection_plan_follows_the_program_target(t, tiles_per_program, monkeypatch):
     """Decode-sized projections (up to 256 rows) split K until about ``PROJ_PROGRAMS[0]``
     programs run, never below one K tile a program (the GPU's plan at the shapes of the
-    DeepSeek-V4 bench: 4 streams x 2,048 hidden, 16-column K tiles per stream)."""
+    DeepSeek-V4 bench: 4 streams x 2,048 hidden, bf16 rows on the tensor-core form's
+    32-column K tiles per stream)."""
     import kvplan.ops.hyper_connection as hcm
 
     monkeypatch.setattr(hcm, "triton_interpreting", lambda: False)
     monkeypatch.setattr(hcm, "PROJ_PROGRAMS", (256, 256))
     plan = hcm._proj_plan(t, 4, 2048, torch.bfloat16)
+    assert plan.tc and plan.tile_h == 32
     assert plan.h_per_split == tiles_per_program * plan.tile_h
     assert plan.splits * plan.h_per_split == 2048
     prefill = hcm._proj_plan(8192, 4, 2048, torch.bfloat16)

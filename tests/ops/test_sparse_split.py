@@ -83,6 +83,21 @@ def test_split_count() -> None:
         sparse_attention_triton(q, sources, sinks, 1.0, num_splits=0)
 
 
+def test_default_tiling_table() -> None:
+    """Measured launch tables: split calls on quantized records pipeline 3 stages, on bf16 /
+    fp32 rows 2; one-program calls by source kind and program count."""
+    from kvplan.ops import sparse_attention as sa
+
+    assert sa.default_tiling(4, True) == {"tile_n": 64, "num_warps": 8, "num_stages": 3}
+    assert sa.default_tiling(4, False) == {"tile_n": 64, "num_warps": 8, "num_stages": 2}
+    assert sa.default_tiling(4, False, few=True) is sa.SPLIT_TILING_EXACT
+    assert sa.default_tiling(1, True, few=True) is sa.ONE_PROGRAM_TILING_QUANTIZED
+    assert sa.default_tiling(1, False, few=True) is sa.ONE_PROGRAM_TILING_FEW
+    assert sa.default_tiling(1, False) is sa.ONE_PROGRAM_TILING
+    # both split tables walk the tile split_count plans with
+    assert sa.SPLIT_TILING["tile_n"] == sa.SPLIT_TILING_EXACT["tile_n"] == sa._SPLIT_TILE_N
+
+
 # ---- index scores: the tensor-core kernel ---------------------------------------------------
 
 

@@ -163,7 +163,9 @@ def test_default_plan() -> None:
     assert topk_plan(32, 32768, 512, 0) == (False, 0, False)
     assert topk_plan(32, 8192, 512, 132) == (True, 0, False)
     assert topk_plan(66, 16384, 512, 132) == (True, 0, False)
-    assert topk_plan(32, 32768, 512, 132) == (True, SPLIT_PART, False)
+    assert topk_plan(32, 32768, 512, 132) == (True, SPLIT_PART, False)  # 128 parts
+    assert topk_plan(64, 32768, 512, 132) == (True, 2 * SPLIT_PART, False)  # 256 -> 128 parts
+    assert topk_plan(40, 65536, 512, 132) == (True, 2 * SPLIT_PART, False)  # the widest part
     assert topk_plan(32, 32768, 4096, 132) == (False, 0, True)  # 4 x 4,096: half the row
     assert topk_plan(67, 8192, 512, 132) == (False, 0, True)
     assert topk_plan(256, 32768, 512, 132) == (False, 0, True)
