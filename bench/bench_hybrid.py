@@ -13,7 +13,8 @@ random rows are written straight into every layer's SWA ring (all ring slots of 
 slot) and compressor / indexer pools (entries ``j < context // r`` at the block-table slots)
 with ``PagedRows.store`` (= ``store_kv_cache``), and the family's per-request bookkeeping is
 set to ``context`` so the first planned step continues there. Only decode steps are timed
-(plan + forward + argmax, synchronised).
+(plan + forward + argmax, synchronised; the logits in the model dtype and
+`kvplan.ops.argmax.argmax_rows`, as the engine runs them).
 
 Reported per (kv_format, context): decode step time (median), the host planning time, and the
 step's floor = (weight bytes + bytes of KV rows, index keys and compressed entries the step
@@ -56,6 +57,8 @@ from kvplan.models.deepseek_v4 import (  # noqa: E402
     cast_model,
     init_random,
 )
+from kvplan.ops import hyper_connection as hcm  # noqa: E402
+from kvplan.ops.argmax import argmax_rows  # noqa: E402
 from kvplan.plan.compressor_state import state_rows  # noqa: E402
 
 GiB = 1 << 30
@@ -249,7 +252,7 @@ def run_decode(
             t1 = time.perf_counter()
             with torch.no_grad():
                 out = model(ids, positions, ctx)
-        return out.argmax(dim=-1), t1 - t0
+        return argmax_rows(out), t1 - t0
 
     plan_s, step_s = [], []
     for step in range(warmup + steps):
@@ -289,7 +292,7 @@ def pipelined_steps(runner, batch, token_ids, tables, ids, q_start, steps, dev) 
     for i in range(steps):
         seqs = [HybridSeq(b, q_start + i, 1, token_ids, tables[b], b) for b in range(batch)]
         runner.stage(seqs, ahead=True)
-        ids = runner.run(SimpleNamespace(input_ids=ids), device_input_ids=ids).argmax(dim=-1)
+        ids = argmax_rows(runner.run(SimpleNamespace(input_ids=ids), device_input_ids=ids))
         done = torch.cuda.Event() if dev.type == "cuda" else None
         if done is not None:
             done.record()
@@ -424,6 +427,9 @@ def main() -> None:
         help="profile STEPS extra steps of each run: top kernels in the JSON",
     )
     ap.add_argument("--time-budget", type=float, default=180.0, help="seconds; later runs skip")
+    ap.add_argument("--hc-fused-max-rows", default=None,
+                    help="comma-separated values of kvplan.ops.hyper_connection.FUSED_MAX_ROWS "
+                    "to run each format / context under (A/B of the fused residual update)")  # fmt: skip
     args = ap.parse_args()
     start = time.perf_counter()
     cuda = torch.cuda.is_available() and not args.quick
@@ -443,14 +449,19 @@ def main() -> None:
     if dtype != torch.float32:
         model = cast_model(model, dtype)
     model.eval()
+    model.float_logits = False  # as the engine runs it: bf16 logits, `argmax_rows`
     bw = copy_bandwidth(dev)
     weights = weight_bytes(model, batch)
     gen = torch.Generator(device=dev).manual_seed(1)
     rows = []
     modes = (args.modes or ("graphs" if cuda else "eager")).split(",")
-    runs = [(f, c, m) for f in args.formats.split(",") for c in contexts for m in modes]
-    for kv_format, context, mode in runs:
+    fused = [None] if args.hc_fused_max_rows is None else args.hc_fused_max_rows.split(",")
+    runs = [(f, c, m, h) for f in args.formats.split(",") for c in contexts for m in modes
+            for h in fused]  # fmt: skip
+    for kv_format, context, mode, hc_rows in runs:
         row = {"kv_format": kv_format, "context": context, "batch": batch, "mode": mode}
+        if hc_rows is not None:
+            hcm.FUSED_MAX_ROWS = row["hc_fused_max_rows"] = int(hc_rows)
         if time.perf_counter() - start > args.time_budget:
             row["skipped"] = "time budget"
             rows.append(row)
@@ -515,7 +526,9 @@ def main() -> None:
             continue
         print(f"{r['kv_format']:>6} {r['context']:>8} {r['batch']:>5} {r['mode']:>6} "
               f"{r['step_ms']:9.2f} {r['plan_ms']:8.2f} {r['floor_ms']:9.3f} "
-              f"{r['vs_floor']:8.1f}")  # fmt: skip
+              f"{r['vs_floor']:8.1f}"
+              + (f"  hc fused <= {r['hc_fused_max_rows']} rows" if "hc_fused_max_rows" in r
+                 else ""))  # fmt: skip
         if "pipelined_ms" in r:
             print(f"{'':>6} {'':>8} {'':>5} {'async':>6} {r['pipelined_ms']:9.2f} {'':>8} "
                   f"{'':>9} {r['pipelined_vs_floor']:8.1f}")  # fmt: skip

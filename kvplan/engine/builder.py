@@ -228,6 +228,7 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
             raise ValueError("kv_rotation=True is supported for dense models, not DeepSeek-V4")
         parts = build_hybrid(hybrid, config)
         net, manager, graphs = parts.model, parts.manager, None
+        net.float_logits = False  # sampling reads the model's dtype (see below)
         if config.cuda_graphs_on:
             from kvplan.engine.hybrid_graphs import HybridDecodeGraphs
 
@@ -255,6 +256,9 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
             source, backend_cls, max_positions=max_model_len, dtype=torch_dtype, device=dev,
             seed=config.seed, **rotation,
         )  # fmt: skip
+        # logits stay in the model's dtype: greedy steps take `argmax_rows` of them, sampling
+        # and logprobs widen what they read (the same fp32 values the copy would hold)
+        net.float_logits = False
         kv_cfg = cfg if tp is None else tp.kv_config(cfg)  # this rank's KV heads
         sizes = paged_sizes(
             kv_cfg,

@@ -36,6 +36,7 @@ from kvplan.engine.sampling import SamplingParams, sample
 from kvplan.engine.scheduler import Scheduler
 from kvplan.engine.speculative import accept_drafts
 from kvplan.engine.step import StepBatch
+from kvplan.ops.argmax import argmax_rows
 
 
 class EngineCore(AsyncSteps):
@@ -348,7 +349,7 @@ class EngineCore(AsyncSteps):
             batch.all_greedy if batch is not None else all(s.request.params.greedy for s in seqs)
         )
         if greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             params: list[SamplingParams] = []
             gens: list[torch.Generator | None] = []

@@ -156,6 +156,15 @@ class HybridCausalLM(nn.Module):
         self.model = model
         self.layer_families = (HYBRID,) * model.config.num_layers
 
+    @property
+    def float_logits(self) -> bool:
+        """The wrapped model's ``float_logits`` (fp32 logits, or the model's dtype)."""
+        return self.model.float_logits
+
+    @float_logits.setter
+    def float_logits(self, value: bool) -> None:
+        self.model.float_logits = value
+
     @torch.inference_mode()
     def forward(
         self,

@@ -151,8 +151,8 @@ class ModelRunner:
     def execute(
         self, step: StepBatch, device_input_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, StepInputs]:
-        """Run one step; returns (fp32 logits ``[N, V]`` on the device, one row per entry of
-        ``inputs.logits_rows``, the host inputs).
+        """Run one step; returns (logits ``[N, V]`` on the device, fp32 or the model's dtype
+        (its ``float_logits``), one row per entry of ``inputs.logits_rows``, the host inputs).
 
         ``device_input_ids``: int64 ``[num_seqs]`` on the device, the input tokens of a
         decode-only step scheduled ahead (``step.ahead``; async scheduling): the model

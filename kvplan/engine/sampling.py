@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvplan.engine.logprobs import MAX_LOGPROBS
+from kvplan.ops.argmax import argmax_rows
 
 
 def _token_ids(ids: object) -> tuple[int, ...]:
@@ -165,7 +166,8 @@ def sample(
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """One token per row of ``logits [N, V]`` (fp32): ``[N]`` int64 on the logits device.
+    """One token per row of ``logits [N, V]`` (fp32, or a narrower float widened here):
+    ``[N]`` int64 on the logits device.
 
     ``params[i]`` and ``generators[i]`` belong to row i (``generators[i]`` None = use
     ``default_generator``).
@@ -175,7 +177,7 @@ def sample(
             f"logits has {logits.shape[0]} rows but {len(params)} params and "
             f"{len(generators)} generators were given"
         )
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax_rows(logits)
     if all(p.greedy for p in params):
         return greedy
     dev = logits.device

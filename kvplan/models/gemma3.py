@@ -137,6 +137,10 @@ class Gemma3ForCausalLM(nn.Module):
         logits = model(input_ids, positions, {"paged": metadata}, logits_indices)  # [N, V]
     """
 
+    # False: return the logits in the model's dtype, skipping the fp32 copy of the whole
+    # ``[N, V]`` output (the engine sets it: its sampling and logprobs widen what they read)
+    float_logits: bool = True
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -193,7 +197,8 @@ class Gemma3ForCausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one step: ``input_ids``/``positions [T]`` int64 -> ``[N, vocab_size]`` fp32
-        logits of the rows ``logits_indices [N]`` (None = all T)."""
+        logits of the rows ``logits_indices [N]`` (None = all T; the model's dtype without
+        ``float_logits``)."""
         w = self.embed_tokens.weight
         # sqrt(hidden) rounded to the model dtype, as the reference multiplies it
         scale = float(torch.tensor(self.config.hidden_size**0.5).to(w.dtype))
@@ -205,4 +210,5 @@ class Gemma3ForCausalLM(nn.Module):
         if logits_indices is not None:
             h = h[logits_indices]
         h = self.norm(h)  # [N, hidden]
-        return F.linear(h, self.lm_head_weight).float()  # [N, V]
+        logits = F.linear(h, self.lm_head_weight)  # [N, V]
+        return logits.float() if self.float_logits else logits

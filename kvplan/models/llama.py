@@ -204,6 +204,10 @@ class LlamaForCausalLM(nn.Module):
         logits = model(input_ids, positions, {"paged": metadata}, logits_indices)  # [N, V]
     """
 
+    # False: return the logits in the model's dtype, skipping the fp32 copy of the whole
+    # ``[N, V]`` output (the engine sets it: its sampling and logprobs widen what they read)
+    float_logits: bool = True
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -270,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
             logits_indices: ``[N]`` int64 rows of T whose logits are wanted (None = all).
 
         Returns:
-            ``[N, vocab_size]`` fp32 logits.
+            ``[N, vocab_size]`` fp32 logits (the model's dtype without ``float_logits``).
         """
         fused = input_ids.is_cuda if self.fused_kernels is None else self.fused_kernels
         h = self.embed_tokens(input_ids)  # [T, hidden]
@@ -285,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         logits = F.linear(h, self.lm_head_weight)  # [N, V] (this rank's share under tp)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
-        return logits.float()
+        return logits.float() if self.float_logits else logits
 
 
 def _fused_from_env() -> bool | None:

@@ -108,3 +108,23 @@ def test_generate_cli_prints_only_the_completion(tmp_path, capsys):
     want = llm.generate("Hello there", SamplingParams(max_tokens=6))[0].text
     assert cap.out == want + "\n"
     assert "kvplan:" in cap.err
+
+
+def test_engine_reads_logits_in_the_model_dtype():
+    """The engine turns off the models' fp32 logits copy (``float_logits``): a bf16 engine
+    gets bf16 logits, and its greedy tokens, seeded samples and logprobs are those of the
+    same engine reading the fp32 copy (the same values widened)."""
+    prompts = [[3, 14, 15, 9, 2, 6], [5, 3, 5]]
+    greedy = SamplingParams(max_tokens=6, logprobs=3, prompt_logprobs=2)
+    sampled = SamplingParams(max_tokens=6, temperature=0.9, top_k=20, seed=4, logprobs=2)
+
+    def run(float_logits: bool):
+        llm = LLM(named_config("tiny-llama"), backend="vanilla", max_model_len=96,
+                  dtype=torch.bfloat16)  # fmt: skip
+        model = llm.engine.runner.model
+        assert model.float_logits is False
+        model.float_logits = float_logits
+        outs = llm.generate(prompts, [greedy, sampled])
+        return [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in outs]
+
+    assert run(False) == run(True)

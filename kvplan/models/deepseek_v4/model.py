@@ -95,6 +95,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     their weights are views of one tensor each group, and in-place writes keep them so. A
     weight replaced any other way makes its group run unfused until `fuse_projections`."""
 
+    # False: return the logits in the model's dtype, skipping the fp32 copy of the whole
+    # ``[N, V]`` output (the engine sets it: its sampling and logprobs widen what they read)
+    float_logits: bool = True
+
     def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
         c = config
@@ -137,7 +141,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             ctx: the hybrid family's context for this step.
             logits_indices: int64 ``[N]`` rows whose logits to return (None = every row).
         Returns:
-            fp32 logits ``[N, vocab]`` (``[T, vocab]`` when ``logits_indices`` is None).
+            fp32 logits ``[N, vocab]`` (``[T, vocab]`` when ``logits_indices`` is None; the
+            model's dtype without ``float_logits``).
         """
         dev = self.embed_tokens.weight.device
         t = check_tensor("input_ids", input_ids, dtype=torch.int64, ndim=1, device=dev).shape[0]
@@ -153,4 +158,5 @@ class DeepseekV4ForCausalLM(nn.Module):
             check_tensor("logits_indices", logits_indices, dtype=torch.int64, ndim=1, device=dev)
             s = s[logits_indices]
         h = rms_norm(self.hc_head(s), self.norm, self.config.rms_norm_eps)
-        return torch.nn.functional.linear(h, self.head_weight()).float()
+        logits = torch.nn.functional.linear(h, self.head_weight())
+        return logits.float() if self.float_logits else logits

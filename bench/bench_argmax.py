@@ -1,0 +1,78 @@
+"""Greedy sampling's argmax over a decode step's logits, side by side in one run.
+
+For each ``rows x vocab`` (the dense bench's 64 x 128,256 and the hybrid bench's 32 x 129,280
+by default), bf16 logits as the LM head writes them:
+
+* ``copy+torch``: the engine before session 14, the model's fp32 copy then torch's argmax;
+* ``torch bf16``: torch's argmax on the bf16 logits;
+* ``kvplan bf16`` / ``kvplan fp32``: `kvplan.ops.argmax.argmax_rows` on the bf16 logits / on
+  their fp32 copy (the copy not timed);
+* ``kvplan splits=S``: ``--sweep`` only, other part counts.
+
+Each path is checked equal to torch's argmax of the fp32 copy. Timings: CUDA-graph replay
+medians (`bench_sparse_kernels.graph_ms`) and eager medians.
+
+    PYTHONPATH=. python3 bench/bench_argmax.py [--shapes 64x128256,32x129280] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import torch
+from bench_sparse_kernels import graph_ms, timed_ms
+
+from kvplan.ops.argmax import argmax_rows, argmax_rows_triton
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="64x128256,32x129280")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows_out = []
+    for shape in args.shapes.split(","):
+        n, v = (int(s) for s in shape.split("x"))
+        if dev.type == "cpu":
+            n, v = min(n, 4), min(v, 4096)
+        logits = (torch.randn(n, v, generator=gen, device=dev) * 3).to(torch.bfloat16)
+        wide = logits.float()
+        want = wide.argmax(dim=-1)
+        paths = {
+            "copy+torch": lambda x=logits: x.float().argmax(dim=-1),
+            "torch bf16": lambda x=logits: x.argmax(dim=-1),
+            "kvplan bf16": lambda x=logits: argmax_rows(x),
+            "kvplan fp32": lambda x=wide: argmax_rows(x),
+        }
+        if args.sweep and dev.type == "cuda":
+            for s in (1, 2, 4, 8, 16, 32):
+                paths[f"kvplan splits={s}"] = lambda x=logits, s=s: argmax_rows_triton(x, splits=s)
+        for name, fn in paths.items():
+            ok = torch.equal(fn(), want)
+            row = {"shape": f"{n}x{v}", "path": name, "equal": ok,
+                   "ms": timed_ms(fn, dev), "graph_ms": graph_ms(fn, dev)}  # fmt: skip
+            rows_out.append(row)
+            g = row["graph_ms"]
+            print(f"{row['shape']:>12} {name:<18} eager {row['ms'] * 1e3:8.1f} us  graph "
+                  f"{'-' if g is None else f'{g * 1e3:8.1f}'} us  equal {ok}")  # fmt: skip
+    record = {
+        "bench": "argmax",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "command": " ".join(sys.argv),
+        "rows": rows_out,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    return 0 if all(r["equal"] for r in rows_out) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

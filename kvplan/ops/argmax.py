@@ -1,0 +1,166 @@
+"""Greedy sampling's row argmax over a step's logits, read in the model's dtype.
+
+`argmax_rows(x)` is ``x.argmax(dim=-1)`` of a ``[N, V]`` float tensor, with torch's rules: the
+first index of the largest value, NaN larger than every number (the first NaN wins), ``-0.0``
+equal to ``+0.0``. On CUDA two Triton kernels replace torch's one-program-per-row reduction:
+
+1. ``_argmax_part_kernel``, grid ``(N, S)``: program ``(r, s)`` scans columns ``[s * chunk,
+   (s + 1) * chunk)`` of row ``r`` in tiles, each lane keeping the best key it has seen (ints
+   that order as the floats do, NaN the largest) and its first column; the program writes its
+   best ``(key, column)``;
+2. ``_argmax_merge_kernel``, grid ``(N,)``: the best key of the row's S parts, and the first
+   column that holds it (parts cover increasing columns).
+
+S is chosen so that about two programs run per SM (a decode step has few rows and a wide
+vocabulary: torch's kernel gives each row one block). Reading bf16 logits directly lets the
+model skip its fp32 copy of the whole ``[N, V]`` output when only the argmax is wanted.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvplan._checks import check_tensor
+from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
+
+__all__ = ["argmax_rows", "argmax_rows_torch", "argmax_rows_triton", "argmax_splits"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+TILE = 2048  # columns a program loads per iteration (8 a thread at 8 warps: 16-byte loads)
+PROGRAMS_PER_SM = 2  # split target of `argmax_splits`
+_INT32_MIN = tl.constexpr(-(2**31))  # the key of a masked column (no float has it)
+_INT32_MAX = tl.constexpr(2**31 - 1)  # the key of every NaN
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Int64 ``[N]``: the column of each row's largest value in ``x [N, V]`` (float; columns
+    contiguous). Equal to ``x.argmax(dim=-1)`` (ties: the first; NaN counts as largest)."""
+    _check(x)
+    return argmax_rows_triton(x) if use_triton(x) else argmax_rows_torch(x)
+
+
+def argmax_rows_torch(x: torch.Tensor) -> torch.Tensor:
+    """Torch path of `argmax_rows` (the reference)."""
+    _check(x)
+    return x.argmax(dim=-1)
+
+
+def _check(x: torch.Tensor) -> None:
+    check_tensor("x", x, dtype=_FLOATS, ndim=2)
+    if x.shape[1] == 0:
+        raise ValueError(f"x: a row needs at least one column, got shape {tuple(x.shape)}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"x must have unit stride on its columns, got strides {x.stride()}")
+
+
+def argmax_splits(num_rows: int, width: int, tile: int, num_sms: int) -> int:
+    """Parts per row: about ``PROGRAMS_PER_SM`` programs an SM, at most one a tile."""
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_rows, 1))
+    return max(1, min(triton.cdiv(width, tile), want))
+
+
+def argmax_rows_triton(
+    x: torch.Tensor, *, splits: int | None = None, tile: int | None = None,
+    num_warps: int = 8,
+) -> torch.Tensor:  # fmt: skip
+    """Triton path of `argmax_rows` (also on CPU under ``TRITON_INTERPRET=1``); ``splits``
+    parts per row (None: `argmax_splits` on CUDA, 2 in the interpreter), ``tile`` columns an
+    iteration."""
+    _check(x)
+    num_rows, width = x.shape
+    out = torch.empty(num_rows, dtype=torch.int64, device=x.device)
+    if num_rows == 0:
+        return out
+    interp = triton_interpreting()
+    tile = tile or (64 if interp else TILE)
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    if splits is None:
+        splits = 2 if interp or not x.is_cuda else argmax_splits(
+            num_rows, width, tile, cuda_sm_count(x.device)
+        )  # fmt: skip
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    chunk = triton.cdiv(triton.cdiv(width, splits), tile) * tile
+    splits = triton.cdiv(width, chunk)
+    keys = torch.empty(num_rows, splits, dtype=torch.int32, device=x.device)
+    cols = torch.empty(num_rows, splits, dtype=torch.int32, device=x.device)
+    _argmax_part_kernel[(num_rows, splits)](
+        x,
+        keys,
+        cols,
+        x.stride(0),
+        width,
+        chunk,
+        splits,
+        TILE=tile,
+        INTERPRET=interp,
+        num_warps=num_warps,
+    )
+    _argmax_merge_kernel[(num_rows,)](
+        keys, cols, out, splits, S_P2=max(16, triton.next_power_of_2(splits)), num_warps=1
+    )
+    return out
+
+
+@triton.jit
+def _order_keys(x):
+    """Int32 keys of ``x`` (widened to fp32) that order as the floats do: ``-0.0`` as ``+0.0``,
+    every NaN above ``+inf``."""
+    x = x.to(tl.float32)
+    nan = x != x
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(nan, _INT32_MAX, key)
+
+
+@triton.jit
+def _scan_tile(x_row, lo, start, offs, width, chunk, best, where):
+    """Fold columns ``lo + start + offs`` (those inside the row and the part) into each
+    lane's best key and its column."""
+    c = lo + start + offs
+    ok = (c < width) & (start + offs < chunk)
+    key = tl.where(ok, _order_keys(tl.load(x_row + c, mask=ok, other=0.0)), _INT32_MIN)
+    take = key > best  # strictly: a lane keeps the first column of its best key
+    return tl.where(take, key, best), tl.where(take, c, where)
+
+
+@triton.jit
+def _argmax_part_kernel(
+    x_ptr, key_ptr, col_ptr, stride_x, width, chunk, splits,
+    TILE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    lo = part * chunk
+    offs = tl.arange(0, TILE)
+    best = tl.full([TILE], _INT32_MIN, tl.int32)
+    where = tl.zeros([TILE], tl.int32)
+    x_row = x_ptr + row * stride_x
+    if INTERPRET:  # the interpreter's range() cannot take a runtime bound (numpy >= 2)
+        start = 0
+        while start < chunk:
+            best, where = _scan_tile(x_row, lo, start, offs, width, chunk, best, where)
+            start += TILE
+    else:
+        for start in range(0, chunk, TILE):
+            best, where = _scan_tile(x_row, lo, start, offs, width, chunk, best, where)
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == top, where, _INT32_MAX), axis=0)
+    tl.store(key_ptr + row * splits + part, top)
+    tl.store(col_ptr + row * splits + part, first)
+
+
+@triton.jit
+def _argmax_merge_kernel(key_ptr, col_ptr, out_ptr, splits, S_P2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, S_P2)
+    ok = s < splits
+    key = tl.load(key_ptr + row * splits + s, mask=ok, other=_INT32_MIN)
+    col = tl.load(col_ptr + row * splits + s, mask=ok, other=_INT32_MAX)
+    top = tl.max(key, axis=0)
+    first = tl.min(tl.where(ok & (key == top), col, _INT32_MAX), axis=0)
+    tl.store(out_ptr + row, first.to(tl.int64))
