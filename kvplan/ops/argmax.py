@@ -11,7 +11,7 @@ equal to ``+0.0``. On CUDA two Triton kernels replace torch's one-program-per-ro
 2. ``_argmax_merge_kernel``, grid ``(N,)``: the best key of the row's S parts, and the first
    column that holds it (parts cover increasing columns).
 
-S is chosen so that about two programs run per SM (a decode step has few rows and a wide
+S is chosen so that about four programs run per SM (a decode step has few rows and a wide
 vocabulary: torch's kernel gives each row one block). Reading bf16 logits directly lets the
 model skip its fp32 copy of the whole ``[N, V]`` output when only the argmax is wanted.
 """
@@ -29,7 +29,11 @@ __all__ = ["argmax_rows", "argmax_rows_torch", "argmax_rows_triton", "argmax_spl
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 TILE = 2048  # columns a program loads per iteration (8 a thread at 8 warps: 16-byte loads)
-PROGRAMS_PER_SM = 2  # split target of `argmax_splits`
+# split target of `argmax_splits`: `bench_argmax.py --sweep` (H200, 2026-12-02, bf16, graph
+# replay) 64 x 128,256: 2 / 8 / 16 parts 14.5 / 10.5 / 10.7 us (the default of 2 an SM, 5
+# parts: 12.0; torch's argmax of the fp32 copy, copy included: 61.8); 32 x 129,280: 8 / 16
+# parts 7.5 / 7.1 us (copy + torch 37.1)
+PROGRAMS_PER_SM = 4
 _INT32_MIN = tl.constexpr(-(2**31))  # the key of a masked column (no float has it)
 _INT32_MAX = tl.constexpr(2**31 - 1)  # the key of every NaN
 

@@ -53,8 +53,12 @@ __all__ = [
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # `hc_post_pre` fuses up to this many tokens; more run `hc_post` then `hc_pre` (the same bits):
-# at prefill sizes the fused projection, which recomputes s' per tile, is the slower one
-FUSED_MAX_ROWS = 256
+# the fused projection recomputes s' per tile. `bench_dsv4_blocks.py --hc-rows 32,64,128,256`
+# (H200, 2026-12-02, tensor-core projection, graph replay): unfused vs fused 64 rows 23.8 vs
+# 27.6 us, 128 rows 29.6 vs 32.4, 256 rows 28.4 vs 49.5; at 32 rows 18.8 vs 23.3 in that run,
+# 19.6 vs 19.4 in another, and the same in the decode step (`bench_hybrid.py
+# --hc-fused-max-rows 256,0,256,0`, batch 32: 2.93 / 2.91 vs 2.79 / 2.93 ms)
+FUSED_MAX_ROWS = 32
 
 
 def _check_pre(s, fn, base, scale, n_out: int, num_scales: int) -> tuple[int, int, int]:

@@ -94,8 +94,8 @@ def test_dispatch_and_errors() -> None:
 
 
 def test_split_plan() -> None:
-    # 64 decode rows of a 128,256-word vocabulary on 132 SMs: 5 parts (320 programs)
-    assert argmax_splits(64, 128256, 2048, 132) == 5
+    # 64 decode rows of a 128,256-word vocabulary on 132 SMs: 9 parts (576 programs)
+    assert argmax_splits(64, 128256, 2048, 132) == 9
     assert argmax_splits(1, 128256, 2048, 132) == 63  # one part a tile at most
     assert argmax_splits(4096, 49152, 2048, 132) == 1
 
