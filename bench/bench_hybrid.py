@@ -449,7 +449,7 @@ def main() -> None:
     if dtype != torch.float32:
         model = cast_model(model, dtype)
     model.eval()
-    model.float_logits = False  # as the engine runs it: bf16 logits, `argmax_rows`
+    model.float_logits = False  # as the engine runs it (eager steps too): bf16 logits
     bw = copy_bandwidth(dev)
     weights = weight_bytes(model, batch)
     gen = torch.Generator(device=dev).manual_seed(1)

@@ -63,6 +63,7 @@ def build_rank_model(
     model = model.to_empty(device=device)
     model.set_rotary(max_positions)
     model.load_state_dict(state, strict=True)
+    model.float_logits = False  # as `build_model`'s (workers discard theirs: no fp32 copy)
     return model.eval()
 
 

@@ -116,7 +116,10 @@ def build_model(
     kv_rotation: bool = False,
 ) -> LlamaForCausalLM:
     """Allocate the model directly on ``device`` (no throwaway init) and fill its weights;
-    ``kv_rotation``: the models' Hadamard q/k rotation (`kvplan.models.kv_rotation`)."""
+    ``kv_rotation``: the models' Hadamard q/k rotation (`kvplan.models.kv_rotation`). The
+    model returns logits in its dtype (``float_logits = False``): greedy steps take
+    `kvplan.ops.argmax.argmax_rows` of them, sampling and logprobs widen what they read (the
+    same fp32 values the skipped copy would hold)."""
     with torch.device("meta"):
         model = model_class(source.config)(
             source.config, backend_cls, max_positions=1, dtype=dtype, kv_rotation=kv_rotation
@@ -127,6 +130,7 @@ def build_model(
         init_random_weights(model, seed=seed)
     else:
         load_weights(model, source.weights())
+    model.float_logits = False
     return model.eval()
 
 
@@ -228,7 +232,6 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
             raise ValueError("kv_rotation=True is supported for dense models, not DeepSeek-V4")
         parts = build_hybrid(hybrid, config)
         net, manager, graphs = parts.model, parts.manager, None
-        net.float_logits = False  # sampling reads the model's dtype (see below)
         if config.cuda_graphs_on:
             from kvplan.engine.hybrid_graphs import HybridDecodeGraphs
 
@@ -256,9 +259,6 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
             source, backend_cls, max_positions=max_model_len, dtype=torch_dtype, device=dev,
             seed=config.seed, **rotation,
         )  # fmt: skip
-        # logits stay in the model's dtype: greedy steps take `argmax_rows` of them, sampling
-        # and logprobs widen what they read (the same fp32 values the copy would hold)
-        net.float_logits = False
         kv_cfg = cfg if tp is None else tp.kv_config(cfg)  # this rank's KV heads
         sizes = paged_sizes(
             kv_cfg,

@@ -149,12 +149,15 @@ def _pending_view(request: Any) -> Sequence[int]:
 
 
 class HybridCausalLM(nn.Module):
-    """A DeepSeek-V4 model called the engine's way; every layer is served by ``"hybrid"``."""
+    """A DeepSeek-V4 model called the engine's way; every layer is served by ``"hybrid"``.
+    Wrapping sets the model's ``float_logits`` False (logits in its dtype, as the engine's
+    sampling reads them)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
         self.layer_families = (HYBRID,) * model.config.num_layers
+        model.float_logits = False  # logits in the model's dtype, as `build_model`'s
 
     @property
     def float_logits(self) -> bool:

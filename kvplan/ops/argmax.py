@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
+from kvplan.ops.topk import _sort_keys
 
 __all__ = ["argmax_rows", "argmax_rows_torch", "argmax_rows_triton", "argmax_splits"]
 
@@ -41,7 +42,6 @@ _INT32_MAX = tl.constexpr(2**31 - 1)  # the key of every NaN
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Int64 ``[N]``: the column of each row's largest value in ``x [N, V]`` (float; columns
     contiguous). Equal to ``x.argmax(dim=-1)`` (ties: the first; NaN counts as largest)."""
-    _check(x)
     return argmax_rows_triton(x) if use_triton(x) else argmax_rows_torch(x)
 
 
@@ -89,8 +89,7 @@ def argmax_rows_triton(
         raise ValueError(f"splits must be >= 1, got {splits}")
     chunk = triton.cdiv(triton.cdiv(width, splits), tile) * tile
     splits = triton.cdiv(width, chunk)
-    keys = torch.empty(num_rows, splits, dtype=torch.int32, device=x.device)
-    cols = torch.empty(num_rows, splits, dtype=torch.int32, device=x.device)
+    keys, cols = torch.empty(2, num_rows, splits, dtype=torch.int32, device=x.device)
     _argmax_part_kernel[(num_rows, splits)](
         x,
         keys,
@@ -111,14 +110,10 @@ def argmax_rows_triton(
 
 @triton.jit
 def _order_keys(x):
-    """Int32 keys of ``x`` (widened to fp32) that order as the floats do: ``-0.0`` as ``+0.0``,
-    every NaN above ``+inf``."""
+    """`topk`'s sort keys of ``x`` widened to fp32 (``-0.0`` as ``+0.0``), every NaN above
+    ``+inf``."""
     x = x.to(tl.float32)
-    nan = x != x
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return tl.where(nan, _INT32_MAX, key)
+    return tl.where(x != x, _INT32_MAX, _sort_keys(x))
 
 
 @triton.jit

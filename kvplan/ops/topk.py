@@ -65,9 +65,9 @@ MAX_ROW = 16384  # widest row (or part) the digit passes may hold in registers (
 #   (3.18x; parts of 4,096 / 16,384: 36.0 / 44.7 us);
 # - more rows (the programs fill the SMs): the compacting chunked search, 256 x 32,768 103.5
 #   vs 164.8 us (1.59x; the in-register split 175.8 us);
-# - the part (`split_part`, 2026-12-02, 18:00): the narrowest of SPLIT_PART, 2 x SPLIT_PART, ... up to MAX_ROW whose parts fit
-#   one program an SM: 64 x 32,768 parts of 16,384 44.8 us, of 8,192 52.7 us, the compacting
-#   search 64.7 us.
+# - the part (`split_part`, 2026-12-02, 18:00): the narrowest of SPLIT_PART, 2 x SPLIT_PART,
+#   ... up to MAX_ROW whose parts fit one program an SM: 64 x 32,768 parts of 16,384 44.8 us,
+#   of 8,192 52.7 us, the compacting search 64.7 us.
 SPLIT_PART = 8192
 
 
