@@ -4,10 +4,11 @@ KV bytes per second, with a sweep of the kernel's tiling (tile_n, num_warps, num
 of num_splits on each format's fastest tiling; prints each format's default and fastest launch
 (all timed with ``check=False``).
 
-Shapes: the dense engine's long workload (llama-1b heads: 32 query / 8 KV heads x 64; batch
-32 x 8,192 context, block 16, shuffled page table). Every quantized cache holds the engine's
-records (`kvplan.cache.kv_tensors.QUANTIZED_KV_FORMATS`, `kvplan.quant.quantize`); every
-swept output is checked against the bf16 kernel over the dequantized cache.
+Shapes: the dense engine's long workload by default (llama-1b heads: 32 query / 8 KV heads x
+64; batch 32 x 8,192 context, block 16, shuffled page table; ``--batch`` / ``--context``).
+Every quantized cache holds the engine's records (`kvplan.cache.kv_tensors.QUANTIZED_KV_FORMATS`,
+`kvplan.quant.quantize`); every swept output is checked against the bf16 kernel over the
+dequantized cache.
 
 GPU:  PYTHONPATH=. python3 bench/bench_quant_decode.py --out q.json
 CPU:  PYTHONPATH=. python3 bench/bench_quant_decode.py --quick   (interpreter, tiny sizes)
@@ -63,6 +64,13 @@ def main() -> None:
         help="num_splits values timed on each format's fastest tiling",
     )
     ap.add_argument("--no-tiling", action="store_true", help="skip the tiling sweep")
+    ap.add_argument("--batch", type=int, default=32, help="sequences (GPU; default 32)")
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=8192,
+        help="keys per sequence (GPU; default 8,192; the short workload's decode: 320)",
+    )
     ap.add_argument(
         "--prefetch",
         action="store_true",
@@ -72,7 +80,8 @@ def main() -> None:
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
-    batch, ctx, hkv, d, h, bs = (32, 8192, 8, 64, 32, 16) if cuda else (2, 40, 2, 32, 4, 8)
+    shape = (args.batch, args.context, 8, 64, 32, 16) if cuda else (2, 40, 2, 32, 4, 8)
+    batch, ctx, hkv, d, h, bs = shape
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     k, v, table, page_start, kv_lens = make_paged(batch, ctx, hkv, d, bs, torch.bfloat16, dev, gen)
