@@ -107,6 +107,7 @@ def test_fused_model_equals_unfused_fp32(seed):
     assert {layer.self_attn.kind for layer in fused.layers} == set(KINDS)
     csa = [layer.self_attn for layer in fused.layers if layer.self_attn.indexer is not None]
     assert all(len(a.x_proj.sizes) == 7 for a in csa)  # q_a, kv, 2 + 2 compressor, weights
+    assert all(len(a.q_res_proj.sizes) == 2 for a in csa)  # q_b and the indexer's q_b
     unfused = _unfuse(_model(seed))
     assert not any(g.is_fused() for g in _groups(unfused))
     for got, want in zip(_prefill_then_decode(fused, seed), _prefill_then_decode(unfused, seed)):
@@ -151,6 +152,10 @@ def test_loaded_folder_fills_fused_weights_and_state_dict_round_trips(tmp_path):
             want += [hf_state[ix + f"{n}.weight"] for n in ("kv_proj", "gate_proj")]
             want.append(hf_state[ix + "scorer.weights_proj.weight"])
         torch.testing.assert_close(attn.x_proj._weight, torch.cat(want), atol=0, rtol=0)
+        want = [hf_state[prefix + "q_b_proj.weight"]]
+        if attn.indexer is not None:
+            want.append(hf_state[prefix + "compressor.indexer.q_b_proj.weight"])
+        torch.testing.assert_close(attn.q_res_proj._weight, torch.cat(want), atol=0, rtol=0)
         sh = f"model.layers.{i}.mlp.shared_experts."
         torch.testing.assert_close(
             layer.mlp.shared.gate_up_proj._weight,

@@ -19,7 +19,8 @@ H*D/g]`` (group ``i`` uses rows ``i*o_lora_rank .. (i+1)*o_lora_rank - 1``).
 Every projection of ``x`` (``q_a_proj``, ``kv_proj``, the compressor's ``kv_proj`` /
 ``gate_proj``, the indexer's compressor ``kv_proj`` / ``gate_proj`` and ``weights_proj``) runs
 as one GEMM through ``x_proj`` (a `LinearGroup`, fused by `fuse_projections`), whose output
-is split into column views.
+is split into column views. Likewise the two projections of ``q_res`` (``q_b_proj`` and, in CSA
+layers, the indexer's ``q_b_proj``) run as one GEMM through ``q_res_proj``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class DeepseekV4Attention(nn.Module):
             if series is not None:
                 readers_of_x += series.projections()
         self.x_proj = LinearGroup(*readers_of_x)
+        readers_of_q_res = [self.q_b_proj]
+        if self.indexer is not None:
+            readers_of_q_res.append(self.indexer.q_b_proj)
+        self.q_res_proj = LinearGroup(*readers_of_q_res)
 
     def forward(
         self, x: torch.Tensor, ctx: HybridStepContext, tables: StepRope | None = None
@@ -103,7 +108,8 @@ class DeepseekV4Attention(nn.Module):
         cos, sin = tables.get(self.rope)  # [T, R/2]
         q_a, kv, *series = self.x_proj(x)  # column views of one GEMM, x_proj's member order
         q_res = rms_norm(q_a, self.q_a_norm, self.eps)  # [T, q_lora_rank]
-        q = self.q_b_proj(q_res).unflatten(-1, (self.num_heads, self.head_dim))
+        q, *index_q_lin = self.q_res_proj(q_res)  # one GEMM (CSA: with the indexer's q_b)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
         q = norm_rope(q, cos, sin, norm=NormSpec(None, self.eps))  # [T, H, D]
         kv = norm_rope(kv, cos, sin, norm=NormSpec(self.kv_norm, self.eps))  # [T, D]
         index_q = index_weights = None
@@ -112,7 +118,7 @@ class DeepseekV4Attention(nn.Module):
             self.compressor(comp_kv, comp_gate, ctx, self.layer_idx, "compressor", self.rope)
         if self.indexer is not None:
             index_q, index_weights = self.indexer(
-                *series, q_res, ctx, self.layer_idx, self.rope, cos, sin
+                *series, *index_q_lin, ctx, self.layer_idx, self.rope, cos, sin
             )
         out = ctx.attend(
             self.layer_idx,

@@ -131,7 +131,7 @@ class Indexer(nn.Module):
         kv: torch.Tensor,
         gate: torch.Tensor,
         head_weights: torch.Tensor,
-        q_residual: torch.Tensor,
+        q: torch.Tensor,
         ctx: HybridStepContext,
         layer_idx: int,
         rope: Rope,
@@ -142,9 +142,11 @@ class Indexer(nn.Module):
         ``index_weights [T, Hi]`` (all scalings folded in).
 
         ``kv``, ``gate`` ``[T, 2*Ci]`` and ``head_weights`` ``[T, Hi]`` are the `projections`
-        of ``x`` (model dtype, any row stride); ``q_residual``: ``[T, q_lora_rank]``."""
+        of ``x`` (model dtype, any row stride); ``q``: ``[T, Hi * Ci]``, this indexer's
+        ``q_b_proj`` of the attention's ``q_res`` (the attention runs it in one GEMM with its
+        own ``q_b_proj``; any row stride, unit column stride)."""
         self.compressor(kv, gate, ctx, layer_idx, "indexer", rope)
-        q = self.q_b_proj(q_residual).unflatten(-1, (self.heads, self.width))
+        q = q.unflatten(-1, (self.heads, self.width))
         q = norm_rope(q, cos, sin)
         scale = (self.heads**-0.5) * (self.width**-0.5)
         weights = head_weights.float() * scale
