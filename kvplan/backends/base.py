@@ -95,6 +95,26 @@ class AttentionBackend:
     def pool(self, metadata: AttentionMetadata) -> int:
         return pool_of_layer(metadata.kv_cache_manager, self.layer_idx)
 
+    def store_target(
+        self, metadata: AttentionMetadata, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(k_cache, v_cache, slots)`` of this layer when this step's K/V rows (``num_tokens``
+        of them, one per query token) go into a plain bf16 cache that the caller may write
+        itself (``kvplan.models.fused.qkv_epilogue``'s ``kv_store``) and then pass
+        ``kv_stored=True`` to `forward`; None where `forward` must store (no cache, another
+        format, rows that are not the step's tokens)."""
+        cache = metadata.kv_cache
+        if (
+            metadata.kv_cache_manager is None
+            or cache is None
+            or getattr(cache, "kv_format", None) != "bf16"
+            or metadata.num_kv_tokens != num_tokens
+            or num_tokens == 0
+        ):
+            return None
+        slots = metadata.slot_mapping(self.pool(metadata))
+        return cache.k_cache(self.layer_idx), cache.v_cache(self.layer_idx), slots
+
     def uses_sparse(self, metadata: AttentionMetadata) -> bool:
         return use_sparse_attention(metadata.sparse_metadata_params, self.layer_idx)
 
@@ -128,8 +148,12 @@ class AttentionBackend:
         metadata: AttentionMetadata,
         *,
         out: torch.Tensor | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """Store this step's K/V into ``metadata.kv_cache`` (layer ``layer_idx``), then attend."""
+        """Store this step's K/V into ``metadata.kv_cache`` (layer ``layer_idx``), then attend.
+
+        ``kv_stored``: the caller already wrote ``k`` / ``v`` at the slots of `store_target`
+        (e.g. ``qkv_epilogue``'s fused store); the store is skipped."""
         self._check_inputs(q, k, v, metadata)
         if self.uses_sparse(metadata) and not self.supports_sparse:
             raise NotImplementedError(
@@ -138,7 +162,8 @@ class AttentionBackend:
             )
         pool = self.pool(metadata)
         if (
-            metadata.kv_cache_manager is not None
+            not kv_stored
+            and metadata.kv_cache_manager is not None
             and metadata.kv_cache is not None
             and k is not None
             and metadata.num_kv_tokens > 0

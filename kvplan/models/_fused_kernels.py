@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kvplan.ops._quant_triton import bf16_bits
 from kvplan.ops._triton_util import round_to as _round
 
 
@@ -58,8 +59,10 @@ def _head_norm(x, w, eps, inv_d, dtype: tl.constexpr):
 def qkv_epilogue_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
     stride_qkv, num_positions, eps, inv_d,
+    slot_ptr, kc_ptr, vc_ptr, num_slots, stride_cb, stride_ct,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     QK_NORM: tl.constexpr, TILE_H: tl.constexpr, TILE_D: tl.constexpr,
+    STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     """Split one token's ``qkv`` heads into q/k/v, norming (optional) and rotating q and k.
 
@@ -70,6 +73,11 @@ def qkv_epilogue_kernel(
 
     A position outside ``[0, num_positions)`` makes that token's q and k rows NaN instead of
     reading outside the cos/sin tables.
+
+    ``STORE``: also write the token's k and v rows (as stored in k / v, then cast to the cache
+    dtype) into the paged caches ``kc`` / ``vc`` ``[blocks, BLOCK_SIZE, NUM_KV_HEADS,
+    HEAD_DIM]`` (strides ``stride_cb`` / ``stride_ct`` per block / token, heads contiguous) at
+    slot ``slot[t]``; a slot outside ``[0, num_slots)`` (-1: padding) writes nothing.
     """
     t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = q_ptr.dtype.element_ty
@@ -110,6 +118,30 @@ def qkv_epilogue_kernel(
     tl.store(k_ptr + kv_off, y.to(dtype), mask=mask & is_k[:, None])
     v_off = kv_off - NUM_KV_HEADS * HEAD_DIM
     tl.store(v_ptr + v_off, x.to(dtype), mask=mask & is_v[:, None])
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        slot_ok = (slot >= 0) & (slot < num_slots)
+        slot = tl.where(slot_ok, slot, 0)
+        rec = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+        kv_head = tl.where(is_k, heads - NUM_HEADS, heads - NUM_HEADS - NUM_KV_HEADS)
+        c_off = rec + kv_head[:, None] * HEAD_DIM + d[None, :]
+        keep = mask & slot_ok
+        _store_cast(kc_ptr + c_off, y.to(dtype), keep & is_k[:, None])
+        _store_cast(vc_ptr + c_off, x.to(dtype), keep & is_v[:, None])
+
+
+@triton.jit
+def _store_cast(ptrs, val, mask):
+    """Store ``val`` cast to the pointers' float dtype, rounding to nearest even as torch's
+    ``.to`` does: a wider value going into bf16 is rounded by its bits (the interpreter's
+    fp32 -> bf16 cast truncates), NaN as torch's canonical 0x7FC0."""
+    c_dtype: tl.constexpr = ptrs.dtype.element_ty
+    if c_dtype == tl.bfloat16 and val.dtype != tl.bfloat16:
+        wide = val.to(tl.float32)
+        bits = tl.where(wide == wide, bf16_bits(wide), 0x7FC0)
+        tl.store(ptrs.to(tl.pointer_type(tl.int16)), bits.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptrs, val.to(c_dtype), mask=mask)
 
 
 @triton.jit

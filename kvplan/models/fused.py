@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvplan._checks import check_tensor
 from kvplan.models.rope import rotate_qk
 from kvplan.ops._dispatch import triton_interpreting, use_triton
 from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
@@ -141,6 +142,7 @@ def qkv_epilogue(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split ``qkv`` into contiguous q/k/v, apply the optional q/k norm, then RoPE to q and k.
@@ -155,6 +157,11 @@ def qkv_epilogue(
         positions: ``[T]`` int64/int32 absolute positions, ``< cos.shape[0]``.
         cos, sin: ``[P, D]`` RoPE tables (`RotaryTable.cos`/``.sin``), the dtype of ``qkv``.
         q_norm_weight, k_norm_weight: ``[D]`` per-head RMSNorm weights (Qwen3), both or neither.
+        kv_store: ``(k_cache, v_cache, slots)``: also write each token's returned k and v rows,
+            cast to the caches' float dtype, into the paged caches ``[blocks, block_size, Hkv,
+            D]`` (heads and D contiguous, the same shape and strides) at ``slots[i]`` (int32 /
+            int64 ``[T]``; outside ``[0, blocks * block_size)``, e.g. -1, writes nothing),
+            as `KVCacheTensors.store` of a plain cache would, in the same kernel.
 
     Returns:
         ``(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D])`` in the dtype of ``qkv``; all three
@@ -163,7 +170,8 @@ def qkv_epilogue(
     """
     fn = qkv_epilogue_triton if _fused(qkv, fused) else qkv_epilogue_torch
     return fn(qkv, positions, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads,
-              q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps)  # fmt: skip
+              q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
+              kv_store=kv_store)  # fmt: skip
 
 
 def _head_dim(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
@@ -176,13 +184,54 @@ def _head_dim(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
     return qkv.shape[1] // heads
 
 
+def _check_kv_store(kv_store, t: int, num_kv_heads: int, d: int, device) -> None:
+    """`qkv_epilogue`'s ``kv_store`` contract (see its docstring)."""
+    if not (isinstance(kv_store, tuple) and len(kv_store) == 3):
+        raise TypeError("kv_store must be a (k_cache, v_cache, slots) tuple")
+    k_cache, v_cache, slots = kv_store
+    check_tensor("kv_store slots", slots, dtype=(torch.int32, torch.int64), shape=(t,),
+                 device=device)  # fmt: skip
+    for name, c in (("kv_store k_cache", k_cache), ("kv_store v_cache", v_cache)):
+        check_tensor(name, c, dtype=_CACHE_FLOATS, ndim=4, device=device)
+        if c.shape[2:] != (num_kv_heads, d) or c.stride(3) != 1 or c.stride(2) != d:
+            raise ValueError(
+                f"{name} must be [blocks, block_size, {num_kv_heads}, {d}] with contiguous "
+                f"heads, got shape {list(c.shape)} strides {c.stride()}"
+            )
+    if (v_cache.shape, v_cache.stride(), v_cache.dtype) != (
+        k_cache.shape, k_cache.stride(), k_cache.dtype
+    ):  # fmt: skip
+        raise ValueError(
+            f"kv_store caches differ: k {list(k_cache.shape)} {k_cache.stride()} "
+            f"{k_cache.dtype}, v {list(v_cache.shape)} {v_cache.stride()} {v_cache.dtype}"
+        )
+
+
+_CACHE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _store_rows_torch(kv_store, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Sync-free scatter of ``k`` / ``v`` ``[T, Hkv, D]`` into ``kv_store``'s caches: a skipped
+    row writes back what slot 0 already holds."""
+    k_cache, v_cache, slots = kv_store
+    blocks, bs = k_cache.shape[:2]
+    keep = ((slots >= 0) & (slots < blocks * bs))[:, None, None]
+    idx = torch.where(keep[:, 0, 0], slots, 0).long()
+    block, offset = idx // bs, idx % bs
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        cache[block, offset] = torch.where(keep, x.to(cache.dtype), cache[block, offset])
+
+
 def qkv_epilogue_torch(
     qkv, positions, cos, sin, *, num_heads, num_kv_heads, q_norm_weight=None,
-    k_norm_weight=None, eps=1e-6,
+    k_norm_weight=None, eps=1e-6, kv_store=None,
 ):  # fmt: skip
-    """Torch path of `qkv_epilogue` (views, per-op norm and rotation, then copies)."""
+    """Torch path of `qkv_epilogue` (views, per-op norm and rotation, then copies; the
+    optional store as `KVCacheTensors.store` does it for a plain cache)."""
     t = qkv.shape[0]
     d = _head_dim(qkv, num_heads, num_kv_heads)
+    if kv_store is not None:
+        _check_kv_store(kv_store, t, num_kv_heads, d, qkv.device)
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     q = q.view(t, num_heads, d)  # [T, H, D]
     k = k.view(t, num_kv_heads, d)  # [T, Hkv, D]
@@ -191,12 +240,15 @@ def qkv_epilogue_torch(
         q = rms_norm_torch(q, q_norm_weight, eps)
         k = rms_norm_torch(k, k_norm_weight, eps)
     q, k = rotate_qk(q, k, cos, sin, positions)
-    return q.contiguous(), k.contiguous(), v
+    q, k = q.contiguous(), k.contiguous()
+    if kv_store is not None:
+        _store_rows_torch(kv_store, k, v)
+    return q, k, v
 
 
 def qkv_epilogue_triton(
     qkv, positions, cos, sin, *, num_heads, num_kv_heads, q_norm_weight=None,
-    k_norm_weight=None, eps=1e-6, tile_h=None,
+    k_norm_weight=None, eps=1e-6, kv_store=None, tile_h=None,
 ):  # fmt: skip
     """Triton path of `qkv_epilogue`: one kernel; ``tile_h`` heads of one token per program
     (power of two; default ~1024 elements per program, one program per token when
@@ -204,6 +256,7 @@ def qkv_epilogue_triton(
 
     A position outside ``[0, cos.shape[0])`` yields NaN q/k rows for that token (the kernel
     does not read outside the tables; checking on the host would cost a device sync).
+    ``kv_store``: the same kernel also writes the k / v rows into the paged caches.
     """
     from kvplan.models._fused_kernels import qkv_epilogue_kernel
 
@@ -225,6 +278,11 @@ def qkv_epilogue_triton(
         for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
             if w.shape != (d,) or w.dtype != qkv.dtype:
                 raise TypeError(f"{name} must be [{d}] {qkv.dtype}, got {list(w.shape)} {w.dtype}")
+    if kv_store is not None:
+        _check_kv_store(kv_store, t, num_kv_heads, d, qkv.device)
+        k_cache, v_cache, slots = kv_store
+        blocks, bs = k_cache.shape[:2]
+        store = (slots, k_cache, v_cache, blocks * bs, k_cache.stride(0), k_cache.stride(1))
     new = dict(dtype=qkv.dtype, device=qkv.device)
     q = torch.empty(t, num_heads, d, **new)
     k = torch.empty(t, num_kv_heads, d, **new)
@@ -239,11 +297,14 @@ def qkv_epilogue_triton(
     if t > 0:
         w_q = q_norm_weight.contiguous() if qk_norm else q
         w_k = k_norm_weight.contiguous() if qk_norm else q
+        if kv_store is None:
+            store = (positions, q, q, 0, 0, 0)  # unused without STORE
         qkv_epilogue_kernel[(t, triton_cdiv(heads, tile_h))](
             qkv, positions, cos.contiguous(), sin.contiguous(), w_q, w_k, q, k, v,
-            qkv.stride(0), cos.shape[0], eps, 1.0 / d,
+            qkv.stride(0), cos.shape[0], eps, 1.0 / d, *store,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, QK_NORM=qk_norm,
-            TILE_H=tile_h, TILE_D=tile_d, num_warps=4, enable_fp_fusion=False,
+            TILE_H=tile_h, TILE_D=tile_d, STORE=kv_store is not None,
+            BLOCK_SIZE=bs if kv_store is not None else 1, num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return q, k, v
 

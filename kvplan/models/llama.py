@@ -114,16 +114,23 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         norm = self.q_norm is not None
+        # the fused kernel also writes k / v into a plain bf16 cache (no separate store launch)
+        store = None
+        if fused and not self.kv_rotation and hasattr(self.attn, "store_target"):
+            store = self.attn.store_target(metadata, t)
         q, k, v = ops.qkv_epilogue(
             qkv, positions, rotary.cos, rotary.sin,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             q_norm_weight=self.q_norm.weight if norm else None,
             k_norm_weight=self.k_norm.weight if norm else None,
-            eps=self.q_norm.eps if norm else 1e-6, fused=fused,
+            eps=self.q_norm.eps if norm else 1e-6, kv_store=store, fused=fused,
         )  # fmt: skip
         if self.kv_rotation:
             q, k = hadamard_qk(q, k)  # q k^T unchanged; K quantizes better
-        o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
+        if store is not None:
+            o = self.attn.forward(q, k, v, metadata, kv_stored=True)  # [T, H, D]
+        else:
+            o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -89,6 +89,82 @@ def test_qkv_epilogue_kernel_fp32(t, h, hkv, d, norm, tile_h):
         torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize(
+    "dtype, norm, tile_h", [(torch.float32, False, None), (torch.bfloat16, True, 2)]
+)
+def test_qkv_epilogue_store_writes_what_the_cache_store_writes(dtype, norm, tile_h):
+    """``kv_store``: the kernel (and the torch path) leave a bf16 `KVCacheTensors` cache byte
+    for byte as its own ``store`` of the returned k / v does; skipped slots (-1, past the end)
+    and every other slot keep their bytes; q / k / v are those of the call without a store."""
+    from kvplan.cache.kv_tensors import KVCacheTensors
+
+    t, h, hkv, d = 6, 4, 2, 16
+    args, kw = qkv_case(11 + int(norm), t, h, hkv, d, norm, dtype=dtype)
+    kw["eps"] = 1e-5 if norm else 1e-6
+    slots = torch.tensor([3, -1, 17, 9, 20, 0], device=DEVICE)  # 20 = 5 blocks x 4: skipped
+
+    def caches():
+        kv = KVCacheTensors(1, num_blocks=5, block_size=4, num_kv_heads=hkv, head_dim=d,
+                            kv_format="bf16", device=DEVICE)  # fmt: skip
+        for c in (kv.raw_k_cache(0), kv.raw_v_cache(0)):  # random old contents
+            c.copy_(torch.randint(0, 127, c.shape, generator=gen(5), dtype=torch.uint8))
+        return kv
+
+    for fn, extra in ((fused.qkv_epilogue_triton, {"tile_h": tile_h}),
+                      (fused.qkv_epilogue_torch, {})):  # fmt: skip
+        plain = fn(*args, **kw, **extra)
+        want = caches()
+        want.store(0, plain[1], plain[2], slots, check=False)
+        kv = caches()
+        before = kv.raw_k_cache(0).clone()
+        got = fn(*args, **kw, **extra, kv_store=(kv.k_cache(0), kv.v_cache(0), slots))
+        for name, a, b in zip("qkv", got, plain, strict=True):
+            assert torch.equal(a, b), name
+        assert torch.equal(kv.raw_k_cache(0), want.raw_k_cache(0)), fn.__name__
+        assert torch.equal(kv.raw_v_cache(0), want.raw_v_cache(0)), fn.__name__
+        assert not torch.equal(kv.raw_k_cache(0), before)  # the store wrote something
+        block, off = slots[0] // 4, slots[0] % 4
+        assert torch.equal(kv.k_cache(0)[block, off], got[1][0].to(torch.bfloat16))
+        assert torch.equal(kv.v_cache(0)[block, off], got[2][0].to(torch.bfloat16))
+    kv = caches()
+    store = (kv.k_cache(0), kv.v_cache(0), slots)
+    with pytest.raises(ValueError, match="kv_store slots"):
+        fused.qkv_epilogue_triton(*args, **kw, kv_store=(*store[:2], slots[:3]))
+    with pytest.raises(ValueError, match="kv_store k_cache must be"):
+        fused.qkv_epilogue_triton(*args, **kw, kv_store=(store[0][..., :8], *store[1:]))
+    with pytest.raises(ValueError, match="kv_store caches differ"):
+        fused.qkv_epilogue_torch(*args, **kw, kv_store=(store[0], store[1][:3], slots))
+    with pytest.raises(TypeError, match="kv_store must be"):
+        fused.qkv_epilogue_triton(*args, **kw, kv_store=store[:2])
+
+
+def test_engine_fused_store_equals_the_backend_store(monkeypatch):
+    """The engine with fused kernels on a bf16 cache writes K/V in the qkv epilogue (the
+    backend's store is never called) and generates the tokens of the unfused engine, whose
+    backend stores them; on the three paged backends."""
+    from kvplan import LLM, SamplingParams
+    from kvplan.cache.kv_tensors import KVCacheTensors
+
+    cfg = CPU_CONFIGS["llama"]
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 10, 1]]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    calls = []
+    real_store = KVCacheTensors.store
+    monkeypatch.setattr(
+        KVCacheTensors, "store", lambda self, *a, **k: (calls.append(1), real_store(self, *a, **k))
+    )
+    for backend in ("vanilla", "ragged", "block_offsets"):
+        outs = {}
+        for value in ("0", "1"):
+            monkeypatch.setenv(FUSED_KERNELS_ENV, value)
+            calls.clear()
+            llm = LLM(cfg, device=DEVICE, dtype="float32", kv_format="bf16", backend=backend,
+                      max_model_len=32, num_blocks=16, seed=0)  # fmt: skip
+            outs[value] = [o.token_ids for o in llm.generate(prompts, params)]
+            assert (len(calls) == 0) == (value == "1"), (backend, value, len(calls))
+        assert outs["1"] == outs["0"], backend
+
+
 def test_qkv_epilogue_bad_positions_poison_and_caller_errors():
     args, kw = qkv_case(7, 3, 2, 1, 16, False, max_pos=8)
     qkv, pos, cos, sin = args
@@ -158,9 +234,16 @@ def test_kernels_compile_for_sm90(dtype):
     for norm in (False, True):
         compile_sm90(kernels.qkv_epilogue_kernel, ptr, {**_F32_ARGS, "pos_ptr": "*i64"},
                      NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, QK_NORM=norm, TILE_H=8,
-                     TILE_D=128)  # fmt: skip
+                     TILE_D=128, STORE=False, BLOCK_SIZE=1)  # fmt: skip
     compile_sm90(kernels.qkv_epilogue_kernel, ptr, {**_F32_ARGS, "pos_ptr": "*i32"},
-                 NUM_HEADS=4, NUM_KV_HEADS=2, HEAD_DIM=80, QK_NORM=True, TILE_H=8, TILE_D=128)  # fmt: skip
+                 NUM_HEADS=4, NUM_KV_HEADS=2, HEAD_DIM=80, QK_NORM=True, TILE_H=8, TILE_D=128,
+                 STORE=False, BLOCK_SIZE=1)  # fmt: skip
+    # the fused K/V store into a bf16 cache (the engine's decode: llama-1b heads, 16-token blocks)
+    compile_sm90(kernels.qkv_epilogue_kernel, ptr,
+                 {**_F32_ARGS, "pos_ptr": "*i64", "slot_ptr": "*i64", "kc_ptr": "*bf16",
+                  "vc_ptr": "*bf16", "stride_cb": "i64"},
+                 NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=64, QK_NORM=False, TILE_H=16,
+                 TILE_D=64, STORE=True, BLOCK_SIZE=16)  # fmt: skip
     compile_sm90(kernels.silu_and_mul_kernel, ptr, TILE=1024, EXACT=True)
 
 
