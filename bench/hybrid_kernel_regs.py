@@ -29,7 +29,8 @@ from tools.compile_sm90 import compile_kernel, ptxas_report, sass_longest_loop  
 V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=True, bs0=128, bs1=32)
 ATTN_TYPES = {"q_ptr": "*bf16", "qk_scale": "fp32", "c0_ptr": "*u8", "c1_ptr": "*u8",
               "ws_acc_ptr": "*fp32", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
-              "out_ptr": "*bf16", "sink_ptr": "*fp32"}  # fmt: skip
+              "out_ptr": "*bf16", "sink_ptr": "*fp32", "cos_ptr": "*bf16",
+              "sin_ptr": "*bf16"}  # fmt: skip
 # tile_n, warps, d_chunk, pv_split, stages: the whole-tile kernel, then the chunked variants
 ATTN_VARIANTS = [(16, 4, 0, 1, 2), (16, 8, 0, 1, 2), (32, 4, 0, 1, 2), (32, 8, 0, 1, 2),
                  (64, 4, 0, 1, 2), (64, 8, 0, 1, 2),
@@ -67,6 +68,8 @@ def main() -> None:
                      ("sparse_attention_split_kernel", _ks.sparse_attention_split_kernel)):  # fmt: skip
         for tile_n, warps, d_chunk, pv_split, stages in ATTN_VARIANTS:
             const = dict(attn, TILE_N=tile_n, D_CHUNK=d_chunk, PV_SPLIT=pv_split)
+            if fn is _k.sparse_attention_kernel:
+                const["HALF_RD"] = 32  # the model's out_rope: 64 rotary channels of 512
             r = report(fn, const, ATTN_TYPES, warps, stages)
             rows.append(dict(kernel=name, tile_n=tile_n, d_chunk=d_chunk, pv_split=pv_split,
                              **r))  # fmt: skip

@@ -34,12 +34,18 @@ Softmax runs online in the log2 domain and starts from the sink: ``m = sink * lo
 as bf16 (exact for e4m3 / e2m1 values times power-of-two or e4m3 scales) and the
 probabilities are rounded to bf16 for the value product; otherwise fp32 with ``"ieee"``
 precision. The CPU interpreter always takes the fp32 path (its bf16 ``tl.dot`` is wrong).
+
+``HALF_RD > 0`` (``out_rope``): the epilogue rounds each output row to out's dtype and turns
+its trailing ``2 * HALF_RD`` channels back by the row's rotary angle (``_store_out``): the
+bits ``kvplan.ops.rope.norm_rope(out, cos, sin, inverse=True)`` gives, without its pass over
+the output.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
 
@@ -315,11 +321,12 @@ def sparse_attention_kernel(
     q_ptr, out_ptr, sink_ptr, stride_qt, stride_qh, stride_ot, stride_oh, num_heads, qk_scale,
     c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0: tl.constexpr, sblk0, stok0, sstr0, soff0,
     c1_ptr, i1_ptr, stride_i1, n1, slots1, bs1: tl.constexpr, sblk1, stok1, sstr1, soff1,
+    cos_ptr, sin_ptr, stride_rt,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     KIND0: tl.constexpr, SF0: tl.constexpr, GS0: tl.constexpr, FLAT0: tl.constexpr,
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
     HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
-    PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, HALF_RD: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(T, cdiv(H, TILE_H))``. q / out ``[T, H, D]``; sinks fp32 ``[H]``; per source
     ``i``: cache pointer, int32 index ``[T, n_i]`` (row stride ``stride_i``), ``slots_i``
@@ -354,7 +361,47 @@ def sparse_attention_kernel(
         dc = c * DC + tl.arange(0, DC)
         o_off = t.to(tl.int64) * stride_ot + h64[:, None] * stride_oh + dc[None, :]
         o_mask = h_ok[:, None] & (dc < HEAD_DIM)[None, :]
-        tl.store(out_ptr + o_off, (acc[c] / inv).to(out_ptr.dtype.element_ty), mask=o_mask)
+        _store_out(acc[c] / inv, out_ptr + o_off, o_mask, cos_ptr, sin_ptr, t, stride_rt,
+                   c * (DC // 2), TILE_H, DC, HEAD_DIM, HALF_RD, HW)  # fmt: skip
+
+
+@triton.jit
+def _store_out(
+    o, ptrs, mask, cos_ptr, sin_ptr, t, stride_rt, pair0, TILE_H: tl.constexpr,
+    DC: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_RD: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """Store ``o`` ``[TILE_H, DC]`` (fp32; head columns ``2 * pair0 + [0, DC)``) in the
+    pointers' dtype. ``HALF_RD > 0``: first the inverse rotation of the rounded values on the
+    head's trailing ``2 * HALF_RD`` channels, pair ``j`` (channels ``2j, 2j + 1``) by row
+    ``t``'s ``cos / sin[j]`` (``[T, HALF_RD]`` tables, row stride ``stride_rt``)::
+
+        y0 = x0 * c - x1 * (-s),  y1 = x1 * c + x0 * (-s)
+
+    with each product rounded to fp32 on its own (``mul_rn``: not contracted into an FMA),
+    the operations of ``norm_rope``'s torch path and kernel."""
+    dtype: tl.constexpr = ptrs.dtype.element_ty
+    if HALF_RD == 0:
+        tl.store(ptrs, o.to(dtype), mask=mask)
+    else:
+        x0, x1 = tl.split(tl.reshape(o.to(dtype).to(tl.float32), [TILE_H, DC // 2, 2]))
+        pair = pair0 + tl.arange(0, DC // 2) - (HEAD_DIM // 2 - HALF_RD)
+        rot = (pair >= 0) & (pair < HALF_RD)
+        row = t.to(tl.int64) * stride_rt
+        c = tl.load(cos_ptr + row + pair, mask=rot, other=1.0).to(tl.float32)[None, :]
+        s = -tl.load(sin_ptr + row + pair, mask=rot, other=0.0).to(tl.float32)[None, :]
+        if HW:
+            y0 = libdevice.mul_rn(x0, c) - libdevice.mul_rn(x1, s)
+            y1 = libdevice.mul_rn(x1, c) + libdevice.mul_rn(x0, s)
+        else:
+            y0 = x0 * c - x1 * s
+            y1 = x1 * c + x0 * s
+        y0 = tl.where(rot[None, :], y0, x0)
+        y1 = tl.where(rot[None, :], y1, x1)
+        y = tl.reshape(tl.join(y0, y1), [TILE_H, DC])
+        if dtype == tl.bfloat16 and not HW:  # the interpreter's cast truncates; round (RNE)
+            tl.store(ptrs.to(tl.pointer_type(tl.int16)), bf16_bits(y).to(tl.int16), mask=mask)
+        else:
+            tl.store(ptrs, y.to(dtype), mask=mask)
 
 
 @triton.jit

@@ -27,7 +27,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvplan.ops._sparse_attention_kernels import LOG2E, _acc_zeros, _attend_cols, _load_query
+from kvplan.ops._sparse_attention_kernels import (
+    LOG2E,
+    _acc_zeros,
+    _attend_cols,
+    _load_query,
+    _store_out,
+)
 
 
 @triton.jit
@@ -92,11 +98,13 @@ def _split_weight(ws_m_ptr, row, h_ok, m):
 @triton.jit
 def sparse_attention_combine_kernel(
     out_ptr, sink_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_ot, stride_oh, num_heads,
-    num_splits,
+    num_splits, cos_ptr, sin_ptr, stride_rt,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, INTERPRET: tl.constexpr,
+    HALF_RD: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(T, cdiv(H, TILE_H))``: merge the ``S`` partial states of row ``t`` and add
-    the sink (fp32 ``[H]``) once; out ``[T, H, HEAD_DIM]``."""
+    the sink (fp32 ``[H]``) once; out ``[T, H, HEAD_DIM]`` (``HALF_RD``: its rotary channels
+    turned back, ``_store_out``)."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     h_ok = heads < num_heads
@@ -134,4 +142,5 @@ def sparse_attention_combine_kernel(
             acc += w[:, None] * part
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t.to(tl.int64) * stride_ot + h64[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_out(o, out_ptr + o_off, mask, cos_ptr, sin_ptr, t, stride_rt, 0, TILE_H, D_P2,
+               HEAD_DIM, HALF_RD, HW)  # fmt: skip

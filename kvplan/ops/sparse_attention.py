@@ -110,6 +110,7 @@ def sparse_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """Attention of every query row over its indexed rows of one or two sources, with sinks.
@@ -120,14 +121,44 @@ def sparse_attention(
         sinks: ``[H]`` per-head logits (finite, or ``-inf`` for no sink).
         scale: logit scale.
         out: optional ``[T, H, D]`` destination of q's dtype (written in place).
+        out_rope: ``(cos, sin)`` ``[T, RD / 2]`` tables: the output rows come back turned by
+            the inverse rotation on their trailing ``RD`` channels, exactly
+            ``kvplan.ops.rope.norm_rope(out, cos, sin, inverse=True)`` (DeepSeek-V4 undoes
+            the values' rotation at the query's position); the Triton kernels do it in their
+            epilogue.
         check: validate index values (one device sync on CUDA); False on a hot path, where
             an out-of-range slot reads as not visible.
 
     Returns ``out`` (or a new tensor) ``[T, H, D]`` in q's dtype.
     """
     if use_triton(q):
-        return sparse_attention_triton(q, sources, sinks, scale, out=out, check=check)
-    return sparse_attention_torch(q, sources, sinks, scale, out=out, check=check)
+        return sparse_attention_triton(
+            q, sources, sinks, scale, out=out, out_rope=out_rope, check=check
+        )
+    return sparse_attention_torch(q, sources, sinks, scale, out=out, out_rope=out_rope,
+                                  check=check)  # fmt: skip
+
+
+def _check_out_rope(q: torch.Tensor, out_rope) -> int:
+    """``HALF_RD`` of ``out_rope`` (0 without), after checking its tables against ``q``."""
+    if out_rope is None:
+        return 0
+    if not (isinstance(out_rope, tuple) and len(out_rope) == 2):
+        raise TypeError("out_rope must be a (cos, sin) tuple")
+    cos, sin = out_rope
+    t, _, d = q.shape
+    check_tensor("out_rope cos", cos, dtype=_FLOATS, ndim=2, device=q.device)
+    half = cos.shape[1]
+    if cos.shape[0] != t or not 0 < 2 * half <= d:
+        raise ValueError(
+            f"out_rope cos must be [T, RD / 2] with T = {t} and 0 < RD <= D = {d}, "
+            f"got {list(cos.shape)}"
+        )
+    check_tensor("out_rope sin", sin, dtype=cos.dtype, shape=tuple(cos.shape), device=q.device)
+    return half
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -138,7 +169,8 @@ def _out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 def sparse_attention_triton(
     q: torch.Tensor, sources: Sequence[KeySource], sinks: torch.Tensor, scale: float, *,
-    out: torch.Tensor | None = None, check: bool = True, tile_h: int = 16,
+    out: torch.Tensor | None = None, out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    check: bool = True, tile_h: int = 16,
     tile_n: int | None = None, num_warps: int | None = None, num_splits: int | None = None,
     num_stages: int | None = None, d_chunk: int | None = None, pv_split: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
@@ -155,6 +187,14 @@ def sparse_attention_triton(
     any, else the built-in default."""
     addrs = _check(q, sources, sinks, check)
     out = _out(q, out)
+    half_rd = _check_out_rope(q, out_rope)
+    if half_rd:
+        cos, sin = out_rope
+        if cos.stride(1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        rope_args = (cos, sin, cos.stride(0))
+    else:
+        rope_args = (sinks, sinks, 0)  # unused without HALF_RD
     num_rows, num_heads, head_dim = q.shape
     d_p2 = max(16, triton.next_power_of_2(head_dim))
     a0 = addrs[0]
@@ -211,11 +251,14 @@ def sparse_attention_triton(
         DOT_BF16=q.dtype == torch.bfloat16 and not interpret, D_CHUNK=d_chunk,
         PV_SPLIT=pv_split, INTERPRET=interpret, num_warps=num_warps,
     )  # fmt: skip
+    if half_rd and (d_p2 // pv_split) % 2:
+        raise ValueError(f"out_rope needs an even column chunk, got D_P2 / pv_split = "
+                         f"{d_p2 // pv_split}")  # fmt: skip
     stages = {} if num_stages is None else {"num_stages": num_stages}
     if num_splits == 1:
         _k.sparse_attention_kernel[(num_rows, groups)](
             q, out, sink32, q.stride(0), q.stride(1), out.stride(0), out.stride(1), num_heads,
-            scale * _k.LOG2E, *srcs, **consts, **stages,
+            scale * _k.LOG2E, *srcs, *rope_args, **consts, HALF_RD=half_rd, **stages,
         )  # fmt: skip
         return out
     # one fp32 workspace: acc [T, S, H, D], then m and l [T, S, H]
@@ -228,7 +271,8 @@ def sparse_attention_triton(
     )  # fmt: skip
     _ks.sparse_attention_combine_kernel[(num_rows, groups)](
         out, sink32, ws_acc, ws_m, ws_l, out.stride(0), out.stride(1), num_heads, num_splits,
-        HEAD_DIM=head_dim, D_P2=d_p2, TILE_H=tile_h, INTERPRET=interpret, num_warps=4,
+        *rope_args, HEAD_DIM=head_dim, D_P2=d_p2, TILE_H=tile_h, INTERPRET=interpret,
+        HALF_RD=half_rd, HW=not interpret, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -285,11 +329,19 @@ def split_count(num_programs: int, num_cols: int, tile_n: int, num_sms: int) -> 
 
 def sparse_attention_torch(
     q: torch.Tensor, sources: Sequence[KeySource], sinks: torch.Tensor, scale: float, *,
-    out: torch.Tensor | None = None, check: bool = True,
+    out: torch.Tensor | None = None, out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    check: bool = True,
 ) -> torch.Tensor:  # fmt: skip
-    """Vectorized torch path (fp32 math, rows gathered by :func:`gather_rows`)."""
+    """Vectorized torch path (fp32 math, rows gathered by :func:`gather_rows`; ``out_rope``
+    by ``norm_rope_torch`` after)."""
     _check(q, sources, sinks, check)
     out = _out(q, out)
+    if _check_out_rope(q, out_rope):
+        from kvplan.ops.rope import norm_rope_torch
+
+        o = sparse_attention_torch(q, sources, sinks, scale, check=False)
+        out.copy_(norm_rope_torch(o, *out_rope, inverse=True))
+        return out
     sink = sinks.float().view(1, -1, 1)  # [1, H, 1]
     for lo in range(0, q.shape[0], _ROWS_PER_CHUNK):
         hi = min(lo + _ROWS_PER_CHUNK, q.shape[0])

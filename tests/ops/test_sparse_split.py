@@ -62,6 +62,38 @@ def test_split_one_source_bf16_queries() -> None:
 
 
 @interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("pv_split", [1, 2])
+def test_out_rope_equals_norm_rope_after(num_splits, dtype, pv_split) -> None:
+    """``out_rope``: the kernels' epilogue (one program, or the split combine) turns the
+    output back exactly as ``norm_rope(out, cos, sin, inverse=True)`` after the attention
+    does; the torch path likewise; pass-through channels untouched."""
+    from kvplan.ops.rope import norm_rope_torch
+
+    q, sources, sinks = _inputs(["paged_bf16", FP8_64], 3, 2, 64, [5, 19], seed=8, dtype=dtype)
+    gen = torch.Generator().manual_seed(9)
+    ang = torch.rand(3, 8, generator=gen) * 6.3
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)  # 16 rotary channels of 64
+    kw = dict(tile_n=16, num_splits=num_splits, pv_split=pv_split)
+    plain = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+    got = sparse_attention_triton(q, sources, sinks, 0.125, out_rope=(cos, sin), **kw)
+    want = norm_rope_torch(plain, cos, sin, inverse=True)
+    assert torch.equal(got, want)
+    assert torch.equal(got[..., :48], plain[..., :48])
+    assert not torch.equal(got, plain)
+    torch_path = sparse_attention_torch(q, sources, sinks, 0.125, out_rope=(cos, sin))
+    want = norm_rope_torch(sparse_attention_torch(q, sources, sinks, 0.125), cos, sin,
+                           inverse=True)  # fmt: skip
+    assert torch.equal(torch_path, want)
+    with pytest.raises(ValueError, match="out_rope cos"):
+        sparse_attention_triton(q, sources, sinks, 0.125, out_rope=(cos[:2], sin[:2]))
+    with pytest.raises(ValueError, match="out_rope sin"):
+        sparse_attention_triton(q, sources, sinks, 0.125, out_rope=(cos, sin[:, :4]))
+    with pytest.raises(TypeError, match="out_rope must be"):
+        sparse_attention_triton(q, sources, sinks, 0.125, out_rope=cos)
+
+
 def test_split_no_sinks_and_empty_rows() -> None:
     """No head has a sink and no row sees a key: zeros, not NaN."""
     q, sources, sinks = _inputs(["fp32"], 2, 2, 16, [40], seed=13)
@@ -128,8 +160,11 @@ def test_split_kernels_compile_for_sm90() -> None:
     compile_sm90(_ks.sparse_attention_split_kernel, "*fp32", sig, HEAD_DIM=512, D_P2=512,
                  TILE_H=16, TILE_N=32, **_V41, HAS1=True, HW=True, DOT_BF16=True,
                  D_CHUNK=0, PV_SPLIT=1, INTERPRET=False)  # fmt: skip
-    compile_sm90(_ks.sparse_attention_combine_kernel, "*fp32", {"out_ptr": "*bf16"},
-                 HEAD_DIM=512, D_P2=512, TILE_H=16, INTERPRET=False)  # fmt: skip
+    for half_rd in (0, 32):  # out_rope off / on (the model's 64 rotary channels)
+        compile_sm90(_ks.sparse_attention_combine_kernel, "*fp32",
+                     {"out_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"},
+                     HEAD_DIM=512, D_P2=512, TILE_H=16, INTERPRET=False, HALF_RD=half_rd,
+                     HW=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("sf,gs,flat", [(0, 32, True), (2, 128, True)], ids=["ue8m0", "fp32"])

@@ -142,6 +142,7 @@ class HybridStepContext(Protocol):
         *,
         index_q: torch.Tensor | None = None,
         index_weights: torch.Tensor | None = None,
+        out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Store the step's raw rows ``kv [T, D]`` and attend.
 
@@ -149,9 +150,22 @@ class HybridStepContext(Protocol):
         denominator only); ``scale``: logit scale. CSA layers pass ``index_q [T, Hi, Ci]``
         and ``index_weights [T, Hi]`` (all scalings folded in): entry ``j``'s score for row
         ``t`` is ``sum_h index_weights[t, h] * relu(index_q[t, h] . key_j)`` and the row sees
-        the ``top_k`` best closed entries. Returns ``[T, H, D]`` in ``q``'s dtype.
+        the ``top_k`` best closed entries. ``out_rope``: ``(cos, sin)`` ``[T, RD / 2]``; the
+        output rows come back turned by the inverse rotation on their trailing ``RD``
+        channels (`unrotate`; the GPU kernels do it in their epilogue). Returns ``[T, H, D]``
+        in ``q``'s dtype.
         """
         ...
+
+
+def unrotate(out: torch.Tensor, out_rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``attend``'s ``out_rope`` for a path whose attention does not apply it:
+    ``norm_rope(out, cos, sin, inverse=True)``, or ``out`` itself without tables."""
+    if out_rope is None:
+        return out
+    from kvplan.ops.rope import norm_rope
+
+    return norm_rope(out, *out_rope, inverse=True)
 
 
 def check_attend_inputs(

@@ -61,6 +61,7 @@ from kvplan.backends.hybrid.api import (
     CompressWindows,
     HybridSeq,
     check_attend_inputs,
+    unrotate,
 )
 from kvplan.backends.hybrid.sparse_attention import indexer_topk, sink_attention
 from kvplan.backends.staging.arena import to_device
@@ -298,6 +299,7 @@ class PlannedStep:
         *,
         index_q: torch.Tensor | None = None,
         index_weights: torch.Tensor | None = None,
+        out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         spec = self._spec(layer_idx)
         compressed = spec.kind != "sliding_attention"
@@ -309,7 +311,7 @@ class PlannedStep:
         check_attend_inputs(spec, self.num_rows, q, kv, sinks, index_q, index_weights)
         caches = self.family.caches[layer_idx]
         if in_place(q) and not self.family.trace:
-            args = (spec, caches, q, kv, sinks, scale, index_q, index_weights)
+            args = (spec, caches, q, kv, sinks, scale, index_q, index_weights, out_rope)
             return self._attend_in_place(*args)
         meta = self.meta
         if self.is_prompt:
@@ -330,10 +332,12 @@ class PlannedStep:
             self.traces[layer_idx] = (rows, index)
         if in_place(q):  # traced CUDA step: the kernel over the joined buffer
             return sparse_attention(q.contiguous(), [KeySource(rows, index)], sinks, scale,
-                                    check=self.family.check)  # fmt: skip
-        return sink_attention(q, rows, index, sinks, scale)
+                                    out_rope=out_rope, check=self.family.check)  # fmt: skip
+        return unrotate(sink_attention(q, rows, index, sinks, scale), out_rope)
 
-    def _attend_in_place(self, spec, caches, q, kv, sinks, scale, index_q, index_weights):
+    def _attend_in_place(
+        self, spec, caches, q, kv, sinks, scale, index_q, index_weights, out_rope=None
+    ):
         """``attend`` through ``kvplan.ops.sparse_attention`` (see the module docstring)."""
         meta, compressed = self.meta, spec.kind != "sliding_attention"
         if self.is_prompt:
@@ -361,7 +365,8 @@ class PlannedStep:
                 slots = self._decode_slots(spec, caches, index_q, index_weights)
                 sources.append(caches.pools["compressor"].key_source(slots))
         q = q if q.stride(2) == 1 else q.contiguous()
-        return sparse_attention(q, sources, sinks, scale, check=self.family.check)
+        return sparse_attention(q, sources, sinks, scale, out_rope=out_rope,
+                                check=self.family.check)  # fmt: skip
 
     # ---- compressed parts ---------------------------------------------------------------
     def _prompt_compressed(self, spec, caches, index_q, index_weights, dtype=torch.float32):

@@ -37,6 +37,7 @@ from kvplan.backends.hybrid.api import (
     HybridLayerSpec,
     HybridSeq,
     check_attend_inputs,
+    unrotate,
 )
 
 Visible = frozenset[tuple[str, int]]
@@ -183,6 +184,7 @@ class ReferenceStepContext:
         *,
         index_q: torch.Tensor | None = None,
         index_weights: torch.Tensor | None = None,
+        out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         spec = self._spec(layer_idx)
         num_rows = self._starts[-1]
@@ -223,7 +225,7 @@ class ReferenceStepContext:
                     frozenset([("raw", x) for x in raw_pos] + [("compressed", j) for j in chosen])
                 )
         self._visible[layer_idx] = visible
-        return out.to(q.dtype)
+        return unrotate(out.to(q.dtype), out_rope)
 
 
 class ReferenceHybridFamily:

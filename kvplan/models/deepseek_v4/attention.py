@@ -128,6 +128,6 @@ class DeepseekV4Attention(nn.Module):
             self.head_dim**-0.5,
             index_q=index_q,
             index_weights=index_weights,
-        )
-        out = norm_rope(out, cos, sin, inverse=True)  # [T, H, D]
+            out_rope=(cos, sin),  # RoPE^-1 at the query position, in the attention's epilogue
+        )  # [T, H, D]
         return self.o_b_proj(self.o_a_proj(out.flatten(1)))
