@@ -101,6 +101,9 @@ class Attention(nn.Module):
             sliding_window=cfg.windows[layer_idx],
         )
         self.kv_rotation = False  # Hadamard-rotate q/k after RoPE (`kvplan.models.kv_rotation`)
+        # the fused qkv epilogue writes K/V into a plain bf16 cache (`KVPLAN_FUSED_KV_STORE=0`:
+        # the backend's store, for A/B runs)
+        self.fused_kv_store = os.environ.get("KVPLAN_FUSED_KV_STORE", "1") != "0"
 
     def forward(
         self,
@@ -116,7 +119,12 @@ class Attention(nn.Module):
         norm = self.q_norm is not None
         # the fused kernel also writes k / v into a plain bf16 cache (no separate store launch)
         store = None
-        if fused and not self.kv_rotation and hasattr(self.attn, "store_target"):
+        if (
+            fused
+            and self.fused_kv_store
+            and not self.kv_rotation
+            and hasattr(self.attn, "store_target")
+        ):
             store = self.attn.store_target(metadata, t)
         q, k, v = ops.qkv_epilogue(
             qkv, positions, rotary.cos, rotary.sin,

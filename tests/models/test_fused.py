@@ -155,14 +155,17 @@ def test_engine_fused_store_equals_the_backend_store(monkeypatch):
     )
     for backend in ("vanilla", "ragged", "block_offsets"):
         outs = {}
-        for value in ("0", "1"):
+        # unfused kernels; fused kernels; fused kernels with the store switched off (A/B runs)
+        for value, store in (("0", "1"), ("1", "1"), ("1", "0")):
             monkeypatch.setenv(FUSED_KERNELS_ENV, value)
+            monkeypatch.setenv("KVPLAN_FUSED_KV_STORE", store)
             calls.clear()
             llm = LLM(cfg, device=DEVICE, dtype="float32", kv_format="bf16", backend=backend,
                       max_model_len=32, num_blocks=16, seed=0)  # fmt: skip
-            outs[value] = [o.token_ids for o in llm.generate(prompts, params)]
-            assert (len(calls) == 0) == (value == "1"), (backend, value, len(calls))
-        assert outs["1"] == outs["0"], backend
+            outs[value + store] = [o.token_ids for o in llm.generate(prompts, params)]
+            fused_store = value == "1" and store == "1"
+            assert (len(calls) == 0) == fused_store, (backend, value, store, len(calls))
+        assert outs["11"] == outs["01"] == outs["10"], backend
 
 
 def test_qkv_epilogue_bad_positions_poison_and_caller_errors():

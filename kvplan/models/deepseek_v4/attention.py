@@ -25,6 +25,8 @@ layers, the indexer's ``q_b_proj``) run as one GEMM through ``q_res_proj``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -94,6 +96,9 @@ class DeepseekV4Attention(nn.Module):
             if series is not None:
                 readers_of_x += series.projections()
         self.x_proj = LinearGroup(*readers_of_x)
+        # the output's inverse RoPE in the attention's epilogue (`KVPLAN_FUSED_OUT_ROPE=0`: a
+        # norm_rope launch after it, for A/B runs; the same bits)
+        self.fused_out_rope = os.environ.get("KVPLAN_FUSED_OUT_ROPE", "1") != "0"
         readers_of_q_res = [self.q_b_proj]
         if self.indexer is not None:
             readers_of_q_res.append(self.indexer.q_b_proj)
@@ -128,6 +133,8 @@ class DeepseekV4Attention(nn.Module):
             self.head_dim**-0.5,
             index_q=index_q,
             index_weights=index_weights,
-            out_rope=(cos, sin),  # RoPE^-1 at the query position, in the attention's epilogue
+            out_rope=(cos, sin) if self.fused_out_rope else None,  # RoPE^-1 at the query position
         )  # [T, H, D]
+        if not self.fused_out_rope:
+            out = norm_rope(out, cos, sin, inverse=True)
         return self.o_b_proj(self.o_a_proj(out.flatten(1)))
