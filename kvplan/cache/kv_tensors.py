@@ -179,7 +179,7 @@ class KVCacheTensors:
             from kvplan.ops.store import store_kv_cache
 
             raw_k, raw_v = self._raw[layer]
-            slots = slot_mapping.to(torch.int32)
+            slots = self._int32_slots(slot_mapping, layer)
             for x, raw in ((k, raw_k), (v, raw_v)):
                 store_kv_cache(x.to(torch.bfloat16), raw, slots, layout=self.layout, check=False)
             return
@@ -238,6 +238,28 @@ class KVCacheTensors:
         return torch.where(keep, k, 0), torch.where(keep, v, 0)
 
     # ------------------------------------------------------------------ internals
+    def _int32_slots(self, slot_mapping: torch.Tensor, layer: int) -> torch.Tensor:
+        """``slot_mapping`` as int32, converted once per forward: the layers of a step store in
+        increasing order through the same slot tensor, so a later layer reuses the first one's
+        conversion (same object, same in-place version counter, a higher layer). A lower or
+        equal layer starts a new step and converts again, so a slot tensor rewritten between
+        steps (e.g. by a kernel, which does not bump the version) is never read stale; a CUDA
+        graph replays the conversion where its first layer recorded it."""
+        if slot_mapping.dtype == torch.int32:
+            return slot_mapping
+        memo = getattr(self, "_slots_memo", None)
+        if (
+            memo is not None
+            and memo[0] is slot_mapping
+            and memo[1] == slot_mapping._version
+            and layer > memo[2]
+        ):
+            self._slots_memo = (memo[0], memo[1], layer, memo[3])
+            return memo[3]
+        slots = slot_mapping.to(torch.int32)
+        self._slots_memo = (slot_mapping, slot_mapping._version, layer, slots)
+        return slots
+
     def _make_layout(self):
         from kvplan.formats import KVCacheFormat, bf16_format
 

@@ -1,5 +1,7 @@
 """KVCacheTensors: shapes, dtypes, store by slot (with -1 skips) against a per-token loop."""
 
+import unittest.mock
+
 import pytest
 import torch
 
@@ -138,3 +140,35 @@ def test_read_blocks_checks_ids():
     kv = KVCacheTensors(1, num_blocks=3, block_size=2, num_kv_heads=1, head_dim=8)
     with pytest.raises(ValueError, match="block_ids holds 3"):
         kv.read_blocks(0, torch.tensor([0, 3]))
+
+
+def test_store_converts_the_slots_once_per_forward():
+    """Layers of one step share one int32 conversion of the slot tensor; a new step (a layer
+    not above the last one) converts again, so slots rewritten in between are never stale."""
+    kv = KVCacheTensors(3, num_blocks=4, block_size=4, num_kv_heads=1, head_dim=32,
+                        kv_format="fp8")  # fmt: skip
+    k = torch.randn(2, 1, 32, generator=torch.Generator().manual_seed(0))
+    slots = torch.tensor([1, 6])
+    seen = []
+    real = torch.Tensor.to
+
+    def spy(self, *a, **kw):
+        out = real(self, *a, **kw)
+        if self is slots and out.dtype == torch.int32:
+            seen.append(out)
+        return out
+
+    with unittest.mock.patch.object(torch.Tensor, "to", spy):
+        for layer in range(3):
+            kv.store(layer, k, k, slots)
+        assert len(seen) == 1
+        slots.data[0] = 9  # rewritten without a version bump (as a kernel would)
+        kv.store(0, k, k, slots)  # a new step
+        assert len(seen) == 2 and seen[1].tolist() == [9, 6]
+    want = KVCacheTensors(3, num_blocks=4, block_size=4, num_kv_heads=1, head_dim=32,
+                          kv_format="fp8")  # fmt: skip
+    for layer in range(3):
+        want.store(layer, k, k, torch.tensor([1, 6], dtype=torch.int32))
+    want.store(0, k, k, torch.tensor([9, 6], dtype=torch.int32))
+    for layer in range(3):
+        assert torch.equal(kv.raw_k_cache(layer), want.raw_k_cache(layer))
