@@ -95,25 +95,28 @@ class AttentionBackend:
     def pool(self, metadata: AttentionMetadata) -> int:
         return pool_of_layer(metadata.kv_cache_manager, self.layer_idx)
 
-    def store_target(
-        self, metadata: AttentionMetadata, num_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(k_cache, v_cache, slots)`` of this layer when this step's K/V rows (``num_tokens``
-        of them, one per query token) go into a plain bf16 cache that the caller may write
-        itself (``kvplan.models.fused.qkv_epilogue``'s ``kv_store``) and then pass
-        ``kv_stored=True`` to `forward`; None where `forward` must store (no cache, another
-        format, rows that are not the step's tokens)."""
+    def store_target(self, metadata: AttentionMetadata, num_tokens: int) -> tuple | None:
+        """Where this step's K/V rows (``num_tokens``, one per query token) go, for a caller
+        that writes them itself (``kvplan.models.fused.qkv_epilogue``'s ``kv_store``) and
+        then passes ``kv_stored=True`` to `forward`: ``(k_cache, v_cache, slots)`` for a plain
+        bf16 cache, ``(raw_k, raw_v, slots, layout)`` for a quantized one (uint8 token
+        records); None where `forward` must store (no cache, fp16 / fp32 caches, rows that
+        are not the step's tokens)."""
         cache = metadata.kv_cache
+        fmt = getattr(cache, "kv_format", None)
         if (
             metadata.kv_cache_manager is None
             or cache is None
-            or getattr(cache, "kv_format", None) != "bf16"
+            or not (fmt == "bf16" or getattr(cache, "is_quantized", False))
             or metadata.num_kv_tokens != num_tokens
             or num_tokens == 0
         ):
             return None
         slots = metadata.slot_mapping(self.pool(metadata))
-        return cache.k_cache(self.layer_idx), cache.v_cache(self.layer_idx), slots
+        if fmt == "bf16":
+            return cache.k_cache(self.layer_idx), cache.v_cache(self.layer_idx), slots
+        raw = cache.raw_k_cache(self.layer_idx), cache.raw_v_cache(self.layer_idx)
+        return (*raw, slots, cache.layout)
 
     def uses_sparse(self, metadata: AttentionMetadata) -> bool:
         return use_sparse_attention(metadata.sparse_metadata_params, self.layer_idx)

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kvplan.ops._quant_triton import bf16_bits
+from kvplan.ops._quant_triton import bf16_bits, encode_e4m3, encode_int8
+from kvplan.ops._store_kernels import INF_BITS, _group_scales, _scaled
 from kvplan.ops._triton_util import round_to as _round
 
 
@@ -59,10 +60,12 @@ def _head_norm(x, w, eps, inv_d, dtype: tl.constexpr):
 def qkv_epilogue_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
     stride_qkv, num_positions, eps, inv_d,
-    slot_ptr, kc_ptr, vc_ptr, num_slots, stride_cb, stride_ct,
+    slot_ptr, kc_ptr, vc_ptr, num_slots, stride_cb, stride_ct, s_off, s_stride,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     QK_NORM: tl.constexpr, TILE_H: tl.constexpr, TILE_D: tl.constexpr,
-    STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr = 0,
+    GS: tl.constexpr = 1, QMAX: tl.constexpr = 1.0, SF: tl.constexpr = 2, SB: tl.constexpr = 4,
+    HW: tl.constexpr = True, FAST_DIV: tl.constexpr = False,
 ):  # fmt: skip
     """Split one token's ``qkv`` heads into q/k/v, norming (optional) and rotating q and k.
 
@@ -78,6 +81,10 @@ def qkv_epilogue_kernel(
     dtype) into the paged caches ``kc`` / ``vc`` ``[blocks, BLOCK_SIZE, NUM_KV_HEADS,
     HEAD_DIM]`` (strides ``stride_cb`` / ``stride_ct`` per block / token, heads contiguous) at
     slot ``slot[t]``; a slot outside ``[0, num_slots)`` (-1: padding) writes nothing.
+    ``QUANT`` 1 (e4m3) / 3 (int8): ``kc`` / ``vc`` are the uint8 token records of a quantized
+    cache (strides in bytes; a head's values at ``head * HEAD_DIM``, its ``HEAD_DIM / GS``
+    scales of ``SB`` bytes at ``s_off + head * HEAD_DIM / GS * SB``, ``s_stride`` per token),
+    written as ``store_kv_cache`` writes the bf16-rounded rows (`_store_quantized`).
     """
     t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = q_ptr.dtype.element_ty
@@ -122,12 +129,59 @@ def qkv_epilogue_kernel(
         slot = tl.load(slot_ptr + t).to(tl.int64)
         slot_ok = (slot >= 0) & (slot < num_slots)
         slot = tl.where(slot_ok, slot, 0)
-        rec = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+        block = slot // BLOCK_SIZE
+        rec = block * stride_cb + (slot % BLOCK_SIZE) * stride_ct
         kv_head = tl.where(is_k, heads - NUM_HEADS, heads - NUM_HEADS - NUM_KV_HEADS)
-        c_off = rec + kv_head[:, None] * HEAD_DIM + d[None, :]
-        keep = mask & slot_ok
-        _store_cast(kc_ptr + c_off, y.to(dtype), keep & is_k[:, None])
-        _store_cast(vc_ptr + c_off, x.to(dtype), keep & is_v[:, None])
+        if QUANT == 0:
+            c_off = rec + kv_head[:, None] * HEAD_DIM + d[None, :]
+            keep = mask & slot_ok
+            _store_cast(kc_ptr + c_off, y.to(dtype), keep & is_k[:, None])
+            _store_cast(vc_ptr + c_off, x.to(dtype), keep & is_v[:, None])
+        else:
+            sbase = block * stride_cb + s_off + (slot % BLOCK_SIZE) * s_stride
+            _store_quantized(kc_ptr, rec, sbase, kv_head, y.to(dtype), is_k & slot_ok, TILE_H,
+                             HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV)  # fmt: skip
+            _store_quantized(vc_ptr, rec, sbase, kv_head, x.to(dtype), is_v & slot_ok, TILE_H,
+                             HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV)  # fmt: skip
+
+
+@triton.jit
+def _store_quantized(
+    c_ptr, vbase, sbase, kv_head, val, rows, TILE_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    QUANT: tl.constexpr, GS: tl.constexpr, QMAX: tl.constexpr, SF: tl.constexpr,
+    SB: tl.constexpr, HW: tl.constexpr, FAST_DIV: tl.constexpr,
+):  # fmt: skip
+    """Quantize the heads ``kv_head`` (rows where ``rows``) of ``val`` ``[TILE_H, HEAD_DIM]``
+    into a token record: the values rounded to bf16 first (``KVCacheTensors.store`` casts its
+    input so), one scale per ``GS`` values, then the rules of ``store_quant_kernel`` (the same
+    jit helpers), non-finite inputs included: its branch taken for every group, which for
+    finite groups gives its finite path's bits."""
+    G: tl.constexpr = HEAD_DIM // GS
+    w = val.to(tl.float32)
+    if val.dtype != tl.bfloat16:  # RNE to bf16 by bits (the interpreter's cast truncates)
+        w = tl.where(w == w, (bf16_bits(w) << 16).to(tl.float32, bitcast=True), w)
+    x = tl.reshape(w, [TILE_H, G, GS])
+    xb = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| bits: inf = INF_BITS, NaN above
+    finite = xb < INF_BITS
+    amax_b = tl.max(tl.where(finite, xb, 0), axis=2)  # [TILE_H, G]
+    factor, sbytes = _group_scales(amax_b.to(tl.float32, bitcast=True), QMAX, SF, HW)
+    q = _scaled(tl.where(finite, x, 0.0), factor, SF, FAST_DIV)
+    q = tl.where(xb == INF_BITS, tl.where(x > 0, QMAX, -QMAX), q)  # +-inf -> +-QMAX, NaN -> 0
+    if QUANT == 3:
+        vbytes = (encode_int8(q) & 255).to(tl.uint8)
+    elif HW:
+        if SF != 0:
+            q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+        vbytes = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        vbytes = encode_e4m3(q).to(tl.uint8)
+    d = tl.arange(0, HEAD_DIM)
+    ok = rows[:, None]
+    v_off = vbase + kv_head[:, None] * HEAD_DIM + d[None, :]
+    tl.store(c_ptr + v_off, tl.reshape(vbytes, [TILE_H, HEAD_DIM]), mask=ok)
+    j = tl.arange(0, G * SB)
+    s_off = sbase + kv_head[:, None] * (G * SB) + j[None, :]
+    tl.store(c_ptr + s_off, tl.reshape(sbytes, [TILE_H, G * SB]).to(tl.uint8), mask=ok)
 
 
 @triton.jit

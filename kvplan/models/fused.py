@@ -161,7 +161,10 @@ def qkv_epilogue(
             cast to the caches' float dtype, into the paged caches ``[blocks, block_size, Hkv,
             D]`` (heads and D contiguous, the same shape and strides) at ``slots[i]`` (int32 /
             int64 ``[T]``; outside ``[0, blocks * block_size)``, e.g. -1, writes nothing),
-            as `KVCacheTensors.store` of a plain cache would, in the same kernel.
+            as `KVCacheTensors.store` of a plain cache would, in the same kernel. A 4-tuple
+            ``(k_cache, v_cache, slots, layout)`` names uint8 token-record caches of a
+            quantized ``layout`` (e4m3 / int8, `fused_store_supports`): the rows are
+            quantized as ``store_kv_cache`` quantizes them (the same bytes).
 
     Returns:
         ``(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D])`` in the dtype of ``qkv``; all three
@@ -184,14 +187,29 @@ def _head_dim(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
     return qkv.shape[1] // heads
 
 
-def _check_kv_store(kv_store, t: int, num_kv_heads: int, d: int, device) -> None:
-    """`qkv_epilogue`'s ``kv_store`` contract (see its docstring)."""
-    if not (isinstance(kv_store, tuple) and len(kv_store) == 3):
-        raise TypeError("kv_store must be a (k_cache, v_cache, slots) tuple")
-    k_cache, v_cache, slots = kv_store
+def _check_kv_store(kv_store, t: int, num_kv_heads: int, d: int, device):
+    """`qkv_epilogue`'s ``kv_store`` contract (see its docstring); returns the quantized
+    layout, or None for plain caches."""
+    if not (isinstance(kv_store, tuple) and len(kv_store) in (3, 4)):
+        raise TypeError(
+            "kv_store must be a (k_cache, v_cache, slots) or (k_cache, v_cache, slots, layout) "
+            "tuple"
+        )
+    k_cache, v_cache, slots = kv_store[:3]
+    layout = kv_store[3] if len(kv_store) == 4 else None
     check_tensor("kv_store slots", slots, dtype=(torch.int32, torch.int64), shape=(t,),
                  device=device)  # fmt: skip
+    if layout is not None:
+        _check_quantized_store(layout, num_kv_heads, d)
     for name, c in (("kv_store k_cache", k_cache), ("kv_store v_cache", v_cache)):
+        if layout is not None:
+            check_tensor(name, c, dtype=torch.uint8, ndim=4, device=device)
+            if c.shape[2] != 1 or c.shape[3] < layout.bytes_per_token or c.stride(3) != 1:
+                raise ValueError(
+                    f"{name} must be uint8 [blocks, block_size, 1, >= "
+                    f"{layout.bytes_per_token}] token records, got shape {list(c.shape)}"
+                )
+            continue
         check_tensor(name, c, dtype=_CACHE_FLOATS, ndim=4, device=device)
         if c.shape[2:] != (num_kv_heads, d) or c.stride(3) != 1 or c.stride(2) != d:
             raise ValueError(
@@ -205,15 +223,48 @@ def _check_kv_store(kv_store, t: int, num_kv_heads: int, d: int, device) -> None
             f"kv_store caches differ: k {list(k_cache.shape)} {k_cache.stride()} "
             f"{k_cache.dtype}, v {list(v_cache.shape)} {v_cache.stride()} {v_cache.dtype}"
         )
+    return layout
 
 
 _CACHE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# quantized value dtypes the fused store writes (QUANT constexpr of qkv_epilogue_kernel)
+_FUSED_QUANT = {"e4m3": 1, "int8": 3}
+
+
+def fused_store_supports(layout, head_dim: int) -> bool:
+    """Whether `qkv_epilogue`'s ``kv_store`` can write a cache of ``layout`` (None: plain):
+    plain caches, and e4m3 / int8 token records of whole per-head scale groups with a
+    power-of-two ``head_dim`` (e2m1 caches keep ``store_kv_cache``)."""
+    if layout is None:
+        return True
+    return (
+        layout.quantized_dtype in _FUSED_QUANT
+        and layout.token_interleaved
+        and layout.bf16_elements == 0
+        and head_dim == triton_next_pow2(head_dim)
+        and head_dim % layout.elements_per_sf == 0
+    )
+
+
+def _check_quantized_store(layout, num_kv_heads: int, d: int) -> None:
+    if not fused_store_supports(layout, d) or layout.quantized_elements != num_kv_heads * d:
+        raise ValueError(
+            f"kv_store layout {layout.note!r} is not one the fused store writes (e4m3 / int8 "
+            f"token records of {num_kv_heads} heads x {d}, power-of-two head_dim)"
+        )
 
 
 def _store_rows_torch(kv_store, k: torch.Tensor, v: torch.Tensor) -> None:
     """Sync-free scatter of ``k`` / ``v`` ``[T, Hkv, D]`` into ``kv_store``'s caches: a skipped
-    row writes back what slot 0 already holds."""
-    k_cache, v_cache, slots = kv_store
+    row writes back what slot 0 already holds; quantized caches through ``store_kv_cache``."""
+    k_cache, v_cache, slots = kv_store[:3]
+    if len(kv_store) == 4:
+        from kvplan.ops.store import store_kv_cache
+
+        for x, cache in ((k, k_cache), (v, v_cache)):
+            store_kv_cache(x.to(torch.bfloat16), cache, slots.to(torch.int32),
+                           layout=kv_store[3], check=False)  # fmt: skip
+        return
     blocks, bs = k_cache.shape[:2]
     keep = ((slots >= 0) & (slots < blocks * bs))[:, None, None]
     idx = torch.where(keep[:, 0, 0], slots, 0).long()
@@ -278,11 +329,30 @@ def qkv_epilogue_triton(
         for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
             if w.shape != (d,) or w.dtype != qkv.dtype:
                 raise TypeError(f"{name} must be [{d}] {qkv.dtype}, got {list(w.shape)} {w.dtype}")
+    quant_kw = {}
     if kv_store is not None:
-        _check_kv_store(kv_store, t, num_kv_heads, d, qkv.device)
-        k_cache, v_cache, slots = kv_store
-        blocks, bs = k_cache.shape[:2]
-        store = (slots, k_cache, v_cache, blocks * bs, k_cache.stride(0), k_cache.stride(1))
+        layout = _check_kv_store(kv_store, t, num_kv_heads, d, qkv.device)
+        k_cache, v_cache, slots = kv_store[:3]
+        if layout is None:
+            blocks, bs = k_cache.shape[:2]
+            store = (slots, k_cache, v_cache, blocks * bs, k_cache.stride(0), k_cache.stride(1),
+                     0, 0)  # fmt: skip
+        else:
+            from kvplan import quant
+            from kvplan.ops._quant_triton import SF_KIND
+            from kvplan.ops.cache_geometry import cache_bytes
+
+            geo = cache_bytes(k_cache, layout)[1]
+            bs = geo.block_size
+            store = (slots, k_cache, v_cache, geo.num_slots, geo.block_stride, geo.v_stride,
+                     geo.s_block_off, geo.s_stride)  # fmt: skip
+            hw = not triton_interpreting()
+            fp32_sf = layout.sf_format == "fp32"
+            quant_kw = dict(
+                QUANT=_FUSED_QUANT[layout.quantized_dtype], GS=layout.elements_per_sf,
+                QMAX=float(quant.QMAX[layout.quantized_dtype]), SF=SF_KIND[layout.sf_format],
+                SB=4 if fp32_sf else 1, HW=hw, FAST_DIV=hw and fp32_sf,
+            )  # fmt: skip
     new = dict(dtype=qkv.dtype, device=qkv.device)
     q = torch.empty(t, num_heads, d, **new)
     k = torch.empty(t, num_kv_heads, d, **new)
@@ -298,13 +368,14 @@ def qkv_epilogue_triton(
         w_q = q_norm_weight.contiguous() if qk_norm else q
         w_k = k_norm_weight.contiguous() if qk_norm else q
         if kv_store is None:
-            store = (positions, q, q, 0, 0, 0)  # unused without STORE
+            store = (positions, q, q, 0, 0, 0, 0, 0)  # unused without STORE
         qkv_epilogue_kernel[(t, triton_cdiv(heads, tile_h))](
             qkv, positions, cos.contiguous(), sin.contiguous(), w_q, w_k, q, k, v,
             qkv.stride(0), cos.shape[0], eps, 1.0 / d, *store,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, QK_NORM=qk_norm,
             TILE_H=tile_h, TILE_D=tile_d, STORE=kv_store is not None,
-            BLOCK_SIZE=bs if kv_store is not None else 1, num_warps=4, enable_fp_fusion=False,
+            BLOCK_SIZE=bs if kv_store is not None else 1, **quant_kw, num_warps=4,
+            enable_fp_fusion=False,
         )  # fmt: skip
     return q, k, v
 

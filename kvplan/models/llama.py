@@ -117,7 +117,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         norm = self.q_norm is not None
-        # the fused kernel also writes k / v into a plain bf16 cache (no separate store launch)
+        # the fused kernel also writes k / v into the cache (bf16, or fp8 / int8 records)
         store = None
         if (
             fused
@@ -126,6 +126,8 @@ class Attention(nn.Module):
             and hasattr(self.attn, "store_target")
         ):
             store = self.attn.store_target(metadata, t)
+            if store is not None and len(store) == 4:  # a quantized cache
+                store = store if ops.fused_store_supports(store[3], self.head_dim) else None
         q, k, v = ops.qkv_epilogue(
             qkv, positions, rotary.cos, rotary.sin,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,

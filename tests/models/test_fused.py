@@ -89,26 +89,37 @@ def test_qkv_epilogue_kernel_fp32(t, h, hkv, d, norm, tile_h):
         torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "int8"])
 @pytest.mark.parametrize(
     "dtype, norm, tile_h", [(torch.float32, False, None), (torch.bfloat16, True, 2)]
 )
-def test_qkv_epilogue_store_writes_what_the_cache_store_writes(dtype, norm, tile_h):
-    """``kv_store``: the kernel (and the torch path) leave a bf16 `KVCacheTensors` cache byte
-    for byte as its own ``store`` of the returned k / v does; skipped slots (-1, past the end)
-    and every other slot keep their bytes; q / k / v are those of the call without a store."""
+def test_qkv_epilogue_store_writes_what_the_cache_store_writes(kv_format, dtype, norm, tile_h):
+    """``kv_store``: the kernel (and the torch path) leave a `KVCacheTensors` cache (bf16, or
+    fp8 / int8 token records) byte for byte as its own ``store`` of the returned k / v does,
+    non-finite values included; skipped slots (-1, past the end) and every other slot keep
+    their bytes; q / k / v are those of the call without a store."""
     from kvplan.cache.kv_tensors import KVCacheTensors
 
-    t, h, hkv, d = 6, 4, 2, 16
+    t, h, hkv, d = 6, 4, 2, 32
     args, kw = qkv_case(11 + int(norm), t, h, hkv, d, norm, dtype=dtype)
     kw["eps"] = 1e-5 if norm else 1e-6
+    qkv = args[0]
+    qkv[3, (h + hkv) * d + 5] = float("inf")  # a v value of token 3 (stored at slot 9)
+    qkv[3, (h + hkv + 1) * d + 7] = float("nan")
+    qkv[2, (h + hkv) * d + 1] = -float("inf")
     slots = torch.tensor([3, -1, 17, 9, 20, 0], device=DEVICE)  # 20 = 5 blocks x 4: skipped
 
     def caches():
         kv = KVCacheTensors(1, num_blocks=5, block_size=4, num_kv_heads=hkv, head_dim=d,
-                            kv_format="bf16", device=DEVICE)  # fmt: skip
+                            kv_format=kv_format, device=DEVICE)  # fmt: skip
         for c in (kv.raw_k_cache(0), kv.raw_v_cache(0)):  # random old contents
             c.copy_(torch.randint(0, 127, c.shape, generator=gen(5), dtype=torch.uint8))
         return kv
+
+    def target(kv):
+        if kv_format == "bf16":
+            return kv.k_cache(0), kv.v_cache(0), slots
+        return kv.raw_k_cache(0), kv.raw_v_cache(0), slots, kv.layout
 
     for fn, extra in ((fused.qkv_epilogue_triton, {"tile_h": tile_h}),
                       (fused.qkv_epilogue_torch, {})):  # fmt: skip
@@ -117,35 +128,52 @@ def test_qkv_epilogue_store_writes_what_the_cache_store_writes(dtype, norm, tile
         want.store(0, plain[1], plain[2], slots, check=False)
         kv = caches()
         before = kv.raw_k_cache(0).clone()
-        got = fn(*args, **kw, **extra, kv_store=(kv.k_cache(0), kv.v_cache(0), slots))
+        got = fn(*args, **kw, **extra, kv_store=target(kv))
         for name, a, b in zip("qkv", got, plain, strict=True):
-            assert torch.equal(a, b), name
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), name
         assert torch.equal(kv.raw_k_cache(0), want.raw_k_cache(0)), fn.__name__
-        assert torch.equal(kv.raw_v_cache(0), want.raw_v_cache(0)), fn.__name__
+        if kv_format == "bf16":  # the same values; a NaN's payload bits are not specified
+            assert torch.equal(kv.v_cache(0).isnan(), want.v_cache(0).isnan())
+            assert torch.equal(kv.v_cache(0).nan_to_num(7.0), want.v_cache(0).nan_to_num(7.0))
+        else:  # NaN -> +0 by the quantization rule: the same bytes
+            assert torch.equal(kv.raw_v_cache(0), want.raw_v_cache(0)), fn.__name__
         assert not torch.equal(kv.raw_k_cache(0), before)  # the store wrote something
-        block, off = slots[0] // 4, slots[0] % 4
-        assert torch.equal(kv.k_cache(0)[block, off], got[1][0].to(torch.bfloat16))
-        assert torch.equal(kv.v_cache(0)[block, off], got[2][0].to(torch.bfloat16))
     kv = caches()
-    store = (kv.k_cache(0), kv.v_cache(0), slots)
+    store = target(kv)
     with pytest.raises(ValueError, match="kv_store slots"):
-        fused.qkv_epilogue_triton(*args, **kw, kv_store=(*store[:2], slots[:3]))
+        fused.qkv_epilogue_triton(*args, **kw, kv_store=(*store[:2], slots[:3], *store[3:]))
     with pytest.raises(ValueError, match="kv_store k_cache must be"):
         fused.qkv_epilogue_triton(*args, **kw, kv_store=(store[0][..., :8], *store[1:]))
     with pytest.raises(ValueError, match="kv_store caches differ"):
-        fused.qkv_epilogue_torch(*args, **kw, kv_store=(store[0], store[1][:3], slots))
+        fused.qkv_epilogue_torch(*args, **kw, kv_store=(store[0], store[1][:3], *store[2:]))
     with pytest.raises(TypeError, match="kv_store must be"):
         fused.qkv_epilogue_triton(*args, **kw, kv_store=store[:2])
 
 
+def test_fused_store_refuses_formats_it_does_not_write():
+    from kvplan.cache.kv_tensors import KVCacheTensors
+
+    args, kw = qkv_case(3, 2, 2, 1, 32, False)
+    kv = KVCacheTensors(1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=32,
+                        kv_format="fp4", device=DEVICE)  # fmt: skip
+    assert not fused.fused_store_supports(kv.layout, 32)
+    store = (kv.raw_k_cache(0), kv.raw_v_cache(0), torch.tensor([0, 1], device=DEVICE))
+    with pytest.raises(ValueError, match="not one the fused store writes"):
+        fused.qkv_epilogue_triton(*args, **kw, kv_store=(*store, kv.layout))
+    fp8 = KVCacheTensors(1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=32,
+                         kv_format="fp8", device=DEVICE)  # fmt: skip
+    assert fused.fused_store_supports(fp8.layout, 32)
+    assert not fused.fused_store_supports(fp8.layout, 48)
+
+
 def test_engine_fused_store_equals_the_backend_store(monkeypatch):
-    """The engine with fused kernels on a bf16 cache writes K/V in the qkv epilogue (the
-    backend's store is never called) and generates the tokens of the unfused engine, whose
-    backend stores them; on the three paged backends."""
+    """The engine with fused kernels writes K/V in the qkv epilogue (the backend's store is
+    never called) and generates the tokens of the unfused engine, whose backend stores them:
+    bf16 caches on the three paged backends, fp8 / int8 records; fp4 keeps the store."""
     from kvplan import LLM, SamplingParams
     from kvplan.cache.kv_tensors import KVCacheTensors
 
-    cfg = CPU_CONFIGS["llama"]
+    cfg = named_config("tiny-llama", num_layers=2, head_dim_override=32)  # fp8 groups of 32
     prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 10, 1]]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     calls = []
@@ -153,19 +181,21 @@ def test_engine_fused_store_equals_the_backend_store(monkeypatch):
     monkeypatch.setattr(
         KVCacheTensors, "store", lambda self, *a, **k: (calls.append(1), real_store(self, *a, **k))
     )
-    for backend in ("vanilla", "ragged", "block_offsets"):
+    cases = [(b, "bf16") for b in ("vanilla", "ragged", "block_offsets")]
+    cases += [("block_offsets", f) for f in ("fp8", "int8", "fp4")]  # fp4: the backend stores
+    for backend, kv_format in cases:
         outs = {}
         # unfused kernels; fused kernels; fused kernels with the store switched off (A/B runs)
         for value, store in (("0", "1"), ("1", "1"), ("1", "0")):
             monkeypatch.setenv(FUSED_KERNELS_ENV, value)
             monkeypatch.setenv("KVPLAN_FUSED_KV_STORE", store)
             calls.clear()
-            llm = LLM(cfg, device=DEVICE, dtype="float32", kv_format="bf16", backend=backend,
-                      max_model_len=32, num_blocks=16, seed=0)  # fmt: skip
+            llm = LLM(cfg, device=DEVICE, dtype="float32", kv_format=kv_format,
+                      backend=backend, max_model_len=32, num_blocks=16, seed=0)  # fmt: skip
             outs[value + store] = [o.token_ids for o in llm.generate(prompts, params)]
-            fused_store = value == "1" and store == "1"
-            assert (len(calls) == 0) == fused_store, (backend, value, store, len(calls))
-        assert outs["11"] == outs["01"] == outs["10"], backend
+            fused_store = value == "1" and store == "1" and kv_format != "fp4"
+            assert (len(calls) == 0) == fused_store, (backend, kv_format, value, store)
+        assert outs["11"] == outs["01"] == outs["10"], (backend, kv_format)
 
 
 def test_qkv_epilogue_bad_positions_poison_and_caller_errors():
@@ -227,6 +257,8 @@ def test_dispatch_follows_fused_flag(monkeypatch):
 # --- sm_90 compiles ---------------------------------------------------------------------------
 
 _F32_ARGS = {"eps": "fp32", "inv_n": "fp32", "inv_d": "fp32"}
+# qkv_epilogue_kernel's quantized-store constexprs at their plain-cache values
+_PLAIN = dict(QUANT=0, GS=1, QMAX=1.0, SF=2, SB=4, HW=True, FAST_DIV=False)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -237,16 +269,24 @@ def test_kernels_compile_for_sm90(dtype):
     for norm in (False, True):
         compile_sm90(kernels.qkv_epilogue_kernel, ptr, {**_F32_ARGS, "pos_ptr": "*i64"},
                      NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, QK_NORM=norm, TILE_H=8,
-                     TILE_D=128, STORE=False, BLOCK_SIZE=1)  # fmt: skip
+                     TILE_D=128, STORE=False, BLOCK_SIZE=1, **_PLAIN)  # fmt: skip
     compile_sm90(kernels.qkv_epilogue_kernel, ptr, {**_F32_ARGS, "pos_ptr": "*i32"},
                  NUM_HEADS=4, NUM_KV_HEADS=2, HEAD_DIM=80, QK_NORM=True, TILE_H=8, TILE_D=128,
-                 STORE=False, BLOCK_SIZE=1)  # fmt: skip
+                 STORE=False, BLOCK_SIZE=1, **_PLAIN)  # fmt: skip
     # the fused K/V store into a bf16 cache (the engine's decode: llama-1b heads, 16-token blocks)
     compile_sm90(kernels.qkv_epilogue_kernel, ptr,
                  {**_F32_ARGS, "pos_ptr": "*i64", "slot_ptr": "*i64", "kc_ptr": "*bf16",
                   "vc_ptr": "*bf16", "stride_cb": "i64"},
                  NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=64, QK_NORM=False, TILE_H=16,
-                 TILE_D=64, STORE=True, BLOCK_SIZE=16)  # fmt: skip
+                 TILE_D=64, STORE=True, BLOCK_SIZE=16, **_PLAIN)  # fmt: skip
+    # ... and into fp8 / int8 token records (fp32 scales per 32 values)
+    for quant, qmax in ((1, 448.0), (3, 127.0)):
+        compile_sm90(kernels.qkv_epilogue_kernel, ptr,
+                     {**_F32_ARGS, "pos_ptr": "*i64", "slot_ptr": "*i64", "kc_ptr": "*u8",
+                      "vc_ptr": "*u8", "stride_cb": "i64"},
+                     NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=64, QK_NORM=False, TILE_H=16,
+                     TILE_D=64, STORE=True, BLOCK_SIZE=16, QUANT=quant, GS=32, QMAX=qmax, SF=2,
+                     SB=4, HW=True, FAST_DIV=True)  # fmt: skip
     compile_sm90(kernels.silu_and_mul_kernel, ptr, TILE=1024, EXACT=True)
 
 

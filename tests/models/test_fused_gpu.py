@@ -80,6 +80,35 @@ def test_qkv_epilogue_without_norm_bit_exact(dtype, d, t):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("t", [1, 64, 300])
+def test_qkv_epilogue_store_bytes_equal_the_cache_store(kv_format, dtype, t):
+    """The fused K/V store on the GPU (hardware fp8 conversion, fast fp32-scale division)
+    leaves the cache bytes ``KVCacheTensors.store`` leaves, at the engine's head shape."""
+    from kvplan.cache.kv_tensors import KVCacheTensors
+
+    h, hkv, d = 32, 8, 64
+    args, kw = qkv_case(t + 3, t, h, hkv, d, False, dtype=dtype, device="cuda", max_pos=512)
+    g = gen(t)
+    slots = torch.randperm(64 * 16, generator=g)[:t].cuda()
+    slots[::7] = -1
+    caches = [KVCacheTensors(1, num_blocks=64, block_size=16, num_kv_heads=hkv, head_dim=d,
+                             kv_format=kv_format, device="cuda") for _ in range(2)]  # fmt: skip
+    q, k, v = fused.qkv_epilogue_triton(*args, **kw)
+    caches[0].store(0, k, v, slots, check=False)
+    c = caches[1]
+    if kv_format == "bf16":
+        store = (c.k_cache(0), c.v_cache(0), slots)
+    else:
+        store = (c.raw_k_cache(0), c.raw_v_cache(0), slots, c.layout)
+    got = fused.qkv_epilogue_triton(*args, **kw, kv_store=store)
+    for a, b in zip(got, (q, k, v), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(c.raw_k_cache(0), caches[0].raw_k_cache(0))
+    assert torch.equal(c.raw_v_cache(0), caches[0].raw_v_cache(0))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", [64, 128])
 def test_qkv_epilogue_with_qk_norm_near_exact(dtype, d):
