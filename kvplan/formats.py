@@ -46,6 +46,10 @@ class KVCacheFormat:
         sf_format: ``"ue8m0"`` (power-of-two exponent byte), ``"e4m3"`` or ``"fp32"``.
         note: free-form description.
         token_interleaved: values and scales of a token are adjacent (see module docstring).
+        scale_search: how a writer picks each group's scale (readers ignore it; ``e4m3`` values
+            with ``fp32`` scales only): ``amax / 448`` when False; when True the best of the
+            nine ``amax / c`` for the e4m3 values ``c`` in [224, 448] by the rounding error
+            the group's large values take (`kvplan.quant`, "Searched fp32 scale").
 
     Validation (``ValueError`` naming the field): an unquantized format has no quantized
     elements, groups or scale format and at least one BF16 element; a quantized one has positive
@@ -62,6 +66,7 @@ class KVCacheFormat:
     sf_format: ScaleFactorFormat | None
     note: str = ""
     token_interleaved: bool = False
+    scale_search: bool = False
 
     def __post_init__(self) -> None:
         for name in ("quantized_elements", "elements_per_sf", "bf16_elements"):
@@ -128,6 +133,16 @@ class KVCacheFormat:
                         "KVCacheFormat.elements_per_sf must be even for e2m1, "
                         f"got {self.elements_per_sf}"
                     )
+        if self.scale_search is not False and (
+            self.scale_search is not True
+            or self.quantized_dtype != "e4m3"
+            or self.sf_format != "fp32"
+        ):
+            raise ValueError(
+                "KVCacheFormat.scale_search must be a bool, True only for e4m3 values with fp32 "
+                f"scales, got {self.scale_search!r} with {self.quantized_dtype!r} / "
+                f"{self.sf_format!r}"
+            )
         if self.do_cast and not self.token_interleaved:
             raise ValueError(
                 "KVCacheFormat.token_interleaved must be True when do_cast=True "

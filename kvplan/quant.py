@@ -13,6 +13,20 @@ Semantics (they define the bytes; the GPU kernel must reproduce them exactly):
   same rounded scale; dequantization multiplies by ``sf``.
 * fp32 scale: ``sf = max(amax, 1e-4) / QMAX``; ``value = e4m3(x / sf)``; dequantization
   multiplies by ``sf``.
+* Searched fp32 scale (``layout.scale_search``, e4m3 values): with ``a = max(amax, 1e-4)``
+  the candidates are ``sf_c = a / c`` (fp32 division) for ``c`` in ``SEARCH_CANDIDATES`` =
+  448, 416, 384, 352, 320, 288, 256, 240, 224: every e4m3 value in [224, 448], i.e. every
+  place on the e4m3 grid the group's largest value can take across one binade of scale (it is
+  stored as ``c`` under ``sf_c``). Each candidate's error is taken in the group's fixed point:
+  ``P = 2^(14 - r)`` with ``r`` the unbiased exponent of ``a``'s fp32 bits,
+  ``X_j = trunc(x_j * P)`` and ``D_j = trunc(d_j * P)`` (int32; ``d_j`` = what a load returns,
+  ``bf16(e4m3(x_j / sf_c) * sf_c)``), ``err_c = sum_j ((D_j - X_j) * X_j)^2`` in int64, exact
+  and independent of summation order (``|X_j| < 2^15``, ``|D_j - X_j| < 2^11``, so each term
+  is below 2^54), so every path picks the same scale. The least error wins, ties to the
+  earlier candidate (448, the plain rule). The weight ``X_j^2`` counts the rounding of the
+  large values, which carry most of ``q.k``: SmolLM2's keys have outlier channels (max / RMS
+  6-10), and placing the top few of a group on grid points instead of only the largest halves
+  the KL of its fp8 cache (bench/RESULTS.md, "Searched fp32 scales").
 * int8 values (fp32 scale only), QMAX = 127: ``value = clamp(RNE(x / sf), -127, 127)`` as a
   two's-complement byte (``x / sf`` may round just above 127, hence the clamp); -128 is never
   stored and there is no negative zero (a negative value that rounds to zero is stored as 0).
@@ -49,6 +63,9 @@ E4M3_MIN_SUBNORMAL = 2.0**-9
 _MINIFLOAT = {"e4m3": (3, 121, 7, E4M3_MAX), "e2m1": (1, 127, 3, E2M1_MAX)}
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 QMAX = {"e4m3": E4M3_MAX, "e2m1": E2M1_MAX, "int8": INT8_MAX}
+# the e4m3 values in [224, 448], largest first: the scales a searched fp32 scale tries
+SEARCH_CANDIDATES = (448.0, 416.0, 384.0, 352.0, 320.0, 288.0, 256.0, 240.0, 224.0)
+SEARCH_FIXED_BITS = 14  # X_j = trunc(x_j * 2^(14 - r)): |X_j| < 2^15
 
 
 def encode_int8(x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +167,10 @@ def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torc
         inv = div_rn(torch.ones_like(sf_val), sf_val)
         scaled = xz * inv[..., None]
     else:
-        sf = div_rn(amax.clamp(min=AMAX_FLOOR), qmax)
+        if layout.scale_search:
+            sf = searched_scales(xz, amax)
+        else:
+            sf = div_rn(amax.clamp(min=AMAX_FLOOR), qmax)
         scaled = xz / sf[..., None]
         scales = sf.contiguous().view(torch.uint8).view(n, -1)
     # +-inf saturates to +-QMAX (the encoder clamps it); NaN stays the +0 of xz
@@ -160,6 +180,28 @@ def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torc
     if dtype == "e2m1":
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return codes.contiguous(), scales.contiguous().view(n, -1)
+
+
+def searched_scales(xz: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The searched fp32 scales (module docstring) of finite fp32 groups ``xz [..., GS]``
+    (BF16 values) with maxima ``amax [...]`` -> fp32 ``[...]``."""
+    a = amax.float().clamp(min=AMAX_FLOOR)
+    r = (a.view(torch.int32) >> 23) - 127
+    p = pow2(SEARCH_FIXED_BITS - r)[..., None]
+    x_fix = (xz * p).to(torch.int32).long()  # float -> int truncates toward zero
+    best_sf = best_err = None
+    for c in SEARCH_CANDIDATES:
+        sf = div_rn(a, c)
+        codes = encode_minifloat(xz / sf[..., None], "e4m3")
+        d = (decode_e4m3(codes) * sf[..., None]).to(torch.bfloat16).float()
+        err = (((d * p).to(torch.int32).long() - x_fix) * x_fix).square().sum(-1)
+        if best_sf is None:
+            best_sf, best_err = sf, err
+        else:
+            better = err < best_err
+            best_sf = torch.where(better, sf, best_sf)
+            best_err = torch.where(better, err, best_err)
+    return best_sf
 
 
 def scale_factors(scales: torch.Tensor, layout: KVCacheFormat) -> torch.Tensor:
@@ -237,7 +279,32 @@ def quantize_group_ref(xs: list[float], layout: KVCacheFormat) -> tuple[list[int
         inv = f32(1.0) / sf
         return [encode(f32(v) * inv) for v in xs], [code]
     sf = max(amax, f32(AMAX_FLOOR)) / qmax
+    if layout.scale_search:
+        sf = _searched_scale_ref([v if math.isfinite(v) else 0.0 for v in xs], amax)
     return [encode(f32(v) / sf) for v in xs], list(np.array([sf], dtype=np.float32).view(np.uint8))
+
+
+def _searched_scale_ref(xs: list[float], amax) -> float:
+    """The searched fp32 scale of one finite group, one value at a time (tests only)."""
+    import numpy as np
+
+    f32 = np.float32
+    a = max(f32(amax), f32(AMAX_FLOOR))
+    r = int(np.array([a], dtype=np.float32).view(np.int32)[0] >> 23) - 127
+    p = f32(2.0 ** (SEARCH_FIXED_BITS - r))
+    x_fix = [int(f32(v) * p) for v in xs]  # int() truncates toward zero
+    best_sf, best_err = None, None
+    for c in SEARCH_CANDIDATES:
+        sf = a / f32(c)
+        err = 0
+        for v, xv in zip(xs, x_fix, strict=True):
+            code = encode_e4m3_ref(torch.tensor(float(f32(v) / sf), dtype=torch.float32))
+            value = f32(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).item())
+            d = f32(torch.tensor(float(value * sf), dtype=torch.float32).bfloat16().item())
+            err += ((int(d * p) - xv) * xv) ** 2
+        if best_err is None or err < best_err:
+            best_sf, best_err = sf, err
+    return best_sf
 
 
 def dequantize_ref(vbytes: list[int], sbytes: list[int], layout: KVCacheFormat) -> torch.Tensor:

@@ -73,6 +73,11 @@ def test_validation_rules_from_the_seed():
         KVCacheFormat(None, 0, 0, 8, False, "ue8m0", "scale without values")
     with pytest.raises(ValueError, match="num_elements"):
         bf16_format(0)
+    for dtype, sf in (("e4m3", "ue8m0"), ("e4m3", "e4m3"), ("int8", "fp32"), ("e2m1", "fp32")):
+        with pytest.raises(ValueError, match="scale_search"):
+            KVCacheFormat(dtype, 64, 32, 0, True, sf, "searched", True, scale_search=True)
+    with pytest.raises(ValueError, match="scale_search"):
+        KVCacheFormat("e4m3", 64, 32, 0, True, "fp32", "searched", True, scale_search=1)
 
 
 @pytest.mark.parametrize("layout", [*SUPPORTED_KV_CACHE_FORMATS, bf16_format(24)])

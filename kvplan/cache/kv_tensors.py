@@ -10,8 +10,9 @@ Layouts (``H`` = num_kv_heads, ``D`` = head_dim, slot = block * block_size + off
   bytes_per_token]`` caches of the token-interleaved, cast-on-load format ``layout`` over
   H * D elements:
 
-  - ``"fp8"``: e4m3 values, one fp32 scale per 32 values (``amax / 448``, so every group's
-    largest value is stored exactly).
+  - ``"fp8"``: e4m3 values, one fp32 scale per 32 values, searched (``scale_search``: the
+    best of ``amax / c`` for the nine e4m3 values ``c`` in [224, 448]; every group's largest
+    value is stored exactly, and the next largest as close as a scale can put them).
   - ``"int8"``: symmetric int8 values (-127..127, round half to even), one fp32 scale per 32
     values (``amax / 127``); same record size as ``"fp8"``.
   - ``"fp4"``: e2m1 values (two per byte, element 2i in the low nibble), one e4m3 scale per
@@ -40,6 +41,7 @@ QUANTIZED_KV_FORMATS = {
     "int8": ("int8", 32, "fp32"),
     "fp4": ("e2m1", 16, "e4m3"),
 }
+SEARCHED_SCALES = frozenset({"fp8"})  # kv_formats whose writers search the scale (kvplan.quant)
 KV_FORMATS = ("bf16", "fp16", "fp32", *QUANTIZED_KV_FORMATS)
 
 
@@ -278,6 +280,7 @@ class KVCacheTensors:
                 note=f"kvplan {self.kv_format} KV: {dtype} x{hd} (per-head records), {sf} per "
                 f"{group}",
                 token_interleaved=True,
+                scale_search=self.kv_format in SEARCHED_SCALES,
             )
         return None
 

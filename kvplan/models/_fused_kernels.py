@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kvplan.ops._quant_triton import bf16_bits, encode_e4m3, encode_int8
-from kvplan.ops._store_kernels import INF_BITS, _group_scales, _scaled
+from kvplan.ops._store_kernels import INF_BITS, _scaled, _scales_of
 from kvplan.ops._triton_util import round_to as _round
 
 
@@ -65,7 +65,7 @@ def qkv_epilogue_kernel(
     QK_NORM: tl.constexpr, TILE_H: tl.constexpr, TILE_D: tl.constexpr,
     STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr = 0,
     GS: tl.constexpr = 1, QMAX: tl.constexpr = 1.0, SF: tl.constexpr = 2, SB: tl.constexpr = 4,
-    HW: tl.constexpr = True, FAST_DIV: tl.constexpr = False,
+    HW: tl.constexpr = True, FAST_DIV: tl.constexpr = False, SEARCH: tl.constexpr = False,
 ):  # fmt: skip
     """Split one token's ``qkv`` heads into q/k/v, norming (optional) and rotating q and k.
 
@@ -140,16 +140,16 @@ def qkv_epilogue_kernel(
         else:
             sbase = block * stride_cb + s_off + (slot % BLOCK_SIZE) * s_stride
             _store_quantized(kc_ptr, rec, sbase, kv_head, y.to(dtype), is_k & slot_ok, TILE_H,
-                             HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV)  # fmt: skip
+                             HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV, SEARCH)  # fmt: skip
             _store_quantized(vc_ptr, rec, sbase, kv_head, x.to(dtype), is_v & slot_ok, TILE_H,
-                             HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV)  # fmt: skip
+                             HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV, SEARCH)  # fmt: skip
 
 
 @triton.jit
 def _store_quantized(
     c_ptr, vbase, sbase, kv_head, val, rows, TILE_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     QUANT: tl.constexpr, GS: tl.constexpr, QMAX: tl.constexpr, SF: tl.constexpr,
-    SB: tl.constexpr, HW: tl.constexpr, FAST_DIV: tl.constexpr,
+    SB: tl.constexpr, HW: tl.constexpr, FAST_DIV: tl.constexpr, SEARCH: tl.constexpr,
 ):  # fmt: skip
     """Quantize the heads ``kv_head`` (rows where ``rows``) of ``val`` ``[TILE_H, HEAD_DIM]``
     into a token record: the values rounded to bf16 first (``KVCacheTensors.store`` casts its
@@ -164,8 +164,10 @@ def _store_quantized(
     xb = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| bits: inf = INF_BITS, NaN above
     finite = xb < INF_BITS
     amax_b = tl.max(tl.where(finite, xb, 0), axis=2)  # [TILE_H, G]
-    factor, sbytes = _group_scales(amax_b.to(tl.float32, bitcast=True), QMAX, SF, HW)
-    q = _scaled(tl.where(finite, x, 0.0), factor, SF, FAST_DIV)
+    xz = tl.where(finite, x, 0.0)
+    amax = amax_b.to(tl.float32, bitcast=True)
+    factor, sbytes = _scales_of(xz, amax, QMAX, SF, SEARCH, HW, FAST_DIV)
+    q = _scaled(xz, factor, SF, FAST_DIV)
     q = tl.where(xb == INF_BITS, tl.where(x > 0, QMAX, -QMAX), q)  # +-inf -> +-QMAX, NaN -> 0
     if QUANT == 3:
         vbytes = (encode_int8(q) & 255).to(tl.uint8)

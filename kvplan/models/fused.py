@@ -352,6 +352,7 @@ def qkv_epilogue_triton(
                 QUANT=_FUSED_QUANT[layout.quantized_dtype], GS=layout.elements_per_sf,
                 QMAX=float(quant.QMAX[layout.quantized_dtype]), SF=SF_KIND[layout.sf_format],
                 SB=4 if fp32_sf else 1, HW=hw, FAST_DIV=hw and fp32_sf,
+                SEARCH=layout.scale_search,
             )  # fmt: skip
     new = dict(dtype=qkv.dtype, device=qkv.device)
     q = torch.empty(t, num_heads, d, **new)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvplan.ops._quant_triton import (
+    bf16_bits,
     decode_e4m3,
     encode_e2m1_magnitude_raw,
     encode_e4m3,
@@ -67,6 +68,64 @@ def _group_scales(amax, QMAX: tl.constexpr, SF: tl.constexpr, HW: tl.constexpr):
         shifts = tl.arange(0, 4) * 8
         sbytes = (sf.to(tl.int32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & 255
         return sf, sbytes
+
+
+@triton.jit
+def _scales_of(x, amax, QMAX: tl.constexpr, SF: tl.constexpr, SEARCH: tl.constexpr,
+               HW: tl.constexpr, FAST_DIV: tl.constexpr):  # fmt: skip
+    """`_group_scales` of groups ``x [R, G, K]`` (finite fp32 BF16 values, zeros in padding)
+    with maxima ``amax [R, G]``; ``SEARCH`` (e4m3 values, fp32 scales): the searched scale."""
+    if SEARCH:
+        sf = _searched_sf(x, amax, HW, FAST_DIV)
+        shifts = tl.arange(0, 4) * 8
+        sbytes = (sf.to(tl.int32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & 255
+        return sf, sbytes
+    return _group_scales(amax, QMAX, SF, HW)
+
+
+@triton.jit
+def _searched_sf(x, amax, HW: tl.constexpr, FAST_DIV: tl.constexpr):
+    """The searched fp32 scale of each group (``kvplan.quant``, "Searched fp32 scale"): the
+    first of ``a / c``, ``c`` = 448, 416, ..., 256, 240, 224, with the least int64 error
+    ``sum(((D - X) * X)^2)`` in the group's fixed point (exact: integer sums do not depend on
+    the order)."""
+    a = tl.maximum(amax, 1e-4)
+    p = pow2(14 - ((a.to(tl.int32, bitcast=True) >> 23) - 127))  # [R, G]
+    x_fix = (x * p[:, :, None]).to(tl.int32).to(tl.int64)  # truncates toward zero
+    best_sf = tl.div_rn(a, a * 0 + 448.0)
+    best_err = _fixed_point_error(x, x_fix, best_sf, p, HW, FAST_DIV)
+    for i in tl.static_range(1, 7):  # 416, 384, ..., 256
+        best_sf, best_err = _try_scale(x, x_fix, a, 448.0 - 32.0 * i, p, best_sf, best_err,
+                                       HW, FAST_DIV)  # fmt: skip
+    for i in tl.static_range(7, 9):  # 240, 224
+        best_sf, best_err = _try_scale(x, x_fix, a, 352.0 - 16.0 * i, p, best_sf, best_err,
+                                       HW, FAST_DIV)  # fmt: skip
+    return best_sf
+
+
+@triton.jit
+def _try_scale(x, x_fix, a, c, p, best_sf, best_err, HW: tl.constexpr, FAST_DIV: tl.constexpr):
+    """The better of (best_sf, best_err) and the candidate ``a / c`` (ties: the former)."""
+    sf = tl.div_rn(a, a * 0 + c)
+    err = _fixed_point_error(x, x_fix, sf, p, HW, FAST_DIV)
+    better = err < best_err
+    return tl.where(better, sf, best_sf), tl.where(better, err, best_err)
+
+
+@triton.jit
+def _fixed_point_error(x, x_fix, sf, p, HW: tl.constexpr, FAST_DIV: tl.constexpr):
+    """``sum(((D - X) * X)^2)`` over each group: ``D`` the fixed point of what a load returns
+    for ``x`` stored as e4m3 under ``sf``, ``bf16(e4m3(x / sf) * sf)``."""
+    q = _scaled(x, sf, 2, FAST_DIV)
+    if HW:
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        v = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+        d = (v * sf[:, :, None]).to(tl.bfloat16).to(tl.float32)
+    else:
+        v = decode_e4m3(encode_e4m3(q))
+        d = (bf16_bits(v * sf[:, :, None]) << 16).to(tl.float32, bitcast=True)
+    e = ((d * p[:, :, None]).to(tl.int32).to(tl.int64) - x_fix) * x_fix
+    return tl.sum(e * e, axis=2)
 
 
 INF_BITS = tl.constexpr(0x7F800000)  # int32 bits of +inf; larger |x| bits are NaN
@@ -140,6 +199,7 @@ def store_quant_kernel(
     QMAX: tl.constexpr,  # 6.0 (e2m1), 448.0 (e4m3) or 127.0 (int8)
     SF: tl.constexpr,  # 0 ue8m0, 1 e4m3, 2 fp32
     SB: tl.constexpr,  # bytes per scale
+    SEARCH: tl.constexpr,  # searched fp32 scales (e4m3 values; KVCacheFormat.scale_search)
     FLAT: tl.constexpr,  # groups tile the record exactly (GB and G powers of two)
     HW: tl.constexpr,  # hardware fp8 conversion (GPU); integer rounding in the interpreter
     FAST_DIV: tl.constexpr,  # fp32 scales: per-group reciprocal + fma correction (GPU only)
@@ -205,7 +265,8 @@ def store_quant_kernel(
         if nonfinite:  # (uniform branch, rare): scale from the finite values, NaN -> +0
             x = tl.where(xb < INF_BITS, x, 0.0)
             amax_b = tl.max(_finite_bits(xb), axis=2)
-        factor, sbytes = _group_scales(amax_b.to(tl.float32, bitcast=True), QMAX, SF, HW)
+        amax = amax_b.to(tl.float32, bitcast=True)
+        factor, sbytes = _scales_of(x, amax, QMAX, SF, SEARCH, HW, FAST_DIV)
         q = _scaled(x, factor, SF, FAST_DIV)
         if nonfinite:  # +-inf -> +-QMAX
             q = tl.where(xb == INF_BITS, tl.where(x_raw > 0, QMAX, -QMAX), q)

@@ -178,14 +178,14 @@ def compress_store_torch(kv, gate, kv_ring, gate_ring, window_index, positions, 
 def fused_supported(kv: torch.Tensor, layout: KVCacheFormat, weights: PoolWeights) -> bool:
     """Whether the kernel covers this call: fp32 / BF16 ``kv``, a power-of-two width ``C``
     (quantized layouts: ``C`` elements in power-of-two scale groups; exact: the model dtype's
-    bits), ``2 * len(inv_freq) <= C``; int8 values are not covered."""
+    bits), ``2 * len(inv_freq) <= C``; int8 values and searched scales are not covered."""
     width = weights.norm_weight.shape[0]
     if kv.dtype not in (torch.float32, torch.bfloat16) or width != triton_next_pow2(width):
         return False
     if 2 * weights.inv_freq.shape[0] > width or width < 2:
         return False
     if layout.is_quantized:
-        if layout.quantized_dtype == "int8":
+        if layout.quantized_dtype == "int8" or layout.scale_search:
             return False
         return layout.elements == width and layout.bf16_elements == 0 and flat_groups(layout)
     per = 2 if kv.dtype == torch.float32 else 1

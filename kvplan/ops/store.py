@@ -259,7 +259,7 @@ def _launch(x, raw, slots, layout, geo, config=None, n=None, plan=None) -> None:
         gs, g = layout.elements_per_sf, layout.num_scales
         gs_p2, g_p2 = triton_next_pow2(gs), triton_next_pow2(g)
         fp4 = layout.quantized_dtype == "e2m1"
-        rows = config.get("rows", small_batch_tile(n, min(32, 4096 // (g_p2 * gs_p2))))
+        rows = config.get("rows", small_batch_tile(n, _row_tile(layout, g_p2 * gs_p2)))
         hw = config.get("hw", not triton_interpreting())
         if fp4:  # the kernel reads bf16 pairs as int32 words
             x = x if x.storage_offset() % 2 == 0 else x.clone()
@@ -272,7 +272,7 @@ def _launch(x, raw, slots, layout, geo, config=None, n=None, plan=None) -> None:
             QB=layout.quantized_bytes, FP4=fp4, INT8=layout.quantized_dtype == "int8",
             QMAX=quant.QMAX[layout.quantized_dtype],
             SF=SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
-            FLAT=flat_groups(layout), HW=hw,
+            SEARCH=layout.scale_search, FLAT=flat_groups(layout), HW=hw,
             FAST_DIV=config.get("fast_div", hw and layout.sf_format == "fp32"), ROWS=rows, VALIGN=geo.v_align, SALIGN=geo.s_align,
             num_warps=config.get("num_warps", 4),
         )  # fmt: skip
@@ -287,6 +287,12 @@ def _launch(x, raw, slots, layout, geo, config=None, n=None, plan=None) -> None:
             SRC_ALIGN=pow2_alignment(row_bytes),
             num_warps=config.get("num_warps", 4),
         )  # fmt: skip
+
+
+def _row_tile(layout, row_elements: int) -> int:
+    """Rows a program of ``store_quant_kernel`` quantizes: 4,096 elements, a quarter of that
+    with searched scales (each element then holds nine candidates' int64 errors in turn)."""
+    return max(1, min(32, (1024 if layout.scale_search else 4096) // row_elements))
 
 
 def _static_params(layout, geo) -> dict:
@@ -307,7 +313,7 @@ def _static_params(layout, geo) -> dict:
     fp4 = layout.quantized_dtype == "e2m1"
     hw = not triton_interpreting()
     return dict(
-        quant=True, fp4=fp4, tile=min(32, 4096 // (g_p2 * gs_p2)), interp=not hw,
+        quant=True, fp4=fp4, tile=_row_tile(layout, g_p2 * gs_p2), interp=not hw,
         kernel=lambda k: k.store_quant_kernel,
         args=(geo.num_slots, geo.block_stride, geo.v_stride, geo.s_block_off, geo.s_stride),
         kw=dict(
@@ -316,7 +322,7 @@ def _static_params(layout, geo) -> dict:
             QB=layout.quantized_bytes, FP4=fp4, INT8=layout.quantized_dtype == "int8",
             QMAX=quant.QMAX[layout.quantized_dtype],
             SF=SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
-            FLAT=flat_groups(layout), HW=hw,
+            SEARCH=layout.scale_search, FLAT=flat_groups(layout), HW=hw,
             FAST_DIV=hw and layout.sf_format == "fp32", VALIGN=geo.v_align,
             SALIGN=geo.s_align, num_warps=4,
         ),

@@ -296,8 +296,8 @@ def test_quantized_cache_fresh_rows_equal_the_paged_kernel(name, kv_format, spec
     want = reference_attention(stored, 0, None)
     for got in (fused, paged):
         torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=0)
-    if kv_format != "int8":  # and that is not the attention over the exact rows
-        assert (want - reference_attention(sc, 0, None)).abs().max() > 5e-2
+    if kv_format != "int8":  # and that is not the attention over the exact rows (by 3x atol)
+        assert (want - reference_attention(sc, 0, None)).abs().max() > 3e-2
 
 
 def _stored(x, layout):

@@ -258,7 +258,7 @@ def test_dispatch_follows_fused_flag(monkeypatch):
 
 _F32_ARGS = {"eps": "fp32", "inv_n": "fp32", "inv_d": "fp32"}
 # qkv_epilogue_kernel's quantized-store constexprs at their plain-cache values
-_PLAIN = dict(QUANT=0, GS=1, QMAX=1.0, SF=2, SB=4, HW=True, FAST_DIV=False)
+_PLAIN = dict(QUANT=0, GS=1, QMAX=1.0, SF=2, SB=4, HW=True, FAST_DIV=False, SEARCH=False)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -279,14 +279,14 @@ def test_kernels_compile_for_sm90(dtype):
                   "vc_ptr": "*bf16", "stride_cb": "i64"},
                  NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=64, QK_NORM=False, TILE_H=16,
                  TILE_D=64, STORE=True, BLOCK_SIZE=16, **_PLAIN)  # fmt: skip
-    # ... and into fp8 / int8 token records (fp32 scales per 32 values)
-    for quant, qmax in ((1, 448.0), (3, 127.0)):
+    # ... and into fp8 / int8 token records (fp32 scales per 32 values; fp8: searched or not)
+    for quant, qmax, search in ((1, 448.0, True), (1, 448.0, False), (3, 127.0, False)):
         compile_sm90(kernels.qkv_epilogue_kernel, ptr,
                      {**_F32_ARGS, "pos_ptr": "*i64", "slot_ptr": "*i64", "kc_ptr": "*u8",
                       "vc_ptr": "*u8", "stride_cb": "i64"},
                      NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=64, QK_NORM=False, TILE_H=16,
                      TILE_D=64, STORE=True, BLOCK_SIZE=16, QUANT=quant, GS=32, QMAX=qmax, SF=2,
-                     SB=4, HW=True, FAST_DIV=True)  # fmt: skip
+                     SB=4, HW=True, FAST_DIV=True, SEARCH=search)  # fmt: skip
     compile_sm90(kernels.silu_and_mul_kernel, ptr, TILE=1024, EXACT=True)
 
 

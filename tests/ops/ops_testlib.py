@@ -3,7 +3,10 @@
 from kvplan.formats import SUPPORTED_KV_CACHE_FORMATS, KVCacheFormat, bf16_format
 
 # what the engine uses besides the five named formats: FP8 over all heads, and plain BF16
-ENGINE_FP8 = KVCacheFormat("e4m3", 2 * 64, 32, 0, True, "fp32", "engine fp8 2x64", True)
+ENGINE_FP8 = KVCacheFormat(
+    "e4m3", 2 * 64, 32, 0, True, "fp32", "engine fp8 2x64", True, scale_search=True
+)
+FP8_FP32_PLAIN = KVCacheFormat("e4m3", 2 * 64, 32, 0, True, "fp32", "fp8 2x64 amax/448", True)
 ENGINE_FP8_UE8M0 = KVCacheFormat("e4m3", 2 * 64, 32, 0, True, "ue8m0", "fp8 2x64 ue8m0", True)
 ODD_FORMATS = [
     KVCacheFormat("e4m3", 40, 24, 0, True, "ue8m0", "partial last group", True),
@@ -23,6 +26,7 @@ def all_formats(odd_formats: list[KVCacheFormat]) -> list[KVCacheFormat]:
     return [
         *SUPPORTED_KV_CACHE_FORMATS,
         ENGINE_FP8,
+        FP8_FP32_PLAIN,
         ENGINE_FP8_UE8M0,
         bf16_format(24),
         *odd_formats,

@@ -26,7 +26,9 @@ ODD_FORMATS = [f for f in ODD_FORMATS if f.note != "index, 5 ue8m0 scales"]
 # the dense engine's int8 format, and int8 with a partial last group (non-flat kernel path)
 ENGINE_INT8 = KVCacheFormat("int8", 2 * 64, 32, 0, True, "fp32", "engine int8 2x64", True)
 INT8_ODD = KVCacheFormat("int8", 40, 24, 0, True, "fp32", "int8 partial last group", True)
-ALL_FORMATS = [*all_formats(ODD_FORMATS), ENGINE_INT8, INT8_ODD]
+# searched fp32 scales with a partial last group (the kernel's non-flat path)
+SEARCH_ODD = KVCacheFormat("e4m3", 40, 24, 0, True, "fp32", "searched partial group", True, True)
+ALL_FORMATS = [*all_formats(ODD_FORMATS), ENGINE_INT8, INT8_ODD, SEARCH_ODD]
 
 
 def _random_cache(layout, num_blocks, block_size, seed=0, device="cpu"):
@@ -157,7 +159,7 @@ def test_bad_input_raises_and_leaves_the_cache_unchanged(kwargs, exc, match):
 GPU_CASES = (
     [(f, 64, True) for f in ALL_FORMATS]
     + [(f, 133, True) for f in SUPPORTED_KV_CACHE_FORMATS]
-    + [(f, 64, False) for f in (V41_FORMAT, FP8_FLOAT32_SF_INDEX_KV_FORMAT, ENGINE_FP8)]
+    + [(f, 64, False) for f in (V41_FORMAT, FP8_FLOAT32_SF_INDEX_KV_FORMAT, ENGINE_FP8, SEARCH_ODD)]
     + [(ENGINE_INT8, 133, True), (ENGINE_INT8, 64, False)]
 )
 
@@ -252,6 +254,7 @@ from triton.compiler import ASTSource
 from kvplan.ops._store_kernels import store_quant_kernel as fn
 cx = dict(BLOCK_SIZE=64, E=128, GS=128, G=1, GS_P2=128, G_P2=1, GB=128, GB_P2=128, QB=128,
           FP4=False, SF=2, SB=4, FLAT=True, HW=True, ROWS=8, VALIGN=16, SALIGN=4,
+          SEARCH=len(sys.argv) > 3,
           FAST_DIV=sys.argv[1] == "1", INT8=sys.argv[2] == "1",
           QMAX=127.0 if sys.argv[2] == "1" else 448.0)
 types = {"x_ptr": "*bf16", "slot_ptr": "*i32", "cache_ptr": "*u8"}
@@ -287,6 +290,28 @@ def test_fast_division_compiles_for_sm90_without_per_element_div(int8):
     # (replicated) the scales of its rows; fast_div removes the 8 element divisions
     assert counts["0"][1] == 0 and counts["1"][1] >= 1, counts
     assert counts["0"][0] - counts["1"][0] >= 8, counts
+
+
+def test_searched_scales_compile_for_sm90_dividing_only_for_the_candidates():
+    """The searched-scale store compiled for sm_90 (fast division): its nine candidate scales
+    cost nine times the plain store's scale divisions, and no element is divided by div.rn."""
+    import os
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(90)
+    except Exception as e:  # noqa: BLE001 - no CUDA toolchain in this Triton install
+        pytest.skip(f"no ptxas: {e}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    counts = {}
+    for extra in ([], ["search"]):
+        out = subprocess.run([sys.executable, "-c", _SM90_DIV_COUNT, "1", "0", *extra], env=env,
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        counts[bool(extra)] = tuple(int(v) for v in out.split())
+    assert counts[True][0] == 9 * counts[False][0], counts
 
 
 @pytest.mark.parametrize("force_triton", ["1", ""], ids=["triton", "torch"])
@@ -355,6 +380,7 @@ NONFINITE_FORMATS = [
     ENGINE_FP8,
     bf16_format(24),
     ODD_FORMATS[0],  # e4m3, partial last group (non-flat kernel path)
+    SEARCH_ODD,
     ODD_FORMATS[1],  # e2m1 with fp32 scales, groups of 10 (non-flat FP4 path)
     ENGINE_INT8,
     INT8_ODD,
