@@ -57,6 +57,7 @@ from kvplan.formats import (  # noqa: E402
     MXFP8_INDEX_KV_FORMAT,
     V41_FORMAT,
     V41_FP4_FORMAT,
+    KVCacheFormat,
     alloc_kv_cache,
     bf16_format,
     split_kv_cache,
@@ -72,6 +73,12 @@ FORMATS = {
     "FP4_INDEX_KV_FORMAT": FP4_INDEX_KV_FORMAT,
     "FP8_FLOAT32_SF_INDEX_KV_FORMAT": FP8_FLOAT32_SF_INDEX_KV_FORMAT,
     "BF16x512": bf16_format(512),
+    # the dense engine's fp8 record at llama-1b's 8 KV heads x 64: searched fp32 scales per 32
+    # (kv_format="fp8") and the same record with the plain amax / 448 rule
+    "ENGINE_FP8x512": KVCacheFormat(
+        "e4m3", 512, 32, 0, True, "fp32", "engine fp8 x512, searched", True, scale_search=True
+    ),
+    "FP8_AMAX_x512": KVCacheFormat("e4m3", 512, 32, 0, True, "fp32", "fp8 x512, amax/448", True),
 }
 # launch configurations tried by --sweep (hw=False: integer fp8/bf16 rounding instead of cvt)
 STORE_SWEEP = [
