@@ -18,15 +18,17 @@ Semantics (they define the bytes; the GPU kernel must reproduce them exactly):
   448, 416, 384, 352, 320, 288, 256, 240, 224: every e4m3 value in [224, 448], i.e. every
   place on the e4m3 grid the group's largest value can take across one binade of scale (it is
   stored as ``c`` under ``sf_c``). Each candidate's error is taken in the group's fixed point:
-  ``P = 2^(14 - r)`` with ``r`` the unbiased exponent of ``a``'s fp32 bits,
-  ``X_j = trunc(x_j * P)`` and ``D_j = trunc(d_j * P)`` (int32; ``d_j`` = what a load returns,
-  ``bf16(e4m3(x_j / sf_c) * sf_c)``), ``err_c = sum_j ((D_j - X_j) * X_j)^2`` in int64, exact
-  and independent of summation order (``|X_j| < 2^15``, ``|D_j - X_j| < 2^11``, so each term
-  is below 2^54), so every path picks the same scale. The least error wins, ties to the
-  earlier candidate (448, the plain rule). The weight ``X_j^2`` counts the rounding of the
-  large values, which carry most of ``q.k``: SmolLM2's keys have outlier channels (max / RMS
-  6-10), and placing the top few of a group on grid points instead of only the largest halves
-  the KL of its fp8 cache (bench/RESULTS.md, "Searched fp32 scales").
+  ``P = 2^(12 - r)`` with ``r`` the unbiased exponent of ``a``'s fp32 bits,
+  ``X_j = rint(x_j * P)`` and ``D_j = rint(e4m3(x_j * (c / a)) * (sf_c * P))`` (int32, rounded
+  half to even, so a value the candidate stores exactly has ``D_j = X_j``; ``c / a`` one fp32
+  division, ``sf_c * P`` exact), ``t_j = (|D_j - X_j| * |X_j|) >> 10`` and
+  ``err_c = sum_j t_j^2``: integers all the way (``|X_j| < 2^13``, ``t_j < 2^12 + 2^5``, so the
+  sum stays below 2^30), exact and independent of summation order, so every path picks the same
+  scale. The least error wins, ties to the earlier candidate (448, the plain rule); the values
+  are then encoded as under a plain fp32 scale, ``e4m3(x / sf)``. The weight ``|X_j|`` counts
+  the rounding of the large values, which carry most of ``q.k``: SmolLM2's keys have outlier
+  channels (max / RMS 6-10), and placing the top few of a group on grid points instead of only
+  the largest halves the KL of its fp8 cache (bench/RESULTS.md, "Searched fp32 scales").
 * int8 values (fp32 scale only), QMAX = 127: ``value = clamp(RNE(x / sf), -127, 127)`` as a
   two's-complement byte (``x / sf`` may round just above 127, hence the clamp); -128 is never
   stored and there is no negative zero (a negative value that rounds to zero is stored as 0).
@@ -65,7 +67,8 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 QMAX = {"e4m3": E4M3_MAX, "e2m1": E2M1_MAX, "int8": INT8_MAX}
 # the e4m3 values in [224, 448], largest first: the scales a searched fp32 scale tries
 SEARCH_CANDIDATES = (448.0, 416.0, 384.0, 352.0, 320.0, 288.0, 256.0, 240.0, 224.0)
-SEARCH_FIXED_BITS = 14  # X_j = trunc(x_j * 2^(14 - r)): |X_j| < 2^15
+SEARCH_FIXED_BITS = 12  # X_j = trunc(x_j * 2^(12 - r)): |X_j| < 2^13
+SEARCH_SHIFT = 10  # t_j = (|D_j - X_j| * |X_j|) >> 10 < 2^12 + 2^4: sum_j t_j^2 < 2^30 (int32)
 
 
 def encode_int8(x: torch.Tensor) -> torch.Tensor:
@@ -186,15 +189,15 @@ def searched_scales(xz: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """The searched fp32 scales (module docstring) of finite fp32 groups ``xz [..., GS]``
     (BF16 values) with maxima ``amax [...]`` -> fp32 ``[...]``."""
     a = amax.float().clamp(min=AMAX_FLOOR)
-    r = (a.view(torch.int32) >> 23) - 127
-    p = pow2(SEARCH_FIXED_BITS - r)[..., None]
-    x_fix = (xz * p).to(torch.int32).long()  # float -> int truncates toward zero
+    p = pow2(SEARCH_FIXED_BITS - ((a.view(torch.int32) >> 23) - 127))
+    x_fix = torch.round(xz * p[..., None]).to(torch.int32)  # half to even
     best_sf = best_err = None
     for c in SEARCH_CANDIDATES:
         sf = div_rn(a, c)
-        codes = encode_minifloat(xz / sf[..., None], "e4m3")
-        d = (decode_e4m3(codes) * sf[..., None]).to(torch.bfloat16).float()
-        err = (((d * p).to(torch.int32).long() - x_fix) * x_fix).square().sum(-1)
+        codes = encode_minifloat(xz * div_rn(torch.full_like(a, c), a)[..., None], "e4m3")
+        d_fix = torch.round(decode_e4m3(codes) * (sf * p)[..., None]).to(torch.int32)
+        t = ((d_fix - x_fix).abs() * x_fix.abs()) >> SEARCH_SHIFT
+        err = (t * t).sum(-1)
         if best_sf is None:
             best_sf, best_err = sf, err
         else:
@@ -292,16 +295,17 @@ def _searched_scale_ref(xs: list[float], amax) -> float:
     a = max(f32(amax), f32(AMAX_FLOOR))
     r = int(np.array([a], dtype=np.float32).view(np.int32)[0] >> 23) - 127
     p = f32(2.0 ** (SEARCH_FIXED_BITS - r))
-    x_fix = [int(f32(v) * p) for v in xs]  # int() truncates toward zero
+    x_fix = [round(float(f32(v) * p)) for v in xs]  # Python's round(): half to even
     best_sf, best_err = None, None
     for c in SEARCH_CANDIDATES:
-        sf = a / f32(c)
+        sf, inv = a / f32(c), f32(c) / a
+        s_p = sf * p
         err = 0
         for v, xv in zip(xs, x_fix, strict=True):
-            code = encode_e4m3_ref(torch.tensor(float(f32(v) / sf), dtype=torch.float32))
+            code = encode_e4m3_ref(torch.tensor(float(f32(v) * inv), dtype=torch.float32))
             value = f32(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).item())
-            d = f32(torch.tensor(float(value * sf), dtype=torch.float32).bfloat16().item())
-            err += ((int(d * p) - xv) * xv) ** 2
+            t = (abs(round(float(value * s_p)) - xv) * abs(xv)) >> SEARCH_SHIFT
+            err += t * t
         if best_err is None or err < best_err:
             best_sf, best_err = sf, err
     return best_sf

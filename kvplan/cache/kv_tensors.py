@@ -10,9 +10,11 @@ Layouts (``H`` = num_kv_heads, ``D`` = head_dim, slot = block * block_size + off
   bytes_per_token]`` caches of the token-interleaved, cast-on-load format ``layout`` over
   H * D elements:
 
-  - ``"fp8"``: e4m3 values, one fp32 scale per 32 values, searched (``scale_search``: the
-    best of ``amax / c`` for the nine e4m3 values ``c`` in [224, 448]; every group's largest
-    value is stored exactly, and the next largest as close as a scale can put them).
+  - ``"fp8"``: e4m3 values, one fp32 scale per 32 values: ``amax / 448`` for V (every group's
+    largest value stored exactly) and searched for K (``layout.scale_search``: the best of
+    ``amax / c`` for the nine e4m3 values ``c`` in [224, 448], which also puts the next largest
+    values on the grid where a scale can; ``v_layout`` is ``layout`` without the search). K's
+    rounding is what moves the attention scores; searching V's scales too measured no better.
   - ``"int8"``: symmetric int8 values (-127..127, round half to even), one fp32 scale per 32
     values (``amax / 127``); same record size as ``"fp8"``.
   - ``"fp4"``: e2m1 values (two per byte, element 2i in the low nibble), one e4m3 scale per
@@ -27,6 +29,7 @@ Caches are zero-initialized so the padding block 0 (and unwritten slots) reads a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -110,6 +113,12 @@ class KVCacheTensors:
         self.kv_format = kv_format
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.layout = self._make_layout()
+        # V's writer never searches scales (readers use either: the records are the same kind)
+        self.v_layout = (
+            dataclasses.replace(self.layout, scale_search=False)
+            if self.layout is not None and self.layout.scale_search
+            else self.layout
+        )
         self._raw: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self._alloc(n), self._alloc(n)) for n in per_layer
         ]
@@ -182,8 +191,8 @@ class KVCacheTensors:
 
             raw_k, raw_v = self._raw[layer]
             slots = self._int32_slots(slot_mapping, layer)
-            for x, raw in ((k, raw_k), (v, raw_v)):
-                store_kv_cache(x.to(torch.bfloat16), raw, slots, layout=self.layout, check=False)
+            for x, raw, layout in ((k, raw_k, self.layout), (v, raw_v, self.v_layout)):
+                store_kv_cache(x.to(torch.bfloat16), raw, slots, layout=layout, check=False)
             return
         # Sync-free (CUDA-graph safe) scatter: a skipped row targets slot 0 (padding block 0)
         # and writes back the value already there, so it changes nothing.

@@ -139,10 +139,16 @@ def qkv_epilogue_kernel(
             _store_cast(vc_ptr + c_off, x.to(dtype), keep & is_v[:, None])
         else:
             sbase = block * stride_cb + s_off + (slot % BLOCK_SIZE) * s_stride
-            _store_quantized(kc_ptr, rec, sbase, kv_head, y.to(dtype), is_k & slot_ok, TILE_H,
-                             HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV, SEARCH)  # fmt: skip
-            _store_quantized(vc_ptr, rec, sbase, kv_head, x.to(dtype), is_v & slot_ok, TILE_H,
-                             HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV, SEARCH)  # fmt: skip
+            # (uniform branches: a program whose tile holds no K / V head skips that quantizer)
+            if tl.max(is_k.to(tl.int32), axis=0) > 0:
+                _store_quantized(kc_ptr, rec, sbase, kv_head, y.to(dtype), is_k & slot_ok,
+                                 TILE_H, HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV,
+                                 SEARCH)  # fmt: skip
+            if tl.max(is_v.to(tl.int32), axis=0) > 0:
+                # V: amax / 448 always (KVCacheTensors.v_layout); only K searches its scales
+                _store_quantized(vc_ptr, rec, sbase, kv_head, x.to(dtype), is_v & slot_ok,
+                                 TILE_H, HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV,
+                                 False)  # fmt: skip
 
 
 @triton.jit

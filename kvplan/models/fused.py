@@ -164,7 +164,9 @@ def qkv_epilogue(
             as `KVCacheTensors.store` of a plain cache would, in the same kernel. A 4-tuple
             ``(k_cache, v_cache, slots, layout)`` names uint8 token-record caches of a
             quantized ``layout`` (e4m3 / int8, `fused_store_supports`): the rows are
-            quantized as ``store_kv_cache`` quantizes them (the same bytes).
+            quantized as ``store_kv_cache`` quantizes them (the same bytes), k with
+            ``layout`` and v with ``layout`` less its ``scale_search`` (as
+            `KVCacheTensors.store` writes them: only K searches its scales).
 
     Returns:
         ``(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D])`` in the dtype of ``qkv``; all three
@@ -259,11 +261,15 @@ def _store_rows_torch(kv_store, k: torch.Tensor, v: torch.Tensor) -> None:
     row writes back what slot 0 already holds; quantized caches through ``store_kv_cache``."""
     k_cache, v_cache, slots = kv_store[:3]
     if len(kv_store) == 4:
+        import dataclasses
+
         from kvplan.ops.store import store_kv_cache
 
-        for x, cache in ((k, k_cache), (v, v_cache)):
+        k_layout = kv_store[3]
+        v_layout = dataclasses.replace(k_layout, scale_search=False)
+        for x, cache, layout in ((k, k_cache, k_layout), (v, v_cache, v_layout)):
             store_kv_cache(x.to(torch.bfloat16), cache, slots.to(torch.int32),
-                           layout=kv_store[3], check=False)  # fmt: skip
+                           layout=layout, check=False)  # fmt: skip
         return
     blocks, bs = k_cache.shape[:2]
     keep = ((slots >= 0) & (slots < blocks * bs))[:, None, None]

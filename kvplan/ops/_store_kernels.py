@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kvplan.ops._quant_triton import (
-    bf16_bits,
+    INT8_RNE_BITS,
+    INT8_RNE_MAGIC,
     decode_e4m3,
     encode_e2m1_magnitude_raw,
     encode_e4m3,
@@ -76,7 +78,7 @@ def _scales_of(x, amax, QMAX: tl.constexpr, SF: tl.constexpr, SEARCH: tl.constex
     """`_group_scales` of groups ``x [R, G, K]`` (finite fp32 BF16 values, zeros in padding)
     with maxima ``amax [R, G]``; ``SEARCH`` (e4m3 values, fp32 scales): the searched scale."""
     if SEARCH:
-        sf = _searched_sf(x, amax, HW, FAST_DIV)
+        sf = _searched_sf(x, amax, HW)
         shifts = tl.arange(0, 4) * 8
         sbytes = (sf.to(tl.int32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & 255
         return sf, sbytes
@@ -84,48 +86,57 @@ def _scales_of(x, amax, QMAX: tl.constexpr, SF: tl.constexpr, SEARCH: tl.constex
 
 
 @triton.jit
-def _searched_sf(x, amax, HW: tl.constexpr, FAST_DIV: tl.constexpr):
+def _searched_sf(x, amax, HW: tl.constexpr):
     """The searched fp32 scale of each group (``kvplan.quant``, "Searched fp32 scale"): the
-    first of ``a / c``, ``c`` = 448, 416, ..., 256, 240, 224, with the least int64 error
-    ``sum(((D - X) * X)^2)`` in the group's fixed point (exact: integer sums do not depend on
-    the order)."""
+    first of ``a / c``, ``c`` = 448, 416, ..., 256, 240, 224, with the least int32 error
+    ``sum(((|D - X| * |X|) >> 10)^2)`` in the group's fixed point (exact: integer sums do not
+    depend on the order)."""
     a = tl.maximum(amax, 1e-4)
-    p = pow2(14 - ((a.to(tl.int32, bitcast=True) >> 23) - 127))  # [R, G]
-    x_fix = (x * p[:, :, None]).to(tl.int32).to(tl.int64)  # truncates toward zero
+    p = pow2(12 - ((a.to(tl.int32, bitcast=True) >> 23) - 127))  # [R, G]
+    x_fix = _rint(x * p[:, :, None])  # exact products (p a power of two)
+    x_abs = tl.abs(x_fix)
     best_sf = tl.div_rn(a, a * 0 + 448.0)
-    best_err = _fixed_point_error(x, x_fix, best_sf, p, HW, FAST_DIV)
+    best_err = _fixed_point_error(x, x_fix, x_abs, a, 448.0, best_sf, p, HW)
     for i in tl.static_range(1, 7):  # 416, 384, ..., 256
-        best_sf, best_err = _try_scale(x, x_fix, a, 448.0 - 32.0 * i, p, best_sf, best_err,
-                                       HW, FAST_DIV)  # fmt: skip
+        best_sf, best_err = _try_scale(x, x_fix, x_abs, a, 448.0 - 32.0 * i, p, best_sf,
+                                       best_err, HW)  # fmt: skip
     for i in tl.static_range(7, 9):  # 240, 224
-        best_sf, best_err = _try_scale(x, x_fix, a, 352.0 - 16.0 * i, p, best_sf, best_err,
-                                       HW, FAST_DIV)  # fmt: skip
+        best_sf, best_err = _try_scale(x, x_fix, x_abs, a, 352.0 - 16.0 * i, p, best_sf,
+                                       best_err, HW)  # fmt: skip
     return best_sf
 
 
 @triton.jit
-def _try_scale(x, x_fix, a, c, p, best_sf, best_err, HW: tl.constexpr, FAST_DIV: tl.constexpr):
+def _rint(v):
+    """fp32 ``v`` (``|v| <= 2^22``) -> int32, rounded half to even: one IEEE addition of 1.5 *
+    2^23 rounds it (the product before it is rounded on its own: ``mul_rn`` on the GPU, where
+    a plain product could be contracted into that addition)."""
+    return (v + INT8_RNE_MAGIC).to(tl.int32, bitcast=True) - INT8_RNE_BITS
+
+
+@triton.jit
+def _try_scale(x, x_fix, x_abs, a, c, p, best_sf, best_err, HW: tl.constexpr):
     """The better of (best_sf, best_err) and the candidate ``a / c`` (ties: the former)."""
     sf = tl.div_rn(a, a * 0 + c)
-    err = _fixed_point_error(x, x_fix, sf, p, HW, FAST_DIV)
+    err = _fixed_point_error(x, x_fix, x_abs, a, c, sf, p, HW)
     better = err < best_err
     return tl.where(better, sf, best_sf), tl.where(better, err, best_err)
 
 
 @triton.jit
-def _fixed_point_error(x, x_fix, sf, p, HW: tl.constexpr, FAST_DIV: tl.constexpr):
-    """``sum(((D - X) * X)^2)`` over each group: ``D`` the fixed point of what a load returns
-    for ``x`` stored as e4m3 under ``sf``, ``bf16(e4m3(x / sf) * sf)``."""
-    q = _scaled(x, sf, 2, FAST_DIV)
+def _fixed_point_error(x, x_fix, x_abs, a, c, sf, p, HW: tl.constexpr):
+    """``sum(((|D - X| * |X|) >> 10)^2)`` over each group: ``D = trunc(e4m3(x * (c / a)) *
+    (sf * p))``, the candidate's rounding in the group's fixed point."""
+    y = x * tl.div_rn(a * 0 + c, a)[:, :, None]
     if HW:
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-        v = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
-        d = (v * sf[:, :, None]).to(tl.bfloat16).to(tl.float32)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        v = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
     else:
-        v = decode_e4m3(encode_e4m3(q))
-        d = (bf16_bits(v * sf[:, :, None]) << 16).to(tl.float32, bitcast=True)
-    e = ((d * p[:, :, None]).to(tl.int32).to(tl.int64) - x_fix) * x_fix
-    return tl.sum(e * e, axis=2)
+        v = decode_e4m3(encode_e4m3(y))
+    sp = (sf * p)[:, :, None]
+    d_fix = _rint(libdevice.mul_rn(v, tl.broadcast_to(sp, v.shape)) if HW else v * sp)
+    t = (tl.abs(d_fix - x_fix) * x_abs) >> 10
+    return tl.sum(t * t, axis=2)
 
 
 INF_BITS = tl.constexpr(0x7F800000)  # int32 bits of +inf; larger |x| bits are NaN

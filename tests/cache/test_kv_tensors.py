@@ -99,9 +99,11 @@ def test_quantized_store_and_read_match_the_quantization_reference(kv_format):
     kv.store(1, k, v, slots)
     blocks = torch.tensor([1, 3])
     k_read, v_read = kv.read_blocks(1, blocks)  # [2, 4, 2, 32] bf16
-    for x, read in ((k, k_read), (v, v_read)):
+    # fp8: K's scales are searched, V's are amax / 448 (the same record kind)
+    assert kv.layout.scale_search == (kv_format == "fp8") and not kv.v_layout.scale_search
+    for x, read, layout in ((k, k_read, kv.layout), (v, v_read, kv.v_layout)):
         flat = x.to(torch.bfloat16).reshape(5, 64)
-        want = quant.dequantize(*quant.quantize(flat, kv.layout), kv.layout).view(5, 2, 32)
+        want = quant.dequantize(*quant.quantize(flat, layout), layout).view(5, 2, 32)
         for i, s in enumerate(slots.tolist()):
             if s < 0:
                 continue
