@@ -30,6 +30,7 @@ Caches are zero-initialized so the padding block 0 (and unwritten slots) reads a
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import torch
@@ -44,7 +45,15 @@ QUANTIZED_KV_FORMATS = {
     "int8": ("int8", 32, "fp32"),
     "fp4": ("e2m1", 16, "e4m3"),
 }
-SEARCHED_SCALES = frozenset({"fp8"})  # kv_formats whose writers search the scale (kvplan.quant)
+# kv_formats whose K writer searches the scale (kvplan.quant); `KVPLAN_FP8_SCALE_SEARCH=0` in
+# the environment turns it off for caches built afterwards (amax / 448 for K too; A/B runs)
+SEARCHED_SCALES = frozenset({"fp8"})
+
+
+def _searches_scales(kv_format: str) -> bool:
+    return kv_format in SEARCHED_SCALES and os.environ.get("KVPLAN_FP8_SCALE_SEARCH", "1") != "0"
+
+
 KV_FORMATS = ("bf16", "fp16", "fp32", *QUANTIZED_KV_FORMATS)
 
 
@@ -289,7 +298,7 @@ class KVCacheTensors:
                 note=f"kvplan {self.kv_format} KV: {dtype} x{hd} (per-head records), {sf} per "
                 f"{group}",
                 token_interleaved=True,
-                scale_search=self.kv_format in SEARCHED_SCALES,
+                scale_search=_searches_scales(self.kv_format),
             )
         return None
 

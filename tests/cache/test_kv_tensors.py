@@ -174,3 +174,26 @@ def test_store_converts_the_slots_once_per_forward():
     want.store(0, k, k, torch.tensor([9, 6], dtype=torch.int32))
     for layer in range(3):
         assert torch.equal(kv.raw_k_cache(layer), want.raw_k_cache(layer))
+
+
+def test_fp8_scale_search_switch(monkeypatch):
+    """fp8 searches K's scales by default; KVPLAN_FP8_SCALE_SEARCH=0 gives amax / 448 for both
+    (the bytes of a plain fp32-scale layout); other formats never search."""
+    from kvplan import quant
+
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(4, 2, 64, generator=g) * torch.logspace(-1, 1, 64)
+    slots = torch.arange(4)
+    records = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("KVPLAN_FP8_SCALE_SEARCH", switch)
+        kv = KVCacheTensors(1, 2, 4, 2, 64, kv_format="fp8")
+        assert kv.layout.scale_search == (switch == "1") and not kv.v_layout.scale_search
+        kv.store(0, k, k, slots)
+        records[switch] = (kv.raw_k_cache(0)[0].clone(), kv.raw_v_cache(0)[0].clone())
+        want = quant.quantize(k.bfloat16().reshape(4, 128), kv.layout)
+        assert torch.equal(records[switch][0][:, 0, :128], want[0])
+    assert not torch.equal(records["1"][0], records["0"][0])  # K: searched vs plain scales
+    assert torch.equal(records["1"][1], records["0"][1])  # V: amax / 448 either way
+    monkeypatch.setenv("KVPLAN_FP8_SCALE_SEARCH", "1")
+    assert not KVCacheTensors(1, 2, 4, 2, 64, kv_format="int8").layout.scale_search
