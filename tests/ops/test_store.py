@@ -265,11 +265,9 @@ print(ptx.count("div.rn.f32"), ptx.count("rcp.approx"))
 """
 
 
-@pytest.mark.parametrize("int8", ["0", "1"], ids=["e4m3", "int8"])
-def test_fast_division_compiles_for_sm90_without_per_element_div(int8):
-    """CPU counterpart: the fp32-scale store (e4m3 or int8 values) compiled for sm_90 (in a
-    subprocess: this process runs the interpreter) divides only to make the scales, not per
-    element."""
+def _sm90_div_counts(*args: str) -> tuple[int, int]:
+    """(div.rn.f32, rcp.approx) in the PTX of `_SM90_DIV_COUNT` run with ``args`` (fast_div,
+    int8[, search]) in a subprocess (this process runs the interpreter); skips without ptxas."""
     import os
     import subprocess
     import sys
@@ -281,11 +279,16 @@ def test_fast_division_compiles_for_sm90_without_per_element_div(int8):
     except Exception as e:  # noqa: BLE001 - no CUDA toolchain in this Triton install
         pytest.skip(f"no ptxas: {e}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    counts = {}
-    for fast in ("0", "1"):
-        out = subprocess.run([sys.executable, "-c", _SM90_DIV_COUNT, fast, int8], env=env,
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-        counts[fast] = tuple(int(v) for v in out.split())
+    out = subprocess.run([sys.executable, "-c", _SM90_DIV_COUNT, *args], env=env,
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return tuple(int(v) for v in out.split())
+
+
+@pytest.mark.parametrize("int8", ["0", "1"], ids=["e4m3", "int8"])
+def test_fast_division_compiles_for_sm90_without_per_element_div(int8):
+    """CPU counterpart: the fp32-scale store (e4m3 or int8 values) compiled for sm_90 divides
+    only to make the scales, not per element."""
+    counts = {fast: _sm90_div_counts(fast, int8) for fast in ("0", "1")}
     # ROWS x GS = 1024 elements over 128 threads: each thread divides its 8 elements and
     # (replicated) the scales of its rows; fast_div removes the 8 element divisions
     assert counts["0"][1] == 0 and counts["1"][1] >= 1, counts
@@ -296,23 +299,8 @@ def test_searched_scales_compile_for_sm90_dividing_only_for_the_candidates():
     """The searched-scale store compiled for sm_90 (fast division): the first candidate and the
     (not unrolled) loop over the other eight each divide twice per group (``a / c`` and
     ``c / a``) where the plain store divides once, and no element is divided by div.rn."""
-    import os
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        get_ptxas(90)
-    except Exception as e:  # noqa: BLE001 - no CUDA toolchain in this Triton install
-        pytest.skip(f"no ptxas: {e}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    counts = {}
-    for extra in ([], ["search"]):
-        out = subprocess.run([sys.executable, "-c", _SM90_DIV_COUNT, "1", "0", *extra], env=env,
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-        counts[bool(extra)] = tuple(int(v) for v in out.split())
-    assert counts[True][0] == 4 * counts[False][0], counts
+    plain, searched = _sm90_div_counts("1", "0"), _sm90_div_counts("1", "0", "search")
+    assert searched[0] == 4 * plain[0], (plain, searched)
 
 
 @pytest.mark.parametrize("force_triton", ["1", ""], ids=["triton", "torch"])
