@@ -17,8 +17,8 @@ Variants:
 * ``fake:<spec>``: the fp32 engine whose ``KVCacheTensors.store`` first rounds K and/or V
   through ``kvplan.quant.quantize`` / ``dequantize`` (bf16 input, bf16 output, as the fp8
   cache does). ``<spec>`` = ``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-L<i>]``: dtype e4m3 |
-  e2m1 | int8 (symmetric, fp32 scale amax / 127), sf ue8m0 | e4m3 | fp32 | fp32s (fp32,
-  searched: ``KVCacheFormat.scale_search``, the engine's fp8), values per scale, optional "only K" / "only V", "K rotated
+  e2m1 | int8 (symmetric, fp32 scale amax / 127), sf ue8m0 | e4m3 | fp32 | fp32s / e4m3s
+  (searched: ``KVCacheFormat.scale_search``, as the engine's fp8 / fp4 store K), values per scale, optional "only K" / "only V", "K rotated
   by the Hadamard matrix H before rounding (and back after: the same scores as rotating q)",
   "V rotated likewise (the same output as rotating the attention output back)", ``-mk``
   "K minus the layer's mean key before rounding, added back after (the softmax is unchanged
@@ -123,8 +123,8 @@ def parse_spec(spec: str, hd: int) -> Spec:
         if sf != "fp32":
             raise ValueError(f"{spec}: int8 takes fp32 scales")
         return Spec(("int8", int(group)), do_k, do_v, layer, rot_k, rot_v, mean_k)
-    search = sf == "fp32s"  # fp32 scales searched as the engine's fp8 does (kvplan.quant)
-    sf = "fp32" if search else sf
+    search = sf in ("fp32s", "e4m3s")  # searched scales, as the engine's K (kvplan.quant)
+    sf = sf[:-1] if search else sf
     layout = KVCacheFormat(dtype, hd, int(group), 0, True, sf, spec, True, scale_search=search)
     return Spec(layout, do_k, do_v, layer, rot_k, rot_v, mean_k)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 16, call B: prepared, NOT run (the session's device time ran out). The final form of
 # the searched fp8 scales (int32, K only): bit-exactness on the GPU, then the dense decode step
-# fp8 with and without the search (KVPLAN_FP8_SCALE_SEARCH) and bf16, side by side in one run
+# fp8 with and without the search (KVPLAN_KV_SCALE_SEARCH) and bf16, side by side in one run
 # (call A: the first form 1.538 ms, bf16 1.412 ms; session 15: fp8 amax / 448 1.408 ms).
 set -u
 BUDGET=${BUDGET:-300}
@@ -14,7 +14,7 @@ step 40 store python3 bench/bench_store_load.py --formats ENGINE_FP8x512 FP8_AMA
 grep -E "store" "$W/store.log" | head -12
 step 45 short_fp8 python3 bench/bench_engine.py --kv-format fp8 --hf "" --out "$W/short_fp8.json"
 grep -E "kvplan \(|decode step" "$W/short_fp8.log"
-step 45 short_fp8_plain env KVPLAN_FP8_SCALE_SEARCH=0 python3 bench/bench_engine.py --kv-format fp8 --hf "" --out "$W/short_fp8_plain.json"
+step 45 short_fp8_plain env KVPLAN_KV_SCALE_SEARCH=0 python3 bench/bench_engine.py --kv-format fp8 --hf "" --out "$W/short_fp8_plain.json"
 grep -E "kvplan \(|decode step" "$W/short_fp8_plain.log"
 step 45 short_bf16 python3 bench/bench_engine.py --kv-format bf16 --hf "" --out "$W/short_bf16.json"
 grep -E "kvplan \(|decode step" "$W/short_bf16.log"

@@ -46,10 +46,12 @@ class KVCacheFormat:
         sf_format: ``"ue8m0"`` (power-of-two exponent byte), ``"e4m3"`` or ``"fp32"``.
         note: free-form description.
         token_interleaved: values and scales of a token are adjacent (see module docstring).
-        scale_search: how a writer picks each group's scale (readers ignore it; ``e4m3`` values
-            with ``fp32`` scales only): ``amax / 448`` when False; when True the best of the
-            nine ``amax / c`` for the e4m3 values ``c`` in [224, 448] by the rounding error
-            the group's large values take (`kvplan.quant`, "Searched fp32 scale").
+        scale_search: how a writer picks each group's scale (readers ignore it): the plain
+            rule when False; when True the candidate scale whose rounding error on the group's
+            large values is least (`kvplan.quant`, "Searched scales"): ``e4m3`` values with
+            ``fp32`` scales (the nine ``amax / c``, ``c`` the e4m3 values in [224, 448]) or
+            ``e2m1`` values with ``e4m3`` scales (the plain code and its neighbours); groups
+            of at most 64 values.
 
     Validation (``ValueError`` naming the field): an unquantized format has no quantized
     elements, groups or scale format and at least one BF16 element; a quantized one has positive
@@ -135,13 +137,14 @@ class KVCacheFormat:
                     )
         if self.scale_search is not False and (
             self.scale_search is not True
-            or self.quantized_dtype != "e4m3"
-            or self.sf_format != "fp32"
+            or (self.quantized_dtype, self.sf_format) not in (("e4m3", "fp32"), ("e2m1", "e4m3"))
+            or self.elements_per_sf > 64
         ):
             raise ValueError(
                 "KVCacheFormat.scale_search must be a bool, True only for e4m3 values with fp32 "
-                f"scales, got {self.scale_search!r} with {self.quantized_dtype!r} / "
-                f"{self.sf_format!r}"
+                "scales or e2m1 values with e4m3 scales, groups of at most 64 values; got "
+                f"{self.scale_search!r} with {self.quantized_dtype!r} / {self.sf_format!r} / "
+                f"{self.elements_per_sf}"
             )
         if self.do_cast and not self.token_interleaved:
             raise ValueError(

@@ -68,6 +68,10 @@ QMAX = {"e4m3": E4M3_MAX, "e2m1": E2M1_MAX, "int8": INT8_MAX}
 # the e4m3 values in [224, 448], largest first: the scales a searched fp32 scale tries
 SEARCH_CANDIDATES = (448.0, 416.0, 384.0, 352.0, 320.0, 288.0, 256.0, 240.0, 224.0)
 SEARCH_FIXED_BITS = 12  # X_j = trunc(x_j * 2^(12 - r)): |X_j| < 2^13
+# searched e4m3 scales of e2m1 values: the plain rule's code plus these steps (one binade of
+# larger scales, then one step smaller, which saturates the largest value)
+SEARCH_E4M3_STEPS = (0, 1, 2, 3, 4, 5, 6, 7, 8, -1)
+SEARCH_SHIFT_E2M1 = 14  # |D_j - X_j| <= |X_j| + 1 there: t_j < 2^12 + 1, 16 t_j^2 < 2^29
 SEARCH_SHIFT = 10  # t_j = (|D_j - X_j| * |X_j|) >> 10 < 2^12 + 2^4: sum_j t_j^2 < 2^30 (int32)
 
 
@@ -166,6 +170,8 @@ def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torc
     elif layout.sf_format == "e4m3":
         sf = div_rn(amax.clamp(min=E4M3_MIN_SUBNORMAL * qmax), qmax).clamp(max=E4M3_MAX)
         scales = encode_minifloat(sf, "e4m3")
+        if layout.scale_search:
+            scales = searched_e4m3_scales(xz, amax, scales)
         sf_val = decode_e4m3(scales)
         inv = div_rn(torch.ones_like(sf_val), sf_val)
         scaled = xz * inv[..., None]
@@ -205,6 +211,30 @@ def searched_scales(xz: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
             best_sf = torch.where(better, sf, best_sf)
             best_err = torch.where(better, err, best_err)
     return best_sf
+
+
+def searched_e4m3_scales(xz: torch.Tensor, amax: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The searched e4m3 scale codes (e2m1 values; module docstring) of finite fp32 groups
+    ``xz [..., GS]`` with maxima ``amax`` and plain-rule codes ``base`` (uint8) -> uint8."""
+    a = amax.float().clamp(min=AMAX_FLOOR)
+    p = pow2(SEARCH_FIXED_BITS - ((a.view(torch.int32) >> 23) - 127))
+    x_fix = torch.round(xz * p[..., None]).to(torch.int32).abs()
+    best = best_err = None
+    for step in SEARCH_E4M3_STEPS:
+        code = (base.to(torch.int32) + step).clamp(1, 126).to(torch.uint8)
+        sf = decode_e4m3(code)
+        inv = div_rn(torch.ones_like(sf), sf)
+        mag = decode_e2m1(encode_minifloat(xz * inv[..., None], "e2m1") & 7)
+        d_fix = torch.round(mag * (sf * p)[..., None]).to(torch.int32)
+        t = ((d_fix - x_fix).abs() * x_fix) >> SEARCH_SHIFT_E2M1
+        err = (t * t).sum(-1)
+        if best is None:
+            best, best_err = code, err
+        else:
+            better = err < best_err
+            best = torch.where(better, code, best)
+            best_err = torch.where(better, err, best_err)
+    return best
 
 
 def scale_factors(scales: torch.Tensor, layout: KVCacheFormat) -> torch.Tensor:
@@ -278,6 +308,8 @@ def quantize_group_ref(xs: list[float], layout: KVCacheFormat) -> tuple[list[int
     if layout.sf_format == "e4m3":
         s = min(max(amax, f32(E4M3_MIN_SUBNORMAL) * qmax) / qmax, f32(E4M3_MAX))
         code = encode_e4m3_ref(torch.tensor(float(s), dtype=torch.float32))
+        if layout.scale_search:
+            code = _searched_e4m3_code_ref([v if math.isfinite(v) else 0.0 for v in xs], amax, code)
         sf = f32(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).item())
         inv = f32(1.0) / sf
         return [encode(f32(v) * inv) for v in xs], [code]
@@ -285,6 +317,30 @@ def quantize_group_ref(xs: list[float], layout: KVCacheFormat) -> tuple[list[int
     if layout.scale_search:
         sf = _searched_scale_ref([v if math.isfinite(v) else 0.0 for v in xs], amax)
     return [encode(f32(v) / sf) for v in xs], list(np.array([sf], dtype=np.float32).view(np.uint8))
+
+
+def _searched_e4m3_code_ref(xs: list[float], amax, base: int) -> int:
+    """The searched e4m3 scale code of one finite e2m1 group, value by value (tests only)."""
+    import numpy as np
+
+    f32 = np.float32
+    a = max(f32(amax), f32(AMAX_FLOOR))
+    r = int(np.array([a], dtype=np.float32).view(np.int32)[0] >> 23) - 127
+    p = f32(2.0 ** (SEARCH_FIXED_BITS - r))
+    x_fix = [abs(round(float(f32(v) * p))) for v in xs]
+    best, best_err = None, None
+    for step in SEARCH_E4M3_STEPS:
+        code = min(max(base + step, 1), 126)
+        sf = f32(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).item())
+        inv = f32(1.0) / sf
+        err = 0
+        for v, xv in zip(xs, x_fix, strict=True):
+            mag = f32(_E2M1_VALUES[encode_e2m1_ref(float(f32(v) * inv)) & 7])
+            t = (abs(round(float(mag * sf * p)) - xv) * xv) >> SEARCH_SHIFT_E2M1
+            err += t * t
+        if best_err is None or err < best_err:
+            best, best_err = code, err
+    return best
 
 
 def _searched_scale_ref(xs: list[float], amax) -> float:

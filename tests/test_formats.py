@@ -78,6 +78,8 @@ def test_validation_rules_from_the_seed():
             KVCacheFormat(dtype, 64, 32, 0, True, sf, "searched", True, scale_search=True)
     with pytest.raises(ValueError, match="scale_search"):
         KVCacheFormat("e4m3", 64, 32, 0, True, "fp32", "searched", True, scale_search=1)
+    with pytest.raises(ValueError, match="scale_search"):  # int32 error sums: <= 64 a group
+        KVCacheFormat("e4m3", 256, 128, 0, True, "fp32", "searched", True, scale_search=True)
 
 
 @pytest.mark.parametrize("layout", [*SUPPORTED_KV_CACHE_FORMATS, bf16_format(24)])

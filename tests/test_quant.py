@@ -73,6 +73,8 @@ EXTRA_FORMATS = [
     KVCacheFormat("e2m1", 24, 6, 0, True, "e4m3", "fp4 e4m3 scales, odd groups", True),
     KVCacheFormat("e4m3", 48, 16, 0, False, "e4m3", "fp8 with e4m3 scales"),
     KVCacheFormat("e4m3", 40, 24, 0, True, "fp32", "searched fp32 scales", True, True),
+    KVCacheFormat("e2m1", 24, 6, 0, True, "e4m3", "searched e4m3 scales, odd groups", True, True),
+    KVCacheFormat("e2m1", 64, 16, 0, True, "e4m3", "searched e4m3 scales", True, True),
 ]
 
 

@@ -18,7 +18,8 @@ Layouts (``H`` = num_kv_heads, ``D`` = head_dim, slot = block * block_size + off
   - ``"int8"``: symmetric int8 values (-127..127, round half to even), one fp32 scale per 32
     values (``amax / 127``); same record size as ``"fp8"``.
   - ``"fp4"``: e2m1 values (two per byte, element 2i in the low nibble), one e4m3 scale per
-    16 values (the rule of ``kvplan.V41_FP4_FORMAT``).
+    16 values: the rule of ``kvplan.V41_FP4_FORMAT`` for V, searched for K (the plain code and
+    its neighbours, ``kvplan.quant``).
 
   Every head's D values are whole scale groups (``D % group == 0``): a token's record is the
   H heads' value runs, then the H heads' scale runs. ``read_blocks`` dequantizes to bfloat16;
@@ -45,13 +46,13 @@ QUANTIZED_KV_FORMATS = {
     "int8": ("int8", 32, "fp32"),
     "fp4": ("e2m1", 16, "e4m3"),
 }
-# kv_formats whose K writer searches the scale (kvplan.quant); `KVPLAN_FP8_SCALE_SEARCH=0` in
-# the environment turns it off for caches built afterwards (amax / 448 for K too; A/B runs)
-SEARCHED_SCALES = frozenset({"fp8"})
+# kv_formats whose K writer searches the scale (kvplan.quant); `KVPLAN_KV_SCALE_SEARCH=0` in
+# the environment turns it off for caches built afterwards (the plain rule for K too; A/B runs)
+SEARCHED_SCALES = frozenset({"fp8", "fp4"})
 
 
 def _searches_scales(kv_format: str) -> bool:
-    return kv_format in SEARCHED_SCALES and os.environ.get("KVPLAN_FP8_SCALE_SEARCH", "1") != "0"
+    return kv_format in SEARCHED_SCALES and os.environ.get("KVPLAN_KV_SCALE_SEARCH", "1") != "0"
 
 
 KV_FORMATS = ("bf16", "fp16", "fp32", *QUANTIZED_KV_FORMATS)

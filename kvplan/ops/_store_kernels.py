@@ -20,6 +20,7 @@ from triton.language.extra import libdevice
 from kvplan.ops._quant_triton import (
     INT8_RNE_BITS,
     INT8_RNE_MAGIC,
+    decode_e2m1,
     decode_e4m3,
     encode_e2m1_magnitude_raw,
     encode_e4m3,
@@ -103,6 +104,46 @@ def _searched_sf(x, amax, HW: tl.constexpr):
         c = 448.0 - 32.0 * tl.minimum(i, 6) - 16.0 * tl.maximum(i - 6, 0)
         best_sf, best_err = _try_scale(x, x_fix, x_abs, a, c, p, best_sf, best_err, HW)
     return best_sf
+
+
+@triton.jit
+def _searched_e4m3_code(lo, hi, amax, base):
+    """The searched e4m3 scale codes of e2m1 groups (``kvplan.quant.searched_e4m3_scales``):
+    ``lo`` / ``hi`` [R, G, GB] the finite fp32 elements (even / odd), ``base`` [R, G] the plain
+    rule's codes; the first of ``base + (0, 1, ..., 8, -1)`` (clamped to 1..126) with the least
+    int32 error in the group's fixed point."""
+    a = tl.maximum(amax, 1e-4)
+    p = pow2(12 - ((a.to(tl.int32, bitcast=True) >> 23) - 127))  # [R, G]
+    lo_fix = tl.abs(_rint(lo * p[:, :, None]))  # exact products (p a power of two)
+    hi_fix = tl.abs(_rint(hi * p[:, :, None]))
+    best = base
+    best_err = _fp4_error(lo, hi, lo_fix, hi_fix, base, p)
+    for k in range(1, 10):  # steps 1..8, then -1 (not unrolled: registers)
+        code = tl.minimum(tl.maximum(base + (k - 10 * (k // 9)), 1), 126)
+        err = _fp4_error(lo, hi, lo_fix, hi_fix, code, p)
+        better = err < best_err
+        best = tl.where(better, code, best)
+        best_err = tl.where(better, err, best_err)
+    return best
+
+
+@triton.jit
+def _fp4_error(lo, hi, lo_fix, hi_fix, code, p):
+    """``sum(((|D - X| * X) >> 14)^2)`` of both halves of each group under the e4m3 scale
+    ``code`` (``X = |rint(x * p)|``, ``D = rint(e2m1(x * (1 / sf)) * sf * p)``, exact)."""
+    sf = decode_e4m3(code)
+    inv = tl.div_rn(sf * 0 + 1.0, sf)[:, :, None]
+    sp = (sf * p)[:, :, None]
+    return tl.sum(_fp4_term(lo, lo_fix, inv, sp), axis=2) + tl.sum(
+        _fp4_term(hi, hi_fix, inv, sp), axis=2
+    )
+
+
+@triton.jit
+def _fp4_term(x, x_fix, inv, sp):
+    mag = decode_e2m1(encode_e2m1_magnitude_raw(x * inv) & 7)
+    t = (tl.abs(_rint(mag * sp) - x_fix) * x_fix) >> 14
+    return t * t
 
 
 @triton.jit
@@ -209,7 +250,7 @@ def store_quant_kernel(
     QMAX: tl.constexpr,  # 6.0 (e2m1), 448.0 (e4m3) or 127.0 (int8)
     SF: tl.constexpr,  # 0 ue8m0, 1 e4m3, 2 fp32
     SB: tl.constexpr,  # bytes per scale
-    SEARCH: tl.constexpr,  # searched fp32 scales (e4m3 values; KVCacheFormat.scale_search)
+    SEARCH: tl.constexpr,  # searched scales (KVCacheFormat.scale_search)
     FLAT: tl.constexpr,  # groups tile the record exactly (GB and G powers of two)
     HW: tl.constexpr,  # hardware fp8 conversion (GPU); integer rounding in the interpreter
     FAST_DIV: tl.constexpr,  # fp32 scales: per-group reciprocal + fma correction (GPU only)
@@ -248,7 +289,12 @@ def store_quant_kernel(
             amax_b = tl.max(tl.maximum(_finite_bits(lo_b), _finite_bits(hi_b)), axis=2)
             nan_signs = tl.where(lo_b > INF_BITS, 0x8, 0) | tl.where(hi_b > INF_BITS, 0x80, 0)
             signs = signs & ~nan_signs
-        factor, sbytes = _group_scales(amax_b.to(tl.float32, bitcast=True), QMAX, SF, HW)
+        amax = amax_b.to(tl.float32, bitcast=True)
+        factor, sbytes = _group_scales(amax, QMAX, SF, HW)
+        if SEARCH:  # e4m3 scales (validated by KVCacheFormat)
+            sbytes = _searched_e4m3_code(lo, hi, amax, sbytes)
+            sf = decode_e4m3(sbytes)
+            factor = tl.div_rn(sf * 0 + 1.0, sf)
         q_lo = _scaled(lo, factor, SF, FAST_DIV)
         q_hi = _scaled(hi, factor, SF, FAST_DIV)
         if nonfinite:

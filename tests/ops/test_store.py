@@ -28,7 +28,17 @@ ENGINE_INT8 = KVCacheFormat("int8", 2 * 64, 32, 0, True, "fp32", "engine int8 2x
 INT8_ODD = KVCacheFormat("int8", 40, 24, 0, True, "fp32", "int8 partial last group", True)
 # searched fp32 scales with a partial last group (the kernel's non-flat path)
 SEARCH_ODD = KVCacheFormat("e4m3", 40, 24, 0, True, "fp32", "searched partial group", True, True)
-ALL_FORMATS = [*all_formats(ODD_FORMATS), ENGINE_INT8, INT8_ODD, SEARCH_ODD]
+# fp4 with searched e4m3 scales: the engine's fp4 K (2 heads x 64) and odd groups (non-flat)
+ENGINE_FP4 = KVCacheFormat("e2m1", 128, 16, 0, True, "e4m3", "engine fp4 K", True, True)
+SEARCH_FP4_ODD = KVCacheFormat("e2m1", 24, 6, 0, True, "e4m3", "searched fp4 odd", True, True)
+ALL_FORMATS = [
+    *all_formats(ODD_FORMATS),
+    ENGINE_INT8,
+    INT8_ODD,
+    SEARCH_ODD,
+    ENGINE_FP4,
+    SEARCH_FP4_ODD,
+]
 
 
 def _random_cache(layout, num_blocks, block_size, seed=0, device="cpu"):
@@ -159,7 +169,10 @@ def test_bad_input_raises_and_leaves_the_cache_unchanged(kwargs, exc, match):
 GPU_CASES = (
     [(f, 64, True) for f in ALL_FORMATS]
     + [(f, 133, True) for f in SUPPORTED_KV_CACHE_FORMATS]
-    + [(f, 64, False) for f in (V41_FORMAT, FP8_FLOAT32_SF_INDEX_KV_FORMAT, ENGINE_FP8, SEARCH_ODD)]
+    + [
+        (f, 64, False)
+        for f in (V41_FORMAT, FP8_FLOAT32_SF_INDEX_KV_FORMAT, ENGINE_FP8, SEARCH_ODD, ENGINE_FP4)
+    ]
     + [(ENGINE_INT8, 133, True), (ENGINE_INT8, 64, False)]
 )
 
@@ -370,6 +383,8 @@ NONFINITE_FORMATS = [
     bf16_format(24),
     ODD_FORMATS[0],  # e4m3, partial last group (non-flat kernel path)
     SEARCH_ODD,
+    ENGINE_FP4,
+    SEARCH_FP4_ODD,
     ODD_FORMATS[1],  # e2m1 with fp32 scales, groups of 10 (non-flat FP4 path)
     ENGINE_INT8,
     INT8_ODD,
