@@ -194,45 +194,58 @@ def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torc
 def searched_scales(xz: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """The searched fp32 scales (module docstring) of finite fp32 groups ``xz [..., GS]``
     (BF16 values) with maxima ``amax [...]`` -> fp32 ``[...]``."""
-    a = amax.float().clamp(min=AMAX_FLOOR)
-    p = pow2(SEARCH_FIXED_BITS - ((a.view(torch.int32) >> 23) - 127))
-    x_fix = torch.round(xz * p[..., None]).to(torch.int32)  # half to even
-    best_sf = best_err = None
-    for c in SEARCH_CANDIDATES:
-        sf = div_rn(a, c)
-        codes = encode_minifloat(xz * div_rn(torch.full_like(a, c), a)[..., None], "e4m3")
-        d_fix = torch.round(decode_e4m3(codes) * (sf * p)[..., None]).to(torch.int32)
-        t = ((d_fix - x_fix).abs() * x_fix.abs()) >> SEARCH_SHIFT
-        err = (t * t).sum(-1)
-        if best_sf is None:
-            best_sf, best_err = sf, err
-        else:
-            better = err < best_err
-            best_sf = torch.where(better, sf, best_sf)
-            best_err = torch.where(better, err, best_err)
-    return best_sf
+    a, p, x_abs = _fixed_point(xz, amax)
+
+    def candidates():
+        for c in SEARCH_CANDIDATES:
+            sf = div_rn(a, c)
+            y = xz * div_rn(torch.full_like(a, c), a)[..., None]
+            mag = decode_e4m3(encode_minifloat(y, "e4m3")).abs()
+            yield sf, _search_error(mag, sf * p, x_abs, SEARCH_SHIFT)
+
+    return _least_error(candidates())
 
 
 def searched_e4m3_scales(xz: torch.Tensor, amax: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """The searched e4m3 scale codes (e2m1 values; module docstring) of finite fp32 groups
     ``xz [..., GS]`` with maxima ``amax`` and plain-rule codes ``base`` (uint8) -> uint8."""
+    _, p, x_abs = _fixed_point(xz, amax)
+
+    def candidates():
+        for step in SEARCH_E4M3_STEPS:
+            code = (base.to(torch.int32) + step).clamp(1, 126).to(torch.uint8)
+            sf = decode_e4m3(code)
+            y = xz * div_rn(torch.ones_like(sf), sf)[..., None]
+            mag = decode_e2m1(encode_minifloat(y, "e2m1") & 7)
+            yield code, _search_error(mag, sf * p, x_abs, SEARCH_SHIFT_E2M1)
+
+    return _least_error(candidates())
+
+
+def _fixed_point(xz: torch.Tensor, amax: torch.Tensor):
+    """``(a, P, |X|)`` of the scale search: ``a = max(amax, 1e-4)``, ``P = 2^(12 - r)`` per
+    group, ``|X| = |rint(x * P)|`` (int32, half to even)."""
     a = amax.float().clamp(min=AMAX_FLOOR)
     p = pow2(SEARCH_FIXED_BITS - ((a.view(torch.int32) >> 23) - 127))
-    x_fix = torch.round(xz * p[..., None]).to(torch.int32).abs()
+    return a, p, torch.round(xz * p[..., None]).to(torch.int32).abs()
+
+
+def _search_error(mag, scale_p, x_abs, shift: int) -> torch.Tensor:
+    """``sum(((|D - X| * |X|) >> shift)^2)`` per group, ``D = rint(mag * scale_p)`` (int32)."""
+    d = torch.round(mag * scale_p[..., None]).to(torch.int32)
+    t = ((d - x_abs).abs() * x_abs) >> shift
+    return (t * t).sum(-1)
+
+
+def _least_error(candidates):
+    """Per group, the first candidate value of ``(value, error)`` pairs with the least error."""
     best = best_err = None
-    for step in SEARCH_E4M3_STEPS:
-        code = (base.to(torch.int32) + step).clamp(1, 126).to(torch.uint8)
-        sf = decode_e4m3(code)
-        inv = div_rn(torch.ones_like(sf), sf)
-        mag = decode_e2m1(encode_minifloat(xz * inv[..., None], "e2m1") & 7)
-        d_fix = torch.round(mag * (sf * p)[..., None]).to(torch.int32)
-        t = ((d_fix - x_fix).abs() * x_fix) >> SEARCH_SHIFT_E2M1
-        err = (t * t).sum(-1)
+    for value, err in candidates:
         if best is None:
-            best, best_err = code, err
+            best, best_err = value, err
         else:
             better = err < best_err
-            best = torch.where(better, code, best)
+            best = torch.where(better, value, best)
             best_err = torch.where(better, err, best_err)
     return best
 
