@@ -79,6 +79,11 @@ FORMATS = {
         "e4m3", 512, 32, 0, True, "fp32", "engine fp8 x512, searched", True, scale_search=True
     ),
     "FP8_AMAX_x512": KVCacheFormat("e4m3", 512, 32, 0, True, "fp32", "fp8 x512, amax/448", True),
+    # the same for kv_format="fp4" (e2m1, e4m3 scale per 16): K's searched codes / the plain rule
+    "ENGINE_FP4x512": KVCacheFormat(
+        "e2m1", 512, 16, 0, True, "e4m3", "engine fp4 x512, searched", True, scale_search=True
+    ),
+    "FP4_PLAIN_x512": KVCacheFormat("e2m1", 512, 16, 0, True, "e4m3", "fp4 x512, plain", True),
 }
 # launch configurations tried by --sweep (hw=False: integer fp8/bf16 rounding instead of cvt)
 STORE_SWEEP = [
