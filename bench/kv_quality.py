@@ -225,12 +225,14 @@ def main() -> None:
     ap.add_argument("--per-layer", default=None, help="also fake:SPEC-L<i> for every layer")
     ap.add_argument("--stats", action="store_true", help="per-layer round-trip error table")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default=None, help="a model LLM() accepts (default: SmolLM2)")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     def engine(kv_format: str, kv_rotation: bool = False) -> LLM:
         return LLM(
+            *model,
             device="cpu",
             kv_format=kv_format,
             kv_rotation=kv_rotation,
@@ -239,7 +241,8 @@ def main() -> None:
             enable_prefix_caching=False,
         )
 
-    probe = LLM(device="cpu", max_model_len=64, num_blocks=8)
+    model = () if args.model is None else (args.model,)
+    probe = LLM(*model, device="cpu", max_model_len=64, num_blocks=8)
     ids = probe.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     del probe
     if args.max_tokens is not None:

@@ -10,16 +10,15 @@ Layouts (``H`` = num_kv_heads, ``D`` = head_dim, slot = block * block_size + off
   bytes_per_token]`` caches of the token-interleaved, cast-on-load format ``layout`` over
   H * D elements:
 
-  - ``"fp8"``: e4m3 values, one fp32 scale per 32 values: ``amax / 448`` for V (every group's
-    largest value stored exactly) and searched for K (``layout.scale_search``: the best of
-    ``amax / c`` for the nine e4m3 values ``c`` in [224, 448], which also puts the next largest
-    values on the grid where a scale can; ``v_layout`` is ``layout`` without the search). K's
-    rounding is what moves the attention scores; searching V's scales too measured no better.
+  - ``"fp8"``: e4m3 values, one fp32 scale per 32 values, searched (``layout.scale_search``:
+    the best of ``amax / c`` for the nine e4m3 values ``c`` in [224, 448]; every group's largest
+    value is stored exactly, and the search also puts the next largest on the grid where a scale
+    can).
   - ``"int8"``: symmetric int8 values (-127..127, round half to even), one fp32 scale per 32
     values (``amax / 127``); same record size as ``"fp8"``.
   - ``"fp4"``: e2m1 values (two per byte, element 2i in the low nibble), one e4m3 scale per
-    16 values: the rule of ``kvplan.V41_FP4_FORMAT`` for V, searched for K (the plain code and
-    its neighbours, ``kvplan.quant``).
+    16 values, searched among the code of ``kvplan.V41_FP4_FORMAT``'s rule and its neighbours
+    (``kvplan.quant``).
 
   Every head's D values are whole scale groups (``D % group == 0``): a token's record is the
   H heads' value runs, then the H heads' scale runs. ``read_blocks`` dequantizes to bfloat16;
@@ -30,7 +29,6 @@ Caches are zero-initialized so the padding block 0 (and unwritten slots) reads a
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -46,8 +44,8 @@ QUANTIZED_KV_FORMATS = {
     "int8": ("int8", 32, "fp32"),
     "fp4": ("e2m1", 16, "e4m3"),
 }
-# kv_formats whose K writer searches the scale (kvplan.quant); `KVPLAN_KV_SCALE_SEARCH=0` in
-# the environment turns it off for caches built afterwards (the plain rule for K too; A/B runs)
+# kv_formats whose writers search the scales (kvplan.quant); `KVPLAN_KV_SCALE_SEARCH=0` in
+# the environment turns it off for caches built afterwards (the plain rules; A/B runs)
 SEARCHED_SCALES = frozenset({"fp8", "fp4"})
 
 
@@ -123,12 +121,7 @@ class KVCacheTensors:
         self.kv_format = kv_format
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.layout = self._make_layout()
-        # V's writer never searches scales (readers use either: the records are the same kind)
-        self.v_layout = (
-            dataclasses.replace(self.layout, scale_search=False)
-            if self.layout is not None and self.layout.scale_search
-            else self.layout
-        )
+        self.v_layout = self.layout  # V's records are written like K's
         self._raw: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self._alloc(n), self._alloc(n)) for n in per_layer
         ]

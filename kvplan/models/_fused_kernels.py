@@ -145,10 +145,9 @@ def qkv_epilogue_kernel(
                                  TILE_H, HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV,
                                  SEARCH)  # fmt: skip
             if tl.max(is_v.to(tl.int32), axis=0) > 0:
-                # V: amax / 448 always (KVCacheTensors.v_layout); only K searches its scales
                 _store_quantized(vc_ptr, rec, sbase, kv_head, x.to(dtype), is_v & slot_ok,
                                  TILE_H, HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV,
-                                 False)  # fmt: skip
+                                 SEARCH)  # fmt: skip
 
 
 @triton.jit

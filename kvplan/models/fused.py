@@ -164,9 +164,7 @@ def qkv_epilogue(
             as `KVCacheTensors.store` of a plain cache would, in the same kernel. A 4-tuple
             ``(k_cache, v_cache, slots, layout)`` names uint8 token-record caches of a
             quantized ``layout`` (e4m3 / int8, `fused_store_supports`): the rows are
-            quantized as ``store_kv_cache`` quantizes them (the same bytes), k with
-            ``layout`` and v with ``layout`` less its ``scale_search`` (as
-            `KVCacheTensors.store` writes them: only K searches its scales).
+            quantized as ``store_kv_cache`` quantizes them (the same bytes).
 
     Returns:
         ``(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D])`` in the dtype of ``qkv``; all three
@@ -256,20 +254,24 @@ def _check_quantized_store(layout, num_kv_heads: int, d: int) -> None:
         )
 
 
+def _pow2_divisor(*counts: int) -> int:
+    """The largest power of two dividing every count."""
+    d = 0
+    for c in counts:
+        d |= c
+    return d & -d if d else 1
+
+
 def _store_rows_torch(kv_store, k: torch.Tensor, v: torch.Tensor) -> None:
     """Sync-free scatter of ``k`` / ``v`` ``[T, Hkv, D]`` into ``kv_store``'s caches: a skipped
     row writes back what slot 0 already holds; quantized caches through ``store_kv_cache``."""
     k_cache, v_cache, slots = kv_store[:3]
     if len(kv_store) == 4:
-        import dataclasses
-
         from kvplan.ops.store import store_kv_cache
 
-        k_layout = kv_store[3]
-        v_layout = dataclasses.replace(k_layout, scale_search=False)
-        for x, cache, layout in ((k, k_cache, k_layout), (v, v_cache, v_layout)):
+        for x, cache in ((k, k_cache), (v, v_cache)):
             store_kv_cache(x.to(torch.bfloat16), cache, slots.to(torch.int32),
-                           layout=layout, check=False)  # fmt: skip
+                           layout=kv_store[3], check=False)  # fmt: skip
         return
     blocks, bs = k_cache.shape[:2]
     keep = ((slots >= 0) & (slots < blocks * bs))[:, None, None]
@@ -371,6 +373,11 @@ def qkv_epilogue_triton(
         tile_h = triton_next_pow2(heads)
         if not triton_interpreting():
             tile_h = min(tile_h, max(1, 1024 // tile_d))
+            if quant_kw.get("SEARCH"):
+                # searched scales: K heads and V heads in programs of their own (the search of
+                # a program runs over all its rows; sm_90 at llama-1b's heads: 16 heads a
+                # program 128 registers a thread, 8 heads 72)
+                tile_h = min(tile_h, _pow2_divisor(num_heads, num_kv_heads))
     if t > 0:
         w_q = q_norm_weight.contiguous() if qk_norm else q
         w_k = k_norm_weight.contiguous() if qk_norm else q

@@ -100,8 +100,7 @@ def test_quantized_store_and_read_match_the_quantization_reference(kv_format):
     blocks = torch.tensor([1, 3])
     k_read, v_read = kv.read_blocks(1, blocks)  # [2, 4, 2, 32] bf16
     # fp8: K's scales are searched, V's are amax / 448 (the same record kind)
-    searched = kv_format in ("fp8", "fp4")
-    assert kv.layout.scale_search == searched and not kv.v_layout.scale_search
+    assert kv.layout.scale_search == (kv_format in ("fp8", "fp4")) and kv.v_layout == kv.layout
     for x, read, layout in ((k, k_read, kv.layout), (v, v_read, kv.v_layout)):
         flat = x.to(torch.bfloat16).reshape(5, 64)
         want = quant.dequantize(*quant.quantize(flat, layout), layout).view(5, 2, 32)
@@ -178,8 +177,8 @@ def test_store_converts_the_slots_once_per_forward():
 
 
 def test_fp8_scale_search_switch(monkeypatch):
-    """fp8 searches K's scales by default; KVPLAN_KV_SCALE_SEARCH=0 gives amax / 448 for both
-    (the bytes of a plain fp32-scale layout); other formats never search."""
+    """fp8 searches its scales by default; KVPLAN_KV_SCALE_SEARCH=0 gives amax / 448 (the bytes
+    of a plain fp32-scale layout); int8 never searches."""
     from kvplan import quant
 
     g = torch.Generator().manual_seed(6)
@@ -189,13 +188,13 @@ def test_fp8_scale_search_switch(monkeypatch):
     for switch in ("1", "0"):
         monkeypatch.setenv("KVPLAN_KV_SCALE_SEARCH", switch)
         kv = KVCacheTensors(1, 2, 4, 2, 64, kv_format="fp8")
-        assert kv.layout.scale_search == (switch == "1") and not kv.v_layout.scale_search
+        assert kv.layout.scale_search == (switch == "1") and kv.v_layout == kv.layout
         kv.store(0, k, k, slots)
         records[switch] = (kv.raw_k_cache(0)[0].clone(), kv.raw_v_cache(0)[0].clone())
         want = quant.quantize(k.bfloat16().reshape(4, 128), kv.layout)
         assert torch.equal(records[switch][0][:, 0, :128], want[0])
-    assert not torch.equal(records["1"][0], records["0"][0])  # K: searched vs plain scales
-    assert torch.equal(records["1"][1], records["0"][1])  # V: amax / 448 either way
+    assert torch.equal(records["1"][0], records["1"][1])  # K and V written alike
+    assert not torch.equal(records["1"][0], records["0"][0])  # searched vs plain scales
     monkeypatch.setenv("KVPLAN_KV_SCALE_SEARCH", "1")
     assert KVCacheTensors(1, 2, 4, 2, 64, kv_format="fp4").layout.scale_search
     assert not KVCacheTensors(1, 2, 4, 2, 64, kv_format="int8").layout.scale_search
