@@ -67,7 +67,7 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 QMAX = {"e4m3": E4M3_MAX, "e2m1": E2M1_MAX, "int8": INT8_MAX}
 # the e4m3 values in [224, 448], largest first: the scales a searched fp32 scale tries
 SEARCH_CANDIDATES = (448.0, 416.0, 384.0, 352.0, 320.0, 288.0, 256.0, 240.0, 224.0)
-SEARCH_FIXED_BITS = 12  # X_j = trunc(x_j * 2^(12 - r)): |X_j| < 2^13
+SEARCH_FIXED_BITS = 12  # X_j = rint(x_j * 2^(12 - r)): |X_j| <= 2^13
 # searched e4m3 scales of e2m1 values: the plain rule's code plus these steps (one binade of
 # larger scales, then one step smaller, which saturates the largest value)
 SEARCH_E4M3_STEPS = (0, 1, 2, 3, 4, 5, 6, 7, 8, -1)
@@ -337,20 +337,14 @@ def _searched_e4m3_code_ref(xs: list[float], amax, base: int) -> int:
     import numpy as np
 
     f32 = np.float32
-    a = max(f32(amax), f32(AMAX_FLOOR))
-    r = int(np.array([a], dtype=np.float32).view(np.int32)[0] >> 23) - 127
-    p = f32(2.0 ** (SEARCH_FIXED_BITS - r))
-    x_fix = [abs(round(float(f32(v) * p))) for v in xs]
+    _, p, x_abs = _fixed_point_ref(xs, amax)
     best, best_err = None, None
     for step in SEARCH_E4M3_STEPS:
         code = min(max(base + step, 1), 126)
         sf = f32(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).item())
         inv = f32(1.0) / sf
-        err = 0
-        for v, xv in zip(xs, x_fix, strict=True):
-            mag = f32(_E2M1_VALUES[encode_e2m1_ref(float(f32(v) * inv)) & 7])
-            t = (abs(round(float(mag * sf * p)) - xv) * xv) >> SEARCH_SHIFT_E2M1
-            err += t * t
+        mags = [f32(_E2M1_VALUES[encode_e2m1_ref(float(f32(v) * inv)) & 7]) for v in xs]
+        err = _search_error_ref(mags, sf * p, x_abs, SEARCH_SHIFT_E2M1)
         if best_err is None or err < best_err:
             best, best_err = code, err
     return best
@@ -361,23 +355,37 @@ def _searched_scale_ref(xs: list[float], amax) -> float:
     import numpy as np
 
     f32 = np.float32
-    a = max(f32(amax), f32(AMAX_FLOOR))
-    r = int(np.array([a], dtype=np.float32).view(np.int32)[0] >> 23) - 127
-    p = f32(2.0 ** (SEARCH_FIXED_BITS - r))
-    x_fix = [round(float(f32(v) * p)) for v in xs]  # Python's round(): half to even
+    a, p, x_abs = _fixed_point_ref(xs, amax)
     best_sf, best_err = None, None
     for c in SEARCH_CANDIDATES:
         sf, inv = a / f32(c), f32(c) / a
-        s_p = sf * p
-        err = 0
-        for v, xv in zip(xs, x_fix, strict=True):
-            code = encode_e4m3_ref(torch.tensor(float(f32(v) * inv), dtype=torch.float32))
-            value = f32(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).item())
-            t = (abs(round(float(value * s_p)) - xv) * abs(xv)) >> SEARCH_SHIFT
-            err += t * t
+        codes = [encode_e4m3_ref(torch.tensor(float(f32(v) * inv))) for v in xs]
+        values = torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        mags = [f32(abs(v)) for v in values.tolist()]
+        err = _search_error_ref(mags, sf * p, x_abs, SEARCH_SHIFT)
         if best_err is None or err < best_err:
             best_sf, best_err = sf, err
     return best_sf
+
+
+def _fixed_point_ref(xs: list[float], amax):
+    """Scalar ``(a, P, [|X_j|])`` of the scale search (`_fixed_point`)."""
+    import numpy as np
+
+    f32 = np.float32
+    a = max(f32(amax), f32(AMAX_FLOOR))
+    r = int(np.array([a], dtype=np.float32).view(np.int32)[0] >> 23) - 127
+    p = f32(2.0 ** (SEARCH_FIXED_BITS - r))
+    return a, p, [abs(round(float(f32(v) * p))) for v in xs]  # round(): half to even
+
+
+def _search_error_ref(mags, scale_p, x_abs: list[int], shift: int) -> int:
+    """Scalar `_search_error`: ``sum(((|rint(m * scale_p) - X| * X) >> shift)^2)``."""
+    err = 0
+    for m, xv in zip(mags, x_abs, strict=True):
+        t = (abs(round(float(m * scale_p)) - xv) * xv) >> shift
+        err += t * t
+    return err
 
 
 def dequantize_ref(vbytes: list[int], sbytes: list[int], layout: KVCacheFormat) -> torch.Tensor:

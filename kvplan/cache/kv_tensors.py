@@ -121,7 +121,6 @@ class KVCacheTensors:
         self.kv_format = kv_format
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.layout = self._make_layout()
-        self.v_layout = self.layout  # V's records are written like K's
         self._raw: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self._alloc(n), self._alloc(n)) for n in per_layer
         ]
@@ -194,8 +193,8 @@ class KVCacheTensors:
 
             raw_k, raw_v = self._raw[layer]
             slots = self._int32_slots(slot_mapping, layer)
-            for x, raw, layout in ((k, raw_k, self.layout), (v, raw_v, self.v_layout)):
-                store_kv_cache(x.to(torch.bfloat16), raw, slots, layout=layout, check=False)
+            for x, raw in ((k, raw_k), (v, raw_v)):
+                store_kv_cache(x.to(torch.bfloat16), raw, slots, layout=self.layout, check=False)
             return
         # Sync-free (CUDA-graph safe) scatter: a skipped row targets slot 0 (padding block 0)
         # and writes back the value already there, so it changes nothing.

@@ -68,9 +68,14 @@ def _group_scales(amax, QMAX: tl.constexpr, SF: tl.constexpr, HW: tl.constexpr):
         return tl.div_rn(sf_val * 0 + 1.0, sf_val), sbytes
     else:
         sf = tl.div_rn(tl.maximum(amax, 1e-4), amax * 0 + QMAX)
-        shifts = tl.arange(0, 4) * 8
-        sbytes = (sf.to(tl.int32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & 255
-        return sf, sbytes
+        return sf, _fp32_bytes(sf)
+
+
+@triton.jit
+def _fp32_bytes(sf):
+    """fp32 scales [R, G] -> their little-endian bytes [R, G, 4] (int32)."""
+    shifts = tl.arange(0, 4) * 8
+    return (sf.to(tl.int32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & 255
 
 
 @triton.jit
@@ -80,9 +85,7 @@ def _scales_of(x, amax, QMAX: tl.constexpr, SF: tl.constexpr, SEARCH: tl.constex
     with maxima ``amax [R, G]``; ``SEARCH`` (e4m3 values, fp32 scales): the searched scale."""
     if SEARCH:
         sf = _searched_sf(x, amax, HW)
-        shifts = tl.arange(0, 4) * 8
-        sbytes = (sf.to(tl.int32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & 255
-        return sf, sbytes
+        return sf, _fp32_bytes(sf)
     return _group_scales(amax, QMAX, SF, HW)
 
 
@@ -93,17 +96,26 @@ def _searched_sf(x, amax, HW: tl.constexpr):
     ``sum(((|D - X| * |X|) >> 10)^2)`` in the group's fixed point (exact: integer sums do not
     depend on the order)."""
     a = tl.maximum(amax, 1e-4)
-    p = pow2(12 - ((a.to(tl.int32, bitcast=True) >> 23) - 127))  # [R, G]
-    x_fix = _rint(x * p[:, :, None])  # exact products (p a power of two)
-    x_abs = tl.abs(x_fix)
+    p = _fixed_point_scale(a)
+    x_abs = tl.abs(_rint(x * p[:, :, None]))  # exact products (p a power of two)
     best_sf = tl.div_rn(a, a * 0 + 448.0)
-    best_err = _fixed_point_error(x, x_fix, x_abs, a, 448.0, best_sf, p, HW)
+    best_err = _fp8_error(x, x_abs, a, 448.0, best_sf, p, HW)
     # a loop, not unrolled: nine unrolled candidates held ~3x the registers of the plain store
     # (the fused qkv epilogue: 243 vs 72 a thread on sm_90), and those limit every program
     for i in range(1, 9):  # 416, 384, ..., 256, then 240, 224
         c = 448.0 - 32.0 * tl.minimum(i, 6) - 16.0 * tl.maximum(i - 6, 0)
-        best_sf, best_err = _try_scale(x, x_fix, x_abs, a, c, p, best_sf, best_err, HW)
+        sf = tl.div_rn(a, a * 0 + c)
+        err = _fp8_error(x, x_abs, a, c, sf, p, HW)
+        better = err < best_err  # ties keep the earlier candidate
+        best_sf = tl.where(better, sf, best_sf)
+        best_err = tl.where(better, err, best_err)
     return best_sf
+
+
+@triton.jit
+def _fixed_point_scale(a):
+    """``P = 2^(12 - r)`` of the scale search, ``r`` the unbiased exponent of ``a > 0``."""
+    return pow2(12 - ((a.to(tl.int32, bitcast=True) >> 23) - 127))
 
 
 @triton.jit
@@ -112,8 +124,7 @@ def _searched_e4m3_code(lo, hi, amax, base):
     ``lo`` / ``hi`` [R, G, GB] the finite fp32 elements (even / odd), ``base`` [R, G] the plain
     rule's codes; the first of ``base + (0, 1, ..., 8, -1)`` (clamped to 1..126) with the least
     int32 error in the group's fixed point."""
-    a = tl.maximum(amax, 1e-4)
-    p = pow2(12 - ((a.to(tl.int32, bitcast=True) >> 23) - 127))  # [R, G]
+    p = _fixed_point_scale(tl.maximum(amax, 1e-4))
     lo_fix = tl.abs(_rint(lo * p[:, :, None]))  # exact products (p a power of two)
     hi_fix = tl.abs(_rint(hi * p[:, :, None]))
     best = base
@@ -155,18 +166,10 @@ def _rint(v):
 
 
 @triton.jit
-def _try_scale(x, x_fix, x_abs, a, c, p, best_sf, best_err, HW: tl.constexpr):
-    """The better of (best_sf, best_err) and the candidate ``a / c`` (ties: the former)."""
-    sf = tl.div_rn(a, a * 0 + c)
-    err = _fixed_point_error(x, x_fix, x_abs, a, c, sf, p, HW)
-    better = err < best_err
-    return tl.where(better, sf, best_sf), tl.where(better, err, best_err)
-
-
-@triton.jit
-def _fixed_point_error(x, x_fix, x_abs, a, c, sf, p, HW: tl.constexpr):
-    """``sum(((|D - X| * |X|) >> 10)^2)`` over each group: ``D = trunc(e4m3(x * (c / a)) *
-    (sf * p))``, the candidate's rounding in the group's fixed point."""
+def _fp8_error(x, x_abs, a, c, sf, p, HW: tl.constexpr):
+    """``sum(((||D| - |X|| * |X|) >> 10)^2)`` over each group: ``D = rint(e4m3(x * (c / a)) *
+    (sf * p))``, the candidate's rounding in the group's fixed point (D keeps x's sign, so
+    the magnitudes give ``|D - X|``)."""
     y = x * tl.div_rn(a * 0 + c, a)[:, :, None]
     if HW:
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
@@ -175,7 +178,7 @@ def _fixed_point_error(x, x_fix, x_abs, a, c, sf, p, HW: tl.constexpr):
         v = decode_e4m3(encode_e4m3(y))
     sp = (sf * p)[:, :, None]
     d_fix = _rint(libdevice.mul_rn(v, tl.broadcast_to(sp, v.shape)) if HW else v * sp)
-    t = (tl.abs(d_fix - x_fix) * x_abs) >> 10
+    t = (tl.abs(tl.abs(d_fix) - x_abs) * x_abs) >> 10
     return tl.sum(t * t, axis=2)
 
 

@@ -291,7 +291,8 @@ def _launch(x, raw, slots, layout, geo, config=None, n=None, plan=None) -> None:
 
 def _row_tile(layout, row_elements: int) -> int:
     """Rows a program of ``store_quant_kernel`` quantizes: 4,096 elements, a quarter of that
-    with searched scales (each element then holds nine candidates' int64 errors in turn)."""
+    with searched scales (their candidate loop holds more registers an element: at 8 rows of
+    512 values the sm_90 code spills)."""
     return max(1, min(32, (1024 if layout.scale_search else 4096) // row_elements))
 
 

@@ -290,9 +290,7 @@ def test_quantized_cache_fresh_rows_equal_the_paged_kernel(name, kv_format, spec
     # the dense float64 attention of the bf16 queries over the values the cache holds
     stored = dataclasses.replace(
         sc, q=sc.q.bfloat16().double(),
-        history={layer: [tuple(_stored(x, lay) for x, lay in
-                               zip(kv, (sc.kv.layout, sc.kv.v_layout), strict=True))
-                         for kv in rows]
+        history={layer: [tuple(_stored(x, sc.kv.layout) for x in kv) for kv in rows]
                  for layer, rows in sc.history.items()},
     )  # fmt: skip
     want = reference_attention(stored, 0, None)
@@ -323,13 +321,13 @@ def test_read_slots_returns_the_stored_values():
         slots = torch.tensor([9, 4, 15, 5, 0])
         kv.store(1, k, v, slots)
         got_k, got_v = kv.read_slots(1, slots[[2, 0, 1]])
-        for got, x, lay in ((got_k, k[[2, 0, 1]], kv.layout), (got_v, v[[2, 0, 1]], kv.v_layout)):
+        for got, x in ((got_k, k[[2, 0, 1]]), (got_v, v[[2, 0, 1]])):
             assert got.shape == (3, 2, 32) and got.dtype == torch.bfloat16
             if fmt == "bf16":
                 assert torch.equal(got, x)
             else:  # independent: the format's quantize-dequantize of the rows
-                vals, scales = quantize(x.reshape(3, 64), lay)
-                assert torch.equal(got.reshape(3, 64), dequantize(vals, scales, lay))
+                vals, scales = quantize(x.reshape(3, 64), kv.layout)
+                assert torch.equal(got.reshape(3, 64), dequantize(vals, scales, kv.layout))
 
 
 def test_quantized_short_prompts_keep_the_paged_kernel(monkeypatch):

@@ -93,17 +93,16 @@ def test_exact_cache_logits_unchanged_and_cache_holds_rotated_keys(which, gemma_
 
 def _oracle(kv_format: str, **kw) -> LLM:
     """A bf16 cache, q/k rotated, whose store rounds K/V through ``kv_format``'s layout."""
-    kv = KVCacheTensors(1, 2, 4, CFG.num_kv_heads, CFG.head_dim, kv_format=kv_format)
+    layout = KVCacheTensors(1, 2, 4, CFG.num_kv_heads, CFG.head_dim, kv_format=kv_format).layout
     llm = _engine("bf16", kv_rotation=True, **kw)
     store = llm.parts.kv_cache.store
 
-    def rounded(x, layout):
+    def rounded(x):
         flat = x.to(torch.bfloat16).reshape(x.shape[0], -1)  # [T, Hkv * D]
         return quant.dequantize(*quant.quantize(flat, layout), layout).view(x.shape)
 
     def wrapped(layer, k, v, slot_mapping, *, check=True):
-        k, v = rounded(k, kv.layout), rounded(v, kv.v_layout)  # fp8: K's scales searched
-        return store(layer, k, v, slot_mapping, check=check)
+        return store(layer, rounded(k), rounded(v), slot_mapping, check=check)
 
     llm.parts.kv_cache.store = wrapped
     return llm

@@ -27,26 +27,24 @@ def _engine(kv_format: str, **kw) -> LLM:
     return LLM(CFG, kv_format=kv_format, **kw)
 
 
-def _rounding_store(kv_cache, layouts):
-    """Wrap ``kv_cache.store`` (a bf16 cache) to store K/V rounded through ``layouts`` (K's,
-    V's: a quantized cache's ``layout`` / ``v_layout``)."""
+def _rounding_store(kv_cache, layout):
+    """Wrap ``kv_cache.store`` (a bf16 cache) to store K/V rounded through ``layout``."""
     store = kv_cache.store
 
-    def rounded(x, layout):
+    def rounded(x):
         flat = x.to(torch.bfloat16).reshape(x.shape[0], -1)  # [T, Hkv * D]
         return quant.dequantize(*quant.quantize(flat, layout), layout).view(x.shape)
 
     def wrapped(layer, k, v, slot_mapping, *, check=True):
-        k, v = rounded(k, layouts[0]), rounded(v, layouts[1])
-        return store(layer, k, v, slot_mapping, check=check)
+        return store(layer, rounded(k), rounded(v), slot_mapping, check=check)
 
     return wrapped
 
 
 def _oracle(kv_format: str, **kw) -> LLM:
-    kv = KVCacheTensors(1, 2, 4, CFG.num_kv_heads, CFG.head_dim, kv_format=kv_format)
+    layout = KVCacheTensors(1, 2, 4, CFG.num_kv_heads, CFG.head_dim, kv_format=kv_format).layout
     llm = _engine("bf16", **kw)
-    llm.parts.kv_cache.store = _rounding_store(llm.parts.kv_cache, (kv.layout, kv.v_layout))
+    llm.parts.kv_cache.store = _rounding_store(llm.parts.kv_cache, layout)
     return llm
 
 

@@ -48,13 +48,10 @@ def test_bit_equal_to_the_formats_dequantization(fmt, slot_dtype):
     pick = slots[torch.randperm(slots.numel(), generator=torch.Generator().manual_seed(4))[:37]]
     order = torch.argsort(slots)  # row i was stored at slots[i]: position of each slot
     rows = order[pick]
-    for cache, x, stored in (
-        (kv.raw_k_cache(0), k, kv.layout),
-        (kv.raw_v_cache(0), v, kv.v_layout),
-    ):
-        got = read_slots_triton(cache, pick.to(slot_dtype), kv.layout, 64)  # either layout reads
+    for cache, x in ((kv.raw_k_cache(0), k), (kv.raw_v_cache(0), v)):
+        got = read_slots_triton(cache, pick.to(slot_dtype), kv.layout, 64)
         assert got.dtype == torch.bfloat16 and got.shape == (37, 2, 64)
-        assert torch.equal(got, _expected(x[rows], stored))
+        assert torch.equal(got, _expected(x[rows], kv.layout))
     # the torch path of KVCacheTensors.read_slots gives the same bits
     tk, tv = kv.read_slots(0, pick)
     assert torch.equal(tk, read_slots_triton(kv.raw_k_cache(0), pick, kv.layout, 64))
@@ -126,4 +123,4 @@ def test_gpu_bit_equal(fmt):
     order = torch.argsort(slots)
     gk, gv = kv.read_slots(0, pick.cuda())
     assert torch.equal(gk.cpu(), _expected(k[order[pick].cuda()], kv.layout))
-    assert torch.equal(gv.cpu(), _expected(v[order[pick].cuda()], kv.v_layout))
+    assert torch.equal(gv.cpu(), _expected(v[order[pick].cuda()], kv.layout))
