@@ -376,7 +376,7 @@ def qkv_epilogue_triton(
             if quant_kw.get("SEARCH"):
                 # searched scales: K heads and V heads in programs of their own (the search of
                 # a program runs over all its rows; sm_90 at llama-1b's heads: 16 heads a
-                # program 128 registers a thread, 8 heads 72)
+                # program 128 registers a thread, 8 heads 70)
                 tile_h = min(tile_h, _pow2_divisor(num_heads, num_kv_heads))
     if t > 0:
         w_q = q_norm_weight.contiguous() if qk_norm else q
