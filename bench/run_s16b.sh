@@ -4,9 +4,9 @@
 # fp8 with and without the search (KVPLAN_KV_SCALE_SEARCH) and bf16, side by side in one run
 # (call A: the first form 1.538 ms, bf16 1.412 ms; session 15: fp8 amax / 448 1.408 ms).
 set -u
-BUDGET=${BUDGET:-400}
+BUDGET=${BUDGET:-440}
 source bench/gpu_steps.sh
-step 100 gpu_tests python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf \
+step 130 gpu_tests python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf \
   tests/ops/test_store.py tests/models/test_fused_gpu.py tests/cache/test_kv_tensors.py \
   tests/ops/test_read_slots.py tests/engine/test_quantized_kv_engine.py
 grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests.log" | head -14
