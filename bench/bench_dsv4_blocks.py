@@ -212,6 +212,7 @@ def sweep_plans(hc: HyperConnection, d: dict, iters: int) -> list[dict]:
     kw = dict(iters=hc.iters, hc_eps=hc.hc_eps, eps=hc.eps)
     default_plan, default_warps = hcm._proj_plan, hcm._epilogue_warps
     big = t > 256
+    bf16 = d["s"].dtype == torch.bfloat16
     variants = [None] + [
         (tt, th, target, pw, ew, tc)
         for tt in ((32, 64, 128) if big else (16, 32))
@@ -219,9 +220,18 @@ def sweep_plans(hc: HyperConnection, d: dict, iters: int) -> list[dict]:
         for target in ((128, 256, 512) if big else (32, 64, 128, 256))
         for pw in ((4, 8) if big else (2, 4))
         for ew in ((4,) if big else (1, 2, 4))
-        for tc in ((False, True) if big and d["s"].dtype == torch.bfloat16 else (False,))
+        for tc in ((False, True) if big and bf16 else (False,))
         if tt <= max(16, triton_next_pow2(t)) and 16 <= th * triton_next_pow2(n) <= 256
     ]
+    if bf16 and not big:  # decode sizes: the tensor-core form (the default since session 14)
+        variants = [None] + [
+            (tt, th, target, pw, 1, True)
+            for tt in (16, 32)
+            for th in (4, 8, 16, 32)
+            for target in (128, 256, 512)
+            for pw in (4, 8)
+            if tt <= max(16, triton_next_pow2(t)) and 16 <= th * triton_next_pow2(n) <= 256
+        ]
     rows = []
     try:
         for v in variants:

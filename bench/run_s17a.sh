@@ -4,7 +4,7 @@
 # dequantized in packed bf16 (`e4m3_ue8m0_bf16`) vs the fp32 product (KVPLAN_BF16_DEQUANT=0)
 # in the hybrid decode step.
 set -u
-BUDGET=${BUDGET:-560}
+BUDGET=${BUDGET:-580}
 source bench/gpu_steps.sh
 step 150 gpu_tests python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf \
   tests/test_quant.py tests/ops/test_sparse_attention.py tests/ops/test_sparse_split.py \
@@ -27,3 +27,5 @@ step 60 idx_on python3 bench/bench_sparse_kernels.py --rows 256 --candidates 327
 grep -E "index" "$W/idx_on.log" | head -4
 step 60 idx_off env KVPLAN_BF16_DEQUANT=0 python3 bench/bench_sparse_kernels.py --rows 256 --candidates 32768 --only index --index-kinds mxfp8 --out "$W/idx_off.json"
 grep -E "index" "$W/idx_off.log" | head -4
+step 120 hc_sweep python3 bench/bench_dsv4_blocks.py --rows 32 --hc-rows 32 --sweep --out "$W/hc_sweep.json"
+grep -A14 "hc_pre plans" "$W/hc_sweep.log"
