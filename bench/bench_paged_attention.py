@@ -50,20 +50,33 @@ from kvplan.ops.paged_attention import (  # noqa: E402
 )
 
 
-def timed(fn, reps: int, warmup: int, inner: int = 10) -> float:
+def timed(fn, reps: int, warmup: int, inner: int = 10, graph: bool = False) -> float:
     """Median seconds per call. On GPU each sample times ``inner`` back-to-back calls between
     two CUDA events, so the host-side launch cost (argument checks) overlaps the kernels
-    instead of being counted; on CPU a sample is one call timed with perf_counter."""
+    instead of being counted (``graph``: the ``inner`` calls captured once as a CUDA graph and
+    replayed, as an engine's decode step runs them: small calls whose eager launch outlasts
+    the kernel time the kernel); on CPU a sample is one call timed with perf_counter."""
     for _ in range(warmup):
         fn()
     times = []
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+        run = None
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(inner):
+                    fn()
+            g.replay()
+            run = g.replay
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(inner):
-                fn()
+            if run is not None:
+                run()
+            else:
+                for _ in range(inner):
+                    fn()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3 / inner)

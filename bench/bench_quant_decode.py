@@ -77,6 +77,12 @@ def main() -> None:
         help="quantized formats: also every tiling with the bytes loaded a tile ahead "
         "(prefetch=True, kvplan.ops._paged_attention_kernels.QUANT_PREFETCH)",
     )
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="time CUDA-graph replays of the calls (the engine's decode steps; eager calls of "
+        "short contexts time the host)",
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
@@ -121,7 +127,7 @@ def main() -> None:
 
             try:
                 err = rel_err(call(), want)
-                sec = timed(call, reps, warm)
+                sec = timed(call, reps, warm, graph=args.graph and cuda)
             except Exception as exc:  # a config the compiler rejects (shared memory)
                 rows.append({"format": fmt, "config": kw or "default", "error": repr(exc)[:200]})
                 return
