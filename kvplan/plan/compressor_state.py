@@ -33,9 +33,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
-from kvplan._checks import check_int32
+from kvplan._checks import check_int32, check_tensor
 from kvplan._math import exclusive_cumsum
+from kvplan.ops._dispatch import use_triton
 from kvplan.plan.sequence import SequenceMetadata
 
 
@@ -179,19 +182,35 @@ def plan_decode_compressor_state(
                         ratio, overlap)  # fmt: skip
 
 
-def expand_window_index(window_facts: torch.Tensor, num_rows: int, ring_rows: int) -> torch.Tensor:
-    """Expand ``window_facts`` into per-row sources (torch, any device; int32).
+def expand_window_index(
+    window_facts: torch.Tensor, num_rows: int, ring_rows: int, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """Expand ``window_facts`` into per-row sources: one Triton kernel on CUDA
+    (:func:`expand_window_index_triton`), torch ops elsewhere (:func:`expand_window_index_torch`);
+    the same values.
 
     Args:
-        window_facts: int32 ``[E, 4]`` from :class:`CompressorStatePlan`.
+        window_facts: int32 / int64 ``[E, 4]`` from :class:`CompressorStatePlan` (any strides).
         num_rows: ``R``, the window length and the ring length per state slot.
         ring_rows: rows of the whole ring tensor (``num_state_slots * R``); step rows are
             numbered after them.
+        dtype: int32 or int64, of the result.
 
     Returns:
-        int32 ``[E, R]``: ``-1`` for an empty row (before position 0), a ring row ``< ring_rows``,
+        ``[E, R]``: ``-1`` for an empty row (before position 0), a ring row ``< ring_rows``,
         or ``ring_rows + t`` for row ``t`` of this step (``[ring | step]`` index space).
     """
+    if dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
+    if use_triton(window_facts):
+        return expand_window_index_triton(window_facts, num_rows, ring_rows, dtype)
+    return expand_window_index_torch(window_facts, num_rows, ring_rows).to(dtype)
+
+
+def expand_window_index_torch(
+    window_facts: torch.Tensor, num_rows: int, ring_rows: int
+) -> torch.Tensor:
+    """:func:`expand_window_index` in torch ops (int32), the reference of the kernel."""
     facts = window_facts.to(torch.int64)
     col = torch.arange(num_rows, device=facts.device)[None, :]
     start, n_empty, n_ring, step = (facts[:, i : i + 1] for i in range(4))
@@ -200,6 +219,56 @@ def expand_window_index(window_facts: torch.Tensor, num_rows: int, ring_rows: in
     stepped = ring_rows + step + col - n_empty - n_ring
     out = torch.where(col < n_empty, -1, torch.where(col < n_empty + n_ring, ring, stepped))
     return out.to(torch.int32)
+
+
+@triton.jit
+def _floor_mod(a, m):
+    """``a`` modulo ``m > 0`` rounded toward minus infinity (torch's ``%``)."""
+    r = a % m
+    return tl.where(r < 0, r + m, r)
+
+
+@triton.jit
+def _expand_window_index_kernel(
+    facts_ptr, out_ptr, num_entries, stride_e, stride_f, num_rows, ring_rows,
+    R_P2: tl.constexpr, TILE_E: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(0) * TILE_E + tl.arange(0, TILE_E)
+    e_ok = e < num_entries
+    col = tl.arange(0, R_P2)[None, :]
+    base = facts_ptr + e.to(tl.int64) * stride_e
+    start = tl.load(base, mask=e_ok, other=0).to(tl.int64)[:, None]
+    n_empty = tl.load(base + stride_f, mask=e_ok, other=0).to(tl.int64)[:, None]
+    n_ring = tl.load(base + 2 * stride_f, mask=e_ok, other=0).to(tl.int64)[:, None]
+    step = tl.load(base + 3 * stride_f, mask=e_ok, other=0).to(tl.int64)[:, None]
+    first = _floor_mod(start, num_rows)
+    ring = start - first + _floor_mod(first + col - n_empty, num_rows)
+    stepped = ring_rows + step + col - n_empty - n_ring
+    out = tl.where(col < n_empty, -1, tl.where(col < n_empty + n_ring, ring, stepped))
+    ptrs = out_ptr + e.to(tl.int64)[:, None] * num_rows + col
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=e_ok[:, None] & (col < num_rows))
+
+
+def expand_window_index_triton(
+    window_facts: torch.Tensor, num_rows: int, ring_rows: int, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """:func:`expand_window_index` as one launch (graph-capturable: no host sync)."""
+    check_tensor("window_facts", window_facts, dtype=(torch.int32, torch.int64), ndim=2)
+    if window_facts.shape[1] != 4:
+        raise ValueError(f"window_facts must be [E, 4], got {tuple(window_facts.shape)}")
+    if num_rows < 1:
+        raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+    e = window_facts.shape[0]
+    out = torch.empty(e, num_rows, dtype=dtype, device=window_facts.device)
+    if e == 0:
+        return out
+    r_p2 = triton.next_power_of_2(num_rows)
+    tile_e = max(1, min(triton.next_power_of_2(e), 4096 // r_p2))
+    _expand_window_index_kernel[(triton.cdiv(e, tile_e),)](
+        window_facts, out, e, window_facts.stride(0), window_facts.stride(1), num_rows,
+        ring_rows, R_P2=r_p2, TILE_E=tile_e,
+    )  # fmt: skip
+    return out
 
 
 def reference_compressor_state(

@@ -95,3 +95,38 @@ def test_bad_input() -> None:
     ok = SequenceMetadata(seqlen_q=1, seqlen_k=3, block_table=[], state_id=0, token_ids=[0] * 3)
     with pytest.raises(ValueError, match="ratio"):
         plan_compressor_state([ok], 0, False)
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (4, False), (128, False), (8, True)])
+def test_expand_window_index_kernel_equals_torch(ratio: int, overlap: bool) -> None:
+    """The Triton expansion (CPU interpreter) equals the torch ops, int32 and int64, on a
+    planned batch and on facts read through a transposed view (the static decode step's)."""
+    from kvplan.plan.compressor_state import expand_window_index_torch, expand_window_index_triton
+
+    rng = np.random.default_rng(ratio + overlap)
+    seqs = _batch(rng, 5)
+    big_r = state_rows(ratio, overlap)
+    ring_rows = 8 * big_r
+    facts = torch.from_numpy(plan_compressor_state(seqs, ratio, overlap).window_facts)
+    want = expand_window_index_torch(facts, big_r, ring_rows)
+    for dtype in (torch.int32, torch.int64):
+        got = expand_window_index_triton(facts, big_r, ring_rows, dtype)
+        assert got.dtype == dtype and torch.equal(got.int(), want)
+    # int64 facts, one column per entry (strides (1, E)), as StaticDecodeStep reads them
+    cols = torch.zeros(6, facts.shape[0], dtype=torch.int64)
+    cols[1:5] = facts.t().long()
+    view = cols[1:5].t()
+    assert torch.equal(expand_window_index_triton(view, big_r, ring_rows), want)
+    assert expand_window_index_triton(facts[:0], big_r, ring_rows).shape == (0, big_r)
+
+
+def test_expand_window_index_checks() -> None:
+    from kvplan.plan.compressor_state import expand_window_index_triton
+
+    facts = torch.zeros(3, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="dtype"):
+        expand_window_index(facts, 8, 64, torch.float32)
+    with pytest.raises(ValueError, match=r"\[E, 4\]"):
+        expand_window_index_triton(facts[:, :3], 8, 64)
+    with pytest.raises(TypeError, match="window_facts"):
+        expand_window_index_triton(facts.float(), 8, 64)

@@ -96,7 +96,7 @@ class _StateStep:
         self.plan = plan
         self.ring_rows = fam.config.num_state_slots * plan.state_rows
         facts = to_device(plan.window_facts, dev, None)
-        self.window_index = expand_window_index(facts, plan.state_rows, self.ring_rows).long()
+        self.window_index = expand_window_index(facts, plan.state_rows, self.ring_rows, torch.int64)
         store = plan.slot_mapping_store_state
         self.store_rows = to_device(
             np.where(store >= 0, store, self.ring_rows).astype(np.int64), dev, None

@@ -93,6 +93,7 @@ class StaticDecodeBuffers:
         dev = family.device
         self.out = make_decode_device_out(family.config, max_rows, max_rows, 1)
         self.inputs = torch.zeros(num, max_rows, dtype=torch.int64, device=dev)
+        self.row_ids = torch.arange(max_rows, device=dev)  # read only: each series' seq_index
         # two staging slots used in turn: a step rewrites the slot of the step before last.
         # With async scheduling the step before may still be queued; the one before last
         # has had its tokens read, so its copy is done: the slot's event only confirms it.
@@ -262,11 +263,11 @@ class StaticDecodeStep(PlannedStep):
             self._states[(ratio, overlap)] = SimpleNamespace(
                 plan=SimpleNamespace(num_entries=b),
                 ring_rows=ring_rows,
-                window_index=expand_window_index(facts, big_r, ring_rows).long(),
+                window_index=expand_window_index(facts, big_r, ring_rows, torch.int64),
                 store_rows=inputs[row + 4, :b],
                 positions=inputs[row + 5, :b],
                 entry_index=inputs[row + 6, :b],
-                seq_index=torch.arange(b, device=inputs.device),
+                seq_index=self.buffers.row_ids[:b],
                 slots=self.meta.slot_mapping_store_ca[ratio_key(ratio)],
             )
         self._windows_done = set()
