@@ -6,10 +6,10 @@
 set -u
 BUDGET=${BUDGET:-580}
 source bench/gpu_steps.sh
-step 150 gpu_tests python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf \
+step 170 gpu_tests python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf \
   tests/test_quant.py tests/ops/test_sparse_attention.py tests/ops/test_sparse_split.py \
   tests/ops/test_store.py tests/models/test_fused_gpu.py tests/cache/test_kv_tensors.py \
-  tests/ops/test_read_slots.py tests/engine/test_quantized_kv_engine.py
+  tests/ops/test_read_slots.py tests/engine/test_quantized_kv_engine.py tests/engine/test_hybrid_graphs.py
 grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests.log" | head -14
 step 50 store python3 bench/bench_store_load.py --formats ENGINE_FP8x512 FP8_AMAX_x512 ENGINE_FP4x512 FP4_PLAIN_x512 --tokens 256 4096 65536 --out "$W/store.json"
 grep -E "store" "$W/store.log" | head -24
