@@ -2,7 +2,7 @@
 # Session 17, call A: session 16's searched scales on the GPU (bit-exactness, store cost, the
 # dense decode step with and without the search, bf16 beside them), and the V41 keys
 # dequantized in packed bf16 (`e4m3_ue8m0_bf16`) vs the fp32 product (KVPLAN_BF16_DEQUANT=0)
-# in the hybrid decode step.
+# in the hybrid decode step; fp8 prefill over the stored rows at every prompt length (KVPLAN_STORED_ROWS_MIN_LEN=1).
 set -u
 BUDGET=${BUDGET:-580}
 source bench/gpu_steps.sh
@@ -17,6 +17,8 @@ step 45 short_fp8 python3 bench/bench_engine.py --kv-format fp8 --hf "" --out "$
 grep -E "kvplan \(|decode step" "$W/short_fp8.log"
 step 45 short_fp8_plain env KVPLAN_KV_SCALE_SEARCH=0 python3 bench/bench_engine.py --kv-format fp8 --hf "" --out "$W/short_fp8_plain.json"
 grep -E "kvplan \(|decode step" "$W/short_fp8_plain.log"
+step 45 short_fp8_stored env KVPLAN_STORED_ROWS_MIN_LEN=1 python3 bench/bench_engine.py --kv-format fp8 --hf "" --out "$W/short_fp8_stored.json"
+grep -E "kvplan \(|decode step" "$W/short_fp8_stored.log"
 step 45 short_bf16 python3 bench/bench_engine.py --kv-format bf16 --hf "" --out "$W/short_bf16.json"
 grep -E "kvplan \(|decode step" "$W/short_bf16.log"
 step 70 hyb_on python3 bench/bench_hybrid.py --contexts 32768 --formats fp8 --out "$W/hyb_on.json"
@@ -27,5 +29,3 @@ step 60 idx_on python3 bench/bench_sparse_kernels.py --rows 256 --candidates 327
 grep -E "index" "$W/idx_on.log" | head -4
 step 60 idx_off env KVPLAN_BF16_DEQUANT=0 python3 bench/bench_sparse_kernels.py --rows 256 --candidates 32768 --only index --index-kinds mxfp8 --out "$W/idx_off.json"
 grep -E "index" "$W/idx_off.log" | head -4
-step 120 hc_sweep python3 bench/bench_dsv4_blocks.py --rows 32 --hc-rows 32 --sweep --out "$W/hc_sweep.json"
-grep -A14 "hc_pre plans" "$W/hc_sweep.log"

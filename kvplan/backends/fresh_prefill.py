@@ -26,6 +26,7 @@ what each path supports.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -63,13 +64,26 @@ class FreshSplit(NamedTuple):
     flash_max_q_len: int
 
 
-STORED_ROWS_MIN_LEN = 1024
+def _stored_rows_min_len() -> int:
+    """``KVPLAN_STORED_ROWS_MIN_LEN`` (an int >= 1, for A/B runs) or 1,024."""
+    text = os.environ.get("KVPLAN_STORED_ROWS_MIN_LEN", "1024")
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"KVPLAN_STORED_ROWS_MIN_LEN must be an int >= 1, got {text!r}")
+    return value
+
+
+STORED_ROWS_MIN_LEN = _stored_rows_min_len()
 """Quantized caches: the longest fresh prompt from which the fresh rows take SDPA / flash over
 their stored values (``stored_rows``). Reading the rows back costs a launch per cache and
 layer (``kvplan.ops.read_slots`` on CUDA); with short prompts the attention it speeds up is
 small (64 prompts of 256 tokens of a 1B Llama: ~0.5 ms of prefill attention in all), with long
 ones it dominates the step (H200, one 8,192-token prompt of that Llama, 2026-12-02: fp8 54.6
-vs 63.4 ms with the paged kernel, when the read-back was still the torch dequantization)."""
+vs 63.4 ms with the paged kernel, when the read-back was still the torch dequantization).
+The environment variable ``KVPLAN_STORED_ROWS_MIN_LEN`` (read at import) overrides it."""
 
 
 def fresh_split(cu_seqlens_q: np.ndarray, fresh_from: int) -> FreshSplit | None:
