@@ -232,6 +232,9 @@ def sweep_plans(hc: HyperConnection, d: dict, iters: int) -> list[dict]:
             for pw in (4, 8)
             if tt <= max(16, triton_next_pow2(t)) and 16 <= th * triton_next_pow2(n) <= 256
         ]
+    fused = t <= hcm.FUSED_MAX_ROWS
+    if fused:
+        d["post"], d["comb"], _ = hc_pre_torch(d["s"], hc.fn, hc.base, hc.scale, **kw)
     rows = []
     try:
         for v in variants:
@@ -246,13 +249,17 @@ def sweep_plans(hc: HyperConnection, d: dict, iters: int) -> list[dict]:
             fn = lambda: hc_pre(d["s"], hc.fn, hc.base, hc.scale, **kw)  # noqa: E731
             fn()
             cur = hcm._proj_plan(t, n, h, d["s"].dtype)
-            rows.append(dict(
-                plan="default" if v is None else "x".join(map(str, v)),
-                splits=cur.splits, graph_us=time_cuda(fn, iters, graph=True),
-            ))  # fmt: skip
+            row = dict(plan="default" if v is None else "x".join(map(str, v)),
+                       splits=cur.splits, graph_us=time_cuda(fn, iters, graph=True))  # fmt: skip
+            if fused:  # the decode steps' form: the residual update fused in (hc_post_pre)
+                fused_fn = lambda: hc_post_pre(d["s"], d["post"], d["comb"], d["out"], hc.fn,  # noqa: E731
+                                               hc.base, hc.scale, **kw)  # fmt: skip
+                fused_fn()
+                row["post_pre_graph_us"] = time_cuda(fused_fn, iters, graph=True)
+            rows.append(row)
     finally:
         hcm._proj_plan, hcm._epilogue_warps = default_plan, default_warps
-    return sorted(rows, key=lambda r: r["graph_us"])
+    return sorted(rows, key=lambda r: r.get("post_pre_graph_us", r["graph_us"]))
 
 
 def sweep_proj_programs(hc: HyperConnection, d: dict, iters: int, programs: list[int]):
@@ -551,7 +558,9 @@ def main() -> None:
         print(f"hc_pre plans at T={args.rows} (tile_t x tile_h x programs x proj warps x "
               "epilogue warps), fastest first:")  # fmt: skip
         for r in sweep[:12]:
-            print(f"  {r['plan']:18} splits {r['splits']:4d} {r['graph_us']:8.1f} us")
+            fused = r.get("post_pre_graph_us")
+            tail = "" if fused is None else f"   hc_post_pre {fused:8.1f} us"
+            print(f"  {r['plan']:18} splits {r['splits']:4d} {r['graph_us']:8.1f} us{tail}")
     for a, b in zip(rows, rows[1:]):  # old vs new of the row-tiled pieces
         if a["piece"] == b["piece"] and a["path"] == "one-tok" and "graph_us" in a:
             fast = "rows" if b["graph_us"] < a["graph_us"] else "one-tok"
