@@ -229,7 +229,7 @@ def sweep_plans(hc: HyperConnection, d: dict, iters: int) -> list[dict]:
             for tt in (16, 32)
             for th in (4, 8, 16, 32)
             for target in (128, 256, 512)
-            for pw in (4, 8)
+            for pw in (4,)
             if tt <= max(16, triton_next_pow2(t)) and 16 <= th * triton_next_pow2(n) <= 256
         ]
     fused = t <= hcm.FUSED_MAX_ROWS
