@@ -117,6 +117,7 @@ def prefill_fresh_rows(
     kv_layout: KVCacheFormat | None,
     check: bool,
     stored_rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    stored_rows_min_len: int | None = None,
 ) -> torch.Tensor | None:
     """One context segment with SDPA or flash on its fresh rows; None when neither applies.
 
@@ -130,8 +131,8 @@ def prefill_fresh_rows(
             values the cache holds for the segment's rows ``lo .. hi - 1`` (dequantized, the
             values the paged kernel reads); the fresh rows then attend over those with SDPA
             or flash, the same attention as the paged kernel's, when the longest fresh prompt
-            has at least ``STORED_ROWS_MIN_LEN`` tokens. None: a quantized cache keeps the
-            paged kernel.
+            has at least ``stored_rows_min_len`` tokens (None: ``STORED_ROWS_MIN_LEN``; 1
+            when the rows are at hand). None: a quantized cache keeps the paged kernel.
 
     Returns ``out`` (or a new tensor) with every row written, or None (then the caller runs
     the paged kernel over the whole segment; ``out`` may hold partial results meanwhile).
@@ -144,7 +145,9 @@ def prefill_fresh_rows(
     j, t0 = split.num_paged_rows, split.num_paged_tokens
     q_f, k_f, v_f = q[t0:], k_new[t0:], v_new[t0:]
     quantized, cache_dtype = kv_layout is not None, k_cache.dtype
-    if quantized and stored_rows is not None and split.flash_max_q_len >= STORED_ROWS_MIN_LEN:
+    if stored_rows_min_len is None:
+        stored_rows_min_len = STORED_ROWS_MIN_LEN
+    if quantized and stored_rows is not None and split.flash_max_q_len >= stored_rows_min_len:
         # decide on stand-ins of the stored rows (no device work), load them only if used
         k_f = v_f = torch.empty(k_f.shape, dtype=torch.bfloat16, device="meta")
         quantized, cache_dtype = False, torch.bfloat16

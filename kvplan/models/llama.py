@@ -128,17 +128,21 @@ class Attention(nn.Module):
             store = self.attn.store_target(metadata, t)
             if store is not None and len(store) == 4:  # a quantized cache
                 store = store if ops.fused_store_supports(store[3], self.head_dim) else None
+        # a quantized cache: k / v come back as the cache holds them, so the attention over
+        # a prompt's own rows reads them without a read-back
+        held = store is not None and len(store) == 4
         q, k, v = ops.qkv_epilogue(
             qkv, positions, rotary.cos, rotary.sin,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             q_norm_weight=self.q_norm.weight if norm else None,
             k_norm_weight=self.k_norm.weight if norm else None,
-            eps=self.q_norm.eps if norm else 1e-6, kv_store=store, fused=fused,
+            eps=self.q_norm.eps if norm else 1e-6, kv_store=store, stored_values=held,
+            fused=fused,
         )  # fmt: skip
         if self.kv_rotation:
             q, k = hadamard_qk(q, k)  # q k^T unchanged; K quantizes better
         if store is not None:
-            o = self.attn.forward(q, k, v, metadata, kv_stored=True)  # [T, H, D]
+            o = self.attn.forward(q, k, v, metadata, kv_stored=True, stored_values=held)
         else:
             o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))

@@ -341,3 +341,43 @@ def test_quantized_short_prompts_keep_the_paged_kernel(monkeypatch):
         calls.clear()
         _run("ragged", make_scenario(5, specs, head_dim=32, kv_format="fp8"))
         assert bool(calls) == runs, min_len
+
+
+@pytest.mark.parametrize("name", PAGED)
+@pytest.mark.parametrize("kv_format", ["fp8", "int8"])
+def test_stored_values_skip_the_read_back(name, kv_format, monkeypatch):
+    """``forward(..., kv_stored=True, stored_values=True)``: k / v already hold the cache's
+    values for the step's rows (as ``qkv_epilogue(..., stored_values=True)`` returns them), so
+    the fresh rows run SDPA over them at any prompt length without ``read_slots``: the same
+    output as the read-back path (which here is forced down to 1-token prompts)."""
+    from kvplan.cache.kv_tensors import KVCacheTensors
+
+    specs = [SeqSpec(9, 5, True), SeqSpec(0, 7, True), SeqSpec(0, 3, True)]
+    monkeypatch.setenv("KVPLAN_PREFILL_SDPA", "1")
+    monkeypatch.setattr(fp, "STORED_ROWS_MIN_LEN", 1)
+    sc = make_scenario(3, specs, num_heads=4, num_kv_heads=2, head_dim=32, kv_format=kv_format)
+    read_back = _run(name, sc)  # the backend stores k / v, reads the fresh rows back
+    monkeypatch.setattr(fp, "STORED_ROWS_MIN_LEN", 10_000)  # the read-back path is off now
+    reads = []
+    real = KVCacheTensors.read_slots
+    monkeypatch.setattr(KVCacheTensors, "read_slots",
+                        lambda self, *a, **k: (reads.append(1), real(self, *a, **k))[1])  # fmt: skip
+    calls = _record(monkeypatch)
+    sc = make_scenario(3, specs, num_heads=4, num_kv_heads=2, head_dim=32, kv_format=kv_format)
+    cls = get_backend(name)
+    md = cls.Metadata(
+        max_num_requests=16, max_num_tokens=512, max_num_sequences=32,
+        kv_cache_manager=sc.manager, kv_cache=sc.kv, device=sc.q.device,
+    )  # fmt: skip
+    fill_metadata(md, sc)
+    md.prepare()
+    attn = cls(0, sc.num_heads, sc.num_kv_heads, sc.head_dim)
+    k, v = sc.k[0], sc.v[0]
+    slots = md.slot_mapping(attn.pool(md))
+    sc.kv.store(0, k, v, slots)  # what the fused store does
+    held = [_stored(x, sc.kv.layout).to(x.dtype) for x in (k, v)]
+    got = attn.forward(sc.q, *held, md, kv_stored=True, stored_values=True)
+    assert not reads and calls  # SDPA ran, over rows nobody read back
+    assert torch.equal(got, read_back)
+    with pytest.raises(ValueError, match="stored_values=True needs kv_stored=True"):
+        attn.forward(sc.q, *held, md, stored_values=True)
