@@ -104,6 +104,10 @@ class Attention(nn.Module):
         # the fused qkv epilogue writes K/V into a plain bf16 cache (`KVPLAN_FUSED_KV_STORE=0`:
         # the backend's store, for A/B runs)
         self.fused_kv_store = os.environ.get("KVPLAN_FUSED_KV_STORE", "1") != "0"
+        # with a quantized cache the fused store returns the rows as stored, so a prompt's own
+        # rows are attended without a read-back (`KVPLAN_STORED_VALUES=0`: the rows as
+        # computed, the backend reads them back or runs the paged kernel; for A/B runs)
+        self.stored_values = os.environ.get("KVPLAN_STORED_VALUES", "1") != "0"
 
     def forward(
         self,
@@ -130,7 +134,7 @@ class Attention(nn.Module):
                 store = store if ops.fused_store_supports(store[3], self.head_dim) else None
         # a quantized cache: k / v come back as the cache holds them, so the attention over
         # a prompt's own rows reads them without a read-back
-        held = store is not None and len(store) == 4
+        held = self.stored_values and store is not None and len(store) == 4
         q, k, v = ops.qkv_epilogue(
             qkv, positions, rotary.cos, rotary.sin,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,

@@ -126,19 +126,6 @@ def decode_e2m1_tiny(c):
 
 
 @triton.jit
-def e4m3_ue8m0_bf16(vb, sb):
-    """bf16 ``e4m3(vb) * 2^(sb - 127)`` on the GPU: ``vb`` uint8 e4m3 codes, ``sb`` integer
-    UE8M0 scale bytes (broadcast against ``vb``). The hardware converts the e4m3 code to bf16
-    exactly and the product with a power of two is rounded only where it leaves bf16's normal
-    range, as the fp32 product's cast to bf16 is, so the bits are ``bf16(decode_e4m3(vb) *
-    2^(sb - 127))``; the multiply runs on packed bf16 pairs (about 1 instruction a value less
-    than the fp32 product and its cast). Scale byte 0 gives 0, 255 infinity (as ``sb << 23``
-    read as fp32 does)."""
-    mult = (sb.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
-    return vb.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * mult
-
-
-@triton.jit
 def pow2(e):
     """2^e as fp32 for int32 ``e`` in [-126, 127]."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)

@@ -43,13 +43,11 @@ the output.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3, e4m3_ue8m0_bf16
+from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
 
 KIND_FP32 = 0
 KIND_BF16 = 1
@@ -58,9 +56,6 @@ KIND_E2M1 = 3
 SF_UE8M0 = 0
 SF_E4M3 = 1
 SF_FP32 = 2
-# e4m3 keys with UE8M0 scales dequantize in bf16 (`e4m3_ue8m0_bf16`) where the dots take bf16
-# on the GPU; ``KVPLAN_BF16_DEQUANT=0`` (read at import) keeps the fp32 product, for A/B runs
-BF16_DEQUANT = tl.constexpr(os.environ.get("KVPLAN_BF16_DEQUANT", "1") != "0")
 LOG2E = tl.constexpr(1.4426950408889634)  # a jit-visible global must be a constexpr
 
 
@@ -116,13 +111,6 @@ def _load_key_cols(
         x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
         if not BF16:
             x = x.to(tl.float32)
-    elif KIND == 2 and SF == 0 and FLAT and HW and BF16 and BF16_DEQUANT:
-        # V41 / MXFP8 keys straight to bf16 (`e4m3_ue8m0_bf16`): the same bits as below
-        vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
-        g = d0 // GS + tl.arange(0, DW // GS)
-        sb = tl.load(c_ptr + sbase[:, None] + g[None, :], mask=valid[:, None], other=0)
-        vals = tl.reshape(vb, [TILE_N, DW // GS, GS])
-        x = tl.reshape(e4m3_ue8m0_bf16(vals, sb[:, :, None]), [TILE_N, DW])
     else:
         if KIND == 2:
             vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
@@ -153,13 +141,11 @@ def _load_keys(
     c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
-    BF16: tl.constexpr = False,
 ):  # fmt: skip
-    """fp32 (``BF16``: bf16) ``[TILE_N, D_P2]`` rows of ``slots`` (``_load_key_cols`` over all
-    columns)."""
+    """fp32 ``[TILE_N, D_P2]`` rows of ``slots`` (``_load_key_cols`` over all columns)."""
     return _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
                           scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
-                          FLAT, HW, BF16)  # fmt: skip
+                          FLAT, HW, False)  # fmt: skip
 
 
 @triton.jit
@@ -483,9 +469,9 @@ def index_scores_tc_kernel(
         valid = (slots >= 0) & (slots < num_slots)
         k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token,
                        scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
-                       FLAT, HW, DOT_BF16)  # fmt: skip
+                       FLAT, HW)  # fmt: skip
         if DOT_BF16:
-            s = tl.dot(k, qt)  # [TILE_N, TILE_H]
+            s = tl.dot(k.to(tl.bfloat16), qt)  # [TILE_N, TILE_H]
         else:
             s = tl.dot(k, qt, input_precision="ieee")
         score = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
@@ -518,8 +504,7 @@ def index_scores_seq_kernel(
     slots = tl.load(idx_ptr + seq * stride_idx + cols, mask=c_ok, other=-1)
     valid = (slots >= 0) & (slots < num_slots)
     k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
-                   scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW,
-                   DOT_BF16)  # fmt: skip
+                   scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N, FLAT, HW)  # fmt: skip
     # the block's (row, head) pairs as the dot's columns: pair p = row p // TILE_H
     p = tl.arange(0, ROWS * TILE_H)
     rows = r0 + p // TILE_H
@@ -530,7 +515,7 @@ def index_scores_seq_kernel(
     q = tl.load(q_ptr + q_off, mask=p_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     w = tl.load(w_ptr + rows.to(tl.int64) * stride_wt + heads, mask=p_ok, other=0.0)
     if DOT_BF16:
-        s = tl.dot(k, tl.trans(q.to(tl.bfloat16)))  # [TILE_N, ROWS * TILE_H]
+        s = tl.dot(k.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))  # [TILE_N, ROWS * TILE_H]
     else:
         s = tl.dot(k, tl.trans(q.to(tl.float32)), input_precision="ieee")
     sc = tl.maximum(s, 0.0) * w.to(tl.float32)[None, :]
