@@ -72,7 +72,7 @@ def qkv_epilogue_kernel(
     STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr = 0,
     GS: tl.constexpr = 1, QMAX: tl.constexpr = 1.0, SF: tl.constexpr = 2, SB: tl.constexpr = 4,
     HW: tl.constexpr = True, FAST_DIV: tl.constexpr = False, SEARCH: tl.constexpr = False,
-    OUT_STORED: tl.constexpr = False,
+    OUT_STORED: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):  # fmt: skip
     """Split one token's ``qkv`` heads into q/k/v, norming (optional) and rotating q and k.
 
@@ -154,14 +154,14 @@ def qkv_epilogue_kernel(
             if tl.max(is_k.to(tl.int32), axis=0) > 0:
                 held = _store_quantized(kc_ptr, rec, sbase, kv_head, y.to(dtype),
                                         is_k & slot_ok, TILE_H, HEAD_DIM, QUANT, GS, QMAX, SF,
-                                        SB, HW, FAST_DIV, SEARCH)  # fmt: skip
+                                        SB, HW, FAST_DIV, SEARCH, UNROLL)  # fmt: skip
                 if OUT_STORED:
                     k_out = tl.where(slot_ok, held, y)
                     tl.store(k_ptr + kv_off, k_out.to(dtype), mask=mask & is_k[:, None])
             if tl.max(is_v.to(tl.int32), axis=0) > 0:
                 held = _store_quantized(vc_ptr, rec, sbase, kv_head, x.to(dtype),
                                         is_v & slot_ok, TILE_H, HEAD_DIM, QUANT, GS, QMAX, SF,
-                                        SB, HW, FAST_DIV, SEARCH)  # fmt: skip
+                                        SB, HW, FAST_DIV, SEARCH, UNROLL)  # fmt: skip
                 if OUT_STORED:
                     v_out = tl.where(slot_ok, held, x)
                     tl.store(v_ptr + v_off, v_out.to(dtype), mask=mask & is_v[:, None])
@@ -175,6 +175,7 @@ def _store_quantized(
     c_ptr, vbase, sbase, kv_head, val, rows, TILE_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     QUANT: tl.constexpr, GS: tl.constexpr, QMAX: tl.constexpr, SF: tl.constexpr,
     SB: tl.constexpr, HW: tl.constexpr, FAST_DIV: tl.constexpr, SEARCH: tl.constexpr,
+    UNROLL: tl.constexpr = False,
 ):  # fmt: skip
     """Quantize the heads ``kv_head`` (rows where ``rows``) of ``val`` ``[TILE_H, HEAD_DIM]``
     into a token record: the values rounded to bf16 first (``KVCacheTensors.store`` casts its
@@ -193,7 +194,7 @@ def _store_quantized(
     amax_b = tl.max(tl.where(finite, xb, 0), axis=2)  # [TILE_H, G]
     xz = tl.where(finite, x, 0.0)
     amax = amax_b.to(tl.float32, bitcast=True)
-    factor, sbytes = _scales_of(xz, amax, QMAX, SF, SEARCH, HW, FAST_DIV)
+    factor, sbytes = _scales_of(xz, amax, QMAX, SF, SEARCH, HW, FAST_DIV, UNROLL)
     q = _scaled(xz, factor, SF, FAST_DIV)
     q = tl.where(xb == INF_BITS, tl.where(x > 0, QMAX, -QMAX), q)  # +-inf -> +-QMAX, NaN -> 0
     if QUANT == 3:

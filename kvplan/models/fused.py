@@ -26,6 +26,8 @@ Agreement with the torch path on CUDA (``tests/models/test_fused_gpu.py``):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -242,6 +244,10 @@ def _check_kv_store(kv_store, t: int, num_kv_heads: int, d: int, device):
 
 
 _CACHE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# searched scales in the fused store: the nine candidates unrolled (64 registers a thread on
+# sm_90 at 8 heads a program, 61 in a loop; the chains overlap); `KVPLAN_SEARCH_UNROLL=0`:
+# the loop, for A/B runs
+SEARCH_UNROLL = os.environ.get("KVPLAN_SEARCH_UNROLL", "1") != "0"
 # quantized value dtypes the fused store writes (QUANT constexpr of qkv_epilogue_kernel)
 _FUSED_QUANT = {"e4m3": 1, "int8": 3}
 
@@ -392,7 +398,7 @@ def qkv_epilogue_triton(
                 QUANT=_FUSED_QUANT[layout.quantized_dtype], GS=layout.elements_per_sf,
                 QMAX=float(quant.QMAX[layout.quantized_dtype]), SF=SF_KIND[layout.sf_format],
                 SB=4 if fp32_sf else 1, HW=hw, FAST_DIV=hw and fp32_sf,
-                SEARCH=layout.scale_search,
+                SEARCH=layout.scale_search, UNROLL=layout.scale_search and SEARCH_UNROLL,
             )  # fmt: skip
     new = dict(dtype=qkv.dtype, device=qkv.device)
     q = torch.empty(t, num_heads, d, **new)

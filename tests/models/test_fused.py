@@ -320,7 +320,8 @@ def test_kernels_compile_for_sm90(dtype):
                       "vc_ptr": "*u8", "stride_cb": "i64"},
                      NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=64, QK_NORM=False, TILE_H=16,
                      TILE_D=64, STORE=True, BLOCK_SIZE=16, QUANT=quant, GS=32, QMAX=qmax, SF=2,
-                     SB=4, HW=True, FAST_DIV=True, SEARCH=search, OUT_STORED=True)  # fmt: skip
+                     SB=4, HW=True, FAST_DIV=True, SEARCH=search, OUT_STORED=True,
+                     UNROLL=search)  # fmt: skip
     compile_sm90(kernels.silu_and_mul_kernel, ptr, TILE=1024, EXACT=True)
 
 
