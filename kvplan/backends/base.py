@@ -152,17 +152,11 @@ class AttentionBackend:
         *,
         out: torch.Tensor | None = None,
         kv_stored: bool = False,
-        stored_values: bool = False,
     ) -> torch.Tensor:
         """Store this step's K/V into ``metadata.kv_cache`` (layer ``layer_idx``), then attend.
 
         ``kv_stored``: the caller already wrote ``k`` / ``v`` at the slots of `store_target`
-        (e.g. ``qkv_epilogue``'s fused store); the store is skipped. ``stored_values`` (with
-        ``kv_stored``, quantized caches): ``k`` / ``v`` are the values the cache holds for
-        those rows (``qkv_epilogue(..., stored_values=True)``), so a prompt's own rows are
-        attended without reading them back."""
-        if stored_values and not kv_stored:
-            raise ValueError("stored_values=True needs kv_stored=True")
+        (e.g. ``qkv_epilogue``'s fused store); the store is skipped."""
         self._check_inputs(q, k, v, metadata)
         if self.uses_sparse(metadata) and not self.supports_sparse:
             raise NotImplementedError(
@@ -185,7 +179,7 @@ class AttentionBackend:
             check_tensor("out", out, shape=tuple(q.shape), dtype=q.dtype, device=q.device)
         if metadata.num_tokens == 0:
             return out
-        return self._attend(q, k, v, metadata, pool, out, stored_values=stored_values)
+        return self._attend(q, k, v, metadata, pool, out)
 
     def _attend(
         self,
@@ -195,7 +189,5 @@ class AttentionBackend:
         metadata: AttentionMetadata,
         pool: int,
         out: torch.Tensor,
-        *,
-        stored_values: bool = False,
     ) -> torch.Tensor:
         raise NotImplementedError

@@ -26,7 +26,6 @@ what each path supports.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -64,26 +63,13 @@ class FreshSplit(NamedTuple):
     flash_max_q_len: int
 
 
-def _stored_rows_min_len() -> int:
-    """``KVPLAN_STORED_ROWS_MIN_LEN`` (an int >= 1, for A/B runs) or 1,024."""
-    text = os.environ.get("KVPLAN_STORED_ROWS_MIN_LEN", "1024")
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"KVPLAN_STORED_ROWS_MIN_LEN must be an int >= 1, got {text!r}")
-    return value
-
-
-STORED_ROWS_MIN_LEN = _stored_rows_min_len()
+STORED_ROWS_MIN_LEN = 1024
 """Quantized caches: the longest fresh prompt from which the fresh rows take SDPA / flash over
 their stored values (``stored_rows``). Reading the rows back costs a launch per cache and
 layer (``kvplan.ops.read_slots`` on CUDA); with short prompts the attention it speeds up is
 small (64 prompts of 256 tokens of a 1B Llama: ~0.5 ms of prefill attention in all), with long
 ones it dominates the step (H200, one 8,192-token prompt of that Llama, 2026-12-02: fp8 54.6
-vs 63.4 ms with the paged kernel, when the read-back was still the torch dequantization).
-The environment variable ``KVPLAN_STORED_ROWS_MIN_LEN`` (read at import) overrides it."""
+vs 63.4 ms with the paged kernel, when the read-back was still the torch dequantization)."""
 
 
 def fresh_split(cu_seqlens_q: np.ndarray, fresh_from: int) -> FreshSplit | None:
@@ -117,7 +103,6 @@ def prefill_fresh_rows(
     kv_layout: KVCacheFormat | None,
     check: bool,
     stored_rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-    stored_rows_min_len: int | None = None,
 ) -> torch.Tensor | None:
     """One context segment with SDPA or flash on its fresh rows; None when neither applies.
 
@@ -131,8 +116,8 @@ def prefill_fresh_rows(
             values the cache holds for the segment's rows ``lo .. hi - 1`` (dequantized, the
             values the paged kernel reads); the fresh rows then attend over those with SDPA
             or flash, the same attention as the paged kernel's, when the longest fresh prompt
-            has at least ``stored_rows_min_len`` tokens (None: ``STORED_ROWS_MIN_LEN``; 1
-            when the rows are at hand). None: a quantized cache keeps the paged kernel.
+            has at least ``STORED_ROWS_MIN_LEN`` tokens. None: a quantized cache keeps the
+            paged kernel.
 
     Returns ``out`` (or a new tensor) with every row written, or None (then the caller runs
     the paged kernel over the whole segment; ``out`` may hold partial results meanwhile).
@@ -145,9 +130,7 @@ def prefill_fresh_rows(
     j, t0 = split.num_paged_rows, split.num_paged_tokens
     q_f, k_f, v_f = q[t0:], k_new[t0:], v_new[t0:]
     quantized, cache_dtype = kv_layout is not None, k_cache.dtype
-    if stored_rows_min_len is None:
-        stored_rows_min_len = STORED_ROWS_MIN_LEN
-    if quantized and stored_rows is not None and split.flash_max_q_len >= stored_rows_min_len:
+    if quantized and stored_rows is not None and split.flash_max_q_len >= STORED_ROWS_MIN_LEN:
         # decide on stand-ins of the stored rows (no device work), load them only if used
         k_f = v_f = torch.empty(k_f.shape, dtype=torch.bfloat16, device="meta")
         quantized, cache_dtype = False, torch.bfloat16

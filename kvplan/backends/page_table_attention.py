@@ -66,7 +66,7 @@ class PageTableAttention(AttentionBackend):
     """``_attend`` of the page-table backends; their metadata provides ``paged_view(pool)
     -> PagedView`` and ``check_kernel_inputs``."""
 
-    def _attend(self, q, k, v, metadata, pool, out, *, stored_values=False):
+    def _attend(self, q, k, v, metadata, pool, out):
         md = metadata
         kv_layout = None
         if md.kv_cache_manager is None:  # the new K/V rows are the pages (block size 1)
@@ -74,14 +74,8 @@ class PageTableAttention(AttentionBackend):
         else:
             k_cache, v_cache, kv_layout = layer_caches(md.kv_cache, self.layer_idx)
             view = md.paged_view(pool)
-        stored_rows, min_len = None, None
-        if kv_layout is not None and stored_values:  # k / v are the rows as stored: no read
-
-            def stored_rows(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-                return k[lo:hi].to(torch.bfloat16), v[lo:hi].to(torch.bfloat16)
-
-            min_len = 1
-        elif kv_layout is not None:  # the context rows as stored (the context segment is first)
+        stored_rows = None
+        if kv_layout is not None:  # the context rows as stored (the context segment is first)
 
             def stored_rows(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
                 return md.kv_cache.read_slots(self.layer_idx, md.slot_mapping(pool)[lo:hi])
@@ -89,7 +83,7 @@ class PageTableAttention(AttentionBackend):
         return attend_paged(
             q, k_cache, v_cache, view, out, scale=self.scale, window=self.window(md),
             check=md.check_kernel_inputs, kv_layout=kv_layout, k_new=k, v_new=v,
-            stored_rows=stored_rows, stored_rows_min_len=min_len,
+            stored_rows=stored_rows,
         )  # fmt: skip
 
 
@@ -107,7 +101,6 @@ def attend_paged(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     stored_rows=None,
-    stored_rows_min_len: int | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` ``[T, H, D]`` from ``q`` ``[T, H, D]`` over a ``PagedView`` of the caches
     ``[num_pages, page_size, Hkv, D]``, or of uint8 ``[num_pages, page_size, 1,
@@ -126,8 +119,6 @@ def attend_paged(
     the cache holds for the context segment's rows ``lo .. hi - 1``; with it the fresh rows of
     a quantized cache run SDPA or flash over those values (the paged kernel's attention),
     without it they stay on the paged kernel (``kvplan.backends.fresh_prefill``).
-    ``stored_rows_min_len``: the shortest fresh prompt that takes ``stored_rows`` (None:
-    ``fresh_prefill.STORED_ROWS_MIN_LEN``; 1 when they cost no read-back).
     """
     cache_dtype = k_cache.dtype if kv_layout is None else torch.bfloat16
     start = 0
@@ -152,7 +143,7 @@ def attend_paged(
                 res = prefill_fresh_rows(
                     q_seg, k_new[start:end], v_new[start:end], k_cache, v_cache, seg,
                     scale=scale, window=window, out=dst, kv_layout=kv_layout, check=check,
-                    stored_rows=stored_rows, stored_rows_min_len=stored_rows_min_len,
+                    stored_rows=stored_rows,
                 )  # fmt: skip
             if res is None:
                 res = paged_attention_prefill(

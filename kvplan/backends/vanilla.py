@@ -210,7 +210,7 @@ class VanillaAttention(AttentionBackend):
     Metadata = VanillaAttentionMetadata
     supports_sparse = True
 
-    def _attend(self, q, k, v, metadata, pool, out, *, stored_values=False):
+    def _attend(self, q, k, v, metadata, pool, out):
         md: VanillaAttentionMetadata = metadata
         window = self.window(md)
         causal = not md.is_cross

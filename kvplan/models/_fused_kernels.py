@@ -20,13 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kvplan.ops._quant_triton import (
-    bf16_bits,
-    decode_e4m3,
-    encode_e4m3,
-    encode_int8,
-    scale_multipliers,
-)
+from kvplan.ops._quant_triton import bf16_bits, encode_e4m3, encode_int8
 from kvplan.ops._store_kernels import INF_BITS, _scaled, _scales_of
 from kvplan.ops._triton_util import round_to as _round
 
@@ -72,7 +66,6 @@ def qkv_epilogue_kernel(
     STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr = 0,
     GS: tl.constexpr = 1, QMAX: tl.constexpr = 1.0, SF: tl.constexpr = 2, SB: tl.constexpr = 4,
     HW: tl.constexpr = True, FAST_DIV: tl.constexpr = False, SEARCH: tl.constexpr = False,
-    OUT_STORED: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):  # fmt: skip
     """Split one token's ``qkv`` heads into q/k/v, norming (optional) and rotating q and k.
 
@@ -92,9 +85,6 @@ def qkv_epilogue_kernel(
     cache (strides in bytes; a head's values at ``head * HEAD_DIM``, its ``HEAD_DIM / GS``
     scales of ``SB`` bytes at ``s_off + head * HEAD_DIM / GS * SB``, ``s_stride`` per token),
     written as ``store_kv_cache`` writes the bf16-rounded rows (`_store_quantized`).
-    ``OUT_STORED`` (with ``QUANT``): the k / v rows returned are the values the cache now
-    holds (``kvplan.quant.dequantize`` of the written bytes, the BF16 values the attention
-    reads back), where the slot is valid; the computed rows where it is not.
     """
     t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = q_ptr.dtype.element_ty
@@ -132,10 +122,9 @@ def qkv_epilogue_kernel(
     q_off = t * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :]
     tl.store(q_ptr + q_off, y.to(dtype), mask=mask & is_q[:, None])
     kv_off = t * (NUM_KV_HEADS * HEAD_DIM) + (heads[:, None] - NUM_HEADS) * HEAD_DIM + d[None, :]
+    tl.store(k_ptr + kv_off, y.to(dtype), mask=mask & is_k[:, None])
     v_off = kv_off - NUM_KV_HEADS * HEAD_DIM
-    if not OUT_STORED:
-        tl.store(k_ptr + kv_off, y.to(dtype), mask=mask & is_k[:, None])
-        tl.store(v_ptr + v_off, x.to(dtype), mask=mask & is_v[:, None])
+    tl.store(v_ptr + v_off, x.to(dtype), mask=mask & is_v[:, None])
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         slot_ok = (slot >= 0) & (slot < num_slots)
@@ -152,22 +141,13 @@ def qkv_epilogue_kernel(
             sbase = block * stride_cb + s_off + (slot % BLOCK_SIZE) * s_stride
             # (uniform branches: a program whose tile holds no K / V head skips that quantizer)
             if tl.max(is_k.to(tl.int32), axis=0) > 0:
-                held = _store_quantized(kc_ptr, rec, sbase, kv_head, y.to(dtype),
-                                        is_k & slot_ok, TILE_H, HEAD_DIM, QUANT, GS, QMAX, SF,
-                                        SB, HW, FAST_DIV, SEARCH, UNROLL)  # fmt: skip
-                if OUT_STORED:
-                    k_out = tl.where(slot_ok, held, y)
-                    tl.store(k_ptr + kv_off, k_out.to(dtype), mask=mask & is_k[:, None])
+                _store_quantized(kc_ptr, rec, sbase, kv_head, y.to(dtype), is_k & slot_ok,
+                                 TILE_H, HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV,
+                                 SEARCH)  # fmt: skip
             if tl.max(is_v.to(tl.int32), axis=0) > 0:
-                held = _store_quantized(vc_ptr, rec, sbase, kv_head, x.to(dtype),
-                                        is_v & slot_ok, TILE_H, HEAD_DIM, QUANT, GS, QMAX, SF,
-                                        SB, HW, FAST_DIV, SEARCH, UNROLL)  # fmt: skip
-                if OUT_STORED:
-                    v_out = tl.where(slot_ok, held, x)
-                    tl.store(v_ptr + v_off, v_out.to(dtype), mask=mask & is_v[:, None])
-    if OUT_STORED and not STORE:
-        tl.store(k_ptr + kv_off, y.to(dtype), mask=mask & is_k[:, None])
-        tl.store(v_ptr + v_off, x.to(dtype), mask=mask & is_v[:, None])
+                _store_quantized(vc_ptr, rec, sbase, kv_head, x.to(dtype), is_v & slot_ok,
+                                 TILE_H, HEAD_DIM, QUANT, GS, QMAX, SF, SB, HW, FAST_DIV,
+                                 SEARCH)  # fmt: skip
 
 
 @triton.jit
@@ -175,15 +155,12 @@ def _store_quantized(
     c_ptr, vbase, sbase, kv_head, val, rows, TILE_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     QUANT: tl.constexpr, GS: tl.constexpr, QMAX: tl.constexpr, SF: tl.constexpr,
     SB: tl.constexpr, HW: tl.constexpr, FAST_DIV: tl.constexpr, SEARCH: tl.constexpr,
-    UNROLL: tl.constexpr = False,
 ):  # fmt: skip
     """Quantize the heads ``kv_head`` (rows where ``rows``) of ``val`` ``[TILE_H, HEAD_DIM]``
     into a token record: the values rounded to bf16 first (``KVCacheTensors.store`` casts its
     input so), one scale per ``GS`` values, then the rules of ``store_quant_kernel`` (the same
     jit helpers), non-finite inputs included: its branch taken for every group, which for
-    finite groups gives its finite path's bits. Returns fp32 ``[TILE_H, HEAD_DIM]``: the
-    values the record holds, ``bf16(value * scale)`` as ``kvplan.quant.dequantize`` reads it
-    (unused, and compiled away, unless the caller stores it)."""
+    finite groups gives its finite path's bits."""
     G: tl.constexpr = HEAD_DIM // GS
     w = val.to(tl.float32)
     if val.dtype != tl.bfloat16:  # RNE to bf16 by bits (the interpreter's cast truncates)
@@ -194,7 +171,7 @@ def _store_quantized(
     amax_b = tl.max(tl.where(finite, xb, 0), axis=2)  # [TILE_H, G]
     xz = tl.where(finite, x, 0.0)
     amax = amax_b.to(tl.float32, bitcast=True)
-    factor, sbytes = _scales_of(xz, amax, QMAX, SF, SEARCH, HW, FAST_DIV, UNROLL)
+    factor, sbytes = _scales_of(xz, amax, QMAX, SF, SEARCH, HW, FAST_DIV)
     q = _scaled(xz, factor, SF, FAST_DIV)
     q = tl.where(xb == INF_BITS, tl.where(x > 0, QMAX, -QMAX), q)  # +-inf -> +-QMAX, NaN -> 0
     if QUANT == 3:
@@ -212,18 +189,6 @@ def _store_quantized(
     j = tl.arange(0, G * SB)
     s_off = sbase + kv_head[:, None] * (G * SB) + j[None, :]
     tl.store(c_ptr + s_off, tl.reshape(sbytes, [TILE_H, G * SB]).to(tl.uint8), mask=ok)
-    # what the record holds, read back as `kvplan.quant.dequantize` reads it
-    codes = vbytes.to(tl.int32)
-    if QUANT == 3:
-        held = tl.where(codes > 127, codes - 256, codes).to(tl.float32)
-    elif HW:
-        held = vbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        held = decode_e4m3(codes)
-    mult = scale_multipliers(sbytes.to(tl.int32), SF)  # [TILE_H, G]
-    held = tl.reshape(held, [TILE_H, G, GS]) * mult[:, :, None]
-    held = (bf16_bits(tl.reshape(held, [TILE_H, HEAD_DIM])) << 16).to(tl.float32, bitcast=True)
-    return held
 
 
 @triton.jit

@@ -26,8 +26,6 @@ Agreement with the torch path on CUDA (``tests/models/test_fused_gpu.py``):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -145,7 +143,6 @@ def qkv_epilogue(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    stored_values: bool = False,
     fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split ``qkv`` into contiguous q/k/v, apply the optional q/k norm, then RoPE to q and k.
@@ -168,11 +165,6 @@ def qkv_epilogue(
             ``(k_cache, v_cache, slots, layout)`` names uint8 token-record caches of a
             quantized ``layout`` (e4m3 / int8, `fused_store_supports`): the rows are
             quantized as ``store_kv_cache`` quantizes them (the same bytes).
-        stored_values: with a quantized ``kv_store`` only: return as ``k`` / ``v`` the values
-            the cache now holds for the rows (the BF16 dequantization of the written bytes,
-            what ``KVCacheTensors.read_slots`` would read back, in ``qkv``'s dtype) instead of
-            the computed rows; rows whose slot writes nothing keep the computed values. The
-            attention over a prompt's own rows can then read them without a read-back.
 
     Returns:
         ``(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D])`` in the dtype of ``qkv``; all three
@@ -182,16 +174,7 @@ def qkv_epilogue(
     fn = qkv_epilogue_triton if _fused(qkv, fused) else qkv_epilogue_torch
     return fn(qkv, positions, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads,
               q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
-              kv_store=kv_store, stored_values=stored_values)  # fmt: skip
-
-
-def _check_stored_values(stored_values: bool, kv_store) -> None:
-    if not isinstance(stored_values, bool):
-        raise TypeError(f"stored_values must be a bool, got {stored_values!r}")
-    if stored_values and not (isinstance(kv_store, tuple) and len(kv_store) == 4):
-        raise ValueError(
-            "stored_values needs a quantized kv_store (k_cache, v_cache, slots, layout)"
-        )
+              kv_store=kv_store)  # fmt: skip
 
 
 def _head_dim(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
@@ -244,10 +227,6 @@ def _check_kv_store(kv_store, t: int, num_kv_heads: int, d: int, device):
 
 
 _CACHE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-# searched scales in the fused store: the nine candidates unrolled (64 registers a thread on
-# sm_90 at 8 heads a program, 61 in a loop; the chains overlap); `KVPLAN_SEARCH_UNROLL=0`:
-# the loop, for A/B runs
-SEARCH_UNROLL = os.environ.get("KVPLAN_SEARCH_UNROLL", "1") != "0"
 # quantized value dtypes the fused store writes (QUANT constexpr of qkv_epilogue_kernel)
 _FUSED_QUANT = {"e4m3": 1, "int8": 3}
 
@@ -304,13 +283,12 @@ def _store_rows_torch(kv_store, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def qkv_epilogue_torch(
     qkv, positions, cos, sin, *, num_heads, num_kv_heads, q_norm_weight=None,
-    k_norm_weight=None, eps=1e-6, kv_store=None, stored_values=False,
+    k_norm_weight=None, eps=1e-6, kv_store=None,
 ):  # fmt: skip
     """Torch path of `qkv_epilogue` (views, per-op norm and rotation, then copies; the
     optional store as `KVCacheTensors.store` does it for a plain cache)."""
     t = qkv.shape[0]
     d = _head_dim(qkv, num_heads, num_kv_heads)
-    _check_stored_values(stored_values, kv_store)
     if kv_store is not None:
         _check_kv_store(kv_store, t, num_kv_heads, d, qkv.device)
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
@@ -324,27 +302,12 @@ def qkv_epilogue_torch(
     q, k = q.contiguous(), k.contiguous()
     if kv_store is not None:
         _store_rows_torch(kv_store, k, v)
-    if stored_values:
-        k, v = (_held_rows(x, kv_store) for x in (k, v))
     return q, k, v
-
-
-def _held_rows(x: torch.Tensor, kv_store) -> torch.Tensor:
-    """``x [T, Hkv, D]`` as a quantized cache holds it (``store_kv_cache``'s bytes read
-    back), in ``x``'s dtype; rows whose slot writes nothing keep ``x``."""
-    from kvplan import quant
-
-    k_cache, _, slots, layout = kv_store
-    flat = x.to(torch.bfloat16).reshape(x.shape[0], -1)
-    held = quant.dequantize(*quant.quantize(flat, layout), layout).view(x.shape).to(x.dtype)
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    ok = ((slots >= 0) & (slots < num_slots))[:, None, None]
-    return torch.where(ok, held, x)
 
 
 def qkv_epilogue_triton(
     qkv, positions, cos, sin, *, num_heads, num_kv_heads, q_norm_weight=None,
-    k_norm_weight=None, eps=1e-6, kv_store=None, stored_values=False, tile_h=None,
+    k_norm_weight=None, eps=1e-6, kv_store=None, tile_h=None,
 ):  # fmt: skip
     """Triton path of `qkv_epilogue`: one kernel; ``tile_h`` heads of one token per program
     (power of two; default ~1024 elements per program, one program per token when
@@ -358,7 +321,6 @@ def qkv_epilogue_triton(
 
     t = qkv.shape[0]
     d = _head_dim(qkv, num_heads, num_kv_heads)
-    _check_stored_values(stored_values, kv_store)
     if qkv.stride(1) != 1:
         raise ValueError(f"qkv must have a unit last-dim stride, got strides {qkv.stride()}")
     if positions.shape != (t,):
@@ -398,7 +360,7 @@ def qkv_epilogue_triton(
                 QUANT=_FUSED_QUANT[layout.quantized_dtype], GS=layout.elements_per_sf,
                 QMAX=float(quant.QMAX[layout.quantized_dtype]), SF=SF_KIND[layout.sf_format],
                 SB=4 if fp32_sf else 1, HW=hw, FAST_DIV=hw and fp32_sf,
-                SEARCH=layout.scale_search, UNROLL=layout.scale_search and SEARCH_UNROLL,
+                SEARCH=layout.scale_search,
             )  # fmt: skip
     new = dict(dtype=qkv.dtype, device=qkv.device)
     q = torch.empty(t, num_heads, d, **new)
@@ -426,8 +388,7 @@ def qkv_epilogue_triton(
             qkv.stride(0), cos.shape[0], eps, 1.0 / d, *store,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, QK_NORM=qk_norm,
             TILE_H=tile_h, TILE_D=tile_d, STORE=kv_store is not None,
-            BLOCK_SIZE=bs if kv_store is not None else 1, **quant_kw, OUT_STORED=stored_values,
-            num_warps=4,
+            BLOCK_SIZE=bs if kv_store is not None else 1, **quant_kw, num_warps=4,
             enable_fp_fusion=False,
         )  # fmt: skip
     return q, k, v

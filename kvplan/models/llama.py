@@ -104,10 +104,6 @@ class Attention(nn.Module):
         # the fused qkv epilogue writes K/V into a plain bf16 cache (`KVPLAN_FUSED_KV_STORE=0`:
         # the backend's store, for A/B runs)
         self.fused_kv_store = os.environ.get("KVPLAN_FUSED_KV_STORE", "1") != "0"
-        # with a quantized cache the fused store returns the rows as stored, so a prompt's own
-        # rows are attended without a read-back (`KVPLAN_STORED_VALUES=0`: the rows as
-        # computed, the backend reads them back or runs the paged kernel; for A/B runs)
-        self.stored_values = os.environ.get("KVPLAN_STORED_VALUES", "1") != "0"
 
     def forward(
         self,
@@ -132,21 +128,17 @@ class Attention(nn.Module):
             store = self.attn.store_target(metadata, t)
             if store is not None and len(store) == 4:  # a quantized cache
                 store = store if ops.fused_store_supports(store[3], self.head_dim) else None
-        # a quantized cache: k / v come back as the cache holds them, so the attention over
-        # a prompt's own rows reads them without a read-back
-        held = self.stored_values and store is not None and len(store) == 4
         q, k, v = ops.qkv_epilogue(
             qkv, positions, rotary.cos, rotary.sin,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             q_norm_weight=self.q_norm.weight if norm else None,
             k_norm_weight=self.k_norm.weight if norm else None,
-            eps=self.q_norm.eps if norm else 1e-6, kv_store=store, stored_values=held,
-            fused=fused,
+            eps=self.q_norm.eps if norm else 1e-6, kv_store=store, fused=fused,
         )  # fmt: skip
         if self.kv_rotation:
             q, k = hadamard_qk(q, k)  # q k^T unchanged; K quantizes better
         if store is not None:
-            o = self.attn.forward(q, k, v, metadata, kv_stored=True, stored_values=held)
+            o = self.attn.forward(q, k, v, metadata, kv_stored=True)  # [T, H, D]
         else:
             o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))

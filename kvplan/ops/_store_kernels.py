@@ -80,51 +80,36 @@ def _fp32_bytes(sf):
 
 @triton.jit
 def _scales_of(x, amax, QMAX: tl.constexpr, SF: tl.constexpr, SEARCH: tl.constexpr,
-               HW: tl.constexpr, FAST_DIV: tl.constexpr, UNROLL: tl.constexpr = False):  # fmt: skip
+               HW: tl.constexpr, FAST_DIV: tl.constexpr):  # fmt: skip
     """`_group_scales` of groups ``x [R, G, K]`` (finite fp32 BF16 values, zeros in padding)
-    with maxima ``amax [R, G]``; ``SEARCH`` (e4m3 values, fp32 scales): the searched scale
-    (``UNROLL``: its candidates unrolled, see `_searched_sf`)."""
+    with maxima ``amax [R, G]``; ``SEARCH`` (e4m3 values, fp32 scales): the searched scale."""
     if SEARCH:
-        sf = _searched_sf(x, amax, HW, UNROLL)
+        sf = _searched_sf(x, amax, HW)
         return sf, _fp32_bytes(sf)
     return _group_scales(amax, QMAX, SF, HW)
 
 
 @triton.jit
-def _searched_sf(x, amax, HW: tl.constexpr, UNROLL: tl.constexpr = False):
+def _searched_sf(x, amax, HW: tl.constexpr):
     """The searched fp32 scale of each group (``kvplan.quant``, "Searched fp32 scale"): the
     first of ``a / c``, ``c`` = 448, 416, ..., 256, 240, 224, with the least int32 error
     ``sum(((|D - X| * |X|) >> 10)^2)`` in the group's fixed point (exact: integer sums do not
-    depend on the order).
-
-    The candidates run in a loop that is not unrolled: unrolled, nine candidates held ~3x the
-    registers of the plain store (the fused qkv epilogue at 16 heads a program: 243 vs 72 a
-    thread on sm_90), and those limit every program. ``UNROLL``: unrolled, for programs of
-    few rows (decode steps: the candidates' chains then overlap instead of running one after
-    another); the same bits."""
+    depend on the order)."""
     a = tl.maximum(amax, 1e-4)
     p = _fixed_point_scale(a)
     x_abs = tl.abs(_rint(x * p[:, :, None]))  # exact products (p a power of two)
     best_sf = tl.div_rn(a, a * 0 + 448.0)
     best_err = _fp8_error(x, x_abs, a, 448.0, best_sf, p, HW)
-    if UNROLL:
-        for i in tl.static_range(1, 9):
-            best_sf, best_err = _try_candidate(x, x_abs, a, p, i, best_sf, best_err, HW)
-    else:
-        for i in range(1, 9):
-            best_sf, best_err = _try_candidate(x, x_abs, a, p, i, best_sf, best_err, HW)
+    # a loop, not unrolled: nine unrolled candidates held ~3x the registers of the plain store
+    # (the fused qkv epilogue: 243 vs 72 a thread on sm_90), and those limit every program
+    for i in range(1, 9):  # 416, 384, ..., 256, then 240, 224
+        c = 448.0 - 32.0 * tl.minimum(i, 6) - 16.0 * tl.maximum(i - 6, 0)
+        sf = tl.div_rn(a, a * 0 + c)
+        err = _fp8_error(x, x_abs, a, c, sf, p, HW)
+        better = err < best_err  # ties keep the earlier candidate
+        best_sf = tl.where(better, sf, best_sf)
+        best_err = tl.where(better, err, best_err)
     return best_sf
-
-
-@triton.jit
-def _try_candidate(x, x_abs, a, p, i, best_sf, best_err, HW: tl.constexpr):
-    """Candidate ``i`` (1..8: c = 416, 384, ..., 256, then 240, 224) of `_searched_sf` against
-    the best so far (ties keep the earlier candidate)."""
-    c = 448.0 - 32.0 * tl.minimum(i, 6) - 16.0 * tl.maximum(i - 6, 0)
-    sf = tl.div_rn(a, a * 0 + c)
-    err = _fp8_error(x, x_abs, a, c, sf, p, HW)
-    better = err < best_err
-    return tl.where(better, sf, best_sf), tl.where(better, err, best_err)
 
 
 @triton.jit

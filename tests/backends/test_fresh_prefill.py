@@ -199,16 +199,3 @@ def test_failed_first_use_falls_back(monkeypatch):
     sc = make_scenario(6, [SeqSpec(3, 5, True), SeqSpec(0, 4, True)], head_dim=16)
     _, out = _run("ragged", sc)
     torch.testing.assert_close(out.double(), reference_attention(sc, 0, None), atol=1e-5, rtol=0)
-
-
-def test_stored_rows_min_len_env(monkeypatch):
-    from kvplan.backends.fresh_prefill import _stored_rows_min_len
-
-    monkeypatch.delenv("KVPLAN_STORED_ROWS_MIN_LEN", raising=False)
-    assert _stored_rows_min_len() == 1024
-    monkeypatch.setenv("KVPLAN_STORED_ROWS_MIN_LEN", "1")
-    assert _stored_rows_min_len() == 1
-    for bad in ("0", "-3", "many"):
-        monkeypatch.setenv("KVPLAN_STORED_ROWS_MIN_LEN", bad)
-        with pytest.raises(ValueError, match="KVPLAN_STORED_ROWS_MIN_LEN"):
-            _stored_rows_min_len()

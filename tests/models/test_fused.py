@@ -150,37 +150,6 @@ def test_qkv_epilogue_store_writes_what_the_cache_store_writes(kv_format, dtype,
         fused.qkv_epilogue_triton(*args, **kw, kv_store=store[:2])
 
 
-@pytest.mark.parametrize("kv_format", ["fp8", "int8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_qkv_epilogue_stored_values_are_what_the_cache_reads_back(kv_format, dtype):
-    """``stored_values``: the returned k / v rows are the BF16 values the quantized cache now
-    holds (its bytes dequantized, as ``read_slots`` reads them), in qkv's dtype; rows whose
-    slot writes nothing keep the computed values; the bytes written and q are unchanged.
-    Kernel (interpreter) and torch path alike."""
-    from kvplan.cache.kv_tensors import KVCacheTensors
-
-    t, h, hkv, d = 6, 4, 2, 32
-    args, kw = qkv_case(21, t, h, hkv, d, False, dtype=dtype)
-    slots = torch.tensor([3, -1, 17, 9, 20, 0], device=DEVICE)  # -1 and 20 (past the end): none
-    ok = torch.tensor([True, False, True, True, False, True], device=DEVICE)
-    for fn in (fused.qkv_epilogue_triton, fused.qkv_epilogue_torch):
-        caches = [KVCacheTensors(1, num_blocks=5, block_size=4, num_kv_heads=hkv, head_dim=d,
-                                 kv_format=kv_format, device=DEVICE) for _ in range(2)]  # fmt: skip
-        stores = [(c.raw_k_cache(0), c.raw_v_cache(0), slots, c.layout) for c in caches]
-        q0, k0, v0 = fn(*args, **kw, kv_store=stores[0])
-        q1, k1, v1 = fn(*args, **kw, kv_store=stores[1], stored_values=True)
-        assert torch.equal(q1, q0) and k1.dtype == dtype and v1.dtype == dtype
-        assert torch.equal(caches[1].raw_k_cache(0), caches[0].raw_k_cache(0))
-        assert torch.equal(caches[1].raw_v_cache(0), caches[0].raw_v_cache(0))
-        held_k, held_v = caches[1].read_slots(0, slots[ok].int())
-        assert torch.equal(k1[ok], held_k.to(dtype)), fn.__name__
-        assert torch.equal(v1[ok], held_v.to(dtype)), fn.__name__
-        assert torch.equal(k1[~ok], k0[~ok]) and torch.equal(v1[~ok], v0[~ok])
-        assert not torch.equal(k1[ok], k0[ok])  # the quantization moved some values
-    with pytest.raises(ValueError, match="stored_values needs a quantized kv_store"):
-        fused.qkv_epilogue_triton(*args, **kw, stored_values=True)
-
-
 def test_fused_store_refuses_formats_it_does_not_write():
     from kvplan.cache.kv_tensors import KVCacheTensors
 
@@ -289,9 +258,7 @@ def test_dispatch_follows_fused_flag(monkeypatch):
 
 _F32_ARGS = {"eps": "fp32", "inv_n": "fp32", "inv_d": "fp32"}
 # qkv_epilogue_kernel's quantized-store constexprs at their plain-cache values
-_PLAIN = dict(
-    QUANT=0, GS=1, QMAX=1.0, SF=2, SB=4, HW=True, FAST_DIV=False, SEARCH=False, OUT_STORED=False
-)
+_PLAIN = dict(QUANT=0, GS=1, QMAX=1.0, SF=2, SB=4, HW=True, FAST_DIV=False, SEARCH=False)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -312,16 +279,14 @@ def test_kernels_compile_for_sm90(dtype):
                   "vc_ptr": "*bf16", "stride_cb": "i64"},
                  NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=64, QK_NORM=False, TILE_H=16,
                  TILE_D=64, STORE=True, BLOCK_SIZE=16, **_PLAIN)  # fmt: skip
-    # ... and into fp8 / int8 token records (fp32 scales per 32 values; fp8: searched or not),
-    # returning the values they hold (the engine's stored_values)
+    # ... and into fp8 / int8 token records (fp32 scales per 32 values; fp8: searched or not)
     for quant, qmax, search in ((1, 448.0, True), (1, 448.0, False), (3, 127.0, False)):
         compile_sm90(kernels.qkv_epilogue_kernel, ptr,
                      {**_F32_ARGS, "pos_ptr": "*i64", "slot_ptr": "*i64", "kc_ptr": "*u8",
                       "vc_ptr": "*u8", "stride_cb": "i64"},
                      NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=64, QK_NORM=False, TILE_H=16,
                      TILE_D=64, STORE=True, BLOCK_SIZE=16, QUANT=quant, GS=32, QMAX=qmax, SF=2,
-                     SB=4, HW=True, FAST_DIV=True, SEARCH=search, OUT_STORED=True,
-                     UNROLL=search)  # fmt: skip
+                     SB=4, HW=True, FAST_DIV=True, SEARCH=search)  # fmt: skip
     compile_sm90(kernels.silu_and_mul_kernel, ptr, TILE=1024, EXACT=True)
 
 

@@ -107,12 +107,6 @@ def test_qkv_epilogue_store_bytes_equal_the_cache_store(kv_format, dtype, t):
         assert torch.equal(a, b)
     assert torch.equal(c.raw_k_cache(0), caches[0].raw_k_cache(0))
     assert torch.equal(c.raw_v_cache(0), caches[0].raw_v_cache(0))
-    if kv_format != "bf16":  # the rows the cache holds, returned (hardware fp8 decode)
-        _, k2, v2 = fused.qkv_epilogue_triton(*args, **kw, kv_store=store, stored_values=True)
-        ok = slots >= 0
-        held_k, held_v = c.read_slots(0, slots[ok].int())
-        assert torch.equal(k2[ok], held_k.to(dtype)) and torch.equal(v2[ok], held_v.to(dtype))
-        assert torch.equal(k2[~ok], k[~ok]) and torch.equal(v2[~ok], v[~ok])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
