@@ -27,6 +27,7 @@ differs by fp32 rounding).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -184,6 +185,22 @@ TC_MIN_ROWS = 0
 PROJ_PROGRAMS = (256, 256)
 
 
+# up to this many rows the projection's row tile is 16 (else 32 up to 256 rows): at 32 rows
+# the 32-row tile of the tensor-core form spills on sm_90 (546 local-memory instructions of
+# 6,632 with the residual update fused; none at 16 x 16), and on the H200 one hc_post_pre
+# at 32 rows (CUDA-graph replay, `bench_dsv4_blocks.py --rows 32 --sweep`, 2026-12-03)
+# took 16.7 us with 16-row tiles vs 28.7 us. `KVPLAN_HC_SMALL_ROWS` overrides it (A/B runs;
+# 16 gives the former plan).
+def _small_tile_rows() -> int:
+    text = os.environ.get("KVPLAN_HC_SMALL_ROWS", "32")
+    if not text.isdigit():
+        raise ValueError(f"KVPLAN_HC_SMALL_ROWS must be a non-negative int, got {text!r}")
+    return int(text)
+
+
+SMALL_TILE_ROWS = _small_tile_rows()
+
+
 def _proj_plan(t: int, n: int, hidden: int, dtype: torch.dtype | None = None) -> _ProjPlan:
     """About ``PROJ_PROGRAMS`` programs (split-K, at most one split per K tile); large ``T``:
     a few splits of many K tiles (bf16: on the tensor cores, wider K tiles). The fused and unfused
@@ -191,7 +208,7 @@ def _proj_plan(t: int, n: int, hidden: int, dtype: torch.dtype | None = None) ->
     interp = triton_interpreting()
     n_p = triton_next_pow2(n)
     tc = dtype == torch.bfloat16 and t > TC_MIN_ROWS
-    tile_t = 16 if t <= 16 else 32 if t <= 256 else 64
+    tile_t = 16 if t <= max(16, SMALL_TILE_ROWS) else 32 if t <= 256 else 64
     tile_h = max(8, 16 // n_p) if interp else max(16, (128 if tc else 64) // n_p)
     h_tiles = triton_cdiv(hidden, tile_h)  # N_P * tile_h >= 16 (a dot's K)
     target = 4 if interp else PROJ_PROGRAMS[t > 256]  # programs wanted in all
