@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 17, call E: 16-row hc projection tiles at larger decode batches too
+# Session 17, call E (prepared, NOT run: the session's device time ran out): 16-row hc projection tiles at larger decode batches too
 # (KVPLAN_HC_SMALL_ROWS=256) vs the default (16-row tiles up to 32 rows, 32-row above):
 # batch 64 at 32K and batch 256 at 128K, fp8.
 set -u

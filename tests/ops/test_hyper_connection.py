@@ -228,3 +228,18 @@ def test_decode_projection_plan_follows_the_program_target(t, tiles_per_program,
     assert plan.splits * plan.h_per_split == 2048
     prefill = hcm._proj_plan(8192, 4, 2048, torch.bfloat16)
     assert prefill.h_per_split > prefill.tile_h  # prefill keeps several K tiles a program
+
+
+def test_projection_row_tile_at_decode_sizes(monkeypatch):
+    """16-row tiles up to ``SMALL_TILE_ROWS`` rows (32: the 32-row tensor-core tile spills on
+    sm_90), 32 up to 256, 64 above; ``KVPLAN_HC_SMALL_ROWS`` is parsed with a clear error."""
+    import kvplan.ops.hyper_connection as hcm
+
+    monkeypatch.setattr(hcm, "triton_interpreting", lambda: False)
+    tiles = {t: hcm._proj_plan(t, 4, 2048, torch.bfloat16).tile_t for t in (8, 32, 33, 256, 257)}
+    assert tiles == {8: 16, 32: 16, 33: 32, 256: 32, 257: 64}
+    monkeypatch.setenv("KVPLAN_HC_SMALL_ROWS", "16")
+    assert hcm._small_tile_rows() == 16
+    monkeypatch.setenv("KVPLAN_HC_SMALL_ROWS", "-1")
+    with pytest.raises(ValueError, match="KVPLAN_HC_SMALL_ROWS"):
+        hcm._small_tile_rows()
