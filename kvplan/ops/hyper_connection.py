@@ -185,19 +185,19 @@ TC_MIN_ROWS = 0
 PROJ_PROGRAMS = (256, 256)
 
 
-# up to this many rows the projection's row tile is 16 (else 32 up to 256 rows): at 32 rows
-# the 32-row tile of the tensor-core form spills on sm_90 (546 local-memory instructions of
-# 6,632 with the residual update fused; none at 16 x 16), and on the H200 one hc_post_pre
-# at 32 rows (CUDA-graph replay, `bench_dsv4_blocks.py --rows 32 --sweep`, 2026-12-03)
-# took 16.7 us with 16-row tiles vs 28.7 us. `KVPLAN_HC_SMALL_ROWS` overrides it (A/B runs;
-# 16 gives the former plan).
 def _small_tile_rows() -> int:
+    """`SMALL_TILE_ROWS`: ``KVPLAN_HC_SMALL_ROWS`` (A/B runs; 16 gives the former plan) or 32."""
     text = os.environ.get("KVPLAN_HC_SMALL_ROWS", "32")
     if not text.isdigit():
         raise ValueError(f"KVPLAN_HC_SMALL_ROWS must be a non-negative int, got {text!r}")
     return int(text)
 
 
+# up to this many rows the projection's row tile is 16 (else 32 up to 256 rows): at 32 rows
+# the 32-row tile of the tensor-core form spills on sm_90 (546 local-memory instructions of
+# 6,632 with the residual update fused; none at 16 x 16). H200, DeepSeek-V4-shaped decode at
+# 32K, batch 32 (`bench_hybrid.py`, 2026-12-03, session 17 call C): fp8 step 2.66 / 2.69 ms
+# async with 16-row tiles vs 2.98 ms with 32-row tiles in the same call.
 SMALL_TILE_ROWS = _small_tile_rows()
 
 
