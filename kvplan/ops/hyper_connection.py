@@ -186,18 +186,21 @@ PROJ_PROGRAMS = (256, 256)
 
 
 def _small_tile_rows() -> int:
-    """`SMALL_TILE_ROWS`: ``KVPLAN_HC_SMALL_ROWS`` (A/B runs; 16 gives the former plan) or 32."""
-    text = os.environ.get("KVPLAN_HC_SMALL_ROWS", "32")
+    """`SMALL_TILE_ROWS`: ``KVPLAN_HC_SMALL_ROWS`` (A/B runs; 16 gives session 16's plan, 32
+    session 17's) or 256."""
+    text = os.environ.get("KVPLAN_HC_SMALL_ROWS", "256")
     if not text.isdigit():
         raise ValueError(f"KVPLAN_HC_SMALL_ROWS must be a non-negative int, got {text!r}")
     return int(text)
 
 
-# up to this many rows the projection's row tile is 16 (else 32 up to 256 rows): at 32 rows
+# up to this many rows the projection's row tile is 16 (else 32 up to 256 rows, 64 above): at 32 rows
 # the 32-row tile of the tensor-core form spills on sm_90 (546 local-memory instructions of
 # 6,632 with the residual update fused; none at 16 x 16). H200, DeepSeek-V4-shaped decode at
 # 32K, batch 32 (`bench_hybrid.py`, 2026-12-03, session 17 call C): fp8 step 2.66 / 2.69 ms
-# async with 16-row tiles vs 2.98 ms with 32-row tiles in the same call.
+# async with 16-row tiles vs 2.98 ms with 32-row tiles in the same call. Larger decode batches
+# (session 18 call A, same bench, fp8): batch 64 at 32K 3.05 vs 3.07 ms (16 vs 32-row tiles up to
+# 256 rows), batch 256 at 128K 8.93 vs 9.32 ms async (graph replays 10.25 vs 11.95 ms).
 SMALL_TILE_ROWS = _small_tile_rows()
 
 

@@ -212,7 +212,7 @@ def test_projection_kernel_compiles_for_sm90(tc):
                  FUSED=False, TC=tc, HW=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("t, tiles_per_program", [(1, 1), (32, 1), (64, 1), (256, 2)])
+@pytest.mark.parametrize("t, tiles_per_program", [(1, 1), (32, 1), (64, 1), (256, 4)])
 def test_decode_projection_plan_follows_the_program_target(t, tiles_per_program, monkeypatch):
     """Decode-sized projections (up to 256 rows) split K until about ``PROJ_PROGRAMS[0]``
     programs run, never below one K tile a program (the GPU's plan at the shapes of the
@@ -231,13 +231,17 @@ def test_decode_projection_plan_follows_the_program_target(t, tiles_per_program,
 
 
 def test_projection_row_tile_at_decode_sizes(monkeypatch):
-    """16-row tiles up to ``SMALL_TILE_ROWS`` rows (32: the 32-row tensor-core tile spills on
-    sm_90), 32 up to 256, 64 above; ``KVPLAN_HC_SMALL_ROWS`` is parsed with a clear error."""
+    """16-row tiles up to ``SMALL_TILE_ROWS`` rows (256: the 32-row tensor-core tile spills on
+    sm_90), 64 above; a lower ``KVPLAN_HC_SMALL_ROWS`` brings back 32-row tiles up to 256 rows;
+    it is parsed with a clear error."""
     import kvplan.ops.hyper_connection as hcm
 
     monkeypatch.setattr(hcm, "triton_interpreting", lambda: False)
     tiles = {t: hcm._proj_plan(t, 4, 2048, torch.bfloat16).tile_t for t in (8, 32, 33, 256, 257)}
-    assert tiles == {8: 16, 32: 16, 33: 32, 256: 32, 257: 64}
+    assert tiles == {8: 16, 32: 16, 33: 16, 256: 16, 257: 64}
+    monkeypatch.setattr(hcm, "SMALL_TILE_ROWS", 32)
+    tiles = {t: hcm._proj_plan(t, 4, 2048, torch.bfloat16).tile_t for t in (32, 33, 256, 257)}
+    assert tiles == {32: 16, 33: 32, 256: 32, 257: 64}
     monkeypatch.setenv("KVPLAN_HC_SMALL_ROWS", "16")
     assert hcm._small_tile_rows() == 16
     monkeypatch.setenv("KVPLAN_HC_SMALL_ROWS", "-1")
