@@ -37,7 +37,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvplan.distributed.context import TPContext
@@ -46,6 +45,7 @@ from kvplan.models import fused as ops
 from kvplan.models.config import ModelConfig
 from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
 from kvplan.models.rope import RotaryTable
+from kvplan.ops.small_gemm import linear, small_linear
 
 FUSED_KERNELS_ENV = "KVPLAN_FUSED_KERNELS"
 
@@ -115,7 +115,7 @@ class Attention(nn.Module):
         fused: bool = False,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        qkv = linear(self.qkv_proj, x)  # [T, (H + 2 Hkv) D]
         norm = self.q_norm is not None
         # the fused kernel also writes k / v into the cache (bf16, or fp8 / int8 records)
         store = None
@@ -141,7 +141,7 @@ class Attention(nn.Module):
             o = self.attn.forward(q, k, v, metadata, kv_stored=True)  # [T, H, D]
         else:
             o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return linear(self.o_proj, o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -152,7 +152,8 @@ class MLP(nn.Module):
         self.down_proj = _row_linear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), fused=fused))
+        gate_up = linear(self.gate_up_proj, x)
+        return linear(self.down_proj, ops.silu_and_mul(gate_up, fused=fused))
 
 
 class DecoderLayer(nn.Module):
@@ -303,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
             h = h[logits_indices]
             residual = None if residual is None else residual[logits_indices]
         h = self.norm(h, residual, fused=fused)  # [N, hidden]
-        logits = F.linear(h, self.lm_head_weight)  # [N, V] (this rank's share under tp)
+        logits = small_linear(h, self.lm_head_weight)  # [N, V] (this rank's share under tp)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float() if self.float_logits else logits

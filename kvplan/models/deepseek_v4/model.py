@@ -32,6 +32,7 @@ from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.hyper import HyperConnection, HyperHead, hyper_residual
 from kvplan.models.deepseek_v4.layers import Rope, StepRope, fuse_projections, rms_norm
 from kvplan.models.deepseek_v4.moe import DeepseekV4MoE
+from kvplan.ops.small_gemm import small_linear
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -158,5 +159,5 @@ class DeepseekV4ForCausalLM(nn.Module):
             check_tensor("logits_indices", logits_indices, dtype=torch.int64, ndim=1, device=dev)
             s = s[logits_indices]
         h = rms_norm(self.hc_head(s), self.norm, self.config.rms_norm_eps)
-        logits = torch.nn.functional.linear(h, self.head_weight())
+        logits = small_linear(h, self.head_weight())
         return logits.float() if self.float_logits else logits

@@ -1,0 +1,156 @@
+"""Decode-step GEMMs: `kvplan.ops.small_gemm.small_linear_triton` against cuBLAS (``F.linear``).
+
+For each shape ``M x N x K`` (token rows x weight rows x input width, bf16) the weight is
+streamed as in a decode step: a CUDA graph runs the GEMM over enough copies of the weight to
+exceed the L2 cache (256 MB of weights), and a call's time is the replay's over the copies
+(median of ``--reps`` replays). Every plan of the grid (weight rows a program, K step, pipeline
+stages, programs per SM) is checked against the fp32 product and for run-to-run equality, then
+timed; the table gives cuBLAS, the default plan and the best plan, with bandwidths.
+
+Usage::
+
+    PYTHONPATH=. python3 bench/bench_small_gemm.py --out bench/results/h200/small_gemm.json
+    PYTHONPATH=. python3 bench/bench_small_gemm.py --shapes 64,2048,2048 --grid default
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvplan.ops import small_gemm as sg
+from kvplan.ops._dispatch import cuda_sm_count
+
+# llama-1b at batch 64 (qkv, o, gate-up, down, LM head), then DeepSeek-V4-bench-like shapes
+# at batch 32
+DEFAULT_SHAPES = (
+    "64,3072,2048,qkv",
+    "64,2048,2048,o",
+    "64,16384,2048,gate_up",
+    "64,2048,8192,down",
+    "64,128256,2048,lm_head",
+    "32,2048,2048,h2k",
+    "32,12288,512,q_res",
+    "32,2048,8192,o_b",
+    "32,4096,2048,x_proj",
+)
+# (weight rows a program, K step, stages) x programs per SM
+GRID_TILES = ((32, 256, 4), (64, 128, 4), (64, 256, 3), (128, 128, 4))
+GRID_PPS = (1, 2, 4)
+
+
+def parse_shape(text: str) -> tuple[int, int, int, str]:
+    parts = text.split(",")
+    if len(parts) not in (3, 4):
+        raise SystemExit(f"--shapes: {text!r} is not M,N,K[,name]")
+    m, n, k = (int(p) for p in parts[:3])
+    return m, n, k, parts[3] if len(parts) == 4 else f"{m}x{n}x{k}"
+
+
+def graph_time(calls, reps: int) -> float:
+    """Median seconds of one replay of a graph that runs every callable in ``calls`` once."""
+    for c in calls:  # compile / warm up outside the capture
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=list(DEFAULT_SHAPES))
+    ap.add_argument("--grid", choices=("full", "default"), default="full")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--weight-mb", type=float, default=256.0, help="weights streamed a replay")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_small_gemm needs a CUDA device")
+    dev = torch.device("cuda")
+    sms = cuda_sm_count(dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    print(f"{torch.cuda.get_device_name(dev)}  SMs {sms}  torch {torch.__version__}")
+    print(f"{'shape':>22} {'cuBLAS us':>9} {'GB/s':>6} {'default us':>10} {'best us':>8} {'GB/s':>6}"
+          f" {'best/cuBLAS':>11}  best plan")  # fmt: skip
+    for spec in args.shapes:
+        m, n, k, name = parse_shape(spec)
+        wbytes = n * k * 2
+        copies = max(1, min(64, math.ceil(args.weight_mb * 2**20 / wbytes)))
+        ws = [
+            torch.randn(n, k, device=dev, generator=gen).to(torch.bfloat16) for _ in range(copies)
+        ]
+        x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+        ref = (x.float() @ ws[0].float().T).cpu()
+        scale = ref.abs().max().item()
+        cublas = graph_time([lambda w=w, x=x: F.linear(x, w) for w in ws], args.reps) / copies
+        plans = [("default", sg.small_gemm_plan(m, n, k, sms))]
+        if args.grid == "full":
+            for bn, bk, st in GRID_TILES:
+                for pps in GRID_PPS:
+                    p = sg.small_gemm_plan(m, n, k, sms, block_n=bn, block_k=bk, num_stages=st,
+                                           programs_per_sm=pps)  # fmt: skip
+                    if p not in [q for _, q in plans]:
+                        plans.append((f"{bn}x{bk}s{st}p{pps}", p))
+        results = []
+        for label, plan in plans:
+            try:
+                out = sg.small_linear_triton(x, ws[0], plan)
+                again = sg.small_linear_triton(x, ws[0], plan)
+                torch.cuda.synchronize()
+                err = (out.float().cpu() - ref).abs().max().item() / scale
+                same = torch.equal(out, again)
+                t = graph_time([lambda w=w, p=plan, x=x: sg.small_linear_triton(x, w, p) for w in ws],
+                               args.reps) / copies  # fmt: skip
+            except Exception as e:  # noqa: BLE001 (out of shared memory etc.: skip the plan)
+                print(f"  {name} {label}: failed ({type(e).__name__}: {str(e)[:80]})")
+                continue
+            ok = err < 2e-2 and same
+            results.append({"label": label, "plan": plan._asdict(), "us": t * 1e6,
+                            "rel_err": err, "deterministic": same, "ok": ok})  # fmt: skip
+            if not ok:
+                print(f"  {name} {label}: WRONG (rel err {err:.2e}, deterministic {same})")
+        good = [r for r in results if r["ok"]]
+        best = min(good, key=lambda r: r["us"]) if good else None
+        default = next((r for r in results if r["label"] == "default"), None)
+        row = {"name": name, "m": m, "n": n, "k": k, "cublas_us": cublas * 1e6,
+               "default": default, "best": best, "plans": results}  # fmt: skip
+        rows.append(row)
+        d_us = f"{default['us']:.1f}" if default else "-"
+        if best:
+            print(f"{name + f' {m}x{n}x{k}':>22} {cublas * 1e6:9.1f} {wbytes / cublas / 1e9:6.0f} "
+                  f"{d_us:>10} {best['us']:8.1f} {wbytes / best['us'] / 1e3:6.0f} "
+                  f"{cublas * 1e6 / best['us']:11.2f}  {best['label']} "
+                  f"(splits {best['plan']['splits']})")  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+    if args.out:
+        meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                "command": " ".join(sys.argv)}  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
