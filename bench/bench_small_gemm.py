@@ -1,11 +1,10 @@
-"""Decode-step GEMMs: `kvplan.ops.small_gemm.small_linear_triton` against cuBLAS (``F.linear``).
+"""Few-row GEMMs: `kvplan.ops.small_gemm.small_linear_triton` against cuBLAS (``F.linear``).
 
 For each shape ``M x N x K`` (token rows x weight rows x input width, bf16) the weight is
 streamed as in a decode step: a CUDA graph runs the GEMM over enough copies of the weight to
 exceed the L2 cache (256 MB of weights), and a call's time is the replay's over the copies
 (median of ``--reps`` replays). Every plan of the grid (weight rows a program, K step, pipeline
-stages, programs per SM) is checked against the fp32 product and for run-to-run equality, then
-timed; the table gives cuBLAS, the default plan and the best plan, with bandwidths.
+stages, warps) is checked against the fp32 product and for run-to-run equality, then timed; the table gives cuBLAS, the default plan and the best plan, with bandwidths.
 
 Usage::
 
@@ -26,24 +25,20 @@ import torch
 import torch.nn.functional as F
 
 from kvplan.ops import small_gemm as sg
-from kvplan.ops._dispatch import cuda_sm_count
 
-# llama-1b at batch 64 (qkv, o, gate-up, down, LM head), then DeepSeek-V4-bench-like shapes
-# at batch 32
+# LM heads: llama-1b at batch 64, the DeepSeek-V4 bench at 32, SmolLM2, Gemma-3; then two of
+# the narrow decode GEMMs that stay on cuBLAS (llama-1b's o and down projections)
 DEFAULT_SHAPES = (
-    "64,3072,2048,qkv",
+    "64,128256,2048,llama_head",
+    "32,129280,2048,dsv4_head",
+    "64,49152,576,smollm2_head",
+    "64,262144,640,gemma3_head",
     "64,2048,2048,o",
-    "64,16384,2048,gate_up",
     "64,2048,8192,down",
-    "64,128256,2048,lm_head",
-    "32,2048,2048,h2k",
-    "32,12288,512,q_res",
-    "32,2048,8192,o_b",
-    "32,4096,2048,x_proj",
 )
-# (weight rows a program, K step, stages) x programs per SM
-GRID_TILES = ((32, 256, 4), (64, 128, 4), (64, 256, 3), (128, 128, 4))
-GRID_PPS = (1, 2, 4)
+# (weight rows a program, K step, stages, warps)
+GRID = ((64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 6, 4), (128, 128, 3, 8), (256, 64, 4, 8),
+        (64, 256, 3, 4))  # fmt: skip
 
 
 def parse_shape(text: str) -> tuple[int, int, int, str]:
@@ -87,10 +82,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_small_gemm needs a CUDA device")
     dev = torch.device("cuda")
-    sms = cuda_sm_count(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    print(f"{torch.cuda.get_device_name(dev)}  SMs {sms}  torch {torch.__version__}")
+    print(f"{torch.cuda.get_device_name(dev)}  torch {torch.__version__}")
     print(f"{'shape':>22} {'cuBLAS us':>9} {'GB/s':>6} {'default us':>10} {'best us':>8} {'GB/s':>6}"
           f" {'best/cuBLAS':>11}  best plan")  # fmt: skip
     for spec in args.shapes:
@@ -104,14 +98,12 @@ def main() -> None:
         ref = (x.float() @ ws[0].float().T).cpu()
         scale = ref.abs().max().item()
         cublas = graph_time([lambda w=w, x=x: F.linear(x, w) for w in ws], args.reps) / copies
-        plans = [("default", sg.small_gemm_plan(m, n, k, sms))]
+        plans = [("default", sg.small_gemm_plan(m))]
         if args.grid == "full":
-            for bn, bk, st in GRID_TILES:
-                for pps in GRID_PPS:
-                    p = sg.small_gemm_plan(m, n, k, sms, block_n=bn, block_k=bk, num_stages=st,
-                                           programs_per_sm=pps)  # fmt: skip
-                    if p not in [q for _, q in plans]:
-                        plans.append((f"{bn}x{bk}s{st}p{pps}", p))
+            for bn, bk, st, wp in GRID:
+                p = sg.small_gemm_plan(m, block_n=bn, block_k=bk, num_stages=st, num_warps=wp)
+                if p not in [q for _, q in plans]:
+                    plans.append((f"{bn}x{bk}s{st}w{wp}", p))
         results = []
         for label, plan in plans:
             try:
@@ -140,8 +132,7 @@ def main() -> None:
         if best:
             print(f"{name + f' {m}x{n}x{k}':>22} {cublas * 1e6:9.1f} {wbytes / cublas / 1e9:6.0f} "
                   f"{d_us:>10} {best['us']:8.1f} {wbytes / best['us'] / 1e3:6.0f} "
-                  f"{cublas * 1e6 / best['us']:11.2f}  {best['label']} "
-                  f"(splits {best['plan']['splits']})")  # fmt: skip
+                  f"{cublas * 1e6 / best['us']:11.2f}  {best['label']}")  # fmt: skip
         del ws
         torch.cuda.empty_cache()
     if args.out:

@@ -1,7 +1,7 @@
 """Where one full-batch decode step of the engine benchmark spends its time.
 
 Builds the engine benchmark's kvplan ``LLM`` (random-weight 1.2B Llama, 64 requests x 256
-prompt tokens, bf16, CUDA-graph decode), brings every request into decode, then reports
+prompt tokens, bf16 weights, ``--kv-format`` cache, CUDA-graph decode), brings every request into decode, then reports
 
 * device: the kernels of ``--replays`` replays of the decode CUDA graph (torch.profiler),
   grouped by kernel name: count per step, microseconds per step, share of the step;
@@ -49,6 +49,7 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--backend", default="block_offsets")
+    ap.add_argument("--kv-format", default="bf16", help="bf16 | fp8 | fp4 | int8")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from kvplan import LLM
@@ -58,7 +59,7 @@ def main() -> int:
     n = args.num_requests
     llm = LLM(cfg, device=dev, dtype=torch.bfloat16, backend=args.backend, max_num_seqs=n,
               max_num_batched_tokens=8192, max_model_len=args.prompt_len + 400,
-              kv_cache_memory=8 << 30)  # fmt: skip
+              kv_cache_memory=8 << 30, kv_format=args.kv_format)  # fmt: skip
     core = llm.engine
     params = SamplingParams(max_tokens=args.steps + 3 * args.replays + 40, ignore_eos=True)
     for p in make_prompts(n, args.prompt_len, cfg.vocab_size):
@@ -104,9 +105,10 @@ def main() -> int:
     lines.append(f"host-profiled step median {step_ms[len(step_ms) // 2]:.3f} ms")
     text = "\n".join(lines) + "\n\n" + s.getvalue()
     print(text)
-    with open(os.path.join(args.out, "profile_engine.txt"), "w") as f:
+    tag = "" if args.kv_format == "bf16" else f"_{args.kv_format}"
+    with open(os.path.join(args.out, f"profile_engine{tag}.txt"), "w") as f:
         f.write(text)
-    with open(os.path.join(args.out, "profile_engine.json"), "w") as f:
+    with open(os.path.join(args.out, f"profile_engine{tag}.json"), "w") as f:
         json.dump({"kernels": rows, "replays": args.replays}, f)
     return 0
 

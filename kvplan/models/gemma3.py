@@ -34,6 +34,7 @@ from kvplan.models.config import ModelConfig
 from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
 from kvplan.models.llama import PAGED_FAMILY
 from kvplan.models.rope import RotaryTable, rotate_qk
+from kvplan.ops.small_gemm import small_linear
 
 
 class GemmaRMSNorm(nn.Module):
@@ -210,5 +211,5 @@ class Gemma3ForCausalLM(nn.Module):
         if logits_indices is not None:
             h = h[logits_indices]
         h = self.norm(h)  # [N, hidden]
-        logits = F.linear(h, self.lm_head_weight)  # [N, V]
+        logits = small_linear(h, self.lm_head_weight)  # [N, V]
         return logits.float() if self.float_logits else logits

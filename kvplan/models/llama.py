@@ -45,7 +45,7 @@ from kvplan.models import fused as ops
 from kvplan.models.config import ModelConfig
 from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
 from kvplan.models.rope import RotaryTable
-from kvplan.ops.small_gemm import linear, small_linear
+from kvplan.ops.small_gemm import small_linear
 
 FUSED_KERNELS_ENV = "KVPLAN_FUSED_KERNELS"
 
@@ -115,7 +115,7 @@ class Attention(nn.Module):
         fused: bool = False,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = linear(self.qkv_proj, x)  # [T, (H + 2 Hkv) D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         norm = self.q_norm is not None
         # the fused kernel also writes k / v into the cache (bf16, or fp8 / int8 records)
         store = None
@@ -141,7 +141,7 @@ class Attention(nn.Module):
             o = self.attn.forward(q, k, v, metadata, kv_stored=True)  # [T, H, D]
         else:
             o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
-        return linear(self.o_proj, o.reshape(t, self.q_size))
+        return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -152,8 +152,7 @@ class MLP(nn.Module):
         self.down_proj = _row_linear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
-        gate_up = linear(self.gate_up_proj, x)
-        return linear(self.down_proj, ops.silu_and_mul(gate_up, fused=fused))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), fused=fused))
 
 
 class DecoderLayer(nn.Module):

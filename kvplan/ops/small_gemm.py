@@ -1,25 +1,17 @@
-"""``x @ w.T`` for few rows: a weight-streaming GEMM for decode steps (Triton, CUDA).
+"""``x @ w.T`` for a few rows and a wide weight: the LM head of a decode step (Triton, CUDA).
 
 A decode step multiplies a few dozen token rows by every weight matrix of the model, so its
-GEMMs are reads of the weights: the step's floor is the weights' bytes over the memory
-bandwidth. cuBLAS reaches that on wide matrices but not on some of the narrow ones a decode step
-has (an H200 profile of llama-1b at 64 rows: the attention output projection at 33 % of its
-weight bandwidth, the qkv projection at 43 %). `small_linear` tiles the weight instead of the
-rows ("swap AB": each program owns ``BLOCK_N`` weight rows, all the token rows, one range of
-K), so that enough programs stream the weight at once:
+GEMMs are reads of the weights. `small_linear_kernel` tiles the weight instead of the rows
+("swap AB"): program ``j`` multiplies ``BLOCK_N`` weight rows by all the token rows over the
+whole K on the tensor cores, one fp32 accumulator, the output tile written once.
 
-* grid ``(cdiv(N, BLOCK_N), S)``: program ``(j, s)`` computes the fp32 partial
-  ``w[j-tile, K_s] @ x[:, K_s].T`` of its K range ``K_s`` on the tensor cores;
-* ``S == 1``: it writes its tile of the output;
-* ``S > 1`` ("split K"): it writes its partial to a workspace and counts itself in on the
-  tile's counter (an atomic); the program that arrives last adds the tile's ``S`` partials in
-  the order ``s = 0 .. S-1``, writes the output and resets the counter to zero for the next
-  call. The sum's order never depends on which program finished when, so every run gives the
-  same bits; one launch, no memset (the counters are left zeroed), CUDA-graph safe.
-
-The plan (`small_gemm_plan`) picks ``S`` so that about ``PROGRAMS_PER_SM`` programs run per
-SM; the tile shapes were chosen by `bench/bench_small_gemm.py`. `small_linear_torch` is the
-reference (``F.linear``); CPU tensors run it.
+Where it runs (`small_linear_wanted`): at most ``MAX_ROWS`` rows and at least ``MIN_N`` weight
+rows, i.e. the vocabulary projection. Measured on the H200 (`bench/bench_small_gemm.py`, weights
+streamed past the L2 cache, CUDA graphs, 2026-12-03): LM head 64 x 128,256 x 2,048 141.7 us vs
+cuBLAS 150.8 (3.7 vs 3.5 TB/s), 32 x 129,280 x 2,048 137.2 vs 142.2 us. On the narrow decode
+GEMMs (2-33 MB of weights) cuBLAS was as fast or faster (e.g. 64 x 2,048 x 2,048: 6.3 us,
+this kernel 7.7 us at best; splitting K over more programs made it slower still), so they stay
+on cuBLAS. `small_linear_torch` is the reference (``F.linear``); CPU tensors run it.
 """
 
 from __future__ import annotations
@@ -31,9 +23,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import nn
 
-from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
+from kvplan.ops._dispatch import triton_interpreting, use_triton
 
 __all__ = [
     "SmallGemmPlan",
@@ -42,17 +33,17 @@ __all__ = [
     "small_linear_torch",
     "small_linear_triton",
     "small_linear_wanted",
-    "linear",
 ]
 
 MAX_ROWS = 64  # token rows the kernel takes (one tensor-core tile of them)
-BLOCK_N = 64  # weight rows a program
-BLOCK_K = 128  # K a loop step
+MIN_N = 32768  # weight rows below which cuBLAS measured as fast (module docstring)
+# the tiles that measured fastest for the LM heads above (`bench_small_gemm.py`, H200): 128
+# weight rows x 128 K a step, 4 stages, 4 warps (64-row tiles 154.1 us, 32 x 256 256.9 us at
+# 64 x 128,256 x 2,048)
+BLOCK_N = 128
+BLOCK_K = 128
 NUM_WARPS = 4
 NUM_STAGES = 4
-PROGRAMS_PER_SM = 2
-_COUNTERS = 1 << 14  # tile counters kept per device (N / BLOCK_N tiles at most)
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def _enabled() -> bool:
@@ -72,36 +63,31 @@ class SmallGemmPlan(NamedTuple):
     block_m: int  # token rows padded to a power of two >= 16
     block_n: int
     block_k: int
-    k_per_split: int  # a multiple of block_k
-    splits: int
     num_warps: int
     num_stages: int
 
 
 @triton.jit
 def small_linear_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    K_STEPS: tl.constexpr, EVEN_K: tl.constexpr,  # K steps a program; K % (K_STEPS * BLOCK_K) == 0
-    INTERPRET: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_STEPS: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    k0 = pid_k * (K_STEPS * BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in range(K_STEPS):  # a static trip count: software-pipelined (num_stages)
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         else:
-            k_ok = (k0 + i * BLOCK_K + offs_k) < K
+            k_ok = (i * BLOCK_K + offs_k) < K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if INTERPRET:  # the interpreter's dot misreads bf16: the same products in fp32
@@ -111,55 +97,19 @@ def small_linear_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     o_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    o_ok = n_ok[:, None] & m_ok[None, :]
-    if SPLITS > 1:
-        # this program's partial, then count in; the last of the tile's programs adds them all
-        # in split order (the same bits whichever program is last)
-        part = ws_ptr + (pid_k * BLOCK_M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
-        tl.store(part, acc, mask=n_ok[:, None])
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in tl.static_range(SPLITS):
-                p = ws_ptr + (s * BLOCK_M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
-                total += tl.load(p, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
-            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_ok)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-    else:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_ok)
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
 def small_gemm_plan(
-    m: int, n: int, k: int, sm_count: int, *, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-    programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES, splits: int | None = None,
+    m: int, *, block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> SmallGemmPlan:  # fmt: skip
-    """Tiles for ``[m, k] @ [n, k].T``: K split until about ``programs_per_sm * sm_count``
-    programs run (never below one ``block_k`` step a program); ``splits`` forces a count."""
+    """Tiles for ``[m, K] @ [N, K].T`` (``1 <= m <= MAX_ROWS``)."""
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"small_gemm_plan: m={m} must be in [1, {MAX_ROWS}]")
-    block_m = max(16, triton.next_power_of_2(m))
-    k_steps = triton.cdiv(k, block_k)
-    if splits is None:
-        tiles = triton.cdiv(n, block_n)
-        want = max(1, min(k_steps, (programs_per_sm * sm_count) // tiles))
-        # the largest count up to that which divides the K steps evenly (no ragged split)
-        splits = max(d for d in range(1, want + 1) if k_steps % d == 0)
-    splits = max(1, min(splits, k_steps))
-    k_per_split = triton.cdiv(k_steps, splits) * block_k
-    splits = triton.cdiv(k, k_per_split)
-    return SmallGemmPlan(block_m, block_n, block_k, k_per_split, splits, num_warps, num_stages)
-
-
-def _counter_buffer(device: torch.device, tiles: int) -> torch.Tensor:
-    buf = _counters.get(device)
-    if buf is None:
-        if tiles > _COUNTERS:
-            raise ValueError(f"small_linear: {tiles} output tiles exceed {_COUNTERS}")
-        buf = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-        _counters[device] = buf
-    return buf
+    return SmallGemmPlan(
+        max(16, triton.next_power_of_2(m)), block_n, block_k, num_warps, num_stages
+    )
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -191,40 +141,36 @@ def small_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, plan: SmallGemmPlan | None = None
 ) -> torch.Tensor:
     """``x [M, K] @ weight [N, K].T`` -> ``[M, N]`` in ``x``'s dtype by `small_linear_kernel`
-    (``M <= MAX_ROWS``; fp32 accumulation; the same bits on every run for one plan)."""
+    (``M <= MAX_ROWS``; fp32 accumulation over K in order)."""
     _check(x, weight)
     m, k = x.shape
     n = weight.shape[0]
     if plan is None:
-        sms = 4 if triton_interpreting() else cuda_sm_count(x.device)
-        plan = small_gemm_plan(m, n, k, sms)
+        plan = small_gemm_plan(m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    if n == 0:
         return out
-    tiles = triton.cdiv(n, plan.block_n)
-    split = plan.splits > 1
-    if split:
-        ws = torch.empty((plan.splits, plan.block_m, n), dtype=torch.float32, device=x.device)
-        cnt = _counter_buffer(x.device, tiles)
-    else:
-        ws = cnt = out  # unused
-    small_linear_kernel[(tiles, plan.splits)](
-        x, weight, out, ws, cnt, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLITS=plan.splits,
-        K_STEPS=plan.k_per_split // plan.block_k, INTERPRET=triton_interpreting(),
-        EVEN_K=k % plan.k_per_split == 0, num_warps=plan.num_warps, num_stages=plan.num_stages,
+    small_linear_kernel[(triton.cdiv(n, plan.block_n),)](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        K_STEPS=triton.cdiv(k, plan.block_k), EVEN_K=k % plan.block_k == 0,
+        INTERPRET=triton_interpreting(), num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out
 
 
 def small_linear_wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `small_linear` takes ``x`` / ``weight`` to the Triton kernel: CUDA bf16 / fp16
-    inputs of at most ``MAX_ROWS`` rows with a contiguous K (``KVPLAN_SMALL_GEMM=1``)."""
+    ``x [M, K]`` with ``1 <= M <= MAX_ROWS``, a weight of at least ``MIN_N`` rows, contiguous
+    K (and ``KVPLAN_SMALL_GEMM`` not 0)."""
     return (
         ENABLED
         and use_triton(x)
         and x.dim() == 2
+        and weight.dim() == 2
         and 1 <= x.shape[0] <= MAX_ROWS
+        and weight.shape[0] >= MIN_N
+        and x.shape[1] == weight.shape[1]
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(1) == 1
@@ -233,17 +179,8 @@ def small_linear_wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias) for ``x [..., K]``: the Triton kernel when
-    `small_linear_wanted` says so, else ``F.linear``."""
-    if x.dim() == 2 and small_linear_wanted(x, weight):
+    """``F.linear(x, weight)`` (no bias): the Triton kernel when `small_linear_wanted` says so,
+    else ``F.linear``."""
+    if small_linear_wanted(x, weight):
         return small_linear_triton(x, weight)
     return F.linear(x, weight)
-
-
-def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for a plain bias-free ``nn.Linear`` through `small_linear` (the Triton
-    kernel for few CUDA rows); subclasses (tensor-parallel layers) and biased layers run their
-    own forward."""
-    if type(module) is nn.Linear and module.bias is None and x.dim() == 2:
-        return small_linear(x, module.weight)
-    return module(x)

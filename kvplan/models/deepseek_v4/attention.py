@@ -35,7 +35,6 @@ from kvplan.models.deepseek_v4.compressor import Compressor, Indexer
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.layers import LinearGroup, Rope, StepRope, rms_norm
 from kvplan.ops.rope import NormSpec, norm_rope
-from kvplan.ops.small_gemm import linear
 
 
 class GroupedLinear(nn.Module):
@@ -138,4 +137,4 @@ class DeepseekV4Attention(nn.Module):
         )  # [T, H, D]
         if not self.fused_out_rope:
             out = norm_rope(out, cos, sin, inverse=True)
-        return linear(self.o_b_proj, self.o_a_proj(out.flatten(1)))
+        return self.o_b_proj(self.o_a_proj(out.flatten(1)))

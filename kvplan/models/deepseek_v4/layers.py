@@ -19,12 +19,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvplan.models.deepseek_v4.config import RopeSpec
 from kvplan.ops.rms_norm import rms_norm_fp32w
 from kvplan.ops.rope import rope_cos_sin
-from kvplan.ops.small_gemm import small_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -156,7 +156,7 @@ class LinearGroup(nn.Module):
             self._weight, self._ptrs = None, ()  # a member was replaced: release the copy
         if self._weight is None:
             return tuple(m(x) for m in self._members)
-        return small_linear(x, self._weight).split(self.sizes, dim=-1)
+        return F.linear(x, self._weight).split(self.sizes, dim=-1)
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:

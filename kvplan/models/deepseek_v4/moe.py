@@ -53,7 +53,6 @@ from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.layers import LinearGroup
 from kvplan.ops.moe_dense import expert_weighted_sum, moe_route, moe_swiglu, swiglu
 from kvplan.ops.moe_grouped import moe_grouped
-from kvplan.ops.small_gemm import linear, small_linear
 
 DENSE_AUTO_MAX_ROWS = 4096
 """Largest ``T * n_routed_experts`` for which CUDA batches take the dense path by default."""
@@ -78,7 +77,7 @@ class SharedExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
         gate, up = self.gate_up_proj(x)  # [T, I] each: column views of one GEMM
-        return linear(self.down_proj, swiglu(gate, up, self.limit))
+        return self.down_proj(swiglu(gate, up, self.limit))
 
 
 class DeepseekV4MoE(nn.Module):
@@ -113,7 +112,7 @@ class DeepseekV4MoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`route` plus the fp32 ``[T, E]`` matrix of each row's summed weights per expert
         (the router GEMM and one routing kernel on CUDA; see `kvplan.ops.moe_dense.moe_route`)."""
-        logits = small_linear(x, self.gate_weight)
+        logits = F.linear(x, self.gate_weight)
         return moe_route(
             logits,
             top_k=self.top_k,
