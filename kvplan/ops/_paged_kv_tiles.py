@@ -14,6 +14,7 @@ and dequantizes them in registers (``load_kv_tile``); ``kv_geometry`` gives the 
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import triton
@@ -164,6 +165,23 @@ DECODE_TILING: dict[str | None, tuple[int, int, int]] = {
 }
 
 
+def _tiling_from_env() -> tuple[int, int, int] | None:
+    """``KVPLAN_DECODE_TILING="tile_n,num_warps,num_stages"``: every format's decode default
+    (A/B runs of whole engines); unset: ``DECODE_TILING``."""
+    text = os.environ.get("KVPLAN_DECODE_TILING", "")
+    if not text:
+        return None
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(
+            f"KVPLAN_DECODE_TILING must be 'tile_n,num_warps,num_stages', got {text!r}"
+        )
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+
+TILING_OVERRIDE = _tiling_from_env()
+
+
 def decode_tiling(
     kv_layout,
     tile_n: int | None = None,
@@ -180,7 +198,7 @@ def decode_tiling(
     (64, 4, 5)
     """
     key = None if kv_layout is None else kv_layout.quantized_dtype
-    dflt = DECODE_TILING.get(key, DECODE_TILING[None])
+    dflt = TILING_OVERRIDE or DECODE_TILING.get(key, DECODE_TILING[None])
     tile_n = dflt[0] if tile_n is None else tile_n
     num_warps = dflt[1] if num_warps is None else num_warps
     num_stages = dflt[2] if num_stages is None else num_stages
