@@ -156,10 +156,15 @@ def kv_geometry(k_cache, v_cache, head_dim: int, kv_layout) -> KVGeometry:
 # Decode launch per KV format (``kv_layout.quantized_dtype``; None: float caches):
 # (tile_n keys per step, num_warps, num_stages). ``bench/bench_quant_decode.py`` sweeps them;
 # on the H200 (32 x 8,192 context, 8 KV heads x 64) float caches were fastest at 5 stages
-# (double-buffered K/V tiles), the quantized ones at 2.
+# (double-buffered K/V tiles), the quantized ones at 2. Session 18 (calls D / E, `--graph`,
+# llama-1b heads) added 2 warps: bf16 (64, 2, 5) against (64, 4, 5) 14.2 vs 16.8 us at
+# 64 x 320 context, 40.3 vs 41.7 at 64 x 1,024, 137.6 vs 139.4 at 64 x 4,096, 141.2 vs 141.8
+# at 32 x 8,192; fp8 (64, 2, 3) against (64, 4, 2) 14.9 vs 15.3, 44.9 vs 45.2, 157.6 vs 165.5,
+# 156.7 vs 176.0 us; the long workload's fp8 decode step 3.658 vs 3.939 ms (call F).
+# int8 and fp4 pages were not re-measured.
 DECODE_TILING: dict[str | None, tuple[int, int, int]] = {
-    None: (64, 4, 5),
-    "e4m3": (64, 4, 2),
+    None: (64, 2, 5),
+    "e4m3": (64, 2, 3),
     "int8": (64, 4, 2),
     "e2m1": (64, 4, 2),
 }
@@ -194,7 +199,7 @@ def decode_tiling(
     ``num_stages`` is the key loop's software-pipeline depth; the page-table load of a tile
     precedes its K/V loads, so the compiler double-buffers the K/V tiles only from 5 stages.
 
-    >>> decode_tiling(None, num_stages=5)
+    >>> decode_tiling(None, num_warps=4)
     (64, 4, 5)
     """
     key = None if kv_layout is None else kv_layout.quantized_dtype

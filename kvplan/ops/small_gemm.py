@@ -5,13 +5,17 @@ GEMMs are reads of the weights. `small_linear_kernel` tiles the weight instead o
 ("swap AB"): program ``j`` multiplies ``BLOCK_N`` weight rows by all the token rows over the
 whole K on the tensor cores, one fp32 accumulator, the output tile written once.
 
-Where it runs (`small_linear_wanted`): at most ``MAX_ROWS`` rows and at least ``MIN_N`` weight
-rows, i.e. the vocabulary projection. Measured on the H200 (`bench/bench_small_gemm.py`, weights
-streamed past the L2 cache, CUDA graphs, 2026-12-03): LM head 64 x 128,256 x 2,048 141.7 us vs
-cuBLAS 150.8 (3.7 vs 3.5 TB/s), 32 x 129,280 x 2,048 137.2 vs 142.2 us. On the narrow decode
-GEMMs (2-33 MB of weights) cuBLAS was as fast or faster (e.g. 64 x 2,048 x 2,048: 6.3 us,
-this kernel 7.7 us at best; splitting K over more programs made it slower still), so they stay
-on cuBLAS. `small_linear_torch` is the reference (``F.linear``); CPU tensors run it.
+Where it runs (`small_linear_wanted`): at most ``MAX_ROWS`` rows and a weight of at least
+``MIN_N`` rows and ``MIN_WEIGHT`` elements, i.e. the vocabulary projections of the larger
+models. Measured on the H200 (`bench/bench_small_gemm.py`: weights streamed past the L2
+cache, CUDA graphs, 2026-12-03, session 18 call C), these tiles against cuBLAS: LM head
+64 x 128,256 x 2,048 143.0 vs 149.7 us, 32 x 129,280 x 2,048 140.0 vs 141.8, Gemma-3's
+64 x 262,144 x 640 110.6 vs 113.7; but SmolLM2's 64 x 49,152 x 576 23.1 vs 20.0 (hence
+``MIN_WEIGHT``). Inside the llama-1b decode graph (`bench/profile_engine.py`, calls C / D) the
+LM head took 136.6 us (128 x 128 tiles) against cuBLAS's 142.3. On the narrow decode GEMMs
+(2-33 MB of weights) cuBLAS was as fast or faster (64 x 2,048 x 2,048: 6.3 us, this kernel
+7.7 at best; splitting K over more programs made it slower still; call B), so they stay on
+cuBLAS. `small_linear_torch` is the reference (``F.linear``); CPU tensors run it.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ __all__ = [
 ]
 
 MAX_ROWS = 64  # token rows the kernel takes (one tensor-core tile of them)
-MIN_N = 32768  # weight rows below which cuBLAS measured as fast (module docstring)
-# the tiles that measured fastest for the LM heads above (`bench_small_gemm.py`, H200): 128
-# weight rows x 128 K a step, 4 stages, 4 warps (64-row tiles 154.1 us, 32 x 256 256.9 us at
-# 64 x 128,256 x 2,048)
+MIN_N = 32768  # weight rows and elements below which cuBLAS measured as fast or faster
+MIN_WEIGHT = 1 << 27
+# tiles: 128 weight rows x 128 K a step, 4 stages, 4 warps: no spills on sm_90, and what ran
+# in the decode graph above. At 64 x 128,256 x 2,048 (`bench_small_gemm.py`, H200, call C):
+# 143.0 us; 128 x 64 with 6 stages 140.2 (Gemma-3's head 100.7 vs 110.6) but it spills 336
+# bytes a thread and was not timed in an engine; 256 x 64 with 8 warps 141.2; 64 x 128 155.2.
 BLOCK_N = 128
 BLOCK_K = 128
 NUM_WARPS = 4
@@ -161,8 +167,8 @@ def small_linear_triton(
 
 def small_linear_wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `small_linear` takes ``x`` / ``weight`` to the Triton kernel: CUDA bf16 / fp16
-    ``x [M, K]`` with ``1 <= M <= MAX_ROWS``, a weight of at least ``MIN_N`` rows, contiguous
-    K (and ``KVPLAN_SMALL_GEMM`` not 0)."""
+    ``x [M, K]`` with ``1 <= M <= MAX_ROWS``, a weight of at least ``MIN_N`` rows and
+    ``MIN_WEIGHT`` elements, contiguous K (and ``KVPLAN_SMALL_GEMM`` not 0)."""
     return (
         ENABLED
         and use_triton(x)
@@ -170,6 +176,7 @@ def small_linear_wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dim() == 2
         and 1 <= x.shape[0] <= MAX_ROWS
         and weight.shape[0] >= MIN_N
+        and weight.numel() >= MIN_WEIGHT
         and x.shape[1] == weight.shape[1]
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype

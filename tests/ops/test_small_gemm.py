@@ -92,3 +92,12 @@ def test_cuda_lm_head_shapes(m, n, k) -> None:
         replayed = sg.small_linear(x, w)
     g.replay()
     assert torch.equal(replayed, out)
+
+
+@pytest.mark.gpu
+def test_cuda_small_heads_stay_on_cublas() -> None:
+    """SmolLM2's head (49,152 x 576: below ``MIN_WEIGHT``) goes to cuBLAS; the kernel itself
+    is still right on it (K = 576: nine 64-wide steps)."""
+    x, w = _case(64, 49152, 576, seed=9, device="cuda")
+    assert not sg.small_linear_wanted(x, w)
+    _check_close(sg.small_linear_triton(x, w).cpu(), x.cpu(), w.cpu())
