@@ -1,8 +1,8 @@
 """Register budget of the dense paged decode kernel over quantized pages, compiled for sm_90.
 
-The quantized specializations dequantize K/V tiles in registers; a register count above 128 per
-thread (4 warps) leaves fewer than 4 programs per H200 SM, and spills put the tiles in local
-memory. Compiled in a fresh process without ``TRITON_INTERPRET`` (see ``tests/sm90_compile.py``)
+The quantized specializations dequantize K/V tiles in registers; more than 16,384 registers a
+program (128 a thread at 4 warps, 256 at 2) leaves fewer than 4 programs per H200 SM, and
+spills put the tiles in local memory. Compiled in a fresh process without ``TRITON_INTERPRET`` (see ``tests/sm90_compile.py``)
 with the launch's integer specialization: pointers and the engine's strides divisible by 16.
 """
 
