@@ -10,7 +10,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 BENCHES=("$@")
 if [ ${#BENCHES[@]} -eq 0 ]; then
     BENCHES=(tests store_load index_ops paged_attention plan plan_device prepare engine hybrid
-             hybrid_hf sparse_kernels compress_store dsv4_blocks moe_grouped)
+             hybrid_hf sparse_kernels compress_store dsv4_blocks moe_grouped small_gemm)
 fi
 for b in "${BENCHES[@]}"; do
     start=$(date +%s)
