@@ -22,7 +22,10 @@ Variants:
   by the Hadamard matrix H before rounding (and back after: the same scores as rotating q)",
   "V rotated likewise (the same output as rotating the attention output back)", ``-mk``
   "K minus the layer's mean key before rounding, added back after (the softmax is unchanged
-  by a key offset shared by every key; the mean over this text's keys)", "only layer i".
+  by a key offset shared by every key; the mean over this text's keys)", ``-gk`` "K rounded
+  channel by channel with the rounding error pushed onto later channels, weighted by the
+  layer's query second moment (GPTQ's update; the scored text's queries, or ``--calib-text``'s)",
+  "only layer i".
   ``fake:bf16`` rounds to bf16 only.
 
 ``--per-layer SPEC`` adds ``fake:SPEC-L<i>`` for every layer; ``--stats`` prints the per-layer
@@ -94,17 +97,21 @@ class Spec(NamedTuple):
     rot_k: bool = False  # round K H (H: the head_dim Hadamard matrix), store (.) H
     rot_v: bool = False
     mean_k: bool = False  # round K - mu (mu: the layer's mean key), store (.) + mu
+    gptq_k: bool = False  # K rounded channel by channel with query-weighted error feedback
 
 
 def parse_spec(spec: str, hd: int) -> Spec:
-    """``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-mk][-L<i>]`` -> `Spec`."""
+    """``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-mk][-gk][-L<i>]`` -> `Spec`."""
     parts = spec.split("-")
     do_k = do_v = True
-    rot_k = rot_v = mean_k = False
+    rot_k = rot_v = mean_k = gptq_k = False
     layer = None
-    while parts and (parts[-1] in ("k", "v", "rk", "rv", "mk") or parts[-1].startswith("L")):
+    tails = ("k", "v", "rk", "rv", "mk", "gk")
+    while parts and (parts[-1] in tails or parts[-1].startswith("L")):
         tail = parts.pop()
-        if tail == "mk":
+        if tail == "gk":
+            gptq_k = True
+        elif tail == "mk":
             mean_k = True
         elif tail == "rk":
             rot_k = True
@@ -117,16 +124,49 @@ def parse_spec(spec: str, hd: int) -> Spec:
         else:
             layer = int(tail[1:])
     if parts == ["bf16"]:
-        return Spec(None, do_k, do_v, layer, rot_k, rot_v, mean_k)
+        return Spec(None, do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k)
     dtype, sf, group = parts
     if dtype == "int8":  # symmetric int8, one fp32 scale (amax / 127) per group: no kvplan format
         if sf != "fp32":
             raise ValueError(f"{spec}: int8 takes fp32 scales")
-        return Spec(("int8", int(group)), do_k, do_v, layer, rot_k, rot_v, mean_k)
+        return Spec(("int8", int(group)), do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k)
     search = sf in ("fp32s", "e4m3s")  # searched scales, as the engine's K (kvplan.quant)
     sf = sf[:-1] if search else sf
+    if gptq_k and dtype != "e4m3":
+        raise ValueError(f"{spec}: -gk is implemented for e4m3 values only")
     layout = KVCacheFormat(dtype, hd, int(group), 0, True, sf, spec, True, scale_search=search)
-    return Spec(layout, do_k, do_v, layer, rot_k, rot_v, mean_k)
+    return Spec(layout, do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k)
+
+
+def gptq_round_keys(
+    k: torch.Tensor, hq: torch.Tensor, layout: KVCacheFormat, damp: float = 0.01
+) -> torch.Tensor:
+    """``k [T, Hkv, D]`` rounded to e4m3 with the scales ``layout``'s writer picks for the bf16
+    key (plain or searched), channel by channel: each channel's rounding error is pushed onto
+    the channels after it so that the score error ``e^T Hq e`` (``hq [Hkv, D, D]``: the second
+    moment of the layer's post-RoPE queries that read this KV head) is minimized greedily
+    (GPTQ's update with ``H = hq + damp * mean(diag)``, queries in the role of activations).
+    Returns the dequantized keys in fp32."""
+    t, hkv, d = k.shape
+    x = k.to(torch.bfloat16)
+    _, scales = quant.quantize(x.reshape(t, hkv * d), layout)
+    sf = quant.scale_factors(scales, layout)  # [T, Hkv * D / group]
+    scale = sf.repeat_interleave(layout.elements_per_sf, dim=1).view(t, hkv, d).double()
+    x = x.float()
+    out = torch.empty_like(x)
+    for h in range(hkv):
+        H = hq[h].double()
+        H = H + damp * H.diagonal().mean() * torch.eye(d, dtype=H.dtype)
+        u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+        w = x[:, h].double().clone()
+        sc = scale[:, h]
+        for i in range(d):
+            v = (w[:, i] / sc[:, i]).clamp(-448, 448).float().to(torch.float8_e4m3fn).double()
+            qv = v * sc[:, i]
+            out[:, h, i] = qv.float()
+            err = (w[:, i] - qv) / u[i, i]
+            w[:, i + 1 :] -= err[:, None] * u[i, i + 1 :][None, :]
+    return out
 
 
 def rotated_round_trip(x: torch.Tensor, layout: KVCacheFormat | None) -> torch.Tensor:
@@ -159,6 +199,8 @@ class FakeQuantStore:
         self.spec = None
         self.captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self.mean_k: dict[int, torch.Tensor] = {}  # layer -> mean key [H, D] (``-mk`` specs)
+        self.query_moment: dict[int, torch.Tensor] = {}  # layer -> [Hkv, D, D] (``-gk`` specs)
+        self.head_dim = 0
         kv_cache.store = self
 
     def __call__(self, layer, k, v, slot_mapping, *, check=True):
@@ -167,7 +209,10 @@ class FakeQuantStore:
         if self.spec is not None:
             sp = self.spec
             if sp.layer is None or sp.layer == layer:
-                if sp.do_k:
+                if sp.do_k and sp.gptq_k:
+                    moment = self.query_moment[layer]
+                    k = gptq_round_keys(k.float(), moment, sp.layout).to(torch.bfloat16)
+                elif sp.do_k:
                     rt = rotated_round_trip if sp.rot_k else round_trip
                     if sp.mean_k:  # q.(k - mu) shifts a query's logits by one constant
                         mu = self.mean_k[layer].to(k.device)
@@ -177,6 +222,33 @@ class FakeQuantStore:
                 if sp.do_v:
                     v = (rotated_round_trip if sp.rot_v else round_trip)(v, sp.layout)
         return self.orig(layer, k, v, slot_mapping, check=check)
+
+
+def capture_query_moments(model, moments: dict[int, torch.Tensor]):
+    """Accumulate, per layer, ``sum q q^T`` over the post-RoPE queries of each KV head's query
+    heads into ``moments[layer] [Hkv, D, D]`` while ``model`` runs (``-gk`` specs: the scored
+    text's own queries, an upper bound for a calibrated moment). Returns a function that
+    restores the wrapped attention forwards."""
+    originals = []
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn.attn
+        fwd = attn.forward
+
+        def wrapped(q, k, v, metadata, *a, _i=i, _fwd=fwd, _hkv=attn.num_kv_heads, **kw):
+            t, h, d = q.shape
+            qq = q.detach().double().reshape(t, _hkv, h // _hkv, d)
+            m = torch.einsum("thgd,thge->hde", qq, qq)
+            moments[_i] = moments.get(_i, 0) + m
+            return _fwd(q, k, v, metadata, *a, **kw)
+
+        attn.forward = wrapped
+        originals.append((attn, fwd))
+
+    def restore() -> None:
+        for attn, fwd in originals:
+            attn.forward = fwd
+
+    return restore
 
 
 def metrics(logits: torch.Tensor, ref: torch.Tensor, ids: list[int]) -> dict:
@@ -224,6 +296,12 @@ def main() -> None:
     )
     ap.add_argument("--per-layer", default=None, help="also fake:SPEC-L<i> for every layer")
     ap.add_argument("--stats", action="store_true", help="per-layer round-trip error table")
+    ap.add_argument(
+        "--calib-text",
+        default=None,
+        help="-gk specs: take the query moments from this text (cut to the scored length) "
+        "instead of the scored text itself",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default=None, help="a model LLM() accepts (default: SmolLM2)")
     ap.add_argument("--out", default=None, help="JSON output path")
@@ -254,8 +332,14 @@ def main() -> None:
     hook = FakeQuantStore(ref_llm.parts.kv_cache)
     wants_mean = any(v.startswith("fake:") and "-mk" in v for v in args.variants)
     hook.captured = {} if args.stats or wants_mean else None
+    wants_moment = any(v.startswith("fake:") and "-gk" in v for v in args.variants)
+    restore = (
+        capture_query_moments(ref_llm.parts.model, hook.query_moment) if wants_moment else None
+    )
     t0 = time.perf_counter()
     ref = prompt_logits(ref_llm.engine, ids, args.chunk)
+    if restore is not None:
+        restore()
     print(f"{n} tokens, fp32 reference in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     hook_captured, hook.captured = hook.captured, None
     if wants_mean:  # the mean post-RoPE key of each layer over this text (an upper bound:
