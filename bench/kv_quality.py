@@ -336,6 +336,16 @@ def main() -> None:
     restore = (
         capture_query_moments(ref_llm.parts.model, hook.query_moment) if wants_moment else None
     )
+    if restore is not None and args.calib_text:
+        calib = ref_llm.tokenizer.encode(
+            Path(args.calib_text).read_text(), add_special_tokens=False
+        )
+        prompt_logits(ref_llm.engine, calib[:n], args.chunk)
+        restore()
+        restore = None
+        print(
+            f"query moments from {args.calib_text} ({min(n, len(calib))} tokens)", file=sys.stderr
+        )
     t0 = time.perf_counter()
     ref = prompt_logits(ref_llm.engine, ids, args.chunk)
     if restore is not None:
