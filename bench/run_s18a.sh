@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 18, call A: the whole GPU test suite, then session 17's prepared call E: 16-row hc
+# Session 18, call A: the whole GPU test suite, then what session 17 prepared as call E (never run
+# there; its script folded in here): 16-row hc
 # projection tiles at larger decode batches too (KVPLAN_HC_SMALL_ROWS=256) vs the default
 # (16-row tiles up to 32 rows, 32-row above): batch 64 at 32K and batch 256 at 128K, fp8.
 set -u
