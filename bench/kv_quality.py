@@ -25,7 +25,7 @@ Variants:
   by a key offset shared by every key; the mean over this text's keys)", ``-gk`` "K rounded
   channel by channel with the rounding error pushed onto later channels, weighted by the
   layer's query second moment (GPTQ's update; the scored text's queries, or ``--calib-text``'s)",
-  "only layer i".
+  "only layer i", ``-X<i>`` (repeatable) "every layer but i".
   ``fake:bf16`` rounds to bf16 only.
 
 ``--per-layer SPEC`` adds ``fake:SPEC-L<i>`` for every layer; ``--stats`` prints the per-layer
@@ -98,18 +98,22 @@ class Spec(NamedTuple):
     rot_v: bool = False
     mean_k: bool = False  # round K - mu (mu: the layer's mean key), store (.) + mu
     gptq_k: bool = False  # K rounded channel by channel with query-weighted error feedback
+    skip: tuple[int, ...] = ()  # layers left unrounded (``-X<i>``, repeatable)
 
 
 def parse_spec(spec: str, hd: int) -> Spec:
-    """``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-mk][-gk][-L<i>]`` -> `Spec`."""
+    """``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-mk][-gk][-L<i>][-X<i>...]`` -> `Spec`."""
     parts = spec.split("-")
     do_k = do_v = True
     rot_k = rot_v = mean_k = gptq_k = False
     layer = None
     tails = ("k", "v", "rk", "rv", "mk", "gk")
-    while parts and (parts[-1] in tails or parts[-1].startswith("L")):
+    skip: list[int] = []
+    while parts and (parts[-1] in tails or parts[-1][:1] in ("L", "X")):
         tail = parts.pop()
-        if tail == "gk":
+        if tail.startswith("X"):
+            skip.append(int(tail[1:]))
+        elif tail == "gk":
             gptq_k = True
         elif tail == "mk":
             mean_k = True
@@ -124,18 +128,20 @@ def parse_spec(spec: str, hd: int) -> Spec:
         else:
             layer = int(tail[1:])
     if parts == ["bf16"]:
-        return Spec(None, do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k)
+        return Spec(None, do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k, tuple(skip))
     dtype, sf, group = parts
     if dtype == "int8":  # symmetric int8, one fp32 scale (amax / 127) per group: no kvplan format
         if sf != "fp32":
             raise ValueError(f"{spec}: int8 takes fp32 scales")
-        return Spec(("int8", int(group)), do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k)
+        return Spec(
+            ("int8", int(group)), do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k, tuple(skip)
+        )
     search = sf in ("fp32s", "e4m3s")  # searched scales, as the engine's K (kvplan.quant)
     sf = sf[:-1] if search else sf
     if gptq_k and dtype != "e4m3":
         raise ValueError(f"{spec}: -gk is implemented for e4m3 values only")
     layout = KVCacheFormat(dtype, hd, int(group), 0, True, sf, spec, True, scale_search=search)
-    return Spec(layout, do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k)
+    return Spec(layout, do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k, tuple(skip))
 
 
 def gptq_round_keys(
@@ -208,7 +214,7 @@ class FakeQuantStore:
             self.captured.setdefault(layer, []).append((k.detach().clone(), v.detach().clone()))
         if self.spec is not None:
             sp = self.spec
-            if sp.layer is None or sp.layer == layer:
+            if (sp.layer is None or sp.layer == layer) and layer not in sp.skip:
                 if sp.do_k and sp.gptq_k:
                     moment = self.query_moment[layer]
                     k = gptq_round_keys(k.float(), moment, sp.layout).to(torch.bfloat16)
