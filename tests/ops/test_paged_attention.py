@@ -412,3 +412,23 @@ def test_gpu_small_cases_match_ref_and_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, want)
+
+
+def test_decode_tiling_defaults_overrides_and_env(monkeypatch) -> None:
+    """Per-format defaults, explicit overrides, ``KVPLAN_DECODE_TILING`` parsing with a clear
+    error, and range checks naming the argument."""
+    from kvplan.ops import _paged_kv_tiles as tiles
+
+    assert tiles.decode_tiling(None) == tiles.DECODE_TILING[None]
+    assert tiles.decode_tiling(None, tile_n=32, num_warps=8, num_stages=2) == (32, 8, 2)
+    monkeypatch.setenv("KVPLAN_DECODE_TILING", "32,4,3")
+    assert tiles._tiling_from_env() == (32, 4, 3)
+    monkeypatch.setenv("KVPLAN_DECODE_TILING", "32,4")
+    with pytest.raises(ValueError, match="KVPLAN_DECODE_TILING.*'32,4'"):
+        tiles._tiling_from_env()
+    monkeypatch.setattr(tiles, "TILING_OVERRIDE", (16, 2, 2))
+    assert tiles.decode_tiling(None) == (16, 2, 2)
+    with pytest.raises(ValueError, match="tile_n must be a power of two"):
+        tiles.decode_tiling(None, tile_n=48)
+    with pytest.raises(ValueError, match="num_warps"):
+        tiles.decode_tiling(None, num_warps=3)
