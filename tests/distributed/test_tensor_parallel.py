@@ -5,9 +5,10 @@ seed) split over two ranks. Heads and the embedding are exact; the row-parallel 
 sum two partial products instead of one, so logits differ by fp32 rounding only.
 Greedy tokens are compared exactly: the configurations and seeds below are fixed, and their
 top-1 margins are far above that rounding (a near-tie would show as a deterministic failure,
-not a flaky one). Each engine start spawns one process (seconds); the tests start three.
+not a flaky one). Each engine start spawns one process (seconds).
 """
 
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -83,6 +84,26 @@ def test_greedy_output_equals_one_device(seed, backend):
     assert again == want[:1]
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-5)
     _no_children_left(pids)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
+def test_quantized_kv_cache_equals_one_device(kv_format):
+    """Each rank quantizes its own KV heads: the scale groups never span a head (fp8 / fp4 need
+    ``head_dim % 32 == 0``), so the split cache holds the one-device records and greedy
+    tokens match; logits within fp32 rounding of the row-parallel sums."""
+    cfg = dataclasses.replace(random_config(0), head_dim_override=32)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 19, 1)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ref = LLM(cfg, kv_format=kv_format, **ENGINE)
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    want_logits = prompt_logits(ref.engine, prompts[1], chunk_size=32)
+    with LLM(cfg, kv_format=kv_format, tensor_parallel_size=2, **ENGINE) as llm:
+        assert llm.parts.kv_format == kv_format
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        got_logits = prompt_logits(llm.engine, prompts[1], chunk_size=32)
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-5)
 
 
 def test_kv_heads_not_divisible_fail_before_any_process():
