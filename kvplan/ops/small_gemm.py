@@ -15,7 +15,7 @@ cache, CUDA graphs, 2026-12-03, session 18 call C), these tiles against cuBLAS: 
 LM head took 136.6 us (128 x 128 tiles) against cuBLAS's 142.3. On the narrow decode GEMMs
 (2-33 MB of weights) cuBLAS was as fast or faster (64 x 2,048 x 2,048: 6.3 us, this kernel
 7.7 at best; splitting K over more programs made it slower still; call B), so they stay on
-cuBLAS. `small_linear_torch` is the reference (``F.linear``); CPU tensors run it.
+cuBLAS. Everything else (CPU tensors included) runs ``F.linear``, the reference.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ __all__ = [
     "SmallGemmPlan",
     "small_gemm_plan",
     "small_linear",
-    "small_linear_torch",
     "small_linear_triton",
     "small_linear_wanted",
 ]
@@ -137,22 +136,18 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
-def small_linear_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Reference of `small_linear`: ``F.linear(x, weight)``."""
-    _check(x, weight)
-    return F.linear(x, weight)
-
-
 def small_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, plan: SmallGemmPlan | None = None
 ) -> torch.Tensor:
     """``x [M, K] @ weight [N, K].T`` -> ``[M, N]`` in ``x``'s dtype by `small_linear_kernel`
     (``M <= MAX_ROWS``; fp32 accumulation over K in order)."""
     _check(x, weight)
+    return _launch(x, weight, small_gemm_plan(x.shape[0]) if plan is None else plan)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, plan: SmallGemmPlan) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
-    if plan is None:
-        plan = small_gemm_plan(m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
@@ -188,6 +183,6 @@ def small_linear_wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias): the Triton kernel when `small_linear_wanted` says so,
     else ``F.linear``."""
-    if small_linear_wanted(x, weight):
-        return small_linear_triton(x, weight)
+    if small_linear_wanted(x, weight):  # it checked what `_check` would
+        return _launch(x, weight, small_gemm_plan(x.shape[0]))
     return F.linear(x, weight)
