@@ -58,17 +58,23 @@ def _no_children_left(pids):
             os.kill(pid, 0)
 
 
+def _reference(cfg: ModelConfig, seed: int, **settings):
+    """Three prompts (5, 19 and 1 tokens), greedy parameters, and the one-device engine's
+    tokens for them and teacher-forced logits of the 19-token prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 19, 1)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ref = LLM(cfg, **settings, **ENGINE)
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    return prompts, params, want, prompt_logits(ref.engine, prompts[1], chunk_size=32)
+
+
 @pytest.mark.parametrize(
     "seed, backend", [(0, "block_offsets"), (9, "ragged")], ids=["gqa-bias-tied", "qknorm-untied"]
 )
 def test_greedy_output_equals_one_device(seed, backend):
     cfg = random_config(seed)
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 19, 1)]
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    ref = LLM(cfg, backend=backend, **ENGINE)
-    want = [o.token_ids for o in ref.generate(prompts, params)]
-    want_logits = prompt_logits(ref.engine, prompts[1], chunk_size=32)
+    prompts, params, want, want_logits = _reference(cfg, seed, backend=backend)
     with LLM(cfg, backend=backend, tensor_parallel_size=2, **ENGINE) as llm:
         pids = list(llm.parts.tensor_parallel.worker_pids.values())
         assert len(pids) == 1
@@ -92,12 +98,7 @@ def test_quantized_kv_cache_equals_one_device(kv_format):
     ``head_dim % 32 == 0``), so the split cache holds the one-device records and greedy
     tokens match; logits within fp32 rounding of the row-parallel sums."""
     cfg = dataclasses.replace(random_config(0), head_dim_override=32)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 19, 1)]
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    ref = LLM(cfg, kv_format=kv_format, **ENGINE)
-    want = [o.token_ids for o in ref.generate(prompts, params)]
-    want_logits = prompt_logits(ref.engine, prompts[1], chunk_size=32)
+    prompts, params, want, want_logits = _reference(cfg, 1, kv_format=kv_format)
     with LLM(cfg, kv_format=kv_format, tensor_parallel_size=2, **ENGINE) as llm:
         assert llm.parts.kv_format == kv_format
         got = [o.token_ids for o in llm.generate(prompts, params)]
