@@ -206,7 +206,6 @@ class FakeQuantStore:
         self.captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self.mean_k: dict[int, torch.Tensor] = {}  # layer -> mean key [H, D] (``-mk`` specs)
         self.query_moment: dict[int, torch.Tensor] = {}  # layer -> [Hkv, D, D] (``-gk`` specs)
-        self.head_dim = 0
         kv_cache.store = self
 
     def __call__(self, layer, k, v, slot_mapping, *, check=True):
