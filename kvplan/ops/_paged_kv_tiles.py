@@ -161,12 +161,14 @@ def kv_geometry(k_cache, v_cache, head_dim: int, kv_layout) -> KVGeometry:
 # 64 x 320 context, 40.3 vs 41.7 at 64 x 1,024, 137.6 vs 139.4 at 64 x 4,096, 141.2 vs 141.8
 # at 32 x 8,192; fp8 (64, 2, 3) against (64, 4, 2) 14.9 vs 15.3, 44.9 vs 45.2, 157.6 vs 165.5,
 # 156.7 vs 176.0 us; the long workload's fp8 decode step 3.658 vs 3.939 ms (call F).
-# int8 and fp4 pages were not re-measured.
+# Session 19 (call A, same bench): int8 kept (64, 4, 2) (16.9 us at 64 x 320, 185.2 at
+# 32 x 8,192; no swept launch was faster); fp4 (64, 2, 2) against (64, 4, 2) 18.7 vs 25.4 us
+# and 189.3 vs 201.7 us.
 DECODE_TILING: dict[str | None, tuple[int, int, int]] = {
     None: (64, 2, 5),
     "e4m3": (64, 2, 3),
     "int8": (64, 4, 2),
-    "e2m1": (64, 4, 2),
+    "e2m1": (64, 2, 2),
 }
 
 
