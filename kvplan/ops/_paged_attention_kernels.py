@@ -38,12 +38,11 @@ import triton.language as tl
 
 from kvplan.ops._dispatch import triton_interpreting
 from kvplan.ops._paged_kv_tiles import (
-    dequantize_kv_f16,
     dequantize_kv_raw,
     head_scales_offset,
     kv_geometry,
     load_kv_raw,
-    query_f16,
+    load_kv_tile,
 )
 
 # Stand-in for "no sliding window": far beyond any int32 position difference we produce.
@@ -61,44 +60,12 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def _scores(
-    q, k_raw, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
-    GROUP: tl.constexpr, SCALED_DOTS: tl.constexpr,
-):  # fmt: skip
-    """Logits ``[TILE_M, TILE_N]`` (log2 domain) of q against `load_kv_raw`'s K bytes:
-    ``SCALED_DOTS`` takes `dequantize_kv_f16`'s fp16 tile (q from `query_f16`) and scales the
-    dot products, else the tile in q's dtype (`dequantize_kv_raw`)."""
-    if SCALED_DOTS:
-        k, k_scale = dequantize_kv_f16(k_raw[0], k_raw[1], TILE_N, HEAD_DIM, KV_QUANT, SF_KIND,
-                                       GROUP)  # fmt: skip
-        return tl.dot(q, tl.trans(k)) * (qk_scale * k_scale)
-    k = dequantize_kv_raw(k_raw[0], k_raw[1], q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
-    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-
-
-@triton.jit
-def _weighted_values(
-    p, v_raw, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
-    SCALED_DOTS: tl.constexpr,
-):  # fmt: skip
-    """``p @ V`` (fp32 ``[TILE_M, HEAD_DIM]``) for `load_kv_raw`'s V bytes, as `_scores`."""
-    if SCALED_DOTS:
-        v, v_scale = dequantize_kv_f16(v_raw[0], v_raw[1], TILE_N, HEAD_DIM, KV_QUANT, SF_KIND,
-                                       GROUP)  # fmt: skip
-        return tl.dot(p.to(tl.float16), v) * v_scale
-    v = dequantize_kv_raw(v_raw[0], v_raw[1], q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
-    return tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def _attend_tile(
     acc, m_i, l_i, start, q, row_pos, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr, SCALED_DOTS: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys [start, start + TILE_N).
 
@@ -123,10 +90,10 @@ def _attend_tile(
         row = start % BLOCK_SIZE + tl.arange(0, TILE_N)
         k_rows = page * stride_kb + row * stride_kt
         v_rows = page * stride_vb + row * stride_vt
-    k_raw = load_kv_raw(k_ptr, ks_ptr, k_rows, in_range, HEAD_DIM, MASKED, KV_QUANT, SF_KIND,
-                        GROUP)  # fmt: skip
-    s = _scores(q, k_raw, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
-                SCALED_DOTS)  # fmt: skip
+    k = load_kv_tile(
+        k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
+    )
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [TILE_M, TILE_N]
     if MASKED:
         visible = (
             in_range[None, :]
@@ -135,11 +102,11 @@ def _attend_tile(
         )
         s = tl.where(visible, s, float("-inf"))
     p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-    v_raw = load_kv_raw(v_ptr, vs_ptr, v_rows, in_range, HEAD_DIM, MASKED, KV_QUANT, SF_KIND,
-                        GROUP)  # fmt: skip
-    pv = _weighted_values(p, v_raw, q, TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND,
-                          GROUP, SCALED_DOTS)  # fmt: skip
-    return acc * alpha[:, None] + pv, m_new, l_i
+    v = load_kv_tile(
+        v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
+    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -148,7 +115,7 @@ def _attend_range(
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
-    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, SCALED_DOTS: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Tiles of keys [lo, hi). The CPU interpreter (numpy >= 2.4) cannot take a runtime tensor
     as a ``range`` bound, so there the same step runs in a ``while`` loop; compiled kernels use
@@ -160,7 +127,6 @@ def _attend_range(
                 acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                 stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
                 BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED, KV_QUANT, SF_KIND, GROUP,
-                SCALED_DOTS,
             )  # fmt: skip
             start += TILE_N
     else:
@@ -169,7 +135,6 @@ def _attend_range(
                 acc, m_i, l_i, start, q, row_pos, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                 stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
                 BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED, KV_QUANT, SF_KIND, GROUP,
-                SCALED_DOTS,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -197,15 +162,15 @@ def _raw_kv_tile(
 def _attend_raw_tile(
     acc, m_i, l_i, q, k_raw, v_raw, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
-    GROUP: tl.constexpr, SCALED_DOTS: tl.constexpr,
+    GROUP: tl.constexpr,
 ):  # fmt: skip
     """`_attend_tile` of a whole, unmasked tile whose stored bytes are already loaded."""
-    s = _scores(q, k_raw, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
-                SCALED_DOTS)  # fmt: skip
+    k = dequantize_kv_raw(k_raw[0], k_raw[1], q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-    pv = _weighted_values(p, v_raw, q, TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND,
-                          GROUP, SCALED_DOTS)  # fmt: skip
-    return acc * alpha[:, None] + pv, m_new, l_i
+    v = dequantize_kv_raw(v_raw[0], v_raw[1], q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -213,7 +178,7 @@ def _prefetch_step(
     acc, m_i, l_i, start, hi, q, k_raw, v_raw, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, SCALED_DOTS: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Issue the loads of tile ``start + TILE_N``, then attend tile ``start`` from its bytes
     loaded the step before; returns the state and the next tile's bytes."""
@@ -221,8 +186,7 @@ def _prefetch_step(
                                   stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N,
                                   HEAD_DIM, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
     acc, m_i, l_i = _attend_raw_tile(acc, m_i, l_i, q, k_raw, v_raw, qk_scale, TILE_N, HEAD_DIM,
-                                     DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
-                                     SCALED_DOTS)  # fmt: skip
+                                     DOT_PRECISION, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
     return acc, m_i, l_i, k_next, v_next
 
 
@@ -232,7 +196,7 @@ def _attend_range_prefetch(
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr, SCALED_DOTS: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """`_attend_range` over whole, unmasked tiles of a quantized cache, each tile's stored
     bytes loaded one step ahead (register double buffering: a tile's global loads are in
@@ -247,7 +211,7 @@ def _attend_range_prefetch(
             acc, m_i, l_i, k_raw, v_raw = _prefetch_step(
                 acc, m_i, l_i, start, hi, q, k_raw, v_raw, page_ptr, k_ptr, v_ptr, ks_ptr,
                 vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
-                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, SCALED_DOTS,
+                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
             )  # fmt: skip
             start += TILE_N
     else:
@@ -255,7 +219,7 @@ def _attend_range_prefetch(
             acc, m_i, l_i, k_raw, v_raw = _prefetch_step(
                 acc, m_i, l_i, start, hi, q, k_raw, v_raw, page_ptr, k_ptr, v_ptr, ks_ptr,
                 vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
-                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, SCALED_DOTS,
+                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -267,7 +231,6 @@ def _attend_rows(
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr,
-    SCALED_DOTS: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax attention of ``TILE_M`` query rows over keys [key_lo, key_hi).
 
@@ -282,8 +245,6 @@ def _attend_rows(
     Returns the unnormalized accumulator [TILE_M, HEAD_DIM] (fp32), the running maximum m
     (log2 domain) and the running denominator l, both [TILE_M] fp32.
     """
-    if SCALED_DOTS:
-        q, qk_scale = query_f16(q, qk_scale)
     m_i = tl.full([TILE_M], -1.0e30, tl.float32)
     l_i = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
@@ -295,27 +256,24 @@ def _attend_rows(
         acc, m_i, l_i, key_lo, full_lo, q, row_pos, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        SCALED_DOTS,
     )  # fmt: skip
     if PREFETCH and KV_QUANT != 0:
         acc, m_i, l_i = _attend_range_prefetch(
             acc, m_i, l_i, full_lo, full_hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
             BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-            SCALED_DOTS,
         )  # fmt: skip
     else:
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, full_lo, full_hi, q, row_pos, page_ptr, k_ptr, v_ptr, ks_ptr,
             vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
             BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, False, INTERPRET, KV_QUANT, SF_KIND,
-            GROUP, SCALED_DOTS,
+            GROUP,
         )  # fmt: skip
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, full_hi, key_hi, q, row_pos, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        SCALED_DOTS,
     )  # fmt: skip
     return acc, m_i, l_i
 
@@ -329,7 +287,7 @@ def _decode_kernel(
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
-    GROUP: tl.constexpr, PREFETCH: tl.constexpr, SCALED_DOTS: tl.constexpr,
+    GROUP: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, Hkv, num_splits). q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D];
     page_ids int32 flat, page_start / kv_lens int32 [B]; partials (SPLIT only): fp32
@@ -361,7 +319,7 @@ def _decode_kernel(
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        PREFETCH, SCALED_DOTS,
+        PREFETCH,
     )  # fmt: skip
     if SPLIT:
         # Partial row index (b * H + head) * S + split.
@@ -408,7 +366,6 @@ def _prefill_kernel(
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr,
-    SCALED_DOTS: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_row_tiles, Hkv). q/out: [T, H, D]; cu_seqlens_q int32 [B + 1]; the rest as
     in ``_decode_kernel``. Row r of tile t is token (t * TILE_M + r) // group_size of the
@@ -447,7 +404,7 @@ def _prefill_kernel(
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        PREFETCH, SCALED_DOTS,
+        PREFETCH,
     )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t64[:, None] * stride_ot + h64[:, None] * stride_oh + offs_d[None, :]
@@ -461,12 +418,9 @@ def _prefill_kernel(
 LOG2E = 1.4426950408889634
 
 
-def _env_switch(name: str) -> bool | None:
-    return {"1": True, "0": False}.get(os.environ.get(name, "").strip())
-
-
 def _env_prefetch() -> bool | None:
-    return _env_switch("KVPLAN_QUANT_PREFETCH")
+    value = os.environ.get("KVPLAN_QUANT_PREFETCH", "").strip()
+    return {"1": True, "0": False}.get(value)
 
 
 QUANT_PREFETCH: bool | None = _env_prefetch()
@@ -492,19 +446,6 @@ def _prefetch(prefetch: bool | None, kv_layout, decode: bool) -> bool:
     return (
         decode and kv_layout is not None and DECODE_PREFETCH.get(kv_layout.quantized_dtype, False)
     )
-
-
-SCALED_DOTS: bool | None = _env_switch("KVPLAN_SCALED_DOTS")
-"""Quantized caches under a bf16 / fp16 query: attend over `dequantize_kv_f16`'s fp16 tiles
-and scale the dot products (True), over bf16 tiles in q's dtype (False), or the first in
-decode launches and the second in prefill launches (None, the default; ``KVPLAN_SCALED_DOTS``
-= 1 / 0 at import sets True / False). fp32 queries always take fp32 tiles (exact)."""
-
-
-def _scaled_dots(q: torch.Tensor, kv_quant: int, decode: bool) -> bool:
-    if kv_quant == 0 or q.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    return decode if SCALED_DOTS is None else SCALED_DOTS
 
 
 def _dot_precision(dtype) -> str:
@@ -550,7 +491,6 @@ def launch_decode(
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
         KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
         PREFETCH=_prefetch(prefetch, kv_layout, decode=True),
-        SCALED_DOTS=_scaled_dots(q, geo.kv_quant, decode=True),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
@@ -587,7 +527,6 @@ def launch_prefill(
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(),
         KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
         PREFETCH=_prefetch(prefetch, kv_layout, decode=False),
-        SCALED_DOTS=_scaled_dots(q, geo.kv_quant, decode=False),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

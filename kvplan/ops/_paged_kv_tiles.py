@@ -20,13 +20,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from kvplan.ops._quant_triton import (
-    SF_KIND,
-    decode_e2m1,
-    decode_e2m1_tiny,
-    decode_e2m1_tiny_f16,
-    pow2,
-)
+from kvplan.ops._quant_triton import SF_KIND, decode_e2m1, decode_e2m1_tiny
 
 
 @triton.jit
@@ -82,74 +76,17 @@ def dequantize_kv_raw(
             else:
                 pairs = tl.join(decode_e2m1(packed & 15), decode_e2m1(packed >> 4))
             x = tl.reshape(pairs, [TILE_N, HEAD_DIM])  # pairs: [N, D/2, 2]
-        scale = _scales_fp32(sf, SF_KIND)
-        if KV_QUANT == 2 and SF_KIND == 1:  # exact: a power-of-two factor on a value <= 448
-            scale = scale * 16384.0
+        if SF_KIND == 2:
+            scale = sf
+        elif SF_KIND == 1:  # e4m3
+            scale = sf.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            if KV_QUANT == 2:  # exact: a power-of-two factor on a value <= 448
+                scale = scale * 16384.0
+        else:  # UE8M0: the byte is the fp32 exponent field
+            scale = (sf.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         grouped = tl.reshape(x, [TILE_N, HEAD_DIM // GROUP, GROUP]) * scale[:, :, None]
         tile = tl.reshape(grouped, [TILE_N, HEAD_DIM]).to(q.dtype)
     return tile
-
-
-@triton.jit
-def _scales_fp32(sf, SF_KIND: tl.constexpr):
-    """`load_kv_raw`'s scales (fp32, or e4m3 / UE8M0 bytes) as fp32."""
-    if SF_KIND == 2:
-        return sf
-    elif SF_KIND == 1:  # e4m3
-        return sf.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return (sf.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # UE8M0: the exponent field
-
-
-@triton.jit
-def dequantize_kv_f16(
-    vals, sf, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
-):  # fmt: skip
-    """`load_kv_raw`'s quantized ``(values, scales)`` as ``(tile, tile_scale)``: an fp16
-    ``[TILE_N, HEAD_DIM]`` tile and one fp32 factor such that ``tile * tile_scale`` is the
-    dequantized tile. The largest scale of the tile becomes ``tile_scale``, and each value is
-    multiplied by its scale's ratio to it, in fp16.
-
-    Why: the bf16 tile of `dequantize_kv_raw` costs one conversion-pipe instruction a value
-    (half an e4m3-pair -> f16 pair, half an fp32-pair -> bf16 pair), and that pipe issues 16 a
-    clock on an sm_90 SM, so the fp8 decode loop was bound by conversions, not bytes. Here an
-    e4m3 or int8 value takes half a conversion or one, an e2m1 value none (its fp16 bits
-    are placed by integer operations), and the scale ratios are fp16 multiplies on the FMA
-    pipe. ``tile_scale`` multiplies the dot products instead (one scalar a tile).
-
-    Rounding: e4m3, int8 and e2m1-times-2^-14 values are exact in fp16; the product with a
-    ratio in (0, 1] (times 2^14 for e2m1) is rounded once to fp16 (11 significant bits against
-    bf16's 8). A key whose scale is far below the tile's largest loses bits to fp16's
-    subnormal range (values under 2^-14 of that scale), then flushes to zero (ratios < 2^-24).
-    """
-    if KV_QUANT == 1:
-        x = vals.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    elif KV_QUANT == 3:
-        x = vals.to(tl.int8, bitcast=True).to(tl.float16)
-    else:
-        packed = vals.to(tl.int32)
-        pairs = tl.join(decode_e2m1_tiny_f16(packed & 15), decode_e2m1_tiny_f16(packed >> 4))
-        x = tl.reshape(pairs, [TILE_N, HEAD_DIM])
-    scale = _scales_fp32(sf, SF_KIND)  # [TILE_N, HEAD_DIM // GROUP]
-    top = tl.max(tl.max(scale, 1), 0)
-    top = tl.where(top > 0, top, 1.0)  # masked keys read scale 0
-    ratio = scale / top
-    if KV_QUANT == 2:  # e2m1 values come times 2^-14: the ratio (<= 2^14 < fp16's max) undoes it
-        ratio = ratio * 16384.0
-    grouped = tl.reshape(x, [TILE_N, HEAD_DIM // GROUP, GROUP]) * ratio.to(tl.float16)[:, :, None]
-    return tl.reshape(grouped, [TILE_N, HEAD_DIM]), top
-
-
-@triton.jit
-def query_f16(q, qk_scale):
-    """q (bf16 / fp16 ``[TILE_M, HEAD_DIM]``) as fp16 for `dequantize_kv_f16`'s tiles, scaled
-    by a power of two 2^e that puts its largest magnitude in [2^14, 2^15) (exact: bf16 and
-    fp16 values keep every bit there, only magnitudes below 2^-28 of the largest leave the
-    normal range), and ``qk_scale`` times 2^-e."""
-    qmax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-    e = 141 - ((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF)  # 14 - floor(log2(qmax))
-    e = tl.minimum(e, 126)  # q == 0: any factor
-    return (q.to(tl.float32) * pow2(e)).to(tl.float16), qk_scale * pow2(-e)
 
 
 @triton.jit

@@ -121,14 +121,8 @@ def decode_e2m1(c):
 def decode_e2m1_tiny(c):
     """The e2m1 value times 2^-14 (see ``decode_e2m1``), for callers that fold the 2^14 into a
     scale factor."""
-    return decode_e2m1_tiny_f16(c).to(tl.float32)
-
-
-@triton.jit
-def decode_e2m1_tiny_f16(c):
-    """`decode_e2m1_tiny` as the fp16 itself (integer operations and a bitcast only)."""
     h = ((c & 7) << 9) | ((c & 8) << 12)
-    return h.to(tl.int16).to(tl.float16, bitcast=True)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit

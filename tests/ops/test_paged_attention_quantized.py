@@ -196,95 +196,6 @@ def test_quantized_head_dim_16_fp4():
     assert_close(got, dq.ref(decode=False))
 
 
-# --- scaled dots (bf16 queries): fp16 tiles, the scales on the dot products -----------------
-
-
-def _scaled_decode(c, q, k_raw, v_raw, fmt, *, splits, window=None):
-    """``launch_decode`` with a bf16 q into an fp32 output (the kernel's own accuracy, not the
-    output's bf16 rounding), after checking that this launch takes the scaled dots."""
-    assert pak._scaled_dots(q, kv_geometry(k_raw, v_raw, q.shape[-1], fmt).kv_quant, True)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    return pak.launch_decode(
-        q, k_raw, v_raw, c.page_ids.to(q.device), c.page_start.to(q.device),
-        c.kv_lens.to(q.device), out, scale=c.scale,
-        window=pak.NO_WINDOW if window is None else window, num_splits=splits, kv_layout=fmt,
-        tile_n=16, num_warps=4, num_stages=2,
-    )  # fmt: skip
-
-
-SCALED = [
-    # (kind, seed, kv_lens, head_dim, window, splits, q multiplier)
-    ("fp8", 1, [5, 33, 18], 64, 11, 3, 1.0),
-    ("int8", 2, [40, 9, 0], 32, None, 2, 1.0),
-    ("fp4", 3, [70, 35], 32, None, 2, 1.0),
-    ("fp8_ue8m0", 4, [29, 3], 32, 5, 1, 1.0),
-    ("fp8", 5, [70, 35], 32, None, 2, 1e6),  # past fp16's range: q is scaled by 2^-e first
-    ("fp4", 6, [70, 35], 32, None, 2, 1e-7),  # below fp16's normal range
-]
-
-
-@pytest.mark.parametrize("kind,seed,kv_lens,head_dim,window,splits,qmul", SCALED)
-def test_scaled_dots_decode_equals_the_dequantized_reference(
-    kind, seed, kv_lens, head_dim, window, splits, qmul, monkeypatch
-):
-    """bf16 q over quantized pages (the GPU engine's decode): the fp16 tiles times their
-    scales give the float64 attention over the exactly decoded cache within fp16 rounding of
-    the tiles and probabilities (2^-11), with the output left in fp32."""
-    monkeypatch.setattr(pak, "SCALED_DOTS", None)  # the default: decode launches take them
-    c, (k_raw, v_raw), fmt, dq = quantized_case(
-        kind, seed, kv_lens, [1] * len(kv_lens), group=4, block_size=8, window=window,
-        layout="offsets", head_dim=head_dim,
-    )  # fmt: skip
-    q = (c.q * qmul).bfloat16()
-    got = _scaled_decode(c, q, k_raw, v_raw, fmt, splits=splits, window=window)
-    assert_close(got, dataclasses.replace(dq, q=q.float()).ref(decode=True), atol=3e-3, rtol=2e-3)
-    if 0 in kv_lens:
-        assert not got[kv_lens.index(0)].any()
-
-
-@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
-def test_scaled_dots_with_an_outlier_key_in_the_tile(kind, monkeypatch):
-    """One key per sequence 4,096x larger than its neighbours (an attention-sink-like outlier)
-    puts scales 2^12 apart inside one tile: the small keys' values, multiplied by their scale's
-    ratio to the outlier's, still keep fp16 precision (normal range down to 2^-14)."""
-    monkeypatch.setattr(pak, "SCALED_DOTS", None)
-    c = make_case(7, [37, 20], [1, 1], group=4, block_size=8, layout="offsets", head_dim=32)
-    for cache in (c.k_cache, c.v_cache):
-        for b, pos in ((0, 3), (1, 17)):
-            page = int(c.page_ids[int(c.page_start[b]) + pos // 8])
-            cache[page, pos % 8] *= 4096.0 if cache is c.v_cache else 8.0
-    layout = layout_of(kind, 2, 32)
-    k_raw, v_raw = quantize_cache(c.k_cache, layout), quantize_cache(c.v_cache, layout)
-    dq = dataclasses.replace(
-        c, k_cache=dequantize_cache(k_raw, layout, 32), v_cache=dequantize_cache(v_raw, layout, 32)
-    )
-    q = c.q.bfloat16()
-    got = _scaled_decode(c, q, k_raw, v_raw, layout, splits=1)
-    want = dataclasses.replace(dq, q=q.float()).ref(decode=True)
-    assert want.abs().max() > 100  # the outlier's value dominates some heads
-    assert_close(got, want, atol=3e-3, rtol=2e-3)
-
-
-def test_scaled_dots_switch(monkeypatch):
-    """The launch choice: decode launches over quantized pages with a bf16 / fp16 q take the
-    scaled dots by default, prefill launches and fp32 queries do not; ``SCALED_DOTS`` (env
-    ``KVPLAN_SCALED_DOTS``) forces either way, except for fp32 queries and plain caches."""
-    bf16, fp32 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
-    monkeypatch.setattr(pak, "SCALED_DOTS", None)
-    assert pak._scaled_dots(bf16, 1, decode=True)
-    assert pak._scaled_dots(bf16.half(), 2, decode=True)
-    assert not pak._scaled_dots(bf16, 1, decode=False)
-    assert not pak._scaled_dots(fp32, 1, decode=True)
-    assert not pak._scaled_dots(bf16, 0, decode=True)
-    monkeypatch.setattr(pak, "SCALED_DOTS", False)
-    assert not pak._scaled_dots(bf16, 3, decode=True)
-    monkeypatch.setattr(pak, "SCALED_DOTS", True)
-    assert pak._scaled_dots(bf16, 3, decode=False)
-    assert not pak._scaled_dots(fp32, 3, decode=False)
-    monkeypatch.setenv("KVPLAN_SCALED_DOTS", "0")
-    assert pak._env_switch("KVPLAN_SCALED_DOTS") is False
-
-
 # --- torch path (CPU dispatch): bf16 dequantization, as kvplan.quant.dequantize -------------
 
 
@@ -401,12 +312,10 @@ def _gpu_cases(kind, gen, case_seed, kv_lens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
 def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind):
-    """On the GPU the prefill kernel over quantized pages equals the same kernel over a bf16
-    copy of the dequantized cache up to the order of the fp32 sums inside the tensor-core MMAs
-    (the dequantized tiles themselves are bit-exact: the test above), i.e. within a bf16 ulp or
-    two; decode (scaled dots over fp16 tiles) is that close to the float64 attention over the
-    exactly decoded cache; both are within bf16 tolerance of the float64 reference over the
-    bf16 copy."""
+    """On the GPU the kernels over quantized pages equal the same kernels over a bf16 copy of
+    the dequantized cache up to the order of the fp32 sums inside the tensor-core MMAs (the
+    dequantized tiles themselves are bit-exact: the test above), i.e. within a bf16 ulp or two,
+    and both are within bf16 tolerance of the float64 reference over the dequantized values."""
     gen = torch.Generator().manual_seed(3)
     kv_lens = torch.randint(1, 900, (20,), generator=gen).tolist() + [1, 16, 17]
     for decode, (c, (k_raw, v_raw), fmt, dq) in _gpu_cases(kind, gen, 5, kv_lens):
@@ -425,12 +334,7 @@ def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind):
                                           cuda(c.kv_lens), scale=c.scale, kv_layout=fmt)  # fmt: skip
             want = paged_attention_prefill(q, *bf, *pages, cu, cuda(c.kv_lens), scale=c.scale)
         assert torch.isfinite(got).all()
-        if decode:  # scaled dots: fp16 tiles of the exact values, no bf16 rounding of K / V
-            exact = dataclasses.replace(c, q=q.float().cpu(), k_cache=dq.k_cache,
-                                        v_cache=dq.v_cache)  # fmt: skip
-            assert_close(got, exact.ref(decode), atol=2e-3, rtol=4e-3)
-        else:
-            assert_close(got, want, atol=2e-3, rtol=4e-3)  # 1 bf16 ulp of |x| < 4 is <= 2 ** -6
+        assert_close(got, want, atol=2e-3, rtol=4e-3)  # 1 bf16 ulp of |x| < 4 is <= 2 ** -6
         k32, v32 = (t.float().cpu() for t in bf)
         ref = dataclasses.replace(c, q=q.float().cpu(), k_cache=k32, v_cache=v32).ref(decode)
         assert_close(got, ref, atol=2e-2, rtol=2e-2)
