@@ -7,8 +7,8 @@ of num_splits on each format's fastest tiling; prints each format's default and 
 Shapes: the dense engine's long workload by default (llama-1b heads: 32 query / 8 KV heads x
 64; batch 32 x 8,192 context, block 16, shuffled page table; ``--batch`` / ``--context``).
 Every quantized cache holds the engine's records (`kvplan.cache.kv_tensors.QUANTIZED_KV_FORMATS`,
-`kvplan.quant.quantize`); every swept output is checked against the bf16 kernel over the
-dequantized cache.
+`kvplan.quant.quantize`); every swept output is checked against the fp32 kernel over the
+dequantized (bf16) values.
 
 GPU:  PYTHONPATH=. python3 bench/bench_quant_decode.py --out q.json
 CPU:  PYTHONPATH=. python3 bench/bench_quant_decode.py --quick   (interpreter, tiny sizes)
