@@ -64,6 +64,11 @@ def main() -> None:
         help="num_splits values timed on each format's fastest tiling",
     )
     ap.add_argument("--no-tiling", action="store_true", help="skip the tiling sweep")
+    ap.add_argument(
+        "--with-splits",
+        default="",
+        help="time every swept tiling at each of these num_splits values (e.g. 2,4,8)",
+    )
     ap.add_argument("--batch", type=int, default=32, help="sequences (GPU; default 32)")
     ap.add_argument(
         "--context",
@@ -124,6 +129,8 @@ def main() -> None:
         ).to(q.dtype)
         kv_bytes = 2 * batch * ctx * hkv * d * per_value
         tilings = [dict(tile_n=t, num_warps=w, num_stages=st) for t, w, st in sweep]
+        if args.with_splits:  # every swept tiling at each of these split counts
+            tilings = [{**t, "num_splits": n} for t in tilings for n in ints(args.with_splits)]
         if args.prefetch and fmt != "bf16":  # both ways, whatever the format's default
             tilings += [{"prefetch": True}, {"prefetch": False}]
             tilings += [{**t, "prefetch": pf} for t in tilings[:-2] for pf in (True, False)]

@@ -34,6 +34,8 @@ dequantize each K/V tile in registers (``kvplan.ops._paged_kv_tiles``) to q's dt
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -43,6 +45,20 @@ from kvplan.ops import _paged_attention_kernels as _k
 from kvplan.ops._dispatch import cuda_sm_count, use_triton
 from kvplan.ops._paged_attention_checks import check_attention_inputs
 from kvplan.ops._paged_kv_tiles import decode_tiling
+
+
+def _splits_from_env() -> int | None:
+    """``KVPLAN_DECODE_SPLITS=n``: every decode launch that does not name its split count
+    takes n (A/B runs of whole engines); unset: `default_num_splits`' rule."""
+    text = os.environ.get("KVPLAN_DECODE_SPLITS", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or not 1 <= int(text) <= 1024:
+        raise ValueError(f"KVPLAN_DECODE_SPLITS must be an int in [1, 1024], got {text!r}")
+    return int(text)
+
+
+SPLITS_OVERRIDE = _splits_from_env()
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
@@ -57,6 +73,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: 
     >>> default_num_splits(2, 8, 4096, 132)  # 16 programs; at most 4096 // 256 splits
     16
     """
+    if SPLITS_OVERRIDE is not None:
+        return SPLITS_OVERRIDE
     programs = max(batch * num_kv_heads, 1)
     splits = -(-2 * num_sms // programs)
     return max(1, min(splits, max_kv_len // 256, 64))

@@ -296,6 +296,19 @@ def test_default_num_splits():
     assert default_num_splits(1, 1, 10**6, 132) == 64
 
 
+def test_decode_splits_override(monkeypatch):
+    """``KVPLAN_DECODE_SPLITS`` (read at import) replaces the rule; a bad value names itself."""
+    import kvplan.ops.paged_attention as pa
+
+    monkeypatch.setattr(pa, "SPLITS_OVERRIDE", 5)
+    assert pa.default_num_splits(64, 8, 4096, 132) == 5
+    monkeypatch.setenv("KVPLAN_DECODE_SPLITS", "3")
+    assert pa._splits_from_env() == 3
+    monkeypatch.setenv("KVPLAN_DECODE_SPLITS", "0")
+    with pytest.raises(ValueError, match="KVPLAN_DECODE_SPLITS.*'0'"):
+        pa._splits_from_env()
+
+
 # --- caller errors ---------------------------------------------------------------------------
 
 
