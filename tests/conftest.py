@@ -12,6 +12,11 @@ if not torch.cuda.is_available():
     # Must be set before any @triton.jit function is created (at import of kvplan.ops.*).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.interpreter_bf16 import install
+
+    install()  # the interpreter's tl.dot multiplies bf16 bits as integers otherwise
+
 import pytest  # noqa: E402
 
 if os.environ.get("KVPLAN_RECORD_KERNELS"):  # see tests/kernel_record.py
