@@ -1,13 +1,28 @@
-"""Triton 3.6's CPU interpreter keeps bf16 tensors as their uint16 bits and its ``tl.dot``
-multiplies those bits as integers (``np.matmul`` on the raw storage), so every bf16 MMA of a
-kernel under ``TRITON_INTERPRET=1`` returns garbage. `install` makes the interpreter's dot
-widen bf16 operands to fp32 first (exact: a bf16 is the top half of an fp32), which is what
-the GPU's bf16 MMA computes up to the order of its fp32 sums. ``tests/conftest.py`` installs
-it whenever the interpreter runs."""
+"""Two bf16 faults of Triton 3.6's CPU interpreter, fixed for the test suite.
+
+The interpreter keeps bf16 tensors as their uint16 bits, and
+
+* its ``tl.dot`` multiplies those bits as integers (``np.matmul`` on the raw storage), so
+  every bf16 MMA of a kernel under ``TRITON_INTERPRET=1`` returned garbage;
+* its fp32 -> bf16 cast drops the low 16 bits (rounds toward zero), where the GPU and torch
+  round to nearest even.
+
+`install` makes the dot widen bf16 operands to fp32 first (exact: a bf16 is the top half of
+an fp32; the GPU's bf16 MMA computes the same products, up to the order of its fp32 sums) and
+the cast round to nearest even (NaN stays NaN). ``tests/conftest.py`` installs both whenever
+the interpreter runs."""
 
 from __future__ import annotations
 
 import numpy as np
+
+
+def bf16_bits_rne(f32: np.ndarray) -> np.ndarray:
+    """fp32 values -> the uint16 bits of their round-to-nearest-even bf16 (quiet NaN kept)."""
+    bits = np.ascontiguousarray(f32, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(f32)
+    return np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)
 
 
 def install() -> None:
@@ -17,7 +32,7 @@ def install() -> None:
     builder = interpreter.InterpreterBuilder
     if getattr(builder.create_dot, "widens_bf16", False):
         return
-    plain = builder.create_dot
+    plain_dot, plain_cast = builder.create_dot, builder.cast_impl
 
     def widen(h):
         if h.dtype.scalar != tl.bfloat16:
@@ -26,7 +41,13 @@ def install() -> None:
         return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return plain(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+        return plain_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(bf16_bits_rne(src.data), tl.bfloat16)
+        return plain_cast(self, src, dst_type)
 
     create_dot.widens_bf16 = True
     builder.create_dot = create_dot
+    builder.cast_impl = cast_impl

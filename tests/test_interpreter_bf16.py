@@ -29,3 +29,27 @@ def test_interpreter_dot_multiplies_values(dtype):
     _dot_kernel[(1,)](a, b, out, 16)
     want = a.double() @ b.double()
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@triton.jit
+def _cast_kernel(x, o, N: tl.constexpr):
+    r = tl.arange(0, N)
+    tl.store(o + r, tl.load(x + r).to(tl.bfloat16))
+
+
+def test_interpreter_fp32_to_bf16_rounds_to_nearest_even():
+    """Ties to even, halfway-and-above up, NaN stays NaN: torch's (and the GPU's) rounding."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1000, generator=gen) * 10.0 ** torch.randint(-30, 30, (1000,), generator=gen)
+    base = torch.tensor([1.0, 1.0, 1.0, -3.0], dtype=torch.float32).view(torch.int32)
+    edges = (base + torch.tensor([0x8000, 0x18000, 0x7FFF, 0x8001], dtype=torch.int32)).view(
+        torch.float32
+    )  # 1 + half an ulp (tie -> even: 1), 1 + 1.5 ulp (tie -> 1 + 2 ulp), just below / above
+    x = torch.cat([x, edges, torch.tensor([float("nan"), float("inf"), -0.0, 3.4e38])])
+    x = torch.cat([x, torch.zeros(1024 - x.numel())])  # a power-of-two block
+    out = torch.empty(x.numel(), dtype=torch.bfloat16)
+    _cast_kernel[(1,)](x, out, x.numel())
+    want = x.bfloat16()
+    assert torch.equal(out.isnan(), want.isnan())
+    fin = ~want.isnan()
+    assert torch.equal(out[fin].view(torch.int16), want[fin].view(torch.int16))

@@ -162,6 +162,27 @@ def test_prefill_triton_matches_ref(seed, kv_lens, q_lens, group, block_size, wi
     assert_close(got, c.ref(decode=False))
 
 
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_bf16_triton_matches_ref(decode):
+    """bf16 q and caches (the GPU engine's dtypes) under the interpreter, whose bf16 dot the
+    suite widens to fp32 (tests/interpreter_bf16.py): the float64 reference over the same bf16
+    values within the output's bf16 rounding and the bf16 probabilities."""
+    kv_lens = [1, 37, 70, 16]
+    q_lens = [1] * 4 if decode else [1, 9, 30, 16]
+    c = make_case(30, kv_lens, q_lens, group=4, block_size=8, layout="offsets", head_dim=32,
+                  dtype=torch.bfloat16)  # fmt: skip
+    if decode:
+        got = paged_attention_decode_triton(*c.args(), c.kv_lens, scale=c.scale, num_splits=2,
+                                            tile_n=16)  # fmt: skip
+    else:
+        got = paged_attention_prefill_triton(
+            *c.args(), c.cu_seqlens_q, c.kv_lens, scale=c.scale, max_q_len=max(q_lens),
+            tile_m=16, tile_n=16,
+        )  # fmt: skip
+    assert got.dtype == torch.bfloat16
+    assert_close(got, c.ref(decode=decode), atol=4e-3, rtol=8e-3)
+
+
 def test_triton_reads_strided_cache_view():
     """Block stride larger than block_size * Hkv * D (a padded allocation viewed as NHD)."""
     c = make_case(20, [6, 11], [2, 1], group=2, pad_block_stride=3)

@@ -185,6 +185,34 @@ def test_prefetched_tiles_give_the_same_result(kind, decode, monkeypatch):
     assert torch.equal(first, got)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_bf16_query_over_quantized_pages(kind, decode):
+    """A bf16 q, as the GPU engine runs it, under the interpreter (bf16 dots widened to fp32
+    by tests/interpreter_bf16.py): the tiles are dequantized into bf16, so the reference is
+    the float64 attention over the bf16 rounding of the exact decode; within the output's
+    bf16 rounding."""
+    kv_lens = [3, 41, 70]
+    q_lens = [1] * 3 if decode else [3, 9, 20]
+    c, (k_raw, v_raw), fmt, dq = quantized_case(
+        kind, 60, kv_lens, q_lens, group=4, block_size=16, layout="offsets", head_dim=64
+    )
+    q = c.q.bfloat16()
+    if decode:
+        got = paged_attention_decode_triton(q, k_raw, v_raw, c.page_ids, c.page_start,
+                                            c.kv_lens, scale=c.scale, num_splits=2, tile_n=16,
+                                            kv_layout=fmt)  # fmt: skip
+    else:
+        got = paged_attention_prefill_triton(
+            q, k_raw, v_raw, c.page_ids, c.page_start, c.cu_seqlens_q, c.kv_lens,
+            scale=c.scale, max_q_len=max(q_lens), tile_m=16, tile_n=16, kv_layout=fmt,
+        )  # fmt: skip
+    bf = dataclasses.replace(dq, q=q.float(), k_cache=dq.k_cache.bfloat16().float(),
+                             v_cache=dq.v_cache.bfloat16().float())  # fmt: skip
+    assert got.dtype == torch.bfloat16
+    assert_close(got, bf.ref(decode=decode), atol=4e-3, rtol=8e-3)
+
+
 def test_quantized_head_dim_16_fp4():
     """fp4 with head_dim 16: one scale per head record."""
     c, (k_raw, v_raw), fmt, dq = quantized_case("fp4", 14, [11, 4], [3, 1], group=2,

@@ -79,9 +79,7 @@ def test_kernel_compiles_for_sm90_without_spills() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "m, n, k", [(64, 128256, 2048), (32, 129280, 2048), (64, 262144, 640)]
-)
+@pytest.mark.parametrize("m, n, k", [(64, 128256, 2048), (32, 129280, 2048), (64, 262144, 640)])
 def test_cuda_lm_head_shapes(m, n, k) -> None:
     x, w = _case(m, n, k, seed=n, device="cuda")
     assert sg.small_linear_wanted(x, w)
