@@ -95,14 +95,9 @@ def main() -> None:
     batch, ctx, hkv, d, h, bs = shape
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    # The CPU interpreter multiplies bf16 tiles wrongly (numpy has no bf16), so --quick runs
-    # an fp32 query over bf16-valued caches; the GPU runs the engine's bf16.
-    qdtype = torch.bfloat16 if cuda else torch.float32
     k, v, table, page_start, kv_lens = make_paged(batch, ctx, hkv, d, bs, torch.bfloat16, dev, gen)
-    if not cuda:
-        k, v = k.float(), v.float()
     page_ids = table.flatten()
-    q = torch.randn(batch, h, d, device=dev, dtype=qdtype)
+    q = torch.randn(batch, h, d, device=dev, dtype=torch.bfloat16)
     reps, warm = (20, 3) if cuda else (1, 0)
     stages = tuple(int(x) for x in args.stages.split(","))
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)  # noqa: E731
@@ -116,7 +111,7 @@ def main() -> None:
             caches, layout, ref_caches = (k, v), None, (k, v)
             per_value = 2.0
         else:
-            (kr, layout, kd), (vr, _, vd) = (quantized_pages(t.bfloat16(), fmt) for t in (k, v))
+            (kr, layout, kd), (vr, _, vd) = (quantized_pages(t, fmt) for t in (k, v))
             caches, ref_caches = (kr, vr), (kd, vd)
             per_value = kr[0, 0, 0].numel() / (hkv * d)  # record bytes per value
         want = paged_attention_decode_triton(  # fp32 products of the same (bf16) values

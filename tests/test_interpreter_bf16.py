@@ -1,5 +1,5 @@
-"""The interpreter's bf16 ``tl.dot`` (patched by ``tests/interpreter_bf16.py``) equals fp32
-products of the same values."""
+"""The interpreter's bf16 ``tl.dot`` and fp32 -> bf16 cast, as ``kvplan.ops._interpreter_bf16``
+fixes them: fp32 products of the same values; round to nearest even."""
 
 import os
 

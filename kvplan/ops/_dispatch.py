@@ -24,6 +24,12 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
+if triton_interpreting():  # Triton 3.6's interpreter gets bf16 dots and casts wrong
+    from kvplan.ops._interpreter_bf16 import install
+
+    install()
+
+
 @functools.cache
 def cuda_sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of the CUDA ``device`` (cached: launch plans ask per call)."""

@@ -165,7 +165,7 @@ def test_prefill_triton_matches_ref(seed, kv_lens, q_lens, group, block_size, wi
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 def test_bf16_triton_matches_ref(decode):
     """bf16 q and caches (the GPU engine's dtypes) under the interpreter, whose bf16 dot the
-    suite widens to fp32 (tests/interpreter_bf16.py): the float64 reference over the same bf16
+    suite widens to fp32 (kvplan.ops._interpreter_bf16): the float64 reference over the same bf16
     values within the output's bf16 rounding and the bf16 probabilities."""
     kv_lens = [1, 37, 70, 16]
     q_lens = [1] * 4 if decode else [1, 9, 30, 16]

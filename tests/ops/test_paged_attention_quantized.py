@@ -189,7 +189,7 @@ def test_prefetched_tiles_give_the_same_result(kind, decode, monkeypatch):
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 def test_bf16_query_over_quantized_pages(kind, decode):
     """A bf16 q, as the GPU engine runs it, under the interpreter (bf16 dots widened to fp32
-    by tests/interpreter_bf16.py): the tiles are dequantized into bf16, so the reference is
+    by kvplan.ops._interpreter_bf16): the tiles are dequantized into bf16, so the reference is
     the float64 attention over the bf16 rounding of the exact decode; within the output's
     bf16 rounding."""
     kv_lens = [3, 41, 70]

@@ -9,8 +9,10 @@ The interpreter keeps bf16 tensors as their uint16 bits, and
 
 `install` makes the dot widen bf16 operands to fp32 first (exact: a bf16 is the top half of
 an fp32; the GPU's bf16 MMA computes the same products, up to the order of its fp32 sums) and
-the cast round to nearest even (NaN stays NaN). ``tests/conftest.py`` installs both whenever
-the interpreter runs."""
+the cast round to nearest even (NaN stays NaN). ``kvplan.ops`` installs both when it is
+imported with ``TRITON_INTERPRET=1`` (`kvplan.ops._dispatch`), so the kernels' bf16 paths give
+values on the CPU, in the tests and in the benches' ``--quick`` runs alike. A Triton without
+these builder methods is left alone."""
 
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ def install() -> None:
     import triton.language as tl
     from triton.runtime import interpreter
 
-    builder = interpreter.InterpreterBuilder
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "create_dot") or not hasattr(builder, "cast_impl"):
+        return
     if getattr(builder.create_dot, "widens_bf16", False):
         return
     plain_dot, plain_cast = builder.create_dot, builder.cast_impl
