@@ -33,7 +33,8 @@ Softmax runs online in the log2 domain and starts from the sink: ``m = sink * lo
 ``acc = 0``. Products: with ``DOT_BF16`` the query and the dequantized keys enter ``tl.dot``
 as bf16 (exact for e4m3 / e2m1 values times power-of-two or e4m3 scales) and the
 probabilities are rounded to bf16 for the value product; otherwise fp32 with ``"ieee"``
-precision. The CPU interpreter always takes the fp32 path (its bf16 ``tl.dot`` is wrong).
+precision. The CPU interpreter takes the same bf16 path (``kvplan.ops._interpreter_bf16``
+fixes its bf16 ``tl.dot``).
 
 ``HALF_RD > 0`` (``out_rope``): the epilogue rounds each output row to out's dtype and turns
 its trailing ``2 * HALF_RD`` channels back by the row's rotary angle (``_store_out``): the
@@ -398,7 +399,7 @@ def _store_out(
         y0 = tl.where(rot[None, :], y0, x0)
         y1 = tl.where(rot[None, :], y1, x1)
         y = tl.reshape(tl.join(y0, y1), [TILE_H, DC])
-        if dtype == tl.bfloat16 and not HW:  # the interpreter's cast truncates; round (RNE)
+        if dtype == tl.bfloat16 and not HW:  # RNE by integers (Triton's own interpreter truncated)
             tl.store(ptrs.to(tl.pointer_type(tl.int16)), bf16_bits(y).to(tl.int16), mask=mask)
         else:
             tl.store(ptrs, y.to(dtype), mask=mask)

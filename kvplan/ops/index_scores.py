@@ -118,7 +118,7 @@ def index_scores_triton(
     grid = (num_rows, triton.cdiv(idx.shape[1], tile_n * tiles))
     _k.index_scores_tc_kernel[grid](
         *args, TILE_N=tile_n, TILES=tiles, **consts,
-        DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32 and not interpret,
+        DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32,
         num_warps=num_warps or 4,
     )  # fmt: skip
     return out
@@ -207,7 +207,7 @@ def index_scores_by_sequence(
         HEAD_DIM=width, D_P2=d_p2, TILE_H=max(16, triton.next_power_of_2(num_heads)),
         TILE_N=tile_n, ROWS=rows_per, KIND=addr.kind, SF=addr.sf, GS=addr.group,
         FLAT=flat_scales(addr, width, d_p2), HW=not interpret,
-        DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32 and not interpret,
+        DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32,
         num_warps=num_warps or 4,
     )  # fmt: skip
     return out

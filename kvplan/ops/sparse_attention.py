@@ -248,7 +248,7 @@ def sparse_attention_triton(
         KIND0=a0.kind, SF0=a0.sf, GS0=a0.group, FLAT0=flat_scales(a0, head_dim, d_p2),
         KIND1=a1.kind, SF1=a1.sf, GS1=a1.group, FLAT1=flat_scales(a1, head_dim, d_p2),
         HAS1=len(sources) > 1, HW=not interpret,
-        DOT_BF16=q.dtype == torch.bfloat16 and not interpret, D_CHUNK=d_chunk,
+        DOT_BF16=q.dtype == torch.bfloat16, D_CHUNK=d_chunk,
         PV_SPLIT=pv_split, INTERPRET=interpret, num_warps=num_warps,
     )  # fmt: skip
     if half_rd and (d_p2 // pv_split) % 2:
