@@ -66,7 +66,7 @@ def hc_proj_kernel(
     s_ptr, out_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, sq_ptr,
     num_rows, hidden, h_per_split, n_out,
     N: tl.constexpr, N_P: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr,
-    N_PAD: tl.constexpr, FUSED: tl.constexpr, TC: tl.constexpr, HW: tl.constexpr,
+    N_PAD: tl.constexpr, FUSED: tl.constexpr, TC: tl.constexpr,
 ):  # fmt: skip
     """``part[p, t, o] = sum_{k in split p} x[t, k] * fn[o, k]``; ``sq[p, t] = sum x[t, k]^2``;
     with ``FUSED``, ``x`` is first written as ``hc_post(s, post, comb, out)``. ``TC`` (bf16
@@ -109,15 +109,9 @@ def hc_proj_kernel(
             r = w - w1.to(tl.float32)
             w2 = r.to(tl.bfloat16)
             w3 = (r - w2.to(tl.float32)).to(tl.bfloat16)
-            if HW:
-                acc_lo = tl.dot(x, tl.trans(w3), acc_lo)
-                acc_lo = tl.dot(x, tl.trans(w2), acc_lo)
-                acc = tl.dot(x, tl.trans(w1), acc)
-            else:  # the CPU interpreter's bf16 dot is not usable: the same exact products
-                xf = x.to(tl.float32)
-                acc_lo = tl.dot(xf, tl.trans(w3.to(tl.float32)), acc_lo, input_precision="ieee")
-                acc_lo = tl.dot(xf, tl.trans(w2.to(tl.float32)), acc_lo, input_precision="ieee")
-                acc = tl.dot(xf, tl.trans(w1.to(tl.float32)), acc, input_precision="ieee")
+            acc_lo = tl.dot(x, tl.trans(w3), acc_lo)
+            acc_lo = tl.dot(x, tl.trans(w2), acc_lo)
+            acc = tl.dot(x, tl.trans(w1), acc)
         else:
             acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
         xf = x.to(tl.float32)

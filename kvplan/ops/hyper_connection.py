@@ -275,7 +275,7 @@ def _project(
     hc_proj_kernel[(triton_cdiv(t, plan.tile_t), plan.splits)](
         s, out, post, comb, x, fn, part, sq, t, hidden, plan.h_per_split, n_out,
         N=n, N_P=triton_next_pow2(n), TILE_T=plan.tile_t, TILE_H=plan.tile_h, N_PAD=n_pad,
-        FUSED=fuse is not None, TC=plan.tc, HW=not triton_interpreting(),
+        FUSED=fuse is not None, TC=plan.tc,
         num_warps=plan.num_warps,
     )  # fmt: skip
     return part, sq, x
