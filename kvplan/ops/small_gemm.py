@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvplan.ops._dispatch import triton_interpreting, use_triton
+from kvplan.ops._dispatch import use_triton
 
 __all__ = [
     "SmallGemmPlan",
@@ -76,7 +76,7 @@ class SmallGemmPlan(NamedTuple):
 def small_linear_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_STEPS: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+    K_STEPS: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,9 +95,6 @@ def small_linear_kernel(
             k_ok = (i * BLOCK_K + offs_k) < K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if INTERPRET:  # the interpreter's dot misreads bf16: the same products in fp32
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -155,7 +152,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, plan: SmallGemmPlan) -> torch
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         K_STEPS=triton.cdiv(k, plan.block_k), EVEN_K=k % plan.block_k == 0,
-        INTERPRET=triton_interpreting(), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out
 

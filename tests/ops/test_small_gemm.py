@@ -21,9 +21,9 @@ def _case(m: int, n: int, k: int, seed: int, device="cpu"):
 def _check_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     ref = x.double() @ w.double().T
     assert out.dtype == x.dtype and out.shape == ref.shape
-    # one bf16 step of the output (the interpreter's cast truncates; the GPU's rounds to
-    # nearest) on top of the fp32 sum's error
-    tol = 2**-7 * ref.abs() + 1e-3 * ref.abs().max()
+    # half a bf16 step of the output (rounded to nearest, on the GPU and in the interpreter
+    # with kvplan.ops._interpreter_bf16) on top of the fp32 sum's error
+    tol = 2**-8 * ref.abs() + 1e-5 * ref.abs().max()
     assert ((out.double() - ref).abs() <= tol).all()
 
 
@@ -71,8 +71,7 @@ def test_bad_input() -> None:
 
 def test_kernel_compiles_for_sm90_without_spills() -> None:
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
-    consts = dict(BLOCK_M=64, BLOCK_N=sg.BLOCK_N, BLOCK_K=sg.BLOCK_K, K_STEPS=16, EVEN_K=True,
-                  INTERPRET=False)  # fmt: skip
+    consts = dict(BLOCK_M=64, BLOCK_N=sg.BLOCK_N, BLOCK_K=sg.BLOCK_K, K_STEPS=16, EVEN_K=True)
     stats = sm90_stats(sg.small_linear_kernel, consts, signature=sig, num_warps=sg.NUM_WARPS,
                        num_stages=sg.NUM_STAGES)  # fmt: skip
     assert stats.spill_bytes == 0 and stats.wgmma
