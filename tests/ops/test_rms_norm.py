@@ -18,9 +18,8 @@ TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _tol(dtype):
-    # bf16: two rounding steps to nearest (kernel and torch; the interpreter's with
-    # kvplan.ops._interpreter_bf16): one bf16 step apart at most
-    return dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-3, rtol=2**-7)
+    # bf16: two rounding steps; the interpreter truncates fp32 -> bf16, torch rounds to nearest
+    return dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
