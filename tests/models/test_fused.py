@@ -227,7 +227,8 @@ def test_silu_and_mul_kernel_fp32(t, inter, tile):
 
 
 def test_kernels_bf16_within_rounding():
-    """Runs the bf16 code paths (the interpreter truncates fp32->bf16, so a few ulp apart)."""
+    """Runs the bf16 code paths (bf16 intermediates in their own summation order: a few ulp
+    apart)."""
     bf = torch.bfloat16
     args, kw = qkv_case(3, 3, 2, 1, 16, True, dtype=bf)
     for a, b in zip(fused.qkv_epilogue_triton(*args, **kw), fused.qkv_epilogue_torch(*args, **kw)):

@@ -37,7 +37,7 @@ def _inputs(seed: int, t: int, n: int, hidden: int, dtype: torch.dtype, head: bo
 
 def _tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
     """fp32: rounding noise; bf16: a couple of bf16 steps of values of size ``scale`` (the
-    interpreter truncates fp32 -> bf16 where the GPU and torch round to nearest)."""
+    kernels sum in their own order, the GPU's tensor-core form in three bf16 parts)."""
     if dtype == torch.float32:
         return dict(atol=2e-6 * scale, rtol=2e-5)
     return dict(atol=2**-7 * scale, rtol=1.6e-2)
