@@ -8,6 +8,7 @@ launcher marks them on the GPU; without those hints the compiler cannot vectoriz
 page-table gathers and the register counts mean nothing.
 
     PYTHONPATH=. python3 bench/decode_kernel_regs.py [--out regs.json]
+    PYTHONPATH=. python3 bench/decode_kernel_regs.py --loop-ops fp8:64,2,3
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # real JIT functions: compile, do not 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvplan.ops._paged_attention_kernels import _decode_kernel  # noqa: E402
-from tools.compile_sm90 import compile_kernel, ptxas_report  # noqa: E402
+from tools.compile_sm90 import compile_kernel, ptxas_report, sass_loop_ops  # noqa: E402
 
 FORMATS = {  # name: (KV_QUANT, SF_KIND, GROUP, cache pointer type, PREFETCH)
     "bf16": (0, 0, 1, "*bf16", False),
@@ -58,11 +59,49 @@ def arg_type(name: str, const: dict, kptr: str) -> str:
     return "fp32" if name == "qk_scale" else "i32"
 
 
+LOOP_OPS = ("LDGSTS", "LDG", "BAR", "F2FP", "HADD2", "FMUL", "HMMA", "LDS", "LDSM", "STS")
+
+
+def _launch(name: str, tile_n: int, warps: int, stages: int):
+    """The compiled decode kernel for a ``FORMATS`` entry and tiling (the engine's split launch)."""
+    kv_quant, sf_kind, group, kptr, prefetch = FORMATS[name]
+    const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64, DOT_PRECISION="tf32",
+                 SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant, SF_KIND=sf_kind, GROUP=group,
+                 PREFETCH=prefetch)  # fmt: skip
+    sig = {n: arg_type(n, const, kptr) for n in _decode_kernel.arg_names}
+    attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(_decode_kernel.arg_names)
+             if n in DIV16}  # fmt: skip
+    return compile_kernel(_decode_kernel, sig, const, attrs,
+                          {"num_warps": warps, "num_stages": stages})  # fmt: skip
+
+
+def loop_ops(spec: str) -> dict:
+    """``"fp8:64,2,3"`` -> registers and the unmasked main loop's instruction counts (the
+    middle of the three key loops: masked head, whole tiles, masked tail)."""
+    name, tiling = spec.split(":")
+    tile_n, warps, stages = (int(x) for x in tiling.split(","))
+    ck = _launch(name, tile_n, warps, stages)
+    loops = sass_loop_ops(ck.asm["cubin"], LOOP_OPS)
+    main_loop = loops[len(loops) // 2] if loops else {}
+    return dict(format=name, tiling=[tile_n, warps, stages],
+                registers=ptxas_report(ck.asm["ptx"])[0], main_loop=main_loop)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--loop-ops",
+        default=None,
+        metavar="FORMAT:T,W,S",
+        help="instead: one launch's main-loop instruction counts (cp.async LDGSTS vs "
+        "register LDG loads, barriers, conversions, MMAs, shared memory), e.g. fp8:64,2,3",
+    )
     args = ap.parse_args()
     fn = _decode_kernel
+    if args.loop_ops:
+        print(json.dumps(loop_ops(args.loop_ops)))
+        return
     rows = []
     for name, (kv_quant, sf_kind, group, kptr, prefetch) in FORMATS.items():
         for tile_n, warps, stages in TILINGS:

@@ -117,6 +117,27 @@ def sass_longest_loop(cubin: bytes, min_body: int = 64) -> int:
     return best if best >= min_body else len(code)
 
 
+def sass_loop_ops(cubin: bytes, ops: tuple[str, ...]) -> list[dict[str, int]]:
+    """Per loop of the sm_90 code of ``cubin`` (each backward branch's body, in address
+    order): its instruction count (``"len"``) and how many of its instructions have each
+    opcode in ``ops`` (``"LDGSTS"``, ``"BAR"``, ... : the mnemonic before its first dot, a
+    predicate ignored). For a kernel's main loop: what one iteration issues, e.g. which loads
+    went through cp.async (LDGSTS) and which into registers (LDG)."""
+    import re
+
+    code = sass(cubin)
+    loops = []
+    for addr, text in code:
+        m = re.search(r"BRA .*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            top = int(m.group(1), 16)
+            body = [t for a, t in code if top <= a <= addr]
+            names = [(t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0]
+                     for t in body]  # fmt: skip
+            loops.append({"len": len(body), **{op: names.count(op) for op in ops}})
+    return loops
+
+
 def compile_one(line: str, calls: bool = False) -> tuple[str, str | None, str | None]:
     """``(label, compile error, note on subroutine calls when asked)``."""
     os.environ.pop("TRITON_INTERPRET", None)

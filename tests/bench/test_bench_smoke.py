@@ -47,3 +47,18 @@ def test_sparse_kernels_quick_index_prompt(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["case"].split()[1] for r in rows} == {"mxfp8", "fp8_fp32sf"}
     assert all(r["rel_err"] < 1e-5 for r in rows if "rel_err" in r)
+
+
+def test_decode_loop_ops_reads_the_main_loop():
+    """``decode_kernel_regs.py --loop-ops`` compiles one decode launch for sm_90 on the CPU and
+    counts its main loop's instructions: a loop with tensor-core MMAs and cp.async loads."""
+    proc = _run("decode_kernel_regs.py", "--loop-ops", "fp8:64,2,3")
+    if proc.returncode != 0 and "ptxas" in proc.stderr.lower():
+        import pytest
+
+        pytest.skip("no ptxas in this Triton install")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    loop = row["main_loop"]
+    assert row["format"] == "fp8" and row["registers"] > 0
+    assert loop["len"] > 100 and loop["HMMA"] > 0 and loop["LDGSTS"] > 0
