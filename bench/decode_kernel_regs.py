@@ -98,21 +98,13 @@ def main() -> None:
         "register LDG loads, barriers, conversions, MMAs, shared memory), e.g. fp8:64,2,3",
     )
     args = ap.parse_args()
-    fn = _decode_kernel
     if args.loop_ops:
         print(json.dumps(loop_ops(args.loop_ops)))
         return
     rows = []
-    for name, (kv_quant, sf_kind, group, kptr, prefetch) in FORMATS.items():
+    for name in FORMATS:
         for tile_n, warps, stages in TILINGS:
-            const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64,
-                         DOT_PRECISION="tf32", SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant,
-                         SF_KIND=sf_kind, GROUP=group, PREFETCH=prefetch)  # fmt: skip
-
-            sig = {n: arg_type(n, const, kptr) for n in fn.arg_names}
-            attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names)
-                     if n in DIV16}  # fmt: skip
-            ck = compile_kernel(fn, sig, const, attrs, {"num_warps": warps, "num_stages": stages})
+            ck = _launch(name, tile_n, warps, stages)
             regs, spills = ptxas_report(ck.asm["ptx"])
             per_sm = min(64 // warps, 65536 // (max(regs, 1) * 32 * warps))
             ptx = ck.asm["ptx"]

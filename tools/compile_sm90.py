@@ -100,42 +100,42 @@ def sass_calls(cubin: bytes) -> int:
     return sum(text.startswith("CALL.") or " CALL." in text for _, text in sass(cubin))
 
 
-def sass_longest_loop(cubin: bytes, min_body: int = 64) -> int:
-    """Instructions of the longest backward branch's body in the sm_90 code of ``cubin``: a
-    kernel's main loop (static count, one iteration; a called routine is not counted). A
-    program whose loops are all shorter than ``min_body`` (one key tile a program, only
-    small loops) counts as a whole."""
+def _sass_loops(code: list[tuple[int, str]]) -> list[list[str]]:
+    """The bodies (instruction texts) of every backward branch in ``code`` (`sass`), in
+    address order: a kernel's loops, one iteration each."""
     import re
 
-    code = sass(cubin)
-    best = 0
-    for addr, text in code:
-        m = re.search(r"BRA .*?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            top = int(m.group(1), 16)
-            best = max(best, sum(1 for a, _ in code if top <= a <= addr))
-    return best if best >= min_body else len(code)
-
-
-def sass_loop_ops(cubin: bytes, ops: tuple[str, ...]) -> list[dict[str, int]]:
-    """Per loop of the sm_90 code of ``cubin`` (each backward branch's body, in address
-    order): its instruction count (``"len"``) and how many of its instructions have each
-    opcode in ``ops`` (``"LDGSTS"``, ``"BAR"``, ... : the mnemonic before its first dot, a
-    predicate ignored). For a kernel's main loop: what one iteration issues, e.g. which loads
-    went through cp.async (LDGSTS) and which into registers (LDG)."""
-    import re
-
-    code = sass(cubin)
     loops = []
     for addr, text in code:
         m = re.search(r"BRA .*?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             top = int(m.group(1), 16)
-            body = [t for a, t in code if top <= a <= addr]
-            names = [(t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0]
-                     for t in body]  # fmt: skip
-            loops.append({"len": len(body), **{op: names.count(op) for op in ops}})
+            loops.append([t for a, t in code if top <= a <= addr])
     return loops
+
+
+def sass_longest_loop(cubin: bytes, min_body: int = 64) -> int:
+    """Instructions of the longest backward branch's body in the sm_90 code of ``cubin``: a
+    kernel's main loop (static count, one iteration; a called routine is not counted). A
+    program whose loops are all shorter than ``min_body`` (one key tile a program, only
+    small loops) counts as a whole."""
+    code = sass(cubin)
+    best = max((len(body) for body in _sass_loops(code)), default=0)
+    return best if best >= min_body else len(code)
+
+
+def sass_loop_ops(cubin: bytes, ops: tuple[str, ...]) -> list[dict[str, int]]:
+    """Per loop of the sm_90 code of ``cubin`` (`_sass_loops`): its instruction count
+    (``"len"``) and how many of its instructions have each opcode in ``ops`` (``"LDGSTS"``,
+    ``"BAR"``, ... : the mnemonic before its first dot, a predicate ignored). For a kernel's
+    main loop: what one iteration issues, e.g. which loads went through cp.async (LDGSTS) and
+    which into registers (LDG)."""
+    rows = []
+    for body in _sass_loops(sass(cubin)):
+        names = [(t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0]
+                 for t in body]  # fmt: skip
+        rows.append({"len": len(body), **{op: names.count(op) for op in ops}})
+    return rows
 
 
 def compile_one(line: str, calls: bool = False) -> tuple[str, str | None, str | None]:

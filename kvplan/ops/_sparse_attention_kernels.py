@@ -399,10 +399,7 @@ def _store_out(
         y0 = tl.where(rot[None, :], y0, x0)
         y1 = tl.where(rot[None, :], y1, x1)
         y = tl.reshape(tl.join(y0, y1), [TILE_H, DC])
-        if dtype == tl.bfloat16 and not HW:  # RNE by integers (Triton's own interpreter truncated)
-            tl.store(ptrs.to(tl.pointer_type(tl.int16)), bf16_bits(y).to(tl.int16), mask=mask)
-        else:
-            tl.store(ptrs, y.to(dtype), mask=mask)
+        tl.store(ptrs, y.to(dtype), mask=mask)
 
 
 @triton.jit
