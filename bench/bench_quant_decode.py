@@ -1,6 +1,6 @@
 """Paged decode attention over bf16 vs fp8 / int8 / fp4 pages read in place: time per call and
 KV bytes per second, with a sweep of the kernel's tiling (tile_n, num_warps, num_stages; with
-``--prefetch`` each also with the quantized bytes loaded a tile ahead), then
+``--prefetch 1,2`` each also with those whole-tile loop modes), then
 of num_splits on each format's fastest tiling; prints each format's default and fastest launch
 (all timed with ``check=False``).
 
@@ -78,9 +78,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--prefetch",
-        action="store_true",
-        help="quantized formats: also every tiling with the bytes loaded a tile ahead "
-        "(prefetch=True, kvplan.ops._paged_attention_kernels.QUANT_PREFETCH)",
+        default="",
+        help="also every tiling with each of these whole-tile loop modes, e.g. 1,2 "
+        "(prefetch=, kvplan.ops._paged_attention_kernels.PREFETCH_MODES: 1 quantized bytes a "
+        "tile ahead, 2 page lookups a tile ahead and V's scales on the probabilities)",
     )
     ap.add_argument(
         "--graph",
@@ -126,9 +127,9 @@ def main() -> None:
         tilings = [dict(tile_n=t, num_warps=w, num_stages=st) for t, w, st in sweep]
         if args.with_splits:  # every swept tiling at each of these split counts
             tilings = [{**t, "num_splits": n} for t in tilings for n in ints(args.with_splits)]
-        if args.prefetch and fmt != "bf16":  # both ways, whatever the format's default
-            tilings += [{"prefetch": True}, {"prefetch": False}]
-            tilings += [{**t, "prefetch": pf} for t in tilings[:-2] for pf in (True, False)]
+        modes = [m for m in ints(args.prefetch) if fmt != "bf16" or m != 1]  # 1: quantized
+        if modes:  # each mode and 0, whatever the format's default
+            tilings = [{**t, "prefetch": m} for t in [{}, *tilings] for m in (0, *modes)]
 
         def measure(kw, caches=caches, layout=layout, want=want, kv_bytes=kv_bytes, fmt=fmt):
             def call():

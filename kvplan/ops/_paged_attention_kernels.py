@@ -41,6 +41,7 @@ from kvplan.ops._paged_kv_tiles import (
     dequantize_kv_raw,
     head_scales_offset,
     kv_geometry,
+    load_kv_groups,
     load_kv_raw,
     load_kv_tile,
 )
@@ -225,6 +226,89 @@ def _attend_range_prefetch(
 
 
 @triton.jit
+def _tile_rows(
+    start, key_hi, page_ptr, stride_kb, stride_kt, stride_vb, stride_vt,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+):  # fmt: skip
+    """Offsets of the K and V records of keys [start, start + TILE_N) (one page-table lookup
+    per key, masked to keys below ``key_hi``: a tile at or past it looks up page 0)."""
+    offs_n = start + tl.arange(0, TILE_N)
+    page = tl.load(page_ptr + offs_n // BLOCK_SIZE, mask=offs_n < key_hi, other=0).to(tl.int64)
+    row = (offs_n % BLOCK_SIZE).to(tl.int64)
+    return page * stride_kb + row * stride_kt, page * stride_vb + row * stride_vt
+
+
+@triton.jit
+def _rows_ahead_step(
+    acc, m_i, l_i, start, hi, q, k_rows, v_rows, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """Look up tile ``start + TILE_N``'s records, then attend tile ``start`` through the
+    record offsets looked up the step before."""
+    k_next, v_next = _tile_rows(start + TILE_N, hi, page_ptr, stride_kb, stride_kt, stride_vb,
+                                stride_vt, BLOCK_SIZE, TILE_N)  # fmt: skip
+    in_range = k_rows >= 0  # whole tiles: every key is in range
+    k = load_kv_tile(
+        k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, False, KV_QUANT, SF_KIND, GROUP
+    )
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
+    if KV_QUANT == 0:
+        v = load_kv_tile(
+            v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, False, KV_QUANT, SF_KIND, GROUP
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        # acc: [groups, TILE_M, GROUP]; V's scales go on the probabilities, one per key and
+        # group, so the V codes reach the MMA as loaded.
+        v, v_scale = load_kv_groups(v_ptr, vs_ptr, v_rows, q, TILE_N, HEAD_DIM, KV_QUANT,
+                                    SF_KIND, GROUP)  # fmt: skip
+        ps = p[None, :, :] * tl.trans(v_scale)[:, None, :]
+        acc = acc * alpha[None, :, None] + tl.dot(ps.to(v.dtype), v,
+                                                  input_precision=DOT_PRECISION)  # fmt: skip
+    return acc, m_new, l_i, k_next, v_next
+
+
+@triton.jit
+def _attend_range_rows_ahead(
+    acc, m_i, l_i, lo, hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """`_attend_range` over whole, unmasked tiles with each tile's page-table lookup one step
+    ahead: the K / V loads of a step depend on no load of the same step, so the compiler's
+    software pipeline spends all its stages on K / V buffers."""
+    k_rows, v_rows = _tile_rows(lo, hi, page_ptr, stride_kb, stride_kt, stride_vb, stride_vt,
+                                BLOCK_SIZE, TILE_N)  # fmt: skip
+    TILE_M: tl.constexpr = acc.shape[0]
+    if KV_QUANT != 0:  # the accumulator by scale group (`_rows_ahead_step`)
+        acc = tl.permute(tl.reshape(acc, [TILE_M, HEAD_DIM // GROUP, GROUP]), (1, 0, 2))
+    if INTERPRET:
+        start = lo
+        while start < hi:
+            acc, m_i, l_i, k_rows, v_rows = _rows_ahead_step(
+                acc, m_i, l_i, start, hi, q, k_rows, v_rows, page_ptr, k_ptr, v_ptr, ks_ptr,
+                vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
+                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
+            )  # fmt: skip
+            start += TILE_N
+    else:
+        for start in range(lo, hi, TILE_N):
+            acc, m_i, l_i, k_rows, v_rows = _rows_ahead_step(
+                acc, m_i, l_i, start, hi, q, k_rows, v_rows, page_ptr, k_ptr, v_ptr, ks_ptr,
+                vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
+                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
+            )  # fmt: skip
+    if KV_QUANT != 0:
+        acc = tl.reshape(tl.permute(acc, (1, 0, 2)), [TILE_M, HEAD_DIM])
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attend_rows(
     q, row_pos, pos_min, pos_max, key_lo, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
@@ -257,7 +341,13 @@ def _attend_rows(
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
-    if PREFETCH and KV_QUANT != 0:
+    if PREFETCH == 2:
+        acc, m_i, l_i = _attend_range_rows_ahead(
+            acc, m_i, l_i, full_lo, full_hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
+        )  # fmt: skip
+    elif PREFETCH == 1 and KV_QUANT != 0:
         acc, m_i, l_i = _attend_range_prefetch(
             acc, m_i, l_i, full_lo, full_hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
@@ -418,34 +508,48 @@ def _prefill_kernel(
 LOG2E = 1.4426950408889634
 
 
-def _env_prefetch() -> bool | None:
+PREFETCH_MODES = (0, 1, 2)
+"""How a launch's whole, unmasked key tiles load (the ``PREFETCH`` constexpr): 0 as the masked
+ones (`_attend_range`); 1 a quantized tile's stored bytes one step ahead in registers
+(`_attend_range_prefetch`); 2 the tile's page-table lookup one step ahead, and a quantized V
+by scale group with its scales on the probabilities (`_attend_range_rows_ahead`)."""
+
+
+def _env_prefetch() -> int | None:
     value = os.environ.get("KVPLAN_QUANT_PREFETCH", "").strip()
-    return {"1": True, "0": False}.get(value)
+    if not value:
+        return None
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"KVPLAN_QUANT_PREFETCH must be 0, 1 or 2, got {value!r}")
+    return int(value)
 
 
-QUANT_PREFETCH: bool | None = _env_prefetch()
-"""Quantized caches: load each whole tile's stored bytes one step ahead
-(`_attend_range_prefetch`) in every launch (True), in none (False), or per format and kernel
-as ``DECODE_PREFETCH`` says (None, the default; ``KVPLAN_QUANT_PREFETCH`` = 1 / 0 at import
-sets True / False). On sm_90 Triton software-pipelines only the scale loads of the
-dequantizing kernels (cp.async), not the value bytes (bench/RESULTS.md, session 10)."""
+QUANT_PREFETCH: int | None = _env_prefetch()
+"""Every launch's ``PREFETCH_MODES`` entry (``KVPLAN_QUANT_PREFETCH`` = 0 / 1 / 2 at import),
+or None (the default): per format and kernel as ``DECODE_PREFETCH`` says. On sm_90 Triton
+software-pipelines only the scale loads of the dequantizing kernels' mode-0 loop (cp.async),
+not the value bytes (bench/RESULTS.md, session 10)."""
 
-DECODE_PREFETCH = {"e2m1": True}
-"""Decode launches that prefetch by default, by ``kv_layout.quantized_dtype``. Measured on the
-H200 (bench/RESULTS.md, session 11): fp4 decode 254 -> 229 us (32 x 8K context, one layer,
-``bench_quant_decode.py --prefetch``) and its decode kernel 916 -> 861 ms over a 32 x 8K x 256
-workload (``profile_prefill.py --workload``); fp8 192 -> 263 us and its engine decode step
-3.97 -> 4.97 ms, so e4m3 / int8 stay off. Prefill launches keep the plain loop (unmeasured)."""
+DECODE_PREFETCH = {"e2m1": 1}
+"""Decode launches' default ``PREFETCH_MODES`` entry by ``kv_layout.quantized_dtype`` (absent:
+0). Measured on the H200 (bench/RESULTS.md, session 11): fp4 decode 254 -> 229 us with mode 1
+(32 x 8K context, one layer, ``bench_quant_decode.py --prefetch``) and its decode kernel
+916 -> 861 ms over a 32 x 8K x 256 workload (``profile_prefill.py --workload``); fp8 192 ->
+263 us and its engine decode step 3.97 -> 4.97 ms, so e4m3 / int8 stayed at 0. Prefill
+launches keep mode 0 (unmeasured)."""
 
 
-def _prefetch(prefetch: bool | None, kv_layout, decode: bool) -> bool:
+def _prefetch(prefetch: int | bool | None, kv_layout, decode: bool) -> int:
     if prefetch is not None:
-        return bool(prefetch)
+        mode = int(prefetch)
+        if mode not in PREFETCH_MODES:
+            raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
+        return mode
     if QUANT_PREFETCH is not None:
         return QUANT_PREFETCH
-    return (
-        decode and kv_layout is not None and DECODE_PREFETCH.get(kv_layout.quantized_dtype, False)
-    )
+    if not decode or kv_layout is None:
+        return 0
+    return DECODE_PREFETCH.get(kv_layout.quantized_dtype, 0)
 
 
 def _dot_precision(dtype) -> str:

@@ -156,17 +156,21 @@ def test_prefill_triton_reads_quantized_pages(kind, seed, kv_lens, q_lens, group
 
 @pytest.mark.parametrize("kind", ["fp8", "fp4", "int8"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_prefetched_tiles_give_the_same_result(kind, decode, monkeypatch):
-    """``prefetch=True``: the whole tiles' bytes loaded one step ahead (the tile after the last
-    loads nothing) -- the reference again, and the same values as without it."""
+@pytest.mark.parametrize("mode", [1, 2])
+def test_prefetched_tiles_give_the_same_result(kind, decode, mode, monkeypatch):
+    """``prefetch=1``: the whole tiles' bytes loaded one step ahead (the tile after the last
+    loads nothing) -- the reference again, and the same values as without it. ``prefetch=2``:
+    the page-table lookups one step ahead and V's scales on the probabilities -- the
+    reference again, within fp32 rounding of the plain loop."""
     calls = []
-    real = pak._prefetch_step  # one call per whole tile the prefetching loop attends
-    monkeypatch.setattr(pak, "_prefetch_step", lambda *a: calls.append(1) or real(*a))
+    step = {1: "_prefetch_step", 2: "_rows_ahead_step"}[mode]
+    real = getattr(pak, step)  # one call per whole tile the loop attends
+    monkeypatch.setattr(pak, step, lambda *a: calls.append(1) or real(*a))
     kv_lens, q_lens = [70, 35, 129, 1], ([1] * 4 if decode else [9, 35, 3, 1])
     c, (k_raw, v_raw), fmt, dq = quantized_case(
         kind, 21, kv_lens, q_lens, group=2, block_size=16, layout="offsets", head_dim=32
     )
-    for prefetch in (True, False):
+    for prefetch in (mode, 0):
         if decode:
             got = paged_attention_decode_triton(
                 c.q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens, scale=c.scale,
@@ -182,7 +186,10 @@ def test_prefetched_tiles_give_the_same_result(kind, decode, monkeypatch):
         if prefetch:
             first = got
             assert calls
-    assert torch.equal(first, got)
+    if mode == 1:
+        assert torch.equal(first, got)
+    else:
+        assert_close(first, got, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
@@ -371,16 +378,18 @@ def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
 def test_gpu_prefetched_tiles_equal_the_plain_loop(kind):
-    """Loading the bytes a tile ahead changes when they are loaded, not the arithmetic: decode
-    and prefill at the engine's tilings equal the plain loop within one bf16 ulp (on the H200
-    the compiled loops are not bit-identical: the two schedules round some outputs apart)."""
+    """Loading the bytes a tile ahead (mode 1) changes when they are loaded, not the
+    arithmetic: decode and prefill at the engine's tilings equal the plain loop within one
+    bf16 ulp (on the H200 the compiled loops are not bit-identical: the two schedules round
+    some outputs apart). Mode 2 rounds the scaled probabilities instead of the dequantized V
+    to bf16: within two bf16 ulps of the plain loop."""
     gen = torch.Generator().manual_seed(4)
     kv_lens = torch.randint(1, 2000, (24,), generator=gen).tolist()
     for decode, (c, (k_raw, v_raw), fmt, _) in _gpu_cases(kind, gen, 6, kv_lens):
         args = (c.q.bfloat16().cuda(), k_raw.cuda(), v_raw.cuda(), c.page_ids.cuda(),
                 c.page_start.cuda())  # fmt: skip
         outs = []
-        for prefetch in (False, True):
+        for prefetch in (0, 1, 2):
             if decode:
                 outs.append(paged_attention_decode_triton(
                     *args, c.kv_lens.cuda(), scale=c.scale, kv_layout=fmt, prefetch=prefetch))  # fmt: skip
@@ -390,12 +399,13 @@ def test_gpu_prefetched_tiles_equal_the_plain_loop(kind):
                     kv_layout=fmt, prefetch=prefetch))  # fmt: skip
         assert_close(outs[1].float(), outs[0].float(), atol=2e-3, rtol=4e-3)
         assert (outs[1] != outs[0]).float().mean() < 0.01  # rounding, not a different result
+        assert_close(outs[2].float(), outs[0].float(), atol=4e-3, rtol=8e-3)
 
 
 def test_prefetch_defaults_per_format_and_kernel(monkeypatch):
-    """``prefetch=None`` takes the module switch, else the per-format decode table: fp4 decode
-    prefetches (measured faster on the H200), fp8 / int8 decode and every prefill do not; an
-    explicit argument wins."""
+    """``prefetch=None`` takes the module switch, else the per-format decode table
+    (``DECODE_PREFETCH``); an explicit argument wins; a mode outside 0 / 1 / 2 is refused,
+    naming the value."""
     from kvplan.cache.kv_tensors import KVCacheTensors
     from kvplan.ops import _paged_attention_kernels as pak
 
@@ -403,18 +413,25 @@ def test_prefetch_defaults_per_format_and_kernel(monkeypatch):
         f: KVCacheTensors(1, 1, 16, 1, 32, kv_format=f).layout for f in ("fp8", "int8", "fp4")
     }
     monkeypatch.setattr(pak, "QUANT_PREFETCH", None)
-    assert pak._prefetch(None, layout["fp4"], decode=True)
-    assert not pak._prefetch(None, layout["fp8"], decode=True)
-    assert not pak._prefetch(None, layout["int8"], decode=True)
-    assert not pak._prefetch(None, layout["fp4"], decode=False)
-    assert not pak._prefetch(None, None, decode=True)  # plain caches have nothing to prefetch
-    assert pak._prefetch(True, layout["fp8"], decode=False)
-    assert not pak._prefetch(False, layout["fp4"], decode=True)
-    monkeypatch.setattr(pak, "QUANT_PREFETCH", False)
-    assert not pak._prefetch(None, layout["fp4"], decode=True)
-    monkeypatch.setattr(pak, "QUANT_PREFETCH", True)
-    assert pak._prefetch(None, layout["fp8"], decode=False)
+    for f, lay in layout.items():
+        assert pak._prefetch(None, lay, decode=True) == pak.DECODE_PREFETCH.get(lay.quantized_dtype, 0)
+        assert pak._prefetch(None, lay, decode=False) == 0
+    assert pak._prefetch(None, None, decode=True) == 0
+    assert pak._prefetch(True, layout["fp8"], decode=False) == 1
+    assert pak._prefetch(2, layout["fp4"], decode=True) == 2
+    assert pak._prefetch(False, layout["fp4"], decode=True) == 0
+    with pytest.raises(ValueError, match="prefetch must be one of .* got 3"):
+        pak._prefetch(3, layout["fp8"], decode=True)
+    monkeypatch.setattr(pak, "QUANT_PREFETCH", 0)
+    assert pak._prefetch(None, layout["fp4"], decode=True) == 0
+    monkeypatch.setattr(pak, "QUANT_PREFETCH", 2)
+    assert pak._prefetch(None, layout["fp8"], decode=False) == 2
     monkeypatch.setenv("KVPLAN_QUANT_PREFETCH", "0")
-    assert pak._env_prefetch() is False
+    assert pak._env_prefetch() == 0
+    monkeypatch.setenv("KVPLAN_QUANT_PREFETCH", "2")
+    assert pak._env_prefetch() == 2
+    monkeypatch.setenv("KVPLAN_QUANT_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="KVPLAN_QUANT_PREFETCH must be 0, 1 or 2, got 'yes'"):
+        pak._env_prefetch()
     monkeypatch.setenv("KVPLAN_QUANT_PREFETCH", "")
     assert pak._env_prefetch() is None
