@@ -530,13 +530,14 @@ or None (the default): per format and kernel as ``DECODE_PREFETCH`` says. On sm_
 software-pipelines only the scale loads of the dequantizing kernels' mode-0 loop (cp.async),
 not the value bytes (bench/RESULTS.md, session 10)."""
 
-DECODE_PREFETCH = {"e2m1": 1}
+DECODE_PREFETCH = {"e2m1": 1, "e4m3": 2, "int8": 2}
 """Decode launches' default ``PREFETCH_MODES`` entry by ``kv_layout.quantized_dtype`` (absent:
-0). Measured on the H200 (bench/RESULTS.md, session 11): fp4 decode 254 -> 229 us with mode 1
-(32 x 8K context, one layer, ``bench_quant_decode.py --prefetch``) and its decode kernel
-916 -> 861 ms over a 32 x 8K x 256 workload (``profile_prefill.py --workload``); fp8 192 ->
-263 us and its engine decode step 3.97 -> 4.97 ms, so e4m3 / int8 stayed at 0. Prefill
-launches keep mode 0 (unmeasured)."""
+0). Measured on the H200 (bench/RESULTS.md), one layer at 32 x 8K context: fp4 decode 254 ->
+229 us with mode 1 (session 11), 468 us with mode 2 (session 20: its grouped e2m1 decode is
+slow); session 20 (``bench_quant_decode.py --graph --prefetch 2``) fp8 157.0 -> 143.7 us and
+int8 185.8 -> 153.6 us with mode 2 at (64, 2, 3), the long fp8 workload's decode step 3.647 ->
+3.435 ms. Prefill launches keep mode 0: mode 2 in every launch made that workload's mixed
+(prefill) steps 1.59 -> 1.73 s."""
 
 
 def _prefetch(prefetch: int | bool | None, kv_layout, decode: bool) -> int:

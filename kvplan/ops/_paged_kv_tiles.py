@@ -209,11 +209,12 @@ def kv_geometry(k_cache, v_cache, head_dim: int, kv_layout) -> KVGeometry:
 # 156.7 vs 176.0 us; the long workload's fp8 decode step 3.658 vs 3.939 ms (call F).
 # Session 19 (call A, same bench): int8 kept (64, 4, 2) (16.9 us at 64 x 320, 185.2 at
 # 32 x 8,192; no swept launch was faster); fp4 (64, 2, 2) against (64, 4, 2) 18.7 vs 25.4 us
-# and 189.3 vs 201.7 us.
+# and 189.3 vs 201.7 us. Session 20 (call B, ``--prefetch 2``): with the whole-tile loop's
+# mode 2 (``DECODE_PREFETCH``) int8 (64, 2, 3) 153.6 us against (64, 4, 2) 185.8 us at 32 x 8K.
 DECODE_TILING: dict[str | None, tuple[int, int, int]] = {
     None: (64, 2, 5),
     "e4m3": (64, 2, 3),
-    "int8": (64, 4, 2),
+    "int8": (64, 2, 3),
     "e2m1": (64, 2, 2),
 }
 

@@ -147,13 +147,14 @@ def paged_attention_decode_triton(
     kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
     out: Tensor | None = None, num_splits: int | None = None, max_kv_len: int | None = None,
     kv_layout: KVCacheFormat | None = None, check: bool = True, tile_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
 ) -> Tensor:  # fmt: skip
     """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`.
     ``tile_n`` / ``num_warps`` / ``num_stages``: launch overrides (see ``kvplan.ops._paged_kv_tiles.decode_tiling``;
-    None takes the format's default); ``prefetch``: a quantized cache's tiles loaded one
-    step ahead (None: ``kvplan.ops._paged_attention_kernels.QUANT_PREFETCH``, then its
-    per-format ``DECODE_PREFETCH``: on for fp4 pages)."""
+    None takes the format's default); ``prefetch``: how whole key tiles load, one of
+    ``kvplan.ops._paged_attention_kernels.PREFETCH_MODES`` (None:
+    ``QUANT_PREFETCH``, then the per-format ``DECODE_PREFETCH``: mode 1 for fp4 pages, 2 for
+    fp8 / int8)."""
     window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
@@ -248,7 +249,7 @@ def paged_attention_prefill_triton(
     out: Tensor | None = None, max_q_len: int | None = None,
     kv_layout: KVCacheFormat | None = None, check: bool = True, tile_m: int | None = None,
     tile_n: int = 64, num_warps: int | None = None, num_stages: int | None = None,
-    prefetch: bool | None = None,
+    prefetch: int | None = None,
 ) -> Tensor:  # fmt: skip
     """Triton varlen prefill; same contract as :func:`paged_attention_prefill` (``prefetch``
     as in :func:`paged_attention_decode_triton`).

@@ -349,8 +349,10 @@ def _gpu_cases(kind, gen, case_seed, kv_lens):
 def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind):
     """On the GPU the kernels over quantized pages equal the same kernels over a bf16 copy of
     the dequantized cache up to the order of the fp32 sums inside the tensor-core MMAs (the
-    dequantized tiles themselves are bit-exact: the test above), i.e. within a bf16 ulp or two,
-    and both are within bf16 tolerance of the float64 reference over the dequantized values."""
+    dequantized tiles themselves are bit-exact: the test above) and, for decode launches in
+    mode 2 (fp8 / int8 by default), the bf16 rounding of the scaled probabilities in place of
+    the dequantized V: within two bf16 ulps; both are within bf16 tolerance of the float64
+    reference over the dequantized values."""
     gen = torch.Generator().manual_seed(3)
     kv_lens = torch.randint(1, 900, (20,), generator=gen).tolist() + [1, 16, 17]
     for decode, (c, (k_raw, v_raw), fmt, dq) in _gpu_cases(kind, gen, 5, kv_lens):
@@ -369,7 +371,7 @@ def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind):
                                           cuda(c.kv_lens), scale=c.scale, kv_layout=fmt)  # fmt: skip
             want = paged_attention_prefill(q, *bf, *pages, cu, cuda(c.kv_lens), scale=c.scale)
         assert torch.isfinite(got).all()
-        assert_close(got, want, atol=2e-3, rtol=4e-3)  # 1 bf16 ulp of |x| < 4 is <= 2 ** -6
+        assert_close(got, want, atol=4e-3, rtol=8e-3)  # 1 bf16 ulp of |x| < 4 is <= 2 ** -6
         k32, v32 = (t.float().cpu() for t in bf)
         ref = dataclasses.replace(c, q=q.float().cpu(), k_cache=k32, v_cache=v32).ref(decode)
         assert_close(got, ref, atol=2e-2, rtol=2e-2)
