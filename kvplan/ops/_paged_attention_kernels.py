@@ -244,9 +244,11 @@ def _rows_ahead_step(
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+    V_GROUPS: tl.constexpr,
 ):  # fmt: skip
     """Look up tile ``start + TILE_N``'s records, then attend tile ``start`` through the
-    record offsets looked up the step before."""
+    record offsets looked up the step before. ``V_GROUPS``: the accumulator is
+    ``[groups, TILE_M, GROUP]`` and V's codes go to the MMA unscaled (`load_kv_groups`)."""
     k_next, v_next = _tile_rows(start + TILE_N, hi, page_ptr, stride_kb, stride_kt, stride_vb,
                                 stride_vt, BLOCK_SIZE, TILE_N)  # fmt: skip
     in_range = k_rows >= 0  # whole tiles: every key is in range
@@ -255,7 +257,7 @@ def _rows_ahead_step(
     )
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-    if KV_QUANT == 0:
+    if not V_GROUPS:
         v = load_kv_tile(
             v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, False, KV_QUANT, SF_KIND, GROUP
         )
@@ -285,7 +287,9 @@ def _attend_range_rows_ahead(
     k_rows, v_rows = _tile_rows(lo, hi, page_ptr, stride_kb, stride_kt, stride_vb, stride_vt,
                                 BLOCK_SIZE, TILE_N)  # fmt: skip
     TILE_M: tl.constexpr = acc.shape[0]
-    if KV_QUANT != 0:  # the accumulator by scale group (`_rows_ahead_step`)
+    # e2m1 V stays dequantized in registers: its nibble pairs split by group decode slowly.
+    V_GROUPS: tl.constexpr = KV_QUANT == 1 or KV_QUANT == 3
+    if V_GROUPS:  # the accumulator by scale group (`_rows_ahead_step`)
         acc = tl.permute(tl.reshape(acc, [TILE_M, HEAD_DIM // GROUP, GROUP]), (1, 0, 2))
     if INTERPRET:
         start = lo
@@ -293,7 +297,7 @@ def _attend_range_rows_ahead(
             acc, m_i, l_i, k_rows, v_rows = _rows_ahead_step(
                 acc, m_i, l_i, start, hi, q, k_rows, v_rows, page_ptr, k_ptr, v_ptr, ks_ptr,
                 vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
-                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
+                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, V_GROUPS,
             )  # fmt: skip
             start += TILE_N
     else:
@@ -301,9 +305,9 @@ def _attend_range_rows_ahead(
             acc, m_i, l_i, k_rows, v_rows = _rows_ahead_step(
                 acc, m_i, l_i, start, hi, q, k_rows, v_rows, page_ptr, k_ptr, v_ptr, ks_ptr,
                 vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
-                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
+                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, V_GROUPS,
             )  # fmt: skip
-    if KV_QUANT != 0:
+    if V_GROUPS:
         acc = tl.reshape(tl.permute(acc, (1, 0, 2)), [TILE_M, HEAD_DIM])
     return acc, m_i, l_i
 

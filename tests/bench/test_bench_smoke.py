@@ -21,12 +21,13 @@ def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedPro
 
 def test_quant_decode_quick_with_prefetch(tmp_path):
     out = tmp_path / "quant.json"
-    proc = _run("bench_quant_decode.py", "--quick", "--formats", "fp8,fp4", "--prefetch",
+    proc = _run("bench_quant_decode.py", "--quick", "--formats", "fp8,fp4", "--prefetch", "1,2",
                 "--splits", "", "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    pre = [r for r in rows if isinstance(r["config"], dict) and r["config"].get("prefetch")]
-    assert {r["format"] for r in pre} == {"fp8", "fp4"}
+    modes = {(r["format"], r["config"]["prefetch"]) for r in rows
+             if isinstance(r["config"], dict) and "prefetch" in r["config"]}  # fmt: skip
+    assert modes == {(f, m) for f in ("fp8", "fp4") for m in (0, 1, 2)}
     assert all(r["rel_err"] < 1e-2 for r in rows)
 
 

@@ -416,7 +416,9 @@ def test_prefetch_defaults_per_format_and_kernel(monkeypatch):
     }
     monkeypatch.setattr(pak, "QUANT_PREFETCH", None)
     for f, lay in layout.items():
-        assert pak._prefetch(None, lay, decode=True) == pak.DECODE_PREFETCH.get(lay.quantized_dtype, 0)
+        assert pak._prefetch(None, lay, decode=True) == pak.DECODE_PREFETCH.get(
+            lay.quantized_dtype, 0
+        )
         assert pak._prefetch(None, lay, decode=False) == 0
     assert pak._prefetch(None, None, decode=True) == 0
     assert pak._prefetch(True, layout["fp8"], decode=False) == 1
