@@ -415,7 +415,7 @@ def test_prefetch_defaults_per_format_and_kernel(monkeypatch):
         f: KVCacheTensors(1, 1, 16, 1, 32, kv_format=f).layout for f in ("fp8", "int8", "fp4")
     }
     monkeypatch.setattr(pak, "QUANT_PREFETCH", None)
-    for f, lay in layout.items():
+    for lay in layout.values():
         assert pak._prefetch(None, lay, decode=True) == pak.DECODE_PREFETCH.get(
             lay.quantized_dtype, 0
         )
