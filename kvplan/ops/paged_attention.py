@@ -257,11 +257,17 @@ def paged_attention_prefill_triton(
     Tiles default to 128 query rows x 64 keys, 8 warps, 3 stages for 16-bit caches (the
     fastest of ``bench/bench_paged_attention.py``'s sweep) and 64 x 64, 4 warps, 2 stages for
     fp32, whose 128-row tiles would exceed the shared memory of a block at head_dim 256.
+
+    One query a row (``max_q_len == 1`` and as many rows as queries, e.g. the decode rows of a
+    step that also prefills) is a decode: with no launch override given, it runs the split-K
+    decode kernel (`paged_attention_decode_triton`), whose programs cover a group of query
+    heads each instead of a 128-row tile holding one token's few heads.
     """
     window, _ = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
         out, kv_layout, check,
     )  # fmt: skip
+    overridden = (tile_m, num_warps, num_stages, prefetch) != (None, None, None, None)
     wide = q.element_size() <= 2
     tile_m = tile_m or (128 if wide else 64)
     num_warps = num_warps or (8 if wide else 4)
@@ -272,6 +278,12 @@ def paged_attention_prefill_triton(
         check and kv_lens.numel() and int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) > max_q_len
     ):
         raise ValueError(f"max_q_len = {max_q_len} is below the longest query run")
+    if max_q_len == 1 and q.shape[0] == kv_lens.shape[0] and not overridden:
+        # every row holds one query (runs <= 1 adding up to B), at position kv_len - 1
+        return paged_attention_decode_triton(
+            q, k_cache, v_cache, page_ids, page_start, kv_lens, scale=scale,
+            sliding_window=sliding_window, out=out, kv_layout=kv_layout, check=False,
+        )  # fmt: skip
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return _k.launch_prefill(

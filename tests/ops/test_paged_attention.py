@@ -183,6 +183,36 @@ def test_bf16_triton_matches_ref(decode):
     assert_close(got, c.ref(decode=decode), atol=4e-3, rtol=8e-3)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_of_one_query_a_row_runs_the_decode_kernel(window, monkeypatch):
+    """Prefill rows of one query each with ``max_q_len = 1`` (the decode rows of a mixed step)
+    go to the split-K decode kernel -- the reference again, and the prefill kernel's result
+    (forced by a launch override) within fp32 rounding; longer runs or no bound stay on the
+    prefill kernel."""
+    from kvplan.ops import _paged_attention_kernels as pak
+
+    calls = []
+    for name in ("launch_decode", "launch_prefill"):
+        real = getattr(pak, name)
+        monkeypatch.setattr(pak, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))  # fmt: skip
+    c = make_case(41, [1, 23, 9, 40], [1, 1, 1, 1], group=4, block_size=8, layout="offsets",
+                  window=window)  # fmt: skip
+    args = (*c.args(), c.cu_seqlens_q, c.kv_lens)
+    kw = dict(scale=c.scale, sliding_window=window)
+    got = paged_attention_prefill_triton(*args, max_q_len=1, **kw)
+    assert calls == ["launch_decode"]
+    assert_close(got, c.ref(decode=False))
+    forced = paged_attention_prefill_triton(*args, max_q_len=1, tile_m=16, **kw)
+    assert calls[1:] == ["launch_prefill"]
+    assert_close(got, forced, atol=1e-6, rtol=1e-5)
+    paged_attention_prefill_triton(*args, **kw)  # no bound: max_q_len = T
+    assert calls[2:] == ["launch_prefill"]
+    with pytest.raises(ValueError, match="max_q_len = 1 is below the longest query run"):
+        two = make_case(42, [5, 9], [2, 1], group=2, block_size=4)
+        paged_attention_prefill_triton(*two.args(), two.cu_seqlens_q, two.kv_lens, scale=1.0,
+                                       max_q_len=1)  # fmt: skip
+
+
 def test_triton_reads_strided_cache_view():
     """Block stride larger than block_size * Hkv * D (a padded allocation viewed as NHD)."""
     c = make_case(20, [6, 11], [2, 1], group=2, pad_block_stride=3)
