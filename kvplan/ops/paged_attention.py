@@ -61,6 +61,19 @@ def _splits_from_env() -> int | None:
 SPLITS_OVERRIDE = _splits_from_env()
 
 
+def _one_query_rows_from_env() -> bool:
+    text = os.environ.get("KVPLAN_ONE_QUERY_ROWS_DECODE", "1").strip()
+    if text not in ("0", "1"):
+        raise ValueError(f"KVPLAN_ONE_QUERY_ROWS_DECODE must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+ONE_QUERY_ROWS_DECODE = _one_query_rows_from_env()
+"""`paged_attention_prefill_triton` hands calls whose rows hold one query each to the decode
+kernel (True, the default); ``KVPLAN_ONE_QUERY_ROWS_DECODE=0`` at import keeps them on the
+prefill kernel (A/B runs of whole engines)."""
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
     """Split-K factor for decode: about ``2 * num_sms`` programs, >= 256 keys per split.
 
@@ -278,7 +291,8 @@ def paged_attention_prefill_triton(
         check and kv_lens.numel() and int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) > max_q_len
     ):
         raise ValueError(f"max_q_len = {max_q_len} is below the longest query run")
-    if max_q_len == 1 and q.shape[0] == kv_lens.shape[0] and not overridden:
+    one_query_rows = max_q_len == 1 and q.shape[0] == kv_lens.shape[0]
+    if one_query_rows and ONE_QUERY_ROWS_DECODE and not overridden:
         # every row holds one query (runs <= 1 adding up to B), at position kv_len - 1
         return paged_attention_decode_triton(
             q, k_cache, v_cache, page_ids, page_start, kv_lens, scale=scale,

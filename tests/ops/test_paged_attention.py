@@ -207,6 +207,14 @@ def test_prefill_of_one_query_a_row_runs_the_decode_kernel(window, monkeypatch):
     assert_close(got, forced, atol=1e-6, rtol=1e-5)
     paged_attention_prefill_triton(*args, **kw)  # no bound: max_q_len = T
     assert calls[2:] == ["launch_prefill"]
+    from kvplan.ops import paged_attention as pa
+
+    monkeypatch.setattr(pa, "ONE_QUERY_ROWS_DECODE", False)  # KVPLAN_ONE_QUERY_ROWS_DECODE=0
+    paged_attention_prefill_triton(*args, max_q_len=1, **kw)
+    assert calls[3:] == ["launch_prefill"]
+    monkeypatch.setenv("KVPLAN_ONE_QUERY_ROWS_DECODE", "no")
+    with pytest.raises(ValueError, match="KVPLAN_ONE_QUERY_ROWS_DECODE must be 0 or 1, got 'no'"):
+        pa._one_query_rows_from_env()
     with pytest.raises(ValueError, match="max_q_len = 1 is below the longest query run"):
         two = make_case(42, [5, 9], [2, 1], group=2, block_size=4)
         paged_attention_prefill_triton(*two.args(), two.cu_seqlens_q, two.kv_lens, scale=1.0,
