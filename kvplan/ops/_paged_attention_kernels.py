@@ -141,6 +141,19 @@ def _attend_range(
 
 
 @triton.jit
+def _tile_rows(
+    start, key_hi, page_ptr, stride_kb, stride_kt, stride_vb, stride_vt,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+):  # fmt: skip
+    """Offsets of the K and V records of keys [start, start + TILE_N) (one page-table lookup
+    per key, masked to keys below ``key_hi``: a tile at or past it looks up page 0)."""
+    offs_n = start + tl.arange(0, TILE_N)
+    page = tl.load(page_ptr + offs_n // BLOCK_SIZE, mask=offs_n < key_hi, other=0).to(tl.int64)
+    row = (offs_n % BLOCK_SIZE).to(tl.int64)
+    return page * stride_kb + row * stride_kt, page * stride_vb + row * stride_vt
+
+
+@triton.jit
 def _raw_kv_tile(
     start, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_kt, stride_vb,
     stride_vt, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -148,14 +161,11 @@ def _raw_kv_tile(
 ):  # fmt: skip
     """The stored K and V bytes (`load_kv_raw`) of keys [start, start + TILE_N), every load
     masked to keys below ``key_hi`` (a tile at or past it loads nothing)."""
-    offs_n = start + tl.arange(0, TILE_N)
-    in_range = offs_n < key_hi
-    page = tl.load(page_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-    row = (offs_n % BLOCK_SIZE).to(tl.int64)
-    k = load_kv_raw(k_ptr, ks_ptr, page * stride_kb + row * stride_kt, in_range, HEAD_DIM,
-                    True, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
-    v = load_kv_raw(v_ptr, vs_ptr, page * stride_vb + row * stride_vt, in_range, HEAD_DIM,
-                    True, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+    in_range = start + tl.arange(0, TILE_N) < key_hi
+    k_rows, v_rows = _tile_rows(start, key_hi, page_ptr, stride_kb, stride_kt, stride_vb,
+                                stride_vt, BLOCK_SIZE, TILE_N)  # fmt: skip
+    k = load_kv_raw(k_ptr, ks_ptr, k_rows, in_range, HEAD_DIM, True, KV_QUANT, SF_KIND, GROUP)
+    v = load_kv_raw(v_ptr, vs_ptr, v_rows, in_range, HEAD_DIM, True, KV_QUANT, SF_KIND, GROUP)
     return k, v
 
 
@@ -175,82 +185,15 @@ def _attend_raw_tile(
 
 
 @triton.jit
-def _prefetch_step(
-    acc, m_i, l_i, start, hi, q, k_raw, v_raw, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
-):  # fmt: skip
-    """Issue the loads of tile ``start + TILE_N``, then attend tile ``start`` from its bytes
-    loaded the step before; returns the state and the next tile's bytes."""
-    k_next, v_next = _raw_kv_tile(start + TILE_N, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                                  stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N,
-                                  HEAD_DIM, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
-    acc, m_i, l_i = _attend_raw_tile(acc, m_i, l_i, q, k_raw, v_raw, qk_scale, TILE_N, HEAD_DIM,
-                                     DOT_PRECISION, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
-    return acc, m_i, l_i, k_next, v_next
-
-
-@triton.jit
-def _attend_range_prefetch(
-    acc, m_i, l_i, lo, hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
-):  # fmt: skip
-    """`_attend_range` over whole, unmasked tiles of a quantized cache, each tile's stored
-    bytes loaded one step ahead (register double buffering: a tile's global loads are in
-    flight while the previous tile is dequantized and multiplied; the compiler pipelines
-    only the scales of these loads on its own). The same values and order of operations."""
-    k_raw, v_raw = _raw_kv_tile(lo, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
-                                stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N, HEAD_DIM,
-                                KV_QUANT, SF_KIND, GROUP)  # fmt: skip
-    if INTERPRET:
-        start = lo
-        while start < hi:
-            acc, m_i, l_i, k_raw, v_raw = _prefetch_step(
-                acc, m_i, l_i, start, hi, q, k_raw, v_raw, page_ptr, k_ptr, v_ptr, ks_ptr,
-                vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
-                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
-            )  # fmt: skip
-            start += TILE_N
-    else:
-        for start in range(lo, hi, TILE_N):
-            acc, m_i, l_i, k_raw, v_raw = _prefetch_step(
-                acc, m_i, l_i, start, hi, q, k_raw, v_raw, page_ptr, k_ptr, v_ptr, ks_ptr,
-                vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
-                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP,
-            )  # fmt: skip
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _tile_rows(
-    start, key_hi, page_ptr, stride_kb, stride_kt, stride_vb, stride_vt,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-):  # fmt: skip
-    """Offsets of the K and V records of keys [start, start + TILE_N) (one page-table lookup
-    per key, masked to keys below ``key_hi``: a tile at or past it looks up page 0)."""
-    offs_n = start + tl.arange(0, TILE_N)
-    page = tl.load(page_ptr + offs_n // BLOCK_SIZE, mask=offs_n < key_hi, other=0).to(tl.int64)
-    row = (offs_n % BLOCK_SIZE).to(tl.int64)
-    return page * stride_kb + row * stride_kt, page * stride_vb + row * stride_vt
-
-
-@triton.jit
-def _rows_ahead_step(
-    acc, m_i, l_i, start, hi, q, k_rows, v_rows, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE: tl.constexpr,
+def _attend_rows_tile(
+    acc, m_i, l_i, q, k_rows, v_rows, k_ptr, v_ptr, ks_ptr, vs_ptr, qk_scale,
     TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
     V_GROUPS: tl.constexpr,
 ):  # fmt: skip
-    """Look up tile ``start + TILE_N``'s records, then attend tile ``start`` through the
-    record offsets looked up the step before. ``V_GROUPS``: the accumulator is
-    ``[groups, TILE_M, GROUP]`` and V's codes go to the MMA unscaled (`load_kv_groups`)."""
-    k_next, v_next = _tile_rows(start + TILE_N, hi, page_ptr, stride_kb, stride_kt, stride_vb,
-                                stride_vt, BLOCK_SIZE, TILE_N)  # fmt: skip
+    """`_attend_tile` of a whole, unmasked tile whose record offsets are already looked up.
+    ``V_GROUPS``: the accumulator is ``[groups, TILE_M, GROUP]`` and V's codes go to the MMA
+    unscaled (`load_kv_groups`)."""
     in_range = k_rows >= 0  # whole tiles: every key is in range
     k = load_kv_tile(
         k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, False, KV_QUANT, SF_KIND, GROUP
@@ -270,42 +213,83 @@ def _rows_ahead_step(
         ps = p[None, :, :] * tl.trans(v_scale)[:, None, :]
         acc = acc * alpha[None, :, None] + tl.dot(ps.to(v.dtype), v,
                                                   input_precision=DOT_PRECISION)  # fmt: skip
-    return acc, m_new, l_i, k_next, v_next
+    return acc, m_new, l_i
 
 
 @triton.jit
-def _attend_range_rows_ahead(
+def _ahead_step(
+    acc, m_i, l_i, start, hi, q, k_cur, v_cur, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
+    V_GROUPS: tl.constexpr,
+):  # fmt: skip
+    """One step of `_attend_range_ahead`: issue the next tile's loads (``MODE`` 1: its
+    stored bytes; 2: its page-table lookup), then attend tile ``start`` from what the step
+    before loaded (``k_cur`` / ``v_cur``); returns the state and the next tile's values."""
+    if MODE == 1:
+        k_next, v_next = _raw_kv_tile(start + TILE_N, hi, page_ptr, k_ptr, v_ptr, ks_ptr,
+                                      vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt,
+                                      BLOCK_SIZE, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND,
+                                      GROUP)  # fmt: skip
+        acc, m_i, l_i = _attend_raw_tile(acc, m_i, l_i, q, k_cur, v_cur, qk_scale, TILE_N,
+                                         HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND,
+                                         GROUP)  # fmt: skip
+    else:
+        k_next, v_next = _tile_rows(start + TILE_N, hi, page_ptr, stride_kb, stride_kt,
+                                    stride_vb, stride_vt, BLOCK_SIZE, TILE_N)  # fmt: skip
+        acc, m_i, l_i = _attend_rows_tile(acc, m_i, l_i, q, k_cur, v_cur, k_ptr, v_ptr, ks_ptr,
+                                          vs_ptr, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION,
+                                          KV_QUANT, SF_KIND, GROUP, V_GROUPS)  # fmt: skip
+    return acc, m_i, l_i, k_next, v_next
+
+
+@triton.jit
+def _attend_range_ahead(
     acc, m_i, l_i, lo, hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
 ):  # fmt: skip
-    """`_attend_range` over whole, unmasked tiles with each tile's page-table lookup one step
-    ahead: the K / V loads of a step depend on no load of the same step, so the compiler's
-    software pipeline spends all its stages on K / V buffers."""
-    k_rows, v_rows = _tile_rows(lo, hi, page_ptr, stride_kb, stride_kt, stride_vb, stride_vt,
-                                BLOCK_SIZE, TILE_N)  # fmt: skip
+    """`_attend_range` over whole, unmasked tiles with part of each tile's loading one step
+    ahead (``PREFETCH_MODES``):
+
+    * ``MODE`` 1 (quantized caches): the tile's stored bytes, in registers (register double
+      buffering: a tile's global loads are in flight while the previous tile is dequantized
+      and multiplied; the compiler pipelines only the scales of these loads on its own). The
+      same values and order of operations as mode 0.
+    * ``MODE`` 2: the tile's page-table lookup, so a step's K / V loads depend on no load of
+      the same step and the compiler's software pipeline spends all its stages on K / V
+      buffers; an e4m3 / int8 V goes to the MMA by scale group (``V_GROUPS``; the e2m1 nibble
+      pairs split by group decode slowly, so an e2m1 V stays dequantized in registers).
+    """
     TILE_M: tl.constexpr = acc.shape[0]
-    # e2m1 V stays dequantized in registers: its nibble pairs split by group decode slowly.
-    V_GROUPS: tl.constexpr = KV_QUANT == 1 or KV_QUANT == 3
-    if V_GROUPS:  # the accumulator by scale group (`_rows_ahead_step`)
+    V_GROUPS: tl.constexpr = MODE == 2 and (KV_QUANT == 1 or KV_QUANT == 3)
+    if MODE == 1:
+        k_next, v_next = _raw_kv_tile(lo, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
+                                      stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N,
+                                      HEAD_DIM, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+    else:
+        k_next, v_next = _tile_rows(lo, hi, page_ptr, stride_kb, stride_kt, stride_vb,
+                                    stride_vt, BLOCK_SIZE, TILE_N)  # fmt: skip
+    if V_GROUPS:  # the accumulator by scale group (`_attend_rows_tile`)
         acc = tl.permute(tl.reshape(acc, [TILE_M, HEAD_DIM // GROUP, GROUP]), (1, 0, 2))
     if INTERPRET:
         start = lo
         while start < hi:
-            acc, m_i, l_i, k_rows, v_rows = _rows_ahead_step(
-                acc, m_i, l_i, start, hi, q, k_rows, v_rows, page_ptr, k_ptr, v_ptr, ks_ptr,
+            acc, m_i, l_i, k_next, v_next = _ahead_step(
+                acc, m_i, l_i, start, hi, q, k_next, v_next, page_ptr, k_ptr, v_ptr, ks_ptr,
                 vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
-                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, V_GROUPS,
+                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, MODE, V_GROUPS,
             )  # fmt: skip
             start += TILE_N
     else:
         for start in range(lo, hi, TILE_N):
-            acc, m_i, l_i, k_rows, v_rows = _rows_ahead_step(
-                acc, m_i, l_i, start, hi, q, k_rows, v_rows, page_ptr, k_ptr, v_ptr, ks_ptr,
+            acc, m_i, l_i, k_next, v_next = _ahead_step(
+                acc, m_i, l_i, start, hi, q, k_next, v_next, page_ptr, k_ptr, v_ptr, ks_ptr,
                 vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
-                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, V_GROUPS,
+                TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, MODE, V_GROUPS,
             )  # fmt: skip
     if V_GROUPS:
         acc = tl.reshape(tl.permute(acc, (1, 0, 2)), [TILE_M, HEAD_DIM])
@@ -327,8 +311,8 @@ def _attend_rows(
     page_ptr: page_ids + page_start[b]; k_ptr / v_ptr: cache + kv_head * head stride.
     Keys [max(key_lo, pos_max - window + 1), pos_min] are visible to every real row, so whole
     tiles there (starting at a multiple of TILE_N) skip the mask; the head and tail of the
-    range are masked. ``PREFETCH`` (quantized caches): the whole tiles load their bytes one
-    step ahead (`_attend_range_prefetch`).
+    range are masked. ``PREFETCH``: how the whole tiles load (``PREFETCH_MODES``; 1 and 2
+    in `_attend_range_ahead`).
 
     Returns the unnormalized accumulator [TILE_M, HEAD_DIM] (fp32), the running maximum m
     (log2 domain) and the running denominator l, both [TILE_M] fp32.
@@ -345,17 +329,12 @@ def _attend_rows(
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
-    if PREFETCH == 2:
-        acc, m_i, l_i = _attend_range_rows_ahead(
+    if PREFETCH == 2 or (PREFETCH == 1 and KV_QUANT != 0):
+        acc, m_i, l_i = _attend_range_ahead(
             acc, m_i, l_i, full_lo, full_hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
             BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        )  # fmt: skip
-    elif PREFETCH == 1 and KV_QUANT != 0:
-        acc, m_i, l_i = _attend_range_prefetch(
-            acc, m_i, l_i, full_lo, full_hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
+            PREFETCH,
         )  # fmt: skip
     else:
         acc, m_i, l_i = _attend_range(
@@ -515,8 +494,8 @@ LOG2E = 1.4426950408889634
 PREFETCH_MODES = (0, 1, 2)
 """How a launch's whole, unmasked key tiles load (the ``PREFETCH`` constexpr): 0 as the masked
 ones (`_attend_range`); 1 a quantized tile's stored bytes one step ahead in registers
-(`_attend_range_prefetch`); 2 the tile's page-table lookup one step ahead, and a quantized V
-by scale group with its scales on the probabilities (`_attend_range_rows_ahead`)."""
+(`_attend_range_ahead`); 2 the tile's page-table lookup one step ahead, and an fp8 / int8 V
+by scale group with its scales on the probabilities (also `_attend_range_ahead`)."""
 
 
 def _env_prefetch() -> int | None:
@@ -572,7 +551,7 @@ def launch_decode(
     kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
 ):  # fmt: skip
     """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
-    ``prefetch`` as in `_attend_range_prefetch` (None: ``QUANT_PREFETCH``, then
+    ``prefetch`` as in `_attend_range_ahead` (None: ``QUANT_PREFETCH``, then
     ``DECODE_PREFETCH``)."""
     batch, num_heads, head_dim = q.shape
     geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)

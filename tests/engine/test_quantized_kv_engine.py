@@ -129,8 +129,8 @@ def test_engine_with_prefetching_paged_kernels_gives_the_same_logits(kv_format, 
     ids = torch.randint(0, CFG.vocab_size, (90,), generator=g).tolist()  # whole 64-key tiles
     want = prompt_logits(_engine(kv_format).engine, ids, 16)
     calls = []
-    real = pak._prefetch_step  # one call per whole tile the prefetching loop attends
-    monkeypatch.setattr(pak, "QUANT_PREFETCH", True)
-    monkeypatch.setattr(pak, "_prefetch_step", lambda *a: calls.append(1) or real(*a))
+    real = pak._ahead_step  # one call per whole tile the prefetching loop attends
+    monkeypatch.setattr(pak, "QUANT_PREFETCH", 1)
+    monkeypatch.setattr(pak, "_ahead_step", lambda *a: calls.append(a[-2]) or real(*a))
     got = prompt_logits(_engine(kv_format).engine, ids, 16)
-    assert calls and torch.equal(got, want)
+    assert calls and set(calls) == {1} and torch.equal(got, want)  # a[-2]: the step's MODE

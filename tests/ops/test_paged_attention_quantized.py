@@ -163,9 +163,8 @@ def test_prefetched_tiles_give_the_same_result(kind, decode, mode, monkeypatch):
     the page-table lookups one step ahead and V's scales on the probabilities -- the
     reference again, within fp32 rounding of the plain loop."""
     calls = []
-    step = {1: "_prefetch_step", 2: "_rows_ahead_step"}[mode]
-    real = getattr(pak, step)  # one call per whole tile the loop attends
-    monkeypatch.setattr(pak, step, lambda *a: calls.append(1) or real(*a))
+    real = pak._ahead_step  # one call per whole tile the loop attends
+    monkeypatch.setattr(pak, "_ahead_step", lambda *a: calls.append(a[-2]) or real(*a))
     kv_lens, q_lens = [70, 35, 129, 1], ([1] * 4 if decode else [9, 35, 3, 1])
     c, (k_raw, v_raw), fmt, dq = quantized_case(
         kind, 21, kv_lens, q_lens, group=2, block_size=16, layout="offsets", head_dim=32
@@ -185,7 +184,7 @@ def test_prefetched_tiles_give_the_same_result(kind, decode, mode, monkeypatch):
         assert_close(got, dq.ref(decode=decode))
         if prefetch:
             first = got
-            assert calls
+            assert calls and set(calls) == {mode}  # MODE, the step's next-to-last argument
     if mode == 1:
         assert torch.equal(first, got)
     else:
