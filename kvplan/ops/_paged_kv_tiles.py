@@ -75,31 +75,21 @@ def load_kv_groups(
     ptr, sf_ptr, rows, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    """One head's quantized values of ``TILE_N`` whole-tile keys split by scale group, unscaled:
-    ``[HEAD_DIM // GROUP, TILE_N, GROUP]`` in q's dtype (exact: every e4m3 / int8 / e2m1 code
-    is a bf16 / fp16 value; e2m1 codes come 2^-14 small when SF_KIND is 1), and the
-    ``[TILE_N, HEAD_DIM // GROUP]`` fp32 scales (`kv_scales_fp32`). A caller multiplies the
-    scales into the other operand of its dot (one factor per key and group), so the values
-    reach the MMA as loaded."""
+    """One head's e4m3 / int8 values (``KV_QUANT`` 1 / 3) of ``TILE_N`` whole-tile keys split
+    by scale group, unscaled: ``[HEAD_DIM // GROUP, TILE_N, GROUP]`` in q's dtype (exact: every
+    e4m3 / int8 code is a bf16 / fp16 value), and the ``[TILE_N, HEAD_DIM // GROUP]`` fp32
+    scales (`kv_scales_fp32`). A caller multiplies the scales into the other operand of its
+    dot (one factor per key and group), so the values reach the MMA as loaded. (e2m1 nibble
+    pairs split by group this way decoded slowly on the H200: bench/RESULTS.md, session 20.)"""
     NG: tl.constexpr = HEAD_DIM // GROUP
     offs_g = tl.arange(0, NG)
-    if KV_QUANT == 2:
-        offs_c = tl.arange(0, GROUP // 2)
-        ptrs = ptr + rows[None, :, None] + (offs_g * (GROUP // 2))[:, None, None]
-        packed = tl.load(ptrs + offs_c[None, None, :]).to(tl.int32)
-        if SF_KIND == 1:
-            pairs = tl.join(decode_e2m1_tiny(packed & 15), decode_e2m1_tiny(packed >> 4))
-        else:
-            pairs = tl.join(decode_e2m1(packed & 15), decode_e2m1(packed >> 4))
-        x = tl.reshape(pairs, [NG, TILE_N, GROUP])
+    offs_c = tl.arange(0, GROUP)
+    ptrs = ptr + rows[None, :, None] + (offs_g * GROUP)[:, None, None]
+    raw = tl.load(ptrs + offs_c[None, None, :])
+    if KV_QUANT == 1:
+        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        offs_c = tl.arange(0, GROUP)
-        ptrs = ptr + rows[None, :, None] + (offs_g * GROUP)[:, None, None]
-        raw = tl.load(ptrs + offs_c[None, None, :])
-        if KV_QUANT == 1:
-            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            x = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        x = raw.to(tl.int8, bitcast=True).to(tl.float32)
     if SF_KIND == 2:
         sf_rows = (sf_ptr + rows).to(tl.pointer_type(tl.float32))
         sf = tl.load(sf_rows[:, None] + offs_g[None, :])

@@ -39,6 +39,7 @@ FORMATS = {
     "int8": ("int8", 32, "fp32"),
     "fp4": ("e2m1", 16, "e4m3"),
     "fp8_ue8m0": ("e4m3", 32, "ue8m0"),
+    "fp8_g8": ("e4m3", 8, "fp32"),  # mode 2's grouped V dot then has 8 columns
 }
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -154,7 +155,7 @@ def test_prefill_triton_reads_quantized_pages(kind, seed, kv_lens, q_lens, group
     assert_close(got, dq.ref(decode=False))
 
 
-@pytest.mark.parametrize("kind", ["fp8", "fp4", "int8"])
+@pytest.mark.parametrize("kind", ["fp8", "fp4", "int8", "fp8_g8"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("mode", [1, 2])
 def test_prefetched_tiles_give_the_same_result(kind, decode, mode, monkeypatch):
