@@ -91,6 +91,25 @@ def _attend_tile(
         row = start % BLOCK_SIZE + tl.arange(0, TILE_N)
         k_rows = page * stride_kb + row * stride_kt
         v_rows = page * stride_vb + row * stride_vt
+    return _attend_rows_tile(
+        acc, m_i, l_i, q, k_rows, v_rows, in_range, offs_n, row_pos, window, k_ptr, v_ptr,
+        ks_ptr, vs_ptr, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED, KV_QUANT, SF_KIND,
+        GROUP, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _attend_rows_tile(
+    acc, m_i, l_i, q, k_rows, v_rows, in_range, offs_n, row_pos, window, k_ptr, v_ptr, ks_ptr,
+    vs_ptr, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr, V_GROUPS: tl.constexpr,
+):  # fmt: skip
+    """`_attend_tile`'s step once the keys' record offsets ``k_rows`` / ``v_rows`` are looked
+    up. ``MASKED``: keys out of ``in_range`` read nothing and the causal / window mask
+    (``offs_n`` the keys' positions, ``row_pos``, ``window``) applies; otherwise those four
+    are not read. ``V_GROUPS``: the accumulator is ``[groups, TILE_M, GROUP]`` and V's codes
+    go to the MMA unscaled (`load_kv_groups`)."""
     k = load_kv_tile(
         k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
     )
@@ -103,10 +122,19 @@ def _attend_tile(
         )
         s = tl.where(visible, s, float("-inf"))
     p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-    v = load_kv_tile(
-        v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
-    )
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if not V_GROUPS:
+        v = load_kv_tile(
+            v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        # acc: [groups, TILE_M, GROUP]; V's scales go on the probabilities, one per key and
+        # group, so the V codes reach the MMA as loaded.
+        v, v_scale = load_kv_groups(v_ptr, vs_ptr, v_rows, q, TILE_N, HEAD_DIM, KV_QUANT,
+                                    SF_KIND, GROUP)  # fmt: skip
+        ps = p[None, :, :] * tl.trans(v_scale)[:, None, :]
+        acc = acc * alpha[None, :, None] + tl.dot(ps.to(v.dtype), v,
+                                                  input_precision=DOT_PRECISION)  # fmt: skip
     return acc, m_new, l_i
 
 
@@ -185,38 +213,6 @@ def _attend_raw_tile(
 
 
 @triton.jit
-def _attend_rows_tile(
-    acc, m_i, l_i, q, k_rows, v_rows, k_ptr, v_ptr, ks_ptr, vs_ptr, qk_scale,
-    TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
-    V_GROUPS: tl.constexpr,
-):  # fmt: skip
-    """`_attend_tile` of a whole, unmasked tile whose record offsets are already looked up.
-    ``V_GROUPS``: the accumulator is ``[groups, TILE_M, GROUP]`` and V's codes go to the MMA
-    unscaled (`load_kv_groups`)."""
-    in_range = k_rows >= 0  # whole tiles: every key is in range
-    k = load_kv_tile(
-        k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, False, KV_QUANT, SF_KIND, GROUP
-    )
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-    if not V_GROUPS:
-        v = load_kv_tile(
-            v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, False, KV_QUANT, SF_KIND, GROUP
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    else:
-        # acc: [groups, TILE_M, GROUP]; V's scales go on the probabilities, one per key and
-        # group, so the V codes reach the MMA as loaded.
-        v, v_scale = load_kv_groups(v_ptr, vs_ptr, v_rows, q, TILE_N, HEAD_DIM, KV_QUANT,
-                                    SF_KIND, GROUP)  # fmt: skip
-        ps = p[None, :, :] * tl.trans(v_scale)[:, None, :]
-        acc = acc * alpha[None, :, None] + tl.dot(ps.to(v.dtype), v,
-                                                  input_precision=DOT_PRECISION)  # fmt: skip
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _ahead_step(
     acc, m_i, l_i, start, hi, q, k_cur, v_cur, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE: tl.constexpr,
@@ -238,9 +234,12 @@ def _ahead_step(
     else:
         k_next, v_next = _tile_rows(start + TILE_N, hi, page_ptr, stride_kb, stride_kt,
                                     stride_vb, stride_vt, BLOCK_SIZE, TILE_N)  # fmt: skip
-        acc, m_i, l_i = _attend_rows_tile(acc, m_i, l_i, q, k_cur, v_cur, k_ptr, v_ptr, ks_ptr,
-                                          vs_ptr, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION,
-                                          KV_QUANT, SF_KIND, GROUP, V_GROUPS)  # fmt: skip
+        # whole tiles: unmasked (in_range, positions, row_pos and window are not read)
+        acc, m_i, l_i = _attend_rows_tile(
+            acc, m_i, l_i, q, k_cur, v_cur, k_cur, k_cur, k_cur, 0, k_ptr, v_ptr, ks_ptr,
+            vs_ptr, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, False, KV_QUANT, SF_KIND, GROUP,
+            V_GROUPS,
+        )  # fmt: skip
     return acc, m_i, l_i, k_next, v_next
 
 

@@ -46,13 +46,24 @@ def load_kv_raw(
     if KV_QUANT == 0:
         sf = in_range  # placeholder
     else:
-        offs_g = tl.arange(0, HEAD_DIM // GROUP)  # the head's scales
-        if SF_KIND == 2:  # fp32 (SF_KIND values: kvplan.ops._quant_triton.SF_KIND)
-            sf_rows = (sf_ptr + rows).to(tl.pointer_type(tl.float32))
-            sf = _load_masked(sf_rows[:, None] + offs_g[None, :], in_range, MASKED)
-        else:
-            sf = _load_masked(sf_ptr + rows[:, None] + offs_g[None, :], in_range, MASKED)
+        sf = load_kv_scales(sf_ptr, rows, in_range, HEAD_DIM, MASKED, SF_KIND, GROUP)
     return vals, sf
+
+
+@triton.jit
+def load_kv_scales(
+    sf_ptr, rows, in_range, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """The ``[TILE_N, HEAD_DIM // GROUP]`` scales of one head of ``TILE_N`` keys as stored:
+    fp32, or their bytes (``SF_KIND`` values: ``kvplan.ops._quant_triton.SF_KIND``)."""
+    offs_g = tl.arange(0, HEAD_DIM // GROUP)
+    if SF_KIND == 2:  # fp32
+        sf_rows = (sf_ptr + rows).to(tl.pointer_type(tl.float32))
+        sf = _load_masked(sf_rows[:, None] + offs_g[None, :], in_range, MASKED)
+    else:
+        sf = _load_masked(sf_ptr + rows[:, None] + offs_g[None, :], in_range, MASKED)
+    return sf
 
 
 @triton.jit
@@ -90,11 +101,7 @@ def load_kv_groups(
         x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         x = raw.to(tl.int8, bitcast=True).to(tl.float32)
-    if SF_KIND == 2:
-        sf_rows = (sf_ptr + rows).to(tl.pointer_type(tl.float32))
-        sf = tl.load(sf_rows[:, None] + offs_g[None, :])
-    else:
-        sf = tl.load(sf_ptr + rows[:, None] + offs_g[None, :])
+    sf = load_kv_scales(sf_ptr, rows, rows, HEAD_DIM, False, SF_KIND, GROUP)  # unmasked
     return x.to(q.dtype), kv_scales_fp32(sf, KV_QUANT, SF_KIND)
 
 
