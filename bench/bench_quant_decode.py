@@ -84,6 +84,11 @@ def main() -> None:
         "tile ahead, 2 page lookups a tile ahead and V's scales on the probabilities)",
     )
     ap.add_argument(
+        "--maxnreg",
+        default="",
+        help="also every tiling with each of these register caps (maxnreg=, e.g. 168,128)",
+    )
+    ap.add_argument(
         "--graph",
         action="store_true",
         help="time CUDA-graph replays of the calls (the engine's decode steps; eager calls of "
@@ -130,6 +135,9 @@ def main() -> None:
         modes = [m for m in ints(args.prefetch) if fmt != "bf16" or m != 1]  # 1: quantized
         if modes:  # each mode and 0, whatever the format's default
             tilings = [{**t, "prefetch": m} for t in [{}, *tilings] for m in (0, *modes)]
+        if args.maxnreg:  # each cap, and the compiler's own choice (0)
+            caps = (0, *ints(args.maxnreg))
+            tilings = [{**t, "maxnreg": c} for t in [{}, *tilings] for c in caps]
 
         def measure(kw, caches=caches, layout=layout, want=want, kv_bytes=kv_bytes, fmt=fmt):
             def call():

@@ -547,11 +547,11 @@ def _group_tile(group_size: int) -> int:
 
 def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
-    kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
+    kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None, maxnreg=None,
 ):  # fmt: skip
     """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
     ``prefetch`` as in `_attend_range_ahead` (None: ``QUANT_PREFETCH``, then
-    ``DECODE_PREFETCH``)."""
+    ``DECODE_PREFETCH``); ``maxnreg``: the compiler's register cap per thread (None: none)."""
     batch, num_heads, head_dim = q.shape
     geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)
     group_size = num_heads // geo.num_kv_heads
@@ -579,6 +579,7 @@ def launch_decode(
         KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
         PREFETCH=_prefetch(prefetch, kv_layout, decode=True),
         num_warps=num_warps, num_stages=num_stages,
+        **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
     )  # fmt: skip
     if split:
         _combine_kernel[(batch, num_heads)](

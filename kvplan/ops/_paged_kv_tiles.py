@@ -260,3 +260,45 @@ def decode_tiling(
     if not isinstance(num_stages, int) or not 1 <= num_stages <= 8:
         raise ValueError(f"num_stages must be an int in [1, 8], got {num_stages!r}")
     return tile_n, num_warps, num_stages
+
+
+DECODE_MAXNREG: dict[str | None, int] = {}
+"""Register cap per thread (Triton's ``maxnreg``) of a decode launch by
+``kv_layout.quantized_dtype`` (None: float caches); absent: the compiler's own choice. A cap
+lets more programs share an SM (65,536 registers) at the price of spills."""
+
+
+def _maxnreg_from_env() -> int | None:
+    """``KVPLAN_DECODE_MAXNREG=n``: every format's decode register cap (A/B runs of whole
+    engines; 0: none); unset: ``DECODE_MAXNREG``."""
+    text = os.environ.get("KVPLAN_DECODE_MAXNREG", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or (int(text) and not 24 <= int(text) <= 255):
+        raise ValueError(f"KVPLAN_DECODE_MAXNREG must be 0 or an int in [24, 255], got {text!r}")
+    return int(text)
+
+
+MAXNREG_OVERRIDE = _maxnreg_from_env()
+
+
+def decode_maxnreg(kv_layout, maxnreg: int | None = None) -> int | None:
+    """The register cap of a decode launch: ``maxnreg`` when given (0: none), else
+    ``KVPLAN_DECODE_MAXNREG``, else ``DECODE_MAXNREG``'s entry for the cache's format.
+
+    >>> decode_maxnreg(None) is None
+    True
+    >>> decode_maxnreg(None, 168)
+    168
+    """
+    if maxnreg is None:
+        if MAXNREG_OVERRIDE is not None:
+            maxnreg = MAXNREG_OVERRIDE
+        else:
+            key = None if kv_layout is None else kv_layout.quantized_dtype
+            maxnreg = DECODE_MAXNREG.get(key)
+    if maxnreg is None or maxnreg == 0:
+        return None
+    if not isinstance(maxnreg, int) or not 24 <= maxnreg <= 255:
+        raise ValueError(f"maxnreg must be None, 0 or an int in [24, 255], got {maxnreg!r}")
+    return maxnreg

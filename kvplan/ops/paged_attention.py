@@ -44,7 +44,7 @@ from kvplan.formats import KVCacheFormat
 from kvplan.ops import _paged_attention_kernels as _k
 from kvplan.ops._dispatch import cuda_sm_count, use_triton
 from kvplan.ops._paged_attention_checks import check_attention_inputs
-from kvplan.ops._paged_kv_tiles import decode_tiling
+from kvplan.ops._paged_kv_tiles import decode_maxnreg, decode_tiling
 
 
 def _splits_from_env() -> int | None:
@@ -161,13 +161,15 @@ def paged_attention_decode_triton(
     out: Tensor | None = None, num_splits: int | None = None, max_kv_len: int | None = None,
     kv_layout: KVCacheFormat | None = None, check: bool = True, tile_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
+    maxnreg: int | None = None,
 ) -> Tensor:  # fmt: skip
     """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`.
     ``tile_n`` / ``num_warps`` / ``num_stages``: launch overrides (see ``kvplan.ops._paged_kv_tiles.decode_tiling``;
     None takes the format's default); ``prefetch``: how whole key tiles load, one of
     ``kvplan.ops._paged_attention_kernels.PREFETCH_MODES`` (None:
     ``QUANT_PREFETCH``, then the per-format ``DECODE_PREFETCH``: mode 1 for fp4 pages, 2 for
-    fp8 / int8)."""
+    fp8 / int8); ``maxnreg``: a register cap per thread for the compiler (None:
+    ``kvplan.ops._paged_kv_tiles.decode_maxnreg``'s entry for the format)."""
     window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
@@ -188,6 +190,7 @@ def paged_attention_decode_triton(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, scale=float(scale),
         window=window, num_splits=num_splits, kv_layout=kv_layout, tile_n=tile_n,
         num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
+        maxnreg=decode_maxnreg(kv_layout, maxnreg),
     )  # fmt: skip
 
 

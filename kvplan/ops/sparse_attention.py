@@ -39,6 +39,7 @@ of a row are split across programs and merged by a second kernel
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -298,6 +299,28 @@ ONE_PROGRAM_TILING_FEW: dict[str, int] = {"tile_n": 64, "num_warps": 8, "num_sta
 ONE_PROGRAM_TILING_QUANTIZED: dict[str, int] = {"tile_n": 32, "num_warps": 4, "num_stages": 3}
 SPLIT_TILING: dict[str, int] = {"tile_n": 64, "num_warps": 8, "num_stages": 3}
 SPLIT_TILING_EXACT: dict[str, int] = {"tile_n": 64, "num_warps": 8, "num_stages": 2}
+
+
+def _split_from_env() -> tuple[int, dict[str, int]] | None:
+    """``KVPLAN_SPARSE_SPLIT="programs_per_sm,tile_n,num_warps,num_stages"``: the split
+    target and both split tilings (A/B runs of whole engines); unset: the tables above."""
+    text = os.environ.get("KVPLAN_SPARSE_SPLIT", "")
+    if not text:
+        return None
+    parts = text.split(",")
+    if len(parts) != 4 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
+        raise ValueError(
+            "KVPLAN_SPARSE_SPLIT must be 'programs_per_sm,tile_n,num_warps,num_stages' "
+            f"(positive ints), got {text!r}"
+        )
+    per_sm, tile_n, warps, stages = (int(x) for x in parts)
+    return per_sm, {"tile_n": tile_n, "num_warps": warps, "num_stages": stages}
+
+
+_SPLIT_OVERRIDE = _split_from_env()
+if _SPLIT_OVERRIDE is not None:
+    _PROGRAMS_PER_SM = _SPLIT_OVERRIDE[0]
+    SPLIT_TILING = SPLIT_TILING_EXACT = _SPLIT_OVERRIDE[1]
 _SPLIT_TILE_N = SPLIT_TILING["tile_n"]  # keys per tile of the split kernel (split_count's unit)
 FEW_PROGRAMS_PER_SM = 4  # "few programs": (row, head group) pairs up to this many per SM
 
