@@ -7,6 +7,8 @@
 set -u
 BUDGET=${BUDGET:-500}
 source bench/gpu_steps.sh
+step 60 cap_test python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf -k "register_cap or maxnreg" tests/ops
+tail -3 "$W/cap_test.log"
 step 150 cap_long python3 bench/bench_quant_decode.py --graph --formats fp8,bf16,fp4,int8 --no-tiling --maxnreg 168,128 --splits 2,3,4,6 --out "$W/cap_long.json"
 grep -E "^  |^ *(fp8|bf16|fp4|int8) " "$W/cap_long.log" | head -60
 step 90 cap_short python3 bench/bench_quant_decode.py --graph --formats fp8,bf16 --no-tiling --maxnreg 168,128 --splits 1,2,4 --batch 64 --context 320 --out "$W/cap_short.json"

@@ -504,3 +504,34 @@ def test_decode_tiling_defaults_overrides_and_env(monkeypatch) -> None:
         tiles.decode_tiling(None, tile_n=48)
     with pytest.raises(ValueError, match="num_warps"):
         tiles.decode_tiling(None, num_warps=3)
+
+
+def test_decode_maxnreg_defaults_overrides_and_env(monkeypatch) -> None:
+    """The decode register cap: none by default, an explicit cap wins, 0 means none,
+    ``KVPLAN_DECODE_MAXNREG`` parsing and range checks with clear errors; a capped launch
+    gives the uncapped result (the interpreter ignores the cap; the GPU test runs it)."""
+    from kvplan.ops import _paged_kv_tiles as tiles
+
+    monkeypatch.setattr(tiles, "MAXNREG_OVERRIDE", None)
+    monkeypatch.setattr(tiles, "DECODE_MAXNREG", {"e4m3": 168})
+    assert tiles.decode_maxnreg(None) is None
+    assert tiles.decode_maxnreg(None, 128) == 128
+    assert tiles.decode_maxnreg(None, 0) is None
+    fp8 = type("L", (), {"quantized_dtype": "e4m3"})()
+    assert tiles.decode_maxnreg(fp8) == 168
+    assert tiles.decode_maxnreg(fp8, 0) is None
+    monkeypatch.setattr(tiles, "MAXNREG_OVERRIDE", 0)
+    assert tiles.decode_maxnreg(fp8) is None
+    with pytest.raises(ValueError, match="maxnreg must be .* got 300"):
+        tiles.decode_maxnreg(None, 300)
+    monkeypatch.setenv("KVPLAN_DECODE_MAXNREG", "128")
+    assert tiles._maxnreg_from_env() == 128
+    for bad in ("12", "x", "256"):
+        monkeypatch.setenv("KVPLAN_DECODE_MAXNREG", bad)
+        with pytest.raises(ValueError, match=f"KVPLAN_DECODE_MAXNREG .* got '{bad}'"):
+            tiles._maxnreg_from_env()
+    c = make_case(62, [3, 40], [1, 1], group=4, head_dim=32)
+    want = paged_attention_decode_triton(*c.args(), c.kv_lens, scale=c.scale, num_splits=2)
+    got = paged_attention_decode_triton(*c.args(), c.kv_lens, scale=c.scale, num_splits=2,
+                                        maxnreg=128)  # fmt: skip
+    assert torch.equal(got, want)
