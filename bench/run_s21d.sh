@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Session 21, call D: a register cap on the dense decode kernel (Triton's maxnreg). On sm_90
-# the fp8 mode-2 launch (64, 2, 3) takes 232 registers (4 programs an SM); capped at 168 it
-# spills 24 bytes and 6 fit (bench/decode_kernel_regs.py-style compile here). Per call at
-# 32 x 8K and 64 x 320 (the short workload's decode) with caps 168 / 128 and the split sweep,
-# then the long workload's fp8 engine with KVPLAN_DECODE_MAXNREG=0 / 168 in one call.
+# Session 21, call D: two launch-level changes for the dense decode step.
+# 1. A register cap on the decode kernel (Triton's maxnreg): the fp8 mode-2 launch (64, 2, 3)
+#    takes 232 registers (4 programs an SM); capped at 168 it spills 24 bytes and 6 fit.
+# 2. Programmatic dependent launch (KVPLAN_PDL=1 / 2) of the decode step's Triton kernels
+#    (RMSNorm, qkv epilogue, attention + combine, silu-mul, LM head, argmax).
+# GPU tests of both first, then the per-call sweep at 32 x 8K, then the short workload's
+# engine with PDL 0 / 1 / 2 and the long fp8 one with the cap.
 set -u
-BUDGET=${BUDGET:-500}
+BUDGET=${BUDGET:-440}
 source bench/gpu_steps.sh
-step 60 cap_test python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf -k "register_cap or maxnreg" tests/ops
-tail -3 "$W/cap_test.log"
-step 150 cap_long python3 bench/bench_quant_decode.py --graph --formats fp8,bf16,fp4,int8 --no-tiling --maxnreg 168,128 --splits 2,3,4,6 --out "$W/cap_long.json"
-grep -E "^  |^ *(fp8|bf16|fp4|int8) " "$W/cap_long.log" | head -60
-step 90 cap_short python3 bench/bench_quant_decode.py --graph --formats fp8,bf16 --no-tiling --maxnreg 168,128 --splits 1,2,4 --batch 64 --context 320 --out "$W/cap_short.json"
-grep -E "^  |^ *(fp8|bf16) " "$W/cap_short.log" | head -30
-for r in 0 168; do
-  KVPLAN_DECODE_MAXNREG=$r step 45 long_fp8_cap$r python3 bench/bench_engine.py --kv-format fp8 --num-requests 32 --prompt-len 8192 --new-tokens 256 --hf "" --out "$W/long_fp8_cap$r.json"
-  grep -E "kvplan \(|decode step" "$W/long_fp8_cap$r.log"
+KVPLAN_PDL=2 step 100 gpu_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=short -rf -k "register_cap or graph or fused or argmax or small_gemm or decode" tests/ops tests/models tests/engine
+grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests.log" | head -12
+for p in 0 2 1; do
+  KVPLAN_PDL=$p step 45 short_bf16_pdl$p python3 bench/bench_engine.py --kv-format bf16 --hf "" --out "$W/short_bf16_pdl$p.json"
+  grep -E "kvplan \(|decode step" "$W/short_bf16_pdl$p.log"
 done
+step 100 cap_long python3 bench/bench_quant_decode.py --graph --formats fp8,fp4,bf16 --no-tiling --maxnreg 168,128 --splits 2,3,4 --out "$W/cap_long.json"
+grep -E "^  |^ *(fp8|bf16|fp4) " "$W/cap_long.log" | head -40
+KVPLAN_DECODE_MAXNREG=168 step 45 long_fp8_cap168 python3 bench/bench_engine.py --kv-format fp8 --num-requests 32 --prompt-len 8192 --new-tokens 256 --hf "" --out "$W/long_fp8_cap168.json"
+grep -E "kvplan \(|decode step" "$W/long_fp8_cap168.log"

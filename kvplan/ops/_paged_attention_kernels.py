@@ -45,6 +45,7 @@ from kvplan.ops._paged_kv_tiles import (
     load_kv_raw,
     load_kv_tile,
 )
+from kvplan.ops._triton_util import pdl_launch, pdl_prologue
 
 # Stand-in for "no sliding window": far beyond any int32 position difference we produce.
 NO_WINDOW = 1 << 30
@@ -364,6 +365,7 @@ def _decode_kernel(
     """Grid (B, Hkv, num_splits). q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D];
     page_ids int32 flat, page_start / kv_lens int32 [B]; partials (SPLIT only): fp32
     part_acc [B, H, S, D], part_m / part_l [B, H, S]."""
+    pdl_prologue()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -413,6 +415,7 @@ def _combine_kernel(
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, H): merge the split partials (fp32 [B, H, S, D] and [B, H, S]) into out."""
+    pdl_prologue()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -580,12 +583,13 @@ def launch_decode(
         PREFETCH=_prefetch(prefetch, kv_layout, decode=True),
         num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
+        **pdl_launch(q),
     )  # fmt: skip
     if split:
         _combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_heads, num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4,
+            num_warps=4, **pdl_launch(q),
         )  # fmt: skip
     return out
 
