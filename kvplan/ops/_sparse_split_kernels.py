@@ -34,6 +34,7 @@ from kvplan.ops._sparse_attention_kernels import (
     _load_query,
     _store_out,
 )
+from kvplan.ops._triton_util import pdl_prologue
 
 
 @triton.jit
@@ -51,6 +52,7 @@ def sparse_attention_split_kernel(
     """Grid ``(T, cdiv(H, TILE_H), S)``: split ``s`` of row ``t``, joined columns
     ``[s * cols_per_split, (s + 1) * cols_per_split)``. Source arguments as in
     ``sparse_attention_kernel``; workspaces contiguous ``[T, S, H(, HEAD_DIM)]`` fp32."""
+    pdl_prologue()
     t = tl.program_id(0)
     heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     sp = tl.program_id(2)
@@ -105,6 +107,7 @@ def sparse_attention_combine_kernel(
     """Grid ``(T, cdiv(H, TILE_H))``: merge the ``S`` partial states of row ``t`` and add
     the sink (fp32 ``[H]``) once; out ``[T, H, HEAD_DIM]`` (``HALF_RD``: its rotary channels
     turned back, ``_store_out``)."""
+    pdl_prologue()
     t = tl.program_id(0)
     heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     h_ok = heads < num_heads

@@ -44,12 +44,13 @@ def pdl_prologue():
         gdc_launch_dependents()
 
 
-def pdl_launch(tensor) -> dict:
-    """Launch options of a kernel that calls `pdl_prologue` over CUDA ``tensor``'s device:
-    ``{"launch_pdl": True}`` when PDL is on and the GPU has it (sm_90+), else none."""
-    if not PDL_MODE or not tensor.is_cuda:
+def pdl_launch(tensor=None) -> dict:
+    """Launch options of a kernel that calls `pdl_prologue` over CUDA ``tensor``'s device
+    (None: the current CUDA device): ``{"launch_pdl": True}`` when PDL is on and the GPU has
+    it (sm_90+), else none."""
+    if not PDL_MODE or (tensor is not None and not tensor.is_cuda):
         return {}
-    index = tensor.device.index
+    index = None if tensor is None else tensor.device.index
     if index is None:
         import torch
 

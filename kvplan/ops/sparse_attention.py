@@ -49,6 +49,7 @@ from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops import _sparse_attention_kernels as _k
 from kvplan.ops import _sparse_split_kernels as _ks
 from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
+from kvplan.ops._triton_util import pdl_launch
 from kvplan.ops.index_scores import index_scores, index_scores_triton, topk_columns
 from kvplan.ops.sparse_sources import (
     MAX_HEAD_DIM,
@@ -268,12 +269,12 @@ def sparse_attention_triton(
     ws_acc, ws_m, ws_l = ws[: parts * head_dim], ws[parts * head_dim : -parts], ws[-parts:]
     _ks.sparse_attention_split_kernel[(num_rows, groups, num_splits)](
         q, ws_acc, ws_m, ws_l, q.stride(0), q.stride(1), num_heads, num_splits, cols_per_split,
-        scale * _k.LOG2E, *srcs, **consts, **stages,
+        scale * _k.LOG2E, *srcs, **consts, **stages, **pdl_launch(),
     )  # fmt: skip
     _ks.sparse_attention_combine_kernel[(num_rows, groups)](
         out, sink32, ws_acc, ws_m, ws_l, out.stride(0), out.stride(1), num_heads, num_splits,
         *rope_args, HEAD_DIM=head_dim, D_P2=d_p2, TILE_H=tile_h, INTERPRET=interpret,
-        HALF_RD=half_rd, HW=not interpret, num_warps=4,
+        HALF_RD=half_rd, HW=not interpret, num_warps=4, **pdl_launch(),
     )  # fmt: skip
     return out
 
