@@ -67,7 +67,8 @@ def main() -> None:
     ap.add_argument(
         "--with-splits",
         default="",
-        help="time every swept tiling at each of these num_splits values (e.g. 2,4,8)",
+        help="also time every config (default, swept tilings, modes, caps) at each of these "
+        "num_splits values (e.g. 2,4,8)",
     )
     ap.add_argument("--batch", type=int, default=32, help="sequences (GPU; default 32)")
     ap.add_argument(
@@ -130,14 +131,15 @@ def main() -> None:
         ).to(q.dtype)
         kv_bytes = 2 * batch * ctx * hkv * d * per_value
         tilings = [dict(tile_n=t, num_warps=w, num_stages=st) for t, w, st in sweep]
-        if args.with_splits:  # every swept tiling at each of these split counts
-            tilings = [{**t, "num_splits": n} for t in tilings for n in ints(args.with_splits)]
         modes = [m for m in ints(args.prefetch) if fmt != "bf16" or m != 1]  # 1: quantized
         if modes:  # each mode and 0, whatever the format's default
             tilings = [{**t, "prefetch": m} for t in [{}, *tilings] for m in (0, *modes)]
         if args.maxnreg:  # each cap, and the compiler's own choice (0)
             caps = (0, *ints(args.maxnreg))
             tilings = [{**t, "maxnreg": c} for t in [{}, *tilings] for c in caps]
+        if args.with_splits:  # every config above (and the default) at these split counts
+            n_splits = ints(args.with_splits)
+            tilings += [{**t, "num_splits": n} for t in [{}, *tilings] for n in n_splits]
 
         def measure(kw, caches=caches, layout=layout, want=want, kv_bytes=kv_bytes, fmt=fmt):
             def call():
