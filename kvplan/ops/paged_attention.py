@@ -42,6 +42,7 @@ from torch import Tensor
 from kvplan import quant
 from kvplan.formats import KVCacheFormat
 from kvplan.ops import _paged_attention_kernels as _k
+from kvplan.ops import _paged_kv_tiles as tiles
 from kvplan.ops._dispatch import cuda_sm_count, use_triton
 from kvplan.ops._paged_attention_checks import check_attention_inputs
 from kvplan.ops._paged_kv_tiles import decode_maxnreg, decode_tiling
@@ -91,6 +92,41 @@ def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: 
     programs = max(batch * num_kv_heads, 1)
     splits = -(-2 * num_sms // programs)
     return max(1, min(splits, max_kv_len // 256, 64))
+
+
+def resident_splits(
+    batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int, programs_per_sm: int
+) -> int:
+    """Split-K factor that fills one wave of ``programs_per_sm`` resident programs on each of
+    ``num_sms`` SMs (rounded down, >= 256 keys per split; 1 when the pairs alone fill it).
+
+    >>> resident_splits(32, 8, 8192, 132, 6)  # 256 pairs, 792 slots: 3 splits
+    3
+    """
+    programs = max(batch * num_kv_heads, 1)
+    return max(1, min(programs_per_sm * num_sms // programs, max_kv_len // 256, 64))
+
+
+def _decode_launch_plan(
+    kv_layout, batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int, num_warps: int,
+    num_splits: int | None, maxnreg: int | None,
+) -> tuple[int, int | None]:  # fmt: skip
+    """``(num_splits, maxnreg)`` of a decode launch. A register cap lets more programs share an
+    SM, which pays only with more programs: without a given split count a capped launch takes
+    `resident_splits` where that exceeds `default_num_splits`. A cap given here or by
+    ``KVPLAN_DECODE_MAXNREG`` always applies; a format's ``DECODE_MAXNREG`` entry only where it
+    brings those extra splits (H200, fp8 at 32 x 8K: cap 168 x 3 splits 135.1 us, uncapped x 2
+    splits 143.0, cap 168 x 2 splits 145.1; bench/RESULTS.md, session 21)."""
+    given = maxnreg is not None or tiles.MAXNREG_OVERRIDE is not None
+    cap = decode_maxnreg(kv_layout, maxnreg)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, max_kv_len, num_sms)
+        if cap is not None and SPLITS_OVERRIDE is None:
+            per_sm = 65536 // (cap * 32 * num_warps)
+            capped = resident_splits(batch, num_kv_heads, max_kv_len, num_sms, per_sm)
+            if capped > num_splits:
+                return capped, cap
+    return num_splits, cap if given else None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -168,20 +204,22 @@ def paged_attention_decode_triton(
     None takes the format's default); ``prefetch``: how whole key tiles load, one of
     ``kvplan.ops._paged_attention_kernels.PREFETCH_MODES`` (None:
     ``QUANT_PREFETCH``, then the per-format ``DECODE_PREFETCH``: mode 1 for fp4 pages, 2 for
-    fp8 / int8); ``maxnreg``: a register cap per thread for the compiler (None:
-    ``kvplan.ops._paged_kv_tiles.decode_maxnreg``'s entry for the format)."""
+    fp8 / int8); ``maxnreg``: a register cap per thread for the compiler (0: none; None:
+    the format's ``DECODE_MAXNREG`` entry where `_decode_launch_plan` finds it pays)."""
     window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
     )  # fmt: skip
     tile_n, num_warps, num_stages = decode_tiling(kv_layout, tile_n, num_warps, num_stages)
     batch = q.shape[0]
-    if num_splits is None:
-        if max_kv_len is None:
-            max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]
-        if sliding_window is not None:
-            max_kv_len = min(max_kv_len, sliding_window)
-        num_splits = default_num_splits(batch, num_kv_heads, max_kv_len, _num_sms(q.device))
+    if max_kv_len is None:
+        max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]
+    if sliding_window is not None:
+        max_kv_len = min(max_kv_len, sliding_window)
+    num_splits, maxnreg = _decode_launch_plan(
+        kv_layout, batch, num_kv_heads, max_kv_len, _num_sms(q.device), num_warps, num_splits,
+        maxnreg,
+    )  # fmt: skip
     if not isinstance(num_splits, int) or not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must be an int in [1, 1024], got {num_splits!r}")
     if out is None:
@@ -190,7 +228,7 @@ def paged_attention_decode_triton(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, scale=float(scale),
         window=window, num_splits=num_splits, kv_layout=kv_layout, tile_n=tile_n,
         num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
-        maxnreg=decode_maxnreg(kv_layout, maxnreg),
+        maxnreg=maxnreg,
     )  # fmt: skip
 
 
