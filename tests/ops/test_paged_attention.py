@@ -530,6 +530,26 @@ def test_decode_maxnreg_defaults_overrides_and_env(monkeypatch) -> None:
         monkeypatch.setenv("KVPLAN_DECODE_MAXNREG", bad)
         with pytest.raises(ValueError, match=f"KVPLAN_DECODE_MAXNREG .* got '{bad}'"):
             tiles._maxnreg_from_env()
+    # the launch plan: a format's cap only where it brings more resident splits
+    from kvplan.ops import paged_attention as pa
+
+    monkeypatch.setattr(tiles, "MAXNREG_OVERRIDE", None)
+    monkeypatch.setattr(pa, "SPLITS_OVERRIDE", None)
+    plan = lambda batch, splits=None, cap=None, layout=fp8: pa._decode_launch_plan(  # noqa: E731
+        layout, batch, 8, 8192, 132, 2, splits, cap
+    )
+    assert plan(32) == (3, 168)  # 256 pairs: 2 plain splits, 6 capped programs an SM: 3
+    assert plan(64) == (1, None)  # 512 pairs fill both: no cap
+    assert plan(32, splits=2) == (2, None)  # a given split count keeps the table's cap off
+    assert plan(32, cap=0) == (2, None)
+    assert plan(32, layout=None) == (2, None)
+    assert plan(32, cap=168, layout=None) == (3, 168)  # a given cap always applies
+    assert plan(32, splits=2, cap=168) == (2, 168)
+    monkeypatch.setattr(tiles, "MAXNREG_OVERRIDE", 0)
+    assert plan(32) == (2, None)
+    assert pa.resident_splits(32, 8, 8192, 132, 6) == 3
+    assert pa.resident_splits(32, 8, 512, 132, 6) == 2  # >= 256 keys a split
+    assert pa.resident_splits(200, 8, 8192, 132, 6) == 1
     c = make_case(62, [3, 40], [1, 1], group=4, head_dim=32)
     want = paged_attention_decode_triton(*c.args(), c.kv_lens, scale=c.scale, num_splits=2)
     got = paged_attention_decode_triton(*c.args(), c.kv_lens, scale=c.scale, num_splits=2,
