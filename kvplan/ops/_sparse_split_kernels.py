@@ -20,6 +20,13 @@ partial state, in the log2 domain, to fp32 workspaces::
 adds the sink once: ``m = max(sink, max_s ws_m)``, ``l = exp2(sink - m) + sum_s ws_l
 exp2(ws_m - m)``, ``out = sum_s ws_acc exp2(ws_m - m) / l`` (zeros for a row that sees no
 key). The workspaces hold ``T * S * H * (D + 2)`` fp32 values, a size fixed by the shapes.
+
+``FUSED`` (one launch instead of two): each split program, once its partial is written,
+counts itself in on its (row, head group)'s int32 counter (an atomic, acquire-release at GPU
+scope, after a barrier over the program's own stores); the program that arrives last merges
+the ``S`` partials exactly as the combine kernel does (the same order, the same bits,
+whichever program is last; it reads them past the L1 cache) and resets the counter to zero,
+so the counters are left zeroed for the next launch or graph replay.
 """
 
 from __future__ import annotations
@@ -48,10 +55,14 @@ def sparse_attention_split_kernel(
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
     HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
     PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    out_ptr=None, sink_ptr=None, cnt_ptr=None, stride_ot=0, stride_oh=0, cos_ptr=None,
+    sin_ptr=None, stride_rt=0, FUSED: tl.constexpr = False, HALF_RD: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(T, cdiv(H, TILE_H), S)``: split ``s`` of row ``t``, joined columns
     ``[s * cols_per_split, (s + 1) * cols_per_split)``. Source arguments as in
-    ``sparse_attention_kernel``; workspaces contiguous ``[T, S, H(, HEAD_DIM)]`` fp32."""
+    ``sparse_attention_kernel``; workspaces contiguous ``[T, S, H(, HEAD_DIM)]`` fp32.
+    ``FUSED``: the last program of a (row, head group) also merges (the combine kernel's
+    arguments; ``cnt_ptr``: int32 ``[T * cdiv(H, TILE_H)]`` counters, zero on entry)."""
     pdl_prologue()
     t = tl.program_id(0)
     heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
@@ -89,12 +100,22 @@ def sparse_attention_split_kernel(
         dc = c * DC + tl.arange(0, DC)
         mask = h_ok[:, None] & (dc < HEAD_DIM)[None, :]
         tl.store(ws_acc_ptr + row[:, None] * HEAD_DIM + dc[None, :], acc[c], mask=mask)
+    if FUSED:
+        tl.debug_barrier()  # every thread's stores above, before the count
+        counter = cnt_ptr + t * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            _merge_splits(out_ptr, sink_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_ot,
+                          stride_oh, num_heads, num_splits, cos_ptr, sin_ptr, stride_rt, t,
+                          heads, HEAD_DIM, D_P2, TILE_H, INTERPRET, HALF_RD, HW,
+                          ".cg")  # fmt: skip
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _split_weight(ws_m_ptr, row, h_ok, m):
+def _split_weight(ws_m_ptr, row, h_ok, m, CACHE: tl.constexpr):
     """``exp2(ws_m - m)`` of one split's heads (``[TILE_H]``)."""
-    return tl.exp2(tl.load(ws_m_ptr + row, mask=h_ok, other=-1.0e30) - m)
+    return tl.exp2(tl.load(ws_m_ptr + row, mask=h_ok, other=-1.0e30, cache_modifier=CACHE) - m)
 
 
 @triton.jit
@@ -110,6 +131,21 @@ def sparse_attention_combine_kernel(
     pdl_prologue()
     t = tl.program_id(0)
     heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
+    _merge_splits(out_ptr, sink_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_ot, stride_oh,
+                  num_heads, num_splits, cos_ptr, sin_ptr, stride_rt, t, heads, HEAD_DIM, D_P2,
+                  TILE_H, INTERPRET, HALF_RD, HW, "")  # fmt: skip
+
+
+@triton.jit
+def _merge_splits(
+    out_ptr, sink_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_ot, stride_oh, num_heads,
+    num_splits, cos_ptr, sin_ptr, stride_rt, t, heads,
+    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, INTERPRET: tl.constexpr,
+    HALF_RD: tl.constexpr, HW: tl.constexpr, CACHE: tl.constexpr,
+):  # fmt: skip
+    """The merge of row ``t``'s ``S`` partial states for ``heads`` (the combine kernel's
+    program; ``CACHE``: the workspace loads' cache modifier, ``".cg"`` past the L1 when other
+    programs of the same launch wrote them)."""
     h_ok = heads < num_heads
     h64 = heads.to(tl.int64)
     d = tl.arange(0, D_P2)
@@ -120,28 +156,48 @@ def sparse_attention_combine_kernel(
     if INTERPRET:
         sp = 0
         while sp < num_splits:
-            m = tl.maximum(m, tl.load(ws_m_ptr + base + sp * num_heads, mask=h_ok, other=-1.0e30))
+            m = tl.maximum(
+                m,
+                tl.load(
+                    ws_m_ptr + base + sp * num_heads, mask=h_ok, other=-1.0e30, cache_modifier=CACHE
+                ),
+            )
             sp += 1
     else:
         for sp in range(0, num_splits):
-            m = tl.maximum(m, tl.load(ws_m_ptr + base + sp * num_heads, mask=h_ok, other=-1.0e30))
+            m = tl.maximum(
+                m,
+                tl.load(
+                    ws_m_ptr + base + sp * num_heads, mask=h_ok, other=-1.0e30, cache_modifier=CACHE
+                ),
+            )
     l_i = tl.exp2(sink - m)
     acc = tl.zeros([TILE_H, D_P2], tl.float32)
     if INTERPRET:
         sp = 0
         while sp < num_splits:
             row = base + sp * num_heads
-            w = _split_weight(ws_m_ptr, row, h_ok, m)
-            l_i += w * tl.load(ws_l_ptr + row, mask=h_ok, other=0.0)
-            part = tl.load(ws_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+            w = _split_weight(ws_m_ptr, row, h_ok, m, CACHE)
+            l_i += w * tl.load(ws_l_ptr + row, mask=h_ok, other=0.0, cache_modifier=CACHE)
+            part = tl.load(
+                ws_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                mask=mask,
+                other=0.0,
+                cache_modifier=CACHE,
+            )
             acc += w[:, None] * part
             sp += 1
     else:
         for sp in range(0, num_splits):
             row = base + sp * num_heads
-            w = _split_weight(ws_m_ptr, row, h_ok, m)
-            l_i += w * tl.load(ws_l_ptr + row, mask=h_ok, other=0.0)
-            part = tl.load(ws_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+            w = _split_weight(ws_m_ptr, row, h_ok, m, CACHE)
+            l_i += w * tl.load(ws_l_ptr + row, mask=h_ok, other=0.0, cache_modifier=CACHE)
+            part = tl.load(
+                ws_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                mask=mask,
+                other=0.0,
+                cache_modifier=CACHE,
+            )
             acc += w[:, None] * part
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t.to(tl.int64) * stride_ot + h64[:, None] * stride_oh + d[None, :]

@@ -267,6 +267,17 @@ def sparse_attention_triton(
     parts = num_rows * num_splits * num_heads
     ws = torch.empty(parts * (head_dim + 2), dtype=torch.float32, device=q.device)
     ws_acc, ws_m, ws_l = ws[: parts * head_dim], ws[parts * head_dim : -parts], ws[-parts:]
+    if FUSED_COMBINE and num_rows * groups <= _COUNTERS:
+        # the last split program of each (row, head group) merges: one launch
+        cnt = _counter_buffer(q.device)
+        _ks.sparse_attention_split_kernel[(num_rows, groups, num_splits)](
+            q, ws_acc, ws_m, ws_l, q.stride(0), q.stride(1), num_heads, num_splits,
+            cols_per_split, scale * _k.LOG2E, *srcs, **consts, **stages, **pdl_launch(),
+            out_ptr=out, sink_ptr=sink32, cnt_ptr=cnt, stride_ot=out.stride(0),
+            stride_oh=out.stride(1), cos_ptr=rope_args[0], sin_ptr=rope_args[1],
+            stride_rt=rope_args[2], FUSED=True, HALF_RD=half_rd,
+        )  # fmt: skip
+        return out
     _ks.sparse_attention_split_kernel[(num_rows, groups, num_splits)](
         q, ws_acc, ws_m, ws_l, q.stride(0), q.stride(1), num_heads, num_splits, cols_per_split,
         scale * _k.LOG2E, *srcs, **consts, **stages, **pdl_launch(),
@@ -277,6 +288,32 @@ def sparse_attention_triton(
         HALF_RD=half_rd, HW=not interpret, num_warps=4, **pdl_launch(),
     )  # fmt: skip
     return out
+
+
+def _fused_combine_from_env() -> bool:
+    text = os.environ.get("KVPLAN_SPARSE_FUSED_COMBINE", "0").strip()
+    if text not in ("0", "1"):
+        raise ValueError(f"KVPLAN_SPARSE_FUSED_COMBINE must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+FUSED_COMBINE = _fused_combine_from_env()
+"""Split calls merge their partials in the split kernel's last program of each (row, head
+group) (True; ``KVPLAN_SPARSE_FUSED_COMBINE=1`` at import) instead of a second launch
+(``sparse_attention_combine_kernel``, the default until the H200 has timed both). The same
+bits either way."""
+
+_COUNTERS = 1 << 16  # (row, head group) counters kept per device for the fused merge
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter_buffer(device: torch.device) -> torch.Tensor:
+    """The device's int32 merge counters, zeroed once and left zeroed by every launch."""
+    buf = _counters.get(device)
+    if buf is None:
+        buf = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+        _counters[device] = buf
+    return buf
 
 
 _PROGRAMS_PER_SM = 1  # split target: about this many programs per SM

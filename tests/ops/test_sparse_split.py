@@ -94,6 +94,44 @@ def test_out_rope_equals_norm_rope_after(num_splits, dtype, pv_split) -> None:
         sparse_attention_triton(q, sources, sinks, 0.125, out_rope=cos)
 
 
+@interpreter
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_fused_merge_equals_combine_kernel(monkeypatch, rope, num_splits) -> None:
+    """The split kernel's last program merging (``FUSED_COMBINE``) gives the combine
+    kernel's bits, with and without ``out_rope``, over two sources with hidden columns, more
+    heads than one head tile; the counters are left zeroed for the next launch."""
+    from kvplan.ops import sparse_attention as sa
+
+    q, sources, sinks = _inputs(["paged_bf16", FP8_64], 3, 18, 64, [20, 50], seed=14,
+                                dtype=torch.bfloat16)  # fmt: skip
+    _hide_block(sources, 12, 28)
+    sinks[1] = float("-inf")
+    ang = torch.rand(3, 8, generator=torch.Generator().manual_seed(15)) * 6.3
+    kw = dict(tile_n=16, num_splits=num_splits)
+    if rope:
+        kw["out_rope"] = (ang.cos().bfloat16(), ang.sin().bfloat16())
+    monkeypatch.setattr(sa, "FUSED_COMBINE", False)
+    want = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+    monkeypatch.setattr(sa, "FUSED_COMBINE", True)
+    for _ in range(2):  # a second launch starts from the counters the first one left
+        got = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+        assert torch.equal(got, want)
+        assert not sa._counter_buffer(q.device).any()
+    torch.testing.assert_close(got.float(), sparse_attention_torch(q, sources, sinks, 0.125,
+                               out_rope=kw.get("out_rope")).float(), atol=2e-2, rtol=2e-2)  # fmt: skip
+
+
+def test_fused_combine_env(monkeypatch) -> None:
+    from kvplan.ops import sparse_attention as sa
+
+    monkeypatch.setenv("KVPLAN_SPARSE_FUSED_COMBINE", "1")
+    assert sa._fused_combine_from_env()
+    monkeypatch.setenv("KVPLAN_SPARSE_FUSED_COMBINE", "yes")
+    with pytest.raises(ValueError, match="KVPLAN_SPARSE_FUSED_COMBINE must be 0 or 1, got 'yes'"):
+        sa._fused_combine_from_env()
+
+
 def test_split_no_sinks_and_empty_rows() -> None:
     """No head has a sink and no row sees a key: zeros, not NaN."""
     q, sources, sinks = _inputs(["fp32"], 2, 2, 16, [40], seed=13)
@@ -247,3 +285,32 @@ def test_cuda_split_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [3, 40])
+def test_cuda_fused_merge_equals_combine_kernel_and_replays(monkeypatch, num_splits) -> None:
+    """On the GPU the last-arriving program's merge (``FUSED_COMBINE``) gives the combine
+    kernel's bits at the DeepSeek-V4 shapes, with the output's inverse RoPE, eagerly and in
+    CUDA-graph replays (the counters are left zeroed between them)."""
+    from kvplan.ops import sparse_attention as sa
+
+    q, sources, sinks = _v4_inputs(8, 16, 128, 512, V41_FORMAT, torch.bfloat16, seed=24)
+    sources[1].index[:3] = -1
+    ang = torch.rand(8, 32, generator=torch.Generator().manual_seed(25)) * 6.3
+    rope = (ang.cos().bfloat16().cuda(), ang.sin().bfloat16().cuda())
+    kw = dict(check=False, num_splits=num_splits, out_rope=rope)
+    monkeypatch.setattr(sa, "FUSED_COMBINE", False)
+    want = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
+    monkeypatch.setattr(sa, "FUSED_COMBINE", True)
+    got = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
+    assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    assert not sa._counter_buffer(q.device).any()
