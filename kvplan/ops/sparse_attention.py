@@ -49,7 +49,7 @@ from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops import _sparse_attention_kernels as _k
 from kvplan.ops import _sparse_split_kernels as _ks
 from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
-from kvplan.ops._triton_util import pdl_launch
+from kvplan.ops._triton_util import MERGE_COUNTERS, merge_counters, pdl_launch
 from kvplan.ops.index_scores import index_scores, index_scores_triton, topk_columns
 from kvplan.ops.sparse_sources import (
     MAX_HEAD_DIM,
@@ -267,9 +267,9 @@ def sparse_attention_triton(
     parts = num_rows * num_splits * num_heads
     ws = torch.empty(parts * (head_dim + 2), dtype=torch.float32, device=q.device)
     ws_acc, ws_m, ws_l = ws[: parts * head_dim], ws[parts * head_dim : -parts], ws[-parts:]
-    if FUSED_COMBINE and num_rows * groups <= _COUNTERS:
+    if FUSED_COMBINE and num_rows * groups <= MERGE_COUNTERS:
         # the last split program of each (row, head group) merges: one launch
-        cnt = _counter_buffer(q.device)
+        cnt = merge_counters(q.device)
         _ks.sparse_attention_split_kernel[(num_rows, groups, num_splits)](
             q, ws_acc, ws_m, ws_l, q.stride(0), q.stride(1), num_heads, num_splits,
             cols_per_split, scale * _k.LOG2E, *srcs, **consts, **stages, **pdl_launch(),
@@ -302,19 +302,6 @@ FUSED_COMBINE = _fused_combine_from_env()
 group) (True; ``KVPLAN_SPARSE_FUSED_COMBINE=1`` at import) instead of a second launch
 (``sparse_attention_combine_kernel``, the default until the H200 has timed both). The same
 bits either way."""
-
-_COUNTERS = 1 << 16  # (row, head group) counters kept per device for the fused merge
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _counter_buffer(device: torch.device) -> torch.Tensor:
-    """The device's int32 merge counters, zeroed once and left zeroed by every launch."""
-    buf = _counters.get(device)
-    if buf is None:
-        buf = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-        _counters[device] = buf
-    return buf
-
 
 _PROGRAMS_PER_SM = 1  # split target: about this many programs per SM
 # Launch settings (tile_n, num_warps, num_stages, d_chunk, pv_split) where the caller gives

@@ -14,6 +14,7 @@ from test_sparse_attention import FP4_64, FP8_64, _index_inputs, _inputs, _v4_in
 from kvplan.formats import V41_FORMAT
 from kvplan.ops import _sparse_attention_kernels as _k
 from kvplan.ops import _sparse_split_kernels as _ks
+from kvplan.ops._triton_util import merge_counters
 from kvplan.ops.sparse_attention import (
     index_scores,
     index_scores_triton,
@@ -117,7 +118,7 @@ def test_fused_merge_equals_combine_kernel(monkeypatch, rope, num_splits) -> Non
     for _ in range(2):  # a second launch starts from the counters the first one left
         got = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
         assert torch.equal(got, want)
-        assert not sa._counter_buffer(q.device).any()
+        assert not merge_counters(q.device).any()
     torch.testing.assert_close(got.float(), sparse_attention_torch(q, sources, sinks, 0.125,
                                out_rope=kw.get("out_rope")).float(), atol=2e-2, rtol=2e-2)  # fmt: skip
 
@@ -313,4 +314,4 @@ def test_cuda_fused_merge_equals_combine_kernel_and_replays(monkeypatch, num_spl
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
-    assert not sa._counter_buffer(q.device).any()
+    assert not merge_counters(q.device).any()
