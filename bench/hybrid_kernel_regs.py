@@ -70,6 +70,8 @@ def main() -> None:
             const = dict(attn, TILE_N=tile_n, D_CHUNK=d_chunk, PV_SPLIT=pv_split)
             if fn is _k.sparse_attention_kernel:
                 const["HALF_RD"] = 32  # the model's out_rope: 64 rotary channels of 512
+            else:
+                const.update(FUSED=False, HALF_RD=0)  # the two-launch split path
             r = report(fn, const, ATTN_TYPES, warps, stages)
             rows.append(dict(kernel=name, tile_n=tile_n, d_chunk=d_chunk, pv_split=pv_split,
                              **r))  # fmt: skip

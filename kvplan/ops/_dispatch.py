@@ -19,6 +19,15 @@ def use_triton(t: torch.Tensor) -> bool:
     return os.environ.get("KVPLAN_FORCE_TRITON", "") == "1"
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """The 0 / 1 switch in environment variable ``name`` (unset: ``default``), or a
+    ValueError naming the variable and the value it got."""
+    text = os.environ.get(name, "1" if default else "0").strip()
+    if text not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
 def triton_interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "") == "1"

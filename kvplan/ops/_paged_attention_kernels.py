@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvplan.ops._dispatch import triton_interpreting
+from kvplan.ops._dispatch import env_flag, triton_interpreting
 from kvplan.ops._paged_kv_tiles import (
     dequantize_kv_raw,
     head_scales_offset,
@@ -570,14 +570,7 @@ def _prefetch(prefetch: int | bool | None, kv_layout, decode: bool) -> int:
     return DECODE_PREFETCH.get(kv_layout.quantized_dtype, 0)
 
 
-def _decode_fused_combine_from_env() -> bool:
-    text = os.environ.get("KVPLAN_DECODE_FUSED_COMBINE", "0").strip()
-    if text not in ("0", "1"):
-        raise ValueError(f"KVPLAN_DECODE_FUSED_COMBINE must be 0 or 1, got {text!r}")
-    return text == "1"
-
-
-DECODE_FUSED_COMBINE = _decode_fused_combine_from_env()
+DECODE_FUSED_COMBINE = env_flag("KVPLAN_DECODE_FUSED_COMBINE", False)
 """Split decode launches merge their partials in the last split program of each (sequence,
 KV head) (True; ``KVPLAN_DECODE_FUSED_COMBINE=1`` at import) instead of a second launch
 (``_combine_kernel``, the default until the H200 has timed both). The same bits either way."""
@@ -597,7 +590,8 @@ def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
     kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None, maxnreg=None,
 ):  # fmt: skip
-    """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
+    """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``, unless
+    ``DECODE_FUSED_COMBINE``: then the split programs merge) into ``out``;
     ``prefetch`` as in `_attend_range_ahead` (None: ``QUANT_PREFETCH``, then
     ``DECODE_PREFETCH``); ``maxnreg``: the compiler's register cap per thread (None: none)."""
     batch, num_heads, head_dim = q.shape

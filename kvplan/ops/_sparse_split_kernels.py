@@ -115,7 +115,7 @@ def sparse_attention_split_kernel(
 @triton.jit
 def _split_weight(ws_m_ptr, row, h_ok, m, CACHE: tl.constexpr):
     """``exp2(ws_m - m)`` of one split's heads (``[TILE_H]``)."""
-    return tl.exp2(tl.load(ws_m_ptr + row, mask=h_ok, other=-1.0e30, cache_modifier=CACHE) - m)
+    return tl.exp2(_ws_load(ws_m_ptr + row, h_ok, -1.0e30, CACHE) - m)
 
 
 @triton.jit
@@ -153,53 +153,46 @@ def _merge_splits(
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
     base = t.to(tl.int64) * num_splits * num_heads + h64  # row of split 0
     m = tl.maximum(sink, -1.0e30)
-    if INTERPRET:
+    if INTERPRET:  # no runtime range bound in the interpreter
         sp = 0
         while sp < num_splits:
-            m = tl.maximum(
-                m,
-                tl.load(
-                    ws_m_ptr + base + sp * num_heads, mask=h_ok, other=-1.0e30, cache_modifier=CACHE
-                ),
-            )
+            m = tl.maximum(m, _ws_load(ws_m_ptr + base + sp * num_heads, h_ok, -1.0e30, CACHE))
             sp += 1
     else:
         for sp in range(0, num_splits):
-            m = tl.maximum(
-                m,
-                tl.load(
-                    ws_m_ptr + base + sp * num_heads, mask=h_ok, other=-1.0e30, cache_modifier=CACHE
-                ),
-            )
+            m = tl.maximum(m, _ws_load(ws_m_ptr + base + sp * num_heads, h_ok, -1.0e30, CACHE))
     l_i = tl.exp2(sink - m)
     acc = tl.zeros([TILE_H, D_P2], tl.float32)
     if INTERPRET:
         sp = 0
         while sp < num_splits:
-            row = base + sp * num_heads
-            w = _split_weight(ws_m_ptr, row, h_ok, m, CACHE)
-            l_i += w * tl.load(ws_l_ptr + row, mask=h_ok, other=0.0, cache_modifier=CACHE)
-            part = tl.load(
-                ws_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                mask=mask,
-                other=0.0,
-                cache_modifier=CACHE,
-            )
-            acc += w[:, None] * part
+            acc, l_i = _merge_split(acc, l_i, m, base + sp * num_heads, h_ok, d, mask, ws_acc_ptr,
+                                    ws_m_ptr, ws_l_ptr, HEAD_DIM, CACHE)  # fmt: skip
             sp += 1
     else:
         for sp in range(0, num_splits):
-            row = base + sp * num_heads
-            w = _split_weight(ws_m_ptr, row, h_ok, m, CACHE)
-            l_i += w * tl.load(ws_l_ptr + row, mask=h_ok, other=0.0, cache_modifier=CACHE)
-            part = tl.load(
-                ws_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                mask=mask,
-                other=0.0,
-                cache_modifier=CACHE,
-            )
-            acc += w[:, None] * part
+            acc, l_i = _merge_split(acc, l_i, m, base + sp * num_heads, h_ok, d, mask, ws_acc_ptr,
+                                    ws_m_ptr, ws_l_ptr, HEAD_DIM, CACHE)  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t.to(tl.int64) * stride_ot + h64[:, None] * stride_oh + d[None, :]
     _store_out(o, out_ptr + o_off, mask, cos_ptr, sin_ptr, t, stride_rt, 0, TILE_H, D_P2,
                HEAD_DIM, HALF_RD, HW)  # fmt: skip
+
+
+@triton.jit
+def _ws_load(ptrs, mask, other, CACHE: tl.constexpr):
+    """A masked workspace load with cache modifier ``CACHE``."""
+    return tl.load(ptrs, mask=mask, other=other, cache_modifier=CACHE)
+
+
+@triton.jit
+def _merge_split(
+    acc, l_i, m, row, h_ok, d, mask, ws_acc_ptr, ws_m_ptr, ws_l_ptr, HEAD_DIM: tl.constexpr,
+    CACHE: tl.constexpr,
+):  # fmt: skip
+    """Add one split's partial state (workspace rows ``row``, ``[TILE_H]``) into ``acc`` /
+    ``l_i`` at the running maximum ``m``."""
+    w = _split_weight(ws_m_ptr, row, h_ok, m, CACHE)
+    l_i += w * _ws_load(ws_l_ptr + row, h_ok, 0.0, CACHE)
+    part = _ws_load(ws_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask, 0.0, CACHE)
+    return acc + w[:, None] * part, l_i

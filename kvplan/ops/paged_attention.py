@@ -43,7 +43,7 @@ from kvplan import quant
 from kvplan.formats import KVCacheFormat
 from kvplan.ops import _paged_attention_kernels as _k
 from kvplan.ops import _paged_kv_tiles as tiles
-from kvplan.ops._dispatch import cuda_sm_count, use_triton
+from kvplan.ops._dispatch import cuda_sm_count, env_flag, use_triton
 from kvplan.ops._paged_attention_checks import check_attention_inputs
 from kvplan.ops._paged_kv_tiles import decode_maxnreg, decode_tiling
 
@@ -62,14 +62,7 @@ def _splits_from_env() -> int | None:
 SPLITS_OVERRIDE = _splits_from_env()
 
 
-def _one_query_rows_from_env() -> bool:
-    text = os.environ.get("KVPLAN_ONE_QUERY_ROWS_DECODE", "1").strip()
-    if text not in ("0", "1"):
-        raise ValueError(f"KVPLAN_ONE_QUERY_ROWS_DECODE must be 0 or 1, got {text!r}")
-    return text == "1"
-
-
-ONE_QUERY_ROWS_DECODE = _one_query_rows_from_env()
+ONE_QUERY_ROWS_DECODE = env_flag("KVPLAN_ONE_QUERY_ROWS_DECODE", True)
 """`paged_attention_prefill_triton` hands calls whose rows hold one query each to the decode
 kernel (True, the default); ``KVPLAN_ONE_QUERY_ROWS_DECODE=0`` at import keeps them on the
 prefill kernel (A/B runs of whole engines)."""

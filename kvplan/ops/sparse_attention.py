@@ -48,7 +48,7 @@ import triton
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops import _sparse_attention_kernels as _k
 from kvplan.ops import _sparse_split_kernels as _ks
-from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
+from kvplan.ops._dispatch import cuda_sm_count, env_flag, triton_interpreting, use_triton
 from kvplan.ops._triton_util import MERGE_COUNTERS, merge_counters, pdl_launch
 from kvplan.ops.index_scores import index_scores, index_scores_triton, topk_columns
 from kvplan.ops.sparse_sources import (
@@ -290,14 +290,7 @@ def sparse_attention_triton(
     return out
 
 
-def _fused_combine_from_env() -> bool:
-    text = os.environ.get("KVPLAN_SPARSE_FUSED_COMBINE", "0").strip()
-    if text not in ("0", "1"):
-        raise ValueError(f"KVPLAN_SPARSE_FUSED_COMBINE must be 0 or 1, got {text!r}")
-    return text == "1"
-
-
-FUSED_COMBINE = _fused_combine_from_env()
+FUSED_COMBINE = env_flag("KVPLAN_SPARSE_FUSED_COMBINE", False)
 """Split calls merge their partials in the split kernel's last program of each (row, head
 group) (True; ``KVPLAN_SPARSE_FUSED_COMBINE=1`` at import) instead of a second launch
 (``sparse_attention_combine_kernel``, the default until the H200 has timed both). The same

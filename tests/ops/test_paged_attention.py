@@ -214,7 +214,7 @@ def test_prefill_of_one_query_a_row_runs_the_decode_kernel(window, monkeypatch):
     assert calls[3:] == ["launch_prefill"]
     monkeypatch.setenv("KVPLAN_ONE_QUERY_ROWS_DECODE", "no")
     with pytest.raises(ValueError, match="KVPLAN_ONE_QUERY_ROWS_DECODE must be 0 or 1, got 'no'"):
-        pa._one_query_rows_from_env()
+        pa.env_flag("KVPLAN_ONE_QUERY_ROWS_DECODE", True)
     with pytest.raises(ValueError, match="max_q_len = 1 is below the longest query run"):
         two = make_case(42, [5, 9], [2, 1], group=2, block_size=4)
         paged_attention_prefill_triton(*two.args(), two.cu_seqlens_q, two.kv_lens, scale=1.0,
@@ -267,7 +267,8 @@ for quant, sf, group, pre in ((0, 0, 1, False), (1, 2, 32, False), (2, 1, 16, Fa
                               (1, 2, 32, True), (2, 1, 16, True)):
     common = dict(BLOCK_SIZE=32, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRET=False,
                   KV_QUANT=quant, SF_KIND=sf, GROUP=group, PREFETCH=pre)
-    build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, **common), 4, 2)
+    build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, FUSED=False, SPLITS_PAD=1,
+                                 **common), 4, 2)
     build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
 build(K._combine_kernel, dict(SPLITS_PAD=4, HEAD_DIM=128), 4, 1)
 """

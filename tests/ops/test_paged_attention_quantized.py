@@ -404,22 +404,29 @@ def test_gpu_prefetched_tiles_equal_the_plain_loop(kind):
         assert_close(outs[2].float(), outs[0].float(), atol=4e-3, rtol=8e-3)
 
 
+def _decode_args(kind, seed, kv_lens, device, **kw):
+    """``(args, scale, layout)`` of a decode call over ``kind`` pages ("bf16": a float cache of
+    the fp8-dequantized values) with one query per sequence, on ``device`` (CUDA: bf16 query
+    and float cache; CPU: fp32)."""
+    qkind = "fp8" if kind == "bf16" else kind
+    c, (k_raw, v_raw), fmt, dq = quantized_case(qkind, seed, kv_lens, [1] * len(kv_lens),
+                                                block_size=16, **kw)  # fmt: skip
+    half = (lambda t: t.bfloat16()) if device == "cuda" else (lambda t: t)  # noqa: E731
+    caches = (half(dq.k_cache), half(dq.v_cache)) if kind == "bf16" else (k_raw, v_raw)
+    args = tuple(t.to(device) for t in (half(c.q), *caches, c.page_ids, c.page_start,
+                                        c.kv_lens))  # fmt: skip
+    return args, c.scale, None if kind == "bf16" else fmt
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8", "fp4", "bf16"])
 def test_gpu_register_cap_keeps_the_decode_result(kind):
     """A register cap (``maxnreg``: spills, more programs an SM) changes where values live,
     not the arithmetic: capped decode launches equal the uncapped ones within one bf16 ulp."""
-    gen = torch.Generator().manual_seed(7)
-    kv_lens = torch.randint(1, 2000, (24,), generator=gen).tolist()
-    qkind = "fp8" if kind == "bf16" else kind
-    c, (k_raw, v_raw), fmt, dq = quantized_case(qkind, 8, kv_lens, [1] * len(kv_lens),
-                                                num_kv_heads=4, group=4, head_dim=128,
-                                                block_size=16)  # fmt: skip
-    caches = (dq.k_cache.bfloat16(), dq.v_cache.bfloat16()) if kind == "bf16" else (k_raw, v_raw)
-    args = (c.q.bfloat16().cuda(), *(t.cuda() for t in caches), c.page_ids.cuda(),
-            c.page_start.cuda(), c.kv_lens.cuda())  # fmt: skip
-    layout = None if kind == "bf16" else fmt
-    outs = [paged_attention_decode_triton(*args, scale=c.scale, kv_layout=layout, maxnreg=cap,
+    kv_lens = torch.randint(1, 2000, (24,), generator=torch.Generator().manual_seed(7)).tolist()
+    args, scale, layout = _decode_args(kind, 8, kv_lens, "cuda", num_kv_heads=4, group=4,
+                                       head_dim=128)  # fmt: skip
+    outs = [paged_attention_decode_triton(*args, scale=scale, kv_layout=layout, maxnreg=cap,
                                           num_splits=3) for cap in (0, 168, 128)]  # fmt: skip
     for out in outs[1:]:
         assert_close(out.float(), outs[0].float(), atol=2e-3, rtol=4e-3)
@@ -434,24 +441,19 @@ def test_fused_decode_merge_equals_combine_kernel(monkeypatch, kind):
 
     if torch.cuda.is_available():
         pytest.skip("the GPU test below")
-    gen = torch.Generator().manual_seed(9)
-    kv_lens = torch.randint(1, 300, (5,), generator=gen).tolist() + [1, 17]
-    c, (k_raw, v_raw), fmt, dq = quantized_case("fp8", 10, kv_lens, [1] * len(kv_lens),
-                                                num_kv_heads=2, group=4, head_dim=32,
-                                                block_size=16)  # fmt: skip
-    caches = (dq.k_cache, dq.v_cache) if kind == "bf16" else (k_raw, v_raw)
-    layout = None if kind == "bf16" else fmt
-    args = (c.q, *caches, c.page_ids, c.page_start, c.kv_lens)
+    kv_lens = torch.randint(1, 300, (5,), generator=torch.Generator().manual_seed(9)).tolist()
+    args, scale, layout = _decode_args(kind, 10, kv_lens + [1, 17], "cpu", num_kv_heads=2,
+                                       group=4, head_dim=32)  # fmt: skip
     for splits in (3, 5):
         monkeypatch.setattr(pak, "DECODE_FUSED_COMBINE", False)
-        want = paged_attention_decode_triton(*args, scale=c.scale, kv_layout=layout,
+        want = paged_attention_decode_triton(*args, scale=scale, kv_layout=layout,
                                              num_splits=splits)  # fmt: skip
         monkeypatch.setattr(pak, "DECODE_FUSED_COMBINE", True)
         for _ in range(2):
-            got = paged_attention_decode_triton(*args, scale=c.scale, kv_layout=layout,
+            got = paged_attention_decode_triton(*args, scale=scale, kv_layout=layout,
                                                 num_splits=splits)  # fmt: skip
             assert torch.equal(got, want)
-            assert not merge_counters(c.q.device).any()
+            assert not merge_counters(args[0].device).any()
 
 
 @pytest.mark.gpu
@@ -461,17 +463,10 @@ def test_gpu_fused_decode_merge_equals_combine_kernel(monkeypatch, kind):
     replays, at the engine's tilings (fp8: its register cap and 3 splits at 32 x 8 heads)."""
     from kvplan.ops._triton_util import merge_counters
 
-    gen = torch.Generator().manual_seed(11)
-    kv_lens = torch.randint(1, 3000, (32,), generator=gen).tolist()
-    qkind = "fp8" if kind == "bf16" else kind
-    c, (k_raw, v_raw), fmt, dq = quantized_case(qkind, 12, kv_lens, [1] * len(kv_lens),
-                                                num_kv_heads=8, group=4, head_dim=64,
-                                                block_size=16)  # fmt: skip
-    caches = (dq.k_cache.bfloat16(), dq.v_cache.bfloat16()) if kind == "bf16" else (k_raw, v_raw)
-    args = (c.q.bfloat16().cuda(), *(t.cuda() for t in caches), c.page_ids.cuda(),
-            c.page_start.cuda(), c.kv_lens.cuda())  # fmt: skip
-    layout = None if kind == "bf16" else fmt
-    kw = dict(scale=c.scale, kv_layout=layout, check=False, max_kv_len=3000)
+    kv_lens = torch.randint(1, 3000, (32,), generator=torch.Generator().manual_seed(11)).tolist()
+    args, scale, layout = _decode_args(kind, 12, kv_lens, "cuda", num_kv_heads=8, group=4,
+                                       head_dim=64)  # fmt: skip
+    kw = dict(scale=scale, kv_layout=layout, check=False, max_kv_len=3000)
     for splits in (None, 3):
         monkeypatch.setattr(pak, "DECODE_FUSED_COMBINE", False)
         want = paged_attention_decode_triton(*args, num_splits=splits, **kw)

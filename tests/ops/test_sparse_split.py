@@ -123,14 +123,18 @@ def test_fused_merge_equals_combine_kernel(monkeypatch, rope, num_splits) -> Non
                                out_rope=kw.get("out_rope")).float(), atol=2e-2, rtol=2e-2)  # fmt: skip
 
 
-def test_fused_combine_env(monkeypatch) -> None:
-    from kvplan.ops import sparse_attention as sa
+def test_env_flags(monkeypatch) -> None:
+    """The 0 / 1 switches (``env_flag``): unset gives the default, else a clear error."""
+    from kvplan.ops._dispatch import env_flag
 
+    monkeypatch.delenv("KVPLAN_SPARSE_FUSED_COMBINE", raising=False)
+    assert env_flag("KVPLAN_SPARSE_FUSED_COMBINE", False) is False
+    assert env_flag("KVPLAN_SPARSE_FUSED_COMBINE", True) is True
     monkeypatch.setenv("KVPLAN_SPARSE_FUSED_COMBINE", "1")
-    assert sa._fused_combine_from_env()
+    assert env_flag("KVPLAN_SPARSE_FUSED_COMBINE", False) is True
     monkeypatch.setenv("KVPLAN_SPARSE_FUSED_COMBINE", "yes")
     with pytest.raises(ValueError, match="KVPLAN_SPARSE_FUSED_COMBINE must be 0 or 1, got 'yes'"):
-        sa._fused_combine_from_env()
+        env_flag("KVPLAN_SPARSE_FUSED_COMBINE", False)
 
 
 def test_split_no_sinks_and_empty_rows() -> None:
@@ -210,9 +214,12 @@ _V41 = dict(KIND0=2, SF0=0, GS0=32, FLAT0=True, KIND1=2, SF1=0, GS1=32, FLAT1=Tr
 
 def test_split_kernels_compile_for_sm90() -> None:
     sig = {"q_ptr": "*bf16", "qk_scale": "fp32", **_SRC}
-    compile_sm90(_ks.sparse_attention_split_kernel, "*fp32", sig, HEAD_DIM=512, D_P2=512,
-                 TILE_H=16, TILE_N=32, **_V41, HAS1=True, HW=True, DOT_BF16=True,
-                 D_CHUNK=0, PV_SPLIT=1, INTERPRET=False)  # fmt: skip
+    for fused in (False, True):  # the fused merge with the model's out_rope
+        fsig = dict(sig, out_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", cnt_ptr="*i32")
+        compile_sm90(_ks.sparse_attention_split_kernel, "*fp32", fsig, HEAD_DIM=512, D_P2=512,
+                     TILE_H=16, TILE_N=32, **_V41, HAS1=True, HW=True, DOT_BF16=True,
+                     D_CHUNK=0, PV_SPLIT=1, INTERPRET=False, FUSED=fused,
+                     HALF_RD=32 if fused else 0)  # fmt: skip
     for half_rd in (0, 32):  # out_rope off / on (the model's 64 rotary channels)
         compile_sm90(_ks.sparse_attention_combine_kernel, "*fp32",
                      {"out_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"},

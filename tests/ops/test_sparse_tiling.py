@@ -66,6 +66,8 @@ for name, fn in (("one", _k.sparse_attention_kernel), ("split", _ks.sparse_atten
                  DOT_BF16=True, INTERPRET=False, D_CHUNK=64, PV_SPLIT=4)
     if name == "one":
         const["HALF_RD"] = 32  # the model's out_rope (64 rotary channels)
+    else:
+        const.update(FUSED=False, HALF_RD=0)
     out[name] = h.report(fn, const, h.ATTN_TYPES, 8, 1)
 print(json.dumps(out))
 """
