@@ -22,7 +22,6 @@ from triton.language.extra import libdevice
 
 from kvplan.ops._quant_triton import bf16_bits, encode_e4m3, encode_int8
 from kvplan.ops._store_kernels import INF_BITS, _scaled, _scales_of
-from kvplan.ops._triton_util import pdl_prologue
 from kvplan.ops._triton_util import round_to as _round
 
 
@@ -32,7 +31,6 @@ def rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, TILE_N: tl.constexpr,
 ):  # fmt: skip
     """``out[t] = w * round(h * rsqrt(mean(h^2) + eps))``, ``h = round(x[t] (+ res[t]))``."""
-    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, TILE_N)
     mask = cols < n_cols
@@ -88,7 +86,6 @@ def qkv_epilogue_kernel(
     scales of ``SB`` bytes at ``s_off + head * HEAD_DIM / GS * SB``, ``s_stride`` per token),
     written as ``store_kv_cache`` writes the bf16-rounded rows (`_store_quantized`).
     """
-    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = q_ptr.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -217,7 +214,6 @@ def silu_and_mul_kernel(
     ``EXACT`` (compiled GPU code) uses libdevice ``expf`` and IEEE division, the operations
     of torch's CUDA ``silu`` (``x / (1 + exp(-x))`` in fp32); the interpreter has no libdevice.
     """
-    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
     mask = cols < inter

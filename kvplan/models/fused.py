@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from kvplan._checks import check_tensor
 from kvplan.models.rope import rotate_qk
 from kvplan.ops._dispatch import triton_interpreting, use_triton
-from kvplan.ops._triton_util import pdl_launch
 from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
 
 
@@ -106,7 +105,7 @@ def rms_norm_triton(
         rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight.contiguous(), out, n, x2.stride(0), res2.stride(0), 1.0 / n, eps,
             HAS_RESIDUAL=residual is not None, TILE_N=tile,
-            num_warps=max(1, min(16, tile // 512)), enable_fp_fusion=False, **pdl_launch(x2),
+            num_warps=max(1, min(16, tile // 512)), enable_fp_fusion=False,
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -390,7 +389,7 @@ def qkv_epilogue_triton(
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, QK_NORM=qk_norm,
             TILE_H=tile_h, TILE_D=tile_d, STORE=kv_store is not None,
             BLOCK_SIZE=bs if kv_store is not None else 1, **quant_kw, num_warps=4,
-            enable_fp_fusion=False, **pdl_launch(qkv),
+            enable_fp_fusion=False,
         )  # fmt: skip
     return q, k, v
 
@@ -435,6 +434,6 @@ def silu_and_mul_triton(gate_up: torch.Tensor, *, tile: int | None = None) -> to
     if t > 0:
         silu_and_mul_kernel[(t, triton_cdiv(inter, tile))](
             gate_up, out, inter, gate_up.stride(0), TILE=tile, EXACT=not interp, num_warps=4,
-            enable_fp_fusion=False, **pdl_launch(gate_up),
+            enable_fp_fusion=False,
         )  # fmt: skip
     return out

@@ -35,7 +35,6 @@ from triton.language.extra import libdevice
 
 from kvplan.ops._quant_triton import bf16_bits, encode_e2m1_magnitude_raw, encode_e4m3
 from kvplan.ops._store_kernels import _group_scales, _scaled
-from kvplan.ops._triton_util import pdl_prologue
 
 FMT_EXACT_F32 = 0  # fp32 bits
 FMT_EXACT_BF16 = 1  # bf16 bits
@@ -244,7 +243,6 @@ def compress_store_kernel(
     WRITE_POOLED: tl.constexpr,
     BIAS: tl.constexpr,  # add the bias table's row pos[t] mod RATIO to step row t's gate
 ):
-    pdl_prologue()
     pid = tl.program_id(0)
     kc: tl.constexpr = 2 * C if OVERLAP else C
     if pid < num_entries:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvplan.ops._triton_util import pdl_prologue
 from kvplan.ops._triton_util import round_to as _round
 
 
@@ -73,7 +72,6 @@ def hc_proj_kernel(
     with ``FUSED``, ``x`` is first written as ``hc_post(s, post, comb, out)``. ``TC`` (bf16
     ``x``): tensor-core dots of ``x`` with ``fn`` split into three bf16 parts
     (``fn = w1 + w2 + w3`` to fp32 precision; every product exact in the fp32 accumulators)."""
-    pdl_prologue()
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_t * TILE_T + tl.arange(0, TILE_T)
@@ -170,7 +168,6 @@ def hc_pre_kernel(
     """The mixing weights of token ``t`` from its partials, and its block input tile. With
     ``WEIGHTS_ONLY`` (grid ``(T, 1)``) the one program of a token writes ``pre [T, N]`` (and,
     unless ``HEAD``, ``post`` and ``comb``) and no ``x``: `hc_pre_rows_kernel` forms ``x``."""
-    pdl_prologue()
     t = tl.program_id(0)
     h_tile = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -232,7 +229,6 @@ def hc_post_kernel(
     N: tl.constexpr, N_P: tl.constexpr, TILE_H: tl.constexpr,
 ):  # fmt: skip
     """``res[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * s[t, j]`` (`_post_mix`)."""
-    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     k = tl.arange(0, N_P)

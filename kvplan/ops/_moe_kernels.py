@@ -16,7 +16,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvplan.ops._triton_util import pdl_prologue
 from kvplan.ops._triton_util import round_to as _round
 
 
@@ -34,7 +33,6 @@ def moe_route_kernel(
     TOP_K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, SIGMOID: tl.constexpr,
     HASH: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = logits_ptr.dtype.element_ty
     e = tl.arange(0, E_P)
@@ -75,7 +73,6 @@ def swiglu_kernel(
     stride_gt, stride_ge, stride_ut, stride_ue, stride_ot, stride_oe,
     TILE_I: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     ex = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2) * TILE_I + tl.arange(0, TILE_I)
@@ -94,7 +91,6 @@ def expert_sum_kernel(
     y_ptr, dense_ptr, add_ptr, out_ptr, num_rows, num_experts, hidden,
     HAS_ADD: tl.constexpr, TILE_H: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     mask = hs < hidden

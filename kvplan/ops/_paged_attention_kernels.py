@@ -45,7 +45,7 @@ from kvplan.ops._paged_kv_tiles import (
     load_kv_raw,
     load_kv_tile,
 )
-from kvplan.ops._triton_util import MERGE_COUNTERS, merge_counters, pdl_launch, pdl_prologue
+from kvplan.ops._triton_util import MERGE_COUNTERS, merge_counters
 
 # Stand-in for "no sliding window": far beyond any int32 position difference we produce.
 NO_WINDOW = 1 << 30
@@ -369,7 +369,6 @@ def _decode_kernel(
     program of a (sequence, KV head) to count itself in on its int32 counter (``cnt_ptr``
     ``[B * Hkv]``, zero on entry, left zero) merges the group's heads as ``_combine_kernel``
     does (`_merge_head`, the same bits; ``SPLITS_PAD`` its padded split count)."""
-    pdl_prologue()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -437,7 +436,6 @@ def _combine_kernel(
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, H): merge the split partials (fp32 [B, H, S, D] and [B, H, S]) into out."""
-    pdl_prologue()
     _merge_head(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_heads,
                 num_splits, tl.program_id(0), tl.program_id(1), SPLITS_PAD, HEAD_DIM,
                 "")  # fmt: skip
@@ -627,13 +625,13 @@ def launch_decode(
         PREFETCH=_prefetch(prefetch, kv_layout, decode=True),
         num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
-        **pdl_launch(q), **extra,
+        **extra,
     )  # fmt: skip
     if split and not fused:
         _combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_heads, num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4, **pdl_launch(q),
+            num_warps=4,
         )  # fmt: skip
     return out
 

@@ -49,7 +49,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
-from kvplan.ops._triton_util import pdl_prologue
 
 KIND_FP32 = 0
 KIND_BF16 = 1
@@ -449,7 +448,6 @@ def index_scores_tc_kernel(
     queries) the query and the dequantized keys (bf16-exact) enter the tensor cores as bf16
     with fp32 accumulation: exact products, only the summation order differs from fp32.
     Otherwise fp32 with ``"ieee"`` precision."""
-    pdl_prologue()
     t = tl.program_id(0)
     heads = tl.arange(0, TILE_H)
     h_ok = heads < num_heads

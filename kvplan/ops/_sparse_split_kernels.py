@@ -41,7 +41,6 @@ from kvplan.ops._sparse_attention_kernels import (
     _load_query,
     _store_out,
 )
-from kvplan.ops._triton_util import pdl_prologue
 
 
 @triton.jit
@@ -63,7 +62,6 @@ def sparse_attention_split_kernel(
     ``sparse_attention_kernel``; workspaces contiguous ``[T, S, H(, HEAD_DIM)]`` fp32.
     ``FUSED``: the last program of a (row, head group) also merges (the combine kernel's
     arguments; ``cnt_ptr``: int32 ``[T * cdiv(H, TILE_H)]`` counters, zero on entry)."""
-    pdl_prologue()
     t = tl.program_id(0)
     heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     sp = tl.program_id(2)
@@ -128,7 +126,6 @@ def sparse_attention_combine_kernel(
     """Grid ``(T, cdiv(H, TILE_H))``: merge the ``S`` partial states of row ``t`` and add
     the sink (fp32 ``[H]``) once; out ``[T, H, HEAD_DIM]`` (``HALF_RD``: its rotary channels
     turned back, ``_store_out``)."""
-    pdl_prologue()
     t = tl.program_id(0)
     heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     _merge_splits(out_ptr, sink_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_ot, stride_oh,

@@ -28,7 +28,6 @@ from kvplan.ops._quant_triton import (
     pow2,
     ue8m0_exponent,
 )
-from kvplan.ops._triton_util import pdl_prologue
 
 
 @triton.jit
@@ -262,7 +261,6 @@ def store_quant_kernel(
     VALIGN: tl.constexpr,
     SALIGN: tl.constexpr,
 ):
-    pdl_prologue()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok, vbase, sbase = _row_bases(slot_ptr, rows, n, num_slots, BLOCK_SIZE, block_stride,
                                   v_stride, s_block_off, s_stride, VALIGN, SALIGN)  # fmt: skip
@@ -372,7 +370,6 @@ def scatter_rows_kernel(
     SRC_ALIGN: tl.constexpr,
 ):
     """Copy row i of ``src`` to the value bytes of slot ``slot[i]`` (BF16 caches)."""
-    pdl_prologue()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok, vbase, _ = _row_bases(slot_ptr, rows, n, num_slots, BLOCK_SIZE, block_stride,
                               v_stride, 0, 0, VALIGN, 1)  # fmt: skip

@@ -24,7 +24,6 @@ import triton.language as tl
 
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
-from kvplan.ops._triton_util import pdl_launch, pdl_prologue
 from kvplan.ops.topk import _sort_keys
 
 __all__ = ["argmax_rows", "argmax_rows_torch", "argmax_rows_triton", "argmax_splits"]
@@ -102,16 +101,9 @@ def argmax_rows_triton(
         TILE=tile,
         INTERPRET=interp,
         num_warps=num_warps,
-        **pdl_launch(x),
     )
     _argmax_merge_kernel[(num_rows,)](
-        keys,
-        cols,
-        out,
-        splits,
-        S_P2=max(16, triton.next_power_of_2(splits)),
-        num_warps=1,
-        **pdl_launch(x),
+        keys, cols, out, splits, S_P2=max(16, triton.next_power_of_2(splits)), num_warps=1
     )
     return out
 
@@ -140,7 +132,6 @@ def _argmax_part_kernel(
     x_ptr, key_ptr, col_ptr, stride_x, width, chunk, splits,
     TILE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     lo = part * chunk
@@ -164,7 +155,6 @@ def _argmax_part_kernel(
 
 @triton.jit
 def _argmax_merge_kernel(key_ptr, col_ptr, out_ptr, splits, S_P2: tl.constexpr):
-    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, S_P2)
     ok = s < splits

@@ -59,7 +59,6 @@ import torch
 from kvplan._checks import check_tensor
 from kvplan.formats import KVCacheFormat
 from kvplan.ops._dispatch import triton_interpreting
-from kvplan.ops._triton_util import pdl_launch
 from kvplan.ops.cache_geometry import SF_KIND, cache_bytes, flat_groups, triton_next_pow2
 from kvplan.ops.rope import NormSpec, norm_rope_torch, rope_cos_sin
 from kvplan.ops.store import store_kv_cache
@@ -263,16 +262,12 @@ def compress_store_triton(kv, gate, kv_ring, gate_ring, window_index, positions,
     if state_in_launch:
         grid = num_entries + num_rows
         if grid:
-            k.compress_store_kernel[(grid,)](
-                *args, num_entries, num_rows, *tail, **common, **pdl_launch()
-            )
+            k.compress_store_kernel[(grid,)](*args, num_entries, num_rows, *tail, **common)
         return
     if num_entries:
-        k.compress_store_kernel[(num_entries,)](
-            *args, num_entries, 0, *tail, **common, **pdl_launch()
-        )
+        k.compress_store_kernel[(num_entries,)](*args, num_entries, 0, *tail, **common)
     if num_rows:
-        k.compress_store_kernel[(num_rows,)](*args, 0, num_rows, *tail, **common, **pdl_launch())
+        k.compress_store_kernel[(num_rows,)](*args, 0, num_rows, *tail, **common)
 
 
 def compress_store(kv, gate, kv_ring, gate_ring, window_index, positions, slots, store_rows,

@@ -26,7 +26,6 @@ import triton.language as tl
 
 from kvplan._checks import check_int32, check_same_device, check_tensor
 from kvplan.ops._dispatch import use_triton
-from kvplan.ops._triton_util import pdl_launch, pdl_prologue
 from kvplan.ops.swa_index import index_out_buffer, index_tiles
 
 __all__ = [
@@ -42,7 +41,6 @@ def _convert_kv_index_kernel(
     topk_ptr, bt_ptr, ctx_ptr, out_ptr, rows, k, block_size, stride_t, stride_bt, stride_o,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue()
     r = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)
     c = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
     rmask = r < rows
@@ -115,7 +113,7 @@ def convert_kv_index_triton(
     _convert_kv_index_kernel[grid](
         topk_idxs, block_tables, context_lens, res, rows, k, block_size,
         topk_idxs.stride(0), block_tables.stride(0), res.stride(0),
-        TILE_R=tile_r, TILE_C=tile_c, num_warps=4, **pdl_launch(),
+        TILE_R=tile_r, TILE_C=tile_c, num_warps=4,
     )  # fmt: skip
     return res
 

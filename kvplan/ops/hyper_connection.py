@@ -35,7 +35,6 @@ import torch.nn.functional as F
 
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import triton_interpreting, use_triton
-from kvplan.ops._triton_util import pdl_launch
 from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
 
 __all__ = [
@@ -277,7 +276,7 @@ def _project(
         s, out, post, comb, x, fn, part, sq, t, hidden, plan.h_per_split, n_out,
         N=n, N_P=triton_next_pow2(n), TILE_T=plan.tile_t, TILE_H=plan.tile_h, N_PAD=n_pad,
         FUSED=fuse is not None, TC=plan.tc,
-        num_warps=plan.num_warps, **pdl_launch(),
+        num_warps=plan.num_warps,
     )  # fmt: skip
     return part, sq, x
 
@@ -305,7 +304,6 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple 
         t, hidden, splits, 1.0 / (n * hidden), eps, hc_eps, iters,
         N=n, N_P=triton_next_pow2(n), N_PAD=n_pad, SPLITS_P=triton_next_pow2(splits),
         TILE_H=tile_h, HEAD=head, WEIGHTS_ONLY=rows, num_warps=_epilogue_warps(t),
-        **pdl_launch(),
     )  # fmt: skip
     if rows:
         from kvplan.ops._hyper_connection_kernels import hc_pre_rows_kernel
@@ -361,7 +359,7 @@ def hc_post_triton(
         return res
     tile_h = _hidden_tile(hidden)
     hc_post_kernel[(t, triton_cdiv(hidden, tile_h))](
-        *args, hidden, N=n, N_P=triton_next_pow2(n), TILE_H=tile_h, num_warps=4, **pdl_launch()
+        *args, hidden, N=n, N_P=triton_next_pow2(n), TILE_H=tile_h, num_warps=4
     )
     return res
 

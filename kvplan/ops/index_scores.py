@@ -14,7 +14,6 @@ import triton
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops import _sparse_attention_kernels as _k
 from kvplan.ops._dispatch import triton_interpreting, use_triton
-from kvplan.ops._triton_util import pdl_launch
 from kvplan.ops.sparse_sources import (
     MAX_HEAD_DIM,
     KeySource,
@@ -120,7 +119,7 @@ def index_scores_triton(
     _k.index_scores_tc_kernel[grid](
         *args, TILE_N=tile_n, TILES=tiles, **consts,
         DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32,
-        num_warps=num_warps or 4, **pdl_launch(),
+        num_warps=num_warps or 4,
     )  # fmt: skip
     return out
 

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import triton_interpreting, use_triton
-from kvplan.ops._triton_util import pdl_launch
 from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
 
 __all__ = [
@@ -96,7 +95,7 @@ def moe_route_triton(
         tid2eid.contiguous() if hashed else ids, input_ids if hashed else ids,
         ids, weights, dense, e, float(scaling),
         TOP_K=top_k, K_P=triton_next_pow2(top_k), E_P=triton_next_pow2(e), SIGMOID=sigmoid,
-        HASH=hashed, num_warps=1, enable_fp_fusion=False, **pdl_launch(),
+        HASH=hashed, num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
     return ids, weights, dense
 
@@ -157,7 +156,7 @@ def moe_swiglu_triton(gu: torch.Tensor, num_experts: int, limit: float) -> torch
     st, se = gu.stride(0), 2 * inter
     swiglu_kernel[(t, num_experts, triton_cdiv(inter, tile))](
         gu, gu[:, inter:], out, inter, float(limit), st, se, st, se, inter, t * inter,
-        TILE_I=tile, num_warps=4, **pdl_launch(),
+        TILE_I=tile, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -197,7 +196,7 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.T
     tile = min(triton_next_pow2(inter), 128 if triton_interpreting() else 1024)
     swiglu_kernel[(t, 1, triton_cdiv(inter, tile))](
         gate, up, out, inter, float(limit), gate.stride(0), 0, up.stride(0), 0, inter, 0,
-        TILE_I=tile, num_warps=4, **pdl_launch(),
+        TILE_I=tile, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -245,7 +244,7 @@ def expert_weighted_sum_triton(
     expert_sum_kernel[(t, triton_cdiv(hidden, tile))](
         y.contiguous(), dense.contiguous(), out if add is None else add.contiguous(), out,
         t, e, hidden, HAS_ADD=add is not None, TILE_H=tile, num_warps=4,
-        enable_fp_fusion=False, **pdl_launch(),
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out
 

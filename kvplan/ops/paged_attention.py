@@ -82,8 +82,11 @@ def default_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: 
     """
     if SPLITS_OVERRIDE is not None:
         return SPLITS_OVERRIDE
-    programs = max(batch * num_kv_heads, 1)
-    splits = -(-2 * num_sms // programs)
+    return _splits_within(-(-2 * num_sms // max(batch * num_kv_heads, 1)), max_kv_len)
+
+
+def _splits_within(splits: int, max_kv_len: int) -> int:
+    """``splits`` kept to [1, 64] and to >= 256 keys a split."""
     return max(1, min(splits, max_kv_len // 256, 64))
 
 
@@ -96,8 +99,7 @@ def resident_splits(
     >>> resident_splits(32, 8, 8192, 132, 6)  # 256 pairs, 792 slots: 3 splits
     3
     """
-    programs = max(batch * num_kv_heads, 1)
-    return max(1, min(programs_per_sm * num_sms // programs, max_kv_len // 256, 64))
+    return _splits_within(programs_per_sm * num_sms // max(batch * num_kv_heads, 1), max_kv_len)
 
 
 def _decode_launch_plan(

@@ -17,7 +17,6 @@ import triton.language as tl
 
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import use_triton
-from kvplan.ops._triton_util import pdl_launch, pdl_prologue
 from kvplan.ops.cache_geometry import triton_next_pow2
 
 __all__ = [
@@ -37,7 +36,6 @@ def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, n_cols, stride_x, inv_n, eps,
     HAS_WEIGHT: tl.constexpr, TILE_N: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, TILE_N)
     mask = cols < n_cols
@@ -67,7 +65,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.T
     _rms_norm_kernel[(rows.shape[0],)](
         rows, x if weight is None else weight.contiguous(), out, n, rows.stride(0), 1.0 / n, eps,
         HAS_WEIGHT=weight is not None, TILE_N=tile, num_warps=max(1, min(16, tile // 512)),
-        enable_fp_fusion=False, **pdl_launch(),
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out.view(x.shape)
 

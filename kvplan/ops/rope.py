@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import use_triton
-from kvplan.ops._triton_util import pdl_launch, pdl_prologue, round_to
+from kvplan.ops._triton_util import round_to
 from kvplan.ops.cache_geometry import triton_next_pow2
 from kvplan.ops.rms_norm import rms_norm_fp32w_torch, unweighted_rms_norm_torch
 
@@ -52,7 +52,6 @@ def _norm_rope_kernel(
     D: tl.constexpr, HALF_RD: tl.constexpr, NORM: tl.constexpr, INVERSE: tl.constexpr,
 ):  # fmt: skip
     """Row ``(t, h)``: norm (0 none, 1 fp32 weight, 2 unweighted), then the rotation."""
-    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     t = row // heads
     h = row % heads
@@ -166,7 +165,6 @@ def norm_rope_triton(
         x3, w, cos, sin, out, heads, x3.stride(0), x3.stride(1), cos.stride(0), 1.0 / d,
         float(norm.eps) if norm is not None else 0.0, D=d, HALF_RD=cos.shape[1], NORM=kind,
         INVERSE=bool(inverse), num_warps=4 if d >= 512 else 1, enable_fp_fusion=False,
-        **pdl_launch(),
     )  # fmt: skip
     return out
 

@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from kvplan.ops._dispatch import use_triton
-from kvplan.ops._triton_util import pdl_launch, pdl_prologue
 
 __all__ = [
     "SmallGemmPlan",
@@ -79,7 +78,6 @@ def small_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_STEPS: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue()
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -154,7 +152,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, plan: SmallGemmPlan) -> torch
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         K_STEPS=triton.cdiv(k, plan.block_k), EVEN_K=k % plan.block_k == 0,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch(x),
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out
 

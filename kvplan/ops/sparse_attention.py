@@ -39,7 +39,6 @@ of a row are split across programs and merged by a second kernel
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -49,7 +48,7 @@ from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops import _sparse_attention_kernels as _k
 from kvplan.ops import _sparse_split_kernels as _ks
 from kvplan.ops._dispatch import cuda_sm_count, env_flag, triton_interpreting, use_triton
-from kvplan.ops._triton_util import MERGE_COUNTERS, merge_counters, pdl_launch
+from kvplan.ops._triton_util import MERGE_COUNTERS, merge_counters
 from kvplan.ops.index_scores import index_scores, index_scores_triton, topk_columns
 from kvplan.ops.sparse_sources import (
     MAX_HEAD_DIM,
@@ -267,25 +266,23 @@ def sparse_attention_triton(
     parts = num_rows * num_splits * num_heads
     ws = torch.empty(parts * (head_dim + 2), dtype=torch.float32, device=q.device)
     ws_acc, ws_m, ws_l = ws[: parts * head_dim], ws[parts * head_dim : -parts], ws[-parts:]
-    if FUSED_COMBINE and num_rows * groups <= MERGE_COUNTERS:
-        # the last split program of each (row, head group) merges: one launch
-        cnt = merge_counters(q.device)
-        _ks.sparse_attention_split_kernel[(num_rows, groups, num_splits)](
-            q, ws_acc, ws_m, ws_l, q.stride(0), q.stride(1), num_heads, num_splits,
-            cols_per_split, scale * _k.LOG2E, *srcs, **consts, **stages, **pdl_launch(),
-            out_ptr=out, sink_ptr=sink32, cnt_ptr=cnt, stride_ot=out.stride(0),
-            stride_oh=out.stride(1), cos_ptr=rope_args[0], sin_ptr=rope_args[1],
-            stride_rt=rope_args[2], FUSED=True, HALF_RD=half_rd,
-        )  # fmt: skip
-        return out
+    fused = FUSED_COMBINE and num_rows * groups <= MERGE_COUNTERS
+    merge = {}
+    if fused:  # the last split program of each (row, head group) merges: one launch
+        merge = dict(out_ptr=out, sink_ptr=sink32, cnt_ptr=merge_counters(q.device),
+                     stride_ot=out.stride(0), stride_oh=out.stride(1), cos_ptr=rope_args[0],
+                     sin_ptr=rope_args[1], stride_rt=rope_args[2], FUSED=True,
+                     HALF_RD=half_rd)  # fmt: skip
     _ks.sparse_attention_split_kernel[(num_rows, groups, num_splits)](
         q, ws_acc, ws_m, ws_l, q.stride(0), q.stride(1), num_heads, num_splits, cols_per_split,
-        scale * _k.LOG2E, *srcs, **consts, **stages, **pdl_launch(),
+        scale * _k.LOG2E, *srcs, **consts, **stages, **merge,
     )  # fmt: skip
+    if fused:
+        return out
     _ks.sparse_attention_combine_kernel[(num_rows, groups)](
         out, sink32, ws_acc, ws_m, ws_l, out.stride(0), out.stride(1), num_heads, num_splits,
         *rope_args, HEAD_DIM=head_dim, D_P2=d_p2, TILE_H=tile_h, INTERPRET=interpret,
-        HALF_RD=half_rd, HW=not interpret, num_warps=4, **pdl_launch(),
+        HALF_RD=half_rd, HW=not interpret, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -318,27 +315,6 @@ ONE_PROGRAM_TILING_QUANTIZED: dict[str, int] = {"tile_n": 32, "num_warps": 4, "n
 SPLIT_TILING: dict[str, int] = {"tile_n": 64, "num_warps": 8, "num_stages": 3}
 SPLIT_TILING_EXACT: dict[str, int] = {"tile_n": 64, "num_warps": 8, "num_stages": 2}
 
-
-def _split_from_env() -> tuple[int, dict[str, int]] | None:
-    """``KVPLAN_SPARSE_SPLIT="programs_per_sm,tile_n,num_warps,num_stages"``: the split
-    target and both split tilings (A/B runs of whole engines); unset: the tables above."""
-    text = os.environ.get("KVPLAN_SPARSE_SPLIT", "")
-    if not text:
-        return None
-    parts = text.split(",")
-    if len(parts) != 4 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
-        raise ValueError(
-            "KVPLAN_SPARSE_SPLIT must be 'programs_per_sm,tile_n,num_warps,num_stages' "
-            f"(positive ints), got {text!r}"
-        )
-    per_sm, tile_n, warps, stages = (int(x) for x in parts)
-    return per_sm, {"tile_n": tile_n, "num_warps": warps, "num_stages": stages}
-
-
-_SPLIT_OVERRIDE = _split_from_env()
-if _SPLIT_OVERRIDE is not None:
-    _PROGRAMS_PER_SM = _SPLIT_OVERRIDE[0]
-    SPLIT_TILING = SPLIT_TILING_EXACT = _SPLIT_OVERRIDE[1]
 _SPLIT_TILE_N = SPLIT_TILING["tile_n"]  # keys per tile of the split kernel (split_count's unit)
 FEW_PROGRAMS_PER_SM = 4  # "few programs": (row, head group) pairs up to this many per SM
 

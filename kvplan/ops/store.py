@@ -16,7 +16,6 @@ from kvplan import quant
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.formats import KVCacheFormat, resolve_kv_cache_layout, split_kv_cache
 from kvplan.ops._dispatch import triton_interpreting, use_triton
-from kvplan.ops._triton_util import pdl_launch
 from kvplan.ops.cache_geometry import (
     SF_KIND,
     cache_bytes,
@@ -275,7 +274,7 @@ def _launch(x, raw, slots, layout, geo, config=None, n=None, plan=None) -> None:
             SF=SF_KIND[layout.sf_format], SB=4 if layout.sf_format == "fp32" else 1,
             SEARCH=layout.scale_search, FLAT=flat_groups(layout), HW=hw,
             FAST_DIV=config.get("fast_div", hw and layout.sf_format == "fp32"), ROWS=rows, VALIGN=geo.v_align, SALIGN=geo.s_align,
-            num_warps=config.get("num_warps", 4), **pdl_launch(),
+            num_warps=config.get("num_warps", 4),
         )  # fmt: skip
     else:
         row_bytes = layout.value_bytes
@@ -286,7 +285,7 @@ def _launch(x, raw, slots, layout, geo, config=None, n=None, plan=None) -> None:
             geo.block_stride, geo.v_stride, BLOCK_SIZE=geo.block_size,
             ROW_BYTES=row_bytes, COLS=cols, ROWS=rows, VALIGN=geo.v_align,
             SRC_ALIGN=pow2_alignment(row_bytes),
-            num_warps=config.get("num_warps", 4), **pdl_launch(),
+            num_warps=config.get("num_warps", 4),
         )  # fmt: skip
 
 

@@ -43,7 +43,6 @@ import triton.language as tl
 
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
-from kvplan.ops._triton_util import pdl_launch, pdl_prologue
 
 __all__ = [
     "topk_columns",
@@ -229,7 +228,6 @@ def _topk_kernel(
     ``gather`` entries) to ``out[t, j * top_k:]`` and their scores to ``values`` (the same
     strides; NaN after them). The CPU interpreter cannot take a runtime tensor as a
     ``range`` bound, so there each loop runs as a ``while`` loop."""
-    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     col_base = part * PART
@@ -469,7 +467,6 @@ def _launch(scores, count, g, out, work, values, width, top_k, grid, *, tile, bi
         g.stride(0), out.stride(0), work.stride(0), TILE=tile, BITS=bits, GATHER=gather,
         COMPACT=compact, ROW=row, PART=part, INTERPRET=triton_interpreting(),
         num_warps=num_warps or (_row_warps(row) if row else max(1, min(8, tile // 256))),
-        **pdl_launch(),
     )  # fmt: skip
 
 

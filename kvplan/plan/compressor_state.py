@@ -39,7 +39,6 @@ import triton.language as tl
 from kvplan._checks import check_int32, check_tensor
 from kvplan._math import exclusive_cumsum
 from kvplan.ops._dispatch import use_triton
-from kvplan.ops._triton_util import pdl_launch, pdl_prologue
 from kvplan.plan.sequence import SequenceMetadata
 
 
@@ -234,7 +233,6 @@ def _expand_window_index_kernel(
     facts_ptr, out_ptr, num_entries, stride_e, stride_f, num_rows, ring_rows,
     R_P2: tl.constexpr, TILE_E: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue()
     e = tl.program_id(0) * TILE_E + tl.arange(0, TILE_E)
     e_ok = e < num_entries
     col = tl.arange(0, R_P2)[None, :]
@@ -268,7 +266,7 @@ def expand_window_index_triton(
     tile_e = max(1, min(triton.next_power_of_2(e), 4096 // r_p2))
     _expand_window_index_kernel[(triton.cdiv(e, tile_e),)](
         window_facts, out, e, window_facts.stride(0), window_facts.stride(1), num_rows,
-        ring_rows, R_P2=r_p2, TILE_E=tile_e, **pdl_launch(),
+        ring_rows, R_P2=r_p2, TILE_E=tile_e,
     )  # fmt: skip
     return out
 

@@ -182,3 +182,31 @@ def test_prompt_index_scores_by_sequence_equal_oracle(kv_format, monkeypatch) ->
         drv.step([drv.seq(e[0], e[1], e[2], bool(e[3]) if len(e) > 3 else False) for e in step])
     assert calls and max(calls) >= 2  # steps of several sequences went through it
     assert any(compared)  # with candidates to score
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "exact"])
+def test_fused_split_merge_in_the_family_equals_oracle(kv_format, monkeypatch) -> None:
+    """The family on the ops' Triton path (interpreter) with its sparse attention split three
+    ways (16-key tiles; a 24-row window and ratio-2 entries give rows of up to ~40 keys) and
+    merged by the last-arriving split program (``FUSED_COMBINE``): every step equals the
+    oracle, and the fused launches ran."""
+    import kvplan.backends.hybrid.planned_step as ps
+    import kvplan.ops.sparse_attention as sa
+
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    monkeypatch.setattr(sa, "FUSED_COMBINE", True)
+    fused = []
+    real_counters = sa.merge_counters
+    monkeypatch.setattr(sa, "merge_counters", lambda d: fused.append(d) or real_counters(d))
+
+    def split3(q, sources, sinks, scale, **kw):
+        return sa.sparse_attention_triton(q, sources, sinks, scale, num_splits=3, tile_n=16, **kw)
+
+    monkeypatch.setattr(ps, "sparse_attention", split3)
+    rng = np.random.default_rng(4)
+    fam, oracle = make_family([CSA, HCA, SLIDING], 24, 2, kv_format=kv_format)
+    drv = Driver(fam, oracle, seed=13, atol=2e-5, rtol=2e-5)
+    for step in schedules(rng)["mixed"][:3]:
+        drv.step([drv.seq(e[0], e[1], e[2], bool(e[3]) if len(e) > 3 else False) for e in step])
+    assert fused  # the merge ran in the split kernel
+    assert not real_counters(torch.device("cpu")).any()

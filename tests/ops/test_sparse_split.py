@@ -173,20 +173,6 @@ def test_default_tiling_table() -> None:
     assert sa.SPLIT_TILING["tile_n"] == sa.SPLIT_TILING_EXACT["tile_n"] == sa._SPLIT_TILE_N
 
 
-def test_split_env_override(monkeypatch) -> None:
-    """``KVPLAN_SPARSE_SPLIT`` (A/B runs): four positive ints, else an error naming it."""
-    from kvplan.ops import sparse_attention as sa
-
-    monkeypatch.setenv("KVPLAN_SPARSE_SPLIT", "2,32,4,3")
-    assert sa._split_from_env() == (2, {"tile_n": 32, "num_warps": 4, "num_stages": 3})
-    monkeypatch.delenv("KVPLAN_SPARSE_SPLIT")
-    assert sa._split_from_env() is None
-    for bad in ("2,32,4", "2,32,0,3", "a,b,c,d"):
-        monkeypatch.setenv("KVPLAN_SPARSE_SPLIT", bad)
-        with pytest.raises(ValueError, match=f"KVPLAN_SPARSE_SPLIT .* got '{bad}'"):
-            sa._split_from_env()
-
-
 # ---- index scores: the tensor-core kernel ---------------------------------------------------
 
 
