@@ -103,12 +103,13 @@ def resident_splits(
 
 
 def _decode_launch_plan(
-    kv_layout, batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int, num_warps: int,
-    num_splits: int | None, maxnreg: int | None,
+    kv_layout, batch: int, num_kv_heads: int, max_kv_len: int | None, num_sms: int,
+    num_warps: int, num_splits: int | None, maxnreg: int | None,
 ) -> tuple[int, int | None]:  # fmt: skip
     """``(num_splits, maxnreg)`` of a decode launch. A register cap lets more programs share an
     SM, which pays only with more programs: without a given split count a capped launch takes
-    `resident_splits` where that exceeds `default_num_splits`. A cap given here or by
+    `resident_splits` where that exceeds `default_num_splits` (``max_kv_len``, read only
+    then). A cap given here or by
     ``KVPLAN_DECODE_MAXNREG`` always applies; a format's ``DECODE_MAXNREG`` entry only where it
     brings those extra splits (H200, fp8 at 32 x 8K: cap 168 x 3 splits 135.1 us, uncapped x 2
     splits 143.0, cap 168 x 2 splits 145.1; bench/RESULTS.md, session 21)."""
@@ -207,10 +208,11 @@ def paged_attention_decode_triton(
     )  # fmt: skip
     tile_n, num_warps, num_stages = decode_tiling(kv_layout, tile_n, num_warps, num_stages)
     batch = q.shape[0]
-    if max_kv_len is None:
-        max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]
-    if sliding_window is not None:
-        max_kv_len = min(max_kv_len, sliding_window)
+    if num_splits is None:  # the split rule's key count
+        if max_kv_len is None:
+            max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]
+        if sliding_window is not None:
+            max_kv_len = min(max_kv_len, sliding_window)
     num_splits, maxnreg = _decode_launch_plan(
         kv_layout, batch, num_kv_heads, max_kv_len, _num_sms(q.device), num_warps, num_splits,
         maxnreg,
