@@ -175,11 +175,7 @@ def test_prompt_index_scores_by_sequence_equal_oracle(kv_format, monkeypatch) ->
         return got
 
     monkeypatch.setattr(ps, "index_scores_by_sequence", spy)
-    rng = np.random.default_rng(4)
-    fam, oracle = make_family([CSA, HCA, SLIDING], 5, 8, kv_format=kv_format)
-    drv = Driver(fam, oracle, seed=13, atol=2e-5, rtol=2e-5)
-    for step in schedules(rng)["mixed"][:5]:
-        drv.step([drv.seq(e[0], e[1], e[2], bool(e[3]) if len(e) > 3 else False) for e in step])
+    _mixed_steps_equal_oracle(kv_format, 5, 8, 5)
     assert calls and max(calls) >= 2  # steps of several sequences went through it
     assert any(compared)  # with candidates to score
 
@@ -203,10 +199,16 @@ def test_fused_split_merge_in_the_family_equals_oracle(kv_format, monkeypatch) -
         return sa.sparse_attention_triton(q, sources, sinks, scale, num_splits=3, tile_n=16, **kw)
 
     monkeypatch.setattr(ps, "sparse_attention", split3)
-    rng = np.random.default_rng(4)
-    fam, oracle = make_family([CSA, HCA, SLIDING], 24, 2, kv_format=kv_format)
-    drv = Driver(fam, oracle, seed=13, atol=2e-5, rtol=2e-5)
-    for step in schedules(rng)["mixed"][:3]:
-        drv.step([drv.seq(e[0], e[1], e[2], bool(e[3]) if len(e) > 3 else False) for e in step])
+    _mixed_steps_equal_oracle(kv_format, 24, 2, 3)
     assert fused  # the merge ran in the split kernel
     assert not real_counters(torch.device("cpu")).any()
+
+
+def _mixed_steps_equal_oracle(kv_format: str, window: int, hca_ratio: int, steps: int) -> None:
+    """The first ``steps`` steps of the "mixed" schedule on a CSA / HCA / sliding family, each
+    checked against the oracle."""
+    rng = np.random.default_rng(4)
+    fam, oracle = make_family([CSA, HCA, SLIDING], window, hca_ratio, kv_format=kv_format)
+    drv = Driver(fam, oracle, seed=13, atol=2e-5, rtol=2e-5)
+    for step in schedules(rng)["mixed"][:steps]:
+        drv.step([drv.seq(e[0], e[1], e[2], bool(e[3]) if len(e) > 3 else False) for e in step])
