@@ -262,14 +262,16 @@ def decode_tiling(
     return tile_n, num_warps, num_stages
 
 
-DECODE_MAXNREG: dict[str | None, int] = {"e4m3": 168}
+DECODE_MAXNREG: dict[str | None, int] = {"e4m3": 168, "int8": 168}
 """Register cap per thread (Triton's ``maxnreg``) of a decode launch by
 ``kv_layout.quantized_dtype`` (None: float caches); absent: the compiler's own choice. A cap
 lets more programs share an SM (65,536 registers) at the price of spills. Measured on the H200
 (bench/RESULTS.md, session 21, 32 x 8K, default tilings): fp8 (64, 2, 3) takes 232 registers
 (4 programs an SM); at 168 it spills 24 bytes, 6 fit, and with 3 splits runs 135.1 us against
 143.0 uncapped (2 splits); fp4 at 168 202.0 us (3 splits) / 240.4 (2) against 189.1, bf16
-equal (137.3 vs 137.9); 128 registers spill 308 bytes (fp8 199.6 us)."""
+equal (137.3 vs 137.9); 128 registers spill 308 bytes (fp8 199.6 us). int8 (64, 2, 3)
+compiles to 168 registers by itself: its entry only tells the split plan that 6 programs fit
+(session 22, 32 x 8K: 3 splits 139.4 us against 152.3 with 2)."""
 
 
 def _maxnreg_from_env() -> int | None:
