@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvplan.ops._dispatch import env_flag, triton_interpreting
+from kvplan.ops._dispatch import triton_interpreting
 from kvplan.ops._paged_kv_tiles import (
     dequantize_kv_raw,
     head_scales_offset,
@@ -45,7 +45,6 @@ from kvplan.ops._paged_kv_tiles import (
     load_kv_raw,
     load_kv_tile,
 )
-from kvplan.ops._triton_util import MERGE_COUNTERS, merge_counters
 
 # Stand-in for "no sliding window": far beyond any int32 position difference we produce.
 NO_WINDOW = 1 << 30
@@ -360,15 +359,11 @@ def _decode_kernel(
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
-    GROUP: tl.constexpr, PREFETCH: tl.constexpr, cnt_ptr=None, FUSED: tl.constexpr = False,
-    SPLITS_PAD: tl.constexpr = 1,
+    GROUP: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, Hkv, num_splits). q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D];
     page_ids int32 flat, page_start / kv_lens int32 [B]; partials (SPLIT only): fp32
-    part_acc [B, H, S, D], part_m / part_l [B, H, S]. ``FUSED`` (SPLIT only): the last split
-    program of a (sequence, KV head) to count itself in on its int32 counter (``cnt_ptr``
-    ``[B * Hkv]``, zero on entry, left zero) merges the group's heads as ``_combine_kernel``
-    does (`_merge_head`, the same bits; ``SPLITS_PAD`` its padded split count)."""
+    part_acc [B, H, S, D], part_m / part_l [B, H, S]."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -406,24 +401,6 @@ def _decode_kernel(
         tl.store(part_acc_ptr + acc_off, acc, mask=g_ok[:, None])
         tl.store(part_m_ptr + part_row, m_i, mask=g_ok)
         tl.store(part_l_ptr + part_row, l_i, mask=g_ok)
-        if FUSED:
-            tl.debug_barrier()  # every thread's stores above, before the count
-            counter = cnt_ptr + b * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                if INTERPRET:  # no runtime range bound in the interpreter
-                    g = 0
-                    while g < group_size:
-                        _merge_head(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob,
-                                    stride_oh, num_heads, num_splits, b, kvh * group_size + g,
-                                    SPLITS_PAD, HEAD_DIM, ".cg")  # fmt: skip
-                        g += 1
-                else:
-                    for g in range(0, group_size):
-                        _merge_head(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob,
-                                    stride_oh, num_heads, num_splits, b, kvh * group_size + g,
-                                    SPLITS_PAD, HEAD_DIM, ".cg")  # fmt: skip
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -436,26 +413,16 @@ def _combine_kernel(
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, H): merge the split partials (fp32 [B, H, S, D] and [B, H, S]) into out."""
-    _merge_head(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_heads,
-                num_splits, tl.program_id(0), tl.program_id(1), SPLITS_PAD, HEAD_DIM,
-                "")  # fmt: skip
-
-
-@triton.jit
-def _merge_head(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
-    b, h, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr,
-):  # fmt: skip
-    """Merge head ``h`` of sequence ``b``'s split partials into out (``CACHE``: the partials'
-    cache modifier, ``".cg"`` past the L1 when other programs of the same launch wrote them)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
     base = (b.to(tl.int64) * num_heads + h) * num_splits
-    m = tl.load(part_m_ptr + base + offs_s, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
-    lsum = tl.load(part_l_ptr + base + offs_s, mask=s_ok, other=0.0, cache_modifier=CACHE)
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    lsum = tl.load(part_l_ptr + base + offs_s, mask=s_ok, other=0.0)
     acc_off = (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
-    acc = tl.load(part_acc_ptr + acc_off, mask=s_ok[:, None], other=0.0, cache_modifier=CACHE)
+    acc = tl.load(part_acc_ptr + acc_off, mask=s_ok[:, None], other=0.0)
     w = tl.exp2(m - tl.max(m, 0))  # [SPLITS_PAD]; padding splits get weight 0
     den = tl.sum(w * lsum, 0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(den > 0, den, 1.0)
@@ -568,12 +535,6 @@ def _prefetch(prefetch: int | bool | None, kv_layout, decode: bool) -> int:
     return DECODE_PREFETCH.get(kv_layout.quantized_dtype, 0)
 
 
-DECODE_FUSED_COMBINE = env_flag("KVPLAN_DECODE_FUSED_COMBINE", False)
-"""Split decode launches merge their partials in the last split program of each (sequence,
-KV head) (True; ``KVPLAN_DECODE_FUSED_COMBINE=1`` at import) instead of a second launch
-(``_combine_kernel``, the default until the H200 has timed both). The same bits either way."""
-
-
 def _dot_precision(dtype) -> str:
     """fp32 caches get exact fp32 products (tf32 would miss the 1e-5 tolerance)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -588,8 +549,7 @@ def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
     kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None, maxnreg=None,
 ):  # fmt: skip
-    """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``, unless
-    ``DECODE_FUSED_COMBINE``: then the split programs merge) into ``out``;
+    """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
     ``prefetch`` as in `_attend_range_ahead` (None: ``QUANT_PREFETCH``, then
     ``DECODE_PREFETCH``); ``maxnreg``: the compiler's register cap per thread (None: none)."""
     batch, num_heads, head_dim = q.shape
@@ -606,11 +566,6 @@ def launch_decode(
         part_acc = part_m = part_l = out  # unused by the kernel
     if batch == 0:
         return out
-    fused = split and DECODE_FUSED_COMBINE and batch * geo.num_kv_heads <= MERGE_COUNTERS
-    extra = {}
-    if fused:  # the last split program of each (sequence, KV head) merges: one launch
-        extra = dict(cnt_ptr=merge_counters(q.device), FUSED=True,
-                     SPLITS_PAD=triton.next_power_of_2(num_splits))  # fmt: skip
     _decode_kernel[(batch, geo.num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, part_acc, part_m, part_l,
         q.stride(0), q.stride(1),
@@ -625,9 +580,8 @@ def launch_decode(
         PREFETCH=_prefetch(prefetch, kv_layout, decode=True),
         num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
-        **extra,
     )  # fmt: skip
-    if split and not fused:
+    if split:
         _combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_heads, num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,

@@ -134,27 +134,3 @@ def test_engine_with_prefetching_paged_kernels_gives_the_same_logits(kv_format, 
     monkeypatch.setattr(pak, "_ahead_step", lambda *a: calls.append(a[-2]) or real(*a))
     got = prompt_logits(_engine(kv_format).engine, ids, 16)
     assert calls and set(calls) == {1} and torch.equal(got, want)  # a[-2]: the step's MODE
-
-
-@pytest.mark.parametrize("kv_format", ["fp8", "auto"])
-def test_engine_with_fused_split_merge_gives_the_same_tokens(kv_format, monkeypatch):
-    """The engine's decode steps on the Triton paged kernels (interpreter), split three ways,
-    with the last-arriving split program merging (``DECODE_FUSED_COMBINE``): the greedy tokens
-    and the logits of the two-launch merge, and the fused launches ran."""
-    import kvplan.ops._paged_attention_kernels as pak
-    import kvplan.ops.paged_attention as pa
-
-    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
-    monkeypatch.setattr(pa, "SPLITS_OVERRIDE", 3)
-    prompts = _prompts(3, seed=7)
-    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
-    fused = []
-    real = pak.merge_counters
-    monkeypatch.setattr(pak, "merge_counters", lambda d: fused.append(d) or real(d))
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(pak, "DECODE_FUSED_COMBINE", on)
-        outs.append(_engine(kv_format).generate(prompts, params))
-    assert fused  # the decode steps merged in the split kernel
-    for a, b in zip(*outs, strict=True):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

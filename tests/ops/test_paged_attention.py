@@ -267,8 +267,7 @@ for quant, sf, group, pre in ((0, 0, 1, False), (1, 2, 32, False), (2, 1, 16, Fa
                               (1, 2, 32, True), (2, 1, 16, True)):
     common = dict(BLOCK_SIZE=32, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRET=False,
                   KV_QUANT=quant, SF_KIND=sf, GROUP=group, PREFETCH=pre)
-    build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, FUSED=False, SPLITS_PAD=1,
-                                 **common), 4, 2)
+    build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, **common), 4, 2)
     build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
 build(K._combine_kernel, dict(SPLITS_PAD=4, HEAD_DIM=128), 4, 1)
 """

@@ -432,58 +432,6 @@ def test_gpu_register_cap_keeps_the_decode_result(kind):
         assert_close(out.float(), outs[0].float(), atol=2e-3, rtol=4e-3)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp8"])
-def test_fused_decode_merge_equals_combine_kernel(monkeypatch, kind):
-    """Split decode with the last-arriving program merging (``DECODE_FUSED_COMBINE``) gives
-    ``_combine_kernel``'s bits (interpreter here, GPU below), 3 and 5 splits, GQA groups of 4,
-    two launches in a row (the counters are left zeroed)."""
-    from kvplan.ops._triton_util import merge_counters
-
-    if torch.cuda.is_available():
-        pytest.skip("the GPU test below")
-    kv_lens = torch.randint(1, 300, (5,), generator=torch.Generator().manual_seed(9)).tolist()
-    args, scale, layout = _decode_args(kind, 10, kv_lens + [1, 17], "cpu", num_kv_heads=2,
-                                       group=4, head_dim=32)  # fmt: skip
-    for splits in (3, 5):
-        monkeypatch.setattr(pak, "DECODE_FUSED_COMBINE", False)
-        want = paged_attention_decode_triton(*args, scale=scale, kv_layout=layout,
-                                             num_splits=splits)  # fmt: skip
-        monkeypatch.setattr(pak, "DECODE_FUSED_COMBINE", True)
-        for _ in range(2):
-            got = paged_attention_decode_triton(*args, scale=scale, kv_layout=layout,
-                                                num_splits=splits)  # fmt: skip
-            assert torch.equal(got, want)
-            assert not merge_counters(args[0].device).any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp4"])
-def test_gpu_fused_decode_merge_equals_combine_kernel(monkeypatch, kind):
-    """On the GPU: the fused merge's bits equal the combine kernel's, eagerly and in CUDA-graph
-    replays, at the engine's tilings (fp8: its register cap and 3 splits at 32 x 8 heads)."""
-    from kvplan.ops._triton_util import merge_counters
-
-    kv_lens = torch.randint(1, 3000, (32,), generator=torch.Generator().manual_seed(11)).tolist()
-    args, scale, layout = _decode_args(kind, 12, kv_lens, "cuda", num_kv_heads=8, group=4,
-                                       head_dim=64)  # fmt: skip
-    kw = dict(scale=scale, kv_layout=layout, check=False, max_kv_len=3000)
-    for splits in (None, 3):
-        monkeypatch.setattr(pak, "DECODE_FUSED_COMBINE", False)
-        want = paged_attention_decode_triton(*args, num_splits=splits, **kw)
-        monkeypatch.setattr(pak, "DECODE_FUSED_COMBINE", True)
-        assert torch.equal(paged_attention_decode_triton(*args, num_splits=splits, **kw), want)
-        out = torch.zeros_like(want)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            paged_attention_decode_triton(*args, num_splits=splits, out=out, **kw)
-        for _ in range(3):
-            out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want)
-    assert not merge_counters(args[0].device).any()
-
-
 def test_prefetch_defaults_per_format_and_kernel(monkeypatch):
     """``prefetch=None`` takes the module switch, else the per-format decode table
     (``DECODE_PREFETCH``); an explicit argument wins; a mode outside 0 / 1 / 2 is refused,
