@@ -6,21 +6,32 @@ import triton
 import triton.language as tl
 
 MERGE_COUNTERS = 1 << 16
-"""int32 counters a device keeps for kernels whose last-arriving program merges the other
-programs' partials (split attention): each launch counts its programs in on its own
-counters and leaves them zero, so launches in one stream (and CUDA-graph replays) share the
-buffer; kernels on two streams at once must not."""
+"""Size of a buffer of int32 counters for kernels whose last-arriving program merges the
+other programs' partials (split attention). Each launch counts its programs in on its own
+counters and leaves them zero, so the launches of one stream, CUDA-graph replays included,
+can share a buffer; launches that may run at once (two streams) must not."""
 _merge_counters: dict = {}
 
 
-def merge_counters(device):
-    """The device's ``MERGE_COUNTERS`` zeroed int32 counters (allocated on first use)."""
-    buf = _merge_counters.get(device)
-    if buf is None:
-        import torch
+def new_merge_counters(device, size: int = MERGE_COUNTERS):
+    """A zeroed buffer of ``size`` int32 merge counters on ``device``, for a caller that owns
+    its counters (e.g. one engine's model; see ``sparse_attention``'s ``counters``)."""
+    import torch
 
-        buf = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-        _merge_counters[device] = buf
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
+def merge_counters(device):
+    """The shared ``MERGE_COUNTERS`` counters of ``device`` and its current stream (allocated
+    on first use): launches on one stream share them; a CUDA graph captured on a stream keeps
+    that stream's buffer."""
+    import torch
+
+    device = torch.device(device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _merge_counters.get(key)
+    if buf is None:
+        buf = _merge_counters[key] = new_merge_counters(device)
     return buf
 
 

@@ -113,6 +113,7 @@ def sparse_attention(
     out: torch.Tensor | None = None,
     out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     check: bool = True,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query row over its indexed rows of one or two sources, with sinks.
 
@@ -129,15 +130,29 @@ def sparse_attention(
             epilogue.
         check: validate index values (one device sync on CUDA); False on a hot path, where
             an out-of-range slot reads as not visible.
+        counters: the caller's zeroed int32 merge counters on q's device (``[N]``;
+            ``kvplan.ops._triton_util.new_merge_counters``), which the split kernels leave
+            zeroed; a call that splits its columns needs ``N >= T * cdiv(H, 16)`` (calls
+            split when those programs are fewer than the SMs). None: the device's buffer
+            for the current stream. Calls that may run at once (two streams, two engines)
+            need buffers of their own. Read by the Triton kernels only.
 
     Returns ``out`` (or a new tensor) ``[T, H, D]`` in q's dtype.
     """
+    _check_counters(counters, q)
     if use_triton(q):
         return sparse_attention_triton(
-            q, sources, sinks, scale, out=out, out_rope=out_rope, check=check
+            q, sources, sinks, scale, out=out, out_rope=out_rope, check=check, counters=counters
         )
     return sparse_attention_torch(q, sources, sinks, scale, out=out, out_rope=out_rope,
                                   check=check)  # fmt: skip
+
+
+def _check_counters(counters: torch.Tensor | None, q: torch.Tensor) -> None:
+    """``counters`` (when given): a contiguous 1-D int32 tensor on q's device."""
+    if counters is not None:
+        check_tensor("counters", counters, dtype=torch.int32, ndim=1, device=q.device,
+                     contiguous=True)  # fmt: skip
 
 
 def _check_out_rope(q: torch.Tensor, out_rope) -> int:
@@ -174,6 +189,7 @@ def sparse_attention_triton(
     check: bool = True, tile_h: int = 16,
     tile_n: int | None = None, num_warps: int | None = None, num_splits: int | None = None,
     num_stages: int | None = None, d_chunk: int | None = None, pv_split: int | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton kernels (also on CPU under ``TRITON_INTERPRET=1``); contract of
     :func:`sparse_attention`. ``tile_h`` heads and ``tile_n`` keys per tile; ``num_splits``
@@ -185,7 +201,7 @@ def sparse_attention_triton(
     width instead of holding the whole query tile; ``pv_split`` (1, 2 or 4) splits the
     value product and the accumulator into that many column chunks, each re-reading its
     values. A launch setting left None takes the path's entry in :func:`default_tiling` if
-    any, else the built-in default."""
+    any, else the built-in default. ``counters``: as in :func:`sparse_attention`."""
     addrs = _check(q, sources, sinks, check)
     out = _out(q, out)
     half_rd = _check_out_rope(q, out_rope)
@@ -205,6 +221,7 @@ def sparse_attention_triton(
     n1 = i1.shape[1] if len(sources) > 1 else 0
     num_cols = i0.shape[1] + n1
     groups = triton.cdiv(num_heads, tile_h)
+    _check_counters(counters, q)
     interpret = triton_interpreting()
     if num_splits is None:
         num_splits = (
@@ -266,10 +283,16 @@ def sparse_attention_triton(
     parts = num_rows * num_splits * num_heads
     ws = torch.empty(parts * (head_dim + 2), dtype=torch.float32, device=q.device)
     ws_acc, ws_m, ws_l = ws[: parts * head_dim], ws[parts * head_dim : -parts], ws[-parts:]
-    fused = FUSED_COMBINE and num_rows * groups <= MERGE_COUNTERS
+    if counters is not None and counters.numel() < num_rows * groups:
+        raise ValueError(
+            f"counters must hold at least T * cdiv(H, {tile_h}) = {num_rows * groups} int32 "
+            f"values for a split call, got {counters.numel()}"
+        )
+    fused = FUSED_COMBINE and (counters is not None or num_rows * groups <= MERGE_COUNTERS)
     merge = {}
     if fused:  # the last split program of each (row, head group) merges: one launch
-        merge = dict(out_ptr=out, sink_ptr=sink32, cnt_ptr=merge_counters(q.device),
+        cnt = merge_counters(q.device) if counters is None else counters
+        merge = dict(out_ptr=out, sink_ptr=sink32, cnt_ptr=cnt,
                      stride_ot=out.stride(0), stride_oh=out.stride(1), cos_ptr=rope_args[0],
                      sin_ptr=rope_args[1], stride_rt=rope_args[2], FUSED=True,
                      HALF_RD=half_rd)  # fmt: skip

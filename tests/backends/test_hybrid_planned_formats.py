@@ -184,24 +184,29 @@ def test_prompt_index_scores_by_sequence_equal_oracle(kv_format, monkeypatch) ->
 def test_fused_split_merge_in_the_family_equals_oracle(kv_format, monkeypatch) -> None:
     """The family on the ops' Triton path (interpreter) with its sparse attention split three
     ways (16-key tiles; a 24-row window and ratio-2 entries give rows of up to ~40 keys) and
-    merged by the last-arriving split program (``FUSED_COMBINE``): every step equals the
-    oracle, and the fused launches ran."""
+    merged by the last-arriving split program (``FUSED_COMBINE``) on the family's own merge
+    counters: every step equals the oracle, no combine kernel ran, and the counters every
+    call used are one buffer, left zeroed."""
     import kvplan.backends.hybrid.planned_step as ps
     import kvplan.ops.sparse_attention as sa
 
+    class NoCombine:
+        def __getitem__(self, grid):
+            raise AssertionError("the two-launch combine ran")
+
     monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
     monkeypatch.setattr(sa, "FUSED_COMBINE", True)
-    fused = []
-    real_counters = sa.merge_counters
-    monkeypatch.setattr(sa, "merge_counters", lambda d: fused.append(d) or real_counters(d))
+    monkeypatch.setattr(sa._ks, "sparse_attention_combine_kernel", NoCombine())
+    used = []
 
     def split3(q, sources, sinks, scale, **kw):
+        used.append(kw["counters"])
         return sa.sparse_attention_triton(q, sources, sinks, scale, num_splits=3, tile_n=16, **kw)
 
     monkeypatch.setattr(ps, "sparse_attention", split3)
     _mixed_steps_equal_oracle(kv_format, 24, 2, 3)
-    assert fused  # the merge ran in the split kernel
-    assert not real_counters(torch.device("cpu")).any()
+    assert used and all(c is used[0] for c in used)  # the family's buffer, every call
+    assert used[0].dtype == torch.int32 and not used[0].any()
 
 
 def _mixed_steps_equal_oracle(kv_format: str, window: int, hca_ratio: int, steps: int) -> None:

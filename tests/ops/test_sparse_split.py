@@ -123,6 +123,52 @@ def test_fused_merge_equals_combine_kernel(monkeypatch, rope, num_splits) -> Non
                                out_rope=kw.get("out_rope")).float(), atol=2e-2, rtol=2e-2)  # fmt: skip
 
 
+@interpreter
+def test_caller_owned_merge_counters(monkeypatch) -> None:
+    """``counters``: a caller's buffer gives the same bits as the shared one and is left
+    zeroed; a buffer too small for the split call, of another dtype, rank or device, or not
+    contiguous is refused naming it (nothing written)."""
+    from kvplan.ops import sparse_attention as sa
+    from kvplan.ops._triton_util import new_merge_counters
+
+    monkeypatch.setattr(sa, "FUSED_COMBINE", True)
+    q, sources, sinks = _inputs([FP8_64], 3, 18, 64, [37], seed=16, dtype=torch.bfloat16)
+    kw = dict(tile_n=16, num_splits=3)
+    want = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+    mine = new_merge_counters(q.device, 6)  # 3 rows x 2 head groups
+    for _ in range(2):
+        assert torch.equal(sparse_attention_triton(q, sources, sinks, 0.125, counters=mine,
+                                                   **kw), want)  # fmt: skip
+        assert mine.dtype == torch.int32 and not mine.any()
+    out = torch.full_like(want, 7.0)
+    with pytest.raises(ValueError, match=r"counters must hold at least T \* cdiv\(H, 16\) = 6"):
+        sparse_attention_triton(q, sources, sinks, 0.125, out=out,
+                                counters=new_merge_counters(q.device, 5), **kw)  # fmt: skip
+    assert (out == 7.0).all()
+    for bad, err in ((torch.zeros(6, dtype=torch.int64), "dtype torch.int32"),
+                     (torch.zeros(2, 3, dtype=torch.int32), "1-D"),
+                     (torch.zeros(12, dtype=torch.int32)[::2], "contiguous")):  # fmt: skip
+        with pytest.raises((TypeError, ValueError), match=f"counters must .*{err}"):
+            sparse_attention(q, sources, sinks, 0.125, counters=bad)
+    # one program a row (no split): any buffer size is fine
+    got = sparse_attention_triton(q, sources, sinks, 0.125, tile_n=16, num_splits=1,
+                                  counters=new_merge_counters(q.device, 1))  # fmt: skip
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_shared_merge_counters_per_device_and_stream() -> None:
+    """The shared buffer: one a device (and CUDA stream), zeroed, ``MERGE_COUNTERS`` long."""
+    from kvplan.ops._triton_util import MERGE_COUNTERS
+
+    a, b = merge_counters("cpu"), merge_counters(torch.device("cpu"))
+    assert a is b and a.shape == (MERGE_COUNTERS,) and a.dtype == torch.int32
+    if torch.cuda.is_available():
+        main = merge_counters("cuda")
+        with torch.cuda.stream(torch.cuda.Stream()):
+            side = merge_counters("cuda")
+        assert main is not side and main is merge_counters("cuda")
+
+
 def test_env_flags(monkeypatch) -> None:
     """The 0 / 1 switches (``env_flag``): unset gives the default, else a clear error."""
     from kvplan.ops._dispatch import env_flag

@@ -37,6 +37,7 @@ import torch
 from kvplan.backends.hybrid.api import HybridLayerSpec, HybridSeq
 from kvplan.backends.hybrid.planned_step import PlannedStep
 from kvplan.backends.hybrid.storage import PagedRows, index_format, main_format
+from kvplan.ops._triton_util import new_merge_counters
 from kvplan.plan.compressor_state import state_rows
 from kvplan.plan.config import MetadataConfig
 
@@ -180,6 +181,9 @@ class PlannedHybridFamily:
         self.dtype = dtype
         self.check = check
         self.trace = trace
+        # the split sparse attention's merge counters: this family's own, so that two
+        # families (engines) on two streams never share them (`kvplan.ops.sparse_attention`)
+        self.merge_counters = new_merge_counters(self.device)
         if decode_builder == "auto":
             decode_builder = "device" if self.device.type == "cuda" else "eager"
         self.decode_builder = decode_builder

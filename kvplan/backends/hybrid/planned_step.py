@@ -332,7 +332,8 @@ class PlannedStep:
             self.traces[layer_idx] = (rows, index)
         if in_place(q):  # traced CUDA step: the kernel over the joined buffer
             return sparse_attention(q.contiguous(), [KeySource(rows, index)], sinks, scale,
-                                    out_rope=out_rope, check=self.family.check)  # fmt: skip
+                                    out_rope=out_rope, check=self.family.check,
+                                    counters=self.family.merge_counters)  # fmt: skip
         return unrotate(sink_attention(q, rows, index, sinks, scale), out_rope)
 
     def _attend_in_place(
@@ -366,7 +367,8 @@ class PlannedStep:
                 sources.append(caches.pools["compressor"].key_source(slots))
         q = q if q.stride(2) == 1 else q.contiguous()
         return sparse_attention(q, sources, sinks, scale, out_rope=out_rope,
-                                check=self.family.check)  # fmt: skip
+                                check=self.family.check,
+                                counters=self.family.merge_counters)  # fmt: skip
 
     # ---- compressed parts ---------------------------------------------------------------
     def _prompt_compressed(self, spec, caches, index_q, index_weights, dtype=torch.float32):
