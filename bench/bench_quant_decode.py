@@ -31,6 +31,7 @@ if not torch.cuda.is_available():
 
 from bench_paged_attention import make_paged, rel_err, timed  # noqa: E402
 
+import kvplan.ops._paged_attention_kernels as pak  # noqa: E402
 from kvplan import quant  # noqa: E402
 from kvplan.cache.kv_tensors import QUANTIZED_KV_FORMATS  # noqa: E402
 from kvplan.formats import KVCacheFormat, alloc_kv_cache  # noqa: E402
@@ -90,12 +91,19 @@ def main() -> None:
         help="also every tiling with each of these register caps (maxnreg=, e.g. 168,128)",
     )
     ap.add_argument(
+        "--fp4-f16",
+        action="store_true",
+        help="also every fp4 config with fp16 tiles (kvplan.ops._paged_attention_kernels."
+        "FP4_F16_TILES, KVPLAN_FP4_F16)",
+    )
+    ap.add_argument(
         "--graph",
         action="store_true",
         help="time CUDA-graph replays of the calls (the engine's decode steps; eager calls of "
         "short contexts time the host)",
     )
     args = ap.parse_args()
+    f16_default = pak.FP4_F16_TILES
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
     shape = (args.batch, args.context, 8, 64, 32, 16) if cuda else (2, 40, 2, 32, 4, 8)
@@ -137,15 +145,20 @@ def main() -> None:
         if args.maxnreg:  # each cap, and the compiler's own choice (0)
             caps = (0, *ints(args.maxnreg))
             tilings = [{**t, "maxnreg": c} for t in [{}, *tilings] for c in caps]
+        if args.fp4_f16 and fmt == "fp4":  # each config also with fp16 tiles
+            tilings += [{**t, "fp4_f16": True} for t in [{}, *tilings]]
         if args.with_splits:  # every config above (and the default) at these split counts
             n_splits = ints(args.with_splits)
             tilings += [{**t, "num_splits": n} for t in [{}, *tilings] for n in n_splits]
 
         def measure(kw, caches=caches, layout=layout, want=want, kv_bytes=kv_bytes, fmt=fmt):
+            launch = {k: x for k, x in kw.items() if k != "fp4_f16"}
+
             def call():
+                pak.FP4_F16_TILES = kw.get("fp4_f16", f16_default)  # read at launch
                 return paged_attention_decode_triton(
                     q, *caches, page_ids, page_start, kv_lens, scale=d**-0.5, kv_layout=layout,
-                    max_kv_len=ctx, check=False, **kw,
+                    max_kv_len=ctx, check=False, **launch,
                 )  # fmt: skip
 
             try:

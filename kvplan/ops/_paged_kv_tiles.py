@@ -22,6 +22,10 @@ import triton.language as tl
 
 from kvplan.ops._quant_triton import SF_KIND, decode_e2m1, decode_e2m1_tiny
 
+E2M1_F16: tl.constexpr = tl.constexpr(4)
+"""``KV_QUANT`` of e2m1 pages with e4m3 scales read as fp16 tiles (the decode kernel's
+``KVPLAN_FP4_F16`` path): the geometry's 2 otherwise."""
+
 
 @triton.jit
 def _load_masked(ptrs, in_range, MASKED: tl.constexpr):
@@ -38,11 +42,16 @@ def load_kv_raw(
 ):  # fmt: skip
     """One head's K or V of ``TILE_N`` keys as stored: ``(values, scales)``. Plain caches:
     the ``[TILE_N, HEAD_DIM]`` values and a placeholder; quantized ones: the value bytes
-    (``[TILE_N, HEAD_DIM]``, ``HEAD_DIM // 2`` for e2m1) and the ``[TILE_N, HEAD_DIM // GROUP]``
+    (``[TILE_N, HEAD_DIM]``, ``HEAD_DIM // 2`` for e2m1; ``KV_QUANT`` 4: the e2m1 bytes as
+    ``HEAD_DIM // 8`` little-endian int32 words) and the ``[TILE_N, HEAD_DIM // GROUP]``
     scales (fp32, or their bytes). `dequantize_kv_raw` turns them into the tile; a caller can
     load a tile's raw bytes one step ahead of using them (a few registers a thread)."""
-    offs_d = tl.arange(0, HEAD_DIM // 2 if KV_QUANT == 2 else HEAD_DIM)
-    vals = _load_masked(ptr + rows[:, None] + offs_d[None, :], in_range, MASKED)
+    if KV_QUANT == E2M1_F16:
+        words = (ptr + rows[:, None]).to(tl.pointer_type(tl.int32))
+        vals = _load_masked(words + tl.arange(0, HEAD_DIM // 8)[None, :], in_range, MASKED)
+    else:
+        offs_d = tl.arange(0, HEAD_DIM // 2 if KV_QUANT == 2 else HEAD_DIM)
+        vals = _load_masked(ptr + rows[:, None] + offs_d[None, :], in_range, MASKED)
     if KV_QUANT == 0:
         sf = in_range  # placeholder
     else:
@@ -106,14 +115,42 @@ def load_kv_groups(
 
 
 @triton.jit
+def e2m1_words_f16(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``[TILE_N, HEAD_DIM // 8]`` int32 words of e2m1 nibbles (element ``2i`` in the low
+    nibble of byte ``i``) as the ``[TILE_N, HEAD_DIM]`` fp16 values, exactly. Each byte's two
+    nibbles go to the low bits of the two halves of an int32, and one mask-and-shift pair
+    puts every code's exponent and mantissa bits where `decode_e2m1_tiny` puts them, for both
+    halves at once (fp16 ``value * 2^-14``); one fp16 multiply by 2^14 makes the values.
+    About five integer operations a pair of values, where a byte a register takes ten."""
+    b0 = words & 0xFF
+    b1 = (words >> 8) & 0xFF
+    b2 = (words >> 16) & 0xFF
+    b3 = (words >> 24) & 0xFF
+    # byte k -> nibble 2k in bits 0-3, nibble 2k + 1 in bits 16-19
+    p0 = (b0 & 0xF) | ((b0 & 0xF0) << 12)
+    p1 = (b1 & 0xF) | ((b1 & 0xF0) << 12)
+    p2 = (b2 & 0xF) | ((b2 & 0xF0) << 12)
+    p3 = (b3 & 0xF) | ((b3 & 0xF0) << 12)
+    pairs = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [TILE_N, HEAD_DIM // 8, 4])
+    h = ((pairs & 0x70007) << 9) | ((pairs & 0x80008) << 12)
+    lo = h.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), [TILE_N, HEAD_DIM]) * 16384.0
+
+
+@triton.jit
 def dequantize_kv_raw(
     vals, sf, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
     SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """`load_kv_raw`'s ``(values, scales)`` as the ``[TILE_N, HEAD_DIM]`` tile in q's dtype
-    (``KV_QUANT`` as in `load_kv_tile`)."""
+    (``KV_QUANT`` as in `load_kv_tile`; 4: fp16, `e2m1_words_f16`)."""
     if KV_QUANT == 0:
         tile = vals
+    elif KV_QUANT == E2M1_F16:
+        x = tl.reshape(e2m1_words_f16(vals, TILE_N, HEAD_DIM), [TILE_N, HEAD_DIM // GROUP, GROUP])
+        scale = sf.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        tile = tl.reshape(x * scale[:, :, None], [TILE_N, HEAD_DIM])
     else:
         if KV_QUANT == 1:
             x = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -145,8 +182,10 @@ def load_kv_tile(
     as they are; 1 (e4m3 bytes), 2 (e2m1 nibbles, element 2i in the low nibble of byte i) and
     3 (int8 two's-complement bytes) dequantize in registers: ``fp32(value) * fp32(scale)`` with one scale per ``GROUP``
     values (``SF_KIND`` as in ``kvplan.ops._quant_triton``), then one rounding to q's dtype
-    -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. Every load is a contiguous
-    run per key (values, then the head's scales), so the compiler can pipeline it.
+    -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. 4 (``E2M1_F16``: e2m1 with
+    e4m3 scales, an fp16 q) gives the same values in fp16: ``value * scale`` has at most six
+    significant bits and lies in [2^-10, 2,688], exact in fp16 arithmetic. Every load is a
+    contiguous run per key (values, then the head's scales), so the compiler can pipeline it.
     """
     vals, sf = load_kv_raw(ptr, sf_ptr, rows, in_range, HEAD_DIM, MASKED, KV_QUANT, SF_KIND,
                            GROUP)  # fmt: skip

@@ -21,7 +21,7 @@ import triton.language as tl
 import kvplan.ops._paged_attention_kernels as pak
 from kvplan import quant
 from kvplan.formats import KVCacheFormat, alloc_kv_cache
-from kvplan.ops._paged_kv_tiles import kv_geometry, load_kv_tile
+from kvplan.ops._paged_kv_tiles import E2M1_F16, kv_geometry, load_kv_tile
 from kvplan.ops.paged_attention import (
     paged_attention_decode,
     paged_attention_decode_torch,
@@ -309,27 +309,81 @@ def _tile_copy_kernel(cache, sf, out, q, n, REC: tl.constexpr, TILE_N: tl.conste
     tl.store(out + i[:, None] * D + tl.arange(0, D)[None, :], t, mask=(i < n)[:, None])
 
 
+def _tile_copy(kind, kv_lens, device, head_dim, kv_quant=None):
+    """``(tiles, exact decode, written)``: `_tile_copy_kernel` over every token record of a
+    ``kind`` K cache (head 0, bf16 query; ``kv_quant`` overrides the geometry's)."""
+    c, (k_raw, _), fmt, dq = quantized_case(kind, 7, kv_lens, [1] * len(kv_lens),
+                                            num_kv_heads=4, group=4, head_dim=head_dim,
+                                            block_size=16)  # fmt: skip
+    geo = kv_geometry(k_raw, k_raw, head_dim, fmt)
+    n = k_raw.shape[0] * k_raw.shape[1]
+    flat = k_raw.to(device).reshape(-1)
+    out = torch.empty(n, head_dim, dtype=torch.bfloat16, device=device)
+    q = torch.zeros(head_dim, dtype=torch.bfloat16, device=device)
+    _tile_copy_kernel[(triton.cdiv(n, 64),)](
+        flat, flat[geo.sf_off :], out, q, n, k_raw.stride(1), 64, head_dim,
+        geo.kv_quant if kv_quant is None else kv_quant, geo.sf_kind, geo.group,
+    )  # fmt: skip
+    want = dq.k_cache[:, :, 0].reshape(n, head_dim)
+    written = want.isfinite().all(-1)  # unused slots decode to NaN
+    assert written.sum() == sum(kv_lens)
+    return out.cpu(), want, written
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4", "fp4_f16"])
 def test_gpu_in_register_dequantization_is_bit_exact(kind):
     """The kernels' in-register dequantization (``load_kv_tile``) gives bit for bit the bf16
-    rounding of the independent fp32 decode, for every written token record."""
-    c, (k_raw, _), fmt, dq = quantized_case(
-        kind, 7, [300, 17, 1], [1, 1, 1], num_kv_heads=4, group=4, head_dim=128, block_size=16
+    rounding of the independent fp32 decode, for every written token record (fp4_f16: the
+    fp16 tiles of ``E2M1_F16``, the exact values)."""
+    kv_quant = E2M1_F16 if kind == "fp4_f16" else None
+    out, want, written = _tile_copy(kind.removesuffix("_f16"), [300, 17, 1], "cuda", 128,
+                                    kv_quant)  # fmt: skip
+    assert torch.equal(out[written], want.bfloat16()[written])
+
+
+def test_fp4_f16_tiles_are_the_exact_values():
+    """``E2M1_F16`` tiles (int32 words of nibbles unpacked in pairs, fp16 scales; interpreter)
+    hold every written record's exact decode, the same bits as the bf16 tiles."""
+    if torch.cuda.is_available():
+        pytest.skip("the GPU test above")
+    out, want, written = _tile_copy("fp4", [70, 17, 1], "cpu", 64, E2M1_F16)
+    assert torch.equal(out[written].float(), want[written])
+    bf16_tiles = _tile_copy("fp4", [70, 17, 1], "cpu", 64)[0]
+    assert torch.equal(out[written], bf16_tiles[written])
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_fp4_f16_decode_equals_the_reference(mode, monkeypatch):
+    """Decode over fp4 pages with ``FP4_F16_TILES`` (interpreter): the launch takes
+    ``E2M1_F16`` and each prefetch mode gives the attention of the bf16 query over the exact
+    values, as the bf16 tiles do; a query of 2^20-sized values (shifted into fp16's range)
+    too. Bad alignment or other scales keep the geometry's kind."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test")
+    kinds = []
+    real = pak._kv_quant
+    monkeypatch.setattr(pak, "_kv_quant", lambda *a: kinds.append(real(*a)) or kinds[-1])
+    c, (k_raw, v_raw), fmt, dq = quantized_case(
+        "fp4", 61, [3, 41, 70], [1] * 3, group=4, block_size=16, layout="offsets", head_dim=64
     )
-    geo = kv_geometry(k_raw, k_raw, 128, fmt)
-    n = k_raw.shape[0] * k_raw.shape[1]
-    flat = k_raw.cuda().reshape(-1)
-    out = torch.empty(n, 128, dtype=torch.bfloat16, device="cuda")
-    q = torch.zeros(128, dtype=torch.bfloat16, device="cuda")
-    _tile_copy_kernel[(triton.cdiv(n, 64),)](
-        flat, flat[geo.sf_off :], out, q, n, k_raw.stride(1), 64, 128, geo.kv_quant,
-        geo.sf_kind, geo.group,
-    )  # fmt: skip
-    want = dq.k_cache[:, :, 0].reshape(n, 128).bfloat16()
-    written = want.isfinite().all(-1)  # unused slots decode to NaN
-    assert written.sum() == 300 + 17 + 1
-    assert torch.equal(out.cpu()[written], want[written])
+    for big in (1.0, 2.0**20):
+        q = (c.q * big).bfloat16()
+        kw = dict(scale=c.scale, num_splits=2, tile_n=16, kv_layout=fmt, prefetch=mode)
+        args = (q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens)
+        monkeypatch.setattr(pak, "FP4_F16_TILES", False)
+        plain = paged_attention_decode_triton(*args, **kw)
+        monkeypatch.setattr(pak, "FP4_F16_TILES", True)
+        got = paged_attention_decode_triton(*args, **kw)
+        assert kinds[-2:] == [2, E2M1_F16]
+        want = dataclasses.replace(dq, q=q.float()).ref(decode=True)
+        assert got.dtype == torch.bfloat16 and got.isfinite().all()
+        assert_close(got, want, atol=4e-3, rtol=8e-3)
+        assert_close(got, plain, atol=4e-3, rtol=8e-3)
+    geo = kv_geometry(k_raw, v_raw, 64, fmt)
+    assert real(geo._replace(stride_kh=geo.stride_kh + 2), q, k_raw, v_raw) == 2
+    assert real(geo._replace(sf_kind=0), q, k_raw, v_raw) == 2
+    assert real(geo, q.float(), k_raw, v_raw) == 2
 
 
 def _gpu_cases(kind, gen, case_seed, kv_lens):

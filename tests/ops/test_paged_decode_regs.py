@@ -34,14 +34,18 @@ def _registers(spec) -> tuple[int, int]:
 # fp8 2 warps, 3 stages; fp4 4 warps, 2 stages): the engine's fp8 (e4m3, fp32 scales per 32) and fp4 (e2m1, e4m3 per 16);
 # the bound, registers a program (per thread x threads), keeps 4 programs an SM (a bf16-multiply
 # fp4 variant held 96 a thread at 4 warps but ran slower)
-BUDGETS = [("fp8", (1, 2, 32), 16384), ("fp4", (2, 1, 16), 16384)]
+BUDGETS = [
+    ("fp8", (1, 2, 32), 16384),
+    ("fp4", (2, 1, 16), 16384),
+    ("fp4_f16", (4, 1, 16), 16384),
+]  # fp4 pages as fp16 tiles (KVPLAN_FP4_F16)
 
 
 @pytest.mark.parametrize("name,consts,bound", BUDGETS)
 def test_quantized_decode_fits_register_budget_on_sm90(name, consts, bound):
     from kvplan.ops._paged_kv_tiles import DECODE_TILING
 
-    dtype = {"fp8": "e4m3", "fp4": "e2m1"}[name]
+    dtype = {"fp8": "e4m3", "fp4": "e2m1", "fp4_f16": "e2m1"}[name]
     tiling = DECODE_TILING[dtype]
     regs, spills = _registers([*consts, *tiling])
     assert spills == 0, f"{name} decode spills {spills} bytes"
