@@ -28,7 +28,12 @@ def merge_counters(device):
     import torch
 
     device = torch.device(device)
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    stream = 0
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None
+                              else device.index)  # fmt: skip
+        stream = torch.cuda.current_stream(device).cuda_stream
+    key = (device, stream)
     buf = _merge_counters.get(key)
     if buf is None:
         buf = _merge_counters[key] = new_merge_counters(device)

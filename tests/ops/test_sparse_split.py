@@ -167,6 +167,7 @@ def test_shared_merge_counters_per_device_and_stream() -> None:
         with torch.cuda.stream(torch.cuda.Stream()):
             side = merge_counters("cuda")
         assert main is not side and main is merge_counters("cuda")
+        assert main is merge_counters(torch.device("cuda", torch.cuda.current_device()))
 
 
 def test_env_flags(monkeypatch) -> None:
