@@ -138,17 +138,27 @@ def sass_loop_ops(cubin: bytes, ops: tuple[str, ...]) -> list[dict[str, int]]:
     return rows
 
 
+def _kernel_module(name: str):
+    """The module a recorded kernel lives in: an importable name, or a test file's (pytest
+    imports ``tests/**/test_x.py`` as the top module ``test_x``) under its package path."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        tests = Path(__file__).resolve().parents[1] / "tests"
+        found = sorted(tests.rglob(f"{name}.py"))
+        if not found:
+            raise
+        rel = found[0].relative_to(tests.parent).with_suffix("")
+        return importlib.import_module(".".join(rel.parts))
+
+
 def compile_one(line: str, calls: bool = False) -> tuple[str, str | None, str | None]:
     """``(label, compile error, note on subroutine calls when asked)``."""
     os.environ.pop("TRITON_INTERPRET", None)
     rec = json.loads(line)
     label = f"{rec['module']}.{rec['name']}"
     try:
-        try:
-            module = importlib.import_module(rec["module"])
-        except ModuleNotFoundError:  # a test file's kernel, imported by pytest as a top module
-            module = importlib.import_module(f"tests.{rec['module']}")
-        fn = getattr(module, rec["name"])
+        fn = getattr(_kernel_module(rec["module"]), rec["name"])
         constexprs = {tuple(k): _constexpr_value(v) for k, v in rec["constexprs"]}
         attrs = {tuple(k): [tuple(a) for a in v] for k, v in rec["attrs"]}
         options = {"num_warps": rec["num_warps"], "num_stages": rec["num_stages"]}
