@@ -26,10 +26,9 @@ step 30 bf16_b32 python3 bench/bench_quant_decode.py --graph --formats bf16 --no
 grep -E "^  " "$W/bf16_b32.log"
 long() {  # name, format, then env assignments
   local name=$1 fmt=$2; shift 2
-  env "$@" timeout 50 python3 bench/bench_engine.py --kv-format $fmt --num-requests 32 --prompt-len 8192 --new-tokens 256 --hf "" --out "$W/$name.json" > "$W/$name.log" 2>&1
+  env "$@" timeout 55 python3 bench/bench_engine.py --kv-format $fmt --num-requests 32 --prompt-len 8192 --new-tokens 256 --hf "" --out "$W/$name.json" > "$W/$name.log" 2>&1
   echo "$name rc=$?"; grep -E "kvplan \(|decode step" "$W/$name.log"; tar czf "$O/logs.tgz" -C "$W" .
 }
 long long_fp4 fp4 KVPLAN_FP4_F16=0
 long long_fp4_f16 fp4 KVPLAN_FP4_F16=1
-long long_fp4_f16_ra fp4 KVPLAN_FP4_F16=1 KVPLAN_QUANT_PREFETCH=2
 long long_fp8 fp8 KVPLAN_FP4_F16=0
