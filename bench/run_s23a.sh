@@ -14,7 +14,7 @@
 set -u
 BUDGET=${BUDGET:-560}
 source bench/gpu_steps.sh
-step 150 gpu_tests python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf tests/ops/test_paged_attention.py tests/ops/test_paged_attention_quantized.py tests/ops/test_sparse_split.py tests/engine/test_deepseek_v4_engine.py tests/backends
+step 150 gpu_tests python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf --durations=15 tests/ops/test_paged_attention.py tests/ops/test_paged_attention_quantized.py tests/ops/test_sparse_split.py tests/engine/test_deepseek_v4_engine.py tests/backends
 grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests.log" | head -20
 KVPLAN_FP4_F16=1 step 90 gpu_tests_f16 python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf tests/ops/test_paged_attention_quantized.py tests/engine/test_quantized_kv_engine.py
 grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests_f16.log" | head -20
