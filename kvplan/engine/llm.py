@@ -259,9 +259,21 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
+            if isinstance(sampling_params, (str, bytes)) or not isinstance(
+                sampling_params, Sequence
+            ):
+                raise TypeError(
+                    "sampling_params must be a SamplingParams or a sequence of them, got "
+                    f"{type(sampling_params).__name__}"
+                )
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+            for i, sp in enumerate(params):
+                if not isinstance(sp, SamplingParams):
+                    raise TypeError(
+                        f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}"
+                    )
         encoded = [self.encode(p) for p in prompts]
         with self._lock:
             reqs: list[Request] = []

@@ -51,6 +51,12 @@ def test_single_prompt_and_errors(tiny):
         tiny.generate([1] * 90, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="sampling params"):
         tiny.generate([[1], [2]], [SamplingParams()])
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a sequence "
+                                        "of them, got dict"):  # fmt: skip
+        tiny.generate([[1, 2]], {"max_tokens": 2})
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams, got int"):
+        tiny.generate([[1], [2]], [SamplingParams(), 3])
+    assert not tiny.engine.has_unfinished()  # nothing was added
 
 
 def test_stop_token_ids_and_strings():
