@@ -19,8 +19,9 @@ set to ``context`` so the first planned step continues there. Only decode steps 
 Reported per (kv_format, context): decode step time (median), the host planning time, and the
 step's floor = (weight bytes + bytes of KV rows, index keys and compressed entries the step
 reads) / device copy bandwidth (2N bytes moved by an N-byte device copy, measured here);
-KV bytes per token of context (fp8 and bf16 "exact" rows vs a dense bf16 K=V cache of the
-same model: layers x head_dim x 2 bytes); the largest batch whose caches fit at 32K / 128K.
+KV bytes per token of context (fp4 and fp8 records, bf16 "exact" rows vs a dense bf16 K=V
+cache of the same model: layers x head_dim x 2 bytes); the largest batch whose caches fit at
+32K / 128K.
 Weight bytes count every expert (a batch of 32 touches nearly all 16) and only the batch's
 embedding rows. No Hugging Face comparison is run (its model at these shapes is slow).
 
@@ -393,11 +394,14 @@ def timed(fn, dev: torch.device, reps: int = 20) -> float:
 # ---- main --------------------------------------------------------------------------------
 
 
+KV_FORMATS = ("fp4", "fp8", "exact")  # the family's formats, in the bytes and capacity tables
+
+
 def capacity(cfg, dtype, weights: int, total_mem: int, reserve: int, context: int) -> dict:
     """Largest batch whose caches fit in ``total_mem - weights - reserve`` at ``context``."""
     budget = total_mem - weights - reserve
     out = {}
-    for name in ("fp8", "exact"):
+    for name in KV_FORMATS:
         per_seq = context * bytes_per_token(cfg, name, dtype) + state_bytes_per_seq(
             cfg, name, dtype
         )
@@ -487,7 +491,7 @@ def main() -> None:
     kernels = kernel_bench(dev, batch) if cuda else []
     total_mem = torch.cuda.get_device_properties(dev).total_memory if cuda else 8 * GiB
     reserve = 8 * GiB if cuda else GiB // 4
-    per_token = {f: bytes_per_token(cfg, f, dtype) for f in ("fp8", "exact")}
+    per_token = {f: bytes_per_token(cfg, f, dtype) for f in KV_FORMATS}
     per_token["dense_bf16"] = cfg.num_layers * cfg.head_dim * 2
     caps = {str(c): capacity(cfg, dtype, weights, total_mem, reserve, c) for c in (32768, 131072)}
     record = {
@@ -509,7 +513,7 @@ def main() -> None:
         "decode": rows,
         "kernel_decode_attention": kernels,
         "kv_bytes_per_token": per_token,
-        "state_bytes_per_seq": {f: state_bytes_per_seq(cfg, f, dtype) for f in ("fp8", "exact")},
+        "state_bytes_per_seq": {f: state_bytes_per_seq(cfg, f, dtype) for f in KV_FORMATS},
         "max_batch": {"total_mem": total_mem, "reserve": reserve, "weights": weights, **caps},
         "seconds": time.perf_counter() - start,
     }
@@ -540,7 +544,7 @@ def main() -> None:
             + (f" (max err {k['max_abs_err']:.1e})" if "max_abs_err" in k else "")
         )
     dense = per_token["dense_bf16"]
-    for f in ("fp8", "exact"):
+    for f in KV_FORMATS:
         print(
             f"KV bytes/token {f}: {per_token[f]:.1f} (dense bf16 {dense}: {dense / per_token[f]:.1f}x)"
         )
