@@ -11,6 +11,7 @@
 # 2. fp4 per call, 32 x 8K: modes 1 / 2 x bf16 / fp16 tiles x 2 / 3 / 4 splits; batch 16.
 # 3. bf16 (164 registers: 6 an SM) at 3 splits vs its default 2.
 # 4. The long workload: fp4 with KVPLAN_FP4_F16=0 / 1, fp8 beside them.
+# 5. Hybrid decode with fp4 records (if the budget allows).
 set -u
 BUDGET=${BUDGET:-560}
 source bench/gpu_steps.sh
@@ -32,3 +33,6 @@ long() {  # name, format, then env assignments
 long long_fp4 fp4 KVPLAN_FP4_F16=0
 long long_fp4_f16 fp4 KVPLAN_FP4_F16=1
 long long_fp8 fp8 KVPLAN_FP4_F16=0
+# 5. If time is left: hybrid decode with fp4 records beside fp8 (never timed; batch 32).
+step 45 hybrid_fp4 python3 bench/bench_hybrid.py --contexts 32768,131072 --formats fp4,fp8 --out "$W/hybrid_fp4.json"
+grep -E "^ *(fp4|fp8) .*(graphs|async)|^ +async|bytes/token|max batch" "$W/hybrid_fp4.log"
