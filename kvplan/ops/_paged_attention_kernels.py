@@ -45,6 +45,7 @@ from kvplan.ops._paged_kv_tiles import (
     load_kv_groups,
     load_kv_raw,
     load_kv_tile,
+    query_f16,
 )
 from kvplan.ops._quant_triton import SF_KIND as _SF_KIND
 
@@ -386,7 +387,7 @@ def _decode_kernel(
     q_off = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=g_ok[:, None], other=0.0)
     if KV_QUANT == E2M1_F16:
-        q, qk_scale = _query_f16(q, qk_scale)
+        q, qk_scale = query_f16(q, qk_scale)
     row_pos = tl.where(g_ok, kv_len - 1, -1)
     sf_head = head_scales_offset(kvh, HEAD_DIM, GROUP, SF_KIND)
     acc, m_i, l_i = _attend_rows(
@@ -409,18 +410,6 @@ def _decode_kernel(
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-
-
-@triton.jit
-def _query_f16(q, qk_scale):
-    """A query tile in fp16 for fp16 products: ``q * 2^-shift`` and ``qk_scale * 2^shift``,
-    with ``shift`` the least (0 but for |q| >= 2^15) that keeps the largest |value| below
-    2^15; exact but for values 2^24 below the largest (fp16's subnormal range)."""
-    q32 = q.to(tl.float32)
-    top = (tl.max(tl.max(tl.abs(q32), 1), 0).to(tl.int32, bitcast=True) >> 23) & 255
-    shift = tl.maximum(top - 141, 0)  # 141: the biased exponent of [2^14, 2^15)
-    q16 = (q32 * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
-    return q16, qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -139,6 +139,19 @@ def e2m1_words_f16(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def query_f16(q, qk_scale):
+    """A query tile in fp16 for fp16 products (fp16 key tiles): ``q * 2^-shift`` and
+    ``qk_scale * 2^shift``, with ``shift`` the least (0 but for |q| >= 2^15) that keeps the
+    largest |value| below 2^15; exact but for values 2^24 below the largest (fp16's
+    subnormal range)."""
+    q32 = q.to(tl.float32)
+    top = (tl.max(tl.max(tl.abs(q32), 1), 0).to(tl.int32, bitcast=True) >> 23) & 255
+    shift = tl.maximum(top - 141, 0)  # 141: the biased exponent of [2^14, 2^15)
+    q16 = (q32 * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+    return q16, qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def dequantize_kv_raw(
     vals, sf, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
     SF_KIND: tl.constexpr, GROUP: tl.constexpr,

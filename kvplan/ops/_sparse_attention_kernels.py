@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kvplan.ops._paged_kv_tiles import e2m1_words_f16, query_f16
 from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
 
 KIND_FP32 = 0
@@ -90,21 +91,36 @@ def _load_key_cols(
     c_ptr, slots, valid, d0, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     DW: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
-    BF16: tl.constexpr,
+    BF16: tl.constexpr, F16: tl.constexpr = False,
 ):  # fmt: skip
     """Columns ``[d0, d0 + DW)`` of the rows of ``slots``: ``[TILE_N, DW]``, zeros where not
     ``valid`` or ``d >= D``; fp32, or bf16 with ``BF16`` (the same values: every dequantized
     key is a bf16; an fp32 source row is rounded). ``FLAT``: ``d0`` and ``DW`` are
     multiples of ``GS`` (``DW // GS`` a power of two) and ``d0 + DW <= HEAD_DIM``. Scales of
     slot ``s`` start at ``block * stride_block + row * scale_stride + scale_offset``
-    (token-interleaved records: ``scale_stride = stride_token``)."""
+    (token-interleaved records: ``scale_stride = stride_token``). ``F16`` (e2m1 values with
+    e4m3 scales, ``FLAT``, value runs 4-byte aligned): the values in fp16, read as int32
+    words (`e2m1_words_f16`) and scaled in fp16 -- the same, exact values."""
     s = tl.where(valid, slots, 0).to(tl.int64)
     blk, off = s // block_size, s % block_size
     base = blk * stride_block + off * stride_token  # [TILE_N]
     sbase = blk * stride_block + off * scale_stride + scale_offset
     d = d0 + tl.arange(0, DW)
     dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    if KIND == 0:
+    if F16:
+        tl.static_assert(KIND == 3 and SF == 1 and FLAT, "F16 tiles: e2m1 with e4m3 scales")
+        G16: tl.constexpr = DW // GS
+        words = (c_ptr + base[:, None] + d0 // 2).to(tl.pointer_type(tl.int32))
+        w = tl.load(words + tl.arange(0, DW // 8)[None, :], mask=valid[:, None], other=0)
+        sb = tl.load(c_ptr + sbase[:, None] + (d0 // GS + tl.arange(0, G16))[None, :],
+                     mask=valid[:, None], other=0)  # fmt: skip
+        if HW:
+            sc = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:  # the interpreter: exact through fp32
+            sc = decode_e4m3(sb.to(tl.int32)).to(tl.float16)
+        x16 = tl.reshape(e2m1_words_f16(w, TILE_N, DW), [TILE_N, G16, GS]) * sc[:, :, None]
+        x = tl.reshape(x16, [TILE_N, DW])
+    elif KIND == 0:
         x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
         if BF16:
             x = x.to(tl.bfloat16)
@@ -156,18 +172,21 @@ def _attend_tile(
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr,
     HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr, PV_SPLIT: tl.constexpr,
+    F16: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over index columns ``[start, start + TILE_N)``. ``D_CHUNK``
     0: ``q`` is the whole query tile; else the logits are summed over ``D_CHUNK``-column
     chunks of the query (re-read through ``q_row``, ``[TILE_H, 1]`` pointers, each tile) and
-    of the keys, and ``q`` is unused."""
+    of the keys, and ``q`` is unused. ``F16`` (``D_CHUNK`` 0): fp16 query, key tiles
+    (`_load_key_cols`) and probabilities."""
+    tl.static_assert(not F16 or D_CHUNK == 0, "F16 tiles need the whole query (D_CHUNK 0)")
     cols = start + tl.arange(0, TILE_N)
     slots = tl.load(row_idx + cols, mask=cols < num_cols, other=-1)
     valid = (slots >= 0) & (slots < num_slots)
     if D_CHUNK == 0:
         kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
                             scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
-                            FLAT, HW, DOT_BF16)  # fmt: skip
+                            FLAT, HW, DOT_BF16, F16)  # fmt: skip
         if DOT_BF16:
             s = tl.dot(q, tl.trans(kd))
         else:
@@ -197,14 +216,16 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_BF16:
+    if F16:
+        p = p.to(tl.float16)
+    elif DOT_BF16:
         p = p.to(tl.bfloat16)
     if PV_SPLIT == 1:
         acc = (_pv_step(acc[0], alpha, p, kd, DOT_BF16),)
     else:
         acc = _pv_split(acc, alpha, p, c_ptr, slots, valid, block_size, stride_block,
                         stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
-                        D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT)  # fmt: skip
+                        D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT, F16)  # fmt: skip
     return acc, m_new, l_i
 
 
@@ -223,7 +244,7 @@ def _pv_split(
     acc, alpha, p, c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
     scale_offset, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr,
-    HW: tl.constexpr, DOT_BF16: tl.constexpr, PV_SPLIT: tl.constexpr,
+    HW: tl.constexpr, DOT_BF16: tl.constexpr, PV_SPLIT: tl.constexpr, F16: tl.constexpr,
 ):  # fmt: skip
     """The value product on ``PV_SPLIT`` (2 or 4) column chunks of the accumulator (a tuple),
     each chunk's values re-read: the same products, a smaller live value tile."""
@@ -231,22 +252,22 @@ def _pv_split(
     FLAT_C: tl.constexpr = FLAT and DC >= GS
     v0 = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
                         scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DC, TILE_N, FLAT_C,
-                        HW, DOT_BF16)  # fmt: skip
+                        HW, DOT_BF16, F16)  # fmt: skip
     a0 = _pv_step(acc[0], alpha, p, v0, DOT_BF16)
     v1 = _load_key_cols(c_ptr, slots, valid, DC, block_size, stride_block, stride_token,
                         scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DC, TILE_N, FLAT_C,
-                        HW, DOT_BF16)  # fmt: skip
+                        HW, DOT_BF16, F16)  # fmt: skip
     a1 = _pv_step(acc[1], alpha, p, v1, DOT_BF16)
     if PV_SPLIT == 2:
         return a0, a1
     else:
         v2 = _load_key_cols(c_ptr, slots, valid, 2 * DC, block_size, stride_block,
                             stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
-                            DC, TILE_N, FLAT_C, HW, DOT_BF16)  # fmt: skip
+                            DC, TILE_N, FLAT_C, HW, DOT_BF16, F16)  # fmt: skip
         a2 = _pv_step(acc[2], alpha, p, v2, DOT_BF16)
         v3 = _load_key_cols(c_ptr, slots, valid, 3 * DC, block_size, stride_block,
                             stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
-                            DC, TILE_N, FLAT_C, HW, DOT_BF16)  # fmt: skip
+                            DC, TILE_N, FLAT_C, HW, DOT_BF16, F16)  # fmt: skip
         a3 = _pv_step(acc[3], alpha, p, v3, DOT_BF16)
         return a0, a1, a2, a3
 
@@ -271,7 +292,7 @@ def _attend_cols(
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr,
     HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr, PV_SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, F16: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax steps over index columns ``[lo, hi)`` of row ``t`` of one source (the
     whole row: ``lo = 0``, ``hi = num_cols``; a split: its share). The CPU interpreter cannot
@@ -284,7 +305,7 @@ def _attend_cols(
                 acc, m_i, l_i, q, q_row, h_ok, start, row_idx, hi, num_slots, c_ptr,
                 block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
                 KIND, SF, GS, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT, HW, DOT_BF16, D_CHUNK,
-                PV_SPLIT,
+                PV_SPLIT, F16,
             )  # fmt: skip
             start += TILE_N
     else:
@@ -293,28 +314,32 @@ def _attend_cols(
                 acc, m_i, l_i, q, q_row, h_ok, start, row_idx, hi, num_slots, c_ptr,
                 block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
                 KIND, SF, GS, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT, HW, DOT_BF16, D_CHUNK,
-                PV_SPLIT,
+                PV_SPLIT, F16,
             )  # fmt: skip
     return acc, m_i, l_i
 
 
 @triton.jit
-def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
-                DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr):  # fmt: skip
+def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, qk_scale,
+                HEAD_DIM: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
+                F16: tl.constexpr):  # fmt: skip
     """Row ``t``'s query: the pointers ``q_row`` ``[TILE_H, 1]`` to its heads' rows, the
     tile ``[TILE_H, D_P2]`` (bf16 for bf16 dots, else fp32; with ``D_CHUNK`` a placeholder
-    zero: the tiles read the query in chunks) and the ``[TILE_H, D_P2]`` mask."""
+    zero: the tiles read the query in chunks), the ``[TILE_H, D_P2]`` mask and the logits'
+    scale (``qk_scale``; ``F16``: an fp16 tile and its scale, `query_f16`)."""
     q_row = q_ptr + t.to(tl.int64) * stride_qt + h64[:, None] * stride_qh
     qmask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
     if D_CHUNK == 0:
         q = tl.load(q_row + d[None, :], mask=qmask, other=0.0)
-        if DOT_BF16:
+        if F16:
+            q, qk_scale = query_f16(q, qk_scale)
+        elif DOT_BF16:
             q = q.to(tl.bfloat16)
         else:
             q = q.to(tl.float32)
     else:
         q = 0.0
-    return q, q_row, qmask
+    return q, q_row, qmask, qk_scale
 
 
 @triton.jit
@@ -328,19 +353,22 @@ def sparse_attention_kernel(
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
     HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
     PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, HALF_RD: tl.constexpr,
+    F16: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(T, cdiv(H, TILE_H))``. q / out ``[T, H, D]``; sinks fp32 ``[H]``; per source
     ``i``: cache pointer, int32 index ``[T, n_i]`` (row stride ``stride_i``), ``slots_i``
     addressable slots, ``block_size``, block / token strides and scale offset (in elements
     of the pointer's dtype: bytes for quantized sources). ``D_CHUNK``: see ``_attend_tile``
-    (0 or a power of two dividing ``D_P2``)."""
+    (0 or a power of two dividing ``D_P2``); ``F16``: fp16 products over e2m1 / e4m3-scale
+    sources (`_load_key_cols`)."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     h_ok = heads < num_heads
     d = tl.arange(0, D_P2)
     h64 = heads.to(tl.int64)
-    q, q_row, qmask = _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM,
-                                  DOT_BF16, D_CHUNK)  # fmt: skip
+    q, q_row, qmask, qk_scale = _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh,
+                                            qk_scale, HEAD_DIM, DOT_BF16, D_CHUNK,
+                                            F16)  # fmt: skip
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
     m_i = tl.maximum(sink, -1.0e30)
     l_i = tl.exp2(sink - m_i)
@@ -348,13 +376,13 @@ def sparse_attention_kernel(
     acc, m_i, l_i = _attend_cols(
         acc, m_i, l_i, q, q_row, h_ok, t, 0, n0, c0_ptr, i0_ptr, stride_i0, slots0, bs0, sblk0,
         stok0, sstr0, soff0, qk_scale, KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT0,
-        HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET,
+        HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET, F16,
     )  # fmt: skip
     if HAS1:
         acc, m_i, l_i = _attend_cols(
             acc, m_i, l_i, q, q_row, h_ok, t, 0, n1, c1_ptr, i1_ptr, stride_i1, slots1, bs1,
             sblk1, stok1, sstr1, soff1, qk_scale, KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_H,
-            TILE_N, FLAT1, HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET,
+            TILE_N, FLAT1, HW, DOT_BF16, D_CHUNK, PV_SPLIT, INTERPRET, F16,
         )  # fmt: skip
     inv = tl.where(l_i > 0, l_i, 1.0)[:, None]
     DC: tl.constexpr = D_P2 // PV_SPLIT

@@ -56,6 +56,7 @@ def sparse_attention_split_kernel(
     PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     out_ptr=None, sink_ptr=None, cnt_ptr=None, stride_ot=0, stride_oh=0, cos_ptr=None,
     sin_ptr=None, stride_rt=0, FUSED: tl.constexpr = False, HALF_RD: tl.constexpr = 0,
+    F16: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(T, cdiv(H, TILE_H), S)``: split ``s`` of row ``t``, joined columns
     ``[s * cols_per_split, (s + 1) * cols_per_split)``. Source arguments as in
@@ -68,8 +69,9 @@ def sparse_attention_split_kernel(
     h_ok = heads < num_heads
     d = tl.arange(0, D_P2)
     h64 = heads.to(tl.int64)
-    q, q_row, qmask = _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, HEAD_DIM,
-                                  DOT_BF16, D_CHUNK)  # fmt: skip
+    q, q_row, qmask, qk_scale = _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh,
+                                            qk_scale, HEAD_DIM, DOT_BF16, D_CHUNK,
+                                            F16)  # fmt: skip
     m_i = tl.full([TILE_H], -1.0e30, tl.float32)
     l_i = tl.zeros([TILE_H], tl.float32)
     acc = _acc_zeros(TILE_H, D_P2, PV_SPLIT)
@@ -79,7 +81,7 @@ def sparse_attention_split_kernel(
         acc, m_i, l_i, q, q_row, h_ok, t, tl.minimum(lo, n0), tl.minimum(hi, n0), c0_ptr,
         i0_ptr, stride_i0, slots0, bs0, sblk0, stok0, sstr0, soff0, qk_scale,
         KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT0, HW, DOT_BF16, D_CHUNK,
-        PV_SPLIT, INTERPRET,
+        PV_SPLIT, INTERPRET, F16,
     )  # fmt: skip
     if HAS1:
         lo1 = tl.minimum(tl.maximum(lo - n0, 0), n1)
@@ -88,7 +90,7 @@ def sparse_attention_split_kernel(
             acc, m_i, l_i, q, q_row, h_ok, t, lo1, hi1, c1_ptr, i1_ptr, stride_i1, slots1,
             bs1, sblk1, stok1, sstr1, soff1, qk_scale,
             KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT1, HW, DOT_BF16, D_CHUNK,
-            PV_SPLIT, INTERPRET,
+            PV_SPLIT, INTERPRET, F16,
         )  # fmt: skip
     row = (t.to(tl.int64) * num_splits + sp) * num_heads + h64  # [TILE_H]
     tl.store(ws_m_ptr + row, m_i, mask=h_ok)

@@ -261,8 +261,9 @@ def sparse_attention_triton(
         a1.ptr, i1, i1.stride(0), n1, a1.num_slots, a1.block_size, a1.stride_block,
         a1.stride_token, a1.scale_stride, a1.scale_offset,
     )  # fmt: skip
+    f16 = f16_tiles(q.dtype, addrs, head_dim, d_p2, d_chunk, pv_split)
     consts = dict(
-        HEAD_DIM=head_dim, D_P2=d_p2, TILE_H=tile_h, TILE_N=tile_n,
+        HEAD_DIM=head_dim, D_P2=d_p2, TILE_H=tile_h, TILE_N=tile_n, F16=f16,
         KIND0=a0.kind, SF0=a0.sf, GS0=a0.group, FLAT0=flat_scales(a0, head_dim, d_p2),
         KIND1=a1.kind, SF1=a1.sf, GS1=a1.group, FLAT1=flat_scales(a1, head_dim, d_p2),
         HAS1=len(sources) > 1, HW=not interpret,
@@ -308,6 +309,34 @@ def sparse_attention_triton(
         HALF_RD=half_rd, HW=not interpret, num_warps=4,
     )  # fmt: skip
     return out
+
+
+FP4_F16_TILES = env_flag("KVPLAN_SPARSE_FP4_F16", False)
+"""bf16 / fp16 queries over e2m1 sources with e4m3 scales (V41 FP4 records) take fp16
+products (True; ``KVPLAN_SPARSE_FP4_F16=1`` at import): the key tiles are read as int32
+words of nibbles and scaled in fp16 (``kvplan.ops._paged_kv_tiles.e2m1_words_f16``: the
+same, exact values), the query (`query_f16`) and probabilities enter the MMAs in fp16.
+sm_90 split kernel at the DeepSeek-V4 shapes (64 keys x 8 warps): 2,036 main-loop
+instructions at 222 registers against 3,398 at 255 (bytes loaded one at a time, decoded in
+fp32). Off until the H200 has timed it."""
+
+
+def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: int) -> bool:
+    """Whether a call takes fp16 tiles (`FP4_F16_TILES`): a bf16 / fp16 query held whole
+    (``d_chunk`` 0), and every source e2m1 with e4m3 scales in whole power-of-two groups,
+    also per value-product chunk, its value runs 4-byte aligned (word loads)."""
+    if not FP4_F16_TILES or q_dtype not in (torch.bfloat16, torch.float16) or d_chunk:
+        return False
+    chunk = d_p2 // pv_split
+    for a in addrs:
+        groups = chunk // a.group if chunk % a.group == 0 else 0
+        if not (a.kind == _k.KIND_E2M1 and a.sf == _k.SF_E4M3 and groups
+                and groups & (groups - 1) == 0 and flat_scales(a, head_dim, d_p2)):  # fmt: skip
+            return False
+        offsets = (a.stride_block, a.stride_token, a.ptr.data_ptr(), chunk // 2)
+        if any(x % 4 for x in offsets):
+            return False
+    return True
 
 
 FUSED_COMBINE = env_flag("KVPLAN_SPARSE_FUSED_COMBINE", True)

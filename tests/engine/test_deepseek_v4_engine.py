@@ -134,3 +134,28 @@ def test_llm_cuda_quantized_kv_matches_cpu(tmp_path, kv_format):
     gpu = LLM(str(folder), max_model_len=64, kv_format=kv_format, device="cuda",
               dtype="float32").generate(prompts, GREEDY)  # fmt: skip
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+
+
+def test_llm_bf16_fp4_records_on_f16_tiles(tmp_path, monkeypatch):
+    """A bf16 DeepSeek-V4 engine on the Triton kernels (interpreter) over fp4 records read as
+    fp16 tiles (``FP4_F16_TILES``): its decode steps' sparse attention takes them, and the
+    greedy tokens equal those of the bf16 tiles (the same key values; the probabilities round
+    to fp16)."""
+    import kvplan.ops.sparse_attention as sa
+
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    taken = []
+    real = sa.f16_tiles
+    monkeypatch.setattr(sa, "f16_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
+    folder = tmp_path / "dsv4_d64"  # 64-wide heads: 36-byte records, word-aligned runs
+    hf_model(hf_config(3, head_dim=64, index_head_dim=32), 3).save_pretrained(folder)
+    prompts = [random_tokens(40 + i, 13) for i in range(2)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(sa, "FP4_F16_TILES", on)
+        llm = LLM(str(folder), device="cpu", dtype="bfloat16", max_model_len=64, kv_format="fp4")
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert (True in taken) == on  # the decode steps' records (prompts read bf16 rows)
+        taken.clear()
+    assert outs[0] == outs[1]

@@ -170,6 +170,53 @@ def test_shared_merge_counters_per_device_and_stream() -> None:
         assert main is merge_counters(torch.device("cuda", torch.cuda.current_device()))
 
 
+@interpreter
+@pytest.mark.parametrize("num_splits,pv_split", [(1, 1), (3, 1), (3, 2)])
+def test_fp4_f16_tiles_equal_the_reference(monkeypatch, num_splits, pv_split) -> None:
+    """fp4 records (e2m1, e4m3 scales) as fp16 tiles (``FP4_F16_TILES``, interpreter): the
+    launch takes them and gives the attention of the bf16 query over the exact values, as
+    the bf16 tiles do; a query of 2^20-sized values too (shifted into fp16's range)."""
+    from kvplan.ops import sparse_attention as sa
+
+    taken = []
+    real = sa.f16_tiles
+    monkeypatch.setattr(sa, "f16_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
+    for big in (1.0, 2.0**20):
+        q, sources, sinks = _inputs([FP4_64, FP4_64], 3, 18, 64, [20, 37], seed=17,
+                                    dtype=torch.bfloat16)  # fmt: skip
+        q = (q.float() * big).bfloat16()
+        _hide_block(sources, 4, 12)
+        kw = dict(tile_n=16, num_splits=num_splits, pv_split=pv_split)
+        monkeypatch.setattr(sa, "FP4_F16_TILES", False)
+        plain = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+        monkeypatch.setattr(sa, "FP4_F16_TILES", True)
+        got = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+        assert taken[-2:] == [False, True]
+        want = sparse_attention_torch(q.float(), sources, sinks, 0.125)
+        assert got.isfinite().all()
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fp4_f16_tiles_only_where_they_apply(monkeypatch) -> None:
+    """`f16_tiles`: only with the switch, a bf16 / fp16 query held whole, and e2m1 sources
+    with e4m3 scales whose value runs are 4-byte aligned."""
+    from kvplan.ops import sparse_attention as sa
+    from kvplan.ops.sparse_sources import source_address
+
+    q, sources, _ = _inputs([FP4_64, FP8_64], 1, 2, 64, [4, 4], seed=18)
+    fp4, fp8 = (source_address(i, src, 64) for i, src in enumerate(sources))
+    monkeypatch.setattr(sa, "FP4_F16_TILES", True)
+    assert sa.f16_tiles(torch.bfloat16, [fp4], 64, 64, 0, 1)
+    assert sa.f16_tiles(torch.float16, [fp4, fp4], 64, 64, 0, 2)
+    assert not sa.f16_tiles(torch.float32, [fp4], 64, 64, 0, 1)  # fp32 query
+    assert not sa.f16_tiles(torch.bfloat16, [fp4], 64, 64, 32, 1)  # query in chunks
+    assert not sa.f16_tiles(torch.bfloat16, [fp4, fp8], 64, 64, 0, 1)  # an fp8 source
+    assert not sa.f16_tiles(torch.bfloat16, [fp4._replace(stride_token=38)], 64, 64, 0, 1)
+    monkeypatch.setattr(sa, "FP4_F16_TILES", False)
+    assert not sa.f16_tiles(torch.bfloat16, [fp4], 64, 64, 0, 1)
+
+
 def test_env_flags(monkeypatch) -> None:
     """The 0 / 1 switches (``env_flag``): unset gives the default, else a clear error."""
     from kvplan.ops._dispatch import env_flag
