@@ -8,21 +8,19 @@
 # In order:
 # 1. GPU tests of the paged kernels (the fp16 tiles' bit-exactness test included), the sparse
 #    split path and the DeepSeek-V4 engine; the paged ones again with KVPLAN_FP4_F16=1.
-# 2. fp4 per call, 32 x 8K: modes 1 / 2 x bf16 / fp16 tiles x 2 / 3 / 4 splits; batch 16.
+# 2. fp4 per call, 32 x 8K: modes 1 / 2 x bf16 / fp16 tiles x 2 / 3 / 4 splits.
 # 3. bf16 (164 registers: 6 an SM) at 3 splits vs its default 2.
 # 4. The long workload: fp4 with KVPLAN_FP4_F16=0 / 1, fp8 beside them.
-# 5. Hybrid decode with fp4 records (if the budget allows).
+# 5. Hybrid decode with fp4 records, bf16 vs fp16 tiles (if the budget allows).
 set -u
 BUDGET=${BUDGET:-560}
 source bench/gpu_steps.sh
 step 150 gpu_tests python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf --durations=15 tests/ops/test_paged_attention.py tests/ops/test_paged_attention_quantized.py tests/ops/test_sparse_split.py tests/engine/test_deepseek_v4_engine.py tests/backends
 grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests.log" | head -20
-KVPLAN_FP4_F16=1 step 90 gpu_tests_f16 python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf tests/ops/test_paged_attention_quantized.py tests/engine/test_quantized_kv_engine.py
+KVPLAN_FP4_F16=1 KVPLAN_SPARSE_FP4_F16=1 step 90 gpu_tests_f16 python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf tests/ops/test_paged_attention_quantized.py tests/engine/test_quantized_kv_engine.py tests/ops/test_sparse_split.py tests/engine/test_deepseek_v4_engine.py
 grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests_f16.log" | head -20
 step 70 fp4_b32 python3 bench/bench_quant_decode.py --graph --formats fp4 --no-tiling --prefetch 1,2 --fp4-f16 --with-splits 2,3,4 --splits "" --out "$W/fp4_b32.json"
 grep -E "^  " "$W/fp4_b32.log"
-step 40 fp4_b16 python3 bench/bench_quant_decode.py --graph --formats fp4 --no-tiling --prefetch 2 --fp4-f16 --with-splits 4,8 --splits "" --batch 16 --out "$W/fp4_b16.json"
-grep -E "^  " "$W/fp4_b16.log"
 step 30 bf16_b32 python3 bench/bench_quant_decode.py --graph --formats bf16 --no-tiling --with-splits 2,3 --splits "" --out "$W/bf16_b32.json"
 grep -E "^  " "$W/bf16_b32.log"
 long() {  # name, format, then env assignments
@@ -33,6 +31,9 @@ long() {  # name, format, then env assignments
 long long_fp4 fp4 KVPLAN_FP4_F16=0
 long long_fp4_f16 fp4 KVPLAN_FP4_F16=1
 long long_fp8 fp8 KVPLAN_FP4_F16=0
-# 5. If time is left: hybrid decode with fp4 records beside fp8 (never timed; batch 32).
-step 45 hybrid_fp4 python3 bench/bench_hybrid.py --contexts 32768,131072 --formats fp4,fp8 --out "$W/hybrid_fp4.json"
-grep -E "^ *(fp4|fp8) .*(graphs|async)|^ +async|bytes/token|max batch" "$W/hybrid_fp4.log"
+# 5. If time is left: hybrid decode with fp4 records, bf16 tiles vs fp16 tiles
+#    (KVPLAN_SPARSE_FP4_F16), fp8 beside them (batch 32).
+for f in 0 1; do
+  KVPLAN_SPARSE_FP4_F16=$f step 45 hybrid_fp4_f16$f python3 bench/bench_hybrid.py --contexts 32768,131072 --formats fp4$([ $f = 1 ] && echo ,fp8) --out "$W/hybrid_fp4_f16$f.json"
+  grep -E "^ *(fp4|fp8) .*(graphs|async)|^ +async|bytes/token|max batch" "$W/hybrid_fp4_f16$f.log"
+done
