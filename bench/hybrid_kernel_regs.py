@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     attn = dict(HEAD_DIM=512, D_P2=512, TILE_H=16, **V41, HAS1=True, HW=True, DOT_BF16=True,
-                INTERPRET=False)  # fmt: skip
+                INTERPRET=False, F16=False)  # fmt: skip
     rows = []
     for name, fn in (("sparse_attention_kernel", _k.sparse_attention_kernel),
                      ("sparse_attention_split_kernel", _ks.sparse_attention_split_kernel)):  # fmt: skip

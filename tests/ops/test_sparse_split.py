@@ -299,7 +299,7 @@ def test_split_kernels_compile_for_sm90() -> None:
         compile_sm90(_ks.sparse_attention_split_kernel, "*fp32", fsig, HEAD_DIM=512, D_P2=512,
                      TILE_H=16, TILE_N=32, **_V41, HAS1=True, HW=True, DOT_BF16=True,
                      D_CHUNK=0, PV_SPLIT=1, INTERPRET=False, FUSED=fused,
-                     HALF_RD=32 if fused else 0)  # fmt: skip
+                     HALF_RD=32 if fused else 0, F16=False)  # fmt: skip
     for half_rd in (0, 32):  # out_rope off / on (the model's 64 rotary channels)
         compile_sm90(_ks.sparse_attention_combine_kernel, "*fp32",
                      {"out_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"},

@@ -63,7 +63,7 @@ from kvplan.ops import _sparse_split_kernels as _ks
 out = {}
 for name, fn in (("one", _k.sparse_attention_kernel), ("split", _ks.sparse_attention_split_kernel)):
     const = dict(HEAD_DIM=512, D_P2=512, TILE_H=16, TILE_N=16, **h.V41, HAS1=True, HW=True,
-                 DOT_BF16=True, INTERPRET=False, D_CHUNK=64, PV_SPLIT=4)
+                 DOT_BF16=True, INTERPRET=False, D_CHUNK=64, PV_SPLIT=4, F16=False)
     if name == "one":
         const["HALF_RD"] = 32  # the model's out_rope (64 rotary channels)
     else:
