@@ -5,7 +5,7 @@
 #   instructions at 128 registers in mode 2 (8 programs an SM), against 1,579 at 244 in the
 #   default mode 1 and 1,437 at 168 in mode 2 with bf16 tiles.
 # - fp16 tiles for the hybrid sparse attention over fp4 records (KVPLAN_SPARSE_FP4_F16,
-#   off): split kernel 2,036 instructions at 222 registers against 3,398 at 255.
+#   off): split kernel 2,042 instructions at 222 registers against 3,398 at 255.
 # - the caller-owned merge counters of the hybrid family (the GPU hybrid tests cover them).
 # In order:
 # 1. GPU tests of the paged kernels (the fp16 tiles' bit-exactness test included), the sparse

@@ -546,7 +546,7 @@ queries read the pages as fp16 tiles (``E2M1_F16``: the nibbles unpacked four by
 register, the scales applied in fp16, fp16 query and probabilities) when True
 (``KVPLAN_FP4_F16=1`` at import). The keys' values are the same; the result differs from the
 bf16 tiles by the probabilities' rounding (fp16's 11 bits against bf16's 8). sm_90 main loop
-(64 keys, 2 warps): 1,035 instructions at 128 registers in mode 2, against 1,437 at 168 (bf16
+(64 keys, 2 warps): 1,026 instructions at 128 registers in mode 2, against 1,437 at 168 (bf16
 tiles, mode 2) and 1,579 at 244 (mode 1, the fp4 default). Off until the H200 has timed it."""
 
 

@@ -115,6 +115,18 @@ def load_kv_groups(
 
 
 @triton.jit
+def e2m1_f16_tile(words, scale_bytes, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  GROUP: tl.constexpr):  # fmt: skip
+    """``[TILE_N, HEAD_DIM // 8]`` int32 words of e2m1 nibbles (element ``2i`` in the low
+    nibble of byte ``i``) times their ``[TILE_N, HEAD_DIM // GROUP]`` e4m3 scale bytes as the
+    ``[TILE_N, HEAD_DIM]`` fp16 tile, exactly (`e2m1_words_f16`, then one fp16 multiply:
+    ``value * scale`` has at most six significant bits and lies in [2^-10, 2,688])."""
+    x = tl.reshape(e2m1_words_f16(words, TILE_N, HEAD_DIM), [TILE_N, HEAD_DIM // GROUP, GROUP])
+    scale = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return tl.reshape(x * scale[:, :, None], [TILE_N, HEAD_DIM])
+
+
+@triton.jit
 def e2m1_words_f16(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """``[TILE_N, HEAD_DIM // 8]`` int32 words of e2m1 nibbles (element ``2i`` in the low
     nibble of byte ``i``) as the ``[TILE_N, HEAD_DIM]`` fp16 values, exactly. Each byte's two
@@ -157,13 +169,11 @@ def dequantize_kv_raw(
     SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """`load_kv_raw`'s ``(values, scales)`` as the ``[TILE_N, HEAD_DIM]`` tile in q's dtype
-    (``KV_QUANT`` as in `load_kv_tile`; 4: fp16, `e2m1_words_f16`)."""
+    (``KV_QUANT`` as in `load_kv_tile`; 4: fp16, `e2m1_f16_tile`)."""
     if KV_QUANT == 0:
         tile = vals
     elif KV_QUANT == E2M1_F16:
-        x = tl.reshape(e2m1_words_f16(vals, TILE_N, HEAD_DIM), [TILE_N, HEAD_DIM // GROUP, GROUP])
-        scale = sf.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        tile = tl.reshape(x * scale[:, :, None], [TILE_N, HEAD_DIM])
+        tile = e2m1_f16_tile(vals, sf, TILE_N, HEAD_DIM, GROUP)
     else:
         if KV_QUANT == 1:
             x = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -196,8 +206,7 @@ def load_kv_tile(
     3 (int8 two's-complement bytes) dequantize in registers: ``fp32(value) * fp32(scale)`` with one scale per ``GROUP``
     values (``SF_KIND`` as in ``kvplan.ops._quant_triton``), then one rounding to q's dtype
     -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. 4 (``E2M1_F16``: e2m1 with
-    e4m3 scales, an fp16 q) gives the same values in fp16: ``value * scale`` has at most six
-    significant bits and lies in [2^-10, 2,688], exact in fp16 arithmetic. Every load is a
+    e4m3 scales, an fp16 q) gives the same values in fp16 (`e2m1_f16_tile`). Every load is a
     contiguous run per key (values, then the head's scales), so the compiler can pipeline it.
     """
     vals, sf = load_kv_raw(ptr, sf_ptr, rows, in_range, HEAD_DIM, MASKED, KV_QUANT, SF_KIND,

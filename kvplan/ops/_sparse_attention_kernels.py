@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kvplan.ops._paged_kv_tiles import e2m1_words_f16, query_f16
+from kvplan.ops._paged_kv_tiles import e2m1_f16_tile, query_f16
 from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
 
 KIND_FP32 = 0
@@ -100,7 +100,7 @@ def _load_key_cols(
     slot ``s`` start at ``block * stride_block + row * scale_stride + scale_offset``
     (token-interleaved records: ``scale_stride = stride_token``). ``F16`` (e2m1 values with
     e4m3 scales, ``FLAT``, value runs 4-byte aligned): the values in fp16, read as int32
-    words (`e2m1_words_f16`) and scaled in fp16 -- the same, exact values."""
+    words and scaled in fp16 (`e2m1_f16_tile`: the same, exact values)."""
     s = tl.where(valid, slots, 0).to(tl.int64)
     blk, off = s // block_size, s % block_size
     base = blk * stride_block + off * stride_token  # [TILE_N]
@@ -109,17 +109,11 @@ def _load_key_cols(
     dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
     if F16:
         tl.static_assert(KIND == 3 and SF == 1 and FLAT, "F16 tiles: e2m1 with e4m3 scales")
-        G16: tl.constexpr = DW // GS
         words = (c_ptr + base[:, None] + d0 // 2).to(tl.pointer_type(tl.int32))
         w = tl.load(words + tl.arange(0, DW // 8)[None, :], mask=valid[:, None], other=0)
-        sb = tl.load(c_ptr + sbase[:, None] + (d0 // GS + tl.arange(0, G16))[None, :],
+        sb = tl.load(c_ptr + sbase[:, None] + (d0 // GS + tl.arange(0, DW // GS))[None, :],
                      mask=valid[:, None], other=0)  # fmt: skip
-        if HW:
-            sc = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        else:  # the interpreter: exact through fp32
-            sc = decode_e4m3(sb.to(tl.int32)).to(tl.float16)
-        x16 = tl.reshape(e2m1_words_f16(w, TILE_N, DW), [TILE_N, G16, GS]) * sc[:, :, None]
-        x = tl.reshape(x16, [TILE_N, DW])
+        x = e2m1_f16_tile(w, sb, TILE_N, DW, GS)
     elif KIND == 0:
         x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
         if BF16:

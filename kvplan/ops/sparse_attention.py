@@ -139,11 +139,11 @@ def sparse_attention(
 
     Returns ``out`` (or a new tensor) ``[T, H, D]`` in q's dtype.
     """
-    _check_counters(counters, q)
     if use_triton(q):
         return sparse_attention_triton(
             q, sources, sinks, scale, out=out, out_rope=out_rope, check=check, counters=counters
         )
+    _check_counters(counters, q)  # checked, not read, on this path
     return sparse_attention_torch(q, sources, sinks, scale, out=out, out_rope=out_rope,
                                   check=check)  # fmt: skip
 
@@ -314,9 +314,9 @@ def sparse_attention_triton(
 FP4_F16_TILES = env_flag("KVPLAN_SPARSE_FP4_F16", False)
 """bf16 / fp16 queries over e2m1 sources with e4m3 scales (V41 FP4 records) take fp16
 products (True; ``KVPLAN_SPARSE_FP4_F16=1`` at import): the key tiles are read as int32
-words of nibbles and scaled in fp16 (``kvplan.ops._paged_kv_tiles.e2m1_words_f16``: the
+words of nibbles and scaled in fp16 (``kvplan.ops._paged_kv_tiles.e2m1_f16_tile``: the
 same, exact values), the query (`query_f16`) and probabilities enter the MMAs in fp16.
-sm_90 split kernel at the DeepSeek-V4 shapes (64 keys x 8 warps): 2,036 main-loop
+sm_90 split kernel at the DeepSeek-V4 shapes (64 keys x 8 warps): 2,042 main-loop
 instructions at 222 registers against 3,398 at 255 (bytes loaded one at a time, decoded in
 fp32). Off until the H200 has timed it."""
 
@@ -345,8 +345,8 @@ group) (True, the default) instead of a second launch (``sparse_attention_combin
 ``KVPLAN_SPARSE_FUSED_COMBINE=0`` at import). The same bits either way (GPU test, eager and
 CUDA-graph replays). H200, session 22, DeepSeek-V4-shaped decode at batch 32, fp8 records,
 fused vs two launches in one call: graph step 3.07 vs 3.19 ms (32K), 3.69 vs 3.87 (128K);
-async 2.66 vs 2.68, 3.25 vs 3.28. The counters are one buffer a device: the split kernels of
-two streams must not run at once (kvplan runs them on one)."""
+async 2.66 vs 2.68, 3.25 vs 3.28. The merge counters: the caller's (``counters``; each hybrid
+family owns one buffer), else a buffer per device and CUDA stream."""
 
 _PROGRAMS_PER_SM = 1  # split target: about this many programs per SM
 # Launch settings (tile_n, num_warps, num_stages, d_chunk, pv_split) where the caller gives
