@@ -93,8 +93,9 @@ def main() -> None:
     ap.add_argument(
         "--fp4-f16",
         action="store_true",
-        help="also every fp4 config with fp16 tiles (kvplan.ops._paged_attention_kernels."
-        "FP4_F16_TILES, KVPLAN_FP4_F16)",
+        help="also every fp4 config with the other tiles than the default (fp16 tiles when "
+        "kvplan.ops._paged_attention_kernels.FP4_F16_TILES / KVPLAN_FP4_F16 is off, bf16 tiles "
+        "when on)",
     )
     ap.add_argument(
         "--graph",
@@ -145,8 +146,8 @@ def main() -> None:
         if args.maxnreg:  # each cap, and the compiler's own choice (0)
             caps = (0, *ints(args.maxnreg))
             tilings = [{**t, "maxnreg": c} for t in [{}, *tilings] for c in caps]
-        if args.fp4_f16 and fmt == "fp4":  # each config also with fp16 tiles
-            tilings += [{**t, "fp4_f16": True} for t in [{}, *tilings]]
+        if args.fp4_f16 and fmt == "fp4":  # each config also with the other tiles
+            tilings += [{**t, "fp4_f16": not f16_default} for t in [{}, *tilings]]
         if args.with_splits:  # every config above (and the default) at these split counts
             n_splits = ints(args.with_splits)
             tilings += [{**t, "num_splits": n} for t in [{}, *tilings] for n in n_splits]

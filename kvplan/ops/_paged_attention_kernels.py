@@ -517,7 +517,7 @@ or None (the default): per format and kernel as ``DECODE_PREFETCH`` says. On sm_
 software-pipelines only the scale loads of the dequantizing kernels' mode-0 loop (cp.async),
 not the value bytes (bench/RESULTS.md, session 10)."""
 
-DECODE_PREFETCH = {"e2m1": 1, "e4m3": 2, "int8": 2}
+DECODE_PREFETCH = {"e2m1": 1, "e2m1_f16": 2, "e4m3": 2, "int8": 2}
 """Decode launches' default ``PREFETCH_MODES`` entry by ``kv_layout.quantized_dtype`` (absent:
 0). Measured on the H200 (bench/RESULTS.md), one layer at 32 x 8K context: fp4 decode 254 ->
 229 us with mode 1 (session 11), 468 us with mode 2 (session 20: its grouped e2m1 decode is
@@ -527,7 +527,9 @@ int8 185.8 -> 153.6 us with mode 2 at (64, 2, 3), the long fp8 workload's decode
 (prefill) steps 1.59 -> 1.73 s."""
 
 
-def _prefetch(prefetch: int | bool | None, kv_layout, decode: bool) -> int:
+def _prefetch(prefetch: int | bool | None, kv_layout, decode: bool, key=None) -> int:
+    """The ``PREFETCH`` of a launch; ``key``: the decode's `decode_key` (None: the layout's
+    ``quantized_dtype``)."""
     if prefetch is not None:
         mode = int(prefetch)
         if mode not in PREFETCH_MODES:
@@ -537,10 +539,10 @@ def _prefetch(prefetch: int | bool | None, kv_layout, decode: bool) -> int:
         return QUANT_PREFETCH
     if not decode or kv_layout is None:
         return 0
-    return DECODE_PREFETCH.get(kv_layout.quantized_dtype, 0)
+    return DECODE_PREFETCH.get(key or kv_layout.quantized_dtype, 0)
 
 
-FP4_F16_TILES = env_flag("KVPLAN_FP4_F16", False)
+FP4_F16_TILES = env_flag("KVPLAN_FP4_F16", True)
 """Decode launches over e2m1 pages with e4m3 scales (``kv_format="fp4"``) and bf16 / fp16
 queries read the pages as fp16 tiles (``E2M1_F16``: the nibbles unpacked four bytes a
 register, the scales applied in fp16, fp16 query and probabilities) when True
@@ -562,6 +564,16 @@ def _kv_quant(geo, q, k_cache, v_cache) -> int:
     return E2M1_F16 if all(x % 4 == 0 for x in offsets) else geo.kv_quant
 
 
+def decode_key(kv_layout, kv_quant: int) -> str | None:
+    """The per-format key of a decode launch's defaults (``DECODE_PREFETCH``,
+    ``kvplan.ops._paged_kv_tiles.DECODE_MAXNREG``): ``kv_layout.quantized_dtype`` (None for
+    float caches), ``"e2m1_f16"`` for fp4 pages read as fp16 tiles (``kv_quant`` from
+    `_kv_quant`)."""
+    if kv_layout is None:
+        return None
+    return "e2m1_f16" if kv_quant == E2M1_F16 else kv_layout.quantized_dtype
+
+
 def _dot_precision(dtype) -> str:
     """fp32 caches get exact fp32 products (tf32 would miss the 1e-5 tolerance)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -575,12 +587,18 @@ def _group_tile(group_size: int) -> int:
 def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
     kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None, maxnreg=None,
+    geo=None, kv_quant=None,
 ):  # fmt: skip
     """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
     ``prefetch`` as in `_attend_range_ahead` (None: ``QUANT_PREFETCH``, then
-    ``DECODE_PREFETCH``); ``maxnreg``: the compiler's register cap per thread (None: none)."""
+    ``DECODE_PREFETCH``); ``maxnreg``: the compiler's register cap per thread (None: none);
+    ``geo`` / ``kv_quant``: the caches' `kv_geometry` and `_kv_quant` where the caller has
+    them (None: computed here)."""
     batch, num_heads, head_dim = q.shape
-    geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)
+    if geo is None:
+        geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)
+    if kv_quant is None:
+        kv_quant = _kv_quant(geo, q, k_cache, v_cache)
     group_size = num_heads // geo.num_kv_heads
     split = num_splits > 1
     if split:
@@ -603,8 +621,8 @@ def launch_decode(
         TILE_M=_group_tile(group_size), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n,
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
-        KV_QUANT=_kv_quant(geo, q, k_cache, v_cache), SF_KIND=geo.sf_kind, GROUP=geo.group,
-        PREFETCH=_prefetch(prefetch, kv_layout, decode=True),
+        KV_QUANT=kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
+        PREFETCH=_prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant)),
         num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
     )  # fmt: skip

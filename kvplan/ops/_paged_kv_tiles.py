@@ -323,7 +323,7 @@ def decode_tiling(
     return tile_n, num_warps, num_stages
 
 
-DECODE_MAXNREG: dict[str | None, int] = {"e4m3": 168, "int8": 168}
+DECODE_MAXNREG: dict[str | None, int] = {"e2m1_f16": 128, "e4m3": 168, "int8": 168}
 """Register cap per thread (Triton's ``maxnreg``) of a decode launch by
 ``kv_layout.quantized_dtype`` (None: float caches); absent: the compiler's own choice. A cap
 lets more programs share an SM (65,536 registers) at the price of spills. Measured on the H200
@@ -349,9 +349,10 @@ def _maxnreg_from_env() -> int | None:
 MAXNREG_OVERRIDE = _maxnreg_from_env()
 
 
-def decode_maxnreg(kv_layout, maxnreg: int | None = None) -> int | None:
+def decode_maxnreg(kv_layout, maxnreg: int | None = None, key: str | None = None) -> int | None:
     """The register cap of a decode launch: ``maxnreg`` when given (0: none), else
-    ``KVPLAN_DECODE_MAXNREG``, else ``DECODE_MAXNREG``'s entry for the cache's format.
+    ``KVPLAN_DECODE_MAXNREG``, else ``DECODE_MAXNREG``'s entry for ``key`` (the launch's
+    ``kvplan.ops._paged_attention_kernels.decode_key``; None: the cache's format).
 
     >>> decode_maxnreg(None) is None
     True
@@ -362,7 +363,8 @@ def decode_maxnreg(kv_layout, maxnreg: int | None = None) -> int | None:
         if MAXNREG_OVERRIDE is not None:
             maxnreg = MAXNREG_OVERRIDE
         else:
-            key = None if kv_layout is None else kv_layout.quantized_dtype
+            if key is None and kv_layout is not None:
+                key = kv_layout.quantized_dtype
             maxnreg = DECODE_MAXNREG.get(key)
     if maxnreg is None or maxnreg == 0:
         return None

@@ -104,7 +104,7 @@ def resident_splits(
 
 def _decode_launch_plan(
     kv_layout, batch: int, num_kv_heads: int, max_kv_len: int | None, num_sms: int,
-    num_warps: int, num_splits: int | None, maxnreg: int | None,
+    num_warps: int, num_splits: int | None, maxnreg: int | None, key: str | None = None,
 ) -> tuple[int, int | None]:  # fmt: skip
     """``(num_splits, maxnreg)`` of a decode launch. A register cap lets more programs share an
     SM, which pays only with more programs: without a given split count a capped launch takes
@@ -114,7 +114,7 @@ def _decode_launch_plan(
     brings those extra splits (H200, fp8 at 32 x 8K: cap 168 x 3 splits 135.1 us, uncapped x 2
     splits 143.0, cap 168 x 2 splits 145.1; bench/RESULTS.md, session 21)."""
     given = maxnreg is not None or tiles.MAXNREG_OVERRIDE is not None
-    cap = decode_maxnreg(kv_layout, maxnreg)
+    cap = decode_maxnreg(kv_layout, maxnreg, key)
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, max_kv_len, num_sms)
         if cap is not None and SPLITS_OVERRIDE is None:
@@ -207,7 +207,10 @@ def paged_attention_decode_triton(
         kv_layout, check,
     )  # fmt: skip
     tile_n, num_warps, num_stages = decode_tiling(kv_layout, tile_n, num_warps, num_stages)
-    batch = q.shape[0]
+    batch, _, head_dim = q.shape
+    geo = tiles.kv_geometry(k_cache, v_cache, head_dim, kv_layout)
+    kv_quant = _k._kv_quant(geo, q, k_cache, v_cache)
+    key = _k.decode_key(kv_layout, kv_quant)
     if num_splits is None:  # the split rule's key count
         if max_kv_len is None:
             max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]
@@ -215,7 +218,7 @@ def paged_attention_decode_triton(
             max_kv_len = min(max_kv_len, sliding_window)
     num_splits, maxnreg = _decode_launch_plan(
         kv_layout, batch, num_kv_heads, max_kv_len, _num_sms(q.device), num_warps, num_splits,
-        maxnreg,
+        maxnreg, key,
     )  # fmt: skip
     if not isinstance(num_splits, int) or not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must be an int in [1, 1024], got {num_splits!r}")
@@ -225,7 +228,7 @@ def paged_attention_decode_triton(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, scale=float(scale),
         window=window, num_splits=num_splits, kv_layout=kv_layout, tile_n=tile_n,
         num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
-        maxnreg=maxnreg,
+        maxnreg=maxnreg, geo=geo, kv_quant=kv_quant,
     )  # fmt: skip
 
 

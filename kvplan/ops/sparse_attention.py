@@ -311,7 +311,7 @@ def sparse_attention_triton(
     return out
 
 
-FP4_F16_TILES = env_flag("KVPLAN_SPARSE_FP4_F16", False)
+FP4_F16_TILES = env_flag("KVPLAN_SPARSE_FP4_F16", True)
 """bf16 / fp16 queries over e2m1 sources with e4m3 scales (V41 FP4 records) take fp16
 products (True; ``KVPLAN_SPARSE_FP4_F16=1`` at import): the key tiles are read as int32
 words of nibbles and scaled in fp16 (``kvplan.ops._paged_kv_tiles.e2m1_f16_tile``: the

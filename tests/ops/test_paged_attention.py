@@ -545,6 +545,13 @@ def test_decode_maxnreg_defaults_overrides_and_env(monkeypatch) -> None:
     assert plan(32, layout=None) == (2, None)
     assert plan(32, cap=168, layout=None) == (3, 168)  # a given cap always applies
     assert plan(32, splits=2, cap=168) == (2, 168)
+    # fp4 pages read as fp16 tiles have their own key (128 registers: 8 programs an SM)
+    monkeypatch.setattr(tiles, "DECODE_MAXNREG", {"e4m3": 168, "e2m1_f16": 128})
+    fp4 = type("L", (), {"quantized_dtype": "e2m1"})()
+    assert tiles.decode_maxnreg(fp4) is None
+    assert tiles.decode_maxnreg(fp4, key="e2m1_f16") == 128
+    assert pa._decode_launch_plan(fp4, 32, 8, 8192, 132, 2, None, None, "e2m1_f16") == (4, 128)
+    assert pa._decode_launch_plan(fp4, 32, 8, 8192, 132, 2, None, None) == (2, None)
     monkeypatch.setattr(tiles, "MAXNREG_OVERRIDE", 0)
     assert plan(32) == (2, None)
     assert pa.resident_splits(32, 8, 8192, 132, 6) == 3

@@ -380,6 +380,18 @@ def test_fp4_f16_decode_equals_the_reference(mode, monkeypatch):
         assert got.dtype == torch.bfloat16 and got.isfinite().all()
         assert_close(got, want, atol=4e-3, rtol=8e-3)
         assert_close(got, plain, atol=4e-3, rtol=8e-3)
+    # the default mode follows the tiles: fp16 tiles take DECODE_PREFETCH["e2m1_f16"]
+    modes = []
+    real_prefetch = pak._prefetch
+    monkeypatch.setattr(
+        pak, "_prefetch", lambda *a, **k: modes.append(real_prefetch(*a, **k)) or modes[-1]
+    )
+    for on in (False, True):
+        monkeypatch.setattr(pak, "FP4_F16_TILES", on)
+        paged_attention_decode_triton(*args, scale=c.scale, num_splits=2, tile_n=16, kv_layout=fmt)
+    assert modes == [pak.DECODE_PREFETCH["e2m1"], pak.DECODE_PREFETCH["e2m1_f16"]]
+    assert pak.decode_key(fmt, E2M1_F16) == "e2m1_f16" and pak.decode_key(fmt, 2) == "e2m1"
+    assert pak.decode_key(None, 0) is None
     geo = kv_geometry(k_raw, v_raw, 64, fmt)
     assert real(geo._replace(stride_kh=geo.stride_kh + 2), q, k_raw, v_raw) == 2
     assert real(geo._replace(sf_kind=0), q, k_raw, v_raw) == 2
