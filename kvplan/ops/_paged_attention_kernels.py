@@ -518,8 +518,9 @@ software-pipelines only the scale loads of the dequantizing kernels' mode-0 loop
 not the value bytes (bench/RESULTS.md, session 10)."""
 
 DECODE_PREFETCH = {"e2m1": 1, "e2m1_f16": 2, "e4m3": 2, "int8": 2}
-"""Decode launches' default ``PREFETCH_MODES`` entry by ``kv_layout.quantized_dtype`` (absent:
-0). Measured on the H200 (bench/RESULTS.md), one layer at 32 x 8K context: fp4 decode 254 ->
+"""Decode launches' default ``PREFETCH_MODES`` entry by `decode_key` (absent: 0). fp4 pages read
+as fp16 tiles (``"e2m1_f16"``) take mode 2: 128 registers (session 23, 32 x 8K, 4 splits:
+151.4 us in mode 2, 152.3 in mode 0; with 3 splits mode 1 153.1). Measured on the H200 (bench/RESULTS.md), one layer at 32 x 8K context: fp4 decode 254 ->
 229 us with mode 1 (session 11), 468 us with mode 2 (session 20: its grouped e2m1 decode is
 slow); session 20 (``bench_quant_decode.py --graph --prefetch 2``) fp8 157.0 -> 143.7 us and
 int8 185.8 -> 153.6 us with mode 2 at (64, 2, 3), the long fp8 workload's decode step 3.647 ->
@@ -545,11 +546,14 @@ def _prefetch(prefetch: int | bool | None, kv_layout, decode: bool, key=None) ->
 FP4_F16_TILES = env_flag("KVPLAN_FP4_F16", True)
 """Decode launches over e2m1 pages with e4m3 scales (``kv_format="fp4"``) and bf16 / fp16
 queries read the pages as fp16 tiles (``E2M1_F16``: the nibbles unpacked four bytes a
-register, the scales applied in fp16, fp16 query and probabilities) when True
-(``KVPLAN_FP4_F16=1`` at import). The keys' values are the same; the result differs from the
-bf16 tiles by the probabilities' rounding (fp16's 11 bits against bf16's 8). sm_90 main loop
-(64 keys, 2 warps): 1,026 instructions at 128 registers in mode 2, against 1,437 at 168 (bf16
-tiles, mode 2) and 1,579 at 244 (mode 1, the fp4 default). Off until the H200 has timed it."""
+register, the scales applied in fp16, fp16 query and probabilities) when True (the default;
+``KVPLAN_FP4_F16=0`` at import: bf16 tiles). The keys' values are the same; the result differs
+from the bf16 tiles by the probabilities' rounding (fp16's 11 bits against bf16's 8). Their
+launches have their own defaults (`decode_key` ``"e2m1_f16"``: mode 2, 128 registers, so 8
+programs an SM). sm_90 main loop (64 keys, 2 warps): 1,026 instructions at 128 registers in
+mode 2, against 1,579 at 244 with bf16 tiles in mode 1. H200, one call at 32 x 8K (bench/
+RESULTS.md, session 23): 150.6-151.5 us (4 splits) against 189.1-190.1 us; the long
+workload's fp4 decode step 3.603 ms against 4.260."""
 
 
 def _kv_quant(geo, q, k_cache, v_cache) -> int:

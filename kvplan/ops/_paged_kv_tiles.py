@@ -324,8 +324,12 @@ def decode_tiling(
 
 
 DECODE_MAXNREG: dict[str | None, int] = {"e2m1_f16": 128, "e4m3": 168, "int8": 168}
-"""Register cap per thread (Triton's ``maxnreg``) of a decode launch by
-``kv_layout.quantized_dtype`` (None: float caches); absent: the compiler's own choice. A cap
+"""Register cap per thread (Triton's ``maxnreg``) of a decode launch by its
+``kvplan.ops._paged_attention_kernels.decode_key`` (``kv_layout.quantized_dtype``, None for
+float caches, ``"e2m1_f16"`` for fp4 pages read as fp16 tiles); absent: the compiler's own
+choice. fp16 fp4 tiles compile to 128 registers in mode 2: the entry tells the split plan that
+8 programs fit (session 23, 32 x 8K: 4 splits 150.6 us; 5 / 6 / 8 splits 173.5 / 160.3 /
+153.4; caps 112 / 96 154.7 / 153.0). A cap
 lets more programs share an SM (65,536 registers) at the price of spills. Measured on the H200
 (bench/RESULTS.md, session 21, 32 x 8K, default tilings): fp8 (64, 2, 3) takes 232 registers
 (4 programs an SM); at 168 it spills 24 bytes, 6 fit, and with 3 splits runs 135.1 us against

@@ -199,9 +199,10 @@ def paged_attention_decode_triton(
     ``tile_n`` / ``num_warps`` / ``num_stages``: launch overrides (see ``kvplan.ops._paged_kv_tiles.decode_tiling``;
     None takes the format's default); ``prefetch``: how whole key tiles load, one of
     ``kvplan.ops._paged_attention_kernels.PREFETCH_MODES`` (None:
-    ``QUANT_PREFETCH``, then the per-format ``DECODE_PREFETCH``: mode 1 for fp4 pages, 2 for
-    fp8 / int8); ``maxnreg``: a register cap per thread for the compiler (0: none; None:
-    the format's ``DECODE_MAXNREG`` entry where `_decode_launch_plan` finds it pays)."""
+    ``QUANT_PREFETCH``, then ``DECODE_PREFETCH`` by the launch's ``decode_key``: mode 2 for
+    fp8 / int8 pages and fp4 pages read as fp16 tiles, 1 for fp4 pages as bf16 tiles);
+    ``maxnreg``: a register cap per thread for the compiler (0: none; None: the key's
+    ``DECODE_MAXNREG`` entry where `_decode_launch_plan` finds it pays)."""
     window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,

@@ -312,13 +312,14 @@ def sparse_attention_triton(
 
 
 FP4_F16_TILES = env_flag("KVPLAN_SPARSE_FP4_F16", True)
-"""bf16 / fp16 queries over e2m1 sources with e4m3 scales (V41 FP4 records) take fp16
-products (True; ``KVPLAN_SPARSE_FP4_F16=1`` at import): the key tiles are read as int32
-words of nibbles and scaled in fp16 (``kvplan.ops._paged_kv_tiles.e2m1_f16_tile``: the
-same, exact values), the query (`query_f16`) and probabilities enter the MMAs in fp16.
-sm_90 split kernel at the DeepSeek-V4 shapes (64 keys x 8 warps): 2,042 main-loop
-instructions at 222 registers against 3,398 at 255 (bytes loaded one at a time, decoded in
-fp32). Off until the H200 has timed it."""
+"""bf16 / fp16 queries over e2m1 sources with e4m3 scales (V41 FP4 records) take fp16 products
+(True, the default; ``KVPLAN_SPARSE_FP4_F16=0`` at import: off): the key tiles are read as
+int32 words of nibbles and scaled in fp16 (``kvplan.ops._paged_kv_tiles.e2m1_f16_tile``: the
+same, exact values), the query (`query_f16`) and probabilities enter the MMAs in fp16. sm_90
+split kernel at the DeepSeek-V4 shapes (64 keys x 8 warps): 2,042 main-loop instructions at 222
+registers against 3,398 at 255 (bytes loaded one at a time, decoded in fp32). On the H200,
+hybrid decode with fp4 records at batch 32
+(bench/RESULTS.md, session 23), async step 3.21 -> 3.04 ms at 32K and 4.51 -> 4.04 ms at 128K."""
 
 
 def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: int) -> bool:
