@@ -98,6 +98,12 @@ def main() -> None:
         "when on)",
     )
     ap.add_argument(
+        "--fp4-nibbles",
+        action="store_true",
+        help="also every fp4 config with fp16 tiles in nibble order (kvplan.ops."
+        "_paged_attention_kernels.FP4_NIBBLE_TILES, KVPLAN_FP4_NIBBLES)",
+    )
+    ap.add_argument(
         "--graph",
         action="store_true",
         help="time CUDA-graph replays of the calls (the engine's decode steps; eager calls of "
@@ -105,6 +111,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     f16_default = pak.FP4_F16_TILES
+    nib_default = pak.FP4_NIBBLE_TILES
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
     shape = (args.batch, args.context, 8, 64, 32, 16) if cuda else (2, 40, 2, 32, 4, 8)
@@ -148,15 +155,19 @@ def main() -> None:
             tilings = [{**t, "maxnreg": c} for t in [{}, *tilings] for c in caps]
         if args.fp4_f16 and fmt == "fp4":  # each config also with the other tiles
             tilings += [{**t, "fp4_f16": not f16_default} for t in [{}, *tilings]]
+        if args.fp4_nibbles and fmt == "fp4":  # each fp16-tile config also in nibble order
+            tilings += [{**t, "fp4_nib": True} for t in [{}, *tilings]
+                        if t.get("fp4_f16", f16_default)]  # fmt: skip
         if args.with_splits:  # every config above (and the default) at these split counts
             n_splits = ints(args.with_splits)
             tilings += [{**t, "num_splits": n} for t in [{}, *tilings] for n in n_splits]
 
         def measure(kw, caches=caches, layout=layout, want=want, kv_bytes=kv_bytes, fmt=fmt):
-            launch = {k: x for k, x in kw.items() if k != "fp4_f16"}
+            launch = {k: x for k, x in kw.items() if k not in ("fp4_f16", "fp4_nib")}
 
             def call():
                 pak.FP4_F16_TILES = kw.get("fp4_f16", f16_default)  # read at launch
+                pak.FP4_NIBBLE_TILES = kw.get("fp4_nib", nib_default)
                 return paged_attention_decode_triton(
                     q, *caches, page_ids, page_start, kv_lens, scale=d**-0.5, kv_layout=layout,
                     max_kv_len=ctx, check=False, **launch,

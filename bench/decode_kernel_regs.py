@@ -38,6 +38,7 @@ FORMATS = {  # name: (KV_QUANT, SF_KIND, GROUP, cache pointer type, PREFETCH)
     "fp4+ra": (2, 1, 16, "*u8", 2),
     "fp4f16+pf": (4, 1, 16, "*u8", 1),  # KVPLAN_FP4_F16: fp16 tiles (E2M1_F16)
     "fp4f16+ra": (4, 1, 16, "*u8", 2),
+    "fp4nib+ra": (5, 1, 16, "*u8", 2),  # KVPLAN_FP4_NIBBLES: fp16 tiles in nibble order
 }
 TILINGS = [  # tile_n, warps, stages (5 stages: the first depth that double-buffers K/V tiles)
     (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2),

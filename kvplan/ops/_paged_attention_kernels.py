@@ -39,12 +39,15 @@ import triton.language as tl
 from kvplan.ops._dispatch import env_flag, triton_interpreting
 from kvplan.ops._paged_kv_tiles import (
     E2M1_F16,
+    E2M1_F16_NIB,
+    F16_TINY,
     dequantize_kv_raw,
     head_scales_offset,
     kv_geometry,
     load_kv_groups,
     load_kv_raw,
     load_kv_tile,
+    nibble_dims,
     query_f16,
 )
 from kvplan.ops._quant_triton import SF_KIND as _SF_KIND
@@ -384,10 +387,14 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     g_ok = offs_g < group_size
     heads = (kvh * group_size + offs_g).to(tl.int64)
+    if KV_QUANT == E2M1_F16_NIB:  # the tiles' column order
+        offs_d = nibble_dims(offs_d)
     q_off = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=g_ok[:, None], other=0.0)
-    if KV_QUANT == E2M1_F16:
+    if KV_QUANT >= E2M1_F16:  # fp16 tiles (E2M1_F16, E2M1_F16_NIB)
         q, qk_scale = query_f16(q, qk_scale)
+    if KV_QUANT == E2M1_F16_NIB:  # the tiles' 2^-14, on the score scale
+        qk_scale = qk_scale * F16_TINY
     row_pos = tl.where(g_ok, kv_len - 1, -1)
     sf_head = head_scales_offset(kvh, HEAD_DIM, GROUP, SF_KIND)
     acc, m_i, l_i = _attend_rows(
@@ -398,6 +405,8 @@ def _decode_kernel(
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
         PREFETCH,
     )  # fmt: skip
+    if KV_QUANT == E2M1_F16_NIB:  # V's 2^-14 (exact: a power of two on fp32 sums)
+        acc = acc * F16_TINY
     if SPLIT:
         # Partial row index (b * H + head) * S + split.
         num_heads = tl.num_programs(1) * group_size
@@ -555,17 +564,30 @@ mode 2, against 1,579 at 244 with bf16 tiles in mode 1. H200, one call at 32 x 8
 RESULTS.md, session 23): 150.6-151.5 us (4 splits) against 189.1-190.1 us; the long
 workload's fp4 decode step 3.603 ms against 4.260."""
 
+FP4_NIBBLE_TILES = env_flag("KVPLAN_FP4_NIBBLES", False)
+"""Where `FP4_F16_TILES` applies, read the tiles in nibble order (``E2M1_F16_NIB``,
+``KVPLAN_FP4_NIBBLES=1`` at import): each int32 word's nibbles ``i`` and ``i + 4`` placed as
+one fp16 pair by four integer operations, and the values left 2^-14 small so that one fp16
+multiply (by the scale) makes them; the query is read and the output written in that order,
+and the 2^14 goes on the score scale and the accumulator (powers of two: exact). The same
+products in another order of the head dimensions. sm_90 main loop (mode 2, 64 keys, 2 warps):
+785 instructions at the 128-register cap (8 bytes of spills), against 1,026 for
+``E2M1_F16``. Off until the H200 has run and timed it."""
+
 
 def _kv_quant(geo, q, k_cache, v_cache) -> int:
     """The decode kernel's ``KV_QUANT``: ``E2M1_F16`` where `FP4_F16_TILES` applies (the
-    value runs 4-byte aligned for the word loads), else the geometry's."""
+    value runs 4-byte aligned for the word loads; ``E2M1_F16_NIB`` with
+    `FP4_NIBBLE_TILES`), else the geometry's."""
     if not (FP4_F16_TILES and geo.kv_quant == 2 and geo.sf_kind == _SF_KIND["e4m3"]):
         return geo.kv_quant
     if q.dtype not in (torch.bfloat16, torch.float16):
         return geo.kv_quant
     offsets = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                geo.stride_kh, geo.stride_vh, k_cache.data_ptr(), v_cache.data_ptr())  # fmt: skip
-    return E2M1_F16 if all(x % 4 == 0 for x in offsets) else geo.kv_quant
+    if not all(x % 4 == 0 for x in offsets):
+        return geo.kv_quant
+    return E2M1_F16_NIB if FP4_NIBBLE_TILES else E2M1_F16
 
 
 def decode_key(kv_layout, kv_quant: int) -> str | None:
@@ -575,7 +597,8 @@ def decode_key(kv_layout, kv_quant: int) -> str | None:
     `_kv_quant`)."""
     if kv_layout is None:
         return None
-    return "e2m1_f16" if kv_quant == E2M1_F16 else kv_layout.quantized_dtype
+    f16 = kv_quant in (E2M1_F16, E2M1_F16_NIB)
+    return "e2m1_f16" if f16 else kv_layout.quantized_dtype
 
 
 def _dot_precision(dtype) -> str:

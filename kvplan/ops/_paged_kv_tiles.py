@@ -26,6 +26,31 @@ E2M1_F16: tl.constexpr = tl.constexpr(4)
 """``KV_QUANT`` of e2m1 pages with e4m3 scales read as fp16 tiles (the decode kernel's
 ``KVPLAN_FP4_F16`` path): the geometry's 2 otherwise."""
 
+E2M1_F16_NIB: tl.constexpr = tl.constexpr(5)
+"""``KV_QUANT`` of the same pages read as fp16 tiles in nibble order (``KVPLAN_FP4_NIBBLES``):
+the tiles (`e2m1_f16_tile_tiny`) hold the values times 2^-14, their columns in
+`nibble_order`; the decode kernel reads the query in that order, takes the 2^14 on the score
+scale and the accumulator, and writes the output back in order."""
+
+F16_TINY: tl.constexpr = tl.constexpr(16384.0)
+"""The factor ``E2M1_F16_NIB`` tiles leave out (`e2m1_f16_tile_tiny`: 2^14)."""
+
+
+def nibble_order(head_dim: int) -> list[int]:
+    """The head dimension held by each column of an ``E2M1_F16_NIB`` tile: within each group of 8
+    (one int32 word of nibbles), column ``2i + h`` holds dimension ``i + 4h``.
+
+    >>> nibble_order(8)
+    [0, 4, 1, 5, 2, 6, 3, 7]
+    """
+    return [d - d % 8 + (d % 8 >> 1) + 4 * (d & 1) for d in range(head_dim)]
+
+
+@triton.jit
+def nibble_dims(offs):
+    """`nibble_order` of column indices ``offs`` (a tensor): the dimension each one holds."""
+    return (offs & ~7) | ((offs & 7) >> 1) | ((offs & 1) << 2)
+
 
 @triton.jit
 def _load_masked(ptrs, in_range, MASKED: tl.constexpr):
@@ -46,7 +71,7 @@ def load_kv_raw(
     ``HEAD_DIM // 8`` little-endian int32 words) and the ``[TILE_N, HEAD_DIM // GROUP]``
     scales (fp32, or their bytes). `dequantize_kv_raw` turns them into the tile; a caller can
     load a tile's raw bytes one step ahead of using them (a few registers a thread)."""
-    if KV_QUANT == E2M1_F16:
+    if KV_QUANT >= E2M1_F16:  # fp16 tiles (E2M1_F16, E2M1_F16_NIB)
         words = (ptr + rows[:, None]).to(tl.pointer_type(tl.int32))
         vals = _load_masked(words + tl.arange(0, HEAD_DIM // 8)[None, :], in_range, MASKED)
     else:
@@ -150,6 +175,41 @@ def e2m1_words_f16(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     return tl.reshape(tl.join(lo, hi), [TILE_N, HEAD_DIM]) * 16384.0
 
 
+_SIGNS: tl.constexpr = tl.constexpr(-0x7FFF8000)  # int32 0x80008000: both halves' sign bits
+
+
+@triton.jit
+def e2m1_words_f16_tiny(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``[TILE_N, HEAD_DIM // 8]`` int32 words of e2m1 nibbles (nibble ``j`` of a word, bits
+    ``4j .. 4j + 3``, is dimension ``j`` of its 8) as ``[TILE_N, HEAD_DIM]`` fp16
+    ``value * 2^-14`` (`decode_e2m1_tiny`'s bits), exactly, in `nibble_order`: nibbles ``i``
+    and ``i + 4`` sit 16 bits apart, so one shift-and-mask pair per sign and per magnitude
+    places both halves of an fp16 pair at once -- four integer operations a pair of values,
+    with no byte extraction and no multiply."""
+    h0 = ((words << 9) & 0x0E000E00) | ((words << 12) & _SIGNS)
+    h1 = ((words << 5) & 0x0E000E00) | ((words << 8) & _SIGNS)
+    h2 = ((words << 1) & 0x0E000E00) | ((words << 4) & _SIGNS)
+    h3 = ((words >> 3) & 0x0E000E00) | (words & _SIGNS)
+    pairs = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [TILE_N, HEAD_DIM // 8, 4])
+    lo = pairs.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), [TILE_N, HEAD_DIM])
+
+
+@triton.jit
+def e2m1_f16_tile_tiny(words, scale_bytes, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       GROUP: tl.constexpr):  # fmt: skip
+    """The ``E2M1_F16_NIB`` tile: `e2m1_words_f16_tiny` times the e4m3 scales in fp16, i.e.
+    ``value * scale * 2^-14`` in `nibble_order`, exactly: ``value * scale`` has at most six
+    significant bits, none below 2^-10 (e2m1's 0.5 times e4m3's 2^-9), so times 2^-14 it is an
+    fp16 number (subnormal below 2^-14, none below 2^-24). One fp16 multiply a value, where
+    the exact-size tiles (`e2m1_f16_tile`) take two."""
+    x = tl.reshape(e2m1_words_f16_tiny(words, TILE_N, HEAD_DIM),
+                   [TILE_N, HEAD_DIM // GROUP, GROUP])  # fmt: skip
+    scale = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return tl.reshape(x * scale[:, :, None], [TILE_N, HEAD_DIM])
+
+
 @triton.jit
 def query_f16(q, qk_scale):
     """A query tile in fp16 for fp16 products (fp16 key tiles): ``q * 2^-shift`` and
@@ -169,11 +229,13 @@ def dequantize_kv_raw(
     SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """`load_kv_raw`'s ``(values, scales)`` as the ``[TILE_N, HEAD_DIM]`` tile in q's dtype
-    (``KV_QUANT`` as in `load_kv_tile`; 4: fp16, `e2m1_f16_tile`)."""
+    (``KV_QUANT`` as in `load_kv_tile`; 4 / 5: fp16, `e2m1_f16_tile` / `e2m1_f16_tile_tiny`)."""
     if KV_QUANT == 0:
         tile = vals
     elif KV_QUANT == E2M1_F16:
         tile = e2m1_f16_tile(vals, sf, TILE_N, HEAD_DIM, GROUP)
+    elif KV_QUANT == E2M1_F16_NIB:
+        tile = e2m1_f16_tile_tiny(vals, sf, TILE_N, HEAD_DIM, GROUP)
     else:
         if KV_QUANT == 1:
             x = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -206,7 +268,9 @@ def load_kv_tile(
     3 (int8 two's-complement bytes) dequantize in registers: ``fp32(value) * fp32(scale)`` with one scale per ``GROUP``
     values (``SF_KIND`` as in ``kvplan.ops._quant_triton``), then one rounding to q's dtype
     -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. 4 (``E2M1_F16``: e2m1 with
-    e4m3 scales, an fp16 q) gives the same values in fp16 (`e2m1_f16_tile`). Every load is a
+    e4m3 scales, an fp16 q) gives the same values in fp16 (`e2m1_f16_tile`); 5
+    (``E2M1_F16_NIB``) the values times 2^-14 in fp16, the columns in `nibble_order`
+    (`e2m1_f16_tile_tiny`). Every load is a
     contiguous run per key (values, then the head's scales), so the compiler can pipeline it.
     """
     vals, sf = load_kv_raw(ptr, sf_ptr, rows, in_range, HEAD_DIM, MASKED, KV_QUANT, SF_KIND,

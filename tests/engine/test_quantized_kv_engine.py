@@ -136,24 +136,27 @@ def test_engine_with_prefetching_paged_kernels_gives_the_same_logits(kv_format, 
     assert calls and set(calls) == {1} and torch.equal(got, want)  # a[-2]: the step's MODE
 
 
-def test_engine_decode_on_fp4_f16_tiles(monkeypatch):
+@pytest.mark.parametrize("nib", [False, True])
+def test_engine_decode_on_fp4_f16_tiles(nib, monkeypatch):
     """A bf16 engine's decode steps on the Triton paged kernels (interpreter) with fp4 pages
-    read as fp16 tiles (``FP4_F16_TILES``): the decode launches take ``E2M1_F16`` and the
-    greedy tokens equal the bf16 tiles' (the keys' values are the same; the probabilities
-    round to fp16 instead of bf16), their logprobs within 0.02."""
+    read as fp16 tiles (``FP4_F16_TILES``; in nibble order with ``FP4_NIBBLE_TILES``): the
+    decode launches take ``E2M1_F16`` / ``E2M1_F16_NIB`` and the greedy tokens equal the
+    bf16 tiles' (the keys' values are the same; the probabilities round to fp16 instead of
+    bf16), their logprobs within 0.02."""
     import kvplan.ops._paged_attention_kernels as pak
 
     monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
     kinds = []
     real = pak._kv_quant
     monkeypatch.setattr(pak, "_kv_quant", lambda *a: kinds.append(real(*a)) or kinds[-1])
+    monkeypatch.setattr(pak, "FP4_NIBBLE_TILES", nib)
     prompts = _prompts(3, seed=8)
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
     outs = []
     for on in (False, True):
         monkeypatch.setattr(pak, "FP4_F16_TILES", on)
         outs.append(_engine("fp4", dtype="bfloat16").generate(prompts, params))
-        assert set(kinds) == ({pak.E2M1_F16} if on else {2})
+        assert set(kinds) == ({pak.E2M1_F16_NIB if nib else pak.E2M1_F16} if on else {2})
         kinds.clear()
     for a, b in zip(*outs, strict=True):
         assert a.token_ids == b.token_ids

@@ -21,7 +21,13 @@ import triton.language as tl
 import kvplan.ops._paged_attention_kernels as pak
 from kvplan import quant
 from kvplan.formats import KVCacheFormat, alloc_kv_cache
-from kvplan.ops._paged_kv_tiles import E2M1_F16, kv_geometry, load_kv_tile
+from kvplan.ops._paged_kv_tiles import (
+    E2M1_F16,
+    E2M1_F16_NIB,
+    kv_geometry,
+    load_kv_tile,
+    nibble_order,
+)
 from kvplan.ops.paged_attention import (
     paged_attention_decode,
     paged_attention_decode_torch,
@@ -327,43 +333,54 @@ def _tile_copy(kind, kv_lens, device, head_dim, kv_quant=None):
     want = dq.k_cache[:, :, 0].reshape(n, head_dim)
     written = want.isfinite().all(-1)  # unused slots decode to NaN
     assert written.sum() == sum(kv_lens)
-    return out.cpu(), want, written
+    out = out.cpu()
+    if kv_quant == E2M1_F16_NIB:  # columns in nibble order, values times 2^-14: the values
+        tiny, out = out, torch.empty_like(out)
+        out[:, nibble_order(head_dim)] = (tiny.float() * 16384.0).to(out.dtype)
+    return out, want, written
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4", "fp4_f16"])
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4", "fp4_f16", "fp4_nib"])
 def test_gpu_in_register_dequantization_is_bit_exact(kind):
     """The kernels' in-register dequantization (``load_kv_tile``) gives bit for bit the bf16
     rounding of the independent fp32 decode, for every written token record (fp4_f16: the
-    fp16 tiles of ``E2M1_F16``, the exact values)."""
-    kv_quant = E2M1_F16 if kind == "fp4_f16" else None
-    out, want, written = _tile_copy(kind.removesuffix("_f16"), [300, 17, 1], "cuda", 128,
+    fp16 tiles of ``E2M1_F16``, the exact values; fp4_nib: ``E2M1_F16_NIB``'s, the values
+    times 2^-14 in nibble order, fp16 subnormals among them)."""
+    kv_quant = {"fp4_f16": E2M1_F16, "fp4_nib": E2M1_F16_NIB}.get(kind)
+    out, want, written = _tile_copy(kind[:3] if kv_quant else kind, [300, 17, 1], "cuda", 128,
                                     kv_quant)  # fmt: skip
     assert torch.equal(out[written], want.bfloat16()[written])
 
 
-def test_fp4_f16_tiles_are_the_exact_values():
+@pytest.mark.parametrize("kv_quant", [E2M1_F16, E2M1_F16_NIB])
+def test_fp4_f16_tiles_are_the_exact_values(kv_quant):
     """``E2M1_F16`` tiles (int32 words of nibbles unpacked in pairs, fp16 scales; interpreter)
-    hold every written record's exact decode, the same bits as the bf16 tiles."""
+    hold every written record's exact decode: the same bits as the bf16 tiles.
+    ``E2M1_F16_NIB`` tiles hold them times 2^-14, column ``p`` dimension ``nibble_order[p]``."""
     if torch.cuda.is_available():
         pytest.skip("the GPU test above")
-    out, want, written = _tile_copy("fp4", [70, 17, 1], "cpu", 64, E2M1_F16)
+    out, want, written = _tile_copy("fp4", [70, 17, 1], "cpu", 64, kv_quant)
     assert torch.equal(out[written].float(), want[written])
     bf16_tiles = _tile_copy("fp4", [70, 17, 1], "cpu", 64)[0]
     assert torch.equal(out[written], bf16_tiles[written])
 
 
+@pytest.mark.parametrize("nib", [False, True])
 @pytest.mark.parametrize("mode", [0, 1, 2])
-def test_fp4_f16_decode_equals_the_reference(mode, monkeypatch):
+def test_fp4_f16_decode_equals_the_reference(mode, nib, monkeypatch):
     """Decode over fp4 pages with ``FP4_F16_TILES`` (interpreter): the launch takes
-    ``E2M1_F16`` and each prefetch mode gives the attention of the bf16 query over the exact
-    values, as the bf16 tiles do; a query of 2^20-sized values (shifted into fp16's range)
-    too. Bad alignment or other scales keep the geometry's kind."""
+    ``E2M1_F16`` (``E2M1_F16_NIB`` with ``FP4_NIBBLE_TILES``) and each prefetch mode gives
+    the attention of the bf16 query over the exact values, as the bf16 tiles do; a query of
+    2^20-sized values (shifted into fp16's range) too. Bad alignment or other scales keep the
+    geometry's kind."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test")
     kinds = []
     real = pak._kv_quant
     monkeypatch.setattr(pak, "_kv_quant", lambda *a: kinds.append(real(*a)) or kinds[-1])
+    monkeypatch.setattr(pak, "FP4_NIBBLE_TILES", nib)
+    f16_kind = E2M1_F16_NIB if nib else E2M1_F16
     c, (k_raw, v_raw), fmt, dq = quantized_case(
         "fp4", 61, [3, 41, 70], [1] * 3, group=4, block_size=16, layout="offsets", head_dim=64
     )
@@ -375,7 +392,7 @@ def test_fp4_f16_decode_equals_the_reference(mode, monkeypatch):
         plain = paged_attention_decode_triton(*args, **kw)
         monkeypatch.setattr(pak, "FP4_F16_TILES", True)
         got = paged_attention_decode_triton(*args, **kw)
-        assert kinds[-2:] == [2, E2M1_F16]
+        assert kinds[-2:] == [2, f16_kind]
         want = dataclasses.replace(dq, q=q.float()).ref(decode=True)
         assert got.dtype == torch.bfloat16 and got.isfinite().all()
         assert_close(got, want, atol=4e-3, rtol=8e-3)
@@ -390,7 +407,7 @@ def test_fp4_f16_decode_equals_the_reference(mode, monkeypatch):
         monkeypatch.setattr(pak, "FP4_F16_TILES", on)
         paged_attention_decode_triton(*args, scale=c.scale, num_splits=2, tile_n=16, kv_layout=fmt)
     assert modes == [pak.DECODE_PREFETCH["e2m1"], pak.DECODE_PREFETCH["e2m1_f16"]]
-    assert pak.decode_key(fmt, E2M1_F16) == "e2m1_f16" and pak.decode_key(fmt, 2) == "e2m1"
+    assert pak.decode_key(fmt, f16_kind) == "e2m1_f16" and pak.decode_key(fmt, 2) == "e2m1"
     assert pak.decode_key(None, 0) is None
     geo = kv_geometry(k_raw, v_raw, 64, fmt)
     assert real(geo._replace(stride_kh=geo.stride_kh + 2), q, k_raw, v_raw) == 2
