@@ -47,6 +47,23 @@ def nibble_order(head_dim: int) -> list[int]:
 
 
 @triton.jit
+def to_nibble_order(x):
+    """``[R, C]`` (``C`` a multiple of 8) with its columns in `nibble_order`: column ``2i + h``
+    of each group of 8 takes column ``i + 4h`` (a register permutation)."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(x, [R, C // 8, 2, 4]), (0, 1, 3, 2)), [R, C])
+
+
+@triton.jit
+def from_nibble_order(x):
+    """The inverse of `to_nibble_order`: ``[R, C]`` columns in `nibble_order` back in order."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(x, [R, C // 8, 4, 2]), (0, 1, 3, 2)), [R, C])
+
+
+@triton.jit
 def nibble_dims(offs):
     """`nibble_order` of column indices ``offs`` (a tensor): the dimension each one holds."""
     return (offs & ~7) | ((offs & 7) >> 1) | ((offs & 1) << 2)

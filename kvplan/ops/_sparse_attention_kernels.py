@@ -48,13 +48,21 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kvplan.ops._paged_kv_tiles import e2m1_f16_tile, query_f16
+from kvplan.ops._paged_kv_tiles import (
+    F16_TINY,
+    e2m1_f16_tile,
+    e2m1_f16_tile_tiny,
+    from_nibble_order,
+    query_f16,
+    to_nibble_order,
+)
 from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
 
 KIND_FP32 = 0
 KIND_BF16 = 1
 KIND_E4M3 = 2
 KIND_E2M1 = 3
+NIB: tl.constexpr = tl.constexpr(2)  # ``F16`` of fp16 tiles in nibble order
 SF_UE8M0 = 0
 SF_E4M3 = 1
 SF_FP32 = 2
@@ -100,7 +108,8 @@ def _load_key_cols(
     slot ``s`` start at ``block * stride_block + row * scale_stride + scale_offset``
     (token-interleaved records: ``scale_stride = stride_token``). ``F16`` (e2m1 values with
     e4m3 scales, ``FLAT``, value runs 4-byte aligned): the values in fp16, read as int32
-    words and scaled in fp16 (`e2m1_f16_tile`: the same, exact values)."""
+    words and scaled in fp16 (`e2m1_f16_tile`: the same, exact values); ``F16`` 2 (``NIB``):
+    times 2^-14, the columns in nibble order (`e2m1_f16_tile_tiny`)."""
     s = tl.where(valid, slots, 0).to(tl.int64)
     blk, off = s // block_size, s % block_size
     base = blk * stride_block + off * stride_token  # [TILE_N]
@@ -113,7 +122,10 @@ def _load_key_cols(
         w = tl.load(words + tl.arange(0, DW // 8)[None, :], mask=valid[:, None], other=0)
         sb = tl.load(c_ptr + sbase[:, None] + (d0 // GS + tl.arange(0, DW // GS))[None, :],
                      mask=valid[:, None], other=0)  # fmt: skip
-        x = e2m1_f16_tile(w, sb, TILE_N, DW, GS)
+        if F16 == NIB:
+            x = e2m1_f16_tile_tiny(w, sb, TILE_N, DW, GS)
+        else:
+            x = e2m1_f16_tile(w, sb, TILE_N, DW, GS)
     elif KIND == 0:
         x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
         if BF16:
@@ -314,19 +326,32 @@ def _attend_cols(
 
 
 @triton.jit
+def acc_chunk(acc, F16: tl.constexpr):
+    """An accumulator chunk in order at its true size (``F16`` 2, ``NIB``: from nibble order,
+    times 2^14 -- exact)."""
+    if F16 == NIB:
+        return from_nibble_order(acc) * F16_TINY
+    return acc
+
+
+@triton.jit
 def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, qk_scale,
                 HEAD_DIM: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
                 F16: tl.constexpr):  # fmt: skip
     """Row ``t``'s query: the pointers ``q_row`` ``[TILE_H, 1]`` to its heads' rows, the
     tile ``[TILE_H, D_P2]`` (bf16 for bf16 dots, else fp32; with ``D_CHUNK`` a placeholder
     zero: the tiles read the query in chunks), the ``[TILE_H, D_P2]`` mask and the logits'
-    scale (``qk_scale``; ``F16``: an fp16 tile and its scale, `query_f16`)."""
+    scale (``qk_scale``; ``F16``: an fp16 tile and its scale, `query_f16`; ``F16`` 2 (``NIB``):
+    its columns in nibble order, the tiles' 2^-14 on the scale)."""
     q_row = q_ptr + t.to(tl.int64) * stride_qt + h64[:, None] * stride_qh
     qmask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
     if D_CHUNK == 0:
         q = tl.load(q_row + d[None, :], mask=qmask, other=0.0)
         if F16:
             q, qk_scale = query_f16(q, qk_scale)
+            if F16 == NIB:
+                q = to_nibble_order(q)
+                qk_scale = qk_scale * F16_TINY
         elif DOT_BF16:
             q = q.to(tl.bfloat16)
         else:
@@ -384,7 +409,7 @@ def sparse_attention_kernel(
         dc = c * DC + tl.arange(0, DC)
         o_off = t.to(tl.int64) * stride_ot + h64[:, None] * stride_oh + dc[None, :]
         o_mask = h_ok[:, None] & (dc < HEAD_DIM)[None, :]
-        _store_out(acc[c] / inv, out_ptr + o_off, o_mask, cos_ptr, sin_ptr, t, stride_rt,
+        _store_out(acc_chunk(acc[c], F16) / inv, out_ptr + o_off, o_mask, cos_ptr, sin_ptr, t, stride_rt,
                    c * (DC // 2), TILE_H, DC, HEAD_DIM, HALF_RD, HW)  # fmt: skip
 
 

@@ -40,6 +40,7 @@ from kvplan.ops._sparse_attention_kernels import (
     _attend_cols,
     _load_query,
     _store_out,
+    acc_chunk,
 )
 
 
@@ -99,7 +100,8 @@ def sparse_attention_split_kernel(
     for c in tl.static_range(PV_SPLIT):
         dc = c * DC + tl.arange(0, DC)
         mask = h_ok[:, None] & (dc < HEAD_DIM)[None, :]
-        tl.store(ws_acc_ptr + row[:, None] * HEAD_DIM + dc[None, :], acc[c], mask=mask)
+        tl.store(ws_acc_ptr + row[:, None] * HEAD_DIM + dc[None, :], acc_chunk(acc[c], F16),
+                 mask=mask)  # fmt: skip
     if FUSED:
         tl.debug_barrier()  # every thread's stores above, before the count
         counter = cnt_ptr + t * tl.num_programs(1) + tl.program_id(1)

@@ -321,23 +321,32 @@ registers against 3,398 at 255 (bytes loaded one at a time, decoded in fp32). On
 hybrid decode with fp4 records at batch 32
 (bench/RESULTS.md, session 23), async step 3.21 -> 3.04 ms at 32K and 4.51 -> 4.04 ms at 128K."""
 
+FP4_NIBBLE_TILES = env_flag("KVPLAN_SPARSE_FP4_NIBBLES", False)
+"""Where `FP4_F16_TILES` applies, the tiles in nibble order (``KVPLAN_SPARSE_FP4_NIBBLES=1``
+at import; ``kvplan.ops._paged_kv_tiles.e2m1_f16_tile_tiny``): four integer operations a pair
+of values and one fp16 multiply, the values 2^-14 small, the query permuted to match and the
+accumulator back in order times 2^14 (exact) before it is stored. sm_90 split kernel at the
+DeepSeek-V4 shapes (64 keys x 8 warps, fused merge): 1,380 main-loop instructions at 173
+registers against 2,042 at 244. Off until the H200 has run and timed it."""
 
-def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: int) -> bool:
-    """Whether a call takes fp16 tiles (`FP4_F16_TILES`): a bf16 / fp16 query held whole
-    (``d_chunk`` 0), and every source e2m1 with e4m3 scales in whole power-of-two groups,
-    also per value-product chunk, its value runs 4-byte aligned (word loads)."""
+
+def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: int) -> int:
+    """The kernels' ``F16``: 1 where a call takes fp16 tiles (`FP4_F16_TILES`; 2 in nibble
+    order, `FP4_NIBBLE_TILES`), else 0: a bf16 / fp16 query held whole (``d_chunk`` 0), and
+    every source e2m1 with e4m3 scales in whole power-of-two groups, also per value-product
+    chunk, its value runs 4-byte aligned (word loads)."""
     if not FP4_F16_TILES or q_dtype not in (torch.bfloat16, torch.float16) or d_chunk:
-        return False
+        return 0
     chunk = d_p2 // pv_split
     for a in addrs:
         groups = chunk // a.group if chunk % a.group == 0 else 0
         if not (a.kind == _k.KIND_E2M1 and a.sf == _k.SF_E4M3 and groups
                 and groups & (groups - 1) == 0 and flat_scales(a, head_dim, d_p2)):  # fmt: skip
-            return False
+            return 0
         offsets = (a.stride_block, a.stride_token, a.ptr.data_ptr(), chunk // 2)
         if any(x % 4 for x in offsets):
-            return False
-    return True
+            return 0
+    return 2 if FP4_NIBBLE_TILES else 1
 
 
 FUSED_COMBINE = env_flag("KVPLAN_SPARSE_FUSED_COMBINE", True)

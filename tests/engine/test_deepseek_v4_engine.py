@@ -136,14 +136,16 @@ def test_llm_cuda_quantized_kv_matches_cpu(tmp_path, kv_format):
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
 
 
-def test_llm_bf16_fp4_records_on_f16_tiles(tmp_path, monkeypatch):
+@pytest.mark.parametrize("nib", [False, True])
+def test_llm_bf16_fp4_records_on_f16_tiles(tmp_path, monkeypatch, nib):
     """A bf16 DeepSeek-V4 engine on the Triton kernels (interpreter) over fp4 records read as
-    fp16 tiles (``FP4_F16_TILES``): its decode steps' sparse attention takes them, and the
-    greedy tokens equal those of the bf16 tiles (the same key values; the probabilities round
-    to fp16)."""
+    fp16 tiles (``FP4_F16_TILES``; in nibble order with ``FP4_NIBBLE_TILES``): its decode
+    steps' sparse attention takes them, and the greedy tokens equal those of the bf16 tiles
+    (the same key values; the probabilities round to fp16)."""
     import kvplan.ops.sparse_attention as sa
 
     monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", nib)
     taken = []
     real = sa.f16_tiles
     monkeypatch.setattr(sa, "f16_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
@@ -156,6 +158,7 @@ def test_llm_bf16_fp4_records_on_f16_tiles(tmp_path, monkeypatch):
         monkeypatch.setattr(sa, "FP4_F16_TILES", on)
         llm = LLM(str(folder), device="cpu", dtype="bfloat16", max_model_len=64, kv_format="fp4")
         outs.append([o.token_ids for o in llm.generate(prompts, params)])
-        assert (True in taken) == on  # the decode steps' records (prompts read bf16 rows)
+        # the decode steps' records (prompts read bf16 rows)
+        assert set(taken) == ({0, 2 if nib else 1} if on else {0})
         taken.clear()
     assert outs[0] == outs[1]

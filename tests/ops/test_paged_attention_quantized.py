@@ -428,14 +428,17 @@ def _gpu_cases(kind, gen, case_seed, kv_lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
-def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind):
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4", "fp4_nib"])
+def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind, monkeypatch):
     """On the GPU the kernels over quantized pages equal the same kernels over a bf16 copy of
     the dequantized cache up to the order of the fp32 sums inside the tensor-core MMAs (the
     dequantized tiles themselves are bit-exact: the test above) and, for decode launches in
     mode 2 (fp8 / int8 by default), the bf16 rounding of the scaled probabilities in place of
     the dequantized V: within two bf16 ulps; both are within bf16 tolerance of the float64
-    reference over the dequantized values."""
+    reference over the dequantized values. fp4 decode reads fp16 tiles (``FP4_F16_TILES``;
+    fp4_nib: in nibble order, ``FP4_NIBBLE_TILES``)."""
+    monkeypatch.setattr(pak, "FP4_NIBBLE_TILES", kind == "fp4_nib")
+    kind = kind.removesuffix("_nib")
     gen = torch.Generator().manual_seed(3)
     kv_lens = torch.randint(1, 900, (20,), generator=gen).tolist() + [1, 16, 17]
     for decode, (c, (k_raw, v_raw), fmt, dq) in _gpu_cases(kind, gen, 5, kv_lens):

@@ -171,13 +171,16 @@ def test_shared_merge_counters_per_device_and_stream() -> None:
 
 
 @interpreter
+@pytest.mark.parametrize("nib", [False, True])
 @pytest.mark.parametrize("num_splits,pv_split", [(1, 1), (3, 1), (3, 2)])
-def test_fp4_f16_tiles_equal_the_reference(monkeypatch, num_splits, pv_split) -> None:
-    """fp4 records (e2m1, e4m3 scales) as fp16 tiles (``FP4_F16_TILES``, interpreter): the
-    launch takes them and gives the attention of the bf16 query over the exact values, as
-    the bf16 tiles do; a query of 2^20-sized values too (shifted into fp16's range)."""
+def test_fp4_f16_tiles_equal_the_reference(monkeypatch, num_splits, pv_split, nib) -> None:
+    """fp4 records (e2m1, e4m3 scales) as fp16 tiles (``FP4_F16_TILES``, interpreter; in
+    nibble order with ``FP4_NIBBLE_TILES``): the launch takes them and gives the attention of
+    the bf16 query over the exact values, as the bf16 tiles do; a query of 2^20-sized values
+    too (shifted into fp16's range)."""
     from kvplan.ops import sparse_attention as sa
 
+    monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", nib)
     taken = []
     real = sa.f16_tiles
     monkeypatch.setattr(sa, "f16_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
@@ -191,7 +194,7 @@ def test_fp4_f16_tiles_equal_the_reference(monkeypatch, num_splits, pv_split) ->
         plain = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
         monkeypatch.setattr(sa, "FP4_F16_TILES", True)
         got = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
-        assert taken[-2:] == [False, True]
+        assert taken[-2:] == [0, 2 if nib else 1]
         want = sparse_attention_torch(q.float(), sources, sinks, 0.125)
         assert got.isfinite().all()
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
@@ -207,8 +210,11 @@ def test_fp4_f16_tiles_only_where_they_apply(monkeypatch) -> None:
     q, sources, _ = _inputs([FP4_64, FP8_64], 1, 2, 64, [4, 4], seed=18)
     fp4, fp8 = (source_address(i, src, 64) for i, src in enumerate(sources))
     monkeypatch.setattr(sa, "FP4_F16_TILES", True)
-    assert sa.f16_tiles(torch.bfloat16, [fp4], 64, 64, 0, 1)
-    assert sa.f16_tiles(torch.float16, [fp4, fp4], 64, 64, 0, 2)
+    monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", False)
+    assert sa.f16_tiles(torch.bfloat16, [fp4], 64, 64, 0, 1) == 1
+    assert sa.f16_tiles(torch.float16, [fp4, fp4], 64, 64, 0, 2) == 1
+    monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", True)
+    assert sa.f16_tiles(torch.bfloat16, [fp4], 64, 64, 0, 1) == 2
     assert not sa.f16_tiles(torch.float32, [fp4], 64, 64, 0, 1)  # fp32 query
     assert not sa.f16_tiles(torch.bfloat16, [fp4], 64, 64, 32, 1)  # query in chunks
     assert not sa.f16_tiles(torch.bfloat16, [fp4, fp8], 64, 64, 0, 1)  # an fp8 source
@@ -402,3 +408,28 @@ def test_cuda_fused_merge_equals_combine_kernel_and_replays(monkeypatch, num_spl
         torch.cuda.synchronize()
         assert torch.equal(out, want)
     assert not merge_counters(q.device).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nib", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3, 40])
+def test_cuda_fp4_f16_tiles_v4_shapes(monkeypatch, num_splits, nib) -> None:
+    """V41 FP4 records at the DeepSeek-V4 shapes on fp16 tiles (in nibble order with
+    ``FP4_NIBBLE_TILES``: values 2^-14 small, fp16 subnormals in the MMAs), one program and
+    split, against the reference and the bf16 tiles, with the output's inverse RoPE."""
+    from kvplan.formats import V41_FP4_FORMAT
+    from kvplan.ops import sparse_attention as sa
+
+    q, sources, sinks = _v4_inputs(8, 16, 128, 512, V41_FP4_FORMAT, torch.bfloat16, seed=26)
+    sources[1].index[:3] = -1
+    ang = torch.rand(8, 32, generator=torch.Generator().manual_seed(27)) * 6.3
+    rope = (ang.cos().bfloat16().cuda(), ang.sin().bfloat16().cuda())
+    kw = dict(check=False, num_splits=num_splits, out_rope=rope)
+    monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", nib)
+    monkeypatch.setattr(sa, "FP4_F16_TILES", False)
+    plain = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
+    monkeypatch.setattr(sa, "FP4_F16_TILES", True)
+    got = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
+    want = sparse_attention_torch(q, sources, sinks, 512**-0.5, out_rope=rope)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
