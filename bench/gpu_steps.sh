@@ -17,3 +17,17 @@ step() {
   echo "$name rc=$? ($(( $(date +%s) - start )) s)"
   tar czf "$O/logs.tgz" -C "$W" .
 }
+long_run() {  # NAME FORMAT [VAR=value ...]: the long workload (32 x 8,192 x 256) as one step
+  local name=$1 fmt=$2; shift 2
+  step 55 "$name" env "$@" python3 bench/bench_engine.py --kv-format "$fmt" --num-requests 32 \
+    --prompt-len 8192 --new-tokens 256 --hf "" --out "$W/$name.json"
+  grep -E "kvplan \(|decode step" "$W/$name.log"
+}
+hybrid_ab() {  # VAR NAME: hybrid decode at 32K and 128K, batch 32, with VAR=0 (fp4 records)
+  local f  # and VAR=1 (fp4 and fp8 records), one step each
+  for f in 0 1; do
+    step 50 "$2$f" env "$1=$f" python3 bench/bench_hybrid.py --contexts 32768,131072 \
+      --formats fp4$([ "$f" = 1 ] && echo ,fp8) --out "$W/$2$f.json"
+    grep -E "^ *(fp4|fp8) .*(graphs|async)|^ +async" "$W/$2$f.log"
+  done
+}

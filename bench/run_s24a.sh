@@ -18,15 +18,7 @@ step 200 gpu_tests python3 -m pytest -q -m gpu -n 16 -p no:cacheprovider --tb=sh
 grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests.log" | head -20
 step 60 fp4_b32 python3 bench/bench_quant_decode.py --graph --formats fp4,fp8 --no-tiling --fp4-nibbles --maxnreg 128,112 --with-splits 4,8 --splits "" --out "$W/fp4_b32.json"
 grep -E "^  " "$W/fp4_b32.log"
-long() {  # name, format, then env assignments
-  local name=$1 fmt=$2; shift 2
-  env "$@" timeout 55 python3 bench/bench_engine.py --kv-format $fmt --num-requests 32 --prompt-len 8192 --new-tokens 256 --hf "" --out "$W/$name.json" > "$W/$name.log" 2>&1
-  echo "$name rc=$?"; grep -E "kvplan \(|decode step" "$W/$name.log"; tar czf "$O/logs.tgz" -C "$W" .
-}
-long long_fp4 fp4 KVPLAN_FP4_NIBBLES=0
-long long_fp4_nib fp4 KVPLAN_FP4_NIBBLES=1
-long long_fp8 fp8 KVPLAN_FP4_NIBBLES=0
-for f in 0 1; do
-  KVPLAN_SPARSE_FP4_NIBBLES=$f step 50 hybrid_fp4_nib$f python3 bench/bench_hybrid.py --contexts 32768,131072 --formats fp4$([ $f = 1 ] && echo ,fp8) --out "$W/hybrid_fp4_nib$f.json"
-  grep -E "^ *(fp4|fp8) .*(graphs|async)|^ +async" "$W/hybrid_fp4_nib$f.log"
-done
+long_run long_fp4 fp4 KVPLAN_FP4_NIBBLES=0
+long_run long_fp4_nib fp4 KVPLAN_FP4_NIBBLES=1
+long_run long_fp8 fp8 KVPLAN_FP4_NIBBLES=0
+hybrid_ab KVPLAN_SPARSE_FP4_NIBBLES hybrid_fp4_nib

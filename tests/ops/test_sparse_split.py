@@ -381,6 +381,15 @@ def test_cuda_split_in_a_cuda_graph() -> None:
     assert torch.equal(out, eager)
 
 
+def _v4_rope_inputs(layout, seed):
+    """`_v4_inputs` of 8 rows x 16 heads (ring 128, pool 512, bf16 queries; rows 0..2 see only
+    the ring) and the output's RoPE tables (``[8, 32]`` cos / sin, bf16)."""
+    q, sources, sinks = _v4_inputs(8, 16, 128, 512, layout, torch.bfloat16, seed=seed)
+    sources[1].index[:3] = -1
+    ang = torch.rand(8, 32, generator=torch.Generator().manual_seed(seed + 1)) * 6.3
+    return q, sources, sinks, (ang.cos().bfloat16().cuda(), ang.sin().bfloat16().cuda())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [3, 40])
 def test_cuda_fused_merge_equals_combine_kernel_and_replays(monkeypatch, num_splits) -> None:
@@ -389,10 +398,7 @@ def test_cuda_fused_merge_equals_combine_kernel_and_replays(monkeypatch, num_spl
     CUDA-graph replays (the counters are left zeroed between them)."""
     from kvplan.ops import sparse_attention as sa
 
-    q, sources, sinks = _v4_inputs(8, 16, 128, 512, V41_FORMAT, torch.bfloat16, seed=24)
-    sources[1].index[:3] = -1
-    ang = torch.rand(8, 32, generator=torch.Generator().manual_seed(25)) * 6.3
-    rope = (ang.cos().bfloat16().cuda(), ang.sin().bfloat16().cuda())
+    q, sources, sinks, rope = _v4_rope_inputs(V41_FORMAT, seed=24)
     kw = dict(check=False, num_splits=num_splits, out_rope=rope)
     monkeypatch.setattr(sa, "FUSED_COMBINE", False)
     want = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
@@ -420,10 +426,7 @@ def test_cuda_fp4_f16_tiles_v4_shapes(monkeypatch, num_splits, nib) -> None:
     from kvplan.formats import V41_FP4_FORMAT
     from kvplan.ops import sparse_attention as sa
 
-    q, sources, sinks = _v4_inputs(8, 16, 128, 512, V41_FP4_FORMAT, torch.bfloat16, seed=26)
-    sources[1].index[:3] = -1
-    ang = torch.rand(8, 32, generator=torch.Generator().manual_seed(27)) * 6.3
-    rope = (ang.cos().bfloat16().cuda(), ang.sin().bfloat16().cuda())
+    q, sources, sinks, rope = _v4_rope_inputs(V41_FP4_FORMAT, seed=26)
     kw = dict(check=False, num_splits=num_splits, out_rope=rope)
     monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", nib)
     monkeypatch.setattr(sa, "FP4_F16_TILES", False)
