@@ -528,13 +528,14 @@ not the value bytes (bench/RESULTS.md, session 10)."""
 
 DECODE_PREFETCH = {"e2m1": 1, "e2m1_f16": 2, "e4m3": 2, "int8": 2}
 """Decode launches' default ``PREFETCH_MODES`` entry by `decode_key` (absent: 0). fp4 pages read
-as fp16 tiles (``"e2m1_f16"``) take mode 2: 128 registers (session 23, 32 x 8K, 4 splits:
-151.4 us in mode 2, 152.3 in mode 0; with 3 splits mode 1 153.1). Measured on the H200 (bench/RESULTS.md), one layer at 32 x 8K context: fp4 decode 254 ->
-229 us with mode 1 (session 11), 468 us with mode 2 (session 20: its grouped e2m1 decode is
-slow); session 20 (``bench_quant_decode.py --graph --prefetch 2``) fp8 157.0 -> 143.7 us and
-int8 185.8 -> 153.6 us with mode 2 at (64, 2, 3), the long fp8 workload's decode step 3.647 ->
-3.435 ms. Prefill launches keep mode 0: mode 2 in every launch made that workload's mixed
-(prefill) steps 1.59 -> 1.73 s."""
+as fp16 tiles (``"e2m1_f16"``) take mode 2: 128 registers (session 23, 32 x 8K, 4 splits: 151.4
+us in mode 2, 152.3 in mode 0; with 3 splits mode 1 153.1). Measured on the H200
+(bench/RESULTS.md), one layer at 32 x 8K context: fp4 decode 254 -> 229 us with mode 1 (session
+11), 468 us with mode 2 (session 20: its grouped e2m1 decode is slow); session 20
+(``bench_quant_decode.py --graph --prefetch 2``) fp8 157.0 -> 143.7 us and int8 185.8 -> 153.6
+us with mode 2 at (64, 2, 3), the long fp8 workload's decode step 3.647 -> 3.435 ms. Prefill
+launches keep mode 0: mode 2 in every launch made that workload's mixed (prefill) steps 1.59 ->
+1.73 s."""
 
 
 def _prefetch(prefetch: int | bool | None, kv_layout, decode: bool, key=None) -> int:

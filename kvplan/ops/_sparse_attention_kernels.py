@@ -409,8 +409,8 @@ def sparse_attention_kernel(
         dc = c * DC + tl.arange(0, DC)
         o_off = t.to(tl.int64) * stride_ot + h64[:, None] * stride_oh + dc[None, :]
         o_mask = h_ok[:, None] & (dc < HEAD_DIM)[None, :]
-        _store_out(acc_chunk(acc[c], F16) / inv, out_ptr + o_off, o_mask, cos_ptr, sin_ptr, t, stride_rt,
-                   c * (DC // 2), TILE_H, DC, HEAD_DIM, HALF_RD, HW)  # fmt: skip
+        _store_out(acc_chunk(acc[c], F16) / inv, out_ptr + o_off, o_mask, cos_ptr, sin_ptr, t,
+                   stride_rt, c * (DC // 2), TILE_H, DC, HEAD_DIM, HALF_RD, HW)  # fmt: skip
 
 
 @triton.jit

@@ -318,8 +318,8 @@ int32 words of nibbles and scaled in fp16 (``kvplan.ops._paged_kv_tiles.e2m1_f16
 same, exact values), the query (`query_f16`) and probabilities enter the MMAs in fp16. sm_90
 split kernel at the DeepSeek-V4 shapes (64 keys x 8 warps): 2,042 main-loop instructions at 222
 registers against 3,398 at 255 (bytes loaded one at a time, decoded in fp32). On the H200,
-hybrid decode with fp4 records at batch 32
-(bench/RESULTS.md, session 23), async step 3.21 -> 3.04 ms at 32K and 4.51 -> 4.04 ms at 128K."""
+hybrid decode with fp4 records at batch 32 (bench/RESULTS.md, session 23), async step 3.21 ->
+3.04 ms at 32K and 4.51 -> 4.04 ms at 128K."""
 
 FP4_NIBBLE_TILES = env_flag("KVPLAN_SPARSE_FP4_NIBBLES", False)
 """Where `FP4_F16_TILES` applies, the tiles in nibble order (``KVPLAN_SPARSE_FP4_NIBBLES=1``
