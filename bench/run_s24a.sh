@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepared in session 23 (device time spent) for the next session's first call: fp4 tiles in
 # nibble order, built and compiled for sm_90 here, not yet run on a GPU:
-# - dense decode (KVPLAN_FP4_NIBBLES / FP4_NIBBLE_TILES, off): main loop 785 instructions at the
+# - dense decode (KVPLAN_FP4_NIBBLES / FP4_NIBBLE_TILES, off): main loop 774 instructions at the
 #   128-register cap against 1,026 for today's fp16 tiles (fp8: 910 at 168);
 # - hybrid sparse attention (KVPLAN_SPARSE_FP4_NIBBLES, off): split kernel 1,381 against 2,042.
 # Both leave the values 2^-14 small (fp16 subnormals enter the MMAs): the GPU tests check that

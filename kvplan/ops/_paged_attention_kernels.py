@@ -40,14 +40,14 @@ from kvplan.ops._dispatch import env_flag, triton_interpreting
 from kvplan.ops._paged_kv_tiles import (
     E2M1_F16,
     E2M1_F16_NIB,
-    F16_TINY,
     dequantize_kv_raw,
     head_scales_offset,
     kv_geometry,
     load_kv_groups,
     load_kv_raw,
     load_kv_tile,
-    nibble_dims,
+    nibble_acc,
+    nibble_query,
     query_f16,
 )
 from kvplan.ops._quant_triton import SF_KIND as _SF_KIND
@@ -387,14 +387,12 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     g_ok = offs_g < group_size
     heads = (kvh * group_size + offs_g).to(tl.int64)
-    if KV_QUANT == E2M1_F16_NIB:  # the tiles' column order
-        offs_d = nibble_dims(offs_d)
     q_off = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=g_ok[:, None], other=0.0)
     if KV_QUANT >= E2M1_F16:  # fp16 tiles (E2M1_F16, E2M1_F16_NIB)
         q, qk_scale = query_f16(q, qk_scale)
-    if KV_QUANT == E2M1_F16_NIB:  # the tiles' 2^-14, on the score scale
-        qk_scale = qk_scale * F16_TINY
+    if KV_QUANT == E2M1_F16_NIB:  # the tiles' column order and 2^-14
+        q, qk_scale = nibble_query(q, qk_scale)
     row_pos = tl.where(g_ok, kv_len - 1, -1)
     sf_head = head_scales_offset(kvh, HEAD_DIM, GROUP, SF_KIND)
     acc, m_i, l_i = _attend_rows(
@@ -405,8 +403,8 @@ def _decode_kernel(
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
         PREFETCH,
     )  # fmt: skip
-    if KV_QUANT == E2M1_F16_NIB:  # V's 2^-14 (exact: a power of two on fp32 sums)
-        acc = acc * F16_TINY
+    if KV_QUANT == E2M1_F16_NIB:  # back in order, V's 2^-14 off
+        acc = nibble_acc(acc)
     if SPLIT:
         # Partial row index (b * H + head) * S + split.
         num_heads = tl.num_programs(1) * group_size
@@ -572,7 +570,7 @@ one fp16 pair by four integer operations, and the values left 2^-14 small so tha
 multiply (by the scale) makes them; the query is read and the output written in that order,
 and the 2^14 goes on the score scale and the accumulator (powers of two: exact). The same
 products in another order of the head dimensions. sm_90 main loop (mode 2, 64 keys, 2 warps):
-785 instructions at the 128-register cap (8 bytes of spills), against 1,026 for
+774 instructions at the 128-register cap (no spills), against 1,026 for
 ``E2M1_F16``. Off until the H200 has run and timed it."""
 
 
@@ -614,19 +612,15 @@ def _group_tile(group_size: int) -> int:
 
 def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
-    kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None, maxnreg=None,
-    geo=None, kv_quant=None,
+    geo, kv_quant, kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
+    maxnreg=None,
 ):  # fmt: skip
     """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
     ``prefetch`` as in `_attend_range_ahead` (None: ``QUANT_PREFETCH``, then
     ``DECODE_PREFETCH``); ``maxnreg``: the compiler's register cap per thread (None: none);
-    ``geo`` / ``kv_quant``: the caches' `kv_geometry` and `_kv_quant` where the caller has
-    them (None: computed here)."""
+    ``geo`` / ``kv_quant``: the caches' `kv_geometry` and `_kv_quant` (the caller's split plan
+    reads them too)."""
     batch, num_heads, head_dim = q.shape
-    if geo is None:
-        geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)
-    if kv_quant is None:
-        kv_quant = _kv_quant(geo, q, k_cache, v_cache)
     group_size = num_heads // geo.num_kv_heads
     split = num_splits > 1
     if split:

@@ -28,45 +28,31 @@ E2M1_F16: tl.constexpr = tl.constexpr(4)
 
 E2M1_F16_NIB: tl.constexpr = tl.constexpr(5)
 """``KV_QUANT`` of the same pages read as fp16 tiles in nibble order (``KVPLAN_FP4_NIBBLES``):
-the tiles (`e2m1_f16_tile_tiny`) hold the values times 2^-14, their columns in
-`nibble_order`; the decode kernel reads the query in that order, takes the 2^14 on the score
-scale and the accumulator, and writes the output back in order."""
-
-F16_TINY: tl.constexpr = tl.constexpr(16384.0)
-"""The factor ``E2M1_F16_NIB`` tiles leave out (`e2m1_f16_tile_tiny`: 2^14)."""
-
-
-def nibble_order(head_dim: int) -> list[int]:
-    """The head dimension held by each column of an ``E2M1_F16_NIB`` tile: within each group of 8
-    (one int32 word of nibbles), column ``2i + h`` holds dimension ``i + 4h``.
-
-    >>> nibble_order(8)
-    [0, 4, 1, 5, 2, 6, 3, 7]
-    """
-    return [d - d % 8 + (d % 8 >> 1) + 4 * (d & 1) for d in range(head_dim)]
+the tiles (`e2m1_f16_tile` with ``TINY``) hold the values times 2^-14 in nibble order; the
+decode kernel takes its query through `nibble_query` and its accumulator through
+`nibble_acc`."""
 
 
 @triton.jit
-def to_nibble_order(x):
-    """``[R, C]`` (``C`` a multiple of 8) with its columns in `nibble_order`: column ``2i + h``
-    of each group of 8 takes column ``i + 4h`` (a register permutation)."""
-    R: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1]
-    return tl.reshape(tl.permute(tl.reshape(x, [R, C // 8, 2, 4]), (0, 1, 3, 2)), [R, C])
+def nibble_query(q, qk_scale):
+    """An fp16 query tile ``[R, C]`` (`query_f16`) for tiles in nibble order (`e2m1_f16_tile`
+    with ``TINY``): its columns permuted the same way -- column ``2i + h`` of each group of 8
+    takes column ``i + 4h`` -- and the tiles' 2^-14 taken on the logits' scale (exact)."""
+    R: tl.constexpr = q.shape[0]
+    C: tl.constexpr = q.shape[1]
+    q = tl.reshape(tl.permute(tl.reshape(q, [R, C // 8, 2, 4]), (0, 1, 3, 2)), [R, C])
+    return q, qk_scale * 16384.0
 
 
 @triton.jit
-def from_nibble_order(x):
-    """The inverse of `to_nibble_order`: ``[R, C]`` columns in `nibble_order` back in order."""
-    R: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1]
-    return tl.reshape(tl.permute(tl.reshape(x, [R, C // 8, 4, 2]), (0, 1, 3, 2)), [R, C])
-
-
-@triton.jit
-def nibble_dims(offs):
-    """`nibble_order` of column indices ``offs`` (a tensor): the dimension each one holds."""
-    return (offs & ~7) | ((offs & 7) >> 1) | ((offs & 1) << 2)
+def nibble_acc(acc):
+    """An fp32 accumulator ``[R, C]`` of products with tiles in nibble order (`nibble_query`)
+    back in column order and times 2^14 (exact)."""
+    R: tl.constexpr = acc.shape[0]
+    C: tl.constexpr = acc.shape[1]
+    return (
+        tl.reshape(tl.permute(tl.reshape(acc, [R, C // 8, 4, 2]), (0, 1, 3, 2)), [R, C]) * 16384.0
+    )
 
 
 @triton.jit
@@ -158,12 +144,19 @@ def load_kv_groups(
 
 @triton.jit
 def e2m1_f16_tile(words, scale_bytes, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  GROUP: tl.constexpr):  # fmt: skip
+                  GROUP: tl.constexpr, TINY: tl.constexpr = False):  # fmt: skip
     """``[TILE_N, HEAD_DIM // 8]`` int32 words of e2m1 nibbles (element ``2i`` in the low
     nibble of byte ``i``) times their ``[TILE_N, HEAD_DIM // GROUP]`` e4m3 scale bytes as the
     ``[TILE_N, HEAD_DIM]`` fp16 tile, exactly (`e2m1_words_f16`, then one fp16 multiply:
-    ``value * scale`` has at most six significant bits and lies in [2^-10, 2,688])."""
-    x = tl.reshape(e2m1_words_f16(words, TILE_N, HEAD_DIM), [TILE_N, HEAD_DIM // GROUP, GROUP])
+    ``value * scale`` has at most six significant bits and lies in [2^-10, 2,688]). ``TINY``:
+    the tile times 2^-14 in nibble order (`e2m1_words_f16_tiny`), also exact: none of those
+    six bits lies below 2^-10, so times 2^-14 they fit fp16 (subnormal below 2^-14, none
+    below 2^-24); one fp16 multiply a value instead of two."""
+    if TINY:
+        x = e2m1_words_f16_tiny(words, TILE_N, HEAD_DIM)
+    else:
+        x = e2m1_words_f16(words, TILE_N, HEAD_DIM)
+    x = tl.reshape(x, [TILE_N, HEAD_DIM // GROUP, GROUP])
     scale = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return tl.reshape(x * scale[:, :, None], [TILE_N, HEAD_DIM])
 
@@ -199,8 +192,8 @@ _SIGNS: tl.constexpr = tl.constexpr(-0x7FFF8000)  # int32 0x80008000: both halve
 def e2m1_words_f16_tiny(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """``[TILE_N, HEAD_DIM // 8]`` int32 words of e2m1 nibbles (nibble ``j`` of a word, bits
     ``4j .. 4j + 3``, is dimension ``j`` of its 8) as ``[TILE_N, HEAD_DIM]`` fp16
-    ``value * 2^-14`` (`decode_e2m1_tiny`'s bits), exactly, in `nibble_order`: nibbles ``i``
-    and ``i + 4`` sit 16 bits apart, so one shift-and-mask pair per sign and per magnitude
+    ``value * 2^-14`` (`decode_e2m1_tiny`'s bits), exactly, in nibble order (column ``2i + h``
+    of each 8 holds dimension ``i + 4h``): nibbles ``i`` and ``i + 4`` sit 16 bits apart, so one shift-and-mask pair per sign and per magnitude
     places both halves of an fp16 pair at once -- four integer operations a pair of values,
     with no byte extraction and no multiply."""
     h0 = ((words << 9) & 0x0E000E00) | ((words << 12) & _SIGNS)
@@ -211,20 +204,6 @@ def e2m1_words_f16_tiny(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     lo = pairs.to(tl.int16).to(tl.float16, bitcast=True)
     hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     return tl.reshape(tl.join(lo, hi), [TILE_N, HEAD_DIM])
-
-
-@triton.jit
-def e2m1_f16_tile_tiny(words, scale_bytes, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       GROUP: tl.constexpr):  # fmt: skip
-    """The ``E2M1_F16_NIB`` tile: `e2m1_words_f16_tiny` times the e4m3 scales in fp16, i.e.
-    ``value * scale * 2^-14`` in `nibble_order`, exactly: ``value * scale`` has at most six
-    significant bits, none below 2^-10 (e2m1's 0.5 times e4m3's 2^-9), so times 2^-14 it is an
-    fp16 number (subnormal below 2^-14, none below 2^-24). One fp16 multiply a value, where
-    the exact-size tiles (`e2m1_f16_tile`) take two."""
-    x = tl.reshape(e2m1_words_f16_tiny(words, TILE_N, HEAD_DIM),
-                   [TILE_N, HEAD_DIM // GROUP, GROUP])  # fmt: skip
-    scale = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    return tl.reshape(x * scale[:, :, None], [TILE_N, HEAD_DIM])
 
 
 @triton.jit
@@ -246,13 +225,11 @@ def dequantize_kv_raw(
     SF_KIND: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """`load_kv_raw`'s ``(values, scales)`` as the ``[TILE_N, HEAD_DIM]`` tile in q's dtype
-    (``KV_QUANT`` as in `load_kv_tile`; 4 / 5: fp16, `e2m1_f16_tile` / `e2m1_f16_tile_tiny`)."""
+    (``KV_QUANT`` as in `load_kv_tile`; 4 / 5: fp16, `e2m1_f16_tile`)."""
     if KV_QUANT == 0:
         tile = vals
-    elif KV_QUANT == E2M1_F16:
-        tile = e2m1_f16_tile(vals, sf, TILE_N, HEAD_DIM, GROUP)
-    elif KV_QUANT == E2M1_F16_NIB:
-        tile = e2m1_f16_tile_tiny(vals, sf, TILE_N, HEAD_DIM, GROUP)
+    elif KV_QUANT >= E2M1_F16:  # fp16 tiles (E2M1_F16, E2M1_F16_NIB)
+        tile = e2m1_f16_tile(vals, sf, TILE_N, HEAD_DIM, GROUP, KV_QUANT == E2M1_F16_NIB)
     else:
         if KV_QUANT == 1:
             x = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -286,8 +263,8 @@ def load_kv_tile(
     values (``SF_KIND`` as in ``kvplan.ops._quant_triton``), then one rounding to q's dtype
     -- for bf16 exactly what ``kvplan.quant.dequantize`` returns. 4 (``E2M1_F16``: e2m1 with
     e4m3 scales, an fp16 q) gives the same values in fp16 (`e2m1_f16_tile`); 5
-    (``E2M1_F16_NIB``) the values times 2^-14 in fp16, the columns in `nibble_order`
-    (`e2m1_f16_tile_tiny`). Every load is a
+    (``E2M1_F16_NIB``) the values times 2^-14 in fp16, the columns in nibble order
+    (`e2m1_f16_tile` with ``TINY``). Every load is a
     contiguous run per key (values, then the head's scales), so the compiler can pipeline it.
     """
     vals, sf = load_kv_raw(ptr, sf_ptr, rows, in_range, HEAD_DIM, MASKED, KV_QUANT, SF_KIND,

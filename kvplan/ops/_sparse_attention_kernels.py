@@ -48,14 +48,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kvplan.ops._paged_kv_tiles import (
-    F16_TINY,
-    e2m1_f16_tile,
-    e2m1_f16_tile_tiny,
-    from_nibble_order,
-    query_f16,
-    to_nibble_order,
-)
+from kvplan.ops._paged_kv_tiles import e2m1_f16_tile, nibble_acc, nibble_query, query_f16
 from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
 
 KIND_FP32 = 0
@@ -109,7 +102,7 @@ def _load_key_cols(
     (token-interleaved records: ``scale_stride = stride_token``). ``F16`` (e2m1 values with
     e4m3 scales, ``FLAT``, value runs 4-byte aligned): the values in fp16, read as int32
     words and scaled in fp16 (`e2m1_f16_tile`: the same, exact values); ``F16`` 2 (``NIB``):
-    times 2^-14, the columns in nibble order (`e2m1_f16_tile_tiny`)."""
+    times 2^-14, the columns in nibble order (its ``TINY``)."""
     s = tl.where(valid, slots, 0).to(tl.int64)
     blk, off = s // block_size, s % block_size
     base = blk * stride_block + off * stride_token  # [TILE_N]
@@ -122,10 +115,7 @@ def _load_key_cols(
         w = tl.load(words + tl.arange(0, DW // 8)[None, :], mask=valid[:, None], other=0)
         sb = tl.load(c_ptr + sbase[:, None] + (d0 // GS + tl.arange(0, DW // GS))[None, :],
                      mask=valid[:, None], other=0)  # fmt: skip
-        if F16 == NIB:
-            x = e2m1_f16_tile_tiny(w, sb, TILE_N, DW, GS)
-        else:
-            x = e2m1_f16_tile(w, sb, TILE_N, DW, GS)
+        x = e2m1_f16_tile(w, sb, TILE_N, DW, GS, F16 == NIB)
     elif KIND == 0:
         x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
         if BF16:
@@ -330,7 +320,7 @@ def acc_chunk(acc, F16: tl.constexpr):
     """An accumulator chunk in order at its true size (``F16`` 2, ``NIB``: from nibble order,
     times 2^14 -- exact)."""
     if F16 == NIB:
-        return from_nibble_order(acc) * F16_TINY
+        return nibble_acc(acc)
     return acc
 
 
@@ -350,8 +340,7 @@ def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, qk_scale,
         if F16:
             q, qk_scale = query_f16(q, qk_scale)
             if F16 == NIB:
-                q = to_nibble_order(q)
-                qk_scale = qk_scale * F16_TINY
+                q, qk_scale = nibble_query(q, qk_scale)
         elif DOT_BF16:
             q = q.to(tl.bfloat16)
         else:

@@ -323,7 +323,7 @@ hybrid decode with fp4 records at batch 32 (bench/RESULTS.md, session 23), async
 
 FP4_NIBBLE_TILES = env_flag("KVPLAN_SPARSE_FP4_NIBBLES", False)
 """Where `FP4_F16_TILES` applies, the tiles in nibble order (``KVPLAN_SPARSE_FP4_NIBBLES=1``
-at import; ``kvplan.ops._paged_kv_tiles.e2m1_f16_tile_tiny``): four integer operations a pair
+at import; ``kvplan.ops._paged_kv_tiles.e2m1_f16_tile`` with ``TINY``): four integer operations a pair
 of values and one fp16 multiply, the values 2^-14 small, the query permuted to match and the
 accumulator back in order times 2^14 (exact) before it is stored. sm_90 split kernel at the
 DeepSeek-V4 shapes (64 keys x 8 warps, fused merge): 1,380 main-loop instructions at 173

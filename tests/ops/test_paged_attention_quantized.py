@@ -26,7 +26,6 @@ from kvplan.ops._paged_kv_tiles import (
     E2M1_F16_NIB,
     kv_geometry,
     load_kv_tile,
-    nibble_order,
 )
 from kvplan.ops.paged_attention import (
     paged_attention_decode,
@@ -313,6 +312,12 @@ def _tile_copy_kernel(cache, sf, out, q, n, REC: tl.constexpr, TILE_N: tl.conste
     qq = tl.load(q + tl.arange(0, D))
     t = load_kv_tile(cache, sf, i.to(tl.int64) * REC, i < n, qq, TILE_N, D, True, KVQ, SFK, G)
     tl.store(out + i[:, None] * D + tl.arange(0, D)[None, :], t, mask=(i < n)[:, None])
+
+
+def nibble_order(head_dim: int) -> list[int]:
+    """The head dimension held by each column of an ``E2M1_F16_NIB`` tile: within each group
+    of 8 (one int32 word of nibbles), column ``2i + h`` holds dimension ``i + 4h``."""
+    return [d - d % 8 + (d % 8 >> 1) + 4 * (d & 1) for d in range(head_dim)]
 
 
 def _tile_copy(kind, kv_lens, device, head_dim, kv_quant=None):
