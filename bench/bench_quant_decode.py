@@ -100,8 +100,9 @@ def main() -> None:
     ap.add_argument(
         "--fp4-nibbles",
         action="store_true",
-        help="also every fp4 config with fp16 tiles in nibble order (kvplan.ops."
-        "_paged_attention_kernels.FP4_NIBBLE_TILES, KVPLAN_FP4_NIBBLES)",
+        help="also every fp4 config with the other order of the fp16 tiles than the default "
+        "(in order when kvplan.ops._paged_attention_kernels.FP4_NIBBLE_TILES / "
+        "KVPLAN_FP4_NIBBLES is on, nibble order when off)",
     )
     ap.add_argument(
         "--graph",
@@ -155,8 +156,8 @@ def main() -> None:
             tilings = [{**t, "maxnreg": c} for t in [{}, *tilings] for c in caps]
         if args.fp4_f16 and fmt == "fp4":  # each config also with the other tiles
             tilings += [{**t, "fp4_f16": not f16_default} for t in [{}, *tilings]]
-        if args.fp4_nibbles and fmt == "fp4":  # each fp16-tile config also in nibble order
-            tilings += [{**t, "fp4_nib": True} for t in [{}, *tilings]
+        if args.fp4_nibbles and fmt == "fp4":  # each fp16-tile config also in the other order
+            tilings += [{**t, "fp4_nib": not nib_default} for t in [{}, *tilings]
                         if t.get("fp4_f16", f16_default)]  # fmt: skip
         if args.with_splits:  # every config above (and the default) at these split counts
             n_splits = ints(args.with_splits)

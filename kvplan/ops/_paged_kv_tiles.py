@@ -397,6 +397,13 @@ compiles to 168 registers by itself: its entry only tells the split plan that 6 
 (session 22, 32 x 8K: 3 splits 139.4 us against 152.3 with 2)."""
 
 
+DECODE_MAXNREG_ALWAYS = frozenset({"e2m1_f16"})
+"""Keys whose ``DECODE_MAXNREG`` entry applies to every launch, a given split count included
+(other entries only where the cap brings extra splits: `_decode_launch_plan`). fp4 fp16 tiles
+at 32 x 8K with 4 splits given (H200, bench/RESULTS.md, session 24): nibble order 139.6 us
+capped against 184.1 uncapped, in order 151.0 against 151.4."""
+
+
 def _maxnreg_from_env() -> int | None:
     """``KVPLAN_DECODE_MAXNREG=n``: every format's decode register cap (A/B runs of whole
     engines; 0: none); unset: ``DECODE_MAXNREG``."""

@@ -110,10 +110,11 @@ def _decode_launch_plan(
     SM, which pays only with more programs: without a given split count a capped launch takes
     `resident_splits` where that exceeds `default_num_splits` (``max_kv_len``, read only
     then). A cap given here or by
-    ``KVPLAN_DECODE_MAXNREG`` always applies; a format's ``DECODE_MAXNREG`` entry only where it
-    brings those extra splits (H200, fp8 at 32 x 8K: cap 168 x 3 splits 135.1 us, uncapped x 2
+    ``KVPLAN_DECODE_MAXNREG`` always applies, as do the entries of ``DECODE_MAXNREG_ALWAYS``;
+    a format's other ``DECODE_MAXNREG`` entries only where they bring those extra splits (H200, fp8 at 32 x 8K: cap 168 x 3 splits 135.1 us, uncapped x 2
     splits 143.0, cap 168 x 2 splits 145.1; bench/RESULTS.md, session 21)."""
     given = maxnreg is not None or tiles.MAXNREG_OVERRIDE is not None
+    given = given or key in tiles.DECODE_MAXNREG_ALWAYS
     cap = decode_maxnreg(kv_layout, maxnreg, key)
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, max_kv_len, num_sms)

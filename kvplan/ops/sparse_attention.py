@@ -321,13 +321,16 @@ registers against 3,398 at 255 (bytes loaded one at a time, decoded in fp32). On
 hybrid decode with fp4 records at batch 32 (bench/RESULTS.md, session 23), async step 3.21 ->
 3.04 ms at 32K and 4.51 -> 4.04 ms at 128K."""
 
-FP4_NIBBLE_TILES = env_flag("KVPLAN_SPARSE_FP4_NIBBLES", False)
-"""Where `FP4_F16_TILES` applies, the tiles in nibble order (``KVPLAN_SPARSE_FP4_NIBBLES=1``
-at import; ``kvplan.ops._paged_kv_tiles.e2m1_f16_tile`` with ``TINY``): four integer operations a pair
-of values and one fp16 multiply, the values 2^-14 small, the query permuted to match and the
-accumulator back in order times 2^14 (exact) before it is stored. sm_90 split kernel at the
-DeepSeek-V4 shapes (64 keys x 8 warps, fused merge): 1,380 main-loop instructions at 173
-registers against 2,042 at 244. Off until the H200 has run and timed it."""
+FP4_NIBBLE_TILES = env_flag("KVPLAN_SPARSE_FP4_NIBBLES", True)
+"""Where `FP4_F16_TILES` applies, the tiles in nibble order (True, the default;
+``KVPLAN_SPARSE_FP4_NIBBLES=0`` at import: in order; ``kvplan.ops._paged_kv_tiles.
+e2m1_f16_tile`` with ``TINY``): four integer operations a pair of values and one fp16
+multiply, the values 2^-14 small, the query permuted to match and the accumulator back in
+order times 2^14 (exact) before it is stored. sm_90 split kernel at the DeepSeek-V4 shapes (64
+keys x 8 warps, fused merge): 1,381 main-loop instructions at 173 registers against 2,042 at
+244. H200, hybrid decode with fp4 records at batch 32 (bench/RESULTS.md, session 24): async
+step 2.97 -> 2.94 ms at 32K, 4.05 -> 3.97 ms at 128K (graph step 3.63 -> 3.44, 4.69 ->
+4.52)."""
 
 
 def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: int) -> int:

@@ -552,6 +552,11 @@ def test_decode_maxnreg_defaults_overrides_and_env(monkeypatch) -> None:
     assert tiles.decode_maxnreg(fp4, key="e2m1_f16") == 128
     assert pa._decode_launch_plan(fp4, 32, 8, 8192, 132, 2, None, None, "e2m1_f16") == (4, 128)
     assert pa._decode_launch_plan(fp4, 32, 8, 8192, 132, 2, None, None) == (2, None)
+    # ... whose cap also applies to a given split count (DECODE_MAXNREG_ALWAYS), fp8's not
+    assert pa._decode_launch_plan(fp4, 32, 8, 8192, 132, 2, 4, None, "e2m1_f16") == (4, 128)
+    assert pa._decode_launch_plan(fp4, 64, 8, 8192, 132, 2, None, None, "e2m1_f16") == (2, 128)
+    assert pa._decode_launch_plan(fp4, 32, 8, 8192, 132, 2, 4, 0, "e2m1_f16") == (4, None)
+    assert plan(32, splits=4) == (4, None)
     monkeypatch.setattr(tiles, "MAXNREG_OVERRIDE", 0)
     assert plan(32) == (2, None)
     assert pa.resident_splits(32, 8, 8192, 132, 6) == 3
