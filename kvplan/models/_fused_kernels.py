@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kvplan.ops._quant_triton import bf16_bits, encode_e4m3, encode_int8
-from kvplan.ops._store_kernels import INF_BITS, _scaled, _scales_of
+from kvplan.ops._store_kernels import INF_BITS, _scaled, _scales_of, e2m1_record
 from kvplan.ops._triton_util import round_to as _round
 
 
@@ -81,8 +81,8 @@ def qkv_epilogue_kernel(
     dtype) into the paged caches ``kc`` / ``vc`` ``[blocks, BLOCK_SIZE, NUM_KV_HEADS,
     HEAD_DIM]`` (strides ``stride_cb`` / ``stride_ct`` per block / token, heads contiguous) at
     slot ``slot[t]``; a slot outside ``[0, num_slots)`` (-1: padding) writes nothing.
-    ``QUANT`` 1 (e4m3) / 3 (int8): ``kc`` / ``vc`` are the uint8 token records of a quantized
-    cache (strides in bytes; a head's values at ``head * HEAD_DIM``, its ``HEAD_DIM / GS``
+    ``QUANT`` 1 (e4m3) / 2 (e2m1) / 3 (int8): ``kc`` / ``vc`` are the uint8 token records of a
+    quantized cache (strides in bytes; a head's values at ``head * HEAD_DIM`` (e2m1: ``/ 2``), its ``HEAD_DIM / GS``
     scales of ``SB`` bytes at ``s_off + head * HEAD_DIM / GS * SB``, ``s_stride`` per token),
     written as ``store_kv_cache`` writes the bf16-rounded rows (`_store_quantized`).
     """
@@ -159,33 +159,41 @@ def _store_quantized(
     """Quantize the heads ``kv_head`` (rows where ``rows``) of ``val`` ``[TILE_H, HEAD_DIM]``
     into a token record: the values rounded to bf16 first (``KVCacheTensors.store`` casts its
     input so), one scale per ``GS`` values, then the rules of ``store_quant_kernel`` (the same
-    jit helpers), non-finite inputs included: its branch taken for every group, which for
-    finite groups gives its finite path's bits."""
+    jit helpers; e2m1 (``QUANT`` 2): its `e2m1_record` on the bf16 pairs), non-finite inputs
+    included: its branch taken for every group, which for finite groups gives its finite
+    path's bits."""
     G: tl.constexpr = HEAD_DIM // GS
+    VB: tl.constexpr = HEAD_DIM // 2 if QUANT == 2 else HEAD_DIM  # value bytes of a head
     w = val.to(tl.float32)
     if val.dtype != tl.bfloat16:  # RNE to bf16 by bits (the interpreter's cast truncates)
         w = tl.where(w == w, (bf16_bits(w) << 16).to(tl.float32, bitcast=True), w)
-    x = tl.reshape(w, [TILE_H, G, GS])
-    xb = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| bits: inf = INF_BITS, NaN above
-    finite = xb < INF_BITS
-    amax_b = tl.max(tl.where(finite, xb, 0), axis=2)  # [TILE_H, G]
-    xz = tl.where(finite, x, 0.0)
-    amax = amax_b.to(tl.float32, bitcast=True)
-    factor, sbytes = _scales_of(xz, amax, QMAX, SF, SEARCH, HW, FAST_DIV)
-    q = _scaled(xz, factor, SF, FAST_DIV)
-    q = tl.where(xb == INF_BITS, tl.where(x > 0, QMAX, -QMAX), q)  # +-inf -> +-QMAX, NaN -> 0
-    if QUANT == 3:
-        vbytes = (encode_int8(q) & 255).to(tl.uint8)
-    elif HW:
-        if SF != 0:
-            q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
-        vbytes = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    if QUANT == 2:  # two values a byte: element 2i in a word's low half, 2i + 1 in its high
+        bits = tl.where(w == w, (w.to(tl.int32, bitcast=True) >> 16) & 0xFFFF, 0x7FC0)
+        even, odd = tl.split(tl.reshape(bits, [TILE_H, VB, 2]))
+        words = tl.reshape(even | (odd << 16), [TILE_H, G, GS // 2])
+        vbytes, sbytes = e2m1_record(words, rows, QMAX, SF, SEARCH, HW, FAST_DIV)
     else:
-        vbytes = encode_e4m3(q).to(tl.uint8)
-    d = tl.arange(0, HEAD_DIM)
+        x = tl.reshape(w, [TILE_H, G, GS])
+        xb = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| bits: inf = INF_BITS, NaN above
+        finite = xb < INF_BITS
+        amax_b = tl.max(tl.where(finite, xb, 0), axis=2)  # [TILE_H, G]
+        xz = tl.where(finite, x, 0.0)
+        amax = amax_b.to(tl.float32, bitcast=True)
+        factor, sbytes = _scales_of(xz, amax, QMAX, SF, SEARCH, HW, FAST_DIV)
+        q = _scaled(xz, factor, SF, FAST_DIV)
+        q = tl.where(xb == INF_BITS, tl.where(x > 0, QMAX, -QMAX), q)  # +-inf -> +-QMAX, NaN -> 0
+        if QUANT == 3:
+            vbytes = (encode_int8(q) & 255).to(tl.uint8)
+        elif HW:
+            if SF != 0:
+                q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+            vbytes = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        else:
+            vbytes = encode_e4m3(q).to(tl.uint8)
+    d = tl.arange(0, VB)
     ok = rows[:, None]
-    v_off = vbase + kv_head[:, None] * HEAD_DIM + d[None, :]
-    tl.store(c_ptr + v_off, tl.reshape(vbytes, [TILE_H, HEAD_DIM]), mask=ok)
+    v_off = vbase + kv_head[:, None] * VB + d[None, :]
+    tl.store(c_ptr + v_off, tl.reshape(vbytes, [TILE_H, VB]), mask=ok)
     j = tl.arange(0, G * SB)
     s_off = sbase + kv_head[:, None] * (G * SB) + j[None, :]
     tl.store(c_ptr + s_off, tl.reshape(sbytes, [TILE_H, G * SB]).to(tl.uint8), mask=ok)

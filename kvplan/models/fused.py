@@ -228,13 +228,13 @@ def _check_kv_store(kv_store, t: int, num_kv_heads: int, d: int, device):
 
 _CACHE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # quantized value dtypes the fused store writes (QUANT constexpr of qkv_epilogue_kernel)
-_FUSED_QUANT = {"e4m3": 1, "int8": 3}
+_FUSED_QUANT = {"e4m3": 1, "e2m1": 2, "int8": 3}
 
 
 def fused_store_supports(layout, head_dim: int) -> bool:
     """Whether `qkv_epilogue`'s ``kv_store`` can write a cache of ``layout`` (None: plain):
-    plain caches, and e4m3 / int8 token records of whole per-head scale groups with a
-    power-of-two ``head_dim`` (e2m1 caches keep ``store_kv_cache``)."""
+    plain caches, and e4m3 / e2m1 / int8 token records of whole per-head scale groups with a
+    power-of-two ``head_dim``."""
     if layout is None:
         return True
     return (
@@ -249,7 +249,7 @@ def fused_store_supports(layout, head_dim: int) -> bool:
 def _check_quantized_store(layout, num_kv_heads: int, d: int) -> None:
     if not fused_store_supports(layout, d) or layout.quantized_elements != num_kv_heads * d:
         raise ValueError(
-            f"kv_store layout {layout.note!r} is not one the fused store writes (e4m3 / int8 "
+            f"kv_store layout {layout.note!r} is not one the fused store writes (e4m3 / e2m1 / int8 "
             f"token records of {num_kv_heads} heads x {d}, power-of-two head_dim)"
         )
 

@@ -229,6 +229,44 @@ def _div_rn_by_group(a, b):
 
 
 @triton.jit
+def e2m1_record(w, ok, QMAX: tl.constexpr, SF: tl.constexpr, SEARCH: tl.constexpr,
+                HW: tl.constexpr, FAST_DIV: tl.constexpr):  # fmt: skip
+    """The e2m1 bytes and scale bytes of ``w`` [R, G, GB] int32 words, each two bf16 values
+    (element ``2i`` in the low half, ``2i + 1`` in the high half: one output byte), groups of
+    ``2 GB`` values along axis 1; ``ok`` [R]: the rows that are written (their non-finite
+    values choose the rare path for all). Returns (value bytes [R, G, GB] uint8, scale bytes
+    [R, G] (or [R, G, 4] for fp32 scales)). Shared by `store_quant_kernel` and the fused qkv
+    epilogue's store (``kvplan.models._fused_kernels``): the same bits by construction."""
+    lo = (w << 16).to(tl.float32, bitcast=True)
+    hi = (w & -65536).to(tl.float32, bitcast=True)
+    lo_b = (w << 16) & 0x7FFFFFFF  # |lo| as int32 bits: ordered like the magnitudes,
+    hi_b = w & 0x7FFF0000  # inf = INF_BITS, NaN above
+    amax_b = tl.max(tl.maximum(lo_b, hi_b), axis=2)  # [R, G]
+    signs = ((w >> 12) & 0x8) | ((w >> 24) & 0x80)  # bf16 sign bits -> nibble sign bits
+    nonfinite = tl.max(tl.where(ok[:, None], amax_b, 0)) >= INF_BITS  # any row written
+    if nonfinite:  # (uniform branch, rare): scale from the finite values, NaN -> +0
+        lo = tl.where(lo_b < INF_BITS, lo, 0.0)
+        hi = tl.where(hi_b < INF_BITS, hi, 0.0)
+        amax_b = tl.max(tl.maximum(_finite_bits(lo_b), _finite_bits(hi_b)), axis=2)
+        nan_signs = tl.where(lo_b > INF_BITS, 0x8, 0) | tl.where(hi_b > INF_BITS, 0x80, 0)
+        signs = signs & ~nan_signs
+    amax = amax_b.to(tl.float32, bitcast=True)
+    factor, sbytes = _group_scales(amax, QMAX, SF, HW)
+    if SEARCH:  # e4m3 scales (validated by KVCacheFormat)
+        sbytes = _searched_e4m3_code(lo, hi, amax, sbytes)
+        sf = decode_e4m3(sbytes)
+        factor = tl.div_rn(sf * 0 + 1.0, sf)
+    q_lo = _scaled(lo, factor, SF, FAST_DIV)
+    q_hi = _scaled(hi, factor, SF, FAST_DIV)
+    if nonfinite:
+        q_lo = tl.where(lo_b == INF_BITS, QMAX, q_lo)  # magnitudes only: the sign is apart
+        q_hi = tl.where(hi_b == INF_BITS, QMAX, q_hi)
+    raw_lo = encode_e2m1_magnitude_raw(q_lo)
+    raw_hi = encode_e2m1_magnitude_raw(q_hi)
+    return (((raw_lo | (raw_hi << 4)) & 0x77) | signs).to(tl.uint8), sbytes
+
+
+@triton.jit
 def store_quant_kernel(
     x_ptr,  # bf16 [n, E] contiguous; int32 [n, E // 2] (bf16 pairs) when FP4
     slot_ptr,  # int32 [n]
@@ -279,33 +317,7 @@ def store_quant_kernel(
             wmask = (g[:, None] < G) & (b[None, :] < GB) & (widx < E // 2)
             w_off = rows64[:, None, None] * (E // 2) + widx[None, :, :]
             w = tl.load(x_ptr + w_off, mask=row_in[:, None, None] & wmask[None, :, :], other=0)
-        lo = (w << 16).to(tl.float32, bitcast=True)
-        hi = (w & -65536).to(tl.float32, bitcast=True)
-        lo_b = (w << 16) & 0x7FFFFFFF  # |lo| as int32 bits: ordered like the magnitudes,
-        hi_b = w & 0x7FFF0000  # inf = INF_BITS, NaN above
-        amax_b = tl.max(tl.maximum(lo_b, hi_b), axis=2)  # [ROWS, G_P2]
-        signs = ((w >> 12) & 0x8) | ((w >> 24) & 0x80)  # bf16 sign bits -> nibble sign bits
-        nonfinite = tl.max(tl.where(ok[:, None], amax_b, 0)) >= INF_BITS
-        if nonfinite:  # (uniform branch, rare): scale from the finite values, NaN -> +0
-            lo = tl.where(lo_b < INF_BITS, lo, 0.0)
-            hi = tl.where(hi_b < INF_BITS, hi, 0.0)
-            amax_b = tl.max(tl.maximum(_finite_bits(lo_b), _finite_bits(hi_b)), axis=2)
-            nan_signs = tl.where(lo_b > INF_BITS, 0x8, 0) | tl.where(hi_b > INF_BITS, 0x80, 0)
-            signs = signs & ~nan_signs
-        amax = amax_b.to(tl.float32, bitcast=True)
-        factor, sbytes = _group_scales(amax, QMAX, SF, HW)
-        if SEARCH:  # e4m3 scales (validated by KVCacheFormat)
-            sbytes = _searched_e4m3_code(lo, hi, amax, sbytes)
-            sf = decode_e4m3(sbytes)
-            factor = tl.div_rn(sf * 0 + 1.0, sf)
-        q_lo = _scaled(lo, factor, SF, FAST_DIV)
-        q_hi = _scaled(hi, factor, SF, FAST_DIV)
-        if nonfinite:
-            q_lo = tl.where(lo_b == INF_BITS, QMAX, q_lo)  # magnitudes only: the sign is apart
-            q_hi = tl.where(hi_b == INF_BITS, QMAX, q_hi)
-        raw_lo = encode_e2m1_magnitude_raw(q_lo)
-        raw_hi = encode_e2m1_magnitude_raw(q_hi)
-        vbytes = (((raw_lo | (raw_hi << 4)) & 0x77) | signs).to(tl.uint8)  # [ROWS, G_P2, GB_P2]
+        vbytes, sbytes = e2m1_record(w, ok, QMAX, SF, SEARCH, HW, FAST_DIV)
     else:
         if FLAT:
             j = tl.arange(0, G_P2 * GS_P2)

@@ -89,7 +89,7 @@ def test_qkv_epilogue_kernel_fp32(t, h, hkv, d, norm, tile_h):
         torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "int8", "fp4"])
 @pytest.mark.parametrize(
     "dtype, norm, tile_h", [(torch.float32, False, None), (torch.bfloat16, True, 2)]
 )
@@ -153,10 +153,10 @@ def test_qkv_epilogue_store_writes_what_the_cache_store_writes(kv_format, dtype,
 def test_fused_store_refuses_formats_it_does_not_write():
     from kvplan.cache.kv_tensors import KVCacheTensors
 
-    args, kw = qkv_case(3, 2, 2, 1, 32, False)
-    kv = KVCacheTensors(1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=32,
+    args, kw = qkv_case(3, 2, 2, 1, 48, False)  # head_dim 48: not a power of two
+    kv = KVCacheTensors(1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=48,
                         kv_format="fp4", device=DEVICE)  # fmt: skip
-    assert not fused.fused_store_supports(kv.layout, 32)
+    assert not fused.fused_store_supports(kv.layout, 48)
     store = (kv.raw_k_cache(0), kv.raw_v_cache(0), torch.tensor([0, 1], device=DEVICE))
     with pytest.raises(ValueError, match="not one the fused store writes"):
         fused.qkv_epilogue_triton(*args, **kw, kv_store=(*store, kv.layout))
@@ -164,12 +164,15 @@ def test_fused_store_refuses_formats_it_does_not_write():
                          kv_format="fp8", device=DEVICE)  # fmt: skip
     assert fused.fused_store_supports(fp8.layout, 32)
     assert not fused.fused_store_supports(fp8.layout, 48)
+    fp4 = KVCacheTensors(1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=32,
+                         kv_format="fp4", device=DEVICE)  # fmt: skip
+    assert fused.fused_store_supports(fp4.layout, 32)
 
 
 def test_engine_fused_store_equals_the_backend_store(monkeypatch):
     """The engine with fused kernels writes K/V in the qkv epilogue (the backend's store is
     never called) and generates the tokens of the unfused engine, whose backend stores them:
-    bf16 caches on the three paged backends, fp8 / int8 records; fp4 keeps the store."""
+    bf16 caches on the three paged backends, fp8 / int8 / fp4 records."""
     from kvplan import LLM, SamplingParams
     from kvplan.cache.kv_tensors import KVCacheTensors
 
@@ -182,7 +185,7 @@ def test_engine_fused_store_equals_the_backend_store(monkeypatch):
         KVCacheTensors, "store", lambda self, *a, **k: (calls.append(1), real_store(self, *a, **k))
     )
     cases = [(b, "bf16") for b in ("vanilla", "ragged", "block_offsets")]
-    cases += [("block_offsets", f) for f in ("fp8", "int8", "fp4")]  # fp4: the backend stores
+    cases += [("block_offsets", f) for f in ("fp8", "int8", "fp4")]
     for backend, kv_format in cases:
         outs = {}
         # unfused kernels; fused kernels; fused kernels with the store switched off (A/B runs)
@@ -193,7 +196,7 @@ def test_engine_fused_store_equals_the_backend_store(monkeypatch):
             llm = LLM(cfg, device=DEVICE, dtype="float32", kv_format=kv_format,
                       backend=backend, max_model_len=32, num_blocks=16, seed=0)  # fmt: skip
             outs[value + store] = [o.token_ids for o in llm.generate(prompts, params)]
-            fused_store = value == "1" and store == "1" and kv_format != "fp4"
+            fused_store = value == "1" and store == "1"
             assert (len(calls) == 0) == fused_store, (backend, kv_format, value, store)
         assert outs["11"] == outs["01"] == outs["10"], (backend, kv_format)
 

@@ -80,7 +80,7 @@ def test_qkv_epilogue_without_norm_bit_exact(dtype, d, t):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "int8", "fp4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("t", [1, 64, 300])
 def test_qkv_epilogue_store_bytes_equal_the_cache_store(kv_format, dtype, t):
