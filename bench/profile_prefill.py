@@ -47,6 +47,44 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def host_profile(llm, prompts, params, dev, top: int) -> dict:
+    """Where a run's wall time goes besides the kernels: torch.profiler with host and device
+    activities over ``llm.generate(prompts)``. Returns the wall time, the span from the first
+    kernel's start to the last one's end, the device idle time inside that span (gaps between
+    kernels), the time before the first kernel, and the host ops with the most self time
+    (e.g. ``cudaStreamSynchronize`` or ``aten::item`` when the host waits on the device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        sync(dev)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type.name == "CUDA")  # fmt: skip
+    host = [e.time_range.start for e in events if e.device_type.name == "CPU"]
+    gaps, end = 0.0, None
+    for a, b in kernels:
+        if end is not None and a > end:
+            gaps += a - end
+        end = b if end is None else max(end, b)
+    ops: dict[str, float] = {}
+    for e in events:
+        if e.device_type.name == "CPU":
+            ops[e.name] = ops.get(e.name, 0.0) + e.self_cpu_time_total
+    first = (kernels[0][0] - min(host)) / 1e3 if kernels and host else None
+    return {
+        "wall_ms": wall_ms,
+        "kernel_span_ms": (end - kernels[0][0]) / 1e3 if kernels else 0.0,
+        "device_idle_in_span_ms": gaps / 1e3,
+        "before_first_kernel_ms": first,
+        "host_self_ms": [
+            {"op": k, "ms": v / 1e3} for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:top]
+        ],  # fmt: skip
+    }
+
+
 def run_variant(name: str, args, cfg, dev, dtype) -> dict:
     from kvplan import LLM
     from kvplan.ops import _paged_attention_kernels as pk
@@ -91,6 +129,9 @@ def run_variant(name: str, args, cfg, dev, dtype) -> dict:
             row["kernel_ms_total"] = sum(us for _, (_, us) in top) / 1e3
             row["kernels"] = [{"name": k, "calls": c, "ms": us / 1e3}
                               for k, (c, us) in top[: args.top]]  # fmt: skip
+            if args.host:
+                row["host"] = host_profile(llm, runs[0] if args.workload else warm[:1], params,
+                                           dev, args.top)  # fmt: skip
         del llm
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -108,6 +149,12 @@ def main() -> int:
     ap.add_argument("--variants", default="bf16,fp8,fp8-paged,fp4,fp4-paged")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--kv-cache-memory", type=int, default=None)
+    ap.add_argument(
+        "--host",
+        action="store_true",
+        help="also a host + device profile of one run: device idle time between kernels, "
+        "time before the first kernel, host ops by self time (CUDA only)",
+    )
     ap.add_argument(
         "--workload",
         default=None,
@@ -135,6 +182,13 @@ def main() -> int:
               + (f"  (kernels {row['kernel_ms_total']:.2f} ms)" if "kernel_ms_total" in row else ""))  # fmt: skip
         for k in row.get("kernels", [])[:8]:
             print(f"    {k['ms']:8.2f} ms {k['calls']:5d}  {k['name'][:80]}")
+        if "host" in row:
+            h = row["host"]
+            print(f"  host profile: wall {h['wall_ms']:.2f} ms, kernels span "
+                  f"{h['kernel_span_ms']:.2f} ms with {h['device_idle_in_span_ms']:.2f} ms idle, "
+                  f"{h['before_first_kernel_ms']} ms before the first kernel")  # fmt: skip
+            for o in h["host_self_ms"]:
+                print(f"    {o['ms']:8.2f} ms  {o['op'][:80]}")
     rec = {
         "bench": "profile_prefill", "device": torch.cuda.get_device_name() if dev.type == "cuda"
         else "cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
