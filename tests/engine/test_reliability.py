@@ -59,6 +59,8 @@ def llm() -> LLM:
         ([1, True], TypeError, r"prompt_token_ids\[1\]"),
         ([1, -1], ValueError, r"prompt_token_ids\[1\]=-1"),
         ([VOCAB], ValueError, r"prompt_token_ids\[0\]=512 is outside"),
+        ([3, 4, 5, 6, False], TypeError, r"prompt_token_ids\[4\]"),  # the first bad one
+        ([3, 4, 5, VOCAB + 7, -2], ValueError, r"prompt_token_ids\[3\]=519"),
         ([], ValueError, "empty"),
         ([1] * 60, ValueError, "max_model_len"),
         ([1] * 40, ValueError, "max_num_batched_tokens"),
