@@ -23,7 +23,13 @@ os.environ.pop("TRITON_INTERPRET", None)  # real JIT functions: compile, do not 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvplan.ops._paged_attention_kernels import _decode_kernel  # noqa: E402
-from tools.compile_sm90 import compile_kernel, ptxas_report, sass_loop_ops  # noqa: E402
+from tools.compile_sm90 import (  # noqa: E402
+    _sass_loops,
+    compile_kernel,
+    ptxas_report,
+    sass,
+    sass_loop_ops,
+)
 
 FORMATS = {  # name: (KV_QUANT, SF_KIND, GROUP, cache pointer type, PREFETCH)
     "bf16": (0, 0, 1, "*bf16", False),
@@ -39,6 +45,9 @@ FORMATS = {  # name: (KV_QUANT, SF_KIND, GROUP, cache pointer type, PREFETCH)
     "fp4f16+pf": (4, 1, 16, "*u8", 1),  # KVPLAN_FP4_F16: fp16 tiles (E2M1_F16)
     "fp4f16+ra": (4, 1, 16, "*u8", 2),
     "fp4nib+ra": (5, 1, 16, "*u8", 2),  # KVPLAN_FP4_NIBBLES: fp16 tiles in nibble order
+    "fp8+kg": (1, 2, 32, "*u8", 3),  # mode 3: K's logits by scale group (fp16 MMAs)
+    "int8+ra": (3, 2, 32, "*u8", 2),
+    "int8+kg": (3, 2, 32, "*u8", 3),
 }
 TILINGS = [  # tile_n, warps, stages (5 stages: the first depth that double-buffers K/V tiles)
     (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2),
@@ -68,8 +77,9 @@ def arg_type(name: str, const: dict, kptr: str) -> str:
 LOOP_OPS = ("LDGSTS", "LDG", "BAR", "F2FP", "HADD2", "FMUL", "HMMA", "LDS", "LDSM", "STS")
 
 
-def _launch(name: str, tile_n: int, warps: int, stages: int):
-    """The compiled decode kernel for a ``FORMATS`` entry and tiling (the engine's split launch)."""
+def _launch(name: str, tile_n: int, warps: int, stages: int, maxnreg: int | None = None):
+    """The compiled decode kernel for a ``FORMATS`` entry and tiling (the engine's split
+    launch), under a register cap when ``maxnreg`` is given."""
     kv_quant, sf_kind, group, kptr, prefetch = FORMATS[name]
     const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64, DOT_PRECISION="tf32",
                  SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant, SF_KIND=sf_kind, GROUP=group,
@@ -77,20 +87,26 @@ def _launch(name: str, tile_n: int, warps: int, stages: int):
     sig = {n: arg_type(n, const, kptr) for n in _decode_kernel.arg_names}
     attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(_decode_kernel.arg_names)
              if n in DIV16}  # fmt: skip
-    return compile_kernel(_decode_kernel, sig, const, attrs,
-                          {"num_warps": warps, "num_stages": stages})  # fmt: skip
+    options = {"num_warps": warps, "num_stages": stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return compile_kernel(_decode_kernel, sig, const, attrs, options)
 
 
 def loop_ops(spec: str) -> dict:
-    """``"fp8:64,2,3"`` -> registers and the unmasked main loop's instruction counts (the
-    middle of the three key loops: masked head, whole tiles, masked tail)."""
+    """``"fp8:64,2,3"`` (``"fp8:64,2,3,168"``: under a 168-register cap) -> registers, spill
+    bytes and the unmasked main loop's length and instruction counts (the middle of the three
+    key loops: masked head, whole tiles, masked tail)."""
     name, tiling = spec.split(":")
-    tile_n, warps, stages = (int(x) for x in tiling.split(","))
-    ck = _launch(name, tile_n, warps, stages)
+    tile_n, warps, stages, *cap = (int(x) for x in tiling.split(","))
+    ck = _launch(name, tile_n, warps, stages, cap[0] if cap else None)
     loops = sass_loop_ops(ck.asm["cubin"], LOOP_OPS)
-    main_loop = loops[len(loops) // 2] if loops else {}
-    return dict(format=name, tiling=[tile_n, warps, stages],
-                registers=ptxas_report(ck.asm["ptx"])[0], main_loop=main_loop)  # fmt: skip
+    lengths = [len(body) for body in _sass_loops(sass(ck.asm["cubin"]))]
+    mid = len(loops) // 2
+    regs, spills = ptxas_report(ck.asm["ptx"])
+    return dict(format=name, tiling=[tile_n, warps, stages, *cap], registers=regs,
+                spill_bytes=spills, main_loop_instructions=lengths[mid] if lengths else 0,
+                main_loop=loops[mid] if loops else {})  # fmt: skip
 
 
 def main() -> None:
@@ -101,7 +117,8 @@ def main() -> None:
         default=None,
         metavar="FORMAT:T,W,S",
         help="instead: one launch's main-loop instruction counts (cp.async LDGSTS vs "
-        "register LDG loads, barriers, conversions, MMAs, shared memory), e.g. fp8:64,2,3",
+        "register LDG loads, barriers, conversions, MMAs, shared memory), e.g. fp8:64,2,3 "
+        "(fp8:64,2,3,168 under a 168-register cap)",
     )
     args = ap.parse_args()
     if args.loop_ops:

@@ -42,6 +42,7 @@ from kvplan.ops._paged_kv_tiles import (
     E2M1_F16_NIB,
     dequantize_kv_raw,
     head_scales_offset,
+    key_group_scores,
     kv_geometry,
     load_kv_groups,
     load_kv_raw,
@@ -49,6 +50,7 @@ from kvplan.ops._paged_kv_tiles import (
     nibble_acc,
     nibble_query,
     query_f16,
+    query_groups_f16,
 )
 from kvplan.ops._quant_triton import SF_KIND as _SF_KIND
 
@@ -100,7 +102,7 @@ def _attend_tile(
     return _attend_rows_tile(
         acc, m_i, l_i, q, k_rows, v_rows, in_range, offs_n, row_pos, window, k_ptr, v_ptr,
         ks_ptr, vs_ptr, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED, KV_QUANT, SF_KIND,
-        GROUP, False,
+        GROUP, False, (q,), False,
     )  # fmt: skip
 
 
@@ -109,17 +111,24 @@ def _attend_rows_tile(
     acc, m_i, l_i, q, k_rows, v_rows, in_range, offs_n, row_pos, window, k_ptr, v_ptr, ks_ptr,
     vs_ptr, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr, V_GROUPS: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr, V_GROUPS: tl.constexpr, q_groups,
+    K_GROUPS: tl.constexpr,
 ):  # fmt: skip
     """`_attend_tile`'s step once the keys' record offsets ``k_rows`` / ``v_rows`` are looked
     up. ``MASKED``: keys out of ``in_range`` read nothing and the causal / window mask
     (``offs_n`` the keys' positions, ``row_pos``, ``window``) applies; otherwise those four
     are not read. ``V_GROUPS``: the accumulator is ``[groups, TILE_M, GROUP]`` and V's codes
-    go to the MMA unscaled (`load_kv_groups`)."""
-    k = load_kv_tile(
-        k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
-    )
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [TILE_M, TILE_N]
+    go to the MMA unscaled (`load_kv_groups`). ``K_GROUPS`` (whole tiles): the logits are
+    `key_group_scores` of ``q_groups`` (``qk_scale`` is theirs)."""
+    if K_GROUPS:
+        s = key_group_scores(q_groups, k_ptr, ks_ptr, k_rows, TILE_N, HEAD_DIM, KV_QUANT,
+                             SF_KIND, GROUP) * qk_scale  # fmt: skip
+    else:
+        k = load_kv_tile(
+            k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND,
+            GROUP,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
     if MASKED:
         visible = (
             in_range[None, :]
@@ -224,10 +233,10 @@ def _ahead_step(
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
-    V_GROUPS: tl.constexpr,
+    V_GROUPS: tl.constexpr, q_groups, K_GROUPS: tl.constexpr,
 ):  # fmt: skip
     """One step of `_attend_range_ahead`: issue the next tile's loads (``MODE`` 1: its
-    stored bytes; 2: its page-table lookup), then attend tile ``start`` from what the step
+    stored bytes; 2 / 3: its page-table lookup), then attend tile ``start`` from what the step
     before loaded (``k_cur`` / ``v_cur``); returns the state and the next tile's values."""
     if MODE == 1:
         k_next, v_next = _raw_kv_tile(start + TILE_N, hi, page_ptr, k_ptr, v_ptr, ks_ptr,
@@ -244,7 +253,7 @@ def _ahead_step(
         acc, m_i, l_i = _attend_rows_tile(
             acc, m_i, l_i, q, k_cur, v_cur, k_cur, k_cur, k_cur, 0, k_ptr, v_ptr, ks_ptr,
             vs_ptr, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, False, KV_QUANT, SF_KIND, GROUP,
-            V_GROUPS,
+            V_GROUPS, q_groups, K_GROUPS,
         )  # fmt: skip
     return acc, m_i, l_i, k_next, v_next
 
@@ -255,7 +264,7 @@ def _attend_range_ahead(
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, q_groups, qk_groups,
 ):  # fmt: skip
     """`_attend_range` over whole, unmasked tiles with part of each tile's loading one step
     ahead (``PREFETCH_MODES``):
@@ -268,9 +277,16 @@ def _attend_range_ahead(
       the same step and the compiler's software pipeline spends all its stages on K / V
       buffers; an e4m3 / int8 V goes to the MMA by scale group (``V_GROUPS``; the e2m1 nibble
       pairs split by group decode slowly, so an e2m1 V stays dequantized in registers).
+    * ``MODE`` 3: mode 2, and an e4m3 / int8 K's logits by scale group (`key_group_scores` of
+      ``q_groups``, the query's fp16 column groups, with ``qk_groups`` their logit scale);
+      other formats take mode 2.
     """
     TILE_M: tl.constexpr = acc.shape[0]
-    V_GROUPS: tl.constexpr = MODE == 2 and (KV_QUANT == 1 or KV_QUANT == 3)
+    GROUPED: tl.constexpr = MODE >= 2 and (KV_QUANT == 1 or KV_QUANT == 3)
+    V_GROUPS: tl.constexpr = GROUPED
+    K_GROUPS: tl.constexpr = GROUPED and MODE == 3
+    if K_GROUPS:
+        qk_scale = qk_groups
     if MODE == 1:
         k_next, v_next = _raw_kv_tile(lo, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
                                       stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N,
@@ -287,6 +303,7 @@ def _attend_range_ahead(
                 acc, m_i, l_i, start, hi, q, k_next, v_next, page_ptr, k_ptr, v_ptr, ks_ptr,
                 vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
                 TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, MODE, V_GROUPS,
+                q_groups, K_GROUPS,
             )  # fmt: skip
             start += TILE_N
     else:
@@ -295,6 +312,7 @@ def _attend_range_ahead(
                 acc, m_i, l_i, start, hi, q, k_next, v_next, page_ptr, k_ptr, v_ptr, ks_ptr,
                 vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
                 TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, MODE, V_GROUPS,
+                q_groups, K_GROUPS,
             )  # fmt: skip
     if V_GROUPS:
         acc = tl.reshape(tl.permute(acc, (1, 0, 2)), [TILE_M, HEAD_DIM])
@@ -308,6 +326,7 @@ def _attend_rows(
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr,
+    q_groups, qk_groups,
 ):  # fmt: skip
     """Online-softmax attention of ``TILE_M`` query rows over keys [key_lo, key_hi).
 
@@ -316,8 +335,8 @@ def _attend_rows(
     page_ptr: page_ids + page_start[b]; k_ptr / v_ptr: cache + kv_head * head stride.
     Keys [max(key_lo, pos_max - window + 1), pos_min] are visible to every real row, so whole
     tiles there (starting at a multiple of TILE_N) skip the mask; the head and tail of the
-    range are masked. ``PREFETCH``: how the whole tiles load (``PREFETCH_MODES``; 1 and 2
-    in `_attend_range_ahead`).
+    range are masked. ``PREFETCH``: how the whole tiles load (``PREFETCH_MODES``; 1 to 3
+    in `_attend_range_ahead`, which takes ``q_groups`` / ``qk_groups`` in mode 3).
 
     Returns the unnormalized accumulator [TILE_M, HEAD_DIM] (fp32), the running maximum m
     (log2 domain) and the running denominator l, both [TILE_M] fp32.
@@ -334,12 +353,12 @@ def _attend_rows(
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
-    if PREFETCH == 2 or (PREFETCH == 1 and KV_QUANT != 0):
+    if PREFETCH >= 2 or (PREFETCH == 1 and KV_QUANT != 0):
         acc, m_i, l_i = _attend_range_ahead(
             acc, m_i, l_i, full_lo, full_hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
             BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-            PREFETCH,
+            PREFETCH, q_groups, qk_groups,
         )  # fmt: skip
     else:
         acc, m_i, l_i = _attend_range(
@@ -395,13 +414,18 @@ def _decode_kernel(
         q, qk_scale = nibble_query(q, qk_scale)
     row_pos = tl.where(g_ok, kv_len - 1, -1)
     sf_head = head_scales_offset(kvh, HEAD_DIM, GROUP, SF_KIND)
+    if PREFETCH == 3:  # K's logits by scale group (e4m3 / int8, a half query: `_decode_mode`)
+        q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+        q_groups, qk_groups = query_groups_f16(q, q_rows, g_ok, qk_scale, HEAD_DIM, GROUP)
+    else:
+        q_groups, qk_groups = (q,), qk_scale  # not read
     acc, m_i, l_i = _attend_rows(
         q, row_pos, kv_len - 1, kv_len - 1, key_lo, key_hi, page_ids_ptr + page_start,
         k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        PREFETCH,
+        PREFETCH, q_groups, qk_groups,
     )  # fmt: skip
     if KV_QUANT == E2M1_F16_NIB:  # back in order, V's 2^-14 off
         acc = nibble_acc(acc)
@@ -488,7 +512,7 @@ def _prefill_kernel(
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        PREFETCH,
+        2 if PREFETCH == 3 else PREFETCH, (q,), qk_scale,  # mode 3 is decode's: 2 here
     )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t64[:, None] * stride_ot + h64[:, None] * stride_oh + offs_d[None, :]
@@ -502,24 +526,27 @@ def _prefill_kernel(
 LOG2E = 1.4426950408889634
 
 
-PREFETCH_MODES = (0, 1, 2)
+PREFETCH_MODES = (0, 1, 2, 3)
 """How a launch's whole, unmasked key tiles load (the ``PREFETCH`` constexpr): 0 as the masked
 ones (`_attend_range`); 1 a quantized tile's stored bytes one step ahead in registers
 (`_attend_range_ahead`); 2 the tile's page-table lookup one step ahead, and an fp8 / int8 V
-by scale group with its scales on the probabilities (also `_attend_range_ahead`)."""
+by scale group with its scales on the probabilities (also `_attend_range_ahead`); 3 (decode;
+prefill takes 2) mode 2 with an fp8 / int8 K's logits by scale group too: one fp16 MMA per
+group of the codes as stored against the query's columns of that group, each scaled by its
+keys' scales (`key_group_scores`), so the K codes reach the MMA without a multiply."""
 
 
-def _env_prefetch() -> int | None:
-    value = os.environ.get("KVPLAN_QUANT_PREFETCH", "").strip()
+def _env_prefetch(name: str = "KVPLAN_QUANT_PREFETCH") -> int | None:
+    value = os.environ.get(name, "").strip()
     if not value:
         return None
-    if value not in ("0", "1", "2"):
-        raise ValueError(f"KVPLAN_QUANT_PREFETCH must be 0, 1 or 2, got {value!r}")
+    if value not in ("0", "1", "2", "3"):
+        raise ValueError(f"{name} must be 0, 1, 2 or 3, got {value!r}")
     return int(value)
 
 
 QUANT_PREFETCH: int | None = _env_prefetch()
-"""Every launch's ``PREFETCH_MODES`` entry (``KVPLAN_QUANT_PREFETCH`` = 0 / 1 / 2 at import),
+"""Every launch's ``PREFETCH_MODES`` entry (``KVPLAN_QUANT_PREFETCH`` = 0 / 1 / 2 / 3 at import),
 or None (the default): per format and kernel as ``DECODE_PREFETCH`` says. On sm_90 Triton
 software-pipelines only the scale loads of the dequantizing kernels' mode-0 loop (cp.async),
 not the value bytes (bench/RESULTS.md, session 10)."""
@@ -536,6 +563,11 @@ launches keep mode 0: mode 2 in every launch made that workload's mixed (prefill
 1.73 s."""
 
 
+DECODE_PREFETCH_OVERRIDE: int | None = _env_prefetch("KVPLAN_DECODE_PREFETCH")
+"""``KVPLAN_DECODE_PREFETCH`` = 0 / 1 / 2 / 3 at import: every quantized decode launch's mode
+instead of ``DECODE_PREFETCH``'s (A/B runs of whole engines; prefill launches keep theirs)."""
+
+
 def _prefetch(prefetch: int | bool | None, kv_layout, decode: bool, key=None) -> int:
     """The ``PREFETCH`` of a launch; ``key``: the decode's `decode_key` (None: the layout's
     ``quantized_dtype``)."""
@@ -548,6 +580,8 @@ def _prefetch(prefetch: int | bool | None, kv_layout, decode: bool, key=None) ->
         return QUANT_PREFETCH
     if not decode or kv_layout is None:
         return 0
+    if DECODE_PREFETCH_OVERRIDE is not None:
+        return DECODE_PREFETCH_OVERRIDE
     return DECODE_PREFETCH.get(key or kv_layout.quantized_dtype, 0)
 
 
@@ -602,6 +636,15 @@ def decode_key(kv_layout, kv_quant: int) -> str | None:
     return "e2m1_f16" if f16 else kv_layout.quantized_dtype
 
 
+def _decode_mode(prefetch, kv_layout, kv_quant: int, q_dtype) -> int:
+    """The decode launch's ``PREFETCH``: `_prefetch` by the launch's `decode_key`; mode 3 only
+    where its fp16 MMAs apply (e4m3 / int8 pages, a bf16 / fp16 query), else mode 2."""
+    mode = _prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant))
+    if mode == 3 and not (kv_quant in (1, 3) and q_dtype in (torch.bfloat16, torch.float16)):
+        return 2
+    return mode
+
+
 def _dot_precision(dtype) -> str:
     """fp32 caches get exact fp32 products (tf32 would miss the 1e-5 tolerance)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -646,7 +689,7 @@ def launch_decode(
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
         KV_QUANT=kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
-        PREFETCH=_prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant)),
+        PREFETCH=_decode_mode(prefetch, kv_layout, kv_quant, q.dtype),
         num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
     )  # fmt: skip
