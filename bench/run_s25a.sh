@@ -8,6 +8,8 @@
 #    with 3; short workload (64 x 256 x 128) fp8 with 3.
 # 4. Where a long prefill's ~6-10 ms outside kernels go (`profile_prefill.py --host`, now
 #    keeping the second profiled run).
+# 5. bf16 decode at the short workload's shape (64 x 320: 13-14 us a call against ~5 us of
+#    bytes) with the larger tiles no sweep has tried there (128 / 256 keys, 4 / 8 warps).
 set -u
 BUDGET=${BUDGET:-560}
 source bench/gpu_steps.sh
@@ -22,3 +24,5 @@ step 40 short_fp8_m3 env KVPLAN_DECODE_PREFETCH=3 python3 bench/bench_engine.py 
 grep -E "kvplan \(|decode step" "$W/short_fp8_m3.log"
 step 80 prefill_host python3 bench/profile_prefill.py --variants bf16,fp8 --prompts 3 --top 25 --host --out "$W/prefill_host.json"
 grep -vE "Warning|warn" "$W/prefill_host.log" | head -70
+step 60 short_tiles python3 bench/bench_quant_decode.py --graph --batch 64 --context 320 --formats bf16,fp8 --tiles 128,256 --warps 4,8 --stages 2,3 --splits "" --out "$W/short_tiles.json"
+grep -E "^  " "$W/short_tiles.log"
