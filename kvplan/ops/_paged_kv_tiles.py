@@ -212,11 +212,18 @@ def query_f16(q, qk_scale):
     ``qk_scale * 2^shift``, with ``shift`` the least (0 but for |q| >= 2^15) that keeps the
     largest |value| below 2^15; exact but for values 2^24 below the largest (fp16's
     subnormal range)."""
-    q32 = q.to(tl.float32)
-    top = (tl.max(tl.max(tl.abs(q32), 1), 0).to(tl.int32, bitcast=True) >> 23) & 255
+    down, up = _f16_shift(q)
+    return (q.to(tl.float32) * down).to(tl.float16), qk_scale * up
+
+
+@triton.jit
+def _f16_shift(q):
+    """``(2^-shift, 2^shift)`` for a query tile going to fp16: ``shift`` the least (0 but for
+    |q| >= 2^15) that keeps its largest |value| below 2^15."""
+    top = (tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0).to(tl.int32, bitcast=True) >> 23) & 255
     shift = tl.maximum(top - 141, 0)  # 141: the biased exponent of [2^14, 2^15)
-    q16 = (q32 * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
-    return q16, qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    return down, ((127 + shift) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -226,16 +233,13 @@ def query_groups_f16(q, q_rows, rows_ok, qk_scale, HEAD_DIM: tl.constexpr, GROUP
     again from ``q_rows`` ``[TILE_M, 1]``, the rows' first elements; ``rows_ok`` masks
     padding rows), scaled by `query_f16`'s power of two (taken from the whole tile ``q``),
     and the logits' scale that goes with them."""
-    q32 = q.to(tl.float32)
-    top = (tl.max(tl.max(tl.abs(q32), 1), 0).to(tl.int32, bitcast=True) >> 23) & 255
-    shift = tl.maximum(top - 141, 0)  # as in `query_f16`
-    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    down, up = _f16_shift(q)
     offs_c = tl.arange(0, GROUP)
     groups = ()
     for g in tl.static_range(HEAD_DIM // GROUP):
         qg = tl.load(q_rows + g * GROUP + offs_c[None, :], mask=rows_ok[:, None], other=0.0)
         groups = groups + ((qg.to(tl.float32) * down).to(tl.float16),)
-    return groups, qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    return groups, qk_scale * up
 
 
 @triton.jit
