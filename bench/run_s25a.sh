@@ -8,12 +8,14 @@
 #    with 3; short workload (64 x 256 x 128) fp8 with 3.
 # 4. Where a long prefill's ~6-10 ms outside kernels go (`profile_prefill.py --host`, now
 #    keeping the second profiled run).
+# 6. The dense decode's fused combine (KVPLAN_DECODE_FUSED_COMBINE=1, off by default): the
+#    long workload's fp8 / bf16 decode steps without the 16 `_combine_kernel` launches.
 # 5. bf16 decode at the short workload's shape (64 x 320: 13-14 us a call against ~5 us of
 #    bytes) with the larger tiles no sweep has tried there (128 / 256 keys, 4 / 8 warps).
 set -u
 BUDGET=${BUDGET:-560}
 source bench/gpu_steps.sh
-step 150 gpu_tests python3 -m pytest -q -m gpu -n 16 -p no:cacheprovider --tb=short -rf tests/ops/test_paged_attention_quantized.py tests/engine/test_quantized_kv_engine.py
+step 150 gpu_tests python3 -m pytest -q -m gpu -n 16 -p no:cacheprovider --tb=short -rf tests/ops/test_paged_attention_quantized.py tests/engine/test_quantized_kv_engine.py tests/ops/test_paged_attention.py
 grep -E "passed|failed|^FAILED|^E " "$W/gpu_tests.log" | head -20
 step 80 mode3_b32 python3 bench/bench_quant_decode.py --graph --formats fp8 --no-tiling --prefetch 3 --maxnreg 168 --with-splits 3,4 --splits "" --out "$W/mode3_b32.json"
 grep -E "^  " "$W/mode3_b32.log"
@@ -26,3 +28,5 @@ step 80 prefill_host python3 bench/profile_prefill.py --variants bf16,fp8 --prom
 grep -vE "Warning|warn" "$W/prefill_host.log" | head -70
 step 60 short_tiles python3 bench/bench_quant_decode.py --graph --batch 64 --context 320 --formats bf16,fp8 --tiles 128,256 --warps 4,8 --stages 2,3 --splits "" --out "$W/short_tiles.json"
 grep -E "^  " "$W/short_tiles.log"
+long_run long_fp8_fc fp8 KVPLAN_DECODE_FUSED_COMBINE=1
+long_run long_fp8_m3fc fp8 KVPLAN_DECODE_FUSED_COMBINE=1 KVPLAN_DECODE_PREFETCH=3
