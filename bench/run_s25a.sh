@@ -21,6 +21,8 @@ step 80 mode3_b32 python3 bench/bench_quant_decode.py --graph --formats fp8 --no
 grep -E "^  " "$W/mode3_b32.log"
 long_run long_fp8 fp8
 long_run long_fp8_m3 fp8 KVPLAN_DECODE_PREFETCH=3
+long_run long_fp8_fc fp8 KVPLAN_DECODE_FUSED_COMBINE=1
+long_run long_fp8_m3fc fp8 KVPLAN_DECODE_FUSED_COMBINE=1 KVPLAN_DECODE_PREFETCH=3
 long_run long_int8_m3 int8 KVPLAN_DECODE_PREFETCH=3
 step 40 short_fp8_m3 env KVPLAN_DECODE_PREFETCH=3 python3 bench/bench_engine.py --kv-format fp8 --hf "" --out "$W/short_fp8_m3.json"
 grep -E "kvplan \(|decode step" "$W/short_fp8_m3.log"
@@ -28,5 +30,3 @@ step 80 prefill_host python3 bench/profile_prefill.py --variants bf16,fp8 --prom
 grep -vE "Warning|warn" "$W/prefill_host.log" | head -70
 step 60 short_tiles python3 bench/bench_quant_decode.py --graph --batch 64 --context 320 --formats bf16,fp8 --tiles 128,256 --warps 4,8 --stages 2,3 --splits "" --out "$W/short_tiles.json"
 grep -E "^  " "$W/short_tiles.log"
-long_run long_fp8_fc fp8 KVPLAN_DECODE_FUSED_COMBINE=1
-long_run long_fp8_m3fc fp8 KVPLAN_DECODE_FUSED_COMBINE=1 KVPLAN_DECODE_PREFETCH=3
