@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Prepared in session 24 for the next session's first call.
-# 1. GPU tests of decode mode 3 (commit 561be30, off by default): an fp8 / int8 K's logits by
-#    scale group, fp16 MMAs of the codes as stored (sm_90 main loop 783 instructions at the
-#    168-register cap, no spills, against 921 with 24 spill bytes in mode 2).
+# Prepared in session 24 for the next session's first call (steps past the budget are
+# skipped: run the rest in a second call).
+# 1. GPU tests of decode mode 3 (commit 561be30, off by default: an fp8 / int8 K's logits by
+#    scale group, fp16 MMAs of the codes as stored; sm_90 main loop 783 instructions at the
+#    168-register cap, no spills, against 921 with 24 spill bytes in mode 2) and of the dense
+#    decode's fused combine (KVPLAN_DECODE_FUSED_COMBINE=1, off by default).
 # 2. One fp8 decode call at 32 x 8K: mode 2 (default) vs 3, caps 168 / none, 3 / 4 splits.
-# 3. Long workload (32 x 8,192 x 256): fp8 with KVPLAN_DECODE_PREFETCH=3 vs the default, int8
-#    with 3; short workload (64 x 256 x 128) fp8 with 3.
+# 3. Long workload (32 x 8,192 x 256): fp8 by default, with mode 3, with the fused combine,
+#    with both; int8 with mode 3. Short workload (64 x 256 x 128): fp8 with mode 3.
 # 4. Where a long prefill's ~6-10 ms outside kernels go (`profile_prefill.py --host`, now
 #    keeping the second profiled run).
-# 6. The dense decode's fused combine (KVPLAN_DECODE_FUSED_COMBINE=1, off by default): the
-#    long workload's fp8 / bf16 decode steps without the 16 `_combine_kernel` launches.
-# 5. bf16 decode at the short workload's shape (64 x 320: 13-14 us a call against ~5 us of
-#    bytes) with the larger tiles no sweep has tried there (128 / 256 keys, 4 / 8 warps).
+# 5. bf16 / fp8 decode at the short workload's shape (64 x 320: 13-15 us a call against ~5 us
+#    of bytes) with the larger tiles no sweep has tried there (128 / 256 keys, 4 / 8 warps).
 set -u
 BUDGET=${BUDGET:-560}
 source bench/gpu_steps.sh
