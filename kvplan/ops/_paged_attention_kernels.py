@@ -386,13 +386,14 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
     GROUP: tl.constexpr, PREFETCH: tl.constexpr, cnt_ptr=None, FUSED: tl.constexpr = False,
+    SPLITS_PAD: tl.constexpr = 1,
 ):  # fmt: skip
     """Grid (B, Hkv, num_splits). q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D];
     page_ids int32 flat, page_start / kv_lens int32 [B]; partials (SPLIT only): fp32
     part_acc [B, H, S, D], part_m / part_l [B, H, S]. ``FUSED`` (SPLIT): the last program of
-    a (sequence, KV head) to store its partials also merges them into out (`_merge_parts`,
-    as ``_combine_kernel`` does); ``cnt_ptr``: int32 ``[B * Hkv]`` counters, zero on entry
-    and left zero."""
+    a (sequence, KV head) to store its partials also merges them into out (`_merge_head` for
+    each head, as ``_combine_kernel`` does; ``SPLITS_PAD``: ``num_splits`` rounded up to a
+    power of two); ``cnt_ptr``: int32 ``[B * Hkv]`` counters, zero on entry and left zero."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -446,10 +447,13 @@ def _decode_kernel(
             counter = cnt_ptr + b * tl.num_programs(1) + kvh
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
-                first = (b.to(tl.int64) * num_heads + heads) * num_splits  # [TILE_M]
-                _merge_parts(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, first, g_ok,
-                             b.to(tl.int64) * stride_ob + heads * stride_oh, num_splits,
-                             HEAD_DIM, INTERPRET, ".cg")  # fmt: skip
+                for r in tl.static_range(TILE_M):  # the group's heads, one at a time
+                    if r < group_size:
+                        h = kvh.to(tl.int64) * group_size + r
+                        _merge_head(part_acc_ptr, part_m_ptr, part_l_ptr,
+                                    out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh,
+                                    (b.to(tl.int64) * num_heads + h) * num_splits, num_splits,
+                                    SPLITS_PAD, HEAD_DIM, ".cg")  # fmt: skip
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -460,74 +464,45 @@ def _decode_kernel(
 @triton.jit
 def _combine_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
-    TILE_M: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, cdiv(H, TILE_M)): merge the split partials (fp32 [B, H, S, D] and [B, H, S])
-    of ``TILE_M`` heads into out (`_merge_parts`)."""
+    """Grid (B, H): merge the split partials (fp32 [B, H, S, D] and [B, H, S]) into out."""
     b = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * TILE_M + tl.arange(0, TILE_M)
-    h_ok = heads < num_heads
-    h64 = heads.to(tl.int64)
-    _merge_parts(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, (b * num_heads + h64) *
-                 num_splits, h_ok, b * stride_ob + h64 * stride_oh, num_splits, HEAD_DIM,
-                 INTERPRET, "")  # fmt: skip
+    h = tl.program_id(1).to(tl.int64)
+    _merge_head(
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        out_ptr + b * stride_ob + h * stride_oh,
+        (b * num_heads + h) * num_splits,
+        num_splits,
+        SPLITS_PAD,
+        HEAD_DIM,
+        "",
+    )
 
 
 @triton.jit
-def _merge_parts(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, first, rows_ok, out_rows, num_splits,
-    HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr, CACHE: tl.constexpr,
+def _merge_head(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_row, base, num_splits,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
-    """Merge the split partials of some heads (``first`` ``[R]``: each head's split-0 row of
-    the partials; ``rows_ok`` masks padding rows) into out at element offsets ``out_rows``:
-    the largest running maximum first, then each split weighted by ``exp2(m_s - max)``, in
-    split order (one code for ``_combine_kernel`` and the fused merge: the same bits).
-    ``CACHE``: the loads' cache modifier (``".cg"`` past the L1 when other programs of the
-    same launch wrote the partials)."""
+    """Merge one head's split partials (rows ``base ..`` of the partials) into ``out_row``:
+    ``_combine_kernel``'s program, and the fused merge's for each head of its group (one code:
+    the same bits). ``CACHE``: the loads' cache modifier (``".cg"`` past the L1 when other
+    programs of the same launch wrote the partials)."""
+    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full(first.shape, -1.0e30, tl.float32)
-    if INTERPRET:  # no runtime range bound in the interpreter
-        sp = 0
-        while sp < num_splits:
-            m = tl.maximum(m, _part_load(part_m_ptr + first + sp, rows_ok, -1.0e30, CACHE))
-            sp += 1
-    else:
-        for sp in range(0, num_splits):
-            m = tl.maximum(m, _part_load(part_m_ptr + first + sp, rows_ok, -1.0e30, CACHE))
-    den = tl.zeros(first.shape, tl.float32)
-    acc = tl.zeros([first.shape[0], HEAD_DIM], tl.float32)
-    if INTERPRET:
-        sp = 0
-        while sp < num_splits:
-            acc, den = _merge_part(acc, den, m, first + sp, rows_ok, offs_d, part_acc_ptr,
-                                   part_m_ptr, part_l_ptr, HEAD_DIM, CACHE)  # fmt: skip
-            sp += 1
-    else:
-        for sp in range(0, num_splits):
-            acc, den = _merge_part(acc, den, m, first + sp, rows_ok, offs_d, part_acc_ptr,
-                                   part_m_ptr, part_l_ptr, HEAD_DIM, CACHE)  # fmt: skip
-    o = acc / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=rows_ok[:, None])  # fmt: skip
-
-
-@triton.jit
-def _part_load(ptrs, mask, other, CACHE: tl.constexpr):
-    """A masked load of the partials with cache modifier ``CACHE``."""
-    return tl.load(ptrs, mask=mask, other=other, cache_modifier=CACHE)
-
-
-@triton.jit
-def _merge_part(
-    acc, den, m, row, rows_ok, offs_d, part_acc_ptr, part_m_ptr, part_l_ptr,
-    HEAD_DIM: tl.constexpr, CACHE: tl.constexpr,
-):  # fmt: skip
-    """Add one split's partial state (rows ``row``) into ``acc`` / ``den`` at maximum ``m``."""
-    w = tl.exp2(_part_load(part_m_ptr + row, rows_ok, -1.0e30, CACHE) - m)
-    den += w * _part_load(part_l_ptr + row, rows_ok, 0.0, CACHE)
-    part = _part_load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                      rows_ok[:, None], 0.0, CACHE)  # fmt: skip
-    return acc + w[:, None] * part, den
+    s_ok = offs_s < num_splits
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_ok, other=float("-inf"),
+                cache_modifier=CACHE)  # fmt: skip
+    lsum = tl.load(part_l_ptr + base + offs_s, mask=s_ok, other=0.0, cache_modifier=CACHE)
+    acc_off = (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+    acc = tl.load(part_acc_ptr + acc_off, mask=s_ok[:, None], other=0.0, cache_modifier=CACHE)
+    w = tl.exp2(m - tl.max(m, 0))  # [SPLITS_PAD]; padding splits get weight 0
+    den = tl.sum(w * lsum, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_row + offs_d, o.to(out_row.dtype.element_ty))
 
 
 @triton.jit
@@ -707,8 +682,6 @@ bits) when True (``KVPLAN_DECODE_FUSED_COMBINE=1`` at import; off until timed on
 The programs count themselves in on the device's shared merge counters
 (``kvplan.ops._triton_util.merge_counters``, per CUDA stream), which each launch leaves zero."""
 
-COMBINE_HEADS = 4  # heads merged by one ``_combine_kernel`` program
-
 
 def _decode_mode(prefetch, kv_layout, kv_quant: int, q_dtype) -> int:
     """The decode launch's ``PREFETCH``: `_prefetch` by the launch's `decode_key`; mode 3 only
@@ -753,7 +726,11 @@ def launch_decode(
     if batch == 0:
         return out
     fused = split and DECODE_FUSED_COMBINE and batch * geo.num_kv_heads <= MERGE_COUNTERS
-    merge = dict(cnt_ptr=merge_counters(q.device) if fused else None, FUSED=fused)
+    merge = dict(
+        cnt_ptr=merge_counters(q.device) if fused else None,
+        FUSED=fused,
+        SPLITS_PAD=triton.next_power_of_2(num_splits) if fused else 1,
+    )
     _decode_kernel[(batch, geo.num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, part_acc, part_m, part_l,
         q.stride(0), q.stride(1),
@@ -770,9 +747,9 @@ def launch_decode(
         **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
     )  # fmt: skip
     if split and not fused:
-        _combine_kernel[(batch, triton.cdiv(num_heads, COMBINE_HEADS))](
+        _combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            TILE_M=COMBINE_HEADS, HEAD_DIM=head_dim, INTERPRET=triton_interpreting(),
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
             num_warps=4,
         )  # fmt: skip
     return out

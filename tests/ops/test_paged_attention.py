@@ -140,7 +140,7 @@ def test_decode_triton_matches_ref(
 @pytest.mark.parametrize("splits", [2, 3, 5])
 def test_decode_fused_combine_equals_the_combine_kernel(splits, monkeypatch):
     """``DECODE_FUSED_COMBINE``: the last split program of each (sequence, KV head) merges the
-    partials (`_merge_parts`, as ``_combine_kernel`` does): the same bits as the two-launch
+    partials (`_merge_head`, as ``_combine_kernel`` does): the same bits as the two-launch
     path, empty splits and an empty sequence included, no combine launch, and the shared
     counters left zero for the next launch (a second call equals the first)."""
     from kvplan.ops import _paged_attention_kernels as K
@@ -299,10 +299,11 @@ for quant, sf, group, pre in ((0, 0, 1, False), (1, 2, 32, False), (2, 1, 16, Fa
                               (1, 2, 32, True), (2, 1, 16, True)):
     common = dict(BLOCK_SIZE=32, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRET=False,
                   KV_QUANT=quant, SF_KIND=sf, GROUP=group, PREFETCH=pre)
-    build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, FUSED=False, **common), 4, 2)
-    build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, FUSED=True, **common), 4, 2)
+    for fused, pad in ((False, 1), (True, 4)):  # split partials merged by a second launch / fused
+        build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, FUSED=fused,
+                                     SPLITS_PAD=pad, **common), 4, 2)
     build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
-build(K._combine_kernel, dict(TILE_M=4, HEAD_DIM=128, INTERPRET=False), 4, 1)
+build(K._combine_kernel, dict(SPLITS_PAD=4, HEAD_DIM=128), 4, 1)
 """
 
 
