@@ -131,9 +131,10 @@ def test_engine_with_prefetching_paged_kernels_gives_the_same_logits(kv_format, 
     calls = []
     real = pak._ahead_step  # one call per whole tile the prefetching loop attends
     monkeypatch.setattr(pak, "QUANT_PREFETCH", 1)
-    monkeypatch.setattr(pak, "_ahead_step", lambda *a: calls.append(a[-2]) or real(*a))
+    monkeypatch.setattr(pak, "_ahead_step", lambda *a: calls.append(a[-4]) or real(*a))
     got = prompt_logits(_engine(kv_format).engine, ids, 16)
-    assert calls and set(calls) == {1} and torch.equal(got, want)  # a[-2]: the step's MODE
+    # a[-4]: the step's MODE (V_GROUPS, q_groups, K_GROUPS follow)
+    assert calls and set(calls) == {1} and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("nib", [False, True])
