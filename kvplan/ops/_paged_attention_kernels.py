@@ -683,11 +683,13 @@ The programs count themselves in on the device's shared merge counters
 (``kvplan.ops._triton_util.merge_counters``, per CUDA stream), which each launch leaves zero."""
 
 
-def _decode_mode(prefetch, kv_layout, kv_quant: int, q_dtype) -> int:
+def _decode_mode(prefetch, kv_layout, kv_quant: int, q_dtype, group: int) -> int:
     """The decode launch's ``PREFETCH``: `_prefetch` by the launch's `decode_key`; mode 3 only
-    where its fp16 MMAs apply (e4m3 / int8 pages, a bf16 / fp16 query), else mode 2."""
+    where its fp16 MMAs apply (e4m3 / int8 pages, a bf16 / fp16 query, scale groups of at
+    least 16 values: an MMA's smallest depth), else mode 2."""
     mode = _prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant))
-    if mode == 3 and not (kv_quant in (1, 3) and q_dtype in (torch.bfloat16, torch.float16)):
+    half = q_dtype in (torch.bfloat16, torch.float16)
+    if mode == 3 and not (kv_quant in (1, 3) and half and group >= 16):
         return 2
     return mode
 
@@ -742,7 +744,7 @@ def launch_decode(
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
         KV_QUANT=kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
-        PREFETCH=_decode_mode(prefetch, kv_layout, kv_quant, q.dtype), **merge,
+        PREFETCH=_decode_mode(prefetch, kv_layout, kv_quant, q.dtype, geo.group), **merge,
         num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
     )  # fmt: skip

@@ -45,6 +45,7 @@ FORMATS = {
     "fp4": ("e2m1", 16, "e4m3"),
     "fp8_ue8m0": ("e4m3", 32, "ue8m0"),
     "fp8_g8": ("e4m3", 8, "fp32"),  # mode 2's grouped V dot then has 8 columns
+    "fp8_g16": ("e4m3", 16, "fp32"),  # 2 groups at head_dim 32
 }
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -197,13 +198,13 @@ def test_prefetched_tiles_give_the_same_result(kind, decode, mode, monkeypatch):
         assert_close(first, got, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int8", "fp8_g8", "fp4"])
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp8_g16", "fp8_g8", "fp4"])
 def test_key_group_logits_decode(kind, monkeypatch):
     """``prefetch=3`` (interpreter, bf16 query): an e4m3 / int8 K's logits by scale group
     (`key_group_scores`: one fp16 MMA per group of the codes, times the keys' scales) give
     the attention over the exact values, as mode 2 does, also for 2^20-sized queries (shifted
-    into fp16's range) and 4 groups a head (``fp8_g8``); fp4 pages and fp32 queries take
-    mode 2, and prefill launches take 2 as well."""
+    into fp16's range) and 2 groups a head (``fp8_g16``); fp4 pages, groups of 8 values (below
+    an MMA's depth of 16) and fp32 queries take mode 2, and prefill launches take 2 as well."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test")
     steps = []
@@ -213,7 +214,7 @@ def test_key_group_logits_decode(kind, monkeypatch):
     c, (k_raw, v_raw), fmt, dq = quantized_case(
         kind, 62, [3, 41, 70], [1] * 3, group=4, block_size=16, layout="offsets", head_dim=32
     )
-    grouped = kind != "fp4"
+    grouped = kind not in ("fp4", "fp8_g8")
     for big in (1.0, 2.0**20):
         q = (c.q * big).bfloat16()
         args = (q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens)
@@ -231,9 +232,10 @@ def test_key_group_logits_decode(kind, monkeypatch):
     steps.clear()
     paged_attention_decode_triton(c.q, *args[1:], **kw, prefetch=3)  # fp32: mode 2
     assert {(val(s[0]), val(s[3])) for s in steps} == {(2, False)}
-    assert pak._decode_mode(3, fmt, 1, torch.bfloat16) == 3
-    assert pak._decode_mode(3, fmt, 2, torch.bfloat16) == 2
-    assert pak._decode_mode(3, fmt, 3, torch.float32) == 2
+    assert pak._decode_mode(3, fmt, 1, torch.bfloat16, 32) == 3
+    assert pak._decode_mode(3, fmt, 1, torch.bfloat16, 8) == 2
+    assert pak._decode_mode(3, fmt, 2, torch.bfloat16, 16) == 2
+    assert pak._decode_mode(3, fmt, 3, torch.float32, 32) == 2
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
