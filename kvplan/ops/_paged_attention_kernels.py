@@ -469,17 +469,9 @@ def _combine_kernel(
     """Grid (B, H): merge the split partials (fp32 [B, H, S, D] and [B, H, S]) into out."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    _merge_head(
-        part_acc_ptr,
-        part_m_ptr,
-        part_l_ptr,
-        out_ptr + b * stride_ob + h * stride_oh,
-        (b * num_heads + h) * num_splits,
-        num_splits,
-        SPLITS_PAD,
-        HEAD_DIM,
-        "",
-    )
+    _merge_head(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr + b * stride_ob + h * stride_oh,
+                (b * num_heads + h) * num_splits, num_splits, SPLITS_PAD, HEAD_DIM,
+                "")  # fmt: skip
 
 
 @triton.jit
