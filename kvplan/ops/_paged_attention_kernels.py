@@ -411,8 +411,8 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     g_ok = offs_g < group_size
     heads = (kvh * group_size + offs_g).to(tl.int64)
-    q_off = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=g_ok[:, None], other=0.0)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh  # [TILE_M, 1]
+    q = tl.load(q_rows + offs_d[None, :], mask=g_ok[:, None], other=0.0)
     if KV_QUANT >= E2M1_F16:  # fp16 tiles (E2M1_F16, E2M1_F16_NIB)
         q, qk_scale = query_f16(q, qk_scale)
     if KV_QUANT == E2M1_F16_NIB:  # the tiles' column order and 2^-14
@@ -420,7 +420,6 @@ def _decode_kernel(
     row_pos = tl.where(g_ok, kv_len - 1, -1)
     sf_head = head_scales_offset(kvh, HEAD_DIM, GROUP, SF_KIND)
     if PREFETCH == 3:  # K's logits by scale group (e4m3 / int8, a half query: `_decode_mode`)
-        q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
         q_groups, qk_groups = query_groups_f16(q, q_rows, g_ok, qk_scale, HEAD_DIM, GROUP)
     else:
         q_groups, qk_groups = (q,), qk_scale  # not read
@@ -543,7 +542,7 @@ def _prefill_kernel(
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        2 if PREFETCH == 3 else PREFETCH, (q,), qk_scale,  # mode 3 is decode's: 2 here
+        PREFETCH, (q,), qk_scale,
     )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t64[:, None] * stride_ot + h64[:, None] * stride_oh + offs_d[None, :]
@@ -773,7 +772,7 @@ def launch_prefill(
         TILE_M=tile_m, BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(),
         KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
-        PREFETCH=_prefetch(prefetch, kv_layout, decode=False),
+        PREFETCH=min(_prefetch(prefetch, kv_layout, decode=False), 2),  # mode 3 is decode's
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
