@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -45,22 +45,48 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     The chain makes a block's hash depend on every token before it, so equal hashes mean equal
     prefixes (up to a 128-bit collision). ``parent_hash`` is ``None`` for the first block.
     """
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent_hash if parent_hash is not None else b"\x00" * 16)
+    h = hashlib.blake2b(parent_hash if parent_hash is not None else _NO_PARENT, digest_size=16)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.digest()
+
+
+def iter_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    parent_hash: BlockHash | None = None,
+) -> Iterator[BlockHash]:
+    """Chained hashes of the first ``num_blocks`` full blocks of ``token_ids``, lazily, each
+    equal to ``hash_block_tokens(previous, block)`` (the first block's parent is
+    ``parent_hash``).
+
+    The tokens become int64 bytes a run of blocks at a time (one numpy conversion per run,
+    not per block: ~4x cheaper per block for a long prompt), so a caller that stops early
+    (a prefix lookup's first miss) converts little more than it hashed."""
+    parent = parent_hash if parent_hash is not None else _NO_PARENT
+    run = _HASH_RUN_BLOCKS
+    width = block_size * 8
+    for b0 in range(0, num_blocks, run):
+        b1 = min(num_blocks, b0 + run)
+        buf = memoryview(
+            np.asarray(token_ids[b0 * block_size : b1 * block_size], dtype=np.int64).tobytes()
+        )
+        for k in range(b1 - b0):
+            h = hashlib.blake2b(parent, digest_size=16)
+            h.update(buf[k * width : (k + 1) * width])
+            parent = h.digest()
+            yield parent
 
 
 def hash_prompt_blocks(
     token_ids: Sequence[int], block_size: int, num_blocks: int
 ) -> list[BlockHash]:
     """Chained hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for b in range(num_blocks):
-        parent = hash_block_tokens(parent, token_ids[b * block_size : (b + 1) * block_size])
-        hashes.append(parent)
-    return hashes
+    return list(iter_block_hashes(token_ids, block_size, num_blocks))
+
+
+_NO_PARENT = b"\x00" * 16  # the first block's parent in the chain
+_HASH_RUN_BLOCKS = 32  # blocks converted to bytes at a time by iter_block_hashes
 
 
 class BlockPool:

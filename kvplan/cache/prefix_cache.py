@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvplan.cache.block_pool import BlockPool, hash_block_tokens
+from kvplan.cache.block_pool import BlockPool, iter_block_hashes
 from kvplan.cache.request_table import Request, RequestTable
 
 
@@ -84,10 +84,8 @@ class PrefixCache:
         bs = self.block_size
         hashes: list[bytes] = []
         blocks: list[list[int]] = []
-        parent = None
         lazy = self._lazy_pools
-        for b in range((len(prompt) - 1) // bs):
-            parent = hash_block_tokens(parent, prompt[b * bs : (b + 1) * bs])
+        for parent in iter_block_hashes(prompt, bs, (len(prompt) - 1) // bs):
             found = [pool.lookup(parent) for pool in self.pools]
             if any(x is None for p, x in enumerate(found) if p not in lazy):
                 break
@@ -109,39 +107,53 @@ class PrefixCache:
                 return False
         return True
 
-    def commit(self, req: Request, start: int, token_ids: list[int]) -> None:
+    def commit(self, req: Request, start: int, token_ids: Sequence[int]) -> None:
         """Commit ``token_ids`` at positions ``start ..`` of ``req``: keep the last partial
-        block's tokens in the table's ``tail`` and hash each block they fill."""
+        block's tokens in the table's ``tail`` and hash each block they fill (the whole
+        blocks inside ``token_ids`` in one run, `blocks_filled`)."""
         bs = self.block_size
         row0 = req.rows[0]
         tail = self.table.tail[row0]
         n = len(token_ids)
         b, off = divmod(start, bs)
         i = 0
-        while i < n:
-            take = min(bs - off, n - i)
-            if take == bs:  # a whole block inside token_ids
-                block = token_ids[i : i + bs]
-            else:
-                tail[off : off + take] = token_ids[i : i + take]
-                block = tail
-            i += take
-            if off + take == bs:
-                self.block_filled(req, b, block)
-            b, off = b + 1, 0
+        if off:  # the partial block in the tail first
+            i = min(bs - off, n)
+            tail[off : off + i] = token_ids[:i]
+            if off + i == bs:
+                self.blocks_filled(req, b, tail, 1)
+            b += 1
+        full = (n - i) // bs
+        if full:
+            self.blocks_filled(req, b, token_ids[i : i + full * bs], full)
+            i += full * bs
+        if i < n:
+            tail[: n - i] = token_ids[i:]
         self.table.num_committed[row0] = start + n
 
     def block_filled(self, req: Request, b: int, tokens: Sequence[int]) -> None:
         """Block ``b`` of ``req`` is now fully committed with ``tokens`` ([block_size]):
         hash it and offer it to every pool's cache (when hashable, see the module doc)."""
-        if not req.cacheable or (req.beam_width > 1 and b >= len(req.prompt) // self.block_size):
-            return  # later blocks differ per beam
+        self.blocks_filled(req, b, tokens, 1)
+
+    def blocks_filled(self, req: Request, b: int, tokens: Sequence[int], count: int) -> None:
+        """Blocks ``b .. b + count - 1`` of ``req`` are now fully committed with ``tokens``
+        (``[count * block_size]``): hash those that are hashable (module doc) and offer each
+        to every pool's cache."""
+        if not req.cacheable:
+            return
+        if req.beam_width > 1:  # later blocks differ per beam
+            count = min(count, len(req.prompt) // self.block_size - b)
+            if count <= 0:
+                return
         assert b == len(req.hashes), f"block {b} filled with {len(req.hashes)} blocks hashed"
-        h = hash_block_tokens(req.hashes[-1] if req.hashes else None, tokens)
-        row = req.rows[0]
-        tables = self.table.tables
-        for p, pool in enumerate(self.pools):
-            block = int(tables[p, row, b])
-            if block:  # 0: already released out of the window
-                pool.cache_block(block, h)
-        req.hashes.append(h)
+        parent = req.hashes[-1] if req.hashes else None
+        hashes = iter_block_hashes(tokens, self.block_size, count, parent)
+        ids = self.table.tables[:, req.rows[0], b : b + count].tolist()  # [pools][count]
+        pools = self.pools
+        for j, h in enumerate(hashes):
+            for p, pool in enumerate(pools):
+                block = ids[p][j]
+                if block:  # 0: already released out of the window
+                    pool.cache_block(block, h)
+            req.hashes.append(h)
