@@ -19,6 +19,7 @@ being ready and the next step's forward (what the device waits for).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import time
@@ -32,8 +33,16 @@ from kvplan.engine.cli_bench import make_prompts
 from kvplan.engine.sampling import SamplingParams
 
 PHASES = (
-    "add_request", "schedule", "plan", "inputs", "forward", "sample", "wait", "update",
-    "after_wait",
+    "add_request", "schedule", "plan", "expand", "inputs", "forward", "sample", "wait",
+    "update", "after_wait",
+)  # fmt: skip
+
+# The hybrid family's index expansions: the torch references on a CPU, device kernels that the
+# host only launches on a GPU (timed as ``expand``, inside ``plan``; ``idle`` leaves them out)
+EXPANSIONS = (
+    ("kvplan.ops", ("expand_swa_index", "expand_kv_ca_index", "expand_swa_index_decode",
+                               "expand_kv_ca_index_decode")),
+    ("kvplan.backends.hybrid.planned_step", ("expand_window_index",)),
 )  # fmt: skip
 
 
@@ -112,6 +121,10 @@ def instrument(llm: LLM, timers: Timers, real_forward: bool) -> None:
     core._sample = timers.wrap("sample", core._sample)
     core._copies.wait = timers.wrap_wait(core._copies.wait)
     core._update_rows = timers.wrap_update(core._update_rows)
+    for module, names in EXPANSIONS:
+        mod = importlib.import_module(module)
+        for name in names:
+            setattr(mod, name, timers.wrap("expand", getattr(mod, name)))
     init = runner_mod.StepInputs.__init__
     runner_mod.StepInputs.__init__ = timers.wrap("inputs", init)
 
@@ -124,12 +137,21 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--real-forward", action="store_true", help="run the tiny model's forward")
+    ap.add_argument(
+        "--model",
+        default="random:tiny-llama",
+        help="what LLM() loads, e.g. a DeepSeek-V4 folder (the hybrid family)",
+    )
+    ap.add_argument("--kv-format", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n = args.prompt_len
-    llm = LLM("random:tiny-llama", device="cpu", block_size=args.block_size, max_num_seqs=1,
+    extra = {} if args.kv_format is None else {"kv_format": args.kv_format}
+    if not args.model.startswith("random:"):
+        extra["dtype"] = torch.float32
+    llm = LLM(args.model, device="cpu", block_size=args.block_size, max_num_seqs=1,
               max_num_batched_tokens=n, max_model_len=n + 1,
-              kv_cache_memory=64 << 20)  # fmt: skip
+              kv_cache_memory=256 << 20, **extra)  # fmt: skip
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     vocab = llm.engine.vocab_size
     timers = Timers()
@@ -148,14 +170,17 @@ def main() -> int:
         # after the tokens are ready (wait returned) until the next forward: the rest of the
         # update, then the next prompt's schedule, plan and inputs (add_request runs up front
         # in generate)
-        row["idle"] = row["after_wait"] + row["schedule"] + row["plan"] + row["inputs"]
+        row["idle"] = (
+            row["after_wait"] + row["schedule"] + row["plan"] - row["expand"] + row["inputs"]
+        )
         rows.append(row)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(f"{n}-token prompts, block size {args.block_size}, median ms a prompt of {len(rows)}:")
     for k in (*PHASES, "host", "idle", "wall"):
         print(f"  {k:12s} {med[k]:8.3f}")
     rec = {
-        "bench": "host_prefill", "device": "cpu", "threads": args.threads,
+        "bench": "host_prefill", "device": "cpu", "threads": args.threads, "model": args.model,
+        "kv_format": args.kv_format,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "prompt_len": n,
         "block_size": args.block_size, "real_forward": args.real_forward, "median_ms": med, "runs": rows,
     }  # fmt: skip
