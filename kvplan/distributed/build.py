@@ -15,26 +15,23 @@ from typing import Any
 
 import torch
 
-from kvplan.distributed.context import TPContext, check_tensor_parallel
+from kvplan.distributed.context import TPContext, check_tensor_parallel, local_kv_heads
 from kvplan.distributed.sharding import shard_state_dict
 
 
 def check_model(source: Any, size: int) -> None:
-    """ValueError unless the `ModelSource` ``source`` can run on ``size`` ranks: a
-    Llama-family model whose heads and MLP divide by ``size``."""
-    cfg = source.config
-    if getattr(cfg, "is_gemma3", False):
-        raise ValueError(
-            "tensor_parallel_size > 1 supports the Llama family (Llama, Qwen2/3, Mistral, "
-            f"SmolLM2); {cfg.model_type!r} runs on one device"
-        )
-    check_tensor_parallel(cfg, size)
+    """ValueError unless the `ModelSource` ``source`` can run on ``size`` ranks: a dense
+    model (the Llama family or Gemma 3) whose heads and MLP split over ``size``
+    (`check_tensor_parallel`)."""
+    check_tensor_parallel(source.config, size)
 
 
 def local_kv_config(cfg: Any, size: int) -> Any:
-    """``cfg`` with this rank's KV heads (``num_kv_heads / size``): the shape of its KV cache,
-    for sizing and allocating it."""
-    return cfg if size == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads // size)
+    """``cfg`` with this rank's KV heads (`local_kv_heads`): the shape of its KV cache, for
+    sizing and allocating it."""
+    if size == 1:
+        return cfg
+    return dataclasses.replace(cfg, num_kv_heads=local_kv_heads(cfg.num_kv_heads, size))
 
 
 def build_rank_model(
@@ -47,9 +44,9 @@ def build_rank_model(
     seed: int,
     tp: TPContext,
 ) -> Any:
-    """This rank's `LlamaForCausalLM` shard with its weights (module docstring)."""
-    from kvplan.engine.builder import build_model
-    from kvplan.models.llama import LlamaForCausalLM
+    """This rank's shard of the model (`LlamaForCausalLM` or `Gemma3ForCausalLM`) with its
+    weights (module docstring)."""
+    from kvplan.engine.builder import build_model, model_class
 
     check_model(source, tp.size)
     full_device = device if source.weights is None else torch.device("cpu")
@@ -59,7 +56,8 @@ def build_rank_model(
     state = shard_state_dict(full.state_dict(), source.config, tp)
     del full
     with torch.device("meta"):
-        model = LlamaForCausalLM(source.config, backend_cls, max_positions=1, dtype=dtype, tp=tp)
+        cls = model_class(source.config)
+        model = cls(source.config, backend_cls, max_positions=1, dtype=dtype, tp=tp)
     model = model.to_empty(device=device)
     model.set_rotary(max_positions)
     model.load_state_dict(state, strict=True)

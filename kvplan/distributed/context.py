@@ -8,7 +8,11 @@ results. Everything else about the group (processes, the step broadcast) lives e
 Splits (``size`` ranks, rank ``r``):
 
 * heads: query heads ``[r * H / size, (r + 1) * H / size)``, KV heads likewise (GQA keeps its
-  ratio on every rank: ``H / Hkv`` query heads per KV head);
+  ratio on every rank: ``H / Hkv`` query heads per KV head). With fewer KV heads than ranks
+  (``size`` a multiple of ``Hkv``, e.g. Gemma-3-270M's one KV head on 2 ranks) each KV head
+  is replicated on ``size / Hkv`` consecutive ranks: rank r holds KV head
+  ``r // (size / Hkv)``, the one all its query heads read, and its cache holds that head
+  (`kv_head_range`, `local_kv_heads`);
 * MLP: intermediate columns ``[r * I / size, (r + 1) * I / size)``;
 * vocabulary: ``per_rank = ceil(V / size)`` rows each, rank r owning token ids
   ``[r * per_rank, min(V, (r + 1) * per_rank))``; the last rank's missing rows are zero
@@ -46,6 +50,16 @@ class TPContext:
         n = total // self.size
         return self.rank * n, (self.rank + 1) * n
 
+    def kv_head_range(self, num_kv_heads: int) -> tuple[int, int]:
+        """This rank's KV heads ``[start, end)`` of ``num_kv_heads`` (module docstring: an even
+        split, or one replicated head when there are fewer KV heads than ranks)."""
+        if num_kv_heads % self.size == 0:
+            return self.split(num_kv_heads, "num_kv_heads")
+        if self.size % num_kv_heads:
+            raise ValueError(_kv_heads_message(num_kv_heads, self.size))
+        head = self.rank // (self.size // num_kv_heads)
+        return head, head + 1
+
     def vocab_range(self, vocab_size: int) -> tuple[int, int, int]:
         """``(start, end, per_rank)``: this rank's token ids ``[start, end)`` and the padded
         rows every rank holds (module docstring)."""
@@ -71,16 +85,33 @@ class TPContext:
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
 
+def local_kv_heads(num_kv_heads: int, size: int) -> int:
+    """KV heads a rank holds: ``num_kv_heads / size``, or 1 when replicated (module
+    docstring)."""
+    return max(1, num_kv_heads // size)
+
+
+def _kv_heads_message(num_kv_heads: int, size: int) -> str:
+    return (
+        f"tensor_parallel_size={size} must divide the model's num_kv_heads={num_kv_heads} "
+        "or be a multiple of it (each rank holds an equal share of the KV heads, or one "
+        "replicated KV head)"
+    )
+
+
 def check_tensor_parallel(cfg: Any, size: int) -> None:
-    """ValueError unless a Llama-family ``cfg`` (`kvplan.models.config.ModelConfig`) splits
-    over ``size`` ranks: query heads, KV heads and the MLP's intermediate size must divide by
-    it (the vocabulary need not: it is padded)."""
+    """ValueError unless a dense ``cfg`` (`kvplan.models.config.ModelConfig`) splits over
+    ``size`` ranks: query heads and the MLP's intermediate size must divide by it, and KV heads
+    divide by it or divide it (replicated KV heads); the vocabulary need not (it is padded)."""
     if size == 1:
         return
-    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+    for name in ("num_heads", "intermediate_size"):
         value = getattr(cfg, name)
         if value % size:
             raise ValueError(
                 f"tensor_parallel_size={size} must divide the model's {name}={value} "
                 "(each rank holds an equal share)"
             )
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(_kv_heads_message(kv, size))

@@ -1,13 +1,17 @@
-"""Slice a Llama-family model's full state dict into one rank's share.
+"""Slice a dense model's full state dict into one rank's share.
 
-The full state dict is `kvplan.models.llama.LlamaForCausalLM`'s (fused names: ``qkv_proj``
-holds ``[q; k; v]`` rows, ``gate_up_proj`` ``[gate; up]`` rows). Rank r of ``size`` keeps:
+The full state dict is `kvplan.models.llama.LlamaForCausalLM`'s or
+`kvplan.models.gemma3.Gemma3ForCausalLM`'s (the same fused names: ``qkv_proj`` holds
+``[q; k; v]`` rows, ``gate_up_proj`` ``[gate; up]`` rows; Gemma 3's tied head is the
+embedding). Rank r of ``size`` keeps:
 
 ====================================  ===================================================
 ``embed_tokens.weight``, ``lm_head``   vocabulary rows ``[r * per_rank, ...)``, zero-padded
                                        to ``per_rank = ceil(V / size)`` rows
 ``self_attn.qkv_proj.{weight,bias}``   its query heads' rows of q, its KV heads' rows of k
-                                       and of v, concatenated in that order
+                                       and of v (`TPContext.kv_head_range`: a replicated
+                                       head when KV heads are fewer than ranks),
+                                       concatenated in that order
 ``self_attn.o_proj.weight``            the input columns of its query heads
 ``mlp.gate_up_proj.weight``            its intermediate rows of gate and of up
 ``mlp.down_proj.weight``               its intermediate columns
@@ -37,6 +41,19 @@ def _split_rows(t: torch.Tensor, sizes: list[int], tp: TPContext, what: str) -> 
     return torch.cat(parts)
 
 
+def _qkv_rows(
+    t: torch.Tensor, sizes: list[int], d: int, num_kv_heads: int, tp: TPContext, what: str
+) -> torch.Tensor:
+    """This rank's rows of a fused ``[q; k; v]`` projection: its even share of q's rows and
+    the rows of its KV heads (`TPContext.kv_head_range`) in k and in v."""
+    if sum(sizes) != t.shape[0]:
+        raise ValueError(f"{what}: expected {sum(sizes)} rows, got {t.shape[0]}")
+    q, k, v = torch.split(t, sizes)
+    start, end = tp.split(sizes[0], what)
+    h0, h1 = tp.kv_head_range(num_kv_heads)
+    return torch.cat([q[start:end], k[h0 * d : h1 * d], v[h0 * d : h1 * d]])
+
+
 def _vocab_rows(t: torch.Tensor, vocab_size: int, tp: TPContext) -> torch.Tensor:
     start, end, per_rank = tp.vocab_range(vocab_size)
     out = t.new_zeros((per_rank, *t.shape[1:]))
@@ -59,7 +76,7 @@ def shard_state_dict(
         if name in ("embed_tokens.weight", "lm_head.weight"):
             s = _vocab_rows(t, cfg.vocab_size, tp)
         elif name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
-            s = _split_rows(t, qkv, tp, name)
+            s = _qkv_rows(t, qkv, d, cfg.num_kv_heads, tp, name)
         elif name.endswith("self_attn.o_proj.weight"):
             start, end = tp.split(t.shape[1], name)
             s = t[:, start:end]

@@ -19,6 +19,13 @@ What differs from the Llama family, each computed as Hugging Face's ``Gemma3ForC
 * the output head is the embedding matrix (tied).
 
 The small ops run as plain torch (no fused Triton kernels).
+
+Tensor parallelism (``tp``, a `kvplan.distributed.TPContext`): the Llama family's splits
+(`kvplan.models.llama`): this rank's query heads and KV heads (one replicated KV head when the
+model has fewer KV heads than ranks, as Gemma-3-270M's single one), MLP columns and
+vocabulary rows; ``o_proj`` and ``down_proj`` all-reduce, the embedding all-reduces its
+lookups before the ``sqrt(hidden_size)`` scale, and the tied head's logits are gathered over
+the vocabulary shards. The q / k norms and the four layer norms are replicated.
 """
 
 from __future__ import annotations
@@ -30,9 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvplan.distributed.context import TPContext, local_kv_heads
+from kvplan.distributed.layers import VocabParallelEmbedding
 from kvplan.models.config import ModelConfig
 from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
-from kvplan.models.llama import PAGED_FAMILY
+from kvplan.models.llama import PAGED_FAMILY, row_linear
 from kvplan.models.rope import RotaryTable, rotate_qk
 from kvplan.ops.small_gemm import small_linear
 
@@ -54,22 +63,25 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend_cls: Any) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, backend_cls: Any, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        size = 1 if tp is None else tp.size
+        self.num_heads = cfg.num_heads // size  # this rank's heads (module docstring)
+        self.num_kv_heads = local_kv_heads(cfg.num_kv_heads, size)
         self.head_dim = d = cfg.head_dim
-        self.q_size = cfg.num_heads * d
-        self.kv_size = cfg.num_kv_heads * d
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
         self.is_local = cfg.windows[layer_idx] is not None
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = row_linear(cfg.num_heads * d, cfg.hidden_size, tp)
         self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
         self.attn = backend_cls(
             layer_idx,
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            self.num_heads,
+            self.num_kv_heads,
             d,
             scale=cfg.attn_scale,
             sliding_window=cfg.windows[layer_idx],
@@ -93,11 +105,11 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext | None = None) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = inter = cfg.intermediate_size // (1 if tp is None else tp.size)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -105,14 +117,16 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend_cls: Any) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, backend_cls: Any, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
         eps, h = cfg.rms_norm_eps, cfg.hidden_size
         self.input_layernorm = GemmaRMSNorm(h, eps)
-        self.self_attn = Gemma3Attention(cfg, layer_idx, backend_cls)
+        self.self_attn = Gemma3Attention(cfg, layer_idx, backend_cls, tp)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
-        self.mlp = Gemma3MLP(cfg)
+        self.mlp = Gemma3MLP(cfg, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
     def forward(
@@ -129,7 +143,7 @@ class Gemma3ForCausalLM(nn.Module):
     """A Gemma 3 text causal LM whose attention goes through a kvplan backend.
 
     Args and call as `kvplan.models.llama.LlamaForCausalLM` (``cfg.is_gemma3`` must hold;
-    no ``fused_kernels`` or ``tp``), ``kv_rotation`` included.
+    no ``fused_kernels``), ``tp`` and ``kv_rotation`` included.
 
     Example::
 
@@ -151,6 +165,7 @@ class Gemma3ForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         kv_rotation: bool = False,
+        tp: TPContext | None = None,
     ) -> None:
         super().__init__()
         check_rotation_setting(kv_rotation, cfg.head_dim)
@@ -161,11 +176,15 @@ class Gemma3ForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             raise ValueError("Gemma3ForCausalLM needs tie_word_embeddings = True")
         self.config = cfg
+        self.tp = tp
         # the attention family of each layer (`kvplan.engine.families`)
         self.layer_families: tuple[str, ...] = (PAGED_FAMILY,) * cfg.num_layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if tp is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:  # this rank's padded vocabulary rows, which are also its share of the head
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            [Gemma3DecoderLayer(cfg, i, backend_cls) for i in range(cfg.num_layers)]
+            [Gemma3DecoderLayer(cfg, i, backend_cls, tp) for i in range(cfg.num_layers)]
         )
         for layer in self.layers:
             layer.self_attn.kv_rotation = kv_rotation
@@ -211,5 +230,7 @@ class Gemma3ForCausalLM(nn.Module):
         if logits_indices is not None:
             h = h[logits_indices]
         h = self.norm(h)  # [N, hidden]
-        logits = small_linear(h, self.lm_head_weight)  # [N, V]
+        logits = small_linear(h, self.lm_head_weight)  # [N, V] (this rank's share under tp)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float() if self.float_logits else logits

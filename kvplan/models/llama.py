@@ -23,7 +23,8 @@ projections are cuBLAS GEMMs (a split-K Triton GEMM for decode-sized batches mea
 in the engine's step on the H200: bench/RESULTS.md, session 11).
 
 Tensor parallelism: with ``tp`` (a `kvplan.distributed.TPContext`) every layer holds its rank's
-share: ``H / size`` query and ``Hkv / size`` KV heads (so the rank's KV cache holds only those),
+share: ``H / size`` query and ``Hkv / size`` KV heads (one replicated KV head when ``Hkv <
+size``; the rank's KV cache holds only those),
 ``I / size`` MLP columns, ``ceil(V / size)`` vocabulary rows; ``o_proj`` and ``down_proj``
 all-reduce their partial sums, the embedding all-reduces its lookups, and ``forward`` gathers
 the logits of every vocabulary shard (`kvplan.distributed.layers`). ``tp=None`` is the
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvplan.distributed.context import TPContext
+from kvplan.distributed.context import TPContext, local_kv_heads
 from kvplan.distributed.layers import RowParallelLinear, VocabParallelEmbedding
 from kvplan.models import fused as ops
 from kvplan.models.config import ModelConfig
@@ -68,7 +69,7 @@ class RMSNorm(nn.Module):
 PAGED_FAMILY = "paged"  # the attention family serving every layer of this model
 
 
-def _row_linear(in_features: int, out_features: int, tp: TPContext | None) -> nn.Linear:
+def row_linear(in_features: int, out_features: int, tp: TPContext | None) -> nn.Linear:
     """A bias-free projection whose input is split across ranks (all-reduced under ``tp``)."""
     if tp is None:
         return nn.Linear(in_features, out_features, bias=False)
@@ -82,14 +83,14 @@ class Attention(nn.Module):
         super().__init__()
         size = 1 if tp is None else tp.size
         self.num_heads = cfg.num_heads // size  # this rank's heads (module docstring)
-        self.num_kv_heads = cfg.num_kv_heads // size
+        self.num_kv_heads = local_kv_heads(cfg.num_kv_heads, size)
         self.head_dim = d = cfg.head_dim
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
         )
-        self.o_proj = _row_linear(cfg.num_heads * d, cfg.hidden_size, tp)
+        self.o_proj = row_linear(cfg.num_heads * d, cfg.hidden_size, tp)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = backend_cls(
@@ -149,7 +150,7 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = inter = cfg.intermediate_size // (1 if tp is None else tp.size)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
-        self.down_proj = _row_linear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), fused=fused))

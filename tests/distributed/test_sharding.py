@@ -65,6 +65,37 @@ def test_shard_shapes_fit_the_rank_model():
     assert set(shard) == set(model.state_dict())
 
 
+@pytest.mark.parametrize("size, kv", [(4, 2), (2, 1), (4, 1)])
+def test_replicated_kv_heads(size, kv):
+    """Fewer KV heads than ranks: rank r's k and v rows are those of KV head r // (size /
+    kv), the head its query heads read; its q rows are its even share; the shard loads into
+    the rank's model."""
+    cfg = dataclasses.replace(CFG, num_heads=8, num_kv_heads=kv)
+    d, q = cfg.head_dim, cfg.num_heads * cfg.head_dim
+    full = _full_state(cfg)
+    name = "layers.0.self_attn.qkv_proj.weight"
+    fq, fk, fv = torch.split(full[name], [q, kv * d, kv * d])
+    group = cfg.num_heads // kv  # query heads per KV head
+    for r in range(size):
+        tp = TPContext(r, size)
+        head = r // (size // kv)
+        assert tp.kv_head_range(kv) == (head, head + 1)
+        sq, sk, sv = torch.split(shard_state_dict(full, cfg, tp)[name], [q // size, d, d])
+        assert torch.equal(sq, fq[r * q // size : (r + 1) * q // size])
+        assert torch.equal(sk, fk[head * d : (head + 1) * d])
+        assert torch.equal(sv, fv[head * d : (head + 1) * d])
+        first_query_head = r * cfg.num_heads // size
+        assert first_query_head // group == head  # the rank's queries read its KV head
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg, get_backend("vanilla"), max_positions=8, tp=tp)
+        shard = shard_state_dict(full, cfg, tp)
+        assert {n: tuple(t.shape) for n, t in shard.items()} == {
+            n: tuple(p.shape) for n, p in model.state_dict().items()
+        }
+    with pytest.raises(ValueError, match="num_kv_heads=3 or be a multiple"):
+        TPContext(0, 2).kv_head_range(3)
+
+
 def test_vocab_range_pads_the_last_rank():
     assert [TPContext(r, 3).vocab_range(10) for r in range(3)] == [
         (0, 4, 4),

@@ -107,6 +107,48 @@ def test_quantized_kv_cache_equals_one_device(kv_format):
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-5)
 
 
+def _gemma3_config(kv: int) -> ModelConfig:
+    """A tiny Gemma 3 (two sliding layers of window 6 and one full layer, 4 query heads)."""
+    import transformers as tf
+
+    hf = tf.Gemma3TextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=kv, head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=6, max_position_embeddings=128,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    )  # fmt: skip
+    return ModelConfig.from_hf(hf)
+
+
+@pytest.mark.parametrize(
+    "model, kv",
+    [("llama", 1), ("gemma3", 1), ("gemma3", 2)],
+    ids=["llama-replicated-kv", "gemma3-replicated-kv", "gemma3-split-kv"],
+)
+def test_replicated_kv_heads_and_gemma3_equal_one_device(model, kv):
+    """Gemma 3 splits like the Llama family; with one KV head (Gemma-3-270M's count) each of
+    the 2 ranks holds a copy of it and half the query heads."""
+    if model == "llama":
+        cfg = dataclasses.replace(random_config(3), num_heads=4, num_kv_heads=kv)
+    else:
+        cfg = _gemma3_config(kv)
+    prompts, params, want, want_logits = _reference(cfg, 2)
+    with LLM(cfg, tensor_parallel_size=2, **ENGINE) as llm:
+        attn = llm.parts.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (cfg.num_heads // 2, max(1, kv // 2))
+        assert type(llm.parts.model).__name__ == (
+            "Gemma3ForCausalLM" if model == "gemma3" else "LlamaForCausalLM"
+        )
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        got_logits = prompt_logits(llm.engine, prompts[1], chunk_size=32)
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-5)
+
+
 def test_kv_heads_not_divisible_fail_before_any_process():
     cfg = ModelConfig(
         vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=6,
