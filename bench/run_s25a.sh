@@ -10,6 +10,10 @@
 #    with both; int8 with mode 3. Short workload (64 x 256 x 128): fp8 with mode 3.
 # 4. Where a long prefill's ~6-10 ms outside kernels go (`profile_prefill.py --host`, now
 #    keeping the second profiled run).
+# 6. (session 25, CPU only) the commits of a prefill step moved before its token wait and
+#    cheaper block hashing (bench/host_prefill.py: 2.96 -> 0.97 ms of host work the device
+#    waits for per 8,000-token prompt on a 2-core CPU): steps 3-4 measure it in the long
+#    workload; the hybrid end to end below measures it on DeepSeek-V4's prefill.
 # 5. bf16 / fp8 decode at the short workload's shape (64 x 320: 13-15 us a call against ~5 us
 #    of bytes) with the larger tiles no sweep has tried there (128 / 256 keys, 4 / 8 warps).
 set -u
@@ -30,3 +34,5 @@ step 80 prefill_host python3 bench/profile_prefill.py --variants bf16,fp8 --prom
 grep -vE "Warning|warn" "$W/prefill_host.log" | head -70
 step 60 short_tiles python3 bench/bench_quant_decode.py --graph --batch 64 --context 320 --formats bf16,fp8 --tiles 128,256 --warps 4,8 --stages 2,3 --splits "" --out "$W/short_tiles.json"
 grep -E "^  " "$W/short_tiles.log"
+step 100 hybrid_e2e python3 bench/bench_hybrid_hf.py --split --no-hf --out "$W/hybrid_e2e.json"
+grep -E "tok/s|prefill|decode step" "$W/hybrid_e2e.log" | head -12
