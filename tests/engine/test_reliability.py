@@ -383,3 +383,76 @@ def test_deepseek_v4_token_ids_checked_against_its_vocab(tmp_path):
     with pytest.raises(ValueError, match=f"={vocab} is outside"):
         llm.generate([[1, vocab]], GREEDY)
     assert not llm.engine.has_unfinished() and len(llm.generate([[1, 2]], GREEDY)[0].token_ids) == 6
+
+
+def test_fuzz_deepseek_v4_ledger(tmp_path):
+    """The hybrid family under random add / step / abort / stream-close / bad requests on a
+    pool too small for every request at once (preemptions): after every operation each live
+    request holds its own blocks and state slot, free + held blocks fill the pool, the family
+    tracks only live requests; surviving greedy requests equal their single runs; at the end
+    every block and slot is free."""
+    from tests.models.dsv4_testlib import hf_config, hf_model
+
+    cfg = hf_config(4)
+    folder = tmp_path / "dsv4"
+    hf_model(cfg, 4).save_pretrained(folder)
+    vocab = cfg.vocab_size
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = LLM(str(folder), device="cpu", max_model_len=64)
+    llm = LLM(str(folder), device="cpu", max_model_len=64, max_num_seqs=3,
+              max_num_batched_tokens=24, num_blocks=6)  # fmt: skip
+    core, m = llm.engine, llm.parts.manager
+    family = core.runner.families["hybrid"].family
+    num_blocks = llm.parts.num_blocks
+
+    def check() -> None:
+        held = [b for rid in m.request_ids() for b in m.get_block_ids(rid) if b]
+        assert len(held) == len(set(held))  # no block in two requests
+        assert m.num_free_blocks() + len(held) == num_blocks - 1
+        running = {r.request_id for r in core.scheduler.running}
+        assert set(m.request_ids()) == running
+        slots = [m.get_state_slot(rid) for rid in running]
+        assert len(slots) == len(set(slots))
+        assert set(family._cached_len) <= running
+
+    rng = random.Random(4)
+    live: dict[int, list[int]] = {}
+    single: dict[tuple, list[int]] = {}
+    checked = 0
+    for _ in range(150):
+        op = rng.choice(["add", "add", "step", "step", "step", "step", "abort", "stream", "bad"])
+        if op == "add":
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+            live[llm.add_request(prompt, params)] = prompt
+        elif op == "step" and core.has_unfinished():
+            llm.step()
+        elif op == "abort" and live:
+            llm.abort(rng.choice(sorted(live)))
+        elif op == "stream":
+            s = llm.generate_stream([rng.randrange(vocab) for _ in range(6)], params)
+            for _ in range(rng.randint(1, 2)):
+                if next(s, None) is None:
+                    break
+            s.close()
+        elif op == "bad":
+            with pytest.raises((ValueError, TypeError)):
+                llm.add_request(rng.choice([[vocab], [-1], [2.0], [1] * 70]), params)
+        check()
+        for out in llm.pop_finished():
+            prompt = live.pop(out.request_id)
+            if out.finish_reason == "length":
+                key = tuple(prompt)
+                if key not in single:
+                    single[key] = ref.generate([prompt], params)[0].token_ids
+                assert out.token_ids == single[key]
+                checked += 1
+    while core.has_unfinished():
+        llm.step()
+        check()
+    for out in llm.pop_finished():
+        prompt = live.pop(out.request_id)
+        assert out.token_ids == ref.generate([prompt], params)[0].token_ids
+        checked += 1
+    assert not m.request_ids() and m.num_free_blocks() == num_blocks - 1
+    assert not family._cached_len and not family._owner
+    assert checked > 5 and core.scheduler.num_preemptions > 0
