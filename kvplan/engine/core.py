@@ -280,7 +280,8 @@ class EngineCore(AsyncSteps):
         that is hundreds of blocks to hash (~1.3 ms for 8,000 tokens on a 2-core CPU), which
         the device would otherwise wait for before the next step. Their out-of-window frees
         stay in the row loop, so blocks reach the free lists in the order of one pass.
-        Verification rows commit what they accept, after the tokens arrive.
+        Verification rows commit what they accept, after the tokens arrive. A wait that
+        raises (the device failed the step) forgets every prefix hash.
         """
         manager = self.scheduler.manager
         for s in step.seqs:
@@ -291,7 +292,12 @@ class EngineCore(AsyncSteps):
                 manager.commit_tokens(req.request_id, ids, release=False)
             elif not s.drafts:
                 manager.commit_tokens(req.request_id, [req.last_token_id], release=False)
-        tokens = self._copies.wait(pending)
+        try:
+            tokens = self._copies.wait(pending)
+        except BaseException:
+            # the device failed the step: blocks hashed above may name K/V it never wrote
+            manager.reset_prefix_cache()
+            raise
         touched: list[Request] = []
         by_row, prompt = logprobs.resolve() if logprobs is not None else ({}, {})
         for i, (s, sl) in enumerate(zip(step.seqs, inputs.row_slices)):

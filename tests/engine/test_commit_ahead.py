@@ -5,6 +5,8 @@ each row's committed count, on chunked prompts mixed with decode rows."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvplan import LLM, SamplingParams
 
 
@@ -43,3 +45,30 @@ def test_prompt_chunks_and_decode_rows_committed_before_the_wait():
     assert all(got == want for _, got, want in seen), seen
     assert {rid for rid, _, _ in seen} == {0, 1, 2}
     assert all(len(o.token_ids) == 6 for o in outs)
+
+
+def test_a_failed_wait_forgets_the_prefix_hashes():
+    """Blocks committed ahead of a wait that raises may name K/V the device never wrote: the
+    prefix cache forgets every hash, so no later prompt reuses them; the engine stays usable."""
+    llm = LLM("random:tiny-llama", device="cpu", block_size=4)
+    core = llm.engine
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = list(range(1, 30))
+    llm.generate([prompt], params)
+    pools = core.scheduler.manager.pools
+    assert any(p.cached_blocks() for p in pools)
+    wait = core._copies.wait
+
+    def failing(pending):
+        raise RuntimeError("device error")
+
+    core._copies.wait = failing
+    llm.add_request(list(range(50, 80)), params)
+    with pytest.raises(RuntimeError, match="device error"):
+        llm.step()
+    assert not any(p.cached_blocks() for p in pools)
+    core._copies.wait = wait
+    assert llm.engine.requests == {}  # the step's request finished with "error"
+    again = llm.generate([prompt], params)[0]
+    assert core.scheduler.manager.prefix_cache.stats().num_hit_tokens == 0
+    assert len(again.token_ids) == 2
