@@ -321,54 +321,67 @@ def test_cli_bad_arguments_are_one_line(capsys, monkeypatch, tmp_path, argv, mat
     assert rc == 2 and len(err) == 1 and match in err[0] and "Traceback" not in err[0]
 
 
-def test_fuzz_block_ledger():
-    """Random add / step / abort / stream-close / bad requests on a small pool; the ledger
-    holds after every operation and surviving greedy requests equal their single runs."""
-    rng = random.Random(0)
-    ref = make_llm()
-    llm = make_llm(
-        max_num_batched_tokens=16, enable_chunked_prefill=False, num_blocks=12, max_model_len=32
-    )
+def fuzz(llm, ref, rng, *, vocab, params, ops, max_prompt, bad, check, keep_streams=0.0):
+    """``ops`` random add / step / abort / stream / bad-request operations on ``llm``, then
+    steps until idle; ``check()`` after each one. Every request that ran to its length equals
+    ``ref``'s single run of it. Returns how many were compared."""
     live: dict[int, list[int]] = {}
-    streams = []
     single: dict[tuple, list[int]] = {}
+    streams = []
     checked = 0
-    for _ in range(150):
-        op = rng.choice(["add", "add", "step", "step", "step", "abort", "stream", "bad"])
-        if op == "add":
-            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 10))]
-            live[llm.add_request(prompt, GREEDY)] = prompt
-        elif op == "step" and llm.engine.has_unfinished():
-            llm.step()
-        elif op == "abort" and live:
-            llm.abort(rng.choice(sorted(live)))
-        elif op == "stream":
-            s = llm.generate_stream([rng.randrange(VOCAB) for _ in range(4)], GREEDY)
-            for _ in range(rng.randint(1, 3)):
-                if next(s, None) is None:
-                    break
-            streams.append(s)
-            if rng.random() < 0.7:
-                streams.pop().close()
-        elif op == "bad":
-            bad = rng.choice([[VOCAB], [-3], [1.5], [1] * 17, [1] * 70])
-            with pytest.raises((ValueError, TypeError)):
-                llm.add_request(bad, GREEDY)
-        check_ledger(llm)
+
+    def compare_finished() -> int:
+        n = 0
         for out in llm.pop_finished():
             prompt = live.pop(out.request_id)
             if out.finish_reason == "length":
                 key = tuple(prompt)
                 if key not in single:
-                    single[key] = ref.generate([prompt], GREEDY)[0].token_ids
+                    single[key] = ref.generate([prompt], params)[0].token_ids
                 assert out.token_ids == single[key]
-                checked += 1
+                n += 1
+        return n
+
+    for _ in range(ops):
+        op = rng.choice(["add", "add", "step", "step", "step", "abort", "stream", "bad"])
+        if op == "add":
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))]
+            live[llm.add_request(prompt, params)] = prompt
+        elif op == "step" and llm.engine.has_unfinished():
+            llm.step()
+        elif op == "abort" and live:
+            llm.abort(rng.choice(sorted(live)))
+        elif op == "stream":
+            s = llm.generate_stream([rng.randrange(vocab) for _ in range(4)], params)
+            for _ in range(rng.randint(1, 3)):
+                if next(s, None) is None:
+                    break
+            streams.append(s)
+            if rng.random() >= keep_streams:
+                streams.pop().close()
+        elif op == "bad":
+            with pytest.raises((ValueError, TypeError)):
+                llm.add_request(rng.choice(bad), params)
+        check()
+        checked += compare_finished()
         assert set(llm.engine.requests) >= set(live)  # the unfinished ones are live
     for s in streams:
         s.close()
     while llm.engine.has_unfinished():
         llm.step()
-        check_ledger(llm)
+        check()
+    return checked + compare_finished()
+
+
+def test_fuzz_block_ledger():
+    """Random add / step / abort / stream-close / bad requests on a small pool; the ledger
+    holds after every operation and surviving greedy requests equal their single runs."""
+    llm = make_llm(
+        max_num_batched_tokens=16, enable_chunked_prefill=False, num_blocks=12, max_model_len=32
+    )
+    checked = fuzz(llm, make_llm(), random.Random(0), vocab=VOCAB, params=GREEDY, ops=150,
+                   max_prompt=10, bad=[[VOCAB], [-3], [1.5], [1] * 17, [1] * 70],
+                   check=lambda: check_ledger(llm), keep_streams=0.3)  # fmt: skip
     assert all_free(llm) and checked > 5
 
 
@@ -415,44 +428,8 @@ def test_fuzz_deepseek_v4_ledger(tmp_path):
         assert len(slots) == len(set(slots))
         assert set(family._cached_len) <= running
 
-    rng = random.Random(4)
-    live: dict[int, list[int]] = {}
-    single: dict[tuple, list[int]] = {}
-    checked = 0
-    for _ in range(150):
-        op = rng.choice(["add", "add", "step", "step", "step", "step", "abort", "stream", "bad"])
-        if op == "add":
-            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
-            live[llm.add_request(prompt, params)] = prompt
-        elif op == "step" and core.has_unfinished():
-            llm.step()
-        elif op == "abort" and live:
-            llm.abort(rng.choice(sorted(live)))
-        elif op == "stream":
-            s = llm.generate_stream([rng.randrange(vocab) for _ in range(6)], params)
-            for _ in range(rng.randint(1, 2)):
-                if next(s, None) is None:
-                    break
-            s.close()
-        elif op == "bad":
-            with pytest.raises((ValueError, TypeError)):
-                llm.add_request(rng.choice([[vocab], [-1], [2.0], [1] * 70]), params)
-        check()
-        for out in llm.pop_finished():
-            prompt = live.pop(out.request_id)
-            if out.finish_reason == "length":
-                key = tuple(prompt)
-                if key not in single:
-                    single[key] = ref.generate([prompt], params)[0].token_ids
-                assert out.token_ids == single[key]
-                checked += 1
-    while core.has_unfinished():
-        llm.step()
-        check()
-    for out in llm.pop_finished():
-        prompt = live.pop(out.request_id)
-        assert out.token_ids == ref.generate([prompt], params)[0].token_ids
-        checked += 1
+    checked = fuzz(llm, ref, random.Random(4), vocab=vocab, params=params, ops=150,
+                   max_prompt=40, bad=[[vocab], [-1], [2.0], [1] * 70], check=check)  # fmt: skip
     assert not m.request_ids() and m.num_free_blocks() == num_blocks - 1
     assert not family._cached_len and not family._owner
     assert checked > 5 and core.scheduler.num_preemptions > 0
