@@ -45,9 +45,7 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     The chain makes a block's hash depend on every token before it, so equal hashes mean equal
     prefixes (up to a 128-bit collision). ``parent_hash`` is ``None`` for the first block.
     """
-    h = hashlib.blake2b(parent_hash if parent_hash is not None else _NO_PARENT, digest_size=16)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.digest()
+    return next(iter_block_hashes(token_ids, len(token_ids), 1, parent_hash))
 
 
 def iter_block_hashes(

@@ -48,3 +48,19 @@ class VocabParallelEmbedding(nn.Embedding):
         h = F.embedding(local.masked_fill(outside, 0), self.weight)
         h.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce_(h)
+
+
+def row_linear(in_features: int, out_features: int, tp: TPContext | None) -> nn.Linear:
+    """A bias-free projection whose input is split across ranks (all-reduced under ``tp``;
+    a plain ``nn.Linear`` on one device)."""
+    if tp is None:
+        return nn.Linear(in_features, out_features, bias=False)
+    return RowParallelLinear(in_features, out_features, tp)
+
+
+def vocab_embedding(vocab_size: int, dim: int, tp: TPContext | None) -> nn.Embedding:
+    """The token embedding: this rank's padded vocabulary rows under ``tp`` (also its share
+    of a tied head), the whole ``nn.Embedding`` on one device."""
+    if tp is None:
+        return nn.Embedding(vocab_size, dim)
+    return VocabParallelEmbedding(vocab_size, dim, tp)

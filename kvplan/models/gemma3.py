@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvplan.distributed.context import TPContext, local_kv_heads
-from kvplan.distributed.layers import VocabParallelEmbedding
+from kvplan.distributed.layers import row_linear, vocab_embedding
 from kvplan.models.config import ModelConfig
 from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
-from kvplan.models.llama import PAGED_FAMILY, row_linear
+from kvplan.models.llama import PAGED_FAMILY
 from kvplan.models.rope import RotaryTable, rotate_qk
 from kvplan.ops.small_gemm import small_linear
 
@@ -179,10 +179,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.tp = tp
         # the attention family of each layer (`kvplan.engine.families`)
         self.layer_families: tuple[str, ...] = (PAGED_FAMILY,) * cfg.num_layers
-        if tp is None:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        else:  # this rank's padded vocabulary rows, which are also its share of the head
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
             [Gemma3DecoderLayer(cfg, i, backend_cls, tp) for i in range(cfg.num_layers)]
         )

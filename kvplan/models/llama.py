@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from kvplan.distributed.context import TPContext, local_kv_heads
-from kvplan.distributed.layers import RowParallelLinear, VocabParallelEmbedding
+from kvplan.distributed.layers import row_linear, vocab_embedding
 from kvplan.models import fused as ops
 from kvplan.models.config import ModelConfig
 from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
@@ -67,13 +67,6 @@ class RMSNorm(nn.Module):
 
 
 PAGED_FAMILY = "paged"  # the attention family serving every layer of this model
-
-
-def row_linear(in_features: int, out_features: int, tp: TPContext | None) -> nn.Linear:
-    """A bias-free projection whose input is split across ranks (all-reduced under ``tp``)."""
-    if tp is None:
-        return nn.Linear(in_features, out_features, bias=False)
-    return RowParallelLinear(in_features, out_features, tp)
 
 
 class Attention(nn.Module):
@@ -247,12 +240,8 @@ class LlamaForCausalLM(nn.Module):
         if fused_kernels is None:
             fused_kernels = _fused_from_env()
         self.fused_kernels = fused_kernels
-        vocab = cfg.vocab_size
-        if tp is None:
-            self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(vocab, cfg.hidden_size, tp)
-            vocab = self.embed_tokens.num_embeddings  # this rank's padded share
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        vocab = self.embed_tokens.num_embeddings  # this rank's padded share under tp
         self.layers = nn.ModuleList(
             [DecoderLayer(cfg, i, backend_cls, tp) for i in range(cfg.num_layers)]
         )

@@ -80,7 +80,8 @@ def test_replicated_kv_heads(size, kv):
         tp = TPContext(r, size)
         head = r // (size // kv)
         assert tp.kv_head_range(kv) == (head, head + 1)
-        sq, sk, sv = torch.split(shard_state_dict(full, cfg, tp)[name], [q // size, d, d])
+        shard = shard_state_dict(full, cfg, tp)
+        sq, sk, sv = torch.split(shard[name], [q // size, d, d])
         assert torch.equal(sq, fq[r * q // size : (r + 1) * q // size])
         assert torch.equal(sk, fk[head * d : (head + 1) * d])
         assert torch.equal(sv, fv[head * d : (head + 1) * d])
@@ -88,7 +89,6 @@ def test_replicated_kv_heads(size, kv):
         assert first_query_head // group == head  # the rank's queries read its KV head
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg, get_backend("vanilla"), max_positions=8, tp=tp)
-        shard = shard_state_dict(full, cfg, tp)
         assert {n: tuple(t.shape) for n, t in shard.items()} == {
             n: tuple(p.shape) for n, p in model.state_dict().items()
         }
