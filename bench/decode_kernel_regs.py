@@ -45,9 +45,7 @@ FORMATS = {  # name: (KV_QUANT, SF_KIND, GROUP, cache pointer type, PREFETCH)
     "fp4f16+pf": (4, 1, 16, "*u8", 1),  # KVPLAN_FP4_F16: fp16 tiles (E2M1_F16)
     "fp4f16+ra": (4, 1, 16, "*u8", 2),
     "fp4nib+ra": (5, 1, 16, "*u8", 2),  # KVPLAN_FP4_NIBBLES: fp16 tiles in nibble order
-    "fp8+kg": (1, 2, 32, "*u8", 3),  # mode 3: K's logits by scale group (fp16 MMAs)
     "int8+ra": (3, 2, 32, "*u8", 2),
-    "int8+kg": (3, 2, 32, "*u8", 3),
 }
 TILINGS = [  # tile_n, warps, stages (5 stages: the first depth that double-buffers K/V tiles)
     (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2),
@@ -83,7 +81,7 @@ def _launch(name: str, tile_n: int, warps: int, stages: int, maxnreg: int | None
     kv_quant, sf_kind, group, kptr, prefetch = FORMATS[name]
     const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64, DOT_PRECISION="tf32",
                  SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant, SF_KIND=sf_kind, GROUP=group,
-                 PREFETCH=prefetch, FUSED=False, SPLITS_PAD=1)  # fmt: skip
+                 PREFETCH=prefetch)  # fmt: skip
     sig = {n: arg_type(n, const, kptr) for n in _decode_kernel.arg_names}
     attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(_decode_kernel.arg_names)
              if n in DIV16}  # fmt: skip

@@ -42,7 +42,6 @@ from kvplan.ops._paged_kv_tiles import (
     E2M1_F16_NIB,
     dequantize_kv_raw,
     head_scales_offset,
-    key_group_scores,
     kv_geometry,
     load_kv_groups,
     load_kv_raw,
@@ -50,10 +49,8 @@ from kvplan.ops._paged_kv_tiles import (
     nibble_acc,
     nibble_query,
     query_f16,
-    query_groups_f16,
 )
 from kvplan.ops._quant_triton import SF_KIND as _SF_KIND
-from kvplan.ops._triton_util import MERGE_COUNTERS, merge_counters
 
 # Stand-in for "no sliding window": far beyond any int32 position difference we produce.
 NO_WINDOW = 1 << 30
@@ -103,7 +100,7 @@ def _attend_tile(
     return _attend_rows_tile(
         acc, m_i, l_i, q, k_rows, v_rows, in_range, offs_n, row_pos, window, k_ptr, v_ptr,
         ks_ptr, vs_ptr, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, MASKED, KV_QUANT, SF_KIND,
-        GROUP, False, (q,), False,
+        GROUP, False,
     )  # fmt: skip
 
 
@@ -112,24 +109,17 @@ def _attend_rows_tile(
     acc, m_i, l_i, q, k_rows, v_rows, in_range, offs_n, row_pos, window, k_ptr, v_ptr, ks_ptr,
     vs_ptr, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr, V_GROUPS: tl.constexpr, q_groups,
-    K_GROUPS: tl.constexpr,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr, V_GROUPS: tl.constexpr,
 ):  # fmt: skip
     """`_attend_tile`'s step once the keys' record offsets ``k_rows`` / ``v_rows`` are looked
     up. ``MASKED``: keys out of ``in_range`` read nothing and the causal / window mask
     (``offs_n`` the keys' positions, ``row_pos``, ``window``) applies; otherwise those four
     are not read. ``V_GROUPS``: the accumulator is ``[groups, TILE_M, GROUP]`` and V's codes
-    go to the MMA unscaled (`load_kv_groups`). ``K_GROUPS`` (whole tiles): the logits are
-    `key_group_scores` of ``q_groups`` (``qk_scale`` is theirs)."""
-    if K_GROUPS:
-        s = key_group_scores(q_groups, k_ptr, ks_ptr, k_rows, TILE_N, HEAD_DIM, KV_QUANT,
-                             SF_KIND, GROUP) * qk_scale  # fmt: skip
-    else:
-        k = load_kv_tile(
-            k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND,
-            GROUP,
-        )  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+    go to the MMA unscaled (`load_kv_groups`)."""
+    k = load_kv_tile(
+        k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
+    )
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
     if MASKED:
         visible = (
             in_range[None, :]
@@ -234,10 +224,10 @@ def _ahead_step(
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
-    V_GROUPS: tl.constexpr, q_groups, K_GROUPS: tl.constexpr,
+    V_GROUPS: tl.constexpr,
 ):  # fmt: skip
     """One step of `_attend_range_ahead`: issue the next tile's loads (``MODE`` 1: its
-    stored bytes; 2 / 3: its page-table lookup), then attend tile ``start`` from what the step
+    stored bytes; 2: its page-table lookup), then attend tile ``start`` from what the step
     before loaded (``k_cur`` / ``v_cur``); returns the state and the next tile's values."""
     if MODE == 1:
         k_next, v_next = _raw_kv_tile(start + TILE_N, hi, page_ptr, k_ptr, v_ptr, ks_ptr,
@@ -254,7 +244,7 @@ def _ahead_step(
         acc, m_i, l_i = _attend_rows_tile(
             acc, m_i, l_i, q, k_cur, v_cur, k_cur, k_cur, k_cur, 0, k_ptr, v_ptr, ks_ptr,
             vs_ptr, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, False, KV_QUANT, SF_KIND, GROUP,
-            V_GROUPS, q_groups, K_GROUPS,
+            V_GROUPS,
         )  # fmt: skip
     return acc, m_i, l_i, k_next, v_next
 
@@ -265,7 +255,7 @@ def _attend_range_ahead(
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, q_groups, qk_groups,
+    SF_KIND: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
 ):  # fmt: skip
     """`_attend_range` over whole, unmasked tiles with part of each tile's loading one step
     ahead (``PREFETCH_MODES``):
@@ -278,16 +268,9 @@ def _attend_range_ahead(
       the same step and the compiler's software pipeline spends all its stages on K / V
       buffers; an e4m3 / int8 V goes to the MMA by scale group (``V_GROUPS``; the e2m1 nibble
       pairs split by group decode slowly, so an e2m1 V stays dequantized in registers).
-    * ``MODE`` 3: mode 2, and an e4m3 / int8 K's logits by scale group (`key_group_scores` of
-      ``q_groups``, the query's fp16 column groups, with ``qk_groups`` their logit scale);
-      other formats take mode 2.
     """
     TILE_M: tl.constexpr = acc.shape[0]
-    GROUPED: tl.constexpr = MODE >= 2 and (KV_QUANT == 1 or KV_QUANT == 3)
-    V_GROUPS: tl.constexpr = GROUPED
-    K_GROUPS: tl.constexpr = GROUPED and MODE == 3
-    if K_GROUPS:
-        qk_scale = qk_groups
+    V_GROUPS: tl.constexpr = MODE >= 2 and (KV_QUANT == 1 or KV_QUANT == 3)
     if MODE == 1:
         k_next, v_next = _raw_kv_tile(lo, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
                                       stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N,
@@ -304,7 +287,6 @@ def _attend_range_ahead(
                 acc, m_i, l_i, start, hi, q, k_next, v_next, page_ptr, k_ptr, v_ptr, ks_ptr,
                 vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
                 TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, MODE, V_GROUPS,
-                q_groups, K_GROUPS,
             )  # fmt: skip
             start += TILE_N
     else:
@@ -313,7 +295,6 @@ def _attend_range_ahead(
                 acc, m_i, l_i, start, hi, q, k_next, v_next, page_ptr, k_ptr, v_ptr, ks_ptr,
                 vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE,
                 TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT, SF_KIND, GROUP, MODE, V_GROUPS,
-                q_groups, K_GROUPS,
             )  # fmt: skip
     if V_GROUPS:
         acc = tl.reshape(tl.permute(acc, (1, 0, 2)), [TILE_M, HEAD_DIM])
@@ -327,7 +308,6 @@ def _attend_rows(
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr,
-    q_groups, qk_groups,
 ):  # fmt: skip
     """Online-softmax attention of ``TILE_M`` query rows over keys [key_lo, key_hi).
 
@@ -336,8 +316,8 @@ def _attend_rows(
     page_ptr: page_ids + page_start[b]; k_ptr / v_ptr: cache + kv_head * head stride.
     Keys [max(key_lo, pos_max - window + 1), pos_min] are visible to every real row, so whole
     tiles there (starting at a multiple of TILE_N) skip the mask; the head and tail of the
-    range are masked. ``PREFETCH``: how the whole tiles load (``PREFETCH_MODES``; 1 to 3
-    in `_attend_range_ahead`, which takes ``q_groups`` / ``qk_groups`` in mode 3).
+    range are masked. ``PREFETCH``: how the whole tiles load (``PREFETCH_MODES``; 1 and 2
+    in `_attend_range_ahead`).
 
     Returns the unnormalized accumulator [TILE_M, HEAD_DIM] (fp32), the running maximum m
     (log2 domain) and the running denominator l, both [TILE_M] fp32.
@@ -359,7 +339,7 @@ def _attend_rows(
             acc, m_i, l_i, full_lo, full_hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
             BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-            PREFETCH, q_groups, qk_groups,
+            PREFETCH,
         )  # fmt: skip
     else:
         acc, m_i, l_i = _attend_range(
@@ -385,15 +365,11 @@ def _decode_kernel(
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
-    GROUP: tl.constexpr, PREFETCH: tl.constexpr, cnt_ptr=None, FUSED: tl.constexpr = False,
-    SPLITS_PAD: tl.constexpr = 1,
+    GROUP: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, Hkv, num_splits). q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D];
     page_ids int32 flat, page_start / kv_lens int32 [B]; partials (SPLIT only): fp32
-    part_acc [B, H, S, D], part_m / part_l [B, H, S]. ``FUSED`` (SPLIT): the last program of
-    a (sequence, KV head) to store its partials also merges them into out (`_merge_head` for
-    each head, as ``_combine_kernel`` does; ``SPLITS_PAD``: ``num_splits`` rounded up to a
-    power of two); ``cnt_ptr``: int32 ``[B * Hkv]`` counters, zero on entry and left zero."""
+    part_acc [B, H, S, D], part_m / part_l [B, H, S]."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -419,17 +395,13 @@ def _decode_kernel(
         q, qk_scale = nibble_query(q, qk_scale)
     row_pos = tl.where(g_ok, kv_len - 1, -1)
     sf_head = head_scales_offset(kvh, HEAD_DIM, GROUP, SF_KIND)
-    if PREFETCH == 3:  # K's logits by scale group (e4m3 / int8, a half query: `_decode_mode`)
-        q_groups, qk_groups = query_groups_f16(q, q_rows, g_ok, qk_scale, HEAD_DIM, GROUP)
-    else:
-        q_groups, qk_groups = (q,), qk_scale  # not read
     acc, m_i, l_i = _attend_rows(
         q, row_pos, kv_len - 1, kv_len - 1, key_lo, key_hi, page_ids_ptr + page_start,
         k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        PREFETCH, q_groups, qk_groups,
+        PREFETCH,
     )  # fmt: skip
     if KV_QUANT == E2M1_F16_NIB:  # back in order, V's 2^-14 off
         acc = nibble_acc(acc)
@@ -441,19 +413,6 @@ def _decode_kernel(
         tl.store(part_acc_ptr + acc_off, acc, mask=g_ok[:, None])
         tl.store(part_m_ptr + part_row, m_i, mask=g_ok)
         tl.store(part_l_ptr + part_row, l_i, mask=g_ok)
-        if FUSED:
-            tl.debug_barrier()  # every thread's stores above, before the count
-            counter = cnt_ptr + b * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                for r in tl.static_range(TILE_M):  # the group's heads, one at a time
-                    if r < group_size:
-                        h = kvh.to(tl.int64) * group_size + r
-                        _merge_head(part_acc_ptr, part_m_ptr, part_l_ptr,
-                                    out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh,
-                                    (b.to(tl.int64) * num_heads + h) * num_splits, num_splits,
-                                    SPLITS_PAD, HEAD_DIM, ".cg")  # fmt: skip
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -468,32 +427,18 @@ def _combine_kernel(
     """Grid (B, H): merge the split partials (fp32 [B, H, S, D] and [B, H, S]) into out."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    _merge_head(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr + b * stride_ob + h * stride_oh,
-                (b * num_heads + h) * num_splits, num_splits, SPLITS_PAD, HEAD_DIM,
-                "")  # fmt: skip
-
-
-@triton.jit
-def _merge_head(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_row, base, num_splits,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr,
-):  # fmt: skip
-    """Merge one head's split partials (rows ``base ..`` of the partials) into ``out_row``:
-    ``_combine_kernel``'s program, and the fused merge's for each head of its group (one code:
-    the same bits). ``CACHE``: the loads' cache modifier (``".cg"`` past the L1 when other
-    programs of the same launch wrote the partials)."""
+    base = (b * num_heads + h) * num_splits
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
-    m = tl.load(part_m_ptr + base + offs_s, mask=s_ok, other=float("-inf"),
-                cache_modifier=CACHE)  # fmt: skip
-    lsum = tl.load(part_l_ptr + base + offs_s, mask=s_ok, other=0.0, cache_modifier=CACHE)
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    lsum = tl.load(part_l_ptr + base + offs_s, mask=s_ok, other=0.0)
     acc_off = (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
-    acc = tl.load(part_acc_ptr + acc_off, mask=s_ok[:, None], other=0.0, cache_modifier=CACHE)
+    acc = tl.load(part_acc_ptr + acc_off, mask=s_ok[:, None], other=0.0)
     w = tl.exp2(m - tl.max(m, 0))  # [SPLITS_PAD]; padding splits get weight 0
     den = tl.sum(w * lsum, 0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(den > 0, den, 1.0)
-    tl.store(out_row + offs_d, o.to(out_row.dtype.element_ty))
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -542,7 +487,7 @@ def _prefill_kernel(
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        PREFETCH, (q,), qk_scale,
+        PREFETCH,
     )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t64[:, None] * stride_ot + h64[:, None] * stride_oh + offs_d[None, :]
@@ -556,27 +501,28 @@ def _prefill_kernel(
 LOG2E = 1.4426950408889634
 
 
-PREFETCH_MODES = (0, 1, 2, 3)
+PREFETCH_MODES = (0, 1, 2)
 """How a launch's whole, unmasked key tiles load (the ``PREFETCH`` constexpr): 0 as the masked
 ones (`_attend_range`); 1 a quantized tile's stored bytes one step ahead in registers
 (`_attend_range_ahead`); 2 the tile's page-table lookup one step ahead, and an fp8 / int8 V
-by scale group with its scales on the probabilities (also `_attend_range_ahead`); 3 (decode;
-prefill takes 2) mode 2 with an fp8 / int8 K's logits by scale group too: one fp16 MMA per
-group of the codes as stored against the query's columns of that group, each scaled by its
-keys' scales (`key_group_scores`), so the K codes reach the MMA without a multiply."""
+by scale group with its scales on the probabilities (also `_attend_range_ahead`). A mode 3
+(an fp8 / int8 K's logits by scale group: fp16 MMAs of the codes as stored, the keys' scales
+on the logits) compiled to fewer instructions (783 against 921) but measured slower on the
+H200 (bench/RESULTS.md, session 26: 147.4 against 135.8 us a call at 32 x 8K, the long
+workload's decode step 3.53 against 3.31 ms) and was removed."""
 
 
 def _env_prefetch(name: str = "KVPLAN_QUANT_PREFETCH") -> int | None:
     value = os.environ.get(name, "").strip()
     if not value:
         return None
-    if value not in ("0", "1", "2", "3"):
-        raise ValueError(f"{name} must be 0, 1, 2 or 3, got {value!r}")
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"{name} must be 0, 1 or 2, got {value!r}")
     return int(value)
 
 
 QUANT_PREFETCH: int | None = _env_prefetch()
-"""Every launch's ``PREFETCH_MODES`` entry (``KVPLAN_QUANT_PREFETCH`` = 0 / 1 / 2 / 3 at import),
+"""Every launch's ``PREFETCH_MODES`` entry (``KVPLAN_QUANT_PREFETCH`` = 0 / 1 / 2 at import),
 or None (the default): per format and kernel as ``DECODE_PREFETCH`` says. On sm_90 Triton
 software-pipelines only the scale loads of the dequantizing kernels' mode-0 loop (cp.async),
 not the value bytes (bench/RESULTS.md, session 10)."""
@@ -594,7 +540,7 @@ launches keep mode 0: mode 2 in every launch made that workload's mixed (prefill
 
 
 DECODE_PREFETCH_OVERRIDE: int | None = _env_prefetch("KVPLAN_DECODE_PREFETCH")
-"""``KVPLAN_DECODE_PREFETCH`` = 0 / 1 / 2 / 3 at import: every quantized decode launch's mode
+"""``KVPLAN_DECODE_PREFETCH`` = 0 / 1 / 2 at import: every quantized decode launch's mode
 instead of ``DECODE_PREFETCH``'s (A/B runs of whole engines; prefill launches keep theirs)."""
 
 
@@ -666,25 +612,6 @@ def decode_key(kv_layout, kv_quant: int) -> str | None:
     return "e2m1_f16" if f16 else kv_layout.quantized_dtype
 
 
-DECODE_FUSED_COMBINE = env_flag("KVPLAN_DECODE_FUSED_COMBINE", False)
-"""Split decode launches merge their partials in the last-arriving split program of each
-(sequence, KV head) instead of a second launch (``_combine_kernel``; the same code, the same
-bits) when True (``KVPLAN_DECODE_FUSED_COMBINE=1`` at import; off until timed on the H200).
-The programs count themselves in on the device's shared merge counters
-(``kvplan.ops._triton_util.merge_counters``, per CUDA stream), which each launch leaves zero."""
-
-
-def _decode_mode(prefetch, kv_layout, kv_quant: int, q_dtype, group: int) -> int:
-    """The decode launch's ``PREFETCH``: `_prefetch` by the launch's `decode_key`; mode 3 only
-    where its fp16 MMAs apply (e4m3 / int8 pages, a bf16 / fp16 query, scale groups of at
-    least 16 values: an MMA's smallest depth), else mode 2."""
-    mode = _prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant))
-    half = q_dtype in (torch.bfloat16, torch.float16)
-    if mode == 3 and not (kv_quant in (1, 3) and half and group >= 16):
-        return 2
-    return mode
-
-
 def _dot_precision(dtype) -> str:
     """fp32 caches get exact fp32 products (tf32 would miss the 1e-5 tolerance)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -718,12 +645,6 @@ def launch_decode(
         part_acc = part_m = part_l = out  # unused by the kernel
     if batch == 0:
         return out
-    fused = split and DECODE_FUSED_COMBINE and batch * geo.num_kv_heads <= MERGE_COUNTERS
-    merge = dict(
-        cnt_ptr=merge_counters(q.device) if fused else None,
-        FUSED=fused,
-        SPLITS_PAD=triton.next_power_of_2(num_splits) if fused else 1,
-    )
     _decode_kernel[(batch, geo.num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, part_acc, part_m, part_l,
         q.stride(0), q.stride(1),
@@ -735,11 +656,11 @@ def launch_decode(
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
         KV_QUANT=kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
-        PREFETCH=_decode_mode(prefetch, kv_layout, kv_quant, q.dtype, geo.group), **merge,
+        PREFETCH=_prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant)),
         num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
     )  # fmt: skip
-    if split and not fused:
+    if split:
         _combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_heads, num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
@@ -772,7 +693,7 @@ def launch_prefill(
         TILE_M=tile_m, BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(),
         KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
-        PREFETCH=min(_prefetch(prefetch, kv_layout, decode=False), 2),  # mode 3 is decode's
+        PREFETCH=_prefetch(prefetch, kv_layout, decode=False),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -227,49 +227,6 @@ def _f16_shift(q):
 
 
 @triton.jit
-def query_groups_f16(q, q_rows, rows_ok, qk_scale, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):
-    """The query's columns by scale group for `key_group_scores`: a tuple of ``HEAD_DIM //
-    GROUP`` fp16 tiles ``[TILE_M, GROUP]`` (group ``g``: columns ``g * GROUP ..``, loaded
-    again from ``q_rows`` ``[TILE_M, 1]``, the rows' first elements; ``rows_ok`` masks
-    padding rows), scaled by `query_f16`'s power of two (taken from the whole tile ``q``),
-    and the logits' scale that goes with them."""
-    down, up = _f16_shift(q)
-    offs_c = tl.arange(0, GROUP)
-    groups = ()
-    for g in tl.static_range(HEAD_DIM // GROUP):
-        qg = tl.load(q_rows + g * GROUP + offs_c[None, :], mask=rows_ok[:, None], other=0.0)
-        groups = groups + ((qg.to(tl.float32) * down).to(tl.float16),)
-    return groups, qk_scale * up
-
-
-@triton.jit
-def key_group_scores(
-    q_groups, ptr, sf_ptr, rows, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
-):  # fmt: skip
-    """The logits ``q . k`` ``[TILE_M, TILE_N]`` (fp32, before the softmax scale) of whole-tile
-    e4m3 / int8 keys (``KV_QUANT`` 1 / 3) by scale group: for each group one fp16 MMA of the
-    codes as stored (every e4m3 / int8 code is an fp16 value) against ``q_groups[g]``
-    (`query_groups_f16`), times the keys' scale of that group (fp32). No multiply touches the
-    ``TILE_N x HEAD_DIM`` codes; the products are exact and only their sums round (fp32)."""
-    offs_c = tl.arange(0, GROUP)
-    s = tl.zeros([q_groups[0].shape[0], TILE_N], tl.float32)
-    for g in tl.static_range(HEAD_DIM // GROUP):
-        raw = tl.load(ptr + rows[:, None] + g * GROUP + offs_c[None, :])
-        if KV_QUANT == 1:
-            codes = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        else:
-            codes = raw.to(tl.int8, bitcast=True).to(tl.float16)
-        if SF_KIND == 2:  # fp32
-            sf = tl.load((sf_ptr + rows).to(tl.pointer_type(tl.float32)) + g)
-        else:
-            sf = tl.load(sf_ptr + rows + g)
-        scale = kv_scales_fp32(sf, KV_QUANT, SF_KIND)
-        s += tl.dot(q_groups[g], tl.trans(codes)) * scale[None, :]
-    return s
-
-
-@triton.jit
 def dequantize_kv_raw(
     vals, sf, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
     SF_KIND: tl.constexpr, GROUP: tl.constexpr,

@@ -137,38 +137,6 @@ def test_decode_triton_matches_ref(
         assert not got[kv_lens.index(0)].any()
 
 
-@pytest.mark.parametrize("splits", [2, 3, 5])
-def test_decode_fused_combine_equals_the_combine_kernel(splits, monkeypatch):
-    """``DECODE_FUSED_COMBINE``: the last split program of each (sequence, KV head) merges the
-    partials (`_merge_head`, as ``_combine_kernel`` does): the same bits as the two-launch
-    path, empty splits and an empty sequence included, no combine launch, and the shared
-    counters left zero for the next launch (a second call equals the first)."""
-    from kvplan.ops import _paged_attention_kernels as K
-    from kvplan.ops._triton_util import merge_counters
-
-    c = make_case(31 + splits, [70, 3, 0, 129], [1] * 4, group=4, block_size=16)
-    kw = dict(scale=c.scale, num_splits=splits, tile_n=16)
-    monkeypatch.setattr(K, "DECODE_FUSED_COMBINE", False)
-    plain = paged_attention_decode_triton(*c.args(), c.kv_lens, **kw)
-    launches = []
-    real = K._combine_kernel
-    monkeypatch.setattr(
-        K,
-        "_combine_kernel",
-        type("L", (), {"__getitem__": lambda self, grid: launches.append(grid) or real[grid]})(),
-    )
-    monkeypatch.setattr(K, "DECODE_FUSED_COMBINE", True)
-    for _ in range(2):
-        got = paged_attention_decode_triton(*c.args(), c.kv_lens, **kw)
-        assert torch.equal(got, plain)
-    assert launches == [] and not merge_counters(c.q.device).any()
-    assert_close(got, c.ref(decode=True))
-    assert not got[2].any()  # no visible key -> zero row
-    monkeypatch.setattr(K, "DECODE_FUSED_COMBINE", False)
-    paged_attention_decode_triton(*c.args(), c.kv_lens, **kw)
-    assert len(launches) == 1  # the two-launch path
-
-
 PREFILL_CASES = [
     # (seed, kv_lens, q_lens, group, block_size, window): fresh prefill, chunked prefill over
     # cached history, speculative decode rows (q_len 3), plain decode rows (q_len 1).
@@ -299,9 +267,7 @@ for quant, sf, group, pre in ((0, 0, 1, False), (1, 2, 32, False), (2, 1, 16, Fa
                               (1, 2, 32, True), (2, 1, 16, True)):
     common = dict(BLOCK_SIZE=32, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRET=False,
                   KV_QUANT=quant, SF_KIND=sf, GROUP=group, PREFETCH=pre)
-    for fused, pad in ((False, 1), (True, 4)):  # split partials merged by a second launch / fused
-        build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, FUSED=fused,
-                                     SPLITS_PAD=pad, **common), 4, 2)
+    build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, **common), 4, 2)
     build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
 build(K._combine_kernel, dict(SPLITS_PAD=4, HEAD_DIM=128), 4, 1)
 """
@@ -479,37 +445,6 @@ def test_decode_gpu(group, window, splits):
         want = paged_attention_decode_torch(*c.args(), c.kv_lens, scale=c.scale,
                                             sliding_window=window)  # fmt: skip
         assert _rel_err(got, want) < tol
-
-
-@pytest.mark.gpu
-def test_decode_fused_combine_gpu(monkeypatch):
-    """On the GPU, split decode with the merge in the last-arriving program equals the
-    two-launch path bit for bit (bf16 and fp8 pages, eager and in a CUDA graph), and leaves
-    the stream's merge counters zero."""
-    from kvplan.ops import _paged_attention_kernels as K
-    from kvplan.ops._triton_util import merge_counters
-
-    gen = torch.Generator().manual_seed(3)
-    kv_lens = torch.randint(1, 3000, (40,), generator=gen).tolist() + [1, 0]
-    c = make_case(3, kv_lens, [1] * len(kv_lens), num_kv_heads=8, group=4, head_dim=64,
-                  block_size=16, dtype=torch.bfloat16, device="cuda")  # fmt: skip
-    for splits in (2, 4, 7):
-        kw = dict(scale=c.scale, num_splits=splits)
-        monkeypatch.setattr(K, "DECODE_FUSED_COMBINE", False)
-        want = paged_attention_decode_triton(*c.args(), c.kv_lens, **kw)
-        monkeypatch.setattr(K, "DECODE_FUSED_COMBINE", True)
-        got = paged_attention_decode_triton(*c.args(), c.kv_lens, **kw)
-        assert torch.equal(got, want), splits
-        out = torch.empty_like(want)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            paged_attention_decode_triton(*c.args(), c.kv_lens, out=out, check=False, **kw)
-        for _ in range(3):
-            out.zero_()
-            g.replay()
-            assert torch.equal(out, want), splits
-        torch.cuda.synchronize()
-    assert not merge_counters(c.q.device).any()
 
 
 @pytest.mark.gpu

@@ -171,7 +171,7 @@ def test_prefetched_tiles_give_the_same_result(kind, decode, mode, monkeypatch):
     reference again, within fp32 rounding of the plain loop."""
     calls = []
     real = pak._ahead_step  # one call per whole tile the loop attends
-    monkeypatch.setattr(pak, "_ahead_step", lambda *a: calls.append(a[-4]) or real(*a))
+    monkeypatch.setattr(pak, "_ahead_step", lambda *a: calls.append(a[-2]) or real(*a))
     kv_lens, q_lens = [70, 35, 129, 1], ([1] * 4 if decode else [9, 35, 3, 1])
     c, (k_raw, v_raw), fmt, dq = quantized_case(
         kind, 21, kv_lens, q_lens, group=2, block_size=16, layout="offsets", head_dim=32
@@ -191,51 +191,11 @@ def test_prefetched_tiles_give_the_same_result(kind, decode, mode, monkeypatch):
         assert_close(got, dq.ref(decode=decode))
         if prefetch:
             first = got
-            assert calls and set(calls) == {mode}  # MODE (V_GROUPS, q_groups, K_GROUPS follow)
+            assert calls and set(calls) == {mode}  # MODE (V_GROUPS follows)
     if mode == 1:
         assert torch.equal(first, got)
     else:
         assert_close(first, got, atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("kind", ["fp8", "int8", "fp8_g16", "fp8_g8", "fp4"])
-def test_key_group_logits_decode(kind, monkeypatch):
-    """``prefetch=3`` (interpreter, bf16 query): an e4m3 / int8 K's logits by scale group
-    (`key_group_scores`: one fp16 MMA per group of the codes, times the keys' scales) give
-    the attention over the exact values, as mode 2 does, also for 2^20-sized queries (shifted
-    into fp16's range) and 2 groups a head (``fp8_g16``); fp4 pages, groups of 8 values (below
-    an MMA's depth of 16) and fp32 queries take mode 2, and prefill launches take 2 as well."""
-    if torch.cuda.is_available():
-        pytest.skip("interpreter test")
-    steps = []
-    real = pak._ahead_step
-    val = lambda x: getattr(x, "value", x)  # noqa: E731 (constexpr arguments)
-    monkeypatch.setattr(pak, "_ahead_step", lambda *a: steps.append(a[-4:]) or real(*a))
-    c, (k_raw, v_raw), fmt, dq = quantized_case(
-        kind, 62, [3, 41, 70], [1] * 3, group=4, block_size=16, layout="offsets", head_dim=32
-    )
-    grouped = kind not in ("fp4", "fp8_g8")
-    for big in (1.0, 2.0**20):
-        q = (c.q * big).bfloat16()
-        args = (q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens)
-        kw = dict(scale=c.scale, num_splits=2, tile_n=16, kv_layout=fmt)
-        steps.clear()
-        got = paged_attention_decode_triton(*args, **kw, prefetch=3)
-        assert steps and {(val(s[0]), val(s[3])) for s in steps} == {(3 if grouped else 2, grouped)}
-        if grouped:
-            assert len(steps[0][2]) == 32 // fmt.elements_per_sf  # the query's groups
-        mode2 = paged_attention_decode_triton(*args, **kw, prefetch=2)
-        want = dataclasses.replace(dq, q=q.float()).ref(decode=True)
-        assert got.dtype == torch.bfloat16 and got.isfinite().all()
-        assert_close(got, want, atol=4e-3 * big, rtol=8e-3)
-        assert_close(got, mode2, atol=4e-3 * big, rtol=8e-3)
-    steps.clear()
-    paged_attention_decode_triton(c.q, *args[1:], **kw, prefetch=3)  # fp32: mode 2
-    assert {(val(s[0]), val(s[3])) for s in steps} == {(2, False)}
-    assert pak._decode_mode(3, fmt, 1, torch.bfloat16, 32) == 3
-    assert pak._decode_mode(3, fmt, 1, torch.bfloat16, 8) == 2
-    assert pak._decode_mode(3, fmt, 2, torch.bfloat16, 16) == 2
-    assert pak._decode_mode(3, fmt, 3, torch.float32, 32) == 2
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
@@ -516,15 +476,14 @@ def test_gpu_prefetched_tiles_equal_the_plain_loop(kind):
     arithmetic: decode and prefill at the engine's tilings equal the plain loop within one
     bf16 ulp (on the H200 the compiled loops are not bit-identical: the two schedules round
     some outputs apart). Mode 2 rounds the scaled probabilities instead of the dequantized V
-    to bf16: within two bf16 ulps of the plain loop; so does mode 3 (decode: K's logits by
-    scale group, fp16 MMAs of the codes; prefill: mode 2)."""
+    to bf16: within two bf16 ulps of the plain loop."""
     gen = torch.Generator().manual_seed(4)
     kv_lens = torch.randint(1, 2000, (24,), generator=gen).tolist()
     for decode, (c, (k_raw, v_raw), fmt, _) in _gpu_cases(kind, gen, 6, kv_lens):
         args = (c.q.bfloat16().cuda(), k_raw.cuda(), v_raw.cuda(), c.page_ids.cuda(),
                 c.page_start.cuda())  # fmt: skip
         outs = []
-        for prefetch in (0, 1, 2, 3):
+        for prefetch in (0, 1, 2):
             if decode:
                 outs.append(paged_attention_decode_triton(
                     *args, c.kv_lens.cuda(), scale=c.scale, kv_layout=fmt, prefetch=prefetch))  # fmt: skip
@@ -535,7 +494,6 @@ def test_gpu_prefetched_tiles_equal_the_plain_loop(kind):
         assert_close(outs[1].float(), outs[0].float(), atol=2e-3, rtol=4e-3)
         assert (outs[1] != outs[0]).float().mean() < 0.01  # rounding, not a different result
         assert_close(outs[2].float(), outs[0].float(), atol=4e-3, rtol=8e-3)
-        assert_close(outs[3].float(), outs[0].float(), atol=4e-3, rtol=8e-3)  # K by group
 
 
 def _decode_args(kind, seed, kv_lens, device, **kw):
@@ -586,9 +544,9 @@ def test_prefetch_defaults_per_format_and_kernel(monkeypatch):
     assert pak._prefetch(True, layout["fp8"], decode=False) == 1
     assert pak._prefetch(2, layout["fp4"], decode=True) == 2
     assert pak._prefetch(False, layout["fp4"], decode=True) == 0
-    assert pak._prefetch(3, layout["fp8"], decode=True) == 3
-    with pytest.raises(ValueError, match="prefetch must be one of .* got 4"):
-        pak._prefetch(4, layout["fp8"], decode=True)
+    assert pak._prefetch(2, layout["fp8"], decode=True) == 2
+    with pytest.raises(ValueError, match="prefetch must be one of .* got 3"):
+        pak._prefetch(3, layout["fp8"], decode=True)
     monkeypatch.setattr(pak, "QUANT_PREFETCH", 0)
     assert pak._prefetch(None, layout["fp4"], decode=True) == 0
     monkeypatch.setattr(pak, "QUANT_PREFETCH", 2)
@@ -597,16 +555,19 @@ def test_prefetch_defaults_per_format_and_kernel(monkeypatch):
     assert pak._env_prefetch() == 0
     monkeypatch.setenv("KVPLAN_QUANT_PREFETCH", "2")
     assert pak._env_prefetch() == 2
+    monkeypatch.setenv("KVPLAN_DECODE_PREFETCH", "1")
+    assert pak._env_prefetch("KVPLAN_DECODE_PREFETCH") == 1
     monkeypatch.setenv("KVPLAN_DECODE_PREFETCH", "3")
-    assert pak._env_prefetch("KVPLAN_DECODE_PREFETCH") == 3
+    with pytest.raises(ValueError, match="KVPLAN_DECODE_PREFETCH must be 0, 1 or 2, got '3'"):
+        pak._env_prefetch("KVPLAN_DECODE_PREFETCH")
     monkeypatch.setattr(pak, "QUANT_PREFETCH", None)
-    monkeypatch.setattr(pak, "DECODE_PREFETCH_OVERRIDE", 3)  # decode launches only
-    assert pak._prefetch(None, layout["fp8"], decode=True) == 3
+    monkeypatch.setattr(pak, "DECODE_PREFETCH_OVERRIDE", 1)  # decode launches only
+    assert pak._prefetch(None, layout["fp8"], decode=True) == 1
     assert pak._prefetch(None, layout["fp8"], decode=False) == 0
     assert pak._prefetch(None, None, decode=True) == 0
     monkeypatch.setattr(pak, "DECODE_PREFETCH_OVERRIDE", None)
     monkeypatch.setenv("KVPLAN_QUANT_PREFETCH", "yes")
-    with pytest.raises(ValueError, match="KVPLAN_QUANT_PREFETCH must be 0, 1, 2 or 3, got 'yes'"):
+    with pytest.raises(ValueError, match="KVPLAN_QUANT_PREFETCH must be 0, 1 or 2, got 'yes'"):
         pak._env_prefetch()
     monkeypatch.setenv("KVPLAN_QUANT_PREFETCH", "")
     assert pak._env_prefetch() is None
