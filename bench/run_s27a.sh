@@ -6,6 +6,6 @@
 set -u
 BUDGET=${BUDGET:-570}
 source bench/gpu_steps.sh
-step 400 gpu_suite python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf tests
-grep -E "passed|failed|^FAILED" "$W/gpu_suite.log" | tail -12
+step 400 gpu_suite python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf --durations=30 tests
+grep -E "passed|failed|^FAILED" "$W/gpu_suite.log" | tail -12; grep -A32 "slowest" "$W/gpu_suite.log" | head -34
 for f in fp8 fp4; do long_run "long_$f" $f; done
