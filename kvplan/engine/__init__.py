@@ -11,7 +11,8 @@
 * ``core``         -- one step: schedule, run, sample, update (stop rules, speculative accept);
 * ``async_steps``  -- greedy decode steps launched one step ahead;
 * ``host_tokens``  -- sampled tokens' device -> host copies;
-* ``sampling``     -- `SamplingParams` and the sampler (greedy / temperature / top-k / top-p);
+* ``sampling``     -- `SamplingParams` and the sampler (greedy / temperature / top-k / top-p,
+  penalties and logit bias);
 * ``speculative``  -- prompt-lookup (n-gram) drafts and their verification;
 * ``cuda_graphs``  -- decode steps captured per batch-size bucket;
 * ``scoring``      -- teacher-forced logits through the cache (KV format comparisons);

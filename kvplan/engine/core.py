@@ -111,6 +111,11 @@ class EngineCore(AsyncSteps):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self.check_prompt(prompt_token_ids)
+        bad = [t for t, _ in params.logit_bias if self.vocab_size and t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -384,11 +389,16 @@ class EngineCore(AsyncSteps):
         else:
             params: list[SamplingParams] = []
             gens: list[torch.Generator | None] = []
+            hist: list[tuple[list[int], list[int]] | None] = []
             for s, sl in zip(seqs, inputs.row_slices):
                 n = sl.stop - sl.start
-                params.extend([s.request.params] * n)
-                gens.extend([s.request.generator] * n)
-            tokens = sample(logits, params, gens, self.generator)
+                req = s.request
+                params.extend([req.params] * n)
+                gens.extend([req.generator] * n)
+                # one row a request that adjusts its logits (no drafts: it is not greedy)
+                h = (req.prompt_token_ids, req.output_token_ids)
+                hist.extend([h if req.params.adjusts_logits else None] * n)
+            tokens = sample(logits, params, gens, self.generator, hist)
         return tokens, self._copies.start(tokens)
 
     def _logprobs(

@@ -4,13 +4,25 @@
 Rows are independent: a seeded request draws from its own ``torch.Generator`` exactly one
 ``exponential_`` vector per token, so its tokens do not depend on what else shares the batch
 (Gumbel-style sampling: ``argmax(p / E)`` with ``E ~ Exp(1)`` samples from ``p``).
+
+Logit adjustments (`apply_penalties`), in this order, on the fp32 logits of a row before its
+temperature, top-k / top-p and draw (or argmax at temperature 0)::
+
+    repetition_penalty r (every token of the prompt and the output so far, once each):
+        l -> l / r if l > 0 else l * r                       (Hugging Face's rule)
+    frequency_penalty f, presence_penalty p (c = the token's count in the output so far):
+        l -> l - f * c - p * (c > 0)                         (OpenAI's rule)
+    logit_bias b:  l -> l + b[token]
+
+A request with any of them is not `SamplingParams.greedy` (the token is not the argmax of
+the raw logits), so it takes none of the greedy fast paths (async launch, n-gram drafts).
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +47,47 @@ def _token_ids(ids: object) -> tuple[int, ...]:
             raise ValueError(f"stop_token_ids must be >= 0, got {ids!r}")
         out.append(v)
     return tuple(out)
+
+
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # |logit_bias| values (OpenAI's range)
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (a mapping or ``(token, bias)`` pairs) as pairs sorted by token id, or a
+    TypeError/ValueError naming the bad entry."""
+    if bias is None:
+        return ()
+    if isinstance(bias, Mapping):
+        items = list(bias.items())
+    elif isinstance(bias, (list, tuple)):
+        items = bias
+    else:
+        raise TypeError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise TypeError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+        token, value = item
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias: token ids must be ints >= 0, got {token!r}")
+        value = _number(f"logit_bias[{token}]", value)
+        if abs(value) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {value}"
+            )
+        if token in out:
+            raise ValueError(f"logit_bias: token id {token} is given twice")
+        out[token] = value
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -63,6 +116,17 @@ class SamplingParams:
             prefix, and the top ``prompt_logprobs`` tokens of that position (0 <= k <= 20;
             None = off). Such a request does not reuse cached prefix blocks (every prompt
             position must be computed).
+        presence_penalty: subtracted from the logit of every token the output holds
+            (in [-2, 2]; 0 = off).
+        frequency_penalty: times a token's count in the output, subtracted from its logit
+            (in [-2, 2]; 0 = off).
+        repetition_penalty: divides the positive logits (multiplies the negative ones) of every
+            token in the prompt or the output (> 0; 1 = off).
+        logit_bias: ``{token_id: bias}`` added to those logits (bias in [-100, 100]; -100
+            in effect bans a token, 100 forces it). Token ids are checked against the model's
+            vocabulary when the request is added.
+        The adjustments apply in that order (module docstring); the reported logprobs stay
+        those of the raw logits.
 
     Example::
 
@@ -80,6 +144,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "top_k"):
@@ -128,10 +196,31 @@ class SamplingParams:
                 raise TypeError(f"{name} must be an int or None, got {value!r}")
             if not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _number(name, getattr(self, name))
+            if abs(value) > MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+            object.__setattr__(self, name, value)
+        value = _number("repetition_penalty", self.repetition_penalty)
+        if value <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {value}")
+        object.__setattr__(self, "repetition_penalty", value)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a logit bias changes the logits before sampling."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The token is the argmax of the raw logits: temperature 0 and no logit adjustment."""
+        return self.temperature == 0.0 and not self.adjusts_logits
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -160,17 +249,47 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+) -> torch.Tensor:
+    """One row's logits ``[V]`` (fp32) after ``params``' repetition, frequency and presence
+    penalties and logit bias (module docstring), given the request's prompt and the tokens
+    it generated so far; a new tensor (``logits`` is not written)."""
+    row = logits.clone()
+    dev, vocab = row.device, row.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.int64)
+        seen = seen.to(dev)
+        vals = row[seen]
+        r = params.repetition_penalty
+        row[seen] = torch.where(vals > 0, vals / r, vals * r)
+    if params.frequency_penalty or params.presence_penalty:
+        out = torch.tensor(list(output_ids), dtype=torch.int64).to(dev)
+        counts = torch.bincount(out, minlength=vocab).to(row.dtype)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64).to(dev)
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=row.dtype).to(dev)
+        row[ids] += bias
+    return row
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None = None,
+    histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
 ) -> torch.Tensor:
     """One token per row of ``logits [N, V]`` (fp32, or a narrower float widened here):
     ``[N]`` int64 on the logits device.
 
     ``params[i]`` and ``generators[i]`` belong to row i (``generators[i]`` None = use
-    ``default_generator``).
+    ``default_generator``); ``histories[i]``: ``(prompt ids, output ids so far)`` of row i's
+    request, needed where ``params[i].adjusts_logits``.
     """
     if logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(
@@ -181,14 +300,27 @@ def sample(
     if all(p.greedy for p in params):
         return greedy
     dev = logits.device
+    x = logits.float()
+    adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if adjusted:
+        if histories is None or len(histories) != len(params):
+            raise ValueError("sample: rows with penalties or logit_bias need their histories")
+        x = x.clone() if x is logits else x
+        for i in adjusted:
+            if histories[i] is None:
+                raise ValueError(f"sample: row {i} has penalties or logit_bias but no history")
+            x[i] = apply_penalties(x[i], params[i], *histories[i])
     temp = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
     top_k = torch.tensor([p.top_k for p in params], device=dev, dtype=torch.int64)
     top_p = torch.tensor([p.top_p for p in params], device=dev)
-    scaled = apply_top_k_top_p(logits.float() / temp[:, None], top_k, top_p)
+    scaled = apply_top_k_top_p(x / temp[:, None], top_k, top_p)
     probs = scaled.softmax(dim=-1)
     out = greedy.clone()
     for i, p in enumerate(params):
         if p.greedy:
+            continue
+        if p.temperature == 0.0:  # adjusted logits, no draw
+            out[i] = x[i].argmax()
             continue
         gen = generators[i] or default_generator
         noise = torch.empty_like(probs[i]).exponential_(generator=gen)

@@ -2,8 +2,10 @@
 
 `parse_completion` and `parse_chat` check every field they read and raise `ApiError` (HTTP
 400, naming the parameter) for a bad one, so nothing invalid reaches the engine. Fields the
-engine cannot honour (penalties, logit_bias, tools, JSON output) are refused with a 400
-naming them unless they hold their neutral value; unknown fields are ignored.
+engine cannot honour (``suffix``, tools, JSON output) are refused with a 400 naming them
+unless they hold their neutral value; unknown fields are ignored. ``presence_penalty`` /
+``frequency_penalty`` (in [-2, 2]), ``logit_bias`` (token id strings to [-100, 100]) and
+vLLM's ``repetition_penalty`` (> 0) go to `SamplingParams`.
 
 Logprobs: chat ``logprobs: true`` with ``top_logprobs: k``; completions ``logprobs: k`` and
 ``echo: true`` (the prompt's own logprobs, as evaluation harnesses use for log-likelihoods;
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplan.engine.logprobs import MAX_LOGPROBS
-from kvplan.engine.sampling import SamplingParams
+from kvplan.engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
 
 MAX_N = 16  # most choices per prompt
 
@@ -143,11 +145,33 @@ def _refuse_unsupported(body: dict, neutral: dict[str, Any]) -> None:
             raise bad(name, f"{name}={v!r} is not supported by this server")
 
 
-_COMMON_UNSUPPORTED = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-}
+def _logit_bias(body: dict, limits: ModelLimits) -> dict[int, float] | None:
+    """``logit_bias``: a JSON object of token ids (as strings, OpenAI's form, or integers)
+    to biases in [-100, 100], each id checked against the vocabulary."""
+    v = body.get("logit_bias")
+    if v is None or v == {}:
+        return None
+    if not isinstance(v, dict):
+        raise bad("logit_bias", f"logit_bias must be an object of token id to bias, got {v!r}")
+    out: dict[int, float] = {}
+    for key, value in v.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise bad("logit_bias", f"logit_bias: {key!r} is not a token id") from None
+        try:
+            limits.check_prompt([token])
+        except (ValueError, TypeError) as exc:
+            raise bad("logit_bias", f"logit_bias: {exc}", code="invalid_token_id") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("logit_bias", f"logit_bias[{key!r}] must be a number, got {value!r}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN fails too
+            raise bad(
+                "logit_bias",
+                f"logit_bias[{key!r}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {value!r}",
+            )
+        out[token] = float(value)
+    return out
 
 
 def _check_model(body: dict, limits: ModelLimits) -> str:
@@ -232,6 +256,10 @@ def _sampling(
         ignore_eos=_bool(body, "ignore_eos", False),
         logprobs=logprobs,
         prompt_logprobs=logprobs if echo else None,
+        presence_penalty=_float(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY, False),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY, False),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, math.inf, True),
+        logit_bias=_logit_bias(body, limits),
     )
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
@@ -267,7 +295,7 @@ def parse_completion(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
     either (one prompt each). Strings are tokenized as the tokenizer does (BOS included)."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
-    _refuse_unsupported(body, {**_COMMON_UNSUPPORTED, "suffix": ("",)})
+    _refuse_unsupported(body, {"suffix": ("",)})
     logprobs = _top_k(body, "logprobs")
     echo = _bool(body, "echo", False)
     best_of = body.get("best_of")
@@ -320,7 +348,6 @@ def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
     _refuse_unsupported(
         body,
         {
-            **_COMMON_UNSUPPORTED,
             "tools": ([],),
             "response_format": ({"type": "text"},),
         },

@@ -216,6 +216,31 @@ P = {"model": "tiny-llama", "prompt": "a b"}
 M = {"model": "tiny-llama", "messages": [{"role": "user", "content": "a"}]}
 
 
+def test_penalties_and_logit_bias_equal_generate(served):
+    """OpenAI's presence / frequency penalties, logit_bias (token id strings) and vLLM's
+    repetition_penalty reach the engine: the outputs equal `LLM.generate` with the same
+    `SamplingParams`, and a +100 bias forces its token."""
+    client = _client(served)
+    ids = _enc(served, PROMPTS[2])
+    kw = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    ref = _ref(served, [ids], SamplingParams(max_tokens=12, logit_bias={40: 3.0}, **kw))[0]
+    out = client.completions.create(
+        model="tiny-llama", prompt=PROMPTS[2], max_tokens=12, temperature=0,
+        presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"40": 3.0},
+        extra_body={"repetition_penalty": 1.3},
+    )  # fmt: skip
+    assert out.choices[0].text == ref.text
+    plain = _ref(served, [ids], SamplingParams(max_tokens=12))[0]
+    assert ref.token_ids != plain.token_ids  # the adjustments changed the output
+    forced = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "a b"}], max_tokens=4,
+        temperature=0, logit_bias={"40": 100},
+    )  # fmt: skip
+    word = served.ref.tokenizer.decode([40])
+    assert forced.choices[0].message.content.split() == [word] * 4
+    assert served.all_blocks_free()
+
+
 @pytest.mark.parametrize(
     "path, body, status, param, code",
     [
@@ -239,6 +264,13 @@ M = {"model": "tiny-llama", "messages": [{"role": "user", "content": "a"}]}
         (CH, {**M, "messages": [{"role": "wizard", "content": "a"}]}, 400, "messages[0].role", None),
         (CH, {**M, "messages": [{"role": "user", "content": "a " * 1100}]}, 400, "messages", "context_length_exceeded"),
         (CH, {**M, "model": "nope"}, 404, "model", "model_not_found"),
+        (C, {**P, "presence_penalty": 2.5}, 400, "presence_penalty", None),
+        (C, {**P, "frequency_penalty": "x"}, 400, "frequency_penalty", None),
+        (CH, {**M, "repetition_penalty": 0}, 400, "repetition_penalty", None),
+        (C, {**P, "logit_bias": {"9999": 1}}, 400, "logit_bias", "invalid_token_id"),
+        (C, {**P, "logit_bias": {"w3": 1}}, 400, "logit_bias", None),
+        (CH, {**M, "logit_bias": {"5": 101}}, 400, "logit_bias", None),
+        (CH, {**M, "logit_bias": [5]}, 400, "logit_bias", None),
     ],
 )  # fmt: skip
 def test_bad_requests_openai_shape(served, path, body, status, param, code):
