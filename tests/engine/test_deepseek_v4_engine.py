@@ -45,6 +45,28 @@ def test_llm_greedy_equals_hf_with_chunked_prefill_and_batching(tmp_path, seed):
     assert m.num_free_blocks() == llm.parts.num_blocks - 1  # block 0 is reserved
 
 
+def test_llm_repetition_penalty_and_bias_equal_hf(tmp_path):
+    """The hybrid family's steps take the shared sampler: a repetition penalty and a logit
+    bias give HF ``generate``'s tokens with ``repetition_penalty`` / ``sequence_bias``."""
+    hf, folder = _saved(tmp_path, 4)
+    prompts = [random_tokens(40 + i, n) for i, n in enumerate((17, 33))]
+    llm = LLM(str(folder), device="cpu", max_num_batched_tokens=12, max_model_len=64)
+    bias = {3: -100.0, 5: 4.0}
+    params = SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=1.6,
+                            logit_bias=bias)  # fmt: skip
+    outs = llm.generate(prompts, params)
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            ids = torch.tensor([p])
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                               min_new_tokens=10, do_sample=False, repetition_penalty=1.6,
+                               sequence_bias={(t,): b for t, b in bias.items()})  # fmt: skip
+            assert o.token_ids == want[0, len(p) :].tolist()
+            assert 3 not in o.token_ids
+    plain = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in plain] != [o.token_ids for o in outs]  # the test can fail
+
+
 def test_llm_preemption_recomputes_and_frees_everything(tmp_path):
     hf, folder = _saved(tmp_path, 2)
     prompts = [random_tokens(20 + i, 30) for i in range(4)]
