@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="> 0 (1 = off; HF's rule)"
+    )
     add_engine_arguments(
         parser, ("device", "backend", "kv_format", "dtype", "tensor_parallel_size")
     )
@@ -76,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             seed=args.seed,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
         )
         config = config_from_args(
             args,

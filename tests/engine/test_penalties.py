@@ -215,3 +215,20 @@ def test_async_scheduling_with_penalized_requests_equals_sync(tiny):
         outs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
     assert outs[0][0] == _hf_loop(hf, prompts[0], params[0])
+
+
+def test_cli_generate_takes_the_penalties(tiny, capsys):
+    from kvplan.cli import main
+
+    hf, folder, prompts = tiny
+    argv = ["generate", "--model", folder, "--device", "cpu", "--max-tokens", str(NEW),
+            "--token-ids", ",".join(map(str, prompts[1]))]  # fmt: skip
+    capsys.readouterr()
+    assert main([*argv, "--repetition-penalty", "1.8"]) == 0
+    got = [int(t) for t in capsys.readouterr().out.split()]
+    assert got == _hf_generate(hf, prompts[1], repetition_penalty=1.8)
+    assert main([*argv, "--frequency-penalty", "1.5"]) == 0
+    got = [int(t) for t in capsys.readouterr().out.split()]
+    assert got == _hf_loop(hf, prompts[1], SamplingParams(frequency_penalty=1.5))
+    assert main([*argv, "--presence-penalty", "3"]) == 2
+    assert "presence_penalty must be in [-2.0, 2.0], got 3.0" in capsys.readouterr().err
