@@ -34,7 +34,7 @@ from kvplan.engine.host_tokens import Pending, TokenCopies
 from kvplan.engine.logprobs import PendingLogprobs, TokenLogprob, queue_logprobs
 from kvplan.engine.request import Request
 from kvplan.engine.runner import ModelRunner, StepInputs
-from kvplan.engine.sampling import SamplingParams, sample
+from kvplan.engine.sampling import SamplingParams, prompt_token_mask, sample
 from kvplan.engine.scheduler import Scheduler
 from kvplan.engine.speculative import accept_drafts
 from kvplan.engine.step import StepBatch
@@ -396,10 +396,21 @@ class EngineCore(AsyncSteps):
                 params.extend([req.params] * n)
                 gens.extend([req.generator] * n)
                 # one row a request that adjusts its logits (no drafts: it is not greedy)
-                h = (req.prompt_token_ids, req.output_token_ids)
-                hist.extend([h if req.params.adjusts_logits else None] * n)
+                hist.extend([self._history(req, logits) if req.params.adjusts_logits else None] * n)
             tokens = sample(logits, params, gens, self.generator, hist)
         return tokens, self._copies.start(tokens)
+
+    @staticmethod
+    def _history(req: Request, logits: torch.Tensor) -> tuple:
+        """``(prompt, output so far)`` of a request whose params adjust its logits, the prompt
+        as its device token mask (built once) when a repetition penalty reads it."""
+        if req.params.repetition_penalty == 1.0:
+            return (), req.output_token_ids
+        if req.prompt_token_mask is None:
+            req.prompt_token_mask = prompt_token_mask(
+                req.prompt_token_ids, logits.shape[1], logits.device
+            )
+        return req.prompt_token_mask, req.output_token_ids
 
     def _logprobs(
         self, step: StepBatch, inputs: StepInputs, logits: torch.Tensor, tokens: torch.Tensor | None

@@ -98,6 +98,9 @@ class Request:
     # with params.logprobs: one entry per output token; with params.prompt_logprobs: one
     # per prompt token after the first (`kvplan.engine.logprobs.TokenLogprob`)
     logprobs: list[Any] = field(default_factory=list)
+    # with params.repetition_penalty: the prompt's tokens as a [vocab] bool mask on the
+    # device (`kvplan.engine.sampling.prompt_token_mask`), built at the first sampled token
+    prompt_token_mask: Any = None
     prompt_logprobs: list[Any] = field(default_factory=list)
 
     @property

@@ -249,32 +249,74 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def prompt_token_mask(prompt_ids: Sequence[int], vocab: int, device) -> torch.Tensor:
+    """``[vocab]`` bool on ``device``: the tokens a prompt holds (a request's repetition
+    penalty reads it every step; computed once per request)."""
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[torch.as_tensor(list(prompt_ids), dtype=torch.int64)] = True
+    return mask.to(device)
+
+
+def _padded(lists: Sequence[Sequence[int]], values=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host ``[R, W]`` int64 ids (padding: 0) and fp32 weights (``values``, default 1; padding
+    0), so that a ``scatter_add_`` adds nothing for the padding."""
+    width = max(1, max((len(x) for x in lists), default=0))
+    ids = torch.zeros(len(lists), width, dtype=torch.int64)
+    w = torch.zeros(len(lists), width, dtype=torch.float32)
+    for i, x in enumerate(lists):
+        if len(x):
+            ids[i, : len(x)] = torch.as_tensor(list(x), dtype=torch.int64)
+            w[i, : len(x)] = 1.0 if values is None else torch.as_tensor(values[i])
+    return ids, w
+
+
+def apply_penalties_rows(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int]]],
+) -> torch.Tensor:
+    """Rows ``[R, V]`` (fp32) after each row's repetition, frequency and presence penalties
+    and logit bias (module docstring), batched: a few device ops for all rows, one host ->
+    device copy per kind. ``histories[i]``: row i's ``(prompt, output so far)``, the prompt as
+    token ids or as its `prompt_token_mask`. A new tensor (``logits`` is not written)."""
+    dev, (rows, vocab) = logits.device, logits.shape
+    out = logits.clone()
+    rep = [p.repetition_penalty for p in params]
+    if any(r != 1.0 for r in rep):
+        none = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        masks = []
+        for (prompt, _), r in zip(histories, rep):
+            if r != 1.0 and not isinstance(prompt, torch.Tensor):
+                prompt = prompt_token_mask(prompt, vocab, dev)
+            masks.append(prompt if r != 1.0 else none)
+        seen = torch.stack(masks)  # one copy for all rows
+        ids, w = _padded([h[1] if r != 1.0 else () for h, r in zip(histories, rep)])
+        seen |= torch.zeros(rows, vocab, device=dev).scatter_add_(1, ids.to(dev), w.to(dev)) > 0
+        r = torch.tensor(rep, dtype=out.dtype).to(dev)[:, None]
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    freq = [p.frequency_penalty for p in params]
+    pres = [p.presence_penalty for p in params]
+    if any(freq) or any(pres):
+        ids, w = _padded([h[1] if f or q else () for h, f, q in zip(histories, freq, pres)])
+        counts = torch.zeros(rows, vocab, device=dev).scatter_add_(1, ids.to(dev), w.to(dev))
+        f = torch.tensor(freq, dtype=out.dtype).to(dev)[:, None]
+        q = torch.tensor(pres, dtype=out.dtype).to(dev)[:, None]
+        out -= f * counts + q * (counts > 0)
+    if any(p.logit_bias for p in params):
+        ids, w = _padded([[t for t, _ in p.logit_bias] for p in params],
+                         [[b for _, b in p.logit_bias] for p in params])  # fmt: skip
+        out.scatter_add_(1, ids.to(dev), w.to(dev))
+    return out
+
+
 def apply_penalties(
     logits: torch.Tensor,
     params: SamplingParams,
-    prompt_ids: Sequence[int],
+    prompt_ids: Sequence[int] | torch.Tensor,
     output_ids: Sequence[int],
 ) -> torch.Tensor:
-    """One row's logits ``[V]`` (fp32) after ``params``' repetition, frequency and presence
-    penalties and logit bias (module docstring), given the request's prompt and the tokens
-    it generated so far; a new tensor (``logits`` is not written)."""
-    row = logits.clone()
-    dev, vocab = row.device, row.shape[0]
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.int64)
-        seen = seen.to(dev)
-        vals = row[seen]
-        r = params.repetition_penalty
-        row[seen] = torch.where(vals > 0, vals / r, vals * r)
-    if params.frequency_penalty or params.presence_penalty:
-        out = torch.tensor(list(output_ids), dtype=torch.int64).to(dev)
-        counts = torch.bincount(out, minlength=vocab).to(row.dtype)
-        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    if params.logit_bias:
-        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64).to(dev)
-        bias = torch.tensor([b for _, b in params.logit_bias], dtype=row.dtype).to(dev)
-        row[ids] += bias
-    return row
+    """`apply_penalties_rows` of one row ``[V]``."""
+    return apply_penalties_rows(logits[None], [params], [(prompt_ids, output_ids)])[0]
 
 
 def sample(
@@ -305,11 +347,13 @@ def sample(
     if adjusted:
         if histories is None or len(histories) != len(params):
             raise ValueError("sample: rows with penalties or logit_bias need their histories")
+        if any(histories[i] is None for i in adjusted):
+            raise ValueError("sample: a row with penalties or logit_bias has no history")
         x = x.clone() if x is logits else x
-        for i in adjusted:
-            if histories[i] is None:
-                raise ValueError(f"sample: row {i} has penalties or logit_bias but no history")
-            x[i] = apply_penalties(x[i], params[i], *histories[i])
+        rows = torch.tensor(adjusted, device=dev)
+        x[rows] = apply_penalties_rows(
+            x[rows], [params[i] for i in adjusted], [histories[i] for i in adjusted]
+        )
     temp = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
     top_k = torch.tensor([p.top_k for p in params], device=dev, dtype=torch.int64)
     top_p = torch.tensor([p.top_p for p in params], device=dev)

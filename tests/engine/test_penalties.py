@@ -13,7 +13,12 @@ from hf_models import make_hf_model, random_prompts
 
 from kvplan import LLM as _LLM
 from kvplan import SamplingParams
-from kvplan.engine.sampling import apply_penalties, sample
+from kvplan.engine.sampling import (
+    apply_penalties,
+    apply_penalties_rows,
+    prompt_token_mask,
+    sample,
+)
 
 LLM = partial(_LLM, device="cpu")
 
@@ -55,6 +60,29 @@ def test_apply_penalties_matches_loop(kw):
     assert torch.equal(logits, before)  # the input row is not written
     want = torch.tensor(_adjust_loop(logits.tolist(), p, prompt, out))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_batched_rows_equal_each_row_and_take_prompt_masks():
+    """All rows at once (padded ids, one scatter per kind) equal each row alone, with the
+    prompt given as ids or as its token mask; rows without an adjustment come back as
+    they were."""
+    g = torch.Generator().manual_seed(9)
+    vocab = 40
+    logits = torch.randn(len(CASES) + 1, vocab, generator=g) * 3
+    params = [SamplingParams(**kw) for kw in CASES] + [SamplingParams()]
+    hist = []
+    for i in range(len(params)):
+        n = i % 4 * 5  # empty outputs too
+        hist.append((torch.randint(0, vocab, (3 + i,), generator=g).tolist(),
+                     torch.randint(0, vocab, (n,), generator=g).tolist()))  # fmt: skip
+    got = apply_penalties_rows(logits, params, hist)
+    masks = [(prompt_token_mask(p, vocab, "cpu"), o) for p, o in hist]
+    assert torch.equal(apply_penalties_rows(logits, params, masks), got)
+    for i, p in enumerate(params):
+        assert torch.equal(got[i], apply_penalties(logits[i], p, *hist[i]))
+        want = torch.tensor(_adjust_loop(logits[i].tolist(), p, *hist[i]))
+        torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-5)
+    assert torch.equal(got[-1], logits[-1])
 
 
 def test_repetition_penalty_equals_hf_processor():
@@ -151,7 +179,8 @@ def _hf_loop(hf, prompt, p: SamplingParams):
     out: list[int] = []
     with torch.no_grad():
         for _ in range(NEW):
-            logits = hf(torch.tensor([prompt + out])).logits[0, -1].tolist()
+            ids = torch.tensor([prompt + out], device=hf.device)
+            logits = hf(ids).logits[0, -1].tolist()
             row = _adjust_loop(logits, p, prompt, out)
             out.append(max(range(len(row)), key=lambda i: (row[i], -i)))
     return out
@@ -232,3 +261,23 @@ def test_cli_generate_takes_the_penalties(tiny, capsys):
     assert got == _hf_loop(hf, prompts[1], SamplingParams(frequency_penalty=1.5))
     assert main([*argv, "--presence-penalty", "3"]) == 2
     assert "presence_penalty must be in [-2.0, 2.0], got 3.0" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_penalized_requests_on_cuda_equal_the_loop(tiny):
+    """On CUDA (fp32 weights, CUDA graphs and async scheduling on by default), penalized and
+    biased requests in one batch with plain greedy ones: the penalized tokens equal the
+    per-token loop over HF's model on the same device."""
+    import copy
+
+    hf, folder, prompts = tiny
+    hf = copy.deepcopy(hf).cuda()
+    llm = _LLM(folder, device="cuda", dtype="float32", block_size=8, max_model_len=64)
+    params = [SamplingParams(max_tokens=NEW, ignore_eos=True, repetition_penalty=1.5),
+              SamplingParams(max_tokens=NEW, ignore_eos=True),
+              SamplingParams(max_tokens=NEW, ignore_eos=True, frequency_penalty=1.0,
+                             presence_penalty=0.5, logit_bias={7: 2.0}),
+              SamplingParams(max_tokens=NEW, ignore_eos=True)]  # fmt: skip
+    outs = llm.generate(prompts, params)
+    for i, pr in enumerate(prompts):
+        assert outs[i].token_ids == _hf_loop(hf, pr, params[i]), i
