@@ -77,8 +77,12 @@ def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise TypeError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
         token, value = item
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise ValueError(f"logit_bias: token ids must be ints >= 0, got {token!r}")
+        try:
+            token = -1 if isinstance(token, bool) else operator.index(token)  # numpy ints too
+        except TypeError:
+            token = item[0]
+        if not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias: token ids must be ints >= 0, got {item[0]!r}")
         value = _number(f"logit_bias[{token}]", value)
         if abs(value) > MAX_LOGIT_BIAS:
             raise ValueError(
