@@ -400,17 +400,22 @@ class EngineCore(AsyncSteps):
             tokens = sample(logits, params, gens, self.generator, hist)
         return tokens, self._copies.start(tokens)
 
-    @staticmethod
-    def _history(req: Request, logits: torch.Tensor) -> tuple:
-        """``(prompt, output so far)`` of a request whose params adjust its logits, the prompt
-        as its device token mask (built once) when a repetition penalty reads it."""
-        if req.params.repetition_penalty == 1.0:
-            return (), req.output_token_ids
+    def _history(self, req: Request, logits: torch.Tensor) -> tuple:
+        """``(prompt, output so far, banned ids)`` of a request whose params adjust its
+        logits: the prompt as its device token mask (built once) when a repetition penalty
+        reads it; the stop token ids and EOS (unless ignored) while ``min_tokens`` holds."""
+        p = req.params
+        banned: tuple[int, ...] = ()
+        if len(req.output_token_ids) < p.min_tokens:
+            eos = () if p.ignore_eos else sorted(self.eos_token_ids)
+            banned = tuple(sorted(set(p.stop_token_ids) | set(eos)))
+        if p.repetition_penalty == 1.0:
+            return (), req.output_token_ids, banned
         if req.prompt_token_mask is None:
             req.prompt_token_mask = prompt_token_mask(
                 req.prompt_token_ids, logits.shape[1], logits.device
             )
-        return req.prompt_token_mask, req.output_token_ids
+        return req.prompt_token_mask, req.output_token_ids, banned
 
     def _logprobs(
         self, step: StepBatch, inputs: StepInputs, logits: torch.Tensor, tokens: torch.Tensor | None
@@ -430,14 +435,19 @@ class EngineCore(AsyncSteps):
 
     def _check_stop(self, req: Request, token: int) -> None:
         """Finish ``req`` when its newest token ``token`` ends it: a stop token id or EOS
-        ("stop"), a stop string in the text ("stop", text cut there), max_tokens ("length")."""
+        ("stop"), a stop string in the text past its first ``min_tokens`` tokens' ("stop",
+        text cut there), max_tokens ("length")."""
         p = req.params
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
-        elif p.stop and self.decode_text is not None:  # detokenize only for stop strings
+        elif p.stop and self.decode_text is not None and len(req.output_token_ids) >= p.min_tokens:
+            # detokenize only for stop strings; with min_tokens, look past those tokens' text
             text = self.decode_text(req.output_token_ids)
-            cuts = [text.find(s) for s in p.stop_strings]
+            start = (
+                len(self.decode_text(req.output_token_ids[: p.min_tokens])) if p.min_tokens else 0
+            )
+            cuts = [text.find(s, start) for s in p.stop_strings]
             cuts = [c for c in cuts if c >= 0]
             if cuts:
                 req.stop_text_len = min(cuts)

@@ -13,6 +13,8 @@ temperature, top-k / top-p and draw (or argmax at temperature 0)::
     frequency_penalty f, presence_penalty p (c = the token's count in the output so far):
         l -> l - f * c - p * (c > 0)                         (OpenAI's rule)
     logit_bias b:  l -> l + b[token]
+    min_tokens m: while the output holds fewer than m tokens, the request's stop token ids
+        and (unless ignore_eos) the model's EOS ids -> -inf   (HF's min_new_tokens)
 
 A request with any of them is not `SamplingParams.greedy` (the token is not the argmax of
 the raw logits), so it takes none of the greedy fast paths (async launch, n-gram drafts).
@@ -129,6 +131,9 @@ class SamplingParams:
         logit_bias: ``{token_id: bias}`` added to those logits (bias in [-100, 100]; -100
             in effect bans a token, 100 forces it). Token ids are checked against the model's
             vocabulary when the request is added.
+        min_tokens: fewest new tokens before EOS, a stop token id or a stop string may end
+            the request (0 <= min_tokens <= max_tokens; 0 = off): until then those token
+            ids cannot be sampled and stop strings are not looked for.
         The adjustments apply in that order (module docstring); the reported logprobs stay
         those of the raw logits.
 
@@ -152,9 +157,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "top_k"):
+        for name in ("max_tokens", "top_k", "min_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
@@ -210,6 +216,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {value}")
         object.__setattr__(self, "repetition_penalty", value)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
 
     @property
     def adjusts_logits(self) -> bool:
@@ -219,6 +229,7 @@ class SamplingParams:
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
+            or self.min_tokens
         )
 
     @property
@@ -277,19 +288,22 @@ def _padded(lists: Sequence[Sequence[int]], values=None) -> tuple[torch.Tensor, 
 def apply_penalties_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    histories: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int]]],
+    histories: Sequence[tuple],
 ) -> torch.Tensor:
-    """Rows ``[R, V]`` (fp32) after each row's repetition, frequency and presence penalties
-    and logit bias (module docstring), batched: a few device ops for all rows, one host ->
-    device copy per kind. ``histories[i]``: row i's ``(prompt, output so far)``, the prompt as
-    token ids or as its `prompt_token_mask`. A new tensor (``logits`` is not written)."""
+    """Rows ``[R, V]`` (fp32) after each row's repetition, frequency and presence penalties,
+    logit bias and banned tokens (module docstring), batched: a few device ops for all rows,
+    one host -> device copy per kind. ``histories[i]``: row i's ``(prompt, output so far)``
+    or ``(prompt, output, banned ids)`` (the ids `min_tokens` keeps out at this step), the
+    prompt as token ids or as its `prompt_token_mask`. A new tensor (``logits`` is not
+    written)."""
     dev, (rows, vocab) = logits.device, logits.shape
     out = logits.clone()
     rep = [p.repetition_penalty for p in params]
     if any(r != 1.0 for r in rep):
         none = torch.zeros(vocab, dtype=torch.bool, device=dev)
         masks = []
-        for (prompt, _), r in zip(histories, rep):
+        for h, r in zip(histories, rep):
+            prompt = h[0]
             if r != 1.0 and not isinstance(prompt, torch.Tensor):
                 prompt = prompt_token_mask(prompt, vocab, dev)
             masks.append(prompt if r != 1.0 else none)
@@ -310,6 +324,10 @@ def apply_penalties_rows(
         ids, w = _padded([[t for t, _ in p.logit_bias] for p in params],
                          [[b for _, b in p.logit_bias] for p in params])  # fmt: skip
         out.scatter_add_(1, ids.to(dev), w.to(dev))
+    banned = [(i, t) for i, h in enumerate(histories) if len(h) > 2 for t in h[2]]
+    if banned:
+        at = torch.tensor(banned, dtype=torch.int64).to(dev)
+        out[at[:, 0], at[:, 1]] = float("-inf")
     return out
 
 
@@ -318,9 +336,10 @@ def apply_penalties(
     params: SamplingParams,
     prompt_ids: Sequence[int] | torch.Tensor,
     output_ids: Sequence[int],
+    banned: Sequence[int] = (),
 ) -> torch.Tensor:
     """`apply_penalties_rows` of one row ``[V]``."""
-    return apply_penalties_rows(logits[None], [params], [(prompt_ids, output_ids)])[0]
+    return apply_penalties_rows(logits[None], [params], [(prompt_ids, output_ids, banned)])[0]
 
 
 def sample(

@@ -5,7 +5,7 @@
 engine cannot honour (``suffix``, tools, JSON output) are refused with a 400 naming them
 unless they hold their neutral value; unknown fields are ignored. ``presence_penalty`` /
 ``frequency_penalty`` (in [-2, 2]), ``logit_bias`` (token id strings to [-100, 100]) and
-vLLM's ``repetition_penalty`` (> 0) go to `SamplingParams`.
+vLLM's ``repetition_penalty`` (> 0) and ``min_tokens`` go to `SamplingParams`.
 
 Logprobs: chat ``logprobs: true`` with ``top_logprobs: k``; completions ``logprobs: k`` and
 ``echo: true`` (the prompt's own logprobs, as evaluation harnesses use for log-likelihoods;
@@ -242,6 +242,9 @@ def _sampling(
     if seed is not None and seed >= 2**63 - MAX_N:
         raise bad("seed", f"seed must be < 2**63 - {MAX_N}, got {seed}")
     top_k = _int(body, "top_k", 0, -1)
+    min_tokens = 0 if score_only else _int(body, "min_tokens", 0, 0)
+    if min_tokens > max_tokens:
+        raise bad("min_tokens", f"min_tokens={min_tokens} exceeds max_tokens={max_tokens}")
     stop_ids = body.get("stop_token_ids")
     stop_ids = () if stop_ids is None else tuple(_token_list(stop_ids, "stop_token_ids"))
     if any(t < 0 for t in stop_ids):
@@ -260,6 +263,7 @@ def _sampling(
         frequency_penalty=_float(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY, False),
         repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, math.inf, True),
         logit_bias=_logit_bias(body, limits),
+        min_tokens=min_tokens,
     )
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")

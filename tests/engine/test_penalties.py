@@ -281,3 +281,42 @@ def test_penalized_requests_on_cuda_equal_the_loop(tiny):
     outs = llm.generate(prompts, params)
     for i, pr in enumerate(prompts):
         assert outs[i].token_ids == _hf_loop(hf, pr, params[i]), i
+
+
+def test_min_tokens_equals_hf_min_new_tokens(tmp_path):
+    """``min_tokens``: EOS (and stop token ids) cannot end a request before that many tokens,
+    as HF ``generate(min_new_tokens=)``; without it the same EOS ends the request at once."""
+    hf = make_hf_model("llama", seed=12)
+    prompts = random_prompts(3, 4, 12, hf.config.vocab_size, seed=8)
+    eos = _hf_first_tokens(hf, prompts[0])[1]  # the second greedy token of the first prompt
+    hf.config.eos_token_id = hf.generation_config.eos_token_id = eos
+    hf.save_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), block_size=8, max_model_len=64)
+    short = llm.generate(prompts[:1], SamplingParams(max_tokens=NEW))[0]
+    assert short.token_ids[-1] == eos and len(short.token_ids) == 2
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, min_tokens=8))
+    for pr, o in zip(prompts, outs):
+        ids = torch.tensor([pr])
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                               min_new_tokens=8, do_sample=False, pad_token_id=0)  # fmt: skip
+        want = want[0, len(pr) :].tolist()
+        if eos in want:
+            want = want[: want.index(eos) + 1]
+        assert o.token_ids == want
+        assert len(o.token_ids) >= 8 and eos not in o.token_ids[:7]
+    # a stop token id is held back the same way
+    stop = llm.generate(prompts[:1], SamplingParams(max_tokens=NEW, ignore_eos=True,
+                                                    stop_token_ids=[eos], min_tokens=5))  # fmt: skip
+    assert eos not in stop[0].token_ids[:5] and len(stop[0].token_ids) >= 5
+    with pytest.raises(ValueError, match=r"min_tokens must be in \[0, max_tokens=4\], got 5"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def _hf_first_tokens(hf, prompt):
+    """HF's greedy continuation of ``prompt``, 4 tokens, no EOS."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                          min_new_tokens=4, do_sample=False, pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()

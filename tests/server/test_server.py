@@ -218,16 +218,17 @@ M = {"model": "tiny-llama", "messages": [{"role": "user", "content": "a"}]}
 
 def test_penalties_and_logit_bias_equal_generate(served):
     """OpenAI's presence / frequency penalties, logit_bias (token id strings) and vLLM's
-    repetition_penalty reach the engine: the outputs equal `LLM.generate` with the same
+    repetition_penalty and min_tokens reach the engine: the outputs equal `LLM.generate` with the same
     `SamplingParams`, and a +100 bias forces its token."""
     client = _client(served)
     ids = _enc(served, PROMPTS[2])
     kw = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
-    ref = _ref(served, [ids], SamplingParams(max_tokens=12, logit_bias={40: 3.0}, **kw))[0]
+    ref = _ref(served, [ids], SamplingParams(max_tokens=12, logit_bias={40: 3.0}, min_tokens=3,
+                                             **kw))[0]  # fmt: skip
     out = client.completions.create(
         model="tiny-llama", prompt=PROMPTS[2], max_tokens=12, temperature=0,
         presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"40": 3.0},
-        extra_body={"repetition_penalty": 1.3},
+        extra_body={"repetition_penalty": 1.3, "min_tokens": 3},
     )  # fmt: skip
     assert out.choices[0].text == ref.text
     plain = _ref(served, [ids], SamplingParams(max_tokens=12))[0]
@@ -271,6 +272,8 @@ def test_penalties_and_logit_bias_equal_generate(served):
         (C, {**P, "logit_bias": {"w3": 1}}, 400, "logit_bias", None),
         (CH, {**M, "logit_bias": {"5": 101}}, 400, "logit_bias", None),
         (CH, {**M, "logit_bias": [5]}, 400, "logit_bias", None),
+        (C, {**P, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", None),
+        (C, {**P, "min_tokens": -1}, 400, "min_tokens", None),
     ],
 )  # fmt: skip
 def test_bad_requests_openai_shape(served, path, body, status, param, code):
