@@ -389,7 +389,7 @@ class EngineCore(AsyncSteps):
         else:
             params: list[SamplingParams] = []
             gens: list[torch.Generator | None] = []
-            hist: list[tuple[list[int], list[int]] | None] = []
+            hist: list[tuple | None] = []
             for s, sl in zip(seqs, inputs.row_slices):
                 n = sl.stop - sl.start
                 req = s.request

@@ -347,14 +347,15 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None = None,
-    histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
+    histories: Sequence[tuple | None] | None = None,
 ) -> torch.Tensor:
     """One token per row of ``logits [N, V]`` (fp32, or a narrower float widened here):
     ``[N]`` int64 on the logits device.
 
     ``params[i]`` and ``generators[i]`` belong to row i (``generators[i]`` None = use
-    ``default_generator``); ``histories[i]``: ``(prompt ids, output ids so far)`` of row i's
-    request, needed where ``params[i].adjusts_logits``.
+    ``default_generator``); ``histories[i]``: row i's request as `apply_penalties_rows`
+    reads it (``(prompt, output so far[, banned ids])``), needed where
+    ``params[i].adjusts_logits``.
     """
     if logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(
