@@ -23,6 +23,7 @@ the raw logits), so it takes none of the greedy fast paths (async launch, n-gram
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -79,12 +80,9 @@ def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise TypeError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
         token, value = item
-        try:
-            token = -1 if isinstance(token, bool) else operator.index(token)  # numpy ints too
-        except TypeError:
-            token = item[0]
-        if not isinstance(token, int) or token < 0:
-            raise ValueError(f"logit_bias: token ids must be ints >= 0, got {item[0]!r}")
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise ValueError(f"logit_bias: token ids must be ints >= 0, got {token!r}")
+        token = int(token)  # numpy ints too
         value = _number(f"logit_bias[{token}]", value)
         if abs(value) > MAX_LOGIT_BIAS:
             raise ValueError(
@@ -167,11 +165,7 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a float, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+            _number(name, getattr(self, name))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
