@@ -361,15 +361,16 @@ def sparse_attention_kernel(
     KIND1: tl.constexpr, SF1: tl.constexpr, GS1: tl.constexpr, FLAT1: tl.constexpr,
     HAS1: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
     PV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, HALF_RD: tl.constexpr,
-    F16: tl.constexpr = False,
+    F16: tl.constexpr = False, rows_ptr=None, HAS_ROWS: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(T, cdiv(H, TILE_H))``. q / out ``[T, H, D]``; sinks fp32 ``[H]``; per source
     ``i``: cache pointer, int32 index ``[T, n_i]`` (row stride ``stride_i``), ``slots_i``
     addressable slots, ``block_size``, block / token strides and scale offset (in elements
     of the pointer's dtype: bytes for quantized sources). ``D_CHUNK``: see ``_attend_tile``
     (0 or a power of two dividing ``D_P2``); ``F16``: fp16 products over e2m1 / e4m3-scale
-    sources (`_load_key_cols`)."""
-    t = tl.program_id(0)
+    sources (`_load_key_cols`). ``HAS_ROWS``: grid ``(R, cdiv(H, TILE_H))``, program ``r``
+    owns row ``rows[r]`` (int32 ``[R]``); the other rows of out are not written."""
+    t = tl.load(rows_ptr + tl.program_id(0)) if HAS_ROWS else tl.program_id(0)
     heads = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     h_ok = heads < num_heads
     d = tl.arange(0, D_P2)
@@ -415,7 +416,8 @@ def _store_out(
         y0 = x0 * c - x1 * (-s),  y1 = x1 * c + x0 * (-s)
 
     with each product rounded to fp32 on its own (``mul_rn``: not contracted into an FMA),
-    the operations of ``norm_rope``'s torch path and kernel."""
+    the operations of ``norm_rope``'s torch path and kernel. ``t``: the row of every tile row,
+    or ``[TILE_H, 1]`` rows (tiles whose rows are several query rows' heads)."""
     dtype: tl.constexpr = ptrs.dtype.element_ty
     if HALF_RD == 0:
         tl.store(ptrs, o.to(dtype), mask=mask)
@@ -423,9 +425,9 @@ def _store_out(
         x0, x1 = tl.split(tl.reshape(o.to(dtype).to(tl.float32), [TILE_H, DC // 2, 2]))
         pair = pair0 + tl.arange(0, DC // 2) - (HEAD_DIM // 2 - HALF_RD)
         rot = (pair >= 0) & (pair < HALF_RD)
-        row = t.to(tl.int64) * stride_rt
-        c = tl.load(cos_ptr + row + pair, mask=rot, other=1.0).to(tl.float32)[None, :]
-        s = -tl.load(sin_ptr + row + pair, mask=rot, other=0.0).to(tl.float32)[None, :]
+        row = t.to(tl.int64) * stride_rt  # a row, or [TILE_H, 1] rows (one per tile row)
+        c = tl.load(cos_ptr + row + pair[None, :], mask=rot[None, :], other=1.0).to(tl.float32)
+        s = -tl.load(sin_ptr + row + pair[None, :], mask=rot[None, :], other=0.0).to(tl.float32)
         if HW:
             y0 = libdevice.mul_rn(x0, c) - libdevice.mul_rn(x1, s)
             y1 = libdevice.mul_rn(x1, c) + libdevice.mul_rn(x0, s)

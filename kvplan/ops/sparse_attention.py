@@ -114,6 +114,7 @@ def sparse_attention(
     out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     check: bool = True,
     counters: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query row over its indexed rows of one or two sources, with sinks.
 
@@ -136,16 +137,37 @@ def sparse_attention(
             split when those programs are fewer than the SMs). None: the device's buffer
             for the current stream. Calls that may run at once (two streams, two engines)
             need buffers of their own. Read by the Triton kernels only.
+        rows: optional int32 ``[R]`` rows to compute (distinct, each in ``[0, T)``); the
+            other rows of ``out`` are left as they are. A call with rows never splits its
+            columns.
 
     Returns ``out`` (or a new tensor) ``[T, H, D]`` in q's dtype.
     """
     if use_triton(q):
         return sparse_attention_triton(
-            q, sources, sinks, scale, out=out, out_rope=out_rope, check=check, counters=counters
+            q,
+            sources,
+            sinks,
+            scale,
+            out=out,
+            out_rope=out_rope,
+            check=check,
+            counters=counters,
+            rows=rows,
         )
     _check_counters(counters, q)  # checked, not read, on this path
     return sparse_attention_torch(q, sources, sinks, scale, out=out, out_rope=out_rope,
-                                  check=check)  # fmt: skip
+                                  check=check, rows=rows)  # fmt: skip
+
+
+def _check_rows(rows: torch.Tensor | None, q: torch.Tensor, check: bool) -> None:
+    """``rows`` (when given): int32 ``[R]`` on q's device, values in ``[0, T)`` (checked with
+    ``check``: one device sync)."""
+    if rows is None:
+        return
+    check_tensor("rows", rows, dtype=torch.int32, ndim=1, device=q.device, contiguous=True)
+    if check:
+        check_range("rows", rows, 0, q.shape[0])
 
 
 def _check_counters(counters: torch.Tensor | None, q: torch.Tensor) -> None:
@@ -189,7 +211,7 @@ def sparse_attention_triton(
     check: bool = True, tile_h: int = 16,
     tile_n: int | None = None, num_warps: int | None = None, num_splits: int | None = None,
     num_stages: int | None = None, d_chunk: int | None = None, pv_split: int | None = None,
-    counters: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None, rows: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton kernels (also on CPU under ``TRITON_INTERPRET=1``); contract of
     :func:`sparse_attention`. ``tile_h`` heads and ``tile_n`` keys per tile; ``num_splits``
@@ -203,6 +225,7 @@ def sparse_attention_triton(
     values. A launch setting left None takes the path's entry in :func:`default_tiling` if
     any, else the built-in default. ``counters``: as in :func:`sparse_attention`."""
     addrs = _check(q, sources, sinks, check)
+    _check_rows(rows, q, check)
     out = _out(q, out)
     half_rd = _check_out_rope(q, out_rope)
     if half_rd:
@@ -213,6 +236,10 @@ def sparse_attention_triton(
     else:
         rope_args = (sinks, sinks, 0)  # unused without HALF_RD
     num_rows, num_heads, head_dim = q.shape
+    if rows is not None:
+        if num_splits not in (None, 1):
+            raise ValueError(f"a call with rows takes num_splits 1, got {num_splits}")
+        num_splits = 1
     d_p2 = max(16, triton.next_power_of_2(head_dim))
     a0 = addrs[0]
     a1 = addrs[1] if len(addrs) > 1 else a0
@@ -233,10 +260,11 @@ def sparse_attention_triton(
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    grid_rows = num_rows if rows is None else rows.numel()
     few = (
         not interpret
         and q.is_cuda
-        and num_rows * groups <= FEW_PROGRAMS_PER_SM * cuda_sm_count(q.device)
+        and grid_rows * groups <= FEW_PROGRAMS_PER_SM * cuda_sm_count(q.device)
     )
     table = default_tiling(num_splits, a0.kind >= _k.KIND_E4M3, few)
     tile_n = tile_n or table.get("tile_n")
@@ -248,7 +276,7 @@ def sparse_attention_triton(
         raise ValueError(f"d_chunk must be 0 or a power of two in [16, {d_p2}], got {d_chunk}")
     if pv_split not in (1, 2, 4) or d_p2 // pv_split < 16:
         raise ValueError(f"pv_split must be 1, 2 or 4 with D_P2 / pv_split >= 16, got {pv_split}")
-    if num_rows == 0:
+    if num_rows == 0 or grid_rows == 0:
         return out
     tile_n = tile_n or (_SPLIT_TILE_N if num_splits > 1 else 16 if d_p2 >= 512 else 32)
     cols_per_split = triton.cdiv(triton.cdiv(max(num_cols, 1), num_splits), tile_n) * tile_n
@@ -275,9 +303,11 @@ def sparse_attention_triton(
                          f"{d_p2 // pv_split}")  # fmt: skip
     stages = {} if num_stages is None else {"num_stages": num_stages}
     if num_splits == 1:
-        _k.sparse_attention_kernel[(num_rows, groups)](
+        row_list = {} if rows is None else {"rows_ptr": rows, "HAS_ROWS": True}
+        _k.sparse_attention_kernel[(grid_rows, groups)](
             q, out, sink32, q.stride(0), q.stride(1), out.stride(0), out.stride(1), num_heads,
             scale * _k.LOG2E, *srcs, *rope_args, **consts, HALF_RD=half_rd, **stages,
+            **row_list,
         )  # fmt: skip
         return out
     # one fp32 workspace: acc [T, S, H, D], then m and l [T, S, H]
@@ -415,12 +445,19 @@ def split_count(num_programs: int, num_cols: int, tile_n: int, num_sms: int) -> 
 def sparse_attention_torch(
     q: torch.Tensor, sources: Sequence[KeySource], sinks: torch.Tensor, scale: float, *,
     out: torch.Tensor | None = None, out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    check: bool = True,
+    check: bool = True, rows: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Vectorized torch path (fp32 math, rows gathered by :func:`gather_rows`; ``out_rope``
     by ``norm_rope_torch`` after)."""
     _check(q, sources, sinks, check)
+    _check_rows(rows, q, check)
     out = _out(q, out)
+    if rows is not None:
+        r = rows.long()
+        part = [KeySource(s.cache, s.index[r].contiguous(), s.layout) for s in sources]
+        rope = None if out_rope is None else tuple(t[r] for t in out_rope)
+        out[r] = sparse_attention_torch(q[r], part, sinks, scale, out_rope=rope, check=False)
+        return out
     if _check_out_rope(q, out_rope):
         from kvplan.ops.rope import norm_rope_torch
 

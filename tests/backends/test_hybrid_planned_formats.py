@@ -195,11 +195,14 @@ def test_fused_split_merge_in_the_family_equals_oracle(kv_format, monkeypatch) -
             raise AssertionError("the two-launch combine ran")
 
     monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    monkeypatch.setenv("KVPLAN_PROMPT_RANGES", "0")  # prompt steps through the index tables too
     monkeypatch.setattr(sa, "FUSED_COMBINE", True)
     monkeypatch.setattr(sa._ks, "sparse_attention_combine_kernel", NoCombine())
     used = []
 
     def split3(q, sources, sinks, scale, **kw):
+        if kw.get("rows") is not None:  # prompt CSA rows past top-k: no split with a row list
+            return sa.sparse_attention_triton(q, sources, sinks, scale, tile_n=16, **kw)
         used.append(kw["counters"])
         return sa.sparse_attention_triton(q, sources, sinks, scale, num_splits=3, tile_n=16, **kw)
 
@@ -207,6 +210,37 @@ def test_fused_split_merge_in_the_family_equals_oracle(kv_format, monkeypatch) -
     _mixed_steps_equal_oracle(kv_format, 24, 2, 3)
     assert used and all(c is used[0] for c in used)  # the family's buffer, every call
     assert used[0].dtype == torch.int32 and not used[0].any()
+
+
+@pytest.mark.parametrize("ranges", [True, False], ids=["ranges", "index_tables"])
+def test_prompt_range_path_in_the_family_equals_oracle(ranges, monkeypatch) -> None:
+    """Prompt steps on the ops' Triton path (interpreter): by default through
+    ``sparse_attention_ranges`` (row blocks sharing key tiles; CSA rows whose prefix
+    outgrows top-k through ``sparse_attention`` with a row list, into the same output),
+    with ``KVPLAN_PROMPT_RANGES=0`` through the index tables; both equal the oracle."""
+    import kvplan.backends.hybrid.planned_step as ps
+
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    monkeypatch.setenv("KVPLAN_PROMPT_RANGES", "1" if ranges else "0")
+    seen = {"ranges": 0, "rows": 0, "index": 0}
+    real_ranges, real_sparse = ps.sparse_attention_ranges, ps.sparse_attention
+
+    def spy_ranges(q, sources, sinks, scale, **kw):
+        seen["ranges"] += 1
+        assert kw["blocks"] is not None
+        return real_ranges(q, sources, sinks, scale, **kw)
+
+    def spy_sparse(q, sources, sinks, scale, **kw):
+        seen["rows" if kw.get("rows") is not None else "index"] += 1
+        return real_sparse(q, sources, sinks, scale, **kw)
+
+    monkeypatch.setattr(ps, "sparse_attention_ranges", spy_ranges)
+    monkeypatch.setattr(ps, "sparse_attention", spy_sparse)
+    _mixed_steps_equal_oracle("fp8", 5, 8, 5)
+    if ranges:
+        assert seen["ranges"] and seen["rows"]  # both kinds of CSA prompt rows occurred
+    else:
+        assert not seen["ranges"] and not seen["rows"] and seen["index"]
 
 
 def _mixed_steps_equal_oracle(kv_format: str, window: int, hca_ratio: int, steps: int) -> None:

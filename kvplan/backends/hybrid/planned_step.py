@@ -78,6 +78,7 @@ from kvplan.ops.compress_store import (
 )
 from kvplan.ops.index_scores import index_scores_by_sequence
 from kvplan.ops.sparse_attention import KeySource, index_scores, sparse_attention, topk_columns
+from kvplan.ops.sparse_ranges import RangeSource, range_tiling, sparse_attention_ranges
 from kvplan.plan.common import num_new_compressed
 from kvplan.plan.compressor_state import expand_window_index, plan_compressor_state
 from kvplan.plan.config import ratio_key
@@ -154,6 +155,7 @@ class PlannedStep:
         self._windows_done: set[tuple[int, str]] = set()
         self._stored: set[tuple[int, str]] = set()
         self._cand_slots: dict[int, torch.Tensor] = {}  # ratio -> `_candidate_slots`
+        self._ranges: dict = {}  # the range path's row blocks, hard rows, prefix ranges
         self._seq_slots: dict[int, torch.Tensor] = {}  # ratio -> `_prompt_index_scores`' table
         # the compressor-state plans of every (ratio, overlap) the layers use, before the
         # step's first kernel: planned on a layer's first use they put the host's numpy work
@@ -341,6 +343,9 @@ class PlannedStep:
     ):
         """``attend`` through ``kvplan.ops.sparse_attention`` (see the module docstring)."""
         meta, compressed = self.meta, spec.kind != "sliding_attention"
+        if self.is_prompt and os.environ.get("KVPLAN_PROMPT_RANGES", "1") != "0":
+            return self._attend_prompt_ranges(spec, caches, q, kv, sinks, scale, index_q,
+                                              index_weights, out_rope)  # fmt: skip
         if self.is_prompt:
             # Rows in the model's dtype (bf16 rows: half the bytes of fp32, the same values).
             # A quantized pool's entries are dequantized once into rows (many prompt rows
@@ -369,6 +374,95 @@ class PlannedStep:
         return sparse_attention(q, sources, sinks, scale, out_rope=out_rope,
                                 check=self.family.check,
                                 counters=self.family.merge_counters)  # fmt: skip
+
+    def _attend_prompt_ranges(
+        self, spec, caches, q, kv, sinks, scale, index_q, index_weights, out_rope
+    ) -> torch.Tensor:
+        """Prompt ``attend`` through ``kvplan.ops.sparse_ranges`` (the default on CUDA;
+        ``KVPLAN_PROMPT_RANGES=0``: `_attend_in_place`'s index tables). A row sees two ranges
+        of the SWA buffer (the pivots) and, on a compressed layer, the prefix ``[ks, ks +
+        len)`` of the compressed buffer: every closed entry on HCA layers; on CSA layers while
+        ``len <= top_k``, where the indexer's top-k is all of them. Blocks of neighbouring
+        rows of one sequence share their key tiles. CSA rows past that point (``len >
+        top_k``) take ``sparse_attention`` over their top-k, in the same output."""
+        meta, check = self.meta, self.family.check
+        dtype = q.dtype if q.dtype == torch.bfloat16 else torch.float32
+        hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa, dtype=dtype)
+        caches.ring.store(kv, meta.slot_mapping_store_swa)  # after the history load
+        rows = torch.cat([hist, caches.ring.roundtrip(kv, dtype=dtype)])
+        q = q if q.stride(2) == 1 else q.contiguous()
+        tile_t = range_tiling(q.dtype)["tile_t"]
+        window = RangeSource(rows, meta.kv_swa_full_index_pivots)
+        if spec.kind == "sliding_attention":
+            return sparse_attention_ranges(q, [window], sinks, scale, out_rope=out_rope,
+                                           blocks=self._row_blocks(tile_t), check=check)  # fmt: skip
+        key = ratio_key(spec.ratio)
+        easy = self._easy_rows(spec) if spec.overlap else self.seqlen_q
+        hard = self._hard_rows(spec, easy) if spec.overlap else None
+        if hard is None:
+            c_rows = caches.pools["compressor"].load(meta.load_segments_ca[key],
+                                                      meta.total_k_compressed[key], dtype=dtype)  # fmt: skip
+        else:
+            c_rows, c_index = self._prompt_compressed(spec, caches, index_q, index_weights,
+                                                      dtype=dtype)  # fmt: skip
+        prefix = RangeSource(c_rows, self._prefix_ranges(spec))
+        out = torch.empty_like(q)
+        sparse_attention_ranges(q, [window, prefix], sinks, scale, out=out, out_rope=out_rope,
+                                blocks=self._row_blocks(tile_t, easy), check=check)  # fmt: skip
+        if hard is not None:
+            sources = [KeySource(rows, meta.kv_swa_full_index), KeySource(c_rows, c_index)]
+            sparse_attention(q, sources, sinks, scale, out=out, out_rope=out_rope, check=check,
+                             rows=hard)  # fmt: skip
+        return out
+
+    def _easy_rows(self, spec) -> np.ndarray:
+        """Per sequence, how many of its leading prompt rows see at most ``top_k`` closed
+        entries of ``spec.ratio`` (``(p + 1) // r <= top_k``, i.e. ``p <= (top_k + 1) r -
+        2``): the rows whose top-k is their whole prefix."""
+        last = (spec.top_k + 1) * spec.ratio - 2
+        return np.clip(last + 1 - self.q_start, 0, self.seqlen_q)
+
+    def _row_blocks(self, tile_t: int, counts: np.ndarray | None = None):
+        """``(start, end)`` int32 device tensors: blocks of up to ``tile_t`` consecutive rows
+        of one sequence over each sequence's first ``counts[i]`` rows (None: all), cached
+        for the step."""
+        counts = self.seqlen_q if counts is None else counts
+        key = ("blocks", tile_t, counts.tobytes())
+        if key not in self._ranges:
+            starts, ends = [], []
+            for base, n in zip(self.cu_q[:-1].tolist(), counts.tolist(), strict=True):
+                b = np.arange(base, base + n, tile_t, dtype=np.int32)
+                starts.append(b)
+                ends.append(np.minimum(b + tile_t, base + n).astype(np.int32))
+            both = np.stack([np.concatenate(starts), np.concatenate(ends)])
+            dev = to_device(both, self.positions.device, None)
+            self._ranges[key] = (dev[0], dev[1])
+        return self._ranges[key]
+
+    def _hard_rows(self, spec, easy: np.ndarray) -> torch.Tensor | None:
+        """int32 device rows past each sequence's `_easy_rows` (None when there are none),
+        cached for the step."""
+        if (easy == self.seqlen_q).all():
+            return None
+        key = ("hard", spec.ratio, spec.top_k)
+        if key not in self._ranges:
+            parts = [np.arange(b + e, b + n, dtype=np.int32) for b, e, n in
+                     zip(self.cu_q[:-1].tolist(), easy.tolist(), self.seqlen_q.tolist(),
+                         strict=True)]  # fmt: skip
+            self._ranges[key] = to_device(np.concatenate(parts), self.positions.device, None)
+        return self._ranges[key]
+
+    def _prefix_ranges(self, spec) -> torch.Tensor:
+        """int32 ``[T, 2]`` ``(start, length)`` of every prompt row's closed entries in the
+        compressed buffer (HCA: ``kv_ca_index_offset_len``; CSA: ``ks``, ``klen``)."""
+        key, meta = ratio_key(spec.ratio), self.meta
+        if not spec.overlap:
+            return meta.kv_ca_index_offset_len[key]
+        cache_key = ("prefix", spec.ratio)
+        if cache_key not in self._ranges:
+            both = torch.stack([meta.ks[key].to(torch.int32), meta.klen[key].to(torch.int32)], 1)
+            self._ranges[cache_key] = both.contiguous()
+        return self._ranges[cache_key]
 
     # ---- compressed parts ---------------------------------------------------------------
     def _prompt_compressed(self, spec, caches, index_q, index_weights, dtype=torch.float32):
