@@ -8,9 +8,8 @@ Cases: ``window`` (sliding layer), ``hca`` (window + every closed entry), ``csa`
 top-k: rows whose prefix is at most 512 entries take the ranges kernel, the rest the index
 kernel over their top-k through a row list, as ``PlannedStep`` does). Each new result is
 checked against the index-table result (max |diff| / max |ref|, fails above 2e-2). Times:
-``triton.testing.do_bench`` medians (ms); the ranges kernel reads its plain rows through
-tensor descriptors (TMA) by default and through pointer loads (``new_pointers_ms``,
-``KVPLAN_RANGES_TMA=0``). ``--sweep`` times a grid of the ranges kernel's tilings per case.
+``triton.testing.do_bench`` medians (ms). ``--sweep`` times a grid of the ranges kernel's
+tilings per case.
 
     PYTHONPATH=. python3 bench/bench_prompt_ranges.py --sweep --out bench/results/x.json
 """
@@ -21,7 +20,6 @@ import argparse
 import datetime
 import itertools
 import json
-import os
 import platform
 import shlex
 import sys
@@ -122,10 +120,7 @@ def run_case(case, ratio, args, q, sinks, scale, tile_t, gen, dev):
     got = new().float()
     err = float((got - ref).abs().max() / ref.abs().max())
     row = {"rel_err": err, "old_ms": bench(old), "new_ms": bench(new)}
-    os.environ["KVPLAN_RANGES_TMA"] = "0"  # the same kernel on pointer loads
-    row["new_pointers_ms"] = bench(new)
-    row["pointers_rel_err"] = float((new().float() - ref).abs().max() / ref.abs().max())
-    os.environ["KVPLAN_RANGES_TMA"] = "1"
+
     if hard is not None:
         row["hard_rows"] = int(hard.numel())
         row["hard_only_ms"] = bench(

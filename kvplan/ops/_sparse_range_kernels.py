@@ -37,25 +37,15 @@ def _range_step(
     stride_token, scale_stride, scale_offset, qk_scale,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
-    DOT_BF16: tl.constexpr, u_lo, u_hi, desc, DESC: tl.constexpr,
+    DOT_BF16: tl.constexpr, u_lo, u_hi,
 ):  # fmt: skip
     """One online-softmax step over slots ``[start, start + TILE_N)`` for tile rows whose
-    ranges are ``[lo, hi)`` (``[M]`` each; ``[u_lo, u_hi)`` their union). ``DESC``: the
-    source is plain rows read as ``[TILE_N, D_P2]`` tiles through the tensor descriptor
-    ``desc`` (TMA on sm_90: asynchronous, pipelined copies), rows outside the union zeroed."""
+    ranges are ``[lo, hi)`` (``[M]`` each; ``[u_lo, u_hi)`` their union)."""
     slots = start + tl.arange(0, TILE_N)
     valid = (slots >= u_lo) & (slots < u_hi) & (slots < num_slots)
-    if DESC:
-        kd = desc.load([start, 0])
-        kd = tl.where(valid[:, None], kd, 0.0)
-        if DOT_BF16:
-            kd = kd.to(tl.bfloat16)
-        else:
-            kd = kd.to(tl.float32)
-    else:
-        kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
-                            scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
-                            FLAT, HW, DOT_BF16)  # fmt: skip
+    kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
+                        scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
+                        FLAT, HW, DOT_BF16)  # fmt: skip
     if DOT_BF16:
         s = tl.dot(q, tl.trans(kd))
     else:
@@ -78,7 +68,7 @@ def _range_pair(
     stride_token, scale_stride, scale_offset, qk_scale,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
-    DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr, desc, DESC: tl.constexpr,
+    DOT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Range pair ``j`` of one source for the tile rows: their ``[start, start + length)``
     from ``ranges[rows, 2j:2j + 2]``, walked over the union of the non-empty ones."""
@@ -95,7 +85,7 @@ def _range_pair(
             acc, m_i, l_i = _range_step(
                 acc, m_i, l_i, q, lo, hi, start, c_ptr, num_slots, block_size, stride_block,
                 stride_token, scale_stride, scale_offset, qk_scale, KIND, SF, GS, HEAD_DIM,
-                D_P2, TILE_N, FLAT, HW, DOT_BF16, u_lo, u_hi, desc, DESC,
+                D_P2, TILE_N, FLAT, HW, DOT_BF16, u_lo, u_hi,
             )  # fmt: skip
             start += TILE_N
     else:
@@ -103,7 +93,7 @@ def _range_pair(
             acc, m_i, l_i = _range_step(
                 acc, m_i, l_i, q, lo, hi, start, c_ptr, num_slots, block_size, stride_block,
                 stride_token, scale_stride, scale_offset, qk_scale, KIND, SF, GS, HEAD_DIM,
-                D_P2, TILE_N, FLAT, HW, DOT_BF16, u_lo, u_hi, desc, DESC,
+                D_P2, TILE_N, FLAT, HW, DOT_BF16, u_lo, u_hi,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -123,7 +113,6 @@ def sparse_ranges_kernel(
     PAIRS1: tl.constexpr,
     HAS1: tl.constexpr, BLOCKS: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr,
     INTERPRET: tl.constexpr, HALF_RD: tl.constexpr,
-    d0_desc=None, d1_desc=None, DESC0: tl.constexpr = False, DESC1: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(num_blocks, cdiv(H, TILE_H))`` (module docstring). q / out ``[T, H, D]``;
     sinks fp32 ``[H]``; per source ``i``: cache pointer, int32 ranges ``[T, 2 * PAIRS_i]``
@@ -157,14 +146,14 @@ def sparse_ranges_kernel(
         acc, m_i, l_i = _range_pair(
             acc, m_i, l_i, q, rows, ok, j, r0_ptr, stride_r0, c0_ptr, slots0, bs0, sblk0,
             stok0, sstr0, soff0, qk_scale, KIND0, SF0, GS0, HEAD_DIM, D_P2, TILE_N, FLAT0, HW,
-            DOT_BF16, INTERPRET, d0_desc, DESC0,
+            DOT_BF16, INTERPRET,
         )  # fmt: skip
     if HAS1:
         for j in tl.static_range(PAIRS1):
             acc, m_i, l_i = _range_pair(
                 acc, m_i, l_i, q, rows, ok, j, r1_ptr, stride_r1, c1_ptr, slots1, bs1, sblk1,
                 stok1, sstr1, soff1, qk_scale, KIND1, SF1, GS1, HEAD_DIM, D_P2, TILE_N, FLAT1,
-                HW, DOT_BF16, INTERPRET, d1_desc, DESC1,
+                HW, DOT_BF16, INTERPRET,
             )  # fmt: skip
     inv = tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = rows64[:, None] * stride_ot + heads.to(tl.int64)[:, None] * stride_oh + d[None, :]

@@ -26,7 +26,6 @@ are in ``out``. None: blocks of ``tile_t`` consecutive rows.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -257,9 +256,6 @@ def sparse_attention_ranges_triton(
     r1 = sources[1].ranges if len(sources) > 1 else r0
     blk = blocks if blocks is not None else (r0, r0)  # unused without BLOCKS
     interpret = triton_interpreting()
-    descs = [_descriptor(s.cache, a, head_dim, d_p2, tile_n, interpret) for s, a in
-             zip(sources, addrs, strict=True)]  # fmt: skip
-    descs.append(None)
     _kr.sparse_ranges_kernel[(num_blocks, triton.cdiv(num_heads, tile_h))](
         q, out, sinks.float().contiguous(), blk[0], blk[1], num_rows, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), num_heads, scale * _k.LOG2E,
@@ -274,31 +270,6 @@ def sparse_attention_ranges_triton(
         KIND1=a1.kind, SF1=a1.sf, GS1=a1.group, FLAT1=flat_scales(a1, head_dim, d_p2),
         PAIRS1=r1.shape[1] // 2, HAS1=len(sources) > 1, BLOCKS=blocks is not None,
         HW=not interpret, DOT_BF16=q.dtype == torch.bfloat16, INTERPRET=interpret,
-        HALF_RD=half_rd, d0_desc=descs[0], d1_desc=descs[1], DESC0=descs[0] is not None,
-        DESC1=descs[1] is not None, num_warps=num_warps, num_stages=num_stages,
+        HALF_RD=half_rd, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
-
-
-def tma_enabled() -> bool:
-    """Plain row sources are read through tensor descriptors (`_descriptor`) unless
-    ``KVPLAN_RANGES_TMA=0`` (read at each call)."""
-    return os.environ.get("KVPLAN_RANGES_TMA", "1") != "0"
-
-
-def _descriptor(cache, addr, head_dim: int, d_p2: int, tile_n: int, interpret: bool):
-    """A ``[tile_n, d_p2]``-tile tensor descriptor of a plain 2-D row source on a CUDA device
-    (sm_90's TMA copies: asynchronous and pipelined, out-of-bounds rows and columns read as
-    zeros; the CPU interpreter reads them too), or None where the pointer loads stay: other
-    sources, GPUs before sm_90, addresses or row strides that are not 16-byte aligned."""
-    if not tma_enabled() or cache.dim() != 2 or not (interpret or cache.is_cuda):
-        return None
-    if cache.is_cuda and torch.cuda.get_device_capability(cache.device)[0] < 9:
-        return None
-    size = cache.element_size()
-    if cache.data_ptr() % 16 or (cache.stride(0) * size) % 16 or addr.kind > _k.KIND_BF16:
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(cache, [cache.shape[0], head_dim], [cache.stride(0), 1],
-                            [tile_n, d_p2])  # fmt: skip
