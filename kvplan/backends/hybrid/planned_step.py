@@ -40,7 +40,11 @@ How each call maps onto the plan (``meta`` = the step's ``InputMetadata``, ``r``
     prefill hands the kernel the SWA buffer and the compressed buffer (rows in the model's
     dtype: BF16 for a BF16 model; each quantized entry dequantized once, as many prompt rows
     read it) or, for an exact pool, the pool itself in place through slot tables (the rows'
-    visible entries mapped through their sequences' block tables), as two sources (no join). CUDA CSA layers
+    visible entries mapped through their sequences' block tables), as two sources (no join).
+    By default a prompt goes through ``kvplan.ops.sparse_ranges`` instead
+    (`_attend_prompt_ranges`: the window and the compressed prefix as row ranges, blocks of
+    neighbouring rows sharing key tiles; CSA rows past the top-k on the index path with a
+    row list; ``KVPLAN_PROMPT_RANGES=0``: the index tables for every row). CUDA CSA layers
     score candidates with ``kvplan.ops.sparse_attention.index_scores`` (the index keys read
     in place) and keep their top-k with ``kvplan.ops.topk`` (column order, mapped straight
     to the candidates' pool slots by its ``gather``).
