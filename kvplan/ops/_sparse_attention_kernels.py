@@ -207,11 +207,7 @@ def _attend_tile(
             kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block,
                                 stride_token, scale_stride, scale_offset, KIND, SF, GS,
                                 HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16)  # fmt: skip
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [TILE_H, TILE_N]
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = softmax_step(s, valid[None, :], m_i, l_i, qk_scale)
     if F16:
         p = p.to(tl.float16)
     elif DOT_BF16:
@@ -223,6 +219,19 @@ def _attend_tile(
                         stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
                         D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT, F16)  # fmt: skip
     return acc, m_new, l_i
+
+
+@triton.jit
+def softmax_step(s, seen, m_i, l_i, qk_scale):
+    """One online-softmax step in the log2 domain: the logits ``s * qk_scale`` where
+    ``seen`` (else ``-inf``) against the running maximum ``m_i`` and sum ``l_i`` of each
+    row; returns the probabilities, the old state's factor ``alpha``, the new maximum and
+    sum."""
+    s = tl.where(seen, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit

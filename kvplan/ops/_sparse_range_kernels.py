@@ -28,7 +28,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvplan.ops._sparse_attention_kernels import LOG2E, _load_key_cols, _pv_step, _store_out
+from kvplan.ops._sparse_attention_kernels import (
+    LOG2E,
+    _load_key_cols,
+    _pv_step,
+    _store_out,
+    softmax_step,
+)
 
 
 @triton.jit
@@ -51,11 +57,7 @@ def _range_step(
     else:
         s = tl.dot(q, tl.trans(kd), input_precision="ieee")
     seen = (slots[None, :] >= lo[:, None]) & (slots[None, :] < hi[:, None]) & valid[None, :]
-    s = tl.where(seen, s * qk_scale, float("-inf"))  # [M, TILE_N]
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = softmax_step(s, seen, m_i, l_i, qk_scale)  # [M, TILE_N]
     if DOT_BF16:
         p = p.to(tl.bfloat16)
     acc = _pv_step(acc, alpha, p, kd, DOT_BF16)

@@ -77,20 +77,31 @@ __all__ = [
 _ROWS_PER_CHUNK = 128  # torch path: bounds the [rows, H, K] logits held at once
 
 
-def _check(q, sources, sinks, check_values: bool) -> list[SourceAddress]:
+def check_query(q, sinks, sources, source_type: type) -> int:
+    """The checks every sparse attention entry makes of ``q`` ``[T, H, D]`` (fp32 / bf16 /
+    fp16, unit stride on D, ``D <= MAX_HEAD_DIM``), ``sinks`` ``[H]`` and the number and type
+    of its sources; returns ``D``."""
     check_tensor("q", q, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=3)
-    num_rows, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
     if head_dim > 1 and q.stride(2) != 1:
         raise ValueError(f"q must have unit stride on D, got strides {q.stride()}")
     check_tensor("sinks", sinks, shape=(num_heads,))
+    name = source_type.__name__
     if not 1 <= len(sources) <= 2:
-        raise ValueError(f"sources must hold 1 or 2 KeySource, got {len(sources)}")
+        raise ValueError(f"sources must hold 1 or 2 {name}, got {len(sources)}")
+    for i, src in enumerate(sources):
+        if not isinstance(src, source_type):
+            raise TypeError(f"sources[{i}] must be a {name}, got {type(src).__name__}")
+    return head_dim
+
+
+def _check(q, sources, sinks, check_values: bool) -> list[SourceAddress]:
+    head_dim = check_query(q, sinks, sources, KeySource)
+    num_rows = q.shape[0]
     addrs = []
     for i, src in enumerate(sources):
-        if not isinstance(src, KeySource):
-            raise TypeError(f"sources[{i}] must be a KeySource, got {type(src).__name__}")
         idx = check_tensor(f"sources[{i}].index", src.index, dtype=torch.int32, ndim=2)
         if idx.shape[0] != num_rows:
             raise ValueError(f"sources[{i}].index has {idx.shape[0]} rows, q has {num_rows}")

@@ -40,9 +40,10 @@ from kvplan.ops._dispatch import triton_interpreting, use_triton
 from kvplan.ops.sparse_attention import (
     _check_out_rope,
     _out,
+    check_query,
     sparse_attention_torch,
 )
-from kvplan.ops.sparse_sources import MAX_HEAD_DIM, KeySource, flat_scales, source_address
+from kvplan.ops.sparse_sources import KeySource, flat_scales, source_address
 
 __all__ = ["RangeSource", "range_tiling", "ranges_index", "sparse_attention_ranges"]
 
@@ -76,19 +77,10 @@ def ranges_index(ranges: torch.Tensor) -> torch.Tensor:
 
 
 def _check(q, sources, sinks, blocks, check: bool):
-    check_tensor("q", q, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=3)
-    num_rows, num_heads, head_dim = q.shape
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
-    if head_dim > 1 and q.stride(2) != 1:
-        raise ValueError(f"q must have unit stride on D, got strides {q.stride()}")
-    check_tensor("sinks", sinks, shape=(num_heads,))
-    if not 1 <= len(sources) <= 2:
-        raise ValueError(f"sources must hold 1 or 2 RangeSource, got {len(sources)}")
+    head_dim = check_query(q, sinks, sources, RangeSource)
+    num_rows = q.shape[0]
     addrs = []
     for i, src in enumerate(sources):
-        if not isinstance(src, RangeSource):
-            raise TypeError(f"sources[{i}] must be a RangeSource, got {type(src).__name__}")
         r = check_tensor(f"sources[{i}].ranges", src.ranges, dtype=torch.int32, ndim=2)
         if r.shape[0] != num_rows:
             raise ValueError(f"sources[{i}].ranges has {r.shape[0]} rows, q has {num_rows}")
