@@ -207,6 +207,19 @@ def _check_out_rope(q: torch.Tensor, out_rope) -> int:
     return half
 
 
+def rope_kernel_args(q: torch.Tensor, out_rope, placeholder: torch.Tensor):
+    """``(HALF_RD, (cos, sin, row stride))`` of ``out_rope`` for the kernels' epilogue
+    (checked; tables made unit-stride on their columns); without it ``HALF_RD`` 0 and
+    ``placeholder`` for the unused pointers."""
+    half_rd = _check_out_rope(q, out_rope)
+    if not half_rd:
+        return 0, (placeholder, placeholder, 0)
+    cos, sin = out_rope
+    if cos.stride(1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return half_rd, (cos, sin, cos.stride(0))
+
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -238,14 +251,7 @@ def sparse_attention_triton(
     addrs = _check(q, sources, sinks, check)
     _check_rows(rows, q, check)
     out = _out(q, out)
-    half_rd = _check_out_rope(q, out_rope)
-    if half_rd:
-        cos, sin = out_rope
-        if cos.stride(1) != 1 or sin.stride() != cos.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
-        rope_args = (cos, sin, cos.stride(0))
-    else:
-        rope_args = (sinks, sinks, 0)  # unused without HALF_RD
+    half_rd, rope_args = rope_kernel_args(q, out_rope, sinks)
     num_rows, num_heads, head_dim = q.shape
     if rows is not None:
         if num_splits not in (None, 1):

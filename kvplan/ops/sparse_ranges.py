@@ -38,9 +38,9 @@ from kvplan.ops import _sparse_attention_kernels as _k
 from kvplan.ops import _sparse_range_kernels as _kr
 from kvplan.ops._dispatch import triton_interpreting, use_triton
 from kvplan.ops.sparse_attention import (
-    _check_out_rope,
     _out,
     check_query,
+    rope_kernel_args,
     sparse_attention_torch,
 )
 from kvplan.ops.sparse_sources import KeySource, flat_scales, source_address
@@ -213,14 +213,7 @@ def sparse_attention_ranges_triton(
     `RANGE_TILING` (fp32 queries: `RANGE_TILING_FP32`)."""
     addrs = _check(q, sources, sinks, blocks, check)
     out = _out(q, out)
-    half_rd = _check_out_rope(q, out_rope)
-    if half_rd:
-        cos, sin = out_rope
-        if cos.stride(1) != 1 or sin.stride() != cos.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
-        rope_args = (cos, sin, cos.stride(0))
-    else:
-        rope_args = (sinks, sinks, 0)
+    half_rd, rope_args = rope_kernel_args(q, out_rope, sinks)
     num_rows, num_heads, head_dim = q.shape
     table = range_tiling(q.dtype)
     tile_t = tile_t or table["tile_t"]

@@ -24,6 +24,9 @@ def _run(fam, oracle, steps, tol):
 @pytest.mark.parametrize("kv_format", ["exact", "fp8", "fp4"])
 @pytest.mark.parametrize("name", ["mixed", "restart"])
 def test_in_place_path_cpu(monkeypatch, kv_format: str, name: str) -> None:
+    """The index-table path (``KVPLAN_PROMPT_RANGES=0``; the range path loads every pool into
+    rows for its prompt rows, `test_prompt_range_path_in_the_family_equals_oracle`)."""
+    monkeypatch.setenv("KVPLAN_PROMPT_RANGES", "0")
     monkeypatch.setattr(planned_step, "in_place", lambda q: True)
     calls = []
     original = planned_step.sparse_attention

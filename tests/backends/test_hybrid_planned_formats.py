@@ -212,8 +212,9 @@ def test_fused_split_merge_in_the_family_equals_oracle(kv_format, monkeypatch) -
     assert used[0].dtype == torch.int32 and not used[0].any()
 
 
+@pytest.mark.parametrize("kv_format", ["fp8", "exact"])
 @pytest.mark.parametrize("ranges", [True, False], ids=["ranges", "index_tables"])
-def test_prompt_range_path_in_the_family_equals_oracle(ranges, monkeypatch) -> None:
+def test_prompt_range_path_in_the_family_equals_oracle(ranges, kv_format, monkeypatch) -> None:
     """Prompt steps on the ops' Triton path (interpreter): by default through
     ``sparse_attention_ranges`` (row blocks sharing key tiles; CSA rows whose prefix
     outgrows top-k through ``sparse_attention`` with a row list, into the same output),
@@ -236,18 +237,21 @@ def test_prompt_range_path_in_the_family_equals_oracle(ranges, monkeypatch) -> N
 
     monkeypatch.setattr(ps, "sparse_attention_ranges", spy_ranges)
     monkeypatch.setattr(ps, "sparse_attention", spy_sparse)
-    _mixed_steps_equal_oracle("fp8", 5, 8, 5)
+    _mixed_steps_equal_oracle(kv_format, 5, 8, 5, trace=False)  # an exact family traces else
     if ranges:
         assert seen["ranges"] and seen["rows"]  # both kinds of CSA prompt rows occurred
     else:
         assert not seen["ranges"] and not seen["rows"] and seen["index"]
 
 
-def _mixed_steps_equal_oracle(kv_format: str, window: int, hca_ratio: int, steps: int) -> None:
+def _mixed_steps_equal_oracle(
+    kv_format: str, window: int, hca_ratio: int, steps: int, **family_kw
+) -> None:
     """The first ``steps`` steps of the "mixed" schedule on a CSA / HCA / sliding family, each
     checked against the oracle."""
     rng = np.random.default_rng(4)
-    fam, oracle = make_family([CSA, HCA, SLIDING], window, hca_ratio, kv_format=kv_format)
+    fam, oracle = make_family([CSA, HCA, SLIDING], window, hca_ratio, kv_format=kv_format,
+                              **family_kw)  # fmt: skip
     drv = Driver(fam, oracle, seed=13, atol=2e-5, rtol=2e-5)
     for step in schedules(rng)["mixed"][:steps]:
         drv.step([drv.seq(e[0], e[1], e[2], bool(e[3]) if len(e) > 3 else False) for e in step])
