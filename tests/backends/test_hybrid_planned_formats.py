@@ -244,6 +244,32 @@ def test_prompt_range_path_in_the_family_equals_oracle(ranges, kv_format, monkey
         assert not seen["ranges"] and not seen["rows"] and seen["index"]
 
 
+@pytest.mark.parametrize("name", ["chunked", "restart"])
+def test_prompt_range_blocks_of_four_rows_equal_oracle(name, monkeypatch) -> None:
+    """The range path with blocks of 4 rows (the bf16 default; fp32 queries take 1 row a
+    block, so the table is patched) over chunked prompts with history, restarts and decode
+    rows: every step equals the oracle."""
+    import kvplan.backends.hybrid.planned_step as ps
+    from kvplan.ops import sparse_ranges as sr
+
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    monkeypatch.setitem(sr.RANGE_TILING_FP32, "tile_t", 4)
+    widths = []
+    real = ps.sparse_attention_ranges
+
+    def spy(q, sources, sinks, scale, **kw):
+        widths.extend((kw["blocks"][1] - kw["blocks"][0]).tolist())
+        return real(q, sources, sinks, scale, **kw)
+
+    monkeypatch.setattr(ps, "sparse_attention_ranges", spy)
+    rng = np.random.default_rng(7)
+    fam, oracle = make_family([CSA, HCA, SLIDING], 6, 4, kv_format="fp8")
+    drv = Driver(fam, oracle, seed=17, atol=2e-5, rtol=2e-5)
+    for step in schedules(rng)[name]:
+        drv.step([drv.seq(e[0], e[1], e[2], bool(e[3]) if len(e) > 3 else False) for e in step])
+    assert max(widths) == 4  # blocks of several rows shared their key tiles
+
+
 def _mixed_steps_equal_oracle(
     kv_format: str, window: int, hca_ratio: int, steps: int, **family_kw
 ) -> None:
