@@ -173,11 +173,12 @@ def build_app(
         events = await _collect(handle, request)
         if events is None:  # the client went away
             return JSONResponse({}, status_code=499)
-        choices = []
-        for k, ev in enumerate(events):
-            out = ev.output
-            if ev.error or out is None or out.finish_reason == "error":
+        for ev in events:
+            if ev.error or ev.output is None or ev.output.finish_reason == "error":
                 raise ApiError(500, ev.error or "the engine failed this request", type="server_error")  # fmt: skip
+        choices = []
+        for k, ev in enumerate(best_events(parsed, events)):
+            out = ev.output
             if chat:
                 msg = {"role": "assistant", "content": out.text}
                 lps = None if parsed.logprobs is None else chat_logprobs(tok, out.logprobs)
@@ -320,8 +321,30 @@ def _partial_text(tok: Any, ids: list[int], stops: tuple[str, ...]) -> str:
     return text[: max(0, len(text) - hold)]
 
 
+def best_events(parsed: Parsed, events: list[Event]) -> list[Event]:
+    """The returned choices: every event, or with ``best_of`` each prompt's ``n`` sequences
+    with the highest mean log-probability per generated token (of the model's raw
+    distribution, as the logprobs report it), best first; ties keep generation order."""
+    if parsed.best_of is None:
+        return events
+    keep = []
+    for i in range(parsed.num_prompts):
+        group = events[i * parsed.best_of : (i + 1) * parsed.best_of]
+        keep += sorted(group, key=lambda ev: -mean_logprob(ev.output))[: parsed.n]
+    return keep
+
+
+def mean_logprob(out: RequestOutput) -> float:
+    """Mean log-probability of a completion's generated tokens (``-inf`` for none)."""
+    lps = [e.logprob for e in out.logprobs or () if e is not None]
+    return sum(lps) / len(lps) if lps else float("-inf")
+
+
 def _usage(parsed: Parsed, completion_tokens: list[int]) -> dict[str, int]:
-    prompt = sum(len(parsed.prompts[i * parsed.n]) for i in range(parsed.num_prompts))
+    """Prompt tokens once per prompt; completion tokens of every generated sequence (with
+    ``best_of``, those not returned too)."""
+    k = parsed.per_prompt
+    prompt = sum(len(parsed.prompts[i * k]) for i in range(parsed.num_prompts))
     comp = sum(completion_tokens)
     return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp}
 

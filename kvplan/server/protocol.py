@@ -73,8 +73,9 @@ class ModelLimits:
 
 @dataclass
 class Parsed:
-    """A validated request: one entry of ``prompts`` / ``params`` per choice (prompt ``i``'s
-    ``n`` choices are entries ``i * n .. i * n + n - 1``)."""
+    """A validated request: one entry of ``prompts`` / ``params`` per generated sequence
+    (prompt ``i``'s are entries ``i * k .. i * k + k - 1``, ``k = per_prompt``: ``n``, or
+    ``best_of`` when the server generates more than it returns)."""
 
     model: str
     prompts: list[list[int]]
@@ -86,6 +87,12 @@ class Parsed:
     logprobs: int | None = None  # top-k alternatives to report per token (None: no logprobs)
     echo: bool = False  # completions: the prompt (and its logprobs) precede the completion
     score_only: bool = False  # max_tokens=0 with echo: the one generated token is dropped
+    best_of: int | None = None  # completions: sequences generated per prompt, the n best kept
+
+    @property
+    def per_prompt(self) -> int:
+        """Sequences generated per prompt (entries of ``prompts`` / ``params`` each)."""
+        return self.best_of or self.n
 
 
 # ---------------------------------------------------------------- field checks
@@ -197,9 +204,11 @@ def _sampling(
     default_max_tokens: int | None,
     logprobs: int | None = None,
     echo: bool = False,
+    best_of_ok: bool = False,
 ) -> Parsed:
     """The fields every endpoint shares; ``prompts`` are token ids, not yet checked.
-    ``logprobs``: top-k per generated token (and per prompt token with ``echo``)."""
+    ``logprobs``: top-k per generated token (and per prompt token with ``echo``);
+    ``best_of_ok``: the endpoint takes ``best_of`` (`_best_of`)."""
     model = _check_model(body, limits)
     for i, ids in enumerate(prompts):
         if not ids:
@@ -238,6 +247,11 @@ def _sampling(
     n = _int(body, "n", 1, 1)
     if n > MAX_N:
         raise bad("n", f"n must be <= {MAX_N}, got {n}")
+    best_of = _best_of(body, n, echo) if best_of_ok else None
+    if best_of is not None and logprobs is None:
+        logprobs_gen = 0  # the sampled tokens' logprobs rank the sequences; not reported
+    else:
+        logprobs_gen = logprobs
     seed = _int(body, "seed", None, 0)
     if seed is not None and seed >= 2**63 - MAX_N:
         raise bad("seed", f"seed must be < 2**63 - {MAX_N}, got {seed}")
@@ -257,7 +271,7 @@ def _sampling(
         stop=_stop(body),
         stop_token_ids=stop_ids,
         ignore_eos=_bool(body, "ignore_eos", False),
-        logprobs=logprobs,
+        logprobs=logprobs_gen,
         prompt_logprobs=logprobs if echo else None,
         presence_penalty=_float(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY, False),
         frequency_penalty=_float(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY, False),
@@ -274,16 +288,34 @@ def _sampling(
         if not stream:
             raise bad("stream_options", "stream_options is only allowed with stream=true")
         include_usage = _bool(opts, "include_usage", False)
+    if best_of is not None and stream:
+        raise bad("best_of", "best_of greater than n cannot be streamed")
     all_prompts, params = [], []
     for ids in prompts:
-        for j in range(n):
+        for j in range(best_of or n):
             # choice j of a seeded request draws from seed + j: reproducible, yet distinct
             params.append(SamplingParams(**base, seed=None if seed is None else seed + j))
             all_prompts.append(ids)
     return Parsed(
         model, all_prompts, params, len(prompts), n, stream, include_usage, logprobs, echo,
-        score_only,
+        score_only, best_of,
     )  # fmt: skip
+
+
+def _best_of(body: dict, n: int, echo: bool) -> int | None:
+    """Completions' ``best_of``: sequences generated per prompt, of which the ``n`` with the
+    highest log-probability per token are returned. None when it is absent or equals
+    ``n`` (nothing to choose)."""
+    best_of = _int(body, "best_of", None, 1)
+    if best_of is None or best_of == n:
+        return None
+    if best_of < n:
+        raise bad("best_of", f"best_of must be >= n, got best_of={best_of} and n={n}")
+    if best_of > MAX_N:
+        raise bad("best_of", f"best_of must be <= {MAX_N}, got {best_of}")
+    if echo and body.get("max_tokens") == 0:
+        raise bad("best_of", "best_of needs generated tokens (max_tokens=0 only scores)")
+    return best_of
 
 
 def _top_k(body: dict, name: str) -> int | None:
@@ -302,9 +334,6 @@ def parse_completion(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
     _refuse_unsupported(body, {"suffix": ("",)})
     logprobs = _top_k(body, "logprobs")
     echo = _bool(body, "echo", False)
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
-        raise bad("best_of", "best_of other than n is not supported by this server")
     prompt = body.get("prompt")
     if prompt is None:
         raise bad("prompt", "prompt is required")
@@ -322,7 +351,8 @@ def parse_completion(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
             prompts.append([int(t) for t in tokenizer.encode(p)])
         else:
             prompts.append(list(_token_list(p, "prompt")))
-    return _sampling(body, limits, prompts, "prompt", ("max_tokens",), 16, logprobs, echo)
+    return _sampling(body, limits, prompts, "prompt", ("max_tokens",), 16, logprobs, echo,
+                     best_of_ok=True)  # fmt: skip
 
 
 def _message_text(content: Any, i: int) -> str:

@@ -242,6 +242,43 @@ def test_penalties_and_logit_bias_equal_generate(served):
     assert served.all_blocks_free()
 
 
+def test_best_of_keeps_the_most_likely(served):
+    """``best_of=4, n=2`` (seeded): the server samples 4 sequences per prompt (seeds 7..10,
+    as ``n=4`` would) and returns the 2 with the highest mean log-probability per token,
+    best first, without logprobs unless asked; usage counts all 8 completions. Reference:
+    the same seeds on the reference engine, ranked here."""
+    client = _client(served)
+    prompts = PROMPTS[:2]
+    kw = dict(model="tiny-llama", max_tokens=8, temperature=1.0, seed=7)
+    out = client.completions.create(prompt=prompts, best_of=4, n=2, **kw)
+    texts, generated = [], 0
+    for p in prompts:
+        refs = [
+            served.ref.generate(
+                [_enc(served, p)],
+                SamplingParams(max_tokens=8, temperature=1.0, seed=7 + j, logprobs=0),  # fmt: skip
+            )[0]
+            for j in range(4)
+        ]
+        generated += sum(len(r.token_ids) for r in refs)
+        means = [sum(e.logprob for e in r.logprobs) / len(r.logprobs) for r in refs]
+        assert len(set(means)) == 4  # distinct samples: the ranking is not a tie-break
+        order = sorted(range(4), key=lambda j: -means[j])
+        texts += [refs[j].text for j in order[:2]]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == texts
+    assert all(c.logprobs is None for c in out.choices)
+    assert out.usage.completion_tokens == generated
+    assert out.usage.prompt_tokens == sum(len(_enc(served, p)) for p in prompts)
+    # best_of equal to n changes nothing; with logprobs asked the chosen ones carry theirs
+    same = client.completions.create(prompt=prompts[0], best_of=2, n=2, **kw)
+    plain = client.completions.create(prompt=prompts[0], n=2, **kw)
+    assert [c.text for c in same.choices] == [c.text for c in plain.choices]
+    lp = client.completions.create(prompt=prompts[0], best_of=3, logprobs=1, **kw)
+    assert len(lp.choices) == 1 and len(lp.choices[0].logprobs.tokens) > 0
+    assert served.all_blocks_free()
+
+
 @pytest.mark.parametrize(
     "path, body, status, param, code",
     [
@@ -274,6 +311,10 @@ def test_penalties_and_logit_bias_equal_generate(served):
         (CH, {**M, "logit_bias": [5]}, 400, "logit_bias", None),
         (C, {**P, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", None),
         (C, {**P, "min_tokens": -1}, 400, "min_tokens", None),
+        (C, {**P, "best_of": 1, "n": 2}, 400, "best_of", None),
+        (C, {**P, "best_of": 0}, 400, "best_of", None),
+        (C, {**P, "best_of": 3, "stream": True}, 400, "best_of", None),
+        (C, {**P, "best_of": 3, "echo": True, "max_tokens": 0}, 400, "best_of", None),
     ],
 )  # fmt: skip
 def test_bad_requests_openai_shape(served, path, body, status, param, code):
