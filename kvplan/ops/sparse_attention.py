@@ -97,16 +97,23 @@ def check_query(q, sinks, sources, source_type: type) -> int:
     return head_dim
 
 
+def check_source_table(name: str, t, num_rows: int) -> torch.Tensor:
+    """A source's int32 ``[T, K]`` table (index or ranges): ``num_rows`` rows, unit column
+    stride."""
+    t = check_tensor(name, t, dtype=torch.int32, ndim=2)
+    if t.shape[0] != num_rows:
+        raise ValueError(f"{name} has {t.shape[0]} rows, q has {num_rows}")
+    if t.shape[1] > 0 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit column stride")
+    return t
+
+
 def _check(q, sources, sinks, check_values: bool) -> list[SourceAddress]:
     head_dim = check_query(q, sinks, sources, KeySource)
     num_rows = q.shape[0]
     addrs = []
     for i, src in enumerate(sources):
-        idx = check_tensor(f"sources[{i}].index", src.index, dtype=torch.int32, ndim=2)
-        if idx.shape[0] != num_rows:
-            raise ValueError(f"sources[{i}].index has {idx.shape[0]} rows, q has {num_rows}")
-        if idx.shape[1] > 0 and idx.stride(1) != 1:
-            raise ValueError(f"sources[{i}].index must have unit column stride")
+        idx = check_source_table(f"sources[{i}].index", src.index, num_rows)
         check_same_device(q=q, sinks=sinks, cache=src.cache, index=idx)
         addr = source_address(i, src, head_dim)
         if check_values:

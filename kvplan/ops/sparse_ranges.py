@@ -40,6 +40,7 @@ from kvplan.ops._dispatch import triton_interpreting, use_triton
 from kvplan.ops.sparse_attention import (
     _out,
     check_query,
+    check_source_table,
     rope_kernel_args,
     sparse_attention_torch,
 )
@@ -81,16 +82,12 @@ def _check(q, sources, sinks, blocks, check: bool):
     num_rows = q.shape[0]
     addrs = []
     for i, src in enumerate(sources):
-        r = check_tensor(f"sources[{i}].ranges", src.ranges, dtype=torch.int32, ndim=2)
-        if r.shape[0] != num_rows:
-            raise ValueError(f"sources[{i}].ranges has {r.shape[0]} rows, q has {num_rows}")
+        r = check_source_table(f"sources[{i}].ranges", src.ranges, num_rows)
         if r.shape[1] not in (2, 4):
             raise ValueError(
                 f"sources[{i}].ranges must hold 1 or 2 (start, length) pairs a row, got "
                 f"{r.shape[1]} columns"
             )
-        if r.stride(1) != 1:
-            raise ValueError(f"sources[{i}].ranges must have unit column stride")
         check_same_device(q=q, sinks=sinks, cache=src.cache, ranges=r)
         addr = source_address(i, KeySource(src.cache, r, src.layout), head_dim)
         if check and num_rows:
