@@ -329,6 +329,7 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         seed=config.seed,
         async_scheduling=async_scheduling,
         vocab_size=getattr(cfg, "vocab_size", None),
+        tokenizer=tok,
     )
     print(
         f"kvplan: {source.name} on {dev}, {torch_dtype}, {summary}, kv_format={fmt}, "

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvplan.engine.async_steps import AsyncSteps, LaunchedStep, unique_requests
 from kvplan.engine.host_tokens import Pending, TokenCopies
+from kvplan.engine.json_mode import JsonGuide, TokenTrie, token_bytes
 from kvplan.engine.logprobs import PendingLogprobs, TokenLogprob, queue_logprobs
 from kvplan.engine.request import Request
 from kvplan.engine.runner import ModelRunner, StepInputs
@@ -77,8 +79,11 @@ class EngineCore(AsyncSteps):
         seed: int = 0,
         async_scheduling: bool | None = None,
         vocab_size: int | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.scheduler = scheduler
+        self.tokenizer = tokenizer  # JSON mode reads its vocabulary (`_json_mask`)
+        self._json_trie: tuple | None = None  # (TokenTrie, token bytes), built on first use
         self.runner = runner
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.decode_text = decode_text
@@ -111,6 +116,8 @@ class EngineCore(AsyncSteps):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self.check_prompt(prompt_token_ids)
+        if params.json_mode and self.tokenizer is None:
+            raise ValueError("json_mode needs the engine's tokenizer (this model has none)")
         bad = [t for t, _ in params.logit_bias if self.vocab_size and t >= self.vocab_size]
         if bad:
             raise ValueError(
@@ -409,13 +416,33 @@ class EngineCore(AsyncSteps):
         if len(req.output_token_ids) < p.min_tokens:
             eos = () if p.ignore_eos else sorted(self.eos_token_ids)
             banned = tuple(sorted(set(p.stop_token_ids) | set(eos)))
-        if p.repetition_penalty == 1.0:
-            return (), req.output_token_ids, banned
-        if req.prompt_token_mask is None:
-            req.prompt_token_mask = prompt_token_mask(
-                req.prompt_token_ids, logits.shape[1], logits.device
-            )
-        return req.prompt_token_mask, req.output_token_ids, banned
+        allowed = self._json_mask(req, logits.shape[1]) if p.json_mode else None
+        prompt = ()
+        if p.repetition_penalty != 1.0:
+            if req.prompt_token_mask is None:
+                req.prompt_token_mask = prompt_token_mask(
+                    req.prompt_token_ids, logits.shape[1], logits.device
+                )
+            prompt = req.prompt_token_mask
+        return prompt, req.output_token_ids, banned, allowed
+
+    def _json_mask(self, req: Request, vocab: int) -> np.ndarray:
+        """JSON mode: the tokens that keep ``req``'s output a JSON object prefix (its guide
+        made on first use, fed the output so far); where none can, EOS (the request ends)."""
+        if req.json_guide is None:
+            if self.tokenizer is None:
+                raise ValueError("json_mode needs the engine's tokenizer")
+            if self._json_trie is None:
+                pieces = token_bytes(self.tokenizer)
+                self._json_trie = (TokenTrie(pieces), pieces)
+            trie, pieces = self._json_trie
+            stops = set(self.eos_token_ids) | set(req.params.stop_token_ids)
+            req.json_guide = JsonGuide(trie, pieces, sorted(stops))
+        req.json_guide.feed(req.output_token_ids)
+        mask = req.json_guide.mask(vocab)
+        if not mask.any():
+            mask[[t for t in req.json_guide.eos if t < vocab]] = True
+        return mask
 
     def _logprobs(
         self, step: StepBatch, inputs: StepInputs, logits: torch.Tensor, tokens: torch.Tensor | None

@@ -101,6 +101,8 @@ class Request:
     # with params.repetition_penalty: the prompt's tokens as a [vocab] bool mask on the
     # device (`kvplan.engine.sampling.prompt_token_mask`), built at the first sampled token
     prompt_token_mask: Any = None
+    # JSON mode's position (`kvplan.engine.json_mode.JsonGuide`), made at the first sample
+    json_guide: Any = None
     prompt_logprobs: list[Any] = field(default_factory=list)
 
     @property

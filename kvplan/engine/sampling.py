@@ -28,6 +28,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvplan.engine.logprobs import MAX_LOGPROBS
@@ -132,8 +133,13 @@ class SamplingParams:
         min_tokens: fewest new tokens before EOS, a stop token id or a stop string may end
             the request (0 <= min_tokens <= max_tokens; 0 = off): until then those token
             ids cannot be sampled and stop strings are not looked for.
-        The adjustments apply in that order (module docstring); the reported logprobs stay
-        those of the raw logits.
+        json_mode: the completion is one JSON object (OpenAI's ``response_format={"type":
+            "json_object"}``): at each step only tokens that keep the text a prefix of a JSON
+            object can be sampled, and once the object is closed only EOS
+            (`kvplan.engine.json_mode`; needs the engine's tokenizer). A completion cut by
+            ``max_tokens`` is an unfinished object.
+        The adjustments apply in that order (module docstring), JSON mode last; the reported
+        logprobs stay those of the raw logits.
 
     Example::
 
@@ -156,6 +162,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
     min_tokens: int = 0
+    json_mode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "top_k", "min_tokens"):
@@ -189,7 +196,7 @@ class SamplingParams:
         if any(not s for s in self.stop or ()):
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "json_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -217,13 +224,15 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty or a logit bias changes the logits before sampling."""
+        """Whether a penalty, a logit bias, ``min_tokens`` or JSON mode changes the logits
+        before sampling."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.json_mode
         )
 
     @property
@@ -287,7 +296,8 @@ def apply_penalties_rows(
     """Rows ``[R, V]`` (fp32) after each row's repetition, frequency and presence penalties,
     logit bias and banned tokens (module docstring), batched: a few device ops for all rows,
     one host -> device copy per kind. ``histories[i]``: row i's ``(prompt, output so far)``
-    or ``(prompt, output, banned ids)`` (the ids `min_tokens` keeps out at this step), the
+    or ``(prompt, output, banned ids[, allowed])`` (the ids `min_tokens` keeps out at this
+    step; JSON mode's bool ``[V]`` numpy mask of the tokens that may come, or None), the
     prompt as token ids or as its `prompt_token_mask`. A new tensor (``logits`` is not
     written)."""
     dev, (rows, vocab) = logits.device, logits.shape
@@ -322,6 +332,11 @@ def apply_penalties_rows(
     if banned:
         at = torch.tensor(banned, dtype=torch.int64).to(dev)
         out[at[:, 0], at[:, 1]] = float("-inf")
+    guided = [i for i, h in enumerate(histories) if len(h) > 3 and h[3] is not None]
+    if guided:  # JSON mode: every token outside the row's allowed set is out
+        allowed = torch.from_numpy(np.stack([histories[i][3] for i in guided])).to(dev)
+        rows_at = torch.tensor(guided, dtype=torch.int64).to(dev)
+        out[rows_at] = out[rows_at].masked_fill(~allowed, float("-inf"))
     return out
 
 
