@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repetition-penalty", type=float, default=1.0, help="> 0 (1 = off; HF's rule)"
     )
+    parser.add_argument(
+        "--json", action="store_true", help="JSON mode: the completion is one JSON object"
+    )
     add_engine_arguments(
         parser, ("device", "backend", "kv_format", "dtype", "tensor_parallel_size")
     )
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
             repetition_penalty=args.repetition_penalty,
+            json_mode=args.json,
         )
         config = config_from_args(
             args,

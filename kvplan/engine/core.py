@@ -32,7 +32,7 @@ import torch
 
 from kvplan.engine.async_steps import AsyncSteps, LaunchedStep, unique_requests
 from kvplan.engine.host_tokens import Pending, TokenCopies
-from kvplan.engine.json_mode import JsonGuide, TokenTrie, token_bytes
+from kvplan.engine.json_mode import JsonGuide, TokenTrie, start_state, token_bytes
 from kvplan.engine.logprobs import PendingLogprobs, TokenLogprob, queue_logprobs
 from kvplan.engine.request import Request
 from kvplan.engine.runner import ModelRunner, StepInputs
@@ -116,8 +116,8 @@ class EngineCore(AsyncSteps):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self.check_prompt(prompt_token_ids)
-        if params.json_mode and self.tokenizer is None:
-            raise ValueError("json_mode needs the engine's tokenizer (this model has none)")
+        if params.json_mode:
+            self._json_vocab()  # the tokenizer can start an object, or a clear error
         bad = [t for t, _ in params.logit_bias if self.vocab_size and t >= self.vocab_size]
         if bad:
             raise ValueError(
@@ -426,16 +426,24 @@ class EngineCore(AsyncSteps):
             prompt = req.prompt_token_mask
         return prompt, req.output_token_ids, banned, allowed
 
+    def _json_vocab(self) -> tuple[TokenTrie, list]:
+        """JSON mode's vocabulary trie and token bytes (built once); ValueError when the
+        engine has no tokenizer or none of its tokens can start a JSON object."""
+        if self._json_trie is None:
+            if self.tokenizer is None:
+                raise ValueError("json_mode needs the engine's tokenizer (this model has none)")
+            pieces = token_bytes(self.tokenizer)
+            trie = TokenTrie(pieces)
+            if not trie.allowed(start_state()).any():
+                raise ValueError("json_mode: no token of this tokenizer can start a JSON object")
+            self._json_trie = (trie, pieces)
+        return self._json_trie
+
     def _json_mask(self, req: Request, vocab: int) -> np.ndarray:
         """JSON mode: the tokens that keep ``req``'s output a JSON object prefix (its guide
         made on first use, fed the output so far); where none can, EOS (the request ends)."""
         if req.json_guide is None:
-            if self.tokenizer is None:
-                raise ValueError("json_mode needs the engine's tokenizer")
-            if self._json_trie is None:
-                pieces = token_bytes(self.tokenizer)
-                self._json_trie = (TokenTrie(pieces), pieces)
-            trie, pieces = self._json_trie
+            trie, pieces = self._json_vocab()
             stops = set(self.eos_token_ids) | set(req.params.stop_token_ids)
             req.json_guide = JsonGuide(trie, pieces, sorted(stops))
         req.json_guide.feed(req.output_token_ids)

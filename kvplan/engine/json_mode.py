@@ -181,30 +181,27 @@ def _plain(b: int) -> bool:
     return 0x20 <= b < 0x80 and b != 0x22 and b != 0x5C
 
 
-class TokenTrie:
-    """The vocabulary's byte strings as a trie (module docstring). ``pieces[i]``: token
-    ``i``'s bytes, None for tokens never allowed (special tokens, unused ids)."""
+class _Trie:
+    """Byte strings of some tokens as a flat trie: node ``k``'s children ``[(byte, node)]``,
+    the tokens ending there, its subtree's token span in ``order`` and whether every byte
+    below it is plain string content (`_plain`)."""
 
-    _MEMO = 4096  # masks kept per trie
-
-    def __init__(self, pieces: Sequence[bytes | None]) -> None:
-        self.vocab_size = len(pieces)
+    def __init__(self, pieces: Sequence[bytes | None], keep=None) -> None:
         root: dict = {}
         for tid, piece in enumerate(pieces):
-            if not piece:
+            if not piece or (keep is not None and not keep(piece)):
                 continue
             node = root
             for b in piece:
                 node = node.setdefault(b, {})
             node.setdefault(None, []).append(tid)  # tokens ending at this node
-        # flatten: node k = (children [(byte, node)], own tokens, first, end, plain subtree)
         order: list[int] = []
         self.children: list[list[tuple[int, int]]] = []
         self.ends: list[list[int]] = []
         self.span: list[tuple[int, int]] = []
         self.plain: list[bool] = []
 
-        def build(tree: dict) -> tuple[int, bool]:
+        def build(tree: dict) -> bool:  # recursion depth: the longest piece (tens of bytes)
             k = len(self.children)
             self.children.append([])
             self.ends.append(tree.get(None, []))
@@ -213,27 +210,21 @@ class TokenTrie:
             first = len(order)
             order.extend(self.ends[k])
             plain = True
-            kids = []
             for b in sorted(x for x in tree if x is not None):
-                child, child_plain = build(tree[b])
-                kids.append((b, child))
+                child = len(self.children)
+                child_plain = build(tree[b])
+                self.children[k].append((b, child))
                 plain = plain and child_plain and _plain(b)
-            self.children[k] = kids
             self.span[k] = (first, len(order))
             self.plain[k] = plain
-            return k, plain
+            return plain
 
-        # an explicit stack would avoid recursion; token pieces are short (tens of bytes)
         build(root)
         self.order = np.asarray(order, dtype=np.int64)
-        self._memo: dict[State, np.ndarray] = {}
 
-    def allowed(self, state: State) -> np.ndarray:
-        """bool ``[vocab_size]``: the tokens whose bytes all follow ``state``."""
-        hit = self._memo.get(state)
-        if hit is not None:
-            return hit
-        out = np.zeros(self.vocab_size, dtype=bool)
+    def walk(self, state: State, out: np.ndarray, follow=None) -> None:
+        """Mark in ``out`` the tokens whose bytes all follow ``state`` (``follow``: only
+        bytes it admits); inside a string a plain subtree is taken whole."""
         todo = [(0, state)]
         while todo:
             k, st = todo.pop()
@@ -244,9 +235,55 @@ class TokenTrie:
             if self.ends[k]:
                 out[self.ends[k]] = True
             for b, child in self.children[k]:
+                if follow is not None and not follow(b):
+                    continue
                 nxt = step(st, b)
                 if nxt is not None:
                     todo.append((child, nxt))
+
+
+def _inside(b: int) -> bool:
+    """A byte that may stand inside a string without ending or escaping it."""
+    return b >= 0x20 and b != 0x22 and b != 0x5C
+
+
+class TokenTrie:
+    """The vocabulary's byte strings as a trie (module docstring). ``pieces[i]``: token
+    ``i``'s bytes, None for tokens never allowed (special tokens, unused ids).
+
+    Inside a string (no escape pending) the allowed set splits in two: tokens that stay in
+    the string, which depend only on the UTF-8 character in progress (one mask per such
+    state, whatever the containers around the string), and tokens holding a quote or a
+    backslash, walked in a trie of those tokens alone. Other states walk the whole trie."""
+
+    _MEMO = 4096  # masks kept per trie
+
+    def __init__(self, pieces: Sequence[bytes | None]) -> None:
+        self.vocab_size = len(pieces)
+        self.full = _Trie(pieces)
+        self.special = _Trie(pieces, keep=lambda p: 0x22 in p or 0x5C in p)
+        self._memo: dict[State, np.ndarray] = {}
+        self._inner: dict[tuple, np.ndarray] = {}
+
+    def allowed(self, state: State) -> np.ndarray:
+        """bool ``[vocab_size]``: the tokens whose bytes all follow ``state``."""
+        hit = self._memo.get(state)
+        if hit is not None:
+            return hit
+        mode = state[0]
+        if mode in ("str", "utf"):
+            utf = None if mode == "str" else state[2][1:]
+            inner = self._inner.get(utf)
+            if inner is None:  # staying in the string: the containers do not matter
+                inner = np.zeros(self.vocab_size, dtype=bool)
+                start = ("str", (), False) if utf is None else ("utf", (), (False, *utf))
+                self.full.walk(start, inner, follow=_inside)
+                self._inner[utf] = inner
+            out = inner.copy()
+            self.special.walk(state, out)
+        else:
+            out = np.zeros(self.vocab_size, dtype=bool)
+            self.full.walk(state, out)
         if len(self._memo) >= self._MEMO:
             self._memo.clear()
         self._memo[state] = out
@@ -309,7 +346,11 @@ def token_bytes(tokenizer) -> list[bytes | None]:
     size = len(tokenizer)
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
-    byte_level = any(p and ("\u0120" in p or "\u010a" in p) for p in pieces)
+    # how the tokenizer spells " a b\n": byte-level BPE as "Ġa", "Ġb", "Ċ"; SentencePiece "▁a"
+    probe = tokenizer.convert_ids_to_tokens(tokenizer.encode(" a b\n", add_special_tokens=False))
+    byte_level = not any("\u2581" in p for p in probe if p) and any(
+        "\u0120" in p or "\u010a" in p for p in probe if p
+    )
     table = _byte_level_table() if byte_level else None
     out: list[bytes | None] = []
     for tid, p in enumerate(pieces):

@@ -160,6 +160,11 @@ def build_app(
         return await respond(request, parsed, chat=True)
 
     async def respond(request: Request, parsed: Parsed, *, chat: bool):
+        if any(p.json_mode for p in parsed.params):
+            try:
+                engine.check_json_mode()
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="response_format") from None
         try:
             handle = engine.submit(parsed.prompts, parsed.params, asyncio.get_running_loop())
         except QueueFull as exc:

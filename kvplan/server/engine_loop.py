@@ -143,6 +143,12 @@ class EngineLoop:
         self._commands.put(("add", handle, prompts, params))
         return handle
 
+    def check_json_mode(self) -> None:
+        """ValueError when the engine cannot run JSON mode (no tokenizer, or no token that
+        starts an object), before anything is queued. Builds the engine's vocabulary trie
+        once (the engine thread would build the same)."""
+        self.llm.engine._json_vocab()
+
     def abort(self, handle: Handle) -> None:
         """Abort every unfinished request of ``handle`` (its client went away)."""
         self._commands.put(("abort", handle))

@@ -152,6 +152,24 @@ def _refuse_unsupported(body: dict, neutral: dict[str, Any]) -> None:
             raise bad(name, f"{name}={v!r} is not supported by this server")
 
 
+def _json_mode(body: dict, tokenizer: Any) -> bool:
+    """``response_format``: ``{"type": "json_object"}`` turns on JSON mode (the completion is
+    one JSON object, `SamplingParams.json_mode`); ``{"type": "text"}`` or none leaves it off;
+    other types (``json_schema``) are refused."""
+    v = body.get("response_format")
+    if v is None:
+        return False
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text":
+        return False
+    if kind != "json_object":
+        raise bad("response_format", f"response_format={v!r} is not supported by this server "
+                  "(only {'type': 'json_object'} or {'type': 'text'})")  # fmt: skip
+    if tokenizer is None:
+        raise bad("response_format", "JSON mode needs the model's tokenizer; this model has none")
+    return True
+
+
 def _logit_bias(body: dict, limits: ModelLimits) -> dict[int, float] | None:
     """``logit_bias``: a JSON object of token ids (as strings, OpenAI's form, or integers)
     to biases in [-100, 100], each id checked against the vocabulary."""
@@ -205,6 +223,7 @@ def _sampling(
     logprobs: int | None = None,
     echo: bool = False,
     best_of_ok: bool = False,
+    json_mode: bool = False,
 ) -> Parsed:
     """The fields every endpoint shares; ``prompts`` are token ids, not yet checked.
     ``logprobs``: top-k per generated token (and per prompt token with ``echo``);
@@ -278,6 +297,7 @@ def _sampling(
         repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, math.inf, True),
         logit_bias=_logit_bias(body, limits),
         min_tokens=min_tokens,
+        json_mode=json_mode,
     )
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
@@ -352,7 +372,7 @@ def parse_completion(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
         else:
             prompts.append(list(_token_list(p, "prompt")))
     return _sampling(body, limits, prompts, "prompt", ("max_tokens",), 16, logprobs, echo,
-                     best_of_ok=True)  # fmt: skip
+                     best_of_ok=True, json_mode=_json_mode(body, tokenizer))  # fmt: skip
 
 
 def _message_text(content: Any, i: int) -> str:
@@ -379,13 +399,8 @@ def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
     the model's limit)."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
-    _refuse_unsupported(
-        body,
-        {
-            "tools": ([],),
-            "response_format": ({"type": "text"},),
-        },
-    )
+    _refuse_unsupported(body, {"tools": ([],)})
+    json_mode = _json_mode(body, tokenizer)
     top = _top_k(body, "top_logprobs")
     if _bool(body, "logprobs", False):
         logprobs = 0 if top is None else top
@@ -414,5 +429,5 @@ def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
         ids = ids["input_ids"]
     return _sampling(
         body, limits, [[int(t) for t in ids]], "messages", ("max_completion_tokens", "max_tokens"), None,
-        logprobs,
+        logprobs, json_mode=json_mode,
     )  # fmt: skip

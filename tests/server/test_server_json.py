@@ -1,0 +1,64 @@
+"""``response_format={"type": "json_object"}`` over HTTP on a model whose byte-level tokenizer
+can spell JSON: the choices equal `LLM.generate` with ``json_mode=True`` (same seeds), each
+text is a JSON object prefix, and the finished ones parse as objects."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from server_testlib import API_KEY
+
+from kvplan.engine.json_mode import complete, start_state, step
+from kvplan.engine.sampling import SamplingParams
+from tests.engine.test_json_mode import _byte_level_tokenizer
+
+
+@pytest.fixture(scope="module")
+def json_app(tmp_path_factory):
+    import transformers as tf
+    from fastapi.testclient import TestClient
+
+    from kvplan.engine.llm import LLM
+    from kvplan.server.app import build_app
+
+    folder = tmp_path_factory.mktemp("json_served")
+    tok = _byte_level_tokenizer()
+    cfg = tf.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    tf.AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    llm = LLM(str(folder), device="cpu", chat_template=False)
+    ref = LLM(str(folder), device="cpu", chat_template=False)
+    with TestClient(build_app(llm, api_key=API_KEY)) as client:
+        yield client, ref
+
+
+def test_completions_json_object(json_app):
+    client, ref = json_app
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    model = client.get("/v1/models", headers=auth).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "data:", "max_tokens": 100, "temperature": 1.0,
+            "seed": 11, "n": 4, "response_format": {"type": "json_object"}}  # fmt: skip
+    r = client.post("/v1/completions", json=body, headers=auth)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    ids = ref.tokenizer.encode("data:")
+    want = [ref.generate([ids], SamplingParams(max_tokens=100, temperature=1.0, seed=11 + j,
+                                               json_mode=True))[0] for j in range(4)]  # fmt: skip
+    assert [c["text"] for c in choices] == [w.text for w in want]
+    done = 0
+    for c in choices:
+        st = start_state()
+        for b in c["text"].encode("utf-8"):
+            st = step(st, b)
+            assert st is not None, c["text"]
+        if c["finish_reason"] == "stop":
+            assert complete(st) and isinstance(json.loads(c["text"]), dict)
+            done += 1
+    assert done >= 1
