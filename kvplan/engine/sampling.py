@@ -136,8 +136,8 @@ class SamplingParams:
         json_mode: the completion is one JSON object (OpenAI's ``response_format={"type":
             "json_object"}``): at each step only tokens that keep the text a prefix of a JSON
             object can be sampled, and once the object is closed only EOS
-            (`kvplan.engine.json_mode`; needs the engine's tokenizer). A completion cut by
-            ``max_tokens`` is an unfinished object.
+            (`kvplan.engine.json_mode`; needs the engine's tokenizer; not with ``ignore_eos``
+            or ``min_tokens``). A completion cut by ``max_tokens`` is an unfinished object.
         The adjustments apply in that order (module docstring), JSON mode last; the reported
         logprobs stay those of the raw logits.
 
@@ -217,6 +217,11 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {value}")
         object.__setattr__(self, "repetition_penalty", value)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.json_mode and (self.ignore_eos or self.min_tokens):
+            raise ValueError(
+                "json_mode ends the request with EOS right after the object: it cannot take "
+                f"ignore_eos={self.ignore_eos} or min_tokens={self.min_tokens}"
+            )
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

@@ -299,6 +299,9 @@ def _sampling(
         min_tokens=min_tokens,
         json_mode=json_mode,
     )
+    if json_mode and (base["ignore_eos"] or min_tokens):
+        raise bad("response_format", "json_object ends with EOS after the object: it cannot "
+                  "take ignore_eos or min_tokens")  # fmt: skip
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False

@@ -211,6 +211,9 @@ def test_engine_outputs_are_json_objects(json_llm, async_scheduling):
 def test_json_mode_param_checks():
     with pytest.raises(TypeError, match="json_mode"):
         SamplingParams(json_mode=1)
+    for bad in (dict(ignore_eos=True), dict(min_tokens=2)):
+        with pytest.raises(ValueError, match="json_mode"):
+            SamplingParams(json_mode=True, **bad)
     assert SamplingParams(json_mode=True).adjusts_logits
     assert not SamplingParams(json_mode=True).greedy
 
