@@ -161,22 +161,27 @@ def test_token_bytes_match_the_tokenizer():
         assert b"".join(pieces[i] for i in ids) == text.encode("utf-8")
 
 
-@pytest.fixture(scope="module")
-def json_llm(tmp_path_factory):
+def make_json_model_folder(folder, seed: int = 0):
+    """A random tiny Llama over `_byte_level_tokenizer` written into ``folder``."""
     import transformers as tf
 
-    from kvplan import LLM
-
-    folder = tmp_path_factory.mktemp("json_llama")
     tok = _byte_level_tokenizer()
     cfg = tf.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None,
     )  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     tf.AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(folder)
     tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def json_llm(tmp_path_factory):
+    from kvplan import LLM
+
+    folder = make_json_model_folder(tmp_path_factory.mktemp("json_llama"))
     return LLM(str(folder), device="cpu")
 
 

@@ -7,32 +7,21 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from server_testlib import API_KEY
 
 from kvplan.engine.json_mode import complete, start_state, step
 from kvplan.engine.sampling import SamplingParams
-from tests.engine.test_json_mode import _byte_level_tokenizer
+from tests.engine.test_json_mode import make_json_model_folder
 
 
 @pytest.fixture(scope="module")
 def json_app(tmp_path_factory):
-    import transformers as tf
     from fastapi.testclient import TestClient
 
     from kvplan.engine.llm import LLM
     from kvplan.server.app import build_app
 
-    folder = tmp_path_factory.mktemp("json_served")
-    tok = _byte_level_tokenizer()
-    cfg = tf.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    tf.AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(folder)
-    tok.save_pretrained(folder)
+    folder = make_json_model_folder(tmp_path_factory.mktemp("json_served"), seed=1)
     llm = LLM(str(folder), device="cpu", chat_template=False)
     ref = LLM(str(folder), device="cpu", chat_template=False)
     with TestClient(build_app(llm, api_key=API_KEY)) as client:
