@@ -5,13 +5,15 @@ Three pieces:
 
 * ``step(state, byte)``: a byte-level recognizer of JSON text (RFC 8259 values; the top level
   an object, no leading whitespace) as an immutable state; ``None`` rejects the byte. States
-  are small tuples ``(mode, stack, extra)``; ``stack`` holds the open containers (``b"{"`` /
-  ``b"["``). Strings take well-formed UTF-8 only (what Python's decoder accepts).
+  are small tuples ``(mode, stack, extra)``; ``stack`` holds the open containers' bytes
+  (``{`` / ``[``). Strings take well-formed UTF-8 only (what Python's decoder accepts).
 * ``TokenTrie``: the vocabulary's byte strings in a trie whose nodes know their subtree's
   token range (tokens numbered in trie order) and whether every byte below them is plain
   string content (printable ASCII but quote and backslash). ``allowed(state)`` walks the trie
   with the recognizer, pruning at the first rejected byte; inside a string a plain subtree is
-  taken whole without walking it. Masks are memoized per state.
+  taken whole without walking it, and the tokens that stay in the string are one mask per
+  UTF-8 state whatever the containers around it (only the tokens holding a quote or a
+  backslash are walked per state). Masks are memoized per state.
 * ``JsonGuide``: one request's position: it feeds the request's sampled tokens and gives the
   boolean mask of the tokens that keep the text a JSON prefix; once the object is complete
   only the end-of-sequence tokens remain (so a guided completion stops right after it).
