@@ -161,8 +161,8 @@ def build_app(
 
     async def respond(request: Request, parsed: Parsed, *, chat: bool):
         if any(p.json_mode for p in parsed.params):
-            try:
-                engine.check_json_mode()
+            try:  # the first call builds the vocabulary trie (seconds): off the event loop
+                await asyncio.get_running_loop().run_in_executor(None, engine.check_json_mode)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="response_format") from None
         try:
