@@ -153,36 +153,20 @@ def sparse_attention_ranges(
                                          out_rope=out_rope, check=check)  # fmt: skip
 
 
-def _block_rows(blocks, num_rows: int, device) -> torch.Tensor | None:
-    """The rows the blocks cover (int64, sorted), or None for every row."""
-    if blocks is None:
-        return None
-    start, end = (b.long().cpu().tolist() for b in blocks)
-    rows = sorted({r for s, e in zip(start, end, strict=True) for r in range(s, e)})
-    return torch.tensor(rows, dtype=torch.long, device=device)
-
-
 def sparse_attention_ranges_torch(
     q, sources, sinks, scale, *, blocks=None, out=None, out_rope=None, check=True
 ) -> torch.Tensor:
     """Torch path: the ranges expanded (:func:`ranges_index`) into
-    ``sparse_attention_torch``."""
+    ``sparse_attention_torch``, whose ``rows`` are the rows the blocks cover."""
     _check(q, sources, sinks, blocks, check)
-    out = _out(q, out)
-    rows = _block_rows(blocks, q.shape[0], q.device)
-    if rows is not None and rows.numel() == 0:
-        return out
+    rows = None
+    if blocks is not None:
+        start, end = (b.tolist() for b in blocks)
+        covered = sorted({r for s, e in zip(start, end, strict=True) for r in range(s, e)})
+        rows = torch.tensor(covered, dtype=torch.int32, device=q.device)
     keys = [KeySource(s.cache, ranges_index(s.ranges), s.layout) for s in sources]
-    if rows is not None:
-        keys = [KeySource(k.cache, k.index[rows].contiguous(), k.layout) for k in keys]
-        q = q[rows]
-        out_rope = None if out_rope is None else tuple(t[rows] for t in out_rope)
-    o = sparse_attention_torch(q, keys, sinks, scale, out_rope=out_rope, check=False)
-    if rows is None:
-        out.copy_(o)
-    else:
-        out[rows] = o
-    return out
+    return sparse_attention_torch(q, keys, sinks, scale, out=out, out_rope=out_rope,
+                                  check=False, rows=rows)  # fmt: skip
 
 
 # Launch settings where the caller gives none (H200 sweeps in bench/RESULTS.md).

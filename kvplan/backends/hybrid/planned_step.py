@@ -321,9 +321,7 @@ class PlannedStep:
             return self._attend_in_place(*args)
         meta = self.meta
         if self.is_prompt:
-            hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa)
-            caches.ring.store(kv, meta.slot_mapping_store_swa)  # after the history load
-            rows = torch.cat([hist, caches.ring.roundtrip(kv)])
+            rows = self._prompt_window(caches, kv)
             index = meta.kv_swa_full_index
         else:
             caches.ring.store(kv, meta.slot_mapping_store_swa)  # decode rows see themselves
@@ -355,9 +353,7 @@ class PlannedStep:
             # A quantized pool's entries are dequantized once into rows (many prompt rows
             # read each entry); an exact pool is read in place.
             dtype = q.dtype if q.dtype == torch.bfloat16 else torch.float32
-            hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa, dtype=dtype)
-            caches.ring.store(kv, meta.slot_mapping_store_swa)  # after the history load
-            rows = torch.cat([hist, caches.ring.roundtrip(kv, dtype=dtype)])
+            rows = self._prompt_window(caches, kv, dtype)
             sources = [KeySource(rows, meta.kv_swa_full_index)]
             pool = caches.pools["compressor"] if compressed else None
             if compressed and pool.layout.is_quantized:
@@ -379,6 +375,15 @@ class PlannedStep:
                                 check=self.family.check,
                                 counters=self.family.merge_counters)  # fmt: skip
 
+    def _prompt_window(self, caches, kv, dtype=torch.float32) -> torch.Tensor:
+        """A prompt step's SWA buffer ``[history | this chunk]`` in ``dtype``: the ring's
+        history through ``load_segments_swa``, THEN the chunk's rows stored into the ring
+        (the store may overwrite slots the load reads) and appended as the ring rounds them."""
+        meta = self.meta
+        hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa, dtype=dtype)
+        caches.ring.store(kv, meta.slot_mapping_store_swa)
+        return torch.cat([hist, caches.ring.roundtrip(kv, dtype=dtype)])
+
     def _attend_prompt_ranges(
         self, spec, caches, q, kv, sinks, scale, index_q, index_weights, out_rope
     ) -> torch.Tensor:
@@ -391,9 +396,7 @@ class PlannedStep:
         top_k``) take ``sparse_attention`` over their top-k, in the same output."""
         meta, check = self.meta, self.family.check
         dtype = q.dtype if q.dtype == torch.bfloat16 else torch.float32
-        hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa, dtype=dtype)
-        caches.ring.store(kv, meta.slot_mapping_store_swa)  # after the history load
-        rows = torch.cat([hist, caches.ring.roundtrip(kv, dtype=dtype)])
+        rows = self._prompt_window(caches, kv, dtype)
         q = q if q.stride(2) == 1 else q.contiguous()
         tile_t = range_tiling(q.dtype)["tile_t"]
         window = RangeSource(rows, meta.kv_swa_full_index_pivots)
