@@ -36,7 +36,7 @@ from kvplan.engine.json_mode import JsonGuide, TokenTrie, start_state, token_byt
 from kvplan.engine.logprobs import PendingLogprobs, TokenLogprob, queue_logprobs
 from kvplan.engine.request import Request
 from kvplan.engine.runner import ModelRunner, StepInputs
-from kvplan.engine.sampling import SamplingParams, prompt_token_mask, sample
+from kvplan.engine.sampling import RowHistory, SamplingParams, prompt_token_mask, sample
 from kvplan.engine.scheduler import Scheduler
 from kvplan.engine.speculative import accept_drafts
 from kvplan.engine.step import StepBatch
@@ -117,7 +117,7 @@ class EngineCore(AsyncSteps):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self.check_prompt(prompt_token_ids)
         if params.json_mode:
-            self._json_vocab()  # the tokenizer can start an object, or a clear error
+            self.json_vocab()  # the tokenizer can start an object, or a clear error
         bad = [t for t, _ in params.logit_bias if self.vocab_size and t >= self.vocab_size]
         if bad:
             raise ValueError(
@@ -407,10 +407,10 @@ class EngineCore(AsyncSteps):
             tokens = sample(logits, params, gens, self.generator, hist)
         return tokens, self._copies.start(tokens)
 
-    def _history(self, req: Request, logits: torch.Tensor) -> tuple:
-        """``(prompt, output so far, banned ids)`` of a request whose params adjust its
-        logits: the prompt as its device token mask (built once) when a repetition penalty
-        reads it; the stop token ids and EOS (unless ignored) while ``min_tokens`` holds."""
+    def _history(self, req: Request, logits: torch.Tensor) -> RowHistory:
+        """The `RowHistory` of a request whose params adjust its logits: the prompt as its
+        device token mask (built once) when a repetition penalty reads it; the stop token
+        ids and EOS (unless ignored) while ``min_tokens`` holds; JSON mode's allowed set."""
         p = req.params
         banned: tuple[int, ...] = ()
         if len(req.output_token_ids) < p.min_tokens:
@@ -424,11 +424,12 @@ class EngineCore(AsyncSteps):
                     req.prompt_token_ids, logits.shape[1], logits.device
                 )
             prompt = req.prompt_token_mask
-        return prompt, req.output_token_ids, banned, allowed
+        return RowHistory(prompt, req.output_token_ids, banned, allowed)
 
-    def _json_vocab(self) -> tuple[TokenTrie, list]:
-        """JSON mode's vocabulary trie and token bytes (built once); ValueError when the
-        engine has no tokenizer or none of its tokens can start a JSON object."""
+    def json_vocab(self) -> tuple[TokenTrie, list]:
+        """JSON mode's vocabulary trie and token bytes (built on the first call, which takes
+        seconds for a large vocabulary); ValueError when the engine has no tokenizer or none
+        of its tokens can start a JSON object."""
         if self._json_trie is None:
             if self.tokenizer is None:
                 raise ValueError("json_mode needs the engine's tokenizer (this model has none)")
@@ -440,17 +441,14 @@ class EngineCore(AsyncSteps):
         return self._json_trie
 
     def _json_mask(self, req: Request, vocab: int) -> np.ndarray:
-        """JSON mode: the tokens that keep ``req``'s output a JSON object prefix (its guide
-        made on first use, fed the output so far); where none can, EOS (the request ends)."""
+        """JSON mode: `JsonGuide.mask` of ``req``'s guide (made on first use), fed the output
+        so far."""
         if req.json_guide is None:
-            trie, pieces = self._json_vocab()
+            trie, pieces = self.json_vocab()
             stops = set(self.eos_token_ids) | set(req.params.stop_token_ids)
             req.json_guide = JsonGuide(trie, pieces, sorted(stops))
         req.json_guide.feed(req.output_token_ids)
-        mask = req.json_guide.mask(vocab)
-        if not mask.any():
-            mask[[t for t in req.json_guide.eos if t < vocab]] = True
-        return mask
+        return req.json_guide.mask(vocab)
 
     def _logprobs(
         self, step: StepBatch, inputs: StepInputs, logits: torch.Tensor, tokens: torch.Tensor | None

@@ -286,6 +286,7 @@ class TokenTrie:
         else:
             out = np.zeros(self.vocab_size, dtype=bool)
             self.full.walk(state, out)
+        out.flags.writeable = False  # memoized: callers share it
         if len(self._memo) >= self._MEMO:
             self._memo.clear()
         self._memo[state] = out
@@ -316,14 +317,18 @@ class JsonGuide:
         self.fed = len(token_ids)
 
     def mask(self, vocab: int) -> np.ndarray:
-        """bool ``[vocab]``: the allowed next tokens (only EOS once the object is complete)."""
+        """bool ``[vocab]`` (read-only): the allowed next tokens; only EOS once the object is
+        complete, or where no token of the vocabulary continues the text (the request
+        ends)."""
+        allowed = None if complete(self.state) else self.trie.allowed(self.state)
+        if allowed is not None and allowed.shape[0] == vocab and allowed.any():
+            return allowed  # the trie's memo: read-only, so shared safely
         out = np.zeros(vocab, dtype=bool)
-        if complete(self.state):
+        if allowed is not None and allowed.any():
+            n = min(vocab, allowed.shape[0])
+            out[:n] = allowed[:n]
+        else:
             out[[t for t in self.eos if t < vocab]] = True
-            return out
-        allowed = self.trie.allowed(self.state)
-        n = min(vocab, allowed.shape[0])
-        out[:n] = allowed[:n]
         return out
 
 

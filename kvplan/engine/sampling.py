@@ -27,6 +27,7 @@ import numbers
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -293,18 +294,29 @@ def _padded(lists: Sequence[Sequence[int]], values=None) -> tuple[torch.Tensor, 
     return ids, w
 
 
+class RowHistory(NamedTuple):
+    """What a row's logit adjustments read of its request: ``prompt`` (token ids, or its
+    `prompt_token_mask`), ``output`` (the tokens so far), ``banned`` (the ids `min_tokens`
+    keeps out at this step) and ``allowed`` (JSON mode's bool ``[V]`` numpy mask of the
+    tokens that may come; None: every token)."""
+
+    prompt: Sequence[int] | torch.Tensor
+    output: Sequence[int]
+    banned: Sequence[int] = ()
+    allowed: np.ndarray | None = None
+
+
 def apply_penalties_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     histories: Sequence[tuple],
 ) -> torch.Tensor:
     """Rows ``[R, V]`` (fp32) after each row's repetition, frequency and presence penalties,
-    logit bias and banned tokens (module docstring), batched: a few device ops for all rows,
-    one host -> device copy per kind. ``histories[i]``: row i's ``(prompt, output so far)``
-    or ``(prompt, output, banned ids[, allowed])`` (the ids `min_tokens` keeps out at this
-    step; JSON mode's bool ``[V]`` numpy mask of the tokens that may come, or None), the
-    prompt as token ids or as its `prompt_token_mask`. A new tensor (``logits`` is not
+    logit bias, banned tokens and JSON mode's allowed set (module docstring), batched: a few
+    device ops for all rows, one host -> device copy per kind. ``histories[i]``: row i's
+    `RowHistory` (or a tuple of its leading fields). A new tensor (``logits`` is not
     written)."""
+    histories = [RowHistory(*h) for h in histories]
     dev, (rows, vocab) = logits.device, logits.shape
     out = logits.clone()
     rep = [p.repetition_penalty for p in params]
@@ -312,19 +324,19 @@ def apply_penalties_rows(
         none = torch.zeros(vocab, dtype=torch.bool, device=dev)
         masks = []
         for h, r in zip(histories, rep):
-            prompt = h[0]
+            prompt = h.prompt
             if r != 1.0 and not isinstance(prompt, torch.Tensor):
                 prompt = prompt_token_mask(prompt, vocab, dev)
             masks.append(prompt if r != 1.0 else none)
         seen = torch.stack(masks)  # one copy for all rows
-        ids, w = _padded([h[1] if r != 1.0 else () for h, r in zip(histories, rep)])
+        ids, w = _padded([h.output if r != 1.0 else () for h, r in zip(histories, rep)])
         seen |= torch.zeros(rows, vocab, device=dev).scatter_add_(1, ids.to(dev), w.to(dev)) > 0
         r = torch.tensor(rep, dtype=out.dtype).to(dev)[:, None]
         out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
     freq = [p.frequency_penalty for p in params]
     pres = [p.presence_penalty for p in params]
     if any(freq) or any(pres):
-        ids, w = _padded([h[1] if f or q else () for h, f, q in zip(histories, freq, pres)])
+        ids, w = _padded([h.output if f or q else () for h, f, q in zip(histories, freq, pres)])
         counts = torch.zeros(rows, vocab, device=dev).scatter_add_(1, ids.to(dev), w.to(dev))
         f = torch.tensor(freq, dtype=out.dtype).to(dev)[:, None]
         q = torch.tensor(pres, dtype=out.dtype).to(dev)[:, None]
@@ -333,13 +345,13 @@ def apply_penalties_rows(
         ids, w = _padded([[t for t, _ in p.logit_bias] for p in params],
                          [[b for _, b in p.logit_bias] for p in params])  # fmt: skip
         out.scatter_add_(1, ids.to(dev), w.to(dev))
-    banned = [(i, t) for i, h in enumerate(histories) if len(h) > 2 for t in h[2]]
+    banned = [(i, t) for i, h in enumerate(histories) for t in h.banned]
     if banned:
         at = torch.tensor(banned, dtype=torch.int64).to(dev)
         out[at[:, 0], at[:, 1]] = float("-inf")
-    guided = [i for i, h in enumerate(histories) if len(h) > 3 and h[3] is not None]
+    guided = [i for i, h in enumerate(histories) if h.allowed is not None]
     if guided:  # JSON mode: every token outside the row's allowed set is out
-        allowed = torch.from_numpy(np.stack([histories[i][3] for i in guided])).to(dev)
+        allowed = torch.from_numpy(np.stack([histories[i].allowed for i in guided])).to(dev)
         rows_at = torch.tensor(guided, dtype=torch.int64).to(dev)
         out[rows_at] = out[rows_at].masked_fill(~allowed, float("-inf"))
     return out
@@ -353,7 +365,8 @@ def apply_penalties(
     banned: Sequence[int] = (),
 ) -> torch.Tensor:
     """`apply_penalties_rows` of one row ``[V]``."""
-    return apply_penalties_rows(logits[None], [params], [(prompt_ids, output_ids, banned)])[0]
+    history = RowHistory(prompt_ids, output_ids, banned)
+    return apply_penalties_rows(logits[None], [params], [history])[0]
 
 
 def sample(
@@ -367,9 +380,8 @@ def sample(
     ``[N]`` int64 on the logits device.
 
     ``params[i]`` and ``generators[i]`` belong to row i (``generators[i]`` None = use
-    ``default_generator``); ``histories[i]``: row i's request as `apply_penalties_rows`
-    reads it (``(prompt, output so far[, banned ids])``), needed where
-    ``params[i].adjusts_logits``.
+    ``default_generator``); ``histories[i]``: row i's `RowHistory` (or a tuple of its
+    leading fields), needed where ``params[i].adjusts_logits``.
     """
     if logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(

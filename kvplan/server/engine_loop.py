@@ -147,7 +147,7 @@ class EngineLoop:
         """ValueError when the engine cannot run JSON mode (no tokenizer, or no token that
         starts an object), before anything is queued. Builds the engine's vocabulary trie
         once (the engine thread would build the same)."""
-        self.llm.engine._json_vocab()
+        self.llm.engine.json_vocab()
 
     def abort(self, handle: Handle) -> None:
         """Abort every unfinished request of ``handle`` (its client went away)."""
