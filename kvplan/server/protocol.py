@@ -152,10 +152,11 @@ def _refuse_unsupported(body: dict, neutral: dict[str, Any]) -> None:
             raise bad(name, f"{name}={v!r} is not supported by this server")
 
 
-def _json_mode(body: dict, tokenizer: Any) -> bool:
+def _json_mode(body: dict) -> bool:
     """``response_format``: ``{"type": "json_object"}`` turns on JSON mode (the completion is
-    one JSON object, `SamplingParams.json_mode`); ``{"type": "text"}`` or none leaves it off;
-    other types (``json_schema``) are refused."""
+    one JSON object, `SamplingParams.json_mode`; whether the model's tokenizer can run it is
+    the engine's check, `EngineCore.json_vocab`); ``{"type": "text"}`` or none leaves it
+    off; other types (``json_schema``) are refused."""
     v = body.get("response_format")
     if v is None:
         return False
@@ -165,8 +166,6 @@ def _json_mode(body: dict, tokenizer: Any) -> bool:
     if kind != "json_object":
         raise bad("response_format", f"response_format={v!r} is not supported by this server "
                   "(only {'type': 'json_object'} or {'type': 'text'})")  # fmt: skip
-    if tokenizer is None:
-        raise bad("response_format", "JSON mode needs the model's tokenizer; this model has none")
     return True
 
 
@@ -267,10 +266,8 @@ def _sampling(
     if n > MAX_N:
         raise bad("n", f"n must be <= {MAX_N}, got {n}")
     best_of = _best_of(body, n, echo) if best_of_ok else None
-    if best_of is not None and logprobs is None:
-        logprobs_gen = 0  # the sampled tokens' logprobs rank the sequences; not reported
-    else:
-        logprobs_gen = logprobs
+    # with best_of the sampled tokens' logprobs rank the sequences (reported only if asked)
+    logprobs_gen = 0 if best_of is not None and logprobs is None else logprobs
     seed = _int(body, "seed", None, 0)
     if seed is not None and seed >= 2**63 - MAX_N:
         raise bad("seed", f"seed must be < 2**63 - {MAX_N}, got {seed}")
@@ -375,7 +372,7 @@ def parse_completion(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
         else:
             prompts.append(list(_token_list(p, "prompt")))
     return _sampling(body, limits, prompts, "prompt", ("max_tokens",), 16, logprobs, echo,
-                     best_of_ok=True, json_mode=_json_mode(body, tokenizer))  # fmt: skip
+                     best_of_ok=True, json_mode=_json_mode(body))  # fmt: skip
 
 
 def _message_text(content: Any, i: int) -> str:
@@ -403,7 +400,7 @@ def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     _refuse_unsupported(body, {"tools": ([],)})
-    json_mode = _json_mode(body, tokenizer)
+    json_mode = _json_mode(body)
     top = _top_k(body, "top_logprobs")
     if _bool(body, "logprobs", False):
         logprobs = 0 if top is None else top
