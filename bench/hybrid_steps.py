@@ -1,0 +1,220 @@
+"""Where a DeepSeek-V4 workload's steps go, one by one: kvplan's engine on
+`bench/bench_hybrid.py`'s model (random bf16 weights, the `bench_hybrid_hf.py` workload),
+every step of a warm run recorded with its kind, decode rows, prompt tokens and wall time,
+and the non-decode steps (prefill / mixed: eager, no CUDA graph) profiled one at a time:
+wall time, GPU kernel time, and the top host functions (cProfile) and kernels
+(torch.profiler) of each.
+
+Also: small eager steps alone, after the warm run (``--small``): a prompt of N tokens with
+max_tokens=1 (one prefill step), and the same next to the running decode batch.
+
+GPU:  PYTHONPATH=. python3 bench/hybrid_steps.py --out steps.json
+CPU:  PYTHONPATH=. python3 bench/hybrid_steps.py --quick --out /tmp/q.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvplan import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import cprofile_rows  # noqa: E402
+from bench_hybrid import model_shape  # noqa: E402
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def build_folder(folder: str, quick: bool, max_len: int, dev: torch.device) -> int:
+    """Save the random model (HF's `DeepseekV4ForCausalLM`, bf16) into ``folder``; its vocab."""
+    import transformers as tf
+
+    cfg = tf.DeepseekV4Config(
+        **model_shape(quick), max_position_embeddings=max_len, initializer_range=0.02,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(dev):
+        hf = tf.DeepseekV4ForCausalLM(cfg).eval().to(torch.bfloat16)
+    hf.save_pretrained(folder)
+    del hf
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return cfg.vocab_size
+
+
+def step_rows(core) -> tuple[int, int]:
+    """(decode rows, prompt tokens) the next `schedule` would give, read off the scheduler
+    without scheduling (an estimate for the record: running decode rows and waiting /
+    prefilling prompt tokens within the budget)."""
+    sched = core.scheduler
+    budget = sched.max_num_batched_tokens
+    decode = sum(1 for r in sched.running if not r.is_prefilling)
+    budget -= decode
+    prompt = 0
+    for r in sched.running:
+        if r.is_prefilling:
+            n = min(r.num_prefill_tokens - r.num_computed_tokens, budget)
+            prompt, budget = prompt + n, budget - n
+    for r in sched.waiting:
+        if budget <= 0 or len(sched.running) >= sched.max_num_seqs:
+            break
+        n = min(len(r.all_token_ids), budget)
+        prompt, budget = prompt + n, budget - n
+    return decode, prompt
+
+
+def profiled_step(core, dev: torch.device, top: int = 12) -> dict:
+    """One engine step under torch.profiler then (same kind of step, next call) nothing:
+    its wall ms, kernel ms and top kernels / host ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    sync(dev)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        core.step()
+        sync(dev)
+    wall = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type.name == "CUDA"] if dev.type == "cuda" else []
+    return {
+        "wall_ms_profiled": wall,
+        "kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+        "kernel_launches": sum(e.count for e in kernels),
+        "top_kernels": [
+            {"name": e.key[:90], "ms": e.self_device_time_total / 1e3, "calls": e.count}
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+        ],
+        "top_host_ops": [
+            {"name": e.key[:90], "ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+        ],
+    }
+
+
+def walk(llm, ids, new: int, dev: torch.device, profile: str) -> list[dict]:
+    """Run the workload step by step; record each step. ``profile``: "" (none), "cprofile"
+    or "torch": profile every non-decode step that way."""
+    core = llm.engine
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for p in ids:
+        core.add_request(p, params)
+    steps = []
+    while core.has_unfinished():
+        decode, prompt = step_rows(core)
+        row = {"decode_rows": decode, "prompt_tokens": prompt}
+        if prompt and profile == "torch":
+            row.update(profiled_step(core, dev))
+        elif prompt and profile == "cprofile":
+            sync(dev)
+            t0 = time.perf_counter()
+            rows = cprofile_rows(lambda: (core.step(), sync(dev)))
+            row["wall_ms_profiled"] = (time.perf_counter() - t0) * 1e3
+            row["host_own"] = rows[:15]
+            row["host_cum"] = sorted(rows, key=lambda r: -r["cum_us_per_step"])[:25]
+        else:
+            t0 = time.perf_counter()
+            core.step()
+            row["ms"] = (time.perf_counter() - t0) * 1e3
+        row["kind"] = core.last_step_kind
+        steps.append(row)
+    sync(dev)
+    return steps
+
+
+def summarize(steps: list[dict]) -> None:
+    for i, s in enumerate(steps):
+        if s["prompt_tokens"] or i < 2:
+            ms = s.get("ms", s.get("wall_ms_profiled"))
+            extra = (f" kernels {s['kernel_ms']:.1f} ms / {s['kernel_launches']} launches"
+                     if "kernel_ms" in s else "")  # fmt: skip
+            print(f"step {i:3d} {s['kind'] or '-':>7}: {s['decode_rows']:3d} decode rows "
+                  f"{s['prompt_tokens']:6d} prompt tokens {ms:8.2f} ms{extra}")  # fmt: skip
+    dec = sorted(s["ms"] for s in steps if s["kind"] == "decode" and "ms" in s)
+    if dec:
+        print(f"decode steps: {len(dec)}, median {dec[len(dec) // 2]:.3f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model on the CPU")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--kv-format", default="fp8")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=32768)
+    ap.add_argument("--profile", default="torch,cprofile",
+                    help="comma-separated extra walks profiling the non-decode steps")  # fmt: skip
+    ap.add_argument("--small", default="8,64,512",
+                    help="prompt lengths of the small eager steps timed after the walks")  # fmt: skip
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.quick
+    dev = torch.device("cuda" if cuda else "cpu")
+    n = args.num_requests or (16 if cuda else 4)
+    p = args.prompt_len or (4096 if cuda else 64)
+    new = args.new_tokens or (128 if cuda else 8)
+    budget = args.max_num_batched_tokens if cuda else min(args.max_num_batched_tokens, 2 * p)
+    record = {
+        "bench": "hybrid_steps",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "workload": {"requests": n, "prompt_len": p, "new_tokens": new,
+                     "max_num_batched_tokens": budget, "kv_format": args.kv_format},
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        vocab = build_folder(folder, not cuda, max(4096, p + new + 64), dev)
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, vocab, (n, p), generator=gen).tolist()
+        kv = args.kv_format if cuda else args.kv_format.replace("bf16", "fp32")
+        llm = LLM(
+            folder, device=dev.type, dtype="bfloat16" if cuda else "float32", kv_format=kv,
+            max_num_seqs=n, max_model_len=p + new + 8, max_num_batched_tokens=budget,
+        )  # fmt: skip
+        llm.generate(ids, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+        sync(dev)
+        t0 = time.perf_counter()
+        record["steps"] = walk(llm, ids, new, dev, "")
+        record["wall_s"] = time.perf_counter() - t0
+        print(f"warm run: {record['wall_s']:.3f} s, {len(record['steps'])} steps")
+        summarize(record["steps"])
+        for prof in filter(None, args.profile.split(",")):
+            record[f"steps_{prof}"] = [
+                s for s in walk(llm, ids, new, dev, prof) if s["prompt_tokens"]
+            ]
+            print(f"profiled ({prof}):")
+            summarize(record[f"steps_{prof}"])
+        small = []
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        for length in (int(x) for x in args.small.split(",") if x):
+            prompt = ids[0][:length]
+            walls = []
+            for _ in range(5):
+                sync(dev)
+                t0 = time.perf_counter()
+                llm.generate([prompt], one)
+                sync(dev)
+                walls.append((time.perf_counter() - t0) * 1e3)
+            small.append({"prompt_tokens": length, "ms_runs": walls, "ms_min": min(walls)})
+            print(f"one {length}-token prompt alone (1 step + request setup): "
+                  f"min {min(walls):.2f} ms of {', '.join(f'{w:.1f}' for w in walls)}")  # fmt: skip
+        record["small_prompts"] = small
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
