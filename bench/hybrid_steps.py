@@ -104,9 +104,10 @@ def profiled_step(core, dev: torch.device, top: int = 12) -> dict:
     }
 
 
-def walk(llm, ids, new: int, dev: torch.device, profile: str) -> list[dict]:
+def walk(llm, ids, new: int, dev: torch.device, profile: str, top: int = 40) -> list[dict]:
     """Run the workload step by step; record each step. ``profile``: "" (none), "cprofile"
-    or "torch": profile every non-decode step that way."""
+    or "torch": profile every non-decode step that way (cProfile: the ``top`` functions by
+    own and by cumulative time)."""
     core = llm.engine
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     for p in ids:
@@ -122,8 +123,8 @@ def walk(llm, ids, new: int, dev: torch.device, profile: str) -> list[dict]:
             t0 = time.perf_counter()
             rows = cprofile_rows(lambda: (core.step(), sync(dev)))
             row["wall_ms_profiled"] = (time.perf_counter() - t0) * 1e3
-            row["host_own"] = rows[:15]
-            row["host_cum"] = sorted(rows, key=lambda r: -r["cum_us_per_step"])[:25]
+            row["host_own"] = rows[:top]
+            row["host_cum"] = sorted(rows, key=lambda r: -r["cum_us_per_step"])[:top]
         else:
             t0 = time.perf_counter()
             core.step()
@@ -158,6 +159,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=32768)
     ap.add_argument("--profile", default="torch,cprofile",
                     help="comma-separated extra walks profiling the non-decode steps")  # fmt: skip
+    ap.add_argument("--top", type=int, default=40, help="cProfile rows kept per step")
     ap.add_argument("--small", default="8,64,512",
                     help="prompt lengths of the small eager steps timed after the walks")  # fmt: skip
     args = ap.parse_args()
@@ -193,7 +195,7 @@ def main() -> None:
         summarize(record["steps"])
         for prof in filter(None, args.profile.split(",")):
             record[f"steps_{prof}"] = [
-                s for s in walk(llm, ids, new, dev, prof) if s["prompt_tokens"]
+                s for s in walk(llm, ids, new, dev, prof, args.top) if s["prompt_tokens"]
             ]
             print(f"profiled ({prof}):")
             summarize(record[f"steps_{prof}"])

@@ -29,7 +29,7 @@ def _log1p(x):
 @triton.jit
 def moe_route_kernel(
     logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, ids_ptr, w_ptr, dense_ptr,
-    num_experts, scaling,
+    num_experts, stride_t, scaling,
     TOP_K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, SIGMOID: tl.constexpr,
     HASH: tl.constexpr,
 ):  # fmt: skip
@@ -37,7 +37,7 @@ def moe_route_kernel(
     dtype: tl.constexpr = logits_ptr.dtype.element_ty
     e = tl.arange(0, E_P)
     emask = e < num_experts
-    logit = tl.load(logits_ptr + t * num_experts + e, mask=emask, other=0.0).to(tl.float32)
+    logit = tl.load(logits_ptr + t * stride_t + e, mask=emask, other=0.0).to(tl.float32)
     if SIGMOID:
         scores = _round(tl.sigmoid(logit), dtype)
     else:  # sqrt(softplus), softplus with torch's threshold 20

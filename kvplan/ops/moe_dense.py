@@ -90,10 +90,11 @@ def moe_route_triton(
     if t == 0:
         return ids, weights, dense
     hashed = tid2eid is not None
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()  # rows may be strided
     moe_route_kernel[(t,)](
-        logits.contiguous(), ids if hashed else bias,
+        logits, ids if hashed else bias,
         tid2eid.contiguous() if hashed else ids, input_ids if hashed else ids,
-        ids, weights, dense, e, float(scaling),
+        ids, weights, dense, e, logits.stride(0), float(scaling),
         TOP_K=top_k, K_P=triton_next_pow2(top_k), E_P=triton_next_pow2(e), SIGMOID=sigmoid,
         HASH=hashed, num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
@@ -105,7 +106,8 @@ def moe_route(
     bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
     input_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Route rows by their router ``logits [T, E]`` (fp32/bf16/fp16).
+    """Route rows by their router ``logits [T, E]`` (fp32/bf16/fp16; any row stride, e.g. a
+    column slice of a wider GEMM's output).
 
     ``scores = sigmoid(logits)`` if ``sigmoid`` else ``sqrt(softplus(logits))`` (in the logits'
     dtype); experts = top-k of ``scores + bias`` (fp32 ``bias [E]``) or, for a hash router,

@@ -64,6 +64,26 @@ def test_route_triton_matches_torch(hashed, e, k, sigmoid, dtype):
     assert (dense[torch.ones_like(dense, dtype=torch.bool).scatter(1, ids, False)] == 0).all()
 
 
+@pytest.mark.parametrize("hashed", [False, True], ids=["topk", "hash"])
+def test_route_triton_reads_strided_logits(hashed):
+    """Logits as a column slice of a wider GEMM output (the fused MoE weight's router
+    columns): the kernel reads them in place, equal to the contiguous copy."""
+    logits, kw = _router_case(7, 5, 6, 2, torch.bfloat16, hashed)
+    wide = torch.randn(5, 40, dtype=torch.bfloat16)
+    wide[:, 30:36] = logits
+    view = wide.to(TRITON_DEVICE)[:, 30:36]
+    assert view.stride() == (40, 1)
+    dev = {n: v.to(TRITON_DEVICE) for n, v in kw.items()}
+    args = dict(top_k=2, sigmoid=False, scaling=1.5, **dev)
+    got = moe_route_triton(view, **args)
+    want = moe_route_triton(view.contiguous(), **args)
+    ref = moe_route_torch(logits, top_k=2, sigmoid=False, scaling=1.5, **kw)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert torch.equal(got[0].cpu().sort(-1).values, ref[0].sort(-1).values)
+    torch.testing.assert_close(got[2].cpu(), ref[2], **BF16_TOL)
+
+
 def test_route_matches_loop_reference():
     logits, kw = _router_case(1, 4, 6, 2, torch.float32, hashed=False)
     ids, w, _ = moe_route(logits, top_k=2, sigmoid=False, scaling=1.5, **kw)

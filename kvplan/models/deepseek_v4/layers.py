@@ -132,10 +132,13 @@ class LinearGroup(nn.Module):
         )
 
     @torch.no_grad()
-    def fuse(self) -> None:
+    def fuse(self, storage: torch.Tensor | None = None) -> None:
         """Concatenate the members' weights (same dtype and device) into one tensor and make
-        each weight a view of it; a no-op when already fused."""
-        if self.is_fused():
+        each weight a view of it; a no-op when already fused into ``storage`` (or, without
+        one, into any tensor). ``storage``: the ``[sum(out_i), in]`` tensor to fuse into (a
+        slice of a larger fused weight, as `DeepseekV4MoE.fuse_weights` passes); the
+        weights are copied into it unless they already are its rows."""
+        if self.is_fused() and (storage is None or self._weight.data_ptr() == storage.data_ptr()):
             return
         weights = [m.weight.data for m in self._members]
         for i, w in enumerate(weights):
@@ -144,7 +147,19 @@ class LinearGroup(nn.Module):
                     f"member {i} weight is {w.dtype} on {w.device}, member 0's "
                     f"{weights[0].dtype} on {weights[0].device}: cast them alike before fusing"
                 )
-        fused = torch.cat(weights, dim=0)  # [sum(out_i), in]
+        if storage is None:
+            fused = torch.cat(weights, dim=0)  # [sum(out_i), in]
+        else:
+            want = (sum(self.sizes), weights[0].shape[1])
+            if tuple(storage.shape) != want or storage.dtype != weights[0].dtype:
+                raise ValueError(
+                    f"storage must be {weights[0].dtype} {want}, got {storage.dtype} "
+                    f"{tuple(storage.shape)}"
+                )
+            fused = storage
+            for w, rows in zip(weights, fused.split(self.sizes, dim=0)):
+                if w.data_ptr() != rows.data_ptr():
+                    rows.copy_(w)
         for m, rows in zip(self._members, fused.split(self.sizes, dim=0)):
             m.weight.data = rows
         self._weight = fused
@@ -160,8 +175,12 @@ class LinearGroup(nn.Module):
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
-    """`LinearGroup.fuse` every group in ``model`` (idempotent); returns ``model``."""
+    """`LinearGroup.fuse` every group in ``model`` and ``fuse_weights()`` every module that has
+    one (the MoE blocks: `kvplan.models.deepseek_v4.moe.DeepseekV4MoE.fuse_weights`),
+    parents before their children (idempotent); returns ``model``."""
     for m in model.modules():
         if isinstance(m, LinearGroup):
             m.fuse()
+        elif callable(getattr(m, "fuse_weights", None)):
+            m.fuse_weights()
     return model

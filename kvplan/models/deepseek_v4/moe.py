@@ -35,6 +35,16 @@ Three ways to apply the routed experts, equal up to fp32 rounding:
   GROUPED_AUTO_MIN_EXPERTS`` (the dense path would read and run every expert); it runs
   everywhere when ``grouped_routing`` is set or ``KVPLAN_MOE_GROUPED=1``.
 
+Fused weights (`DeepseekV4MoE.fuse_weights`, called by `fuse_projections` at construction,
+after ``.to()`` and after loading): the three weights that read ``x`` -- every routed
+expert's ``gate_up``, the shared expert's gate and up, and the router -- are row slices of
+one ``[(E + 1) * 2I + E, hidden]`` tensor, and the routed and shared down projections the
+slices of one ``[E + 1, hidden, I]``. The dense path then runs as the shared expert being
+expert ``E``: one GEMM (router logits, every expert's gate/up and the shared one's), the
+routing kernel on the logits' columns, one SwiGLU over ``E + 1`` experts, one batched down
+GEMM, the weighted sum adding slice ``E`` (`experts_fused`): five kernels instead of nine,
+the same arithmetic per output element (only the GEMMs' blocking can differ).
+
 `experts_dense_loop` is the per-expert torch loop the dense path replaced (a test reference:
 experts in order, a repeated expert's weights added first).
 """
@@ -102,6 +112,48 @@ class DeepseekV4MoE(nn.Module):
         self.shared = SharedExpert(d, inter, c.swiglu_limit)
         self.dense_routing = False  # see the module docstring
         self.grouped_routing = False  # likewise
+        # (x weight [(E+1)*2I + E, hidden], down weight [E+1, hidden, I], member data_ptrs)
+        # of `fuse_weights`; None: unfused
+        self._fused: tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None = None
+
+    def _fusable(self) -> list[torch.Tensor]:
+        """The six weights `fuse_weights` joins, in its order: routed gate_up, shared gate,
+        shared up, router (the x weight's rows), routed down, shared down."""
+        sh = self.shared
+        return [self.gate_up, sh.gate_proj.weight, sh.up_proj.weight, self.gate_weight,
+                self.down, sh.down_proj.weight]  # fmt: skip
+
+    def is_fused(self) -> bool:
+        """Whether every weight is still its view of the fused tensors (module docstring)."""
+        f = self._fused
+        return f is not None and all(
+            w.data_ptr() == p for w, p in zip(self._fusable(), f[2], strict=True)
+        )
+
+    @torch.no_grad()
+    def fuse_weights(self) -> None:
+        """Join the weights into the two fused tensors (module docstring) and make each a
+        view of them; a no-op when already fused. Weights of mixed dtypes or devices stay
+        apart (the unfused paths run)."""
+        if self.is_fused():
+            return
+        weights = [w.data for w in self._fusable()]
+        first = weights[0]
+        if any((w.dtype, w.device) != (first.dtype, first.device) for w in weights):
+            self._fused = None
+            return
+        gate_up, s_gate, s_up, router, down, s_down = weights
+        e, two_i, hidden = gate_up.shape
+        x_weight = torch.cat([gate_up.reshape(e * two_i, hidden), s_gate, s_up, router])
+        down_weight = torch.cat([down, s_down.unsqueeze(0)])  # [E + 1, hidden, I]
+        sh = self.shared
+        self.gate_up.data = x_weight[: e * two_i].view(e, two_i, hidden)
+        sh.gate_up_proj.fuse(storage=x_weight[e * two_i : (e + 1) * two_i])
+        self.gate_weight.data = x_weight[(e + 1) * two_i :]
+        self.down.data = down_weight[:e]
+        sh.down_proj.weight.data = down_weight[e]
+        ptrs = tuple(w.data_ptr() for w in self._fusable())
+        self._fused = (x_weight, down_weight, ptrs)
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids int64 ``[T, k]``, weights ``[T, k]``) for ``x [T, hidden]``."""
@@ -144,6 +196,8 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, hidden]``; ``input_ids``: int64 ``[T]`` -> ``[T, hidden]``."""
+        if self.use_dense(x) and not self.use_grouped(x) and self.is_fused():
+            return self.experts_fused(x, input_ids)
         ids, weights, dense = self.route_dense(x, input_ids)
         if self.use_grouped(x):
             return self.experts_grouped(x, ids, weights, add=self.shared(x))
@@ -184,6 +238,27 @@ class DeepseekV4MoE(nn.Module):
         h = moe_swiglu(gu, num_experts, self.limit)  # [E, T, I]
         y = torch.bmm(h, self.down.transpose(1, 2))  # [E, T, hidden]
         return expert_weighted_sum(y, dense, add)
+
+    def experts_fused(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The dense path plus the shared expert and the router on the fused weights (module
+        docstring; `fuse_weights` first): ``x [T, hidden]`` -> ``[T, hidden]``."""
+        if not self.is_fused():
+            raise RuntimeError("experts_fused needs fuse_weights() (a weight was replaced)")
+        x_weight, down_weight, _ = self._fused
+        e, two_i = self.gate_up.shape[:2]
+        out = F.linear(x, x_weight)  # [T, (E + 1) * 2I + E]
+        _, _, dense = moe_route(
+            out[:, (e + 1) * two_i :],  # the router logits: its columns of the GEMM
+            top_k=self.top_k,
+            sigmoid=self.scoring_func == "sigmoid",
+            scaling=self.scaling,
+            bias=None if self.hash_routed else self.e_score_correction_bias,
+            tid2eid=self.tid2eid if self.hash_routed else None,
+            input_ids=input_ids if self.hash_routed else None,
+        )
+        h = moe_swiglu(out[:, : (e + 1) * two_i], e + 1, self.limit)  # [E + 1, T, I]
+        y = torch.bmm(h, down_weight.transpose(1, 2))  # [E + 1, T, hidden]
+        return expert_weighted_sum(y[:e], dense, add=y[e])  # the shared expert: slice E
 
     def experts_dense(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
