@@ -34,7 +34,15 @@ from kvplan.ops._triton_util import round_to
 from kvplan.ops.cache_geometry import triton_next_pow2
 from kvplan.ops.rms_norm import rms_norm_fp32w_torch, unweighted_rms_norm_torch
 
-__all__ = ["NormSpec", "norm_rope", "norm_rope_torch", "norm_rope_triton", "rope_cos_sin"]
+__all__ = [
+    "NormSpec",
+    "norm_rope",
+    "norm_rope_pair",
+    "norm_rope_pair_triton",
+    "norm_rope_torch",
+    "norm_rope_triton",
+    "rope_cos_sin",
+]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -47,17 +55,15 @@ class NormSpec(NamedTuple):
 
 
 @triton.jit
-def _norm_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, stride_c, inv_n, eps,
+def _norm_rope_row(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, t, src, dst, stride_c, inv_n, eps,
     D: tl.constexpr, HALF_RD: tl.constexpr, NORM: tl.constexpr, INVERSE: tl.constexpr,
 ):  # fmt: skip
-    """Row ``(t, h)``: norm (0 none, 1 fp32 weight, 2 unweighted), then the rotation."""
-    row = tl.program_id(0).to(tl.int64)
-    t = row // heads
-    h = row % heads
+    """One row of ``D`` channels at element offsets ``src`` / ``dst`` of token ``t``: norm (0
+    none, 1 fp32 weight, 2 unweighted), then the rotation."""
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     cols = tl.arange(0, D)
-    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + cols).to(tl.float32)
+    x = tl.load(x_ptr + src + cols).to(tl.float32)
     if NORM != 0:
         rrms = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
         if NORM == 1:
@@ -74,7 +80,32 @@ def _norm_rope_kernel(
     y0 = tl.where(rot, x0 * c - x1 * s, x0)
     y1 = tl.where(rot, x1 * c + x0 * s, x1)
     y = tl.reshape(tl.join(y0, y1), [D])
-    tl.store(out_ptr + row * D + cols, y.to(dtype))
+    tl.store(out_ptr + dst + cols, y.to(dtype))
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, stride_c, inv_n, eps,
+    x2_ptr, w2_ptr, out2_ptr, stride_x2t,
+    D: tl.constexpr, HALF_RD: tl.constexpr, NORM: tl.constexpr, INVERSE: tl.constexpr,
+    NORM2: tl.constexpr, PAIR: tl.constexpr,
+):  # fmt: skip
+    """Row ``(t, h)`` of ``x`` (programs ``t * heads + h``); with ``PAIR``, programs
+    ``T * heads + t`` take row ``t`` of the second tensor ``x2 [T, D]`` with its own norm
+    ``NORM2`` (the same row code: the same bits as a launch of its own)."""
+    row = tl.program_id(0).to(tl.int64)
+    first = tl.num_programs(0).to(tl.int64)  # rows of x: all programs, or T * heads (PAIR)
+    if PAIR:
+        first = first // (heads + 1) * heads
+    if row < first:
+        t = row // heads
+        h = row % heads
+        _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, t, t * stride_xt + h * stride_xh,
+                       row * D, stride_c, inv_n, eps, D, HALF_RD, NORM, INVERSE)  # fmt: skip
+    elif PAIR:
+        t = row - first
+        _norm_rope_row(x2_ptr, w2_ptr, cos_ptr, sin_ptr, out2_ptr, t, t * stride_x2t, t * D,
+                       stride_c, inv_n, eps, D, HALF_RD, NORM2, INVERSE)  # fmt: skip
 
 
 def rope_cos_sin(
@@ -159,14 +190,81 @@ def norm_rope_triton(
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if t * heads == 0:
         return out
-    kind = 0 if norm is None else (2 if norm.weight is None else 1)
-    w = norm.weight if kind == 1 else cos  # unused pointer when there is no weight
+    kind, w = _norm_kind(norm, cos)
     _norm_rope_kernel[(t * heads,)](
         x3, w, cos, sin, out, heads, x3.stride(0), x3.stride(1), cos.stride(0), 1.0 / d,
-        float(norm.eps) if norm is not None else 0.0, D=d, HALF_RD=cos.shape[1], NORM=kind,
-        INVERSE=bool(inverse), num_warps=4 if d >= 512 else 1, enable_fp_fusion=False,
+        float(norm.eps) if norm is not None else 0.0, x3, w, out, 0, D=d,
+        HALF_RD=cos.shape[1], NORM=kind, INVERSE=bool(inverse), NORM2=0, PAIR=False,
+        num_warps=_warps(d), enable_fp_fusion=False,
     )  # fmt: skip
     return out
+
+
+def _norm_kind(norm: NormSpec | None, cos: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(the kernel's NORM code, the weight pointer: ``cos`` stands in when unused)."""
+    kind = 0 if norm is None else (2 if norm.weight is None else 1)
+    return kind, norm.weight if kind == 1 else cos
+
+
+def _warps(d: int) -> int:
+    return 4 if d >= 512 else 1
+
+
+def norm_rope_pair(
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm: NormSpec,
+    norm2: NormSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm_rope(x, cos, sin, norm=norm), norm_rope(x2, cos, sin, norm=norm2))`` for ``x
+    [T, H, D]`` and ``x2 [T, D]`` of the same dtype and ``D`` (a DeepSeek-V4 layer's queries
+    and its K = V row): one launch on the Triton path (`norm_rope_pair_triton`), the same
+    bits as two (each row runs the same code); the torch path is the two calls."""
+    if not use_triton(x):
+        return (norm_rope_torch(x, cos, sin, norm=norm), norm_rope_torch(x2, cos, sin, norm=norm2))
+    return norm_rope_pair_triton(x, x2, cos, sin, norm, norm2)
+
+
+def norm_rope_pair_triton(
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm: NormSpec,
+    norm2: NormSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton path of :func:`norm_rope_pair` (one launch)."""
+    _check(x, cos, sin, norm)
+    _check(x2, cos, sin, norm2)
+    if x.dim() != 3 or x2.dim() != 2 or x2.shape[-1] != x.shape[-1] or x2.dtype != x.dtype:
+        raise ValueError(
+            f"norm_rope_pair needs x [T, H, D] and x2 [T, D] of one dtype, got {x.dtype} "
+            f"{tuple(x.shape)} and {x2.dtype} {tuple(x2.shape)}"
+        )
+    d = x.shape[-1]
+    if triton_next_pow2(d) != d:
+        raise ValueError(f"norm_rope_pair needs a power-of-two last dim, got {d}")
+    x = x if x.stride(2) == 1 else x.contiguous()
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    if cos.stride(1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    t, heads = x.shape[0], x.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out2 = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+    if t == 0:
+        return out, out2
+    kind, w = _norm_kind(norm, cos)
+    kind2, w2 = _norm_kind(norm2, cos)
+    if heads == 0 or norm.eps != norm2.eps:  # one eps a launch: two launches then
+        return norm_rope_triton(x, cos, sin, norm=norm), norm_rope_triton(x2, cos, sin, norm=norm2)
+    _norm_rope_kernel[(t * (heads + 1),)](
+        x, w, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), 1.0 / d,
+        float(norm.eps), x2, w2, out2, x2.stride(0), D=d, HALF_RD=cos.shape[1], NORM=kind,
+        INVERSE=False, NORM2=kind2, PAIR=True, num_warps=_warps(d), enable_fp_fusion=False,
+    )  # fmt: skip
+    return out, out2
 
 
 def norm_rope(

@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from kvplan.ops.rope import NormSpec, norm_rope, norm_rope_torch, norm_rope_triton
+from kvplan.ops.rope import (
+    NormSpec,
+    norm_rope,
+    norm_rope_pair,
+    norm_rope_pair_triton,
+    norm_rope_torch,
+    norm_rope_triton,
+)
 
 
 def tables(t: int, half: int, dtype, seed: int):
@@ -76,6 +83,46 @@ def test_strided_input_and_dispatch():
     assert torch.equal(norm_rope(x, cos, sin, norm=NormSpec(None, 1e-6)), want)
 
 
+def _pair_case(seed: int, t: int, heads: int, d: int, half: int, dtype, device):
+    gen = torch.Generator().manual_seed(seed)
+    q_wide = (torch.randn(t, heads * d + 32, generator=gen) * 3).to(dtype)  # a column view
+    q = q_wide[:, 32:].unflatten(-1, (heads, d))
+    kv_wide = (torch.randn(t, d + 16, generator=gen) * 3).to(dtype)
+    kv = kv_wide[:, :d]
+    cos, sin = tables(t, half, dtype, seed + 1)
+    weight = torch.rand(d, generator=gen) + 0.5
+    return [v.to(device) for v in (q, kv, cos, sin, weight)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pair_launch_equals_two_launches(dtype):
+    """`norm_rope_pair`: a layer's queries (unweighted norm) and K = V row (weighted norm) in
+    one launch, strided views as the fused projections give them: the same bits as two
+    `norm_rope_triton` launches, and the torch pair within rounding."""
+    q, kv, cos, sin, w = _pair_case(11, 5, 3, 64, 16, dtype, "cpu")
+    qn, kvn = NormSpec(None, 1e-6), NormSpec(w, 1e-6)
+    got_q, got_kv = norm_rope_pair_triton(q, kv, cos, sin, qn, kvn)
+    assert torch.equal(got_q, norm_rope_triton(q, cos, sin, norm=qn))
+    assert torch.equal(got_kv, norm_rope_triton(kv, cos, sin, norm=kvn))
+    tol = dict(atol=2e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_q, norm_rope_torch(q, cos, sin, norm=qn), **tol)
+    torch.testing.assert_close(got_kv, norm_rope_torch(kv, cos, sin, norm=kvn), **tol)
+
+
+def test_pair_errors():
+    q, kv, cos, sin, w = _pair_case(12, 4, 2, 32, 8, torch.float32, "cpu")
+    qn, kvn = NormSpec(None, 1e-6), NormSpec(w, 1e-6)
+    with pytest.raises(ValueError, match="x2 \\[T, D\\]"):
+        norm_rope_pair_triton(q, kv.bfloat16(), cos, sin, qn, kvn)
+    with pytest.raises(ValueError, match="x2 \\[T, D\\]"):
+        norm_rope_pair_triton(q, q, cos, sin, qn, kvn)
+    with pytest.raises(ValueError, match="cos must be"):
+        norm_rope_pair_triton(q, kv, cos[:3], sin[:3], qn, kvn)
+    # the dispatching entry on CPU tensors: the two torch calls
+    got = norm_rope_pair(q, kv, cos, sin, qn, kvn)
+    assert torch.equal(got[1], norm_rope_torch(kv, cos, sin, norm=kvn))
+
+
 def test_bad_inputs():
     x = torch.randn(3, 32)
     cos, sin = tables(3, 8, torch.float32, 0)
@@ -112,3 +159,14 @@ def test_gpu_kernel_equals_torch_ops(norm):
                 assert torch.equal(got, want)
             else:
                 torch.testing.assert_close(got.float(), want.float(), atol=1.6e-2, rtol=8e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_pair_launch_equals_two_launches():
+    """On CUDA at DeepSeek-V4's shapes (16 heads x 512, 64 rotary, bf16): the pair launch
+    gives the bits of the two launches it replaces."""
+    q, kv, cos, sin, w = _pair_case(13, 37, 16, 512, 32, torch.bfloat16, "cuda")
+    qn, kvn = NormSpec(None, 1e-6), NormSpec(w, 1e-6)
+    got_q, got_kv = norm_rope_pair(q, kv, cos, sin, qn, kvn)
+    assert torch.equal(got_q, norm_rope_triton(q, cos, sin, norm=qn))
+    assert torch.equal(got_kv, norm_rope_triton(kv, cos, sin, norm=kvn))

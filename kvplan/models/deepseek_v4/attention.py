@@ -34,7 +34,7 @@ from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.compressor import Compressor, Indexer
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.layers import LinearGroup, Rope, StepRope, rms_norm
-from kvplan.ops.rope import NormSpec, norm_rope
+from kvplan.ops.rope import NormSpec, norm_rope, norm_rope_pair
 
 
 class GroupedLinear(nn.Module):
@@ -115,8 +115,10 @@ class DeepseekV4Attention(nn.Module):
         q_res = rms_norm(q_a, self.q_a_norm, self.eps)  # [T, q_lora_rank]
         q, *index_q_lin = self.q_res_proj(q_res)  # one GEMM (CSA: with the indexer's q_b)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
-        q = norm_rope(q, cos, sin, norm=NormSpec(None, self.eps))  # [T, H, D]
-        kv = norm_rope(kv, cos, sin, norm=NormSpec(self.kv_norm, self.eps))  # [T, D]
+        # q [T, H, D] (unweighted norm) and kv [T, D] (weighted): one launch on CUDA
+        q, kv = norm_rope_pair(
+            q, kv, cos, sin, NormSpec(None, self.eps), NormSpec(self.kv_norm, self.eps)
+        )
         index_q = index_weights = None
         if self.compressor is not None:
             comp_kv, comp_gate, *series = series
