@@ -39,6 +39,7 @@ of a row are split across programs and merged by a second kernel
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -452,7 +453,16 @@ def default_tiling(num_splits: int, quantized: bool, few: bool = False) -> dict[
     return ONE_PROGRAM_TILING_FEW if few else ONE_PROGRAM_TILING
 
 
-_MIN_SPLIT_TILES = 2  # fewest key tiles a split walks
+def _min_split_tiles() -> int:
+    """Fewest key tiles a split walks (``KVPLAN_SPARSE_MIN_SPLIT_TILES``, default 2; read at
+    import, for A/B runs)."""
+    text = os.environ.get("KVPLAN_SPARSE_MIN_SPLIT_TILES", "2")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"KVPLAN_SPARSE_MIN_SPLIT_TILES must be an int >= 1, got {text!r}")
+    return int(text)
+
+
+_MIN_SPLIT_TILES = _min_split_tiles()
 
 
 def split_count(num_programs: int, num_cols: int, tile_n: int, num_sms: int) -> int:

@@ -178,6 +178,16 @@ class PagedRows:
             self.cache.view(torch.float32 if self.fp32_bits else torch.bfloat16), slots
         )
 
+    def _scratch(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        """`roundtrip`'s scratch cache of ``num_blocks`` blocks: the first blocks of one
+        buffer kept for the largest request so far (stream-ordered reuse: each roundtrip's
+        load has read it before the next one's store writes it)."""
+        buf = getattr(self, "_scratch_buf", None)
+        if buf is None or buf.shape[0] < num_blocks or buf.device != device:
+            buf = alloc_kv_cache(num_blocks, self.block_size, self.layout, device=device)
+            self._scratch_buf = buf
+        return buf[:num_blocks]
+
     def roundtrip(self, rows: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows as ``store`` + ``load(dtype=dtype)`` would return them (this cache is not
         touched). Quantized layouts on the ops' Triton path: the fused store and load kernels
@@ -190,15 +200,32 @@ class PagedRows:
             return x.to(dtype)
         if use_triton(x) and x.shape[0]:
             n, bs = x.shape[0], self.block_size
-            scratch = alloc_kv_cache(-(-n // bs), bs, self.layout, device=x.device)
-            slots = torch.arange(n, dtype=torch.int32, device=x.device)
+            scratch = self._scratch(-(-n // bs), x.device)
+            slots, segs = _roundtrip_plan(n, bs, x.device)
             store_kv_cache(x, scratch, slots, layout=self.layout, check=False)
-            segs = block_segments(n, bs, x.device)
             return self._from_loaded(
                 load_paged_kv_cache(scratch, segs, n, layout=self.layout, check=False), dtype
             )
         values, scales = quant.quantize(x.reshape(x.shape[0], -1), self.layout)
         return quant.dequantize(values, scales, self.layout).to(dtype)
+
+
+_PLANS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_PLANS = 64
+
+
+def _roundtrip_plan(n: int, block_size: int, device: torch.device):
+    """(int32 slots ``0 .. n - 1``, `block_segments` of them) for `PagedRows.roundtrip`,
+    cached per (n, block size, device): every layer of a step asks for the same ones.
+    Read-only tensors; the cache is cleared once it holds ``_MAX_PLANS`` sizes."""
+    key = (n, block_size, device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        slots = torch.arange(n, dtype=torch.int32, device=device)
+        plan = _PLANS[key] = (slots, block_segments(n, block_size, device))
+    return plan
 
 
 def block_segments(n: int, block_size: int, device: torch.device) -> torch.Tensor:
