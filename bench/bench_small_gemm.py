@@ -38,7 +38,9 @@ DEFAULT_SHAPES = (
 )
 # (weight rows a program, K step, stages, warps)
 GRID = ((64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 6, 4), (128, 128, 3, 8), (256, 64, 4, 8),
-        (64, 256, 3, 4))  # fmt: skip
+        (64, 256, 3, 4),
+        # narrow weights (a few thousand rows): more programs than SMs
+        (16, 256, 4, 4), (16, 512, 3, 4), (32, 256, 4, 4), (32, 128, 6, 4))  # fmt: skip
 
 
 def parse_shape(text: str) -> tuple[int, int, int, str]:
