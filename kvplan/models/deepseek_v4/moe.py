@@ -164,7 +164,12 @@ class DeepseekV4MoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`route` plus the fp32 ``[T, E]`` matrix of each row's summed weights per expert
         (the router GEMM and one routing kernel on CUDA; see `kvplan.ops.moe_dense.moe_route`)."""
-        logits = F.linear(x, self.gate_weight)
+        return self._route_logits(F.linear(x, self.gate_weight), input_ids)
+
+    def _route_logits(
+        self, logits: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`moe_route` of router ``logits [T, E]`` (any row stride) with this block's rule."""
         return moe_route(
             logits,
             top_k=self.top_k,
@@ -247,15 +252,8 @@ class DeepseekV4MoE(nn.Module):
         x_weight, down_weight, _ = self._fused
         e, two_i = self.gate_up.shape[:2]
         out = F.linear(x, x_weight)  # [T, (E + 1) * 2I + E]
-        _, _, dense = moe_route(
-            out[:, (e + 1) * two_i :],  # the router logits: its columns of the GEMM
-            top_k=self.top_k,
-            sigmoid=self.scoring_func == "sigmoid",
-            scaling=self.scaling,
-            bias=None if self.hash_routed else self.e_score_correction_bias,
-            tid2eid=self.tid2eid if self.hash_routed else None,
-            input_ids=input_ids if self.hash_routed else None,
-        )
+        # the router logits: the GEMM's last E columns
+        dense = self._route_logits(out[:, (e + 1) * two_i :], input_ids)[2]
         h = moe_swiglu(out[:, : (e + 1) * two_i], e + 1, self.limit)  # [E + 1, T, I]
         y = torch.bmm(h, down_weight.transpose(1, 2))  # [E + 1, T, hidden]
         return expert_weighted_sum(y[:e], dense, add=y[e])  # the shared expert: slice E
