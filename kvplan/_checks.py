@@ -23,19 +23,24 @@ def check_tensor(
     contiguous: bool = False,
 ) -> torch.Tensor:
     """Validate ``t`` and return it. ``shape`` entries that are ``None`` match any size."""
+    # (every call of an op runs this: the common, passing case takes the cheap comparisons)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None:
+    if dtype is not None and t.dtype is not dtype:
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if t.dtype not in allowed:
             names = " or ".join(str(d) for d in allowed)
             raise TypeError(f"{name} must have dtype {names}, got {t.dtype}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if shape is not None and not _shape_matches(tuple(t.shape), shape):
+    if shape is not None and t.shape != shape and not _shape_matches(tuple(t.shape), shape):
         want_s = tuple("*" if s is None else s for s in shape)
         raise ValueError(f"{name} must have shape {want_s}, got {tuple(t.shape)}")
-    if device is not None and not same_device(t.device, torch.device(device)):
+    if (
+        device is not None
+        and t.device != device
+        and not same_device(t.device, torch.device(device))
+    ):
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
@@ -45,7 +50,10 @@ def check_tensor(
 def _shape_matches(got: tuple[int, ...], want: Sequence[int | None]) -> bool:
     if len(got) != len(want):
         return False
-    return all(w is None or g == w for g, w in zip(got, want, strict=True))
+    for g, w in zip(got, want):  # noqa: SIM110 (a loop: ~2x faster than all() on a generator)
+        if w is not None and g != w:
+            return False
+    return True
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
