@@ -13,3 +13,9 @@ cat "$W/launch.log" | tail -4
 step 120 steps python3 bench/hybrid_steps.py --profile cprofile --top 200 --small 8,64 \
   --out "$W/steps.json"
 grep -vE "USDT|^\s*$|Writing" "$W/steps.log" | cut -c1-240 | tail -14
+# session 28's untimed switch: the blocks' input norms inside the hyper-connection kernels
+for f in 0 1; do
+  step 35 fnorm$f env KVPLAN_HC_FUSED_NORM=$f python3 bench/bench_hybrid.py --batch 16 \
+    --contexts 4096 --formats fp8 --out "$W/fnorm$f.json"
+  grep -E "^ *fp8 |async" "$W/fnorm$f.log"
+done
