@@ -63,3 +63,21 @@ def test_decode_loop_ops_reads_the_main_loop():
     loop = row["main_loop"]
     assert row["format"] == "fp8" and row["registers"] > 0
     assert loop["len"] > 100 and loop["HMMA"] > 0 and loop["LDGSTS"] > 0
+
+
+def test_hybrid_steps_quick(tmp_path):
+    """`hybrid_steps.py`: every step of the tiny workload recorded (a prefill, mixed steps,
+    decode steps), the prompt steps again under cProfile, one prompt alone."""
+    out = tmp_path / "steps.json"
+    proc = _run("hybrid_steps.py", "--quick", "--profile", "cprofile", "--top", "5", "--small",
+                "8", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    kinds = [s["kind"] for s in rec["steps"]]
+    assert kinds[0] == "prefill" and "decode" in kinds and "mixed" in kinds
+    n, p = rec["workload"]["requests"], rec["workload"]["prompt_len"]
+    assert sum(s["prompt_tokens"] for s in rec["steps"]) == n * p
+    assert all(s["ms"] > 0 for s in rec["steps"])
+    prof = rec["steps_cprofile"]
+    assert prof and all(len(s["host_own"]) == 5 and s["wall_ms_profiled"] > 0 for s in prof)
+    assert rec["small_prompts"][0]["prompt_tokens"] == 8
