@@ -121,6 +121,7 @@ class PagedRows:
         self.check = check
         self.cache = alloc_kv_cache(num_blocks, block_size, layout, device=device)
         self.cache.zero_()
+        self._scratch_buf: torch.Tensor | None = None  # `roundtrip`'s, grown on demand
         # fp32 rows carried as BF16 halves (exact layout of a non-BF16 model)
         self.fp32_bits = not layout.is_quantized and layout.bf16_elements == 2 * width
 
@@ -182,7 +183,7 @@ class PagedRows:
         """`roundtrip`'s scratch cache of ``num_blocks`` blocks: the first blocks of one
         buffer kept for the largest request so far (stream-ordered reuse: each roundtrip's
         load has read it before the next one's store writes it)."""
-        buf = getattr(self, "_scratch_buf", None)
+        buf = self._scratch_buf
         if buf is None or buf.shape[0] < num_blocks or buf.device != device:
             buf = alloc_kv_cache(num_blocks, self.block_size, self.layout, device=device)
             self._scratch_buf = buf

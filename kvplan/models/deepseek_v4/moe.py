@@ -202,7 +202,7 @@ class DeepseekV4MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, hidden]``; ``input_ids``: int64 ``[T]`` -> ``[T, hidden]``."""
         if self.use_dense(x) and not self.use_grouped(x) and self.is_fused():
-            return self.experts_fused(x, input_ids)
+            return self._experts_fused(x, input_ids)
         ids, weights, dense = self.route_dense(x, input_ids)
         if self.use_grouped(x):
             return self.experts_grouped(x, ids, weights, add=self.shared(x))
@@ -240,22 +240,28 @@ class DeepseekV4MoE(nn.Module):
         no host sync, shapes depending on ``T`` only. ``x [T, hidden]`` -> ``[T, hidden]``."""
         num_experts, two_inter, hidden = self.gate_up.shape
         gu = F.linear(x, self.gate_up.view(num_experts * two_inter, hidden))  # [T, E * 2I]
-        h = moe_swiglu(gu, num_experts, self.limit)  # [E, T, I]
-        y = torch.bmm(h, self.down.transpose(1, 2))  # [E, T, hidden]
-        return expert_weighted_sum(y, dense, add)
+        return expert_weighted_sum(self._swiglu_down(gu, self.down), dense, add)
+
+    def _swiglu_down(self, gu: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """``[E', T, hidden]``: each expert's SwiGLU of its ``[gate | up]`` columns of ``gu
+        [T, E' * 2I]``, then its down projection (``down [E', hidden, I]``, one bmm)."""
+        h = moe_swiglu(gu, down.shape[0], self.limit)  # [E', T, I]
+        return torch.bmm(h, down.transpose(1, 2))
 
     def experts_fused(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The dense path plus the shared expert and the router on the fused weights (module
         docstring; `fuse_weights` first): ``x [T, hidden]`` -> ``[T, hidden]``."""
         if not self.is_fused():
             raise RuntimeError("experts_fused needs fuse_weights() (a weight was replaced)")
+        return self._experts_fused(x, input_ids)
+
+    def _experts_fused(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         x_weight, down_weight, _ = self._fused
         e, two_i = self.gate_up.shape[:2]
         out = F.linear(x, x_weight)  # [T, (E + 1) * 2I + E]
         # the router logits: the GEMM's last E columns
         dense = self._route_logits(out[:, (e + 1) * two_i :], input_ids)[2]
-        h = moe_swiglu(out[:, : (e + 1) * two_i], e + 1, self.limit)  # [E + 1, T, I]
-        y = torch.bmm(h, down_weight.transpose(1, 2))  # [E + 1, T, hidden]
+        y = self._swiglu_down(out[:, : (e + 1) * two_i], down_weight)  # [E + 1, T, hidden]
         return expert_weighted_sum(y[:e], dense, add=y[e])  # the shared expert: slice E
 
     def experts_dense(
