@@ -87,32 +87,32 @@ class DeepseekV4DecoderLayer(nn.Module):
         runs fused with it (`HyperConnection.post_pre`). With ``HC_FUSED_NORM`` the blocks'
         input RMSNorms run inside the connections too: ``pre`` and the returned tuple then
         hold the normed block input, ``next_norm`` being the next layer's
-        (`norm_spec(True)` of the layer after).
+        (`norm_spec(True)` of the layer after; None otherwise).
         """
-        if not HC_FUSED_NORM:
-            post, comb, x = self.attn_hc(s) if pre is None else pre
-            a = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), ctx, tables)
-            s, post, comb, x = self.ffn_hc.post_pre(s, post, comb, a)
-            m = self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps), input_ids)
-            if next_hc is None:
-                return hyper_residual(s, post, comb, m), None
-            s, post, comb, x = next_hc.post_pre(s, post, comb, m)
-            return s, (post, comb, x)
-        # the blocks' input norms inside the connections' kernels: ``pre`` / the returned
-        # tuple carry the normed block input (``next_norm``: the next layer's input norm)
-        post, comb, h = self.attn_hc(s, self.norm_spec(True)) if pre is None else pre
-        a = self.self_attn(h, ctx, tables)
-        s, post, comb, h = self.ffn_hc.post_pre(s, post, comb, a, self.norm_spec(False))
-        m = self.mlp(h, input_ids)
+        post, comb, x = self.attn_hc(s, self.norm_spec(True)) if pre is None else pre
+        a = self.self_attn(self._block_input(x, True), ctx, tables)
+        s, post, comb, x = self.ffn_hc.post_pre(s, post, comb, a, self.norm_spec(False))
+        m = self.mlp(self._block_input(x, False), input_ids)
         if next_hc is None:
             return hyper_residual(s, post, comb, m), None
-        s, post, comb, h = next_hc.post_pre(s, post, comb, m, next_norm)
-        return s, (post, comb, h)
+        s, post, comb, x = next_hc.post_pre(s, post, comb, m, next_norm)
+        return s, (post, comb, x)
 
-    def norm_spec(self, attention: bool) -> NormSpec:
-        """The input RMSNorm of this layer's attention (True) or MoE block (False)."""
+    def norm_spec(self, attention: bool) -> NormSpec | None:
+        """The input RMSNorm of this layer's attention (True) or MoE block (False) as its
+        hyper-connection applies it (``HC_FUSED_NORM``), else None."""
+        if not HC_FUSED_NORM:
+            return None
         w = self.input_layernorm if attention else self.post_attention_layernorm
         return NormSpec(w, self.eps)
+
+    def _block_input(self, x: torch.Tensor, attention: bool) -> torch.Tensor:
+        """A block's input from its connection's ``x``: normed here unless the connection
+        normed it (``HC_FUSED_NORM``)."""
+        if HC_FUSED_NORM:
+            return x
+        w = self.input_layernorm if attention else self.post_attention_layernorm
+        return rms_norm(x, w, self.eps)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -181,12 +181,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         tables = StepRope(positions, x.dtype)  # each rotary table computed once per step
         pre = None  # the next layer's attention connection, fused into the residual update
         for i, layer in enumerate(self.layers):
-            if i + 1 < len(self.layers):
-                nxt = self.layers[i + 1]
-                s, pre = layer.run(s, pre, input_ids, ctx, tables, nxt.attn_hc,
-                                   nxt.norm_spec(True))  # fmt: skip
-            else:
-                s, pre = layer.run(s, pre, input_ids, ctx, tables, None)
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            hc, norm = (None, None) if nxt is None else (nxt.attn_hc, nxt.norm_spec(True))
+            s, pre = layer.run(s, pre, input_ids, ctx, tables, hc, norm)
         if logits_indices is not None:
             check_tensor("logits_indices", logits_indices, dtype=torch.int64, ndim=1, device=dev)
             s = s[logits_indices]
