@@ -28,22 +28,15 @@ from kvplan import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import cprofile_rows  # noqa: E402
-from bench_hybrid import model_shape  # noqa: E402
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+from bench_hybrid_hf import hf_config, sync  # noqa: E402
 
 
 def build_folder(folder: str, quick: bool, max_len: int, dev: torch.device) -> int:
-    """Save the random model (HF's `DeepseekV4ForCausalLM`, bf16) into ``folder``; its vocab."""
+    """Save the random model (HF's `DeepseekV4ForCausalLM` of `bench_hybrid_hf.hf_config`,
+    bf16) into ``folder``; its vocab."""
     import transformers as tf
 
-    cfg = tf.DeepseekV4Config(
-        **model_shape(quick), max_position_embeddings=max_len, initializer_range=0.02,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
+    cfg = hf_config(quick, max_len)
     torch.manual_seed(0)
     with torch.device(dev):
         hf = tf.DeepseekV4ForCausalLM(cfg).eval().to(torch.bfloat16)
