@@ -6,7 +6,9 @@ wall time, GPU kernel time, and the top host functions (cProfile) and kernels
 (torch.profiler) of each.
 
 Also: small eager steps alone, after the warm run (``--small``): a prompt of N tokens with
-max_tokens=1 (one prefill step), and the same next to the running decode batch.
+max_tokens=1 (one prefill step). ``--lean-ab ROUNDS``: the warm walk and an 8-token prompt
+with kvplan's lean Triton launches (``kvplan.ops._launch``) off and on, alternating, in one
+process.
 
 GPU:  PYTHONPATH=. python3 bench/hybrid_steps.py --out steps.json
 CPU:  PYTHONPATH=. python3 bench/hybrid_steps.py --quick --out /tmp/q.json
@@ -128,6 +130,52 @@ def walk(llm, ids, new: int, dev: torch.device, profile: str, top: int = 40) -> 
     return steps
 
 
+def time_prompt(llm, prompt: list[int], dev: torch.device, runs: int = 5) -> list[float]:
+    """Wall ms of ``runs`` generations of one token from ``prompt`` alone (one eager step)."""
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    walls = []
+    for _ in range(runs):
+        sync(dev)
+        t0 = time.perf_counter()
+        llm.generate([prompt], one)
+        sync(dev)
+        walls.append((time.perf_counter() - t0) * 1e3)
+    return walls
+
+
+def lean_ab(llm, ids, new: int, dev: torch.device, rounds: int) -> dict:
+    """The warm walk and an 8-token prompt alone, ``rounds`` times each with the lean
+    launches off and on (alternating); per setting the runs' wall s, eager step ms, decode
+    median ms and the prompt's min ms."""
+    from kvplan.ops import _launch
+
+    out: dict = {"off": [], "on": []}
+    try:
+        for _ in range(rounds):
+            for name, flag in (("off", False), ("on", True)):
+                _launch.LEAN = flag
+                sync(dev)
+                t0 = time.perf_counter()
+                steps = walk(llm, ids, new, dev, "")
+                wall = time.perf_counter() - t0
+                dec = sorted(s["ms"] for s in steps if s["kind"] == "decode")
+                out[name].append({
+                    "wall_s": wall,
+                    "eager_ms": [s["ms"] for s in steps if s["prompt_tokens"]],
+                    "decode_median_ms": dec[len(dec) // 2] if dec else None,
+                    "prompt8_ms_min": min(time_prompt(llm, ids[0][:8], dev)),
+                })  # fmt: skip
+    finally:
+        _launch.LEAN = True
+    for name, runs in out.items():
+        eager = [min(r["eager_ms"][i] for r in runs) for i in range(len(runs[0]["eager_ms"]))]
+        print(f"lean launches {name:>3}: wall min {min(r['wall_s'] for r in runs):.3f} s, "
+              f"eager steps (min) {', '.join(f'{e:.1f}' for e in eager)} ms, decode median "
+              f"{min(r['decode_median_ms'] or 0 for r in runs):.3f} ms, 8-token prompt "
+              f"{min(r['prompt8_ms_min'] for r in runs):.2f} ms")  # fmt: skip
+    return out
+
+
 def summarize(steps: list[dict]) -> None:
     for i, s in enumerate(steps):
         if s["prompt_tokens"] or i < 2:
@@ -153,6 +201,8 @@ def main() -> None:
     ap.add_argument("--profile", default="torch,cprofile",
                     help="comma-separated extra walks profiling the non-decode steps")  # fmt: skip
     ap.add_argument("--top", type=int, default=40, help="cProfile rows kept per step")
+    ap.add_argument("--lean-ab", type=int, default=0, metavar="ROUNDS",
+                    help="walk ROUNDS times each with the lean Triton launches off / on")  # fmt: skip
     ap.add_argument("--small", default="8,64,512",
                     help="prompt lengths of the small eager steps timed after the walks")  # fmt: skip
     args = ap.parse_args()
@@ -186,6 +236,8 @@ def main() -> None:
         record["wall_s"] = time.perf_counter() - t0
         print(f"warm run: {record['wall_s']:.3f} s, {len(record['steps'])} steps")
         summarize(record["steps"])
+        if args.lean_ab:
+            record["lean_ab"] = lean_ab(llm, ids, new, dev, args.lean_ab)
         for prof in filter(None, args.profile.split(",")):
             record[f"steps_{prof}"] = [
                 s for s in walk(llm, ids, new, dev, prof, args.top) if s["prompt_tokens"]
@@ -193,16 +245,8 @@ def main() -> None:
             print(f"profiled ({prof}):")
             summarize(record[f"steps_{prof}"])
         small = []
-        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         for length in (int(x) for x in args.small.split(",") if x):
-            prompt = ids[0][:length]
-            walls = []
-            for _ in range(5):
-                sync(dev)
-                t0 = time.perf_counter()
-                llm.generate([prompt], one)
-                sync(dev)
-                walls.append((time.perf_counter() - t0) * 1e3)
+            walls = time_prompt(llm, ids[0][:length], dev)
             small.append({"prompt_tokens": length, "ms_runs": walls, "ms_min": min(walls)})
             print(f"one {length}-token prompt alone (1 step + request setup): "
                   f"min {min(walls):.2f} ms of {', '.join(f'{w:.1f}' for w in walls)}")  # fmt: skip

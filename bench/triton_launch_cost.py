@@ -1,7 +1,8 @@
 """Host cost of one Triton launch on this machine: ``kernel[grid](...)`` (the JIT path every
 kvplan op takes) against calling the compiled kernel's launcher directly with the arguments
-already bound, for a kernel with the argument mix of kvplan's ops (pointers, ints, floats,
-constexprs); a torch op for scale.
+already bound, and against kvplan's lean path (``kvplan.ops._launch.LeanJITFunction``: the
+binder's specialization as the cache key, then the launcher's C entry), for a kernel with the
+argument mix of kvplan's ops (pointers, ints, floats, constexprs); a torch op for scale.
 
 Session 28's host profile of an eager DeepSeek-V4 step put ~50 us a launch (under cProfile)
 into Triton's launch path, a third of the step; this measures whether a launcher that skips the
@@ -21,6 +22,8 @@ import time
 import torch
 import triton
 import triton.language as tl
+
+from kvplan.ops._launch import LeanJITFunction
 
 
 @triton.jit
@@ -66,6 +69,11 @@ def main() -> None:
     def jit_path():
         _probe_kernel[grid](*call, **kw)
 
+    lean_kernel = LeanJITFunction(_probe_kernel.fn)
+
+    def lean():
+        lean_kernel[grid](*call, **kw)
+
     compiled = _probe_kernel[grid](*call, **kw)  # compiles; returns the CompiledKernel
     compiled._init_handles()
     stream = torch.cuda.current_stream(dev).cuda_stream
@@ -81,7 +89,7 @@ def main() -> None:
     def torch_op():
         torch.add(bufs[0], bufs[1], out=out)
 
-    for f in (jit_path, direct, torch_op):
+    for f in (jit_path, direct, lean, lean, torch_op):
         f()
     torch.cuda.synchronize()
     # the direct launch must do what the JIT path does
@@ -93,11 +101,16 @@ def main() -> None:
     jit_path()
     if not torch.equal(got, bufs[2]):
         sys.exit("the direct launch wrote something else than the JIT path")
+    bufs[2].zero_()
+    lean()
+    if not torch.equal(got, bufs[2]) or not lean_kernel.lean_launches:
+        sys.exit("the lean launch did not run or wrote something else than the JIT path")
     rows = {
         name: per_call_us(f, args.calls, args.reps)
         for name, f in (
             ("jit_path", jit_path),
             ("direct_launcher", direct),
+            ("kvplan_lean", lean),
             ("torch_add", torch_op),
         )
     }

@@ -16,16 +16,16 @@ intermediate that torch materializes in the model dtype is rounded back to it wi
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kvplan.ops._launch import jit
 from kvplan.ops._quant_triton import bf16_bits, encode_e4m3, encode_int8
 from kvplan.ops._store_kernels import INF_BITS, _scaled, _scales_of, e2m1_record
 from kvplan.ops._triton_util import round_to as _round
 
 
-@triton.jit
+@jit
 def rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_res, inv_n, eps,
     HAS_RESIDUAL: tl.constexpr, TILE_N: tl.constexpr,
@@ -49,14 +49,14 @@ def rms_norm_kernel(
     tl.store(out_ptr + row * n_cols + cols, (w * _round(h * rrms, dtype)).to(dtype), mask=mask)
 
 
-@triton.jit
+@jit
 def _head_norm(x, w, eps, inv_d, dtype: tl.constexpr):
     """Per-row RMSNorm of ``x [TILE_H, TILE_D]`` (fp32, padding columns 0) with ``w``."""
     rrms = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
     return _round(w * _round(x * rrms[:, None], dtype), dtype)
 
 
-@triton.jit
+@jit
 def qkv_epilogue_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
     stride_qkv, num_positions, eps, inv_d,
@@ -150,7 +150,7 @@ def qkv_epilogue_kernel(
                                  SEARCH)  # fmt: skip
 
 
-@triton.jit
+@jit
 def _store_quantized(
     c_ptr, vbase, sbase, kv_head, val, rows, TILE_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     QUANT: tl.constexpr, GS: tl.constexpr, QMAX: tl.constexpr, SF: tl.constexpr,
@@ -199,7 +199,7 @@ def _store_quantized(
     tl.store(c_ptr + s_off, tl.reshape(sbytes, [TILE_H, G * SB]).to(tl.uint8), mask=ok)
 
 
-@triton.jit
+@jit
 def _store_cast(ptrs, val, mask):
     """Store ``val`` cast to the pointers' float dtype, rounding to nearest even as torch's
     ``.to`` does: a wider value going into bf16 is rounded by its bits (the interpreter's
@@ -213,7 +213,7 @@ def _store_cast(ptrs, val, mask):
         tl.store(ptrs, val.to(c_dtype), mask=mask)
 
 
-@triton.jit
+@jit
 def silu_and_mul_kernel(
     gu_ptr, out_ptr, inter, stride_gu, TILE: tl.constexpr, EXACT: tl.constexpr
 ):  # fmt: skip

@@ -29,10 +29,10 @@ a few rows per sequence of thousands: writing them all to one row cost ~0.1 ms a
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kvplan.ops._launch import jit
 from kvplan.ops._quant_triton import bf16_bits, encode_e2m1_magnitude_raw, encode_e4m3
 from kvplan.ops._store_kernels import _group_scales, _scaled
 
@@ -41,7 +41,7 @@ FMT_EXACT_BF16 = 1  # bf16 bits
 FMT_QUANT = 2  # e4m3 / e2m1 values with group scales
 
 
-@triton.jit
+@jit
 def _rnd(x, BF16: tl.constexpr):
     """fp32 ``x`` rounded to the model dtype (RNE to BF16 when ``BF16``) and widened again."""
     if BF16:
@@ -49,14 +49,14 @@ def _rnd(x, BF16: tl.constexpr):
     return x
 
 
-@triton.jit
+@jit
 def _bias_row(pos, RATIO: tl.constexpr):
     """Row of the bias table of a step row at position ``pos``: ``pos mod RATIO`` (floor)."""
     p = pos.to(tl.int64)
     return ((p % RATIO) + RATIO) % RATIO
 
 
-@triton.jit
+@jit
 def _window_tile(
     src_ptr, ring_ptr, index_ptr, e, r0, cols, stride_src, ring_rows, fill, bias_ptr,
     step_pos_ptr, R: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
@@ -85,14 +85,14 @@ def _window_tile(
     return tl.where(in_ring[:, None], a, tl.where(in_step[:, None], b, fill))
 
 
-@triton.jit
+@jit
 def _exp(x, EXACT: tl.constexpr):
     if EXACT:
         return libdevice.exp(x)
     return tl.exp(x)
 
 
-@triton.jit
+@jit
 def _pool(
     kv_ptr, gate_ptr, kv_ring_ptr, gate_ring_ptr, index_ptr, bias_ptr, step_pos_ptr, e, cols,
     stride_kv, stride_gate, ring_rows, R: tl.constexpr, RATIO: tl.constexpr, C: tl.constexpr,
@@ -129,7 +129,7 @@ def _pool(
     return acc
 
 
-@triton.jit
+@jit
 def _norm_rope(x, cols, norm_ptr, inv_freq_ptr, pos, eps, rope_scale, C: tl.constexpr,
                NOPE_PAIRS: tl.constexpr, BF16: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
     """RMSNorm (fp32, weight ``norm_ptr``) then the interleaved RoPE of the trailing pairs."""
@@ -159,7 +159,7 @@ def _norm_rope(x, cols, norm_ptr, inv_freq_ptr, pos, eps, rope_scale, C: tl.cons
     return tl.reshape(tl.join(a, b), [C])
 
 
-@triton.jit
+@jit
 def _store_quant(y, dst, sdst, C: tl.constexpr, GS: tl.constexpr, G: tl.constexpr,
                  FP4: tl.constexpr, QMAX: tl.constexpr, SF: tl.constexpr, SB: tl.constexpr,
                  HW: tl.constexpr, FAST_DIV: tl.constexpr):  # fmt: skip
@@ -194,7 +194,7 @@ def _store_quant(y, dst, sdst, C: tl.constexpr, GS: tl.constexpr, G: tl.constexp
     tl.store(sdst + tl.arange(0, G * SB), tl.reshape(sbytes, [G * SB]).to(tl.uint8))
 
 
-@triton.jit
+@jit
 def compress_store_kernel(
     kv_ptr,  # [T, K*C] model dtype, row stride stride_kv
     gate_ptr,  # [T, K*C] fp32 (BIAS: fp32 / BF16, unbiased), row stride stride_gate

@@ -33,13 +33,13 @@ with the product rounded to ``s``'s dtype first (bf16 / fp16), or ``fma(post, ou
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
+from kvplan.ops._launch import jit
 from kvplan.ops._triton_util import round_to as _round
 
 
-@triton.jit
+@jit
 def _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, t, k, h, mask, hidden, N: tl.constexpr,
               dtype: tl.constexpr):  # fmt: skip
     """``s'[t, k, h]`` (fp32 holding a ``dtype`` value) for broadcastable int64 token ``t``,
@@ -61,7 +61,7 @@ def _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, t, k, h, mask, hidden, N: tl.c
     return _round(res, dtype)
 
 
-@triton.jit
+@jit
 def hc_proj_kernel(
     s_ptr, out_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, sq_ptr,
     num_rows, hidden, h_per_split, n_out,
@@ -124,7 +124,7 @@ def hc_proj_kernel(
     tl.store(sq_ptr + base, sq, mask=rmask)
 
 
-@triton.jit
+@jit
 def _sum_splits(part_ptr, t, num_rows, num_splits, cols, cmask, SPLITS_P: tl.constexpr,
                 N_PAD: tl.constexpr):  # fmt: skip
     """Sum over splits of ``part[:, t, cols]`` for a ``[A, B]`` column index block ``cols``."""
@@ -134,7 +134,7 @@ def _sum_splits(part_ptr, t, num_rows, num_splits, cols, cmask, SPLITS_P: tl.con
     return tl.sum(vals, axis=0)
 
 
-@triton.jit
+@jit
 def _pre_weights(part_ptr, base_ptr, scale_ptr, t, num_rows, num_splits, rrms, i, imask, hc_eps,
                  N_P: tl.constexpr, SPLITS_P: tl.constexpr, N_PAD: tl.constexpr):  # fmt: skip
     """``pre [N_P]`` of token ``t`` (0 past ``N``) from its partials (a ``[N_P, 1]`` column
@@ -146,7 +146,7 @@ def _pre_weights(part_ptr, base_ptr, scale_ptr, t, num_rows, num_splits, rrms, i
     return tl.where(imask, pre, 0.0)
 
 
-@triton.jit
+@jit
 def _stream_step(x, p, s, k: tl.constexpr):
     """Stream ``k``'s term of ``x = sum_k pre[k] * s[k]``: ``p * s`` for the first stream, then
     one explicit fma per stream in stream order (padded streams add ``0 * 0``). Both hc_pre
@@ -158,7 +158,7 @@ def _stream_step(x, p, s, k: tl.constexpr):
     return tl.fma(p, s, x)
 
 
-@triton.jit
+@jit
 def hc_pre_kernel(
     part_ptr, sq_ptr, base_ptr, scale_ptr, s_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, nw_ptr,
     num_rows, hidden, num_splits, inv_k, eps, hc_eps, iters, inv_hidden, norm_eps,
@@ -230,7 +230,7 @@ def hc_pre_kernel(
             tl.store(comb_ptr + t64 * N * N + cidx, comb, mask=cmask)
 
 
-@triton.jit
+@jit
 def hc_post_kernel(
     s_ptr, out_ptr, post_ptr, comb_ptr, res_ptr, hidden,
     N: tl.constexpr, N_P: tl.constexpr, TILE_H: tl.constexpr,
@@ -246,7 +246,7 @@ def hc_post_kernel(
     tl.store(res_ptr + (t * N + k[:, None]) * hidden + hs[None, :], res.to(dtype), mask=mask)
 
 
-@triton.jit
+@jit
 def hc_pre_rows_kernel(
     pre_ptr, s_ptr, x_ptr, num_rows, hidden,
     N: tl.constexpr, N_P: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr,
@@ -270,7 +270,7 @@ def hc_pre_rows_kernel(
              mask=m2)  # fmt: skip
 
 
-@triton.jit
+@jit
 def hc_post_rows_kernel(
     s_ptr, out_ptr, post_ptr, comb_ptr, res_ptr, num_rows, hidden,
     N: tl.constexpr, N_P: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr,

@@ -13,13 +13,13 @@ validates plans; the masks keep an unchecked call from touching memory it does n
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
+from kvplan.ops._launch import jit
 from kvplan.ops._quant_triton import bf16_bits, decode_e2m1_tiny, decode_e4m3, scale_multipliers
 
 
-@triton.jit
+@jit
 def _segment_rows(seg_ptr, num_segments, num_blocks, block_size, total_k,
                   TILE_T: tl.constexpr, SEGS: tl.constexpr):  # fmt: skip
     """(write mask, read mask, source block, token in block, destination row) per program row;
@@ -53,7 +53,7 @@ def _segment_rows(seg_ptr, num_segments, num_blocks, block_size, total_k,
     return ok, read, block, t, dst_row
 
 
-@triton.jit
+@jit
 def load_cast_kernel(
     cache_ptr,  # uint8, block 0 of the cache
     seg_ptr,  # int32 [num_segments, 4]
@@ -140,7 +140,7 @@ def load_cast_kernel(
         tl.store(ptr, bits, mask=ok[:, None, None] & emask[None, :, :])
 
 
-@triton.jit
+@jit
 def load_raw_kernel(
     cache_ptr,  # uint8, block 0 of the cache
     seg_ptr,  # int32 [num_segments, 4]

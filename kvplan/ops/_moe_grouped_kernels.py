@@ -25,13 +25,13 @@ stored). ``N_MAJOR`` swaps the grid axes so the programs of one M tile run side 
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
+from kvplan.ops._launch import jit
 from kvplan.ops._triton_util import round_to as _round
 
 
-@triton.jit
+@jit
 def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """``acc + a @ b``; ``UPCAST`` widens half-precision operands to fp32 first (exact
     products: the CPU interpreter's half-precision dot is unreliable)."""
@@ -40,7 +40,7 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
-@triton.jit
+@jit
 def _tile(
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M: tl.constexpr, N_MAJOR: tl.constexpr
 ):
@@ -60,7 +60,7 @@ def _tile(
     return ex, pos, pmask, tl.where(pmask, pos, start), start >= end, col_tile
 
 
-@triton.jit
+@jit
 def _col_tile(col_tile, n, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """(output columns of column tile ``col_tile``, their mask below ``n``, the columns to
     load: past ``n`` they read column 0, never stored)."""
@@ -69,7 +69,7 @@ def _col_tile(col_tile, n, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     return cols, cmask, cols if EVEN_N else tl.where(cmask, cols, 0)
 
 
-@triton.jit
+@jit
 def grouped_gate_up_kernel(
     x_ptr, w_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, h_ptr,
     hidden, inter, limit, stride_x,
@@ -115,7 +115,7 @@ def grouped_gate_up_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@jit
 def grouped_down_kernel(
     h_ptr, w_ptr, wt_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, c_ptr,
     hidden, inter,
@@ -153,7 +153,7 @@ def grouped_down_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@jit
 def grouped_combine_kernel(
     c_ptr, pos_ptr, add_ptr, out_ptr, hidden,
     TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, TILE_H: tl.constexpr,
@@ -188,7 +188,7 @@ def grouped_combine_kernel(
 #   token's positions in ascending order.
 
 
-@triton.jit
+@jit
 def _chunk_hits(ids_ptr, chunk, num_tokens, K: tl.constexpr, K_P2: tl.constexpr,
                 TOK: tl.constexpr, E_P2: tl.constexpr):  # fmt: skip
     """(flat pair indices int64 ``[TOK, K_P2]``, their mask, expert of each pair in flat order
@@ -203,7 +203,7 @@ def _chunk_hits(ids_ptr, chunk, num_tokens, K: tl.constexpr, K_P2: tl.constexpr,
     return flat, valid, ex1, hits
 
 
-@triton.jit
+@jit
 def group_count_kernel(
     ids_ptr, counts_ptr, totals_ptr, num_tokens,
     K: tl.constexpr, K_P2: tl.constexpr, TOK: tl.constexpr, E_P2: tl.constexpr,
@@ -218,7 +218,7 @@ def group_count_kernel(
     tl.atomic_add(totals_ptr + lanes, counts, mask=counts > 0)
 
 
-@triton.jit
+@jit
 def group_scan_kernel(
     counts_ptr, totals_ptr, base_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr,
     tile_end_ptr, num_chunks, num_experts, num_pairs, num_tiles, block_m,
@@ -271,7 +271,7 @@ def group_scan_kernel(
             i0 += TB
 
 
-@triton.jit
+@jit
 def group_place_kernel(
     ids_ptr, w_ptr, base_ptr, order_ptr, rows_ptr, token_pos_ptr, w_sorted_ptr, num_tokens,
     K: tl.constexpr, K_P2: tl.constexpr, TOK: tl.constexpr, E_P2: tl.constexpr,

@@ -13,20 +13,20 @@ intermediate that torch materializes in the activation dtype is rounded back to 
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
+from kvplan.ops._launch import jit
 from kvplan.ops._triton_util import round_to as _round
 
 
-@triton.jit
+@jit
 def _log1p(x):
     """Accurate ``log(1 + x)`` for ``x >= 0`` (the ``u - 1`` correction trick)."""
     u = 1.0 + x
     return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
 
 
-@triton.jit
+@jit
 def moe_route_kernel(
     logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, ids_ptr, w_ptr, dense_ptr,
     num_experts, stride_t, scaling,
@@ -67,7 +67,7 @@ def moe_route_kernel(
     tl.store(dense_ptr + t * num_experts + e, dense, mask=emask)
 
 
-@triton.jit
+@jit
 def swiglu_kernel(
     g_ptr, u_ptr, out_ptr, inter, limit,
     stride_gt, stride_ge, stride_ut, stride_ue, stride_ot, stride_oe,
@@ -86,7 +86,7 @@ def swiglu_kernel(
     tl.store(out_ptr + t * stride_ot + ex * stride_oe + cols, (act * u).to(dtype), mask=mask)
 
 
-@triton.jit
+@jit
 def expert_sum_kernel(
     y_ptr, dense_ptr, add_ptr, out_ptr, num_rows, num_experts, hidden,
     HAS_ADD: tl.constexpr, TILE_H: tl.constexpr,

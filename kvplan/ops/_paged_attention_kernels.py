@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kvplan.ops._dispatch import env_flag, triton_interpreting
+from kvplan.ops._launch import jit
 from kvplan.ops._paged_kv_tiles import (
     E2M1_F16,
     E2M1_F16_NIB,
@@ -56,7 +57,7 @@ from kvplan.ops._quant_triton import SF_KIND as _SF_KIND
 NO_WINDOW = 1 << 30
 
 
-@triton.jit
+@jit
 def _softmax_step(s, m_i, l_i):
     """Online softmax over logits ``s`` ``[TILE_M, TILE_N]`` (log2 domain): (probabilities,
     rescale of the old state, new running max, new denominator)."""
@@ -66,7 +67,7 @@ def _softmax_step(s, m_i, l_i):
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
-@triton.jit
+@jit
 def _attend_tile(
     acc, m_i, l_i, start, q, row_pos, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
@@ -104,7 +105,7 @@ def _attend_tile(
     )  # fmt: skip
 
 
-@triton.jit
+@jit
 def _attend_rows_tile(
     acc, m_i, l_i, q, k_rows, v_rows, in_range, offs_n, row_pos, window, k_ptr, v_ptr, ks_ptr,
     vs_ptr, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -144,7 +145,7 @@ def _attend_rows_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@jit
 def _attend_range(
     acc, m_i, l_i, lo, hi, q, row_pos, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
@@ -174,7 +175,7 @@ def _attend_range(
     return acc, m_i, l_i
 
 
-@triton.jit
+@jit
 def _tile_rows(
     start, key_hi, page_ptr, stride_kb, stride_kt, stride_vb, stride_vt,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -187,7 +188,7 @@ def _tile_rows(
     return page * stride_kb + row * stride_kt, page * stride_vb + row * stride_vt
 
 
-@triton.jit
+@jit
 def _raw_kv_tile(
     start, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_kt, stride_vb,
     stride_vt, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -203,7 +204,7 @@ def _raw_kv_tile(
     return k, v
 
 
-@triton.jit
+@jit
 def _attend_raw_tile(
     acc, m_i, l_i, q, k_raw, v_raw, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
@@ -218,7 +219,7 @@ def _attend_raw_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@jit
 def _ahead_step(
     acc, m_i, l_i, start, hi, q, k_cur, v_cur, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, BLOCK_SIZE: tl.constexpr,
@@ -249,7 +250,7 @@ def _ahead_step(
     return acc, m_i, l_i, k_next, v_next
 
 
-@triton.jit
+@jit
 def _attend_range_ahead(
     acc, m_i, l_i, lo, hi, q, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
@@ -301,7 +302,7 @@ def _attend_range_ahead(
     return acc, m_i, l_i
 
 
-@triton.jit
+@jit
 def _attend_rows(
     q, row_pos, pos_min, pos_max, key_lo, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
@@ -356,7 +357,7 @@ def _attend_rows(
     return acc, m_i, l_i
 
 
-@triton.jit
+@jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, page_ids_ptr, page_start_ptr, kv_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -419,7 +420,7 @@ def _decode_kernel(
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
-@triton.jit
+@jit
 def _combine_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -441,7 +442,7 @@ def _combine_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, page_ids_ptr, page_start_ptr, cu_seqlens_q_ptr, kv_lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,

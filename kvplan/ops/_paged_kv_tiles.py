@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-import triton
 import triton.language as tl
 
+from kvplan.ops._launch import jit
 from kvplan.ops._quant_triton import SF_KIND, decode_e2m1, decode_e2m1_tiny
 
 E2M1_F16: tl.constexpr = tl.constexpr(4)
@@ -33,7 +33,7 @@ decode kernel takes its query through `nibble_query` and its accumulator through
 `nibble_acc`."""
 
 
-@triton.jit
+@jit
 def nibble_query(q, qk_scale):
     """An fp16 query tile ``[R, C]`` (`query_f16`) for tiles in nibble order (`e2m1_f16_tile`
     with ``TINY``): its columns permuted the same way -- column ``2i + h`` of each group of 8
@@ -44,7 +44,7 @@ def nibble_query(q, qk_scale):
     return q, qk_scale * 16384.0
 
 
-@triton.jit
+@jit
 def nibble_acc(acc):
     """An fp32 accumulator ``[R, C]`` of products with tiles in nibble order (`nibble_query`)
     back in column order and times 2^14 (exact)."""
@@ -55,7 +55,7 @@ def nibble_acc(acc):
     )
 
 
-@triton.jit
+@jit
 def _load_masked(ptrs, in_range, MASKED: tl.constexpr):
     """``tl.load`` of ``[TILE_N, C]`` pointers; masked tiles read 0 for keys out of range."""
     if MASKED:
@@ -63,7 +63,7 @@ def _load_masked(ptrs, in_range, MASKED: tl.constexpr):
     return tl.load(ptrs)
 
 
-@triton.jit
+@jit
 def load_kv_raw(
     ptr, sf_ptr, rows, in_range, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
@@ -87,7 +87,7 @@ def load_kv_raw(
     return vals, sf
 
 
-@triton.jit
+@jit
 def load_kv_scales(
     sf_ptr, rows, in_range, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
     SF_KIND: tl.constexpr, GROUP: tl.constexpr,
@@ -103,7 +103,7 @@ def load_kv_scales(
     return sf
 
 
-@triton.jit
+@jit
 def kv_scales_fp32(sf, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr):
     """`load_kv_raw`'s scales as fp32 factors (``SF_KIND`` as in ``kvplan.ops._quant_triton``;
     e2m1 values come 2^-14 small from ``decode_e2m1_tiny``, so their e4m3 scales take 2^14)."""
@@ -118,7 +118,7 @@ def kv_scales_fp32(sf, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr):
     return scale
 
 
-@triton.jit
+@jit
 def load_kv_groups(
     ptr, sf_ptr, rows, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
@@ -142,7 +142,7 @@ def load_kv_groups(
     return x.to(q.dtype), kv_scales_fp32(sf, KV_QUANT, SF_KIND)
 
 
-@triton.jit
+@jit
 def e2m1_f16_tile(words, scale_bytes, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                   GROUP: tl.constexpr, TINY: tl.constexpr = False):  # fmt: skip
     """``[TILE_N, HEAD_DIM // 8]`` int32 words of e2m1 nibbles (element ``2i`` in the low
@@ -161,7 +161,7 @@ def e2m1_f16_tile(words, scale_bytes, TILE_N: tl.constexpr, HEAD_DIM: tl.constex
     return tl.reshape(x * scale[:, :, None], [TILE_N, HEAD_DIM])
 
 
-@triton.jit
+@jit
 def e2m1_words_f16(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """``[TILE_N, HEAD_DIM // 8]`` int32 words of e2m1 nibbles (element ``2i`` in the low
     nibble of byte ``i``) as the ``[TILE_N, HEAD_DIM]`` fp16 values, exactly. Each byte's two
@@ -188,7 +188,7 @@ def e2m1_words_f16(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 _SIGNS: tl.constexpr = tl.constexpr(-0x7FFF8000)  # int32 0x80008000: both halves' sign bits
 
 
-@triton.jit
+@jit
 def e2m1_words_f16_tiny(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """``[TILE_N, HEAD_DIM // 8]`` int32 words of e2m1 nibbles (nibble ``j`` of a word, bits
     ``4j .. 4j + 3``, is dimension ``j`` of its 8) as ``[TILE_N, HEAD_DIM]`` fp16
@@ -206,7 +206,7 @@ def e2m1_words_f16_tiny(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     return tl.reshape(tl.join(lo, hi), [TILE_N, HEAD_DIM])
 
 
-@triton.jit
+@jit
 def query_f16(q, qk_scale):
     """A query tile in fp16 for fp16 products (fp16 key tiles): ``q * 2^-shift`` and
     ``qk_scale * 2^shift``, with ``shift`` the least (0 but for |q| >= 2^15) that keeps the
@@ -216,7 +216,7 @@ def query_f16(q, qk_scale):
     return (q.to(tl.float32) * down).to(tl.float16), qk_scale * up
 
 
-@triton.jit
+@jit
 def _f16_shift(q):
     """``(2^-shift, 2^shift)`` for a query tile going to fp16: ``shift`` the least (0 but for
     |q| >= 2^15) that keeps its largest |value| below 2^15."""
@@ -226,7 +226,7 @@ def _f16_shift(q):
     return down, ((127 + shift) << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@jit
 def dequantize_kv_raw(
     vals, sf, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
     SF_KIND: tl.constexpr, GROUP: tl.constexpr,
@@ -255,7 +255,7 @@ def dequantize_kv_raw(
     return tile
 
 
-@triton.jit
+@jit
 def load_kv_tile(
     ptr, sf_ptr, rows, in_range, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr,
@@ -279,7 +279,7 @@ def load_kv_tile(
     return dequantize_kv_raw(vals, sf, q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
 
 
-@triton.jit
+@jit
 def head_scales_offset(kvh, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SF_KIND: tl.constexpr):
     """Bytes from the first head's scale run to head ``kvh``'s (a compile-time multiple of the
     run's size, so the compiler knows how the run is aligned)."""

@@ -7,8 +7,9 @@ fp8/bf16 do not round correctly).
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
+
+from kvplan.ops._launch import jit
 
 # scale-factor kinds (constexpr selectors)
 SF_UE8M0 = 0
@@ -17,7 +18,7 @@ SF_FP32 = 2
 SF_KIND = {"ue8m0": SF_UE8M0, "e4m3": SF_E4M3, "fp32": SF_FP32}
 
 
-@triton.jit
+@jit
 def encode_minifloat(
     x, MBITS: tl.constexpr, EMIN: tl.constexpr, SIGN_BIT: tl.constexpr, QMAX: tl.constexpr
 ):
@@ -40,18 +41,18 @@ def encode_minifloat(
     return code | (sign << SIGN_BIT)
 
 
-@triton.jit
+@jit
 def encode_e4m3(x):
     return encode_minifloat(x, 3, 121, 7, 448.0)
 
 
-@triton.jit
+@jit
 def encode_e2m1_magnitude(x):
     """fp32 -> int32 e2m1 magnitude codes (0..7) of ``|x|``, RNE, saturating at 6."""
     return encode_e2m1_magnitude_raw(x) & 7
 
 
-@triton.jit
+@jit
 def encode_e2m1_magnitude_raw(x):
     """``encode_e2m1_magnitude`` before masking: bits 0..2 hold the code, bits 3..21 are zero
     and bits 22.. hold the constant 0x12D (callers mask once after packing two codes).
@@ -68,7 +69,7 @@ def encode_e2m1_magnitude_raw(x):
     return r.to(tl.int32, bitcast=True)
 
 
-@triton.jit
+@jit
 def encode_e2m1(x):
     """fp32 -> int32 e2m1 codes (0..15) with the sign of ``x`` (same as
     ``encode_minifloat(x, 1, 127, 3, 6.0)`` with fewer, mostly fp32, instructions)."""
@@ -80,7 +81,7 @@ INT8_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: fp32 ulp 1 on [2^23, 2^
 INT8_RNE_BITS = tl.constexpr(0x4B400000)  # its int32 bits
 
 
-@triton.jit
+@jit
 def encode_int8(x):
     """fp32 ``x`` (no NaN) -> int32 codes ``clamp(RNE(x), -127, 127)`` (``kvplan.quant``).
 
@@ -92,7 +93,7 @@ def encode_int8(x):
     return (q + INT8_RNE_MAGIC).to(tl.int32, bitcast=True) - INT8_RNE_BITS
 
 
-@triton.jit
+@jit
 def decode_e4m3(c):
     """int32 e4m3 codes (0..255) -> fp32."""
     sign = (c >> 7) & 1
@@ -105,7 +106,7 @@ def decode_e4m3(c):
     return tl.where(exp > 0, normal, sub)
 
 
-@triton.jit
+@jit
 def decode_e2m1(c):
     """int32 e2m1 codes (0..15) -> fp32, exactly.
 
@@ -117,7 +118,7 @@ def decode_e2m1(c):
     return decode_e2m1_tiny(c) * 16384.0
 
 
-@triton.jit
+@jit
 def decode_e2m1_tiny(c):
     """The e2m1 value times 2^-14 (see ``decode_e2m1``), for callers that fold the 2^14 into a
     scale factor."""
@@ -125,13 +126,13 @@ def decode_e2m1_tiny(c):
     return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
-@triton.jit
+@jit
 def pow2(e):
     """2^e as fp32 for int32 ``e`` in [-126, 127]."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@jit
 def ue8m0_exponent(amax, QMAX: tl.constexpr):
     """ceil(log2(max(amax, 1e-4) / QMAX)) as int32, exactly."""
     s = tl.div_rn(tl.maximum(amax, 1e-4), amax * 0 + QMAX)
@@ -139,14 +140,14 @@ def ue8m0_exponent(amax, QMAX: tl.constexpr):
     return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
 
 
-@triton.jit
+@jit
 def bf16_bits(x):
     """fp32 -> the 16 bits of its round-to-nearest-even BF16 value, as int32 (0..65535)."""
     bits = x.to(tl.int32, bitcast=True)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
 
 
-@triton.jit
+@jit
 def scale_multipliers(sbytes, SF: tl.constexpr):
     """Scale bytes -> fp32 dequantization multipliers.
 

@@ -44,10 +44,10 @@ the output.
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kvplan.ops._launch import jit
 from kvplan.ops._paged_kv_tiles import e2m1_f16_tile, nibble_acc, nibble_query, query_f16
 from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
 
@@ -62,7 +62,7 @@ SF_FP32 = 2
 LOG2E = tl.constexpr(1.4426950408889634)  # a jit-visible global must be a constexpr
 
 
-@triton.jit
+@jit
 def _scale_mult(sb, SF: tl.constexpr):
     """int32 scale bytes -> fp32 multipliers (UE8M0: 2^(b - 127); e4m3: its value)."""
     if SF == 0:
@@ -71,7 +71,7 @@ def _scale_mult(sb, SF: tl.constexpr):
         return decode_e4m3(sb)
 
 
-@triton.jit
+@jit
 def _scales_at(c_ptr, sbase, grp, mask, SF: tl.constexpr):
     """fp32 multipliers of scale group ``grp`` of the records whose scales start at byte
     ``sbase`` (fp32 scales: 4 bytes, little-endian, assembled from single bytes since a
@@ -87,7 +87,7 @@ def _scales_at(c_ptr, sbase, grp, mask, SF: tl.constexpr):
         return _scale_mult(tl.load(c_ptr + sbase + grp, mask=mask, other=0).to(tl.int32), SF)
 
 
-@triton.jit
+@jit
 def _load_key_cols(
     c_ptr, slots, valid, d0, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -149,7 +149,7 @@ def _load_key_cols(
     return x
 
 
-@triton.jit
+@jit
 def _load_keys(
     c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -161,7 +161,7 @@ def _load_keys(
                           FLAT, HW, False)  # fmt: skip
 
 
-@triton.jit
+@jit
 def _attend_tile(
     acc, m_i, l_i, q, q_row, h_ok, start, row_idx, num_cols, num_slots, c_ptr,
     block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
@@ -221,7 +221,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@jit
 def softmax_step(s, seen, m_i, l_i, qk_scale):
     """One online-softmax step in the log2 domain: the logits ``s * qk_scale`` where
     ``seen`` (else ``-inf``) against the running maximum ``m_i`` and sum ``l_i`` of each
@@ -234,7 +234,7 @@ def softmax_step(s, seen, m_i, l_i, qk_scale):
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
-@triton.jit
+@jit
 def _pv_step(acc, alpha, p, v, DOT_BF16: tl.constexpr):
     """``acc * alpha + p @ v`` (``p`` already bf16 for bf16 dots)."""
     if DOT_BF16:
@@ -244,7 +244,7 @@ def _pv_step(acc, alpha, p, v, DOT_BF16: tl.constexpr):
     return acc * alpha[:, None] + pv
 
 
-@triton.jit
+@jit
 def _pv_split(
     acc, alpha, p, c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
     scale_offset, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
@@ -277,7 +277,7 @@ def _pv_split(
         return a0, a1, a2, a3
 
 
-@triton.jit
+@jit
 def _acc_zeros(TILE_H: tl.constexpr, D_P2: tl.constexpr, PV_SPLIT: tl.constexpr):
     """The accumulator: a tuple of ``PV_SPLIT`` fp32 ``[TILE_H, D_P2 // PV_SPLIT]`` zeros."""
     DC: tl.constexpr = D_P2 // PV_SPLIT
@@ -290,7 +290,7 @@ def _acc_zeros(TILE_H: tl.constexpr, D_P2: tl.constexpr, PV_SPLIT: tl.constexpr)
         return z, z, z, z
 
 
-@triton.jit
+@jit
 def _attend_cols(
     acc, m_i, l_i, q, q_row, h_ok, t, lo, hi, c_ptr, idx_ptr, stride_idx, num_slots,
     block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
@@ -324,7 +324,7 @@ def _attend_cols(
     return acc, m_i, l_i
 
 
-@triton.jit
+@jit
 def acc_chunk(acc, F16: tl.constexpr):
     """An accumulator chunk in order at its true size (``F16`` 2, ``NIB``: from nibble order,
     times 2^14 -- exact)."""
@@ -333,7 +333,7 @@ def acc_chunk(acc, F16: tl.constexpr):
     return acc
 
 
-@triton.jit
+@jit
 def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, qk_scale,
                 HEAD_DIM: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr,
                 F16: tl.constexpr):  # fmt: skip
@@ -359,7 +359,7 @@ def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, qk_scale,
     return q, q_row, qmask, qk_scale
 
 
-@triton.jit
+@jit
 def sparse_attention_kernel(
     q_ptr, out_ptr, sink_ptr, stride_qt, stride_qh, stride_ot, stride_oh, num_heads, qk_scale,
     c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0: tl.constexpr, sblk0, stok0, sstr0, soff0,
@@ -412,7 +412,7 @@ def sparse_attention_kernel(
                    stride_rt, c * (DC // 2), TILE_H, DC, HEAD_DIM, HALF_RD, HW)  # fmt: skip
 
 
-@triton.jit
+@jit
 def _store_out(
     o, ptrs, mask, cos_ptr, sin_ptr, t, stride_rt, pair0, TILE_H: tl.constexpr,
     DC: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_RD: tl.constexpr, HW: tl.constexpr,
@@ -449,7 +449,7 @@ def _store_out(
         tl.store(ptrs, y.to(dtype), mask=mask)
 
 
-@triton.jit
+@jit
 def index_scores_kernel(
     q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, stride_qt, stride_qh, stride_wt, stride_ot,
     stride_idx, num_heads, num_cols, num_slots, block_size: tl.constexpr, stride_block,
@@ -480,7 +480,7 @@ def index_scores_kernel(
     tl.store(out_ptr + t64 * stride_ot + cols, score, mask=cols < num_cols)
 
 
-@triton.jit
+@jit
 def index_scores_tc_kernel(
     q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, stride_qt, stride_qh, stride_wt, stride_ot,
     stride_idx, num_heads, num_cols, num_slots, block_size: tl.constexpr, stride_block,
@@ -524,7 +524,7 @@ def index_scores_tc_kernel(
         tl.store(out_ptr + t64 * stride_ot + cols, score, mask=c_ok)
 
 
-@triton.jit
+@jit
 def index_scores_seq_kernel(
     q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, len_ptr, block_row_ptr, block_end_ptr,
     block_seq_ptr, stride_qt, stride_qh, stride_wt, stride_ot, stride_idx, num_heads,

@@ -25,9 +25,9 @@ neighbours (one sequence): a block's union spans what any of its rows sees.
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
+from kvplan.ops._launch import jit
 from kvplan.ops._sparse_attention_kernels import (
     LOG2E,
     _load_key_cols,
@@ -37,7 +37,7 @@ from kvplan.ops._sparse_attention_kernels import (
 )
 
 
-@triton.jit
+@jit
 def _range_step(
     acc, m_i, l_i, q, lo, hi, start, c_ptr, num_slots, block_size, stride_block,
     stride_token, scale_stride, scale_offset, qk_scale,
@@ -64,7 +64,7 @@ def _range_step(
     return acc, m_new, l_i
 
 
-@triton.jit
+@jit
 def _range_pair(
     acc, m_i, l_i, q, rows, ok, j, r_ptr, stride_r, c_ptr, num_slots, block_size, stride_block,
     stride_token, scale_stride, scale_offset, qk_scale,
@@ -100,7 +100,7 @@ def _range_pair(
     return acc, m_i, l_i
 
 
-@triton.jit
+@jit
 def sparse_ranges_kernel(
     q_ptr, out_ptr, sink_ptr, blk_start_ptr, blk_end_ptr, num_rows, stride_qt, stride_qh,
     stride_ot, stride_oh, num_heads, qk_scale,

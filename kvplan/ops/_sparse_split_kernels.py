@@ -31,9 +31,9 @@ so the counters are left zeroed for the next launch or graph replay.
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
+from kvplan.ops._launch import jit
 from kvplan.ops._sparse_attention_kernels import (
     LOG2E,
     _acc_zeros,
@@ -44,7 +44,7 @@ from kvplan.ops._sparse_attention_kernels import (
 )
 
 
-@triton.jit
+@jit
 def sparse_attention_split_kernel(
     q_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_qt, stride_qh, num_heads, num_splits,
     cols_per_split, qk_scale,
@@ -114,13 +114,13 @@ def sparse_attention_split_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
+@jit
 def _split_weight(ws_m_ptr, row, h_ok, m, CACHE: tl.constexpr):
     """``exp2(ws_m - m)`` of one split's heads (``[TILE_H]``)."""
     return tl.exp2(_ws_load(ws_m_ptr + row, h_ok, -1.0e30, CACHE) - m)
 
 
-@triton.jit
+@jit
 def sparse_attention_combine_kernel(
     out_ptr, sink_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_ot, stride_oh, num_heads,
     num_splits, cos_ptr, sin_ptr, stride_rt,
@@ -137,7 +137,7 @@ def sparse_attention_combine_kernel(
                   TILE_H, INTERPRET, HALF_RD, HW, "")  # fmt: skip
 
 
-@triton.jit
+@jit
 def _merge_splits(
     out_ptr, sink_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_ot, stride_oh, num_heads,
     num_splits, cos_ptr, sin_ptr, stride_rt, t, heads,
@@ -180,13 +180,13 @@ def _merge_splits(
                HEAD_DIM, HALF_RD, HW)  # fmt: skip
 
 
-@triton.jit
+@jit
 def _ws_load(ptrs, mask, other, CACHE: tl.constexpr):
     """A masked workspace load with cache modifier ``CACHE``."""
     return tl.load(ptrs, mask=mask, other=other, cache_modifier=CACHE)
 
 
-@triton.jit
+@jit
 def _merge_split(
     acc, l_i, m, row, h_ok, d, mask, ws_acc_ptr, ws_m_ptr, ws_l_ptr, HEAD_DIM: tl.constexpr,
     CACHE: tl.constexpr,

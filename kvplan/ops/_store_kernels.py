@@ -13,10 +13,10 @@ Non-finite inputs follow ``kvplan.quant``'s rule (scale from the finite values, 
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kvplan.ops._launch import jit
 from kvplan.ops._quant_triton import (
     INT8_RNE_BITS,
     INT8_RNE_MAGIC,
@@ -30,7 +30,7 @@ from kvplan.ops._quant_triton import (
 )
 
 
-@triton.jit
+@jit
 def _row_bases(slot_ptr, rows, n, num_slots, BLOCK_SIZE: tl.constexpr, block_stride, v_stride,
                s_block_off, s_stride, VALIGN: tl.constexpr, SALIGN: tl.constexpr):  # fmt: skip
     """Per-row (write mask, value byte base, scale byte base) for the rows of this program."""
@@ -45,7 +45,7 @@ def _row_bases(slot_ptr, rows, n, num_slots, BLOCK_SIZE: tl.constexpr, block_str
     return ok, vbase, sbase
 
 
-@triton.jit
+@jit
 def _group_scales(amax, QMAX: tl.constexpr, SF: tl.constexpr, HW: tl.constexpr):
     """amax [R, G] -> (factor [R, G], scale bytes [R, G] or [R, G, 4]).
 
@@ -71,14 +71,14 @@ def _group_scales(amax, QMAX: tl.constexpr, SF: tl.constexpr, HW: tl.constexpr):
         return sf, _fp32_bytes(sf)
 
 
-@triton.jit
+@jit
 def _fp32_bytes(sf):
     """fp32 scales [R, G] -> their little-endian bytes [R, G, 4] (int32)."""
     shifts = tl.arange(0, 4) * 8
     return (sf.to(tl.int32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & 255
 
 
-@triton.jit
+@jit
 def _scales_of(x, amax, QMAX: tl.constexpr, SF: tl.constexpr, SEARCH: tl.constexpr,
                HW: tl.constexpr, FAST_DIV: tl.constexpr):  # fmt: skip
     """`_group_scales` of groups ``x [R, G, K]`` (finite fp32 BF16 values, zeros in padding)
@@ -89,7 +89,7 @@ def _scales_of(x, amax, QMAX: tl.constexpr, SF: tl.constexpr, SEARCH: tl.constex
     return _group_scales(amax, QMAX, SF, HW)
 
 
-@triton.jit
+@jit
 def _searched_sf(x, amax, HW: tl.constexpr):
     """The searched fp32 scale of each group (``kvplan.quant``, "Searched fp32 scale"): the
     first of ``a / c``, ``c`` = 448, 416, ..., 256, 240, 224, with the least int32 error
@@ -112,13 +112,13 @@ def _searched_sf(x, amax, HW: tl.constexpr):
     return best_sf
 
 
-@triton.jit
+@jit
 def _fixed_point_scale(a):
     """``P = 2^(12 - r)`` of the scale search, ``r`` the unbiased exponent of ``a > 0``."""
     return pow2(12 - ((a.to(tl.int32, bitcast=True) >> 23) - 127))
 
 
-@triton.jit
+@jit
 def _searched_e4m3_code(lo, hi, amax, base):
     """The searched e4m3 scale codes of e2m1 groups (``kvplan.quant.searched_e4m3_scales``):
     ``lo`` / ``hi`` [R, G, GB] the finite fp32 elements (even / odd), ``base`` [R, G] the plain
@@ -138,7 +138,7 @@ def _searched_e4m3_code(lo, hi, amax, base):
     return best
 
 
-@triton.jit
+@jit
 def _fp4_error(lo, hi, lo_fix, hi_fix, code, p):
     """``sum(((|D - X| * X) >> 14)^2)`` of both halves of each group under the e4m3 scale
     ``code`` (``X = |rint(x * p)|``, ``D = rint(e2m1(x * (1 / sf)) * sf * p)``, exact)."""
@@ -150,14 +150,14 @@ def _fp4_error(lo, hi, lo_fix, hi_fix, code, p):
     )
 
 
-@triton.jit
+@jit
 def _fp4_term(x, x_fix, inv, sp):
     mag = decode_e2m1(encode_e2m1_magnitude_raw(x * inv) & 7)
     t = (tl.abs(_rint(mag * sp) - x_fix) * x_fix) >> 14
     return t * t
 
 
-@triton.jit
+@jit
 def _rint(v):
     """fp32 ``v`` (``|v| <= 2^22``) -> int32, rounded half to even: one IEEE addition of 1.5 *
     2^23 rounds it (the product before it is rounded on its own: ``mul_rn`` on the GPU, where
@@ -165,7 +165,7 @@ def _rint(v):
     return (v + INT8_RNE_MAGIC).to(tl.int32, bitcast=True) - INT8_RNE_BITS
 
 
-@triton.jit
+@jit
 def _fp8_error(x, x_abs, a, c, sf, p, HW: tl.constexpr):
     """``sum(((||D| - |X|| * |X|) >> 10)^2)`` over each group: ``D = rint(e4m3(x * (c / a)) *
     (sf * p))``, the candidate's rounding in the group's fixed point (D keeps x's sign, so
@@ -185,13 +185,13 @@ def _fp8_error(x, x_abs, a, c, sf, p, HW: tl.constexpr):
 INF_BITS = tl.constexpr(0x7F800000)  # int32 bits of +inf; larger |x| bits are NaN
 
 
-@triton.jit
+@jit
 def _finite_bits(b):
     """Magnitude bits ``b`` with inf and NaN replaced by 0 (they do not count for amax)."""
     return tl.where(b < INF_BITS, b, 0)
 
 
-@triton.jit
+@jit
 def _scaled(v, factor, SF: tl.constexpr, FAST_DIV: tl.constexpr):
     """v [R, G, K] scaled by its group's factor [R, G] (fp32 scales: divided by it)."""
     if SF == 2:
@@ -201,7 +201,7 @@ def _scaled(v, factor, SF: tl.constexpr, FAST_DIV: tl.constexpr):
     return v * factor[:, :, None]
 
 
-@triton.jit
+@jit
 def _div_rn_by_group(a, b):
     """``div.rn(a, b[:, :, None])`` for a [R, G, K] and b [R, G] > 0 normal (GPU only).
 
@@ -228,7 +228,7 @@ def _div_rn_by_group(a, b):
     return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@jit
 def e2m1_record(w, ok, QMAX: tl.constexpr, SF: tl.constexpr, SEARCH: tl.constexpr,
                 HW: tl.constexpr, FAST_DIV: tl.constexpr):  # fmt: skip
     """The e2m1 bytes and scale bytes of ``w`` [R, G, GB] int32 words, each two bf16 values
@@ -266,7 +266,7 @@ def e2m1_record(w, ok, QMAX: tl.constexpr, SF: tl.constexpr, SEARCH: tl.constexp
     return (((raw_lo | (raw_hi << 4)) & 0x77) | signs).to(tl.uint8), sbytes
 
 
-@triton.jit
+@jit
 def store_quant_kernel(
     x_ptr,  # bf16 [n, E] contiguous; int32 [n, E // 2] (bf16 pairs) when FP4
     slot_ptr,  # int32 [n]
@@ -365,7 +365,7 @@ def store_quant_kernel(
     tl.store(cache_ptr + sbase[:, None] + j[None, :], sflat, mask=ok[:, None] & (j < G * SB))
 
 
-@triton.jit
+@jit
 def scatter_rows_kernel(
     src_ptr,  # uint8 [n, ROW_BYTES], contiguous
     slot_ptr,  # int32 [n]

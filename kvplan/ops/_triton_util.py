@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
+
+from kvplan.ops._launch import jit
 
 MERGE_COUNTERS = 1 << 16
 """Size of a buffer of int32 counters for kernels whose last-arriving program merges the
@@ -40,7 +41,7 @@ def merge_counters(device):
     return buf
 
 
-@triton.jit
+@jit
 def round_to(x, dtype: tl.constexpr):
     """fp32 ``x`` rounded to ``dtype`` (as torch stores an intermediate) and widened again."""
     return x.to(dtype).to(tl.float32)

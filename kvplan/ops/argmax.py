@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
+from kvplan.ops._launch import jit
 from kvplan.ops.topk import _sort_keys
 
 __all__ = ["argmax_rows", "argmax_rows_torch", "argmax_rows_triton", "argmax_splits"]
@@ -108,7 +109,7 @@ def argmax_rows_triton(
     return out
 
 
-@triton.jit
+@jit
 def _order_keys(x):
     """`topk`'s sort keys of ``x`` widened to fp32 (``-0.0`` as ``+0.0``), every NaN above
     ``+inf``."""
@@ -116,7 +117,7 @@ def _order_keys(x):
     return tl.where(x != x, _INT32_MAX, _sort_keys(x))
 
 
-@triton.jit
+@jit
 def _scan_tile(x_row, lo, start, offs, width, chunk, best, where):
     """Fold columns ``lo + start + offs`` (those inside the row and the part) into each
     lane's best key and its column."""
@@ -127,7 +128,7 @@ def _scan_tile(x_row, lo, start, offs, width, chunk, best, where):
     return tl.where(take, key, best), tl.where(take, c, where)
 
 
-@triton.jit
+@jit
 def _argmax_part_kernel(
     x_ptr, key_ptr, col_ptr, stride_x, width, chunk, splits,
     TILE: tl.constexpr, INTERPRET: tl.constexpr,
@@ -153,7 +154,7 @@ def _argmax_part_kernel(
     tl.store(col_ptr + row * splits + part, first)
 
 
-@triton.jit
+@jit
 def _argmax_merge_kernel(key_ptr, col_ptr, out_ptr, splits, S_P2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, S_P2)

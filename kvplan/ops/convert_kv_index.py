@@ -26,6 +26,7 @@ import triton.language as tl
 
 from kvplan._checks import check_int32, check_same_device, check_tensor
 from kvplan.ops._dispatch import use_triton
+from kvplan.ops._launch import jit
 from kvplan.ops.swa_index import index_out_buffer, index_tiles
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-@triton.jit
+@jit
 def _convert_kv_index_kernel(
     topk_ptr, bt_ptr, ctx_ptr, out_ptr, rows, k, block_size, stride_t, stride_bt, stride_o,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,

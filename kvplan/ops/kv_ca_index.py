@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kvplan._checks import INT32_MAX, check_int32, check_same_device, check_tensor
 from kvplan.ops._dispatch import use_triton
+from kvplan.ops._launch import jit
 from kvplan.ops.swa_index import index_out_buffer, index_tiles
 
 __all__ = [
@@ -52,7 +53,7 @@ def kv_ca_index_width(max_len: int) -> int:
     return max(1, -(-max_len // INDEX_WIDTH_ALIGN)) * INDEX_WIDTH_ALIGN
 
 
-@triton.jit
+@jit
 def _expand_kv_ca_kernel(
     ol_ptr, bt_ptr, out_ptr, rows, width, tpb, stride_ol, stride_bt, stride_o,
     PAGED: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,

@@ -21,12 +21,13 @@ import triton.language as tl
 
 from kvplan._checks import INT32_MAX, check_same_device, check_tensor
 from kvplan.ops._dispatch import use_triton
+from kvplan.ops._launch import jit
 from kvplan.ops.swa_index import index_out_buffer, index_tiles
 
 __all__ = ["kv_index_cat", "kv_index_cat_ref", "kv_index_cat_torch", "kv_index_cat_triton"]
 
 
-@triton.jit
+@jit
 def _kv_index_cat_kernel(
     l_ptr, r_ptr, out_ptr, rows, width_l, width_r, ca_base,
     stride_l, stride_r, stride_o, num_tiles_l,

@@ -19,13 +19,14 @@ import triton.language as tl
 
 from kvplan._checks import check_tensor
 from kvplan.formats import KVCacheFormat
+from kvplan.ops._launch import jit
 from kvplan.ops._paged_kv_tiles import head_scales_offset, kv_geometry, load_kv_tile
 from kvplan.ops._quant_triton import bf16_bits
 
 TILE_ROWS = 32  # rows per program: 32 x 128 values is 4 KB of bf16 a program
 
 
-@triton.jit
+@jit
 def _read_slots_kernel(
     cache_ptr, slots_ptr, out_ptr, n, stride_b, stride_t, stride_h, sf_off,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,

@@ -12,11 +12,11 @@ the rounding.) Triton path: CUDA tensors or ``KVPLAN_FORCE_TRITON=1``; one progr
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import use_triton
+from kvplan.ops._launch import jit
 from kvplan.ops.cache_geometry import triton_next_pow2
 
 __all__ = [
@@ -31,7 +31,7 @@ __all__ = [
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@triton.jit
+@jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, n_cols, stride_x, inv_n, eps,
     HAS_WEIGHT: tl.constexpr, TILE_N: tl.constexpr,

@@ -25,11 +25,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 import triton.language as tl
 
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import use_triton
+from kvplan.ops._launch import jit
 from kvplan.ops._triton_util import round_to
 from kvplan.ops.cache_geometry import triton_next_pow2
 from kvplan.ops.rms_norm import rms_norm_fp32w_torch, unweighted_rms_norm_torch
@@ -54,7 +54,7 @@ class NormSpec(NamedTuple):
     eps: float
 
 
-@triton.jit
+@jit
 def _norm_rope_row(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, t, src, dst, stride_c, inv_n, eps,
     D: tl.constexpr, HALF_RD: tl.constexpr, NORM: tl.constexpr, INVERSE: tl.constexpr,
@@ -83,7 +83,7 @@ def _norm_rope_row(
     tl.store(out_ptr + dst + cols, y.to(dtype))
 
 
-@triton.jit
+@jit
 def _norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, stride_c, inv_n, eps,
     x2_ptr, w2_ptr, out2_ptr, stride_x2t,

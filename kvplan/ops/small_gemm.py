@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kvplan.ops._dispatch import use_triton
+from kvplan.ops._launch import jit
 
 __all__ = [
     "SmallGemmPlan",
@@ -72,7 +73,7 @@ class SmallGemmPlan(NamedTuple):
     num_stages: int
 
 
-@triton.jit
+@jit
 def small_linear_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kvplan._checks import INT32_MAX, check_int32, check_tensor
 from kvplan.ops._dispatch import use_triton
+from kvplan.ops._launch import jit
 
 __all__ = [
     "expand_swa_index",
@@ -77,7 +78,7 @@ def _check_pairs(name: str, t: torch.Tensor, ncols: int) -> torch.Tensor:
 # expand_swa_index (prefill pivots)
 
 
-@triton.jit
+@jit
 def _expand_swa_index_kernel(
     piv_ptr, out_ptr, rows, width, stride_p, stride_o,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,
@@ -191,7 +192,7 @@ def expand_swa_index(
 # expand_swa_index_decode (ring start slot + length)
 
 
-@triton.jit
+@jit
 def _expand_swa_decode_kernel(
     ol_ptr, out_ptr, rows, width, ring, stride_ol, stride_o,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
+from kvplan.ops._launch import jit
 
 __all__ = [
     "topk_columns",
@@ -101,7 +102,7 @@ def topk_plan(num_rows: int, width: int, top_k: int, num_sms: int) -> tuple[bool
 _NO_KEY = tl.constexpr(-(2**31))
 
 
-@triton.jit
+@jit
 def _sort_keys(x):
     """int32 keys of fp32 ``x`` that order as the floats do (``-0.0`` as ``+0.0``)."""
     x = tl.where(x == 0.0, 0.0, x)
@@ -109,7 +110,7 @@ def _sort_keys(x):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-@triton.jit
+@jit
 def _pick_digit(hist, need, bins):
     """The digit ``d`` whose bin holds the ``need``-th largest key, the rank inside that bin
     (``need`` minus the keys of higher digits), and whether the whole bin is taken."""
@@ -120,7 +121,7 @@ def _pick_digit(hist, need, bins):
     return d, need - above, in_bin == need - above
 
 
-@triton.jit
+@jit
 def _row_keys(s_row, lo, count, width, offs):
     """Sort keys of columns ``[lo, lo + TILE)`` and which of them are eligible (NaN and the
     columns past ``count`` never count)."""
@@ -129,7 +130,7 @@ def _row_keys(s_row, lo, count, width, offs):
     return _sort_keys(x), (x == x) & (col < count)
 
 
-@triton.jit
+@jit
 def _hist_chunk(
     hist, s_row, w_row, lo, count, width, m, prefix, offs, P: tl.constexpr,
     BITS: tl.constexpr, FROM_WORK: tl.constexpr,
@@ -146,7 +147,7 @@ def _hist_chunk(
     return _hist_keys(hist, key, ok, prefix, P, BITS)
 
 
-@triton.jit
+@jit
 def _hist_keys(
     hist, key, ok, prefix, P: tl.constexpr, BITS: tl.constexpr, SKIP: tl.constexpr = True
 ):
@@ -168,7 +169,7 @@ def _hist_keys(
     return hist
 
 
-@triton.jit
+@jit
 def _compact_chunk(m, s_row, w_row, lo, count, width, prefix, offs, BITS: tl.constexpr):
     """Append to ``w_row`` (from entry ``m`` on, in column order) the keys of the eligible
     columns of ``[lo, lo + TILE)`` whose first digit is ``prefix``; returns the new count."""
@@ -179,7 +180,7 @@ def _compact_chunk(m, s_row, w_row, lo, count, width, prefix, offs, BITS: tl.con
     return m + tl.sum(sel, 0)
 
 
-@triton.jit
+@jit
 def _write_chunk(
     taken, base, s_row, g_row, o_row, v_row, lo, count, width, top_k, thr, need, offs,
     col_base, GATHER: tl.constexpr, VALUES: tl.constexpr,
@@ -210,7 +211,7 @@ def _write_chunk(
     return taken + (total >> 16), base + (total & 0xFFFF) + tl.minimum(total >> 16, room)
 
 
-@triton.jit
+@jit
 def _topk_kernel(
     scores_ptr, count_ptr, gather_ptr, out_ptr, work_ptr, values_ptr, width, top_k, stride_s,
     stride_c, stride_g, stride_o, stride_w, TILE: tl.constexpr, BITS: tl.constexpr,

@@ -39,6 +39,7 @@ import triton.language as tl
 from kvplan._checks import check_int32, check_tensor
 from kvplan._math import exclusive_cumsum
 from kvplan.ops._dispatch import use_triton
+from kvplan.ops._launch import jit
 from kvplan.plan.sequence import SequenceMetadata
 
 
@@ -221,14 +222,14 @@ def expand_window_index_torch(
     return out.to(torch.int32)
 
 
-@triton.jit
+@jit
 def _floor_mod(a, m):
     """``a`` modulo ``m > 0`` rounded toward minus infinity (torch's ``%``)."""
     r = a % m
     return tl.where(r < 0, r + m, r)
 
 
-@triton.jit
+@jit
 def _expand_window_index_kernel(
     facts_ptr, out_ptr, num_entries, stride_e, stride_f, num_rows, ring_rows,
     R_P2: tl.constexpr, TILE_E: tl.constexpr,

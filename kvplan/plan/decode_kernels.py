@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from kvplan.ops._dispatch import use_triton
+from kvplan.ops._launch import jit
 from kvplan.plan.config import QUERY_INDEX_PLACEHOLDER
 
 
@@ -100,7 +101,7 @@ def _next_pow2(x: int) -> int:
 
 
 # --------------------------------------------------------------------------- Triton kernels
-@triton.jit
+@jit
 def _decode_metadata_kernel(
     cu_q_ptr, seqlen_k_ptr, state_ptr, placeholder_ptr, valid_start_ptr, bt_ptr, bt_off_ptr,
     ratio_ptr,
@@ -156,7 +157,7 @@ def _decode_metadata_kernel(
         tl.store(base + 1, (p + 1) // r, mask=m)
 
 
-@triton.jit
+@jit
 def _expand_block_tables_kernel(
     cu_q_ptr, bt_ptr, bt_off_ptr, out_ptr, out_rs, TILE_Q: tl.constexpr, TILE_B: tl.constexpr
 ):  # fmt: skip

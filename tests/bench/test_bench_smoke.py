@@ -67,10 +67,11 @@ def test_decode_loop_ops_reads_the_main_loop():
 
 def test_hybrid_steps_quick(tmp_path):
     """`hybrid_steps.py`: every step of the tiny workload recorded (a prefill, mixed steps,
-    decode steps), the prompt steps again under cProfile, one prompt alone."""
+    decode steps), the prompt steps again under cProfile, one prompt alone, the lean-launch
+    A/B's walks."""
     out = tmp_path / "steps.json"
     proc = _run("hybrid_steps.py", "--quick", "--profile", "cprofile", "--top", "5", "--small",
-                "8", "--out", str(out))  # fmt: skip
+                "8", "--lean-ab", "1", "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rec = json.loads(out.read_text())
     kinds = [s["kind"] for s in rec["steps"]]
@@ -81,3 +82,7 @@ def test_hybrid_steps_quick(tmp_path):
     prof = rec["steps_cprofile"]
     assert prof and all(len(s["host_own"]) == 5 and s["wall_ms_profiled"] > 0 for s in prof)
     assert rec["small_prompts"][0]["prompt_tokens"] == 8
+    eager = sum(1 for s in rec["steps"] if s["prompt_tokens"])
+    for runs in (rec["lean_ab"]["off"], rec["lean_ab"]["on"]):
+        assert len(runs) == 1 and len(runs[0]["eager_ms"]) == eager
+        assert runs[0]["decode_median_ms"] > 0 and runs[0]["prompt8_ms_min"] > 0

@@ -118,16 +118,17 @@ def hf_logits(hf: tf.DeepseekV4ForCausalLM, ids: list[int]) -> torch.Tensor:
 def run_step(
     model: DeepseekV4ForCausalLM, family, rows: list[tuple[int, list[int], int, int]]
 ) -> tuple[list[torch.Tensor], object]:
-    """One flat step over ``rows`` = (request_id, token_ids, q_start, seqlen_q); returns
-    each sequence's logits ``[seqlen_q, V]`` and the step's context."""
+    """One flat step over ``rows`` = (request_id, token_ids, q_start, seqlen_q) on the
+    model's device; returns each sequence's logits ``[seqlen_q, V]`` and the step's context."""
+    dev = next(model.parameters()).device
     seqs, ids, pos = [], [], []
     for rid, tokens, q_start, n in rows:
         seqs.append(HybridSeq(rid, q_start, n, tokens, (), 0))
         ids += tokens[q_start : q_start + n]
         pos += range(q_start, q_start + n)
-    positions = torch.tensor(pos, dtype=torch.int64)
+    positions = torch.tensor(pos, dtype=torch.int64, device=dev)
     ctx = family.plan(seqs, positions)
-    logits = model(torch.tensor(ids, dtype=torch.int64), positions, ctx)
+    logits = model(torch.tensor(ids, dtype=torch.int64, device=dev), positions, ctx)
     return list(logits.split([n for *_, n in rows])), ctx
 
 

@@ -22,8 +22,9 @@ cannot take a loaded value as a ``range`` bound.
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
+
+from kvplan.ops._launch import jit
 
 _INTS = [
     "cu_off", "cached_off", "table_off", "table_pool_stride", "row_stride", "slots_off",
@@ -32,7 +33,7 @@ _INTS = [
 ]  # fmt: skip
 
 
-@triton.jit(do_not_specialize=_INTS)
+@jit(do_not_specialize=_INTS)
 def expand_step_kernel(
     arena,
     cu_off,

@@ -21,11 +21,10 @@ held equal by ``tests/backends/test_backends_device_expand.py``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvplan.ops._dispatch import triton_interpreting
+from kvplan.ops._launch import direct_launch, launch_hooks_installed
 
 # tokens / pages per loop iteration of one row's program
 EXPAND_BLOCK = 256
@@ -62,16 +61,10 @@ class DeviceExpander:
         self._device_index = buffer.device.index if buffer.is_cuda else None
         # constexpr flags -> the compiled kernel's C launch entry and its fixed arguments
         self._launchers: dict[tuple, tuple | None] = {}
-        import triton
 
         from kvplan.backends.staging._expand_kernel import expand_step_kernel
 
         self._kernel = expand_step_kernel
-        # launch hooks (a profiler's) take the normal path; Triton 3.6 keeps them as HookChains
-        self._enter = triton.knobs.runtime.launch_enter_hook
-        self._exit = triton.knobs.runtime.launch_exit_hook
-        if not (hasattr(self._enter, "calls") and hasattr(self._exit, "calls")):
-            self._direct = False  # another Triton: always its own launch path
         self.launches = 0  # kernels launched so far (tests check the path was taken)
         self.direct_launches = 0  # of which through the cached launcher
 
@@ -110,7 +103,7 @@ class DeviceExpander:
         self.launches += 1
         key = args[15:19]  # the constexpr flags select the compiled kernel
         direct = self._launchers.get(key) if self._direct else None
-        if direct is not None and not (self._enter.calls or self._exit.calls):
+        if direct is not None and not launch_hooks_installed():
             self.direct_launches += 1
             launch, function, coop, pdl, packed = direct
             stream = torch._C._cuda_getCurrentRawStream(self._device_index)
@@ -120,19 +113,4 @@ class DeviceExpander:
             return
         kernel = self._kernel[(n,)](*args)
         if self._direct and kernel is not None:
-            self._launchers[key] = _direct_launch(kernel)
-
-
-def _direct_launch(kernel: Any) -> tuple | None:
-    """``(launch, function, cooperative, pdl, packed_metadata)`` of a compiled kernel: the C
-    entry of Triton 3.6's CUDA launcher and the values ``CompiledKernel.run`` would pass it.
-    None (keep the normal path) when the kernel needs scratch memory or the launcher has
-    another shape (another Triton version)."""
-    launcher = kernel.run
-    try:
-        if launcher.global_scratch_size or launcher.profile_scratch_size:
-            return None
-        return (launcher.launch, kernel.function, launcher.launch_cooperative_grid,
-                launcher.launch_pdl, kernel.packed_metadata)  # fmt: skip
-    except AttributeError:
-        return None
+            self._launchers[key] = direct_launch(kernel)
