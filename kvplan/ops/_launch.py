@@ -27,6 +27,7 @@ import functools
 import os
 from typing import Any
 
+import torch
 import triton
 from triton.runtime.jit import JITFunction
 
@@ -34,6 +35,11 @@ LEAN = os.environ.get("KVPLAN_LEAN_LAUNCH", "1") != "0"
 
 _knobs = triton.knobs
 _MISSING = object()
+
+
+# torch's current CUDA device / raw stream (what Triton's driver asks); absent without CUDA
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def direct_launch(kernel: Any) -> tuple | None:
@@ -71,16 +77,15 @@ class LeanJITFunction(JITFunction):
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
-        if not LEAN or self.pre_run_hooks or launch_hooks_installed():
+        runtime = _knobs.runtime
+        if (not LEAN or self.pre_run_hooks or runtime.launch_enter_hook.calls
+                or runtime.launch_exit_hook.calls):  # fmt: skip
             return self.run(*args, grid=grid, warmup=False, **kwargs)
-        import torch
-
-        device = torch.cuda.current_device()
+        device = _current_device()
         caches = self.device_caches.get(device)
         if caches is None:  # the first launch on this device builds Triton's caches
             return self._first(None, grid, args, kwargs)
         bound, specialization, _ = caches[4](*args, **kwargs)
-        runtime = _knobs.runtime
         try:
             key = (device, tuple(specialization), tuple(kwargs.items()), runtime.debug,
                    _knobs.compilation.instrumentation_mode)  # fmt: skip
@@ -89,15 +94,15 @@ class LeanJITFunction(JITFunction):
             return self.run(*args, grid=grid, warmup=False, **kwargs)
         if hit is _MISSING:
             return self._first(key, grid, args, kwargs)
-        if hit is None or self._globals_changed():
+        if hit is None or (self.used_global_vals and self._globals_changed()):
             return self.run(*args, grid=grid, warmup=False, **kwargs)
         kernel, launch, function, coop, pdl, packed = hit
         if callable(grid):
             grid = grid(bound)
         n = len(grid)
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function,
-               coop, pdl, None, None, packed, None, None, None, *bound.values())  # fmt: skip
+        launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+               _current_stream(device), function, coop, pdl, None, None, packed, None, None,
+               None, *bound.values())  # fmt: skip
         self.lean_launches += 1
         return kernel
 

@@ -30,7 +30,7 @@ def _affine_kernel(x_ptr, out_ptr, n, stride, scale, TILE: tl.constexpr, SHIFT: 
     tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=i < n)
 
 
-def _run(x, n, stride, scale=1.5, tile=64, shift=True, out_dtype=torch.float32, **kw):
+def _run(x, n, stride, scale=2.0, tile=64, shift=True, out_dtype=torch.float32, **kw):
     out = torch.empty(n, dtype=out_dtype, device=x.device)
     _affine_kernel[(triton.cdiv(n, tile),)](x, out, n, stride, scale, TILE=tile, SHIFT=shift,
                                             **kw)  # fmt: skip
