@@ -82,10 +82,8 @@ class LeanJITFunction(JITFunction):
                 or runtime.launch_exit_hook.calls):  # fmt: skip
             return self.run(*args, grid=grid, warmup=False, **kwargs)
         device = _current_device()
-        caches = self.device_caches.get(device)
-        if caches is None:  # the first launch on this device builds Triton's caches
-            return self._first(None, grid, args, kwargs)
-        bound, specialization, _ = caches[4](*args, **kwargs)
+        # Triton's per-device caches and binder (built on this device's first launch)
+        bound, specialization, _ = self.device_caches[device][4](*args, **kwargs)
         try:
             key = (device, tuple(specialization), tuple(kwargs.items()), runtime.debug,
                    _knobs.compilation.instrumentation_mode)  # fmt: skip
@@ -109,7 +107,7 @@ class LeanJITFunction(JITFunction):
     def _first(self, key, grid, args, kwargs):
         """Triton's path (compiles if needed); remember the compiled kernel under ``key``."""
         kernel = self.run(*args, grid=grid, warmup=False, **kwargs)
-        if key is None or kernel is None:
+        if kernel is None:
             return kernel
         direct = direct_launch(kernel)
         self._lean[key] = None if direct is None else (kernel, *direct)
