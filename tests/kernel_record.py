@@ -14,6 +14,7 @@ import json
 import os
 
 _SEEN: set[str] = set()
+_SPECIALIZE_OPTIONS = ("do_not_specialize", "do_not_specialize_on_alignment")
 
 
 def _jsonable(value):
@@ -40,8 +41,9 @@ def install(path: str) -> None:
     def run(self, *args, grid, warmup, **kwargs):
         try:
             fn = self.fn
-            if fn not in binders:
-                jf = JITFunction(fn)
+            if fn not in binders:  # the decorator's specialization switches, as on the GPU
+                kw = getattr(self, "kwargs", {})
+                jf = JITFunction(fn, **{k: kw[k] for k in _SPECIALIZE_OPTIONS if kw.get(k)})
                 binders[fn] = (jf, create_function_from_signature(jf.signature, jf.params, backend))
             jf, binder = binders[fn]
             bound, spec, options = binder(*args, **kwargs)
