@@ -22,12 +22,12 @@ import triton.language as tl
 from kvplan._checks import INT32_MAX, check_same_device, check_tensor
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops._launch import jit
-from kvplan.ops.swa_index import index_out_buffer, index_tiles
+from kvplan.ops.swa_index import MIN_INDEX_TILE, index_out_buffer, index_tiles
 
 __all__ = ["kv_index_cat", "kv_index_cat_ref", "kv_index_cat_torch", "kv_index_cat_triton"]
 
 
-@jit
+@jit(do_not_specialize=("rows",))  # sizes: see kvplan.ops._launch
 def _kv_index_cat_kernel(
     l_ptr, r_ptr, out_ptr, rows, width_l, width_r, ca_base,
     stride_l, stride_r, stride_o, num_tiles_l,
@@ -92,8 +92,8 @@ def kv_index_cat_triton(
     if rows == 0 or width_l + width_r == 0:
         return res
     tile_r, tile_cr = index_tiles(rows, max(width_l, width_r))
-    tile_cl = min(triton.next_power_of_2(max(width_l, 1)), tile_cr)
-    tile_cr = min(triton.next_power_of_2(max(width_r, 1)), tile_cr)
+    tile_cl = min(max(triton.next_power_of_2(width_l), MIN_INDEX_TILE), tile_cr)
+    tile_cr = min(max(triton.next_power_of_2(width_r), MIN_INDEX_TILE), tile_cr)
     num_tiles_l = triton.cdiv(width_l, tile_cl)
     grid = (triton.cdiv(rows, tile_r), num_tiles_l + triton.cdiv(width_r, tile_cr))
     _kv_index_cat_kernel[grid](

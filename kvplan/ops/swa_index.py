@@ -63,11 +63,17 @@ def index_out_buffer(
     return out[:rows]
 
 
+MIN_INDEX_TILE = 16
+"""Narrowest column tile of the index kernels (fewer tile sizes, fewer compiled variants)."""
+
+
 def index_tiles(rows: int, width: int) -> tuple[int, int]:
-    """(TILE_R, TILE_C) for a ``[rows, width]`` index kernel: ~4K elements per program."""
-    tile_c = min(triton.next_power_of_2(max(width, 1)), 1024)
-    tile_r = min(max(4096 // tile_c, 1), triton.next_power_of_2(max(rows, 1)))
-    return tile_r, tile_c
+    """(TILE_R, TILE_C) for a ``[rows, width]`` index kernel: 4K elements per program, the
+    column tile the power of two covering ``width`` (16 to 1,024). The row tile does not
+    follow ``rows`` and the kernels do not specialize on their sizes: a step of a new size
+    reuses the compiled kernels (a few masked lanes instead of a compile)."""
+    tile_c = min(max(triton.next_power_of_2(width), MIN_INDEX_TILE), 1024)
+    return 4096 // tile_c, tile_c
 
 
 def _check_pairs(name: str, t: torch.Tensor, ncols: int) -> torch.Tensor:
@@ -78,7 +84,7 @@ def _check_pairs(name: str, t: torch.Tensor, ncols: int) -> torch.Tensor:
 # expand_swa_index (prefill pivots)
 
 
-@jit
+@jit(do_not_specialize=("rows",))  # sizes: see kvplan.ops._launch
 def _expand_swa_index_kernel(
     piv_ptr, out_ptr, rows, width, stride_p, stride_o,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,
@@ -192,7 +198,7 @@ def expand_swa_index(
 # expand_swa_index_decode (ring start slot + length)
 
 
-@jit
+@jit(do_not_specialize=("rows",))  # sizes: see kvplan.ops._launch
 def _expand_swa_decode_kernel(
     ol_ptr, out_ptr, rows, width, ring, stride_ol, stride_o,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,

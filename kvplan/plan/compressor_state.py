@@ -229,7 +229,7 @@ def _floor_mod(a, m):
     return tl.where(r < 0, r + m, r)
 
 
-@jit
+@jit(do_not_specialize=("num_entries",))  # sizes: see kvplan.ops._launch
 def _expand_window_index_kernel(
     facts_ptr, out_ptr, num_entries, stride_e, stride_f, num_rows, ring_rows,
     R_P2: tl.constexpr, TILE_E: tl.constexpr,
@@ -264,7 +264,7 @@ def expand_window_index_triton(
     if e == 0:
         return out
     r_p2 = triton.next_power_of_2(num_rows)
-    tile_e = max(1, min(triton.next_power_of_2(e), 4096 // r_p2))
+    tile_e = max(1, 4096 // r_p2)  # not from e: a new entry count reuses the kernel
     _expand_window_index_kernel[(triton.cdiv(e, tile_e),)](
         window_facts, out, e, window_facts.stride(0), window_facts.stride(1), num_rows,
         ring_rows, R_P2=r_p2, TILE_E=tile_e,

@@ -86,3 +86,16 @@ def test_hybrid_steps_quick(tmp_path):
     for runs in (rec["lean_ab"]["off"], rec["lean_ab"]["on"]):
         assert len(runs) == 1 and len(runs[0]["eager_ms"]) == eager
         assert runs[0]["decode_median_ms"] > 0 and runs[0]["prompt8_ms_min"] > 0
+
+
+def test_specializations_a_new_prompt_size_compiles_nothing(tmp_path):
+    """`specializations.py`: after prompts of 5, 16 and 17 tokens, a 23-token prompt needs no
+    new specialization of any kernel (before the kernels stopped specializing on their
+    sizes it compiled three: the window, kv_ca and convert index expansions)."""
+    out = tmp_path / "spec.json"
+    proc = _run("specializations.py", "--lengths", "5,16,17,23", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert [p["prompt_tokens"] for p in rec["prompts"]] == [5, 16, 17, 23]
+    assert rec["prompts"][0]["new"] > 20  # the first prompt compiles the prompt path
+    assert rec["prompts"][-1]["new"] == 0, rec["prompts"][-1]["by_kernel"]

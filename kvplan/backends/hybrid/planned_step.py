@@ -441,9 +441,13 @@ class PlannedStep:
                 b = np.arange(base, base + n, tile_t, dtype=np.int32)
                 starts.append(b)
                 ends.append(np.minimum(b + tile_t, base + n).astype(np.int32))
-            both = np.stack([np.concatenate(starts), np.concatenate(ends)])
+            n = sum(len(b) for b in starts)
+            # rows padded to 16 bytes: ``end`` is as aligned as ``start`` for every count, so
+            # the kernel keeps one specialization (Triton specializes on pointer alignment)
+            both = np.zeros((2, -(-n // 4) * 4), dtype=np.int32)
+            both[0, :n], both[1, :n] = np.concatenate(starts), np.concatenate(ends)
             dev = to_device(both, self.positions.device, None)
-            self._ranges[key] = (dev[0], dev[1])
+            self._ranges[key] = (dev[0, :n], dev[1, :n])
         return self._ranges[key]
 
     def _hard_rows(self, spec, easy: np.ndarray) -> torch.Tensor | None:

@@ -1,0 +1,96 @@
+"""How many Triton kernels a new prompt length makes the engine compile (CPU, no GPU needed).
+
+Triton compiles a kernel once per specialization of its arguments: every int argument equal to
+1 becomes a constant, every int or pointer divisible by 16 gets an alignment attribute, and
+kvplan's launch plans pick power-of-two tiles from sizes. So a prompt whose token count,
+compressed-entry count or block count falls in a class the engine has not seen compiles new
+kernels inside the step that meets it (on the H200: an 8-token prompt after the 16 x 4,096
+workload took 8.95 s the first time, 25-48 ms after; `bench/hybrid_steps.py`, session 29).
+
+This runs the tiny DeepSeek-V4 model of ``hybrid_steps.py --quick`` through the engine with
+kvplan's Triton kernels forced on the CPU (``KVPLAN_FORCE_TRITON=1``, the interpreter) and
+``tests/kernel_record.py`` recording each specialization exactly as Triton's binder computes
+it for an sm_90 target; one prompt at a time (max_tokens 2: one prompt step, one decode
+step), in the order given. Reported: new specializations per prompt, and per kernel.
+
+    PYTHONPATH=. python3 bench/specializations.py --lengths 5,8,9,16,17,32,33 --out s.json
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+os.environ["KVPLAN_FORCE_TRITON"] = "1"
+os.environ.pop("KVPLAN_RECORD_KERNELS", None)  # this run keeps its own record
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hybrid_steps import build_folder  # noqa: E402
+
+from kvplan import LLM, SamplingParams  # noqa: E402
+from tests.kernel_record import install  # noqa: E402
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="5,8,9,16,17,23,32,33,40,48",
+                    help="prompt lengths, run one after the other in this order")  # fmt: skip
+    ap.add_argument("--kv-format", default="fp8")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--record", default=None, help="also keep the specializations (JSON lines)")
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as folder:
+        record = Path(folder) / "kernels.jsonl"
+        install(str(record))
+        vocab = build_folder(folder + "/model", True, max(lengths) + 64, torch.device("cpu"))
+        llm = LLM(folder + "/model", device="cpu", dtype="float32", kv_format=args.kv_format,
+                  max_num_seqs=2, max_model_len=max(lengths) + 16,
+                  max_num_batched_tokens=max(256, max(lengths)))  # fmt: skip
+        gen = torch.Generator().manual_seed(0)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        rows = []
+        for n in lengths:
+            before = len(read_lines(record))
+            t0 = time.perf_counter()
+            llm.generate([torch.randint(0, vocab, (n,), generator=gen).tolist()], params)
+            lines = read_lines(record)
+            new = collections.Counter(x["name"] for x in lines[before:])
+            rows.append({"prompt_tokens": n, "new": len(lines) - before, "by_kernel": new,
+                         "seconds_cpu": time.perf_counter() - t0})  # fmt: skip
+            print(f"prompt {n:4d}: {len(lines) - before:3d} new specializations "
+                  f"({', '.join(f'{k} {v}' for k, v in new.most_common(4))})")  # fmt: skip
+        total = collections.Counter(x["name"] for x in read_lines(record))
+        if args.record:
+            Path(args.record).write_text(record.read_text())
+    print(f"total: {sum(total.values())} specializations of {len(total)} kernels")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "bench": "specializations",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": " ".join([sys.executable, *sys.argv]),
+            "kv_format": args.kv_format,
+            "prompts": rows,
+            "per_kernel": dict(total.most_common()),
+        }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
