@@ -7,7 +7,8 @@ compressed-entry count or block count falls in a class the engine has not seen c
 kernels inside the step that meets it (on the H200: an 8-token prompt after the 16 x 4,096
 workload took 8.95 s the first time, 25-48 ms after; `bench/hybrid_steps.py`, session 29).
 
-This runs the tiny DeepSeek-V4 model of ``hybrid_steps.py --quick`` through the engine with
+This runs the tiny DeepSeek-V4 model of ``hybrid_steps.py --quick`` (or, ``--model dense``,
+the tiny Llama of ``bench_engine.py --quick``) through the engine with
 kvplan's Triton kernels forced on the CPU (``KVPLAN_FORCE_TRITON=1``, the interpreter) and
 ``tests/kernel_record.py`` recording each specialization exactly as Triton's binder computes
 it for an sm_90 target; one prompt at a time (max_tokens 2: one prompt step, one decode
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hybrid_steps import build_folder  # noqa: E402
 
 from kvplan import LLM, SamplingParams  # noqa: E402
+from kvplan.models.config import named_config  # noqa: E402
 from tests.kernel_record import install  # noqa: E402
 
 
@@ -52,6 +54,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="5,8,9,16,17,23,32,33,40,48",
                     help="prompt lengths, run one after the other in this order")  # fmt: skip
     ap.add_argument("--kv-format", default="fp8")
+    ap.add_argument("--model", choices=("dsv4", "dense"), default="dsv4",
+                    help="the quick DeepSeek-V4 model or the dense tiny-llama")  # fmt: skip
     ap.add_argument("--out", default=None)
     ap.add_argument("--record", default=None, help="also keep the specializations (JSON lines)")
     args = ap.parse_args()
@@ -60,8 +64,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         record = Path(folder) / "kernels.jsonl"
         install(str(record))
-        vocab = build_folder(folder + "/model", True, max(lengths) + 64, torch.device("cpu"))
-        llm = LLM(folder + "/model", device="cpu", dtype="float32", kv_format=args.kv_format,
+        if args.model == "dense":
+            model = named_config("tiny-llama", head_dim_override=64)
+            vocab = model.vocab_size
+        else:
+            model = folder + "/model"
+            vocab = build_folder(model, True, max(lengths) + 64, torch.device("cpu"))
+        llm = LLM(model, device="cpu", dtype="float32", kv_format=args.kv_format,
                   max_num_seqs=2, max_model_len=max(lengths) + 16,
                   max_num_batched_tokens=max(256, max(lengths)))  # fmt: skip
         gen = torch.Generator().manual_seed(0)
@@ -87,6 +96,7 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": " ".join([sys.executable, *sys.argv]),
             "kv_format": args.kv_format,
+            "model": args.model,
             "prompts": rows,
             "per_kernel": dict(total.most_common()),
         }, indent=1))  # fmt: skip
