@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Prepared in session 29 for the next session's first call: session 29's code had its last
-# GPU run before two changes -- the lean launcher's first-launch fix and the kernels that no
-# longer specialize on step sizes (kvplan/ops/_launch.py "Sizes"; checked on the CPU only).
-# So: their tests, then the first-request latency of new prompt lengths after the workload
-# (call A of session 29: 8.95 s for the first 8-token prompt), the decode steps against
-# session 28/29's figures (4K x 16 async 2.28-2.31 ms, 32K x 32 graph 2.53 ms; dense long fp8
-# decode 3.3 ms), then the whole suite.
+# Prepared in session 29 for the next session's first call. Session 29's last GPU run came
+# before two changes: the lean launcher's first-launch fix and the kernels that no longer
+# specialize on step sizes (kvplan/ops/_launch.py "Sizes"; checked on the CPU only). So: their
+# tests, the first-request latency of new prompt lengths after a warm run with sizes
+# unspecialized (default) and specialized (KVPLAN_SPECIALIZE_SIZES=1; call A of session 29:
+# 8.95 s for the first 8-token prompt), the decode step both ways, the dense long fp8 decode.
+# The whole suite is bench/run_s30b.sh (it needs its own call).
 set -u
 BUDGET=${BUDGET:-570}
 source bench/gpu_steps.sh
@@ -16,17 +16,20 @@ step 90 touched python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=short 
   tests/ops/test_kv_ca_index.py tests/ops/test_kv_index_cat.py tests/plan \
   tests/backends/test_hybrid_gpu_kernels.py
 tail -3 "$W/touched.log"
-step 150 first python3 bench/hybrid_steps.py --profile "" --small 8,9,17,23,40,100 \
-  --out "$W/first.json"
-grep -E "^one|^decode|^warm" "$W/first.log"
-step 35 dec4k python3 bench/bench_hybrid.py --batch 16 --contexts 4096 --formats fp8 \
-  --out "$W/dec4k.json"
-grep -E "^ *fp8 |async" "$W/dec4k.log"
+for s in 0 1; do
+  step 110 first$s env KVPLAN_SPECIALIZE_SIZES=$s python3 bench/hybrid_steps.py --profile "" \
+    --num-requests 4 --prompt-len 2048 --new-tokens 16 --small 8,9,17,23,40,100 \
+    --out "$W/first$s.json"
+  grep -E "^one|^warm" "$W/first$s.log"
+done
+for s in 0 1; do
+  step 35 dec4k$s env KVPLAN_SPECIALIZE_SIZES=$s python3 bench/bench_hybrid.py --batch 16 \
+    --contexts 4096 --formats fp8 --out "$W/dec4k$s.json"
+  grep -E "^ *fp8 |async" "$W/dec4k$s.log"
+done
 step 35 dec32k python3 bench/bench_hybrid.py --batch 32 --contexts 32768 --formats fp8 \
   --out "$W/dec32k.json"
 grep -E "^ *fp8 |async" "$W/dec32k.log"
 step 60 long python3 bench/bench_engine.py --kv-format fp8 --num-requests 32 --prompt-len 8192 \
   --new-tokens 256 --hf "" --out "$W/long.json"
 grep -E "kvplan \(|decode step" "$W/long.log"
-step 300 gpu_suite python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf tests
-grep -E "passed|failed|^FAILED|^ERROR" "$W/gpu_suite.log" | tail -12

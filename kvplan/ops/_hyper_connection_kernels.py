@@ -61,7 +61,7 @@ def _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, t, k, h, mask, hidden, N: tl.c
     return _round(res, dtype)
 
 
-@jit(do_not_specialize=("num_rows",))  # sizes: see kvplan.ops._launch
+@jit(sizes=("num_rows",))
 def hc_proj_kernel(
     s_ptr, out_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, sq_ptr,
     num_rows, hidden, h_per_split, n_out,
@@ -158,7 +158,7 @@ def _stream_step(x, p, s, k: tl.constexpr):
     return tl.fma(p, s, x)
 
 
-@jit(do_not_specialize=("num_rows", "num_splits", "iters"))  # sizes: see kvplan.ops._launch
+@jit(sizes=("num_rows", "num_splits", "iters"))
 def hc_pre_kernel(
     part_ptr, sq_ptr, base_ptr, scale_ptr, s_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, nw_ptr,
     num_rows, hidden, num_splits, inv_k, eps, hc_eps, iters, inv_hidden, norm_eps,
@@ -246,7 +246,7 @@ def hc_post_kernel(
     tl.store(res_ptr + (t * N + k[:, None]) * hidden + hs[None, :], res.to(dtype), mask=mask)
 
 
-@jit(do_not_specialize=("num_rows",))  # sizes: see kvplan.ops._launch
+@jit(sizes=("num_rows",))
 def hc_pre_rows_kernel(
     pre_ptr, s_ptr, x_ptr, num_rows, hidden,
     N: tl.constexpr, N_P: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr,
@@ -270,7 +270,7 @@ def hc_pre_rows_kernel(
              mask=m2)  # fmt: skip
 
 
-@jit(do_not_specialize=("num_rows",))  # sizes: see kvplan.ops._launch
+@jit(sizes=("num_rows",))
 def hc_post_rows_kernel(
     s_ptr, out_ptr, post_ptr, comb_ptr, res_ptr, num_rows, hidden,
     N: tl.constexpr, N_P: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr,

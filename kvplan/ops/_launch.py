@@ -19,12 +19,15 @@ hit runs the kernel Triton's path would have chosen.
 
 Sizes. Triton also compiles a kernel anew for every class of its int arguments: equal to 1,
 divisible by 16, neither. Kernels whose token / row / entry counts change from step to step
-mark those ``do_not_specialize`` where the count only bounds a mask along a non-contiguous
+leave those unspecialized (``jit(sizes=...)``) where the count only bounds a mask along a non-contiguous
 dimension, counts a loop, or is compared with loaded values: a step of a new size then reuses
 the compiled kernel instead of compiling inside the step (``bench/specializations.py`` counts
 the compiles; ``tools/ptx_specialization_diff.py`` checks the sm_90 code against the old
 specialized one). Counts that bound contiguous loads (``cols < num_cols``) keep specializing:
 their divisibility lets Triton vectorize.
+
+Kernels name those arguments in ``jit(sizes=...)``; ``KVPLAN_SPECIALIZE_SIZES=1`` (read at
+import, for A/B runs) lets Triton specialize them again.
 
 Under the interpreter (``TRITON_INTERPRET=1``) ``jit`` is ``triton.jit``.
 ``KVPLAN_LEAN_LAUNCH=0`` (read at import) or ``LEAN = False`` sends every launch Triton's way.
@@ -41,6 +44,7 @@ import triton
 from triton.runtime.jit import JITFunction
 
 LEAN = os.environ.get("KVPLAN_LEAN_LAUNCH", "1") != "0"
+SPECIALIZE_SIZES = os.environ.get("KVPLAN_SPECIALIZE_SIZES", "0") == "1"
 
 _knobs = triton.knobs
 _MISSING = object()
@@ -129,9 +133,14 @@ class LeanJITFunction(JITFunction):
         return False
 
 
-def jit(fn=None, **kwargs):
+def jit(fn=None, *, sizes: tuple[str, ...] = (), **kwargs):
     """``triton.jit`` for kvplan's kernels: a ``LeanJITFunction`` when compiling for a GPU,
-    Triton's own object under the interpreter. Takes ``triton.jit``'s keyword arguments."""
+    Triton's own object under the interpreter. Takes ``triton.jit``'s keyword arguments, and
+    ``sizes``: the arguments that change with the step's size and only bound masks or loops
+    (not specialized; see "Sizes" above)."""
+
+    if sizes and not SPECIALIZE_SIZES:
+        kwargs["do_not_specialize"] = (*kwargs.get("do_not_specialize", ()), *sizes)
 
     def decorate(f):
         if _knobs.runtime.interpret:

@@ -53,7 +53,7 @@ def _segment_rows(seg_ptr, num_segments, num_blocks, block_size, total_k,
     return ok, read, block, t, dst_row
 
 
-@jit(do_not_specialize=("num_segments", "num_blocks", "total_k"))  # sizes: see kvplan.ops._launch
+@jit(sizes=("num_segments", "num_blocks", "total_k"))
 def load_cast_kernel(
     cache_ptr,  # uint8, block 0 of the cache
     seg_ptr,  # int32 [num_segments, 4]
@@ -140,7 +140,7 @@ def load_cast_kernel(
         tl.store(ptr, bits, mask=ok[:, None, None] & emask[None, :, :])
 
 
-@jit(do_not_specialize=("num_segments", "num_blocks", "total_k"))  # sizes: see kvplan.ops._launch
+@jit(sizes=("num_segments", "num_blocks", "total_k"))
 def load_raw_kernel(
     cache_ptr,  # uint8, block 0 of the cache
     seg_ptr,  # int32 [num_segments, 4]

@@ -266,7 +266,7 @@ def e2m1_record(w, ok, QMAX: tl.constexpr, SF: tl.constexpr, SEARCH: tl.constexp
     return (((raw_lo | (raw_hi << 4)) & 0x77) | signs).to(tl.uint8), sbytes
 
 
-@jit(do_not_specialize=("n", "num_slots"))  # sizes: see kvplan.ops._launch
+@jit(sizes=("n", "num_slots"))
 def store_quant_kernel(
     x_ptr,  # bf16 [n, E] contiguous; int32 [n, E // 2] (bf16 pairs) when FP4
     slot_ptr,  # int32 [n]
@@ -365,7 +365,7 @@ def store_quant_kernel(
     tl.store(cache_ptr + sbase[:, None] + j[None, :], sflat, mask=ok[:, None] & (j < G * SB))
 
 
-@jit(do_not_specialize=("n", "num_slots"))  # sizes: see kvplan.ops._launch
+@jit(sizes=("n", "num_slots"))
 def scatter_rows_kernel(
     src_ptr,  # uint8 [n, ROW_BYTES], contiguous
     slot_ptr,  # int32 [n]

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-@jit(do_not_specialize=("rows",))  # sizes: see kvplan.ops._launch
+@jit(sizes=("rows",))
 def _convert_kv_index_kernel(
     topk_ptr, bt_ptr, ctx_ptr, out_ptr, rows, k, block_size, stride_t, stride_bt, stride_o,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,

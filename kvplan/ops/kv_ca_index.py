@@ -53,7 +53,7 @@ def kv_ca_index_width(max_len: int) -> int:
     return max(1, -(-max_len // INDEX_WIDTH_ALIGN)) * INDEX_WIDTH_ALIGN
 
 
-@jit(do_not_specialize=("rows",))  # sizes: see kvplan.ops._launch
+@jit(sizes=("rows",))
 def _expand_kv_ca_kernel(
     ol_ptr, bt_ptr, out_ptr, rows, width, tpb, stride_ol, stride_bt, stride_o,
     PAGED: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,

@@ -27,7 +27,7 @@ from kvplan.ops.swa_index import MIN_INDEX_TILE, index_out_buffer, index_tiles
 __all__ = ["kv_index_cat", "kv_index_cat_ref", "kv_index_cat_torch", "kv_index_cat_triton"]
 
 
-@jit(do_not_specialize=("rows",))  # sizes: see kvplan.ops._launch
+@jit(sizes=("rows",))
 def _kv_index_cat_kernel(
     l_ptr, r_ptr, out_ptr, rows, width_l, width_r, ca_base,
     stride_l, stride_r, stride_o, num_tiles_l,

@@ -84,7 +84,7 @@ def _check_pairs(name: str, t: torch.Tensor, ncols: int) -> torch.Tensor:
 # expand_swa_index (prefill pivots)
 
 
-@jit(do_not_specialize=("rows",))  # sizes: see kvplan.ops._launch
+@jit(sizes=("rows",))
 def _expand_swa_index_kernel(
     piv_ptr, out_ptr, rows, width, stride_p, stride_o,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,
@@ -198,7 +198,7 @@ def expand_swa_index(
 # expand_swa_index_decode (ring start slot + length)
 
 
-@jit(do_not_specialize=("rows",))  # sizes: see kvplan.ops._launch
+@jit(sizes=("rows",))
 def _expand_swa_decode_kernel(
     ol_ptr, out_ptr, rows, width, ring, stride_ol, stride_o,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,

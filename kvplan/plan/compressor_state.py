@@ -229,7 +229,7 @@ def _floor_mod(a, m):
     return tl.where(r < 0, r + m, r)
 
 
-@jit(do_not_specialize=("num_entries",))  # sizes: see kvplan.ops._launch
+@jit(sizes=("num_entries",))
 def _expand_window_index_kernel(
     facts_ptr, out_ptr, num_entries, stride_e, stride_f, num_rows, ring_rows,
     R_P2: tl.constexpr, TILE_E: tl.constexpr,

@@ -9,6 +9,8 @@ interpreter object."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -130,3 +132,36 @@ def test_lean_launches_replay_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, x[:500] * 2.0 + 0.5, rtol=0, atol=0)
+
+
+_SIZES_PROBE = r"""
+from kvplan.backends.staging._expand_kernel import expand_step_kernel
+from kvplan.ops.swa_index import _expand_swa_index_kernel
+
+
+def unspecialized(kernel):
+    if hasattr(kernel, "params"):  # a JITFunction
+        return sorted(p.name for p in kernel.params if p.do_not_specialize)
+    return sorted(kernel.kwargs.get("do_not_specialize") or ())  # the interpreter's
+
+
+print(unspecialized(_expand_swa_index_kernel), len(unspecialized(expand_step_kernel)))
+"""
+
+
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_size_arguments_and_the_ab_switch(switch):
+    """``jit(sizes=...)``: those arguments are not specialized, unless
+    ``KVPLAN_SPECIALIZE_SIZES=1``; a kernel's own ``do_not_specialize`` (the staging kernel,
+    relaunched with any ints by its hand-bound launcher) stays either way."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "KVPLAN_SPECIALIZE_SIZES": switch, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _SIZES_PROBE], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()  # fmt: skip
+    assert out[0] == ("['rows']" if switch == "0" else "[]")
+    assert int(out[1]) == 13
