@@ -36,6 +36,7 @@ Under the interpreter (``TRITON_INTERPRET=1``) ``jit`` is ``triton.jit``.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Any
 
@@ -139,12 +140,16 @@ def jit(fn=None, *, sizes: tuple[str, ...] = (), **kwargs):
     ``sizes``: the arguments that change with the step's size and only bound masks or loops
     (not specialized; see "Sizes" above)."""
 
-    if sizes and not SPECIALIZE_SIZES:
-        kwargs["do_not_specialize"] = (*kwargs.get("do_not_specialize", ()), *sizes)
-
     def decorate(f):
+        params = inspect.signature(f).parameters
+        for name in sizes:  # Triton ignores unknown names: a typo would keep specializing
+            if name not in params:
+                raise ValueError(f"jit(sizes=...): {f.__name__} has no argument {name!r}")
+        kw = dict(kwargs)
+        if sizes and not SPECIALIZE_SIZES:
+            kw["do_not_specialize"] = (*kw.get("do_not_specialize", ()), *sizes)
         if _knobs.runtime.interpret:
-            return triton.jit(f, **kwargs)
-        return LeanJITFunction(f, **kwargs)
+            return triton.jit(f, **kw)
+        return LeanJITFunction(f, **kw)
 
     return decorate if fn is None else decorate(fn)

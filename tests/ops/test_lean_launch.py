@@ -165,3 +165,11 @@ def test_size_arguments_and_the_ab_switch(switch):
                          check=True).stdout.split()  # fmt: skip
     assert out[0] == ("['rows']" if switch == "0" else "[]")
     assert int(out[1]) == 13
+
+
+def test_an_unknown_size_argument_is_an_error():
+    def kernel(x_ptr, n, TILE: tl.constexpr):
+        pass
+
+    with pytest.raises(ValueError, match="kernel has no argument 'rows'"):
+        jit(sizes=("n", "rows"))(kernel)
