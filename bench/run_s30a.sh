@@ -17,7 +17,9 @@ step 90 touched python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=short 
   tests/backends/test_hybrid_gpu_kernels.py
 tail -3 "$W/touched.log"
 for s in 0 1; do
-  step 110 first$s env KVPLAN_SPECIALIZE_SIZES=$s python3 bench/hybrid_steps.py --profile "" \
+  # an empty Triton cache each: neither process may reuse the other's (or the tests') compiles
+  step 110 first$s env KVPLAN_SPECIALIZE_SIZES=$s TRITON_CACHE_DIR="$(mktemp -d)" \
+    python3 bench/hybrid_steps.py --profile "" \
     --num-requests 4 --prompt-len 2048 --new-tokens 16 --small 8,9,17,23,40,100 \
     --out "$W/first$s.json"
   grep -E "^one|^warm" "$W/first$s.log"
