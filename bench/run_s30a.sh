@@ -9,7 +9,7 @@
 set -u
 BUDGET=${BUDGET:-570}
 source bench/gpu_steps.sh
-step 90 touched python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=short -rf \
+step 70 touched python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=short -rf \
   tests/ops/test_lean_launch.py tests/ops/test_hyper_connection.py \
   tests/ops/test_hyper_connection_rows.py tests/ops/test_store.py tests/ops/test_load.py \
   tests/ops/test_sparse_ranges.py tests/ops/test_swa_index.py tests/ops/test_convert_kv_index.py \
@@ -18,7 +18,7 @@ step 90 touched python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=short 
 tail -3 "$W/touched.log"
 for s in 0 1; do
   # an empty Triton cache each: neither process may reuse the other's (or the tests') compiles
-  step 110 first$s env KVPLAN_SPECIALIZE_SIZES=$s TRITON_CACHE_DIR="$(mktemp -d)" \
+  step 160 first$s env KVPLAN_SPECIALIZE_SIZES=$s TRITON_CACHE_DIR="$(mktemp -d)" \
     python3 bench/hybrid_steps.py --profile "" \
     --num-requests 4 --prompt-len 2048 --new-tokens 16 --small 8,9,17,23,40,100 \
     --out "$W/first$s.json"
