@@ -18,16 +18,14 @@ at least as fine as Triton's own (the same specialization; options compared as v
 hit runs the kernel Triton's path would have chosen.
 
 Sizes. Triton also compiles a kernel anew for every class of its int arguments: equal to 1,
-divisible by 16, neither. Kernels whose token / row / entry counts change from step to step
-leave those unspecialized (``jit(sizes=...)``) where the count only bounds a mask along a non-contiguous
-dimension, counts a loop, or is compared with loaded values: a step of a new size then reuses
-the compiled kernel instead of compiling inside the step (``bench/specializations.py`` counts
-the compiles; ``tools/ptx_specialization_diff.py`` checks the sm_90 code against the old
-specialized one). Counts that bound contiguous loads (``cols < num_cols``) keep specializing:
-their divisibility lets Triton vectorize.
-
-Kernels name those arguments in ``jit(sizes=...)``; ``KVPLAN_SPECIALIZE_SIZES=1`` (read at
-import, for A/B runs) lets Triton specialize them again.
+divisible by 16, neither. Kernels name their step-size arguments (token / row / entry counts)
+in ``jit(sizes=...)`` where the count only bounds a mask along a non-contiguous dimension,
+counts a loop, or is compared with loaded values; those are not specialized, so a step of a
+new size reuses the compiled kernel instead of compiling inside the step
+(``bench/specializations.py`` counts the compiles; ``tools/ptx_specialization_diff.py``
+compares the sm_90 code with the specialized one). Counts that bound contiguous loads
+(``cols < num_cols``) keep specializing: their divisibility lets Triton vectorize.
+``KVPLAN_SPECIALIZE_SIZES=1`` (read at import, for A/B runs) specializes them all again.
 
 Under the interpreter (``TRITON_INTERPRET=1``) ``jit`` is ``triton.jit``.
 ``KVPLAN_LEAN_LAUNCH=0`` (read at import) or ``LEAN = False`` sends every launch Triton's way.
