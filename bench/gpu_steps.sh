@@ -31,3 +31,9 @@ hybrid_ab() {  # VAR NAME: hybrid decode at 32K and 128K, batch 32, with VAR=0 (
     grep -E "^ *(fp4|fp8) .*(graphs|async)|^ +async" "$W/$2$f.log"
   done
 }
+hybrid_decode() {  # NAME BATCH CONTEXT [VAR=value ...]: bench_hybrid's fp8 decode step, one step
+  local name=$1 batch=$2 context=$3; shift 3
+  step 35 "$name" env "$@" python3 bench/bench_hybrid.py --batch "$batch" --contexts "$context" \
+    --formats fp8 --out "$W/$name.json"
+  grep -E "^ *fp8 |async" "$W/$name.log"
+}

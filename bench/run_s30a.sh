@@ -25,13 +25,9 @@ for s in 0 1; do
   grep -E "^one|^warm" "$W/first$s.log"
 done
 for s in 0 1; do
-  step 35 dec4k$s env KVPLAN_SPECIALIZE_SIZES=$s python3 bench/bench_hybrid.py --batch 16 \
-    --contexts 4096 --formats fp8 --out "$W/dec4k$s.json"
-  grep -E "^ *fp8 |async" "$W/dec4k$s.log"
+  hybrid_decode dec4k$s 16 4096 KVPLAN_SPECIALIZE_SIZES=$s
 done
-step 35 dec32k python3 bench/bench_hybrid.py --batch 32 --contexts 32768 --formats fp8 \
-  --out "$W/dec32k.json"
-grep -E "^ *fp8 |async" "$W/dec32k.log"
+hybrid_decode dec32k 32 32768
 step 60 long python3 bench/bench_engine.py --kv-format fp8 --num-requests 32 --prompt-len 8192 \
   --new-tokens 256 --hf "" --out "$W/long.json"
 grep -E "kvplan \(|decode step" "$W/long.log"
