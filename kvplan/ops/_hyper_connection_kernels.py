@@ -160,17 +160,14 @@ def _stream_step(x, p, s, k: tl.constexpr):
 
 @jit(sizes=("num_rows", "num_splits", "iters"))
 def hc_pre_kernel(
-    part_ptr, sq_ptr, base_ptr, scale_ptr, s_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, nw_ptr,
-    num_rows, hidden, num_splits, inv_k, eps, hc_eps, iters, inv_hidden, norm_eps,
+    part_ptr, sq_ptr, base_ptr, scale_ptr, s_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr,
+    num_rows, hidden, num_splits, inv_k, eps, hc_eps, iters,
     N: tl.constexpr, N_P: tl.constexpr, N_PAD: tl.constexpr, SPLITS_P: tl.constexpr,
-    TILE_H: tl.constexpr, HEAD: tl.constexpr, WEIGHTS_ONLY: tl.constexpr, NORM: tl.constexpr,
+    TILE_H: tl.constexpr, HEAD: tl.constexpr, WEIGHTS_ONLY: tl.constexpr,
 ):  # fmt: skip
     """The mixing weights of token ``t`` from its partials, and its block input tile. With
     ``WEIGHTS_ONLY`` (grid ``(T, 1)``) the one program of a token writes ``pre [T, N]`` (and,
-    unless ``HEAD``, ``post`` and ``comb``) and no ``x``: `hc_pre_rows_kernel` forms ``x``.
-    With ``NORM`` (``TILE_H >= hidden``: one ``x`` program a token) ``x`` is stored through
-    the block's weighted RMSNorm: ``nw * (x * rsqrt(mean(x^2) + norm_eps))`` on ``x`` rounded
-    to its dtype, as `kvplan.ops.rms_norm.rms_norm_fp32w` computes it."""
+    unless ``HEAD``, ``post`` and ``comb``) and no ``x``: `hc_pre_rows_kernel` forms ``x``."""
     t = tl.program_id(0)
     h_tile = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -192,10 +189,6 @@ def hc_pre_kernel(
             p = tl.sum(tl.where(i == k, pre, 0.0), axis=0)  # pre[k], exactly
             sk = tl.load(s_ptr + (t64 * N + k) * hidden + hs, mask=hmask & (k < N), other=0.0)
             x = _stream_step(x, p, sk.to(tl.float32), k)
-        if NORM:
-            xr = x.to(x_ptr.dtype.element_ty).to(tl.float32)  # x as the unfused op stores it
-            rrms_x = tl.math.rsqrt(tl.sum(xr * xr, axis=0) * inv_hidden + norm_eps)
-            x = tl.load(nw_ptr + hs, mask=hmask, other=0.0) * (xr * rrms_x)
         tl.store(x_ptr + t64 * hidden + hs, x.to(x_ptr.dtype.element_ty), mask=hmask)
     else:  # the extra program of the token (WEIGHTS_ONLY: its only one)
         if WEIGHTS_ONLY:  # the same code as above: the same pre

@@ -36,8 +36,6 @@ import torch.nn.functional as F
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import triton_interpreting, use_triton
 from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
-from kvplan.ops.rms_norm import rms_norm_fp32w_torch, rms_norm_fp32w_triton
-from kvplan.ops.rope import NormSpec
 
 __all__ = [
     "hc_head",
@@ -91,13 +89,12 @@ def _mix_weights(s: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
 
 def hc_pre_torch(
     s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float, norm: NormSpec | None = None,
+    *, iters: int, hc_eps: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Torch path of `hc_pre`."""
     n = s.shape[1] if s.dim() == 3 else 0
     _check_pre(s, fn, base, scale, 2 + n, 3)
     _check_iters(iters)
-    _check_norm(norm, s)
     f = _mix_weights(s, fn, eps)
     pre_w, post_w, comb_w = f.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
@@ -110,20 +107,7 @@ def hc_pre_torch(
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     x = (pre.unsqueeze(-1) * s).sum(dim=1).to(s.dtype)
-    if norm is not None:
-        x = rms_norm_fp32w_torch(x, norm.weight, norm.eps)
     return post, comb, x
-
-
-def _check_norm(norm: NormSpec | None, s: torch.Tensor) -> None:
-    """``norm``: None, or the block's weighted RMSNorm (fp32 weight ``[hidden]``)."""
-    if norm is None:
-        return
-    if not isinstance(norm, NormSpec) or norm.weight is None:
-        raise TypeError(f"norm must be None or a NormSpec with a weight, got {norm!r}")
-    hidden = s.shape[-1] if s.dim() == 3 else 0
-    check_tensor("norm.weight", norm.weight, dtype=torch.float32, shape=(hidden,),
-                 device=s.device)  # fmt: skip
 
 
 def hc_head_torch(
@@ -150,12 +134,11 @@ def hc_post_torch(
 def hc_post_pre_torch(
     s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float, norm: NormSpec | None = None,
+    *, iters: int, hc_eps: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Torch path of `hc_post_pre`: `hc_post_torch`, then `hc_pre_torch` on its result."""
     s = hc_post_torch(s, post, comb, out)
-    return (s, *hc_pre_torch(s, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps,
-                             norm=norm))  # fmt: skip
+    return (s, *hc_pre_torch(s, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps))
 
 
 def _check_post(s, post, comb, out) -> None:
@@ -264,14 +247,10 @@ def _row_tile(tile: RowTile, hidden: int) -> RowTile:
     return tile._replace(tile_h=min(tile.tile_h, triton_next_pow2(hidden)))
 
 
-def _epilogue_warps(t: int, whole_rows: bool = False) -> int:
+def _epilogue_warps(t: int) -> int:
     """Warps of ``hc_pre_kernel``: one for decode sizes (the Sinkhorn loop's reductions stay
-    inside a warp), four for prefill (the block-input tiles stream more memory); two for
-    decode sizes whose ``x`` programs hold whole rows (the fused norm: at 4 x 2,048 one warp
-    needs 255 registers and spills on sm_90, two none)."""
-    if t > 256:
-        return 4
-    return 2 if whole_rows else 1
+    inside a warp), four for prefill (the block-input tiles stream more memory)."""
+    return 1 if t <= 256 else 4
 
 
 def _project(
@@ -302,12 +281,9 @@ def _project(
     return part, sq, x
 
 
-def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple | None = None,
-                norm: NormSpec | None = None):  # fmt: skip
+def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple | None = None):
     """(post, comb, x, s_used): the two kernels of `hc_pre` / `hc_head` on ``s`` or, with
-    ``fuse``, on ``s_used = hc_post(s, *fuse)``; with ``norm``, ``x`` is the block's RMSNorm
-    of the block input, in the epilogue kernel (one ``x`` program a token holding the whole
-    row) or, for row-tiled sizes, one `rms_norm_fp32w` launch after."""
+    ``fuse``, on ``s_used = hc_post(s, *fuse)``."""
     from kvplan.ops._hyper_connection_kernels import hc_pre_kernel
 
     t, n, hidden = s.shape
@@ -319,18 +295,15 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple 
         return post, comb, x, torch.empty_like(s)
     part, sq, s = _project(s, fn.contiguous(), fuse)
     splits, n_pad = part.shape[0], part.shape[2]
+    tile_h = _hidden_tile(hidden)
     rows = t > PRE_ROW_TILED_MIN_ROWS  # one weights program per token, then x by row tiles
-    in_kernel = norm is not None and not rows  # the norm in the epilogue: whole-row x tiles
-    tile_h = triton_next_pow2(hidden) if in_kernel else _hidden_tile(hidden)
     pre = torch.empty(t, n, dtype=torch.float32, device=s.device) if rows else post
     grid = (t, 1 if rows else triton_cdiv(hidden, tile_h) + (0 if head else 1))
     hc_pre_kernel[grid](
         part, sq, base.contiguous(), scale.contiguous(), s, x, post, comb, pre,
-        norm.weight if in_kernel else base, t, hidden, splits, 1.0 / (n * hidden), eps,
-        hc_eps, iters, 1.0 / hidden, float(norm.eps) if in_kernel else 0.0,
+        t, hidden, splits, 1.0 / (n * hidden), eps, hc_eps, iters,
         N=n, N_P=triton_next_pow2(n), N_PAD=n_pad, SPLITS_P=triton_next_pow2(splits),
-        TILE_H=tile_h, HEAD=head, WEIGHTS_ONLY=rows, NORM=in_kernel,
-        num_warps=_epilogue_warps(t, in_kernel),
+        TILE_H=tile_h, HEAD=head, WEIGHTS_ONLY=rows, num_warps=_epilogue_warps(t),
     )  # fmt: skip
     if rows:
         from kvplan.ops._hyper_connection_kernels import hc_pre_rows_kernel
@@ -340,21 +313,18 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple 
             pre, s, x, t, hidden, N=n, N_P=triton_next_pow2(n), TILE_T=rt.tile_t,
             TILE_H=rt.tile_h, num_warps=rt.num_warps,
         )  # fmt: skip
-        if norm is not None:
-            x = rms_norm_fp32w_triton(x, norm.weight, norm.eps)
     return post, comb, x, s
 
 
 def hc_pre_triton(
     s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float, norm: NormSpec | None = None,
+    *, iters: int, hc_eps: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Triton path of `hc_pre` (two kernels)."""
     n = s.shape[1] if s.dim() == 3 else 0
     _check_pre(s, fn, base, scale, 2 + n, 3)
     _check_iters(iters)
-    _check_norm(norm, s)
-    return _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head=False, norm=norm)[:3]
+    return _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head=False)[:3]
 
 
 def hc_head_triton(
@@ -397,16 +367,15 @@ def hc_post_triton(
 def hc_post_pre_triton(
     s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float, norm: NormSpec | None = None,
+    *, iters: int, hc_eps: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Triton path of `hc_post_pre` (two kernels: the projection writes ``s'``)."""
     _check_post(s, post, comb, out)
     n = s.shape[1]
     _check_pre(s, fn, base, scale, 2 + n, 3)
     _check_iters(iters)
-    _check_norm(norm, s)
     post2, comb2, x, s2 = _pre_launch(
-        s, fn, base, scale, iters, hc_eps, eps, head=False, fuse=(post, comb, out), norm=norm
+        s, fn, base, scale, iters, hc_eps, eps, head=False, fuse=(post, comb, out)
     )
     return s2, post2, comb2, x
 
@@ -416,7 +385,7 @@ def hc_post_pre_triton(
 
 def hc_pre(
     s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float, norm: NormSpec | None = None,
+    *, iters: int, hc_eps: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The mixing weights of a hyper-connection and its block input (module docstring).
 
@@ -425,9 +394,6 @@ def hc_pre(
         fn: fp32 ``[(2 + n) * n, n * hidden]``; base: fp32 ``[(2 + n) * n]``;
             scale: fp32 ``[3]`` (pre, post, comb), all on ``s``'s device.
         iters: Sinkhorn iterations (>= 1); hc_eps: the mixing epsilon; eps: the RMSNorm's.
-        norm: the block's own weighted RMSNorm (`NormSpec` with an fp32 ``[hidden]`` weight)
-            applied to ``x`` (``rms_norm_fp32w(x, weight, eps)``, in the epilogue kernel at
-            decode sizes); None: ``x`` as is.
 
     Returns:
         (``post`` fp32 ``[T, n]``, ``comb`` fp32 ``[T, n, n]``, ``x [T, hidden]`` in ``s``'s
@@ -439,7 +405,7 @@ def hc_pre(
         s = hc_post(s, post, comb, block(x))
     """
     fn_ = hc_pre_triton if use_triton(s) else hc_pre_torch
-    return fn_(s, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps, norm=norm)
+    return fn_(s, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps)
 
 
 def hc_head(
@@ -473,13 +439,13 @@ def hc_post(
 def hc_post_pre(
     s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float, norm: NormSpec | None = None,
+    *, iters: int, hc_eps: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`hc_post` of one block, then `hc_pre` of the next block on its result.
 
     Args:
         s, post, comb, out: as in `hc_post` (``post`` / ``comb`` from this block's `hc_pre`).
-        fn, base, scale, iters, hc_eps, eps, norm: the next block's, as in `hc_pre`.
+        fn, base, scale, iters, hc_eps, eps: the next block's, as in `hc_pre`.
 
     Returns:
         (``s'`` ``[T, n, hidden]`` in ``s``'s dtype, and the next block's ``post`` fp32
@@ -497,7 +463,7 @@ def hc_post_pre(
                                        ffn.scale, **kw)
         s = hc_post(s, post, comb, moe(x))
     """
-    kw = dict(iters=iters, hc_eps=hc_eps, eps=eps, norm=norm)
+    kw = dict(iters=iters, hc_eps=hc_eps, eps=eps)
     if not use_triton(s):
         return hc_post_pre_torch(s, post, comb, out, fn, base, scale, **kw)
     if s.dim() == 3 and s.shape[0] > FUSED_MAX_ROWS:  # prefill-sized: two passes are faster

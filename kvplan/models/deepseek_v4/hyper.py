@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from kvplan.ops.hyper_connection import hc_head, hc_post, hc_post_pre, hc_pre
-from kvplan.ops.rope import NormSpec
 
 
 class HyperConnection(nn.Module):
@@ -40,27 +39,22 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
-    def forward(
-        self, s: torch.Tensor, norm: NormSpec | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``s [T, n, hidden]`` -> (``post`` fp32 ``[T, n]``, ``comb`` fp32 ``[T, n, n]``,
-        block input ``x [T, hidden]`` in ``s``'s dtype; with ``norm``, the block's RMSNorm of
-        it, in the same kernels: `hc_pre`)."""
+        block input ``x [T, hidden]`` in ``s``'s dtype)."""
         return hc_pre(
-            s, self.fn, self.base, self.scale, iters=self.iters, hc_eps=self.hc_eps,
-            eps=self.eps, norm=norm,
-        )  # fmt: skip
+            s, self.fn, self.base, self.scale, iters=self.iters, hc_eps=self.hc_eps, eps=self.eps
+        )
 
     def post_pre(
-        self, s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
-        norm: NormSpec | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        self, s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The previous block's residual update then this connection:
-        ``s' = hyper_residual(s, post, comb, out)`` and ``self(s', norm)``, as
+        ``s' = hyper_residual(s, post, comb, out)`` and ``self(s')``, as
         (``s'``, ``post'``, ``comb'``, ``x'``); one fused op (`hc_post_pre`)."""
         return hc_post_pre(
             s, post, comb, out, self.fn, self.base, self.scale,
-            iters=self.iters, hc_eps=self.hc_eps, eps=self.eps, norm=norm,
+            iters=self.iters, hc_eps=self.hc_eps, eps=self.eps,
         )  # fmt: skip
 
 

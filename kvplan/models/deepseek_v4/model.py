@@ -32,15 +32,7 @@ from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.hyper import HyperConnection, HyperHead, hyper_residual
 from kvplan.models.deepseek_v4.layers import Rope, StepRope, fuse_projections, rms_norm
 from kvplan.models.deepseek_v4.moe import DeepseekV4MoE
-from kvplan.ops._dispatch import env_flag
-from kvplan.ops.rope import NormSpec
 from kvplan.ops.small_gemm import small_linear
-
-HC_FUSED_NORM = env_flag("KVPLAN_HC_FUSED_NORM", False)
-"""The blocks' input RMSNorms inside the hyper-connection kernels (`hc_pre`'s ``norm``: in the
-epilogue kernel at decode sizes, 24 launches fewer a step at 12 layers) instead of their own
-launches. Off by default (``KVPLAN_HC_FUSED_NORM=1`` at import): built and tested on the CPU
-interpreter in session 28, not yet timed on a GPU."""
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -77,42 +69,22 @@ class DeepseekV4DecoderLayer(nn.Module):
         ctx: HybridStepContext,
         tables: StepRope | None,
         next_hc: HyperConnection | None,
-        next_norm: NormSpec | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
         """`forward` with the hyper-connections chained across layers.
 
         ``pre``: ``self.attn_hc(s)`` when the caller already has it (None: computed here);
         ``next_hc``: the connection of the block after this layer (None: none). Returns
         (``s'``, ``next_hc(s')`` or None); every residual update that a connection follows
-        runs fused with it (`HyperConnection.post_pre`). With ``HC_FUSED_NORM`` the blocks'
-        input RMSNorms run inside the connections too: ``pre`` and the returned tuple then
-        hold the normed block input, ``next_norm`` being the next layer's
-        (`norm_spec(True)` of the layer after; None otherwise).
+        runs fused with it (`HyperConnection.post_pre`).
         """
-        post, comb, x = self.attn_hc(s, self.norm_spec(True)) if pre is None else pre
-        a = self.self_attn(self._block_input(x, True), ctx, tables)
-        s, post, comb, x = self.ffn_hc.post_pre(s, post, comb, a, self.norm_spec(False))
-        m = self.mlp(self._block_input(x, False), input_ids)
+        post, comb, x = self.attn_hc(s) if pre is None else pre
+        a = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), ctx, tables)
+        s, post, comb, x = self.ffn_hc.post_pre(s, post, comb, a)
+        m = self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps), input_ids)
         if next_hc is None:
             return hyper_residual(s, post, comb, m), None
-        s, post, comb, x = next_hc.post_pre(s, post, comb, m, next_norm)
+        s, post, comb, x = next_hc.post_pre(s, post, comb, m)
         return s, (post, comb, x)
-
-    def norm_spec(self, attention: bool) -> NormSpec | None:
-        """The input RMSNorm of this layer's attention (True) or MoE block (False) as its
-        hyper-connection applies it (``HC_FUSED_NORM``), else None."""
-        if not HC_FUSED_NORM:
-            return None
-        w = self.input_layernorm if attention else self.post_attention_layernorm
-        return NormSpec(w, self.eps)
-
-    def _block_input(self, x: torch.Tensor, attention: bool) -> torch.Tensor:
-        """A block's input from its connection's ``x``: normed here unless the connection
-        normed it (``HC_FUSED_NORM``)."""
-        if HC_FUSED_NORM:
-            return x
-        w = self.input_layernorm if attention else self.post_attention_layernorm
-        return rms_norm(x, w, self.eps)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -181,9 +153,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         tables = StepRope(positions, x.dtype)  # each rotary table computed once per step
         pre = None  # the next layer's attention connection, fused into the residual update
         for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            hc, norm = (None, None) if nxt is None else (nxt.attn_hc, nxt.norm_spec(True))
-            s, pre = layer.run(s, pre, input_ids, ctx, tables, hc, norm)
+            nxt = self.layers[i + 1].attn_hc if i + 1 < len(self.layers) else None
+            s, pre = layer.run(s, pre, input_ids, ctx, tables, nxt)
         if logits_indices is not None:
             check_tensor("logits_indices", logits_indices, dtype=torch.int64, ndim=1, device=dev)
             s = s[logits_indices]
