@@ -89,15 +89,13 @@ class LeanJITFunction(JITFunction):
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
-        runtime = _knobs.runtime
-        if (not LEAN or self.pre_run_hooks or runtime.launch_enter_hook.calls
-                or runtime.launch_exit_hook.calls):  # fmt: skip
+        if not LEAN or self.pre_run_hooks or launch_hooks_installed():
             return self.run(*args, grid=grid, warmup=False, **kwargs)
         device = _current_device()
         # Triton's per-device caches and binder (built on this device's first launch)
         bound, specialization, _ = self.device_caches[device][4](*args, **kwargs)
         try:
-            key = (device, tuple(specialization), tuple(kwargs.items()), runtime.debug,
+            key = (device, tuple(specialization), tuple(kwargs.items()), _knobs.runtime.debug,
                    _knobs.compilation.instrumentation_mode)  # fmt: skip
             hit = self._lean.get(key, _MISSING)
         except TypeError:  # an unhashable keyword value: Triton's path
