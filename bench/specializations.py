@@ -49,6 +49,22 @@ def read_lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def random_workload(llm, n: int, max_len: int, vocab: int, gen: torch.Generator) -> dict:
+    """``n`` greedy requests of random lengths (1..max_len) and 1-4 new tokens, each added at
+    a random step of the running loop, so prompts share steps with decode rows."""
+    lengths = torch.randint(1, max_len + 1, (n,), generator=gen).tolist()
+    news = torch.randint(1, 5, (n,), generator=gen).tolist()
+    steps, pending = 0, list(zip(lengths, news, strict=True))
+    while pending or llm.engine.has_unfinished():
+        if pending and (not llm.engine.has_unfinished() or torch.rand(1, generator=gen) < 0.5):
+            length, new = pending.pop(0)
+            ids = torch.randint(0, vocab, (length,), generator=gen).tolist()
+            llm.add_request(ids, SamplingParams(max_tokens=new, ignore_eos=True))
+        llm.step()
+        steps += 1
+    return {"requests": n, "lengths": lengths, "steps": steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="5,8,9,16,17,23,32,33,40,48",
@@ -58,6 +74,13 @@ def main() -> None:
                     help="the quick DeepSeek-V4 model or the dense tiny-llama")  # fmt: skip
     ap.add_argument("--out", default=None)
     ap.add_argument("--record", default=None, help="also keep the specializations (JSON lines)")
+    ap.add_argument("--warmup", action="store_true",
+                    help="build the engine with warmup=True (kvplan.engine.warmup) first")  # fmt: skip
+    ap.add_argument("--random", type=int, default=0,
+                    help="then N random requests (lengths 1..--max-len, arriving at random "
+                    "steps, so prompts mix with decode rows)")  # fmt: skip
+    ap.add_argument("--budget", type=int, default=None,
+                    help="max_num_batched_tokens (default max(256, longest prompt))")  # fmt: skip
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",") if x]
     torch.set_num_threads(2)
@@ -70,9 +93,15 @@ def main() -> None:
         else:
             model = folder + "/model"
             vocab = build_folder(model, True, max(lengths) + 64, torch.device("cpu"))
+        budget = args.budget or max(256, max(lengths))
+        t0 = time.perf_counter()
         llm = LLM(model, device="cpu", dtype="float32", kv_format=args.kv_format,
-                  max_num_seqs=2, max_model_len=max(lengths) + 16,
-                  max_num_batched_tokens=max(256, max(lengths)))  # fmt: skip
+                  max_num_seqs=4 if args.random else 2, max_model_len=max(lengths) + 16,
+                  max_num_batched_tokens=budget, warmup=args.warmup)  # fmt: skip
+        warm = {"specializations": len(read_lines(record)),
+                "seconds_cpu": time.perf_counter() - t0}  # fmt: skip
+        print(f"engine built{' and warmed up' if args.warmup else ''}: "
+              f"{warm['specializations']} specializations")  # fmt: skip
         gen = torch.Generator().manual_seed(0)
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         rows = []
@@ -86,6 +115,15 @@ def main() -> None:
                          "seconds_cpu": time.perf_counter() - t0})  # fmt: skip
             print(f"prompt {n:4d}: {len(lines) - before:3d} new specializations "
                   f"({', '.join(f'{k} {v}' for k, v in new.most_common(4))})")  # fmt: skip
+        mixed = None
+        if args.random:
+            before = len(read_lines(record))
+            mixed = random_workload(llm, args.random, max(lengths), vocab, gen)
+            lines = read_lines(record)
+            mixed["new"] = len(lines) - before
+            mixed["by_kernel"] = collections.Counter(x["name"] for x in lines[before:])
+            print(f"random workload ({args.random} requests, {mixed['steps']} steps): "
+                  f"{mixed['new']} new specializations ({dict(mixed['by_kernel'])})")  # fmt: skip
         total = collections.Counter(x["name"] for x in read_lines(record))
         if args.record:
             Path(args.record).write_text(record.read_text())
@@ -97,7 +135,10 @@ def main() -> None:
             "command": " ".join([sys.executable, *sys.argv]),
             "kv_format": args.kv_format,
             "model": args.model,
+            "warmup": args.warmup,
+            "after_build": warm,
             "prompts": rows,
+            "random_workload": mixed,
             "per_kernel": dict(total.most_common()),
         }, indent=1))  # fmt: skip
 

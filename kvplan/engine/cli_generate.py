@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help="JSON mode: the completion is one JSON object"
     )
     add_engine_arguments(
-        parser, ("device", "backend", "kv_format", "dtype", "tensor_parallel_size")
+        parser,
+        ("device", "backend", "kv_format", "dtype", "tensor_parallel_size", "warmup"),
+        warmup=False,  # one prompt: its own steps compile what they need
     )
     parser.add_argument(
         "--no-chat",

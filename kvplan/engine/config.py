@@ -95,6 +95,11 @@ class EngineConfig:
         "outputs are the same, step() reports them one step later",
         None,
     )
+    warmup: bool | None = _doc(
+        "run throwaway requests of every step kind at construction, so kernel compiles land "
+        "there and not in the first requests' steps (default: on with CUDA)",
+        None,
+    )
     seed: int = _doc("seed of the sampling generator for requests without their own seed", 0)
     window_pool_seqs: int | None = _doc(
         "running sequences each sliding-window KV pool is sized for (default: max_num_seqs, "
@@ -150,6 +155,7 @@ class EngineConfig:
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("use_cuda_graph", self.use_cuda_graph, optional=True)
         _check_bool("async_scheduling", self.async_scheduling, optional=True)
+        _check_bool("warmup", self.warmup, optional=True)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_bool("kv_rotation", self.kv_rotation)
         if self.kv_rotation and self.tensor_parallel_size > 1:
@@ -189,6 +195,10 @@ class EngineConfig:
         return (
             self.torch_device.type == "cuda" if self.use_cuda_graph is None else self.use_cuda_graph
         )
+
+    @property
+    def warmup_on(self) -> bool:
+        return self.torch_device.type == "cuda" if self.warmup is None else self.warmup
 
     @property
     def async_scheduling_on(self) -> bool:

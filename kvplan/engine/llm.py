@@ -23,6 +23,7 @@ from kvplan.engine.config import EngineConfig
 from kvplan.engine.logprobs import TokenLogprob
 from kvplan.engine.request import Request
 from kvplan.engine.sampling import SamplingParams
+from kvplan.engine.warmup import WarmupReport, warm_up
 
 Prompt = str | Sequence[int]
 
@@ -151,6 +152,23 @@ class LLM:
         self.tokenizer = self.parts.tokenizer
         self.chat_template = chat_template
         self._added: dict[int, Request] = {}  # add_request's requests, until pop_finished
+        self.warmup_report: WarmupReport | None = None
+        if config.warmup_on:
+            self.warmup_report = self.warm_up()
+
+    def warm_up(self) -> WarmupReport:
+        """Run throwaway requests of every step kind through the engine (`kvplan.engine.warmup`:
+        kernel compiles land here instead of in later requests' steps); the engine is left as
+        it was. Runs at construction when ``config.warmup`` is on (default: on CUDA)."""
+        with self._lock:
+            vocab = self.engine.vocab_size or self.parts.config.vocab_size
+            report = warm_up(self.engine, vocab_size=vocab, seed=self.config.seed)
+        print(
+            f"kvplan: warmup {report.seconds:.1f} s ({report.num_requests} requests, "
+            f"{report.num_steps} steps)",
+            file=sys.stderr,
+        )
+        return report
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -30,6 +30,7 @@ _ENGINE_FLAGS = (
     "num_speculative_tokens",
     "use_cuda_graph",
     "async_scheduling",
+    "warmup",
     "seed",
     "sliding_window_kv",
     "tensor_parallel_size",
