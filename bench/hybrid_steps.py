@@ -205,6 +205,9 @@ def main() -> None:
                     help="walk ROUNDS times each with the lean Triton launches off / on")  # fmt: skip
     ap.add_argument("--small", default="8,64,512",
                     help="prompt lengths of the small eager steps timed after the walks")  # fmt: skip
+    ap.add_argument("--warmup", choices=("on", "off"), default=None,
+                    help="the engine's warmup at construction (default: the engine's, on "
+                    "with CUDA)")  # fmt: skip
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
@@ -225,10 +228,19 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, vocab, (n, p), generator=gen).tolist()
         kv = args.kv_format if cuda else args.kv_format.replace("bf16", "fp32")
+        t_build = time.perf_counter()
+        warm = None if args.warmup is None else args.warmup == "on"
         llm = LLM(
             folder, device=dev.type, dtype="bfloat16" if cuda else "float32", kv_format=kv,
             max_num_seqs=n, max_model_len=p + new + 8, max_num_batched_tokens=budget,
+            warmup=warm,
         )  # fmt: skip
+        rep = llm.warmup_report
+        record["build_s"] = time.perf_counter() - t_build
+        record["warmup"] = None if rep is None else {
+            "seconds": rep.seconds, "steps": rep.num_steps, "requests": rep.num_requests}  # fmt: skip
+        print(f"engine built in {record['build_s']:.1f} s (warmup: "
+              f"{'off' if rep is None else f'{rep.seconds:.1f} s, {rep.num_steps} steps'})")  # fmt: skip
         llm.generate(ids, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
         sync(dev)
         t0 = time.perf_counter()
