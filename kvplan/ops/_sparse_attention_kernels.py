@@ -359,7 +359,7 @@ def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, qk_scale,
     return q, q_row, qmask, qk_scale
 
 
-@jit
+@jit(sizes=("slots0", "slots1"))
 def sparse_attention_kernel(
     q_ptr, out_ptr, sink_ptr, stride_qt, stride_qh, stride_ot, stride_oh, num_heads, qk_scale,
     c0_ptr, i0_ptr, stride_i0, n0, slots0, bs0: tl.constexpr, sblk0, stok0, sstr0, soff0,

@@ -100,7 +100,7 @@ def _range_pair(
     return acc, m_i, l_i
 
 
-@jit(sizes=("num_rows",))
+@jit(sizes=("num_rows", "slots0", "slots1"))
 def sparse_ranges_kernel(
     q_ptr, out_ptr, sink_ptr, blk_start_ptr, blk_end_ptr, num_rows, stride_qt, stride_qh,
     stride_ot, stride_oh, num_heads, qk_scale,

@@ -44,7 +44,7 @@ from kvplan.ops._sparse_attention_kernels import (
 )
 
 
-@jit
+@jit(sizes=("slots0", "slots1"))
 def sparse_attention_split_kernel(
     q_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, stride_qt, stride_qh, num_heads, num_splits,
     cols_per_split, qk_scale,
