@@ -312,6 +312,7 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         enable_chunked_prefill=config.enable_chunked_prefill,
         propose_drafts=(lambda r: proposer.propose(r.all_token_ids)) if proposer else None,
         on_free=runner.free,
+        num_draft_tokens=n,
     )
     tok = source.tokenizer
     eos = set(eos_ids)

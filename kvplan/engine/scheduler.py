@@ -57,6 +57,7 @@ class Scheduler:
             (speculative decoding), or None.
         on_free: ``f(request_id)`` called after the manager freed a finished or preempted
             request's blocks (the attention families drop their per-request state), or None.
+        num_draft_tokens: the most drafts ``propose_drafts`` returns (0 without it).
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         propose_drafts: Callable[[Request], list[int]] | None = None,
         on_free: Callable[[int], None] | None = None,
+        num_draft_tokens: int = 0,
     ) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -78,6 +80,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
         self.propose_drafts = propose_drafts
+        self.num_draft_tokens = num_draft_tokens  # the most drafts propose_drafts returns
         self.on_free = on_free
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

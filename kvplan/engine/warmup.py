@@ -19,7 +19,9 @@ throwaway requests with random token ids, so every path is the one real requests
 3. a prompt that joins a request already decoding (a mixed step: prompt and decode rows),
    once with a short and once with a long context behind the decode row;
 4. sampled requests (temperature, top-p, top-k; one with its own seed, one drawing from the
-   engine's generator) next to a greedy one.
+   engine's generator) next to a greedy one;
+5. with n-gram speculative decoding on, decode rows carrying drafts to verify (several query
+   tokens a row; a row without an n-gram match gets its last token repeated as drafts).
 
 Afterwards nothing of it remains: every request finished (blocks freed, per-request state of
 the attention families dropped), the prefix cache forgets the throwaway prompts, and the
@@ -185,6 +187,19 @@ def warm_up(core: Any, *, vocab_size: int, seed: int = 0) -> WarmupReport:
             d.add(7, 3, temperature=1.0)
             d.add(4, 3)
             d.run()
+        # 5. with n-gram drafts: decode rows carrying drafts to verify (a row with no n-gram
+        # match gets its last token repeated as drafts, so the step kind runs whatever the
+        # model samples; rejected drafts are rolled back as usual)
+        propose = sched.propose_drafts
+        if propose is not None and sched.num_draft_tokens > 0 and max_len > 24:
+            k = sched.num_draft_tokens
+            sched.propose_drafts = lambda r: propose(r) or [r.last_token_id] * k
+            try:
+                for n in (5, 12):
+                    d.add(n, 6)
+                d.run()
+            finally:
+                sched.propose_drafts = propose
     except BaseException:
         for rid in list(core.requests):  # what the failed step left queued
             core.abort(rid)

@@ -166,3 +166,36 @@ def test_warmed_deepseek_v4_engine_serves_as_a_fresh_one(tmp_path):
         outs[warm] = [(o.request_id, o.token_ids) for o in res]
         assert llm.parts.manager.num_requests == 0
     assert outs[True] == outs[False]
+
+
+def test_warmup_verifies_drafts_with_speculative_decoding(monkeypatch):
+    """With n-gram drafts on, the warmup runs decode rows with drafts to verify (several query
+    tokens a row) even when no n-gram matches, puts the proposer back, and a warmed engine's
+    greedy tokens equal a fresh one's."""
+    kw = {**SMALL, "num_speculative_tokens": 3}
+    llm = LLM("random:tiny-llama", warmup=False, **kw)
+    core = llm.engine
+    proposed = []
+
+    def no_match(req):  # the n-gram proposer finding nothing: phase 5 still verifies drafts
+        proposed.append(req.request_id)
+        return []
+
+    monkeypatch.setattr(core.scheduler, "propose_drafts", no_match)
+    verified = []
+    execute = core.runner.execute
+
+    def record(step, *args):
+        verified.extend(len(seq.drafts) for seq in step.seqs)
+        return execute(step, *args)
+
+    monkeypatch.setattr(core.runner, "execute", record)
+    warm_up(core, vocab_size=core.vocab_size)
+    assert proposed and max(verified) == 3  # decode rows with 3 drafts each
+    assert core.scheduler.propose_drafts is no_match  # put back
+    prompts = [[5, 6, 7] * 6, random_tokens(9, 30, vocab=200)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    fresh = LLM("random:tiny-llama", warmup=False, **kw).generate(prompts, params)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in fresh]
+    assert [o.request_id for o in got] == [0, 1]
