@@ -70,6 +70,20 @@ def test_greedy_matches_hf(tiny, backend, chunked):
     _assert_all_blocks_free(llm)
 
 
+def test_warmed_engine_matches_hf(tiny):
+    """After the engine warmup (`kvplan.engine.warmup`: throwaway prompts up to
+    ``max_model_len`` through the sliding-window pools, chunked and mixed steps), greedy
+    output still equals HF's and every block of both pools is free again."""
+    folder, _, prompts, expected = tiny
+    llm = _engine(folder, max_num_batched_tokens=16, warmup=True, enable_prefix_caching=True)
+    assert llm.warmup_report.num_requests > 20
+    _assert_all_blocks_free(llm)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    assert [o.request_id for o in outs] == list(range(len(prompts)))
+    _assert_all_blocks_free(llm)
+
+
 def test_sliding_pool_holds_only_the_window(tiny):
     """Mid-decode, the sliding pool keeps the blocks of the last ``WINDOW`` positions (plus the
     partial one); the full-attention pool keeps every block."""
