@@ -154,15 +154,27 @@ class LLM:
         self._added: dict[int, Request] = {}  # add_request's requests, until pop_finished
         self.warmup_report: WarmupReport | None = None
         if config.warmup_on:
-            self.warmup_report = self.warm_up()
+            try:
+                self.warmup_report = self.warm_up()
+            except BaseException:
+                self.close()  # no worker process outlives a failed construction
+                raise
 
     def warm_up(self) -> WarmupReport:
         """Run throwaway requests of every step kind through the engine (`kvplan.engine.warmup`:
         kernel compiles land here instead of in later requests' steps); the engine is left as
-        it was. Runs at construction when ``config.warmup`` is on (default: on CUDA)."""
+        it was. Runs at construction when ``config.warmup`` is on (default: on CUDA). A step
+        that fails raises a RuntimeError naming the warmup, chained to the step's error (a real
+        request of that kind would fail the same way); the engine is left idle."""
         with self._lock:
             vocab = self.engine.vocab_size or self.parts.config.vocab_size
-            report = warm_up(self.engine, vocab_size=vocab, seed=self.config.seed)
+            try:
+                report = warm_up(self.engine, vocab_size=vocab, seed=self.config.seed)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"engine warmup failed ({type(exc).__name__}: {exc}); a request of the same "
+                    "kind would fail too. LLM(..., warmup=False) skips the warmup"
+                ) from exc
         print(
             f"kvplan: warmup {report.seconds:.1f} s ({report.num_requests} requests, "
             f"{report.num_steps} steps)",

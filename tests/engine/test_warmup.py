@@ -199,3 +199,23 @@ def test_warmup_verifies_drafts_with_speculative_decoding(monkeypatch):
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in fresh]
     assert [o.request_id for o in got] == [0, 1]
+
+
+def test_failing_warmup_fails_construction_clearly(monkeypatch):
+    """A warmup step that raises makes `LLM(...)` raise a RuntimeError that names the warmup
+    and the way to skip it, chained to the step's error."""
+    from kvplan.engine import warmup as wm
+
+    step = wm._Driver.step
+    calls = {"n": 0}
+
+    def failing(self):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise ValueError("injected")
+        step(self)
+
+    monkeypatch.setattr(wm._Driver, "step", failing)
+    with pytest.raises(RuntimeError, match=r"engine warmup failed \(ValueError: injected\)") as e:
+        LLM("random:tiny-llama", warmup=True, **SMALL)
+    assert "warmup=False" in str(e.value) and isinstance(e.value.__cause__, ValueError)
