@@ -19,7 +19,7 @@ throwaway requests with random token ids, so every path is the one real requests
 3. a prompt that joins a request already decoding (a mixed step: prompt and decode rows),
    once with a short and once with a long context behind the decode row;
 4. sampled requests (temperature, top-p, top-k; one with its own seed, one drawing from the
-   engine's generator) next to a greedy one;
+   engine's generator) next to a greedy one that asks for output and prompt logprobs;
 5. with n-gram speculative decoding on, decode rows carrying drafts to verify (several query
    tokens a row; a row without an n-gram match gets its last token repeated as drafts).
 
@@ -181,11 +181,12 @@ def warm_up(core: Any, *, vocab_size: int, seed: int = 0) -> WarmupReport:
                 d.step()
                 d.add(9, 2)
                 d.run()
-        # 4. a sampled request next to a greedy one
-        if sched.max_num_seqs >= 3 and max_len > 10:
+        # 4. sampled requests next to a greedy one asking for logprobs of its output and prompt
+        # (the prompt's logits at every position)
+        if max_len > 10:
             d.add(6, 3, temperature=0.8, top_p=0.9, top_k=20, seed=seed + 1)
             d.add(7, 3, temperature=1.0)
-            d.add(4, 3)
+            d.add(4, 3, logprobs=2, prompt_logprobs=2)
             d.run()
         # 5. with n-gram drafts: decode rows carrying drafts to verify (a row with no n-gram
         # match gets its last token repeated as drafts, so the step kind runs whatever the
