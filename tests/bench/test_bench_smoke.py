@@ -119,3 +119,16 @@ def test_specializations_after_the_warmup_a_random_workload_compiles_nothing(tmp
     assert [p["new"] for p in rec["prompts"]] == [0, 0], rec["prompts"]
     work = rec["random_workload"]
     assert work["steps"] > work["requests"] and work["new"] == 0, work["by_kernel"]
+
+
+def test_first_request_quick(tmp_path):
+    """`first_request.py`: the dense engine's build (with its warmup) and the first and later
+    runs of prompts of new lengths, recorded."""
+    out = tmp_path / "first.json"
+    proc = _run("first_request.py", "--quick", "--warmup", "on", "--small", "5,30",
+                "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["warmup"]["steps"] > rec["warmup"]["requests"] > 10
+    assert [r["prompt_tokens"] for r in rec["small_prompts"]] == [5, 30]
+    assert all(len(r["ms_runs"]) == 5 and r["ms_min_after"] > 0 for r in rec["small_prompts"])
