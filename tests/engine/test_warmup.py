@@ -219,3 +219,26 @@ def test_failing_warmup_fails_construction_clearly(monkeypatch):
     with pytest.raises(RuntimeError, match=r"engine warmup failed \(ValueError: injected\)") as e:
         LLM("random:tiny-llama", warmup=True, **SMALL)
     assert "warmup=False" in str(e.value) and isinstance(e.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"max_num_seqs": 1},
+        {"enable_chunked_prefill": False},
+        {"max_model_len": 8, "max_num_batched_tokens": 4},
+        {"max_model_len": 3},
+        {"backend": "ragged", "num_blocks": 11},  # one max-length sequence: prompts queue
+    ],
+    ids=["one_seq", "no_chunking", "tiny_len", "len_3", "small_pool"],
+)
+def test_warmup_fits_any_engine_shape(settings):
+    """Small or restricted engines warm up without error and then serve like fresh ones."""
+    kw = {**SMALL, **settings}
+    warm = LLM("random:tiny-llama", warmup=True, **kw)
+    fresh = LLM("random:tiny-llama", warmup=False, **kw)
+    prompt = [3, 1, 4, 1][: max(1, kw["max_model_len"] - 2)]
+    params = SamplingParams(max_tokens=min(4, kw["max_model_len"] - len(prompt)), ignore_eos=True)
+    got, want = warm.generate([prompt], params)[0], fresh.generate([prompt], params)[0]
+    assert (got.request_id, got.token_ids) == (want.request_id, want.token_ids)
+    assert warm.parts.manager.num_requests == 0
