@@ -4,8 +4,9 @@ Triton compiles a kernel once per specialization of its arguments (the constexpr
 plan picks from a size, ints equal to 1, ints and pointers divisible by 16), cuBLAS picks and
 loads its kernels per shape, and the caching allocator grows its pools on first use. A step
 whose sizes fall in a class the process has not seen pays for that inside the step: on the
-H200 the first 8-token prompt after a warm 16 x 4,096 DeepSeek-V4 workload took 13.0 s with
-an empty Triton cache (`bench/hybrid_steps.py`, session 30), 26-28 ms every time after.
+H200 the first 8-token prompt after a warm 4 x 2,048 DeepSeek-V4 workload took 11.2-13.0 s
+with an empty Triton cache, 26-28 ms every time after; warmed up, 31 ms the first time
+(`bench/hybrid_steps.py --warmup off|on`, bench/RESULTS.md session 30).
 
 `warm_up` drives the engine's own step loop (`kvplan.engine.core.EngineCore`) through
 throwaway requests with random token ids, so every path is the one real requests take
@@ -26,8 +27,9 @@ throwaway requests with random token ids, so every path is the one real requests
 Afterwards nothing of it remains: every request finished (blocks freed, per-request state of
 the attention families dropped), the prefix cache forgets the throwaway prompts, and the
 engine's counters (request ids, steps, graph replays, preemptions, prefix-cache statistics)
-and its sampling generator are put back as they were, so the engine behaves exactly as one
-that never warmed up.
+and its sampling generator are put back as they were, so the engine serves exactly as one
+that never warmed up (same outputs, ids and counters; only which free blocks a request gets
+may differ).
 
 `kvplan.LLM` runs it at construction when ``EngineConfig.warmup`` is on (default: on CUDA).
 """
