@@ -288,10 +288,14 @@ def add_engine_arguments(
     take ``on``/``off``; other bools get ``--x`` / ``--no-x``."""
     for name in names:
         f = _FIELDS[name]
+        overridden = name in defaults
         default = defaults.pop(name, f.default)
         flag = "--" + name.replace("_", "-")
         kind = f.type  # a string (postponed annotations)
         help_text = f.metadata["help"]
+        if overridden:  # this command's own default, not the field's
+            shown = {True: "on", False: "off"}.get(default, default) if "bool" in kind else default
+            help_text = f"{help_text}; this command's default: {shown}"
         if kind == "bool | None":
             parser.add_argument(flag, choices=tuple(_ON_OFF), default=default, help=help_text)
         elif kind == "bool":

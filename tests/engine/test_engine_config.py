@@ -98,6 +98,20 @@ def test_command_line_flags_map_onto_fields():
         p.parse_args(["--backend", "flash"])
 
 
+def test_a_command_default_is_named_in_its_help():
+    """A command that overrides a field's default says so in the flag's help; an optional
+    bool's default shows as on / off and parses into the config."""
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p, ("warmup", "max_num_batched_tokens", "backend"), warmup=False,
+                         max_num_batched_tokens=8192)  # fmt: skip
+    helps = {a.dest: a.help for a in p._actions}
+    assert helps["warmup"].endswith("this command's default: off")
+    assert helps["max_num_batched_tokens"].endswith("this command's default: 8192")
+    assert "this command's default" not in helps["backend"]
+    assert config_from_args(p.parse_args([])).warmup is False
+    assert config_from_args(p.parse_args(["--warmup", "on"])).warmup is True
+
+
 def test_token_positions_match_a_per_row_loop():
     rng = np.random.default_rng(0)
     cached = rng.integers(0, 50, 7).astype(np.int32)
