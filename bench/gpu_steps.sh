@@ -37,3 +37,9 @@ hybrid_decode() {  # NAME BATCH CONTEXT [VAR=value ...]: bench_hybrid's fp8 deco
     --formats fp8 --out "$W/$name.json"
   grep -E "^ *fp8 |async" "$W/$name.log"
 }
+gpu_tests() {  # NAME SECONDS WORKERS PATH...: `pytest -m gpu` of PATHs as one step, its tail shown
+  local name=$1 secs=$2 workers=$3; shift 3
+  step "$secs" "$name" python3 -m pytest -q -m gpu -n "$workers" -p no:cacheprovider --tb=short \
+    -rf "$@"
+  tail -3 "$W/$name.log"
+}

@@ -8,9 +8,7 @@
 set -u
 BUDGET=${BUDGET:-570}
 source bench/gpu_steps.sh
-step 150 engine_tests python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --tb=short -rf \
-  tests/engine tests/server tests/bench
-tail -3 "$W/engine_tests.log"
+gpu_tests engine_tests 150 8 tests/engine tests/server tests/bench
 shared="$(mktemp -d)"
 for w in off on; do
   step 120 dense_$w env TRITON_CACHE_DIR="$(mktemp -d)" python3 bench/first_request.py \
