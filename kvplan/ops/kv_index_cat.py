@@ -22,7 +22,7 @@ import triton.language as tl
 from kvplan._checks import INT32_MAX, check_same_device, check_tensor
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops._launch import jit
-from kvplan.ops.swa_index import MIN_INDEX_TILE, index_out_buffer, index_tiles
+from kvplan.ops.swa_index import index_col_tile, index_out_buffer, index_tiles
 
 __all__ = ["kv_index_cat", "kv_index_cat_ref", "kv_index_cat_torch", "kv_index_cat_triton"]
 
@@ -91,9 +91,8 @@ def kv_index_cat_triton(
     width_r = ca_index.shape[1]
     if rows == 0 or width_l + width_r == 0:
         return res
-    tile_r, tile_cr = index_tiles(rows, max(width_l, width_r))
-    tile_cl = min(max(triton.next_power_of_2(width_l), MIN_INDEX_TILE), tile_cr)
-    tile_cr = min(max(triton.next_power_of_2(width_r), MIN_INDEX_TILE), tile_cr)
+    tile_r, _ = index_tiles(rows, max(width_l, width_r))
+    tile_cl, tile_cr = index_col_tile(width_l), index_col_tile(width_r)
     num_tiles_l = triton.cdiv(width_l, tile_cl)
     grid = (triton.cdiv(rows, tile_r), num_tiles_l + triton.cdiv(width_r, tile_cr))
     _kv_index_cat_kernel[grid](

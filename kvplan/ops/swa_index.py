@@ -41,6 +41,7 @@ __all__ = [
     "expand_swa_index_torch",
     "expand_swa_index_triton",
     "index_out_buffer",
+    "index_col_tile",
     "index_tiles",
 ]
 
@@ -67,12 +68,18 @@ MIN_INDEX_TILE = 16
 """Narrowest column tile of the index kernels (fewer tile sizes, fewer compiled variants)."""
 
 
+def index_col_tile(width: int) -> int:
+    """Column tile of an index kernel over ``width`` columns: the power of two covering it,
+    16 to 1,024."""
+    return min(max(triton.next_power_of_2(width), MIN_INDEX_TILE), 1024)
+
+
 def index_tiles(rows: int, width: int) -> tuple[int, int]:
     """(TILE_R, TILE_C) for a ``[rows, width]`` index kernel: 4K elements per program, the
-    column tile the power of two covering ``width`` (16 to 1,024). The row tile does not
-    follow ``rows`` and the kernels do not specialize on their sizes: a step of a new size
-    reuses the compiled kernels (a few masked lanes instead of a compile)."""
-    tile_c = min(max(triton.next_power_of_2(width), MIN_INDEX_TILE), 1024)
+    column tile `index_col_tile`. The row tile does not follow ``rows`` and the kernels do
+    not specialize on their sizes: a step of a new size reuses the compiled kernels (a few
+    masked lanes instead of a compile)."""
+    tile_c = index_col_tile(width)
     return 4096 // tile_c, tile_c
 
 
