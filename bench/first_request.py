@@ -25,12 +25,8 @@ import torch
 from kvplan import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hybrid_hf import sync  # noqa: E402
 from hybrid_steps import time_prompt  # noqa: E402
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def main() -> None:

@@ -25,7 +25,8 @@ throwaway requests with random token ids, so every path is the one real requests
    tokens a row; a row without an n-gram match gets its last token repeated as drafts).
 
 Afterwards nothing of it remains: every request finished (blocks freed, per-request state of
-the attention families dropped), the prefix cache forgets the throwaway prompts, and the
+the attention families dropped), the prefix cache is cleared (at construction it held nothing
+else; a later `warm_up` call also drops the prefixes cached before it), and the
 engine's counters (request ids, steps, graph replays, preemptions, prefix-cache statistics)
 and its sampling generator are put back as they were, so the engine serves exactly as one
 that never warmed up (same outputs, ids and counters; only which free blocks a request gets
