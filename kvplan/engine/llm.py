@@ -163,7 +163,7 @@ class LLM:
     def warm_up(self) -> WarmupReport:
         """Run throwaway requests of every step kind through the engine (`kvplan.engine.warmup`:
         kernel compiles land here instead of in later requests' steps); the engine is left as
-        it was. Runs at construction when ``config.warmup`` is on (default: on CUDA). A step
+        it was, its prefix cache cleared. Runs at construction when ``config.warmup`` is on (default: on CUDA). A step
         that fails raises a RuntimeError naming the warmup, chained to the step's error (a real
         request of that kind would fail the same way); the engine is left idle."""
         with self._lock:
