@@ -9,12 +9,19 @@ needs only the blocks the request's first computed query can see).
 
 Which blocks are hashable: none of a cross-attention request; for beam_width > 1 only the
 prompt's full blocks (shared by every beam; later blocks differ per beam).
+
+Per-sequence state beside the blocks (``PrefixCache.state``, a `PrefixState`): a model whose
+layers also carry state that blocks do not hold (a sliding-window ring, a compressor's
+pending rows: `kvplan.backends.hybrid.snapshots`) can resume a prefix only where that state
+was kept. Such a family installs a `PrefixState`: a match then ends at the longest run whose
+last block's hash it can resume from, it hears of every block the manager hashes, and of
+resets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple, Protocol
 
 from kvplan.cache.block_pool import BlockPool, iter_block_hashes
 from kvplan.cache.request_table import Request, RequestTable
@@ -30,6 +37,19 @@ class PrefixCacheStats(NamedTuple):
     @property
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class PrefixState(Protocol):
+    """State kept beside cached blocks (module docstring)."""
+
+    def can_end(self, block_hash: bytes) -> bool:
+        """Whether a prefix hit may end with the block hashed ``block_hash``."""
+
+    def blocks_hashed(self, request_id: Hashable, first_block: int, hashes: list[bytes]) -> None:
+        """Blocks ``first_block ..`` of ``request_id`` were just hashed as ``hashes``."""
+
+    def reset(self) -> None:
+        """The prefix cache forgot every hash."""
 
 
 class PrefixCache:
@@ -56,6 +76,7 @@ class PrefixCache:
         self._lazy_pools = {p for p, _ in self.lazy}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.state: PrefixState | None = None  # per-sequence state beside the blocks
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self.num_queried_tokens, self.num_hit_tokens)
@@ -69,6 +90,8 @@ class PrefixCache:
         """Forget every cached hash. Blocks in use stay allocated."""
         for pool in self.pools:
             pool.reset_prefix_cache()
+        if self.state is not None:
+            self.state.reset()
 
     def match(self, prompt: list[int]) -> tuple[list[bytes], list[list[int]]]:
         """Longest run of cached full blocks, leaving >= 1 token to compute.
@@ -76,7 +99,8 @@ class PrefixCache:
         A run of ``j`` blocks needs every block in the full pools, and in a pool that
         releases out-of-window blocks (window ``W``) only the blocks a query at position
         ``j * block_size`` can see: columns ``>= max(0, j * block_size - W + 1) //
-        block_size`` (the allocator takes back exactly those; earlier entries are 0).
+        block_size`` (the allocator takes back exactly those; earlier entries are 0). With a
+        ``state``, the run's last block must also be one it can resume from.
 
         Returns ``(hashes, blocks)``: the chained hash of each matched block and, per matched
         block, its id in each pool.
@@ -92,7 +116,10 @@ class PrefixCache:
             hashes.append(parent)
             blocks.append(found)
         j = len(blocks)
-        while j and not self._window_hits(blocks, j):
+        state = self.state
+        while j and not (
+            self._window_hits(blocks, j) and (state is None or state.can_end(hashes[j - 1]))
+        ):
             j -= 1
         for row in blocks[:j]:
             for p in lazy:
@@ -157,3 +184,5 @@ class PrefixCache:
                 if block:  # 0: already released out of the window
                     pool.cache_block(block, h)
             req.hashes.append(h)
+        if self.state is not None:
+            self.state.blocks_hashed(req.request_id, b, req.hashes[b:])

@@ -40,6 +40,7 @@ class Request:
     cacheable: bool  # full blocks are offered to the prefix cache
     state_slot: int | None
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks 0, 1, ..
+    request_id: Hashable = None  # the id the table knows it by
 
 
 class RequestTable:
@@ -172,7 +173,8 @@ class RequestTable:
             self._grow_rows()
         rows = [self._free_rows.pop() for _ in range(beam_width)]
         slot = self._free_slots.pop() if self.num_state_slots else None
-        req = Request(prompt, beam_width, rows, num_encoder_tokens, cacheable, slot)
+        req = Request(prompt, beam_width, rows, num_encoder_tokens, cacheable, slot,
+                      request_id=request_id)  # fmt: skip
         row0 = rows[0]
         self.num_tokens[row0] = self.num_prompt[row0] = len(prompt)
         self.num_committed[row0] = 0

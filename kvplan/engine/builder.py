@@ -247,6 +247,7 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         async_scheduling = config.async_scheduling_on  # steps ahead: kvplan.engine.hybrid
         summary = f"block_size={parts.block_size}, cuda_graphs={graphs is not None}"
         pools = None
+        resume_block_size = parts.resume_block_size
     else:
         source = resolve_source(model)
         cfg = source.config
@@ -299,6 +300,7 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
             runner = tp.runner(net, families, dev, manager)
         eos_ids = list(cfg.eos_token_ids)
         async_scheduling = config.async_scheduling_on
+        resume_block_size = 0
         summary = (
             f"{cfg.num_params / 1e6:.0f}M params, backend={config.backend}, "
             f"{config.block_size} tokens per block"
@@ -313,6 +315,7 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         propose_drafts=(lambda r: proposer.propose(r.all_token_ids)) if proposer else None,
         on_free=runner.free,
         num_draft_tokens=n,
+        resume_block_size=resume_block_size,
     )
     tok = source.tokenizer
     eos = set(eos_ids)

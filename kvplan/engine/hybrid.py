@@ -11,7 +11,22 @@ attention is planned by `kvplan.plan` and stored in kvplan's paged formats
 * `HybridCausalLM` gives the model the engine's calling convention
   (``model(input_ids, positions, {family: plan}, logits_rows)``);
 * `build_hybrid` sizes the cache manager (one block per ``block_size`` raw positions, one state
-  slot per running request, no prefix reuse) and the family's caches.
+  slot per running request) and the family's caches.
+
+Prefix caching (``enable_prefix_caching``, on by default): full blocks of compressed entries
+and indexer keys are shared like a dense model's KV blocks, and the per-sequence state a
+block does not hold (the sliding-window ring, the overlapping compressors' pending rows) is
+kept in snapshots taken at block boundaries (`kvplan.backends.hybrid.snapshots`, as many as
+``max_num_seqs``): after every step whose row ends at a multiple of ``block_size`` (a prompt
+chunk or a decode step; a request keeps only its newest decode-time one), registered under
+the hash of the block that ends there. A prompt lookup then reuses the longest cached run of
+blocks that ends at a snapshot, and the request's state slot is restored from it before its
+first step. The scheduler ends a prompt's chunk at its last block boundary below its length
+(``Scheduler.resume_block_size``), so a repeated prompt, a preempted request and the next turn
+of a conversation (whose prompt holds the last one's output) resume there. A prompt that only
+shares a prefix with an earlier one (a system prompt followed by another question) reuses
+blocks up to the last snapshot inside the shared part, which exists when an earlier request's
+prompt or output ended there.
 
 CUDA graphs (CUDA, ``use_cuda_graph`` on by default there): decode-only steps replay the graph
 of the smallest batch-size bucket that holds them (`kvplan.engine.hybrid_graphs`); the
@@ -31,8 +46,7 @@ window is ``window_size`` and the ring (``swa_block_size``); HCA layers' ratio i
 ratio, CSA layers' ratio a sparse ratio with the indexer's ``index_topk``; ``block_size`` is
 the engine's, rounded up to a multiple of every ratio.
 
-Not supported for these models: prefix caching (the ring and compressor state of a reused
-prefix are not kept) and speculative decoding.
+Not supported for these models: speculative decoding.
 """
 
 from __future__ import annotations
@@ -95,15 +109,66 @@ class PendingTokenIds(Sequence[int]):
 
 
 class HybridEngineFamily:
-    """The engine's face of a `PlannedHybridFamily` (the `AttentionFamily` protocol)."""
+    """The engine's face of a `PlannedHybridFamily` (the `AttentionFamily` protocol).
+
+    With ``snapshots`` (a `kvplan.backends.hybrid.snapshots.StateSnapshots`) it is also the
+    manager's `kvplan.cache.prefix_cache.PrefixState` (prefix caching, module docstring)."""
 
     name = HYBRID
 
-    def __init__(self, family: Any, manager: Any, device: torch.device) -> None:
+    def __init__(
+        self, family: Any, manager: Any, device: torch.device, snapshots: Any = None
+    ) -> None:
         self.family = family
         self.manager = manager
         self.device = device
         self.graphs: Any = None  # a HybridDecodeGraphs when decode steps replay CUDA graphs
+        self.snapshots = snapshots
+        self.block_size = family.config.block_size
+        if snapshots is not None:
+            manager.prefix_cache.state = self
+
+    # ---- PrefixState --------------------------------------------------------------------
+    def can_end(self, block_hash: bytes) -> bool:
+        return self.snapshots.lookup(block_hash) is not None
+
+    def blocks_hashed(self, request_id: Any, first_block: int, hashes: list[bytes]) -> None:
+        self.snapshots.register(request_id, first_block, hashes)
+
+    def reset(self) -> None:
+        self.snapshots.clear()
+
+    # ---- steps --------------------------------------------------------------------------
+    def _restore(self, step: StepBatch) -> None:
+        """Rows that start on a reused prefix (first step of a request whose first
+        ``num_cached_tokens`` came from the prefix cache): their state slot gets the
+        snapshot registered under the hash of the prefix's last block."""
+        fam, m, bs = self.family, self.manager, self.block_size
+        for rid, cached in zip(step.request_ids, step.num_cached_tokens.tolist()):
+            if cached and not fam.holds(rid):
+                req = m.requests.get(rid)
+                sid = m.get_state_slot(rid)
+                self.snapshots.restore(req.hashes[cached // bs - 1], sid)
+                fam.adopt(rid, sid, cached)
+
+    def after_step(self, step: StepBatch) -> None:
+        """Queue the snapshots of rows that end this step at a block boundary (right after
+        the step's launches, before any later step rewrites their rings)."""
+        if self.snapshots is None:
+            return
+        bs, m = self.block_size, self.manager
+        ends = step.num_cached_tokens + step.num_query_tokens
+        rows = (ends % bs == 0).nonzero()[0]
+        if not rows.size:
+            return
+        entries = []
+        for i in rows.tolist():
+            rid = step.request_ids[i]
+            if m.requests.get(rid).cacheable:
+                decode = not step.seqs[i].is_prefill
+                entries.append((rid, int(ends[i]) // bs - 1, m.get_state_slot(rid), decode))
+        if entries:
+            self.snapshots.take(entries)
 
     def seqs(self, step: StepBatch) -> list[HybridSeq]:
         """One `HybridSeq` per row of ``step``, in step order. A step scheduled ahead
@@ -131,6 +196,8 @@ class HybridEngineFamily:
     def plan(self, step: StepBatch) -> Any:
         """The step's `HybridStepContext`: an eager planned step, or, for a step that replays
         a CUDA graph (``graphs.can_run``), the graph's staged static step."""
+        if self.snapshots is not None and step.num_contexts:
+            self._restore(step)
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.stage(self.seqs(step), step.ahead)
         positions = torch.from_numpy(step.positions).to(self.device)
@@ -138,6 +205,8 @@ class HybridEngineFamily:
 
     def free(self, request_id: Any) -> None:
         self.family.free(request_id)
+        if self.snapshots is not None:
+            self.snapshots.drop_pending(request_id)
 
 
 def _token_view(request: Any) -> Sequence[int]:
@@ -220,6 +289,7 @@ class HybridParts:
     num_blocks: int
     max_model_len: int
     kv_format: str
+    resume_block_size: int = 0  # `Scheduler.resume_block_size` (prefix caching)
 
 
 def hybrid_block_size(block_size: int, ratios: list[int]) -> int:
@@ -268,7 +338,7 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
         block_size,
         max_blocks_per_seq=max_blocks_per_seq,
         num_state_slots=config.max_num_seqs,
-        enable_prefix_caching=False,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
     family = PlannedHybridFamily(
         specs,
@@ -280,17 +350,24 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
         dtype=dtype,
         device=dev,
     )
+    snapshots = None
+    if config.enable_prefix_caching:
+        from kvplan.backends.hybrid.snapshots import StateSnapshots
+
+        snapshots = StateSnapshots(family, config.max_num_seqs)
     print(
         f"kvplan: DeepSeek-V4 hybrid attention, kv_format={kv_format}, block_size={block_size}, "
-        f"{num_blocks} blocks, {config.max_num_seqs} state slots",
+        f"{num_blocks} blocks, {config.max_num_seqs} state slots"
+        + ("" if snapshots is None else f", {snapshots.capacity} prefix state snapshots"),
         file=sys.stderr,
     )
     return HybridParts(
         HybridCausalLM(model),
-        HybridEngineFamily(family, manager, dev),
+        HybridEngineFamily(family, manager, dev, snapshots),
         manager,
         block_size,
         num_blocks,
         max_model_len,
         kv_format,
+        block_size if snapshots is not None else 0,
     )

@@ -129,6 +129,8 @@ class ModelRunner:
         self.families = dict(families)
         self.device = device
         self.graphs = graphs
+        # families that act once the step's launches are queued (state snapshots)
+        self._after_step = [f for f in self.families.values() if hasattr(f, "after_step")]
 
     @property
     def metadata(self) -> Any:
@@ -151,7 +153,8 @@ class ModelRunner:
     def execute(
         self, step: StepBatch, device_input_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, StepInputs]:
-        """Run one step; returns (logits ``[N, V]`` on the device, fp32 or the model's dtype
+        """Run one step, then each family's ``after_step(step)`` if it has one; returns
+        (logits ``[N, V]`` on the device, fp32 or the model's dtype
         (its ``float_logits``), one row per entry of ``inputs.logits_rows``, the host inputs).
 
         ``device_input_ids``: int64 ``[num_seqs]`` on the device, the input tokens of a
@@ -161,7 +164,10 @@ class ModelRunner:
         inputs = StepInputs(step)
         attention = self.plan(step)
         if self.graphs is not None and self.graphs.can_run(step):
-            return self.graphs.run(inputs, device_input_ids), inputs
+            logits = self.graphs.run(inputs, device_input_ids)
+            for family in self._after_step:
+                family.after_step(step)
+            return logits, inputs
         dev = self.device
         if device_input_ids is not None:
             input_ids = device_input_ids
@@ -170,4 +176,6 @@ class ModelRunner:
         positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
         rows = torch.from_numpy(inputs.logits_rows).to(dev, non_blocking=True)
         logits = self.model(input_ids, positions, attention, rows)
+        for family in self._after_step:
+            family.after_step(step)
         return logits, inputs

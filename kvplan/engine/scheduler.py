@@ -58,6 +58,11 @@ class Scheduler:
         on_free: ``f(request_id)`` called after the manager freed a finished or preempted
             request's blocks (the attention families drop their per-request state), or None.
         num_draft_tokens: the most drafts ``propose_drafts`` returns (0 without it).
+        resume_block_size: when > 0, a prompt's chunks end at its last multiple of this
+            size below its length (``h = (len - 1) // size * size``) if a chunk would cross
+            it: a family that keeps per-sequence state only at chunk ends that are block
+            boundaries (`kvplan.backends.hybrid.snapshots`) can then resume the whole
+            prompt's prefix but its last token(s) for a later request. 0: no cut.
     """
 
     def __init__(
@@ -70,6 +75,7 @@ class Scheduler:
         propose_drafts: Callable[[Request], list[int]] | None = None,
         on_free: Callable[[int], None] | None = None,
         num_draft_tokens: int = 0,
+        resume_block_size: int = 0,
     ) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -82,6 +88,7 @@ class Scheduler:
         self.propose_drafts = propose_drafts
         self.num_draft_tokens = num_draft_tokens  # the most drafts propose_drafts returns
         self.on_free = on_free
+        self.resume_block_size = resume_block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -221,7 +228,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if req.is_prefilling:
-                n = min(req.num_prefill_tokens - req.num_computed_tokens, budget)
+                n = self._chunk(req, budget)
                 if not self._prepare_chunk(req, req.num_computed_tokens + n, scheduled, preempted):
                     continue
                 prefill.append(ScheduledSeq(req, n, True))
@@ -272,11 +279,23 @@ class Scheduler:
             req.num_computed_tokens = result.num_cached_tokens
             req.num_cached_prefix_tokens = result.num_cached_tokens
             self.running.append(req)
-            n = min(len(tokens) - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             prefill.append(ScheduledSeq(req, n, True))
             budget -= n
 
         return prefill + verify + decode, len(prefill) + len(verify), preempted
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens of ``req``'s next prefill chunk: the rest of its prompt within ``budget``,
+        ended at its resume boundary when the chunk would cross it (``resume_block_size``)."""
+        start = req.num_computed_tokens
+        n = min(req.num_prefill_tokens - start, budget)
+        size = self.resume_block_size
+        if size:
+            h = (req.num_prefill_tokens - 1) // size * size
+            if start < h < start + n:
+                n = h - start
+        return n
 
     def _prepare_chunk(
         self, req: Request, end: int, scheduled: set[int], preempted: list[Request]

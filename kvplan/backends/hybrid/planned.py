@@ -226,6 +226,18 @@ class PlannedHybridFamily:
             self._cached_len[s.request_id] = s.q_start + s.seqlen_q
             self._owner[s.state_id] = s.request_id
 
+    def holds(self, request_id: int) -> bool:
+        """Whether the caches hold tokens of ``request_id`` (a step of it was planned, or it
+        was `adopt`-ed, and it was not freed since)."""
+        return request_id in self._cached_len
+
+    def adopt(self, request_id: int, state_id: int, num_tokens: int) -> None:
+        """Record that ``state_id`` now holds ``request_id``'s state after its first
+        ``num_tokens`` tokens (a restored snapshot, `kvplan.backends.hybrid.snapshots`): its
+        next step continues with ``q_start = num_tokens``."""
+        self._cached_len[request_id] = num_tokens
+        self._owner[state_id] = request_id
+
     def free(self, request_id: int) -> None:
         """Forget a request (its slots go back to the engine's cache manager)."""
         self._cached_len.pop(request_id, None)

@@ -1,0 +1,145 @@
+"""Prefix caching for DeepSeek-V4 (the hybrid family): shared blocks of compressed entries and
+indexer keys, plus state snapshots at block boundaries (`kvplan.backends.hybrid.snapshots`).
+Every output that resumed from a cached prefix equals HF's full ``generate`` of its prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvplan import LLM, SamplingParams
+from tests.models.dsv4_testlib import hf_config, hf_model, random_tokens
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=[0, 5])
+def pair(request, tmp_path_factory):
+    seed = request.param
+    cfg = hf_config(seed)
+    # every kind of layer: the ring (all), HCA's entries, CSA's overlap state and indexer
+    assert len(set(cfg.layer_types)) == 3
+    hf = hf_model(cfg, seed)
+    folder = tmp_path_factory.mktemp(f"dsv4_{seed}")
+    hf.save_pretrained(folder)
+    return hf, str(folder)
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt) :].tolist()
+
+
+def make(folder: str, **kw) -> LLM:
+    settings = dict(device="cpu", max_num_batched_tokens=64, max_num_seqs=3, max_model_len=128)
+    settings.update(kw)
+    return LLM(folder, **settings)
+
+
+def snapshots(llm: LLM):
+    return llm.engine.runner.families["hybrid"].snapshots
+
+
+def test_repeated_prompt_resumes_at_its_last_block_boundary(pair):
+    hf, folder = pair
+    llm = make(folder)
+    bs = llm.parts.manager.block_size
+    assert bs == 16 and llm.engine.scheduler.resume_block_size == bs
+    for n in (41, 48):
+        p = random_tokens(n, n)
+        want = hf_greedy(hf, p, GREEDY.max_tokens)
+        first, again = llm.generate([p], GREEDY)[0], llm.generate([p], GREEDY)[0]
+        assert first.num_cached_prefix_tokens == 0
+        assert again.num_cached_prefix_tokens == (n - 1) // bs * bs  # 32 for both
+        assert first.token_ids == want and again.token_ids == want
+    assert snapshots(llm).num_restored == 2
+
+
+def test_conversation_resumes_at_the_last_decode_boundary(pair):
+    """The next turn's prompt holds the last turn's prompt and output: it resumes where the
+    last turn's decode steps crossed their last block boundary."""
+    hf, folder = pair
+    llm = make(folder)
+    p = random_tokens(1, 41)
+    out = llm.generate([p], GREEDY)[0]
+    p2 = p + out.token_ids + random_tokens(2, 7)
+    o2 = llm.generate([p2], GREEDY)[0]
+    # 41 + 19 tokens computed (the last sampled one is not): boundaries 16, 32, 48
+    assert o2.num_cached_prefix_tokens == 48
+    assert o2.token_ids == hf_greedy(hf, p2, GREEDY.max_tokens)
+    p3 = p2 + o2.token_ids + random_tokens(3, 3)
+    o3 = llm.generate([p3], GREEDY)[0]
+    assert o3.num_cached_prefix_tokens == 80  # 68 + 19 computed: the newest boundary
+    assert o3.token_ids == hf_greedy(hf, p3, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("kv_format", ["auto", "fp8"])
+def test_shared_prefix_in_one_batch_with_chunked_prefill(pair, kv_format):
+    """A system prompt sent once (one token out) leaves a snapshot at its last boundary;
+    three questions after it, admitted together in small chunks, resume there."""
+    hf, folder = pair
+    system = random_tokens(7, 35)
+    prompts = [system + random_tokens(10 + i, n) for i, n in enumerate((5, 12, 20))]
+    llm = make(folder, max_num_batched_tokens=12, kv_format=kv_format)
+    llm.generate([system], SamplingParams(max_tokens=1, ignore_eos=True))
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.num_cached_prefix_tokens for o in outs] == [32, 32, 32]
+    if kv_format == "auto":
+        for p, o in zip(prompts, outs):
+            assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+    else:  # rounding: the same engine without the cache is the reference
+        off = make(folder, max_num_batched_tokens=12, kv_format=kv_format,
+                   enable_prefix_caching=False)  # fmt: skip
+        ref = off.generate(prompts, GREEDY)
+        assert [o.num_cached_prefix_tokens for o in ref] == [0, 0, 0]
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def test_preemption_resumes_from_cached_prefixes_and_frees_everything(pair):
+    hf, folder = pair
+    prompts = [random_tokens(20 + i, 30) for i in range(4)]
+    llm = make(folder, max_num_seqs=4, max_model_len=48, block_size=16, num_blocks=8,
+               max_num_batched_tokens=2048)  # fmt: skip
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.parts.manager.prefix_cache_stats().num_hit_tokens > 0  # preempted ones resumed
+    assert snapshots(llm).num_pending == 0
+    assert llm.parts.manager.num_free_blocks() == 7
+
+
+def test_evicted_snapshots_only_shorten_hits(pair):
+    """One snapshot slot (max_num_seqs=1): each new snapshot evicts the last one; a prompt
+    whose snapshot is gone is computed whole, and outputs stay exact."""
+    hf, folder = pair
+    llm = make(folder, max_num_seqs=1)
+    a, b = random_tokens(30, 40), random_tokens(31, 40)
+    short = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)  # 44 < 48
+    got = [llm.generate([p], short)[0] for p in (a, b, a, a)]
+    assert [o.num_cached_prefix_tokens for o in got] == [0, 0, 0, 32]
+    for p, o in zip((a, b, a, a), got):
+        assert o.token_ids == hf_greedy(hf, p, short.max_tokens)
+    # a's decode steps cross 48: that snapshot replaces its prompt's (one slot)
+    assert llm.generate([a], GREEDY)[0].num_cached_prefix_tokens == 32
+    assert llm.generate([a], GREEDY)[0].num_cached_prefix_tokens == 0
+    snaps = snapshots(llm)
+    # evictions: b's 32 took a's, a's 32 took b's, a's 48 took a's 32, the last run's
+    # 32 took the 48 and its 48 the 32
+    assert snaps.capacity == 1 and snaps.num_evicted == 5
+
+
+def test_prefix_caching_off_and_reset(pair):
+    _, folder = pair
+    off = make(folder, enable_prefix_caching=False)
+    assert snapshots(off) is None and off.engine.scheduler.resume_block_size == 0
+    p = random_tokens(3, 41)
+    assert [off.generate([p], GREEDY)[0].num_cached_prefix_tokens for _ in range(2)] == [0, 0]
+    on = make(folder)
+    on.generate([p], GREEDY)
+    assert snapshots(on).num_registered > 0
+    on.parts.manager.reset_prefix_cache()  # (also what a failed device step does)
+    assert snapshots(on).num_registered == 0
+    assert on.generate([p], GREEDY)[0].num_cached_prefix_tokens == 0
