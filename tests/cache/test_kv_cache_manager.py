@@ -470,3 +470,46 @@ def test_constructor_checks():
         KVCacheManager(8, 0, max_blocks_per_seq=4)
     with pytest.raises(ValueError, match="window_sizes entries"):
         KVCacheManager(8, 4, max_blocks_per_seq=4, window_sizes=(0,))
+
+
+class _EndsAt:
+    """A `PrefixState` that lets hits end only at the listed block hashes and records what
+    the manager tells it."""
+
+    def __init__(self) -> None:
+        self.ends: set[bytes] = set()
+        self.hashed: list[tuple] = []
+        self.resets = 0
+
+    def can_end(self, block_hash):
+        return block_hash in self.ends
+
+    def blocks_hashed(self, request_id, first_block, hashes):
+        self.hashed.append((request_id, first_block, list(hashes)))
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_prefix_state_decides_where_a_hit_may_end():
+    m = KVCacheManager(16, 4, max_blocks_per_seq=8)
+    state = _EndsAt()
+    m.prefix_cache.state = state
+    prompt = list(range(14))  # 3 full blocks, 2 tokens in the tail
+    m.add_request("a", prompt)
+    m.commit_tokens("a", prompt[:6])  # block 0 filled
+    m.commit_tokens("a", prompt[6:])  # block 1 (through the tail), then block 2
+    hashes = m.requests.get("a").hashes
+    assert state.hashed == [("a", b, [hashes[b]]) for b in range(3)]
+    blocks = m.get_block_ids("a")
+    m.free("a")
+    assert m.add_request("b", prompt).num_cached_tokens == 0  # no block may end a hit
+    m.free("b")
+    state.ends = {hashes[1]}
+    assert m.add_request("c", prompt).num_cached_tokens == 8  # 3 blocks cached, 2 usable
+    m.free("c")
+    state.ends = {hashes[0], hashes[2]}
+    assert m.add_request("d", prompt + [99]).num_cached_tokens == 12
+    assert m.get_block_ids("d")[:3] == blocks[:3]
+    m.reset_prefix_cache()
+    assert state.resets == 1

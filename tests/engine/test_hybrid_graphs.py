@@ -162,6 +162,16 @@ def test_engine_graph_plumbing_on_cpu(tmp_path, seed):
     assert set(graphs.rows) - set(graphs.buckets)  # padded buckets ran
     assert got == want
     assert llm.parts.manager.num_free_blocks() == llm.parts.num_blocks - 1
+    # decode steps replayed through the static steps snapshot their rows' state at block
+    # boundaries too: the next turn of a conversation resumes from the newest one
+    snaps = engine_family.snapshots
+    taken = snaps.num_taken
+    turn = _prompts(seed)[2] + got[2] + random_tokens(99, 4)  # 41 + 9 computed: 48
+    ref = LLM(str(folder), **kw, enable_prefix_caching=False).generate([turn], GREEDY)[0]
+    replays = graphs.num_replays
+    out = llm.generate([turn], GREEDY)[0]
+    assert out.num_cached_prefix_tokens == 48 and out.token_ids == ref.token_ids
+    assert graphs.num_replays > replays and snaps.num_taken > taken
 
 
 def _cache_tensors(family) -> list[torch.Tensor]:
@@ -206,8 +216,9 @@ def _check_replays_against_eager(llm, graphs, prompts) -> list[int]:
 
 def test_replay_checker_on_cpu(tmp_path):
     """The GPU test's per-step check, with eager stand-ins for the graphs."""
+    # (no prefix caching: its chunk cuts would leave no padded bucket in this schedule)
     llm = LLM(str(_saved(tmp_path, 1)), device="cpu", max_num_seqs=4, max_model_len=96,
-              max_num_batched_tokens=16)  # fmt: skip
+              max_num_batched_tokens=16, enable_prefix_caching=False)  # fmt: skip
     runner = llm.engine.runner
     graphs = CpuGraphs(runner.model, runner.families[HYBRID].family, 4)
     graphs.capture_all()

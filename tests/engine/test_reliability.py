@@ -321,10 +321,12 @@ def test_cli_bad_arguments_are_one_line(capsys, monkeypatch, tmp_path, argv, mat
     assert rc == 2 and len(err) == 1 and match in err[0] and "Traceback" not in err[0]
 
 
-def fuzz(llm, ref, rng, *, vocab, params, ops, max_prompt, bad, check, keep_streams=0.0):
+def fuzz(llm, ref, rng, *, vocab, params, ops, max_prompt, bad, check, keep_streams=0.0,
+         prefixes=()):  # fmt: skip
     """``ops`` random add / step / abort / stream / bad-request operations on ``llm``, then
     steps until idle; ``check()`` after each one. Every request that ran to its length equals
-    ``ref``'s single run of it. Returns how many were compared."""
+    ``ref``'s single run of it. With ``prefixes``, added prompts start with a random part of
+    a random one of them (prefix reuse). Returns how many were compared."""
     live: dict[int, list[int]] = {}
     single: dict[tuple, list[int]] = {}
     streams = []
@@ -346,6 +348,9 @@ def fuzz(llm, ref, rng, *, vocab, params, ops, max_prompt, bad, check, keep_stre
         op = rng.choice(["add", "add", "step", "step", "step", "abort", "stream", "bad"])
         if op == "add":
             prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))]
+            if prefixes:
+                prompt = rng.choice(prefixes)[: rng.randint(0, max_prompt)] + prompt
+                prompt = prompt[: max_prompt + rng.randint(0, 8)]
             live[llm.add_request(prompt, params)] = prompt
         elif op == "step" and llm.engine.has_unfinished():
             llm.step()
@@ -398,12 +403,15 @@ def test_deepseek_v4_token_ids_checked_against_its_vocab(tmp_path):
     assert not llm.engine.has_unfinished() and len(llm.generate([[1, 2]], GREEDY)[0].token_ids) == 6
 
 
-def test_fuzz_deepseek_v4_ledger(tmp_path):
+@pytest.mark.parametrize("shared", [False, True])
+def test_fuzz_deepseek_v4_ledger(tmp_path, shared):
     """The hybrid family under random add / step / abort / stream-close / bad requests on a
     pool too small for every request at once (preemptions): after every operation each live
-    request holds its own blocks and state slot, free + held blocks fill the pool, the family
-    tracks only live requests; surviving greedy requests equal their single runs; at the end
-    every block and slot is free."""
+    request holds its own state slot, free + held blocks fill the pool, the family tracks
+    only live requests, snapshots are registered or pending within their capacity;
+    surviving greedy requests equal their single runs (no prefix cache); at the end every
+    block and slot is free. ``shared``: prompts share prefixes, so requests share blocks and
+    resume from state snapshots."""
     from tests.models.dsv4_testlib import hf_config, hf_model
 
     cfg = hf_config(4)
@@ -411,25 +419,34 @@ def test_fuzz_deepseek_v4_ledger(tmp_path):
     hf_model(cfg, 4).save_pretrained(folder)
     vocab = cfg.vocab_size
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    ref = LLM(str(folder), device="cpu", max_model_len=64)
+    ref = LLM(str(folder), device="cpu", max_model_len=64, enable_prefix_caching=False)
     llm = LLM(str(folder), device="cpu", max_model_len=64, max_num_seqs=3,
               max_num_batched_tokens=24, num_blocks=6)  # fmt: skip
     core, m = llm.engine, llm.parts.manager
-    family = core.runner.families["hybrid"].family
+    hybrid = core.runner.families["hybrid"]
+    family, snaps = hybrid.family, hybrid.snapshots
     num_blocks = llm.parts.num_blocks
 
     def check() -> None:
         held = [b for rid in m.request_ids() for b in m.get_block_ids(rid) if b]
-        assert len(held) == len(set(held))  # no block in two requests
-        assert m.num_free_blocks() + len(held) == num_blocks - 1
+        if not shared:
+            assert len(held) == len(set(held))  # no block in two requests
+        assert m.num_free_blocks() + len(set(held)) == num_blocks - 1
         running = {r.request_id for r in core.scheduler.running}
         assert set(m.request_ids()) == running
         slots = [m.get_state_slot(rid) for rid in running]
         assert len(slots) == len(set(slots))
         assert set(family._cached_len) <= running
+        assert snaps.num_registered + snaps.num_pending <= snaps.capacity
 
-    checked = fuzz(llm, ref, random.Random(4), vocab=vocab, params=params, ops=150,
-                   max_prompt=40, bad=[[vocab], [-1], [2.0], [1] * 70], check=check)  # fmt: skip
+    rng = random.Random(4)
+    prefixes = [[rng.randrange(vocab) for _ in range(40)] for _ in range(3)] if shared else ()
+    checked = fuzz(llm, ref, rng, vocab=vocab, params=params, ops=150, max_prompt=40,
+                   bad=[[vocab], [-1], [2.0], [1] * 70], check=check,
+                   prefixes=prefixes)  # fmt: skip
     assert not m.request_ids() and m.num_free_blocks() == num_blocks - 1
     assert not family._cached_len and not family._owner
     assert checked > 5 and core.scheduler.num_preemptions > 0
+    assert snaps.num_pending == 0
+    if shared:
+        assert snaps.num_restored > 0

@@ -87,3 +87,29 @@ def test_max_num_seqs_limits_admission():
         s.add(_req(i, 2))
     assert len(s.schedule().seqs) == 2
     assert len(s.waiting) == 1
+
+
+def test_resume_block_size_ends_a_prompt_chunk_at_its_last_boundary():
+    """``resume_block_size``: a chunk that would cross ``(len - 1) // size * size`` ends
+    there (the family snapshots its state), whatever the budget; shorter chunks, chunks
+    that end on it and prompts of at most one block are unchanged."""
+    mgr = KVCacheManager(64, 4, max_blocks_per_seq=16, enable_prefix_caching=False)
+    s = Scheduler(mgr, max_num_batched_tokens=40, max_num_seqs=8, resume_block_size=8)
+    a, b, c = _req(0, 21), _req(1, 8), _req(2, 30)
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()  # a: 16 (not 21); b: one block, whole; c: 16 of the budget left
+    assert [(x.request.request_id, x.num_query_tokens) for x in out.seqs] == [
+        (0, 16), (1, 8), (2, 16)]  # fmt: skip
+    _advance(out)
+    out = s.schedule()  # a's 5; c: 16 -> 24 ends on its boundary (29 // 8 * 8), then 6
+    assert [(x.request.request_id, x.num_query_tokens) for x in out.seqs] == [
+        (0, 5), (2, 8), (1, 1)]  # fmt: skip
+    _advance(out)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_query_tokens) for x in out.seqs] == [
+        (2, 6), (0, 1), (1, 1)]  # fmt: skip
+    plain = Scheduler(KVCacheManager(64, 4, max_blocks_per_seq=16), max_num_batched_tokens=40,
+                      max_num_seqs=8)  # fmt: skip
+    plain.add(_req(0, 21))
+    assert plain.schedule().seqs[0].num_query_tokens == 21
