@@ -358,7 +358,12 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
     print(
         f"kvplan: DeepSeek-V4 hybrid attention, kv_format={kv_format}, block_size={block_size}, "
         f"{num_blocks} blocks, {config.max_num_seqs} state slots"
-        + ("" if snapshots is None else f", {snapshots.capacity} prefix state snapshots"),
+        + (
+            ""
+            if snapshots is None
+            else f", {snapshots.capacity} prefix state snapshots of "
+            f"{snapshots.nbytes_per_snapshot / 2**20:.2f} MiB"
+        ),
         file=sys.stderr,
     )
     return HybridParts(
