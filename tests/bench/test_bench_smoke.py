@@ -132,3 +132,18 @@ def test_first_request_quick(tmp_path):
     assert rec["warmup"]["steps"] > rec["warmup"]["requests"] > 10
     assert [r["prompt_tokens"] for r in rec["small_prompts"]] == [5, 30]
     assert all(len(r["ms_runs"]) == 5 and r["ms_min_after"] > 0 for r in rec["small_prompts"])
+
+
+def test_hybrid_prefix_cache_quick(tmp_path):
+    """`hybrid_prefix_cache.py`: the system-prompt and conversation workloads with the cache
+    off and on; with it on, the questions resume after the system prompt and each turn after
+    the last turn's newest block boundary, with the same tokens."""
+    out = tmp_path / "prefix.json"
+    proc = _run("hybrid_prefix_cache.py", "--quick", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    off, on = rec["results"]["off"], rec["results"]["on"]
+    assert off["system"]["hit_tokens"] == [0, 0, 0] and on["system"]["hit_tokens"] == [48] * 3
+    assert on["conversation"]["hit_tokens"] == [48, 48, 64]
+    assert rec["summary"]["system_tokens_equal"] and rec["summary"]["conversation_tokens_equal"]
+    assert on["snapshots"]["restored"] >= 9 and "snapshots" not in off

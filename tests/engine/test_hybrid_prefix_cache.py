@@ -143,3 +143,30 @@ def test_prefix_caching_off_and_reset(pair):
     on.parts.manager.reset_prefix_cache()  # (also what a failed device step does)
     assert snapshots(on).num_registered == 0
     assert on.generate([p], GREEDY)[0].num_cached_prefix_tokens == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["auto", "fp8"])
+def test_prefix_caching_on_gpu_with_graphs_and_async_steps(pair, kv_format):
+    """On CUDA (decode steps replay graphs, scheduled one step ahead): snapshots taken in
+    replayed and eager steps resume repeats, conversations and a shared prefix with the
+    tokens of the same engine without the cache (fp32)."""
+    _, folder = pair
+    kw = dict(device="cuda", dtype="float32", kv_format=kv_format, max_num_seqs=4,
+              max_model_len=160, max_num_batched_tokens=24)  # fmt: skip
+    on, off = LLM(folder, **kw), LLM(folder, **kw, enable_prefix_caching=False)
+    graphs = on.engine.runner.graphs
+    assert graphs is not None and on.engine.async_scheduling
+    system = random_tokens(50, 35)
+    batch = [system + random_tokens(51 + i, 9) for i in range(3)]
+    p = random_tokens(60, 41)
+    got, want = [], []
+    for llm, out in ((on, got), (off, want)):
+        llm.generate([system], SamplingParams(max_tokens=1, ignore_eos=True))
+        out.extend(llm.generate(batch, GREEDY))
+        first = llm.generate([p], GREEDY)[0]
+        out.append(first)
+        out.append(llm.generate([p + first.token_ids + random_tokens(61, 5)], GREEDY)[0])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.num_cached_prefix_tokens for o in got] == [32, 32, 32, 0, 48]
+    assert graphs.num_replays > 0 and snapshots(on).num_restored == 4
