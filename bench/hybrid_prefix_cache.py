@@ -155,7 +155,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in summary.items()}, indent=1))
     record = {
         "bench": "hybrid_prefix_cache",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
         "command": " ".join([sys.executable, *sys.argv]),
         "workload": {
