@@ -12,7 +12,10 @@ class AllocationResult(NamedTuple):
     prefix cache (a multiple of block_size, < len(prompt); 0 for extend/reserve).
     ``num_missing_blocks``: when not ok, the largest shortfall over the pools (free at least
     that many blocks in that pool and retry). ``reason``: "" | "blocks" | "state_slots".
-    ``missing_per_pool``: the shortfall of each pool.
+    ``missing_per_pool``: the shortfall of each pool. ``num_shared_tokens``: prompt tokens in
+    cached blocks (>= ``num_cached_tokens``): with a ``PrefixCache.state``, a hit can end
+    only where per-sequence state was kept, so the request recomputes the blocks after it;
+    a family that keeps state at chunk ends can end a chunk here for the next such request.
     """
 
     ok: bool
@@ -20,6 +23,7 @@ class AllocationResult(NamedTuple):
     num_missing_blocks: int = 0
     reason: str = ""
     missing_per_pool: tuple[int, ...] = ()
+    num_shared_tokens: int = 0
 
 
 ALLOCATED = AllocationResult(True)

@@ -216,7 +216,9 @@ class KVCacheManager:
         num_cross = self.allocator.num_blocks_for("num_encoder_tokens", num_encoder_tokens)
         cacheable = self.enable_prefix_caching and num_encoder_tokens == 0
         lookup = cacheable and reuse_prefix
-        hit_hashes, hit_blocks = self.prefix_cache.match(prompt) if lookup else ([], [])
+        hit_hashes, hit_blocks, shared = (
+            self.prefix_cache.match_runs(prompt) if lookup else ([], [], 0)
+        )
         if max_new_tokens is not None and max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         end = None
@@ -235,7 +237,7 @@ class KVCacheManager:
         req.hashes = list(hit_hashes)
         if lookup:
             self.prefix_cache.record_lookup(num_prompt, num_cached)
-        return AllocationResult(True, num_cached)
+        return AllocationResult(True, num_cached, num_shared_tokens=shared * self.block_size)
 
     def extend(self, request_id: Hashable, num_tokens: int) -> AllocationResult:
         """Grow the logical length by ``num_tokens`` (every beam), allocating as needed."""

@@ -105,6 +105,13 @@ class PrefixCache:
         Returns ``(hashes, blocks)``: the chained hash of each matched block and, per matched
         block, its id in each pool.
         """
+        hashes, blocks, _ = self.match_runs(prompt)
+        return hashes, blocks
+
+    def match_runs(self, prompt: list[int]) -> tuple[list[bytes], list[list[int]], int]:
+        """`match`, plus the number of blocks of the longest run before the ``state`` had
+        its say (>= the matched run): blocks the cache holds that the request must recompute
+        because no state was kept at their end."""
         bs = self.block_size
         hashes: list[bytes] = []
         blocks: list[list[int]] = []
@@ -116,15 +123,16 @@ class PrefixCache:
             hashes.append(parent)
             blocks.append(found)
         j = len(blocks)
+        while j and not self._window_hits(blocks, j):
+            j -= 1
+        shared = j
         state = self.state
-        while j and not (
-            self._window_hits(blocks, j) and (state is None or state.can_end(hashes[j - 1]))
-        ):
+        while j and state is not None and not state.can_end(hashes[j - 1]):
             j -= 1
         for row in blocks[:j]:
             for p in lazy:
                 row[p] = row[p] or 0
-        return hashes[:j], blocks[:j]
+        return hashes[:j], blocks[:j], shared
 
     def _window_hits(self, blocks: list[list[int | None]], j: int) -> bool:
         """Whether every windowed pool holds the blocks a run of ``j`` blocks needs there."""

@@ -83,6 +83,12 @@ class EngineConfig:
         "bytes for the KV cache (default: 1 GiB on CPU, 60%% of the free CUDA memory)", None
     )
     enable_prefix_caching: bool = _doc("reuse the KV blocks of a shared prompt prefix", True)
+    prefix_state_snapshots: int | None = _doc(
+        "DeepSeek-V4 prefix caching: state snapshots kept at block boundaries, least recently "
+        "used evicted (each one state slot's sliding-window ring and CSA compressor rows; the "
+        "size is printed at start); default: 4 x max_num_seqs",
+        None,
+    )
     enable_chunked_prefill: bool = _doc("split prompts longer than the step's budget", True)
     num_speculative_tokens: int = _doc(
         "n-gram (prompt lookup) draft tokens per step for greedy requests (0 = off)", 0
@@ -152,6 +158,7 @@ class EngineConfig:
         _check_int("window_pool_seqs", self.window_pool_seqs, 1, optional=True)
         _check_choice("sliding_window_kv", self.sliding_window_kv, SLIDING_WINDOW_KV)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_int("prefix_state_snapshots", self.prefix_state_snapshots, 1, optional=True)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("use_cuda_graph", self.use_cuda_graph, optional=True)
         _check_bool("async_scheduling", self.async_scheduling, optional=True)

@@ -16,17 +16,19 @@ attention is planned by `kvplan.plan` and stored in kvplan's paged formats
 Prefix caching (``enable_prefix_caching``, on by default): full blocks of compressed entries
 and indexer keys are shared like a dense model's KV blocks, and the per-sequence state a
 block does not hold (the sliding-window ring, the overlapping compressors' pending rows) is
-kept in snapshots taken at block boundaries (`kvplan.backends.hybrid.snapshots`, as many as
-``max_num_seqs``): after every step whose row ends at a multiple of ``block_size`` (a prompt
+kept in snapshots taken at block boundaries (`kvplan.backends.hybrid.snapshots`,
+``prefix_state_snapshots`` of them, default 4 x ``max_num_seqs``: a running request keeps
+one decode-time snapshot, so a multiple of the running requests leaves room for prompts'):
+after every step whose row ends at a multiple of ``block_size`` (a prompt
 chunk or a decode step; a request keeps only its newest decode-time one), registered under
 the hash of the block that ends there. A prompt lookup then reuses the longest cached run of
 blocks that ends at a snapshot, and the request's state slot is restored from it before its
 first step. The scheduler ends a prompt's chunk at its last block boundary below its length
 (``Scheduler.resume_block_size``), so a repeated prompt, a preempted request and the next turn
-of a conversation (whose prompt holds the last one's output) resume there. A prompt that only
-shares a prefix with an earlier one (a system prompt followed by another question) reuses
-blocks up to the last snapshot inside the shared part, which exists when an earlier request's
-prompt or output ended there.
+of a conversation (whose prompt holds the last one's output) resume there. A prompt that finds
+cached blocks but no snapshot at their end (another question after a shared system prompt)
+recomputes them and ends a chunk there too (``AllocationResult.num_shared_tokens``): later
+prompts sharing that prefix resume at its end.
 
 CUDA graphs (CUDA, ``use_cuda_graph`` on by default there): decode-only steps replay the graph
 of the smallest batch-size bucket that holds them (`kvplan.engine.hybrid_graphs`); the
@@ -354,7 +356,7 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
     if config.enable_prefix_caching:
         from kvplan.backends.hybrid.snapshots import StateSnapshots
 
-        snapshots = StateSnapshots(family, config.max_num_seqs)
+        snapshots = StateSnapshots(family, config.prefix_state_snapshots or 4 * config.max_num_seqs)
     print(
         f"kvplan: DeepSeek-V4 hybrid attention, kv_format={kv_format}, block_size={block_size}, "
         f"{num_blocks} blocks, {config.max_num_seqs} state slots"

@@ -93,6 +93,9 @@ class Request:
     stop_text_len: int | None = None  # cut the text here (stop string found)
     num_preemptions: int = 0
     num_cached_prefix_tokens: int = 0  # prefix-reused tokens at the last admission
+    # where a prefill chunk also ends (0: nowhere): the end of the cached blocks the last
+    # admission could not resume from (`Scheduler.resume_block_size`)
+    resume_at: int = 0
     num_draft_tokens_proposed: int = 0
     num_draft_tokens_accepted: int = 0
     # with params.logprobs: one entry per output token; with params.prompt_logprobs: one

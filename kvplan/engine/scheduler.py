@@ -59,10 +59,12 @@ class Scheduler:
             request's blocks (the attention families drop their per-request state), or None.
         num_draft_tokens: the most drafts ``propose_drafts`` returns (0 without it).
         resume_block_size: when > 0, a prompt's chunks end at its last multiple of this
-            size below its length (``h = (len - 1) // size * size``) if a chunk would cross
-            it: a family that keeps per-sequence state only at chunk ends that are block
-            boundaries (`kvplan.backends.hybrid.snapshots`) can then resume the whole
-            prompt's prefix but its last token(s) for a later request. 0: no cut.
+            size below its length (``h = (len - 1) // size * size``) and at the end of the
+            cached blocks its admission could not resume from (``num_shared_tokens`` of
+            ``add_request``: a prefix shared with an earlier prompt) if a chunk would cross
+            them: a family that keeps per-sequence state only at chunk ends that are block
+            boundaries (`kvplan.backends.hybrid.snapshots`) can then resume there for a later
+            request (the same prompt, or another one sharing that prefix). 0: no cut.
     """
 
     def __init__(
@@ -278,6 +280,7 @@ class Scheduler:
             req.num_prefill_tokens = len(tokens)
             req.num_computed_tokens = result.num_cached_tokens
             req.num_cached_prefix_tokens = result.num_cached_tokens
+            req.resume_at = result.num_shared_tokens if self.resume_block_size else 0
             self.running.append(req)
             n = self._chunk(req, budget)
             prefill.append(ScheduledSeq(req, n, True))
@@ -292,9 +295,9 @@ class Scheduler:
         n = min(req.num_prefill_tokens - start, budget)
         size = self.resume_block_size
         if size:
-            h = (req.num_prefill_tokens - 1) // size * size
-            if start < h < start + n:
-                n = h - start
+            for h in (req.resume_at, (req.num_prefill_tokens - 1) // size * size):
+                if start < h < start + n:
+                    n = h - start
         return n
 
     def _prepare_chunk(

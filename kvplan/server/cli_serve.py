@@ -26,6 +26,7 @@ _ENGINE_FLAGS = (
     "num_blocks",
     "kv_cache_memory",
     "enable_prefix_caching",
+    "prefix_state_snapshots",
     "enable_chunked_prefill",
     "num_speculative_tokens",
     "use_cuda_graph",

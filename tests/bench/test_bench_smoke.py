@@ -135,15 +135,20 @@ def test_first_request_quick(tmp_path):
 
 
 def test_hybrid_prefix_cache_quick(tmp_path):
-    """`hybrid_prefix_cache.py`: the system-prompt and conversation workloads with the cache
-    off and on; with it on, the questions resume after the system prompt and each turn after
-    the last turn's newest block boundary, with the same tokens."""
+    """`hybrid_prefix_cache.py`: the system-prompt, rounds and conversation workloads with
+    the cache off and on; with it on, the questions resume after the (primed) system prompt,
+    the last round after the shared part, each later turn after the last turn's newest block
+    boundary, with the same tokens as without the cache."""
     out = tmp_path / "prefix.json"
     proc = _run("hybrid_prefix_cache.py", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rec = json.loads(out.read_text())
     off, on = rec["results"]["off"], rec["results"]["on"]
-    assert off["system"]["hit_tokens"] == [0, 0, 0] and on["system"]["hit_tokens"] == [48] * 3
-    assert on["conversation"]["hit_tokens"] == [48, 48, 64]
-    assert rec["summary"]["system_tokens_equal"] and rec["summary"]["conversation_tokens_equal"]
-    assert on["snapshots"]["restored"] >= 9 and "snapshots" not in off
+    assert off["system"]["hit_tokens"] == [0, 0, 0] and on["system"]["hit_tokens"] == [32] * 3
+    assert all(h == [0, 0, 0] for h in off["rounds"]["hit_tokens"])
+    assert on["rounds"]["hit_tokens"][-1] == [32] * 3  # 41 shared tokens: 2 blocks
+    assert on["conversation"]["hit_tokens"][1:] == [64, 80]
+    summary = rec["summary"]
+    assert summary["system_tokens_equal"] and summary["conversation_tokens_equal"]
+    assert summary["rounds_tokens_equal"]
+    assert on["snapshots"]["restored"] >= 11 and "snapshots" not in off

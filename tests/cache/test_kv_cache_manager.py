@@ -503,10 +503,15 @@ def test_prefix_state_decides_where_a_hit_may_end():
     assert state.hashed == [("a", b, [hashes[b]]) for b in range(3)]
     blocks = m.get_block_ids("a")
     m.free("a")
-    assert m.add_request("b", prompt).num_cached_tokens == 0  # no block may end a hit
+    got = m.add_request("b", prompt)
+    assert (got.num_cached_tokens, got.num_shared_tokens) == (0, 12)  # no block may end a hit
     m.free("b")
     state.ends = {hashes[1]}
-    assert m.add_request("c", prompt).num_cached_tokens == 8  # 3 blocks cached, 2 usable
+    got = m.add_request("c", prompt[:10] + [99] * 6)  # 2 blocks shared, both usable
+    assert (got.num_cached_tokens, got.num_shared_tokens) == (8, 8)
+    m.free("c")
+    got = m.add_request("c", prompt)  # 3 blocks cached, 2 usable
+    assert (got.num_cached_tokens, got.num_shared_tokens) == (8, 12)
     m.free("c")
     state.ends = {hashes[0], hashes[2]}
     assert m.add_request("d", prompt + [99]).num_cached_tokens == 12

@@ -96,6 +96,23 @@ def test_shared_prefix_in_one_batch_with_chunked_prefill(pair, kv_format):
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
 
 
+def test_a_shared_system_prompt_is_resumed_from_the_third_request_on(pair):
+    """Questions after one system prompt, never sent alone: the second request finds the
+    first one's blocks of the shared part cached but no state at their end, recomputes them
+    and ends a chunk there (``num_shared_tokens``); from then on requests resume there."""
+    hf, folder = pair
+    system = random_tokens(8, 37)  # two full blocks (32 tokens) shared
+    # each prompt's own last boundary (48 or 64) lies past the shared part
+    qs = [system + random_tokens(20 + i, n) for i, n in enumerate((19, 24, 14, 21, 16))]
+    llm = make(folder, max_num_batched_tokens=64)
+    outs = [llm.generate([q], GREEDY)[0] for q in qs[:2]]
+    outs += llm.generate(qs[2:4], GREEDY)  # two together: both resume
+    outs.append(llm.generate([qs[4]], GREEDY)[0])
+    assert [o.num_cached_prefix_tokens for o in outs] == [0, 0, 32, 32, 32]
+    for q, o in zip(qs, outs):
+        assert o.token_ids == hf_greedy(hf, q, GREEDY.max_tokens)
+
+
 def test_preemption_resumes_from_cached_prefixes_and_frees_everything(pair):
     hf, folder = pair
     prompts = [random_tokens(20 + i, 30) for i in range(4)]
@@ -112,10 +129,10 @@ def test_preemption_resumes_from_cached_prefixes_and_frees_everything(pair):
 
 
 def test_evicted_snapshots_only_shorten_hits(pair):
-    """One snapshot slot (max_num_seqs=1): each new snapshot evicts the last one; a prompt
-    whose snapshot is gone is computed whole, and outputs stay exact."""
+    """One snapshot slot: each new snapshot evicts the last one; a prompt whose snapshot is
+    gone is computed whole, and outputs stay exact."""
     hf, folder = pair
-    llm = make(folder, max_num_seqs=1)
+    llm = make(folder, max_num_seqs=1, prefix_state_snapshots=1)
     a, b = random_tokens(30, 40), random_tokens(31, 40)
     short = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)  # 44 < 48
     got = [llm.generate([p], short)[0] for p in (a, b, a, a)]
@@ -135,6 +152,9 @@ def test_prefix_caching_off_and_reset(pair):
     _, folder = pair
     off = make(folder, enable_prefix_caching=False)
     assert snapshots(off) is None and off.engine.scheduler.resume_block_size == 0
+    assert snapshots(make(folder)).capacity == 12  # 4 x max_num_seqs
+    with pytest.raises(ValueError, match="prefix_state_snapshots must be"):
+        make(folder, prefix_state_snapshots=0)
     p = random_tokens(3, 41)
     assert [off.generate([p], GREEDY)[0].num_cached_prefix_tokens for _ in range(2)] == [0, 0]
     on = make(folder)
