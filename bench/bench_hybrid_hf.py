@@ -90,12 +90,17 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
     # steps pass through), which must not be timed
     warm = llm.generate(ids, params)  # greedy: the timed run's tokens are the same
     sync(dev)
+    # every timed run computes the whole workload: no prompt resumes from the warm-up's
+    # cached prefixes (HF's runs have no cache across calls either)
+    reset = llm.parts.manager.reset_prefix_cache
+    reset()
     info = {}
     if args.split:  # the prompts alone (+ one token): the prefill share of the run
         t0 = time.perf_counter()
         llm.generate(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         sync(dev)
         info["prefill_seconds"] = time.perf_counter() - t0
+        reset()
     if args.profile_prefill:  # two prompts alone under the profiler: where prefill time goes
         from torch.profiler import ProfilerActivity, profile
 
@@ -103,6 +108,7 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
         with profile(activities=acts) as prof:
             llm.generate(ids[:2], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             sync(dev)
+        reset()
         if args.trace:  # the timeline (host ops, launches, kernels, gaps) for a trace viewer
             os.makedirs(args.trace, exist_ok=True)
             raw = os.path.join(args.trace, f"prefill_{kv_format}.json")
@@ -126,6 +132,7 @@ def run_kvplan(folder, prompts, new, dev, kv_format, args) -> tuple[float, list[
                 triton_compiles_in_run=res.triton_compiles,
                 steps_by_kind=res.steps_by_kind_summary())  # fmt: skip
     if args.cprofile:  # the whole workload again under cProfile: where the host time goes
+        reset()
         info["cprofile"] = host_profile(partial(llm.generate, ids, params), dev)
     del llm
     if dev.type == "cuda":

@@ -230,10 +230,12 @@ def main() -> None:
         kv = args.kv_format if cuda else args.kv_format.replace("bf16", "fp32")
         t_build = time.perf_counter()
         warm = None if args.warmup is None else args.warmup == "on"
+        # prefix caching off: each walk of the same prompts computes every prompt token,
+        # in the steps of the sessions before it (no chunk ends at resume boundaries)
         llm = LLM(
             folder, device=dev.type, dtype="bfloat16" if cuda else "float32", kv_format=kv,
             max_num_seqs=n, max_model_len=p + new + 8, max_num_batched_tokens=budget,
-            warmup=warm,
+            warmup=warm, enable_prefix_caching=False,
         )  # fmt: skip
         rep = llm.warmup_report
         record["build_s"] = time.perf_counter() - t_build
