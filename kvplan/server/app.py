@@ -191,7 +191,11 @@ def build_app(
             else:
                 text, lps = _completion_choice(tok, parsed, out)
                 choices.append({"index": k, "text": text, "logprobs": lps, "finish_reason": out.finish_reason})  # fmt: skip
-        usage = _usage(parsed, [_num_generated(parsed, ev.output.token_ids) for ev in events])
+        usage = _usage(
+            parsed,
+            [_num_generated(parsed, ev.output.token_ids) for ev in events],
+            [ev.output.num_cached_prefix_tokens for ev in events],
+        )
         obj = "chat.completion" if chat else "text_completion"
         return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": choices, "usage": usage}  # fmt: skip
 
@@ -222,6 +226,7 @@ def build_app(
         ids: list[list[int]] = [[] for _ in range(num)]
         sent = [""] * num
         counts = [0] * num
+        cached = [0] * num
         stamp = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         extra = {"usage": None} if parsed.include_usage else {}
@@ -276,6 +281,7 @@ def build_app(
             counts[k] += len(new)
             if out is not None:
                 text, finish = ("" if parsed.score_only else out.text), out.finish_reason
+                cached[k] = out.num_cached_prefix_tokens
                 done += 1
             else:
                 text, finish = _partial_text(tok, ids[k], parsed.params[k].stop_strings), None
@@ -286,7 +292,7 @@ def build_app(
                 sent[k] += delta
                 yield chunk(k, delta, finish, ids=new, lps=lps)
         if parsed.include_usage:
-            usage = _usage(parsed, counts)
+            usage = _usage(parsed, counts, cached)
             yield _sse({"id": rid, "object": obj, "created": stamp, "model": name, "choices": [], "usage": usage})  # fmt: skip
         yield "data: [DONE]\n\n"
 
@@ -345,13 +351,17 @@ def mean_logprob(out: RequestOutput) -> float:
     return sum(lps) / len(lps) if lps else float("-inf")
 
 
-def _usage(parsed: Parsed, completion_tokens: list[int]) -> dict[str, int]:
+def _usage(parsed: Parsed, completion_tokens: list[int], cached_tokens: list[int]) -> dict:
     """Prompt tokens once per prompt; completion tokens of every generated sequence (with
-    ``best_of``, those not returned too)."""
+    ``best_of``, those not returned too); ``prompt_tokens_details.cached_tokens``: the prompt
+    tokens the prefix cache served, once per prompt (its first sequence's; the others of a
+    prompt, engine requests of their own, usually resume from it)."""
     k = parsed.per_prompt
     prompt = sum(len(parsed.prompts[i * k]) for i in range(parsed.num_prompts))
     comp = sum(completion_tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp}
+    cached = sum(cached_tokens[i * k] for i in range(parsed.num_prompts))
+    return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
 async def _disconnected(request: Request) -> None:

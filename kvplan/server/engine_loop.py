@@ -220,7 +220,7 @@ class EngineLoop:
         for out in self.llm.pop_finished():
             live = self._live.pop(out.request_id, None)
             self._release(1)
-            self.metrics.request_finished(out.finish_reason)
+            self.metrics.request_finished(out.finish_reason, out.num_cached_prefix_tokens)
             if live is not None:
                 self._send(live, out.token_ids, now, out, out.logprobs, out.prompt_logprobs)
 

@@ -56,6 +56,7 @@ class Metrics:
         )
         self.generation_tokens = 0
         self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0  # of finished requests: resumed from the prefix cache
         self.finished: dict[str, int] = {}  # finish reason -> requests
         self.rejected = 0  # requests refused with 503 (queue full)
         self.step_errors = 0
@@ -76,8 +77,11 @@ class Metrics:
         with self._lock:
             self.prompt_tokens += num_prompt_tokens
 
-    def request_finished(self, reason: str | None) -> None:
+    def request_finished(self, reason: str | None, num_cached_tokens: int = 0) -> None:
+        """A request finished; ``num_cached_tokens``: its prompt tokens the prefix cache
+        served (not computed) at its last admission."""
         with self._lock:
+            self.cached_prompt_tokens += num_cached_tokens
             key = reason or "unknown"
             self.finished[key] = self.finished.get(key, 0) + 1
 
@@ -99,6 +103,7 @@ class Metrics:
             counters = [
                 ("kvplan_generation_tokens_total", "generated tokens", {"": self.generation_tokens}),
                 ("kvplan_prompt_tokens_total", "prompt tokens of added requests", {"": self.prompt_tokens}),
+                ("kvplan_prompt_tokens_cached_total", "prompt tokens of finished requests served by the prefix cache (not computed)", {"": self.cached_prompt_tokens}),
                 (
                     "kvplan_requests_finished_total",
                     "engine requests finished, by finish reason",

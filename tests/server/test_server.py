@@ -93,6 +93,28 @@ def test_chat_greedy_equals_generate(served):
     assert out.usage.completion_tokens == len(ref.token_ids)
 
 
+def test_usage_reports_prompt_tokens_served_by_the_prefix_cache(served):
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field) and the
+    ``kvplan_prompt_tokens_cached_total`` counter: a repeated prompt resumes from its cached
+    full blocks (block_size 8, one token left to compute)."""
+    client = _client(served)
+    prompt = " ".join(f"w{i}" for i in range(300, 340))
+    n = len(_enc(served, prompt))
+    want = (n - 1) // 8 * 8
+    assert want >= 16
+    before = _metric(served, "kvplan_prompt_tokens_cached_total")
+    kw = dict(model="tiny-llama", prompt=prompt, max_tokens=4, temperature=0)
+    first, again = client.completions.create(**kw), client.completions.create(**kw)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens == n
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == want
+    assert again.choices[0].text == first.choices[0].text
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == want
+    assert _metric(served, "kvplan_prompt_tokens_cached_total") >= before + 2 * want
+
+
 def test_streaming_equals_non_streaming(served):
     client = _client(served)
     msgs = [{"role": "user", "content": "d e w9"}]
