@@ -131,10 +131,13 @@ def walk(llm, ids, new: int, dev: torch.device, profile: str, top: int = 40) -> 
 
 
 def time_prompt(llm, prompt: list[int], dev: torch.device, runs: int = 5) -> list[float]:
-    """Wall ms of ``runs`` generations of one token from ``prompt`` alone (one eager step)."""
+    """Wall ms of ``runs`` generations of one token from ``prompt`` alone (one eager step).
+    Each run computes the whole prompt: the prefix cache is reset before it (a dense
+    engine's would otherwise serve every run after the first)."""
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     walls = []
     for _ in range(runs):
+        llm.parts.manager.reset_prefix_cache()
         sync(dev)
         t0 = time.perf_counter()
         llm.generate([prompt], one)
