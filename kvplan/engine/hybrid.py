@@ -17,10 +17,10 @@ Prefix caching (``enable_prefix_caching``, on by default): full blocks of compre
 and indexer keys are shared like a dense model's KV blocks, and the per-sequence state a
 block does not hold (the sliding-window ring, the overlapping compressors' pending rows) is
 kept in snapshots taken at block boundaries (`kvplan.backends.hybrid.snapshots`,
-``prefix_state_snapshots`` of them, default 4 x ``max_num_seqs``: a running request keeps
-one decode-time snapshot, so a multiple of the running requests leaves room for prompts'):
-after every step whose row ends at a multiple of ``block_size`` (a prompt
-chunk or a decode step; a request keeps only its newest decode-time one), registered under
+``prefix_state_snapshots`` of them, default 4 x ``max_num_seqs``: each running request keeps
+one decode-time snapshot, the rest hold prompts' boundaries), taken after every step whose
+row ends at a multiple of ``block_size`` (a prompt chunk or a decode step; a request keeps
+only its newest decode-time one) and registered under
 the hash of the block that ends there. A prompt lookup then reuses the longest cached run of
 blocks that ends at a snapshot, and the request's state slot is restored from it before its
 first step. The scheduler ends a prompt's chunk at its last block boundary below its length
