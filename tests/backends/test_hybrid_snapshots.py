@@ -77,6 +77,25 @@ def test_restore_gives_the_snapshotted_slot_bit_for_bit(kv_format):
     assert snaps.nbytes_per_snapshot == 3 * ring + state
 
 
+def test_a_batched_take_equals_single_takes():
+    """Several slots snapshotted in one call (gather / scatter) restore like one at a time
+    (slice copies)."""
+    fam = family("fp8")
+    fill_random(fam, 3)
+    want = {s: slot_state(fam, s) for s in (0, 2, 3)}
+    snaps = StateSnapshots(fam, 4)
+    assert snaps.take([("a", 0, 2, False), ("b", 1, 0, True), ("c", 0, 3, False)]) == 3
+    for rid, block, h in (("a", 0, b"a"), ("b", 1, b"b"), ("c", 0, b"c")):
+        snaps.register(rid, block, [h])
+    fill_random(fam, 4)
+    for h, src, dst in ((b"a", 2, 1), (b"b", 0, 2), (b"c", 3, 0)):
+        snaps.restore(h, dst)
+        got = slot_state(fam, dst)
+        for key, value in want[src].items():
+            if not key.startswith("compressor2"):
+                assert torch.equal(got[key], value), (h, key)
+
+
 def test_least_recently_used_eviction_and_pending_slots():
     fam = family()
     snaps = StateSnapshots(fam, 2)

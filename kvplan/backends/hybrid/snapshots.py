@@ -187,6 +187,17 @@ class StateSnapshots:
         self._free.append(slot)
 
     def _copy(self, state_ids: list[int], slots: list[int], *, save: bool) -> None:
+        """Copy state slots to snapshot slots (``save``) or back: one slice copy per tensor
+        for a single slot (every restore; most decode steps' takes), else one gather and one
+        scatter per tensor."""
+        if len(slots) == 1:
+            sid, slot = state_ids[0], slots[0]
+            for live, copy in self._pairs:
+                if save:
+                    copy[slot].copy_(live[sid])
+                else:
+                    live[sid].copy_(copy[slot])
+            return
         dev = self.family.device
         sid = torch.tensor(state_ids, dtype=torch.int64).to(dev, non_blocking=True)
         snap = torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True)
