@@ -149,9 +149,8 @@ class HybridEngineFamily:
         for rid, cached in zip(step.request_ids, step.num_cached_tokens.tolist()):
             if cached and not fam.holds(rid):
                 req = m.requests.get(rid)
-                sid = m.get_state_slot(rid)
-                self.snapshots.restore(req.hashes[cached // bs - 1], sid)
-                fam.adopt(rid, sid, cached)
+                self.snapshots.restore(req.hashes[cached // bs - 1], req.state_slot)
+                fam.adopt(rid, req.state_slot, cached)
 
     def after_step(self, step: StepBatch) -> None:
         """Queue the snapshots of rows that end this step at a block boundary (right after
@@ -166,9 +165,10 @@ class HybridEngineFamily:
         entries = []
         for i in rows.tolist():
             rid = step.request_ids[i]
-            if m.requests.get(rid).cacheable:
+            req = m.requests.get(rid)
+            if req.cacheable:
                 decode = not step.seqs[i].is_prefill
-                entries.append((rid, int(ends[i]) // bs - 1, m.get_state_slot(rid), decode))
+                entries.append((rid, int(ends[i]) // bs - 1, req.state_slot, decode))
         if entries:
             self.snapshots.take(entries)
 
@@ -291,7 +291,12 @@ class HybridParts:
     num_blocks: int
     max_model_len: int
     kv_format: str
-    resume_block_size: int = 0  # `Scheduler.resume_block_size` (prefix caching)
+
+    @property
+    def resume_block_size(self) -> int:
+        """`Scheduler.resume_block_size`: the block size with prefix caching (chunks end
+        where snapshots can be taken), else 0."""
+        return self.block_size if self.family.snapshots is not None else 0
 
 
 def hybrid_block_size(block_size: int, ratios: list[int]) -> int:
@@ -376,5 +381,4 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
         num_blocks,
         max_model_len,
         kv_format,
-        block_size if snapshots is not None else 0,
     )

@@ -165,17 +165,15 @@ class ModelRunner:
         attention = self.plan(step)
         if self.graphs is not None and self.graphs.can_run(step):
             logits = self.graphs.run(inputs, device_input_ids)
-            for family in self._after_step:
-                family.after_step(step)
-            return logits, inputs
-        dev = self.device
-        if device_input_ids is not None:
-            input_ids = device_input_ids
         else:
-            input_ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
-        positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
-        rows = torch.from_numpy(inputs.logits_rows).to(dev, non_blocking=True)
-        logits = self.model(input_ids, positions, attention, rows)
+            dev = self.device
+            if device_input_ids is not None:
+                input_ids = device_input_ids
+            else:
+                input_ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
+            positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
+            rows = torch.from_numpy(inputs.logits_rows).to(dev, non_blocking=True)
+            logits = self.model(input_ids, positions, attention, rows)
         for family in self._after_step:
             family.after_step(step)
         return logits, inputs

@@ -58,17 +58,16 @@ class StateSnapshots:
         slots = family.config.num_state_slots
         for layer in family.caches:
             ring = layer.ring.cache  # [num_state_slots, ring_size, ...]
-            self._pairs.append((ring, _zeros_like_rows(ring, capacity)))
+            self._pairs.append((ring, ring.new_zeros((capacity, *ring.shape[1:]))))
             spec = layer.spec
             if not spec.ratio or not spec.overlap:
                 continue  # HCA / sliding: nothing pending at a block boundary
             for kv_gate in layer.state.values():
                 for t in kv_gate:  # [slots * R + 1 trash row, width]
                     live = t[:-1].view(slots, -1, t.shape[1])
-                    self._pairs.append((live, _zeros_like_rows(live, capacity)))
+                    self._pairs.append((live, live.new_zeros((capacity, *live.shape[1:]))))
         self._free = list(range(capacity - 1, -1, -1))  # pop() gives 0, 1, ...
         self._by_hash: OrderedDict[Hashable, int] = OrderedDict()  # LRU first
-        self._hash_of: dict[int, Hashable] = {}
         # request -> {block index: (slot, taken at a decode step)}
         self._pending: dict[Hashable, dict[int, tuple[int, bool]]] = {}
         self._latest: dict[Hashable, Hashable] = {}  # request -> hash of its last decode one
@@ -99,8 +98,7 @@ class StateSnapshots:
         tokens (``decode``: reached by a decode step; a request keeps only its newest such
         snapshot, see `register`). Each gets a free snapshot slot (the least recently used
         registered one is evicted when none is free; entries are skipped when every slot is
-        pending) and stays pending until `register`. Returns how many were taken. One
-        batched copy per tensor."""
+        pending) and stays pending until `register`. Returns how many were taken (`_copy`)."""
         dst: list[int] = []
         src: list[int] = []
         for rid, block, sid, decode in entries:
@@ -134,13 +132,12 @@ class StateSnapshots:
             slot, decode = got
             old = self._by_hash.pop(h, None)
             if old is not None:
-                self._release(old)
+                self._free.append(old)
             self._by_hash[h] = slot
-            self._hash_of[slot] = h
             if decode:
                 prev = self._latest.get(request_id)
                 if prev is not None and prev != h and prev in self._by_hash:
-                    self._release(self._by_hash.pop(prev))
+                    self._free.append(self._by_hash.pop(prev))
                 self._latest[request_id] = h
         if not pending:
             del self._pending[request_id]
@@ -154,9 +151,7 @@ class StateSnapshots:
 
     def clear(self) -> None:
         """Forget every registered snapshot (the prefix cache was reset)."""
-        for slot in self._by_hash.values():
-            self._hash_of.pop(slot, None)
-            self._free.append(slot)
+        self._free.extend(self._by_hash.values())
         self._by_hash.clear()
         self._latest.clear()
 
@@ -178,13 +173,8 @@ class StateSnapshots:
         if not self._by_hash:
             return None
         _, slot = self._by_hash.popitem(last=False)  # least recently used
-        del self._hash_of[slot]
         self.num_evicted += 1
         return slot
-
-    def _release(self, slot: int) -> None:
-        self._hash_of.pop(slot, None)
-        self._free.append(slot)
 
     def _copy(self, state_ids: list[int], slots: list[int], *, save: bool) -> None:
         """Copy state slots to snapshot slots (``save``) or back: one slice copy per tensor
@@ -206,7 +196,3 @@ class StateSnapshots:
                 copy.index_copy_(0, snap, live.index_select(0, sid))
             else:
                 live.index_copy_(0, sid, copy.index_select(0, snap))
-
-
-def _zeros_like_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
