@@ -12,9 +12,13 @@ on (same weights, greedy):
   is timed, with the cache off). Reported: the wall time of the questions, and the time to
   the first token of one more question alone afterwards (``ttft_s``, median of 3).
 * ``rounds``: ``--rounds`` rounds of ``--questions`` new questions after the same system
-  prompt, never sent alone: round 1 finds nothing cached, round 2 finds the system prompt's
-  blocks but no state at their end (it recomputes them and leaves a snapshot there), later
-  rounds resume. Reported: each round's wall time and hits.
+  prompt, never sent alone, all of a round's questions at once. With the cache on
+  (``wait_for_shared_prefix``, the default) round 1's first question computes the system
+  prompt and ends a chunk where the shared blocks end; the others wait for those blocks and
+  resume there. A third engine runs the rounds with the cache on but no waiting (``nowait``):
+  there round 1 computes the system prompt in every question, round 2 finds its blocks but
+  no state at their end (it recomputes them and leaves a snapshot there), later rounds
+  resume. Reported: each round's wall time and hits.
 * ``conversation``: ``--turns`` turns of one request; each prompt is the last prompt, its
   output and ``--question-len`` new tokens. Reported: each turn's wall time.
 
@@ -133,16 +137,21 @@ def main() -> None:
         rounds = [[tokens(qlen) for _ in range(nq)] for _ in range(args.rounds)]
         first = system + tokens(qlen)
         results = {}
-        for caching in (False, True):
+        for key in ("off", "nowait", "on"):
             llm = LLM(folder, device=dev.type, dtype="bfloat16" if cuda else "float32",
                       kv_format=args.kv_format, max_num_seqs=nq, max_model_len=max_len,
-                      max_num_batched_tokens=budget, enable_prefix_caching=caching)  # fmt: skip
-            key = "on" if caching else "off"
-            results[key] = {
-                "system": run_system(llm, system, questions, extra, new, dev),
-                "rounds": run_rounds(llm, other, rounds, new, dev),
-                "conversation": run_conversation(llm, first, additions, new, dev),
-            }
+                      max_num_batched_tokens=budget, enable_prefix_caching=key != "off",
+                      wait_for_shared_prefix=key == "on")  # fmt: skip
+            if key == "nowait":  # waiting changes only the rounds (nothing else shares a
+                # prefix with a running request)
+                results[key] = {"rounds": run_rounds(llm, other, rounds, new, dev)}
+            else:
+                results[key] = {
+                    "system": run_system(llm, system, questions, extra, new, dev),
+                    "rounds": run_rounds(llm, other, rounds, new, dev),
+                    "conversation": run_conversation(llm, first, additions, new, dev),
+                }
+            results[key]["prefix_waits"] = llm.engine.scheduler.num_prefix_waits
             snaps = llm.engine.runner.families["hybrid"].snapshots
             if snaps is not None:
                 results[key]["snapshots"] = {
@@ -155,7 +164,7 @@ def main() -> None:
             del llm
             if cuda:
                 torch.cuda.empty_cache()
-    off, on = results["off"], results["on"]
+    off, nowait, on = results["off"], results["nowait"], results["on"]
     summary = {
         "questions_speedup": off["system"]["questions_wall_s"] / on["system"]["questions_wall_s"],
         "ttft_speedup": off["system"]["ttft_s"] / on["system"]["ttft_s"],
@@ -166,10 +175,17 @@ def main() -> None:
         "rounds_speedup": [
             a / b for a, b in zip(off["rounds"]["round_wall_s"], on["rounds"]["round_wall_s"])
         ],
+        "rounds_speedup_nowait": [
+            a / b for a, b in zip(off["rounds"]["round_wall_s"], nowait["rounds"]["round_wall_s"])
+        ],
+        "rounds_tokens_equal_nowait": off["rounds"]["tokens"] == nowait["rounds"]["tokens"],
         "system_tokens_equal": off["system"]["tokens"] == on["system"]["tokens"],
         "rounds_tokens_equal": off["rounds"]["tokens"] == on["rounds"]["tokens"],
         "conversation_tokens_equal": off["conversation"]["tokens"] == on["conversation"]["tokens"],
     }
+    print("cache on, no waiting: rounds "
+          + " ".join(f"{w * 1e3:.0f}" for w in nowait["rounds"]["round_wall_s"])
+          + f" ms (hits {[h[:4] for h in nowait['rounds']['hit_tokens']]})")  # fmt: skip
     for key in ("off", "on"):
         s, c = results[key]["system"], results[key]["conversation"]
         print(f"cache {key:3s}: prime {s['prime_s'] * 1e3:8.1f} ms, {nq} questions "
@@ -178,7 +194,7 @@ def main() -> None:
               + " ".join(f"{w * 1e3:.0f}" for w in c["turn_wall_s"])
               + f" ms (hits {c['hit_tokens']}); rounds "
               + " ".join(f"{w * 1e3:.0f}" for w in results[key]["rounds"]["round_wall_s"])
-              + f" ms (hits {[h[0] for h in results[key]['rounds']['hit_tokens']]})")  # fmt: skip
+              + f" ms (hits {[h[:4] for h in results[key]['rounds']['hit_tokens']]})")  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items()}, indent=1))
     record = {
         "bench": "hybrid_prefix_cache",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import NamedTuple
 
 
@@ -11,7 +12,10 @@ class AllocationResult(NamedTuple):
     ``ok``: everything was allocated. ``num_cached_tokens``: prompt tokens reused from the
     prefix cache (a multiple of block_size, < len(prompt); 0 for extend/reserve).
     ``num_missing_blocks``: when not ok, the largest shortfall over the pools (free at least
-    that many blocks in that pool and retry). ``reason``: "" | "blocks" | "state_slots".
+    that many blocks in that pool and retry). ``reason``: "" | "blocks" | "state_slots" |
+    "pending_prefix" (``add_request(wait_for_pending=True)``: blocks after the cached run are
+    being computed by the request ``pending_owner``; ``num_shared_tokens`` is the end of
+    that run).
     ``missing_per_pool``: the shortfall of each pool. ``num_shared_tokens``: prompt tokens in
     cached blocks (>= ``num_cached_tokens``): with a ``PrefixCache.state``, a hit can end
     only where per-sequence state was kept, so the request recomputes the blocks after it;
@@ -24,6 +28,7 @@ class AllocationResult(NamedTuple):
     reason: str = ""
     missing_per_pool: tuple[int, ...] = ()
     num_shared_tokens: int = 0
+    pending_owner: Hashable = None
 
 
 ALLOCATED = AllocationResult(True)

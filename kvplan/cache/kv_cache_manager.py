@@ -191,6 +191,7 @@ class KVCacheManager:
         num_encoder_tokens: int = 0,
         reuse_prefix: bool = True,
         max_new_tokens: int | None = None,
+        wait_for_pending: bool = False,
     ) -> AllocationResult:
         """Allocate blocks for the whole prompt, reusing cached full prefix blocks.
 
@@ -201,6 +202,11 @@ class KVCacheManager:
         ``max_new_tokens``: the first chunk computes at most this many tokens; with
         ``release_out_of_window`` the window pools allocate only what that chunk's queries
         see (``prepare_chunk`` adds the rest chunk by chunk). None: the whole prompt.
+        ``wait_for_pending``: when the blocks right after the cached run are ones another
+        admitted request has yet to commit (its prefill is computing them), allocate nothing
+        and return ``reason="pending_prefix"`` with ``num_shared_tokens`` = the end of that
+        run and ``pending_owner`` = that request: admitted once they are committed, this
+        prompt reuses them instead of computing them again.
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already active")
@@ -216,11 +222,17 @@ class KVCacheManager:
         num_cross = self.allocator.num_blocks_for("num_encoder_tokens", num_encoder_tokens)
         cacheable = self.enable_prefix_caching and num_encoder_tokens == 0
         lookup = cacheable and reuse_prefix
-        hit_hashes, hit_blocks, shared = (
-            self.prefix_cache.match_runs(prompt) if lookup else ([], [], 0)
-        )
         if max_new_tokens is not None and max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        hit_hashes, hit_blocks, shared = [], [], 0
+        if lookup:
+            m = self.prefix_cache.match_runs(prompt, pending=wait_for_pending)
+            if m.pending_end:
+                return AllocationResult(
+                    False, reason="pending_prefix", pending_owner=m.owner,
+                    num_shared_tokens=m.pending_end * self.block_size,
+                )  # fmt: skip
+            hit_hashes, hit_blocks, shared = m.hashes, m.blocks, m.num_shared
         end = None
         if max_new_tokens is not None:
             end = len(hit_blocks) * self.block_size + max_new_tokens
@@ -235,6 +247,8 @@ class KVCacheManager:
         num_cached = len(hit_hashes) * self.block_size
         self.requests.num_committed[req.rows[0]] = num_cached
         req.hashes = list(hit_hashes)
+        if cacheable:
+            self.prefix_cache.add_pending(req)
         if lookup:
             self.prefix_cache.record_lookup(num_prompt, num_cached)
         return AllocationResult(True, num_cached, num_shared_tokens=shared * self.block_size)
@@ -343,6 +357,7 @@ class KVCacheManager:
         req = self.requests.get(request_id)
         self.allocator.truncate(req, 0)
         self.allocator.free_cross(req)
+        self.prefix_cache.drop_pending(req)
         self.requests.drop(request_id)
 
     def beam_fork_copies(self, request_id: Hashable) -> list[tuple[int, int, int]]:

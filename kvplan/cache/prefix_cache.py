@@ -16,6 +16,13 @@ pending rows: `kvplan.backends.hybrid.snapshots`) can resume a prefix only where
 was kept. Such a family installs a `PrefixState`: a match then ends at the longest run whose
 last block's hash it can resume from, it hears of every block the manager hashes, and of
 resets.
+
+Pending blocks: an admitted request's prompt blocks that are not committed yet will be cached
+once its prefill writes them. Their chained hashes are computed at admission (`add_pending`;
+the commit then takes them instead of hashing again) and kept in ``pending`` until committed
+or freed, so a lookup can say how much of a prompt another request is computing right now
+(`match_runs`' ``num_pending``): the scheduler lets such a prompt wait for those blocks
+instead of computing them a second time.
 """
 
 from __future__ import annotations
@@ -37,6 +44,22 @@ class PrefixCacheStats(NamedTuple):
     @property
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class PrefixMatch(NamedTuple):
+    """A prompt's lookup (`PrefixCache.match_runs`).
+
+    ``hashes`` / ``blocks``: the reusable run (`PrefixCache.match`). ``num_shared``: blocks of
+    the longest cached run before the ``state`` gate (>= ``len(hashes)``). ``pending_end``:
+    when the blocks right after the cached run are pending (asked for), the number of
+    leading blocks through the last of them (cached ones, then pending ones), else 0;
+    ``owner``: the id of a request that will commit that whole run (None without one)."""
+
+    hashes: list[bytes]
+    blocks: list[list[int]]
+    num_shared: int
+    pending_end: int = 0
+    owner: Hashable = None
 
 
 class PrefixState(Protocol):
@@ -77,6 +100,8 @@ class PrefixCache:
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.state: PrefixState | None = None  # per-sequence state beside the blocks
+        # hash -> ids of the admitted requests that will commit that block (module docstring)
+        self.pending: dict[bytes, list[Hashable]] = {}
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self.num_queried_tokens, self.num_hit_tokens)
@@ -105,23 +130,37 @@ class PrefixCache:
         Returns ``(hashes, blocks)``: the chained hash of each matched block and, per matched
         block, its id in each pool.
         """
-        hashes, blocks, _ = self.match_runs(prompt)
-        return hashes, blocks
+        m = self.match_runs(prompt)
+        return m.hashes, m.blocks
 
-    def match_runs(self, prompt: list[int]) -> tuple[list[bytes], list[list[int]], int]:
+    def match_runs(self, prompt: list[int], *, pending: bool = False) -> PrefixMatch:
         """`match`, plus the number of blocks of the longest run before the ``state`` had
         its say (>= the matched run): blocks the cache holds that the request must recompute
-        because no state was kept at their end."""
+        because no state was kept at their end. ``pending``: also count the blocks after the
+        raw cached run that admitted requests are computing (``PrefixMatch.pending_end``)."""
         bs = self.block_size
         hashes: list[bytes] = []
         blocks: list[list[int]] = []
         lazy = self._lazy_pools
-        for parent in iter_block_hashes(prompt, bs, (len(prompt) - 1) // bs):
+        chain = iter_block_hashes(prompt, bs, (len(prompt) - 1) // bs)
+        miss = None
+        for parent in chain:
             found = [pool.lookup(parent) for pool in self.pools]
             if any(x is None for p, x in enumerate(found) if p not in lazy):
+                miss = parent
                 break
             hashes.append(parent)
             blocks.append(found)
+        pending_end, owner = 0, None
+        if pending and miss is not None and miss in self.pending:
+            owners = self.pending[miss]
+            pending_end = len(blocks) + 1
+            for h in chain:
+                if h not in self.pending:
+                    break
+                owners = self.pending[h]
+                pending_end += 1
+            owner = owners[0]  # it commits the whole run: the chain holds its earlier blocks
         j = len(blocks)
         while j and not self._window_hits(blocks, j):
             j -= 1
@@ -132,7 +171,45 @@ class PrefixCache:
         for row in blocks[:j]:
             for p in lazy:
                 row[p] = row[p] or 0
-        return hashes[:j], blocks[:j], shared
+        return PrefixMatch(hashes[:j], blocks[:j], shared, pending_end, owner)
+
+    def add_pending(self, req: Request) -> None:
+        """Hash ``req``'s prompt blocks past its committed ones (after its lookup's hits) and
+        register them as pending (module docstring); a no-op for a request whose blocks are
+        not hashable."""
+        if not req.cacheable:
+            return
+        bs = self.block_size
+        first, last = len(req.hashes), len(req.prompt) // bs
+        if last <= first:
+            return
+        parent = req.hashes[-1] if req.hashes else None
+        chain = list(iter_block_hashes(req.prompt[first * bs : last * bs], bs, last - first,
+                                       parent))  # fmt: skip
+        req.prompt_hashes = req.hashes + chain
+        pending = self.pending
+        rid = req.request_id
+        for h in chain:
+            owners = pending.get(h)
+            if owners is None:
+                pending[h] = [rid]
+            else:
+                owners.append(rid)
+
+    def drop_pending(self, req: Request) -> None:
+        """``req`` leaves (freed): its uncommitted prompt blocks are no longer pending."""
+        self._unpend(req, len(req.hashes), len(req.prompt_hashes))
+        req.prompt_hashes = []
+
+    def _unpend(self, req: Request, start: int, end: int) -> None:
+        pending, rid = self.pending, req.request_id
+        for h in req.prompt_hashes[start:end]:
+            owners = pending.get(h)
+            if owners is None:
+                continue
+            owners.remove(rid)
+            if not owners:
+                del pending[h]
 
     def _window_hits(self, blocks: list[list[int | None]], j: int) -> bool:
         """Whether every windowed pool holds the blocks a run of ``j`` blocks needs there."""
@@ -182,8 +259,15 @@ class PrefixCache:
             if count <= 0:
                 return
         assert b == len(req.hashes), f"block {b} filled with {len(req.hashes)} blocks hashed"
-        parent = req.hashes[-1] if req.hashes else None
-        hashes = iter_block_hashes(tokens, self.block_size, count, parent)
+        # prompt blocks were hashed at admission (`add_pending`); hash only the others
+        known = max(0, min(count, len(req.prompt_hashes) - b))
+        hashes = req.prompt_hashes[b : b + known]
+        if known:
+            self._unpend(req, b, b + known)
+        if known < count:
+            bs = self.block_size
+            parent = hashes[-1] if hashes else (req.hashes[-1] if req.hashes else None)
+            hashes += iter_block_hashes(tokens[known * bs :], bs, count - known, parent)
         ids = self.table.tables[:, req.rows[0], b : b + count].tolist()  # [pools][count]
         pools = self.pools
         for j, h in enumerate(hashes):

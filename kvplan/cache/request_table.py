@@ -40,6 +40,9 @@ class Request:
     cacheable: bool  # full blocks are offered to the prefix cache
     state_slot: int | None
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks 0, 1, ..
+    # the chain over every full prompt block, hashed at admission (`PrefixCache.add_pending`;
+    # ``hashes`` is its committed prefix); empty when the prompt's blocks are not hashable
+    prompt_hashes: list[bytes] = field(default_factory=list)
     request_id: Hashable = None  # the id the table knows it by
 
 

@@ -316,6 +316,7 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         on_free=runner.free,
         num_draft_tokens=n,
         resume_block_size=resume_block_size,
+        wait_for_shared_prefix=config.wait_for_shared_prefix,
     )
     tok = source.tokenizer
     eos = set(eos_ids)

@@ -89,6 +89,12 @@ class EngineConfig:
         "size is printed at start); default: 4 x max_num_seqs",
         None,
     )
+    wait_for_shared_prefix: bool = _doc(
+        "with prefix caching: a prompt whose next blocks another running request is computing "
+        "(the same system prompt sent several times at once) waits for them instead of "
+        "computing them again",
+        True,
+    )
     enable_chunked_prefill: bool = _doc("split prompts longer than the step's budget", True)
     num_speculative_tokens: int = _doc(
         "n-gram (prompt lookup) draft tokens per step for greedy requests (0 = off)", 0
@@ -159,6 +165,7 @@ class EngineConfig:
         _check_choice("sliding_window_kv", self.sliding_window_kv, SLIDING_WINDOW_KV)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_int("prefix_state_snapshots", self.prefix_state_snapshots, 1, optional=True)
+        _check_bool("wait_for_shared_prefix", self.wait_for_shared_prefix)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("use_cuda_graph", self.use_cuda_graph, optional=True)
         _check_bool("async_scheduling", self.async_scheduling, optional=True)

@@ -96,6 +96,9 @@ class Request:
     # where a prefill chunk also ends (0: nowhere): the end of the cached blocks the last
     # admission could not resume from (`Scheduler.resume_block_size`)
     resume_at: int = 0
+    # where its prefill chunks also end: the ends of prefixes that waiting prompts share with
+    # it and wait for (`Scheduler.wait_for_shared_prefix`, with ``resume_block_size``)
+    shared_ends: list[int] = field(default_factory=list)
     num_draft_tokens_proposed: int = 0
     num_draft_tokens_accepted: int = 0
     # with params.logprobs: one entry per output token; with params.prompt_logprobs: one

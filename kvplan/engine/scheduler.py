@@ -17,6 +17,13 @@ Every step (``schedule``) spends a token budget ``max_num_batched_tokens``:
    out there preempts as for decode). Without chunked prefill,
    a preempted request whose prompt plus generated tokens exceed ``max_num_batched_tokens``
    could never be admitted whole: it is prefilled in chunks.
+   Shared prefixes (``wait_for_shared_prefix``, with prefix caching): a waiting prompt whose
+   next uncached blocks are ones an admitted request is computing right now (the same
+   system prompt sent by several requests at once) waits until they are committed instead
+   of computing them a second time (``add_request(wait_for_pending=True)`` answers
+   ``"pending_prefix"``); later waiting requests may be admitted past it. With
+   ``resume_block_size`` the owner's chunks also end where the shared run ends, so the
+   family keeps its per-sequence state there and the waiting prompt resumes from it.
 
 The batch is ordered for the attention metadata: context rows (prefill chunks, then
 speculative-verification rows, which carry several query tokens) before plain decode rows.
@@ -65,6 +72,9 @@ class Scheduler:
             them: a family that keeps per-sequence state only at chunk ends that are block
             boundaries (`kvplan.backends.hybrid.snapshots`) can then resume there for a later
             request (the same prompt, or another one sharing that prefix). 0: no cut.
+        wait_for_shared_prefix: a waiting prompt whose next blocks another request is
+            computing waits for them (module docstring); needs a manager with prefix
+            caching (otherwise nothing waits).
     """
 
     def __init__(
@@ -78,6 +88,7 @@ class Scheduler:
         on_free: Callable[[int], None] | None = None,
         num_draft_tokens: int = 0,
         resume_block_size: int = 0,
+        wait_for_shared_prefix: bool = True,
     ) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -91,6 +102,8 @@ class Scheduler:
         self.num_draft_tokens = num_draft_tokens  # the most drafts propose_drafts returns
         self.on_free = on_free
         self.resume_block_size = resume_block_size
+        self.wait_for_shared_prefix = wait_for_shared_prefix
+        self.num_prefix_waits = 0  # admissions put off (per step) for a prefix being computed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -144,6 +157,7 @@ class Scheduler:
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.shared_ends.clear()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -256,10 +270,11 @@ class Scheduler:
             (verify if drafts else decode).append(seq)
             budget -= seq.num_query_tokens
 
-        while self.waiting and budget > 0 and not preempted:
+        waits = 0  # waiting requests passed over: they wait for a shared prefix
+        while len(self.waiting) > waits and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
-            req = self.waiting[0]
+            req = self.waiting[waits]
             tokens = req.all_token_ids
             if (
                 not self.enable_chunked_prefill
@@ -272,10 +287,16 @@ class Scheduler:
                 tokens,
                 reuse_prefix=not req.needs_prompt_logprobs,
                 max_new_tokens=budget,
+                wait_for_pending=self.wait_for_shared_prefix,
             )
+            if result.reason == "pending_prefix":
+                budget += self._end_owner_chunk(result, prefill)
+                self.num_prefix_waits += 1
+                waits += 1
+                continue
             if not result.ok:
                 break
-            self.waiting.popleft()
+            del self.waiting[waits]
             req.status = RequestStatus.RUNNING
             req.num_prefill_tokens = len(tokens)
             req.num_computed_tokens = result.num_cached_tokens
@@ -290,15 +311,39 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens of ``req``'s next prefill chunk: the rest of its prompt within ``budget``,
-        ended at its resume boundary when the chunk would cross it (``resume_block_size``)."""
+        ended at its resume boundary, or where a prefix that waiting prompts share ends,
+        when the chunk would cross it (``resume_block_size``)."""
         start = req.num_computed_tokens
         n = min(req.num_prefill_tokens - start, budget)
         size = self.resume_block_size
         if size:
-            for h in (req.resume_at, (req.num_prefill_tokens - 1) // size * size):
+            for h in (req.resume_at, (req.num_prefill_tokens - 1) // size * size,
+                      *req.shared_ends):  # fmt: skip
                 if start < h < start + n:
                     n = h - start
         return n
+
+    def _end_owner_chunk(self, result, prefill: list[ScheduledSeq]) -> int:
+        """A waiting prompt waits for the shared run ``[0, result.num_shared_tokens)`` that
+        ``result.pending_owner`` computes: with ``resume_block_size``, make the owner's
+        chunks end there (this step's chunk too, if scheduled and crossing it). Returns the
+        budget tokens that freed."""
+        end = result.num_shared_tokens
+        if not self.resume_block_size:
+            return 0
+        owner = next((r for r in self.running if r.request_id == result.pending_owner), None)
+        if owner is None or end <= owner.num_computed_tokens:
+            return 0
+        if end not in owner.shared_ends:
+            owner.shared_ends.append(end)
+        for i, seq in enumerate(prefill):
+            if seq.request is owner:
+                start = owner.num_computed_tokens
+                if start + seq.num_query_tokens > end:
+                    prefill[i] = ScheduledSeq(owner, end - start, True)
+                    return start + seq.num_query_tokens - end
+                break
+        return 0
 
     def _prepare_chunk(
         self, req: Request, end: int, scheduled: set[int], preempted: list[Request]

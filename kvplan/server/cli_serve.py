@@ -27,6 +27,7 @@ _ENGINE_FLAGS = (
     "kv_cache_memory",
     "enable_prefix_caching",
     "prefix_state_snapshots",
+    "wait_for_shared_prefix",
     "enable_chunked_prefill",
     "num_speculative_tokens",
     "use_cuda_graph",

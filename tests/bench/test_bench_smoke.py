@@ -137,8 +137,9 @@ def test_first_request_quick(tmp_path):
 def test_hybrid_prefix_cache_quick(tmp_path):
     """`hybrid_prefix_cache.py`: the system-prompt, rounds and conversation workloads with
     the cache off and on; with it on, the questions resume after the (primed) system prompt,
-    the last round after the shared part, each later turn after the last turn's newest block
-    boundary, with the same tokens as without the cache."""
+    every round's questions but the first one's after the shared part (they wait for it in
+    round 1; without waiting, round 1 computes it again), each later turn after the last
+    turn's newest block boundary, with the same tokens as without the cache."""
     out = tmp_path / "prefix.json"
     proc = _run("hybrid_prefix_cache.py", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -146,9 +147,16 @@ def test_hybrid_prefix_cache_quick(tmp_path):
     off, on = rec["results"]["off"], rec["results"]["on"]
     assert off["system"]["hit_tokens"] == [0, 0, 0] and on["system"]["hit_tokens"] == [32] * 3
     assert all(h == [0, 0, 0] for h in off["rounds"]["hit_tokens"])
-    assert on["rounds"]["hit_tokens"][-1] == [32] * 3  # 41 shared tokens: 2 blocks
+    # 41 shared tokens: 2 blocks
+    assert on["rounds"]["hit_tokens"] == [[0, 32, 32], [32] * 3, [32] * 3]
+    nowait = rec["results"]["nowait"]
+    assert (
+        sum(nowait["rounds"]["hit_tokens"][0]) < 64
+        and nowait["rounds"]["hit_tokens"][-1] == [32] * 3
+    )
+    assert on["prefix_waits"] > 0 and nowait["prefix_waits"] == 0 == off["prefix_waits"]
     assert on["conversation"]["hit_tokens"][1:] == [64, 80]
     summary = rec["summary"]
     assert summary["system_tokens_equal"] and summary["conversation_tokens_equal"]
-    assert summary["rounds_tokens_equal"]
+    assert summary["rounds_tokens_equal"] and summary["rounds_tokens_equal_nowait"]
     assert on["snapshots"]["restored"] >= 11 and "snapshots" not in off

@@ -518,3 +518,51 @@ def test_prefix_state_decides_where_a_hit_may_end():
     assert m.get_block_ids("d")[:3] == blocks[:3]
     m.reset_prefix_cache()
     assert state.resets == 1
+
+
+def test_pending_blocks_are_the_uncommitted_prompt_blocks_of_admitted_requests():
+    """``add_request(wait_for_pending=True)`` answers "pending_prefix" (allocating nothing)
+    while the blocks after a prompt's cached run are still to be committed by an admitted
+    request; commits and frees take blocks out of ``pending``; the chain hashed at admission
+    is the one a commit would compute."""
+    from kvplan.cache.block_pool import hash_prompt_blocks
+
+    m = KVCacheManager(32, 4, max_blocks_per_seq=8)
+    system = list(range(50, 62))  # 3 full blocks
+    a, b = system + [1, 2, 3], system + [7, 8, 9, 10, 11]
+    assert m.add_request("a", a).num_cached_tokens == 0
+    chain = hash_prompt_blocks(a, 4, 3)
+    assert m.prefix_cache.pending == {h: ["a"] for h in chain}
+    free = m.num_free_blocks()
+    got = m.add_request("b", b, wait_for_pending=True)
+    assert (got.ok, got.reason, got.num_shared_tokens, got.pending_owner) == (
+        False, "pending_prefix", 12, "a")  # fmt: skip
+    assert not m.has_request("b") and m.num_free_blocks() == free
+    assert m.add_request("c", list(range(12)), wait_for_pending=True).ok  # nothing shared
+    m.commit_tokens("a", a[:5])  # block 0 cached, blocks 1 and 2 still pending
+    assert [h for h, owners in m.prefix_cache.pending.items() if owners == ["a"]] == chain[1:]
+    got = m.add_request("b", b, wait_for_pending=True)
+    assert (got.reason, got.num_shared_tokens) == ("pending_prefix", 12)
+    m.commit_tokens("a", a[5:])
+    assert m.prefix_cache.pending == {h: ["c"] for h in hash_prompt_blocks(range(12), 4, 3)}
+    assert m.requests.get("a").hashes == chain  # what committing would have hashed
+    got = m.add_request("b", b, wait_for_pending=True)
+    assert got.ok and got.num_cached_tokens == 12
+    # two requests computing the same blocks (one did not wait); freeing one keeps the other's
+    m.add_request("d", [5] * 9)
+    m.add_request("e", [5] * 9)
+    h = hash_prompt_blocks([5] * 9, 4, 2)
+    assert [m.prefix_cache.pending[x] for x in h] == [["d", "e"], ["d", "e"]]
+    m.free("d")
+    assert [m.prefix_cache.pending[x] for x in h] == [["e"], ["e"]]
+    got = m.add_request("f", [5] * 10, wait_for_pending=True)
+    assert (got.reason, got.pending_owner) == ("pending_prefix", "e")
+    m.free("e")
+    assert m.add_request("f", [5] * 10, wait_for_pending=True).num_cached_tokens == 0
+    for rid in ("b", "c", "f"):
+        m.free(rid)
+    assert m.prefix_cache.pending == {}
+    # without prefix caching nothing is pending and nothing waits
+    off = KVCacheManager(32, 4, max_blocks_per_seq=8, enable_prefix_caching=False)
+    off.add_request("a", a)
+    assert off.prefix_cache.pending == {} and off.add_request("b", b, wait_for_pending=True).ok

@@ -113,3 +113,80 @@ def test_resume_block_size_ends_a_prompt_chunk_at_its_last_boundary():
                       max_num_seqs=8)  # fmt: skip
     plain.add(_req(0, 21))
     assert plain.schedule().seqs[0].num_query_tokens == 21
+
+
+def _commit(mgr, sched_out):
+    """`_advance`, plus the manager's commit of every computed prompt token."""
+    for s in sched_out.seqs:
+        r = s.request
+        if s.is_prefill:
+            start = r.num_computed_tokens
+            mgr.commit_tokens(r.request_id, r.all_token_ids[start : start + s.num_query_tokens])
+    _advance(sched_out)
+
+
+def _rows(out):
+    return [(x.request.request_id, x.num_query_tokens) for x in out.seqs]
+
+
+def _shared(i, system, n):
+    return Request(i, system + list(range(100 * i, 100 * i + n)), SamplingParams(max_tokens=50))
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_prompt_waits_for_the_shared_blocks_another_request_computes(wait):
+    """Two prompts sharing 12 tokens (3 blocks) arrive together: the second waits for the
+    first one's blocks (a request behind it is admitted past it), then reuses them."""
+    mgr = KVCacheManager(64, 4, max_blocks_per_seq=16)
+    s = Scheduler(mgr, max_num_batched_tokens=40, max_num_seqs=8, wait_for_shared_prefix=wait)
+    system = list(range(1000, 1012))
+    a, b, c = _shared(0, system, 5), _shared(1, system, 6), _req(2, 10)
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()
+    if not wait:
+        assert _rows(out) == [(0, 17), (1, 18), (2, 5)] and s.num_prefix_waits == 0
+        return
+    assert _rows(out) == [(0, 17), (2, 10)] and list(s.waiting) == [b]
+    assert s.num_prefix_waits == 1
+    _commit(mgr, out)
+    out = s.schedule()
+    assert b.num_cached_prefix_tokens == 12
+    assert _rows(out) == [(1, 6), (0, 1), (2, 1)]
+
+
+def test_the_owner_chunk_ends_where_the_waiting_prompt_shared_run_ends():
+    """With ``resume_block_size`` (per-sequence state kept at chunk ends) the owner's chunk
+    is cut where the shared run ends -- this step's already scheduled chunk too -- so the
+    waiting prompt can resume there; the freed budget goes to the next waiting request."""
+    mgr = KVCacheManager(64, 4, max_blocks_per_seq=16)
+    s = Scheduler(mgr, max_num_batched_tokens=40, max_num_seqs=8, resume_block_size=4)
+    system = list(range(1000, 1010))  # 2 full blocks shared
+    a, b, c = _shared(0, system, 13), _shared(1, system, 6), _req(2, 30)
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()  # a: 8 (not its own boundary 20); b waits; c: 28 of the 32 left
+    assert _rows(out) == [(0, 8), (2, 28)] and a.shared_ends == [8]
+    _commit(mgr, out)
+    out = s.schedule()  # a and b to their own boundaries (20, 12); b resumes at 8
+    assert _rows(out) == [(0, 12), (2, 2), (1, 4)]
+    assert b.num_cached_prefix_tokens == 8
+
+
+def test_waiting_prompts_move_on_when_the_owner_leaves_and_never_wait_for_logprobs():
+    mgr = KVCacheManager(64, 4, max_blocks_per_seq=16)
+    s = Scheduler(mgr, max_num_batched_tokens=12, max_num_seqs=8)
+    system = list(range(1000, 1016))
+    a, b = _shared(0, system, 8), _shared(1, system, 3)
+    logprobs = Request(2, system + [5, 6], SamplingParams(max_tokens=5, prompt_logprobs=1))
+    for r in (a, b, logprobs):
+        s.add(r)
+    out = s.schedule()  # a's first chunk; b waits; the logprobs prompt reuses nothing
+    assert _rows(out) == [(0, 12)] and list(s.waiting) == [b, logprobs]
+    s.finish(a, "abort")  # a leaves before committing: nothing is pending any more
+    assert mgr.prefix_cache.pending == {}
+    out = s.schedule()
+    assert _rows(out) == [(1, 12)] and b.num_cached_prefix_tokens == 0
+    _commit(mgr, out)
+    out = s.schedule()
+    assert _rows(out) == [(1, 7), (2, 5)] and logprobs.num_cached_prefix_tokens == 0
