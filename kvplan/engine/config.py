@@ -80,7 +80,9 @@ class EngineConfig:
         None,
     )
     kv_cache_memory: int | None = _doc(
-        "bytes for the KV cache (default: 1 GiB on CPU, 60%% of the free CUDA memory)", None
+        "bytes for the KV cache (DeepSeek-V4: with its state slots and prefix state snapshots; "
+        "default: 1 GiB on CPU, 60%% of the free CUDA memory)",
+        None,
     )
     enable_prefix_caching: bool = _doc("reuse the KV blocks of a shared prompt prefix", True)
     prefix_state_snapshots: int | None = _doc(

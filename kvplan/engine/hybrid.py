@@ -11,7 +11,8 @@ attention is planned by `kvplan.plan` and stored in kvplan's paged formats
 * `HybridCausalLM` gives the model the engine's calling convention
   (``model(input_ids, positions, {family: plan}, logits_rows)``);
 * `build_hybrid` sizes the cache manager (one block per ``block_size`` raw positions, one state
-  slot per running request) and the family's caches.
+  slot per running request; blocks from ``num_blocks`` or ``kv_cache_memory``:
+  `hybrid_num_blocks`) and the family's caches.
 
 Prefix caching (``enable_prefix_caching``, on by default): full blocks of compressed entries
 and indexer keys are shared like a dense model's KV blocks, and the per-sequence state a
@@ -305,6 +306,46 @@ def hybrid_block_size(block_size: int, ratios: list[int]) -> int:
     return -(-block_size // step) * step
 
 
+def hybrid_num_blocks(
+    config: EngineConfig,
+    specs: list,
+    kv_format: str,
+    block_size: int,
+    max_blocks_per_seq: int,
+    num_snapshots: int,
+) -> int:
+    """Blocks of the compressed pools: ``num_blocks``, or what ``kv_cache_memory`` (default:
+    `EngineConfig.resolve_kv_cache_memory`, measured after the weights are loaded) holds
+    once the state slots (one per ``max_num_seqs``: rings and compressor state) and the
+    prefix-cache snapshots are paid for, capped at what ``max_num_seqs`` sequences of
+    ``max_model_len`` need; ValueError naming the setting when that is not one such sequence
+    plus the padding block 0 (as the dense engine's pools)."""
+    from kvplan.backends.hybrid.planned import cache_bytes
+
+    need = max_blocks_per_seq + 1
+    what = f"one sequence of max_model_len ({max_blocks_per_seq} blocks of {block_size} positions + the padding block 0)"
+    if config.num_blocks is not None:
+        if config.num_blocks < need:
+            raise ValueError(f"num_blocks={config.num_blocks} cannot hold {what}")
+        return config.num_blocks
+    size = cache_bytes(specs, block_size=block_size, kv_format=kv_format,
+                       dtype=config.torch_dtype)  # fmt: skip
+    memory = config.resolve_kv_cache_memory()
+    fixed = size.total(0, config.max_num_seqs, num_snapshots)
+    num_blocks = min(
+        (memory - fixed) // size.per_block, config.max_num_seqs * max_blocks_per_seq + 1
+    )
+    if num_blocks < need:
+        raise ValueError(
+            f"kv_cache_memory={memory} bytes cannot hold {what}: it needs "
+            f"{size.total(need, config.max_num_seqs, num_snapshots)} bytes ({size.per_block} a "
+            f"block, {size.per_state_slot} a state slot x max_num_seqs={config.max_num_seqs}, "
+            f"{size.per_snapshot} a prefix state snapshot x {num_snapshots}); raise "
+            "kv_cache_memory or lower max_model_len, max_num_seqs or prefix_state_snapshots"
+        )
+    return num_blocks
+
+
 def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
     """Model, cache manager and hybrid family for a DeepSeek-V4 folder (module docstring)."""
     from kvplan.backends.hybrid.planned import PlannedHybridFamily
@@ -331,15 +372,13 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
     block_size = hybrid_block_size(config.block_size, ratios)
     max_model_len = config.model_max_len(source.max_position_embeddings)
     max_blocks_per_seq = -(-max_model_len // block_size)
-    num_blocks = config.num_blocks
-    if num_blocks is None:
-        num_blocks = config.max_num_seqs * max_blocks_per_seq + 1
-    if num_blocks < max_blocks_per_seq + 1:
-        raise ValueError(
-            f"num_blocks={num_blocks} cannot hold one sequence of max_model_len={max_model_len} "
-            f"({max_blocks_per_seq} blocks of {block_size} positions + the padding block 0)"
-        )
+    num_snapshots = 0
+    if config.enable_prefix_caching:
+        num_snapshots = config.prefix_state_snapshots or 4 * config.max_num_seqs
     model = load_deepseek_v4(source.folder, dtype=dtype, device=dev).eval()
+    num_blocks = hybrid_num_blocks(
+        config, specs, kv_format, block_size, max_blocks_per_seq, num_snapshots
+    )
     manager = KVCacheManager(
         num_blocks,
         block_size,
@@ -361,7 +400,7 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
     if config.enable_prefix_caching:
         from kvplan.backends.hybrid.snapshots import StateSnapshots
 
-        snapshots = StateSnapshots(family, config.prefix_state_snapshots or 4 * config.max_num_seqs)
+        snapshots = StateSnapshots(family, num_snapshots)
     print(
         f"kvplan: DeepSeek-V4 hybrid attention, kv_format={kv_format}, block_size={block_size}, "
         f"{num_blocks} blocks, {config.max_num_seqs} state slots"

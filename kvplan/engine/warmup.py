@@ -54,6 +54,7 @@ _COUNTERS = (
     ("", "num_fast_decode_steps"),
     ("", "last_step_kind"),
     ("scheduler", "num_preemptions"),
+    ("scheduler", "num_prefix_waits"),
     ("runner.graphs", "num_replays"),
     ("runner.graphs", "num_replays_ahead"),
     ("scheduler.manager.prefix_cache", "num_queried_tokens"),

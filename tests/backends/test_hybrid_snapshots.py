@@ -140,3 +140,36 @@ def test_capacity_is_checked():
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="capacity must be an int >= 1"):
             StateSnapshots(family(), bad)
+
+
+def _allocated(fam: PlannedHybridFamily) -> int:
+    """Bytes of every cache tensor the family holds (pools, rings, compressor state)."""
+    total = 0
+    for layer in fam.caches:
+        total += layer.ring.cache.untyped_storage().nbytes()
+        total += sum(p.cache.untyped_storage().nbytes() for p in layer.pools.values())
+        total += sum(t.nbytes for kv_gate in layer.state.values() for t in kv_gate)
+    return total
+
+
+@pytest.mark.parametrize("kv_format", ["exact", "fp8", "fp4"])
+def test_cache_bytes_are_what_the_family_allocates(kv_format):
+    """`cache_bytes` (used to size pools from a memory budget) against the family's real
+    tensors: the difference between two block counts and two slot counts, and the snapshot
+    store's own size."""
+    from kvplan.backends.hybrid.planned import cache_bytes
+
+    layers = make_layers([SLIDING, CSA, HCA, CSA], 8, {CSA: 4, HCA: 8})
+
+    def build(blocks, slots):
+        return PlannedHybridFamily(layers, block_size=16, num_blocks=blocks,
+                                   num_state_slots=slots, max_model_len=64,
+                                   kv_format=kv_format)  # fmt: skip
+
+    want = cache_bytes(layers, block_size=16, kv_format=kv_format)
+    base = _allocated(build(4, 2))
+    assert _allocated(build(9, 2)) - base == 5 * want.per_block
+    trash = sum(t[-1].nbytes for c in build(4, 2).caches for kg in c.state.values() for t in kg)
+    assert _allocated(build(4, 5)) - base == 3 * want.per_state_slot
+    assert base == want.total(4, 2) + trash
+    assert StateSnapshots(build(4, 2), 3).nbytes_per_snapshot == want.per_snapshot

@@ -160,3 +160,23 @@ def test_hybrid_prefix_cache_quick(tmp_path):
     assert summary["system_tokens_equal"] and summary["conversation_tokens_equal"]
     assert summary["rounds_tokens_equal"] and summary["rounds_tokens_equal_nowait"]
     assert on["snapshots"]["restored"] >= 11 and "snapshots" not in off
+
+
+def test_shared_prefix_quick(tmp_path):
+    """`shared_prefix.py`: requests sharing a fresh system prompt, sent together: with the
+    cache on but no waiting every request computes it (the first lookups find nothing); with
+    waiting one request computes it and the others reuse its blocks; tokens are equal."""
+    out = tmp_path / "shared.json"
+    proc = _run("shared_prefix.py", "--quick", "--rounds", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    res, w = rec["results"], rec["workload"]
+    prompt_tokens = w["requests"] * (w["system_len"] + w["question_len"])
+    shared = w["system_len"] // 16 * 16  # the default 16-token blocks
+    for r in res["off"]["rounds"] + res["nowait"]["rounds"]:
+        assert r["computed_prompt_tokens"] == prompt_tokens
+    for r in res["wait"]["rounds"]:
+        assert r["hit_tokens"] == [0] + [shared] * (w["requests"] - 1)
+        assert r["computed_prompt_tokens"] == prompt_tokens - (w["requests"] - 1) * shared
+    assert res["wait"]["prefix_waits"] > 0 == res["nowait"]["prefix_waits"]
+    assert rec["summary"]["nowait_tokens_equal"] and rec["summary"]["wait_tokens_equal"]

@@ -81,6 +81,49 @@ def test_llm_preemption_recomputes_and_frees_everything(tmp_path):
     assert llm.parts.manager.num_free_blocks() == 7
 
 
+def _cache_tensor_bytes(llm) -> int:
+    """Bytes of the hybrid family's cache tensors and its snapshot store, measured, less the
+    one trash row of each compressor-state tensor."""
+    fam = llm.engine.runner.families[HYBRID]
+    total = 0
+    for layer in fam.family.caches:
+        total += layer.ring.cache.untyped_storage().nbytes()
+        total += sum(p.cache.untyped_storage().nbytes() for p in layer.pools.values())
+        total += sum(t[:-1].nbytes for kv_gate in layer.state.values() for t in kv_gate)
+    if fam.snapshots is not None:
+        total += fam.snapshots.capacity * fam.snapshots.nbytes_per_snapshot
+    return total
+
+
+@pytest.mark.parametrize("kv_format", ["auto", "fp8"])
+def test_kv_cache_memory_sizes_the_pools_and_preemption_keeps_outputs_exact(tmp_path, kv_format):
+    """``kv_cache_memory`` bounds every cache the engine allocates (pools, state slots,
+    prefix-cache snapshots): the blocks are the most that fit. A budget that holds fewer
+    than ``max_num_seqs`` full sequences makes requests wait or be preempted, with outputs
+    unchanged; one that holds no sequence is refused, naming the setting."""
+    hf, folder = _saved(tmp_path, 2)
+    kw = dict(device="cpu", max_num_seqs=4, max_model_len=48, block_size=16, kv_format=kv_format)
+    roomy = LLM(str(folder), **kw)
+    assert roomy.parts.num_blocks == 4 * 3 + 1  # capped at max_num_seqs full sequences
+    one_block = (_cache_tensor_bytes(LLM(str(folder), num_blocks=5, **kw))
+                 - _cache_tensor_bytes(LLM(str(folder), num_blocks=4, **kw)))  # fmt: skip
+    budget = _cache_tensor_bytes(LLM(str(folder), num_blocks=8, **kw)) + one_block - 1
+    llm = LLM(str(folder), kv_cache_memory=budget, **kw)
+    assert llm.parts.num_blocks == 8  # a ninth block would exceed the budget by one byte
+    assert _cache_tensor_bytes(llm) <= budget
+    prompts = [random_tokens(20 + i, 30) for i in range(4)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    ref = roomy.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    if kv_format == "auto":
+        for p, o in zip(prompts, outs):
+            assert o.token_ids == _hf_greedy(hf, p, params.max_tokens)
+    assert llm.parts.core.scheduler.num_preemptions > 0
+    with pytest.raises(ValueError, match=r"kv_cache_memory=\d+ bytes cannot hold one sequence"):
+        LLM(str(folder), kv_cache_memory=budget // 4, **kw)
+
+
 @pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
 def test_llm_quantized_kv_runs_and_agrees_mostly(tmp_path, kv_format):
     _, folder = _saved(tmp_path, 3)

@@ -31,6 +31,7 @@ trash row that absorbs skipped writes).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -89,6 +90,60 @@ def metadata_config(
         num_kv_blocks=_positive("num_blocks", num_blocks),
         num_state_slots=_positive("num_state_slots", num_state_slots),
     )
+
+
+class CacheBytes(NamedTuple):
+    """Bytes of a hybrid model's caches (`cache_bytes`): ``per_block`` (every compressed
+    layer's ``"compressor"`` / ``"indexer"`` pool rows of one block), ``per_state_slot`` (the
+    SWA ring of every layer and the fp32 compressor-state rings of one slot) and
+    ``per_snapshot`` (what `kvplan.backends.hybrid.snapshots.StateSnapshots` copies of a slot:
+    the rings, and the state rows of the overlapping series)."""
+
+    per_block: int
+    per_state_slot: int
+    per_snapshot: int
+
+    def total(self, num_blocks: int, num_state_slots: int, num_snapshots: int = 0) -> int:
+        return (num_blocks * self.per_block + num_state_slots * self.per_state_slot
+                + num_snapshots * self.per_snapshot)  # fmt: skip
+
+
+def cache_bytes(
+    layers: Sequence[HybridLayerSpec],
+    *,
+    block_size: int,
+    kv_format: str = "exact",
+    index_format_kind: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    ring_size: int | None = None,
+) -> CacheBytes:
+    """What `PlannedHybridFamily` allocates per block, per state slot and per state snapshot
+    for these arguments (the family's own; the few bytes of each state ring's trash row are
+    not counted), so that an engine can size its pools from a memory budget before
+    allocating them."""
+    per_block = per_slot = per_snapshot = 0
+    for spec in layers:
+        fmt = main_format(kv_format, spec.head_dim, dtype)
+        ring_rows = spec.window if ring_size is None else ring_size
+        per_slot += fmt.block_stride(ring_rows)
+        per_snapshot += ring_rows * fmt.bytes_per_token  # the rows, not the block padding
+        if spec.kind == "sliding_attention":
+            continue
+        names = ("compressor", "indexer") if spec.overlap else ("compressor",)
+        for name in names:
+            width = spec.series_width(name)
+            layout = (
+                index_format(kv_format, index_format_kind, width, dtype)
+                if name == "indexer"
+                else fmt
+            )
+            per_block += layout.block_stride(block_size // spec.ratio)
+            k = 2 if spec.overlap else 1
+            rows = 2 * state_rows(spec.ratio, spec.overlap) * k * width * 4  # kv and gate
+            per_slot += rows
+            if spec.overlap:
+                per_snapshot += rows
+    return CacheBytes(per_block, per_slot, per_snapshot)
 
 
 class LayerCaches:
