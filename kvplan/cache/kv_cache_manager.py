@@ -228,10 +228,8 @@ class KVCacheManager:
         if lookup:
             m = self.prefix_cache.match_runs(prompt, pending=wait_for_pending)
             if m.pending_end:
-                return AllocationResult(
-                    False, reason="pending_prefix", pending_owner=m.owner,
-                    num_shared_tokens=m.pending_end * self.block_size,
-                )  # fmt: skip
+                return AllocationResult(False, reason="pending_prefix", pending_owner=m.owner,
+                                        num_shared_tokens=m.pending_end * self.block_size)  # fmt: skip
             hit_hashes, hit_blocks, shared = m.hashes, m.blocks, m.num_shared
         end = None
         if max_new_tokens is not None:
@@ -252,6 +250,19 @@ class KVCacheManager:
         if lookup:
             self.prefix_cache.record_lookup(num_prompt, num_cached)
         return AllocationResult(True, num_cached, num_shared_tokens=shared * self.block_size)
+
+    def pending_prefix(self, prompt_token_ids: Sequence[int]) -> AllocationResult:
+        """What ``add_request(..., wait_for_pending=True)`` would answer about pending blocks,
+        changing nothing: ``reason="pending_prefix"`` with ``num_shared_tokens`` and
+        ``pending_owner`` when the blocks after the prompt's cached run are pending, else an
+        ok result (whether the prompt would fit is not asked)."""
+        if not self.enable_prefix_caching:
+            return AllocationResult(True)
+        m = self.prefix_cache.match_runs(prompt_token_ids, pending=True)
+        if not m.pending_end:
+            return AllocationResult(True)
+        return AllocationResult(False, reason="pending_prefix", pending_owner=m.owner,
+                                num_shared_tokens=m.pending_end * self.block_size)  # fmt: skip
 
     def extend(self, request_id: Hashable, num_tokens: int) -> AllocationResult:
         """Grow the logical length by ``num_tokens`` (every beam), allocating as needed."""

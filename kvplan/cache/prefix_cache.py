@@ -133,7 +133,7 @@ class PrefixCache:
         m = self.match_runs(prompt)
         return m.hashes, m.blocks
 
-    def match_runs(self, prompt: list[int], *, pending: bool = False) -> PrefixMatch:
+    def match_runs(self, prompt: Sequence[int], *, pending: bool = False) -> PrefixMatch:
         """`match`, plus the number of blocks of the longest run before the ``state`` had
         its say (>= the matched run): blocks the cache holds that the request must recompute
         because no state was kept at their end. ``pending``: also count the blocks after the

@@ -307,7 +307,27 @@ class Scheduler:
             prefill.append(ScheduledSeq(req, n, True))
             budget -= n
 
+        if (
+            self.resume_block_size
+            and self.wait_for_shared_prefix
+            and prefill
+            and len(self.waiting) > waits
+            and not preempted
+        ):
+            self._mark_shared_end(self.waiting[waits], prefill)
         return prefill + verify + decode, len(prefill) + len(verify), preempted
+
+    def _mark_shared_end(self, req: Request, prefill: list[ScheduledSeq]) -> None:
+        """The next waiting request, which this step did not reach (the budget or
+        ``max_num_seqs`` ran out), may share a prefix that a prompt of this step is
+        computing: end that owner's chunks where the shared run ends, so the state the
+        request will resume from is kept there (`_end_owner_chunk`). One lookup a prefill
+        step, only while some blocks are pending."""
+        if req.needs_prompt_logprobs or not self.manager.prefix_cache.pending:
+            return
+        result = self.manager.pending_prefix(req.all_token_ids)
+        if result.reason == "pending_prefix":
+            self._end_owner_chunk(result, prefill)
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens of ``req``'s next prefill chunk: the rest of its prompt within ``budget``,

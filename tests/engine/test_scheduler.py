@@ -190,3 +190,28 @@ def test_waiting_prompts_move_on_when_the_owner_leaves_and_never_wait_for_logpro
     _commit(mgr, out)
     out = s.schedule()
     assert _rows(out) == [(1, 7), (2, 5)] and logprobs.num_cached_prefix_tokens == 0
+
+
+def test_a_prompt_the_budget_did_not_reach_still_cuts_the_owner_chunk():
+    """The budget runs out on the owner's chunk before the sharing prompt is looked at: the
+    next waiting request is still checked, and the owner's later chunk ends at the shared
+    run's end (12, not its own boundary 20); the prompt then waits for it and resumes there."""
+    mgr = KVCacheManager(64, 4, max_blocks_per_seq=16)
+    s = Scheduler(mgr, max_num_batched_tokens=10, max_num_seqs=8, resume_block_size=4)
+    system = list(range(1000, 1012))  # 3 full blocks shared
+    a, b = _shared(0, system, 9), _shared(1, system, 5)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()  # the budget ends a's chunk at 10; b is not reached, but looked up
+    assert _rows(out) == [(0, 10)] and a.shared_ends == [12] and s.num_prefix_waits == 0
+    _commit(mgr, out)
+    out = s.schedule()  # a to the shared end; b waits for block 2
+    assert _rows(out) == [(0, 2)] and list(s.waiting) == [b] and s.num_prefix_waits == 1
+    _commit(mgr, out)
+    out = s.schedule()  # a to its own boundary; b resumes at 12
+    assert _rows(out) == [(0, 8), (1, 2)] and b.num_cached_prefix_tokens == 12
+    plain = Scheduler(KVCacheManager(64, 4, max_blocks_per_seq=16), max_num_batched_tokens=10,
+                      max_num_seqs=8, resume_block_size=4, wait_for_shared_prefix=False)  # fmt: skip
+    plain.add(_shared(0, system, 9))
+    plain.add(_shared(1, system, 5))
+    assert _rows(plain.schedule()) == [(0, 10)] and plain.running[0].shared_ends == []
