@@ -32,16 +32,14 @@ import torch
 
 from kvplan import LLM, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hybrid_hf import sync  # noqa: E402
+
 VARIANTS = {  # name -> (enable_prefix_caching, wait_for_shared_prefix)
     "off": (False, False),
     "nowait": (True, False),
     "wait": (True, True),
 }
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def run_round(llm: LLM, prompts: list[list[int]], new: int, dev: torch.device) -> dict:
