@@ -104,6 +104,7 @@ class Scheduler:
         self.resume_block_size = resume_block_size
         self.wait_for_shared_prefix = wait_for_shared_prefix
         self.num_prefix_waits = 0  # admissions put off (per step) for a prefix being computed
+        self.num_waiting_for_prefix = 0  # requests the last step put off that way
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -307,6 +308,7 @@ class Scheduler:
             prefill.append(ScheduledSeq(req, n, True))
             budget -= n
 
+        self.num_waiting_for_prefix = waits
         if (
             self.resume_block_size
             and self.wait_for_shared_prefix

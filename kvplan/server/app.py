@@ -61,6 +61,10 @@ def _gauges(llm: LLM, loop: EngineLoop) -> dict[str, tuple[str, Callable[[], dic
             "requests waiting for the running batch (queued in the engine or not yet added)",
             lambda: {"": max(0, loop.num_live - len(sched.running))},
         ),
+        "kvplan_requests_waiting_for_shared_prefix": (
+            "waiting requests the last step put off until blocks of their prompt that a running request is computing are written (wait_for_shared_prefix)",
+            lambda: {"": sched.num_waiting_for_prefix},
+        ),
         "kvplan_kv_blocks_used": ("KV cache blocks held by requests, per pool", used),
         "kvplan_kv_blocks_total": ("usable KV cache blocks per pool", lambda: {f'{{pool="{p}"}}': usable[p] for p in pools}),
     }  # fmt: skip

@@ -148,10 +148,10 @@ def test_a_prompt_waits_for_the_shared_blocks_another_request_computes(wait):
         assert _rows(out) == [(0, 17), (1, 18), (2, 5)] and s.num_prefix_waits == 0
         return
     assert _rows(out) == [(0, 17), (2, 10)] and list(s.waiting) == [b]
-    assert s.num_prefix_waits == 1
+    assert s.num_prefix_waits == 1 == s.num_waiting_for_prefix
     _commit(mgr, out)
     out = s.schedule()
-    assert b.num_cached_prefix_tokens == 12
+    assert b.num_cached_prefix_tokens == 12 and s.num_waiting_for_prefix == 0
     assert _rows(out) == [(1, 6), (0, 1), (2, 1)]
 
 

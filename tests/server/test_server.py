@@ -52,6 +52,7 @@ def test_models_health_metrics(served):
     for name in (
         "kvplan_requests_running",
         "kvplan_requests_waiting",
+        "kvplan_requests_waiting_for_shared_prefix 0",
         'kvplan_kv_blocks_used{pool="0"}',
         "kvplan_generation_tokens_total",
         'kvplan_time_to_first_token_seconds_bucket{le="+Inf"}',
