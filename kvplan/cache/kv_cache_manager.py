@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvplan._math import cdiv
-from kvplan.cache.allocation_result import AllocationResult, BatchAllocationResult
+from kvplan.cache.allocation_result import ALLOCATED, AllocationResult, BatchAllocationResult
 from kvplan.cache.batch_tables import BatchTables
 from kvplan.cache.batch_views import BatchTableViews
 from kvplan.cache.block_allocator import BlockAllocator
@@ -49,7 +49,7 @@ from kvplan.cache.block_offsets import BlockOffsetsStager, CopyFn
 from kvplan.cache.block_pool import BlockPool
 from kvplan.cache.cache_config import KVCacheConfig
 from kvplan.cache.decode_step import DecodeStepUpdates
-from kvplan.cache.prefix_cache import PrefixCache, PrefixCacheStats
+from kvplan.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch
 from kvplan.cache.request_table import RequestTable
 
 if TYPE_CHECKING:
@@ -228,8 +228,7 @@ class KVCacheManager:
         if lookup:
             m = self.prefix_cache.match_runs(prompt, pending=wait_for_pending)
             if m.pending_end:
-                return AllocationResult(False, reason="pending_prefix", pending_owner=m.owner,
-                                        num_shared_tokens=m.pending_end * self.block_size)  # fmt: skip
+                return self._pending_result(m)
             hit_hashes, hit_blocks, shared = m.hashes, m.blocks, m.num_shared
         end = None
         if max_new_tokens is not None:
@@ -255,12 +254,16 @@ class KVCacheManager:
         """What ``add_request(..., wait_for_pending=True)`` would answer about pending blocks,
         changing nothing: ``reason="pending_prefix"`` with ``num_shared_tokens`` and
         ``pending_owner`` when the blocks after the prompt's cached run are pending, else an
-        ok result (whether the prompt would fit is not asked)."""
-        if not self.enable_prefix_caching:
-            return AllocationResult(True)
+        ok result (whether the prompt would fit is not asked; no lookup while nothing is
+        pending)."""
+        if not self.prefix_cache.pending:
+            return ALLOCATED
         m = self.prefix_cache.match_runs(prompt_token_ids, pending=True)
-        if not m.pending_end:
-            return AllocationResult(True)
+        return self._pending_result(m) if m.pending_end else ALLOCATED
+
+    def _pending_result(self, m: PrefixMatch) -> AllocationResult:
+        """The "pending_prefix" answer of a lookup ``m`` (a `PrefixMatch` with pending
+        blocks)."""
         return AllocationResult(False, reason="pending_prefix", pending_owner=m.owner,
                                 num_shared_tokens=m.pending_end * self.block_size)  # fmt: skip
 

@@ -21,7 +21,7 @@ Pending blocks: an admitted request's prompt blocks that are not committed yet w
 once its prefill writes them. Their chained hashes are computed at admission (`add_pending`;
 the commit then takes them instead of hashing again) and kept in ``pending`` until committed
 or freed, so a lookup can say how much of a prompt another request is computing right now
-(`match_runs`' ``num_pending``): the scheduler lets such a prompt wait for those blocks
+(`match_runs`' ``pending_end``): the scheduler lets such a prompt wait for those blocks
 instead of computing them a second time.
 """
 

@@ -397,7 +397,7 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
         device=dev,
     )
     snapshots = None
-    if config.enable_prefix_caching:
+    if num_snapshots:
         from kvplan.backends.hybrid.snapshots import StateSnapshots
 
         snapshots = StateSnapshots(family, num_snapshots)

@@ -323,9 +323,9 @@ class Scheduler:
         """The next waiting request, which this step did not reach (the budget or
         ``max_num_seqs`` ran out), may share a prefix that a prompt of this step is
         computing: end that owner's chunks where the shared run ends, so the state the
-        request will resume from is kept there (`_end_owner_chunk`). One lookup a prefill
-        step, only while some blocks are pending."""
-        if req.needs_prompt_logprobs or not self.manager.prefix_cache.pending:
+        request will resume from is kept there (`_end_owner_chunk`). At most one lookup a
+        prefill step (none while nothing is pending: `KVCacheManager.pending_prefix`)."""
+        if req.needs_prompt_logprobs:
             return
         result = self.manager.pending_prefix(req.all_token_ids)
         if result.reason == "pending_prefix":

@@ -31,7 +31,7 @@ trash row that absorbs skipped writes).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -41,6 +41,9 @@ from kvplan.backends.hybrid.storage import PagedRows, index_format, main_format
 from kvplan.ops._triton_util import new_merge_counters
 from kvplan.plan.compressor_state import state_rows
 from kvplan.plan.config import MetadataConfig
+
+if TYPE_CHECKING:
+    from kvplan.formats import KVCacheFormat
 
 DECODE_BUILDERS = ("auto", "eager", "device")
 
@@ -108,6 +111,26 @@ class CacheBytes(NamedTuple):
                 + num_snapshots * self.per_snapshot)  # fmt: skip
 
 
+def layer_series(
+    spec: HybridLayerSpec, kv_format: str, index_kind: str | None, dtype: torch.dtype
+) -> list[tuple[str, int, KVCacheFormat, int, int]]:
+    """A compressed layer's series (none for a sliding layer), each ``(name, width, pool
+    layout, compressor-state rows per slot, state row width)``: ``"compressor"`` in the main
+    format, and for CSA ``"indexer"`` in the index format; the state rows hold ``kv`` and
+    ``gate`` (CSA: both halves side by side)."""
+    if spec.kind == "sliding_attention":
+        return []
+    fmt = main_format(kv_format, spec.head_dim, dtype)
+    rows = state_rows(spec.ratio, spec.overlap)
+    k = 2 if spec.overlap else 1
+    out = []
+    for name in ("compressor", "indexer") if spec.overlap else ("compressor",):
+        width = spec.series_width(name)
+        layout = index_format(kv_format, index_kind, width, dtype) if name == "indexer" else fmt
+        out.append((name, width, layout, rows, k * width))
+    return out
+
+
 def cache_bytes(
     layers: Sequence[HybridLayerSpec],
     *,
@@ -127,22 +150,12 @@ def cache_bytes(
         ring_rows = spec.window if ring_size is None else ring_size
         per_slot += fmt.block_stride(ring_rows)
         per_snapshot += ring_rows * fmt.bytes_per_token  # the rows, not the block padding
-        if spec.kind == "sliding_attention":
-            continue
-        names = ("compressor", "indexer") if spec.overlap else ("compressor",)
-        for name in names:
-            width = spec.series_width(name)
-            layout = (
-                index_format(kv_format, index_format_kind, width, dtype)
-                if name == "indexer"
-                else fmt
-            )
+        for _, _, layout, rows, cols in layer_series(spec, kv_format, index_format_kind, dtype):
             per_block += layout.block_stride(block_size // spec.ratio)
-            k = 2 if spec.overlap else 1
-            rows = 2 * state_rows(spec.ratio, spec.overlap) * k * width * 4  # kv and gate
-            per_slot += rows
+            state = 2 * rows * cols * 4  # fp32 kv and gate
+            per_slot += state
             if spec.overlap:
-                per_snapshot += rows
+                per_snapshot += state
     return CacheBytes(per_block, per_slot, per_snapshot)
 
 
@@ -157,22 +170,12 @@ class LayerCaches:
                               device=dev, check=family.check)  # fmt: skip
         self.pools: dict[str, PagedRows] = {}
         self.state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        if spec.kind == "sliding_attention":
-            return
-        tpb = cfg.block_size // spec.ratio
-        names = ("compressor", "indexer") if spec.overlap else ("compressor",)
-        big_r = state_rows(spec.ratio, spec.overlap)
-        for name in names:
-            width = spec.series_width(name)
-            layout = (
-                index_format(family.kv_format, family.index_format, width, family.dtype)
-                if name == "indexer"
-                else fmt
-            )
+        series = layer_series(spec, family.kv_format, family.index_format, family.dtype)
+        for name, width, layout, big_r, cols in series:
+            tpb = cfg.block_size // spec.ratio
             self.pools[name] = PagedRows(cfg.num_kv_blocks, tpb, layout, width, device=dev,
                                          check=family.check)  # fmt: skip
-            k = 2 if spec.overlap else 1
-            shape = (cfg.num_state_slots * big_r + 1, k * width)  # + 1 trash row
+            shape = (cfg.num_state_slots * big_r + 1, cols)  # + 1 trash row
             self.state[name] = (
                 torch.zeros(shape, dtype=torch.float32, device=dev),
                 torch.zeros(shape, dtype=torch.float32, device=dev),
