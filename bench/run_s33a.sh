@@ -12,6 +12,6 @@ step 150 p128k python3 bench/bench_hybrid.py --batch 256 --contexts 131072 --for
   --profile 2 --out "$W/p128k.json"
 grep -E "^ *(fp8|exact) |async" "$W/p128k.log"
 for f in bf16 fp8; do
-  step 60 dense_$f python3 bench/profile_engine.py --kv-format $f
+  step 60 dense_$f python3 bench/profile_engine.py --kv-format $f --out "$W/dense_$f"
   tail -40 "$W/dense_$f.log"
 done
