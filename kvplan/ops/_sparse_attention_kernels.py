@@ -48,7 +48,13 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kvplan.ops._launch import jit
-from kvplan.ops._paged_kv_tiles import e2m1_f16_tile, nibble_acc, nibble_query, query_f16
+from kvplan.ops._paged_kv_tiles import (
+    f16_shift,
+    e2m1_f16_tile,
+    nibble_acc,
+    nibble_query,
+    query_f16,
+)
 from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
 
 KIND_FP32 = 0
@@ -481,20 +487,54 @@ def index_scores_kernel(
 
 
 @jit
+def _index_tile_f16(
+    q_row, h_ok, down, c_ptr, slots, valid, block_size, stride_block, stride_token,
+    scale_stride, scale_offset, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TILE_H: tl.constexpr, TILE_N: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """fp32 ``[TILE_N, TILE_H]`` logits of the e4m3 keys of ``slots`` (UE8M0 scales, groups of
+    ``GS`` columns) against one query row's heads (``q_row``: ``[TILE_H, 1]`` pointers) times
+    ``2^-shift`` (``down``, `f16_shift`): per scale group one fp16 dot of the raw values
+    (exact in fp16) with the query's columns (exact in fp16 after the shift, but for values
+    2^24 below its largest), fp32 accumulation (exact products), then times the group's
+    scale, a power of two (exact). Only the summation order differs from fp32 products of the
+    dequantized keys."""
+    s = tl.where(valid, slots, 0).to(tl.int64)
+    blk, off = s // block_size, s % block_size
+    base = blk * stride_block + off * stride_token  # [TILE_N]
+    sbase = blk * stride_block + off * scale_stride + scale_offset
+    acc = tl.zeros([TILE_N, TILE_H], tl.float32)
+    for g in tl.static_range(HEAD_DIM // GS):
+        j = g * GS + tl.arange(0, GS)
+        qg = tl.load(q_row + j[None, :], mask=h_ok[:, None], other=0.0)
+        qg = tl.trans((qg.to(tl.float32) * down).to(tl.float16))  # [GS, TILE_H]
+        vb = tl.load(c_ptr + base[:, None] + j[None, :], mask=valid[:, None], other=0)
+        if HW:
+            kr = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:
+            kr = decode_e4m3(vb.to(tl.int32)).to(tl.float16)
+        sg = _scales_at(c_ptr, sbase, g, valid, SF)  # [TILE_N]
+        acc += tl.dot(kr, qg) * sg[:, None]
+    return acc
+
+
+@jit
 def index_scores_tc_kernel(
     q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, stride_qt, stride_qh, stride_wt, stride_ot,
     stride_idx, num_heads, num_cols, num_slots, block_size: tl.constexpr, stride_block,
     stride_token, scale_stride, scale_offset,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     TILES: tl.constexpr, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
-    FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr,
+    FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, F16: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(T, cdiv(K, TILES * TILE_N))``: the scores of ``index_scores_kernel`` with
     the keys as the dot's rows (``[TILE_N, Ci] x [Ci, TILE_H]``: every head of the row in one
     dot, the query tile loaded once for ``TILES`` key tiles). With ``DOT_BF16`` (bf16
     queries) the query and the dequantized keys (bf16-exact) enter the tensor cores as bf16
     with fp32 accumulation: exact products, only the summation order differs from fp32.
-    Otherwise fp32 with ``"ieee"`` precision."""
+    Otherwise fp32 with ``"ieee"`` precision. ``F16`` (bf16 queries over e4m3 keys with
+    UE8M0 scales in whole groups, ``_index_tile_f16``): the raw e4m3 values and the query in
+    fp16, one dot a scale group, each group's logits times its power-of-two scale in fp32."""
     t = tl.program_id(0)
     heads = tl.arange(0, TILE_H)
     h_ok = heads < num_heads
@@ -502,6 +542,22 @@ def index_scores_tc_kernel(
     t64 = t.to(tl.int64)
     q_off = t64 * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=h_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    if F16:
+        down, up = f16_shift(q)
+        q_row = q_ptr + t64 * stride_qt + heads[:, None] * stride_qh  # [TILE_H, 1]
+        w = tl.load(w_ptr + t64 * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
+        for i in range(0, TILES):
+            cols = (tl.program_id(1) * TILES + i) * TILE_N + tl.arange(0, TILE_N)
+            c_ok = cols < num_cols
+            slots = tl.load(idx_ptr + t64 * stride_idx + cols, mask=c_ok, other=-1)
+            valid = (slots >= 0) & (slots < num_slots)
+            s = _index_tile_f16(q_row, h_ok, down, c_ptr, slots, valid, block_size,
+                                stride_block, stride_token, scale_stride, scale_offset, SF, GS,
+                                HEAD_DIM, TILE_H, TILE_N, HW) * up  # fmt: skip
+            score = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
+            score = tl.where(valid, score, float("-inf"))
+            tl.store(out_ptr + t64 * stride_ot + cols, score, mask=c_ok)
+        return
     if DOT_BF16:
         qt = tl.trans(q.to(tl.bfloat16))  # [D_P2, TILE_H]
     else:
