@@ -49,8 +49,8 @@ from triton.language.extra import libdevice
 
 from kvplan.ops._launch import jit
 from kvplan.ops._paged_kv_tiles import (
-    f16_shift,
     e2m1_f16_tile,
+    f16_shift,
     nibble_acc,
     nibble_query,
     query_f16,
