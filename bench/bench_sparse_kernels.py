@@ -155,8 +155,12 @@ def index_case(a, dev, gen, kind: str, cand: int) -> list[dict]:
     w = torch.randn(a.rows, a.index_heads, generator=gen, device=dev)
     src = rows.key_source(slots)
     configs = [{}]
-    if dev.type == "cuda" and kind == "mxfp8":  # the fp16 path (the default) against bf16 tiles
-        configs.append({"f16": False})
+    if dev.type == "cuda" and kind == "mxfp8":  # fp16 tiles: per scale group / whole (experiment)
+        configs += [{"f16": 1}, {"f16": 2}]
+    if a.sweep_stages:  # key tiles per program x software pipelining
+        configs += [{"tile_n": n, "tiles": t, "num_warps": nw, "num_stages": st}
+                    for n in (64, 128) for t in (2, 4, 8) for nw in (4, 8) for st in (2, 3, 4)
+                    if n * t <= 1024]  # fmt: skip
     if a.sweep:
         configs += [{"tile_n": n, "tiles": t, "num_warps": nw}
                     for n in (64, 128, 256) for t in (1, 2, 4, 8) for nw in (4, 8)
@@ -325,6 +329,11 @@ def main() -> None:
     ap.add_argument("--attention-format", choices=("v41", "bf16"), default="v41",
                     help="decode attention cases' caches: V41 fp8 records (kv_format fp8) or "
                     "bf16 rows (kv_format exact)")  # fmt: skip
+    ap.add_argument(
+        "--sweep-stages",
+        action="store_true",
+        help="index cases: also tiles per program x num_stages",
+    )
     ap.add_argument("--only", choices=("index", "index_prompt", "topk", "attention", "prefill"),
                     default=None,
                     help="prefill: only the --prefill-rows case")  # fmt: skip

@@ -490,7 +490,7 @@ def index_scores_kernel(
 def _index_tile_f16(
     q_row, h_ok, down, c_ptr, slots, valid, block_size, stride_block, stride_token,
     scale_stride, scale_offset, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TILE_H: tl.constexpr, TILE_N: tl.constexpr, HW: tl.constexpr,
+    TILE_H: tl.constexpr, TILE_N: tl.constexpr, HW: tl.constexpr, WHOLE: tl.constexpr = False,
 ):  # fmt: skip
     """fp32 ``[TILE_N, TILE_H]`` logits of the e4m3 keys of ``slots`` (UE8M0 scales, groups of
     ``GS`` columns) against one query row's heads (``q_row``: ``[TILE_H, 1]`` pointers) times
@@ -503,6 +503,17 @@ def _index_tile_f16(
     blk, off = s // block_size, s % block_size
     base = blk * stride_block + off * stride_token  # [TILE_N]
     sbase = blk * stride_block + off * scale_stride + scale_offset
+    if WHOLE:  # experiment: the tile scaled in fp16 (exact only for scales in fp16's range)
+        G: tl.constexpr = HEAD_DIM // GS
+        j = tl.arange(0, HEAD_DIM)
+        qa = tl.load(q_row + j[None, :], mask=h_ok[:, None], other=0.0)
+        qa = tl.trans((qa.to(tl.float32) * down).to(tl.float16))  # [D, TILE_H]
+        vb = tl.load(c_ptr + base[:, None] + j[None, :], mask=valid[:, None], other=0)
+        kr = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        g = tl.arange(0, G)
+        sc = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF).to(tl.float16)
+        k = tl.reshape(tl.reshape(kr, [TILE_N, G, GS]) * sc[:, :, None], [TILE_N, HEAD_DIM])
+        return tl.dot(k, qa)
     acc = tl.zeros([TILE_N, TILE_H], tl.float32)
     for g in tl.static_range(HEAD_DIM // GS):
         j = g * GS + tl.arange(0, GS)
@@ -553,7 +564,7 @@ def index_scores_tc_kernel(
             valid = (slots >= 0) & (slots < num_slots)
             s = _index_tile_f16(q_row, h_ok, down, c_ptr, slots, valid, block_size,
                                 stride_block, stride_token, scale_stride, scale_offset, SF, GS,
-                                HEAD_DIM, TILE_H, TILE_N, HW) * up  # fmt: skip
+                                HEAD_DIM, TILE_H, TILE_N, HW, F16 == 2) * up  # fmt: skip
             score = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
             score = tl.where(valid, score, float("-inf"))
             tl.store(out_ptr + t64 * stride_ot + cols, score, mask=c_ok)

@@ -26,7 +26,7 @@ from kvplan.ops.topk import topk_columns
 
 __all__ = ["index_scores", "index_scores_by_sequence", "index_scores_triton", "topk_columns"]
 
-INDEX_F16_TILES = env_flag("KVPLAN_INDEX_F16", True)
+INDEX_F16_TILES = env_flag("KVPLAN_INDEX_F16", False)
 """bf16 queries over e4m3 index keys with UE8M0 scales (``"mxfp8"``) take fp16 products (True,
 the default; ``KVPLAN_INDEX_F16=0`` at import: off): ``index_scores_tc_kernel`` with ``F16``
 converts the raw e4m3 values to fp16 (exact) and multiplies each scale group's fp32 logits by
@@ -98,7 +98,8 @@ def index_f16(q_dtype: torch.dtype, addr: SourceAddress, width: int) -> bool:
 def index_scores_triton(
     index_q: torch.Tensor, index_weights: torch.Tensor, keys: KeySource,
     addr: SourceAddress | None = None, *, tile_n: int | None = None, tiles: int = 1,
-    num_warps: int | None = None, legacy: bool = False, f16: bool | None = None,
+    num_warps: int | None = None, legacy: bool = False, f16: bool | int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton path of :func:`index_scores` (inputs checked there; ``addr`` its
     addressing of ``keys``). ``index_scores_tc_kernel``: ``tile_n`` keys per dot, ``tiles``
@@ -140,14 +141,14 @@ def index_scores_triton(
             f"or more; got {index_q.dtype}, key kind {addr.kind}, scale kind {addr.sf}, "
             f"group {addr.group}"
         )
-    f16 = can_f16 and (INDEX_F16_TILES if f16 is None else f16)
+    f16 = (f16 if f16 is not None else INDEX_F16_TILES) if can_f16 else False
     tile_n = tile_n or (128 if d_p2 <= 128 else 64)
     grid = (num_rows, triton.cdiv(idx.shape[1], tile_n * tiles))
     _k.index_scores_tc_kernel[grid](
         *args, TILE_N=tile_n, TILES=tiles, **consts,
         DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32,
         F16=f16,
-        num_warps=num_warps or 4,
+        num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}),
     )  # fmt: skip
     return out
 
