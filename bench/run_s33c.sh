@@ -9,7 +9,7 @@ source bench/gpu_steps.sh
 for r in 256:32768 32:8192; do
   step 120 s${r%%:*} python3 bench/bench_sparse_kernels.py --only index --rows ${r%%:*} \
     --candidates ${r##*:} --index-kinds mxfp8 --sweep-stages --out "$W/s${r%%:*}.json"
-  grep -E "index_scores" "$W/s${r%%:*}.log" | sort -k6 -n | head -12
+  grep -E "index_scores" "$W/s${r%%:*}.log" | cut -c1-150
 done
 step 60 topk python3 bench/bench_sparse_kernels.py --only topk --rows 256 --candidates 32768 \
   --out "$W/topk.json"
