@@ -115,7 +115,18 @@ def _load_key_cols(
     sbase = blk * stride_block + off * scale_stride + scale_offset
     d = d0 + tl.arange(0, DW)
     dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    if F16:
+    if F16 and KIND == 2:  # experiment: e4m3 values times UE8M0 scales in fp16
+        tl.static_assert(SF == 0 and FLAT and F16 == 1, "fp8 F16 tiles: UE8M0, in order")
+        G: tl.constexpr = DW // GS
+        vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
+        if HW:
+            raw = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:
+            raw = decode_e4m3(vb.to(tl.int32)).to(tl.float16)
+        g = d0 // GS + tl.arange(0, G)
+        mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF).to(tl.float16)
+        x = tl.reshape(tl.reshape(raw, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
+    elif F16:
         tl.static_assert(KIND == 3 and SF == 1 and FLAT, "F16 tiles: e2m1 with e4m3 scales")
         words = (c_ptr + base[:, None] + d0 // 2).to(tl.pointer_type(tl.int32))
         w = tl.load(words + tl.arange(0, DW // 8)[None, :], mask=valid[:, None], other=0)
@@ -490,7 +501,7 @@ def index_scores_kernel(
 def _index_tile_f16(
     q_row, h_ok, down, c_ptr, slots, valid, block_size, stride_block, stride_token,
     scale_stride, scale_offset, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TILE_H: tl.constexpr, TILE_N: tl.constexpr, HW: tl.constexpr, WHOLE: tl.constexpr = False,
+    TILE_H: tl.constexpr, TILE_N: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
     """fp32 ``[TILE_N, TILE_H]`` logits of the e4m3 keys of ``slots`` (UE8M0 scales, groups of
     ``GS`` columns) against one query row's heads (``q_row``: ``[TILE_H, 1]`` pointers) times
@@ -503,17 +514,6 @@ def _index_tile_f16(
     blk, off = s // block_size, s % block_size
     base = blk * stride_block + off * stride_token  # [TILE_N]
     sbase = blk * stride_block + off * scale_stride + scale_offset
-    if WHOLE:  # experiment: the tile scaled in fp16 (exact only for scales in fp16's range)
-        G: tl.constexpr = HEAD_DIM // GS
-        j = tl.arange(0, HEAD_DIM)
-        qa = tl.load(q_row + j[None, :], mask=h_ok[:, None], other=0.0)
-        qa = tl.trans((qa.to(tl.float32) * down).to(tl.float16))  # [D, TILE_H]
-        vb = tl.load(c_ptr + base[:, None] + j[None, :], mask=valid[:, None], other=0)
-        kr = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        g = tl.arange(0, G)
-        sc = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF).to(tl.float16)
-        k = tl.reshape(tl.reshape(kr, [TILE_N, G, GS]) * sc[:, :, None], [TILE_N, HEAD_DIM])
-        return tl.dot(k, qa)
     acc = tl.zeros([TILE_N, TILE_H], tl.float32)
     for g in tl.static_range(HEAD_DIM // GS):
         j = g * GS + tl.arange(0, GS)
@@ -527,6 +527,28 @@ def _index_tile_f16(
         sg = _scales_at(c_ptr, sbase, g, valid, SF)  # [TILE_N]
         acc += tl.dot(kr, qg) * sg[:, None]
     return acc
+
+
+@jit
+def _index_tile_f16_whole(
+    qt16, c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
+    scale_offset, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TILE_N: tl.constexpr,
+):  # fmt: skip
+    """Experiment: `_index_tile_f16`'s logits with the e4m3 tile times its scales in fp16 and
+    one dot (exact only while the scales lie in fp16's range; nothing checks)."""
+    G: tl.constexpr = HEAD_DIM // GS
+    s = tl.where(valid, slots, 0).to(tl.int64)
+    blk, off = s // block_size, s % block_size
+    base = blk * stride_block + off * stride_token
+    sbase = blk * stride_block + off * scale_stride + scale_offset
+    j = tl.arange(0, HEAD_DIM)
+    vb = tl.load(c_ptr + base[:, None] + j[None, :], mask=valid[:, None], other=0)
+    kr = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    g = tl.arange(0, G)
+    sc = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF).to(tl.float16)
+    k = tl.reshape(tl.reshape(kr, [TILE_N, G, GS]) * sc[:, :, None], [TILE_N, HEAD_DIM])
+    return tl.dot(k, qt16)
 
 
 @jit
@@ -555,6 +577,7 @@ def index_scores_tc_kernel(
     q = tl.load(q_ptr + q_off, mask=h_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     if F16:
         down, up = f16_shift(q)
+        qt16 = tl.trans((q.to(tl.float32) * down).to(tl.float16))  # [D_P2, TILE_H]
         q_row = q_ptr + t64 * stride_qt + heads[:, None] * stride_qh  # [TILE_H, 1]
         w = tl.load(w_ptr + t64 * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
         for i in range(0, TILES):
@@ -562,9 +585,14 @@ def index_scores_tc_kernel(
             c_ok = cols < num_cols
             slots = tl.load(idx_ptr + t64 * stride_idx + cols, mask=c_ok, other=-1)
             valid = (slots >= 0) & (slots < num_slots)
-            s = _index_tile_f16(q_row, h_ok, down, c_ptr, slots, valid, block_size,
-                                stride_block, stride_token, scale_stride, scale_offset, SF, GS,
-                                HEAD_DIM, TILE_H, TILE_N, HW, F16 == 2) * up  # fmt: skip
+            if F16 == 2:  # experiment: the tile scaled in fp16 (exact for scales in range)
+                s = _index_tile_f16_whole(qt16, c_ptr, slots, valid, block_size, stride_block,
+                                          stride_token, scale_stride, scale_offset, SF, GS,
+                                          HEAD_DIM, TILE_N) * up  # fmt: skip
+            else:
+                s = _index_tile_f16(q_row, h_ok, down, c_ptr, slots, valid, block_size,
+                                    stride_block, stride_token, scale_stride, scale_offset, SF,
+                                    GS, HEAD_DIM, TILE_H, TILE_N, HW) * up  # fmt: skip
             score = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
             score = tl.where(valid, score, float("-inf"))
             tl.store(out_ptr + t64 * stride_ot + cols, score, mask=c_ok)
