@@ -24,12 +24,14 @@ row ends at a multiple of ``block_size`` (a prompt chunk or a decode step; a req
 only its newest decode-time one) and registered under
 the hash of the block that ends there. A prompt lookup then reuses the longest cached run of
 blocks that ends at a snapshot, and the request's state slot is restored from it before its
-first step. The scheduler ends a prompt's chunk at its last block boundary below its length
+first step. The state of a prompt is kept at its last block boundary below its length
 (``Scheduler.resume_block_size``), so a repeated prompt, a preempted request and the next turn
 of a conversation (whose prompt holds the last one's output) resume there. A prompt that finds
 cached blocks but no snapshot at their end (another question after a shared system prompt)
-recomputes them and ends a chunk there too (``AllocationResult.num_shared_tokens``): later
-prompts sharing that prefix resume at its end.
+recomputes them and keeps its state there too (``AllocationResult.num_shared_tokens``): later
+prompts sharing that prefix resume at its end. Such a point inside a chunk does not end the
+chunk (`KEEP_STATE_IN_CHUNK`): the snapshot is taken before the step and the step writes
+the rows up to the point into it (`kvplan.backends.hybrid.snapshots.KeepPoints`).
 
 CUDA graphs (CUDA, ``use_cuda_graph`` on by default there): decode-only steps replay the graph
 of the smallest batch-size bucket that holds them (`kvplan.engine.hybrid_graphs`); the
@@ -65,9 +67,11 @@ import torch
 from torch import nn
 
 from kvplan.backends.hybrid.api import HybridSeq
+from kvplan.backends.hybrid.snapshots import KeepPoints
 from kvplan.engine.config import EngineConfig
 from kvplan.engine.step import StepBatch
 from kvplan.models.weights import read_config_json
+from kvplan.ops._dispatch import env_flag
 
 HYBRID = "hybrid"
 HYBRID_MODEL_TYPES = ("deepseek_v4",)
@@ -75,6 +79,13 @@ HYBRID_MODEL_TYPES = ("deepseek_v4",)
 _KV_FORMATS = {"auto": "exact", "fp8": "fp8", "fp4": "fp4"}
 _EXACT_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+
+KEEP_STATE_IN_CHUNK = env_flag("KVPLAN_KEEP_STATE_IN_CHUNK", True)
+"""With prefix caching, a prompt's state at the block boundaries a later request may resume
+from is kept inside its chunk (True, the default: `Scheduler`'s ``keep_state_in_chunk``; a
+snapshot taken before the step, the rows before the boundary written into it during the step:
+`kvplan.backends.hybrid.snapshots.KeepPoints`), instead of ending the chunk there and taking
+the snapshot after it (``KVPLAN_KEEP_STATE_IN_CHUNK=0`` at import: one more step a prompt)."""
 
 PENDING_TOKEN = 0  # stand-in for an input token still on the device (never read as a value)
 
@@ -204,7 +215,30 @@ class HybridEngineFamily:
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.stage(self.seqs(step), step.ahead)
         positions = torch.from_numpy(step.positions).to(self.device)
-        return self.family.plan(self.seqs(step), positions)
+        return self.family.plan(self.seqs(step), positions, keep=self._keep_points(step))
+
+    def _keep_points(self, step: StepBatch) -> Any:
+        """The snapshots of the step's ``keep_state_at`` points: taken now (copies of the
+        state slots before the step) and completed by the step (`KeepPoints`), or None."""
+        if self.snapshots is None:
+            return None
+        bs, m = self.block_size, self.manager
+        entries, where = [], []
+        for i, seq in enumerate(step.seqs):
+            if not seq.keep_state_at:
+                continue
+            rid = step.request_ids[i]
+            req = m.requests.get(rid)
+            if not req.cacheable:
+                continue
+            for h in seq.keep_state_at:
+                entries.append((rid, h // bs - 1, req.state_slot, False))
+                where.append((i, h))
+        if not entries:
+            return None
+        slots = self.snapshots.take_early(entries)
+        points = [(i, h, slot) for (i, h), slot in zip(where, slots) if slot is not None]
+        return KeepPoints(self.snapshots, points) if points else None
 
     def free(self, request_id: Any) -> None:
         self.family.free(request_id)

@@ -22,8 +22,9 @@ Every step (``schedule``) spends a token budget ``max_num_batched_tokens``:
    system prompt sent by several requests at once) waits until they are committed instead
    of computing them a second time (``add_request(wait_for_pending=True)`` answers
    ``"pending_prefix"``); later waiting requests may be admitted past it. With
-   ``resume_block_size`` the owner's chunks also end where the shared run ends, so the
-   family keeps its per-sequence state there and the waiting prompt resumes from it.
+   ``resume_block_size`` the owner's chunks also end where the shared run ends (or, with
+   ``keep_state_in_chunk``, name it in ``keep_state_at``), so the family keeps its
+   per-sequence state there and the waiting prompt resumes from it.
 
 The batch is ordered for the attention metadata: context rows (prefill chunks, then
 speculative-verification rows, which carry several query tokens) before plain decode rows.
@@ -72,6 +73,10 @@ class Scheduler:
             them: a family that keeps per-sequence state only at chunk ends that are block
             boundaries (`kvplan.backends.hybrid.snapshots`) can then resume there for a later
             request (the same prompt, or another one sharing that prefix). 0: no cut.
+        keep_state_in_chunk: with ``resume_block_size``, chunks are not cut there: each
+            prefill row names those points inside its chunk (``ScheduledSeq.keep_state_at``)
+            and the family keeps the state at them within the step (a prompt runs in one
+            step instead of two).
         wait_for_shared_prefix: a waiting prompt whose next blocks another request is
             computing waits for them (module docstring); needs a manager with prefix
             caching (otherwise nothing waits).
@@ -89,6 +94,7 @@ class Scheduler:
         num_draft_tokens: int = 0,
         resume_block_size: int = 0,
         wait_for_shared_prefix: bool = True,
+        keep_state_in_chunk: bool = False,
     ) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -103,6 +109,7 @@ class Scheduler:
         self.on_free = on_free
         self.resume_block_size = resume_block_size
         self.wait_for_shared_prefix = wait_for_shared_prefix
+        self.keep_state_in_chunk = keep_state_in_chunk and resume_block_size > 0
         self.num_prefix_waits = 0  # admissions put off (per step) for a prefix being computed
         self.num_waiting_for_prefix = 0  # requests the last step put off that way
         self.waiting: deque[Request] = deque()
@@ -248,7 +255,7 @@ class Scheduler:
                 n = self._chunk(req, budget)
                 if not self._prepare_chunk(req, req.num_computed_tokens + n, scheduled, preempted):
                     continue
-                prefill.append(ScheduledSeq(req, n, True))
+                prefill.append(self._prefill_row(req, n))
                 budget -= n
                 scheduled.add(req.request_id)
                 continue
@@ -305,7 +312,7 @@ class Scheduler:
             req.resume_at = result.num_shared_tokens if self.resume_block_size else 0
             self.running.append(req)
             n = self._chunk(req, budget)
-            prefill.append(ScheduledSeq(req, n, True))
+            prefill.append(self._prefill_row(req, n))
             budget -= n
 
         self.num_waiting_for_prefix = waits
@@ -331,25 +338,42 @@ class Scheduler:
         if result.reason == "pending_prefix":
             self._end_owner_chunk(result, prefill)
 
+    def _keep_points(self, req: Request) -> tuple[int, ...]:
+        """Where ``req``'s prompt state is kept (``resume_block_size``): its resume boundary,
+        its last block boundary below its length, and the ends of prefixes that waiting
+        prompts share."""
+        size = self.resume_block_size
+        if not size:
+            return ()
+        return (req.resume_at, (req.num_prefill_tokens - 1) // size * size, *req.shared_ends)
+
     def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens of ``req``'s next prefill chunk: the rest of its prompt within ``budget``,
-        ended at its resume boundary, or where a prefix that waiting prompts share ends,
-        when the chunk would cross it (``resume_block_size``)."""
+        """Tokens of ``req``'s next prefill chunk: the rest of its prompt within ``budget``;
+        without ``keep_state_in_chunk``, ended at the first of `_keep_points` it would
+        cross."""
         start = req.num_computed_tokens
         n = min(req.num_prefill_tokens - start, budget)
-        size = self.resume_block_size
-        if size:
-            for h in (req.resume_at, (req.num_prefill_tokens - 1) // size * size,
-                      *req.shared_ends):  # fmt: skip
+        if not self.keep_state_in_chunk:
+            for h in self._keep_points(req):
                 if start < h < start + n:
                     n = h - start
         return n
 
+    def _prefill_row(self, req: Request, n: int) -> ScheduledSeq:
+        """The prefill row of ``req``'s next ``n`` tokens; with ``keep_state_in_chunk`` it
+        names the points of `_keep_points` strictly inside the chunk (``keep_state_at``)."""
+        if not self.keep_state_in_chunk:
+            return ScheduledSeq(req, n, True)
+        start = req.num_computed_tokens
+        inside = {h for h in self._keep_points(req) if start < h < start + n}
+        return ScheduledSeq(req, n, True, keep_state_at=tuple(sorted(inside)))
+
     def _end_owner_chunk(self, result, prefill: list[ScheduledSeq]) -> int:
         """A waiting prompt waits for the shared run ``[0, result.num_shared_tokens)`` that
         ``result.pending_owner`` computes: with ``resume_block_size``, make the owner's
-        chunks end there (this step's chunk too, if scheduled and crossing it). Returns the
-        budget tokens that freed."""
+        chunks end there (this step's chunk too, if scheduled and crossing it; with
+        ``keep_state_in_chunk`` the chunk keeps its length and names the end in
+        ``keep_state_at``). Returns the budget tokens that freed."""
         end = result.num_shared_tokens
         if not self.resume_block_size:
             return 0
@@ -362,6 +386,9 @@ class Scheduler:
             if seq.request is owner:
                 start = owner.num_computed_tokens
                 if start + seq.num_query_tokens > end:
+                    if self.keep_state_in_chunk:  # the state is kept inside the chunk
+                        prefill[i] = self._prefill_row(owner, seq.num_query_tokens)
+                        return 0
                     prefill[i] = ScheduledSeq(owner, end - start, True)
                     return start + seq.num_query_tokens - end
                 break

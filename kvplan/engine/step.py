@@ -33,12 +33,16 @@ from kvplan.engine.request import Request
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     """One row of a step: ``num_query_tokens`` tokens of ``request`` starting at
-    ``request.num_computed_tokens`` (for a decode row: its newest token, then ``drafts``)."""
+    ``request.num_computed_tokens`` (for a decode row: its newest token, then ``drafts``).
+    ``keep_state_at``: token counts strictly inside a prefill chunk (block boundaries) at
+    which the attention family keeps the sequence's state as if a chunk ended there
+    (`kvplan.engine.scheduler.Scheduler`'s ``resume_block_size``)."""
 
     request: Request
     num_query_tokens: int
     is_prefill: bool
     drafts: tuple[int, ...] = ()
+    keep_state_at: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:

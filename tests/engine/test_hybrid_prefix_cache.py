@@ -215,3 +215,41 @@ def test_prefix_caching_on_gpu_with_graphs_and_async_steps(pair, kv_format):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.num_cached_prefix_tokens for o in got] == [32, 32, 32, 0, 48]
     assert graphs.num_replays > 0 and snapshots(on).num_restored == 4
+
+
+def _registered(llm: LLM, block_hash) -> list[torch.Tensor]:
+    """Every state tensor of the snapshot registered under ``block_hash``."""
+    snaps = snapshots(llm)
+    slot = snaps.lookup(block_hash)
+    assert slot is not None
+    return [copy[slot].clone() for _, copy in snaps._pairs]
+
+
+@pytest.mark.parametrize("kv_format", ["auto", "fp8"])
+def test_state_kept_inside_a_chunk_equals_a_cut_chunks_snapshot(pair, kv_format):
+    """A prompt whose chunk passes its last block boundary keeps its state there inside the
+    chunk (`KeepPoints`): one prefill step instead of two, and the snapshot registered at the
+    boundary holds bit for bit what the cut chunk's snapshot holds (rings and the CSA
+    compressor rows of every layer); a repeat resumes there and equals HF."""
+    hf, folder = pair
+    prompt = random_tokens(30, 45)  # boundaries 16 and 32 inside one 45-token chunk
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    got = {}
+    for keep in (False, True):
+        llm = make(folder, kv_format=kv_format, max_num_batched_tokens=64)
+        llm.engine.scheduler.keep_state_in_chunk = keep
+        before = llm.engine.num_steps
+        assert llm.generate([prompt], one)[0].num_cached_prefix_tokens == 0
+        steps = llm.engine.num_steps - before
+        got[keep] = (steps, llm)
+    (cut_steps, cut), (kept_steps, kept) = got[False], got[True]
+    assert (cut_steps, kept_steps) == (2, 1)
+    assert snapshots(kept).num_taken == snapshots(cut).num_taken == 1
+    [h] = list(snapshots(kept)._by_hash)
+    assert list(snapshots(cut)._by_hash) == [h]
+    for a, b in zip(_registered(cut, h), _registered(kept, h)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    again = kept.generate([prompt], GREEDY)[0]
+    assert again.num_cached_prefix_tokens == 32
+    if kv_format == "auto":
+        assert again.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)

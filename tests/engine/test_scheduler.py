@@ -215,3 +215,44 @@ def test_a_prompt_the_budget_did_not_reach_still_cuts_the_owner_chunk():
     plain.add(_shared(0, system, 9))
     plain.add(_shared(1, system, 5))
     assert _rows(plain.schedule()) == [(0, 10)] and plain.running[0].shared_ends == []
+
+
+def _kept(out):
+    return [(x.request.request_id, x.num_query_tokens, x.keep_state_at) for x in out.seqs]
+
+
+def test_keep_state_in_chunk_names_the_boundaries_instead_of_cutting():
+    """``keep_state_in_chunk``: the chunks of the cut test above run whole, each prefill row
+    naming the boundaries of `_keep_points` strictly inside it (its last boundary below its
+    length), decode rows none."""
+    mgr = KVCacheManager(64, 4, max_blocks_per_seq=16, enable_prefix_caching=False)
+    s = Scheduler(mgr, max_num_batched_tokens=40, max_num_seqs=8, resume_block_size=8,
+                  keep_state_in_chunk=True)  # fmt: skip
+    a, b, c = _req(0, 21), _req(1, 8), _req(2, 30)
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()  # a whole (16 inside); b: one block, nothing inside; c: 11 of 40
+    assert _kept(out) == [(0, 21, (16,)), (1, 8, ()), (2, 11, ())]
+    _advance(out)
+    out = s.schedule()  # c's 19 left pass its boundary 24
+    assert _kept(out) == [(2, 19, (24,)), (0, 1, ()), (1, 1, ())]
+    off = Scheduler(mgr, max_num_batched_tokens=40, max_num_seqs=8, keep_state_in_chunk=True)
+    assert not off.keep_state_in_chunk  # nothing to keep without resume_block_size
+
+
+def test_keep_state_in_chunk_names_the_shared_run_end_in_the_owner_chunk():
+    """The owner-cut test above with ``keep_state_in_chunk``: the owner's scheduled chunk
+    keeps its length and names the shared run's end (8) besides its own boundary (20); the
+    waiting prompt resumes at 8 once the blocks are committed."""
+    mgr = KVCacheManager(64, 4, max_blocks_per_seq=16)
+    s = Scheduler(mgr, max_num_batched_tokens=40, max_num_seqs=8, resume_block_size=4,
+                  keep_state_in_chunk=True)  # fmt: skip
+    system = list(range(1000, 1010))  # 2 full blocks shared
+    a, b, c = _shared(0, system, 13), _shared(1, system, 6), _req(2, 30)
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()  # a whole: 23 tokens, 8 and 20 inside; b waits; c: 17 of 40
+    assert _kept(out) == [(0, 23, (8, 20)), (2, 17, ())] and a.shared_ends == [8]
+    _commit(mgr, out)
+    out = s.schedule()
+    assert _rows(out) == [(2, 13), (1, 8), (0, 1)] and b.num_cached_prefix_tokens == 8

@@ -43,6 +43,7 @@ from kvplan.plan.compressor_state import state_rows
 from kvplan.plan.config import MetadataConfig
 
 if TYPE_CHECKING:
+    from kvplan.backends.hybrid.snapshots import KeepPoints
     from kvplan.formats import KVCacheFormat
 
 DECODE_BUILDERS = ("auto", "eager", "device")
@@ -162,9 +163,10 @@ def cache_bytes(
 class LayerCaches:
     """The caches of one layer (see the module docstring)."""
 
-    def __init__(self, spec: HybridLayerSpec, family: PlannedHybridFamily) -> None:
+    def __init__(self, spec: HybridLayerSpec, family: PlannedHybridFamily, index: int) -> None:
         cfg, dev = family.config, family.device
         self.spec = spec
+        self.index = index  # the layer's index in the family
         fmt = main_format(family.kv_format, spec.head_dim, family.dtype)
         self.ring = PagedRows(cfg.num_state_slots, cfg.swa_block_size, fmt, spec.head_dim,
                               device=dev, check=family.check)  # fmt: skip
@@ -245,19 +247,22 @@ class PlannedHybridFamily:
         if decode_builder == "auto":
             decode_builder = "device" if self.device.type == "cuda" else "eager"
         self.decode_builder = decode_builder
-        self.caches = [LayerCaches(spec, self) for spec in self.layers]
+        self.caches = [LayerCaches(spec, self, i) for i, spec in enumerate(self.layers)]
         self._cached_len: dict[int, int] = {}  # request_id -> tokens in the caches
         self._owner: dict[int, int] = {}  # state_id -> request_id
 
-    def plan(self, seqs: list[HybridSeq], positions: torch.Tensor) -> PlannedStep:
-        """The context of one step (see ``HybridFamily.plan``).
+    def plan(
+        self, seqs: list[HybridSeq], positions: torch.Tensor, keep: KeepPoints | None = None
+    ) -> PlannedStep:
+        """The context of one step (see ``HybridFamily.plan``); ``keep``: snapshots the step
+        completes inside its prompt chunks (prompt steps only).
 
         Raises ``ValueError`` naming the sequence when a request continues (``q_start > 0``)
         from another length than the one its caches hold, or on a state slot another request
         wrote since; the planning layer's own checks name the field otherwise.
         """
         self.check_continuation(seqs)
-        step = PlannedStep(self, seqs, positions)
+        step = PlannedStep(self, seqs, positions, keep)
         self.record(seqs)
         return step
 

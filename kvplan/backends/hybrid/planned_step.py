@@ -90,6 +90,7 @@ from kvplan.plan.sequence import SequenceMetadata
 
 if TYPE_CHECKING:
     from kvplan.backends.hybrid.planned import PlannedHybridFamily
+    from kvplan.backends.hybrid.snapshots import KeepPoints
 
 
 class _StateStep:
@@ -121,7 +122,10 @@ class PlannedStep:
     module docstring). ``meta`` is the step's ``InputMetadata``; ``traces[layer]`` holds
     ``(rows, index)`` of the last ``attend`` when the family traces."""
 
-    def __init__(self, family: PlannedHybridFamily, seqs: list[HybridSeq], positions) -> None:
+    def __init__(
+        self, family: PlannedHybridFamily, seqs: list[HybridSeq], positions,
+        keep: KeepPoints | None = None,
+    ) -> None:  # fmt: skip
         from kvplan.plan import prepare_decode, prepare_decode_on_device, prepare_prompt
 
         self.family = family
@@ -136,6 +140,9 @@ class PlannedStep:
             raise ValueError(f"positions must be a tensor of shape ({self.num_rows},), got {got}")
         self.positions = positions
         self.is_prompt = bool((self.seqlen_q > 1).any())
+        if keep is not None and not self.is_prompt:
+            raise ValueError("keep: state is kept inside prompt chunks only (a decode step got it)")
+        self.keep = keep
         self.seq_meta = [
             SequenceMetadata(
                 seqlen_q=s.seqlen_q,
@@ -236,6 +243,7 @@ class PlannedStep:
         # read before write: this step's rows replace older ones in the ring
         kv_ring.index_copy_(0, st.store_rows, kv.float())
         gate_ring.index_copy_(0, st.store_rows, gate.float())
+        self._keep_state(layer_idx, name, spec, kv, gate)
         return CompressWindows(
             kv=wkv,
             gate=wgate,
@@ -278,6 +286,8 @@ class PlannedStep:
             overlap=spec.overlap, state_in_launch=not self.is_prompt, gate_bias=gate_bias,
         )  # fmt: skip
         self._stored.add((layer_idx, name))
+        if self.keep is not None and spec.overlap:
+            self._keep_state(layer_idx, name, spec, kv, biased_gate(gate, gate_bias))
 
     def store_entries(self, layer_idx: int, name: str, entries: torch.Tensor) -> None:
         spec = self._spec(layer_idx, name)
@@ -378,11 +388,26 @@ class PlannedStep:
     def _prompt_window(self, caches, kv, dtype=torch.float32) -> torch.Tensor:
         """A prompt step's SWA buffer ``[history | this chunk]`` in ``dtype``: the ring's
         history through ``load_segments_swa``, THEN the chunk's rows stored into the ring
-        (the store may overwrite slots the load reads) and appended as the ring rounds them."""
+        (the store may overwrite slots the load reads) and appended as the ring rounds them.
+        Snapshots kept inside the chunk (``keep``) get their ring rows stored too."""
         meta = self.meta
         hist = caches.ring.load(meta.load_segments_swa, meta.total_k_swa, dtype=dtype)
         caches.ring.store(kv, meta.slot_mapping_store_swa)
+        if self.keep is not None:
+            ring = caches.ring
+            src, dst = self.keep.rows(self.q_start, self.cu_q, ring.block_size, kv.device)
+            ring.store_into(self.keep.store.rings[caches.index], kv[src], dst.to(torch.int32))
         return torch.cat([hist, caches.ring.roundtrip(kv, dtype=dtype)])
+
+    def _keep_state(self, layer_idx: int, name: str, spec, kv, gate) -> None:
+        """Snapshots kept inside the chunk (``keep``): their compressor-state rows of an
+        overlapping series, fp32 ``kv`` and the biased ``gate`` as the ring holds them."""
+        if self.keep is None or not spec.overlap:
+            return
+        kv_copy, gate_copy = self.keep.store.states[(layer_idx, name)]
+        src, dst = self.keep.rows(self.q_start, self.cu_q, kv_copy.shape[1], kv.device)
+        kv_copy.view(-1, kv_copy.shape[2]).index_copy_(0, dst, kv[src].float())
+        gate_copy.view(-1, gate_copy.shape[2]).index_copy_(0, dst, gate[src].float())
 
     def _attend_prompt_ranges(
         self, spec, caches, q, kv, sinks, scale, index_q, index_weights, out_rope

@@ -16,7 +16,9 @@ these tensors: ``capacity`` snapshot slots, each the ring of every layer and the
 every overlapping series of one state slot at one block boundary.
 
 Bookkeeping (host): a snapshot is *taken* into a free slot right after the step whose rows end
-at a boundary (stream-ordered device copies, before any later step rewrites the ring) and
+at a boundary (stream-ordered device copies, before any later step rewrites the ring), or,
+for a boundary inside a prompt chunk, right before that step, which then writes the rows up to
+the boundary into it (:class:`KeepPoints`), and
 *registered* under the chained hash of the prefix's last block once the cache manager hashes
 that block. A registered snapshot is found by hash (`lookup`), restored into a new request's
 state slot, and evicted least recently used when a new snapshot needs a slot. A taken
@@ -33,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -55,17 +58,25 @@ class StateSnapshots:
         self.capacity = capacity
         # (live cache view [slots, ...], its snapshot copy [capacity, ...]) per state tensor
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # per layer: the ring's copy; per (layer, series): the (kv, gate) state copies,
+        # [capacity, R, width] (`KeepPoints` writes into them)
+        self.rings: list[torch.Tensor] = []
+        self.states: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         slots = family.config.num_state_slots
-        for layer in family.caches:
+        for i, layer in enumerate(family.caches):
             ring = layer.ring.cache  # [num_state_slots, ring_size, ...]
-            self._pairs.append((ring, ring.new_zeros((capacity, *ring.shape[1:]))))
+            self.rings.append(ring.new_zeros((capacity, *ring.shape[1:])))
+            self._pairs.append((ring, self.rings[-1]))
             spec = layer.spec
             if not spec.ratio or not spec.overlap:
                 continue  # HCA / sliding: nothing pending at a block boundary
-            for kv_gate in layer.state.values():
+            for name, kv_gate in layer.state.items():
+                copies = []
                 for t in kv_gate:  # [slots * R + 1 trash row, width]
                     live = t[:-1].view(slots, -1, t.shape[1])
-                    self._pairs.append((live, live.new_zeros((capacity, *live.shape[1:]))))
+                    copies.append(live.new_zeros((capacity, *live.shape[1:])))
+                    self._pairs.append((live, copies[-1]))
+                self.states[(i, name)] = (copies[0], copies[1])
         self._free = list(range(capacity - 1, -1, -1))  # pop() gives 0, 1, ...
         self._by_hash: OrderedDict[Hashable, int] = OrderedDict()  # LRU first
         # request -> {block index: (slot, taken at a decode step)}
@@ -99,9 +110,16 @@ class StateSnapshots:
         snapshot, see `register`). Each gets a free snapshot slot (the least recently used
         registered one is evicted when none is free; entries are skipped when every slot is
         pending) and stays pending until `register`. Returns how many were taken (`_copy`)."""
+        return sum(slot is not None for slot in self.take_early(entries))
+
+    def take_early(self, entries: Sequence[tuple[Hashable, int, int, bool]]) -> list[int | None]:
+        """`take`, returning each entry's snapshot slot (None: skipped, every slot pending).
+        Called before a step whose chunk passes the boundary, the copies hold the state
+        before the step; the step then writes the rows up to the boundary (`KeepPoints`)."""
+        out: list[int | None] = [None] * len(entries)
         dst: list[int] = []
         src: list[int] = []
-        for rid, block, sid, decode in entries:
+        for i, (rid, block, sid, decode) in enumerate(entries):
             slot = self._alloc()
             if slot is None:
                 break
@@ -111,10 +129,11 @@ class StateSnapshots:
             self._pending[rid][block] = (slot, decode)
             dst.append(slot)
             src.append(sid)
+            out[i] = slot
         if dst:
             self._copy(src, dst, save=True)
             self.num_taken += len(dst)
-        return len(dst)
+        return out
 
     def register(self, request_id: Hashable, first_block: int, hashes: Sequence[Hashable]) -> None:
         """Blocks ``first_block ..`` of ``request_id`` were hashed as ``hashes``: register
@@ -196,3 +215,40 @@ class StateSnapshots:
                 copy.index_copy_(0, snap, live.index_select(0, sid))
             else:
                 live.index_copy_(0, sid, copy.index_select(0, snap))
+
+
+class KeepPoints:
+    """Snapshots a prompt step completes inside its chunk (`StateSnapshots.take_early` copied
+    the state slots before the step): ``points`` are ``(row, h, slot)``, step row (sequence)
+    ``row`` keeps its state after its first ``h`` tokens (a block boundary strictly inside
+    its chunk) in snapshot slot ``slot``.
+
+    The state a chunk ending at ``h`` would leave is the state before the step with the rows
+    of positions ``[q_start, h)`` written as that chunk writes them: the sliding-window ring's
+    last ``ring_size`` of them (quantized by the ring's own store) and, per overlapping
+    series, the compressor-state ring's last ``R`` (fp32 kv and biased gate). The step writes
+    those rows into the snapshot slot (`rows`) beside its own writes, so the snapshot holds
+    bit for bit what a cut chunk's snapshot holds (tested against one), and the prompt needs
+    no second step."""
+
+    def __init__(self, store: StateSnapshots, points: Sequence[tuple[int, int, int]]) -> None:
+        self.store = store
+        self.points = list(points)
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rows(self, q_start, cu_q, keep: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 step rows, int64 rows of the ``[capacity * keep]`` flattened snapshot
+        ring) that the points write into a ring of ``keep`` rows per slot (position ``p`` at
+        ``slot * keep + p % keep``): each point's positions ``[max(q_start, h - keep), h)``.
+        Cached per ``keep`` (the step's layers share them)."""
+        got = self._rows.get(keep)
+        if got is None:
+            src, dst = [], []
+            for row, h, slot in self.points:
+                a = int(q_start[row])
+                pos = np.arange(max(a, h - keep), h, dtype=np.int64)
+                src.append(int(cu_q[row]) + pos - a)
+                dst.append(slot * keep + pos % keep)
+            got = tuple(torch.from_numpy(np.concatenate(x)).to(device) for x in (src, dst))
+            self._rows[keep] = got
+        return got

@@ -144,13 +144,18 @@ class PagedRows:
         BF16 NaN): with ``check``, a non-finite value or a slot outside the cache raises
         ``ValueError`` before anything is written, then the halves are copied unchecked.
         """
+        self.store_into(self.cache, rows, slots)
+
+    def store_into(self, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """`store` into ``cache``, another tensor of this layout (``[n, block_size, ...]``,
+        e.g. a snapshot of this cache's blocks): the same bytes ``store`` writes."""
         check = self.check
         if self.fp32_bits and check:
             if not bool(torch.isfinite(rows).all()):
                 raise ValueError("rows hold a non-finite value (inf or NaN)")
-            check_range("slots", slots, -1, self.cache.shape[0] * self.cache.shape[1])
+            check_range("slots", slots, -1, cache.shape[0] * cache.shape[1])
             check = False
-        store_kv_cache(self._to_cache_rows(rows), self.cache, slots, layout=self.layout,
+        store_kv_cache(self._to_cache_rows(rows), cache, slots, layout=self.layout,
                        check=check)  # fmt: skip
 
     def load(
