@@ -120,7 +120,10 @@ class _StateStep:
 class PlannedStep:
     """One step of :class:`~kvplan.backends.hybrid.planned.PlannedHybridFamily` (see the
     module docstring). ``meta`` is the step's ``InputMetadata``; ``traces[layer]`` holds
-    ``(rows, index)`` of the last ``attend`` when the family traces."""
+    ``(rows, index)`` of the last ``attend`` when the family traces; ``keep``: snapshots the
+    step completes inside its prompt chunks (`KeepPoints`), None for decode steps."""
+
+    keep: KeepPoints | None = None  # also for subclasses that plan decode steps otherwise
 
     def __init__(
         self, family: PlannedHybridFamily, seqs: list[HybridSeq], positions,
