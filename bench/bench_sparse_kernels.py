@@ -155,8 +155,6 @@ def index_case(a, dev, gen, kind: str, cand: int) -> list[dict]:
     w = torch.randn(a.rows, a.index_heads, generator=gen, device=dev)
     src = rows.key_source(slots)
     configs = [{}]
-    if dev.type == "cuda" and kind == "mxfp8":  # fp16 tiles: per scale group / whole (experiment)
-        configs += [{"f16": 1}, {"f16": 2}]
     if a.sweep_stages:  # key tiles per program x software pipelining
         configs += [{"tile_n": n, "tiles": t, "num_warps": nw, "num_stages": st}
                     for n in (64, 128) for t in (2, 4, 8) for nw in (4, 8) for st in (2, 3, 4)

@@ -3,7 +3,8 @@
 # 1. GPU tests of the hybrid prefix cache (graphs, async steps, fp8) and the index kernels;
 # 2. bench/hybrid_keep_state.py: one engine, a new 1,000-token prompt and a question after a
 #    primed 4,000-token system prompt, the chunk cut at the boundary vs the state kept inside;
-# 3. call C's kernel questions (index scoring tiles / pipelining, top-k, fp8 attention tiles).
+# 3. the indexer's mxfp8 scoring: key tiles per program x software pipelining; the top-k
+#    alone at 256 x 32,768.
 set -u
 BUDGET=${BUDGET:-420}
 source bench/gpu_steps.sh
@@ -16,8 +17,3 @@ grep -E "index_scores" "$W/s256.log" | cut -c1-150
 step 40 topk python3 bench/bench_sparse_kernels.py --only topk --rows 256 --candidates 32768 \
   --out "$W/topk.json"
 grep -E "topk" "$W/topk.log" | cut -c1-150 | head -30
-for f in 0 1; do
-  step 45 att$f env KVPLAN_SPARSE_FP8_F16=$f python3 bench/bench_sparse_kernels.py \
-    --only attention --rows 256 --hca-entries 1024 --out "$W/att$f.json"
-  grep -E "^(sparse)|FASTEST" "$W/att$f.log" | cut -c1-150
-done

@@ -212,12 +212,12 @@ def query_f16(q, qk_scale):
     ``qk_scale * 2^shift``, with ``shift`` the least (0 but for |q| >= 2^15) that keeps the
     largest |value| below 2^15; exact but for values 2^24 below the largest (fp16's
     subnormal range)."""
-    down, up = f16_shift(q)
+    down, up = _f16_shift(q)
     return (q.to(tl.float32) * down).to(tl.float16), qk_scale * up
 
 
 @jit
-def f16_shift(q):
+def _f16_shift(q):
     """``(2^-shift, 2^shift)`` for a query tile going to fp16: ``shift`` the least (0 but for
     |q| >= 2^15) that keeps its largest |value| below 2^15."""
     top = (tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0).to(tl.int32, bitcast=True) >> 23) & 255

@@ -48,13 +48,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kvplan.ops._launch import jit
-from kvplan.ops._paged_kv_tiles import (
-    e2m1_f16_tile,
-    f16_shift,
-    nibble_acc,
-    nibble_query,
-    query_f16,
-)
+from kvplan.ops._paged_kv_tiles import e2m1_f16_tile, nibble_acc, nibble_query, query_f16
 from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
 
 KIND_FP32 = 0
@@ -115,18 +109,7 @@ def _load_key_cols(
     sbase = blk * stride_block + off * scale_stride + scale_offset
     d = d0 + tl.arange(0, DW)
     dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    if F16 and KIND == 2:  # experiment: e4m3 values times UE8M0 scales in fp16
-        tl.static_assert(SF == 0 and FLAT and F16 == 1, "fp8 F16 tiles: UE8M0, in order")
-        G: tl.constexpr = DW // GS
-        vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
-        if HW:
-            raw = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        else:
-            raw = decode_e4m3(vb.to(tl.int32)).to(tl.float16)
-        g = d0 // GS + tl.arange(0, G)
-        mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF).to(tl.float16)
-        x = tl.reshape(tl.reshape(raw, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
-    elif F16:
+    if F16:
         tl.static_assert(KIND == 3 and SF == 1 and FLAT, "F16 tiles: e2m1 with e4m3 scales")
         words = (c_ptr + base[:, None] + d0 // 2).to(tl.pointer_type(tl.int32))
         w = tl.load(words + tl.arange(0, DW // 8)[None, :], mask=valid[:, None], other=0)
@@ -498,76 +481,20 @@ def index_scores_kernel(
 
 
 @jit
-def _index_tile_f16(
-    q_row, h_ok, down, c_ptr, slots, valid, block_size, stride_block, stride_token,
-    scale_stride, scale_offset, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TILE_H: tl.constexpr, TILE_N: tl.constexpr, HW: tl.constexpr,
-):  # fmt: skip
-    """fp32 ``[TILE_N, TILE_H]`` logits of the e4m3 keys of ``slots`` (UE8M0 scales, groups of
-    ``GS`` columns) against one query row's heads (``q_row``: ``[TILE_H, 1]`` pointers) times
-    ``2^-shift`` (``down``, `f16_shift`): per scale group one fp16 dot of the raw values
-    (exact in fp16) with the query's columns (exact in fp16 after the shift, but for values
-    2^24 below its largest), fp32 accumulation (exact products), then times the group's
-    scale, a power of two (exact). Only the summation order differs from fp32 products of the
-    dequantized keys."""
-    s = tl.where(valid, slots, 0).to(tl.int64)
-    blk, off = s // block_size, s % block_size
-    base = blk * stride_block + off * stride_token  # [TILE_N]
-    sbase = blk * stride_block + off * scale_stride + scale_offset
-    acc = tl.zeros([TILE_N, TILE_H], tl.float32)
-    for g in tl.static_range(HEAD_DIM // GS):
-        j = g * GS + tl.arange(0, GS)
-        qg = tl.load(q_row + j[None, :], mask=h_ok[:, None], other=0.0)
-        qg = tl.trans((qg.to(tl.float32) * down).to(tl.float16))  # [GS, TILE_H]
-        vb = tl.load(c_ptr + base[:, None] + j[None, :], mask=valid[:, None], other=0)
-        if HW:
-            kr = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        else:
-            kr = decode_e4m3(vb.to(tl.int32)).to(tl.float16)
-        sg = _scales_at(c_ptr, sbase, g, valid, SF)  # [TILE_N]
-        acc += tl.dot(kr, qg) * sg[:, None]
-    return acc
-
-
-@jit
-def _index_tile_f16_whole(
-    qt16, c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride,
-    scale_offset, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TILE_N: tl.constexpr,
-):  # fmt: skip
-    """Experiment: `_index_tile_f16`'s logits with the e4m3 tile times its scales in fp16 and
-    one dot (exact only while the scales lie in fp16's range; nothing checks)."""
-    G: tl.constexpr = HEAD_DIM // GS
-    s = tl.where(valid, slots, 0).to(tl.int64)
-    blk, off = s // block_size, s % block_size
-    base = blk * stride_block + off * stride_token
-    sbase = blk * stride_block + off * scale_stride + scale_offset
-    j = tl.arange(0, HEAD_DIM)
-    vb = tl.load(c_ptr + base[:, None] + j[None, :], mask=valid[:, None], other=0)
-    kr = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    g = tl.arange(0, G)
-    sc = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF).to(tl.float16)
-    k = tl.reshape(tl.reshape(kr, [TILE_N, G, GS]) * sc[:, :, None], [TILE_N, HEAD_DIM])
-    return tl.dot(k, qt16)
-
-
-@jit
 def index_scores_tc_kernel(
     q_ptr, w_ptr, out_ptr, c_ptr, idx_ptr, stride_qt, stride_qh, stride_wt, stride_ot,
     stride_idx, num_heads, num_cols, num_slots, block_size: tl.constexpr, stride_block,
     stride_token, scale_stride, scale_offset,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     TILES: tl.constexpr, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
-    FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, F16: tl.constexpr = False,
+    FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(T, cdiv(K, TILES * TILE_N))``: the scores of ``index_scores_kernel`` with
     the keys as the dot's rows (``[TILE_N, Ci] x [Ci, TILE_H]``: every head of the row in one
     dot, the query tile loaded once for ``TILES`` key tiles). With ``DOT_BF16`` (bf16
     queries) the query and the dequantized keys (bf16-exact) enter the tensor cores as bf16
     with fp32 accumulation: exact products, only the summation order differs from fp32.
-    Otherwise fp32 with ``"ieee"`` precision. ``F16`` (bf16 queries over e4m3 keys with
-    UE8M0 scales in whole groups, ``_index_tile_f16``): the raw e4m3 values and the query in
-    fp16, one dot a scale group, each group's logits times its power-of-two scale in fp32."""
+    Otherwise fp32 with ``"ieee"`` precision."""
     t = tl.program_id(0)
     heads = tl.arange(0, TILE_H)
     h_ok = heads < num_heads
@@ -575,28 +502,6 @@ def index_scores_tc_kernel(
     t64 = t.to(tl.int64)
     q_off = t64 * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=h_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    if F16:
-        down, up = f16_shift(q)
-        qt16 = tl.trans((q.to(tl.float32) * down).to(tl.float16))  # [D_P2, TILE_H]
-        q_row = q_ptr + t64 * stride_qt + heads[:, None] * stride_qh  # [TILE_H, 1]
-        w = tl.load(w_ptr + t64 * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
-        for i in range(0, TILES):
-            cols = (tl.program_id(1) * TILES + i) * TILE_N + tl.arange(0, TILE_N)
-            c_ok = cols < num_cols
-            slots = tl.load(idx_ptr + t64 * stride_idx + cols, mask=c_ok, other=-1)
-            valid = (slots >= 0) & (slots < num_slots)
-            if F16 == 2:  # experiment: the tile scaled in fp16 (exact for scales in range)
-                s = _index_tile_f16_whole(qt16, c_ptr, slots, valid, block_size, stride_block,
-                                          stride_token, scale_stride, scale_offset, SF, GS,
-                                          HEAD_DIM, TILE_N) * up  # fmt: skip
-            else:
-                s = _index_tile_f16(q_row, h_ok, down, c_ptr, slots, valid, block_size,
-                                    stride_block, stride_token, scale_stride, scale_offset, SF,
-                                    GS, HEAD_DIM, TILE_H, TILE_N, HW) * up  # fmt: skip
-            score = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
-            score = tl.where(valid, score, float("-inf"))
-            tl.store(out_ptr + t64 * stride_ot + cols, score, mask=c_ok)
-        return
     if DOT_BF16:
         qt = tl.trans(q.to(tl.bfloat16))  # [D_P2, TILE_H]
     else:

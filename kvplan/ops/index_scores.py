@@ -13,7 +13,7 @@ import triton
 
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops import _sparse_attention_kernels as _k
-from kvplan.ops._dispatch import env_flag, triton_interpreting, use_triton
+from kvplan.ops._dispatch import triton_interpreting, use_triton
 from kvplan.ops.sparse_sources import (
     MAX_HEAD_DIM,
     KeySource,
@@ -25,13 +25,6 @@ from kvplan.ops.sparse_sources import (
 from kvplan.ops.topk import topk_columns
 
 __all__ = ["index_scores", "index_scores_by_sequence", "index_scores_triton", "topk_columns"]
-
-INDEX_F16_TILES = env_flag("KVPLAN_INDEX_F16", False)
-"""bf16 queries over e4m3 index keys with UE8M0 scales (``"mxfp8"``) take fp16 products (True,
-the default; ``KVPLAN_INDEX_F16=0`` at import: off): ``index_scores_tc_kernel`` with ``F16``
-converts the raw e4m3 values to fp16 (exact) and multiplies each scale group's fp32 logits by
-the group's power-of-two scale, instead of scaling every value in fp32 and rounding it to bf16
-(`index_f16`)."""
 
 SEQ_ROWS = 4  # rows per program of index_scores_seq_kernel (times the heads: the dot's width)
 SEQ_TILE_N = 64  # candidates per program of index_scores_seq_kernel
@@ -84,29 +77,17 @@ def index_scores(
     return index_scores_triton(index_q, index_weights, keys, addr)
 
 
-def index_f16(q_dtype: torch.dtype, addr: SourceAddress, width: int) -> bool:
-    """Whether ``index_scores_tc_kernel``'s ``F16`` path applies to a call: a bf16 query over
-    e4m3 keys with UE8M0 scales in power-of-two groups of at least 16 columns (one fp16 dot a
-    group) that tile the row."""
-    g = addr.group
-    return (
-        q_dtype == torch.bfloat16 and addr.kind == _k.KIND_E4M3
-        and addr.sf == _k.SF_UE8M0 and g >= 16 and g & (g - 1) == 0 and width % g == 0
-    )  # fmt: skip
-
-
 def index_scores_triton(
     index_q: torch.Tensor, index_weights: torch.Tensor, keys: KeySource,
     addr: SourceAddress | None = None, *, tile_n: int | None = None, tiles: int = 1,
-    num_warps: int | None = None, legacy: bool = False, f16: bool | int | None = None,
-    num_stages: int | None = None,
+    num_warps: int | None = None, legacy: bool = False, num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton path of :func:`index_scores` (inputs checked there; ``addr`` its
     addressing of ``keys``). ``index_scores_tc_kernel``: ``tile_n`` keys per dot, ``tiles``
     key tiles per program; bf16 queries use the tensor cores (bf16 x bf16-exact keys, fp32
     accumulation: exact products; fp32 rows are not bf16-exact and keep fp32), fp32 queries
-    fp32 ``"ieee"`` products; ``f16``: the kernel's ``F16`` path (None: `INDEX_F16_TILES`
-    where `index_f16` applies; True: ValueError where it does not). ``legacy``: the
+    fp32 ``"ieee"`` products; ``num_stages``: Triton's software pipelining of the key tiles
+    (its default when None). ``legacy``: the
     per-tile CUDA-core kernel ``index_scores_kernel`` (fp32 products for every query)."""
     idx = keys.index
     addr = addr or source_address(0, keys, index_q.shape[2], split_ok=True)
@@ -134,20 +115,11 @@ def index_scores_triton(
         grid = (num_rows, triton.cdiv(idx.shape[1], tile_n))
         _k.index_scores_kernel[grid](*args, TILE_N=tile_n, **consts, num_warps=num_warps or 4)
         return out
-    can_f16 = index_f16(index_q.dtype, addr, width)
-    if f16 and not can_f16:
-        raise ValueError(
-            f"f16=True needs a bf16 index_q over e4m3 keys with UE8M0 scales in groups of 16 "
-            f"or more; got {index_q.dtype}, key kind {addr.kind}, scale kind {addr.sf}, "
-            f"group {addr.group}"
-        )
-    f16 = (f16 if f16 is not None else INDEX_F16_TILES) if can_f16 else False
     tile_n = tile_n or (128 if d_p2 <= 128 else 64)
     grid = (num_rows, triton.cdiv(idx.shape[1], tile_n * tiles))
     _k.index_scores_tc_kernel[grid](
         *args, TILE_N=tile_n, TILES=tiles, **consts,
         DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32,
-        F16=f16,
         num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}),
     )  # fmt: skip
     return out

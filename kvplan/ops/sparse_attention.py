@@ -387,27 +387,14 @@ step 2.97 -> 2.94 ms at 32K, 4.05 -> 3.97 ms at 128K (graph step 3.63 -> 3.44, 4
 4.52)."""
 
 
-FP8_F16_TILES = env_flag("KVPLAN_SPARSE_FP8_F16", False)
-"""Experiment (off by default; ``KVPLAN_SPARSE_FP8_F16=1`` at import): e4m3 sources with UE8M0
-scales (V41 FP8 records) in fp16 tiles, the value times its scale rounded to fp16: exact only
-while every scale lies in fp16's range (2^-15 .. 2^7), which nothing checks."""
-
-
 def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: int) -> int:
     """The kernels' ``F16``: 1 where a call takes fp16 tiles (`FP4_F16_TILES`; 2 in nibble
     order, `FP4_NIBBLE_TILES`), else 0: a bf16 / fp16 query held whole (``d_chunk`` 0), and
     every source e2m1 with e4m3 scales in whole power-of-two groups, also per value-product
     chunk, its value runs 4-byte aligned (word loads)."""
-    if q_dtype not in (torch.bfloat16, torch.float16) or d_chunk:
+    if not FP4_F16_TILES or q_dtype not in (torch.bfloat16, torch.float16) or d_chunk:
         return 0
     chunk = d_p2 // pv_split
-    if FP8_F16_TILES and all(
-        a.kind == _k.KIND_E4M3 and a.sf == _k.SF_UE8M0 and chunk % a.group == 0
-        and flat_scales(a, head_dim, d_p2) for a in addrs
-    ):  # fmt: skip
-        return 1
-    if not FP4_F16_TILES:
-        return 0
     for a in addrs:
         groups = chunk // a.group if chunk % a.group == 0 else 0
         if not (a.kind == _k.KIND_E2M1 and a.sf == _k.SF_E4M3 and groups

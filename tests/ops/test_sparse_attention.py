@@ -237,67 +237,6 @@ def test_index_scores_triton_interpreter(monkeypatch, kind) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _mxfp8_keys(device, seed, num_keys=64, rows=3, cols=40, heads=8):
-    """bf16 queries (one row up to 2^17: the fp16 shift) over mxfp8 index keys whose rows span
-    five decades (scale exponents far apart), with a slot table holding -1 columns."""
-    from kvplan.backends.hybrid.storage import PagedRows, index_format
-
-    gen = torch.Generator().manual_seed(seed)
-    layout = index_format("fp8", "mxfp8", 128, torch.bfloat16)
-    keys = PagedRows(-(-num_keys // 16), 16, layout, 128, device=torch.device(device))
-    x = torch.randn(num_keys, 128, generator=gen) * torch.logspace(-3, 2, num_keys)[:, None]
-    keys.store(x.to(device), torch.arange(num_keys, dtype=torch.int32, device=device))
-    q = torch.randn(rows, heads, 128, generator=gen)
-    q[0] *= 2.0**17
-    w = torch.randn(rows, heads, generator=gen)
-    idx = torch.randint(-1, num_keys, (rows, cols), generator=gen, dtype=torch.int32)
-    return q.to(torch.bfloat16).to(device), w.to(device), keys, idx.to(device)
-
-
-def _assert_f16_scores(q, w, keys, idx):
-    """The fp16 path against the bf16-tile path and the dense fp32 scores of the loaded keys:
-    the same -inf columns, values within fp32 summation-order error."""
-    from kvplan.ops.index_scores import index_scores_triton
-
-    src = keys.key_source(idx)
-    f16 = index_scores_triton(q, w, src, f16=True, tile_n=16)
-    bf16 = index_scores_triton(q, w, src, f16=False, tile_n=16)
-    want = _scores_via_load(q.float(), w, keys, idx)
-    assert torch.equal(torch.isinf(f16), idx < 0) and torch.equal(torch.isinf(bf16), idx < 0)
-    live = idx >= 0
-    scale = want[live].abs().amax(dim=-1, keepdim=True) if want[live].numel() else 1.0
-    torch.testing.assert_close(f16[live], want[live], atol=1e-5 * float(scale), rtol=1e-5)
-    torch.testing.assert_close(f16[live], bf16[live], atol=1e-5 * float(scale), rtol=1e-5)
-
-
-def test_index_scores_f16_tiles_interpreter(monkeypatch) -> None:
-    """``index_scores_tc_kernel``'s fp16 path (raw e4m3 values, scales after the dot) under
-    the interpreter."""
-    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
-    _assert_f16_scores(*_mxfp8_keys("cpu", seed=21))
-
-
-def test_index_scores_f16_needs_ue8m0_groups() -> None:
-    from kvplan.ops.index_scores import index_f16, index_scores_triton
-    from kvplan.ops.sparse_sources import source_address
-
-    q, w, rows, idx = _index_inputs("fp8_fp32sf", seed=22)
-    src = rows.key_source(idx)
-    assert not index_f16(torch.bfloat16, source_address(0, src, 32, split_ok=True), 32)
-    with pytest.raises(ValueError, match="f16=True"):
-        index_scores_triton(q.to(torch.bfloat16), w, src, f16=True)
-    q, w, keys, idx = _mxfp8_keys("cpu", seed=23)
-    src = keys.key_source(idx)
-    addr = source_address(0, src, 128, split_ok=True)
-    assert index_f16(torch.bfloat16, addr, 128) and not index_f16(torch.float32, addr, 128)
-
-
-@pytest.mark.gpu
-def test_index_scores_f16_tiles_cuda() -> None:
-    _assert_f16_scores(*_mxfp8_keys("cuda", seed=24, num_keys=4096, rows=8, cols=3000,
-                                    heads=32))  # fmt: skip
-
-
 def test_topk_columns() -> None:
     from kvplan.ops.sparse_attention import topk_columns
 
