@@ -253,3 +253,22 @@ def test_state_kept_inside_a_chunk_equals_a_cut_chunks_snapshot(pair, kv_format)
     assert again.num_cached_prefix_tokens == 32
     if kv_format == "auto":
         assert again.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+
+
+def test_a_kept_point_without_a_free_snapshot_slot_is_skipped(pair):
+    """Two prompts in one step, one snapshot slot: the first prompt's point inside its chunk
+    takes it (pending until its block is hashed), the second's finds every slot pending and is
+    skipped; both outputs equal HF, and only the first prompt resumes when repeated."""
+    hf, folder = pair
+    llm = make(folder, max_num_seqs=2, prefix_state_snapshots=1, max_num_batched_tokens=128)
+    a, b = random_tokens(40, 40), random_tokens(41, 38)
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)  # 42 < 48
+    outs = llm.generate([a, b], short)
+    assert [o.num_cached_prefix_tokens for o in outs] == [0, 0]
+    for p, o in zip((a, b), outs):
+        assert o.token_ids == hf_greedy(hf, p, short.max_tokens)
+    assert snapshots(llm).num_taken == 1 and snapshots(llm).num_registered == 1
+    again = [llm.generate([p], short)[0] for p in (a, b)]
+    assert [o.num_cached_prefix_tokens for o in again] == [32, 0]
+    for p, o in zip((a, b), again):
+        assert o.token_ids == hf_greedy(hf, p, short.max_tokens)
