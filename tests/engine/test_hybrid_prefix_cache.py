@@ -225,7 +225,7 @@ def _registered(llm: LLM, block_hash) -> list[torch.Tensor]:
     return [copy[slot].clone() for _, copy in snaps._pairs]
 
 
-@pytest.mark.parametrize("kv_format", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_format", ["auto", "fp8", "fp4"])
 def test_state_kept_inside_a_chunk_equals_a_cut_chunks_snapshot(pair, kv_format):
     """A prompt whose chunk passes its last block boundary keeps its state there inside the
     chunk (`KeepPoints`): one prefill step instead of two, and the snapshot registered at the
