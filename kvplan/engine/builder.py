@@ -254,7 +254,6 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         summary = f"block_size={parts.block_size}, cuda_graphs={graphs is not None}"
         pools = None
         resume_block_size = parts.resume_block_size
-        keep_state_in_chunk = KEEP_STATE_IN_CHUNK
     else:
         source = resolve_source(model)
         cfg = source.config
@@ -308,7 +307,6 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         eos_ids = list(cfg.eos_token_ids)
         async_scheduling = config.async_scheduling_on
         resume_block_size = 0
-        keep_state_in_chunk = False
         summary = (
             f"{cfg.num_params / 1e6:.0f}M params, backend={config.backend}, "
             f"{config.block_size} tokens per block"
@@ -325,7 +323,7 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         num_draft_tokens=n,
         resume_block_size=resume_block_size,
         wait_for_shared_prefix=config.wait_for_shared_prefix,
-        keep_state_in_chunk=keep_state_in_chunk,
+        keep_state_in_chunk=KEEP_STATE_IN_CHUNK,  # only where resume_block_size cuts
     )
     tok = source.tokenizer
     eos = set(eos_ids)

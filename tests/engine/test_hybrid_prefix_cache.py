@@ -225,12 +225,18 @@ def _registered(llm: LLM, block_hash) -> list[torch.Tensor]:
     return [copy[slot].clone() for _, copy in snaps._pairs]
 
 
-@pytest.mark.parametrize("kv_format", ["auto", "fp8", "fp4"])
-def test_state_kept_inside_a_chunk_equals_a_cut_chunks_snapshot(pair, kv_format):
+@pytest.mark.parametrize("kv_format,fused", [("auto", False), ("fp8", False), ("fp4", False),
+                                              ("auto", True)])  # fmt: skip
+def test_state_kept_inside_a_chunk_equals_a_cut_chunks_snapshot(pair, kv_format, fused,
+                                                                monkeypatch):  # fmt: skip
     """A prompt whose chunk passes its last block boundary keeps its state there inside the
     chunk (`KeepPoints`): one prefill step instead of two, and the snapshot registered at the
     boundary holds bit for bit what the cut chunk's snapshot holds (rings and the CSA
-    compressor rows of every layer); a repeat resumes there and equals HF."""
+    compressor rows of every layer); a repeat resumes there and equals HF. ``fused``: the
+    compressor's fused kernel (CUDA's path; the interpreter here), whose raw gate the kept rows
+    bias themselves."""
+    if fused:
+        monkeypatch.setenv("KVPLAN_FUSED_COMPRESS", "1")
     hf, folder = pair
     prompt = random_tokens(30, 45)  # boundaries 16 and 32 inside one 45-token chunk
     one = SamplingParams(max_tokens=1, ignore_eos=True)

@@ -289,8 +289,7 @@ class PlannedStep:
             overlap=spec.overlap, state_in_launch=not self.is_prompt, gate_bias=gate_bias,
         )  # fmt: skip
         self._stored.add((layer_idx, name))
-        if self.keep is not None and spec.overlap:
-            self._keep_state(layer_idx, name, spec, kv, biased_gate(gate, gate_bias))
+        self._keep_state(layer_idx, name, spec, kv, gate, gate_bias)
 
     def store_entries(self, layer_idx: int, name: str, entries: torch.Tensor) -> None:
         spec = self._spec(layer_idx, name)
@@ -398,19 +397,24 @@ class PlannedStep:
         caches.ring.store(kv, meta.slot_mapping_store_swa)
         if self.keep is not None:
             ring = caches.ring
-            src, dst = self.keep.rows(self.q_start, self.cu_q, ring.block_size, kv.device)
-            ring.store_into(self.keep.store.rings[caches.index], kv[src], dst.to(torch.int32))
+            src, dst = self.keep.rows(self.q_start, self.cu_q, ring.block_size, kv.device,
+                                      torch.int32)  # fmt: skip
+            ring.store_into(self.keep.store.rings[caches.index], kv[src], dst)
         return torch.cat([hist, caches.ring.roundtrip(kv, dtype=dtype)])
 
-    def _keep_state(self, layer_idx: int, name: str, spec, kv, gate) -> None:
+    def _keep_state(self, layer_idx: int, name: str, spec, kv, gate, gate_bias=None) -> None:
         """Snapshots kept inside the chunk (``keep``): their compressor-state rows of an
-        overlapping series, fp32 ``kv`` and the biased ``gate`` as the ring holds them."""
+        overlapping series, fp32 ``kv`` and the biased ``gate`` as the ring holds them (the
+        raw ``gate`` biased here, on those rows only, when ``gate_bias`` is given)."""
         if self.keep is None or not spec.overlap:
             return
         kv_copy, gate_copy = self.keep.store.states[(layer_idx, name)]
         src, dst = self.keep.rows(self.q_start, self.cu_q, kv_copy.shape[1], kv.device)
+        g = gate[src]
+        if gate_bias is not None:
+            g = biased_gate(g, GateBias(gate_bias.table, gate_bias.positions[src]))
         kv_copy.view(-1, kv_copy.shape[2]).index_copy_(0, dst, kv[src].float())
-        gate_copy.view(-1, gate_copy.shape[2]).index_copy_(0, dst, gate[src].float())
+        gate_copy.view(-1, gate_copy.shape[2]).index_copy_(0, dst, g.float())
 
     def _attend_prompt_ranges(
         self, spec, caches, q, kv, sinks, scale, index_q, index_weights, out_rope

@@ -234,14 +234,16 @@ class KeepPoints:
     def __init__(self, store: StateSnapshots, points: Sequence[tuple[int, int, int]]) -> None:
         self.store = store
         self.points = list(points)
-        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rows: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rows(self, q_start, cu_q, keep: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 step rows, int64 rows of the ``[capacity * keep]`` flattened snapshot
-        ring) that the points write into a ring of ``keep`` rows per slot (position ``p`` at
-        ``slot * keep + p % keep``): each point's positions ``[max(q_start, h - keep), h)``.
-        Cached per ``keep`` (the step's layers share them)."""
-        got = self._rows.get(keep)
+    def rows(
+        self, q_start, cu_q, keep: int, device, dst_dtype: torch.dtype = torch.int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 step rows, ``dst_dtype`` rows of the ``[capacity * keep]`` flattened
+        snapshot ring) that the points write into a ring of ``keep`` rows per slot (position
+        ``p`` at ``slot * keep + p % keep``): each point's positions ``[max(q_start, h -
+        keep), h)``. Cached per ``(keep, dst_dtype)`` (the step's layers share them)."""
+        got = self._rows.get((keep, dst_dtype))
         if got is None:
             src, dst = [], []
             for row, h, slot in self.points:
@@ -249,6 +251,7 @@ class KeepPoints:
                 pos = np.arange(max(a, h - keep), h, dtype=np.int64)
                 src.append(int(cu_q[row]) + pos - a)
                 dst.append(slot * keep + pos % keep)
-            got = tuple(torch.from_numpy(np.concatenate(x)).to(device) for x in (src, dst))
-            self._rows[keep] = got
+            got = (torch.from_numpy(np.concatenate(src)).to(device),
+                   torch.from_numpy(np.concatenate(dst)).to(device, dst_dtype))  # fmt: skip
+            self._rows[(keep, dst_dtype)] = got
         return got
