@@ -215,9 +215,9 @@ class HybridEngineFamily:
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.stage(self.seqs(step), step.ahead)
         positions = torch.from_numpy(step.positions).to(self.device)
-        return self.family.plan(self.seqs(step), positions, keep=self._keep_points(step))
+        return self.family.plan(self.seqs(step), positions, keep=self._kept_snapshots(step))
 
-    def _keep_points(self, step: StepBatch) -> Any:
+    def _kept_snapshots(self, step: StepBatch) -> Any:
         """The snapshots of the step's ``keep_state_at`` points: taken now (copies of the
         state slots before the step) and completed by the step (`KeepPoints`), or None."""
         if self.snapshots is None:
