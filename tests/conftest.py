@@ -15,8 +15,10 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     # kvplan.ops does this on import; tests that jit kernels of their own may come first
     from kvplan.ops._interpreter_bf16 import install
+    from kvplan.ops._interpreter_speed import install as install_speed
 
     install()  # the interpreter's tl.dot multiplies bf16 bits as integers otherwise
+    install_speed()  # jit helpers called inside a kernel skip re-patching the language
 
 import pytest  # noqa: E402
 

@@ -35,8 +35,10 @@ def triton_interpreting() -> bool:
 
 if triton_interpreting():  # Triton 3.6's interpreter gets bf16 dots and casts wrong
     from kvplan.ops._interpreter_bf16 import install
+    from kvplan.ops._interpreter_speed import install as install_speed
 
     install()
+    install_speed()  # and re-patches the language for every call of a jit helper
 
 
 @functools.cache
