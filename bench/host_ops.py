@@ -7,8 +7,9 @@ of kernels). This runs the quick DeepSeek-V4 model (``hybrid_steps.py --quick``)
 Triton kernels forced on the CPU (``KVPLAN_FORCE_TRITON=1``, the interpreter, so the CUDA
 code paths run) and counts, for the steps of one new prompt of ``--prompt-len`` tokens after a
 warm request, every Triton launch by kernel and every torch operator dispatched outside a
-launch (``TorchDispatchMode``), with ``aten._local_scalar_dense`` (``.item()`` / ``.tolist()``:
-host syncs on a GPU) named apart. The counts are what an optimisation of the eager step must
+launch (``TorchDispatchMode``), with the ops that would wait for the device on a GPU
+(`SYNC_OPS`: ``.item()``, ``int()`` / ``bool()`` of a tensor, ``nonzero``, ``unique``, ...)
+counted apart. ``.tolist()`` dispatches no op on a CPU tensor, so it is not seen here. The counts are what an optimisation of the eager step must
 lower; the milliseconds stay the GPU's to measure.
 
     PYTHONPATH=. python3 bench/host_ops.py --prompt-len 8 --out host_ops.json
@@ -39,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hybrid_steps import build_folder  # noqa: E402
+from hybrid_steps import build_folder, step_rows  # noqa: E402
 
 from kvplan import LLM, SamplingParams  # noqa: E402
 
@@ -100,13 +101,22 @@ def install_launch_counter(counter: Counter) -> tuple[collections.Counter, list[
     return launches, seconds
 
 
+# torch ops that wait for a device value on a GPU: a scalar read back (``.item()``, ``int()``,
+# ``bool()``; ``aten.item`` under inference mode), a result whose size depends on the values
+SYNC_OPS = {
+    "aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal", "aten.nonzero",
+    "aten.nonzero_numpy", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive",
+    "aten.masked_select",
+}  # fmt: skip
+
+
 def summary(launches, ops) -> dict:
-    kernels = sum(ops[k] for k in ops if k not in VIEW_OPS and k != "aten._local_scalar_dense")
+    kernels = sum(ops[k] for k in ops if k not in VIEW_OPS and k not in SYNC_OPS)
     return {
         "triton_launches": sum(launches.values()),
         "torch_ops": kernels,
         "view_ops": sum(ops[k] for k in ops if k in VIEW_OPS),
-        "host_syncs": ops.get("aten._local_scalar_dense", 0),
+        "host_syncs": sum(ops[k] for k in ops if k in SYNC_OPS),
         "launches_by_kernel": dict(launches.most_common()),
         "ops_by_name": dict(ops.most_common()),
     }
@@ -139,35 +149,41 @@ def main() -> None:
             if hasattr(module, "dense_routing"):
                 module.dense_routing = True
         greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        llm.generate([torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()], greedy)
+        if not args.decode_rows:  # a warm request (the decode rows' own steps warm up else)
+            ids = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
+            llm.generate([ids], greedy)
         for _ in range(args.decode_rows):  # requests that keep decoding through the step
-            ids = torch.randint(0, vocab, (16,), generator=gen).tolist()
+            ids = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
             llm.add_request(ids, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
         while args.decode_rows and any(r.is_prefilling for r in llm.engine.scheduler.running):
             llm.step()
         if args.decode_rows:
             llm.step()
 
-        def prompt_step() -> None:
+        def prompt_step(count: bool = False) -> float:
+            """Add a new prompt, run its step (one chunk: the budget holds it); the step's
+            host seconds (its wall less the interpreter's kernels)."""
             ids = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
             llm.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-            if counter.profile is None:
-                llm.step()  # the prompt's step (one chunk: the budget holds it)
-            else:
+            if count:
+                result["step_rows"] = dict(zip(("decode", "prompt_tokens"), step_rows(llm.engine)))
+            before, t0 = kernel_s[0], time.perf_counter()
+            if count:
+                with counter:
+                    llm.step()
+            elif counter.profile is not None:
                 counter.profile.runcall(llm.step)
+            else:
+                llm.step()
+            return time.perf_counter() - t0 - (kernel_s[0] - before)
 
         counter = Counter()
         launches, kernel_s = install_launch_counter(counter)
-        with counter:
-            prompt_step()
-        result = summary(launches, counter.ops)
+        result: dict = {}
+        prompt_step(count=True)
+        result |= summary(launches, counter.ops)
         counter.counting = False
-        hosts = []
-        for _ in range(args.repeat):  # host seconds: the step's wall less its kernels' time
-            before = kernel_s[0]
-            t0 = time.perf_counter()
-            prompt_step()
-            hosts.append(time.perf_counter() - t0 - (kernel_s[0] - before))
+        hosts = [prompt_step() for _ in range(args.repeat)]
         result["host_ms_cpu"] = 1e3 * statistics.median(hosts) if hosts else None
         if args.cprofile:
             counter.profile = cProfile.Profile()
@@ -180,7 +196,8 @@ def main() -> None:
                  "own_ms": 1e3 * v[2], "cumulative_ms": 1e3 * v[3]}
                 for k, v in rows[: args.top]
             ]  # fmt: skip
-    print(f"one step: {args.prompt_len}-token prompt + {args.decode_rows} decode rows, "
+    rows = result["step_rows"]
+    print(f"one step: {rows['prompt_tokens']} prompt tokens + {rows['decode']} decode rows, "
           f"{args.kv_format}, quick DeepSeek-V4 (4 layers)")  # fmt: skip
     print(f"  Triton launches {result['triton_launches']}, torch ops {result['torch_ops']} "
           f"(+{result['view_ops']} views), host syncs {result['host_syncs']}")  # fmt: skip

@@ -180,3 +180,20 @@ def test_shared_prefix_quick(tmp_path):
         assert r["computed_prompt_tokens"] == prompt_tokens - (w["requests"] - 1) * shared
     assert res["wait"]["prefix_waits"] > 0 == res["nowait"]["prefix_waits"]
     assert rec["summary"]["nowait_tokens_equal"] and rec["summary"]["wait_tokens_equal"]
+
+
+def test_host_ops_an_eager_prompt_step_makes_no_host_sync(tmp_path):
+    """`host_ops.py`: one mixed step (a new prompt beside decode rows) of the quick
+    DeepSeek-V4 model on the CUDA code paths counts its launches and torch ops; none of them
+    reads a value back to the host (``.item()`` / ``.tolist()``: a sync on a GPU)."""
+    out = tmp_path / "ops.json"
+    proc = _run("host_ops.py", "--prompt-len", "5", "--decode-rows", "2", "--repeat", "0",
+                "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["step_rows"] == {"decode": 2, "prompt_tokens": 5}
+    assert rec["host_syncs"] == 0, rec["ops_by_name"]
+    launched = rec["launches_by_kernel"]
+    for kernel in ("hc_pre_kernel", "compress_store_kernel", "sparse_ranges_kernel"):
+        assert launched.get(kernel, 0) > 0, launched
+    assert rec["torch_ops"] > 0 and rec["host_ms_cpu"] is None  # no timed steps asked
