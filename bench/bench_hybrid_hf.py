@@ -44,10 +44,18 @@ from bench_engine import cprofile_rows  # noqa: E402
 from bench_hybrid import model_shape  # noqa: E402
 
 
-def hf_config(quick: bool, max_len: int) -> tf.DeepseekV4Config:
-    """The model of `bench/bench_hybrid.py` (`model_shape`) as HF's config."""
+def hf_config(quick: bool, max_len: int, layers: int | None = None) -> tf.DeepseekV4Config:
+    """The model of `bench/bench_hybrid.py` (`model_shape`) as HF's config. ``layers`` (>= 2):
+    only the model's first layer and its last ``layers - 1`` (the first is hash-routed, the
+    last is a CSA layer, so every kind of layer stays)."""
+    shape = model_shape(quick)
+    if layers is not None:
+        if layers < 2:
+            raise ValueError(f"layers must be >= 2 (an HCA and a CSA layer), got {layers}")
+        kinds = tf.DeepseekV4Config(**shape).layer_types
+        shape |= {"num_hidden_layers": layers, "layer_types": kinds[:1] + kinds[1 - layers :]}
     return tf.DeepseekV4Config(
-        **model_shape(quick), max_position_embeddings=max_len, initializer_range=0.02,
+        **shape, max_position_embeddings=max_len, initializer_range=0.02,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )  # fmt: skip
 

@@ -33,12 +33,14 @@ from bench_engine import cprofile_rows  # noqa: E402
 from bench_hybrid_hf import hf_config, sync  # noqa: E402
 
 
-def build_folder(folder: str, quick: bool, max_len: int, dev: torch.device) -> int:
+def build_folder(
+    folder: str, quick: bool, max_len: int, dev: torch.device, layers: int | None = None
+) -> int:
     """Save the random model (HF's `DeepseekV4ForCausalLM` of `bench_hybrid_hf.hf_config`,
-    bf16) into ``folder``; its vocab."""
+    bf16; ``layers``: only that many layers) into ``folder``; its vocab."""
     import transformers as tf
 
-    cfg = hf_config(quick, max_len)
+    cfg = hf_config(quick, max_len, layers)
     torch.manual_seed(0)
     with torch.device(dev):
         hf = tf.DeepseekV4ForCausalLM(cfg).eval().to(torch.bfloat16)

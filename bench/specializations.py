@@ -72,6 +72,10 @@ def main() -> None:
     ap.add_argument("--kv-format", default="fp8")
     ap.add_argument("--model", choices=("dsv4", "dense"), default="dsv4",
                     help="the quick DeepSeek-V4 model or the dense tiny-llama")  # fmt: skip
+    ap.add_argument("--layers", type=int, default=None,
+                    help="dsv4: only the quick model's first layer and its last LAYERS - 1 (2: "
+                    "the hash-routed HCA layer and the CSA layer, every kind of kernel it "
+                    "launches, in half the time)")  # fmt: skip
     ap.add_argument("--out", default=None)
     ap.add_argument("--record", default=None, help="also keep the specializations (JSON lines)")
     ap.add_argument("--warmup", action="store_true",
@@ -92,7 +96,8 @@ def main() -> None:
             vocab = model.vocab_size
         else:
             model = folder + "/model"
-            vocab = build_folder(model, True, max(lengths) + 64, torch.device("cpu"))
+            vocab = build_folder(model, True, max(lengths) + 64, torch.device("cpu"),
+                                 args.layers)  # fmt: skip
         budget = args.budget or max(256, max(lengths))
         t0 = time.perf_counter()
         llm = LLM(model, device="cpu", dtype="float32", kv_format=args.kv_format,
@@ -136,6 +141,7 @@ def main() -> None:
             "kv_format": args.kv_format,
             "model": args.model,
             "warmup": args.warmup,
+            "layers": args.layers,
             "after_build": warm,
             "prompts": rows,
             "random_workload": mixed,
