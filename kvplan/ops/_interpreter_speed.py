@@ -16,13 +16,15 @@ skip the re-patching when every language module the helper sees is among them. O
 helper called outside a launch, or the first helper of a launch that sees a module the launch
 did not patch, e.g. Triton's own ``tl.sum`` seeing ``tl.core``) Triton's own path runs, and
 its modules count as patched for the rest of the launch (nothing restores them before the
-launch ends). The kernel code, its arguments and the values it computes are untouched. A
-Triton without these internals is left alone.
+launch ends). The record is kept per thread (a helper of one thread never counts on another
+thread's launch). The kernel code, its arguments and the values it computes are untouched.
+A Triton without these internals is left alone.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 
 
 def _langs(fn, tl) -> frozenset[int]:
@@ -46,7 +48,8 @@ def install() -> None:
     if getattr(function.__call__, "skips_nested_patching", False):
         return
     plain_launch, plain_call = grid_executor.__call__, function.__call__
-    patched: list[set[int]] = []  # the language modules patched in each launch in progress
+    # per thread: the language modules patched in each of its launches in progress
+    local = threading.local()
     seen: dict[object, frozenset[int]] = {}
 
     def langs_of(fn) -> frozenset[int]:
@@ -56,6 +59,9 @@ def install() -> None:
         return got
 
     def launch(self, *args, **kwargs):
+        patched = getattr(local, "patched", None)
+        if patched is None:
+            patched = local.patched = []
         patched.append(set(langs_of(self.fn)))
         try:
             return plain_launch(self, *args, **kwargs)
@@ -63,6 +69,7 @@ def install() -> None:
             patched.pop()
 
     def call(self, *args, **kwargs):
+        patched = getattr(local, "patched", None)
         if not patched:
             return plain_call(self, *args, **kwargs)
         langs = langs_of(self.fn)
