@@ -66,9 +66,13 @@ class Counter(TorchDispatchMode):
         self.profile: cProfile.Profile | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if not self.inside and self.counting:
-            self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+            name = str(func.overloadpacket)
+            # ``.to()`` / ``.contiguous()`` that return their input launch nothing
+            noop = name in ("aten.to", "aten.contiguous") and args and out is args[0]
+            self.ops[name + " (no-op)" if noop else name] += 1
+        return out
 
 
 def install_launch_counter(counter: Counter) -> tuple[collections.Counter, list[float]]:
@@ -111,11 +115,13 @@ SYNC_OPS = {
 
 
 def summary(launches, ops) -> dict:
-    kernels = sum(ops[k] for k in ops if k not in VIEW_OPS and k not in SYNC_OPS)
+    skip = VIEW_OPS | SYNC_OPS
+    kernels = sum(ops[k] for k in ops if k not in skip and not k.endswith("(no-op)"))
     return {
         "triton_launches": sum(launches.values()),
         "torch_ops": kernels,
         "view_ops": sum(ops[k] for k in ops if k in VIEW_OPS),
+        "noop_ops": sum(ops[k] for k in ops if k.endswith("(no-op)")),
         "host_syncs": sum(ops[k] for k in ops if k in SYNC_OPS),
         "launches_by_kernel": dict(launches.most_common()),
         "ops_by_name": dict(ops.most_common()),
@@ -128,6 +134,9 @@ def main() -> None:
     ap.add_argument("--decode-rows", type=int, default=0,
                     help="requests decoding beside the new prompt (its step is then mixed)")  # fmt: skip
     ap.add_argument("--kv-format", default="fp8")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the model's dtype (bf16: what the GPU runs; conversions a bf16 "
+                    "model needs differ from an fp32 one's)")  # fmt: skip
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--repeat", type=int, default=5, help="timed prompt steps after the count")
     ap.add_argument("--cprofile", action="store_true",
@@ -140,7 +149,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as folder:
         vocab = build_folder(folder + "/model", True, args.prompt_len + 512, torch.device("cpu"))
-        llm = LLM(folder + "/model", device="cpu", dtype="float32", kv_format=args.kv_format,
+        llm = LLM(folder + "/model", device="cpu", dtype=args.dtype, kv_format=args.kv_format,
                   max_num_seqs=args.decode_rows + 2, max_model_len=args.prompt_len + 256,
                   max_num_batched_tokens=max(256, args.prompt_len + args.decode_rows))  # fmt: skip
         # CUDA's MoE choice for a step this small (`DeepseekV4MoE.use_dense`: T * k >= E and
@@ -198,9 +207,10 @@ def main() -> None:
             ]  # fmt: skip
     rows = result["step_rows"]
     print(f"one step: {rows['prompt_tokens']} prompt tokens + {rows['decode']} decode rows, "
-          f"{args.kv_format}, quick DeepSeek-V4 (4 layers)")  # fmt: skip
+          f"{args.kv_format} KV, {args.dtype}, quick DeepSeek-V4 (4 layers)")  # fmt: skip
     print(f"  Triton launches {result['triton_launches']}, torch ops {result['torch_ops']} "
-          f"(+{result['view_ops']} views), host syncs {result['host_syncs']}")  # fmt: skip
+          f"(+{result['view_ops']} views, {result['noop_ops']} no-op conversions), "
+          f"host syncs {result['host_syncs']}")  # fmt: skip
     if result["host_ms_cpu"] is not None:
         print(f"  host time (wall less the interpreter's kernels, median of {args.repeat}): "
               f"{result['host_ms_cpu']:.2f} ms on this CPU")  # fmt: skip
@@ -218,7 +228,7 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": " ".join([sys.executable, *sys.argv]),
             "prompt_len": args.prompt_len, "decode_rows": args.decode_rows,
-            "kv_format": args.kv_format, **result,
+            "kv_format": args.kv_format, "dtype": args.dtype, **result,
         }, indent=1))  # fmt: skip
 
 
