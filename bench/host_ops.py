@@ -152,11 +152,14 @@ def main() -> None:
         llm = LLM(folder + "/model", device="cpu", dtype=args.dtype, kv_format=args.kv_format,
                   max_num_seqs=args.decode_rows + 2, max_model_len=args.prompt_len + 256,
                   max_num_batched_tokens=max(256, args.prompt_len + args.decode_rows))  # fmt: skip
-        # CUDA's MoE choice for a step this small (`DeepseekV4MoE.use_dense`: T * k >= E and
-        # T * E <= DENSE_AUTO_MAX_ROWS), which the CPU's rule would send to the sparse loop
+        # CUDA's MoE path for the counted step's rows (`DeepseekV4MoE.dense_size`: dense, else
+        # grouped; the quick model's 4 experts are too few for grouped dense batches), where
+        # the CPU's rule takes the sparse loop
+        num_rows = args.prompt_len + args.decode_rows
         for module in llm.engine.runner.model.modules():
-            if hasattr(module, "dense_routing"):
-                module.dense_routing = True
+            if hasattr(module, "dense_size"):
+                module.dense_routing = module.dense_size(num_rows)
+                module.grouped_routing = not module.dense_routing
         greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         if not args.decode_rows:  # a warm request (the decode rows' own steps warm up else)
             ids = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()

@@ -13,12 +13,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    # kvplan.ops does this on import; tests that jit kernels of their own may come first
-    from kvplan.ops._interpreter_bf16 import install
-    from kvplan.ops._interpreter_speed import install as install_speed
-
-    install()  # the interpreter's tl.dot multiplies bf16 bits as integers otherwise
-    install_speed()  # jit helpers called inside a kernel skip re-patching the language
+    # its import installs the interpreter fixes (bf16 dots and casts, jit helpers that skip
+    # re-patching the language); tests that jit kernels of their own may come first
+    import kvplan.ops._dispatch  # noqa: F401
 
 import pytest  # noqa: E402
 

@@ -83,5 +83,6 @@ def install() -> None:
             raise error(repr(e)) from e
 
     call.skips_nested_patching = True
+    call.__wrapped__ = plain_call  # Triton's own device-function call
     grid_executor.__call__ = launch
     function.__call__ = call

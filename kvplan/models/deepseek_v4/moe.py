@@ -185,8 +185,13 @@ class DeepseekV4MoE(nn.Module):
         docstring: capture, ``dense_routing``, or a decode-sized CUDA batch)."""
         if self.dense_routing or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return True
-        t, e = x.shape[0], self.gate_up.shape[0]
-        return x.is_cuda and t * self.top_k >= e and t * e <= DENSE_AUTO_MAX_ROWS
+        return x.is_cuda and self.dense_size(x.shape[0])
+
+    def dense_size(self, t: int) -> bool:
+        """Whether a CUDA batch of ``t`` rows is decode-sized for the dense path by default
+        (``t * top_k >= E`` and ``t * E <= DENSE_AUTO_MAX_ROWS``)."""
+        e = self.gate_up.shape[0]
+        return t * self.top_k >= e and t * e <= DENSE_AUTO_MAX_ROWS
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         """Whether `forward` takes the grouped expert path for ``x [T, hidden]`` (module
