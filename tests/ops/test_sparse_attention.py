@@ -263,3 +263,58 @@ def test_index_scores_cuda(kind) -> None:
     idx = torch.randint(-1, 4096, (8, 3000), generator=gen, dtype=torch.int32).cuda()
     got = index_scores(q, w, rows.key_source(idx))
     torch.testing.assert_close(got, _scores_via_load(q, w, rows, idx), atol=1e-3, rtol=1e-4)
+
+
+# ---- e4m3 keys one scale group at a time (FP8_GROUP_DOTS) ----------------------------------
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("out_rope", [False, True], ids=["plain", "out_rope"])
+def test_fp8_group_dots_equal_the_dequantized_tile(monkeypatch, splits, out_rope) -> None:
+    """bf16 queries over two V41-style fp8 sources (two scale groups a head): the scale-group
+    path equals the dequantized-tile kernel within fp32 summation order (the same products),
+    and the fp32 torch path within bf16 tolerance; at 1 and 3 column splits, with the output's
+    rotary channels turned back in the kernel or not."""
+    from kvplan.ops import sparse_attention as sa
+    from kvplan.ops.rope import rope_cos_sin
+
+    q, sources, sinks = _inputs([FP8_64, FP8_64], 3, 3, 64, [21, 37], seed=7,
+                                dtype=torch.bfloat16)  # fmt: skip
+    rope = None
+    if out_rope:
+        inv_freq = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+        rope = rope_cos_sin(torch.tensor([3, 9, 40]), inv_freq, 1.0, torch.bfloat16)
+    kw = dict(tile_n=16, num_splits=splits, out_rope=rope)
+    monkeypatch.setattr(sa, "FP8_GROUP_DOTS", False)
+    tile = sa.sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+    monkeypatch.setattr(sa, "FP8_GROUP_DOTS", True)
+    assert sa.group_dots(q.dtype, sa._check(q, sources, sinks, True), 64, 64)
+    got = sa.sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+    want = sparse_attention_torch(q, sources, sinks, 0.125, out_rope=rope)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))  # row 0 sees no key
+    # the same products summed in another order: at most one bf16 unit apart, rarely
+    ulp = tile.float().abs().clamp_min(2.0**-10) * 2.0**-7
+    assert ((got.float() - tile.float()).abs() <= ulp).all()
+    assert (got != tile).float().mean() <= 0.02
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [16, 64])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_cuda_fp8_group_dots_v4_shapes(monkeypatch, num_heads, splits) -> None:
+    """V41 fp8 records at DeepSeek-V4 shapes, bf16: the scale-group path against the
+    dequantized-tile kernel (the same products: at most one bf16 unit apart, rarely) and the
+    fp32 torch path."""
+    from kvplan.ops import sparse_attention as sa
+
+    q, sources, sinks = _v4_inputs(24, num_heads, 128, 512, V41_FORMAT, torch.bfloat16, seed=3)
+    monkeypatch.setattr(sa, "FP8_GROUP_DOTS", False)
+    tile = sa.sparse_attention_triton(q, sources, sinks, 512**-0.5, num_splits=splits)
+    monkeypatch.setattr(sa, "FP8_GROUP_DOTS", True)
+    got = sa.sparse_attention_triton(q, sources, sinks, 512**-0.5, num_splits=splits)
+    want = sparse_attention_torch(q, sources, sinks, 512**-0.5)
+    ulp = tile.float().abs().clamp_min(2.0**-10) * 2.0**-7
+    assert ((got.float() - tile.float()).abs() <= ulp).all()
+    assert (got != tile).float().mean() <= 0.05
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
