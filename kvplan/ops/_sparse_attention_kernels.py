@@ -56,8 +56,6 @@ KIND_BF16 = 1
 KIND_E4M3 = 2
 KIND_E2M1 = 3
 NIB: tl.constexpr = tl.constexpr(2)  # ``F16`` of fp16 tiles in nibble order
-GROUPS: tl.constexpr = tl.constexpr(3)  # ``F16`` of e4m3 / UE8M0 keys by scale group
-GROUP_STAGES: tl.constexpr = tl.constexpr(3)  # ``GROUPS``: the key loop's pipeline depth
 SF_UE8M0 = 0
 SF_E4M3 = 1
 SF_FP32 = 2
@@ -224,55 +222,6 @@ def _attend_tile(
 
 
 @jit
-def _group_codes(c_ptr, base, sbase, valid, g: tl.constexpr, GS: tl.constexpr, EVICT: tl.constexpr):
-    """Scale group ``g`` of the e4m3 keys at ``base``: the codes as bf16 ``[TILE_N, GS]``
-    (exact: every e4m3 value is a bf16) and the UE8M0 scales as fp32 ``[TILE_N]`` factors
-    (zeros where not ``valid``)."""
-    j = g * GS + tl.arange(0, GS)
-    vb = tl.load(
-        c_ptr + base[:, None] + j[None, :], mask=valid[:, None], other=0, eviction_policy=EVICT
-    )
-    codes = vb.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-    sb = tl.load(c_ptr + sbase + g, mask=valid, other=0).to(tl.int32)
-    return codes, (sb << 23).to(tl.float32, bitcast=True)
-
-
-@jit
-def _attend_tile_groups(
-    acc, m_i, l_i, q, start, row_idx, num_cols, num_slots, c_ptr, block_size, stride_block,
-    stride_token, scale_stride, scale_offset, qk_scale, GS: tl.constexpr, D_P2: tl.constexpr,
-    TILE_N: tl.constexpr,
-):  # fmt: skip
-    """`_attend_tile` over e4m3 keys with UE8M0 scales (``F16 == GROUPS``), one scale group
-    at a time: the keys' codes enter the dots as stored (bf16, exact), the logits are
-    ``sum_g scale_g * (q_g . codes_g)`` and the value product of group ``g`` takes
-    ``p * scale_g`` (a power of two: ``bf16(p) * scale_g``, the products of the dequantized
-    tile). ``q``: the query's ``D_P2 // GS`` column groups (bf16); ``acc``: as many
-    ``[TILE_H, GS]`` chunks."""
-    G: tl.constexpr = D_P2 // GS
-    cols = start + tl.arange(0, TILE_N)
-    slots = tl.load(row_idx + cols, mask=cols < num_cols, other=-1)
-    valid = (slots >= 0) & (slots < num_slots)
-    s64 = tl.where(valid, slots, 0).to(tl.int64)
-    blk, off = s64 // block_size, s64 % block_size
-    base = blk * stride_block + off * stride_token
-    sbase = blk * stride_block + off * scale_stride + scale_offset
-    codes, scale = _group_codes(c_ptr, base, sbase, valid, 0, GS, "evict_last")
-    s = tl.dot(q[0], tl.trans(codes)) * scale[None, :]
-    for g in tl.static_range(1, G):
-        codes, scale = _group_codes(c_ptr, base, sbase, valid, g, GS, "evict_last")
-        s += tl.dot(q[g], tl.trans(codes)) * scale[None, :]
-    p, alpha, m_new, l_i = softmax_step(s, valid[None, :], m_i, l_i, qk_scale)
-    codes, scale = _group_codes(c_ptr, base, sbase, valid, 0, GS, "evict_first")
-    out = (acc[0] * alpha[:, None] + tl.dot((p * scale[None, :]).to(tl.bfloat16), codes),)
-    for g in tl.static_range(1, G):
-        codes, scale = _group_codes(c_ptr, base, sbase, valid, g, GS, "evict_first")
-        pg = (p * scale[None, :]).to(tl.bfloat16)
-        out = out + (acc[g] * alpha[:, None] + tl.dot(pg, codes),)
-    return out, m_new, l_i
-
-
-@jit
 def softmax_step(s, seen, m_i, l_i, qk_scale):
     """One online-softmax step in the log2 domain: the logits ``s * qk_scale`` where
     ``seen`` (else ``-inf``) against the running maximum ``m_i`` and sum ``l_i`` of each
@@ -336,42 +285,9 @@ def _acc_zeros(TILE_H: tl.constexpr, D_P2: tl.constexpr, PV_SPLIT: tl.constexpr)
         return (tl.zeros([TILE_H, DC], tl.float32),)
     elif PV_SPLIT == 2:
         return tl.zeros([TILE_H, DC], tl.float32), tl.zeros([TILE_H, DC], tl.float32)
-    elif PV_SPLIT == 4:
+    else:
         z = tl.zeros([TILE_H, DC], tl.float32)
         return z, z, z, z
-    else:  # one chunk a scale group (``F16 == GROUPS``)
-        z = tl.zeros([TILE_H, DC], tl.float32)
-        out = (z,)
-        for _ in tl.static_range(1, PV_SPLIT):
-            out = out + (z,)
-        return out
-
-
-@jit
-def _attend_step(
-    acc, m_i, l_i, q, q_row, h_ok, start, row_idx, num_cols, num_slots, c_ptr,
-    block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
-    KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr,
-    HW: tl.constexpr, DOT_BF16: tl.constexpr, D_CHUNK: tl.constexpr, PV_SPLIT: tl.constexpr,
-    F16: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax step: `_attend_tile`, or `_attend_tile_groups` (``F16 == GROUPS``)."""
-    if F16 == GROUPS:
-        tl.static_assert(KIND == 2 and SF == 0 and FLAT and D_CHUNK == GS and DOT_BF16,
-                         "GROUPS: e4m3 keys with UE8M0 scales, D_CHUNK = GS, bf16 dots")  # fmt: skip
-        acc, m_i, l_i = _attend_tile_groups(
-            acc, m_i, l_i, q, start, row_idx, num_cols, num_slots, c_ptr, block_size,
-            stride_block, stride_token, scale_stride, scale_offset, qk_scale, GS, D_P2, TILE_N,
-        )  # fmt: skip
-    else:
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_row, h_ok, start, row_idx, num_cols, num_slots, c_ptr,
-            block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
-            KIND, SF, GS, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT, HW, DOT_BF16, D_CHUNK,
-            PV_SPLIT, F16,
-        )  # fmt: skip
-    return acc, m_i, l_i
 
 
 @jit
@@ -390,24 +306,16 @@ def _attend_cols(
     if INTERPRET:
         start = lo
         while start < hi:
-            acc, m_i, l_i = _attend_step(
+            acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_row, h_ok, start, row_idx, hi, num_slots, c_ptr,
                 block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
                 KIND, SF, GS, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT, HW, DOT_BF16, D_CHUNK,
                 PV_SPLIT, F16,
             )  # fmt: skip
             start += TILE_N
-    elif F16 == GROUPS:  # the loop's own pipelining: the code loads do not feed one dot
-        for start in tl.range(lo, hi, TILE_N, num_stages=GROUP_STAGES):
-            acc, m_i, l_i = _attend_step(
-                acc, m_i, l_i, q, q_row, h_ok, start, row_idx, hi, num_slots, c_ptr,
-                block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
-                KIND, SF, GS, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT, HW, DOT_BF16, D_CHUNK,
-                PV_SPLIT, F16,
-            )  # fmt: skip
     else:
         for start in range(lo, hi, TILE_N):
-            acc, m_i, l_i = _attend_step(
+            acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_row, h_ok, start, row_idx, hi, num_slots, c_ptr,
                 block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
                 KIND, SF, GS, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT, HW, DOT_BF16, D_CHUNK,
@@ -436,9 +344,7 @@ def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, qk_scale,
     its columns in nibble order, the tiles' 2^-14 on the scale)."""
     q_row = q_ptr + t.to(tl.int64) * stride_qt + h64[:, None] * stride_qh
     qmask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
-    if F16 == GROUPS:  # the query's scale-group column chunks (as many as acc's chunks)
-        q = _query_groups(q_row, h_ok, HEAD_DIM, d.shape[0], D_CHUNK)
-    elif D_CHUNK == 0:
+    if D_CHUNK == 0:
         q = tl.load(q_row + d[None, :], mask=qmask, other=0.0)
         if F16:
             q, qk_scale = query_f16(q, qk_scale)
@@ -451,21 +357,6 @@ def _load_query(q_ptr, t, h64, h_ok, d, stride_qt, stride_qh, qk_scale,
     else:
         q = 0.0
     return q, q_row, qmask, qk_scale
-
-
-@jit
-def _query_groups(q_row, h_ok, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, DC: tl.constexpr):
-    """The query's ``D_P2 // DC`` column chunks of width ``DC``, bf16 ``[TILE_H, DC]`` each
-    (``q_row``: ``[TILE_H, 1]`` pointers to the heads' rows)."""
-    dc = tl.arange(0, DC)
-    out = (tl.load(q_row + dc[None, :], mask=h_ok[:, None] & (dc < HEAD_DIM)[None, :],
-                   other=0.0).to(tl.bfloat16),)  # fmt: skip
-    for c in tl.static_range(1, D_P2 // DC):
-        cols = c * DC + dc
-        qc = tl.load(q_row + cols[None, :], mask=h_ok[:, None] & (cols < HEAD_DIM)[None, :],
-                     other=0.0)  # fmt: skip
-        out = out + (qc.to(tl.bfloat16),)
-    return out
 
 
 @jit(sizes=("slots0", "slots1"))

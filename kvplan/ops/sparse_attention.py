@@ -39,7 +39,6 @@ of a row are split across programs and merged by a second kernel
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -275,20 +274,14 @@ def sparse_attention_triton(
     groups = triton.cdiv(num_heads, tile_h)
     _check_counters(counters, q)
     interpret = triton_interpreting()
-    d_p2_ = max(16, triton.next_power_of_2(head_dim))
-    groups_mode = (
-        d_chunk is None and pv_split is None and group_dots(q.dtype, addrs, head_dim, d_p2_)
-    )
     if num_splits is None:
         num_splits = (
             1
             if interpret or not q.is_cuda
             else split_count(
-                num_rows * groups, num_cols,
-                tile_n or (GROUP_TILING["tile_n"] if groups_mode else _SPLIT_TILE_N),
-                cuda_sm_count(q.device), GROUP_PROGRAMS_PER_SM if groups_mode else None,
+                num_rows * groups, num_cols, tile_n or _SPLIT_TILE_N, cuda_sm_count(q.device)
             )
-        )  # fmt: skip
+        )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     grid_rows = num_rows if rows is None else rows.numel()
@@ -297,11 +290,7 @@ def sparse_attention_triton(
         and q.is_cuda
         and grid_rows * groups <= FEW_PROGRAMS_PER_SM * cuda_sm_count(q.device)
     )
-    if groups_mode:
-        table = GROUP_TILING
-        d_chunk, pv_split = addrs[0].group, d_p2 // addrs[0].group
-    else:
-        table = default_tiling(num_splits, a0.kind >= _k.KIND_E4M3, few)
+    table = default_tiling(num_splits, a0.kind >= _k.KIND_E4M3, few)
     tile_n = tile_n or table.get("tile_n")
     num_warps = num_warps or table.get("num_warps") or (8 if d_p2 >= 512 else 4)
     num_stages = num_stages if num_stages is not None else table.get("num_stages")
@@ -309,7 +298,7 @@ def sparse_attention_triton(
     pv_split = pv_split if pv_split is not None else table.get("pv_split", 1)
     if d_chunk and not (16 <= d_chunk <= d_p2 and d_chunk & (d_chunk - 1) == 0):
         raise ValueError(f"d_chunk must be 0 or a power of two in [16, {d_p2}], got {d_chunk}")
-    if not groups_mode and (pv_split not in (1, 2, 4) or d_p2 // pv_split < 16):
+    if pv_split not in (1, 2, 4) or d_p2 // pv_split < 16:
         raise ValueError(f"pv_split must be 1, 2 or 4 with D_P2 / pv_split >= 16, got {pv_split}")
     if num_rows == 0 or grid_rows == 0:
         return out
@@ -324,8 +313,7 @@ def sparse_attention_triton(
         a1.ptr, i1, i1.stride(0), n1, a1.num_slots, a1.block_size, a1.stride_block,
         a1.stride_token, a1.scale_stride, a1.scale_offset,
     )  # fmt: skip
-    f16 = _k.GROUPS.value if groups_mode else f16_tiles(q.dtype, addrs, head_dim, d_p2, d_chunk,
-                                                        pv_split)  # fmt: skip
+    f16 = f16_tiles(q.dtype, addrs, head_dim, d_p2, d_chunk, pv_split)
     consts = dict(
         HEAD_DIM=head_dim, D_P2=d_p2, TILE_H=tile_h, TILE_N=tile_n, F16=f16,
         KIND0=a0.kind, SF0=a0.sf, GS0=a0.group, FLAT0=flat_scales(a0, head_dim, d_p2),
@@ -418,45 +406,6 @@ def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: 
     return 2 if FP4_NIBBLE_TILES else 1
 
 
-FP8_GROUP_DOTS = env_flag("KVPLAN_SPARSE_FP8_GROUPS", False)
-"""Sources of e4m3 values with UE8M0 scales (the V41 FP8 records) attended one scale group
-at a time (``KVPLAN_SPARSE_FP8_GROUPS=1`` at import; off by default until timed): the codes
-enter bf16 dots as stored, each group's logits times its scales, each group's value product
-takes the probabilities times its scales; no dequantized tile, and the key loop pipelines the
-code loads into shared memory (``kvplan.ops._sparse_attention_kernels._attend_tile_groups``)."""
-
-
-def _group_tiling_from_env() -> dict[str, int]:
-    text = os.environ.get("KVPLAN_SPARSE_GROUP_TILING", "32,4,3").strip()
-    parts = text.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(
-            f"KVPLAN_SPARSE_GROUP_TILING must be 'tile_n,num_warps,num_stages', got {text!r}"
-        )
-    tile_n, warps, stages = (int(p) for p in parts)
-    return {"tile_n": tile_n, "num_warps": warps, "num_stages": stages}
-
-
-GROUP_TILING = _group_tiling_from_env()
-GROUP_PROGRAMS_PER_SM = int(os.environ.get("KVPLAN_SPARSE_GROUP_PPS", "2"))
-"""Split target of the scale-group path: about this many programs an SM (sm_90: 168
-registers a thread, three fit; 255 with the fused merge, two)."""
-"""Launch of the scale-group path (`FP8_GROUP_DOTS`): 32 keys, 4 warps, 3 stages (sm_90, the
-DeepSeek-V4 shapes: 168 registers, no spills, 50 KB of shared memory: three programs an SM)."""
-
-
-def group_dots(q_dtype, addrs, head_dim: int, d_p2: int) -> bool:
-    """Whether a call takes the scale-group path: `FP8_GROUP_DOTS`, a bf16 query, and every
-    source e4m3 with UE8M0 scales in whole groups of one width dividing ``d_p2``."""
-    if not FP8_GROUP_DOTS or q_dtype != torch.bfloat16:
-        return False
-    gs = addrs[0].group
-    return all(
-        a.kind == _k.KIND_E4M3 and a.sf == _k.SF_UE8M0 and a.group == gs and d_p2 % gs == 0
-        and flat_scales(a, head_dim, d_p2) for a in addrs
-    )  # fmt: skip
-
-
 FUSED_COMBINE = env_flag("KVPLAN_SPARSE_FUSED_COMBINE", True)
 """Split calls merge their partials in the split kernel's last program of each (row, head
 group) (True, the default) instead of a second launch (``sparse_attention_combine_kernel``;
@@ -507,18 +456,14 @@ _MIN_SPLIT_TILES = 2  # fewest key tiles a split walks (1 measured the same: H20
 # batch 16 at 4K, where the HCA rows' 160 keys then split: async step 2.27 vs 2.28 ms)
 
 
-def split_count(
-    num_programs: int, num_cols: int, tile_n: int, num_sms: int, per_sm: int | None = None
-) -> int:
+def split_count(num_programs: int, num_cols: int, tile_n: int, num_sms: int) -> int:
     """Column splits per (row, head group) for ``num_programs`` (row, head group) pairs over
     ``num_cols`` joined columns: 1 when those programs already fill ``num_sms`` SMs, else
-    about ``per_sm`` (None: ``_PROGRAMS_PER_SM``) programs per SM, each walking at least
-    ``_MIN_SPLIT_TILES`` tiles of ``tile_n`` columns. Depends on the shapes only (fixed under
-    a CUDA graph)."""
-    per_sm = _PROGRAMS_PER_SM if per_sm is None else per_sm
-    if num_programs >= num_sms * per_sm or num_cols <= tile_n * _MIN_SPLIT_TILES:
+    about ``_PROGRAMS_PER_SM`` programs per SM, each walking at least ``_MIN_SPLIT_TILES``
+    tiles of ``tile_n`` columns. Depends on the shapes only (fixed under a CUDA graph)."""
+    if num_programs >= num_sms or num_cols <= tile_n * _MIN_SPLIT_TILES:
         return 1
-    want = triton.cdiv(per_sm * num_sms, num_programs)
+    want = triton.cdiv(_PROGRAMS_PER_SM * num_sms, num_programs)
     return max(1, min(want, num_cols // (tile_n * _MIN_SPLIT_TILES)))
 
 
