@@ -214,7 +214,7 @@ def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chos
         configs += [{"num_splits": s, "tile_n": n, "num_warps": nw, "num_stages": st}
                     for n, nw in ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)) for s in (1, 2, 4)
                     for st in (2, 3)]  # fmt: skip
-    elif dev.type == "cuda":  # the register-footprint variants (default and 8 splits)
+    elif dev.type == "cuda" and not a.no_chunked:  # the register-footprint variants
         configs += [dict(v, **({"num_splits": s} if s else {}))
                     for s in (None, 8) for v in _CHUNKED]  # fmt: skip
 
@@ -324,6 +324,11 @@ def main() -> None:
     ap.add_argument("--attention-sweep", choices=("chunked", "stages"), default="chunked",
                     help="decode attention variants: the register-footprint ones (chunked) or "
                     "splits x tiles x num_stages (stages)")  # fmt: skip
+    ap.add_argument(
+        "--no-chunked",
+        action="store_true",
+        help="decode attention cases: the default launch only, no register-footprint variants",
+    )
     ap.add_argument("--attention-format", choices=("v41", "bf16"), default="v41",
                     help="decode attention cases' caches: V41 fp8 records (kv_format fp8) or "
                     "bf16 rows (kv_format exact)")  # fmt: skip
