@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
-# Session 35, call C: the dense engine's issue-17 workloads on the H100 this session got
-# (the H200 figures are sessions 26-33's): the short workload against HF's best setting, the
-# decode graph's kernels at batch 64, the long workload per KV format.
+# Session 35, call C (rewritten before it ran): the split sparse attention's V41 fp8 values
+# loaded as a 3-D [keys, groups, 32] tile under the loop's own pipelining attribute
+# (KVPLAN_SPARSE_VALUES_3D=1): sm_90 compile here puts the value bytes in cp.async copies (one
+# 32 KB buffer) and dequantizes them in the two dot-operand layouts (no bf16 tile in shared
+# memory: 53 KB instead of 149 KB, 190 registers instead of 230, 1,884 main-loop instructions
+# instead of 1,373). GPU tests with the switch on, then the kernel alone off / on.
 set -u
-BUDGET=${BUDGET:-420}
+BUDGET=${BUDGET:-320}
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
-step 110 short_hf python3 bench/bench_engine.py --kv-format bf16 --hf generate_batch_cuda_graph \
-  --out "$W/short_hf.json"
-grep -E "kvplan \(|HF|decode step|x HF|floor" "$W/short_hf.log" | head -12
-step 60 dense_prof python3 bench/profile_engine.py --kv-format bf16 --out "$W/dense_prof"
-tail -25 "$W/dense_prof.log"
-for f in fp8 bf16 fp4; do long_run long_$f $f; done
+KVPLAN_SPARSE_VALUES_3D=1 gpu_tests v3d_tests 60 8 tests/ops/test_sparse_attention.py
+for v in 1 0; do
+  step 75 k256_v$v env KVPLAN_SPARSE_VALUES_3D=$v python3 bench/bench_sparse_kernels.py \
+    --only attention --no-chunked --rows 256 --hca-entries 1024 --out "$W/k256_v$v.json"
+  grep -E "^sparse_attention" "$W/k256_v$v.log" | cut -c1-150
+done
+step 70 d128_v1 env KVPLAN_SPARSE_VALUES_3D=1 python3 bench/bench_hybrid.py --batch 256 \
+  --contexts 131072 --formats fp8 --out "$W/d128_v1.json"
+grep -E "^ *fp8 |async" "$W/d128_v1.log"
+step 70 k32_v1 env KVPLAN_SPARSE_VALUES_3D=1 python3 bench/bench_sparse_kernels.py \
+  --only attention --no-chunked --rows 32 --hca-entries 256 --out "$W/k32_v1.json"
+grep -E "^sparse_attention" "$W/k32_v1.log" | cut -c1-150
