@@ -9,12 +9,12 @@ set -u
 BUDGET=${BUDGET:-320}
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
-KVPLAN_SPARSE_VALUES_3D=1 gpu_tests v3d_tests 60 8 tests/ops/test_sparse_attention.py
 for v in 1 0; do
-  step 75 k256_v$v env KVPLAN_SPARSE_VALUES_3D=$v python3 bench/bench_sparse_kernels.py \
+  step 65 k256_v$v env KVPLAN_SPARSE_VALUES_3D=$v python3 bench/bench_sparse_kernels.py \
     --only attention --no-chunked --rows 256 --hca-entries 1024 --out "$W/k256_v$v.json"
   grep -E "^sparse_attention" "$W/k256_v$v.log" | cut -c1-150
 done
+KVPLAN_SPARSE_VALUES_3D=1 gpu_tests v3d_tests 60 8 tests/ops/test_sparse_attention.py
 step 70 d128_v1 env KVPLAN_SPARSE_VALUES_3D=1 python3 bench/bench_hybrid.py --batch 256 \
   --contexts 131072 --formats fp8 --out "$W/d128_v1.json"
 grep -E "^ *fp8 |async" "$W/d128_v1.log"
