@@ -128,13 +128,16 @@ def _load_key_cols(
         if not BF16:
             x = x.to(tl.float32)
     else:
-        if KIND == 2 and FLAT and HW and VALUES_3D:  # a 3-D load, no reshape before the scale
+        if KIND == 2 and FLAT and SF < 2 and VALUES_3D:  # a 3-D load, no reshape before the scale
             G3: tl.constexpr = DW // GS
             g3 = d0 // GS + tl.arange(0, G3)
             c3 = tl.arange(0, GS)
             p3 = c_ptr + base[:, None, None] + (g3 * GS)[None, :, None] + c3[None, None, :]
             vb3 = tl.load(p3, mask=valid[:, None, None], other=0)
-            v3 = vb3.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            if HW:
+                v3 = vb3.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                v3 = decode_e4m3(vb3.to(tl.int32))
             m3 = _scales_at(c_ptr, sbase[:, None], g3[None, :], valid[:, None], SF)
             x = tl.reshape((v3 * m3[:, :, None]).to(tl.bfloat16), [TILE_N, DW])
             if not BF16:
