@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Measured at commit e39728e on an H100: slower; the switch was removed in the next commit. bench/RESULTS.md, session 35.)
 # Session 35, call C (rewritten before it ran): the split sparse attention's V41 fp8 values
 # loaded as a 3-D [keys, groups, 32] tile under the loop's own pipelining attribute
 # (KVPLAN_SPARSE_VALUES_3D=1): sm_90 compile here puts the value bytes in cp.async copies (one

@@ -44,8 +44,6 @@ the output.
 
 from __future__ import annotations
 
-import os
-
 import triton.language as tl
 from triton.language.extra import libdevice
 
@@ -62,7 +60,6 @@ SF_UE8M0 = 0
 SF_E4M3 = 1
 SF_FP32 = 2
 LOG2E = tl.constexpr(1.4426950408889634)  # a jit-visible global must be a constexpr
-VALUES_3D: tl.constexpr = tl.constexpr(os.environ.get("KVPLAN_SPARSE_VALUES_3D", "0") == "1")
 
 
 @jit
@@ -128,21 +125,6 @@ def _load_key_cols(
         if not BF16:
             x = x.to(tl.float32)
     else:
-        if KIND == 2 and FLAT and SF < 2 and VALUES_3D:  # a 3-D load, no reshape before the scale
-            G3: tl.constexpr = DW // GS
-            g3 = d0 // GS + tl.arange(0, G3)
-            c3 = tl.arange(0, GS)
-            p3 = c_ptr + base[:, None, None] + (g3 * GS)[None, :, None] + c3[None, None, :]
-            vb3 = tl.load(p3, mask=valid[:, None, None], other=0)
-            if HW:
-                v3 = vb3.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                v3 = decode_e4m3(vb3.to(tl.int32))
-            m3 = _scales_at(c_ptr, sbase[:, None], g3[None, :], valid[:, None], SF)
-            x = tl.reshape((v3 * m3[:, :, None]).to(tl.bfloat16), [TILE_N, DW])
-            if not BF16:
-                x = x.to(tl.float32)
-            return x
         if KIND == 2:
             vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
             if HW:
@@ -331,14 +313,6 @@ def _attend_cols(
                 PV_SPLIT, F16,
             )  # fmt: skip
             start += TILE_N
-    elif VALUES_3D:  # the loop's own pipelining attribute: the value loads go async
-        for start in tl.range(lo, hi, TILE_N, num_stages=3):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q_row, h_ok, start, row_idx, hi, num_slots, c_ptr,
-                block_size, stride_block, stride_token, scale_stride, scale_offset, qk_scale,
-                KIND, SF, GS, HEAD_DIM, D_P2, TILE_H, TILE_N, FLAT, HW, DOT_BF16, D_CHUNK,
-                PV_SPLIT, F16,
-            )  # fmt: skip
     else:
         for start in range(lo, hi, TILE_N):
             acc, m_i, l_i = _attend_tile(

@@ -263,23 +263,3 @@ def test_index_scores_cuda(kind) -> None:
     idx = torch.randint(-1, 4096, (8, 3000), generator=gen, dtype=torch.int32).cuda()
     got = index_scores(q, w, rows.key_source(idx))
     torch.testing.assert_close(got, _scores_via_load(q, w, rows, idx), atol=1e-3, rtol=1e-4)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_values_3d_load_gives_the_same_tiles(monkeypatch, dtype) -> None:
-    """``KVPLAN_SPARSE_VALUES_3D`` (e4m3 values with UE8M0 scales loaded as one
-    ``[keys, groups, GS]`` tile): the same outputs, bit for bit, as the 2-D load, at 1 and 3
-    column splits."""
-    from kvplan.ops import _sparse_attention_kernels as k
-
-    q, sources, sinks = _inputs([FP8_64, "paged_bf16"], 3, 2, 64, [21, 9], seed=11, dtype=dtype)
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(k, "VALUES_3D", on)
-        outs[on] = [sparse_attention_triton(q, sources, sinks, 0.125, tile_n=16, num_splits=s)
-                    for s in (1, 3)]  # fmt: skip
-    for a, b in zip(outs[False], outs[True]):
-        assert torch.equal(a, b)
-    want = sparse_attention_torch(q, sources, sinks, 0.125)
-    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
-    torch.testing.assert_close(outs[True][0].float(), want.float(), atol=tol, rtol=tol)
