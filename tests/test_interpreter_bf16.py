@@ -53,3 +53,35 @@ def test_interpreter_fp32_to_bf16_rounds_to_nearest_even():
     assert torch.equal(out.isnan(), want.isnan())
     fin = ~want.isnan()
     assert torch.equal(out[fin].view(torch.int16), want[fin].view(torch.int16))
+
+
+@triton.jit
+def _arith_kernel(x, y, o, c, N: tl.constexpr):
+    r = tl.arange(0, N)
+    a = tl.load(x + r)
+    b = tl.load(y + r)
+    tl.store(o + r, a * b)
+    tl.store(o + N + r, a + b)
+    tl.store(o + 2 * N + r, a - b)
+    tl.store(o + 3 * N + r, a / b)
+    tl.store(o + 4 * N + r, tl.maximum(a, b))
+    tl.store(o + 5 * N + r, tl.minimum(a, b))
+    tl.store(c + r, (a < b).to(tl.int8))
+    tl.store(c + N + r, (a >= b).to(tl.int8))
+
+
+def test_interpreter_bf16_elementwise_ops_compute_values():
+    """bf16 * + - / max min and compares on two bf16 operands: torch's bf16 results (fp32
+    math rounded to nearest even); the interpreter alone computed on the raw bits."""
+    gen = torch.Generator().manual_seed(2)
+    n = 256
+    x = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-8, 8, (n,), generator=gen)
+    y = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-8, 8, (n,), generator=gen)
+    x, y = x.bfloat16(), y.bfloat16()
+    y[:8] = x[:8]  # some equal pairs for the compares
+    out = torch.empty(6 * n, dtype=torch.bfloat16)
+    cmp = torch.empty(2 * n, dtype=torch.int8)
+    _arith_kernel[(1,)](x, y, out, cmp, n)
+    want = torch.cat([x * y, x + y, x - y, x / y, torch.maximum(x, y), torch.minimum(x, y)])
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(cmp, torch.cat([x < y, x >= y]).to(torch.int8))
