@@ -44,6 +44,8 @@ the output.
 
 from __future__ import annotations
 
+import os
+
 import triton.language as tl
 from triton.language.extra import libdevice
 
@@ -60,6 +62,11 @@ SF_UE8M0 = 0
 SF_E4M3 = 1
 SF_FP32 = 2
 LOG2E = tl.constexpr(1.4426950408889634)  # a jit-visible global must be a constexpr
+BF16_DEQUANT: tl.constexpr = tl.constexpr(os.environ.get("KVPLAN_SPARSE_BF16_DEQUANT") == "1")
+"""e4m3 keys with UE8M0 scales dequantized by bf16 products instead of fp32 ones, the same
+bits (``KVPLAN_SPARSE_BF16_DEQUANT=1`` at import; off until timed on a GPU): sm_90, the split
+attention's main loop 1,291 instead of 1,373 instructions (64 keys, 8 warps), the indexer's
+976 instead of 1,032 (128 keys, 4 warps) (bench/RESULTS.md, session 35)."""
 
 
 @jit
@@ -122,6 +129,21 @@ def _load_key_cols(
             x = x.to(tl.bfloat16)
     elif KIND == 1:
         x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
+        if not BF16:
+            x = x.to(tl.float32)
+    elif KIND == 2 and SF == 0 and FLAT and BF16_DEQUANT:
+        # e4m3 codes times UE8M0 scales in bf16: a 4-bit significand times a power of two,
+        # rounded once -- the bits of the fp32 product rounded to bf16 below
+        vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
+        if HW:
+            codes = vb.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        else:
+            codes = decode_e4m3(vb.to(tl.int32)).to(tl.bfloat16)
+        G: tl.constexpr = DW // GS
+        g = d0 // GS + tl.arange(0, G)
+        mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
+        x = tl.reshape(tl.reshape(codes, [TILE_N, G, GS]) * mult.to(tl.bfloat16)[:, :, None],
+                       [TILE_N, DW])  # fmt: skip
         if not BF16:
             x = x.to(tl.float32)
     else:
