@@ -19,8 +19,4 @@ for v in 0 1; do
     --only index --rows 256 --candidates 32768 --index-kinds mxfp8 --out "$W/idx_v$v.json"
   grep -E "^index_scores" "$W/idx_v$v.log" | cut -c1-150
 done
-for v in 0 1; do
-  step 80 d128_v$v env KVPLAN_SPARSE_BF16_DEQUANT=$v python3 bench/bench_hybrid.py --batch 256 \
-    --contexts 131072 --formats fp8 --out "$W/d128_v$v.json"
-  grep -E "^ *fp8 |async" "$W/d128_v$v.log"
-done
+for v in 0 1; do HD_SECS=80 hybrid_decode d128_v$v 256 131072 KVPLAN_SPARSE_BF16_DEQUANT=$v; done
