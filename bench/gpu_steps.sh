@@ -33,8 +33,8 @@ hybrid_ab() {  # VAR NAME: hybrid decode at 32K and 128K, batch 32, with VAR=0 (
 }
 hybrid_decode() {  # NAME BATCH CONTEXT [VAR=value ...]: bench_hybrid's fp8 decode step, one step
   local name=$1 batch=$2 context=$3; shift 3  # of HD_SECS seconds (35; 128K x 256 needs ~80)
-  step "${HD_SECS:-35}" "$name" env "$@" python3 bench/bench_hybrid.py --batch "$batch" --contexts "$context" \
-    --formats fp8 --out "$W/$name.json"
+  step "${HD_SECS:-35}" "$name" env "$@" python3 bench/bench_hybrid.py --batch "$batch" \
+    --contexts "$context" --formats fp8 --out "$W/$name.json"
   grep -E "^ *fp8 |async" "$W/$name.log"
 }
 gpu_tests() {  # NAME SECONDS WORKERS PATH...: `pytest -m gpu` of PATHs as one step, its tail shown

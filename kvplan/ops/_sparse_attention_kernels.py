@@ -131,28 +131,20 @@ def _load_key_cols(
         x = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0.0)
         if not BF16:
             x = x.to(tl.float32)
-    elif KIND == 2 and SF == 0 and FLAT and BF16_DEQUANT:
-        # e4m3 codes times UE8M0 scales in bf16: a 4-bit significand times a power of two,
-        # rounded once -- the bits of the fp32 product rounded to bf16 below
-        vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
-        if HW:
-            codes = vb.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-        else:
-            codes = decode_e4m3(vb.to(tl.int32)).to(tl.bfloat16)
-        G: tl.constexpr = DW // GS
-        g = d0 // GS + tl.arange(0, G)
-        mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
-        x = tl.reshape(tl.reshape(codes, [TILE_N, G, GS]) * mult.to(tl.bfloat16)[:, :, None],
-                       [TILE_N, DW])  # fmt: skip
-        if not BF16:
-            x = x.to(tl.float32)
     else:
+        # BF16_DEQUANT: e4m3 codes times UE8M0 scales as bf16 products (a 4-bit significand
+        # times a power of two, rounded once: the bits of the fp32 product rounded to bf16)
+        BF: tl.constexpr = BF16_DEQUANT and KIND == 2 and SF == 0 and FLAT
         if KIND == 2:
             vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
-            if HW:
+            if HW and BF:  # exact: every e4m3 value is a bf16
+                vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            elif HW:
                 vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 vals = decode_e4m3(vb.to(tl.int32))
+                if BF:
+                    vals = vals.to(tl.bfloat16)
         else:
             vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
             codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
@@ -161,6 +153,8 @@ def _load_key_cols(
             G: tl.constexpr = DW // GS
             g = d0 // GS + tl.arange(0, G)
             mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
+            if BF:
+                mult = mult.to(tl.bfloat16)
             x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
         else:
             x = vals * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
@@ -168,6 +162,8 @@ def _load_key_cols(
             x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
         if BF16:  # exact: every dequantized key is a bf16
             x = x.to(tl.bfloat16)
+        elif BF:
+            x = x.to(tl.float32)
     return x
 
 
