@@ -105,6 +105,12 @@ def main() -> None:
         "KVPLAN_FP4_NIBBLES is on, nibble order when off)",
     )
     ap.add_argument(
+        "--heads-first",
+        action="store_true",
+        help="also every config with the programs ordered KV head first (heads_first=True: a "
+        "sequence's heads side by side; kvplan.ops._paged_attention_kernels.DECODE_HEADS_FIRST)",
+    )
+    ap.add_argument(
         "--graph",
         action="store_true",
         help="time CUDA-graph replays of the calls (the engine's decode steps; eager calls of "
@@ -159,6 +165,8 @@ def main() -> None:
         if args.fp4_nibbles and fmt == "fp4":  # each fp16-tile config also in the other order
             tilings += [{**t, "fp4_nib": not nib_default} for t in [{}, *tilings]
                         if t.get("fp4_f16", f16_default)]  # fmt: skip
+        if args.heads_first:  # every config above (and the default) in the other order
+            tilings += [{**t, "heads_first": True} for t in [{}, *tilings]]
         if args.with_splits:  # every config above (and the default) at these split counts
             n_splits = ints(args.with_splits)
             tilings += [{**t, "num_splits": n} for t in [{}, *tilings] for n in n_splits]

@@ -21,8 +21,9 @@ start at -1e30 rather than -inf so that rows which see no key stay finite and en
 ``l == 0``, which the epilogues turn into an all-zero output row.
 
 Kernels:
-- ``_decode_kernel``: grid ``(B, Hkv, num_splits)``; one query per sequence; the visible key
-  range is cut into ``num_splits`` chunks (split-K). With one split it writes the output, else
+- ``_decode_kernel``: grid ``(B, Hkv, num_splits)`` (``(Hkv, B, num_splits)`` with
+  ``HEADS_FIRST``: a sequence's KV heads run side by side, reading the same token records);
+  one query per sequence; the visible key range is cut into ``num_splits`` chunks (split-K). With one split it writes the output, else
   fp32 partials that ``_combine_kernel`` (grid ``(B, H)``) merges.
 - ``_prefill_kernel``: grid ``(B, num_row_tiles, Hkv)``; varlen causal, tiles over query rows
   and keys; also serves decode rows with several query tokens.
@@ -366,13 +367,20 @@ def _decode_kernel(
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
-    GROUP: tl.constexpr, PREFETCH: tl.constexpr,
+    GROUP: tl.constexpr, PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (B, Hkv, num_splits). q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D];
-    page_ids int32 flat, page_start / kv_lens int32 [B]; partials (SPLIT only): fp32
-    part_acc [B, H, S, D], part_m / part_l [B, H, S]."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    """Grid (B, Hkv, num_splits), or (Hkv, B, num_splits) with ``HEADS_FIRST``. q/out:
+    [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D]; page_ids int32 flat, page_start /
+    kv_lens int32 [B]; partials (SPLIT only): fp32 part_acc [B, H, S, D], part_m / part_l
+    [B, H, S]."""
+    if HEADS_FIRST:
+        b = tl.program_id(1)
+        kvh = tl.program_id(0)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     kv_len = tl.load(kv_lens_ptr + b)
     page_start = tl.load(page_start_ptr + b)
@@ -408,7 +416,7 @@ def _decode_kernel(
         acc = nibble_acc(acc)
     if SPLIT:
         # Partial row index (b * H + head) * S + split.
-        num_heads = tl.num_programs(1) * group_size
+        num_heads = num_kv_heads * group_size
         part_row = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # [TILE_M]
         acc_off = part_row[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(part_acc_ptr + acc_off, acc, mask=g_ok[:, None])
@@ -587,6 +595,13 @@ exact). The same products in another order of the head dimensions. sm_90 main lo
 against 3,120 (fp8 3,286)."""
 
 
+DECODE_HEADS_FIRST = env_flag("KVPLAN_DECODE_HEADS_FIRST", False)
+"""Decode launches order their programs KV head first (grid ``(Hkv, B, num_splits)``) when
+True (``KVPLAN_DECODE_HEADS_FIRST=1`` at import; ``heads_first=`` per launch): the programs
+of one sequence's heads then run side by side and read each token record's parts at the same
+time (the caches interleave a token's heads). Off (sequence first) until timed."""
+
+
 def _kv_quant(geo, q, k_cache, v_cache) -> int:
     """The decode kernel's ``KV_QUANT``: ``E2M1_F16`` where `FP4_F16_TILES` applies (the
     value runs 4-byte aligned for the word loads; ``E2M1_F16_NIB`` with
@@ -626,14 +641,16 @@ def _group_tile(group_size: int) -> int:
 def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
     geo, kv_quant, kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
-    maxnreg=None,
+    maxnreg=None, heads_first=None,
 ):  # fmt: skip
     """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
     ``prefetch`` as in `_attend_range_ahead` (None: ``QUANT_PREFETCH``, then
     ``DECODE_PREFETCH``); ``maxnreg``: the compiler's register cap per thread (None: none);
     ``geo`` / ``kv_quant``: the caches' `kv_geometry` and `_kv_quant` (the caller's split plan
-    reads them too)."""
+    reads them too); ``heads_first``: the program order (None: `DECODE_HEADS_FIRST`)."""
     batch, num_heads, head_dim = q.shape
+    if heads_first is None:
+        heads_first = DECODE_HEADS_FIRST
     group_size = num_heads // geo.num_kv_heads
     split = num_splits > 1
     if split:
@@ -646,7 +663,8 @@ def launch_decode(
         part_acc = part_m = part_l = out  # unused by the kernel
     if batch == 0:
         return out
-    _decode_kernel[(batch, geo.num_kv_heads, num_splits)](
+    grid = (geo.num_kv_heads, batch) if heads_first else (batch, geo.num_kv_heads)
+    _decode_kernel[(*grid, num_splits)](
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, part_acc, part_m, part_l,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), geo.stride_kh,
@@ -658,7 +676,7 @@ def launch_decode(
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
         KV_QUANT=kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
         PREFETCH=_prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant)),
-        num_warps=num_warps, num_stages=num_stages,
+        HEADS_FIRST=bool(heads_first), num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
     )  # fmt: skip
     if split:

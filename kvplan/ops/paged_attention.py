@@ -194,7 +194,7 @@ def paged_attention_decode_triton(
     out: Tensor | None = None, num_splits: int | None = None, max_kv_len: int | None = None,
     kv_layout: KVCacheFormat | None = None, check: bool = True, tile_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
-    maxnreg: int | None = None,
+    maxnreg: int | None = None, heads_first: bool | None = None,
 ) -> Tensor:  # fmt: skip
     """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`.
     ``tile_n`` / ``num_warps`` / ``num_stages``: launch overrides (see ``kvplan.ops._paged_kv_tiles.decode_tiling``;
@@ -203,7 +203,8 @@ def paged_attention_decode_triton(
     ``QUANT_PREFETCH``, then ``DECODE_PREFETCH`` by the launch's ``decode_key``: mode 2 for
     fp8 / int8 pages and fp4 pages read as fp16 tiles, 1 for fp4 pages as bf16 tiles);
     ``maxnreg``: a register cap per thread for the compiler (0: none; None: the key's
-    ``DECODE_MAXNREG`` entry where `_decode_launch_plan` finds it pays)."""
+    ``DECODE_MAXNREG`` entry where `_decode_launch_plan` finds it pays); ``heads_first``: the
+    programs' order (``kvplan.ops._paged_attention_kernels.DECODE_HEADS_FIRST`` for None)."""
     window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
@@ -230,7 +231,7 @@ def paged_attention_decode_triton(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, scale=float(scale),
         window=window, num_splits=num_splits, kv_layout=kv_layout, tile_n=tile_n,
         num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
-        maxnreg=maxnreg, geo=geo, kv_quant=kv_quant,
+        maxnreg=maxnreg, geo=geo, kv_quant=kv_quant, heads_first=heads_first,
     )  # fmt: skip
 
 

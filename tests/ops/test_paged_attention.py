@@ -122,14 +122,16 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("seed,kv_lens,group,block_size,window,layout,splits,tile_n", DECODE_CASES)
+@pytest.mark.parametrize("heads_first", [False, True])
 def test_decode_triton_matches_ref(
-    seed, kv_lens, group, block_size, window, layout, splits, tile_n
+    seed, kv_lens, group, block_size, window, layout, splits, tile_n, heads_first
 ):
+    """Both program orders (sequence first, KV head first) give the reference's output."""
     c = make_case(seed, kv_lens, [1] * len(kv_lens), group=group, block_size=block_size,
                   window=window, layout=layout)  # fmt: skip
     got = paged_attention_decode_triton(
         *c.args(), c.kv_lens, scale=c.scale, sliding_window=window, num_splits=splits,
-        tile_n=tile_n,
+        tile_n=tile_n, heads_first=heads_first,
     )  # fmt: skip
     want = c.ref(decode=True)
     assert_close(got, want)
