@@ -44,8 +44,6 @@ the output.
 
 from __future__ import annotations
 
-import os
-
 import triton.language as tl
 from triton.language.extra import libdevice
 
@@ -62,11 +60,6 @@ SF_UE8M0 = 0
 SF_E4M3 = 1
 SF_FP32 = 2
 LOG2E = tl.constexpr(1.4426950408889634)  # a jit-visible global must be a constexpr
-BF16_DEQUANT: tl.constexpr = tl.constexpr(os.environ.get("KVPLAN_SPARSE_BF16_DEQUANT") == "1")
-"""e4m3 keys with UE8M0 scales dequantized by bf16 products instead of fp32 ones, the same
-bits (``KVPLAN_SPARSE_BF16_DEQUANT=1`` at import; off until timed on a GPU): sm_90, the split
-attention's main loop 1,291 instead of 1,373 instructions (64 keys, 8 warps), the indexer's
-976 instead of 1,032 (128 keys, 4 warps) (bench/RESULTS.md, session 35)."""
 
 
 @jit
@@ -132,19 +125,12 @@ def _load_key_cols(
         if not BF16:
             x = x.to(tl.float32)
     else:
-        # BF16_DEQUANT: e4m3 codes times UE8M0 scales as bf16 products (a 4-bit significand
-        # times a power of two, rounded once: the bits of the fp32 product rounded to bf16)
-        BF: tl.constexpr = BF16_DEQUANT and KIND == 2 and SF == 0 and FLAT
         if KIND == 2:
             vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
-            if HW and BF:  # exact: every e4m3 value is a bf16
-                vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            elif HW:
+            if HW:
                 vals = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 vals = decode_e4m3(vb.to(tl.int32))
-                if BF:
-                    vals = vals.to(tl.bfloat16)
         else:
             vb = tl.load(c_ptr + base[:, None] + (d // 2)[None, :], mask=dmask, other=0)
             codes = (vb.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
@@ -153,8 +139,6 @@ def _load_key_cols(
             G: tl.constexpr = DW // GS
             g = d0 // GS + tl.arange(0, G)
             mult = _scales_at(c_ptr, sbase[:, None], g[None, :], valid[:, None], SF)
-            if BF:
-                mult = mult.to(tl.bfloat16)
             x = tl.reshape(tl.reshape(vals, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
         else:
             x = vals * _scales_at(c_ptr, sbase[:, None], (d // GS)[None, :], dmask, SF)
@@ -162,8 +146,6 @@ def _load_key_cols(
             x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
         if BF16:  # exact: every dequantized key is a bf16
             x = x.to(tl.bfloat16)
-        elif BF:
-            x = x.to(tl.float32)
     return x
 
 

@@ -263,36 +263,3 @@ def test_index_scores_cuda(kind) -> None:
     idx = torch.randint(-1, 4096, (8, 3000), generator=gen, dtype=torch.int32).cuda()
     got = index_scores(q, w, rows.key_source(idx))
     torch.testing.assert_close(got, _scores_via_load(q, w, rows, idx), atol=1e-3, rtol=1e-4)
-
-
-def _random_e4m3_records(cache: torch.Tensor, gen) -> None:
-    """Every byte of a uint8 cache of e4m3 values with UE8M0 scales random in 1 .. 199 but
-    127 (200 instead): finite codes of both signs, and scales 2^-126 .. 2^73 (bf16 subnormal
-    products included), wherever the layout puts them."""
-    b = torch.randint(1, 200, cache.shape, generator=gen, dtype=torch.int32)
-    cache.copy_(torch.where(b == 127, 200, b).to(torch.uint8))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_bf16_dequant_gives_the_same_bits(monkeypatch, dtype) -> None:
-    """``KVPLAN_SPARSE_BF16_DEQUANT``: e4m3 records with UE8M0 scales (random codes, scales
-    2^-126 .. 2^73) dequantized by bf16 products give the attention and the indexer's scores
-    bit for bit as the fp32 products do (the interpreter's bf16 products as
-    kvplan.ops._interpreter_bf16 fixes them)."""
-    from kvplan.ops import _sparse_attention_kernels as k
-    from kvplan.ops.sparse_attention import index_scores_triton
-
-    gen = torch.Generator().manual_seed(21)
-    q, sources, sinks = _inputs([FP8_64, "paged_bf16"], 3, 2, 64, [21, 9], seed=12, dtype=dtype)
-    _random_e4m3_records(sources[0].cache, gen)
-    iq, w, rows, idx = _index_inputs("mxfp8", seed=13)
-    _random_e4m3_records(rows.cache, gen)
-    got = {}
-    for on in (False, True):
-        monkeypatch.setattr(k, "BF16_DEQUANT", on)
-        att = [sparse_attention_triton(q * 1e-30, sources, sinks, 0.125, tile_n=16,
-                                       num_splits=s) for s in (1, 3)]  # fmt: skip
-        got[on] = (*att, index_scores_triton(iq * 1e-30, w, rows.key_source(idx)))
-    for a, b in zip(got[False], got[True]):
-        assert torch.equal(a, b)
-    assert got[True][2].isfinite().any() and got[True][0].abs().max() > 0
