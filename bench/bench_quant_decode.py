@@ -111,6 +111,12 @@ def main() -> None:
         "sequence's heads side by side; kvplan.ops._paged_attention_kernels.DECODE_HEADS_FIRST)",
     )
     ap.add_argument(
+        "--heads",
+        default="",
+        help="also every config with each of these KV heads a program (heads=, e.g. 2,4: "
+        "neighbouring heads read as one; kvplan.ops._paged_attention_kernels.decode_heads)",
+    )
+    ap.add_argument(
         "--graph",
         action="store_true",
         help="time CUDA-graph replays of the calls (the engine's decode steps; eager calls of "
@@ -165,6 +171,8 @@ def main() -> None:
         if args.fp4_nibbles and fmt == "fp4":  # each fp16-tile config also in the other order
             tilings += [{**t, "fp4_nib": not nib_default} for t in [{}, *tilings]
                         if t.get("fp4_f16", f16_default)]  # fmt: skip
+        if args.heads:  # every config above (and the default) with these heads a program
+            tilings += [{**t, "heads": n} for t in [{}, *tilings] for n in ints(args.heads)]
         if args.heads_first:  # every config above (and the default) in the other order
             tilings += [{**t, "heads_first": True} for t in [{}, *tilings]]
         if args.with_splits:  # every config above (and the default) at these split counts

@@ -367,20 +367,28 @@ def _decode_kernel(
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
-    GROUP: tl.constexpr, PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr = False,
+    GROUP: tl.constexpr, PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    HEADS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, Hkv, num_splits), or (Hkv, B, num_splits) with ``HEADS_FIRST``. q/out:
-    [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D]; page_ids int32 flat, page_start /
-    kv_lens int32 [B]; partials (SPLIT only): fp32 part_acc [B, H, S, D], part_m / part_l
-    [B, H, S]."""
+    """Grid (B, Hkv / HEADS, num_splits), or (Hkv / HEADS, B, num_splits) with
+    ``HEADS_FIRST``. q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D]; page_ids int32
+    flat, page_start / kv_lens int32 [B]; partials (SPLIT only): fp32 part_acc [B, H, S, D],
+    part_m / part_l [B, H, S].
+
+    ``HEADS`` > 1: a program takes that many neighbouring KV heads as one head of
+    ``HEADS * HEAD_DIM`` columns (their value runs, and their scale runs, are contiguous in a
+    token's record), so each key's load is one run of all of them; its query tile is block
+    diagonal (row r, of KV head r // group_size, holds its query in that head's columns and
+    zeros elsewhere), so each row's logits are its own head's, and each row keeps its own
+    head's columns of the value product."""
     if HEADS_FIRST:
         b = tl.program_id(1)
-        kvh = tl.program_id(0)
-        num_kv_heads = tl.num_programs(0)
+        kvh = tl.program_id(0) * HEADS
+        num_kv_heads = tl.num_programs(0) * HEADS
     else:
         b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_kv_heads = tl.num_programs(1)
+        kvh = tl.program_id(1) * HEADS
+        num_kv_heads = tl.num_programs(1) * HEADS
     split = tl.program_id(2)
     kv_len = tl.load(kv_lens_ptr + b)
     page_start = tl.load(page_start_ptr + b)
@@ -392,12 +400,19 @@ def _decode_kernel(
     key_lo = tl.minimum(lo + split * chunk, kv_len)
     key_hi = tl.minimum(key_lo + chunk, kv_len)
 
+    HD: tl.constexpr = HEADS * HEAD_DIM  # the program's columns
     offs_g = tl.arange(0, TILE_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    g_ok = offs_g < group_size
+    offs_d = tl.arange(0, HD)
+    g_ok = offs_g < group_size * HEADS
     heads = (kvh * group_size + offs_g).to(tl.int64)
+    if HEADS == 1:
+        col = offs_d[None, :]  # [1, HD]: a row's columns of q / out
+        keep = g_ok[:, None]
+    else:  # row r's own head's columns, head-local
+        col = offs_d[None, :] - (offs_g // group_size * HEAD_DIM)[:, None]  # [TILE_M, HD]
+        keep = g_ok[:, None] & (col >= 0) & (col < HEAD_DIM)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh  # [TILE_M, 1]
-    q = tl.load(q_rows + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    q = tl.load(q_rows + col, mask=keep, other=0.0)
     if KV_QUANT >= E2M1_F16:  # fp16 tiles (E2M1_F16, E2M1_F16_NIB)
         q, qk_scale = query_f16(q, qk_scale)
     if KV_QUANT == E2M1_F16_NIB:  # the tiles' column order and 2^-14
@@ -409,7 +424,7 @@ def _decode_kernel(
         k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-        TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
+        TILE_M, BLOCK_SIZE, TILE_N, HD, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
         PREFETCH,
     )  # fmt: skip
     if KV_QUANT == E2M1_F16_NIB:  # back in order, V's 2^-14 off
@@ -418,14 +433,14 @@ def _decode_kernel(
         # Partial row index (b * H + head) * S + split.
         num_heads = num_kv_heads * group_size
         part_row = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # [TILE_M]
-        acc_off = part_row[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(part_acc_ptr + acc_off, acc, mask=g_ok[:, None])
+        acc_off = part_row[:, None] * HEAD_DIM + col
+        tl.store(part_acc_ptr + acc_off, acc, mask=keep)
         tl.store(part_m_ptr + part_row, m_i, mask=g_ok)
         tl.store(part_l_ptr + part_row, l_i, mask=g_ok)
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + col
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=keep)
 
 
 @jit
@@ -595,6 +610,46 @@ exact). The same products in another order of the head dimensions. sm_90 main lo
 against 3,120 (fp8 3,286)."""
 
 
+def _heads_from_env() -> int | None:
+    text = os.environ.get("KVPLAN_DECODE_HEADS", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) not in (1, 2, 4, 8, 16):
+        raise ValueError(f"KVPLAN_DECODE_HEADS must be one of 1, 2, 4, 8, 16, got {text!r}")
+    return int(text)
+
+
+DECODE_HEADS: int | None = _heads_from_env()
+"""KV heads a decode program takes side by side (``_decode_kernel``'s ``HEADS``): None (the
+default) is 1; ``KVPLAN_DECODE_HEADS=n`` at import makes it n wherever `decode_heads`
+allows (A/B runs of whole engines; ``heads=`` per launch)."""
+
+
+def decode_heads(geo, head_dim: int, group_size: int, heads: int | None) -> int:
+    """KV heads per decode program: ``heads`` (None: `DECODE_HEADS`, else 1). More than one
+    needs the heads' value runs side by side in a record (a plain cache's head stride equal to
+    ``head_dim``), a KV head count it divides, and at most 16 query rows a program; a default
+    that does not fit falls back to 1, an explicit ``heads`` raises."""
+    given = heads is not None
+    heads = heads if given else (DECODE_HEADS or 1)
+    if heads == 1:
+        return 1
+    fits = (
+        isinstance(heads, int) and heads in (2, 4, 8, 16)
+        and geo.num_kv_heads % heads == 0 and heads * group_size <= 16
+        and (geo.kv_quant != 0 or (geo.stride_kh == head_dim and geo.stride_vh == head_dim))
+    )  # fmt: skip
+    if fits:
+        return heads
+    if given:
+        raise ValueError(
+            f"heads={heads!r} does not fit: it must be 1, 2, 4, 8 or 16, divide the "
+            f"{geo.num_kv_heads} KV heads, keep heads x {group_size} query heads <= 16, and "
+            "a plain cache's heads must be contiguous"
+        )
+    return 1
+
+
 DECODE_HEADS_FIRST = env_flag("KVPLAN_DECODE_HEADS_FIRST", False)
 """Decode launches order their programs KV head first (grid ``(Hkv, B, num_splits)``) when
 True (``KVPLAN_DECODE_HEADS_FIRST=1`` at import; ``heads_first=`` per launch): the programs
@@ -641,13 +696,14 @@ def _group_tile(group_size: int) -> int:
 def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
     geo, kv_quant, kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
-    maxnreg=None, heads_first=None,
+    maxnreg=None, heads_first=None, heads=1,
 ):  # fmt: skip
     """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
     ``prefetch`` as in `_attend_range_ahead` (None: ``QUANT_PREFETCH``, then
     ``DECODE_PREFETCH``); ``maxnreg``: the compiler's register cap per thread (None: none);
     ``geo`` / ``kv_quant``: the caches' `kv_geometry` and `_kv_quant` (the caller's split plan
-    reads them too); ``heads_first``: the program order (None: `DECODE_HEADS_FIRST`)."""
+    reads them too); ``heads_first``: the program order (None: `DECODE_HEADS_FIRST`);
+    ``heads``: KV heads a program (`decode_heads`' answer)."""
     batch, num_heads, head_dim = q.shape
     if heads_first is None:
         heads_first = DECODE_HEADS_FIRST
@@ -663,7 +719,8 @@ def launch_decode(
         part_acc = part_m = part_l = out  # unused by the kernel
     if batch == 0:
         return out
-    grid = (geo.num_kv_heads, batch) if heads_first else (batch, geo.num_kv_heads)
+    programs = geo.num_kv_heads // heads
+    grid = (programs, batch) if heads_first else (batch, programs)
     _decode_kernel[(*grid, num_splits)](
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, part_acc, part_m, part_l,
         q.stride(0), q.stride(1),
@@ -671,12 +728,12 @@ def launch_decode(
         v_cache.stride(0), v_cache.stride(1), geo.stride_vh,
         out.stride(0), out.stride(1), group_size, window, scale * LOG2E, num_splits,
         geo.sf_off,
-        TILE_M=_group_tile(group_size), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n,
+        TILE_M=_group_tile(group_size * heads), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n,
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
         KV_QUANT=kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
         PREFETCH=_prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant)),
-        HEADS_FIRST=bool(heads_first), num_warps=num_warps, num_stages=num_stages,
+        HEADS_FIRST=bool(heads_first), HEADS=heads, num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
     )  # fmt: skip
     if split:

@@ -194,7 +194,7 @@ def paged_attention_decode_triton(
     out: Tensor | None = None, num_splits: int | None = None, max_kv_len: int | None = None,
     kv_layout: KVCacheFormat | None = None, check: bool = True, tile_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
-    maxnreg: int | None = None, heads_first: bool | None = None,
+    maxnreg: int | None = None, heads_first: bool | None = None, heads: int | None = None,
 ) -> Tensor:  # fmt: skip
     """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`.
     ``tile_n`` / ``num_warps`` / ``num_stages``: launch overrides (see ``kvplan.ops._paged_kv_tiles.decode_tiling``;
@@ -204,7 +204,8 @@ def paged_attention_decode_triton(
     fp8 / int8 pages and fp4 pages read as fp16 tiles, 1 for fp4 pages as bf16 tiles);
     ``maxnreg``: a register cap per thread for the compiler (0: none; None: the key's
     ``DECODE_MAXNREG`` entry where `_decode_launch_plan` finds it pays); ``heads_first``: the
-    programs' order (``kvplan.ops._paged_attention_kernels.DECODE_HEADS_FIRST`` for None)."""
+    programs' order (``kvplan.ops._paged_attention_kernels.DECODE_HEADS_FIRST`` for None);
+    ``heads``: KV heads a program (``kvplan.ops._paged_attention_kernels.decode_heads``)."""
     window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
@@ -214,13 +215,14 @@ def paged_attention_decode_triton(
     geo = tiles.kv_geometry(k_cache, v_cache, head_dim, kv_layout)
     kv_quant = _k._kv_quant(geo, q, k_cache, v_cache)
     key = _k.decode_key(kv_layout, kv_quant)
+    heads = _k.decode_heads(geo, head_dim, q.shape[1] // num_kv_heads, heads)
     if num_splits is None:  # the split rule's key count
         if max_kv_len is None:
             max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]
         if sliding_window is not None:
             max_kv_len = min(max_kv_len, sliding_window)
     num_splits, maxnreg = _decode_launch_plan(
-        kv_layout, batch, num_kv_heads, max_kv_len, _num_sms(q.device), num_warps, num_splits,
+        kv_layout, batch, num_kv_heads // heads, max_kv_len, _num_sms(q.device), num_warps, num_splits,
         maxnreg, key,
     )  # fmt: skip
     if not isinstance(num_splits, int) or not 1 <= num_splits <= 1024:
@@ -231,7 +233,7 @@ def paged_attention_decode_triton(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, out, scale=float(scale),
         window=window, num_splits=num_splits, kv_layout=kv_layout, tile_n=tile_n,
         num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
-        maxnreg=maxnreg, geo=geo, kv_quant=kv_quant, heads_first=heads_first,
+        maxnreg=maxnreg, geo=geo, kv_quant=kv_quant, heads_first=heads_first, heads=heads,
     )  # fmt: skip
 
 

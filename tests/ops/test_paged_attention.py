@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import kvplan.ops._paged_attention_kernels as pak
+from kvplan.ops._paged_kv_tiles import kv_geometry
 from kvplan.ops.paged_attention import (
     default_num_splits,
     paged_attention_decode,
@@ -122,16 +124,17 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("seed,kv_lens,group,block_size,window,layout,splits,tile_n", DECODE_CASES)
-@pytest.mark.parametrize("heads_first", [False, True])
+@pytest.mark.parametrize("heads_first,heads", [(False, 1), (True, 1), (False, 2), (True, 2)])
 def test_decode_triton_matches_ref(
-    seed, kv_lens, group, block_size, window, layout, splits, tile_n, heads_first
+    seed, kv_lens, group, block_size, window, layout, splits, tile_n, heads_first, heads
 ):
-    """Both program orders (sequence first, KV head first) give the reference's output."""
+    """Both program orders (sequence first, KV head first), one or two KV heads a program,
+    give the reference's output."""
     c = make_case(seed, kv_lens, [1] * len(kv_lens), group=group, block_size=block_size,
                   window=window, layout=layout)  # fmt: skip
     got = paged_attention_decode_triton(
         *c.args(), c.kv_lens, scale=c.scale, sliding_window=window, num_splits=splits,
-        tile_n=tile_n, heads_first=heads_first,
+        tile_n=tile_n, heads_first=heads_first, heads=heads,
     )  # fmt: skip
     want = c.ref(decode=True)
     assert_close(got, want)
@@ -269,7 +272,8 @@ for quant, sf, group, pre in ((0, 0, 1, False), (1, 2, 32, False), (2, 1, 16, Fa
                               (1, 2, 32, True), (2, 1, 16, True)):
     common = dict(BLOCK_SIZE=32, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRET=False,
                   KV_QUANT=quant, SF_KIND=sf, GROUP=group, PREFETCH=pre)
-    build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, **common), 4, 2)
+    build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, HEADS_FIRST=False, HEADS=1,
+                                 **common), 4, 2)
     build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
 build(K._combine_kernel, dict(SPLITS_PAD=4, HEAD_DIM=128), 4, 1)
 """
@@ -346,6 +350,36 @@ def test_ragged_and_block_offset_encodings_give_identical_outputs():
         for c in (a, b)
     ]
     assert torch.equal(outs[0], outs[1])
+
+
+def test_decode_heads_rule(monkeypatch):
+    """`decode_heads`: an explicit count that does not fit raises naming it; the module default
+    (``KVPLAN_DECODE_HEADS``) falls back to 1 where it does not fit; the launch takes it."""
+    c = make_case(5, [9, 30], [1, 1], num_kv_heads=4, group=4, block_size=8)
+    geo = kv_geometry(c.k_cache, c.v_cache, 16, None)
+    assert pak.decode_heads(geo, 16, 4, None) == 1
+    assert pak.decode_heads(geo, 16, 4, 4) == 4
+    for bad in (3, 8, 0):  # not a power of two / 32 rows / not a count
+        with pytest.raises(ValueError, match=f"heads={bad}"):
+            pak.decode_heads(geo, 16, 4, bad)
+    strided = geo._replace(stride_kh=32)  # a plain cache whose heads are not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        pak.decode_heads(strided, 16, 4, 2)
+    monkeypatch.setattr(pak, "DECODE_HEADS", 4)
+    assert pak.decode_heads(geo, 16, 4, None) == 4
+    assert pak.decode_heads(strided, 16, 4, None) == 1
+    assert pak.decode_heads(geo, 16, 8, None) == 1  # 32 rows: falls back
+    seen = []
+    real = pak.launch_decode
+    monkeypatch.setattr(
+        pak, "launch_decode", lambda *a, **k: seen.append(k["heads"]) or real(*a, **k)
+    )
+    got = paged_attention_decode_triton(*c.args(), c.kv_lens, scale=c.scale, num_splits=2)
+    assert seen == [4]
+    assert_close(got, c.ref(decode=True))
+    monkeypatch.setenv("KVPLAN_DECODE_HEADS", "3")
+    with pytest.raises(ValueError, match="KVPLAN_DECODE_HEADS must be one of"):
+        pak._heads_from_env()
 
 
 def test_default_num_splits():

@@ -120,16 +120,18 @@ DECODE = [
 
 
 @pytest.mark.parametrize("kind,seed,kv_lens,group,block_size,window,layout,splits,tile_n", DECODE)
+@pytest.mark.parametrize("heads", [1, 2])
 def test_decode_triton_reads_quantized_pages(
-    kind, seed, kv_lens, group, block_size, window, layout, splits, tile_n
+    kind, seed, kv_lens, group, block_size, window, layout, splits, tile_n, heads
 ):
+    """Also with two KV heads a program (their value and scale runs read as one head's)."""
     c, (k_raw, v_raw), fmt, dq = quantized_case(
         kind, seed, kv_lens, [1] * len(kv_lens), group=group, block_size=block_size,
         window=window, layout=layout, head_dim=64 if seed == 1 else 32,
     )  # fmt: skip
     got = paged_attention_decode_triton(
         c.q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens, scale=c.scale,
-        sliding_window=window, num_splits=splits, tile_n=tile_n, kv_layout=fmt,
+        sliding_window=window, num_splits=splits, tile_n=tile_n, kv_layout=fmt, heads=heads,
     )  # fmt: skip
     assert_close(got, dq.ref(decode=True))
     if 0 in kv_lens:
@@ -224,6 +226,29 @@ def test_bf16_query_over_quantized_pages(kind, decode):
                              v_cache=dq.v_cache.bfloat16().float())  # fmt: skip
     assert got.dtype == torch.bfloat16
     assert_close(got, bf.ref(decode=decode), atol=4e-3, rtol=8e-3)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4"])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_decode_heads_side_by_side(kind, mode):
+    """Two and four KV heads a program (their value and scale runs read as one head's, a
+    block-diagonal query), a bf16 query, each prefetch mode (fp4: the default fp16 tiles):
+    the reference within bf16 rounding, as with one head a program."""
+    c, (k_raw, v_raw), fmt, dq = quantized_case(
+        kind, 62, [3, 41, 70], [1] * 3, num_kv_heads=4, group=4, block_size=16,
+        layout="offsets", head_dim=64,
+    )  # fmt: skip
+    q = c.q.bfloat16()
+    bf = dataclasses.replace(dq, q=q.float(), k_cache=dq.k_cache.bfloat16().float(),
+                             v_cache=dq.v_cache.bfloat16().float())  # fmt: skip
+    want = bf.ref(decode=True)
+    for heads in (1, 2, 4):
+        got = paged_attention_decode_triton(
+            q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens, scale=c.scale, num_splits=2,
+            tile_n=16, kv_layout=fmt, prefetch=mode, heads=heads,
+        )  # fmt: skip
+        assert got.isfinite().all()
+        assert_close(got, want, atol=4e-3, rtol=8e-3)
 
 
 def test_quantized_head_dim_16_fp4():
