@@ -25,7 +25,7 @@ qd() {  # NAME BATCH CONTEXT ARGS...: bench_quant_decode, CUDA-graph replays, no
     --context "$c" --out "$W/$name.json" "$@"
   grep -E "^ +(bf16|fp8|fp4) +(default|\{)" "$W/$name.log"
 }
-qd qd_order 32 8192 --no-tiling --heads-first --formats bf16,fp8,fp4
+qd qd_order 32 8192 --no-tiling --heads 2,4 --heads-first --formats bf16,fp8,fp4
 qd qd_heads 32 8192 --tiles 32,64 --warps 2,4 --stages 3 --heads 2,4 --formats bf16,fp8
 if command -v ncu > /dev/null; then
   for v in 0 1; do
