@@ -6,10 +6,10 @@
 # 2. the kernel alone at 32 x 8K, 64 x 1K and 64 x 320 (fp8): default / (32, 2, 3), heads 1 / 2;
 # 3. the engine's long workload (32 x 8,192 x 256, fp8): default against heads 2 at (32, 2, 3).
 set -u
-BUDGET=${BUDGET:-310}
+BUDGET=${BUDGET:-265}
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
-step 120 hd2_tests env KVPLAN_DECODE_HEADS=2 python3 -m pytest -q -m gpu -n 8 \
+step 100 hd2_tests env KVPLAN_DECODE_HEADS=2 python3 -m pytest -q -m gpu -n 8 \
   -p no:cacheprovider --tb=short -rf tests/ops/test_paged_attention.py \
   tests/ops/test_paged_attention_quantized.py
 grep -E "passed|failed|^FAILED|^E  " "$W/hd2_tests.log" | head -30
