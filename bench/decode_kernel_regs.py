@@ -9,6 +9,7 @@ page-table gathers and the register counts mean nothing.
 
     PYTHONPATH=. python3 bench/decode_kernel_regs.py [--out regs.json]
     PYTHONPATH=. python3 bench/decode_kernel_regs.py --loop-ops fp8:64,2,3
+    PYTHONPATH=. python3 bench/decode_kernel_regs.py --loop-ops fp8+ra:32,2,3,168 --heads 2
 """
 
 from __future__ import annotations
@@ -75,13 +76,15 @@ def arg_type(name: str, const: dict, kptr: str) -> str:
 LOOP_OPS = ("LDGSTS", "LDG", "BAR", "F2FP", "HADD2", "FMUL", "HMMA", "LDS", "LDSM", "STS")
 
 
-def _launch(name: str, tile_n: int, warps: int, stages: int, maxnreg: int | None = None):
+def _launch(
+    name: str, tile_n: int, warps: int, stages: int, maxnreg: int | None = None, heads: int = 1
+):
     """The compiled decode kernel for a ``FORMATS`` entry and tiling (the engine's split
-    launch), under a register cap when ``maxnreg`` is given."""
+    launch), under a register cap when ``maxnreg`` is given, ``heads`` KV heads a program."""
     kv_quant, sf_kind, group, kptr, prefetch = FORMATS[name]
     const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64, DOT_PRECISION="tf32",
                  SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant, SF_KIND=sf_kind, GROUP=group,
-                 PREFETCH=prefetch)  # fmt: skip
+                 PREFETCH=prefetch, HEADS_FIRST=False, HEADS=heads)  # fmt: skip
     sig = {n: arg_type(n, const, kptr) for n in _decode_kernel.arg_names}
     attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(_decode_kernel.arg_names)
              if n in DIV16}  # fmt: skip
@@ -91,19 +94,22 @@ def _launch(name: str, tile_n: int, warps: int, stages: int, maxnreg: int | None
     return compile_kernel(_decode_kernel, sig, const, attrs, options)
 
 
-def loop_ops(spec: str) -> dict:
+def loop_ops(spec: str, heads: int = 1) -> dict:
     """``"fp8:64,2,3"`` (``"fp8:64,2,3,168"``: under a 168-register cap) -> registers, spill
     bytes and the unmasked main loop's length and instruction counts (the middle of the three
-    key loops: masked head, whole tiles, masked tail)."""
+    key loops: masked head, whole tiles, masked tail), and its warp instructions per key and
+    KV head (``heads`` KV heads a program)."""
     name, tiling = spec.split(":")
     tile_n, warps, stages, *cap = (int(x) for x in tiling.split(","))
-    ck = _launch(name, tile_n, warps, stages, cap[0] if cap else None)
+    ck = _launch(name, tile_n, warps, stages, cap[0] if cap else None, heads)
     loops = sass_loop_ops(ck.asm["cubin"], LOOP_OPS)
     lengths = [len(body) for body in _sass_loops(sass(ck.asm["cubin"]))]
     mid = len(loops) // 2
     regs, spills = ptxas_report(ck.asm["ptx"])
-    return dict(format=name, tiling=[tile_n, warps, stages, *cap], registers=regs,
-                spill_bytes=spills, main_loop_instructions=lengths[mid] if lengths else 0,
+    n = lengths[mid] if lengths else 0
+    return dict(format=name, tiling=[tile_n, warps, stages, *cap], heads=heads, registers=regs,
+                spill_bytes=spills, main_loop_instructions=n,
+                warp_instructions_per_key_head=n * warps / (tile_n * heads),
                 main_loop=loops[mid] if loops else {})  # fmt: skip
 
 
@@ -118,9 +124,10 @@ def main() -> None:
         "register LDG loads, barriers, conversions, MMAs, shared memory), e.g. fp8:64,2,3 "
         "(fp8:64,2,3,168 under a 168-register cap)",
     )
+    ap.add_argument("--heads", type=int, default=1, help="KV heads a program (--loop-ops)")
     args = ap.parse_args()
     if args.loop_ops:
-        print(json.dumps(loop_ops(args.loop_ops)))
+        print(json.dumps(loop_ops(args.loop_ops, args.heads)))
         return
     rows = []
     for name in FORMATS:
