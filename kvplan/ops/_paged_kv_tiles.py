@@ -342,6 +342,21 @@ DECODE_TILING: dict[str | None, tuple[int, int, int]] = {
 }
 
 
+DECODE_TILING_HEADS: dict[tuple[str | None, int], tuple[int, int, int]] = {
+    ("e4m3", 2): (32, 2, 3),
+    ("e4m3", 4): (32, 4, 3),
+    (None, 2): (64, 4, 3),
+    (None, 4): (32, 4, 3),
+}
+"""Decode launches with several KV heads a program (``heads``,
+``kvplan.ops._paged_attention_kernels.decode_heads``): ``(format, heads)`` -> tiling, where
+`DECODE_TILING`'s entry would not fit (a tile of heads x D columns). The fastest of
+``bench_quant_decode.py --tiles 32,64 --warps 2,4 --stages 3 --heads 2,4`` on the H100 (32 x
+8K, llama-1b heads; bench/RESULTS.md, session 36): fp8 2 heads 145.6 us (one head, default
+launch: 168.2), 4 heads 166.1; bf16 188.4 / 194.0 (196.5). Other formats keep their
+`DECODE_TILING` entry."""
+
+
 def _tiling_from_env() -> tuple[int, int, int] | None:
     """``KVPLAN_DECODE_TILING="tile_n,num_warps,num_stages"``: every format's decode default
     (A/B runs of whole engines); unset: ``DECODE_TILING``."""
@@ -364,9 +379,11 @@ def decode_tiling(
     tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    heads: int = 1,
 ) -> tuple[int, int, int]:
     """``(tile_n, num_warps, num_stages)`` of a decode launch: the overrides that are given,
-    else ``DECODE_TILING``'s entry for the cache's format.
+    else ``KVPLAN_DECODE_TILING``'s, else `DECODE_TILING_HEADS`' entry for the cache's format
+    at ``heads`` KV heads a program, else ``DECODE_TILING``'s entry for the format.
 
     ``num_stages`` is the key loop's software-pipeline depth; the page-table load of a tile
     precedes its K/V loads, so the compiler double-buffers the K/V tiles only from 5 stages.
@@ -375,7 +392,11 @@ def decode_tiling(
     (64, 4, 5)
     """
     key = None if kv_layout is None else kv_layout.quantized_dtype
-    dflt = TILING_OVERRIDE or DECODE_TILING.get(key, DECODE_TILING[None])
+    dflt = (
+        TILING_OVERRIDE
+        or DECODE_TILING_HEADS.get((key, heads))
+        or DECODE_TILING.get(key, DECODE_TILING[None])
+    )
     tile_n = dflt[0] if tile_n is None else tile_n
     num_warps = dflt[1] if num_warps is None else num_warps
     num_stages = dflt[2] if num_stages is None else num_stages

@@ -210,12 +210,12 @@ def paged_attention_decode_triton(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
     )  # fmt: skip
-    tile_n, num_warps, num_stages = decode_tiling(kv_layout, tile_n, num_warps, num_stages)
     batch, _, head_dim = q.shape
     geo = tiles.kv_geometry(k_cache, v_cache, head_dim, kv_layout)
     kv_quant = _k._kv_quant(geo, q, k_cache, v_cache)
     key = _k.decode_key(kv_layout, kv_quant)
     heads = _k.decode_heads(geo, head_dim, q.shape[1] // num_kv_heads, heads)
+    tile_n, num_warps, num_stages = decode_tiling(kv_layout, tile_n, num_warps, num_stages, heads)
     if num_splits is None:  # the split rule's key count
         if max_kv_len is None:
             max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]

@@ -9,6 +9,7 @@ compares against the per-query float64 reference.
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 
 import pytest
@@ -528,6 +529,10 @@ def test_decode_tiling_defaults_overrides_and_env(monkeypatch) -> None:
     from kvplan.ops import _paged_kv_tiles as tiles
 
     assert tiles.decode_tiling(None) == tiles.DECODE_TILING[None]
+    fp8 = types.SimpleNamespace(quantized_dtype="e4m3")
+    assert tiles.decode_tiling(fp8, heads=2) == tiles.DECODE_TILING_HEADS[("e4m3", 2)]
+    assert tiles.decode_tiling(fp8, heads=8) == tiles.DECODE_TILING["e4m3"]  # no entry
+    assert tiles.decode_tiling(fp8, num_warps=4, heads=2) == (32, 4, 3)
     assert tiles.decode_tiling(None, tile_n=32, num_warps=8, num_stages=2) == (32, 8, 2)
     monkeypatch.setenv("KVPLAN_DECODE_TILING", "32,4,3")
     assert tiles._tiling_from_env() == (32, 4, 3)
