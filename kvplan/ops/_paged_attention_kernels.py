@@ -21,10 +21,11 @@ start at -1e30 rather than -inf so that rows which see no key stay finite and en
 ``l == 0``, which the epilogues turn into an all-zero output row.
 
 Kernels:
-- ``_decode_kernel``: grid ``(B, Hkv, num_splits)`` (``(Hkv, B, num_splits)`` with
-  ``HEADS_FIRST``: a sequence's KV heads run side by side, reading the same token records);
-  one query per sequence; the visible key range is cut into ``num_splits`` chunks (split-K). With one split it writes the output, else
-  fp32 partials that ``_combine_kernel`` (grid ``(B, H)``) merges.
+- ``_decode_kernel``: grid ``(B, Hkv / HEADS, num_splits)`` (``(Hkv / HEADS, B,
+  num_splits)`` with ``HEADS_FIRST``); one query per sequence, ``HEADS`` neighbouring KV heads
+  a program (1 by default); the visible key range is cut into ``num_splits`` chunks (split-K).
+  With one split it writes the output, else fp32 partials that ``_combine_kernel`` (grid
+  ``(B, H)``) merges.
 - ``_prefill_kernel``: grid ``(B, num_row_tiles, Hkv)``; varlen causal, tiles over query rows
   and keys; also serves decode rows with several query tokens.
 """
@@ -622,7 +623,10 @@ def _heads_from_env() -> int | None:
 DECODE_HEADS: int | None = _heads_from_env()
 """KV heads a decode program takes side by side (``_decode_kernel``'s ``HEADS``): None (the
 default) is 1; ``KVPLAN_DECODE_HEADS=n`` at import makes it n wherever `decode_heads`
-allows (A/B runs of whole engines; ``heads=`` per launch)."""
+allows (A/B runs of whole engines; ``heads=`` per launch), with the tiling of
+``kvplan.ops._paged_kv_tiles.DECODE_TILING_HEADS``. On the H100 (bench/RESULTS.md, session
+36) two heads took fp8 at 32 x 8K from 168.2 to 145.6 us; off until the engine and the GPU
+tests run with it."""
 
 
 def decode_heads(geo, head_dim: int, group_size: int, heads: int | None) -> int:
@@ -653,8 +657,10 @@ def decode_heads(geo, head_dim: int, group_size: int, heads: int | None) -> int:
 DECODE_HEADS_FIRST = env_flag("KVPLAN_DECODE_HEADS_FIRST", False)
 """Decode launches order their programs KV head first (grid ``(Hkv, B, num_splits)``) when
 True (``KVPLAN_DECODE_HEADS_FIRST=1`` at import; ``heads_first=`` per launch): the programs
-of one sequence's heads then run side by side and read each token record's parts at the same
-time (the caches interleave a token's heads). Off (sequence first) until timed."""
+of one sequence's heads then run side by side (the caches interleave a token's heads). Off
+(sequence first): on the H100 (bench/RESULTS.md, session 36) it was 1-4 % faster at 32 x 8K
+(bf16 190.7 vs 196.8 us, fp8 166.3 vs 169.1), level at 64 x 320, the same DRAM bytes either
+way; the GPU tests have not run with it alone."""
 
 
 def _kv_quant(geo, q, k_cache, v_cache) -> int:
