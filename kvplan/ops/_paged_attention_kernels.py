@@ -629,27 +629,42 @@ allows (A/B runs of whole engines; ``heads=`` per launch), with the tiling of
 tests run with it."""
 
 
-def decode_heads(geo, head_dim: int, group_size: int, heads: int | None) -> int:
+MAX_HEADS_COLUMNS = 256  # widest tile (heads x head_dim) a decode program takes
+MAX_HEADS_ROW_BYTES = 512  # widest row of a plain cache's tile, in bytes
+
+
+def decode_heads(
+    geo, head_dim: int, group_size: int, heads: int | None, element_size: int = 2
+) -> int:
     """KV heads per decode program: ``heads`` (None: `DECODE_HEADS`, else 1). More than one
     needs the heads' value runs side by side in a record (a plain cache's head stride equal to
-    ``head_dim``), a KV head count it divides, and at most 16 query rows a program; a default
-    that does not fit falls back to 1, an explicit ``heads`` raises."""
+    ``head_dim``), a KV head count it divides, at most 16 query rows a program, and a tile
+    that fits an SM's shared memory: at most `MAX_HEADS_COLUMNS` columns, and for a plain
+    cache of ``element_size``-byte values at most `MAX_HEADS_ROW_BYTES` a key (an fp32
+    cache's two 128-wide heads at 64 keys x 5 stages need 283 KB on sm_90, more than the
+    227 KB an SM has). A default that does not fit falls back to 1, an explicit ``heads``
+    raises."""
     given = heads is not None
     heads = heads if given else (DECODE_HEADS or 1)
     if heads == 1:
         return 1
+    columns = heads * head_dim if isinstance(heads, int) else 0
+    plain = geo.kv_quant == 0
     fits = (
         isinstance(heads, int) and heads in (2, 4, 8, 16)
         and geo.num_kv_heads % heads == 0 and heads * group_size <= 16
-        and (geo.kv_quant != 0 or (geo.stride_kh == head_dim and geo.stride_vh == head_dim))
+        and columns <= MAX_HEADS_COLUMNS
+        and (not plain or columns * element_size <= MAX_HEADS_ROW_BYTES)
+        and (not plain or (geo.stride_kh == head_dim and geo.stride_vh == head_dim))
     )  # fmt: skip
     if fits:
         return heads
     if given:
         raise ValueError(
             f"heads={heads!r} does not fit: it must be 1, 2, 4, 8 or 16, divide the "
-            f"{geo.num_kv_heads} KV heads, keep heads x {group_size} query heads <= 16, and "
-            "a plain cache's heads must be contiguous"
+            f"{geo.num_kv_heads} KV heads, keep heads x {group_size} query heads <= 16 and "
+            f"heads x {head_dim} columns <= {MAX_HEADS_COLUMNS} (a plain cache's: <= "
+            f"{MAX_HEADS_ROW_BYTES} bytes, {element_size} a value, its heads contiguous)"
         )
     return 1
 

@@ -214,7 +214,9 @@ def paged_attention_decode_triton(
     geo = tiles.kv_geometry(k_cache, v_cache, head_dim, kv_layout)
     kv_quant = _k._kv_quant(geo, q, k_cache, v_cache)
     key = _k.decode_key(kv_layout, kv_quant)
-    heads = _k.decode_heads(geo, head_dim, q.shape[1] // num_kv_heads, heads)
+    heads = _k.decode_heads(
+        geo, head_dim, q.shape[1] // num_kv_heads, heads, k_cache.element_size()
+    )
     tile_n, num_warps, num_stages = decode_tiling(kv_layout, tile_n, num_warps, num_stages, heads)
     if num_splits is None:  # the split rule's key count
         if max_kv_len is None:

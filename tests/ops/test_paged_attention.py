@@ -366,10 +366,18 @@ def test_decode_heads_rule(monkeypatch):
     strided = geo._replace(stride_kh=32)  # a plain cache whose heads are not contiguous
     with pytest.raises(ValueError, match="contiguous"):
         pak.decode_heads(strided, 16, 4, 2)
+    wide = geo._replace(stride_kh=128, stride_vh=128)
+    assert pak.decode_heads(wide, 128, 4, 2, 2) == 2  # bf16: 512 bytes a key
+    with pytest.raises(ValueError, match="heads=2 .* 4 a value"):  # fp32: 1 KB a key
+        pak.decode_heads(wide, 128, 4, 2, 4)
+    with pytest.raises(ValueError, match="heads=4 .* columns <= 256"):
+        pak.decode_heads(wide, 128, 4, 4, 2)
+    assert pak.decode_heads(wide._replace(kv_quant=1), 128, 4, 2, 1) == 2  # fp8 records
     monkeypatch.setattr(pak, "DECODE_HEADS", 4)
     assert pak.decode_heads(geo, 16, 4, None) == 4
     assert pak.decode_heads(strided, 16, 4, None) == 1
     assert pak.decode_heads(geo, 16, 8, None) == 1  # 32 rows: falls back
+    assert pak.decode_heads(wide, 128, 4, None, 4) == 1  # an fp32 cache's 1 KB: falls back
     seen = []
     real = pak.launch_decode
     monkeypatch.setattr(
