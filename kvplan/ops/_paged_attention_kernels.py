@@ -537,13 +537,19 @@ H200 (bench/RESULTS.md, session 26: 147.4 against 135.8 us a call at 32 x 8K, th
 workload's decode step 3.53 against 3.31 ms) and was removed."""
 
 
-def _env_prefetch(name: str = "KVPLAN_QUANT_PREFETCH") -> int | None:
+def _env_int(name: str, choices: tuple[int, ...], said: str) -> int | None:
+    """The int set in the environment variable ``name`` (one of ``choices``, else an error
+    saying it must be ``said``), or None where it is unset or empty."""
     value = os.environ.get(name, "").strip()
     if not value:
         return None
-    if value not in ("0", "1", "2"):
-        raise ValueError(f"{name} must be 0, 1 or 2, got {value!r}")
+    if not value.isdigit() or int(value) not in choices:
+        raise ValueError(f"{name} must be {said}, got {value!r}")
     return int(value)
+
+
+def _env_prefetch(name: str = "KVPLAN_QUANT_PREFETCH") -> int | None:
+    return _env_int(name, (0, 1, 2), "0, 1 or 2")
 
 
 QUANT_PREFETCH: int | None = _env_prefetch()
@@ -612,12 +618,7 @@ against 3,120 (fp8 3,286)."""
 
 
 def _heads_from_env() -> int | None:
-    text = os.environ.get("KVPLAN_DECODE_HEADS", "").strip()
-    if not text:
-        return None
-    if not text.isdigit() or int(text) not in (1, 2, 4, 8, 16):
-        raise ValueError(f"KVPLAN_DECODE_HEADS must be one of 1, 2, 4, 8, 16, got {text!r}")
-    return int(text)
+    return _env_int("KVPLAN_DECODE_HEADS", (1, 2, 4, 8, 16), "one of 1, 2, 4, 8, 16")
 
 
 DECODE_HEADS: int | None = _heads_from_env()
@@ -648,11 +649,11 @@ def decode_heads(
     heads = heads if given else (DECODE_HEADS or 1)
     if heads == 1:
         return 1
-    columns = heads * head_dim if isinstance(heads, int) else 0
+    valid = isinstance(heads, int) and heads in (2, 4, 8, 16)
+    columns = heads * head_dim if valid else 0
     plain = geo.kv_quant == 0
     fits = (
-        isinstance(heads, int) and heads in (2, 4, 8, 16)
-        and geo.num_kv_heads % heads == 0 and heads * group_size <= 16
+        valid and geo.num_kv_heads % heads == 0 and heads * group_size <= 16
         and columns <= MAX_HEADS_COLUMNS
         and (not plain or columns * element_size <= MAX_HEADS_ROW_BYTES)
         and (not plain or (geo.stride_kh == head_dim and geo.stride_vh == head_dim))
