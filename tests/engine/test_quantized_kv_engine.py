@@ -167,3 +167,40 @@ def test_engine_decode_on_fp4_f16_tiles(nib, monkeypatch):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
             assert la.token_id == lb.token_id and abs(la.logprob - lb.logprob) < 0.02
+
+
+def test_engine_decode_with_heads_side_by_side(monkeypatch):
+    """A bf16 engine's decode steps on the Triton paged kernels (interpreter) over fp8 pages
+    (CFG: 2 KV heads) with ``KVPLAN_DECODE_HEADS=2`` and ``KVPLAN_DECODE_HEADS_FIRST=1`` (the
+    module switches): the decode grids hold one program a (KV-head pair, sequence) in
+    KV-head-first order, and the greedy tokens equal the default launches', their logprobs
+    within 0.02."""
+    import kvplan.ops._paged_attention_kernels as pak
+
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    monkeypatch.setenv("KVPLAN_KV_SCALE_SEARCH", "0")
+    grids = []
+    kernel = pak._decode_kernel
+
+    class Spy:  # records each decode launch's grid
+        def __getitem__(self, grid):
+            grids.append(grid[:2])
+            return kernel[grid]
+
+    monkeypatch.setattr(pak, "_decode_kernel", Spy())
+    prompts = _prompts(3, seed=9)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
+    outs = []
+    for heads, first in ((None, False), (2, True)):
+        monkeypatch.setattr(pak, "DECODE_HEADS", heads)
+        monkeypatch.setattr(pak, "DECODE_HEADS_FIRST", first)
+        outs.append(_engine("fp8", dtype="bfloat16").generate(prompts, params))
+        if first:  # one KV-head pair, then the sequences
+            assert grids and all(g[0] == 1 for g in grids)
+        else:  # the sequences, then the 2 KV heads
+            assert grids and all(g[1] == 2 for g in grids)
+        grids.clear()
+    for a, b in zip(*outs, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.token_id == lb.token_id and abs(la.logprob - lb.logprob) < 0.02
