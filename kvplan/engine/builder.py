@@ -295,10 +295,16 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         metadata = families[PAGED].metadata if PAGED in families else None
         graphs = None
         if config.cuda_graphs_on and metadata is not None:
-            from kvplan.engine.cuda_graphs import DecodeGraphs
+            from kvplan.engine.cuda_graphs import DecodeGraphs, kv_format_context_bounds
 
             graphs = DecodeGraphs.maybe_create(
-                net, backend_cls, metadata, manager, config.max_num_seqs, max_model_len
+                net,
+                backend_cls,
+                metadata,
+                manager,
+                config.max_num_seqs,
+                max_model_len,
+                kv_format_context_bounds(fmt),
             )
         if tp is None:
             runner = ModelRunner(net, families, dev, graphs)

@@ -15,6 +15,13 @@ split-K factor baked into the graph is valid for any length; the kernel cuts eac
 captured, replayed and compared with the eager logits, and the dummies are freed. Any failure
 disables graphs (eager steps keep working) with a note on stderr.
 
+Context tiers: a launch plan baked in for ``max_model_len`` suits any shorter context, but
+where the default decode launch changes with the context (fp8 pages: two KV heads a program
+above 4,096 keys, ``kvplan.ops._paged_attention_kernels.DECODE_HEADS_AUTO``) each bucket is
+also captured for those bounds (``context_tiers``; the builder asks
+``decode_context_bounds``), and a step replays the graph of the smallest tier holding its
+longest row, so short contexts keep their own launch under a long ``max_model_len``.
+
 Quantized KV caches (fp8, fp4) are captured like bf16 ones: the kernels read their pages in
 place, so a decode step allocates nothing that depends on the step.
 """
@@ -62,18 +69,45 @@ def capture_graph(forward: Any, pool: Any) -> tuple[Any, Any]:
     return graph, out
 
 
+def context_tiers(bounds: Any, max_model_len: int) -> list[int]:
+    """The host bounds on a step's longest row that decode graphs are captured for:
+    ``bounds`` below ``max_model_len``, ascending, then ``max_model_len``.
+
+    >>> context_tiers((4096,), 32768), context_tiers((4096,), 2048), context_tiers((), 64)
+    ([4096, 32768], [2048], [64])
+    """
+    return [*sorted({int(t) for t in bounds if 0 < t < max_model_len}), max_model_len]
+
+
+def kv_format_context_bounds(kv_format: str) -> tuple[int, ...]:
+    """`context_tiers`' bounds for a dense cache of ``kv_format``: where its default decode
+    launch changes with the context (``decode_context_bounds`` of the format's values).
+
+    >>> kv_format_context_bounds("bf16")
+    ()
+    """
+    from kvplan.cache.kv_tensors import QUANTIZED_KV_FORMATS
+    from kvplan.ops._paged_attention_kernels import decode_context_bounds
+
+    return decode_context_bounds(QUANTIZED_KV_FORMATS.get(kv_format, (None,))[0])
+
+
 class DecodeGraphs:
     """Captured decode steps of a model whose layers are all served by the paged family,
-    on block_offsets metadata (see the module docstring)."""
+    on block_offsets metadata (see the module docstring). ``graphs`` / ``logits``: the
+    bucket's graph for ``max_model_len`` and its output; ``tier_graphs`` / ``tier_logits``:
+    those of the shorter ``context_tiers``, by ``(bucket, tier)``."""
 
     def __init__(
-        self, model: Any, metadata: Any, manager: Any, max_num_seqs: int, max_model_len: int
-    ) -> None:
+        self, model: Any, metadata: Any, manager: Any, max_num_seqs: int, max_model_len: int,
+        context_bounds: Any = (),
+    ) -> None:  # fmt: skip
         self.model = model
         self.metadata = metadata
         self.attention = {PAGED: metadata}  # what the model reads: the paged family's plan
         self.manager = manager
         self.max_model_len = max_model_len
+        self.tiers = context_tiers(context_bounds, max_model_len)
         self.device = metadata.device
         self.buckets = decode_buckets(max_num_seqs)
         # static inputs: row 0 token ids, row 1 positions, so that one host->device copy per
@@ -90,12 +124,15 @@ class DecodeGraphs:
         self.positions = self._inputs[1]  # [max_num_seqs] int64
         self.graphs: dict[int, Any] = {}  # bucket -> torch.cuda.CUDAGraph
         self.logits: dict[int, torch.Tensor] = {}
+        self.tier_graphs: dict[tuple[int, int], Any] = {}  # (bucket, tier) -> graph
+        self.tier_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.num_replays = 0
+        self.tier_replays = 0  # replays of a shorter tier's graph
 
     @classmethod
     def maybe_create(
         cls, model: Any, backend_cls: Any, metadata: Any, manager: Any, max_num_seqs: int,
-        max_model_len: int,
+        max_model_len: int, context_bounds: Any = (),
     ) -> DecodeGraphs | None:  # fmt: skip
         if metadata.device.type != "cuda":
             return None
@@ -108,7 +145,7 @@ class DecodeGraphs:
                 "kvplan: CUDA graphs need the block_offsets backend; eager steps", file=sys.stderr
             )
             return None
-        graphs = cls(model, metadata, manager, max_num_seqs, max_model_len)
+        graphs = cls(model, metadata, manager, max_num_seqs, max_model_len, context_bounds)
         try:
             graphs.capture_all()
         except Exception as exc:  # any capture problem: fall back to eager steps
@@ -117,43 +154,58 @@ class DecodeGraphs:
         return graphs
 
     # ------------------------------------------------------------------ capture
-    def _prepare_dummies(self, b: int) -> list[Any]:
+    def _prepare_dummies(self, b: int, tier: int) -> list[Any]:
         md = self.metadata
         ids = [("kvplan-graph-dummy", i) for i in range(b)]
         for rid in ids:
             if not self.manager.add_request(rid, [0]).ok:
                 raise RuntimeError(f"no free blocks for {b} capture dummies")
         set_paged_step(md, ids, [1] * b, np.zeros(b, np.int32), np.ones(b, np.int32), 0)
-        # host bound only: the graph's split-K factor must suit any kv_len up to max_model_len
-        md.kv_lens_np = np.full(b, self.max_model_len, np.int32)
+        # host bound only: the graph's launch plan (split-K factor, heads a program) must
+        # suit any kv_len up to the tier
+        md.kv_lens_np = np.full(b, tier, np.int32)
         return ids
 
     def _forward(self, b: int) -> torch.Tensor:
         return self.model(self.input_ids[:b], self.positions[:b], self.attention, None)
 
     def _capture(self, b: int, pool: Any) -> Any:
-        """Capture one decode step of ``b`` rows; returns the graph (``.replay()``)."""
+        """Capture one decode step of ``b`` rows; returns the graph (``.replay()``) and sets
+        ``self.logits[b]`` to its output."""
         graph, self.logits[b] = capture_graph(lambda: self._forward(b), pool)
         return graph
 
     def capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         for b in sorted(self.buckets, reverse=True):
-            ids = self._prepare_dummies(b)
-            try:
-                self.input_ids[:b] = torch.arange(b, device=self.device) % 7
-                self.positions[:b] = 0
-                eager = self._forward(b).clone()  # compiles the kernels outside the capture
-                self._sync()
-                graph = self._capture(b, pool)
-                graph.replay()
-                self._sync()
-                if not torch.allclose(self.logits[b], eager, atol=1e-2, rtol=1e-2):
-                    raise RuntimeError(f"graph replay differs from the eager step (bucket {b})")
-                self.graphs[b] = graph
-            finally:
-                for rid in ids:
-                    self.manager.free(rid)
+            for tier in self.tiers:  # max_model_len's last: its output stays in logits[b]
+                graph = self._capture_checked(b, tier, pool)
+                if tier == self.max_model_len:
+                    self.graphs[b] = graph
+                else:
+                    self.tier_graphs[b, tier] = graph
+                    self.tier_logits[b, tier] = self.logits[b]
+
+    def _capture_checked(self, b: int, tier: int, pool: Any) -> Any:
+        """Capture bucket ``b`` for contexts up to ``tier``; its replay must give the eager
+        step's logits."""
+        ids = self._prepare_dummies(b, tier)
+        try:
+            self.input_ids[:b] = torch.arange(b, device=self.device) % 7
+            self.positions[:b] = 0
+            eager = self._forward(b).clone()  # compiles the kernels outside the capture
+            self._sync()
+            graph = self._capture(b, pool)
+            graph.replay()
+            self._sync()
+            if not torch.allclose(self.logits[b], eager, atol=1e-2, rtol=1e-2):
+                raise RuntimeError(
+                    f"graph replay differs from the eager step (bucket {b}, tier {tier})"
+                )
+            return graph
+        finally:
+            for rid in ids:
+                self.manager.free(rid)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -194,6 +246,18 @@ class DecodeGraphs:
         self._inputs[:, :b].copy_(staging[:, :b], non_blocking=True)
         if device_input_ids is not None:
             self.input_ids[:n].copy_(device_input_ids)
-        self.graphs[b].replay()
+        tier = self._tier(int(md.kv_lens_np[:n].max()))
         self.num_replays += 1
-        return self.logits[b][:n]
+        if tier == self.max_model_len:
+            self.graphs[b].replay()
+            return self.logits[b][:n]
+        self.tier_graphs[b, tier].replay()
+        self.tier_replays += 1
+        return self.tier_logits[b, tier][:n]
+
+    def _tier(self, longest: int) -> int:
+        """The smallest tier holding a step whose longest row has ``longest`` keys."""
+        for tier in self.tiers:
+            if longest <= tier:
+                return tier
+        return self.max_model_len

@@ -622,22 +622,61 @@ def _heads_from_env() -> int | None:
 
 
 DECODE_HEADS: int | None = _heads_from_env()
-"""KV heads a decode program takes side by side (``_decode_kernel``'s ``HEADS``): None (the
-default) is 1; ``KVPLAN_DECODE_HEADS=n`` at import makes it n wherever `decode_heads`
-allows (A/B runs of whole engines; ``heads=`` per launch), with the tiling of
-``kvplan.ops._paged_kv_tiles.DECODE_TILING_HEADS``. On the H100 (bench/RESULTS.md, session
-36) two heads took fp8 at 32 x 8K from 168.2 to 145.6 us; off until the engine and the GPU
-tests run with it."""
+"""KV heads a decode program takes side by side (``_decode_kernel``'s ``HEADS``) by the
+environment: ``KVPLAN_DECODE_HEADS=n`` at import makes it n wherever `decode_heads` allows,
+for every launch that names none (A/B runs of whole engines; ``heads=`` per launch), with the
+tiling of ``kvplan.ops._paged_kv_tiles.DECODE_TILING_HEADS``; unset (None), launches follow
+`DECODE_HEADS_AUTO`."""
+
+
+DECODE_HEADS_AUTO: dict[str, tuple[int, int]] = {"e4m3": (2, 4096)}
+"""Per ``decode_key``: ``(heads, bound)``, the KV heads a program of a launch that names none
+(and no ``KVPLAN_DECODE_HEADS``) takes when its host bound on the key count (``max_kv_len``)
+exceeds ``bound``; 1 below. fp8 pages, H100 (bench/RESULTS.md, session 37; CUDA-graph
+medians of one call, default launch plans): two heads at 32 x 8K 146.4 / 147.3 us against
+166.7 / 168.9, at 64 x 4K 144.0 against 153.9, but at 64 x 1K 48.1 against 42.2 and at 64 x
+320 23.5 against 15.3 (half the programs, twice the tiles each); in the long workload's
+decode graph (32 x ~8.2K) the decode kernels took 2,337.5 us a step against 2,657.5. The
+bounds are also the engine's decode-graph context tiers (`decode_context_bounds`)."""
 
 
 MAX_HEADS_COLUMNS = 256  # widest tile (heads x head_dim) a decode program takes
 MAX_HEADS_ROW_BYTES = 512  # widest row of a plain cache's tile, in bytes
 
 
+def auto_heads(key: str | None, max_kv_len: int | None) -> int:
+    """KV heads a program for a launch that names none: ``KVPLAN_DECODE_HEADS`` when set, else
+    `DECODE_HEADS_AUTO`'s entry for ``key`` when ``max_kv_len`` exceeds its bound, else 1.
+
+    >>> auto_heads("e4m3", 8192), auto_heads("e4m3", 4096), auto_heads(None, 8192)
+    (2, 1, 1)
+    """
+    if DECODE_HEADS is not None:
+        return DECODE_HEADS
+    heads, bound = DECODE_HEADS_AUTO.get(key, (1, 0))
+    return heads if max_kv_len is not None and max_kv_len > bound else 1
+
+
+def decode_context_bounds(key: str | None) -> tuple[int, ...]:
+    """The host bounds on the key count (``max_kv_len``) at which the default decode launch
+    of ``key`` (`decode_key`) changes (`auto_heads`): a CUDA graph captured for a bound
+    replays correctly for any shorter context, but only one captured at each of these (and at
+    the longest) keeps every length on its own default launch.
+
+    >>> decode_context_bounds("e4m3"), decode_context_bounds(None)
+    ((4096,), ())
+    """
+    if DECODE_HEADS is not None or key not in DECODE_HEADS_AUTO:
+        return ()
+    return (DECODE_HEADS_AUTO[key][1],)
+
+
 def decode_heads(
-    geo, head_dim: int, group_size: int, heads: int | None, element_size: int = 2
-) -> int:
-    """KV heads per decode program: ``heads`` (None: `DECODE_HEADS`, else 1). More than one
+    geo, head_dim: int, group_size: int, heads: int | None, element_size: int = 2,
+    key: str | None = None, max_kv_len: int | None = None,
+) -> int:  # fmt: skip
+    """KV heads per decode program: ``heads`` (None: `auto_heads` of the launch's
+    ``key`` and ``max_kv_len``). More than one
     needs the heads' value runs side by side in a record (a plain cache's head stride equal to
     ``head_dim``), a KV head count it divides, at most 16 query rows a program, and a tile
     that fits an SM's shared memory: at most `MAX_HEADS_COLUMNS` columns, and for a plain
@@ -646,7 +685,7 @@ def decode_heads(
     227 KB an SM has). A default that does not fit falls back to 1, an explicit ``heads``
     raises."""
     given = heads is not None
-    heads = heads if given else (DECODE_HEADS or 1)
+    heads = heads if given else auto_heads(key, max_kv_len)
     if heads == 1:
         return 1
     valid = isinstance(heads, int) and heads in (2, 4, 8, 16)

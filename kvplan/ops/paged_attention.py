@@ -214,15 +214,14 @@ def paged_attention_decode_triton(
     geo = tiles.kv_geometry(k_cache, v_cache, head_dim, kv_layout)
     kv_quant = _k._kv_quant(geo, q, k_cache, v_cache)
     key = _k.decode_key(kv_layout, kv_quant)
+    if max_kv_len is None:  # the split rule's and `auto_heads`' key count
+        max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]
+    if sliding_window is not None:
+        max_kv_len = min(max_kv_len, sliding_window)
     heads = _k.decode_heads(
-        geo, head_dim, q.shape[1] // num_kv_heads, heads, k_cache.element_size()
+        geo, head_dim, q.shape[1] // num_kv_heads, heads, k_cache.element_size(), key, max_kv_len
     )
     tile_n, num_warps, num_stages = decode_tiling(kv_layout, tile_n, num_warps, num_stages, heads)
-    if num_splits is None:  # the split rule's key count
-        if max_kv_len is None:
-            max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]
-        if sliding_window is not None:
-            max_kv_len = min(max_kv_len, sliding_window)
     num_splits, maxnreg = _decode_launch_plan(
         kv_layout, batch, num_kv_heads // heads, max_kv_len, _num_sms(q.device), num_warps, num_splits,
         maxnreg, key,

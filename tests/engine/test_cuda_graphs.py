@@ -9,7 +9,7 @@ import torch
 
 from kvplan import LLM as _LLM
 from kvplan import SamplingParams
-from kvplan.engine.cuda_graphs import bucket_for, decode_buckets
+from kvplan.engine.cuda_graphs import DecodeGraphs, bucket_for, context_tiers, decode_buckets
 from kvplan.models.config import named_config
 
 # CPU fp32 semantics (token equality with HF fp32) even where CUDA is present
@@ -62,6 +62,7 @@ class _EagerReplay:
 
     def __init__(self, graphs, b):
         self.graphs, self.b = graphs, b
+        self.out = graphs.logits[b]  # the buffer this capture returned
         md = graphs.metadata
         self.host = {k: v for k, v in vars(md).items() if not isinstance(v, torch.Tensor)}
 
@@ -71,22 +72,22 @@ class _EagerReplay:
         vars(md).update(self.host)
         try:
             with torch.inference_mode():
-                self.graphs.logits[self.b].copy_(self.graphs._forward(self.b))
+                self.out.copy_(self.graphs._forward(self.b))
         finally:
             vars(md).clear()
             vars(md).update(live)
 
 
+class _CpuGraphs(DecodeGraphs):
+    def _capture(self, b, pool):
+        self.logits[b] = self._forward(b)
+        return _EagerReplay(self, b)
+
+
 def test_padded_bucket_steps_match_unpadded_on_cpu():
     """CPU counterpart of the GPU test: capture dummies, padding rows (block 0, kv_len 1,
     slot -1) and in-place metadata give the same tokens as plain eager decode steps."""
-    from kvplan.engine.cuda_graphs import DecodeGraphs
-
-    class CpuGraphs(DecodeGraphs):
-        def _capture(self, b, pool):
-            self.logits[b] = self._forward(b)
-            return _EagerReplay(self, b)
-
+    CpuGraphs = _CpuGraphs
     cfg = named_config("tiny-llama")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (int(n),), generator=g).tolist()
@@ -104,4 +105,33 @@ def test_padded_bucket_steps_match_unpadded_on_cpu():
     llm.engine.runner.graphs = graphs
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert graphs.num_replays > 0
+    assert got == want
+
+
+def test_context_tiers_replay_the_shortest_graph_that_holds_the_step_on_cpu():
+    """With context bounds (fp8 pages: where the decode launch changes) every bucket is also
+    captured for each bound below ``max_model_len``, its launch planned for that bound; a step
+    replays the smallest tier holding its longest row, and the tokens stay the eager ones."""
+    assert context_tiers((16, 99, 0), 64) == [16, 64]
+    cfg = named_config("tiny-llama")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, cfg.vocab_size, (int(n),), generator=g).tolist()
+               for n in (3, 9, 5, 12)]  # fmt: skip
+    params = SamplingParams(max_tokens=14, ignore_eos=True)  # rows cross 16 keys mid-decode
+    kw = dict(backend="block_offsets", block_size=4, max_num_seqs=4, max_model_len=64)
+    want = [o.token_ids for o in LLM(cfg, **kw).generate(prompts, params)]
+    llm = LLM(cfg, **kw)
+    parts = llm.parts
+    graphs = _CpuGraphs(parts.model, parts.metadata, parts.manager, 4, 64, (16,))
+    graphs.capture_all()
+    assert sorted(graphs.graphs) == [1, 2, 4]
+    assert sorted(graphs.tier_graphs) == [(1, 16), (2, 16), (4, 16)]
+    for b in (1, 2, 4):  # each planned for its own bound
+        assert set(graphs.tier_graphs[b, 16].host["kv_lens_np"]) == {16}
+        assert set(graphs.graphs[b].host["kv_lens_np"]) == {64}
+        assert graphs.tier_logits[b, 16] is not graphs.logits[b]
+    assert parts.manager.num_free_blocks() == parts.num_blocks - 1  # dummies freed
+    llm.engine.runner.graphs = graphs
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert 0 < graphs.tier_replays < graphs.num_replays
     assert got == want

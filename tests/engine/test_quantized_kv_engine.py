@@ -118,6 +118,30 @@ def test_gpu_graphs_with_quantized_cache_match_eager(kv_format):
     assert outs[True] == outs[False]
 
 
+@pytest.mark.gpu
+def test_gpu_fp8_graph_context_tiers_match_eager(monkeypatch):
+    """fp8 decode graphs captured per context tier (`DECODE_HEADS_AUTO`'s bound lowered to 32
+    keys, so rows cross it mid-decode): short steps replay the tier graph (one KV head a
+    program), long ones the ``max_model_len`` graph (two), and the tokens equal eager steps,
+    whose launches take the same heads by each step's own length."""
+    import kvplan.ops._paged_attention_kernels as pak
+
+    monkeypatch.setattr(pak, "DECODE_HEADS", None)
+    monkeypatch.setattr(pak, "DECODE_HEADS_AUTO", {"e4m3": (2, 32)})
+    prompts = _prompts(11, seed=3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        llm = _engine("fp8", device="cuda", dtype="float32", max_num_seqs=16,
+                      use_cuda_graph=graphs, num_blocks=400, block_size=16)  # fmt: skip
+        outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        if graphs:
+            g = llm.engine.runner.graphs
+            assert g is not None and g.tiers == [32, 96]
+            assert 0 < g.tier_replays < g.num_replays
+    assert outs[True] == outs[False]
+
+
 @pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
 def test_engine_with_prefetching_paged_kernels_gives_the_same_logits(kv_format, monkeypatch):
     """The engine on the Triton paged kernels (interpreter) with ``QUANT_PREFETCH``: each

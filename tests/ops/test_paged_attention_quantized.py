@@ -251,6 +251,39 @@ def test_decode_heads_side_by_side(kind, mode):
         assert_close(got, want, atol=4e-3, rtol=8e-3)
 
 
+def test_default_heads_follow_the_key_count(monkeypatch):
+    """A launch that names no ``heads`` takes `DECODE_HEADS_AUTO`'s count (fp8: two KV heads a
+    program; its bound lowered here to 32 keys for a small case) only when its host bound on
+    the key count exceeds the bound, with the same attention either way; other formats keep
+    one; ``KVPLAN_DECODE_HEADS`` overrides the table and leaves no context bounds."""
+    monkeypatch.setattr(pak, "DECODE_HEADS", None)
+    monkeypatch.setattr(pak, "DECODE_HEADS_AUTO", {"e4m3": (2, 32)})
+    assert pak.decode_context_bounds("e4m3") == (32,)
+    assert pak.decode_context_bounds("int8") == ()
+    seen = []
+    real = pak.launch_decode
+    monkeypatch.setattr(
+        pak, "launch_decode", lambda *a, **k: seen.append(k["heads"]) or real(*a, **k)
+    )
+    for kind, bounds, want_heads in (("fp8", (32, 33, 70), [1, 2, 2]), ("int8", (70,), [1])):
+        c, (k_raw, v_raw), fmt, dq = quantized_case(
+            kind, 62, [3, 41, 70], [1] * 3, num_kv_heads=4, group=4, block_size=16,
+            layout="offsets", head_dim=64,
+        )  # fmt: skip
+        want = dq.ref(decode=True)
+        seen.clear()
+        for bound in bounds:
+            got = paged_attention_decode_triton(
+                c.q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens, scale=c.scale,
+                max_kv_len=bound, num_splits=2, tile_n=16, kv_layout=fmt,
+            )  # fmt: skip
+            assert_close(got, want)
+        assert seen == want_heads
+    monkeypatch.setattr(pak, "DECODE_HEADS", 1)
+    assert pak.auto_heads("e4m3", 8192) == 1
+    assert pak.decode_context_bounds("e4m3") == ()
+
+
 def test_quantized_head_dim_16_fp4():
     """fp4 with head_dim 16: one scale per head record."""
     c, (k_raw, v_raw), fmt, dq = quantized_case("fp4", 14, [11, 4], [3, 1], group=2,
