@@ -19,7 +19,7 @@ step() {
 }
 long_run() {  # NAME FORMAT [VAR=value ...]: the long workload (32 x 8,192 x 256) as one step
   local name=$1 fmt=$2; shift 2
-  step 55 "$name" env "$@" python3 bench/bench_engine.py --kv-format "$fmt" --num-requests 32 \
+  step "${LONG_SECS:-55}" "$name" env "$@" python3 bench/bench_engine.py --kv-format "$fmt" --num-requests 32 \
     --prompt-len 8192 --new-tokens 256 --hf "" --out "$W/$name.json"
   grep -E "kvplan \(|decode step" "$W/$name.log"
 }

@@ -715,7 +715,7 @@ True (``KVPLAN_DECODE_HEADS_FIRST=1`` at import; ``heads_first=`` per launch): t
 of one sequence's heads then run side by side (the caches interleave a token's heads). Off
 (sequence first): on the H100 (bench/RESULTS.md, session 36) it was 1-4 % faster at 32 x 8K
 (bf16 190.7 vs 196.8 us, fp8 166.3 vs 169.1), level at 64 x 320, the same DRAM bytes either
-way; the GPU tests have not run with it alone."""
+way; the GPU tests of the decode kernel pass with it (session 37: 23 passed)."""
 
 
 def _kv_quant(geo, q, k_cache, v_cache) -> int:

@@ -345,6 +345,8 @@ DECODE_TILING: dict[str | None, tuple[int, int, int]] = {
 DECODE_TILING_HEADS: dict[tuple[str | None, int], tuple[int, int, int]] = {
     ("e4m3", 2): (32, 2, 3),
     ("e4m3", 4): (32, 4, 3),
+    ("e2m1", 2): (32, 2, 3),
+    ("int8", 2): (64, 2, 2),
     (None, 2): (64, 4, 3),
     (None, 4): (32, 4, 3),
 }
@@ -353,8 +355,10 @@ DECODE_TILING_HEADS: dict[tuple[str | None, int], tuple[int, int, int]] = {
 `DECODE_TILING`'s entry would not fit (a tile of heads x D columns). The fastest of
 ``bench_quant_decode.py --tiles 32,64 --warps 2,4 --stages 3 --heads 2,4`` on the H100 (32 x
 8K, llama-1b heads; bench/RESULTS.md, session 36): fp8 2 heads 145.6 us (one head, default
-launch: 168.2), 4 heads 166.1; bf16 188.4 / 194.0 (196.5). Other formats keep their
-`DECODE_TILING` entry."""
+launch: 168.2), 4 heads 166.1; bf16 188.4 / 194.0 (196.5). Session 37 (H100, 32 x 8K,
+``--tiles 32,64 --warps 2 --stages 2,3 --heads 2``): fp4 2 heads 127.2 us (one head, default
+launch: 140.5; 2 heads at its 64-key tiling 177.9), int8 155.9 (166.6; its best one-head
+tiling 159.0). Other formats and counts keep their `DECODE_TILING` entry."""
 
 
 def _tiling_from_env() -> tuple[int, int, int] | None:
