@@ -29,6 +29,7 @@ place, so a decode step allocates nothing that depends on the step.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,21 @@ def kv_format_context_bounds(kv_format: str) -> tuple[int, ...]:
     from kvplan.ops._paged_attention_kernels import decode_context_bounds
 
     return decode_context_bounds(QUANTIZED_KV_FORMATS.get(kv_format, (None,))[0])
+
+
+def capture_checked(graphs: Any, b: int, pool: Any, eager: Any, what: str) -> Any:
+    """Capture bucket ``b`` of ``graphs`` (a `DecodeGraphs` or a hybrid one: its ``_capture``,
+    ``_sync`` and ``logits``) after one eager step, ``eager()``, which compiles the kernels
+    outside the capture; the graph's replay must give that step's logits (``what`` names the
+    graph in the error)."""
+    want = eager().clone()
+    graphs._sync()
+    graph = graphs._capture(b, pool)
+    graph.replay()
+    graphs._sync()
+    if not torch.allclose(graphs.logits[b], want, atol=1e-2, rtol=1e-2):
+        raise RuntimeError(f"graph replay differs from the eager step ({what})")
+    return graph
 
 
 class DecodeGraphs:
@@ -193,16 +209,8 @@ class DecodeGraphs:
         try:
             self.input_ids[:b] = torch.arange(b, device=self.device) % 7
             self.positions[:b] = 0
-            eager = self._forward(b).clone()  # compiles the kernels outside the capture
-            self._sync()
-            graph = self._capture(b, pool)
-            graph.replay()
-            self._sync()
-            if not torch.allclose(self.logits[b], eager, atol=1e-2, rtol=1e-2):
-                raise RuntimeError(
-                    f"graph replay differs from the eager step (bucket {b}, tier {tier})"
-                )
-            return graph
+            what = f"bucket {b}, tier {tier}"
+            return capture_checked(self, b, pool, partial(self._forward, b), what)
         finally:
             for rid in ids:
                 self.manager.free(rid)

@@ -30,12 +30,13 @@ disables graphs (eager steps keep working) with a note on stderr.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Any
 
 import torch
 
 from kvplan.backends.hybrid.static_step import StaticDecodeBuffers, StaticDecodeStep
-from kvplan.engine.cuda_graphs import bucket_for, capture_graph, decode_buckets
+from kvplan.engine.cuda_graphs import bucket_for, capture_checked, capture_graph, decode_buckets
 from kvplan.engine.hybrid import HYBRID
 from kvplan.engine.step import StepBatch
 from kvplan.models.deepseek_v4.moe import graph_safe_routing
@@ -96,15 +97,11 @@ class HybridDecodeGraphs:
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         for b in sorted(self.buckets, reverse=True):
             self.steps[b].stage([])  # padding rows only: nothing is written
-            with graph_safe_routing(self.model):
-                eager = self._forward(b).clone()  # compiles the kernels outside the capture
-            self._sync()
-            graph = self._capture(b, pool)
-            graph.replay()
-            self._sync()
-            if not torch.allclose(self.logits[b], eager, atol=1e-2, rtol=1e-2):
-                raise RuntimeError(f"graph replay differs from the eager step (bucket {b})")
-            self.graphs[b] = graph
+            self.graphs[b] = capture_checked(self, b, pool, partial(self._eager, b), f"bucket {b}")
+
+    def _eager(self, b: int) -> torch.Tensor:
+        with graph_safe_routing(self.model):
+            return self._forward(b)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
