@@ -110,23 +110,14 @@ def kernel_share(llm, prompts, dev, steps=10) -> float | None:
     return max(0.0, 1.0 - kernel_us * 1e-6 / wall)
 
 
-def graph_replay_ms(llm, dev, reps=20) -> float | None:
-    """Device time of one full-batch decode step: back-to-back replays of its CUDA graph.
-
-    Replays reuse the last prepared metadata (the workload is over, so any K/V they write
-    lands in free blocks); with no host work between them this is the GPU time of a step.
-    """
+def graph_replay_ms(llm, rows: int) -> float | None:
+    """Median device time of the timed run's decode-graph replays of ``rows`` rows (the full
+    batch): CUDA events around each replay inside the workload's own steps
+    (``DecodeGraphs.replay_events``, set by `timed_workload`), so the step's real metadata and
+    context lengths; None without graphs or such steps."""
     graphs = llm.engine.runner.graphs
-    if graphs is None or not graphs.graphs:
-        return None
-    g = graphs.graphs[max(graphs.graphs)]
-    g.replay()
-    sync_device(dev)
-    t = time.perf_counter()
-    for _ in range(reps):
-        g.replay()
-    sync_device(dev)
-    return (time.perf_counter() - t) / reps * 1e3
+    times = graphs.replay_device_ms(rows) if hasattr(graphs, "replay_device_ms") else []
+    return statistics.median(times) if times else None
 
 
 def _guard(fn, *args):
@@ -155,6 +146,9 @@ def timed_workload(model, vocab_size: int, prompts, args, dev, dtype):
     # first use (row counts, context lengths a decode step passes through): none of those
     # may fall inside the timed run (run_workload lists any that still do)
     warm_res = run_workload(llm, warm, args.new_tokens, progress=False)
+    graphs = llm.engine.runner.graphs
+    if graphs is not None and hasattr(graphs, "replay_events"):
+        graphs.replay_events = []  # device time of each replay (`graph_replay_ms`)
     res = run_workload(llm, prompts, args.new_tokens, progress=False)
     if res.triton_compiles:
         print(f"bench_engine: {len(res.triton_compiles)} Triton compiles inside the timed run "
@@ -166,7 +160,7 @@ def timed_workload(model, vocab_size: int, prompts, args, dev, dtype):
 def run_kvplan(cfg, prompts, args, dev, dtype):
     llm, res = timed_workload(cfg, cfg.vocab_size, prompts, args, dev, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.parts.model.parameters())
-    replay_ms = _guard(graph_replay_ms, llm, dev)
+    replay_ms = _guard(graph_replay_ms, llm, len(prompts))
     share = _guard(kernel_share, llm, prompts, dev)
     step = res.median_decode_step_ms
     out = {

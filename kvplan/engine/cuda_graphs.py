@@ -29,6 +29,7 @@ place, so a decode step allocates nothing that depends on the step.
 from __future__ import annotations
 
 import sys
+import time
 from functools import partial
 from typing import Any
 
@@ -108,6 +109,22 @@ def capture_checked(graphs: Any, b: int, pool: Any, eager: Any, what: str) -> An
     return graph
 
 
+class _HostStamp:
+    """`torch.cuda.Event`'s ``record`` / ``elapsed_time`` on the host clock (CPU runs)."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: _HostStamp) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _stamp(device: torch.device) -> Any:
+    if device.type == "cuda":
+        return torch.cuda.Event(enable_timing=True)
+    return _HostStamp()
+
+
 class DecodeGraphs:
     """Captured decode steps of a model whose layers are all served by the paged family,
     on block_offsets metadata (see the module docstring). ``graphs`` / ``logits``: the
@@ -144,6 +161,9 @@ class DecodeGraphs:
         self.tier_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.num_replays = 0
         self.tier_replays = 0  # replays of a shorter tier's graph
+        # None, or a list that `run` extends by (rows, bucket, start, end) per replay: device
+        # events around it (`replay_device_ms`; benchmarks)
+        self.replay_events: list[tuple[int, int, Any, Any]] | None = None
 
     @classmethod
     def maybe_create(
@@ -257,11 +277,26 @@ class DecodeGraphs:
         tier = self._tier(int(md.kv_lens_np[:n].max()))
         self.num_replays += 1
         if tier == self.max_model_len:
-            self.graphs[b].replay()
-            return self.logits[b][:n]
-        self.tier_graphs[b, tier].replay()
-        self.tier_replays += 1
-        return self.tier_logits[b, tier][:n]
+            graph, logits = self.graphs[b], self.logits[b]
+        else:
+            graph, logits = self.tier_graphs[b, tier], self.tier_logits[b, tier]
+            self.tier_replays += 1
+        if self.replay_events is None:
+            graph.replay()
+        else:
+            start, end = _stamp(self.device), _stamp(self.device)
+            start.record()
+            graph.replay()
+            end.record()
+            self.replay_events.append((n, b, start, end))
+        return logits[:n]
+
+    def replay_device_ms(self, rows: int) -> list[float]:
+        """Device milliseconds of each replay that ``replay_events`` recorded for ``rows``
+        rows (waits for the device): the graph's own time in the steps that ran it, whatever
+        the host did around them."""
+        self._sync()
+        return [s.elapsed_time(e) for n, _, s, e in self.replay_events or () if n == rows]
 
     def _tier(self, longest: int) -> int:
         """The smallest tier holding a step whose longest row has ``longest`` keys."""

@@ -132,6 +132,14 @@ def test_context_tiers_replay_the_shortest_graph_that_holds_the_step_on_cpu():
         assert graphs.tier_logits[b, 16] is not graphs.logits[b]
     assert parts.manager.num_free_blocks() == parts.num_blocks - 1  # dummies freed
     llm.engine.runner.graphs = graphs
+    graphs.replay_events = []  # a stamp pair around each replay (bench_engine's replay time)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert 0 < graphs.tier_replays < graphs.num_replays
     assert got == want
+    events = graphs.replay_events
+    assert len(events) == graphs.num_replays
+    full = graphs.replay_device_ms(4)  # the steps of all four rows
+    assert full and all(ms >= 0 for ms in full)
+    assert len(full) == sum(n == 4 for n, *_ in events) and all(
+        b == 4 for n, b, *_ in events if n == 4
+    )
