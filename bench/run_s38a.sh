@@ -7,13 +7,10 @@
 #    tilings);
 # 2. fp4 / int8 decode alone at 64 x 1K / 2K / 4K, one head (default) vs two (their tiling),
 #    to place a bound as fp8's (4,096);
-# 3. the long workload (32 x 8,192 x 256) with fp4 and with int8 pages, one vs two heads;
-#    fp8's default beside them.
-# If two heads win the engine runs, add ("e2m1_f16": (2, bound)) / ("int8": (2, bound)) to
-# DECODE_HEADS_AUTO.
+# 3. fp8 two heads under other register caps (below).
+# The engine runs are bench/run_s38b.sh.
 set -u
 BUDGET=${BUDGET:-570}
-LONG_SECS=80
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
 tests=(tests/ops/test_paged_attention.py tests/ops/test_paged_attention_quantized.py)
@@ -25,8 +22,12 @@ for ctx in 1024 2048 4096; do
     --context "$ctx" --no-tiling --heads 2 --formats fp4,int8 --out "$W/qd_64x$ctx.json"
   grep -E "^ +(fp4|int8) (default|\{)" "$W/qd_64x$ctx.log"
 done
-for fmt in fp4 int8; do
-  long_run "long_${fmt}_h1" "$fmt" KVPLAN_DECODE_HEADS=1
-  long_run "long_${fmt}_h2" "$fmt" KVPLAN_DECODE_HEADS=2
+# fp8 two heads under other register caps (sm_90 compiles, session 37: (32, 2, 3) spills 68 B
+# at the 168 cap, none at 200 (5 programs an SM); (16, 2, 3) none at 144 (7), 28 B at 128 (8))
+for shape in "32 8192" "64 4096"; do
+  set -- $shape
+  step 70 "qd_caps_$1x$2" python3 bench/bench_quant_decode.py --graph --splits "" --batch "$1" \
+    --context "$2" --tiles 16,32 --warps 2 --stages 3 --heads 2 --maxnreg 128,144,200 \
+    --formats fp8 --out "$W/qd_caps_$1x$2.json"
+  grep -E "^ +fp8 .*heads" "$W/qd_caps_$1x$2.log" | sort -t: -k2 -n | head -5
 done
-long_run long_fp8 fp8
