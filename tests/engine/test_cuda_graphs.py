@@ -108,6 +108,21 @@ def test_padded_bucket_steps_match_unpadded_on_cpu():
     assert got == want
 
 
+def test_context_bounds_follow_the_decode_launch_rule(monkeypatch):
+    """The builder's tiers: fp8 caches get the two-heads bound (`DECODE_HEADS_AUTO`), the
+    other formats none, and none when ``KVPLAN_DECODE_HEADS`` fixes the count."""
+    import kvplan.ops._paged_attention_kernels as pak
+    from kvplan.engine.cuda_graphs import kv_format_context_bounds
+
+    monkeypatch.setattr(pak, "DECODE_HEADS", None)
+    assert kv_format_context_bounds("fp8") == (pak.DECODE_HEADS_AUTO["e4m3"][1],) == (4096,)
+    assert [kv_format_context_bounds(f) for f in ("bf16", "fp32", "int8", "fp4")] == [()] * 4
+    assert context_tiers(kv_format_context_bounds("fp8"), 8480) == [4096, 8480]
+    assert context_tiers(kv_format_context_bounds("fp8"), 416) == [416]
+    monkeypatch.setattr(pak, "DECODE_HEADS", 2)
+    assert kv_format_context_bounds("fp8") == ()
+
+
 def test_context_tiers_replay_the_shortest_graph_that_holds_the_step_on_cpu():
     """With context bounds (fp8 pages: where the decode launch changes) every bucket is also
     captured for each bound below ``max_model_len``, its launch planned for that bound; a step
