@@ -632,29 +632,44 @@ tiling of ``kvplan.ops._paged_kv_tiles.DECODE_TILING_HEADS``; unset (None), laun
 DECODE_HEADS_AUTO: dict[str, tuple[int, int]] = {"e4m3": (2, 4096)}
 """Per ``decode_key``: ``(heads, bound)``, the KV heads a program of a launch that names none
 (and no ``KVPLAN_DECODE_HEADS``) takes when its host bound on the key count (``max_kv_len``)
-exceeds ``bound``; 1 below. fp8 pages, H100 (bench/RESULTS.md, session 37; CUDA-graph
+exceeds ``bound`` and its (sequence, head group) programs number at least
+`DECODE_HEADS_MIN_PROGRAMS`; 1 otherwise. fp8 pages, H100 (bench/RESULTS.md, session 37; CUDA-graph
 medians of one call, default launch plans): two heads at 32 x 8K 146.4 / 147.3 us against
 166.7 / 168.9, at 64 x 4K 144.0 against 153.9, but at 64 x 1K 48.1 against 42.2 and at 64 x
 320 23.5 against 15.3 (half the programs, twice the tiles each); in the long workload's
 decode graph (32 x ~8.2K) the decode kernels took 2,337.5 us a step against 2,657.5. The
 bounds are also the engine's decode-graph context tiers (`decode_context_bounds`)."""
 
+DECODE_HEADS_MIN_PROGRAMS = 128
+"""Fewest (sequence, head group) programs, before splits, for which `DECODE_HEADS_AUTO`
+applies: the measured wins had 128 (32 sequences x 4 pairs of KV heads) and 256; with fewer
+sequences the split rule's 256 keys a split leaves a two-heads launch half the programs of a
+one-head one (1 x 8K: 128 against 256), unmeasured, so those launches keep one head."""
+
 
 MAX_HEADS_COLUMNS = 256  # widest tile (heads x head_dim) a decode program takes
 MAX_HEADS_ROW_BYTES = 512  # widest row of a plain cache's tile, in bytes
 
 
-def auto_heads(key: str | None, max_kv_len: int | None) -> int:
+def auto_heads(key: str | None, max_kv_len: int | None, pairs: int | None = None) -> int:
     """KV heads a program for a launch that names none: ``KVPLAN_DECODE_HEADS`` when set, else
-    `DECODE_HEADS_AUTO`'s entry for ``key`` when ``max_kv_len`` exceeds its bound, else 1.
+    `DECODE_HEADS_AUTO`'s entry for ``key`` when ``max_kv_len`` exceeds its bound and the
+    launch's (sequence, KV head) ``pairs`` (None: not checked) make at least
+    `DECODE_HEADS_MIN_PROGRAMS` programs at that count, else 1.
 
-    >>> auto_heads("e4m3", 8192), auto_heads("e4m3", 4096), auto_heads(None, 8192)
+    >>> auto_heads("e4m3", 8192, 256), auto_heads("e4m3", 4096, 256), auto_heads(None, 8192)
     (2, 1, 1)
+    >>> auto_heads("e4m3", 8192, 8)  # one sequence x 8 KV heads: 4 programs
+    1
     """
     if DECODE_HEADS is not None:
         return DECODE_HEADS
     heads, bound = DECODE_HEADS_AUTO.get(key, (1, 0))
-    return heads if max_kv_len is not None and max_kv_len > bound else 1
+    if max_kv_len is None or max_kv_len <= bound:
+        return 1
+    if pairs is not None and pairs // heads < DECODE_HEADS_MIN_PROGRAMS:
+        return 1
+    return heads
 
 
 def decode_context_bounds(key: str | None) -> tuple[int, ...]:
@@ -673,10 +688,10 @@ def decode_context_bounds(key: str | None) -> tuple[int, ...]:
 
 def decode_heads(
     geo, head_dim: int, group_size: int, heads: int | None, element_size: int = 2,
-    key: str | None = None, max_kv_len: int | None = None,
+    key: str | None = None, max_kv_len: int | None = None, batch: int | None = None,
 ) -> int:  # fmt: skip
-    """KV heads per decode program: ``heads`` (None: `auto_heads` of the launch's
-    ``key`` and ``max_kv_len``). More than one
+    """KV heads per decode program: ``heads`` (None: `auto_heads` of the launch's ``key``,
+    ``max_kv_len`` and ``batch`` sequences). More than one
     needs the heads' value runs side by side in a record (a plain cache's head stride equal to
     ``head_dim``), a KV head count it divides, at most 16 query rows a program, and a tile
     that fits an SM's shared memory: at most `MAX_HEADS_COLUMNS` columns, and for a plain
@@ -685,7 +700,8 @@ def decode_heads(
     227 KB an SM has). A default that does not fit falls back to 1, an explicit ``heads``
     raises."""
     given = heads is not None
-    heads = heads if given else auto_heads(key, max_kv_len)
+    pairs = None if batch is None else batch * geo.num_kv_heads
+    heads = heads if given else auto_heads(key, max_kv_len, pairs)
     if heads == 1:
         return 1
     valid = isinstance(heads, int) and heads in (2, 4, 8, 16)

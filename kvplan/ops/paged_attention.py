@@ -219,8 +219,9 @@ def paged_attention_decode_triton(
     if sliding_window is not None:
         max_kv_len = min(max_kv_len, sliding_window)
     heads = _k.decode_heads(
-        geo, head_dim, q.shape[1] // num_kv_heads, heads, k_cache.element_size(), key, max_kv_len
-    )
+        geo, head_dim, q.shape[1] // num_kv_heads, heads, k_cache.element_size(), key,
+        max_kv_len, batch,
+    )  # fmt: skip
     tile_n, num_warps, num_stages = decode_tiling(kv_layout, tile_n, num_warps, num_stages, heads)
     num_splits, maxnreg = _decode_launch_plan(
         kv_layout, batch, num_kv_heads // heads, max_kv_len, _num_sms(q.device), num_warps, num_splits,

@@ -253,11 +253,13 @@ def test_decode_heads_side_by_side(kind, mode):
 
 def test_default_heads_follow_the_key_count(monkeypatch):
     """A launch that names no ``heads`` takes `DECODE_HEADS_AUTO`'s count (fp8: two KV heads a
-    program; its bound lowered here to 32 keys for a small case) only when its host bound on
-    the key count exceeds the bound, with the same attention either way; other formats keep
-    one; ``KVPLAN_DECODE_HEADS`` overrides the table and leaves no context bounds."""
+    program; its bound and `DECODE_HEADS_MIN_PROGRAMS` lowered here for a small case) only when
+    its host bound on the key count exceeds the bound and it has enough programs, with the same
+    attention either way; other formats keep one; ``KVPLAN_DECODE_HEADS`` overrides the table
+    and leaves no context bounds."""
     monkeypatch.setattr(pak, "DECODE_HEADS", None)
     monkeypatch.setattr(pak, "DECODE_HEADS_AUTO", {"e4m3": (2, 32)})
+    monkeypatch.setattr(pak, "DECODE_HEADS_MIN_PROGRAMS", 6)  # 3 sequences x 2 KV-head pairs
     assert pak.decode_context_bounds("e4m3") == (32,)
     assert pak.decode_context_bounds("int8") == ()
     seen = []
@@ -279,6 +281,8 @@ def test_default_heads_follow_the_key_count(monkeypatch):
             )  # fmt: skip
             assert_close(got, want)
         assert seen == want_heads
+    # fewer (sequence, pair) programs than the minimum: one head
+    assert pak.auto_heads("e4m3", 70, 12) == 2 and pak.auto_heads("e4m3", 70, 11) == 1
     monkeypatch.setattr(pak, "DECODE_HEADS", 1)
     assert pak.auto_heads("e4m3", 8192) == 1
     assert pak.decode_context_bounds("e4m3") == ()
