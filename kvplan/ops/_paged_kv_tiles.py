@@ -209,19 +209,20 @@ def e2m1_words_f16_tiny(words, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 @jit
 def query_f16(q, qk_scale):
     """A query tile in fp16 for fp16 products (fp16 key tiles): ``q * 2^-shift`` and
-    ``qk_scale * 2^shift``, with ``shift`` the least (0 but for |q| >= 2^15) that keeps the
-    largest |value| below 2^15; exact but for values 2^24 below the largest (fp16's
-    subnormal range)."""
+    ``qk_scale * 2^shift``, with ``shift`` putting the largest |value| in [2^14, 2^15) (so a
+    small query is not left in fp16's subnormal range); exact but for values 2^24 below the
+    largest. Powers of two on both sides: the same logits as the unscaled query where that
+    one is exact in fp16."""
     down, up = _f16_shift(q)
     return (q.to(tl.float32) * down).to(tl.float16), qk_scale * up
 
 
 @jit
 def _f16_shift(q):
-    """``(2^-shift, 2^shift)`` for a query tile going to fp16: ``shift`` the least (0 but for
-    |q| >= 2^15) that keeps its largest |value| below 2^15."""
+    """``(2^-shift, 2^shift)`` for a query tile going to fp16: ``shift`` (>= -100: an all-zero
+    tile stays zero) puts its largest |value| in [2^14, 2^15)."""
     top = (tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0).to(tl.int32, bitcast=True) >> 23) & 255
-    shift = tl.maximum(top - 141, 0)  # 141: the biased exponent of [2^14, 2^15)
+    shift = tl.maximum(top - 141, -100)  # 141: the biased exponent of [2^14, 2^15)
     down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
     return down, ((127 + shift) << 23).to(tl.float32, bitcast=True)
 

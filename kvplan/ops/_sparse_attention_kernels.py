@@ -56,6 +56,7 @@ KIND_BF16 = 1
 KIND_E4M3 = 2
 KIND_E2M1 = 3
 NIB: tl.constexpr = tl.constexpr(2)  # ``F16`` of fp16 tiles in nibble order
+E4M3_F16: tl.constexpr = tl.constexpr(3)  # ``F16`` of e4m3 / UE8M0 sources as fp16 tiles
 SF_UE8M0 = 0
 SF_E4M3 = 1
 SF_FP32 = 2
@@ -92,7 +93,7 @@ def _load_key_cols(
     c_ptr, slots, valid, d0, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     DW: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
-    BF16: tl.constexpr, F16: tl.constexpr = False,
+    BF16: tl.constexpr, F16: tl.constexpr = False, shift=0,
 ):  # fmt: skip
     """Columns ``[d0, d0 + DW)`` of the rows of ``slots``: ``[TILE_N, DW]``, zeros where not
     ``valid`` or ``d >= D``; fp32, or bf16 with ``BF16`` (the same values: every dequantized
@@ -102,14 +103,19 @@ def _load_key_cols(
     (token-interleaved records: ``scale_stride = stride_token``). ``F16`` (e2m1 values with
     e4m3 scales, ``FLAT``, value runs 4-byte aligned): the values in fp16, read as int32
     words and scaled in fp16 (`e2m1_f16_tile`: the same, exact values); ``F16`` 2 (``NIB``):
-    times 2^-14, the columns in nibble order (its ``TINY``)."""
+    times 2^-14, the columns in nibble order (its ``TINY``); ``F16`` 3 (``E4M3_F16``: e4m3
+    values with UE8M0 scales, ``FLAT``): each key's values times ``2^-shift`` in fp16
+    (`_e4m3_f16_cols`)."""
     s = tl.where(valid, slots, 0).to(tl.int64)
     blk, off = s // block_size, s % block_size
     base = blk * stride_block + off * stride_token  # [TILE_N]
     sbase = blk * stride_block + off * scale_stride + scale_offset
     d = d0 + tl.arange(0, DW)
     dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    if F16:
+    if F16 == E4M3_F16:
+        tl.static_assert(KIND == 2 and SF == 0 and FLAT, "E4M3_F16 tiles: e4m3, UE8M0 scales")
+        x = _e4m3_f16_cols(c_ptr, base, sbase, valid, dmask, d, d0, shift, GS, DW, TILE_N, HW)
+    elif F16:
         tl.static_assert(KIND == 3 and SF == 1 and FLAT, "F16 tiles: e2m1 with e4m3 scales")
         words = (c_ptr + base[:, None] + d0 // 2).to(tl.pointer_type(tl.int32))
         w = tl.load(words + tl.arange(0, DW // 8)[None, :], mask=valid[:, None], other=0)
@@ -150,6 +156,53 @@ def _load_key_cols(
 
 
 @jit
+def _e4m3_f16_cols(
+    c_ptr, base, sbase, valid, dmask, d, d0, shift, GS: tl.constexpr, DW: tl.constexpr,
+    TILE_N: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """``[TILE_N, DW]`` fp16: e4m3 values (bytes at ``base + d``) times their UE8M0 scales
+    (bytes at ``sbase + d // GS``) times ``2^-shift`` (int32 ``[TILE_N]``, `_e4m3_key_shift`).
+    One conversion a pair of values (e4m3x2 -> f16x2) and one fp16 multiply, where the fp32
+    path takes a conversion to fp32, a multiply and a rounding to bf16 for each. Exact when a
+    group's scale exponent minus ``shift`` lies in [-15, 7] (an e4m3 code has 4 significant
+    bits, the largest 448 x 2^7 < 65,504); a group more than 2^22 below its key's largest
+    keeps its values to fp16's 2^-24 (an absolute error below 2^-25 of the scaled value)."""
+    vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
+    if HW:
+        x = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        x = decode_e4m3(vb.to(tl.int32)).to(tl.float16)
+    G: tl.constexpr = DW // GS
+    g = d0 // GS + tl.arange(0, G)
+    sb = tl.load(c_ptr + sbase[:, None] + g[None, :], mask=valid[:, None], other=0)
+    e = tl.maximum(sb.to(tl.int32) - shift[:, None], 0)  # biased exponent, 0: below fp32's
+    mult = (e << 23).to(tl.float32, bitcast=True).to(tl.float16)  # 2^(e - 127), 0 below 2^-24
+    return tl.reshape(tl.reshape(x, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
+
+
+@jit
+def _pow2(k):
+    """fp32 ``2^k`` of int32 ``k`` in [-126, 127], exactly."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@jit
+def _e4m3_key_shift(
+    c_ptr, slots, valid, block_size, stride_block, scale_stride, scale_offset,
+    GS: tl.constexpr, D_P2: tl.constexpr,
+):  # fmt: skip
+    """int32 ``[TILE_N]``: per key, how far (0..15 binades) its largest UE8M0 scale lies above
+    2^7, so that its values times ``2^-shift`` stay below fp16's largest (448 x 2^7); 0 for
+    the scales of real models' keys (below 2^7, values below 57,344)."""
+    s = tl.where(valid, slots, 0).to(tl.int64)
+    sbase = (s // block_size) * stride_block + (s % block_size) * scale_stride + scale_offset
+    g = tl.arange(0, D_P2 // GS)
+    sb = tl.load(c_ptr + sbase[:, None] + g[None, :], mask=valid[:, None], other=0)
+    top = tl.max(sb.to(tl.int32), 1)
+    return tl.minimum(tl.maximum(top - 134, 0), 15)  # 134: the biased exponent of 2^7
+
+
+@jit
 def _load_keys(
     c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -179,14 +232,20 @@ def _attend_tile(
     cols = start + tl.arange(0, TILE_N)
     slots = tl.load(row_idx + cols, mask=cols < num_cols, other=-1)
     valid = (slots >= 0) & (slots < num_slots)
+    shift = 0
+    if F16 == E4M3_F16:  # each key's values times 2^-shift; its logits and weights times 2^shift
+        shift = _e4m3_key_shift(c_ptr, slots, valid, block_size, stride_block, scale_stride,
+                                scale_offset, GS, D_P2)  # fmt: skip
     if D_CHUNK == 0:
         kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
                             scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
-                            FLAT, HW, DOT_BF16, F16)  # fmt: skip
+                            FLAT, HW, DOT_BF16, F16, shift)  # fmt: skip
         if DOT_BF16:
             s = tl.dot(q, tl.trans(kd))
         else:
             s = tl.dot(q, tl.trans(kd), input_precision="ieee")
+        if F16 == E4M3_F16:
+            s = s * _pow2(shift)[None, :]
     else:
         FLAT_C: tl.constexpr = FLAT and D_CHUNK >= GS
         live = start < num_cols  # keeps the query loads in the loop
@@ -208,7 +267,9 @@ def _attend_tile(
                                 stride_token, scale_stride, scale_offset, KIND, SF, GS,
                                 HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16)  # fmt: skip
     p, alpha, m_new, l_i = softmax_step(s, valid[None, :], m_i, l_i, qk_scale)
-    if F16:
+    if F16 == E4M3_F16:  # the values' 2^-shift back on the weights (p <= 1: at most 2^15)
+        p = (p * _pow2(shift)[None, :]).to(tl.float16)
+    elif F16:
         p = p.to(tl.float16)
     elif DOT_BF16:
         p = p.to(tl.bfloat16)
@@ -217,7 +278,7 @@ def _attend_tile(
     else:
         acc = _pv_split(acc, alpha, p, c_ptr, slots, valid, block_size, stride_block,
                         stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
-                        D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT, F16)  # fmt: skip
+                        D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT, F16, shift)  # fmt: skip
     return acc, m_new, l_i
 
 
@@ -250,29 +311,31 @@ def _pv_split(
     scale_offset, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr,
     HW: tl.constexpr, DOT_BF16: tl.constexpr, PV_SPLIT: tl.constexpr, F16: tl.constexpr,
+    shift=0,
 ):  # fmt: skip
     """The value product on ``PV_SPLIT`` (2 or 4) column chunks of the accumulator (a tuple),
-    each chunk's values re-read: the same products, a smaller live value tile."""
+    each chunk's values re-read: the same products, a smaller live value tile (``shift``:
+    `_load_key_cols`' for ``E4M3_F16`` tiles)."""
     DC: tl.constexpr = D_P2 // PV_SPLIT
     FLAT_C: tl.constexpr = FLAT and DC >= GS
     v0 = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
                         scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DC, TILE_N, FLAT_C,
-                        HW, DOT_BF16, F16)  # fmt: skip
+                        HW, DOT_BF16, F16, shift)  # fmt: skip
     a0 = _pv_step(acc[0], alpha, p, v0, DOT_BF16)
     v1 = _load_key_cols(c_ptr, slots, valid, DC, block_size, stride_block, stride_token,
                         scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DC, TILE_N, FLAT_C,
-                        HW, DOT_BF16, F16)  # fmt: skip
+                        HW, DOT_BF16, F16, shift)  # fmt: skip
     a1 = _pv_step(acc[1], alpha, p, v1, DOT_BF16)
     if PV_SPLIT == 2:
         return a0, a1
     else:
         v2 = _load_key_cols(c_ptr, slots, valid, 2 * DC, block_size, stride_block,
                             stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
-                            DC, TILE_N, FLAT_C, HW, DOT_BF16, F16)  # fmt: skip
+                            DC, TILE_N, FLAT_C, HW, DOT_BF16, F16, shift)  # fmt: skip
         a2 = _pv_step(acc[2], alpha, p, v2, DOT_BF16)
         v3 = _load_key_cols(c_ptr, slots, valid, 3 * DC, block_size, stride_block,
                             stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
-                            DC, TILE_N, FLAT_C, HW, DOT_BF16, F16)  # fmt: skip
+                            DC, TILE_N, FLAT_C, HW, DOT_BF16, F16, shift)  # fmt: skip
         a3 = _pv_step(acc[3], alpha, p, v3, DOT_BF16)
         return a0, a1, a2, a3
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sm90_compile import compile_sm90
-from test_sparse_attention import FP4_64, FP8_64, _index_inputs, _inputs, _v4_inputs
+from test_sparse_attention import FP4_64, FP8_48, FP8_64, _index_inputs, _inputs, _v4_inputs
 
 from kvplan.formats import V41_FORMAT
 from kvplan.ops import _sparse_attention_kernels as _k
@@ -223,6 +223,83 @@ def test_fp4_f16_tiles_only_where_they_apply(monkeypatch) -> None:
     assert not sa.f16_tiles(torch.bfloat16, [fp4], 64, 64, 0, 1)
 
 
+def _scaled_fp8_source(gen, num_rows, width, factors):
+    """An ``FP8_64`` source (6 blocks of 8 slots) whose slot ``s`` holds random values times
+    ``factors[s % len(factors)]``, read through a random index."""
+    from kvplan.formats import alloc_kv_cache
+    from kvplan.ops import store_kv_cache
+    from kvplan.ops.sparse_attention import KeySource
+
+    rows = torch.randn(48, 64, generator=gen) * 2
+    rows *= torch.tensor(factors).repeat(48 // len(factors) + 1)[:48, None]
+    cache = alloc_kv_cache(6, 8, FP8_64).zero_()
+    store_kv_cache(rows.bfloat16(), cache, torch.arange(48, dtype=torch.int32), layout=FP8_64)
+    idx = torch.randint(0, 48, (num_rows, width), generator=gen, dtype=torch.int32)
+    return KeySource(cache, torch.where(torch.rand(num_rows, width, generator=gen) < 0.3, -1, idx),
+                     FP8_64)  # fmt: skip
+
+
+def _rel_max(got, want) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+@interpreter
+@pytest.mark.parametrize("num_splits,pv_split", [(1, 1), (3, 1), (3, 2)])
+def test_fp8_f16_tiles_equal_the_reference(monkeypatch, num_splits, pv_split) -> None:
+    """fp8 sources (e4m3, UE8M0 scales) as fp16 tiles (``FP8_F16_TILES``, interpreter): the
+    launch takes them (``F16`` 3) and gives the attention of the bf16 query over the stored
+    values, as the bf16 tiles do: plain keys; a query of 2^20-sized values (shifted into
+    fp16's range); keys up to 2^21 (each key's values scaled down by 2^-shift, the logits and
+    weights back up) beside keys of 1e-3 (fp16 subnormals for their smallest codes)."""
+    from kvplan.ops import sparse_attention as sa
+
+    taken = []
+    real = sa.f16_tiles
+    monkeypatch.setattr(sa, "f16_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
+    for case in ("plain", "big query", "key scales"):
+        q, sources, sinks = _inputs([FP8_64, FP8_64], 3, 18, 64, [20, 37], seed=23,
+                                    dtype=torch.bfloat16)  # fmt: skip
+        if case == "big query":
+            q = (q.float() * 2.0**20).bfloat16()
+        if case == "key scales":  # slots of 2^20-, 1- and 2^-11-sized values
+            gen = torch.Generator().manual_seed(24)
+            sources[1] = _scaled_fp8_source(gen, 3, 37, [2.0**20, 1.0, 2.0**-11])
+            q = (q.float() * 2.0**-16).bfloat16()  # the logits of the big keys stay O(1)
+        _hide_block(sources, 4, 12)
+        kw = dict(tile_n=16, num_splits=num_splits, pv_split=pv_split)
+        monkeypatch.setattr(sa, "FP8_F16_TILES", False)
+        plain = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+        monkeypatch.setattr(sa, "FP8_F16_TILES", True)
+        got = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+        assert taken[-2:] == [0, 3]
+        want = sparse_attention_torch(q.float(), sources, sinks, 0.125)
+        assert got.isfinite().all(), case
+        for h in range(got.shape[1]):  # per head: each within bf16 rounding of its own size
+            assert _rel_max(got[:, h], want[:, h]) < 1e-2, (case, h)
+            assert _rel_max(got[:, h], plain[:, h]) < 1e-2, (case, h)
+
+
+def test_fp8_f16_tiles_only_where_they_apply(monkeypatch) -> None:
+    """`f16_tiles` gives 3 only with ``FP8_F16_TILES``, a bf16 / fp16 query held whole and
+    every source e4m3 with UE8M0 scales in power-of-two groups (per value chunk too)."""
+    from kvplan.ops import sparse_attention as sa
+    from kvplan.ops.sparse_sources import source_address
+
+    q, sources, _ = _inputs([FP8_64, FP4_64], 1, 2, 64, [4, 4], seed=18)
+    fp8, fp4 = (source_address(i, src, 64) for i, src in enumerate(sources))
+    monkeypatch.setattr(sa, "FP8_F16_TILES", True)
+    assert sa.f16_tiles(torch.bfloat16, [fp8], 64, 64, 0, 1) == 3
+    assert sa.f16_tiles(torch.float16, [fp8, fp8], 64, 64, 0, 2) == 3
+    assert sa.f16_tiles(torch.bfloat16, [fp8], 64, 64, 0, 4) != 3  # 16-value chunks
+    assert not sa.f16_tiles(torch.float32, [fp8], 64, 64, 0, 1)  # fp32 query
+    assert not sa.f16_tiles(torch.bfloat16, [fp8], 64, 64, 32, 1)  # query in chunks
+    assert sa.f16_tiles(torch.bfloat16, [fp8, fp4], 64, 64, 0, 1) != 3  # an fp4 source
+    short = source_address(0, _inputs([FP8_48], 1, 2, 48, [4], seed=19)[1][0], 48)
+    assert sa.f16_tiles(torch.bfloat16, [short], 48, 64, 0, 1) != 3  # a short last group
+    monkeypatch.setattr(sa, "FP8_F16_TILES", False)
+    assert not sa.f16_tiles(torch.bfloat16, [fp8], 64, 64, 0, 1)
+
+
 def test_env_flags(monkeypatch) -> None:
     """The 0 / 1 switches (``env_flag``): unset gives the default, else a clear error."""
     from kvplan.ops._dispatch import env_flag
@@ -414,6 +491,25 @@ def test_cuda_fused_merge_equals_combine_kernel_and_replays(monkeypatch, num_spl
         torch.cuda.synchronize()
         assert torch.equal(out, want)
     assert not merge_counters(q.device).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3, 40])
+def test_cuda_fp8_f16_tiles_v4_shapes(monkeypatch, num_splits) -> None:
+    """V41 FP8 records at the DeepSeek-V4 shapes on fp16 tiles (``FP8_F16_TILES``), one
+    program and split, against the reference and the bf16 tiles, with the output's inverse
+    RoPE."""
+    from kvplan.ops import sparse_attention as sa
+
+    q, sources, sinks, rope = _v4_rope_inputs(V41_FORMAT, seed=27)
+    kw = dict(check=False, num_splits=num_splits, out_rope=rope)
+    monkeypatch.setattr(sa, "FP8_F16_TILES", False)
+    plain = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
+    monkeypatch.setattr(sa, "FP8_F16_TILES", True)
+    got = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
+    want = sparse_attention_torch(q, sources, sinks, 512**-0.5, out_rope=rope)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
