@@ -13,10 +13,8 @@ set -u
 BUDGET=${BUDGET:-570}
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
-tests=(tests/ops/test_paged_attention.py tests/ops/test_paged_attention_quantized.py)
-step 170 h2_tests env KVPLAN_DECODE_HEADS=2 python3 -m pytest -q -m gpu -n 12 \
-  -p no:cacheprovider --tb=short -rf "${tests[@]}"
-grep -E "passed|failed|^FAILED|^E  " "$W/h2_tests.log" | head -20
+KVPLAN_DECODE_HEADS=2 gpu_tests h2_tests 170 12 tests/ops/test_paged_attention.py \
+  tests/ops/test_paged_attention_quantized.py
 for ctx in 1024 2048 4096; do
   step 40 "qd_64x$ctx" python3 bench/bench_quant_decode.py --graph --splits "" --batch 64 \
     --context "$ctx" --no-tiling --heads 2 --formats fp4,int8 --out "$W/qd_64x$ctx.json"

@@ -170,6 +170,18 @@ def test_shared_merge_counters_per_device_and_stream() -> None:
         assert main is merge_counters(torch.device("cuda", torch.cuda.current_device()))
 
 
+def _off_on(monkeypatch, switch: str, q, sources, sinks, scale=0.125, **kw):
+    """``sparse_attention_triton`` with the ``kvplan.ops.sparse_attention`` switch ``switch``
+    off, then on: ``(plain, got)``."""
+    from kvplan.ops import sparse_attention as sa
+
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(sa, switch, on)
+        outs.append(sparse_attention_triton(q, sources, sinks, scale, **kw))
+    return outs
+
+
 @interpreter
 @pytest.mark.parametrize("nib", [False, True])
 @pytest.mark.parametrize("num_splits,pv_split", [(1, 1), (3, 1), (3, 2)])
@@ -189,11 +201,8 @@ def test_fp4_f16_tiles_equal_the_reference(monkeypatch, num_splits, pv_split, ni
                                     dtype=torch.bfloat16)  # fmt: skip
         q = (q.float() * big).bfloat16()
         _hide_block(sources, 4, 12)
-        kw = dict(tile_n=16, num_splits=num_splits, pv_split=pv_split)
-        monkeypatch.setattr(sa, "FP4_F16_TILES", False)
-        plain = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
-        monkeypatch.setattr(sa, "FP4_F16_TILES", True)
-        got = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+        plain, got = _off_on(monkeypatch, "FP4_F16_TILES", q, sources, sinks, tile_n=16,
+                             num_splits=num_splits, pv_split=pv_split)  # fmt: skip
         assert taken[-2:] == [0, 2 if nib else 1]
         want = sparse_attention_torch(q.float(), sources, sinks, 0.125)
         assert got.isfinite().all()
@@ -266,11 +275,8 @@ def test_fp8_f16_tiles_equal_the_reference(monkeypatch, num_splits, pv_split) ->
             sources[1] = _scaled_fp8_source(gen, 3, 37, [2.0**20, 1.0, 2.0**-11])
             q = (q.float() * 2.0**-16).bfloat16()  # the logits of the big keys stay O(1)
         _hide_block(sources, 4, 12)
-        kw = dict(tile_n=16, num_splits=num_splits, pv_split=pv_split)
-        monkeypatch.setattr(sa, "FP8_F16_TILES", False)
-        plain = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
-        monkeypatch.setattr(sa, "FP8_F16_TILES", True)
-        got = sparse_attention_triton(q, sources, sinks, 0.125, **kw)
+        plain, got = _off_on(monkeypatch, "FP8_F16_TILES", q, sources, sinks, tile_n=16,
+                             num_splits=num_splits, pv_split=pv_split)  # fmt: skip
         assert taken[-2:] == [0, 3]
         want = sparse_attention_torch(q.float(), sources, sinks, 0.125)
         assert got.isfinite().all(), case
@@ -494,41 +500,23 @@ def test_cuda_fused_merge_equals_combine_kernel_and_replays(monkeypatch, num_spl
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "fp4", "fp4_nib"])
 @pytest.mark.parametrize("num_splits", [1, 3, 40])
-def test_cuda_fp8_f16_tiles_v4_shapes(monkeypatch, num_splits) -> None:
-    """V41 FP8 records at the DeepSeek-V4 shapes on fp16 tiles (``FP8_F16_TILES``), one
-    program and split, against the reference and the bf16 tiles, with the output's inverse
-    RoPE."""
-    from kvplan.ops import sparse_attention as sa
-
-    q, sources, sinks, rope = _v4_rope_inputs(V41_FORMAT, seed=27)
-    kw = dict(check=False, num_splits=num_splits, out_rope=rope)
-    monkeypatch.setattr(sa, "FP8_F16_TILES", False)
-    plain = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
-    monkeypatch.setattr(sa, "FP8_F16_TILES", True)
-    got = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
-    want = sparse_attention_torch(q, sources, sinks, 512**-0.5, out_rope=rope)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("nib", [False, True])
-@pytest.mark.parametrize("num_splits", [1, 3, 40])
-def test_cuda_fp4_f16_tiles_v4_shapes(monkeypatch, num_splits, nib) -> None:
-    """V41 FP4 records at the DeepSeek-V4 shapes on fp16 tiles (in nibble order with
-    ``FP4_NIBBLE_TILES``: values 2^-14 small, fp16 subnormals in the MMAs), one program and
-    split, against the reference and the bf16 tiles, with the output's inverse RoPE."""
+def test_cuda_f16_tiles_v4_shapes(monkeypatch, num_splits, kind) -> None:
+    """V41 FP8 / FP4 records at the DeepSeek-V4 shapes on fp16 tiles (``FP8_F16_TILES`` /
+    ``FP4_F16_TILES``; fp4 in nibble order with ``FP4_NIBBLE_TILES``: values 2^-14 small,
+    fp16 subnormals in the MMAs), one program and split, against the reference and the bf16
+    tiles, with the output's inverse RoPE."""
     from kvplan.formats import V41_FP4_FORMAT
     from kvplan.ops import sparse_attention as sa
 
-    q, sources, sinks, rope = _v4_rope_inputs(V41_FP4_FORMAT, seed=26)
-    kw = dict(check=False, num_splits=num_splits, out_rope=rope)
-    monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", nib)
-    monkeypatch.setattr(sa, "FP4_F16_TILES", False)
-    plain = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
-    monkeypatch.setattr(sa, "FP4_F16_TILES", True)
-    got = sparse_attention_triton(q, sources, sinks, 512**-0.5, **kw)
+    layout, switch = (
+        (V41_FORMAT, "FP8_F16_TILES") if kind == "fp8" else (V41_FP4_FORMAT, "FP4_F16_TILES")
+    )
+    q, sources, sinks, rope = _v4_rope_inputs(layout, seed=27 if kind == "fp8" else 26)
+    monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", kind == "fp4_nib")
+    plain, got = _off_on(monkeypatch, switch, q, sources, sinks, 512**-0.5, check=False,
+                         num_splits=num_splits, out_rope=rope)  # fmt: skip
     want = sparse_attention_torch(q, sources, sinks, 512**-0.5, out_rope=rope)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
