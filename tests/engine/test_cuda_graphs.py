@@ -119,8 +119,13 @@ def test_context_bounds_follow_the_decode_launch_rule(monkeypatch):
     assert [kv_format_context_bounds(f) for f in ("bf16", "fp32", "int8", "fp4")] == [()] * 4
     assert context_tiers(kv_format_context_bounds("fp8"), 8480) == [4096, 8480]
     assert context_tiers(kv_format_context_bounds("fp8"), 416) == [416]
+    # fp4 pages launch under "e2m1_f16" (fp16 tiles) or "e2m1": either key's bound counts
+    monkeypatch.setattr(pak, "DECODE_HEADS_AUTO", {"e4m3": (2, 4096), "e2m1_f16": (2, 2048)})
+    assert kv_format_context_bounds("fp4") == (2048,)
+    monkeypatch.setattr(pak, "DECODE_HEADS_AUTO", {"e2m1": (2, 1024), "e2m1_f16": (2, 2048)})
+    assert kv_format_context_bounds("fp4") == (1024, 2048)
     monkeypatch.setattr(pak, "DECODE_HEADS", 2)
-    assert kv_format_context_bounds("fp8") == ()
+    assert kv_format_context_bounds("fp8") == kv_format_context_bounds("fp4") == ()
 
 
 def test_context_tiers_replay_the_shortest_graph_that_holds_the_step_on_cpu():
