@@ -165,8 +165,9 @@ def _e4m3_f16_cols(
     One conversion a pair of values (e4m3x2 -> f16x2) and one fp16 multiply, where the fp32
     path takes a conversion to fp32, a multiply and a rounding to bf16 for each. Exact when a
     group's scale exponent minus ``shift`` lies in [-15, 7] (an e4m3 code has 4 significant
-    bits, the largest 448 x 2^7 < 65,504); a group more than 2^22 below its key's largest
-    keeps its values to fp16's 2^-24 (an absolute error below 2^-25 of the scaled value)."""
+    bits, the largest 448 x 2^7 < 65,504); a group whose scale is below 2^(shift - 15) (its
+    amax below ~0.0137 x 2^shift) keeps its values to fp16's 2^-24 (an absolute error below
+    2^-25 of the scaled value: under the e4m3 rounding itself for values above ~1e-6)."""
     vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
     if HW:
         x = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)

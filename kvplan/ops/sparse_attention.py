@@ -394,9 +394,11 @@ GPU): each key's values become fp16 by one conversion a pair (e4m3x2 -> f16x2) a
 multiply by their scale times ``2^-shift`` (``shift``: how far the key's largest scale lies
 above 2^7, 0 for real keys), the logits and value weights take ``2^shift`` back, and the
 query (`query_f16`) and weights enter the MMAs in fp16. Against the fp32 path's conversion to
-fp32, multiply and rounding to bf16 for every value. The same values where a group's scale is
-within 2^22 of its key's largest (an absolute error below 2^-25 of the scaled value
-otherwise); attention within bf16 tolerance of the dense reference, like the bf16 path."""
+fp32, multiply and rounding to bf16 for every value. The same values for every group whose
+scale is at least 2^-15 (amax >= ~0.0137; times 2^shift), smaller groups to fp16's 2^-24 (an
+absolute error below 2^-25 of the scaled value); attention within bf16 tolerance of the dense
+reference, like the bf16 path. sm_90 split kernel at the default launch: 1,234 main-loop
+instructions against 1,377 (bench/RESULTS.md, session 37)."""
 
 
 def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: int) -> int:
