@@ -23,6 +23,18 @@ long_run() {  # NAME FORMAT [VAR=value ...]: the long workload (32 x 8,192 x 256
     --prompt-len 8192 --new-tokens 256 --hf "" --out "$W/$name.json"
   grep -E "kvplan \(|decode step" "$W/$name.log"
 }
+short_run() {  # NAME FORMAT [VAR=value ...]: the short workload (64 x 256 x 128) as one step
+  local name=$1 fmt=$2; shift 2
+  step 40 "$name" env "$@" python3 bench/bench_engine.py --kv-format "$fmt" --hf "" \
+    --out "$W/$name.json"
+  grep -E "kvplan \(|decode step" "$W/$name.log"
+}
+sparse_kernels() {  # NAME ROWS HCA_ENTRIES [VAR=value ...]: the sparse attention kernels
+  local name=$1 rows=$2 hca=$3; shift 3  # alone (bench_sparse_kernels.py), one step
+  step 70 "$name" env "$@" python3 bench/bench_sparse_kernels.py --only attention --no-chunked \
+    --rows "$rows" --hca-entries "$hca" --out "$W/$name.json"
+  grep -E "^sparse_attention" "$W/$name.log" | cut -c1-150
+}
 hybrid_ab() {  # VAR NAME: hybrid decode at 32K and 128K, batch 32, with VAR=0 (fp4 records)
   local f  # and VAR=1 (fp4 and fp8 records), one step each
   for f in 0 1; do

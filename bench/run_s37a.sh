@@ -28,9 +28,5 @@ for shape in "32 8192" "64 4096" "64 1024" "64 320"; do
 done
 long_run long_fp8_h1 fp8
 long_run long_fp8_h2 fp8 KVPLAN_DECODE_HEADS=2
-for v in h1 h2; do
-  extra=(); [ $v = h2 ] && extra=(KVPLAN_DECODE_HEADS=2)
-  step 40 "short_$v" env "${extra[@]}" python3 bench/bench_engine.py --kv-format fp8 --hf "" \
-    --out "$W/short_$v.json"
-  grep -E "kvplan \(|decode step" "$W/short_$v.log"
-done
+short_run short_h1 fp8
+short_run short_h2 fp8 KVPLAN_DECODE_HEADS=2

@@ -14,9 +14,5 @@ gpu_tests tests 110 12 tests/engine/test_cuda_graphs.py tests/engine/test_quanti
 long_run long_fp8_auto fp8
 long_run long_fp8_h1 fp8 KVPLAN_DECODE_HEADS=1
 long_run long_bf16 bf16
-for v in auto h1; do
-  extra=(); [ $v = h1 ] && extra=(KVPLAN_DECODE_HEADS=1)
-  step 40 "short_$v" env "${extra[@]}" python3 bench/bench_engine.py --kv-format fp8 --hf "" \
-    --out "$W/short_$v.json"
-  grep -E "kvplan \(|decode step" "$W/short_$v.log"
-done
+short_run short_auto fp8
+short_run short_h1 fp8 KVPLAN_DECODE_HEADS=1

@@ -12,10 +12,6 @@ BUDGET=${BUDGET:-560}
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
 gpu_tests f16_tests 110 8 tests/ops/test_sparse_attention.py tests/ops/test_sparse_split.py
-for v in 0 1; do
-  step 70 att_v$v env KVPLAN_SPARSE_FP8_F16=$v python3 bench/bench_sparse_kernels.py \
-    --only attention --no-chunked --rows 256 --hca-entries 1024 --out "$W/att_v$v.json"
-  grep -E "^sparse_attention" "$W/att_v$v.log" | cut -c1-150
-done
+for v in 0 1; do sparse_kernels att_v$v 256 1024 KVPLAN_SPARSE_FP8_F16=$v; done
 for v in 0 1; do HD_SECS=80 hybrid_decode d128_v$v 256 131072 KVPLAN_SPARSE_FP8_F16=$v; done
 for v in 0 1; do hybrid_decode d32_v$v 32 32768 KVPLAN_SPARSE_FP8_F16=$v; done

@@ -277,7 +277,7 @@ class DecodeGraphs:
         self._inputs[:, :b].copy_(staging[:, :b], non_blocking=True)
         if device_input_ids is not None:
             self.input_ids[:n].copy_(device_input_ids)
-        tier = self._tier(int(md.kv_lens_np[:n].max()))
+        tier = self._tier(md, n)
         self.num_replays += 1
         if tier == self.max_model_len:
             graph, logits = self.graphs[b], self.logits[b]
@@ -301,8 +301,12 @@ class DecodeGraphs:
         self._sync()
         return [s.elapsed_time(e) for n, _, s, e in self.replay_events or () if n == rows]
 
-    def _tier(self, longest: int) -> int:
-        """The smallest tier holding a step whose longest row has ``longest`` keys."""
+    def _tier(self, md: Any, n: int) -> int:
+        """The smallest tier holding the step's longest row (of ``md``'s ``n`` rows); without
+        shorter tiers no row is looked at."""
+        if len(self.tiers) == 1:
+            return self.max_model_len
+        longest = int(md.kv_lens_np[:n].max())
         for tier in self.tiers:
             if longest <= tier:
                 return tier

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import triton.language as tl
 
 from kvplan.ops._launch import jit
-from kvplan.ops._quant_triton import SF_KIND, decode_e2m1, decode_e2m1_tiny
+from kvplan.ops._quant_triton import SF_KIND, decode_e2m1, decode_e2m1_tiny, pow2
 
 E2M1_F16: tl.constexpr = tl.constexpr(4)
 """``KV_QUANT`` of e2m1 pages with e4m3 scales read as fp16 tiles (the decode kernel's
@@ -223,8 +223,7 @@ def _f16_shift(q):
     tile stays zero) puts its largest |value| in [2^14, 2^15)."""
     top = (tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0).to(tl.int32, bitcast=True) >> 23) & 255
     shift = tl.maximum(top - 141, -100)  # 141: the biased exponent of [2^14, 2^15)
-    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-    return down, ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    return pow2(-shift), pow2(shift)
 
 
 @jit

@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 from kvplan.ops._launch import jit
 from kvplan.ops._paged_kv_tiles import e2m1_f16_tile, nibble_acc, nibble_query, query_f16
-from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
+from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3, pow2
 
 KIND_FP32 = 0
 KIND_BF16 = 1
@@ -106,10 +106,8 @@ def _load_key_cols(
     times 2^-14, the columns in nibble order (its ``TINY``); ``F16`` 3 (``E4M3_F16``: e4m3
     values with UE8M0 scales, ``FLAT``): each key's values times ``2^-shift`` in fp16
     (`_e4m3_f16_cols`)."""
-    s = tl.where(valid, slots, 0).to(tl.int64)
-    blk, off = s // block_size, s % block_size
-    base = blk * stride_block + off * stride_token  # [TILE_N]
-    sbase = blk * stride_block + off * scale_stride + scale_offset
+    base, sbase = _slot_bases(slots, valid, block_size, stride_block, stride_token,
+                              scale_stride, scale_offset)  # fmt: skip
     d = d0 + tl.arange(0, DW)
     dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
     if F16 == E4M3_F16:
@@ -156,6 +154,19 @@ def _load_key_cols(
 
 
 @jit
+def _slot_bases(slots, valid, block_size, stride_block, stride_token, scale_stride,
+                scale_offset):  # fmt: skip
+    """``(base, sbase)`` int64 ``[TILE_N]``: where the values and the scales of each slot's
+    record start (slot 0's for slots not ``valid``)."""
+    s = tl.where(valid, slots, 0).to(tl.int64)
+    blk, off = s // block_size, s % block_size
+    return (
+        blk * stride_block + off * stride_token,
+        blk * stride_block + off * scale_stride + scale_offset,
+    )
+
+
+@jit
 def _e4m3_f16_cols(
     c_ptr, base, sbase, valid, dmask, d, d0, shift, GS: tl.constexpr, DW: tl.constexpr,
     TILE_N: tl.constexpr, HW: tl.constexpr,
@@ -182,12 +193,6 @@ def _e4m3_f16_cols(
 
 
 @jit
-def _pow2(k):
-    """fp32 ``2^k`` of int32 ``k`` in [-126, 127], exactly."""
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@jit
 def _e4m3_key_shift(
     c_ptr, slots, valid, block_size, stride_block, scale_stride, scale_offset,
     GS: tl.constexpr, D_P2: tl.constexpr,
@@ -195,8 +200,7 @@ def _e4m3_key_shift(
     """int32 ``[TILE_N]``: per key, how far (0..15 binades) its largest UE8M0 scale lies above
     2^7, so that its values times ``2^-shift`` stay below fp16's largest (448 x 2^7); 0 for
     the scales of real models' keys (below 2^7, values below 57,344)."""
-    s = tl.where(valid, slots, 0).to(tl.int64)
-    sbase = (s // block_size) * stride_block + (s % block_size) * scale_stride + scale_offset
+    _, sbase = _slot_bases(slots, valid, block_size, stride_block, 0, scale_stride, scale_offset)
     g = tl.arange(0, D_P2 // GS)
     sb = tl.load(c_ptr + sbase[:, None] + g[None, :], mask=valid[:, None], other=0)
     top = tl.max(sb.to(tl.int32), 1)
@@ -246,7 +250,7 @@ def _attend_tile(
         else:
             s = tl.dot(q, tl.trans(kd), input_precision="ieee")
         if F16 == E4M3_F16:
-            s = s * _pow2(shift)[None, :]
+            s = s * pow2(shift)[None, :]
     else:
         FLAT_C: tl.constexpr = FLAT and D_CHUNK >= GS
         live = start < num_cols  # keeps the query loads in the loop
@@ -269,7 +273,7 @@ def _attend_tile(
                                 HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16)  # fmt: skip
     p, alpha, m_new, l_i = softmax_step(s, valid[None, :], m_i, l_i, qk_scale)
     if F16 == E4M3_F16:  # the values' 2^-shift back on the weights (p <= 1: at most 2^15)
-        p = (p * _pow2(shift)[None, :]).to(tl.float16)
+        p = (p * pow2(shift)[None, :]).to(tl.float16)
     elif F16:
         p = p.to(tl.float16)
     elif DOT_BF16:

@@ -101,10 +101,9 @@ def test_int8_cache_rounds_differently_from_fp8():
     assert not torch.equal(prompt_logits(i8.engine, ids, 8), prompt_logits(f8.engine, ids, 8))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv_format", ["fp8", "int8", "fp4"])
-def test_gpu_graphs_with_quantized_cache_match_eager(kv_format):
-    """Quantized caches are captured in CUDA graphs; replays give the eager tokens."""
+def _eager_and_graph_tokens(kv_format: str):
+    """Greedy tokens of 11 prompts x 24 new tokens on CUDA (fp32 weights) with eager decode
+    steps and with CUDA graphs: ``(eager, graphs, the graph engine's DecodeGraphs)``."""
     prompts = _prompts(11, seed=3)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     outs = {}
@@ -112,10 +111,17 @@ def test_gpu_graphs_with_quantized_cache_match_eager(kv_format):
         llm = _engine(kv_format, device="cuda", dtype="float32", max_num_seqs=16,
                       use_cuda_graph=graphs, num_blocks=400, block_size=16)  # fmt: skip
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
-        if graphs:
-            assert llm.engine.runner.graphs is not None
-            assert llm.engine.runner.graphs.num_replays > 0
-    assert outs[True] == outs[False]
+    return outs[False], outs[True], llm.engine.runner.graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8", "int8", "fp4"])
+def test_gpu_graphs_with_quantized_cache_match_eager(kv_format):
+    """Quantized caches are captured in CUDA graphs; replays give the eager tokens."""
+    eager, replayed, g = _eager_and_graph_tokens(kv_format)
+    assert g is not None
+    assert g.num_replays > 0
+    assert replayed == eager
 
 
 @pytest.mark.gpu
@@ -129,18 +135,10 @@ def test_gpu_fp8_graph_context_tiers_match_eager(monkeypatch):
     monkeypatch.setattr(pak, "DECODE_HEADS", None)
     monkeypatch.setattr(pak, "DECODE_HEADS_AUTO", {"e4m3": (2, 32)})
     monkeypatch.setattr(pak, "DECODE_HEADS_MIN_PROGRAMS", 1)  # any batch of this small model
-    prompts = _prompts(11, seed=3)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    outs = {}
-    for graphs in (False, True):
-        llm = _engine("fp8", device="cuda", dtype="float32", max_num_seqs=16,
-                      use_cuda_graph=graphs, num_blocks=400, block_size=16)  # fmt: skip
-        outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
-        if graphs:
-            g = llm.engine.runner.graphs
-            assert g is not None and g.tiers == [32, 96]
-            assert 0 < g.tier_replays < g.num_replays
-    assert outs[True] == outs[False]
+    eager, replayed, g = _eager_and_graph_tokens("fp8")
+    assert g is not None and g.tiers == [32, 96]
+    assert 0 < g.tier_replays < g.num_replays
+    assert replayed == eager
 
 
 @pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
