@@ -63,8 +63,9 @@ def main() -> None:
     ap.add_argument(
         "--fp8-f16",
         action="store_true",
-        help="instead: the split and one-program kernels' default launches (whole query) with "
-        "bf16 tiles against fp16 tiles (F16 3, kvplan.ops.sparse_attention.FP8_F16_TILES)",
+        help="instead: the split and one-program kernels' default launches (whole query) and "
+        "the indexer's with bf16 tiles against fp16 tiles (F16 3, "
+        "kvplan.ops.sparse_attention.FP8_F16_TILES, kvplan.ops.index_scores.FP8_F16_TILES)",
     )
     args = ap.parse_args()
     attn = dict(HEAD_DIM=512, D_P2=512, TILE_H=16, **V41, HAS1=True, HW=True, DOT_BF16=True,
@@ -90,6 +91,22 @@ def main() -> None:
                       f"instructions, {r['warp_instructions_per_key']:>6} warp instructions a "
                       "key", flush=True)  # fmt: skip
                 rows.append(dict(kernel=fn.__name__, tile_n=tile_n, f16=f16, **r))
+        # the indexer's decode kernel (kvplan.ops.index_scores.FP8_F16_TILES), its default
+        # launch (128 keys x 4 warps, one tile a program) first
+        for tile_n, tiles, warps in ((128, 1, 4), (64, 1, 4), (128, 2, 4), (128, 1, 8)):
+            for f16 in (0, 3):
+                const = dict(HEAD_DIM=128, D_P2=128, TILE_H=32, TILE_N=tile_n, TILES=tiles,
+                             KIND=2, SF=0, GS=32, FLAT=True, HW=True, DOT_BF16=True,
+                             block_size=32, F16=f16)  # fmt: skip
+                r = report(_k.index_scores_tc_kernel, const, INDEX_TYPES, warps)
+                print(f"index_scores_tc_kernel         tile_n {tile_n:>3} tiles {tiles} warps "
+                      f"{warps} F16 {f16}: {r['registers']:>3} regs, spill "
+                      f"{r['spill_bytes']:>4} B, {r['programs_per_sm']} programs/SM, "
+                      f"{r['loop_instructions']} instructions (loop or program), "
+                      f"{r['warp_instructions_per_key']:>6} warp instructions a key",
+                      flush=True)  # fmt: skip
+                rows.append(dict(kernel="index_scores_tc_kernel", tile_n=tile_n, tiles=tiles,
+                                 f16=f16, **r))  # fmt: skip
         if args.out:
             Path(args.out).write_text(json.dumps(dict(rows=rows), indent=1))
         return

@@ -555,14 +555,17 @@ def index_scores_tc_kernel(
     stride_token, scale_stride, scale_offset,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     TILES: tl.constexpr, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
-    FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr,
+    FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, F16: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(T, cdiv(K, TILES * TILE_N))``: the scores of ``index_scores_kernel`` with
     the keys as the dot's rows (``[TILE_N, Ci] x [Ci, TILE_H]``: every head of the row in one
     dot, the query tile loaded once for ``TILES`` key tiles). With ``DOT_BF16`` (bf16
     queries) the query and the dequantized keys (bf16-exact) enter the tensor cores as bf16
     with fp32 accumulation: exact products, only the summation order differs from fp32.
-    Otherwise fp32 with ``"ieee"`` precision."""
+    Otherwise fp32 with ``"ieee"`` precision. ``F16`` 3 (``E4M3_F16``: bf16 / fp16 queries,
+    e4m3 keys with UE8M0 scales): fp16 products instead, the keys times ``2^-shift`` per key
+    (`_e4m3_f16_cols`), the query times ``2^-qshift`` (`query_f16`); the weights take
+    ``2^qshift`` and each key's score ``2^shift`` (powers of two: the same fp32 values)."""
     t = tl.program_id(0)
     heads = tl.arange(0, TILE_H)
     h_ok = heads < num_heads
@@ -570,24 +573,37 @@ def index_scores_tc_kernel(
     t64 = t.to(tl.int64)
     q_off = t64 * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=h_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    if DOT_BF16:
+    w = tl.load(w_ptr + t64 * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
+    if F16 == E4M3_F16:
+        q16, w = query_f16(q, w)
+        qt = tl.trans(q16)  # [D_P2, TILE_H] fp16
+    elif DOT_BF16:
         qt = tl.trans(q.to(tl.bfloat16))  # [D_P2, TILE_H]
     else:
         qt = tl.trans(q.to(tl.float32))
-    w = tl.load(w_ptr + t64 * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
     for i in range(0, TILES):
         cols = (tl.program_id(1) * TILES + i) * TILE_N + tl.arange(0, TILE_N)
         c_ok = cols < num_cols
         slots = tl.load(idx_ptr + t64 * stride_idx + cols, mask=c_ok, other=-1)
         valid = (slots >= 0) & (slots < num_slots)
-        k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token,
-                       scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
-                       FLAT, HW)  # fmt: skip
-        if DOT_BF16:
-            s = tl.dot(k.to(tl.bfloat16), qt)  # [TILE_N, TILE_H]
+        if F16 == E4M3_F16:
+            shift = _e4m3_key_shift(c_ptr, slots, valid, block_size, stride_block,
+                                    scale_stride, scale_offset, GS, D_P2)  # fmt: skip
+            k = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
+                               scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2,
+                               TILE_N, FLAT, HW, False, E4M3_F16, shift)  # fmt: skip
+            s = tl.dot(k, qt)  # [TILE_N, TILE_H], fp16 products, fp32 sums
         else:
-            s = tl.dot(k, qt, input_precision="ieee")
+            k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token,
+                           scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
+                           FLAT, HW)  # fmt: skip
+            if DOT_BF16:
+                s = tl.dot(k.to(tl.bfloat16), qt)  # [TILE_N, TILE_H]
+            else:
+                s = tl.dot(k, qt, input_precision="ieee")
         score = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
+        if F16 == E4M3_F16:
+            score = score * pow2(shift)
         score = tl.where(valid, score, float("-inf"))
         tl.store(out_ptr + t64 * stride_ot + cols, score, mask=c_ok)
 

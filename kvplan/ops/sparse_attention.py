@@ -54,6 +54,7 @@ from kvplan.ops.sparse_sources import (
     MAX_HEAD_DIM,
     KeySource,
     SourceAddress,
+    e4m3_f16_source,
     flat_scales,
     gather_rows,
     source_address,
@@ -410,7 +411,7 @@ def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: 
     if q_dtype not in (torch.bfloat16, torch.float16) or d_chunk:
         return 0
     chunk = d_p2 // pv_split
-    if FP8_F16_TILES and all(_e4m3_f16_source(a, head_dim, d_p2, chunk) for a in addrs):
+    if FP8_F16_TILES and all(e4m3_f16_source(a, head_dim, d_p2, chunk) for a in addrs):
         return 3
     if not FP4_F16_TILES:
         return 0
@@ -423,16 +424,6 @@ def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: 
         if any(x % 4 for x in offsets):
             return 0
     return 2 if FP4_NIBBLE_TILES else 1
-
-
-def _e4m3_f16_source(a, head_dim: int, d_p2: int, chunk: int) -> bool:
-    """Whether source ``a`` can be read as `FP8_F16_TILES`' fp16 tiles: e4m3 values with
-    UE8M0 scales in whole power-of-two groups, also per value-product chunk of ``chunk``."""
-    groups = chunk // a.group if chunk % a.group == 0 else 0
-    return (
-        a.kind == _k.KIND_E4M3 and a.sf == _k.SF_UE8M0 and groups > 0
-        and groups & (groups - 1) == 0 and flat_scales(a, head_dim, d_p2)
-    )  # fmt: skip
 
 
 FUSED_COMBINE = env_flag("KVPLAN_SPARSE_FUSED_COMBINE", True)

@@ -396,12 +396,13 @@ def test_split_kernels_compile_for_sm90() -> None:
                      HW=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("sf,gs,flat", [(0, 32, True), (2, 128, True)], ids=["ue8m0", "fp32"])
-def test_index_tc_kernel_compiles_for_sm90(sf, gs, flat) -> None:
+@pytest.mark.parametrize("sf,gs,flat,f16", [(0, 32, True, 0), (2, 128, True, 0), (0, 32, True, 3)],
+                         ids=["ue8m0", "fp32", "ue8m0-f16"])  # fmt: skip
+def test_index_tc_kernel_compiles_for_sm90(sf, gs, flat, f16) -> None:
     sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "c_ptr": "*u8"}
     compile_sm90(_k.index_scores_tc_kernel, "*i32", sig, HEAD_DIM=128, D_P2=128, TILE_H=32,
                  TILE_N=128, TILES=2, KIND=2, SF=sf, GS=gs, FLAT=flat, HW=True,
-                 DOT_BF16=True, block_size=32)  # fmt: skip
+                 DOT_BF16=True, block_size=32, F16=f16)  # fmt: skip
 
 
 # ---- CUDA at DeepSeek-V4 shapes ------------------------------------------------------------
