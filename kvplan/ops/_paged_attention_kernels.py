@@ -629,7 +629,11 @@ tiling of ``kvplan.ops._paged_kv_tiles.DECODE_TILING_HEADS``; unset (None), laun
 `DECODE_HEADS_AUTO`."""
 
 
-DECODE_HEADS_AUTO: dict[str, tuple[int, int]] = {"e4m3": (2, 4096)}
+DECODE_HEADS_AUTO: dict[str, tuple[int, int]] = {
+    "e4m3": (2, 4096),
+    "e2m1_f16": (2, 1024),
+    "int8": (2, 4096),
+}
 """Per ``decode_key``: ``(heads, bound)``, the KV heads a program of a launch that names none
 (and no ``KVPLAN_DECODE_HEADS``) takes when its host bound on the key count (``max_kv_len``)
 exceeds ``bound`` and its (sequence, head group) programs number at least
@@ -637,8 +641,14 @@ exceeds ``bound`` and its (sequence, head group) programs number at least
 medians of one call, default launch plans): two heads at 32 x 8K 146.4 / 147.3 us against
 166.7 / 168.9, at 64 x 4K 144.0 against 153.9, but at 64 x 1K 48.1 against 42.2 and at 64 x
 320 23.5 against 15.3 (half the programs, twice the tiles each); in the long workload's
-decode graph (32 x ~8.2K) the decode kernels took 2,337.5 us a step against 2,657.5. The
-bounds are also the engine's decode-graph context tiers (`decode_context_bounds`)."""
+decode graph (32 x ~8.2K) the decode kernels took 2,337.5 us a step against 2,657.5.
+Session 38 (H100, one call, `DECODE_TILING_HEADS`' tilings): fp4 (fp16 tiles in nibble order)
+at 64 x 1K 40.8 against 41.5 us, 2K 70.2 against 73.8, 4K 127.1 against 140.2; int8 at 64 x
+1K 53.7 against 44.0, 2K 85.1 against 79.1, 4K 154.3 against 153.4 (32 x 8K, session 37:
+155.9 against 166.6). The long workload's decode step (32 x 8,192 x 256, one call): fp4 3.404
+against 3.561 ms (3,291 against 3,244 output tok/s), int8 3.923 against 4.049 (3,164 against
+3,156); fp8 3.718 (3,193). The bounds are also the engine's decode-graph context tiers
+(`decode_context_bounds`)."""
 
 DECODE_HEADS_MIN_PROGRAMS = 128
 """Fewest (sequence, head group) programs, before splits, for which `DECODE_HEADS_AUTO`

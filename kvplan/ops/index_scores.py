@@ -41,8 +41,13 @@ power of two (`query_f16`), the head weights and each key's score take the power
 same scores as the bf16 tiles (exact products, fp32 sums) wherever every group's scale is at
 least 2^-15 (amax >= ~0.0137; times 2^shift) and the query's values lie within 2^24 of its
 largest; smaller values keep fp16's 2^-24. Session 33 measured fp16 dots per scale group
-(four a key) slower than the bf16 tiles; this is one dot a tile, as the bf16 path."""
-F16_TILES = 2  # key tiles a program of the fp16 tiles by default: the query's shift amortized
+(four a key) slower than the bf16 tiles; this is one dot a tile, as the bf16 path. H100
+(bench/RESULTS.md, session 38; `bench_sparse_kernels.py --only index --index-f16`, 256 rows x
+32,768 candidates, CUDA-graph medians): 0.548 ms against 0.587 at the default launch (128 keys
+x 4 warps, one tile a program); 2 tiles a program 0.675 against 0.673, 4 tiles 0.580 against
+0.614. sm_90 (bench/hybrid_kernel_regs.py --fp8-f16): the key tile's conversions fall from 388
+to 194 instructions a thread, but the query's and each key's shifts add about as many at one
+tile a program (1,040 against 1,032 in all); the 2-tile loop holds 839 against 1,036."""
 
 
 def _check_queries(index_q, index_weights, keys: KeySource):
@@ -94,19 +99,19 @@ def index_scores(
 
 def index_scores_triton(
     index_q: torch.Tensor, index_weights: torch.Tensor, keys: KeySource,
-    addr: SourceAddress | None = None, *, tile_n: int | None = None, tiles: int | None = None,
+    addr: SourceAddress | None = None, *, tile_n: int | None = None, tiles: int = 1,
     num_warps: int | None = None, legacy: bool = False, num_stages: int | None = None,
     f16: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton path of :func:`index_scores` (inputs checked there; ``addr`` its
     addressing of ``keys``). ``index_scores_tc_kernel``: ``tile_n`` keys per dot, ``tiles``
-    key tiles per program (None: 1, `F16_TILES` with fp16 tiles); bf16 queries use the
-    tensor cores (bf16 x bf16-exact keys, fp32 accumulation: exact products; fp32 rows are
-    not bf16-exact and keep fp32), fp32 queries fp32 ``"ieee"`` products; ``num_stages``:
-    Triton's software pipelining of the key tiles (its default when None); ``f16``: fp16
-    tiles for e4m3 keys with UE8M0 scales and bf16 / fp16 queries (`FP8_F16_TILES` when
-    None; other sources and queries ignore it). ``legacy``: the per-tile CUDA-core kernel
-    ``index_scores_kernel`` (fp32 products for every query)."""
+    key tiles per program; bf16 queries use the tensor cores (bf16 x bf16-exact keys, fp32
+    accumulation: exact products; fp32 rows are not bf16-exact and keep fp32), fp32 queries
+    fp32 ``"ieee"`` products; ``num_stages``: Triton's software pipelining of the key tiles
+    (its default when None); ``f16``: fp16 tiles for e4m3 keys with UE8M0 scales and bf16 /
+    fp16 queries (`FP8_F16_TILES` when None; other sources and queries ignore it).
+    ``legacy``: the per-tile CUDA-core kernel ``index_scores_kernel`` (fp32 products for
+    every query)."""
     idx = keys.index
     addr = addr or source_address(0, keys, index_q.shape[2], split_ok=True)
     num_rows, num_heads, width = index_q.shape
@@ -135,7 +140,6 @@ def index_scores_triton(
         return out
     tile_n = tile_n or (128 if d_p2 <= 128 else 64)
     f16_on = _f16_tiles(index_q, addr, width, d_p2, f16)
-    tiles = tiles or (F16_TILES if f16_on else 1)
     grid = (num_rows, triton.cdiv(idx.shape[1], tile_n * tiles))
     _k.index_scores_tc_kernel[grid](
         *args, TILE_N=tile_n, TILES=tiles, **consts,

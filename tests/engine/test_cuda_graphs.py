@@ -109,14 +109,16 @@ def test_padded_bucket_steps_match_unpadded_on_cpu():
 
 
 def test_context_bounds_follow_the_decode_launch_rule(monkeypatch):
-    """The builder's tiers: fp8 caches get the two-heads bound (`DECODE_HEADS_AUTO`), the
-    other formats none, and none when ``KVPLAN_DECODE_HEADS`` fixes the count."""
+    """The builder's tiers: fp8, int8 and fp4 caches get their two-heads bound
+    (`DECODE_HEADS_AUTO`), float caches none, and none when ``KVPLAN_DECODE_HEADS`` fixes the count."""
     import kvplan.ops._paged_attention_kernels as pak
     from kvplan.engine.cuda_graphs import kv_format_context_bounds
 
     monkeypatch.setattr(pak, "DECODE_HEADS", None)
     assert kv_format_context_bounds("fp8") == (pak.DECODE_HEADS_AUTO["e4m3"][1],) == (4096,)
-    assert [kv_format_context_bounds(f) for f in ("bf16", "fp32", "int8", "fp4")] == [()] * 4
+    assert [kv_format_context_bounds(f) for f in ("bf16", "fp32")] == [()] * 2
+    assert kv_format_context_bounds("int8") == (4096,)
+    assert kv_format_context_bounds("fp4") == (pak.DECODE_HEADS_AUTO["e2m1_f16"][1],) == (1024,)
     assert context_tiers(kv_format_context_bounds("fp8"), 8480) == [4096, 8480]
     assert context_tiers(kv_format_context_bounds("fp8"), 416) == [416]
     # fp4 pages launch under "e2m1_f16" (fp16 tiles) or "e2m1": either key's bound counts

@@ -353,7 +353,7 @@ def test_cuda_index_fp8_f16_tiles(case) -> None:
 
     q, w, rows, _ = _fp8_index_case(case, seed=32, width=128, device="cuda")
     gen = torch.Generator().manual_seed(33)
-    q = torch.randn(8, 32, 128, generator=gen).mul(q.float().abs().amax()).bfloat16().cuda()
+    q = torch.randn(8, 32, 128, generator=gen).mul(q.float().abs().amax().cpu()).bfloat16().cuda()
     w = torch.randn(8, 32, generator=gen).cuda()
     idx = torch.randint(-1, 40, (8, 3000), generator=gen, dtype=torch.int32).cuda()
     src = rows.key_source(idx)
