@@ -163,9 +163,6 @@ def index_case(a, dev, gen, kind: str, cand: int) -> list[dict]:
         configs += [{"tile_n": n, "tiles": t, "num_warps": nw}
                     for n in (64, 128, 256) for t in (1, 2, 4, 8) for nw in (4, 8)
                     if n * t <= 1024]  # fmt: skip
-    if a.index_f16:  # fp16 tiles (index_scores.FP8_F16_TILES) against bf16, tiles x warps
-        configs += [{"f16": f, "tiles": t, "num_warps": nw}
-                    for t in (1, 2, 4) for nw in (4, 8) for f in (False, True)]  # fmt: skip
 
     def call(**cfg):
         return index_scores_triton(q, w, src, **cfg)
@@ -339,12 +336,6 @@ def main() -> None:
         "--sweep-stages",
         action="store_true",
         help="index cases: also tiles per program x num_stages",
-    )
-    ap.add_argument(
-        "--index-f16",
-        action="store_true",
-        help="index cases: also fp16 tiles against bf16 (f16=), 128 keys x 1 / 2 / 4 tiles x 4 "
-        "/ 8 warps",
     )
     ap.add_argument("--only", choices=("index", "index_prompt", "topk", "attention", "prefill"),
                     default=None,

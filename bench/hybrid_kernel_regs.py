@@ -60,56 +60,10 @@ def report(fn, const: dict, types: dict, warps: int, stages: int = 2) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument(
-        "--fp8-f16",
-        action="store_true",
-        help="instead: the split and one-program kernels' default launches (whole query) and "
-        "the indexer's with bf16 tiles against fp16 tiles (F16 3, "
-        "kvplan.ops.sparse_attention.FP8_F16_TILES, kvplan.ops.index_scores.FP8_F16_TILES)",
-    )
     args = ap.parse_args()
     attn = dict(HEAD_DIM=512, D_P2=512, TILE_H=16, **V41, HAS1=True, HW=True, DOT_BF16=True,
                 INTERPRET=False, F16=False)  # fmt: skip
     rows = []
-    if args.fp8_f16:
-        # the default launches (kvplan.ops.sparse_attention: SPLIT_TILING with the fused merge,
-        # ONE_PROGRAM_TILING_QUANTIZED), then the other whole-query tilings of ATTN_VARIANTS
-        variants = [(_ks.sparse_attention_split_kernel, 64, 8, 3), (_k.sparse_attention_kernel,
-                    32, 4, 3)] + [(_ks.sparse_attention_split_kernel, t, w, s)
-                                  for t, w, d, pv, s in ATTN_VARIANTS if d == 0]  # fmt: skip
-        for fn, tile_n, warps, stages in variants:
-            for f16 in (0, 3):
-                const = dict(attn, TILE_N=tile_n, D_CHUNK=0, PV_SPLIT=1, F16=f16)
-                if fn is _k.sparse_attention_kernel:
-                    const["HALF_RD"] = 32
-                else:
-                    const.update(FUSED=True, HALF_RD=32)
-                r = report(fn, const, ATTN_TYPES, warps, stages)
-                print(f"{fn.__name__:<30} tile_n {tile_n:>3} warps {warps} stages {stages} "
-                      f"F16 {f16}: {r['registers']:>3} regs, spill {r['spill_bytes']:>4} B, "
-                      f"{r['programs_per_sm']} programs/SM, {r['loop_instructions']} loop "
-                      f"instructions, {r['warp_instructions_per_key']:>6} warp instructions a "
-                      "key", flush=True)  # fmt: skip
-                rows.append(dict(kernel=fn.__name__, tile_n=tile_n, f16=f16, **r))
-        # the indexer's decode kernel (kvplan.ops.index_scores.FP8_F16_TILES), its default
-        # launch (128 keys x 4 warps, one tile a program) first
-        for tile_n, tiles, warps in ((128, 1, 4), (64, 1, 4), (128, 2, 4), (128, 1, 8)):
-            for f16 in (0, 3):
-                const = dict(HEAD_DIM=128, D_P2=128, TILE_H=32, TILE_N=tile_n, TILES=tiles,
-                             KIND=2, SF=0, GS=32, FLAT=True, HW=True, DOT_BF16=True,
-                             block_size=32, F16=f16)  # fmt: skip
-                r = report(_k.index_scores_tc_kernel, const, INDEX_TYPES, warps)
-                print(f"index_scores_tc_kernel         tile_n {tile_n:>3} tiles {tiles} warps "
-                      f"{warps} F16 {f16}: {r['registers']:>3} regs, spill "
-                      f"{r['spill_bytes']:>4} B, {r['programs_per_sm']} programs/SM, "
-                      f"{r['loop_instructions']} instructions (loop or program), "
-                      f"{r['warp_instructions_per_key']:>6} warp instructions a key",
-                      flush=True)  # fmt: skip
-                rows.append(dict(kernel="index_scores_tc_kernel", tile_n=tile_n, tiles=tiles,
-                                 f16=f16, **r))  # fmt: skip
-        if args.out:
-            Path(args.out).write_text(json.dumps(dict(rows=rows), indent=1))
-        return
     for name, fn in (("sparse_attention_kernel", _k.sparse_attention_kernel),
                      ("sparse_attention_split_kernel", _ks.sparse_attention_split_kernel)):  # fmt: skip
         for tile_n, warps, d_chunk, pv_split, stages in ATTN_VARIANTS:

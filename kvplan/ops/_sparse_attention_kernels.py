@@ -49,14 +49,13 @@ from triton.language.extra import libdevice
 
 from kvplan.ops._launch import jit
 from kvplan.ops._paged_kv_tiles import e2m1_f16_tile, nibble_acc, nibble_query, query_f16
-from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3, pow2
+from kvplan.ops._quant_triton import bf16_bits, decode_e2m1, decode_e4m3
 
 KIND_FP32 = 0
 KIND_BF16 = 1
 KIND_E4M3 = 2
 KIND_E2M1 = 3
 NIB: tl.constexpr = tl.constexpr(2)  # ``F16`` of fp16 tiles in nibble order
-E4M3_F16: tl.constexpr = tl.constexpr(3)  # ``F16`` of e4m3 / UE8M0 sources as fp16 tiles
 SF_UE8M0 = 0
 SF_E4M3 = 1
 SF_FP32 = 2
@@ -93,7 +92,7 @@ def _load_key_cols(
     c_ptr, slots, valid, d0, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
     DW: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr, HW: tl.constexpr,
-    BF16: tl.constexpr, F16: tl.constexpr = False, shift=0,
+    BF16: tl.constexpr, F16: tl.constexpr = False,
 ):  # fmt: skip
     """Columns ``[d0, d0 + DW)`` of the rows of ``slots``: ``[TILE_N, DW]``, zeros where not
     ``valid`` or ``d >= D``; fp32, or bf16 with ``BF16`` (the same values: every dequantized
@@ -103,17 +102,14 @@ def _load_key_cols(
     (token-interleaved records: ``scale_stride = stride_token``). ``F16`` (e2m1 values with
     e4m3 scales, ``FLAT``, value runs 4-byte aligned): the values in fp16, read as int32
     words and scaled in fp16 (`e2m1_f16_tile`: the same, exact values); ``F16`` 2 (``NIB``):
-    times 2^-14, the columns in nibble order (its ``TINY``); ``F16`` 3 (``E4M3_F16``: e4m3
-    values with UE8M0 scales, ``FLAT``): each key's values times ``2^-shift`` in fp16
-    (`_e4m3_f16_cols`)."""
-    base, sbase = _slot_bases(slots, valid, block_size, stride_block, stride_token,
-                              scale_stride, scale_offset)  # fmt: skip
+    times 2^-14, the columns in nibble order (its ``TINY``)."""
+    s = tl.where(valid, slots, 0).to(tl.int64)
+    blk, off = s // block_size, s % block_size
+    base = blk * stride_block + off * stride_token  # [TILE_N]
+    sbase = blk * stride_block + off * scale_stride + scale_offset
     d = d0 + tl.arange(0, DW)
     dmask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    if F16 == E4M3_F16:
-        tl.static_assert(KIND == 2 and SF == 0 and FLAT, "E4M3_F16 tiles: e4m3, UE8M0 scales")
-        x = _e4m3_f16_cols(c_ptr, base, sbase, valid, dmask, d, d0, shift, GS, DW, TILE_N, HW)
-    elif F16:
+    if F16:
         tl.static_assert(KIND == 3 and SF == 1 and FLAT, "F16 tiles: e2m1 with e4m3 scales")
         words = (c_ptr + base[:, None] + d0 // 2).to(tl.pointer_type(tl.int32))
         w = tl.load(words + tl.arange(0, DW // 8)[None, :], mask=valid[:, None], other=0)
@@ -154,60 +150,6 @@ def _load_key_cols(
 
 
 @jit
-def _slot_bases(slots, valid, block_size, stride_block, stride_token, scale_stride,
-                scale_offset):  # fmt: skip
-    """``(base, sbase)`` int64 ``[TILE_N]``: where the values and the scales of each slot's
-    record start (slot 0's for slots not ``valid``)."""
-    s = tl.where(valid, slots, 0).to(tl.int64)
-    blk, off = s // block_size, s % block_size
-    return (
-        blk * stride_block + off * stride_token,
-        blk * stride_block + off * scale_stride + scale_offset,
-    )
-
-
-@jit
-def _e4m3_f16_cols(
-    c_ptr, base, sbase, valid, dmask, d, d0, shift, GS: tl.constexpr, DW: tl.constexpr,
-    TILE_N: tl.constexpr, HW: tl.constexpr,
-):  # fmt: skip
-    """``[TILE_N, DW]`` fp16: e4m3 values (bytes at ``base + d``) times their UE8M0 scales
-    (bytes at ``sbase + d // GS``) times ``2^-shift`` (int32 ``[TILE_N]``, `_e4m3_key_shift`).
-    One conversion a pair of values (e4m3x2 -> f16x2) and one fp16 multiply, where the fp32
-    path takes a conversion to fp32, a multiply and a rounding to bf16 for each. Exact when a
-    group's scale exponent minus ``shift`` lies in [-15, 7] (an e4m3 code has 4 significant
-    bits, the largest 448 x 2^7 < 65,504); a group whose scale is below 2^(shift - 15) (its
-    amax below ~0.0137 x 2^shift) keeps its values to fp16's 2^-24 (an absolute error below
-    2^-25 of the scaled value: under the e4m3 rounding itself for values above ~1e-6)."""
-    vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=dmask, other=0)
-    if HW:
-        x = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    else:
-        x = decode_e4m3(vb.to(tl.int32)).to(tl.float16)
-    G: tl.constexpr = DW // GS
-    g = d0 // GS + tl.arange(0, G)
-    sb = tl.load(c_ptr + sbase[:, None] + g[None, :], mask=valid[:, None], other=0)
-    e = tl.maximum(sb.to(tl.int32) - shift[:, None], 0)  # biased exponent, 0: below fp32's
-    mult = (e << 23).to(tl.float32, bitcast=True).to(tl.float16)  # 2^(e - 127), 0 below 2^-24
-    return tl.reshape(tl.reshape(x, [TILE_N, G, GS]) * mult[:, :, None], [TILE_N, DW])
-
-
-@jit
-def _e4m3_key_shift(
-    c_ptr, slots, valid, block_size, stride_block, scale_stride, scale_offset,
-    GS: tl.constexpr, D_P2: tl.constexpr,
-):  # fmt: skip
-    """int32 ``[TILE_N]``: per key, how far (0..15 binades) its largest UE8M0 scale lies above
-    2^7, so that its values times ``2^-shift`` stay below fp16's largest (448 x 2^7); 0 for
-    the scales of real models' keys (below 2^7, values below 57,344)."""
-    _, sbase = _slot_bases(slots, valid, block_size, stride_block, 0, scale_stride, scale_offset)
-    g = tl.arange(0, D_P2 // GS)
-    sb = tl.load(c_ptr + sbase[:, None] + g[None, :], mask=valid[:, None], other=0)
-    top = tl.max(sb.to(tl.int32), 1)
-    return tl.minimum(tl.maximum(top - 134, 0), 15)  # 134: the biased exponent of 2^7
-
-
-@jit
 def _load_keys(
     c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -237,20 +179,14 @@ def _attend_tile(
     cols = start + tl.arange(0, TILE_N)
     slots = tl.load(row_idx + cols, mask=cols < num_cols, other=-1)
     valid = (slots >= 0) & (slots < num_slots)
-    shift = 0
-    if F16 == E4M3_F16:  # each key's values times 2^-shift; its logits and weights times 2^shift
-        shift = _e4m3_key_shift(c_ptr, slots, valid, block_size, stride_block, scale_stride,
-                                scale_offset, GS, D_P2)  # fmt: skip
     if D_CHUNK == 0:
         kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
                             scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
-                            FLAT, HW, DOT_BF16, F16, shift)  # fmt: skip
+                            FLAT, HW, DOT_BF16, F16)  # fmt: skip
         if DOT_BF16:
             s = tl.dot(q, tl.trans(kd))
         else:
             s = tl.dot(q, tl.trans(kd), input_precision="ieee")
-        if F16 == E4M3_F16:
-            s = s * pow2(shift)[None, :]
     else:
         FLAT_C: tl.constexpr = FLAT and D_CHUNK >= GS
         live = start < num_cols  # keeps the query loads in the loop
@@ -272,9 +208,7 @@ def _attend_tile(
                                 stride_token, scale_stride, scale_offset, KIND, SF, GS,
                                 HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16)  # fmt: skip
     p, alpha, m_new, l_i = softmax_step(s, valid[None, :], m_i, l_i, qk_scale)
-    if F16 == E4M3_F16:  # the values' 2^-shift back on the weights (p <= 1: at most 2^15)
-        p = (p * pow2(shift)[None, :]).to(tl.float16)
-    elif F16:
+    if F16:
         p = p.to(tl.float16)
     elif DOT_BF16:
         p = p.to(tl.bfloat16)
@@ -283,7 +217,7 @@ def _attend_tile(
     else:
         acc = _pv_split(acc, alpha, p, c_ptr, slots, valid, block_size, stride_block,
                         stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
-                        D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT, F16, shift)  # fmt: skip
+                        D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT, F16)  # fmt: skip
     return acc, m_new, l_i
 
 
@@ -316,31 +250,29 @@ def _pv_split(
     scale_offset, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_N: tl.constexpr, FLAT: tl.constexpr,
     HW: tl.constexpr, DOT_BF16: tl.constexpr, PV_SPLIT: tl.constexpr, F16: tl.constexpr,
-    shift=0,
 ):  # fmt: skip
     """The value product on ``PV_SPLIT`` (2 or 4) column chunks of the accumulator (a tuple),
-    each chunk's values re-read: the same products, a smaller live value tile (``shift``:
-    `_load_key_cols`' for ``E4M3_F16`` tiles)."""
+    each chunk's values re-read: the same products, a smaller live value tile."""
     DC: tl.constexpr = D_P2 // PV_SPLIT
     FLAT_C: tl.constexpr = FLAT and DC >= GS
     v0 = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
                         scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DC, TILE_N, FLAT_C,
-                        HW, DOT_BF16, F16, shift)  # fmt: skip
+                        HW, DOT_BF16, F16)  # fmt: skip
     a0 = _pv_step(acc[0], alpha, p, v0, DOT_BF16)
     v1 = _load_key_cols(c_ptr, slots, valid, DC, block_size, stride_block, stride_token,
                         scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, DC, TILE_N, FLAT_C,
-                        HW, DOT_BF16, F16, shift)  # fmt: skip
+                        HW, DOT_BF16, F16)  # fmt: skip
     a1 = _pv_step(acc[1], alpha, p, v1, DOT_BF16)
     if PV_SPLIT == 2:
         return a0, a1
     else:
         v2 = _load_key_cols(c_ptr, slots, valid, 2 * DC, block_size, stride_block,
                             stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
-                            DC, TILE_N, FLAT_C, HW, DOT_BF16, F16, shift)  # fmt: skip
+                            DC, TILE_N, FLAT_C, HW, DOT_BF16, F16)  # fmt: skip
         a2 = _pv_step(acc[2], alpha, p, v2, DOT_BF16)
         v3 = _load_key_cols(c_ptr, slots, valid, 3 * DC, block_size, stride_block,
                             stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
-                            DC, TILE_N, FLAT_C, HW, DOT_BF16, F16, shift)  # fmt: skip
+                            DC, TILE_N, FLAT_C, HW, DOT_BF16, F16)  # fmt: skip
         a3 = _pv_step(acc[3], alpha, p, v3, DOT_BF16)
         return a0, a1, a2, a3
 
@@ -555,17 +487,14 @@ def index_scores_tc_kernel(
     stride_token, scale_stride, scale_offset,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, TILE_H: tl.constexpr, TILE_N: tl.constexpr,
     TILES: tl.constexpr, KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr,
-    FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr, F16: tl.constexpr = 0,
+    FLAT: tl.constexpr, HW: tl.constexpr, DOT_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(T, cdiv(K, TILES * TILE_N))``: the scores of ``index_scores_kernel`` with
     the keys as the dot's rows (``[TILE_N, Ci] x [Ci, TILE_H]``: every head of the row in one
     dot, the query tile loaded once for ``TILES`` key tiles). With ``DOT_BF16`` (bf16
     queries) the query and the dequantized keys (bf16-exact) enter the tensor cores as bf16
     with fp32 accumulation: exact products, only the summation order differs from fp32.
-    Otherwise fp32 with ``"ieee"`` precision. ``F16`` 3 (``E4M3_F16``: bf16 / fp16 queries,
-    e4m3 keys with UE8M0 scales): fp16 products instead, the keys times ``2^-shift`` per key
-    (`_e4m3_f16_cols`), the query times ``2^-qshift`` (`query_f16`); the weights take
-    ``2^qshift`` and each key's score ``2^shift`` (powers of two: the same fp32 values)."""
+    Otherwise fp32 with ``"ieee"`` precision."""
     t = tl.program_id(0)
     heads = tl.arange(0, TILE_H)
     h_ok = heads < num_heads
@@ -573,37 +502,24 @@ def index_scores_tc_kernel(
     t64 = t.to(tl.int64)
     q_off = t64 * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=h_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    w = tl.load(w_ptr + t64 * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
-    if F16 == E4M3_F16:
-        q16, w = query_f16(q, w)
-        qt = tl.trans(q16)  # [D_P2, TILE_H] fp16
-    elif DOT_BF16:
+    if DOT_BF16:
         qt = tl.trans(q.to(tl.bfloat16))  # [D_P2, TILE_H]
     else:
         qt = tl.trans(q.to(tl.float32))
+    w = tl.load(w_ptr + t64 * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
     for i in range(0, TILES):
         cols = (tl.program_id(1) * TILES + i) * TILE_N + tl.arange(0, TILE_N)
         c_ok = cols < num_cols
         slots = tl.load(idx_ptr + t64 * stride_idx + cols, mask=c_ok, other=-1)
         valid = (slots >= 0) & (slots < num_slots)
-        if F16 == E4M3_F16:
-            shift = _e4m3_key_shift(c_ptr, slots, valid, block_size, stride_block,
-                                    scale_stride, scale_offset, GS, D_P2)  # fmt: skip
-            k = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
-                               scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2,
-                               TILE_N, FLAT, HW, False, E4M3_F16, shift)  # fmt: skip
-            s = tl.dot(k, qt)  # [TILE_N, TILE_H], fp16 products, fp32 sums
+        k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token,
+                       scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
+                       FLAT, HW)  # fmt: skip
+        if DOT_BF16:
+            s = tl.dot(k.to(tl.bfloat16), qt)  # [TILE_N, TILE_H]
         else:
-            k = _load_keys(c_ptr, slots, valid, block_size, stride_block, stride_token,
-                           scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
-                           FLAT, HW)  # fmt: skip
-            if DOT_BF16:
-                s = tl.dot(k.to(tl.bfloat16), qt)  # [TILE_N, TILE_H]
-            else:
-                s = tl.dot(k, qt, input_precision="ieee")
+            s = tl.dot(k, qt, input_precision="ieee")
         score = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
-        if F16 == E4M3_F16:
-            score = score * pow2(shift)
         score = tl.where(valid, score, float("-inf"))
         tl.store(out_ptr + t64 * stride_ot + cols, score, mask=c_ok)
 

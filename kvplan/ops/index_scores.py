@@ -13,12 +13,11 @@ import triton
 
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops import _sparse_attention_kernels as _k
-from kvplan.ops._dispatch import env_flag, triton_interpreting, use_triton
+from kvplan.ops._dispatch import triton_interpreting, use_triton
 from kvplan.ops.sparse_sources import (
     MAX_HEAD_DIM,
     KeySource,
     SourceAddress,
-    e4m3_f16_source,
     flat_scales,
     gather_rows,
     source_address,
@@ -29,25 +28,6 @@ __all__ = ["index_scores", "index_scores_by_sequence", "index_scores_triton", "t
 
 SEQ_ROWS = 4  # rows per program of index_scores_seq_kernel (times the heads: the dot's width)
 SEQ_TILE_N = 64  # candidates per program of index_scores_seq_kernel
-
-FP8_F16_TILES = env_flag("KVPLAN_INDEX_FP8_F16", False)
-"""bf16 / fp16 indexer queries over e4m3 index keys with UE8M0 scales (``MXFP8_INDEX_KV_FORMAT``)
-take fp16 products in ``index_scores_tc_kernel`` (``KVPLAN_INDEX_FP8_F16=1`` at import; off by
-default until measured on the GPU): a key's values become fp16 by one conversion a pair
-(e4m3x2 -> f16x2) and one fp16 multiply by their scale times ``2^-shift`` (``shift``: how far
-the key's largest scale lies above 2^7, 0 for real keys), against a conversion to fp32, a
-multiply and a rounding to bf16 for every value; the query enters the MMA in fp16 times a
-power of two (`query_f16`), the head weights and each key's score take the powers back. The
-same scores as the bf16 tiles (exact products, fp32 sums) wherever every group's scale is at
-least 2^-15 (amax >= ~0.0137; times 2^shift) and the query's values lie within 2^24 of its
-largest; smaller values keep fp16's 2^-24. Session 33 measured fp16 dots per scale group
-(four a key) slower than the bf16 tiles; this is one dot a tile, as the bf16 path. H100
-(bench/RESULTS.md, session 38; `bench_sparse_kernels.py --only index --index-f16`, 256 rows x
-32,768 candidates, CUDA-graph medians): 0.548 ms against 0.587 at the default launch (128 keys
-x 4 warps, one tile a program); 2 tiles a program 0.675 against 0.673, 4 tiles 0.580 against
-0.614. sm_90 (bench/hybrid_kernel_regs.py --fp8-f16): the key tile's conversions fall from 388
-to 194 instructions a thread, but the query's and each key's shifts add about as many at one
-tile a program (1,040 against 1,032 in all); the 2-tile loop holds 839 against 1,036."""
 
 
 def _check_queries(index_q, index_weights, keys: KeySource):
@@ -101,17 +81,14 @@ def index_scores_triton(
     index_q: torch.Tensor, index_weights: torch.Tensor, keys: KeySource,
     addr: SourceAddress | None = None, *, tile_n: int | None = None, tiles: int = 1,
     num_warps: int | None = None, legacy: bool = False, num_stages: int | None = None,
-    f16: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton path of :func:`index_scores` (inputs checked there; ``addr`` its
     addressing of ``keys``). ``index_scores_tc_kernel``: ``tile_n`` keys per dot, ``tiles``
     key tiles per program; bf16 queries use the tensor cores (bf16 x bf16-exact keys, fp32
     accumulation: exact products; fp32 rows are not bf16-exact and keep fp32), fp32 queries
     fp32 ``"ieee"`` products; ``num_stages``: Triton's software pipelining of the key tiles
-    (its default when None); ``f16``: fp16 tiles for e4m3 keys with UE8M0 scales and bf16 /
-    fp16 queries (`FP8_F16_TILES` when None; other sources and queries ignore it).
-    ``legacy``: the per-tile CUDA-core kernel ``index_scores_kernel`` (fp32 products for
-    every query)."""
+    (its default when None). ``legacy``: the
+    per-tile CUDA-core kernel ``index_scores_kernel`` (fp32 products for every query)."""
     idx = keys.index
     addr = addr or source_address(0, keys, index_q.shape[2], split_ok=True)
     num_rows, num_heads, width = index_q.shape
@@ -139,24 +116,13 @@ def index_scores_triton(
         _k.index_scores_kernel[grid](*args, TILE_N=tile_n, **consts, num_warps=num_warps or 4)
         return out
     tile_n = tile_n or (128 if d_p2 <= 128 else 64)
-    f16_on = _f16_tiles(index_q, addr, width, d_p2, f16)
     grid = (num_rows, triton.cdiv(idx.shape[1], tile_n * tiles))
     _k.index_scores_tc_kernel[grid](
         *args, TILE_N=tile_n, TILES=tiles, **consts,
         DOT_BF16=index_q.dtype == torch.bfloat16 and addr.kind != _k.KIND_FP32,
-        F16=_k.E4M3_F16 if f16_on else 0,
         num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}),
     )  # fmt: skip
     return out
-
-
-def _f16_tiles(index_q, addr: SourceAddress, width: int, d_p2: int, f16: bool | None) -> bool:
-    """Whether ``index_scores_tc_kernel`` takes fp16 tiles (`FP8_F16_TILES`)."""
-    on = FP8_F16_TILES if f16 is None else f16
-    return (
-        on and index_q.dtype in (torch.bfloat16, torch.float16)
-        and e4m3_f16_source(addr, width, d_p2, d_p2)
-    )  # fmt: skip
 
 
 def index_scores_by_sequence(

@@ -54,7 +54,6 @@ from kvplan.ops.sparse_sources import (
     MAX_HEAD_DIM,
     KeySource,
     SourceAddress,
-    e4m3_f16_source,
     flat_scales,
     gather_rows,
     source_address,
@@ -388,33 +387,14 @@ step 2.97 -> 2.94 ms at 32K, 4.05 -> 3.97 ms at 128K (graph step 3.63 -> 3.44, 4
 4.52)."""
 
 
-FP8_F16_TILES = env_flag("KVPLAN_SPARSE_FP8_F16", False)
-"""bf16 / fp16 queries over e4m3 sources with UE8M0 scales (V41 FP8 records, mxfp8 rows) take
-fp16 products (``KVPLAN_SPARSE_FP8_F16=1`` at import; off by default until measured on the
-GPU): each key's values become fp16 by one conversion a pair (e4m3x2 -> f16x2) and one fp16
-multiply by their scale times ``2^-shift`` (``shift``: how far the key's largest scale lies
-above 2^7, 0 for real keys), the logits and value weights take ``2^shift`` back, and the
-query (`query_f16`) and weights enter the MMAs in fp16. Against the fp32 path's conversion to
-fp32, multiply and rounding to bf16 for every value. The same values for every group whose
-scale is at least 2^-15 (amax >= ~0.0137; times 2^shift), smaller groups to fp16's 2^-24 (an
-absolute error below 2^-25 of the scaled value); attention within bf16 tolerance of the dense
-reference, like the bf16 path. sm_90 split kernel at the default launch: 1,234 main-loop
-instructions against 1,377 (bench/RESULTS.md, session 37)."""
-
-
 def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: int) -> int:
     """The kernels' ``F16``: 1 where a call takes fp16 tiles (`FP4_F16_TILES`; 2 in nibble
-    order, `FP4_NIBBLE_TILES`; 3 for e4m3 sources, `FP8_F16_TILES`), else 0: a bf16 / fp16
-    query held whole (``d_chunk`` 0), and every source e2m1 with e4m3 scales (or every source
-    e4m3 with UE8M0 scales) in whole power-of-two groups, also per value-product chunk; e2m1
-    value runs 4-byte aligned (word loads)."""
-    if q_dtype not in (torch.bfloat16, torch.float16) or d_chunk:
+    order, `FP4_NIBBLE_TILES`), else 0: a bf16 / fp16 query held whole (``d_chunk`` 0), and
+    every source e2m1 with e4m3 scales in whole power-of-two groups, also per value-product
+    chunk, its value runs 4-byte aligned (word loads)."""
+    if not FP4_F16_TILES or q_dtype not in (torch.bfloat16, torch.float16) or d_chunk:
         return 0
     chunk = d_p2 // pv_split
-    if FP8_F16_TILES and all(e4m3_f16_source(a, head_dim, d_p2, chunk) for a in addrs):
-        return 3
-    if not FP4_F16_TILES:
-        return 0
     for a in addrs:
         groups = chunk // a.group if chunk % a.group == 0 else 0
         if not (a.kind == _k.KIND_E2M1 and a.sf == _k.SF_E4M3 and groups

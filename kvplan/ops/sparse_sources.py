@@ -105,16 +105,6 @@ def flat_scales(a: SourceAddress, head_dim: int, d_p2: int) -> bool:
     return groups & (groups - 1) == 0
 
 
-def e4m3_f16_source(a: SourceAddress, head_dim: int, d_p2: int, chunk: int) -> bool:
-    """Whether source ``a`` can be read as fp16 tiles (``F16`` 3, ``E4M3_F16``): e4m3 values
-    with UE8M0 scales in whole power-of-two groups, also per chunk of ``chunk`` columns."""
-    groups = chunk // a.group if chunk % a.group == 0 else 0
-    return (
-        a.kind == _k.KIND_E4M3 and a.sf == _k.SF_UE8M0 and groups > 0
-        and groups & (groups - 1) == 0 and flat_scales(a, head_dim, d_p2)
-    )  # fmt: skip
-
-
 def gather_rows(source: KeySource, slots: torch.Tensor) -> torch.Tensor:
     """fp32 ``[*slots.shape, D]``: the (dequantized) row of each slot, zeros for ``-1``."""
     cache, layout = source.cache, source.layout

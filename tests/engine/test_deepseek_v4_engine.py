@@ -201,28 +201,20 @@ def test_llm_cuda_quantized_kv_matches_cpu(tmp_path, kv_format):
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
 
 
-@pytest.mark.parametrize("kv_format,nib", [("fp4", False), ("fp4", True), ("fp8", False)])
-def test_llm_bf16_records_on_f16_tiles(tmp_path, monkeypatch, kv_format, nib):
+@pytest.mark.parametrize("nib", [False, True])
+def test_llm_bf16_fp4_records_on_f16_tiles(tmp_path, monkeypatch, nib):
     """A bf16 DeepSeek-V4 engine on the Triton kernels (interpreter) over fp4 records read as
-    fp16 tiles (``FP4_F16_TILES``; in nibble order with ``FP4_NIBBLE_TILES``), or fp8 records
-    (``FP8_F16_TILES``, and the indexer's over mxfp8 index keys, ``index_scores.FP8_F16_TILES``):
-    its decode steps' sparse attention (and indexer) take them, and the greedy tokens equal
-    those of the bf16 tiles (the same key values; the probabilities round to fp16)."""
-    import kvplan.ops.index_scores as ix
+    fp16 tiles (``FP4_F16_TILES``; in nibble order with ``FP4_NIBBLE_TILES``): its decode
+    steps' sparse attention takes them, and the greedy tokens equal those of the bf16 tiles
+    (the same key values; the probabilities round to fp16)."""
     import kvplan.ops.sparse_attention as sa
 
     monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
     monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", nib)
-    switch, f16 = ("FP8_F16_TILES", 3) if kv_format == "fp8" else ("FP4_F16_TILES", 2 if nib else 1)
     taken = []
     real = sa.f16_tiles
     monkeypatch.setattr(sa, "f16_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
-    index_taken = []
-    real_ix = ix._f16_tiles
-    monkeypatch.setattr(
-        ix, "_f16_tiles", lambda *a: index_taken.append(real_ix(*a)) or index_taken[-1]
-    )
-    folder = tmp_path / "dsv4_d64"  # 64-wide heads: fp4's 36-byte records, word-aligned runs
+    folder = tmp_path / "dsv4_d64"  # 64-wide heads: 36-byte records, word-aligned runs
     # 3 Sinkhorn iterations (not the seed's 20): the interpreter's hc kernels took a third of
     # the test's time, and the attention's tiles are its subject
     cfg = hf_config(3, head_dim=64, index_head_dim=32, hc_sinkhorn_iters=3)
@@ -231,15 +223,10 @@ def test_llm_bf16_records_on_f16_tiles(tmp_path, monkeypatch, kv_format, nib):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = []
     for on in (False, True):
-        monkeypatch.setattr(sa, switch, on)
-        monkeypatch.setattr(ix, "FP8_F16_TILES", on and kv_format == "fp8")
-        llm = LLM(str(folder), device="cpu", dtype="bfloat16", max_model_len=64,
-                  kv_format=kv_format)  # fmt: skip
+        monkeypatch.setattr(sa, "FP4_F16_TILES", on)
+        llm = LLM(str(folder), device="cpu", dtype="bfloat16", max_model_len=64, kv_format="fp4")
         outs.append([o.token_ids for o in llm.generate(prompts, params)])
         # the decode steps' records (prompts read bf16 rows)
-        assert set(taken) == ({0, f16} if on else {0})
-        # the decode steps' indexer over mxfp8 keys (fp4 keeps its fp4 index keys)
-        assert set(index_taken) == ({True} if on and kv_format == "fp8" else {False})
+        assert set(taken) == ({0, 2 if nib else 1} if on else {0})
         taken.clear()
-        index_taken.clear()
     assert outs[0] == outs[1]

@@ -237,84 +237,6 @@ def test_index_scores_triton_interpreter(monkeypatch, kind) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _fp8_index_case(case: str, seed: int, width: int = 64, device: str = "cpu"):
-    """bf16 index queries [3, 4, width], weights, mxfp8 index keys and a slot table for the
-    fp16-tile cases: ``plain``; ``big query`` (2^20-sized query values, shifted into fp16's
-    range); ``key scales`` (keys of 2^20-, 1- and 2^-4-sized values side by side: the big
-    keys' values times 2^-shift, their scores times 2^shift)."""
-    from kvplan.backends.hybrid.storage import PagedRows, index_format
-
-    gen = torch.Generator().manual_seed(seed)
-    fmt = index_format("fp8", "mxfp8", width, torch.bfloat16)
-    rows = PagedRows(5, 8, fmt, width, device=torch.device(device))
-    keys = torch.randn(40, width, generator=gen)
-    if case == "key scales":
-        keys *= torch.tensor([2.0**20, 1.0, 2.0**-4]).repeat(14)[:40, None]
-    rows.store(keys.to(device), torch.arange(40, dtype=torch.int32, device=device))
-    q = torch.randn(3, 4, width, generator=gen)
-    q = q * 2.0**20 if case == "big query" else q * 2.0**-16 if case == "key scales" else q
-    w = torch.randn(3, 4, generator=gen)
-    idx = _index(gen, 3, 20, 40, device)
-    return q.bfloat16().to(device), w.to(device), rows, idx
-
-
-def _index_f16_close(got, want) -> None:
-    """Equal up to the summation order: per row, within 1e-5 of its largest score."""
-    live = want.isfinite()
-    assert torch.equal(live, got.isfinite())
-    g, r = got.where(live, 0.0), want.where(live, 0.0)
-    top = r.abs().amax(1, keepdim=True).clamp(min=1e-30)
-    assert float(((g - r).abs() / top).max()) < 1e-5
-
-
-@pytest.mark.parametrize("case", ["plain", "big query", "key scales"])
-def test_index_fp8_f16_tiles_equal_the_reference(monkeypatch, case) -> None:
-    """mxfp8 index keys with bf16 queries as fp16 tiles (``index_scores_triton(f16=True)``,
-    ``F16`` 3, interpreter): the launch takes them and gives the scores of the independent
-    dense path (the dequantized keys, fp32 einsum) and of the bf16 tiles, up to the order of
-    the sums."""
-    from kvplan.ops import index_scores as ix
-
-    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
-    taken = []
-    real = ix._f16_tiles
-    monkeypatch.setattr(ix, "_f16_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
-    q, w, rows, idx = _fp8_index_case(case, seed=31)
-    src = rows.key_source(idx)
-    got = ix.index_scores_triton(q, w, src, f16=True)
-    plain = ix.index_scores_triton(q, w, src, f16=False)
-    assert taken == [True, False]
-    want = _scores_via_load(q.float(), w, rows, idx)
-    _index_f16_close(got, want)
-    _index_f16_close(got, plain)
-
-
-def test_index_fp8_f16_tiles_only_where_they_apply() -> None:
-    """fp16 tiles only for bf16 / fp16 queries over e4m3 keys with UE8M0 scales in whole
-    power-of-two groups: fp32 queries, fp8 keys with fp32 scales and fp4 keys keep the other
-    path; ``f16=None`` follows ``FP8_F16_TILES``."""
-    from kvplan.backends.hybrid.storage import PagedRows, index_format
-    from kvplan.ops import index_scores as ix
-    from kvplan.ops.sparse_sources import source_address
-
-    def taken(kind, dtype, width=64, f16=True):
-        rows = PagedRows(
-            2, 8, index_format("fp8", kind, width, torch.float32), width, device=torch.device("cpu")
-        )
-        addr = source_address(0, rows.key_source(torch.zeros(1, 1, dtype=torch.int32)), width,
-                              split_ok=True)  # fmt: skip
-        q = torch.zeros(1, 1, width, dtype=dtype)
-        return ix._f16_tiles(q, addr, width, max(16, 1 << (width - 1).bit_length()), f16)
-
-    assert taken("mxfp8", torch.bfloat16) and taken("mxfp8", torch.float16)
-    assert not taken("mxfp8", torch.float32)
-    assert not taken("fp8_fp32sf", torch.bfloat16)
-    assert not taken("fp4", torch.bfloat16)
-    assert not taken("mxfp8", torch.bfloat16, width=96)  # three groups: not a power of two
-    assert not taken("mxfp8", torch.bfloat16, f16=False)
-    assert taken("mxfp8", torch.bfloat16, f16=None) == ix.FP8_F16_TILES
-
-
 def test_topk_columns() -> None:
     from kvplan.ops.sparse_attention import topk_columns
 
@@ -341,22 +263,3 @@ def test_index_scores_cuda(kind) -> None:
     idx = torch.randint(-1, 4096, (8, 3000), generator=gen, dtype=torch.int32).cuda()
     got = index_scores(q, w, rows.key_source(idx))
     torch.testing.assert_close(got, _scores_via_load(q, w, rows, idx), atol=1e-3, rtol=1e-4)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", ["plain", "big query", "key scales"])
-def test_cuda_index_fp8_f16_tiles(case) -> None:
-    """The fp16 tiles on the GPU at the indexer's shapes (32 heads x 128, mxfp8 keys, bf16
-    queries, 3,000 candidates a row): the dense path's scores and the bf16 tiles', up to the
-    order of the sums."""
-    from kvplan.ops import index_scores as ix
-
-    q, w, rows, _ = _fp8_index_case(case, seed=32, width=128, device="cuda")
-    gen = torch.Generator().manual_seed(33)
-    q = torch.randn(8, 32, 128, generator=gen).mul(q.float().abs().amax().cpu()).bfloat16().cuda()
-    w = torch.randn(8, 32, generator=gen).cuda()
-    idx = torch.randint(-1, 40, (8, 3000), generator=gen, dtype=torch.int32).cuda()
-    src = rows.key_source(idx)
-    got = ix.index_scores_triton(q, w, src, f16=True)
-    _index_f16_close(got, _scores_via_load(q.float(), w, rows, idx))
-    _index_f16_close(got, ix.index_scores_triton(q, w, src, f16=False))

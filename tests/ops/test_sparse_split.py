@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sm90_compile import compile_sm90
-from test_sparse_attention import FP4_64, FP8_48, FP8_64, _index_inputs, _inputs, _v4_inputs
+from test_sparse_attention import FP4_64, FP8_64, _index_inputs, _inputs, _v4_inputs
 
 from kvplan.formats import V41_FORMAT
 from kvplan.ops import _sparse_attention_kernels as _k
@@ -189,22 +189,24 @@ def test_fp4_f16_tiles_equal_the_reference(monkeypatch, num_splits, pv_split, ni
     """fp4 records (e2m1, e4m3 scales) as fp16 tiles (``FP4_F16_TILES``, interpreter; in
     nibble order with ``FP4_NIBBLE_TILES``): the launch takes them and gives the attention of
     the bf16 query over the exact values, as the bf16 tiles do; a query of 2^20-sized values
-    too (shifted into fp16's range)."""
+    too (shifted into fp16's range), and one of 2^-20-sized values with the scale 2^20 times
+    larger (shifted up out of fp16's subnormals, where its values would keep 4 bits)."""
     from kvplan.ops import sparse_attention as sa
 
     monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", nib)
     taken = []
     real = sa.f16_tiles
     monkeypatch.setattr(sa, "f16_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
-    for big in (1.0, 2.0**20):
+    for big in (1.0, 2.0**20, 2.0**-20):
         q, sources, sinks = _inputs([FP4_64, FP4_64], 3, 18, 64, [20, 37], seed=17,
                                     dtype=torch.bfloat16)  # fmt: skip
         q = (q.float() * big).bfloat16()
+        scale = 0.125 * (2.0**20 if big < 1 else 1.0)  # the small query's logits stay O(1)
         _hide_block(sources, 4, 12)
-        plain, got = _off_on(monkeypatch, "FP4_F16_TILES", q, sources, sinks, tile_n=16,
+        plain, got = _off_on(monkeypatch, "FP4_F16_TILES", q, sources, sinks, scale, tile_n=16,
                              num_splits=num_splits, pv_split=pv_split)  # fmt: skip
         assert taken[-2:] == [0, 2 if nib else 1]
-        want = sparse_attention_torch(q.float(), sources, sinks, 0.125)
+        want = sparse_attention_torch(q.float(), sources, sinks, scale)
         assert got.isfinite().all()
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
@@ -230,80 +232,6 @@ def test_fp4_f16_tiles_only_where_they_apply(monkeypatch) -> None:
     assert not sa.f16_tiles(torch.bfloat16, [fp4._replace(stride_token=38)], 64, 64, 0, 1)
     monkeypatch.setattr(sa, "FP4_F16_TILES", False)
     assert not sa.f16_tiles(torch.bfloat16, [fp4], 64, 64, 0, 1)
-
-
-def _scaled_fp8_source(gen, num_rows, width, factors):
-    """An ``FP8_64`` source (6 blocks of 8 slots) whose slot ``s`` holds random values times
-    ``factors[s % len(factors)]``, read through a random index."""
-    from kvplan.formats import alloc_kv_cache
-    from kvplan.ops import store_kv_cache
-    from kvplan.ops.sparse_attention import KeySource
-
-    rows = torch.randn(48, 64, generator=gen) * 2
-    rows *= torch.tensor(factors).repeat(48 // len(factors) + 1)[:48, None]
-    cache = alloc_kv_cache(6, 8, FP8_64).zero_()
-    store_kv_cache(rows.bfloat16(), cache, torch.arange(48, dtype=torch.int32), layout=FP8_64)
-    idx = torch.randint(0, 48, (num_rows, width), generator=gen, dtype=torch.int32)
-    return KeySource(cache, torch.where(torch.rand(num_rows, width, generator=gen) < 0.3, -1, idx),
-                     FP8_64)  # fmt: skip
-
-
-def _rel_max(got, want) -> float:
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
-
-
-@interpreter
-@pytest.mark.parametrize("num_splits,pv_split", [(1, 1), (3, 1), (3, 2)])
-def test_fp8_f16_tiles_equal_the_reference(monkeypatch, num_splits, pv_split) -> None:
-    """fp8 sources (e4m3, UE8M0 scales) as fp16 tiles (``FP8_F16_TILES``, interpreter): the
-    launch takes them (``F16`` 3) and gives the attention of the bf16 query over the stored
-    values, as the bf16 tiles do: plain keys; a query of 2^20-sized values (shifted into
-    fp16's range); keys up to 2^21 (each key's values scaled down by 2^-shift, the logits and
-    weights back up) beside keys of 1e-3 (fp16 subnormals for their smallest codes)."""
-    from kvplan.ops import sparse_attention as sa
-
-    taken = []
-    real = sa.f16_tiles
-    monkeypatch.setattr(sa, "f16_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
-    for case in ("plain", "big query", "key scales"):
-        q, sources, sinks = _inputs([FP8_64, FP8_64], 3, 18, 64, [20, 37], seed=23,
-                                    dtype=torch.bfloat16)  # fmt: skip
-        if case == "big query":
-            q = (q.float() * 2.0**20).bfloat16()
-        if case == "key scales":  # slots of 2^20-, 1- and 2^-11-sized values
-            gen = torch.Generator().manual_seed(24)
-            sources[1] = _scaled_fp8_source(gen, 3, 37, [2.0**20, 1.0, 2.0**-11])
-            q = (q.float() * 2.0**-16).bfloat16()  # the logits of the big keys stay O(1)
-        _hide_block(sources, 4, 12)
-        plain, got = _off_on(monkeypatch, "FP8_F16_TILES", q, sources, sinks, tile_n=16,
-                             num_splits=num_splits, pv_split=pv_split)  # fmt: skip
-        assert taken[-2:] == [0, 3]
-        want = sparse_attention_torch(q.float(), sources, sinks, 0.125)
-        assert got.isfinite().all(), case
-        for h in range(got.shape[1]):  # per head: each within bf16 rounding of its own size
-            assert _rel_max(got[:, h], want[:, h]) < 1e-2, (case, h)
-            assert _rel_max(got[:, h], plain[:, h]) < 1e-2, (case, h)
-
-
-def test_fp8_f16_tiles_only_where_they_apply(monkeypatch) -> None:
-    """`f16_tiles` gives 3 only with ``FP8_F16_TILES``, a bf16 / fp16 query held whole and
-    every source e4m3 with UE8M0 scales in power-of-two groups (per value chunk too)."""
-    from kvplan.ops import sparse_attention as sa
-    from kvplan.ops.sparse_sources import source_address
-
-    q, sources, _ = _inputs([FP8_64, FP4_64], 1, 2, 64, [4, 4], seed=18)
-    fp8, fp4 = (source_address(i, src, 64) for i, src in enumerate(sources))
-    monkeypatch.setattr(sa, "FP8_F16_TILES", True)
-    assert sa.f16_tiles(torch.bfloat16, [fp8], 64, 64, 0, 1) == 3
-    assert sa.f16_tiles(torch.float16, [fp8, fp8], 64, 64, 0, 2) == 3
-    assert sa.f16_tiles(torch.bfloat16, [fp8], 64, 64, 0, 4) != 3  # 16-value chunks
-    assert not sa.f16_tiles(torch.float32, [fp8], 64, 64, 0, 1)  # fp32 query
-    assert not sa.f16_tiles(torch.bfloat16, [fp8], 64, 64, 32, 1)  # query in chunks
-    assert sa.f16_tiles(torch.bfloat16, [fp8, fp4], 64, 64, 0, 1) != 3  # an fp4 source
-    short = source_address(0, _inputs([FP8_48], 1, 2, 48, [4], seed=19)[1][0], 48)
-    assert sa.f16_tiles(torch.bfloat16, [short], 48, 64, 0, 1) != 3  # a short last group
-    monkeypatch.setattr(sa, "FP8_F16_TILES", False)
-    assert not sa.f16_tiles(torch.bfloat16, [fp8], 64, 64, 0, 1)
 
 
 def test_env_flags(monkeypatch) -> None:
@@ -396,13 +324,12 @@ def test_split_kernels_compile_for_sm90() -> None:
                      HW=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("sf,gs,flat,f16", [(0, 32, True, 0), (2, 128, True, 0), (0, 32, True, 3)],
-                         ids=["ue8m0", "fp32", "ue8m0-f16"])  # fmt: skip
-def test_index_tc_kernel_compiles_for_sm90(sf, gs, flat, f16) -> None:
+@pytest.mark.parametrize("sf,gs,flat", [(0, 32, True), (2, 128, True)], ids=["ue8m0", "fp32"])
+def test_index_tc_kernel_compiles_for_sm90(sf, gs, flat) -> None:
     sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "c_ptr": "*u8"}
     compile_sm90(_k.index_scores_tc_kernel, "*i32", sig, HEAD_DIM=128, D_P2=128, TILE_H=32,
                  TILE_N=128, TILES=2, KIND=2, SF=sf, GS=gs, FLAT=flat, HW=True,
-                 DOT_BF16=True, block_size=32, F16=f16)  # fmt: skip
+                 DOT_BF16=True, block_size=32)  # fmt: skip
 
 
 # ---- CUDA at DeepSeek-V4 shapes ------------------------------------------------------------
@@ -501,23 +428,19 @@ def test_cuda_fused_merge_equals_combine_kernel_and_replays(monkeypatch, num_spl
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp8", "fp4", "fp4_nib"])
+@pytest.mark.parametrize("nib", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 3, 40])
-def test_cuda_f16_tiles_v4_shapes(monkeypatch, num_splits, kind) -> None:
-    """V41 FP8 / FP4 records at the DeepSeek-V4 shapes on fp16 tiles (``FP8_F16_TILES`` /
-    ``FP4_F16_TILES``; fp4 in nibble order with ``FP4_NIBBLE_TILES``: values 2^-14 small,
-    fp16 subnormals in the MMAs), one program and split, against the reference and the bf16
-    tiles, with the output's inverse RoPE."""
+def test_cuda_fp4_f16_tiles_v4_shapes(monkeypatch, num_splits, nib) -> None:
+    """V41 FP4 records at the DeepSeek-V4 shapes on fp16 tiles (in nibble order with
+    ``FP4_NIBBLE_TILES``: values 2^-14 small, fp16 subnormals in the MMAs), one program and
+    split, against the reference and the bf16 tiles, with the output's inverse RoPE."""
     from kvplan.formats import V41_FP4_FORMAT
     from kvplan.ops import sparse_attention as sa
 
-    layout, switch = (
-        (V41_FORMAT, "FP8_F16_TILES") if kind == "fp8" else (V41_FP4_FORMAT, "FP4_F16_TILES")
-    )
-    q, sources, sinks, rope = _v4_rope_inputs(layout, seed=27 if kind == "fp8" else 26)
-    monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", kind == "fp4_nib")
-    plain, got = _off_on(monkeypatch, switch, q, sources, sinks, 512**-0.5, check=False,
-                         num_splits=num_splits, out_rope=rope)  # fmt: skip
+    q, sources, sinks, rope = _v4_rope_inputs(V41_FP4_FORMAT, seed=26)
+    monkeypatch.setattr(sa, "FP4_NIBBLE_TILES", nib)
+    plain, got = _off_on(monkeypatch, "FP4_F16_TILES", q, sources, sinks, 512**-0.5,
+                         check=False, num_splits=num_splits, out_rope=rope)  # fmt: skip
     want = sparse_attention_torch(q, sources, sinks, 512**-0.5, out_rope=rope)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
