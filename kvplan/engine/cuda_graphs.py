@@ -28,8 +28,11 @@ place, so a decode step allocates nothing that depends on the step.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -62,11 +65,28 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
     return None
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block, as it was after. A collection
+    during a CUDA graph capture can free an unreachable graph of another engine, whose reset
+    is not permitted while a stream captures: the capture fails and the engine falls back to
+    eager steps (seen on an H100 in session 38's GPU suite, where each worker builds engine
+    after engine in one process; torch no longer collects before a capture)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 def capture_graph(forward: Any, pool: Any) -> tuple[Any, Any]:
-    """Capture ``forward()`` into a CUDA graph sharing the memory ``pool``: returns (the
-    graph, its output tensor, rewritten by every ``graph.replay()``)."""
+    """Capture ``forward()`` into a CUDA graph sharing the memory ``pool``, with the garbage
+    collector paused (`gc_paused`): returns (the graph, its output tensor, rewritten by every
+    ``graph.replay()``)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with gc_paused(), torch.cuda.graph(graph, pool=pool):
         out = forward()
     return graph, out
 

@@ -165,3 +165,41 @@ def test_context_tiers_replay_the_shortest_graph_that_holds_the_step_on_cpu():
     assert len(full) == sum(n == 4 for n, *_ in events) and all(
         b == 4 for n, b, *_ in events if n == 4
     )
+
+
+def test_capture_pauses_the_garbage_collector(monkeypatch):
+    """`capture_graph` runs the captured forward with Python's cyclic collector off (a
+    collection inside a capture can free another engine's graph, whose reset invalidates the
+    capture) and leaves it as it found it, also when the forward raises (CPU stand-ins for
+    torch's graph and capture context)."""
+    import contextlib
+    import gc
+
+    from kvplan.engine import cuda_graphs as cg
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    seen = []
+
+    def forward():
+        seen.append(gc.isenabled())
+        return torch.zeros(2)
+
+    was_on = gc.isenabled()
+    try:
+        gc.enable()
+        graph, out = cg.capture_graph(forward, None)
+        assert graph == "graph" and out.shape == (2,)
+        assert seen == [False] and gc.isenabled()
+
+        def fails():
+            raise RuntimeError("capture failed")
+
+        with pytest.raises(RuntimeError, match="capture failed"):
+            cg.capture_graph(fails, None)
+        assert gc.isenabled()
+        gc.disable()  # a caller that runs without the collector keeps it off
+        cg.capture_graph(forward, None)
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable() if was_on else gc.disable()
