@@ -104,17 +104,16 @@ def context_tiers(bounds: Any, max_model_len: int) -> list[int]:
 def kv_format_context_bounds(kv_format: str) -> tuple[int, ...]:
     """`context_tiers`' bounds for a dense cache of ``kv_format``: where its default decode
     launch changes with the context (``decode_context_bounds`` of every launch key the
-    format's pages can take: fp4 pages also read as fp16 tiles, ``"e2m1_f16"``).
+    format's pages can take, ``decode_keys``).
 
     >>> kv_format_context_bounds("bf16")
     ()
     """
     from kvplan.cache.kv_tensors import QUANTIZED_KV_FORMATS
-    from kvplan.ops._paged_attention_kernels import decode_context_bounds
+    from kvplan.ops._paged_attention_kernels import decode_context_bounds, decode_keys
 
     dtype = QUANTIZED_KV_FORMATS.get(kv_format, (None,))[0]
-    keys = (dtype, "e2m1_f16") if dtype == "e2m1" else (dtype,)
-    return tuple(sorted({b for k in keys for b in decode_context_bounds(k)}))
+    return tuple(sorted({b for k in decode_keys(dtype) for b in decode_context_bounds(k)}))
 
 
 def capture_checked(graphs: Any, b: int, pool: Any, eager: Any, what: str) -> Any:

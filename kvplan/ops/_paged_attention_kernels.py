@@ -770,6 +770,16 @@ def decode_key(kv_layout, kv_quant: int) -> str | None:
     return "e2m1_f16" if f16 else kv_layout.quantized_dtype
 
 
+def decode_keys(quantized_dtype: str | None) -> tuple[str | None, ...]:
+    """Every `decode_key` a launch over pages of ``quantized_dtype`` (None: a float cache) can
+    take: e2m1 pages also read as fp16 tiles (``"e2m1_f16"``).
+
+    >>> decode_keys("e2m1"), decode_keys("e4m3"), decode_keys(None)
+    (('e2m1', 'e2m1_f16'), ('e4m3',), (None,))
+    """
+    return (quantized_dtype, "e2m1_f16") if quantized_dtype == "e2m1" else (quantized_dtype,)
+
+
 def _dot_precision(dtype) -> str:
     """fp32 caches get exact fp32 products (tf32 would miss the 1e-5 tolerance)."""
     return "ieee" if dtype == torch.float32 else "tf32"
