@@ -229,25 +229,33 @@ def _floor_mod(a, m):
     return tl.where(r < 0, r + m, r)
 
 
+# ring rows of one state slot x entries a program of `_expand_window_index_kernel` writes
+EXPAND_TILE = 1024
+
+
 @jit(sizes=("num_entries",))
 def _expand_window_index_kernel(
-    facts_ptr, out_ptr, num_entries, stride_e, stride_f, num_rows, ring_rows,
-    R_P2: tl.constexpr, TILE_E: tl.constexpr,
+    facts_ptr, out_ptr, num_entries, stride_e, stride_f, ring_rows,
+    NUM_ROWS: tl.constexpr, R_P2: tl.constexpr, TILE_E: tl.constexpr,
 ):  # fmt: skip
+    """The ring positions wrap in int32 modulo the constexpr ``NUM_ROWS`` (a multiply and a
+    shift; an int64 ``%`` by a runtime value is a subroutine call per element, ~20 us for a
+    decode step's 32 x 128 entries on the H200); ``start < ring_rows < 2**31`` and the
+    window offsets are below ``2 * NUM_ROWS``. The step rows' index stays int64."""
     e = tl.program_id(0) * TILE_E + tl.arange(0, TILE_E)
     e_ok = e < num_entries
     col = tl.arange(0, R_P2)[None, :]
     base = facts_ptr + e.to(tl.int64) * stride_e
-    start = tl.load(base, mask=e_ok, other=0).to(tl.int64)[:, None]
-    n_empty = tl.load(base + stride_f, mask=e_ok, other=0).to(tl.int64)[:, None]
-    n_ring = tl.load(base + 2 * stride_f, mask=e_ok, other=0).to(tl.int64)[:, None]
+    start = tl.load(base, mask=e_ok, other=0).to(tl.int32)[:, None]
+    n_empty = tl.load(base + stride_f, mask=e_ok, other=0).to(tl.int32)[:, None]
+    n_ring = tl.load(base + 2 * stride_f, mask=e_ok, other=0).to(tl.int32)[:, None]
     step = tl.load(base + 3 * stride_f, mask=e_ok, other=0).to(tl.int64)[:, None]
-    first = _floor_mod(start, num_rows)
-    ring = start - first + _floor_mod(first + col - n_empty, num_rows)
-    stepped = ring_rows + step + col - n_empty - n_ring
-    out = tl.where(col < n_empty, -1, tl.where(col < n_empty + n_ring, ring, stepped))
-    ptrs = out_ptr + e.to(tl.int64)[:, None] * num_rows + col
-    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=e_ok[:, None] & (col < num_rows))
+    first = _floor_mod(start, NUM_ROWS)
+    ring = start - first + _floor_mod(first + col - n_empty, NUM_ROWS)
+    stepped = ring_rows + step + (col - n_empty - n_ring).to(tl.int64)
+    out = tl.where(col < n_empty, -1, tl.where(col < n_empty + n_ring, ring.to(tl.int64), stepped))
+    ptrs = out_ptr + e.to(tl.int64)[:, None] * NUM_ROWS + col
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=e_ok[:, None] & (col < NUM_ROWS))
 
 
 def expand_window_index_triton(
@@ -259,15 +267,16 @@ def expand_window_index_triton(
         raise ValueError(f"window_facts must be [E, 4], got {tuple(window_facts.shape)}")
     if num_rows < 1:
         raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+    check_int32("ring_rows", ring_rows)
     e = window_facts.shape[0]
     out = torch.empty(e, num_rows, dtype=dtype, device=window_facts.device)
     if e == 0:
         return out
     r_p2 = triton.next_power_of_2(num_rows)
-    tile_e = max(1, 4096 // r_p2)  # not from e: a new entry count reuses the kernel
+    tile_e = max(1, EXPAND_TILE // r_p2)  # not from e: a new entry count reuses the kernel
     _expand_window_index_kernel[(triton.cdiv(e, tile_e),)](
-        window_facts, out, e, window_facts.stride(0), window_facts.stride(1), num_rows,
-        ring_rows, R_P2=r_p2, TILE_E=tile_e,
+        window_facts, out, e, window_facts.stride(0), window_facts.stride(1), ring_rows,
+        NUM_ROWS=num_rows, R_P2=r_p2, TILE_E=tile_e,
     )  # fmt: skip
     return out
 
