@@ -210,6 +210,7 @@ def run_decode(
     gen,
     graphs=False,
     profile=0,
+    max_model_len=0,
 ):
     """Fill the caches at ``context`` and time ``steps`` decode steps after ``warmup``.
 
@@ -217,13 +218,16 @@ def run_decode(
     (`kvplan.engine.hybrid_graphs.HybridDecodeGraphs`, one bucket of ``batch`` rows); the host
     half (``stage``: checks, the packed decode facts, the upload) is timed as "plan".
     ``profile``: profile that many extra steps and return the top kernels by device time.
+    ``max_model_len``: the family's bound when larger than the run needs (a server's
+    ``max_model_len`` above the contexts it serves).
     """
     dev = model.embed_tokens.weight.device
     max_len = context + warmup + 2 * steps + profile + 1
     blocks_per_seq = -(-max_len // block_size)
     family = PlannedHybridFamily(
         cfg.layer_specs(), block_size=block_size, num_blocks=batch * blocks_per_seq + 1,
-        num_state_slots=batch, max_model_len=max_len, kv_format=kv_format, dtype=dtype,
+        num_state_slots=batch, max_model_len=max(max_len, max_model_len), kv_format=kv_format,
+        dtype=dtype,
         device=dev,
     )  # fmt: skip
     perm = torch.randperm(batch * blocks_per_seq, generator=torch.Generator().manual_seed(0)) + 1
@@ -431,6 +435,9 @@ def main() -> None:
         help="profile STEPS extra steps of each run: top kernels in the JSON",
     )
     ap.add_argument("--time-budget", type=float, default=180.0, help="seconds; later runs skip")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the family's max_model_len when larger than a run needs (default: "
+                    "the context plus the run's steps)")  # fmt: skip
     ap.add_argument("--hc-fused-max-rows", default=None,
                     help="comma-separated values of kvplan.ops.hyper_connection.FUSED_MAX_ROWS "
                     "to run each format / context under (A/B of the fused residual update)")  # fmt: skip
@@ -473,7 +480,8 @@ def main() -> None:
         try:
             row.update(run_decode(model, cfg, kv_format, dtype, batch, context, steps, warmup,
                                   block_size, gen, graphs=mode == "graphs",
-                                  profile=args.profile))  # fmt: skip
+                                  profile=args.profile,
+                                  max_model_len=args.max_model_len))  # fmt: skip
         except torch.OutOfMemoryError:
             row["skipped"] = "out of memory"
             rows.append(row)

@@ -175,18 +175,21 @@ def topk_case(a, dev, gen, cand: int) -> list[dict]:
     """The indexer's top-k of a decode step: ``a.rows`` rows of ``cand`` fp32 scores (every
     column eligible), ``a.top_k`` winners mapped through a slot table. old = the default
     launch; the sweep: digit width, chunk, the compacting search, the in-register row and
-    the split search (the same winners, bit for bit)."""
-    scores = torch.randn(a.rows, cand, generator=gen, device=dev)
+    the split search (the same winners, bit for bit). ``a.topk_width`` (when larger) widens
+    the rows past the ``cand`` eligible columns, as a captured decode step's rows are
+    ``max_model_len // ratio`` wide."""
+    width = max(cand, a.topk_width or 0)
+    scores = torch.randn(a.rows, width, generator=gen, device=dev)
     count = torch.full((a.rows,), cand, dtype=torch.int32, device=dev)
-    slots = torch.randperm(a.rows * cand, generator=gen, device=dev).to(torch.int32)
-    slots = slots.view(a.rows, cand)
+    slots = torch.randperm(a.rows * width, generator=gen, device=dev).to(torch.int32)
+    slots = slots.view(a.rows, width)
     configs = [{"bits": b, "tile": t, "num_warps": 8} for b in (6, 8) for t in (2048, 4096)]
     configs += [{"compact": True, "bits": b, "tile": 2048, "num_warps": 8} for b in (5, 8)]
-    if cand <= 16384:  # the whole row in registers
+    if width <= 16384:  # the whole row in registers
         configs += [{"row": True, "bits": b} for b in (5, 6, 8)]
     configs += [{"row": True, "part": p, "bits": b}
-                for p in (2048, 4096, 8192, 16384) for b in (5, 6) if p < cand]  # fmt: skip
-    configs += [{"row": False, "part": 8192, "bits": 5}] if cand > 8192 else []
+                for p in (2048, 4096, 8192, 16384) for b in (5, 6) if p < width]  # fmt: skip
+    configs += [{"row": False, "part": 8192, "bits": 5}] if width > 8192 else []
     if dev.type != "cuda":
         configs = [{"bits": 8, "tile": 64, "num_warps": 1},
                    {"compact": True, "bits": 5, "tile": 64, "num_warps": 1},
@@ -195,7 +198,8 @@ def topk_case(a, dev, gen, cand: int) -> list[dict]:
     def call(**cfg):
         return topk_columns_triton(scores, count, a.top_k, gather=slots, **cfg)
 
-    return compare(f"topk {a.rows}x{cand}", call, configs, {}, dev)
+    name = f"topk {a.rows}x{cand}" + (f" of {width}" if width > cand else "")
+    return compare(name, call, configs, {}, dev)
 
 
 def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chosen: int):
@@ -311,6 +315,9 @@ def main() -> None:
     ap.add_argument("--candidates", default=None,
                     help="comma-separated candidates per row of the index / top-k cases "
                     "(default 8192,32768)")  # fmt: skip
+    ap.add_argument("--topk-width", type=int, default=0,
+                    help="top-k cases: columns per row when more than the candidates (a "
+                    "captured decode step's max_model_len // ratio)")  # fmt: skip
     ap.add_argument(
         "--index-kinds",
         default="mxfp8,fp8_fp32sf",
