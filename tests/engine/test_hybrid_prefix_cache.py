@@ -234,7 +234,14 @@ def test_state_kept_inside_a_chunk_equals_a_cut_chunks_snapshot(pair, kv_format,
     boundary holds bit for bit what the cut chunk's snapshot holds (rings and the CSA
     compressor rows of every layer); a repeat resumes there and equals HF. ``fused``: the
     compressor's fused kernel (CUDA's path; the interpreter here), whose raw gate the kept rows
-    bias themselves."""
+    bias themselves.
+
+    With the exact (fp32) cache the snapshots agree to fp32 rounding, not bit for bit: the
+    two prompt steps hold 32 and 45 rows, and torch's CPU elementwise kernels compute a
+    tensor's last elements past a whole number of vector pairs with scalar code (AVX-512:
+    32 floats; an exp / silu there rounds otherwise), and a one-row GEMM is a GEMV, so a
+    row's bits can depend on the step's row count (seen on an AVX-512 CPU; AVX2's 16-float
+    pairs divide every tensor here). A wrong row or position differs by far more."""
     if fused:
         monkeypatch.setenv("KVPLAN_FUSED_COMPRESS", "1")
     hf, folder = pair
@@ -254,7 +261,11 @@ def test_state_kept_inside_a_chunk_equals_a_cut_chunks_snapshot(pair, kv_format,
     [h] = list(snapshots(kept)._by_hash)
     assert list(snapshots(cut)._by_hash) == [h]
     for a, b in zip(_registered(cut, h), _registered(kept, h)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        if kv_format != "auto":  # fp8 / fp4 records and every fp32 ring: bit for bit
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        else:  # fp32 (exact records' bytes too): CPU vector rounding, see the docstring
+            torch.testing.assert_close(a.view(torch.float32), b.view(torch.float32),
+                                       rtol=1e-5, atol=1e-6)  # fmt: skip
     again = kept.generate([prompt], GREEDY)[0]
     assert again.num_cached_prefix_tokens == 32
     if kv_format == "auto":
