@@ -68,8 +68,14 @@ MAX_ROW = 16384  # widest row (or part) the digit passes may hold in registers (
 #   vs 164.8 us (1.59x; the in-register split 175.8 us);
 # - the part (`split_part`, 2026-12-02, 18:00): the narrowest of SPLIT_PART, 2 x SPLIT_PART,
 #   ... up to MAX_ROW whose parts fit one program an SM: 64 x 32,768 parts of 16,384 44.8 us,
-#   of 8,192 52.7 us, the compacting search 64.7 us.
+#   of 8,192 52.7 us, the compacting search 64.7 us;
+# - rows a little wider than a power of two (a captured decode step's, max_model_len // 4
+#   wide: 8,232 columns, 8,192 eligible; H100, 2026-12-05, `--topk-width 8232`): the row in
+#   registers pads to 16,384 (30.7 us at 32 rows); parts of NARROW_PART columns, when one
+#   program a part fits the SMs, 25.1 us (parts of 2,048 26.3, of 8,192 29.6, the
+#   compacting search 25.8).
 SPLIT_PART = 8192
+NARROW_PART = 4096
 
 
 def split_part(num_rows: int, width: int, num_sms: int) -> int:
@@ -90,6 +96,10 @@ def topk_plan(num_rows: int, width: int, top_k: int, num_sms: int) -> tuple[bool
         return False, 0, False
     if 2 * num_rows <= num_sms:
         if width <= MAX_ROW:
+            parts = triton.cdiv(width, NARROW_PART)
+            narrow = width > MAX_ROW // 2 and num_rows * parts <= num_sms
+            if narrow and 2 * parts * top_k < width:
+                return True, NARROW_PART, False
             return True, 0, False
         part = split_part(num_rows, width, num_sms)
         if 2 * triton.cdiv(width, part) * top_k < width:

@@ -156,13 +156,17 @@ def test_explicit_form_replaces_the_plan(monkeypatch) -> None:
 
 def test_default_plan() -> None:
     """``topk_plan``: few rows (up to half the SMs) hold the row in registers, split into
-    parts when wider than a register row holds and the parts' winners stay under half the
-    row; more rows take the compacting search; no device: the plain search."""
+    parts when wider than a register row holds (or wider than half of it, in parts of
+    4,096 columns when a program each fits the SMs) and the parts' winners stay under half
+    the row; more rows take the compacting search; no device: the plain search."""
     from kvplan.ops.topk import SPLIT_PART, topk_plan
 
     assert topk_plan(32, 32768, 512, 0) == (False, 0, False)
     assert topk_plan(32, 8192, 512, 132) == (True, 0, False)
-    assert topk_plan(66, 16384, 512, 132) == (True, 0, False)
+    assert topk_plan(66, 16384, 512, 132) == (True, 0, False)  # 4 x 66 parts: too many
+    assert topk_plan(32, 8192 + 40, 512, 132) == (True, 4096, False)  # 3 x 32 parts of 4,096
+    assert topk_plan(32, 16384, 512, 132) == (True, 4096, False)
+    assert topk_plan(32, 8192 + 40, 2048, 132) == (True, 0, False)  # the parts' winners: 6,144
     assert topk_plan(32, 32768, 512, 132) == (True, SPLIT_PART, False)  # 128 parts
     assert topk_plan(64, 32768, 512, 132) == (True, 2 * SPLIT_PART, False)  # 256 -> 128 parts
     assert topk_plan(40, 65536, 512, 132) == (True, 2 * SPLIT_PART, False)  # the widest part
