@@ -211,6 +211,7 @@ def run_decode(
     graphs=False,
     profile=0,
     max_model_len=0,
+    context_bounds=None,
 ):
     """Fill the caches at ``context`` and time ``steps`` decode steps after ``warmup``.
 
@@ -219,7 +220,8 @@ def run_decode(
     half (``stage``: checks, the packed decode facts, the upload) is timed as "plan".
     ``profile``: profile that many extra steps and return the top kernels by device time.
     ``max_model_len``: the family's bound when larger than the run needs (a server's
-    ``max_model_len`` above the contexts it serves).
+    ``max_model_len`` above the contexts it serves). ``context_bounds``: the graphs' shorter
+    context tiers (None: their default; ``()``: one graph for ``max_model_len``).
     """
     dev = model.embed_tokens.weight.device
     max_len = context + warmup + 2 * steps + profile + 1
@@ -238,9 +240,9 @@ def run_decode(
     fill_caches(family, seqs, context, gen)
     runner = None
     if graphs:
-        runner = HybridDecodeGraphs(HybridCausalLM(model), family, batch)
+        runner = HybridDecodeGraphs(HybridCausalLM(model), family, batch, context_bounds)
         runner.buckets = [batch]
-        runner.steps = {batch: runner.steps[batch]}
+        runner.steps = {k: v for k, v in runner.steps.items() if k[0] == batch}
         runner.capture_all()
     ids = torch.randint(0, cfg.vocab_size, (batch,), generator=gen, device=dev)
 
@@ -277,6 +279,10 @@ def run_decode(
         done = context + warmup + (2 * steps if runner is not None else steps)
         out["profile"] = profile_steps(lambda i: one_step(done + i), profile, dev)
     cache_bytes = sum(p.cache.numel() for c in family.caches for p in [c.ring, *c.pools.values()])
+    if runner is not None:
+        out["max_model_len"] = family.config.max_model_len
+        out["graph_tiers"] = runner.tiers
+        out["tier_replays"] = runner.tier_replays
     return {
         "mode": "graphs" if graphs else "eager",
         "step_ms": statistics.median(step_s) * 1e3,
@@ -438,6 +444,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="the family's max_model_len when larger than a run needs (default: "
                     "the context plus the run's steps)")  # fmt: skip
+    ap.add_argument("--no-tiers", action="store_true",
+                    help="graphs: one per batch for max_model_len, no shorter context tiers")  # fmt: skip
     ap.add_argument("--hc-fused-max-rows", default=None,
                     help="comma-separated values of kvplan.ops.hyper_connection.FUSED_MAX_ROWS "
                     "to run each format / context under (A/B of the fused residual update)")  # fmt: skip
@@ -481,7 +489,8 @@ def main() -> None:
             row.update(run_decode(model, cfg, kv_format, dtype, batch, context, steps, warmup,
                                   block_size, gen, graphs=mode == "graphs",
                                   profile=args.profile,
-                                  max_model_len=args.max_model_len))  # fmt: skip
+                                  max_model_len=args.max_model_len,
+                                  context_bounds=() if args.no_tiers else None))  # fmt: skip
         except torch.OutOfMemoryError:
             row["skipped"] = "out of memory"
             rows.append(row)

@@ -25,6 +25,14 @@ Capture per bucket (largest first, one memory pool): the step is staged with pad
 only, one eager run compiles the kernels (the MoE on its sync-free dense path, as under
 capture), the step is captured, replayed and compared with the eager logits. Any failure
 disables graphs (eager steps keep working) with a note on stderr.
+
+Context tiers: a captured step's widths follow its ``max_seqlen_k`` (every CSA layer scores
+and searches ``max_seqlen_k // 4`` candidates a row, every HCA layer lists
+``max_seqlen_k // 128`` entries), so a graph captured for ``max_model_len`` makes short
+contexts pay for the longest (H100, batch 32 at 4K context: 2.76 ms a step with
+``max_model_len`` 4K, 3.22 ms with 128K). Each bucket is also captured for the shorter
+``context_tiers`` (default `hybrid_context_bounds`: 8K, then x4 below ``max_model_len``),
+and `stage` takes the step of the smallest tier holding the batch's longest row.
 """
 
 from __future__ import annotations
@@ -36,7 +44,13 @@ from typing import Any
 import torch
 
 from kvplan.backends.hybrid.static_step import StaticDecodeBuffers, StaticDecodeStep
-from kvplan.engine.cuda_graphs import bucket_for, capture_checked, capture_graph, decode_buckets
+from kvplan.engine.cuda_graphs import (
+    bucket_for,
+    capture_checked,
+    capture_graph,
+    context_tiers,
+    decode_buckets,
+)
 from kvplan.engine.hybrid import HYBRID
 from kvplan.engine.step import StepBatch
 from kvplan.models.deepseek_v4.moe import graph_safe_routing
@@ -49,23 +63,42 @@ class HybridDecodeGraphs:
         model: the `HybridCausalLM`.
         family: its `kvplan.backends.hybrid.planned.PlannedHybridFamily`.
         max_num_seqs: the largest bucket.
+        context_bounds: the shorter context tiers (`context_tiers`); None:
+            `hybrid_context_bounds` of the family's ``max_model_len``.
+
+    ``graphs`` / ``logits``: each bucket's graph for ``max_model_len`` and its output;
+    ``tier_graphs`` / ``tier_logits``: those of the shorter tiers, by ``(bucket, tier)``;
+    ``steps``: the static step of each ``(bucket, tier)``.
     """
 
-    def __init__(self, model: Any, family: Any, max_num_seqs: int) -> None:
+    def __init__(
+        self, model: Any, family: Any, max_num_seqs: int, context_bounds: Any = None
+    ) -> None:
         self.model = model
         self.family = family
+        self.max_model_len = family.config.max_model_len
+        if context_bounds is None:
+            context_bounds = hybrid_context_bounds(self.max_model_len)
+        self.tiers = context_tiers(context_bounds, self.max_model_len)
         self.buckets = decode_buckets(max_num_seqs)
         self.buffers = StaticDecodeBuffers(family, max_num_seqs)
-        self.steps = {b: StaticDecodeStep(family, b, self.buffers) for b in self.buckets}
+        self.steps = {(b, t): StaticDecodeStep(family, b, self.buffers, t)
+                      for b in self.buckets for t in self.tiers}  # fmt: skip
         self.device = family.device
         self.graphs: dict[int, Any] = {}  # bucket -> torch.cuda.CUDAGraph
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> fp32 [b, V]
+        self.tier_graphs: dict[tuple[int, int], Any] = {}  # (bucket, tier) -> graph
+        self.tier_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.num_replays = 0
         self.num_replays_ahead = 0  # replays of steps scheduled ahead (device input tokens)
+        self.tier_replays = 0  # replays of a shorter tier's graph
         self._ahead: dict[int, bool] = {}  # bucket -> its staged step awaits device tokens
+        self._tier: dict[int, int] = {}  # bucket -> the tier of its staged step
 
     @classmethod
-    def maybe_create(cls, model: Any, family: Any, max_num_seqs: int) -> HybridDecodeGraphs | None:
+    def maybe_create(
+        cls, model: Any, family: Any, max_num_seqs: int, context_bounds: Any = None
+    ) -> HybridDecodeGraphs | None:
         """Captured graphs on CUDA; None elsewhere or when capture fails (note on stderr)."""
         if family.device.type != "cuda":
             return None
@@ -73,7 +106,7 @@ class HybridDecodeGraphs:
             print("kvplan: CUDA graphs do not trace attention; eager steps", file=sys.stderr)
             return None
         try:
-            graphs = cls(model, family, max_num_seqs)
+            graphs = cls(model, family, max_num_seqs, context_bounds)
             graphs.capture_all()
         except Exception as exc:  # any capture problem: fall back to eager steps
             print(f"kvplan: CUDA graph capture failed, eager steps ({exc!r})", file=sys.stderr)
@@ -81,9 +114,13 @@ class HybridDecodeGraphs:
         return graphs
 
     # ------------------------------------------------------------------ capture
+    def staged_step(self, b: int) -> StaticDecodeStep:
+        """The static step bucket ``b`` staged last (its tier's)."""
+        return self.steps[b, self._tier.get(b, self.max_model_len)]
+
     def _forward(self, b: int) -> torch.Tensor:
         """The device half of a staged step of bucket ``b`` and the model: fp32 ``[b, V]``."""
-        step = self.steps[b]
+        step = self.staged_step(b)
         with torch.inference_mode():
             step.begin()
             return self.model(step.input_ids, step.positions, {HYBRID: step}, None)
@@ -96,8 +133,16 @@ class HybridDecodeGraphs:
     def capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         for b in sorted(self.buckets, reverse=True):
-            self.steps[b].stage([])  # padding rows only: nothing is written
-            self.graphs[b] = capture_checked(self, b, pool, partial(self._eager, b), f"bucket {b}")
+            for tier in self.tiers:  # max_model_len's last: its output stays in logits[b]
+                self._tier[b] = tier
+                self.steps[b, tier].stage([])  # padding rows only: nothing is written
+                what = f"bucket {b}" + (f", tier {tier}" if len(self.tiers) > 1 else "")
+                graph = capture_checked(self, b, pool, partial(self._eager, b), what)
+                if tier == self.max_model_len:
+                    self.graphs[b] = graph
+                else:
+                    self.tier_graphs[b, tier] = graph
+                    self.tier_logits[b, tier] = self.logits[b]
 
     def _eager(self, b: int) -> torch.Tensor:
         with graph_safe_routing(self.model):
@@ -128,10 +173,23 @@ class HybridDecodeGraphs:
         if b is None or b not in self.graphs:
             raise ValueError(f"no captured bucket holds {len(seqs)} rows")
         self.family.check_continuation(seqs)
-        self.steps[b].stage(seqs)
+        tier = self.tier_for(seqs)
+        self.steps[b, tier].stage(seqs)
         self.family.record(seqs)
+        self._tier[b] = tier
         self._ahead[b] = bool(ahead)
-        return self.steps[b]
+        return self.steps[b, tier]
+
+    def tier_for(self, seqs: list[Any]) -> int:
+        """The smallest tier holding the longest context of ``seqs`` (``q_start + 1``);
+        ``max_model_len`` when none does (its step names the row that is too long)."""
+        if len(self.tiers) == 1 or not seqs:
+            return self.max_model_len
+        longest = max(s.q_start for s in seqs) + 1
+        for tier in self.tiers:
+            if longest <= tier:
+                return tier
+        return self.max_model_len
 
     def run(self, inputs: Any, device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the staged step of ``n`` rows; fp32 logits ``[n, V]`` (a view of the
@@ -142,7 +200,8 @@ class HybridDecodeGraphs:
         """
         n = inputs.input_ids.shape[0]
         b = bucket_for(n, self.buckets)
-        step = self.steps[b]
+        tier = self._tier.get(b, self.max_model_len)
+        step = self.steps[b, tier]
         if len(step.seqs) != n:
             raise RuntimeError(f"the staged step has {len(step.seqs)} rows, the step {n}")
         if device_input_ids is not None:
@@ -150,6 +209,32 @@ class HybridDecodeGraphs:
             self.num_replays_ahead += 1
         elif self._ahead.get(b):
             raise RuntimeError("a step scheduled ahead needs device_input_ids")
-        self.graphs[b].replay()
+        if tier == self.max_model_len:
+            graph, logits = self.graphs[b], self.logits[b]
+        else:
+            graph, logits = self.tier_graphs[b, tier], self.tier_logits[b, tier]
+            self.tier_replays += 1
+        graph.replay()
         self.num_replays += 1
-        return self.logits[b][:n]
+        return logits[:n]
+
+
+# Context tiers of DeepSeek-V4 decode graphs: from HYBRID_TIER_MIN tokens, x HYBRID_TIER_STEP,
+# below max_model_len (more tiers: more captures, each a graph per bucket)
+HYBRID_TIER_MIN = 8192
+HYBRID_TIER_STEP = 4
+
+
+def hybrid_context_bounds(max_model_len: int) -> tuple[int, ...]:
+    """Default shorter context tiers of `HybridDecodeGraphs` (`context_tiers` adds
+    ``max_model_len``): ``HYBRID_TIER_MIN``, then times ``HYBRID_TIER_STEP``, below
+    ``max_model_len``.
+
+    >>> hybrid_context_bounds(131072), hybrid_context_bounds(8192), hybrid_context_bounds(10**6)
+    ((8192, 32768), (), (8192, 32768, 131072, 524288))
+    """
+    out, tier = [], HYBRID_TIER_MIN
+    while tier < max_model_len:
+        out.append(tier)
+        tier *= HYBRID_TIER_STEP
+    return tuple(out)

@@ -137,7 +137,9 @@ def test_staging_slots_alternate_and_pending_tokens_need_device_ids():
         input_ids = torch.zeros(2, dtype=torch.int64)
 
     graphs = HybridDecodeGraphs.__new__(HybridDecodeGraphs)
-    graphs.buckets, graphs.steps, graphs._ahead = [2], {2: step}, {2: True}
+    graphs.max_model_len = step.max_seqlen_k
+    graphs.buckets, graphs.steps, graphs._ahead = [2], {(2, step.max_seqlen_k): step}, {2: True}
+    graphs._tier = {}
     graphs.num_replays = graphs.num_replays_ahead = 0
     graphs.graphs, graphs.logits = {2: None}, {2: torch.zeros(2, 3)}
     with pytest.raises(RuntimeError, match="device_input_ids"):

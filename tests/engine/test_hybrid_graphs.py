@@ -99,6 +99,10 @@ def test_static_step_rejects_bad_input():
     buffers = StaticDecodeBuffers(fam, 2)
     with pytest.raises(ValueError, match="num_rows"):
         StaticDecodeStep(fam, 3, buffers)
+    with pytest.raises(ValueError, match=r"max_seqlen_k = 65 outside \[1, max_model_len = 64\]"):
+        StaticDecodeStep(fam, 2, buffers, MAX_LEN + 1)
+    with pytest.raises(TypeError, match="max_seqlen_k"):
+        StaticDecodeStep(fam, 2, buffers, 8.0)
     step = StaticDecodeStep(fam, 2, buffers)
     with pytest.raises(RuntimeError, match="stage"):
         step.begin()
@@ -109,15 +113,20 @@ def test_static_step_rejects_bad_input():
 
 
 class _EagerReplay:
-    """Stand-in for a captured graph on CPU: re-runs the bucket's device half and the model
-    into the captured logits buffer (the static step's host values do not change)."""
+    """Stand-in for a captured graph on CPU: re-runs the device half of the step the bucket
+    staged and the model into the logits buffer this capture returned (the static step's
+    host values do not change); ``tiers`` records each replay's tier."""
 
     def __init__(self, graphs: HybridDecodeGraphs, b: int) -> None:
         self.graphs, self.b = graphs, b
+        self.out = graphs.logits[b]
+        self.tier = graphs.staged_step(b).max_seqlen_k
 
     def replay(self) -> None:
+        assert self.graphs.staged_step(self.b).max_seqlen_k == self.tier  # the tier's graph
         with torch.inference_mode():
-            self.graphs.logits[self.b].copy_(self.graphs._forward(self.b))
+            self.out.copy_(self.graphs._forward(self.b))
+        self.graphs.__dict__.setdefault("tiers_run", []).append(self.tier)
 
 
 class CpuGraphs(HybridDecodeGraphs):
@@ -172,6 +181,37 @@ def test_engine_graph_plumbing_on_cpu(tmp_path, seed):
     out = llm.generate([turn], GREEDY)[0]
     assert out.num_cached_prefix_tokens == 48 and out.token_ids == ref.token_ids
     assert graphs.num_replays > replays and snaps.num_taken > taken
+
+
+def test_engine_graph_context_tiers_on_cpu(tmp_path):
+    """Decode graphs by context tier (eager stand-ins): each bucket has a step per tier whose
+    widths follow the tier, a step replays the smallest tier holding its longest row, and
+    the tokens equal plain eager steps'; a step rejects a row longer than its tier."""
+    folder = _saved(tmp_path, 2)
+    kw = dict(device="cpu", max_num_seqs=5, max_model_len=96, max_num_batched_tokens=16)
+    want = [o.token_ids for o in LLM(str(folder), **kw).generate(_prompts(2), GREEDY)]
+    llm = LLM(str(folder), **kw)
+    runner = llm.engine.runner
+    engine_family = runner.families[HYBRID]
+    graphs = CpuGraphs(runner.model, engine_family.family, 5, context_bounds=(16, 32, 500))
+    assert graphs.tiers == [16, 32, 96]
+    assert {k: s.max_seqlen_k for k, s in graphs.steps.items()} == {
+        (b, t): t for b in (1, 2, 4, 5) for t in (16, 32, 96)
+    }
+    graphs.capture_all()
+    assert sorted(graphs.graphs) == [1, 2, 4, 5] and len(graphs.tier_graphs) == 8
+    runner.graphs = engine_family.graphs = graphs
+    got = [o.token_ids for o in llm.generate(_prompts(2), GREEDY)]
+    assert got == want
+    assert set(graphs.tiers_run) == {16, 32, 96}  # contexts 6 .. 51 (prompts 5 .. 41, +10)
+    assert 0 < graphs.tier_replays < graphs.num_replays
+    # a step takes its rows' tier: the longest row decides
+    seq = [HybridSeq(0, 31, 1, list(range(40)), [1, 2, 3], 0)]
+    assert graphs.tier_for(seq) == 32
+    assert graphs.tier_for([*seq, HybridSeq(1, 32, 1, list(range(40)), [4, 5, 6], 1)]) == 96
+    assert graphs.tier_for([HybridSeq(0, 200, 1, [0] * 201, [1], 0)]) == 96  # its step says
+    with pytest.raises(ValueError, match="max_seqlen_k = 16"):
+        graphs.steps[1, 16].stage([HybridSeq(0, 16, 1, list(range(20)), [1, 2], 0)])
 
 
 def _cache_tensors(family) -> list[torch.Tensor]:

@@ -129,14 +129,21 @@ class StaticDecodeBuffers:
 class StaticDecodeStep(PlannedStep):
     """A decode step of ``num_rows`` rows over persistent buffers (module docstring).
 
+    ``max_seqlen_k`` (default: the family's ``max_model_len``) bounds the context of every
+    row the step takes (``q_start + 1``) and sets the widths a captured step keeps: each
+    compressed series' candidate lists are ``max_seqlen_k // ratio`` wide, and the indexer's
+    top-k searches rows that wide. A shorter bound suits shorter contexts only (decode graphs
+    by context tier, `kvplan.engine.hybrid_graphs`).
+
     Attributes:
         input_ids, positions: int64 ``[num_rows]`` views of ``buffers.inputs`` (the model's
             inputs; ``positions`` is also this context's ``positions``).
     """
 
     def __init__(
-        self, family: PlannedHybridFamily, num_rows: int, buffers: StaticDecodeBuffers
-    ) -> None:
+        self, family: PlannedHybridFamily, num_rows: int, buffers: StaticDecodeBuffers,
+        max_seqlen_k: int | None = None,
+    ) -> None:  # fmt: skip
         # no PlannedStep.__init__: nothing is planned before stage()
         if buffers.family is not family:
             raise ValueError("buffers were made for another family")
@@ -150,7 +157,16 @@ class StaticDecodeStep(PlannedStep):
         self.is_prompt = False
         self.input_ids = buffers.inputs[0, :num_rows]
         self.positions = buffers.inputs[1, :num_rows]
-        self.max_seqlen_k = family.config.max_model_len  # widths fixed for any step
+        max_len = family.config.max_model_len
+        if max_seqlen_k is None:
+            max_seqlen_k = max_len
+        if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
+            raise TypeError(f"max_seqlen_k must be an int, got {max_seqlen_k!r}")
+        if not 1 <= max_seqlen_k <= max_len:
+            raise ValueError(
+                f"max_seqlen_k = {max_seqlen_k} outside [1, max_model_len = {max_len}]"
+            )
+        self.max_seqlen_k = max_seqlen_k  # widths fixed for any step
         self.seqs: list[HybridSeq] = []
         self.meta = None
         self.traces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -181,6 +197,14 @@ class StaticDecodeStep(PlannedStep):
         rows = decode_rows(seqs, b, self.family.config, self.buffers.tables)
         if rows is None:  # a check fails (or a fact is unusual): the exact path names it
             rows = self._exact_rows(seqs)
+        n = len(seqs)
+        longest = int(rows.q_start[:n].max()) + 1 if n else 0
+        if self.max_seqlen_k < longest <= self.family.config.max_model_len:  # a tier's step
+            i = int(np.argmax(rows.q_start[:n]))  # (past max_model_len: the planning names it)
+            raise ValueError(
+                f"seqs[{i}] reads {longest} tokens of context; this step holds rows up to "
+                f"max_seqlen_k = {self.max_seqlen_k}"
+            )
         staged = stage_decode_on_device(rows.batch, self.family.config, out=self.buffers.out)
         self._write_inputs(rows)
         self._staged = staged
