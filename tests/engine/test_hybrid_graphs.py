@@ -296,3 +296,23 @@ def test_llm_greedy_with_graphs_equals_without_on_gpu(tmp_path, kv_format):
         else:
             assert g is None
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["auto", "fp8"])
+def test_graph_context_tiers_replay_eager_steps_on_gpu(tmp_path, kv_format):
+    """Captured graphs of three context tiers (16, 32 and max_model_len 96 tokens): every
+    replayed step's logits equal an eager step's (fp32, 1e-5), every tier replays."""
+    llm = LLM(str(_saved(tmp_path, 2)), device="cuda", dtype="float32", max_num_seqs=4,
+              max_model_len=96, max_num_batched_tokens=16, kv_format=kv_format,
+              enable_prefix_caching=False)  # fmt: skip
+    runner = llm.engine.runner
+    engine_family = runner.families[HYBRID]
+    graphs = HybridDecodeGraphs.maybe_create(
+        runner.model, engine_family.family, 4, context_bounds=(16, 32)
+    )
+    assert isinstance(graphs, HybridDecodeGraphs), "capture failed (see stderr)"
+    assert graphs.tiers == [16, 32, 96] and len(graphs.tier_graphs) == 6
+    runner.graphs = engine_family.graphs = graphs
+    _check_replays_against_eager(llm, graphs, _prompts(2))
+    assert 0 < graphs.tier_replays < graphs.num_replays
