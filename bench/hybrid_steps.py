@@ -210,6 +210,10 @@ def main() -> None:
                     help="walk ROUNDS times each with the lean Triton launches off / on")  # fmt: skip
     ap.add_argument("--small", default="8,64,512",
                     help="prompt lengths of the small eager steps timed after the walks")  # fmt: skip
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the engine's max_model_len (default: the workload's length)")  # fmt: skip
+    ap.add_argument("--no-tiers", action="store_true",
+                    help="decode graphs: one per bucket for max_model_len, no context tiers")  # fmt: skip
     ap.add_argument("--warmup", choices=("on", "off"), default=None,
                     help="the engine's warmup at construction (default: the engine's, on "
                     "with CUDA)")  # fmt: skip
@@ -228,8 +232,14 @@ def main() -> None:
         "workload": {"requests": n, "prompt_len": p, "new_tokens": new,
                      "max_num_batched_tokens": budget, "kv_format": args.kv_format},
     }  # fmt: skip
+    max_len = max(args.max_model_len, p + new + 8)
+    record["workload"]["max_model_len"] = max_len
+    if args.no_tiers:
+        import kvplan.engine.hybrid_graphs as hg
+
+        hg.hybrid_context_bounds = lambda max_model_len: ()
     with tempfile.TemporaryDirectory() as folder:
-        vocab = build_folder(folder, not cuda, max(4096, p + new + 64), dev)
+        vocab = build_folder(folder, not cuda, max(4096, p + new + 64, max_len), dev)
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, vocab, (n, p), generator=gen).tolist()
         kv = args.kv_format if cuda else args.kv_format.replace("bf16", "fp32")
@@ -239,15 +249,22 @@ def main() -> None:
         # in the steps of the sessions before it (no chunk ends at resume boundaries)
         llm = LLM(
             folder, device=dev.type, dtype="bfloat16" if cuda else "float32", kv_format=kv,
-            max_num_seqs=n, max_model_len=p + new + 8, max_num_batched_tokens=budget,
+            max_num_seqs=n, max_model_len=max_len, max_num_batched_tokens=budget,
             warmup=warm, enable_prefix_caching=False,
         )  # fmt: skip
         rep = llm.warmup_report
         record["build_s"] = time.perf_counter() - t_build
         record["warmup"] = None if rep is None else {
             "seconds": rep.seconds, "steps": rep.num_steps, "requests": rep.num_requests}  # fmt: skip
+        graphs = llm.engine.runner.graphs
+        if graphs is not None and hasattr(graphs, "tier_graphs"):
+            record["graphs"] = {"tiers": graphs.tiers, "buckets": graphs.buckets,
+                                "captured": len(graphs.graphs) + len(graphs.tier_graphs)}  # fmt: skip
+        if cuda:
+            record["memory_reserved_gib"] = torch.cuda.memory_reserved(dev) / 2**30
         print(f"engine built in {record['build_s']:.1f} s (warmup: "
-              f"{'off' if rep is None else f'{rep.seconds:.1f} s, {rep.num_steps} steps'})")  # fmt: skip
+              f"{'off' if rep is None else f'{rep.seconds:.1f} s, {rep.num_steps} steps'}; "
+              f"graphs {record.get('graphs')})")  # fmt: skip
         llm.generate(ids, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
         sync(dev)
         t0 = time.perf_counter()
