@@ -37,6 +37,7 @@ and `stage` takes the step of the smallest tier holding the batch's longest row.
 
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
 from typing import Any
@@ -228,11 +229,14 @@ HYBRID_TIER_STEP = 4
 def hybrid_context_bounds(max_model_len: int) -> tuple[int, ...]:
     """Default shorter context tiers of `HybridDecodeGraphs` (`context_tiers` adds
     ``max_model_len``): ``HYBRID_TIER_MIN``, then times ``HYBRID_TIER_STEP``, below
-    ``max_model_len``.
+    ``max_model_len``; none with ``KVPLAN_HYBRID_GRAPH_TIERS=0`` in the environment (one
+    graph a bucket: fewer captures at start, every step at ``max_model_len``'s widths).
 
     >>> hybrid_context_bounds(131072), hybrid_context_bounds(8192), hybrid_context_bounds(10**6)
     ((8192, 32768), (), (8192, 32768, 131072, 524288))
     """
+    if os.environ.get("KVPLAN_HYBRID_GRAPH_TIERS", "1") == "0":
+        return ()
     out, tier = [], HYBRID_TIER_MIN
     while tier < max_model_len:
         out.append(tier)

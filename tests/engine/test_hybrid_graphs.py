@@ -183,6 +183,15 @@ def test_engine_graph_plumbing_on_cpu(tmp_path, seed):
     assert graphs.num_replays > replays and snaps.num_taken > taken
 
 
+def test_default_context_tiers(monkeypatch):
+    from kvplan.engine.hybrid_graphs import hybrid_context_bounds
+
+    assert hybrid_context_bounds(131072) == (8192, 32768)
+    assert hybrid_context_bounds(8192) == () and hybrid_context_bounds(8193) == (8192,)
+    monkeypatch.setenv("KVPLAN_HYBRID_GRAPH_TIERS", "0")
+    assert hybrid_context_bounds(131072) == ()
+
+
 def test_engine_graph_context_tiers_on_cpu(tmp_path):
     """Decode graphs by context tier (eager stand-ins): each bucket has a step per tier whose
     widths follow the tier, a step replays the smallest tier holding its longest row, and
