@@ -6,7 +6,8 @@ CPU-only machine: catches what the interpreter accepts and the GPU compiler reje
 
 ``--calls`` also lists the specializations whose sm_90 code calls subroutines (cuobjdump's
 ``CALL``): a runtime int64 division in a hot loop shows up there (fp32 ``/`` keeps a call for
-its rare slow path).
+its rare slow path). ``--no-int64-div`` (CI) fails a specialization whose PTX divides 64-bit
+integers at all.
 
 Each line of the file (written by ``tests/kernel_record.py``) names a kernel by module and
 function; it is imported here WITHOUT ``TRITON_INTERPRET`` so that ``@triton.jit`` yields real
@@ -100,6 +101,16 @@ def sass_calls(cubin: bytes) -> int:
     return sum(text.startswith("CALL.") or " CALL." in text for _, text in sass(cubin))
 
 
+def int64_divisions(ptx: str) -> int:
+    """64-bit integer divisions and remainders (``div`` / ``rem`` ``.s64`` / ``.u64``) in a
+    kernel's PTX: sm_90 has no such instruction, and each is a software routine of dozens of
+    instructions (a ``%`` by a runtime int64 per element cost a decode step 2 x 21.5 us on the
+    H200 until session 39). An int32 operand, or a constexpr divisor, avoids them."""
+    import re
+
+    return len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx))
+
+
 def _sass_loops(code: list[tuple[int, str]]) -> list[list[str]]:
     """The bodies (instruction texts) of every backward branch in ``code`` (`sass`), in
     address order: a kernel's loops, one iteration each."""
@@ -152,8 +163,11 @@ def _kernel_module(name: str):
         return importlib.import_module(".".join(rel.parts))
 
 
-def compile_one(line: str, calls: bool = False) -> tuple[str, str | None, str | None]:
-    """``(label, compile error, note on subroutine calls when asked)``."""
+def compile_one(
+    line: str, calls: bool = False, no_int64_div: bool = False
+) -> tuple[str, str | None, str | None]:
+    """``(label, compile error, note on subroutine calls when asked)``; with
+    ``no_int64_div`` a 64-bit integer division in the code (`int64_divisions`) is an error."""
     os.environ.pop("TRITON_INTERPRET", None)
     rec = json.loads(line)
     label = f"{rec['module']}.{rec['name']}"
@@ -167,6 +181,9 @@ def compile_one(line: str, calls: bool = False) -> tuple[str, str | None, str | 
         first = next((s for s in str(exc).splitlines() if "error" in s), str(exc).splitlines()[0:1])
         shown = {tuple(k)[0]: v for k, v in rec["constexprs"]}
         return label, f"{type(exc).__name__}: {first} | constexprs {shown}", None
+    if no_int64_div and (n := int64_divisions(ck.asm["ptx"])):
+        shown = {tuple(k)[0]: v for k, v in rec["constexprs"]}
+        return label, f"{n} 64-bit integer divisions / remainders | constexprs {shown}", None
     if calls and (n := sass_calls(ck.asm["cubin"])):
         shown = {tuple(k)[0]: v for k, v in rec["constexprs"]}
         return label, None, f"{n} calls | constexprs {shown}"
@@ -179,12 +196,15 @@ def main() -> None:
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--calls", action="store_true",
                     help="also list the specializations whose code calls subroutines")  # fmt: skip
+    ap.add_argument("--no-int64-div", action="store_true",
+                    help="fail a specialization whose code divides 64-bit integers")  # fmt: skip
     args = ap.parse_args()
     with open(args.records) as fh:
         lines = sorted(set(fh.read().splitlines()) - {""})
     failures = 0
     with ProcessPoolExecutor(args.jobs) as pool:
-        for label, err, note in pool.map(compile_one, lines, [args.calls] * len(lines)):
+        flags = [args.calls] * len(lines), [args.no_int64_div] * len(lines)
+        for label, err, note in pool.map(compile_one, lines, *flags):
             if note:
                 print(f"CALLS {label}: {note}")
             if err:
