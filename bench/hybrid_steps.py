@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import tempfile
 import time
@@ -235,9 +236,7 @@ def main() -> None:
     max_len = max(args.max_model_len, p + new + 8)
     record["workload"]["max_model_len"] = max_len
     if args.no_tiers:
-        import kvplan.engine.hybrid_graphs as hg
-
-        hg.hybrid_context_bounds = lambda max_model_len: ()
+        os.environ["KVPLAN_HYBRID_GRAPH_TIERS"] = "0"
     with tempfile.TemporaryDirectory() as folder:
         vocab = build_folder(folder, not cuda, max(4096, p + new + 64, max_len), dev)
         gen = torch.Generator().manual_seed(1)

@@ -101,6 +101,40 @@ def context_tiers(bounds: Any, max_model_len: int) -> list[int]:
     return [*sorted({int(t) for t in bounds if 0 < t < max_model_len}), max_model_len]
 
 
+def tier_holding(tiers: list[int], longest: int) -> int:
+    """The smallest of ``tiers`` (ascending, `context_tiers`) holding a step whose longest
+    row has ``longest`` keys; the last (``max_model_len``) when none does.
+
+    >>> tier_holding([4096, 32768], 4096), tier_holding([4096, 32768], 4097)
+    (4096, 32768)
+    """
+    for tier in tiers:
+        if longest <= tier:
+            return tier
+    return tiers[-1]
+
+
+def keep_captured(graphs: Any, b: int, tier: int, graph: Any) -> None:
+    """File bucket ``b``'s graph captured for ``tier`` in ``graphs`` (a `DecodeGraphs` or a
+    hybrid one): ``max_model_len``'s in ``graphs.graphs`` (its output stays in ``logits[b]``:
+    capture it last), a shorter tier's in ``tier_graphs`` with its output in
+    ``tier_logits``."""
+    if tier == graphs.max_model_len:
+        graphs.graphs[b] = graph
+    else:
+        graphs.tier_graphs[b, tier] = graph
+        graphs.tier_logits[b, tier] = graphs.logits[b]
+
+
+def captured(graphs: Any, b: int, tier: int) -> tuple[Any, torch.Tensor]:
+    """(graph, output) of bucket ``b`` for ``tier`` (`keep_captured`); counts a shorter
+    tier's replay in ``graphs.tier_replays``."""
+    if tier == graphs.max_model_len:
+        return graphs.graphs[b], graphs.logits[b]
+    graphs.tier_replays += 1
+    return graphs.tier_graphs[b, tier], graphs.tier_logits[b, tier]
+
+
 def kv_format_context_bounds(kv_format: str) -> tuple[int, ...]:
     """`context_tiers`' bounds for a dense cache of ``kv_format``: where its default decode
     launch changes with the context (``decode_context_bounds`` of every launch key the
@@ -237,12 +271,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         for b in sorted(self.buckets, reverse=True):
             for tier in self.tiers:  # max_model_len's last: its output stays in logits[b]
-                graph = self._capture_checked(b, tier, pool)
-                if tier == self.max_model_len:
-                    self.graphs[b] = graph
-                else:
-                    self.tier_graphs[b, tier] = graph
-                    self.tier_logits[b, tier] = self.logits[b]
+                keep_captured(self, b, tier, self._capture_checked(b, tier, pool))
 
     def _capture_checked(self, b: int, tier: int, pool: Any) -> Any:
         """Capture bucket ``b`` for contexts up to ``tier``; its replay must give the eager
@@ -296,13 +325,8 @@ class DecodeGraphs:
         self._inputs[:, :b].copy_(staging[:, :b], non_blocking=True)
         if device_input_ids is not None:
             self.input_ids[:n].copy_(device_input_ids)
-        tier = self._tier(md, n)
+        graph, logits = captured(self, b, self._tier(md, n))
         self.num_replays += 1
-        if tier == self.max_model_len:
-            graph, logits = self.graphs[b], self.logits[b]
-        else:
-            graph, logits = self.tier_graphs[b, tier], self.tier_logits[b, tier]
-            self.tier_replays += 1
         if self.replay_events is None:
             graph.replay()
         else:
@@ -325,8 +349,4 @@ class DecodeGraphs:
         shorter tiers no row is looked at."""
         if len(self.tiers) == 1:
             return self.max_model_len
-        longest = int(md.kv_lens_np[:n].max())
-        for tier in self.tiers:
-            if longest <= tier:
-                return tier
-        return self.max_model_len
+        return tier_holding(self.tiers, int(md.kv_lens_np[:n].max()))

@@ -49,8 +49,11 @@ from kvplan.engine.cuda_graphs import (
     bucket_for,
     capture_checked,
     capture_graph,
+    captured,
     context_tiers,
     decode_buckets,
+    keep_captured,
+    tier_holding,
 )
 from kvplan.engine.hybrid import HYBRID
 from kvplan.engine.step import StepBatch
@@ -139,11 +142,7 @@ class HybridDecodeGraphs:
                 self.steps[b, tier].stage([])  # padding rows only: nothing is written
                 what = f"bucket {b}" + (f", tier {tier}" if len(self.tiers) > 1 else "")
                 graph = capture_checked(self, b, pool, partial(self._eager, b), what)
-                if tier == self.max_model_len:
-                    self.graphs[b] = graph
-                else:
-                    self.tier_graphs[b, tier] = graph
-                    self.tier_logits[b, tier] = self.logits[b]
+                keep_captured(self, b, tier, graph)
 
     def _eager(self, b: int) -> torch.Tensor:
         with graph_safe_routing(self.model):
@@ -186,11 +185,7 @@ class HybridDecodeGraphs:
         ``max_model_len`` when none does (its step names the row that is too long)."""
         if len(self.tiers) == 1 or not seqs:
             return self.max_model_len
-        longest = max(s.q_start for s in seqs) + 1
-        for tier in self.tiers:
-            if longest <= tier:
-                return tier
-        return self.max_model_len
+        return tier_holding(self.tiers, max(s.q_start for s in seqs) + 1)
 
     def run(self, inputs: Any, device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the staged step of ``n`` rows; fp32 logits ``[n, V]`` (a view of the
@@ -210,11 +205,7 @@ class HybridDecodeGraphs:
             self.num_replays_ahead += 1
         elif self._ahead.get(b):
             raise RuntimeError("a step scheduled ahead needs device_input_ids")
-        if tier == self.max_model_len:
-            graph, logits = self.graphs[b], self.logits[b]
-        else:
-            graph, logits = self.tier_graphs[b, tier], self.tier_logits[b, tier]
-            self.tier_replays += 1
+        graph, logits = captured(self, b, tier)
         graph.replay()
         self.num_replays += 1
         return logits[:n]

@@ -197,14 +197,15 @@ class StaticDecodeStep(PlannedStep):
         rows = decode_rows(seqs, b, self.family.config, self.buffers.tables)
         if rows is None:  # a check fails (or a fact is unusual): the exact path names it
             rows = self._exact_rows(seqs)
-        n = len(seqs)
-        longest = int(rows.q_start[:n].max()) + 1 if n else 0
-        if self.max_seqlen_k < longest <= self.family.config.max_model_len:  # a tier's step
-            i = int(np.argmax(rows.q_start[:n]))  # (past max_model_len: the planning names it)
-            raise ValueError(
-                f"seqs[{i}] reads {longest} tokens of context; this step holds rows up to "
-                f"max_seqlen_k = {self.max_seqlen_k}"
-            )
+        n, max_len = len(seqs), self.family.config.max_model_len
+        if n and self.max_seqlen_k < max_len:  # a tier's step (past max_model_len: the
+            longest = int(rows.q_start[:n].max()) + 1  # planning names the row)
+            if self.max_seqlen_k < longest <= max_len:
+                i = int(np.argmax(rows.q_start[:n]))
+                raise ValueError(
+                    f"seqs[{i}] reads {longest} tokens of context; this step holds rows up to "
+                    f"max_seqlen_k = {self.max_seqlen_k}"
+                )
         staged = stage_decode_on_device(rows.batch, self.family.config, out=self.buffers.out)
         self._write_inputs(rows)
         self._staged = staged
