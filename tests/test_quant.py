@@ -117,6 +117,18 @@ def test_quantize_matches_scalar_reference(layout):
     assert (back[0] == 0).all()
 
 
+@pytest.mark.parametrize(
+    "layout", [*SUPPORTED_KV_CACHE_FORMATS, *EXTRA_FORMATS], ids=lambda f: f.note
+)
+def test_zero_rows_quantize_and_dequantize(layout):
+    """A step may load or store no row of a cache (a decode batch whose contexts are all
+    shorter than a ratio): the round trip of ``[0, elements]`` keeps the row widths."""
+    values, scales = quant.quantize(torch.empty(0, layout.elements, dtype=torch.bfloat16), layout)
+    assert values.shape == (0, layout.quantized_bytes) and scales.shape == (0, layout.sf_bytes)
+    back = quant.dequantize(values, scales, layout)
+    assert back.shape == (0, layout.quantized_elements) and back.dtype == torch.bfloat16
+
+
 def test_scale_rules_on_known_groups():
     # amax 448 -> exponent 0 (byte 127); amax 450 -> exponent 1
     fmt = KVCacheFormat("e4m3", 2, 1, 0, False, "ue8m0", "tiny")

@@ -128,12 +128,19 @@ def test_kv_cache_memory_sizes_the_pools_and_preemption_keeps_outputs_exact(tmp_
 def test_llm_quantized_kv_runs_and_agrees_mostly(tmp_path, kv_format):
     _, folder = _saved(tmp_path, 3)
     prompts = [random_tokens(30 + i, 25) for i in range(2)]
-    exact = LLM(str(folder), device="cpu", max_model_len=64).generate(prompts, GREEDY)
-    quant = LLM(str(folder), device="cpu", max_model_len=64, kv_format=kv_format)
-    quant = quant.generate(prompts, GREEDY)
+    exact_llm = LLM(str(folder), device="cpu", max_model_len=64)
+    quant_llm = LLM(str(folder), device="cpu", max_model_len=64, kv_format=kv_format)
+    exact = exact_llm.generate(prompts, GREEDY)
+    quant = quant_llm.generate(prompts, GREEDY)
     for e, q in zip(exact, quant):
         assert len(q.token_ids) == GREEDY.max_tokens
         assert q.token_ids[0] == e.token_ids[0]  # the first token is robust to the rounding
+    # contexts shorter than the CSA ratio: the first decode steps load no compressed entry
+    # and no index key (a zero-row load of the quantized index cache)
+    short = [random_tokens(40, 1), random_tokens(41, 2)]
+    for e, q in zip(exact_llm.generate(short, GREEDY), quant_llm.generate(short, GREEDY)):
+        assert len(q.token_ids) == GREEDY.max_tokens
+        assert q.token_ids[0] == e.token_ids[0]
 
 
 def test_unsupported_settings_and_architectures_name_the_problem(tmp_path):

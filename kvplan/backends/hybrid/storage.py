@@ -263,8 +263,9 @@ def dequantize_index(loaded, layout: KVCacheFormat) -> torch.Tensor:
     (``LoadedIndexKV``: values plus UE8M0 scales packed 4 per int32, or fp32 / e4m3 scales)."""
     values, scales = loaded
     n = values.shape[0]
-    v = values.view(torch.uint8).reshape(n, -1)
-    s = scales.reshape(n, -1).contiguous().view(torch.uint8).reshape(n, -1)
-    if layout.sf_format == "ue8m0":
-        s = s[:, : layout.num_scales]
+    # row widths from the layout, not inferred: a load of zero rows is a valid [0, ...] call
+    v = values.view(torch.uint8).reshape(n, layout.quantized_bytes)
+    packed = -(-layout.num_scales // 4) * 4 if layout.sf_format == "ue8m0" else None
+    s_bytes = packed or layout.sf_bytes  # UE8M0: four exponent bytes an int32, zero padded
+    s = scales.contiguous().view(torch.uint8).reshape(n, s_bytes)[:, : layout.sf_bytes]
     return quant.dequantize(v, s.contiguous(), layout)
