@@ -198,14 +198,17 @@ def test_llm_cuda_fp32_greedy_equals_hf(tmp_path, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
 def test_llm_cuda_quantized_kv_matches_cpu(tmp_path, kv_format):
-    """The quantized caches give the same tokens on CUDA as on the CPU (bit-exact stores)."""
+    """The quantized caches give the same tokens on CUDA as on the CPU (bit-exact stores),
+    also for prompts shorter than the CSA ratio (decode steps that first see no compressed
+    entry), with CUDA graphs and without."""
     _, folder = _saved(tmp_path, 3)
-    prompts = [random_tokens(30 + i, 25) for i in range(2)]
+    batches = [[random_tokens(30 + i, 25) for i in range(2)], [random_tokens(40, 1), [7, 3]]]
     cpu = LLM(str(folder), device="cpu", max_model_len=64, kv_format=kv_format)
-    cpu = cpu.generate(prompts, GREEDY)
-    gpu = LLM(str(folder), max_model_len=64, kv_format=kv_format, device="cuda",
-              dtype="float32").generate(prompts, GREEDY)  # fmt: skip
-    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    want = [[o.token_ids for o in cpu.generate(b, GREEDY)] for b in batches]
+    for graphs in (True, False):
+        gpu = LLM(str(folder), max_model_len=64, kv_format=kv_format, device="cuda",
+                  dtype="float32", use_cuda_graph=graphs)  # fmt: skip
+        assert [[o.token_ids for o in gpu.generate(b, GREEDY)] for b in batches] == want
 
 
 @pytest.mark.parametrize("nib", [False, True])
