@@ -300,11 +300,21 @@ class AttentionMetadata:
         Must run after the last change of a per-step field and before the layers' forward.
         """
         self.prepared = False
+        self._kernel_views: dict = {}
         self._prepare_common()
         self._prepare_backend()
         if self._seq_lens_pending:  # backends without an arena copy it on its own
             self._flush_seq_lens()
         self.prepared = True
+
+    def kernel_view(self, pool: int = 0):
+        """``paged_view(pool)`` (backends with a page table), built once per `prepare`: a
+        step's layers share it."""
+        views = self.__dict__.setdefault("_kernel_views", {})
+        view = views.get(pool)
+        if view is None:
+            view = views[pool] = self.paged_view(pool)
+        return view
 
     def _flush_seq_lens(self) -> None:
         """Copy ``seq_lens`` to its device buffer now, from a private (pinned) snapshot."""

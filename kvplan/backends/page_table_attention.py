@@ -73,7 +73,7 @@ class PageTableAttention(AttentionBackend):
             k_cache, v_cache, view = k.unsqueeze(1), v.unsqueeze(1), context_only_view(md, q.device)
         else:
             k_cache, v_cache, kv_layout = layer_caches(md.kv_cache, self.layer_idx)
-            view = md.paged_view(pool)
+            view = md.kernel_view(pool)
         stored_rows = None
         if kv_layout is not None:  # the context rows as stored (the context segment is first)
 

@@ -196,6 +196,14 @@ class KVCacheTensors:
             for x, raw in ((k, raw_k), (v, raw_v)):
                 store_kv_cache(x.to(torch.bfloat16), raw, slots, layout=self.layout, check=False)
             return
+        if slot_mapping.device.type == "cpu":  # no sync to avoid: write the kept rows only
+            live = slot_mapping >= 0
+            rows = None if bool(live.all()) else live.nonzero().squeeze(1)
+            slots = slot_mapping.long() if rows is None else slot_mapping[rows].long()
+            for x, cache in zip((k, v), self._views[layer]):
+                flat = cache.view(-1, self.num_kv_heads, self.head_dim)  # [N*bs, H, D]
+                flat.index_put_((slots,), (x if rows is None else x[rows]).to(flat.dtype))
+            return
         # Sync-free (CUDA-graph safe) scatter: a skipped row targets slot 0 (padding block 0)
         # and writes back the value already there, so it changes nothing.
         keep = (slot_mapping >= 0)[:, None, None]  # [T, 1, 1]

@@ -35,8 +35,10 @@ dequantize each K/V tile in registers (``kvplan.ops._paged_kv_tiles``) to q's dt
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvplan import quant
@@ -249,10 +251,9 @@ def paged_attention_decode_torch(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
     )  # fmt: skip
-    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return _attention_torch(
-        q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale, sliding_window,
-        out, kv_layout,
+        q, k_cache, v_cache, page_ids, page_start, None, kv_lens, scale, sliding_window, out,
+        kv_layout,
     )  # fmt: skip
 
 
@@ -372,6 +373,91 @@ def paged_attention_prefill_torch(
     )  # fmt: skip
 
 
+class _GatherPlan(NamedTuple):
+    """Where each query row and key of a padded batch comes from, for every layer of a step
+    (they share the page table): ``q_rows`` / ``q_ok`` ``[B, Qm]`` (None: row b * Qm + i is
+    query i of sequence b), ``blocks`` / ``rows`` ``[B, Lk]`` (a column no query sees points
+    at the sequence's last key), ``mask`` ``[B, 1, Qm, Lk]`` (None: every query sees every
+    key), ``seen`` ``[B, Qm]`` queries that see some key (None: all)."""
+
+    q_rows: Tensor | None
+    q_ok: Tensor | None
+    blocks: Tensor
+    rows: Tensor
+    mask: Tensor | None
+    seen: Tensor | None
+    max_q: int
+
+
+# the torch path's last plans on the CPU by (block size, window, rows, decode): key tensors
+# (copies) and plan. A step's layers attend over the same page table (per window), so the
+# first layer's plan serves the others.
+_PLANS: dict = {}
+_MAX_PLANS = 8
+
+
+def _gather_plan(page_ids, page_start, cu_seqlens_q, kv_lens, block_size, window, num_tokens):
+    """The `_GatherPlan` of a step (``cu_seqlens_q`` None: one query a sequence), or None
+    when no sequence has a key. On the CPU it is reused while the page table's values are
+    the same (compared, not assumed: the backends rewrite their buffers in place)."""
+    keys = (page_ids, page_start, kv_lens) + (() if cu_seqlens_q is None else (cu_seqlens_q,))
+    sizes = (block_size, window, num_tokens, cu_seqlens_q is None)
+    cacheable = page_ids.device.type == "cpu"
+    last = _PLANS.get(sizes) if cacheable else None
+    if last is not None and all(
+        a.shape == b.shape and torch.equal(a, b) for a, b in zip(last[0], keys, strict=True)
+    ):
+        return last[1]
+    plan = _new_gather_plan(page_ids, page_start, cu_seqlens_q, kv_lens, block_size, window,
+                            num_tokens)  # fmt: skip
+    if cacheable:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[sizes] = (tuple(t.clone() for t in keys), plan)
+    return plan
+
+
+def _new_gather_plan(page_ids, page_start, cu_seqlens_q, kv_lens, block_size, window, num_tokens):
+    dev = kv_lens.device
+    batch = kv_lens.shape[0]
+    kv = kv_lens.long()
+    max_kv = int(kv.max())
+    if max_kv == 0:
+        return None
+    if cu_seqlens_q is None:  # decode: query b is row b, at position kv_lens[b] - 1
+        q_lens = torch.ones(batch, dtype=torch.long, device=dev)
+        starts = torch.arange(batch, device=dev)
+    else:
+        cu = cu_seqlens_q.long()
+        q_lens, starts = cu[1:] - cu[:-1], cu[:-1]
+    max_q = int(q_lens.max())
+    qi = torch.arange(max_q, device=dev)
+    q_ok = qi[None, :] < q_lens[:, None]  # [B, Qm]
+    q_rows = torch.where(q_ok, starts[:, None] + qi[None, :], 0)  # [B, Qm]
+    q_pos = kv[:, None] - q_lens[:, None] + qi[None, :]  # [B, Qm]
+    kj = torch.arange(max_kv, device=dev)
+    k_ok = kj[None, :] < kv[:, None]  # [B, Lk]
+    visible = k_ok[:, None, :] & q_ok[:, :, None] & (kj[None, None, :] <= q_pos[:, :, None])
+    if window is not None:
+        visible &= kj[None, None, :] > q_pos[:, :, None] - window  # [B, Qm, Lk]
+    if bool(visible.all()):  # every query sees every gathered key (no padding, no window)
+        mask = seen = None
+        src = kj.expand(batch, max_kv)
+    else:
+        mask, seen = visible[:, None], visible.any(-1)
+        # a column no query sees reads the sequence's last key instead (written this step,
+        # so finite): slots outside the visible sets may hold anything, NaN included, and a
+        # masked NaN would still reach the output through its zero probability
+        last = (kv - 1).clamp(min=0)[:, None]
+        src = torch.where(visible.any(1), kj[None, :], last)  # [B, Lk] key positions read
+    slot = page_start.long()[:, None] + src // block_size
+    blocks = torch.where(kv[:, None] > 0, page_ids.long()[slot.clamp(max=page_ids.numel() - 1)], 0)
+    rows = src % block_size
+    if bool(q_ok.all()) and batch * max_q == num_tokens:
+        q_rows = q_ok = None  # row b * Qm + i is query i of sequence b: views, no gathers
+    return _GatherPlan(q_rows, q_ok, blocks, rows, mask, seen, max_q)
+
+
 def _attention_torch(
     q,
     k_cache,
@@ -385,8 +471,12 @@ def _attention_torch(
     out,
     kv_layout=None,
 ):
-    """Padded-batch attention in fp32: gather every sequence's keys, mask, softmax, scatter.
-    Quantized caches are dequantized per gathered key (``kvplan.quant.dequantize``, bf16)."""
+    """Padded-batch attention in fp32: gather every sequence's keys (the gather plan shared
+    by a step's layers, `_gather_plan`), then one call of torch's
+    ``scaled_dot_product_attention`` (GQA in the call; a boolean mask only where some key of
+    the padded batch is hidden), scatter. ``cu_seqlens_q`` None: one query a sequence.
+    Quantized caches are dequantized per gathered key (``kvplan.quant.dequantize``, bf16).
+    A query that sees no key gets zeros."""
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     num_kv_heads = k_cache.shape[2] if kv_layout is None else kv_layout.elements // head_dim
@@ -396,43 +486,45 @@ def _attention_torch(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0 or num_tokens == 0:
         return out
-    dev = q.device
-    cu = cu_seqlens_q.long()
-    q_lens, kv = cu[1:] - cu[:-1], kv_lens.long()  # [B]
-    max_q, max_kv = int(q_lens.max()), int(kv.max())
-    qi = torch.arange(max_q, device=dev)
-    q_ok = qi[None, :] < q_lens[:, None]  # [B, Qm]
-    q_rows = torch.where(q_ok, cu[:-1, None] + qi[None, :], 0)  # [B, Qm]
-    q_pos = kv[:, None] - q_lens[:, None] + qi[None, :]  # [B, Qm]
-    kj = torch.arange(max_kv, device=dev)
-    k_ok = kj[None, :] < kv[:, None]  # [B, Lk]
-    slot = torch.where(k_ok, page_start.long()[:, None] + kj[None, :] // block_size, 0)
-    blocks = torch.where(k_ok, page_ids.long()[slot], 0)  # [B, Lk]
-    rows = (kj % block_size).expand(batch, max_kv)
-    visible = k_ok[:, None, :] & q_ok[:, :, None] & (kj[None, None, :] <= q_pos[:, :, None])
-    if window is not None:
-        visible &= kj[None, None, :] > q_pos[:, :, None] - window  # [B, Qm, Lk]
-    # Slots no query sees (before the window) may hold anything, NaN included: zero them.
-    used = visible.any(1)[:, :, None, None]  # [B, Lk, 1, 1]
-    k = torch.where(used, _gather_keys(k_cache, blocks, rows, kv_layout, head_dim), 0.0)
-    v = torch.where(used, _gather_keys(v_cache, blocks, rows, kv_layout, head_dim), 0.0)
-    qq = q[q_rows].float().view(batch, max_q, num_kv_heads, group, head_dim)
-    s = torch.einsum("bqhgd,bjhd->bhgqj", qq, k) * scale  # [B, Hkv, G, Qm, Lk]
-    s = s.masked_fill(~visible[:, None, None], float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    p = torch.exp(s - m)
-    den = p.sum(-1, keepdim=True)
-    o = torch.einsum("bhgqj,bjhd->bqhgd", p / torch.where(den > 0, den, 1.0), v)
-    out[q_rows[q_ok]] = o.reshape(batch, max_q, num_heads, head_dim)[q_ok].to(out.dtype)
+    plan = _gather_plan(page_ids, page_start, cu_seqlens_q, kv_lens, block_size, window,
+                        num_tokens)  # fmt: skip
+    if plan is None:  # no sequence has a key: every query sees none
+        out.zero_()
+        return out
+    k = _gather_keys(k_cache, plan.blocks, plan.rows, kv_layout, head_dim)  # [B, Lk, Hkv, D]
+    v = _gather_keys(v_cache, plan.blocks, plan.rows, kv_layout, head_dim)
+    if plan.q_rows is None:
+        qq = q.float().view(batch, plan.max_q, num_heads, head_dim)
+    else:
+        qq = q[plan.q_rows].float()
+    o = F.scaled_dot_product_attention(
+        qq.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=plan.mask,
+        scale=scale,
+        enable_gqa=group > 1,
+    ).transpose(1, 2)  # [B, Qm, H, D]; rows that see no key are NaN here
+    if plan.seen is not None:
+        o = torch.where(plan.seen[:, :, None, None], o, 0.0)
+    if plan.q_rows is None:
+        out.copy_(o.reshape(num_tokens, num_heads, head_dim))
+    else:
+        out[plan.q_rows[plan.q_ok]] = o[plan.q_ok].to(out.dtype)
     return out
 
 
 def _gather_keys(cache, blocks, rows, kv_layout, head_dim) -> Tensor:
     """fp32 ``[B, Lk, Hkv, D]`` values of the keys at (``blocks``, ``rows``) ``[B, Lk]``."""
+    if cache.is_contiguous():  # one index_select over the cache's rows (faster on the CPU)
+        flat = (blocks * cache.shape[1] + rows).view(-1)
+        picked = cache.view(-1, *cache.shape[2:]).index_select(0, flat)
+        picked = picked.view(*blocks.shape, *cache.shape[2:])
+    else:
+        picked = cache[blocks, rows]
     if kv_layout is None:
-        return cache[blocks, rows].float()
-    records = cache[blocks, rows, 0]  # [B, Lk, bytes_per_token] uint8
+        return picked.float()
+    records = picked[:, :, 0]  # [B, Lk, bytes_per_token] uint8
     nv, ns = kv_layout.quantized_bytes, kv_layout.sf_bytes
     flat = records.reshape(-1, records.shape[-1])
     vals = quant.dequantize(flat[:, :nv], flat[:, nv : nv + ns], kv_layout)  # [B*Lk, E] bf16

@@ -327,6 +327,40 @@ def test_torch_paths_match_ref(seed):
     assert_close(got, d.ref(decode=True))
 
 
+def test_torch_path_reuses_a_plan_only_for_the_same_page_table():
+    """The torch path keeps each step's gather plan for the step's other layers: a call with
+    another page table, window or length -- also one written into the same tensors in
+    place, as the backends' buffers are (through numpy: no version bump) -- recomputes it;
+    the same table gives the same plan and output."""
+    import kvplan.ops.paged_attention as pa
+
+    c = make_case(40, [9, 14, 3], [1, 1, 1], group=2, block_size=4, reserve=2)
+    args = (c.q, c.k_cache, c.v_cache)
+    page_ids, page_start, kv_lens = c.page_ids.clone(), c.page_start.clone(), c.kv_lens.clone()
+
+    def check(window=None):
+        got = paged_attention_decode_torch(*args, page_ids, page_start, kv_lens, scale=c.scale,
+                                           sliding_window=window)  # fmt: skip
+        want = paged_attention_ref(*args, page_ids.clone(), page_start.clone(), None,
+                                   kv_lens.clone(), scale=c.scale, sliding_window=window)  # fmt: skip
+        assert_close(got, want)
+        return got
+
+    first = check()
+    plans = dict(pa._PLANS)
+    assert torch.equal(check(), first) and pa._PLANS == plans  # reused, not rebuilt
+    table = page_ids.numpy()  # in place, as a backend's staged buffers are written
+    s1 = int(page_start[1])
+    table[[s1, s1 + 1]] = table[[s1 + 1, s1]]  # sequence 1's first two (full) pages swapped
+    assert not torch.equal(check(), first)
+    kv_lens.numpy()[1] = 6  # a shorter sequence
+    check()
+    page_start.numpy()[[0, 1]] = page_start.numpy()[[1, 0]]  # two sequences' tables swapped
+    kv_lens.numpy()[[0, 1]] = kv_lens.numpy()[[1, 0]]
+    for window in (3, None, 3):  # layers of two windows alternate
+        check(window)
+
+
 def test_dispatch_on_cpu_is_torch_path_and_out_is_written_in_place():
     c = make_case(30, [5, 12], [1, 1], group=4)
     out = torch.empty_like(c.q)
