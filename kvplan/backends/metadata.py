@@ -309,11 +309,13 @@ class AttentionMetadata:
 
     def kernel_view(self, pool: int = 0):
         """``paged_view(pool)`` (backends with a page table), built once per `prepare`: a
-        step's layers share it."""
+        step's layers share it. Also rebuilt when ``kv_lens_np`` is replaced after
+        `prepare` (the decode graphs' captures set a tier's host bound that way)."""
         views = self.__dict__.setdefault("_kernel_views", {})
-        view = views.get(pool)
+        key = (pool, id(getattr(self, "kv_lens_np", None)))
+        view = views.get(key)
         if view is None:
-            view = views[pool] = self.paged_view(pool)
+            view = views[key] = self.paged_view(pool)
         return view
 
     def _flush_seq_lens(self) -> None:
