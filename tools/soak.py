@@ -9,7 +9,8 @@ DeepSeek-V4 engines with fp8 / fp4 KV).
     PYTHONPATH=. python tools/soak.py hybrid --seconds 1800 --seed 200
     PYTHONPATH=. python tools/soak.py server --seconds 600
 
-``dense``: a tiny random Llama (head_dim 16, or 32 for the fp8 / int8 formats); per run a
+``dense``: a tiny random Llama, or one with a window-8 sliding layer beside a global one
+(head_dim 16, or 32 for the fp8 / int8 formats); per run a
 random backend, kv_format, chunked prefill, n-gram speculation, pool size, step budget and
 batch size, and prompts that may share prefixes. Survivors (requests that ran to their
 length) equal a reference engine's single runs of their prompts (same backend and format,
@@ -45,6 +46,7 @@ def dense_settings(rng: random.Random) -> dict:
     kv_format = rng.choice(["auto", "auto", "fp8", "int8", "fp4"])
     chunked = rng.random() < 0.5
     return dict(
+        model=rng.choice(["tiny-llama", "tiny-llama", "sliding"]),
         backend=rng.choice(["vanilla", "ragged", "block_offsets"]),
         kv_format=kv_format,
         head_dim=32 if kv_format in ("fp8", "int8") else 16,
@@ -57,15 +59,35 @@ def dense_settings(rng: random.Random) -> dict:
     )
 
 
+def check_pools(llm) -> None:
+    """`check_ledger` for every block pool (a sliding layer's pool beside the global one):
+    free + held blocks fill each pool; only running requests hold blocks."""
+    from tests.engine.test_reliability import check_ledger
+
+    m = llm.engine.scheduler.manager
+    if len(m.pools) == 1:
+        check_ledger(llm)
+        return
+    for p, pool in enumerate(m.pools):
+        held = {b for rid in m.request_ids() for b in m.get_block_ids(rid, p) if b}
+        assert pool.num_free_blocks + len(held) == pool.num_blocks - 1, f"pool {p} lost blocks"
+    running = {r.request_id for r in llm.engine.scheduler.running}
+    assert set(m.request_ids()) == running, "the manager holds requests not running"
+
+
 def run_dense(seed: int, ops: int = 120) -> dict:
     """One dense fuzz run (settings drawn from ``seed``); raises on any failed check."""
     from kvplan import LLM
     from kvplan.models.config import named_config
-    from tests.engine.test_reliability import GREEDY, VOCAB, check_ledger, fuzz
+    from tests.engine.test_reliability import GREEDY, VOCAB, fuzz
 
     rng = random.Random(seed)
     s = dense_settings(rng)
-    model = dataclasses.replace(named_config("tiny-llama"), head_dim_override=s["head_dim"])
+    if s["model"] == "sliding":  # a window-8 layer (its own block pool) and a global one
+        base = dataclasses.replace(named_config("tiny-mistral"), layer_windows=(8, None))
+    else:
+        base = named_config("tiny-llama")
+    model = dataclasses.replace(base, head_dim_override=s["head_dim"])
     common = dict(device="cpu", block_size=4, max_model_len=32, backend=s["backend"],
                   kv_format=s["kv_format"])  # fmt: skip
     llm = LLM(model, **common, enable_chunked_prefill=s["enable_chunked_prefill"],
@@ -77,7 +99,7 @@ def run_dense(seed: int, ops: int = 120) -> dict:
     if s["shared_prefixes"]:
         prefixes = [[rng.randrange(VOCAB) for _ in range(12)] for _ in range(3)]
     checked = fuzz(llm, ref, rng, vocab=VOCAB, params=GREEDY, ops=ops, max_prompt=10,
-                   bad=[[VOCAB], [-3], [1.5], [1] * 70], check=lambda: check_ledger(llm),
+                   bad=[[VOCAB], [-3], [1.5], [1] * 70], check=lambda: check_pools(llm),
                    keep_streams=0.3, prefixes=prefixes)  # fmt: skip
     if llm.engine.scheduler.manager.request_ids():
         raise AssertionError("requests left in the cache manager after the run")
