@@ -156,7 +156,6 @@ def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torc
     module docstring (+-inf -> +-QMAX, NaN -> +0, scales from the finite elements).
     """
     assert layout.is_quantized, "quantize needs a quantized layout"
-    n = x.shape[0]
     xg = _grouped(x, layout)  # [n, G, GS]
     finite = torch.isfinite(xg)
     xz = torch.where(finite, xg, 0.0)  # inf and NaN count as +0 for the scale
@@ -181,16 +180,14 @@ def quantize(x: torch.Tensor, layout: KVCacheFormat) -> tuple[torch.Tensor, torc
         else:
             sf = div_rn(amax.clamp(min=AMAX_FLOOR), qmax)
         scaled = xz / sf[..., None]
-        scales = sf.contiguous().view(torch.uint8).view(n, layout.sf_bytes)
+        scales = sf.contiguous().view(torch.uint8)  # [n, 4 * G]: each scale's bytes
     # +-inf saturates to +-QMAX (the encoder clamps it); NaN stays the +0 of xz
     scaled = torch.where(torch.isinf(xg), xg, scaled)
     codes = encode_int8(scaled) if dtype == "int8" else encode_minifloat(scaled, dtype)
-    codes = codes.view(n, layout.num_scales * layout.elements_per_sf)[
-        :, : layout.quantized_elements
-    ]
+    codes = codes.flatten(1)[:, : layout.quantized_elements]
     if dtype == "e2m1":
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return codes.contiguous(), scales.contiguous().view(n, layout.sf_bytes)
+    return codes.contiguous(), scales.contiguous()
 
 
 def searched_scales(xz: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -263,9 +260,8 @@ def scale_factors(scales: torch.Tensor, layout: KVCacheFormat) -> torch.Tensor:
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, layout: KVCacheFormat) -> torch.Tensor:
     """Record bytes -> BF16 ``[n, elements]``: ``bf16(fp32(value) * fp32(scale))``."""
-    n = values.shape[0]
     if layout.quantized_dtype == "e2m1":
-        pairs = torch.stack((values & 15, values >> 4), dim=-1).view(n, 2 * values.shape[-1])
+        pairs = torch.stack((values & 15, values >> 4), dim=-1).flatten(1)
         v = decode_e2m1(pairs)
     elif layout.quantized_dtype == "int8":
         v = decode_int8(values)

@@ -59,27 +59,11 @@ def dense_settings(rng: random.Random) -> dict:
     )
 
 
-def check_pools(llm) -> None:
-    """`check_ledger` for every block pool (a sliding layer's pool beside the global one):
-    free + held blocks fill each pool; only running requests hold blocks."""
-    from tests.engine.test_reliability import check_ledger
-
-    m = llm.engine.scheduler.manager
-    if len(m.pools) == 1:
-        check_ledger(llm)
-        return
-    for p, pool in enumerate(m.pools):
-        held = {b for rid in m.request_ids() for b in m.get_block_ids(rid, p) if b}
-        assert pool.num_free_blocks + len(held) == pool.num_blocks - 1, f"pool {p} lost blocks"
-    running = {r.request_id for r in llm.engine.scheduler.running}
-    assert set(m.request_ids()) == running, "the manager holds requests not running"
-
-
 def run_dense(seed: int, ops: int = 120) -> dict:
     """One dense fuzz run (settings drawn from ``seed``); raises on any failed check."""
     from kvplan import LLM
     from kvplan.models.config import named_config
-    from tests.engine.test_reliability import GREEDY, VOCAB, fuzz
+    from tests.engine.test_reliability import GREEDY, VOCAB, check_ledger, fuzz
 
     rng = random.Random(seed)
     s = dense_settings(rng)
@@ -99,7 +83,7 @@ def run_dense(seed: int, ops: int = 120) -> dict:
     if s["shared_prefixes"]:
         prefixes = [[rng.randrange(VOCAB) for _ in range(12)] for _ in range(3)]
     checked = fuzz(llm, ref, rng, vocab=VOCAB, params=GREEDY, ops=ops, max_prompt=10,
-                   bad=[[VOCAB], [-3], [1.5], [1] * 70], check=lambda: check_pools(llm),
+                   bad=[[VOCAB], [-3], [1.5], [1] * 70], check=lambda: check_ledger(llm),
                    keep_streams=0.3, prefixes=prefixes)  # fmt: skip
     if llm.engine.scheduler.manager.request_ids():
         raise AssertionError("requests left in the cache manager after the run")
@@ -123,7 +107,7 @@ def _hybrid_folder(model_seed: int) -> tuple[str, int]:
 def run_hybrid(seed: int, ops: int = 100) -> dict:
     """One DeepSeek-V4 fuzz run (model and settings drawn from ``seed``)."""
     from kvplan import LLM, SamplingParams
-    from tests.engine.test_reliability import fuzz
+    from tests.engine.test_reliability import check_hybrid_ledger, fuzz
 
     rng = random.Random(seed)
     model_seed = rng.choice([0, 1, 3, 4])
@@ -142,19 +126,10 @@ def run_hybrid(seed: int, ops: int = 100) -> dict:
     core, m = llm.engine, llm.parts.manager
     num_blocks = llm.parts.num_blocks
 
-    def check() -> None:
-        held = [b for rid in m.request_ids() for b in m.get_block_ids(rid) if b]
-        if not shared:
-            assert len(held) == len(set(held)), "a block held by two requests"
-        assert m.num_free_blocks() + len(set(held)) == num_blocks - 1, "blocks lost"
-        running = {r.request_id for r in core.scheduler.running}
-        assert set(m.request_ids()) == running, "the manager holds requests not running"
-        slots = [m.get_state_slot(rid) for rid in running]
-        assert len(slots) == len(set(slots)), "a state slot held by two requests"
-
     prefixes = [[rng.randrange(vocab) for _ in range(40)] for _ in range(3)] if shared else ()
     checked = fuzz(llm, ref, rng, vocab=vocab, params=params, ops=ops, max_prompt=40,
-                   bad=[[vocab], [-1], [2.0], [1] * 70], check=check,
+                   bad=[[vocab], [-1], [2.0], [1] * 70],
+                   check=lambda: check_hybrid_ledger(llm, shared),
                    prefixes=prefixes)  # fmt: skip
     if m.request_ids() or m.num_free_blocks() != num_blocks - 1:
         raise AssertionError("blocks or requests left after the run")

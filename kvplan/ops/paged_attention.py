@@ -377,13 +377,15 @@ class _GatherPlan(NamedTuple):
     """Where each query row and key of a padded batch comes from, for every layer of a step
     (they share the page table): ``q_rows`` / ``q_ok`` ``[B, Qm]`` (None: row b * Qm + i is
     query i of sequence b), ``blocks`` / ``rows`` ``[B, Lk]`` (a column no query sees points
-    at the sequence's last key), ``mask`` ``[B, 1, Qm, Lk]`` (None: every query sees every
+    at the sequence's last key) and ``slots`` ``[B * Lk]`` (``blocks * block_size + rows``,
+    for caches whose rows are contiguous), ``mask`` ``[B, 1, Qm, Lk]`` (None: every query sees every
     key), ``seen`` ``[B, Qm]`` queries that see some key (None: all)."""
 
     q_rows: Tensor | None
     q_ok: Tensor | None
     blocks: Tensor
     rows: Tensor
+    slots: Tensor
     mask: Tensor | None
     seen: Tensor | None
     max_q: int
@@ -455,7 +457,8 @@ def _new_gather_plan(page_ids, page_start, cu_seqlens_q, kv_lens, block_size, wi
     rows = src % block_size
     if bool(q_ok.all()) and batch * max_q == num_tokens:
         q_rows = q_ok = None  # row b * Qm + i is query i of sequence b: views, no gathers
-    return _GatherPlan(q_rows, q_ok, blocks, rows, mask, seen, max_q)
+    slots = (blocks * block_size + rows).view(-1)
+    return _GatherPlan(q_rows, q_ok, blocks, rows, slots, mask, seen, max_q)
 
 
 def _attention_torch(
@@ -491,8 +494,8 @@ def _attention_torch(
     if plan is None:  # no sequence has a key: every query sees none
         out.zero_()
         return out
-    k = _gather_keys(k_cache, plan.blocks, plan.rows, kv_layout, head_dim)  # [B, Lk, Hkv, D]
-    v = _gather_keys(v_cache, plan.blocks, plan.rows, kv_layout, head_dim)
+    k = _gather_keys(k_cache, plan, kv_layout, head_dim)  # [B, Lk, Hkv, D]
+    v = _gather_keys(v_cache, plan, kv_layout, head_dim)
     if plan.q_rows is None:
         qq = q.float().view(batch, plan.max_q, num_heads, head_dim)
     else:
@@ -514,21 +517,20 @@ def _attention_torch(
     return out
 
 
-def _gather_keys(cache, blocks, rows, kv_layout, head_dim) -> Tensor:
-    """fp32 ``[B, Lk, Hkv, D]`` values of the keys at (``blocks``, ``rows``) ``[B, Lk]``."""
+def _gather_keys(cache, plan: _GatherPlan, kv_layout, head_dim) -> Tensor:
+    """fp32 ``[B, Lk, Hkv, D]`` values of the keys at the plan's (``blocks``, ``rows``)."""
     if cache.is_contiguous():  # one index_select over the cache's rows (faster on the CPU)
-        flat = (blocks * cache.shape[1] + rows).view(-1)
-        picked = cache.view(-1, *cache.shape[2:]).index_select(0, flat)
-        picked = picked.view(*blocks.shape, *cache.shape[2:])
+        picked = cache.view(-1, *cache.shape[2:]).index_select(0, plan.slots)
+        picked = picked.view(*plan.blocks.shape, *cache.shape[2:])
     else:
-        picked = cache[blocks, rows]
+        picked = cache[plan.blocks, plan.rows]
     if kv_layout is None:
         return picked.float()
     records = picked[:, :, 0]  # [B, Lk, bytes_per_token] uint8
     nv, ns = kv_layout.quantized_bytes, kv_layout.sf_bytes
-    flat = records.reshape(-1, records.shape[-1])
+    flat = records.flatten(0, 1)
     vals = quant.dequantize(flat[:, :nv], flat[:, nv : nv + ns], kv_layout)  # [B*Lk, E] bf16
-    return vals.float().view(*blocks.shape, -1, head_dim)
+    return vals.float().view(*plan.blocks.shape, -1, head_dim)
 
 
 # ---------------------------------------------------------------------------------------------

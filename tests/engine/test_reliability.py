@@ -24,15 +24,13 @@ def make_llm(**kw) -> LLM:
 
 
 def check_ledger(llm: LLM) -> None:
-    """Free blocks + blocks held by live requests == pool size; only running requests hold
-    blocks."""
+    """In every block pool (a sliding layer's beside the global one), free blocks + blocks
+    held by live requests == pool size; only running requests hold blocks."""
     core = llm.engine
     m = core.scheduler.manager
-    held: set[int] = set()
-    for rid in m.request_ids():
-        held.update(m.get_block_ids(rid))
-    pool = m.pools[0]
-    assert pool.num_free_blocks + len(held) == llm.parts.num_blocks - 1
+    for p, pool in enumerate(m.pools):
+        held = {b for rid in m.request_ids() for b in m.get_block_ids(rid, p) if b}
+        assert pool.num_free_blocks + len(held) == pool.num_blocks - 1, f"pool {p} lost blocks"
     running = {r.request_id for r in core.scheduler.running}
     assert set(m.request_ids()) == running
     assert all(r.status is RequestStatus.RUNNING for r in core.scheduler.running)
@@ -390,6 +388,25 @@ def test_fuzz_block_ledger():
     assert all_free(llm) and checked > 5
 
 
+def check_hybrid_ledger(llm: LLM, shared: bool) -> None:
+    """A DeepSeek-V4 engine's ledger: free + held blocks fill the pool (without ``shared``
+    prefixes no block is in two requests), only running requests hold blocks, each its own
+    state slot, the family tracks only them, snapshots stay within their capacity."""
+    core, m = llm.engine, llm.parts.manager
+    hybrid = core.runner.families["hybrid"]
+    held = [b for rid in m.request_ids() for b in m.get_block_ids(rid) if b]
+    if not shared:
+        assert len(held) == len(set(held))  # no block in two requests
+    assert m.num_free_blocks() + len(set(held)) == llm.parts.num_blocks - 1
+    running = {r.request_id for r in core.scheduler.running}
+    assert set(m.request_ids()) == running
+    slots = [m.get_state_slot(rid) for rid in running]
+    assert len(slots) == len(set(slots))
+    assert set(hybrid.family._cached_len) <= running
+    snaps = hybrid.snapshots
+    assert snaps.num_registered + snaps.num_pending <= snaps.capacity
+
+
 def test_deepseek_v4_token_ids_checked_against_its_vocab(tmp_path):
     from tests.models.dsv4_testlib import hf_config, hf_model
 
@@ -426,23 +443,11 @@ def test_fuzz_deepseek_v4_ledger(tmp_path, shared):
     hybrid = core.runner.families["hybrid"]
     family, snaps = hybrid.family, hybrid.snapshots
     num_blocks = llm.parts.num_blocks
-
-    def check() -> None:
-        held = [b for rid in m.request_ids() for b in m.get_block_ids(rid) if b]
-        if not shared:
-            assert len(held) == len(set(held))  # no block in two requests
-        assert m.num_free_blocks() + len(set(held)) == num_blocks - 1
-        running = {r.request_id for r in core.scheduler.running}
-        assert set(m.request_ids()) == running
-        slots = [m.get_state_slot(rid) for rid in running]
-        assert len(slots) == len(set(slots))
-        assert set(family._cached_len) <= running
-        assert snaps.num_registered + snaps.num_pending <= snaps.capacity
-
     rng = random.Random(4)
     prefixes = [[rng.randrange(vocab) for _ in range(40)] for _ in range(3)] if shared else ()
     checked = fuzz(llm, ref, rng, vocab=vocab, params=params, ops=150, max_prompt=40,
-                   bad=[[vocab], [-1], [2.0], [1] * 70], check=check,
+                   bad=[[vocab], [-1], [2.0], [1] * 70],
+                   check=lambda: check_hybrid_ledger(llm, shared),
                    prefixes=prefixes)  # fmt: skip
     assert not m.request_ids() and m.num_free_blocks() == num_blocks - 1
     assert not family._cached_len and not family._owner

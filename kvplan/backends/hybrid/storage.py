@@ -23,6 +23,8 @@ Quantized formats quantize the BF16 rounding of the row (``store_kv_cache``'s in
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvplan import quant
@@ -263,9 +265,8 @@ def dequantize_index(loaded, layout: KVCacheFormat) -> torch.Tensor:
     (``LoadedIndexKV``: values plus UE8M0 scales packed 4 per int32, or fp32 / e4m3 scales)."""
     values, scales = loaded
     n = values.shape[0]
-    # row widths from the layout, not inferred: a load of zero rows is a valid [0, ...] call
+    # row widths from the shapes, not inferred with -1: a load of zero rows is a valid call
     v = values.view(torch.uint8).reshape(n, layout.quantized_bytes)
-    packed = -(-layout.num_scales // 4) * 4 if layout.sf_format == "ue8m0" else None
-    s_bytes = packed or layout.sf_bytes  # UE8M0: four exponent bytes an int32, zero padded
-    s = scales.contiguous().view(torch.uint8).reshape(n, s_bytes)[:, : layout.sf_bytes]
+    s_row = scales.element_size() * math.prod(scales.shape[1:])  # UE8M0: int32s, zero padded
+    s = scales.contiguous().view(torch.uint8).reshape(n, s_row)[:, : layout.sf_bytes]
     return quant.dequantize(v, s.contiguous(), layout)
