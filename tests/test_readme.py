@@ -57,6 +57,6 @@ def test_deepseek_v4_example(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the example saves "dsv4-tiny" in the working directory
     ns: dict = {}
     exec(_example("from transformers import DeepseekV4Config"), ns)
-    out = ns["out"]
-    assert len(out) == 1 and len(out[0].token_ids) == 8
-    assert all(0 <= t < 128 for t in out[0].token_ids)
+    (out,) = ns["out"]  # one request; the random model may sample its EOS before 8 tokens
+    assert 1 <= len(out.token_ids) <= 8 and all(0 <= t < 128 for t in out.token_ids)
+    assert out.finish_reason == ("length" if len(out.token_ids) == 8 else "stop")
