@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvplan.models.config import ModelConfig
+from kvplan.models.fp8_checkpoint import iter_checkpoint, read_quantization
 from kvplan.models.llama import LlamaForCausalLM
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
@@ -108,16 +109,14 @@ def init_random_weights(model: LlamaForCausalLM, *, seed: int = 0, std: float = 
 
 
 def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of every ``*.safetensors`` file in ``folder`` (CPU tensors)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {str(folder)!r}")
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield key, sf.get_tensor(key)
+    """(name, tensor) pairs of every ``*.safetensors`` file in ``folder`` (CPU tensors); a
+    fine-grained FP8 checkpoint's weights come dequantized to fp32
+    (`kvplan.models.fp8_checkpoint`)."""
+    quant = None
+    if (Path(folder) / "config.json").is_file():
+        quant = read_quantization(read_config_json(folder), Path(folder) / "config.json")
+    for _, key, tensor in iter_checkpoint(folder, quant):
+        yield key, tensor
 
 
 def read_config_json(folder: str | Path) -> dict[str, Any]:

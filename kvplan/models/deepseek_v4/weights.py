@@ -34,6 +34,7 @@ import torch
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.layers import fuse_projections
 from kvplan.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from kvplan.models.fp8_checkpoint import iter_checkpoint, read_quantization
 from kvplan.models.weights import read_config_json
 
 _ATTN = "(?:attn|self_attn)"
@@ -88,13 +89,19 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _FP32_KEEP = re.compile(r"(norm|sinks|position_bias|_hc\.|hc_head\.|e_score_correction_bias)")
 
 
+def _skipped(name: str) -> bool:
+    """Checkpoint tensors kvplan does not use (multi-token prediction, rotary tables)."""
+    bare = name.removeprefix("model.")
+    return bare.startswith("mtp.") or bare.endswith("inv_freq")
+
+
 def _target(
     state: dict[str, torch.Tensor], moe_inter: int, name: str
 ) -> tuple[str, torch.Tensor] | None:
     """(kvplan name, destination view) that checkpoint tensor ``name`` fills; None = skip."""
-    bare = name.removeprefix("model.")
-    if bare.startswith("mtp.") or bare.endswith("inv_freq"):
+    if _skipped(name):
         return None
+    bare = name.removeprefix("model.")
     m = _LAYER.fullmatch(bare)
     table, rest, prefix = (_TOP_NAMES, bare, "") if m is None else (
         _LAYER_NAMES, m.group(2), f"layers.{m.group(1)}.")  # fmt: skip
@@ -119,9 +126,9 @@ def load_deepseek_v4(
     folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> DeepseekV4ForCausalLM:
     """The model stored in ``folder`` (``config.json`` + ``*.safetensors``), in ``dtype`` on
-    ``device``. Raises ValueError naming the file for an unknown, misshapen or missing tensor."""
-    from safetensors import safe_open
-
+    ``device``; a fine-grained FP8 checkpoint (FP4 experts included) is dequantized as it is
+    read (`kvplan.models.fp8_checkpoint`). Raises ValueError naming the file for an unknown,
+    misshapen or missing tensor, and the field for an unsupported ``quantization_config``."""
     folder = Path(folder)
     cfg_path = folder / "config.json"
     raw = read_config_json(folder)
@@ -129,31 +136,25 @@ def load_deepseek_v4(
         raise ValueError(
             f"{cfg_path}: model_type must be 'deepseek_v4', got {raw.get('model_type')!r}"
         )
-    if raw.get("quantization_config"):
-        raise ValueError(f"{cfg_path}: quantized checkpoints are not supported; dequantize first")
+    quant = read_quantization(raw, cfg_path)
     model = DeepseekV4ForCausalLM(DeepseekV4Config.from_hf(raw)).to(device)
     cast_model(model, dtype)
     files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {str(folder)!r}")
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     filled: dict[str, int] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                hit = _target(state, model.config.moe_intermediate_size, key)
-                if hit is None:
-                    continue
-                target, dst = hit
-                src = f.get_tensor(key)
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(
-                        f"{path.name}: tensor {key!r} has shape {tuple(src.shape)}, "
-                        f"{target!r} needs {tuple(dst.shape)}"
-                    )
-                dst.copy_(src)
-                base = target.split("[")[0]
-                filled[base] = filled.get(base, 0) + src.numel()
+    for file_name, key, src in iter_checkpoint(folder, quant, skip=_skipped):
+        hit = _target(state, model.config.moe_intermediate_size, key)
+        if hit is None:
+            continue
+        target, dst = hit
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(
+                f"{file_name}: tensor {key!r} has shape {tuple(src.shape)}, "
+                f"{target!r} needs {tuple(dst.shape)}"
+            )
+        dst.copy_(src)
+        base = target.split("[")[0]
+        filled[base] = filled.get(base, 0) + src.numel()
     for name, t in state.items():
         if name.endswith("inv_freq"):
             continue
