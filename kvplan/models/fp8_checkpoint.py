@@ -58,8 +58,9 @@ class Fp8Checkpoint:
 
 def read_quantization(raw: dict[str, Any], path: str | Path) -> Fp8Checkpoint | None:
     """The checkpoint quantization of config dict ``raw`` (read from ``path``, named in
-    errors): None when it has no ``quantization_config``; ValueError naming the field and
-    value for a method or setting kvplan does not load."""
+    errors): None when it has no ``quantization_config`` or one left by a GGUF conversion
+    (``quant_method: "gguf"``: transformers writes it beside the dequantized tensors);
+    ValueError naming the field and value for a method or setting kvplan does not load."""
     qc = raw.get("quantization_config")
     if not qc:
         return None
@@ -67,6 +68,8 @@ def read_quantization(raw: dict[str, Any], path: str | Path) -> Fp8Checkpoint | 
     if not isinstance(qc, dict):
         raise ValueError(f"{where} must be an object, got {type(qc).__name__}")
     method = qc.get("quant_method")
+    if method == "gguf":  # a folder converted from GGUF (kvplan's own cache): dequantized
+        return None
     if method != "fp8":
         raise ValueError(
             f"{where}.quant_method={method!r} is not supported: kvplan loads fine-grained FP8 "

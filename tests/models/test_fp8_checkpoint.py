@@ -108,6 +108,8 @@ def test_bad_scales_and_configs_are_named():
         ):
             read_quantization(bad, "c.json")
     assert read_quantization({}, "c.json") is None
+    gguf = {"quantization_config": {"quant_method": "gguf", "dequantize": False}}
+    assert read_quantization(gguf, "c.json") is None  # a GGUF conversion's dequantized folder
     q = read_quantization({"quantization_config": DSV4_QUANT}, "c.json")
     assert q is not None and q.block == (128, 128) and q.expert_dtype == "fp4"
 
