@@ -138,8 +138,12 @@ def dequantize_fp8(
             f"{name}: weight of shape {tuple(codes.shape)} with blocks {list(block)} needs "
             f"scales of shape {want}, got {tuple(scale.shape)}"
         )
-    flat_s = s.reshape(-1, *want[-2:])
+    gn, gk = want[-2:]
+    flat_s = s.reshape(-1, gn, gk)
     flat_v = values.reshape(-1, rows, cols)
+    if rows % bn == 0 and cols % bk == 0:  # whole blocks: a broadcast, no expanded scale grid
+        blocks = flat_v.view(-1, gn, bn, gk, bk)
+        return (blocks * flat_s[:, :, None, :, None]).reshape(values.shape)
     out = torch.stack([v * _expand(g, rows, cols, bn, bk) for v, g in zip(flat_v, flat_s)])
     return out.reshape(values.shape)
 

@@ -47,7 +47,7 @@ def _elementwise(codes, scale, bn, bk):
     return out
 
 
-@pytest.mark.parametrize("shape", [(40, 72), (33, 17), (64, 64)])
+@pytest.mark.parametrize("shape", [(40, 72), (33, 17), (64, 64), (48, 96)])
 @pytest.mark.parametrize("scales", ["ue8m0", "fp32", "uint8"])
 def test_fp8_blocks_equal_an_elementwise_reference(shape, scales):
     gen = torch.Generator().manual_seed(sum(shape))
