@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="JSON mode: the completion is one JSON object"
     )
+    parser.add_argument(
+        "--json-schema",
+        default=None,
+        help="structured output: the completion is one instance of this JSON schema (a file "
+        "path, or the schema's JSON text)",
+    )
     add_engine_arguments(
         parser,
         ("device", "backend", "kv_format", "dtype", "tensor_parallel_size", "warmup"),
@@ -90,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             frequency_penalty=args.frequency_penalty,
             repetition_penalty=args.repetition_penalty,
             json_mode=args.json,
+            json_schema=_schema_arg(args.json_schema),
         )
         config = config_from_args(
             args,
@@ -117,3 +124,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     sys.stdout.write("\n")
     return 0
+
+
+def _schema_arg(value: str | None) -> str | None:
+    """``--json-schema``: the schema's JSON text, read from a file when ``value`` names one."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    path = Path(value)
+    if not value.lstrip().startswith("{") and path.is_file():
+        return path.read_text()
+    return value

@@ -42,6 +42,8 @@ from kvplan.engine.speculative import accept_drafts
 from kvplan.engine.step import StepBatch
 from kvplan.ops.argmax import argmax_rows
 
+SCHEMA_VIEWS = 16  # JSON schemas whose token masks are kept (`EngineCore._json_mask`)
+
 
 class EngineCore(AsyncSteps):
     """Owns the requests, the scheduler and the runner.
@@ -84,6 +86,7 @@ class EngineCore(AsyncSteps):
         self.scheduler = scheduler
         self.tokenizer = tokenizer  # JSON mode reads its vocabulary (`_json_mask`)
         self._json_trie: tuple | None = None  # (TokenTrie, token bytes), built on first use
+        self._schema_views: dict = {}  # JsonSchema -> its TokenTrie view, most recent last
         self.runner = runner
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.decode_text = decode_text
@@ -446,7 +449,16 @@ class EngineCore(AsyncSteps):
         if req.json_guide is None:
             trie, pieces = self.json_vocab()
             stops = set(self.eos_token_ids) | set(req.params.stop_token_ids)
-            req.json_guide = JsonGuide(trie, pieces, sorted(stops))
+            schema = req.params.json_schema
+            if schema is not None:  # one trie view (and memo of masks) per schema
+                view = self._schema_views.pop(schema, None)
+                if view is None:
+                    view = trie.view(schema.step, schema.string_of)
+                self._schema_views[schema] = view  # the newest last
+                while len(self._schema_views) > SCHEMA_VIEWS:
+                    del self._schema_views[next(iter(self._schema_views))]
+                trie = view
+            req.json_guide = JsonGuide(trie, pieces, sorted(stops), schema)
         req.json_guide.feed(req.output_token_ids)
         return req.json_guide.mask(vocab)
 

@@ -29,7 +29,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["JsonGuide", "TokenTrie", "complete", "start_state", "step", "token_bytes"]
+__all__ = [
+    "NOT_STRING",
+    "JsonGuide",
+    "TokenTrie",
+    "complete",
+    "start_state",
+    "step",
+    "string_of",
+    "token_bytes",
+]
 
 _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
@@ -224,13 +233,16 @@ class _Trie:
         build(root)
         self.order = np.asarray(order, dtype=np.int64)
 
-    def walk(self, state: State, out: np.ndarray, follow=None) -> None:
+    def walk(self, state: State, out: np.ndarray, follow=None, step_fn=None, string_fn=None):
         """Mark in ``out`` the tokens whose bytes all follow ``state`` (``follow``: only
-        bytes it admits); inside a string a plain subtree is taken whole."""
+        bytes it admits) under the recognizer ``step_fn`` (default `step`; ``string_fn`` its
+        `string_of`); inside a string a plain subtree is taken whole."""
+        step_fn = step_fn or step
+        string_fn = string_fn or string_of
         todo = [(0, state)]
         while todo:
             k, st = todo.pop()
-            if k and st[0] == "str" and self.plain[k]:
+            if k and self.plain[k] and string_fn(st) is None:
                 lo, hi = self.span[k]
                 out[self.order[lo:hi]] = True  # plain content: the whole subtree
                 continue
@@ -239,9 +251,22 @@ class _Trie:
             for b, child in self.children[k]:
                 if follow is not None and not follow(b):
                     continue
-                nxt = step(st, b)
+                nxt = step_fn(st, b)
                 if nxt is not None:
                     todo.append((child, nxt))
+
+
+NOT_STRING = "not a string"  # `string_of` outside a string
+
+
+def string_of(state: State):
+    """Inside a string: None (no character in progress) or the UTF-8 character in progress
+    (the ``utf`` state's tail); elsewhere (escapes included) `NOT_STRING`."""
+    if state[0] == "str":
+        return None
+    if state[0] == "utf":
+        return state[2][1:]
+    return NOT_STRING
 
 
 def _inside(b: int) -> bool:
@@ -264,17 +289,27 @@ class TokenTrie:
         self.vocab_size = len(pieces)
         self.full = _Trie(pieces)
         self.special = _Trie(pieces, keep=lambda p: 0x22 in p or 0x5C in p)
+        self._step, self._string_of = step, string_of
         self._memo: dict[State, np.ndarray] = {}
         self._inner: dict[tuple, np.ndarray] = {}
+
+    def view(self, step_fn, string_fn) -> TokenTrie:
+        """The same vocabulary under another recognizer whose strings read as JSON's
+        (``step_fn``, ``string_fn`` its `string_of`; e.g. a `JsonSchema`'s), sharing the
+        tries and the in-string masks, with masks memoized per view."""
+        other = object.__new__(TokenTrie)
+        other.vocab_size, other.full, other.special = self.vocab_size, self.full, self.special
+        other._step, other._string_of = step_fn, string_fn
+        other._memo, other._inner = {}, self._inner
+        return other
 
     def allowed(self, state: State) -> np.ndarray:
         """bool ``[vocab_size]``: the tokens whose bytes all follow ``state``."""
         hit = self._memo.get(state)
         if hit is not None:
             return hit
-        mode = state[0]
-        if mode in ("str", "utf"):
-            utf = None if mode == "str" else state[2][1:]
+        utf = self._string_of(state)
+        if utf is not NOT_STRING:
             inner = self._inner.get(utf)
             if inner is None:  # staying in the string: the containers do not matter
                 inner = np.zeros(self.vocab_size, dtype=bool)
@@ -282,10 +317,10 @@ class TokenTrie:
                 self.full.walk(start, inner, follow=_inside)
                 self._inner[utf] = inner
             out = inner.copy()
-            self.special.walk(state, out)
+            self.special.walk(state, out, step_fn=self._step, string_fn=self._string_of)
         else:
             out = np.zeros(self.vocab_size, dtype=bool)
-            self.full.walk(state, out)
+            self.full.walk(state, out, step_fn=self._step, string_fn=self._string_of)
         out.flags.writeable = False  # memoized: callers share it
         if len(self._memo) >= self._MEMO:
             self._memo.clear()
@@ -297,20 +332,27 @@ class JsonGuide:
     """One request's JSON mode: ``feed`` its sampled tokens, ``mask`` the next step's allowed
     tokens (``vocab`` wide: ids past the trie's vocabulary are never allowed)."""
 
-    def __init__(self, trie: TokenTrie, pieces: Sequence[bytes | None], eos_ids: Sequence[int]):
+    def __init__(
+        self, trie: TokenTrie, pieces: Sequence[bytes | None], eos_ids: Sequence[int],
+        schema=None,
+    ) -> None:  # fmt: skip
+        """``schema``: a `kvplan.engine.json_schema.JsonSchema` (``trie`` then its view):
+        the text is one value it accepts instead of any JSON object."""
         self.trie, self.pieces = trie, pieces
         self.eos = sorted(set(eos_ids))
-        self.state = start_state()
+        self._step = step if schema is None else schema.step
+        self._complete = complete if schema is None else schema.complete
+        self.state = start_state() if schema is None else schema.start_state()
         self.fed = 0  # output tokens fed so far
 
     def feed(self, token_ids: Sequence[int]) -> None:
         """Advance over the output tokens not fed yet (``token_ids``: the whole output)."""
         for tid in token_ids[self.fed :]:
             piece = self.pieces[tid] if tid < len(self.pieces) else None
-            if piece is None or complete(self.state):
+            if piece is None or self._complete(self.state):
                 raise ValueError(f"token {tid} does not continue the JSON text")
             for b in piece:
-                nxt = step(self.state, b)
+                nxt = self._step(self.state, b)
                 if nxt is None:
                     raise ValueError(f"token {tid} ({piece!r}) does not continue the JSON text")
                 self.state = nxt
@@ -320,7 +362,7 @@ class JsonGuide:
         """bool ``[vocab]`` (read-only): the allowed next tokens; only EOS once the object is
         complete, or where no token of the vocabulary continues the text (the request
         ends)."""
-        allowed = None if complete(self.state) else self.trie.allowed(self.state)
+        allowed = None if self._complete(self.state) else self.trie.allowed(self.state)
         if allowed is not None and allowed.shape[0] == vocab and allowed.any():
             return allowed  # the trie's memo: read-only, so shared safely
         out = np.zeros(vocab, dtype=bool)

@@ -27,11 +27,12 @@ import numbers
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from kvplan.engine.json_schema import JsonSchema
 from kvplan.engine.logprobs import MAX_LOGPROBS
 from kvplan.ops.argmax import argmax_rows
 
@@ -139,6 +140,11 @@ class SamplingParams:
             object can be sampled, and once the object is closed only EOS
             (`kvplan.engine.json_mode`; needs the engine's tokenizer; not with ``ignore_eos``
             or ``min_tokens``). A completion cut by ``max_tokens`` is an unfinished object.
+        json_schema: the completion is one JSON value this JSON schema accepts (OpenAI's
+            ``response_format={"type": "json_schema", ...}``'s ``schema``): a dict, its JSON
+            text or a `kvplan.engine.json_schema.JsonSchema` (the supported subset is listed
+            there; anything else raises ValueError naming its path). Turns ``json_mode`` on,
+            with its rules.
         The adjustments apply in that order (module docstring), JSON mode last; the reported
         logprobs stay those of the raw logits.
 
@@ -164,6 +170,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
     min_tokens: int = 0
     json_mode: bool = False
+    json_schema: Any = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "top_k", "min_tokens"):
@@ -218,6 +225,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {value}")
         object.__setattr__(self, "repetition_penalty", value)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, JsonSchema):
+                object.__setattr__(self, "json_schema", JsonSchema(self.json_schema))
+            object.__setattr__(self, "json_mode", True)
         if self.json_mode and (self.ignore_eos or self.min_tokens):
             raise ValueError(
                 "json_mode ends the request with EOS right after the object: it cannot take "

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvplan.engine.json_schema import JsonSchema
 from kvplan.engine.logprobs import MAX_LOGPROBS
 from kvplan.engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
 
@@ -152,20 +153,31 @@ def _refuse_unsupported(body: dict, neutral: dict[str, Any]) -> None:
             raise bad(name, f"{name}={v!r} is not supported by this server")
 
 
-def _json_mode(body: dict) -> bool:
+def _json_mode(body: dict) -> bool | JsonSchema:
     """``response_format``: ``{"type": "json_object"}`` turns on JSON mode (the completion is
     one JSON object, `SamplingParams.json_mode`; whether the model's tokenizer can run it is
-    the engine's check, `EngineCore.json_vocab`); ``{"type": "text"}`` or none leaves it
-    off; other types (``json_schema``) are refused."""
+    the engine's check, `EngineCore.json_vocab`); ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}}}`` constrains it to the schema (`SamplingParams.json_schema`,
+    returned compiled; an unsupported schema names its path); ``{"type": "text"}`` or none
+    leaves it off."""
     v = body.get("response_format")
     if v is None:
         return False
     kind = v.get("type") if isinstance(v, dict) else None
     if kind == "text":
         return False
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad("response_format", "response_format.json_schema must be an object with "
+                      "a 'schema' object")  # fmt: skip
+        try:
+            return JsonSchema(spec["schema"], where="response_format.json_schema.schema")
+        except ValueError as exc:
+            raise bad("response_format", str(exc)) from None
     if kind != "json_object":
         raise bad("response_format", f"response_format={v!r} is not supported by this server "
-                  "(only {'type': 'json_object'} or {'type': 'text'})")  # fmt: skip
+                  "(only types 'json_object', 'json_schema' or 'text')")  # fmt: skip
     return True
 
 
@@ -222,7 +234,7 @@ def _sampling(
     logprobs: int | None = None,
     echo: bool = False,
     best_of_ok: bool = False,
-    json_mode: bool = False,
+    json_mode: bool | JsonSchema = False,
 ) -> Parsed:
     """The fields every endpoint shares; ``prompts`` are token ids, not yet checked.
     ``logprobs``: top-k per generated token (and per prompt token with ``echo``);
@@ -294,7 +306,8 @@ def _sampling(
         repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, math.inf, True),
         logit_bias=_logit_bias(body, limits),
         min_tokens=min_tokens,
-        json_mode=json_mode,
+        json_mode=bool(json_mode),
+        json_schema=json_mode if isinstance(json_mode, JsonSchema) else None,
     )
     if json_mode and (base["ignore_eos"] or min_tokens):
         raise bad("response_format", "json_object ends with EOS after the object: it cannot "

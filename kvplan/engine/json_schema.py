@@ -1,0 +1,363 @@
+"""Structured output: constrain sampling so that a completion is one JSON value that a JSON
+schema accepts (OpenAI's ``response_format={"type": "json_schema", "json_schema": {"schema":
+...}}``).
+
+`JsonSchema(schema)` compiles a schema into a table of nodes and is a byte-level recognizer
+like `kvplan.engine.json_mode`'s, whose states are tuples of frames (outermost first):
+
+* ``("v", node, ws)``: a value of ``node`` comes next (``ws``: whitespace may come first);
+* ``("d", node, js)``: inside a string, number or literal (or any value, for ``node`` of
+  kind any), run by `json_mode.step` on its own state ``js``;
+* ``("e", node, pos, candidates)``: ``pos`` bytes into the JSON texts of an ``enum``;
+* ``("o", node, phase, seen, key)``: an object: ``phase`` "k0" after ``{``, "k" after ``,``,
+  "key" inside a key (``key``: its bytes so far), "colon" (``key``: the property's index),
+  "after" after a member's value; ``seen``: a bit mask of the properties written;
+* ``("a", node, phase)``: an array, ``phase`` "a0" after ``[`` or "after" after an item.
+
+The empty tuple is the finished value. A number ends at the first byte that cannot continue
+it, which then goes to the frame below. `json_mode.TokenTrie.view` turns the recognizer into
+token masks, with the same shortcut inside strings.
+
+The schema subset (other keywords are refused, naming their path): ``type`` (one of object,
+array, string, number, integer, boolean, null, or a list of them; implied by ``properties`` /
+``required`` / ``additionalProperties`` or ``items`` where left out), ``properties``,
+``required``, ``additionalProperties`` (only false: an object holds its listed properties, in
+any order, each at most once, the required ones before it closes), ``items``, ``enum``,
+``const``, ``anyOf`` (branches that start differently: at most one of object / array / string
+/ number / boolean / null each), ``$defs`` / ``definitions`` with ``$ref`` to them
+(recursive schemas included), and the annotations ``title``, ``description``, ``default``,
+``examples``, ``$schema``, ``$id``, ``strict``. An object without ``properties`` (or ``{}`` as
+a schema) is any JSON value of that type. The root must be an object or an array.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from kvplan.engine import json_mode
+
+__all__ = ["JsonSchema"]
+
+_WS = frozenset(b" \t\n\r")
+_NUMBER_START = frozenset(b"-0123456789")
+_ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$schema", "$id", "strict", "$comment"}
+)
+_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+# the first bytes of each kind's JSON text
+_FIRST = {
+    "object": frozenset(b"{"),
+    "array": frozenset(b"["),
+    "string": frozenset(b'"'),
+    "number": _NUMBER_START,
+    "integer": _NUMBER_START,
+    "boolean": frozenset(b"tf"),
+    "null": frozenset(b"n"),
+}
+_VALUE = ("value", (), None)  # json_mode's state before a value's first byte
+
+
+class JsonSchema:
+    """A compiled JSON schema (module docstring); ``schema`` a dict (or its JSON text).
+    ValueError names the path of an unsupported or malformed part (``where`` prefixes it)."""
+
+    def __init__(self, schema: Mapping[str, Any] | str, where: str = "json_schema") -> None:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f"{where}: not JSON ({exc})") from None
+        if not isinstance(schema, Mapping):
+            raise ValueError(f"{where} must be a JSON object, got {type(schema).__name__}")
+        self.text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        self._root_doc = schema
+        self._defs = {}
+        for key in ("$defs", "definitions"):
+            defs = schema.get(key, {})
+            if not isinstance(defs, Mapping):
+                raise ValueError(f"{where}.{key} must be an object")
+            for name, sub in defs.items():
+                self._defs[f"#/{key}/{name}"] = sub
+        self.nodes: list[tuple] = []
+        self._refs: dict[str, int] = {}
+        self.root = self._compile(schema, where)
+        if self.nodes[self.root][0] not in ("object", "array", "any_object", "any_array"):
+            raise ValueError(f"{where}: the root must be an object or an array schema")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, JsonSchema) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __repr__(self) -> str:
+        return f"JsonSchema({self.text})"
+
+    # -- compiling --------------------------------------------------------------------------
+
+    def _add(self, node: tuple) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def _compile(self, s: Any, where: str) -> int:
+        if s is True or (isinstance(s, Mapping) and not (set(s) - _ANNOTATIONS - {"$defs",
+                                                                                 "definitions"})):  # fmt: skip
+            return self._add(("any",))
+        if not isinstance(s, Mapping):
+            raise ValueError(f"{where} must be a schema object, got {s!r}")
+        if "$ref" in s:
+            return self._ref(s, where)
+        if "enum" in s or "const" in s:
+            return self._enum(s, where)
+        if "anyOf" in s:
+            return self._any_of(s, where)
+        kind = s.get("type")
+        if kind is None:  # implied by the keywords
+            if {"properties", "required", "additionalProperties"} & set(s):
+                kind = "object"
+            elif "items" in s:
+                kind = "array"
+            else:
+                extra = sorted(set(s) - _ANNOTATIONS - {"$defs", "definitions"})
+                raise ValueError(f"{where}: keyword {extra[0]!r} is not supported")
+            s = {**s, "type": kind}
+        if isinstance(kind, list):
+            return self._alt([{**s, "type": k} for k in kind], f"{where}.type", where)
+        if kind not in _TYPES:
+            raise ValueError(f"{where}.type={kind!r} is not supported (one of {list(_TYPES)})")
+        allowed = {
+            "object": {"type", "properties", "required", "additionalProperties"},
+            "array": {"type", "items"},
+        }.get(kind, {"type"})
+        extra = sorted(set(s) - allowed - _ANNOTATIONS - {"$defs", "definitions"})
+        if extra:
+            raise ValueError(f"{where}: keyword {extra[0]!r} is not supported")
+        if kind == "object":
+            return self._object(s, where)
+        if kind == "array":
+            if "items" not in s:
+                return self._add(("any_array",))
+            idx = self._add(("array", -1))
+            self.nodes[idx] = ("array", self._compile(s["items"], f"{where}.items"))
+            return idx
+        return self._add((kind,))
+
+    def _ref(self, s: Mapping, where: str) -> int:
+        ref = s["$ref"]
+        if set(s) - {"$ref"} - _ANNOTATIONS:
+            raise ValueError(f"{where}: $ref takes no sibling keywords")
+        if ref == "#":
+            target = self._root_doc
+        elif ref in self._defs:
+            target = self._defs[ref]
+        else:
+            raise ValueError(f"{where}.$ref={ref!r}: only '#' and '#/$defs/NAME' are supported")
+        if ref not in self._refs:  # a placeholder first, so recursive references resolve
+            self._refs[ref] = self._add(("ref", -1))
+            self.nodes[self._refs[ref]] = ("ref", self._compile(target, f"{where}<{ref}>"))
+        return self._refs[ref]
+
+    def _enum(self, s: Mapping, where: str) -> int:
+        values = [s["const"]] if "const" in s else s["enum"]
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{where}.enum must be a non-empty list")
+        texts = []
+        for v in values:
+            if isinstance(v, (dict, list)):
+                raise ValueError(f"{where}.enum: objects and arrays are not supported, got {v!r}")
+            if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+                raise ValueError(f"{where}.enum: {v!r} is not JSON")
+            texts.append(json.dumps(v, ensure_ascii=False).encode())
+        return self._add(("enum", tuple(dict.fromkeys(texts))))
+
+    def _object(self, s: Mapping, where: str) -> int:
+        props = s.get("properties")
+        if props is None:
+            return self._add(("any_object",))
+        if not isinstance(props, Mapping):
+            raise ValueError(f"{where}.properties must be an object")
+        if s.get("additionalProperties", False) is not False:
+            raise ValueError(f"{where}.additionalProperties must be false (or absent)")
+        names = list(props)
+        for name in names:
+            raw = name.encode()
+            if any(b < 0x20 or b in (0x22, 0x5C) for b in raw):
+                raise ValueError(f"{where}.properties: name {name!r} needs escaping")
+        required = s.get("required", [])
+        if not isinstance(required, list) or any(r not in props for r in required):
+            raise ValueError(f"{where}.required must list names of properties, got {required!r}")
+        idx = self._add(("object", (), (), 0))
+        children = tuple(self._compile(props[n], f"{where}.properties.{n}") for n in names)
+        mask = sum(1 << names.index(r) for r in set(required))
+        self.nodes[idx] = ("object", tuple(n.encode() for n in names), children, mask)
+        return idx
+
+    def _any_of(self, s: Mapping, where: str) -> int:
+        branches = s["anyOf"]
+        if set(s) - {"anyOf"} - _ANNOTATIONS:
+            raise ValueError(f"{where}: anyOf takes no sibling keywords")
+        if not isinstance(branches, list) or not branches:
+            raise ValueError(f"{where}.anyOf must be a non-empty list")
+        return self._alt(branches, f"{where}.anyOf", where)
+
+    def _alt(self, branches: list, label: str, where: str) -> int:
+        idx = [self._compile(b, f"{label}[{i}]") for i, b in enumerate(branches)]
+        seen: set[int] = set()
+        for i in idx:
+            first = self._first(i)
+            if first & seen:
+                raise ValueError(f"{label}: branches must start differently (at most one "
+                                 "object, array, string, number, boolean, null)")  # fmt: skip
+            seen |= first
+        return self._add(("alt", tuple(idx)))
+
+    def _first(self, i: int, depth: int = 0) -> frozenset[int]:
+        node = self.nodes[i]
+        kind = node[0]
+        if depth > len(self.nodes):
+            raise ValueError("json_schema: a reference cycle without a value")
+        if kind == "ref":
+            return self._first(node[1], depth + 1)
+        if kind == "enum":
+            return frozenset(t[0] for t in node[1])
+        if kind == "alt":
+            return frozenset().union(*(self._first(b, depth + 1) for b in node[1]))
+        if kind == "any":
+            return frozenset(range(256))
+        return _FIRST[{"any_object": "object", "any_array": "array"}.get(kind, kind)]
+
+    # -- recognizing ------------------------------------------------------------------------
+
+    def start_state(self) -> tuple:
+        """Before the first byte (no leading whitespace)."""
+        return (("v", self.root, False),)
+
+    @staticmethod
+    def complete(state: tuple) -> bool:
+        return state == ()
+
+    def step(self, state: tuple, b: int) -> tuple | None:
+        """The state after byte ``b``, or None if ``b`` cannot follow."""
+        if not state:
+            return None
+        frame = state[-1]
+        kind = frame[0]
+        rest = state[:-1]
+        if kind == "v":
+            if b in _WS:
+                return state if frame[2] else None
+            return self._start(rest, frame[1], b)
+        if kind == "d":
+            return self._delegated(rest, frame, b)
+        if kind == "e":
+            _, node, pos, cands = frame
+            nxt = tuple(c for c in cands if len(c) > pos and c[pos] == b)
+            if nxt:
+                return rest + (("e", node, pos + 1, nxt),)
+            if any(len(c) == pos for c in cands):  # the value ended before b
+                return self.step(rest, b)
+            return None
+        if kind == "o":
+            return self._object_step(rest, frame, b)
+        return self._array_step(rest, frame, b)
+
+    def _start(self, rest: tuple, node: int, b: int) -> tuple | None:
+        """The state after ``b``, the first byte of a value of ``node`` (below it: ``rest``)."""
+        n = self.nodes[node]
+        kind = n[0]
+        if kind == "ref":
+            return self._start(rest, n[1], b)
+        if kind == "alt":
+            for branch in n[1]:
+                got = self._start(rest, branch, b)
+                if got is not None:
+                    return got
+            return None
+        if kind == "enum":
+            cands = tuple(t for t in n[1] if t[0] == b)
+            return rest + (("e", node, 1, cands),) if cands else None
+        if kind == "object":
+            return rest + (("o", node, "k0", 0, None),) if b == 0x7B else None
+        if kind == "array":
+            return rest + (("a", node, "a0"),) if b == 0x5B else None
+        if (
+            kind != "any"
+            and b not in _FIRST[{"any_object": "object", "any_array": "array"}.get(kind, kind)]
+        ):
+            return None
+        js = json_mode.step(_VALUE, b)
+        return None if js is None else rest + (("d", node, js),)
+
+    def _delegated(self, rest: tuple, frame: tuple, b: int) -> tuple | None:
+        _, node, js = frame
+        nxt = json_mode.step(js, b)
+        if nxt is not None:
+            if nxt[0] == "end":  # the value is whole (a string, literal or container)
+                return rest
+            if self.nodes[node][0] == "integer" and nxt[0] in ("nd", "ne"):
+                return None  # no fraction or exponent in an integer
+            return rest + (("d", node, nxt),)
+        if js[0] in json_mode._NUMBER_END and not js[1]:  # this number ended before b
+            return self.step(rest, b)
+        return None
+
+    def _object_step(self, rest: tuple, frame: tuple, b: int) -> tuple | None:
+        _, node, phase, seen, key = frame
+        _, names, children, required = self.nodes[node]
+        unseen = [i for i in range(len(names)) if not seen >> i & 1]
+        if phase == "key":
+            if b == 0x22:
+                hit = next((i for i in unseen if names[i] == key), None)
+                return None if hit is None else rest + (("o", node, "colon", seen, hit),)
+            grown = key + bytes((b,))
+            if any(names[i].startswith(grown) for i in unseen):
+                return rest + (("o", node, "key", seen, grown),)
+            return None
+        if b in _WS:
+            return rest + (frame,)
+        if phase == "colon":
+            if b != 0x3A:
+                return None
+            after = ("o", node, "after", seen | (1 << key), None)
+            return rest + (after, ("v", children[key], True))
+        closes = b == 0x7D and required & ~seen == 0
+        if phase == "after":
+            if closes:
+                return rest
+            return rest + (("o", node, "k", seen, None),) if b == 0x2C and unseen else None
+        # k0 / k: a key's quote, or (k0) the closing brace
+        if b == 0x22 and unseen:
+            return rest + (("o", node, "key", seen, b""),)
+        return rest if phase == "k0" and closes else None
+
+    def _array_step(self, rest: tuple, frame: tuple, b: int) -> tuple | None:
+        _, node, phase = frame
+        if b in _WS:
+            return rest + (frame,)
+        if b == 0x5D:
+            return rest
+        item = self.nodes[node][1]
+        if phase == "a0":
+            return self._start(rest + (("a", node, "after"),), item, b)
+        if b == 0x2C:
+            return rest + (("a", node, "after"), ("v", item, True))
+        return None
+
+    def accepts(self, text: bytes | str) -> bool:
+        """Whether ``text`` is a whole value of this schema (as the recognizer reads it)."""
+        state: tuple | None = self.start_state()
+        for b in text.encode() if isinstance(text, str) else text:
+            state = self.step(state, b)
+            if state is None:
+                return False
+        return self.complete(state)
+
+    @staticmethod
+    def string_of(state: tuple):
+        """Where ``state`` stands inside a string, `json_mode.string_of` of the innermost
+        delegated value (the trie's shortcut), else `json_mode.NOT_STRING`."""
+        if state and state[-1][0] == "d":
+            return json_mode.string_of(state[-1][2])
+        return json_mode.NOT_STRING

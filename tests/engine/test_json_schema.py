@@ -1,0 +1,369 @@
+"""Structured output (`kvplan.engine.json_schema`): the schema recognizer against an
+independent validator written here over Python's ``json`` (every prefix of a random valid
+instance accepted, whole texts -- instances and random edits of them -- accepted exactly when
+the validator says so), the schema's token masks against a per-token brute force, unsupported
+schemas named by path, and the engine: guided completions of a random-weight model are
+prefixes of valid instances, and those that end on EOS parse and validate."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from kvplan.engine.json_mode import TokenTrie, token_bytes
+from kvplan.engine.json_schema import JsonSchema
+from kvplan.engine.sampling import SamplingParams
+from tests.engine.test_json_mode import make_json_model_folder
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "height": {"type": "number"},
+        "alive": {"type": "boolean"},
+        "nick": {"type": ["string", "null"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", 1, None, True]}},
+        "pet": {"$ref": "#/$defs/pet"},
+        "extra": {},
+        "kind": {"const": "person"},
+    },
+    "required": ["name", "age", "kind"],
+    "additionalProperties": False,
+    "$defs": {
+        "pet": {
+            "type": "object",
+            "properties": {
+                "species": {"enum": ["cat", "dog"]},
+                "friends": {"type": "array", "items": {"$ref": "#/$defs/pet"}},
+            },  # fmt: skip
+            "required": ["species"],
+        }
+    },
+}
+MATRIX = {"type": "array", "items": {"type": "array", "items": {"anyOf": [{"type": "number"},
+                                                                          {"type": "null"}]}}}  # fmt: skip
+OPEN = {"type": "object", "properties": {"any": {"type": "object"}, "list": {"type": "array"}}}
+SCHEMAS = [PERSON, MATRIX, OPEN]
+
+
+def _validate(v, s, defs) -> bool:
+    """The schema subset's meaning, written independently of the recognizer."""
+    if s is True or s == {}:
+        return True
+    if "$ref" in s:
+        return _validate(v, defs[s["$ref"].rsplit("/", 1)[1]], defs)
+    if "const" in s or "enum" in s:
+        opts = [s["const"]] if "const" in s else s["enum"]
+        return any(type(v) is type(o) and v == o for o in opts)
+    if "anyOf" in s:
+        return any(_validate(v, b, defs) for b in s["anyOf"])
+    kinds = s["type"] if isinstance(s["type"], list) else [s["type"]]
+    return any(_validate_kind(v, k, s, defs) for k in kinds)
+
+
+def _validate_kind(v, kind, s, defs) -> bool:
+    if kind == "object":
+        if not isinstance(v, list) or any(not isinstance(p, tuple) for p in v):
+            return False  # objects come as lists of (key, value) pairs (duplicates kept)
+        keys = [k for k, _ in v]
+        if "properties" not in s:
+            return len(set(keys)) == len(keys)
+        props = s["properties"]
+        return (len(set(keys)) == len(keys) and all(k in props for k in keys)
+                and all(r in keys for r in s.get("required", []))
+                and all(_validate(x, props[k], defs) for k, x in v))  # fmt: skip
+    if kind == "array":
+        return isinstance(v, _Array) and all(_validate(x, s.get("items", {}), defs) for x in v)
+    if kind == "string":
+        return isinstance(v, str)
+    if kind == "integer":
+        return type(v) is int
+    if kind == "number":
+        return type(v) in (int, float)
+    if kind == "boolean":
+        return type(v) is bool
+    return v is None
+
+
+class _Array(list):
+    pass
+
+
+def _parse(text: str):
+    """json.loads with objects as pair lists and arrays tagged; None where it is not one
+    JSON text without surrounding whitespace, NaN / Infinity or escaped keys."""
+    if not text or text != text.strip():
+        return None
+
+    def no_constants(name):
+        raise ValueError(name)
+
+    try:
+        return json.loads(text, object_pairs_hook=lambda pairs: [tuple(p) for p in pairs],
+                          parse_constant=no_constants, cls=_ArrayDecoder)  # fmt: skip
+    except (ValueError, RecursionError):
+        return None
+
+
+class _ArrayDecoder(json.JSONDecoder):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        plain = self.parse_array
+
+        def parse_array(*args, **kwargs):
+            values, end = plain(*args, **kwargs)
+            return _Array(values), end
+
+        self.parse_array = parse_array
+        self.scan_once = json.scanner.py_make_scanner(self)
+
+
+def _valid(text: str, schema) -> bool:
+    v = _parse(text)
+    return v is not None and _validate(v, schema, schema.get("$defs", {}))
+
+
+def _has_escaped_key(text: str) -> bool:
+    """Whether an object key is written with an escape (the recognizer takes keys as
+    written; json.loads would unescape them)."""
+    try:
+        json.loads(text, object_pairs_hook=lambda p: None)
+    except ValueError:
+        return False
+    return any("\\" in k for k in _raw_keys(text))
+
+
+def _raw_keys(text: str):
+    i, out = 0, []
+    while (i := text.find('"', i)) >= 0:
+        j = i + 1
+        while text[j] != '"':
+            j += 2 if text[j] == "\\" else 1
+        k = j + 1
+        while k < len(text) and text[k] in " \t\r\n":
+            k += 1
+        if k < len(text) and text[k] == ":":
+            out.append(text[i + 1 : j])
+        i = j + 1
+    return out
+
+
+def _instance(s, rng: random.Random, defs, depth=0):
+    if s is True or s == {}:
+        return rng.choice([1, "x", None, [1, {"q": [True]}], {"a": {}}])
+    if "$ref" in s:
+        return _instance(defs[s["$ref"].rsplit("/", 1)[1]], rng, defs, depth + 1)
+    if "const" in s:
+        return s["const"]
+    if "enum" in s:
+        return rng.choice(s["enum"])
+    if "anyOf" in s:
+        return _instance(rng.choice(s["anyOf"]), rng, defs, depth)
+    kind = s["type"]
+    kind = rng.choice(kind) if isinstance(kind, list) else kind
+    if kind == "object":
+        if "properties" not in s:
+            return {"k": rng.choice([1, [], "\u00e9"])} if rng.random() < 0.7 else {}
+        props = s["properties"]
+        keys = [
+            k for k in props if k in s.get("required", []) or (depth < 3 and rng.random() < 0.6)
+        ]
+        rng.shuffle(keys)
+        return {k: _instance(props[k], rng, defs, depth + 1) for k in keys}
+    if kind == "array":
+        n = rng.randrange(4) if depth < 3 else 0
+        return [_instance(s.get("items", {}), rng, defs, depth + 1) for _ in range(n)]
+    if kind == "string":
+        return "".join(rng.choice('ab"\\\n\u00e9\u20ac ') for _ in range(rng.randrange(5)))
+    if kind == "integer":
+        return rng.choice([0, -7, 123456789012])
+    if kind == "number":
+        return rng.choice([0, 2.5, -1e-7, 3e21, 12])
+    if kind == "boolean":
+        return rng.random() < 0.5
+    return None
+
+
+def _texts(schema, n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    defs = schema.get("$defs", {})
+    return [json.dumps(_instance(schema, rng, defs), indent=rng.choice([None, 1, "\t"]),
+                       ensure_ascii=rng.random() < 0.5) for _ in range(n)]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_every_prefix_of_an_instance_is_accepted(index):
+    schema = SCHEMAS[index]
+    js = JsonSchema(schema)
+    for text in _texts(schema, 60, index):
+        assert _valid(text, schema), text
+        st = js.start_state()
+        for b in text.encode("utf-8"):
+            st = js.step(st, b)
+            assert st is not None, text
+        assert js.complete(st), text
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_whole_texts_agree_with_the_validator(index):
+    schema = SCHEMAS[index]
+    js = JsonSchema(schema)
+    rng = random.Random(100 + index)
+    alphabet = list('{}[],:" 0123456789-.etrufalsn') + ["null", '"a"', '"name"', '"age"', "1.5"]
+    checked = {True: 0, False: 0}
+    for text in _texts(schema, 60, 50 + index):
+        for _ in range(12):
+            s = list(text)
+            for _ in range(rng.randrange(1, 3)):
+                i = rng.randrange(len(s) + 1)
+                op = rng.randrange(3)
+                if op == 0 and i < len(s):
+                    del s[i]
+                elif op == 1:
+                    s.insert(i, rng.choice(alphabet))
+                elif i < len(s):
+                    s[i] = rng.choice(alphabet)
+            edited = "".join(s)
+            if "\\" in edited and _has_escaped_key(edited):
+                continue  # keys are matched as written (test_escaped_keys_are_not_names)
+            want = _valid(edited, schema)
+            assert js.accepts(edited) == want, edited
+            checked[want] += 1
+    assert checked[True] > 20 and checked[False] > 300
+
+
+def test_escaped_keys_are_not_names():
+    js = JsonSchema(PERSON)
+    assert js.accepts('{"name":"x","age":1,"kind":"person"}')
+    assert not js.accepts('{"n\\u0061me":"x","age":1,"kind":"person"}')
+    assert JsonSchema(OPEN).accepts('{"any":{"k\\u00e9":1}}')  # any object: JSON's own keys
+
+
+def test_schema_masks_equal_brute_force():
+    rng = random.Random(3)
+    alphabet = b'{}[],:"\\ 0123456789-.eEtrufalsnxyamgk\n\xc3\xa9'
+    pieces = [None, b"{", b"}", b'"', b'{"', b'":', b'"}', b"true", b" ", b'"name', b'name":']
+    pieces += [bytes(rng.choice(alphabet) for _ in range(rng.randrange(1, 6))) for _ in range(600)]
+    base = TokenTrie(pieces)
+    for schema in SCHEMAS:
+        js = JsonSchema(schema)
+        view = base.view(js.step, js.string_of)
+        states = {js.start_state()}
+        for text in _texts(schema, 15, 7):
+            st = js.start_state()
+            for b in text.encode("utf-8"):
+                st = js.step(st, b)
+                states.add(st)
+        assert len(states) > 10
+        for st in states:
+            if js.complete(st):
+                continue
+            want = np.zeros(len(pieces), dtype=bool)
+            for tid, piece in enumerate(pieces):
+                cur = st
+                for b in piece or b"":
+                    cur = None if cur is None else js.step(cur, b)
+                want[tid] = piece is not None and cur is not None
+            assert np.array_equal(view.allowed(st), want), st
+
+
+@pytest.mark.parametrize(
+    "schema, path",
+    [
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}},
+         r"json_schema\.properties\.a: keyword 'pattern'"),
+        ({"type": "object", "properties": {}, "additionalProperties": True},
+         r"json_schema\.additionalProperties must be false"),
+        ({"type": "string"}, "the root must be an object or an array"),
+        ({"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"},
+                                                            {"type": "number"}]}}},
+         r"properties\.a\.anyOf: branches must start differently"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/x"}}}, r"\$ref='#/x'"),
+        ({"type": "object", "properties": {"a": {"type": "date"}}}, r"\.a\.type='date'"),
+        ({"type": "object", "properties": {"a\"b": {}}}, "needs escaping"),
+        ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required must list"),
+    ],
+)  # fmt: skip
+def test_unsupported_schemas_name_their_path(schema, path):
+    with pytest.raises(ValueError, match=path):
+        SamplingParams(json_schema=schema)
+
+
+def test_json_schema_params():
+    p = SamplingParams(json_schema=json.dumps(OPEN), max_tokens=8)
+    assert p.json_mode and isinstance(p.json_schema, JsonSchema) and p.adjusts_logits
+    assert p.json_schema == JsonSchema(OPEN) and hash(p.json_schema) == hash(JsonSchema(OPEN))
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(json_schema=OPEN, ignore_eos=True)
+    with pytest.raises(ValueError, match="json_schema: not JSON"):
+        SamplingParams(json_schema="{")
+
+
+SMALL = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": [1, 2]}},
+    },
+    "required": ["color", "ok"],
+}
+
+
+@pytest.fixture(scope="module")
+def schema_llm(tmp_path_factory):
+    from kvplan import LLM
+
+    folder = make_json_model_folder(tmp_path_factory.mktemp("schema_llama"), seed=2)
+    return LLM(str(folder), device="cpu"), str(folder)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_outputs_follow_the_schema(schema_llm, async_scheduling):
+    llm, _ = schema_llm
+    llm.engine.async_scheduling = async_scheduling
+    pieces = token_bytes(llm.tokenizer)
+    js = JsonSchema(SMALL)
+    params = [SamplingParams(max_tokens=80, temperature=t, seed=s, json_schema=SMALL)
+              for t, s in [(0.0, None), (1.0, 1), (1.0, 2), (0.7, 3), (1.3, 4), (1.0, 5)]]  # fmt: skip
+    plain = SamplingParams(max_tokens=12, temperature=1.0, seed=9)
+    outs = llm.generate(["say", "hi", "a", "b", "c", "d", "e"], params + [plain])
+    finished = 0
+    for out in outs[:-1]:
+        data = b"".join(pieces[t] for t in out.token_ids if pieces[t] is not None)
+        st = js.start_state()
+        for b in data:
+            st = js.step(st, b)
+            assert st is not None, data
+        if out.finish_reason == "stop":
+            assert js.complete(st) and out.token_ids[-1] == llm.tokenizer.eos_token_id
+            assert _valid(out.text, SMALL), out.text
+            finished += 1
+        else:
+            assert out.finish_reason == "length" and len(out.token_ids) == 80
+    assert finished >= 2
+    assert outs[-1].token_ids == llm.generate(["e"], [plain])[0].token_ids
+
+
+def test_cli_generate_takes_a_schema_file(schema_llm, tmp_path, capsys):
+    from kvplan.cli import main
+
+    llm, folder = schema_llm
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SMALL))
+    ids = llm.tokenizer.encode("say")
+    argv = ["generate", "--model", folder, "--device", "cpu", "--max-tokens", "40",
+            "--token-ids", ",".join(map(str, ids))]  # fmt: skip
+    capsys.readouterr()
+    assert main([*argv, "--json-schema", str(path)]) == 0
+    got = [int(t) for t in capsys.readouterr().out.split()]
+    want = llm.generate([ids], SamplingParams(max_tokens=40, json_schema=SMALL))[0]
+    assert got == want.token_ids
+    bad = '{"type": "object", "properties": {"a": {"minimum": 1}}}'
+    assert main([*argv, "--json-schema", bad]) == 2
+    assert "json_schema.properties.a: keyword 'minimum'" in capsys.readouterr().err
