@@ -157,7 +157,7 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "weigh
     if packed.dim() < 2:
         raise ValueError(f"{name}: fp4 weights must be [N, K / 2], got {tuple(packed.shape)}")
     codes = packed.contiguous().view(torch.uint8).to(torch.int64)
-    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    lut = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)
     values = torch.stack([lut[codes & 0xF], lut[codes >> 4]], dim=-1).flatten(-2)
     rows, cols = values.shape[-2:]
     want = (*values.shape[:-1], -(-cols // FP4_GROUP))
@@ -179,13 +179,17 @@ def _weight_of(key: str) -> tuple[str, str] | None:
 
 
 def iter_checkpoint(
-    folder: str | Path, quant: Fp8Checkpoint | None, skip: Callable[[str], bool] | None = None
+    folder: str | Path,
+    quant: Fp8Checkpoint | None,
+    skip: Callable[[str], bool] | None = None,
+    device: str | torch.device | None = None,
 ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """``(file name, key, tensor)`` of every tensor in ``folder``'s ``*.safetensors`` files
     (CPU), with quantized weights dequantized to fp32 under their own key and their scale /
     activation-scale tensors consumed. ``quant`` None: the tensors as stored, and a quantized
     weight is an error naming it (its config has no ``quantization_config``). Keys for which
-    ``skip`` is true are not read (nor dequantized)."""
+    ``skip`` is true are not read (nor dequantized). ``device``: where quantized weights are
+    multiplied out (and returned; a GPU does it far faster for a large checkpoint)."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -224,10 +228,10 @@ def iter_checkpoint(
                         f"{path.name}: tensor {key!r} is quantized ({dtypes[key]}) but "
                         f"{folder / 'config.json'} has no quantization_config"
                     )
-                yield path.name, key, _dequantize(where, dtypes, f, key, quant)
+                yield path.name, key, _dequantize(where, dtypes, f, key, quant, device)
 
 
-def _dequantize(where, dtypes, f, key: str, quant: Fp8Checkpoint) -> torch.Tensor:
+def _dequantize(where, dtypes, f, key: str, quant: Fp8Checkpoint, device) -> torch.Tensor:
     """``key``'s weight (read from the open file ``f``) times its scales."""
     from safetensors import safe_open
 
@@ -241,6 +245,8 @@ def _dequantize(where, dtypes, f, key: str, quant: Fp8Checkpoint) -> torch.Tenso
     with safe_open(str(where[scale_key]), framework="pt") as sf:
         scale = sf.get_tensor(scale_key)
     codes = f.get_tensor(key)
+    if device is not None:
+        codes, scale = codes.to(device), scale.to(device)
     if dtypes[key] in _FP8_CODES:
         return dequantize_fp8(codes, scale, quant.block, name)
     return dequantize_fp4(codes, scale, name)

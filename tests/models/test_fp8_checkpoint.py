@@ -188,3 +188,14 @@ def test_qwen3_fp8_checkpoint_greedy_equals_transformers(tmp_path):
     llm = LLM(str(folder), device="cpu", block_size=8, max_model_len=96)
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
+
+
+@pytest.mark.gpu
+def test_deepseek_v4_fp8_checkpoint_dequantizes_on_cuda_as_on_cpu(tmp_path):
+    """The loader multiplies FP8 / FP4 weights out on the model's device: on CUDA every
+    parameter equals the CPU load bit for bit (the products are exact in fp32)."""
+    _, _, folder = _dsv4_folders(tmp_path, seed=3)
+    cpu = load_deepseek_v4(folder)
+    cuda = load_deepseek_v4(folder, device="cuda")
+    for (name, a), (_, b) in zip(cpu.state_dict().items(), cuda.state_dict().items()):
+        assert b.is_cuda and torch.equal(a, b.cpu()), name

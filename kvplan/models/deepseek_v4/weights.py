@@ -142,7 +142,7 @@ def load_deepseek_v4(
     files = sorted(folder.glob("*.safetensors"))
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     filled: dict[str, int] = {}
-    for file_name, key, src in iter_checkpoint(folder, quant, skip=_skipped):
+    for file_name, key, src in iter_checkpoint(folder, quant, skip=_skipped, device=device):
         hit = _target(state, model.config.moe_intermediate_size, key)
         if hit is None:
             continue
