@@ -139,6 +139,14 @@ def run_hybrid(seed: int, ops: int = 100) -> dict:
 # --- server -----------------------------------------------------------------------------------
 
 
+_PICK = {"type": "object", "properties": {"c": {"enum": ["x", "y"]}}, "required": ["c"]}
+_FORMATS = [  # JSON mode, a schema, an unsupported schema (a 400)
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "pick", "schema": _PICK}},
+    {"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"pattern": "x"}}}}},
+]
+
+
 def _request_body(rng: random.Random, words: list[str]) -> tuple[str, dict]:
     """A random completions / chat body; about one in twelve has an invalid field."""
 
@@ -156,7 +164,7 @@ def _request_body(rng: random.Random, words: list[str]) -> tuple[str, dict]:
         ("temperature", [0, 0.7, 1.0], 0.5), ("top_p", [0.5, 0.9], 0.2), ("top_k", [1, 5], 0.2),
         ("seed", list(range(100)), 0.2), ("n", [1, 2, 3], 0.2), ("stop", ["a", ["w1", "b"]], 0.15),
         ("presence_penalty", [0.5, -1.0], 0.15), ("repetition_penalty", [1.3], 0.1),
-        ("min_tokens", [3], 0.1), ("response_format", [{"type": "json_object"}], 0.05),
+        ("min_tokens", [3], 0.1), ("response_format", _FORMATS, 0.08),
     ]  # fmt: skip
     for key, values, p in optional:
         if rng.random() < p:
