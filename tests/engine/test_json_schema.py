@@ -367,3 +367,43 @@ def test_cli_generate_takes_a_schema_file(schema_llm, tmp_path, capsys):
     bad = '{"type": "object", "properties": {"a": {"minimum": 1}}}'
     assert main([*argv, "--json-schema", bad]) == 2
     assert "json_schema.properties.a: keyword 'minimum'" in capsys.readouterr().err
+
+
+def test_pydantic_schemas_and_their_instances():
+    """A schema as pydantic writes it (titles, defaults, ``$defs`` with a recursive ``$ref``,
+    ``Optional`` as ``anyOf`` with null, ``Literal`` as an enum): every instance pydantic
+    dumps is accepted, and what the recognizer accepts pydantic validates."""
+    pydantic = pytest.importorskip("pydantic")
+    from typing import Literal, Optional
+
+    class Pet(pydantic.BaseModel):
+        species: Literal["cat", "dog"]
+        friends: list[Pet] = []
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+        height: Optional[float] = None  # noqa: UP045 (pydantic's Optional spelling)
+        pet: Optional[Pet] = None  # noqa: UP045
+        tags: list[str]
+
+    js = JsonSchema(Person.model_json_schema())
+    rng = random.Random(5)
+    for i in range(40):
+        pet = Pet(species=rng.choice(["cat", "dog"]),
+                  friends=[Pet(species="dog")] * rng.randrange(3))  # fmt: skip
+        person = Person(name="n\u00e9" * rng.randrange(3), age=rng.randrange(-5, 99),
+                        height=rng.choice([None, 1.75, 2]), pet=rng.choice([None, pet]),
+                        tags=["t"] * rng.randrange(3))  # fmt: skip
+        text = person.model_dump_json(indent=rng.choice([None, 2]), exclude_defaults=i % 2 == 0)
+        assert js.accepts(text), text
+        Person.model_validate_json(text)
+    for text in ['{"name":"a","age":1,"tags":[],"pet":{"species":"cat","friends":[]}}',
+                 '{"tags":["x"],"age":-0,"name":"","height":1e-3}']:  # fmt: skip
+        assert js.accepts(text)
+        Person.model_validate_json(text)
+    for text in ['{"name":"a","age":1.5,"tags":[]}', '{"name":"a","age":1}',
+                 '{"name":"a","age":1,"tags":[],"pet":{"species":"cow"}}']:  # fmt: skip
+        assert not js.accepts(text)
+        with pytest.raises(pydantic.ValidationError):
+            Person.model_validate_json(text, strict=True)
