@@ -33,12 +33,12 @@ a schema) is any JSON value of that type. The root must be an object or an array
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvplan.engine import json_mode
 
-__all__ = ["JsonSchema"]
+__all__ = ["TOOL_CALL_MIDDLE", "TOOL_CALL_PREFIX", "JsonSchema"]
 
 _WS = frozenset(b" \t\n\r")
 _NUMBER_START = frozenset(b"-0123456789")
@@ -57,6 +57,21 @@ _FIRST = {
     "null": frozenset(b"n"),
 }
 _VALUE = ("value", (), None)  # json_mode's state before a value's first byte
+# a tool call's text: TOOL_CALL_PREFIX, the quoted name, TOOL_CALL_MIDDLE, the arguments, }
+TOOL_CALL_PREFIX = b'{"name": '
+TOOL_CALL_MIDDLE = b', "arguments": '
+
+
+def _schema_dict(schema: Mapping[str, Any] | str, where: str) -> Mapping[str, Any]:
+    """A schema given as a dict or its JSON text, as a dict (ValueError naming ``where``)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"{where} must be a JSON object, got {type(schema).__name__}")
+    return schema
 
 
 class JsonSchema:
@@ -64,27 +79,32 @@ class JsonSchema:
     ValueError names the path of an unsupported or malformed part (``where`` prefixes it)."""
 
     def __init__(self, schema: Mapping[str, Any] | str, where: str = "json_schema") -> None:
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as exc:
-                raise ValueError(f"{where}: not JSON ({exc})") from None
-        if not isinstance(schema, Mapping):
-            raise ValueError(f"{where} must be a JSON object, got {type(schema).__name__}")
+        schema = _schema_dict(schema, where)
         self.text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
-        self._root_doc = schema
-        self._defs = {}
-        for key in ("$defs", "definitions"):
-            defs = schema.get(key, {})
-            if not isinstance(defs, Mapping):
-                raise ValueError(f"{where}.{key} must be an object")
-            for name, sub in defs.items():
-                self._defs[f"#/{key}/{name}"] = sub
         self.nodes: list[tuple] = []
-        self._refs: dict[str, int] = {}
-        self.root = self._compile(schema, where)
+        self.root = self._compile_document(schema, where)
         if self.nodes[self.root][0] not in ("object", "array", "any_object", "any_array"):
             raise ValueError(f"{where}: the root must be an object or an array schema")
+
+    @classmethod
+    def tool_call(
+        cls, tools: Sequence[tuple[str, Mapping[str, Any]]], where: str = "tools"
+    ) -> JsonSchema:
+        """The recognizer of one call of one of ``tools`` (``(name, parameters schema)``),
+        written exactly as ``{"name": "NAME", "arguments": ARGS}`` (`TOOL_CALL_PREFIX` ...)
+        with ARGS an instance of that tool's parameters (any spacing inside ARGS)."""
+        self = object.__new__(cls)
+        self.text = json.dumps([[n, p] for n, p in tools], sort_keys=True, separators=(",", ":"))
+        self.nodes = []
+        names, args = [], []
+        for i, (name, params) in enumerate(tools):
+            sub = f"{where}[{i}].function.parameters"
+            args.append(self._compile_document(_schema_dict(params, sub), sub))
+            names.append(json.dumps(name, ensure_ascii=False).encode())
+        if len(set(names)) != len(names):
+            raise ValueError(f"{where}: function names must be distinct")
+        self.root = self._add(("call", tuple(names), tuple(args)))
+        return self
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, JsonSchema) and other.text == self.text
@@ -96,6 +116,20 @@ class JsonSchema:
         return f"JsonSchema({self.text})"
 
     # -- compiling --------------------------------------------------------------------------
+
+    def _compile_document(self, schema: Mapping[str, Any], where: str) -> int:
+        """Compile a whole schema document (its ``$defs`` / ``definitions`` and ``#`` in
+        scope for its ``$ref``s)."""
+        self._root_doc = schema
+        self._defs = {}
+        for key in ("$defs", "definitions"):
+            defs = schema.get(key, {})
+            if not isinstance(defs, Mapping):
+                raise ValueError(f"{where}.{key} must be an object")
+            for name, sub in defs.items():
+                self._defs[f"#/{key}/{name}"] = sub
+        self._refs: dict[str, int] = {}
+        return self._compile(schema, where)
 
     def _add(self, node: tuple) -> int:
         self.nodes.append(node)
@@ -232,6 +266,8 @@ class JsonSchema:
 
     def start_state(self) -> tuple:
         """Before the first byte (no leading whitespace)."""
+        if self.nodes[self.root][0] == "call":
+            return (("c", self.root, "open", 0, None),)
         return (("v", self.root, False),)
 
     @staticmethod
@@ -261,7 +297,32 @@ class JsonSchema:
             return None
         if kind == "o":
             return self._object_step(rest, frame, b)
+        if kind == "c":
+            return self._call_step(rest, frame, b)
         return self._array_step(rest, frame, b)
+
+    def _call_step(self, rest: tuple, frame: tuple, b: int) -> tuple | None:
+        """``("c", node, phase, pos, extra)``: the fixed text of a tool call around its name
+        (``extra``: the names still possible) and its arguments (``extra``: the tool)."""
+        _, node, phase, pos, extra = frame
+        _, names, args = self.nodes[node]
+        if phase == "name":
+            nxt = tuple(i for i in extra if len(names[i]) > pos and names[i][pos] == b)
+            if not nxt:
+                return None
+            if len(nxt) == 1 and len(names[nxt[0]]) == pos + 1:  # the closing quote
+                return rest + (("c", node, "mid", 0, nxt[0]),)
+            return rest + (("c", node, "name", pos + 1, nxt),)
+        lit = {"open": TOOL_CALL_PREFIX, "mid": TOOL_CALL_MIDDLE, "close": b"}"}[phase]
+        if lit[pos] != b:
+            return None
+        if pos + 1 < len(lit):
+            return rest + (("c", node, phase, pos + 1, extra),)
+        if phase == "open":
+            return rest + (("c", node, "name", 0, tuple(range(len(names)))),)
+        if phase == "mid":
+            return rest + (("c", node, "close", 0, None), ("v", args[extra], False))
+        return rest
 
     def _start(self, rest: tuple, node: int, b: int) -> tuple | None:
         """The state after ``b``, the first byte of a value of ``node`` (below it: ``rest``)."""

@@ -190,8 +190,12 @@ def build_app(
             out = ev.output
             if chat:
                 msg = {"role": "assistant", "content": out.text}
+                finish = out.finish_reason
+                call = _tool_call(parsed, out, f"call_{rid[9:]}_{k}")
+                if call is not None:
+                    msg, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"  # fmt: skip
                 lps = None if parsed.logprobs is None else chat_logprobs(tok, out.logprobs)
-                choices.append({"index": k, "message": msg, "logprobs": lps, "finish_reason": out.finish_reason})  # fmt: skip
+                choices.append({"index": k, "message": msg, "logprobs": lps, "finish_reason": finish})  # fmt: skip
             else:
                 text, lps = _completion_choice(tok, parsed, out)
                 choices.append({"index": k, "text": text, "logprobs": lps, "finish_reason": out.finish_reason})  # fmt: skip
@@ -238,12 +242,14 @@ def build_app(
         offsets = [0] * num  # completions: text offset of the next token
         echoed = [not parsed.echo] * num
 
-        def chunk(k: int, text: str | None, finish: str | None, first: bool = False, ids=(), lps=None) -> str:  # fmt: skip
+        def chunk(k: int, text: str | None, finish: str | None, first: bool = False, ids=(), lps=None, call=None) -> str:  # fmt: skip
             logprobs = None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else {}
                 if text:
                     delta["content"] = text
+                if call is not None:
+                    delta["tool_calls"] = [{"index": 0, **call}]
                 if lps is not None:
                     logprobs = chat_logprobs(tok, lps)
                 choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -289,6 +295,15 @@ def build_app(
                 done += 1
             else:
                 text, finish = _partial_text(tok, ids[k], parsed.params[k].stop_strings), None
+            if parsed.tool_call:  # the call goes out whole when it is complete
+                call = None if out is None else _tool_call(parsed, out, f"call_{rid[9:]}_{k}")
+                if call is not None:
+                    yield chunk(k, None, "tool_calls", lps=lps or None, call=call)
+                    continue
+                if out is None:
+                    if lps:  # the tokens' logprobs as they come, without their text
+                        yield chunk(k, None, None, ids=new, lps=lps)
+                    continue
             delta = text[len(sent[k]) :] if text.startswith(sent[k]) else ""
             if lps is not None and not lps:
                 lps = None
@@ -301,6 +316,23 @@ def build_app(
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def _tool_call(parsed: Parsed, out: RequestOutput, call_id: str) -> dict | None:
+    """The ``tool_calls`` entry of a forced tool call that ended complete (its text is
+    ``{"name": ..., "arguments": ...}``), or None (another request, or a call cut short)."""
+    if not parsed.tool_call or out.finish_reason != "stop":
+        return None
+    try:
+        call = json.loads(out.text)
+    except ValueError:
+        return None
+    args = json.dumps(call["arguments"], ensure_ascii=False)
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": call["name"], "arguments": args},
+    }
 
 
 def _decode(tok: Any, ids: list[int]) -> str:

@@ -2,8 +2,9 @@
 
 `parse_completion` and `parse_chat` check every field they read and raise `ApiError` (HTTP
 400, naming the parameter) for a bad one, so nothing invalid reaches the engine. Fields the
-engine cannot honour (``suffix``, tools, JSON output) are refused with a 400 naming them
-unless they hold their neutral value; unknown fields are ignored. ``presence_penalty`` /
+engine cannot honour (``suffix``, ``tool_choice: "auto"``) are refused with a 400 naming
+them unless they hold their neutral value; unknown fields are ignored. Structured output:
+``response_format`` (`_json_mode`) and forced tool calls (`parse_tools`). ``presence_penalty`` /
 ``frequency_penalty`` (in [-2, 2]), ``logit_bias`` (token id strings to [-100, 100]) and
 vLLM's ``repetition_penalty`` (> 0) and ``min_tokens`` go to `SamplingParams`.
 
@@ -15,6 +16,7 @@ Logprobs: chat ``logprobs: true`` with ``top_logprobs: k``; completions ``logpro
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +91,7 @@ class Parsed:
     echo: bool = False  # completions: the prompt (and its logprobs) precede the completion
     score_only: bool = False  # max_tokens=0 with echo: the one generated token is dropped
     best_of: int | None = None  # completions: sequences generated per prompt, the n best kept
+    tool_call: bool = False  # chat: the output is one forced tool call (`parse_tools`)
 
     @property
     def per_prompt(self) -> int:
@@ -403,7 +406,58 @@ def _message_text(content: Any, i: int) -> str:
     raise bad(f"messages[{i}].content", f"content must be a string or a list of text parts, got {content!r}")  # fmt: skip
 
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def parse_tools(body: dict) -> tuple[list[dict] | None, JsonSchema | None]:
+    """``tools`` / ``tool_choice`` of a chat body: (the tools for the chat template, or None;
+    the recognizer of the forced call, or None).
+
+    ``tool_choice`` ``"required"`` forces a call of one of the tools, ``{"type": "function",
+    "function": {"name": N}}`` a call of N: the output is constrained to ``{"name": ...,
+    "arguments": ...}`` with the arguments an instance of the tool's ``parameters`` (the
+    structured-output subset, `JsonSchema.tool_call`) and answered as ``tool_calls``.
+    ``"none"`` only shows the tools to the template. ``"auto"`` (the default with tools) is
+    refused: whether a free-form answer calls a tool depends on each model's own call syntax,
+    which this server does not parse."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice", f"tool_choice={choice!r} needs tools")
+        return None, None
+    if not isinstance(tools, list):
+        raise bad("tools", f"tools must be a list, got {tools!r}")
+    specs = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise bad(f"tools[{i}]", "a tool must be {'type': 'function', 'function': {...}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise bad(f"tools[{i}].function.name", f"a function name must match "
+                      f"[A-Za-z0-9_-]{{1,64}}, got {name!r}")  # fmt: skip
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        specs.append((name, params))
+    if choice is None or choice == "auto":
+        raise bad("tool_choice", "tool_choice 'auto' is not supported: this server forces "
+                  "tool calls (tool_choice 'required' or {'type': 'function', 'function': "
+                  "{'name': ...}}) or none ('none')")  # fmt: skip
+    if choice == "none":
+        return tools, None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or name not in [n for n, _ in specs]:
+            raise bad("tool_choice", f"tool_choice={choice!r} must name a function of tools")
+        specs = [sp for sp in specs if sp[0] == name]
+    elif choice != "required":
+        raise bad("tool_choice", f"tool_choice={choice!r} is not supported")
+    try:
+        return tools, JsonSchema.tool_call(specs)
+    except ValueError as exc:
+        raise bad("tools", str(exc)) from None
 
 
 def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
@@ -412,8 +466,13 @@ def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
     the model's limit)."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
-    _refuse_unsupported(body, {"tools": ([],)})
+    tools, call = parse_tools(body)
     json_mode = _json_mode(body)
+    if call is not None:
+        if json_mode:
+            raise bad("response_format", "response_format cannot be combined with a forced "
+                      "tool call")  # fmt: skip
+        json_mode = call
     top = _top_k(body, "top_logprobs")
     if _bool(body, "logprobs", False):
         logprobs = 0 if top is None else top
@@ -431,16 +490,31 @@ def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
         role = m.get("role")
         if role not in _ROLES:
             raise bad(f"messages[{i}].role", f"role must be one of {_ROLES}, got {role!r}")
-        conv.append({"role": role, "content": _message_text(m.get("content"), i)})
+        calls = m.get("tool_calls")
+        content = m.get("content")
+        if calls is not None and (role != "assistant" or not isinstance(calls, list)):
+            raise bad(f"messages[{i}].tool_calls", "tool_calls must be a list on an assistant "
+                      "message")  # fmt: skip
+        entry = {"role": role, "content": "" if content is None and calls else
+                 _message_text(content, i)}  # fmt: skip
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool" and "tool_call_id" in m:
+            entry["tool_call_id"] = m["tool_call_id"]
+        conv.append(entry)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad(None, "this model has no chat template: use /v1/completions")
     try:
-        ids = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        ids = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True,
+                                            **extra)  # fmt: skip
     except Exception as exc:  # the template's own checks (e.g. role order)
         raise bad("messages", f"the chat template rejected the messages: {exc}") from None
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
-    return _sampling(
+    parsed = _sampling(
         body, limits, [[int(t) for t in ids]], "messages", ("max_completion_tokens", "max_tokens"), None,
         logprobs, json_mode=json_mode,
     )  # fmt: skip
+    parsed.tool_call = call is not None
+    return parsed
