@@ -4,7 +4,8 @@
 Three pieces:
 
 * ``step(state, byte)``: a byte-level recognizer of JSON text (RFC 8259 values; the top level
-  an object, no leading whitespace) as an immutable state; ``None`` rejects the byte. States
+  an object, no leading whitespace, at most `MAX_WS` whitespace bytes in a row) as an
+  immutable state; ``None`` rejects the byte. States
   are small tuples ``(mode, stack, extra)``; ``stack`` holds the open containers' bytes
   (``{`` / ``[``). Strings take well-formed UTF-8 only (what Python's decoder accepts).
 * ``TokenTrie``: the vocabulary's byte strings in a trie whose nodes know their subtree's
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 _WS = frozenset(b" \t\n\r")
+MAX_WS = 16  # whitespace bytes in a row between tokens (a weak model cannot loop on them)
 _DIGITS = frozenset(b"0123456789")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _ESCAPES = frozenset(b'"\\/bfnrt')
@@ -158,8 +160,10 @@ def step(state: State, b: int) -> State | None:
         if mode not in _NUMBER_END:
             return None
         return step(_after_value(stack), b)  # the number ended before b
-    if b in _WS:
-        return None if mode in ("top", "end") else state
+    if b in _WS:  # between tokens: at most MAX_WS in a row (``extra`` counts them)
+        if mode in ("top", "end") or (extra or 0) >= MAX_WS:
+            return None
+        return (mode, stack, (extra or 0) + 1)
     if mode == "top":
         return ("key0", (0x7B,), None) if b == 0x7B else None
     if mode == "end":

@@ -5,14 +5,18 @@ schema accepts (OpenAI's ``response_format={"type": "json_schema", "json_schema"
 `JsonSchema(schema)` compiles a schema into a table of nodes and is a byte-level recognizer
 like `kvplan.engine.json_mode`'s, whose states are tuples of frames (outermost first):
 
-* ``("v", node, ws)``: a value of ``node`` comes next (``ws``: whitespace may come first);
+* ``("v", node, ws)``: a value of ``node`` comes next (after at most ``ws`` more whitespace
+  bytes);
 * ``("d", node, js)``: inside a string, number or literal (or any value, for ``node`` of
   kind any), run by `json_mode.step` on its own state ``js``;
 * ``("e", node, pos, candidates)``: ``pos`` bytes into the JSON texts of an ``enum``;
-* ``("o", node, phase, seen, key)``: an object: ``phase`` "k0" after ``{``, "k" after ``,``,
+* ``("o", node, phase, seen, key, ws)``: an object: ``phase`` "k0" after ``{``, "k" after ``,``,
   "key" inside a key (``key``: its bytes so far), "colon" (``key``: the property's index),
   "after" after a member's value; ``seen``: a bit mask of the properties written;
-* ``("a", node, phase)``: an array, ``phase`` "a0" after ``[`` or "after" after an item.
+* ``("a", node, phase, ws)``: an array, ``phase`` "a0" after ``[`` or "after" after an item.
+
+``ws`` in object and array frames counts the whitespace bytes in a row: as in JSON mode, at
+most `json_mode.MAX_WS` between tokens.
 
 The empty tuple is the finished value. A number ends at the first byte that cannot continue
 it, which then goes to the frame below. `json_mode.TokenTrie.view` turns the recognizer into
@@ -37,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvplan.engine import json_mode
+from kvplan.engine.json_mode import MAX_WS
 
 __all__ = ["TOOL_CALL_MIDDLE", "TOOL_CALL_PREFIX", "JsonSchema"]
 
@@ -268,7 +273,7 @@ class JsonSchema:
         """Before the first byte (no leading whitespace)."""
         if self.nodes[self.root][0] == "call":
             return (("c", self.root, "open", 0, None),)
-        return (("v", self.root, False),)
+        return (("v", self.root, 0),)
 
     @staticmethod
     def complete(state: tuple) -> bool:
@@ -283,7 +288,7 @@ class JsonSchema:
         rest = state[:-1]
         if kind == "v":
             if b in _WS:
-                return state if frame[2] else None
+                return rest + (("v", frame[1], frame[2] - 1),) if frame[2] else None
             return self._start(rest, frame[1], b)
         if kind == "d":
             return self._delegated(rest, frame, b)
@@ -321,7 +326,7 @@ class JsonSchema:
         if phase == "open":
             return rest + (("c", node, "name", 0, tuple(range(len(names)))),)
         if phase == "mid":
-            return rest + (("c", node, "close", 0, None), ("v", args[extra], False))
+            return rest + (("c", node, "close", 0, None), ("v", args[extra], 0))
         return rest
 
     def _start(self, rest: tuple, node: int, b: int) -> tuple | None:
@@ -340,9 +345,9 @@ class JsonSchema:
             cands = tuple(t for t in n[1] if t[0] == b)
             return rest + (("e", node, 1, cands),) if cands else None
         if kind == "object":
-            return rest + (("o", node, "k0", 0, None),) if b == 0x7B else None
+            return rest + (("o", node, "k0", 0, None, 0),) if b == 0x7B else None
         if kind == "array":
-            return rest + (("a", node, "a0"),) if b == 0x5B else None
+            return rest + (("a", node, "a0", 0),) if b == 0x5B else None
         if (
             kind != "any"
             and b not in _FIRST[{"any_object": "object", "any_array": "array"}.get(kind, kind)]
@@ -365,45 +370,45 @@ class JsonSchema:
         return None
 
     def _object_step(self, rest: tuple, frame: tuple, b: int) -> tuple | None:
-        _, node, phase, seen, key = frame
+        _, node, phase, seen, key, ws = frame
         _, names, children, required = self.nodes[node]
         unseen = [i for i in range(len(names)) if not seen >> i & 1]
         if phase == "key":
             if b == 0x22:
                 hit = next((i for i in unseen if names[i] == key), None)
-                return None if hit is None else rest + (("o", node, "colon", seen, hit),)
+                return None if hit is None else rest + (("o", node, "colon", seen, hit, 0),)
             grown = key + bytes((b,))
             if any(names[i].startswith(grown) for i in unseen):
-                return rest + (("o", node, "key", seen, grown),)
+                return rest + (("o", node, "key", seen, grown, 0),)
             return None
         if b in _WS:
-            return rest + (frame,)
+            return None if ws >= MAX_WS else rest + (frame[:-1] + (ws + 1,),)
         if phase == "colon":
             if b != 0x3A:
                 return None
-            after = ("o", node, "after", seen | (1 << key), None)
-            return rest + (after, ("v", children[key], True))
+            after = ("o", node, "after", seen | (1 << key), None, 0)
+            return rest + (after, ("v", children[key], MAX_WS))
         closes = b == 0x7D and required & ~seen == 0
         if phase == "after":
             if closes:
                 return rest
-            return rest + (("o", node, "k", seen, None),) if b == 0x2C and unseen else None
+            return rest + (("o", node, "k", seen, None, 0),) if b == 0x2C and unseen else None
         # k0 / k: a key's quote, or (k0) the closing brace
         if b == 0x22 and unseen:
-            return rest + (("o", node, "key", seen, b""),)
+            return rest + (("o", node, "key", seen, b"", 0),)
         return rest if phase == "k0" and closes else None
 
     def _array_step(self, rest: tuple, frame: tuple, b: int) -> tuple | None:
-        _, node, phase = frame
+        _, node, phase, ws = frame
         if b in _WS:
-            return rest + (frame,)
+            return None if ws >= MAX_WS else rest + (frame[:-1] + (ws + 1,),)
         if b == 0x5D:
             return rest
         item = self.nodes[node][1]
         if phase == "a0":
-            return self._start(rest + (("a", node, "after"),), item, b)
+            return self._start(rest + (("a", node, "after", 0),), item, b)
         if b == 0x2C:
-            return rest + (("a", node, "after"), ("v", item, True))
+            return rest + (("a", node, "after", 0), ("v", item, MAX_WS))
         return None
 
     def accepts(self, text: bytes | str) -> bool:

@@ -407,3 +407,25 @@ def test_pydantic_schemas_and_their_instances():
         assert not js.accepts(text)
         with pytest.raises(pydantic.ValidationError):
             Person.model_validate_json(text, strict=True)
+
+
+def test_whitespace_runs_are_bounded():
+    """At most MAX_WS whitespace bytes in a row between tokens, in JSON mode and under a
+    schema (a weak model cannot fill its tokens with blank space); inside strings any."""
+    from kvplan.engine.json_mode import MAX_WS, complete, start_state, step
+
+    def json_ok(text: str) -> bool:
+        st = start_state()
+        for b in text.encode():
+            st = step(st, b)
+            if st is None:
+                return False
+        return complete(st)
+
+    js = JsonSchema(OPEN)
+    for sep in (" " * MAX_WS, "\n" + "\t" * (MAX_WS - 1)):
+        for text in ('{"any":' + sep + '{"a": [1,' + sep + "2]}}", "{" + sep + "}",
+                     '{"list": [' + sep + '"' + " " * 40 + '"' + sep + "]" + sep + "}"):  # fmt: skip
+            assert json_ok(text) and js.accepts(text), text
+            longer = text.replace(sep, sep + " ", 1)
+            assert not json_ok(longer) and not js.accepts(longer), longer
