@@ -13,7 +13,8 @@ like `kvplan.engine.json_mode`'s, whose states are tuples of frames (outermost f
 * ``("o", node, phase, seen, key, ws)``: an object: ``phase`` "k0" after ``{``, "k" after ``,``,
   "key" inside a key (``key``: its bytes so far), "colon" (``key``: the property's index),
   "after" after a member's value; ``seen``: a bit mask of the properties written;
-* ``("a", node, phase, ws)``: an array, ``phase`` "a0" after ``[`` or "after" after an item.
+* ``("a", node, phase, ws, count)``: an array, ``phase`` "a0" after ``[`` or "after" after
+  an item; ``count``: the items so far (for ``minItems`` / ``maxItems``).
 
 ``ws`` in object and array frames counts the whitespace bytes in a row: as in JSON mode, at
 most `json_mode.MAX_WS` between tokens.
@@ -26,9 +27,9 @@ The schema subset (other keywords are refused, naming their path): ``type`` (one
 array, string, number, integer, boolean, null, or a list of them; implied by ``properties`` /
 ``required`` / ``additionalProperties`` or ``items`` where left out), ``properties``,
 ``required``, ``additionalProperties`` (only false: an object holds its listed properties, in
-any order, each at most once, the required ones before it closes), ``items``, ``enum``,
-``const``, ``anyOf`` (branches that start differently: at most one of object / array / string
-/ number / boolean / null each), ``$defs`` / ``definitions`` with ``$ref`` to them
+any order, each at most once, the required ones before it closes), ``items``,
+``minItems`` / ``maxItems``, ``enum``, ``const``, ``anyOf`` (branches that start
+differently: at most one of object / array / string / number / boolean / null each), ``$defs`` / ``definitions`` with ``$ref`` to them
 (recursive schemas included), and the annotations ``title``, ``description``, ``default``,
 ``examples``, ``$schema``, ``$id``, ``strict``. An object without ``properties`` (or ``{}`` as
 a schema) is any JSON value of that type. The root must be an object or an array.
@@ -168,7 +169,7 @@ class JsonSchema:
             raise ValueError(f"{where}.type={kind!r} is not supported (one of {list(_TYPES)})")
         allowed = {
             "object": {"type", "properties", "required", "additionalProperties"},
-            "array": {"type", "items"},
+            "array": {"type", "items", "minItems", "maxItems"},
         }.get(kind, {"type"})
         extra = sorted(set(s) - allowed - _ANNOTATIONS - {"$defs", "definitions"})
         if extra:
@@ -176,10 +177,17 @@ class JsonSchema:
         if kind == "object":
             return self._object(s, where)
         if kind == "array":
-            if "items" not in s:
+            lo, hi = s.get("minItems", 0), s.get("maxItems")
+            for key, v in (("minItems", lo), ("maxItems", hi)):
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                    raise ValueError(f"{where}.{key}={v!r} must be an int >= 0")
+            if hi is not None and hi < lo:
+                raise ValueError(f"{where}: maxItems={hi} is below minItems={lo}")
+            if "items" not in s and not lo and hi is None:
                 return self._add(("any_array",))
-            idx = self._add(("array", -1))
-            self.nodes[idx] = ("array", self._compile(s["items"], f"{where}.items"))
+            idx = self._add(("array", -1, lo, hi))
+            item = self._compile(s.get("items", True), f"{where}.items")
+            self.nodes[idx] = ("array", item, lo, hi)
             return idx
         return self._add((kind,))
 
@@ -347,7 +355,7 @@ class JsonSchema:
         if kind == "object":
             return rest + (("o", node, "k0", 0, None, 0),) if b == 0x7B else None
         if kind == "array":
-            return rest + (("a", node, "a0", 0),) if b == 0x5B else None
+            return rest + (("a", node, "a0", 0, 0),) if b == 0x5B else None
         if (
             kind != "any"
             and b not in _FIRST[{"any_object": "object", "any_array": "array"}.get(kind, kind)]
@@ -399,16 +407,21 @@ class JsonSchema:
         return rest if phase == "k0" and closes else None
 
     def _array_step(self, rest: tuple, frame: tuple, b: int) -> tuple | None:
-        _, node, phase, ws = frame
+        """``("a", node, phase, ws, count)``: ``count`` items so far (kept no higher than
+        the bounds need, so a long array does not make new states)."""
+        _, node, phase, ws, count = frame
         if b in _WS:
-            return None if ws >= MAX_WS else rest + (frame[:-1] + (ws + 1,),)
+            return None if ws >= MAX_WS else rest + (frame[:3] + (ws + 1, count),)
+        _, item, lo, hi = self.nodes[node]
         if b == 0x5D:
-            return rest
-        item = self.nodes[node][1]
+            return rest if count >= lo else None
+        more = min(count + 1, max(lo, hi or 0))
         if phase == "a0":
-            return self._start(rest + (("a", node, "after", 0),), item, b)
-        if b == 0x2C:
-            return rest + (("a", node, "after", 0), ("v", item, MAX_WS))
+            return (
+                None if hi == 0 else self._start(rest + (("a", node, "after", 0, more),), item, b)
+            )
+        if b == 0x2C and (hi is None or count < hi):
+            return rest + (("a", node, "after", 0, more), ("v", item, MAX_WS))
         return None
 
     def accepts(self, text: bytes | str) -> bool:

@@ -26,7 +26,12 @@ PERSON = {
         "height": {"type": "number"},
         "alive": {"type": "boolean"},
         "nick": {"type": ["string", "null"]},
-        "tags": {"type": "array", "items": {"enum": ["a", "bb", 1, None, True]}},
+        "tags": {
+            "type": "array",
+            "items": {"enum": ["a", "bb", 1, None, True]},
+            "minItems": 1,
+            "maxItems": 3,
+        },
         "pet": {"$ref": "#/$defs/pet"},
         "extra": {},
         "kind": {"const": "person"},
@@ -77,7 +82,11 @@ def _validate_kind(v, kind, s, defs) -> bool:
                 and all(r in keys for r in s.get("required", []))
                 and all(_validate(x, props[k], defs) for k, x in v))  # fmt: skip
     if kind == "array":
-        return isinstance(v, _Array) and all(_validate(x, s.get("items", {}), defs) for x in v)
+        if not isinstance(v, _Array) or not s.get("minItems", 0) <= len(v) <= s.get(
+            "maxItems", len(v)
+        ):
+            return False
+        return all(_validate(x, s.get("items", {}), defs) for x in v)
     if kind == "string":
         return isinstance(v, str)
     if kind == "integer":
@@ -175,7 +184,8 @@ def _instance(s, rng: random.Random, defs, depth=0):
         rng.shuffle(keys)
         return {k: _instance(props[k], rng, defs, depth + 1) for k in keys}
     if kind == "array":
-        n = rng.randrange(4) if depth < 3 else 0
+        lo = s.get("minItems", 0)
+        n = rng.randint(lo, s.get("maxItems", lo + 3)) if depth < 3 else lo
         return [_instance(s.get("items", {}), rng, defs, depth + 1) for _ in range(n)]
     if kind == "string":
         return "".join(rng.choice('ab"\\\n\u00e9\u20ac ') for _ in range(rng.randrange(5)))
@@ -236,6 +246,16 @@ def test_whole_texts_agree_with_the_validator(index):
     assert checked[True] > 20 and checked[False] > 300
 
 
+def test_array_bounds():
+    js = JsonSchema({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3})
+    assert [js.accepts(t) for t in ("[]", "[1]", "[1,2]", "[1, 2, 3]", "[1,2,3,4]")] == [
+        False, False, True, True, False]  # fmt: skip
+    any_two = JsonSchema({"type": "array", "minItems": 2})  # items of any kind
+    assert any_two.accepts('[{"a": 1}, "x", 3]') and not any_two.accepts("[null]")
+    assert JsonSchema({"type": "array", "maxItems": 0}).accepts("[ ]")
+    assert not JsonSchema({"type": "array", "maxItems": 0}).accepts("[1]")
+
+
 def test_escaped_keys_are_not_names():
     js = JsonSchema(PERSON)
     assert js.accepts('{"name":"x","age":1,"kind":"person"}')
@@ -286,6 +306,8 @@ def test_schema_masks_equal_brute_force():
         ({"type": "object", "properties": {"a": {"type": "date"}}}, r"\.a\.type='date'"),
         ({"type": "object", "properties": {"a\"b": {}}}, "needs escaping"),
         ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required must list"),
+        ({"type": "array", "minItems": 3, "maxItems": 1}, "maxItems=1 is below minItems=3"),
+        ({"type": "array", "minItems": -1}, r"minItems=-1 must be an int >= 0"),
     ],
 )  # fmt: skip
 def test_unsupported_schemas_name_their_path(schema, path):
