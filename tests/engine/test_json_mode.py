@@ -64,6 +64,22 @@ def _random_value(rng: random.Random, depth: int):
             for i in range(rng.randrange(4))}  # fmt: skip
 
 
+def random_edit(text: str, rng: random.Random, alphabet, edits: int) -> str:
+    """``text`` with ``edits`` random edits: a character deleted, or one of ``alphabet``'s
+    pieces inserted or put in a character's place."""
+    s = list(text)
+    for _ in range(edits):
+        i = rng.randrange(len(s) + 1)
+        op = rng.randrange(3)
+        if op == 0 and i < len(s):
+            del s[i]
+        elif op == 1:
+            s.insert(i, rng.choice(alphabet))
+        elif i < len(s):
+            s[i] = rng.choice(alphabet)
+    return "".join(s)
+
+
 def _random_docs(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     docs = []
@@ -93,16 +109,7 @@ def test_whole_texts_agree_with_json_loads():
     checked = {True: 0, False: 0}
     for doc in _random_docs(60, 2) + DOCS[:4]:
         for _ in range(25):
-            s = list(doc)
-            i = rng.randrange(len(s) + 1)
-            op = rng.randrange(3)
-            if op == 0 and i < len(s):
-                del s[i]
-            elif op == 1:
-                s.insert(i, rng.choice(alphabet))
-            elif i < len(s):
-                s[i] = rng.choice(alphabet)
-            text = "".join(s)
+            text = random_edit(doc, rng, alphabet, 1)
             want = _reference_object(text)
             st = _run(text.encode("utf-8"))
             assert (st is not None and complete(st)) == want, text
@@ -191,15 +198,8 @@ def test_engine_outputs_are_json_objects(json_llm, async_scheduling):
     bytes are a JSON object prefix; those that stopped on EOS parse as objects; the unguided
     row equals its run alone."""
     llm = json_llm
-    llm.engine.async_scheduling = async_scheduling
-    pieces = token_bytes(llm.tokenizer)
-    params = [SamplingParams(max_tokens=120, temperature=t, seed=s, json_mode=True)
-              for t, s in [(0.0, None), (1.0, 1), (1.0, 2), (0.7, 3), (1.3, 4), (1.0, 5)]]  # fmt: skip
-    plain = SamplingParams(max_tokens=20, temperature=1.0, seed=9)
-    outs = llm.generate(["say", "hi", "a", "b", "c", "d", "e"], params + [plain])
     finished = 0
-    for out in outs[:-1]:
-        data = b"".join(pieces[t] for t in out.token_ids if pieces[t] is not None)
+    for out, data in guided_outputs(llm, async_scheduling, 120, json_mode=True):
         st = _run(data)
         assert st is not None, data
         if out.finish_reason == "stop":
@@ -210,7 +210,20 @@ def test_engine_outputs_are_json_objects(json_llm, async_scheduling):
         else:
             assert out.finish_reason == "length" and len(out.token_ids) == 120
     assert finished >= 2
+
+
+def guided_outputs(llm, async_scheduling: bool, max_tokens: int, **guide) -> list:
+    """Six guided completions (greedy and sampled) generated beside an unguided row, which
+    must equal its run alone; ``[(output, its bytes)]`` of the guided ones."""
+    llm.engine.async_scheduling = async_scheduling
+    pieces = token_bytes(llm.tokenizer)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=t, seed=s, **guide)
+              for t, s in [(0.0, None), (1.0, 1), (1.0, 2), (0.7, 3), (1.3, 4), (1.0, 5)]]  # fmt: skip
+    plain = SamplingParams(max_tokens=20, temperature=1.0, seed=9)
+    outs = llm.generate(["say", "hi", "a", "b", "c", "d", "e"], params + [plain])
     assert outs[-1].token_ids == llm.generate(["e"], [plain])[0].token_ids
+    return [(o, b"".join(pieces[t] for t in o.token_ids if pieces[t] is not None))
+            for o in outs[:-1]]  # fmt: skip
 
 
 def test_json_mode_param_checks():

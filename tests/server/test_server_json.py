@@ -28,19 +28,26 @@ def json_app(tmp_path_factory):
         yield client, ref
 
 
-def test_completions_json_object(json_app):
+def _guided_choices(json_app, fmt: dict, max_tokens: int, seed: int, **guide) -> list[dict]:
+    """Four sampled choices of "data:" with ``response_format=fmt``, checked equal to
+    `LLM.generate` with ``guide`` (``json_mode`` / ``json_schema``) and the same seeds."""
     client, ref = json_app
     auth = {"Authorization": f"Bearer {API_KEY}"}
     model = client.get("/v1/models", headers=auth).json()["data"][0]["id"]
-    body = {"model": model, "prompt": "data:", "max_tokens": 100, "temperature": 1.0,
-            "seed": 11, "n": 4, "response_format": {"type": "json_object"}}  # fmt: skip
+    body = {"model": model, "prompt": "data:", "max_tokens": max_tokens, "temperature": 1.0,
+            "seed": seed, "n": 4, "response_format": fmt}  # fmt: skip
     r = client.post("/v1/completions", json=body, headers=auth)
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     ids = ref.tokenizer.encode("data:")
-    want = [ref.generate([ids], SamplingParams(max_tokens=100, temperature=1.0, seed=11 + j,
-                                               json_mode=True))[0] for j in range(4)]  # fmt: skip
+    want = [ref.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                               seed=seed + j, **guide))[0] for j in range(4)]  # fmt: skip
     assert [c["text"] for c in choices] == [w.text for w in want]
+    return choices
+
+
+def test_completions_json_object(json_app):
+    choices = _guided_choices(json_app, {"type": "json_object"}, 100, 11, json_mode=True)
     done = 0
     for c in choices:
         st = start_state()
@@ -64,20 +71,9 @@ def test_completions_json_schema(json_app):
     """``response_format={"type": "json_schema", ...}``: the choices equal `LLM.generate`
     with ``json_schema`` (same seeds); finished ones are instances of the schema; an
     unsupported schema is a 400 naming the keyword's path."""
-    client, ref = json_app
-    auth = {"Authorization": f"Bearer {API_KEY}"}
-    model = client.get("/v1/models", headers=auth).json()["data"][0]["id"]
     fmt = {"type": "json_schema", "json_schema": {"name": "pick", "strict": True,
                                                   "schema": SCHEMA}}  # fmt: skip
-    body = {"model": model, "prompt": "data:", "max_tokens": 60, "temperature": 1.0,
-            "seed": 5, "n": 4, "response_format": fmt}  # fmt: skip
-    r = client.post("/v1/completions", json=body, headers=auth)
-    assert r.status_code == 200, r.text
-    choices = r.json()["choices"]
-    ids = ref.tokenizer.encode("data:")
-    want = [ref.generate([ids], SamplingParams(max_tokens=60, temperature=1.0, seed=5 + j,
-                                               json_schema=SCHEMA))[0] for j in range(4)]  # fmt: skip
-    assert [c["text"] for c in choices] == [w.text for w in want]
+    choices = _guided_choices(json_app, fmt, 60, 5, json_schema=SCHEMA)
     done = 0
     for c in choices:
         if c["finish_reason"] == "stop":
@@ -88,7 +84,11 @@ def test_completions_json_schema(json_app):
     assert done >= 1
     bad = {**fmt, "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
         "a": {"type": "string", "format": "date"}}}}}  # fmt: skip
-    r = client.post("/v1/completions", json={**body, "response_format": bad}, headers=auth)
+    client = json_app[0]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "x", "prompt": "data:", "response_format": bad}
+    body["model"] = client.get("/v1/models", headers=auth).json()["data"][0]["id"]
+    r = client.post("/v1/completions", json=body, headers=auth)
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "response_format" and "properties.a: keyword 'format'" in err["message"]
