@@ -25,7 +25,15 @@ from kvplan.engine.llm import LLM, RequestOutput
 from kvplan.server.engine_loop import EngineLoop, Event, Handle, QueueFull
 from kvplan.server.logprobs_format import chat_logprobs, completion_logprobs
 from kvplan.server.metrics import Metrics
-from kvplan.server.protocol import ApiError, ModelLimits, Parsed, parse_chat, parse_completion
+from kvplan.server.protocol import (
+    TOOL_CALL_OPEN,
+    ApiError,
+    ModelLimits,
+    Parsed,
+    hermes_tool_calls,
+    parse_chat,
+    parse_completion,
+)
 
 
 class _SSEResponse(StreamingResponse):
@@ -194,6 +202,12 @@ def build_app(
                 call = _tool_call(parsed, out, f"call_{rid[9:]}_{k}")
                 if call is not None:
                     msg, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"  # fmt: skip
+                elif parsed.tool_names:  # tool_choice auto: <tool_call> blocks in the text
+                    content, calls = hermes_tool_calls(out.text, parsed.tool_names)
+                    if calls:
+                        msg = {"role": "assistant", "content": content or None,
+                               "tool_calls": _call_entries(calls, f"call_{rid[9:]}_{k}")}  # fmt: skip
+                        finish = "tool_calls" if finish == "stop" else finish
                 lps = None if parsed.logprobs is None else chat_logprobs(tok, out.logprobs)
                 choices.append({"index": k, "message": msg, "logprobs": lps, "finish_reason": finish})  # fmt: skip
             else:
@@ -248,8 +262,9 @@ def build_app(
                 delta = {"role": "assistant", "content": ""} if first else {}
                 if text:
                     delta["content"] = text
-                if call is not None:
-                    delta["tool_calls"] = [{"index": 0, **call}]
+                if call is not None:  # one call, or a list of them
+                    calls = call if isinstance(call, list) else [call]
+                    delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
                 if lps is not None:
                     logprobs = chat_logprobs(tok, lps)
                 choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -304,6 +319,16 @@ def build_app(
                     if lps:  # the tokens' logprobs as they come, without their text
                         yield chunk(k, None, None, ids=new, lps=lps)
                     continue
+            if parsed.tool_names:  # tool_choice auto: text up to a <tool_call> block streams
+                if out is None:
+                    text = _before_tool_call(text)
+                else:
+                    content, calls = hermes_tool_calls(text, parsed.tool_names)
+                    if calls:
+                        delta = content[len(sent[k]) :] if content.startswith(sent[k]) else ""
+                        yield chunk(k, delta, "tool_calls" if finish == "stop" else finish,
+                                    lps=lps or None, call=_call_entries(calls, f"call_{rid[9:]}_{k}"))  # fmt: skip
+                        continue
             delta = text[len(sent[k]) :] if text.startswith(sent[k]) else ""
             if lps is not None and not lps:
                 lps = None
@@ -333,6 +358,23 @@ def _tool_call(parsed: Parsed, out: RequestOutput, call_id: str) -> dict | None:
         "type": "function",
         "function": {"name": call["name"], "arguments": args},
     }
+
+
+def _call_entries(calls: list[dict], id_prefix: str) -> list[dict]:
+    """``tool_calls`` entries of `hermes_tool_calls`'s calls."""
+    return [{"id": f"{id_prefix}_{i}", "type": "function", "function": c} for i, c in enumerate(calls)]  # fmt: skip
+
+
+def _before_tool_call(text: str) -> str:
+    """The part of a streamed answer that may go out before its end: up to its first
+    ``<tool_call>``, holding back a tail that may be the start of one."""
+    cut = text.find(TOOL_CALL_OPEN)
+    if cut >= 0:
+        return text[:cut]
+    for n in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-n:]):
+            return text[:-n]
+    return text
 
 
 def _decode(tok: Any, ids: list[int]) -> str:

@@ -15,6 +15,7 @@ Logprobs: chat ``logprobs: true`` with ``top_logprobs: k``; completions ``logpro
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -92,6 +93,7 @@ class Parsed:
     score_only: bool = False  # max_tokens=0 with echo: the one generated token is dropped
     best_of: int | None = None  # completions: sequences generated per prompt, the n best kept
     tool_call: bool = False  # chat: the output is one forced tool call (`parse_tools`)
+    tool_names: tuple[str, ...] = ()  # chat, tool_choice auto: calls parsed from the text
 
     @property
     def per_prompt(self) -> int:
@@ -410,7 +412,38 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-def parse_tools(body: dict) -> tuple[list[dict] | None, JsonSchema | None]:
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def hermes_tool_calls(text: str, names: tuple[str, ...]) -> tuple[str, list[dict]]:
+    """The ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of a free
+    answer (the syntax of Hermes-style chat templates, e.g. Qwen2.5 / Qwen3): (the text
+    outside the blocks, stripped; the calls as ``{"name", "arguments"}`` with the arguments'
+    JSON text). A block that is not such JSON, or names no tool of ``names``, stays text."""
+    calls, kept, last = [], [], 0
+    for m in _HERMES_BLOCK.finditer(text):
+        try:
+            call = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if (
+            not isinstance(call, dict)
+            or call.get("name") not in names
+            or not isinstance(call.get("arguments", {}), dict)
+        ):
+            continue
+        kept.append(text[last : m.start()])
+        last = m.end()
+        args = json.dumps(call.get("arguments", {}), ensure_ascii=False)
+        calls.append({"name": call["name"], "arguments": args})
+    kept.append(text[last:])
+    return "".join(kept).strip(), calls
+
+
+def parse_tools(
+    body: dict, template: str = ""
+) -> tuple[list[dict] | None, JsonSchema | None, tuple[str, ...]]:
     """``tools`` / ``tool_choice`` of a chat body: (the tools for the chat template, or None;
     the recognizer of the forced call, or None).
 
@@ -418,15 +451,16 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, JsonSchema | None]:
     "function": {"name": N}}`` a call of N: the output is constrained to ``{"name": ...,
     "arguments": ...}`` with the arguments an instance of the tool's ``parameters`` (the
     structured-output subset, `JsonSchema.tool_call`) and answered as ``tool_calls``.
-    ``"none"`` only shows the tools to the template. ``"auto"`` (the default with tools) is
-    refused: whether a free-form answer calls a tool depends on each model's own call syntax,
-    which this server does not parse."""
+    ``"none"`` only shows the tools to the template. ``"auto"`` (the default with tools)
+    lets the model answer freely; it needs a chat template ``template`` that writes calls as
+    ``<tool_call>`` blocks (`hermes_tool_calls` parses them; the third element: the tool
+    names) and is refused for others, whose call syntax this server does not parse."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise bad("tool_choice", f"tool_choice={choice!r} needs tools")
-        return None, None
+        return None, None, ()
     if not isinstance(tools, list):
         raise bad("tools", f"tools must be a list, got {tools!r}")
     specs = []
@@ -441,11 +475,13 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, JsonSchema | None]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         specs.append((name, params))
     if choice is None or choice == "auto":
-        raise bad("tool_choice", "tool_choice 'auto' is not supported: this server forces "
-                  "tool calls (tool_choice 'required' or {'type': 'function', 'function': "
-                  "{'name': ...}}) or none ('none')")  # fmt: skip
+        if TOOL_CALL_OPEN not in (template or ""):
+            raise bad("tool_choice", "tool_choice 'auto' needs a chat template that writes "
+                      "<tool_call> blocks; this model's does not (use tool_choice 'required' "
+                      "or {'type': 'function', 'function': {'name': ...}}, or 'none')")  # fmt: skip
+        return tools, None, tuple(n for n, _ in specs)
     if choice == "none":
-        return tools, None
+        return tools, None, ()
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -455,7 +491,7 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, JsonSchema | None]:
     elif choice != "required":
         raise bad("tool_choice", f"tool_choice={choice!r} is not supported")
     try:
-        return tools, JsonSchema.tool_call(specs)
+        return tools, JsonSchema.tool_call(specs), ()
     except ValueError as exc:
         raise bad("tools", str(exc)) from None
 
@@ -466,7 +502,7 @@ def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
     the model's limit)."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
-    tools, call = parse_tools(body)
+    tools, call, names = parse_tools(body, str(getattr(tokenizer, "chat_template", None) or ""))
     json_mode = _json_mode(body)
     if call is not None:
         if json_mode:
@@ -517,4 +553,5 @@ def parse_chat(body: Any, tokenizer: Any, limits: ModelLimits) -> Parsed:
         logprobs, json_mode=json_mode,
     )  # fmt: skip
     parsed.tool_call = call is not None
+    parsed.tool_names = names
     return parsed
