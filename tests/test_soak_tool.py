@@ -41,3 +41,15 @@ def test_a_leaking_engine_fails(monkeypatch, capsys):
         soak.run_dense(1001, ops=60)
     assert soak.main(["dense", "--runs", "1", "--ops", "60", "--seed", "1001"]) == 1
     assert "FAIL seed=1001" in capsys.readouterr().out
+
+
+def test_structured_runs_pass_and_a_broken_guide_fails(monkeypatch, capsys):
+    assert soak.main(["structured", "--runs", "2", "--ops", "12", "--seed", "5"]) == 0
+    assert "structured: 2 runs, 0 failed" in capsys.readouterr().out
+    from kvplan.engine.json_mode import JsonGuide
+
+    monkeypatch.setattr(
+        JsonGuide, "mask", lambda self, vocab: __import__("numpy").ones(vocab, bool)
+    )
+    assert soak.main(["structured", "--runs", "1", "--ops", "12", "--seed", "5"]) == 1
+    assert "FAIL seed=5" in capsys.readouterr().out

@@ -8,6 +8,7 @@ DeepSeek-V4 engines with fp8 / fp4 KV).
     PYTHONPATH=. python tools/soak.py dense --seconds 600
     PYTHONPATH=. python tools/soak.py hybrid --seconds 1800 --seed 200
     PYTHONPATH=. python tools/soak.py server --seconds 600
+    PYTHONPATH=. python tools/soak.py structured --seconds 300
 
 ``dense``: a tiny random Llama, or one with a window-8 sliding layer beside a global one
 (head_dim 16, or 32 for the fp8 / int8 formats); per run a
@@ -19,6 +20,11 @@ no prefix cache); the block ledger holds after every operation.
 ``hybrid``: tiny random DeepSeek-V4 models (`tests/models/dsv4_testlib.hf_config`), the
 exact, fp8 or fp4 cache, pools small enough to preempt; the same checks, plus every live
 request holding its own state slot.
+
+``structured``: batches mixing JSON mode, JSON schemas (nested, bounded arrays, a recursive
+``$ref``), forced tool calls and plain requests on a byte-level-tokenizer Llama, with random
+sampling and async scheduling: every guided output is a prefix of a valid text, finished ones
+whole, and no block is left.
 
 ``server``: eight client threads send random completions / chat requests (streamed or not,
 some cut short, some invalid) to a served tiny Llama with a small pool; after each round no
@@ -263,9 +269,89 @@ def soak_server(seconds: float, seed: int, *, threads: int = 8, per_thread: int 
     return len(problems)
 
 
+_STRUCTURED_MODEL: list = []  # (LLM, token bytes), built by the first structured run
+
+
+def _structured_schemas() -> list:
+    """Schemas of the structured soak: nested objects, bounded arrays, enums, a union, a
+    recursive ``$ref`` and a forced tool call (`JsonSchema.tool_call`)."""
+    from kvplan.engine.json_schema import JsonSchema
+
+    item = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"},
+                                             "tag": {"enum": ["a", "b", None]}}, "required": ["id"]}  # fmt: skip
+    tree = {"type": "object", "properties": {"v": {"type": ["number", "null"]},
+                                             "kids": {"type": "array", "items": {"$ref": "#"},
+                                                      "maxItems": 2}}, "required": ["v"]}  # fmt: skip
+    return [
+        JsonSchema({"type": "array", "items": item, "minItems": 1, "maxItems": 3}),
+        JsonSchema(tree),
+        JsonSchema({"type": "object", "properties": {"s": {"type": "string"}, "any": {}}}),
+        JsonSchema.tool_call(
+            [
+                ("f", {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}),
+                ("g", {"type": "object"}),
+            ]
+        ),  # fmt: skip
+    ]
+
+
+def run_structured(seed: int, ops: int = 24) -> dict:
+    """One batch of ``ops`` requests on a random byte-level-tokenizer Llama: JSON mode,
+    schemas and tool calls mixed with plain sampling, random temperatures, seeds, lengths and
+    async scheduling. Every guided output is a prefix of a valid text, and a finished one a
+    whole one; every block is free afterwards."""
+    from kvplan import LLM, SamplingParams
+    from kvplan.engine.json_mode import complete, start_state, step, token_bytes
+    from tests.engine.test_json_mode import make_json_model_folder
+
+    if not _STRUCTURED_MODEL:
+        folder = make_json_model_folder(pathlib.Path(tempfile.mkdtemp()) / "json-llama", seed=3)
+        llm = LLM(str(folder), device="cpu", block_size=8, num_blocks=120, max_num_seqs=8)
+        _STRUCTURED_MODEL[:] = [llm, token_bytes(llm.tokenizer), _structured_schemas()]
+    llm, pieces, schemas = _STRUCTURED_MODEL
+    rng = random.Random(seed)
+    llm.engine.async_scheduling = rng.random() < 0.5
+    guides, params = [], []
+    for _ in range(ops):
+        kind = rng.randrange(len(schemas) + 2)
+        sp = dict(max_tokens=rng.choice([8, 40, 90]), temperature=rng.choice([0.0, 0.8, 1.2]),
+                  seed=rng.randrange(1000))  # fmt: skip
+        if kind < len(schemas):
+            guides.append(schemas[kind])
+            params.append(SamplingParams(json_schema=schemas[kind], **sp))
+        elif kind == len(schemas):
+            guides.append("json")
+            params.append(SamplingParams(json_mode=True, **sp))
+        else:
+            guides.append(None)
+            params.append(SamplingParams(**sp))
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 30))] for _ in range(ops)]
+    outs = llm.generate(prompts, params)
+    finished = 0
+    for guide, out in zip(guides, outs):
+        if guide is None:
+            continue
+        data = b"".join(pieces[t] for t in out.token_ids if pieces[t] is not None)
+        st = start_state() if guide == "json" else guide.start_state()
+        fn = step if guide == "json" else guide.step
+        for b in data:
+            st = fn(st, b)
+            if st is None:
+                raise AssertionError(f"seed {seed}: {data!r} is not a prefix for {guide}")
+        if out.finish_reason == "stop":
+            done = complete(st) if guide == "json" else guide.complete(st)
+            if not done:
+                raise AssertionError(f"seed {seed}: {data!r} stopped before its end")
+            finished += 1
+    m = llm.parts.manager
+    if m.num_requests or m.num_free_blocks() != llm.parts.num_blocks - 1:
+        raise AssertionError(f"seed {seed}: blocks or requests left after the batch")
+    return {"requests": ops, "guided_finished": finished}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["dense", "hybrid", "server"])
+    ap.add_argument("mode", choices=["dense", "hybrid", "server", "structured"])
     ap.add_argument("--seconds", type=float, default=600.0, help="time budget (at least one run)")
     ap.add_argument("--seed", type=int, default=1000, help="the first run's seed (then +1 a run)")
     ap.add_argument("--runs", type=int, default=0, help="exactly this many runs (0: the budget)")
@@ -273,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.mode == "server":
         return int(soak_server(args.seconds, args.seed) > 0)
-    run = run_dense if args.mode == "dense" else run_hybrid
+    run = {"dense": run_dense, "hybrid": run_hybrid, "structured": run_structured}[args.mode]
     failures, seed, done = 0, args.seed, 0
     end = time.monotonic() + args.seconds
     while done < args.runs if args.runs else (done == 0 or time.monotonic() < end):
