@@ -176,7 +176,8 @@ def build_app(
             try:  # the first call builds the vocabulary trie (seconds): off the event loop
                 await asyncio.get_running_loop().run_in_executor(None, engine.check_json_mode)
             except ValueError as exc:
-                raise ApiError(400, str(exc), param="response_format") from None
+                param = "tools" if parsed.tool_call else "response_format"
+                raise ApiError(400, str(exc), param=param) from None
         try:
             handle = engine.submit(parsed.prompts, parsed.params, asyncio.get_running_loop())
         except QueueFull as exc:
