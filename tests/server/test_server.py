@@ -337,6 +337,7 @@ def test_best_of_keeps_the_most_likely(served):
         (CH, {**M, "response_format": {"type": "json_schema", "json_schema": {}}}, 400, "response_format", None),
         (CH, {**M, "response_format": "json"}, 400, "response_format", None),
         (CH, {**M, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+        (CH, {**M, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400, "tools", None),
         (CH, {**M, "response_format": {"type": "json_object"}, "min_tokens": 2}, 400, "response_format", None),
         (C, {**P, "best_of": 1, "n": 2}, 400, "best_of", None),
         (C, {**P, "best_of": 0}, 400, "best_of", None),
