@@ -287,7 +287,8 @@ class TokenTrie:
     state, whatever the containers around the string), and tokens holding a quote or a
     backslash, walked in a trie of those tokens alone. Other states walk the whole trie."""
 
-    _MEMO = 4096  # masks kept per trie
+    MEMO_BYTES = 1 << 28  # the memo's masks (one byte a token each) kept per trie ...
+    VIEW_MEMO_BYTES = 1 << 26  # ... and per `view` (a schema's)
 
     def __init__(self, pieces: Sequence[bytes | None]) -> None:
         self.vocab_size = len(pieces)
@@ -295,6 +296,7 @@ class TokenTrie:
         self.special = _Trie(pieces, keep=lambda p: 0x22 in p or 0x5C in p)
         self._step, self._string_of = step, string_of
         self._memo: dict[State, np.ndarray] = {}
+        self._memo_max = max(64, self.MEMO_BYTES // max(1, self.vocab_size))
         self._inner: dict[tuple, np.ndarray] = {}
 
     def view(self, step_fn, string_fn) -> TokenTrie:
@@ -305,6 +307,7 @@ class TokenTrie:
         other.vocab_size, other.full, other.special = self.vocab_size, self.full, self.special
         other._step, other._string_of = step_fn, string_fn
         other._memo, other._inner = {}, self._inner
+        other._memo_max = max(64, self.VIEW_MEMO_BYTES // max(1, self.vocab_size))
         return other
 
     def allowed(self, state: State) -> np.ndarray:
@@ -326,7 +329,7 @@ class TokenTrie:
             out = np.zeros(self.vocab_size, dtype=bool)
             self.full.walk(state, out, step_fn=self._step, string_fn=self._string_of)
         out.flags.writeable = False  # memoized: callers share it
-        if len(self._memo) >= self._MEMO:
+        if len(self._memo) >= self._memo_max:
             self._memo.clear()
         self._memo[state] = out
         return out

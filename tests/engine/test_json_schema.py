@@ -433,3 +433,21 @@ def test_whitespace_runs_are_bounded():
             assert json_ok(text) and js.accepts(text), text
             longer = text.replace(sep, sep + " ", 1)
             assert not json_ok(longer) and not js.accepts(longer), longer
+
+
+def test_mask_memos_are_bounded():
+    """A trie keeps at most MEMO_BYTES of masks (VIEW_MEMO_BYTES a schema view): a memo at
+    its bound starts over."""
+    pieces = [bytes([b]) for b in b'{}[]":, 0123456789abcdefnrstul'] + [None]
+    base = TokenTrie(pieces)
+    assert base._memo_max == TokenTrie.MEMO_BYTES // len(pieces)
+    js = JsonSchema(SCHEMAS[0])
+    view = base.view(js.step, js.string_of)
+    assert view._memo_max == TokenTrie.VIEW_MEMO_BYTES // len(pieces)
+    view._memo_max = 5
+    st = js.start_state()
+    for b in b'{"name": "abc", "age": 12, "kind": "person"}':
+        view.allowed(st)
+        assert len(view._memo) <= 5
+        st = js.step(st, b)
+    assert js.complete(st) and len(base._memo) == 0  # the view's masks are its own
