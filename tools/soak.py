@@ -273,8 +273,9 @@ _STRUCTURED_MODEL: list = []  # (LLM, token bytes), built by the first structure
 
 
 def _structured_schemas() -> list:
-    """Schemas of the structured soak: nested objects, bounded arrays, enums, a union, a
-    recursive ``$ref`` and a forced tool call (`JsonSchema.tool_call`)."""
+    """Schemas of the structured soak: nested objects, bounded arrays, enums, unions (one of
+    alternatives that start alike), a recursive ``$ref`` and a forced tool call
+    (`JsonSchema.tool_call`)."""
     from kvplan.engine.json_schema import JsonSchema
 
     item = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"},
@@ -286,6 +287,12 @@ def _structured_schemas() -> list:
         JsonSchema({"type": "array", "items": item, "minItems": 1, "maxItems": 3}),
         JsonSchema(tree),
         JsonSchema({"type": "object", "properties": {"s": {"type": "string"}, "any": {}}}),
+        JsonSchema(
+            {
+                "type": "array",
+                "items": {"anyOf": [item, tree, {"type": "integer"}, {"enum": [1, 2.5, "s"]}]},
+            }
+        ),  # fmt: skip
         JsonSchema.tool_call(
             [
                 ("f", {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}),

@@ -28,8 +28,9 @@ array, string, number, integer, boolean, null, or a list of them; implied by ``p
 ``required`` / ``additionalProperties`` or ``items`` where left out), ``properties``,
 ``required``, ``additionalProperties`` (only false: an object holds its listed properties, in
 any order, each at most once, the required ones before it closes), ``items``,
-``minItems`` / ``maxItems``, ``enum``, ``const``, ``anyOf`` (branches that start
-differently: at most one of object / array / string / number / boolean / null each), ``$defs`` / ``definitions`` with ``$ref`` to them
+``minItems`` / ``maxItems``, ``enum``, ``const``, ``anyOf`` (any branches: those that can
+start with a byte are read side by side in an ``("x", stacks)`` frame, each stack on a
+``_Z`` bottom that stands for its value's end), ``$defs`` / ``definitions`` with ``$ref`` to them
 (recursive schemas included), and the annotations ``title``, ``description``, ``default``,
 ``examples``, ``$schema``, ``$id``, ``strict``. An object without ``properties`` (or ``{}`` as
 a schema) is any JSON value of that type. The root must be an object or an array.
@@ -63,6 +64,8 @@ _FIRST = {
     "null": frozenset(b"n"),
 }
 _VALUE = ("value", (), None)  # json_mode's state before a value's first byte
+_Z = ("z",)  # the bottom of an alternative's stack: its value is whole
+_END = "ended"  # `JsonSchema.step` on a stack whose value ended before the byte
 # a tool call's text: TOOL_CALL_PREFIX, the quoted name, TOOL_CALL_MIDDLE, the arguments, }
 TOOL_CALL_PREFIX = b'{"name": '
 TOOL_CALL_MIDDLE = b', "arguments": '
@@ -251,29 +254,7 @@ class JsonSchema:
 
     def _alt(self, branches: list, label: str, where: str) -> int:
         idx = [self._compile(b, f"{label}[{i}]") for i, b in enumerate(branches)]
-        seen: set[int] = set()
-        for i in idx:
-            first = self._first(i)
-            if first & seen:
-                raise ValueError(f"{label}: branches must start differently (at most one "
-                                 "object, array, string, number, boolean, null)")  # fmt: skip
-            seen |= first
         return self._add(("alt", tuple(idx)))
-
-    def _first(self, i: int, depth: int = 0) -> frozenset[int]:
-        node = self.nodes[i]
-        kind = node[0]
-        if depth > len(self.nodes):
-            raise ValueError("json_schema: a reference cycle without a value")
-        if kind == "ref":
-            return self._first(node[1], depth + 1)
-        if kind == "enum":
-            return frozenset(t[0] for t in node[1])
-        if kind == "alt":
-            return frozenset().union(*(self._first(b, depth + 1) for b in node[1]))
-        if kind == "any":
-            return frozenset(range(256))
-        return _FIRST[{"any_object": "object", "any_array": "array"}.get(kind, kind)]
 
     # -- recognizing ------------------------------------------------------------------------
 
@@ -283,17 +264,28 @@ class JsonSchema:
             return (("c", self.root, "open", 0, None),)
         return (("v", self.root, 0),)
 
-    @staticmethod
-    def complete(state: tuple) -> bool:
-        return state == ()
+    @classmethod
+    def complete(cls, state: tuple) -> bool:
+        """Whether the text so far is a whole value (``state`` a state, or an alternative's
+        stack, whose ``_Z`` bottom stands for the value's end)."""
+        if state[:1] == (_Z,):
+            state = state[1:]
+        if not state:
+            return True
+        return len(state) == 1 and state[0][0] == "x" and any(map(cls.complete, state[0][1]))
 
-    def step(self, state: tuple, b: int) -> tuple | None:
-        """The state after byte ``b``, or None if ``b`` cannot follow."""
+    def step(self, state: tuple, b: int):
+        """The state after byte ``b``, or None if ``b`` cannot follow (`_END` on an
+        alternative's stack whose value ended before ``b``)."""
         if not state:
             return None
         frame = state[-1]
         kind = frame[0]
         rest = state[:-1]
+        if kind == "z":
+            return _END
+        if kind == "x":
+            return self._alternatives_step(rest, frame[1], b)
         if kind == "v":
             if b in _WS:
                 return rest + (("v", frame[1], frame[2] - 1),) if frame[2] else None
@@ -343,12 +335,9 @@ class JsonSchema:
         kind = n[0]
         if kind == "ref":
             return self._start(rest, n[1], b)
-        if kind == "alt":
-            for branch in n[1]:
-                got = self._start(rest, branch, b)
-                if got is not None:
-                    return got
-            return None
+        if kind == "alt":  # every branch that can start with b, read side by side
+            subs = [self._start((_Z,), branch, b) for branch in n[1]]
+            return self._alternatives(rest, [x for x in subs if x is not None])
         if kind == "enum":
             cands = tuple(t for t in n[1] if t[0] == b)
             return rest + (("e", node, 1, cands),) if cands else None
@@ -363,6 +352,30 @@ class JsonSchema:
             return None
         js = json_mode.step(_VALUE, b)
         return None if js is None else rest + (("d", node, js),)
+
+    @staticmethod
+    def _alternatives(rest: tuple, subs: list) -> tuple | None:
+        """``rest`` under the live alternatives ``subs`` (stacks on ``_Z``): one is put in
+        place, several go in an ``("x", subs)`` frame."""
+        subs = list(dict.fromkeys(subs))
+        if not subs:
+            return None
+        if len(subs) == 1:
+            return rest + subs[0][1:]
+        return rest + (("x", tuple(subs)),)
+
+    def _alternatives_step(self, rest: tuple, subs: tuple, b: int):
+        """Byte ``b`` to every alternative: those that go on stay alternatives; if none goes
+        on and one had ended before ``b``, ``b`` goes to ``rest``. When some go on, ``b`` is
+        not one that may follow a whole value: the alternatives read the same bytes at the
+        same depth, so containers close together, and a value that ended by itself (a
+        number, a literal) is followed by ``,`` ``}`` ``]`` or whitespace, which continue no
+        number or literal (strings end only at their quote)."""
+        results = [self.step(sub, b) for sub in subs]
+        going = self._alternatives(rest, [r for r in results if r is not None and r is not _END])
+        if going is not None or not any(r is _END for r in results):
+            return going
+        return self.step(rest, b) if rest else None
 
     def _delegated(self, rest: tuple, frame: tuple, b: int) -> tuple | None:
         _, node, js = frame
@@ -439,4 +452,7 @@ class JsonSchema:
         delegated value (the trie's shortcut), else `json_mode.NOT_STRING`."""
         if state and state[-1][0] == "d":
             return json_mode.string_of(state[-1][2])
+        if state and state[-1][0] == "x":  # inside a string only if every alternative is
+            where = {JsonSchema.string_of(sub) for sub in state[-1][1]}
+            return where.pop() if len(where) == 1 else json_mode.NOT_STRING
         return json_mode.NOT_STRING
