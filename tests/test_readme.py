@@ -60,3 +60,16 @@ def test_deepseek_v4_example(tmp_path, monkeypatch):
     (out,) = ns["out"]  # one request; the random model may sample its EOS before 8 tokens
     assert 1 <= len(out.token_ids) <= 8 and all(0 <= t < 128 for t in out.token_ids)
     assert out.finish_reason == ("length" if len(out.token_ids) == 8 else "stop")
+
+
+def test_structured_output_example():
+    """The schema example on the packaged SmolLM2 (greedy): the output is the schema's
+    instance the comment shows."""
+    import json
+
+    ns: dict = {}
+    exec(_example('"country": {"enum": ["France", "Spain", "Italy"]}'), ns)
+    out = ns["out"]
+    assert out.finish_reason == "stop"
+    value = json.loads(out.text)
+    assert value == {"city": "Paris", "country": "France"}
