@@ -65,8 +65,8 @@ def main() -> None:
               f"mask per step median {statistics.median(times) * 1e3:.2f} ms, worst "
               f"{max(times) * 1e3:.1f} ms over {len(times)} steps")  # fmt: skip
         schema = JsonSchema(SCHEMA)
-        view = trie.view(schema.step, schema.string_of)
-        times = _follow(JsonGuide(view, pieces, [tok.eos_token_id], schema), ids, len(pieces))
+        view = trie.view(schema)
+        times = _follow(JsonGuide(view, pieces, [tok.eos_token_id]), ids, len(pieces))
         print(f"{name} with a schema: mask per step median {statistics.median(times) * 1e3:.2f} "
               f"ms, worst {max(times) * 1e3:.1f} ms, all {sum(times) * 1e3:.0f} ms over "
               f"{len(times)} steps")  # fmt: skip

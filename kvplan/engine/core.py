@@ -453,12 +453,12 @@ class EngineCore(AsyncSteps):
             if schema is not None:  # one trie view (and memo of masks) per schema
                 view = self._schema_views.pop(schema, None)
                 if view is None:
-                    view = trie.view(schema.step, schema.string_of)
+                    view = trie.view(schema)
                 self._schema_views[schema] = view  # the newest last
                 while len(self._schema_views) > SCHEMA_VIEWS:
                     del self._schema_views[next(iter(self._schema_views))]
                 trie = view
-            req.json_guide = JsonGuide(trie, pieces, sorted(stops), schema)
+            req.json_guide = JsonGuide(trie, pieces, sorted(stops))
         req.json_guide.feed(req.output_token_ids)
         return req.json_guide.mask(vocab)
 

@@ -27,10 +27,12 @@ byte-level BPE pieces (GPT-2's byte-to-character table, e.g. SmolLM2) or Sentenc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import numpy as np
 
 __all__ = [
+    "JSON_OBJECT",
     "NOT_STRING",
     "JsonGuide",
     "TokenTrie",
@@ -237,12 +239,12 @@ class _Trie:
         build(root)
         self.order = np.asarray(order, dtype=np.int64)
 
-    def walk(self, state: State, out: np.ndarray, follow=None, step_fn=None, string_fn=None):
+    def walk(self, state: State, out: np.ndarray, follow=None, machine=None) -> None:
         """Mark in ``out`` the tokens whose bytes all follow ``state`` (``follow``: only
-        bytes it admits) under the recognizer ``step_fn`` (default `step`; ``string_fn`` its
-        `string_of`); inside a string a plain subtree is taken whole."""
-        step_fn = step_fn or step
-        string_fn = string_fn or string_of
+        bytes it admits) under the recognizer ``machine`` (default `JSON_OBJECT`); inside a
+        string a plain subtree is taken whole."""
+        step_fn = (machine or JSON_OBJECT).step
+        string_fn = (machine or JSON_OBJECT).string_of
         todo = [(0, state)]
         while todo:
             k, st = todo.pop()
@@ -273,6 +275,12 @@ def string_of(state: State):
     return NOT_STRING
 
 
+JSON_OBJECT = SimpleNamespace(start_state=start_state, step=step, complete=complete,
+                              string_of=string_of)  # fmt: skip
+"""JSON mode's recognizer as one object: the interface a `TokenTrie` and a `JsonGuide` read
+(`kvplan.engine.json_schema.JsonSchema` has it too)."""
+
+
 def _inside(b: int) -> bool:
     """A byte that may stand inside a string without ending or escaping it."""
     return b >= 0x20 and b != 0x22 and b != 0x5C
@@ -294,18 +302,19 @@ class TokenTrie:
         self.vocab_size = len(pieces)
         self.full = _Trie(pieces)
         self.special = _Trie(pieces, keep=lambda p: 0x22 in p or 0x5C in p)
-        self._step, self._string_of = step, string_of
+        self.machine = JSON_OBJECT
         self._memo: dict[State, np.ndarray] = {}
         self._memo_max = max(64, self.MEMO_BYTES // max(1, self.vocab_size))
         self._inner: dict[tuple, np.ndarray] = {}
 
-    def view(self, step_fn, string_fn) -> TokenTrie:
+    def view(self, machine) -> TokenTrie:
         """The same vocabulary under another recognizer whose strings read as JSON's
-        (``step_fn``, ``string_fn`` its `string_of`; e.g. a `JsonSchema`'s), sharing the
-        tries and the in-string masks, with masks memoized per view."""
+        (``machine``: ``start_state`` / ``step`` / ``complete`` / ``string_of``, e.g. a
+        `JsonSchema`), sharing the tries and the in-string masks, with masks memoized per
+        view."""
         other = object.__new__(TokenTrie)
         other.vocab_size, other.full, other.special = self.vocab_size, self.full, self.special
-        other._step, other._string_of = step_fn, string_fn
+        other.machine = machine
         other._memo, other._inner = {}, self._inner
         other._memo_max = max(64, self.VIEW_MEMO_BYTES // max(1, self.vocab_size))
         return other
@@ -315,7 +324,7 @@ class TokenTrie:
         hit = self._memo.get(state)
         if hit is not None:
             return hit
-        utf = self._string_of(state)
+        utf = self.machine.string_of(state)
         if utf is not NOT_STRING:
             inner = self._inner.get(utf)
             if inner is None:  # staying in the string: the containers do not matter
@@ -324,10 +333,10 @@ class TokenTrie:
                 self.full.walk(start, inner, follow=_inside)
                 self._inner[utf] = inner
             out = inner.copy()
-            self.special.walk(state, out, step_fn=self._step, string_fn=self._string_of)
+            self.special.walk(state, out, machine=self.machine)
         else:
             out = np.zeros(self.vocab_size, dtype=bool)
-            self.full.walk(state, out, step_fn=self._step, string_fn=self._string_of)
+            self.full.walk(state, out, machine=self.machine)
         out.flags.writeable = False  # memoized: callers share it
         if len(self._memo) >= self._memo_max:
             self._memo.clear()
@@ -339,27 +348,23 @@ class JsonGuide:
     """One request's JSON mode: ``feed`` its sampled tokens, ``mask`` the next step's allowed
     tokens (``vocab`` wide: ids past the trie's vocabulary are never allowed)."""
 
-    def __init__(
-        self, trie: TokenTrie, pieces: Sequence[bytes | None], eos_ids: Sequence[int],
-        schema=None,
-    ) -> None:  # fmt: skip
-        """``schema``: a `kvplan.engine.json_schema.JsonSchema` (``trie`` then its view):
-        the text is one value it accepts instead of any JSON object."""
+    def __init__(self, trie: TokenTrie, pieces: Sequence[bytes | None], eos_ids: Sequence[int]):
+        """The text is one value of ``trie.machine``'s language: any JSON object, or an
+        instance of a `kvplan.engine.json_schema.JsonSchema` (``trie`` its view)."""
         self.trie, self.pieces = trie, pieces
+        self.machine = trie.machine
         self.eos = sorted(set(eos_ids))
-        self._step = step if schema is None else schema.step
-        self._complete = complete if schema is None else schema.complete
-        self.state = start_state() if schema is None else schema.start_state()
+        self.state = self.machine.start_state()
         self.fed = 0  # output tokens fed so far
 
     def feed(self, token_ids: Sequence[int]) -> None:
         """Advance over the output tokens not fed yet (``token_ids``: the whole output)."""
         for tid in token_ids[self.fed :]:
             piece = self.pieces[tid] if tid < len(self.pieces) else None
-            if piece is None or self._complete(self.state):
+            if piece is None or self.machine.complete(self.state):
                 raise ValueError(f"token {tid} does not continue the JSON text")
             for b in piece:
-                nxt = self._step(self.state, b)
+                nxt = self.machine.step(self.state, b)
                 if nxt is None:
                     raise ValueError(f"token {tid} ({piece!r}) does not continue the JSON text")
                 self.state = nxt
@@ -369,7 +374,7 @@ class JsonGuide:
         """bool ``[vocab]`` (read-only): the allowed next tokens; only EOS once the object is
         complete, or where no token of the vocabulary continues the text (the request
         ends)."""
-        allowed = None if self._complete(self.state) else self.trie.allowed(self.state)
+        allowed = None if self.machine.complete(self.state) else self.trie.allowed(self.state)
         if allowed is not None and allowed.shape[0] == vocab and allowed.any():
             return allowed  # the trie's memo: read-only, so shared safely
         out = np.zeros(vocab, dtype=bool)

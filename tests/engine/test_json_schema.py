@@ -269,7 +269,7 @@ def test_schema_masks_equal_brute_force():
     base = TokenTrie(pieces)
     for schema in SCHEMAS:
         js = JsonSchema(schema)
-        view = base.view(js.step, js.string_of)
+        view = base.view(js)
         states = {js.start_state()}
         for text in _texts(schema, 15, 7):
             st = js.start_state()
@@ -459,7 +459,7 @@ def test_mask_memos_are_bounded():
     base = TokenTrie(pieces)
     assert base._memo_max == TokenTrie.MEMO_BYTES // len(pieces)
     js = JsonSchema(SCHEMAS[0])
-    view = base.view(js.step, js.string_of)
+    view = base.view(js)
     assert view._memo_max == TokenTrie.VIEW_MEMO_BYTES // len(pieces)
     view._memo_max = 5
     st = js.start_state()
