@@ -198,17 +198,12 @@ def build_app(
         for k, ev in enumerate(best_events(parsed, events)):
             out = ev.output
             if chat:
-                msg = {"role": "assistant", "content": out.text}
                 finish = out.finish_reason
-                call = _tool_call(parsed, out, f"call_{rid[9:]}_{k}")
-                if call is not None:
-                    msg, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"  # fmt: skip
-                elif parsed.tool_names:  # tool_choice auto: <tool_call> blocks in the text
-                    content, calls = hermes_tool_calls(out.text, parsed.tool_names)
-                    if calls:
-                        msg = {"role": "assistant", "content": content or None,
-                               "tool_calls": _call_entries(calls, f"call_{rid[9:]}_{k}")}  # fmt: skip
-                        finish = "tool_calls" if finish == "stop" else finish
+                content, calls = _answer_calls(parsed, out.text, finish)
+                msg = {"role": "assistant", "content": content}
+                if calls:
+                    msg["tool_calls"] = _call_entries(calls, f"call_{rid[9:]}_{k}")
+                    finish = "tool_calls" if finish == "stop" else finish
                 lps = None if parsed.logprobs is None else chat_logprobs(tok, out.logprobs)
                 choices.append({"index": k, "message": msg, "logprobs": lps, "finish_reason": finish})  # fmt: skip
             else:
@@ -263,9 +258,8 @@ def build_app(
                 delta = {"role": "assistant", "content": ""} if first else {}
                 if text:
                     delta["content"] = text
-                if call is not None:  # one call, or a list of them
-                    calls = call if isinstance(call, list) else [call]
-                    delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                if call is not None:  # the tool_calls entries
+                    delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(call)]
                 if lps is not None:
                     logprobs = chat_logprobs(tok, lps)
                 choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -311,21 +305,13 @@ def build_app(
                 done += 1
             else:
                 text, finish = _partial_text(tok, ids[k], parsed.params[k].stop_strings), None
-            if parsed.tool_call:  # the call goes out whole when it is complete
-                call = None if out is None else _tool_call(parsed, out, f"call_{rid[9:]}_{k}")
-                if call is not None:
-                    yield chunk(k, None, "tool_calls", lps=lps or None, call=call)
-                    continue
-                if out is None:
-                    if lps:  # the tokens' logprobs as they come, without their text
-                        yield chunk(k, None, None, ids=new, lps=lps)
-                    continue
-            if parsed.tool_names:  # tool_choice auto: text up to a <tool_call> block streams
-                if out is None:
-                    text = _before_tool_call(text)
+            if parsed.tool_call or parsed.tool_names:  # calls go out whole at the end
+                if out is None:  # a forced call's text never streams; a free answer's does
+                    text = "" if parsed.tool_call else _before_tool_call(text)  # up to a block
                 else:
-                    content, calls = hermes_tool_calls(text, parsed.tool_names)
+                    content, calls = _answer_calls(parsed, text, finish)
                     if calls:
+                        content = content or ""
                         delta = content[len(sent[k]) :] if content.startswith(sent[k]) else ""
                         yield chunk(k, delta, "tool_calls" if finish == "stop" else finish,
                                     lps=lps or None, call=_call_entries(calls, f"call_{rid[9:]}_{k}"))  # fmt: skip
@@ -344,25 +330,29 @@ def build_app(
     return app
 
 
-def _tool_call(parsed: Parsed, out: RequestOutput, call_id: str) -> dict | None:
-    """The ``tool_calls`` entry of a forced tool call that ended complete (its text is
-    ``{"name": ..., "arguments": ...}``), or None (another request, or a call cut short)."""
-    if not parsed.tool_call or out.finish_reason != "stop":
-        return None
-    try:
-        call = json.loads(out.text)
-    except ValueError:
-        return None
-    args = json.dumps(call["arguments"], ensure_ascii=False)
-    return {
-        "id": call_id,
-        "type": "function",
-        "function": {"name": call["name"], "arguments": args},
-    }
+def _answer_calls(parsed: Parsed, text: str, finish: str | None) -> tuple[str | None, list]:
+    """(content, calls) of a finished chat answer, each call ``{"name", "arguments"}`` with
+    the arguments' JSON text: a forced call whose text ended complete (no content), the
+    ``<tool_call>`` blocks of a free answer under tool_choice auto (the text around them, or
+    None), else ``(text, [])``."""
+    if parsed.tool_call:
+        if finish != "stop":
+            return text, []
+        try:
+            call = json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [{"name": call["name"],
+                       "arguments": json.dumps(call["arguments"], ensure_ascii=False)}]  # fmt: skip
+    if parsed.tool_names:
+        content, calls = hermes_tool_calls(text, parsed.tool_names)
+        if calls:
+            return content or None, calls
+    return text, []
 
 
 def _call_entries(calls: list[dict], id_prefix: str) -> list[dict]:
-    """``tool_calls`` entries of `hermes_tool_calls`'s calls."""
+    """``tool_calls`` entries of `_answer_calls`'s calls."""
     return [{"id": f"{id_prefix}_{i}", "type": "function", "function": c} for i, c in enumerate(calls)]  # fmt: skip
 
 

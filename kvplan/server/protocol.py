@@ -412,7 +412,7 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_CALL_OPEN = "<tool_call>"  # a Hermes-style template's call: the block's start
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
