@@ -24,6 +24,7 @@ may be fp32 / bf16 / fp16, ``float8_e8m0fnu`` or ``uint8`` UE8M0 exponents (``2^
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,11 +171,11 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "weigh
     return values * s
 
 
-def _weight_of(key: str) -> tuple[str, str] | None:
-    """(weight key, suffix) when ``key`` is named like a weight's scale or activation scale."""
+def _weight_of(key: str) -> str | None:
+    """The weight key when ``key`` is named like a weight's scale or activation scale."""
     prefix, _, suffix = key.rpartition(".")
     if prefix and suffix in _SCALE_SUFFIXES + _ACTIVATION_SUFFIXES:
-        return f"{prefix}.weight", suffix
+        return f"{prefix}.weight"
     return None
 
 
@@ -189,36 +190,33 @@ def iter_checkpoint(
     activation-scale tensors consumed. ``quant`` None: the tensors as stored, and a quantized
     weight is an error naming it (its config has no ``quantization_config``). Keys for which
     ``skip`` is true are not read (nor dequantized). ``device``: where quantized weights are
-    multiplied out (and returned; a GPU does it far faster for a large checkpoint)."""
+    multiplied out (and returned; a GPU does it far faster for a large checkpoint). Each file
+    is opened once."""
     from safetensors import safe_open
 
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {str(folder)!r}")
-    where: dict[str, Path] = {}
-    dtypes: dict[str, str] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                where[key] = path
-                dtypes[key] = f.get_slice(key).get_dtype()
+    with ExitStack() as stack:
+        opened = [(p, stack.enter_context(safe_open(str(p), framework="pt"))) for p in files]
+        where = {key: (p, f) for p, f in opened for key in f.keys()}  # noqa: SIM118
+        dtypes = {key: f.get_slice(key).get_dtype() for key, (_, f) in where.items()}
 
-    def quantized(key: str) -> bool:
-        """float8 codes, or bytes with a scale beside them (plain int8 tensors pass)."""
-        dtype = dtypes.get(key, "")
-        if dtype.startswith("F8_") and dtype != "F8_E8M0":
-            return True
-        base = key.removesuffix(".weight")
-        return dtype in _FP4_CODES and any(f"{base}.{s}" in where for s in _SCALE_SUFFIXES)
+        def quantized(key: str) -> bool:
+            """float8 codes, or bytes with a scale beside them (plain int8 tensors pass)."""
+            dtype = dtypes.get(key, "")
+            if dtype.startswith("F8_") and dtype != "F8_E8M0":
+                return True
+            base = key.removesuffix(".weight")
+            return dtype in _FP4_CODES and any(f"{base}.{s}" in where for s in _SCALE_SUFFIXES)
 
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        for path, f in opened:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if skip is not None and skip(key):
                     continue
                 owner = _weight_of(key)
-                if owner is not None and quantized(owner[0]):
+                if owner is not None and quantized(owner):
                     continue  # consumed with its weight
                 if not quantized(key):
                     yield path.name, key, f.get_tensor(key)
@@ -228,25 +226,22 @@ def iter_checkpoint(
                         f"{path.name}: tensor {key!r} is quantized ({dtypes[key]}) but "
                         f"{folder / 'config.json'} has no quantization_config"
                     )
-                yield path.name, key, _dequantize(where, dtypes, f, key, quant, device)
+                yield path.name, key, _dequantize(where, dtypes[key], key, quant, device)
 
 
-def _dequantize(where, dtypes, f, key: str, quant: Fp8Checkpoint, device) -> torch.Tensor:
-    """``key``'s weight (read from the open file ``f``) times its scales."""
-    from safetensors import safe_open
-
+def _dequantize(where: dict, dtype: str, key: str, quant: Fp8Checkpoint, device) -> torch.Tensor:
+    """``key``'s weight times its scales (``where``: key -> (file, open file))."""
     base = key.removesuffix(".weight")
     scale_key = next((f"{base}.{s}" for s in _SCALE_SUFFIXES if f"{base}.{s}" in where), None)
-    name = f"{where[key].name}: tensor {key!r}"
-    if dtypes[key] not in _FP8_CODES + _FP4_CODES:
-        raise ValueError(f"{name} has dtype {dtypes[key]}; fp8 weights must be e4m3 (F8_E4M3)")
+    name = f"{where[key][0].name}: tensor {key!r}"
+    if dtype not in _FP8_CODES + _FP4_CODES:
+        raise ValueError(f"{name} has dtype {dtype}; fp8 weights must be e4m3 (F8_E4M3)")
     if scale_key is None:
         raise ValueError(f"{name} is float8 but has no '{base}.weight_scale_inv' / '.scale'")
-    with safe_open(str(where[scale_key]), framework="pt") as sf:
-        scale = sf.get_tensor(scale_key)
-    codes = f.get_tensor(key)
+    codes = where[key][1].get_tensor(key)
+    scale = where[scale_key][1].get_tensor(scale_key)
     if device is not None:
         codes, scale = codes.to(device), scale.to(device)
-    if dtypes[key] in _FP8_CODES:
+    if dtype in _FP8_CODES:
         return dequantize_fp8(codes, scale, quant.block, name)
     return dequantize_fp4(codes, scale, name)
