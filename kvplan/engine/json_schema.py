@@ -52,6 +52,7 @@ _NUMBER_START = frozenset(b"-0123456789")
 _ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$schema", "$id", "strict", "$comment"}
 )
+_DEFS = frozenset({"$defs", "definitions"})  # read by `_compile_document`, not a keyword here
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 # the first bytes of each kind's JSON text
 _FIRST = {
@@ -131,7 +132,7 @@ class JsonSchema:
         scope for its ``$ref``s)."""
         self._root_doc = schema
         self._defs = {}
-        for key in ("$defs", "definitions"):
+        for key in sorted(_DEFS):
             defs = schema.get(key, {})
             if not isinstance(defs, Mapping):
                 raise ValueError(f"{where}.{key} must be an object")
@@ -145,8 +146,7 @@ class JsonSchema:
         return len(self.nodes) - 1
 
     def _compile(self, s: Any, where: str) -> int:
-        if s is True or (isinstance(s, Mapping) and not (set(s) - _ANNOTATIONS - {"$defs",
-                                                                                 "definitions"})):  # fmt: skip
+        if s is True or (isinstance(s, Mapping) and not set(s) - _ANNOTATIONS - _DEFS):
             return self._add(("any",))
         if not isinstance(s, Mapping):
             raise ValueError(f"{where} must be a schema object, got {s!r}")
@@ -163,7 +163,7 @@ class JsonSchema:
             elif "items" in s:
                 kind = "array"
             else:
-                extra = sorted(set(s) - _ANNOTATIONS - {"$defs", "definitions"})
+                extra = sorted(set(s) - _ANNOTATIONS - _DEFS)
                 raise ValueError(f"{where}: keyword {extra[0]!r} is not supported")
             s = {**s, "type": kind}
         if isinstance(kind, list):
@@ -174,7 +174,7 @@ class JsonSchema:
             "object": {"type", "properties", "required", "additionalProperties"},
             "array": {"type", "items", "minItems", "maxItems"},
         }.get(kind, {"type"})
-        extra = sorted(set(s) - allowed - _ANNOTATIONS - {"$defs", "definitions"})
+        extra = sorted(set(s) - allowed - _ANNOTATIONS - _DEFS)
         if extra:
             raise ValueError(f"{where}: keyword {extra[0]!r} is not supported")
         if kind == "object":
