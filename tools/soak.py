@@ -201,6 +201,7 @@ def soak_server(seconds: float, seed: int, *, threads: int = 8, per_thread: int 
 
     from kvplan import LLM, SamplingParams
     from kvplan.server.app import build_app
+    from tests.engine.test_reliability import all_free
 
     torch.set_num_threads(1)
     folder = make_model_folder(pathlib.Path(tempfile.mkdtemp()) / "tiny-llama")
@@ -254,8 +255,7 @@ def soak_server(seconds: float, seed: int, *, threads: int = 8, per_thread: int 
                 time.monotonic() < idle_by
             ):
                 time.sleep(0.05)
-            m = llm.parts.manager
-            if m.num_requests or m.num_free_blocks() != llm.parts.num_blocks - 1:
+            if not all_free(llm):
                 problems.append(f"round {rounds}: blocks or requests left after the round")
             got = httpx.post(url + "/v1/completions", headers=headers, json=greedy).json()
             if got["choices"][0]["text"] != want:
@@ -310,6 +310,7 @@ def run_structured(seed: int, ops: int = 24) -> dict:
     from kvplan import LLM, SamplingParams
     from kvplan.engine.json_mode import complete, start_state, step, token_bytes
     from tests.engine.test_json_mode import make_json_model_folder
+    from tests.engine.test_reliability import all_free
 
     if not _STRUCTURED_MODEL:
         folder = make_json_model_folder(pathlib.Path(tempfile.mkdtemp()) / "json-llama", seed=3)
@@ -350,8 +351,7 @@ def run_structured(seed: int, ops: int = 24) -> dict:
             if not done:
                 raise AssertionError(f"seed {seed}: {data!r} stopped before its end")
             finished += 1
-    m = llm.parts.manager
-    if m.num_requests or m.num_free_blocks() != llm.parts.num_blocks - 1:
+    if not all_free(llm):
         raise AssertionError(f"seed {seed}: blocks or requests left after the batch")
     return {"requests": ops, "guided_finished": finished}
 
