@@ -37,6 +37,7 @@ import triton.language as tl
 
 from kvplan.ops._launch import jit
 from kvplan.ops._triton_util import round_to as _round
+from kvplan.ops.rms_norm import weighted_rms_norm
 
 
 @jit
@@ -142,7 +143,7 @@ def _pre_weights(part_ptr, base_ptr, scale_ptr, t, num_rows, num_splits, rrms, i
     pre_f = tl.sum(_sum_splits(part_ptr, t, num_rows, num_splits, i[:, None], imask[:, None],
                                SPLITS_P, N_PAD), axis=1) * rrms  # fmt: skip
     pre_b = tl.load(base_ptr + i, mask=imask, other=0.0)
-    pre = tl.sigmoid(pre_f * tl.load(scale_ptr) + pre_b) + hc_eps
+    pre = tl.sigmoid(tl.fma(pre_f, tl.load(scale_ptr), pre_b)) + hc_eps
     return tl.where(imask, pre, 0.0)
 
 
@@ -161,19 +162,22 @@ def _stream_step(x, p, s, k: tl.constexpr):
 @jit(sizes=("num_rows", "num_splits", "iters"))
 def hc_pre_kernel(
     part_ptr, sq_ptr, base_ptr, scale_ptr, s_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr,
-    num_rows, hidden, num_splits, inv_k, eps, hc_eps, iters,
+    norm_ptr, num_rows, hidden, num_splits, inv_k, eps, hc_eps, iters, inv_hidden, norm_eps,
     N: tl.constexpr, N_P: tl.constexpr, N_PAD: tl.constexpr, SPLITS_P: tl.constexpr,
-    TILE_H: tl.constexpr, HEAD: tl.constexpr, WEIGHTS_ONLY: tl.constexpr,
+    TILE_H: tl.constexpr, HEAD: tl.constexpr, WEIGHTS_ONLY: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     """The mixing weights of token ``t`` from its partials, and its block input tile. With
     ``WEIGHTS_ONLY`` (grid ``(T, 1)``) the one program of a token writes ``pre [T, N]`` (and,
-    unless ``HEAD``, ``post`` and ``comb``) and no ``x``: `hc_pre_rows_kernel` forms ``x``."""
+    unless ``HEAD``, ``post`` and ``comb``) and no ``x``: `hc_pre_rows_kernel` forms ``x``.
+    With ``NORM`` (one hidden tile holds the whole row) the program writes
+    ``weighted_rms_norm(x)`` with the fp32 weights at ``norm_ptr`` instead of ``x``. Launched
+    without fp contraction: every multiply-add that should fuse is an explicit ``fma``."""
     t = tl.program_id(0)
     h_tile = tl.program_id(1)
     t64 = t.to(tl.int64)
     sp = tl.arange(0, SPLITS_P)
     sq = tl.sum(tl.load(sq_ptr + sp * num_rows + t, mask=sp < num_splits, other=0.0), axis=0)
-    rrms = tl.math.rsqrt(sq * inv_k + eps)
+    rrms = tl.math.rsqrt(tl.fma(sq, inv_k, eps))
     i = tl.arange(0, N_P)
     imask = i < N
     j = tl.arange(0, N_P)
@@ -189,6 +193,10 @@ def hc_pre_kernel(
             p = tl.sum(tl.where(i == k, pre, 0.0), axis=0)  # pre[k], exactly
             sk = tl.load(s_ptr + (t64 * N + k) * hidden + hs, mask=hmask & (k < N), other=0.0)
             x = _stream_step(x, p, sk.to(tl.float32), k)
+        x = x.to(x_ptr.dtype.element_ty)
+        if NORM:  # the block's RMSNorm of the rounded row, as rms_norm_fp32w computes it
+            w = tl.load(norm_ptr + hs, mask=hmask, other=0.0)
+            x = weighted_rms_norm(x.to(tl.float32), w, inv_hidden, norm_eps)
         tl.store(x_ptr + t64 * hidden + hs, x.to(x_ptr.dtype.element_ty), mask=hmask)
     else:  # the extra program of the token (WEIGHTS_ONLY: its only one)
         if WEIGHTS_ONLY:  # the same code as above: the same pre
@@ -199,14 +207,14 @@ def hc_pre_kernel(
             post_f = tl.sum(_sum_splits(part_ptr, t, num_rows, num_splits, N + i[:, None],
                                         imask[:, None], SPLITS_P, N_PAD), axis=1) * rrms  # fmt: skip
             post_b = tl.load(base_ptr + N + i, mask=imask, other=0.0)
-            post = 2 * tl.sigmoid(post_f * tl.load(scale_ptr + 1) + post_b)
+            post = 2 * tl.sigmoid(tl.fma(post_f, tl.load(scale_ptr + 1), post_b))
             tl.store(post_ptr + t64 * N + i, post, mask=imask)
             cidx = i[:, None] * N + j[None, :]  # [N_P, N_P]
             cmask = imask[:, None] & jmask[None, :]
             comb_f = _sum_splits(part_ptr, t, num_rows, num_splits, 2 * N + cidx, cmask,
                                  SPLITS_P, N_PAD) * rrms  # fmt: skip
             comb_b = tl.load(base_ptr + 2 * N + cidx, mask=cmask, other=0.0)
-            logits = comb_f * tl.load(scale_ptr + 2) + comb_b
+            logits = tl.fma(comb_f, tl.load(scale_ptr + 2), comb_b)
             logits = tl.where(cmask, logits, float("-inf"))
             row_max = tl.max(logits, axis=1)
             row_max = tl.where(imask, row_max, 0.0)

@@ -20,7 +20,10 @@ tile; above ``PRE_ROW_TILED_MIN_ROWS`` rows three: one weights program per token
 by tiles of rows, the same bits), `hc_post` is one (row-tiled above ``ROW_TILED_MIN_ROWS``
 rows, the same bits),
 and `hc_post_pre` (``hc_post`` then the next block's ``hc_pre``) is two: its projection kernel
-forms the tiles of ``s'`` itself. The torch path is the reference;
+forms the tiles of ``s'`` itself. With ``norm=(weight, eps)`` the block input comes back through
+the block's RMSNorm (`kvplan.ops.rms_norm.rms_norm_fp32w`); at decode sizes ``hc_pre_kernel``
+forms it from the whole row in one program (no separate norm launch; the same bits). The torch
+path is the reference;
 both compute ``f`` in fp32 (the Triton path applies the RMS scale after the projection, which
 differs by fp32 rounding).
 """
@@ -34,8 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from kvplan._checks import check_tensor
-from kvplan.ops._dispatch import triton_interpreting, use_triton
+from kvplan.ops._dispatch import env_flag, triton_interpreting, use_triton
 from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
+from kvplan.ops.rms_norm import rms_norm_fp32w_torch, rms_norm_fp32w_triton, row_warps
+
+# a block's input norm passed to the connection: (fp32 weight [hidden], eps)
+Norm = tuple[torch.Tensor, float]
 
 __all__ = [
     "hc_head",
@@ -60,6 +67,9 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # 19.6 vs 19.4 in another, and the same in the decode step (`bench_hybrid.py
 # --hc-fused-max-rows 256,0,256,0`, batch 32: 2.93 / 2.91 vs 2.79 / 2.93 ms)
 FUSED_MAX_ROWS = 32
+# ``norm`` formed inside ``hc_pre_kernel`` (decode sizes); ``KVPLAN_HC_FUSED_NORM=0`` launches
+# `rms_norm_fp32w` after it instead (A/B runs; the same bits)
+FUSED_NORM = env_flag("KVPLAN_HC_FUSED_NORM", True)
 
 
 def _check_pre(s, fn, base, scale, n_out: int, num_scales: int) -> tuple[int, int, int]:
@@ -87,14 +97,33 @@ def _mix_weights(s: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     return F.linear(sf, fn)
 
 
+def _check_norm(s: torch.Tensor, norm: Norm | None) -> None:
+    """``norm``: None, or ``(weight, eps)`` with an fp32 ``[hidden]`` weight on ``s``'s device
+    and a float ``eps``."""
+    if norm is None:
+        return
+    if not (isinstance(norm, tuple) and len(norm) == 2):
+        raise TypeError(f"norm must be a (weight, eps) tuple or None, got {type(norm).__name__}")
+    weight, norm_eps = norm
+    hidden = s.shape[2] if s.dim() == 3 else 0
+    check_tensor("norm weight", weight, dtype=torch.float32, shape=(hidden,), device=s.device)
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or norm_eps < 0:
+        raise ValueError(f"norm eps must be a float >= 0, got {norm_eps!r}")
+
+
+def _normed_torch(x: torch.Tensor, norm: Norm | None) -> torch.Tensor:
+    return x if norm is None else rms_norm_fp32w_torch(x, norm[0], norm[1])
+
+
 def hc_pre_torch(
     s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float,
+    *, iters: int, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Torch path of `hc_pre`."""
     n = s.shape[1] if s.dim() == 3 else 0
     _check_pre(s, fn, base, scale, 2 + n, 3)
     _check_iters(iters)
+    _check_norm(s, norm)
     f = _mix_weights(s, fn, eps)
     pre_w, post_w, comb_w = f.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
@@ -107,18 +136,19 @@ def hc_pre_torch(
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     x = (pre.unsqueeze(-1) * s).sum(dim=1).to(s.dtype)
-    return post, comb, x
+    return post, comb, _normed_torch(x, norm)
 
 
 def hc_head_torch(
     s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, hc_eps: float, eps: float,
+    *, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Torch path of `hc_head`."""
     _check_pre(s, fn, base, scale, 1, 1)
+    _check_norm(s, norm)
     f = _mix_weights(s, fn, eps)
     pre = torch.sigmoid(f * scale + base) + hc_eps
-    return (pre.unsqueeze(-1) * s).sum(dim=1).to(s.dtype)
+    return _normed_torch((pre.unsqueeze(-1) * s).sum(dim=1).to(s.dtype), norm)
 
 
 def hc_post_torch(
@@ -134,11 +164,12 @@ def hc_post_torch(
 def hc_post_pre_torch(
     s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float,
+    *, iters: int, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Torch path of `hc_post_pre`: `hc_post_torch`, then `hc_pre_torch` on its result."""
     s = hc_post_torch(s, post, comb, out)
-    return (s, *hc_pre_torch(s, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps))
+    return (s, *hc_pre_torch(s, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps,
+                             norm=norm))  # fmt: skip
 
 
 def _check_post(s, post, comb, out) -> None:
@@ -281,9 +312,12 @@ def _project(
     return part, sq, x
 
 
-def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple | None = None):
+def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple | None = None,
+                norm: Norm | None = None):  # fmt: skip
     """(post, comb, x, s_used): the two kernels of `hc_pre` / `hc_head` on ``s`` or, with
-    ``fuse``, on ``s_used = hc_post(s, *fuse)``."""
+    ``fuse``, on ``s_used = hc_post(s, *fuse)``; with ``norm``, ``x`` is the block input's
+    RMSNorm, formed by the second kernel (decode sizes) or by `rms_norm_fp32w_triton` after
+    the row-tiled form."""
     from kvplan.ops._hyper_connection_kernels import hc_pre_kernel
 
     t, n, hidden = s.shape
@@ -295,15 +329,20 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple 
         return post, comb, x, torch.empty_like(s)
     part, sq, s = _project(s, fn.contiguous(), fuse)
     splits, n_pad = part.shape[0], part.shape[2]
-    tile_h = _hidden_tile(hidden)
     rows = t > PRE_ROW_TILED_MIN_ROWS  # one weights program per token, then x by row tiles
+    fused_norm = norm is not None and not rows and FUSED_NORM
+    # the fused norm takes the whole row in one tile, with rms_norm's warps (its layout)
+    tile_h = triton_next_pow2(hidden) if fused_norm else _hidden_tile(hidden)
+    warps = row_warps(tile_h) if fused_norm else _epilogue_warps(t)
     pre = torch.empty(t, n, dtype=torch.float32, device=s.device) if rows else post
     grid = (t, 1 if rows else triton_cdiv(hidden, tile_h) + (0 if head else 1))
+    norm_w, norm_eps = norm if fused_norm else (base, 0.0)  # base: an unread placeholder
     hc_pre_kernel[grid](
-        part, sq, base.contiguous(), scale.contiguous(), s, x, post, comb, pre,
-        t, hidden, splits, 1.0 / (n * hidden), eps, hc_eps, iters,
+        part, sq, base.contiguous(), scale.contiguous(), s, x, post, comb, pre, norm_w,
+        t, hidden, splits, 1.0 / (n * hidden), eps, hc_eps, iters, 1.0 / hidden, norm_eps,
         N=n, N_P=triton_next_pow2(n), N_PAD=n_pad, SPLITS_P=triton_next_pow2(splits),
-        TILE_H=tile_h, HEAD=head, WEIGHTS_ONLY=rows, num_warps=_epilogue_warps(t),
+        TILE_H=tile_h, HEAD=head, WEIGHTS_ONLY=rows, NORM=fused_norm, num_warps=warps,
+        enable_fp_fusion=False,
     )  # fmt: skip
     if rows:
         from kvplan.ops._hyper_connection_kernels import hc_pre_rows_kernel
@@ -313,27 +352,31 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple 
             pre, s, x, t, hidden, N=n, N_P=triton_next_pow2(n), TILE_T=rt.tile_t,
             TILE_H=rt.tile_h, num_warps=rt.num_warps,
         )  # fmt: skip
+    if norm is not None and not fused_norm:
+        x = rms_norm_fp32w_triton(x, norm[0], norm[1])
     return post, comb, x, s
 
 
 def hc_pre_triton(
     s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float,
+    *, iters: int, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Triton path of `hc_pre` (two kernels)."""
     n = s.shape[1] if s.dim() == 3 else 0
     _check_pre(s, fn, base, scale, 2 + n, 3)
     _check_iters(iters)
-    return _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head=False)[:3]
+    _check_norm(s, norm)
+    return _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head=False, norm=norm)[:3]
 
 
 def hc_head_triton(
     s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, hc_eps: float, eps: float,
+    *, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton path of `hc_head` (two kernels)."""
     _check_pre(s, fn, base, scale, 1, 1)
-    return _pre_launch(s, fn, base, scale, 1, hc_eps, eps, head=True)[2]
+    _check_norm(s, norm)
+    return _pre_launch(s, fn, base, scale, 1, hc_eps, eps, head=True, norm=norm)[2]
 
 
 def hc_post_triton(
@@ -367,15 +410,16 @@ def hc_post_triton(
 def hc_post_pre_triton(
     s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float,
+    *, iters: int, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Triton path of `hc_post_pre` (two kernels: the projection writes ``s'``)."""
     _check_post(s, post, comb, out)
     n = s.shape[1]
     _check_pre(s, fn, base, scale, 2 + n, 3)
     _check_iters(iters)
+    _check_norm(s, norm)
     post2, comb2, x, s2 = _pre_launch(
-        s, fn, base, scale, iters, hc_eps, eps, head=False, fuse=(post, comb, out)
+        s, fn, base, scale, iters, hc_eps, eps, head=False, fuse=(post, comb, out), norm=norm
     )
     return s2, post2, comb2, x
 
@@ -385,7 +429,7 @@ def hc_post_pre_triton(
 
 def hc_pre(
     s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float,
+    *, iters: int, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The mixing weights of a hyper-connection and its block input (module docstring).
 
@@ -394,6 +438,9 @@ def hc_pre(
         fn: fp32 ``[(2 + n) * n, n * hidden]``; base: fp32 ``[(2 + n) * n]``;
             scale: fp32 ``[3]`` (pre, post, comb), all on ``s``'s device.
         iters: Sinkhorn iterations (>= 1); hc_eps: the mixing epsilon; eps: the RMSNorm's.
+        norm: ``(weight, eps)``: return the block's input norm of ``x`` instead,
+            ``rms_norm_fp32w(x, weight, eps)`` (``weight`` fp32 ``[hidden]``), the same bits;
+            the Triton path forms it in its second kernel for decode sizes (one launch fewer).
 
     Returns:
         (``post`` fp32 ``[T, n]``, ``comb`` fp32 ``[T, n, n]``, ``x [T, hidden]`` in ``s``'s
@@ -405,20 +452,21 @@ def hc_pre(
         s = hc_post(s, post, comb, block(x))
     """
     fn_ = hc_pre_triton if use_triton(s) else hc_pre_torch
-    return fn_(s, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps)
+    return fn_(s, fn, base, scale, iters=iters, hc_eps=hc_eps, eps=eps, norm=norm)
 
 
 def hc_head(
     s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, hc_eps: float, eps: float,
+    *, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Collapse ``s [T, n, hidden]`` into ``[T, hidden]`` (``s``'s dtype) with
     ``pre = sigmoid(f * scale + base) + hc_eps``, ``f = RMSNorm(s.flatten(1)) @ fn^T``.
 
-    ``fn`` fp32 ``[n, n * hidden]``, ``base`` fp32 ``[n]``, ``scale`` fp32 ``[1]``.
+    ``fn`` fp32 ``[n, n * hidden]``, ``base`` fp32 ``[n]``, ``scale`` fp32 ``[1]``; ``norm``
+    as in `hc_pre` (the final norm of the collapsed row).
     """
     fn_ = hc_head_triton if use_triton(s) else hc_head_torch
-    return fn_(s, fn, base, scale, hc_eps=hc_eps, eps=eps)
+    return fn_(s, fn, base, scale, hc_eps=hc_eps, eps=eps, norm=norm)
 
 
 def hc_post(
@@ -439,13 +487,13 @@ def hc_post(
 def hc_post_pre(
     s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    *, iters: int, hc_eps: float, eps: float,
+    *, iters: int, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`hc_post` of one block, then `hc_pre` of the next block on its result.
 
     Args:
         s, post, comb, out: as in `hc_post` (``post`` / ``comb`` from this block's `hc_pre`).
-        fn, base, scale, iters, hc_eps, eps: the next block's, as in `hc_pre`.
+        fn, base, scale, iters, hc_eps, eps, norm: the next block's, as in `hc_pre`.
 
     Returns:
         (``s'`` ``[T, n, hidden]`` in ``s``'s dtype, and the next block's ``post`` fp32
@@ -463,7 +511,7 @@ def hc_post_pre(
                                        ffn.scale, **kw)
         s = hc_post(s, post, comb, moe(x))
     """
-    kw = dict(iters=iters, hc_eps=hc_eps, eps=eps)
+    kw = dict(iters=iters, hc_eps=hc_eps, eps=eps, norm=norm)
     if not use_triton(s):
         return hc_post_pre_torch(s, post, comb, out, fn, base, scale, **kw)
     if s.dim() == 3 and s.shape[0] > FUSED_MAX_ROWS:  # prefill-sized: two passes are faster

@@ -32,6 +32,16 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @jit
+def weighted_rms_norm(x, w, inv_n, eps):
+    """``w * (x * rsqrt(sum(x^2) * inv_n + eps))`` of one fp32 row ``x`` (masked columns 0)
+    and its fp32 weights ``w``. `_rms_norm_kernel` and the ``NORM`` epilogue of
+    ``kvplan.ops._hyper_connection_kernels.hc_pre_kernel`` share it; both launch without fp
+    contraction, so a row gets the same bits from either."""
+    rrms = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
+    return w * (x * rrms)
+
+
+@jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, n_cols, stride_x, inv_n, eps,
     HAS_WEIGHT: tl.constexpr, TILE_N: tl.constexpr,
@@ -41,13 +51,20 @@ def _rms_norm_kernel(
     mask = cols < n_cols
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    rrms = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = w * (x * rrms)
+        y = weighted_rms_norm(x, w, inv_n, eps)
     else:
+        rrms = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
         y = x * rrms.to(dtype).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, y.to(dtype), mask=mask)
+
+
+def row_warps(tile: int) -> int:
+    """Warps of a program that normalises one row of ``tile`` columns (a power of two):
+    `_rms_norm_kernel`'s, which the fused norm of ``hc_pre_kernel`` takes too (the same
+    layout, so the same reduction order)."""
+    return max(1, min(16, tile // 512))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -64,7 +81,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.T
     tile = triton_next_pow2(n)
     _rms_norm_kernel[(rows.shape[0],)](
         rows, x if weight is None else weight.contiguous(), out, n, rows.stride(0), 1.0 / n, eps,
-        HAS_WEIGHT=weight is not None, TILE_N=tile, num_warps=max(1, min(16, tile // 512)),
+        HAS_WEIGHT=weight is not None, TILE_N=tile, num_warps=row_warps(tile),
         enable_fp_fusion=False,
     )  # fmt: skip
     return out.view(x.shape)

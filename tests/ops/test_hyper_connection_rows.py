@@ -125,21 +125,53 @@ def test_gpu_rows_equal_one_token_kernels_at_model_size(t, monkeypatch):
         ("hc_post_rows_kernel", dict(N=4, N_P=4, TILE_T=4, TILE_H=256), 8),
         (
             "hc_pre_kernel",
-            dict(N=4, N_P=4, N_PAD=32, SPLITS_P=2, TILE_H=512, HEAD=False, WEIGHTS_ONLY=True),
+            dict(
+                N=4,
+                N_P=4,
+                N_PAD=32,
+                SPLITS_P=2,
+                TILE_H=512,
+                HEAD=False,
+                WEIGHTS_ONLY=True,
+                NORM=False,
+            ),
             4,
         ),  # fmt: skip
         (
             "hc_pre_kernel",
-            dict(N=4, N_P=4, N_PAD=16, SPLITS_P=2, TILE_H=512, HEAD=True, WEIGHTS_ONLY=True),
+            dict(
+                N=4,
+                N_P=4,
+                N_PAD=16,
+                SPLITS_P=2,
+                TILE_H=512,
+                HEAD=True,
+                WEIGHTS_ONLY=True,
+                NORM=False,
+            ),
+            4,
+        ),  # fmt: skip
+        (
+            "hc_pre_kernel",
+            dict(
+                N=4,
+                N_P=4,
+                N_PAD=32,
+                SPLITS_P=16,
+                TILE_H=2048,
+                HEAD=False,
+                WEIGHTS_ONLY=False,
+                NORM=True,
+            ),
             4,
         ),  # fmt: skip
     ],
-    ids=["pre-rows", "post-rows", "weights", "head-weights"],
+    ids=["pre-rows", "post-rows", "weights", "head-weights", "decode-fused-norm"],
 )
 def test_row_kernels_compile_for_sm90_without_spills(name, const, warps):
     """The model's shape (n = 4, bf16 streams) at the default row tiles."""
     assert [*hcm.PRE_ROW_TILE, *hcm.POST_ROW_TILE] == [8, 512, 8, 4, 256, 8]
     sig = {n: "*bf16" for n in ("s_ptr", "x_ptr", "out_ptr", "res_ptr")}
-    sig.update({n: "fp32" for n in ("inv_k", "eps", "hc_eps")})
+    sig.update({n: "fp32" for n in ("inv_k", "eps", "hc_eps", "inv_hidden", "norm_eps")})
     st = sm90_stats(getattr(hck, name), const, signature=sig, ptr_dtype="*fp32", num_warps=warps)
     assert st.spill_bytes == 0, st

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvplan.ops.hyper_connection import hc_head, hc_post, hc_post_pre, hc_pre
+from kvplan.ops.hyper_connection import Norm, hc_head, hc_post, hc_post_pre, hc_pre
 
 
 class HyperConnection(nn.Module):
@@ -39,22 +39,27 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
-    def forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, s: torch.Tensor, norm: Norm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``s [T, n, hidden]`` -> (``post`` fp32 ``[T, n]``, ``comb`` fp32 ``[T, n, n]``,
-        block input ``x [T, hidden]`` in ``s``'s dtype)."""
+        block input ``x [T, hidden]`` in ``s``'s dtype); ``norm = (weight, eps)``: ``x``
+        comes back through the block's input RMSNorm (fused on the Triton path, `hc_pre`)."""
         return hc_pre(
-            s, self.fn, self.base, self.scale, iters=self.iters, hc_eps=self.hc_eps, eps=self.eps
-        )
+            s, self.fn, self.base, self.scale,
+            iters=self.iters, hc_eps=self.hc_eps, eps=self.eps, norm=norm,
+        )  # fmt: skip
 
     def post_pre(
-        self, s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
+        norm: Norm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """The previous block's residual update then this connection:
-        ``s' = hyper_residual(s, post, comb, out)`` and ``self(s')``, as
+        ``s' = hyper_residual(s, post, comb, out)`` and ``self(s', norm)``, as
         (``s'``, ``post'``, ``comb'``, ``x'``); one fused op (`hc_post_pre`)."""
         return hc_post_pre(
             s, post, comb, out, self.fn, self.base, self.scale,
-            iters=self.iters, hc_eps=self.hc_eps, eps=self.eps,
+            iters=self.iters, hc_eps=self.hc_eps, eps=self.eps, norm=norm,
         )  # fmt: skip
 
 
@@ -75,6 +80,10 @@ class HyperHead(nn.Module):
         self.hc_base = nn.Parameter(torch.zeros(hc_mult, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
-    def forward(self, s: torch.Tensor) -> torch.Tensor:
-        """``s [T, n, hidden]`` -> ``[T, hidden]`` in ``s``'s dtype."""
-        return hc_head(s, self.hc_fn, self.hc_base, self.hc_scale, hc_eps=self.hc_eps, eps=self.eps)
+    def forward(self, s: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+        """``s [T, n, hidden]`` -> ``[T, hidden]`` in ``s``'s dtype (through the final norm
+        ``(weight, eps)`` when given, as `hc_head` fuses it)."""
+        return hc_head(
+            s, self.hc_fn, self.hc_base, self.hc_scale, hc_eps=self.hc_eps, eps=self.eps,
+            norm=norm,
+        )  # fmt: skip

@@ -30,7 +30,7 @@ from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.attention import DeepseekV4Attention
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.hyper import HyperConnection, HyperHead, hyper_residual
-from kvplan.models.deepseek_v4.layers import Rope, StepRope, fuse_projections, rms_norm
+from kvplan.models.deepseek_v4.layers import Rope, StepRope, fuse_projections
 from kvplan.models.deepseek_v4.moe import DeepseekV4MoE
 from kvplan.ops.small_gemm import small_linear
 
@@ -61,6 +61,10 @@ class DeepseekV4DecoderLayer(nn.Module):
         tables (`StepRope`, shared by the layers; computed by the attention when None)."""
         return self.run(s, None, input_ids, ctx, tables, None)[0]
 
+    def attn_norm(self) -> tuple[torch.Tensor, float]:
+        """The attention block's input norm as a connection takes it (`hc_pre`'s ``norm``)."""
+        return self.input_layernorm, self.eps
+
     def run(
         self,
         s: torch.Tensor,
@@ -68,23 +72,25 @@ class DeepseekV4DecoderLayer(nn.Module):
         input_ids: torch.Tensor,
         ctx: HybridStepContext,
         tables: StepRope | None,
-        next_hc: HyperConnection | None,
+        nxt: DeepseekV4DecoderLayer | None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
         """`forward` with the hyper-connections chained across layers.
 
-        ``pre``: ``self.attn_hc(s)`` when the caller already has it (None: computed here);
-        ``next_hc``: the connection of the block after this layer (None: none). Returns
-        (``s'``, ``next_hc(s')`` or None); every residual update that a connection follows
-        runs fused with it (`HyperConnection.post_pre`).
+        ``pre``: ``self.attn_hc(s, self.attn_norm())`` when the caller already has it (None:
+        computed here); ``nxt``: the layer after this one (None: none). Returns (``s'``,
+        ``nxt.attn_hc(s', nxt.attn_norm())`` or None); every residual update that a
+        connection follows runs fused with it (`HyperConnection.post_pre`), and each block's
+        input norm with the connection that forms the input.
         """
-        post, comb, x = self.attn_hc(s) if pre is None else pre
-        a = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), ctx, tables)
-        s, post, comb, x = self.ffn_hc.post_pre(s, post, comb, a)
-        m = self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps), input_ids)
-        if next_hc is None:
+        post, comb, h = self.attn_hc(s, self.attn_norm()) if pre is None else pre
+        a = self.self_attn(h, ctx, tables)
+        ffn_norm = (self.post_attention_layernorm, self.eps)
+        s, post, comb, h = self.ffn_hc.post_pre(s, post, comb, a, ffn_norm)
+        m = self.mlp(h, input_ids)
+        if nxt is None:
             return hyper_residual(s, post, comb, m), None
-        s, post, comb, x = next_hc.post_pre(s, post, comb, m)
-        return s, (post, comb, x)
+        s, post, comb, h = nxt.attn_hc.post_pre(s, post, comb, m, nxt.attn_norm())
+        return s, (post, comb, h)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -153,11 +159,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         tables = StepRope(positions, x.dtype)  # each rotary table computed once per step
         pre = None  # the next layer's attention connection, fused into the residual update
         for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1].attn_hc if i + 1 < len(self.layers) else None
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             s, pre = layer.run(s, pre, input_ids, ctx, tables, nxt)
         if logits_indices is not None:
             check_tensor("logits_indices", logits_indices, dtype=torch.int64, ndim=1, device=dev)
             s = s[logits_indices]
-        h = rms_norm(self.hc_head(s), self.norm, self.config.rms_norm_eps)
+        h = self.hc_head(s, (self.norm, self.config.rms_norm_eps))  # the final norm fused
         logits = small_linear(h, self.head_weight())
         return logits.float() if self.float_logits else logits

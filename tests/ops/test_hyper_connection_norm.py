@@ -1,0 +1,164 @@
+"""A block's input RMSNorm fused into its hyper-connection (`hc_pre` / `hc_post_pre` /
+`hc_head` with ``norm=(weight, eps)``): the result equals the connection's ``x`` through
+`rms_norm_fp32w` bit for bit (Triton: the interpreter on CPU, the GPU when there is one; torch:
+the composition), the mixing weights do not change, and decode sizes launch no separate norm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvplan.ops.hyper_connection as hcm
+from kvplan.ops.hyper_connection import (
+    hc_head,
+    hc_head_torch,
+    hc_head_triton,
+    hc_post_pre,
+    hc_post_pre_torch,
+    hc_post_pre_triton,
+    hc_pre,
+    hc_pre_torch,
+    hc_pre_triton,
+)
+from kvplan.ops.rms_norm import rms_norm_fp32w_torch, rms_norm_fp32w_triton
+
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+EPS, HC_EPS, NORM_EPS = 1e-6, 1e-6, 1e-5
+
+
+def _inputs(seed: int, t: int, n: int, hidden: int, dtype: torch.dtype, device="cpu"):
+    """(s, fn, base, scale, post, comb, out, head_fn, head_base, head_scale, weight)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = (2 + n) * n
+    s = (torch.randn(t, n, hidden, generator=gen) * 2).to(dtype)
+    fn = torch.randn(rows, n * hidden, generator=gen) * 0.2
+    base = torch.randn(rows, generator=gen) * 0.1
+    scale = 1 + 0.1 * torch.randn(3, generator=gen)
+    post, comb, _ = hc_pre_torch(s, fn, base, scale, iters=3, hc_eps=HC_EPS, eps=EPS)
+    out = torch.randn(t, hidden, generator=gen).to(dtype)
+    hfn = torch.randn(n, n * hidden, generator=gen) * 0.2
+    hbase = torch.randn(n, generator=gen) * 0.1
+    hscale = 1 + 0.1 * torch.randn(1, generator=gen)
+    weight = 1 + 0.3 * torch.randn(hidden, generator=gen)
+    vals = (s, fn, base, scale, post, comb, out, hfn, hbase, hscale, weight)
+    return [v.to(device) for v in vals]
+
+
+def _three_ops(v, norm, pre_fn, post_pre_fn, head_fn, iters=3):
+    """(post, comb, x) of hc_pre, (s', post, comb, x) of hc_post_pre, and hc_head's row."""
+    s, fn, base, scale, post, comb, out, hfn, hbase, hscale, _ = v
+    kw = dict(iters=iters, hc_eps=HC_EPS, eps=EPS, norm=norm)
+    return (
+        pre_fn(s, fn, base, scale, **kw),
+        post_pre_fn(s, post, comb, out, fn, base, scale, **kw),
+        head_fn(s, hfn, hbase, hscale, hc_eps=HC_EPS, eps=EPS, norm=norm),
+    )
+
+
+def _check_norm_equals_unfused(v, normed, plain, rms):
+    """``normed`` (with the norm) against ``plain`` (without) and ``rms`` over its rows:
+    everything but the block inputs identical, the block inputs exactly ``rms(x)``."""
+    weight = v[-1]
+    (post_n, comb_n, x_n), (s2_n, post2_n, comb2_n, x2_n), h_n = normed
+    (post, comb, x), (s2, post2, comb2, x2), h = plain
+    for name, a, b in [("post", post_n, post), ("comb", comb_n, comb), ("s'", s2_n, s2),
+                       ("post'", post2_n, post2), ("comb'", comb2_n, comb2)]:  # fmt: skip
+        assert torch.equal(a, b), name
+    for name, a, b in [("x", x_n, x), ("x'", x2_n, x2), ("head", h_n, h)]:
+        want = rms(b, weight, NORM_EPS)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, want), (name, (a.float() - want.float()).abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t, n, hidden", [(1, 4, 40), (5, 2, 24), (33, 3, 72), (260, 2, 24)])
+def test_triton_norm_equals_connection_then_rms_norm(t, n, hidden, dtype):
+    """Decode sizes fuse the norm (up to ``PRE_ROW_TILED_MIN_ROWS`` rows); 260 rows take the
+    row-tiled form and `rms_norm_fp32w_triton` after it."""
+    v = _inputs(t * 7 + n, t, n, hidden, dtype, TRITON_DEVICE)
+    norm = (v[-1], NORM_EPS)
+    ops = (hc_pre_triton, hc_post_pre_triton, hc_head_triton)
+    _check_norm_equals_unfused(
+        v, _three_ops(v, norm, *ops), _three_ops(v, None, *ops), rms_norm_fp32w_triton
+    )
+
+
+def test_torch_norm_is_the_composition():
+    v = _inputs(11, 6, 3, 32, torch.bfloat16)
+    norm = (v[-1], NORM_EPS)
+    ops = (hc_pre_torch, hc_post_pre_torch, hc_head_torch)
+    _check_norm_equals_unfused(
+        v, _three_ops(v, norm, *ops), _three_ops(v, None, *ops), rms_norm_fp32w_torch
+    )
+    # the public entry points take the torch path on CPU tensors
+    _check_norm_equals_unfused(
+        v, _three_ops(v, norm, hc_pre, hc_post_pre, hc_head), _three_ops(v, None, *ops),
+        rms_norm_fp32w_torch,
+    )  # fmt: skip
+
+
+def test_triton_norm_matches_torch():
+    v = _inputs(5, 9, 4, 48, torch.float32)
+    norm = (v[-1], NORM_EPS)
+    want = _three_ops(v, norm, hc_pre_torch, hc_post_pre_torch, hc_head_torch)
+    vd = [z.to(TRITON_DEVICE) for z in v]
+    got = _three_ops(vd, (vd[-1], NORM_EPS), hc_pre_triton, hc_post_pre_triton, hc_head_triton)
+    tol = dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[0][2].cpu(), want[0][2], **tol)
+    torch.testing.assert_close(got[1][3].cpu(), want[1][3], **tol)
+    torch.testing.assert_close(got[2].cpu(), want[2], **tol)
+
+
+def test_decode_sizes_launch_no_separate_norm(monkeypatch):
+    """The fused form calls no `rms_norm_fp32w_triton`; ``FUSED_NORM`` off (the
+    ``KVPLAN_HC_FUSED_NORM=0`` switch) and prefill sizes call it, with the same bits."""
+    calls = []
+    real = hcm.rms_norm_fp32w_triton
+
+    def counted(*a, **k):
+        calls.append(a[0].shape[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(hcm, "rms_norm_fp32w_triton", counted)
+    v = _inputs(3, 4, 2, 24, torch.bfloat16, TRITON_DEVICE)
+    norm = (v[-1], NORM_EPS)
+    ops = (hc_pre_triton, hc_post_pre_triton, hc_head_triton)
+    fused = _three_ops(v, norm, *ops)
+    assert calls == []
+    monkeypatch.setattr(hcm, "FUSED_NORM", False)
+    unfused = _three_ops(v, norm, *ops)
+    assert calls == [4, 4, 4]
+    for a, b in zip(fused[:2], unfused[:2]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(fused[2], unfused[2])
+
+
+def test_norm_errors_name_the_field():
+    s, fn, base, scale, *_, weight = _inputs(2, 3, 2, 16, torch.float32)
+    kw = dict(iters=2, hc_eps=HC_EPS, eps=EPS)
+    for f in (hc_pre_torch, hc_pre_triton):
+        with pytest.raises(ValueError, match="norm weight"):
+            f(s, fn, base, scale, **kw, norm=(weight[:-1], NORM_EPS))
+        with pytest.raises(TypeError, match="norm weight"):
+            f(s, fn, base, scale, **kw, norm=(weight.double(), NORM_EPS))
+        with pytest.raises(ValueError, match="norm eps"):
+            f(s, fn, base, scale, **kw, norm=(weight, -1.0))
+        with pytest.raises(TypeError, match="norm must be"):
+            f(s, fn, base, scale, **kw, norm=weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 32, 256])
+def test_gpu_norm_equals_connection_then_rms_norm_at_model_size(t):
+    """DeepSeek-V4's shape (4 bf16 streams of 2,048, 20 Sinkhorn rounds): the fused norm's
+    row has `_rms_norm_kernel`'s bits (the same helper, warps and contraction setting)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    v = _inputs(t, t, 4, 2048, torch.bfloat16, "cuda")
+    v[1].mul_(0.1)
+    norm = (v[-1], NORM_EPS)
+    ops = (hc_pre_triton, hc_post_pre_triton, hc_head_triton)
+    _check_norm_equals_unfused(
+        v, _three_ops(v, norm, *ops, iters=20), _three_ops(v, None, *ops, iters=20),
+        rms_norm_fp32w_triton,
+    )  # fmt: skip
