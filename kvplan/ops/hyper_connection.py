@@ -22,7 +22,8 @@ rows, the same bits),
 and `hc_post_pre` (``hc_post`` then the next block's ``hc_pre``) is two: its projection kernel
 forms the tiles of ``s'`` itself. With ``norm=(weight, eps)`` the block input comes back through
 the block's RMSNorm (`kvplan.ops.rms_norm.rms_norm_fp32w`); at decode sizes ``hc_pre_kernel``
-forms it from the whole row in one program (no separate norm launch; the same bits). The torch
+forms it from the whole row in one program (no separate norm launch; the same arithmetic, the
+sum of squares reduced in that program's order). The torch
 path is the reference;
 both compute ``f`` in fp32 (the Triton path applies the RMS scale after the projection, which
 differs by fp32 rounding).
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import env_flag, triton_interpreting, use_triton
 from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
-from kvplan.ops.rms_norm import rms_norm_fp32w_torch, rms_norm_fp32w_triton, row_warps
+from kvplan.ops.rms_norm import rms_norm_fp32w_torch, rms_norm_fp32w_triton
 
 # a block's input norm passed to the connection: (fp32 weight [hidden], eps)
 Norm = tuple[torch.Tensor, float]
@@ -331,9 +332,11 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple 
     splits, n_pad = part.shape[0], part.shape[2]
     rows = t > PRE_ROW_TILED_MIN_ROWS  # one weights program per token, then x by row tiles
     fused_norm = norm is not None and not rows and FUSED_NORM
-    # the fused norm takes the whole row in one tile, with rms_norm's warps (its layout)
+    # the fused norm takes the whole row in one tile (same warps: a wider Sinkhorn program
+    # measured slower, H100 2026-12-06: 6.2 us a launch with 4 warps against 5.1 + 1.6 us for
+    # one warp and rms_norm's kernel)
     tile_h = triton_next_pow2(hidden) if fused_norm else _hidden_tile(hidden)
-    warps = row_warps(tile_h) if fused_norm else _epilogue_warps(t)
+    warps = _epilogue_warps(t)
     pre = torch.empty(t, n, dtype=torch.float32, device=s.device) if rows else post
     grid = (t, 1 if rows else triton_cdiv(hidden, tile_h) + (0 if head else 1))
     norm_w, norm_eps = norm if fused_norm else (base, 0.0)  # base: an unread placeholder
@@ -439,8 +442,10 @@ def hc_pre(
             scale: fp32 ``[3]`` (pre, post, comb), all on ``s``'s device.
         iters: Sinkhorn iterations (>= 1); hc_eps: the mixing epsilon; eps: the RMSNorm's.
         norm: ``(weight, eps)``: return the block's input norm of ``x`` instead,
-            ``rms_norm_fp32w(x, weight, eps)`` (``weight`` fp32 ``[hidden]``), the same bits;
-            the Triton path forms it in its second kernel for decode sizes (one launch fewer).
+            ``rms_norm_fp32w(x, weight, eps)`` (``weight`` fp32 ``[hidden]``); the Triton
+            path forms it in its second kernel for decode sizes (one launch fewer; the sum of
+            squares in that kernel's reduction order, so within a last bit of the separate
+            kernel's result on a GPU).
 
     Returns:
         (``post`` fp32 ``[T, n]``, ``comb`` fp32 ``[T, n, n]``, ``x [T, hidden]`` in ``s``'s

@@ -35,8 +35,8 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 def weighted_rms_norm(x, w, inv_n, eps):
     """``w * (x * rsqrt(sum(x^2) * inv_n + eps))`` of one fp32 row ``x`` (masked columns 0)
     and its fp32 weights ``w``. `_rms_norm_kernel` and the ``NORM`` epilogue of
-    ``kvplan.ops._hyper_connection_kernels.hc_pre_kernel`` share it; both launch without fp
-    contraction, so a row gets the same bits from either."""
+    ``kvplan.ops._hyper_connection_kernels.hc_pre_kernel`` share it, both launched without fp
+    contraction: the same operations, the sum of squares in each program's reduction order."""
     rrms = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
     return w * (x * rrms)
 
@@ -60,13 +60,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * n_cols + cols, y.to(dtype), mask=mask)
 
 
-def row_warps(tile: int) -> int:
-    """Warps of a program that normalises one row of ``tile`` columns (a power of two):
-    `_rms_norm_kernel`'s, which the fused norm of ``hc_pre_kernel`` takes too (the same
-    layout, so the same reduction order)."""
-    return max(1, min(16, tile // 512))
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     check_tensor("x", x, dtype=_FLOATS)
     n = x.shape[-1] if x.dim() else 0
@@ -81,7 +74,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.T
     tile = triton_next_pow2(n)
     _rms_norm_kernel[(rows.shape[0],)](
         rows, x if weight is None else weight.contiguous(), out, n, rows.stride(0), 1.0 / n, eps,
-        HAS_WEIGHT=weight is not None, TILE_N=tile, num_warps=row_warps(tile),
+        HAS_WEIGHT=weight is not None, TILE_N=tile, num_warps=max(1, min(16, tile // 512)),
         enable_fp_fusion=False,
     )  # fmt: skip
     return out.view(x.shape)

@@ -57,7 +57,8 @@ def _three_ops(v, norm, pre_fn, post_pre_fn, head_fn, iters=3):
 
 def _check_norm_equals_unfused(v, normed, plain, rms):
     """``normed`` (with the norm) against ``plain`` (without) and ``rms`` over its rows:
-    everything but the block inputs identical, the block inputs exactly ``rms(x)``."""
+    everything but the block inputs identical, the block inputs ``rms(x)``: bit for bit on the
+    CPU, within a last bit on a GPU (the fused program sums the squares in its own order)."""
     weight = v[-1]
     (post_n, comb_n, x_n), (s2_n, post2_n, comb2_n, x2_n), h_n = normed
     (post, comb, x), (s2, post2, comb2, x2), h = plain
@@ -67,7 +68,11 @@ def _check_norm_equals_unfused(v, normed, plain, rms):
     for name, a, b in [("x", x_n, x), ("x'", x2_n, x2), ("head", h_n, h)]:
         want = rms(b, weight, NORM_EPS)
         assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert torch.equal(a, want), (name, (a.float() - want.float()).abs().max().item())
+        if a.is_cuda:  # one rounding of the scale apart: a last bit of some entries
+            ulp = 2.0**-7 if a.dtype == torch.bfloat16 else 2.0**-22
+            torch.testing.assert_close(a, want, rtol=ulp, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(a, want), (name, (a.float() - want.float()).abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -150,8 +155,8 @@ def test_norm_errors_name_the_field():
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 32, 256])
 def test_gpu_norm_equals_connection_then_rms_norm_at_model_size(t):
-    """DeepSeek-V4's shape (4 bf16 streams of 2,048, 20 Sinkhorn rounds): the fused norm's
-    row has `_rms_norm_kernel`'s bits (the same helper, warps and contraction setting)."""
+    """DeepSeek-V4's shape (4 bf16 streams of 2,048, 20 Sinkhorn rounds): the mixing weights
+    keep their bits, the fused norm's row is `_rms_norm_kernel`'s within a last bit."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
     v = _inputs(t, t, 4, 2048, torch.bfloat16, "cuda")
@@ -162,3 +167,18 @@ def test_gpu_norm_equals_connection_then_rms_norm_at_model_size(t):
         v, _three_ops(v, norm, *ops, iters=20), _three_ops(v, None, *ops, iters=20),
         rms_norm_fp32w_triton,
     )  # fmt: skip
+
+
+def test_fused_norm_program_compiles_for_sm90():
+    """The decode launch at DeepSeek-V4's shape (4 bf16 streams of 2,048, one warp): the row
+    of 2,048 fp32 values in 32 threads fills the registers; ptxas spills 44 bytes a thread
+    (Triton 3.6), which this bounds."""
+    from kvplan.ops import _hyper_connection_kernels as hck
+    from tests.sm90_compile import sm90_stats
+
+    const = dict(N=4, N_P=4, N_PAD=32, SPLITS_P=16, TILE_H=2048, HEAD=False,
+                 WEIGHTS_ONLY=False, NORM=True)  # fmt: skip
+    sig = {n: "*bf16" for n in ("s_ptr", "x_ptr")}
+    sig.update({n: "fp32" for n in ("inv_k", "eps", "hc_eps", "inv_hidden", "norm_eps")})
+    st = sm90_stats(hck.hc_pre_kernel, const, signature=sig, ptr_dtype="*fp32", num_warps=1)
+    assert st.spill_bytes <= 64, st

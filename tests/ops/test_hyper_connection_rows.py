@@ -151,22 +151,8 @@ def test_gpu_rows_equal_one_token_kernels_at_model_size(t, monkeypatch):
             ),
             4,
         ),  # fmt: skip
-        (
-            "hc_pre_kernel",
-            dict(
-                N=4,
-                N_P=4,
-                N_PAD=32,
-                SPLITS_P=16,
-                TILE_H=2048,
-                HEAD=False,
-                WEIGHTS_ONLY=False,
-                NORM=True,
-            ),
-            4,
-        ),  # fmt: skip
     ],
-    ids=["pre-rows", "post-rows", "weights", "head-weights", "decode-fused-norm"],
+    ids=["pre-rows", "post-rows", "weights", "head-weights"],
 )
 def test_row_kernels_compile_for_sm90_without_spills(name, const, warps):
     """The model's shape (n = 4, bf16 streams) at the default row tiles."""
