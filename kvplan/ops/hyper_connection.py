@@ -68,9 +68,13 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # 19.6 vs 19.4 in another, and the same in the decode step (`bench_hybrid.py
 # --hc-fused-max-rows 256,0,256,0`, batch 32: 2.93 / 2.91 vs 2.79 / 2.93 ms)
 FUSED_MAX_ROWS = 32
-# ``norm`` formed inside ``hc_pre_kernel`` (decode sizes); ``KVPLAN_HC_FUSED_NORM=0`` launches
-# `rms_norm_fp32w` after it instead (A/B runs; the same bits)
-FUSED_NORM = env_flag("KVPLAN_HC_FUSED_NORM", True)
+# ``KVPLAN_HC_FUSED_NORM=1``: ``norm`` formed inside ``hc_pre_kernel`` at decode sizes (25
+# launches fewer a DeepSeek-V4 step); off by default, `rms_norm_fp32w` after the connection.
+# Measured with four warps (H100, 2026-12-06, `bench/run_s42a.sh`, 32K x 32 fp8 decode): the
+# step's kernels 2,743 vs 2,762 us, async steps 2.91 / 2.95 vs 2.93 / 2.95 ms (no gain: the
+# wider Sinkhorn program took 6.2 us against 5.1 + 1.6). The one-warp form here (44 bytes
+# of spills at 2,048 columns) is correct on the CPU and not yet timed: `bench/run_s43a.sh`.
+FUSED_NORM = env_flag("KVPLAN_HC_FUSED_NORM", False)
 
 
 def _check_pre(s, fn, base, scale, n_out: int, num_scales: int) -> tuple[int, int, int]:

@@ -176,11 +176,20 @@ def _unfused_logits(model: DeepseekV4ForCausalLM, ids: list[int]) -> torch.Tenso
     return torch.nn.functional.linear(h, model.head_weight()).float()
 
 
-@pytest.mark.parametrize("force_triton", [False, True], ids=["torch", "triton"])
-def test_fused_connection_chain_equals_unfused(force_triton, monkeypatch):
-    """The model chains each residual update into the next connection (`hc_post_pre`); the
-    logits equal calling every connection on its own, bit for bit (torch path: the same ops;
-    Triton: the fused kernels' exactness)."""
+@pytest.mark.parametrize(
+    "force_triton, fused_norm",
+    [(False, False), (True, False), (True, True)],
+    ids=["torch", "triton", "triton-fused-norm"],
+)
+def test_fused_connection_chain_equals_unfused(force_triton, fused_norm, monkeypatch):
+    """The model chains each residual update into the next connection (`hc_post_pre`) and
+    hands each block's input norm to the connection that forms the input; the logits equal
+    calling every connection and norm on its own, bit for bit (torch path: the same ops;
+    Triton: the fused kernels' exactness, with and without the norm inside ``hc_pre_kernel``,
+    which the interpreter sums in the norm kernel's order)."""
+    import kvplan.ops.hyper_connection as hcm
+
+    monkeypatch.setattr(hcm, "FUSED_NORM", fused_norm)
     if force_triton:
         monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
     model = _model(2)

@@ -75,11 +75,13 @@ def _check_norm_equals_unfused(v, normed, plain, rms):
             assert torch.equal(a, want), (name, (a.float() - want.float()).abs().max().item())
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("t, n, hidden", [(1, 4, 40), (5, 2, 24), (33, 3, 72), (260, 2, 24)])
-def test_triton_norm_equals_connection_then_rms_norm(t, n, hidden, dtype):
-    """Decode sizes fuse the norm (up to ``PRE_ROW_TILED_MIN_ROWS`` rows); 260 rows take the
-    row-tiled form and `rms_norm_fp32w_triton` after it."""
+def test_triton_norm_equals_connection_then_rms_norm(t, n, hidden, dtype, fused, monkeypatch):
+    """With ``FUSED_NORM`` decode sizes fuse the norm (up to ``PRE_ROW_TILED_MIN_ROWS`` rows);
+    260 rows, and every size without it, run `rms_norm_fp32w_triton` after the connection."""
+    monkeypatch.setattr(hcm, "FUSED_NORM", fused)
     v = _inputs(t * 7 + n, t, n, hidden, dtype, TRITON_DEVICE)
     norm = (v[-1], NORM_EPS)
     ops = (hc_pre_triton, hc_post_pre_triton, hc_head_triton)
@@ -115,8 +117,9 @@ def test_triton_norm_matches_torch():
 
 
 def test_decode_sizes_launch_no_separate_norm(monkeypatch):
-    """The fused form calls no `rms_norm_fp32w_triton`; ``FUSED_NORM`` off (the
-    ``KVPLAN_HC_FUSED_NORM=0`` switch) and prefill sizes call it, with the same bits."""
+    """With ``FUSED_NORM`` (``KVPLAN_HC_FUSED_NORM=1``) decode sizes call no
+    `rms_norm_fp32w_triton`; without it they do, with the same bits (on the CPU)."""
+    monkeypatch.setattr(hcm, "FUSED_NORM", True)
     calls = []
     real = hcm.rms_norm_fp32w_triton
 
@@ -154,11 +157,12 @@ def test_norm_errors_name_the_field():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 32, 256])
-def test_gpu_norm_equals_connection_then_rms_norm_at_model_size(t):
+def test_gpu_norm_equals_connection_then_rms_norm_at_model_size(t, monkeypatch):
     """DeepSeek-V4's shape (4 bf16 streams of 2,048, 20 Sinkhorn rounds): the mixing weights
     keep their bits, the fused norm's row is `_rms_norm_kernel`'s within a last bit."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
+    monkeypatch.setattr(hcm, "FUSED_NORM", True)
     v = _inputs(t, t, 4, 2048, torch.bfloat16, "cuda")
     v[1].mul_(0.1)
     norm = (v[-1], NORM_EPS)
