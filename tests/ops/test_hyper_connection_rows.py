@@ -118,39 +118,17 @@ def test_gpu_rows_equal_one_token_kernels_at_model_size(t, monkeypatch):
     assert torch.equal(old, new)
 
 
+# hc_pre_kernel's per-token weights program of the row-tiled form
+_WEIGHTS = dict(N=4, N_P=4, SPLITS_P=2, TILE_H=512, WEIGHTS_ONLY=True, NORM=False)
+
+
 @pytest.mark.parametrize(
     "name, const, warps",
     [
         ("hc_pre_rows_kernel", dict(N=4, N_P=4, TILE_T=8, TILE_H=512), 8),
         ("hc_post_rows_kernel", dict(N=4, N_P=4, TILE_T=4, TILE_H=256), 8),
-        (
-            "hc_pre_kernel",
-            dict(
-                N=4,
-                N_P=4,
-                N_PAD=32,
-                SPLITS_P=2,
-                TILE_H=512,
-                HEAD=False,
-                WEIGHTS_ONLY=True,
-                NORM=False,
-            ),
-            4,
-        ),  # fmt: skip
-        (
-            "hc_pre_kernel",
-            dict(
-                N=4,
-                N_P=4,
-                N_PAD=16,
-                SPLITS_P=2,
-                TILE_H=512,
-                HEAD=True,
-                WEIGHTS_ONLY=True,
-                NORM=False,
-            ),
-            4,
-        ),  # fmt: skip
+        ("hc_pre_kernel", {**_WEIGHTS, "N_PAD": 32, "HEAD": False}, 4),
+        ("hc_pre_kernel", {**_WEIGHTS, "N_PAD": 16, "HEAD": True}, 4),
     ],
     ids=["pre-rows", "post-rows", "weights", "head-weights"],
 )
