@@ -68,13 +68,14 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # 19.6 vs 19.4 in another, and the same in the decode step (`bench_hybrid.py
 # --hc-fused-max-rows 256,0,256,0`, batch 32: 2.93 / 2.91 vs 2.79 / 2.93 ms)
 FUSED_MAX_ROWS = 32
-# ``KVPLAN_HC_FUSED_NORM=1``: ``norm`` formed inside ``hc_pre_kernel`` at decode sizes (25
-# launches fewer a DeepSeek-V4 step); off by default, `rms_norm_fp32w` after the connection.
-# Measured with four warps (H100, 2026-12-06, `bench/run_s42a.sh`, 32K x 32 fp8 decode): the
-# step's kernels 2,743 vs 2,762 us, async steps 2.91 / 2.95 vs 2.93 / 2.95 ms (no gain: the
-# wider Sinkhorn program took 6.2 us against 5.1 + 1.6). The one-warp form here (44 bytes
-# of spills at 2,048 columns) is correct on the CPU and not yet timed: `bench/run_s43a.sh`.
-FUSED_NORM = env_flag("KVPLAN_HC_FUSED_NORM", False)
+# ``norm`` formed inside ``hc_pre_kernel`` at decode sizes (25 launches fewer a DeepSeek-V4
+# step); ``KVPLAN_HC_FUSED_NORM=0`` runs `rms_norm_fp32w` after the connection (A/B runs).
+# H100, 2026-12-06, 32K x 32 fp8 decode (`bench/run_s42b.sh`, six off / on pairs): async step
+# median 2.865 vs 2.90 ms, graph replays 3.345 vs 3.40 ms; the step's kernels 2,695 us in 311
+# launches vs 2,742 in 336 (hc_pre 129.2 vs 125.9 us, the separate norms 57.0 -> 17.2 us).
+# The first form ran the program with four warps (`run_s42a.sh`): the Sinkhorn program got
+# slower (6.2 vs 5.1 us a launch) and the step no faster.
+FUSED_NORM = env_flag("KVPLAN_HC_FUSED_NORM", True)
 
 
 def _check_pre(s, fn, base, scale, n_out: int, num_scales: int) -> tuple[int, int, int]:

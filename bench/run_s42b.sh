@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Prepared in session 42, not run (no device machine could be started after its first call):
-# the fused block norm with hc_pre's one warp (session 42's call A: four warps made the
-# Sinkhorn program slower and the step no faster; the flag is off by default until this
-# measures it). Its GPU tests, the 32K x 32 fp8 decode step off / on alternating six times
-# (KVPLAN_HC_FUSED_NORM), one profile of each, then the whole GPU suite in what is left.
+# Session 42's second call: the fused block norm with hc_pre's one warp (call A's four-warp
+# program made the Sinkhorn program slower and the step no faster). Its GPU tests, the 32K x 32
+# fp8 decode step off / on alternating six times (KVPLAN_HC_FUSED_NORM), one profile of each,
+# then the whole GPU suite in what is left.
 set -u
 BUDGET=${BUDGET:-570}
 source bench/gpu_steps.sh
