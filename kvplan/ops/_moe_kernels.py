@@ -8,9 +8,7 @@ intermediate that torch materializes in the activation dtype is rounded back to 
 - ``swiglu_kernel``: grid ``(T, E, cdiv(I, TILE_I))``;
   ``out = round(round(silu(min(gate, limit))) * clamp(up, -limit, limit))``.
 - ``expert_sum_kernel``: grid ``(T, cdiv(H, TILE_H))``;
-  ``out = round(round(sum_e dense[t, e] * y[e, t]) (+ add[t]))``, experts in order, fp32;
-  with ``ROUTE`` each program forms its token's ``dense`` row itself from the router logits
-  (``moe_route_kernel``'s code, `_route_row`), so routing takes no launch of its own.
+  ``out = round(round(sum_e dense[t, e] * y[e, t]) (+ add[t]))``, experts in order, fp32.
 """
 
 from __future__ import annotations
@@ -29,14 +27,13 @@ def _log1p(x):
 
 
 @jit
-def _route_row(
-    logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, t, num_experts, stride_t, scaling,
+def moe_route_kernel(
+    logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, ids_ptr, w_ptr, dense_ptr,
+    num_experts, stride_t, scaling,
     TOP_K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, SIGMOID: tl.constexpr,
     HASH: tl.constexpr,
 ):  # fmt: skip
-    """Token ``t``'s routing (int64 ``t``): (expert ids ``[K_P]``, their weights ``[K_P]``
-    fp32 holding logits-dtype values, the dense ``[E_P]`` row of summed weights). One code
-    for ``moe_route_kernel`` and the routed form of ``expert_sum_kernel``: the same bits."""
+    t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = logits_ptr.dtype.element_ty
     e = tl.arange(0, E_P)
     emask = e < num_experts
@@ -64,26 +61,10 @@ def _route_row(
     total = _round(tl.sum(w, axis=0), dtype)
     den = _round(total + 1e-20, dtype)
     w = _round(_round(w / den, dtype) * scaling, dtype)
-    dense = tl.sum(tl.where(hit, w[:, None], 0.0), axis=0)  # [E_P], repeated experts summed
-    return ids, w, dense
-
-
-@jit
-def moe_route_kernel(
-    logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, ids_ptr, w_ptr, dense_ptr,
-    num_experts, stride_t, scaling,
-    TOP_K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, SIGMOID: tl.constexpr,
-    HASH: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    ids, w, dense = _route_row(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, t, num_experts,
-                               stride_t, scaling, TOP_K, K_P, E_P, SIGMOID, HASH)  # fmt: skip
-    kk = tl.arange(0, K_P)
-    kmask = kk < TOP_K
-    e = tl.arange(0, E_P)
     tl.store(ids_ptr + t * TOP_K + kk, ids, mask=kmask)
-    tl.store(w_ptr + t * TOP_K + kk, w.to(logits_ptr.dtype.element_ty), mask=kmask)
-    tl.store(dense_ptr + t * num_experts + e, dense, mask=e < num_experts)
+    tl.store(w_ptr + t * TOP_K + kk, w.to(dtype), mask=kmask)
+    dense = tl.sum(tl.where(hit, w[:, None], 0.0), axis=0)  # [E_P], repeated experts summed
+    tl.store(dense_ptr + t * num_experts + e, dense, mask=emask)
 
 
 @jit
@@ -108,29 +89,16 @@ def swiglu_kernel(
 @jit
 def expert_sum_kernel(
     y_ptr, dense_ptr, add_ptr, out_ptr, num_rows, num_experts, hidden,
-    logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, stride_t, scaling,
-    HAS_ADD: tl.constexpr, TILE_H: tl.constexpr, ROUTE: tl.constexpr,
-    TOP_K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, SIGMOID: tl.constexpr,
-    HASH: tl.constexpr,
+    HAS_ADD: tl.constexpr, TILE_H: tl.constexpr,
 ):  # fmt: skip
-    """``ROUTE``: the weights come from `_route_row` of the router logits (each program
-    routes its token, ``moe_route_kernel``'s code) instead of a ``dense`` tensor."""
     t = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     mask = hs < hidden
     dtype: tl.constexpr = out_ptr.dtype.element_ty
-    if ROUTE:
-        dense_row = _route_row(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, t,
-                               num_experts, stride_t, scaling, TOP_K, K_P, E_P, SIGMOID,
-                               HASH)[2]  # fmt: skip
-        e = tl.arange(0, E_P)
     acc = tl.zeros([TILE_H], dtype=tl.float32)
     ex = 0  # a while loop: the CPU interpreter takes no runtime ``range`` bound
     while ex < num_experts:
-        if ROUTE:
-            wt = tl.sum(tl.where(e == ex, dense_row, 0.0), axis=0)  # dense[t, ex], exactly
-        else:
-            wt = tl.load(dense_ptr + t * num_experts + ex)
+        wt = tl.load(dense_ptr + t * num_experts + ex)
         y = tl.load(y_ptr + (ex * num_rows + t) * hidden + hs, mask=mask, other=0.0)
         acc += wt * y.to(tl.float32)
         ex += 1

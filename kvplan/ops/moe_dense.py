@@ -26,7 +26,6 @@ from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
 
 __all__ = [
     "expert_weighted_sum",
-    "expert_weighted_sum_routed",
     "moe_route",
     "moe_swiglu",
     "swiglu",
@@ -243,18 +242,13 @@ def expert_weighted_sum_triton(
     out = torch.empty(t, hidden, dtype=y.dtype, device=y.device)
     if t == 0:
         return out
-    tile = _sum_tile(hidden)
+    tile = min(triton_next_pow2(hidden), 128 if triton_interpreting() else 512)
     expert_sum_kernel[(t, triton_cdiv(hidden, tile))](
         y.contiguous(), dense.contiguous(), out if add is None else add.contiguous(), out,
-        t, e, hidden, dense, dense, dense, dense, 0, 1.0,  # no routing: placeholders
-        HAS_ADD=add is not None, TILE_H=tile, ROUTE=False, TOP_K=1, K_P=1, E_P=1,
-        SIGMOID=False, HASH=False, num_warps=4, enable_fp_fusion=False,
+        t, e, hidden, HAS_ADD=add is not None, TILE_H=tile, num_warps=4,
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out
-
-
-def _sum_tile(hidden: int) -> int:
-    return min(triton_next_pow2(hidden), 128 if triton_interpreting() else 512)
 
 
 def expert_weighted_sum(
@@ -268,66 +262,3 @@ def expert_weighted_sum(
     """
     fn = expert_weighted_sum_triton if use_triton(y) else expert_weighted_sum_torch
     return fn(y, dense, add)
-
-
-# --- routing and the weighted sum in one launch ---------------------------------------------
-
-
-def expert_weighted_sum_routed_torch(
-    y: torch.Tensor, logits: torch.Tensor, *, top_k: int, sigmoid: bool, scaling: float,
-    bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
-    input_ids: torch.Tensor | None = None, add: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """Torch path of `expert_weighted_sum_routed`: `moe_route_torch`, then
-    `expert_weighted_sum_torch` with its ``dense``."""
-    dense = moe_route_torch(logits, top_k=top_k, sigmoid=sigmoid, scaling=scaling, bias=bias,
-                            tid2eid=tid2eid, input_ids=input_ids)[2]  # fmt: skip
-    return expert_weighted_sum_torch(y, dense, add)
-
-
-def expert_weighted_sum_routed_triton(
-    y: torch.Tensor, logits: torch.Tensor, *, top_k: int, sigmoid: bool, scaling: float,
-    bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
-    input_ids: torch.Tensor | None = None, add: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """Triton path of `expert_weighted_sum_routed` (one kernel: each program routes its
-    token with ``moe_route_kernel``'s code, then sums)."""
-    from kvplan.ops._moe_kernels import expert_sum_kernel
-
-    _check_route(logits, top_k, bias, tid2eid, input_ids)
-    e, t, hidden = check_tensor("y", y, dtype=_FLOATS, ndim=3).shape
-    if tuple(logits.shape) != (t, e):
-        raise ValueError(f"logits must be [T, E] = {[t, e]} for y {list(y.shape)}, got "
-                         f"{list(logits.shape)}")  # fmt: skip
-    if add is not None:
-        check_tensor("add", add, dtype=y.dtype, shape=(t, hidden), device=y.device)
-    out = torch.empty(t, hidden, dtype=y.dtype, device=y.device)
-    if t == 0:
-        return out
-    hashed = tid2eid is not None
-    logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    tile = _sum_tile(hidden)
-    expert_sum_kernel[(t, triton_cdiv(hidden, tile))](
-        y.contiguous(), logits, out if add is None else add.contiguous(), out, t, e, hidden,
-        logits, logits if hashed else bias, tid2eid.contiguous() if hashed else logits,
-        input_ids if hashed else logits, logits.stride(0), float(scaling),
-        HAS_ADD=add is not None, TILE_H=tile, ROUTE=True, TOP_K=top_k,
-        K_P=triton_next_pow2(top_k), E_P=triton_next_pow2(e), SIGMOID=sigmoid, HASH=hashed,
-        num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
-    return out
-
-
-def expert_weighted_sum_routed(
-    y: torch.Tensor, logits: torch.Tensor, *, top_k: int, sigmoid: bool, scaling: float,
-    bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
-    input_ids: torch.Tensor | None = None, add: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """`expert_weighted_sum` of ``y [E, T, H]`` with the ``dense`` weights `moe_route` gives
-    for the router ``logits [T, E]`` (routing arguments as in `moe_route`), plus ``add``:
-    the same values, bit for bit. On the Triton path one launch (the routing is recomputed
-    by each hidden tile's program, a few dozen operations on ``E`` logits), where the two ops
-    take two; the ids and weights themselves are not returned."""
-    fn = expert_weighted_sum_routed_triton if use_triton(y) else expert_weighted_sum_routed_torch
-    return fn(y, logits, top_k=top_k, sigmoid=sigmoid, scaling=scaling, bias=bias,
-              tid2eid=tid2eid, input_ids=input_ids, add=add)  # fmt: skip

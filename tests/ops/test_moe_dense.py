@@ -9,9 +9,6 @@ import torch.nn.functional as F
 
 from kvplan.ops.moe_dense import (
     expert_weighted_sum,
-    expert_weighted_sum_routed,
-    expert_weighted_sum_routed_torch,
-    expert_weighted_sum_routed_triton,
     expert_weighted_sum_torch,
     expert_weighted_sum_triton,
     moe_route,
@@ -146,51 +143,3 @@ def test_errors():
                   input_ids=torch.zeros(3, dtype=torch.int64))  # fmt: skip
     with pytest.raises(ValueError, match="dense"):
         expert_weighted_sum(torch.randn(2, 3, 4), torch.rand(3, 3))
-
-
-@pytest.mark.parametrize("with_add", [False, True], ids=["plain", "add"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("sigmoid", [True, False], ids=["sigmoid", "sqrtsoftplus"])
-@pytest.mark.parametrize("hashed, e, k", [(False, 6, 2), (False, 16, 3), (True, 5, 2)])
-def test_routed_sum_equals_route_then_sum(hashed, e, k, sigmoid, dtype, with_add):
-    """One launch routing each token inside the weighted sum: the bits of `moe_route` then
-    `expert_weighted_sum` on each path (Triton: the same routing code), the router logits
-    read as a column slice of a wider output."""
-    t, hidden = 7, 40
-    logits, kw = _router_case(3 * e + k, t, e, k, dtype, hashed)
-    gen = torch.Generator().manual_seed(e * k)
-    wide = torch.randn(t, 24 + e, generator=gen).to(dtype)
-    wide[:, 24:] = logits
-    y = torch.randn(e, t, hidden, generator=gen).to(dtype)
-    add = torch.randn(t, hidden, generator=gen).to(dtype) if with_add else None
-    args = dict(top_k=k, sigmoid=sigmoid, scaling=2.5, **kw)
-    # the reference routes the same slice (a CPU kernel may round a strided fp32 softplus
-    # differently from a contiguous one)
-    want = expert_weighted_sum_torch(y, moe_route_torch(wide[:, 24:], **args)[2], add)
-    assert torch.equal(expert_weighted_sum_routed_torch(y, wide[:, 24:], add=add, **args), want)
-    dev = {n: v.to(TRITON_DEVICE) for n, v in kw.items()}
-    yd, wd = y.to(TRITON_DEVICE), wide.to(TRITON_DEVICE)[:, 24:]
-    ad = None if add is None else add.to(TRITON_DEVICE)
-    dense = moe_route_triton(wd, **{**args, **dev})[2]
-    want_t = expert_weighted_sum_triton(yd, dense, ad)
-    got = expert_weighted_sum_routed_triton(yd, wd, add=ad, **{**args, **dev})
-    assert got.dtype == dtype and got.shape == (t, hidden)
-    assert torch.equal(got, want_t)
-    torch.testing.assert_close(got.cpu(), want, **_tol(dtype))
-
-
-def test_routed_sum_dispatch_empty_and_errors(monkeypatch):
-    logits, kw = _router_case(1, 3, 4, 2, torch.float32, False)
-    y = torch.randn(4, 3, 8)
-    args = dict(top_k=2, sigmoid=True, scaling=1.0, **kw)
-    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
-    got = expert_weighted_sum_routed(y, logits, **args)
-    assert torch.equal(got, expert_weighted_sum_routed_triton(y, logits, **args))
-    empty = expert_weighted_sum_routed(y[:, :0], logits[:0], **args)
-    assert empty.shape == (0, 8)
-    with pytest.raises(ValueError, match="logits must be"):
-        expert_weighted_sum_routed(y, logits[:, :3], **{**args, "bias": kw["bias"][:3]})
-    with pytest.raises(ValueError, match="top_k"):
-        expert_weighted_sum_routed(y, logits, **{**args, "top_k": 5})
-    with pytest.raises(TypeError, match="add"):
-        expert_weighted_sum_routed(y, logits, add=torch.zeros(3, 8, dtype=torch.float64), **args)

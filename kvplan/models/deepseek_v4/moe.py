@@ -61,14 +61,7 @@ from torch import nn
 
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.layers import LinearGroup
-from kvplan.ops._dispatch import env_flag
-from kvplan.ops.moe_dense import (
-    expert_weighted_sum,
-    expert_weighted_sum_routed,
-    moe_route,
-    moe_swiglu,
-    swiglu,
-)
+from kvplan.ops.moe_dense import expert_weighted_sum, moe_route, moe_swiglu, swiglu
 from kvplan.ops.moe_grouped import moe_grouped
 
 DENSE_AUTO_MAX_ROWS = 4096
@@ -76,10 +69,6 @@ DENSE_AUTO_MAX_ROWS = 4096
 
 GROUPED_AUTO_MIN_EXPERTS = 64
 """Fewest routed experts for which CUDA batches bound for the dense path take the grouped one."""
-
-FUSED_ROUTE = env_flag("KVPLAN_MOE_FUSED_ROUTE", False)
-"""The fused dense path routes inside the weighted sum's kernel (`expert_weighted_sum_routed`,
-one launch fewer a block; the same bits) when on (``KVPLAN_MOE_FUSED_ROUTE=1``)."""
 
 
 class SharedExpert(nn.Module):
@@ -177,9 +166,12 @@ class DeepseekV4MoE(nn.Module):
         (the router GEMM and one routing kernel on CUDA; see `kvplan.ops.moe_dense.moe_route`)."""
         return self._route_logits(F.linear(x, self.gate_weight), input_ids)
 
-    def _route_args(self, input_ids: torch.Tensor) -> dict:
-        """This block's routing rule as `moe_route`'s keyword arguments."""
-        return dict(
+    def _route_logits(
+        self, logits: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`moe_route` of router ``logits [T, E]`` (any row stride) with this block's rule."""
+        return moe_route(
+            logits,
             top_k=self.top_k,
             sigmoid=self.scoring_func == "sigmoid",
             scaling=self.scaling,
@@ -187,12 +179,6 @@ class DeepseekV4MoE(nn.Module):
             tid2eid=self.tid2eid if self.hash_routed else None,
             input_ids=input_ids if self.hash_routed else None,
         )
-
-    def _route_logits(
-        self, logits: torch.Tensor, input_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`moe_route` of router ``logits [T, E]`` (any row stride) with this block's rule."""
-        return moe_route(logits, **self._route_args(input_ids))
 
     def use_dense(self, x: torch.Tensor) -> bool:
         """Whether `forward` takes the dense expert path for ``x [T, hidden]`` (module
@@ -278,13 +264,10 @@ class DeepseekV4MoE(nn.Module):
         x_weight, down_weight, _ = self._fused
         e, two_i = self.gate_up.shape[:2]
         out = F.linear(x, x_weight)  # [T, (E + 1) * 2I + E]
-        logits = out[:, (e + 1) * two_i :]  # the router logits: the GEMM's last E columns
+        # the router logits: the GEMM's last E columns
+        dense = self._route_logits(out[:, (e + 1) * two_i :], input_ids)[2]
         y = self._swiglu_down(out[:, : (e + 1) * two_i], down_weight)  # [E + 1, T, hidden]
-        if not FUSED_ROUTE:
-            dense = self._route_logits(logits, input_ids)[2]
-            return expert_weighted_sum(y[:e], dense, add=y[e])  # the shared expert: slice E
-        # the routing inside the weighted sum's kernel (`expert_weighted_sum_routed`)
-        return expert_weighted_sum_routed(y[:e], logits, add=y[e], **self._route_args(input_ids))
+        return expert_weighted_sum(y[:e], dense, add=y[e])  # the shared expert: slice E
 
     def experts_dense(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
