@@ -23,9 +23,8 @@ and `hc_post_pre` (``hc_post`` then the next block's ``hc_pre``) is two: its pro
 forms the tiles of ``s'`` itself. With ``norm=(weight, eps)`` the block input comes back through
 the block's RMSNorm (`kvplan.ops.rms_norm.rms_norm_fp32w`); at decode sizes ``hc_pre_kernel``
 forms it from the whole row in one program (no separate norm launch; the same arithmetic, the
-sum of squares reduced in that program's order). The torch
-path is the reference;
-both compute ``f`` in fp32 (the Triton path applies the RMS scale after the projection, which
+sum of squares reduced in that program's order). The torch path is the reference; both
+compute ``f`` in fp32 (the Triton path applies the RMS scale after the projection, which
 differs by fp32 rounding).
 """
 
