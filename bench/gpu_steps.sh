@@ -55,3 +55,13 @@ gpu_tests() {  # NAME SECONDS WORKERS PATH...: `pytest -m gpu` of PATHs as one s
     -rf "$@"
   tail -3 "$W/$name.log"
 }
+decode_ab() {  # VAR NAME VALUE...: hybrid_decode at 32K x 32 with VAR at each VALUE, in order
+  local var=$1 name=$2 v; shift 2
+  for v in "$@"; do hybrid_decode "$name$v" 32 32768 "$var=$v"; done
+}
+profile_32k() {  # NAME PATTERN [VAR=value ...]: one profiled 32K x 32 fp8 step, its kernel
+  local name=$1 pat=$2; shift 2  # lines matching PATTERN shown
+  step 45 "$name" env "$@" python3 bench/bench_hybrid.py --batch 32 --contexts 32768 \
+    --formats fp8 --profile 2 --out "$W/$name.json"
+  grep -E "ALL KERNELS|async|$pat" "$W/$name.log"
+}

@@ -11,11 +11,7 @@ gpu_tests tests 200 14 tests/ops/test_hyper_connection_norm.py tests/ops/test_hy
   tests/ops/test_hyper_connection_fused.py tests/ops/test_hyper_connection_rows.py \
   tests/ops/test_rms_norm.py tests/models tests/engine/test_hybrid_graphs.py \
   tests/engine/test_hybrid_async.py tests/engine/test_deepseek_v4_engine.py
-for v in 0 1 0 1; do
-  hybrid_decode "d32k_n$v" 32 32768 KVPLAN_HC_FUSED_NORM=$v
-done
+decode_ab KVPLAN_HC_FUSED_NORM d32k_n 0 1 0 1
 for v in 0 1; do
-  step 45 "p32k_n$v" env KVPLAN_HC_FUSED_NORM=$v python3 bench/bench_hybrid.py --batch 32 \
-    --contexts 32768 --formats fp8 --profile 2 --out "$W/p32k_n$v.json"
-  grep -E "ALL KERNELS|rms_norm|hc_pre|hc_proj|async" "$W/p32k_n$v.log"
+  profile_32k "p32k_n$v" "rms_norm|hc_pre|hc_proj" KVPLAN_HC_FUSED_NORM=$v
 done

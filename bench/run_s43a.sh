@@ -9,9 +9,7 @@ BUDGET=${BUDGET:-560}
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
 gpu_tests suite 340 14 tests
-for v in 1 0 1 0 1 0; do
-  hybrid_decode "d32k_n$v" 32 32768 KVPLAN_HC_FUSED_NORM=$v
-done
+decode_ab KVPLAN_HC_FUSED_NORM d32k_n 1 0 1 0 1 0
 # hc_pre at a decode step's 32 rows over fewer projection programs: session 12 swept the
 # targets at 256 rows only, and at 32 rows the default (256) gives the cap of 64 splits,
 # whose partials hc_pre_kernel then sums per token (the Sinkhorn program's critical path?)
