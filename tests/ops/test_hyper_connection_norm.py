@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvplan.ops.hyper_connection as hcm
+from kvplan.ops import _hyper_connection_kernels as hck
 from kvplan.ops.hyper_connection import (
     hc_head,
     hc_head_torch,
@@ -21,6 +22,7 @@ from kvplan.ops.hyper_connection import (
     hc_pre_triton,
 )
 from kvplan.ops.rms_norm import rms_norm_fp32w_torch, rms_norm_fp32w_triton
+from tests.sm90_compile import sm90_stats
 
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS, HC_EPS, NORM_EPS = 1e-6, 1e-6, 1e-5
@@ -177,9 +179,6 @@ def test_fused_norm_program_compiles_for_sm90():
     """The decode launch at DeepSeek-V4's shape (4 bf16 streams of 2,048, one warp): the row
     of 2,048 fp32 values in 32 threads fills the registers; ptxas spills 44 bytes a thread
     (Triton 3.6), which this bounds."""
-    from kvplan.ops import _hyper_connection_kernels as hck
-    from tests.sm90_compile import sm90_stats
-
     const = dict(N=4, N_P=4, N_PAD=32, SPLITS_P=16, TILE_H=2048, HEAD=False,
                  WEIGHTS_ONLY=False, NORM=True)  # fmt: skip
     sig = {n: "*bf16" for n in ("s_ptr", "x_ptr")}
