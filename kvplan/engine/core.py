@@ -315,6 +315,13 @@ class EngineCore(AsyncSteps):
             raise
         touched: list[Request] = []
         by_row, prompt = logprobs.resolve() if logprobs is not None else ({}, {})
+        verified = {
+            i: accept_drafts(s.drafts, tokens[sl])
+            for i, (s, sl) in enumerate(zip(step.seqs, inputs.row_slices))
+            if s.drafts
+        }
+        if verified:
+            self.runner.drafts_verified(step, {i: len(new) - 1 for i, new in verified.items()})
         for i, (s, sl) in enumerate(zip(step.seqs, inputs.row_slices)):
             req = s.request
             rid = req.request_id
@@ -332,7 +339,7 @@ class EngineCore(AsyncSteps):
                 req.num_computed_tokens += s.num_query_tokens
                 new = tokens[sl]
             else:
-                new = accept_drafts(s.drafts, tokens[sl])
+                new = verified[i]
                 accepted = len(new) - 1
                 req.num_draft_tokens_proposed += len(s.drafts)
                 req.num_draft_tokens_accepted += accepted

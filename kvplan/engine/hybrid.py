@@ -51,7 +51,13 @@ window is ``window_size`` and the ring (``swa_block_size``); HCA layers' ratio i
 ratio, CSA layers' ratio a sparse ratio with the indexer's ``index_topk``; ``block_size`` is
 the engine's, rounded up to a multiple of every ratio.
 
-Not supported for these models: speculative decoding.
+Speculative decoding (``num_speculative_tokens``, n-gram drafts): a verification row is a
+chunk of ``1 + k`` rows at positions ``L .. L + k``. The sliding-window ring gets ``k`` slots
+more than the window, and the compressor-state rows the drafts overwrite are copied before the
+step and put back for the rejected ones (`kvplan.backends.hybrid.drafts`); ``k`` is at most
+the smallest compressor-state ring less one (7 for DeepSeek-V4's CSA ratio 4). A verification
+row that ends at a block boundary after acceptance is snapshotted for prefix caching then; one
+that passes a boundary keeps no snapshot there.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ import torch
 from torch import nn
 
 from kvplan.backends.hybrid.api import HybridSeq
+from kvplan.backends.hybrid.drafts import DraftRollback
 from kvplan.backends.hybrid.snapshots import KeepPoints
 from kvplan.engine.config import EngineConfig
 from kvplan.engine.step import StepBatch
@@ -90,36 +97,49 @@ the snapshot after it (``KVPLAN_KEEP_STATE_IN_CHUNK=0`` at import: one more step
 PENDING_TOKEN = 0  # stand-in for an input token still on the device (never read as a value)
 
 
-class PendingTokenIds(Sequence[int]):
-    """A request's token ids (an O(1) view) plus one trailing entry, the input token of a
-    step scheduled ahead, not yet on the host: it reads as ``PENDING_TOKEN``.
+class TailTokenIds(Sequence[int]):
+    """A request's token ids (an O(1) view) followed by a few more entries (``tail``): the
+    drafts a verification row feeds after its newest token, or `PendingTokenIds`'
+    placeholder.
 
-    Indexing, ``len`` and prefix slices cost O(1) (a prefix that ends before the pending
-    entry is the base view's own slice); any other slice is a list.
+    Indexing, ``len`` and prefix slices cost O(1) (a prefix that ends before the tail is the
+    base view's own slice); any other slice is a list.
     """
 
-    __slots__ = ("_base", "_n")
+    __slots__ = ("_base", "_n", "_tail")
 
-    def __init__(self, base: Sequence[int]) -> None:
+    def __init__(self, base: Sequence[int], tail: Sequence[int]) -> None:
         self._base = base
         self._n = len(base)
+        self._tail = tuple(tail)
 
     def __len__(self) -> int:
-        return self._n + 1
+        return self._n + len(self._tail)
 
     def __getitem__(self, index):  # type: ignore[override]
+        size = self._n + len(self._tail)
         if isinstance(index, slice):
-            start, stop, step = index.indices(self._n + 1)
-            if start == 0 and step == 1:
-                return self if stop == self._n + 1 else self._base[:stop]
+            start, stop, step = index.indices(size)
+            if start == 0 and step == 1 and stop == size:
+                return self
+            if start == 0 and step == 1 and stop <= self._n:
+                return self._base[:stop]
             return [self[i] for i in range(start, stop, step)]
         if index < 0:
-            index += self._n + 1
-        if index == self._n:
-            return PENDING_TOKEN
-        if not 0 <= index < self._n:
-            raise IndexError(f"token index {index} outside [0, {self._n + 1})")
-        return self._base[index]
+            index += size
+        if not 0 <= index < size:
+            raise IndexError(f"token index {index} outside [0, {size})")
+        return self._base[index] if index < self._n else self._tail[index - self._n]
+
+
+class PendingTokenIds(TailTokenIds):
+    """A request's token ids (an O(1) view) plus one trailing entry, the input token of a
+    step scheduled ahead, not yet on the host: it reads as ``PENDING_TOKEN``."""
+
+    __slots__ = ()
+
+    def __init__(self, base: Sequence[int]) -> None:
+        super().__init__(base, (PENDING_TOKEN,))
 
 
 class HybridEngineFamily:
@@ -137,6 +157,8 @@ class HybridEngineFamily:
         self.manager = manager
         self.device = device
         self.graphs: Any = None  # a HybridDecodeGraphs when decode steps replay CUDA graphs
+        # the planned step's verification rows and their saved state (speculative decoding)
+        self._rollback: tuple[list[int], DraftRollback] | None = None
         self.snapshots = snapshots
         self.block_size = family.config.block_size
         if snapshots is not None:
@@ -176,6 +198,8 @@ class HybridEngineFamily:
             return
         entries = []
         for i in rows.tolist():
+            if step.seqs[i].drafts:
+                continue  # a verification row: after its drafts are checked (drafts_verified)
             rid = step.request_ids[i]
             req = m.requests.get(rid)
             if req.cacheable:
@@ -195,7 +219,7 @@ class HybridEngineFamily:
                 rid,
                 cached,
                 query,
-                view(s.request),
+                TailTokenIds(s.request.token_view, s.drafts) if s.drafts else view(s.request),
                 m.get_block_ids_view(rid),
                 m.get_state_slot(rid),
             )
@@ -215,7 +239,48 @@ class HybridEngineFamily:
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.stage(self.seqs(step), step.ahead)
         positions = torch.from_numpy(step.positions).to(self.device)
-        return self.family.plan(self.seqs(step), positions, keep=self._kept_snapshots(step))
+        seqs = self.seqs(step)
+        keep = self._kept_snapshots(step)
+        self._rollback = None
+        if step.num_contexts and any(s.drafts for s in step.seqs):
+            self._rollback = self._save_draft_state(step)
+        return self.family.plan(seqs, positions, keep=keep)
+
+    def _save_draft_state(self, step: StepBatch) -> tuple[list[int], DraftRollback]:
+        """The rows of ``step`` that verify drafts, and the copies of the compressor-state
+        rows their drafts overwrite (`kvplan.backends.hybrid.drafts`)."""
+        m = self.manager
+        rows = [i for i, s in enumerate(step.seqs) if s.drafts]
+        facts = [
+            (m.get_state_slot(step.request_ids[i]), int(step.num_cached_tokens[i]),
+             len(step.seqs[i].drafts))
+            for i in rows
+        ]  # fmt: skip
+        return rows, DraftRollback(self.family, facts)
+
+    def drafts_verified(self, step: StepBatch, accepted: dict[int, int]) -> None:
+        """``step``'s verification rows were checked: row ``i`` accepted its first
+        ``accepted[i]`` drafts. Puts back the compressor-state rows of the rejected drafts,
+        sets each request's cached length to what it accepted, and, with prefix caching,
+        snapshots a row that now ends at a block boundary (before the engine commits its
+        tokens, which registers the snapshot)."""
+        saved, self._rollback = self._rollback, None
+        if saved is None:
+            raise RuntimeError("drafts_verified: the step planned no verification rows")
+        rows, rollback = saved
+        if sorted(accepted) != rows:
+            raise ValueError(f"accepted names rows {sorted(accepted)}, the step verified {rows}")
+        rollback.restore([accepted[i] for i in rows])
+        m, bs, entries = self.manager, self.block_size, []
+        for i in rows:
+            rid = step.request_ids[i]
+            end = int(step.num_cached_tokens[i]) + 1 + accepted[i]
+            req = m.requests.get(rid)
+            self.family.adopt(rid, req.state_slot, end)
+            if self.snapshots is not None and end % bs == 0 and req.cacheable:
+                entries.append((rid, end // bs - 1, req.state_slot, True))
+        if entries:
+            self.snapshots.take(entries)
 
     def _kept_snapshots(self, step: StepBatch) -> Any:
         """The snapshots of the step's ``keep_state_at`` points: taken now (copies of the
@@ -347,6 +412,7 @@ def hybrid_num_blocks(
     block_size: int,
     max_blocks_per_seq: int,
     num_snapshots: int,
+    ring_size: int | None = None,
 ) -> int:
     """Blocks of the compressed pools: ``num_blocks``, or what ``kv_cache_memory`` (default:
     `EngineConfig.resolve_kv_cache_memory`, measured after the weights are loaded) holds
@@ -363,7 +429,7 @@ def hybrid_num_blocks(
             raise ValueError(f"num_blocks={config.num_blocks} cannot hold {what}")
         return config.num_blocks
     size = cache_bytes(specs, block_size=block_size, kv_format=kv_format,
-                       dtype=config.torch_dtype)  # fmt: skip
+                       dtype=config.torch_dtype, ring_size=ring_size)  # fmt: skip
     memory = config.resolve_kv_cache_memory()
     fixed = size.total(0, config.max_num_seqs, num_snapshots)
     num_blocks = min(
@@ -385,12 +451,9 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
     from kvplan.backends.hybrid.planned import PlannedHybridFamily
     from kvplan.cache import KVCacheManager
     from kvplan.models.deepseek_v4 import load_deepseek_v4
+    from kvplan.plan.compressor_state import state_rows
 
-    if config.num_speculative_tokens:
-        raise ValueError(
-            f"num_speculative_tokens={config.num_speculative_tokens}: speculative decoding is "
-            "not supported for DeepSeek-V4 models (use 0)"
-        )
+    drafts = config.num_speculative_tokens
     dev, dtype = config.torch_device, config.torch_dtype
     kv_format = _KV_FORMATS.get(config.kv_format)
     if config.kv_format in _EXACT_NAMES and _EXACT_NAMES[config.kv_format] == dtype:
@@ -402,6 +465,14 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
         )
     cfg = source.config
     specs = cfg.layer_specs()
+    cap = min((state_rows(sp.ratio, sp.overlap) for sp in specs if sp.ratio), default=None)
+    if drafts and cap is not None and drafts >= cap:
+        raise ValueError(
+            f"num_speculative_tokens={drafts}: this model's smallest compressor-state ring "
+            f"holds {cap} positions, so a verification row carries at most {cap - 1} drafts"
+        )
+    # the sliding-window ring gets one slot per draft more (kvplan.backends.hybrid.drafts)
+    ring_size = cfg.sliding_window + drafts if drafts else None
     ratios = sorted({s.ratio for s in specs if s.ratio})
     block_size = hybrid_block_size(config.block_size, ratios)
     max_model_len = config.model_max_len(source.max_position_embeddings)
@@ -411,7 +482,7 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
         num_snapshots = config.prefix_state_snapshots or 4 * config.max_num_seqs
     model = load_deepseek_v4(source.folder, dtype=dtype, device=dev).eval()
     num_blocks = hybrid_num_blocks(
-        config, specs, kv_format, block_size, max_blocks_per_seq, num_snapshots
+        config, specs, kv_format, block_size, max_blocks_per_seq, num_snapshots, ring_size
     )
     manager = KVCacheManager(
         num_blocks,
@@ -429,6 +500,7 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
         kv_format=kv_format,
         dtype=dtype,
         device=dev,
+        ring_size=ring_size,
     )
     snapshots = None
     if num_snapshots:

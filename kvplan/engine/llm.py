@@ -45,6 +45,7 @@ class RequestOutput:
     num_cached_prefix_tokens: int = 0
     num_preemptions: int = 0
     num_draft_tokens_accepted: int = 0  # speculative drafts that matched (0 without)
+    num_draft_tokens_proposed: int = 0  # speculative drafts verified (0 without)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -239,6 +240,7 @@ class LLM:
             req.num_cached_prefix_tokens,
             req.num_preemptions,
             req.num_draft_tokens_accepted,
+            req.num_draft_tokens_proposed,
             list(req.logprobs) if req.params.logprobs is not None else None,
             _prompt_logprobs(req),
         )

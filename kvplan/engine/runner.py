@@ -131,6 +131,8 @@ class ModelRunner:
         self.graphs = graphs
         # families that act once the step's launches are queued (state snapshots)
         self._after_step = [f for f in self.families.values() if hasattr(f, "after_step")]
+        # families whose per-request state must forget rejected drafts (hybrid state rings)
+        self._verified = [f for f in self.families.values() if hasattr(f, "drafts_verified")]
 
     @property
     def metadata(self) -> Any:
@@ -149,6 +151,12 @@ class ModelRunner:
         """Drop a finished or preempted request's per-request state in every family."""
         for family in self.families.values():
             family.free(request_id)
+
+    def drafts_verified(self, step: StepBatch, accepted: dict[int, int]) -> None:
+        """Tell the families that keep per-request state how many drafts each verification
+        row of ``step`` accepted (row index -> count), before its tokens are committed."""
+        for family in self._verified:
+            family.drafts_verified(step, accepted)
 
     def execute(
         self, step: StepBatch, device_input_ids: torch.Tensor | None = None

@@ -145,8 +145,8 @@ def test_llm_quantized_kv_runs_and_agrees_mostly(tmp_path, kv_format):
 
 def test_unsupported_settings_and_architectures_name_the_problem(tmp_path):
     _, folder = _saved(tmp_path, 0)
-    with pytest.raises(ValueError, match="num_speculative_tokens"):
-        LLM(str(folder), device="cpu", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens=8: .* at most 7 drafts"):
+        LLM(str(folder), device="cpu", num_speculative_tokens=8)  # CSA ratio 4: 8 state rows
     with pytest.raises(ValueError, match="kv_format"):
         LLM(str(folder), device="cpu", kv_format="fp16")  # the model runs in fp32
     other = tmp_path / "gpt2"
