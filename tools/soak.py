@@ -18,8 +18,9 @@ length) equal a reference engine's single runs of their prompts (same backend an
 no prefix cache); the block ledger holds after every operation.
 
 ``hybrid``: tiny random DeepSeek-V4 models (`tests/models/dsv4_testlib.hf_config`), the
-exact, fp8 or fp4 cache, pools small enough to preempt; the same checks, plus every live
-request holding its own state slot.
+exact, fp8 or fp4 cache, pools small enough to preempt, n-gram drafts in some runs (their
+rejected rows rolled back); the same checks, plus every live request holding its own state
+slot.
 
 ``structured``: batches mixing JSON mode, JSON schemas (nested, bounded arrays, a recursive
 ``$ref``), forced tool calls and plain requests on a byte-level-tokenizer Llama, with random
@@ -122,13 +123,15 @@ def run_hybrid(seed: int, ops: int = 100) -> dict:
     kv_format = rng.choice(["auto", "auto", "fp8", "fp4"])
     s = dict(model_seed=model_seed, shared_prefixes=shared, kv_format=kv_format,
              max_num_seqs=rng.choice([2, 3, 4]), max_num_batched_tokens=rng.choice([16, 24, 40]),
-             num_blocks=rng.choice([5, 6, 8]), max_tokens=rng.choice([4, 12]))  # fmt: skip
+             num_blocks=rng.choice([5, 6, 8]), max_tokens=rng.choice([4, 12]),
+             num_speculative_tokens=rng.choice([0, 0, 3, 7]))  # fmt: skip
     params = SamplingParams(max_tokens=s["max_tokens"], ignore_eos=True)
     ref = LLM(folder, device="cpu", max_model_len=64, enable_prefix_caching=False,
               kv_format=kv_format)  # fmt: skip
     llm = LLM(folder, device="cpu", max_model_len=64, kv_format=kv_format,
               max_num_seqs=s["max_num_seqs"], max_num_batched_tokens=s["max_num_batched_tokens"],
-              num_blocks=s["num_blocks"])  # fmt: skip
+              num_blocks=s["num_blocks"],
+              num_speculative_tokens=s["num_speculative_tokens"])  # fmt: skip
     core, m = llm.engine, llm.parts.manager
     num_blocks = llm.parts.num_blocks
 

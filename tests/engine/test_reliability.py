@@ -420,15 +420,15 @@ def test_deepseek_v4_token_ids_checked_against_its_vocab(tmp_path):
     assert not llm.engine.has_unfinished() and len(llm.generate([[1, 2]], GREEDY)[0].token_ids) == 6
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_fuzz_deepseek_v4_ledger(tmp_path, shared):
+@pytest.mark.parametrize("shared,spec", [(False, 0), (True, 0), (True, 4)])
+def test_fuzz_deepseek_v4_ledger(tmp_path, shared, spec):
     """The hybrid family under random add / step / abort / stream-close / bad requests on a
     pool too small for every request at once (preemptions): after every operation each live
     request holds its own state slot, free + held blocks fill the pool, the family tracks
     only live requests, snapshots are registered or pending within their capacity;
     surviving greedy requests equal their single runs (no prefix cache); at the end every
     block and slot is free. ``shared``: prompts share prefixes, so requests share blocks and
-    resume from state snapshots."""
+    resume from state snapshots. ``spec``: n-gram drafts (verification rows rolled back)."""
     from tests.models.dsv4_testlib import hf_config, hf_model
 
     cfg = hf_config(4)
@@ -438,9 +438,13 @@ def test_fuzz_deepseek_v4_ledger(tmp_path, shared):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     ref = LLM(str(folder), device="cpu", max_model_len=64, enable_prefix_caching=False)
     llm = LLM(str(folder), device="cpu", max_model_len=64, max_num_seqs=3,
-              max_num_batched_tokens=24, num_blocks=6)  # fmt: skip
+              max_num_batched_tokens=24, num_blocks=6, num_speculative_tokens=spec)  # fmt: skip
     core, m = llm.engine, llm.parts.manager
     hybrid = core.runner.families["hybrid"]
+    verified = []  # drafts accepted per verification row
+    checked_drafts = hybrid.drafts_verified
+    hybrid.drafts_verified = lambda step, acc: (verified.extend(acc.values()),
+                                                checked_drafts(step, acc))  # fmt: skip
     family, snaps = hybrid.family, hybrid.snapshots
     num_blocks = llm.parts.num_blocks
     rng = random.Random(4)
@@ -455,3 +459,5 @@ def test_fuzz_deepseek_v4_ledger(tmp_path, shared):
     assert snaps.num_pending == 0
     if shared:
         assert snaps.num_restored > 0
+    if spec:
+        assert len(verified) > 10 and 0 < sum(verified) < spec * len(verified)
