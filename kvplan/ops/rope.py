@@ -41,6 +41,8 @@ __all__ = [
     "norm_rope_pair_triton",
     "norm_rope_torch",
     "norm_rope_triton",
+    "rope_and_scale",
+    "rope_and_scale_triton",
     "rope_cos_sin",
 ]
 
@@ -86,13 +88,15 @@ def _norm_rope_row(
 @jit
 def _norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, stride_c, inv_n, eps,
-    x2_ptr, w2_ptr, out2_ptr, stride_x2t,
+    x2_ptr, w2_ptr, out2_ptr, stride_x2t, v_ptr, v_out_ptr, stride_vt, n_v, v_scale,
     D: tl.constexpr, HALF_RD: tl.constexpr, NORM: tl.constexpr, INVERSE: tl.constexpr,
-    NORM2: tl.constexpr, PAIR: tl.constexpr,
+    NORM2: tl.constexpr, PAIR: tl.constexpr, V_P: tl.constexpr,
 ):  # fmt: skip
     """Row ``(t, h)`` of ``x`` (programs ``t * heads + h``); with ``PAIR``, programs
     ``T * heads + t`` take row ``t`` of the second tensor ``x2 [T, D]`` with its own norm
-    ``NORM2`` (the same row code: the same bits as a launch of its own)."""
+    ``NORM2`` (the same row code: the same bits as a launch of its own). With ``V_P`` (the
+    padded width of ``v [T, n_v]``), the program of ``(t, 0)`` also writes row ``t`` of
+    ``v`` as fp32 times ``v_scale`` (`rope_and_scale`)."""
     row = tl.program_id(0).to(tl.int64)
     first = tl.num_programs(0).to(tl.int64)  # rows of x: all programs, or T * heads (PAIR)
     if PAIR:
@@ -102,6 +106,11 @@ def _norm_rope_kernel(
         h = row % heads
         _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, t, t * stride_xt + h * stride_xh,
                        row * D, stride_c, inv_n, eps, D, HALF_RD, NORM, INVERSE)  # fmt: skip
+        if V_P > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
+            if h == 0:
+                cols = tl.arange(0, V_P)
+                v = tl.load(v_ptr + t * stride_vt + cols, mask=cols < n_v).to(tl.float32)
+                tl.store(v_out_ptr + t * n_v + cols, v * v_scale, mask=cols < n_v)
     elif PAIR:
         t = row - first
         _norm_rope_row(x2_ptr, w2_ptr, cos_ptr, sin_ptr, out2_ptr, t, t * stride_x2t, t * D,
@@ -193,8 +202,8 @@ def norm_rope_triton(
     kind, w = _norm_kind(norm, cos)
     _norm_rope_kernel[(t * heads,)](
         x3, w, cos, sin, out, heads, x3.stride(0), x3.stride(1), cos.stride(0), 1.0 / d,
-        float(norm.eps) if norm is not None else 0.0, x3, w, out, 0, D=d,
-        HALF_RD=cos.shape[1], NORM=kind, INVERSE=bool(inverse), NORM2=0, PAIR=False,
+        float(norm.eps) if norm is not None else 0.0, x3, w, out, 0, x3, out, 0, 0, 1.0, D=d,
+        HALF_RD=cos.shape[1], NORM=kind, INVERSE=bool(inverse), NORM2=0, PAIR=False, V_P=0,
         num_warps=_warps(d), enable_fp_fusion=False,
     )  # fmt: skip
     return out
@@ -261,10 +270,62 @@ def norm_rope_pair_triton(
         return norm_rope_triton(x, cos, sin, norm=norm), norm_rope_triton(x2, cos, sin, norm=norm2)
     _norm_rope_kernel[(t * (heads + 1),)](
         x, w, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), 1.0 / d,
-        float(norm.eps), x2, w2, out2, x2.stride(0), D=d, HALF_RD=cos.shape[1], NORM=kind,
-        INVERSE=False, NORM2=kind2, PAIR=True, num_warps=_warps(d), enable_fp_fusion=False,
+        float(norm.eps), x2, w2, out2, x2.stride(0), x, out, 0, 0, 1.0, D=d,
+        HALF_RD=cos.shape[1], NORM=kind, INVERSE=False, NORM2=kind2, PAIR=True, V_P=0,
+        num_warps=_warps(d), enable_fp_fusion=False,
     )  # fmt: skip
     return out, out2
+
+
+def _check_scaled(x: torch.Tensor, v: torch.Tensor) -> None:
+    check_tensor("v", v, dtype=_FLOATS, ndim=2, device=x.device)
+    if x.dim() != 3 or v.shape[0] != x.shape[0] or v.stride(1) != 1:
+        raise ValueError(
+            f"rope_and_scale needs x [T, H, D] and v [T, N] (unit column stride), got "
+            f"{tuple(x.shape)} and {tuple(v.shape)} with strides {v.stride()}"
+        )
+
+
+def rope_and_scale(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm_rope(x, cos, sin), v.float() * scale)`` for ``x [T, H, D]`` and ``v [T, N]`` (a
+    DeepSeek-V4 indexer's queries and its head weights): one launch on the Triton path
+    (`rope_and_scale_triton`, ``D`` a power of two), the same bits as the torch ops."""
+    d = x.shape[-1] if x.dim() else 0
+    if use_triton(x) and d > 0 and triton_next_pow2(d) == d:
+        return rope_and_scale_triton(x, cos, sin, v, scale)
+    _check_scaled(x, v)
+    return norm_rope_torch(x, cos, sin), v.float() * scale
+
+
+def rope_and_scale_triton(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton path of `rope_and_scale`: `norm_rope_triton`'s programs, the head-0 program of
+    each token also writing its row of ``v`` as fp32 times ``scale``."""
+    _check(x, cos, sin, None)
+    _check_scaled(x, v)
+    d = x.shape[-1]
+    if triton_next_pow2(d) != d:
+        raise ValueError(f"rope_and_scale_triton needs a power-of-two last dim, got {d}")
+    x = x if x.stride(2) == 1 else x.contiguous()
+    if cos.stride(1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    t, heads, n = x.shape[0], x.shape[1], v.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    v_out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    if t == 0:
+        return out, v_out
+    if heads == 0 or n == 0:
+        return out, v.float() * scale
+    _norm_rope_kernel[(t * heads,)](
+        x, cos, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), 1.0 / d, 0.0,
+        x, cos, out, 0, v, v_out, v.stride(0), n, float(scale), D=d, HALF_RD=cos.shape[1],
+        NORM=0, INVERSE=False, NORM2=0, PAIR=False, V_P=triton_next_pow2(n),
+        num_warps=_warps(d), enable_fp_fusion=False,
+    )  # fmt: skip
+    return out, v_out
 
 
 def norm_rope(

@@ -226,7 +226,7 @@ def _topk_kernel(
     scores_ptr, count_ptr, gather_ptr, out_ptr, work_ptr, values_ptr, width, top_k, stride_s,
     stride_c, stride_g, stride_o, stride_w, TILE: tl.constexpr, BITS: tl.constexpr,
     GATHER: tl.constexpr, COMPACT: tl.constexpr, ROW: tl.constexpr, PART: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, ALL: tl.constexpr = False,
 ):  # fmt: skip
     """One program per row (module docstring). ``COMPACT``: after the first pass the keys of
     the chosen bin are copied, in column order, to the row's workspace ``work`` (int32,
@@ -247,7 +247,10 @@ def _topk_kernel(
     g_row = gather_ptr + row * stride_g + col_base
     o_row = out_ptr + row * stride_o + part * top_k
     v_row = values_ptr + row * stride_o + part * top_k
-    count = tl.load(count_ptr + row * stride_c)
+    if ALL:  # every column counts (the split search's second stage): no count tensor
+        count = width
+    else:
+        count = tl.load(count_ptr + row * stride_c)
     if PART > 0:  # this part's width and eligible columns
         width = tl.minimum(width - col_base, PART)
         count = count - col_base
@@ -402,11 +405,12 @@ def topk_columns_torch(
 
 
 def topk_columns_triton(
-    scores: torch.Tensor, count: torch.Tensor, top_k: int, *, gather: torch.Tensor | None = None,
+    scores: torch.Tensor, count: torch.Tensor | None, top_k: int, *, gather: torch.Tensor | None = None,
     tile: int | None = None, bits: int = RADIX_BITS, num_warps: int | None = None,
     compact: bool | None = None, row: bool | None = None, part: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Triton path of :func:`topk_columns` (arguments checked there): ``_topk_kernel``, one
+    """Triton path of :func:`topk_columns` (arguments checked there; ``count`` None: every
+    column counts, no count tensor read): ``_topk_kernel``, one
     program per row, ``tile`` scores per chunk (a power of two, default :func:`topk_tile`),
     ``bits``-wide digits (2 to 8), ``num_warps`` (of the first stage). The same winners
     with every setting:
@@ -450,11 +454,11 @@ def topk_columns_triton(
                     row=_row_size(min(part, width)) if row else 0,
                     part=part, num_warps=num_warps)  # fmt: skip
         # second stage: every candidate counts (the NaNs of the first stage's short parts
-        # never win), the first stage's values mapped through
-        full = torch.full((num_rows,), parts * top_k, dtype=torch.int32, device=scores.device)
+        # never win; ``count=None``: no count tensor to fill), the first stage's values
+        # mapped through
         row2 = row and parts * top_k <= MAX_ROW
         return topk_columns_triton(
-            cand, full, top_k, gather=vals, bits=bits, row=row2, part=0, compact=False
+            cand, None, top_k, gather=vals, bits=bits, row=row2, part=0, compact=False
         )
     out = torch.empty((num_rows, top_k), dtype=torch.int32, device=scores.device)
     if num_rows == 0:
@@ -473,10 +477,13 @@ def topk_columns_triton(
 
 def _launch(scores, count, g, out, work, values, width, top_k, grid, *, tile, bits, gather,
             compact, row, part, num_warps) -> None:  # fmt: skip
+    every = count is None  # every column counts: the kernel reads no count
+    count = scores if every else count
     _topk_kernel[grid](
-        scores, count, g, out, work, values, width, top_k, scores.stride(0), count.stride(0),
-        g.stride(0), out.stride(0), work.stride(0), TILE=tile, BITS=bits, GATHER=gather,
-        COMPACT=compact, ROW=row, PART=part, INTERPRET=triton_interpreting(),
+        scores, count, g, out, work, values, width, top_k, scores.stride(0),
+        0 if every else count.stride(0), g.stride(0), out.stride(0), work.stride(0), TILE=tile,
+        BITS=bits, GATHER=gather, COMPACT=compact, ROW=row, PART=part,
+        INTERPRET=triton_interpreting(), ALL=every,
         num_warps=num_warps or (_row_warps(row) if row else max(1, min(8, tile // 256))),
     )  # fmt: skip
 

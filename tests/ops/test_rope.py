@@ -170,3 +170,59 @@ def test_gpu_pair_launch_equals_two_launches():
     got_q, got_kv = norm_rope_pair(q, kv, cos, sin, qn, kvn)
     assert torch.equal(got_q, norm_rope_triton(q, cos, sin, norm=qn))
     assert torch.equal(got_kv, norm_rope_triton(kv, cos, sin, norm=kvn))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,heads,n", [(5, 3, 6), (1, 1, 1), (4, 2, 32)])
+def test_rope_and_scale_is_the_two_torch_ops(dtype, t, heads, n):
+    """A DeepSeek-V4 indexer's queries (RoPE, no norm) and head weights (fp32, scaled) in one
+    launch: bit for bit `norm_rope_triton` and ``v.float() * scale``; weights read through a
+    column view of a wider projection, as the model hands them."""
+    from kvplan.ops.rope import rope_and_scale, rope_and_scale_triton
+
+    gen = torch.Generator().manual_seed(t * 100 + n)
+    x = torch.randn(t, heads, 32, generator=gen).to(dtype)
+    wide = torch.randn(t, n + 5, generator=gen).to(dtype)
+    v = wide[:, 2 : 2 + n]
+    cos, sin = tables(t, 8, dtype, 3)
+    scale = (heads**-0.5) * (32**-0.5)
+    got_x, got_v = rope_and_scale_triton(x, cos, sin, v, scale)
+    assert torch.equal(got_x, norm_rope_triton(x, cos, sin))
+    assert got_v.dtype == torch.float32 and torch.equal(got_v, v.float() * scale)
+    want_x, want_v = rope_and_scale(x, cos, sin, v, scale)  # CPU tensors: the torch path
+    assert torch.equal(want_v, got_v)
+    tol = dict(atol=2e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_x, want_x, **tol)
+
+
+def test_rope_and_scale_errors():
+    from kvplan.ops.rope import rope_and_scale, rope_and_scale_triton
+
+    x = torch.randn(3, 2, 32)
+    cos, sin = tables(3, 8, torch.float32, 0)
+    with pytest.raises(ValueError, match=r"x \[T, H, D\] and v \[T, N\]"):
+        rope_and_scale_triton(x, cos, sin, torch.randn(4, 5), 0.5)
+    with pytest.raises(ValueError, match=r"unit column stride"):
+        rope_and_scale(x, cos, sin, torch.randn(5, 3).t(), 0.5)
+    with pytest.raises(TypeError, match="v"):
+        rope_and_scale_triton(x, cos, sin, torch.ones(3, 5, dtype=torch.int32), 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [32, 64])
+def test_gpu_rope_and_scale_is_the_two_ops(heads):
+    """On CUDA at the indexer's shapes (heads x 128, 64 rotary, bf16, the weights a column
+    view of the layer's wide projection): the bits of `norm_rope` and the torch product,
+    with scales that are not powers of two."""
+    from kvplan.ops.rope import rope_and_scale
+
+    gen = torch.Generator().manual_seed(heads)
+    t = 37
+    x = torch.randn(t, heads, 128, generator=gen).bfloat16().cuda()
+    wide = torch.randn(t, 3 * heads + 7, generator=gen).bfloat16().cuda()
+    v = wide[:, heads + 3 : 2 * heads + 3]
+    cos, sin = (c.cuda() for c in tables(t, 32, torch.bfloat16, 5))
+    scale = (heads**-0.5) * (128**-0.5)
+    got_x, got_v = rope_and_scale(x, cos, sin, v, scale)
+    assert torch.equal(got_x, norm_rope_triton(x, cos, sin))
+    assert torch.equal(got_v, v.float() * scale)

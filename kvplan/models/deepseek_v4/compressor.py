@@ -26,6 +26,7 @@ from torch import nn
 
 from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.layers import Rope
+from kvplan.ops._dispatch import env_flag
 from kvplan.ops.compress_store import (
     GateBias,
     PoolWeights,
@@ -33,7 +34,12 @@ from kvplan.ops.compress_store import (
     fused_compress_enabled,
     pool_windows,
 )
-from kvplan.ops.rope import norm_rope
+from kvplan.ops.rope import norm_rope, rope_and_scale
+
+# the indexer's query RoPE and its head weights' fp32 scaling in one launch
+# (`kvplan.ops.rope.rope_and_scale`, the same bits); ``KVPLAN_FUSED_INDEX_WEIGHTS=0`` runs
+# ``norm_rope`` then the cast and the product (two more launches a CSA layer), for A/B runs
+FUSED_INDEX_WEIGHTS = env_flag("KVPLAN_FUSED_INDEX_WEIGHTS", True)
 
 
 def pool(
@@ -147,7 +153,7 @@ class Indexer(nn.Module):
         own ``q_b_proj``; any row stride, unit column stride)."""
         self.compressor(kv, gate, ctx, layer_idx, "indexer", rope)
         q = q.unflatten(-1, (self.heads, self.width))
-        q = norm_rope(q, cos, sin)
         scale = (self.heads**-0.5) * (self.width**-0.5)
-        weights = head_weights.float() * scale
-        return q, weights
+        if FUSED_INDEX_WEIGHTS:  # the queries' RoPE and the weights' fp32 scaling: one launch
+            return rope_and_scale(q, cos, sin, head_weights, scale)
+        return norm_rope(q, cos, sin), head_weights.float() * scale
