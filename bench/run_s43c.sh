@@ -8,7 +8,7 @@ set -u
 BUDGET=${BUDGET:-330}
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
-gpu_tests ops 150 8 tests/ops/test_rope.py tests/ops/test_topk.py tests/models \
+gpu_tests ops 170 8 tests/ops/test_rope.py tests/ops/test_topk.py tests/models/test_deepseek_v4_*.py \
   tests/engine/test_deepseek_v4_engine.py tests/engine/test_hybrid_speculative.py
 decode_ab KVPLAN_FUSED_INDEX_WEIGHTS d32k_w 1 0 1 0 1 0
 profile_32k p32k "topk|norm_rope|elementwise|Fill|copy"
