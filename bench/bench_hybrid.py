@@ -94,6 +94,20 @@ def model_config(quick: bool) -> DeepseekV4Config:
 # ---- bytes -------------------------------------------------------------------------------
 
 
+def bench_model(cfg: DeepseekV4Config, dev: torch.device, dtype: torch.dtype):
+    """The random-weight benchmark model on ``dev`` in ``dtype``, in eval mode, its logits in
+    the model dtype (as the engine runs it, eager steps too)."""
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = DeepseekV4ForCausalLM(cfg)
+    model = init_random(model, seed=0)
+    if dtype != torch.float32:
+        model = cast_model(model, dtype)
+    model.eval()
+    model.float_logits = False
+    return model
+
+
 def layout_bytes(kv_format: str, spec, dtype: torch.dtype) -> tuple[int, int]:
     """(main row bytes, index key bytes) per entry for one layer."""
     main = main_format(kv_format, spec.head_dim, dtype).bytes_per_token
@@ -461,14 +475,7 @@ def main() -> None:
     ]
     steps, warmup = (args.steps or (5 if cuda else 2)), (2 if cuda else 1)
     block_size = 256 if cuda else 32
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = DeepseekV4ForCausalLM(cfg)
-    model = init_random(model, seed=0)
-    if dtype != torch.float32:
-        model = cast_model(model, dtype)
-    model.eval()
-    model.float_logits = False  # as the engine runs it (eager steps too): bf16 logits
+    model = bench_model(cfg, dev, dtype)
     bw = copy_bandwidth(dev)
     weights = weight_bytes(model, batch)
     gen = torch.Generator(device=dev).manual_seed(1)

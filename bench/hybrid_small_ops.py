@@ -23,12 +23,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kvplan.ops is imported
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_hybrid import fill_caches, model_config, sync  # noqa: E402
+from bench_hybrid import bench_model, fill_caches, model_config, sync  # noqa: E402
 
 from kvplan.backends.hybrid.api import HybridSeq  # noqa: E402
 from kvplan.backends.hybrid.planned import PlannedHybridFamily  # noqa: E402
 from kvplan.engine.request import TokenIds  # noqa: E402
-from kvplan.models.deepseek_v4 import DeepseekV4ForCausalLM, cast_model, init_random  # noqa: E402
 from kvplan.ops.argmax import argmax_rows  # noqa: E402
 
 
@@ -85,13 +84,7 @@ def main() -> None:
     batch = args.batch if cuda else 2
     context = args.context if cuda else 64
     block_size = 256 if cuda else 32
-    with torch.device(dev):
-        model = DeepseekV4ForCausalLM(cfg)
-    model = init_random(model, seed=0)
-    if dtype != torch.float32:
-        model = cast_model(model, dtype)
-    model.eval()
-    model.float_logits = False
+    model = bench_model(cfg, dev, dtype)
     max_len = context + 4 + 2 * args.steps
     per_seq = -(-max_len // block_size)
     family = PlannedHybridFamily(

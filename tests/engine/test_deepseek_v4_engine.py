@@ -11,7 +11,7 @@ import torch
 
 from kvplan import LLM, SamplingParams
 from kvplan.engine.hybrid import HYBRID, HybridCausalLM, hybrid_block_size
-from tests.models.dsv4_testlib import hf_config, hf_model, random_tokens
+from tests.models.dsv4_testlib import hf_config, hf_greedy, hf_model, random_tokens
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -21,12 +21,6 @@ def _saved(tmp_path, seed: int):
     folder = tmp_path / f"dsv4_{seed}"
     hf.save_pretrained(folder)
     return hf, folder
-
-
-@torch.no_grad()
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -39,7 +33,7 @@ def test_llm_greedy_equals_hf_with_chunked_prefill_and_batching(tmp_path, seed):
     assert set(llm.parts.model.layer_families) == {HYBRID}
     outs = llm.generate(prompts, GREEDY)
     for p, o in zip(prompts, outs):
-        assert o.token_ids == _hf_greedy(hf, p, GREEDY.max_tokens)
+        assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
     m = llm.parts.manager
     assert m.num_requests == 0
     assert m.num_free_blocks() == llm.parts.num_blocks - 1  # block 0 is reserved
@@ -76,7 +70,7 @@ def test_llm_preemption_recomputes_and_frees_everything(tmp_path):
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)
     for p, o in zip(prompts, outs):
-        assert o.token_ids == _hf_greedy(hf, p, params.max_tokens)
+        assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
     assert llm.parts.core.scheduler.num_preemptions > 0
     assert llm.parts.manager.num_free_blocks() == 7
 
@@ -118,7 +112,7 @@ def test_kv_cache_memory_sizes_the_pools_and_preemption_keeps_outputs_exact(tmp_
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     if kv_format == "auto":
         for p, o in zip(prompts, outs):
-            assert o.token_ids == _hf_greedy(hf, p, params.max_tokens)
+            assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
     assert llm.parts.core.scheduler.num_preemptions > 0
     with pytest.raises(ValueError, match=r"kv_cache_memory=\d+ bytes cannot hold one sequence"):
         LLM(str(folder), kv_cache_memory=budget // 4, **kw)
@@ -166,7 +160,7 @@ def test_cli_generate_serves_the_folder(tmp_path, capsys):
     argv = ["generate", "--model", str(folder), "--device", "cpu", "--max-tokens", "6"]
     assert main([*argv, "--token-ids", ",".join(map(str, prompt))]) == 0
     got = [int(t) for t in capsys.readouterr().out.split()]
-    assert got == _hf_greedy(hf, prompt, 6)
+    assert got == hf_greedy(hf, prompt, 6)
     assert main([*argv, "hello"]) == 2  # no tokenizer in the folder: one clear line
     assert "--token-ids" in capsys.readouterr().err
     assert main([*argv, "--token-ids", "1, x"]) == 2
@@ -191,7 +185,7 @@ def test_llm_cuda_fp32_greedy_equals_hf(tmp_path, seed):
               max_num_seqs=3, max_model_len=96)  # fmt: skip
     assert llm.parts.model.model.embed_tokens.weight.is_cuda
     for p, o in zip(prompts, llm.generate(prompts, GREEDY)):
-        assert o.token_ids == _hf_greedy(hf, p, GREEDY.max_tokens)
+        assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
     assert llm.parts.manager.num_free_blocks() == llm.parts.num_blocks - 1
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvplan import LLM, SamplingParams
-from tests.models.dsv4_testlib import hf_config, hf_model, random_tokens
+from tests.models.dsv4_testlib import hf_greedy, random_tokens, saved_folder
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -16,19 +16,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module", params=[0, 5])
 def pair(request, tmp_path_factory):
     seed = request.param
-    cfg = hf_config(seed)
-    # every kind of layer: the ring (all), HCA's entries, CSA's overlap state and indexer
-    assert len(set(cfg.layer_types)) == 3
-    hf = hf_model(cfg, seed)
-    folder = tmp_path_factory.mktemp(f"dsv4_{seed}")
-    hf.save_pretrained(folder)
-    return hf, str(folder)
-
-
-@torch.no_grad()
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt) :].tolist()
+    return saved_folder(seed, tmp_path_factory.mktemp(f"dsv4_{seed}"))
 
 
 def make(folder: str, **kw) -> LLM:

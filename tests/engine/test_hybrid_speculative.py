@@ -13,7 +13,7 @@ from kvplan import LLM, SamplingParams
 from kvplan.backends.hybrid import drafts as drafts_mod
 from kvplan.backends.hybrid.drafts import DraftRollback, max_drafts
 from kvplan.engine.hybrid import PENDING_TOKEN, PendingTokenIds, TailTokenIds
-from tests.models.dsv4_testlib import hf_config, hf_model, random_tokens
+from tests.models.dsv4_testlib import hf_greedy, random_tokens, saved_folder
 
 N_NEW = 24
 
@@ -21,18 +21,7 @@ N_NEW = 24
 @pytest.fixture(scope="module", params=[0, 5])
 def pair(request, tmp_path_factory):
     seed = request.param
-    cfg = hf_config(seed)
-    assert len(set(cfg.layer_types)) == 3  # ring, HCA entries, CSA overlap state and indexer
-    hf = hf_model(cfg, seed)
-    folder = tmp_path_factory.mktemp(f"dsv4_spec_{seed}")
-    hf.save_pretrained(folder)
-    return hf, str(folder)
-
-
-@torch.no_grad()
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt) :].tolist()
+    return saved_folder(seed, tmp_path_factory.mktemp(f"dsv4_spec_{seed}"))
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -56,7 +45,7 @@ def test_drafts_give_hf_greedy_tokens_some_accepted_some_rejected(pair, k):
     llm = _engine(folder, num_speculative_tokens=k)
     outs = llm.generate(prompts, GREEDY)
     for p, o in zip(prompts, outs):
-        assert o.token_ids == _hf_greedy(hf, p, N_NEW)
+        assert o.token_ids == hf_greedy(hf, p, N_NEW)
     proposed = sum(o.num_draft_tokens_proposed for o in outs)
     accepted = sum(o.num_draft_tokens_accepted for o in outs)
     assert 0 < accepted < proposed  # both paths ran: kept drafts and rolled-back ones
@@ -73,7 +62,7 @@ def test_without_rollback_the_output_differs(pair, monkeypatch):
     prompts = _prompts(1)
     monkeypatch.setattr(DraftRollback, "restore", lambda self, accepted: None)
     outs = _engine(folder, num_speculative_tokens=7).generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] != [_hf_greedy(hf, p, N_NEW) for p in prompts]
+    assert [o.token_ids for o in outs] != [hf_greedy(hf, p, N_NEW) for p in prompts]
 
 
 def test_without_the_ring_slack_the_output_differs(pair, monkeypatch):
@@ -87,7 +76,7 @@ def test_without_the_ring_slack_the_output_differs(pair, monkeypatch):
     monkeypatch.setattr(PlannedHybridFamily, "__init__",
                         lambda self, *a, **kw: init(self, *a, **{**kw, "ring_size": None}))  # fmt: skip
     outs = _engine(folder, num_speculative_tokens=7).generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] != [_hf_greedy(hf, p, N_NEW) for p in prompts]
+    assert [o.token_ids for o in outs] != [hf_greedy(hf, p, N_NEW) for p in prompts]
 
 
 @pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
@@ -109,7 +98,7 @@ def test_preemption_and_prefix_caching_keep_hf_tokens(pair):
                   block_size=16, num_blocks=8)  # fmt: skip
     outs = llm.generate(prompts, GREEDY)
     for p, o in zip(prompts, outs):
-        assert o.token_ids == _hf_greedy(hf, p, N_NEW)
+        assert o.token_ids == hf_greedy(hf, p, N_NEW)
     assert llm.parts.core.scheduler.num_preemptions > 0
     assert sum(o.num_draft_tokens_accepted for o in outs) > 0
     m = llm.parts.manager
@@ -121,7 +110,7 @@ def test_preemption_and_prefix_caching_keep_hf_tokens(pair):
     p2 = p + out.token_ids + random_tokens(4, 5)
     o2 = llm.generate([p2], GREEDY)[0]
     assert o2.num_cached_prefix_tokens > 0
-    assert o2.token_ids == _hf_greedy(hf, p2, N_NEW)
+    assert o2.token_ids == hf_greedy(hf, p2, N_NEW)
 
 
 def test_tail_token_ids_read_the_base_then_the_tail():
@@ -194,7 +183,7 @@ def test_cuda_drafts_with_graphs_give_the_cpu_tokens(pair, kv_format):
     prompts = _prompts(1)
     want = [o.token_ids for o in _engine(folder, kv_format=kv_format).generate(prompts, GREEDY)]
     if kv_format == "auto":
-        assert want == [_hf_greedy(hf, p, N_NEW) for p in prompts]
+        assert want == [hf_greedy(hf, p, N_NEW) for p in prompts]
     gpu = _engine(folder, device="cuda", dtype="float32", kv_format=kv_format,
                   num_speculative_tokens=4)  # fmt: skip
     assert gpu.parts.core.runner.graphs is not None

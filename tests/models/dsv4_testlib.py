@@ -4,6 +4,9 @@
 * `hf_model(cfg, seed)` -- HF's model with every parameter randomised (HF starts sinks,
   position biases, the routers' correction bias and ``tid2eid`` at zero);
 * `saved_pair(tmp_path, seed)` -- (HF model, kvplan model loaded from its ``save_pretrained``);
+* `saved_folder(seed, folder)` -- (HF model of a config with all three layer kinds, the
+  folder its ``save_pretrained`` wrote), for engine tests;
+* `hf_greedy(hf, prompt, n)` -- HF ``generate``'s ``n`` greedy tokens after one prompt;
 * `run_steps(model, family, schedule)` -- drive the kvplan model through flat steps;
 * `hf_logits(hf, ids)` -- HF's full-forward fp32 logits ``[S, V]`` of one sequence.
 """
@@ -135,3 +138,20 @@ def run_step(
 def random_tokens(seed: int, n: int, vocab: int = 96) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+def saved_folder(seed: int, folder: Path) -> tuple[tf.DeepseekV4ForCausalLM, str]:
+    """HF's random model of ``hf_config(seed)`` saved into ``folder``; the config must mix
+    every kind of layer (the ring, HCA's entries, CSA's overlap state and indexer)."""
+    cfg = hf_config(seed)
+    assert len(set(cfg.layer_types)) == 3
+    hf = hf_model(cfg, seed)
+    hf.save_pretrained(folder)
+    return hf, str(folder)
+
+
+@torch.no_grad()
+def hf_greedy(hf: tf.DeepseekV4ForCausalLM, prompt: list[int], n: int) -> list[int]:
+    """The ``n`` tokens HF's greedy ``generate`` appends to ``prompt`` (exactly ``n``)."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt) :].tolist()
