@@ -55,9 +55,10 @@ Speculative decoding (``num_speculative_tokens``, n-gram drafts): a verification
 chunk of ``1 + k`` rows at positions ``L .. L + k``. The sliding-window ring gets ``k`` slots
 more than the window, and the compressor-state rows the drafts overwrite are copied before the
 step and put back for the rejected ones (`kvplan.backends.hybrid.drafts`); ``k`` is at most
-the smallest compressor-state ring less one (7 for DeepSeek-V4's CSA ratio 4). A verification
-row that ends at a block boundary after acceptance is snapshotted for prefix caching then; one
-that passes a boundary keeps no snapshot there.
+the smallest compressor-state ring less one (7 for DeepSeek-V4's CSA ratio 4). With prefix
+caching, block boundaries inside a row's drafts are kept like boundaries inside a prompt chunk
+(`KeepPoints`), then kept or discarded by what the row accepted (`drafts_verified`); a row
+whose drafts were all accepted and that ends at a boundary is snapshotted after the step.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -158,7 +159,7 @@ class HybridEngineFamily:
         self.device = device
         self.graphs: Any = None  # a HybridDecodeGraphs when decode steps replay CUDA graphs
         # the planned step's verification rows and their saved state (speculative decoding)
-        self._rollback: tuple[list[int], DraftRollback] | None = None
+        self._rollback: _Verification | None = None
         self.snapshots = snapshots
         self.block_size = family.config.block_size
         if snapshots is not None:
@@ -240,23 +241,24 @@ class HybridEngineFamily:
             return self.graphs.stage(self.seqs(step), step.ahead)
         positions = torch.from_numpy(step.positions).to(self.device)
         seqs = self.seqs(step)
-        keep = self._kept_snapshots(step)
         self._rollback = None
-        if step.num_contexts and any(s.drafts for s in step.seqs):
-            self._rollback = self._save_draft_state(step)
+        verify = [i for i, s in enumerate(step.seqs) if s.drafts] if step.num_contexts else []
+        keep, draft_points = self._kept_snapshots(step, verify)
+        if verify:
+            self._rollback = _Verification(verify, self._save_draft_state(step, verify),
+                                           draft_points)  # fmt: skip
         return self.family.plan(seqs, positions, keep=keep)
 
-    def _save_draft_state(self, step: StepBatch) -> tuple[list[int], DraftRollback]:
-        """The rows of ``step`` that verify drafts, and the copies of the compressor-state
-        rows their drafts overwrite (`kvplan.backends.hybrid.drafts`)."""
+    def _save_draft_state(self, step: StepBatch, rows: list[int]) -> DraftRollback:
+        """The copies of the compressor-state rows that the drafts of ``step``'s verification
+        rows ``rows`` overwrite (`kvplan.backends.hybrid.drafts`)."""
         m = self.manager
-        rows = [i for i, s in enumerate(step.seqs) if s.drafts]
         facts = [
             (m.get_state_slot(step.request_ids[i]), int(step.num_cached_tokens[i]),
              len(step.seqs[i].drafts))
             for i in rows
         ]  # fmt: skip
-        return rows, DraftRollback(self.family, facts)
+        return DraftRollback(self.family, facts)
 
     def drafts_verified(self, step: StepBatch, accepted: dict[int, int]) -> None:
         """``step``'s verification rows were checked: row ``i`` accepted its first
@@ -267,26 +269,35 @@ class HybridEngineFamily:
         saved, self._rollback = self._rollback, None
         if saved is None:
             raise RuntimeError("drafts_verified: the step planned no verification rows")
-        rows, rollback = saved
+        rows = saved.rows
         if sorted(accepted) != rows:
             raise ValueError(f"accepted names rows {sorted(accepted)}, the step verified {rows}")
-        rollback.restore([accepted[i] for i in rows])
+        saved.rollback.restore([accepted[i] for i in rows])
         m, bs, entries = self.manager, self.block_size, []
+        ends = {i: int(step.num_cached_tokens[i]) + 1 + accepted[i] for i in rows}
+        for i, h in saved.points:  # boundaries inside the drafts: kept only where accepted
+            if ends[i] < h:
+                self.snapshots.discard(step.request_ids[i], h // bs - 1)
         for i in rows:
             rid = step.request_ids[i]
-            end = int(step.num_cached_tokens[i]) + 1 + accepted[i]
             req = m.requests.get(rid)
-            self.family.adopt(rid, req.state_slot, end)
-            if self.snapshots is not None and end % bs == 0 and req.cacheable:
-                entries.append((rid, end // bs - 1, req.state_slot, True))
+            self.family.adopt(rid, req.state_slot, ends[i])
+            every = accepted[i] == len(step.seqs[i].drafts)  # (else a point covers the end)
+            if self.snapshots is not None and every and ends[i] % bs == 0 and req.cacheable:
+                entries.append((rid, ends[i] // bs - 1, req.state_slot, True))
         if entries:
             self.snapshots.take(entries)
 
-    def _kept_snapshots(self, step: StepBatch) -> Any:
-        """The snapshots of the step's ``keep_state_at`` points: taken now (copies of the
-        state slots before the step) and completed by the step (`KeepPoints`), or None."""
+    def _kept_snapshots(
+        self, step: StepBatch, verify: list[int]
+    ) -> tuple[KeepPoints | None, list[tuple[int, int]]]:
+        """The snapshots of the step's ``keep_state_at`` points and of the block boundaries
+        inside its verification rows' drafts (rows ``verify``): taken now (copies of the
+        state slots before the step) and completed by the step (`KeepPoints`), or None; and
+        the ``(row, boundary)`` of the drafts' points (`drafts_verified` keeps those its
+        accepted tokens reach)."""
         if self.snapshots is None:
-            return None
+            return None, []
         bs, m = self.block_size, self.manager
         entries, where = [], []
         for i, seq in enumerate(step.seqs):
@@ -299,16 +310,38 @@ class HybridEngineFamily:
             for h in seq.keep_state_at:
                 entries.append((rid, h // bs - 1, req.state_slot, False))
                 where.append((i, h))
+        first_draft = len(where)
+        for i in verify:  # boundaries h with L < h <= L + k: the state after draft h - L - 1
+            rid = step.request_ids[i]
+            req = m.requests.get(rid)
+            if not req.cacheable:
+                continue
+            start = int(step.num_cached_tokens[i])
+            for h in range((start // bs + 1) * bs, start + len(step.seqs[i].drafts) + 1, bs):
+                entries.append((rid, h // bs - 1, req.state_slot, True))
+                where.append((i, h))
         if not entries:
-            return None
+            return None, []
         slots = self.snapshots.take_early(entries)
         points = [(i, h, slot) for (i, h), slot in zip(where, slots) if slot is not None]
-        return KeepPoints(self.snapshots, points) if points else None
+        drafts = [
+            w for w, slot in zip(where[first_draft:], slots[first_draft:]) if slot is not None
+        ]
+        return (KeepPoints(self.snapshots, points) if points else None), drafts
 
     def free(self, request_id: Any) -> None:
         self.family.free(request_id)
         if self.snapshots is not None:
             self.snapshots.drop_pending(request_id)
+
+
+class _Verification(NamedTuple):
+    """A planned step's verification rows (step row indices), the copies that roll back
+    their rejected drafts, and the ``(row, boundary)`` snapshot points inside their drafts."""
+
+    rows: list[int]
+    rollback: DraftRollback
+    points: list[tuple[int, int]]
 
 
 def _token_view(request: Any) -> Sequence[int]:

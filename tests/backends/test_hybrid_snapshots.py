@@ -136,6 +136,20 @@ def test_a_request_keeps_its_newest_decode_snapshot_and_its_prompt_ones():
     assert snaps.take([(r, 0, 0, False) for r in "wxyz"]) == 4  # every slot free again
 
 
+def test_a_discarded_pending_snapshot_frees_its_slot_and_never_registers():
+    """`discard` (a speculative step's rejected drafts wrote that boundary's state): the
+    slot is free again, a later hash of the block registers nothing, other points stay."""
+    fam = family()
+    snaps = StateSnapshots(fam, 2)
+    assert snaps.take_early([("a", 3, 0, True), ("a", 4, 0, True)]) == [0, 1]
+    assert snaps.discard("a", 4) and not snaps.discard("a", 4) and not snaps.discard("b", 0)
+    assert snaps.num_pending == 1
+    snaps.register("a", 3, [b"h3", b"h4"])
+    assert snaps.lookup(b"h3") is not None and snaps.lookup(b"h4") is None
+    assert snaps.num_pending == 0 and snaps.take([("b", 0, 1, False)]) == 1  # no eviction
+    assert snaps.num_evicted == 0
+
+
 def test_capacity_is_checked():
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="capacity must be an int >= 1"):

@@ -104,13 +104,24 @@ def test_preemption_and_prefix_caching_keep_hf_tokens(pair):
     m = llm.parts.manager
     assert m.num_requests == 0 and m.num_free_blocks() == llm.parts.num_blocks - 1
 
-    llm = _engine(folder, num_speculative_tokens=5)
+
+@pytest.mark.parametrize("k", [3, 7])
+def test_a_conversation_resumes_where_plain_decoding_would(pair, k):
+    """Block boundaries that verification steps pass inside their drafts keep snapshots
+    (kept where the accepted tokens reach them, discarded where drafts were rejected): the
+    next turns resume at the same boundary as with plain decoding, with HF's tokens."""
+    hf, folder = pair
+    plain = _engine(folder, max_model_len=160)
+    spec = _engine(folder, max_model_len=160, num_speculative_tokens=k)
     p = _prompts(3)[0]
-    out = llm.generate([p], GREEDY)[0]
-    p2 = p + out.token_ids + random_tokens(4, 5)
-    o2 = llm.generate([p2], GREEDY)[0]
-    assert o2.num_cached_prefix_tokens > 0
-    assert o2.token_ids == hf_greedy(hf, p2, N_NEW)
+    for turn in range(3):
+        a, b = plain.generate([p], GREEDY)[0], spec.generate([p], GREEDY)[0]
+        assert b.token_ids == a.token_ids == hf_greedy(hf, p, N_NEW)
+        assert b.num_cached_prefix_tokens == a.num_cached_prefix_tokens
+        assert turn == 0 or b.num_cached_prefix_tokens > 0
+        p = p + b.token_ids + random_tokens(4 + turn, 3, vocab=12)
+    snaps = spec.parts.core.runner.families["hybrid"].snapshots
+    assert snaps.num_pending == 0 and snaps.num_restored == 2
 
 
 def test_tail_token_ids_read_the_base_then_the_tail():

@@ -161,6 +161,19 @@ class StateSnapshots:
         if not pending:
             del self._pending[request_id]
 
+    def discard(self, request_id: Hashable, block: int) -> bool:
+        """Forget ``request_id``'s pending snapshot at block ``block`` (its state turned out
+        not to be the request's: a speculative step's rejected drafts wrote it); returns
+        whether there was one."""
+        pending = self._pending.get(request_id)
+        got = None if pending is None else pending.pop(block, None)
+        if got is None:
+            return False
+        self._free.append(got[0])
+        if not pending:
+            del self._pending[request_id]
+        return True
+
     def drop_pending(self, request_id: Hashable) -> None:
         """Forget a request: its unregistered snapshots go back to the free list (its
         registered ones stay findable)."""
