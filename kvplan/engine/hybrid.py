@@ -264,8 +264,9 @@ class HybridEngineFamily:
         """``step``'s verification rows were checked: row ``i`` accepted its first
         ``accepted[i]`` drafts. Puts back the compressor-state rows of the rejected drafts,
         sets each request's cached length to what it accepted, and, with prefix caching,
-        snapshots a row that now ends at a block boundary (before the engine commits its
-        tokens, which registers the snapshot)."""
+        discards the snapshot points inside drafts that were rejected and snapshots a row
+        whose drafts were all accepted and that ends at a block boundary (all before the
+        engine commits the tokens, which registers the snapshots)."""
         saved, self._rollback = self._rollback, None
         if saved is None:
             raise RuntimeError("drafts_verified: the step planned no verification rows")
