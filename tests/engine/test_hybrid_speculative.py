@@ -138,7 +138,21 @@ def test_tail_token_ids_read_the_base_then_the_tail():
     assert list(pending) == [5, 6, 7, PENDING_TOKEN]
 
 
-def _family(device: str = "cpu"):
+def test_one_state_slot(pair):
+    """``max_num_seqs=1``: one state slot, so the trash row is a large share of each state
+    tensor (the rollback must not count it into the ring's rows)."""
+    hf, folder = pair
+    prompts = _prompts(5)
+    llm = _engine(folder, max_num_seqs=1, num_speculative_tokens=3)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, N_NEW) for p in prompts]
+    assert 0 < sum(o.num_draft_tokens_accepted for o in outs)
+    assert sum(o.num_draft_tokens_accepted for o in outs) < sum(
+        o.num_draft_tokens_proposed for o in outs
+    )
+
+
+def _family(device: str = "cpu", slots: int = 3):
     from kvplan.backends.hybrid.api import HybridLayerSpec
     from kvplan.backends.hybrid.planned import PlannedHybridFamily
 
@@ -146,19 +160,21 @@ def _family(device: str = "cpu"):
         HybridLayerSpec("compressed_sparse_attention", 6, 4, 2, 16, 8, 2, 4),
         HybridLayerSpec("heavily_compressed_attention", 6, 16, 0, 16, 0, 2, 0),
     ]
-    return PlannedHybridFamily(specs, block_size=16, num_blocks=4, num_state_slots=3,
+    return PlannedHybridFamily(specs, block_size=16, num_blocks=4, num_state_slots=slots,
                                max_model_len=64, device=device)  # fmt: skip
 
 
-def test_rollback_puts_back_exactly_the_rejected_rows():
-    fam = _family()
+@pytest.mark.parametrize("slots", [1, 3])
+def test_rollback_puts_back_exactly_the_rejected_rows(slots):
+    fam = _family(slots=slots)
     assert max_drafts(fam) == 7  # CSA ratio 4: rings of 8 rows
     gen = torch.Generator().manual_seed(0)
     live = [t for c in fam.caches for pair in c.state.values() for t in pair]
     for t in live:
         t.copy_(torch.randn(t.shape, generator=gen))
     before = [t.clone() for t in live]
-    rows = [(2, 13, 5), (0, 30, 3)]  # (state slot, newest position L, drafts)
+    last = slots - 1
+    rows = [(last, 13, 5), (0, 30, 3)]  # (state slot, newest position L, drafts)
     rollback = DraftRollback(fam, rows)
     for t in live:  # the step writes every row of the state rings
         t.add_(1.0)
@@ -166,8 +182,8 @@ def test_rollback_puts_back_exactly_the_rejected_rows():
     rollback.restore([2, 3])  # row 0 rejects drafts 3..5 (positions 16..18), row 1 none
     assert rollback.num_restored == 3
     for t, b, w in zip(live, before, written):
-        big_r = (t.shape[0] - 1) // 3
-        back = {2 * big_r + p % big_r for p in (16, 17, 18)}
+        big_r = (t.shape[0] - 1) // slots
+        back = {last * big_r + p % big_r for p in (16, 17, 18)}
         for r in range(t.shape[0]):
             assert torch.equal(t[r], b[r] if r in back else w[r]), (big_r, r)
 

@@ -38,9 +38,14 @@ if TYPE_CHECKING:
 def max_drafts(family: PlannedHybridFamily) -> int | None:
     """The most drafts a verification row may carry: one less than the smallest compressor
     state ring (``R``) of the family's layers; None when no layer compresses."""
-    rows = [t.shape[0] // family.config.num_state_slots for c in family.caches
+    rows = [_ring_rows(t, family.config.num_state_slots) for c in family.caches
             for t, _ in c.state.values()]  # fmt: skip
     return min(rows) - 1 if rows else None
+
+
+def _ring_rows(state: torch.Tensor, num_slots: int) -> int:
+    """``R`` of a compressor-state tensor ``[num_slots * R + 1 trash row, width]``."""
+    return (state.shape[0] - 1) // num_slots
 
 
 class DraftRollback:
@@ -75,7 +80,7 @@ class DraftRollback:
         for layer in family.caches:
             for pair in layer.state.values():
                 for live in pair:  # [slots * R + 1 trash row, width]
-                    big_r = live.shape[0] // slots
+                    big_r = _ring_rows(live, slots)
                     if big_r not in self._index:
                         rows_r = torch.from_numpy(state * big_r + pos % big_r)
                         self._index[big_r] = rows_r.to(dev)
