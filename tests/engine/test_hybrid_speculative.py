@@ -146,7 +146,7 @@ def test_one_state_slot(pair):
     llm = _engine(folder, max_num_seqs=1, num_speculative_tokens=3)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, N_NEW) for p in prompts]
-    assert 0 < sum(o.num_draft_tokens_accepted for o in outs)
+    assert sum(o.num_draft_tokens_accepted for o in outs) > 0
     assert sum(o.num_draft_tokens_accepted for o in outs) < sum(
         o.num_draft_tokens_proposed for o in outs
     )
