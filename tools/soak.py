@@ -122,7 +122,7 @@ def run_hybrid(seed: int, ops: int = 100) -> dict:
     shared = rng.random() < 0.5
     kv_format = rng.choice(["auto", "auto", "fp8", "fp4"])
     s = dict(model_seed=model_seed, shared_prefixes=shared, kv_format=kv_format,
-             max_num_seqs=rng.choice([2, 3, 4]), max_num_batched_tokens=rng.choice([16, 24, 40]),
+             max_num_seqs=rng.choice([1, 2, 3, 4]), max_num_batched_tokens=rng.choice([16, 24, 40]),
              num_blocks=rng.choice([5, 6, 8]), max_tokens=rng.choice([4, 12]),
              num_speculative_tokens=rng.choice([0, 0, 3, 7]))  # fmt: skip
     params = SamplingParams(max_tokens=s["max_tokens"], ignore_eos=True)
