@@ -68,18 +68,20 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
 from kvplan.backends.hybrid.api import HybridSeq
-from kvplan.backends.hybrid.drafts import DraftRollback
 from kvplan.backends.hybrid.snapshots import KeepPoints
 from kvplan.engine.config import EngineConfig
 from kvplan.engine.step import StepBatch
 from kvplan.models.weights import read_config_json
 from kvplan.ops._dispatch import env_flag
+
+if TYPE_CHECKING:  # imported where used: the planning layer loads with the first hybrid model
+    from kvplan.backends.hybrid.drafts import DraftRollback
 
 HYBRID = "hybrid"
 HYBRID_MODEL_TYPES = ("deepseek_v4",)
@@ -252,6 +254,8 @@ class HybridEngineFamily:
     def _save_draft_state(self, step: StepBatch, rows: list[int]) -> DraftRollback:
         """The copies of the compressor-state rows that the drafts of ``step``'s verification
         rows ``rows`` overwrite (`kvplan.backends.hybrid.drafts`)."""
+        from kvplan.backends.hybrid.drafts import DraftRollback
+
         m = self.manager
         facts = [
             (m.get_state_slot(step.request_ids[i]), int(step.num_cached_tokens[i]),
@@ -482,10 +486,10 @@ def hybrid_num_blocks(
 
 def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
     """Model, cache manager and hybrid family for a DeepSeek-V4 folder (module docstring)."""
+    from kvplan.backends.hybrid.drafts import max_drafts
     from kvplan.backends.hybrid.planned import PlannedHybridFamily
     from kvplan.cache import KVCacheManager
     from kvplan.models.deepseek_v4 import load_deepseek_v4
-    from kvplan.plan.compressor_state import state_rows
 
     drafts = config.num_speculative_tokens
     dev, dtype = config.torch_device, config.torch_dtype
@@ -499,11 +503,11 @@ def build_hybrid(source: HybridSource, config: EngineConfig) -> HybridParts:
         )
     cfg = source.config
     specs = cfg.layer_specs()
-    cap = min((state_rows(sp.ratio, sp.overlap) for sp in specs if sp.ratio), default=None)
-    if drafts and cap is not None and drafts >= cap:
+    cap = max_drafts(specs)
+    if drafts and cap is not None and drafts > cap:
         raise ValueError(
             f"num_speculative_tokens={drafts}: this model's smallest compressor-state ring "
-            f"holds {cap} positions, so a verification row carries at most {cap - 1} drafts"
+            f"holds {cap + 1} positions, so a verification row carries at most {cap} drafts"
         )
     # the sliding-window ring gets one slot per draft more (kvplan.backends.hybrid.drafts)
     ring_size = cfg.sliding_window + drafts if drafts else None

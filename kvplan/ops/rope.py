@@ -187,9 +187,17 @@ def norm_rope_triton(
 ) -> torch.Tensor:
     """Triton path of :func:`norm_rope`: one program per row (``D`` a power of two)."""
     _check(x, cos, sin, norm)
+    return _rows_launch("norm_rope_triton", x, cos, sin, norm, inverse)[0]
+
+
+def _rows_launch(
+    name: str, x, cos, sin, norm: NormSpec | None, inverse: bool, v=None, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_norm_rope_kernel`` over every row of ``x`` (checked by the caller), and with ``v``
+    the rows of ``v`` scaled by its head-0 programs: (out, scaled ``v`` or None)."""
     d = x.shape[-1]
     if triton_next_pow2(d) != d:
-        raise ValueError(f"norm_rope_triton needs a power-of-two last dim, got {d}")
+        raise ValueError(f"{name} needs a power-of-two last dim, got {d}")
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     if x3.stride(2) != 1:
         x3 = x3.contiguous()
@@ -197,16 +205,20 @@ def norm_rope_triton(
     if cos.stride(1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if t * heads == 0:
-        return out
+    n = 0 if v is None else v.shape[1]
+    v_out = None if v is None else torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    if t * heads == 0 or (v is not None and n == 0):
+        return out, None if v is None else v.float() * scale
     kind, w = _norm_kind(norm, cos)
     _norm_rope_kernel[(t * heads,)](
         x3, w, cos, sin, out, heads, x3.stride(0), x3.stride(1), cos.stride(0), 1.0 / d,
-        float(norm.eps) if norm is not None else 0.0, x3, w, out, 0, x3, out, 0, 0, 1.0, D=d,
-        HALF_RD=cos.shape[1], NORM=kind, INVERSE=bool(inverse), NORM2=0, PAIR=False, V_P=0,
-        num_warps=_warps(d), enable_fp_fusion=False,
+        float(norm.eps) if norm is not None else 0.0, x3, w, out, 0,
+        x3 if v is None else v, out if v_out is None else v_out, 0 if v is None else v.stride(0),
+        n, float(scale), D=d, HALF_RD=cos.shape[1], NORM=kind, INVERSE=bool(inverse), NORM2=0,
+        PAIR=False, V_P=triton_next_pow2(n) if n else 0, num_warps=_warps(d),
+        enable_fp_fusion=False,
     )  # fmt: skip
-    return out
+    return out, v_out
 
 
 def _norm_kind(norm: NormSpec | None, cos: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -306,26 +318,7 @@ def rope_and_scale_triton(
     each token also writing its row of ``v`` as fp32 times ``scale``."""
     _check(x, cos, sin, None)
     _check_scaled(x, v)
-    d = x.shape[-1]
-    if triton_next_pow2(d) != d:
-        raise ValueError(f"rope_and_scale_triton needs a power-of-two last dim, got {d}")
-    x = x if x.stride(2) == 1 else x.contiguous()
-    if cos.stride(1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    t, heads, n = x.shape[0], x.shape[1], v.shape[1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    v_out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    if t == 0:
-        return out, v_out
-    if heads == 0 or n == 0:
-        return out, v.float() * scale
-    _norm_rope_kernel[(t * heads,)](
-        x, cos, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), 1.0 / d, 0.0,
-        x, cos, out, 0, v, v_out, v.stride(0), n, float(scale), D=d, HALF_RD=cos.shape[1],
-        NORM=0, INVERSE=False, NORM2=0, PAIR=False, V_P=triton_next_pow2(n),
-        num_warps=_warps(d), enable_fp_fusion=False,
-    )  # fmt: skip
-    return out, v_out
+    return _rows_launch("rope_and_scale_triton", x, cos, sin, None, False, v, scale)
 
 
 def norm_rope(

@@ -167,7 +167,7 @@ def _family(device: str = "cpu", slots: int = 3):
 @pytest.mark.parametrize("slots", [1, 3])
 def test_rollback_puts_back_exactly_the_rejected_rows(slots):
     fam = _family(slots=slots)
-    assert max_drafts(fam) == 7  # CSA ratio 4: rings of 8 rows
+    assert max_drafts(fam.layers) == 7  # CSA ratio 4: rings of 8 rows
     gen = torch.Generator().manual_seed(0)
     live = [t for c in fam.caches for pair in c.state.values() for t in pair]
     for t in live:
@@ -197,7 +197,7 @@ def test_rollback_checks_its_arguments():
         rollback.restore([0, 1])
     with pytest.raises(ValueError, match="each must lie in 0 .. num_drafts"):
         rollback.restore([3])
-    assert drafts_mod.max_drafts(fam) == 7
+    assert drafts_mod.max_drafts(fam.layers) == 7
 
 
 @pytest.mark.gpu

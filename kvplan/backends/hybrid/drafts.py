@@ -30,22 +30,18 @@ import numpy as np
 import torch
 
 from kvplan._math import exclusive_cumsum
+from kvplan.backends.hybrid.api import HybridLayerSpec
+from kvplan.plan.compressor_state import state_rows
 
 if TYPE_CHECKING:
     from kvplan.backends.hybrid.planned import PlannedHybridFamily
 
 
-def max_drafts(family: PlannedHybridFamily) -> int | None:
+def max_drafts(layers: Sequence[HybridLayerSpec]) -> int | None:
     """The most drafts a verification row may carry: one less than the smallest compressor
-    state ring (``R``) of the family's layers; None when no layer compresses."""
-    rows = [_ring_rows(t, family.config.num_state_slots) for c in family.caches
-            for t, _ in c.state.values()]  # fmt: skip
+    state ring (``R``) of ``layers``; None when no layer compresses."""
+    rows = [state_rows(sp.ratio, sp.overlap) for sp in layers if sp.kind != "sliding_attention"]
     return min(rows) - 1 if rows else None
-
-
-def _ring_rows(state: torch.Tensor, num_slots: int) -> int:
-    """``R`` of a compressor-state tensor ``[num_slots * R + 1 trash row, width]``."""
-    return (state.shape[0] - 1) // num_slots
 
 
 class DraftRollback:
@@ -60,7 +56,7 @@ class DraftRollback:
     """
 
     def __init__(self, family: PlannedHybridFamily, rows: Sequence[tuple[int, int, int]]) -> None:
-        cap = max_drafts(family)
+        cap = max_drafts(family.layers)
         for i, (_, _, k) in enumerate(rows):
             if k < 1 or (cap is not None and k > cap):
                 raise ValueError(
@@ -76,11 +72,10 @@ class DraftRollback:
         dev = self._device = family.device
         self._index: dict[int, torch.Tensor] = {}  # R -> ring rows of every draft position
         self._saved: list[tuple[torch.Tensor, int, torch.Tensor]] = []  # (live, R, copy)
-        slots = family.config.num_state_slots
         for layer in family.caches:
+            big_r = state_rows(layer.spec.ratio, layer.spec.overlap)
             for pair in layer.state.values():
                 for live in pair:  # [slots * R + 1 trash row, width]
-                    big_r = _ring_rows(live, slots)
                     if big_r not in self._index:
                         rows_r = torch.from_numpy(state * big_r + pos % big_r)
                         self._index[big_r] = rows_r.to(dev)
