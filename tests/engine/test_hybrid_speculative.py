@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from kvplan import LLM, SamplingParams
-from kvplan.backends.hybrid import drafts as drafts_mod
 from kvplan.backends.hybrid.drafts import DraftRollback, max_drafts
 from kvplan.engine.hybrid import PENDING_TOKEN, PendingTokenIds, TailTokenIds
 from tests.models.dsv4_testlib import hf_greedy, random_tokens, saved_folder
@@ -197,7 +196,7 @@ def test_rollback_checks_its_arguments():
         rollback.restore([0, 1])
     with pytest.raises(ValueError, match="each must lie in 0 .. num_drafts"):
         rollback.restore([3])
-    assert drafts_mod.max_drafts(fam.layers) == 7
+    assert max_drafts(fam.layers) == 7
 
 
 @pytest.mark.gpu
