@@ -28,6 +28,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from kvplan.ops._launch import jit
+from kvplan.ops._moe_kernels import swiglu_values
 from kvplan.ops._triton_util import round_to as _round
 
 
@@ -106,13 +107,8 @@ def grouped_gate_up_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    g = tl.minimum(_round(acc_g, dtype), limit)
-    u = tl.minimum(tl.maximum(_round(acc_u, dtype), -limit), limit)
-    act = _round(g / (1.0 + tl.exp(-g)), dtype)
-    tl.store(
-        h_ptr + pos[:, None] * inter + cols[None, :], (act * u).to(dtype),
-        mask=pmask[:, None] & cmask[None, :],
-    )  # fmt: skip
+    h = swiglu_values(_round(acc_g, dtype), _round(acc_u, dtype), limit, dtype)
+    tl.store(h_ptr + pos[:, None] * inter + cols[None, :], h, mask=pmask[:, None] & cmask[None, :])
 
 
 @jit

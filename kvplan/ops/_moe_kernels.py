@@ -80,10 +80,19 @@ def swiglu_kernel(
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     g = tl.load(g_ptr + t * stride_gt + ex * stride_ge + cols, mask=mask, other=0.0)
     u = tl.load(u_ptr + t * stride_ut + ex * stride_ue + cols, mask=mask, other=0.0)
-    g = tl.minimum(g.to(tl.float32), limit)
-    u = tl.minimum(tl.maximum(u.to(tl.float32), -limit), limit)
+    out = swiglu_values(g.to(tl.float32), u.to(tl.float32), limit, dtype)
+    tl.store(out_ptr + t * stride_ot + ex * stride_oe + cols, out, mask=mask)
+
+
+@jit
+def swiglu_values(g, u, limit, dtype: tl.constexpr):
+    """``round(round(silu(min(g, limit))) * clamp(u, -limit, limit))`` in ``dtype`` for fp32
+    ``g`` / ``u`` holding ``dtype`` values (torch's rounding steps; shared by every kernel
+    that forms a SwiGLU, so they agree bit for bit)."""
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
     act = _round(g / (1.0 + tl.exp(-g)), dtype)
-    tl.store(out_ptr + t * stride_ot + ex * stride_oe + cols, (act * u).to(dtype), mask=mask)
+    return (act * u).to(dtype)
 
 
 @jit
