@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 2a3dacd; the kernels and bench_moe_decode.py were removed after it (bench/RESULTS.md).
 # Session 44, call A: a decode step's dense MoE in two Triton kernels (`kvplan.ops.moe_decode`:
 # the SwiGLU in the gate/up GEMM's epilogue, the weighted expert sum in the down GEMM's):
 # their GPU tests and the DeepSeek-V4 MoE / model / engine GPU tests, the kernels alone

@@ -43,10 +43,7 @@ slices of one ``[E + 1, hidden, I]``. The dense path then runs as the shared exp
 expert ``E``: one GEMM (router logits, every expert's gate/up and the shared one's), the
 routing kernel on the logits' columns, one SwiGLU over ``E + 1`` experts, one batched down
 GEMM, the weighted sum adding slice ``E`` (`experts_fused`): five kernels instead of nine,
-the same arithmetic per output element (only the GEMMs' blocking can differ). A decode-sized
-half-precision CUDA batch runs three (`kvplan.ops.moe_decode`): the gate / up GEMM with the
-SwiGLU in its epilogue (and the router logits), the routing kernel, the down GEMM with the
-weighted sum in its epilogue.
+the same arithmetic per output element (only the GEMMs' blocking can differ).
 
 `experts_dense_loop` is the per-expert torch loop the dense path replaced (a test reference:
 experts in order, a repeated expert's weights added first).
@@ -64,7 +61,6 @@ from torch import nn
 
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.layers import LinearGroup
-from kvplan.ops.moe_decode import moe_down_sum, moe_gate_up_swiglu
 from kvplan.ops.moe_dense import expert_weighted_sum, moe_route, moe_swiglu, swiglu
 from kvplan.ops.moe_grouped import moe_grouped
 
@@ -267,10 +263,11 @@ class DeepseekV4MoE(nn.Module):
     def _experts_fused(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         x_weight, down_weight, _ = self._fused
         e, two_i = self.gate_up.shape[:2]
-        # h [E + 1, T, I] (the shared expert: slice E), the router logits [T, E]
-        h, logits = moe_gate_up_swiglu(x, x_weight, e, two_i // 2, self.limit)
-        dense = self._route_logits(logits, input_ids)[2]
-        return moe_down_sum(h, down_weight, dense)
+        out = F.linear(x, x_weight)  # [T, (E + 1) * 2I + E]
+        # the router logits: the GEMM's last E columns
+        dense = self._route_logits(out[:, (e + 1) * two_i :], input_ids)[2]
+        y = self._swiglu_down(out[:, : (e + 1) * two_i], down_weight)  # [E + 1, T, hidden]
+        return expert_weighted_sum(y[:e], dense, add=y[e])  # the shared expert: slice E
 
     def experts_dense(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
