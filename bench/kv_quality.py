@@ -16,7 +16,8 @@ Variants:
   `kvplan.models.kv_rotation`), ``-norot`` or no suffix: without.
 * ``fake:<spec>``: the fp32 engine whose ``KVCacheTensors.store`` first rounds K and/or V
   through ``kvplan.quant.quantize`` / ``dequantize`` (bf16 input, bf16 output, as the fp8
-  cache does). ``<spec>`` = ``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-L<i>]``: dtype e4m3 |
+  cache does). ``<spec>`` =
+  ``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-mk][-gk][-L<i>][-X<i>...][-s<N>][-w<R>]``: dtype e4m3 |
   e2m1 | int8 (symmetric, fp32 scale amax / 127), sf ue8m0 | e4m3 | fp32 | fp32s / e4m3s
   (searched: ``KVCacheFormat.scale_search``, as the engine's fp8 / fp4 store K), values per scale, optional "only K" / "only V", "K rotated
   by the Hadamard matrix H before rounding (and back after: the same scores as rotating q)",
@@ -27,6 +28,23 @@ Variants:
   layer's query second moment (GPTQ's update; the scored text's queries, or ``--calib-text``'s)",
   "only layer i", ``-X<i>`` (repeatable) "every layer but i".
   ``fake:bf16`` rounds to bf16 only.
+
+  Exact positions (positions counted per layer in store order from 0 at the start of each
+  variant's run: the bench scores one sequence and ``prompt_logits`` stores its chunks in
+  order; "exact" = bf16 only, ``round_trip(x, None)``, for the components the spec rounds,
+  the others as the spec leaves them; every other row is rounded by the same function the
+  spec uses without these suffixes):
+
+  * ``-s<N>``: attention sinks: positions ``0..N-1`` are stored exact, every later one rounded
+    (``-s0``: the plain spec).
+  * ``-w<R>``: a recent window (KIVI's full-precision residual): a chunk is stored exact;
+    at each later store of the layer, before the new chunk (first position ``s``) is stored,
+    every still-exact row at a position ``< s - R`` is re-stored rounded. A query of the
+    chunk thus sees exact K/V for the ``R`` positions before the chunk plus the chunk itself:
+    an effective exact window of ``R`` to ``R + chunk - 1`` positions (63 more with the
+    default 64-token chunks); ``-w0`` still keeps the current chunk exact, so it is not the
+    plain spec. A very large ``R`` keeps everything exact (= ``fake:bf16``).
+  * both combine (``-s4-w64``): sink rows are never re-stored rounded.
 
 ``--per-layer SPEC`` adds ``fake:SPEC-L<i>`` for every layer; ``--stats`` prints the per-layer
 relative RMS quantization error of K and V for a few formats (from the reference run's K/V).
@@ -99,19 +117,31 @@ class Spec(NamedTuple):
     mean_k: bool = False  # round K - mu (mu: the layer's mean key), store (.) + mu
     gptq_k: bool = False  # K rounded channel by channel with query-weighted error feedback
     skip: tuple[int, ...] = ()  # layers left unrounded (``-X<i>``, repeatable)
+    sink: int = 0  # ``-s<N>``: positions 0..N-1 stored exact (bf16)
+    window: int | None = None  # ``-w<R>``: rows exact until older than first-new - R
 
 
 def parse_spec(spec: str, hd: int) -> Spec:
-    """``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-mk][-gk][-L<i>][-X<i>...]`` -> `Spec`."""
+    """``<dtype>-<sf>-<group>[-k|-v][-rk][-rv][-mk][-gk][-L<i>][-X<i>...][-s<N>][-w<R>]``
+    -> `Spec` (the suffixes in any order)."""
     parts = spec.split("-")
     do_k = do_v = True
     rot_k = rot_v = mean_k = gptq_k = False
     layer = None
+    sink, window = 0, None
     tails = ("k", "v", "rk", "rv", "mk", "gk")
     skip: list[int] = []
-    while parts and (parts[-1] in tails or parts[-1][:1] in ("L", "X")):
+
+    def is_tail(p: str) -> bool:
+        return p in tails or p[:1] in ("L", "X") or (p[:1] in ("s", "w") and p[1:].isdigit())
+
+    while parts and is_tail(parts[-1]):
         tail = parts.pop()
-        if tail.startswith("X"):
+        if tail[:1] == "s":
+            sink = int(tail[1:])
+        elif tail[:1] == "w":
+            window = int(tail[1:])
+        elif tail.startswith("X"):
             skip.append(int(tail[1:]))
         elif tail == "gk":
             gptq_k = True
@@ -127,21 +157,20 @@ def parse_spec(spec: str, hd: int) -> Spec:
             do_k = False
         else:
             layer = int(tail[1:])
+    rest = (do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k, tuple(skip), sink, window)
     if parts == ["bf16"]:
-        return Spec(None, do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k, tuple(skip))
+        return Spec(None, *rest)
     dtype, sf, group = parts
     if dtype == "int8":  # symmetric int8, one fp32 scale (amax / 127) per group: no kvplan format
         if sf != "fp32":
             raise ValueError(f"{spec}: int8 takes fp32 scales")
-        return Spec(
-            ("int8", int(group)), do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k, tuple(skip)
-        )
+        return Spec(("int8", int(group)), *rest)
     search = sf in ("fp32s", "e4m3s")  # searched scales, as the engine's K (kvplan.quant)
     sf = sf[:-1] if search else sf
     if gptq_k and dtype != "e4m3":
         raise ValueError(f"{spec}: -gk is implemented for e4m3 values only")
     layout = KVCacheFormat(dtype, hd, int(group), 0, True, sf, spec, True, scale_search=search)
-    return Spec(layout, do_k, do_v, layer, rot_k, rot_v, mean_k, gptq_k, tuple(skip))
+    return Spec(layout, *rest)
 
 
 def gptq_round_keys(
@@ -197,36 +226,96 @@ def round_trip(x: torch.Tensor, layout: KVCacheFormat | None) -> torch.Tensor:
 
 
 class FakeQuantStore:
-    """Wraps an fp32 ``KVCacheTensors.store``: K/V are rounded by a spec before storing."""
+    """Wraps an fp32 ``KVCacheTensors.store``: K/V are rounded by a spec before storing.
+
+    Setting `spec` starts a new run: the per-layer position counters and the ``-w`` window
+    rows are reset."""
 
     def __init__(self, kv_cache) -> None:
         self.kv = kv_cache
         self.orig = kv_cache.store
-        self.spec = None
+        self._spec = None
         self.captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self.mean_k: dict[int, torch.Tensor] = {}  # layer -> mean key [H, D] (``-mk`` specs)
         self.query_moment: dict[int, torch.Tensor] = {}  # layer -> [Hkv, D, D] (``-gk`` specs)
+        self.next_pos: dict[int, int] = {}  # layer -> position of the next stored row
+        # layer -> still-exact rows (k, v, slot_mapping, positions) of ``-w`` specs
+        self.exact_rows: dict[int, list[tuple]] = {}
         kv_cache.store = self
+
+    @property
+    def spec(self) -> Spec | None:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: Spec | None) -> None:
+        self._spec = spec
+        self.next_pos = {}
+        self.exact_rows = {}
+
+    def rounded(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """``k``, ``v`` as the spec stores them (rounded K and/or V)."""
+        sp = self.spec
+        if sp.do_k and sp.gptq_k:
+            moment = self.query_moment[layer]
+            k = gptq_round_keys(k.float(), moment, sp.layout).to(torch.bfloat16)
+        elif sp.do_k:
+            rt = rotated_round_trip if sp.rot_k else round_trip
+            if sp.mean_k:  # q.(k - mu) shifts a query's logits by one constant
+                mu = self.mean_k[layer].to(k.device)
+                k = (rt(k.float() - mu, sp.layout).float() + mu).to(k.dtype)
+            else:
+                k = rt(k, sp.layout)
+        if sp.do_v:
+            v = (rotated_round_trip if sp.rot_v else round_trip)(v, sp.layout)
+        return k, v
+
+    def exact(self, k: torch.Tensor, v: torch.Tensor):
+        """``k``, ``v`` as an exact (sink / window) row is stored: bf16 for the components
+        the spec rounds, the others unchanged (as the spec leaves them)."""
+        sp = self.spec
+        return (round_trip(k, None) if sp.do_k else k), (round_trip(v, None) if sp.do_v else v)
 
     def __call__(self, layer, k, v, slot_mapping, *, check=True):
         if self.captured is not None:
             self.captured.setdefault(layer, []).append((k.detach().clone(), v.detach().clone()))
-        if self.spec is not None:
-            sp = self.spec
-            if (sp.layer is None or sp.layer == layer) and layer not in sp.skip:
-                if sp.do_k and sp.gptq_k:
-                    moment = self.query_moment[layer]
-                    k = gptq_round_keys(k.float(), moment, sp.layout).to(torch.bfloat16)
-                elif sp.do_k:
-                    rt = rotated_round_trip if sp.rot_k else round_trip
-                    if sp.mean_k:  # q.(k - mu) shifts a query's logits by one constant
-                        mu = self.mean_k[layer].to(k.device)
-                        k = (rt(k.float() - mu, sp.layout).float() + mu).to(k.dtype)
-                    else:
-                        k = rt(k, sp.layout)
-                if sp.do_v:
-                    v = (rotated_round_trip if sp.rot_v else round_trip)(v, sp.layout)
-        return self.orig(layer, k, v, slot_mapping, check=check)
+        sp = self.spec
+        if sp is None or not ((sp.layer is None or sp.layer == layer) and layer not in sp.skip):
+            return self.orig(layer, k, v, slot_mapping, check=check)
+        if sp.sink == 0 and sp.window is None:
+            k, v = self.rounded(layer, k, v)
+            return self.orig(layer, k, v, slot_mapping, check=check)
+        first = self.next_pos.get(layer, 0)
+        pos = torch.arange(first, first + k.shape[0])
+        self.next_pos[layer] = first + k.shape[0]
+        if sp.window is not None:  # rows that left the window: re-store them rounded
+            kept = self.exact_rows.get(layer, [])
+            keep = []
+            for rk, rv, rs, rp in kept:
+                stale = rp < first - sp.window
+                if bool(stale.any()):
+                    qk, qv = self.rounded(layer, rk[stale], rv[stale])
+                    self.orig(layer, qk, qv, rs[stale], check=check)
+                if not bool(stale.all()):
+                    live = ~stale
+                    keep.append((rk[live], rv[live], rs[live], rp[live]))
+            self.exact_rows[layer] = keep
+        sink = pos < sp.sink
+        ek, ev = self.exact(k, v)
+        if sp.window is not None:  # the whole chunk goes in exact; non-sink rows remembered
+            later = ~sink
+            if bool(later.any()):
+                self.exact_rows.setdefault(layer, []).append(
+                    (k[later].clone(), v[later].clone(), slot_mapping[later].clone(), pos[later])
+                )
+            return self.orig(layer, ek, ev, slot_mapping, check=check)
+        if bool(sink.all()):
+            return self.orig(layer, ek, ev, slot_mapping, check=check)
+        qk, qv = self.rounded(layer, k, v)
+        sk = sink.to(k.device)[:, None, None]
+        k_out = torch.where(sk, ek.to(torch.float32), qk.to(torch.float32))
+        v_out = torch.where(sk, ev.to(torch.float32), qv.to(torch.float32))
+        return self.orig(layer, k_out, v_out, slot_mapping, check=check)
 
 
 def capture_query_moments(model, moments: dict[int, torch.Tensor]):
