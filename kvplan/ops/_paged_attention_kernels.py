@@ -305,12 +305,58 @@ def _attend_range_ahead(
 
 
 @jit
+def _ring_tile(
+    acc, m_i, l_i, start, hi, q, row_pos, ring_k_ptr, ring_v_ptr, ring_base, ring_size,
+    stride_rt, window, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """`_attend_tile` over keys [start, start + TILE_N) (clipped at ``hi``) read from the
+    recent-window ring: key position ``p`` is row ``ring_base + p % ring_size`` of the ring
+    (``stride_rt`` elements a row), stored in q's dtype."""
+    offs_n = start + tl.arange(0, TILE_N)
+    in_range = offs_n < hi
+    rows = (ring_base + offs_n % ring_size).to(tl.int64) * stride_rt
+    return _attend_rows_tile(
+        acc, m_i, l_i, q, rows, rows, in_range, offs_n, row_pos, window, ring_k_ptr,
+        ring_v_ptr, ring_k_ptr, ring_v_ptr, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, True, 0,
+        0, 1, False,
+    )  # fmt: skip
+
+
+@jit
+def _attend_ring(
+    acc, m_i, l_i, lo, hi, q, row_pos, ring_k_ptr, ring_v_ptr, ring_base, ring_size,
+    stride_rt, window, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Masked tiles of keys [lo, hi) from the recent-window ring (`_ring_tile`); a ``while``
+    loop under the CPU interpreter, as in `_attend_range`."""
+    if INTERPRET:
+        start = lo
+        while start < hi:
+            acc, m_i, l_i = _ring_tile(
+                acc, m_i, l_i, start, hi, q, row_pos, ring_k_ptr, ring_v_ptr, ring_base,
+                ring_size, stride_rt, window, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION,
+            )  # fmt: skip
+            start += TILE_N
+    else:
+        for start in range(lo, hi, TILE_N):
+            acc, m_i, l_i = _ring_tile(
+                acc, m_i, l_i, start, hi, q, row_pos, ring_k_ptr, ring_v_ptr, ring_base,
+                ring_size, stride_rt, window, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@jit
 def _attend_rows(
     q, row_pos, pos_min, pos_max, key_lo, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+    ring_k_ptr, ring_v_ptr, ring_base, ring_lo, ring_size, stride_rt,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr,
+    RING: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax attention of ``TILE_M`` query rows over keys [key_lo, key_hi).
 
@@ -322,12 +368,19 @@ def _attend_rows(
     range are masked. ``PREFETCH``: how the whole tiles load (``PREFETCH_MODES``; 1 and 2
     in `_attend_range_ahead`).
 
+    ``RING``: keys at positions ``>= ring_lo`` come from the recent-window ring instead of the
+    pages (`_attend_ring`: ``ring_k_ptr`` / ``ring_v_ptr`` at this head, row ``ring_base +
+    p % ring_size``); the pages serve [key_lo, min(key_hi, ring_lo)).
+
     Returns the unnormalized accumulator [TILE_M, HEAD_DIM] (fp32), the running maximum m
     (log2 domain) and the running denominator l, both [TILE_M] fp32.
     """
     m_i = tl.full([TILE_M], -1.0e30, tl.float32)
     l_i = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
+    ring_hi = key_hi
+    if RING:  # the pages stop where the ring starts
+        key_hi = tl.minimum(key_hi, tl.maximum(ring_lo, key_lo))
     full_lo = tl.maximum(key_lo, pos_max - window + 1)
     full_lo = tl.minimum((full_lo + TILE_N - 1) // TILE_N * TILE_N, key_hi)  # tile-aligned
     full_hi = tl.maximum(tl.minimum(pos_min + 1, key_hi), full_lo)
@@ -356,7 +409,21 @@ def _attend_rows(
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
+    if RING:
+        acc, m_i, l_i = _attend_ring(
+            acc, m_i, l_i, key_hi, ring_hi, q, row_pos, ring_k_ptr, ring_v_ptr, ring_base,
+            ring_size, stride_rt, window, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET,
+        )  # fmt: skip
     return acc, m_i, l_i
+
+
+@jit
+def _ring_of(ring_base_ptr, ring_lo_ptr, b, kv_len, RING: tl.constexpr):
+    """Sequence b's ring row of position 0 (mod the ring size) and its first ring position;
+    without ``RING`` (0, kv_len): every key from the pages."""
+    if RING:
+        return tl.load(ring_base_ptr + b).to(tl.int64), tl.load(ring_lo_ptr + b)
+    return tl.zeros([], tl.int64), kv_len
 
 
 @jit
@@ -365,11 +432,12 @@ def _decode_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ob, stride_oh, group_size, window, qk_scale, num_splits, sf_off,
+    ring_k_ptr, ring_v_ptr, ring_base_ptr, ring_lo_ptr, ring_size, stride_rt, stride_rh,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
     GROUP: tl.constexpr, PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    HEADS: tl.constexpr,
+    HEADS: tl.constexpr, RING: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, Hkv / HEADS, num_splits), or (Hkv / HEADS, B, num_splits) with
     ``HEADS_FIRST``. q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D]; page_ids int32
@@ -381,7 +449,11 @@ def _decode_kernel(
     token's record), so each key's load is one run of all of them; its query tile is block
     diagonal (row r, of KV head r // group_size, holds its query in that head's columns and
     zeros elsewhere), so each row's logits are its own head's, and each row keeps its own
-    head's columns of the value product."""
+    head's columns of the value product.
+
+    ``RING``: the recent-window ring (`_attend_rows`): ``ring_k`` / ``ring_v`` ``[rows, Hkv,
+    D]`` in q's dtype (``stride_rt`` / ``stride_rh`` elements a row / head), sequence b's
+    position p at row ``ring_base[b] + p % ring_size`` for ``p >= ring_lo[b]`` (int32 [B])."""
     if HEADS_FIRST:
         b = tl.program_id(1)
         kvh = tl.program_id(0) * HEADS
@@ -420,13 +492,16 @@ def _decode_kernel(
         q, qk_scale = nibble_query(q, qk_scale)
     row_pos = tl.where(g_ok, kv_len - 1, -1)
     sf_head = head_scales_offset(kvh, HEAD_DIM, GROUP, SF_KIND)
+    ring_base, ring_lo = _ring_of(ring_base_ptr, ring_lo_ptr, b, kv_len, RING)
     acc, m_i, l_i = _attend_rows(
         q, row_pos, kv_len - 1, kv_len - 1, key_lo, key_hi, page_ids_ptr + page_start,
         k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+        ring_k_ptr + kvh * stride_rh, ring_v_ptr + kvh * stride_rh, ring_base, ring_lo,
+        ring_size, stride_rt,
         TILE_M, BLOCK_SIZE, TILE_N, HD, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        PREFETCH,
+        PREFETCH, RING,
     )  # fmt: skip
     if KV_QUANT == E2M1_F16_NIB:  # back in order, V's 2^-14 off
         acc = nibble_acc(acc)
@@ -471,9 +546,11 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, page_ids_ptr, page_start_ptr, cu_seqlens_q_ptr, kv_lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, group_size, window, qk_scale, sf_off,
+    ring_k_ptr, ring_v_ptr, ring_base_ptr, ring_lo_ptr, ring_size, stride_rt, stride_rh,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr,
+    RING: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_row_tiles, Hkv). q/out: [T, H, D]; cu_seqlens_q int32 [B + 1]; the rest as
     in ``_decode_kernel``. Row r of tile t is token (t * TILE_M + r) // group_size of the
@@ -506,13 +583,16 @@ def _prefill_kernel(
     q_off = t64[:, None] * stride_qt + h64[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
     sf_head = head_scales_offset(kvh, HEAD_DIM, GROUP, SF_KIND)
+    ring_base, ring_lo = _ring_of(ring_base_ptr, ring_lo_ptr, b, kv_len, RING)
     acc, m_i, l_i = _attend_rows(
         q, row_pos, first_pos + tok_first, first_pos + tok_last, key_lo, key_hi,
         page_ids_ptr + page_start, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+        ring_k_ptr + kvh * stride_rh, ring_v_ptr + kvh * stride_rh, ring_base, ring_lo,
+        ring_size, stride_rt,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        PREFETCH,
+        PREFETCH, RING,
     )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = t64[:, None] * stride_ot + h64[:, None] * stride_oh + offs_d[None, :]
@@ -793,9 +873,10 @@ def _group_tile(group_size: int) -> int:
 def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
     geo, kv_quant, kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
-    maxnreg=None, heads_first=None, heads=1,
+    maxnreg=None, heads_first=None, heads=1, ring=None,
 ):  # fmt: skip
     """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
+    ``ring``: a `kvplan.ops.paged_attention.RecentRing` or None;
     ``prefetch`` as in `_attend_range_ahead` (None: ``QUANT_PREFETCH``, then
     ``DECODE_PREFETCH``); ``maxnreg``: the compiler's register cap per thread (None: none);
     ``geo`` / ``kv_quant``: the caches' `kv_geometry` and `_kv_quant` (the caller's split plan
@@ -824,13 +905,14 @@ def launch_decode(
         k_cache.stride(0), k_cache.stride(1), geo.stride_kh,
         v_cache.stride(0), v_cache.stride(1), geo.stride_vh,
         out.stride(0), out.stride(1), group_size, window, scale * LOG2E, num_splits,
-        geo.sf_off,
+        geo.sf_off, *_ring_args(ring, q, kv_lens),
         TILE_M=_group_tile(group_size * heads), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n,
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
         KV_QUANT=kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
         PREFETCH=_prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant)),
-        HEADS_FIRST=bool(heads_first), HEADS=heads, num_warps=num_warps, num_stages=num_stages,
+        HEADS_FIRST=bool(heads_first), HEADS=heads, RING=ring is not None,
+        num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
     )  # fmt: skip
     if split:
@@ -845,10 +927,11 @@ def launch_decode(
 def launch_prefill(
     q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, out, *, scale, window,
     max_q_len, kv_layout=None, tile_m=64, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
+    ring=None,
 ):  # fmt: skip
     """Run ``_prefill_kernel`` into ``out``; ``max_q_len`` bounds every sequence's query count;
     ``prefetch`` as in `launch_decode` (no per-format default: None is ``QUANT_PREFETCH`` or
-    off)."""
+    off); ``ring`` as in `launch_decode`."""
     batch = kv_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     geo = kv_geometry(k_cache, v_cache, head_dim, kv_layout)
@@ -862,11 +945,20 @@ def launch_prefill(
         k_cache.stride(0), k_cache.stride(1), geo.stride_kh,
         v_cache.stride(0), v_cache.stride(1), geo.stride_vh,
         out.stride(0), out.stride(1), group_size, window, scale * LOG2E,
-        geo.sf_off,
+        geo.sf_off, *_ring_args(ring, q, kv_lens),
         TILE_M=tile_m, BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(),
         KV_QUANT=geo.kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
-        PREFETCH=_prefetch(prefetch, kv_layout, decode=False),
+        PREFETCH=_prefetch(prefetch, kv_layout, decode=False), RING=ring is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def _ring_args(ring, q, kv_lens) -> tuple:
+    """The kernels' seven ring arguments (``ring_k_ptr`` .. ``stride_rh``); without a ring,
+    placeholders the kernels do not read."""
+    if ring is None:
+        return q, q, kv_lens, kv_lens, 1, 0, 0
+    return (ring.k, ring.v, ring.base, ring.lo, ring.size, ring.k.stride(0),
+            ring.k.stride(1))  # fmt: skip

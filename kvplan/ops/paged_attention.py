@@ -30,6 +30,14 @@ dequantize each K/V tile in registers (``kvplan.ops._paged_kv_tiles``) to q's dt
 (``fp32(value) * fp32(scale)``, one rounding: for bf16 the values of
 ``kvplan.quant.dequantize``); the torch path dequantizes the gathered keys with
 ``kvplan.quant.dequantize`` (bf16) and computes in fp32.
+
+Recent-window ring (``ring=`` a `RecentRing`, any cache format): the newest keys of each
+sequence read from a small unquantized ring instead of the pages (KIVI's full-precision
+residual: bench/RESULTS.md, session 44, found fp8's loss in the newest rows). Key position
+``p >= ring.lo[b]`` of sequence b is row ``ring.base[b] + p % ring.size`` of ``ring.k`` /
+``ring.v`` (``[rows, Hkv, D]``, contiguous, q's dtype); older keys come from the pages. The
+caller keeps ``ring.lo[b] >= kv_lens[b] - ring.size`` (the ring holds the last ``size``
+positions) and writes the ring rows this step attends.
 """
 
 from __future__ import annotations
@@ -48,6 +56,45 @@ from kvplan.ops import _paged_kv_tiles as tiles
 from kvplan.ops._dispatch import cuda_sm_count, env_flag, use_triton
 from kvplan.ops._paged_attention_checks import check_attention_inputs
 from kvplan.ops._paged_kv_tiles import decode_maxnreg, decode_tiling
+
+
+class RecentRing(NamedTuple):
+    """The recent-window ring of a step (module docstring): ``k`` / ``v`` ``[rows, Hkv, D]``;
+    ``base`` / ``lo`` int32 ``[B]``: each sequence's ring row of position 0 (mod ``size``)
+    and its first position read from the ring; ``size`` the ring's positions a sequence."""
+
+    k: Tensor
+    v: Tensor
+    base: Tensor
+    lo: Tensor
+    size: int
+
+
+def check_ring(ring: RecentRing | None, q: Tensor, kv_lens: Tensor, num_kv_heads: int) -> None:
+    """Shapes, dtypes and devices of ``ring`` against the step (None passes)."""
+    if ring is None:
+        return
+    if not isinstance(ring, RecentRing):
+        raise TypeError(f"ring must be a RecentRing, got {type(ring).__name__}")
+    d = q.shape[-1]
+    for name, t in (("ring.k", ring.k), ("ring.v", ring.v)):
+        if t.dim() != 3 or t.shape[1:] != (num_kv_heads, d) or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous [rows, {num_kv_heads}, {d}] tensor, got "
+                f"{tuple(t.shape)} (strides {t.stride()})"
+            )
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must be {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
+    if ring.v.shape != ring.k.shape:
+        raise ValueError(f"ring.v {tuple(ring.v.shape)} differs from ring.k {tuple(ring.k.shape)}")
+    for name, t in (("ring.base", ring.base), ("ring.lo", ring.lo)):
+        if t.dtype != torch.int32 or t.shape != kv_lens.shape or t.device != q.device:
+            raise ValueError(
+                f"{name} must be int32 {tuple(kv_lens.shape)} on {q.device}, got {t.dtype} "
+                f"{tuple(t.shape)} on {t.device}"
+            )
+    if isinstance(ring.size, bool) or not isinstance(ring.size, int) or ring.size < 1:
+        raise ValueError(f"ring.size must be a positive int, got {ring.size!r}")
 
 
 def _splits_from_env() -> int | None:
@@ -152,6 +199,7 @@ def paged_attention_decode(
     max_kv_len: int | None = None,
     kv_layout: KVCacheFormat | None = None,
     check: bool = True,
+    ring: RecentRing | None = None,
 ) -> torch.Tensor:
     """One query per sequence at position ``kv_lens[b] - 1`` attends over its paged KV.
 
@@ -170,6 +218,7 @@ def paged_attention_decode(
             there is no device sync).
         kv_layout: the ``KVCacheFormat`` of quantized caches; None for float caches.
         check: value-range checks (one device sync on CUDA); pass False on a hot path.
+        ring: the recent-window ring (module docstring) or None.
 
     Returns ``out`` (or a new tensor) ``[B, H, D]`` in q's dtype.
 
@@ -182,11 +231,11 @@ def paged_attention_decode(
         return paged_attention_decode_triton(
             q, k_cache, v_cache, page_ids, page_start, kv_lens, scale=scale,
             sliding_window=sliding_window, out=out, num_splits=num_splits,
-            max_kv_len=max_kv_len, kv_layout=kv_layout, check=check,
+            max_kv_len=max_kv_len, kv_layout=kv_layout, check=check, ring=ring,
         )  # fmt: skip
     return paged_attention_decode_torch(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, scale=scale,
-        sliding_window=sliding_window, out=out, kv_layout=kv_layout, check=check,
+        sliding_window=sliding_window, out=out, kv_layout=kv_layout, check=check, ring=ring,
     )  # fmt: skip
 
 
@@ -197,6 +246,7 @@ def paged_attention_decode_triton(
     kv_layout: KVCacheFormat | None = None, check: bool = True, tile_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
     maxnreg: int | None = None, heads_first: bool | None = None, heads: int | None = None,
+    ring: RecentRing | None = None,
 ) -> Tensor:  # fmt: skip
     """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`.
     ``tile_n`` / ``num_warps`` / ``num_stages``: launch overrides (see ``kvplan.ops._paged_kv_tiles.decode_tiling``;
@@ -212,9 +262,11 @@ def paged_attention_decode_triton(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
     )  # fmt: skip
+    check_ring(ring, q, kv_lens, num_kv_heads)
     batch, _, head_dim = q.shape
     geo = tiles.kv_geometry(k_cache, v_cache, head_dim, kv_layout)
-    kv_quant = _k._kv_quant(geo, q, k_cache, v_cache)
+    # fp4's fp16 tiles rescale and reorder q's columns, which the ring's tiles are not
+    kv_quant = geo.kv_quant if ring is not None else _k._kv_quant(geo, q, k_cache, v_cache)
     key = _k.decode_key(kv_layout, kv_quant)
     if max_kv_len is None:  # the split rule's and `auto_heads`' key count
         max_kv_len = page_ids.numel() // max(batch, 1) * k_cache.shape[1]
@@ -238,6 +290,7 @@ def paged_attention_decode_triton(
         window=window, num_splits=num_splits, kv_layout=kv_layout, tile_n=tile_n,
         num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
         maxnreg=maxnreg, geo=geo, kv_quant=kv_quant, heads_first=heads_first, heads=heads,
+        ring=ring,
     )  # fmt: skip
 
 
@@ -245,15 +298,17 @@ def paged_attention_decode_torch(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
     kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
     out: Tensor | None = None, kv_layout: KVCacheFormat | None = None, check: bool = True,
+    ring: RecentRing | None = None,
 ) -> Tensor:  # fmt: skip
     """Vectorized torch decode; same contract as :func:`paged_attention_decode`."""
-    check_attention_inputs(
+    _, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
     )  # fmt: skip
+    check_ring(ring, q, kv_lens, num_kv_heads)
     return _attention_torch(
         q, k_cache, v_cache, page_ids, page_start, None, kv_lens, scale, sliding_window, out,
-        kv_layout,
+        kv_layout, ring,
     )  # fmt: skip
 
 
@@ -277,6 +332,7 @@ def paged_attention_prefill(
     max_q_len: int | None = None,
     kv_layout: KVCacheFormat | None = None,
     check: bool = True,
+    ring: RecentRing | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of ``q`` over paged KV (chunked prefill, speculative rows).
 
@@ -286,6 +342,7 @@ def paged_attention_prefill(
         cu_seqlens_q: int32 ``[B + 1]``, 0 .. T. Other arguments as in decode.
         max_q_len: host bound on every ``q_len_b`` (sizes the Triton grid; the default T is
             always safe). A bound that is too small leaves rows unwritten; ``check`` catches it.
+        ring: the recent-window ring (module docstring) or None.
 
     Returns ``out`` (or a new tensor) ``[T, H, D]``.
 
@@ -297,11 +354,11 @@ def paged_attention_prefill(
         return paged_attention_prefill_triton(
             q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale=scale,
             sliding_window=sliding_window, out=out, max_q_len=max_q_len, kv_layout=kv_layout,
-            check=check,
+            check=check, ring=ring,
         )  # fmt: skip
     return paged_attention_prefill_torch(
         q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale=scale,
-        sliding_window=sliding_window, out=out, kv_layout=kv_layout, check=check,
+        sliding_window=sliding_window, out=out, kv_layout=kv_layout, check=check, ring=ring,
     )  # fmt: skip
 
 
@@ -311,7 +368,7 @@ def paged_attention_prefill_triton(
     out: Tensor | None = None, max_q_len: int | None = None,
     kv_layout: KVCacheFormat | None = None, check: bool = True, tile_m: int | None = None,
     tile_n: int = 64, num_warps: int | None = None, num_stages: int | None = None,
-    prefetch: int | None = None,
+    prefetch: int | None = None, ring: RecentRing | None = None,
 ) -> Tensor:  # fmt: skip
     """Triton varlen prefill; same contract as :func:`paged_attention_prefill` (``prefetch``
     as in :func:`paged_attention_decode_triton`).
@@ -325,10 +382,11 @@ def paged_attention_prefill_triton(
     decode kernel (`paged_attention_decode_triton`), whose programs cover a group of query
     heads each instead of a 128-row tile holding one token's few heads.
     """
-    window, _ = check_attention_inputs(
+    window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
         out, kv_layout, check,
     )  # fmt: skip
+    check_ring(ring, q, kv_lens, num_kv_heads)
     overridden = (tile_m, num_warps, num_stages, prefetch) != (None, None, None, None)
     wide = q.element_size() <= 2
     tile_m = tile_m or (128 if wide else 64)
@@ -345,7 +403,7 @@ def paged_attention_prefill_triton(
         # every row holds one query (runs <= 1 adding up to B), at position kv_len - 1
         return paged_attention_decode_triton(
             q, k_cache, v_cache, page_ids, page_start, kv_lens, scale=scale,
-            sliding_window=sliding_window, out=out, kv_layout=kv_layout, check=False,
+            sliding_window=sliding_window, out=out, kv_layout=kv_layout, check=False, ring=ring,
         )  # fmt: skip
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -353,7 +411,7 @@ def paged_attention_prefill_triton(
         q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, out,
         scale=float(scale), window=window, max_q_len=max_q_len, kv_layout=kv_layout,
         tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
-        prefetch=prefetch,
+        prefetch=prefetch, ring=ring,
     )  # fmt: skip
 
 
@@ -361,15 +419,17 @@ def paged_attention_prefill_torch(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, page_ids: Tensor, page_start: Tensor,
     cu_seqlens_q: Tensor, kv_lens: Tensor, *, scale: float, sliding_window: int | None = None,
     out: Tensor | None = None, kv_layout: KVCacheFormat | None = None, check: bool = True,
+    ring: RecentRing | None = None,
 ) -> Tensor:  # fmt: skip
     """Vectorized torch prefill; same contract as :func:`paged_attention_prefill`."""
-    check_attention_inputs(
+    _, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, cu_seqlens_q, scale, sliding_window,
         out, kv_layout, check,
     )  # fmt: skip
+    check_ring(ring, q, kv_lens, num_kv_heads)
     return _attention_torch(
         q, k_cache, v_cache, page_ids, page_start, cu_seqlens_q, kv_lens, scale, sliding_window,
-        out, kv_layout,
+        out, kv_layout, ring,
     )  # fmt: skip
 
 
@@ -389,6 +449,7 @@ class _GatherPlan(NamedTuple):
     mask: Tensor | None
     seen: Tensor | None
     max_q: int
+    positions: Tensor  # [B, Lk] int64: the key position each column reads
 
 
 # the torch path's last plans on the CPU by (block size, window, rows, decode): key tensors
@@ -458,7 +519,7 @@ def _new_gather_plan(page_ids, page_start, cu_seqlens_q, kv_lens, block_size, wi
     if bool(q_ok.all()) and batch * max_q == num_tokens:
         q_rows = q_ok = None  # row b * Qm + i is query i of sequence b: views, no gathers
     slots = (blocks * block_size + rows).view(-1)
-    return _GatherPlan(q_rows, q_ok, blocks, rows, slots, mask, seen, max_q)
+    return _GatherPlan(q_rows, q_ok, blocks, rows, slots, mask, seen, max_q, src)
 
 
 def _attention_torch(
@@ -473,13 +534,15 @@ def _attention_torch(
     window,
     out,
     kv_layout=None,
+    ring=None,
 ):
     """Padded-batch attention in fp32: gather every sequence's keys (the gather plan shared
     by a step's layers, `_gather_plan`), then one call of torch's
     ``scaled_dot_product_attention`` (GQA in the call; a boolean mask only where some key of
     the padded batch is hidden), scatter. ``cu_seqlens_q`` None: one query a sequence.
     Quantized caches are dequantized per gathered key (``kvplan.quant.dequantize``, bf16).
-    A query that sees no key gets zeros."""
+    A query that sees no key gets zeros. ``ring``: keys from the recent-window ring where
+    the module docstring says (`_ring_overlay`)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     num_kv_heads = k_cache.shape[2] if kv_layout is None else kv_layout.elements // head_dim
@@ -496,6 +559,8 @@ def _attention_torch(
         return out
     k = _gather_keys(k_cache, plan, kv_layout, head_dim)  # [B, Lk, Hkv, D]
     v = _gather_keys(v_cache, plan, kv_layout, head_dim)
+    if ring is not None:
+        k, v = _ring_overlay(k, v, plan.positions, ring)
     if plan.q_rows is None:
         qq = q.float().view(batch, plan.max_q, num_heads, head_dim)
     else:
@@ -515,6 +580,16 @@ def _attention_torch(
     else:
         out[plan.q_rows[plan.q_ok]] = o[plan.q_ok].to(out.dtype)
     return out
+
+
+def _ring_overlay(k: Tensor, v: Tensor, positions: Tensor, ring: RecentRing):
+    """``k`` / ``v`` (fp32 ``[B, Lk, Hkv, D]`` at key ``positions`` [B, Lk]) with every key
+    at a position ``>= ring.lo[b]`` replaced by its ring row."""
+    use = positions >= ring.lo.long()[:, None]  # [B, Lk]
+    rows = (ring.base.long()[:, None] + positions % ring.size).clamp(0, ring.k.shape[0] - 1)
+    pick = use[:, :, None, None]
+    return (torch.where(pick, ring.k[rows].float(), k),
+            torch.where(pick, ring.v[rows].float(), v))  # fmt: skip
 
 
 def _gather_keys(cache, plan: _GatherPlan, kv_layout, head_dim) -> Tensor:

@@ -250,7 +250,7 @@ def build(kernel, consts, num_warps, num_stages, name=None):
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            data = name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
+            data = name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "ring_k_ptr", "ring_v_ptr")
             sig[name] = "*bf16" if data else "*fp32" if name.startswith("part") else "*i32"
             if quant and name in ("k_ptr", "v_ptr"):
                 sig[name] = "*u8"
@@ -265,14 +265,18 @@ def build(kernel, consts, num_warps, num_stages, name=None):
     ir = k.asm["ttgir"]
     tag = kernel.__name__ + {0: "", 1: "_fp8", 2: "_fp4"}[consts.get("KV_QUANT", 0)]
     tag += "_prefetch" if consts.get("PREFETCH") else ""
+    tag += "_ring" if consts.get("RING") else ""
     print(tag, "async" if "async_copy" in ir else "sync",
           "wgmma" if "warp_group_dot" in ir else "mma")
 
-# bf16, fp8 fp32 sf, fp4 e4m3 sf; quantized pages also with their bytes loaded a tile ahead
-for quant, sf, group, pre in ((0, 0, 1, False), (1, 2, 32, False), (2, 1, 16, False),
-                              (1, 2, 32, True), (2, 1, 16, True)):
+# bf16, fp8 fp32 sf, fp4 e4m3 sf; quantized pages also with their bytes loaded a tile ahead,
+# and with the recent-window ring
+for quant, sf, group, pre, ring in ((0, 0, 1, False, False), (1, 2, 32, False, False),
+                                    (2, 1, 16, False, False), (1, 2, 32, True, False),
+                                    (2, 1, 16, True, False), (0, 0, 1, False, True),
+                                    (1, 2, 32, True, True)):
     common = dict(BLOCK_SIZE=32, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRET=False,
-                  KV_QUANT=quant, SF_KIND=sf, GROUP=group, PREFETCH=pre)
+                  KV_QUANT=quant, SF_KIND=sf, GROUP=group, PREFETCH=pre, RING=ring)
     build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, HEADS_FIRST=False, HEADS=1,
                                  **common), 4, 2)
     build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
@@ -299,7 +303,8 @@ def test_kernels_compile_for_sm90():
                          text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.split("\n")
-    for suffix in ("", "_fp8", "_fp4", "_fp8_prefetch", "_fp4_prefetch"):
+    for suffix in ("", "_fp8", "_fp4", "_fp8_prefetch", "_fp4_prefetch", "_ring",
+                   "_fp8_prefetch_ring"):
         assert f"_decode_kernel{suffix} async mma" in lines
         assert f"_prefill_kernel{suffix} async wgmma" in lines
     assert any(line.startswith("_combine_kernel") for line in lines)
