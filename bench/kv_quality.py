@@ -11,9 +11,11 @@ compared with the fp32 cache:
 
 Variants:
 
-* ``real:<kv_format>[-rotk|-norot]``: an engine built with that ``kv_format`` (the shipped
-  path); ``-rotk``: with ``kv_rotation=True`` (Hadamard-rotated q/k,
-  `kvplan.models.kv_rotation`), ``-norot`` or no suffix: without.
+* ``real:<kv_format>[-rotk|-norot][-w<N>]``: an engine built with that ``kv_format`` (the
+  shipped path); ``-rotk``: with ``kv_rotation=True`` (Hadamard-rotated q/k,
+  `kvplan.models.kv_rotation`), ``-norot`` or no suffix: without; ``-w<N>``: with
+  ``kv_exact_window=N`` (each sequence's last N positions read unquantized,
+  `kvplan.cache.recent_window`).
 * ``fake:<spec>``: the fp32 engine whose ``KVCacheTensors.store`` first rounds K and/or V
   through ``kvplan.quant.quantize`` / ``dequantize`` (bf16 input, bf16 output, as the fp8
   cache does). ``<spec>`` =
@@ -402,12 +404,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    def engine(kv_format: str, kv_rotation: bool = False) -> LLM:
+    def engine(kv_format: str, kv_rotation: bool = False, kv_exact_window: int = 0) -> LLM:
         return LLM(
             *model,
             device="cpu",
             kv_format=kv_format,
             kv_rotation=kv_rotation,
+            kv_exact_window=kv_exact_window,
             max_model_len=n + 16,
             num_blocks=(n + 16) // 16 + 4,
             enable_prefix_caching=False,
@@ -461,8 +464,12 @@ def main() -> None:
         t0 = time.perf_counter()
         kind, spec = name.split(":", 1)
         if kind == "real":
-            fmt, _, rot = spec.partition("-")
-            llm = engine(fmt, kv_rotation={"rotk": True, "norot": False, "": False}[rot])
+            fmt, *tails = spec.split("-")
+            window = [int(t[1:]) for t in tails if t[:1] == "w" and t[1:].isdigit()]
+            rot = [t for t in tails if t in ("rotk", "norot")]
+            if len(window) + len(rot) != len(tails):
+                raise SystemExit(f"{name}: unknown suffix in {tails}")
+            llm = engine(fmt, kv_rotation=rot == ["rotk"], kv_exact_window=sum(window))
             logits = prompt_logits(llm.engine, ids, args.chunk)
             del llm
         else:

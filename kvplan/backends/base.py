@@ -173,6 +173,9 @@ class AttentionBackend:
         ):
             # Slots were validated on the host by prepare(); skip the store's device-side check.
             metadata.kv_cache.store(self.layer_idx, k, v, metadata.slot_mapping(pool), check=False)
+        recent = metadata.recent
+        if recent is not None and k is not None and metadata.num_kv_tokens > 0:
+            recent.store(self.layer_idx, k, v)  # the unquantized copy (also when kv_stored)
         if out is None:
             out = torch.empty_like(q)
         else:

@@ -138,6 +138,9 @@ class AttentionMetadata:
         self._num_contexts = self._num_seqs = self._num_generations = 0
         self._num_ctx_tokens: int | None = 0
         self._num_tokens = self._num_kv_tokens = 0
+        # the step's recent-window ring facts (`kvplan.cache.recent_window.RecentStep`), set by
+        # the paged family after each step's prepare() when kv_exact_window is on; else None
+        self.recent = None
         # set by prepare()
         self.prepared = False
         self.num_requests = self.max_kv_len = self.num_cached_tokens = 0

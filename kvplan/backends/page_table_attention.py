@@ -80,10 +80,11 @@ class PageTableAttention(AttentionBackend):
             def stored_rows(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
                 return md.kv_cache.read_slots(self.layer_idx, md.slot_mapping(pool)[lo:hi])
 
+        recent = md.recent if md.kv_cache_manager is not None and not view.cross else None
         return attend_paged(
             q, k_cache, v_cache, view, out, scale=self.scale, window=self.window(md),
             check=md.check_kernel_inputs, kv_layout=kv_layout, k_new=k, v_new=v,
-            stored_rows=stored_rows,
+            stored_rows=stored_rows, recent=recent, layer=self.layer_idx,
         )  # fmt: skip
 
 
@@ -101,6 +102,8 @@ def attend_paged(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     stored_rows=None,
+    recent=None,
+    layer: int = 0,
 ) -> torch.Tensor:
     """Fill ``out`` ``[T, H, D]`` from ``q`` ``[T, H, D]`` over a ``PagedView`` of the caches
     ``[num_pages, page_size, Hkv, D]``, or of uint8 ``[num_pages, page_size, 1,
@@ -119,12 +122,19 @@ def attend_paged(
     the cache holds for the context segment's rows ``lo .. hi - 1``; with it the fresh rows of
     a quantized cache run SDPA or flash over those values (the paged kernel's attention),
     without it they stay on the paged kernel (``kvplan.backends.fresh_prefill``).
+
+    ``recent``: the step's `kvplan.cache.recent_window.RecentStep` (its sequences in the
+    segments' row order) or None; with it every segment reads ``layer``'s recent-window ring
+    and the fresh rows stay on the paged kernel too.
     """
     cache_dtype = k_cache.dtype if kv_layout is None else torch.bfloat16
-    start = 0
+    start = row = 0
     for seg in (view.context, view.generation):
         if seg is None or seg.num_tokens == 0:
             continue
+        rows = seg.kv_lens.shape[0]
+        ring = None if recent is None else recent.ring(layer, row, row + rows)
+        row += rows
         end = start + seg.num_tokens
         q_seg = q[start:end]
         direct = q_seg.dtype == cache_dtype
@@ -135,11 +145,11 @@ def attend_paged(
             res = paged_attention_decode(
                 q_seg, k_cache, v_cache, seg.page_ids, seg.page_start, seg.kv_lens,
                 scale=scale, sliding_window=None if view.cross else window, out=dst,
-                max_kv_len=seg.max_kv_len, kv_layout=kv_layout, check=check,
+                max_kv_len=seg.max_kv_len, kv_layout=kv_layout, check=check, ring=ring,
             )  # fmt: skip
         else:
             res = None
-            if seg is view.context and k_new is not None and v_new is not None:
+            if seg is view.context and k_new is not None and v_new is not None and ring is None:
                 res = prefill_fresh_rows(
                     q_seg, k_new[start:end], v_new[start:end], k_cache, v_cache, seg,
                     scale=scale, window=window, out=dst, kv_layout=kv_layout, check=check,
@@ -149,7 +159,7 @@ def attend_paged(
                 res = paged_attention_prefill(
                     q_seg, k_cache, v_cache, seg.page_ids, seg.page_start, seg.cu_seqlens_q,
                     seg.kv_lens, scale=scale, sliding_window=window, out=dst,
-                    max_q_len=seg.max_q_len, kv_layout=kv_layout, check=check,
+                    max_q_len=seg.max_q_len, kv_layout=kv_layout, check=check, ring=ring,
                 )  # fmt: skip
         if dst is None:
             out[start:end] = res.to(out.dtype)

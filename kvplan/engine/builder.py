@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvplan.cache.cache_config import KVCacheConfig
-from kvplan.cache.kv_tensors import kv_bytes_per_value
+from kvplan.cache.kv_tensors import QUANTIZED_KV_FORMATS, kv_bytes_per_value
 from kvplan.cache.pool_sizing import PoolSizes, plan_pool_blocks
 from kvplan.engine.config import EngineConfig
 from kvplan.engine.core import EngineCore
@@ -192,7 +192,23 @@ def _paged_family(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes, manager
         layer_windows=cfg.windows,
         device=sizes.device,
     )
-    return PagedFamily(metadata)
+    recent = None
+    if config.kv_exact_window:
+        from kvplan.cache.recent_window import RecentKV, RecentWindow
+
+        recent = RecentWindow(
+            RecentKV(
+                cfg.num_layers,
+                config.max_num_seqs,
+                config.kv_exact_window,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                slack=config.num_speculative_tokens,
+                dtype=torch.bfloat16,
+                device=sizes.device,
+            )  # fmt: skip
+        )
+    return PagedFamily(metadata, recent)
 
 
 # family name -> f(model config, engine config, sizes, cache manager) -> AttentionFamily
@@ -236,6 +252,11 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
     if hybrid is not None:
         if config.kv_rotation:
             raise ValueError("kv_rotation=True is supported for dense models, not DeepSeek-V4")
+        if config.kv_exact_window:
+            raise ValueError(
+                f"kv_exact_window={config.kv_exact_window} is supported for dense models, not "
+                "DeepSeek-V4 (its sliding-window ring already holds the newest rows)"
+            )
         parts = build_hybrid(hybrid, config)
         net, manager, graphs = parts.model, parts.manager, None
         if config.cuda_graphs_on:
@@ -258,6 +279,11 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         source = resolve_source(model)
         cfg = source.config
         fmt = config.resolve_kv_format(cfg.head_dim)
+        if config.kv_exact_window and fmt not in QUANTIZED_KV_FORMATS:
+            raise ValueError(
+                f"kv_exact_window={config.kv_exact_window} needs a quantized kv_format "
+                f"{tuple(QUANTIZED_KV_FORMATS)}, got {fmt!r}"
+            )
         max_model_len = config.model_max_len(cfg.max_position_embeddings)
         max_blocks_per_seq = -(-max_model_len // config.block_size)
         backend_cls = get_backend(config.backend)

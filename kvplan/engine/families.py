@@ -50,11 +50,13 @@ class PagedFamily:
 
     name = PAGED
 
-    def __init__(self, metadata: Any) -> None:
+    def __init__(self, metadata: Any, recent: Any = None) -> None:
         self.metadata = metadata
+        # kv_exact_window: the ring slots (`kvplan.cache.recent_window.RecentWindow`) or None
+        self.recent = recent
 
     def plan(self, step: StepBatch) -> Any:
-        return set_paged_step(
+        md = set_paged_step(
             self.metadata,
             step.request_ids,
             step.prompt_lens,
@@ -62,9 +64,17 @@ class PagedFamily:
             step.num_query_tokens,
             step.num_contexts,
         )
+        if self.recent is not None:
+            md.recent = self.recent.plan(
+                step.request_ids, step.num_cached_tokens, step.num_query_tokens, md.device
+            )
+        return md
 
     def free(self, request_id: Any) -> None:
-        """Nothing to forget: the metadata holds no block table between steps."""
+        """Release the request's recent-window ring slot (the metadata holds no block table
+        between steps)."""
+        if self.recent is not None:
+            self.recent.free(request_id)
 
 
 def set_paged_step(

@@ -303,8 +303,15 @@ def test_kernels_compile_for_sm90():
                          text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.split("\n")
-    for suffix in ("", "_fp8", "_fp4", "_fp8_prefetch", "_fp4_prefetch", "_ring",
-                   "_fp8_prefetch_ring"):
+    for suffix in (
+        "",
+        "_fp8",
+        "_fp4",
+        "_fp8_prefetch",
+        "_fp4_prefetch",
+        "_ring",
+        "_fp8_prefetch_ring",
+    ):
         assert f"_decode_kernel{suffix} async mma" in lines
         assert f"_prefill_kernel{suffix} async wgmma" in lines
     assert any(line.startswith("_combine_kernel") for line in lines)

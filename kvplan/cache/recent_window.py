@@ -1,0 +1,165 @@
+"""Each sequence's newest keys and values kept unquantized beside a quantized KV cache.
+
+A quantized cache (fp8 / int8 / fp4) loses most of its accuracy on the newest rows: a query
+leans on the keys just before it (bench/RESULTS.md, session 44: keeping the last 16-128
+positions exact lifted SmolLM2's teacher-forced top-1 agreement with fp8 from ~97.1 % to
+~99.2 % and cut the KL by ~89 %; KIVI's full-precision residual). With
+``EngineConfig(kv_exact_window=W)`` every K/V row is still stored in the quantized pages, and
+also in a small ring in the attention dtype; attention reads a sequence's keys at positions
+``>= lo`` from the ring (`kvplan.ops.paged_attention.RecentRing`), older ones from the pages::
+
+    lo[b] = max(kv_len[b] - W, start[b])      start[b]: the first position the request wrote
+
+(``start`` is past 0 when a prefix-cache hit supplied the first blocks: their rows were never
+written to this request's ring, so they come from the pages.)
+
+Layout: per layer, K and V rings ``[num_slots * size + 1, Hkv, D]``; slot ``s`` holds position
+``p`` at row ``s * size + p % size``; the last row takes the writes of rows outside the ring
+(a trash row, so a store needs no host-side filtering). ``size = W + slack``: with
+speculative decoding a step also writes its draft positions, and a rejected draft at position
+``p`` overwrites row ``p % size`` -- which, with ``slack = num_speculative_tokens``, belongs to
+a position older than every later step's ``lo``. Pages stay complete, so prefix caching,
+preemption and the fallback paths need nothing from the ring.
+
+`RecentWindow` assigns each request a ring slot at its first planned step and frees it with the
+request (`free`); `plan` turns a step's per-sequence facts into the device arrays of a
+`RecentStep` (one small host computation and three non-blocking copies).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from kvplan.backends.staging.arena import to_device
+from kvplan.ops.paged_attention import RecentRing
+
+
+class RecentStep(NamedTuple):
+    """One step's ring facts: ``base`` / ``lo`` int32 ``[num_seqs]`` (batch order), ``rows``
+    int64 ``[num_tokens]`` (each token's ring row, the trash row where it is not kept), on
+    the device; ``base_np`` / ``lo_np`` the same on the host."""
+
+    kv: RecentKV
+    base: torch.Tensor
+    lo: torch.Tensor
+    rows: torch.Tensor
+    base_np: np.ndarray
+    lo_np: np.ndarray
+
+    def overlay(self, layer: int, b: int, k: torch.Tensor, v: torch.Tensor):
+        """Sequence ``b``'s gathered keys and values ``[kv_len, Hkv, D]`` (positions 0 ..
+        kv_len - 1) with the positions from ``lo[b]`` on taken from the ring."""
+        lo, n = int(self.lo_np[b]), k.shape[0]
+        if lo >= n:
+            return k, v
+        rows = int(self.base_np[b]) + torch.arange(lo, n, device=k.device) % self.kv.size
+        k, v = k.clone(), v.clone()
+        k[lo:] = self.kv.k[layer][rows].to(k.dtype)
+        v[lo:] = self.kv.v[layer][rows].to(v.dtype)
+        return k, v
+
+    def ring(self, layer: int, first: int = 0, last: int | None = None) -> RecentRing:
+        """The `RecentRing` of ``layer`` for the sequences ``first .. last - 1``."""
+        return RecentRing(
+            self.kv.k[layer], self.kv.v[layer], self.base[first:last], self.lo[first:last],
+            self.kv.size,
+        )  # fmt: skip
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the step's K / V rows ``[num_tokens, Hkv, D]`` into ``layer``'s rings."""
+        self.kv.store(layer, k, v, self.rows)
+
+
+class RecentKV:
+    """The rings of every layer (module docstring).
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the cache geometry.
+        num_slots: sequences at once (the engine's ``max_num_seqs``).
+        window: ``W``, positions read from the ring; slack: extra rows a sequence (drafts).
+        dtype, device: the rings' (the attention's dtype: bf16 for a quantized cache).
+    """
+
+    def __init__(
+        self, num_layers: int, num_slots: int, window: int, num_kv_heads: int, head_dim: int,
+        *, slack: int = 0, dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:  # fmt: skip
+        for name, value, low in (("num_layers", num_layers, 1), ("num_slots", num_slots, 1),
+                                 ("window", window, 1), ("num_kv_heads", num_kv_heads, 1),
+                                 ("head_dim", head_dim, 1), ("slack", slack, 0)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        self.window = window
+        self.size = window + slack
+        self.num_slots = num_slots
+        self.trash = num_slots * self.size
+        shape = (self.trash + 1, num_kv_heads, head_dim)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+        """``k`` / ``v`` ``[T, Hkv, D]`` into ``layer``'s rings at ``rows`` (int64 ``[T]``;
+        the trash row may repeat, every other row at most once)."""
+        self.k[layer].index_copy_(0, rows, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(0, rows, v.to(self.v[layer].dtype))
+
+
+class RecentWindow:
+    """Ring slots of the running requests and each step's `RecentStep` (module docstring)."""
+
+    def __init__(self, kv: RecentKV) -> None:
+        self.kv = kv
+        self._free = list(range(kv.num_slots - 1, -1, -1))
+        self._slot: dict[Any, int] = {}
+        self._start: dict[Any, int] = {}
+
+    def free(self, request_id: Any) -> None:
+        """Release ``request_id``'s slot (a finished or preempted request; unknown ids pass)."""
+        slot = self._slot.pop(request_id, None)
+        self._start.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def plan(
+        self, request_ids: list[Any], num_cached: np.ndarray, num_query: np.ndarray,
+        device: torch.device,
+    ) -> RecentStep:  # fmt: skip
+        """The `RecentStep` of a step whose sequence ``b`` (batch order, its tokens
+        contiguous) has ``num_cached[b]`` tokens before this step's ``num_query[b]``."""
+        kv = self.kv
+        n = len(request_ids)
+        cached = np.asarray(num_cached, dtype=np.int64)[:n]
+        query = np.asarray(num_query, dtype=np.int64)[:n]
+        base = np.empty(n, dtype=np.int64)
+        start = np.empty(n, dtype=np.int64)
+        for b, rid in enumerate(request_ids):
+            slot = self._slot.get(rid)
+            if slot is None:
+                if not self._free:
+                    raise RuntimeError(
+                        f"kv_exact_window: no free ring slot for request {rid!r} "
+                        f"({kv.num_slots} slots, one per running request)"
+                    )
+                slot = self._slot[rid] = self._free.pop()
+                self._start[rid] = int(cached[b])
+            base[b] = slot * kv.size
+            start[b] = self._start[rid]
+        kv_len = cached + query
+        lo = np.maximum(kv_len - kv.window, start)
+        # each token's position; kept where it is among the sequence's last `size` positions
+        seq = np.repeat(np.arange(n), query)
+        first = np.repeat(np.cumsum(query) - query, query)
+        pos = np.repeat(cached, query) + (np.arange(seq.size) - first)
+        keep = pos >= np.repeat(kv_len, query) - kv.size
+        rows = np.where(keep, np.repeat(base, query) + pos % kv.size, kv.trash)
+        return RecentStep(kv, to_device(base, device), to_device(lo, device),
+                          to_device(rows, device, torch.int64), base, lo)  # fmt: skip

@@ -1,0 +1,156 @@
+"""``kv_exact_window``: each sequence's newest K/V rows read unquantized beside a quantized cache.
+
+Oracles:
+* a bf16-cache engine whose store emulates the window (`WindowStore`: at every store of a
+  chunk that ends at position ``e``, the sequence's rows below ``e - W`` hold their fp8 round
+  trip and the rows from ``e - W`` on their bf16 values): it holds exactly the values the fp8
+  pages and the ring give attention, which reads them with the same bf16 query, so the
+  teacher-forced logits must be identical (CPU: torch paths), for one-token and longer chunks;
+* with a window longer than every sequence, the fp8 engine must equal the bf16 engine
+  (every key from the ring): logits and greedy tokens of a batch through chunked prefill;
+* `RecentWindow.plan`'s rows / ``lo`` against a per-token hand computation (prefix-cache
+  start, drafts' slack, chunks longer than the ring), slot reuse, and bad settings refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvplan import LLM, EngineConfig, SamplingParams, quant
+from kvplan.cache.recent_window import RecentKV, RecentWindow
+from kvplan.engine.scoring import prompt_logits
+from tests.engine.test_quantized_kv_engine import CFG, _engine
+
+TEXT = [int(t) for t in torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(1))]
+
+
+class WindowStore:
+    """A bf16 cache's store that keeps what an fp8 cache with a ``window`` ring shows
+    attention (module docstring); one sequence, stored in position order."""
+
+    def __init__(self, kv_cache, window: int) -> None:
+        self.kv, self.window, self.store = kv_cache, window, kv_cache.store
+        self.layout = kv_cache.__class__(1, 4, 4, CFG.num_kv_heads, CFG.head_dim,
+                                         kv_format="fp8").layout  # fmt: skip
+        self.rows: dict[int, list] = {}  # layer -> [(position, slot, k, v)] exact so far
+        kv_cache.store = self
+
+    def rounded(self, x):
+        flat = x.to(torch.bfloat16).reshape(x.shape[0], -1)
+        return quant.dequantize(*quant.quantize(flat, self.layout), self.layout).view(x.shape)
+
+    def __call__(self, layer, k, v, slot_mapping, *, check=True):
+        rows = self.rows.setdefault(layer, [])
+        first = rows[-1][0] + 1 if rows else 0
+        end = first + k.shape[0]
+        # (the slot buffer is rewritten in place every step: keep copies)
+        rows += [(first + i, slot_mapping[i : i + 1].clone(), k[i : i + 1], v[i : i + 1])
+                 for i in range(k.shape[0])]  # fmt: skip
+        for pos, slot, rk, rv in rows:
+            exact = pos >= end - self.window
+            kk, vv = (rk, rv) if exact else (self.rounded(rk), self.rounded(rv))
+            self.store(layer, kk.to(torch.bfloat16), vv.to(torch.bfloat16), slot, check=check)
+
+
+@pytest.mark.parametrize("window, chunk", [(5, 1), (12, 1), (12, 8), (4, 16)])
+def test_teacher_forced_logits_equal_the_emulated_window(window, chunk):
+    ring = _engine("fp8", kv_exact_window=window)
+    oracle = _engine("bf16")
+    WindowStore(oracle.parts.kv_cache, window)
+    got = prompt_logits(ring.engine, TEXT, chunk)
+    want = prompt_logits(oracle.engine, TEXT, chunk)
+    assert torch.equal(got, want)
+    plain = prompt_logits(_engine("fp8").engine, TEXT, chunk)
+    assert not torch.equal(got, plain)  # the ring changed what attention read
+
+
+def test_a_window_longer_than_every_sequence_is_the_bf16_cache():
+    prompts = [TEXT[:37], TEXT[5:9], TEXT[:70]]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    kw = dict(max_num_batched_tokens=24, max_num_seqs=2)  # chunked prefill, queued requests
+    want = [o.token_ids for o in _engine("bf16", **kw).generate(prompts, params)]
+    got = [o.token_ids for o in _engine("fp8", kv_exact_window=96, **kw).generate(prompts, params)]
+    assert got == want
+    assert torch.equal(prompt_logits(_engine("fp8", kv_exact_window=96).engine, TEXT, 16),
+                       prompt_logits(_engine("bf16").engine, TEXT, 16))  # fmt: skip
+
+
+def test_plan_rows_and_lo_by_hand():
+    kv = RecentKV(1, 3, 6, 1, 8, slack=2)  # ring of 8 rows a slot, window 6
+    win = RecentWindow(kv)
+    # a: fresh prompt chunk of 11 tokens (longer than the ring); b: decode at 20 after a
+    # prefix hit at 18 (its first step: start 18); c: a verification row (1 + 2 drafts)
+    step = win.plan(["a", "b", "c"], np.array([0, 18, 40]), np.array([11, 1, 3]),
+                    torch.device("cpu"))  # fmt: skip
+    slots = {"a": 0, "b": 1, "c": 2}
+    rows, lo = [], []
+    for rid, cached, q in (("a", 0, 11), ("b", 18, 1), ("c", 40, 3)):
+        start = cached  # their first step
+        lo.append(max(cached + q - 6, start))
+        for p in range(cached, cached + q):
+            keep = p >= cached + q - 8
+            rows.append(slots[rid] * 8 + p % 8 if keep else kv.trash)
+    assert step.rows.tolist() == rows
+    assert step.lo.tolist() == lo and step.base.tolist() == [0, 8, 16]
+    # b's next step: decode at 19, its start stays 18
+    step = win.plan(["b"], np.array([19]), np.array([1]), torch.device("cpu"))
+    assert step.lo.tolist() == [18] and step.rows.tolist() == [8 + 19 % 8]
+    win.free("a")
+    step = win.plan(["d"], np.array([0]), np.array([2]), torch.device("cpu"))
+    assert step.base.tolist() == [0]  # a's slot again
+    with pytest.raises(RuntimeError, match="no free ring slot for request 'e'"):
+        win.plan(["e"], np.array([0]), np.array([1]), torch.device("cpu"))
+
+
+def test_ring_store_and_overlay():
+    kv = RecentKV(2, 2, 4, 2, 8)
+    win = RecentWindow(kv)
+    step = win.plan(["x", "y"], np.array([0, 0]), np.array([6, 2]), torch.device("cpu"))
+    k = torch.randn(8, 2, 8)
+    v = torch.randn(8, 2, 8)
+    step.store(1, k, v)
+    pages_k, pages_v = torch.zeros(6, 2, 8), torch.zeros(6, 2, 8)
+    ok, ov = step.overlay(1, 0, pages_k, pages_v)  # x: positions 2..5 from the ring
+    assert torch.equal(ok[2:], k[2:6].bfloat16().float()) and not ok[:2].any()
+    assert torch.equal(ov[2:], v[2:6].bfloat16().float())
+    assert not kv.k[0].any()  # another layer's ring is untouched
+
+
+def test_bad_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match="kv_exact_window must be >= 0, got -1"):
+        EngineConfig(kv_exact_window=-1)
+    with pytest.raises(ValueError, match="use_cuda_graph=True cannot be combined"):
+        EngineConfig(kv_exact_window=8, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        EngineConfig(kv_exact_window=8, tensor_parallel_size=2)
+    assert not EngineConfig(kv_exact_window=8, device="cpu").cuda_graphs_on
+    with pytest.raises(ValueError, match="needs a quantized kv_format .* got 'bf16'"):
+        LLM(CFG, device="cpu", kv_format="bf16", kv_exact_window=8, max_model_len=32)
+    with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
+        RecentKV(1, 1, 0, 1, 8)
+
+
+@pytest.mark.gpu
+def test_cuda_engine_with_a_ring_equals_the_cpu_engine():
+    """bf16 model on CUDA (Triton kernels read pages and ring) against the same engine on
+    the CPU (torch paths) within bf16 rounding; a window longer than every sequence equals
+    the CUDA bf16 cache's greedy tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kw = dict(dtype="bfloat16", backend="block_offsets", block_size=16, max_model_len=256,
+              num_blocks=64, enable_prefix_caching=False)  # fmt: skip
+    text = TEXT * 3
+    gpu = LLM(CFG, device="cuda", kv_format="fp8", kv_exact_window=24, **kw)
+    cpu = LLM(CFG, device="cpu", kv_format="fp8", kv_exact_window=24, **kw)
+    a = prompt_logits(gpu.engine, text, 32).float().cpu()
+    b = prompt_logits(cpu.engine, text, 32).float()
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    prompts = [TEXT[:37], TEXT[5:9], TEXT[:70]]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    ring = LLM(CFG, device="cuda", kv_format="fp8", kv_exact_window=250, **kw)
+    bf16 = LLM(CFG, device="cuda", kv_format="bf16", use_cuda_graph=False, **kw)
+    assert [o.token_ids for o in ring.generate(prompts, params)] == [
+        o.token_ids for o in bf16.generate(prompts, params)
+    ]
