@@ -134,19 +134,30 @@ def test_bad_settings_are_refused_by_name():
 
 @pytest.mark.gpu
 def test_cuda_engine_with_a_ring_equals_the_cpu_engine():
-    """bf16 model on CUDA (Triton kernels read pages and ring) against the same engine on
-    the CPU (torch paths) within bf16 rounding; a window longer than every sequence equals
-    the CUDA bf16 cache's greedy tokens."""
+    """bf16 model on CUDA (Triton kernels read pages and ring) against the same weights on the
+    CPU (torch paths) within bf16 rounding, and against the plain fp8 cache (the ring must
+    move the logits toward the bf16 cache's); a window longer than every sequence gives the
+    CUDA bf16 cache's greedy tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kw = dict(dtype="bfloat16", backend="block_offsets", block_size=16, max_model_len=256,
-              num_blocks=64, enable_prefix_caching=False)  # fmt: skip
+              num_blocks=64, enable_prefix_caching=False, warmup=False)  # fmt: skip
     text = TEXT * 3
+
+    def engine(device, fmt, **extra):
+        llm = LLM(CFG, device=device, kv_format=fmt, **kw, **extra)
+        if device == "cpu":  # the CUDA engines' weights (random weights differ by device)
+            state = {k: v.cpu() for k, v in gpu.parts.model.state_dict().items()}
+            llm.parts.model.load_state_dict(state)
+        return llm
+
     gpu = LLM(CFG, device="cuda", kv_format="fp8", kv_exact_window=24, **kw)
-    cpu = LLM(CFG, device="cpu", kv_format="fp8", kv_exact_window=24, **kw)
     a = prompt_logits(gpu.engine, text, 32).float().cpu()
-    b = prompt_logits(cpu.engine, text, 32).float()
+    b = prompt_logits(engine("cpu", "fp8", kv_exact_window=24).engine, text, 32).float()
     assert (a - b).abs().max() < 0.05 * b.abs().max()
+    exact = prompt_logits(engine("cpu", "bf16").engine, text, 32).float()
+    plain = prompt_logits(engine("cpu", "fp8").engine, text, 32).float()
+    assert (a - exact).abs().mean() < (plain - exact).abs().mean()
     prompts = [TEXT[:37], TEXT[5:9], TEXT[:70]]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     ring = LLM(CFG, device="cuda", kv_format="fp8", kv_exact_window=250, **kw)
