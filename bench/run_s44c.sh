@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 44, call C: kv_exact_window's engine GPU test, fixed to give the CPU engine the CUDA
+# Session 44, calls C and D: kv_exact_window's engine GPU test, fixed to give the CPU engine the CUDA
 # engine's weights (random weights differ by device; call B's version compared two models).
 set -u
 BUDGET=${BUDGET:-200}

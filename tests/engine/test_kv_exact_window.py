@@ -136,8 +136,8 @@ def test_bad_settings_are_refused_by_name():
 def test_cuda_engine_with_a_ring_equals_the_cpu_engine():
     """bf16 model on CUDA (Triton kernels read pages and ring) against the same weights on the
     CPU (torch paths) within bf16 rounding, and against the plain fp8 cache (the ring must
-    move the logits toward the bf16 cache's); a window longer than every sequence gives the
-    CUDA bf16 cache's greedy tokens."""
+    move the logits toward the bf16 cache's); a window longer than the text gives the CUDA
+    bf16 cache's logits within the kernels' summation order."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kw = dict(dtype="bfloat16", backend="block_offsets", block_size=16, max_model_len=256,
@@ -158,10 +158,12 @@ def test_cuda_engine_with_a_ring_equals_the_cpu_engine():
     exact = prompt_logits(engine("cpu", "bf16").engine, text, 32).float()
     plain = prompt_logits(engine("cpu", "fp8").engine, text, 32).float()
     assert (a - exact).abs().mean() < (plain - exact).abs().mean()
-    prompts = [TEXT[:37], TEXT[5:9], TEXT[:70]]
-    params = SamplingParams(max_tokens=16, temperature=0.0)
+    # a window longer than the text: every key from the ring, the bf16 cache's values; other
+    # kernel paths (masked ring tiles), so equal within the kernels' summation order (a greedy
+    # near-tie of this random model flipped in call C: logits, not tokens)
     ring = LLM(CFG, device="cuda", kv_format="fp8", kv_exact_window=250, **kw)
     bf16 = LLM(CFG, device="cuda", kv_format="bf16", use_cuda_graph=False, **kw)
-    assert [o.token_ids for o in ring.generate(prompts, params)] == [
-        o.token_ids for o in bf16.generate(prompts, params)
-    ]
+    got = prompt_logits(ring.engine, text, 32).float()
+    want = prompt_logits(bf16.engine, text, 32).float()
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    assert (got - want).abs().mean() < 0.25 * (a.cuda() - want).abs().mean() + 1e-6
