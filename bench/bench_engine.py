@@ -357,7 +357,7 @@ def main() -> int:
     add_engine_arguments(
         ap,
         ("device", "backend", "kv_format", "max_num_batched_tokens", "async_scheduling",
-         "kv_cache_memory", "tensor_parallel_size"),
+         "kv_cache_memory", "tensor_parallel_size", "kv_exact_window"),
         max_num_batched_tokens=8192,
     )  # fmt: skip
     ap.add_argument("--config", default=None)

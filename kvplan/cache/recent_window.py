@@ -23,7 +23,9 @@ preemption and the fallback paths need nothing from the ring.
 
 `RecentWindow` assigns each request a ring slot at its first planned step and frees it with the
 request (`free`); `plan` turns a step's per-sequence facts into the device arrays of a
-`RecentStep` (one small host computation and three non-blocking copies).
+`RecentStep` (one small host computation and three non-blocking copies into persistent
+buffers, so decode steps replay CUDA graphs with the ring as without it; `pad` readies a
+graph bucket's padding rows).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvplan.backends.staging.arena import to_device
 from kvplan.ops.paged_attention import RecentRing
+
+NO_RING = 1 << 30  # a ``lo`` past every ``kv_len``: the row reads no ring key
 
 
 class RecentStep(NamedTuple):
@@ -114,13 +117,32 @@ class RecentKV:
 
 
 class RecentWindow:
-    """Ring slots of the running requests and each step's `RecentStep` (module docstring)."""
+    """Ring slots of the running requests and each step's `RecentStep` (module docstring).
 
-    def __init__(self, kv: RecentKV) -> None:
+    The step arrays live in persistent device buffers (``max_seqs`` / ``max_tokens`` long),
+    written in place each step from two pinned host slots used in turn (the same discipline
+    as the decode graphs' inputs), so a CUDA graph captured with one step's `RecentStep`
+    reads every later step's values."""
+
+    def __init__(self, kv: RecentKV, max_tokens: int, device: torch.device | str | None = None):
         self.kv = kv
         self._free = list(range(kv.num_slots - 1, -1, -1))
         self._slot: dict[Any, int] = {}
         self._start: dict[Any, int] = {}
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.max_tokens = max_tokens
+        n = kv.num_slots
+        self._base = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self._lo = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self._rows = torch.full((max_tokens,), kv.trash, dtype=torch.int64, device=self.device)
+        pinned = self.device.type == "cuda"
+        self._staging = [
+            (torch.zeros(n, dtype=torch.int32, pin_memory=pinned),
+             torch.zeros(n, dtype=torch.int32, pin_memory=pinned),
+             torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pinned))
+            for _ in range(2)
+        ]  # fmt: skip
+        self._turn = 0
 
     def free(self, request_id: Any) -> None:
         """Release ``request_id``'s slot (a finished or preempted request; unknown ids pass)."""
@@ -129,9 +151,15 @@ class RecentWindow:
         if slot is not None:
             self._free.append(slot)
 
+    def pad(self, n: int, b: int) -> None:
+        """Make rows ``n .. b - 1`` of a decode graph's bucket harmless: no ring key read
+        (``lo`` past any ``kv_len``), their tokens' rows the trash row."""
+        if b > n:
+            self._lo[n:b].fill_(NO_RING)
+            self._rows[n:b].fill_(self.kv.trash)
+
     def plan(
         self, request_ids: list[Any], num_cached: np.ndarray, num_query: np.ndarray,
-        device: torch.device,
     ) -> RecentStep:  # fmt: skip
         """The `RecentStep` of a step whose sequence ``b`` (batch order, its tokens
         contiguous) has ``num_cached[b]`` tokens before this step's ``num_query[b]``."""
@@ -161,5 +189,16 @@ class RecentWindow:
         pos = np.repeat(cached, query) + (np.arange(seq.size) - first)
         keep = pos >= np.repeat(kv_len, query) - kv.size
         rows = np.where(keep, np.repeat(base, query) + pos % kv.size, kv.trash)
-        return RecentStep(kv, to_device(base, device), to_device(lo, device),
-                          to_device(rows, device, torch.int64), base, lo)  # fmt: skip
+        t = rows.size
+        if t > self.max_tokens:
+            raise ValueError(f"a step of {t} tokens exceeds the ring's {self.max_tokens}")
+        h_base, h_lo, h_rows = self._staging[self._turn]
+        self._turn ^= 1
+        h_base.numpy()[:n] = base
+        h_lo.numpy()[:n] = lo
+        h_rows.numpy()[:t] = rows
+        cuda = self.device.type == "cuda"
+        self._base[:n].copy_(h_base[:n], non_blocking=cuda)
+        self._lo[:n].copy_(h_lo[:n], non_blocking=cuda)
+        self._rows[:t].copy_(h_rows[:t], non_blocking=cuda)
+        return RecentStep(kv, self._base[:n], self._lo[:n], self._rows[:t], base, lo)

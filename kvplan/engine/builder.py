@@ -196,18 +196,13 @@ def _paged_family(cfg: ModelConfig, config: EngineConfig, sizes: _Sizes, manager
     if config.kv_exact_window:
         from kvplan.cache.recent_window import RecentKV, RecentWindow
 
-        recent = RecentWindow(
-            RecentKV(
-                cfg.num_layers,
-                config.max_num_seqs,
-                config.kv_exact_window,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                slack=config.num_speculative_tokens,
-                dtype=torch.bfloat16,
-                device=sizes.device,
-            )  # fmt: skip
-        )
+        ring = RecentKV(
+            cfg.num_layers, config.max_num_seqs, config.kv_exact_window, cfg.num_kv_heads,
+            cfg.head_dim, slack=config.num_speculative_tokens, dtype=torch.bfloat16,
+            device=sizes.device,
+        )  # fmt: skip
+        tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        recent = RecentWindow(ring, tokens, sizes.device)
     return PagedFamily(metadata, recent)
 
 
@@ -331,6 +326,7 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
                 config.max_num_seqs,
                 max_model_len,
                 kv_format_context_bounds(fmt),
+                families[PAGED].recent,
             )
         if tp is None:
             runner = ModelRunner(net, families, dev, graphs)

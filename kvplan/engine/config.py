@@ -144,7 +144,7 @@ class EngineConfig:
         "with a quantized kv_format (fp8 / int8 / fp4): each sequence's last N positions are "
         "also kept unquantized (in the attention dtype) and attention reads them from there "
         "(most of a quantized cache's error is in the newest keys); 0 = off. Dense models on "
-        "one device; decode steps run without CUDA graphs while it is on",
+        "one device",
         0,
     )
 
@@ -183,11 +183,6 @@ class EngineConfig:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_bool("kv_rotation", self.kv_rotation)
         _check_int("kv_exact_window", self.kv_exact_window, 0)
-        if self.kv_exact_window and self.use_cuda_graph:
-            raise ValueError(
-                f"kv_exact_window={self.kv_exact_window} runs decode steps without CUDA graphs; "
-                "use_cuda_graph=True cannot be combined with it"
-            )
         if self.kv_exact_window and self.tensor_parallel_size > 1:
             raise ValueError(
                 f"kv_exact_window={self.kv_exact_window} is not supported with "
@@ -227,8 +222,6 @@ class EngineConfig:
 
     @property
     def cuda_graphs_on(self) -> bool:
-        if self.kv_exact_window:  # the ring's step facts are planned on the host each step
-            return False
         return (
             self.torch_device.type == "cuda" if self.use_cuda_graph is None else self.use_cuda_graph
         )

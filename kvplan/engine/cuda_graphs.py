@@ -189,10 +189,13 @@ class DecodeGraphs:
 
     def __init__(
         self, model: Any, metadata: Any, manager: Any, max_num_seqs: int, max_model_len: int,
-        context_bounds: Any = (),
+        context_bounds: Any = (), recent: Any = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.metadata = metadata
+        # kv_exact_window's `kvplan.cache.recent_window.RecentWindow` (persistent buffers the
+        # graphs read; the capture dummies get ring slots) or None
+        self.recent = recent
         self.attention = {PAGED: metadata}  # what the model reads: the paged family's plan
         self.manager = manager
         self.max_model_len = max_model_len
@@ -224,7 +227,7 @@ class DecodeGraphs:
     @classmethod
     def maybe_create(
         cls, model: Any, backend_cls: Any, metadata: Any, manager: Any, max_num_seqs: int,
-        max_model_len: int, context_bounds: Any = (),
+        max_model_len: int, context_bounds: Any = (), recent: Any = None,
     ) -> DecodeGraphs | None:  # fmt: skip
         if metadata.device.type != "cuda":
             return None
@@ -237,7 +240,8 @@ class DecodeGraphs:
                 "kvplan: CUDA graphs need the block_offsets backend; eager steps", file=sys.stderr
             )
             return None
-        graphs = cls(model, metadata, manager, max_num_seqs, max_model_len, context_bounds)
+        graphs = cls(model, metadata, manager, max_num_seqs, max_model_len, context_bounds,
+                     recent)  # fmt: skip
         try:
             graphs.capture_all()
         except Exception as exc:  # any capture problem: fall back to eager steps
@@ -253,6 +257,8 @@ class DecodeGraphs:
             if not self.manager.add_request(rid, [0]).ok:
                 raise RuntimeError(f"no free blocks for {b} capture dummies")
         set_paged_step(md, ids, [1] * b, np.zeros(b, np.int32), np.ones(b, np.int32), 0)
+        if self.recent is not None:
+            md.recent = self.recent.plan(ids, np.zeros(b, np.int32), np.ones(b, np.int32))
         # host bound only: the graph's launch plan (split-K factor, heads a program) must
         # suit any kv_len up to the tier
         md.kv_lens_np = np.full(b, tier, np.int32)
@@ -285,6 +291,8 @@ class DecodeGraphs:
         finally:
             for rid in ids:
                 self.manager.free(rid)
+                if self.recent is not None:
+                    self.recent.free(rid)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -316,6 +324,8 @@ class DecodeGraphs:
             md.arena.view("kv_lens")[n:b].fill_(1)
             for p in range(md.kv_cache_block_offsets.shape[0]):
                 md.arena.view(f"slots{p}")[n:b].fill_(-1)
+            if self.recent is not None:
+                self.recent.pad(n, b)
         staging = self._staging[self._slot]
         self._slot ^= 1
         host = staging.numpy()  # [2, max_num_seqs]: padding rows are token 0 at pos 0

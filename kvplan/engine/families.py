@@ -66,7 +66,7 @@ class PagedFamily:
         )
         if self.recent is not None:
             md.recent = self.recent.plan(
-                step.request_ids, step.num_cached_tokens, step.num_query_tokens, md.device
+                step.request_ids, step.num_cached_tokens, step.num_query_tokens
             )
         return md
 

@@ -79,11 +79,10 @@ def test_a_window_longer_than_every_sequence_is_the_bf16_cache():
 
 def test_plan_rows_and_lo_by_hand():
     kv = RecentKV(1, 3, 6, 1, 8, slack=2)  # ring of 8 rows a slot, window 6
-    win = RecentWindow(kv)
+    win = RecentWindow(kv, 16)
     # a: fresh prompt chunk of 11 tokens (longer than the ring); b: decode at 20 after a
     # prefix hit at 18 (its first step: start 18); c: a verification row (1 + 2 drafts)
-    step = win.plan(["a", "b", "c"], np.array([0, 18, 40]), np.array([11, 1, 3]),
-                    torch.device("cpu"))  # fmt: skip
+    step = win.plan(["a", "b", "c"], np.array([0, 18, 40]), np.array([11, 1, 3]))
     slots = {"a": 0, "b": 1, "c": 2}
     rows, lo = [], []
     for rid, cached, q in (("a", 0, 11), ("b", 18, 1), ("c", 40, 3)):
@@ -95,19 +94,23 @@ def test_plan_rows_and_lo_by_hand():
     assert step.rows.tolist() == rows
     assert step.lo.tolist() == lo and step.base.tolist() == [0, 8, 16]
     # b's next step: decode at 19, its start stays 18
-    step = win.plan(["b"], np.array([19]), np.array([1]), torch.device("cpu"))
+    step = win.plan(["b"], np.array([19]), np.array([1]))
     assert step.lo.tolist() == [18] and step.rows.tolist() == [8 + 19 % 8]
+    win.pad(1, 3)  # a graph bucket's padding rows 1, 2: no ring key, the trash row
+    assert win._lo[1:3].tolist() == [1 << 30] * 2 and win._rows[1:3].tolist() == [kv.trash] * 2
     win.free("a")
-    step = win.plan(["d"], np.array([0]), np.array([2]), torch.device("cpu"))
+    step = win.plan(["d"], np.array([0]), np.array([2]))
     assert step.base.tolist() == [0]  # a's slot again
     with pytest.raises(RuntimeError, match="no free ring slot for request 'e'"):
-        win.plan(["e"], np.array([0]), np.array([1]), torch.device("cpu"))
+        win.plan(["e"], np.array([0]), np.array([1]))
+    with pytest.raises(ValueError, match="a step of 17 tokens exceeds the ring's 16"):
+        win.plan(["b"], np.array([20]), np.array([17]))
 
 
 def test_ring_store_and_overlay():
     kv = RecentKV(2, 2, 4, 2, 8)
-    win = RecentWindow(kv)
-    step = win.plan(["x", "y"], np.array([0, 0]), np.array([6, 2]), torch.device("cpu"))
+    win = RecentWindow(kv, 8)
+    step = win.plan(["x", "y"], np.array([0, 0]), np.array([6, 2]))
     k = torch.randn(8, 2, 8)
     v = torch.randn(8, 2, 8)
     step.store(1, k, v)
@@ -121,11 +124,8 @@ def test_ring_store_and_overlay():
 def test_bad_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="kv_exact_window must be >= 0, got -1"):
         EngineConfig(kv_exact_window=-1)
-    with pytest.raises(ValueError, match="use_cuda_graph=True cannot be combined"):
-        EngineConfig(kv_exact_window=8, use_cuda_graph=True)
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         EngineConfig(kv_exact_window=8, tensor_parallel_size=2)
-    assert not EngineConfig(kv_exact_window=8, device="cpu").cuda_graphs_on
     with pytest.raises(ValueError, match="needs a quantized kv_format .* got 'bf16'"):
         LLM(CFG, device="cpu", kv_format="bf16", kv_exact_window=8, max_model_len=32)
     with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):

@@ -101,15 +101,16 @@ def test_int8_cache_rounds_differently_from_fp8():
     assert not torch.equal(prompt_logits(i8.engine, ids, 8), prompt_logits(f8.engine, ids, 8))
 
 
-def _eager_and_graph_tokens(kv_format: str):
+def _eager_and_graph_tokens(kv_format: str, **kw):
     """Greedy tokens of 11 prompts x 24 new tokens on CUDA (fp32 weights) with eager decode
-    steps and with CUDA graphs: ``(eager, graphs, the graph engine's DecodeGraphs)``."""
+    steps and with CUDA graphs: ``(eager, graphs, the graph engine's DecodeGraphs)``; ``kw``:
+    more engine settings."""
     prompts = _prompts(11, seed=3)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     outs = {}
     for graphs in (False, True):
         llm = _engine(kv_format, device="cuda", dtype="float32", max_num_seqs=16,
-                      use_cuda_graph=graphs, num_blocks=400, block_size=16)  # fmt: skip
+                      use_cuda_graph=graphs, num_blocks=400, block_size=16, **kw)  # fmt: skip
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
     return outs[False], outs[True], llm.engine.runner.graphs
 
@@ -120,6 +121,18 @@ def test_gpu_graphs_with_quantized_cache_match_eager(kv_format):
     """Quantized caches are captured in CUDA graphs; replays give the eager tokens."""
     eager, replayed, g = _eager_and_graph_tokens(kv_format)
     assert g is not None
+    assert g.num_replays > 0
+    assert replayed == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
+def test_gpu_graphs_with_an_exact_window_match_eager(kv_format):
+    """``kv_exact_window``: the ring's step arrays are persistent buffers the graphs read
+    (11 rows in a 16-row bucket: padding rows read no ring key and write the trash row);
+    replays give the eager tokens."""
+    eager, replayed, g = _eager_and_graph_tokens(kv_format, kv_exact_window=12)
+    assert g is not None and g.recent is not None
     assert g.num_replays > 0
     assert replayed == eager
 
