@@ -251,18 +251,32 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ capture
     def _prepare_dummies(self, b: int, tier: int) -> list[Any]:
+        """``b`` one-token dummy requests planned for ``tier``; on any failure the ones
+        already added are freed again (a failed capture leaks no block and no ring slot)."""
         md = self.metadata
         ids = [("kvplan-graph-dummy", i) for i in range(b)]
-        for rid in ids:
-            if not self.manager.add_request(rid, [0]).ok:
-                raise RuntimeError(f"no free blocks for {b} capture dummies")
-        set_paged_step(md, ids, [1] * b, np.zeros(b, np.int32), np.ones(b, np.int32), 0)
-        if self.recent is not None:
-            md.recent = self.recent.plan(ids, np.zeros(b, np.int32), np.ones(b, np.int32))
+        added = []
+        try:
+            for rid in ids:
+                if not self.manager.add_request(rid, [0]).ok:
+                    raise RuntimeError(f"no free blocks for {b} capture dummies")
+                added.append(rid)
+            set_paged_step(md, ids, [1] * b, np.zeros(b, np.int32), np.ones(b, np.int32), 0)
+            if self.recent is not None:
+                md.recent = self.recent.plan(ids, np.zeros(b, np.int32), np.ones(b, np.int32))
+        except BaseException:
+            self._free_dummies(added)
+            raise
         # host bound only: the graph's launch plan (split-K factor, heads a program) must
         # suit any kv_len up to the tier
         md.kv_lens_np = np.full(b, tier, np.int32)
         return ids
+
+    def _free_dummies(self, ids: list[Any]) -> None:
+        for rid in ids:
+            self.manager.free(rid)
+            if self.recent is not None:
+                self.recent.free(rid)
 
     def _forward(self, b: int) -> torch.Tensor:
         return self.model(self.input_ids[:b], self.positions[:b], self.attention, None)
@@ -289,10 +303,7 @@ class DecodeGraphs:
             what = f"bucket {b}, tier {tier}"
             return capture_checked(self, b, pool, partial(self._forward, b), what)
         finally:
-            for rid in ids:
-                self.manager.free(rid)
-                if self.recent is not None:
-                    self.recent.free(rid)
+            self._free_dummies(ids)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

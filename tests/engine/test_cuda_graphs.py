@@ -108,6 +108,47 @@ def test_padded_bucket_steps_match_unpadded_on_cpu():
     assert got == want
 
 
+def test_graphs_with_an_exact_window_match_eager_on_cpu():
+    """``kv_exact_window``: the capture dummies take ring slots and give them back; replays
+    read the ring's persistent buffers (padding rows of a bucket: no ring key, the trash row)
+    and give the eager tokens."""
+    from tests.engine.test_quantized_kv_engine import CFG
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, CFG.vocab_size, (int(n),), generator=g).tolist()
+               for n in (3, 17, 9, 25, 6)]  # fmt: skip
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    kw = dict(backend="block_offsets", block_size=4, max_num_seqs=8, max_model_len=64,
+              kv_format="fp8", kv_exact_window=6)  # fmt: skip
+    want = [o.token_ids for o in LLM(CFG, **kw).generate(prompts, params)]
+    llm = LLM(CFG, **kw)
+    parts = llm.parts
+    recent = llm.engine.runner.families["paged"].recent
+    graphs = _CpuGraphs(parts.model, parts.metadata, parts.manager, 8, 64, (), recent)
+    graphs.capture_all()
+    assert len(recent._free) == 8 and parts.manager.num_free_blocks() == parts.num_blocks - 1
+    llm.engine.runner.graphs = graphs
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert graphs.num_replays > 0
+    assert got == want
+
+
+def test_a_failed_capture_frees_its_dummies():
+    """Too few blocks for the largest bucket's dummies: the capture fails, and every block
+    and ring slot the dummies took is free again (the engine then runs eager steps)."""
+    from tests.engine.test_quantized_kv_engine import CFG
+
+    llm = LLM(CFG, backend="block_offsets", block_size=4, max_num_seqs=8, max_model_len=16,
+              num_blocks=6, kv_format="fp8", kv_exact_window=4)  # fmt: skip
+    parts = llm.parts
+    recent = llm.engine.runner.families["paged"].recent
+    graphs = _CpuGraphs(parts.model, parts.metadata, parts.manager, 8, 16, (), recent)
+    with pytest.raises(RuntimeError, match="no free blocks for 8 capture dummies"):
+        graphs.capture_all()
+    assert parts.manager.num_free_blocks() == parts.num_blocks - 1
+    assert len(recent._free) == 8
+
+
 def test_context_bounds_follow_the_decode_launch_rule(monkeypatch):
     """The builder's tiers: fp8, int8 and fp4 caches get their two-heads bound
     (`DECODE_HEADS_AUTO`), float caches none, and none when ``KVPLAN_DECODE_HEADS`` fixes the count."""

@@ -141,7 +141,8 @@ def test_cuda_engine_with_a_ring_equals_the_cpu_engine():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kw = dict(dtype="bfloat16", backend="block_offsets", block_size=16, max_model_len=256,
-              num_blocks=64, enable_prefix_caching=False, warmup=False)  # fmt: skip
+              num_blocks=64, max_num_seqs=4, enable_prefix_caching=False,
+              warmup=False)  # fmt: skip
     text = TEXT * 3
 
     def engine(device, fmt, **extra):
