@@ -32,9 +32,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvplan.backends.staging.arena import to_device
 from kvplan.formats import KVCacheFormat
 from kvplan.ops.flash_prefill import flash_prefill, flash_prefill_unsupported
-from kvplan.ops.paged_attention import paged_attention_prefill
+from kvplan.ops.paged_attention import RecentRing, paged_attention_prefill
 from kvplan.ops.sdpa_prefill import equal_length_groups, sdpa_prefill, sdpa_prefill_unsupported
 
 
@@ -103,6 +104,8 @@ def prefill_fresh_rows(
     kv_layout: KVCacheFormat | None,
     check: bool,
     stored_rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ring: RecentRing | None = None,
+    ring_lo: np.ndarray | None = None,
 ) -> torch.Tensor | None:
     """One context segment with SDPA or flash on its fresh rows; None when neither applies.
 
@@ -118,11 +121,17 @@ def prefill_fresh_rows(
             or flash, the same attention as the paged kernel's, when the longest fresh prompt
             has at least ``STORED_ROWS_MIN_LEN`` tokens. None: a quantized cache keeps the
             paged kernel.
+        ring, ring_lo: the segment's recent-window ring (`kvplan.ops.paged_attention.RecentRing`)
+            and its rows' first ring positions on the host (kv_exact_window): the stored rows
+            at positions from ``ring_lo`` on are replaced by the new rows' exact values (what
+            the ring holds), and the paged rows read the ring. Only with ``stored_rows``.
 
     Returns ``out`` (or a new tensor) with every row written, or None (then the caller runs
     the paged kernel over the whole segment; ``out`` may hold partial results meanwhile).
     """
     if seg.fresh_from is None or seg.host_cu_seqlens_q is None:
+        return None
+    if ring is not None and (stored_rows is None or kv_layout is None):
         return None
     split = fresh_split(seg.host_cu_seqlens_q, seg.fresh_from)
     if split is None:
@@ -151,6 +160,8 @@ def prefill_fresh_rows(
         return None
     if k_f.is_meta:
         k_f, v_f = stored_rows(t0, q.shape[0])
+        if ring is not None:
+            k_f, v_f = _exact_tail(k_f, v_f, k_new[t0:], v_new[t0:], seg, j, ring_lo)
     done = False
     if why_not is None:
         if out is None:
@@ -177,5 +188,21 @@ def prefill_fresh_rows(
             q[:t0], k_cache, v_cache, seg.page_ids, seg.page_start[:j], seg.cu_seqlens_q[: j + 1],
             seg.kv_lens[:j], scale=scale, sliding_window=window, out=out[:t0],
             max_q_len=split.paged_max_q_len, kv_layout=kv_layout, check=check,
+            ring=None if ring is None else ring._replace(base=ring.base[:j], lo=ring.lo[:j]),
         )  # fmt: skip
     return out
+
+
+def _exact_tail(k_f, v_f, k_new, v_new, seg, j: int, ring_lo: np.ndarray):
+    """The fresh rows' stored ``k_f`` / ``v_f`` with each sequence's positions from its
+    ``ring_lo`` on taken from the new rows in bf16 (what the recent-window ring holds); a
+    fresh row's position is its offset in its sequence's chunk (no cached history)."""
+    cu = np.asarray(seg.host_cu_seqlens_q[j:], dtype=np.int64)
+    cu = cu - cu[0]
+    lens = np.diff(cu)
+    pos = np.arange(cu[-1]) - np.repeat(cu[:-1], lens)
+    exact = pos >= np.repeat(np.asarray(ring_lo[j : j + lens.size], dtype=np.int64), lens)
+    mask = to_device(exact, k_f.device, torch.bool)[:, None, None]
+    k_f = torch.where(mask, k_new.to(k_f.dtype), k_f)
+    v_f = torch.where(mask, v_new.to(v_f.dtype), v_f)
+    return k_f, v_f

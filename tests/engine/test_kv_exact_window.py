@@ -168,3 +168,61 @@ def test_cuda_engine_with_a_ring_equals_the_cpu_engine():
     want = prompt_logits(bf16.engine, text, 32).float()
     assert (got - want).abs().max() < 0.02 * want.abs().max()
     assert (got - want).abs().mean() < 0.25 * (a.cuda() - want).abs().mean() + 1e-6
+
+
+def test_fresh_prompt_rows_over_sdpa_read_the_exact_tail(monkeypatch):
+    """A fresh prompt chunk of a quantized cache runs SDPA over its stored rows
+    (`prefill_fresh_rows`); with the window the rows from each sequence's bound on are the
+    exact values the ring holds (`_exact_tail`, checked row by row), and the engine's logits
+    stay within bf16 rounding of the paged kernel's over pages and ring."""
+    import types
+
+    import kvplan.backends.fresh_prefill as fp
+
+    # two fresh sequences (4 and 7 tokens) after one paged row of 5: bounds 1 and 4
+    seg = types.SimpleNamespace(host_cu_seqlens_q=np.array([0, 5, 9, 16]))
+    stored, new = torch.randn(11, 2, 8), torch.randn(11, 2, 8)
+    k, v = fp._exact_tail(stored.bfloat16(), -stored.bfloat16(), new, -new, seg, 1,
+                          np.array([3, 1, 4]))  # fmt: skip
+    exact = [False, True, True, True] + [False] * 4 + [True] * 3
+    for t, e in enumerate(exact):
+        want = (new if e else stored)[t].bfloat16()
+        assert torch.equal(k[t], want) and torch.equal(v[t], -want)
+
+    monkeypatch.setattr(fp, "STORED_ROWS_MIN_LEN", 1)
+    calls = []
+    real = fp._exact_tail
+    monkeypatch.setattr(fp, "_exact_tail", lambda *a: calls.append(1) or real(*a))
+
+    def logits(sdpa: str):
+        monkeypatch.setenv("KVPLAN_PREFILL_SDPA", sdpa)
+        return prompt_logits(_engine("fp8", kv_exact_window=10).engine, TEXT, 32)
+
+    paged = logits("0")
+    assert not calls
+    fresh = logits("1")
+    assert calls  # the first chunk's fresh rows took SDPA with the exact tail
+    assert (fresh - paged).abs().max() < 1e-2 * paged.abs().max()  # bf16 SDPA vs fp32 paths
+
+
+@pytest.mark.gpu
+def test_cuda_fresh_prompt_over_sdpa_with_the_ring(monkeypatch):
+    """A 1,100-token fresh prompt of the fp8 cache on CUDA: SDPA (or flash) over the stored rows
+    with the exact tail (the default) against the paged kernel over pages and ring."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import kvplan.backends.fresh_prefill as fp
+
+    calls = []
+    real = fp._exact_tail
+    monkeypatch.setattr(fp, "_exact_tail", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(3, 500, (1100,), generator=torch.Generator().manual_seed(5)).tolist()
+    kw = dict(device="cuda", dtype="bfloat16", kv_format="fp8", kv_exact_window=64,
+              max_model_len=1200, max_num_batched_tokens=1100, max_num_seqs=2, num_blocks=160,
+              block_size=16, enable_prefix_caching=False, warmup=False)  # fmt: skip
+    out = {}
+    for sdpa in ("0", "1"):
+        monkeypatch.setenv("KVPLAN_PREFILL_SDPA", sdpa)
+        out[sdpa] = prompt_logits(LLM(CFG, **kw).engine, ids, 1100).float()
+    assert calls
+    assert (out["1"] - out["0"]).abs().max() < 2e-2 * out["0"].abs().max()
