@@ -34,7 +34,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
+from kvplan.ops._dispatch import use_triton
+from kvplan.ops._launch import jit
 from kvplan.ops.paged_attention import RecentRing
 
 NO_RING = 1 << 30  # a ``lo`` past every ``kv_len``: the row reads no ring key
@@ -111,9 +115,43 @@ class RecentKV:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
         """``k`` / ``v`` ``[T, Hkv, D]`` into ``layer``'s rings at ``rows`` (int64 ``[T]``;
-        the trash row may repeat, every other row at most once)."""
-        self.k[layer].index_copy_(0, rows, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(0, rows, v.to(self.v[layer].dtype))
+        the trash row may repeat, every other row at most once): one Triton launch for both
+        (`ring_store_kernel`) on CUDA or with ``KVPLAN_FORCE_TRITON=1``, else two
+        ``index_copy_``; the same values either way (a cast to the ring's dtype)."""
+        rk, rv = self.k[layer], self.v[layer]
+        t = rows.shape[0]
+        width = rk.shape[1] * rk.shape[2]
+        if t == 0:
+            return
+        if not use_triton(rk) or k.stride(2) != 1 or v.stride(2) != 1:
+            rk.index_copy_(0, rows, k.to(rk.dtype))
+            rv.index_copy_(0, rows, v.to(rv.dtype))
+            return
+        tile = triton.next_power_of_2(width)
+        ring_store_kernel[(t,)](
+            k, v, rk, rv, rows, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            rk.shape[2], width, TILE=tile, num_warps=4 if tile >= 1024 else 1,
+        )  # fmt: skip
+
+
+@jit
+def ring_store_kernel(
+    k_ptr, v_ptr, rk_ptr, rv_ptr, rows_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+    head_dim, width, TILE: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(T,)``: token ``t``'s K and V rows (``width = Hkv * D`` values, heads at their
+    strides, ``D`` contiguous) cast to the ring's dtype at ring row ``rows[t]``."""
+    t = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + t)
+    offs = tl.arange(0, TILE)
+    ok = offs < width
+    h = offs // head_dim
+    d = offs % head_dim
+    dtype: tl.constexpr = rk_ptr.dtype.element_ty
+    kx = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=ok)
+    vx = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok)
+    tl.store(rk_ptr + row * width + offs, kx.to(dtype), mask=ok)
+    tl.store(rv_ptr + row * width + offs, vx.to(dtype), mask=ok)
 
 
 class RecentWindow:

@@ -121,6 +121,24 @@ def test_ring_store_and_overlay():
     assert not kv.k[0].any()  # another layer's ring is untouched
 
 
+def test_ring_store_kernel_equals_index_copy(monkeypatch):
+    """The one-launch Triton ring store (interpreter) writes what two ``index_copy_`` do: the
+    rows cast to the ring's dtype, a strided V (a view of a fused qkv row), the trash row taken
+    by several tokens."""
+    kv_t, kv_i = RecentKV(2, 3, 4, 3, 32), RecentKV(2, 3, 4, 3, 32)
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(5, 3, 32, generator=gen)
+    v = torch.randn(5, 9, 32, generator=gen)[:, ::3]  # head stride 96
+    rows = torch.tensor([kv_t.trash, 7, 0, kv_t.trash, 11])
+    kv_i.store(1, k, v, rows)
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    kv_t.store(1, k, v, rows)
+    keep = list(range(kv_t.trash))  # (the trash row holds one of its writers)
+    assert torch.equal(kv_t.k[1][keep], kv_i.k[1][keep]) and kv_t.k[1][7].any()
+    assert torch.equal(kv_t.v[1][keep], kv_i.v[1][keep]) and kv_t.v[1][11].any()
+    assert torch.equal(kv_t.v[1][11], v[4].bfloat16()) and not kv_t.k[0].any()
+
+
 def test_bad_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="kv_exact_window must be >= 0, got -1"):
         EngineConfig(kv_exact_window=-1)
