@@ -50,6 +50,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--backend", default="block_offsets")
     ap.add_argument("--kv-format", default="bf16", help="bf16 | fp8 | fp4 | int8")
+    ap.add_argument("--kv-exact-window", type=int, default=0, help="EngineConfig.kv_exact_window")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from kvplan import LLM
@@ -59,7 +60,8 @@ def main() -> int:
     n = args.num_requests
     llm = LLM(cfg, device=dev, dtype=torch.bfloat16, backend=args.backend, max_num_seqs=n,
               max_num_batched_tokens=8192, max_model_len=args.prompt_len + 400,
-              kv_cache_memory=8 << 30, kv_format=args.kv_format)  # fmt: skip
+              kv_cache_memory=8 << 30, kv_format=args.kv_format,
+              kv_exact_window=args.kv_exact_window)  # fmt: skip
     core = llm.engine
     params = SamplingParams(max_tokens=args.steps + 3 * args.replays + 40, ignore_eos=True)
     for p in make_prompts(n, args.prompt_len, cfg.vocab_size):
@@ -106,6 +108,8 @@ def main() -> int:
     text = "\n".join(lines) + "\n\n" + s.getvalue()
     print(text)
     tag = "" if args.kv_format == "bf16" else f"_{args.kv_format}"
+    tag += f"_w{args.kv_exact_window}" if args.kv_exact_window else ""
+    tag += f"_{n}x{args.prompt_len}" if (n, args.prompt_len) != (64, 256) else ""
     with open(os.path.join(args.out, f"profile_engine{tag}.txt"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, f"profile_engine{tag}.json"), "w") as f:
