@@ -84,7 +84,7 @@ def _launch(
     kv_quant, sf_kind, group, kptr, prefetch = FORMATS[name]
     const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64, DOT_PRECISION="tf32",
                  SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant, SF_KIND=sf_kind, GROUP=group,
-                 PREFETCH=prefetch, HEADS_FIRST=False, HEADS=heads, RING=False)  # fmt: skip
+                 PREFETCH=prefetch, HEADS_FIRST=False, HEADS=heads, RING=0)  # fmt: skip
     sig = {n: arg_type(n, const, kptr) for n in _decode_kernel.arg_names}
     attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(_decode_kernel.arg_names)
              if n in DIV16}  # fmt: skip

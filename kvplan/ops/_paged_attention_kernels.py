@@ -451,9 +451,12 @@ def _decode_kernel(
     zeros elsewhere), so each row's logits are its own head's, and each row keeps its own
     head's columns of the value product.
 
-    ``RING``: the recent-window ring (`_attend_rows`): ``ring_k`` / ``ring_v`` ``[rows, Hkv,
-    D]`` in q's dtype (``stride_rt`` / ``stride_rh`` elements a row / head), sequence b's
-    position p at row ``ring_base[b] + p % ring_size`` for ``p >= ring_lo[b]`` (int32 [B])."""
+    ``RING``: the recent-window ring: ``ring_k`` / ``ring_v`` ``[rows, Hkv, D]`` in q's dtype
+    (``stride_rt`` / ``stride_rh`` elements a row / head), sequence b's position p at row
+    ``ring_base[b] + p % ring_size`` for ``p >= ring_lo[b]`` (int32 [B]). 0: no ring; 2: the
+    pages up to ``ring_lo`` in splits ``0 .. num_splits - 2`` (the same code as without the
+    ring: folding the ring's tiles into this program made it 14 % slower on an H100); 3 (grid
+    ``(B, Hkv / HEADS, 1)``): the ring's keys into partial ``num_splits - 1``."""
     if HEADS_FIRST:
         b = tl.program_id(1)
         kvh = tl.program_id(0) * HEADS
@@ -466,12 +469,25 @@ def _decode_kernel(
     kv_len = tl.load(kv_lens_ptr + b)
     page_start = tl.load(page_start_ptr + b)
     # The query sits at position kv_len - 1 and sees keys kv_len - window .. kv_len - 1;
-    # split s takes the s-th chunk (a whole number of tiles) of that range.
+    # split s takes the s-th chunk (a whole number of tiles) of that range. With the ring
+    # (RING 2 / 3) the pages end where the ring starts, the last of the num_splits partials
+    # is the ring's (RING 3: its own launch) and the others share the pages.
     lo = tl.maximum(kv_len - window, 0)
-    per_split = (kv_len - lo + num_splits - 1) // num_splits
+    page_end = kv_len
+    page_splits = num_splits
+    ring_base = tl.zeros([], tl.int64)
+    ring_lo = kv_len
+    if RING != 0:
+        ring_base = tl.load(ring_base_ptr + b).to(tl.int64)
+        ring_lo = tl.load(ring_lo_ptr + b)
+        page_end = tl.maximum(tl.minimum(kv_len, ring_lo), lo)
+        page_splits = num_splits - 1
+    if RING == 3:
+        split = num_splits - 1
+    per_split = (page_end - lo + page_splits - 1) // page_splits
     chunk = (per_split + TILE_N - 1) // TILE_N * TILE_N
-    key_lo = tl.minimum(lo + split * chunk, kv_len)
-    key_hi = tl.minimum(key_lo + chunk, kv_len)
+    key_lo = tl.minimum(lo + split * chunk, page_end)
+    key_hi = tl.minimum(key_lo + chunk, page_end)
 
     HD: tl.constexpr = HEADS * HEAD_DIM  # the program's columns
     offs_g = tl.arange(0, TILE_M)
@@ -492,17 +508,25 @@ def _decode_kernel(
         q, qk_scale = nibble_query(q, qk_scale)
     row_pos = tl.where(g_ok, kv_len - 1, -1)
     sf_head = head_scales_offset(kvh, HEAD_DIM, GROUP, SF_KIND)
-    ring_base, ring_lo = _ring_of(ring_base_ptr, ring_lo_ptr, b, kv_len, RING)
-    acc, m_i, l_i = _attend_rows(
-        q, row_pos, kv_len - 1, kv_len - 1, key_lo, key_hi, page_ids_ptr + page_start,
-        k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
-        k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
-        stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-        ring_k_ptr + kvh * stride_rh, ring_v_ptr + kvh * stride_rh, ring_base, ring_lo,
-        ring_size, stride_rt,
-        TILE_M, BLOCK_SIZE, TILE_N, HD, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
-        PREFETCH, RING,
-    )  # fmt: skip
+    if RING == 3:  # the ring's keys only (masked tiles), into the last partial
+        m_i = tl.full([TILE_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([TILE_M], tl.float32)
+        acc = tl.zeros([TILE_M, HD], tl.float32)
+        acc, m_i, l_i = _attend_ring(
+            acc, m_i, l_i, tl.maximum(lo, ring_lo), kv_len, q, row_pos,
+            ring_k_ptr + kvh * stride_rh, ring_v_ptr + kvh * stride_rh, ring_base, ring_size,
+            stride_rt, window, qk_scale, TILE_N, HD, DOT_PRECISION, INTERPRET,
+        )  # fmt: skip
+    else:  # the pages (up to the ring's first key with RING 2)
+        acc, m_i, l_i = _attend_rows(
+            q, row_pos, kv_len - 1, kv_len - 1, key_lo, key_hi, page_ids_ptr + page_start,
+            k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
+            k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
+            stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
+            ring_k_ptr, ring_v_ptr, ring_base, ring_lo, ring_size, stride_rt,
+            TILE_M, BLOCK_SIZE, TILE_N, HD, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
+            PREFETCH, False,
+        )  # fmt: skip
     if KV_QUANT == E2M1_F16_NIB:  # back in order, V's 2^-14 off
         acc = nibble_acc(acc)
     if SPLIT:
@@ -886,6 +910,9 @@ def launch_decode(
     if heads_first is None:
         heads_first = DECODE_HEADS_FIRST
     group_size = num_heads // geo.num_kv_heads
+    page_splits = num_splits
+    if ring is not None:  # one more partial: the ring's (its own launch, RING 3)
+        num_splits += 1
     split = num_splits > 1
     if split:
         part_acc = torch.empty(
@@ -899,22 +926,25 @@ def launch_decode(
         return out
     programs = geo.num_kv_heads // heads
     grid = (programs, batch) if heads_first else (batch, programs)
-    _decode_kernel[(*grid, num_splits)](
-        q, k_cache, v_cache, page_ids, page_start, kv_lens, out, part_acc, part_m, part_l,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), geo.stride_kh,
-        v_cache.stride(0), v_cache.stride(1), geo.stride_vh,
-        out.stride(0), out.stride(1), group_size, window, scale * LOG2E, num_splits,
-        geo.sf_off, *_ring_args(ring, q, kv_lens),
-        TILE_M=_group_tile(group_size * heads), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n,
-        HEAD_DIM=head_dim,
-        DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
-        KV_QUANT=kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
-        PREFETCH=_prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant)),
-        HEADS_FIRST=bool(heads_first), HEADS=heads, RING=ring is not None,
-        num_warps=num_warps, num_stages=num_stages,
-        **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
-    )  # fmt: skip
+    launches = [(page_splits, 0)] if ring is None else [(page_splits, 2), (1, 3)]
+    for splits, mode in launches:
+        _decode_kernel[(*grid, splits)](
+            q, k_cache, v_cache, page_ids, page_start, kv_lens, out, part_acc, part_m, part_l,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), geo.stride_kh,
+            v_cache.stride(0), v_cache.stride(1), geo.stride_vh,
+            out.stride(0), out.stride(1), group_size, window, scale * LOG2E, num_splits,
+            geo.sf_off, *_ring_args(ring, q, kv_lens),
+            TILE_M=_group_tile(group_size * heads), BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n,
+            HEAD_DIM=head_dim,
+            DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
+            KV_QUANT=kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
+            PREFETCH=_prefetch(prefetch, kv_layout, decode=True,
+                               key=decode_key(kv_layout, kv_quant)),
+            HEADS_FIRST=bool(heads_first), HEADS=heads, RING=mode,
+            num_warps=num_warps, num_stages=num_stages,
+            **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
+        )  # fmt: skip
     if split:
         _combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_heads, num_splits,

@@ -265,7 +265,7 @@ def build(kernel, consts, num_warps, num_stages, name=None):
     ir = k.asm["ttgir"]
     tag = kernel.__name__ + {0: "", 1: "_fp8", 2: "_fp4"}[consts.get("KV_QUANT", 0)]
     tag += "_prefetch" if consts.get("PREFETCH") else ""
-    tag += "_ring" if consts.get("RING") else ""
+    tag += {0: "", 1: "_ring", 2: "_ring", 3: "_ring3"}[int(consts.get("RING", 0))]
     print(tag, "async" if "async_copy" in ir else "sync",
           "wgmma" if "warp_group_dot" in ir else "mma")
 
@@ -277,8 +277,11 @@ for quant, sf, group, pre, ring in ((0, 0, 1, False, False), (1, 2, 32, False, F
                                     (1, 2, 32, True, True)):
     common = dict(BLOCK_SIZE=32, HEAD_DIM=128, DOT_PRECISION="tf32", INTERPRET=False,
                   KV_QUANT=quant, SF_KIND=sf, GROUP=group, PREFETCH=pre, RING=ring)
-    build(K._decode_kernel, dict(TILE_M=16, TILE_N=64, SPLIT=True, HEADS_FIRST=False, HEADS=1,
-                                 **common), 4, 2)
+    decode = dict(TILE_M=16, TILE_N=64, SPLIT=True, HEADS_FIRST=False, HEADS=1,
+                  **{**common, "RING": 2 if ring else 0})
+    build(K._decode_kernel, decode, 4, 2)
+    if ring:  # the ring's own launch
+        build(K._decode_kernel, {**decode, "RING": 3}, 4, 2)
     build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
 build(K._combine_kernel, dict(SPLITS_PAD=4, HEAD_DIM=128), 4, 1)
 """
@@ -315,6 +318,7 @@ def test_kernels_compile_for_sm90():
         assert f"_decode_kernel{suffix} async mma" in lines
         assert f"_prefill_kernel{suffix} async wgmma" in lines
     assert any(line.startswith("_combine_kernel") for line in lines)
+    assert any(line.startswith("_decode_kernel_fp8_prefetch_ring3 ") for line in lines)
 
 
 # --- torch path (many random cases, still fast) ----------------------------------------------

@@ -18,7 +18,7 @@ def _registers(spec) -> tuple[int, int]:
     kv_quant, sf_kind, group, tile_n, warps, stages = spec
     const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64, DOT_PRECISION="tf32",
                  SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant, SF_KIND=sf_kind, GROUP=group,
-                 PREFETCH=False, HEADS_FIRST=False, HEADS=1, RING=False)  # fmt: skip
+                 PREFETCH=False, HEADS_FIRST=False, HEADS=1, RING=0)  # fmt: skip
     names = kernel_arg_names(_decode_kernel)
     sig = {"k_ptr": "*u8", "v_ptr": "*u8", "q_ptr": "*bf16", "out_ptr": "*bf16",
            "qk_scale": "fp32"}  # fmt: skip
