@@ -371,9 +371,13 @@ def _build_engine(model: Any, config: EngineConfig, tp: Any) -> EngineParts:
         vocab_size=getattr(cfg, "vocab_size", None),
         tokenizer=tok,
     )
+    recent = getattr(families.get(PAGED), "recent", None)
+    ring = "" if recent is None else (
+        f", kv_exact_window={recent.kv.window} (ring {recent.kv.nbytes / 2**20:.1f} MiB)"
+    )  # fmt: skip
     print(
         f"kvplan: {source.name} on {dev}, {torch_dtype}, {summary}, kv_format={fmt}, "
-        f"{num_blocks if pools is None else list(pools.num_blocks)} blocks",
+        f"{num_blocks if pools is None else list(pools.num_blocks)} blocks{ring}",
         file=sys.stderr,
     )
     metadata = runner.metadata
