@@ -131,11 +131,13 @@ def attend_paged(
     cache_dtype = k_cache.dtype if kv_layout is None else torch.bfloat16
     start = row = 0
     for seg in (view.context, view.generation):
-        if seg is None or seg.num_tokens == 0:
+        if seg is None:
             continue
-        rows = seg.kv_lens.shape[0]
-        ring = None if recent is None else recent.ring(layer, row, row + rows)
+        first, rows = row, seg.kv_lens.shape[0]  # the segment's sequences in the step's order
         row += rows
+        if seg.num_tokens == 0:
+            continue
+        ring = None if recent is None else recent.ring(layer, first, row)
         end = start + seg.num_tokens
         q_seg = q[start:end]
         direct = q_seg.dtype == cache_dtype
@@ -155,7 +157,7 @@ def attend_paged(
                     q_seg, k_new[start:end], v_new[start:end], k_cache, v_cache, seg,
                     scale=scale, window=window, out=dst, kv_layout=kv_layout, check=check,
                     stored_rows=stored_rows, ring=ring,
-                    ring_lo=None if ring is None else recent.lo_np[row - rows : row],
+                    ring_lo=None if ring is None else recent.lo_np[first:row],
                 )  # fmt: skip
             if res is None:
                 res = paged_attention_prefill(
