@@ -172,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_arguments(
         parser,
-        ("device", "dtype", "backend", "kv_format", "max_num_batched_tokens",
+        ("device", "dtype", "backend", "kv_format", "kv_exact_window", "max_num_batched_tokens",
          "sliding_window_kv", "tensor_parallel_size", "warmup"),
         max_num_batched_tokens=8192,
     )  # fmt: skip

@@ -44,7 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_arguments(
         parser,
-        ("device", "backend", "kv_format", "dtype", "tensor_parallel_size", "warmup"),
+        (
+            "device",
+            "backend",
+            "kv_format",
+            "kv_exact_window",
+            "dtype",
+            "tensor_parallel_size",
+            "warmup",
+        ),
         warmup=False,  # one prompt: its own steps compile what they need
     )
     parser.add_argument(

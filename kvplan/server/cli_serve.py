@@ -36,6 +36,7 @@ _ENGINE_FLAGS = (
     "seed",
     "sliding_window_kv",
     "tensor_parallel_size",
+    "kv_exact_window",
 )
 
 

@@ -244,3 +244,21 @@ def test_cuda_fresh_prompt_over_sdpa_with_the_ring(monkeypatch):
         out[sdpa] = prompt_logits(LLM(CFG, **kw).engine, ids, 1100).float()
     assert calls
     assert (out["1"] - out["0"]).abs().max() < 2e-2 * out["0"].abs().max()
+
+
+def test_command_lines_take_the_window():
+    """``kvplan generate``, ``kvplan bench`` and ``kvplan serve`` accept ``--kv-exact-window``."""
+    import argparse
+
+    from kvplan.engine import cli_bench, cli_generate
+    from kvplan.engine.config import config_from_args
+    from kvplan.server import cli_serve
+
+    for add in (cli_generate.add_arguments, cli_bench.add_arguments, cli_serve.add_arguments):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        argv = ["--kv-format", "fp8", "--kv-exact-window", "32"]
+        if add is cli_generate.add_arguments:
+            argv.append("a prompt")  # its positional argument
+        args, _ = parser.parse_known_args(argv)
+        assert config_from_args(args).kv_exact_window == 32
