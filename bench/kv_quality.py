@@ -483,7 +483,8 @@ def main() -> None:
             file=sys.stderr,
         )
 
-    print(f"\n{n} tokens of {TEXT.name}, SmolLM2-135M-Instruct (fp32 model, CPU), vs fp32 KV")
+    print(f"\n{n} tokens of {TEXT.name}, {args.model or 'SmolLM2-135M-Instruct'} (fp32 model, "
+          "CPU), vs fp32 KV")  # fmt: skip
     print("| variant | top-1 vs fp32 | perplexity | rel. logit error mean / max | KL mean |")
     print("|---|---|---|---|---|")
     for r in rows:
