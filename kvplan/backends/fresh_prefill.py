@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvplan.backends.block_tables import new_token_positions
 from kvplan.backends.staging.arena import to_device
 from kvplan.formats import KVCacheFormat
 from kvplan.ops.flash_prefill import flash_prefill, flash_prefill_unsupported
@@ -200,7 +201,7 @@ def _exact_tail(k_f, v_f, k_new, v_new, seg, j: int, ring_lo: np.ndarray):
     cu = np.asarray(seg.host_cu_seqlens_q[j:], dtype=np.int64)
     cu = cu - cu[0]
     lens = np.diff(cu)
-    pos = np.arange(cu[-1]) - np.repeat(cu[:-1], lens)
+    pos = new_token_positions(np.zeros(lens.size, np.int64), cu, lens, np.arange(cu[-1]))
     exact = pos >= np.repeat(np.asarray(ring_lo[j : j + lens.size], dtype=np.int64), lens)
     mask = to_device(exact, k_f.device, torch.bool)[:, None, None]
     k_f = torch.where(mask, k_new.to(k_f.dtype), k_f)

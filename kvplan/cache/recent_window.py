@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvplan._math import exclusive_cumsum
+from kvplan.backends.block_tables import new_token_positions
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops._launch import jit
 from kvplan.ops.paged_attention import RecentRing
@@ -222,9 +224,8 @@ class RecentWindow:
         kv_len = cached + query
         lo = np.maximum(kv_len - kv.window, start)
         # each token's position; kept where it is among the sequence's last `size` positions
-        seq = np.repeat(np.arange(n), query)
-        first = np.repeat(np.cumsum(query) - query, query)
-        pos = np.repeat(cached, query) + (np.arange(seq.size) - first)
+        total = int(query.sum())
+        pos = new_token_positions(cached, exclusive_cumsum(query), query, np.arange(total))
         keep = pos >= np.repeat(kv_len, query) - kv.size
         rows = np.where(keep, np.repeat(base, query) + pos % kv.size, kv.trash)
         t = rows.size
