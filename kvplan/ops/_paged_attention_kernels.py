@@ -475,11 +475,8 @@ def _decode_kernel(
     lo = tl.maximum(kv_len - window, 0)
     page_end = kv_len
     page_splits = num_splits
-    ring_base = tl.zeros([], tl.int64)
-    ring_lo = kv_len
+    ring_base, ring_lo = _ring_of(ring_base_ptr, ring_lo_ptr, b, kv_len, RING != 0)
     if RING != 0:
-        ring_base = tl.load(ring_base_ptr + b).to(tl.int64)
-        ring_lo = tl.load(ring_lo_ptr + b)
         page_end = tl.maximum(tl.minimum(kv_len, ring_lo), lo)
         page_splits = num_splits - 1
     if RING == 3:
