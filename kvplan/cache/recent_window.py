@@ -41,7 +41,7 @@ from kvplan._math import exclusive_cumsum
 from kvplan.backends.block_tables import new_token_positions
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops._launch import jit
-from kvplan.ops.paged_attention import RecentRing
+from kvplan.ops.paged_attention import RecentRing, ring_overlay
 
 NO_RING = 1 << 30  # a ``lo`` past every ``kv_len``: the row reads no ring key
 
@@ -49,26 +49,22 @@ NO_RING = 1 << 30  # a ``lo`` past every ``kv_len``: the row reads no ring key
 class RecentStep(NamedTuple):
     """One step's ring facts: ``base`` / ``lo`` int32 ``[num_seqs]`` (batch order), ``rows``
     int64 ``[num_tokens]`` (each token's ring row, the trash row where it is not kept), on
-    the device; ``base_np`` / ``lo_np`` the same on the host."""
+    the device; ``lo_np`` the bounds on the host."""
 
     kv: RecentKV
     base: torch.Tensor
     lo: torch.Tensor
     rows: torch.Tensor
-    base_np: np.ndarray
     lo_np: np.ndarray
 
     def overlay(self, layer: int, b: int, k: torch.Tensor, v: torch.Tensor):
         """Sequence ``b``'s gathered keys and values ``[kv_len, Hkv, D]`` (positions 0 ..
-        kv_len - 1) with the positions from ``lo[b]`` on taken from the ring."""
-        lo, n = int(self.lo_np[b]), k.shape[0]
-        if lo >= n:
-            return k, v
-        rows = int(self.base_np[b]) + torch.arange(lo, n, device=k.device) % self.kv.size
-        k, v = k.clone(), v.clone()
-        k[lo:] = self.kv.k[layer][rows].to(k.dtype)
-        v[lo:] = self.kv.v[layer][rows].to(v.dtype)
-        return k, v
+        kv_len - 1) with the positions from ``lo[b]`` on taken from the ring (the torch
+        path's `ring_overlay`, in ``k``'s dtype)."""
+        positions = torch.arange(k.shape[0], device=k.device)[None]
+        ok, ov = ring_overlay(k[None].float(), v[None].float(), positions,
+                              self.ring(layer, b, b + 1))  # fmt: skip
+        return ok[0].to(k.dtype), ov[0].to(v.dtype)
 
     def ring(self, layer: int, first: int = 0, last: int | None = None) -> RecentRing:
         """The `RecentRing` of ``layer`` for the sequences ``first .. last - 1``."""
@@ -240,4 +236,4 @@ class RecentWindow:
         self._base[:n].copy_(h_base[:n], non_blocking=cuda)
         self._lo[:n].copy_(h_lo[:n], non_blocking=cuda)
         self._rows[:t].copy_(h_rows[:t], non_blocking=cuda)
-        return RecentStep(kv, self._base[:n], self._lo[:n], self._rows[:t], base, lo)
+        return RecentStep(kv, self._base[:n], self._lo[:n], self._rows[:t], lo)

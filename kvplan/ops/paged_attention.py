@@ -542,7 +542,7 @@ def _attention_torch(
     the padded batch is hidden), scatter. ``cu_seqlens_q`` None: one query a sequence.
     Quantized caches are dequantized per gathered key (``kvplan.quant.dequantize``, bf16).
     A query that sees no key gets zeros. ``ring``: keys from the recent-window ring where
-    the module docstring says (`_ring_overlay`)."""
+    the module docstring says (`ring_overlay`)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     num_kv_heads = k_cache.shape[2] if kv_layout is None else kv_layout.elements // head_dim
@@ -560,7 +560,7 @@ def _attention_torch(
     k = _gather_keys(k_cache, plan, kv_layout, head_dim)  # [B, Lk, Hkv, D]
     v = _gather_keys(v_cache, plan, kv_layout, head_dim)
     if ring is not None:
-        k, v = _ring_overlay(k, v, plan.positions, ring)
+        k, v = ring_overlay(k, v, plan.positions, ring)
     if plan.q_rows is None:
         qq = q.float().view(batch, plan.max_q, num_heads, head_dim)
     else:
@@ -582,7 +582,7 @@ def _attention_torch(
     return out
 
 
-def _ring_overlay(k: Tensor, v: Tensor, positions: Tensor, ring: RecentRing):
+def ring_overlay(k: Tensor, v: Tensor, positions: Tensor, ring: RecentRing):
     """``k`` / ``v`` (fp32 ``[B, Lk, Hkv, D]`` at key ``positions`` [B, Lk]) with every key
     at a position ``>= ring.lo[b]`` replaced by its ring row."""
     use = positions >= ring.lo.long()[:, None]  # [B, Lk]

@@ -46,8 +46,8 @@ class WindowStore:
         first = rows[-1][0] + 1 if rows else 0
         end = first + k.shape[0]
         # (the slot buffer is rewritten in place every step: keep copies)
-        rows += [(first + i, slot_mapping[i : i + 1].clone(), k[i : i + 1], v[i : i + 1])
-                 for i in range(k.shape[0])]  # fmt: skip
+        rows += [(first + i, slot_mapping[i : i + 1].to(torch.int32, copy=True), k[i : i + 1],
+                  v[i : i + 1]) for i in range(k.shape[0])]  # fmt: skip
         for pos, slot, rk, rv in rows:
             exact = pos >= end - self.window
             kk, vv = (rk, rv) if exact else (self.rounded(rk), self.rounded(rv))
@@ -64,6 +64,16 @@ def test_teacher_forced_logits_equal_the_emulated_window(window, chunk):
     assert torch.equal(got, want)
     plain = prompt_logits(_engine("fp8").engine, TEXT, chunk)
     assert not torch.equal(got, plain)  # the ring changed what attention read
+
+
+@pytest.mark.parametrize("backend", ["vanilla", "ragged"])
+def test_other_backends_equal_the_emulated_window(backend):
+    """The vanilla backend (its per-sequence gather overlaid with the ring rows) and the
+    ragged one (the page-table kernels) read the same keys as the emulated window."""
+    ring = _engine("fp8", kv_exact_window=7, backend=backend)
+    oracle = _engine("bf16", backend=backend)
+    WindowStore(oracle.parts.kv_cache, 7)
+    assert torch.equal(prompt_logits(ring.engine, TEXT, 8), prompt_logits(oracle.engine, TEXT, 8))
 
 
 def test_a_window_longer_than_every_sequence_is_the_bf16_cache():
