@@ -65,12 +65,11 @@ def replay_ms(body, reps: int) -> float:
     return statistics.median(times)
 
 
-def run_shape(m, n, k, layers, filler_cycles, reps, gen):
+def run_shape(m, n, k, layers, filler_cycles, reps, gen, tiles):
     dev = "cuda"
     ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
     outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
-    inline, side = L2Prefetch(), L2Prefetch(side_stream=True)
 
     def chain(filler, prefetch, hot=False):
         def body():
@@ -90,8 +89,13 @@ def run_shape(m, n, k, layers, filler_cycles, reps, gen):
     res = {"filler_us": filler_ms * 1e3 / layers}
     res["gemm_us"] = replay_ms(chain(False, None), reps) * 1e3 / layers
     ref = None
-    for name, body in (("none", chain(True, None)), ("inline", chain(True, inline)),
-                       ("stream", chain(True, side)), ("hot", chain(True, None, hot=True))):  # fmt: skip
+    variants = [("none", chain(True, None)), ("hot", chain(True, None, hot=True))]
+    for lanes, chunk in tiles:
+        for side in (False, True):
+            name = f"{'stream' if side else 'inline'}_{lanes}x{chunk}"
+            pf = L2Prefetch(side_stream=side, lanes=lanes, chunk=chunk)
+            variants.append((name, chain(True, pf)))
+    for name, body in variants:
         ms = replay_ms(body, reps)
         res[f"{name}_us"] = ms * 1e3 / layers - res["filler_us"]
         if name == "none":
@@ -108,6 +112,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--filler-us", type=float, default=15.0)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument(
+        "--tiles",
+        default="32x2048,32x8192,128x1024,128x65536",
+        help="prefetch launches to time: LANESxCHUNK, comma separated",
+    )
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -119,14 +128,19 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = {}
     print(f"device {torch.cuda.get_device_name()}; filler {a.filler_us} us ({cycles} cycles)")
-    print("shape            W MB  gemm   none  inline stream  hot  (us a layer; equal)")
+    tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles.split(",")]
     for text in a.shapes:
         m, n, k, name = parse_shape(text)
-        r = run_shape(m, n, k, a.layers, cycles, a.reps, gen)
+        r = run_shape(m, n, k, a.layers, cycles, a.reps, gen, tiles)
         rows[name] = {"m": m, "n": n, "k": k, **r}
-        print(f"{name:14s} {r['weight_mb']:6.1f} {r['gemm_us']:6.2f} {r['none_us']:6.2f} "
-              f"{r['inline_us']:6.2f} {r['stream_us']:6.2f} {r['hot_us']:5.2f}  "
-              f"{r['inline_equal']} {r['stream_equal']}")  # fmt: skip
+        print(
+            f"{name}: W {r['weight_mb']:.1f} MB; us a layer: gemm alone {r['gemm_us']:.2f}, "
+            f"none {r['none_us']:.2f}, hot {r['hot_us']:.2f}"
+        )
+        for key, v in r.items():
+            if key.startswith(("inline_", "stream_")) and key.endswith("_us"):
+                eq = r[key[:-3] + "_equal"]
+                print(f"  {key[:-3]:22s} {v:7.2f}  equal {eq}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "filler_us": a.filler_us,

@@ -36,8 +36,11 @@ __all__ = [
     "prefetch_supported",
 ]
 
-CHUNK = 1 << 16  # bytes a lane asks for: 128 lanes cover 8 MB (one program an o projection)
-LANES = 128  # one lane a thread at 4 warps
+# One program asks for LANES x CHUNK bytes (one lane a thread). A program retires only when
+# its bulk prefetches have landed, and one SM's copy engine moves ~0.2 TB/s (H100, session 45:
+# one 4-warp program over 8 MB took 33-44 us), so the bytes are spread over many small programs.
+# `KVPLAN_L2_PREFETCH_TILE=lanes,chunk` (read at import) for A/B runs.
+LANES, CHUNK = (int(v) for v in os.environ.get("KVPLAN_L2_PREFETCH_TILE", "32,2048").split(","))
 L2_PREFETCH_ENV = "KVPLAN_L2_PREFETCH"
 PREFETCH_MAX_ROWS = 512  # the models prefetch in steps of at most this many tokens (decode GEMMs)
 _PARTS = ("o", "qkv")  # what `l2_prefetch_setting` may name
@@ -65,7 +68,9 @@ def prefetch_supported(t: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
-def l2_prefetch_chunks(t: torch.Tensor) -> tuple[int, int, int]:
+def l2_prefetch_chunks(
+    t: torch.Tensor, lanes: int | None = None, chunk: int | None = None
+) -> tuple[int, int, int]:
     """``(base, nbytes, programs)`` of `l2_prefetch`'s launch over a contiguous ``t``: the
     first 16-byte boundary at or after ``t.data_ptr()`` and the whole 16-byte units after it
     up to the tensor's end (the hint may skip up to 15 bytes at each end)."""
@@ -75,18 +80,22 @@ def l2_prefetch_chunks(t: torch.Tensor) -> tuple[int, int, int]:
     end = start + t.numel() * t.element_size()
     base = -(-start // 16) * 16
     nbytes = max(0, (end - base) // 16 * 16)
-    return base, nbytes, triton.cdiv(nbytes, CHUNK * LANES)
+    return base, nbytes, triton.cdiv(nbytes, (chunk or CHUNK) * (lanes or LANES))
 
 
-def l2_prefetch(*tensors: torch.Tensor) -> None:
+def l2_prefetch(*tensors: torch.Tensor, lanes: int | None = None, chunk: int | None = None) -> None:
     """Ask the L2 cache for every byte of each tensor (a hint; no-op where
-    `prefetch_supported` is False). One launch a tensor, returning at once."""
+    `prefetch_supported` is False): one launch a tensor, of ``lanes`` x ``chunk``-byte
+    requests a program (the module's ``LANES`` / ``CHUNK`` when None)."""
+    lanes, chunk = lanes or LANES, chunk or CHUNK
     for t in tensors:
         if not prefetch_supported(t):
             continue
-        base, nbytes, programs = l2_prefetch_chunks(t)
+        base, nbytes, programs = l2_prefetch_chunks(t, lanes, chunk)
         if programs:
-            l2_prefetch_kernel[(programs,)](base, nbytes, CHUNK=CHUNK, LANES=LANES, num_warps=4)
+            l2_prefetch_kernel[(programs,)](
+                base, nbytes, CHUNK=chunk, LANES=lanes, num_warps=max(1, lanes // 32)
+            )
 
 
 def l2_prefetch_setting(value: str | None = None) -> tuple[frozenset[str], bool]:
@@ -110,8 +119,11 @@ class L2Prefetch:
     launch is a branch off the current stream (a parallel node in a captured graph) that
     ``join`` merges back; inline it runs in order and ``join`` does nothing."""
 
-    def __init__(self, *, side_stream: bool = False) -> None:
+    def __init__(
+        self, *, side_stream: bool = False, lanes: int | None = None, chunk: int | None = None
+    ) -> None:
         self.side_stream = side_stream
+        self.lanes, self.chunk = lanes, chunk
         self._stream: torch.cuda.Stream | None = None
         self._forked = False
 
@@ -120,13 +132,13 @@ class L2Prefetch:
         if not tensors:
             return
         if not self.side_stream:
-            l2_prefetch(*tensors)
+            l2_prefetch(*tensors, lanes=self.lanes, chunk=self.chunk)
             return
         if self._stream is None or self._stream.device != tensors[0].device:
             self._stream = torch.cuda.Stream(device=tensors[0].device)
         self._stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
         with torch.cuda.stream(self._stream):
-            l2_prefetch(*tensors)
+            l2_prefetch(*tensors, lanes=self.lanes, chunk=self.chunk)
         self._forked = True
 
     def join(self) -> None:

@@ -43,3 +43,33 @@ def test_llama_forward_hands_each_layer_its_weights(monkeypatch):
     pre.fused_kernels = False  # the torch path (and steps over PREFETCH_MAX_ROWS) issue none
     pre(ids, pos, None)
     assert events == []
+
+
+def test_deepseek_v4_attention_asks_for_its_output_projections(monkeypatch, tmp_path):
+    """With ``o`` each DeepSeek-V4 attention layer issues its ``o_a`` / ``o_b`` weights before
+    ``ctx.attend`` and joins after it; the logits equal the model's without the setting."""
+    from dsv4_testlib import random_tokens, run_step, saved_pair
+
+    from kvplan.backends.hybrid.reference import ReferenceHybridFamily
+    from kvplan.models.deepseek_v4 import load_deepseek_v4
+
+    _, plain = saved_pair(tmp_path, 1)
+    monkeypatch.setenv(lp.L2_PREFETCH_ENV, "o")
+    pre = load_deepseek_v4(tmp_path / "dsv4_1", torch.float32, "cpu")
+    events = []
+    for layer in pre.layers:
+        attn = layer.self_attn
+        assert attn.l2_prefetch is not None
+        monkeypatch.setattr(attn.l2_prefetch, "issue", lambda ts: events.append(ts))
+        monkeypatch.setattr(attn.l2_prefetch, "join", lambda: events.append("join"))
+    ids = random_tokens(5, 9)
+    family = ReferenceHybridFamily(plain.config.layer_specs())
+    (want,), _ = run_step(plain, family, [(1, ids, 0, len(ids))])
+    family = ReferenceHybridFamily(pre.config.layer_specs())
+    (got,), _ = run_step(pre, family, [(1, ids, 0, len(ids))])
+    assert torch.equal(got, want)
+    assert len(events) == 2 * len(pre.layers)
+    for layer, ts, join in zip(pre.layers, events[::2], events[1::2]):
+        attn = layer.self_attn
+        assert join == "join" and ts[0] is attn.o_a_proj.weight and ts[1] is attn.o_b_proj.weight
+    assert all(layer.self_attn.l2_prefetch is None for layer in plain.layers)

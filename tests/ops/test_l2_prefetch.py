@@ -50,6 +50,7 @@ def test_kernel_compiles_for_sm90_with_the_bulk_prefetch():
     stats = sm90_stats(
         lp.l2_prefetch_kernel, {"CHUNK": lp.CHUNK, "LANES": lp.LANES},
         signature={"base": "i64", "nbytes": "i64"}, div16={"base", "nbytes"},
+        num_warps=max(1, lp.LANES // 32),
     )  # fmt: skip
     assert stats.cp_async  # cp.async.bulk.prefetch.L2.global survived to the PTX
     assert stats.spill_bytes == 0
