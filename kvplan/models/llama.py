@@ -46,7 +46,6 @@ from kvplan.models import fused as ops
 from kvplan.models.config import ModelConfig
 from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
 from kvplan.models.rope import RotaryTable
-from kvplan.ops.l2_prefetch import PREFETCH_MAX_ROWS, L2Prefetch, l2_prefetch_setting
 from kvplan.ops.small_gemm import small_linear
 
 FUSED_KERNELS_ENV = "KVPLAN_FUSED_KERNELS"
@@ -108,10 +107,7 @@ class Attention(nn.Module):
         metadata: Any,
         *,
         fused: bool = False,
-        prefetch: tuple[L2Prefetch, tuple[torch.Tensor, ...]] | None = None,
     ) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``. ``prefetch``: tensors asked into L2 while the
-        attention runs (`kvplan.ops.l2_prefetch`), joined before the o projection."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         norm = self.q_norm is not None
@@ -135,14 +131,10 @@ class Attention(nn.Module):
         )  # fmt: skip
         if self.kv_rotation:
             q, k = hadamard_qk(q, k)  # q k^T unchanged; K quantizes better
-        if prefetch is not None:
-            prefetch[0].issue(prefetch[1])
         if store is not None:
             o = self.attn.forward(q, k, v, metadata, kv_stored=True)  # [T, H, D]
         else:
             o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
-        if prefetch is not None:
-            prefetch[0].join()
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -176,7 +168,6 @@ class DecoderLayer(nn.Module):
         metadata: Any,
         *,
         fused: bool = False,
-        prefetch: tuple[L2Prefetch, tuple[torch.Tensor, ...]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on ``x [T, hidden]``; returns ``(mlp output, residual stream)``.
 
@@ -190,7 +181,7 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x, fused=fused)
         else:
             h = self.input_layernorm(x, residual, fused=fused)
-        h = self.self_attn(h, positions, rotary, metadata, fused=fused, prefetch=prefetch)
+        h = self.self_attn(h, positions, rotary, metadata, fused=fused)
         h = self.post_attention_layernorm(h, residual, fused=fused)
         return self.mlp(h, fused=fused), residual
 
@@ -258,9 +249,6 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.kv_rotation = kv_rotation
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, False)
-        # weights asked into L2 while each layer's attention runs (`KVPLAN_L2_PREFETCH`)
-        self.l2_prefetch_parts, side_stream = l2_prefetch_setting()
-        self._l2 = L2Prefetch(side_stream=side_stream)
         self.to(dtype=dtype, device=device)
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions, dtype=dtype, device=device)
 
@@ -270,16 +258,6 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryTable(
             self.config.rope, self.config.head_dim, max_positions, dtype=w.dtype, device=w.device
         )
-
-    def _prefetch_tensors(self, i: int) -> tuple[torch.Tensor, ...]:
-        """The weights layer ``i`` asks into L2 during its attention: its o projection
-        (``o``) and the next layer's qkv projection (``qkv``), as ``l2_prefetch_parts`` say."""
-        out = []
-        if "o" in self.l2_prefetch_parts:
-            out.append(self.layers[i].self_attn.o_proj.weight)
-        if "qkv" in self.l2_prefetch_parts and i + 1 < len(self.layers):
-            out.append(self.layers[i + 1].self_attn.qkv_proj.weight)
-        return tuple(out)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -308,13 +286,9 @@ class LlamaForCausalLM(nn.Module):
         fused = input_ids.is_cuda if self.fused_kernels is None else self.fused_kernels
         h = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        prefetching = fused and self.l2_prefetch_parts and input_ids.shape[0] <= PREFETCH_MAX_ROWS
-        for i, (layer, family) in enumerate(zip(self.layers, self.layer_families)):
+        for layer, family in zip(self.layers, self.layer_families):
             metadata = None if attention is None else attention[family]
-            pf = (self._l2, self._prefetch_tensors(i)) if prefetching else None
-            h, residual = layer(
-                h, residual, positions, self.rotary, metadata, fused=fused, prefetch=pf
-            )
+            h, residual = layer(h, residual, positions, self.rotary, metadata, fused=fused)
         if logits_indices is not None:
             h = h[logits_indices]
             residual = None if residual is None else residual[logits_indices]

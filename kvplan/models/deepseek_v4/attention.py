@@ -34,7 +34,6 @@ from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.compressor import Compressor, Indexer
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.layers import LinearGroup, Rope, StepRope, rms_norm
-from kvplan.ops.l2_prefetch import PREFETCH_MAX_ROWS, L2Prefetch, l2_prefetch_setting
 from kvplan.ops.rope import NormSpec, norm_rope, norm_rope_pair
 
 
@@ -100,10 +99,6 @@ class DeepseekV4Attention(nn.Module):
         # the output's inverse RoPE in the attention's epilogue (`KVPLAN_FUSED_OUT_ROPE=0`: a
         # norm_rope launch after it, for A/B runs; the same bits)
         self.fused_out_rope = os.environ.get("KVPLAN_FUSED_OUT_ROPE", "1") != "0"
-        # the output projections' weights asked into L2 while a decode step's attention runs
-        # (`KVPLAN_L2_PREFETCH` naming ``o``; `kvplan.ops.l2_prefetch`)
-        parts, side_stream = l2_prefetch_setting()
-        self.l2_prefetch = L2Prefetch(side_stream=side_stream) if "o" in parts else None
         readers_of_q_res = [self.q_b_proj]
         if self.indexer is not None:
             readers_of_q_res.append(self.indexer.q_b_proj)
@@ -132,9 +127,6 @@ class DeepseekV4Attention(nn.Module):
             index_q, index_weights = self.indexer(
                 *series, *index_q_lin, ctx, self.layer_idx, self.rope, cos, sin
             )
-        prefetch = self.l2_prefetch if x.shape[0] <= PREFETCH_MAX_ROWS else None
-        if prefetch is not None:
-            prefetch.issue((self.o_a_proj.weight, self.o_b_proj.weight))
         out = ctx.attend(
             self.layer_idx,
             q,
@@ -145,8 +137,6 @@ class DeepseekV4Attention(nn.Module):
             index_weights=index_weights,
             out_rope=(cos, sin) if self.fused_out_rope else None,  # RoPE^-1 at the query position
         )  # [T, H, D]
-        if prefetch is not None:
-            prefetch.join()
         if not self.fused_out_rope:
             out = norm_rope(out, cos, sin, inverse=True)
         return self.o_b_proj(self.o_a_proj(out.flatten(1)))
