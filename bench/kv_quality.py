@@ -348,7 +348,7 @@ def capture_query_moments(model, moments: dict[int, torch.Tensor]):
 
 
 def metrics(logits: torch.Tensor, ref: torch.Tensor, ids: list[int]) -> dict:
-    a, b = logits.float(), ref.float()
+    a, b = logits.float().cpu(), ref.float().cpu()
     rel = (a - b).norm(dim=-1) / b.norm(dim=-1)
     target = torch.tensor(ids[1:])
     nll = torch.nn.functional.cross_entropy(a[:-1], target)
@@ -400,14 +400,28 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default=None, help="a model LLM() accepts (default: SmolLM2)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (real:... variants only)")
+    ap.add_argument(
+        "--dtype", default=None, help="model dtype (default: float32 on cpu, bfloat16 on cuda)"
+    )
+    ap.add_argument(
+        "--reference",
+        default=None,
+        help="the unquantized KV format compared against (default: the model dtype's)",
+    )
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    ref_format = args.reference or {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, "fp16")
+    if args.device != "cpu" and any(not v.startswith("real:") for v in args.variants):
+        raise SystemExit("--device cuda runs real:... variants only (fake: hooks the CPU store)")
 
     def engine(kv_format: str, kv_rotation: bool = False, kv_exact_window: int = 0) -> LLM:
         return LLM(
             *model,
-            device="cpu",
+            device=args.device,
+            dtype=dtype,
             kv_format=kv_format,
             kv_rotation=kv_rotation,
             kv_exact_window=kv_exact_window,
@@ -423,7 +437,7 @@ def main() -> None:
     if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
     n = len(ids)
-    ref_llm = engine("fp32")
+    ref_llm = engine(ref_format)
     cfg = ref_llm.parts.config
     hd = cfg.num_kv_heads * cfg.head_dim
     hook = FakeQuantStore(ref_llm.parts.kv_cache)
@@ -459,7 +473,7 @@ def main() -> None:
     variants = list(ROTATION_VARIANTS if args.rotation else args.variants)
     if args.per_layer:
         variants += [f"fake:{args.per_layer}-L{i}" for i in range(cfg.num_layers)]
-    rows = [{"variant": "real:fp32", **metrics(ref, ref, ids)}]
+    rows = [{"variant": f"real:{ref_format}", **metrics(ref, ref, ids)}]
     for name in variants:
         t0 = time.perf_counter()
         kind, spec = name.split(":", 1)
@@ -483,9 +497,11 @@ def main() -> None:
             file=sys.stderr,
         )
 
-    print(f"\n{n} tokens of {TEXT.name}, {args.model or 'SmolLM2-135M-Instruct'} (fp32 model, "
-          "CPU), vs fp32 KV")  # fmt: skip
-    print("| variant | top-1 vs fp32 | perplexity | rel. logit error mean / max | KL mean |")
+    where = "CPU" if args.device == "cpu" else torch.cuda.get_device_name()
+    print(f"\n{n} tokens of {TEXT.name}, {args.model or 'SmolLM2-135M-Instruct'} ({dtype} model, "
+          f"{where}), vs {ref_format} KV")  # fmt: skip
+    print(f"| variant | top-1 vs {ref_format} | perplexity | rel. logit error mean / max | "
+          "KL mean |")  # fmt: skip
     print("|---|---|---|---|---|")
     for r in rows:
         print(
@@ -502,7 +518,9 @@ def main() -> None:
     if args.out:
         out = {
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "device": f"cpu ({platform.machine()})",
+            "device": f"cpu ({platform.machine()})" if args.device == "cpu" else where,
+            "model_dtype": dtype,
+            "reference_kv": ref_format,
             "command": "python " + " ".join(sys.argv),
             "torch": torch.__version__,
             "num_tokens": n,
