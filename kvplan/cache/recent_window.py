@@ -11,14 +11,21 @@ also in a small ring in the attention dtype; attention reads a sequence's keys a
     lo[b] = max(kv_len[b] - W, start[b])      start[b]: the first position the request wrote
 
 (``start`` is past 0 when a prefix-cache hit supplied the first blocks: their rows were never
-written to this request's ring, so they come from the pages.)
+written to this request's ring, so they come from the pages.) ``lo`` is one bound for all of
+a step's queries: a decode step's query sees exactly its last W keys exact, a prompt chunk's
+earlier queries fewer. Outputs therefore depend on how positions were grouped into steps
+(chunked prompts, a preempted request's recompute), and `EngineConfig` refuses the window with
+speculative decoding, whose verification steps would make accepted drafts differ from plain
+greedy decoding. (A bound per query would lift both: each query's own last W keys, the
+straddling keys read from pages and ring under complementary masks.)
 
 Layout: per layer, K and V rings ``[num_slots * size + 1, Hkv, D]``; slot ``s`` holds position
 ``p`` at row ``s * size + p % size``; the last row takes the writes of rows outside the ring
-(a trash row, so a store needs no host-side filtering). ``size = W + slack``: with
-speculative decoding a step also writes its draft positions, and a rejected draft at position
-``p`` overwrites row ``p % size`` -- which, with ``slack = num_speculative_tokens``, belongs to
-a position older than every later step's ``lo``. Pages stay complete, so prefix caching,
+(a trash row, so a store needs no host-side filtering). ``size = W + slack``: a step with
+draft positions also writes those, and a rejected draft at position ``p`` overwrites row
+``p % size`` -- which, with ``slack`` the drafts a step may carry, belongs to a position
+older than every later step's ``lo`` (the engine passes ``num_speculative_tokens``, 0 while
+it refuses drafts with the window). Pages stay complete, so prefix caching,
 preemption and the fallback paths need nothing from the ring.
 
 `RecentWindow` assigns each request a ring slot at its first planned step and frees it with the

@@ -154,10 +154,29 @@ def test_bad_settings_are_refused_by_name():
         EngineConfig(kv_exact_window=-1)
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         EngineConfig(kv_exact_window=8, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_exact_window=8 is not supported with "
+                                         "num_speculative_tokens=2"):  # fmt: skip
+        EngineConfig(kv_exact_window=8, num_speculative_tokens=2)
     with pytest.raises(ValueError, match="needs a quantized kv_format .* got 'bf16'"):
         LLM(CFG, device="cpu", kv_format="bf16", kv_exact_window=8, max_model_len=32)
     with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
         RecentKV(1, 1, 0, 1, 8)
+
+
+@pytest.mark.parametrize("backend", ["block_offsets", "vanilla"])
+def test_batched_requests_equal_their_single_runs(backend):
+    """Ring slots under a batch: requests decoded together (prompts prefilled whole, one token a
+    decode step, so each position's exact keys are those of a lone run) give each request's
+    own greedy tokens, and every ring slot is free afterwards."""
+    llm = _engine("fp8", backend=backend, kv_exact_window=6, max_num_seqs=4)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 3, 14, 6, 11)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert together == alone
+    recent = llm.engine.runner.families["paged"].recent
+    assert recent is not None and len(recent._free) == recent.kv.num_slots
 
 
 @pytest.mark.gpu
