@@ -88,7 +88,7 @@ def run_dense(seed: int, ops: int = 120) -> dict:
     rng = random.Random(seed)
     s = dense_settings(rng)
     if s["kv_exact_window"] and rng.random() < 0.5:  # a pool that never preempts: compared
-        s.update(enable_chunked_prefill=False, num_blocks=64)
+        s.update(enable_chunked_prefill=False, max_num_batched_tokens=32, num_blocks=64)
     if s["model"] == "sliding":  # a window-8 layer (its own block pool) and a global one
         base = dataclasses.replace(named_config("tiny-mistral"), layer_windows=(8, None))
     else:
