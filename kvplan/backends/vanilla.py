@@ -242,12 +242,12 @@ class VanillaAttention(AttentionBackend):
             else:
                 k_b = gather_paged_kv(k_cache, table[b], kv_len)
                 v_b = gather_paged_kv(v_cache, table[b], kv_len)
-            if md.recent is not None and md.kv_cache_manager is not None and causal:
-                k_b, v_b = md.recent.overlay(self.layer_idx, b, k_b, v_b)
             mask = visibility_mask(q1 - q0, kv_len, causal=causal, window=window, device=q.device)
             if sparse:
                 keep = torch.from_numpy(md.sparse_blocks[b]).to(q.device)
                 mask = mask & keep.repeat_interleave(bs)[:kv_len][None, :]
+            if md.recent is not None and md.kv_cache_manager is not None and causal:
+                k_b, v_b, mask = md.recent.overlay(self.layer_idx, b, k_b, v_b, mask)
             # [H, q_len, D] x [H, kv_len, D]
             qh = q[q0:q1].transpose(0, 1)
             kh = k_b.to(q.dtype).repeat_interleave(groups, dim=1).transpose(0, 1)

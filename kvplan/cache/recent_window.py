@@ -11,13 +11,15 @@ also in a small ring in the attention dtype; attention reads a sequence's keys a
     lo[b] = max(kv_len[b] - W, start[b])      start[b]: the first position the request wrote
 
 (``start`` is past 0 when a prefix-cache hit supplied the first blocks: their rows were never
-written to this request's ring, so they come from the pages.) ``lo`` is one bound for all of
-a step's queries: a decode step's query sees exactly its last W keys exact, a prompt chunk's
-earlier queries fewer. Outputs therefore depend on how positions were grouped into steps
-(chunked prompts, a preempted request's recompute), and `EngineConfig` refuses the window with
-speculative decoding, whose verification steps would make accepted drafts differ from plain
-greedy decoding. (A bound per query would lift both: each query's own last W keys, the
-straddling keys read from pages and ring under complementary masks.)
+written to this request's ring, so they come from the pages.) That ``lo`` is one bound for
+all of a step's queries: a decode step's query sees exactly its last W keys exact, a prompt
+chunk's earlier queries fewer. Steps short enough for the ring to hold every query's own
+window -- draft verification, ``1 < query <= slack + 1`` after the sequence's first step --
+get ``lo`` = what the ring holds (``max(kv_len - size, start)``) instead, and the ring's
+``window`` bounds each query by itself (`kvplan.ops.paged_attention.RecentRing`): the query
+at ``p`` reads keys ``>= max(p - W + 1, lo)`` from the ring, so accepted drafts see the bounds
+of plain decode steps. Longer chunks keep the step's bound, so outputs still depend on how a
+prompt was chunked or a preempted request recomputed.
 
 Layout: per layer, K and V rings ``[num_slots * size + 1, Hkv, D]``; slot ``s`` holds position
 ``p`` at row ``s * size + p % size``; the last row takes the writes of rows outside the ring
@@ -48,7 +50,7 @@ from kvplan._math import exclusive_cumsum
 from kvplan.backends.block_tables import new_token_positions
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops._launch import jit
-from kvplan.ops.paged_attention import RecentRing, ring_overlay
+from kvplan.ops.paged_attention import RecentRing, ring_exact, ring_overlay
 
 NO_RING = 1 << 30  # a ``lo`` past every ``kv_len``: the row reads no ring key
 
@@ -64,20 +66,33 @@ class RecentStep(NamedTuple):
     rows: torch.Tensor
     lo_np: np.ndarray
 
-    def overlay(self, layer: int, b: int, k: torch.Tensor, v: torch.Tensor):
+    def overlay(
+        self, layer: int, b: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sequence ``b``'s gathered keys and values ``[kv_len, Hkv, D]`` (positions 0 ..
-        kv_len - 1) with the positions from ``lo[b]`` on taken from the ring (the torch
-        path's `ring_overlay`, in ``k``'s dtype)."""
-        positions = torch.arange(k.shape[0], device=k.device)[None]
-        ok, ov = ring_overlay(k[None].float(), v[None].float(), positions,
-                              self.ring(layer, b, b + 1))  # fmt: skip
-        return ok[0].to(k.dtype), ov[0].to(v.dtype)
+        kv_len - 1) and its queries' visibility ``mask`` ``[q_len, kv_len]`` (the last
+        ``q_len`` positions) with the ring's keys in: where every query has the same bound,
+        the keys from ``lo[b]`` on replaced by the ring's (the torch path's `ring_overlay`,
+        in ``k``'s dtype); else the ring's keys after the pages' (``[2 kv_len, ...]``) and the
+        mask widened to match, each query seeing a key in one of the two."""
+        kv_len, q_len = k.shape[0], mask.shape[0]
+        ring = self.ring(layer, b, b + 1)
+        positions = torch.arange(kv_len, device=k.device)[None]
+        ok, ov = ring_overlay(k[None].float(), v[None].float(), positions, ring)
+        ok, ov = ok[0].to(k.dtype), ov[0].to(v.dtype)
+        if int(self.lo_np[b]) >= kv_len - self.kv.window:  # one bound for all its queries
+            return ok, ov, mask
+        q_pos = kv_len - q_len + torch.arange(q_len, device=k.device)[None]
+        exact = ring_exact(q_pos, positions, ring)[0]  # [q_len, kv_len]
+        return (torch.cat((k, ok)), torch.cat((v, ov)),
+                torch.cat((mask & ~exact, mask & exact), -1))  # fmt: skip
 
     def ring(self, layer: int, first: int = 0, last: int | None = None) -> RecentRing:
-        """The `RecentRing` of ``layer`` for the sequences ``first .. last - 1``."""
+        """The `RecentRing` of ``layer`` for the sequences ``first .. last - 1`` (each query
+        bounded by its own window where ``lo`` allows: `RecentWindow.plan`)."""
         return RecentRing(
             self.kv.k[layer], self.kv.v[layer], self.base[first:last], self.lo[first:last],
-            self.kv.size,
+            self.kv.size, self.kv.window,
         )  # fmt: skip
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -225,7 +240,12 @@ class RecentWindow:
             base[b] = slot * kv.size
             start[b] = self._start[rid]
         kv_len = cached + query
+        # one bound for the step's queries (its last one's), except in steps short enough for
+        # the ring to hold every query's own window (draft verification: 1 < query <= slack
+        # + 1, after the first step): there the ring's content, each query bounded by itself
         lo = np.maximum(kv_len - kv.window, start)
+        own = (cached > 0) & (query > 1) & (query <= kv.size - kv.window + 1)
+        lo = np.where(own, np.maximum(kv_len - kv.size, start), lo)
         # each token's position; kept where it is among the sequence's last `size` positions
         total = int(query.sum())
         pos = new_token_positions(cached, exclusive_cumsum(query), query, np.arange(total))

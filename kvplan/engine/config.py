@@ -144,7 +144,7 @@ class EngineConfig:
         "with a quantized kv_format (fp8 / int8 / fp4): each sequence's last N positions are "
         "also kept unquantized (in the attention dtype) and attention reads them from there "
         "(most of a quantized cache's error is in the newest keys); 0 = off. Dense models on "
-        "one device, without speculative decoding",
+        "one device",
         0,
     )
 
@@ -183,13 +183,6 @@ class EngineConfig:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_bool("kv_rotation", self.kv_rotation)
         _check_int("kv_exact_window", self.kv_exact_window, 0)
-        if self.kv_exact_window and self.num_speculative_tokens:
-            raise ValueError(
-                f"kv_exact_window={self.kv_exact_window} is not supported with "
-                f"num_speculative_tokens={self.num_speculative_tokens}: a verification step "
-                "bounds its exact keys at the step's last position, so accepted drafts would "
-                "not equal plain greedy decoding; use one or the other"
-            )
         if self.kv_exact_window and self.tensor_parallel_size > 1:
             raise ValueError(
                 f"kv_exact_window={self.kv_exact_window} is not supported with "

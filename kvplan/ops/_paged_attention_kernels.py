@@ -352,7 +352,7 @@ def _attend_ring(
 def _attend_rows(
     q, row_pos, pos_min, pos_max, key_lo, key_hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-    ring_k_ptr, ring_v_ptr, ring_base, ring_lo, ring_size, stride_rt,
+    ring_k_ptr, ring_v_ptr, ring_base, ring_lo, ring_size, ring_window, stride_rt,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr,
@@ -368,9 +368,13 @@ def _attend_rows(
     range are masked. ``PREFETCH``: how the whole tiles load (``PREFETCH_MODES``; 1 and 2
     in `_attend_range_ahead`).
 
-    ``RING``: keys at positions ``>= ring_lo`` come from the recent-window ring instead of the
-    pages (`_attend_ring`: ``ring_k_ptr`` / ``ring_v_ptr`` at this head, row ``ring_base +
-    p % ring_size``); the pages serve [key_lo, min(key_hi, ring_lo)).
+    ``RING``: the recent-window ring (`_attend_ring`: ``ring_k_ptr`` / ``ring_v_ptr`` at this
+    head, row ``ring_base + p % ring_size``): the row at ``row_pos`` reads keys at positions
+    ``>= max(row_pos - ring_window + 1, ring_lo)`` from the ring, older ones from the pages.
+    The pages serve [key_lo, ring_lo) to every row and [ring_lo, pos_max - ring_window + 1)
+    to the rows whose own bound is past the key (masked tiles, the causal mask moved back by
+    ``ring_window``); the ring serves [ring_lo, key_hi) under the window ``min(window,
+    ring_window)``.
 
     Returns the unnormalized accumulator [TILE_M, HEAD_DIM] (fp32), the running maximum m
     (log2 domain) and the running denominator l, both [TILE_M] fp32.
@@ -379,8 +383,10 @@ def _attend_rows(
     l_i = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
     ring_hi = key_hi
-    if RING:  # the pages stop where the ring starts
+    straddle_hi = key_hi
+    if RING:  # every row reads the pages up to where the ring starts
         key_hi = tl.minimum(key_hi, tl.maximum(ring_lo, key_lo))
+        straddle_hi = tl.minimum(ring_hi, tl.maximum(pos_max - ring_window + 1, key_hi))
     full_lo = tl.maximum(key_lo, pos_max - window + 1)
     full_lo = tl.minimum((full_lo + TILE_N - 1) // TILE_N * TILE_N, key_hi)  # tile-aligned
     full_hi = tl.maximum(tl.minimum(pos_min + 1, key_hi), full_lo)
@@ -410,9 +416,18 @@ def _attend_rows(
         BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True, INTERPRET, KV_QUANT, SF_KIND, GROUP,
     )  # fmt: skip
     if RING:
+        # keys past ring_lo that a row's own bound leaves to the pages: row r reads key j
+        # there iff j <= row_pos - ring_window (and inside the model's window)
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, key_hi, straddle_hi, q, row_pos - ring_window, page_ptr, k_ptr,
+            v_ptr, ks_ptr, vs_ptr, stride_kb, stride_kt, stride_vb, stride_vt,
+            window - ring_window, qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, True,
+            INTERPRET, KV_QUANT, SF_KIND, GROUP,
+        )  # fmt: skip
         acc, m_i, l_i = _attend_ring(
             acc, m_i, l_i, key_hi, ring_hi, q, row_pos, ring_k_ptr, ring_v_ptr, ring_base,
-            ring_size, stride_rt, window, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET,
+            ring_size, stride_rt, tl.minimum(window, ring_window), qk_scale, TILE_N, HEAD_DIM,
+            DOT_PRECISION, INTERPRET,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -432,7 +447,8 @@ def _decode_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ob, stride_oh, group_size, window, qk_scale, num_splits, sf_off,
-    ring_k_ptr, ring_v_ptr, ring_base_ptr, ring_lo_ptr, ring_size, stride_rt, stride_rh,
+    ring_k_ptr, ring_v_ptr, ring_base_ptr, ring_lo_ptr, ring_size, ring_window, stride_rt,
+    stride_rh,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
@@ -477,6 +493,7 @@ def _decode_kernel(
     page_splits = num_splits
     ring_base, ring_lo = _ring_of(ring_base_ptr, ring_lo_ptr, b, kv_len, RING != 0)
     if RING != 0:
+        ring_lo = tl.maximum(ring_lo, kv_len - ring_window)  # the query's own bound
         page_end = tl.maximum(tl.minimum(kv_len, ring_lo), lo)
         page_splits = num_splits - 1
     if RING == 3:
@@ -520,7 +537,7 @@ def _decode_kernel(
             k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
             k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
             stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
-            ring_k_ptr, ring_v_ptr, ring_base, ring_lo, ring_size, stride_rt,
+            ring_k_ptr, ring_v_ptr, ring_base, ring_lo, ring_size, ring_window, stride_rt,
             TILE_M, BLOCK_SIZE, TILE_N, HD, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
             PREFETCH, False,
         )  # fmt: skip
@@ -567,7 +584,8 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, page_ids_ptr, page_start_ptr, cu_seqlens_q_ptr, kv_lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, group_size, window, qk_scale, sf_off,
-    ring_k_ptr, ring_v_ptr, ring_base_ptr, ring_lo_ptr, ring_size, stride_rt, stride_rh,
+    ring_k_ptr, ring_v_ptr, ring_base_ptr, ring_lo_ptr, ring_size, ring_window, stride_rt,
+    stride_rh,
     TILE_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr,
@@ -611,7 +629,7 @@ def _prefill_kernel(
         k_ptr + sf_off + sf_head, v_ptr + sf_off + sf_head,
         stride_kb, stride_kt, stride_vb, stride_vt, window, qk_scale,
         ring_k_ptr + kvh * stride_rh, ring_v_ptr + kvh * stride_rh, ring_base, ring_lo,
-        ring_size, stride_rt,
+        ring_size, ring_window, stride_rt,
         TILE_M, BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, INTERPRET, KV_QUANT, SF_KIND, GROUP,
         PREFETCH, RING,
     )  # fmt: skip
@@ -983,9 +1001,10 @@ def launch_prefill(
 
 
 def _ring_args(ring, q, kv_lens) -> tuple:
-    """The kernels' seven ring arguments (``ring_k_ptr`` .. ``stride_rh``); without a ring,
-    placeholders the kernels do not read."""
+    """The kernels' eight ring arguments (``ring_k_ptr`` .. ``stride_rh``; a ring ``window``
+    of 0 passes ``NO_WINDOW``: one bound a sequence); without a ring, placeholders the
+    kernels do not read."""
     if ring is None:
-        return q, q, kv_lens, kv_lens, 1, 0, 0
-    return (ring.k, ring.v, ring.base, ring.lo, ring.size, ring.k.stride(0),
-            ring.k.stride(1))  # fmt: skip
+        return q, q, kv_lens, kv_lens, 1, NO_WINDOW, 0, 0
+    return (ring.k, ring.v, ring.base, ring.lo, ring.size, ring.window or NO_WINDOW,
+            ring.k.stride(0), ring.k.stride(1))  # fmt: skip

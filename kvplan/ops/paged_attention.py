@@ -35,9 +35,13 @@ Recent-window ring (``ring=`` a `RecentRing`, any cache format): the newest keys
 sequence read from a small unquantized ring instead of the pages (KIVI's full-precision
 residual: bench/RESULTS.md, session 44, found fp8's loss in the newest rows). Key position
 ``p >= ring.lo[b]`` of sequence b is row ``ring.base[b] + p % ring.size`` of ``ring.k`` /
-``ring.v`` (``[rows, Hkv, D]``, contiguous, q's dtype); older keys come from the pages. The
-caller keeps ``ring.lo[b] >= kv_lens[b] - ring.size`` (the ring holds the last ``size``
-positions) and writes the ring rows this step attends.
+``ring.v`` (``[rows, Hkv, D]``, contiguous, q's dtype); older keys come from the pages. With
+``ring.window = W > 0`` the bound is per query: the query at position ``p`` reads keys at
+``>= max(p - W + 1, ring.lo[b])`` from the ring and older ones from the pages, so a key may
+be exact for one query of a step and quantized for an earlier one (the kernels read such keys
+from both sources under complementary masks). The caller keeps ``ring.lo[b] >= kv_lens[b] -
+ring.size`` (the ring holds the last ``size`` positions) and writes the ring rows this step
+attends.
 """
 
 from __future__ import annotations
@@ -61,13 +65,17 @@ from kvplan.ops._paged_kv_tiles import decode_maxnreg, decode_tiling
 class RecentRing(NamedTuple):
     """The recent-window ring of a step (module docstring): ``k`` / ``v`` ``[rows, Hkv, D]``;
     ``base`` / ``lo`` int32 ``[B]``: each sequence's ring row of position 0 (mod ``size``)
-    and its first position read from the ring; ``size`` the ring's positions a sequence."""
+    and its first position the ring holds for this step; ``size`` the ring's positions a
+    sequence; ``window``: a query at position ``p`` reads its keys at positions
+    ``>= max(p - window + 1, lo[b])`` from the ring (0: ``lo[b]`` alone, one bound for all of
+    the sequence's queries)."""
 
     k: Tensor
     v: Tensor
     base: Tensor
     lo: Tensor
     size: int
+    window: int = 0
 
 
 def check_ring(ring: RecentRing | None, q: Tensor, kv_lens: Tensor, num_kv_heads: int) -> None:
@@ -450,6 +458,7 @@ class _GatherPlan(NamedTuple):
     seen: Tensor | None
     max_q: int
     positions: Tensor  # [B, Lk] int64: the key position each column reads
+    q_pos: Tensor  # [B, Qm] int64: each query's position
 
 
 # the torch path's last plans on the CPU by (block size, window, rows, decode): key tensors
@@ -519,7 +528,7 @@ def _new_gather_plan(page_ids, page_start, cu_seqlens_q, kv_lens, block_size, wi
     if bool(q_ok.all()) and batch * max_q == num_tokens:
         q_rows = q_ok = None  # row b * Qm + i is query i of sequence b: views, no gathers
     slots = (blocks * block_size + rows).view(-1)
-    return _GatherPlan(q_rows, q_ok, blocks, rows, slots, mask, seen, max_q, src)
+    return _GatherPlan(q_rows, q_ok, blocks, rows, slots, mask, seen, max_q, src, q_pos)
 
 
 def _attention_torch(
@@ -559,7 +568,15 @@ def _attention_torch(
         return out
     k = _gather_keys(k_cache, plan, kv_layout, head_dim)  # [B, Lk, Hkv, D]
     v = _gather_keys(v_cache, plan, kv_layout, head_dim)
-    if ring is not None:
+    attn_mask = plan.mask
+    if ring is not None and not ring_bound_is_per_sequence(ring, kv_lens):
+        # per query: pages and ring side by side, complementary masks
+        exact = ring_exact(plan.q_pos, plan.positions, ring)  # [B, Qm, Lk]
+        vis = exact.new_ones(()) if plan.mask is None else plan.mask[:, 0]
+        kr, vr = ring_overlay(k, v, plan.positions, ring)
+        k, v = torch.cat((k, kr), 1), torch.cat((v, vr), 1)
+        attn_mask = torch.cat((vis & ~exact, vis & exact), -1)[:, None]
+    elif ring is not None:
         k, v = ring_overlay(k, v, plan.positions, ring)
     if plan.q_rows is None:
         qq = q.float().view(batch, plan.max_q, num_heads, head_dim)
@@ -569,7 +586,7 @@ def _attention_torch(
         qq.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=plan.mask,
+        attn_mask=attn_mask,
         scale=scale,
         enable_gqa=group > 1,
     ).transpose(1, 2)  # [B, Qm, H, D]; rows that see no key are NaN here
@@ -580,6 +597,23 @@ def _attention_torch(
     else:
         out[plan.q_rows[plan.q_ok]] = o[plan.q_ok].to(out.dtype)
     return out
+
+
+def ring_bound_is_per_sequence(ring: RecentRing, kv_lens: Tensor) -> bool:
+    """Whether every query of a sequence has the same ring bound ``ring.lo[b]`` (no
+    ``window``, or ``lo[b] >= kv_lens[b] - window``: the bound of the sequence's last query;
+    one host sync on CUDA)."""
+    return not ring.window or bool((ring.lo >= kv_lens - ring.window).all())
+
+
+def ring_exact(q_pos: Tensor, positions: Tensor, ring: RecentRing) -> Tensor:
+    """Bool ``[B, Qm, Lk]``: whether query ``(b, i)`` at ``q_pos[b, i]`` reads key column
+    ``(b, j)`` at ``positions[b, j]`` from the ring (``>= max(q_pos - ring.window + 1,
+    ring.lo[b])``; ``ring.window`` 0: ``>= ring.lo[b]``)."""
+    lo = ring.lo.long()[:, None]  # [B, 1]
+    if ring.window:
+        lo = torch.maximum(q_pos - ring.window + 1, lo)  # [B, Qm]
+    return positions[:, None, :] >= lo.expand(q_pos.shape)[:, :, None]
 
 
 def ring_overlay(k: Tensor, v: Tensor, positions: Tensor, ring: RecentRing):

@@ -126,12 +126,14 @@ def test_gpu_graphs_with_quantized_cache_match_eager(kv_format):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
-def test_gpu_graphs_with_an_exact_window_match_eager(kv_format):
+@pytest.mark.parametrize("kv_format, drafts", [("fp8", 0), ("fp4", 0), ("fp8", 3)])
+def test_gpu_graphs_with_an_exact_window_match_eager(kv_format, drafts):
     """``kv_exact_window``: the ring's step arrays are persistent buffers the graphs read
     (11 rows in a 16-row bucket: padding rows read no ring key and write the trash row);
-    replays give the eager tokens."""
-    eager, replayed, g = _eager_and_graph_tokens(kv_format, kv_exact_window=12)
+    replays give the eager tokens, also with n-gram drafts (verification rows bounded by
+    their own windows)."""
+    eager, replayed, g = _eager_and_graph_tokens(kv_format, kv_exact_window=12,
+                                                 num_speculative_tokens=drafts)  # fmt: skip
     assert g is not None and g.recent is not None
     assert g.num_replays > 0
     assert replayed == eager

@@ -140,16 +140,18 @@ def test_bad_ring_is_refused_by_name():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8", "fp4", "plain"])
-def test_cuda_bf16_ring_matches_the_torch_path(kind):
+@pytest.mark.parametrize("ring_window", [0, 5])
+def test_cuda_bf16_ring_matches_the_torch_path(kind, ring_window):
     """bf16 on the GPU (fp4 with its fp16 tiles turned off by the ring): the kernels against
-    the torch path over the same ring, decode and prefill."""
+    the torch path over the same ring, decode and prefill; ``ring_window`` 5: each query
+    bounded by its own window."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kv_lens, q_lens = [300, 17, 129, 64], [1, 17, 40, 3]
     c, (k_raw, v_raw), fmt, dq = _case(kind, 7, kv_lens, q_lens, 16, None)
     ring, _ = ring_case(c, dq, [0, 0, 100, 60], [3, 0, 1, 2], 7)
     ring = RecentRing(ring.k.nan_to_num().bfloat16(), ring.v.nan_to_num().bfloat16(),
-                      ring.base, ring.lo, ring.size)  # fmt: skip
+                      ring.base, ring.lo, ring.size, ring_window)  # fmt: skip
     q = c.q.bfloat16()
     if kind == "plain":
         k_raw, v_raw = k_raw.nan_to_num().bfloat16(), v_raw.nan_to_num().bfloat16()
@@ -172,3 +174,80 @@ def test_cuda_bf16_ring_matches_the_torch_path(kind):
     got_d = run(paged_attention_decode_triton, q[last].contiguous(), k_raw, v_raw, c.page_ids,
                 c.page_start, c.kv_lens)  # fmt: skip
     assert_close(got_d, want_d, atol=2e-2, rtol=2e-2)
+
+
+def per_query_ref(c: Case, pages: Case, ring: RecentRing, decode: bool) -> torch.Tensor:
+    """float64 per-query loop: the query at position ``p`` reads key ``j`` from the ring when
+    ``j >= max(p - ring.window + 1, ring.lo[b])``, else from ``pages`` (float caches)."""
+    bs, hkv = pages.k_cache.shape[1], pages.k_cache.shape[2]
+    num_heads = c.q.shape[1]
+    group = num_heads // hkv
+    kv_lens = c.kv_lens.tolist()
+    cu = list(range(len(kv_lens) + 1)) if decode else c.cu_seqlens_q.tolist()
+    out = torch.zeros(c.q.shape, dtype=torch.float64)
+    for b, kv_len in enumerate(kv_lens):
+        q_len = cu[b + 1] - cu[b]
+        base, lo = int(ring.base[b]), int(ring.lo[b])
+        for i in range(q_len):
+            p = kv_len - q_len + i
+            own = max(p - ring.window + 1, lo)
+            first = 0 if c.window is None else max(0, p - c.window + 1)
+            ks, vs = [], []
+            for j in range(first, p + 1):
+                if j >= own:
+                    ks.append(ring.k[base + j % ring.size].double())
+                    vs.append(ring.v[base + j % ring.size].double())
+                else:
+                    blk = int(c.page_ids[int(c.page_start[b]) + j // bs])
+                    ks.append(pages.k_cache[blk, j % bs].double())
+                    vs.append(pages.v_cache[blk, j % bs].double())
+            k, v = torch.stack(ks), torch.stack(vs)  # [n, Hkv, D]
+            for h in range(num_heads):
+                s = (k[:, h // group] @ c.q[cu[b] + i, h].double()) * c.scale
+                out[cu[b] + i, h] = torch.softmax(s, 0) @ v[:, h // group]
+    return out.to(c.q.dtype)
+
+
+@pytest.mark.parametrize("kind,seed,kv_lens,q_lens,starts,slots,block_size,window", CASES)
+@pytest.mark.parametrize("ring_window", [2, 5])
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_each_query_bounded_by_its_own_window(kind, seed, kv_lens, q_lens, starts, slots,
+                                              block_size, window, ring_window, path):  # fmt: skip
+    """``RecentRing.window``: a query reads its own last W keys from the ring (within what
+    the ring holds: ``lo``), earlier keys from the pages, so keys near a step's start are
+    exact for its later queries and quantized for its earlier ones (Triton prefill: the
+    straddling keys from both sources under complementary masks; torch: pages and ring side
+    by side)."""
+    c, (k_raw, v_raw), fmt, dq = _case(kind, seed, kv_lens, q_lens, block_size, window)
+    torch_path = path == "torch"
+    ring, _ = ring_case(c, dq, starts, slots, seed)
+    ring = ring._replace(window=ring_window)
+    pages = dq
+    if torch_path and fmt is not None:  # the torch path reads bf16-dequantized pages
+        pages = Case(dq.q, dq.k_cache.bfloat16().float(), dq.v_cache.bfloat16().float(),
+                     dq.page_ids, dq.page_start, dq.cu_seqlens_q, dq.kv_lens, dq.scale,
+                     dq.window)  # fmt: skip
+    args = (c.q, k_raw, v_raw, c.page_ids, c.page_start, c.cu_seqlens_q, c.kv_lens)
+    if torch_path:
+        got = paged_attention_prefill_torch(*args, scale=c.scale, sliding_window=window,
+                                            kv_layout=fmt, ring=ring)  # fmt: skip
+    else:
+        got = paged_attention_prefill_triton(
+            *args, scale=c.scale, sliding_window=window, max_q_len=max(q_lens), tile_m=16,
+            tile_n=16, kv_layout=fmt, ring=ring,
+        )  # fmt: skip
+    assert_close(got, per_query_ref(c, pages, ring, decode=False))
+    one_bound = paged_attention_prefill_torch(*args, scale=c.scale, sliding_window=window,
+                                              kv_layout=fmt, ring=ring._replace(window=0))  # fmt: skip
+    if any(q > 1 and kv - q + 1 - ring_window + 1 >= lo for q, kv, lo
+           in zip(q_lens, kv_lens, ring.lo.tolist())):  # fmt: skip
+        assert (one_bound - got).abs().max() > 1e-3  # some query's own bound mattered
+    # decode: each sequence's last query alone
+    d, (dk, dv), dfmt, ddq = _case(kind, seed, kv_lens, [1] * len(kv_lens), block_size, window)
+    dring, _ = ring_case(d, ddq, starts, slots, seed)
+    dring = dring._replace(window=ring_window)
+    got_d = paged_attention_decode_triton(
+        d.q, dk, dv, d.page_ids, d.page_start, d.kv_lens, scale=d.scale, sliding_window=window,
+        num_splits=2, tile_n=16, kv_layout=dfmt, ring=dring,
+    )  # fmt: skip
+    assert_close(got_d, per_query_ref(d, ddq, dring, decode=True))
