@@ -78,6 +78,17 @@ def _case(kind, seed, kv_lens, q_lens, block_size, window):
     return quantized_case(kind, seed, kv_lens, q_lens, **kw)
 
 
+def _prefill(path, args, scale, window, q_lens, fmt, ring):
+    """The torch path's or the Triton kernel's (16 x 16 tiles) prefill over ``args``."""
+    if path == "torch":
+        return paged_attention_prefill_torch(*args, scale=scale, sliding_window=window,
+                                             kv_layout=fmt, ring=ring)  # fmt: skip
+    return paged_attention_prefill_triton(
+        *args, scale=scale, sliding_window=window, max_q_len=max(q_lens), tile_m=16, tile_n=16,
+        kv_layout=fmt, ring=ring,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("kind,seed,kv_lens,q_lens,starts,slots,block_size,window", CASES)
 @pytest.mark.parametrize("path", ["torch", "triton"])
 def test_prefill_reads_the_ring(kind, seed, kv_lens, q_lens, starts, slots, block_size, window,
@@ -86,14 +97,7 @@ def test_prefill_reads_the_ring(kind, seed, kv_lens, q_lens, starts, slots, bloc
     torch_path = path == "torch"
     ring, ref = ring_case(c, dq, starts, slots, seed, bf16_pages=torch_path and fmt is not None)
     args = (c.q, k_raw, v_raw, c.page_ids, c.page_start, c.cu_seqlens_q, c.kv_lens)
-    if torch_path:
-        got = paged_attention_prefill_torch(*args, scale=c.scale, sliding_window=window,
-                                            kv_layout=fmt, ring=ring)  # fmt: skip
-    else:
-        got = paged_attention_prefill_triton(
-            *args, scale=c.scale, sliding_window=window, max_q_len=max(q_lens), tile_m=16,
-            tile_n=16, kv_layout=fmt, ring=ring,
-        )  # fmt: skip
+    got = _prefill(path, args, c.scale, window, q_lens, fmt, ring)
     assert_close(got, ref.ref(decode=False))
     without = paged_attention_prefill_torch(*args, scale=c.scale, sliding_window=window,
                                             kv_layout=fmt)  # fmt: skip
@@ -228,14 +232,7 @@ def test_each_query_bounded_by_its_own_window(kind, seed, kv_lens, q_lens, start
                      dq.page_ids, dq.page_start, dq.cu_seqlens_q, dq.kv_lens, dq.scale,
                      dq.window)  # fmt: skip
     args = (c.q, k_raw, v_raw, c.page_ids, c.page_start, c.cu_seqlens_q, c.kv_lens)
-    if torch_path:
-        got = paged_attention_prefill_torch(*args, scale=c.scale, sliding_window=window,
-                                            kv_layout=fmt, ring=ring)  # fmt: skip
-    else:
-        got = paged_attention_prefill_triton(
-            *args, scale=c.scale, sliding_window=window, max_q_len=max(q_lens), tile_m=16,
-            tile_n=16, kv_layout=fmt, ring=ring,
-        )  # fmt: skip
+    got = _prefill(path, args, c.scale, window, q_lens, fmt, ring)
     assert_close(got, per_query_ref(c, pages, ring, decode=False))
     one_bound = paged_attention_prefill_torch(*args, scale=c.scale, sliding_window=window,
                                               kv_layout=fmt, ring=ring._replace(window=0))  # fmt: skip
