@@ -75,17 +75,13 @@ def dense_settings(rng: random.Random) -> dict:
 def compares_outputs(s: dict) -> bool:
     """Whether a run's outputs must equal the reference's single runs: always, except with
     `kv_exact_window` where a prompt split into chunks or recomputed after a preemption
-    (pools under 32 blocks can preempt) sees other exact keys than a lone run's steps, and
-    where drafts are verified: each query then has a lone decode step's bounds, but its
-    attention sums in another order, and a last-bit change may move a K/V row's fp8 rounding
-    (the engine tests check those steps against one-token steps' logits)."""
+    (pools under 32 blocks can preempt) sees other exact keys than a lone run's steps. Draft
+    verification bounds each query as a lone decode step does, so drafts are compared (a
+    last-bit difference in the verification's attention could still move a K/V row's fp8
+    rounding: none did in 244 such runs, session 45)."""
     if not s["kv_exact_window"]:
         return True
-    return (
-        not s["enable_chunked_prefill"]
-        and s["num_blocks"] >= 32
-        and not s["num_speculative_tokens"]
-    )
+    return not s["enable_chunked_prefill"] and s["num_blocks"] >= 32
 
 
 def run_dense(seed: int, ops: int = 120) -> dict:
@@ -97,8 +93,7 @@ def run_dense(seed: int, ops: int = 120) -> dict:
     rng = random.Random(seed)
     s = dense_settings(rng)
     if s["kv_exact_window"] and rng.random() < 0.5:  # a pool that never preempts: compared
-        s.update(enable_chunked_prefill=False, max_num_batched_tokens=32, num_blocks=64,
-                 num_speculative_tokens=0)  # fmt: skip
+        s.update(enable_chunked_prefill=False, max_num_batched_tokens=32, num_blocks=64)
     if s["model"] == "sliding":  # a window-8 layer (its own block pool) and a global one
         base = dataclasses.replace(named_config("tiny-mistral"), layer_windows=(8, None))
     else:
