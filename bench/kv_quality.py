@@ -1,4 +1,6 @@
-"""KV-cache quantization quality of the dense engine on SmolLM2 (CPU), teacher-forced.
+"""KV-cache quantization quality of the dense engine on SmolLM2, teacher-forced (CPU; or CUDA
+with ``--device cuda``: ``real:`` variants against the model dtype's own cache, e.g. a bf16
+model against its bf16 cache, ``--model`` a converted folder of the real weights).
 
 The fixed text ``bench/data/kv_quality_text.txt`` is tokenized (no chat template) and run
 through the engine with ``kvplan.engine.scoring.prompt_logits`` in chunks: every chunk reads
@@ -55,6 +57,8 @@ Usage::
 
     PYTHONPATH=. python bench/kv_quality.py --max-tokens 512 --out bench/results/kv_quality.json
     PYTHONPATH=. python bench/kv_quality.py --rotation   # with / without kv_rotation
+    PYTHONPATH=. python bench/kv_quality.py --device cuda --model FOLDER --variants real:fp8 \
+        real:fp8-w64   # on a GPU (bench/run_s45e.sh carries the weights there)
 """
 
 from __future__ import annotations
