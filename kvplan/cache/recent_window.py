@@ -26,9 +26,9 @@ Layout: per layer, K and V rings ``[num_slots * size + 1, Hkv, D]``; slot ``s`` 
 (a trash row, so a store needs no host-side filtering). ``size = W + slack``: a step with
 draft positions also writes those, and a rejected draft at position ``p`` overwrites row
 ``p % size`` -- which, with ``slack`` the drafts a step may carry, belongs to a position
-older than every later step's ``lo`` (the engine passes ``num_speculative_tokens``, 0 while
-it refuses drafts with the window). Pages stay complete, so prefix caching,
-preemption and the fallback paths need nothing from the ring.
+older than every later query's bound (the engine passes ``num_speculative_tokens``). Pages
+stay complete, so prefix caching, preemption and the fallback paths need nothing from the
+ring.
 
 `RecentWindow` assigns each request a ring slot at its first planned step and frees it with the
 request (`free`); `plan` turns a step's per-sequence facts into the device arrays of a
