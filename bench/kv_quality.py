@@ -75,7 +75,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvplan import LLM, quant
+from kvplan import LLM, EngineConfig, quant
 from kvplan.engine.scoring import prompt_logits
 from kvplan.formats import KVCacheFormat
 from kvplan.models import kv_rotation
@@ -408,16 +408,12 @@ def main() -> None:
     ap.add_argument(
         "--dtype", default=None, help="model dtype (default: float32 on cpu, bfloat16 on cuda)"
     )
-    ap.add_argument(
-        "--reference",
-        default=None,
-        help="the unquantized KV format compared against (default: the model dtype's)",
-    )
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    ref_format = args.reference or {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, "fp16")
+    # the reference: the model dtype's own cache ("auto")
+    ref_format = EngineConfig(device=args.device, dtype=dtype).resolve_kv_format(0)
     if args.device != "cpu" and any(not v.startswith("real:") for v in args.variants):
         raise SystemExit("--device cuda runs real:... variants only (fake: hooks the CPU store)")
 
@@ -441,7 +437,7 @@ def main() -> None:
     if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
     n = len(ids)
-    ref_llm = engine(ref_format)
+    ref_llm = engine("auto")
     cfg = ref_llm.parts.config
     hd = cfg.num_kv_heads * cfg.head_dim
     hook = FakeQuantStore(ref_llm.parts.kv_cache)

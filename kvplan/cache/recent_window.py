@@ -50,7 +50,7 @@ from kvplan._math import exclusive_cumsum
 from kvplan.backends.block_tables import new_token_positions
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops._launch import jit
-from kvplan.ops.paged_attention import RecentRing, ring_exact, ring_overlay
+from kvplan.ops.paged_attention import RecentRing, ring_keys
 
 NO_RING = 1 << 30  # a ``lo`` past every ``kv_len``: the row reads no ring key
 
@@ -76,16 +76,12 @@ class RecentStep(NamedTuple):
         in ``k``'s dtype); else the ring's keys after the pages' (``[2 kv_len, ...]``) and the
         mask widened to match, each query seeing a key in one of the two."""
         kv_len, q_len = k.shape[0], mask.shape[0]
-        ring = self.ring(layer, b, b + 1)
+        one = int(self.lo_np[b]) >= kv_len - self.kv.window  # one bound for all its queries
         positions = torch.arange(kv_len, device=k.device)[None]
-        ok, ov = ring_overlay(k[None].float(), v[None].float(), positions, ring)
-        ok, ov = ok[0].to(k.dtype), ov[0].to(v.dtype)
-        if int(self.lo_np[b]) >= kv_len - self.kv.window:  # one bound for all its queries
-            return ok, ov, mask
         q_pos = kv_len - q_len + torch.arange(q_len, device=k.device)[None]
-        exact = ring_exact(q_pos, positions, ring)[0]  # [q_len, kv_len]
-        return (torch.cat((k, ok)), torch.cat((v, ov)),
-                torch.cat((mask & ~exact, mask & exact), -1))  # fmt: skip
+        ok, ov, m = ring_keys(k[None].float(), v[None].float(), positions, q_pos, mask[None],
+                              self.ring(layer, b, b + 1), one)  # fmt: skip
+        return ok[0].to(k.dtype), ov[0].to(v.dtype), mask if one else m[0]
 
     def ring(self, layer: int, first: int = 0, last: int | None = None) -> RecentRing:
         """The `RecentRing` of ``layer`` for the sequences ``first .. last - 1`` (each query

@@ -569,15 +569,11 @@ def _attention_torch(
     k = _gather_keys(k_cache, plan, kv_layout, head_dim)  # [B, Lk, Hkv, D]
     v = _gather_keys(v_cache, plan, kv_layout, head_dim)
     attn_mask = plan.mask
-    if ring is not None and not ring_bound_is_per_sequence(ring, kv_lens):
-        # per query: pages and ring side by side, complementary masks
-        exact = ring_exact(plan.q_pos, plan.positions, ring)  # [B, Qm, Lk]
-        vis = exact.new_ones(()) if plan.mask is None else plan.mask[:, 0]
-        kr, vr = ring_overlay(k, v, plan.positions, ring)
-        k, v = torch.cat((k, kr), 1), torch.cat((v, vr), 1)
-        attn_mask = torch.cat((vis & ~exact, vis & exact), -1)[:, None]
-    elif ring is not None:
-        k, v = ring_overlay(k, v, plan.positions, ring)
+    if ring is not None:
+        vis = None if plan.mask is None else plan.mask[:, 0]
+        k, v, vis = ring_keys(k, v, plan.positions, plan.q_pos, vis, ring,
+                              ring_bound_is_per_sequence(ring, kv_lens))  # fmt: skip
+        attn_mask = None if vis is None else vis[:, None]
     if plan.q_rows is None:
         qq = q.float().view(batch, plan.max_q, num_heads, head_dim)
     else:
@@ -606,14 +602,32 @@ def ring_bound_is_per_sequence(ring: RecentRing, kv_lens: Tensor) -> bool:
     return not ring.window or bool((ring.lo >= kv_lens - ring.window).all())
 
 
+def ring_keys(
+    k: Tensor, v: Tensor, positions: Tensor, q_pos: Tensor, vis: Tensor | None,
+    ring: RecentRing, one_bound: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """The keys and values attention reads with a ring, and the visibility that goes with
+    them: ``k`` / ``v`` fp32 ``[B, Lk, Hkv, D]`` at key ``positions`` ``[B, Lk]``, the queries
+    at ``q_pos`` ``[B, Qm]`` seeing ``vis`` (bool ``[B, Qm, Lk]``, None: every key).
+    ``one_bound`` (every query of a sequence bounded by ``ring.lo[b]``,
+    `ring_bound_is_per_sequence`): the ring's rows replace the keys from ``lo`` on, ``vis``
+    unchanged; else the pages' keys then the ring's (``2 Lk``) and ``vis`` widened to match,
+    each query seeing a key in one of the two (`ring_exact`)."""
+    kr, vr = ring_overlay(k, v, positions, ring)
+    if one_bound:
+        return kr, vr, vis
+    exact = ring_exact(q_pos, positions, ring)  # [B, Qm, Lk]
+    vis = exact.new_ones(()) if vis is None else vis
+    return (torch.cat((k, kr), 1), torch.cat((v, vr), 1),
+            torch.cat((vis & ~exact, vis & exact), -1))  # fmt: skip
+
+
 def ring_exact(q_pos: Tensor, positions: Tensor, ring: RecentRing) -> Tensor:
     """Bool ``[B, Qm, Lk]``: whether query ``(b, i)`` at ``q_pos[b, i]`` reads key column
-    ``(b, j)`` at ``positions[b, j]`` from the ring (``>= max(q_pos - ring.window + 1,
-    ring.lo[b])``; ``ring.window`` 0: ``>= ring.lo[b]``)."""
-    lo = ring.lo.long()[:, None]  # [B, 1]
-    if ring.window:
-        lo = torch.maximum(q_pos - ring.window + 1, lo)  # [B, Qm]
-    return positions[:, None, :] >= lo.expand(q_pos.shape)[:, :, None]
+    ``(b, j)`` at ``positions[b, j]`` from the ring: ``>= max(q_pos - ring.window + 1,
+    ring.lo[b])`` (``ring.window > 0``)."""
+    lo = torch.maximum(q_pos - ring.window + 1, ring.lo.long()[:, None])  # [B, Qm]
+    return positions[:, None, :] >= lo[:, :, None]
 
 
 def ring_overlay(k: Tensor, v: Tensor, positions: Tensor, ring: RecentRing):
