@@ -105,6 +105,13 @@ def main() -> None:
         "KVPLAN_FP4_NIBBLES is on, nibble order when off)",
     )
     ap.add_argument(
+        "--fp8-f16",
+        action="store_true",
+        help="also every fp8 config with the other keys and values than the default (fp16 "
+        "tiles when kvplan.ops._paged_attention_kernels.FP8_F16_KEYS / KVPLAN_FP8_F16_KEYS is "
+        "off, the dequantized bf16 tiles when it is on)",
+    )
+    ap.add_argument(
         "--heads-first",
         action="store_true",
         help="also every config with the programs ordered KV head first (heads_first=True: a "
@@ -125,6 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     f16_default = pak.FP4_F16_TILES
     nib_default = pak.FP4_NIBBLE_TILES
+    f16k_default = pak.FP8_F16_KEYS
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
     shape = (args.batch, args.context, 8, 64, 32, 16) if cuda else (2, 40, 2, 32, 4, 8)
@@ -171,6 +179,8 @@ def main() -> None:
         if args.fp4_nibbles and fmt == "fp4":  # each fp16-tile config also in the other order
             tilings += [{**t, "fp4_nib": not nib_default} for t in [{}, *tilings]
                         if t.get("fp4_f16", f16_default)]  # fmt: skip
+        if args.fp8_f16 and fmt == "fp8":  # each config also with the other tiles
+            tilings += [{**t, "fp8_f16": not f16k_default} for t in [{}, *tilings]]
         if args.heads:  # every config above (and the default) with these heads a program
             tilings += [{**t, "heads": n} for t in [{}, *tilings] for n in ints(args.heads)]
         if args.heads_first:  # every config above (and the default) in the other order
@@ -180,11 +190,12 @@ def main() -> None:
             tilings += [{**t, "num_splits": n} for t in [{}, *tilings] for n in n_splits]
 
         def measure(kw, caches=caches, layout=layout, want=want, kv_bytes=kv_bytes, fmt=fmt):
-            launch = {k: x for k, x in kw.items() if k not in ("fp4_f16", "fp4_nib")}
+            launch = {k: x for k, x in kw.items() if k not in ("fp4_f16", "fp4_nib", "fp8_f16")}
 
             def call():
                 pak.FP4_F16_TILES = kw.get("fp4_f16", f16_default)  # read at launch
                 pak.FP4_NIBBLE_TILES = kw.get("fp4_nib", nib_default)
+                pak.FP8_F16_KEYS = kw.get("fp8_f16", f16k_default)
                 return paged_attention_decode_triton(
                     q, *caches, page_ids, page_start, kv_lens, scale=d**-0.5, kv_layout=layout,
                     max_kv_len=ctx, check=False, **launch,
