@@ -167,6 +167,7 @@ def e4m3_keys_f16(vals, sf, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP:
         e = sf.to(tl.int32)
         top = tl.max(e, 1)  # [TILE_N]
         rel = tl.maximum(e - top[:, None] + 127, 0)  # 2^(e - top) as an fp32 exponent field
+        rel = tl.where(top[:, None] > 0, rel, 0)  # byte 0 everywhere: 2^-127, a zero row
         rel = (rel << 23).to(tl.float32, bitcast=True).to(tl.float16)
         factor = (top << 23).to(tl.float32, bitcast=True)
     else:

@@ -492,8 +492,8 @@ def test_fp8_f16_keys_decode_equals_the_reference(kind, mode, monkeypatch):
     within one bf16 rounding of the output, as the dequantized tiles do, and closer on
     average (fp16 weights in the value product, fp32 scales' keys rounded to fp16, against
     bf16); so does a query of 2^20-sized values (shifted into fp16's range), keys and values
-    whose scale groups lie 2^12 apart (each row is normalized by its largest group), and value
-    rows of zeros."""
+    whose scale groups lie 2^12 apart (each row is normalized by its largest group), value
+    rows of zeros, and (UE8M0) rows whose scale bytes are all 0, whatever their codes."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test")
     kinds = []
@@ -511,6 +511,9 @@ def test_fp8_f16_keys_decode_equals_the_reference(kind, mode, monkeypatch):
     first = int(c.page_ids[int(c.page_start[1])])
     v_cache[first, :5] = 0.0  # value rows of zeros (their scales 0) in sequence 1's first keys
     k_raw, v_raw = quantize_cache(k_cache, fmt), quantize_cache(v_cache, fmt)
+    if kind == "fp8_ue8m0":  # scale bytes 0: 2^-127 times the codes, zeros in effect
+        k_raw[first, 5:8, 0, fmt.quantized_bytes :] = 0
+        v_raw[first, 5:8, 0, fmt.quantized_bytes :] = 0
     kd, vd = dequantize_cache(k_raw, fmt, 64), dequantize_cache(v_raw, fmt, 64)
     for big, heads, window in ((1.0, 1, None), (2.0**20, 2, None), (1.0, 2, 23)):
         q = (c.q * big).bfloat16()
