@@ -107,9 +107,9 @@ def main() -> None:
     ap.add_argument(
         "--fp8-f16",
         action="store_true",
-        help="also every fp8 config with the other keys and values than the default (fp16 "
-        "tiles when kvplan.ops._paged_attention_kernels.FP8_F16_KEYS / KVPLAN_FP8_F16_KEYS is "
-        "off, the dequantized bf16 tiles when it is on)",
+        help="also every fp8 config with the other tiles than the default: each level of "
+        "kvplan.ops._paged_attention_kernels.FP8_F16_KEYS / KVPLAN_FP8_F16_KEYS (0 bf16 tiles, "
+        "1 fp16 keys, 2 fp16 keys and values) but the default's",
     )
     ap.add_argument(
         "--heads-first",
@@ -180,7 +180,8 @@ def main() -> None:
             tilings += [{**t, "fp4_nib": not nib_default} for t in [{}, *tilings]
                         if t.get("fp4_f16", f16_default)]  # fmt: skip
         if args.fp8_f16 and fmt == "fp8":  # each config also with the other tiles
-            tilings += [{**t, "fp8_f16": not f16k_default} for t in [{}, *tilings]]
+            levels = [x for x in (0, 1, 2) if x != f16k_default]
+            tilings += [{**t, "fp8_f16": x} for t in [{}, *tilings] for x in levels]
         if args.heads:  # every config above (and the default) with these heads a program
             tilings += [{**t, "heads": n} for t in [{}, *tilings] for n in ints(args.heads)]
         if args.heads_first:  # every config above (and the default) in the other order

@@ -12,7 +12,7 @@ step 80 q8k python3 bench/bench_quant_decode.py --graph --formats fp8 --no-tilin
   --fp8-f16 --heads 2 --out "$W/q8k.json"
 grep -E "^ +fp8 " "$W/q8k.log"
 for f in 0 1; do sparse_kernels "k256_$f" 256 1024 KVPLAN_SPARSE_FP8_F16_ROWS=$f; done
-for f in 0 1; do long_run "l$f" fp8 KVPLAN_FP8_F16_KEYS=$f; done
+for f in 0 1 2; do long_run "l$f" fp8 KVPLAN_FP8_F16_KEYS=$f; done
 for f in 0 1; do hybrid_decode "d32k_$f" 32 32768 KVPLAN_SPARSE_FP8_F16_ROWS=$f; done
 step 50 q320 python3 bench/bench_quant_decode.py --graph --formats fp8 --no-tiling --splits "" \
   --fp8-f16 --batch 64 --context 320 --out "$W/q320.json"

@@ -44,6 +44,7 @@ from kvplan.ops._paged_kv_tiles import (
     E2M1_F16,
     E2M1_F16_NIB,
     E4M3_F16K,
+    E4M3_F16KV,
     dequantize_kv_raw,
     e4m3_keys_f16,
     head_scales_offset,
@@ -121,26 +122,36 @@ def _attend_rows_tile(
     (``offs_n`` the keys' positions, ``row_pos``, ``window``) applies; otherwise those four
     are not read. ``V_GROUPS``: the accumulator is ``[groups, TILE_M, GROUP]`` and V's codes
     go to the MMA unscaled (`load_kv_groups`)."""
-    if KV_QUANT == E4M3_F16K:  # fp16 tiles (a static branch: the other one would not compile)
-        acc, m_new, l_i = _attend_f16_tile(
+    if KV_QUANT == E4M3_F16KV:  # fp16 K and V tiles (a static branch: the other would not
+        acc, m_new, l_i = _attend_f16_tile(  # compile for this kind)
             acc, m_i, l_i, q, k_rows, v_rows, in_range, offs_n, row_pos, window, k_ptr, v_ptr,
             ks_ptr, vs_ptr, qk_scale, TILE_N, HEAD_DIM, MASKED, SF_KIND, GROUP,
         )  # fmt: skip
     else:
-        k = load_kv_tile(k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT,
-                         SF_KIND, GROUP)  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+        if KV_QUANT == E4M3_F16K:  # fp16 keys, the key's largest scale on its logits
+            kb, ksf = load_kv_raw(k_ptr, ks_ptr, k_rows, in_range, HEAD_DIM, MASKED, 1, SF_KIND,
+                                  GROUP)  # fmt: skip
+            k, k_top = e4m3_keys_f16(kb, ksf, TILE_N, HEAD_DIM, GROUP, SF_KIND)
+            s = tl.dot(q, tl.trans(k)) * (k_top * qk_scale)[None, :]
+            vq = tl.zeros([1], dtype=tl.bfloat16)  # the values: bf16 (codes or dequantized)
+            VQ: tl.constexpr = 1
+        else:
+            k = load_kv_tile(k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED,
+                             KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+            vq = q
+            VQ: tl.constexpr = KV_QUANT
         if MASKED:
             s = tl.where(_visible(in_range, offs_n, row_pos, window), s, float("-inf"))
         p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
         if not V_GROUPS:
-            v = load_kv_tile(v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, MASKED,
-                             KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+            v = load_kv_tile(v_ptr, vs_ptr, v_rows, in_range, vq, TILE_N, HEAD_DIM, MASKED, VQ,
+                             SF_KIND, GROUP)  # fmt: skip
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         else:
             # acc: [groups, TILE_M, GROUP]; V's scales go on the probabilities, one per key and
             # group, so the V codes reach the MMA as loaded.
-            v, v_scale = load_kv_groups(v_ptr, vs_ptr, v_rows, q, TILE_N, HEAD_DIM, KV_QUANT,
+            v, v_scale = load_kv_groups(v_ptr, vs_ptr, v_rows, vq, TILE_N, HEAD_DIM, VQ,
                                         SF_KIND, GROUP)  # fmt: skip
             ps = p[None, :, :] * tl.trans(v_scale)[:, None, :]
             acc = acc * alpha[None, :, None] + tl.dot(ps.to(v.dtype), v,
@@ -320,8 +331,8 @@ def _attend_range_ahead(
       pairs split by group decode slowly, so an e2m1 V stays dequantized in registers).
     """
     TILE_M: tl.constexpr = acc.shape[0]
-    V_GROUPS: tl.constexpr = MODE >= 2 and (KV_QUANT == 1 or KV_QUANT == 3)
-    tl.static_assert(MODE != 1 or KV_QUANT != 6, "fp16 keys (E4M3_F16K) take mode 0 or 2")
+    V_GROUPS: tl.constexpr = MODE >= 2 and (KV_QUANT == 1 or KV_QUANT == 3 or KV_QUANT == 6)
+    tl.static_assert(MODE != 1 or KV_QUANT < 6, "fp16 tiles (E4M3_F16K / KV) take mode 0 or 2")
     if MODE == 1:
         k_next, v_next = _raw_kv_tile(lo, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
                                       stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N,
@@ -566,7 +577,8 @@ def _decode_kernel(
     q = tl.load(q_rows + col, mask=keep, other=0.0)
     if KV_QUANT == E2M1_F16 or KV_QUANT == E2M1_F16_NIB:  # noqa: SIM109 (fp16 tiles)
         q, qk_scale = query_f16(q, qk_scale)
-    if KV_QUANT == E4M3_F16K and RING != 3:  # fp16 keys (the ring's launch: bf16 rows)
+    if (KV_QUANT == E4M3_F16K or KV_QUANT == E4M3_F16KV) and RING != 3:  # noqa: SIM109
+        # fp16 tiles (the ring's launch reads bf16 rows)
         q, qk_scale = query_f16(q, qk_scale)
     if KV_QUANT == E2M1_F16_NIB:  # the tiles' column order and 2^-14
         q, qk_scale = nibble_query(q, qk_scale)
@@ -786,14 +798,16 @@ exact). The same products in another order of the head dimensions. sm_90 main lo
 against 3,120 (fp8 3,286)."""
 
 
-FP8_F16_KEYS = env_flag("KVPLAN_FP8_F16_KEYS", False)
-"""Decode launches over e4m3 pages (``kv_format="fp8"``, V41 records) and bf16 / fp16 queries
-take the keys as fp16 tiles (``E4M3_F16K``, `e4m3_keys_f16`: one conversion a pair of codes
-and one fp16 multiply a code instead of the fp32 dequantization and bf16 rounding; each key's
-largest scale on its logits; the query in fp16 by `query_f16`) when True
-(``KVPLAN_FP8_F16_KEYS=1`` at import). UE8M0 scales give the same products; fp32 scales keys
-rounded to fp16 instead of bf16. The values are read as before. Off by default until it
-measures faster."""
+FP8_F16_KEYS: int = _env_int("KVPLAN_FP8_F16_KEYS", (0, 1, 2), "0, 1 or 2") or 0
+"""Decode launches over e4m3 pages (``kv_format="fp8"``: fp32 scales; UE8M0 layouts too) and
+bf16 / fp16 queries read the pages as fp16 tiles normalized by each row's largest scale
+(`e4m3_keys_f16`: one conversion a pair of codes and one fp16 multiply a code, against the
+fp32 dequantization and bf16 rounding; the query in fp16 by `query_f16`): 1 the keys only
+(``E4M3_F16K``: the row's scale on its logits; the values as before), 2 keys and values
+(``E4M3_F16KV``, `_attend_f16_tile`: the value's scale in the softmax's exponent, fp16
+weights). ``KVPLAN_FP8_F16_KEYS`` = 0 / 1 / 2 at import; 0 (off) by default until measured
+faster. UE8M0 scales give exact tiles; fp32 scales round them to fp16 (11 bits against bf16's
+8)."""
 
 
 def _heads_from_env() -> int | None:
@@ -930,7 +944,7 @@ def _kv_quant(geo, q, k_cache, v_cache) -> int:
     if q.dtype not in (torch.bfloat16, torch.float16):
         return geo.kv_quant
     if FP8_F16_KEYS and geo.kv_quant == 1:
-        return E4M3_F16K
+        return E4M3_F16K if FP8_F16_KEYS == 1 else E4M3_F16KV
     if not (FP4_F16_TILES and geo.kv_quant == 2 and geo.sf_kind == _SF_KIND["e4m3"]):
         return geo.kv_quant
     offsets = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -1005,7 +1019,7 @@ def launch_decode(
     grid = (programs, batch) if heads_first else (batch, programs)
     launches = [(page_splits, 0)] if ring is None else [(page_splits, 2), (1, 3)]
     prefetch = _prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant))
-    if kv_quant == E4M3_F16K and prefetch == 1:  # fp16 keys have no register-ahead form
+    if kv_quant >= E4M3_F16K and prefetch == 1:  # fp16 tiles have no register-ahead form
         kv_quant = 1
     for splits, mode in launches:
         _decode_kernel[(*grid, splits)](

@@ -34,10 +34,15 @@ decode kernel takes its query through `nibble_query` and its accumulator through
 
 E4M3_F16K: tl.constexpr = tl.constexpr(6)
 """``KV_QUANT`` of e4m3 pages whose keys reach the q.k product as fp16 tiles (the decode
-kernel's ``KVPLAN_FP8_F16_KEYS`` path, `e4m3_keys_f16`): each key's codes times its groups'
+kernel's ``KVPLAN_FP8_F16_KEYS=1`` path, `e4m3_keys_f16`): each key's codes times its groups'
 scales relative to the key's largest, in fp16, and that largest scale on the key's logits;
 an fp16 query (`query_f16`). The values are read as for ``KV_QUANT`` 1 (bf16 codes with their
 scales on the probabilities in mode 2, dequantized to bf16 in masked tiles)."""
+
+E4M3_F16KV: tl.constexpr = tl.constexpr(7)
+"""``KV_QUANT`` of e4m3 pages whose keys and values are both fp16 tiles (``KVPLAN_FP8_F16_KEYS=2``,
+the decode kernel's `_attend_f16_tile`): the value's largest scale goes into the softmax's
+exponent, so the value product takes fp16 weights in (0, 1]."""
 
 
 @jit

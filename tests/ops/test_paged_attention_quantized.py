@@ -485,9 +485,11 @@ def test_fp4_f16_decode_equals_the_reference(mode, nib, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["fp8", "fp8_ue8m0"])
 @pytest.mark.parametrize("mode", [0, 2])
-def test_fp8_f16_keys_decode_equals_the_reference(kind, mode, monkeypatch):
+@pytest.mark.parametrize("level", [1, 2])
+def test_fp8_f16_keys_decode_equals_the_reference(kind, mode, level, monkeypatch):
     """Decode over e4m3 pages with ``FP8_F16_KEYS`` (interpreter): the launch takes
-    ``E4M3_F16K`` (mode 1 falls back to the plain kind), and one or two KV heads a program,
+    ``E4M3_F16K`` (level 1: fp16 keys) or ``E4M3_F16KV`` (level 2: keys and values; mode 1
+    falls back to the plain kind), and one or two KV heads a program,
     with a window and without, give the attention of the bf16 query over the exact values
     within one bf16 rounding of the output, as the dequantized tiles do, and closer on
     average (fp16 weights in the value product, fp32 scales' keys rounded to fp16, against
@@ -520,11 +522,11 @@ def test_fp8_f16_keys_decode_equals_the_reference(kind, mode, monkeypatch):
         kw = dict(scale=c.scale, num_splits=2, tile_n=16, kv_layout=fmt, prefetch=mode,
                   heads=heads, sliding_window=window)  # fmt: skip
         args = (q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens)
-        monkeypatch.setattr(pak, "FP8_F16_KEYS", False)
+        monkeypatch.setattr(pak, "FP8_F16_KEYS", 0)
         plain = paged_attention_decode_triton(*args, **kw)
-        monkeypatch.setattr(pak, "FP8_F16_KEYS", True)
+        monkeypatch.setattr(pak, "FP8_F16_KEYS", level)
         got = paged_attention_decode_triton(*args, **kw)
-        assert kinds[-2:] == [1, pak.E4M3_F16K]
+        assert kinds[-2:] == [1, pak.E4M3_F16K if level == 1 else pak.E4M3_F16KV]
         ref = dataclasses.replace(c, q=q.float(), k_cache=kd, v_cache=vd, window=window)
         want = ref.ref(decode=True)
         assert got.dtype == torch.bfloat16 and got.isfinite().all()
@@ -533,10 +535,12 @@ def test_fp8_f16_keys_decode_equals_the_reference(kind, mode, monkeypatch):
         # fp16 weights (and keys) round finer than the bf16 ones of the plain kind
         err, plain_err = ((x.float() - want).abs().mean() for x in (got, plain))
         assert err <= plain_err * 1.02
-    monkeypatch.setattr(pak, "FP8_F16_KEYS", True)
+        if level == 1 and kind == "fp8_ue8m0":  # exact keys, the values as before
+            assert torch.equal(got, plain)
+    monkeypatch.setattr(pak, "FP8_F16_KEYS", level)
     paged_attention_decode_triton(*args, scale=c.scale, num_splits=2, tile_n=16, kv_layout=fmt,
                                   prefetch=1)  # fmt: skip
-    assert kinds[-1] == pak.E4M3_F16K  # the launch itself takes the plain kind in mode 1
+    assert kinds[-1] >= pak.E4M3_F16K  # the launch itself takes the plain kind in mode 1
     assert real(kv_geometry(k_raw, v_raw, 64, fmt), q.float(), k_raw, v_raw) == 1
 
 
@@ -553,7 +557,9 @@ def _gpu_cases(kind, gen, case_seed, kv_lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4", "fp4_nib", "fp8_f16k", "fp8_ue8m0_f16k"])
+@pytest.mark.parametrize(
+    "kind", ["fp8", "int8", "fp4", "fp4_nib", "fp8_f16k", "fp8_f16kv", "fp8_ue8m0_f16kv"]
+)
 def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind, monkeypatch):
     """On the GPU the kernels over quantized pages equal the same kernels over a bf16 copy of
     the dequantized cache up to the order of the fp32 sums inside the tensor-core MMAs (the
@@ -561,11 +567,12 @@ def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind, monkeypatch):
     mode 2 (fp8 / int8 by default), the bf16 rounding of the scaled probabilities in place of
     the dequantized V: within two bf16 ulps; both are within bf16 tolerance of the float64
     reference over the dequantized values. fp4 decode reads fp16 tiles (``FP4_F16_TILES``;
-    fp4_nib: in nibble order, ``FP4_NIBBLE_TILES``); ``_f16k``: fp8 decode with fp16 keys and
-    values (``FP8_F16_KEYS``)."""
+    fp4_nib: in nibble order, ``FP4_NIBBLE_TILES``); ``_f16k`` / ``_f16kv``: fp8 decode with
+    fp16 keys / keys and values (``FP8_F16_KEYS`` 1 / 2)."""
     monkeypatch.setattr(pak, "FP4_NIBBLE_TILES", kind == "fp4_nib")
-    monkeypatch.setattr(pak, "FP8_F16_KEYS", kind.endswith("_f16k"))
-    kind = kind.removesuffix("_nib").removesuffix("_f16k")
+    monkeypatch.setattr(pak, "FP8_F16_KEYS", 2 if kind.endswith("_f16kv") else
+                        1 if kind.endswith("_f16k") else 0)  # fmt: skip
+    kind = kind.removesuffix("_nib").removesuffix("_f16kv").removesuffix("_f16k")
     gen = torch.Generator().manual_seed(3)
     kv_lens = torch.randint(1, 900, (20,), generator=gen).tolist() + [1, 16, 17]
     for decode, (c, (k_raw, v_raw), fmt, dq) in _gpu_cases(kind, gen, 5, kv_lens):
