@@ -105,13 +105,6 @@ def main() -> None:
         "KVPLAN_FP4_NIBBLES is on, nibble order when off)",
     )
     ap.add_argument(
-        "--fp8-f16",
-        action="store_true",
-        help="also every fp8 config with the other tiles than the default: each level of "
-        "kvplan.ops._paged_attention_kernels.FP8_F16_KEYS / KVPLAN_FP8_F16_KEYS (0 bf16 tiles, "
-        "1 fp16 keys, 2 fp16 keys and values) but the default's",
-    )
-    ap.add_argument(
         "--heads-first",
         action="store_true",
         help="also every config with the programs ordered KV head first (heads_first=True: a "
@@ -132,7 +125,6 @@ def main() -> None:
     args = ap.parse_args()
     f16_default = pak.FP4_F16_TILES
     nib_default = pak.FP4_NIBBLE_TILES
-    f16k_default = pak.FP8_F16_KEYS
     cuda = torch.cuda.is_available() and not args.quick
     dev = torch.device("cuda" if cuda else "cpu")
     shape = (args.batch, args.context, 8, 64, 32, 16) if cuda else (2, 40, 2, 32, 4, 8)
@@ -179,9 +171,6 @@ def main() -> None:
         if args.fp4_nibbles and fmt == "fp4":  # each fp16-tile config also in the other order
             tilings += [{**t, "fp4_nib": not nib_default} for t in [{}, *tilings]
                         if t.get("fp4_f16", f16_default)]  # fmt: skip
-        if args.fp8_f16 and fmt == "fp8":  # each config also with the other tiles
-            levels = [x for x in (0, 1, 2) if x != f16k_default]
-            tilings += [{**t, "fp8_f16": x} for t in [{}, *tilings] for x in levels]
         if args.heads:  # every config above (and the default) with these heads a program
             tilings += [{**t, "heads": n} for t in [{}, *tilings] for n in ints(args.heads)]
         if args.heads_first:  # every config above (and the default) in the other order
@@ -191,12 +180,11 @@ def main() -> None:
             tilings += [{**t, "num_splits": n} for t in [{}, *tilings] for n in n_splits]
 
         def measure(kw, caches=caches, layout=layout, want=want, kv_bytes=kv_bytes, fmt=fmt):
-            launch = {k: x for k, x in kw.items() if k not in ("fp4_f16", "fp4_nib", "fp8_f16")}
+            launch = {k: x for k, x in kw.items() if k not in ("fp4_f16", "fp4_nib")}
 
             def call():
                 pak.FP4_F16_TILES = kw.get("fp4_f16", f16_default)  # read at launch
                 pak.FP4_NIBBLE_TILES = kw.get("fp4_nib", nib_default)
-                pak.FP8_F16_KEYS = kw.get("fp8_f16", f16k_default)
                 return paged_attention_decode_triton(
                     q, *caches, page_ids, page_start, kv_lens, scale=d**-0.5, kv_layout=layout,
                     max_kv_len=ctx, check=False, **launch,

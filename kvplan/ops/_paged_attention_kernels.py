@@ -43,10 +43,7 @@ from kvplan.ops._launch import jit
 from kvplan.ops._paged_kv_tiles import (
     E2M1_F16,
     E2M1_F16_NIB,
-    E4M3_F16K,
-    E4M3_F16KV,
     dequantize_kv_raw,
-    e4m3_keys_f16,
     head_scales_offset,
     kv_geometry,
     load_kv_groups,
@@ -122,86 +119,31 @@ def _attend_rows_tile(
     (``offs_n`` the keys' positions, ``row_pos``, ``window``) applies; otherwise those four
     are not read. ``V_GROUPS``: the accumulator is ``[groups, TILE_M, GROUP]`` and V's codes
     go to the MMA unscaled (`load_kv_groups`)."""
-    if KV_QUANT == E4M3_F16KV:  # fp16 K and V tiles (a static branch: the other would not
-        acc, m_new, l_i = _attend_f16_tile(  # compile for this kind)
-            acc, m_i, l_i, q, k_rows, v_rows, in_range, offs_n, row_pos, window, k_ptr, v_ptr,
-            ks_ptr, vs_ptr, qk_scale, TILE_N, HEAD_DIM, MASKED, SF_KIND, GROUP,
-        )  # fmt: skip
-    else:
-        if KV_QUANT == E4M3_F16K:  # fp16 keys, the key's largest scale on its logits
-            kb, ksf = load_kv_raw(k_ptr, ks_ptr, k_rows, in_range, HEAD_DIM, MASKED, 1, SF_KIND,
-                                  GROUP)  # fmt: skip
-            k, k_top = e4m3_keys_f16(kb, ksf, TILE_N, HEAD_DIM, GROUP, SF_KIND)
-            s = tl.dot(q, tl.trans(k)) * (k_top * qk_scale)[None, :]
-            vq = tl.zeros([1], dtype=tl.bfloat16)  # the values: bf16 (codes or dequantized)
-            VQ: tl.constexpr = 1
-        else:
-            k = load_kv_tile(k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED,
-                             KV_QUANT, SF_KIND, GROUP)  # fmt: skip
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
-            vq = q
-            VQ: tl.constexpr = KV_QUANT
-        if MASKED:
-            s = tl.where(_visible(in_range, offs_n, row_pos, window), s, float("-inf"))
-        p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-        if not V_GROUPS:
-            v = load_kv_tile(v_ptr, vs_ptr, v_rows, in_range, vq, TILE_N, HEAD_DIM, MASKED, VQ,
-                             SF_KIND, GROUP)  # fmt: skip
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            # acc: [groups, TILE_M, GROUP]; V's scales go on the probabilities, one per key and
-            # group, so the V codes reach the MMA as loaded.
-            v, v_scale = load_kv_groups(v_ptr, vs_ptr, v_rows, vq, TILE_N, HEAD_DIM, VQ,
-                                        SF_KIND, GROUP)  # fmt: skip
-            ps = p[None, :, :] * tl.trans(v_scale)[:, None, :]
-            acc = acc * alpha[None, :, None] + tl.dot(ps.to(v.dtype), v,
-                                                      input_precision=DOT_PRECISION)  # fmt: skip
-    return acc, m_new, l_i
-
-
-@jit
-def _visible(in_range, offs_n, row_pos, window):
-    """``[TILE_M, TILE_N]``: key ``offs_n`` in range, at or before the row's position and
-    inside its window."""
-    return (
-        in_range[None, :]
-        & (offs_n[None, :] <= row_pos[:, None])
-        & (offs_n[None, :] > row_pos[:, None] - window)
+    k = load_kv_tile(
+        k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
     )
-
-
-@jit
-def _attend_f16_tile(
-    acc, m_i, l_i, q, k_rows, v_rows, in_range, offs_n, row_pos, window, k_ptr, v_ptr, ks_ptr,
-    vs_ptr, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-    SF_KIND: tl.constexpr, GROUP: tl.constexpr,
-):  # fmt: skip
-    """`_attend_rows_tile` over e4m3 pages as fp16 tiles (``E4M3_F16K``; ``q`` an fp16 query,
-    `query_f16`). K and V each come as `e4m3_keys_f16`'s tile and per-key factor ``top``:
-    the key's factor multiplies its logits; the value's goes into the softmax's exponent, so
-    the value product takes fp16 weights in (0, 1]::
-
-        s'_k = s_k + log2(vtop_k),  m = max(m, max_k s'_k)
-        acc  = acc * 2^(m_old - m) + sum_k 2^(s'_k - m) v16_k      (fp16 weights, fp32 sums)
-        l    = l * 2^(m_old - m)   + sum_k 2^(s'_k - m) / vtop_k   (= sum_k 2^(s_k - m))
-
-    so ``acc / l`` is the softmax over the dequantized values (``acc`` and ``l`` are both
-    relative to ``m``, which a split's merge takes as its maximum). A value row of zeros
-    (``vtop = 0``) takes factor 1 (its tile is zeros)."""
-    kb, ksf = load_kv_raw(k_ptr, ks_ptr, k_rows, in_range, HEAD_DIM, MASKED, 1, SF_KIND, GROUP)
-    k, k_top = e4m3_keys_f16(kb, ksf, TILE_N, HEAD_DIM, GROUP, SF_KIND)
-    s = tl.dot(q, tl.trans(k)) * (k_top * qk_scale)[None, :]  # [M, N], log2 domain
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
     if MASKED:
-        s = tl.where(_visible(in_range, offs_n, row_pos, window), s, float("-inf"))
-    vb, vsf = load_kv_raw(v_ptr, vs_ptr, v_rows, in_range, HEAD_DIM, MASKED, 1, SF_KIND, GROUP)
-    v, v_top = e4m3_keys_f16(vb, vsf, TILE_N, HEAD_DIM, GROUP, SF_KIND)
-    v_top = tl.where(v_top > 0, v_top, 1.0)
-    s = s + tl.log2(v_top)[None, :]
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    w = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(w * (1.0 / v_top)[None, :], 1)
-    acc = acc * alpha[:, None] + tl.dot(w.to(tl.float16), v)
+        visible = (
+            in_range[None, :]
+            & (offs_n[None, :] <= row_pos[:, None])
+            & (offs_n[None, :] > row_pos[:, None] - window)
+        )
+        s = tl.where(visible, s, float("-inf"))
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
+    if not V_GROUPS:
+        v = load_kv_tile(
+            v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        # acc: [groups, TILE_M, GROUP]; V's scales go on the probabilities, one per key and
+        # group, so the V codes reach the MMA as loaded.
+        v, v_scale = load_kv_groups(v_ptr, vs_ptr, v_rows, q, TILE_N, HEAD_DIM, KV_QUANT,
+                                    SF_KIND, GROUP)  # fmt: skip
+        ps = p[None, :, :] * tl.trans(v_scale)[:, None, :]
+        acc = acc * alpha[None, :, None] + tl.dot(ps.to(v.dtype), v,
+                                                  input_precision=DOT_PRECISION)  # fmt: skip
     return acc, m_new, l_i
 
 
@@ -331,8 +273,7 @@ def _attend_range_ahead(
       pairs split by group decode slowly, so an e2m1 V stays dequantized in registers).
     """
     TILE_M: tl.constexpr = acc.shape[0]
-    V_GROUPS: tl.constexpr = MODE >= 2 and (KV_QUANT == 1 or KV_QUANT == 3 or KV_QUANT == 6)
-    tl.static_assert(MODE != 1 or KV_QUANT < 6, "fp16 tiles (E4M3_F16K / KV) take mode 0 or 2")
+    V_GROUPS: tl.constexpr = MODE >= 2 and (KV_QUANT == 1 or KV_QUANT == 3)
     if MODE == 1:
         k_next, v_next = _raw_kv_tile(lo, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
                                       stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N,
@@ -575,10 +516,7 @@ def _decode_kernel(
         keep = g_ok[:, None] & (col >= 0) & (col < HEAD_DIM)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh  # [TILE_M, 1]
     q = tl.load(q_rows + col, mask=keep, other=0.0)
-    if KV_QUANT == E2M1_F16 or KV_QUANT == E2M1_F16_NIB:  # noqa: SIM109 (fp16 tiles)
-        q, qk_scale = query_f16(q, qk_scale)
-    if (KV_QUANT == E4M3_F16K or KV_QUANT == E4M3_F16KV) and RING != 3:  # noqa: SIM109
-        # fp16 tiles (the ring's launch reads bf16 rows)
+    if KV_QUANT >= E2M1_F16:  # fp16 tiles (E2M1_F16, E2M1_F16_NIB)
         q, qk_scale = query_f16(q, qk_scale)
     if KV_QUANT == E2M1_F16_NIB:  # the tiles' column order and 2^-14
         q, qk_scale = nibble_query(q, qk_scale)
@@ -798,18 +736,6 @@ exact). The same products in another order of the head dimensions. sm_90 main lo
 against 3,120 (fp8 3,286)."""
 
 
-FP8_F16_KEYS: int = _env_int("KVPLAN_FP8_F16_KEYS", (0, 1, 2), "0, 1 or 2") or 0
-"""Decode launches over e4m3 pages (``kv_format="fp8"``: fp32 scales; UE8M0 layouts too) and
-bf16 / fp16 queries read the pages as fp16 tiles normalized by each row's largest scale
-(`e4m3_keys_f16`: one conversion a pair of codes and one fp16 multiply a code, against the
-fp32 dequantization and bf16 rounding; the query in fp16 by `query_f16`): 1 the keys only
-(``E4M3_F16K``: the row's scale on its logits; the values as before), 2 keys and values
-(``E4M3_F16KV``, `_attend_f16_tile`: the value's scale in the softmax's exponent, fp16
-weights). ``KVPLAN_FP8_F16_KEYS`` = 0 / 1 / 2 at import; 0 (off) by default until measured
-faster. UE8M0 scales give exact tiles; fp32 scales round them to fp16 (11 bits against bf16's
-8)."""
-
-
 def _heads_from_env() -> int | None:
     return _env_int("KVPLAN_DECODE_HEADS", (1, 2, 4, 8, 16), "one of 1, 2, 4, 8, 16")
 
@@ -940,12 +866,10 @@ way; the GPU tests of the decode kernel pass with it (session 37: 23 passed)."""
 def _kv_quant(geo, q, k_cache, v_cache) -> int:
     """The decode kernel's ``KV_QUANT``: ``E2M1_F16`` where `FP4_F16_TILES` applies (the
     value runs 4-byte aligned for the word loads; ``E2M1_F16_NIB`` with
-    `FP4_NIBBLE_TILES`), ``E4M3_F16K`` where `FP8_F16_KEYS` does, else the geometry's."""
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return geo.kv_quant
-    if FP8_F16_KEYS and geo.kv_quant == 1:
-        return E4M3_F16K if FP8_F16_KEYS == 1 else E4M3_F16KV
+    `FP4_NIBBLE_TILES`), else the geometry's."""
     if not (FP4_F16_TILES and geo.kv_quant == 2 and geo.sf_kind == _SF_KIND["e4m3"]):
+        return geo.kv_quant
+    if q.dtype not in (torch.bfloat16, torch.float16):
         return geo.kv_quant
     offsets = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                geo.stride_kh, geo.stride_vh, k_cache.data_ptr(), v_cache.data_ptr())  # fmt: skip
@@ -1018,9 +942,6 @@ def launch_decode(
     programs = geo.num_kv_heads // heads
     grid = (programs, batch) if heads_first else (batch, programs)
     launches = [(page_splits, 0)] if ring is None else [(page_splits, 2), (1, 3)]
-    prefetch = _prefetch(prefetch, kv_layout, decode=True, key=decode_key(kv_layout, kv_quant))
-    if kv_quant >= E4M3_F16K and prefetch == 1:  # fp16 tiles have no register-ahead form
-        kv_quant = 1
     for splits, mode in launches:
         _decode_kernel[(*grid, splits)](
             q, k_cache, v_cache, page_ids, page_start, kv_lens, out, part_acc, part_m, part_l,
@@ -1033,7 +954,9 @@ def launch_decode(
             HEAD_DIM=head_dim,
             DOT_PRECISION=_dot_precision(q.dtype), INTERPRET=triton_interpreting(), SPLIT=split,
             KV_QUANT=kv_quant, SF_KIND=geo.sf_kind, GROUP=geo.group,
-            PREFETCH=prefetch, HEADS_FIRST=bool(heads_first), HEADS=heads, RING=mode,
+            PREFETCH=_prefetch(prefetch, kv_layout, decode=True,
+                               key=decode_key(kv_layout, kv_quant)),
+            HEADS_FIRST=bool(heads_first), HEADS=heads, RING=mode,
             num_warps=num_warps, num_stages=num_stages,
             **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
         )  # fmt: skip

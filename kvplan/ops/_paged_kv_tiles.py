@@ -32,18 +32,6 @@ the tiles (`e2m1_f16_tile` with ``TINY``) hold the values times 2^-14 in nibble 
 decode kernel takes its query through `nibble_query` and its accumulator through
 `nibble_acc`."""
 
-E4M3_F16K: tl.constexpr = tl.constexpr(6)
-"""``KV_QUANT`` of e4m3 pages whose keys reach the q.k product as fp16 tiles (the decode
-kernel's ``KVPLAN_FP8_F16_KEYS=1`` path, `e4m3_keys_f16`): each key's codes times its groups'
-scales relative to the key's largest, in fp16, and that largest scale on the key's logits;
-an fp16 query (`query_f16`). The values are read as for ``KV_QUANT`` 1 (bf16 codes with their
-scales on the probabilities in mode 2, dequantized to bf16 in masked tiles)."""
-
-E4M3_F16KV: tl.constexpr = tl.constexpr(7)
-"""``KV_QUANT`` of e4m3 pages whose keys and values are both fp16 tiles (``KVPLAN_FP8_F16_KEYS=2``,
-the decode kernel's `_attend_f16_tile`): the value's largest scale goes into the softmax's
-exponent, so the value product takes fp16 weights in (0, 1]."""
-
 
 @jit
 def nibble_query(q, qk_scale):
@@ -86,7 +74,7 @@ def load_kv_raw(
     ``HEAD_DIM // 8`` little-endian int32 words) and the ``[TILE_N, HEAD_DIM // GROUP]``
     scales (fp32, or their bytes). `dequantize_kv_raw` turns them into the tile; a caller can
     load a tile's raw bytes one step ahead of using them (a few registers a thread)."""
-    if KV_QUANT == E2M1_F16 or KV_QUANT == E2M1_F16_NIB:  # noqa: SIM109 (e2m1 words)
+    if KV_QUANT >= E2M1_F16:  # fp16 tiles (E2M1_F16, E2M1_F16_NIB)
         words = (ptr + rows[:, None]).to(tl.pointer_type(tl.int32))
         vals = _load_masked(words + tl.arange(0, HEAD_DIM // 8)[None, :], in_range, MASKED)
     else:
@@ -152,36 +140,6 @@ def load_kv_groups(
         x = raw.to(tl.int8, bitcast=True).to(tl.float32)
     sf = load_kv_scales(sf_ptr, rows, rows, HEAD_DIM, False, SF_KIND, GROUP)  # unmasked
     return x.to(q.dtype), kv_scales_fp32(sf, KV_QUANT, SF_KIND)
-
-
-@jit
-def e4m3_keys_f16(vals, sf, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-                  SF_KIND: tl.constexpr):  # fmt: skip
-    """e4m3 bytes ``[TILE_N, HEAD_DIM]`` with their scales ``[TILE_N, HEAD_DIM // GROUP]`` (as
-    `load_kv_raw` gives them) as ``(tile, factor)``: the fp16 tile of each code times its
-    group's scale over the key's largest scale ``top``, and the fp32 ``[TILE_N]`` factor
-    ``top``, so ``tile[k] * factor[k]`` is the dequantized key. UE8M0 scales (``SF_KIND`` 0):
-    the ratios are powers of two in (2^-16, 1] for groups within 2^15 of their key's largest,
-    so the tile is exact (a code has at most four significant bits, none below 2^-9; fp16 is
-    subnormal down to 2^-24). fp32 / e4m3 scales: the ratio and the product are rounded to
-    fp16 (11 significant bits, against the 8 of the bf16 tile `dequantize_kv_raw` makes). One
-    conversion a pair of codes (e4m3x2 -> f16x2) and one fp16 multiply a code, against an
-    fp32 conversion, multiply and bf16 rounding."""
-    NG: tl.constexpr = HEAD_DIM // GROUP
-    if SF_KIND == 0:
-        e = sf.to(tl.int32)
-        top = tl.max(e, 1)  # [TILE_N]
-        rel = tl.maximum(e - top[:, None] + 127, 0)  # 2^(e - top) as an fp32 exponent field
-        rel = tl.where(top[:, None] > 0, rel, 0)  # byte 0 everywhere: 2^-127, a zero row
-        rel = (rel << 23).to(tl.float32, bitcast=True).to(tl.float16)
-        factor = (top << 23).to(tl.float32, bitcast=True)
-    else:
-        scale = kv_scales_fp32(sf, 1, SF_KIND)
-        factor = tl.max(scale, 1)
-        rel = (scale * (1.0 / tl.where(factor > 0, factor, 1.0))[:, None]).to(tl.float16)
-    codes = vals.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    tile = tl.reshape(tl.reshape(codes, [TILE_N, NG, GROUP]) * rel[:, :, None], [TILE_N, HEAD_DIM])
-    return tile, factor
 
 
 @jit
@@ -277,7 +235,7 @@ def dequantize_kv_raw(
     (``KV_QUANT`` as in `load_kv_tile`; 4 / 5: fp16, `e2m1_f16_tile`)."""
     if KV_QUANT == 0:
         tile = vals
-    elif KV_QUANT == E2M1_F16 or KV_QUANT == E2M1_F16_NIB:  # noqa: SIM109 (fp16 tiles)
+    elif KV_QUANT >= E2M1_F16:  # fp16 tiles (E2M1_F16, E2M1_F16_NIB)
         tile = e2m1_f16_tile(vals, sf, TILE_N, HEAD_DIM, GROUP, KV_QUANT == E2M1_F16_NIB)
     else:
         if KV_QUANT == 1:

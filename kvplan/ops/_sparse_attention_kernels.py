@@ -56,7 +56,6 @@ KIND_BF16 = 1
 KIND_E4M3 = 2
 KIND_E2M1 = 3
 NIB: tl.constexpr = tl.constexpr(2)  # ``F16`` of fp16 tiles in nibble order
-TOP: tl.constexpr = tl.constexpr(3)  # ``F16`` of e4m3 / UE8M0 rows as fp16 tiles (`_e4m3_rows_f16`)
 SF_UE8M0 = 0
 SF_E4M3 = 1
 SF_FP32 = 2
@@ -151,52 +150,6 @@ def _load_key_cols(
 
 
 @jit
-def _e4m3_rows_f16(
-    c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride, scale_offset,
-    GS: tl.constexpr, D_P2: tl.constexpr, TILE_N: tl.constexpr,
-):  # fmt: skip
-    """The rows of ``slots`` of an e4m3 source with UE8M0 scales (``FLAT``, ``HEAD_DIM ==
-    D_P2``) as ``(tile, top)``: the fp16 ``[TILE_N, D_P2]`` tile of each code times ``2^(e -
-    e_max)`` (its group's scale byte over the row's largest; exact for groups within 2^15 of
-    it) and the fp32 ``[TILE_N]`` row factor ``2^(e_max - 127)``: ``tile * top`` is the
-    dequantized row. Rows whose scale bytes are all 0 (2^-127: zero rows) come as zeros."""
-    s = tl.where(valid, slots, 0).to(tl.int64)
-    blk, off = s // block_size, s % block_size
-    base = blk * stride_block + off * stride_token
-    sbase = blk * stride_block + off * scale_stride + scale_offset
-    G: tl.constexpr = D_P2 // GS
-    d = tl.arange(0, D_P2)
-    vb = tl.load(c_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0)
-    e = tl.load(c_ptr + sbase[:, None] + tl.arange(0, G)[None, :], mask=valid[:, None],
-                other=0).to(tl.int32)  # fmt: skip
-    e_max = tl.max(e, 1)
-    rel = tl.where(e_max[:, None] > 0, tl.maximum(e - e_max[:, None] + 127, 0), 0)
-    rel = (rel << 23).to(tl.float32, bitcast=True).to(tl.float16)
-    codes = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    tile = tl.reshape(tl.reshape(codes, [TILE_N, G, GS]) * rel[:, :, None], [TILE_N, D_P2])
-    return tile, (e_max << 23).to(tl.float32, bitcast=True)
-
-
-@jit
-def softmax_top_step(s, seen, m_i, l_i, qk_scale, top):
-    """`softmax_step` for rows that come as fp16 tiles times a factor ``top`` (``[TILE_N]``,
-    `_e4m3_rows_f16`; ``s`` the logits over the tiles): the logits take ``top``, and the value
-    product's weights take it too, in the exponent, so they stay in (0, 1] for fp16::
-
-        s'_k = s_k top_k qk_scale + log2(top_k),   m = max(m, max_k s'_k)
-        p_k  = 2^(s'_k - m)   (times the tile: the weighted value)
-        l    = l 2^(m_old - m) + sum_k p_k / top_k
-
-    A row factor of 0 (a zero row) is taken as 1."""
-    top = tl.where(top > 0, top, 1.0)
-    s = tl.where(seen, s * (top * qk_scale)[None, :] + tl.log2(top)[None, :], float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p * (1.0 / top)[None, :], 1)
-
-
-@jit
 def _load_keys(
     c_ptr, slots, valid, block_size, stride_block, stride_token, scale_stride, scale_offset,
     KIND: tl.constexpr, SF: tl.constexpr, GS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -226,53 +179,45 @@ def _attend_tile(
     cols = start + tl.arange(0, TILE_N)
     slots = tl.load(row_idx + cols, mask=cols < num_cols, other=-1)
     valid = (slots >= 0) & (slots < num_slots)
-    if F16 == TOP:
-        tl.static_assert(D_CHUNK == 0 and PV_SPLIT == 1, "TOP tiles: whole query and values")
-        kd, top = _e4m3_rows_f16(c_ptr, slots, valid, block_size, stride_block, stride_token,
-                                 scale_stride, scale_offset, GS, D_P2, TILE_N)  # fmt: skip
-        p, alpha, m_new, l_i = softmax_top_step(tl.dot(q, tl.trans(kd)), valid[None, :], m_i,
-                                                l_i, qk_scale, top)  # fmt: skip
-        acc = (_pv_step(acc[0], alpha, p.to(tl.float16), kd, True),)
+    if D_CHUNK == 0:
+        kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
+                            scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
+                            FLAT, HW, DOT_BF16, F16)  # fmt: skip
+        if DOT_BF16:
+            s = tl.dot(q, tl.trans(kd))
+        else:
+            s = tl.dot(q, tl.trans(kd), input_precision="ieee")
     else:
-        if D_CHUNK == 0:
-            kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block, stride_token,
-                                scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM, D_P2, TILE_N,
-                                FLAT, HW, DOT_BF16, F16)  # fmt: skip
+        FLAT_C: tl.constexpr = FLAT and D_CHUNK >= GS
+        live = start < num_cols  # keeps the query loads in the loop
+        s = tl.zeros([TILE_H, TILE_N], tl.float32)
+        for c in range(0, D_P2 // D_CHUNK):
+            dq = c * D_CHUNK + tl.arange(0, D_CHUNK)
+            qmask = h_ok[:, None] & (dq < HEAD_DIM)[None, :] & live
+            qc = tl.load(q_row + dq[None, :], mask=qmask, other=0.0)
+            kc = _load_key_cols(c_ptr, slots, valid, c * D_CHUNK, block_size, stride_block,
+                                stride_token, scale_stride, scale_offset, KIND, SF, GS,
+                                HEAD_DIM, D_CHUNK, TILE_N, FLAT_C, HW, DOT_BF16)  # fmt: skip
             if DOT_BF16:
-                s = tl.dot(q, tl.trans(kd))
+                s = tl.dot(qc.to(tl.bfloat16), tl.trans(kc), s)
             else:
-                s = tl.dot(q, tl.trans(kd), input_precision="ieee")
-        else:
-            FLAT_C: tl.constexpr = FLAT and D_CHUNK >= GS
-            live = start < num_cols  # keeps the query loads in the loop
-            s = tl.zeros([TILE_H, TILE_N], tl.float32)
-            for c in range(0, D_P2 // D_CHUNK):
-                dq = c * D_CHUNK + tl.arange(0, D_CHUNK)
-                qmask = h_ok[:, None] & (dq < HEAD_DIM)[None, :] & live
-                qc = tl.load(q_row + dq[None, :], mask=qmask, other=0.0)
-                kc = _load_key_cols(c_ptr, slots, valid, c * D_CHUNK, block_size, stride_block,
-                                    stride_token, scale_stride, scale_offset, KIND, SF, GS,
-                                    HEAD_DIM, D_CHUNK, TILE_N, FLAT_C, HW, DOT_BF16)  # fmt: skip
-                if DOT_BF16:
-                    s = tl.dot(qc.to(tl.bfloat16), tl.trans(kc), s)
-                else:
-                    s = tl.dot(qc.to(tl.float32), tl.trans(kc), s, input_precision="ieee")
-            kd = 0.0
-            if PV_SPLIT == 1:
-                kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block,
-                                    stride_token, scale_stride, scale_offset, KIND, SF, GS,
-                                    HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16)  # fmt: skip
-        p, alpha, m_new, l_i = softmax_step(s, valid[None, :], m_i, l_i, qk_scale)
-        if F16:
-            p = p.to(tl.float16)
-        elif DOT_BF16:
-            p = p.to(tl.bfloat16)
+                s = tl.dot(qc.to(tl.float32), tl.trans(kc), s, input_precision="ieee")
+        kd = 0.0
         if PV_SPLIT == 1:
-            acc = (_pv_step(acc[0], alpha, p, kd, DOT_BF16),)
-        else:
-            acc = _pv_split(acc, alpha, p, c_ptr, slots, valid, block_size, stride_block,
-                            stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
-                            D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT, F16)  # fmt: skip
+            kd = _load_key_cols(c_ptr, slots, valid, 0, block_size, stride_block,
+                                stride_token, scale_stride, scale_offset, KIND, SF, GS,
+                                HEAD_DIM, D_P2, TILE_N, FLAT, HW, DOT_BF16)  # fmt: skip
+    p, alpha, m_new, l_i = softmax_step(s, valid[None, :], m_i, l_i, qk_scale)
+    if F16:
+        p = p.to(tl.float16)
+    elif DOT_BF16:
+        p = p.to(tl.bfloat16)
+    if PV_SPLIT == 1:
+        acc = (_pv_step(acc[0], alpha, p, kd, DOT_BF16),)
+    else:
+        acc = _pv_split(acc, alpha, p, c_ptr, slots, valid, block_size, stride_block,
+                        stride_token, scale_stride, scale_offset, KIND, SF, GS, HEAD_DIM,
+                        D_P2, TILE_N, FLAT, HW, DOT_BF16, PV_SPLIT, F16)  # fmt: skip
     return acc, m_new, l_i
 
 

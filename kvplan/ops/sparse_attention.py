@@ -387,35 +387,12 @@ step 2.97 -> 2.94 ms at 32K, 4.05 -> 3.97 ms at 128K (graph step 3.63 -> 3.44, 4
 4.52)."""
 
 
-FP8_F16_ROWS = env_flag("KVPLAN_SPARSE_FP8_F16_ROWS", False)
-"""bf16 / fp16 queries over e4m3 sources with UE8M0 scales (V41 FP8 records) read the rows as
-fp16 tiles normalized by each row's largest scale (``kvplan.ops._sparse_attention_kernels.
-_e4m3_rows_f16``: one conversion a pair of codes and one fp16 multiply a code, against the
-fp32 dequantization and bf16 rounding), that scale on the row's logits and in the softmax's
-exponent (``softmax_top_step``), fp16 weights in the value product; when True
-(``KVPLAN_SPARSE_FP8_F16_ROWS=1`` at import), the whole value product in one chunk. Off by
-default until it measures faster."""
-
-
 def f16_tiles(q_dtype, addrs, head_dim: int, d_p2: int, d_chunk: int, pv_split: int) -> int:
     """The kernels' ``F16``: 1 where a call takes fp16 tiles (`FP4_F16_TILES`; 2 in nibble
     order, `FP4_NIBBLE_TILES`), else 0: a bf16 / fp16 query held whole (``d_chunk`` 0), and
     every source e2m1 with e4m3 scales in whole power-of-two groups, also per value-product
-    chunk, its value runs 4-byte aligned (word loads). 3 (``TOP``) where `FP8_F16_ROWS`
-    applies: every source e4m3 with UE8M0 scales in whole power-of-two groups, one value
-    chunk."""
-    if q_dtype not in (torch.bfloat16, torch.float16) or d_chunk:
-        return 0
-    if (
-        FP8_F16_ROWS
-        and pv_split == 1
-        and all(
-            a.kind == _k.KIND_E4M3 and a.sf == _k.SF_UE8M0 and flat_scales(a, head_dim, d_p2)
-            for a in addrs
-        )
-    ):
-        return 3
-    if not FP4_F16_TILES:
+    chunk, its value runs 4-byte aligned (word loads)."""
+    if not FP4_F16_TILES or q_dtype not in (torch.bfloat16, torch.float16) or d_chunk:
         return 0
     chunk = d_p2 // pv_split
     for a in addrs:

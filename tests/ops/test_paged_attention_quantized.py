@@ -483,67 +483,6 @@ def test_fp4_f16_decode_equals_the_reference(mode, nib, monkeypatch):
     assert real(geo, q.float(), k_raw, v_raw) == 2
 
 
-@pytest.mark.parametrize("kind", ["fp8", "fp8_ue8m0"])
-@pytest.mark.parametrize("mode", [0, 2])
-@pytest.mark.parametrize("level", [1, 2])
-def test_fp8_f16_keys_decode_equals_the_reference(kind, mode, level, monkeypatch):
-    """Decode over e4m3 pages with ``FP8_F16_KEYS`` (interpreter): the launch takes
-    ``E4M3_F16K`` (level 1: fp16 keys) or ``E4M3_F16KV`` (level 2: keys and values; mode 1
-    falls back to the plain kind), and one or two KV heads a program,
-    with a window and without, give the attention of the bf16 query over the exact values
-    within one bf16 rounding of the output, as the dequantized tiles do, and closer on
-    average (fp16 weights in the value product, fp32 scales' keys rounded to fp16, against
-    bf16); so does a query of 2^20-sized values (shifted into fp16's range), keys and values
-    whose scale groups lie 2^12 apart (each row is normalized by its largest group), value
-    rows of zeros, and (UE8M0) rows whose scale bytes are all 0, whatever their codes."""
-    if torch.cuda.is_available():
-        pytest.skip("interpreter test")
-    kinds = []
-    real = pak._kv_quant
-    monkeypatch.setattr(pak, "_kv_quant", lambda *a: kinds.append(real(*a)) or kinds[-1])
-    c, _, fmt, _ = quantized_case(
-        kind, 63, [3, 41, 70], [1] * 3, num_kv_heads=4, group=4, block_size=16,
-        layout="offsets", head_dim=64, window=None,
-    )  # fmt: skip
-    # the second scale group of every key 2^12 smaller than the first
-    tilt = torch.ones(64)
-    tilt[32:] = 2.0**-12
-    k_cache = torch.where(c.k_cache.isnan(), c.k_cache, c.k_cache * tilt)
-    v_cache = torch.where(c.v_cache.isnan(), c.v_cache, c.v_cache * tilt.flip(0))
-    first = int(c.page_ids[int(c.page_start[1])])
-    v_cache[first, :5] = 0.0  # value rows of zeros (their scales 0) in sequence 1's first keys
-    k_raw, v_raw = quantize_cache(k_cache, fmt), quantize_cache(v_cache, fmt)
-    if kind == "fp8_ue8m0":  # scale bytes 0: 2^-127 times the codes, zeros in effect
-        k_raw[first, 5:8, 0, fmt.quantized_bytes :] = 0
-        v_raw[first, 5:8, 0, fmt.quantized_bytes :] = 0
-    kd, vd = dequantize_cache(k_raw, fmt, 64), dequantize_cache(v_raw, fmt, 64)
-    for big, heads, window in ((1.0, 1, None), (2.0**20, 2, None), (1.0, 2, 23)):
-        q = (c.q * big).bfloat16()
-        kw = dict(scale=c.scale, num_splits=2, tile_n=16, kv_layout=fmt, prefetch=mode,
-                  heads=heads, sliding_window=window)  # fmt: skip
-        args = (q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens)
-        monkeypatch.setattr(pak, "FP8_F16_KEYS", 0)
-        plain = paged_attention_decode_triton(*args, **kw)
-        monkeypatch.setattr(pak, "FP8_F16_KEYS", level)
-        got = paged_attention_decode_triton(*args, **kw)
-        assert kinds[-2:] == [1, pak.E4M3_F16K if level == 1 else pak.E4M3_F16KV]
-        ref = dataclasses.replace(c, q=q.float(), k_cache=kd, v_cache=vd, window=window)
-        want = ref.ref(decode=True)
-        assert got.dtype == torch.bfloat16 and got.isfinite().all()
-        assert_close(got, want, atol=8e-3 * big, rtol=8e-3)
-        assert_close(got, plain, atol=8e-3 * big, rtol=1.6e-2)  # two output roundings apart
-        # fp16 weights (and keys) round finer than the bf16 ones of the plain kind
-        err, plain_err = ((x.float() - want).abs().mean() for x in (got, plain))
-        assert err <= plain_err * 1.02
-        if level == 1 and kind == "fp8_ue8m0":  # exact keys, the values as before
-            assert torch.equal(got, plain)
-    monkeypatch.setattr(pak, "FP8_F16_KEYS", level)
-    paged_attention_decode_triton(*args, scale=c.scale, num_splits=2, tile_n=16, kv_layout=fmt,
-                                  prefetch=1)  # fmt: skip
-    assert kinds[-1] >= pak.E4M3_F16K  # the launch itself takes the plain kind in mode 1
-    assert real(kv_geometry(k_raw, v_raw, 64, fmt), q.float(), k_raw, v_raw) == 1
-
-
 def _gpu_cases(kind, gen, case_seed, kv_lens):
     """``(decode, quantized_case(...))`` for decode rows (one query each) then prefill rows
     (query counts drawn from ``gen``) over ``kv_lens``: 4 KV heads x 4 queries x 128,
@@ -557,9 +496,7 @@ def _gpu_cases(kind, gen, case_seed, kv_lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "kind", ["fp8", "int8", "fp4", "fp4_nib", "fp8_f16k", "fp8_f16kv", "fp8_ue8m0_f16kv"]
-)
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp4", "fp4_nib"])
 def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind, monkeypatch):
     """On the GPU the kernels over quantized pages equal the same kernels over a bf16 copy of
     the dequantized cache up to the order of the fp32 sums inside the tensor-core MMAs (the
@@ -567,12 +504,9 @@ def test_gpu_quantized_pages_equal_dequantized_bf16_cache(kind, monkeypatch):
     mode 2 (fp8 / int8 by default), the bf16 rounding of the scaled probabilities in place of
     the dequantized V: within two bf16 ulps; both are within bf16 tolerance of the float64
     reference over the dequantized values. fp4 decode reads fp16 tiles (``FP4_F16_TILES``;
-    fp4_nib: in nibble order, ``FP4_NIBBLE_TILES``); ``_f16k`` / ``_f16kv``: fp8 decode with
-    fp16 keys / keys and values (``FP8_F16_KEYS`` 1 / 2)."""
+    fp4_nib: in nibble order, ``FP4_NIBBLE_TILES``)."""
     monkeypatch.setattr(pak, "FP4_NIBBLE_TILES", kind == "fp4_nib")
-    monkeypatch.setattr(pak, "FP8_F16_KEYS", 2 if kind.endswith("_f16kv") else
-                        1 if kind.endswith("_f16k") else 0)  # fmt: skip
-    kind = kind.removesuffix("_nib").removesuffix("_f16kv").removesuffix("_f16k")
+    kind = kind.removesuffix("_nib")
     gen = torch.Generator().manual_seed(3)
     kv_lens = torch.randint(1, 900, (20,), generator=gen).tolist() + [1, 16, 17]
     for decode, (c, (k_raw, v_raw), fmt, dq) in _gpu_cases(kind, gen, 5, kv_lens):

@@ -212,48 +212,6 @@ def test_fp4_f16_tiles_equal_the_reference(monkeypatch, num_splits, pv_split, ni
         torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
 
 
-@interpreter
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_fp8_f16_rows_equal_the_reference(monkeypatch, num_splits) -> None:
-    """fp8 records (e4m3, UE8M0 scales) as fp16 rows normalized by each row's largest scale
-    (``FP8_F16_ROWS``, interpreter): the launch takes them (``F16`` 3) and gives the attention
-    of the bf16 query over the exact values within bf16 rounding, as the bf16 tiles do, with
-    the sinks; also with rows whose two scale groups lie 2^12 apart, rows whose scale bytes
-    are all 0 (zeros in effect, whatever their codes), and a query of 2^20-sized values
-    (shifted into fp16's range)."""
-    from kvplan.ops import sparse_attention as sa
-
-    taken = []
-    real = sa.f16_tiles
-    monkeypatch.setattr(sa, "f16_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
-    for big in (1.0, 2.0**20):
-        q, sources, sinks = _inputs([FP8_64, FP8_64], 3, 18, 64, [20, 37], seed=19,
-                                    dtype=torch.bfloat16)  # fmt: skip
-        q = (q.float() * big).bfloat16()
-        cache = sources[1].cache[:, :, 0]  # [blocks, block_size, record] (a view)
-        cache[0, :, 64] -= 12  # block 0: the first group's scale byte 2^12 smaller
-        cache[1, :3, 64:] = 0  # scale bytes 0: 2^-127 times the codes, zeros in effect
-        _hide_block(sources, 4, 12)
-        plain, got = _off_on(monkeypatch, "FP8_F16_ROWS", q, sources, sinks, tile_n=16,
-                             num_splits=num_splits)  # fmt: skip
-        assert taken[-2:] == [0, 3]
-        want = sparse_attention_torch(q.float(), sources, sinks, 0.125)
-        assert got.isfinite().all()
-        torch.testing.assert_close(got.float(), want, atol=2e-2 * big, rtol=2e-2)
-        torch.testing.assert_close(got.float(), plain.float(), atol=2e-2 * big, rtol=2e-2)
-        err, plain_err = ((x.float() - want).abs().mean() for x in (got, plain))
-        assert err <= plain_err * 1.02  # fp16 weights round finer than bf16 ones
-    fp8 = sources[0]
-    from kvplan.ops.sparse_sources import source_address
-
-    a = source_address(0, fp8, 64)
-    monkeypatch.setattr(sa, "FP8_F16_ROWS", True)
-    assert real(torch.bfloat16, [a, a], 64, 64, 0, 1) == 3
-    assert real(torch.bfloat16, [a], 64, 64, 0, 2) == 0  # values in chunks
-    assert real(torch.float32, [a], 64, 64, 0, 1) == 0
-    assert real(torch.bfloat16, [a._replace(sf=_k.SF_E4M3)], 64, 64, 0, 1) == 0
-
-
 def test_fp4_f16_tiles_only_where_they_apply(monkeypatch) -> None:
     """`f16_tiles`: only with the switch, a bf16 / fp16 query held whole, and e2m1 sources
     with e4m3 scales whose value runs are 4-byte aligned."""
