@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Never ran: every start was refused until call C, which ran its A/Bs; the switches it sets were
+# removed after call C measured them: see bench/RESULTS.md, session 46.)
 # Session 46, call A: fp8 pages read as fp16 tiles in the dense decode kernel
 # (KVPLAN_FP8_F16_KEYS: keys and values normalized per row, the row's scale on its logits / in
 # the softmax's exponent): GPU tests of the new path, the kernel alone against the default at

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Never ran: every start was refused until call C, which ran its A/Bs; the switches it sets were
+# removed after call C measured them: see bench/RESULTS.md, session 46.)
 # Session 46, call B: V41 fp8 records read as fp16 rows in the sparse attention
 # (KVPLAN_SPARSE_FP8_F16_ROWS: each row normalized by its largest scale, that scale on its
 # logits and in the softmax's exponent): GPU tests of the sparse kernels and the DeepSeek-V4

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Ran as call C at 9e5fe89 with BUDGET=380; the switches it sets were removed after it: see
+# bench/RESULTS.md, session 46.)
 # Session 46, call C (calls A and B in one, speed only; the device time left after failed
 # starts allows one call): fp8 pages as fp16 tiles in the dense decode kernel
 # (KVPLAN_FP8_F16_KEYS) and V41 fp8 records as fp16 rows in the sparse attention
