@@ -32,8 +32,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvplan.backends.block_tables import new_token_positions
-from kvplan.backends.staging.arena import to_device
 from kvplan.formats import KVCacheFormat
 from kvplan.ops.flash_prefill import flash_prefill, flash_prefill_unsupported
 from kvplan.ops.paged_attention import RecentRing, paged_attention_prefill
@@ -106,7 +104,6 @@ def prefill_fresh_rows(
     check: bool,
     stored_rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ring: RecentRing | None = None,
-    ring_lo: np.ndarray | None = None,
 ) -> torch.Tensor | None:
     """One context segment with SDPA or flash on its fresh rows; None when neither applies.
 
@@ -122,17 +119,19 @@ def prefill_fresh_rows(
             or flash, the same attention as the paged kernel's, when the longest fresh prompt
             has at least ``STORED_ROWS_MIN_LEN`` tokens. None: a quantized cache keeps the
             paged kernel.
-        ring, ring_lo: the segment's recent-window ring (`kvplan.ops.paged_attention.RecentRing`)
-            and its rows' first ring positions on the host (kv_exact_window): the stored rows
-            at positions from ``ring_lo`` on are replaced by the new rows' exact values (what
-            the ring holds), and the paged rows read the ring. Only with ``stored_rows``.
+        ring: the segment's recent-window ring (`kvplan.ops.paged_attention.RecentRing`,
+            kv_exact_window): the paged rows read it; the fresh rows take SDPA or flash only
+            where no fresh prompt is longer than ``ring.window`` (each of its queries then
+            reads every key exact: the new rows in bf16, what the ring holds, no stored rows
+            read back); a longer one needs each query's own bound (keys more than ``window``
+            back read quantized), which the paged kernel's ring path gives: None.
 
     Returns ``out`` (or a new tensor) with every row written, or None (then the caller runs
     the paged kernel over the whole segment; ``out`` may hold partial results meanwhile).
     """
     if seg.fresh_from is None or seg.host_cu_seqlens_q is None:
         return None
-    if ring is not None and (stored_rows is None or kv_layout is None):
+    if ring is not None and kv_layout is None:
         return None
     split = fresh_split(seg.host_cu_seqlens_q, seg.fresh_from)
     if split is None:
@@ -140,7 +139,12 @@ def prefill_fresh_rows(
     j, t0 = split.num_paged_rows, split.num_paged_tokens
     q_f, k_f, v_f = q[t0:], k_new[t0:], v_new[t0:]
     quantized, cache_dtype = kv_layout is not None, k_cache.dtype
-    if quantized and stored_rows is not None and split.flash_max_q_len >= STORED_ROWS_MIN_LEN:
+    if ring is not None:  # every fresh key exact for every query, or the paged kernel
+        if split.flash_max_q_len > ring.window:
+            return None
+        k_f, v_f = k_f.to(ring.k.dtype), v_f.to(ring.v.dtype)
+        quantized, cache_dtype = False, ring.k.dtype
+    elif quantized and stored_rows is not None and split.flash_max_q_len >= STORED_ROWS_MIN_LEN:
         # decide on stand-ins of the stored rows (no device work), load them only if used
         k_f = v_f = torch.empty(k_f.shape, dtype=torch.bfloat16, device="meta")
         quantized, cache_dtype = False, torch.bfloat16
@@ -161,8 +165,6 @@ def prefill_fresh_rows(
         return None
     if k_f.is_meta:
         k_f, v_f = stored_rows(t0, q.shape[0])
-        if ring is not None:
-            k_f, v_f = _exact_tail(k_f, v_f, k_new[t0:], v_new[t0:], seg, j, ring_lo)
     done = False
     if why_not is None:
         if out is None:
@@ -192,18 +194,3 @@ def prefill_fresh_rows(
             ring=None if ring is None else ring._replace(base=ring.base[:j], lo=ring.lo[:j]),
         )  # fmt: skip
     return out
-
-
-def _exact_tail(k_f, v_f, k_new, v_new, seg, j: int, ring_lo: np.ndarray):
-    """The fresh rows' stored ``k_f`` / ``v_f`` with each sequence's positions from its
-    ``ring_lo`` on taken from the new rows in bf16 (what the recent-window ring holds); a
-    fresh row's position is its offset in its sequence's chunk (no cached history)."""
-    cu = np.asarray(seg.host_cu_seqlens_q[j:], dtype=np.int64)
-    cu = cu - cu[0]
-    lens = np.diff(cu)
-    pos = new_token_positions(np.zeros(lens.size, np.int64), cu, lens, np.arange(cu[-1]))
-    exact = pos >= np.repeat(np.asarray(ring_lo[j : j + lens.size], dtype=np.int64), lens)
-    mask = to_device(exact, k_f.device, torch.bool)[:, None, None]
-    k_f = torch.where(mask, k_new.to(k_f.dtype), k_f)
-    v_f = torch.where(mask, v_new.to(v_f.dtype), v_f)
-    return k_f, v_f

@@ -125,8 +125,8 @@ def attend_paged(
 
     ``recent``: the step's `kvplan.cache.recent_window.RecentStep` (its sequences in the
     segments' row order) or None; with it every segment reads ``layer``'s recent-window ring
-    (the fresh rows of a quantized cache: SDPA or flash over the stored rows with the ring's
-    exact values from each sequence's bound on, `prefill_fresh_rows`).
+    (the fresh rows of a quantized cache: SDPA or flash over their exact values where no
+    fresh prompt is longer than the window, `prefill_fresh_rows`).
     """
     cache_dtype = k_cache.dtype if kv_layout is None else torch.bfloat16
     start = row = 0
@@ -157,7 +157,6 @@ def attend_paged(
                     q_seg, k_new[start:end], v_new[start:end], k_cache, v_cache, seg,
                     scale=scale, window=window, out=dst, kv_layout=kv_layout, check=check,
                     stored_rows=stored_rows, ring=ring,
-                    ring_lo=None if ring is None else recent.lo_np[first:row],
                 )  # fmt: skip
             if res is None:
                 res = paged_attention_prefill(

@@ -11,15 +11,26 @@ also in a small ring in the attention dtype; attention reads a sequence's keys a
     lo[b] = max(kv_len[b] - W, start[b])      start[b]: the first position the request wrote
 
 (``start`` is past 0 when a prefix-cache hit supplied the first blocks: their rows were never
-written to this request's ring, so they come from the pages.) That ``lo`` is one bound for
-all of a step's queries: a decode step's query sees exactly its last W keys exact, a prompt
-chunk's earlier queries fewer. Steps short enough for the ring to hold every query's own
-window -- draft verification, ``1 < query <= slack + 1`` after the sequence's first step --
-get ``lo`` = what the ring holds (``max(kv_len - size, start)``) instead, and the ring's
-``window`` bounds each query by itself (`kvplan.ops.paged_attention.RecentRing`): the query
-at ``p`` reads keys ``>= max(p - W + 1, lo)`` from the ring, so accepted drafts see the bounds
-of plain decode steps. Longer chunks keep the step's bound, so outputs still depend on how a
-prompt was chunked or a preempted request recomputed.
+written to this request's ring, so they come from the pages.) Each query is bounded by its
+own window: the query at ``p`` reads keys ``>= max(p - W + 1, start)`` exact and older ones
+from the pages, so a position sees the same keys however its prompt was chunked, preempted
+and recomputed, or verified with drafts -- the keys a one-token decode step at ``p`` sees.
+Three kinds of step get there three ways:
+
+* decode steps (one query): ``lo`` is that query's bound and the ring holds it;
+* short steps (draft verification, ``1 < query <= slack + 1`` after the sequence's first
+  step): ``lo`` = what the ring holds (``max(kv_len - size, start)``) and the ring's
+  ``window`` bounds each query by itself (`kvplan.ops.paged_attention.RecentRing`);
+* steps with a longer chunk (its first query's bound below the last one's, which the ring
+  cannot hold: the chunk overwrites the older rows its first queries need): a per-step ring
+  (`WideStep`). At the layer's store, before the ring is written, each sequence of the step
+  gets a region of ``span = max_b (kv_len[b] - a[b])`` rows, ``a[b] = max(cached[b] - W +
+  1, start[b])`` its first query's bound, holding positions ``a[b] .. kv_len[b] - 1``: those
+  before the chunk copied from the ring (which still holds them), the chunk's own from the
+  step's new rows (cast to the ring's dtype). Attention reads that ring with ``lo = a`` and
+  the window, so every query of the step, the other sequences' too, has its own bound. The
+  attention kernels need no third source; the copy is ``W - 1 + query`` rows a sequence a
+  layer, in prefill steps only (decode steps, and so CUDA graphs, never take it).
 
 Layout: per layer, K and V rings ``[num_slots * size + 1, Hkv, D]``; slot ``s`` holds position
 ``p`` at row ``s * size + p % size``; the last row takes the writes of rows outside the ring
@@ -48,6 +59,7 @@ import triton.language as tl
 
 from kvplan._math import exclusive_cumsum
 from kvplan.backends.block_tables import new_token_positions
+from kvplan.backends.staging.arena import to_device
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops._launch import jit
 from kvplan.ops.paged_attention import RecentRing, ring_keys
@@ -55,16 +67,49 @@ from kvplan.ops.paged_attention import RecentRing, ring_keys
 NO_RING = 1 << 30  # a ``lo`` past every ``kv_len``: the row reads no ring key
 
 
+class WideStep(NamedTuple):
+    """The per-step ring of a step with a long chunk (module docstring): sequence ``b``'s
+    positions ``a[b] .. kv_len[b] - 1`` at rows ``base[b] + p % span``; ``base`` / ``lo``
+    (= ``a``) int32 ``[num_seqs]`` on the device, ``lo_np`` on the host. The copy that fills
+    it: ring rows ``from_ring`` to region rows ``to_ring``, the step's new rows ``from_new``
+    to region rows ``to_new`` (int64, on the device). ``layers``: the region tensors ``(k,
+    v)`` of the layer stored last (`fill`)."""
+
+    span: int
+    base: torch.Tensor
+    lo: torch.Tensor
+    lo_np: np.ndarray
+    from_ring: torch.Tensor
+    to_ring: torch.Tensor
+    from_new: torch.Tensor
+    to_new: torch.Tensor
+    layers: dict
+
+    def fill(self, layer: int, kv: RecentKV, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``layer``'s regions from its ring (not yet written this step) and the step's new
+        rows ``k`` / ``v`` ``[T, Hkv, D]`` (cast to the ring's dtype); drops the layer before's."""
+        self.layers.clear()
+        regions = []
+        for ring, new in ((kv.k[layer], k), (kv.v[layer], v)):
+            region = ring.new_empty((self.lo_np.size * self.span, *ring.shape[1:]))
+            region.index_copy_(0, self.to_ring, ring.index_select(0, self.from_ring))
+            region.index_copy_(0, self.to_new, new.index_select(0, self.from_new).to(ring.dtype))
+            regions.append(region)
+        self.layers[layer] = tuple(regions)
+
+
 class RecentStep(NamedTuple):
     """One step's ring facts: ``base`` / ``lo`` int32 ``[num_seqs]`` (batch order), ``rows``
     int64 ``[num_tokens]`` (each token's ring row, the trash row where it is not kept), on
-    the device; ``lo_np`` the bounds on the host."""
+    the device; ``lo_np`` the bounds on the host; ``wide`` the per-step ring of a step with
+    a long chunk (`WideStep`), else None."""
 
     kv: RecentKV
     base: torch.Tensor
     lo: torch.Tensor
     rows: torch.Tensor
     lo_np: np.ndarray
+    wide: WideStep | None = None
 
     def overlay(
         self, layer: int, b: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
@@ -76,7 +121,8 @@ class RecentStep(NamedTuple):
         in ``k``'s dtype); else the ring's keys after the pages' (``[2 kv_len, ...]``) and the
         mask widened to match, each query seeing a key in one of the two."""
         kv_len, q_len = k.shape[0], mask.shape[0]
-        one = int(self.lo_np[b]) >= kv_len - self.kv.window  # one bound for all its queries
+        lo_np = self.lo_np if self.wide is None else self.wide.lo_np
+        one = int(lo_np[b]) >= kv_len - self.kv.window  # one bound for all its queries
         positions = torch.arange(kv_len, device=k.device)[None]
         q_pos = kv_len - q_len + torch.arange(q_len, device=k.device)[None]
         ok, ov, m = ring_keys(k[None].float(), v[None].float(), positions, q_pos, mask[None],
@@ -84,15 +130,29 @@ class RecentStep(NamedTuple):
         return ok[0].to(k.dtype), ov[0].to(v.dtype), mask if one else m[0]
 
     def ring(self, layer: int, first: int = 0, last: int | None = None) -> RecentRing:
-        """The `RecentRing` of ``layer`` for the sequences ``first .. last - 1`` (each query
-        bounded by its own window where ``lo`` allows: `RecentWindow.plan`)."""
-        return RecentRing(
-            self.kv.k[layer], self.kv.v[layer], self.base[first:last], self.lo[first:last],
-            self.kv.size, self.kv.window,
-        )  # fmt: skip
+        """The `RecentRing` of ``layer`` for the sequences ``first .. last - 1``, each query
+        bounded by its own window where ``lo`` allows (`RecentWindow.plan`); in a step with
+        a long chunk the per-step ring (`WideStep`, filled by this layer's `store`)."""
+        wide = self.wide
+        if wide is None:
+            return RecentRing(
+                self.kv.k[layer], self.kv.v[layer], self.base[first:last], self.lo[first:last],
+                self.kv.size, self.kv.window,
+            )  # fmt: skip
+        if layer not in wide.layers:
+            raise RuntimeError(
+                f"kv_exact_window: layer {layer}'s per-step ring is not filled; a step with a "
+                "long chunk stores a layer's rows (RecentStep.store) before it attends"
+            )
+        k, v = wide.layers[layer]
+        return RecentRing(k, v, wide.base[first:last], wide.lo[first:last], wide.span,
+                          self.kv.window)  # fmt: skip
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the step's K / V rows ``[num_tokens, Hkv, D]`` into ``layer``'s rings."""
+        """Write the step's K / V rows ``[num_tokens, Hkv, D]`` into ``layer``'s rings (in a
+        step with a long chunk, after filling the per-step ring from them and the ring)."""
+        if self.wide is not None:
+            self.wide.fill(layer, self.kv, k, v)
         self.kv.store(layer, k, v, self.rows)
 
 
@@ -242,6 +302,11 @@ class RecentWindow:
         lo = np.maximum(kv_len - kv.window, start)
         own = (cached > 0) & (query > 1) & (query <= kv.size - kv.window + 1)
         lo = np.where(own, np.maximum(kv_len - kv.size, start), lo)
+        # a chunk whose first query's bound is below lo: the step takes a per-step ring
+        first = np.maximum(cached - kv.window + 1, start)
+        wide = None
+        if ((query > 1) & (first < lo)).any():
+            wide = self._wide(base, cached, query, kv_len, first)
         # each token's position; kept where it is among the sequence's last `size` positions
         total = int(query.sum())
         pos = new_token_positions(cached, exclusive_cumsum(query), query, np.arange(total))
@@ -259,4 +324,25 @@ class RecentWindow:
         self._base[:n].copy_(h_base[:n], non_blocking=cuda)
         self._lo[:n].copy_(h_lo[:n], non_blocking=cuda)
         self._rows[:t].copy_(h_rows[:t], non_blocking=cuda)
-        return RecentStep(kv, self._base[:n], self._lo[:n], self._rows[:t], lo)
+        return RecentStep(kv, self._base[:n], self._lo[:n], self._rows[:t], lo, wide)
+
+    def _wide(self, base, cached, query, kv_len, first) -> WideStep:
+        """The `WideStep` of a step: sequence ``b``'s region holds positions ``first[b] ..
+        kv_len[b] - 1``, those below ``cached[b]`` from its ring slot (``base[b]``), the rest
+        from the step's new rows (batch order, each sequence's tokens contiguous)."""
+        kv, n = self.kv, cached.size
+        spans = kv_len - first
+        span = max(int(spans.max()), 1)
+        region = np.arange(n, dtype=np.int64) * span
+        pos = new_token_positions(first, exclusive_cumsum(spans), spans,
+                                  np.arange(int(spans.sum())))  # fmt: skip
+        seq = np.repeat(np.arange(n), spans)
+        to = region[seq] + pos % span
+        old = pos < cached[seq]
+        new_row = exclusive_cumsum(query)[seq] + pos - cached[seq]
+        dev, i64 = self.device, torch.int64
+        return WideStep(
+            span, to_device(region, dev), to_device(first, dev), first,
+            to_device((base[seq] + pos % kv.size)[old], dev, i64), to_device(to[old], dev, i64),
+            to_device(new_row[~old], dev, i64), to_device(to[~old], dev, i64), {},
+        )  # fmt: skip
