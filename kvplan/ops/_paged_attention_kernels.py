@@ -371,10 +371,12 @@ def _attend_rows(
     ``RING``: the recent-window ring (`_attend_ring`: ``ring_k_ptr`` / ``ring_v_ptr`` at this
     head, row ``ring_base + p % ring_size``): the row at ``row_pos`` reads keys at positions
     ``>= max(row_pos - ring_window + 1, ring_lo)`` from the ring, older ones from the pages.
-    The pages serve [key_lo, ring_lo) to every row and [ring_lo, pos_max - ring_window + 1)
-    to the rows whose own bound is past the key (masked tiles, the causal mask moved back by
-    ``ring_window``); the ring serves [ring_lo, key_hi) under the window ``min(window,
-    ring_window)``.
+    With ``a = max(ring_lo, pos_min - ring_window + 1)`` (the first row's bound, the lowest),
+    the pages serve [key_lo, a) to every row (whole tiles unmasked) and [a, pos_max -
+    ring_window + 1) to the rows whose own bound is past the key (masked tiles, the causal
+    mask moved back by ``ring_window``); the ring serves [a, key_hi) under the window
+    ``min(window, ring_window)``. (A long chunk's rows thus read ~``ring_window + TILE_M``
+    ring keys, not the whole chunk.)
 
     Returns the unnormalized accumulator [TILE_M, HEAD_DIM] (fp32), the running maximum m
     (log2 domain) and the running denominator l, both [TILE_M] fp32.
@@ -384,8 +386,9 @@ def _attend_rows(
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
     ring_hi = key_hi
     straddle_hi = key_hi
-    if RING:  # every row reads the pages up to where the ring starts
-        key_hi = tl.minimum(key_hi, tl.maximum(ring_lo, key_lo))
+    if RING:  # every row reads the pages up to the first row's own ring bound
+        ring_from = tl.maximum(ring_lo, pos_min - ring_window + 1)
+        key_hi = tl.minimum(key_hi, tl.maximum(ring_from, key_lo))
         straddle_hi = tl.minimum(ring_hi, tl.maximum(pos_max - ring_window + 1, key_hi))
     full_lo = tl.maximum(key_lo, pos_max - window + 1)
     full_lo = tl.minimum((full_lo + TILE_N - 1) // TILE_N * TILE_N, key_hi)  # tile-aligned
