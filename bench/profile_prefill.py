@@ -9,6 +9,8 @@ one process:
 * ``<fmt>``: a quantized cache with the default fresh-row rule (SDPA / flash over the stored
   values from ``STORED_ROWS_MIN_LEN`` tokens);
 * ``<fmt>-paged``: the same cache with the paged prefill kernel on every row (the rule off);
+* ``<fmt>-w<N>``: the quantized cache with ``kv_exact_window=N`` (a prompt longer than N runs
+  the paged kernel, each query's last N keys from the per-step ring);
 * a ``+prefetch`` suffix: the quantized paged kernels load each key tile's bytes a tile ahead
   (``QUANT_PREFETCH``).
 
@@ -93,8 +95,13 @@ def run_variant(name: str, args, cfg, dev, dtype) -> dict:
     base, _, extra = name.partition("+")
     fmt, _, mode = base.partition("-")
     saved = fresh_prefill.STORED_ROWS_MIN_LEN, pk.QUANT_PREFETCH
+    window = 0
     if mode == "paged":
         fresh_prefill.STORED_ROWS_MIN_LEN = 1 << 62
+    elif mode.startswith("w") and mode[1:].isdigit():
+        window = int(mode[1:])
+    elif mode:
+        raise ValueError(f"variant {name!r}: the mode after '-' must be 'paged' or 'w<N>'")
     if extra == "prefetch":
         pk.QUANT_PREFETCH = True
     try:
@@ -102,7 +109,7 @@ def run_variant(name: str, args, cfg, dev, dtype) -> dict:
         llm = LLM(cfg, device=dev, dtype=dtype, kv_format=fmt, max_num_seqs=n,
                   max_num_batched_tokens=max(args.prompt_len, 8192 if args.workload else 0),
                   max_model_len=args.prompt_len + new + 32,
-                  kv_cache_memory=args.kv_cache_memory)  # fmt: skip
+                  kv_cache_memory=args.kv_cache_memory, kv_exact_window=window)  # fmt: skip
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
         warm = make_prompts(n, args.prompt_len, cfg.vocab_size, seed=1)
         llm.generate(warm, params)
