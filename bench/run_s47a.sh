@@ -8,7 +8,7 @@ set -u
 BUDGET=${BUDGET:-560}
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
-gpu_tests tests 170 4 tests/engine/test_kv_exact_window.py tests/ops/test_paged_attention_ring.py \
+gpu_tests tests 170 4 -rP tests/engine/test_kv_exact_window.py tests/ops/test_paged_attention_ring.py \
   tests/engine/test_quantized_kv_engine.py tests/engine/test_cuda_graphs.py
 grep -E "^chunk " "$W/tests.log"
 step 100 prefill python3 bench/profile_prefill.py --prompt-len 8192 --prompts 3 \
