@@ -71,31 +71,71 @@ class WideStep(NamedTuple):
     """The per-step ring of a step with a long chunk (module docstring): sequence ``b``'s
     positions ``a[b] .. kv_len[b] - 1`` at rows ``base[b] + p % span``; ``base`` / ``lo``
     (= ``a``) int32 ``[num_seqs]`` on the device, ``lo_np`` on the host. The copy that fills
-    it: ring rows ``from_ring`` to region rows ``to_ring``, the step's new rows ``from_new``
-    to region rows ``to_new`` (int64, on the device). ``layers``: the region tensors ``(k,
-    v)`` of the layer stored last (`fill`)."""
+    it, int64 ``[rows]`` on the device: region row ``to[i]`` takes the step's new row
+    ``src[i]`` (``>= 0``) or the ring's row ``-1 - src[i]``. ``layers``: the region tensors
+    ``(k, v)`` of the layer stored last (`fill`)."""
 
     span: int
     base: torch.Tensor
     lo: torch.Tensor
     lo_np: np.ndarray
-    from_ring: torch.Tensor
-    to_ring: torch.Tensor
-    from_new: torch.Tensor
-    to_new: torch.Tensor
+    src: torch.Tensor
+    to: torch.Tensor
     layers: dict
 
     def fill(self, layer: int, kv: RecentKV, k: torch.Tensor, v: torch.Tensor) -> None:
         """``layer``'s regions from its ring (not yet written this step) and the step's new
-        rows ``k`` / ``v`` ``[T, Hkv, D]`` (cast to the ring's dtype); drops the layer before's."""
+        rows ``k`` / ``v`` ``[T, Hkv, D]`` (cast to the ring's dtype): one Triton launch for
+        both (`wide_fill_kernel`) on CUDA or with ``KVPLAN_FORCE_TRITON=1``, else index ops;
+        the same values either way. Drops the layer before's regions."""
         self.layers.clear()
-        regions = []
-        for ring, new in ((kv.k[layer], k), (kv.v[layer], v)):
-            region = ring.new_empty((self.lo_np.size * self.span, *ring.shape[1:]))
-            region.index_copy_(0, self.to_ring, ring.index_select(0, self.from_ring))
-            region.index_copy_(0, self.to_new, new.index_select(0, self.from_new).to(ring.dtype))
-            regions.append(region)
-        self.layers[layer] = tuple(regions)
+        rk, rv = kv.k[layer], kv.v[layer]
+        shape = (self.lo_np.size * self.span, *rk.shape[1:])
+        out_k, out_v = rk.new_empty(shape), rv.new_empty(shape)
+        n = self.src.shape[0]
+        if n and use_triton(rk) and k.stride(2) == 1 and v.stride(2) == 1:
+            width = rk.shape[1] * rk.shape[2]
+            tile = triton.next_power_of_2(width)
+            wide_fill_kernel[(n,)](
+                rk, rv, k, v, out_k, out_v, self.src, self.to, k.stride(0), k.stride(1),
+                v.stride(0), v.stride(1), rk.shape[2], width, TILE=tile,
+                num_warps=4 if tile >= 1024 else 1,
+            )  # fmt: skip
+        elif n:
+            old = self.src < 0
+            new = ~old
+            for out, ring, rows in ((out_k, rk, k), (out_v, rv, v)):
+                out[self.to[old]] = ring[-1 - self.src[old]]
+                out[self.to[new]] = rows[self.src[new]].to(ring.dtype)
+        self.layers[layer] = (out_k, out_v)
+
+
+@jit
+def wide_fill_kernel(
+    rk_ptr, rv_ptr, k_ptr, v_ptr, out_k_ptr, out_v_ptr, src_ptr, to_ptr, stride_kt, stride_kh,
+    stride_vt, stride_vh, head_dim, width, TILE: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(rows,)``: region row ``to[i]`` of ``out_k`` / ``out_v`` (``width = Hkv * D``
+    values a row, contiguous) from the step's K / V row ``src[i]`` (heads at their strides,
+    ``D`` contiguous; cast to the ring's dtype) or, where ``src[i] < 0``, the ring's row
+    ``-1 - src[i]``."""
+    i = tl.program_id(0).to(tl.int64)
+    src = tl.load(src_ptr + i)
+    to = tl.load(to_ptr + i)
+    offs = tl.arange(0, TILE)
+    ok = offs < width
+    dtype: tl.constexpr = out_k_ptr.dtype.element_ty
+    if src < 0:
+        row = -1 - src
+        kx = tl.load(rk_ptr + row * width + offs, mask=ok)
+        vx = tl.load(rv_ptr + row * width + offs, mask=ok)
+    else:
+        h = offs // head_dim
+        d = offs % head_dim
+        kx = tl.load(k_ptr + src * stride_kt + h * stride_kh + d, mask=ok).to(dtype)
+        vx = tl.load(v_ptr + src * stride_vt + h * stride_vh + d, mask=ok).to(dtype)
+    tl.store(out_k_ptr + to * width + offs, kx, mask=ok)
+    tl.store(out_v_ptr + to * width + offs, vx, mask=ok)
 
 
 class RecentStep(NamedTuple):
@@ -340,9 +380,7 @@ class RecentWindow:
         to = region[seq] + pos % span
         old = pos < cached[seq]
         new_row = exclusive_cumsum(query)[seq] + pos - cached[seq]
+        src = np.where(old, -1 - (base[seq] + pos % kv.size), new_row)
         dev, i64 = self.device, torch.int64
-        return WideStep(
-            span, to_device(region, dev), to_device(first, dev), first,
-            to_device((base[seq] + pos % kv.size)[old], dev, i64), to_device(to[old], dev, i64),
-            to_device(new_row[~old], dev, i64), to_device(to[~old], dev, i64), {},
-        )  # fmt: skip
+        return WideStep(span, to_device(region, dev), to_device(first, dev), first,
+                        to_device(src, dev, i64), to_device(to, dev, i64), {})  # fmt: skip

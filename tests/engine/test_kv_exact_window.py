@@ -89,13 +89,17 @@ def test_chunked_prompts_give_the_logits_of_one_token_steps(backend, window):
         assert float((got - one).abs().max()) < 0.25 * effect, chunk
 
 
-def test_wide_step_regions_hold_each_querys_exact_keys():
+@pytest.mark.parametrize("triton_fill", [False, True])
+def test_wide_step_regions_hold_each_querys_exact_keys(triton_fill, monkeypatch):
     """`RecentWindow.plan` of a step with a chunk longer than the ring (`WideStep`): at the
     layer's store, sequence b's region holds positions ``max(cached - W + 1, start) ..
     kv_len - 1`` -- the older ones from its ring slot as the steps before wrote it, the
     chunk's from the step's rows -- and `ring` hands the kernels that region with ``lo`` =
     the first query's bound and the window, for every sequence of the step (a decode, a
-    verification row and a prefix-cache start beside the chunk)."""
+    verification row and a prefix-cache start beside the chunk). ``triton_fill``: the
+    one-launch copy (`wide_fill_kernel`, interpreter) with a strided V (a view of wider rows)."""
+    if triton_fill:
+        monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
     w, slack, hkv, d = 4, 2, 2, 8
     kv = RecentKV(2, 4, w, hkv, d, slack=slack)
     win = RecentWindow(kv, 64)
@@ -105,10 +109,12 @@ def test_wide_step_regions_hold_each_querys_exact_keys():
     def run(ids, cached, query, layer=1):
         tok = [(rid, c + i) for rid, c, q in zip(ids, cached, query) for i in range(q)]
         k = torch.randn(len(tok), hkv, d, generator=gen)
+        v = torch.zeros(len(tok), 3 * hkv, d)[:, ::3]  # head stride 3 * d
+        v.copy_(-k)
         for t, key in enumerate(tok):
             value[key] = k[t].bfloat16()
         step = win.plan(ids, np.array(cached), np.array(query))
-        step.store(layer, k, -k)
+        step.store(layer, k, v)
         return step
 
     # history: a and b prefill 9 and 6 tokens, c arrives with a 12-token prefix hit
