@@ -32,8 +32,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvplan._math import exclusive_cumsum
+from kvplan.backends.staging.arena import to_device
 from kvplan.formats import KVCacheFormat
-from kvplan.ops.flash_prefill import flash_prefill, flash_prefill_unsupported
+from kvplan.ops.flash_prefill import (
+    flash_prefill,
+    flash_prefill_lse,
+    flash_prefill_unsupported,
+    merge_by_lse,
+    varlen_api,
+)
 from kvplan.ops.paged_attention import RecentRing, paged_attention_prefill
 from kvplan.ops.sdpa_prefill import equal_length_groups, sdpa_prefill, sdpa_prefill_unsupported
 
@@ -120,11 +128,13 @@ def prefill_fresh_rows(
             has at least ``STORED_ROWS_MIN_LEN`` tokens. None: a quantized cache keeps the
             paged kernel.
         ring: the segment's recent-window ring (`kvplan.ops.paged_attention.RecentRing`,
-            kv_exact_window): the paged rows read it; the fresh rows take SDPA or flash only
-            where no fresh prompt is longer than ``ring.window`` (each of its queries then
-            reads every key exact: the new rows in bf16, what the ring holds, no stored rows
-            read back); a longer one needs each query's own bound (keys more than ``window``
-            back read quantized), which the paged kernel's ring path gives: None.
+            kv_exact_window): the paged rows read it. Where no fresh prompt is longer than
+            ``ring.window`` each fresh query reads every key exact: SDPA or flash over the
+            new rows in bf16 (what the ring holds; no stored rows read back). A longer one
+            needs each query's own bound (keys more than ``window`` back read quantized):
+            with ``stored_rows``, no model window and at least ``STORED_ROWS_MIN_LEN``
+            tokens, two flash calls merged by their log-sum-exps
+            (`windowed_fresh_attention`); else None (the paged kernel's ring path).
 
     Returns ``out`` (or a new tensor) with every row written, or None (then the caller runs
     the paged kernel over the whole segment; ``out`` may hold partial results meanwhile).
@@ -139,9 +149,14 @@ def prefill_fresh_rows(
     j, t0 = split.num_paged_rows, split.num_paged_tokens
     q_f, k_f, v_f = q[t0:], k_new[t0:], v_new[t0:]
     quantized, cache_dtype = kv_layout is not None, k_cache.dtype
-    if ring is not None:  # every fresh key exact for every query, or the paged kernel
+    if ring is not None:  # every fresh key exact for every query, or each query's own bound
         if split.flash_max_q_len > ring.window:
-            return None
+            res = _windowed_fresh_rows(q, k_new, v_new, seg, split, scale, window, stored_rows,
+                                       ring.window)  # fmt: skip
+            if res is None:
+                return None
+            return _with_paged_rows(res, q, k_cache, v_cache, seg, split, scale, window, out,
+                                    kv_layout, check, ring)  # fmt: skip
         k_f, v_f = k_f.to(ring.k.dtype), v_f.to(ring.v.dtype)
         quantized, cache_dtype = False, ring.k.dtype
     elif quantized and stored_rows is not None and split.flash_max_q_len >= STORED_ROWS_MIN_LEN:
@@ -181,6 +196,19 @@ def prefill_fresh_rows(
         )
         if res is None:
             return None
+        return _with_paged_rows(res, q, k_cache, v_cache, seg, split, scale, window, out,
+                                kv_layout, check, ring)  # fmt: skip
+    return _with_paged_rows(None, q, k_cache, v_cache, seg, split, scale, window, out, kv_layout,
+                            check, ring)  # fmt: skip
+
+
+def _with_paged_rows(res, q, k_cache, v_cache, seg, split, scale, window, out, kv_layout, check,
+                     ring):  # fmt: skip
+    """``out`` with the fresh rows' result ``res`` ``[T - t0, H, D]`` (None: ``out`` holds
+    them already) and the paged rows ``[0, t0)`` from the paged kernel (over the ring's
+    first ``j`` sequences, if any)."""
+    j, t0 = split.num_paged_rows, split.num_paged_tokens
+    if res is not None:
         if out is None and not j:
             return res
         if out is None:
@@ -194,3 +222,75 @@ def prefill_fresh_rows(
             ring=None if ring is None else ring._replace(base=ring.base[:j], lo=ring.lo[:j]),
         )  # fmt: skip
     return out
+
+
+def _windowed_fresh_rows(q, k_new, v_new, seg, split, scale, window, stored_rows, exact_window):
+    """The fresh rows ``[t0, T)`` of a segment with a ring whose window ``exact_window`` is
+    shorter than some fresh prompt (`windowed_fresh_attention` by flash), or None where that
+    does not apply: no ``stored_rows``, a model window, prompts under ``STORED_ROWS_MIN_LEN``,
+    or flash unavailable for these rows (host facts; nothing is read back then)."""
+    j, t0 = split.num_paged_rows, split.num_paged_tokens
+    if stored_rows is None or window is not None:
+        return None
+    if split.flash_max_q_len < STORED_ROWS_MIN_LEN:
+        return None
+    q_f = q[t0:]
+    api = varlen_api()
+    if api is None or not api.has_lse:
+        return None
+    stand_in = torch.empty(k_new[t0:].shape, dtype=torch.bfloat16, device="meta")
+    if q_f.dtype != torch.bfloat16 or flash_prefill_unsupported(
+        q_f, stand_in, stand_in, cache_dtype=torch.bfloat16, quantized_cache=False,
+        sliding_window=exact_window, max_q_len=split.flash_max_q_len, device_type=q.device.type,
+    ) is not None:  # fmt: skip
+        return None
+    k_st, v_st = stored_rows(t0, q.shape[0])
+    cu = np.asarray(seg.host_cu_seqlens_q[j:], dtype=np.int64) - t0
+    return windowed_fresh_attention(
+        q_f, k_new[t0:].to(torch.bfloat16), v_new[t0:].to(torch.bfloat16), k_st, v_st, cu,
+        exact_window, scale,
+    )  # fmt: skip
+
+
+def windowed_fresh_attention(
+    q: torch.Tensor,
+    k_exact: torch.Tensor,
+    v_exact: torch.Tensor,
+    k_stored: torch.Tensor,
+    v_stored: torch.Tensor,
+    cu_seqlens: np.ndarray,
+    window: int,
+    scale: float,
+    attend: Callable | None = None,
+) -> torch.Tensor | None:
+    """Causal attention of fresh sequences (positions ``0 ..``, rows ``cu_seqlens[b] ..
+    cu_seqlens[b + 1] - 1``, host, from 0) in which the query at ``p`` reads keys ``max(p -
+    window + 1, 0) .. p`` exact (``k_exact`` / ``v_exact``) and ``0 .. p - window`` as stored
+    (``k_stored`` / ``v_stored``): kv_exact_window's per-query bound, as the paged kernel reads
+    pages and ring. Two calls of ``attend`` (`flash_prefill_lse`'s signature): the exact rows
+    under a causal window of ``window``, then each sequence's queries from position ``window``
+    on over its stored rows up to ``window`` back (causal over equal lengths), merged by their
+    log-sum-exps (`merge_by_lse`). Returns ``[T, H, D]`` in q's dtype, or None where a call
+    returned None."""
+    attend = flash_prefill_lse if attend is None else attend
+    dev = q.device
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    lens = np.diff(cu)
+    res = attend(q, k_exact, v_exact, to_device(cu, dev), int(lens.max()), scale=scale,
+                 sliding_window=window)  # fmt: skip
+    if res is None:
+        return None
+    o, lse = res
+    tail = np.maximum(lens - window, 0)  # queries that also read stored keys
+    if not tail.any():
+        return o
+    cu_tail = exclusive_cumsum(tail)
+    k_rows = np.repeat(cu[:-1] - cu_tail[:-1], tail) + np.arange(int(cu_tail[-1]))
+    q_idx = to_device(k_rows + window, dev, torch.int64)
+    k_idx = to_device(k_rows, dev, torch.int64)
+    res = attend(q[q_idx], k_stored[k_idx], v_stored[k_idx], to_device(cu_tail, dev),
+                 int(tail.max()), scale=scale, sliding_window=None)  # fmt: skip
+    if res is None:
+        return None
+    o[q_idx] = merge_by_lse(o[q_idx], lse[:, q_idx], res[0], res[1])
+    return o
