@@ -26,6 +26,7 @@ what each path supports.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -152,7 +153,7 @@ def prefill_fresh_rows(
     if ring is not None:  # every fresh key exact for every query, or each query's own bound
         if split.flash_max_q_len > ring.window:
             res = _windowed_fresh_rows(q, k_new, v_new, seg, split, scale, window, stored_rows,
-                                       ring.window)  # fmt: skip
+                                       ring.window, check)  # fmt: skip
             if res is None:
                 return None
             return _with_paged_rows(res, q, k_cache, v_cache, seg, split, scale, window, out,
@@ -224,17 +225,38 @@ def _with_paged_rows(res, q, k_cache, v_cache, seg, split, scale, window, out, k
     return out
 
 
-def _windowed_fresh_rows(q, k_new, v_new, seg, split, scale, window, stored_rows, exact_window):
+WINDOW_FRESH_MODES = ("0", "flash", "rows")
+
+
+def window_fresh_mode() -> str:
+    """``KVPLAN_WINDOW_FRESH``: how fresh prompts longer than kv_exact_window's window attend
+    (read on every call): ``flash`` (`windowed_fresh_attention`), ``rows`` (the paged kernel
+    over their stored rows read back as one-token bf16 pages, the exact rows as its ring:
+    `_stored_rows_with_ring`), ``0`` (the paged kernel over the quantized pages)."""
+    mode = os.environ.get("KVPLAN_WINDOW_FRESH", "flash").strip()
+    if mode not in WINDOW_FRESH_MODES:
+        raise ValueError(f"KVPLAN_WINDOW_FRESH must be one of {WINDOW_FRESH_MODES}, got {mode!r}")
+    return mode
+
+
+def _windowed_fresh_rows(q, k_new, v_new, seg, split, scale, window, stored_rows, exact_window,
+                         check=False):  # fmt: skip
     """The fresh rows ``[t0, T)`` of a segment with a ring whose window ``exact_window`` is
-    shorter than some fresh prompt (`windowed_fresh_attention` by flash), or None where that
-    does not apply: no ``stored_rows``, a model window, prompts under ``STORED_ROWS_MIN_LEN``,
-    or flash unavailable for these rows (host facts; nothing is read back then)."""
+    shorter than some fresh prompt (`window_fresh_mode`), or None where that does not apply:
+    no ``stored_rows``, prompts under ``STORED_ROWS_MIN_LEN``, or (``flash``) a model window or
+    flash unavailable for these rows (host facts; nothing is read back then)."""
     j, t0 = split.num_paged_rows, split.num_paged_tokens
-    if stored_rows is None or window is not None:
-        return None
-    if split.flash_max_q_len < STORED_ROWS_MIN_LEN:
+    mode = window_fresh_mode()
+    if stored_rows is None or mode == "0" or split.flash_max_q_len < STORED_ROWS_MIN_LEN:
         return None
     q_f = q[t0:]
+    if mode == "rows":
+        k_st, v_st = stored_rows(t0, q.shape[0])
+        return _stored_rows_with_ring(q_f, k_new[t0:], v_new[t0:], k_st, v_st, seg, j, t0,
+                                      split.flash_max_q_len, scale, window, exact_window,
+                                      check)  # fmt: skip
+    if window is not None:
+        return None
     api = varlen_api()
     if api is None or not api.has_lse:
         return None
@@ -249,6 +271,27 @@ def _windowed_fresh_rows(q, k_new, v_new, seg, split, scale, window, stored_rows
     return windowed_fresh_attention(
         q_f, k_new[t0:].to(torch.bfloat16), v_new[t0:].to(torch.bfloat16), k_st, v_st, cu,
         exact_window, scale,
+    )  # fmt: skip
+
+
+def _stored_rows_with_ring(q, k_new, v_new, k_st, v_st, seg, j, t0, max_len, scale, window,
+                           exact_window, check):  # fmt: skip
+    """The paged kernel over fresh rows whose stored values ``k_st`` / ``v_st`` (bf16 ``[n,
+    Hkv, D]``, read back) are one-token pages (page ids ``0 .. n - 1``, sequence b's from its
+    first row) and whose new rows, in bf16, are the ring (position p of sequence b at row
+    ``cu[b] + p``, from position 0, window ``exact_window``): each query's own bound, over
+    plain bf16 tiles instead of quantized ones."""
+    n, dev = k_st.shape[0], q.device
+    cu = seg.cu_seqlens_q[j:]
+    if t0:
+        cu = cu - t0
+    starts = cu[:-1].contiguous()
+    ring = RecentRing(k_new.to(torch.bfloat16).contiguous(), v_new.to(torch.bfloat16).contiguous(),
+                      starts, torch.zeros_like(starts), max_len, exact_window)  # fmt: skip
+    ids = torch.arange(n, dtype=torch.int32, device=dev)
+    return paged_attention_prefill(
+        q, k_st.unsqueeze(1), v_st.unsqueeze(1), ids, starts, cu, seg.kv_lens[j:], scale=scale,
+        sliding_window=window, max_q_len=max_len, check=check, ring=ring,
     )  # fmt: skip
 
 

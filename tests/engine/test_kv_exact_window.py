@@ -410,6 +410,31 @@ def test_long_fresh_prompts_take_two_flash_calls_merged_by_lse(monkeypatch):
     assert (merged - paged).abs().max() < 0.5 * (plain - paged).abs().max()
 
 
+def test_long_fresh_prompts_over_their_stored_rows_as_bf16_pages(monkeypatch):
+    """``KVPLAN_WINDOW_FRESH=rows``: a fresh prompt chunk longer than the window attends over
+    its stored rows read back as one-token bf16 pages, its new rows as the ring
+    (`_stored_rows_with_ring`): the same keys for each query as the paged kernel over the
+    quantized pages (``0``), so the same logits up to summation order; bad values refused."""
+    import kvplan.backends.fresh_prefill as fp
+
+    monkeypatch.setattr(fp, "STORED_ROWS_MIN_LEN", 1)
+    monkeypatch.setenv("KVPLAN_PREFILL_SDPA", "0")
+    calls = []
+    real = fp._stored_rows_with_ring
+    monkeypatch.setattr(fp, "_stored_rows_with_ring",
+                        lambda q, *a: calls.append(q.shape[0]) or real(q, *a))  # fmt: skip
+    out = {}
+    for mode in ("0", "rows"):
+        monkeypatch.setenv("KVPLAN_WINDOW_FRESH", mode)
+        out[mode] = prompt_logits(_engine("fp8", kv_exact_window=10).engine, TEXT, 32)
+        assert bool(calls) == (mode == "rows")
+    assert 32 in calls
+    assert (out["rows"] - out["0"]).abs().max() < 1e-4 * out["0"].abs().max()
+    monkeypatch.setenv("KVPLAN_WINDOW_FRESH", "paged")
+    with pytest.raises(ValueError, match="KVPLAN_WINDOW_FRESH must be one of"):
+        fp.window_fresh_mode()
+
+
 @pytest.mark.gpu
 def test_cuda_chunked_prompt_gives_the_logits_of_one_token_steps(monkeypatch):
     """A 1,100-token prompt of the fp8 cache with a 64-token window on CUDA (fp32 model, so the
