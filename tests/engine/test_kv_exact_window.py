@@ -436,10 +436,12 @@ def test_long_fresh_prompts_over_their_stored_rows_as_bf16_pages(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_chunked_prompt_gives_the_logits_of_one_token_steps(monkeypatch):
+@pytest.mark.parametrize("mode", ["flash", "rows"])
+def test_cuda_chunked_prompt_gives_the_logits_of_one_token_steps(mode, monkeypatch):
     """A 1,100-token prompt of the fp8 cache with a 64-token window on CUDA (fp32 model, so the
-    GEMMs' rounding stays small; Triton kernels), scored in one chunk (the fresh rows: two
-    flash calls merged by log-sum-exp where the installed flash returns it, checked to run) and
+    GEMMs' rounding stays small; Triton kernels), scored in one chunk (the fresh rows by
+    ``mode``: two flash calls merged by log-sum-exp where the installed flash returns it, or
+    the stored rows as bf16 pages with the new rows as the ring; checked to run) and
     in 128-token chunks (the per-step ring), against one-token steps: every query reads its
     own window exact however the prompt is chunked, so the chunked logits stay within a
     quarter of the fp8 cache's own effect on them (the same engine without the window)."""
@@ -448,10 +450,11 @@ def test_cuda_chunked_prompt_gives_the_logits_of_one_token_steps(monkeypatch):
     import kvplan.backends.fresh_prefill as fp
     from kvplan.ops.flash_prefill import varlen_api
 
+    monkeypatch.setenv("KVPLAN_WINDOW_FRESH", mode)
     calls = []
-    real = fp.windowed_fresh_attention
-    monkeypatch.setattr(fp, "windowed_fresh_attention",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
+    name = "windowed_fresh_attention" if mode == "flash" else "_stored_rows_with_ring"
+    real = getattr(fp, name)
+    monkeypatch.setattr(fp, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
     ids = torch.randint(3, 500, (1100,), generator=torch.Generator().manual_seed(5)).tolist()
     kw = dict(device="cuda", dtype="float32", kv_format="fp8", max_model_len=1200,
               max_num_batched_tokens=1100, max_num_seqs=2, num_blocks=160, block_size=16,
@@ -462,10 +465,11 @@ def test_cuda_chunked_prompt_gives_the_logits_of_one_token_steps(monkeypatch):
     for chunk in (1100, 128):
         got = prompt_logits(LLM(CFG, kv_exact_window=64, **kw).engine, ids, chunk).float()
         diff = float((got - one).abs().max())
-        print(f"chunk {chunk}: max |chunked - one-token| {diff:.3e}, fp8 effect {effect:.3e}")
+        print(f"{mode} chunk {chunk}: max |chunked - one-token| {diff:.3e}, "
+              f"fp8 effect {effect:.3e}")  # fmt: skip
         assert diff < 0.25 * effect, (chunk, diff, effect)
     api = varlen_api()
-    assert bool(calls) == (api is not None and api.has_lse and api.has_window)
+    assert bool(calls) == (mode == "rows" or (api is not None and api.has_lse and api.has_window))
 
 
 def test_command_lines_take_the_window():
