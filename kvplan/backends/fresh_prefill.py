@@ -33,16 +33,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvplan._math import exclusive_cumsum
-from kvplan.backends.staging.arena import to_device
 from kvplan.formats import KVCacheFormat
-from kvplan.ops.flash_prefill import (
-    flash_prefill,
-    flash_prefill_lse,
-    flash_prefill_unsupported,
-    merge_by_lse,
-    varlen_api,
-)
+from kvplan.ops.flash_prefill import flash_prefill, flash_prefill_unsupported
 from kvplan.ops.paged_attention import RecentRing, paged_attention_prefill
 from kvplan.ops.sdpa_prefill import equal_length_groups, sdpa_prefill, sdpa_prefill_unsupported
 
@@ -133,9 +125,8 @@ def prefill_fresh_rows(
             ``ring.window`` each fresh query reads every key exact: SDPA or flash over the
             new rows in bf16 (what the ring holds; no stored rows read back). A longer one
             needs each query's own bound (keys more than ``window`` back read quantized):
-            with ``stored_rows``, no model window and at least ``STORED_ROWS_MIN_LEN``
-            tokens, two flash calls merged by their log-sum-exps
-            (`windowed_fresh_attention`); else None (the paged kernel's ring path).
+            the paged kernel's ring path (None), or with ``KVPLAN_WINDOW_FRESH=rows`` the
+            paged kernel over the stored rows as bf16 pages (`_windowed_fresh_rows`).
 
     Returns ``out`` (or a new tensor) with every row written, or None (then the caller runs
     the paged kernel over the whole segment; ``out`` may hold partial results meanwhile).
@@ -225,15 +216,16 @@ def _with_paged_rows(res, q, k_cache, v_cache, seg, split, scale, window, out, k
     return out
 
 
-WINDOW_FRESH_MODES = ("0", "flash", "rows")
+WINDOW_FRESH_MODES = ("0", "rows")
 
 
 def window_fresh_mode() -> str:
-    """``KVPLAN_WINDOW_FRESH``: how fresh prompts longer than kv_exact_window's window attend
-    (read on every call): ``flash`` (`windowed_fresh_attention`), ``rows`` (the paged kernel
-    over their stored rows read back as one-token bf16 pages, the exact rows as its ring:
-    `_stored_rows_with_ring`), ``0`` (the paged kernel over the quantized pages)."""
-    mode = os.environ.get("KVPLAN_WINDOW_FRESH", "flash").strip()
+    """``KVPLAN_WINDOW_FRESH`` (read on every call): how fresh prompts longer than
+    kv_exact_window's window attend: ``0`` (the default) the paged kernel over the quantized
+    pages and the per-step ring; ``rows`` the paged kernel over their stored rows read back
+    as one-token bf16 pages, the new rows as the ring (`_stored_rows_with_ring`; CPU-tested,
+    its GPU speed not yet measured: bench/RESULTS.md, session 47)."""
+    mode = os.environ.get("KVPLAN_WINDOW_FRESH", "0").strip()
     if mode not in WINDOW_FRESH_MODES:
         raise ValueError(f"KVPLAN_WINDOW_FRESH must be one of {WINDOW_FRESH_MODES}, got {mode!r}")
     return mode
@@ -242,36 +234,18 @@ def window_fresh_mode() -> str:
 def _windowed_fresh_rows(q, k_new, v_new, seg, split, scale, window, stored_rows, exact_window,
                          check=False):  # fmt: skip
     """The fresh rows ``[t0, T)`` of a segment with a ring whose window ``exact_window`` is
-    shorter than some fresh prompt (`window_fresh_mode`), or None where that does not apply:
-    no ``stored_rows``, prompts under ``STORED_ROWS_MIN_LEN``, or (``flash``) a model window or
-    flash unavailable for these rows (host facts; nothing is read back then)."""
+    shorter than some fresh prompt, by `window_fresh_mode`; None where that is ``0``, or
+    without ``stored_rows``, or for prompts under ``STORED_ROWS_MIN_LEN`` (nothing is read
+    back then)."""
     j, t0 = split.num_paged_rows, split.num_paged_tokens
-    mode = window_fresh_mode()
-    if stored_rows is None or mode == "0" or split.flash_max_q_len < STORED_ROWS_MIN_LEN:
+    if stored_rows is None or split.flash_max_q_len < STORED_ROWS_MIN_LEN:
         return None
-    q_f = q[t0:]
-    if mode == "rows":
-        k_st, v_st = stored_rows(t0, q.shape[0])
-        return _stored_rows_with_ring(q_f, k_new[t0:], v_new[t0:], k_st, v_st, seg, j, t0,
-                                      split.flash_max_q_len, scale, window, exact_window,
-                                      check)  # fmt: skip
-    if window is not None:
-        return None
-    api = varlen_api()
-    if api is None or not api.has_lse:
-        return None
-    stand_in = torch.empty(k_new[t0:].shape, dtype=torch.bfloat16, device="meta")
-    if q_f.dtype != torch.bfloat16 or flash_prefill_unsupported(
-        q_f, stand_in, stand_in, cache_dtype=torch.bfloat16, quantized_cache=False,
-        sliding_window=exact_window, max_q_len=split.flash_max_q_len, device_type=q.device.type,
-    ) is not None:  # fmt: skip
+    if window_fresh_mode() == "0":
         return None
     k_st, v_st = stored_rows(t0, q.shape[0])
-    cu = np.asarray(seg.host_cu_seqlens_q[j:], dtype=np.int64) - t0
-    return windowed_fresh_attention(
-        q_f, k_new[t0:].to(torch.bfloat16), v_new[t0:].to(torch.bfloat16), k_st, v_st, cu,
-        exact_window, scale,
-    )  # fmt: skip
+    return _stored_rows_with_ring(q[t0:], k_new[t0:], v_new[t0:], k_st, v_st, seg, j, t0,
+                                  split.flash_max_q_len, scale, window, exact_window,
+                                  check)  # fmt: skip
 
 
 def _stored_rows_with_ring(q, k_new, v_new, k_st, v_st, seg, j, t0, max_len, scale, window,
@@ -293,47 +267,3 @@ def _stored_rows_with_ring(q, k_new, v_new, k_st, v_st, seg, j, t0, max_len, sca
         q, k_st.unsqueeze(1), v_st.unsqueeze(1), ids, starts, cu, seg.kv_lens[j:], scale=scale,
         sliding_window=window, max_q_len=max_len, check=check, ring=ring,
     )  # fmt: skip
-
-
-def windowed_fresh_attention(
-    q: torch.Tensor,
-    k_exact: torch.Tensor,
-    v_exact: torch.Tensor,
-    k_stored: torch.Tensor,
-    v_stored: torch.Tensor,
-    cu_seqlens: np.ndarray,
-    window: int,
-    scale: float,
-    attend: Callable | None = None,
-) -> torch.Tensor | None:
-    """Causal attention of fresh sequences (positions ``0 ..``, rows ``cu_seqlens[b] ..
-    cu_seqlens[b + 1] - 1``, host, from 0) in which the query at ``p`` reads keys ``max(p -
-    window + 1, 0) .. p`` exact (``k_exact`` / ``v_exact``) and ``0 .. p - window`` as stored
-    (``k_stored`` / ``v_stored``): kv_exact_window's per-query bound, as the paged kernel reads
-    pages and ring. Two calls of ``attend`` (`flash_prefill_lse`'s signature): the exact rows
-    under a causal window of ``window``, then each sequence's queries from position ``window``
-    on over its stored rows up to ``window`` back (causal over equal lengths), merged by their
-    log-sum-exps (`merge_by_lse`). Returns ``[T, H, D]`` in q's dtype, or None where a call
-    returned None."""
-    attend = flash_prefill_lse if attend is None else attend
-    dev = q.device
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    lens = np.diff(cu)
-    res = attend(q, k_exact, v_exact, to_device(cu, dev), int(lens.max()), scale=scale,
-                 sliding_window=window)  # fmt: skip
-    if res is None:
-        return None
-    o, lse = res
-    tail = np.maximum(lens - window, 0)  # queries that also read stored keys
-    if not tail.any():
-        return o
-    cu_tail = exclusive_cumsum(tail)
-    k_rows = np.repeat(cu[:-1] - cu_tail[:-1], tail) + np.arange(int(cu_tail[-1]))
-    q_idx = to_device(k_rows + window, dev, torch.int64)
-    k_idx = to_device(k_rows, dev, torch.int64)
-    res = attend(q[q_idx], k_stored[k_idx], v_stored[k_idx], to_device(cu_tail, dev),
-                 int(tail.max()), scale=scale, sliding_window=None)  # fmt: skip
-    if res is None:
-        return None
-    o[q_idx] = merge_by_lse(o[q_idx], lse[:, q_idx], res[0], res[1])
-    return o

@@ -61,7 +61,6 @@ class VarlenApi(NamedTuple):
     fn: Callable[..., Any]
     has_window: bool  # takes ``window_size=(left, right)`` (else ``is_causal``)
     has_enable_gqa: bool  # takes ``enable_gqa`` (else GQA passes through unchecked)
-    has_lse: bool = False  # takes ``return_aux=AuxRequest(lse=True)``
 
 
 @lru_cache(maxsize=1)
@@ -75,7 +74,7 @@ def varlen_api() -> VarlenApi | None:
     has_window = "window_size" in params
     if not has_window and "is_causal" not in params:
         return None
-    return VarlenApi(varlen_attn, has_window, "enable_gqa" in params, "return_aux" in params)
+    return VarlenApi(varlen_attn, has_window, "enable_gqa" in params)
 
 
 def flash_prefill_enabled() -> bool:
@@ -140,74 +139,6 @@ def flash_prefill_unsupported(
     return None
 
 
-def flash_prefill_lse(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_len: int,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`flash_prefill` that also returns each query row's log-sum-exp of its scaled logits
-    (natural log, fp32 ``[H, T]``), so two attentions over disjoint key sets merge exactly
-    (`merge_by_lse`); None where the installed ``varlen_attn`` has no ``return_aux`` or this
-    case failed at its first use. Same inputs and contract as `flash_prefill`."""
-    api = varlen_api()
-    if api is None or not api.has_lse:
-        return None
-    from torch.nn.attention.varlen import AuxRequest
-
-    res = _varlen_call(api, q, k, v, cu_seqlens, max_len, scale, sliding_window,
-                       {"return_aux": AuxRequest(lse=True)}, "lse")  # fmt: skip
-    return None if res is None else (res[0], res[1])
-
-
-def merge_by_lse(
-    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
-) -> torch.Tensor:
-    """The attention over the union of two disjoint key sets from each set's normalized output
-    ``o`` ``[T, H, D]`` and log-sum-exp ``lse`` fp32 ``[H, T]`` (natural log): the outputs
-    weighted by ``softmax([lse1, lse2])`` per row and head, in fp32, cast to ``o1``'s dtype."""
-    m = torch.maximum(lse1, lse2)
-    w1 = torch.exp(lse1 - m).t()[:, :, None]  # [T, H, 1]
-    w2 = torch.exp(lse2 - m).t()[:, :, None]
-    o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
-    return o.to(o1.dtype)
-
-
-def _varlen_call(api, q, k, v, cu_seqlens, max_q_len, scale, sliding_window, extra, tag):
-    """One ``varlen_attn`` call (causal, or the last ``sliding_window`` keys), probed on first
-    use per (device, dtype, head_dim, GQA, window, ``tag``): None where that first call
-    failed."""
-    windowed = sliding_window is not None and sliding_window < max_q_len
-    grouped = q.shape[1] != k.shape[1]
-    key = (q.device, q.dtype, q.shape[-1], grouped, windowed, tag)
-    state = _probed.get(key)
-    if state is False:
-        return None
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    kwargs: dict[str, Any] = {"scale": float(scale), **extra}
-    if api.has_window:
-        kwargs["window_size"] = (sliding_window - 1, 0) if windowed else (-1, 0)
-    elif windowed:
-        return None
-    else:
-        kwargs["is_causal"] = True
-    if grouped and api.has_enable_gqa:
-        kwargs["enable_gqa"] = True
-    if state is None:
-        try:
-            res = api.fn(q, k, v, cu_seqlens, cu_seqlens, max_q_len, max_q_len, **kwargs)
-        except (RuntimeError, NotImplementedError):
-            _probed[key] = False
-            return None
-        _probed[key] = True
-        return res
-    return api.fn(q, k, v, cu_seqlens, cu_seqlens, max_q_len, max_q_len, **kwargs)
-
-
 def flash_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -234,4 +165,26 @@ def flash_prefill(
     """
     api = varlen_api()
     assert api is not None, "flash_prefill called without varlen_attn (check first)"
-    return _varlen_call(api, q, k, v, cu_seqlens, max_q_len, scale, sliding_window, {}, "out")
+    windowed = sliding_window is not None and sliding_window < max_q_len
+    grouped = q.shape[1] != k.shape[1]
+    key = (q.device, q.dtype, q.shape[-1], grouped, windowed)
+    state = _probed.get(key)
+    if state is False:
+        return None
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    kwargs: dict[str, Any] = {"scale": float(scale)}
+    if api.has_window:
+        kwargs["window_size"] = (sliding_window - 1, 0) if windowed else (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if grouped and api.has_enable_gqa:
+        kwargs["enable_gqa"] = True
+    if state is None:
+        try:
+            res = api.fn(q, k, v, cu_seqlens, cu_seqlens, max_q_len, max_q_len, **kwargs)
+        except (RuntimeError, NotImplementedError):
+            _probed[key] = False
+            return None
+        _probed[key] = True
+        return res
+    return api.fn(q, k, v, cu_seqlens, cu_seqlens, max_q_len, max_q_len, **kwargs)

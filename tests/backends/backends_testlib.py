@@ -438,27 +438,3 @@ def prepared_each(name: str, sc, md_kwargs: dict, attr: str, values, device: str
         md.prepare()
         out.append(md)
     return out
-
-
-def dense_causal_lse(q, k, v, cu_seqlens, max_len, *, scale, sliding_window=None):
-    """Float64 stand-in for ``kvplan.ops.flash_prefill.flash_prefill_lse`` (same contract):
-    each sequence's causal attention (or over its last ``sliding_window`` keys) in q's dtype,
-    and each row's natural-log log-sum-exp of its scaled logits, fp32 ``[H, T]``."""
-    cu = cu_seqlens.tolist()
-    assert cu[0] == 0 and cu[-1] == q.shape[0] == k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
-    for a, b in zip(cu[:-1], cu[1:]):
-        assert b - a <= max_len
-        kk = k[a:b].double().repeat_interleave(group, 1)
-        vv = v[a:b].double().repeat_interleave(group, 1)
-        s = torch.einsum("ihd,jhd->hij", q[a:b].double(), kk) * scale
-        i, j = torch.arange(b - a)[:, None], torch.arange(b - a)[None, :]
-        ok = j <= i
-        if sliding_window is not None:
-            ok &= j > i - sliding_window
-        s = s.masked_fill(~ok, float("-inf"))
-        lse[:, a:b] = torch.logsumexp(s, -1).float()
-        out[a:b] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
-    return out.to(q.dtype), lse

@@ -11,13 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from backends_testlib import (
-    SeqSpec,
-    dense_causal_lse,
-    fill_metadata,
-    make_scenario,
-    reference_attention,
-)
+from backends_testlib import SeqSpec, fill_metadata, make_scenario, reference_attention
 
 import kvplan.backends.fresh_prefill as fp
 from kvplan.backends import get_backend
@@ -205,41 +199,3 @@ def test_failed_first_use_falls_back(monkeypatch):
     sc = make_scenario(6, [SeqSpec(3, 5, True), SeqSpec(0, 4, True)], head_dim=16)
     _, out = _run("ragged", sc)
     torch.testing.assert_close(out.double(), reference_attention(sc, 0, None), atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("window", [1, 3, 8, 40])
-def test_windowed_fresh_attention_reads_each_querys_own_window_exact(window):
-    """kv_exact_window over fresh prompts by two flash calls merged by log-sum-exp
-    (`windowed_fresh_attention`, here over a float64 stand-in of flash): the query at ``p``
-    reads keys ``p - W + 1 .. p`` from the exact rows and ``0 .. p - W`` from the stored
-    ones, against a per-query float64 loop; sequences shorter than the window read only exact
-    rows, and the result differs from all-exact and all-stored attention."""
-    gen = torch.Generator().manual_seed(window)
-    lens = [13, 2, 30, 9]
-    cu = np.concatenate([[0], np.cumsum(lens)])
-    t, h, hkv, d = int(cu[-1]), 4, 2, 16
-    q = torch.randn(t, h, d, generator=gen, dtype=torch.float64)
-    k_ex, v_ex = (torch.randn(t, hkv, d, generator=gen, dtype=torch.float64) for _ in "kv")
-    k_st, v_st = k_ex + 0.3 * torch.randn(t, hkv, d, generator=gen, dtype=torch.float64), v_ex - 0.2
-    scale = 0.3
-    got = fp.windowed_fresh_attention(q, k_ex, v_ex, k_st, v_st, cu, window, scale,
-                                      attend=dense_causal_lse)  # fmt: skip
-    want = torch.zeros_like(q)
-    for b, n in enumerate(lens):
-        a = int(cu[b])
-        for p in range(n):
-            exact = torch.arange(p + 1) > p - window
-            kk = torch.where(exact[:, None, None], k_ex[a : a + p + 1], k_st[a : a + p + 1])
-            vv = torch.where(exact[:, None, None], v_ex[a : a + p + 1], v_st[a : a + p + 1])
-            for hh in range(h):
-                s = kk[:, hh // 2] @ q[a + p, hh] * scale
-                want[a + p, hh] = torch.softmax(s, 0) @ vv[:, hh // 2]
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    if window < max(lens):
-        for k_all, v_all in ((k_ex, v_ex), (k_st, v_st)):
-            other = dense_causal(q, k_all, v_all, torch.as_tensor(cu), max(lens), scale=scale)
-            assert (other - got).abs().max() > 1e-3
-    stand_in_fails = fp.windowed_fresh_attention(
-        q, k_ex, v_ex, k_st, v_st, cu, window, scale, attend=lambda *a, **kw: None
-    )
-    assert stand_in_fails is None  # flash unavailable: the caller keeps the paged kernel
