@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Never ran: the device refused every start after call B; call D replaced it, and the
+# two-flash mode it compares was removed after call B: bench/RESULTS.md, session 47.)
 # Session 47, call C: the window's long fresh prompts, two flash calls merged by log-sum-exp
 # (KVPLAN_WINDOW_FRESH=flash) against the stored rows as bf16 pages with the new rows as the
 # ring (=rows): the GPU engine test in both modes, one 8K prompt's prefill in each, then the
