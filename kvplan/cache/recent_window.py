@@ -24,13 +24,14 @@ Three kinds of step get there three ways:
 * steps with a longer chunk (its first query's bound below the last one's, which the ring
   cannot hold: the chunk overwrites the older rows its first queries need): a per-step ring
   (`WideStep`). At the layer's store, before the ring is written, each sequence of the step
-  gets a region of ``span = max_b (kv_len[b] - a[b])`` rows, ``a[b] = max(cached[b] - W +
-  1, start[b])`` its first query's bound, holding positions ``a[b] .. kv_len[b] - 1``: those
+  gets a region of ``kv_len[b] - a[b]`` rows, ``a[b] = max(cached[b] - W + 1, start[b])``
+  its first query's bound, holding positions ``a[b] .. kv_len[b] - 1`` in order: those
   before the chunk copied from the ring (which still holds them), the chunk's own from the
   step's new rows (cast to the ring's dtype). Attention reads that ring with ``lo = a`` and
   the window, so every query of the step, the other sequences' too, has its own bound. The
   attention kernels need no third source; the copy is ``W - 1 + query`` rows a sequence a
-  layer, in prefill steps only (decode steps, and so CUDA graphs, never take it).
+  layer (a decode beside a long chunk: ``W``), in prefill steps only (decode steps, and so
+  CUDA graphs, never take it).
 
 Layout: per layer, K and V rings ``[num_slots * size + 1, Hkv, D]``; slot ``s`` holds position
 ``p`` at row ``s * size + p % size``; the last row takes the writes of rows outside the ring
@@ -68,14 +69,17 @@ NO_RING = 1 << 30  # a ``lo`` past every ``kv_len``: the row reads no ring key
 
 
 class WideStep(NamedTuple):
-    """The per-step ring of a step with a long chunk (module docstring): sequence ``b``'s
-    positions ``a[b] .. kv_len[b] - 1`` at rows ``base[b] + p % span``; ``base`` / ``lo``
-    (= ``a``) int32 ``[num_seqs]`` on the device, ``lo_np`` on the host. The copy that fills
-    it, int64 ``[rows]`` on the device: region row ``to[i]`` takes the step's new row
-    ``src[i]`` (``>= 0``) or the ring's row ``-1 - src[i]``. ``layers``: the region tensors
-    ``(k, v)`` of the layer stored last (`fill`)."""
+    """The per-step ring of a step with a long chunk (module docstring): ``rows`` rows, sequence
+    ``b``'s positions ``a[b] .. kv_len[b] - 1`` at rows ``base[b] + p % size`` with ``size``
+    past every position of the step (so ``base[b] + p``: the regions packed end to end, each
+    exactly as long as it holds; ``base[b]`` may be negative); ``base`` / ``lo`` (= ``a``)
+    int32 ``[num_seqs]`` on the device, ``lo_np`` on the host. The copy that fills it, int64
+    ``[rows]`` on the device: region row ``to[i]`` takes the step's new row ``src[i]`` (``>=
+    0``) or the ring's row ``-1 - src[i]``. ``layers``: the region tensors ``(k, v)`` of the
+    layer stored last (`fill`)."""
 
-    span: int
+    rows: int
+    size: int
     base: torch.Tensor
     lo: torch.Tensor
     lo_np: np.ndarray
@@ -90,7 +94,7 @@ class WideStep(NamedTuple):
         the same values either way. Drops the layer before's regions."""
         self.layers.clear()
         rk, rv = kv.k[layer], kv.v[layer]
-        shape = (self.lo_np.size * self.span, *rk.shape[1:])
+        shape = (self.rows, *rk.shape[1:])
         out_k, out_v = rk.new_empty(shape), rv.new_empty(shape)
         n = self.src.shape[0]
         if n and use_triton(rk) and k.stride(2) == 1 and v.stride(2) == 1:
@@ -185,7 +189,7 @@ class RecentStep(NamedTuple):
                 "long chunk stores a layer's rows (RecentStep.store) before it attends"
             )
         k, v = wide.layers[layer]
-        return RecentRing(k, v, wide.base[first:last], wide.lo[first:last], wide.span,
+        return RecentRing(k, v, wide.base[first:last], wide.lo[first:last], wide.size,
                           self.kv.window)  # fmt: skip
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -372,15 +376,16 @@ class RecentWindow:
         from the step's new rows (batch order, each sequence's tokens contiguous)."""
         kv, n = self.kv, cached.size
         spans = kv_len - first
-        span = max(int(spans.max()), 1)
-        region = np.arange(n, dtype=np.int64) * span
-        pos = new_token_positions(first, exclusive_cumsum(spans), spans,
-                                  np.arange(int(spans.sum())))  # fmt: skip
+        offsets = exclusive_cumsum(spans)
+        rows = int(offsets[-1])
+        region = offsets[:-1] - first  # row of position p: region[b] + p
+        pos = new_token_positions(first, offsets, spans, np.arange(rows))
         seq = np.repeat(np.arange(n), spans)
-        to = region[seq] + pos % span
         old = pos < cached[seq]
         new_row = exclusive_cumsum(query)[seq] + pos - cached[seq]
         src = np.where(old, -1 - (base[seq] + pos % kv.size), new_row)
         dev, i64 = self.device, torch.int64
-        return WideStep(span, to_device(region, dev), to_device(first, dev), first,
-                        to_device(src, dev, i64), to_device(to, dev, i64), {})  # fmt: skip
+        return WideStep(
+            max(rows, 1), int(kv_len.max()) + 1, to_device(region, dev), to_device(first, dev),
+            first, to_device(src, dev, i64), to_device(region[seq] + pos, dev, i64), {},
+        )  # fmt: skip

@@ -127,8 +127,11 @@ def test_wide_step_regions_hold_each_querys_exact_keys(triton_fill, monkeypatch)
     step = run(ids, cached, query)
     assert step.wide is not None
     ring = step.ring(1)
-    assert ring.window == w and ring.size == step.wide.span
     starts = {"a": 0, "b": 0, "c": 12, "d": 0}
+    # the regions packed end to end, each as long as it holds (W rows for the decode)
+    assert ring.window == w and ring.size > max(c + q for c, q in zip(cached, query))
+    assert ring.k.shape[0] == sum(c + q - max(c - w + 1, starts[r])
+                                  for r, c, q in zip(ids, cached, query))  # fmt: skip
     for b, rid in enumerate(ids):
         first = max(cached[b] - w + 1, starts[rid])
         assert int(ring.lo[b]) == first
