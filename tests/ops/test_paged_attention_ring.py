@@ -67,6 +67,8 @@ CASES = [
     ("int8", 2, [33, 9], [4, 2], [0, 0], [1, 0], 4, None),
     ("fp4", 3, [50, 17], [6, 17], [40, 0], [0, 3], 8, None),
     ("plain", 4, [29, 64, 3], [2, 1, 3], [0, 10, 0], [0, 1, 2], 16, None),
+    # one-token pages (KVPLAN_WINDOW_FRESH=rows: a fresh prompt's stored rows as the pages)
+    ("plain", 6, [16, 9], [16, 9], [0, 0], [0, 1], 1, None),
 ]
 
 
