@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# (Never ran: two more starts were refused and the device time left could not hold one;
-# bench/RESULTS.md, session 47.)
+# (Ran as call D at 5d97152 with BUDGET=95, ~16:17 UTC, after two refused tries; three
+# single-command workload runs followed on the same warm machine: bench/RESULTS.md, session 47.)
 # Session 47, call D (the device time left after failed starts: ~110 s): the stored rows as
 # bf16 pages with the new rows as the ring (KVPLAN_WINDOW_FRESH=rows) on the GPU: its engine
 # test, then one 8K prompt's prefill with the window in that mode and on the quantized pages

@@ -388,8 +388,8 @@ def test_fresh_prompts_within_the_window_take_sdpa_over_their_exact_rows(monkeyp
 
 
 def test_long_fresh_prompts_over_their_stored_rows_as_bf16_pages(monkeypatch):
-    """``KVPLAN_WINDOW_FRESH=rows``: a fresh prompt chunk longer than the window attends over
-    its stored rows read back as one-token bf16 pages, its new rows as the ring
+    """``KVPLAN_WINDOW_FRESH=rows`` (the default): a fresh prompt chunk longer than the window
+    attends over its stored rows read back as one-token bf16 pages, its new rows as the ring
     (`_stored_rows_with_ring`): the same keys for each query as the paged kernel over the
     quantized pages (``0``), so the same logits up to summation order; bad values refused."""
     import kvplan.backends.fresh_prefill as fp
@@ -410,6 +410,8 @@ def test_long_fresh_prompts_over_their_stored_rows_as_bf16_pages(monkeypatch):
     monkeypatch.setenv("KVPLAN_WINDOW_FRESH", "paged")
     with pytest.raises(ValueError, match="KVPLAN_WINDOW_FRESH must be one of"):
         fp.window_fresh_mode()
+    monkeypatch.delenv("KVPLAN_WINDOW_FRESH")
+    assert fp.window_fresh_mode() == "rows"
 
 
 @pytest.mark.gpu
