@@ -69,16 +69,15 @@ NO_RING = 1 << 30  # a ``lo`` past every ``kv_len``: the row reads no ring key
 
 
 class WideStep(NamedTuple):
-    """The per-step ring of a step with a long chunk (module docstring): ``rows`` rows, sequence
-    ``b``'s positions ``a[b] .. kv_len[b] - 1`` at rows ``base[b] + p % size`` with ``size``
-    past every position of the step (so ``base[b] + p``: the regions packed end to end, each
+    """The per-step ring of a step with a long chunk (module docstring): sequence ``b``'s
+    positions ``a[b] .. kv_len[b] - 1`` at rows ``base[b] + p % size`` with ``size`` past
+    every position of the step (so ``base[b] + p``: the regions packed end to end, each
     exactly as long as it holds; ``base[b]`` may be negative); ``base`` / ``lo`` (= ``a``)
     int32 ``[num_seqs]`` on the device, ``lo_np`` on the host. The copy that fills it, int64
-    ``[rows]`` on the device: region row ``to[i]`` takes the step's new row ``src[i]`` (``>=
-    0``) or the ring's row ``-1 - src[i]``. ``layers``: the region tensors ``(k, v)`` of the
-    layer stored last (`fill`)."""
+    on the device, one entry a region row: row ``to[i]`` takes the step's new row ``src[i]``
+    (``>= 0``) or the ring's row ``-1 - src[i]``. ``layers``: the region tensors ``(k, v)``
+    of the layer stored last (`fill`)."""
 
-    rows: int
     size: int
     base: torch.Tensor
     lo: torch.Tensor
@@ -89,57 +88,14 @@ class WideStep(NamedTuple):
 
     def fill(self, layer: int, kv: RecentKV, k: torch.Tensor, v: torch.Tensor) -> None:
         """``layer``'s regions from its ring (not yet written this step) and the step's new
-        rows ``k`` / ``v`` ``[T, Hkv, D]`` (cast to the ring's dtype): one Triton launch for
-        both (`wide_fill_kernel`) on CUDA or with ``KVPLAN_FORCE_TRITON=1``, else index ops;
-        the same values either way. Drops the layer before's regions."""
+        rows ``k`` / ``v`` ``[T, Hkv, D]`` (cast to the ring's dtype), by `copy_rows`. Drops
+        the layer before's regions."""
         self.layers.clear()
         rk, rv = kv.k[layer], kv.v[layer]
-        shape = (self.rows, *rk.shape[1:])
+        shape = (max(self.to.shape[0], 1), *rk.shape[1:])
         out_k, out_v = rk.new_empty(shape), rv.new_empty(shape)
-        n = self.src.shape[0]
-        if n and use_triton(rk) and k.stride(2) == 1 and v.stride(2) == 1:
-            width = rk.shape[1] * rk.shape[2]
-            tile = triton.next_power_of_2(width)
-            wide_fill_kernel[(n,)](
-                rk, rv, k, v, out_k, out_v, self.src, self.to, k.stride(0), k.stride(1),
-                v.stride(0), v.stride(1), rk.shape[2], width, TILE=tile,
-                num_warps=4 if tile >= 1024 else 1,
-            )  # fmt: skip
-        elif n:
-            old = self.src < 0
-            new = ~old
-            for out, ring, rows in ((out_k, rk, k), (out_v, rv, v)):
-                out[self.to[old]] = ring[-1 - self.src[old]]
-                out[self.to[new]] = rows[self.src[new]].to(ring.dtype)
+        copy_rows(k, v, out_k, out_v, self.to, self.src, (rk, rv))
         self.layers[layer] = (out_k, out_v)
-
-
-@jit
-def wide_fill_kernel(
-    rk_ptr, rv_ptr, k_ptr, v_ptr, out_k_ptr, out_v_ptr, src_ptr, to_ptr, stride_kt, stride_kh,
-    stride_vt, stride_vh, head_dim, width, TILE: tl.constexpr,
-):  # fmt: skip
-    """Grid ``(rows,)``: region row ``to[i]`` of ``out_k`` / ``out_v`` (``width = Hkv * D``
-    values a row, contiguous) from the step's K / V row ``src[i]`` (heads at their strides,
-    ``D`` contiguous; cast to the ring's dtype) or, where ``src[i] < 0``, the ring's row
-    ``-1 - src[i]``."""
-    i = tl.program_id(0).to(tl.int64)
-    src = tl.load(src_ptr + i)
-    to = tl.load(to_ptr + i)
-    offs = tl.arange(0, TILE)
-    ok = offs < width
-    dtype: tl.constexpr = out_k_ptr.dtype.element_ty
-    if src < 0:
-        row = -1 - src
-        kx = tl.load(rk_ptr + row * width + offs, mask=ok)
-        vx = tl.load(rv_ptr + row * width + offs, mask=ok)
-    else:
-        h = offs // head_dim
-        d = offs % head_dim
-        kx = tl.load(k_ptr + src * stride_kt + h * stride_kh + d, mask=ok).to(dtype)
-        vx = tl.load(v_ptr + src * stride_vt + h * stride_vh + d, mask=ok).to(dtype)
-    tl.store(out_k_ptr + to * width + offs, kx, mask=ok)
-    tl.store(out_v_ptr + to * width + offs, vx, mask=ok)
 
 
 class RecentStep(NamedTuple):
@@ -235,43 +191,72 @@ class RecentKV:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
         """``k`` / ``v`` ``[T, Hkv, D]`` into ``layer``'s rings at ``rows`` (int64 ``[T]``;
-        the trash row may repeat, every other row at most once): one Triton launch for both
-        (`ring_store_kernel`) on CUDA or with ``KVPLAN_FORCE_TRITON=1``, else two
-        ``index_copy_``; the same values either way (a cast to the ring's dtype)."""
-        rk, rv = self.k[layer], self.v[layer]
-        t = rows.shape[0]
-        width = rk.shape[1] * rk.shape[2]
-        if t == 0:
-            return
-        if not use_triton(rk) or k.stride(2) != 1 or v.stride(2) != 1:
-            rk.index_copy_(0, rows, k.to(rk.dtype))
-            rv.index_copy_(0, rows, v.to(rv.dtype))
-            return
+        the trash row may repeat, every other row at most once), by `copy_rows`."""
+        copy_rows(k, v, self.k[layer], self.v[layer], rows)
+
+
+def copy_rows(
+    k: torch.Tensor, v: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor,
+    to: torch.Tensor, src: torch.Tensor | None = None,
+    ring: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:  # fmt: skip
+    """Rows into ``out_k`` / ``out_v`` (``[rows, Hkv, D]``, contiguous) at ``to`` (int64
+    ``[n]``), cast to their dtype: row ``i`` of ``k`` / ``v`` (``[T, Hkv, D]``, ``D``
+    contiguous or not) with no ``src``; else the step's row ``src[i]`` where ``>= 0`` and the
+    ``ring``'s row ``-1 - src[i]`` where not. One Triton launch for K and V
+    (`ring_store_kernel`) on CUDA or with ``KVPLAN_FORCE_TRITON=1``, else index ops; the same
+    values either way."""
+    n = to.shape[0]
+    if n == 0:
+        return
+    if use_triton(out_k) and k.stride(2) == 1 and v.stride(2) == 1:
+        width = out_k.shape[1] * out_k.shape[2]
         tile = triton.next_power_of_2(width)
-        ring_store_kernel[(t,)](
-            k, v, rk, rv, rows, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            rk.shape[2], width, TILE=tile, num_warps=4 if tile >= 1024 else 1,
+        rk, rv = ring if ring is not None else (out_k, out_v)
+        ring_store_kernel[(n,)](
+            k, v, out_k, out_v, to, to if src is None else src, rk, rv, k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), out_k.shape[2], width, TILE=tile,
+            GATHER=src is not None, num_warps=4 if tile >= 1024 else 1,
         )  # fmt: skip
+    elif src is None:
+        out_k.index_copy_(0, to, k.to(out_k.dtype))
+        out_v.index_copy_(0, to, v.to(out_v.dtype))
+    else:
+        old = src < 0
+        new = ~old
+        for out, rows, r in ((out_k, k, ring[0]), (out_v, v, ring[1])):
+            out[to[old]] = r[-1 - src[old]]
+            out[to[new]] = rows[src[new]].to(out.dtype)
 
 
 @jit
 def ring_store_kernel(
-    k_ptr, v_ptr, rk_ptr, rv_ptr, rows_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-    head_dim, width, TILE: tl.constexpr,
+    k_ptr, v_ptr, out_k_ptr, out_v_ptr, to_ptr, src_ptr, rk_ptr, rv_ptr, stride_kt, stride_kh,
+    stride_vt, stride_vh, head_dim, width, TILE: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(T,)``: token ``t``'s K and V rows (``width = Hkv * D`` values, heads at their
-    strides, ``D`` contiguous) cast to the ring's dtype at ring row ``rows[t]``."""
-    t = tl.program_id(0).to(tl.int64)
-    row = tl.load(rows_ptr + t)
+    """Grid ``(n,)``: row ``to[i]`` of ``out_k`` / ``out_v`` (``width = Hkv * D`` values a
+    row, contiguous) from K / V row ``i`` (heads at their strides, ``D`` contiguous; cast to
+    the output's dtype); with ``GATHER`` from row ``src[i]``, or where ``src[i] < 0`` from
+    the ring's (``rk`` / ``rv``, contiguous, the output's dtype) row ``-1 - src[i]``."""
+    i = tl.program_id(0).to(tl.int64)
+    to = tl.load(to_ptr + i)
     offs = tl.arange(0, TILE)
     ok = offs < width
-    h = offs // head_dim
-    d = offs % head_dim
-    dtype: tl.constexpr = rk_ptr.dtype.element_ty
-    kx = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=ok)
-    vx = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok)
-    tl.store(rk_ptr + row * width + offs, kx.to(dtype), mask=ok)
-    tl.store(rv_ptr + row * width + offs, vx.to(dtype), mask=ok)
+    dtype: tl.constexpr = out_k_ptr.dtype.element_ty
+    if GATHER:
+        src = tl.load(src_ptr + i)
+    else:
+        src = i
+    if src < 0:
+        kx = tl.load(rk_ptr + (-1 - src) * width + offs, mask=ok)
+        vx = tl.load(rv_ptr + (-1 - src) * width + offs, mask=ok)
+    else:
+        h = offs // head_dim
+        d = offs % head_dim
+        kx = tl.load(k_ptr + src * stride_kt + h * stride_kh + d, mask=ok).to(dtype)
+        vx = tl.load(v_ptr + src * stride_vt + h * stride_vh + d, mask=ok).to(dtype)
+    tl.store(out_k_ptr + to * width + offs, kx, mask=ok)
+    tl.store(out_v_ptr + to * width + offs, vx, mask=ok)
 
 
 class RecentWindow:
@@ -386,6 +371,6 @@ class RecentWindow:
         src = np.where(old, -1 - (base[seq] + pos % kv.size), new_row)
         dev, i64 = self.device, torch.int64
         return WideStep(
-            max(rows, 1), int(kv_len.max()) + 1, to_device(region, dev), to_device(first, dev),
-            first, to_device(src, dev, i64), to_device(region[seq] + pos, dev, i64), {},
+            int(kv_len.max()) + 1, to_device(region, dev), to_device(first, dev), first,
+            to_device(src, dev, i64), to_device(region[seq] + pos, dev, i64), {},
         )  # fmt: skip

@@ -97,7 +97,7 @@ def test_wide_step_regions_hold_each_querys_exact_keys(triton_fill, monkeypatch)
     chunk's from the step's rows -- and `ring` hands the kernels that region with ``lo`` =
     the first query's bound and the window, for every sequence of the step (a decode, a
     verification row and a prefix-cache start beside the chunk). ``triton_fill``: the
-    one-launch copy (`wide_fill_kernel`, interpreter) with a strided V (a view of wider rows)."""
+    one-launch copy (`ring_store_kernel` gathering, interpreter) with a strided V (a view of wider rows)."""
     if triton_fill:
         monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
     w, slack, hkv, d = 4, 2, 2, 8
