@@ -633,3 +633,44 @@ def test_prefetch_defaults_per_format_and_kernel(monkeypatch):
         pak._env_prefetch()
     monkeypatch.setenv("KVPLAN_QUANT_PREFETCH", "")
     assert pak._env_prefetch() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["plain", "fp8"])
+def test_gpu_fused_merge_equals_the_combine_launch_in_graph_replays(kind):
+    """On the GPU the split programs of one (sequence, head group) race for the merge: the
+    last one's result has the combine launch's bits, eagerly and over CUDA-graph replays
+    whose queries change, and the counters are zero after every launch."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(80)
+    kv_lens = torch.randint(1, 3000, (40,), generator=gen).tolist() + [1, 256, 0]
+    c = make_case(80, kv_lens, [1] * len(kv_lens), num_kv_heads=8, group=4, head_dim=64,
+                  block_size=16)  # fmt: skip
+    fmt = None if kind == "plain" else layout_of(kind, 8, 64)
+    if fmt is None:
+        k, v = (t.nan_to_num().bfloat16().cuda() for t in (c.k_cache, c.v_cache))
+    else:
+        k, v = (quantize_cache(t, fmt).cuda() for t in (c.k_cache, c.v_cache))
+    q = c.q.bfloat16().cuda()
+    args = (q, k, v, c.page_ids.cuda(), c.page_start.cuda(), c.kv_lens.cuda())
+    counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    for splits in (2, 5, 16):
+        kw = dict(scale=c.scale, num_splits=splits, kv_layout=fmt, check=False)
+        two = paged_attention_decode_triton(*args, fused=False, **kw)
+        one = paged_attention_decode_triton(*args, fused=True, counters=counters, **kw)
+        assert torch.equal(one, two), splits
+        assert torch.isfinite(one).all() and not counters.any()
+    out = torch.zeros_like(q)
+    run = lambda: paged_attention_decode_triton(*args, out=out, fused=True,  # noqa: E731
+                                                counters=counters, **kw)  # fmt: skip
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        q.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, paged_attention_decode_triton(*args, fused=False, **kw))
+        assert not counters.any()
