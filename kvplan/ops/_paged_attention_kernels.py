@@ -60,6 +60,10 @@ from kvplan.ops._triton_util import merge_counters
 # Stand-in for "no sliding window": far beyond any int32 position difference we produce.
 NO_WINDOW = 1 << 30
 
+MERGE_CHUNK: tl.constexpr = tl.constexpr(int(os.environ.get("KVPLAN_DECODE_MERGE_CHUNK", "2")))
+"""Splits whose partials one step of `_merge_partials` loads at once (all in flight together);
+``KVPLAN_DECODE_MERGE_CHUNK`` at import (A/B runs)."""
+
 
 @jit
 def _softmax_step(s, m_i, l_i):
@@ -622,43 +626,67 @@ def _merge_partials(
         col = offs_d[None, :] - (offs_g // group_size * HEAD_DIM)[:, None]
         keep = row_ok[:, None] & (col >= 0) & (col < HEAD_DIM)
     base = (b.to(tl.int64) * num_heads + heads) * num_splits  # partial rows of split 0
-    m = tl.load(part_m_ptr + base, mask=row_ok, other=-1.0e30, cache_modifier=CACHE)
+    # a head's partials are consecutive rows: MERGE_CHUNK splits a load, all in flight at once
+    CH: tl.constexpr = MERGE_CHUNK
+    offs_c = tl.arange(0, CH)
+    m = tl.full([TILE_M], -1.0e30, tl.float32)
     if INTERPRET:  # no runtime range bound in the interpreter
-        s = 1
-        while s < num_splits:
-            m = tl.maximum(m, tl.load(part_m_ptr + base + s, mask=row_ok, other=-1.0e30,
-                                      cache_modifier=CACHE))  # fmt: skip
-            s += 1
+        s0 = 0
+        while s0 < num_splits:
+            m = tl.maximum(m, tl.max(_split_values(part_m_ptr, base, s0, offs_c, num_splits,
+                                                   row_ok, -1.0e30, CACHE), 1))  # fmt: skip
+            s0 += CH
     else:
-        for s in range(1, num_splits):
-            m = tl.maximum(m, tl.load(part_m_ptr + base + s, mask=row_ok, other=-1.0e30,
-                                      cache_modifier=CACHE))  # fmt: skip
+        for s0 in range(0, num_splits, CH):
+            m = tl.maximum(m, tl.max(_split_values(part_m_ptr, base, s0, offs_c, num_splits,
+                                                   row_ok, -1.0e30, CACHE), 1))  # fmt: skip
     l_i = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, HD], tl.float32)
     if INTERPRET:
-        s = 0
-        while s < num_splits:
-            acc, l_i = _merge_one(acc, l_i, m, base + s, part_acc_ptr, part_m_ptr, part_l_ptr,
-                                  col, keep, row_ok, HEAD_DIM, CACHE)  # fmt: skip
-            s += 1
+        s0 = 0
+        while s0 < num_splits:
+            acc, l_i = _merge_chunk(acc, l_i, m, base, s0, offs_c, num_splits, part_acc_ptr,
+                                    part_m_ptr, part_l_ptr, col, keep, row_ok, HEAD_DIM, CH,
+                                    CACHE)  # fmt: skip
+            s0 += CH
     else:
-        for s in range(0, num_splits):
-            acc, l_i = _merge_one(acc, l_i, m, base + s, part_acc_ptr, part_m_ptr, part_l_ptr,
-                                  col, keep, row_ok, HEAD_DIM, CACHE)  # fmt: skip
+        for s0 in range(0, num_splits, CH):
+            acc, l_i = _merge_chunk(acc, l_i, m, base, s0, offs_c, num_splits, part_acc_ptr,
+                                    part_m_ptr, part_l_ptr, col, keep, row_ok, HEAD_DIM, CH,
+                                    CACHE)  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + col
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=keep)
 
 
 @jit
-def _merge_one(acc, l_i, m, row, part_acc_ptr, part_m_ptr, part_l_ptr, col, keep, row_ok,
-               HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-    """One split's partial (rows ``row``) added into ``acc`` / ``l_i`` at the maximum ``m``."""
-    w = tl.exp2(tl.load(part_m_ptr + row, mask=row_ok, other=-1.0e30, cache_modifier=CACHE) - m)
-    l_i = tl.fma(w, tl.load(part_l_ptr + row, mask=row_ok, other=0.0, cache_modifier=CACHE), l_i)
-    part = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + col, mask=keep, other=0.0,
+def _split_values(ptr, base, s0, offs_c, num_splits, row_ok, other, CACHE: tl.constexpr):
+    """``[R, CH]``: the rows' values of splits ``s0 .. s0 + CH - 1`` (``other`` past the last)."""
+    ok = row_ok[:, None] & (s0 + offs_c < num_splits)[None, :]
+    return tl.load(ptr + base[:, None] + s0 + offs_c[None, :], mask=ok, other=other,
                    cache_modifier=CACHE)  # fmt: skip
-    return tl.fma(w[:, None], part, acc), l_i
+
+
+@jit
+def _merge_chunk(
+    acc, l_i, m, base, s0, offs_c, num_splits, part_acc_ptr, part_m_ptr, part_l_ptr, col, keep,
+    row_ok, HEAD_DIM: tl.constexpr, CH: tl.constexpr, CACHE: tl.constexpr,
+):  # fmt: skip
+    """Splits ``s0 .. s0 + CH - 1`` added into ``acc`` / ``l_i`` at the maximum ``m``, in split
+    order: ``w = exp2(m_s - m)``, ``l += w * l_s``, ``acc += w * acc_s`` (explicit fmas; a split
+    past the last adds exact zeros). Every load of the chunk is independent of the sums, so
+    they are all in flight together."""
+    w = tl.exp2(_split_values(part_m_ptr, base, s0, offs_c, num_splits, row_ok, -1.0e30,
+                              CACHE) - m[:, None])  # fmt: skip
+    lv = _split_values(part_l_ptr, base, s0, offs_c, num_splits, row_ok, 0.0, CACHE)
+    for j in tl.static_range(CH):
+        part = tl.load(part_acc_ptr + (base + s0 + j)[:, None] * HEAD_DIM + col,
+                       mask=keep & (s0 + j < num_splits), other=0.0,
+                       cache_modifier=CACHE)  # fmt: skip
+        w_j = tl.sum(tl.where(offs_c[None, :] == j, w, 0.0), 1)  # column j, exactly
+        l_i = tl.fma(w_j, tl.sum(tl.where(offs_c[None, :] == j, lv, 0.0), 1), l_i)
+        acc = tl.fma(w_j[:, None], part, acc)
+    return acc, l_i
 
 
 @jit
