@@ -24,9 +24,8 @@ Kernels:
 - ``_decode_kernel``: grid ``(B, Hkv / HEADS, num_splits)`` (``(Hkv / HEADS, B,
   num_splits)`` with ``HEADS_FIRST``); one query per sequence, ``HEADS`` neighbouring KV heads
   a program (1 by default); the visible key range is cut into ``num_splits`` chunks (split-K).
-  With one split it writes the output, else fp32 partials that the last program of each
-  (sequence, head group) merges (``FUSED``, the default: one launch) or ``_combine_kernel``
-  (grid ``(B, H)``) does; both through ``_merge_partials``.
+  With one split it writes the output, else fp32 partials that ``_combine_kernel`` (grid
+  ``(B, H)``) merges.
 - ``_prefill_kernel``: grid ``(B, num_row_tiles, Hkv)``; varlen causal, tiles over query rows
   and keys; also serves decode rows with several query tokens.
 """
@@ -55,14 +54,9 @@ from kvplan.ops._paged_kv_tiles import (
     query_f16,
 )
 from kvplan.ops._quant_triton import SF_KIND as _SF_KIND
-from kvplan.ops._triton_util import merge_counters
 
 # Stand-in for "no sliding window": far beyond any int32 position difference we produce.
 NO_WINDOW = 1 << 30
-
-MERGE_CHUNK: tl.constexpr = tl.constexpr(int(os.environ.get("KVPLAN_DECODE_MERGE_CHUNK", "2")))
-"""Splits whose partials one step of `_merge_partials` loads at once (all in flight together);
-``KVPLAN_DECODE_MERGE_CHUNK`` at import (A/B runs)."""
 
 
 @jit
@@ -462,7 +456,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
     GROUP: tl.constexpr, PREFETCH: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    HEADS: tl.constexpr, RING: tl.constexpr, cnt_ptr=None, FUSED: tl.constexpr = False,
+    HEADS: tl.constexpr, RING: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, Hkv / HEADS, num_splits), or (Hkv / HEADS, B, num_splits) with
     ``HEADS_FIRST``. q/out: [B, H, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D]; page_ids int32
@@ -481,16 +475,7 @@ def _decode_kernel(
     ``ring_base[b] + p % ring_size`` for ``p >= ring_lo[b]`` (int32 [B]). 0: no ring; 2: the
     pages up to ``ring_lo`` in splits ``0 .. num_splits - 2`` (the same code as without the
     ring: folding the ring's tiles into this program made it 14 % slower on an H100); 3 (grid
-    ``(B, Hkv / HEADS, 1)``): the ring's keys into partial ``num_splits - 1``.
-
-    ``FUSED`` (``SPLIT`` only): no combine launch. Each program, once its partial is stored,
-    counts itself in on its (sequence, head group)'s int32 counter at ``cnt_ptr + b *
-    (Hkv / HEADS) + kvh / HEADS`` (an acquire-release atomic at GPU scope, after a barrier
-    over the program's own stores); the one that arrives last (over both launches of a ring
-    step) merges the ``num_splits`` partials as ``_combine_kernel`` does (`_merge_partials`:
-    the same operations in the same order, so the same bits, whichever program is last; it
-    reads them past the L1) and sets the counter back to zero for the next launch or graph
-    replay."""
+    ``(B, Hkv / HEADS, 1)``): the ring's keys into partial ``num_splits - 1``."""
     if HEADS_FIRST:
         b = tl.program_id(1)
         kvh = tl.program_id(0) * HEADS
@@ -569,17 +554,6 @@ def _decode_kernel(
         tl.store(part_acc_ptr + acc_off, acc, mask=keep)
         tl.store(part_m_ptr + part_row, m_i, mask=g_ok)
         tl.store(part_l_ptr + part_row, l_i, mask=g_ok)
-        if FUSED:
-            tl.debug_barrier()  # every thread's stores above, before the count
-            counter = cnt_ptr + b * (num_kv_heads // HEADS) + kvh // HEADS
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                _merge_partials(
-                    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kvh * group_size,
-                    group_size * HEADS, group_size, num_heads, num_splits, stride_ob, stride_oh,
-                    TILE_M, HEAD_DIM, HEADS, INTERPRET, ".cg",
-                )  # fmt: skip
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + col
@@ -589,104 +563,23 @@ def _decode_kernel(
 @jit
 def _combine_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, H): merge the split partials (fp32 [B, H, S, D] and [B, H, S]) into out
-    (`_merge_partials`, one row a program)."""
-    _merge_partials(
-        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, tl.program_id(0), tl.program_id(1), 1, 1,
-        num_heads, num_splits, stride_ob, stride_oh, 1, HEAD_DIM, 1, INTERPRET, "",
-    )  # fmt: skip
-
-
-@jit(noinline=True)
-def _merge_partials(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, first_head, num_rows, group_size,
-    num_heads, num_splits, stride_ob, stride_oh, TILE_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS: tl.constexpr, INTERPRET: tl.constexpr, CACHE: tl.constexpr,
-):  # fmt: skip
-    """Merge the ``num_splits`` partial states of sequence ``b``'s heads ``first_head ..
-    first_head + num_rows - 1`` (a tile of ``TILE_M`` rows laid out as the decode kernel's,
-    ``HEADS`` KV heads of ``group_size`` query heads side by side) and store the normalized
-    rows in out: the largest running maximum ``m`` first, then, split by split in order, ``l
-    += w * l_s`` and ``acc += w * acc_s`` with ``w = exp2(m_s - m)`` as explicit fmas (the same
-    bits in the combine kernel and the fused merge, whatever the compiler contracts). Rows
-    that saw no key (every ``l_s`` 0) come out as zeros. ``CACHE``: the loads' cache modifier
-    (``".cg"``, past the L1, where other programs of the launch wrote the partials). Not
-    inlined (scalar arguments): the decode kernel's main loop keeps its registers."""
-    HD: tl.constexpr = HEADS * HEAD_DIM
-    offs_g = tl.arange(0, TILE_M)
-    offs_d = tl.arange(0, HD)
-    row_ok = offs_g < num_rows
-    heads = (first_head + offs_g).to(tl.int64)
-    if HEADS == 1:
-        col = offs_d[None, :]
-        keep = row_ok[:, None]
-    else:  # row r's own head's columns, head-local
-        col = offs_d[None, :] - (offs_g // group_size * HEAD_DIM)[:, None]
-        keep = row_ok[:, None] & (col >= 0) & (col < HEAD_DIM)
-    base = (b.to(tl.int64) * num_heads + heads) * num_splits  # partial rows of split 0
-    # a head's partials are consecutive rows: MERGE_CHUNK splits a load, all in flight at once
-    CH: tl.constexpr = MERGE_CHUNK
-    offs_c = tl.arange(0, CH)
-    m = tl.full([TILE_M], -1.0e30, tl.float32)
-    if INTERPRET:  # no runtime range bound in the interpreter
-        s0 = 0
-        while s0 < num_splits:
-            m = tl.maximum(m, tl.max(_split_values(part_m_ptr, base, s0, offs_c, num_splits,
-                                                   row_ok, -1.0e30, CACHE), 1))  # fmt: skip
-            s0 += CH
-    else:
-        for s0 in range(0, num_splits, CH):
-            m = tl.maximum(m, tl.max(_split_values(part_m_ptr, base, s0, offs_c, num_splits,
-                                                   row_ok, -1.0e30, CACHE), 1))  # fmt: skip
-    l_i = tl.zeros([TILE_M], tl.float32)
-    acc = tl.zeros([TILE_M, HD], tl.float32)
-    if INTERPRET:
-        s0 = 0
-        while s0 < num_splits:
-            acc, l_i = _merge_chunk(acc, l_i, m, base, s0, offs_c, num_splits, part_acc_ptr,
-                                    part_m_ptr, part_l_ptr, col, keep, row_ok, HEAD_DIM, CH,
-                                    CACHE)  # fmt: skip
-            s0 += CH
-    else:
-        for s0 in range(0, num_splits, CH):
-            acc, l_i = _merge_chunk(acc, l_i, m, base, s0, offs_c, num_splits, part_acc_ptr,
-                                    part_m_ptr, part_l_ptr, col, keep, row_ok, HEAD_DIM, CH,
-                                    CACHE)  # fmt: skip
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + col
-    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=keep)
-
-
-@jit
-def _split_values(ptr, base, s0, offs_c, num_splits, row_ok, other, CACHE: tl.constexpr):
-    """``[R, CH]``: the rows' values of splits ``s0 .. s0 + CH - 1`` (``other`` past the last)."""
-    ok = row_ok[:, None] & (s0 + offs_c < num_splits)[None, :]
-    return tl.load(ptr + base[:, None] + s0 + offs_c[None, :], mask=ok, other=other,
-                   cache_modifier=CACHE)  # fmt: skip
-
-
-@jit
-def _merge_chunk(
-    acc, l_i, m, base, s0, offs_c, num_splits, part_acc_ptr, part_m_ptr, part_l_ptr, col, keep,
-    row_ok, HEAD_DIM: tl.constexpr, CH: tl.constexpr, CACHE: tl.constexpr,
-):  # fmt: skip
-    """Splits ``s0 .. s0 + CH - 1`` added into ``acc`` / ``l_i`` at the maximum ``m``, in split
-    order: ``w = exp2(m_s - m)``, ``l += w * l_s``, ``acc += w * acc_s`` (explicit fmas; a split
-    past the last adds exact zeros). Every load of the chunk is independent of the sums, so
-    they are all in flight together."""
-    w = tl.exp2(_split_values(part_m_ptr, base, s0, offs_c, num_splits, row_ok, -1.0e30,
-                              CACHE) - m[:, None])  # fmt: skip
-    lv = _split_values(part_l_ptr, base, s0, offs_c, num_splits, row_ok, 0.0, CACHE)
-    for j in tl.static_range(CH):
-        part = tl.load(part_acc_ptr + (base + s0 + j)[:, None] * HEAD_DIM + col,
-                       mask=keep & (s0 + j < num_splits), other=0.0,
-                       cache_modifier=CACHE)  # fmt: skip
-        w_j = tl.sum(tl.where(offs_c[None, :] == j, w, 0.0), 1)  # column j, exactly
-        l_i = tl.fma(w_j, tl.sum(tl.where(offs_c[None, :] == j, lv, 0.0), 1), l_i)
-        acc = tl.fma(w_j[:, None], part, acc)
-    return acc, l_i
+    """Grid (B, H): merge the split partials (fp32 [B, H, S, D] and [B, H, S]) into out."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    base = (b * num_heads + h) * num_splits
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < num_splits
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    lsum = tl.load(part_l_ptr + base + offs_s, mask=s_ok, other=0.0)
+    acc_off = (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+    acc = tl.load(part_acc_ptr + acc_off, mask=s_ok[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))  # [SPLITS_PAD]; padding splits get weight 0
+    den = tl.sum(w * lsum, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 @jit
@@ -844,26 +737,6 @@ exact). The same products in another order of the head dimensions. sm_90 main lo
 ``E2M1_F16``. H200 (bench/RESULTS.md, session 24): one call at 32 x 8K 139.2 us against 150.1
 (fp8 136.4); the long workload's fp4 decode step 3.401 ms against 3.591, 3,224 output tok/s
 against 3,120 (fp8 3,286)."""
-
-
-DECODE_FUSED_MERGE = env_flag("KVPLAN_DECODE_FUSED_MERGE", True)
-"""Split decode launches merge their partials in the last program of each (sequence, head
-group) (``_decode_kernel``'s ``FUSED``; True, the default) instead of a ``_combine_kernel``
-launch (``KVPLAN_DECODE_FUSED_MERGE=0`` at import; ``fused=`` per launch). The same bits
-either way (`_merge_partials`)."""
-
-
-def check_counters(counters, need: int, device) -> None:
-    """A merge-counter buffer must be int32 on ``device`` with at least ``need`` entries."""
-    if (
-        not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32
-        or counters.device != device or counters.dim() != 1 or counters.numel() < need
-    ):  # fmt: skip
-        got = (
-            f"{counters.dtype} {tuple(counters.shape)} on {counters.device}"
-            if isinstance(counters, torch.Tensor) else repr(counters)
-        )  # fmt: skip
-        raise ValueError(f"counters must be a 1-D int32 tensor of >= {need} on {device}, got {got}")
 
 
 def _heads_from_env() -> int | None:
@@ -1042,13 +915,9 @@ def _group_tile(group_size: int) -> int:
 def launch_decode(
     q, k_cache, v_cache, page_ids, page_start, kv_lens, out, *, scale, window, num_splits,
     geo, kv_quant, kv_layout=None, tile_n=64, num_warps=4, num_stages=2, prefetch=None,
-    maxnreg=None, heads_first=None, heads=1, ring=None, fused=None, counters=None,
+    maxnreg=None, heads_first=None, heads=1, ring=None,
 ):  # fmt: skip
-    """Run ``_decode_kernel`` (and, when ``num_splits > 1`` and the merge is not ``fused``,
-    ``_combine_kernel``) into ``out``; ``fused``: the last split program merges (None:
-    `DECODE_FUSED_MERGE`), counting on ``counters`` (int32, at least ``B * Hkv / heads``
-    zeros, left zeroed; None: ``kvplan.ops._triton_util.merge_counters`` of the device and
-    stream, or the combine launch where that buffer is too small);
+    """Run ``_decode_kernel`` (and ``_combine_kernel`` when ``num_splits > 1``) into ``out``;
     ``ring``: a `kvplan.ops.paged_attention.RecentRing` or None;
     ``prefetch`` as in `_attend_range_ahead` (None: ``QUANT_PREFETCH``, then
     ``DECODE_PREFETCH``); ``maxnreg``: the compiler's register cap per thread (None: none);
@@ -1075,13 +944,6 @@ def launch_decode(
         return out
     programs = geo.num_kv_heads // heads
     grid = (programs, batch) if heads_first else (batch, programs)
-    fused = split and (DECODE_FUSED_MERGE if fused is None else bool(fused))
-    if fused and counters is None:
-        counters = merge_counters(q.device)
-        fused = counters.numel() >= batch * programs  # else the combine launch
-    if fused:
-        check_counters(counters, batch * programs, q.device)
-    extra = {"cnt_ptr": counters, "FUSED": True} if fused else {}
     launches = [(page_splits, 0)] if ring is None else [(page_splits, 2), (1, 3)]
     for splits, mode in launches:
         _decode_kernel[(*grid, splits)](
@@ -1098,13 +960,14 @@ def launch_decode(
             PREFETCH=_prefetch(prefetch, kv_layout, decode=True,
                                key=decode_key(kv_layout, kv_quant)),
             HEADS_FIRST=bool(heads_first), HEADS=heads, RING=mode,
-            num_warps=num_warps, num_stages=num_stages, **extra,
+            num_warps=num_warps, num_stages=num_stages,
             **({} if maxnreg is None or triton_interpreting() else {"maxnreg": maxnreg}),
         )  # fmt: skip
-    if split and not fused:
+    if split:
         _combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            HEAD_DIM=head_dim, INTERPRET=triton_interpreting(), num_warps=4,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4,
         )  # fmt: skip
     return out
 

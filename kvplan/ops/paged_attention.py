@@ -254,10 +254,9 @@ def paged_attention_decode_triton(
     kv_layout: KVCacheFormat | None = None, check: bool = True, tile_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prefetch: int | None = None,
     maxnreg: int | None = None, heads_first: bool | None = None, heads: int | None = None,
-    ring: RecentRing | None = None, fused: bool | None = None, counters: Tensor | None = None,
+    ring: RecentRing | None = None,
 ) -> Tensor:  # fmt: skip
-    """Triton decode (split-K, the partials merged by the last program of each sequence and
-    head group, or by a combine launch); same contract as :func:`paged_attention_decode`.
+    """Triton decode (split-K + combine); same contract as :func:`paged_attention_decode`.
     ``tile_n`` / ``num_warps`` / ``num_stages``: launch overrides (see ``kvplan.ops._paged_kv_tiles.decode_tiling``;
     None takes the format's default); ``prefetch``: how whole key tiles load, one of
     ``kvplan.ops._paged_attention_kernels.PREFETCH_MODES`` (None:
@@ -266,11 +265,7 @@ def paged_attention_decode_triton(
     ``maxnreg``: a register cap per thread for the compiler (0: none; None: the key's
     ``DECODE_MAXNREG`` entry where `_decode_launch_plan` finds it pays); ``heads_first``: the
     programs' order (``kvplan.ops._paged_attention_kernels.DECODE_HEADS_FIRST`` for None);
-    ``heads``: KV heads a program (``kvplan.ops._paged_attention_kernels.decode_heads``);
-    ``fused``: split launches merge in their last program (None:
-    ``kvplan.ops._paged_attention_kernels.DECODE_FUSED_MERGE``; False: a combine launch);
-    ``counters``: that merge's int32 counters (at least ``B * Hkv / heads`` zeros, left
-    zeroed; None: the device's and stream's shared buffer)."""
+    ``heads``: KV heads a program (``kvplan.ops._paged_attention_kernels.decode_heads``)."""
     window, num_kv_heads = check_attention_inputs(
         q, k_cache, v_cache, page_ids, page_start, kv_lens, None, scale, sliding_window, out,
         kv_layout, check,
@@ -303,7 +298,7 @@ def paged_attention_decode_triton(
         window=window, num_splits=num_splits, kv_layout=kv_layout, tile_n=tile_n,
         num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
         maxnreg=maxnreg, geo=geo, kv_quant=kv_quant, heads_first=heads_first, heads=heads,
-        ring=ring, fused=fused, counters=counters,
+        ring=ring,
     )  # fmt: skip
 
 

@@ -280,11 +280,10 @@ for quant, sf, group, pre, ring in ((0, 0, 1, False, False), (1, 2, 32, False, F
     decode = dict(TILE_M=16, TILE_N=64, SPLIT=True, HEADS_FIRST=False, HEADS=1,
                   **{**common, "RING": 2 if ring else 0})
     build(K._decode_kernel, decode, 4, 2)
-    build(K._decode_kernel, {**decode, "FUSED": True}, 4, 2)  # the merge in the last program
     if ring:  # the ring's own launch
-        build(K._decode_kernel, {**decode, "RING": 3, "FUSED": True}, 4, 2)
+        build(K._decode_kernel, {**decode, "RING": 3}, 4, 2)
     build(K._prefill_kernel, dict(TILE_M=128, TILE_N=64, **common), 8, 3)
-build(K._combine_kernel, dict(HEAD_DIM=128, INTERPRET=False), 4, 1)
+build(K._combine_kernel, dict(SPLITS_PAD=4, HEAD_DIM=128), 4, 1)
 """
 
 
@@ -320,43 +319,6 @@ def test_kernels_compile_for_sm90():
         assert f"_prefill_kernel{suffix} async wgmma" in lines
     assert any(line.startswith("_combine_kernel") for line in lines)
     assert any(line.startswith("_decode_kernel_fp8_prefetch_ring3 ") for line in lines)
-
-
-@pytest.mark.parametrize(
-    "seed,splits,heads,heads_first,window",
-    [(71, 2, 1, False, None), (72, 3, 2, False, None), (73, 4, 1, True, 9), (74, 3, 2, True, 5)],
-)
-def test_fused_merge_equals_the_combine_launch(seed, splits, heads, heads_first, window,
-                                               monkeypatch):  # fmt: skip
-    """Split launches whose last program merges (one launch) give the combine kernel's bits
-    and the reference's values, never launch the combine kernel, leave their counters zeroed
-    and can run again on them."""
-    c = make_case(seed, [1, 37, 70, 0, 23], [1] * 5, group=4, window=window, head_dim=32)
-    kw = dict(scale=c.scale, sliding_window=window, num_splits=splits, tile_n=16, heads=heads,
-              heads_first=heads_first)  # fmt: skip
-    two = paged_attention_decode_triton(*c.args(), c.kv_lens, fused=False, **kw)
-    counters = torch.zeros(16, dtype=torch.int32)  # 5 sequences x 2 / heads head groups
-
-    class NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("the fused merge launched the combine kernel")
-
-    monkeypatch.setattr(pak, "_combine_kernel", NoLaunch())
-    one = paged_attention_decode_triton(*c.args(), c.kv_lens, fused=True, counters=counters, **kw)
-    assert torch.equal(one, two)
-    assert_close(one, c.ref(decode=True))
-    assert not counters.any()
-    again = paged_attention_decode_triton(*c.args(), c.kv_lens, fused=True, counters=counters,
-                                          **kw)  # fmt: skip
-    assert torch.equal(again, two) and not counters.any()
-
-
-def test_fused_merge_refuses_bad_counters():
-    c = make_case(75, [30, 12], [1, 1], group=2, head_dim=16)
-    for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(8, dtype=torch.int64), [0] * 8):
-        with pytest.raises(ValueError, match="counters must be a 1-D int32 tensor of >= 4"):
-            paged_attention_decode_triton(*c.args(), c.kv_lens, scale=c.scale, num_splits=2,
-                                          fused=True, counters=bad)  # fmt: skip
 
 
 # --- torch path (many random cases, still fast) ----------------------------------------------

@@ -119,12 +119,6 @@ def test_decode_reads_the_ring(kind, seed, kv_lens, q_lens, starts, slots, block
         kv_layout=fmt, heads=heads, ring=ring,
     )  # fmt: skip
     assert_close(got, ref.ref(decode=True))
-    if splits > 1:  # the pages' and the ring's launches, merged by a combine launch: same bits
-        two = paged_attention_decode_triton(
-            *args, scale=c.scale, sliding_window=window, num_splits=splits, tile_n=16,
-            kv_layout=fmt, heads=heads, ring=ring, fused=False,
-        )  # fmt: skip
-        assert torch.equal(got, two)
     if splits == 1 and heads == 1:
         _, ref16 = ring_case(c, dq, starts, slots, seed, bf16_pages=fmt is not None)
         assert_close(paged_attention_decode_torch(*args, scale=c.scale, sliding_window=window,

@@ -14,15 +14,11 @@ from kvplan.ops._paged_attention_kernels import _decode_kernel
 from tests.sm90_compile import kernel_arg_names, sm90_stats
 
 
-def _registers(spec, fused: bool = False) -> tuple[int, int]:
-    """``fused``: the split launch whose last program merges (the merge is not inlined, so
-    it must not raise the main loop's registers); else the launch with a combine kernel."""
+def _registers(spec) -> tuple[int, int]:
     kv_quant, sf_kind, group, tile_n, warps, stages = spec
     const = dict(TILE_M=16, BLOCK_SIZE=16, TILE_N=tile_n, HEAD_DIM=64, DOT_PRECISION="tf32",
                  SPLIT=True, INTERPRET=False, KV_QUANT=kv_quant, SF_KIND=sf_kind, GROUP=group,
-                 PREFETCH=False, HEADS_FIRST=False, HEADS=1, RING=0, FUSED=fused)  # fmt: skip
-    if not fused:
-        const["cnt_ptr"] = None  # as launched: no counters
+                 PREFETCH=False, HEADS_FIRST=False, HEADS=1, RING=0)  # fmt: skip
     names = kernel_arg_names(_decode_kernel)
     sig = {"k_ptr": "*u8", "v_ptr": "*u8", "q_ptr": "*bf16", "out_ptr": "*bf16",
            "qk_scale": "fp32"}  # fmt: skip
@@ -46,13 +42,12 @@ BUDGETS = [
 
 
 @pytest.mark.parametrize("name,consts,bound", BUDGETS)
-@pytest.mark.parametrize("fused", [False, True])
-def test_quantized_decode_fits_register_budget_on_sm90(name, consts, bound, fused):
+def test_quantized_decode_fits_register_budget_on_sm90(name, consts, bound):
     from kvplan.ops._paged_kv_tiles import DECODE_TILING
 
     dtype = {"fp8": "e4m3", "fp4": "e2m1", "fp4_f16": "e2m1"}[name]
     tiling = DECODE_TILING[dtype]
-    regs, spills = _registers([*consts, *tiling], fused)
+    regs, spills = _registers([*consts, *tiling])
     assert spills == 0, f"{name} decode spills {spills} bytes"
     per_program = regs * 32 * tiling[1]
     assert 0 < per_program <= bound, (
