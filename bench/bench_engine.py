@@ -177,11 +177,25 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
         "graph_replay_ms": replay_ms,
         "share_outside_gpu_by_replay": (1 - replay_ms / step) if replay_ms and step else None,
         "tensor_parallel_size": llm.config.tensor_parallel_size,  # weight_bytes: rank 0's shard
+        **kv_capacity(llm.parts.pool_sizes, len(prompts)),
     }  # fmt: skip
     llm.close()  # tensor parallelism: stop the worker processes
     del llm
     free_device_memory(dev)
     return out
+
+
+def kv_capacity(pools, num_requests: int) -> dict:
+    """How many of the workload's requests the KV budget holds at once at full length
+    (``max_model_len``): the tightest pool's ``(blocks - 1) // blocks_per_seq`` (block 0 is
+    padding), at most ``num_requests``. A format whose budget holds fewer runs the rest in a
+    later, smaller batch: part of a ratio between formats is then capacity, not speed. Empty
+    for models without paged pools (DeepSeek-V4)."""
+    if pools is None:
+        return {}
+    fits = min((n - 1) // per for n, per in zip(pools.num_blocks, pools.blocks_per_seq))
+    return {"kv_blocks": list(pools.num_blocks), "blocks_per_request": list(pools.blocks_per_seq),
+            "requests_that_fit": min(fits, num_requests)}  # fmt: skip
 
 
 def free_device_memory(dev) -> None:
@@ -458,6 +472,10 @@ def main() -> int:
     by_replay = kv["share_outside_gpu_by_replay"]
     if by_replay is not None:
         share_txt += f", {by_replay:.0%} (graph replay {kv['graph_replay_ms']:.3f} ms)"
+    if "requests_that_fit" in kv:
+        print(f"KV: {kv['kv_blocks']} blocks hold {kv['requests_that_fit']} of the "
+              f"{args.num_requests} requests at full length ({kv['blocks_per_request']} blocks "
+              "each)")  # fmt: skip
     print(f"order: {args.order} (each system's device memory freed before the next runs)")
     print(f"async scheduling: {'on' if kv['async_scheduling'] else 'off'} "
           f"({kv['steps_launched_ahead']} steps launched ahead)")  # fmt: skip

@@ -200,3 +200,30 @@ def test_host_ops_an_eager_prompt_step_makes_no_host_sync(tmp_path):
     for kernel in ("hc_pre_kernel", "compress_store_kernel", "sparse_ranges_kernel"):
         assert launched.get(kernel, 0) > 0, launched
     assert rec["torch_ops"] > 0 and rec["host_ms_cpu"] is None  # no timed steps asked
+
+
+def test_engine_quick_reports_the_requests_its_kv_budget_holds(tmp_path):
+    """bench_engine says how many requests its KV budget holds at full length: a ratio
+    between KV formats is partly capacity where one holds fewer (the long workload's bf16 in 8
+    GiB: 16,384 blocks of 530-block requests hold 30 of 32)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_engine import kv_capacity
+
+    from kvplan.cache.pool_sizing import PoolSizes
+
+    assert kv_capacity(PoolSizes((None,), (16384,), (530,), (1 << 19,), 0), 32) == {
+        "kv_blocks": [16384],
+        "blocks_per_request": [530],
+        "requests_that_fit": 30,
+    }
+    assert kv_capacity(PoolSizes((None,), (16961,), (530,), (1,), 0), 32)["requests_that_fit"] == 32
+    two = PoolSizes((None, 512), (4001, 301), (100, 10), (1, 1), 30)  # the tighter pool decides
+    assert kv_capacity(two, 64)["requests_that_fit"] == 30
+    assert kv_capacity(None, 8) == {}
+    out = tmp_path / "engine.json"
+    proc = _run("bench_engine.py", "--quick", "--hf", "", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kv = json.loads(out.read_text())["kvplan"]
+    per = kv["blocks_per_request"][0]
+    assert kv["requests_that_fit"] == min(4, (kv["kv_blocks"][0] - 1) // per) == 4
+    assert "requests at full length" in proc.stdout
