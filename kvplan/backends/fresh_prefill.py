@@ -181,18 +181,23 @@ def prefill_fresh_rows(
     if not done:
         if why_not is None and flash_why_not() is not None:  # SDPA's first use failed
             return None
-        cu = seg.cu_seqlens_q[j:]
-        if t0:
-            cu = cu - t0  # rebased on the device: no host round trip
         res = flash_prefill(
-            q_f, k_f, v_f, cu, split.flash_max_q_len, scale=scale, sliding_window=window
-        )
+            q_f, k_f, v_f, _fresh_cu_seqlens(seg, split), split.flash_max_q_len, scale=scale,
+            sliding_window=window,
+        )  # fmt: skip
         if res is None:
             return None
         return _with_paged_rows(res, q, k_cache, v_cache, seg, split, scale, window, out,
                                 kv_layout, check, ring)  # fmt: skip
     return _with_paged_rows(None, q, k_cache, v_cache, seg, split, scale, window, out, kv_layout,
                             check, ring)  # fmt: skip
+
+
+def _fresh_cu_seqlens(seg, split) -> torch.Tensor:
+    """The fresh rows' device ``cu_seqlens`` ``[B - j + 1]``, from 0 (rebased on the device:
+    no host round trip)."""
+    cu = seg.cu_seqlens_q[split.num_paged_rows :]
+    return cu - split.num_paged_tokens if split.num_paged_tokens else cu
 
 
 def _with_paged_rows(res, q, k_cache, v_cache, seg, split, scale, window, out, kv_layout, check,
@@ -240,33 +245,31 @@ def _windowed_fresh_rows(q, k_new, v_new, seg, split, scale, window, stored_rows
     shorter than some fresh prompt, by `window_fresh_mode`; None where that is ``0``, or
     without ``stored_rows``, or for prompts under ``STORED_ROWS_MIN_LEN`` (nothing is read
     back then)."""
-    j, t0 = split.num_paged_rows, split.num_paged_tokens
+    t0 = split.num_paged_tokens
     if stored_rows is None or split.flash_max_q_len < STORED_ROWS_MIN_LEN:
         return None
     if window_fresh_mode() == "0":
         return None
     k_st, v_st = stored_rows(t0, q.shape[0])
-    return _stored_rows_with_ring(q[t0:], k_new[t0:], v_new[t0:], k_st, v_st, seg, j, t0,
-                                  split.flash_max_q_len, scale, window, exact_window,
-                                  check)  # fmt: skip
+    return _stored_rows_with_ring(q[t0:], k_new[t0:], v_new[t0:], k_st, v_st, seg, split,
+                                  scale, window, exact_window, check)  # fmt: skip
 
 
-def _stored_rows_with_ring(q, k_new, v_new, k_st, v_st, seg, j, t0, max_len, scale, window,
+def _stored_rows_with_ring(q, k_new, v_new, k_st, v_st, seg, split, scale, window,
                            exact_window, check):  # fmt: skip
     """The paged kernel over fresh rows whose stored values ``k_st`` / ``v_st`` (bf16 ``[n,
     Hkv, D]``, read back) are one-token pages (page ids ``0 .. n - 1``, sequence b's from its
     first row) and whose new rows, in bf16, are the ring (position p of sequence b at row
     ``cu[b] + p``, from position 0, window ``exact_window``): each query's own bound, over
     plain bf16 tiles instead of quantized ones."""
-    n, dev = k_st.shape[0], q.device
-    cu = seg.cu_seqlens_q[j:]
-    if t0:
-        cu = cu - t0
+    n, max_len = k_st.shape[0], split.flash_max_q_len
+    cu = _fresh_cu_seqlens(seg, split)
     starts = cu[:-1].contiguous()
     ring = RecentRing(k_new.to(torch.bfloat16).contiguous(), v_new.to(torch.bfloat16).contiguous(),
                       starts, torch.zeros_like(starts), max_len, exact_window)  # fmt: skip
-    ids = torch.arange(n, dtype=torch.int32, device=dev)
+    ids = torch.arange(n, dtype=torch.int32, device=q.device)
     return paged_attention_prefill(
-        q, k_st.unsqueeze(1), v_st.unsqueeze(1), ids, starts, cu, seg.kv_lens[j:], scale=scale,
-        sliding_window=window, max_q_len=max_len, check=check, ring=ring,
+        q, k_st.unsqueeze(1), v_st.unsqueeze(1), ids, starts, cu,
+        seg.kv_lens[split.num_paged_rows :], scale=scale, sliding_window=window,
+        max_q_len=max_len, check=check, ring=ring,
     )  # fmt: skip
