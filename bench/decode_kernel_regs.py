@@ -47,9 +47,6 @@ FORMATS = {  # name: (KV_QUANT, SF_KIND, GROUP, cache pointer type, PREFETCH)
     "fp4f16+ra": (4, 1, 16, "*u8", 2),
     "fp4nib+ra": (5, 1, 16, "*u8", 2),  # KVPLAN_FP4_NIBBLES: fp16 tiles in nibble order
     "int8+ra": (3, 2, 32, "*u8", 2),
-    "fp8f16k+ra": (6, 2, 32, "*u8", 2),  # KVPLAN_FP8_F16_KEYS: fp16 K tiles (E4M3_F16K)
-    "fp8f16k+pf": (6, 2, 32, "*u8", 1),
-    "fp8f16k": (6, 2, 32, "*u8", 0),
 }
 TILINGS = [  # tile_n, warps, stages (5 stages: the first depth that double-buffers K/V tiles)
     (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2),

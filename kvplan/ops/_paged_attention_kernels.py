@@ -43,9 +43,7 @@ from kvplan.ops._launch import jit
 from kvplan.ops._paged_kv_tiles import (
     E2M1_F16,
     E2M1_F16_NIB,
-    E4M3_F16K,
     dequantize_kv_raw,
-    e4m3_keys_f16,
     head_scales_offset,
     kv_geometry,
     load_kv_groups,
@@ -69,33 +67,6 @@ def _softmax_step(s, m_i, l_i):
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@jit
-def _tile_logits(
-    q, vals, sf, qk_scale, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SF_KIND: tl.constexpr,
-    GROUP: tl.constexpr,
-):  # fmt: skip
-    """Logits (log2 domain, ``[TILE_M, TILE_N]``) of the query tile against the keys whose
-    stored bytes `load_kv_raw` gave (``E4M3_F16K``: the fp16 tile of `e4m3_keys_f16`, each
-    key's largest scale on its column)."""
-    if KV_QUANT == E4M3_F16K:
-        k, top = e4m3_keys_f16(vals, sf, TILE_N, HEAD_DIM, SF_KIND, GROUP)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        return s * (top * qk_scale)[None, :]
-    k = dequantize_kv_raw(vals, sf, q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
-    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-
-
-@jit
-def _v_like(q, KV_QUANT: tl.constexpr):
-    """A tensor of the dtype V tiles take: q's, but bf16 beside ``E4M3_F16K``'s fp16 query
-    (V's fp32 scales put its values, and the probabilities times them, beyond fp16)."""
-    like = q
-    if KV_QUANT == E4M3_F16K:
-        like = tl.zeros([1], tl.bfloat16)
-    return like
 
 
 @jit
@@ -148,10 +119,10 @@ def _attend_rows_tile(
     (``offs_n`` the keys' positions, ``row_pos``, ``window``) applies; otherwise those four
     are not read. ``V_GROUPS``: the accumulator is ``[groups, TILE_M, GROUP]`` and V's codes
     go to the MMA unscaled (`load_kv_groups`)."""
-    k_vals, k_sf = load_kv_raw(k_ptr, ks_ptr, k_rows, in_range, HEAD_DIM, MASKED, KV_QUANT,
-                               SF_KIND, GROUP)  # fmt: skip
-    s = _tile_logits(q, k_vals, k_sf, qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION, KV_QUANT,
-                     SF_KIND, GROUP)  # fmt: skip
+    k = load_kv_tile(
+        k_ptr, ks_ptr, k_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
+    )
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
     if MASKED:
         visible = (
             in_range[None, :]
@@ -161,14 +132,15 @@ def _attend_rows_tile(
         s = tl.where(visible, s, float("-inf"))
     p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
     if not V_GROUPS:
-        v = load_kv_tile(v_ptr, vs_ptr, v_rows, in_range, _v_like(q, KV_QUANT), TILE_N, HEAD_DIM,
-                         MASKED, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+        v = load_kv_tile(
+            v_ptr, vs_ptr, v_rows, in_range, q, TILE_N, HEAD_DIM, MASKED, KV_QUANT, SF_KIND, GROUP
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     else:
         # acc: [groups, TILE_M, GROUP]; V's scales go on the probabilities, one per key and
         # group, so the V codes reach the MMA as loaded.
-        v, v_scale = load_kv_groups(v_ptr, vs_ptr, v_rows, _v_like(q, KV_QUANT), TILE_N,
-                                    HEAD_DIM, KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+        v, v_scale = load_kv_groups(v_ptr, vs_ptr, v_rows, q, TILE_N, HEAD_DIM, KV_QUANT,
+                                    SF_KIND, GROUP)  # fmt: skip
         ps = p[None, :, :] * tl.trans(v_scale)[:, None, :]
         acc = acc * alpha[None, :, None] + tl.dot(ps.to(v.dtype), v,
                                                   input_precision=DOT_PRECISION)  # fmt: skip
@@ -241,11 +213,10 @@ def _attend_raw_tile(
     GROUP: tl.constexpr,
 ):  # fmt: skip
     """`_attend_tile` of a whole, unmasked tile whose stored bytes are already loaded."""
-    s = _tile_logits(q, k_raw[0], k_raw[1], qk_scale, TILE_N, HEAD_DIM, DOT_PRECISION,
-                     KV_QUANT, SF_KIND, GROUP)  # fmt: skip
+    k = dequantize_kv_raw(k_raw[0], k_raw[1], q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-    v = dequantize_kv_raw(v_raw[0], v_raw[1], _v_like(q, KV_QUANT), TILE_N, HEAD_DIM, KV_QUANT,
-                          SF_KIND, GROUP)  # fmt: skip
+    v = dequantize_kv_raw(v_raw[0], v_raw[1], q, TILE_N, HEAD_DIM, KV_QUANT, SF_KIND, GROUP)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -302,7 +273,7 @@ def _attend_range_ahead(
       pairs split by group decode slowly, so an e2m1 V stays dequantized in registers).
     """
     TILE_M: tl.constexpr = acc.shape[0]
-    V_GROUPS: tl.constexpr = MODE >= 2 and (KV_QUANT == 1 or KV_QUANT == 3 or KV_QUANT == E4M3_F16K)
+    V_GROUPS: tl.constexpr = MODE >= 2 and (KV_QUANT == 1 or KV_QUANT == 3)
     if MODE == 1:
         k_next, v_next = _raw_kv_tile(lo, hi, page_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
                                       stride_kt, stride_vb, stride_vt, BLOCK_SIZE, TILE_N,
@@ -768,15 +739,6 @@ exact). The same products in another order of the head dimensions. sm_90 main lo
 against 3,120 (fp8 3,286)."""
 
 
-FP8_F16_KEYS = env_flag("KVPLAN_FP8_F16_KEYS", False)
-"""Decode launches over e4m3 pages (``kv_format="fp8"``) with bf16 / fp16 queries read K as
-fp16 tiles (``E4M3_F16K``, `e4m3_keys_f16`: each key's codes times its scales over its
-largest one, that largest scale on the key's logit; an fp16 query, `query_f16`) when True
-(``KVPLAN_FP8_F16_KEYS=1`` at import); V as before, in bf16. Not with the recent-window
-ring. The logits differ from the bf16 tiles' by the rounding of K (fp16's 11 bits of a scaled
-code against bf16's 8)."""
-
-
 def _heads_from_env() -> int | None:
     return _env_int("KVPLAN_DECODE_HEADS", (1, 2, 4, 8, 16), "one of 1, 2, 4, 8, 16")
 
@@ -907,10 +869,7 @@ way; the GPU tests of the decode kernel pass with it (session 37: 23 passed)."""
 def _kv_quant(geo, q, k_cache, v_cache) -> int:
     """The decode kernel's ``KV_QUANT``: ``E2M1_F16`` where `FP4_F16_TILES` applies (the
     value runs 4-byte aligned for the word loads; ``E2M1_F16_NIB`` with
-    `FP4_NIBBLE_TILES`), ``E4M3_F16K`` over e4m3 pages where `FP8_F16_KEYS` applies, else
-    the geometry's."""
-    if FP8_F16_KEYS and geo.kv_quant == 1 and q.dtype in (torch.bfloat16, torch.float16):
-        return E4M3_F16K
+    `FP4_NIBBLE_TILES`), else the geometry's."""
     if not (FP4_F16_TILES and geo.kv_quant == 2 and geo.sf_kind == _SF_KIND["e4m3"]):
         return geo.kv_quant
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -930,7 +889,7 @@ def decode_key(kv_layout, kv_quant: int) -> str | None:
     if kv_layout is None:
         return None
     f16 = kv_quant in (E2M1_F16, E2M1_F16_NIB)
-    return "e2m1_f16" if f16 else kv_layout.quantized_dtype  # E4M3_F16K: e4m3's defaults
+    return "e2m1_f16" if f16 else kv_layout.quantized_dtype
 
 
 def decode_keys(quantized_dtype: str | None) -> tuple[str | None, ...]:

@@ -32,13 +32,6 @@ the tiles (`e2m1_f16_tile` with ``TINY``) hold the values times 2^-14 in nibble 
 decode kernel takes its query through `nibble_query` and its accumulator through
 `nibble_acc`."""
 
-E4M3_F16K: tl.constexpr = tl.constexpr(6)
-"""``KV_QUANT`` of e4m3 pages read by a decode program with an fp16 query (`query_f16`;
-``KVPLAN_FP8_F16_KEYS``): each key's K goes to the MMA as an fp16 tile relative to that key's
-largest scale (`e4m3_keys_f16`), the largest scale on its logits; V is read as ``KV_QUANT``
-1, in bf16 (its scales are fp32, so fp16 could not hold every scaled value). The geometry's
-1 otherwise."""
-
 
 @jit
 def nibble_query(q, qk_scale):
@@ -81,7 +74,7 @@ def load_kv_raw(
     ``HEAD_DIM // 8`` little-endian int32 words) and the ``[TILE_N, HEAD_DIM // GROUP]``
     scales (fp32, or their bytes). `dequantize_kv_raw` turns them into the tile; a caller can
     load a tile's raw bytes one step ahead of using them (a few registers a thread)."""
-    if KV_QUANT == E2M1_F16 or KV_QUANT == E2M1_F16_NIB:  # noqa: SIM109 (fp16 tiles)
+    if KV_QUANT >= E2M1_F16:  # fp16 tiles (E2M1_F16, E2M1_F16_NIB)
         words = (ptr + rows[:, None]).to(tl.pointer_type(tl.int32))
         vals = _load_masked(words + tl.arange(0, HEAD_DIM // 8)[None, :], in_range, MASKED)
     else:
@@ -141,7 +134,7 @@ def load_kv_groups(
     offs_c = tl.arange(0, GROUP)
     ptrs = ptr + rows[None, :, None] + (offs_g * GROUP)[:, None, None]
     raw = tl.load(ptrs + offs_c[None, None, :])
-    if KV_QUANT == 1 or KV_QUANT == E4M3_F16K:  # e4m3 codes
+    if KV_QUANT == 1:
         x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         x = raw.to(tl.int8, bitcast=True).to(tl.float32)
@@ -234,36 +227,6 @@ def _f16_shift(q):
 
 
 @jit
-def e4m3_keys_f16(vals, sf, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  SF_KIND: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-    """`load_kv_raw`'s e4m3 ``(values, scales)`` of ``TILE_N`` keys as ``(tile, top)``: the
-    ``[TILE_N, HEAD_DIM]`` fp16 tile ``code * fp16(scale / top)`` and the fp32 ``[TILE_N]``
-    ``top``, for each key the smallest power of two at or above its largest scale (0 for a
-    key whose scales are all 0; its tile is 0; scales up to 2^126).
-
-    ``tile * top`` is the dequantized key within fp16's roundings of each ratio and product
-    (2^-10 relative, where the bf16 tiles of ``dequantize_kv_raw`` round each value to
-    2^-9), plus an absolute 2^-25 * top where a product falls below fp16's normal range; a
-    group whose scale lies more than 2^13 below the key's largest has a subnormal ratio, and
-    its values are then within 2^-16 * top (2^-24 of the key's largest possible value,
-    448 * its largest scale). A dot with this tile times ``top`` on the logit is thus the
-    key's logit whatever the scales' range (fp16 could not hold ``code * scale`` itself), as
-    exact as with bf16 tiles while the key's groups span less than ~2^14. Per element: an
-    e4m3 -> fp16 conversion (one instruction a pair) and an fp16 multiply, where the bf16
-    tile takes the conversion through fp32, an fp32 multiply and a rounding back; per key,
-    integer operations on the largest scale's exponent (no division)."""
-    scale = kv_scales_fp32(sf, 1, SF_KIND)  # [TILE_N, HEAD_DIM // GROUP]
-    # biased exponent of the smallest power of two >= the largest scale (1 for a subnormal
-    # one, 0 for 0): round the fp32 bits up to a whole exponent
-    e = (tl.max(scale, 1).to(tl.int32, bitcast=True) + 0x7FFFFF) >> 23
-    top = (e << 23).to(tl.float32, bitcast=True)
-    ratio = (scale * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
-    x = tl.reshape(vals.to(tl.float8e4nv, bitcast=True).to(tl.float16),
-                   [TILE_N, HEAD_DIM // GROUP, GROUP])  # fmt: skip
-    return tl.reshape(x * ratio[:, :, None], [TILE_N, HEAD_DIM]), top
-
-
-@jit
 def dequantize_kv_raw(
     vals, sf, q, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
     SF_KIND: tl.constexpr, GROUP: tl.constexpr,
@@ -272,10 +235,10 @@ def dequantize_kv_raw(
     (``KV_QUANT`` as in `load_kv_tile`; 4 / 5: fp16, `e2m1_f16_tile`)."""
     if KV_QUANT == 0:
         tile = vals
-    elif KV_QUANT == E2M1_F16 or KV_QUANT == E2M1_F16_NIB:  # noqa: SIM109 (fp16 tiles)
+    elif KV_QUANT >= E2M1_F16:  # fp16 tiles (E2M1_F16, E2M1_F16_NIB)
         tile = e2m1_f16_tile(vals, sf, TILE_N, HEAD_DIM, GROUP, KV_QUANT == E2M1_F16_NIB)
     else:
-        if KV_QUANT == 1 or KV_QUANT == E4M3_F16K:  # e4m3 codes
+        if KV_QUANT == 1:
             x = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         elif KV_QUANT == 3:
             x = vals.to(tl.int8, bitcast=True).to(tl.float32)

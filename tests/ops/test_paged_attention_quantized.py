@@ -24,10 +24,7 @@ from kvplan.formats import KVCacheFormat, alloc_kv_cache
 from kvplan.ops._paged_kv_tiles import (
     E2M1_F16,
     E2M1_F16_NIB,
-    E4M3_F16K,
-    e4m3_keys_f16,
     kv_geometry,
-    load_kv_raw,
     load_kv_tile,
 )
 from kvplan.ops.paged_attention import (
@@ -486,119 +483,6 @@ def test_fp4_f16_decode_equals_the_reference(mode, nib, monkeypatch):
     assert real(geo, q.float(), k_raw, v_raw) == 2
 
 
-def spread_case(kind, seed, kv_lens, octaves, **kw):
-    """`quantized_case` whose K scale groups span ``2**octaves`` (each group of each KV head
-    times its own power of two, drawn from ``[-octaves/2, octaves/2]``) and whose query takes
-    the inverse factors on the same columns, so the exact logits are those of the unscaled
-    case while a key's scales differ by up to ``2**octaves`` across its groups and heads."""
-    c = make_case(seed, kv_lens, [1] * len(kv_lens), **kw)
-    hkv, d = c.k_cache.shape[2], c.k_cache.shape[3]
-    layout = layout_of(kind, hkv, d)
-    gen = torch.Generator().manual_seed(seed + 1)
-    per = layout.elements_per_sf
-    exps = torch.randint(-(octaves // 2), octaves // 2 + 1, (hkv, d // per), generator=gen)
-    exps.view(-1)[:2] = torch.tensor([-(octaves // 2), octaves // 2])  # the full span
-    f = torch.exp2(exps.float()).repeat_interleave(per, dim=1)  # [Hkv, D]
-    group = c.q.shape[1] // hkv
-    k_cache = c.k_cache * f
-    q = c.q / f.repeat_interleave(group, dim=0)
-    k_raw, v_raw = quantize_cache(k_cache, layout), quantize_cache(c.v_cache, layout)
-    dq = Case(q, dequantize_cache(k_raw, layout, d), dequantize_cache(v_raw, layout, d),
-              c.page_ids, c.page_start, c.cu_seqlens_q, c.kv_lens, c.scale, c.window)  # fmt: skip
-    return dataclasses.replace(c, q=q, k_cache=k_cache), (k_raw, v_raw), layout, dq
-
-
-@triton.jit
-def _keys_f16_kernel(cache, sf, tile_out, top_out, n, REC: tl.constexpr, TILE_N: tl.constexpr,
-                     D: tl.constexpr, SFK: tl.constexpr, G: tl.constexpr):  # fmt: skip
-    """`e4m3_keys_f16` of token records ``i`` (all KV heads as one ``D``-wide run)."""
-    i = tl.program_id(0) * TILE_N + tl.arange(0, TILE_N)
-    vals, scales = load_kv_raw(cache, sf, i.to(tl.int64) * REC, i < n, D, True, E4M3_F16K, SFK,
-                               G)  # fmt: skip
-    tile, top = e4m3_keys_f16(vals, scales, TILE_N, D, SFK, G)
-    tl.store(tile_out + i[:, None] * D + tl.arange(0, D)[None, :], tile, mask=(i < n)[:, None])
-    tl.store(top_out + i, top, mask=i < n)
-
-
-@pytest.mark.parametrize("octaves", [0, 12, 40])
-def test_e4m3_f16_key_tiles_times_their_top_are_the_keys(octaves):
-    """``E4M3_F16K``'s key tiles (interpreter; on the GPU in the test below): ``top`` is the
-    smallest power of two at or above each key's largest scale, over all its heads, and
-    ``tile * top`` the exact decode within fp16's two roundings, of the ratio and the product
-    (2^-10 relative), plus an absolute 2^-25 * top while every group's scale is within 2^13
-    of the key's largest (``octaves``: the span of the groups' scales), 2^-16 * top (2^-24
-    of the key's largest possible value) beyond; a bf16 tile of the same values is off by up
-    to 2^-9 relative."""
-    if torch.cuda.is_available():
-        pytest.skip("the GPU test below")
-    _check_key_tiles("cpu", octaves)
-
-
-def _check_key_tiles(device, octaves):
-    c, (k_raw, _), fmt, dq = spread_case("fp8", 9, [70, 17, 1], octaves, num_kv_heads=2,
-                                         group=2, head_dim=64, block_size=16)  # fmt: skip
-    geo = kv_geometry(k_raw, k_raw, 64, fmt)
-    n, d = k_raw.shape[0] * k_raw.shape[1], 2 * 64
-    flat = k_raw.to(device).reshape(-1)
-    tile = torch.empty(n, d, dtype=torch.float16, device=device)
-    top = torch.empty(n, dtype=torch.float32, device=device)
-    _keys_f16_kernel[(triton.cdiv(n, 32),)](flat, flat[geo.sf_off :], tile, top, n,
-                                            k_raw.stride(1), 32, d, geo.sf_kind, geo.group)  # fmt: skip
-    want = dq.k_cache.reshape(n, d).double()
-    written = want.isfinite().all(-1)
-    tile, top = tile.cpu().double()[written], top.cpu().double()[written]
-    want = want[written]
-    rec = k_raw.reshape(n, -1)[written.nonzero().flatten()]
-    scales = rec[:, geo.sf_off : geo.sf_off + 4 * d // 32].contiguous().view(torch.float32)
-    largest = scales.double().amax(1)
-    assert torch.equal(torch.exp2(torch.log2(top).round()), top)  # powers of two
-    assert (largest <= top).all() and (top < 2 * largest).all()
-    err = (tile * top[:, None] - want).abs()
-    bound = 2.0**-10 * want.abs() + (2.0**-25 if octaves <= 13 else 2.0**-16) * top[:, None]
-    assert (err <= bound * 1.0001).all(), (err / bound).max()
-    if octaves == 0:  # every group in fp16's normal range: the relative bound alone
-        assert (err <= 2.0**-10 * want.abs() * 1.0001).all()
-
-
-@pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("heads", [1, 2])
-def test_fp8_f16_keys_decode_equals_the_reference(mode, heads, monkeypatch):
-    """Decode over fp8 pages with ``FP8_F16_KEYS`` (interpreter): the launch takes
-    ``E4M3_F16K`` and each prefetch mode, one or two KV heads a program, gives the attention
-    of the bf16 query over the exact values, as the bf16 tiles do; with queries of 2^20- and
-    2^-20-sized values (shifted into fp16's range), and with K scale groups spanning 2^12
-    across each key's groups and heads (the query taking the inverse factors, so the logits
-    are the same). An fp32 query keeps the geometry's kind."""
-    if torch.cuda.is_available():
-        pytest.skip("interpreter test")
-    kinds = []
-    real = pak._kv_quant
-    monkeypatch.setattr(pak, "_kv_quant", lambda *a: kinds.append(real(*a)) or kinds[-1])
-    for octaves in (0, 12):
-        c, (k_raw, v_raw), fmt, dq = spread_case(
-            "fp8", 63, [3, 41, 70], octaves, group=4, block_size=16, layout="offsets",
-            head_dim=64, num_kv_heads=2,
-        )  # fmt: skip
-        for big in (1.0, 2.0**20, 2.0**-20):
-            q = (c.q * big).bfloat16()
-            kw = dict(scale=c.scale / big, num_splits=2, tile_n=16, kv_layout=fmt,
-                      prefetch=mode, heads=heads)  # fmt: skip
-            args = (q, k_raw, v_raw, c.page_ids, c.page_start, c.kv_lens)
-            monkeypatch.setattr(pak, "FP8_F16_KEYS", False)
-            plain = paged_attention_decode_triton(*args, **kw)
-            monkeypatch.setattr(pak, "FP8_F16_KEYS", True)
-            got = paged_attention_decode_triton(*args, **kw)
-            assert kinds[-2:] == [1, E4M3_F16K]
-            want = dataclasses.replace(dq, q=q.float(), scale=c.scale / big).ref(decode=True)
-            assert got.dtype == torch.bfloat16 and got.isfinite().all()
-            assert_close(got, want, atol=4e-3, rtol=8e-3)
-            assert_close(got, plain, atol=4e-3, rtol=8e-3)
-    monkeypatch.setattr(pak, "FP8_F16_KEYS", True)
-    paged_attention_decode_triton(q.float(), *args[1:], **kw)
-    assert kinds[-1] == 1
-    assert pak.decode_key(fmt, E4M3_F16K) == "e4m3"
-
-
 def _gpu_cases(kind, gen, case_seed, kv_lens):
     """``(decode, quantized_case(...))`` for decode rows (one query each) then prefill rows
     (query counts drawn from ``gen``) over ``kv_lens``: 4 KV heads x 4 queries x 128,
@@ -672,38 +556,6 @@ def test_gpu_prefetched_tiles_equal_the_plain_loop(kind):
         assert_close(outs[1].float(), outs[0].float(), atol=2e-3, rtol=4e-3)
         assert (outs[1] != outs[0]).float().mean() < 0.01  # rounding, not a different result
         assert_close(outs[2].float(), outs[0].float(), atol=4e-3, rtol=8e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("octaves", [0, 12, 40])
-def test_gpu_e4m3_f16_key_tiles_times_their_top_are_the_keys(octaves):
-    """The compiled ``E4M3_F16K`` key tiles meet the interpreter test's bounds."""
-    _check_key_tiles("cuda", octaves)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [1, 2])
-def test_gpu_fp8_f16_keys_decode_equals_the_bf16_tiles(heads, monkeypatch):
-    """Compiled decode with ``FP8_F16_KEYS`` at the default launch plans (each prefetch mode,
-    one and two KV heads a program), K scale groups spanning 2^12 (the query taking the
-    inverse factors): within two bf16 ulps of the bf16 tiles, and the float64 reference of
-    the exact values within bf16 tolerance."""
-    kv_lens = torch.randint(1, 3000, (24,), generator=torch.Generator().manual_seed(9)).tolist()
-    c, (k_raw, v_raw), fmt, dq = spread_case("fp8", 64, kv_lens, 12, num_kv_heads=4, group=4,
-                                             head_dim=128, block_size=16)  # fmt: skip
-    q = c.q.bfloat16().cuda()
-    args = (q, k_raw.cuda(), v_raw.cuda(), c.page_ids.cuda(), c.page_start.cuda(),
-            c.kv_lens.cuda())  # fmt: skip
-    want = dataclasses.replace(dq, q=q.float().cpu()).ref(decode=True)
-    for prefetch in (0, 1, 2):
-        outs = []
-        for on in (False, True):
-            monkeypatch.setattr(pak, "FP8_F16_KEYS", on)
-            outs.append(paged_attention_decode_triton(*args, scale=c.scale, kv_layout=fmt,
-                                                      prefetch=prefetch, heads=heads))  # fmt: skip
-        assert outs[1].isfinite().all()
-        assert_close(outs[1].float(), outs[0].float(), atol=4e-3, rtol=8e-3)
-        assert_close(outs[1].float().cpu(), want, atol=4e-3, rtol=8e-3)
 
 
 def _decode_args(kind, seed, kv_lens, device, **kw):
