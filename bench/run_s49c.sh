@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Session 49, call C: the whole GPU suite at this session's code (last run whole in session
-# 45: sessions 46-48 changed the fresh-prefill paths and the windowed prompts' `rows` mode),
-# then the short bf16 workload twice more (issue 17's decode step against its floor).
+# Session 49, call C (the device time left): first the GPU tests of what changed since the
+# whole GPU suite last ran (session 45): the fresh-prefill paths (session 48 refactored their
+# rebased cu_seqlens) and the windowed prompts' `rows` mode (session 47); then the whole GPU
+# suite with what remains of the budget.
 set -u
-BUDGET=${BUDGET:-470}
+BUDGET=${BUDGET:-230}
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
-gpu_tests suite 370 14 tests
+gpu_tests changed 80 14 tests/backends/test_fresh_prefill_gpu.py tests/engine/test_kv_exact_window.py \
+  tests/ops/test_paged_attention_ring.py
+gpu_tests suite $(( $(left) - 5 )) 14 tests
 grep -E "passed|failed|error" "$W/suite.log" | tail -5
-short_run s1 bf16
-short_run s2 bf16
