@@ -129,10 +129,12 @@ def _guard(fn, *args):
         return None
 
 
-def timed_workload(model, vocab_size: int, prompts, args, dev, dtype):
-    """``(llm, result)``: kvplan's `LLM` over ``model`` (a config or a folder) sized for the
+def timed_workload(model, vocab_size: int, prompts, args, dev, dtype, repeats: int = 1):
+    """``(llm, results)``: kvplan's `LLM` over ``model`` (a config or a folder) sized for the
     workload, warmed up on the whole workload with other tokens, then ``run_workload`` of
-    ``prompts`` timed (its result lists the Triton compiles the timed run still hit)."""
+    ``prompts`` timed, and ``repeats - 1`` more timed runs of the same shape with other random
+    prompts (seeds 100, 101, ...: no prefix of one run's prompts is cached from another's).
+    Each result lists the Triton compiles its run still hit."""
     from kvplan import LLM
 
     config = config_from_args(
@@ -149,27 +151,41 @@ def timed_workload(model, vocab_size: int, prompts, args, dev, dtype):
     graphs = llm.engine.runner.graphs
     if graphs is not None and hasattr(graphs, "replay_events"):
         graphs.replay_events = []  # device time of each replay (`graph_replay_ms`)
-    res = run_workload(llm, prompts, args.new_tokens, progress=False)
-    if res.triton_compiles:
-        print(f"bench_engine: {len(res.triton_compiles)} Triton compiles inside the timed run "
-              f"(after {len(warm_res.triton_compiles)} in the warm-up), e.g. "
-              f"{res.triton_compiles[0][:160]}", file=sys.stderr)  # fmt: skip
-    return llm, res
+    results = []
+    for i in range(repeats):
+        run = prompts if i == 0 else make_prompts(len(prompts), len(prompts[0]), vocab_size,
+                                                  seed=99 + i)  # fmt: skip
+        res = run_workload(llm, run, args.new_tokens, progress=False)
+        if res.triton_compiles:
+            print(f"bench_engine: {len(res.triton_compiles)} Triton compiles inside timed run "
+                  f"{i + 1} (after {len(warm_res.triton_compiles)} in the warm-up), e.g. "
+                  f"{res.triton_compiles[0][:160]}", file=sys.stderr)  # fmt: skip
+        results.append(res)
+    return llm, results
+
+
+def median_run(results):
+    """The run of median wall time (the lower middle of an even count) and the median of
+    every run's full-batch decode steps together (None without any)."""
+    ranked = sorted(results, key=lambda r: r.wall_s)
+    steps = [ms for r in results for ms in r.decode_step_ms]
+    return ranked[(len(ranked) - 1) // 2], (statistics.median(steps) if steps else None)
 
 
 def run_kvplan(cfg, prompts, args, dev, dtype):
-    llm, res = timed_workload(cfg, cfg.vocab_size, prompts, args, dev, dtype)
+    llm, results = timed_workload(cfg, cfg.vocab_size, prompts, args, dev, dtype,
+                                  repeats=args.repeats)  # fmt: skip
+    res, step = median_run(results)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.parts.model.parameters())
     replay_ms = _guard(graph_replay_ms, llm, len(prompts))
     share = _guard(kernel_share, llm, prompts, dev)
-    step = res.median_decode_step_ms
     out = {
         "output_tokens": res.output_tokens, "wall_s": res.wall_s,
         "output_tokens_per_s": res.output_tokens_per_s,
-        "median_decode_step_ms": res.median_decode_step_ms,
-        "num_decode_steps_timed": len(res.decode_step_ms),
+        "median_decode_step_ms": step,
+        "num_decode_steps_timed": sum(len(r.decode_step_ms) for r in results),
         "graph_replays": res.num_graph_replays, "steps": res.num_steps,
-        "triton_compiles_in_run": res.triton_compiles,
+        "triton_compiles_in_run": [c for r in results for c in r.triton_compiles],
         "steps_by_kind": res.steps_by_kind_summary(),
         "async_scheduling": llm.engine.async_scheduling,
         "steps_launched_ahead": llm.engine.num_steps_ahead,
@@ -179,6 +195,13 @@ def run_kvplan(cfg, prompts, args, dev, dtype):
         "tensor_parallel_size": llm.config.tensor_parallel_size,  # weight_bytes: rank 0's shard
         **kv_capacity(llm.parts.pool_sizes, len(prompts)),
     }  # fmt: skip
+    if len(results) > 1:  # the headline figures are the median run's; every run's here
+        out["runs"] = [
+            {"output_tokens_per_s": r.output_tokens_per_s, "wall_s": r.wall_s,
+             "median_decode_step_ms": r.median_decode_step_ms,
+             "steps_by_kind": r.steps_by_kind_summary()}
+            for r in results
+        ]  # fmt: skip
     llm.close()  # tensor parallelism: stop the worker processes
     del llm
     free_device_memory(dev)
@@ -380,6 +403,10 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--hf", default="generate_batch_cuda_graph,generate_batch,generate",
                     help="comma-separated HF baselines ('' = none)")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed kvplan runs of the workload (other random prompts after the "
+                         "first); the figures are the median run's, the decode step the median "
+                         "of every run's full-batch steps, each run in the JSON's runs")  # fmt: skip
     ap.add_argument("--order", choices=("hf-first", "kvplan-first"), default="hf-first",
                     help="which system runs first (the other's memory is freed in between)")  # fmt: skip
     ap.add_argument("--host-step", action="store_true",
@@ -387,6 +414,8 @@ def main() -> int:
     ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                     help="with --host-step: also cProfile STEPS more steps (calls per step)")  # fmt: skip
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     async_scheduling = config_from_args(args).async_scheduling
     if args.host_step:
         torch.set_num_threads(1)
@@ -459,6 +488,9 @@ def main() -> int:
     print(f"{'system':<34} {'output tok/s':>14} {'wall s':>9}")
     print(f"{'kvplan (' + args.backend + ')':<34} {kv['output_tokens_per_s']:>14,.0f} "
           f"{kv['wall_s']:>9.2f}")  # fmt: skip
+    if "runs" in kv:
+        each = ", ".join(f"{r['output_tokens_per_s']:,.0f}" for r in kv["runs"])
+        print(f"kvplan runs (output tok/s; the median above): {each}")
     for m, r in hf.items():
         if "error" in r:
             print(f"{'HF ' + m:<34} {'error':>14}  {r['error'][:80]}")

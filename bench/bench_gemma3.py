@@ -84,7 +84,7 @@ def hf_greedy(model, prompts: list[list[int]], new: int, dev) -> list[list[int]]
 
 def run_kvplan(folder, prompts, check, args, dev, dtype) -> tuple[dict, list[list[int]]]:
     """Timed `run_workload` after a warm-up of the same shapes; then the check prompts."""
-    llm, res = timed_workload(folder, args.vocab_size, prompts, args, dev, dtype)
+    llm, (res,) = timed_workload(folder, args.vocab_size, prompts, args, dev, dtype)
     outs = llm.generate(check, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True))
     row = {"output_tokens": res.output_tokens, "wall_s": res.wall_s,
            "output_tokens_per_s": res.output_tokens_per_s,

@@ -23,10 +23,10 @@ long_run() {  # NAME FORMAT [VAR=value ...]: the long workload (32 x 8,192 x 256
     --prompt-len 8192 --new-tokens 256 --hf "" --out "$W/$name.json"
   grep -E "kvplan \(|decode step" "$W/$name.log"
 }
-short_run() {  # NAME FORMAT [VAR=value ...]: the short workload (64 x 256 x 128) as one step
-  local name=$1 fmt=$2; shift 2
+short_run() {  # NAME FORMAT [VAR=value ...]: the short workload (64 x 256 x 128) as one step,
+  local name=$1 fmt=$2; shift 2  # the median of three timed runs (its prompt steps are noisy)
   step 40 "$name" env "$@" python3 bench/bench_engine.py --kv-format "$fmt" --hf "" \
-    --out "$W/$name.json"
+    --repeats 3 --out "$W/$name.json"
   grep -E "kvplan \(|decode step" "$W/$name.log"
 }
 sparse_kernels() {  # NAME ROWS HCA_ENTRIES [VAR=value ...]: the sparse attention kernels

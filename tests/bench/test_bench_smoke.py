@@ -227,3 +227,32 @@ def test_engine_quick_reports_the_requests_its_kv_budget_holds(tmp_path):
     per = kv["blocks_per_request"][0]
     assert kv["requests_that_fit"] == min(4, (kv["kv_blocks"][0] - 1) // per) == 4
     assert "requests at full length" in proc.stdout
+
+
+def test_bench_engine_repeats_report_the_median_run(tmp_path):
+    """``--repeats 3``: three timed runs (the later ones on other random prompts), every run
+    in the JSON's ``runs``, the headline figures those of the median run, the decode step the
+    median over every run's full-batch steps; ``--repeats 0`` is refused naming the flag."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_engine import median_run
+
+    from kvplan.engine.cli_bench import WorkloadResult
+
+    runs = [WorkloadResult(4, 64, 32, wall, decode_step_ms=ms)
+            for wall, ms in ((0.3, [1.0, 2.0]), (0.1, [5.0]), (0.2, []))]  # fmt: skip
+    res, step = median_run(runs)
+    assert res is runs[2] and step == 2.0  # walls 0.1 < 0.2 < 0.3; steps 1, 2, 5
+    assert median_run(runs[:2])[0] is runs[1]  # an even count: the lower middle
+    assert median_run([runs[2]])[1] is None
+    out = tmp_path / "engine.json"
+    proc = _run("bench_engine.py", "--quick", "--hf", "", "--repeats", "3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kv = json.loads(out.read_text())["kvplan"]
+    assert len(kv["runs"]) == 3
+    walls = sorted(r["wall_s"] for r in kv["runs"])
+    assert kv["wall_s"] == walls[1]
+    assert kv["output_tokens_per_s"] in [r["output_tokens_per_s"] for r in kv["runs"]]
+    assert all(r["steps_by_kind"] for r in kv["runs"])
+    assert "kvplan runs (output tok/s" in proc.stdout
+    bad = _run("bench_engine.py", "--quick", "--hf", "", "--repeats", "0", "--out", str(out))
+    assert bad.returncode != 0 and "--repeats must be >= 1, got 0" in bad.stderr
