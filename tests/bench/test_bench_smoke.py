@@ -4,6 +4,7 @@ each writes and its checked values."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -19,6 +20,17 @@ def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedPro
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
     return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bench_engine():
+    """``bench/bench_engine.py`` as a module (its helpers), loaded once."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_engine", ROOT / "bench" / "bench_engine.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_quant_decode_quick_with_prefetch(tmp_path):
@@ -202,12 +214,11 @@ def test_host_ops_an_eager_prompt_step_makes_no_host_sync(tmp_path):
     assert rec["torch_ops"] > 0 and rec["host_ms_cpu"] is None  # no timed steps asked
 
 
-def test_engine_quick_reports_the_requests_its_kv_budget_holds(tmp_path):
+def test_engine_quick_reports_the_requests_its_kv_budget_holds(tmp_path, bench_engine):
     """bench_engine says how many requests its KV budget holds at full length: a ratio
     between KV formats is partly capacity where one holds fewer (the long workload's bf16 in 8
     GiB: 16,384 blocks of 530-block requests hold 30 of 32)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench_engine import kv_capacity
+    kv_capacity = bench_engine.kv_capacity
 
     from kvplan.cache.pool_sizing import PoolSizes
 
@@ -229,12 +240,11 @@ def test_engine_quick_reports_the_requests_its_kv_budget_holds(tmp_path):
     assert "requests at full length" in proc.stdout
 
 
-def test_bench_engine_repeats_report_the_median_run(tmp_path):
+def test_bench_engine_repeats_report_the_median_run(tmp_path, bench_engine):
     """``--repeats 3``: three timed runs (the later ones on other random prompts), every run
     in the JSON's ``runs``, the headline figures those of the median run, the decode step the
     median over every run's full-batch steps; ``--repeats 0`` is refused naming the flag."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench_engine import median_run
+    median_run = bench_engine.median_run
 
     from kvplan.engine.cli_bench import WorkloadResult
 
