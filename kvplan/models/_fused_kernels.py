@@ -27,15 +27,24 @@ from kvplan.ops._triton_util import round_to as _round
 
 @jit
 def rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_res, inv_n, eps,
-    HAS_RESIDUAL: tl.constexpr, TILE_N: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_res, inv_n, eps, stride_part,
+    HAS_RESIDUAL: tl.constexpr, TILE_N: tl.constexpr, PARTS: tl.constexpr = 0,
 ):  # fmt: skip
-    """``out[t] = w * round(h * rsqrt(mean(h^2) + eps))``, ``h = round(x[t] (+ res[t]))``."""
+    """``out[t] = w * round(h * rsqrt(mean(h^2) + eps))``, ``h = round(x[t] (+ res[t]))``.
+
+    ``PARTS > 0``: ``x`` is ``PARTS`` fp32 partial sums ``stride_part`` elements apart, and
+    ``x[t]`` is their sum (in order, from the first) rounded to the output dtype."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, TILE_N)
     mask = cols < n_cols
     dtype: tl.constexpr = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 0:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, PARTS):
+            x += tl.load(x_ptr + s * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+        x = _round(x, dtype)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res_row = res_ptr + row * stride_res + cols
         h = x + tl.load(res_row, mask=mask, other=0.0).to(tl.float32)

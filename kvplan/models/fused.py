@@ -39,6 +39,97 @@ def _fused(t: torch.Tensor, fused: bool | None) -> bool:
     return use_triton(t) if fused is None else fused
 
 
+# --- split_linear ---------------------------------------------------------------------------
+
+
+class SplitSums:
+    """A linear layer's output left as ``S`` fp32 partial products over slices of its input
+    width, for the kernel that reads it next (`rms_norm`) to add up.
+
+    ``sums [S, T, N]`` (fp32, unit last stride); the output it stands for is
+    ``sums[0] + sums[1] + ... + sums[S-1]`` (in that order, in fp32) rounded to ``dtype``:
+    `total`. `split_linear` makes them.
+    """
+
+    __slots__ = ("sums", "dtype")
+
+    def __init__(self, sums: torch.Tensor, dtype: torch.dtype) -> None:
+        check_tensor("sums", sums, dtype=torch.float32, ndim=3)
+        if sums.shape[0] < 1 or sums.stride(2) != 1:
+            raise ValueError(
+                f"sums must be [S >= 1, T, N] with unit last stride, got shape "
+                f"{list(sums.shape)} strides {sums.stride()}"
+            )
+        self.sums = sums
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of the output, ``[T, N]``."""
+        return self.sums.shape[1:]
+
+    def rows(self, index: torch.Tensor) -> SplitSums:
+        """The partials of the output rows ``index`` (``[N]`` int64, as ``output[index]``)."""
+        return SplitSums(self.sums[:, index], self.dtype)
+
+    def total(self) -> torch.Tensor:
+        """The output ``[T, N]`` in ``dtype``: the partials summed in order, then rounded."""
+        acc = self.sums[0].clone()
+        for part in self.sums[1:]:
+            acc += part
+        return acc.to(self.dtype)
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> SplitSums:
+    """``x @ weight.T`` as ``splits`` fp32 partial products over equal slices of ``K``.
+
+    One batched GEMM on CUDA (``torch.bmm`` with fp32 output over strided views of ``x`` and
+    ``weight``, no copies): split K gives a few-row GEMM more programs, and the consumer adds
+    the partials in the kernel it launches anyway, instead of a reduction kernel of its own.
+    Elsewhere the same partials in fp32 arithmetic (the reference).
+
+    Args:
+        x: ``[T, K]`` bf16/fp16/fp32, unit last stride.
+        weight: ``[N, K]``, contiguous, the dtype of ``x``.
+        splits: ``S >= 1`` dividing ``K``.
+    """
+    check_tensor("x", x, dtype=_FLOATS, ndim=2)
+    check_tensor("weight", weight, dtype=x.dtype, ndim=2, device=x.device)
+    t, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(
+            f"weight must be a contiguous [N, {k}], got shape {list(weight.shape)} "
+            f"strides {weight.stride()}"
+        )
+    if not isinstance(splits, int) or splits < 1 or k % splits:
+        raise ValueError(f"splits must be an int >= 1 dividing K = {k}, got {splits!r}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    kp = k // splits
+    xs = x.as_strided((splits, t, kp), (kp, x.stride(0), 1))
+    ws = weight.view(n, splits, kp).permute(1, 2, 0)  # [S, K/S, N], column-major slices
+    if x.is_cuda and x.dtype != torch.float32:
+        sums = torch.bmm(xs, ws, out_dtype=torch.float32)
+    else:
+        sums = torch.bmm(xs.float(), ws.float())
+    return SplitSums(sums, x.dtype)
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+SPLIT_LINEAR_MAX_ROWS = 256
+"""`linear_splits` splits only GEMMs of at most this many rows (decode-sized steps)."""
+
+
+def linear_splits(setting: int, rows: int, k: int) -> int:
+    """The K splits for a ``rows x K`` projection input under a model's ``setting`` (its
+    split count, 0 = never): ``setting`` for ``1 <= rows <= SPLIT_LINEAR_MAX_ROWS`` when it
+    divides ``K``, else 0 (the plain GEMM)."""
+    if setting and 0 < rows <= SPLIT_LINEAR_MAX_ROWS and k % setting == 0:
+        return setting
+    return 0
+
+
 # --- rms_norm -------------------------------------------------------------------------------
 
 
@@ -64,7 +155,7 @@ def rms_norm(
     Returns:
         ``[..., N]`` in the dtype of ``x`` (a new tensor).
     """
-    if _fused(x, fused):
+    if _fused(x.sums if isinstance(x, SplitSums) else x, fused):
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_torch(x, weight, eps, residual)
 
@@ -73,6 +164,8 @@ def rms_norm_torch(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Torch path of `rms_norm` (the arithmetic of Hugging Face's ``LlamaRMSNorm``)."""
+    if isinstance(x, SplitSums):
+        x = x.total()
     if residual is not None:
         x = residual.add_(x)
     dtype = x.dtype
@@ -84,27 +177,33 @@ def rms_norm_torch(
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Triton path of `rms_norm`: one kernel, one program per row."""
+    """Triton path of `rms_norm`: one kernel, one program per row (which also adds up the
+    partials of a `SplitSums` ``x``)."""
     from kvplan.models._fused_kernels import rms_norm_kernel
 
+    parts = stride_part = 0
+    dtype = x.dtype
+    if isinstance(x, SplitSums):
+        parts, stride_part = x.sums.shape[0], x.sums.stride(0)
+        x = x.sums[0]  # [T, N] fp32: the first partial's rows; the kernel adds the others
     n = x.shape[-1]
-    if weight.shape != (n,) or weight.dtype != x.dtype:
-        raise TypeError(f"weight must be [{n}] {x.dtype}, got {list(weight.shape)} {weight.dtype}")
-    x2 = _rows(x, "x")
+    if weight.shape != (n,) or weight.dtype != dtype:
+        raise TypeError(f"weight must be [{n}] {dtype}, got {list(weight.shape)} {weight.dtype}")
+    x2 = _rows(x, "x", in_place=parts > 0)  # partials are read in place
     res2 = x2
     if residual is not None:
-        if residual.shape != x.shape or residual.dtype != x.dtype:
+        if residual.shape != x.shape or residual.dtype != dtype:
             raise ValueError(
-                f"residual must match x ({list(x.shape)} {x.dtype}), "
+                f"residual must match x ({list(x.shape)} {dtype}), "
                 f"got {list(residual.shape)} {residual.dtype}"
             )
         res2 = _rows(residual, "residual", in_place=True)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=dtype, device=x.device)
     tile = triton_next_pow2(n)
     if x2.shape[0] > 0:
         rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight.contiguous(), out, n, x2.stride(0), res2.stride(0), 1.0 / n, eps,
-            HAS_RESIDUAL=residual is not None, TILE_N=tile,
+            stride_part, HAS_RESIDUAL=residual is not None, TILE_N=tile, PARTS=parts,
             num_warps=max(1, min(16, tile // 512)), enable_fp_fusion=False,
         )  # fmt: skip
     return out.view(x.shape)

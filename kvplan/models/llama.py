@@ -49,6 +49,7 @@ from kvplan.models.rope import RotaryTable
 from kvplan.ops.small_gemm import small_linear
 
 FUSED_KERNELS_ENV = "KVPLAN_FUSED_KERNELS"
+SPLIT_LINEAR_ENV = "KVPLAN_SPLIT_LINEAR"
 
 
 class RMSNorm(nn.Module):
@@ -98,6 +99,7 @@ class Attention(nn.Module):
         # the fused qkv epilogue writes K/V into a plain bf16 cache (`KVPLAN_FUSED_KV_STORE=0`:
         # the backend's store, for A/B runs)
         self.fused_kv_store = os.environ.get("KVPLAN_FUSED_KV_STORE", "1") != "0"
+        self.linear_splits = 0  # split-K partials for o_proj (`LlamaForCausalLM`)
 
     def forward(
         self,
@@ -135,7 +137,11 @@ class Attention(nn.Module):
             o = self.attn.forward(q, k, v, metadata, kv_stored=True)  # [T, H, D]
         else:
             o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        splits = ops.linear_splits(self.linear_splits, t, self.q_size) if fused else 0
+        if splits and isinstance(self.o_proj, nn.Linear) and self.o_proj.bias is None:
+            return ops.split_linear(o, self.o_proj.weight, splits)  # the next norm adds them
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -144,9 +150,14 @@ class MLP(nn.Module):
         self.intermediate_size = inter = cfg.intermediate_size // (1 if tp is None else tp.size)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.linear_splits = 0  # split-K partials for the down projection (`LlamaForCausalLM`)
 
-    def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), fused=fused))
+    def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor | ops.SplitSums:
+        a = ops.silu_and_mul(self.gate_up_proj(x), fused=fused)
+        splits = ops.linear_splits(self.linear_splits, a.shape[0], a.shape[1]) if fused else 0
+        if splits and isinstance(self.down_proj, nn.Linear):  # bias-free (row_linear)
+            return ops.split_linear(a, self.down_proj.weight, splits)  # the next norm adds them
+        return self.down_proj(a)
 
 
 class DecoderLayer(nn.Module):
@@ -230,6 +241,7 @@ class LlamaForCausalLM(nn.Module):
         fused_kernels: bool | None = None,
         tp: TPContext | None = None,
         kv_rotation: bool = False,
+        linear_splits: int | None = None,
     ) -> None:
         super().__init__()
         check_rotation_setting(kv_rotation, cfg.head_dim)
@@ -247,6 +259,7 @@ class LlamaForCausalLM(nn.Module):
         )
         for layer in self.layers:
             layer.self_attn.kv_rotation = kv_rotation
+        self.set_linear_splits(_splits_from_env() if linear_splits is None else linear_splits)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, False)
         self.to(dtype=dtype, device=device)
@@ -258,6 +271,17 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryTable(
             self.config.rope, self.config.head_dim, max_positions, dtype=w.dtype, device=w.device
         )
+
+    def set_linear_splits(self, splits: int) -> None:
+        """Run the fused path's o and down projections of decode-sized steps as ``splits``
+        fp32 partial products over slices of K (`fused.split_linear`), added up by the norm
+        after each (0: plain GEMMs). Not under tensor parallelism (the projections
+        all-reduce); CUDA graphs keep the setting they were captured with."""
+        if not isinstance(splits, int) or isinstance(splits, bool) or splits < 0:
+            raise ValueError(f"linear_splits must be an int >= 0, got {splits!r}")
+        self.linear_splits = splits if self.tp is None else 0
+        for layer in self.layers:
+            layer.self_attn.linear_splits = layer.mlp.linear_splits = self.linear_splits
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -290,13 +314,21 @@ class LlamaForCausalLM(nn.Module):
             metadata = None if attention is None else attention[family]
             h, residual = layer(h, residual, positions, self.rotary, metadata, fused=fused)
         if logits_indices is not None:
-            h = h[logits_indices]
+            h = h.rows(logits_indices) if isinstance(h, ops.SplitSums) else h[logits_indices]
             residual = None if residual is None else residual[logits_indices]
         h = self.norm(h, residual, fused=fused)  # [N, hidden]
         logits = small_linear(h, self.lm_head_weight)  # [N, V] (this rank's share under tp)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float() if self.float_logits else logits
+
+
+def _splits_from_env() -> int:
+    """``KVPLAN_SPLIT_LINEAR``: the default split count of `set_linear_splits` (unset: 0)."""
+    value = os.environ.get(SPLIT_LINEAR_ENV, "") or "0"
+    if not value.isdigit():
+        raise ValueError(f"{SPLIT_LINEAR_ENV} must be an int >= 0, got {value!r}")
+    return int(value)
 
 
 def _fused_from_env() -> bool | None:

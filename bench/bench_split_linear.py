@@ -1,0 +1,120 @@
+"""Few-row projections as split-K partials added up by the norm after them.
+
+A decode step's narrow projections (llama-1b's o and down at batch 64: 6-17 us for 8-34 MB of
+weights) run below the bandwidth their bytes allow: cuBLAS gives them few programs, or splits K
+and launches a reduction kernel of its own. `kvplan.models.fused.split_linear` asks for the
+split as one batched GEMM with fp32 output, and the residual-add RMSNorm that follows anyway
+adds the partials (`rms_norm` of a `SplitSums`), so no kernel is added.
+
+For each ``M x N x K`` (rows x weight rows x input width, bf16) and each variant, a CUDA graph
+runs the GEMM (and, in the "pair" column, the norm after it) over enough weight copies to
+exceed the L2 cache, as a decode step streams its weights; a call's time is the replay's over
+the copies (median of ``--reps``). Variants: ``linear`` (``F.linear``, then `rms_norm` with the
+residual) and ``split S`` (`split_linear`, then `rms_norm` of its partials). Each split's
+output is checked against the linear one (the norm's output within 2 bf16 ulps).
+
+Usage::
+
+    PYTHONPATH=. python3 bench/bench_split_linear.py --out $OUT/split_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from bench_small_gemm import graph_time  # noqa: E402 (bench/ is the script's directory)
+
+from kvplan.models import fused
+
+# llama-1b's o (2,048 x 2,048) and down (2,048 x 8,192) at several decode batches, its qkv
+DEFAULT_SHAPES = tuple(
+    f"{m},{n},{k},{name}"
+    for name, n, k in (("o", 2048, 2048), ("down", 2048, 8192), ("qkv", 3072, 2048))
+    for m in (16, 32, 64, 128, 256)
+)
+
+
+def measure(dev, gen, m, n, k, name, splits, args) -> list[dict]:
+    """The rows of one shape: every variant's GEMM alone and GEMM + norm, and its agreement."""
+    wbytes = n * k * 2
+    copies = max(1, min(64, math.ceil(args.weight_mb * 2**20 / wbytes)))
+    ws = [(torch.randn(n, k, device=dev, generator=gen) * k**-0.5).to(torch.bfloat16)
+          for _ in range(copies)]  # fmt: skip
+    x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(n, device=dev, generator=gen)).to(torch.bfloat16)
+    res0 = torch.randn(m, n, device=dev, generator=gen).to(torch.bfloat16)
+    res = res0.clone()
+
+    def linear(w, norm):
+        y = F.linear(x, w)
+        return fused.rms_norm_triton(y, nw, 1e-5, res) if norm else y
+
+    def split(w, norm, s):
+        y = fused.split_linear(x, w, s)
+        return fused.rms_norm_triton(y, nw, 1e-5, res) if norm else y
+
+    ref_res = res0.clone()
+    ref = fused.rms_norm_triton(F.linear(x, ws[0]), nw, 1e-5, ref_res)
+    variants = [("linear", linear)]
+    variants += [(f"split {s}", lambda w, norm, s=s: split(w, norm, s))
+                 for s in splits if k % s == 0]  # fmt: skip
+    rows, base_pair = [], None
+    for label, fn in variants:
+        res.copy_(res0)
+        out = fn(ws[0], True)
+        # the norm's output against the linear path's, in bf16 ulps (2^-8 relative)
+        ulp = ((out.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)
+               / 2**-8).max().item()  # fmt: skip
+        res_same = torch.equal(res, ref_res)
+        gemm = graph_time([lambda w=w, fn=fn: fn(w, False) for w in ws], args.reps) / copies
+        pair = graph_time([lambda w=w, fn=fn: fn(w, True) for w in ws], args.reps) / copies
+        base_pair = base_pair or pair
+        rows.append({"name": name, "m": m, "n": n, "k": k, "variant": label,
+                     "gemm_us": gemm * 1e6, "pair_us": pair * 1e6,
+                     "pair_vs_linear": pair / base_pair, "max_ulp": ulp,
+                     "residual_equal": res_same})  # fmt: skip
+        print(f"{name + f' {m}x{n}x{k}':>20} {label:>8} {gemm * 1e6:8.2f} "
+              f"{wbytes / gemm / 1e9:6.0f} {pair * 1e6:8.2f} {pair / base_pair:11.3f}  "
+              f"{ulp:.1f}{'' if res_same else ' (residual differs)'}")  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=list(DEFAULT_SHAPES))
+    ap.add_argument("--splits", default="1,2,4,8")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--weight-mb", type=float, default=256.0, help="weights streamed a replay")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_split_linear needs a CUDA device")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    splits = [int(s) for s in args.splits.split(",")]
+    rows = []
+    print(f"{torch.cuda.get_device_name(dev)}  torch {torch.__version__}")
+    print(f"{'shape':>20} {'variant':>8} {'gemm us':>8} {'GB/s':>6} {'pair us':>8} "
+          f"{'pair/linear':>11}  max diff (ulp)")  # fmt: skip
+    for spec in args.shapes:
+        parts = spec.split(",")
+        m, n, k = (int(p) for p in parts[:3])
+        name = parts[3] if len(parts) > 3 else f"{m}x{n}x{k}"
+        rows += measure(dev, gen, m, n, k, name, splits, args)
+        torch.cuda.empty_cache()
+    if args.out:
+        meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                "command": " ".join(sys.argv)}  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Split-K projections (`kvplan.models.fused.split_linear`) added up by the norm after them.
+
+Interpreter / CPU: the partials against per-slice fp32 products, `SplitSums.total` against an
+explicit in-order sum, `rms_norm` of partials (kernel == torch path, the residual bit for bit),
+the model with splits against the model without, bad input. GPU (``gpu`` marker): the batched
+GEMM's partials and the norm over them against ``F.linear`` and the plain norm, and the fp32
+model's greedy tokens with and without splits through the engine's CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fused_testlib import DEVICE, DenseCausal, gen, model_with_random_weights, randn
+from sm90_compile import compile_sm90
+
+from kvplan.models import _fused_kernels as kernels
+from kvplan.models import fused
+from kvplan.models.config import named_config
+from kvplan.models.llama import SPLIT_LINEAR_ENV, LlamaForCausalLM
+
+
+def _slices_ref(x, w, s):
+    """The S partial products in float64, one K slice each: [S, T, N]."""
+    k = x.shape[1] // s
+    return torch.stack([x[:, i * k:(i + 1) * k].double() @ w[:, i * k:(i + 1) * k].double().T
+                        for i in range(s)])  # fmt: skip
+
+
+@pytest.mark.parametrize("t, n, k, s", [(5, 48, 64, 4), (1, 16, 32, 1), (3, 24, 96, 3)])
+def test_split_linear_partials_are_the_slice_products(t, n, k, s):
+    g = gen(t * n + s)
+    x, w = randn(g, t, k), randn(g, n, k)
+    got = fused.split_linear(x, w, s)
+    assert got.sums.shape == (s, t, n) and got.sums.dtype == torch.float32
+    assert got.shape == (t, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.sums.double(), _slices_ref(x, w, s), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.total(), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_total_sums_in_order_then_rounds():
+    g = gen(3)
+    sums = randn(g, 3, 4, 8, device="cpu") * torch.tensor([1e8, 1.0, -1e8]).view(3, 1, 1)
+    got = fused.SplitSums(sums, torch.bfloat16).total()
+    want = ((sums[0] + sums[1]) + sums[2]).to(torch.bfloat16)  # in order: [1] is absorbed
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    rows = fused.SplitSums(sums, torch.float32).rows(torch.tensor([3, 1]))
+    assert torch.equal(rows.sums, sums[:, [3, 1]])
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_of_partials_kernel_equals_torch_path(parts, with_residual, dtype):
+    g = gen(parts + 7 * with_residual)
+    t, n = 5, 48
+    sums = fused.SplitSums(randn(g, parts, t, n, scale=2.0), dtype)
+    w = randn(g, n, dtype=dtype)
+    res = randn(g, t, n, dtype=dtype)
+    r1, r2 = res.clone(), res.clone()
+    got = fused.rms_norm_triton(sums, w, 1e-6, r1 if with_residual else None)
+    want = fused.rms_norm_torch(sums, w, 1e-6, r2 if with_residual else None)
+    assert got.dtype == dtype and got.shape == (t, n)
+    assert torch.equal(r1, r2)  # the residual sum, bit for bit (the same roundings)
+    if with_residual:
+        assert torch.equal(r1, res + sums.total())
+    else:
+        assert torch.equal(r1, res)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    # the dispatcher: partials on the kernel's device follow ``fused``
+    torch.testing.assert_close(fused.rms_norm(sums, w, 1e-6, fused=False), want if not
+                               with_residual else fused.rms_norm_torch(sums, w, 1e-6))  # fmt: skip
+
+
+def test_split_linear_and_partials_refuse_bad_input():
+    g = gen(9)
+    x, w = randn(g, 4, 64), randn(g, 16, 64)
+    with pytest.raises(ValueError, match="splits must be an int >= 1 dividing K = 64, got 3"):
+        fused.split_linear(x, w, 3)
+    with pytest.raises(ValueError, match="splits"):
+        fused.split_linear(x, w, 0)
+    with pytest.raises(ValueError, match="weight must be a contiguous"):
+        fused.split_linear(x, randn(g, 64, 16).T, 2)
+    with pytest.raises(ValueError, match="weight must be a contiguous"):
+        fused.split_linear(x, randn(g, 16, 32), 2)
+    with pytest.raises(TypeError, match="weight"):
+        fused.split_linear(x, w.double(), 2)
+    with pytest.raises(TypeError, match="sums"):
+        fused.SplitSums(torch.zeros(2, 3, 4, dtype=torch.bfloat16), torch.bfloat16)
+    with pytest.raises(ValueError, match="sums"):
+        fused.SplitSums(torch.zeros(2, 4, 3).transpose(1, 2), torch.float32)
+    with pytest.raises(TypeError, match="weight must be"):
+        fused.rms_norm_triton(fused.SplitSums(torch.zeros(2, 3, 4), torch.bfloat16),
+                              torch.ones(4), 1e-6)  # fmt: skip
+
+
+def test_linear_splits_rule():
+    assert fused.linear_splits(0, 64, 2048) == 0
+    assert fused.linear_splits(4, 64, 2048) == 4
+    assert fused.linear_splits(3, 64, 2048) == 0  # does not divide K
+    assert fused.linear_splits(4, fused.SPLIT_LINEAR_MAX_ROWS, 2048) == 4
+    assert fused.linear_splits(4, fused.SPLIT_LINEAR_MAX_ROWS + 1, 2048) == 0  # prefill-sized
+    assert fused.linear_splits(4, 0, 2048) == 0
+
+
+def test_model_with_splits_equals_model_without(monkeypatch):
+    """The fused model (kernels under the interpreter on CPU) with o / down split in 2 and 4
+    against the plain GEMMs: the same logits to fp32 rounding, for all rows and a subset."""
+    cfg = named_config("tiny-llama", num_layers=2)
+    model = model_with_random_weights(cfg, seed=4, fused_kernels=True)
+    assert model.linear_splits == 0
+    ids = torch.randint(0, cfg.vocab_size, (6,), generator=gen(5)).to(DEVICE)
+    pos = torch.arange(6, device=DEVICE)
+    rows = torch.tensor([5, 1], device=DEVICE)
+    want, want_rows = model(ids, pos, None), model(ids, pos, None, rows)
+    for s in (2, 4):
+        model.set_linear_splits(s)
+        assert {m.linear_splits for layer in model.layers
+                for m in (layer.self_attn, layer.mlp)} == {s}  # fmt: skip
+        torch.testing.assert_close(model(ids, pos, None), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(ids, pos, None, rows), want_rows, atol=1e-5, rtol=1e-5)
+    model.fused_kernels = False  # the torch path never splits
+    model.set_linear_splits(2)
+    assert torch.equal(model(ids, pos, None), _unsplit(model, ids, pos))
+    with pytest.raises(ValueError, match="linear_splits must be an int >= 0, got -1"):
+        model.set_linear_splits(-1)
+    monkeypatch.setenv(SPLIT_LINEAR_ENV, "4")
+    assert LlamaForCausalLM(cfg, DenseCausal, max_positions=8).linear_splits == 4
+    assert LlamaForCausalLM(cfg, DenseCausal, max_positions=8, linear_splits=0).linear_splits == 0
+    monkeypatch.setenv(SPLIT_LINEAR_ENV, "two")
+    with pytest.raises(ValueError, match=SPLIT_LINEAR_ENV):
+        LlamaForCausalLM(cfg, DenseCausal, max_positions=8)
+
+
+def _unsplit(model, ids, pos):
+    splits = model.linear_splits
+    model.set_linear_splits(0)
+    try:
+        return model(ids, pos, None)
+    finally:
+        model.set_linear_splits(splits)
+
+
+def test_partials_norm_compiles_for_sm90():
+    compile_sm90(kernels.rms_norm_kernel, "*bf16", {"x_ptr": "*fp32", "eps": "fp32",
+                 "inv_n": "fp32"}, HAS_RESIDUAL=True, TILE_N=2048, PARTS=4)  # fmt: skip
+
+
+# --- GPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, n, k", [(64, 2048, 2048), (16, 2048, 8192), (200, 96, 128)])
+@pytest.mark.parametrize("s", [1, 2, 4])
+def test_split_linear_gpu_matches_linear_and_norm(t, n, k, s):
+    g = gen(t + s)
+    x = randn(g, t, k, dtype=torch.bfloat16, device="cuda")
+    w = randn(g, n, k, dtype=torch.bfloat16, device="cuda", scale=k**-0.5)
+    nw = randn(g, n, dtype=torch.bfloat16, device="cuda")
+    res = randn(g, t, n, dtype=torch.bfloat16, device="cuda")
+    parts = fused.split_linear(x, w, s)
+    ref = _slices_ref(x, w, s)
+    torch.testing.assert_close(parts.sums.double(), ref, atol=1e-4, rtol=1e-4)
+    # the output the norm sees: the fp32 sum rounded once, as cuBLAS's own reduction rounds it
+    lin = F.linear(x, w)
+    total = parts.total()
+    assert float((total == lin).float().mean()) > 0.98
+    torch.testing.assert_close(total.float(), lin.float(), atol=0, rtol=2**-7)
+    r1, r2 = res.clone(), res.clone()
+    got = fused.rms_norm_triton(parts, nw, 1e-5, r1)
+    want = fused.rms_norm_torch(total, nw, 1e-5, r2)
+    assert torch.equal(r1, r2)
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-6)
+
+
+@pytest.mark.gpu
+def test_engine_greedy_tokens_with_and_without_splits(monkeypatch):
+    """fp32 random llama through the engine (CUDA graphs for the decode steps): the greedy
+    tokens with o / down split in 4 (`KVPLAN_SPLIT_LINEAR`) equal those of the plain GEMMs,
+    and a bf16 engine with splits captures its graphs and runs."""
+    import random
+
+    from kvplan import LLM, SamplingParams
+
+    cfg = named_config("tiny-llama", hidden_size=256, num_heads=4, num_kv_heads=2,
+                       head_dim_override=64, intermediate_size=512)  # fmt: skip
+    rng = random.Random(1)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(6)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = {}
+    for value in ("0", "4"):
+        monkeypatch.setenv(SPLIT_LINEAR_ENV, value)
+        llm = LLM(cfg, device="cuda", dtype="float32", backend="block_offsets",
+                  max_model_len=128, num_blocks=300)  # fmt: skip
+        assert llm.engine.runner.model.linear_splits == int(value)
+        assert llm.engine.runner.graphs is not None, "CUDA graph capture failed"
+        outs[value] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["4"] == outs["0"]
+    llm = LLM(cfg, device="cuda", backend="block_offsets", max_model_len=128, num_blocks=300)
+    assert llm.engine.runner.model.linear_splits == 4
+    assert llm.engine.runner.graphs is not None, "bf16 CUDA graph capture failed"
+    assert [len(o.token_ids) for o in llm.generate(prompts, params)] == [24] * 6
