@@ -7,11 +7,12 @@ split as one batched GEMM with fp32 output, and the residual-add RMSNorm that fo
 adds the partials (`rms_norm` of a `SplitSums`), so no kernel is added.
 
 For each ``M x N x K`` (rows x weight rows x input width, bf16) and each variant, a CUDA graph
-runs the GEMM (and, in the "pair" column, the norm after it) over enough weight copies to
-exceed the L2 cache, as a decode step streams its weights; a call's time is the replay's over
-the copies (median of ``--reps``). Variants: ``linear`` (``F.linear``, then `rms_norm` with the
-residual) and ``split S`` (`split_linear`, then `rms_norm` of its partials). Each split's
-output is checked against the linear one (the norm's output within 2 bf16 ulps).
+runs the GEMM (and, in the "pair" column, the kernel after it: `rms_norm` with the residual,
+or for qkv the qkv epilogue) over enough weight copies to exceed the L2 cache, as a decode
+step streams its weights; a call's time is the replay's over the copies (median of
+``--reps``). Variants: ``linear`` (``F.linear``) and ``split S`` (`split_linear`, the consumer
+adding the partials). Each split's output is compared with the linear one (largest relative
+difference in bf16 ulps of 2^-8; whether the residual stream came out equal).
 
 Usage::
 
@@ -32,7 +33,8 @@ from bench_small_gemm import graph_time  # noqa: E402 (bench/ is the script's di
 
 from kvplan.models import fused
 
-# llama-1b's o (2,048 x 2,048) and down (2,048 x 8,192) at several decode batches, its qkv
+# llama-1b's o (2,048 x 2,048), down (2,048 x 8,192) and qkv (3,072 x 2,048) at several decode
+# batches (qkv's pair: the qkv epilogue, without the cache store)
 DEFAULT_SHAPES = tuple(
     f"{m},{n},{k},{name}"
     for name, n, k in (("o", 2048, 2048), ("down", 2048, 8192), ("qkv", 3072, 2048))
@@ -51,16 +53,27 @@ def measure(dev, gen, m, n, k, name, splits, args) -> list[dict]:
     res0 = torch.randn(m, n, device=dev, generator=gen).to(torch.bfloat16)
     res = res0.clone()
 
+    pos = torch.randint(0, 4096, (m,), device=dev, generator=gen)
+    ang = torch.rand(4096, 32, device=dev, generator=gen) * 6.28
+    cos, sin = (torch.cat((f(ang), f(ang)), -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+
+    def consumer(y):  # what reads the projection next: the qkv epilogue or the add+norm
+        if name == "qkv":  # llama-1b's heads: 32 q, 8 kv, head_dim 64
+            return fused.qkv_epilogue_triton(y, pos, cos, sin, num_heads=32, num_kv_heads=8)[0]
+        return fused.rms_norm_triton(y, nw, 1e-5, res)
+
     def linear(w, norm):
         y = F.linear(x, w)
-        return fused.rms_norm_triton(y, nw, 1e-5, res) if norm else y
+        return consumer(y) if norm else y
 
     def split(w, norm, s):
         y = fused.split_linear(x, w, s)
-        return fused.rms_norm_triton(y, nw, 1e-5, res) if norm else y
+        return consumer(y) if norm else y
 
     ref_res = res0.clone()
-    ref = fused.rms_norm_triton(F.linear(x, ws[0]), nw, 1e-5, ref_res)
+    res.copy_(res0)
+    ref = consumer(F.linear(x, ws[0]))
+    ref_res.copy_(res)
     variants = [("linear", linear)]
     variants += [(f"split {s}", lambda w, norm, s=s: split(w, norm, s))
                  for s in splits if k % s == 0]  # fmt: skip

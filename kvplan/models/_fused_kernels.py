@@ -26,6 +26,17 @@ from kvplan.ops._triton_util import round_to as _round
 
 
 @jit
+def sum_parts(ptrs, mask, stride_part, PARTS: tl.constexpr, dtype: tl.constexpr):
+    """The fp32 partials at ``ptrs`` and ``PARTS - 1`` further ``stride_part`` elements apart
+    (`kvplan.models.fused.SplitSums`), summed in order from the first and rounded to
+    ``dtype`` (widened to fp32 again); masked elements 0."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, PARTS):
+        x += tl.load(ptrs + s * stride_part, mask=mask, other=0.0)
+    return _round(x, dtype)
+
+
+@jit
 def rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_res, inv_n, eps, stride_part,
     HAS_RESIDUAL: tl.constexpr, TILE_N: tl.constexpr, PARTS: tl.constexpr = 0,
@@ -39,10 +50,7 @@ def rms_norm_kernel(
     mask = cols < n_cols
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     if PARTS > 0:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        for s in tl.static_range(1, PARTS):
-            x += tl.load(x_ptr + s * stride_part + row * stride_x + cols, mask=mask, other=0.0)
-        x = _round(x, dtype)
+        x = sum_parts(x_ptr + row * stride_x + cols, mask, stride_part, PARTS, dtype)
     else:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -69,14 +77,16 @@ def _head_norm(x, w, eps, inv_d, dtype: tl.constexpr):
 def qkv_epilogue_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
     stride_qkv, num_positions, eps, inv_d,
-    slot_ptr, kc_ptr, vc_ptr, num_slots, stride_cb, stride_ct, s_off, s_stride,
+    slot_ptr, kc_ptr, vc_ptr, num_slots, stride_cb, stride_ct, s_off, s_stride, stride_part,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     QK_NORM: tl.constexpr, TILE_H: tl.constexpr, TILE_D: tl.constexpr,
     STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr = 0,
     GS: tl.constexpr = 1, QMAX: tl.constexpr = 1.0, SF: tl.constexpr = 2, SB: tl.constexpr = 4,
     HW: tl.constexpr = True, FAST_DIV: tl.constexpr = False, SEARCH: tl.constexpr = False,
+    PARTS: tl.constexpr = 0,
 ):  # fmt: skip
     """Split one token's ``qkv`` heads into q/k/v, norming (optional) and rotating q and k.
+    (``PARTS > 0``: ``qkv`` is that many fp32 partials ``stride_part`` apart, `sum_parts`.)
 
     RoPE (rotate_half convention), with ``x'`` = x rotated by half the head::
 
@@ -107,8 +117,12 @@ def qkv_epilogue_kernel(
     is_v = (heads >= NUM_HEADS + NUM_KV_HEADS) & (heads < NUM_HEADS + 2 * NUM_KV_HEADS)
     mask = (is_q | is_k | is_v)[:, None] & d_ok[None, :]
     row = qkv_ptr + t * stride_qkv + heads[:, None] * HEAD_DIM  # [TILE_H, 1]
-    x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_rot = tl.load(row + d_rot[None, :], mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 0:
+        x = sum_parts(row + d[None, :], mask, stride_part, PARTS, dtype)
+        x_rot = sum_parts(row + d_rot[None, :], mask, stride_part, PARTS, dtype)
+    else:
+        x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_rot = tl.load(row + d_rot[None, :], mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:
         w_q = tl.load(qw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
         w_k = tl.load(kw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)

@@ -270,7 +270,8 @@ def qkv_epilogue(
         contiguous from the kernel; the torch path returns ``v`` as a strided view of ``qkv``
         (as the unfused model always did; the backends accept it).
     """
-    fn = qkv_epilogue_triton if _fused(qkv, fused) else qkv_epilogue_torch
+    fused = _fused(qkv.sums if isinstance(qkv, SplitSums) else qkv, fused)
+    fn = qkv_epilogue_triton if fused else qkv_epilogue_torch
     return fn(qkv, positions, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads,
               q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
               kv_store=kv_store)  # fmt: skip
@@ -386,6 +387,8 @@ def qkv_epilogue_torch(
 ):  # fmt: skip
     """Torch path of `qkv_epilogue` (views, per-op norm and rotation, then copies; the
     optional store as `KVCacheTensors.store` does it for a plain cache)."""
+    if isinstance(qkv, SplitSums):
+        qkv = qkv.total()
     t = qkv.shape[0]
     d = _head_dim(qkv, num_heads, num_kv_heads)
     if kv_store is not None:
@@ -415,9 +418,14 @@ def qkv_epilogue_triton(
     A position outside ``[0, cos.shape[0])`` yields NaN q/k rows for that token (the kernel
     does not read outside the tables; checking on the host would cost a device sync).
     ``kv_store``: the same kernel also writes the k / v rows into the paged caches.
+    ``qkv`` may be a `SplitSums` (the kernel adds up its partials).
     """
     from kvplan.models._fused_kernels import qkv_epilogue_kernel
 
+    dtype = qkv.dtype
+    parts = stride_part = 0
+    if isinstance(qkv, SplitSums):  # the fp32 rows of the first partial; the kernel adds the rest
+        parts, stride_part, qkv = qkv.sums.shape[0], qkv.sums.stride(0), qkv.sums[0]
     t = qkv.shape[0]
     d = _head_dim(qkv, num_heads, num_kv_heads)
     if qkv.stride(1) != 1:
@@ -425,17 +433,17 @@ def qkv_epilogue_triton(
     if positions.shape != (t,):
         raise ValueError(f"positions must be [{t}], got {list(positions.shape)}")
     for name, table in (("cos", cos), ("sin", sin)):
-        if table.dim() != 2 or table.shape[1] != d or table.dtype != qkv.dtype:
+        if table.dim() != 2 or table.shape[1] != d or table.dtype != dtype:
             raise ValueError(
-                f"{name} must be [P, {d}] {qkv.dtype}, got {list(table.shape)} {table.dtype}"
+                f"{name} must be [P, {d}] {dtype}, got {list(table.shape)} {table.dtype}"
             )
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight must be given together")
     qk_norm = q_norm_weight is not None
     if qk_norm:
         for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-            if w.shape != (d,) or w.dtype != qkv.dtype:
-                raise TypeError(f"{name} must be [{d}] {qkv.dtype}, got {list(w.shape)} {w.dtype}")
+            if w.shape != (d,) or w.dtype != dtype:
+                raise TypeError(f"{name} must be [{d}] {dtype}, got {list(w.shape)} {w.dtype}")
     quant_kw = {}
     if kv_store is not None:
         layout = _check_kv_store(kv_store, t, num_kv_heads, d, qkv.device)
@@ -461,7 +469,7 @@ def qkv_epilogue_triton(
                 SB=4 if fp32_sf else 1, HW=hw, FAST_DIV=hw and fp32_sf,
                 SEARCH=layout.scale_search,
             )  # fmt: skip
-    new = dict(dtype=qkv.dtype, device=qkv.device)
+    new = dict(dtype=dtype, device=qkv.device)
     q = torch.empty(t, num_heads, d, **new)
     k = torch.empty(t, num_kv_heads, d, **new)
     v = torch.empty(t, num_kv_heads, d, **new)
@@ -484,10 +492,10 @@ def qkv_epilogue_triton(
             store = (positions, q, q, 0, 0, 0, 0, 0)  # unused without STORE
         qkv_epilogue_kernel[(t, triton_cdiv(heads, tile_h))](
             qkv, positions, cos.contiguous(), sin.contiguous(), w_q, w_k, q, k, v,
-            qkv.stride(0), cos.shape[0], eps, 1.0 / d, *store,
+            qkv.stride(0), cos.shape[0], eps, 1.0 / d, *store, stride_part,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, QK_NORM=qk_norm,
             TILE_H=tile_h, TILE_D=tile_d, STORE=kv_store is not None,
-            BLOCK_SIZE=bs if kv_store is not None else 1, **quant_kw, num_warps=4,
+            BLOCK_SIZE=bs if kv_store is not None else 1, **quant_kw, PARTS=parts, num_warps=4,
             enable_fp_fusion=False,
         )  # fmt: skip
     return q, k, v

@@ -99,7 +99,8 @@ class Attention(nn.Module):
         # the fused qkv epilogue writes K/V into a plain bf16 cache (`KVPLAN_FUSED_KV_STORE=0`:
         # the backend's store, for A/B runs)
         self.fused_kv_store = os.environ.get("KVPLAN_FUSED_KV_STORE", "1") != "0"
-        self.linear_splits = 0  # split-K partials for o_proj (`LlamaForCausalLM`)
+        # split-K partials for qkv_proj / o_proj (`LlamaForCausalLM.set_linear_splits`)
+        self.qkv_splits = self.o_splits = 0
 
     def forward(
         self,
@@ -111,7 +112,11 @@ class Attention(nn.Module):
         fused: bool = False,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        splits = ops.linear_splits(self.qkv_splits, t, x.shape[1]) if fused else 0
+        if splits and self.qkv_proj.bias is None:  # the epilogue adds the partials
+            qkv = ops.split_linear(x, self.qkv_proj.weight, splits)
+        else:
+            qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         norm = self.q_norm is not None
         # the fused kernel also writes k / v into the cache (bf16, or fp8 / int8 records)
         store = None
@@ -138,7 +143,7 @@ class Attention(nn.Module):
         else:
             o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
         o = o.reshape(t, self.q_size)
-        splits = ops.linear_splits(self.linear_splits, t, self.q_size) if fused else 0
+        splits = ops.linear_splits(self.o_splits, t, self.q_size) if fused else 0
         if splits and isinstance(self.o_proj, nn.Linear) and self.o_proj.bias is None:
             return ops.split_linear(o, self.o_proj.weight, splits)  # the next norm adds them
         return self.o_proj(o)
@@ -150,11 +155,11 @@ class MLP(nn.Module):
         self.intermediate_size = inter = cfg.intermediate_size // (1 if tp is None else tp.size)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, tp)
-        self.linear_splits = 0  # split-K partials for the down projection (`LlamaForCausalLM`)
+        self.down_splits = 0  # split-K partials (`LlamaForCausalLM.set_linear_splits`)
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor | ops.SplitSums:
         a = ops.silu_and_mul(self.gate_up_proj(x), fused=fused)
-        splits = ops.linear_splits(self.linear_splits, a.shape[0], a.shape[1]) if fused else 0
+        splits = ops.linear_splits(self.down_splits, a.shape[0], a.shape[1]) if fused else 0
         if splits and isinstance(self.down_proj, nn.Linear):  # bias-free (row_linear)
             return ops.split_linear(a, self.down_proj.weight, splits)  # the next norm adds them
         return self.down_proj(a)
@@ -219,6 +224,9 @@ class LlamaForCausalLM(nn.Module):
             (`kvplan.models.kv_rotation`): the scores are unchanged and the cached keys are
             rotated, which a quantized KV cache stores more accurately. Needs ``head_dim`` a
             power of two (ValueError); stored per layer as ``self_attn.kv_rotation``.
+        linear_splits: split-K partials for the projections of decode-sized steps
+            (`set_linear_splits`); None = ``KVPLAN_SPLIT_LINEAR`` (``S`` or
+            ``qkv=S,o=S,down=S``), else 0.
 
     Example::
 
@@ -241,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         fused_kernels: bool | None = None,
         tp: TPContext | None = None,
         kv_rotation: bool = False,
-        linear_splits: int | None = None,
+        linear_splits: int | Mapping[str, int] | None = None,
     ) -> None:
         super().__init__()
         check_rotation_setting(kv_rotation, cfg.head_dim)
@@ -272,16 +280,20 @@ class LlamaForCausalLM(nn.Module):
             self.config.rope, self.config.head_dim, max_positions, dtype=w.dtype, device=w.device
         )
 
-    def set_linear_splits(self, splits: int) -> None:
-        """Run the fused path's o and down projections of decode-sized steps as ``splits``
-        fp32 partial products over slices of K (`fused.split_linear`), added up by the norm
-        after each (0: plain GEMMs). Not under tensor parallelism (the projections
-        all-reduce); CUDA graphs keep the setting they were captured with."""
-        if not isinstance(splits, int) or isinstance(splits, bool) or splits < 0:
-            raise ValueError(f"linear_splits must be an int >= 0, got {splits!r}")
-        self.linear_splits = splits if self.tp is None else 0
+    def set_linear_splits(self, splits: int | Mapping[str, int]) -> None:
+        """Run the fused path's projections of decode-sized steps (`fused.linear_splits`) as
+        fp32 partial products over slices of K (`fused.split_linear`), which the kernel after
+        each adds up: the qkv epilogue, the add+RMSNorm after o and down. ``splits``: one
+        count for all three, or ``{"qkv": S, "o": S, "down": S}`` (missing keys 0); 0 = the
+        plain GEMM. Never under tensor parallelism (o and down all-reduce), nor for a qkv
+        projection with a bias. CUDA graphs keep the setting they were captured with. Stored
+        as ``linear_splits``, a dict."""
+        counts = parse_linear_splits(splits)
+        self.linear_splits = counts if self.tp is None else dict.fromkeys(counts, 0)
         for layer in self.layers:
-            layer.self_attn.linear_splits = layer.mlp.linear_splits = self.linear_splits
+            layer.self_attn.qkv_splits = self.linear_splits["qkv"]
+            layer.self_attn.o_splits = self.linear_splits["o"]
+            layer.mlp.down_splits = self.linear_splits["down"]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -323,12 +335,38 @@ class LlamaForCausalLM(nn.Module):
         return logits.float() if self.float_logits else logits
 
 
-def _splits_from_env() -> int:
-    """``KVPLAN_SPLIT_LINEAR``: the default split count of `set_linear_splits` (unset: 0)."""
+LINEAR_SPLIT_NAMES = ("qkv", "o", "down")
+
+
+def parse_linear_splits(splits: int | Mapping[str, int]) -> dict[str, int]:
+    """`LlamaForCausalLM.set_linear_splits`'s argument as ``{"qkv": S, "o": S, "down": S}``."""
+    if isinstance(splits, Mapping):
+        unknown = set(splits) - set(LINEAR_SPLIT_NAMES)
+        if unknown:
+            raise ValueError(
+                f"linear_splits names {sorted(unknown)}; known: {list(LINEAR_SPLIT_NAMES)}"
+            )
+        counts = {name: splits.get(name, 0) for name in LINEAR_SPLIT_NAMES}
+    else:
+        counts = dict.fromkeys(LINEAR_SPLIT_NAMES, splits)
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"linear_splits[{name!r}] must be an int >= 0, got {value!r}")
+    return counts
+
+
+def _splits_from_env() -> int | dict[str, int]:
+    """``KVPLAN_SPLIT_LINEAR``: the default of `set_linear_splits`: ``S`` or
+    ``qkv=S,o=S,down=S`` (unset: 0)."""
     value = os.environ.get(SPLIT_LINEAR_ENV, "") or "0"
-    if not value.isdigit():
-        raise ValueError(f"{SPLIT_LINEAR_ENV} must be an int >= 0, got {value!r}")
-    return int(value)
+    try:
+        if "=" not in value:
+            return int(value)
+        return {k.strip(): int(v) for k, v in (part.split("=") for part in value.split(","))}
+    except ValueError:
+        raise ValueError(
+            f"{SPLIT_LINEAR_ENV} must be S or qkv=S,o=S,down=S (ints >= 0), got {value!r}"
+        ) from None
 
 
 def _fused_from_env() -> bool | None:

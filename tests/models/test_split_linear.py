@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fused_testlib import DEVICE, DenseCausal, gen, model_with_random_weights, randn
+from fused_testlib import DEVICE, DenseCausal, gen, model_with_random_weights, qkv_case, randn
 from sm90_compile import compile_sm90
 
 from kvplan.models import _fused_kernels as kernels
@@ -74,6 +74,34 @@ def test_rms_norm_of_partials_kernel_equals_torch_path(parts, with_residual, dty
                                with_residual else fused.rms_norm_torch(sums, w, 1e-6))  # fmt: skip
 
 
+@pytest.mark.parametrize("parts", [1, 2, 4])
+@pytest.mark.parametrize("dtype, norm", [(torch.float32, False), (torch.bfloat16, True)])
+def test_qkv_epilogue_of_partials_equals_epilogue_of_their_total(parts, dtype, norm):
+    """The kernel over the partials (and the torch path) gives what it gives for the rounded
+    total, q / k / v and the bf16 cache it stores into, bit for bit."""
+    from kvplan.cache.kv_tensors import KVCacheTensors
+
+    t, h, hkv, d = 5, 4, 2, 16
+    args, kw = qkv_case(parts + 3 * norm, t, h, hkv, d, norm, dtype=dtype)
+    g = gen(parts)
+    sums = fused.SplitSums(randn(g, parts, t, (h + 2 * hkv) * d, scale=2.0), dtype)
+    slots = torch.tensor([3, -1, 17, 9, 0], device=DEVICE)
+    outs = []
+    for qkv, fn in ((sums, fused.qkv_epilogue_triton), (sums.total(), fused.qkv_epilogue_triton),
+                    (sums, fused.qkv_epilogue_torch)):  # fmt: skip
+        kv = KVCacheTensors(1, num_blocks=5, block_size=4, num_kv_heads=hkv, head_dim=d,
+                            kv_format="bf16", device=DEVICE)  # fmt: skip
+        got = fn(qkv, *args[1:], **kw, kv_store=(kv.k_cache(0), kv.v_cache(0), slots))
+        outs.append((*got, kv.k_cache(0).clone(), kv.v_cache(0).clone()))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(outs[0], outs[2], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    # the dispatcher sends partials on the kernels' device to the kernel
+    q = fused.qkv_epilogue(sums, *args[1:], **kw, fused=True)[0]
+    assert torch.equal(q, outs[0][0])
+
+
 def test_split_linear_and_partials_refuse_bad_input():
     g = gen(9)
     x, w = randn(g, 4, 64), randn(g, 16, 64)
@@ -106,32 +134,40 @@ def test_linear_splits_rule():
 
 
 def test_model_with_splits_equals_model_without(monkeypatch):
-    """The fused model (kernels under the interpreter on CPU) with o / down split in 2 and 4
+    """The fused model (kernels under the interpreter on CPU) with qkv / o / down split
     against the plain GEMMs: the same logits to fp32 rounding, for all rows and a subset."""
     cfg = named_config("tiny-llama", num_layers=2)
     model = model_with_random_weights(cfg, seed=4, fused_kernels=True)
-    assert model.linear_splits == 0
+    assert model.linear_splits == {"qkv": 0, "o": 0, "down": 0}
     ids = torch.randint(0, cfg.vocab_size, (6,), generator=gen(5)).to(DEVICE)
     pos = torch.arange(6, device=DEVICE)
     rows = torch.tensor([5, 1], device=DEVICE)
     want, want_rows = model(ids, pos, None), model(ids, pos, None, rows)
-    for s in (2, 4):
-        model.set_linear_splits(s)
-        assert {m.linear_splits for layer in model.layers
-                for m in (layer.self_attn, layer.mlp)} == {s}  # fmt: skip
+    for splits in (2, 4, {"qkv": 2}, {"o": 4, "down": 2}):
+        model.set_linear_splits(splits)
+        attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+        assert model.linear_splits == {"qkv": attn.qkv_splits, "o": attn.o_splits,
+                                       "down": mlp.down_splits}  # fmt: skip
         torch.testing.assert_close(model(ids, pos, None), want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(model(ids, pos, None, rows), want_rows, atol=1e-5, rtol=1e-5)
+    assert model.linear_splits == {"qkv": 0, "o": 4, "down": 2}
     model.fused_kernels = False  # the torch path never splits
     model.set_linear_splits(2)
     assert torch.equal(model(ids, pos, None), _unsplit(model, ids, pos))
-    with pytest.raises(ValueError, match="linear_splits must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"linear_splits\['qkv'\] must be an int >= 0, got -1"):
         model.set_linear_splits(-1)
-    monkeypatch.setenv(SPLIT_LINEAR_ENV, "4")
-    assert LlamaForCausalLM(cfg, DenseCausal, max_positions=8).linear_splits == 4
-    assert LlamaForCausalLM(cfg, DenseCausal, max_positions=8, linear_splits=0).linear_splits == 0
-    monkeypatch.setenv(SPLIT_LINEAR_ENV, "two")
-    with pytest.raises(ValueError, match=SPLIT_LINEAR_ENV):
-        LlamaForCausalLM(cfg, DenseCausal, max_positions=8)
+    with pytest.raises(ValueError, match="linear_splits names \\['up'\\]"):
+        model.set_linear_splits({"up": 2})
+    for env, want_splits in (("4", dict.fromkeys(("qkv", "o", "down"), 4)),
+                             ("o=2, down=8", {"qkv": 0, "o": 2, "down": 8})):  # fmt: skip
+        monkeypatch.setenv(SPLIT_LINEAR_ENV, env)
+        assert LlamaForCausalLM(cfg, DenseCausal, max_positions=8).linear_splits == want_splits
+    built = LlamaForCausalLM(cfg, DenseCausal, max_positions=8, linear_splits=0)
+    assert set(built.linear_splits.values()) == {0}
+    for bad in ("two", "o=x", "o"):
+        monkeypatch.setenv(SPLIT_LINEAR_ENV, bad)
+        with pytest.raises(ValueError, match=SPLIT_LINEAR_ENV):
+            LlamaForCausalLM(cfg, DenseCausal, max_positions=8)
 
 
 def _unsplit(model, ids, pos):
@@ -143,9 +179,16 @@ def _unsplit(model, ids, pos):
         model.set_linear_splits(splits)
 
 
-def test_partials_norm_compiles_for_sm90():
+def test_partials_kernels_compile_for_sm90():
     compile_sm90(kernels.rms_norm_kernel, "*bf16", {"x_ptr": "*fp32", "eps": "fp32",
                  "inv_n": "fp32"}, HAS_RESIDUAL=True, TILE_N=2048, PARTS=4)  # fmt: skip
+    # llama-1b's decode epilogue: the fused bf16 store, partials of the qkv projection
+    compile_sm90(kernels.qkv_epilogue_kernel, "*bf16",
+                 {"qkv_ptr": "*fp32", "eps": "fp32", "inv_d": "fp32", "pos_ptr": "*i64",
+                  "slot_ptr": "*i64", "stride_cb": "i64"},
+                 NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=64, QK_NORM=False, TILE_H=16,
+                 TILE_D=64, STORE=True, BLOCK_SIZE=16, QUANT=0, GS=1, QMAX=1.0, SF=2, SB=4,
+                 HW=True, FAST_DIV=False, SEARCH=False, PARTS=2)  # fmt: skip
 
 
 # --- GPU -------------------------------------------------------------------------------------
@@ -178,7 +221,7 @@ def test_split_linear_gpu_matches_linear_and_norm(t, n, k, s):
 @pytest.mark.gpu
 def test_engine_greedy_tokens_with_and_without_splits(monkeypatch):
     """fp32 random llama through the engine (CUDA graphs for the decode steps): the greedy
-    tokens with o / down split in 4 (`KVPLAN_SPLIT_LINEAR`) equal those of the plain GEMMs,
+    tokens with qkv / o / down split in 4 (`KVPLAN_SPLIT_LINEAR`) equal those of the plain GEMMs,
     and a bf16 engine with splits captures its graphs and runs."""
     import random
 
@@ -194,11 +237,11 @@ def test_engine_greedy_tokens_with_and_without_splits(monkeypatch):
         monkeypatch.setenv(SPLIT_LINEAR_ENV, value)
         llm = LLM(cfg, device="cuda", dtype="float32", backend="block_offsets",
                   max_model_len=128, num_blocks=300)  # fmt: skip
-        assert llm.engine.runner.model.linear_splits == int(value)
+        assert set(llm.engine.runner.model.linear_splits.values()) == {int(value)}
         assert llm.engine.runner.graphs is not None, "CUDA graph capture failed"
         outs[value] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["4"] == outs["0"]
     llm = LLM(cfg, device="cuda", backend="block_offsets", max_model_len=128, num_blocks=300)
-    assert llm.engine.runner.model.linear_splits == 4
+    assert set(llm.engine.runner.model.linear_splits.values()) == {4}
     assert llm.engine.runner.graphs is not None, "bf16 CUDA graph capture failed"
     assert [len(o.token_ids) for o in llm.generate(prompts, params)] == [24] * 6
