@@ -269,14 +269,14 @@ def test_dispatch_follows_fused_flag(monkeypatch):
 
 _F32_ARGS = {"eps": "fp32", "inv_n": "fp32", "inv_d": "fp32"}
 # qkv_epilogue_kernel's quantized-store constexprs at their plain-cache values
-_PLAIN = dict(QUANT=0, GS=1, QMAX=1.0, SF=2, SB=4, HW=True, FAST_DIV=False, SEARCH=False)
+_PLAIN = dict(QUANT=0, GS=1, QMAX=1.0, SF=2, SB=4, HW=True, FAST_DIV=False, SEARCH=False, PARTS=0)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_kernels_compile_for_sm90(dtype):
     ptr = f"*{dtype}"
-    compile_sm90(kernels.rms_norm_kernel, ptr, _F32_ARGS, HAS_RESIDUAL=True, TILE_N=2048)
-    compile_sm90(kernels.rms_norm_kernel, ptr, _F32_ARGS, HAS_RESIDUAL=False, TILE_N=128)
+    compile_sm90(kernels.rms_norm_kernel, ptr, _F32_ARGS, HAS_RESIDUAL=True, TILE_N=2048, PARTS=0)
+    compile_sm90(kernels.rms_norm_kernel, ptr, _F32_ARGS, HAS_RESIDUAL=False, TILE_N=128, PARTS=0)
     for norm in (False, True):
         compile_sm90(kernels.qkv_epilogue_kernel, ptr, {**_F32_ARGS, "pos_ptr": "*i64"},
                      NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, QK_NORM=norm, TILE_H=8,
@@ -297,7 +297,7 @@ def test_kernels_compile_for_sm90(dtype):
                       "vc_ptr": "*u8", "stride_cb": "i64"},
                      NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=64, QK_NORM=False, TILE_H=16,
                      TILE_D=64, STORE=True, BLOCK_SIZE=16, QUANT=quant, GS=32, QMAX=qmax, SF=2,
-                     SB=4, HW=True, FAST_DIV=True, SEARCH=search)  # fmt: skip
+                     SB=4, HW=True, FAST_DIV=True, SEARCH=search, PARTS=0)  # fmt: skip
     compile_sm90(kernels.silu_and_mul_kernel, ptr, TILE=1024, EXACT=True)
 
 
