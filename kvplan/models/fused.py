@@ -117,15 +117,18 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> SplitSum
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-SPLIT_LINEAR_MAX_ROWS = 256
-"""`linear_splits` splits only GEMMs of at most this many rows (decode-sized steps)."""
+SPLIT_LINEAR_ROWS = (32, 128)
+"""`linear_splits` splits only GEMMs with this many rows (inclusive): llama-1b's o and down
+projections at 2 splits measured faster from 32 to 128 rows and slower at 16 (o) and 256 (H100,
+`bench/bench_split_linear.py`; bench/RESULTS.md, session 50)."""
 
 
 def linear_splits(setting: int, rows: int, k: int) -> int:
     """The K splits for a ``rows x K`` projection input under a model's ``setting`` (its
-    split count, 0 = never): ``setting`` for ``1 <= rows <= SPLIT_LINEAR_MAX_ROWS`` when it
-    divides ``K``, else 0 (the plain GEMM)."""
-    if setting and 0 < rows <= SPLIT_LINEAR_MAX_ROWS and k % setting == 0:
+    split count, 0 = never): ``setting`` for rows within `SPLIT_LINEAR_ROWS` when it divides
+    ``K``, else 0 (the plain GEMM)."""
+    low, high = SPLIT_LINEAR_ROWS
+    if setting and low <= rows <= high and k % setting == 0:
         return setting
     return 0
 

@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
             power of two (ValueError); stored per layer as ``self_attn.kv_rotation``.
         linear_splits: split-K partials for the projections of decode-sized steps
             (`set_linear_splits`); None = ``KVPLAN_SPLIT_LINEAR`` (``S`` or
-            ``qkv=S,o=S,down=S``), else 0.
+            ``qkv=S,o=S,down=S``) if set, else `DEFAULT_LINEAR_SPLITS`.
 
     Example::
 
@@ -355,10 +355,18 @@ def parse_linear_splits(splits: int | Mapping[str, int]) -> dict[str, int]:
     return counts
 
 
+DEFAULT_LINEAR_SPLITS = {"qkv": 0, "o": 2, "down": 2}
+"""The default split counts: o and down in 2 (the norm after each adds the partials); qkv
+plain (its epilogue reading partials cost what the split saved). Measured on llama-1b's
+short workload's decode graph (H100, bench/RESULTS.md, session 50): 1.619 against 1.657 ms."""
+
+
 def _splits_from_env() -> int | dict[str, int]:
     """``KVPLAN_SPLIT_LINEAR``: the default of `set_linear_splits`: ``S`` or
-    ``qkv=S,o=S,down=S`` (unset: 0)."""
-    value = os.environ.get(SPLIT_LINEAR_ENV, "") or "0"
+    ``qkv=S,o=S,down=S`` (unset or empty: `DEFAULT_LINEAR_SPLITS`)."""
+    value = os.environ.get(SPLIT_LINEAR_ENV, "")
+    if not value:
+        return dict(DEFAULT_LINEAR_SPLITS)
     try:
         if "=" not in value:
             return int(value)
