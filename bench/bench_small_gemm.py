@@ -138,11 +138,16 @@ def main() -> None:
         del ws
         torch.cuda.empty_cache()
     if args.out:
-        meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                "command": " ".join(sys.argv)}  # fmt: skip
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        save_rows(args.out, dev, rows)
+
+
+def save_rows(path: str, dev: torch.device, rows: list[dict]) -> None:
+    """Write ``rows`` as JSON with the device, torch version, date and command."""
+    meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "command": " ".join(sys.argv)}  # fmt: skip
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

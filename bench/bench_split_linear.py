@@ -22,14 +22,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-from bench_small_gemm import graph_time  # noqa: E402 (bench/ is the script's directory)
+from bench_small_gemm import graph_time, parse_shape, save_rows  # bench/: the script's dir
 
 from kvplan.models import fused
 
@@ -116,17 +114,11 @@ def main() -> None:
     print(f"{'shape':>20} {'variant':>8} {'gemm us':>8} {'GB/s':>6} {'pair us':>8} "
           f"{'pair/linear':>11}  max diff (ulp)")  # fmt: skip
     for spec in args.shapes:
-        parts = spec.split(",")
-        m, n, k = (int(p) for p in parts[:3])
-        name = parts[3] if len(parts) > 3 else f"{m}x{n}x{k}"
+        m, n, k, name = parse_shape(spec)
         rows += measure(dev, gen, m, n, k, name, splits, args)
         torch.cuda.empty_cache()
     if args.out:
-        meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                "command": " ".join(sys.argv)}  # fmt: skip
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        save_rows(args.out, dev, rows)
 
 
 if __name__ == "__main__":
