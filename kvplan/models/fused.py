@@ -121,14 +121,19 @@ SPLIT_LINEAR_ROWS = (32, 128)
 """`linear_splits` splits only GEMMs with this many rows (inclusive): llama-1b's o and down
 projections at 2 splits measured faster from 32 to 128 rows and slower at 16 (o) and 256 (H100,
 `bench/bench_split_linear.py`; bench/RESULTS.md, session 50)."""
+SPLIT_LINEAR_MIN_WEIGHT = 1 << 22
+"""... and only weights of at least this many elements (llama-1b's o, 2,048 x 2,048, is the
+smallest measured; smaller GEMMs are mostly a kernel's fixed cost, which a split adds to)."""
 
 
-def linear_splits(setting: int, rows: int, k: int) -> int:
-    """The K splits for a ``rows x K`` projection input under a model's ``setting`` (its
-    split count, 0 = never): ``setting`` for rows within `SPLIT_LINEAR_ROWS` when it divides
-    ``K``, else 0 (the plain GEMM)."""
+def linear_splits(setting: int, rows: int, k: int, n: int) -> int:
+    """The K splits for a ``rows x K`` input to an ``N x K`` weight under a model's
+    ``setting`` (its split count, 0 = never): ``setting`` for rows within
+    `SPLIT_LINEAR_ROWS` and ``N * K >= SPLIT_LINEAR_MIN_WEIGHT`` when it divides ``K``, else 0
+    (the plain GEMM)."""
     low, high = SPLIT_LINEAR_ROWS
-    if setting and low <= rows <= high and k % setting == 0:
+    if (setting and low <= rows <= high and n * k >= SPLIT_LINEAR_MIN_WEIGHT
+            and k % setting == 0):  # fmt: skip
         return setting
     return 0
 

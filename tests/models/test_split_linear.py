@@ -126,12 +126,14 @@ def test_split_linear_and_partials_refuse_bad_input():
 
 def test_linear_splits_rule():
     low, high = fused.SPLIT_LINEAR_ROWS
-    assert fused.linear_splits(0, 64, 2048) == 0
-    assert fused.linear_splits(4, 64, 2048) == 4
-    assert fused.linear_splits(3, 64, 2048) == 0  # does not divide K
-    assert fused.linear_splits(4, low, 2048) == fused.linear_splits(4, high, 2048) == 4
-    assert fused.linear_splits(4, high + 1, 2048) == 0  # prefill-sized
-    assert fused.linear_splits(4, low - 1, 2048) == 0
+    big = fused.SPLIT_LINEAR_MIN_WEIGHT // 2048
+    assert fused.linear_splits(0, 64, 2048, big) == 0
+    assert fused.linear_splits(4, 64, 2048, big) == 4
+    assert fused.linear_splits(3, 64, 2048, big) == 0  # does not divide K
+    assert fused.linear_splits(4, low, 2048, big) == fused.linear_splits(4, high, 2048, big) == 4
+    assert fused.linear_splits(4, high + 1, 2048, big) == 0  # prefill-sized
+    assert fused.linear_splits(4, low - 1, 2048, big) == 0
+    assert fused.linear_splits(4, 64, 2048, big - 1) == 0  # a small weight
 
 
 def test_model_with_splits_equals_model_without(monkeypatch):
@@ -140,7 +142,8 @@ def test_model_with_splits_equals_model_without(monkeypatch):
     cfg = named_config("tiny-llama", num_layers=2)
     model = model_with_random_weights(cfg, seed=4, fused_kernels=True)
     assert model.linear_splits == DEFAULT_LINEAR_SPLITS == {"qkv": 0, "o": 2, "down": 2}
-    monkeypatch.setattr(fused, "SPLIT_LINEAR_ROWS", (1, 8))  # this test's 6 rows split
+    monkeypatch.setattr(fused, "SPLIT_LINEAR_ROWS", (1, 8))  # this test's 6 rows split,
+    monkeypatch.setattr(fused, "SPLIT_LINEAR_MIN_WEIGHT", 0)  # and its tiny weights
     calls = []
     split_linear = fused.split_linear
     monkeypatch.setattr(fused, "split_linear", lambda x, w, s: calls.append(s) or
@@ -240,7 +243,8 @@ def test_engine_greedy_tokens_with_and_without_splits(monkeypatch):
     rng = random.Random(1)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(6)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    monkeypatch.setattr(fused, "SPLIT_LINEAR_ROWS", (1, 256))  # these 6 sequences split too
+    monkeypatch.setattr(fused, "SPLIT_LINEAR_ROWS", (1, 256))  # these 6 sequences split too,
+    monkeypatch.setattr(fused, "SPLIT_LINEAR_MIN_WEIGHT", 0)  # with their small weights
     outs = {}
     for value in ("0", "4"):
         monkeypatch.setenv(SPLIT_LINEAR_ENV, value)
