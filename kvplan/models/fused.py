@@ -44,7 +44,7 @@ def _fused(t: torch.Tensor, fused: bool | None) -> bool:
 
 class SplitSums:
     """A linear layer's output left as ``S`` fp32 partial products over slices of its input
-    width, for the kernel that reads it next (`rms_norm`) to add up.
+    width, for the kernel that reads it next (`rms_norm`, `qkv_epilogue`) to add up.
 
     ``sums [S, T, N]`` (fp32, unit last stride); the output it stands for is
     ``sums[0] + sums[1] + ... + sums[S-1]`` (in that order, in fp32) rounded to ``dtype``:

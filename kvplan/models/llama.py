@@ -112,13 +112,10 @@ class Attention(nn.Module):
         fused: bool = False,
     ) -> torch.Tensor:
         t = x.shape[0]
-        splits = (
-            ops.linear_splits(self.qkv_splits, t, x.shape[1], self.qkv_proj.out_features)
-            if fused
-            else 0
-        )
+        qkv_w = self.qkv_proj.weight
+        splits = ops.linear_splits(self.qkv_splits if fused else 0, t, *qkv_w.shape[::-1])
         if splits and self.qkv_proj.bias is None:  # the epilogue adds the partials
-            qkv = ops.split_linear(x, self.qkv_proj.weight, splits)
+            qkv = ops.split_linear(x, qkv_w, splits)
         else:
             qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         norm = self.q_norm is not None
@@ -147,13 +144,10 @@ class Attention(nn.Module):
         else:
             o = self.attn.forward(q, k, v, metadata)  # [T, H, D]
         o = o.reshape(t, self.q_size)
-        splits = (
-            ops.linear_splits(self.o_splits, t, self.q_size, self.o_proj.out_features)
-            if fused
-            else 0
-        )
+        o_w = self.o_proj.weight
+        splits = ops.linear_splits(self.o_splits if fused else 0, t, *o_w.shape[::-1])
         if splits and isinstance(self.o_proj, nn.Linear) and self.o_proj.bias is None:
-            return ops.split_linear(o, self.o_proj.weight, splits)  # the next norm adds them
+            return ops.split_linear(o, o_w, splits)  # the next norm adds them
         return self.o_proj(o)
 
 
@@ -167,13 +161,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor | ops.SplitSums:
         a = ops.silu_and_mul(self.gate_up_proj(x), fused=fused)
-        splits = (
-            ops.linear_splits(self.down_splits, a.shape[0], a.shape[1], self.down_proj.out_features)
-            if fused
-            else 0
+        down_w = self.down_proj.weight
+        splits = ops.linear_splits(
+            self.down_splits if fused else 0, a.shape[0], *down_w.shape[::-1]
         )
         if splits and isinstance(self.down_proj, nn.Linear):  # bias-free (row_linear)
-            return ops.split_linear(a, self.down_proj.weight, splits)  # the next norm adds them
+            return ops.split_linear(a, down_w, splits)  # the next norm adds them
         return self.down_proj(a)
 
 
