@@ -41,10 +41,12 @@ def test_split_linear_partials_are_the_slice_products(t, n, k, s):
 
 def test_total_sums_in_order_then_rounds():
     g = gen(3)
-    sums = randn(g, 3, 4, 8, device="cpu") * torch.tensor([1e8, 1.0, -1e8]).view(3, 1, 1)
+    big, small = randn(g, 4, 8, device="cpu") * 1e8, randn(g, 4, 8, device="cpu")
+    sums = torch.stack((big, small, -big))  # in order, big + small loses small's low bits
     got = fused.SplitSums(sums, torch.bfloat16).total()
-    want = ((sums[0] + sums[1]) + sums[2]).to(torch.bfloat16)  # in order: [1] is absorbed
+    want = ((big + small) - big).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert not torch.equal(got, small.to(torch.bfloat16))  # what (big - big) + small gives
     rows = fused.SplitSums(sums, torch.float32).rows(torch.tensor([3, 1]))
     assert torch.equal(rows.sums, sums[:, [3, 1]])
 
