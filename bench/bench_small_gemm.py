@@ -73,6 +73,14 @@ def graph_time(calls, reps: int) -> float:
     return statistics.median(times)
 
 
+def streamed_weights(n, k, weight_mb, dev, gen, scale=1.0) -> list[torch.Tensor]:
+    """Copies of a random bf16 ``[n, k]`` weight (``N(0, scale^2)``), enough (1-64) for
+    ``weight_mb`` MB, so that a graph over them streams its weights from DRAM, not L2."""
+    copies = max(1, min(64, math.ceil(weight_mb * 2**20 / (n * k * 2))))
+    return [(torch.randn(n, k, device=dev, generator=gen) * scale).to(torch.bfloat16)
+            for _ in range(copies)]  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="*", default=list(DEFAULT_SHAPES))
@@ -92,10 +100,8 @@ def main() -> None:
     for spec in args.shapes:
         m, n, k, name = parse_shape(spec)
         wbytes = n * k * 2
-        copies = max(1, min(64, math.ceil(args.weight_mb * 2**20 / wbytes)))
-        ws = [
-            torch.randn(n, k, device=dev, generator=gen).to(torch.bfloat16) for _ in range(copies)
-        ]
+        ws = streamed_weights(n, k, args.weight_mb, dev, gen)
+        copies = len(ws)
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         ref = (x.float() @ ws[0].float().T).cpu()
         scale = ref.abs().max().item()

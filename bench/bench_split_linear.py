@@ -22,12 +22,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import torch
 import torch.nn.functional as F
-from bench_small_gemm import graph_time, parse_shape, save_rows  # bench/: the script's dir
+from bench_small_gemm import (  # bench/: the script's directory
+    graph_time,
+    parse_shape,
+    save_rows,
+    streamed_weights,
+)
 
 from kvplan.models import fused
 
@@ -43,9 +47,8 @@ DEFAULT_SHAPES = tuple(
 def measure(dev, gen, m, n, k, name, splits, args) -> list[dict]:
     """The rows of one shape: every variant's GEMM alone and GEMM + norm, and its agreement."""
     wbytes = n * k * 2
-    copies = max(1, min(64, math.ceil(args.weight_mb * 2**20 / wbytes)))
-    ws = [(torch.randn(n, k, device=dev, generator=gen) * k**-0.5).to(torch.bfloat16)
-          for _ in range(copies)]  # fmt: skip
+    ws = streamed_weights(n, k, args.weight_mb, dev, gen, scale=k**-0.5)
+    copies = len(ws)
     x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
     nw = (1 + 0.1 * torch.randn(n, device=dev, generator=gen)).to(torch.bfloat16)
     res0 = torch.randn(m, n, device=dev, generator=gen).to(torch.bfloat16)

@@ -35,7 +35,9 @@ from kvplan.ops._dispatch import triton_interpreting, use_triton
 from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
 
 
-def _fused(t: torch.Tensor, fused: bool | None) -> bool:
+def _fused(t: torch.Tensor | SplitSums, fused: bool | None) -> bool:
+    if isinstance(t, SplitSums):  # the partials' device decides
+        t = t.sums
     return use_triton(t) if fused is None else fused
 
 
@@ -163,7 +165,7 @@ def rms_norm(
     Returns:
         ``[..., N]`` in the dtype of ``x`` (a new tensor).
     """
-    if _fused(x.sums if isinstance(x, SplitSums) else x, fused):
+    if _fused(x, fused):
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_torch(x, weight, eps, residual)
 
@@ -278,8 +280,7 @@ def qkv_epilogue(
         contiguous from the kernel; the torch path returns ``v`` as a strided view of ``qkv``
         (as the unfused model always did; the backends accept it).
     """
-    fused = _fused(qkv.sums if isinstance(qkv, SplitSums) else qkv, fused)
-    fn = qkv_epilogue_triton if fused else qkv_epilogue_torch
+    fn = qkv_epilogue_triton if _fused(qkv, fused) else qkv_epilogue_torch
     return fn(qkv, positions, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads,
               q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
               kv_store=kv_store)  # fmt: skip
@@ -318,7 +319,7 @@ def _check_kv_store(kv_store, t: int, num_kv_heads: int, d: int, device):
                     f"{layout.bytes_per_token}] token records, got shape {list(c.shape)}"
                 )
             continue
-        check_tensor(name, c, dtype=_CACHE_FLOATS, ndim=4, device=device)
+        check_tensor(name, c, dtype=_FLOATS, ndim=4, device=device)
         if c.shape[2:] != (num_kv_heads, d) or c.stride(3) != 1 or c.stride(2) != d:
             raise ValueError(
                 f"{name} must be [blocks, block_size, {num_kv_heads}, {d}] with contiguous "
@@ -334,7 +335,6 @@ def _check_kv_store(kv_store, t: int, num_kv_heads: int, d: int, device):
     return layout
 
 
-_CACHE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # quantized value dtypes the fused store writes (QUANT constexpr of qkv_epilogue_kernel)
 _FUSED_QUANT = {"e4m3": 1, "e2m1": 2, "int8": 3}
 

@@ -146,7 +146,7 @@ class Attention(nn.Module):
         o = o.reshape(t, self.q_size)
         o_w = self.o_proj.weight
         splits = ops.linear_splits(self.o_splits if fused else 0, t, *o_w.shape[::-1])
-        if splits and isinstance(self.o_proj, nn.Linear) and self.o_proj.bias is None:
+        if splits:  # (row_linear: bias-free; 0 splits under tensor parallelism)
             return ops.split_linear(o, o_w, splits)  # the next norm adds them
         return self.o_proj(o)
 
@@ -165,7 +165,7 @@ class MLP(nn.Module):
         splits = ops.linear_splits(
             self.down_splits if fused else 0, a.shape[0], *down_w.shape[::-1]
         )
-        if splits and isinstance(self.down_proj, nn.Linear):  # bias-free (row_linear)
+        if splits:  # (row_linear: bias-free; 0 splits under tensor parallelism)
             return ops.split_linear(a, down_w, splits)  # the next norm adds them
         return self.down_proj(a)
 
