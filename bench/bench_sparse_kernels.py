@@ -211,6 +211,7 @@ def attention_case(a, dev, gen, ring, ring_slots, label: str, entries: int, chos
     sinks = torch.randn(a.heads, generator=gen, device=dev)
     srcs = [ring.key_source(ring_slots), pool.key_source(pool_slots)]
     configs = [{}] if dev.type == "cuda" else [{"num_splits": 2}]  # CPU: split anyway
+    configs += [{"num_splits": int(s)} for s in a.splits.split(",") if s]
     if a.sweep:
         configs += [{"num_splits": s, "tile_n": n, "num_warps": nw}
                     for s in (4, 8, 16) for n in (16, 32, 64) for nw in (4, 8)]  # fmt: skip
@@ -331,6 +332,9 @@ def main() -> None:
     ap.add_argument("--attention-sweep", choices=("chunked", "stages"), default="chunked",
                     help="decode attention variants: the register-footprint ones (chunked) or "
                     "splits x tiles x num_stages (stages)")  # fmt: skip
+    ap.add_argument("--splits", default="",
+                    help="decode attention cases: also these comma-separated split counts, "
+                    "default tiling otherwise")  # fmt: skip
     ap.add_argument(
         "--no-chunked",
         action="store_true",

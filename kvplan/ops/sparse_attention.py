@@ -456,14 +456,26 @@ _MIN_SPLIT_TILES = 2  # fewest key tiles a split walks (1 measured the same: H20
 # batch 16 at 4K, where the HCA rows' 160 keys then split: async step 2.27 vs 2.28 ms)
 
 
-def split_count(num_programs: int, num_cols: int, tile_n: int, num_sms: int) -> int:
+SPLIT_ONE_WAVE = env_flag("KVPLAN_SPARSE_ONE_WAVE", False)
+"""`split_count` rounds the splits down, so that the split programs fit one wave of
+``_PROGRAMS_PER_SM`` a SM (True; ``KVPLAN_SPARSE_ONE_WAVE=1`` at import), instead of up (the
+default): 32 rows on 132 SMs take 4 splits (128 programs) instead of 5 (160, a second wave of
+28 where the split launch holds one program a SM)."""
+
+
+def split_count(
+    num_programs: int, num_cols: int, tile_n: int, num_sms: int, one_wave: bool | None = None
+) -> int:
     """Column splits per (row, head group) for ``num_programs`` (row, head group) pairs over
     ``num_cols`` joined columns: 1 when those programs already fill ``num_sms`` SMs, else
-    about ``_PROGRAMS_PER_SM`` programs per SM, each walking at least ``_MIN_SPLIT_TILES``
-    tiles of ``tile_n`` columns. Depends on the shapes only (fixed under a CUDA graph)."""
+    about ``_PROGRAMS_PER_SM`` programs per SM (at most that many with ``one_wave``, default
+    `SPLIT_ONE_WAVE`), each walking at least ``_MIN_SPLIT_TILES`` tiles of ``tile_n``
+    columns. Depends on the shapes only (fixed under a CUDA graph)."""
     if num_programs >= num_sms or num_cols <= tile_n * _MIN_SPLIT_TILES:
         return 1
-    want = triton.cdiv(_PROGRAMS_PER_SM * num_sms, num_programs)
+    slots = _PROGRAMS_PER_SM * num_sms
+    one_wave = SPLIT_ONE_WAVE if one_wave is None else one_wave
+    want = slots // num_programs if one_wave else triton.cdiv(slots, num_programs)
     return max(1, min(want, num_cols // (tile_n * _MIN_SPLIT_TILES)))
 
 

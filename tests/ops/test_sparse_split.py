@@ -264,6 +264,12 @@ def test_split_count() -> None:
     assert split_count(32, 32, 16, 132) == 1  # too few columns to split
     assert split_count(1, 64, 16, 132) == 2  # at least 2 tiles per split
     assert split_count(16, 4096, 32, 132) == 9
+    # one wave: the splits rounded down, so that rows x splits <= SMs
+    assert split_count(32, 640, 32, 132, one_wave=True) == 4
+    assert split_count(16, 4096, 32, 132, one_wave=True) == 8
+    assert split_count(64, 4096, 32, 132, one_wave=True) == 2
+    assert split_count(100, 4096, 32, 132, one_wave=True) == 1
+    assert split_count(1, 64, 16, 132, one_wave=True) == 2  # still at least 2 tiles a split
     q, sources, sinks = _inputs(["fp32"], 2, 2, 16, [4], seed=0)
     with pytest.raises(ValueError, match="num_splits"):
         sparse_attention_triton(q, sources, sinks, 1.0, num_splits=0)
