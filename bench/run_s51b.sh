@@ -19,8 +19,8 @@ hybrid_decode b16w1 16 32768 KVPLAN_SPARSE_ONE_WAVE=1
 hybrid_decode b64w0 64 32768 KVPLAN_SPARSE_ONE_WAVE=0
 hybrid_decode b64w1 64 32768 KVPLAN_SPARSE_ONE_WAVE=1
 # the hybrid bench model's fused expert gate/up + router GEMM at 32 rows (91 tiles of 384
-# columns on 132 SMs): linear against split-K partials, the GEMM column only
-step 40 gu python3 bench/bench_split_linear.py --shapes 32,34832,2048,gu 16,34832,2048,gu \
+# columns on 132 SMs): linear against split-K partials (the pair column: their total in torch)
+step 40 gu python3 bench/bench_split_linear.py --shapes 32,34832,2048,gemm 16,34832,2048,gemm \
   --splits 1,2,4 --out "$W/gu.json"
-grep -E " gu " "$W/gu.log"
+grep -E " gemm " "$W/gu.log"
 profile_32k prof1 "sparse_attention|ALL" KVPLAN_SPARSE_ONE_WAVE=1
