@@ -11,7 +11,9 @@ runs the GEMM (and, in the "pair" column, the kernel after it: `rms_norm` with t
 or for qkv the qkv epilogue) over enough weight copies to exceed the L2 cache, as a decode
 step streams its weights; a call's time is the replay's over the copies (median of
 ``--reps``). Variants: ``linear`` (``F.linear``) and ``split S`` (`split_linear`, the consumer
-adding the partials). Each split's output is compared with the linear one (largest relative
+adding the partials). A shape named ``gemm`` has no consumer: its pair is the partials'
+in-order total in torch (a bare GEMM, e.g. the hybrid bench model's expert gate/up). Each
+split's output is compared with the linear one (largest relative
 difference in bf16 ulps of 2^-8; whether the residual stream came out equal).
 
 Usage::
