@@ -456,11 +456,16 @@ _MIN_SPLIT_TILES = 2  # fewest key tiles a split walks (1 measured the same: H20
 # batch 16 at 4K, where the HCA rows' 160 keys then split: async step 2.27 vs 2.28 ms)
 
 
-SPLIT_ONE_WAVE = env_flag("KVPLAN_SPARSE_ONE_WAVE", False)
+SPLIT_ONE_WAVE = env_flag("KVPLAN_SPARSE_ONE_WAVE", True)
 """`split_count` rounds the splits down, so that the split programs fit one wave of
-``_PROGRAMS_PER_SM`` a SM (True; ``KVPLAN_SPARSE_ONE_WAVE=1`` at import), instead of up (the
-default): 32 rows on 132 SMs take 4 splits (128 programs) instead of 5 (160, a second wave of
-28 where the split launch holds one program a SM)."""
+``_PROGRAMS_PER_SM`` a SM (True, the default), instead of up (``KVPLAN_SPARSE_ONE_WAVE=0`` at
+import): 32 rows on 132 SMs take 4 splits (128 programs) instead of 5 (160: the split launch
+holds one program a SM, so 28 of them ran as a second wave). H100, session 51
+(`bench/results/h100/s51/`): the kernel alone at 32 rows (`bench_sparse_kernels.py --only
+attention --rows 32 --splits 3,4,5,6`, graph replay) CSA 128+512 24.1 us at 4 splits against
+31.5 at 5, HCA 128+1,024 33.6 against 40.6; the DeepSeek-V4-shaped 32K decode step's split
+kernels (`bench_hybrid.py --profile 2`, 12 launches) 277.2 / 275.7 against 316.9 / 316.1 us
+at batch 32 and 374.7 against 472.6 us at batch 64, the same (239.7 / 240.1 us) at batch 16."""
 
 
 def split_count(

@@ -258,14 +258,17 @@ def test_split_no_sinks_and_empty_rows() -> None:
 
 
 def test_split_count() -> None:
-    # 32 rows x 1 head group on 132 SMs, 640 columns in tiles of 32: 5 splits (160 programs)
-    assert split_count(32, 640, 32, 132) == 5
-    assert split_count(132, 640, 16, 132) == 1  # already a full wave
-    assert split_count(32, 32, 16, 132) == 1  # too few columns to split
-    assert split_count(1, 64, 16, 132) == 2  # at least 2 tiles per split
-    assert split_count(16, 4096, 32, 132) == 9
-    # one wave: the splits rounded down, so that rows x splits <= SMs
-    assert split_count(32, 640, 32, 132, one_wave=True) == 4
+    # 32 rows x 1 head group on 132 SMs, 640 columns in tiles of 32, rounded up: 5 splits
+    # (160 programs, a second wave)
+    assert split_count(32, 640, 32, 132, one_wave=False) == 5
+    assert split_count(132, 640, 16, 132, one_wave=False) == 1  # already a full wave
+    assert split_count(32, 32, 16, 132, one_wave=False) == 1  # too few columns to split
+    assert split_count(1, 64, 16, 132, one_wave=False) == 2  # at least 2 tiles per split
+    assert split_count(16, 4096, 32, 132, one_wave=False) == 9
+    # one wave (the default): the splits rounded down, so that rows x splits <= SMs
+    assert split_count(32, 640, 32, 132) == 4
+    assert split_count(132, 640, 16, 132) == 1
+    assert split_count(32, 32, 16, 132) == 1
     assert split_count(16, 4096, 32, 132, one_wave=True) == 8
     assert split_count(64, 4096, 32, 132, one_wave=True) == 2
     assert split_count(100, 4096, 32, 132, one_wave=True) == 1
