@@ -271,13 +271,9 @@ def test_bench_engine_repeats_report_the_median_run(tmp_path, bench_engine):
 def test_split_linear_bench_loads_and_needs_a_gpu():
     """``bench_split_linear.py`` imports its helpers from ``bench_small_gemm.py`` and, without
     a CUDA device, stops with a message saying so (its timings need one)."""
-    proc = _run("bench_split_linear.py", "--shapes", "64,2048,2048,o")
-    if torch_has_cuda():
-        pytest.skip("a CUDA device: the script would run the benchmark")
-    assert proc.returncode == 1 and "bench_split_linear needs a CUDA device" in proc.stderr
-
-
-def torch_has_cuda() -> bool:
     import torch
 
-    return torch.cuda.is_available()
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device: the script would run the benchmark")
+    proc = _run("bench_split_linear.py", "--shapes", "64,2048,2048,o")
+    assert proc.returncode == 1 and "bench_split_linear needs a CUDA device" in proc.stderr
