@@ -24,6 +24,10 @@ scalar, so it is applied after the projection: ``f = (s @ fn^T) * rsqrt(mean(s^2
   TILE_H))``; every element takes the one-token kernels' operations in their order, so the
   results are the same bits.
 
+The block output ``out`` may come as ``OUT_SPLITS`` fp32 split-K partials (a
+`kvplan.ops.split_linear.SplitSums`): `_block_out` adds them in order and rounds the sum to
+``s``'s dtype, as ``SplitSums.total`` does, so ``s'`` has the bits of the summed output.
+
 `_post_mix` uses explicit ``fma`` where a product meets a sum, so its result does not depend on
 the compiler's contraction setting: ``mixed = fma(c[N-1], s[N-1], ... fma(c[1], s[1],
 c[0] * s[0]))`` with ``c = round(comb[:, k])``, then ``s' = round(post) * out + round(mixed)``
@@ -41,13 +45,28 @@ from kvplan.ops.rms_norm import weighted_rms_norm
 
 
 @jit
-def _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, t, k, h, mask, hidden, N: tl.constexpr,
-              dtype: tl.constexpr):  # fmt: skip
+def _block_out(out_ptr, offs, mask, split_stride, OUT_SPLITS: tl.constexpr,
+               dtype: tl.constexpr):  # fmt: skip
+    """The block output at ``offs`` as fp32: ``out`` itself (``OUT_SPLITS == 0``), or the sum
+    of ``OUT_SPLITS`` fp32 partials ``split_stride`` apart, added in order from the first and
+    rounded to ``dtype`` (`kvplan.ops.split_linear.SplitSums.total`)."""
+    if OUT_SPLITS == 0:
+        return tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.load(out_ptr + offs, mask=mask, other=0.0)
+    for i in tl.static_range(1, OUT_SPLITS):
+        acc += tl.load(out_ptr + i * split_stride + offs, mask=mask, other=0.0)
+    return _round(acc, dtype)
+
+
+@jit
+def _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, t, k, h, mask, hidden, split_stride,
+              N: tl.constexpr, OUT_SPLITS: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
     """``s'[t, k, h]`` (fp32 holding a ``dtype`` value) for broadcastable int64 token ``t``,
     stream ``k`` and hidden ``h`` index tensors; ``mask`` (the full shape: every load takes
-    its shape, so the ``fma`` operands agree) covers the valid elements."""
+    its shape, so the ``fma`` operands agree) covers the valid elements; the block output
+    ``out`` as `_block_out` reads it."""
     post = _round(tl.load(post_ptr + t * N + k, mask=mask, other=0.0), dtype)
-    out = tl.load(out_ptr + t * hidden + h, mask=mask, other=0.0).to(tl.float32)
+    out = _block_out(out_ptr, t * hidden + h, mask, split_stride, OUT_SPLITS, dtype)
     for jj in tl.static_range(N):
         c = _round(tl.load(comb_ptr + (t * N + jj) * N + k, mask=mask, other=0.0), dtype)
         sj = tl.load(s_ptr + (t * N + jj) * hidden + h, mask=mask, other=0.0).to(tl.float32)
@@ -65,9 +84,9 @@ def _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, t, k, h, mask, hidden, N: tl.c
 @jit(sizes=("num_rows",))
 def hc_proj_kernel(
     s_ptr, out_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, sq_ptr,
-    num_rows, hidden, h_per_split, n_out,
+    num_rows, hidden, h_per_split, n_out, out_split_stride,
     N: tl.constexpr, N_P: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr,
-    N_PAD: tl.constexpr, FUSED: tl.constexpr, TC: tl.constexpr,
+    N_PAD: tl.constexpr, FUSED: tl.constexpr, TC: tl.constexpr, OUT_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """``part[p, t, o] = sum_{k in split p} x[t, k] * fn[o, k]``; ``sq[p, t] = sum x[t, k]^2``;
     with ``FUSED``, ``x`` is first written as ``hc_post(s, post, comb, out)``. ``TC`` (bf16
@@ -97,7 +116,8 @@ def hc_proj_kernel(
         offs = rows64[:, None] * k_total + ks[None, :]
         if FUSED:
             v = _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, rows64[:, None],
-                          streams[None, :], hs[None, :], m2, hidden, N, dtype)  # fmt: skip
+                          streams[None, :], hs[None, :], m2, hidden, out_split_stride, N,
+                          OUT_SPLITS, dtype)  # fmt: skip
             tl.store(x_ptr + offs, v.to(dtype), mask=m2)
             tl.debug_barrier()  # the tile is read back below by other threads of the program
         x = tl.load(x_ptr + offs, mask=m2, other=0.0)
@@ -233,17 +253,18 @@ def hc_pre_kernel(
 
 @jit
 def hc_post_kernel(
-    s_ptr, out_ptr, post_ptr, comb_ptr, res_ptr, hidden,
-    N: tl.constexpr, N_P: tl.constexpr, TILE_H: tl.constexpr,
+    s_ptr, out_ptr, post_ptr, comb_ptr, res_ptr, hidden, out_split_stride,
+    N: tl.constexpr, N_P: tl.constexpr, TILE_H: tl.constexpr, OUT_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """``res[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * s[t, j]`` (`_post_mix`)."""
+    """``res[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * s[t, j]`` (`_post_mix`;
+    ``out`` as `_block_out` reads it)."""
     t = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * TILE_H + tl.arange(0, TILE_H)
     k = tl.arange(0, N_P)
     mask = (k < N)[:, None] & (hs < hidden)[None, :]
     dtype: tl.constexpr = res_ptr.dtype.element_ty
     res = _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, t, k[:, None], hs[None, :], mask,
-                    hidden, N, dtype)  # fmt: skip
+                    hidden, out_split_stride, N, OUT_SPLITS, dtype)  # fmt: skip
     tl.store(res_ptr + (t * N + k[:, None]) * hidden + hs[None, :], res.to(dtype), mask=mask)
 
 

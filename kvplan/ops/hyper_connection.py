@@ -40,6 +40,7 @@ from kvplan._checks import check_tensor
 from kvplan.ops._dispatch import env_flag, triton_interpreting, use_triton
 from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
 from kvplan.ops.rms_norm import rms_norm_fp32w_torch, rms_norm_fp32w_triton
+from kvplan.ops.split_linear import SplitSums
 
 # a block's input norm passed to the connection: (fp32 weight [hidden], eps)
 Norm = tuple[torch.Tensor, float]
@@ -157,17 +158,18 @@ def hc_head_torch(
 
 
 def hc_post_torch(
-    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor | SplitSums
 ) -> torch.Tensor:
     """Torch path of `hc_post`."""
     _check_post(s, post, comb, out)
+    out = _total(out)
     dtype = s.dtype
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), s)  # [T, n, hidden]
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
 
 
 def hc_post_pre_torch(
-    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor | SplitSums,
     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
     *, iters: int, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -182,7 +184,29 @@ def _check_post(s, post, comb, out) -> None:
     t, n, hidden = s.shape
     check_tensor("post", post, dtype=torch.float32, shape=(t, n), device=s.device)
     check_tensor("comb", comb, dtype=torch.float32, shape=(t, n, n), device=s.device)
-    check_tensor("out", out, dtype=s.dtype, shape=(t, hidden), device=s.device)
+    if isinstance(out, SplitSums):
+        parts = out.sums.shape[0]
+        check_tensor("out.sums", out.sums, shape=(parts, t, hidden), device=s.device)
+        if out.dtype != s.dtype:
+            raise ValueError(f"out.dtype must be s's dtype {s.dtype}, got {out.dtype}")
+    else:
+        check_tensor("out", out, dtype=s.dtype, shape=(t, hidden), device=s.device)
+
+
+def _out_args(out: torch.Tensor | SplitSums) -> tuple[torch.Tensor, int, int]:
+    """(tensor, stride between partials, ``OUT_SPLITS``) of a block output as the kernels
+    take it: ``out`` itself (0, 0), or a `SplitSums`' partials read in place (rows of
+    ``hidden`` contiguous values)."""
+    if not isinstance(out, SplitSums):
+        return out.contiguous(), 0, 0
+    sums = out.sums
+    if sums.stride(1) != sums.shape[2]:
+        sums = sums.contiguous()
+    return sums, sums.stride(0), sums.shape[0]
+
+
+def _total(out: torch.Tensor | SplitSums) -> torch.Tensor:
+    return out.total() if isinstance(out, SplitSums) else out
 
 
 # --- Triton path ----------------------------------------------------------------------------
@@ -305,13 +329,15 @@ def _project(
     part = torch.empty(plan.splits, t, n_pad, dtype=torch.float32, device=s.device)
     sq = torch.empty(plan.splits, t, dtype=torch.float32, device=s.device)
     if fuse is None:
-        x, (post, comb, out) = s, (s, s, s)  # post/comb/out unused without FUSED
+        x, (post, comb), (out, split_stride, out_splits) = s, (s, s), (s, 0, 0)  # unread
     else:
-        x, (post, comb, out) = torch.empty_like(s), (f.contiguous() for f in fuse)
+        x, (post, comb), (out, split_stride, out_splits) = (
+            torch.empty_like(s), (f.contiguous() for f in fuse[:2]), _out_args(fuse[2])
+        )  # fmt: skip
     hc_proj_kernel[(triton_cdiv(t, plan.tile_t), plan.splits)](
-        s, out, post, comb, x, fn, part, sq, t, hidden, plan.h_per_split, n_out,
+        s, out, post, comb, x, fn, part, sq, t, hidden, plan.h_per_split, n_out, split_stride,
         N=n, N_P=triton_next_pow2(n), TILE_T=plan.tile_t, TILE_H=plan.tile_h, N_PAD=n_pad,
-        FUSED=fuse is not None, TC=plan.tc,
+        FUSED=fuse is not None, TC=plan.tc, OUT_SPLITS=out_splits,
         num_warps=plan.num_warps,
     )  # fmt: skip
     return part, sq, x
@@ -387,7 +413,7 @@ def hc_head_triton(
 
 
 def hc_post_triton(
-    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor | SplitSums
 ) -> torch.Tensor:
     """Triton path of `hc_post` (one kernel)."""
     from kvplan.ops._hyper_connection_kernels import hc_post_kernel
@@ -397,25 +423,28 @@ def hc_post_triton(
     res = torch.empty(t, n, hidden, dtype=s.dtype, device=s.device)
     if t == 0:
         return res
-    args = (s.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous(), res)
     if t > ROW_TILED_MIN_ROWS:
         from kvplan.ops._hyper_connection_kernels import hc_post_rows_kernel
 
+        args = (s.contiguous(), _total(out).contiguous(), post.contiguous(), comb.contiguous(),
+                res)  # fmt: skip
         rt = _row_tile(POST_ROW_TILE, hidden)
         hc_post_rows_kernel[(triton_cdiv(t, rt.tile_t), triton_cdiv(hidden, rt.tile_h))](
             *args, t, hidden, N=n, N_P=triton_next_pow2(n), TILE_T=rt.tile_t,
             TILE_H=rt.tile_h, num_warps=rt.num_warps,
         )  # fmt: skip
         return res
+    out, split_stride, out_splits = _out_args(out)
     tile_h = _hidden_tile(hidden)
     hc_post_kernel[(t, triton_cdiv(hidden, tile_h))](
-        *args, hidden, N=n, N_P=triton_next_pow2(n), TILE_H=tile_h, num_warps=4
-    )
+        s.contiguous(), out, post.contiguous(), comb.contiguous(), res, hidden, split_stride,
+        N=n, N_P=triton_next_pow2(n), TILE_H=tile_h, OUT_SPLITS=out_splits, num_warps=4,
+    )  # fmt: skip
     return res
 
 
 def hc_post_pre_triton(
-    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor | SplitSums,
     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
     *, iters: int, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -479,22 +508,24 @@ def hc_head(
 
 
 def hc_post(
-    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor | SplitSums
 ) -> torch.Tensor:
     """``s'[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * s[t, j]`` in ``s``'s dtype.
 
     ``s [T, n, hidden]``; ``post`` fp32 ``[T, n]`` and ``comb`` fp32 ``[T, n, n]`` from
-    `hc_pre`; ``out [T, hidden]`` (the block's output, ``s``'s dtype). ``post`` and ``comb``
-    are rounded to ``s``'s dtype first, and each of the two terms is rounded before the sum
-    (the Triton path for fp32 ``s`` adds the ``post`` term with one fused multiply-add).
-    Returns a new ``[T, n, hidden]`` tensor.
+    `hc_pre`; ``out [T, hidden]`` (the block's output, ``s``'s dtype), or a `SplitSums` of it
+    (``dtype`` ``s``'s: a split-K projection's fp32 partials, which the kernel adds up as
+    ``out.total()`` does, with the same bits). ``post`` and ``comb`` are rounded to ``s``'s
+    dtype first, and each of the two terms is rounded before the sum (the Triton path for
+    fp32 ``s`` adds the ``post`` term with one fused multiply-add). Returns a new
+    ``[T, n, hidden]`` tensor.
     """
     fn_ = hc_post_triton if use_triton(s) else hc_post_torch
     return fn_(s, post, comb, out)
 
 
 def hc_post_pre(
-    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
+    s: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor | SplitSums,
     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
     *, iters: int, hc_eps: float, eps: float, norm: Norm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -190,6 +190,27 @@ def test_llm_cuda_fp32_greedy_equals_hf(tmp_path, seed):
 
 
 @pytest.mark.gpu
+def test_llm_cuda_fp32_split_o_proj_equals_hf(tmp_path, monkeypatch):
+    """``KVPLAN_DSV4_O_SPLITS=2`` (the split rule's size limits lowered to this tiny model):
+    the attention blocks return ``o_b_proj`` as split-K partials in eager and graph-captured
+    steps, the residual updates add them, and greedy tokens still equal HF's."""
+    import kvplan.models.deepseek_v4.attention as attn
+    import kvplan.ops.split_linear as sl
+
+    monkeypatch.setenv("KVPLAN_DSV4_O_SPLITS", "2")
+    monkeypatch.setattr(sl, "SPLIT_LINEAR_MIN_WEIGHT", 0)
+    monkeypatch.setattr(sl, "SPLIT_LINEAR_ROWS", (1, 128))
+    calls = []
+    monkeypatch.setattr(attn, "split_linear", lambda *a: calls.append(a[2]) or sl.split_linear(*a))
+    hf, folder = _saved(tmp_path, 0)
+    prompts = [random_tokens(i, n) for i, n in enumerate((29, 9, 41))]
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_num_seqs=3, max_model_len=96)
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+    assert calls and set(calls) == {2}
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_format", ["fp8", "fp4"])
 def test_llm_cuda_quantized_kv_matches_cpu(tmp_path, kv_format):
     """The quantized caches give the same tokens on CUDA as on the CPU (bit-exact stores),

@@ -72,6 +72,31 @@ def test_model_with_triton_paths_matches_hf(seed, tmp_path, monkeypatch):
     torch.testing.assert_close(torch.cat([prefill, decode]), want, atol=ATOL, rtol=0)
 
 
+def test_model_with_split_o_proj_matches_hf(tmp_path, monkeypatch):
+    """``o_splits``: each attention block's ``o_b_proj`` comes back as split-K partials (the
+    split rule's size limits lowered to this tiny model), the residual updates add them, and
+    the logits still match Hugging Face's."""
+    import kvplan.models.deepseek_v4.attention as attn
+    import kvplan.ops.split_linear as sl
+
+    hf, model = saved_pair(tmp_path, 1)
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    monkeypatch.setattr(sl, "SPLIT_LINEAR_MIN_WEIGHT", 0)
+    monkeypatch.setattr(sl, "SPLIT_LINEAR_ROWS", (1, 128))
+    calls = []
+    monkeypatch.setattr(attn, "split_linear", lambda *a: calls.append(a[2]) or sl.split_linear(*a))
+    model.set_o_splits(2)
+    with pytest.raises(ValueError, match="splits must be an int >= 0"):
+        model.set_o_splits(-1)
+    ids = random_tokens(1, 11)
+    family = ReferenceHybridFamily(model.config.layer_specs())
+    with graph_safe_routing(model):
+        (prefill,), _ = run_step(model, family, [(1, ids, 0, 9)])
+        (decode,), _ = run_step(model, family, [(1, ids, 9, 2)])
+    assert calls == [2] * (2 * model.config.num_layers)  # every layer, both steps
+    torch.testing.assert_close(torch.cat([prefill, decode]), hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
 # --- GPU ------------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from fused_testlib import DEVICE, DenseCausal, gen, model_with_random_weights, qkv_case, randn
 from sm90_compile import compile_sm90
 
+import kvplan.ops.split_linear as split_rule
 from kvplan.models import _fused_kernels as kernels
 from kvplan.models import fused
 from kvplan.models.config import named_config
@@ -127,8 +128,8 @@ def test_split_linear_and_partials_refuse_bad_input():
 
 
 def test_linear_splits_rule():
-    low, high = fused.SPLIT_LINEAR_ROWS
-    big = fused.SPLIT_LINEAR_MIN_WEIGHT // 2048
+    low, high = split_rule.SPLIT_LINEAR_ROWS
+    big = split_rule.SPLIT_LINEAR_MIN_WEIGHT // 2048
     assert fused.linear_splits(0, 64, 2048, big) == 0
     assert fused.linear_splits(4, 64, 2048, big) == 4
     assert fused.linear_splits(3, 64, 2048, big) == 0  # does not divide K
@@ -144,8 +145,8 @@ def test_model_with_splits_equals_model_without(monkeypatch):
     cfg = named_config("tiny-llama", num_layers=2)
     model = model_with_random_weights(cfg, seed=4, fused_kernels=True)
     assert model.linear_splits == DEFAULT_LINEAR_SPLITS == {"qkv": 0, "o": 2, "down": 2}
-    monkeypatch.setattr(fused, "SPLIT_LINEAR_ROWS", (1, 8))  # this test's 6 rows split,
-    monkeypatch.setattr(fused, "SPLIT_LINEAR_MIN_WEIGHT", 0)  # and its tiny weights
+    monkeypatch.setattr(split_rule, "SPLIT_LINEAR_ROWS", (1, 8))  # this test's 6 rows split,
+    monkeypatch.setattr(split_rule, "SPLIT_LINEAR_MIN_WEIGHT", 0)  # and its tiny weights
     calls = []
     split_linear = fused.split_linear
     monkeypatch.setattr(fused, "split_linear", lambda x, w, s: calls.append(s) or
@@ -245,8 +246,8 @@ def test_engine_greedy_tokens_with_and_without_splits(monkeypatch):
     rng = random.Random(1)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(6)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    monkeypatch.setattr(fused, "SPLIT_LINEAR_ROWS", (1, 256))  # these 6 sequences split too,
-    monkeypatch.setattr(fused, "SPLIT_LINEAR_MIN_WEIGHT", 0)  # with their small weights
+    monkeypatch.setattr(split_rule, "SPLIT_LINEAR_ROWS", (1, 256))  # these 6 sequences split too,
+    monkeypatch.setattr(split_rule, "SPLIT_LINEAR_MIN_WEIGHT", 0)  # with their small weights
     outs = {}
     for value in ("0", "4"):
         monkeypatch.setenv(SPLIT_LINEAR_ENV, value)

@@ -9,6 +9,8 @@ Per step (flat rows ``[T]``), with ``x`` the normalised block input ``[T, hidden
     o     = ctx.attend(q, kv, sinks, D^-0.5, ...)        # [T, H, D]
     o     = RoPE^-1(o) at the query position             # undo the values' rotation
     out   = o_b_proj(o_a_proj per group(o))              # [T, hidden]
+            (decode-sized steps on the Triton path may return o_b_proj as split-K partials,
+             `o_splits`, which the hyper-connection's residual update adds up)
 
 RoPE acts on the trailing ``rope_head_dim`` channels; sliding layers use the "main" table,
 CSA / HCA layers the "compress" table for everything (queries, raw rows, entries, indexer).
@@ -34,7 +36,24 @@ from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.compressor import Compressor, Indexer
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.layers import LinearGroup, Rope, StepRope, rms_norm
+from kvplan.ops._dispatch import use_triton
 from kvplan.ops.rope import NormSpec, norm_rope, norm_rope_pair
+from kvplan.ops.split_linear import SplitSums, linear_splits, split_linear
+
+O_SPLITS_ENV = "KVPLAN_DSV4_O_SPLITS"
+DEFAULT_O_SPLITS = 0
+"""Split-K partials of ``o_b_proj`` (`DeepseekV4Attention.o_splits`) by default: 0, the plain
+GEMM, until measured otherwise."""
+
+
+def o_splits_from_env() -> int:
+    """``KVPLAN_DSV4_O_SPLITS`` (an int >= 0; unset or empty: `DEFAULT_O_SPLITS`)."""
+    text = os.environ.get(O_SPLITS_ENV, "").strip()
+    if not text:
+        return DEFAULT_O_SPLITS
+    if not text.isdigit():
+        raise ValueError(f"{O_SPLITS_ENV} must be an int >= 0, got {text!r}")
+    return int(text)
 
 
 class GroupedLinear(nn.Module):
@@ -103,12 +122,17 @@ class DeepseekV4Attention(nn.Module):
         if self.indexer is not None:
             readers_of_q_res.append(self.indexer.q_b_proj)
         self.q_res_proj = LinearGroup(*readers_of_q_res)
+        # o_b_proj as this many split-K fp32 partials on the Triton path, for decode-sized
+        # steps (`linear_splits`'s rows and weight size); the hyper-connection's residual
+        # update after the block adds them (`hc_post_pre` of a `SplitSums`). 0: the plain GEMM
+        self.o_splits = o_splits_from_env()
 
     def forward(
         self, x: torch.Tensor, ctx: HybridStepContext, tables: StepRope | None = None
-    ) -> torch.Tensor:
-        """``x``: ``[T, hidden]`` (after ``input_layernorm``) -> ``[T, hidden]``; ``tables``:
-        the step's shared rotary tables (computed here when None)."""
+    ) -> torch.Tensor | SplitSums:
+        """``x``: ``[T, hidden]`` (after ``input_layernorm``) -> ``[T, hidden]`` (a `SplitSums`
+        of it when ``o_splits`` applies: the caller's residual update adds the partials);
+        ``tables``: the step's shared rotary tables (computed here when None)."""
         tables = tables or StepRope(ctx.positions, x.dtype)
         cos, sin = tables.get(self.rope)  # [T, R/2]
         q_a, kv, *series = self.x_proj(x)  # column views of one GEMM, x_proj's member order
@@ -139,4 +163,9 @@ class DeepseekV4Attention(nn.Module):
         )  # [T, H, D]
         if not self.fused_out_rope:
             out = norm_rope(out, cos, sin, inverse=True)
-        return self.o_b_proj(self.o_a_proj(out.flatten(1)))
+        o = self.o_a_proj(out.flatten(1))  # [T, o_groups * o_lora_rank]
+        w = self.o_b_proj.weight
+        splits = linear_splits(self.o_splits, o.shape[0], w.shape[1], w.shape[0])
+        if splits and use_triton(o):
+            return split_linear(o, w, splits)
+        return self.o_b_proj(o)

@@ -130,6 +130,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         super()._apply(fn, recurse)
         return fuse_projections(self)
 
+    def set_o_splits(self, splits: int) -> None:
+        """Every attention block's ``o_splits``: ``o_b_proj`` of decode-sized steps on the
+        Triton path as ``splits`` split-K fp32 partials (`kvplan.ops.split_linear`), which the
+        residual update after the block adds up; 0 = the plain GEMM. CUDA graphs keep the
+        setting they were captured with."""
+        if isinstance(splits, bool) or not isinstance(splits, int) or splits < 0:
+            raise ValueError(f"splits must be an int >= 0, got {splits!r}")
+        for layer in self.layers:
+            layer.self_attn.o_splits = splits
+
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
