@@ -407,7 +407,9 @@ class EngineCore(AsyncSteps):
         )
         fused = inputs.greedy_tokens
         if greedy and fused is not None and fused.shape[0] == num_rows:
-            tokens = fused  # rewritten by the next replay, after this step's reads are queued
+            # the graph's buffer, which the next replay rewrites: on CUDA this step's host copy
+            # (queued below) lands first; a CPU tensor (stand-in graphs) is its own "copy"
+            tokens = fused if fused.is_cuda else fused.clone()
             self.num_graph_argmax_steps += 1
         elif greedy:
             tokens = argmax_rows(logits)
