@@ -14,6 +14,12 @@ append, stop rules) while the GPU runs k + 1. Results thus arrive one ``step()``
   position, which lies in a block that is partial (committed up to the position before) or
   new: never a full, hashed block that a prefix hit could hand out.
 * A request that surely hits max_tokens at step k is not launched again: the step drains.
+* k's tokens may live in the decode graph's static buffer (its captured argmax,
+  `kvplan.engine.cuda_graphs.DecodeGraphs.greedy_tokens` and the hybrid one's), which
+  k + 1's replay rewrites. Both of their reads are queued on the stream before that replay:
+  the host copy right after k (`EngineCore._sample`), and the copy into k + 1's input ids
+  inside ``run`` ahead of ``graph.replay()`` (an eager k + 1 reads them and writes no
+  buffer of the graphs).
 * Sliding-window pools (``release_out_of_window``): processing k commits k's input tokens
   (committed count ``c``) and frees the blocks that left the window, those whose positions
   are all ``< c - W + 1``. The launched step k + 1 queries position ``c``, which sees keys
@@ -48,7 +54,7 @@ class LaunchedStep:
 
     step: StepBatch  # its decode_batch is set
     inputs: StepInputs  # input_ids hold real tokens once the step before was processed
-    tokens: torch.Tensor  # [num_seqs] int64 argmax on the device
+    tokens: torch.Tensor  # [num_seqs] int64 argmax on the device (maybe a graph's buffer)
     pending: Pending  # their copy to the host
     zombies: bool = False  # some rows finished before it was processed
 

@@ -109,6 +109,8 @@ class EngineCore(AsyncSteps):
         self.num_steps_ahead = 0  # steps launched before the previous step's tokens were read
         self.num_discarded_rows = 0  # rows of those steps whose request had finished
         self.num_fast_decode_steps = 0  # decode-only steps updated by the batched fast path
+        # greedy steps whose tokens came from the decode graph's captured argmax
+        self.num_graph_argmax_steps = 0
         self._launched: LaunchedStep | None = None
         self._drained: list[Request] = []  # processed by abort/drain, not yet returned
 
@@ -389,7 +391,9 @@ class EngineCore(AsyncSteps):
         when the step samples nothing.
 
         Greedy fast path: when every scheduled request is greedy, the tokens are the
-        device-side ``argmax`` (no per-row parameter lists, no sort).
+        device-side ``argmax`` (no per-row parameter lists, no sort): the one a decode graph
+        captured (``inputs.greedy_tokens``, one per logits row: no launch after the replay;
+        counted in ``num_graph_argmax_steps``), else `argmax_rows` of the logits.
         """
         num_rows = inputs.num_sample_rows
         if num_rows == 0:
@@ -401,7 +405,13 @@ class EngineCore(AsyncSteps):
         greedy = (
             batch.all_greedy if batch is not None else all(s.request.params.greedy for s in seqs)
         )
-        if greedy:
+        fused = inputs.greedy_tokens
+        if greedy and fused is not None and fused.shape[0] == num_rows:
+            # the graph's buffer, which the next replay rewrites: on CUDA this step's host copy
+            # (queued below) lands first; a CPU tensor (stand-in graphs) is its own "copy"
+            tokens = fused if fused.is_cuda else fused.clone()
+            self.num_graph_argmax_steps += 1
+        elif greedy:
             tokens = argmax_rows(logits)
         else:
             params: list[SamplingParams] = []

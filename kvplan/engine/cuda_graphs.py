@@ -24,6 +24,15 @@ longest row, so short contexts keep their own launch under a long ``max_model_le
 
 Quantized KV caches (fp8, fp4) are captured like bf16 ones: the kernels read their pages in
 place, so a decode step allocates nothing that depends on the step.
+
+Greedy tokens (`graph_argmax_on`, default on): the captured forward also fills the static int64
+buffer ``tokens`` with the argmax of its logits rows (``argmax_out``, fused into the LM head:
+`kvplan.ops.small_gemm.small_linear`), so a greedy step reads ``greedy_tokens(n)`` instead of
+launching `kvplan.ops.argmax.argmax_rows` after the replay. Every bucket's graph writes the same
+buffer. Async scheduling passes step r's tokens (that buffer) as the ``device_input_ids`` of
+step r + 1, whose `DecodeGraphs.run` copies them into the graph's input buffer on the stream
+before the replay that overwrites them, and the engine queues their host copy right after
+replay r: both reads land before the next write.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ import torch
 
 from kvplan.engine.families import PAGED, set_paged_step
 from kvplan.engine.step import StepBatch
+from kvplan.ops._dispatch import env_flag
+from kvplan.ops.argmax import argmax_rows
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -79,6 +90,21 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_on:
             gc.enable()
+
+
+def graph_argmax_on() -> bool:
+    """Whether decode graphs capture the greedy argmax (module docstring): environment variable
+    ``KVPLAN_GRAPH_ARGMAX``, 0 or 1 (default 1; read when a graph set is built). 0 restores the
+    argmax after the replay (A/B runs)."""
+    return env_flag("KVPLAN_GRAPH_ARGMAX", True)
+
+
+def graph_tokens(max_num_seqs: int, device: torch.device) -> torch.Tensor | None:
+    """The static greedy-token buffer of a graph set: int64 ``[max_num_seqs]`` on ``device``,
+    or None when `graph_argmax_on` is off."""
+    if not graph_argmax_on():
+        return None
+    return torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
 
 
 def capture_graph(forward: Any, pool: Any) -> tuple[Any, Any]:
@@ -152,16 +178,22 @@ def kv_format_context_bounds(kv_format: str) -> tuple[int, ...]:
 
 def capture_checked(graphs: Any, b: int, pool: Any, eager: Any, what: str) -> Any:
     """Capture bucket ``b`` of ``graphs`` (a `DecodeGraphs` or a hybrid one: its ``_capture``,
-    ``_sync`` and ``logits``) after one eager step, ``eager()``, which compiles the kernels
-    outside the capture; the graph's replay must give that step's logits (``what`` names the
-    graph in the error)."""
+    ``_sync``, ``logits`` and ``tokens``) after one eager step, ``eager()``, which compiles the
+    kernels outside the capture; the graph's replay must give that step's logits (``what``
+    names the graph in the error). With ``tokens`` (`graph_argmax_on`), the eager step's and
+    the replay's greedy tokens must each equal `argmax_rows` of their logits."""
     want = eager().clone()
+    tokens = graphs.tokens
+    if tokens is not None and not torch.equal(tokens[:b], argmax_rows(want)):
+        raise RuntimeError(f"the eager step's fused argmax differs from argmax_rows ({what})")
     graphs._sync()
     graph = graphs._capture(b, pool)
     graph.replay()
     graphs._sync()
     if not torch.allclose(graphs.logits[b], want, atol=1e-2, rtol=1e-2):
         raise RuntimeError(f"graph replay differs from the eager step ({what})")
+    if tokens is not None and not torch.equal(tokens[:b], argmax_rows(graphs.logits[b])):
+        raise RuntimeError(f"the replayed argmax differs from argmax_rows of its logits ({what})")
     return graph
 
 
@@ -185,7 +217,8 @@ class DecodeGraphs:
     """Captured decode steps of a model whose layers are all served by the paged family,
     on block_offsets metadata (see the module docstring). ``graphs`` / ``logits``: the
     bucket's graph for ``max_model_len`` and its output; ``tier_graphs`` / ``tier_logits``:
-    those of the shorter ``context_tiers``, by ``(bucket, tier)``."""
+    those of the shorter ``context_tiers``, by ``(bucket, tier)``; ``tokens``: the greedy
+    tokens every graph writes (`graph_tokens`; None with ``KVPLAN_GRAPH_ARGMAX=0``)."""
 
     def __init__(
         self, model: Any, metadata: Any, manager: Any, max_num_seqs: int, max_model_len: int,
@@ -218,6 +251,7 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}
         self.tier_graphs: dict[tuple[int, int], Any] = {}  # (bucket, tier) -> graph
         self.tier_logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.tokens = graph_tokens(max_num_seqs, self.device)  # [max_num_seqs] int64 or None
         self.num_replays = 0
         self.tier_replays = 0  # replays of a shorter tier's graph
         # None, or a list that `run` extends by (rows, bucket, start, end) per replay: device
@@ -279,7 +313,10 @@ class DecodeGraphs:
                 self.recent.free(rid)
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.input_ids[:b], self.positions[:b], self.attention, None)
+        if self.tokens is None:
+            return self.model(self.input_ids[:b], self.positions[:b], self.attention, None)
+        return self.model(self.input_ids[:b], self.positions[:b], self.attention, None,
+                          argmax_out=self.tokens[:b])  # fmt: skip
 
     def _capture(self, b: int, pool: Any) -> Any:
         """Capture one decode step of ``b`` rows; returns the graph (``.replay()``) and sets
@@ -322,10 +359,13 @@ class DecodeGraphs:
         )
 
     def run(self, inputs: Any, device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Replay for ``n`` decode rows (metadata already prepared); logits ``[n, V]``.
+        """Replay for ``n`` decode rows (metadata already prepared); logits ``[n, V]`` (a view
+        of the graph's output, valid until the next replay), their argmax in
+        `greedy_tokens` ``(n)``.
 
         ``device_input_ids`` (int64 ``[n]`` on the device): the rows' input tokens, copied
-        over the staged host ``input_ids`` on the stream (a step scheduled ahead).
+        over the staged host ``input_ids`` on the stream (a step scheduled ahead) before the
+        replay -- so they may be the previous replay's ``tokens``, which this replay rewrites.
         """
         n = inputs.input_ids.shape[0]
         b = bucket_for(n, self.buckets)
@@ -357,6 +397,11 @@ class DecodeGraphs:
             end.record()
             self.replay_events.append((n, b, start, end))
         return logits[:n]
+
+    def greedy_tokens(self, n: int) -> torch.Tensor | None:
+        """Int64 ``[n]`` on the device: the argmax of the last replay's first ``n`` logits
+        rows (a view of ``tokens``, valid until the next replay); None without ``tokens``."""
+        return None if self.tokens is None else self.tokens[:n]
 
     def replay_device_ms(self, rows: int) -> list[float]:
         """Device milliseconds of each replay that ``replay_events`` recorded for ``rows``

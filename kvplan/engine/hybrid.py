@@ -384,8 +384,14 @@ class HybridCausalLM(nn.Module):
         positions: torch.Tensor,
         attention: dict[str, Any],
         logits_indices: torch.Tensor | None = None,
+        *,
+        argmax_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, attention[HYBRID], logits_indices)
+        """The wrapped model's step on the hybrid family's context (``argmax_out``: the greedy
+        tokens, as `kvplan.models.deepseek_v4.DeepseekV4ForCausalLM.forward` fills them)."""
+        return self.model(
+            input_ids, positions, attention[HYBRID], logits_indices, argmax_out=argmax_out
+        )
 
 
 @dataclass(frozen=True)

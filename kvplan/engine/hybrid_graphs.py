@@ -21,6 +21,12 @@ land after the replay of the step before; the pinned staging slots alternate
 (`kvplan.backends.hybrid.static_step.StaticDecodeBuffers`). ``num_replays_ahead`` counts
 the replays of steps scheduled ahead.
 
+Greedy tokens: as `kvplan.engine.cuda_graphs.DecodeGraphs`, the captured forward fills the
+static ``tokens`` (the argmax of its logits rows, fused into the LM head; off with
+``KVPLAN_GRAPH_ARGMAX=0``), read by `greedy_tokens`. A step scheduled ahead gets the previous
+step's tokens (that buffer) as ``device_input_ids``; `run` copies them into the step's input
+ids on the stream before the replay that rewrites them.
+
 Capture per bucket (largest first, one memory pool): the step is staged with padding rows
 only, one eager run compiles the kernels (the MoE on its sync-free dense path, as under
 capture), the step is captured, replayed and compared with the eager logits. Any failure
@@ -52,6 +58,7 @@ from kvplan.engine.cuda_graphs import (
     captured,
     context_tiers,
     decode_buckets,
+    graph_tokens,
     keep_captured,
     tier_holding,
 )
@@ -72,7 +79,9 @@ class HybridDecodeGraphs:
 
     ``graphs`` / ``logits``: each bucket's graph for ``max_model_len`` and its output;
     ``tier_graphs`` / ``tier_logits``: those of the shorter tiers, by ``(bucket, tier)``;
-    ``steps``: the static step of each ``(bucket, tier)``.
+    ``steps``: the static step of each ``(bucket, tier)``; ``tokens``: the greedy tokens every
+    graph writes (`kvplan.engine.cuda_graphs.graph_tokens`; None with
+    ``KVPLAN_GRAPH_ARGMAX=0``).
     """
 
     def __init__(
@@ -93,6 +102,7 @@ class HybridDecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> fp32 [b, V]
         self.tier_graphs: dict[tuple[int, int], Any] = {}  # (bucket, tier) -> graph
         self.tier_logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.tokens = graph_tokens(max_num_seqs, self.device)  # [max_num_seqs] int64 or None
         self.num_replays = 0
         self.num_replays_ahead = 0  # replays of steps scheduled ahead (device input tokens)
         self.tier_replays = 0  # replays of a shorter tier's graph
@@ -127,7 +137,10 @@ class HybridDecodeGraphs:
         step = self.staged_step(b)
         with torch.inference_mode():
             step.begin()
-            return self.model(step.input_ids, step.positions, {HYBRID: step}, None)
+            if self.tokens is None:
+                return self.model(step.input_ids, step.positions, {HYBRID: step}, None)
+            return self.model(step.input_ids, step.positions, {HYBRID: step}, None,
+                              argmax_out=self.tokens[:b])  # fmt: skip
 
     def _capture(self, b: int, pool: Any) -> Any:
         """Capture the staged step of ``b`` rows; returns the graph (``.replay()``)."""
@@ -188,11 +201,13 @@ class HybridDecodeGraphs:
         return tier_holding(self.tiers, max(s.q_start for s in seqs) + 1)
 
     def run(self, inputs: Any, device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Replay the staged step of ``n`` rows; fp32 logits ``[n, V]`` (a view of the
-        graph's output, valid until the next replay of its bucket).
+        """Replay the staged step of ``n`` rows; logits ``[n, V]`` (a view of the graph's
+        output, valid until the next replay of its bucket), their argmax in `greedy_tokens`
+        ``(n)`` (valid until the next replay of any bucket).
 
         ``device_input_ids`` (int64 ``[n]`` on the device): input tokens copied over the staged
-        ones on the stream (a step scheduled ahead).
+        ones on the stream (a step scheduled ahead) before the replay -- so they may be the
+        previous replay's ``tokens``, which this replay rewrites.
         """
         n = inputs.input_ids.shape[0]
         b = bucket_for(n, self.buckets)
@@ -209,6 +224,11 @@ class HybridDecodeGraphs:
         graph.replay()
         self.num_replays += 1
         return logits[:n]
+
+    def greedy_tokens(self, n: int) -> torch.Tensor | None:
+        """Int64 ``[n]`` on the device: the argmax of the last replay's first ``n`` logits
+        rows (a view of ``tokens``, valid until the next replay); None without ``tokens``."""
+        return None if self.tokens is None else self.tokens[:n]
 
 
 # Context tiers of DeepSeek-V4 decode graphs: from HYBRID_TIER_MIN tokens, x HYBRID_TIER_STEP,

@@ -36,7 +36,13 @@ class StepInputs:
 
     A step scheduled ahead (``step.ahead``, async scheduling) gets placeholder ``input_ids``
     (zeros) until the caller writes the launched step's tokens into them.
+
+    ``greedy_tokens``: set by `ModelRunner.execute` when the step replayed a decode graph that
+    captured the greedy argmax: int64 ``[N]`` on the device, ``argmax(-1)`` of each logits
+    row (the graph's static buffer: valid until the next replay); None otherwise.
     """
+
+    greedy_tokens: torch.Tensor | None = None
 
     def __init__(self, step: StepBatch) -> None:
         self.positions = step.positions
@@ -112,7 +118,8 @@ class ModelRunner:
             `kvplan.models.llama.LlamaForCausalLM`).
         families: family name -> `AttentionFamily`, one per family the model's layers use.
         device: the model device.
-        graphs: optional `kvplan.engine.cuda_graphs.DecodeGraphs` for decode-only steps.
+        graphs: optional `kvplan.engine.cuda_graphs.DecodeGraphs` (or
+            `kvplan.engine.hybrid_graphs.HybridDecodeGraphs`) for decode-only steps.
     """
 
     def __init__(
@@ -164,6 +171,8 @@ class ModelRunner:
         """Run one step, then each family's ``after_step(step)`` if it has one; returns
         (logits ``[N, V]`` on the device, fp32 or the model's dtype
         (its ``float_logits``), one row per entry of ``inputs.logits_rows``, the host inputs).
+        A graph replay also sets ``inputs.greedy_tokens`` (the graph's argmax of the logits;
+        ``graphs.greedy_tokens``).
 
         ``device_input_ids``: int64 ``[num_seqs]`` on the device, the input tokens of a
         decode-only step scheduled ahead (``step.ahead``; async scheduling): the model
@@ -173,6 +182,7 @@ class ModelRunner:
         attention = self.plan(step)
         if self.graphs is not None and self.graphs.can_run(step):
             logits = self.graphs.run(inputs, device_input_ids)
+            inputs.greedy_tokens = self.graphs.greedy_tokens(logits.shape[0])
         else:
             dev = self.device
             if device_input_ids is not None:

@@ -52,6 +52,7 @@ _COUNTERS = (
     ("", "num_steps_ahead"),
     ("", "num_discarded_rows"),
     ("", "num_fast_decode_steps"),
+    ("", "num_graph_argmax_steps"),
     ("", "last_step_kind"),
     ("scheduler", "num_preemptions"),
     ("scheduler", "num_prefix_waits"),

@@ -41,9 +41,8 @@ from kvplan.distributed.context import TPContext, local_kv_heads
 from kvplan.distributed.layers import row_linear, vocab_embedding
 from kvplan.models.config import ModelConfig
 from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
-from kvplan.models.llama import PAGED_FAMILY
+from kvplan.models.llama import PAGED_FAMILY, lm_head_logits
 from kvplan.models.rope import RotaryTable, rotate_qk
-from kvplan.ops.small_gemm import small_linear
 
 
 class GemmaRMSNorm(nn.Module):
@@ -212,10 +211,13 @@ class Gemma3ForCausalLM(nn.Module):
         positions: torch.Tensor,
         attention: Mapping[str, Any] | None,
         logits_indices: torch.Tensor | None = None,
+        *,
+        argmax_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one step: ``input_ids``/``positions [T]`` int64 -> ``[N, vocab_size]`` fp32
         logits of the rows ``logits_indices [N]`` (None = all T; the model's dtype without
-        ``float_logits``)."""
+        ``float_logits``); ``argmax_out`` (int64 ``[N]``) filled with their argmax as in
+        `kvplan.models.llama.lm_head_logits`."""
         w = self.embed_tokens.weight
         # sqrt(hidden) rounded to the model dtype, as the reference multiplies it
         scale = float(torch.tensor(self.config.hidden_size**0.5).to(w.dtype))
@@ -227,7 +229,4 @@ class Gemma3ForCausalLM(nn.Module):
         if logits_indices is not None:
             h = h[logits_indices]
         h = self.norm(h)  # [N, hidden]
-        logits = small_linear(h, self.lm_head_weight)  # [N, V] (this rank's share under tp)
-        if self.tp is not None:
-            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
-        return logits.float() if self.float_logits else logits
+        return lm_head_logits(self, h, argmax_out)

@@ -46,6 +46,7 @@ from kvplan.models import fused as ops
 from kvplan.models.config import ModelConfig
 from kvplan.models.kv_rotation import check_rotation_setting, hadamard_qk
 from kvplan.models.rope import RotaryTable
+from kvplan.ops.argmax import argmax_rows
 from kvplan.ops.small_gemm import small_linear
 
 FUSED_KERNELS_ENV = "KVPLAN_FUSED_KERNELS"
@@ -311,6 +312,8 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attention: Mapping[str, Any] | None,
         logits_indices: torch.Tensor | None = None,
+        *,
+        argmax_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one step.
 
@@ -320,6 +323,10 @@ class LlamaForCausalLM(nn.Module):
             attention: the step's planned metadata per attention family (``{"paged":
                 prepared AttentionMetadata}``), or None for backends that need none.
             logits_indices: ``[N]`` int64 rows of T whose logits are wanted (None = all).
+            argmax_out: optional int64 ``[N]`` on the model device, filled with the greedy
+                tokens ``logits.argmax(-1)`` (fused into the LM head where
+                `kvplan.ops.small_gemm.small_linear` runs its kernel; under tensor
+                parallelism taken of the gathered logits).
 
         Returns:
             ``[N, vocab_size]`` fp32 logits (the model's dtype without ``float_logits``).
@@ -334,10 +341,25 @@ class LlamaForCausalLM(nn.Module):
             h = h.rows(logits_indices) if isinstance(h, ops.SplitSums) else h[logits_indices]
             residual = None if residual is None else residual[logits_indices]
         h = self.norm(h, residual, fused=fused)  # [N, hidden]
-        logits = small_linear(h, self.lm_head_weight)  # [N, V] (this rank's share under tp)
-        if self.tp is not None:
-            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
-        return logits.float() if self.float_logits else logits
+        return lm_head_logits(self, h, argmax_out)
+
+
+def lm_head_logits(
+    model: Any, h: torch.Tensor, argmax_out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The LM head of a dense model (`LlamaForCausalLM`, the Gemma-3 model): logits ``[N, V]``
+    of ``h [N, hidden]`` by ``model.lm_head_weight``, fp32 with ``model.float_logits``, else
+    in the model's dtype. ``argmax_out`` (int64 ``[N]``): filled with their argmax -- fused
+    into `small_linear` on one device; under tensor parallelism (``model.tp``: each rank holds
+    a share of the vocabulary) `argmax_rows` of the gathered logits. The argmax of the
+    model-dtype logits is that of their fp32 copy (widening is exact)."""
+    tp = model.tp
+    logits = small_linear(h, model.lm_head_weight, None if tp is not None else argmax_out)
+    if tp is not None:  # [N, V / tp] -> [N, V]
+        logits = tp.gather_vocab(logits, model.config.vocab_size)
+        if argmax_out is not None:
+            argmax_rows(logits, out=argmax_out)
+    return logits.float() if model.float_logits else logits
 
 
 LINEAR_SPLIT_NAMES = ("qkv", "o", "down")

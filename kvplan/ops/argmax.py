@@ -8,8 +8,12 @@ equal to ``+0.0``. On CUDA two Triton kernels replace torch's one-program-per-ro
    (s + 1) * chunk)`` of row ``r`` in tiles, each lane keeping the best key it has seen (ints
    that order as the floats do, NaN the largest) and its first column; the program writes its
    best ``(key, column)``;
-2. ``_argmax_merge_kernel``, grid ``(N,)``: the best key of the row's S parts, and the first
-   column that holds it (parts cover increasing columns).
+2. ``_argmax_merge_kernel``, grid ``(N,)`` (`argmax_merge`): the best key of the row's S
+   parts, and the first column that holds it (parts cover increasing columns).
+
+The LM head's GEMM (`kvplan.ops.small_gemm.small_linear` with ``argmax_out``) writes the same
+per-part ``(key, column)`` pairs from its output tiles, one part per tile of vocabulary rows,
+and `argmax_merge` finishes them: the logits are then never read again.
 
 S is chosen so that about four programs run per SM (a decode step has few rows and a wide
 vocabulary: torch's kernel gives each row one block). Reading bf16 logits directly lets the
@@ -27,7 +31,14 @@ from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
 from kvplan.ops._launch import jit
 from kvplan.ops.topk import _sort_keys
 
-__all__ = ["argmax_rows", "argmax_rows_torch", "argmax_rows_triton", "argmax_splits"]
+__all__ = [
+    "argmax_merge",
+    "argmax_rows",
+    "argmax_rows_torch",
+    "argmax_rows_triton",
+    "argmax_splits",
+    "check_argmax_out",
+]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 TILE = 2048  # columns a program loads per iteration (8 a thread at 8 warps: 16-byte loads)
@@ -36,20 +47,39 @@ TILE = 2048  # columns a program loads per iteration (8 a thread at 8 warps: 16-
 # parts: 12.0; torch's argmax of the fp32 copy, copy included: 61.8); 32 x 129,280: 8 / 16
 # parts 7.5 / 7.1 us (copy + torch 37.1)
 PROGRAMS_PER_SM = 4
+MERGE_TILE = 1024  # parts `_argmax_merge_kernel` loads at once (more: it loops over chunks)
 _INT32_MIN = tl.constexpr(-(2**31))  # the key of a masked column (no float has it)
 _INT32_MAX = tl.constexpr(2**31 - 1)  # the key of every NaN
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Int64 ``[N]``: the column of each row's largest value in ``x [N, V]`` (float; columns
-    contiguous). Equal to ``x.argmax(dim=-1)`` (ties: the first; NaN counts as largest)."""
-    return argmax_rows_triton(x) if use_triton(x) else argmax_rows_torch(x)
+    contiguous). Equal to ``x.argmax(dim=-1)`` (ties: the first; NaN counts as largest).
+
+    ``out``: int64 ``[N]``, contiguous, on ``x``'s device (`check_argmax_out`), written and
+    returned instead of a new tensor (a CUDA graph's static buffer).
+    """
+    if use_triton(x):
+        return argmax_rows_triton(x, out=out)
+    got = argmax_rows_torch(x)
+    if out is None:
+        return got
+    check_argmax_out(out, x.shape[0], x.device, "out")
+    return out.copy_(got)
 
 
 def argmax_rows_torch(x: torch.Tensor) -> torch.Tensor:
     """Torch path of `argmax_rows` (the reference)."""
     _check(x)
     return x.argmax(dim=-1)
+
+
+def check_argmax_out(
+    out: object, rows: int, device: torch.device, name: str = "argmax_out"
+) -> None:
+    """``out`` must be an int64 ``[rows]`` contiguous tensor on ``device``: else a
+    TypeError / ValueError naming ``name`` and what it got."""
+    check_tensor(name, out, dtype=torch.int64, shape=(rows,), device=device, contiguous=True)
 
 
 def _check(x: torch.Tensor) -> None:
@@ -68,14 +98,17 @@ def argmax_splits(num_rows: int, width: int, tile: int, num_sms: int) -> int:
 
 def argmax_rows_triton(
     x: torch.Tensor, *, splits: int | None = None, tile: int | None = None,
-    num_warps: int = 8,
+    num_warps: int = 8, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton path of `argmax_rows` (also on CPU under ``TRITON_INTERPRET=1``); ``splits``
     parts per row (None: `argmax_splits` on CUDA, 2 in the interpreter), ``tile`` columns an
-    iteration."""
+    iteration; ``out`` as in `argmax_rows`."""
     _check(x)
     num_rows, width = x.shape
-    out = torch.empty(num_rows, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=x.device)
+    else:
+        check_argmax_out(out, num_rows, x.device, "out")
     if num_rows == 0:
         return out
     interp = triton_interpreting()
@@ -103,8 +136,44 @@ def argmax_rows_triton(
         INTERPRET=interp,
         num_warps=num_warps,
     )
+    return argmax_merge(keys, cols, out)
+
+
+def argmax_merge(
+    keys: torch.Tensor, cols: torch.Tensor, out: torch.Tensor, *, tile: int = MERGE_TILE
+) -> torch.Tensor:
+    """Finish a split argmax: ``out[r]`` = the column of row ``r``'s best part, ``out``
+    returned.
+
+    Args:
+        keys: int32 ``[N, S]``, contiguous: part ``s`` of row ``r``'s best order key (`_order_keys`:
+            ints that order as the floats do, every NaN ``2^31 - 1``, ``-2^31`` for a part
+            without columns).
+        cols: int32 ``[N, S]``, contiguous: the first column of that part holding that key.
+            Parts cover increasing columns (part ``s``'s columns all precede part ``s + 1``'s).
+        out: int64 ``[N]``, contiguous, same device: written.
+        tile: parts a program loads at once (a power of two >= 16); wider rows loop.
+
+    The first column of the row's largest key wins: ties go to the earlier part, then to
+    the lower column.
+    """
+    check_tensor("keys", keys, dtype=torch.int32, ndim=2, contiguous=True)
+    num_rows, splits = keys.shape
+    check_tensor("cols", cols, dtype=torch.int32, shape=(num_rows, splits), device=keys.device,
+                 contiguous=True)  # fmt: skip
+    check_argmax_out(out, num_rows, keys.device, "out")
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    if splits < 1:
+        raise ValueError(f"keys must hold at least one part a row, got shape {tuple(keys.shape)}")
+    if num_rows == 0:
+        return out
+    s_p2 = max(16, min(tile, triton.next_power_of_2(splits)))
+    chunks = triton.cdiv(splits, s_p2)
+    # 1,002 parts (the LM head's tiles of 128,256 words): 4 warps, 8 parts a thread
+    num_warps = 1 if s_p2 <= 128 else 4
     _argmax_merge_kernel[(num_rows,)](
-        keys, cols, out, splits, S_P2=max(16, triton.next_power_of_2(splits)), num_warps=1
+        keys, cols, out, splits, S_P2=s_p2, CHUNKS=chunks, num_warps=num_warps
     )
     return out
 
@@ -155,12 +224,24 @@ def _argmax_part_kernel(
 
 
 @jit
-def _argmax_merge_kernel(key_ptr, col_ptr, out_ptr, splits, S_P2: tl.constexpr):
+def _argmax_merge_kernel(
+    key_ptr, col_ptr, out_ptr, splits, S_P2: tl.constexpr, CHUNKS: tl.constexpr
+):
+    """Row ``r``'s best of its ``splits`` parts, ``S_P2`` at a time over ``CHUNKS`` chunks:
+    each lane keeps the first (lowest part) of its best key, then the lowest column of the
+    row's best key over the lanes."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, S_P2)
-    ok = s < splits
-    key = tl.load(key_ptr + row * splits + s, mask=ok, other=_INT32_MIN)
-    col = tl.load(col_ptr + row * splits + s, mask=ok, other=_INT32_MAX)
-    top = tl.max(key, axis=0)
-    first = tl.min(tl.where(ok & (key == top), col, _INT32_MAX), axis=0)
+    best = tl.full([S_P2], _INT32_MIN, tl.int32)
+    where = tl.full([S_P2], _INT32_MAX, tl.int32)
+    for c in range(CHUNKS):  # a static trip count (one chunk up to S_P2 parts)
+        part = c * S_P2 + s
+        ok = part < splits
+        key = tl.load(key_ptr + row * splits + part, mask=ok, other=_INT32_MIN)
+        col = tl.load(col_ptr + row * splits + part, mask=ok, other=_INT32_MAX)
+        take = ok & (key > best)  # strictly: an earlier part keeps a tied key
+        best = tl.where(take, key, best)
+        where = tl.where(take, col, where)
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == top, where, _INT32_MAX), axis=0)
     tl.store(out_ptr + row, first.to(tl.int64))

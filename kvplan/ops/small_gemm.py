@@ -16,6 +16,12 @@ LM head took 136.6 us (128 x 128 tiles) against cuBLAS's 142.3. On the narrow de
 (2-33 MB of weights) cuBLAS was as fast or faster (64 x 2,048 x 2,048: 6.3 us, this kernel
 7.7 at best; splitting K over more programs made it slower still; call B), so they stay on
 cuBLAS. Everything else (CPU tensors included) runs ``F.linear``, the reference.
+
+Greedy argmax (``argmax_out``): the kernel also folds its output tile into each token row's
+best ``(order key, column)`` of the tile's ``BLOCK_N`` columns -- keyed on the value rounded to
+the output dtype, as `kvplan.ops.argmax` keys the stored logits -- into int32 ``[M, n_tiles]``
+buffers, and `kvplan.ops.argmax.argmax_merge` turns them into the tokens; the logits are not
+read back. Off the kernel's path, `kvplan.ops.argmax.argmax_rows` of the logits fills it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,13 @@ import triton.language as tl
 
 from kvplan.ops._dispatch import use_triton
 from kvplan.ops._launch import jit
+from kvplan.ops.argmax import (
+    _INT32_MIN,
+    _order_keys,
+    argmax_merge,
+    argmax_rows,
+    check_argmax_out,
+)
 
 __all__ = [
     "SmallGemmPlan",
@@ -75,10 +88,16 @@ class SmallGemmPlan(NamedTuple):
 
 @jit
 def small_linear_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, out_ptr, key_ptr, col_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    num_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_STEPS: tl.constexpr, EVEN_K: tl.constexpr,
+    K_STEPS: tl.constexpr, EVEN_K: tl.constexpr, ARGMAX: tl.constexpr,
 ):  # fmt: skip
+    """``out [M, N] = x [M, K] @ w [N, K].T``, program ``j`` computing columns ``[j * BLOCK_N,
+    (j + 1) * BLOCK_N)``. ``ARGMAX``: also ``key_ptr`` / ``col_ptr`` (int32 ``[M,
+    num_tiles]``, ``num_tiles`` = programs) ``[m, j]`` = row ``m``'s best order key of the
+    tile's stored values and the first column holding it (`kvplan.ops.argmax.argmax_merge`
+    reads them); otherwise they are not touched."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -99,8 +118,16 @@ def small_linear_kernel(
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    out = acc.to(out_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_M]
+    if ARGMAX:  # keys of the rounded values: what an argmax of the stored logits reads
+        # (before the store's pointers exist: the 64-bit pointer tile takes the registers)
+        key = tl.where(n_ok[:, None], _order_keys(out), _INT32_MIN)
+        top, first = tl.max(key, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        at = offs_m * num_tiles + pid_n  # < MAX_ROWS * num_tiles: int32
+        tl.store(key_ptr + at, top, mask=m_ok)
+        tl.store(col_ptr + at, first + pid_n * BLOCK_N, mask=m_ok)
     o_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    tl.store(o_ptrs, out, mask=n_ok[:, None] & m_ok[None, :])
 
 
 def small_gemm_plan(
@@ -134,27 +161,48 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
+def _check_argmax_out(argmax_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_argmax_out(argmax_out, x.shape[0], x.device)
+    if weight.shape[0] == 0:
+        raise ValueError("argmax_out: a weight of 0 rows gives no column to pick")
+
+
 def small_linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, plan: SmallGemmPlan | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, plan: SmallGemmPlan | None = None,
+    argmax_out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``x [M, K] @ weight [N, K].T`` -> ``[M, N]`` in ``x``'s dtype by `small_linear_kernel`
-    (``M <= MAX_ROWS``; fp32 accumulation over K in order)."""
+    (``M <= MAX_ROWS``; fp32 accumulation over K in order); ``argmax_out`` as in
+    `small_linear`, fused."""
     _check(x, weight)
-    return _launch(x, weight, small_gemm_plan(x.shape[0]) if plan is None else plan)
+    if argmax_out is not None:
+        _check_argmax_out(argmax_out, x, weight)
+    plan = small_gemm_plan(x.shape[0]) if plan is None else plan
+    return _launch(x, weight, plan, argmax_out)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, plan: SmallGemmPlan) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, plan: SmallGemmPlan,
+    argmax_out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    small_linear_kernel[(triton.cdiv(n, plan.block_n),)](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+    num_tiles = triton.cdiv(n, plan.block_n)
+    keys = cols = out  # not touched without ARGMAX
+    if argmax_out is not None:
+        keys, cols = torch.empty(2, m, num_tiles, dtype=torch.int32, device=x.device)
+    small_linear_kernel[(num_tiles,)](
+        x, weight, out, keys, cols, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        num_tiles,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         K_STEPS=triton.cdiv(k, plan.block_k), EVEN_K=k % plan.block_k == 0,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        ARGMAX=argmax_out is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
+    if argmax_out is not None:
+        argmax_merge(keys, cols, argmax_out)
     return out
 
 
@@ -178,9 +226,38 @@ def small_linear_wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def small_linear(
+    x: torch.Tensor, weight: torch.Tensor, argmax_out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias): the Triton kernel when `small_linear_wanted` says so,
-    else ``F.linear``."""
+    else ``F.linear``.
+
+    Args:
+        x: ``[M, K]`` (any leading shape on the ``F.linear`` path without ``argmax_out``).
+        weight: ``[N, K]``, ``x``'s dtype.
+        argmax_out: optional int64 ``[M]``, contiguous, on ``x``'s device: filled with
+            ``logits.argmax(-1)`` of the returned logits (torch's rules: the first column of
+            the largest value, NaN the largest, ``-0.0 == +0.0``) -- inside the kernel's
+            epilogue on the Triton path (plus one small merge launch), by
+            `kvplan.ops.argmax.argmax_rows` of the logits otherwise. TypeError / ValueError
+            naming ``argmax_out`` when it is not such a tensor (or ``N == 0``).
+
+    Returns:
+        The logits ``[M, N]`` in ``x``'s dtype, bitwise the same with or without ``argmax_out``.
+
+    >>> x, w = torch.randn(3, 8), torch.randn(50, 8)
+    >>> tokens = torch.empty(3, dtype=torch.int64)
+    >>> logits = small_linear(x, w, argmax_out=tokens)
+    >>> torch.equal(tokens, logits.argmax(-1))
+    True
+    """
+    if argmax_out is not None:
+        if x.dim() != 2:
+            raise ValueError(f"small_linear: argmax_out needs x [M, K], got {tuple(x.shape)}")
+        _check_argmax_out(argmax_out, x, weight)
     if small_linear_wanted(x, weight):  # it checked what `_check` would
-        return _launch(x, weight, small_gemm_plan(x.shape[0]))
-    return F.linear(x, weight)
+        return _launch(x, weight, small_gemm_plan(x.shape[0]), argmax_out)
+    logits = F.linear(x, weight)
+    if argmax_out is not None:
+        argmax_rows(logits, out=argmax_out)
+    return logits

@@ -277,3 +277,19 @@ def test_split_linear_bench_loads_and_needs_a_gpu():
         pytest.skip("a CUDA device: the script would run the benchmark")
     proc = _run("bench_split_linear.py", "--shapes", "64,2048,2048,o")
     assert proc.returncode == 1 and "bench_split_linear needs a CUDA device" in proc.stderr
+
+
+def test_argmax_bench_quick_and_its_lm_head_mode_needs_a_gpu(tmp_path):
+    """``bench_argmax.py`` on the CPU (tiny shapes, every path equal to torch's argmax); its
+    ``--lm-head`` mode, which times the GEMM kernel, stops without a CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device: the script would run the benchmark")
+    out = tmp_path / "argmax.json"
+    proc = _run("bench_argmax.py", "--shapes", "3x300", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["bench"] == "argmax" and all(r["equal"] for r in record["rows"])
+    proc = _run("bench_argmax.py", "--lm-head")
+    assert proc.returncode == 1 and "bench_argmax --lm-head needs a CUDA device" in proc.stderr

@@ -204,6 +204,8 @@ def test_async_graph_path_on_cpu():
     got = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
     assert got == want
     assert graphs.num_replays > 0 and llm.engine.num_steps_ahead > 5
+    # steps ahead were fed the graph's captured argmax (its static buffer)
+    assert llm.engine.num_graph_argmax_steps == graphs.num_replays
     assert parts.manager.num_free_blocks() == parts.num_blocks - 1
 
 

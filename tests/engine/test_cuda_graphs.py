@@ -51,6 +51,43 @@ def test_graph_decode_matches_eager_on_gpu(backend):
     assert outs[True] == outs[False]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_argmax_matches_argmax_after_replay_on_gpu(monkeypatch, dtype):
+    """Greedy outputs with the argmax captured in the decode graphs (and fused into the LM
+    head where `small_linear` runs its kernel) equal those of ``KVPLAN_GRAPH_ARGMAX=0``
+    (argmax after the replay) and of eager steps, async scheduling on; every greedy replay
+    used the graph's tokens. The LM head's size floors are lifted so that this tiny bf16
+    model's head runs the Triton kernel with the fused argmax."""
+    from kvplan.ops import small_gemm
+
+    monkeypatch.setattr(small_gemm, "MIN_N", 1)
+    monkeypatch.setattr(small_gemm, "MIN_WEIGHT", 1)
+    cfg = named_config("tiny-llama", head_dim_override=64, num_heads=4, num_kv_heads=2,
+                       hidden_size=256)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, cfg.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 60, (11,), generator=g)]  # fmt: skip
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = {}
+    for name, flag, graphs in (("fused", "1", True), ("after", "0", True), ("eager", "1", False)):
+        monkeypatch.setenv("KVPLAN_GRAPH_ARGMAX", flag)
+        llm = LLM(cfg, device="cuda", dtype=dtype, backend="block_offsets", max_num_seqs=16,
+                  max_model_len=128, use_cuda_graph=graphs, num_blocks=200)  # fmt: skip
+        assert llm.engine.async_scheduling
+        outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+        core, dg = llm.engine, llm.engine.runner.graphs
+        if graphs:
+            assert dg is not None and dg.num_replays > 0
+            assert (dg.tokens is None) == (flag == "0")
+            want = dg.num_replays if flag == "1" else 0
+            assert core.num_graph_argmax_steps == want
+            assert core.num_steps_ahead > 0
+    assert outs["fused"] == outs["after"]
+    if dtype == "float32":  # bf16 buckets change GEMM shapes: near ties may flip vs eager
+        assert outs["fused"] == outs["eager"]
+
+
 class _EagerReplay:
     """Stand-in for a captured graph on CPU.
 
@@ -105,7 +142,40 @@ def test_padded_bucket_steps_match_unpadded_on_cpu():
     llm.engine.runner.graphs = graphs
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert graphs.num_replays > 0
+    # every replayed step was greedy: its tokens were the graph's (the stand-in's) argmax
+    assert llm.engine.num_graph_argmax_steps == graphs.num_replays
     assert got == want
+
+
+def test_graph_argmax_switch_on_cpu(monkeypatch):
+    """``KVPLAN_GRAPH_ARGMAX=0``: the graphs capture no argmax (``tokens`` None) and greedy
+    steps take `argmax_rows` after the replay, with the same tokens; sampled steps never use
+    the graph's tokens; a bad value names the variable."""
+    cfg = named_config("tiny-llama")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (int(n),), generator=g).tolist()
+               for n in (4, 11, 7)]  # fmt: skip
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    kw = dict(backend="block_offsets", block_size=4, max_num_seqs=4, max_model_len=64)
+    outs, used = {}, {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KVPLAN_GRAPH_ARGMAX", flag)
+        llm = LLM(cfg, **kw)
+        parts = llm.parts
+        graphs = _CpuGraphs(parts.model, parts.metadata, parts.manager, 4, 64)
+        assert (graphs.tokens is None) == (flag == "0")
+        graphs.capture_all()
+        llm.engine.runner.graphs = graphs
+        outs[flag] = [o.token_ids for o in llm.generate(prompts, greedy)]
+        used[flag] = llm.engine.num_graph_argmax_steps
+        assert graphs.num_replays > 0
+        sampled = SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True)
+        llm.generate(prompts, sampled)
+        assert llm.engine.num_graph_argmax_steps == used[flag]
+    assert outs["1"] == outs["0"] and used["1"] > 0 and used["0"] == 0
+    monkeypatch.setenv("KVPLAN_GRAPH_ARGMAX", "yes")
+    with pytest.raises(ValueError, match="KVPLAN_GRAPH_ARGMAX must be 0 or 1, got 'yes'"):
+        _CpuGraphs(parts.model, parts.metadata, parts.manager, 4, 64)
 
 
 def test_graphs_with_an_exact_window_match_eager_on_cpu():

@@ -169,6 +169,8 @@ def test_engine_graph_plumbing_on_cpu(tmp_path, seed):
     got = [o.token_ids for o in llm.generate(_prompts(seed), GREEDY)]
     assert graphs.num_replays == len(graphs.rows) > 0
     assert set(graphs.rows) - set(graphs.buckets)  # padded buckets ran
+    # every replayed step took the graph's (the stand-in's) argmax as its tokens
+    assert llm.engine.num_graph_argmax_steps == graphs.num_replays
     assert got == want
     assert llm.parts.manager.num_free_blocks() == llm.parts.num_blocks - 1
     # decode steps replayed through the static steps snapshot their rows' state at block
@@ -305,6 +307,31 @@ def test_llm_greedy_with_graphs_equals_without_on_gpu(tmp_path, kv_format):
         else:
             assert g is None
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_argmax_matches_argmax_after_replay_on_gpu(tmp_path, monkeypatch, dtype):
+    """Greedy outputs with the argmax captured in the hybrid decode graphs (fused into the
+    LM head: its size floors lifted for this tiny model) equal those of
+    ``KVPLAN_GRAPH_ARGMAX=0``, async scheduling on (steps ahead fed by the graph's tokens);
+    every greedy replay used the graph's tokens."""
+    from kvplan.ops import small_gemm
+
+    monkeypatch.setattr(small_gemm, "MIN_N", 1)
+    monkeypatch.setattr(small_gemm, "MIN_WEIGHT", 1)
+    folder = _saved(tmp_path, 5)
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KVPLAN_GRAPH_ARGMAX", flag)
+        llm = LLM(str(folder), device="cuda", dtype=dtype, max_num_seqs=4, max_model_len=96)
+        outs[flag] = [o.token_ids for o in llm.generate(_prompts(5), GREEDY)]
+        core, graphs = llm.engine, llm.engine.runner.graphs
+        assert isinstance(graphs, HybridDecodeGraphs) and graphs.num_replays > 0
+        assert (graphs.tokens is None) == (flag == "0")
+        assert core.num_graph_argmax_steps == (graphs.num_replays if flag == "1" else 0)
+        assert graphs.num_replays_ahead > 0
+    assert outs["1"] == outs["0"]
 
 
 @pytest.mark.gpu

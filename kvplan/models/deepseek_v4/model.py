@@ -149,6 +149,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         positions: torch.Tensor,
         ctx: HybridStepContext,
         logits_indices: torch.Tensor | None = None,
+        *,
+        argmax_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step.
 
@@ -157,6 +159,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             positions: int64 ``[T]`` absolute positions (the same tensor as ``ctx.positions``).
             ctx: the hybrid family's context for this step.
             logits_indices: int64 ``[N]`` rows whose logits to return (None = every row).
+            argmax_out: optional int64 ``[N]`` (``[T]`` without ``logits_indices``) on the
+                model device, filled with the greedy tokens ``logits.argmax(-1)`` (fused into
+                the LM head where `kvplan.ops.small_gemm.small_linear` runs its kernel).
         Returns:
             fp32 logits ``[N, vocab]`` (``[T, vocab]`` when ``logits_indices`` is None; the
             model's dtype without ``float_logits``).
@@ -175,5 +180,5 @@ class DeepseekV4ForCausalLM(nn.Module):
             check_tensor("logits_indices", logits_indices, dtype=torch.int64, ndim=1, device=dev)
             s = s[logits_indices]
         h = self.hc_head(s, (self.norm, self.config.rms_norm_eps))  # the final norm fused
-        logits = small_linear(h, self.head_weight())
+        logits = small_linear(h, self.head_weight(), argmax_out)
         return logits.float() if self.float_logits else logits
