@@ -13,8 +13,9 @@ random rows are written straight into every layer's SWA ring (all ring slots of 
 slot) and compressor / indexer pools (entries ``j < context // r`` at the block-table slots)
 with ``PagedRows.store`` (= ``store_kv_cache``), and the family's per-request bookkeeping is
 set to ``context`` so the first planned step continues there. Only decode steps are timed
-(plan + forward + argmax, synchronised; the logits in the model dtype and
-`kvplan.ops.argmax.argmax_rows`, as the engine runs them).
+(plan + forward + argmax, synchronised; the logits in the model dtype and the argmax
+captured in the decode graph, or `kvplan.ops.argmax.argmax_rows` after eager steps and with
+``KVPLAN_GRAPH_ARGMAX=0``, as the engine runs them).
 
 Reported per (kv_format, context): decode step time (median), the host planning time, and the
 step's floor = (weight bytes + bytes of KV rows, index keys and compressed entries the step
@@ -267,6 +268,9 @@ def run_decode(
             runner.stage(seqs)
             t1 = time.perf_counter()
             out = runner.run(SimpleNamespace(input_ids=ids), device_input_ids=ids)
+            tokens = runner.greedy_tokens(batch)  # the graph's own argmax, as the engine's
+            if tokens is not None:
+                return tokens, t1 - t0
         else:
             positions = torch.full((batch,), q_start, dtype=torch.int64, device=dev)
             ctx = family.plan(seqs, positions)
@@ -317,7 +321,9 @@ def pipelined_steps(runner, batch, token_ids, tables, ids, q_start, steps, dev) 
     for i in range(steps):
         seqs = [HybridSeq(b, q_start + i, 1, token_ids, tables[b], b) for b in range(batch)]
         runner.stage(seqs, ahead=True)
-        ids = argmax_rows(runner.run(SimpleNamespace(input_ids=ids), device_input_ids=ids))
+        logits = runner.run(SimpleNamespace(input_ids=ids), device_input_ids=ids)
+        tokens = runner.greedy_tokens(batch)  # the next run copies them before its replay
+        ids = argmax_rows(logits) if tokens is None else tokens
         done = torch.cuda.Event() if dev.type == "cuda" else None
         if done is not None:
             done.record()

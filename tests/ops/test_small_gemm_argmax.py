@@ -181,7 +181,7 @@ def test_cuda_fused_argmax_at_lm_head_shapes(m, n, k) -> None:
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16).cuda()
-    w[[1000, 77000, n - 1]] = w[5]  # the same column four times: ties across tiles
+    w[[1000, 77000, n - 1]] = w[5].clone()  # the same column four times: ties across tiles
     x[: m // 2] = w[5] * 4  # rows whose best column is 5 (and its copies)
     assert sg.small_linear_wanted(x, w)
     tokens = torch.empty(m, dtype=torch.int64, device="cuda")

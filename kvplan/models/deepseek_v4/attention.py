@@ -41,9 +41,12 @@ from kvplan.ops.rope import NormSpec, norm_rope, norm_rope_pair
 from kvplan.ops.split_linear import SplitSums, linear_splits, split_linear
 
 O_SPLITS_ENV = "KVPLAN_DSV4_O_SPLITS"
-DEFAULT_O_SPLITS = 0
-"""Split-K partials of ``o_b_proj`` (`DeepseekV4Attention.o_splits`) by default: 0, the plain
-GEMM, until measured otherwise."""
+DEFAULT_O_SPLITS = 2
+"""Split-K partials of ``o_b_proj`` (`DeepseekV4Attention.o_splits`) by default. H100,
+2026-12-07 (`bench/run_s52a.sh`): the GEMM alone at 32 x 2,048 x 4,096, 8.75 us in 2 splits
+(8.48 in 4) against 10.19 for cuBLAS's own split-K with its reduce kernel; the 32K x 32 fp8
+decode step, three alternating pairs, async 2.82 / 2.77 / 2.73 ms against 2.84 / 2.78 /
+2.82 without, its kernels 2,579 us in 285 launches."""
 
 
 def o_splits_from_env() -> int:
