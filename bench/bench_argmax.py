@@ -25,6 +25,7 @@ The fused tokens are checked equal to ``logits.argmax(-1)`` and the logits to th
 
     PYTHONPATH=. python3 bench/bench_argmax.py [--shapes 64x128256,32x129280] [--sweep]
     PYTHONPATH=. python3 bench/bench_argmax.py --lm-head [--head-shapes 64x128256x2048]
+        [--head-plans 256x64x8x4,128x64x4x6]
 """
 
 from __future__ import annotations
@@ -38,12 +39,18 @@ import torch
 from bench_sparse_kernels import graph_ms, timed_ms
 
 from kvplan.ops.argmax import argmax_rows, argmax_rows_triton
-from kvplan.ops.small_gemm import small_linear, small_linear_wanted
+from kvplan.ops.small_gemm import (
+    small_gemm_plan,
+    small_linear,
+    small_linear_triton,
+    small_linear_wanted,
+)
 
 
-def lm_head_rows(shapes: str, dev: torch.device) -> list[dict]:
+def lm_head_rows(shapes: str, dev: torch.device, plans: str = "") -> list[dict]:
     """``--lm-head``: the rows of the table (module docstring) for each ``MxVxK`` of
-    ``shapes``."""
+    ``shapes``, and ``small_linear_triton`` with and without the fused argmax for each
+    ``BLOCK_NxBLOCK_KxWARPSxSTAGES`` of ``plans`` (comma-separated)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     rows_out = []
     for shape in shapes.split(","):
@@ -62,6 +69,13 @@ def lm_head_rows(shapes: str, dev: torch.device) -> list[dict]:
             "argmax_rows": lambda y=logits: argmax_rows(y),
             "small_linear, argmax_rows": lambda x=x, w=w: argmax_rows(small_linear(x, w)),
         }
+        for spec in plans.split(",") if plans else ():  # other tiles, with and without
+            bn, bk, warps, stages = (int(t) for t in spec.split("x"))
+            plan = small_gemm_plan(m, block_n=bn, block_k=bk, num_warps=warps,
+                                   num_stages=stages)  # fmt: skip
+            paths[f"plan {spec}"] = lambda x=x, w=w, p=plan: small_linear_triton(x, w, p)
+            paths[f"plan {spec}+argmax"] = lambda x=x, w=w, p=plan, t=tokens: (
+                small_linear_triton(x, w, p, argmax_out=t))  # fmt: skip
         for name, fn in paths.items():
             row = {"shape": f"{m}x{v}x{k}", "path": name, "equal": ok,
                    "ms": timed_ms(fn, dev), "graph_ms": graph_ms(fn, dev)}  # fmt: skip
@@ -77,6 +91,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--lm-head", action="store_true", help="the fused LM-head argmax (CUDA)")
     ap.add_argument("--head-shapes", default="64x128256x2048,32x129280x2048")
+    ap.add_argument("--head-plans", default="", help="extra tiles BNxBKxWARPSxSTAGES,...")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,7 +99,7 @@ def main() -> int:
         if dev.type != "cuda":
             print("bench_argmax --lm-head needs a CUDA device", file=sys.stderr)
             return 1
-        rows_out = lm_head_rows(args.head_shapes, dev)
+        rows_out = lm_head_rows(args.head_shapes, dev, args.head_plans)
         return _finish(args, dev, "argmax_lm_head", rows_out)
     gen = torch.Generator(device=dev).manual_seed(0)
     rows_out = []
