@@ -30,15 +30,20 @@ def test_cpu_engine_has_no_graphs():
     assert llm.engine.runner.graphs is None
 
 
+def _gpu_case(seed: int):
+    """(config, 11 random prompts of 1-59 tokens, 24 greedy tokens each) of the GPU tests."""
+    cfg = named_config("tiny-llama", head_dim_override=64, num_heads=4, num_kv_heads=2,
+                       hidden_size=256)  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 60, (11,), generator=g)]  # fmt: skip
+    return cfg, prompts, SamplingParams(max_tokens=24, ignore_eos=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["block_offsets"])
 def test_graph_decode_matches_eager_on_gpu(backend):
-    cfg = named_config("tiny-llama", head_dim_override=64, num_heads=4, num_kv_heads=2,
-                       hidden_size=256)  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, cfg.vocab_size, (int(n),), generator=g).tolist()
-               for n in torch.randint(1, 60, (11,), generator=g)]  # fmt: skip
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    cfg, prompts, params = _gpu_case(0)
     outs = {}
     for graphs in (False, True):
         # fp32: padded buckets change GEMM shapes, which must not flip bf16 near-ties
@@ -63,12 +68,7 @@ def test_graph_argmax_matches_argmax_after_replay_on_gpu(monkeypatch, dtype):
 
     monkeypatch.setattr(small_gemm, "MIN_N", 1)
     monkeypatch.setattr(small_gemm, "MIN_WEIGHT", 1)
-    cfg = named_config("tiny-llama", head_dim_override=64, num_heads=4, num_kv_heads=2,
-                       hidden_size=256)  # fmt: skip
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, cfg.vocab_size, (int(n),), generator=g).tolist()
-               for n in torch.randint(1, 60, (11,), generator=g)]  # fmt: skip
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    cfg, prompts, params = _gpu_case(1)
     outs = {}
     for name, flag, graphs in (("fused", "1", True), ("after", "0", True), ("eager", "1", False)):
         monkeypatch.setenv("KVPLAN_GRAPH_ARGMAX", flag)

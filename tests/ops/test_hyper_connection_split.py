@@ -11,32 +11,19 @@ import pytest
 import torch
 
 from kvplan.ops import hyper_connection as hc
-from kvplan.ops.hyper_connection import (
-    hc_post,
-    hc_post_pre,
-    hc_post_pre_triton,
-    hc_post_triton,
-    hc_pre_torch,
-)
+from kvplan.ops.hyper_connection import hc_post, hc_post_pre, hc_post_pre_triton, hc_post_triton
 from kvplan.ops.split_linear import SplitSums, split_linear
-
-TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-EPS, HC_EPS = 1e-6, 1e-6
+from tests.ops.test_hyper_connection_fused import EPS, HC_EPS, TRITON_DEVICE
+from tests.ops.test_hyper_connection_fused import _inputs as _block_inputs
 
 
 def _inputs(seed, t, n, hidden, dtype, parts, device):
-    """(s, post, comb, SplitSums out, next fn, base, scale)."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = (2 + n) * n
-    s = torch.randn(t, n, hidden, generator=gen).to(dtype)
-    fn0, fn1 = (torch.randn(rows, n * hidden, generator=gen) * 0.2 for _ in range(2))
-    base = torch.randn(rows, generator=gen) * 0.1
-    scale = 1 + 0.1 * torch.randn(3, generator=gen)
-    post, comb, _ = hc_pre_torch(s, fn0, base, scale, iters=3, hc_eps=HC_EPS, eps=EPS)
-    sums = torch.randn(parts, t, hidden, generator=gen)
-    out = SplitSums(sums.to(device), dtype)
-    return (*(z.to(device) for z in (s, post, comb)), out,
-            *(z.to(device) for z in (fn1, base, scale)))  # fmt: skip
+    """`test_hyper_connection_fused`'s block inputs with the block output as ``parts`` random
+    fp32 partials: (s, post, comb, SplitSums out, next fn, base, scale)."""
+    s, post, comb, _, fn, base, scale = _block_inputs(seed, t, n, hidden, dtype, device)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    out = SplitSums(torch.randn(parts, t, hidden, generator=gen).to(device), dtype)
+    return s, post, comb, out, fn, base, scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
