@@ -8,7 +8,12 @@ BUDGET=${BUDGET:-500}
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
 for v in 1 0; do hybrid_decode ga${v}a 32 32768 KVPLAN_GRAPH_ARGMAX=$v; done
-gpu_tests suite $(( $(left) - 45 )) 14 tests
+if [ "$BUDGET" -ge 420 ]; then set -- tests; else  # less time: what this session changed
+  set -- tests/engine tests/models tests/ops/test_hyper_connection_split.py \
+    tests/ops/test_hyper_connection_fused.py tests/ops/test_small_gemm_argmax.py \
+    tests/ops/test_small_gemm.py tests/ops/test_argmax.py tests/bench
+fi
+gpu_tests suite $(( $(left) - 45 )) 14 "$@"
 grep -E "^FAILED|^ERROR" "$W/suite.log" | head -20
 for v in 1 0; do hybrid_decode ga${v}b 32 32768 KVPLAN_GRAPH_ARGMAX=$v; done
 profile_32k p "nvjet_sm90_tss|hc_proj|argmax|small_linear|Memset"
