@@ -28,6 +28,17 @@ def env_flag(name: str, default: bool) -> bool:
     return text == "1"
 
 
+def env_count(name: str, default: int) -> int:
+    """The non-negative int in environment variable ``name`` (unset: ``default``), or a
+    ValueError naming the variable and the value it got."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    if not text.strip().isdigit():
+        raise ValueError(f"{name} must be a non-negative int, got {text!r}")
+    return int(text)
+
+
 def triton_interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "") == "1"

@@ -30,14 +30,13 @@ differs by fp32 rounding).
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from kvplan._checks import check_tensor
-from kvplan.ops._dispatch import env_flag, triton_interpreting, use_triton
+from kvplan.ops._dispatch import env_count, env_flag, triton_interpreting, use_triton
 from kvplan.ops.cache_geometry import triton_cdiv, triton_next_pow2
 from kvplan.ops.rms_norm import rms_norm_fp32w_torch, rms_norm_fp32w_triton
 from kvplan.ops.split_linear import SplitSums
@@ -248,10 +247,7 @@ PROJ_PROGRAMS = (256, 256)
 def _small_tile_rows() -> int:
     """`SMALL_TILE_ROWS`: ``KVPLAN_HC_SMALL_ROWS`` (A/B runs; 16 gives session 16's plan, 32
     session 17's) or 256."""
-    text = os.environ.get("KVPLAN_HC_SMALL_ROWS", "256")
-    if not text.isdigit():
-        raise ValueError(f"KVPLAN_HC_SMALL_ROWS must be a non-negative int, got {text!r}")
-    return int(text)
+    return env_count("KVPLAN_HC_SMALL_ROWS", 256)
 
 
 # up to this many rows the projection's row tile is 16 (else 32 up to 256 rows, 64 above): at 32 rows

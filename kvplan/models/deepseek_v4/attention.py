@@ -36,7 +36,7 @@ from kvplan.backends.hybrid.api import HybridStepContext
 from kvplan.models.deepseek_v4.compressor import Compressor, Indexer
 from kvplan.models.deepseek_v4.config import DeepseekV4Config
 from kvplan.models.deepseek_v4.layers import LinearGroup, Rope, StepRope, rms_norm
-from kvplan.ops._dispatch import use_triton
+from kvplan.ops._dispatch import env_count, use_triton
 from kvplan.ops.rope import NormSpec, norm_rope, norm_rope_pair
 from kvplan.ops.split_linear import SplitSums, linear_splits, split_linear
 
@@ -47,16 +47,6 @@ DEFAULT_O_SPLITS = 2
 (8.48 in 4) against 10.19 for cuBLAS's own split-K with its reduce kernel; the 32K x 32 fp8
 decode step, three alternating pairs, async 2.82 / 2.77 / 2.73 ms against 2.84 / 2.78 /
 2.82 without, its kernels 2,579 us in 285 launches."""
-
-
-def o_splits_from_env() -> int:
-    """``KVPLAN_DSV4_O_SPLITS`` (an int >= 0; unset or empty: `DEFAULT_O_SPLITS`)."""
-    text = os.environ.get(O_SPLITS_ENV, "").strip()
-    if not text:
-        return DEFAULT_O_SPLITS
-    if not text.isdigit():
-        raise ValueError(f"{O_SPLITS_ENV} must be an int >= 0, got {text!r}")
-    return int(text)
 
 
 class GroupedLinear(nn.Module):
@@ -128,7 +118,7 @@ class DeepseekV4Attention(nn.Module):
         # o_b_proj as this many split-K fp32 partials on the Triton path, for decode-sized
         # steps (`linear_splits`'s rows and weight size); the hyper-connection's residual
         # update after the block adds them (`hc_post_pre` of a `SplitSums`). 0: the plain GEMM
-        self.o_splits = o_splits_from_env()
+        self.o_splits = env_count(O_SPLITS_ENV, DEFAULT_O_SPLITS)
 
     def forward(
         self, x: torch.Tensor, ctx: HybridStepContext, tables: StepRope | None = None
