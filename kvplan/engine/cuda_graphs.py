@@ -313,10 +313,9 @@ class DecodeGraphs:
                 self.recent.free(rid)
 
     def _forward(self, b: int) -> torch.Tensor:
-        if self.tokens is None:
-            return self.model(self.input_ids[:b], self.positions[:b], self.attention, None)
+        tokens = None if self.tokens is None else self.tokens[:b]
         return self.model(self.input_ids[:b], self.positions[:b], self.attention, None,
-                          argmax_out=self.tokens[:b])  # fmt: skip
+                          argmax_out=tokens)  # fmt: skip
 
     def _capture(self, b: int, pool: Any) -> Any:
         """Capture one decode step of ``b`` rows; returns the graph (``.replay()``) and sets

@@ -137,10 +137,9 @@ class HybridDecodeGraphs:
         step = self.staged_step(b)
         with torch.inference_mode():
             step.begin()
-            if self.tokens is None:
-                return self.model(step.input_ids, step.positions, {HYBRID: step}, None)
+            tokens = None if self.tokens is None else self.tokens[:b]
             return self.model(step.input_ids, step.positions, {HYBRID: step}, None,
-                              argmax_out=self.tokens[:b])  # fmt: skip
+                              argmax_out=tokens)  # fmt: skip
 
     def _capture(self, b: int, pool: Any) -> Any:
         """Capture the staged step of ``b`` rows; returns the graph (``.replay()``)."""
