@@ -18,7 +18,6 @@ the DeepSeek-V4 bench's at 32), bf16, the weight read from DRAM (larger than the
 
 * ``small_linear``: `kvplan.ops.small_gemm.small_linear`, logits only;
 * ``small_linear+argmax``: ``argmax_out=`` (the kernel's per-tile argmax + the merge);
-* ``small_linear+argmax packed``: the same with ``PACKED_ARGMAX`` (one int32 max a tile);
 * ``argmax_rows``: the separate argmax of the stored logits (what the fused path replaces);
 * ``small_linear, argmax_rows``: the two launches of the unfused path.
 
@@ -39,7 +38,6 @@ import sys
 import torch
 from bench_sparse_kernels import graph_ms, timed_ms
 
-from kvplan.ops import small_gemm
 from kvplan.ops.argmax import argmax_rows, argmax_rows_triton
 from kvplan.ops.small_gemm import (
     small_gemm_plan,
@@ -47,15 +45,6 @@ from kvplan.ops.small_gemm import (
     small_linear_triton,
     small_linear_wanted,
 )
-
-
-def _packed(x: torch.Tensor, w: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """`small_linear` with the fused argmax's packed tile reduction (``PACKED_ARGMAX``)."""
-    was, small_gemm.PACKED_ARGMAX = small_gemm.PACKED_ARGMAX, True
-    try:
-        return small_linear(x, w, argmax_out=tokens)
-    finally:
-        small_gemm.PACKED_ARGMAX = was
 
 
 def lm_head_rows(shapes: str, dev: torch.device, plans: str = "") -> list[dict]:
@@ -77,7 +66,6 @@ def lm_head_rows(shapes: str, dev: torch.device, plans: str = "") -> list[dict]:
         paths = {
             "small_linear": lambda x=x, w=w: small_linear(x, w),
             "small_linear+argmax": lambda x=x, w=w, t=tokens: small_linear(x, w, argmax_out=t),
-            "small_linear+argmax packed": lambda x=x, w=w, t=tokens: _packed(x, w, t),
             "argmax_rows": lambda y=logits: argmax_rows(y),
             "small_linear, argmax_rows": lambda x=x, w=w: argmax_rows(small_linear(x, w)),
         }

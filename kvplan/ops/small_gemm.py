@@ -22,12 +22,6 @@ best ``(order key, column)`` of the tile's ``BLOCK_N`` columns -- keyed on the v
 the output dtype, as `kvplan.ops.argmax` keys the stored logits -- into int32 ``[M, n_tiles]``
 buffers, and `kvplan.ops.argmax.argmax_merge` turns them into the tokens; the logits are not
 read back. Off the kernel's path, `kvplan.ops.argmax.argmax_rows` of the logits fills it.
-With ``PACKED_ARGMAX`` (``KVPLAN_PACKED_ARGMAX=1``; off until timed on a GPU) the tile is
-reduced on one int32 a value instead of a (key, column) pair: a 16-bit logit's order key in
-the high half, ``65535 - row`` in the low half, so a plain max keeps the first row of the best
-key; the winner's fp32 key is formed once per token from its 16 bits (the same pair results;
-at the LM head's plan the sm_90 code has 1,576 SASS instructions without the argmax, 2,856
-with the pair form, 2,688 packed: half the shuffles, 146 selects against 359).
 """
 
 from __future__ import annotations
@@ -40,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvplan.ops._dispatch import env_flag, use_triton
+from kvplan.ops._dispatch import use_triton
 from kvplan.ops._launch import jit
 from kvplan.ops.argmax import (
     _INT32_MIN,
@@ -58,7 +52,6 @@ __all__ = [
     "small_linear_wanted",
 ]
 
-PACKED_ARGMAX = env_flag("KVPLAN_PACKED_ARGMAX", False)  # the fused argmax's packed form
 MAX_ROWS = 64  # token rows the kernel takes (one tensor-core tile of them)
 MIN_N = 32768  # weight rows and elements below which cuBLAS measured as fast or faster
 MIN_WEIGHT = 1 << 27
@@ -94,37 +87,17 @@ class SmallGemmPlan(NamedTuple):
 
 
 @jit
-def _packed_tile_argmax(out, n_ok, BLOCK_N: tl.constexpr):
-    """(order key as `kvplan.ops.argmax` keys the value, first row holding it) of each column
-    of a 16-bit ``out [BLOCK_N, BLOCK_M]`` (rows ``n_ok`` only) by one int32 max: a value's
-    16-bit order key (``-0.0`` as ``+0.0``, every NaN the largest, 32767) in the high half,
-    ``65535 - row`` in the low half; the winner's fp32 key is formed from its 16 bits."""
-    bits = out.to(tl.int16, bitcast=True).to(tl.int32)  # sign-extended
-    bits = tl.where(out == 0, 0, bits)
-    key16 = bits ^ ((bits >> 15) & 0x7FFF)  # in [-32767, 32767], ordered as the values
-    key16 = tl.where(out != out, 32767, key16)  # the key of the NaN 0x7FFF: above +inf
-    rows = tl.arange(0, BLOCK_N)
-    packed = tl.where(n_ok[:, None], (key16 << 16) | (65535 - rows[:, None]), _INT32_MIN)
-    best = tl.max(packed, axis=0)  # [BLOCK_M]
-    k16 = best >> 16
-    value = (k16 ^ ((k16 >> 15) & 0x7FFF)).to(tl.int16).to(out.dtype, bitcast=True)
-    return _order_keys(value), 65535 - (best & 0xFFFF)
-
-
-@jit
 def small_linear_kernel(
     x_ptr, w_ptr, out_ptr, key_ptr, col_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     num_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_STEPS: tl.constexpr, EVEN_K: tl.constexpr, ARGMAX: tl.constexpr,
-    PACKED: tl.constexpr = False,
 ):  # fmt: skip
     """``out [M, N] = x [M, K] @ w [N, K].T``, program ``j`` computing columns ``[j * BLOCK_N,
     (j + 1) * BLOCK_N)``. ``ARGMAX``: also ``key_ptr`` / ``col_ptr`` (int32 ``[M,
     num_tiles]``, ``num_tiles`` = programs) ``[m, j]`` = row ``m``'s best order key of the
     tile's stored values and the first column holding it (`kvplan.ops.argmax.argmax_merge`
-    reads them); otherwise they are not touched. ``PACKED`` (16-bit outputs): the same pair
-    by one int32 max reduction (`_packed_tile_argmax`)."""
+    reads them); otherwise they are not touched."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -148,12 +121,8 @@ def small_linear_kernel(
     out = acc.to(out_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_M]
     if ARGMAX:  # keys of the rounded values: what an argmax of the stored logits reads
         # (before the store's pointers exist: the 64-bit pointer tile takes the registers)
-        if PACKED:
-            top, first = _packed_tile_argmax(out, n_ok, BLOCK_N)
-        else:
-            key = tl.where(n_ok[:, None], _order_keys(out), _INT32_MIN)
-            top, first = tl.max(key, axis=0, return_indices=True,
-                                return_indices_tie_break_left=True)  # fmt: skip
+        key = tl.where(n_ok[:, None], _order_keys(out), _INT32_MIN)
+        top, first = tl.max(key, axis=0, return_indices=True, return_indices_tie_break_left=True)
         at = offs_m * num_tiles + pid_n  # < MAX_ROWS * num_tiles: int32
         tl.store(key_ptr + at, top, mask=m_ok)
         tl.store(col_ptr + at, first + pid_n * BLOCK_N, mask=m_ok)
@@ -230,8 +199,7 @@ def _launch(
         num_tiles,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         K_STEPS=triton.cdiv(k, plan.block_k), EVEN_K=k % plan.block_k == 0,
-        ARGMAX=argmax_out is not None, PACKED=PACKED_ARGMAX and argmax_out is not None,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        ARGMAX=argmax_out is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     if argmax_out is not None:
         argmax_merge(keys, cols, argmax_out)

@@ -75,11 +75,9 @@ def _run(x, w, plan=PLAN):
     return logits, tokens
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["pair", "packed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["ties", "last_tile", "rounding", "special", "nan"])
-def test_interpreter_fused_argmax_equals_argmax_of_the_logits(kind, dtype, packed, monkeypatch):
-    monkeypatch.setattr(sg, "PACKED_ARGMAX", packed)  # both tile reductions, the same tokens
+def test_interpreter_fused_argmax_equals_argmax_of_the_logits(kind, dtype) -> None:
     x, w = make_case(kind, dtype, seed=len(kind))
     logits, tokens = _run(x, w)
     want = logits.argmax(dim=-1)
@@ -159,11 +157,10 @@ def test_bad_argmax_out() -> None:
             call(x, w, argmax_out=[0] * M)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["pair", "packed"])
-def test_fused_kernel_compiles_for_sm90_without_spills(packed) -> None:
+def test_fused_kernel_compiles_for_sm90_without_spills() -> None:
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
     consts = dict(BLOCK_M=64, BLOCK_N=sg.BLOCK_N, BLOCK_K=sg.BLOCK_K, K_STEPS=16, EVEN_K=True,
-                  ARGMAX=True, PACKED=packed)  # fmt: skip
+                  ARGMAX=True)  # fmt: skip
     stats = sm90_stats(sg.small_linear_kernel, consts, signature=sig, num_warps=sg.NUM_WARPS,
                        num_stages=sg.NUM_STAGES)  # fmt: skip
     assert stats.spill_bytes == 0 and stats.wgmma
@@ -176,13 +173,11 @@ def test_wide_merge_compiles_for_sm90(chunks) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("packed", [False, True], ids=["pair", "packed"])
 @pytest.mark.parametrize("m, n, k", [(64, 128256, 2048), (32, 129280, 2048), (5, 262144, 640)])
-def test_cuda_fused_argmax_at_lm_head_shapes(m, n, k, packed, monkeypatch) -> None:
+def test_cuda_fused_argmax_at_lm_head_shapes(m, n, k) -> None:
     """On the GPU: tokens equal torch's argmax of the returned logits (random rows, rows with
     the maximum tied in several tiles, NaN columns), the logits bitwise the plain call's, in
-    a CUDA graph too; both tile reductions."""
-    monkeypatch.setattr(sg, "PACKED_ARGMAX", packed)
+    a CUDA graph too."""
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16).cuda()
