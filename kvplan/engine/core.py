@@ -407,9 +407,9 @@ class EngineCore(AsyncSteps):
         )
         fused = inputs.greedy_tokens
         if greedy and fused is not None and fused.shape[0] == num_rows:
-            # the graph's buffer, which the next replay rewrites: on CUDA this step's host copy
-            # (queued below) lands first; a CPU tensor (stand-in graphs) is its own "copy"
-            tokens = fused if fused.is_cuda else fused.clone()
+            # the graph's buffer, which the next replay rewrites: this step's host copy
+            # (queued below) lands first
+            tokens = fused
             self.num_graph_argmax_steps += 1
         elif greedy:
             tokens = argmax_rows(logits)

@@ -180,14 +180,7 @@ def test_schedule_ahead_refuses_what_could_change():
 def test_async_graph_path_on_cpu():
     """The CUDA-graph replay path (staging slots, device tokens copied over the staged input
     ids) with the CPU stand-in graphs of test_cuda_graphs: async on equals plain steps."""
-    from test_cuda_graphs import _EagerReplay
-
-    from kvplan.engine.cuda_graphs import DecodeGraphs
-
-    class CpuGraphs(DecodeGraphs):
-        def _capture(self, b, pool):
-            self.logits[b] = self._forward(b)
-            return _EagerReplay(self, b)
+    from test_cuda_graphs import _CpuGraphs as CpuGraphs
 
     rng = random.Random(7)
     prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 20))] for _ in range(7)]

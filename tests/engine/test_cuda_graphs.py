@@ -120,6 +120,12 @@ class _CpuGraphs(DecodeGraphs):
         self.logits[b] = self._forward(b)
         return _EagerReplay(self, b)
 
+    def greedy_tokens(self, n):
+        """A copy: on CUDA the engine's host copy of the tokens is queued before the next
+        replay rewrites the buffer; on the CPU that "copy" is the tensor itself."""
+        tokens = super().greedy_tokens(n)
+        return None if tokens is None else tokens.clone()
+
 
 def test_padded_bucket_steps_match_unpadded_on_cpu():
     """CPU counterpart of the GPU test: capture dummies, padding rows (block 0, kv_len 1,
