@@ -295,7 +295,8 @@ def run_decode(
                                               context + warmup + steps, steps, dev) * 1e3  # fmt: skip
     if profile:  # positions continue where the last run stopped (the caches' state)
         done = context + warmup + (2 * steps if runner is not None else steps)
-        out["profile"] = profile_steps(lambda i: one_step(done + i), profile, dev)
+        out["profile"], out["timeline"] = profile_steps(lambda i: one_step(done + i), profile,
+                                                        dev)  # fmt: skip
     cache_bytes = sum(p.cache.numel() for c in family.caches for p in [c.ring, *c.pools.values()])
     if runner is not None:
         out["max_model_len"] = family.config.max_model_len
@@ -334,9 +335,11 @@ def pipelined_steps(runner, batch, token_ids, tables, ids, q_start, steps, dev) 
     return (time.perf_counter() - t0) / steps
 
 
-def profile_steps(step_fn, n: int, dev: torch.device, top: int = 30) -> list[dict]:
-    """Run ``n`` steps under the torch profiler; the ``top`` kernels / ops by device time
-    (total over the steps, divided by ``n``: per step)."""
+def profile_steps(step_fn, n: int, dev: torch.device, top: int = 30) -> tuple[list, list]:
+    """Run ``n`` steps under the torch profiler: the ``top`` kernels / ops by device time
+    (total over the steps, divided by ``n``: per step), and the last step's device kernels in
+    start order as ``[name, start_us, duration_us]`` (start from the first of those kernels;
+    the gaps between them are the device's idle time inside the step)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -360,7 +363,13 @@ def profile_steps(step_fn, n: int, dev: torch.device, top: int = 30) -> list[dic
             "us_per_step": getattr(e, attr, 0) / n,
             "calls_per_step": e.count / n,
         })  # fmt: skip
-    return rows
+    timed = sorted((e.time_range.start, e.time_range.elapsed_us(), e.name)
+                   for e in prof.events() if e.device_type == DeviceType.CUDA)  # fmt: skip
+    per_step = len(timed) // n if n else 0
+    last = timed[len(timed) - per_step :] if per_step else []
+    t0 = last[0][0] if last else 0
+    timeline = [[name[:80], round(start - t0, 2), round(dur, 2)] for start, dur, name in last]
+    return rows, timeline
 
 
 def kernel_bench(dev: torch.device, batch: int) -> list[dict]:
