@@ -11,9 +11,6 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
 step 120 topk python3 bench/bench_sparse_kernels.py --only topk --rows 32 --candidates 8192 \
   --topk-width 8232 --out "$W/topk.json"
 grep -E "^topk" "$W/topk.log" | cut -c1-130
-step 150 index python3 bench/bench_sparse_kernels.py --only index --rows 32 --candidates 8192 \
-  --index-kinds mxfp8 --sweep --out "$W/index.json"
+step 250 index python3 bench/bench_sparse_kernels.py --only index --rows 32 --candidates 8192 \
+  --index-kinds mxfp8 --sweep --sweep-stages --out "$W/index.json"
 grep -E "^index" "$W/index.log" | sort -t' ' -k1,1 | cut -c1-130
-step 150 attn python3 bench/bench_sparse_kernels.py --only attention --rows 32 \
-  --hca-entries 256 --attention-sweep stages --out "$W/attn.json"
-grep -E "^sparse_attention" "$W/attn.log" | cut -c1-130
