@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kvplan._checks import check_range, check_same_device, check_tensor
-from kvplan.ops._dispatch import cuda_sm_count, triton_interpreting, use_triton
+from kvplan.ops._dispatch import cuda_sm_count, env_flag, triton_interpreting, use_triton
 from kvplan.ops._launch import jit
 
 __all__ = [
@@ -76,6 +76,11 @@ MAX_ROW = 16384  # widest row (or part) the digit passes may hold in registers (
 #   compacting search 25.8).
 SPLIT_PART = 8192
 NARROW_PART = 4096
+# an in-register row reads at most 1 / ROW_TAIL_SHARE of its columns per digit pass from memory
+# (`row_plan`); ``ROW_TAIL``: `topk_plan` takes such a row in one stage instead of parts
+# (``KVPLAN_TOPK_ROW_TAIL=0``: parts, as before, for A/B runs)
+ROW_TAIL_SHARE = 16
+ROW_TAIL = env_flag("KVPLAN_TOPK_ROW_TAIL", True)
 
 
 def split_part(num_rows: int, width: int, num_sms: int) -> int:
@@ -96,6 +101,8 @@ def topk_plan(num_rows: int, width: int, top_k: int, num_sms: int) -> tuple[bool
         return False, 0, False
     if 2 * num_rows <= num_sms:
         if width <= MAX_ROW:
+            if ROW_TAIL and row_plan(width)[1]:
+                return True, 0, False
             parts = triton.cdiv(width, NARROW_PART)
             narrow = width > MAX_ROW // 2 and num_rows * parts <= num_sms
             if narrow and 2 * parts * top_k < width:
@@ -226,14 +233,17 @@ def _topk_kernel(
     scores_ptr, count_ptr, gather_ptr, out_ptr, work_ptr, values_ptr, width, top_k, stride_s,
     stride_c, stride_g, stride_o, stride_w, TILE: tl.constexpr, BITS: tl.constexpr,
     GATHER: tl.constexpr, COMPACT: tl.constexpr, ROW: tl.constexpr, PART: tl.constexpr,
-    INTERPRET: tl.constexpr, ALL: tl.constexpr = False,
+    INTERPRET: tl.constexpr, ALL: tl.constexpr = False, TAIL: tl.constexpr = 0,
 ):  # fmt: skip
     """One program per row (module docstring). ``COMPACT``: after the first pass the keys of
     the chosen bin are copied, in column order, to the row's workspace ``work`` (int32,
     row stride ``stride_w``), and the later passes read only them. ``ROW`` (a power of two
     >= the row's width, 0: off): the digit passes run on the whole row's keys loaded once
     into registers (ineligible columns hold ``_NO_KEY``) instead of reading it in chunks
-    per pass; the last (write) pass reads it in chunks as always. ``PART`` (0: off): the
+    per pass; the last (write) pass reads it in chunks as always. ``TAIL`` (with ``ROW``; a
+    power of two, 0: off): the registers hold the row's first ``ROW`` columns and every digit
+    pass reads the columns past them in chunks of ``TAIL`` (a row a little wider than a power
+    of two: ``ROW`` that power, not the next). ``PART`` (0: off): the
     first stage of a split search, grid ``(T, cdiv(W, PART))``: program ``(t, j)`` selects
     among columns ``[j * PART, (j + 1) * PART)`` and writes its winners' columns (or
     ``gather`` entries) to ``out[t, j * top_k:]`` and their scores to ``values`` (the same
@@ -272,6 +282,18 @@ def _topk_kernel(
         if ROW > 0:
             if not done:
                 hist = _hist_keys(hist, row_key, row_key != _NO_KEY, prefix, p, BITS, False)
+                if TAIL > 0:  # the columns past the registers' ROW
+                    tail = tl.arange(0, TAIL)
+                    if INTERPRET:
+                        lo = ROW
+                        while lo < count:
+                            hist = _hist_chunk(hist, s_row, w_row, lo, count, width, m, prefix,
+                                               tail, p, BITS, False)  # fmt: skip
+                            lo += TAIL
+                    else:
+                        for lo in range(ROW, count, TAIL):
+                            hist = _hist_chunk(hist, s_row, w_row, lo, count, width, m, prefix,
+                                               tail, p, BITS, False)  # fmt: skip
         else:
             if COMPACT and p > 0:  # the workspace's keys, else the row's
                 hi = m * (1 - done.to(tl.int32))
@@ -349,6 +371,20 @@ def topk_tile(width: int) -> int:
 def _row_size(width: int) -> int:
     """``ROW`` of an in-register row of ``width`` columns: the power of two holding them."""
     return max(16, triton.next_power_of_2(width))
+
+
+def row_plan(width: int) -> tuple[int, int]:
+    """``(ROW, TAIL)`` of an in-register row of ``width`` columns: the power of two holding
+    them, or, when at most ``ROW_TAIL_SHARE`` of them lie past the power of two below, that
+    power and the rest read per digit pass in chunks of ``TAIL`` (the next power of two of
+    the rest, at most ``DEFAULT_TILE``): a 8,232-wide row (a captured decode step's
+    ``max_model_len // 4`` for a 32K context) keeps 8,192 keys in registers, not 16,384."""
+    row = _row_size(width)
+    low = row // 2
+    rest = width - low
+    if low >= 16 and 0 < rest * ROW_TAIL_SHARE <= width:
+        return low, min(DEFAULT_TILE, max(16, triton.next_power_of_2(rest)))
+    return row, 0
 
 
 def _row_warps(row: int) -> int:
@@ -437,7 +473,7 @@ def topk_columns_triton(
     row, part, compact = bool(row), part or 0, bool(compact)
     if part and (part & (part - 1) or part < 16):
         raise ValueError(f"part must be 0 or a power of two >= 16, got {part}")
-    if row and (part or width) > MAX_ROW:
+    if row and row_plan(min(part or width, width))[0] > MAX_ROW:
         raise ValueError(
             f"row holds at most {MAX_ROW} columns, got {part or width} (width {width}, part {part})"
         )
@@ -451,7 +487,7 @@ def topk_columns_triton(
         if num_rows:
             _launch(scores, count, g, vals, vals, cand, width, top_k, (num_rows, parts),
                     tile=min(tile, part), bits=bits, gather=gather is not None, compact=False,
-                    row=_row_size(min(part, width)) if row else 0,
+                    row=row_plan(min(part, width)) if row else (0, 0),
                     part=part, num_warps=num_warps)  # fmt: skip
         # second stage: every candidate counts (the NaNs of the first stage's short parts
         # never win; ``count=None``: no count tensor to fill), the first stage's values
@@ -470,7 +506,7 @@ def topk_columns_triton(
     )
     _launch(scores, count, g, out, work, scores, width, top_k, (num_rows, 1), tile=tile,
             bits=bits, gather=gather is not None, compact=compact,
-            row=_row_size(width) if row else 0, part=0,
+            row=row_plan(width) if row else (0, 0), part=0,
             num_warps=num_warps)  # fmt: skip
     return out
 
@@ -479,11 +515,12 @@ def _launch(scores, count, g, out, work, values, width, top_k, grid, *, tile, bi
             compact, row, part, num_warps) -> None:  # fmt: skip
     every = count is None  # every column counts: the kernel reads no count
     count = scores if every else count
+    row, tail = row
     _topk_kernel[grid](
         scores, count, g, out, work, values, width, top_k, scores.stride(0),
         0 if every else count.stride(0), g.stride(0), out.stride(0), work.stride(0), TILE=tile,
         BITS=bits, GATHER=gather, COMPACT=compact, ROW=row, PART=part,
-        INTERPRET=triton_interpreting(), ALL=every,
+        INTERPRET=triton_interpreting(), ALL=every, TAIL=tail,
         num_warps=num_warps or (_row_warps(row) if row else max(1, min(8, tile // 256))),
     )  # fmt: skip
 

@@ -104,14 +104,17 @@ def test_triton_interpreter_compacting_search(kind, width, top_k, tile, bits) ->
 @pytest.mark.parametrize("width, top_k, row, part, bits", [
     (70, 21, True, 0, 5), (37, 8, True, 0, 8), (64, 64, True, 0, 3), (20, 33, True, 0, 6),
     (1, 1, True, 0, 5), (70, 5, False, 16, 5), (70, 21, True, 16, 5), (100, 9, True, 32, 8),
-    (33, 4, False, 32, 6), (0, 3, True, 16, 5),
+    (33, 4, False, 32, 6), (0, 3, True, 16, 5), (68, 21, True, 0, 5), (34, 8, True, 0, 8),
+    (17, 3, True, 0, 3), (68, 60, True, 0, 6),
 ])  # fmt: skip
 def test_triton_interpreter_row_and_split_search(kind, width, top_k, row, part, bits) -> None:
     """``row``: the digit passes on the row's keys loaded once (ineligible columns as the
     no-key sentinel, which ``special``'s NaNs and ``count`` below the width exercise);
     ``part``: the top-k of every ``part`` columns, then of their winners (parts shorter than
-    ``top_k``, a last part cut short, ties across parts). The same winners as the
-    reference, plain and gathered."""
+    ``top_k``, a last part cut short, ties across parts); a row a little wider than a power
+    of two (68, 34, 17) holds that power in registers and reads the rest per pass (``TAIL``,
+    with counts on both sides of the power). The same winners as the reference, plain and
+    gathered."""
     scores, count = make_case(kind, 4, width, seed=width + bits + 1)
     gen = torch.Generator().manual_seed(8)
     slots = torch.randint(0, 10**6, (4, width), generator=gen, dtype=torch.int32)
@@ -151,16 +154,35 @@ def test_explicit_form_replaces_the_plan(monkeypatch) -> None:
     tk.topk_columns_triton(scores, count, 8, part=16)
     monkeypatch.setattr(tk, "topk_plan", lambda *a: (True, 16, False))
     tk.topk_columns_triton(scores, count, 8, compact=True)
-    assert seen == [(0, 0, True), (64, 0, False), (0, 16, False), (0, 0, False), (0, 0, True)]
+    assert seen == [((0, 0), 0, True), ((64, 0), 0, False), ((0, 0), 16, False),
+                    ((0, 0), 0, False), ((0, 0), 0, True)]  # fmt: skip
 
 
-def test_default_plan() -> None:
-    """``topk_plan``: few rows (up to half the SMs) hold the row in registers, split into
+def test_row_plan() -> None:
+    """``row_plan``: the power of two holding the row, or the one below it with the rest read
+    per pass when that rest is at most 1/16 of the row."""
+    from kvplan.ops.topk import row_plan
+
+    assert row_plan(8192) == (8192, 0)
+    assert row_plan(8192 + 40) == (8192, 64)
+    assert row_plan(8192 + 512) == (8192, 512)
+    assert row_plan(8192 + 546) == (8192, 1024) and row_plan(8192 + 547) == (16384, 0)
+    assert row_plan(16384 + 100) == (16384, 128)
+    assert row_plan(68) == (64, 16) and row_plan(70) == (128, 0)
+    assert row_plan(1) == (16, 0) and row_plan(17) == (16, 16)
+
+
+def test_default_plan(monkeypatch) -> None:
+    """``topk_plan``: few rows (up to half the SMs) hold the row in registers (a little
+    wider than a power of two: that power plus a tail, by default), split into
     parts when wider than a register row holds (or wider than half of it, in parts of
     4,096 columns when a program each fits the SMs) and the parts' winners stay under half
     the row; more rows take the compacting search; no device: the plain search."""
+    import kvplan.ops.topk as tk
     from kvplan.ops.topk import SPLIT_PART, topk_plan
 
+    assert topk_plan(32, 8192 + 40, 512, 132) == (True, 0, False)  # 8,192 in registers + 40
+    monkeypatch.setattr(tk, "ROW_TAIL", False)  # KVPLAN_TOPK_ROW_TAIL=0
     assert topk_plan(32, 32768, 512, 0) == (False, 0, False)
     assert topk_plan(32, 8192, 512, 132) == (True, 0, False)
     assert topk_plan(66, 16384, 512, 132) == (True, 0, False)  # 4 x 66 parts: too many
@@ -259,17 +281,20 @@ def test_validation() -> None:
     [(2048, 8, False, False, 0, 0), (2048, 8, True, False, 0, 0), (256, 5, True, False, 0, 0),
      (2048, 5, True, True, 0, 0), (4096, 8, True, True, 0, 0), (2048, 5, True, False, 8192, 0),
      (2048, 6, False, False, 16384, 0), (2048, 5, True, False, 8192, 8192),
-     (2048, 5, False, False, 0, 8192)],
+     (2048, 5, False, False, 0, 8192), (2048, 5, True, False, 8192, -64)],
 )  # fmt: skip
 def test_kernel_compiles_for_sm90(tile, bits, gather, compact, row, part) -> None:
+    """(``part`` < 0: no part, a tail of ``-part`` columns.)"""
     compile_sm90(
         _topk_kernel, signature={"scores_ptr": "*fp32", "values_ptr": "*fp32"}, TILE=tile,
-        BITS=bits, GATHER=gather, COMPACT=compact, ROW=row, PART=part, INTERPRET=False,
+        BITS=bits, GATHER=gather, COMPACT=compact, ROW=row, PART=max(part, 0),
+        INTERPRET=False, TAIL=max(-part, 0),
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("row, num_warps", [(8192, 16), (16384, 16), (2048, 4)])
-def test_row_in_registers_does_not_spill_on_sm90(row, num_warps) -> None:
+@pytest.mark.parametrize("row, num_warps, tail", [(8192, 16, 0), (16384, 16, 0), (2048, 4, 0),
+                                                  (8192, 16, 64)])  # fmt: skip
+def test_row_in_registers_does_not_spill_on_sm90(row, num_warps, tail) -> None:
     """The in-register row at its default warps (`_row_warps`) fits sm_90's registers."""
     from sm90_compile import sm90_stats
 
@@ -277,8 +302,8 @@ def test_row_in_registers_does_not_spill_on_sm90(row, num_warps) -> None:
 
     assert _row_warps(row) == num_warps
     stats = sm90_stats(
-        _topk_kernel, dict(TILE=2048, BITS=5, GATHER=True, COMPACT=False, ROW=row, PART=row,
-                           INTERPRET=False),
+        _topk_kernel, dict(TILE=2048, BITS=5, GATHER=True, COMPACT=False, ROW=row,
+                           PART=0 if tail else row, INTERPRET=False, TAIL=tail),
         signature={"scores_ptr": "*fp32", "values_ptr": "*fp32"}, num_warps=num_warps,
     )  # fmt: skip
     assert stats.spill_bytes == 0, stats
@@ -289,7 +314,8 @@ def test_row_in_registers_does_not_spill_on_sm90(row, num_warps) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "num_rows, width", [(32, 8192), (32, 32768), (4096, 8192), (4096, 32768), (4096, 2048)]
+    "num_rows, width",
+    [(32, 8192), (32, 8232), (32, 32768), (4096, 8192), (4096, 32768), (4096, 2048)],
 )
 @pytest.mark.parametrize("kind", ["random", "ties", "special"])
 def test_gpu_bit_exact(num_rows, width, kind) -> None:
