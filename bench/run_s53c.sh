@@ -3,7 +3,8 @@
 # decode shapes (session 53's profile: top-k 2 x 13 us, index scores 23 us, split attention
 # 20-27 us a layer). First the top-k's new one-stage row with a tail (KVPLAN_TOPK_ROW_TAIL):
 # alone among the modes x digit widths (32 rows x 8,232 columns, 8,192 eligible), then in
-# the decode step against the parts of 4,096 (alternating); then Nsight Compute's full report
+# the decode step against the parts of 4,096 (alternating); the dense decode's o / down / qkv
+# GEMMs at 64 rows by split count; then Nsight Compute's full report
 # of the three kernels; then the indexer's tiles x warps x stages (32 x 8,192 MXFP8 keys).
 set -u
 BUDGET=${BUDGET:-565}
@@ -17,6 +18,9 @@ gpu_tests tests 60 8 tests/ops/test_topk.py
 for r in a b; do
   for v in 0 1; do hybrid_decode t$v$r 32 32768 KVPLAN_TOPK_ROW_TAIL=$v; done
 done
+step 60 split python3 bench/bench_split_linear.py --shapes 64,2048,2048,o 64,2048,8192,down \
+  64,3072,2048,qkv --splits 1,2,3,4 --out "$W/split.json"
+grep -E "^ *64 " "$W/split.log" | cut -c1-120
 if command -v ncu > /dev/null; then
   step 80 ncu_attn ncu --clock-control none --set full -k regex:sparse_attention_split -c 1 \
     python3 $B --only attention --no-chunked --rows 32 --hca-entries 256
