@@ -19,8 +19,8 @@ for r in a b; do
   for v in 0 1; do hybrid_decode t$v$r 32 32768 KVPLAN_TOPK_ROW_TAIL=$v; done
 done
 step 60 split python3 bench/bench_split_linear.py --shapes 64,2048,2048,o 64,2048,8192,down \
-  64,3072,2048,qkv --splits 1,2,3,4 --out "$W/split.json"
-grep -E "^ *64 " "$W/split.log" | cut -c1-120
+  64,3072,2048,qkv --splits 1,2,4,8 --out "$W/split.json"
+grep -E " 64x" "$W/split.log" | cut -c1-120
 if command -v ncu > /dev/null; then
   step 80 ncu_attn ncu --clock-control none --set full -k regex:sparse_attention_split -c 1 \
     python3 $B --only attention --no-chunked --rows 32 --hca-entries 256
