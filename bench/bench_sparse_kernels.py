@@ -187,6 +187,7 @@ def topk_case(a, dev, gen, cand: int) -> list[dict]:
     configs += [{"compact": True, "bits": b, "tile": 2048, "num_warps": 8} for b in (5, 8)]
     if width <= 16384:  # the whole row in registers
         configs += [{"row": True, "bits": b} for b in (5, 6, 8)]
+        configs += [{"row": True, "bits": 5, "reg_write": False}]  # the write pass from memory
     configs += [{"row": True, "part": p, "bits": b}
                 for p in (2048, 4096, 8192, 16384) for b in (5, 6) if p < width]  # fmt: skip
     configs += [{"row": False, "part": 8192, "bits": 5}] if width > 8192 else []

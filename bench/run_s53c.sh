@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 53, call C: the decode step's latency-bound kernels on the H200 at the 32K x 32
 # decode shapes (session 53's profile: top-k 2 x 13 us, index scores 23 us, split attention
-# 20-27 us a layer). First the top-k's new one-stage row with a tail (KVPLAN_TOPK_ROW_TAIL):
+# 20-27 us a layer). First the top-k's new one-stage row with a tail (KVPLAN_TOPK_ROW_TAIL)
+# writing from its registers (KVPLAN_TOPK_REG_WRITE):
 # alone among the modes x digit widths (32 rows x 8,232 columns, 8,192 eligible), then in
 # the decode step against the parts of 4,096 (alternating); the dense decode's o / down / qkv
 # GEMMs at 64 rows by split count; then Nsight Compute's full report
@@ -16,7 +17,9 @@ step 100 topk python3 $B --only topk --rows 32 --candidates 8192 --topk-width 82
 grep -E "^topk" "$W/topk.log" | cut -c1-130
 gpu_tests tests 60 8 tests/ops/test_topk.py
 for r in a b; do
-  for v in 0 1; do hybrid_decode t$v$r 32 32768 KVPLAN_TOPK_ROW_TAIL=$v; done
+  for v in 0 1; do
+    hybrid_decode t$v$r 32 32768 KVPLAN_TOPK_ROW_TAIL=$v KVPLAN_TOPK_REG_WRITE=$v
+  done
 done
 step 60 split python3 bench/bench_split_linear.py --shapes 64,2048,2048,o 64,2048,8192,down \
   64,3072,2048,qkv --splits 1,2,4,8 --out "$W/split.json"

@@ -81,6 +81,9 @@ NARROW_PART = 4096
 # (``KVPLAN_TOPK_ROW_TAIL=0``: parts, as before, for A/B runs)
 ROW_TAIL_SHARE = 16
 ROW_TAIL = env_flag("KVPLAN_TOPK_ROW_TAIL", True)
+# the one-stage in-register search writes its winners from the registers' keys in one scan
+# (``KVPLAN_TOPK_REG_WRITE=0``: from the row read again in chunks of ``tile``)
+REG_WRITE = env_flag("KVPLAN_TOPK_REG_WRITE", True)
 
 
 def split_part(num_rows: int, width: int, num_sms: int) -> int:
@@ -208,8 +211,17 @@ def _write_chunk(
     their scores too (to ``v_row``). Returns the updated ``(taken, base)``."""
     col = lo + offs
     x = tl.load(s_row + col, mask=col < width, other=float("nan"))
-    key = _sort_keys(x)
-    ok = (x == x) & (col < count)
+    return _write_keys(taken, base, _sort_keys(x), (x == x) & (col < count), col, x, g_row,
+                       o_row, v_row, top_k, thr, need, col_base, GATHER, VALUES)  # fmt: skip
+
+
+@jit
+def _write_keys(
+    taken, base, key, ok, col, x, g_row, o_row, v_row, top_k, thr, need, col_base,
+    GATHER: tl.constexpr, VALUES: tl.constexpr,
+):  # fmt: skip
+    """`_write_chunk` of the keys ``key`` of columns ``col`` (in column order; ``ok``: the
+    eligible ones; ``x``: their scores, read only with ``VALUES``)."""
     gt = (ok & (key > thr)).to(tl.int32)
     eq = (ok & (key == thr)).to(tl.int32)
     packed = tl.cumsum(gt + (eq << 16), 0)  # one scan: running counts of both (TILE < 2**15)
@@ -234,6 +246,7 @@ def _topk_kernel(
     stride_c, stride_g, stride_o, stride_w, TILE: tl.constexpr, BITS: tl.constexpr,
     GATHER: tl.constexpr, COMPACT: tl.constexpr, ROW: tl.constexpr, PART: tl.constexpr,
     INTERPRET: tl.constexpr, ALL: tl.constexpr = False, TAIL: tl.constexpr = 0,
+    REG_WRITE: tl.constexpr = False,
 ):  # fmt: skip
     """One program per row (module docstring). ``COMPACT``: after the first pass the keys of
     the chosen bin are copied, in column order, to the row's workspace ``work`` (int32,
@@ -243,7 +256,9 @@ def _topk_kernel(
     per pass; the last (write) pass reads it in chunks as always. ``TAIL`` (with ``ROW``; a
     power of two, 0: off): the registers hold the row's first ``ROW`` columns and every digit
     pass reads the columns past them in chunks of ``TAIL`` (a row a little wider than a power
-    of two: ``ROW`` that power, not the next). ``PART`` (0: off): the
+    of two: ``ROW`` that power, not the next). ``REG_WRITE`` (with ``ROW``, no ``PART``): the
+    write pass takes the registers' columns in one scan (then the tail's in chunks) instead
+    of reading the row again in chunks. ``PART`` (0: off): the
     first stage of a split search, grid ``(T, cdiv(W, PART))``: program ``(t, j)`` selects
     among columns ``[j * PART, (j + 1) * PART)`` and writes its winners' columns (or
     ``gather`` entries) to ``out[t, j * top_k:]`` and their scores to ``values`` (the same
@@ -333,8 +348,14 @@ def _topk_kernel(
     thr = prefix << shift  # the lowest key of the chosen bin (the shift wraps into the sign)
     taken = tl.zeros([], tl.int32)  # keys equal to thr taken so far
     base = tl.zeros([], tl.int32)  # output entries written so far
+    lo_write = 0
+    if ROW > 0 and PART == 0 and REG_WRITE:  # the registers' columns in one scan, then the tail
+        taken, base = _write_keys(taken, base, row_key, row_key != _NO_KEY, tl.arange(0, ROW),
+                                  row_key, g_row, o_row, v_row, top_k, thr, need, col_base,
+                                  GATHER, False)  # fmt: skip
+        lo_write = ROW
     if INTERPRET:
-        lo = 0
+        lo = lo_write
         while lo < count:
             taken, base = _write_chunk(
                 taken, base, s_row, g_row, o_row, v_row, lo, count, width, top_k, thr, need,
@@ -342,7 +363,7 @@ def _topk_kernel(
             )  # fmt: skip
             lo += TILE
     else:
-        for lo in range(0, count, TILE):
+        for lo in range(lo_write, count, TILE):
             taken, base = _write_chunk(
                 taken, base, s_row, g_row, o_row, v_row, lo, count, width, top_k, thr, need,
                 offs, col_base, GATHER, PART > 0,
@@ -444,6 +465,7 @@ def topk_columns_triton(
     scores: torch.Tensor, count: torch.Tensor | None, top_k: int, *, gather: torch.Tensor | None = None,
     tile: int | None = None, bits: int = RADIX_BITS, num_warps: int | None = None,
     compact: bool | None = None, row: bool | None = None, part: int | None = None,
+    reg_write: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton path of :func:`topk_columns` (arguments checked there; ``count`` None: every
     column counts, no count tensor read): ``_topk_kernel``, one
@@ -457,7 +479,9 @@ def topk_columns_triton(
       up to ``MAX_ROW`` columns, or parts of them);
     - ``part`` (a power of two >= 16, or 0): a split search, first the top-k of every
       ``part`` columns of a row (programs in parallel), then the top-k of those winners
-      (their scores and columns kept by the first stage).
+      (their scores and columns kept by the first stage);
+    - ``reg_write`` (the one-stage ``row`` search; None: ``REG_WRITE``): the winners written
+      from the registers' keys in one scan, not from the row read again in chunks.
 
     With all three None, :func:`topk_plan` picks them (CUDA tensors; elsewhere the plain
     chunked search); any one given, the others left None are off."""
@@ -507,12 +531,13 @@ def topk_columns_triton(
     _launch(scores, count, g, out, work, scores, width, top_k, (num_rows, 1), tile=tile,
             bits=bits, gather=gather is not None, compact=compact,
             row=row_plan(width) if row else (0, 0), part=0,
-            num_warps=num_warps)  # fmt: skip
+            num_warps=num_warps,
+            reg_write=REG_WRITE if reg_write is None else reg_write)  # fmt: skip
     return out
 
 
 def _launch(scores, count, g, out, work, values, width, top_k, grid, *, tile, bits, gather,
-            compact, row, part, num_warps) -> None:  # fmt: skip
+            compact, row, part, num_warps, reg_write=False) -> None:  # fmt: skip
     every = count is None  # every column counts: the kernel reads no count
     count = scores if every else count
     row, tail = row
@@ -520,7 +545,7 @@ def _launch(scores, count, g, out, work, values, width, top_k, grid, *, tile, bi
         scores, count, g, out, work, values, width, top_k, scores.stride(0),
         0 if every else count.stride(0), g.stride(0), out.stride(0), work.stride(0), TILE=tile,
         BITS=bits, GATHER=gather, COMPACT=compact, ROW=row, PART=part,
-        INTERPRET=triton_interpreting(), ALL=every, TAIL=tail,
+        INTERPRET=triton_interpreting(), ALL=every, TAIL=tail, REG_WRITE=reg_write and not part,
         num_warps=num_warps or (_row_warps(row) if row else max(1, min(8, tile // 256))),
     )  # fmt: skip
 

@@ -114,16 +114,18 @@ def test_triton_interpreter_row_and_split_search(kind, width, top_k, row, part, 
     ``top_k``, a last part cut short, ties across parts); a row a little wider than a power
     of two (68, 34, 17) holds that power in registers and reads the rest per pass (``TAIL``,
     with counts on both sides of the power). The same winners as the reference, plain and
-    gathered."""
+    gathered; the one-stage row writes its winners from the registers (``reg_write``) or
+    from the row read again."""
     scores, count = make_case(kind, 4, width, seed=width + bits + 1)
     gen = torch.Generator().manual_seed(8)
     slots = torch.randint(0, 10**6, (4, width), generator=gen, dtype=torch.int32)
-    cfg = dict(tile=16, bits=bits, row=row, part=part)
-    assert topk_columns_triton(scores, count, top_k, **cfg).tolist() == reference(
-        scores, count, top_k
-    )
-    got = topk_columns_triton(scores, count, top_k, gather=slots, **cfg)
-    assert got.tolist() == reference(scores, count, top_k, slots)
+    for reg_write in (True, False) if row and not part else (None,):
+        cfg = dict(tile=16, bits=bits, row=row, part=part, reg_write=reg_write)
+        assert topk_columns_triton(scores, count, top_k, **cfg).tolist() == reference(
+            scores, count, top_k
+        )
+        got = topk_columns_triton(scores, count, top_k, gather=slots, **cfg)
+        assert got.tolist() == reference(scores, count, top_k, slots)
 
 
 def test_row_and_part_argument_errors() -> None:
@@ -281,14 +283,16 @@ def test_validation() -> None:
     [(2048, 8, False, False, 0, 0), (2048, 8, True, False, 0, 0), (256, 5, True, False, 0, 0),
      (2048, 5, True, True, 0, 0), (4096, 8, True, True, 0, 0), (2048, 5, True, False, 8192, 0),
      (2048, 6, False, False, 16384, 0), (2048, 5, True, False, 8192, 8192),
-     (2048, 5, False, False, 0, 8192), (2048, 5, True, False, 8192, -64)],
+     (2048, 5, False, False, 0, 8192), (2048, 5, True, False, 8192, -64),
+     (2048, 5, True, False, 8192, -1)],
 )  # fmt: skip
 def test_kernel_compiles_for_sm90(tile, bits, gather, compact, row, part) -> None:
-    """(``part`` < 0: no part, a tail of ``-part`` columns.)"""
+    """(``part`` < 0: no part, the registers' write, and a tail of ``-part`` columns when
+    more than 1.)"""
     compile_sm90(
         _topk_kernel, signature={"scores_ptr": "*fp32", "values_ptr": "*fp32"}, TILE=tile,
         BITS=bits, GATHER=gather, COMPACT=compact, ROW=row, PART=max(part, 0),
-        INTERPRET=False, TAIL=max(-part, 0),
+        INTERPRET=False, TAIL=-part if part < -1 else 0, REG_WRITE=part < 0,
     )  # fmt: skip
 
 
@@ -303,7 +307,8 @@ def test_row_in_registers_does_not_spill_on_sm90(row, num_warps, tail) -> None:
     assert _row_warps(row) == num_warps
     stats = sm90_stats(
         _topk_kernel, dict(TILE=2048, BITS=5, GATHER=True, COMPACT=False, ROW=row,
-                           PART=0 if tail else row, INTERPRET=False, TAIL=tail),
+                           PART=0 if tail else row, INTERPRET=False, TAIL=tail,
+                           REG_WRITE=bool(tail)),
         signature={"scores_ptr": "*fp32", "values_ptr": "*fp32"}, num_warps=num_warps,
     )  # fmt: skip
     assert stats.spill_bytes == 0, stats
@@ -328,7 +333,9 @@ def test_gpu_bit_exact(num_rows, width, kind) -> None:
         assert torch.equal(topk_columns(scores, count, top_k), want)
         assert torch.equal(topk_columns_triton(scores, count, top_k, compact=True), want)
         if width <= 16384:
-            assert torch.equal(topk_columns_triton(scores, count, top_k, row=True), want)
+            for reg_write in (True, False):
+                got = topk_columns_triton(scores, count, top_k, row=True, reg_write=reg_write)
+                assert torch.equal(got, want)
         for part in (2048, 8192):
             got = topk_columns_triton(scores, count, top_k, row=True, part=part)
             assert torch.equal(got, want)
