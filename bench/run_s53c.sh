@@ -35,6 +35,6 @@ if command -v ncu > /dev/null; then
 else
   echo "no ncu on this machine"
 fi
-step 250 index python3 $B --only index --rows 32 --candidates 8192 --index-kinds mxfp8 \
+step 200 index python3 $B --only index --rows 32 --candidates 8192 --index-kinds mxfp8 \
   --sweep --sweep-stages --out "$W/index.json"
 grep -E "^index" "$W/index.log" | cut -c1-130
