@@ -25,6 +25,9 @@ done
 step 60 split python3 bench/bench_split_linear.py --shapes 64,2048,2048,o 64,2048,8192,down \
   64,3072,2048,qkv --splits 1,2,4,8 --out "$W/split.json"
 grep -E " 64x" "$W/split.log" | cut -c1-120
+step 90 index python3 $B --only index --rows 32 --candidates 8192 --index-kinds mxfp8 \
+  --sweep --out "$W/index.json"
+grep -E "^index" "$W/index.log" | cut -c1-130
 if command -v ncu > /dev/null; then
   step 80 ncu_attn ncu --clock-control none --set full -k regex:sparse_attention_split -c 1 \
     python3 $B --only attention --no-chunked --rows 32 --hca-entries 256
@@ -35,6 +38,3 @@ if command -v ncu > /dev/null; then
 else
   echo "no ncu on this machine"
 fi
-step 200 index python3 $B --only index --rows 32 --candidates 8192 --index-kinds mxfp8 \
-  --sweep --sweep-stages --out "$W/index.json"
-grep -E "^index" "$W/index.log" | cut -c1-130
