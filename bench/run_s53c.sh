@@ -12,14 +12,11 @@ BUDGET=${BUDGET:-565}
 source bench/gpu_steps.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$W/gpu.txt"
 B=bench/bench_sparse_kernels.py
-step 100 topk python3 $B --only topk --rows 32 --candidates 8192 --topk-width 8232 \
+for v in 0 1; do hybrid_decode t${v}a 32 32768 KVPLAN_TOPK_ROW_TAIL=$v KVPLAN_TOPK_REG_WRITE=$v; done
+step 60 topk python3 $B --only topk --rows 32 --candidates 8192 --topk-width 8232 \
   --out "$W/topk.json"
 grep -E "^topk" "$W/topk.log" | cut -c1-130
-for r in a b; do
-  for v in 0 1; do
-    hybrid_decode t$v$r 32 32768 KVPLAN_TOPK_ROW_TAIL=$v KVPLAN_TOPK_REG_WRITE=$v
-  done
-done
+for v in 0 1; do hybrid_decode t${v}b 32 32768 KVPLAN_TOPK_ROW_TAIL=$v KVPLAN_TOPK_REG_WRITE=$v; done
 gpu_tests tests 100 14 tests/ops/test_topk.py tests/engine/test_deepseek_v4_engine.py \
   tests/engine/test_hybrid_graphs.py tests/ops/test_sparse_attention.py
 step 60 split python3 bench/bench_split_linear.py --shapes 64,2048,2048,o 64,2048,8192,down \
