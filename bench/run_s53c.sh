@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 53, call C: the decode step's latency-bound kernels on the H200 at the 32K x 32
+# Session 53, call C (never started: no device time left after call B; the next session's
+# first call): the decode step's latency-bound kernels on the H200 at the 32K x 32
 # decode shapes (session 53's profile: top-k 2 x 13 us, index scores 23 us, split attention
 # 20-27 us a layer). First the top-k's new one-stage row with a tail (KVPLAN_TOPK_ROW_TAIL)
 # writing from its registers (KVPLAN_TOPK_REG_WRITE):

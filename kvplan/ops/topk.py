@@ -76,14 +76,19 @@ MAX_ROW = 16384  # widest row (or part) the digit passes may hold in registers (
 #   compacting search 25.8).
 SPLIT_PART = 8192
 NARROW_PART = 4096
-# an in-register row reads at most 1 / ROW_TAIL_SHARE of its columns per digit pass from memory
-# (`row_plan`); ``ROW_TAIL``: `topk_plan` takes such a row in one stage instead of parts
-# (``KVPLAN_TOPK_ROW_TAIL=0``: parts, as before, for A/B runs)
+# Two forms of the in-register search, built in session 53 and not yet timed on a GPU (no
+# device time was left; `bench/run_s53d.sh` measures them), so both are off by default:
+# - ``ROW_TAIL`` (``KVPLAN_TOPK_ROW_TAIL=1``): a row at most 1 / ROW_TAIL_SHARE wider than a
+#   power of two keeps that power in registers and reads the rest per digit pass (`row_plan`),
+#   and `topk_plan` takes such a row in one stage instead of parts: a captured 32K decode
+#   step's 8,232-wide rows (8,192 eligible) in one launch of 8,192 keys in registers instead
+#   of two (parts of 4,096, then their 1,536 winners: 2 x ~13 us on the H200, session 53);
+#   a 32 x 8,192 row in registers measured 20.2 us there (session 17);
+# - ``REG_WRITE`` (``KVPLAN_TOPK_REG_WRITE=1``): the one-stage in-register search writes its
+#   winners from the registers' keys in one scan, not from the row read again in chunks.
 ROW_TAIL_SHARE = 16
-ROW_TAIL = env_flag("KVPLAN_TOPK_ROW_TAIL", True)
-# the one-stage in-register search writes its winners from the registers' keys in one scan
-# (``KVPLAN_TOPK_REG_WRITE=0``: from the row read again in chunks of ``tile``)
-REG_WRITE = env_flag("KVPLAN_TOPK_REG_WRITE", True)
+ROW_TAIL = env_flag("KVPLAN_TOPK_ROW_TAIL", False)
+REG_WRITE = env_flag("KVPLAN_TOPK_REG_WRITE", False)
 
 
 def split_part(num_rows: int, width: int, num_sms: int) -> int:
@@ -394,16 +399,17 @@ def _row_size(width: int) -> int:
     return max(16, triton.next_power_of_2(width))
 
 
-def row_plan(width: int) -> tuple[int, int]:
+def row_plan(width: int, tail: bool | None = None) -> tuple[int, int]:
     """``(ROW, TAIL)`` of an in-register row of ``width`` columns: the power of two holding
-    them, or, when at most ``ROW_TAIL_SHARE`` of them lie past the power of two below, that
-    power and the rest read per digit pass in chunks of ``TAIL`` (the next power of two of
-    the rest, at most ``DEFAULT_TILE``): a 8,232-wide row (a captured decode step's
-    ``max_model_len // 4`` for a 32K context) keeps 8,192 keys in registers, not 16,384."""
+    them, or, with ``tail`` (None: ``ROW_TAIL``) and at most 1 / ``ROW_TAIL_SHARE`` of them
+    past the power of two below, that power and the rest read per digit pass in chunks of
+    ``TAIL`` (the next power of two of the rest, at most ``DEFAULT_TILE``): a 8,232-wide row
+    (a captured decode step's ``max_model_len // 4`` for a 32K context) keeps 8,192 keys in
+    registers, not 16,384."""
     row = _row_size(width)
     low = row // 2
     rest = width - low
-    if low >= 16 and 0 < rest * ROW_TAIL_SHARE <= width:
+    if (ROW_TAIL if tail is None else tail) and low >= 16 and 0 < rest * ROW_TAIL_SHARE <= width:
         return low, min(DEFAULT_TILE, max(16, triton.next_power_of_2(rest)))
     return row, 0
 

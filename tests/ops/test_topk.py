@@ -107,7 +107,9 @@ def test_triton_interpreter_compacting_search(kind, width, top_k, tile, bits) ->
     (33, 4, False, 32, 6), (0, 3, True, 16, 5), (68, 21, True, 0, 5), (34, 8, True, 0, 8),
     (17, 3, True, 0, 3), (68, 60, True, 0, 6),
 ])  # fmt: skip
-def test_triton_interpreter_row_and_split_search(kind, width, top_k, row, part, bits) -> None:
+def test_triton_interpreter_row_and_split_search(
+    kind, width, top_k, row, part, bits, monkeypatch
+) -> None:
     """``row``: the digit passes on the row's keys loaded once (ineligible columns as the
     no-key sentinel, which ``special``'s NaNs and ``count`` below the width exercise);
     ``part``: the top-k of every ``part`` columns, then of their winners (parts shorter than
@@ -115,7 +117,10 @@ def test_triton_interpreter_row_and_split_search(kind, width, top_k, row, part, 
     of two (68, 34, 17) holds that power in registers and reads the rest per pass (``TAIL``,
     with counts on both sides of the power). The same winners as the reference, plain and
     gathered; the one-stage row writes its winners from the registers (``reg_write``) or
-    from the row read again."""
+    from the row read again (both forms switched on here; off by default)."""
+    import kvplan.ops.topk as tk
+
+    monkeypatch.setattr(tk, "ROW_TAIL", True)
     scores, count = make_case(kind, 4, width, seed=width + bits + 1)
     gen = torch.Generator().manual_seed(8)
     slots = torch.randint(0, 10**6, (4, width), generator=gen, dtype=torch.int32)
@@ -161,10 +166,14 @@ def test_explicit_form_replaces_the_plan(monkeypatch) -> None:
 
 
 def test_row_plan() -> None:
-    """``row_plan``: the power of two holding the row, or the one below it with the rest read
-    per pass when that rest is at most 1/16 of the row."""
-    from kvplan.ops.topk import row_plan
+    """``row_plan``: the power of two holding the row, or (``tail``) the one below it with
+    the rest read per pass when that rest is at most 1/16 of the row; off by default."""
+    import functools
 
+    from kvplan.ops.topk import row_plan as plan
+
+    assert plan(8192 + 40) == (16384, 0) and plan(68) == (128, 0)  # ROW_TAIL off
+    row_plan = functools.partial(plan, tail=True)
     assert row_plan(8192) == (8192, 0)
     assert row_plan(8192 + 40) == (8192, 64)
     assert row_plan(8192 + 512) == (8192, 512)
@@ -176,15 +185,16 @@ def test_row_plan() -> None:
 
 def test_default_plan(monkeypatch) -> None:
     """``topk_plan``: few rows (up to half the SMs) hold the row in registers (a little
-    wider than a power of two: that power plus a tail, by default), split into
+    wider than a power of two: that power plus a tail, with ``ROW_TAIL``), split into
     parts when wider than a register row holds (or wider than half of it, in parts of
     4,096 columns when a program each fits the SMs) and the parts' winners stay under half
     the row; more rows take the compacting search; no device: the plain search."""
     import kvplan.ops.topk as tk
     from kvplan.ops.topk import SPLIT_PART, topk_plan
 
+    monkeypatch.setattr(tk, "ROW_TAIL", True)  # KVPLAN_TOPK_ROW_TAIL=1
     assert topk_plan(32, 8192 + 40, 512, 132) == (True, 0, False)  # 8,192 in registers + 40
-    monkeypatch.setattr(tk, "ROW_TAIL", False)  # KVPLAN_TOPK_ROW_TAIL=0
+    monkeypatch.setattr(tk, "ROW_TAIL", False)  # the default
     assert topk_plan(32, 32768, 512, 0) == (False, 0, False)
     assert topk_plan(32, 8192, 512, 132) == (True, 0, False)
     assert topk_plan(66, 16384, 512, 132) == (True, 0, False)  # 4 x 66 parts: too many
@@ -323,7 +333,7 @@ def test_row_in_registers_does_not_spill_on_sm90(row, num_warps, tail) -> None:
     [(32, 8192), (32, 8232), (32, 32768), (4096, 8192), (4096, 32768), (4096, 2048)],
 )
 @pytest.mark.parametrize("kind", ["random", "ties", "special"])
-def test_gpu_bit_exact(num_rows, width, kind) -> None:
+def test_gpu_bit_exact(num_rows, width, kind, monkeypatch) -> None:
     scores, count = make_case(kind, num_rows, width, seed=3)
     scores, count = scores.cuda(), count.cuda()
     gen = torch.Generator().manual_seed(5)
@@ -333,9 +343,16 @@ def test_gpu_bit_exact(num_rows, width, kind) -> None:
         assert torch.equal(topk_columns(scores, count, top_k), want)
         assert torch.equal(topk_columns_triton(scores, count, top_k, compact=True), want)
         if width <= 16384:
-            for reg_write in (True, False):
-                got = topk_columns_triton(scores, count, top_k, row=True, reg_write=reg_write)
-                assert torch.equal(got, want)
+            import kvplan.ops.topk as tk
+
+            for tail in (False, True):  # a row a little wider than a power of two: its tail
+                monkeypatch.setattr(tk, "ROW_TAIL", tail)
+                assert torch.equal(topk_columns(scores, count, top_k), want)  # the plan's form
+                for reg_write in (True, False):
+                    got = topk_columns_triton(scores, count, top_k, row=True,
+                                              reg_write=reg_write)  # fmt: skip
+                    assert torch.equal(got, want)
+            monkeypatch.setattr(tk, "ROW_TAIL", False)
         for part in (2048, 8192):
             got = topk_columns_triton(scores, count, top_k, row=True, part=part)
             assert torch.equal(got, want)
