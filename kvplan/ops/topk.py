@@ -77,7 +77,7 @@ MAX_ROW = 16384  # widest row (or part) the digit passes may hold in registers (
 SPLIT_PART = 8192
 NARROW_PART = 4096
 # Two forms of the in-register search, built in session 53 and not yet timed on a GPU (no
-# device time was left; `bench/run_s53d.sh` measures them), so both are off by default:
+# device time was left; `bench/run_s53c.sh` measures them), so both are off by default:
 # - ``ROW_TAIL`` (``KVPLAN_TOPK_ROW_TAIL=1``): a row at most 1 / ROW_TAIL_SHARE wider than a
 #   power of two keeps that power in registers and reads the rest per digit pass (`row_plan`),
 #   and `topk_plan` takes such a row in one stage instead of parts: a captured 32K decode
