@@ -5,7 +5,8 @@
 # 20-27 us a layer). First the top-k's new one-stage row with a tail (KVPLAN_TOPK_ROW_TAIL)
 # writing from its registers (KVPLAN_TOPK_REG_WRITE):
 # alone among the modes x digit widths (32 rows x 8,232 columns, 8,192 eligible), then in
-# the decode step against the parts of 4,096 (alternating); the dense decode's o / down / qkv
+# the decode step against the parts of 4,096 (alternating); hc_pre's scalar Sinkhorn with 4
+# decode warps against the default in the step; the dense decode's o / down / qkv
 # GEMMs at 64 rows by split count; then Nsight Compute's full report
 # of the three kernels; then the indexer's tiles x warps x stages (32 x 8,192 MXFP8 keys).
 set -u
@@ -20,8 +21,15 @@ step 60 topk python3 $B --only topk --rows 32 --candidates 8192 --topk-width 823
   --out "$W/topk.json"
 grep -E "^topk" "$W/topk.log" | cut -c1-130
 for v in 0 1; do hybrid_decode t${v}b 32 32768 KVPLAN_TOPK_ROW_TAIL=$v KVPLAN_TOPK_REG_WRITE=$v; done
+# hc_pre's Sinkhorn on per-thread scalars with 4 decode warps (KVPLAN_HC_SCALAR_SINKHORN,
+# KVPLAN_HC_PRE_WARPS) against the default, in the step (alternating)
+for r in a b; do
+  hybrid_decode h0$r 32 32768
+  hybrid_decode h1$r 32 32768 KVPLAN_HC_SCALAR_SINKHORN=1 KVPLAN_HC_PRE_WARPS=4
+done
 gpu_tests tests 100 14 tests/ops/test_topk.py tests/engine/test_deepseek_v4_engine.py \
-  tests/engine/test_hybrid_graphs.py tests/ops/test_sparse_attention.py
+  tests/engine/test_hybrid_graphs.py tests/ops/test_sparse_attention.py \
+  tests/ops/test_hyper_connection_norm.py
 step 60 split python3 bench/bench_split_linear.py --shapes 64,2048,2048,o 64,2048,8192,down \
   64,3072,2048,qkv --splits 1,2,4,8 --out "$W/split.json"
 grep -E " 64x" "$W/split.log" | cut -c1-120

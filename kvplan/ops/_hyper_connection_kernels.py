@@ -185,13 +185,17 @@ def hc_pre_kernel(
     norm_ptr, num_rows, hidden, num_splits, inv_k, eps, hc_eps, iters, inv_hidden, norm_eps,
     N: tl.constexpr, N_P: tl.constexpr, N_PAD: tl.constexpr, SPLITS_P: tl.constexpr,
     TILE_H: tl.constexpr, HEAD: tl.constexpr, WEIGHTS_ONLY: tl.constexpr, NORM: tl.constexpr,
+    SCALAR_SINKHORN: tl.constexpr = False,
 ):  # fmt: skip
     """The mixing weights of token ``t`` from its partials, and its block input tile. With
     ``WEIGHTS_ONLY`` (grid ``(T, 1)``) the one program of a token writes ``pre [T, N]`` (and,
     unless ``HEAD``, ``post`` and ``comb``) and no ``x``: `hc_pre_rows_kernel` forms ``x``.
     With ``NORM`` (one hidden tile holds the whole row) the program writes
-    ``weighted_rms_norm(x)`` with the fp32 weights at ``norm_ptr`` instead of ``x``. Launched
-    without fp contraction: every multiply-add that should fuse is an explicit ``fma``."""
+    ``weighted_rms_norm(x)`` with the fp32 weights at ``norm_ptr`` instead of ``x``.
+    ``SCALAR_SINKHORN`` (``N == 4``): after the first column normalisation the Sinkhorn
+    rounds run on 16 scalars that every thread holds (`_sinkhorn4`), no cross-thread
+    reductions, so their cost does not grow with the warps. Launched without fp contraction:
+    every multiply-add that should fuse is an explicit ``fma``."""
     t = tl.program_id(0)
     h_tile = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -243,12 +247,76 @@ def hc_pre_kernel(
             den = tl.where(imask, den, 1.0)
             comb = tl.where(cmask, e / den[:, None] + hc_eps, 0.0)
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-            it = 1
-            while it < iters:
-                comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-                comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-                it += 1
-            tl.store(comb_ptr + t64 * N * N + cidx, comb, mask=cmask)
+            if SCALAR_SINKHORN:
+                tl.store(comb_ptr + t64 * N * N + cidx, comb, mask=cmask)
+                _sinkhorn4(comb_ptr + t64 * N * N, hc_eps, iters)
+            else:
+                it = 1
+                while it < iters:
+                    comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+                    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+                    it += 1
+                tl.store(comb_ptr + t64 * N * N + cidx, comb, mask=cmask)
+
+
+@jit
+def _norm4(a, b, c, d, eps):
+    """``(a, b, c, d) / (a + b + c + d + eps)``: one row or column of a 4 x 4 Sinkhorn round."""
+    den = ((a + b) + (c + d)) + eps
+    return a / den, b / den, c / den, d / den
+
+
+@jit
+def _sinkhorn4(c_ptr, eps, iters):
+    """Rounds 2 .. ``iters`` of the Sinkhorn normalisation (rows, then columns) of the 4 x 4
+    row-major fp32 matrix at ``c_ptr``, in place: every thread loads the 16 entries (after a
+    barrier over the program's stores of them) and iterates on its own scalars; a barrier
+    before the store of the result (the same values from every thread)."""
+    tl.debug_barrier()
+    c00 = tl.load(c_ptr + 0)
+    c01 = tl.load(c_ptr + 1)
+    c02 = tl.load(c_ptr + 2)
+    c03 = tl.load(c_ptr + 3)
+    c10 = tl.load(c_ptr + 4)
+    c11 = tl.load(c_ptr + 5)
+    c12 = tl.load(c_ptr + 6)
+    c13 = tl.load(c_ptr + 7)
+    c20 = tl.load(c_ptr + 8)
+    c21 = tl.load(c_ptr + 9)
+    c22 = tl.load(c_ptr + 10)
+    c23 = tl.load(c_ptr + 11)
+    c30 = tl.load(c_ptr + 12)
+    c31 = tl.load(c_ptr + 13)
+    c32 = tl.load(c_ptr + 14)
+    c33 = tl.load(c_ptr + 15)
+    it = 1
+    while it < iters:
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+        it += 1
+    tl.debug_barrier()  # every thread's loads above before the stores
+    tl.store(c_ptr + 0, c00)
+    tl.store(c_ptr + 1, c01)
+    tl.store(c_ptr + 2, c02)
+    tl.store(c_ptr + 3, c03)
+    tl.store(c_ptr + 4, c10)
+    tl.store(c_ptr + 5, c11)
+    tl.store(c_ptr + 6, c12)
+    tl.store(c_ptr + 7, c13)
+    tl.store(c_ptr + 8, c20)
+    tl.store(c_ptr + 9, c21)
+    tl.store(c_ptr + 10, c22)
+    tl.store(c_ptr + 11, c23)
+    tl.store(c_ptr + 12, c30)
+    tl.store(c_ptr + 13, c31)
+    tl.store(c_ptr + 14, c32)
+    tl.store(c_ptr + 15, c33)
 
 
 @jit

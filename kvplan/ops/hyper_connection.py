@@ -303,10 +303,22 @@ def _row_tile(tile: RowTile, hidden: int) -> RowTile:
     return tile._replace(tile_h=min(tile.tile_h, triton_next_pow2(hidden)))
 
 
+# Built in session 53, not yet timed on a GPU (`bench/run_s53c.sh` measures
+# them), so off by default: ``hc_pre_kernel``'s Sinkhorn rounds on 16 per-thread scalars when
+# ``n == 4`` (``KVPLAN_HC_SCALAR_SINKHORN=1``; no cross-thread reductions, so the warps can
+# grow without slowing it) and the warps of its decode-size launches (``KVPLAN_HC_PRE_WARPS``,
+# default 1; the block-input program's ~2,550 sm_90 instructions run on one warp there).
+SCALAR_SINKHORN = env_flag("KVPLAN_HC_SCALAR_SINKHORN", False)
+PRE_DECODE_WARPS = env_count("KVPLAN_HC_PRE_WARPS", 1)
+if PRE_DECODE_WARPS not in (1, 2, 4, 8):
+    raise ValueError(f"KVPLAN_HC_PRE_WARPS must be 1, 2, 4 or 8, got {PRE_DECODE_WARPS}")
+
+
 def _epilogue_warps(t: int) -> int:
-    """Warps of ``hc_pre_kernel``: one for decode sizes (the Sinkhorn loop's reductions stay
-    inside a warp), four for prefill (the block-input tiles stream more memory)."""
-    return 1 if t <= 256 else 4
+    """Warps of ``hc_pre_kernel``: ``PRE_DECODE_WARPS`` (one) for decode sizes (the Sinkhorn
+    loop's reductions stay inside a warp), four for prefill (the block-input tiles stream
+    more memory)."""
+    return PRE_DECODE_WARPS if t <= 256 else 4
 
 
 def _project(
@@ -370,7 +382,8 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple 
         part, sq, base.contiguous(), scale.contiguous(), s, x, post, comb, pre, norm_w,
         t, hidden, splits, 1.0 / (n * hidden), eps, hc_eps, iters, 1.0 / hidden, norm_eps,
         N=n, N_P=triton_next_pow2(n), N_PAD=n_pad, SPLITS_P=triton_next_pow2(splits),
-        TILE_H=tile_h, HEAD=head, WEIGHTS_ONLY=rows, NORM=fused_norm, num_warps=warps,
+        TILE_H=tile_h, HEAD=head, WEIGHTS_ONLY=rows, NORM=fused_norm,
+        SCALAR_SINKHORN=SCALAR_SINKHORN and n == 4 and not head, num_warps=warps,
         enable_fp_fusion=False,
     )  # fmt: skip
     if rows:

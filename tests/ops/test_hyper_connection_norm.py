@@ -185,3 +185,67 @@ def test_fused_norm_program_compiles_for_sm90():
     sig.update({n: "fp32" for n in ("inv_k", "eps", "hc_eps", "inv_hidden", "norm_eps")})
     st = sm90_stats(hck.hc_pre_kernel, const, signature=sig, ptr_dtype="*fp32", num_warps=1)
     assert st.spill_bytes <= 64, st
+
+
+# --- the Sinkhorn rounds on per-thread scalars (off by default: KVPLAN_HC_SCALAR_SINKHORN) ---
+
+
+@pytest.mark.parametrize("warps", [1, 4])
+@pytest.mark.parametrize("iters", [1, 2, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_scalar_sinkhorn_matches_the_tensor_form(dtype, iters, warps, monkeypatch):
+    """``SCALAR_SINKHORN`` (n = 4) at ``warps`` decode warps: ``comb`` within fp32 rounding of
+    the tensor form's and of the torch path's (the rounds add a row's four entries in another
+    order), its columns normalised; ``post``, ``x`` and ``s'`` bit for bit the tensor
+    form's (the scalar rounds touch only ``comb``), on hc_pre, hc_post_pre and with the norm."""
+    v = _inputs(31 + iters, 6, 4, 40, dtype, TRITON_DEVICE)
+    norm = (v[-1], NORM_EPS)
+
+    def run(scalar: bool):
+        monkeypatch.setattr(hcm, "SCALAR_SINKHORN", scalar)
+        monkeypatch.setattr(hcm, "PRE_DECODE_WARPS", warps if scalar else 1)
+        return _three_ops(v, norm, hc_pre_triton, hc_post_pre_triton, hc_head_triton, iters)
+
+    (post_s, comb_s, x_s), (s2_s, post2_s, comb2_s, x2_s), head_s = run(True)
+    (post_t, comb_t, x_t), (s2_t, post2_t, comb2_t, x2_t), head_t = run(False)
+    for name, a, b in [("post", post_s, post_t), ("x", x_s, x_t), ("s'", s2_s, s2_t),
+                       ("post'", post2_s, post2_t), ("x'", x2_s, x2_t),
+                       ("head", head_s, head_t)]:  # fmt: skip
+        assert torch.equal(a, b), name
+    s, fn, base, scale = v[:4]
+    want = hc_pre_torch(s.cpu(), fn.cpu(), base.cpu(), scale.cpu(), iters=iters, hc_eps=HC_EPS,
+                        eps=EPS)[1]  # fmt: skip
+    for name, got in [("comb", comb_s), ("comb'", comb2_s)]:
+        torch.testing.assert_close(got, comb_t if name == "comb" else comb2_t, atol=1e-6,
+                                   rtol=1e-5, msg=name)  # fmt: skip
+    torch.testing.assert_close(comb_s.cpu(), want, atol=2e-6, rtol=2e-5)
+    # the last half-round normalises the columns: each sums to 1 up to eps and rounding
+    ones = torch.ones(6, 4, dtype=torch.float32)
+    torch.testing.assert_close(comb_s.sum(-2).cpu(), ones, atol=1e-5, rtol=0)
+
+
+def test_scalar_sinkhorn_is_off_by_default_and_checks_the_warps(monkeypatch):
+    """Both switches default to the measured launch (tensor rounds, one decode warp); a bad
+    ``KVPLAN_HC_PRE_WARPS`` names the variable when the module loads."""
+    import importlib
+
+    assert hcm.SCALAR_SINKHORN is False and hcm.PRE_DECODE_WARPS == 1
+    assert hcm._epilogue_warps(32) == 1 and hcm._epilogue_warps(512) == 4
+    monkeypatch.setenv("KVPLAN_HC_PRE_WARPS", "3")
+    with pytest.raises(ValueError, match="KVPLAN_HC_PRE_WARPS must be 1, 2, 4 or 8, got 3"):
+        importlib.reload(hcm)
+    monkeypatch.delenv("KVPLAN_HC_PRE_WARPS")
+    importlib.reload(hcm)
+
+
+@pytest.mark.parametrize("warps", [1, 4])
+def test_scalar_sinkhorn_compiles_for_sm90(warps):
+    """The decode launch with the scalar rounds at DeepSeek-V4's shape: spills bounded as the
+    tensor form's (one warp: the 2,048-wide row fills the registers), none at four warps."""
+    const = dict(N=4, N_P=4, N_PAD=32, SPLITS_P=16, TILE_H=2048, HEAD=False,
+                 WEIGHTS_ONLY=False, NORM=True, SCALAR_SINKHORN=True)  # fmt: skip
+    sig = {n: "*bf16" for n in ("s_ptr", "x_ptr")}
+    sig.update({n: "fp32" for n in ("inv_k", "eps", "hc_eps", "inv_hidden", "norm_eps")})
+    st = sm90_stats(hck.hc_pre_kernel, const, signature=sig, ptr_dtype="*fp32",
+                    num_warps=warps)  # fmt: skip
+    assert st.spill_bytes <= (64 if warps == 1 else 0), st
