@@ -551,7 +551,7 @@ def _launch(scores, count, g, out, work, values, width, top_k, grid, *, tile, bi
         scores, count, g, out, work, values, width, top_k, scores.stride(0),
         0 if every else count.stride(0), g.stride(0), out.stride(0), work.stride(0), TILE=tile,
         BITS=bits, GATHER=gather, COMPACT=compact, ROW=row, PART=part,
-        INTERPRET=triton_interpreting(), ALL=every, TAIL=tail, REG_WRITE=reg_write and not part,
+        INTERPRET=triton_interpreting(), ALL=every, TAIL=tail, REG_WRITE=reg_write,
         num_warps=num_warps or (_row_warps(row) if row else max(1, min(8, tile // 256))),
     )  # fmt: skip
 
