@@ -30,6 +30,11 @@ done
 gpu_tests tests 100 14 tests/ops/test_topk.py tests/engine/test_deepseek_v4_engine.py \
   tests/engine/test_hybrid_graphs.py tests/ops/test_sparse_attention.py \
   tests/ops/test_hyper_connection_norm.py
+# the hybrid engine's GPU tests with the four switches on (greedy fp32 tokens equal HF's)
+step 100 tests_on env KVPLAN_TOPK_ROW_TAIL=1 KVPLAN_TOPK_REG_WRITE=1 KVPLAN_HC_SCALAR_SINKHORN=1 \
+  KVPLAN_HC_PRE_WARPS=4 python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider --tb=short -rf \
+  tests/engine/test_deepseek_v4_engine.py tests/engine/test_hybrid_graphs.py
+tail -3 "$W/tests_on.log"
 step 60 split python3 bench/bench_split_linear.py --shapes 64,2048,2048,o 64,2048,8192,down \
   64,3072,2048,qkv --splits 1,2,4,8 --out "$W/split.json"
 grep -E " 64x" "$W/split.log" | cut -c1-120

@@ -226,6 +226,35 @@ def test_llm_cuda_quantized_kv_matches_cpu(tmp_path, kv_format):
         assert [[o.token_ids for o in gpu.generate(b, GREEDY)] for b in batches] == want
 
 
+def test_llm_with_session53_forms_equals_hf(tmp_path, monkeypatch):
+    """The forms built in session 53 and off by default, switched on in an fp32 engine on the
+    Triton kernels (interpreter; 4 residual streams): ``hc_pre_kernel``'s scalar Sinkhorn
+    rounds at four decode warps, and the indexer's top-k as the one-stage in-register search
+    writing from its registers (the plan forced to it: the interpreter has no SM count). The
+    top-k takes that form, and the greedy tokens equal Hugging Face's."""
+    import kvplan.ops.hyper_connection as hcm
+    import kvplan.ops.topk as tk
+
+    monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
+    monkeypatch.setattr(hcm, "SCALAR_SINKHORN", True)
+    monkeypatch.setattr(hcm, "PRE_DECODE_WARPS", 4)
+    monkeypatch.setattr(tk, "ROW_TAIL", True)
+    monkeypatch.setattr(tk, "REG_WRITE", True)
+    monkeypatch.setattr(tk, "topk_plan", lambda *a: (True, 0, False))
+    launches = []
+    launch = tk._launch
+    monkeypatch.setattr(tk, "_launch", lambda *a, **kw: launches.append(kw) or launch(*a, **kw))
+    folder = tmp_path / "dsv4_hc4"
+    hf = hf_model(hf_config(1, hc_mult=4, hc_sinkhorn_iters=3), 1)
+    hf.save_pretrained(folder)
+    prompts = [random_tokens(60 + i, n) for i, n in enumerate((17, 11))]
+    llm = LLM(str(folder), device="cpu", max_model_len=64)
+    outs = llm.generate(prompts, GREEDY)
+    assert launches and all(kw["row"][0] > 0 and kw["reg_write"] for kw in launches)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+
+
 @pytest.mark.parametrize("nib", [False, True])
 def test_llm_bf16_fp4_records_on_f16_tiles(tmp_path, monkeypatch, nib):
     """A bf16 DeepSeek-V4 engine on the Triton kernels (interpreter) over fp4 records read as
