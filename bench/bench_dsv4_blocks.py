@@ -493,6 +493,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50, help="timed calls per measurement")
     ap.add_argument("--hc-rows", default="32,4096", help="rows of the hc_post_pre pieces")
     ap.add_argument("--sweep", action="store_true", help="time hc_pre over launch plans (GPU)")
+    ap.add_argument("--hc-only", action="store_true", help="only the hyper-connection pieces")
     ap.add_argument(
         "--hc-sweep",
         action="store_true",
@@ -534,8 +535,9 @@ def main() -> None:
         return
     rows = []
     rows += measure("hc", hc_fns(hc, d), cuda, args.iters)
-    rows += measure("moe", moe_fns(moe, d), cuda, args.iters)
-    rows += measure("rms_norm", norm_fns(d, cfg.rms_norm_eps), cuda, args.iters)
+    if not args.hc_only:
+        rows += measure("moe", moe_fns(moe, d), cuda, args.iters)
+        rows += measure("rms_norm", norm_fns(d, cfg.rms_norm_eps), cuda, args.iters)
     for r in (int(v) for v in args.hc_rows.split(",")) if cuda else (5,):
         fns = post_pre_fns(hc, r, dev, torch.bfloat16)
         rows += measure(f"hc_post_pre@{r}", fns, cuda, args.iters, ("unfused", "fused"))

@@ -36,7 +36,10 @@ sig = {n: "constexpr" if n in constexprs else types.get(n) or (ptr_dtype if n.en
        else "i32") for n in fn.arg_names}
 attrs = {(i,): [("tt.divisibility", 16)] for i, n in enumerate(fn.arg_names) if n in div16}
 ck = compile_kernel(fn, sig, constexprs, attrs or None, options)
-if stats:
+if isinstance(stats, list):  # the opcodes to count per loop of the sm_90 code
+    from tools.compile_sm90 import sass_loop_ops
+    print("RESULT", json.dumps(sass_loop_ops(ck.asm["cubin"], tuple(stats))))
+elif stats:
     ptx = ck.asm["ptx"]
     regs, spills = ptxas_report(ptx)
     print("RESULT", json.dumps([regs, spills, ck.metadata.shared, "wgmma" in ptx,
@@ -78,6 +81,17 @@ def kernel_arg_names(kernel) -> list[str]:
     raw = getattr(kernel, "fn", kernel)
     names = getattr(raw, "arg_names", None)
     return list(names) if names is not None else list(inspect.signature(raw).parameters)
+
+
+def sm90_loop_ops(
+    kernel, constexprs: dict, ops: tuple[str, ...], *, signature: dict[str, str] | None = None,
+    ptr_dtype: str = "*i32", num_warps: int = 4,
+) -> list[dict[str, int]]:  # fmt: skip
+    """Per loop of ``kernel``'s sm_90 code: its length and the count of each opcode in
+    ``ops`` in one iteration (`tools.compile_sm90.sass_loop_ops`); skips without ptxas."""
+    out = _compile(kernel, constexprs, signature, ptr_dtype, (), {"num_warps": num_warps},
+                   stats=list(ops))  # fmt: skip
+    return json.loads(out.rsplit("RESULT", 1)[1])
 
 
 class Sm90Stats(NamedTuple):

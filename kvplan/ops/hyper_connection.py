@@ -303,21 +303,26 @@ def _row_tile(tile: RowTile, hidden: int) -> RowTile:
     return tile._replace(tile_h=min(tile.tile_h, triton_next_pow2(hidden)))
 
 
-# Built in session 53, not yet timed on a GPU (`bench/run_s53c.sh` measures
-# them), so off by default: ``hc_pre_kernel``'s Sinkhorn rounds on 16 per-thread scalars when
-# ``n == 4`` (``KVPLAN_HC_SCALAR_SINKHORN=1``; no cross-thread reductions, so the warps can
-# grow without slowing it) and the warps of its decode-size launches (``KVPLAN_HC_PRE_WARPS``,
-# default 1; the block-input program's ~2,550 sm_90 instructions run on one warp there).
-SCALAR_SINKHORN = env_flag("KVPLAN_HC_SCALAR_SINKHORN", False)
-PRE_DECODE_WARPS = env_count("KVPLAN_HC_PRE_WARPS", 1)
+# ``post`` / ``comb`` by row tiles (``KVPLAN_HC_SINKHORN_ROWS``, rows a program, a power of
+# two; 0: one program a token): one program forms the weights of that many tokens, its
+# Sinkhorn rounds on one ``[rows, n, n]`` tensor with each token's matrix inside a warp, so
+# the launch can take ``PRE_DECODE_WARPS`` warps for the block input (``KVPLAN_HC_PRE_WARPS``;
+# default 4 with row tiles, 1 without: a token's 4 x 4 matrix spread over several warps
+# reduces through shared memory in every round, measured 6.2 vs 5.1 us a launch with 4 warps,
+# H100 2026-12-06). Session 53's per-thread scalar rounds (32 IEEE divisions a thread a
+# round) made the 32K x 32 step slower on the H100 (session 54: 2.83 / 2.75 vs 2.73 / 2.73
+# ms) and are gone.
+SINKHORN_ROWS = env_count("KVPLAN_HC_SINKHORN_ROWS", 4)
+if SINKHORN_ROWS & (SINKHORN_ROWS - 1):
+    raise ValueError(f"KVPLAN_HC_SINKHORN_ROWS must be 0 or a power of two, got {SINKHORN_ROWS}")
+PRE_DECODE_WARPS = env_count("KVPLAN_HC_PRE_WARPS", 4 if SINKHORN_ROWS else 1)
 if PRE_DECODE_WARPS not in (1, 2, 4, 8):
     raise ValueError(f"KVPLAN_HC_PRE_WARPS must be 1, 2, 4 or 8, got {PRE_DECODE_WARPS}")
 
 
 def _epilogue_warps(t: int) -> int:
-    """Warps of ``hc_pre_kernel``: ``PRE_DECODE_WARPS`` (one) for decode sizes (the Sinkhorn
-    loop's reductions stay inside a warp), four for prefill (the block-input tiles stream
-    more memory)."""
+    """Warps of ``hc_pre_kernel``: ``PRE_DECODE_WARPS`` for decode sizes, four for prefill
+    (the block-input tiles stream more memory)."""
     return PRE_DECODE_WARPS if t <= 256 else 4
 
 
@@ -376,14 +381,18 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple 
     tile_h = triton_next_pow2(hidden) if fused_norm else _hidden_tile(hidden)
     warps = _epilogue_warps(t)
     pre = torch.empty(t, n, dtype=torch.float32, device=s.device) if rows else post
-    grid = (t, 1 if rows else triton_cdiv(hidden, tile_h) + (0 if head else 1))
+    sink_rows = 0 if head else SINKHORN_ROWS
+    grid = (
+        t,
+        (2 if sink_rows else 1) if rows else triton_cdiv(hidden, tile_h) + (0 if head else 1),
+    )
     norm_w, norm_eps = norm if fused_norm else (base, 0.0)  # base: an unread placeholder
     hc_pre_kernel[grid](
         part, sq, base.contiguous(), scale.contiguous(), s, x, post, comb, pre, norm_w,
         t, hidden, splits, 1.0 / (n * hidden), eps, hc_eps, iters, 1.0 / hidden, norm_eps,
         N=n, N_P=triton_next_pow2(n), N_PAD=n_pad, SPLITS_P=triton_next_pow2(splits),
         TILE_H=tile_h, HEAD=head, WEIGHTS_ONLY=rows, NORM=fused_norm,
-        SCALAR_SINKHORN=SCALAR_SINKHORN and n == 4 and not head, num_warps=warps,
+        SINK_ROWS=sink_rows, num_warps=warps,
         enable_fp_fusion=False,
     )  # fmt: skip
     if rows:

@@ -226,17 +226,18 @@ def test_llm_cuda_quantized_kv_matches_cpu(tmp_path, kv_format):
         assert [[o.token_ids for o in gpu.generate(b, GREEDY)] for b in batches] == want
 
 
-def test_llm_with_session53_forms_equals_hf(tmp_path, monkeypatch):
-    """The forms built in session 53 and off by default, switched on in an fp32 engine on the
-    Triton kernels (interpreter; 4 residual streams): ``hc_pre_kernel``'s scalar Sinkhorn
-    rounds at four decode warps, and the indexer's top-k as the one-stage in-register search
-    writing from its registers (the plan forced to it: the interpreter has no SM count). The
-    top-k takes that form, and the greedy tokens equal Hugging Face's."""
+def test_llm_with_one_row_sinkhorn_tiles_and_topk_register_forms_equals_hf(tmp_path, monkeypatch):
+    """An fp32 engine on the Triton kernels (interpreter; 4 residual streams) with
+    ``hc_pre_kernel``'s weights in row tiles of one token at four decode warps (two tile
+    programs a decode step; the default tile of 8 takes both rows in one), and the indexer's
+    top-k as the one-stage in-register search with a tail, writing from its registers (the plan
+    forced to it: the interpreter has no SM count). The top-k takes that form, and the greedy
+    tokens equal Hugging Face's."""
     import kvplan.ops.hyper_connection as hcm
     import kvplan.ops.topk as tk
 
     monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
-    monkeypatch.setattr(hcm, "SCALAR_SINKHORN", True)
+    monkeypatch.setattr(hcm, "SINKHORN_ROWS", 1)
     monkeypatch.setattr(hcm, "PRE_DECODE_WARPS", 4)
     monkeypatch.setattr(tk, "ROW_TAIL", True)
     monkeypatch.setattr(tk, "REG_WRITE", True)
