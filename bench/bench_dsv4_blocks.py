@@ -184,14 +184,20 @@ def sweep_row_tiles(hc: HyperConnection, rows: int, dev: torch.device, iters: in
     return sorted(res, key=lambda r: (r["op"], r["graph_us"]))
 
 
-def post_pre_fns(hc: HyperConnection, rows: int, dev: torch.device, dtype: torch.dtype):
-    """(unfused, fused) residual update + next connection on ``rows`` random rows."""
+def post_pre_fns(
+    hc: HyperConnection, rows: int, dev: torch.device, dtype: torch.dtype, norm: bool = False
+):
+    """(unfused, fused) residual update + next connection on ``rows`` random rows (``norm``:
+    with the block's RMSNorm, as the model calls it)."""
     gen = torch.Generator(device=dev).manual_seed(rows)
     n, h = hc.n, hc.fn.shape[1] // hc.n
     s = torch.randn(rows, n, h, generator=gen, device=dev).to(dtype)
     out = torch.randn(rows, h, generator=gen, device=dev).to(dtype)
     kw = dict(iters=hc.iters, hc_eps=hc.hc_eps, eps=hc.eps)
     post, comb, _ = hc_pre_torch(s, hc.fn, hc.base, hc.scale, **kw)
+
+    if norm:  # the model's call: the block input through the block's RMSNorm
+        kw["norm"] = (torch.rand(h, generator=gen, device=dev) + 0.5, hc.eps)
 
     def unfused():
         s2 = hc_post(s, post, comb, out)
@@ -541,6 +547,8 @@ def main() -> None:
     for r in (int(v) for v in args.hc_rows.split(",")) if cuda else (5,):
         fns = post_pre_fns(hc, r, dev, torch.bfloat16)
         rows += measure(f"hc_post_pre@{r}", fns, cuda, args.iters, ("unfused", "fused"))
+        fns = post_pre_fns(hc, r, dev, torch.bfloat16, norm=True)
+        rows += measure(f"hc_pp_norm@{r}", fns, cuda, args.iters, ("unfused", "fused"))
         fns = projection_form_fns(hc, r, dev)  # both forms at every size (decode ones too)
         rows += measure(f"hc_pre@{r}", fns, cuda, args.iters, ("ieee", "tensor-core"))
         if r > hcm.ROW_TILED_MIN_ROWS or not cuda:

@@ -10,10 +10,9 @@ scalar, so it is applied after the projection: ``f = (s @ fn^T) * rsqrt(mean(s^2
   Split ``p`` owns the hidden range ``[p * h_per_split, (p + 1) * h_per_split)`` of every stream;
   one K tile is ``TILE_H`` hidden columns of all ``n`` streams (``N_P * TILE_H`` columns).
   With ``FUSED`` the kernel first forms the tile of ``x = hc_post(s, post, comb, out)`` with
-  `_post_mix` (the same code as ``hc_post_kernel``), stores it to ``x`` and projects the
-  stored values from its registers (the unfused kernel loads the same values), so both modes
-  project the same values in the same order; the ``fn`` tile is loaded first, beside the
-  mix's loads.
+  `_post_mix` (the same code as ``hc_post_kernel``), stores it to ``x`` and reads it back
+  through the same load as the unfused kernel, so both modes project the same values in the
+  same order.
 - ``hc_pre_kernel``: grid ``(T, cdiv(hidden, TILE_H) + (0 if HEAD else 1))``; adds the partials
   of one token and forms ``pre``; programs ``h < cdiv(hidden, TILE_H)`` write
   ``x = sum_i pre[i] * s[i]`` for their hidden tile, the last one (unless ``HEAD``) ``post`` and
@@ -115,17 +114,17 @@ def hc_proj_kernel(
         ks = streams * hidden + hs
         m2 = rmask[:, None] & cmask[None, :]
         offs = rows64[:, None] * k_total + ks[None, :]
+        if FUSED:
+            v = _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, rows64[:, None],
+                          streams[None, :], hs[None, :], m2, hidden, out_split_stride, N,
+                          OUT_SPLITS, dtype)  # fmt: skip
+            tl.store(x_ptr + offs, v.to(dtype), mask=m2)
+            tl.debug_barrier()  # the tile is read back below by other threads of the program
+        x = tl.load(x_ptr + offs, mask=m2, other=0.0)
         w = tl.load(
             fn_ptr + outs[:, None] * k_total + ks[None, :],
             mask=omask[:, None] & cmask[None, :], other=0.0,
         )  # fmt: skip
-        if FUSED:  # the tile as stored (dtype values) enters the dot: no read back
-            x = _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, rows64[:, None],
-                          streams[None, :], hs[None, :], m2, hidden, out_split_stride, N,
-                          OUT_SPLITS, dtype).to(dtype)  # fmt: skip
-            tl.store(x_ptr + offs, x, mask=m2)  # (zeros where masked, as the load gives)
-        else:
-            x = tl.load(x_ptr + offs, mask=m2, other=0.0)
         if TC:
             w1 = w.to(tl.bfloat16)
             r = w - w1.to(tl.float32)
@@ -186,28 +185,24 @@ def hc_pre_kernel(
     norm_ptr, num_rows, hidden, num_splits, inv_k, eps, hc_eps, iters, inv_hidden, norm_eps,
     N: tl.constexpr, N_P: tl.constexpr, N_PAD: tl.constexpr, SPLITS_P: tl.constexpr,
     TILE_H: tl.constexpr, HEAD: tl.constexpr, WEIGHTS_ONLY: tl.constexpr, NORM: tl.constexpr,
-    SINK_ROWS: tl.constexpr = 0,
 ):  # fmt: skip
     """The mixing weights of token ``t`` from its partials, and its block input tile. With
-    ``WEIGHTS_ONLY`` the program ``(t, 0)`` of a token writes ``pre [T, N]`` and no ``x``:
-    `hc_pre_rows_kernel` forms ``x``. With ``NORM`` (one hidden tile holds the whole row) the
-    program writes ``weighted_rms_norm(x)`` with the fp32 weights at ``norm_ptr`` instead of
-    ``x``. ``post`` and ``comb`` (unless ``HEAD``) come from the token's extra program (the
-    last ``program_id(1)``; ``SINK_ROWS`` 0), or with ``SINK_ROWS`` from the extra program
-    of ``t < cdiv(T, SINK_ROWS)``, which forms them for rows ``[t * SINK_ROWS, (t + 1) *
-    SINK_ROWS)`` at once (`_tile_weights`: the Sinkhorn rounds of those rows as one
-    ``[SINK_ROWS, N_P, N_P]`` tensor, each row's matrix inside one warp, so the launch can
-    take more warps for ``x`` without cross-warp reductions in the rounds). Launched without
-    fp contraction: every multiply-add that should fuse is an explicit ``fma``."""
+    ``WEIGHTS_ONLY`` (grid ``(T, 1)``) the one program of a token writes ``pre [T, N]`` (and,
+    unless ``HEAD``, ``post`` and ``comb``) and no ``x``: `hc_pre_rows_kernel` forms ``x``.
+    With ``NORM`` (one hidden tile holds the whole row) the program writes
+    ``weighted_rms_norm(x)`` with the fp32 weights at ``norm_ptr`` instead of ``x``. Launched
+    without fp contraction: every multiply-add that should fuse is an explicit ``fma``."""
     t = tl.program_id(0)
     h_tile = tl.program_id(1)
     t64 = t.to(tl.int64)
+    sp = tl.arange(0, SPLITS_P)
+    sq = tl.sum(tl.load(sq_ptr + sp * num_rows + t, mask=sp < num_splits, other=0.0), axis=0)
+    rrms = tl.math.rsqrt(tl.fma(sq, inv_k, eps))
     i = tl.arange(0, N_P)
     imask = i < N
     j = tl.arange(0, N_P)
     jmask = j < N
     if h_tile * TILE_H < hidden and not WEIGHTS_ONLY:
-        rrms = _token_rrms(sq_ptr, t, num_rows, num_splits, inv_k, eps, SPLITS_P)
         pre = _pre_weights(part_ptr, base_ptr, scale_ptr, t, num_rows, num_splits, rrms, i,
                            imask, hc_eps, N_P, SPLITS_P, N_PAD)  # fmt: skip
         # block input: x = sum_i pre[i] * s[t, i], in `_stream_step`'s order
@@ -223,20 +218,12 @@ def hc_pre_kernel(
             w = tl.load(norm_ptr + hs, mask=hmask, other=0.0)
             x = weighted_rms_norm(x.to(tl.float32), w, inv_hidden, norm_eps)
         tl.store(x_ptr + t64 * hidden + hs, x.to(x_ptr.dtype.element_ty), mask=hmask)
-    else:  # the extra program of the token (WEIGHTS_ONLY: program 0 and, with SINK_ROWS, 1)
-        if WEIGHTS_ONLY and (SINK_ROWS == 0 or h_tile == 0):  # the same code as above
-            rrms = _token_rrms(sq_ptr, t, num_rows, num_splits, inv_k, eps, SPLITS_P)
+    else:  # the extra program of the token (WEIGHTS_ONLY: its only one)
+        if WEIGHTS_ONLY:  # the same code as above: the same pre
             pre = _pre_weights(part_ptr, base_ptr, scale_ptr, t, num_rows, num_splits, rrms,
                                i, imask, hc_eps, N_P, SPLITS_P, N_PAD)  # fmt: skip
             tl.store(pre_ptr + t64 * N + i, pre, mask=imask)
-        if not HEAD and SINK_ROWS > 0:
-            # the decode grid's extra program, or WEIGHTS_ONLY's program 1, of a row tile
-            if (h_tile == 1 or not WEIGHTS_ONLY) and (t * SINK_ROWS < num_rows):
-                _tile_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr,
-                              t * SINK_ROWS, num_rows, num_splits, inv_k, eps, hc_eps, iters,
-                              N, N_P, N_PAD, SPLITS_P, SINK_ROWS)  # fmt: skip
-        elif not HEAD:  # post and comb of token t
-            rrms = _token_rrms(sq_ptr, t, num_rows, num_splits, inv_k, eps, SPLITS_P)
+        if not HEAD:  # post and comb
             post_f = tl.sum(_sum_splits(part_ptr, t, num_rows, num_splits, N + i[:, None],
                                         imask[:, None], SPLITS_P, N_PAD), axis=1) * rrms  # fmt: skip
             post_b = tl.load(base_ptr + N + i, mask=imask, other=0.0)
@@ -262,72 +249,6 @@ def hc_pre_kernel(
                 comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
                 it += 1
             tl.store(comb_ptr + t64 * N * N + cidx, comb, mask=cmask)
-
-
-@jit
-def _token_rrms(sq_ptr, t, num_rows, num_splits, inv_k, eps, SPLITS_P: tl.constexpr):
-    """``rsqrt(mean(s[t]^2) + eps)`` from token ``t``'s partial sums of squares."""
-    sp = tl.arange(0, SPLITS_P)
-    sq = tl.sum(tl.load(sq_ptr + sp * num_rows + t, mask=sp < num_splits, other=0.0), axis=0)
-    return tl.math.rsqrt(tl.fma(sq, inv_k, eps))
-
-
-@jit
-def _tile_weights(
-    part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, r0, num_rows, num_splits,
-    inv_k, eps, hc_eps, iters,
-    N: tl.constexpr, N_P: tl.constexpr, N_PAD: tl.constexpr, SPLITS_P: tl.constexpr,
-    ROWS: tl.constexpr,
-):  # fmt: skip
-    """``post [ROWS, N]`` and the Sinkhorn-normalised ``comb [ROWS, N, N]`` of rows ``r0 ..
-    r0 + ROWS - 1`` (those below ``num_rows``), the operations of the one-token form on
-    ``[ROWS, N_P(, N_P)]`` tensors: softmax over ``j``, then column / row rounds. The split
-    partials are added one split at a time (unrolled), so the tiles keep the layout of a
-    ``[ROWS, N_P, N_P]`` load, a token's matrix inside one warp (a reduction over a splits
-    axis would leave every thread all of the tile's entries, sm_90: 587 instructions a round
-    against 80)."""
-    rows = r0 + tl.arange(0, ROWS)
-    r_ok = rows < num_rows
-    rows64 = rows.to(tl.int64)
-    i = tl.arange(0, N_P)
-    imask = i < N
-    pm = r_ok[:, None] & imask[None, :]
-    ci = i[None, :, None]  # comb [ROWS, N_P, N_P]: the matrix rows on axis 1, columns on 2
-    cj = tl.arange(0, N_P)[None, None, :]
-    cm2 = (ci < N) & (cj < N)  # [1, N_P, N_P]
-    cm3 = r_ok[:, None, None] & cm2
-    cidx = ci * N + cj
-    sq = tl.zeros([ROWS], tl.float32)
-    post_f = tl.zeros([ROWS, N_P], tl.float32)
-    comb_f = tl.zeros([ROWS, N_P, N_P], tl.float32)
-    for k in tl.static_range(SPLITS_P):
-        k_ok = k < num_splits
-        at = part_ptr + (k * num_rows + rows64) * N_PAD  # [ROWS]
-        sq += tl.load(sq_ptr + k * num_rows + rows64, mask=r_ok & k_ok, other=0.0)
-        post_f += tl.load(at[:, None] + N + i[None, :], mask=pm & k_ok, other=0.0)
-        comb_f += tl.load(at[:, None, None] + 2 * N + cidx, mask=cm3 & k_ok, other=0.0)
-    rrms = tl.math.rsqrt(tl.fma(sq, inv_k, eps))  # [ROWS]
-    post_b = tl.load(base_ptr + N + i, mask=imask, other=0.0)
-    post_f = post_f * rrms[:, None]
-    post = 2 * tl.sigmoid(tl.fma(post_f, tl.load(scale_ptr + 1), post_b[None, :]))
-    tl.store(post_ptr + rows64[:, None] * N + i[None, :], post, mask=pm)
-    comb_f = comb_f * rrms[:, None, None]
-    comb_b = tl.load(base_ptr + 2 * N + cidx, mask=cm2, other=0.0)
-    logits = tl.fma(comb_f, tl.load(scale_ptr + 2), comb_b)
-    logits = tl.where(cm2, logits, float("-inf"))
-    row_max = tl.max(logits, axis=2)  # [ROWS, N_P]
-    row_max = tl.where(imask[None, :], row_max, 0.0)
-    e = tl.where(cm2, tl.exp(logits - row_max[:, :, None]), 0.0)
-    den = tl.sum(e, axis=2)
-    den = tl.where(imask[None, :], den, 1.0)
-    comb = tl.where(cm2, e / den[:, :, None] + hc_eps, 0.0)
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    it = 1
-    while it < iters:
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-        it += 1
-    tl.store(comb_ptr + rows64[:, None, None] * (N * N) + cidx, comb, mask=cm3)
 
 
 @jit

@@ -303,19 +303,13 @@ def _row_tile(tile: RowTile, hidden: int) -> RowTile:
     return tile._replace(tile_h=min(tile.tile_h, triton_next_pow2(hidden)))
 
 
-# ``post`` / ``comb`` by row tiles (``KVPLAN_HC_SINKHORN_ROWS``, rows a program, a power of
-# two; 0: one program a token): one program forms the weights of that many tokens, its
-# Sinkhorn rounds on one ``[rows, n, n]`` tensor with each token's matrix inside a warp, so
-# the launch can take ``PRE_DECODE_WARPS`` warps for the block input (``KVPLAN_HC_PRE_WARPS``;
-# default 4 with row tiles, 1 without: a token's 4 x 4 matrix spread over several warps
-# reduces through shared memory in every round, measured 6.2 vs 5.1 us a launch with 4 warps,
-# H100 2026-12-06). Session 53's per-thread scalar rounds (32 IEEE divisions a thread a
-# round) made the 32K x 32 step slower on the H100 (session 54: 2.83 / 2.75 vs 2.73 / 2.73
-# ms) and are gone.
-SINKHORN_ROWS = env_count("KVPLAN_HC_SINKHORN_ROWS", 4)
-if SINKHORN_ROWS & (SINKHORN_ROWS - 1):
-    raise ValueError(f"KVPLAN_HC_SINKHORN_ROWS must be 0 or a power of two, got {SINKHORN_ROWS}")
-PRE_DECODE_WARPS = env_count("KVPLAN_HC_PRE_WARPS", 4 if SINKHORN_ROWS else 1)
+# Warps of ``hc_pre_kernel``'s decode-size launches (``KVPLAN_HC_PRE_WARPS``; 1, 2, 4 or 8).
+# One warp: the fused norm's program holds the 2,048-wide row in 32 threads (~2,550 sm_90
+# instructions, ptxas spills up to 64 bytes a thread); at four warps the whole launch is 1,152
+# instructions, and the Sinkhorn rounds stay inside each warp (each warp holds the token's
+# 4 x 4 matrix; no barrier in the rounds' loop). Session 42 measured four warps slower in the
+# step (6.2 vs 5.1 us a launch, H100), session 54 the pair faster alone (below).
+PRE_DECODE_WARPS = env_count("KVPLAN_HC_PRE_WARPS", 1)
 if PRE_DECODE_WARPS not in (1, 2, 4, 8):
     raise ValueError(f"KVPLAN_HC_PRE_WARPS must be 1, 2, 4 or 8, got {PRE_DECODE_WARPS}")
 
@@ -381,18 +375,13 @@ def _pre_launch(s, fn, base, scale, iters, hc_eps, eps, head: bool, fuse: tuple 
     tile_h = triton_next_pow2(hidden) if fused_norm else _hidden_tile(hidden)
     warps = _epilogue_warps(t)
     pre = torch.empty(t, n, dtype=torch.float32, device=s.device) if rows else post
-    sink_rows = 0 if head else SINKHORN_ROWS
-    grid = (
-        t,
-        (2 if sink_rows else 1) if rows else triton_cdiv(hidden, tile_h) + (0 if head else 1),
-    )
+    grid = (t, 1 if rows else triton_cdiv(hidden, tile_h) + (0 if head else 1))
     norm_w, norm_eps = norm if fused_norm else (base, 0.0)  # base: an unread placeholder
     hc_pre_kernel[grid](
         part, sq, base.contiguous(), scale.contiguous(), s, x, post, comb, pre, norm_w,
         t, hidden, splits, 1.0 / (n * hidden), eps, hc_eps, iters, 1.0 / hidden, norm_eps,
         N=n, N_P=triton_next_pow2(n), N_PAD=n_pad, SPLITS_P=triton_next_pow2(splits),
-        TILE_H=tile_h, HEAD=head, WEIGHTS_ONLY=rows, NORM=fused_norm,
-        SINK_ROWS=sink_rows, num_warps=warps,
+        TILE_H=tile_h, HEAD=head, WEIGHTS_ONLY=rows, NORM=fused_norm, num_warps=warps,
         enable_fp_fusion=False,
     )  # fmt: skip
     if rows:

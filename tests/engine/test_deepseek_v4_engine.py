@@ -226,18 +226,16 @@ def test_llm_cuda_quantized_kv_matches_cpu(tmp_path, kv_format):
         assert [[o.token_ids for o in gpu.generate(b, GREEDY)] for b in batches] == want
 
 
-def test_llm_with_one_row_sinkhorn_tiles_and_topk_register_forms_equals_hf(tmp_path, monkeypatch):
+def test_llm_with_four_decode_warps_and_topk_register_forms_equals_hf(tmp_path, monkeypatch):
     """An fp32 engine on the Triton kernels (interpreter; 4 residual streams) with
-    ``hc_pre_kernel``'s weights in row tiles of one token at four decode warps (two tile
-    programs a decode step; the default tile of 8 takes both rows in one), and the indexer's
-    top-k as the one-stage in-register search with a tail, writing from its registers (the plan
-    forced to it: the interpreter has no SM count). The top-k takes that form, and the greedy
-    tokens equal Hugging Face's."""
+    ``hc_pre_kernel``'s decode launches at four warps (``KVPLAN_HC_PRE_WARPS=4``) and the
+    indexer's top-k as the one-stage in-register search with a tail, writing from its
+    registers (the defaults; the plan forced to it: the interpreter has no SM count). The
+    top-k takes that form, and the greedy tokens equal Hugging Face's."""
     import kvplan.ops.hyper_connection as hcm
     import kvplan.ops.topk as tk
 
     monkeypatch.setenv("KVPLAN_FORCE_TRITON", "1")
-    monkeypatch.setattr(hcm, "SINKHORN_ROWS", 1)
     monkeypatch.setattr(hcm, "PRE_DECODE_WARPS", 4)
     monkeypatch.setattr(tk, "ROW_TAIL", True)
     monkeypatch.setattr(tk, "REG_WRITE", True)

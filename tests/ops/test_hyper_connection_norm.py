@@ -180,38 +180,33 @@ def test_fused_norm_program_compiles_for_sm90():
     of 2,048 fp32 values in 32 threads fills the registers; ptxas spills 44 bytes a thread
     (Triton 3.6), which this bounds."""
     const = dict(N=4, N_P=4, N_PAD=32, SPLITS_P=16, TILE_H=2048, HEAD=False,
-                 WEIGHTS_ONLY=False, NORM=True, SINK_ROWS=0)  # fmt: skip
+                 WEIGHTS_ONLY=False, NORM=True)  # fmt: skip
     sig = {n: "*bf16" for n in ("s_ptr", "x_ptr")}
     sig.update({n: "fp32" for n in ("inv_k", "eps", "hc_eps", "inv_hidden", "norm_eps")})
     st = sm90_stats(hck.hc_pre_kernel, const, signature=sig, ptr_dtype="*fp32", num_warps=1)
     assert st.spill_bytes <= 64, st
 
 
-# --- post / comb by row tiles (KVPLAN_HC_SINKHORN_ROWS, default 4) with 4 decode warps ---
+# --- the decode launch's warps (KVPLAN_HC_PRE_WARPS, default 1) ---
 
 
-@pytest.mark.parametrize("sink_rows, warps", [(2, 1), (4, 4), (8, 2)])
+@pytest.mark.parametrize("warps", [2, 4])
 @pytest.mark.parametrize("iters", [1, 2, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_sinkhorn_rows_match_the_token_form(dtype, iters, sink_rows, warps, monkeypatch):
-    """``post`` / ``comb`` formed by row tiles of ``sink_rows`` tokens (6 tokens: a partial
-    last tile) at ``warps`` decode warps: within fp32 rounding of the one-program-a-token form
-    (one warp) and of the torch path (the tile reduces the split partials and a row's entries
-    in another order), each column of ``comb`` normalised; ``x`` / ``s'`` within a rounding of
-    their inputs' (``pre`` reduces its partials in the launch's layout), on hc_pre,
-    hc_post_pre and with the norm."""
+def test_decode_warps_match_one_warp(dtype, iters, warps, monkeypatch):
+    """``hc_pre_kernel``'s decode launch at ``warps`` warps: ``post`` / ``comb`` within fp32
+    rounding of the one-warp launch's and of the torch path's (the split partials and a
+    row's entries reduce in the launch's layout), each column of ``comb`` normalised; ``x`` /
+    ``s'`` within a rounding of their inputs', on hc_pre, hc_post_pre and with the norm."""
     v = _inputs(31 + iters, 6, 4, 40, dtype, TRITON_DEVICE)
     norm = (v[-1], NORM_EPS)
 
-    def run(rows: int, w: int):
-        monkeypatch.setattr(hcm, "SINKHORN_ROWS", rows)
+    def run(w: int):
         monkeypatch.setattr(hcm, "PRE_DECODE_WARPS", w)
         return _three_ops(v, norm, hc_pre_triton, hc_post_pre_triton, hc_head_triton, iters)
 
-    got = run(sink_rows, warps)
-    ref = run(0, 1)
-    (post_r, comb_r, x_r), (s2_r, post2_r, comb2_r, x2_r), head_r = got
-    (post_t, comb_t, x_t), (s2_t, post2_t, comb2_t, x2_t), head_t = ref
+    (post_r, comb_r, x_r), (s2_r, post2_r, comb2_r, x2_r), head_r = run(warps)
+    (post_t, comb_t, x_t), (s2_t, post2_t, comb2_t, x2_t), head_t = run(1)
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     for name, a, b in [("post", post_r, post_t), ("comb", comb_r, comb_t),
                        ("post'", post2_r, post2_t), ("comb'", comb2_r, comb2_t)]:  # fmt: skip
@@ -229,39 +224,34 @@ def test_sinkhorn_rows_match_the_token_form(dtype, iters, sink_rows, warps, monk
     torch.testing.assert_close(comb_r.sum(-2).cpu(), ones, atol=1e-5, rtol=0)
 
 
-def test_sinkhorn_rows_defaults_and_bad_settings(monkeypatch):
-    """Row tiles of 4 with 4 decode warps by default (1 warp when ``KVPLAN_HC_SINKHORN_ROWS``
-    is 0); a bad setting names its variable when the module loads."""
+def test_decode_warps_default_and_bad_setting(monkeypatch):
+    """One decode warp by default, four for prefill sizes; a bad ``KVPLAN_HC_PRE_WARPS``
+    names the variable when the module loads."""
     import importlib
 
-    assert hcm.SINKHORN_ROWS == 4 and hcm.PRE_DECODE_WARPS == 4
-    assert hcm._epilogue_warps(32) == 4 and hcm._epilogue_warps(512) == 4
+    assert hcm.PRE_DECODE_WARPS == 1
+    assert hcm._epilogue_warps(32) == 1 and hcm._epilogue_warps(512) == 4
     try:
-        monkeypatch.setenv("KVPLAN_HC_SINKHORN_ROWS", "0")
-        assert importlib.reload(hcm).PRE_DECODE_WARPS == 1
-        monkeypatch.setenv("KVPLAN_HC_SINKHORN_ROWS", "6")
-        with pytest.raises(ValueError, match="KVPLAN_HC_SINKHORN_ROWS must be 0 or a power"):
-            importlib.reload(hcm)
-        monkeypatch.delenv("KVPLAN_HC_SINKHORN_ROWS")
+        monkeypatch.setenv("KVPLAN_HC_PRE_WARPS", "4")
+        assert importlib.reload(hcm)._epilogue_warps(32) == 4
         monkeypatch.setenv("KVPLAN_HC_PRE_WARPS", "3")
         with pytest.raises(ValueError, match="KVPLAN_HC_PRE_WARPS must be 1, 2, 4 or 8, got 3"):
             importlib.reload(hcm)
     finally:
-        monkeypatch.delenv("KVPLAN_HC_SINKHORN_ROWS", raising=False)
         monkeypatch.delenv("KVPLAN_HC_PRE_WARPS", raising=False)
         importlib.reload(hcm)
 
 
-def test_sinkhorn_rows_launch_compiles_for_sm90():
-    """The default decode launch at DeepSeek-V4's shape (4 bf16 streams of 2,048, row tiles of
-    4, four warps): no spills (one warp spills the 2,048-wide row, `test_fused_norm_...`), and
-    the Sinkhorn round's loop has no barrier (each token's matrix inside a warp)."""
+def test_four_warp_decode_launch_compiles_for_sm90():
+    """The decode launch at DeepSeek-V4's shape (4 bf16 streams of 2,048, the fused norm) at
+    four warps: no spills (one warp spills the 2,048-wide row, `test_fused_norm_...`), and
+    the Sinkhorn rounds' loop has no barrier (each warp holds the token's 4 x 4 matrix)."""
     const = dict(N=4, N_P=4, N_PAD=32, SPLITS_P=64, TILE_H=2048, HEAD=False,
-                 WEIGHTS_ONLY=False, NORM=True, SINK_ROWS=4)  # fmt: skip
+                 WEIGHTS_ONLY=False, NORM=True)  # fmt: skip
     sig = {n: "*bf16" for n in ("s_ptr", "x_ptr")}
     sig.update({n: "fp32" for n in ("inv_k", "eps", "hc_eps", "inv_hidden", "norm_eps")})
     st = sm90_stats(hck.hc_pre_kernel, const, signature=sig, ptr_dtype="*fp32", num_warps=4)
     assert st.spill_bytes == 0, st
     loops = sm90_loop_ops(hck.hc_pre_kernel, const, ("BAR", "SHFL"), signature=sig,
                           ptr_dtype="*fp32", num_warps=4)  # fmt: skip
-    assert len(loops) == 1 and loops[0]["BAR"] == 0 and loops[0]["len"] <= 40, loops
+    assert len(loops) == 1 and loops[0]["BAR"] == 0, loops

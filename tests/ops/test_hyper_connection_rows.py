@@ -119,7 +119,7 @@ def test_gpu_rows_equal_one_token_kernels_at_model_size(t, monkeypatch):
 
 
 # hc_pre_kernel's per-token weights program of the row-tiled form
-_WEIGHTS = dict(N=4, N_P=4, SPLITS_P=2, TILE_H=512, WEIGHTS_ONLY=True, NORM=False, SINK_ROWS=8)
+_WEIGHTS = dict(N=4, N_P=4, SPLITS_P=2, TILE_H=512, WEIGHTS_ONLY=True, NORM=False)
 
 
 @pytest.mark.parametrize(
