@@ -307,8 +307,11 @@ def _row_tile(tile: RowTile, hidden: int) -> RowTile:
 # One warp: the fused norm's program holds the 2,048-wide row in 32 threads (~2,550 sm_90
 # instructions, ptxas spills up to 64 bytes a thread); at four warps the whole launch is 1,152
 # instructions, and the Sinkhorn rounds stay inside each warp (each warp holds the token's
-# 4 x 4 matrix; no barrier in the rounds' loop). Session 42 measured four warps slower in the
-# step (6.2 vs 5.1 us a launch, H100), session 54 the pair faster alone (below).
+# 4 x 4 matrix; no barrier in the rounds' loop), yet slower: H100, 32K x 32 fp8 decode step
+# (`bench/run_s54c.sh`, profiled steps) 154.9 us in 25 launches at four warps against 129.9
+# at one (session 42: 6.2 vs 5.1 us a launch); async steps 2.86 / 2.75 / 2.77 against 2.82 /
+# 2.75 / 2.87 ms, alternating. A program that forms the weights of 4 tokens at once (their
+# Sinkhorn rounds in one tensor) measured 7.8 us a launch at four warps (session 54, call B).
 PRE_DECODE_WARPS = env_count("KVPLAN_HC_PRE_WARPS", 1)
 if PRE_DECODE_WARPS not in (1, 2, 4, 8):
     raise ValueError(f"KVPLAN_HC_PRE_WARPS must be 1, 2, 4 or 8, got {PRE_DECODE_WARPS}")

@@ -76,21 +76,23 @@ MAX_ROW = 16384  # widest row (or part) the digit passes may hold in registers (
 #   compacting search 25.8).
 SPLIT_PART = 8192
 NARROW_PART = 4096
-# Two forms of the in-register search (session 53), on by default since session 54:
-# - ``ROW_TAIL`` (``KVPLAN_TOPK_ROW_TAIL``, 0 turns it off): a row at most 1 / ROW_TAIL_SHARE
-#   wider than a power of two keeps that power in registers and reads the rest per digit pass
-#   (`row_plan`), and `topk_plan` takes such a row in one stage instead of parts: a captured
-#   32K decode step's 8,232-wide rows (8,192 eligible) in one launch instead of two (parts of
-#   4,096, then their 1,536 winners);
-# - ``REG_WRITE`` (``KVPLAN_TOPK_REG_WRITE``): the one-stage in-register search writes its
+# Two forms of the in-register search (session 53), off by default (measured slower in the
+# decode step, below):
+# - ``ROW_TAIL`` (``KVPLAN_TOPK_ROW_TAIL=1``): a row at most 1 / ROW_TAIL_SHARE wider than a
+#   power of two keeps that power in registers and reads the rest per digit pass (`row_plan`),
+#   and `topk_plan` takes such a row in one stage instead of parts: a captured 32K decode
+#   step's 8,232-wide rows (8,192 eligible) in one launch instead of two (parts of 4,096, then
+#   their 1,536 winners);
+# - ``REG_WRITE`` (``KVPLAN_TOPK_REG_WRITE=1``): the one-stage in-register search writes its
 #   winners from the registers' keys in one scan, not from the row read again in chunks.
-# H100, 2026-12-07 (`bench/run_s53c.sh`, `bench_sparse_kernels.py --only topk --rows 32
-# --candidates 8192 --topk-width 8232`, graph replay medians): both forms 22.4 us, the tail
-# alone 23.9, against 23.1 us for the parts of 4,096 (two launches); the 32K x 32 step's
-# alternating A/B was within its noise (async 2.79 / 2.79 ms off, 2.84 / 2.76 on).
+# H100, 2026-12-07: alone on random scores (`bench/run_s53c.sh`, `bench_sparse_kernels.py
+# --only topk --rows 32 --candidates 8192 --topk-width 8232`, graph replay medians) both forms
+# 22.4 us against 23.1 for the parts of 4,096; but inside the 32K x 32 fp8 decode step
+# (`bench/run_s54d.sh`, `bench_hybrid.py --profile 2`, same machine) the top-k took 139.8 us
+# in 5 launches with them against 133.7 us in 10 without.
 ROW_TAIL_SHARE = 16
-ROW_TAIL = env_flag("KVPLAN_TOPK_ROW_TAIL", True)
-REG_WRITE = env_flag("KVPLAN_TOPK_REG_WRITE", True)
+ROW_TAIL = env_flag("KVPLAN_TOPK_ROW_TAIL", False)
+REG_WRITE = env_flag("KVPLAN_TOPK_REG_WRITE", False)
 
 
 def split_part(num_rows: int, width: int, num_sms: int) -> int:

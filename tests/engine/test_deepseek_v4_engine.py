@@ -230,8 +230,9 @@ def test_llm_with_four_decode_warps_and_topk_register_forms_equals_hf(tmp_path, 
     """An fp32 engine on the Triton kernels (interpreter; 4 residual streams) with
     ``hc_pre_kernel``'s decode launches at four warps (``KVPLAN_HC_PRE_WARPS=4``) and the
     indexer's top-k as the one-stage in-register search with a tail, writing from its
-    registers (the defaults; the plan forced to it: the interpreter has no SM count). The
-    top-k takes that form, and the greedy tokens equal Hugging Face's."""
+    registers (``KVPLAN_TOPK_ROW_TAIL=1``, ``KVPLAN_TOPK_REG_WRITE=1``; the plan forced to it:
+    the interpreter has no SM count). The top-k takes that form, and the greedy tokens equal
+    Hugging Face's."""
     import kvplan.ops.hyper_connection as hcm
     import kvplan.ops.topk as tk
 

@@ -117,7 +117,7 @@ def test_triton_interpreter_row_and_split_search(
     of two (68, 34, 17) holds that power in registers and reads the rest per pass (``TAIL``,
     with counts on both sides of the power). The same winners as the reference, plain and
     gathered; the one-stage row writes its winners from the registers (``reg_write``) or
-    from the row read again (both forms on by default)."""
+    from the row read again (both forms switched on here; off by default)."""
     import kvplan.ops.topk as tk
 
     monkeypatch.setattr(tk, "ROW_TAIL", True)
@@ -167,13 +167,12 @@ def test_explicit_form_replaces_the_plan(monkeypatch) -> None:
 
 def test_row_plan() -> None:
     """``row_plan``: the power of two holding the row, or (``tail``) the one below it with
-    the rest read per pass when that rest is at most 1/16 of the row (on by default)."""
+    the rest read per pass when that rest is at most 1/16 of the row; off by default."""
     import functools
 
     from kvplan.ops.topk import row_plan as plan
 
-    assert plan(8192 + 40, tail=False) == (16384, 0) and plan(68, tail=False) == (128, 0)
-    assert plan(8192 + 40) == (8192, 64)  # ROW_TAIL, the default
+    assert plan(8192 + 40) == (16384, 0) and plan(68) == (128, 0)  # ROW_TAIL off
     row_plan = functools.partial(plan, tail=True)
     assert row_plan(8192) == (8192, 0)
     assert row_plan(8192 + 40) == (8192, 64)
@@ -193,9 +192,9 @@ def test_default_plan(monkeypatch) -> None:
     import kvplan.ops.topk as tk
     from kvplan.ops.topk import SPLIT_PART, topk_plan
 
-    assert tk.ROW_TAIL and tk.REG_WRITE  # the defaults
+    monkeypatch.setattr(tk, "ROW_TAIL", True)  # KVPLAN_TOPK_ROW_TAIL=1
     assert topk_plan(32, 8192 + 40, 512, 132) == (True, 0, False)  # 8,192 in registers + 40
-    monkeypatch.setattr(tk, "ROW_TAIL", False)  # KVPLAN_TOPK_ROW_TAIL=0
+    monkeypatch.setattr(tk, "ROW_TAIL", False)  # the default
     assert topk_plan(32, 32768, 512, 0) == (False, 0, False)
     assert topk_plan(32, 8192, 512, 132) == (True, 0, False)
     assert topk_plan(66, 16384, 512, 132) == (True, 0, False)  # 4 x 66 parts: too many
@@ -353,7 +352,7 @@ def test_gpu_bit_exact(num_rows, width, kind, monkeypatch) -> None:
                     got = topk_columns_triton(scores, count, top_k, row=True,
                                               reg_write=reg_write)  # fmt: skip
                     assert torch.equal(got, want)
-            monkeypatch.setattr(tk, "ROW_TAIL", True)
+            monkeypatch.setattr(tk, "ROW_TAIL", False)
         for part in (2048, 8192):
             got = topk_columns_triton(scores, count, top_k, row=True, part=part)
             assert torch.equal(got, want)
