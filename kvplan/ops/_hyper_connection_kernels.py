@@ -87,11 +87,14 @@ def hc_proj_kernel(
     num_rows, hidden, h_per_split, n_out, out_split_stride,
     N: tl.constexpr, N_P: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr,
     N_PAD: tl.constexpr, FUSED: tl.constexpr, TC: tl.constexpr, OUT_SPLITS: tl.constexpr,
+    FN_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """``part[p, t, o] = sum_{k in split p} x[t, k] * fn[o, k]``; ``sq[p, t] = sum x[t, k]^2``;
     with ``FUSED``, ``x`` is first written as ``hc_post(s, post, comb, out)``. ``TC`` (bf16
     ``x``): tensor-core dots of ``x`` with ``fn`` split into three bf16 parts
-    (``fn = w1 + w2 + w3`` to fp32 precision; every product exact in the fp32 accumulators)."""
+    (``fn = w1 + w2 + w3`` to fp32 precision; every product exact in the fp32 accumulators).
+    ``FN_FIRST``: each K tile's ``fn`` load is issued first (with ``FUSED``: before the
+    barrier and the read back; the same values)."""
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_t * TILE_T + tl.arange(0, TILE_T)
@@ -114,6 +117,10 @@ def hc_proj_kernel(
         ks = streams * hidden + hs
         m2 = rmask[:, None] & cmask[None, :]
         offs = rows64[:, None] * k_total + ks[None, :]
+        w_ptrs = fn_ptr + outs[:, None] * k_total + ks[None, :]
+        w_mask = omask[:, None] & cmask[None, :]
+        if FN_FIRST:  # issued beside the mix's loads, ahead of the barrier
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if FUSED:
             v = _post_mix(s_ptr, out_ptr, post_ptr, comb_ptr, rows64[:, None],
                           streams[None, :], hs[None, :], m2, hidden, out_split_stride, N,
@@ -121,10 +128,8 @@ def hc_proj_kernel(
             tl.store(x_ptr + offs, v.to(dtype), mask=m2)
             tl.debug_barrier()  # the tile is read back below by other threads of the program
         x = tl.load(x_ptr + offs, mask=m2, other=0.0)
-        w = tl.load(
-            fn_ptr + outs[:, None] * k_total + ks[None, :],
-            mask=omask[:, None] & cmask[None, :], other=0.0,
-        )  # fmt: skip
+        if not FN_FIRST:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if TC:
             w1 = w.to(tl.bfloat16)
             r = w - w1.to(tl.float32)

@@ -244,6 +244,12 @@ TC_MIN_ROWS = 0
 PROJ_PROGRAMS = (256, 256)
 
 
+# ``hc_proj_kernel`` issues each K tile's ``fn`` load first, beside the fused residual
+# update's loads and ahead of its barrier (``KVPLAN_HC_FN_FIRST``; 0: after the read back).
+# Built in session 54 for an A/B in the decode step (`bench/run_s54e.sh`).
+FN_FIRST = env_flag("KVPLAN_HC_FN_FIRST", False)
+
+
 def _small_tile_rows() -> int:
     """`SMALL_TILE_ROWS`: ``KVPLAN_HC_SMALL_ROWS`` (A/B runs; 16 gives session 16's plan, 32
     session 17's) or 256."""
@@ -347,7 +353,7 @@ def _project(
     hc_proj_kernel[(triton_cdiv(t, plan.tile_t), plan.splits)](
         s, out, post, comb, x, fn, part, sq, t, hidden, plan.h_per_split, n_out, split_stride,
         N=n, N_P=triton_next_pow2(n), TILE_T=plan.tile_t, TILE_H=plan.tile_h, N_PAD=n_pad,
-        FUSED=fuse is not None, TC=plan.tc, OUT_SPLITS=out_splits,
+        FUSED=fuse is not None, TC=plan.tc, OUT_SPLITS=out_splits, FN_FIRST=FN_FIRST,
         num_warps=plan.num_warps,
     )  # fmt: skip
     return part, sq, x

@@ -13,7 +13,7 @@ import triton
 
 from kvplan._checks import check_range, check_same_device, check_tensor
 from kvplan.ops import _sparse_attention_kernels as _k
-from kvplan.ops._dispatch import triton_interpreting, use_triton
+from kvplan.ops._dispatch import env_count, triton_interpreting, use_triton
 from kvplan.ops.sparse_sources import (
     MAX_HEAD_DIM,
     KeySource,
@@ -26,6 +26,13 @@ from kvplan.ops.topk import topk_columns
 
 __all__ = ["index_scores", "index_scores_by_sequence", "index_scores_triton", "topk_columns"]
 
+# keys per program of index_scores_tc_kernel for keys up to 128 wide (``KVPLAN_INDEX_TILE_N``,
+# a power of two >= 16). H100, 2026-12-07 (`bench_sparse_kernels.py --only index --rows 32
+# --candidates 8192 --index-kinds mxfp8 --sweep`, graph replay medians): 64 keys x 4 warps
+# 18.6 us against 20.2 for 128 x 4; the decode step's A/B: `bench/run_s54e.sh`.
+TC_TILE_N = env_count("KVPLAN_INDEX_TILE_N", 128)
+if TC_TILE_N < 16 or TC_TILE_N & (TC_TILE_N - 1):
+    raise ValueError(f"KVPLAN_INDEX_TILE_N must be a power of two >= 16, got {TC_TILE_N}")
 SEQ_ROWS = 4  # rows per program of index_scores_seq_kernel (times the heads: the dot's width)
 SEQ_TILE_N = 64  # candidates per program of index_scores_seq_kernel
 
@@ -115,7 +122,7 @@ def index_scores_triton(
         grid = (num_rows, triton.cdiv(idx.shape[1], tile_n))
         _k.index_scores_kernel[grid](*args, TILE_N=tile_n, **consts, num_warps=num_warps or 4)
         return out
-    tile_n = tile_n or (128 if d_p2 <= 128 else 64)
+    tile_n = tile_n or (TC_TILE_N if d_p2 <= 128 else 64)
     grid = (num_rows, triton.cdiv(idx.shape[1], tile_n * tiles))
     _k.index_scores_tc_kernel[grid](
         *args, TILE_N=tile_n, TILES=tiles, **consts,

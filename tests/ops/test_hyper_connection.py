@@ -199,17 +199,19 @@ def test_errors():
         hc_post(s, post, comb[:1], x)
 
 
+@pytest.mark.parametrize("fn_first", [False, True], ids=["fn-after", "fn-first"])
 @pytest.mark.parametrize("tc", [False, True], ids=["ieee", "tensor-core"])
-def test_projection_kernel_compiles_for_sm90(tc):
+def test_projection_kernel_compiles_for_sm90(tc, fn_first):
     """The model's shape (n = 4 streams of 2,048, 24 outputs) in the plan a prefill-sized
     bf16 call takes: the tensor-core form's bf16 dots compile for the H200 (the interpreter
-    runs them too, with ``kvplan.ops._interpreter_bf16``'s exact bf16 dot)."""
+    runs them too, with ``kvplan.ops._interpreter_bf16``'s exact bf16 dot), with the ``fn``
+    load first or after the tile (``FN_FIRST``)."""
     from kvplan.ops._hyper_connection_kernels import hc_proj_kernel
 
     sig = {"s_ptr": "*bf16", "out_ptr": "*bf16", "x_ptr": "*bf16", "post_ptr": "*fp32",
            "comb_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "sq_ptr": "*fp32"}  # fmt: skip
     compile_sm90(hc_proj_kernel, "*fp32", sig, N=4, N_P=4, TILE_T=64, TILE_H=32, N_PAD=32,
-                 FUSED=False, TC=tc)  # fmt: skip
+                 FUSED=False, TC=tc, FN_FIRST=fn_first)  # fmt: skip
 
 
 @pytest.mark.parametrize("t, tiles_per_program", [(1, 1), (32, 1), (64, 1), (256, 4)])
