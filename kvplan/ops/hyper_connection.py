@@ -246,8 +246,10 @@ PROJ_PROGRAMS = (256, 256)
 
 # ``hc_proj_kernel`` issues each K tile's ``fn`` load first, beside the fused residual
 # update's loads and ahead of its barrier (``KVPLAN_HC_FN_FIRST``; 0: after the read back).
-# Built in session 54 for an A/B in the decode step (`bench/run_s54e.sh`).
-FN_FIRST = env_flag("KVPLAN_HC_FN_FIRST", False)
+# H100, 2026-12-07, profiled 32K x 32 fp8 decode steps (`bench/run_s54e.sh`, alternating):
+# hc_proj 147.2 / 145.8 us a step (25 launches) against 151.6 / 152.0. (Projecting the
+# stored tile from registers instead of reading it back, session 54 call B: 53 us a launch.)
+FN_FIRST = env_flag("KVPLAN_HC_FN_FIRST", True)
 
 
 def _small_tile_rows() -> int:

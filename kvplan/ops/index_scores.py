@@ -27,10 +27,13 @@ from kvplan.ops.topk import topk_columns
 __all__ = ["index_scores", "index_scores_by_sequence", "index_scores_triton", "topk_columns"]
 
 # keys per program of index_scores_tc_kernel for keys up to 128 wide (``KVPLAN_INDEX_TILE_N``,
-# a power of two >= 16). H100, 2026-12-07 (`bench_sparse_kernels.py --only index --rows 32
-# --candidates 8192 --index-kinds mxfp8 --sweep`, graph replay medians): 64 keys x 4 warps
-# 18.6 us against 20.2 for 128 x 4; the decode step's A/B: `bench/run_s54e.sh`.
-TC_TILE_N = env_count("KVPLAN_INDEX_TILE_N", 128)
+# a power of two >= 16): 64 keys take 76 registers a thread (6 programs an SM) against 135 at
+# 128 (3), so more key gathers are in flight. H100, 2026-12-07: alone (`bench_sparse_kernels.py
+# --only index --rows 32 --candidates 8192 --index-kinds mxfp8 --sweep`, graph replay medians)
+# 18.6 us against 20.2 for 128 keys; in the profiled 32K x 32 fp8 decode step
+# (`bench/run_s54e.sh`, alternating) 107.6 / 108.0 us a step (5 launches) against 120.3 /
+# 120.9 with 128.
+TC_TILE_N = env_count("KVPLAN_INDEX_TILE_N", 64)
 if TC_TILE_N < 16 or TC_TILE_N & (TC_TILE_N - 1):
     raise ValueError(f"KVPLAN_INDEX_TILE_N must be a power of two >= 16, got {TC_TILE_N}")
 SEQ_ROWS = 4  # rows per program of index_scores_seq_kernel (times the heads: the dot's width)
