@@ -163,6 +163,8 @@ def index_case(a, dev, gen, kind: str, cand: int) -> list[dict]:
         configs += [{"tile_n": n, "tiles": t, "num_warps": nw}
                     for n in (64, 128, 256) for t in (1, 2, 4, 8) for nw in (4, 8)
                     if n * t <= 1024]  # fmt: skip
+        configs += [{"tile_n": 32, "tiles": 1, "num_warps": nw} for nw in (1, 2, 4)]
+        configs += [{"tile_n": 64, "tiles": 1, "num_warps": nw} for nw in (1, 2)]
 
     def call(**cfg):
         return index_scores_triton(q, w, src, **cfg)
