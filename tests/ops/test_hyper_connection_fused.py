@@ -53,6 +53,24 @@ def test_triton_fused_equals_unfused_bitwise(t, n, hidden, iters, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fn_load_first_changes_no_bit(dtype, monkeypatch):
+    """``hc_proj_kernel``'s ``fn`` load issued first (``FN_FIRST``, the default) or after the
+    tile's read back: the same bits, fused and unfused."""
+    import kvplan.ops.hyper_connection as hcm
+
+    s, post, comb, out, fn, base, scale = _inputs(11, 18, 4, 40, dtype, TRITON_DEVICE)
+    kw = dict(iters=20, hc_eps=HC_EPS, eps=EPS)
+    assert hcm.FN_FIRST  # the default
+    runs = []
+    for first in (True, False):
+        monkeypatch.setattr(hcm, "FN_FIRST", first)
+        runs.append((*hc_post_pre_triton(s, post, comb, out, fn, base, scale, **kw),
+                     *hc_pre_triton(s, fn, base, scale, **kw)))  # fmt: skip
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("t, n, hidden", [(6, 4, 40), (17, 3, 24)])
 def test_triton_fused_matches_torch(t, n, hidden, dtype):
     args = _inputs(7 * t + n, t, n, hidden, dtype)
