@@ -192,8 +192,8 @@ def topk_case(a, dev, gen, cand: int) -> list[dict]:
     # session 53's forms (off by default): a row a little wider than a power of two keeps that
     # power in registers plus a tail (the plan's one stage, and by digit width), its winners
     # written from the registers or from the row read again
-    configs += [{"row_tail": True, "reg_write": True}, {"row_tail": True, "reg_write": False}]
-    configs += [{"row_tail": True, "row": True, "bits": b, "reg_write": True} for b in (6, 8)]
+    configs += [{"row": True, "tail": True, "reg_write": w} for w in (True, False)]
+    configs += [{"row": True, "tail": True, "bits": b, "reg_write": True} for b in (6, 8)]
     configs += [{"row": True, "part": p, "bits": b}
                 for p in (2048, 4096, 8192, 16384) for b in (5, 6) if p < width]  # fmt: skip
     configs += [{"row": False, "part": 8192, "bits": 5}] if width > 8192 else []
@@ -202,14 +202,8 @@ def topk_case(a, dev, gen, cand: int) -> list[dict]:
                    {"compact": True, "bits": 5, "tile": 64, "num_warps": 1},
                    {"row": True, "part": 32, "bits": 5}]  # fmt: skip
 
-    def call(row_tail=False, **cfg):
-        import kvplan.ops.topk as tk
-
-        was, tk.ROW_TAIL = tk.ROW_TAIL, row_tail  # the module switch (KVPLAN_TOPK_ROW_TAIL)
-        try:
-            return topk_columns_triton(scores, count, a.top_k, gather=slots, **cfg)
-        finally:
-            tk.ROW_TAIL = was
+    def call(**cfg):
+        return topk_columns_triton(scores, count, a.top_k, gather=slots, **cfg)
 
     name = f"topk {a.rows}x{cand}" + (f" of {width}" if width > cand else "")
     return compare(name, call, configs, {}, dev)

@@ -475,7 +475,7 @@ def topk_columns_triton(
     scores: torch.Tensor, count: torch.Tensor | None, top_k: int, *, gather: torch.Tensor | None = None,
     tile: int | None = None, bits: int = RADIX_BITS, num_warps: int | None = None,
     compact: bool | None = None, row: bool | None = None, part: int | None = None,
-    reg_write: bool | None = None,
+    reg_write: bool | None = None, tail: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton path of :func:`topk_columns` (arguments checked there; ``count`` None: every
     column counts, no count tensor read): ``_topk_kernel``, one
@@ -491,7 +491,9 @@ def topk_columns_triton(
       ``part`` columns of a row (programs in parallel), then the top-k of those winners
       (their scores and columns kept by the first stage);
     - ``reg_write`` (the one-stage ``row`` search; None: ``REG_WRITE``): the winners written
-      from the registers' keys in one scan, not from the row read again in chunks.
+      from the registers' keys in one scan, not from the row read again in chunks;
+    - ``tail`` (``row`` searches; None: ``ROW_TAIL``): a row a little wider than a power of
+      two keeps that power in registers and reads the rest per pass (`row_plan`).
 
     With all three None, :func:`topk_plan` picks them (CUDA tensors; elsewhere the plain
     chunked search); any one given, the others left None are off."""
@@ -507,7 +509,7 @@ def topk_columns_triton(
     row, part, compact = bool(row), part or 0, bool(compact)
     if part and (part & (part - 1) or part < 16):
         raise ValueError(f"part must be 0 or a power of two >= 16, got {part}")
-    if row and row_plan(min(part or width, width))[0] > MAX_ROW:
+    if row and row_plan(min(part or width, width), tail)[0] > MAX_ROW:
         raise ValueError(
             f"row holds at most {MAX_ROW} columns, got {part or width} (width {width}, part {part})"
         )
@@ -521,14 +523,14 @@ def topk_columns_triton(
         if num_rows:
             _launch(scores, count, g, vals, vals, cand, width, top_k, (num_rows, parts),
                     tile=min(tile, part), bits=bits, gather=gather is not None, compact=False,
-                    row=row_plan(min(part, width)) if row else (0, 0),
+                    row=row_plan(min(part, width), tail) if row else (0, 0),
                     part=part, num_warps=num_warps)  # fmt: skip
         # second stage: every candidate counts (the NaNs of the first stage's short parts
         # never win; ``count=None``: no count tensor to fill), the first stage's values
         # mapped through
         row2 = row and parts * top_k <= MAX_ROW
         return topk_columns_triton(
-            cand, None, top_k, gather=vals, bits=bits, row=row2, part=0, compact=False
+            cand, None, top_k, gather=vals, bits=bits, row=row2, part=0, compact=False, tail=tail
         )
     out = torch.empty((num_rows, top_k), dtype=torch.int32, device=scores.device)
     if num_rows == 0:
@@ -540,7 +542,7 @@ def topk_columns_triton(
     )
     _launch(scores, count, g, out, work, scores, width, top_k, (num_rows, 1), tile=tile,
             bits=bits, gather=gather is not None, compact=compact,
-            row=row_plan(width) if row else (0, 0), part=0,
+            row=row_plan(width, tail) if row else (0, 0), part=0,
             num_warps=num_warps,
             reg_write=REG_WRITE if reg_write is None else reg_write)  # fmt: skip
     return out

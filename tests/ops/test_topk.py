@@ -107,9 +107,7 @@ def test_triton_interpreter_compacting_search(kind, width, top_k, tile, bits) ->
     (33, 4, False, 32, 6), (0, 3, True, 16, 5), (68, 21, True, 0, 5), (34, 8, True, 0, 8),
     (17, 3, True, 0, 3), (68, 60, True, 0, 6),
 ])  # fmt: skip
-def test_triton_interpreter_row_and_split_search(
-    kind, width, top_k, row, part, bits, monkeypatch
-) -> None:
+def test_triton_interpreter_row_and_split_search(kind, width, top_k, row, part, bits) -> None:
     """``row``: the digit passes on the row's keys loaded once (ineligible columns as the
     no-key sentinel, which ``special``'s NaNs and ``count`` below the width exercise);
     ``part``: the top-k of every ``part`` columns, then of their winners (parts shorter than
@@ -117,15 +115,12 @@ def test_triton_interpreter_row_and_split_search(
     of two (68, 34, 17) holds that power in registers and reads the rest per pass (``TAIL``,
     with counts on both sides of the power). The same winners as the reference, plain and
     gathered; the one-stage row writes its winners from the registers (``reg_write``) or
-    from the row read again (both forms switched on here; off by default)."""
-    import kvplan.ops.topk as tk
-
-    monkeypatch.setattr(tk, "ROW_TAIL", True)
+    from the row read again (both forms switched on here: ``tail``; off by default)."""
     scores, count = make_case(kind, 4, width, seed=width + bits + 1)
     gen = torch.Generator().manual_seed(8)
     slots = torch.randint(0, 10**6, (4, width), generator=gen, dtype=torch.int32)
     for reg_write in (True, False) if row and not part else (None,):
-        cfg = dict(tile=16, bits=bits, row=row, part=part, reg_write=reg_write)
+        cfg = dict(tile=16, bits=bits, row=row, part=part, reg_write=reg_write, tail=True)
         assert topk_columns_triton(scores, count, top_k, **cfg).tolist() == reference(
             scores, count, top_k
         )
@@ -350,7 +345,7 @@ def test_gpu_bit_exact(num_rows, width, kind, monkeypatch) -> None:
                 assert torch.equal(topk_columns(scores, count, top_k), want)  # the plan's form
                 for reg_write in (True, False):
                     got = topk_columns_triton(scores, count, top_k, row=True,
-                                              reg_write=reg_write)  # fmt: skip
+                                              reg_write=reg_write, tail=tail)  # fmt: skip
                     assert torch.equal(got, want)
             monkeypatch.setattr(tk, "ROW_TAIL", False)
         for part in (2048, 8192):
